@@ -1,0 +1,36 @@
+"""Checkpoint formats: a neutral lazy view, adapters, and conversion between them.
+
+Format names: ``hdf5`` (our native layout), ``safetensors``, ``npz``, ``keras``,
+``keras-legacy`` and ``tf``. See :mod:`parallelvars.formats._view` for the neutral view.
+
+Example:
+    >>> from parallelvars import formats
+    >>> formats.convert("run.h5", "model.safetensors")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from ._registry import (
+    FORMAT_NAMES,
+    FormatSpec,
+    detect_format,
+    get_format,
+    open_checkpoint,
+    write_checkpoint,
+)
+from ._view import KINDS, ArrayEntry, CheckpointView, DictView, Entry, logical_value
+
+__all__ = [
+    "FORMAT_NAMES",
+    "KINDS",
+    "ArrayEntry",
+    "CheckpointView",
+    "DictView",
+    "Entry",
+    "FormatSpec",
+    "detect_format",
+    "get_format",
+    "logical_value",
+    "open_checkpoint",
+    "write_checkpoint",
+]

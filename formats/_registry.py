@@ -1,0 +1,142 @@
+"""Format registry: names, detection by magic bytes (suffix as fallback), open and write.
+
+Each adapter module defines ``FORMAT = FormatSpec(...)``; the modules are imported only when a
+format is first needed, so ``import parallelvars.formats`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from parallelvars.errors import NotACheckpointError
+
+from ._view import CheckpointView, Entry
+
+__all__ = [
+    "FormatSpec",
+    "FORMAT_NAMES",
+    "get_format",
+    "detect_format",
+    "open_checkpoint",
+    "write_checkpoint",
+]
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """What the registry knows of one format.
+
+    Attributes:
+        name: the format name used by ``--from`` / ``--to``.
+        description: one line for ``--help`` and the format table.
+        suffixes: file suffixes used as a fallback when the magic bytes say nothing.
+        sniff: ``sniff(path, head)`` -> True when the file (or directory) is of this format;
+            ``head`` holds the first bytes of a file (empty for a directory).
+        open: ``open(path, **options)`` -> a :class:`CheckpointView`.
+        write: ``write(path, entries, **options)`` -> the path written; ``entries`` is any
+            ``Mapping[str, Entry]``.
+    """
+
+    name: str
+    description: str
+    suffixes: tuple[str, ...]
+    sniff: Callable[[str, bytes], bool]
+    open: Callable[..., CheckpointView]
+    write: Callable[..., str]
+    options: Mapping[str, str] = field(default_factory=dict)
+
+
+# name -> module that defines FORMAT; imported lazily. Detection tries them in this order.
+_ADAPTER_MODULES: dict[str, str] = {
+    "hdf5": "parallelvars.formats.hdf5",
+    "keras": "parallelvars.formats.keras",
+    "keras-legacy": "parallelvars.formats.keras",
+    "safetensors": "parallelvars.formats.safetensors",
+    "npz": "parallelvars.formats.npz",
+    "tf": "parallelvars.formats.tf",
+}
+FORMAT_NAMES: tuple[str, ...] = tuple(_ADAPTER_MODULES)
+
+_loaded: dict[str, FormatSpec] = {}
+
+
+def get_format(name: str) -> FormatSpec:
+    """The :class:`FormatSpec` registered under ``name``."""
+    key = name.lower()
+    if key not in _ADAPTER_MODULES:
+        raise ValueError(f"unknown format {name!r} (expected one of {', '.join(FORMAT_NAMES)})")
+    if key not in _loaded:
+        module = importlib.import_module(_ADAPTER_MODULES[key])
+        specs = getattr(module, "FORMATS", None) or (module.FORMAT,)
+        for spec in specs:
+            _loaded[spec.name] = spec
+    return _loaded[key]
+
+
+def _head(path: str, n: int = 512) -> bytes:
+    if os.path.isdir(path):
+        return b""
+    with open(path, "rb") as f:
+        return f.read(n)
+
+
+def detect_format(path: str | os.PathLike[str]) -> str:
+    """The format of ``path``: by magic bytes or layout first, by suffix as a fallback."""
+    p = os.fspath(path)
+    exists = os.path.exists(p)
+    head = _head(p) if exists else b""
+    candidates = list(FORMAT_NAMES)
+    for name in candidates:
+        try:
+            spec = get_format(name)
+        except ImportError:
+            continue
+        if spec.sniff(p, head):
+            return name
+    lower = p.lower()
+    for name in candidates:
+        try:
+            spec = get_format(name)
+        except ImportError:
+            continue
+        if any(lower.endswith(s) for s in spec.suffixes):
+            return name
+    if not exists:
+        raise FileNotFoundError(f"{p}: no such file or directory")
+    raise NotACheckpointError(
+        "not a checkpoint of any known format",
+        file=p,
+        expected=f"one of {', '.join(FORMAT_NAMES)}",
+        found=f"first bytes {head[:8]!r}",
+    )
+
+
+def open_checkpoint(path: str | os.PathLike[str], format: str | None = None, **options: Any) -> CheckpointView:
+    """Open ``path`` as a lazy :class:`CheckpointView` (format detected unless given)."""
+    p = os.fspath(path)
+    name = format or detect_format(p)
+    return get_format(name).open(p, **options)
+
+
+def write_checkpoint(
+    path: str | os.PathLike[str],
+    entries: Mapping[str, Entry],
+    format: str | None = None,
+    **options: Any,
+) -> str:
+    """Write ``entries`` to ``path`` in ``format`` (by default, from the suffix)."""
+    p = os.fspath(path)
+    if format is None:
+        lower = p.lower()
+        for name in FORMAT_NAMES:
+            spec = get_format(name)
+            if any(lower.endswith(s) for s in spec.suffixes):
+                format = name
+                break
+        else:
+            raise ValueError(f"{p}: cannot tell the output format from the name; pass format=")
+    return get_format(format).write(p, entries, **options)

@@ -1,0 +1,174 @@
+"""The library's exception hierarchy.
+
+Every error the library raises on purpose derives from :class:`ParallelVarsError` *and* from
+the standard exception a caller would naturally catch (``ValueError`` for bad data,
+``TypeError`` for a wrong dtype, ``KeyError`` for a missing name, ``RuntimeError`` for misuse
+of contexts). Catching the standard type keeps working; catching ``ParallelVarsError`` catches
+everything of ours and nothing else.
+
+Checkpoint errors carry the file, the variable path and the expected and found values as
+attributes, and their message always names them, in the shape
+``"<file>: variable 'model/w': shape mismatch (expected (3, 2), found (2, 3))"``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = [
+    "ParallelVarsError",
+    "CheckpointError",
+    "NotACheckpointError",
+    "FormatVersionError",
+    "ShapeMismatchError",
+    "DtypeMismatchError",
+    "MissingVariableError",
+    "CorruptCheckpointError",
+    "ChecksumMismatchError",
+    "TruncatedFileError",
+    "DeviceCountError",
+    "UnsupportedDtypeError",
+    "CheckpointLockedError",
+    "ContextError",
+    "CrossReplicaOnlyError",
+    "ReplicaError",
+]
+
+
+class ParallelVarsError(Exception):
+    """Base class of every error raised on purpose by parallelvars."""
+
+
+def _describe(
+    what: str,
+    *,
+    file: str | os.PathLike[str] | None = None,
+    variable: str | None = None,
+    expected: Any = None,
+    found: Any = None,
+    hint: str | None = None,
+) -> str:
+    parts = []
+    if file is not None:
+        parts.append(f"{os.fspath(file)}:")
+    if variable is not None:
+        parts.append(f"variable {variable!r}:")
+    parts.append(what)
+    msg = " ".join(parts)
+    if expected is not None or found is not None:
+        msg += f" (expected {_fmt(expected)}, found {_fmt(found)})"
+    if hint:
+        msg += f"; {hint}"
+    return msg
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, tuple):
+        return repr(tuple(int(v) for v in value)) if all(isinstance(v, int) for v in value) else repr(value)
+    return str(value)
+
+
+class CheckpointError(ParallelVarsError):
+    """A checkpoint could not be read, written or matched against live objects.
+
+    Attributes:
+        file: the checkpoint file, when known.
+        variable: the variable (object path) concerned, when known.
+        expected: what the reader or the live object expected.
+        found: what was actually found.
+    """
+
+    def __init__(
+        self,
+        what: str,
+        *,
+        file: str | os.PathLike[str] | None = None,
+        variable: str | None = None,
+        expected: Any = None,
+        found: Any = None,
+        hint: str | None = None,
+    ) -> None:
+        self.what = what
+        self.file = os.fspath(file) if file is not None else None
+        self.variable = variable
+        self.expected = expected
+        self.found = found
+        super().__init__(
+            _describe(what, file=file, variable=variable, expected=expected, found=found, hint=hint)
+        )
+
+    def __reduce__(self) -> Any:  # keep the message when pickled across processes
+        return (_rebuild, (type(self), self.args[0]))
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _rebuild(cls: type[BaseException], message: str) -> BaseException:
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    return err
+
+
+class NotACheckpointError(CheckpointError, ValueError):
+    """The file is not a checkpoint of the expected format (not HDF5, or HDF5 but not ours)."""
+
+
+class FormatVersionError(CheckpointError, ValueError):
+    """The file was written by a newer, incompatible version of the layout."""
+
+
+class ShapeMismatchError(CheckpointError, ValueError):
+    """A saved value does not have the shape of the variable it is restored into."""
+
+
+class DtypeMismatchError(CheckpointError, TypeError):
+    """A saved value has another dtype than its variable and no cast was allowed.
+
+    Derives from ``TypeError`` because the data is fine, only its type differs.
+    """
+
+
+class MissingVariableError(CheckpointError, KeyError):
+    """A variable that was asked for is not in the checkpoint.
+
+    Derives from ``KeyError`` for ``except KeyError`` callers; ``__str__`` is the plain
+    message, not the quoted repr ``KeyError`` would print.
+    """
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """The checkpoint's bytes are damaged: the file cannot be trusted."""
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """A stored checksum does not match the bytes read."""
+
+
+class TruncatedFileError(CorruptCheckpointError):
+    """The file ends before the data it describes."""
+
+
+class DeviceCountError(CheckpointError, ValueError):
+    """Values that cannot be redistributed were saved for another number of devices."""
+
+
+class UnsupportedDtypeError(CheckpointError, TypeError):
+    """A dtype the library cannot represent or store."""
+
+
+class CheckpointLockedError(CheckpointError, RuntimeError):
+    """Another live process holds the checkpoint directory's lock."""
+
+
+class ContextError(ParallelVarsError, RuntimeError):
+    """A strategy, replica context or variable was used in the wrong context."""
+
+
+class CrossReplicaOnlyError(ContextError):
+    """A cross-replica method was called from a replica context."""
+
+
+class ReplicaError(ParallelVarsError, RuntimeError):
+    """Replicas disagreed (for example, made different numbers of ``merge_call``)."""
