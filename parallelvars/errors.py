@@ -33,6 +33,7 @@ __all__ = [
     "ContextError",
     "CrossReplicaOnlyError",
     "ReplicaError",
+    "RestoreMismatchError",
 ]
 
 
@@ -172,3 +173,7 @@ class CrossReplicaOnlyError(ContextError):
 
 class ReplicaError(ParallelVarsError, RuntimeError):
     """Replicas disagreed (for example, made different numbers of ``merge_call``)."""
+
+
+class RestoreMismatchError(CheckpointError, AssertionError):
+    """The saved object graph and the live one do not match as asserted."""
