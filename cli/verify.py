@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 from parallelvars.formats import KINDS, CheckpointView, Entry, detect_format
 
-from parallelvars.errors import CheckpointError, CorruptCheckpointError
+from parallelvars.checkpoint.h5io import HDF5_SIGNATURE, H5Reader
+from parallelvars.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 
 from ._common import add_format_option, format_bytes, open_view
 from ._output import Output, Progress
@@ -142,35 +143,42 @@ def _verify_view(view: CheckpointView, out: Output) -> tuple[list[str], dict[str
     return problems, stats
 
 
-def _verify_native(path: str) -> tuple[list[str], dict[str, int]] | None:
-    """Problems found by the native reader's own ``verify_all``; None when it is unavailable."""
-    try:
-        from parallelvars.checkpoint.h5io import H5Reader  # type: ignore[import-not-found]
-    except ImportError:
-        return None
+def _verify_native(path: str) -> tuple[list[str], dict[str, int]]:
+    """Problems found by the native reader's own ``verify_all`` (layout, then every checksum)."""
     with H5Reader(path) as reader:
         problems = [str(p) for p in reader.verify_all()]
         entries = [reader[k] for k in reader]
         stats = {
             "num_variables": len(entries),
             "num_components": sum(int(e.num_components) for e in entries),
-            "bytes": sum(
-                int(np.prod(e.component_shape(i), dtype=np.int64)) * e.dtype.itemsize
-                for e in entries
-                for i in range(e.num_components)
-            ),
+            "bytes": sum(int(e.nbytes) for e in entries),
         }
     return problems, stats
+
+
+def _format_of(path: str, explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    try:
+        return detect_format(path)
+    except NotACheckpointError:
+        # An HDF5 file no adapter recognises may be one of ours too damaged to open: let the
+        # native reader say what is wrong with it.
+        with open(path, "rb") as f:
+            if f.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE:
+                return "hdf5"
+        raise
 
 
 def run(args: argparse.Namespace) -> int:
     out: Output = args.out
     path = args.checkpoint
-    fmt = args.from_format or detect_format(path)
-    result: tuple[list[str], dict[str, int]] | None
+    fmt = _format_of(path, args.from_format)
+    result: tuple[list[str], dict[str, int]]
     try:
-        result = _verify_native(path) if fmt == "hdf5" else None
-        if result is None:
+        if fmt == "hdf5":
+            result = _verify_native(path)
+        else:
             with open_view(path, fmt) as view:
                 result = _verify_view(view, out)
     except CorruptCheckpointError as exc:  # damaged beyond opening: a finding, not a usage error

@@ -16,6 +16,8 @@ from parallelvars.cli import main
 from parallelvars.cli.diff import compare_arrays
 from parallelvars.formats import ArrayEntry
 
+from parallelvars.checkpoint.h5io import write_h5
+
 
 @pytest.fixture(autouse=True)
 def pvtest(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -479,3 +481,53 @@ def test_extract_errors(argv: list[str], message: str, sample: str, tmp_path: pa
     assert captured.out == ""
     assert captured.err == f"parallelvars: error: {sample}: {message}\n"
     assert not out.exists()
+
+
+# --- verify on the native HDF5 layout (checked by the checkpoint reader itself) -----------------
+
+
+@pytest.fixture
+def native(tmp_path: pathlib.Path) -> str:
+    return write_h5(str(tmp_path / "run.h5"), sample_entries(), metadata={"step": 7})
+
+
+def test_verify_native_sound(native: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", native]) == 0
+    assert (
+        capsys.readouterr().out
+        == f"OK: {native} (hdf5, 9 variables, 15 components, 214 B checked)\n"
+    )
+
+
+def test_verify_native_names_the_damaged_dataset(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    marker = np.frombuffer(b"PARALLELVARS-MARKER-BYTES!", np.uint8).copy()
+    entries = {
+        "model/ok": ArrayEntry("model/ok", [np.arange(4, dtype=np.float32)]),
+        "model/bad": ArrayEntry("model/bad", [marker, marker], kind="mirrored"),
+    }
+    path = pathlib.Path(write_h5(str(tmp_path / "d.h5"), entries))
+    raw = bytearray(path.read_bytes())
+    at = raw.rindex(b"PARALLELVARS-MARKER")  # the second copy: parallel_component_1
+    raw[at + 3] ^= 0x01
+    path.write_bytes(bytes(raw))
+    assert main(["verify", str(path), "--json"]) == 1
+    doc = _json(capsys)
+    assert doc["ok"] is False and doc["format"] == "hdf5"
+    [problem] = doc["problems"]
+    assert problem.startswith(
+        f"{path}: variable 'model/bad/parallel_component_1': checksum mismatch"
+    )
+    assert main(["verify", str(path)]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == f"FAILED: {path} (hdf5): 1 problem"
+
+
+def test_verify_native_truncated(native: str, capsys: pytest.CaptureFixture[str]) -> None:
+    path = pathlib.Path(native)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size - 100])
+    assert main(["verify", native]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert captured.out.startswith(f"problem: {native}: file is truncated")
+    assert captured.out.splitlines()[-1] == f"FAILED: {native} (hdf5): 1 problem"
