@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.destination}: is the same file as SRC; write somewhere else")
     src_format = args.from_format or formats.detect_format(args.source)
     with out.progress(None, "convert") as bar:
-        written = formats.convert(  # type: ignore[attr-defined]
+        written = formats.convert(
             args.source,
             args.destination,
             from_format=src_format,

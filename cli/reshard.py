@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.destination}: is the same file as SRC; write somewhere else")
     with open_view(args.source, args.from_format) as view:
         before = sorted({int(view[k].num_components) for k in view})
-        entries = formats.reshard(view, args.devices)  # type: ignore[attr-defined]
+        entries = formats.reshard(view, args.devices)
         fmt = output_format(args.destination, args.to_format, view.format)
         wrapped, bar = progress_entries(out, entries, "reshard")
         with bar:
