@@ -9,7 +9,7 @@ Example:
     4
 """
 
-from parallelvars import errors
+from parallelvars import errors, optimizers
 from parallelvars.checkpoint import (
     Checkpoint,
     CheckpointLoadStatus,
@@ -20,6 +20,7 @@ from parallelvars.checkpoint import (
 from parallelvars.devices import ParallelDevice
 from parallelvars.enums import Aggregation, ReduceOp, Synchronization
 from parallelvars.errors import ParallelVarsError
+from parallelvars.optimizers import IndexedSlices, clip_by_global_norm
 from parallelvars.strategy import (
     MirroredStrategy,
     OneDeviceStrategy,
@@ -46,6 +47,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Aggregation",
     "Checkpoint",
+    "IndexedSlices",
     "CheckpointLoadStatus",
     "MirroredStrategy",
     "Module",
@@ -64,6 +66,7 @@ __all__ = [
     "TrackedList",
     "Variable",
     "__version__",
+    "clip_by_global_norm",
     "errors",
     "get_cross_replica_context",
     "get_replica_context",
@@ -71,6 +74,7 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "independent_buffers",
+    "optimizers",
     "register_saveable",
     "replicated_scope",
     "variable_creator_scope",
