@@ -73,7 +73,7 @@ def test_save_returns_numbered_file_and_layout_is_plain_hdf5(tmp_path) -> None:
         np.testing.assert_array_equal(e["value"][()], np.arange(40, dtype=np.float32).reshape(10, 4))
         assert e["parallel_component_3"].shape == (2, 4)
         assert [int(f["model/count"][k][()]) for k in ("primary", "parallel_component_3")] == [10, 40]
-        assert "crc32c" in g["primary"].attrs and g["primary"].attrs["device"] == "cpu:0"
+        assert "crc32c" in g["primary"].attrs and list(g.attrs["devices"]) == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
         assert f["_parallelvars/object_graph"][()]
 
 
@@ -157,7 +157,7 @@ DTYPES = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_every_dtype_round_trips_bit_exactly(tmp_path, dtype) -> None:
     rng = np.random.default_rng(0)
-    bits = rng.integers(0, 256, size=(5, 3) + (np.dtype(dtype).itemsize,), dtype=np.uint8)
+    bits = rng.integers(0, 256, size=(5, 3, np.dtype(dtype).itemsize), dtype=np.uint8)
     value = bits.view(np.dtype(dtype)).reshape(5, 3) if np.dtype(dtype) != np.bool_ else bits[..., 0] % 2 == 1
     with pv.MirroredStrategy(2).scope():
         v = pv.Variable(value, name="v", dtype=dtype)
@@ -233,7 +233,7 @@ class _SlotOwner(pv.Module):
     def make_slot(self, var, name):
         slot = pv.Variable(np.zeros(var.shape, var.dtype), name=f"{var.name}/{name}")
         self._pv_slots[(id(var), name)] = slot
-        self._pv_slot_vars = getattr(self, "_pv_slot_vars", []) + [(var, name, slot)]
+        self._pv_slot_vars = [*getattr(self, "_pv_slot_vars", []), (var, name, slot)]
         self._maybe_restore_slot(var, name, slot)
         return slot
 

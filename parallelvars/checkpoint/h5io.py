@@ -24,6 +24,7 @@ once, straight into the destination buffer.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import secrets
@@ -98,7 +99,7 @@ def checksum(arr: np.ndarray) -> int:
             crc = _crc32c.crc32c(b, crc)
         return crc
     a = np.ascontiguousarray(arr)
-    return int(_crc32c.crc32c(_byte_view(a)))
+    return int(_crc32c.crc32c(_byte_view(a)))  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------- writing
@@ -145,7 +146,7 @@ def atomic_write(path: str, write: Any) -> str:
 
 
 def _attr_value(value: Any) -> Any:
-    if isinstance(value, bool) or isinstance(value, np.bool_):
+    if isinstance(value, (bool, np.bool_)):
         return np.bool_(value)
     if isinstance(value, (int, np.integer)):
         return np.int64(value)
@@ -161,6 +162,25 @@ def _attr_value(value: Any) -> Any:
     if isinstance(value, np.ndarray) and value.dtype.kind in "iuf":
         return value
     return "json:" + json.dumps(value)
+
+
+_SCALAR_SPACE = None
+
+
+def _set_attr(oid: Any, name: str, value: Any) -> None:
+    """Write one attribute through the low-level API (half the cost of ``obj.attrs[name] = v``)."""
+    arr = np.asarray(value, dtype=h5py.string_dtype()) if isinstance(value, str) or (
+        isinstance(value, np.ndarray) and value.dtype.kind == "O") else np.asarray(value)
+    if arr.dtype.kind == "U":
+        arr = arr.astype(h5py.string_dtype())
+    space = h5py.h5s.create(h5py.h5s.SCALAR) if arr.ndim == 0 else h5py.h5s.create_simple(arr.shape)
+    tid = h5py.h5t.py_create(arr.dtype, logical=True)
+    bname = name.encode()
+    if h5py.h5a.exists(oid, bname):
+        h5py.h5a.delete(oid, bname)
+    attr = h5py.h5a.create(oid, bname, tid, space)
+    if arr.size:
+        attr.write(np.ascontiguousarray(arr))
 
 
 def _validate_path(path: str) -> None:
@@ -182,26 +202,23 @@ def _create_entry(
     """Create the group, attributes and datasets of one entry; numeric data is written later."""
     path = entry.path
     _validate_path(path)
-    if path in f and isinstance(f[path], h5py.Group) and "kind" in f[path].attrs:
-        raise ValueError(f"{file}: variable {path!r} is written twice")
     grp = f.require_group(path)
     dt = np.dtype(entry.dtype)
     storage = _storage_dtype(dt)
     shape = tuple(int(s) for s in entry.shape)
     meta: dict[str, Any] = {"kind": entry.kind, "dtype": dtype_name(dt), "shape": list(shape),
                             "num_components": int(entry.num_components)}
-    a = grp.attrs
     for key in ("kind", "dtype", "shape", "num_components"):
-        a[key] = _attr_value(meta[key])
+        _set_attr(grp.id, key, _attr_value(meta[key]))
     extra: dict[str, Any] = {}
     for key, value in dict(entry.attrs).items():
         if value is None or key in meta:
             continue
-        a[key] = _attr_value(value)
-        extra[key] = _decode(a[key])
+        stored = _attr_value(value)
+        _set_attr(grp.id, key, stored)
+        extra[key] = _decode(stored)
     meta["attrs"] = extra
-    devices = list(entry.attrs.get("devices") or [])
-    pending = []
+    pending: list[tuple[str, Any, tuple[int, ...]] | None] = []
     for i in range(entry.num_components):
         cshape = tuple(int(d) for d in entry.component_shape(i))
         name = component_name(i)
@@ -211,17 +228,12 @@ def _create_entry(
             if arr.size:
                 ds[...] = arr
             crcs[f"{grp.name}/{name}"] = checksum(arr)
-            ds.attrs["crc32c"] = np.int64(crcs[f"{grp.name}/{name}"])
             pending.append(None)
         else:
             space = h5py.h5s.create_simple(cshape) if cshape else h5py.h5s.create(h5py.h5s.SCALAR)
             tid = h5py.h5t.py_create(storage, logical=True)
             dsid = h5py.h5d.create(grp.id, name.encode(), tid, space, dcpl=dcpl)
-            ds = h5py.Dataset(dsid)
-            ds.attrs["crc32c"] = np.int64(0)  # filled in once the data is written
             pending.append((f"{grp.name}/{name}", dsid.get_offset(), cshape))
-        if i < len(devices):
-            ds.attrs["device"] = str(devices[i])
     if entry.kind == "sharded" and entry.num_components:
         axis = int(entry.attrs["shard_axis"])
         layout = h5py.VirtualLayout(shape=shape, dtype=storage)
@@ -279,7 +291,7 @@ def write_h5(
         crcs: dict[str, int] = {}
         todo = []
         with h5py.File(tmp, "w") as f:
-            f.attrs["parallelvars_format"] = np.int64(FORMAT_VERSION)
+            f.attrs["parallelvars_format"] = np.int64(FORMAT_VERSION)  # few: the high-level API is fine
             f.attrs["parallelvars_version"] = _library_version()
             f.attrs["created"] = np.float64(time.time())
             for key, value in dict(metadata or {}).items():
@@ -287,12 +299,14 @@ def write_h5(
                     f.attrs[key] = _attr_value(value)
             dcpl = _early_dcpl()
             for entry in items:
+                if entry.path in index:
+                    raise ValueError(f"{p}: variable {entry.path!r} is written twice")
                 meta, pending = _create_entry(f, entry, p, dcpl, crcs)
                 index[entry.path] = meta
                 todo.append((entry, meta, pending))
         fd = os.open(tmp, os.O_WRONLY)
         try:
-            for entry, meta, pending in todo:
+            for entry, _, pending in todo:
                 dt = np.dtype(entry.dtype)
                 for i, slot in enumerate(pending):
                     if slot is None:
@@ -301,13 +315,14 @@ def write_h5(
                     arr = np.ascontiguousarray(_checked(entry, i, cshape, dt, p))
                     crcs[name] = checksum(arr)
                     if arr.nbytes:
-                        _pwrite_all(fd, memoryview(_byte_view(arr)), int(offset))
+                        _pwrite_all(fd, memoryview(_byte_view(arr)), int(offset))  # type: ignore[arg-type]
                     del arr
         finally:
             os.close(fd)
         with h5py.File(tmp, "r+") as f:
+            fid = f.id
             for name, crc in crcs.items():
-                f[name].attrs["crc32c"] = np.int64(crc)
+                _set_attr(h5py.h5d.open(fid, name.encode()), "crc32c", np.int64(crc))
             for meta_path, meta in index.items():
                 meta["crc32c"] = [crcs[f"/{meta_path}/{component_name(i)}"] for i in range(meta["num_components"])]
             f.create_dataset(INDEX_DATASET, data=json.dumps(index), dtype=h5py.string_dtype())
@@ -383,9 +398,10 @@ class StoredVariable:
             )
         if any(d < 0 for d in self.shape):
             raise CorruptCheckpointError("negative dimension", file=file, variable=path, found=self.shape)
-        self._shapes = [self._expected_component_shape(i) for i in range(self.num_components)]
+        self._shapes: list[tuple[int, ...]] = [self._expected_component_shape(i) for i in range(self.num_components)]
         self._verified: set[int] = set()
-        self._datasets: dict[int, h5py.Dataset] = {}
+        self._datasets: dict[int, Any] = {}
+        self._locations: dict[int, tuple[int, int] | None] = {}
 
     @classmethod
     def from_group(cls, reader: H5Reader, path: str, group: h5py.Group) -> StoredVariable:
@@ -395,15 +411,16 @@ class StoredVariable:
         meta["attrs"] = attrs
         return cls(reader, path, meta)
 
-    def _dataset(self, i: int) -> h5py.Dataset:
+    def _dataset(self, i: int) -> Any:
+        """The low-level dataset id of component ``i`` (opened once, shape checked)."""
         ds = self._datasets.get(i)
         if ds is None:
             name = component_name(i)
             try:  # the low-level open: a fraction of the cost of Group.__getitem__
-                ds = h5py.Dataset(h5py.h5d.open(self._reader._h5().id, f"/{self.path}/{name}".encode()))
+                ds = h5py.h5d.open(self._reader._h5().id, f"/{self.path}/{name}".encode())
             except _H5_ERRORS:
                 ds = None
-            if not isinstance(ds, h5py.Dataset):
+            if not isinstance(ds, h5py.h5d.DatasetID):
                 raise CorruptCheckpointError(
                     f"dataset {name!r} is missing", file=self._reader.path, variable=self.path,
                     expected=f"{self.num_components} components", found=f"no {name}",
@@ -416,7 +433,7 @@ class StoredVariable:
             self._datasets[i] = ds
         return ds
 
-    def _expected_component_shape(self, i: int) -> tuple[int, ...] | None:
+    def _expected_component_shape(self, i: int) -> tuple[int, ...]:
         if self.kind != "sharded":
             return self.shape
         try:
@@ -450,7 +467,7 @@ class StoredVariable:
         if self._crcs is None:
             crcs: list[int | None] = []
             for i in range(self.num_components):
-                v = self._dataset(i).attrs.get("crc32c")
+                v = h5py.Dataset(self._dataset(i)).attrs.get("crc32c")
                 crcs.append(None if v is None else int(v))
             self._crcs = crcs
         return self._crcs
@@ -458,39 +475,51 @@ class StoredVariable:
     def _fail(self, what: str, i: int, **kw: Any) -> CorruptCheckpointError:
         return CorruptCheckpointError(what, file=self._reader.path, variable=f"{self.path}/{component_name(i)}", **kw)
 
+    def _location(self, i: int) -> tuple[int, int] | None:
+        """(file offset, element count) of a contiguous, unfiltered component, else None."""
+        if i in self._locations:
+            return self._locations[i]
+        loc: tuple[int, int] | None = None
+        dsid = self._dataset(i)
+        size = math.prod(self._shapes[i])
+        nbytes = size * self.dtype.itemsize
+        if self.dtype.kind != "O":
+            try:
+                dcpl = dsid.get_create_plist()
+                plain = not (dcpl.get_layout() != h5py.h5d.CONTIGUOUS or dcpl.get_nfilters() or dcpl.get_external_count())
+                offset = dsid.get_offset() if plain and nbytes else None
+                stored = dsid.get_storage_size() if offset is not None else 0
+                file_dt = dsid.dtype
+            except _H5_ERRORS:
+                offset = None
+            if nbytes == 0:
+                loc = (0, 0)
+            elif offset is not None and not (file_dt.kind != "V" and file_dt.byteorder == ">"):
+                if stored != nbytes or file_dt.itemsize != self.dtype.itemsize:
+                    raise self._fail("stored size does not match the shape", i, expected=f"{nbytes} bytes", found=f"{stored} bytes")
+                if offset + nbytes > self._reader.file_size:
+                    raise TruncatedFileError(
+                        "file ends inside the data", file=self._reader.path, variable=f"{self.path}/{component_name(i)}",
+                        expected=f"{offset + nbytes} bytes", found=f"{self._reader.file_size} bytes",
+                    )
+                loc = (int(offset), size)
+        self._locations[i] = loc
+        return loc
+
     def _mapped(self, i: int) -> np.ndarray | None:
         """The component as a read-only array over the memory-mapped file, when contiguous."""
-        ds = self._dataset(i)
-        if self.dtype.kind == "O":
+        loc = self._location(i)
+        if loc is None:
             return None
-        size = int(np.prod(ds.shape, dtype=np.int64))
-        nbytes = size * self.dtype.itemsize
-        if nbytes == 0:
-            return np.empty(ds.shape, self.dtype)
-        try:
-            dsid = ds.id
-            dcpl = dsid.get_create_plist()
-            if dcpl.get_layout() != h5py.h5d.CONTIGUOUS or dcpl.get_nfilters() or dcpl.get_external_count():
-                return None
-            offset = dsid.get_offset()
-            stored = dsid.get_storage_size()
-            file_dt = dsid.dtype
-        except _H5_ERRORS:
-            return None
-        if offset is None or (file_dt.kind != "V" and file_dt.byteorder == ">"):
-            return None
-        if stored != nbytes or file_dt.itemsize != self.dtype.itemsize:
-            raise self._fail("stored size does not match the shape", i, expected=f"{nbytes} bytes", found=f"{stored} bytes")
+        offset, size = loc
+        if size == 0:
+            return np.empty(self._shapes[i], self.dtype)
         mm = self._reader._mmap()
-        if mm is None or offset + nbytes > len(mm):
-            raise TruncatedFileError(
-                "file ends inside the data", file=self._reader.path, variable=f"{self.path}/{component_name(i)}",
-                expected=f"{offset + nbytes} bytes", found=f"{self._reader.file_size} bytes",
-            )
-        return np.frombuffer(mm, dtype=self.dtype, count=size, offset=offset).reshape(ds.shape)
+        assert mm is not None
+        return np.frombuffer(mm, dtype=self.dtype, count=size, offset=offset).reshape(self._shapes[i])
 
     def _read_h5(self, i: int) -> np.ndarray:
-        ds = self._dataset(i)
+        ds = h5py.Dataset(self._dataset(i))
         try:
             data = ds[()]
         except _H5_ERRORS as exc:
@@ -576,7 +605,6 @@ class H5Reader(Mapping[str, StoredVariable]):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         self._file: h5py.File | None = None
-        self._fh: Any = None
         self._mm: mmap.mmap | None = None
         if not os.path.exists(self.path):
             raise FileNotFoundError(f"{self.path}: no such checkpoint file")
@@ -660,8 +688,13 @@ class H5Reader(Mapping[str, StoredVariable]):
 
     def _mmap(self) -> mmap.mmap | None:
         if self._mm is None and self.file_size > 0:
-            self._fh = open(self.path, "rb")
-            self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                # MAP_POPULATE maps the whole file in one call instead of one page fault per page.
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                self._mm = mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)  # the map keeps its own reference to the file
         return self._mm
 
     def __getitem__(self, key: str) -> StoredVariable:
@@ -696,9 +729,6 @@ class H5Reader(Mapping[str, StoredVariable]):
             except BufferError:  # an array still views the map; it closes with that array
                 pass
             self._mm = None
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
         if self._file is not None:
             try:
                 self._file.close()
