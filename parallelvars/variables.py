@@ -375,7 +375,7 @@ class ParallelVariable(wrapt.ObjectProxy):
     def _setitem_all(self, key: Any, value: Any) -> None:
         stacked = self._self_stacked
         if isinstance(key, tuple):
-            stacked[(slice(None),) + key] = value
+            stacked[(slice(None),) + key] = value  # noqa: RUF005 - the unpacking form confuses mypy on 3.10
         elif key is Ellipsis:
             stacked[...] = value
         else:

@@ -395,7 +395,7 @@ def test_newer_format_version(saved) -> None:
 
 
 def test_checksum_mismatch_names_the_variable_and_changes_nothing(saved) -> None:
-    src, path = saved
+    _, path = saved
     with h5py.File(path, "r") as f:
         offset = f["model/layers/1/bias/parallel_component_2"].id.get_offset()
     with open(path, "r+b") as fh:
@@ -414,12 +414,12 @@ def test_truncated_file(saved) -> None:
     size = os.path.getsize(path)
     with open(path, "r+b") as fh:
         fh.truncate(size // 2)
-    with pytest.raises(errors.CorruptCheckpointError, match="good.h5"):
+    with pytest.raises(errors.CorruptCheckpointError, match=r"good\.h5"):
         pv.Checkpoint(model=make_model(4)).restore(path)
 
 
 def test_missing_file(tmp_path) -> None:
-    with pytest.raises(FileNotFoundError, match="nope.h5"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.h5"):
         pv.Checkpoint(v=pv.Variable(1.0)).restore(tmp_path / "nope.h5")
 
 

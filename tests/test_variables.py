@@ -277,7 +277,6 @@ def test_nested_strategy_scopes() -> None:
     with s1.scope():
         with s1.scope():  # re-entering is a no-op
             assert pv.get_strategy() is s1
-        with pytest.raises(pv.errors.ContextError, match=r"MirroredStrategy.*MirroredStrategy"):
-            with s2.scope():
-                pass
+        with pytest.raises(pv.errors.ContextError, match=r"MirroredStrategy.*MirroredStrategy"), s2.scope():
+            pass
     assert not pv.has_strategy()
