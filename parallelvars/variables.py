@@ -49,7 +49,7 @@ import numpy as np
 import wrapt
 
 from parallelvars import _storage
-from parallelvars._dtypes import as_dtype
+from parallelvars._dtypes import as_dtype, is_extension_dtype
 from parallelvars.devices import ParallelDevice
 from parallelvars.enums import Aggregation, Synchronization
 from parallelvars.errors import ContextError, ShapeMismatchError
@@ -742,6 +742,8 @@ def _initial_array(initial_value: Any, dtype: Any, name: str) -> np.ndarray:
     if arr.dtype == np.float64 and not isinstance(value, np.ndarray) and not isinstance(value, np.generic):
         # Python floats and lists of them become float32, the usual parameter dtype.
         arr = arr.astype(np.float32)
+    if is_extension_dtype(arr.dtype):  # bfloat16, float8 ...: numpy reports them as kind "V"
+        return arr
     if arr.dtype.kind in "USV" or (arr.dtype.kind == "O"):
         if arr.dtype.kind == "O" and all(isinstance(x, bytes) for x in arr.flat):
             return arr

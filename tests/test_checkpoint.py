@@ -163,7 +163,7 @@ def test_every_dtype_round_trips_bit_exactly(tmp_path, dtype) -> None:
         v = pv.Variable(value, name="v", dtype=dtype)
     path = pv.Checkpoint(v=v).write(tmp_path / "a.h5")
     with pv.MirroredStrategy(2).scope():
-        w = pv.Variable(np.zeros((5, 3)), dtype=dtype)
+        w = pv.Variable(np.zeros((5, 3), dtype=dtype))  # the dtype comes from the array
     pv.Checkpoint(v=w).restore(path).assert_consumed()
     for c in w.components:
         assert c.tobytes() == np.asarray(value, dtype=dtype).tobytes()

@@ -9,6 +9,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import tempfile
 import sys
 
 import numpy as np
@@ -303,7 +304,12 @@ def _script() -> str:
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "PARALLELVARS_DEBUG"}
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, check=False)
+    # Run outside the source tree: `python -m` puts the working directory first on sys.path,
+    # and the tree's parallelvars/ folder lacks the formats/ and cli/ subpackages that the
+    # installed package maps in.
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=120, env=env, check=False, cwd=tempfile.gettempdir()
+    )
 
 
 def test_console_script_help() -> None:
