@@ -72,6 +72,9 @@ class Optimizer(Module):
         self._pv_plans: dict[tuple[int, ...], tuple[tuple[Any, ...], list[update_core.Run]]] = {}
         self._pv_scratch: dict[np.dtype, update_core.Scratch] = {}
         self._pv_non_slot_names: list[str] = []
+        # Mirrored variables: compute the primary row and copy it (see update_core). False
+        # computes every replica's row, for comparison.
+        self._pv_replicate_mirrored = True
         self.iterations: ParallelVariable | None = None
 
     # ------------------------------------------------------------------ public API
@@ -379,13 +382,16 @@ class Optimizer(Module):
             update_core.apply_runs(runs, [grads[i] for i in fast], self._kernel, hp, self._scratch)
 
     def _plan(self, fast_vars: list[Any]) -> list[update_core.Run]:
-        key = tuple(id(v) for v in fast_vars)
+        key = (*(id(v) for v in fast_vars), self._pv_replicate_mirrored)
         cached = self._pv_plans.get(key)
         if cached is not None and all(a is b for a, b in zip(cached[0], fast_vars, strict=True)):
             return cached[1]
         names = [n for n, _ in self._slot_specs()]
         runs = update_core.plan_runs(
-            [(i, v.placement) for i, v in enumerate(fast_vars)],
+            [
+                (i, v.placement, self._pv_replicate_mirrored and v.kind in ("mirrored", "single"))
+                for i, v in enumerate(fast_vars)
+            ],
             lambda arena: [self._slot_arena(arena, n) for n in names],
         )
         if len(self._pv_plans) >= _PLAN_CACHE:
