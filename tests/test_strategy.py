@@ -333,7 +333,7 @@ def test_merge_call_with_different_functions_is_an_error() -> None:
         assert ctx is not None
         ctx.merge_call(first if ctx.replica_id_in_sync_group == 0 else second)
 
-    with pytest.raises(ReplicaError, match="replica 1 called .*second"):
+    with pytest.raises(ReplicaError, match=r"replica 1 called .*second"):
         run_with_deadline(strategy, fn)
 
 
@@ -345,8 +345,6 @@ class Boom(Exception):
 @pytest.mark.parametrize("where", ["before", "during", "after"])
 def test_an_exception_in_replica_2_reaches_the_caller(where: str) -> None:
     strategy = pv.MirroredStrategy(4)
-    with strategy.scope():
-        w = pv.Variable(np.zeros(2, np.float32), name="w", aggregation=pv.Aggregation.SUM)
 
     def merge_fn(s: Any, i: Any) -> Any:
         if where == "during" and pv.get_replica_context() is None:
@@ -440,7 +438,7 @@ def test_write_to_mirrored_variable_without_aggregation_is_an_error() -> None:
     strategy = pv.MirroredStrategy(2)
     with strategy.scope():
         w = pv.Variable(1.0, name="w_none")
-    with pytest.raises(ContextError, match="w_none.*needs an aggregation"):
+    with pytest.raises(ContextError, match=r"w_none.*needs an aggregation"):
         run_with_deadline(strategy, lambda: w.assign_add(1.0))
     assert [float(c) for c in w.components] == [1.0, 1.0]
 

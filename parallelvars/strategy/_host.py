@@ -123,6 +123,11 @@ def _num_replicas() -> int:
     return ctx.num_replicas_in_sync if ctx is not None else _context.get_strategy().num_replicas_in_sync
 
 
+def _is_sparse(x: Any) -> bool:
+    """A sparse gradient (``values``, ``indices``, ``dense_shape``), possibly a named tuple."""
+    return all(hasattr(x, a) for a in ("values", "indices", "dense_shape"))
+
+
 def scale_loss_for_replicas(value: Any, num_replicas: int | None = None) -> Any:
     """Scale a loss, or gradients, by ``1 / num_replicas`` when the loss reduction is ``MEAN``.
 
@@ -148,14 +153,14 @@ def scale_loss_for_replicas(value: Any, num_replicas: int | None = None) -> Any:
     def scale(x: Any) -> Any:
         if x is None:
             return None
-        if all(hasattr(x, a) for a in ("values", "indices", "dense_shape")):  # a sparse gradient
+        if _is_sparse(x):
             return type(x)(scale(x.values), x.indices, x.dense_shape)
         arr = np.asarray(x)
         if arr.dtype.kind == "f":
             return arr * arr.dtype.type(factor)
         return arr * factor
 
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)) and not _is_sparse(value):
         out = [
             (scale(item[0]), *item[1:]) if isinstance(item, tuple) else scale(item) for item in value
         ]
