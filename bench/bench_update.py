@@ -28,19 +28,26 @@ LR, B1, B2, EPS = 1e-3, 0.9, 0.999, 1e-8
 BYTES_PER_PARAM = 28  # 4 reads (var, m, v, g) + 3 writes (var, m, v), float32
 
 
-def _time(fn: Callable[[], object], steps: int) -> float:
-    fn()  # warm-up: slots, plans, page faults
-    times = []
+def _time_interleaved(fns: dict[str, Callable[[], object]], steps: int) -> dict[str, float]:
+    """Best-of-``steps`` time of each function, measured in turns.
+
+    Taking turns means every contender meets the same background load (the machine may be
+    shared), so the ratios hold even when the absolute times drift.
+    """
+    for fn in fns.values():
+        fn()  # warm-up: slots, plans, page faults
+    best = dict.fromkeys(fns, math.inf)
     for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)  # best of: the machine may be shared; every column gets the same rule
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
 
 
-def bench_core(
-    sizes: list[int], replicas: int, steps: int, rng: np.random.Generator, every_row: bool = False
-) -> float:
+def make_core(
+    sizes: list[int], replicas: int, rng: np.random.Generator, every_row: bool = False
+) -> Callable[[], object]:
     with pv.replicated_scope(replicas):
         vs = [pv.Variable(rng.standard_normal(s, dtype=np.float32), name=f"v{i}") for i, s in enumerate(sizes)]
     grads = [rng.standard_normal(s, dtype=np.float32) for s in sizes]
@@ -48,10 +55,10 @@ def bench_core(
     # every_row: compute each replica's row instead of the primary row copied to the others.
     opt._pv_replicate_mirrored = not every_row
     pairs = list(zip(grads, vs, strict=True))
-    return _time(lambda: opt.apply_gradients(pairs), steps)
+    return lambda: opt.apply_gradients(pairs)
 
 
-def bench_loop(sizes: list[int], replicas: int, steps: int, rng: np.random.Generator) -> float:
+def make_loop(sizes: list[int], replicas: int, rng: np.random.Generator) -> Callable[[], object]:
     # The seeds' way: every component its own array with its own slots, one update each.
     comps = [[rng.standard_normal(s, dtype=np.float32) for _ in range(replicas)] for s in sizes]
     ms = [[np.zeros(s, np.float32) for _ in range(replicas)] for s in sizes]
@@ -70,18 +77,17 @@ def bench_loop(sizes: list[int], replicas: int, steps: int, rng: np.random.Gener
                 v[...] = B2 * v + (1 - B2) * g * g
                 var -= lr_t * m / (np.sqrt(v) + EPS)
 
-    return _time(step, steps)
+    return step
 
 
-def bench_copy(total: int, steps: int) -> float:
-    """Copy bandwidth in bytes/s (read + write) on ``total`` float32 values."""
+def make_copy(total: int) -> Callable[[], object]:
+    """A copy of ``total`` float32 values (``8 * total`` bytes moved: read + write)."""
     src = np.ones(total, np.float32)
     dst = np.empty_like(src)
-    seconds = _time(lambda: np.copyto(dst, src), steps)
-    return 2 * src.nbytes / seconds
+    return lambda: np.copyto(dst, src)
 
 
-def bench_torch(sizes: list[int], replicas: int, steps: int) -> float | None:
+def make_torch(sizes: list[int], replicas: int) -> Callable[[], object] | None:
     try:
         import torch
     except ImportError:
@@ -95,7 +101,8 @@ def bench_torch(sizes: list[int], replicas: int, steps: int) -> float | None:
             params.append(p)
     try:
         opt = torch.optim.Adam(params, lr=LR, betas=(B1, B2), eps=EPS, fused=True)
-        return _time(opt.step, steps)
+        opt.step()
+        return opt.step
     except (RuntimeError, TypeError, ValueError) as exc:  # fused unsupported on this build/device
         print(f"  torch fused Adam unavailable: {exc}")
         return None
@@ -105,12 +112,19 @@ def run_model(label: str, n_vars: int, size: int, replicas: int, steps: int) -> 
     rng = np.random.default_rng(0)
     sizes = [size] * n_vars
     params = n_vars * size
-    core = bench_core(sizes, replicas, steps, rng)
-    every = bench_core(sizes, replicas, steps, rng, every_row=True)
-    loop = bench_loop(sizes, replicas, steps, rng)
-    bandwidth = bench_copy(params * replicas, steps)
+    fns = {
+        "core": make_core(sizes, replicas, rng),
+        "every": make_core(sizes, replicas, rng, every_row=True),
+        "loop": make_loop(sizes, replicas, rng),
+        "copy": make_copy(params * replicas),
+    }
+    torch_step = make_torch(sizes, replicas)
+    if torch_step is not None:
+        fns["torch"] = torch_step
+    t = _time_interleaved(fns, steps)
+    bandwidth = 8 * params * replicas / t["copy"]
     roofline = BYTES_PER_PARAM * params * replicas / bandwidth
-    torch_t = bench_torch(sizes, replicas, steps)
+    core, every, loop, torch_t = t["core"], t["every"], t["loop"], t.get("torch")
     return {
         "label": label,  # type: ignore[dict-item]
         "vars": n_vars,

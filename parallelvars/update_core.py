@@ -196,7 +196,7 @@ def plan_runs(
     arenas: dict[int, Arena] = {}
     for item in placements:
         pos, pl = item[0], item[1]
-        replicate = bool(item[2]) if len(item) > 2 else False  # type: ignore[misc]
+        replicate = bool(item[2]) if len(item) > 2 else False
         by_arena.setdefault((id(pl.arena), replicate), []).append((pos, pl))
         arenas[id(pl.arena)] = pl.arena
     runs: list[Run] = []

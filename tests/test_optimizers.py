@@ -219,3 +219,37 @@ def test_checkpoint_saves_slots_and_defers_their_restore(tmp_path: Any) -> None:
     for a, b in [(m.w, m2.w), (m.e, m2.e), (opt.get_slot(m.w, "v"), opt2.get_slot(m2.w, "v"))]:
         for ca, cb in zip(a.components, b.components, strict=True):
             np.testing.assert_array_equal(ca, cb)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "momentum"])
+def test_apply_gradients_in_strategy_run_sums_replica_gradients(name: str) -> None:
+    strategy = pv.MirroredStrategy(4)
+    rng = np.random.default_rng(3)
+    init = rng.normal(size=(4, 3)).astype(np.float64)
+    with strategy.scope():
+        w = pv.Variable(init, name="w")
+        emb = pv.Variable(np.zeros((6, 2)), name="emb")
+        step = pv.Variable(np.int64(0), name="step")
+        opt = ALL[name]()
+    ref_w = pv.Variable(init.copy(), name="ref_w")
+    ref_emb = pv.Variable(np.zeros((6, 2)), name="ref_emb")
+    ref_opt = ALL[name]()
+    per_replica = [rng.normal(size=(4, 3)) for _ in range(4)]
+    rows = [np.array([r, 5]) for r in range(4)]
+
+    def replica_fn(grads: Any, idx: Any) -> None:
+        ctx = pv.get_replica_context()
+        sparse = pv.IndexedSlices(np.ones((2, 2)), idx, (6, 2))
+        opt.apply_gradients([(grads, w), (sparse, emb), (None, step)], global_step=step)
+        assert ctx is not None
+
+    for _ in range(2):
+        strategy.run(replica_fn, args=(pv.PerReplica(per_replica), pv.PerReplica(rows)))
+        dense_sum = sum(per_replica)
+        sparse_sum = pv.IndexedSlices(np.ones((8, 2)), np.concatenate(rows), (6, 2))
+        ref_opt.apply_gradients([(dense_sum, ref_w), (sparse_sum, ref_emb)])
+    assert int(step.read_value()) == 2 and int(opt.iterations.read_value()) == 2
+    for comp in w.components:
+        np.testing.assert_allclose(comp, ref_w.read_value(), rtol=1e-12, atol=1e-14)
+    for comp in emb.components:
+        np.testing.assert_allclose(comp, ref_emb.read_value(), rtol=1e-12, atol=1e-14)

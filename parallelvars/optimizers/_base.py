@@ -72,6 +72,7 @@ class Optimizer(Module):
         self._pv_plans: dict[tuple[int, ...], tuple[tuple[Any, ...], list[update_core.Run]]] = {}
         self._pv_scratch: dict[np.dtype, update_core.Scratch] = {}
         self._pv_info: dict[int, tuple[Any, tuple[tuple[int, ...], np.dtype, bool]]] = {}
+        self._pv_known: dict[tuple[int, ...], tuple[Any, ...]] = {}
         self._pv_non_slot_names: list[str] = []
         # Mirrored variables: compute the primary row and copy it (see update_core). False
         # computes every replica's row, for comparison.
@@ -181,7 +182,9 @@ class Optimizer(Module):
     def _add_non_slot(self, name: str, value: Any, dtype: Any, device: Any) -> None:
         if getattr(self, name, None) is not None:
             return
-        kwargs = dict(initial_value=np.asarray(value, dtype), name=f"{self._pv_name}/{name}", trainable=False)
+        kwargs: dict[str, Any] = dict(
+            initial_value=np.asarray(value, dtype), name=f"{self._pv_name}/{name}", trainable=False
+        )
         strategy = _context.current_mode().strategy
         if not strategy._is_default and hasattr(strategy, "colocate_vars_with"):
             # Through the strategy, so it knows the variable as one of its own.
@@ -285,7 +288,7 @@ class Optimizer(Module):
                 out[i] = g
             else:
                 dense.append(i)
-        if dense:
+        if dense and batch_reduce is not None:
             reduced = batch_reduce(ReduceOp.SUM, [(pairs[i][0], pairs[i][1]) for i in dense])
             for i, r in zip(dense, reduced, strict=True):
                 out[i] = r
@@ -385,15 +388,21 @@ class Optimizer(Module):
                 f"optimizer {self._pv_name!r}: no gradients provided for any variable",
                 hint="every gradient was None",
             )
-        seen: set[int] = set()
-        for _, v in pairs:
-            if id(v) in seen:
-                raise GradientError("a variable appears twice in one step", variable=getattr(v, "name", None))
-            seen.add(id(v))
-        reduced = self._reduce(strategy, pairs, from_replicas)
         var_list = [v for _, v in pairs]
+        # A training loop hands the same variables every step: check them and their slots once.
+        key = tuple(map(id, var_list))
+        known = self._pv_known.get(key)
+        steady = known is not None and all(a is b for a, b in zip(known, var_list, strict=True))
+        if not steady and len(set(key)) != len(key):
+            dup = next(v for i, v in enumerate(var_list) if id(v) in key[:i])
+            raise GradientError("a variable appears twice in one step", variable=getattr(dup, "name", None))
+        reduced = self._reduce(strategy, pairs, from_replicas)
         grads = [self._check(g, v) for g, v in zip(reduced, var_list, strict=True)]
-        self._create_slots(var_list)
+        if not steady:
+            self._create_slots(var_list)
+            if len(self._pv_known) >= _PLAN_CACHE:
+                self._pv_known.pop(next(iter(self._pv_known)))
+            self._pv_known[key] = tuple(var_list)
         self._create_non_slots(strategy, var_list)
         assert self.iterations is not None
         hp = self._hyper(int(self.iterations.read_value()))
