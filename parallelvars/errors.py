@@ -33,6 +33,7 @@ __all__ = [
     "ContextError",
     "CrossReplicaOnlyError",
     "ReplicaError",
+    "DistributedValueError",
     "RestoreMismatchError",
     "GradientError",
 ]
@@ -174,6 +175,14 @@ class CrossReplicaOnlyError(ContextError):
 
 class ReplicaError(ParallelVarsError, RuntimeError):
     """Replicas disagreed (for example, made different numbers of ``merge_call``)."""
+
+
+class DistributedValueError(ParallelVarsError, ValueError):
+    """A per-replica value or distributed input does not fit the strategy (wrong number of
+    replicas, shapes that cannot be reduced together, a batch that cannot be split).
+
+    Derives from ``ValueError``: the data is wrong, not the context it is used in.
+    """
 
 
 class RestoreMismatchError(CheckpointError, AssertionError):

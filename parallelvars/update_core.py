@@ -16,12 +16,19 @@ replica row receives, so numpy broadcasts it). This module decides which memory 
 * **Blocks.** A run is walked in column blocks sized so that one block of every operand and the
   scratch stay in the CPU's L2 cache; each ufunc call then streams cache-resident memory, and a
   step over a whole model is ``kernel calls x blocks``, not ``variables x components``.
+* **Mirrored rows.** The components of a mirrored variable are equal by construction (every
+  write reaches all of them) and so are its slots'; for such runs the kernel computes row 0 of
+  each block and the block is copied to the other rows while it is in cache. The arithmetic is
+  then done once per parameter instead of once per replica, which is what lets a CPU beat a
+  per-component loop (numpy's ufuncs are compute-bound on cache-resident blocks). Variables
+  whose components may differ (``independent`` kind) have every row computed.
 * **Fallback.** Sharded variables (no stacked buffer), variables without an arena placement and
   float dtypes numpy has no fast loops for (bfloat16, float8: computed in float32 and cast back)
   take a per-variable path through the same kernel, so both paths share one formula.
 
-Every row of a block goes through the same correctly rounded ufuncs (add, multiply, divide,
-sqrt, maximum) with the same operands, so replicas that start equal stay bit-identical.
+When every row is computed, each row goes through the same correctly rounded ufuncs (add,
+multiply, divide, sqrt, maximum) with the same operands, so replicas that start equal stay
+bit-identical either way.
 """
 
 from __future__ import annotations
@@ -106,12 +113,29 @@ def apply_blocked(
     grad: np.ndarray,
     hp: Any,
     scratch: Scratch,
+    replicate: bool = False,
 ) -> None:
-    """Apply ``kernel`` to 2-D ``var`` / ``slots`` / ``grad`` in cache-sized column blocks."""
+    """Apply ``kernel`` to 2-D ``var`` / ``slots`` / ``grad`` in cache-sized column blocks.
+
+    With ``replicate`` (rows known to be equal: a mirrored variable and its slots), the kernel
+    computes row 0 of each block and the block is copied to the other rows while it is still
+    in cache: the arithmetic is done once per parameter, the memory written once per replica.
+    """
     rows, total = var.shape
-    width = block_width(rows, var.dtype)
+    once = replicate and rows > 1
+    # The kernel's operands are one row high when computing once: wider blocks, fewer calls.
+    width = block_width(1 if once else rows, var.dtype)
     for c0 in range(0, total, width):
         c1 = min(total, c0 + width)
+        if once:
+            tmp, gtmp = scratch.take(1, c1 - c0)
+            v0 = var[:1, c0:c1]
+            s0 = tuple(s[:1, c0:c1] for s in slots)
+            kernel(v0, s0, grad[:, c0:c1], hp, tmp, gtmp)
+            np.copyto(var[1:, c0:c1], v0)
+            for s, top in zip(slots, s0, strict=True):
+                np.copyto(s[1:, c0:c1], top)
+            continue
         tmp, gtmp = scratch.take(rows, c1 - c0)
         kernel(
             var[:, c0:c1],
@@ -134,6 +158,7 @@ class Run:
         var_slab: ``arena.buffer[:, lo:hi]``.
         slot_slabs: the same columns of each slot arena, in the optimizer's slot order.
         grad_line: ``(1, hi - lo)`` staging line for the gradients, zero in the padding.
+        replicate: the rows are equal (mirrored variables): compute row 0, copy to the rest.
     """
 
     arena: Arena
@@ -143,6 +168,7 @@ class Run:
     var_slab: np.ndarray
     slot_slabs: tuple[np.ndarray, ...] = ()
     grad_line: np.ndarray = field(default_factory=lambda: np.zeros((1, 0)))
+    replicate: bool = False
 
 
 def _aligned_end(arena: Arena, end: int) -> int:
@@ -150,13 +176,15 @@ def _aligned_end(arena: Arena, end: int) -> int:
 
 
 def plan_runs(
-    placements: Sequence[tuple[int, Any]],
+    placements: Sequence[tuple[int, Any]] | Sequence[tuple[int, Any, bool]],
     slot_arenas: Callable[[Arena], Sequence[Arena]],
 ) -> list[Run]:
     """Group variables into runs.
 
     Args:
-        placements: ``(position, placement)`` for each variable on the fast path.
+        placements: ``(position, placement)`` or ``(position, placement, replicate)`` for each
+            variable on the fast path; ``replicate`` marks variables whose components are kept
+            equal (mirrored), which never share a run with the others.
         slot_arenas: for a variable arena, the optimizer's slot arenas (its shadows), in slot
             order.
 
@@ -164,13 +192,15 @@ def plan_runs(
         The runs, each covering only the given variables and the alignment padding between
         them.
     """
-    by_arena: dict[int, list[tuple[int, Any]]] = {}
+    by_arena: dict[tuple[int, bool], list[tuple[int, Any]]] = {}
     arenas: dict[int, Arena] = {}
-    for pos, pl in placements:
-        by_arena.setdefault(id(pl.arena), []).append((pos, pl))
+    for item in placements:
+        pos, pl = item[0], item[1]
+        replicate = bool(item[2]) if len(item) > 2 else False
+        by_arena.setdefault((id(pl.arena), replicate), []).append((pos, pl))
         arenas[id(pl.arena)] = pl.arena
     runs: list[Run] = []
-    for key, items in by_arena.items():
+    for (key, replicate), items in by_arena.items():
         arena = arenas[key]
         items.sort(key=lambda item: item[1].offset)
         groups: list[list[tuple[int, Any]]] = []
@@ -196,6 +226,7 @@ def plan_runs(
                     var_slab=arena.buffer[:, lo:hi],
                     slot_slabs=tuple(s.buffer[:, lo:hi] for s in shadows),
                     grad_line=np.zeros((1, hi - lo), arena.dtype),
+                    replicate=replicate,
                 )
             )
     return runs
@@ -222,7 +253,9 @@ def apply_runs(
         for pos, start, size in run.members:
             # Casting to the variable's dtype here, once per parameter, not once per replica.
             np.copyto(line[start : start + size], grads[pos].reshape(-1), casting="same_kind")
-        apply_blocked(kernel, run.var_slab, run.slot_slabs, run.grad_line, hp, scratch(run.arena.dtype))
+        apply_blocked(
+            kernel, run.var_slab, run.slot_slabs, run.grad_line, hp, scratch(run.arena.dtype), run.replicate
+        )
 
 
 def row_view(stacked: np.ndarray) -> np.ndarray:

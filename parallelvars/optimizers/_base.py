@@ -71,7 +71,12 @@ class Optimizer(Module):
         self._pv_slots: dict[str, dict[int, tuple[Any, Any]]] = {}
         self._pv_plans: dict[tuple[int, ...], tuple[tuple[Any, ...], list[update_core.Run]]] = {}
         self._pv_scratch: dict[np.dtype, update_core.Scratch] = {}
+        self._pv_info: dict[int, tuple[Any, tuple[tuple[int, ...], np.dtype, bool]]] = {}
+        self._pv_known: dict[tuple[int, ...], tuple[Any, ...]] = {}
         self._pv_non_slot_names: list[str] = []
+        # Mirrored variables: compute the primary row and copy it (see update_core). False
+        # computes every replica's row, for comparison.
+        self._pv_replicate_mirrored = True
         self.iterations: ParallelVariable | None = None
 
     # ------------------------------------------------------------------ public API
@@ -111,7 +116,7 @@ class Optimizer(Module):
                 f"context of {mode.strategy!r}; call it inside strategy.run(...), or use "
                 "optimizer.distributed_apply(strategy, grads_and_vars) with reduced gradients"
             )
-        mode.replica_context.merge_call(self._distributed_apply, args=(pairs, global_step))
+        mode.replica_context.merge_call(self._distributed_apply, args=(pairs, global_step, True))
 
     def distributed_apply(
         self, strategy: Any, grads_and_vars: Iterable[tuple[Any, Any]], global_step: Any = None
@@ -177,9 +182,18 @@ class Optimizer(Module):
     def _add_non_slot(self, name: str, value: Any, dtype: Any, device: Any) -> None:
         if getattr(self, name, None) is not None:
             return
-        var = _make_distributed_variable(
-            device, initial_value=np.asarray(value, dtype), name=f"{self._pv_name}/{name}", trainable=False
+        kwargs: dict[str, Any] = dict(
+            initial_value=np.asarray(value, dtype), name=f"{self._pv_name}/{name}", trainable=False
         )
+        strategy = _context.current_mode().strategy
+        if not strategy._is_default and hasattr(strategy, "colocate_vars_with"):
+            # Through the strategy, so it knows the variable as one of its own.
+            from parallelvars.variables import Variable
+
+            with strategy.colocate_vars_with(tuple(device.components)):
+                var = Variable(**kwargs)
+        else:
+            var = _make_distributed_variable(device, **kwargs)
         self._pv_non_slot_names.append(name)
         setattr(self, name, var)  # tracked; a pending restore fills it here
 
@@ -247,28 +261,44 @@ class Optimizer(Module):
         return s
 
     # ------------------------------------------------------------------ the step
-    def _reduce(self, strategy: Any, pairs: list[tuple[Any, Any]]) -> list[Any]:
-        """SUM every gradient across replicas (a no-op for gradients that are already one value)."""
+    def _reduce(self, strategy: Any, pairs: list[tuple[Any, Any]], from_replicas: bool) -> list[Any]:
+        """SUM every gradient across replicas.
+
+        ``from_replicas``: the pairs were merged from every replica's ``apply_gradients``, so a
+        plain value is one that every replica gave and counts once per replica. Otherwise (a
+        cross-replica ``distributed_apply``) plain values are already reduced and only
+        per-replica values are summed.
+        """
         batch_reduce = getattr(strategy, "batch_reduce", None)
-        if batch_reduce is None:
-            return [g for g, _ in pairs]
+        n = int(getattr(strategy, "num_replicas_in_sync", 1))
         out: list[Any] = [None] * len(pairs)
         dense: list[int] = []
+        plain_ok = batch_reduce is None or not (from_replicas and n > 1)
         for i, (g, _) in enumerate(pairs):
-            parts = getattr(g, "values", None)
-            if isinstance(g, IndexedSlices):
+            if type(g) is np.ndarray and plain_ok:  # the common case, kept cheap
                 out[i] = g
-            elif isinstance(parts, (tuple, list)) and parts and isinstance(parts[0], IndexedSlices):
-                out[i] = sum_indexed_slices(parts)
+                continue
+            parts = getattr(g, "values", None)
+            per_replica = not isinstance(g, IndexedSlices) and isinstance(parts, (tuple, list))
+            if isinstance(g, IndexedSlices):
+                out[i] = sum_indexed_slices([g] * n) if from_replicas and n > 1 else g
+            elif per_replica and parts and isinstance(parts[0], IndexedSlices):
+                out[i] = sum_indexed_slices(list(parts))
+            elif batch_reduce is None or not (per_replica or (from_replicas and n > 1)):
+                out[i] = g
             else:
                 dense.append(i)
-        if dense:
+        if dense and batch_reduce is not None:
             reduced = batch_reduce(ReduceOp.SUM, [(pairs[i][0], pairs[i][1]) for i in dense])
             for i, r in zip(dense, reduced, strict=True):
                 out[i] = r
         return out
 
-    def _check(self, g: Any, var: Any) -> Any:
+    def _info(self, var: Any) -> tuple[tuple[int, ...], np.dtype, bool]:
+        """``(shape, dtype, on the fast path)`` of a variable, validated once and cached."""
+        entry = self._pv_info.get(id(var))
+        if entry is not None and entry[0] is var:
+            return entry[1]
         if not isinstance(var, ParallelVariable):
             raise GradientError(
                 "optimizers update variables made by pv.Variable",
@@ -280,17 +310,36 @@ class Optimizer(Module):
                 "an ON_READ variable cannot be trained (its replicas hold parts of a value)",
                 variable=var.name,
             )
-        if not _is_float(var.dtype):
+        dtype = np.dtype(var.dtype)
+        if not _is_float(dtype):
             raise GradientError(
                 "optimizers update floating-point variables only",
                 variable=var.name,
                 expected="a float dtype",
-                found=var.dtype,
+                found=dtype,
             )
+        fast = (
+            not isinstance(var, ShardedVariable)
+            and var.placement is not None
+            and dtype in update_core.FAST_DTYPES
+        )
+        info = (tuple(var.shape), dtype, fast)
+        self._pv_info[id(var)] = (var, info)
+        return info
+
+    def _check(self, g: Any, var: Any) -> Any:
+        shape = self._info(var)[0]
+        if type(g) is np.ndarray:  # the common case, kept cheap
+            if g.shape != shape:
+                raise GradientError("gradient of another shape", variable=var.name, expected=shape, found=g.shape)
+            if g.dtype.kind not in "fiu" and not _is_float(g.dtype):
+                raise GradientError(
+                    "gradient is not numeric", variable=var.name, expected="a float array", found=g.dtype
+                )
+            return g
         # A reduced gradient may come back wrapped (a mirrored value): its primary is the value.
         if not isinstance(g, IndexedSlices) and isinstance(getattr(g, "values", None), (tuple, list)):
             g = g.values[0]
-        shape = tuple(var.shape)
         if isinstance(g, IndexedSlices):
             if not shape:
                 raise GradientError("a scalar variable cannot take a sparse gradient", variable=var.name)
@@ -316,7 +365,7 @@ class Optimizer(Module):
             if self._sparse_as_dense:
                 return g.to_dense(shape)
             return g
-        arr = np.asarray(g.read_value() if isinstance(g, ParallelVariable) else g)
+        arr = g if type(g) is np.ndarray else np.asarray(g.read_value() if isinstance(g, ParallelVariable) else g)
         if arr.shape != shape:
             raise GradientError("gradient of another shape", variable=var.name, expected=shape, found=arr.shape)
         if arr.dtype.kind not in "fiu" and not _is_float(arr.dtype):
@@ -326,24 +375,34 @@ class Optimizer(Module):
         return arr
 
     def _distributed_apply(
-        self, strategy: Any, grads_and_vars: list[tuple[Any, Any]], global_step: Any = None
+        self,
+        strategy: Any,
+        grads_and_vars: list[tuple[Any, Any]],
+        global_step: Any = None,
+        from_replicas: bool = False,
     ) -> None:
-        """The cross-replica step; the target of ``merge_call``."""
+        """The cross-replica step; the target of ``merge_call`` (``from_replicas`` then)."""
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:
             raise GradientError(
                 f"optimizer {self._pv_name!r}: no gradients provided for any variable",
                 hint="every gradient was None",
             )
-        seen: set[int] = set()
-        for _, v in pairs:
-            if id(v) in seen:
-                raise GradientError("a variable appears twice in one step", variable=getattr(v, "name", None))
-            seen.add(id(v))
-        reduced = self._reduce(strategy, pairs)
         var_list = [v for _, v in pairs]
+        # A training loop hands the same variables every step: check them and their slots once.
+        key = tuple(map(id, var_list))
+        known = self._pv_known.get(key)
+        steady = known is not None and all(a is b for a, b in zip(known, var_list, strict=True))
+        if not steady and len(set(key)) != len(key):
+            dup = next(v for i, v in enumerate(var_list) if id(v) in key[:i])
+            raise GradientError("a variable appears twice in one step", variable=getattr(dup, "name", None))
+        reduced = self._reduce(strategy, pairs, from_replicas)
         grads = [self._check(g, v) for g, v in zip(reduced, var_list, strict=True)]
-        self._create_slots(var_list)
+        if not steady:
+            self._create_slots(var_list)
+            if len(self._pv_known) >= _PLAN_CACHE:
+                self._pv_known.pop(next(iter(self._pv_known)))
+            self._pv_known[key] = tuple(var_list)
         self._create_non_slots(strategy, var_list)
         assert self.iterations is not None
         hp = self._hyper(int(self.iterations.read_value()))
@@ -351,7 +410,7 @@ class Optimizer(Module):
 
         update_non_slot = getattr(strategy, "update_non_slot", None)
         if update_non_slot is not None:
-            update_non_slot(self.non_slot_variables, self._finish)
+            update_non_slot(self.iterations, self._finish)
         else:
             self._finish()
         if global_step is not None:
@@ -365,12 +424,7 @@ class Optimizer(Module):
     def _update(self, var_list: list[Any], grads: list[Any], hp: Any) -> None:
         fast: list[int] = []
         for i, (v, g) in enumerate(zip(var_list, grads, strict=True)):
-            if (
-                not isinstance(g, IndexedSlices)
-                and not isinstance(v, ShardedVariable)
-                and v.placement is not None
-                and v.dtype in update_core.FAST_DTYPES
-            ):
+            if self._info(v)[2] and type(g) is not IndexedSlices:
                 fast.append(i)
             else:
                 self._update_one(v, g, hp)
@@ -379,13 +433,16 @@ class Optimizer(Module):
             update_core.apply_runs(runs, [grads[i] for i in fast], self._kernel, hp, self._scratch)
 
     def _plan(self, fast_vars: list[Any]) -> list[update_core.Run]:
-        key = tuple(id(v) for v in fast_vars)
+        key = (*(id(v) for v in fast_vars), self._pv_replicate_mirrored)
         cached = self._pv_plans.get(key)
         if cached is not None and all(a is b for a, b in zip(cached[0], fast_vars, strict=True)):
             return cached[1]
         names = [n for n, _ in self._slot_specs()]
         runs = update_core.plan_runs(
-            [(i, v.placement) for i, v in enumerate(fast_vars)],
+            [
+                (i, v.placement, self._pv_replicate_mirrored and v.kind in ("mirrored", "single"))
+                for i, v in enumerate(fast_vars)
+            ],
             lambda arena: [self._slot_arena(arena, n) for n in names],
         )
         if len(self._pv_plans) >= _PLAN_CACHE:
