@@ -9,8 +9,8 @@ import os
 import pathlib
 import shutil
 import subprocess
-import tempfile
 import sys
+import tempfile
 
 import numpy as np
 import pytest
