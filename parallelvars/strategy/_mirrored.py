@@ -15,6 +15,7 @@ the next step.
 from __future__ import annotations
 
 import _thread
+import contextlib
 import contextvars
 import threading
 import weakref
@@ -29,6 +30,9 @@ from parallelvars.strategy._base import ReplicaContext, Strategy
 from parallelvars.strategy._values import PerReplica, _needs_walk, regroup, select_replica
 
 __all__ = ["MirroredStrategy"]
+
+
+_NO_SCOPE = contextlib.nullcontext()
 
 
 class _ReplicaAborted(ReplicaError):
@@ -133,8 +137,14 @@ class _Step:
             regroup([c[1][j] for c in calls], owner_of) for j in range(len(calls[0][1]))
         )
         kwargs = {k: regroup([c[2][k] for c in calls], owner_of) for k in calls[0][2]}
-        with _context.push_mode(_context.Mode(self.strategy, None)):
+        modes = _context._MODES
+        token = modes.set((*modes.get(), _context.Mode(self.strategy, None)))
+        try:
             result = fn(self.strategy, *args, **kwargs)
+        finally:
+            modes.reset(token)
+        if not _needs_walk(result):
+            return [result] * self.n
         try:
             return [select_replica(i, result, self.n) for i in range(self.n)]
         except ValueError as e:
@@ -307,7 +317,9 @@ class MirroredStrategy(Strategy):
         split = _needs_walk(args)
         with self._run_lock:
             step = _Step(self, pool.parks)
-            with self.scope():
+            # Copy the caller's context inside our scope, so replicas see its creator and mode.
+            scope = self.scope() if _context.current_mode().strategy is not self else _NO_SCOPE
+            with scope:
                 jobs = []
                 for i in range(n):
                     a = select_replica(i, args) if split else args
