@@ -13,7 +13,7 @@ import contextlib
 import contextvars
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -356,9 +356,9 @@ class Strategy:
             A numpy array. Summation is deterministic: per device, then in device order.
         """
         self._require_cross_replica("reduce")
-        op = ReduceOp.parse(op)  # type: ignore[assignment]
+        rop = cast(ReduceOp, ReduceOp.parse(op))
         values, devices = self._values_of(value, "reduce")
-        return self._reduce_to(op, values, devices, axis)
+        return self._reduce_to(rop, values, devices, axis)
 
     def _reduce_to(
         self, op: ReduceOp, values: Sequence[Any], devices: Sequence[str], axis: int | None = None
@@ -378,7 +378,7 @@ class Strategy:
             One reduced value per pair, in order.
         """
         self._require_cross_replica("batch_reduce")
-        op = ReduceOp.parse(op)  # type: ignore[assignment]
+        rop = cast(ReduceOp, ReduceOp.parse(op))
         pairs = list(value_destination_pairs)
         for pair in pairs:
             if not (isinstance(pair, tuple) and len(pair) == 2):
@@ -386,7 +386,7 @@ class Strategy:
                     f"batch_reduce() takes (value, destination) pairs, found {type(pair).__name__}"
                 )
         parts = [self._values_of(v, "batch_reduce") for v, _ in pairs]
-        return self._batch_reduce_to(op, [p[0] for p in parts], [p[1] for p in parts])
+        return self._batch_reduce_to(rop, [p[0] for p in parts], [p[1] for p in parts])
 
     def _batch_reduce_to(
         self, op: ReduceOp, values: Sequence[Sequence[Any]], devices: Sequence[Sequence[str]]

@@ -15,7 +15,6 @@ the next step.
 from __future__ import annotations
 
 import _thread
-import contextlib
 import contextvars
 import threading
 import weakref
@@ -30,9 +29,6 @@ from parallelvars.strategy._base import ReplicaContext, Strategy
 from parallelvars.strategy._values import PerReplica, _needs_walk, regroup, select_replica
 
 __all__ = ["MirroredStrategy"]
-
-
-_NO_SCOPE = contextlib.nullcontext()
 
 
 class _ReplicaAborted(ReplicaError):
@@ -317,14 +313,25 @@ class MirroredStrategy(Strategy):
         split = _needs_walk(args)
         with self._run_lock:
             step = _Step(self, pool.parks)
-            # Copy the caller's context inside our scope, so replicas see its creator and mode.
-            scope = self.scope() if _context.current_mode().strategy is not self else _NO_SCOPE
-            with scope:
+            # Copy the caller's context inside our scope (entered here without the generator
+            # machinery of scope(); _check_can_run has ruled out another strategy's scope), so
+            # the replicas see our variable creator and cross-replica mode under their own.
+            tokens = None
+            if _context.current_mode().strategy is not self:
+                tokens = (
+                    _context._MODES.set((*_context._MODES.get(), _context.Mode(self, None))),
+                    _context._CREATORS.set((*_context._CREATORS.get(), self._variable_creator)),
+                )
+            try:
                 jobs = []
                 for i in range(n):
                     a = select_replica(i, args) if split else args
                     kw = select_replica(i, kwargs) if kwargs else kwargs
                     jobs.append((step, contextvars.copy_context(), (self, i, step, fn, a, kw)))
+            finally:
+                if tokens is not None:
+                    _context._CREATORS.reset(tokens[1])
+                    _context._MODES.reset(tokens[0])
             pool.dispatch(jobs)
             del jobs
             try:
