@@ -114,7 +114,10 @@ class ReplicaContext:
         self._check_current()
         with _context.push_mode(_context.Mode(self.strategy, None)):
             result = fn(self.strategy, *args, **(kwargs or {}))
-        return select_replica(0, result, 1)
+        try:
+            return select_replica(0, result, 1)
+        except ValueError as e:
+            raise DistributedValueError(f"merge_call result: {e}") from None
 
     def _write_variable(self, var: Any, op: str, value: Any) -> Any:
         """Apply a write to a mirrored variable from this replica (``op``: assign / assign_add / assign_sub).
