@@ -9,7 +9,7 @@ Example:
     4
 """
 
-from parallelvars import errors
+from parallelvars import errors, optimizers
 from parallelvars.checkpoint import (
     Checkpoint,
     CheckpointLoadStatus,
@@ -20,6 +20,7 @@ from parallelvars.checkpoint import (
 from parallelvars.devices import ParallelDevice
 from parallelvars.enums import Aggregation, ReduceOp, Synchronization
 from parallelvars.errors import ParallelVarsError
+from parallelvars.optimizers import IndexedSlices, clip_by_global_norm
 from parallelvars.strategy import (
     DistributedDataset,
     Mirrored,
@@ -57,6 +58,7 @@ __all__ = [
     "Aggregation",
     "Checkpoint",
     "DistributedDataset",
+    "IndexedSlices",
     "CheckpointLoadStatus",
     "Mirrored",
     "MirroredStrategy",
@@ -77,6 +79,7 @@ __all__ = [
     "TrackedList",
     "Variable",
     "__version__",
+    "clip_by_global_norm",
     "errors",
     "get_cross_replica_context",
     "get_loss_reduction",
@@ -88,6 +91,7 @@ __all__ = [
     "increment_var",
     "independent_buffers",
     "loss_reduction",
+    "optimizers",
     "outside_compilation",
     "register_saveable",
     "replicated_scope",

@@ -35,6 +35,7 @@ __all__ = [
     "ReplicaError",
     "DistributedValueError",
     "RestoreMismatchError",
+    "GradientError",
 ]
 
 
@@ -186,3 +187,29 @@ class DistributedValueError(ParallelVarsError, ValueError):
 
 class RestoreMismatchError(CheckpointError, AssertionError):
     """The saved object graph and the live one do not match as asserted."""
+
+
+class GradientError(ParallelVarsError, ValueError):
+    """A gradient does not fit its variable, or an optimizer cannot update the variable.
+
+    Derives from ``ValueError``: the call was well formed, the values handed in were not.
+
+    Attributes:
+        variable: the variable concerned, when known.
+        expected: what the variable or the optimizer needs.
+        found: what the gradient or the variable has.
+    """
+
+    def __init__(
+        self,
+        what: str,
+        *,
+        variable: str | None = None,
+        expected: Any = None,
+        found: Any = None,
+        hint: str | None = None,
+    ) -> None:
+        self.variable = variable
+        self.expected = expected
+        self.found = found
+        super().__init__(_describe(what, variable=variable, expected=expected, found=found, hint=hint))

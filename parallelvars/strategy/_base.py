@@ -340,17 +340,19 @@ class Strategy:
             return value.values, devices
         if _is_variable(value):
             return tuple(value.components), tuple(value.devices)
-        # A value that is the same everywhere counts once per replica.
-        return (value,) * self.num_replicas_in_sync, self.worker_devices
+        # A plain value is already one cross-replica value: reducing it changes nothing (the
+        # optimizers hand batch_reduce gradients that were reduced before).
+        return (value,), self.worker_devices[:1]
 
     def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Combine a per-replica value across replicas into one numpy array.
 
         Args:
             op: ``ReduceOp.SUM`` or ``ReduceOp.MEAN``.
-            value: a :class:`PerReplica` (for example the result of :meth:`run`), a variable
-                (its components), or a plain value, which counts as the same value in every
-                replica (``SUM`` gives ``num_replicas`` times it).
+            value: a :class:`PerReplica` (for example the result of :meth:`run`), a
+                :class:`Mirrored` value (one copy per device, each counted), a variable (its
+                components), or a plain value, which is already one cross-replica value and
+                comes back unchanged (reduced along ``axis`` if given).
             axis: also reduce along this axis of each replica's value. ``MEAN`` then gives
                 the mean over all elements of all replicas along the axis, which differs from
                 the mean of per-replica means when replicas hold uneven batches.

@@ -198,9 +198,14 @@ def _merge_write(strategy: Strategy, var: Any, op: str, value: Any) -> None:
     agg = var.aggregation
     if agg is Aggregation.ONLY_FIRST_REPLICA:
         merged = value.values[0] if isinstance(value, PerReplica) else value
-    else:
+    elif isinstance(value, PerReplica):
         rop = ReduceOp.SUM if agg is Aggregation.SUM else ReduceOp.MEAN
         merged = strategy.reduce(rop, value)
+    elif agg is Aggregation.SUM:
+        # Every replica wrote the same object: the sum is n times it.
+        merged = strategy.reduce(ReduceOp.SUM, PerReplica([value] * strategy.num_replicas_in_sync))
+    else:
+        merged = value  # the mean of n equal writes
     var._apply_write(op, merged)
 
 
