@@ -268,8 +268,9 @@ def test_several_merge_calls_per_step() -> None:
         assert ctx is not None
         total = ctx.replica_id_in_sync_group
         for _ in range(5):
-            total = ctx.merge_call(lambda s, t: s.reduce(pv.ReduceOp.SUM, t), args=(total,))
-        return float(total)
+            # float() gives each replica its own object, so the next merge sees a PerReplica.
+            total = float(ctx.merge_call(lambda s, t: s.reduce(pv.ReduceOp.SUM, t), args=(total,)))
+        return total
 
     # float() makes a new object per replica: equal values, still one per replica.
     assert run_with_deadline(strategy, fn).values == (6.0 * 4**4,) * 4

@@ -53,9 +53,11 @@ def test_reduce_sum_and_mean() -> None:
     np.testing.assert_array_equal(s.reduce(pv.ReduceOp.SUM, x), [6.0, 6.0])
     np.testing.assert_array_equal(s.reduce("mean", x), [1.5, 1.5])
     assert s.reduce(pv.ReduceOp.SUM, x).dtype == np.float32
-    # A plain value is the same in every replica.
-    assert float(s.reduce(pv.ReduceOp.SUM, 2.0)) == 8.0
+    # A plain value is already one cross-replica value; a Mirrored one counts once per copy.
+    assert float(s.reduce(pv.ReduceOp.SUM, 2.0)) == 2.0
     assert float(s.reduce(pv.ReduceOp.MEAN, 2.0)) == 2.0
+    np.testing.assert_array_equal(s.reduce(pv.ReduceOp.SUM, np.ones((3, 2)), axis=0), [3.0, 3.0])
+    assert float(s.reduce(pv.ReduceOp.SUM, s.broadcast(2.0))) == 8.0
 
 
 def test_reduce_mean_with_axis_is_the_global_mean_of_uneven_batches() -> None:

@@ -13,7 +13,7 @@ import contextlib
 import contextvars
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -114,7 +114,10 @@ class ReplicaContext:
         self._check_current()
         with _context.push_mode(_context.Mode(self.strategy, None)):
             result = fn(self.strategy, *args, **(kwargs or {}))
-        return select_replica(0, result, 1)
+        try:
+            return select_replica(0, result, 1)
+        except ValueError as e:
+            raise DistributedValueError(f"merge_call result: {e}") from None
 
     def _write_variable(self, var: Any, op: str, value: Any) -> Any:
         """Apply a write to a mirrored variable from this replica (``op``: assign / assign_add / assign_sub).
@@ -337,17 +340,19 @@ class Strategy:
             return value.values, devices
         if _is_variable(value):
             return tuple(value.components), tuple(value.devices)
-        # A value that is the same everywhere counts once per replica.
-        return (value,) * self.num_replicas_in_sync, self.worker_devices
+        # A plain value is already one cross-replica value: reducing it changes nothing (the
+        # optimizers hand batch_reduce gradients that were reduced before).
+        return (value,), self.worker_devices[:1]
 
     def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Combine a per-replica value across replicas into one numpy array.
 
         Args:
             op: ``ReduceOp.SUM`` or ``ReduceOp.MEAN``.
-            value: a :class:`PerReplica` (for example the result of :meth:`run`), a variable
-                (its components), or a plain value, which counts as the same value in every
-                replica (``SUM`` gives ``num_replicas`` times it).
+            value: a :class:`PerReplica` (for example the result of :meth:`run`), a
+                :class:`Mirrored` value (one copy per device, each counted), a variable (its
+                components), or a plain value, which is already one cross-replica value and
+                comes back unchanged (reduced along ``axis`` if given).
             axis: also reduce along this axis of each replica's value. ``MEAN`` then gives
                 the mean over all elements of all replicas along the axis, which differs from
                 the mean of per-replica means when replicas hold uneven batches.
@@ -356,9 +361,9 @@ class Strategy:
             A numpy array. Summation is deterministic: per device, then in device order.
         """
         self._require_cross_replica("reduce")
-        op = ReduceOp.parse(op)  # type: ignore[assignment]
+        rop = cast(ReduceOp, ReduceOp.parse(op))
         values, devices = self._values_of(value, "reduce")
-        return self._reduce_to(op, values, devices, axis)
+        return self._reduce_to(rop, values, devices, axis)
 
     def _reduce_to(
         self, op: ReduceOp, values: Sequence[Any], devices: Sequence[str], axis: int | None = None
@@ -378,7 +383,7 @@ class Strategy:
             One reduced value per pair, in order.
         """
         self._require_cross_replica("batch_reduce")
-        op = ReduceOp.parse(op)  # type: ignore[assignment]
+        rop = cast(ReduceOp, ReduceOp.parse(op))
         pairs = list(value_destination_pairs)
         for pair in pairs:
             if not (isinstance(pair, tuple) and len(pair) == 2):
@@ -386,7 +391,7 @@ class Strategy:
                     f"batch_reduce() takes (value, destination) pairs, found {type(pair).__name__}"
                 )
         parts = [self._values_of(v, "batch_reduce") for v, _ in pairs]
-        return self._batch_reduce_to(op, [p[0] for p in parts], [p[1] for p in parts])
+        return self._batch_reduce_to(rop, [p[0] for p in parts], [p[1] for p in parts])
 
     def _batch_reduce_to(
         self, op: ReduceOp, values: Sequence[Sequence[Any]], devices: Sequence[Sequence[str]]

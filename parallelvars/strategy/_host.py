@@ -105,13 +105,13 @@ def get_loss_reduction() -> ReduceOp:
 
 def set_loss_reduction(op: ReduceOp | str) -> None:
     """Record how the loss being computed reduces its examples (what :func:`get_loss_reduction` returns)."""
-    _LOSS_REDUCTION.set(ReduceOp.parse(op))  # type: ignore[arg-type]
+    _LOSS_REDUCTION.set(ReduceOp.parse(op))
 
 
 @contextlib.contextmanager
 def loss_reduction(op: ReduceOp | str) -> Iterator[None]:
     """Use ``op`` as the loss reduction inside the ``with`` block."""
-    token = _LOSS_REDUCTION.set(ReduceOp.parse(op))  # type: ignore[arg-type]
+    token = _LOSS_REDUCTION.set(ReduceOp.parse(op))
     try:
         yield
     finally:

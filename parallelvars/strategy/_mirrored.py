@@ -133,8 +133,14 @@ class _Step:
             regroup([c[1][j] for c in calls], owner_of) for j in range(len(calls[0][1]))
         )
         kwargs = {k: regroup([c[2][k] for c in calls], owner_of) for k in calls[0][2]}
-        with _context.push_mode(_context.Mode(self.strategy, None)):
+        modes = _context._MODES
+        token = modes.set((*modes.get(), _context.Mode(self.strategy, None)))
+        try:
             result = fn(self.strategy, *args, **kwargs)
+        finally:
+            modes.reset(token)
+        if not _needs_walk(result):
+            return [result] * self.n
         try:
             return [select_replica(i, result, self.n) for i in range(self.n)]
         except ValueError as e:
@@ -192,9 +198,14 @@ def _merge_write(strategy: Strategy, var: Any, op: str, value: Any) -> None:
     agg = var.aggregation
     if agg is Aggregation.ONLY_FIRST_REPLICA:
         merged = value.values[0] if isinstance(value, PerReplica) else value
-    else:
+    elif isinstance(value, PerReplica):
         rop = ReduceOp.SUM if agg is Aggregation.SUM else ReduceOp.MEAN
         merged = strategy.reduce(rop, value)
+    elif agg is Aggregation.SUM:
+        # Every replica wrote the same object: the sum is n times it.
+        merged = strategy.reduce(ReduceOp.SUM, PerReplica([value] * strategy.num_replicas_in_sync))
+    else:
+        merged = value  # the mean of n equal writes
     var._apply_write(op, merged)
 
 
@@ -307,12 +318,25 @@ class MirroredStrategy(Strategy):
         split = _needs_walk(args)
         with self._run_lock:
             step = _Step(self, pool.parks)
-            with self.scope():
+            # Copy the caller's context inside our scope (entered here without the generator
+            # machinery of scope(); _check_can_run has ruled out another strategy's scope), so
+            # the replicas see our variable creator and cross-replica mode under their own.
+            tokens = None
+            if _context.current_mode().strategy is not self:
+                tokens = (
+                    _context._MODES.set((*_context._MODES.get(), _context.Mode(self, None))),
+                    _context._CREATORS.set((*_context._CREATORS.get(), self._variable_creator)),
+                )
+            try:
                 jobs = []
                 for i in range(n):
                     a = select_replica(i, args) if split else args
                     kw = select_replica(i, kwargs) if kwargs else kwargs
                     jobs.append((step, contextvars.copy_context(), (self, i, step, fn, a, kw)))
+            finally:
+                if tokens is not None:
+                    _context._CREATORS.reset(tokens[1])
+                    _context._MODES.reset(tokens[0])
             pool.dispatch(jobs)
             del jobs
             try:

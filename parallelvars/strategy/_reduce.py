@@ -85,7 +85,7 @@ def reduce_values(
         A numpy array (or, for sparse values with ``values``/``indices``/``dense_shape``, a
         sparse value of the same type holding every device's rows, in device order).
     """
-    op = ReduceOp.parse(op)  # type: ignore[assignment]
+    op = ReduceOp.parse(op)
     if len(values) != len(devices):
         raise DistributedValueError(
             f"cannot reduce {len(values)} values placed on {len(devices)} devices "
