@@ -155,8 +155,10 @@ def _shard_specs(path: str, entry: Entry, index_path: str) -> list[SliceSpec]:
             expected=f"{n} non-decreasing offsets from 0 along an axis of {shape}",
             found=f"axis {axis}, offsets {offsets}",
         )
+    # Every extent explicit, as TensorFlow's partitioned savers (ShardedVariable, SaveSliceInfo)
+    # write them, so the slice keys and bytes match.
     return [
-        tuple((start, end - start) if d == axis else (0, None) for d in range(len(shape)))
+        tuple((start, end - start) if d == axis else (0, shape[d]) for d in range(len(shape)))
         for start, end in zip(offsets, ends, strict=True)
     ]
 
