@@ -185,7 +185,7 @@ class BundleReader:
 
     def _validate_sliced(self, key: bytes, e: BundleEntry) -> None:
         if numpy_dtype(e.dtype) is None:
-            self.unsupported[key] = f"{dtype_name(e.dtype)} tensors cannot be read without TensorFlow"
+            self.unsupported[key] = _unsupported(e.dtype)
         total = 0
         for spec in e.slices:
             for (start, length), d in zip(spec, e.shape, strict=True):
@@ -220,7 +220,7 @@ class BundleReader:
     def _validate_stored(self, key: bytes, e: BundleEntry) -> None:
         dt = numpy_dtype(e.dtype)
         if dt is None:
-            self.unsupported[key] = f"{dtype_name(e.dtype)} tensors cannot be read without TensorFlow"
+            self.unsupported[key] = _unsupported(e.dtype)
             return
         n = _nelements(e.shape)
         if e.dtype == DT_STRING:
@@ -403,6 +403,12 @@ class BundleReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _unsupported(num: int) -> str:
+    if dtype_name(num).startswith("DT_"):
+        return f"{dtype_name(num)} tensors cannot be read without TensorFlow"
+    return f"unknown TensorFlow dtype number {num}"
 
 
 def _spec_text(spec: SliceSpec) -> str:

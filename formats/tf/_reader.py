@@ -19,6 +19,7 @@ Grouping rules:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -173,7 +174,7 @@ class TfEntry(Entry):
         shape: tuple[int, ...],
         kind: str,
         attrs: dict[str, Any],
-        sources: list[bytes],
+        sources: Sequence[bytes | None],
         tf_keys: tuple[str, ...],
     ) -> None:
         self._bundle = bundle
@@ -183,20 +184,29 @@ class TfEntry(Entry):
         self.kind = kind
         self.attrs = attrs
         self.num_components = len(sources)
-        self._sources = sources
+        # None: an empty shard, which has no slice of its own in the bundle
+        self._sources = list(sources)
         self.tf_keys = tf_keys
 
     def component_shape(self, i: int) -> tuple[int, ...]:
         self._check_index(i)
-        return self._bundle.entries[self._sources[i]].shape
+        source = self._sources[i]
+        if source is None:
+            return super().component_shape(i)
+        return self._bundle.entries[source].shape
 
     def component(self, i: int) -> np.ndarray:
         self._check_index(i)
-        return self._bundle.read(self._sources[i])
+        source = self._sources[i]
+        if source is None:
+            return np.empty(self.component_shape(i), self.dtype)
+        return self._bundle.read(source)
 
     def read_component_into(self, i: int, out: np.ndarray) -> None:
         self._check_index(i)
-        self._bundle.read_into(self._sources[i], out)
+        source = self._sources[i]
+        if source is not None:
+            self._bundle.read_into(source, out)
 
 
 class TfCheckpointView(CheckpointView):
@@ -423,10 +433,10 @@ class TfCheckpointView(CheckpointView):
         except UnsupportedDtypeError as exc:
             if not self._skip:
                 raise UnsupportedDtypeError(
-                    f"{exc.what} (open with skip_unsupported=True to leave such tensors out)",
+                    f"{exc.what} (key {ordered[0]!r})",
                     file=b.index_path,
                     variable=path,
-                    found=f"key {ordered[0]!r}",
+                    hint="open with skip_unsupported=True to leave such tensors out",
                 ) from None
             for k in ordered:
                 self.skipped[k] = exc.what
@@ -444,29 +454,26 @@ class TfCheckpointView(CheckpointView):
         meta_attrs = dict(meta.get("attrs", {}))
         kind = "single" if len(sources) == 1 else self._parallel_kind
         shape = first.shape
-        sharding: tuple[int, list[int]] | None = None
-        if meta_kind == "sharded" and (len(sources) != 1 or not first.slices):
-            raise self._corrupt(
-                "the metadata says sharded, but the tensor is not partitioned",
-                variable=path,
-                expected="one partitioned tensor",
-                found=f"{len(sources)} unpartitioned tensor(s)",
-            )
-        if first.slices and not self._assemble:
-            if meta_kind == "sharded":
-                axis = meta_attrs.get("shard_axis")
-                if not isinstance(axis, int) or isinstance(axis, bool):
-                    axis = None
-                sharding = infer_sharding(first.slices, shape, axis)
-                if sharding is None:
-                    raise self._corrupt(
-                        "the metadata says sharded, but the slices do not tile one axis",
-                        variable=path,
-                        expected=f"shard_axis {axis}",
-                        found=[_spec(s) for s in first.slices],
-                    )
-            elif meta_kind is None:
-                sharding = infer_sharding(first.slices, shape)
+        shards: tuple[int, list[int], list[bytes | None]] | None = None
+        if meta_kind == "sharded":
+            if len(sources) != 1:
+                raise self._corrupt(
+                    "the metadata says sharded, but the variable has several tensors",
+                    variable=path,
+                    expected="one partitioned tensor",
+                    found=f"{len(sources)} tensors",
+                )
+            if not self._assemble:
+                shards = self._shards_from_metadata(path, sources[0], meta_attrs)
+        elif meta_kind is None and first.slices and not self._assemble:
+            inferred = infer_sharding(first.slices, shape)
+            if inferred is not None:
+                axis, order = inferred
+                shards = (
+                    axis,
+                    [first.slices[i][axis][0] for i in order],
+                    [encode_slice_key(sources[0], first.slices[i]) for i in order],
+                )
         if meta_kind is not None and meta_kind != "sharded":
             if meta_kind == "single" and len(sources) > 1:
                 raise self._corrupt(
@@ -479,13 +486,62 @@ class TfCheckpointView(CheckpointView):
         attrs.update(meta_attrs)
         attrs.pop("shard_axis", None)
         attrs.pop("shard_offsets", None)
-        if sharding is not None:
-            axis, order = sharding
-            sources = [encode_slice_key(sources[0], first.slices[i]) for i in order]
+        parts: list[bytes | None] = list(sources)
+        if shards is not None:
+            axis, offsets, parts = shards
             kind = "sharded"
             attrs["shard_axis"] = axis
-            attrs["shard_offsets"] = [first.slices[i][axis][0] for i in order]
-        return TfEntry(b, path, dtype, shape, kind, attrs, sources, tuple(ordered))
+            attrs["shard_offsets"] = offsets
+        return TfEntry(b, path, dtype, shape, kind, attrs, parts, tuple(ordered))
+
+    def _shards_from_metadata(
+        self, path: str, key: bytes, meta_attrs: dict[str, Any]
+    ) -> tuple[int, list[int], list[bytes | None]]:
+        """The shards our writer recorded: slices for the non-empty ones, nothing for empty ones."""
+        e = self._bundle.entries[key]
+        raw_axis, raw_offsets = meta_attrs.get("shard_axis"), meta_attrs.get("shard_offsets")
+        rank = len(e.shape)
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        axis = int(raw_axis) if is_int(raw_axis) else -1  # type: ignore[arg-type]
+        offsets: list[int] = []
+        if isinstance(raw_offsets, list) and all(map(is_int, raw_offsets)):
+            offsets = list(raw_offsets)
+        if not (
+            0 <= axis < rank
+            and offsets
+            and offsets[0] == 0
+            and all(a <= b for a, b in itertools.pairwise(offsets))
+            and offsets[-1] <= e.shape[axis]
+        ):
+            raise self._corrupt(
+                "bad shard axis or offsets in the metadata",
+                variable=path,
+                expected=f"an axis < {rank} and non-decreasing offsets from 0",
+                found=f"axis {raw_axis!r}, offsets {str(raw_offsets)[:80]}",
+            )
+        ends = [*offsets[1:], e.shape[axis]]
+        wanted = [(o, end - o) for o, end in zip(offsets, ends, strict=True) if end > o]
+        by_extent: dict[tuple[int, int], SliceSpec] = {}
+        for spec in e.slices:
+            if any(d != axis and not (s == 0 and (n is None or n == e.shape[d])) for d, (s, n) in enumerate(spec)):
+                break
+            start, length = spec[axis]
+            by_extent[(start, e.shape[axis] if length is None else length)] = spec
+        if sorted(by_extent) != sorted(wanted) or len(e.slices) != len(wanted):
+            raise self._corrupt(
+                "the metadata's shards do not match the saved slices",
+                variable=path,
+                expected=[f"{s},{n}" for s, n in wanted],
+                found=[_spec(s) for s in e.slices] or "an unpartitioned tensor",
+            )
+        parts = [
+            encode_slice_key(key, by_extent[(o, end - o)]) if end > o else None
+            for o, end in zip(offsets, ends, strict=True)
+        ]
+        return axis, offsets, parts
 
 
 def _spec(spec: SliceSpec) -> str:

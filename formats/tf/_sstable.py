@@ -214,6 +214,7 @@ class TableReader:
                 file=file,
                 expected=hex(TABLE_MAGIC),
                 found=hex(magic),
+                hint="the file is not a table index, or it was cut short",
             )
         try:
             off, pos = decode_varint(footer, 0, _HANDLES_SIZE)

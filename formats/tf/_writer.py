@@ -169,16 +169,17 @@ def _extra(var: _Var) -> dict[str, Any] | None:
     n = e.num_components
     if var.slices is not None:
         shape = tuple(int(d) for d in e.shape)
-        inferred = infer_sharding(var.slices, shape)
         axis = int(e.attrs["shard_axis"])
-        kind_read = "sharded" if inferred == (axis, list(range(n))) else "single"
+        inferred = infer_sharding(var.slices, shape)
+        empty = any(spec[axis][1] == 0 for spec in var.slices)
+        kind_read = "sharded" if inferred == (axis, list(range(n))) and not empty else "single"
     else:
         kind_read = "single" if n == 1 else "mirrored"
     record: dict[str, Any] = {}
     if e.kind != kind_read:
         record["kind"] = e.kind
-        if e.kind == "sharded":
-            var.expressed.discard("shard_axis")
+        if e.kind == "sharded":  # the reader needs the split the slices cannot show
+            var.expressed -= {"shard_axis", "shard_offsets"}
     attrs = {k: _jsonable(v) for k, v in e.attrs.items() if k not in var.expressed}
     if attrs:
         record["attrs"] = attrs
@@ -313,8 +314,15 @@ def _write_var(w: BundleWriter, var: _Var, key: str, comp: int, index_path: str)
         w.add(k, _component(var, comp, index_path), dtype=var.tf_type)
         return
     assert var.slices is not None
-    for i, spec in enumerate(var.slices):
-        w.add_slice(k, var.entry.shape, spec, _component(var, i, index_path), dtype=var.tf_type)
+    e = var.entry
+    axis = int(e.attrs["shard_axis"])
+    # An empty shard has no slice (two of them could not have distinct keys); the metadata key
+    # records the split then. With no non-empty shard the value itself is empty.
+    parts = [(i, spec) for i, spec in enumerate(var.slices) if spec[axis][1] != 0]
+    if not parts:
+        w.add(k, np.empty(e.shape, e.dtype), dtype=var.tf_type)
+    for i, spec in parts:
+        w.add_slice(k, e.shape, spec, _component(var, i, index_path), dtype=var.tf_type)
 
 
 def _default_prefix(directory: str) -> str:
