@@ -1,7 +1,101 @@
-"""parallelvars: one logical variable held as one component buffer per device."""
+"""parallelvars: one logical variable held as one component buffer per device.
 
+Example:
+    >>> import numpy as np, parallelvars as pv
+    >>> strategy = pv.MirroredStrategy(4)
+    >>> with strategy.scope():
+    ...     w = pv.Variable(np.zeros((3, 2), np.float32), name="w")
+    >>> len(w.components)
+    4
+"""
+
+from parallelvars import errors, optimizers
+from parallelvars.checkpoint import (
+    Checkpoint,
+    CheckpointLoadStatus,
+    Saveable,
+    SaveRecord,
+    register_saveable,
+)
+from parallelvars.devices import ParallelDevice
+from parallelvars.enums import Aggregation, ReduceOp, Synchronization
 from parallelvars.errors import ParallelVarsError
+from parallelvars.optimizers import IndexedSlices, clip_by_global_norm
+from parallelvars.strategy import (
+    DistributedDataset,
+    Mirrored,
+    MirroredStrategy,
+    OneDeviceStrategy,
+    PerReplica,
+    ReplicaContext,
+    Strategy,
+    get_cross_replica_context,
+    get_loss_reduction,
+    get_replica_context,
+    get_strategy,
+    get_update_device,
+    has_strategy,
+    in_cross_replica_context,
+    increment_var,
+    loss_reduction,
+    outside_compilation,
+    scale_loss_for_replicas,
+    set_loss_reduction,
+)
+from parallelvars.tracking import Module, TrackedDict, TrackedList
+from parallelvars.variables import (
+    ParallelVariable,
+    ShardedVariable,
+    Variable,
+    independent_buffers,
+    replicated_scope,
+    variable_creator_scope,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["ParallelVarsError", "__version__"]
+__all__ = [
+    "Aggregation",
+    "Checkpoint",
+    "DistributedDataset",
+    "IndexedSlices",
+    "CheckpointLoadStatus",
+    "Mirrored",
+    "MirroredStrategy",
+    "Module",
+    "OneDeviceStrategy",
+    "ParallelDevice",
+    "ParallelVarsError",
+    "ParallelVariable",
+    "PerReplica",
+    "ReduceOp",
+    "ReplicaContext",
+    "SaveRecord",
+    "Saveable",
+    "ShardedVariable",
+    "Strategy",
+    "Synchronization",
+    "TrackedDict",
+    "TrackedList",
+    "Variable",
+    "__version__",
+    "clip_by_global_norm",
+    "errors",
+    "get_cross_replica_context",
+    "get_loss_reduction",
+    "get_replica_context",
+    "get_strategy",
+    "get_update_device",
+    "has_strategy",
+    "in_cross_replica_context",
+    "increment_var",
+    "independent_buffers",
+    "loss_reduction",
+    "optimizers",
+    "outside_compilation",
+    "register_saveable",
+    "replicated_scope",
+    "scale_loss_for_replicas",
+    "set_loss_reduction",
+    "variable_creator_scope",
+]

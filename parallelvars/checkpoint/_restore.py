@@ -1,0 +1,160 @@
+"""How a parallel variable saves, and the rules for restoring it onto M devices.
+
+N is the number of components in the file, M the number of the live variable.
+
+=============  ===============================================================================
+live kind      what it receives
+=============  ===============================================================================
+single         the logical value (mirrored: primary; on-read: aggregate; sharded: full value)
+mirrored       component-wise when the file has a mirrored variable of N == M components,
+               else the logical value on every component
+on_read        component-wise when the file has an on-read variable of N == M components and
+               the same aggregation; else SUM: the total in the primary and zeros elsewhere
+               (exact for every dtype), MEAN / ONLY_FIRST_REPLICA: the value on every component
+independent   component-wise; only from the same number of components (else DeviceCountError)
+sharded       the full value, re-split by the live variable's own shards (reads go straight
+               into the right rows, so re-sharding costs nothing extra)
+=============  ===============================================================================
+
+An independent-buffers variable in the file has no single logical value, so it restores only
+onto a variable with the same number of components.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from parallelvars._dtypes import dtype_name
+from parallelvars.checkpoint.registry import Saveable, SaveRecord, register_saveable
+from parallelvars.errors import DeviceCountError, DtypeMismatchError, ShapeMismatchError
+from parallelvars.variables import ParallelVariable, ShardedVariable
+
+__all__ = ["ParallelVariableSaveable", "read_logical_into"]
+
+
+def _shard_slices(stored: Any) -> list[tuple[Any, ...]]:
+    axis = int(stored.attrs["shard_axis"])
+    out = []
+    for i, start in enumerate(stored.attrs["shard_offsets"]):
+        index: list[Any] = [slice(None)] * len(stored.shape)
+        size = stored.component_shape(i)[axis]
+        index[axis] = slice(int(start), int(start) + size)
+        out.append(tuple(index))
+    return out
+
+
+def read_logical_into(stored: Any, out: np.ndarray, *, file: str, cast: bool) -> None:
+    """Read the logical value of ``stored`` into ``out`` (checksums verified by the reader)."""
+    kind = stored.kind
+    n = stored.num_components
+    if kind == "sharded":
+        for i, index in enumerate(_shard_slices(stored)):
+            stored.read_component_into(i, out[index], cast=cast)
+        return
+    if kind == "on_read" and n > 1:
+        agg = str(stored.attrs.get("aggregation", "sum")).lower()
+        stored.read_component_into(0, out, cast=cast)
+        if agg == "only_first_replica":
+            return
+        scratch = np.empty_like(out)
+        for i in range(1, n):  # device order: the same bits on every run
+            stored.read_component_into(i, scratch, cast=cast)
+            np.add(out, scratch, out=out)
+        if agg == "mean":
+            if out.dtype.kind in "iub":
+                np.floor_divide(out, n, out=out)
+            else:
+                np.divide(out, n, out=out, casting="unsafe")
+        return
+    if kind == "independent" and n > 1:
+        raise DeviceCountError(
+            "independent buffers restore only onto the same number of devices",
+            file=file, variable=stored.path, expected=f"{n} components", found="a single value",
+        )
+    stored.read_component_into(0, out, cast=cast)
+
+
+class ParallelVariableSaveable(Saveable):
+    """Saves ``primary`` and ``parallel_component_1..N-1``; restores by the table above."""
+
+    def gather(self, obj: ParallelVariable) -> SaveRecord:
+        attrs: dict[str, Any] = {
+            "name": obj.name,
+            "devices": list(obj.devices),
+            "synchronization": obj.synchronization.value,
+            "aggregation": obj.aggregation.value,
+            "trainable": obj.trainable,
+        }
+        if isinstance(obj, ShardedVariable):
+            attrs["shard_axis"] = obj.shard_axis
+            attrs["shard_offsets"] = list(obj.shard_offsets)
+        return SaveRecord(kind=obj.kind, components=obj.components, shape=tuple(obj.__wrapped__.shape), attrs=attrs)
+
+    def plan_restore(
+        self, obj: ParallelVariable, stored: Any, *, file: str, path: str, allow_cast: bool
+    ) -> Callable[[], None]:
+        shape = tuple(obj.__wrapped__.shape)
+        if tuple(stored.shape) != shape:
+            raise ShapeMismatchError("shape mismatch", file=file, variable=path, expected=shape, found=tuple(stored.shape))
+        if stored.dtype != obj.dtype and not allow_cast:
+            raise DtypeMismatchError(
+                "dtype mismatch", file=file, variable=path,
+                expected=dtype_name(obj.dtype), found=dtype_name(stored.dtype),
+                hint="restore with allow_cast=True to convert",
+            )
+        if stored.dtype != obj.dtype and (stored.dtype.kind == "O") != (obj.dtype.kind == "O"):
+            raise DtypeMismatchError(
+                "cannot cast between byte strings and numbers", file=file, variable=path,
+                expected=dtype_name(obj.dtype), found=dtype_name(stored.dtype),
+            )
+        m, n = obj.num_components, stored.num_components
+        live, skind = obj.kind, stored.kind
+        cast = allow_cast
+        comps = obj.components
+        if skind == "independent" and n > 1 and n != m:
+            raise DeviceCountError(
+                "independent buffers restore only onto the same number of devices",
+                file=file, variable=path, expected=f"{m} devices", found=f"{n} devices in the file",
+            )
+        if live == "independent" and m > 1 and n != m:
+            raise DeviceCountError(
+                "an independent-buffers variable needs one saved component per device",
+                file=file, variable=path, expected=f"{m} components", found=f"{n} components",
+            )
+        if isinstance(obj, ShardedVariable):
+            full = obj.__wrapped__
+            return lambda: read_logical_into(stored, full, file=file, cast=cast)
+
+        same_layout = n == m and skind == live and skind != "sharded"
+        if live == "on_read" and skind == "on_read":
+            same_layout = same_layout and str(stored.attrs.get("aggregation")) == obj.aggregation.value
+        if live == "independent" and n == m:
+            same_layout = skind != "sharded"
+
+        if same_layout:
+            def componentwise() -> None:
+                for i, c in enumerate(comps):
+                    stored.read_component_into(i, c, cast=cast)
+
+            return componentwise
+
+        agg = obj.aggregation.value
+
+        def logical() -> None:
+            read_logical_into(stored, comps[0], file=file, cast=cast)
+            if m == 1:
+                return
+            if live == "on_read" and agg == "sum":
+                for c in comps[1:]:
+                    c[...] = 0
+            else:
+                for c in comps[1:]:
+                    np.copyto(c, comps[0])
+
+        return logical
+
+
+register_saveable(ParallelVariable, ParallelVariableSaveable())

@@ -1,0 +1,413 @@
+"""``Checkpoint``: save and restore an object graph in the native HDF5 layout.
+
+Saving walks the graph breadth-first from the checkpoint's roots; every object with a
+registered saveable (variables) is written at the first path that reaches it
+(``model/layers/0/kernel``), local names escaped like TensorFlow's keys (``.`` -> ``..``,
+``/`` -> ``.S``). Optimizer slots are written at ``<optimizer>/slots/<variable path>/<slot>``.
+The graph itself (children, slot relations) goes into the file.
+
+Restoring matches the saved graph against the live one by local names, starting at the root.
+Everything is checked first (shapes, dtypes, device counts, checksums) and applied only when
+all of it is sound, so a failed restore leaves every variable as it was. Saved objects that do
+not exist yet are remembered on their parent and restored the moment they are attached
+(deferred restoration): lazily built layers, optimizer slots created by the first step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from parallelvars.checkpoint import _restore  # noqa: F401 - registers the variable saveable
+from parallelvars.checkpoint.h5io import H5Reader, write_h5
+from parallelvars.checkpoint.registry import get_saveable
+from parallelvars.devices import ParallelDevice
+from parallelvars.errors import CheckpointError, RestoreMismatchError
+from parallelvars.tracking import Trackable, children_of
+
+__all__ = ["Checkpoint", "CheckpointLoadStatus", "build_object_graph", "escape_name", "unescape_name"]
+
+GRAPH_VERSION = 1
+
+
+def escape_name(name: str) -> str:
+    """Escape one local name for a path: ``.`` -> ``..``, ``/`` -> ``.S``."""
+    return name.replace(".", "..").replace("/", ".S")
+
+
+def unescape_name(name: str) -> str:
+    out, i = [], 0
+    while i < len(name):
+        if name[i] == "." and i + 1 < len(name):
+            out.append("." if name[i + 1] == "." else "/" if name[i + 1] == "S" else name[i : i + 2])
+            i += 2
+        else:
+            out.append(name[i])
+            i += 1
+    return "".join(out)
+
+
+def _is_leaf(obj: Any) -> bool:
+    return not isinstance(obj, Trackable) and get_saveable(obj) is not None
+
+
+@dataclass
+class ObjectGraph:
+    """The graph of one save: nodes, the live object of each, and variable paths."""
+
+    objects: list[Any] = field(default_factory=list)
+    nodes: list[dict[str, Any]] = field(default_factory=list)
+    ids: dict[int, int] = field(default_factory=dict)
+
+    def add(self, obj: Any, path: str | None) -> int:
+        node_id = len(self.nodes)
+        self.ids[id(obj)] = node_id
+        self.objects.append(obj)
+        self.nodes.append({"children": [], "path": path if _is_leaf(obj) else None, "slots": []})
+        self._paths.append(path or "")
+        return node_id
+
+    def __post_init__(self) -> None:
+        self._paths: list[str] = []
+
+    def path_of(self, node_id: int) -> str:
+        return self._paths[node_id]
+
+    def variables(self) -> Iterator[tuple[int, Any, str]]:
+        for i, node in enumerate(self.nodes):
+            if node["path"] is not None:
+                yield i, self.objects[i], node["path"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": GRAPH_VERSION, "nodes": self.nodes}
+
+
+def build_object_graph(root: Any) -> ObjectGraph:
+    """Walk ``root`` breadth-first; every object once, at the first path that reaches it."""
+    graph = ObjectGraph()
+    graph.add(root, "")
+    queue: deque[int] = deque([0])
+    while queue:
+        parent = queue.popleft()
+        obj = graph.objects[parent]
+        base = graph.path_of(parent)
+        for name, child in children_of(obj).items():
+            child_id = graph.ids.get(id(child))
+            if child_id is None:
+                path = f"{base}/{escape_name(name)}" if base else escape_name(name)
+                child_id = graph.add(child, path)
+                if not _is_leaf(child):
+                    queue.append(child_id)
+            graph.nodes[parent]["children"].append([name, child_id])
+    for node_id in range(len(graph.objects)):
+        obj = graph.objects[node_id]
+        if not isinstance(obj, Trackable):
+            continue
+        for var, slot_name, slot_var in obj._checkpoint_slots():
+            var_id = graph.ids.get(id(var))
+            if var_id is None or slot_var is None:
+                continue  # a slot of a variable that is not saved is not saved either
+            slot_id = graph.ids.get(id(slot_var))
+            if slot_id is None:
+                path = f"{graph.path_of(node_id)}/slots/{graph.path_of(var_id)}/{escape_name(slot_name)}"
+                slot_id = graph.add(slot_var, path)
+            graph.nodes[node_id]["slots"].append([var_id, slot_name, slot_id])
+    return graph
+
+
+def _graph_from_paths(paths: list[str]) -> list[dict[str, Any]]:
+    """A graph for files without one (written by a converter): one node per path component."""
+    nodes: list[dict[str, Any]] = [{"children": [], "path": None, "slots": []}]
+    index: dict[str, int] = {"": 0}
+    for path in paths:
+        parts = path.split("/")
+        for depth in range(1, len(parts) + 1):
+            prefix = "/".join(parts[:depth])
+            if prefix in index:
+                continue
+            index[prefix] = len(nodes)
+            nodes.append({"children": [], "path": path if depth == len(parts) else None, "slots": []})
+            parent = index["/".join(parts[: depth - 1])]
+            nodes[parent]["children"].append([unescape_name(parts[depth - 1]), index[prefix]])
+    return nodes
+
+
+class _Session:
+    """One ``restore()`` call: the file, its graph, and what has been matched so far."""
+
+    def __init__(self, path: str, allow_cast: bool) -> None:
+        self.path = path
+        self.allow_cast = allow_cast
+        self._reader: H5Reader | None = H5Reader(path)
+        graph = self._reader.object_graph
+        if graph is None:
+            self.nodes = _graph_from_paths(list(self._reader))
+        else:
+            try:
+                self.nodes = list(graph["nodes"])
+                for node in self.nodes:
+                    node.setdefault("slots", [])
+                    node.setdefault("children", [])
+                    node.setdefault("path", None)
+            except (KeyError, TypeError, AttributeError) as exc:
+                raise CheckpointError("object graph is malformed", file=path, found=str(exc)) from None
+        self.matched: dict[int, Any] = {}
+        self.restored: set[int] = set()
+        self.pending = 0
+
+    def reader(self) -> H5Reader:
+        if self._reader is None:
+            self._reader = H5Reader(self.path)
+        return self._reader
+
+    def release(self) -> None:
+        if self._reader is not None and self.pending == 0:
+            self._reader.close()
+            self._reader = None
+
+    def variable_nodes(self) -> dict[int, str]:
+        return {i: n["path"] for i, n in enumerate(self.nodes) if n.get("path") is not None}
+
+    def restore_into(self, node_id: int, obj: Any) -> None:
+        """Match the saved subgraph at ``node_id`` with ``obj`` and restore it, all or nothing."""
+        matched: dict[int, Any] = {}
+        deferred: list[tuple[Any, str, int]] = []
+        deferred_slots: list[tuple[Any, Any, str, int]] = []
+        queue: deque[tuple[int, Any]] = deque([(node_id, obj)])
+        nodes = self.nodes
+        while queue:
+            nid, live = queue.popleft()
+            if nid in matched or nid in self.matched:
+                continue
+            if not 0 <= nid < len(nodes):
+                raise CheckpointError("object graph refers to a missing node", file=self.path, found=nid)
+            node = nodes[nid]
+            is_var = node.get("path") is not None
+            if is_var != _is_leaf(live):
+                raise RestoreMismatchError(
+                    "object kinds differ", file=self.path,
+                    variable=node.get("path") or f"node {nid}",
+                    expected="a variable" if is_var else "a container of variables",
+                    found=type(live).__name__,
+                )
+            matched[nid] = live
+            if is_var:
+                continue
+            live_children = children_of(live)
+            for name, child_id in node["children"]:
+                child = live_children.get(name)
+                if child is None:
+                    deferred.append((live, name, int(child_id)))
+                else:
+                    queue.append((int(child_id), child))
+        for nid, live in list(matched.items()):
+            if not isinstance(live, Trackable):
+                continue
+            for var_id, slot_name, slot_id in nodes[nid]["slots"]:
+                var = matched.get(var_id, self.matched.get(var_id))
+                if var is None:
+                    continue
+                slot = live._lookup_slot(var, slot_name)
+                if slot is None:
+                    deferred_slots.append((live, var, slot_name, int(slot_id)))
+                elif slot_id not in matched and slot_id not in self.matched:
+                    matched[int(slot_id)] = slot
+
+        reader = self.reader()
+        plans = []
+        for nid, live in matched.items():
+            path = nodes[nid].get("path")
+            if path is None:
+                continue
+            stored = reader[path]
+            saveable = get_saveable(live)
+            assert saveable is not None
+            plans.append(saveable.plan_restore(live, stored, file=self.path, path=path, allow_cast=self.allow_cast))
+            for i in range(stored.num_components):
+                stored.verify(i)
+        for apply in plans:
+            apply()
+        self.matched.update(matched)
+        self.restored.update(nid for nid in matched if nodes[nid].get("path") is not None)
+        for parent, name, child_id in deferred:
+            parent._pv_deferred_map()[name] = _Pending(self, child_id)
+            self.pending += 1
+        for opt, var, slot_name, slot_id in deferred_slots:
+            opt._pv_deferred_slots()[(id(var), slot_name)] = _Pending(self, slot_id)
+            self.pending += 1
+
+
+class _Pending:
+    """A saved object waiting for its live counterpart to be attached."""
+
+    def __init__(self, session: _Session, node_id: int) -> None:
+        self.session = session
+        self.node_id = node_id
+
+    def apply(self, obj: Any) -> None:
+        self.session.pending -= 1
+        try:
+            self.session.restore_into(self.node_id, obj)
+        finally:
+            self.session.release()
+
+
+class CheckpointLoadStatus:
+    """What a restore matched; assertions for tests and careful callers."""
+
+    def __init__(self, session: _Session, root: Any) -> None:
+        self._session = session
+        self._root = root
+
+    def _unmatched_live(self) -> list[str]:
+        graph = build_object_graph(self._root)
+        matched = {id(o) for o in self._session.matched.values()}
+        return [path for _, obj, path in graph.variables() if id(obj) not in matched]
+
+    def assert_consumed(self) -> CheckpointLoadStatus:
+        """Every saved value was restored and every live variable was matched."""
+        missing = [p for i, p in self._session.variable_nodes().items() if i not in self._session.restored]
+        if missing:
+            raise RestoreMismatchError(
+                "saved values were not restored (no matching live object yet)", file=self._session.path,
+                expected="every saved variable restored", found=", ".join(sorted(missing)[:20]),
+            )
+        self.assert_existing_objects_matched()
+        return self
+
+    def assert_existing_objects_matched(self) -> CheckpointLoadStatus:
+        """Every variable reachable from the root now was matched with a saved value."""
+        unmatched = self._unmatched_live()
+        if unmatched:
+            raise RestoreMismatchError(
+                "live variables have no value in the checkpoint", file=self._session.path,
+                expected="every live variable matched", found=", ".join(sorted(unmatched)[:20]),
+            )
+        return self
+
+    def assert_nontrivial_match(self) -> CheckpointLoadStatus:
+        if not self._session.restored:
+            raise RestoreMismatchError("nothing was restored", file=self._session.path)
+        return self
+
+    def expect_partial(self) -> CheckpointLoadStatus:
+        """Declare that a partial restore is intended (nothing is reported either way)."""
+        return self
+
+    @property
+    def restored_paths(self) -> list[str]:
+        nodes = self._session.variable_nodes()
+        return sorted(nodes[i] for i in self._session.restored)
+
+
+class Checkpoint(Trackable):
+    """Groups trackable objects and saves or restores them together.
+
+    Args:
+        **roots: the objects to save, by name (modules, optimizers, variables, containers).
+
+    Example:
+        >>> import numpy as np, parallelvars as pv, tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> with pv.MirroredStrategy(2).scope():
+        ...     w = pv.Variable(np.arange(3, dtype=np.float32), name="w")
+        >>> ckpt = pv.Checkpoint(w=w)
+        >>> path = ckpt.save(os.path.join(d, "run"))
+        >>> os.path.basename(path)
+        'run-1.h5'
+        >>> w.assign(np.zeros(3, np.float32)) is w
+        True
+        >>> ckpt.restore(path).assert_consumed() is not None
+        True
+        >>> w.components[1].tolist()
+        [0.0, 1.0, 2.0]
+    """
+
+    def __init__(self, **roots: Any) -> None:
+        from parallelvars.variables import _make_distributed_variable
+
+        if "save_counter" in roots:
+            raise ValueError("'save_counter' is reserved for the checkpoint's own counter")
+        for name, value in roots.items():
+            if value is None:
+                raise ValueError(f"checkpoint root {name!r} is None")
+        self._roots = dict(roots)
+        # Outside any strategy on purpose: the counter is one value, whoever creates the checkpoint.
+        self.save_counter = _make_distributed_variable(
+            ParallelDevice(1), initial_value=np.int64(0), name="save_counter", trainable=False
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        roots = self.__dict__.get("_roots", {})
+        if name in roots:
+            return roots[name]
+        raise AttributeError(name)
+
+    def _trackable_children(self) -> dict[str, Any]:
+        return {**self._roots, "save_counter": self.save_counter}
+
+    def _metadata(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"save_counter": int(self.save_counter)}
+        step = self._roots.get("step")
+        if step is not None and np.ndim(step) == 0:
+            try:
+                meta["step"] = int(np.asarray(step))
+            except (TypeError, ValueError):
+                pass
+        return meta
+
+    def write(self, path: str | os.PathLike[str]) -> str:
+        """Write a checkpoint to exactly ``path`` (atomically); returns ``path``."""
+        graph = build_object_graph(self)
+        records = []
+        for _, obj, var_path in graph.variables():
+            saveable = get_saveable(obj)
+            assert saveable is not None
+            record = saveable.gather(obj)
+            record.path = var_path
+            records.append(record)
+        for node in graph.nodes:
+            for var_id, slot_name, slot_id in node["slots"]:
+                rec = next(r for r in records if r.path == graph.nodes[slot_id]["path"])
+                rec.attrs["slot_of"] = graph.nodes[var_id]["path"]
+                rec.attrs["slot_name"] = slot_name
+        return write_h5(os.fspath(path), records, object_graph=graph.to_json(), metadata=self._metadata())
+
+    def save(self, file_prefix: str | os.PathLike[str]) -> str:
+        """Write ``<file_prefix>-<n>.h5`` with ``n`` the incremented ``save_counter``; returns it."""
+        previous = int(self.save_counter)
+        number = previous + 1
+        self.save_counter.assign(number)
+        try:
+            return self.write(f"{os.fspath(file_prefix)}-{number}.h5")
+        except BaseException:
+            self.save_counter.assign(previous)
+            raise
+
+    def restore(self, path: str | os.PathLike[str], *, allow_cast: bool = False) -> CheckpointLoadStatus:
+        """Restore from ``path`` (``.h5`` may be omitted); all or nothing for existing objects.
+
+        Args:
+            path: the checkpoint file.
+            allow_cast: convert values saved with another dtype instead of raising.
+
+        Returns:
+            A status with ``assert_consumed()``, ``assert_existing_objects_matched()`` and
+            ``expect_partial()``.
+        """
+        p = os.fspath(path)
+        if not os.path.exists(p) and os.path.exists(p + ".h5"):
+            p += ".h5"
+        session = _Session(p, allow_cast)
+        try:
+            session.restore_into(0, self)
+        finally:
+            session.release()
+        return CheckpointLoadStatus(session, self)
+
+    read = restore

@@ -1,0 +1,752 @@
+"""Reading and writing the native HDF5 layout (version 1).
+
+The layout (documented with an ``h5dump``-style example in ``docs/FORMAT.md``):
+
+* root attributes ``parallelvars_format`` (= 1), ``parallelvars_version``, ``created`` and
+  whatever the writer knows (``save_counter``, ``step``);
+* one group per variable at its object path, with attributes ``kind``, ``dtype``, ``shape``,
+  ``num_components``, ``devices``, ``aggregation``, ``synchronization``, ``trainable``,
+  ``name`` and, for sharded variables, ``shard_axis`` and ``shard_offsets``;
+* in it one dataset per component, ``primary`` and ``parallel_component_1`` ..., each with a
+  ``crc32c`` attribute (CRC-32C of its C-order bytes) and its ``device``;
+* for sharded variables a virtual dataset ``value`` stitching the shards together;
+* the object graph as JSON in the dataset ``/_parallelvars/object_graph``.
+
+bfloat16 and the float8 family are stored as HDF5 opaque types of their size, with the
+``dtype`` group attribute naming them (the convention Keras uses); strings as variable-length
+bytes.
+
+Reading is lazy and fast: contiguous datasets are read through a read-only memory map of the
+file, so a checksum is computed over the mapped bytes without a copy and the value is copied
+once, straight into the destination buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import secrets
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import crc32c as _crc32c
+import h5py
+import numpy as np
+
+from parallelvars._dtypes import as_dtype, dtype_name, is_extension_dtype
+from parallelvars.checkpoint.registry import component_name
+from parallelvars.errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    DtypeMismatchError,
+    FormatVersionError,
+    NotACheckpointError,
+    ShapeMismatchError,
+    TruncatedFileError,
+    UnsupportedDtypeError,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "META_GROUP",
+    "H5Reader",
+    "StoredVariable",
+    "write_h5",
+    "checksum",
+    "is_native_checkpoint",
+]
+
+FORMAT_VERSION = 1
+META_GROUP = "_parallelvars"
+GRAPH_DATASET = f"{META_GROUP}/object_graph"
+# Per-variable attributes and checksums in one JSON document, so opening a file costs one read
+# instead of one HDF5 attribute call per attribute.
+INDEX_DATASET = f"{META_GROUP}/index"
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+_H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, AttributeError)
+
+
+def _library_version() -> str:
+    from parallelvars import __version__
+
+    return __version__
+
+
+# ----------------------------------------------------------------------------- dtypes
+def _storage_dtype(dt: np.dtype) -> np.dtype:
+    if dt.kind == "O":
+        return h5py.vlen_dtype(bytes)
+    if is_extension_dtype(dt):
+        return h5py.opaque_dtype(np.dtype(f"V{dt.itemsize}"))
+    return dt.newbyteorder("<") if dt.byteorder == ">" else dt
+
+
+def _byte_view(arr: np.ndarray) -> np.ndarray:
+    """A flat uint8 view of a C-contiguous array (any dtype, 0-d included)."""
+    return arr.reshape(-1).view(np.uint8)
+
+
+def checksum(arr: np.ndarray) -> int:
+    """CRC-32C of an array's C-order bytes; for byte strings, of each length (u64 LE) and bytes."""
+    if arr.dtype.kind == "O":
+        crc = 0
+        for item in arr.reshape(-1):
+            b = bytes(item)
+            crc = _crc32c.crc32c(len(b).to_bytes(8, "little"), crc)
+            crc = _crc32c.crc32c(b, crc)
+        return crc
+    a = np.ascontiguousarray(arr)
+    return int(_crc32c.crc32c(_byte_view(a)))  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- writing
+def _fsync_path(path: str, directory: bool = False) -> None:
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        if directory:
+            return  # some platforms cannot open directories; the rename is still atomic
+        raise
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_path_for(path: str) -> str:
+    """A temporary name in the same directory, recognisable as ours (``.NAME.tmp-...``)."""
+    directory, base = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{base}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def atomic_write(path: str, write: Any) -> str:
+    """Call ``write(tmp_path)``, fsync, and rename onto ``path``; remove the temporary on failure.
+
+    A reader (or a crash) sees either the old file or the complete new one, never a torn one.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = temp_path_for(path)
+    try:
+        write(tmp)
+        _fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_path(directory, directory=True)
+    return path
+
+
+def _attr_value(value: Any) -> Any:
+    if isinstance(value, (bool, np.bool_)):
+        return np.bool_(value)
+    if isinstance(value, (int, np.integer)):
+        return np.int64(value)
+    if isinstance(value, (float, np.floating)):
+        return np.float64(value)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)):
+        if all(isinstance(v, str) for v in value):
+            return np.array(list(value), dtype=h5py.string_dtype()) if value else np.zeros(0, np.int64)
+        if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
+            return np.asarray(value, dtype=np.int64)
+    if isinstance(value, np.ndarray) and value.dtype.kind in "iuf":
+        return value
+    return "json:" + json.dumps(value)
+
+
+_SCALAR_SPACE = None
+
+
+def _set_attr(oid: Any, name: str, value: Any) -> None:
+    """Write one attribute through the low-level API (half the cost of ``obj.attrs[name] = v``)."""
+    arr = np.asarray(value, dtype=h5py.string_dtype()) if isinstance(value, str) or (
+        isinstance(value, np.ndarray) and value.dtype.kind == "O") else np.asarray(value)
+    if arr.dtype.kind == "U":
+        arr = arr.astype(h5py.string_dtype())
+    space = h5py.h5s.create(h5py.h5s.SCALAR) if arr.ndim == 0 else h5py.h5s.create_simple(arr.shape)
+    tid = h5py.h5t.py_create(arr.dtype, logical=True)
+    bname = name.encode()
+    if h5py.h5a.exists(oid, bname):
+        h5py.h5a.delete(oid, bname)
+    attr = h5py.h5a.create(oid, bname, tid, space)
+    if arr.size:
+        attr.write(np.ascontiguousarray(arr))
+
+
+def _validate_path(path: str) -> None:
+    parts = path.split("/")
+    if not path or path.startswith("/") or any(p in ("", ".") for p in parts) or parts[0] == META_GROUP:
+        raise ValueError(f"invalid variable path {path!r} for the HDF5 layout")
+
+
+def _early_dcpl() -> Any:
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # the bytes get an offset now ...
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # ... and are written once, by us
+    return dcpl
+
+
+def _create_entry(
+    f: h5py.File, entry: Any, file: str, dcpl: Any, crcs: dict[str, int]
+) -> tuple[dict[str, Any], list[Any]]:
+    """Create the group, attributes and datasets of one entry; numeric data is written later."""
+    path = entry.path
+    _validate_path(path)
+    grp = f.require_group(path)
+    dt = np.dtype(entry.dtype)
+    storage = _storage_dtype(dt)
+    shape = tuple(int(s) for s in entry.shape)
+    meta: dict[str, Any] = {"kind": entry.kind, "dtype": dtype_name(dt), "shape": list(shape),
+                            "num_components": int(entry.num_components)}
+    for key in ("kind", "dtype", "shape", "num_components"):
+        _set_attr(grp.id, key, _attr_value(meta[key]))
+    extra: dict[str, Any] = {}
+    for key, value in dict(entry.attrs).items():
+        if value is None or key in meta:
+            continue
+        stored = _attr_value(value)
+        _set_attr(grp.id, key, stored)
+        extra[key] = _decode(stored)
+    meta["attrs"] = extra
+    pending: list[tuple[str, Any, tuple[int, ...]] | None] = []
+    for i in range(entry.num_components):
+        cshape = tuple(int(d) for d in entry.component_shape(i))
+        name = component_name(i)
+        if dt.kind == "O":
+            ds = grp.create_dataset(name, shape=cshape, dtype=storage)
+            arr = _checked(entry, i, cshape, dt, file)
+            if arr.size:
+                ds[...] = arr
+            crcs[f"{grp.name}/{name}"] = checksum(arr)
+            pending.append(None)
+        else:
+            space = h5py.h5s.create_simple(cshape) if cshape else h5py.h5s.create(h5py.h5s.SCALAR)
+            tid = h5py.h5t.py_create(storage, logical=True)
+            dsid = h5py.h5d.create(grp.id, name.encode(), tid, space, dcpl=dcpl)
+            pending.append((f"{grp.name}/{name}", dsid.get_offset(), cshape))
+    if entry.kind == "sharded" and entry.num_components:
+        axis = int(entry.attrs["shard_axis"])
+        layout = h5py.VirtualLayout(shape=shape, dtype=storage)
+        for i, start in enumerate(entry.attrs["shard_offsets"]):
+            cshape = tuple(entry.component_shape(i))
+            index: list[Any] = [slice(None)] * len(shape)
+            index[axis] = slice(int(start), int(start) + cshape[axis])
+            layout[tuple(index)] = h5py.VirtualSource(".", f"{grp.name}/{component_name(i)}", shape=cshape)
+        grp.create_virtual_dataset("value", layout)
+    return meta, pending
+
+
+def _checked(entry: Any, i: int, cshape: tuple[int, ...], dt: np.dtype, file: str) -> np.ndarray:
+    arr = np.asarray(entry.component(i))
+    if arr.shape != cshape:
+        raise ShapeMismatchError(
+            "component has the wrong shape", file=file, variable=f"{entry.path}[{i}]", expected=cshape, found=arr.shape
+        )
+    if arr.dtype != dt:
+        raise DtypeMismatchError(
+            "component has the wrong dtype", file=file, variable=f"{entry.path}[{i}]", expected=dt, found=arr.dtype
+        )
+    return arr
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def write_h5(
+    path: str | os.PathLike[str],
+    entries: Iterable[Any] | Mapping[str, Any],
+    *,
+    object_graph: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> str:
+    """Write entries (neutral-view entries or save records) to ``path`` in the native layout.
+
+    Three passes over one temporary file: HDF5 creates every group, attribute and dataset with
+    its storage allocated up front; the component bytes are then streamed with ``pwrite`` to
+    their offsets, one component at a time, straight from the entries (for live variables, from
+    their buffers); last, checksums and the index are recorded. The file appears under ``path``
+    only once complete and flushed to disk.
+
+    Returns:
+        ``path``.
+    """
+    p = os.fspath(path)
+    items = list(entries.values()) if isinstance(entries, Mapping) else list(entries)
+
+    def write(tmp: str) -> None:
+        index: dict[str, Any] = {}
+        crcs: dict[str, int] = {}
+        todo = []
+        with h5py.File(tmp, "w") as f:
+            f.attrs["parallelvars_format"] = np.int64(FORMAT_VERSION)  # few: the high-level API is fine
+            f.attrs["parallelvars_version"] = _library_version()
+            f.attrs["created"] = np.float64(time.time())
+            for key, value in dict(metadata or {}).items():
+                if value is not None:
+                    f.attrs[key] = _attr_value(value)
+            dcpl = _early_dcpl()
+            for entry in items:
+                if entry.path in index:
+                    raise ValueError(f"{p}: variable {entry.path!r} is written twice")
+                meta, pending = _create_entry(f, entry, p, dcpl, crcs)
+                index[entry.path] = meta
+                todo.append((entry, meta, pending))
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            for entry, _, pending in todo:
+                dt = np.dtype(entry.dtype)
+                for i, slot in enumerate(pending):
+                    if slot is None:
+                        continue
+                    name, offset, cshape = slot
+                    arr = np.ascontiguousarray(_checked(entry, i, cshape, dt, p))
+                    crcs[name] = checksum(arr)
+                    if arr.nbytes:
+                        _pwrite_all(fd, memoryview(_byte_view(arr)), int(offset))  # type: ignore[arg-type]
+                    del arr
+        finally:
+            os.close(fd)
+        with h5py.File(tmp, "r+") as f:
+            fid = f.id
+            for name, crc in crcs.items():
+                _set_attr(h5py.h5d.open(fid, name.encode()), "crc32c", np.int64(crc))
+            for meta_path, meta in index.items():
+                meta["crc32c"] = [crcs[f"/{meta_path}/{component_name(i)}"] for i in range(meta["num_components"])]
+            f.create_dataset(INDEX_DATASET, data=json.dumps(index), dtype=h5py.string_dtype())
+            if object_graph is not None:
+                f.create_dataset(GRAPH_DATASET, data=json.dumps(object_graph), dtype=h5py.string_dtype())
+
+    return atomic_write(p, write)
+
+
+# ----------------------------------------------------------------------------- reading
+def _decode(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, str) and value.startswith("json:"):
+        try:
+            return json.loads(value[5:])
+        except ValueError:
+            return value
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind in ("O", "S", "U"):
+            return [_decode(v) for v in value.tolist()]
+        return value.tolist()
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    return value
+
+
+def is_native_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is an HDF5 file with our root attribute (any version)."""
+    p = os.fspath(path)
+    try:
+        if not os.path.isfile(p) or not h5py.is_hdf5(p):
+            return False
+        with h5py.File(p, "r") as f:
+            return "parallelvars_format" in f.attrs
+    except _H5_ERRORS:
+        return False
+
+
+class StoredVariable:
+    """One variable of a checkpoint file; duck-types the neutral view's ``Entry``."""
+
+    def __init__(self, reader: H5Reader, path: str, meta: Mapping[str, Any]) -> None:
+        self._reader = reader
+        self.path = path
+        file = reader.path
+        try:
+            self.kind = str(meta["kind"])
+            dname = str(meta["dtype"])
+            self.shape = tuple(int(s) for s in meta["shape"])
+            self.num_components = int(meta["num_components"])
+            self.attrs: dict[str, Any] = dict(meta.get("attrs") or {})
+            crcs = meta.get("crc32c")
+            self._crcs: list[int | None] | None = None if crcs is None else [int(c) for c in crcs]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptCheckpointError(
+                "variable lacks its layout attributes", file=file, variable=path, found=f"missing {exc}"
+            ) from None
+        if dname == "bytes":
+            self.dtype = np.dtype(object)
+        else:
+            try:
+                self.dtype = as_dtype(dname)
+            except UnsupportedDtypeError:
+                raise UnsupportedDtypeError("unknown dtype", file=file, variable=path, found=dname) from None
+        if not 1 <= self.num_components <= 1 << 16 or (self._crcs is not None and len(self._crcs) != self.num_components):
+            raise CorruptCheckpointError(
+                "impossible number of components", file=file, variable=path, found=self.num_components
+            )
+        if any(d < 0 for d in self.shape):
+            raise CorruptCheckpointError("negative dimension", file=file, variable=path, found=self.shape)
+        self._shapes: list[tuple[int, ...]] = [self._expected_component_shape(i) for i in range(self.num_components)]
+        self._verified: set[int] = set()
+        self._datasets: dict[int, Any] = {}
+        self._locations: dict[int, tuple[int, int] | None] = {}
+
+    @classmethod
+    def from_group(cls, reader: H5Reader, path: str, group: h5py.Group) -> StoredVariable:
+        """Build from group attributes (files without an index)."""
+        attrs = {k: _decode(v) for k, v in group.attrs.items()}
+        meta = {k: attrs.pop(k) for k in ("kind", "dtype", "shape", "num_components") if k in attrs}
+        meta["attrs"] = attrs
+        return cls(reader, path, meta)
+
+    def _dataset(self, i: int) -> Any:
+        """The low-level dataset id of component ``i`` (opened once, shape checked)."""
+        ds = self._datasets.get(i)
+        if ds is None:
+            name = component_name(i)
+            try:  # the low-level open: a fraction of the cost of Group.__getitem__
+                ds = h5py.h5d.open(self._reader._h5().id, f"/{self.path}/{name}".encode())
+            except _H5_ERRORS:
+                ds = None
+            if not isinstance(ds, h5py.h5d.DatasetID):
+                raise CorruptCheckpointError(
+                    f"dataset {name!r} is missing", file=self._reader.path, variable=self.path,
+                    expected=f"{self.num_components} components", found=f"no {name}",
+                )
+            if tuple(ds.shape) != self._shapes[i]:
+                raise CorruptCheckpointError(
+                    f"dataset {name!r} has the wrong shape", file=self._reader.path, variable=self.path,
+                    expected=self._shapes[i], found=tuple(ds.shape),
+                )
+            self._datasets[i] = ds
+        return ds
+
+    def _expected_component_shape(self, i: int) -> tuple[int, ...]:
+        if self.kind != "sharded":
+            return self.shape
+        try:
+            axis = int(self.attrs["shard_axis"])
+            offsets = [int(o) for o in self.attrs["shard_offsets"]] + [self.shape[axis]]
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise CorruptCheckpointError(
+                "sharded variable without valid shard_axis / shard_offsets", file=self._reader.path, variable=self.path
+            ) from None
+        if len(offsets) != self.num_components + 1:
+            raise CorruptCheckpointError(
+                "shard offsets do not match the components", file=self._reader.path, variable=self.path,
+                expected=self.num_components, found=len(offsets) - 1,
+            )
+        shape = list(self.shape)
+        shape[axis] = offsets[i + 1] - offsets[i]
+        return tuple(shape)
+
+    def component_shape(self, i: int) -> tuple[int, ...]:
+        return self._shapes[i]
+
+    def component_nbytes(self, i: int) -> int:
+        return int(np.prod(self.component_shape(i), dtype=np.int64)) * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.component_nbytes(i) for i in range(self.num_components))
+
+    @property
+    def stored_checksums(self) -> list[int | None]:
+        if self._crcs is None:
+            crcs: list[int | None] = []
+            for i in range(self.num_components):
+                v = h5py.Dataset(self._dataset(i)).attrs.get("crc32c")
+                crcs.append(None if v is None else int(v))
+            self._crcs = crcs
+        return self._crcs
+
+    def _fail(self, what: str, i: int, **kw: Any) -> CorruptCheckpointError:
+        return CorruptCheckpointError(what, file=self._reader.path, variable=f"{self.path}/{component_name(i)}", **kw)
+
+    def _location(self, i: int) -> tuple[int, int] | None:
+        """(file offset, element count) of a contiguous, unfiltered component, else None."""
+        if i in self._locations:
+            return self._locations[i]
+        loc: tuple[int, int] | None = None
+        dsid = self._dataset(i)
+        size = math.prod(self._shapes[i])
+        nbytes = size * self.dtype.itemsize
+        if self.dtype.kind != "O":
+            try:
+                dcpl = dsid.get_create_plist()
+                plain = not (dcpl.get_layout() != h5py.h5d.CONTIGUOUS or dcpl.get_nfilters() or dcpl.get_external_count())
+                offset = dsid.get_offset() if plain and nbytes else None
+                stored = dsid.get_storage_size() if offset is not None else 0
+                file_dt = dsid.dtype
+            except _H5_ERRORS:
+                offset = None
+            if nbytes == 0:
+                loc = (0, 0)
+            elif offset is not None and not (file_dt.kind != "V" and file_dt.byteorder == ">"):
+                if stored != nbytes or file_dt.itemsize != self.dtype.itemsize:
+                    raise self._fail("stored size does not match the shape", i, expected=f"{nbytes} bytes", found=f"{stored} bytes")
+                if offset + nbytes > self._reader.file_size:
+                    raise TruncatedFileError(
+                        "file ends inside the data", file=self._reader.path, variable=f"{self.path}/{component_name(i)}",
+                        expected=f"{offset + nbytes} bytes", found=f"{self._reader.file_size} bytes",
+                    )
+                loc = (int(offset), size)
+        self._locations[i] = loc
+        return loc
+
+    def _mapped(self, i: int) -> np.ndarray | None:
+        """The component as a read-only array over the memory-mapped file, when contiguous."""
+        loc = self._location(i)
+        if loc is None:
+            return None
+        offset, size = loc
+        if size == 0:
+            return np.empty(self._shapes[i], self.dtype)
+        mm = self._reader._mmap()
+        assert mm is not None
+        return np.frombuffer(mm, dtype=self.dtype, count=size, offset=offset).reshape(self._shapes[i])
+
+    def _read_h5(self, i: int) -> np.ndarray:
+        ds = h5py.Dataset(self._dataset(i))
+        try:
+            data = ds[()]
+        except _H5_ERRORS as exc:
+            raise self._fail("cannot read the dataset", i, found=str(exc)) from None
+        if self.dtype.kind == "O":
+            return np.asarray(data, dtype=object).reshape(ds.shape)
+        data = np.asarray(data)
+        if data.dtype != self.dtype:
+            data = data.view(self.dtype) if data.dtype.kind == "V" else data.astype(self.dtype.newbyteorder("="))
+        return data.reshape(ds.shape)
+
+    def _check(self, i: int, data: np.ndarray) -> None:
+        expected = self.stored_checksums[i]
+        if expected is None:
+            raise self._fail("dataset has no crc32c attribute", i)
+        found = checksum(data)
+        if found != expected:
+            raise ChecksumMismatchError(
+                "checksum mismatch: the stored bytes are damaged",
+                file=self._reader.path,
+                variable=f"{self.path}/{component_name(i)}",
+                expected=f"crc32c {expected:#010x}",
+                found=f"crc32c {found:#010x}",
+            )
+
+    def verify(self, i: int) -> None:
+        """Check component ``i``'s bytes against its stored checksum (no copy when mapped)."""
+        raw = self._mapped(i)
+        self._check(i, raw if raw is not None else self._read_h5(i))
+        self._verified.add(i)
+
+    def read_component_into(self, i: int, out: np.ndarray, *, verify: bool = True, cast: bool = False) -> None:
+        """Read component ``i`` straight into ``out`` (same shape; same dtype unless ``cast``)."""
+        if tuple(out.shape) != self.component_shape(i):
+            raise ShapeMismatchError(
+                "shape mismatch", file=self._reader.path, variable=self.path,
+                expected=tuple(out.shape), found=self.component_shape(i),
+            )
+        if out.dtype != self.dtype and not cast:
+            raise DtypeMismatchError(
+                "dtype mismatch", file=self._reader.path, variable=self.path,
+                expected=dtype_name(out.dtype), found=dtype_name(self.dtype), hint="pass allow_cast=True to convert",
+            )
+        raw = self._mapped(i)
+        data = raw if raw is not None else self._read_h5(i)
+        if verify and i not in self._verified:
+            self._check(i, data)
+        if out.dtype == data.dtype:
+            np.copyto(out, data)
+        else:
+            out[...] = data.astype(out.dtype)
+        del raw, data
+
+    def component(self, i: int) -> np.ndarray:
+        out = np.empty(self.component_shape(i), self.dtype)
+        self.read_component_into(i, out)
+        return out
+
+    def value(self) -> np.ndarray:
+        from parallelvars.checkpoint._restore import read_logical_into
+
+        out = np.empty(self.shape, self.dtype)
+        read_logical_into(self, out, file=self._reader.path, cast=False)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"<StoredVariable {self.path!r} kind={self.kind} dtype={dtype_name(self.dtype)} "
+            f"shape={self.shape} components={self.num_components}>"
+        )
+
+
+class H5Reader(Mapping[str, StoredVariable]):
+    """A checkpoint file in the native layout, opened read-only: a Mapping path -> variable.
+
+    Raises:
+        FileNotFoundError: no such file.
+        NotACheckpointError: not HDF5, or HDF5 without our layout.
+        FormatVersionError: written by a newer, incompatible layout version.
+        TruncatedFileError / CorruptCheckpointError: damaged file.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._file: h5py.File | None = None
+        self._mm: mmap.mmap | None = None
+        if not os.path.exists(self.path):
+            raise FileNotFoundError(f"{self.path}: no such checkpoint file")
+        if os.path.isdir(self.path):
+            raise NotACheckpointError("is a directory, not a checkpoint file", file=self.path)
+        self.file_size = os.path.getsize(self.path)
+        with open(self.path, "rb") as fh:
+            head = fh.read(8)
+        if not h5py.is_hdf5(self.path):
+            raise NotACheckpointError(
+                "not an HDF5 file", file=self.path, expected=f"HDF5 signature {HDF5_SIGNATURE!r}", found=f"{head!r}"
+            )
+        try:
+            self._file = h5py.File(self.path, "r")
+        except _H5_ERRORS as exc:
+            msg = str(exc)
+            if "truncated" in msg.lower():
+                raise TruncatedFileError("file is truncated", file=self.path, found=msg) from None
+            raise CorruptCheckpointError("HDF5 file cannot be opened", file=self.path, found=msg) from None
+        try:
+            self._load()
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self) -> None:
+        f = self._file
+        assert f is not None
+        try:
+            version = f.attrs.get("parallelvars_format")
+        except _H5_ERRORS as exc:
+            raise CorruptCheckpointError("root attributes unreadable", file=self.path, found=str(exc)) from None
+        if version is None:
+            raise NotACheckpointError(
+                "an HDF5 file, but not a parallelvars checkpoint", file=self.path,
+                expected="root attribute 'parallelvars_format'", found="none",
+            )
+        try:
+            version = int(version)
+        except (TypeError, ValueError):
+            raise CorruptCheckpointError("bad format version attribute", file=self.path, found=repr(version)) from None
+        if version > FORMAT_VERSION:
+            raise FormatVersionError(
+                "checkpoint written by a newer layout version", file=self.path,
+                expected=f"version <= {FORMAT_VERSION}", found=f"version {version}",
+                hint="upgrade parallelvars to read it",
+            )
+        self.format_version = version
+        try:
+            self.metadata: dict[str, Any] = {k: _decode(v) for k, v in f.attrs.items()}
+            groups: list[str] = []
+
+            def visit(name: str, obj: Any) -> None:
+                if isinstance(obj, h5py.Group) and "kind" in obj.attrs and not name.startswith(META_GROUP):
+                    groups.append(name)
+
+            index = f.get(INDEX_DATASET)
+            if index is not None:
+                raw_index = index[()]
+                metas = json.loads(raw_index.decode() if isinstance(raw_index, bytes) else raw_index)
+                if not isinstance(metas, dict):
+                    raise CorruptCheckpointError("index is not a mapping", file=self.path)
+                self._variables = {name: StoredVariable(self, name, metas[name]) for name in sorted(metas)}
+            else:
+                f.visititems(visit)
+                self._variables = {name: StoredVariable.from_group(self, name, f[name]) for name in sorted(groups)}
+            graph = f.get(GRAPH_DATASET)
+            self.object_graph: dict[str, Any] | None = None
+            if graph is not None:
+                raw = graph[()]
+                self.object_graph = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+        except (CorruptCheckpointError, UnsupportedDtypeError):
+            raise
+        except (*_H5_ERRORS, json.JSONDecodeError, AttributeError) as exc:
+            raise CorruptCheckpointError("damaged file structure", file=self.path, found=str(exc)) from None
+
+    def _h5(self) -> h5py.File:
+        if self._file is None:
+            raise ValueError(f"{self.path}: the reader is closed")
+        return self._file
+
+    def _mmap(self) -> mmap.mmap | None:
+        if self._mm is None and self.file_size > 0:
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                # MAP_POPULATE maps the whole file in one call instead of one page fault per page.
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                self._mm = mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)  # the map keeps its own reference to the file
+        return self._mm
+
+    def __getitem__(self, key: str) -> StoredVariable:
+        try:
+            return self._variables[key]
+        except KeyError:
+            from parallelvars.errors import MissingVariableError
+
+            raise MissingVariableError("no such variable in the checkpoint", file=self.path, variable=key) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._variables)
+
+    def __len__(self) -> int:
+        return len(self._variables)
+
+    def verify_all(self) -> list[str]:
+        """Check every component of every variable; the problems found (empty when sound)."""
+        problems = []
+        for var in self._variables.values():
+            for i in range(var.num_components):
+                try:
+                    var.verify(i)
+                except CorruptCheckpointError as exc:
+                    problems.append(str(exc))
+        return problems
+
+    def close(self) -> None:
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # an array still views the map; it closes with that array
+                pass
+            self._mm = None
+        if self._file is not None:
+            try:
+                self._file.close()
+            except _H5_ERRORS:
+                pass
+            self._file = None
+
+    def __enter__(self) -> H5Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"<H5Reader {self.path!r} variables={len(self._variables)}>"

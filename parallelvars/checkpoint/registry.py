@@ -1,0 +1,136 @@
+"""The saveable registry: which types a checkpoint saves, and how each one restores.
+
+A :class:`Saveable` turns one live object into a :class:`SaveRecord` (its named tensors
+``primary``, ``parallel_component_1`` ... plus group attributes) and plans its restore from a
+stored variable. Planning validates everything (shape, dtype, device count) *without* touching
+the object and returns a callable that applies the restore; the checkpoint runs every plan
+first and applies them only when all succeeded, so a restore is all or nothing.
+
+Register your own type with :func:`register_saveable`; registering a type twice needs
+``override=True``.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "Saveable",
+    "SaveRecord",
+    "register_saveable",
+    "unregister_saveable",
+    "get_saveable",
+    "component_name",
+    "component_index",
+]
+
+
+def component_name(i: int) -> str:
+    """The dataset name of component ``i``: ``primary`` for 0, else ``parallel_component_i``."""
+    return "primary" if i == 0 else f"parallel_component_{i}"
+
+
+def component_index(name: str) -> int | None:
+    """The inverse of :func:`component_name` (None for other names)."""
+    if name == "primary":
+        return 0
+    prefix = "parallel_component_"
+    if name.startswith(prefix) and name[len(prefix):].isdigit():
+        i = int(name[len(prefix):])
+        return i if i > 0 else None
+    return None
+
+
+@dataclass
+class SaveRecord:
+    """What one object saves: an entry of the neutral view (duck-typed), built from live buffers.
+
+    Attributes:
+        path: the object path in the checkpoint (set by the checkpoint).
+        kind: ``single``, ``mirrored``, ``on_read``, ``independent`` or ``sharded``.
+        components: the arrays to write, component 0 first (views, never copies).
+        shape: the logical shape.
+        attrs: group attributes (devices, aggregation, shard axis and offsets, ...).
+    """
+
+    kind: str
+    components: Sequence[np.ndarray]
+    shape: tuple[int, ...]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    path: str = ""
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.components[0].dtype
+
+    @property
+    def num_components(self) -> int:
+        return len(self.components)
+
+    def component_shape(self, i: int) -> tuple[int, ...]:
+        return tuple(self.components[i].shape)
+
+    def component(self, i: int) -> np.ndarray:
+        return self.components[i]
+
+    @property
+    def tensors(self) -> dict[str, np.ndarray]:
+        """The named tensors: ``primary``, ``parallel_component_1`` ..."""
+        return {component_name(i): c for i, c in enumerate(self.components)}
+
+
+class Saveable(abc.ABC):
+    """How one type of object is saved and restored."""
+
+    @abc.abstractmethod
+    def gather(self, obj: Any) -> SaveRecord:
+        """The record to save for ``obj`` (component arrays as views of its buffers)."""
+
+    @abc.abstractmethod
+    def plan_restore(self, obj: Any, stored: Any, *, file: str, path: str, allow_cast: bool) -> Callable[[], None]:
+        """Validate ``stored`` against ``obj`` and return the callable that restores it.
+
+        Must not modify ``obj``; raises a :class:`~parallelvars.errors.CheckpointError` naming
+        ``file`` and ``path`` when the stored value cannot be restored into ``obj``.
+        """
+
+
+_registry: dict[type, Saveable] = {}
+_lock = threading.Lock()
+
+
+def register_saveable(cls: type, saveable: Saveable, *, override: bool = False) -> None:
+    """Make instances of ``cls`` (and subclasses) saveable with ``saveable``."""
+    with _lock:
+        if cls in _registry and not override:
+            raise ValueError(
+                f"{cls.__module__}.{cls.__qualname__} already has a saveable "
+                f"({type(_registry[cls]).__name__}); pass override=True to replace it"
+            )
+        _registry[cls] = saveable
+
+
+def unregister_saveable(cls: type) -> None:
+    with _lock:
+        _registry.pop(cls, None)
+
+
+def get_saveable(obj: Any) -> Saveable | None:
+    """The saveable registered for ``type(obj)`` or its nearest base class, if any."""
+    if not _registry:
+        return None
+    for klass in type(obj).__mro__:
+        s = _registry.get(klass)
+        if s is not None:
+            return s
+    return None
+
+
+def registered_types() -> Mapping[type, Saveable]:
+    return dict(_registry)

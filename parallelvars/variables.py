@@ -1,0 +1,880 @@
+"""Parallel variables: a ``wrapt.ObjectProxy`` over the primary component of a stacked buffer.
+
+A :class:`ParallelVariable` holds all its components in one ``(n, *shape)`` numpy buffer;
+component ``i`` is the view ``stacked[i]`` and the proxy wraps ``stacked[0]`` (the primary), so
+``np.asarray(v)``, ``v.shape``, ``v + 1`` and ``v[2:]`` behave like the primary array. Inside a
+replica function of the variable's strategy, reads see the replica's own component instead.
+
+Kinds (``v.kind``):
+
+* ``single``: one component, made outside any strategy.
+* ``mirrored``: made in a strategy scope (``Synchronization.ON_WRITE``); every write reaches
+  every component.
+* ``on_read``: ``Synchronization.ON_READ`` with an aggregation (SUM / MEAN /
+  ONLY_FIRST_REPLICA); each replica writes its own component, ``read_value()`` aggregates.
+* ``independent``: made in :func:`independent_buffers`; each component holds its own value.
+* ``sharded``: :class:`ShardedVariable`, made with ``shard_axis=k``; the components are slices
+  of one logical value, and the proxy wraps the full value.
+
+Overridden dunders and why (everything else is forwarded to the wrapped array by wrapt):
+
+* arithmetic, comparison, unary, conversion (``__int__``, ``__float__``, ``__bool__``,
+  ``__index__``), ``__getitem__``, ``__len__``, ``__iter__``, ``__array__``,
+  ``__array_ufunc__``, ``__array_function__``: read the *local* component (the primary outside
+  replica functions) and unwrap other variables, so numpy never sees a proxy.
+* in-place operators (``+=``, ``-=``, ``*=``, ``/=``, ``//=``, ``%=``, ``**=``, ``<<=``,
+  ``>>=``, ``&=``, ``|=``, ``^=``) and ``__setitem__``: must reach *every* component of a
+  mirrored variable, not only the primary that wrapt would update. ``+=`` and ``-=`` are
+  ``assign_add`` / ``assign_sub`` (so they merge across replicas inside a replica function).
+* ``fill``, ``sort``, ``partition``, ``put``: array methods that write in place; same reason.
+* ``__hash__``: by identity (an array is unhashable; a variable is a key in optimizer state).
+  Like any numpy array, ``==`` compares element-wise.
+* ``__repr__``: says kind, name, shape, dtype and devices.
+* ``__copy__`` / ``__deepcopy__`` / ``__reduce_ex__``: a copy of a variable is a plain array of
+  its value (a variable is bound to its devices and its checkpoint identity).
+
+Writes through a *view* taken from a variable (``v.T``, ``v.reshape(...)``, ``v[1:]``) change
+only the array they view (the primary); write through the variable itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import wrapt
+
+from parallelvars import _storage
+from parallelvars._dtypes import as_dtype, is_extension_dtype
+from parallelvars.devices import ParallelDevice
+from parallelvars.enums import Aggregation, Synchronization
+from parallelvars.errors import ContextError, ShapeMismatchError
+from parallelvars.strategy import _context
+
+__all__ = [
+    "ParallelVariable",
+    "ShardedVariable",
+    "Variable",
+    "variable_creator_scope",
+    "independent_buffers",
+    "replicated_scope",
+    "shard_sizes",
+]
+
+variable_creator_scope = _context.variable_creator_scope
+
+_name_counter = itertools.count()
+_name_lock = threading.Lock()
+
+
+def _unique_name(name: str | None) -> str:
+    if name:
+        return str(name)
+    with _name_lock:
+        return f"Variable_{next(_name_counter)}"
+
+
+def _unwrap(x: Any) -> Any:
+    """Replace variables by the array they read as here (recursively in lists and tuples)."""
+    if isinstance(x, ParallelVariable):
+        return x._local()
+    if isinstance(x, (list, tuple)) and any(isinstance(i, (ParallelVariable, list, tuple)) for i in x):
+        return type(x)(_unwrap(i) for i in x) if not hasattr(x, "_fields") else type(x)(*(_unwrap(i) for i in x))
+    return x
+
+
+def _unwrap_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: _unwrap(v) for k, v in kwargs.items()}
+
+
+_BINARY = {
+    "add": operator.add,
+    "sub": operator.sub,
+    "mul": operator.mul,
+    "truediv": operator.truediv,
+    "floordiv": operator.floordiv,
+    "mod": operator.mod,
+    "pow": operator.pow,
+    "matmul": operator.matmul,
+    "lshift": operator.lshift,
+    "rshift": operator.rshift,
+    "and": operator.and_,
+    "or": operator.or_,
+    "xor": operator.xor,
+    "divmod": divmod,
+}
+_INPLACE_UFUNC = {
+    "add": np.add,
+    "sub": np.subtract,
+    "mul": np.multiply,
+    "truediv": np.true_divide,
+    "floordiv": np.floor_divide,
+    "mod": np.remainder,
+    "pow": np.power,
+    "lshift": np.left_shift,
+    "rshift": np.right_shift,
+    "and": np.bitwise_and,
+    "or": np.bitwise_or,
+    "xor": np.bitwise_xor,
+}
+# numpy functions that write into their first argument.
+_MUTATING_FUNCTIONS = {np.copyto, np.put, np.putmask, np.place, np.fill_diagonal, np.put_along_axis}
+
+
+class ParallelVariable(wrapt.ObjectProxy):
+    """One logical variable with one component buffer per device.
+
+    Do not construct directly; use :func:`Variable` (inside a strategy scope for parallel kinds).
+
+    Example:
+        >>> import numpy as np, parallelvars as pv
+        >>> with pv.MirroredStrategy(2).scope():
+        ...     w = pv.Variable(np.ones(3, np.float32), name="w")
+        >>> w += 1
+        >>> [c.tolist() for c in w.components]
+        [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]
+    """
+
+    def __init__(
+        self,
+        stacked: np.ndarray,
+        *,
+        device: ParallelDevice,
+        name: str,
+        kind: str,
+        synchronization: Synchronization,
+        aggregation: Aggregation,
+        trainable: bool,
+        placement: _storage.Placement | None = None,
+    ) -> None:
+        if stacked.shape[0] != len(device):
+            raise ValueError(
+                f"variable {name!r}: {stacked.shape[0]} components for {len(device)} devices"
+            )
+        super().__init__(stacked[0, ...])  # a 0-d view for scalars, not a copy
+        self._self_stacked = stacked
+        self._self_components = tuple(stacked[i, ...] for i in range(stacked.shape[0]))
+        self._self_device = device
+        self._self_name = name
+        self._self_kind = kind
+        self._self_synchronization = synchronization
+        self._self_aggregation = aggregation
+        self._self_trainable = bool(trainable)
+        self._self_placement = placement
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def components(self) -> tuple[np.ndarray, ...]:
+        """One numpy view per device; component 0 is the primary."""
+        return self._self_components
+
+    @property
+    def stacked(self) -> np.ndarray:
+        """The ``(n, *shape)`` buffer holding every component."""
+        return self._self_stacked
+
+    @property
+    def primary(self) -> np.ndarray:
+        return self._self_components[0]
+
+    @property
+    def device(self) -> ParallelDevice:
+        """The parallel device: ``device.components`` names one device per component."""
+        return self._self_device
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return self._self_device.components
+
+    @property
+    def num_components(self) -> int:
+        return len(self._self_components)
+
+    @property
+    def name(self) -> str:
+        return self._self_name
+
+    @property
+    def kind(self) -> str:
+        return self._self_kind
+
+    @property
+    def synchronization(self) -> Synchronization:
+        return self._self_synchronization
+
+    @property
+    def aggregation(self) -> Aggregation:
+        return self._self_aggregation
+
+    @property
+    def trainable(self) -> bool:
+        return self._self_trainable
+
+    @property
+    def placement(self) -> _storage.Placement | None:
+        """Where the stacked buffer lives in its arena (for the update core)."""
+        return self._self_placement
+
+    # ------------------------------------------------------------------ reading
+    def _replica_index(self) -> int | None:
+        """This thread's component index inside a replica function of our devices, else None."""
+        ctx = _context.current_mode().replica_context
+        if ctx is None or ctx.strategy._is_default:
+            return None
+        n = ctx.num_replicas_in_sync
+        if n == 1 or n != len(self._self_components) or ctx.strategy.devices != self._self_device:
+            return None
+        return ctx.replica_id_in_sync_group
+
+    def _local(self) -> np.ndarray:
+        """The array this variable reads as here: the replica's component, else the primary."""
+        i = self._replica_index()
+        return self.__wrapped__ if i is None else self._self_components[i]
+
+    def read_value(self) -> np.ndarray:
+        """A copy of the value: aggregated for on-read variables outside replica functions."""
+        if self._self_kind == "on_read" and self._replica_index() is None:
+            return self._aggregate()
+        return np.array(self._local(), copy=True)
+
+    def value(self) -> np.ndarray:
+        return self.read_value()
+
+    def numpy(self) -> np.ndarray:
+        return self.read_value()
+
+    def _aggregate(self) -> np.ndarray:
+        agg = self._self_aggregation
+        comps = self._self_components
+        if agg is Aggregation.ONLY_FIRST_REPLICA or len(comps) == 1:
+            return np.array(comps[0], copy=True)
+        if agg is Aggregation.NONE:
+            raise ContextError(
+                f"variable {self._self_name!r}: an on-read variable with aggregation NONE has no "
+                "value in cross-replica context; read its components"
+            )
+        total = np.array(comps[0], copy=True)
+        for c in comps[1:]:  # device order: the same bits on every run
+            np.add(total, c, out=total)
+        if agg is Aggregation.MEAN:
+            if total.dtype.kind in "iub":
+                return total // len(comps)
+            return np.divide(total, len(comps)).astype(total.dtype, copy=False)
+        return total
+
+    # ------------------------------------------------------------------ writing
+    def assign(self, value: Any) -> ParallelVariable:
+        """Set the value; on a mirrored variable every component receives it."""
+        return self._write("assign", value)
+
+    def assign_add(self, delta: Any) -> ParallelVariable:
+        return self._write("assign_add", delta)
+
+    def assign_sub(self, delta: Any) -> ParallelVariable:
+        return self._write("assign_sub", delta)
+
+    def _write(self, op: str, value: Any) -> ParallelVariable:
+        value = _unwrap(value)
+        i = self._replica_index()
+        if i is not None:
+            if self._self_kind in ("on_read", "independent"):
+                self._apply_component(i, op, value)
+                return self
+            ctx = _context.current_mode().replica_context
+            assert ctx is not None
+            ctx._write_variable(self, op, value)
+            return self
+        self._apply_write(op, value)
+        return self
+
+    def _check_value_shape(self, value: Any) -> np.ndarray:
+        arr = np.asarray(value)
+        shape = self.__wrapped__.shape
+        try:
+            ok = np.broadcast_shapes(arr.shape, shape) == shape
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ShapeMismatchError(
+                "cannot write a value of another shape",
+                variable=self._self_name,
+                expected=shape,
+                found=arr.shape,
+            )
+        return arr
+
+    def _apply_component(self, i: int, op: str, value: Any) -> None:
+        arr = self._check_value_shape(value)
+        comp = self._self_components[i]
+        if op == "assign":
+            comp[...] = arr
+        elif op == "assign_add":
+            np.add(comp, arr, out=comp, casting="same_kind")
+        else:
+            np.subtract(comp, arr, out=comp, casting="same_kind")
+
+    def _apply_write(self, op: str, value: Any) -> None:
+        """Apply ``op`` in cross-replica terms: the write the whole variable sees once."""
+        arr = self._check_value_shape(value)
+        stacked = self._self_stacked
+        if self._self_kind == "on_read" and len(self._self_components) > 1:
+            agg = self._self_aggregation
+            if agg is Aggregation.SUM:
+                # Keep the total exact for every dtype: it lives in the primary.
+                if op == "assign":
+                    stacked[1:] = 0
+                    stacked[0] = arr
+                else:
+                    self._apply_component(0, op, arr)
+                return
+        if op == "assign":
+            stacked[...] = arr
+        elif op == "assign_add":
+            np.add(stacked, arr, out=stacked, casting="same_kind")
+        else:
+            np.subtract(stacked, arr, out=stacked, casting="same_kind")
+
+    def _inplace(self, name: str, other: Any) -> ParallelVariable:
+        if name == "add":
+            return self.assign_add(other)
+        if name == "sub":
+            return self.assign_sub(other)
+        other = _unwrap(other)
+        ufunc = _INPLACE_UFUNC[name]
+        i = self._replica_index()
+        if i is not None and self._self_kind in ("on_read", "independent"):
+            comp = self._self_components[i]
+            ufunc(comp, other, out=comp)
+            return self
+        if i is not None or self._self_kind == "on_read":
+            # A value computed from the current one, then written like assign().
+            return self.assign(ufunc(self.read_value(), other))
+        self._check_value_shape(other)
+        stacked = self._self_stacked
+        ufunc(stacked, other, out=stacked)
+        return self
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        key = _unwrap(key)
+        value = _unwrap(value)
+        i = self._replica_index()
+        if i is not None and self._self_kind in ("on_read", "independent"):
+            self._self_components[i][key] = value
+            return
+        if i is not None or self._self_kind == "on_read":
+            new = self.read_value()
+            new[key] = value
+            self.assign(new)
+            return
+        self._setitem_all(key, value)
+
+    def _setitem_all(self, key: Any, value: Any) -> None:
+        stacked = self._self_stacked
+        if isinstance(key, tuple):
+            stacked[(slice(None),) + key] = value  # noqa: RUF005 - the unpacking form confuses mypy on 3.10
+        elif key is Ellipsis:
+            stacked[...] = value
+        else:
+            stacked[:, key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        raise TypeError(f"variable {self._self_name!r}: items cannot be deleted")
+
+    def _for_each_component(self, method: str, *args: Any, **kwargs: Any) -> None:
+        args = tuple(_unwrap(a) for a in args)
+        kwargs = _unwrap_kwargs(kwargs)
+        i = self._replica_index()
+        if i is not None and self._self_kind in ("on_read", "independent"):
+            getattr(self._self_components[i], method)(*args, **kwargs)
+            return
+        if i is not None or self._self_kind == "on_read":
+            new = self.read_value()
+            getattr(new, method)(*args, **kwargs)
+            self.assign(new)
+            return
+        for comp in self._self_components:
+            getattr(comp, method)(*args, **kwargs)
+
+    def fill(self, value: Any) -> None:
+        self._for_each_component("fill", value)
+
+    def sort(self, *args: Any, **kwargs: Any) -> None:
+        self._for_each_component("sort", *args, **kwargs)
+
+    def partition(self, *args: Any, **kwargs: Any) -> None:
+        self._for_each_component("partition", *args, **kwargs)
+
+    def put(self, *args: Any, **kwargs: Any) -> None:
+        self._for_each_component("put", *args, **kwargs)
+
+    def resize(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(f"variable {self._self_name!r}: a variable's shape is fixed")
+
+    # ------------------------------------------------------------------ numpy protocol
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        arr = self._local()
+        if dtype is not None and np.dtype(dtype) != arr.dtype:
+            if copy is False:
+                raise ValueError("a copy is needed to change the dtype")
+            return arr.astype(dtype)
+        return np.array(arr, copy=True) if copy else arr
+
+    def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        out = kwargs.get("out")
+        targets = [o for o in (out or ()) if isinstance(o, ParallelVariable)]
+        if targets:
+            return self._ufunc_into(targets, ufunc, method, inputs, kwargs)
+        return getattr(ufunc, method)(*(_unwrap(x) for x in inputs), **_unwrap_kwargs(kwargs))
+
+    def _ufunc_into(
+        self, targets: list[ParallelVariable], ufunc: np.ufunc, method: str, inputs: Any, kwargs: dict[str, Any]
+    ) -> Any:
+        if len(targets) != 1 or method != "__call__":
+            raise TypeError("a variable can be the `out` of a plain ufunc call with one output only")
+        (var,) = targets
+        rest = {k: _unwrap(v) for k, v in kwargs.items() if k != "out"}
+        i = var._replica_index()
+        if var._self_kind == "on_read" or (i is not None and var._self_kind not in ("independent",)):
+            result = ufunc(*(_unwrap(x) for x in inputs), **rest)
+            var.assign(result)
+            return var
+        comps = var._self_components if i is None else (var._self_components[i],)
+        for comp in comps:
+            args = [comp if x is var else _unwrap(x) for x in inputs]
+            ufunc(*args, out=comp, **rest)
+        return var
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        if func in _MUTATING_FUNCTIONS and args and isinstance(args[0], ParallelVariable):
+            var = args[0]
+            rest = tuple(_unwrap(a) for a in args[1:])
+            kw = _unwrap_kwargs(kwargs)
+            i = var._replica_index()
+            if var._self_kind == "on_read" or (i is not None and var._self_kind != "independent"):
+                new = var.read_value()
+                func(new, *rest, **kw)
+                var.assign(new)
+                return None
+            comps = var._self_components if i is None else (var._self_components[i],)
+            for comp in comps:
+                func(comp, *rest, **kw)
+            return None
+        return func(*(_unwrap(a) for a in args), **_unwrap_kwargs(kwargs))
+
+    # ------------------------------------------------------------------ reads via the local component
+    def __getitem__(self, key: Any) -> Any:
+        return self._local()[_unwrap(key)]
+
+    def __len__(self) -> int:
+        return len(self.__wrapped__)
+
+    def __iter__(self) -> Any:
+        return iter(self._local())
+
+    def __contains__(self, item: Any) -> bool:
+        return _unwrap(item) in self._local()
+
+    def __bool__(self) -> bool:
+        return bool(self._local())
+
+    def __int__(self) -> int:
+        return int(self._local())
+
+    def __float__(self) -> float:
+        return float(self._local())
+
+    def __complex__(self) -> complex:
+        return complex(self._local())
+
+    def __index__(self) -> int:
+        return operator.index(self._local())
+
+    def __neg__(self) -> Any:
+        return -self._local()
+
+    def __pos__(self) -> Any:
+        return +self._local()
+
+    def __abs__(self) -> Any:
+        return abs(self._local())
+
+    def __invert__(self) -> Any:
+        return ~self._local()
+
+    def __round__(self, ndigits: int | None = None) -> Any:
+        value: Any = self._local()
+        return round(value, ndigits) if ndigits is not None else round(value)
+
+    def __lt__(self, other: Any) -> Any:
+        return self._local() < _unwrap(other)
+
+    def __le__(self, other: Any) -> Any:
+        return self._local() <= _unwrap(other)
+
+    def __eq__(self, other: Any) -> Any:
+        return self._local() == _unwrap(other)
+
+    def __ne__(self, other: Any) -> Any:
+        return self._local() != _unwrap(other)
+
+    def __gt__(self, other: Any) -> Any:
+        return self._local() > _unwrap(other)
+
+    def __ge__(self, other: Any) -> Any:
+        return self._local() >= _unwrap(other)
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def ref(self) -> Any:
+        """A hashable reference comparing by identity (``==`` on a variable is element-wise)."""
+        return _VariableRef(self)
+
+    def __format__(self, spec: str) -> str:
+        return format(self._local(), spec)
+
+    def __str__(self) -> str:
+        return str(self._local())
+
+    def __repr__(self) -> str:
+        shape = tuple(self.__wrapped__.shape)
+        text = (
+            f"<{type(self).__name__} {self._self_name!r} kind={self._self_kind} shape={shape} "
+            f"dtype={self.__wrapped__.dtype} devices={list(self._self_device.components)}"
+        )
+        if self.__wrapped__.size <= 8:
+            text += f" value={np.array2string(np.asarray(self._local()), separator=', ')}"
+        return text + ">"
+
+    def __copy__(self) -> np.ndarray:
+        return np.array(self._local(), copy=True)
+
+    def __deepcopy__(self, memo: Any) -> np.ndarray:
+        return np.array(self._local(), copy=True)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return (np.array, (np.array(self._local()),))
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(dir(type(self))) | set(dir(self.__wrapped__)))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_self_"):
+            raise AttributeError(name)
+        return getattr(self._local(), name)
+
+
+def _make_binary(name: str) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    op = _BINARY[name]
+
+    def forward(self: ParallelVariable, other: Any) -> Any:
+        return op(self._local(), _unwrap(other))
+
+    def reflected(self: ParallelVariable, other: Any) -> Any:
+        return op(_unwrap(other), self._local())
+
+    def inplace(self: ParallelVariable, other: Any) -> Any:
+        return self._inplace(name, other)
+
+    return forward, reflected, inplace
+
+
+for _name in _BINARY:
+    _fwd, _ref, _inp = _make_binary(_name)
+    _fwd.__name__, _ref.__name__, _inp.__name__ = f"__{_name}__", f"__r{_name}__", f"__i{_name}__"
+    setattr(ParallelVariable, f"__{_name}__", _fwd)
+    setattr(ParallelVariable, f"__r{_name}__", _ref)
+    if _name in _INPLACE_UFUNC:
+        setattr(ParallelVariable, f"__i{_name}__", _inp)
+del _name, _fwd, _ref, _inp
+
+
+def _imatmul(self: ParallelVariable, other: Any) -> Any:
+    # Not an element-wise write: refuse it rather than update only the primary.
+    raise TypeError(f"variable {self.name!r}: in-place matmul is not supported; use assign(v @ m)")
+
+
+ParallelVariable.__imatmul__ = _imatmul  # type: ignore[method-assign,assignment]
+
+
+class _VariableRef:
+    """Hashable, identity-compared handle of a variable (``v.ref()``)."""
+
+    __slots__ = ("_var",)
+
+    def __init__(self, var: ParallelVariable) -> None:
+        self._var = var
+
+    def deref(self) -> ParallelVariable:
+        return self._var
+
+    def __hash__(self) -> int:
+        return id(self._var)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _VariableRef) and other._var is self._var
+
+
+def shard_sizes(length: int, n: int) -> list[int]:
+    """Sizes of ``n`` shards of ``length`` rows: the first ``length % n`` get one more.
+
+    >>> shard_sizes(10, 4)
+    [3, 3, 2, 2]
+    """
+    q, r = divmod(int(length), int(n))
+    return [q + 1] * r + [q] * (n - r)
+
+
+class ShardedVariable(ParallelVariable):
+    """A variable whose components are slices of one logical value along ``shard_axis``.
+
+    The proxy wraps the *full* value; component ``i`` is the view of rows
+    ``offsets[i] : offsets[i] + sizes[i]`` along the axis (uneven splits: 10 rows over 4 devices
+    are 3, 3, 2, 2). Writes through the variable reach the shards because the shards are views
+    of the value.
+    """
+
+    def __init__(
+        self,
+        full: np.ndarray,
+        *,
+        device: ParallelDevice,
+        name: str,
+        shard_axis: int,
+        trainable: bool,
+        aggregation: Aggregation = Aggregation.NONE,
+    ) -> None:
+        ndim = full.ndim
+        if ndim == 0:
+            raise ValueError(f"variable {name!r}: a scalar cannot be sharded")
+        axis = shard_axis + ndim if shard_axis < 0 else shard_axis
+        if not 0 <= axis < ndim:
+            raise ValueError(f"variable {name!r}: shard_axis {shard_axis} out of range for {ndim} dims")
+        n = len(device)
+        sizes = shard_sizes(full.shape[axis], n)
+        offsets = [0, *itertools.accumulate(sizes)][:-1]
+        comps = []
+        for off, size in zip(offsets, sizes, strict=True):
+            index = [slice(None)] * ndim
+            index[axis] = slice(off, off + size)
+            comps.append(full[tuple(index)])
+        wrapt.ObjectProxy.__init__(self, full)
+        self._self_stacked: Any = None
+        self._self_components = tuple(comps)
+        self._self_device = device
+        self._self_name = name
+        self._self_kind = "sharded"
+        self._self_synchronization = Synchronization.ON_WRITE
+        self._self_aggregation = aggregation
+        self._self_trainable = bool(trainable)
+        self._self_placement = None
+        self._self_shard_axis = axis
+        self._self_shard_offsets = tuple(offsets)
+
+    @property
+    def shard_axis(self) -> int:
+        return self._self_shard_axis
+
+    @property
+    def shard_offsets(self) -> tuple[int, ...]:
+        return self._self_shard_offsets
+
+    @property
+    def shard_sizes(self) -> tuple[int, ...]:
+        return tuple(c.shape[self._self_shard_axis] for c in self._self_components)
+
+    @property
+    def stacked(self) -> np.ndarray:
+        raise AttributeError(
+            f"variable {self._self_name!r}: shards have different shapes and no stacked buffer; "
+            "use .components or the full value"
+        )
+
+    def _local(self) -> np.ndarray:
+        return self.__wrapped__
+
+    def _replica_index(self) -> int | None:
+        return None
+
+    def read_value(self) -> np.ndarray:
+        return np.array(self.__wrapped__, copy=True)
+
+    def _apply_write(self, op: str, value: Any) -> None:
+        arr = self._check_value_shape(value)
+        full = self.__wrapped__
+        if op == "assign":
+            full[...] = arr
+        elif op == "assign_add":
+            np.add(full, arr, out=full, casting="same_kind")
+        else:
+            np.subtract(full, arr, out=full, casting="same_kind")
+
+    def _inplace(self, name: str, other: Any) -> ParallelVariable:
+        full = self.__wrapped__
+        _INPLACE_UFUNC[name](full, _unwrap(other), out=full)
+        return self
+
+    def _setitem_all(self, key: Any, value: Any) -> None:
+        self.__wrapped__[key] = value
+
+    def _for_each_component(self, method: str, *args: Any, **kwargs: Any) -> None:
+        getattr(self.__wrapped__, method)(*(_unwrap(a) for a in args), **_unwrap_kwargs(kwargs))
+
+    def _ufunc_into(self, targets: Any, ufunc: Any, method: str, inputs: Any, kwargs: Any) -> Any:
+        (var,) = targets
+        rest = {k: _unwrap(v) for k, v in kwargs.items() if k != "out"}
+        ufunc(*(var.__wrapped__ if x is var else _unwrap(x) for x in inputs), out=var.__wrapped__, **rest)
+        return var
+
+
+# ---------------------------------------------------------------------------- creation
+def _initial_array(initial_value: Any, dtype: Any, name: str) -> np.ndarray:
+    if callable(initial_value) and not isinstance(initial_value, (np.ndarray, ParallelVariable)):
+        initial_value = initial_value()
+    value = _unwrap(initial_value)
+    if dtype is not None:
+        return np.asarray(value, dtype=as_dtype(dtype))
+    arr = np.asarray(value)
+    if arr.dtype == np.float64 and not isinstance(value, np.ndarray) and not isinstance(value, np.generic):
+        # Python floats and lists of them become float32, the usual parameter dtype.
+        arr = arr.astype(np.float32)
+    if is_extension_dtype(arr.dtype):  # bfloat16, float8 ...: numpy reports them as kind "V"
+        return arr
+    if arr.dtype.kind in "USV" or (arr.dtype.kind == "O"):
+        if arr.dtype.kind == "O" and all(isinstance(x, bytes) for x in arr.flat):
+            return arr
+        raise TypeError(f"variable {name!r}: unsupported initial value dtype {arr.dtype}")
+    return arr
+
+
+def _base_creator(**kwargs: Any) -> ParallelVariable:
+    """The creator at the bottom of the stack: a single-device variable."""
+    return _make_distributed_variable(ParallelDevice(1), **kwargs)
+
+
+def _make_distributed_variable(
+    device: ParallelDevice,
+    *,
+    initial_value: Any,
+    name: str | None = None,
+    trainable: bool | None = None,
+    dtype: Any = None,
+    synchronization: Synchronization | str = Synchronization.AUTO,
+    aggregation: Aggregation | str = Aggregation.NONE,
+    shard_axis: int | None = None,
+    kind: str | None = None,
+) -> ParallelVariable:
+    """Make a variable of the kind the arguments ask for, on ``device``."""
+    name = _unique_name(name)
+    sync = Synchronization.parse(synchronization)
+    agg = Aggregation.parse(aggregation)
+    arr = _initial_array(initial_value, dtype, name)
+    n = len(device)
+    if trainable is None:
+        trainable = sync is not Synchronization.ON_READ
+    if shard_axis is not None and n > 1:
+        if sync is Synchronization.ON_READ:
+            raise ValueError(f"variable {name!r}: a sharded variable cannot be ON_READ")
+        full = np.array(arr, copy=True, order="C")
+        return ShardedVariable(full, device=device, name=name, shard_axis=int(shard_axis), trainable=trainable, aggregation=agg)
+    if kind is None:
+        if n == 1:
+            kind = "single"
+        elif sync is Synchronization.ON_READ:
+            kind = "on_read"
+        else:
+            kind = "mirrored"
+    if kind == "on_read" and agg is Aggregation.NONE:
+        raise ValueError(
+            f"variable {name!r}: an ON_READ variable needs an aggregation "
+            "(Aggregation.SUM, MEAN or ONLY_FIRST_REPLICA) to be read across replicas"
+        )
+    if sync is Synchronization.AUTO and kind != "single":
+        sync = Synchronization.ON_WRITE
+    stacked, placement = _storage.allocate(n, arr.shape, arr.dtype)
+    stacked[...] = arr
+    if kind == "on_read" and agg is Aggregation.SUM and n > 1:
+        stacked[1:] = 0  # the initial total is the initial value, not n times it
+    return ParallelVariable(
+        stacked,
+        device=device,
+        name=name,
+        kind=kind,
+        synchronization=sync,
+        aggregation=agg,
+        trainable=trainable,
+        placement=placement,
+    )
+
+
+def Variable(
+    initial_value: Any,
+    name: str | None = None,
+    *,
+    trainable: bool | None = None,
+    dtype: Any = None,
+    synchronization: Synchronization | str = Synchronization.AUTO,
+    aggregation: Aggregation | str = Aggregation.NONE,
+    shard_axis: int | None = None,
+) -> ParallelVariable:
+    """Create a variable; the current creator scopes (a strategy's scope) decide its kind.
+
+    Args:
+        initial_value: an array-like, or a callable returning one. Python floats become float32.
+        name: the variable's name (a unique ``Variable_N`` when omitted).
+        trainable: whether optimizers update it (default: not for ON_READ variables).
+        dtype: the dtype (names like ``"bfloat16"`` work).
+        synchronization: ``AUTO`` / ``ON_WRITE`` make mirrored variables in a strategy scope,
+            ``ON_READ`` per-replica variables aggregated on read.
+        aggregation: how replica writes (mirrored) or values (on-read) combine.
+        shard_axis: in a strategy scope, split the value along this axis across the devices.
+
+    Returns:
+        A :class:`ParallelVariable` (a :class:`ShardedVariable` for ``shard_axis``).
+    """
+    kwargs = dict(
+        initial_value=initial_value,
+        name=name,
+        trainable=trainable,
+        dtype=dtype,
+        synchronization=synchronization,
+        aggregation=aggregation,
+        shard_axis=shard_axis,
+    )
+    creators = _context.creator_stack()
+
+    def call(index: int, **kw: Any) -> ParallelVariable:
+        if index < 0:
+            return _base_creator(**kw)
+        return creators[index](lambda **k: call(index - 1, **k), **kw)
+
+    return call(len(creators) - 1, **kwargs)
+
+
+def independent_buffers(device: ParallelDevice | int | Sequence[str]) -> Any:
+    """A creator scope whose variables keep one independent buffer per component device.
+
+    Each component may hold its own value (write them through ``v.components[i]``); a
+    checkpoint saves every component and restores only onto the same number of devices.
+    """
+    pdev = ParallelDevice(device) if not isinstance(device, ParallelDevice) else device
+
+    def creator(next_creator: Any, **kwargs: Any) -> ParallelVariable:
+        kwargs.pop("shard_axis", None)
+        return _make_distributed_variable(pdev, kind="independent" if len(pdev) > 1 else "single", **kwargs)
+
+    return variable_creator_scope(creator)
+
+
+def replicated_scope(num_replicas: int) -> Any:
+    """A creator scope making mirrored variables on ``num_replicas`` devices (no strategy)."""
+    pdev = ParallelDevice(num_replicas)
+
+    def creator(next_creator: Any, **kwargs: Any) -> ParallelVariable:
+        return _make_distributed_variable(pdev, **kwargs)
+
+    return variable_creator_scope(creator)
