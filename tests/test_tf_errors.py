@@ -141,12 +141,16 @@ def test_shard_truncated_after_opening(plain: Path) -> None:
 @pytest.mark.parametrize(
     ("entry", "error", "match"),
     [
-        (BundleEntry(1, (2**40, 2**40), size=8), CorruptCheckpointError, "size does not match"),
+        (BundleEntry(1, (2**30, 2**30), size=8), CorruptCheckpointError, "size does not match"),
+        (BundleEntry(1, (2**40, 2**40), size=8), CorruptCheckpointError, "impossible tensor shape"),
         (BundleEntry(1, (2**31, 2**31), size=2**64 - 2**32), CorruptCheckpointError, "negative"),
         (BundleEntry(1, (2**20, 2**20), size=4 * 2**40, crc32c=1), TruncatedFileError, "past the end"),
         (BundleEntry(7, (2**50,), size=20), CorruptCheckpointError, "too small"),
         (BundleEntry(1, (2,), shard_id=3, size=8), CorruptCheckpointError, "shard id"),
-        (BundleEntry(1, (2**60, 2**60), slices=(((0, 1), (0, 1)),)), CorruptCheckpointError, "missing"),
+        (BundleEntry(1, (2**30, 2**30), slices=(((0, 1), (0, 1)),)), CorruptCheckpointError, "missing"),
+        (BundleEntry(1, (0, 2**62), crc32c=mask(0)), CorruptCheckpointError, "impossible tensor shape"),
+        (BundleEntry(1, (1,) * 70, size=4, crc32c=1), CorruptCheckpointError, "rank 70"),
+        (BundleEntry(1, (2**62, 0), slices=(((0, 0), (0, 0)),)), CorruptCheckpointError, "impossible"),
     ],
 )
 def test_absurd_sizes_and_shapes_allocate_nothing(tmp_path: Path, entry: BundleEntry, error, match: str) -> None:
@@ -300,3 +304,12 @@ def test_errors_are_never_bare_os_errors_for_missing_paths(tmp_path: Path) -> No
     check(info.value, "nothing.index")
     with pytest.raises(NotACheckpointError, match="no TensorFlow checkpoint"):
         TfCheckpointView(tmp_path)
+
+
+def test_bool_bytes_other_than_one_read_as_true(tmp_path: Path) -> None:
+    raw = b"\x00\x02\x01\xff"
+    prefix = make_bundle(tmp_path / "c", {b"b": BundleEntry(10, (4,), size=4, crc32c=mask(crc32c(raw)))}, [raw])
+    with BundleReader(prefix) as r:
+        value = r.read(b"b")
+    assert value.tolist() == [False, True, True, True]
+    assert value.view(np.uint8).tolist() == [0, 1, 1, 1]

@@ -75,6 +75,20 @@ def _nelements(shape: Sequence[int]) -> int:
     return n
 
 
+_MAX_RANK = 64 if int(np.__version__.split(".")[0]) >= 2 else 32
+_MAX_BYTES = (1 << 63) - 1
+
+
+def _shape_problem(shape: Sequence[int], itemsize: int) -> str | None:
+    """Why numpy could not even describe an array of ``shape`` (empty or not), or None."""
+    if len(shape) > _MAX_RANK:
+        return f"rank {len(shape)} exceeds numpy's limit of {_MAX_RANK}"
+    n = itemsize
+    for d in shape:
+        n *= d or 1
+    return f"a shape of {n} bytes (zero dimensions aside)" if n > _MAX_BYTES else None
+
+
 def slice_shape(spec: SliceSpec, full_shape: Sequence[int]) -> tuple[int, ...]:
     """The shape of the slice ``spec`` of a tensor of ``full_shape``."""
     return tuple(d if length is None else length for (_, length), d in zip(spec, full_shape, strict=True))
@@ -117,6 +131,7 @@ class BundleReader:
         self._files: dict[int, BinaryIO] = {}
         self._shard_sizes: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._seek_lock = threading.Lock()
         try:
             with open(self.index_path, "rb") as f:
                 data = f.read()
@@ -184,8 +199,12 @@ class BundleReader:
                 self._validate_stored(key, e)
 
     def _validate_sliced(self, key: bytes, e: BundleEntry) -> None:
-        if numpy_dtype(e.dtype) is None:
+        dt = numpy_dtype(e.dtype)
+        if dt is None:
             self.unsupported[key] = _unsupported(e.dtype)
+        problem = _shape_problem(e.shape, dt.itemsize if dt is not None else 1)
+        if problem:
+            raise self._corrupt(key, f"impossible tensor shape: {problem}", found=e.shape)
         total = 0
         for spec in e.slices:
             for (start, length), d in zip(spec, e.shape, strict=True):
@@ -222,6 +241,9 @@ class BundleReader:
         if dt is None:
             self.unsupported[key] = _unsupported(e.dtype)
             return
+        problem = _shape_problem(e.shape, dt.itemsize)
+        if problem:
+            raise self._corrupt(key, f"impossible tensor shape: {problem}", found=e.shape)
         n = _nelements(e.shape)
         if e.dtype == DT_STRING:
             if e.size < n + 4:
@@ -327,6 +349,8 @@ class BundleReader:
                 )
         if self._swap:
             byteswap_inplace(flat, dtype)
+        if dtype.kind == "b":  # any nonzero byte is true, as in TensorFlow; numpy wants 0/1
+            np.minimum(flat, 1, out=flat)
 
     def _read_strings(self, key: bytes, e: BundleEntry) -> list[bytes]:
         buf = np.empty(e.size, np.uint8)
@@ -354,14 +378,17 @@ class BundleReader:
     def _file(self, shard_id: int, key: bytes) -> BinaryIO:
         f = self._files.get(shard_id)
         if f is None:
-            path = self.shard_path(shard_id)
-            try:
-                f = open(path, "rb", buffering=0)  # noqa: SIM115 - kept open until close()
-            except FileNotFoundError:
-                raise CorruptCheckpointError(
-                    "data shard is missing", file=path, variable=_display(key)
-                ) from None
-            self._files[shard_id] = f
+            with self._lock:  # several threads may read the first tensors of a shard at once
+                f = self._files.get(shard_id)
+                if f is None:
+                    path = self.shard_path(shard_id)
+                    try:
+                        f = open(path, "rb", buffering=0)  # noqa: SIM115 - kept open until close()
+                    except FileNotFoundError:
+                        raise CorruptCheckpointError(
+                            "data shard is missing", file=path, variable=_display(key)
+                        ) from None
+                    self._files[shard_id] = f
         return f
 
     def _pread(self, shard_id: int, offset: int, flat: np.ndarray, key: bytes) -> None:
@@ -377,7 +404,7 @@ class BundleReader:
                     break
                 done += n
         else:  # pragma: no cover - platforms without preadv
-            with self._lock:
+            with self._seek_lock:
                 f.seek(offset)
                 while done < total:
                     n = f.readinto(view[done:])  # type: ignore[attr-defined]
