@@ -13,7 +13,7 @@ from parallelvars.formats import ArrayEntry, DictView, open_checkpoint, write_ch
 from parallelvars.formats.tf import METADATA_KEY, BundleReader, BundleWriter, TfCheckpointView
 from parallelvars.formats.tf._graph import decode_graph
 
-from parallelvars.errors import InvalidEntryError, UnsupportedDtypeError
+from parallelvars.errors import DtypeMismatchError, InvalidEntryError, UnsupportedDtypeError
 
 GRAPH = b"_CHECKPOINTABLE_OBJECT_GRAPH"
 
@@ -307,3 +307,18 @@ def test_failed_write_leaves_the_previous_checkpoint_intact(tmp_path: Path) -> N
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     with TfCheckpointView(good) as view:
         np.testing.assert_array_equal(view["w"].component(0), np.ones(3))
+
+
+def test_components_must_have_their_variables_dtype_and_a_known_kind(tmp_path: Path) -> None:
+    class Odd(ArrayEntry):
+        def component(self, i: int) -> np.ndarray:
+            return super().component(i).astype(np.float64) if i == 1 else super().component(i)
+
+    with pytest.raises(DtypeMismatchError, match="another dtype") as info:
+        write(tmp_path, [Odd("w", [np.ones(2, np.float32)] * 2)])
+    assert "'w'" in str(info.value)
+    weird = ArrayEntry("k", [np.ones(2)])
+    weird.kind = "scattered"
+    with pytest.raises(InvalidEntryError, match="unknown variable kind"):
+        write(tmp_path, [weird])
+    assert os.listdir(tmp_path) == []

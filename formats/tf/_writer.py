@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from parallelvars.errors import InvalidEntryError, UnsupportedDtypeError
+from parallelvars.errors import DtypeMismatchError, InvalidEntryError, UnsupportedDtypeError
 
-from .._view import Entry
+from .._view import KINDS, Entry
 from ._bundle import BundleWriter
 from ._dtypes import DT_STRING, tf_dtype
 from ._graph import (
@@ -110,6 +110,10 @@ def _jsonable(value: Any) -> Any:
 
 
 def _plan(path: str, entry: Entry, index_path: str) -> _Var:
+    if entry.kind not in KINDS:
+        raise InvalidEntryError(
+            "unknown variable kind", file=index_path, variable=path, expected=" | ".join(KINDS), found=entry.kind
+        )
     hint = entry.attrs.get("tf_dtype")
     num = tf_dtype(entry.dtype, hint if isinstance(hint, str) else None)
     if num is None:
@@ -198,8 +202,14 @@ def _component(var: _Var, i: int, index_path: str) -> np.ndarray:
             expected=tuple(want),
             found=tuple(value.shape),
         )
-    if var.tf_type != DT_STRING and value.dtype != e.dtype:
-        value = value.astype(e.dtype)
+    if var.tf_type != DT_STRING and value.dtype.newbyteorder("=") != np.dtype(e.dtype).newbyteorder("="):
+        raise DtypeMismatchError(
+            f"component {i} has another dtype than its variable",
+            file=index_path,
+            variable=var.path,
+            expected=np.dtype(e.dtype),
+            found=value.dtype,
+        )
     return value
 
 
