@@ -28,7 +28,7 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 
 #: Subcommand modules, in the order ``--help`` lists them. A new subcommand is a module with
 #: ``add_parser(subparsers)`` and ``run(args) -> int`` plus one name here.
-COMMANDS: tuple[str, ...] = ("inspect", "convert", "reshard", "diff", "verify", "extract")
+COMMANDS: tuple[str, ...] = ("inspect", "convert", "reshard", "diff", "verify", "extract", "demo")
 
 _DESCRIPTION = """\
 Inspect, convert, reshard, compare, verify and extract checkpoints of parallel variables.
@@ -38,6 +38,7 @@ input is detected from its first bytes (or its suffix); --from / --to override i
 
 _EPILOG = """\
 examples:
+  parallelvars demo --dir /tmp/demo
   parallelvars inspect run.h5
   parallelvars convert run.h5 model.safetensors --components primary --max-shard-size 5GB
   parallelvars reshard run.h5 run-2dev.h5 --devices 2
