@@ -68,6 +68,7 @@ __all__ = [
     "TensorStore",
     "atomic_path",
     "build_entries",
+    "carried_metadata",
     "check_entry",
     "dtype_from_name",
     "dtype_name",
@@ -142,6 +143,19 @@ def jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
+
+
+# Root attributes of our HDF5 layout that describe that file (who wrote it, when), not the data:
+# a converted file does not inherit them.
+FILE_ATTRS = frozenset({"parallelvars_format", "parallelvars_version", "created"})
+
+
+def carried_metadata(metadata: Mapping[str, Any] | None, *drop: str) -> dict[str, Any]:
+    """The file metadata a writer carries over: ``metadata`` without :data:`FILE_ATTRS`
+    and without the keys in ``drop``."""
+    return {
+        str(k): v for k, v in dict(metadata or {}).items() if k not in FILE_ATTRS and k not in drop
+    }
 
 
 def parse_size(size: int | str) -> int:
@@ -380,7 +394,7 @@ class ByteStore(TensorStore):
         flat = out.reshape(-1).view(np.uint8)
         if region is None or flat.size == 0:
             if flat.size:
-                self._read_bytes(key, 0, memoryview(flat))
+                self._read_bytes(key, 0, flat.data)
             return
         axis, start, stop = region
         outer = math.prod(shape[:axis])
@@ -388,18 +402,18 @@ class ByteStore(TensorStore):
         run = (stop - start) * inner  # bytes of the slice in one outer row
         stride = shape[axis] * inner  # bytes of one outer row
         if outer == 1 or run == stride:
-            self._read_bytes(key, start * inner, memoryview(flat))
+            self._read_bytes(key, start * inner, flat.data)
             return
         if run >= (64 << 10):  # long runs: read each straight into place
             for o in range(outer):
-                self._read_bytes(key, o * stride + start * inner, memoryview(flat[o * run:(o + 1) * run]))
+                self._read_bytes(key, o * stride + start * inner, flat[o * run:(o + 1) * run].data)
             return
         rows = max(1, _BLOCK // stride)
         bounce = np.empty(min(rows, outer) * stride, np.uint8)
         for o0 in range(0, outer, rows):
             o1 = min(outer, o0 + rows)
             block = bounce[: (o1 - o0) * stride]
-            self._read_bytes(key, o0 * stride, memoryview(block))
+            self._read_bytes(key, o0 * stride, block.data)
             flat[o0 * run:o1 * run] = block.reshape(o1 - o0, stride)[:, start * inner:start * inner + run].reshape(-1)
 
 
@@ -509,17 +523,18 @@ def build_entries(
     claimed: dict[str, str] = {}
     by_first_key: dict[str, Entry] = {}
     for path, rec in variables.items():
-        entry = _entry_from_record(store, str(path), rec, present)
-        for key in entry.keys:
+        recorded = _entry_from_record(store, str(path), rec, present)
+        for key in recorded.keys:
             if key in claimed:
                 raise _corrupt(
                     file, f"stored tensor {key!r} is claimed by two variables",
                     variable=str(path), found=claimed[key],
                 )
             claimed[key] = str(path)
-        by_first_key[entry.keys[0]] = entry
+        by_first_key[recorded.keys[0]] = recorded
     out: dict[str, Entry] = {}
     for key in stored_keys:
+        entry: Entry
         if key in by_first_key:
             entry = by_first_key[key]
         elif key in claimed or hidden(key):
@@ -653,7 +668,7 @@ def write_array(f: IO[bytes], array: np.ndarray) -> int:
     a = np.ascontiguousarray(array)
     if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and not _LITTLE):
         a = a.astype(a.dtype.newbyteorder("<"))
-    view = memoryview(a.reshape(-1).view(np.uint8))
+    view = a.reshape(-1).view(np.uint8).data
     f.write(view)
     return view.nbytes
 

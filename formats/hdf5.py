@@ -18,16 +18,12 @@ import h5py
 
 from parallelvars.checkpoint.h5io import H5Reader, write_h5
 
-from ._common import check_entry
+from ._common import carried_metadata, check_entry
 from ._h5 import is_hdf5
 from ._registry import FormatSpec
 from ._view import CheckpointView, Entry
 
 __all__ = ["FORMAT", "HDF5View", "open_hdf5", "write_hdf5"]
-
-# Root attributes write_h5 sets itself: a converted file says who wrote *it*, not the source.
-_OWN_ATTRS = frozenset({"parallelvars_format", "parallelvars_version", "created"})
-
 
 class HDF5View(CheckpointView):
     """A :class:`CheckpointView` over an :class:`H5Reader`.
@@ -96,7 +92,7 @@ def write_hdf5(
         if entry.path != key:
             raise ValueError(f"{p}: entry stored under {key!r} has path {entry.path!r}")
         values.append(entry)
-    meta = {k: v for k, v in metadata.items() if k not in _OWN_ATTRS}
+    meta = carried_metadata(metadata)
     return write_h5(p, values, object_graph=object_graph, metadata=meta)
 
 

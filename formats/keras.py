@@ -60,6 +60,7 @@ from ._common import (
     TensorStore,
     atomic_path,
     build_entries,
+    carried_metadata,
     dtype_name,
     dumps,
     is_ml_dtype,
@@ -226,15 +227,16 @@ def open_keras(path: str | os.PathLike[str]) -> CheckpointView:
                 if obj.attrs:
                     groups[name] = {k: attr_to_python(v) for k, v in obj.attrs.items()}
                 return
-            if not _VARS_RE.match(name):
-                raise CorruptCheckpointError("dataset outside a Keras vars group (expected "
-                                             "<path>/vars/<index>)", file=p, variable=name)
             datasets[name] = obj
 
         h5.visititems(visit)
         if not found_vars:
             raise NotACheckpointError("no Keras 'vars' group in the HDF5 file", file=p,
                                       expected="a Keras 3 .weights.h5 layout", found=f"top-level {sorted(h5)}")
+        for name in datasets:
+            if not _VARS_RE.match(name):
+                raise CorruptCheckpointError("dataset outside a Keras vars group (expected "
+                                             "<path>/vars/<index>)", file=p, variable=name)
         order = sorted(datasets, key=lambda k: (k.rpartition("/")[0], int(k.rpartition("/")[2])))
         _reserved(h5, "", datasets)
         keys = order + [k for k in datasets if k.startswith(f"{RESERVED}/")]
@@ -366,7 +368,7 @@ def _set_name_list(obj: h5py.Group | h5py.File, name: str, values: list[str]) ->
 
 
 def _user_metadata(metadata: Mapping[str, Any], own: str) -> dict[str, Any]:
-    return {k: v for k, v in jsonable(dict(metadata)).items() if k != own}
+    return jsonable(carried_metadata(metadata, own))
 
 
 def _layout(metadata: Mapping[str, Any], key: str) -> dict[str, Any] | None:

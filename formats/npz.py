@@ -52,6 +52,7 @@ from ._common import (
     StoreView,
     atomic_path,
     build_entries,
+    carried_metadata,
     dtype_from_name,
     dumps,
     is_ml_dtype,
@@ -426,7 +427,7 @@ def write_npz(
         if t.dtype.kind not in "biufcO" and not is_ml_dtype(t.dtype):
             raise UnsupportedDtypeError(".npz cannot store this dtype", file=p, variable=t.entry.path,
                                         found=str(t.dtype))
-    info["metadata"] = jsonable(dict(metadata))
+    info["metadata"] = jsonable(carried_metadata(metadata))
     with atomic_path(p) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         for t in planned:
             array = _to_npy(t.read(), p, t.entry.path)

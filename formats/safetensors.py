@@ -42,7 +42,7 @@ import math
 import os
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 import ml_dtypes
@@ -61,6 +61,7 @@ from ._common import (
     StoreView,
     atomic_path,
     build_entries,
+    carried_metadata,
     dumps,
     is_string_dtype,
     jsonable,
@@ -120,7 +121,7 @@ def _st_name(dtype: np.dtype) -> str | None:
 # header validation
 
 
-def _no_duplicates(file: str):  # type: ignore[no-untyped-def]
+def _no_duplicates(file: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for k, v in pairs:
@@ -199,7 +200,9 @@ def read_header(f: IO[bytes], file: str) -> tuple[dict[str, str], dict[str, tupl
         entries.append((name, dtype, tuple(shape), offsets[0], offsets[1], nbytes))
     # Offsets must tile [0, end) exactly, in order: no overlap, no hole.
     expected = 0
+    last = None
     for name, _dtype, _shape, begin, end, nbytes in sorted(entries, key=lambda e: (e[3], e[4])):
+        last = name
         if begin < expected:
             raise CorruptCheckpointError("tensor data overlaps the previous tensor", file=file,
                                          variable=name, expected=f"begin >= {expected}", found=f"begin {begin}")
@@ -219,7 +222,7 @@ def read_header(f: IO[bytes], file: str) -> tuple[dict[str, str], dict[str, tupl
                                      found=f"{size} bytes")
         expected = end
     if 8 + n + expected != size:
-        raise CorruptCheckpointError("trailing bytes after the last tensor", file=file,
+        raise CorruptCheckpointError("trailing bytes after the last tensor", file=file, variable=last,
                                      expected=f"{8 + n + expected} bytes", found=f"{size} bytes")
     tensors = {name: (dtype, shape, b, e) for name, dtype, shape, b, e, _ in entries}
     return metadata, tensors, 8 + n
@@ -437,10 +440,8 @@ def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]
 
 def _str_metadata(metadata: Mapping[str, Any]) -> dict[str, str]:
     out = {}
-    for k, v in metadata.items():
-        if k in (META_KEY, "total_size"):
-            continue
-        out[str(k)] = v if isinstance(v, str) else dumps(jsonable(v))
+    for k, v in carried_metadata(metadata, META_KEY, "total_size").items():
+        out[k] = v if isinstance(v, str) else dumps(jsonable(v))
     return out
 
 
