@@ -63,6 +63,7 @@ __all__ = [
     "INFO_VERSION",
     "ByteStore",
     "PlannedTensor",
+    "Scratch",
     "StoredEntry",
     "StoreView",
     "TensorStore",
@@ -268,6 +269,52 @@ class PlannedTensor:
                 found=f"{value.shape} {value.dtype}",
             )
         return value
+
+    def read_into(self, out: np.ndarray) -> np.ndarray:
+        """Read the tensor into ``out`` (this tensor's dtype and shape) and return it.
+
+        A sharded entry's shards are read straight into their place in ``out``. String
+        tensors cannot live in a reused buffer: for them a new array is returned.
+        """
+        if is_string_dtype(self.dtype):
+            return self.read()
+        entry = self.entry
+        if self.component is not None:
+            entry.read_component_into(self.component, out)
+            return out
+        axis = int(entry.attrs["shard_axis"])
+        for j, start in enumerate(entry.attrs["shard_offsets"]):
+            size = int(entry.component_shape(j)[axis])
+            region = (slice(None),) * axis + (slice(int(start), int(start) + size),)
+            entry.read_component_into(j, out[region])
+        return out
+
+
+    def read_with(self, scratch: Scratch) -> np.ndarray:
+        """The tensor read into ``scratch`` (valid until the next read with it)."""
+        if is_string_dtype(self.dtype):
+            return self.read()
+        return self.read_into(scratch.array(self.dtype, self.shape))
+
+
+class Scratch:
+    """One buffer reused for every tensor a writer streams, grown to the largest one.
+
+    Reading each tensor into fresh memory costs a page fault per page every time; reusing one
+    buffer pays that once, and memory stays at the largest tensor.
+    """
+
+    def __init__(self) -> None:
+        self._buf = np.empty(0, np.uint8)
+
+    def array(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A C-contiguous array of ``dtype`` and ``shape`` over the buffer (contents undefined)."""
+        dtype = np.dtype(dtype)
+        n = math.prod(shape) * dtype.itemsize
+        if n > self._buf.size:
+            self._buf = np.empty(0, np.uint8)  # free the old buffer before the new one
+            self._buf = np.empty(n, np.uint8)
+        return self._buf[:n].view(dtype).reshape(shape)
 
 
 def plan_tensors(

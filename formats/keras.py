@@ -56,6 +56,7 @@ from parallelvars.errors import CorruptCheckpointError, NotACheckpointError, Uns
 
 from ._common import (
     PlannedTensor,
+    Scratch,
     StoreView,
     TensorStore,
     atomic_path,
@@ -335,8 +336,9 @@ def _check_dtypes(planned: list[PlannedTensor], file: str) -> None:
                                         variable=t.entry.path, found=str(t.dtype))
 
 
-def _write_dataset(h5: h5py.File | h5py.Group, name: str, t: PlannedTensor, file: str) -> None:
-    value = _to_h5(t.read(), file, t.entry.path)
+def _write_dataset(h5: h5py.File | h5py.Group, name: str, t: PlannedTensor, file: str,
+                   scratch: Scratch) -> None:
+    value = _to_h5(t.read_with(scratch), file, t.entry.path)
     ds = h5.create_dataset(name, data=value)
     if is_ml_dtype(t.dtype):
         ds.attrs["dtype"] = dtype_name(t.dtype)
@@ -442,6 +444,7 @@ def write_keras(
     )
     _check_dtypes(planned, p)
     user = _user_metadata(metadata, KERAS_LAYOUT)
+    scratch = Scratch()
     with atomic_path(p) as tmp, h5py.File(tmp, "w") as h5:
         for gpath, attrs in (layout.get("groups") or {}).items():
             group = h5 if gpath == "/" else h5.require_group(gpath)
@@ -454,7 +457,7 @@ def write_keras(
                 owner = parent[: -len("vars")].rstrip("/").rpartition("/")[2]
                 if owner:
                     group.attrs["name"] = owner
-            _write_dataset(h5, t.key, t, p)
+            _write_dataset(h5, t.key, t, p, scratch)
         _write_info(h5, info, user)
     return p
 
@@ -546,6 +549,7 @@ def write_keras_legacy(
     _check_dtypes(planned, p)
     by_key = {t.key: t for t in planned}
     user = _user_metadata(metadata, LEGACY_LAYOUT)
+    scratch = Scratch()
     with atomic_path(p) as tmp, h5py.File(tmp, "w") as h5:
         for name, value in (layout.get("file_attrs") or {}).items():
             _set_attr(h5, name, value)
@@ -557,15 +561,15 @@ def write_keras_legacy(
             group = root.require_group(layer)
             _set_name_list(group, "weight_names", [w for w, _ in weights])
             for weight, wpath in weights:
-                _write_dataset(group, weight, by_key[wpath], p)
+                _write_dataset(group, weight, by_key[wpath], p, scratch)
         if optimizer is not None:
             group = h5.require_group("optimizer_weights")
             _set_name_list(group, "weight_names", [w for w, _ in optimizer])
             for weight, wpath in optimizer:
-                _write_dataset(group, weight, by_key[wpath], p)
+                _write_dataset(group, weight, by_key[wpath], p, scratch)
         for t in planned:
             if t.key.startswith(f"{RESERVED}/"):
-                _write_dataset(root, t.key, t, p)
+                _write_dataset(root, t.key, t, p, scratch)
         _write_info(h5, info, user)
     return p
 

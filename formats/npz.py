@@ -49,6 +49,7 @@ from parallelvars.errors import (
 
 from ._common import (
     ByteStore,
+    Scratch,
     StoreView,
     atomic_path,
     build_entries,
@@ -60,6 +61,7 @@ from ._common import (
     jsonable,
     plan_tensors,
     read_exact_into,
+    write_array,
 )
 from ._names import check_names
 from ._registry import FormatSpec
@@ -397,6 +399,17 @@ def _to_npy(array: np.ndarray, path: str, variable: str) -> np.ndarray:
     return array
 
 
+def _write_npy(f: IO[bytes], array: np.ndarray) -> None:
+    """Write ``array`` as .npy: numpy's own header, then the bytes in one write (no copy)."""
+    header = np.lib.format.header_data_from_array_1_0(array)
+    try:
+        np.lib.format.write_array_header_1_0(f, header)
+    except ValueError:  # a header over 64 KiB needs format 2.0
+        np.lib.format.write_array_header_2_0(f, header)
+    if array.size:
+        write_array(f, array)
+
+
 def write_npz(
     path: str | os.PathLike[str],
     entries: Mapping[str, Entry],
@@ -429,10 +442,11 @@ def write_npz(
                                         found=str(t.dtype))
     info["metadata"] = jsonable(carried_metadata(metadata))
     with atomic_path(p) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        scratch = Scratch()
         for t in planned:
-            array = _to_npy(t.read(), p, t.entry.path)
+            array = _to_npy(t.read_with(scratch), p, t.entry.path)
             with zf.open(f"{t.key}.npy", "w", force_zip64=True) as f:
-                np.lib.format.write_array(f, array, allow_pickle=False)
+                _write_npy(f, array)
             del array
         zf.writestr(INFO_MEMBER, dumps(info))
     return p

@@ -58,6 +58,7 @@ from parallelvars.errors import (
 from ._common import (
     ByteStore,
     PlannedTensor,
+    Scratch,
     StoreView,
     atomic_path,
     build_entries,
@@ -430,8 +431,9 @@ def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
+        scratch = Scratch()
         for t, _st, _shape in stored:
-            written = write_array(f, t.read())
+            written = write_array(f, t.read_with(scratch))
             if written != t.nbytes:  # the source lied about its shape
                 raise CorruptCheckpointError("component has another size than declared", file=path,
                                              variable=t.entry.path, expected=f"{t.nbytes} bytes",
