@@ -365,7 +365,7 @@ class Checkpoint(Trackable):
         """Write a checkpoint to exactly ``path`` (atomically); returns ``path``."""
         graph = build_object_graph(self)
         records = []
-        for node_id, obj, var_path in graph.variables():
+        for _, obj, var_path in graph.variables():
             saveable = get_saveable(obj)
             assert saveable is not None
             record = saveable.gather(obj)
