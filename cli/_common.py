@@ -26,6 +26,7 @@ __all__ = [
     "parse_size",
     "positive_int",
     "non_negative_int",
+    "non_negative_float",
     "progress_entries",
     "shape_str",
 ]

@@ -66,9 +66,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def same_file(a: str, b: str) -> bool:
-    """Whether two paths name the same existing file."""
+    """Whether two paths name the same file (or, for a TF prefix, the same prefix)."""
+    if os.path.abspath(a) == os.path.abspath(b):
+        return True
     try:
-        return os.path.exists(b) and os.path.samefile(a, b)
+        return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
     except OSError:
         return False
 

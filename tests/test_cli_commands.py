@@ -605,3 +605,73 @@ def test_diff_logical_ignores_the_layout_but_not_the_value(
         {"path": "k", "equal": False, "differences": [], "compared": "logical",
          "components": [{"component": None, "size": 4, "mismatched": 4, "max_abs": 1.0, "max_rel": 1.0}]},
     ]  # fmt: skip
+
+
+def test_extract_into_a_missing_directory(
+    sample: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "no" / "such" / "dir" / "k.npy"
+    assert main(["extract", sample, "step", "-o", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"parallelvars: error: {out}: no such file or directory\n"
+
+
+# --- golden files written by the real libraries (tests/data, see the READMEs there) --------------
+
+DATA = pathlib.Path(__file__).parent / "data"
+_GOLDEN = [
+    ("torch/model.safetensors", "safetensors", 8),
+    ("torch/sharded/model.safetensors.index.json", "safetensors", 8),
+    ("tf/plain/ckpt-1", "tf", 14),
+    ("tf/parallel/ckpt-1", "tf", 3),
+    ("tf/many/ckpt-1", "tf", 302),
+    ("tf/tf1/model.ckpt-3", "tf", None),
+    ("keras/model.weights.h5", "keras", 8),
+    ("keras/model_legacy.h5", "keras-legacy", 8),
+]
+
+
+@pytest.mark.parametrize(("rel", "fmt", "count"), _GOLDEN)
+def test_golden_files_inspect_and_verify(
+    rel: str, fmt: str, count: int | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(DATA / rel)
+    assert main(["inspect", path, "--json"]) == 0
+    doc = _json(capsys)
+    assert doc["format"] == fmt
+    assert doc["num_variables"] == count if count is not None else doc["num_variables"] > 0
+    assert main(["verify", path]) == 0
+    assert capsys.readouterr().out.startswith(f"OK: {path} ({fmt}, ")
+
+
+def test_golden_parallel_components_are_reported_unequal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A trackable that saves like a ParallelVariable, one different value per device.
+    assert main(["inspect", str(DATA / "tf/parallel/ckpt-1"), "--json"]) == 0
+    by_path = {v["path"]: v for v in _json(capsys)["variables"]}
+    assert (by_path["model/w"]["kind"], by_path["model/w"]["components"]) == ("mirrored", 3)
+    assert by_path["model/w"]["differing"] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [("layers/0/attn/q/weight", "layers.0.attn.q.weight"), ("layers/0/fp8", "layers.0.fp8")],
+)
+def test_golden_extract_bfloat16_and_float8_bits(
+    name: str, key: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "t.npy"
+    assert (
+        main(["extract", str(DATA / "torch/model.safetensors"), name, "-o", str(out), "--json"])
+        == 0
+    )
+    doc = _json(capsys)
+    with np.load(DATA / "torch/torch_expected.npz", allow_pickle=False) as expected:
+        bits = expected[key]
+        safetensors_dtype = str(expected[f"{key}#dtype"])
+    assert doc["dtype"] == {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn"}[safetensors_dtype]
+    assert doc["note"].startswith(f"{doc['dtype']} has no .npy dtype")
+    got = np.load(out, allow_pickle=False)
+    assert got.dtype == bits.dtype
+    np.testing.assert_array_equal(got, bits)

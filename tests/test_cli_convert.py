@@ -170,6 +170,19 @@ def test_convert_refusals(
     assert pathlib.Path(run_h5).read_bytes() == before
 
 
+def test_convert_refuses_to_overwrite_a_tf_prefix_it_reads(
+    run_h5: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prefix = str(tmp_path / "ckpt-1")
+    assert main(["convert", run_h5, prefix, "--to", "tf", "-q"]) == 0
+    capsys.readouterr()
+    assert main(["convert", prefix, prefix, "--to", "tf"]) == 2
+    assert (
+        _one_line(capsys)
+        == f"parallelvars: error: {prefix}: is the same file as SRC; write somewhere else"
+    )
+
+
 def test_convert_string_into_safetensors_is_refused(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
