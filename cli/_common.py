@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
-from parallelvars.formats import FORMAT_NAMES, CheckpointView, Entry, get_format, open_checkpoint
+from parallelvars.formats import (
+    FORMAT_NAMES,
+    CheckpointView,
+    Entry,
+    format_for_path,
+    open_checkpoint,
+)
 
 from ._output import Output, Progress
 
@@ -21,6 +26,7 @@ __all__ = [
     "parse_size",
     "positive_int",
     "non_negative_int",
+    "non_negative_float",
     "progress_entries",
     "shape_str",
 ]
@@ -101,15 +107,17 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def add_format_option(parser: argparse.ArgumentParser, flag: str, what: str) -> None:
-    """``--from`` / ``--to``: one of the registered format names (default: detect)."""
+def add_format_option(
+    parser: argparse.ArgumentParser, flag: str, what: str, default: str = "detected when not given"
+) -> None:
+    """``--from`` / ``--to``: one of the registered format names."""
     parser.add_argument(
         flag,
         dest=flag.lstrip("-").replace("-", "_") + "_format",
         metavar="FORMAT",
         choices=FORMAT_NAMES,
         type=str.lower,
-        help=f"{what} ({', '.join(FORMAT_NAMES)}); detected when not given",
+        help=f"{what}: one of {', '.join(FORMAT_NAMES)}; {default}",
     )
 
 
@@ -120,19 +128,10 @@ def open_view(path: str, fmt: str | None) -> CheckpointView:
 
 def output_format(path: str, explicit: str | None, fallback: str | None) -> str:
     """The format to write ``path`` in: ``explicit``, else by suffix, else ``fallback``."""
-    if explicit:
-        return explicit
-    lower = os.fspath(path).lower()
-    for name in FORMAT_NAMES:
-        try:
-            spec = get_format(name)
-        except ImportError:
-            continue
-        if any(suffix and lower.endswith(suffix.lower()) for suffix in spec.suffixes):
-            return name
-    if fallback:
-        return fallback
-    raise ValueError(f"{path}: cannot tell the output format from the name; pass --to FORMAT")
+    name = explicit or format_for_path(path) or fallback
+    if name is None:
+        raise ValueError(f"{path}: cannot tell the output format from the name; pass --to FORMAT")
+    return name
 
 
 def format_bytes(n: int) -> str:

@@ -41,7 +41,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("source", metavar="SRC", help="checkpoint to read")
     parser.add_argument("destination", metavar="DST", help="file (or prefix) to write")
     add_format_option(parser, "--from", "format of SRC")
-    add_format_option(parser, "--to", "format of DST; by default from DST's suffix")
+    add_format_option(parser, "--to", "format of DST", "by default from DST's suffix")
     parser.add_argument(
         "--components",
         choices=("all", "primary"),
@@ -57,17 +57,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--names",
-        metavar="STYLE",
-        help="how variable paths become the output format's names (see the formats "
-        "documentation); the format's own convention when not given",
+        choices=formats.NAME_STYLES,
+        help="key style for formats with flat keys (safetensors, npz): slash keeps our paths "
+        "(model/dense/kernel), dotted is PyTorch's (model.dense.kernel), tf is TensorFlow's "
+        "object keys; default: the format's own",
     )
     return parser
 
 
 def same_file(a: str, b: str) -> bool:
-    """Whether two paths name the same existing file."""
+    """Whether two paths name the same file (or, for a TF prefix, the same prefix)."""
+    if os.path.abspath(a) == os.path.abspath(b):
+        return True
     try:
-        return os.path.exists(b) and os.path.samefile(a, b)
+        return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
     except OSError:
         return False
 

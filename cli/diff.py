@@ -20,6 +20,8 @@ isclose, with B as the reference); NaN agrees with NaN, and an infinity only wit
 infinity. With the default tolerances of zero, values must be equal. Every component is
 compared, not only the primary; when the two sides hold a variable in different kinds or
 numbers of components, their logical values (what a single-device restore gives) are compared.
+With --logical only the logical values are compared, and how they are spread over devices
+(kind, number of components, shard layout) is ignored.
 
 "missing" variables are in A but not in B; "extra" ones are in B but not in A. The exit code is
 1 when anything differs (a missing or extra variable, a dtype, shape, kind or component count,
@@ -28,6 +30,7 @@ an aggregation or shard layout, or a value beyond the tolerances), else 0.
 examples:
   parallelvars diff before.h5 after.h5
   parallelvars diff run.h5 model.safetensors --rtol 1e-5 --atol 1e-8
+  parallelvars diff run.h5 run-8dev.h5 --logical
   parallelvars diff a.h5 b.h5 --json | jq '.variables[] | select(.equal | not)'"""
 
 # Elements compared at a time, so that the float64 temporaries stay small for big tensors.
@@ -47,6 +50,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("a", metavar="A", help="first checkpoint")
     parser.add_argument("b", metavar="B", help="second checkpoint (the reference for --rtol)")
+    parser.add_argument(
+        "--logical",
+        action="store_true",
+        help="compare each variable's logical value only, ignoring how it is spread over "
+        "devices (kind, components, shard layout): to check a --components primary copy "
+        "or a resharded checkpoint",
+    )
     parser.add_argument(
         "--rtol", metavar="R", type=non_negative_float, default=0.0,
         help="relative tolerance (default: 0)",
@@ -130,22 +140,33 @@ def _attr(entry: Entry, key: str) -> Any:
 
 
 def compare_entries(
-    ea: Entry, eb: Entry, *, rtol: float, atol: float, progress: Progress | None = None
+    ea: Entry,
+    eb: Entry,
+    *,
+    rtol: float,
+    atol: float,
+    logical: bool = False,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Structural differences and per-component value differences of two entries."""
+    """Structural differences and per-component value differences of two entries.
+
+    With ``logical``, only the logical values (and their dtype and shape) are compared, not
+    how they are spread over devices.
+    """
     differences: list[str] = []
     if ea.dtype != eb.dtype:
         differences.append(f"dtype {dtype_name(ea.dtype)} vs {dtype_name(eb.dtype)}")
     if tuple(ea.shape) != tuple(eb.shape):
         differences.append(f"shape {shape_str(ea.shape)} vs {shape_str(eb.shape)}")
-    if ea.kind != eb.kind:
-        differences.append(f"kind {ea.kind} vs {eb.kind}")
-    if ea.num_components != eb.num_components:
-        differences.append(f"components {ea.num_components} vs {eb.num_components}")
-    for key in _SEMANTIC_ATTRS:
-        va, vb = _attr(ea, key), _attr(eb, key)
-        if va != vb and ea.kind == eb.kind:
-            differences.append(f"{key} {va} vs {vb}")
+    if not logical:
+        if ea.kind != eb.kind:
+            differences.append(f"kind {ea.kind} vs {eb.kind}")
+        if ea.num_components != eb.num_components:
+            differences.append(f"components {ea.num_components} vs {eb.num_components}")
+        for key in _SEMANTIC_ATTRS:
+            va, vb = _attr(ea, key), _attr(eb, key)
+            if va != vb and ea.kind == eb.kind:
+                differences.append(f"{key} {va} vs {vb}")
 
     def advance(entry: Entry, i: int | None) -> None:
         if progress is not None:
@@ -161,23 +182,25 @@ def compare_entries(
             for i in range(ea.num_components)
         )
     )
-    if same_layout:
+    has_logical = not any(
+        e.kind == "independent" and e.num_components > 1 for e in (ea, eb)
+    )  # independent buffers have no one logical value
+    if same_layout and not (logical and has_logical):
         compared = "components"
         for i in range(ea.num_components):
             ca, cb = ea.component(i), eb.component(i)
             advance(ea, i)
             advance(eb, i)
             components.append({"component": i, **compare_arrays(ca, cb, rtol=rtol, atol=atol)})
-    elif tuple(ea.shape) == tuple(eb.shape):
-        try:
-            va, vb = ea.value(), eb.value()
-        except ValueError as exc:  # independent buffers have no one logical value
-            differences.append(f"values not compared: {exc}")
-        else:
-            compared = "logical"
-            components.append({"component": None, **compare_arrays(va, vb, rtol=rtol, atol=atol)})
+    elif tuple(ea.shape) == tuple(eb.shape) and has_logical:
+        compared = "logical"
+        value_a, value_b = ea.value(), eb.value()
         advance(ea, None)
         advance(eb, None)
+        compared_values = compare_arrays(value_a, value_b, rtol=rtol, atol=atol)
+        components.append({"component": None, **compared_values})
+    elif tuple(ea.shape) == tuple(eb.shape):
+        differences.append("values not compared: independent components have no single value")
     equal = not differences and all(c["mismatched"] == 0 for c in components)
     return {
         "path": ea.path,
@@ -208,7 +231,14 @@ def run(args: argparse.Namespace) -> int:
         with out.progress(total, "compare") as bar:
             for key in common:
                 results.append(
-                    compare_entries(va[key], vb[key], rtol=args.rtol, atol=args.atol, progress=bar)
+                    compare_entries(
+                        va[key],
+                        vb[key],
+                        rtol=args.rtol,
+                        atol=args.atol,
+                        logical=args.logical,
+                        progress=bar,
+                    )
                 )
         side_a, side_b = _side(args.a, va), _side(args.b, vb)
     differing = [r for r in results if not r["equal"]]
@@ -218,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
         "b": side_b,
         "rtol": args.rtol,
         "atol": args.atol,
+        "logical": args.logical,
         "equal": equal,
         "missing": missing,
         "extra": extra,
@@ -235,6 +266,10 @@ def run(args: argparse.Namespace) -> int:
         lines += [f"extra in B: {k}" for k in extra]
         for r in differing:
             lines += [f"{r['path']}: {d}" for d in r["differences"]]
+            if r["components"] and all(c["mismatched"] == 0 for c in r["components"]):
+                lines.append(
+                    f"{r['path']}: {'logical ' if r['compared'] == 'logical' else ''}values agree"
+                )
             for c in r["components"]:
                 if c["mismatched"] == 0:
                     continue
@@ -243,7 +278,9 @@ def run(args: argparse.Namespace) -> int:
                     f"{r['path']} [{where}]: {c['mismatched']} of {c['size']} values differ; "
                     f"max abs {_fmt_num(c['max_abs'])}, max rel {_fmt_num(c['max_rel'])}"
                 )
-        tol = f"rtol={args.rtol:g}, atol={args.atol:g}"
+        tol = f"rtol={args.rtol:g}, atol={args.atol:g}" + (
+            ", logical values" if args.logical else ""
+        )
         if equal:
             lines.append(f"no differences ({len(results)} variables compared, {tol})")
         else:

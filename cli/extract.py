@@ -92,6 +92,20 @@ def npy_ready(value: np.ndarray) -> tuple[np.ndarray, str | None]:
     return np.ascontiguousarray(value).view(bits), note
 
 
+def _save(path: str, value: np.ndarray) -> None:
+    """``numpy.save`` to exactly ``path``, atomically: a reader never sees half a file."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:  # a file object: numpy.save would otherwise append ".npy"
+            np.save(f, value, allow_pickle=False)
+        os.replace(tmp, path)
+    except OSError as exc:  # name the file asked for, not the temporary one
+        raise type(exc)(exc.errno, exc.strerror, path) from exc
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def run(args: argparse.Namespace) -> int:
     out: Output = args.out
     with open_view(args.checkpoint, args.from_format) as view:
@@ -119,14 +133,7 @@ def run(args: argparse.Namespace) -> int:
         value = entry.value() if args.component is None else entry.component(args.component)
         kind = entry.kind
     stored, note = npy_ready(np.asarray(value))
-    tmp = f"{args.output}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:  # a file object: numpy.save would otherwise append ".npy"
-            np.save(f, stored, allow_pickle=False)
-        os.replace(tmp, args.output)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    _save(args.output, stored)
     data = {
         "checkpoint": args.checkpoint,
         "variable": args.name,

@@ -15,9 +15,10 @@ from .convert import same_file
 __all__ = ["add_parser", "run"]
 
 _EPILOG = """\
-What each kind becomes on M devices: mirrored -> the primary on all M; on_read SUM -> M
-components with the same total; on_read MEAN -> the mean on all M; on_read ONLY_FIRST_REPLICA
--> the primary on all M; sharded -> the full value re-split into M shards; single -> unchanged. Independent buffers cannot be redistributed: they need M equal to
+What each kind becomes on M devices: mirrored -> the primary on all M; on_read SUM -> the
+total in component 0 and zeros elsewhere (the sum is preserved exactly); on_read MEAN -> the
+mean on all M; on_read ONLY_FIRST_REPLICA -> the primary on all M; sharded -> the full value
+re-split into M shards (numpy.array_split sizes); single -> unchanged. Independent buffers cannot be redistributed: they need M equal to
 the devices they were saved with, or the command stops with an error naming the variable.
 
 examples:
@@ -39,7 +40,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--devices", metavar="M", type=positive_int, required=True, help="number of devices (>= 1)"
     )
     add_format_option(parser, "--from", "format of SRC")
-    add_format_option(parser, "--to", "format of DST; by default from DST's suffix, else SRC's")
+    add_format_option(parser, "--to", "format of DST", "by default from DST's suffix, else SRC's")
     return parser
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 from typing import Any
 
 import numpy as np
@@ -164,9 +165,10 @@ def _format_of(path: str, explicit: str | None) -> str:
     except NotACheckpointError:
         # An HDF5 file no adapter recognises may be one of ours too damaged to open: let the
         # native reader say what is wrong with it.
-        with open(path, "rb") as f:
-            if f.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE:
-                return "hdf5"
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                if f.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE:
+                    return "hdf5"
         raise
 
 

@@ -1,4 +1,4 @@
-"""Shared pieces of the command-line tests: registering the test format, sample checkpoints."""
+"""Shared pieces of the command-line tests: sample checkpoints written by the real adapters."""
 
 from __future__ import annotations
 
@@ -7,14 +7,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-import pytest
-from parallelvars.formats import ArrayEntry, Entry, _registry, write_checkpoint
-
-
-def register_pvtest(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the test-only ``pvtest`` format (tests/_cli_format.py) known to the registry."""
-    monkeypatch.setitem(_registry._ADAPTER_MODULES, "pvtest", "_cli_format")
-    monkeypatch.setattr(_registry, "FORMAT_NAMES", ("pvtest", *_registry.FORMAT_NAMES))
+from parallelvars.formats import ArrayEntry, Entry, write_checkpoint
 
 
 def sample_entries() -> dict[str, Entry]:
@@ -41,11 +34,11 @@ def sample_entries() -> dict[str, Entry]:
 
 
 def write_sample(path: Any, entries: dict[str, Entry] | None = None, **meta: Any) -> str:
-    """Write ``entries`` (the sample by default) as a pvtest checkpoint at ``path``."""
+    """Write ``entries`` (the sample by default) as a native HDF5 checkpoint at ``path``."""
     return write_checkpoint(
         str(path),
         entries if entries is not None else sample_entries(),
-        format="pvtest",
+        format="hdf5",
         metadata=meta,
     )
 

@@ -8,26 +8,26 @@ import pathlib
 import ml_dtypes
 import numpy as np
 import pytest
-from _cli_support import register_pvtest, replaced, sample_entries, write_sample
+from _cli_support import replaced, sample_entries, write_sample
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from parallelvars.cli import main
 from parallelvars.cli.diff import compare_arrays
-from parallelvars.formats import ArrayEntry
+from parallelvars.cli.verify import check_structure
+from parallelvars.formats import ArrayEntry, write_checkpoint
 
 from parallelvars.checkpoint.h5io import write_h5
 
 
 @pytest.fixture(autouse=True)
-def pvtest(monkeypatch: pytest.MonkeyPatch) -> None:
-    register_pvtest(monkeypatch)
+def _no_debug_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PARALLELVARS_DEBUG", raising=False)
 
 
 @pytest.fixture
 def sample(tmp_path: pathlib.Path) -> str:
-    return write_sample(tmp_path / "run.pvt", step=7, note="first run")
+    return write_sample(tmp_path / "run.h5", step=7, note="first run")
 
 
 def _json(capsys: pytest.CaptureFixture[str]) -> dict:
@@ -42,9 +42,10 @@ def _json(capsys: pytest.CaptureFixture[str]) -> dict:
 def test_inspect_human_tree(sample: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", sample]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == f"{sample}: pvtest, 9 variables, 15 components, 214 B"
-    assert lines[1:5] == ["metadata:", "  note: first run", "  step: 7", "variables:"]
-    tree = lines[5:]
+    assert lines[0] == f"{sample}: hdf5, 9 variables, 15 components, 214 B"
+    assert lines[1] == "metadata:"
+    tree = lines[lines.index("variables:") + 1 :]
+    assert {"  note: first run", "  step: 7", "  parallelvars_format: 1"} <= set(lines[2:])
     # Groups end in "/", children are indented under them, columns line up.
     assert tree[0] == "metrics/"
     assert tree[1].split() == ["count", "on_read", "int64", "()", "2", "components", "16", "B",
@@ -79,8 +80,8 @@ def test_inspect_human_tree(sample: str, capsys: pytest.CaptureFixture[str]) -> 
 def test_inspect_json(sample: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", sample, "--json"]) == 0
     doc = _json(capsys)
-    assert doc["format"] == "pvtest"
-    assert doc["metadata"] == {"step": 7, "note": "first run"}
+    assert doc["format"] == "hdf5"
+    assert doc["metadata"]["step"] == 7 and doc["metadata"]["note"] == "first run"
     assert (doc["num_variables"], doc["num_components"], doc["bytes"]) == (9, 15, 214)
     by_path = {v["path"]: v for v in doc["variables"]}
     assert [v["path"] for v in doc["variables"]] == sorted(sample_entries())
@@ -108,7 +109,7 @@ def test_inspect_reports_unequal_mirrored_components(
         # NaN in the same place with the same bits is equal
         "n": ArrayEntry("n", [np.full(2, np.nan), np.full(2, np.nan)], kind="mirrored"),
     }
-    path = write_sample(tmp_path / "m.pvt", entries)
+    path = write_sample(tmp_path / "m.h5", entries)
     assert main(["inspect", path, "--json"]) == 0
     by_path = {v["path"]: v for v in _json(capsys)["variables"]}
     assert (by_path["w"]["equal"], by_path["w"]["differing"]) == (False, [2])
@@ -124,10 +125,11 @@ def test_inspect_with_explicit_format_that_does_not_match(
     sample: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # --from forces the format; a file of another format is refused with one line, exit 2.
-    code = main(["inspect", sample, "--from", "npz"])
+    code = main(["inspect", sample, "--from", "safetensors"])
     err = capsys.readouterr().err
     assert code == 2
-    assert len(err.strip().splitlines()) == 1 and err.startswith("parallelvars: error: ")
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"parallelvars: error: {sample}: ")
+    assert "Traceback" not in err
 
 
 # --- diff ----------------------------------------------------------------------------------------
@@ -136,12 +138,12 @@ def test_inspect_with_explicit_format_that_does_not_match(
 def test_diff_identical(
     sample: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    other = write_sample(tmp_path / "copy.pvt")
+    other = write_sample(tmp_path / "copy.h5")
     assert main(["diff", sample, other]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out == [
-        f"A: {sample} (pvtest, 9 variables)",
-        f"B: {other} (pvtest, 9 variables)",
+        f"A: {sample} (hdf5, 9 variables)",
+        f"B: {other} (hdf5, 9 variables)",
         "no differences (9 variables compared, rtol=0, atol=0)",
     ]
     assert main(["diff", sample, other, "--json"]) == 0
@@ -168,7 +170,7 @@ def test_diff_finds_a_change_in_a_non_primary_component(
     entries = replaced(
         sample_entries(), ArrayEntry("model/dense/kernel", [kernel, changed], kind="mirrored")
     )
-    other = write_sample(tmp_path / "b.pvt", entries)
+    other = write_sample(tmp_path / "b.h5", entries)
     assert main(["diff", other, sample]) == 1
     out = capsys.readouterr().out.splitlines()
     assert (
@@ -206,7 +208,7 @@ def test_diff_structure_missing_and_extra(
     entries["rng/state"] = ArrayEntry(
         "rng/state", [np.array([1, 2, 0], np.uint32)] * 2, kind="independent"
     )
-    other = write_sample(tmp_path / "b.pvt", entries)
+    other = write_sample(tmp_path / "b.h5", entries)
     assert main(["diff", sample, other]) == 1
     out = capsys.readouterr().out.splitlines()
     assert "missing from B: step" in out
@@ -236,9 +238,9 @@ def test_diff_sharded_against_single_compares_the_full_value(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     full = np.arange(10, dtype=np.float32).reshape(5, 2)
-    a = write_sample(tmp_path / "a.pvt", {"t": ArrayEntry("t", [full[:3], full[3:]], kind="sharded", shape=(5, 2),
+    a = write_sample(tmp_path / "a.h5", {"t": ArrayEntry("t", [full[:3], full[3:]], kind="sharded", shape=(5, 2),
                                                            attrs={"shard_axis": 0, "shard_offsets": [0, 3]})})  # fmt: skip
-    b = write_sample(tmp_path / "b.pvt", {"t": ArrayEntry("t", [full])})
+    b = write_sample(tmp_path / "b.h5", {"t": ArrayEntry("t", [full])})
     assert main(["diff", a, b, "--json"]) == 1  # the kinds differ...
     var = _json(capsys)["variables"][0]
     assert var["differences"] == ["kind sharded vs single", "components 2 vs 1"]
@@ -251,11 +253,10 @@ def test_diff_sharded_against_single_compares_the_full_value(
 def test_diff_bad_input(
     sample: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["diff", sample, str(tmp_path / "nope.pvt")]) == 2
-    assert (
-        capsys.readouterr().err
-        == f"parallelvars: error: {tmp_path / 'nope.pvt'}: no such file or directory\n"
-    )
+    assert main(["diff", sample, str(tmp_path / "nope.h5")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"parallelvars: error: {tmp_path / 'nope.h5'}: no such ")
+    assert err.count("\n") == 1
 
 
 def test_compare_arrays_special_values() -> None:
@@ -309,63 +310,108 @@ def test_verify_sound(sample: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", sample]) == 0
     assert (
         capsys.readouterr().out
-        == f"OK: {sample} (pvtest, 9 variables, 15 components, 214 B checked)\n"
+        == f"OK: {sample} (hdf5, 9 variables, 15 components, 214 B checked)\n"
     )
     assert main(["verify", sample, "--json"]) == 0
     assert _json(capsys) == {
-        "path": sample, "format": "pvtest", "ok": True, "problems": [], "num_variables": 9,
+        "path": sample, "format": "hdf5", "ok": True, "problems": [], "num_variables": 9,
         "num_components": 15, "bytes": 214,
     }  # fmt: skip
 
 
-def test_verify_names_a_damaged_component(
+def test_verify_names_a_damaged_tensor_in_a_tf_checkpoint(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # Formats other than ours are verified by reading every component through the adapter,
+    # which checks the TensorFlow bundle's CRC32C of each tensor.
     marker = np.frombuffer(b"PARALLELVARS-MARKER-BYTES!", np.uint8).copy()
     entries = {
-        "good": ArrayEntry("good", [np.zeros(3, np.float32)]),
-        "bad": ArrayEntry("bad", [np.zeros(26, np.uint8), marker], kind="independent"),
+        "model/good": ArrayEntry("model/good", [np.arange(3, dtype=np.float32)]),
+        "model/bad": ArrayEntry("model/bad", [marker]),
     }
-    path = pathlib.Path(write_sample(tmp_path / "d.pvt", entries))
-    raw = bytearray(path.read_bytes())
-    at = raw.index(b"PARALLELVARS-MARKER")
-    raw[at] ^= 0xFF
-    path.write_bytes(bytes(raw))
-    assert main(["verify", str(path)]) == 1
+    prefix = write_checkpoint(str(tmp_path / "ckpt-1"), entries, format="tf")
+    [data] = tmp_path.glob("ckpt-1.data-*")
+    raw = bytearray(data.read_bytes())
+    raw[raw.index(b"PARALLELVARS-MARKER") + 5] ^= 0x01
+    data.write_bytes(bytes(raw))
+    assert main(["verify", prefix]) == 1
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith(f"problem: {path}: variable 'bad': component 1 is damaged (Bad CRC-32")
-    assert out[-1] == f"FAILED: {path} (pvtest): 1 problem"
-    assert main(["verify", str(path), "--json"]) == 1
+    assert len(out) == 2
+    assert out[0].startswith("problem: ") and "'model/bad" in out[0] and "component 0" in out[0]
+    assert "checksum" in out[0].lower() or "crc" in out[0].lower()
+    assert out[-1] == f"FAILED: {prefix} (tf): 1 problem"
+    assert main(["verify", prefix, "--json"]) == 1
     doc = _json(capsys)
-    assert doc["ok"] is False and len(doc["problems"]) == 1 and "'bad'" in doc["problems"][0]
+    assert (doc["ok"], doc["format"], doc["num_variables"]) == (False, "tf", 2)
+    assert len(doc["problems"]) == 1 and "'model/bad" in doc["problems"][0]
 
 
-def test_verify_truncated_is_a_finding(sample: str, capsys: pytest.CaptureFixture[str]) -> None:
-    path = pathlib.Path(sample)
-    path.write_bytes(path.read_bytes()[:-40])
-    assert main(["verify", sample]) == 1
+def _simple() -> dict[str, ArrayEntry]:
+    w = np.arange(64, dtype=np.float32).reshape(8, 8)
+    return {
+        "model/w": ArrayEntry("model/w", [w, w.copy()], kind="mirrored"),
+        "step": ArrayEntry("step", [np.array(3, np.int64)]),
+    }
+
+
+_FORMATS = [("hdf5", "run.h5"), ("safetensors", "run.safetensors"), ("npz", "run.npz"),
+            ("tf", "ckpt-1"), ("keras", "run.weights.h5")]  # fmt: skip
+
+
+def _truncate_largest(folder: pathlib.Path) -> pathlib.Path:
+    biggest = max(
+        (p for p in folder.iterdir() if p.name != "checkpoint"), key=lambda p: p.stat().st_size
+    )
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size * 2 // 3])
+    return biggest
+
+
+@pytest.mark.parametrize(("fmt", "name"), _FORMATS)
+def test_truncated_file_inspect_is_an_input_error_verify_a_finding(
+    fmt: str, name: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_checkpoint(str(tmp_path / name), _simple(), format=fmt)
+    assert main(["verify", path]) == 0
+    capsys.readouterr()
+    cut = _truncate_largest(tmp_path)
+    assert main(["inspect", path]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    [line] = captured.err.splitlines()
+    assert line.startswith(f"parallelvars: error: {cut}: ")
+    assert "truncated" in line or "end" in line
+    assert main(["verify", path]) == 1
     captured = capsys.readouterr()
     assert captured.err == ""
-    assert captured.out.splitlines()[0].startswith(f"problem: {sample}: the file ends before")
+    problem, summary = captured.out.splitlines()
+    assert problem == "problem: " + line.removeprefix("parallelvars: error: ")
+    assert summary == f"FAILED: {path} ({fmt}): 1 problem"
 
 
-def test_verify_structure_problems(
-    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    entries = {
-        "shards": ArrayEntry("shards", [np.zeros(2), np.zeros(2)], kind="sharded", shape=(4,),
-                             attrs={"shard_axis": 0, "shard_offsets": [0, 5]}),
-        "axis": ArrayEntry("axis", [np.zeros(2), np.zeros(2)], kind="sharded", shape=(4,),
-                           attrs={"shard_axis": -1, "shard_offsets": [0, 2]}),
-        "fine": ArrayEntry("fine", [np.zeros(2), np.zeros(2)], kind="sharded", shape=(4,),
-                           attrs={"shard_axis": 0, "shard_offsets": [0, 2]}),
-    }  # fmt: skip
-    path = write_sample(tmp_path / "s.pvt", entries)
-    assert main(["verify", path, "--json"]) == 1
-    assert _json(capsys)["problems"] == [
-        "variable 'axis': shard axis out of range (expected 0..0, found -1)",
-        "variable 'shards': shard offsets do not tile axis 0 of length 4 (found offsets [0, 5])",
+def test_check_structure() -> None:
+    def sharded(axis: int, offsets: list[int]) -> ArrayEntry:
+        return ArrayEntry("s", [np.zeros(2), np.zeros(2)], kind="sharded", shape=(4,),
+                          attrs={"shard_axis": axis, "shard_offsets": offsets})  # fmt: skip
+
+    assert check_structure(sharded(0, [0, 2])) == []
+    assert check_structure(sharded(0, [0, 5])) == [
+        "variable 's': shard offsets do not tile axis 0 of length 4 (found offsets [0, 5])"
     ]
+    assert check_structure(sharded(0, [1, 2])) == [
+        "variable 's': shard offsets do not tile axis 0 of length 4 (found offsets [1, 2])"
+    ]
+    assert check_structure(sharded(-1, [0, 2])) == [
+        "variable 's': shard axis out of range (expected 0..0, found -1)"
+    ]
+    assert check_structure(sharded(0, [0])) == [
+        "variable 's': shard offsets do not match the components (expected 2 offsets, found 1)"
+    ]
+    bare = ArrayEntry("s", [np.zeros(2), np.zeros(2)], kind="sharded", shape=(4,))
+    assert check_structure(bare) == [
+        "variable 's': sharded without shard_axis and shard_offsets attributes"
+    ]
+    single = ArrayEntry("one", [np.zeros(2), np.zeros(2)], kind="single")
+    assert check_structure(single) == ["variable 'one': kind single with 2 components (expected 1)"]
 
 
 @pytest.mark.parametrize("what", ["missing", "junk"])
@@ -441,7 +487,7 @@ def test_extract_float8(
     dtype: type, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     value = np.array([0.5, -1.0, 448.0 if dtype is ml_dtypes.float8_e4m3fn else 2.0], dtype)
-    path = write_sample(tmp_path / "f8.pvt", {"f": ArrayEntry("f", [value])})
+    path = write_sample(tmp_path / "f8.h5", {"f": ArrayEntry("f", [value])})
     out = tmp_path / "f.npy"
     assert main(["extract", path, "f", "-o", str(out), "--quiet"]) == 0
     got = np.load(out, allow_pickle=False)
@@ -461,7 +507,7 @@ def test_extract_strings_without_pickle(
 def test_extract_keeps_the_output_name(sample: str, tmp_path: pathlib.Path) -> None:
     out = tmp_path / "kernel.bin"  # numpy.save(name) would have written kernel.bin.npy
     assert main(["extract", sample, "step", "-o", str(out), "-q"]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["kernel.bin", "run.pvt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kernel.bin", "run.h5"]
 
 
 @pytest.mark.parametrize(
@@ -531,3 +577,101 @@ def test_verify_native_truncated(native: str, capsys: pytest.CaptureFixture[str]
     assert captured.err == ""
     assert captured.out.startswith(f"problem: {native}: file is truncated")
     assert captured.out.splitlines()[-1] == f"FAILED: {native} (hdf5): 1 problem"
+
+
+def test_diff_logical_ignores_the_layout_but_not_the_value(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    k = np.arange(4, dtype=np.float32)
+    a = write_sample(tmp_path / "a.h5", {"k": ArrayEntry("k", [k, k + 9], kind="mirrored")})
+    same = write_sample(tmp_path / "same.h5", {"k": ArrayEntry("k", [k])})
+    other = write_sample(tmp_path / "other.h5", {"k": ArrayEntry("k", [k + 1])})
+    assert main(["diff", a, same]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[2:5] == [
+        "k: kind mirrored vs single",
+        "k: components 2 vs 1",
+        "k: logical values agree",
+    ]
+    # A mirrored variable's logical value is its primary: component 1 is not looked at.
+    assert main(["diff", a, same, "--logical"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "no differences (1 variables compared, rtol=0, atol=0, logical values)"
+    )
+    assert main(["diff", a, other, "--logical", "--json"]) == 1
+    doc = _json(capsys)
+    assert doc["logical"] is True
+    assert doc["variables"] == [
+        {"path": "k", "equal": False, "differences": [], "compared": "logical",
+         "components": [{"component": None, "size": 4, "mismatched": 4, "max_abs": 1.0, "max_rel": 1.0}]},
+    ]  # fmt: skip
+
+
+def test_extract_into_a_missing_directory(
+    sample: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "no" / "such" / "dir" / "k.npy"
+    assert main(["extract", sample, "step", "-o", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"parallelvars: error: {out}: no such file or directory\n"
+
+
+# --- golden files written by the real libraries (tests/data, see the READMEs there) --------------
+
+DATA = pathlib.Path(__file__).parent / "data"
+_GOLDEN = [
+    ("torch/model.safetensors", "safetensors", 8),
+    ("torch/sharded/model.safetensors.index.json", "safetensors", 8),
+    ("tf/plain/ckpt-1", "tf", 14),
+    ("tf/parallel/ckpt-1", "tf", 3),
+    ("tf/many/ckpt-1", "tf", 302),
+    ("tf/tf1/model.ckpt-3", "tf", None),
+    ("keras/model.weights.h5", "keras", 8),
+    ("keras/model_legacy.h5", "keras-legacy", 8),
+]
+
+
+@pytest.mark.parametrize(("rel", "fmt", "count"), _GOLDEN)
+def test_golden_files_inspect_and_verify(
+    rel: str, fmt: str, count: int | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(DATA / rel)
+    assert main(["inspect", path, "--json"]) == 0
+    doc = _json(capsys)
+    assert doc["format"] == fmt
+    assert doc["num_variables"] == count if count is not None else doc["num_variables"] > 0
+    assert main(["verify", path]) == 0
+    assert capsys.readouterr().out.startswith(f"OK: {path} ({fmt}, ")
+
+
+def test_golden_parallel_components_are_reported_unequal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A trackable that saves like a ParallelVariable, one different value per device.
+    assert main(["inspect", str(DATA / "tf/parallel/ckpt-1"), "--json"]) == 0
+    by_path = {v["path"]: v for v in _json(capsys)["variables"]}
+    assert (by_path["model/w"]["kind"], by_path["model/w"]["components"]) == ("mirrored", 3)
+    assert by_path["model/w"]["differing"] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [("layers/0/attn/q/weight", "layers.0.attn.q.weight"), ("layers/0/fp8", "layers.0.fp8")],
+)
+def test_golden_extract_bfloat16_and_float8_bits(
+    name: str, key: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "t.npy"
+    assert (
+        main(["extract", str(DATA / "torch/model.safetensors"), name, "-o", str(out), "--json"])
+        == 0
+    )
+    doc = _json(capsys)
+    with np.load(DATA / "torch/torch_expected.npz", allow_pickle=False) as expected:
+        bits = expected[key]
+        safetensors_dtype = str(expected[f"{key}#dtype"])
+    assert doc["dtype"] == {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn"}[safetensors_dtype]
+    assert doc["note"].startswith(f"{doc['dtype']} has no .npy dtype")
+    got = np.load(out, allow_pickle=False)
+    assert got.dtype == bits.dtype
+    np.testing.assert_array_equal(got, bits)
