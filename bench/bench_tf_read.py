@@ -26,6 +26,7 @@ import tempfile
 import time
 
 import numpy as np
+
 from parallelvars.formats import Entry, open_checkpoint, write_checkpoint
 from parallelvars.formats._view import CheckpointView
 from parallelvars.formats.tf import BundleReader

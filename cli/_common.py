@@ -8,6 +8,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
+
 from parallelvars.formats import (
     FORMAT_NAMES,
     CheckpointView,

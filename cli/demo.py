@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         f"  safetensors: {st_path}",
         f"  TensorFlow checkpoint: {tf_prefix}.index / .data-00000-of-00001",
         f"  inspect {os.path.basename(final)}:",
-        *[f"    {p:<36} {k:<9} {d:<8} {str(s):<10} x{c}" for p, k, d, s, c in summary],
+        *[f"    {p:<36} {k:<9} {d:<8} {s!s:<10} x{c}" for p, k, d, s, c in summary],
         f"done in {elapsed:.1f} s",
     ]
     out.emit(result, "\n".join(lines))

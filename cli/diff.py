@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 import numpy as np
+
 from parallelvars.formats import CheckpointView, Entry
 
 from ._common import non_negative_float, open_view, shape_str

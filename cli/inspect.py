@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from parallelvars.formats import CheckpointView, Entry
 
 from ._common import add_format_option, format_bytes, open_view, shape_str

@@ -8,10 +8,10 @@ import os
 from typing import Any
 
 import numpy as np
-from parallelvars.formats import KINDS, CheckpointView, Entry, detect_format
 
 from parallelvars.checkpoint.h5io import HDF5_SIGNATURE, H5Reader
 from parallelvars.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from parallelvars.formats import KINDS, CheckpointView, Entry, detect_format
 
 from ._common import add_format_option, format_bytes, open_view
 from ._output import Output, Progress

@@ -85,7 +85,7 @@ def write_hdf5(
     if metadata is None:
         metadata = getattr(entries, "metadata", None) or {}
     if object_graph is None:
-        object_graph = getattr(entries, "object_graph", None)
+        object_graph = _carried_graph(entries)
     values = []
     for key, entry in entries.items():
         check_entry(entry, p)
@@ -94,6 +94,23 @@ def write_hdf5(
         values.append(entry)
     meta = carried_metadata(metadata)
     return write_h5(p, values, object_graph=object_graph, metadata=meta)
+
+
+def _carried_graph(entries: Mapping[str, Entry]) -> Mapping[str, Any] | None:
+    """The source view's object graph, when it is one of ours and describes exactly these entries.
+
+    Other formats keep graphs of their own shape (TensorFlow's list of objects), and a filtered
+    or renamed conversion no longer matches its source's graph: the writer then stores none and
+    a restore matches objects by path.
+    """
+    graph = getattr(entries, "object_graph", None)
+    if not isinstance(graph, Mapping) or not isinstance(graph.get("nodes"), list):
+        return None
+    try:
+        paths = {n["path"] for n in graph["nodes"] if n.get("path") is not None}
+    except (TypeError, KeyError, AttributeError):
+        return None
+    return graph if paths == set(entries) else None
 
 
 def sniff(path: str, head: bytes) -> bool:

@@ -60,8 +60,12 @@ def _describe(
         parts.append(f"variable {variable!r}:")
     parts.append(what)
     msg = " ".join(parts)
-    if expected is not None or found is not None:
+    if expected is not None and found is not None:
         msg += f" (expected {_fmt(expected)}, found {_fmt(found)})"
+    elif expected is not None:
+        msg += f" (expected {_fmt(expected)})"
+    elif found is not None:
+        msg += f" (found {_fmt(found)})"
     if hint:
         msg += f"; {hint}"
     return msg

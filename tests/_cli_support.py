@@ -7,6 +7,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+
 from parallelvars.formats import ArrayEntry, Entry, write_checkpoint
 
 

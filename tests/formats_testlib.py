@@ -10,6 +10,7 @@ import h5py
 import ml_dtypes
 import numpy as np
 from hypothesis import strategies as st
+
 from parallelvars.formats import ArrayEntry, DictView, Entry, split_offsets
 
 DATA = pathlib.Path(__file__).resolve().parent / "data"

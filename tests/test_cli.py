@@ -15,12 +15,12 @@ import tempfile
 import numpy as np
 import pytest
 from _cli_support import write_sample
+
+from parallelvars import errors
 from parallelvars.cli import COMMANDS, main
 from parallelvars.cli._common import parse_size
 from parallelvars.cli._errors import EXIT_INTERNAL, EXIT_USAGE, UsageError, classify
 from parallelvars.cli._output import Output, to_jsonable
-
-from parallelvars import errors
 
 
 @pytest.fixture(autouse=True)

@@ -12,12 +12,12 @@ from _cli_support import replaced, sample_entries, write_sample
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+
+from parallelvars.checkpoint.h5io import write_h5
 from parallelvars.cli import main
 from parallelvars.cli.diff import compare_arrays
 from parallelvars.cli.verify import check_structure
 from parallelvars.formats import ArrayEntry, write_checkpoint
-
-from parallelvars.checkpoint.h5io import write_h5
 
 
 @pytest.fixture(autouse=True)

@@ -10,10 +10,11 @@ import sys
 import numpy as np
 import pytest
 from _cli_support import sample_entries, write_sample
-from parallelvars.cli import main
-from parallelvars.formats import Entry, open_checkpoint
 from safetensors import safe_open
 from safetensors.numpy import load_file
+
+from parallelvars.cli import main
+from parallelvars.formats import Entry, open_checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -121,14 +122,7 @@ def test_convert_names_to_npz(
 @pytest.mark.parametrize(
     ("to", "name"),
     [
-        pytest.param(
-            "tf", "ckpt-1",
-            marks=pytest.mark.xfail(
-                strict=True, raises=AssertionError,
-                reason="the TF view's object_graph (TrackableObject nodes) reaches the HDF5 "
-                "writer, which stores object_graph as JSON: tf -> hdf5 stops with exit 3",
-            ),
-        ),
+        ("tf", "ckpt-1"),
         ("keras", "x.weights.h5"),
         ("safetensors", "x.safetensors"),
         ("npz", "x.npz"),

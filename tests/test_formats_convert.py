@@ -17,6 +17,9 @@ from formats_testlib import (
     same_bits,
     torch_expected,
 )
+from safetensors.numpy import load_file
+
+from parallelvars.errors import UnsupportedDtypeError
 from parallelvars.formats import (
     ArrayEntry,
     DictView,
@@ -26,9 +29,6 @@ from parallelvars.formats import (
     open_checkpoint,
     write_checkpoint,
 )
-from safetensors.numpy import load_file
-
-from parallelvars.errors import UnsupportedDtypeError
 
 TORCH_SOURCES = {
     "model.safetensors": "safetensors",

@@ -9,11 +9,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 from formats_testlib import KERAS, TORCH, assert_same_view, h5_structure, same_bits, torch_expected
+
+from parallelvars.checkpoint.checkpoint import _graph_from_paths
+from parallelvars.errors import CorruptCheckpointError, NotACheckpointError, TruncatedFileError
 from parallelvars.formats import ArrayEntry, DictView, detect_format, open_checkpoint
 from parallelvars.formats.hdf5 import open_hdf5, write_hdf5
 from parallelvars.formats.safetensors import open_safetensors
-
-from parallelvars.errors import CorruptCheckpointError, NotACheckpointError, TruncatedFileError
 
 
 def test_golden_safetensors_through_hdf5(tmp_path) -> None:
@@ -45,7 +46,7 @@ def test_parallel_kinds_and_object_graph(tmp_path) -> None:
                    attrs={"aggregation": "sum"}),
         ArrayEntry("s", [np.array([b"ab", b"", b"\xffc"], dtype=object)]),
     ])
-    graph = {"nodes": [{"children": []}]}
+    graph = {"version": 1, "nodes": _graph_from_paths(sorted(view))}
     out = write_hdf5(tmp_path / "p.h5", view, object_graph=graph)
     with open_hdf5(out) as back:
         assert_same_view(back, view)
@@ -53,6 +54,16 @@ def test_parallel_kinds_and_object_graph(tmp_path) -> None:
         again = write_hdf5(tmp_path / "again.h5", back)  # the graph travels with the view
     with open_hdf5(again) as third:
         assert third.object_graph == graph
+        # A view that no longer matches its source's graph (one entry dropped) carries none.
+        subset = DictView({k: e for k, e in third.items() if k != "s"}, format="hdf5")
+        subset.object_graph = graph  # type: ignore[attr-defined]
+        with open_hdf5(write_hdf5(tmp_path / "subset.h5", subset)) as fourth:
+            assert fourth.object_graph is None
+        # A view that no longer matches its source's graph (here: one entry dropped) carries none.
+        subset = DictView({k: e for k, e in third.items() if k != "s"}, format="hdf5")
+        subset.object_graph = graph  # type: ignore[attr-defined]
+        with open_hdf5(write_hdf5(tmp_path / "subset.h5", subset)) as fourth:
+            assert fourth.object_graph is None
         assert_same_view(third, view)
     with h5py.File(out, "r") as f:
         assert same_bits(f["m/e/value"][()], full)  # the virtual dataset stitches the shards

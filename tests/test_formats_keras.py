@@ -7,6 +7,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from formats_testlib import KERAS, assert_same_view, h5_structure, keras_expected, same_bits
+
+from parallelvars.errors import CorruptCheckpointError, NotACheckpointError, UnsupportedDtypeError
 from parallelvars.formats import ArrayEntry, DictView, detect_format
 from parallelvars.formats import keras as keras_module
 from parallelvars.formats.keras import (
@@ -16,8 +18,6 @@ from parallelvars.formats.keras import (
     write_keras,
     write_keras_legacy,
 )
-
-from parallelvars.errors import CorruptCheckpointError, NotACheckpointError, UnsupportedDtypeError
 
 # model order -> dataset of model.weights.h5 (Keras names list items by snake_case class)
 KERAS3_PATHS = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from parallelvars.formats import NAME_STYLES, component_key, from_key, parse_component_key, to_key
 
 

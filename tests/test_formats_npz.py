@@ -12,8 +12,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 from formats_testlib import KERAS, TORCH, assert_same_view, same_bits, torch_expected
-from parallelvars.formats import ArrayEntry, DictView, detect_format
-from parallelvars.formats.npz import INFO_MEMBER, open_npz, write_npz
 
 from parallelvars.errors import (
     CorruptCheckpointError,
@@ -21,6 +19,8 @@ from parallelvars.errors import (
     TruncatedFileError,
     UnsupportedDtypeError,
 )
+from parallelvars.formats import ArrayEntry, DictView, detect_format
+from parallelvars.formats.npz import INFO_MEMBER, open_npz, write_npz
 
 
 def test_reads_torch_expected_with_dtype_tags() -> None:

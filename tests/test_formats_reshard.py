@@ -7,9 +7,9 @@ import pytest
 from formats_testlib import entries, same_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from parallelvars.formats import ArrayEntry, DictView, Entry, logical_value, reshard, split_offsets
 
 from parallelvars.errors import DeviceCountError
+from parallelvars.formats import ArrayEntry, DictView, Entry, logical_value, reshard, split_offsets
 
 
 def _comps(entry: Entry) -> list[np.ndarray]:

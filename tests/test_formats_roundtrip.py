@@ -10,6 +10,7 @@ import pytest
 from formats_testlib import EXTRA_DTYPES, NUMERIC_DTYPES, assert_same_view, entries
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from parallelvars.formats import ArrayEntry, DictView, convert, get_format, open_checkpoint
 
 # (format, file name, writer options)

@@ -12,8 +12,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 from formats_testlib import TORCH, assert_same_view, same_bits, torch_expected
-from parallelvars.formats import ArrayEntry, DictView, detect_format, from_key, open_checkpoint
-from parallelvars.formats.safetensors import open_safetensors, write_safetensors
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
@@ -23,6 +21,8 @@ from parallelvars.errors import (
     TruncatedFileError,
     UnsupportedDtypeError,
 )
+from parallelvars.formats import ArrayEntry, DictView, detect_format, from_key, open_checkpoint
+from parallelvars.formats.safetensors import open_safetensors, write_safetensors
 
 
 @pytest.mark.parametrize("source", ["model.safetensors", "sharded", "sharded/model.safetensors.index.json"])

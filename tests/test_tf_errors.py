@@ -8,12 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from parallelvars.formats import open_checkpoint
-from parallelvars.formats.tf import BundleReader, BundleWriter, TfCheckpointView
-from parallelvars.formats.tf._crc import crc32c, mask
-from parallelvars.formats.tf._ordered_code import encode_slice_key
-from parallelvars.formats.tf._proto import BundleEntry, BundleHeader, encode_entry, encode_header
-from parallelvars.formats.tf._sstable import TableBuilder, TableReader
 
 from parallelvars.errors import (
     ChecksumMismatchError,
@@ -24,6 +18,12 @@ from parallelvars.errors import (
     TruncatedFileError,
     UnsupportedDtypeError,
 )
+from parallelvars.formats import open_checkpoint
+from parallelvars.formats.tf import BundleReader, BundleWriter, TfCheckpointView
+from parallelvars.formats.tf._crc import crc32c, mask
+from parallelvars.formats.tf._ordered_code import encode_slice_key
+from parallelvars.formats.tf._proto import BundleEntry, BundleHeader, encode_entry, encode_header
+from parallelvars.formats.tf._sstable import TableBuilder, TableReader
 
 DATA = Path(__file__).parent / "data" / "tf"
 KERNEL = "net/kernel/.ATTRIBUTES/VARIABLE_VALUE"

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from parallelvars.errors import NotACheckpointError
 from parallelvars.formats import (
     ArrayEntry,
     DictView,
@@ -22,8 +24,6 @@ from parallelvars.formats import (
 from parallelvars.formats.tf import FORMAT, BundleReader, TfCheckpointView, sniff
 from parallelvars.formats.tf._bundle import BundleReader as _Reader
 from parallelvars.formats.tf._sstable import TableReader
-
-from parallelvars.errors import NotACheckpointError
 
 DATA = Path(__file__).parent / "data" / "tf"
 FOLDERS = {

@@ -8,10 +8,10 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from parallelvars.formats import ArrayEntry, DictView, open_checkpoint, write_checkpoint
-from parallelvars.formats.tf import BundleReader
 
 from parallelvars.checkpoint.h5io import H5Reader, write_h5
+from parallelvars.formats import ArrayEntry, DictView, open_checkpoint, write_checkpoint
+from parallelvars.formats.tf import BundleReader
 
 DATA = Path(__file__).parent / "data" / "tf"
 FOLDERS = {"plain": "ckpt-1", "parallel": "ckpt-1", "mirrored": "ckpt-1", "tf1": "model.ckpt-3", "many": "ckpt-1", "sharded": "ckpt-1"}

@@ -9,11 +9,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+
+from parallelvars.errors import DtypeMismatchError, InvalidEntryError, UnsupportedDtypeError
 from parallelvars.formats import ArrayEntry, DictView, open_checkpoint, write_checkpoint
 from parallelvars.formats.tf import METADATA_KEY, BundleReader, BundleWriter, TfCheckpointView
 from parallelvars.formats.tf._graph import decode_graph
-
-from parallelvars.errors import DtypeMismatchError, InvalidEntryError, UnsupportedDtypeError
 
 GRAPH = b"_CHECKPOINTABLE_OBJECT_GRAPH"
 
