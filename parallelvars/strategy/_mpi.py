@@ -14,11 +14,13 @@ arrays travel as raw bytes (``MPI.BYTE``), so every dtype works, bfloat16 and fl
 Reduction order. ``MPI_Allreduce`` leaves the order (and grouping) of the additions to the
 implementation, which may change with the message size, the number of processes or the
 library version, so its sums are not reproducible and need not match a one-process run. We
-use ``Allgather`` instead (no arithmetic in MPI) and every process adds the ranks' rows itself,
-left to right in rank order. The sum is then bit-identical on every process, from run to run,
-and equal to ``MirroredStrategy``'s (which adds replicas in device order). The price is
-bandwidth: each process receives ``size - 1`` rows instead of an all-reduce's ~2 rows, which is
-fine for the few processes of a data-parallel job on one or a few machines.
+a reduce-scatter / all-gather of our own in which MPI only moves bytes: the buffer is cut into
+one chunk per rank, ``Alltoall`` gives rank ``j`` every rank's chunk ``j``, rank ``j`` adds them
+left to right in rank order, and ``Allgather`` shares the summed chunks. Every element is thus
+summed in rank order, so the result is bit-identical on every process, from run to run, and
+equal to ``MirroredStrategy``'s (which adds replicas in device order). It moves about as many
+bytes as a ring all-reduce (~2 buffers per rank). Small buffers use one ``Allgather`` of whole
+rows and the same rank-ordered sum.
 
 Tensor fusion. ``batch_reduce`` (what ``apply_gradients`` calls) packs every gradient of one
 dtype into this process's row of one ``(size, total)`` buffer and runs one ``Allgather`` per
@@ -315,6 +317,29 @@ class MultiWorkerMirroredStrategy(Strategy):
             self._comm.Allgather(self._MPI.IN_PLACE, [_bytes_of(out), self._MPI.BYTE])
         return out
 
+    def _allreduce_ordered(self, local: np.ndarray) -> np.ndarray:
+        """The sum over ranks of ``local``, added in rank order, identical on every rank.
+
+        A deterministic reduce-scatter + all-gather: the flat buffer is cut into one chunk per
+        rank; ``Alltoall`` hands rank ``j`` every rank's chunk ``j``, which it adds in rank
+        order; ``Allgather`` then gives everyone every summed chunk. Each element is added in
+        the same order as ``_sum_rows`` would, moving ~2 buffers per rank instead of ``size``.
+        """
+        size = self._size
+        flat = local.reshape(-1)
+        if size == 1 or flat.size < 4 * size or flat.dtype.kind == "O":
+            return self._sum_rows(self._allgather_rows(local))
+        chunk = -(-flat.size // size)
+        send = np.zeros((size, chunk), flat.dtype)
+        send.reshape(-1)[: flat.size] = flat
+        recv = np.empty_like(send)
+        byte = self._MPI.BYTE
+        self._comm.Alltoall([_bytes_of(send), byte], [_bytes_of(recv), byte])
+        gathered = send  # reused: its contents were sent
+        gathered[self._rank] = self._sum_rows(recv)
+        self._comm.Allgather(self._MPI.IN_PLACE, [_bytes_of(gathered), byte])
+        return gathered.reshape(-1)[: flat.size].reshape(local.shape)
+
     def _sum_rows(self, rows: np.ndarray) -> np.ndarray:
         """Add the rows in rank order (the order ``add_n`` uses), into a fresh array."""
         total = np.empty(rows.shape[1:], rows.dtype)
@@ -414,7 +439,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                 count += a.shape[axis + a.ndim if axis < 0 else axis]
             counts = self._allgather_rows(np.array([count], np.int64))
             count = int(counts.sum())
-        total = self._sum_rows(self._allgather_rows(np.asarray(local)))
+        total = self._allreduce_ordered(np.asarray(local))
         if op is ReduceOp.MEAN:
             if count == 0:
                 raise DistributedValueError(f"cannot take the mean along axis {axis} of empty values")
@@ -443,7 +468,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             for (_, a), n in zip(items, sizes, strict=True):
                 fused[offset : offset + n] = a.reshape(-1)
                 offset += n
-            total = self._sum_rows(self._allgather_rows(fused))
+            total = self._allreduce_ordered(fused)
             if op is ReduceOp.MEAN:
                 total = _mean_of(total, count)
             offset = 0
