@@ -13,9 +13,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _mpi_model as m  # noqa: E402
+import _mpi_model as m
 
-import parallelvars as pv  # noqa: E402
+import parallelvars as pv
 
 
 def collectives(strategy: pv.MultiWorkerMirroredStrategy, out: dict[str, np.ndarray]) -> None:

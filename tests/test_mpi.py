@@ -20,12 +20,12 @@ import pytest
 
 pytest.importorskip("mpi4py", reason="the MPI tests need the [mpi] extra (mpi4py and mpich)")
 
-import parallelvars as pv  # noqa: E402
-from parallelvars.checkpoint.h5io import H5Reader  # noqa: E402
-from parallelvars.errors import ChecksumMismatchError  # noqa: E402
+import parallelvars as pv
+from parallelvars.checkpoint.h5io import H5Reader
+from parallelvars.errors import ChecksumMismatchError
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _mpi_model as model_code  # noqa: E402
+import _mpi_model as model_code
 
 WORKER = Path(__file__).parent / "_mpi_worker.py"
 LAUNCH_TIMEOUT = 60
@@ -173,9 +173,9 @@ def test_a_raising_rank_aborts_the_job(tmp_path: Path) -> None:
     start = time.monotonic()
     proc = launch(2, "raise", str(tmp_path), check=False)
     elapsed = time.monotonic() - start
-    assert proc.returncode != 0
-    assert "boom on purpose in rank 1" in proc.stderr
-    assert "[rank 1 of 2]" in proc.stderr
+    assert proc.returncode != 0, proc.stderr
+    assert "boom on purpose in rank 1" in proc.stderr, proc.stderr
+    assert "[rank 1 of 2]" in proc.stderr, proc.stderr
     assert not (tmp_path / "raise-rank0.npz").exists()
     assert elapsed < LAUNCH_TIMEOUT  # rank 0 did not stay blocked in its collective
 
@@ -205,3 +205,21 @@ def test_single_process_without_mpiexec(tmp_path: Path) -> None:
     with H5Reader(path) as reader:
         assert reader.verify_all() == []
         assert reader["model/w"].num_components == 1
+
+
+def test_sparse_gradients_are_refused_not_summed_wrongly(tmp_path: Path) -> None:
+    code = (
+        "import numpy as np, parallelvars as pv\n"
+        "from parallelvars.errors import DistributedValueError\n"
+        "s = pv.MultiWorkerMirroredStrategy()\n"
+        "with s.scope():\n"
+        "    v = pv.Variable(np.zeros((4, 2), np.float32), name='v'); opt = pv.optimizers.SGD(0.1)\n"
+        "g = pv.IndexedSlices(np.ones((1, 2), np.float32), np.array([1]), (4, 2))\n"
+        "try:\n"
+        "    s.run(lambda: opt.apply_gradients([(g, v)]))\n"
+        "except DistributedValueError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "refused:" in out.stdout and "IndexedSlices" in out.stdout

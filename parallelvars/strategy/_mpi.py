@@ -367,6 +367,11 @@ class MultiWorkerMirroredStrategy(Strategy):
                 return type(x)(wrap(i) for i in x)
             if isinstance(x, dict):
                 return type(x)((k, wrap(v)) for k, v in x.items())
+            if _is_sparse(x):
+                raise DistributedValueError(
+                    f"{type(self).__name__} does not gather sparse values across processes yet "
+                    f"(found {type(x).__name__}); pass the dense gradient instead"
+                )
             owner = self._owned_component(x)
             if owner is not None:
                 return owner
