@@ -54,6 +54,16 @@ from parallelvars.variables import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    # Imported on first use, so that importing parallelvars never imports mpi4py.
+    if name == "MultiWorkerMirroredStrategy":
+        from parallelvars.strategy._mpi import MultiWorkerMirroredStrategy
+
+        return MultiWorkerMirroredStrategy
+    raise AttributeError(f"module 'parallelvars' has no attribute {name!r}")
+
+
 __all__ = [
     "Aggregation",
     "Checkpoint",
@@ -63,6 +73,7 @@ __all__ = [
     "Mirrored",
     "MirroredStrategy",
     "Module",
+    "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "ParallelDevice",
     "ParallelVarsError",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,17 @@ from parallelvars.tracking import Trackable, children_of
 __all__ = ["Checkpoint", "CheckpointLoadStatus", "build_object_graph", "escape_name", "unescape_name"]
 
 GRAPH_VERSION = 1
+
+# A multi-process strategy installs a writer here: each process writes its own components and
+# the processes commit one logical checkpoint together (parallelvars.strategy._mpi).
+_COLLECTIVE_WRITER: Callable[..., str] | None = None
+
+
+def set_collective_writer(writer: Callable[..., str] | None) -> None:
+    """Route ``Checkpoint.write`` through ``writer(path, records, *, object_graph, metadata)``
+    (``None``: the plain single-file writer)."""
+    global _COLLECTIVE_WRITER
+    _COLLECTIVE_WRITER = writer
 
 
 def escape_name(name: str) -> str:
@@ -376,7 +387,8 @@ class Checkpoint(Trackable):
                 rec = next(r for r in records if r.path == graph.nodes[slot_id]["path"])
                 rec.attrs["slot_of"] = graph.nodes[var_id]["path"]
                 rec.attrs["slot_name"] = slot_name
-        return write_h5(os.fspath(path), records, object_graph=graph.to_json(), metadata=self._metadata())
+        writer = _COLLECTIVE_WRITER or write_h5
+        return writer(os.fspath(path), records, object_graph=graph.to_json(), metadata=self._metadata())
 
     def save(self, file_prefix: str | os.PathLike[str]) -> str:
         """Write ``<file_prefix>-<n>.h5`` with ``n`` the incremented ``save_counter``; returns it."""

@@ -483,7 +483,7 @@ class StoredVariable:
         dsid = self._dataset(i)
         size = math.prod(self._shapes[i])
         nbytes = size * self.dtype.itemsize
-        if self.dtype.kind != "O":
+        if self.dtype.kind != "O" and self._reader._holds(dsid):
             try:
                 dcpl = dsid.get_create_plist()
                 plain = not (dcpl.get_layout() != h5py.h5d.CONTIGUOUS or dcpl.get_nfilters() or dcpl.get_external_count())
@@ -606,6 +606,7 @@ class H5Reader(Mapping[str, StoredVariable]):
         self.path = os.fspath(path)
         self._file: h5py.File | None = None
         self._mm: mmap.mmap | None = None
+        self._own_name: bytes | None = None
         if not os.path.exists(self.path):
             raise FileNotFoundError(f"{self.path}: no such checkpoint file")
         if os.path.isdir(self.path):
@@ -681,6 +682,16 @@ class H5Reader(Mapping[str, StoredVariable]):
         except (*_H5_ERRORS, json.JSONDecodeError, AttributeError) as exc:
             raise CorruptCheckpointError("damaged file structure", file=self.path, found=str(exc)) from None
 
+    def _holds(self, dsid: Any) -> bool:
+        """Whether a dataset lives in this file (not behind an external link: those are read
+        through HDF5, not from this file's map)."""
+        if self._own_name is None:
+            self._own_name = h5py.h5f.get_name(self._h5().id)
+        try:
+            return bool(h5py.h5f.get_name(dsid) == self._own_name)
+        except _H5_ERRORS:
+            return False
+
     def _h5(self) -> h5py.File:
         if self._file is None:
             raise ValueError(f"{self.path}: the reader is closed")
@@ -723,6 +734,10 @@ class H5Reader(Mapping[str, StoredVariable]):
         return problems
 
     def close(self) -> None:
+        # Drop the dataset ids first: those reached through external links keep their own
+        # (linked) file open until they are released.
+        for var in getattr(self, "_variables", {}).values():
+            var._datasets.clear()
         if self._mm is not None:
             try:
                 self._mm.close()

@@ -29,10 +29,22 @@ from parallelvars.strategy._mirrored import MirroredStrategy
 from parallelvars.strategy._reduce import add_n_by_device
 from parallelvars.strategy._values import Mirrored, PerReplica
 
+
+def __getattr__(name: str) -> object:
+    # Imported on first use: the MPI strategy's module is light, but keep the strategy package
+    # free of it until asked for.
+    if name == "MultiWorkerMirroredStrategy":
+        from parallelvars.strategy._mpi import MultiWorkerMirroredStrategy
+
+        return MultiWorkerMirroredStrategy
+    raise AttributeError(f"module 'parallelvars.strategy' has no attribute {name!r}")
+
+
 __all__ = [
     "DistributedDataset",
     "Mirrored",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "PerReplica",
     "ReplicaContext",

@@ -1,0 +1,667 @@
+"""MultiWorkerMirroredStrategy: one process per replica, reductions over MPI (mpi4py).
+
+Each process holds its own component of every variable (the component of replica ``rank``);
+``num_replicas_in_sync`` is the number of processes and replica ids are ranks, so the global
+devices are ``cpu:0 .. cpu:{size-1}``, the same names a one-process
+``MirroredStrategy(size)`` uses. The user code is the same as with ``MirroredStrategy``: every
+process runs it, ``strategy.run`` calls the replica function once (for this process's replica)
+and the cross-replica API (``reduce``, ``batch_reduce``, ``broadcast``, the reductions inside
+``merge_call`` and ``apply_gradients``) meets the other processes in MPI collectives.
+
+Collectives use the buffer interface of mpi4py on numpy arrays, in place, without pickling;
+arrays travel as raw bytes (``MPI.BYTE``), so every dtype works, bfloat16 and float8 included.
+
+Reduction order. ``MPI_Allreduce`` leaves the order (and grouping) of the additions to the
+implementation, which may change with the message size, the number of processes or the
+library version, so its sums are not reproducible and need not match a one-process run. We
+a reduce-scatter / all-gather of our own in which MPI only moves bytes: the buffer is cut into
+one chunk per rank, ``Alltoall`` gives rank ``j`` every rank's chunk ``j``, rank ``j`` adds them
+left to right in rank order, and ``Allgather`` shares the summed chunks. Every element is thus
+summed in rank order, so the result is bit-identical on every process, from run to run, and
+equal to ``MirroredStrategy``'s (which adds replicas in device order). It moves about as many
+bytes as a ring all-reduce (~2 buffers per rank). Small buffers use one ``Allgather`` of whole
+rows and the same rank-ordered sum.
+
+Tensor fusion. ``batch_reduce`` (what ``apply_gradients`` calls) packs every gradient of one
+dtype into this process's row of one ``(size, total)`` buffer and runs one ``Allgather`` per
+dtype per step instead of one collective per variable (``fusion=False`` turns that off, for
+the benchmark).
+
+Initial values are broadcast from rank 0 when a variable is created, so the replicas start
+identical; each step then applies the same reduced gradients everywhere, keeping them
+bit-identical.
+
+Checkpoints (see :func:`write_collective`): every rank writes its own components to its own
+HDF5 file, in parallel; rank 0 then writes the index file at the path ``save()`` returns, whose
+``primary`` / ``parallel_component_N`` entries are HDF5 external links into the rank files. The
+index appears (atomically) only after every rank has written and flushed its file, so it is the
+commit point. A plain ``h5py.File(path)`` sees every component through the links, and
+:class:`~parallelvars.checkpoint.h5io.H5Reader` reads and verifies them, with any number of
+processes or none.
+
+Failure. Creating the strategy installs a ``sys.excepthook`` that prints an uncaught exception
+with the rank and calls ``MPI.COMM_WORLD.Abort(1)``, so a rank that raises ends the whole job
+instead of leaving the others waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
+
+import h5py
+import numpy as np
+
+from parallelvars._dtypes import dtype_name
+from parallelvars.devices import ParallelDevice
+from parallelvars.enums import Aggregation, ReduceOp, Synchronization
+from parallelvars.errors import CheckpointError, ContextError, DistributedValueError
+from parallelvars.strategy import _context
+from parallelvars.strategy._base import ReplicaContext, Strategy, _is_variable
+from parallelvars.strategy._reduce import _is_sparse, _mean_of, reduce_values
+from parallelvars.strategy._values import Mirrored, PerReplica, _map_structure, _needs_walk
+
+__all__ = ["MultiWorkerMirroredStrategy", "install_abort_on_error", "write_collective"]
+
+
+def _import_mpi() -> Any:
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "MultiWorkerMirroredStrategy needs mpi4py and an MPI library: "
+            "pip install 'parallelvars[mpi]'"
+        ) from exc
+    return MPI
+
+
+def _bytes_of(arr: np.ndarray) -> np.ndarray:
+    """A flat uint8 view of a C-contiguous array."""
+    return arr.reshape(-1).view(np.uint8)
+
+
+# ----------------------------------------------------------------------------- failure
+_HOOK_INSTALLED = False
+
+
+def install_abort_on_error() -> None:
+    """Make an uncaught exception in this process abort the whole MPI job.
+
+    The exception is printed (with the rank) before ``MPI.COMM_WORLD.Abort(1)``, which makes
+    ``mpiexec`` stop every rank, including those blocked in a collective. Idempotent.
+    """
+    global _HOOK_INSTALLED
+    if _HOOK_INSTALLED:
+        return
+    MPI = _import_mpi()
+    previous = sys.excepthook
+
+    def hook(exc_type: Any, exc: Any, tb: Any) -> None:
+        comm = MPI.COMM_WORLD
+        if comm.Get_size() <= 1 or issubclass(exc_type, SystemExit):
+            previous(exc_type, exc, tb)
+            return
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        sys.stderr.write(f"[rank {comm.Get_rank()} of {comm.Get_size()}] {text}")
+        sys.stderr.write(f"[rank {comm.Get_rank()}] aborting the MPI job\n")
+        sys.stderr.flush()
+        comm.Abort(1)
+
+    sys.excepthook = hook
+    _HOOK_INSTALLED = True
+
+
+# ----------------------------------------------------------------------------- contexts
+class _MPIReplicaContext(ReplicaContext):
+    """The replica context of this process's replica (id = rank)."""
+
+    strategy: MultiWorkerMirroredStrategy
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return self.strategy.parameter_devices
+
+    def merge_call(
+        self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """Run ``fn(strategy, *args, **kwargs)`` in cross-replica context, in every process.
+
+        Arrays and floats among the arguments are this replica's parts of per-replica values
+        (they arrive as one-element :class:`PerReplica`), so reductions inside ``fn`` combine
+        them across processes. Every process must make the same merge_calls in the same order.
+        """
+        self._check_current()
+        strategy = self.strategy
+        margs = strategy._as_local(tuple(args))
+        mkwargs = strategy._as_local(dict(kwargs or {}))
+        with _context.push_mode(_context.Mode(strategy, None)):
+            result = fn(strategy, *margs, **mkwargs)
+        return strategy._select_local(result)
+
+    def _write_variable(self, var: Any, op: str, value: Any) -> Any:
+        return self.merge_call(_merge_write, args=(var, op, value))
+
+
+def _merge_write(strategy: MultiWorkerMirroredStrategy, var: Any, op: str, value: Any) -> None:
+    agg = var.aggregation
+    if agg is Aggregation.NONE:
+        raise ContextError(
+            f"variable {var.name!r}: {op}() inside a replica function of {strategy!r} needs an "
+            "aggregation to merge the replicas' writes (expected SUM, MEAN or ONLY_FIRST_REPLICA, "
+            "found NONE)"
+        )
+    if agg is Aggregation.ONLY_FIRST_REPLICA:
+        local = value.values[0] if isinstance(value, PerReplica) else value
+        merged = strategy._bcast_array(np.array(local, copy=True))
+    else:
+        rop = ReduceOp.SUM if agg is Aggregation.SUM else ReduceOp.MEAN
+        if not isinstance(value, PerReplica):
+            value = PerReplica([value])
+        merged = strategy.reduce(rop, value)
+    var._apply_write(op, merged)
+
+
+# ----------------------------------------------------------------------------- strategy
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous data parallelism with one process per replica, over MPI.
+
+    Launch the same program with ``mpiexec -n N python train.py``; each process holds one
+    replica's component of every variable. The API is that of
+    :class:`~parallelvars.MirroredStrategy`.
+
+    Args:
+        comm: an mpi4py communicator; defaults to ``MPI.COMM_WORLD``.
+        fusion: pack the gradients of one dtype into one buffer per ``batch_reduce`` (one
+            collective per dtype); ``False`` runs one collective per value.
+        abort_on_error: install :func:`install_abort_on_error` (an uncaught exception in any
+            rank aborts the job instead of leaving the others blocked).
+
+    Example (run under ``mpiexec -n 2``)::
+
+        strategy = pv.MultiWorkerMirroredStrategy()
+        with strategy.scope():
+            w = pv.Variable(np.zeros(3, np.float32), name="w")   # rank 0's value everywhere
+        total = strategy.run(lambda: np.float32(strategy.cluster_rank + 1))
+        strategy.reduce(pv.ReduceOp.SUM, total)                    # 3.0 on every rank
+    """
+
+    def __init__(self, comm: Any = None, *, fusion: bool = True, abort_on_error: bool = True) -> None:
+        MPI = _import_mpi()
+        self._MPI = MPI
+        self._comm = MPI.COMM_WORLD if comm is None else comm
+        self._rank = int(self._comm.Get_rank())
+        self._size = int(self._comm.Get_size())
+        self.fusion = bool(fusion)
+        super().__init__([f"cpu:{self._rank}"])
+        self._global_devices = ParallelDevice(self._size)
+        if abort_on_error:
+            install_abort_on_error()
+        from parallelvars.checkpoint import checkpoint as _ckpt
+
+        _ckpt.set_collective_writer(self._write_checkpoint)
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def comm(self) -> Any:
+        """The mpi4py communicator."""
+        return self._comm
+
+    @property
+    def cluster_rank(self) -> int:
+        """This process's rank (its replica id)."""
+        return self._rank
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._size
+
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        """The devices of all replicas, ``cpu:0 .. cpu:{size-1}`` (replica ``i`` on rank ``i``)."""
+        return self._global_devices.components
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        """This process's device: variables hold this replica's component only."""
+        return self._devices.components
+
+    def __repr__(self) -> str:
+        return f"MultiWorkerMirroredStrategy(rank={self._rank}, size={self._size})"
+
+    # ------------------------------------------------------------------ variables
+    def _make_local(self, device: ParallelDevice, **kwargs: Any) -> Any:
+        from parallelvars.variables import _make_distributed_variable
+
+        self._check_creation_context(kwargs.get("name"))
+        if kwargs.get("shard_axis") is not None:
+            raise DistributedValueError(
+                f"variable {kwargs.get('name')!r}: sharded variables are not supported by "
+                f"{type(self).__name__} (expected shard_axis=None, found {kwargs['shard_axis']})"
+            )
+        kwargs.pop("shard_axis", None)
+        if kwargs.get("kind") is None:
+            sync = Synchronization.parse(kwargs.get("synchronization", Synchronization.AUTO))
+            kwargs["kind"] = "on_read" if sync is Synchronization.ON_READ else "mirrored"
+        var = _make_distributed_variable(device, **kwargs)
+        if var.kind == "mirrored":
+            for comp in var.components:
+                self._bcast_inplace(comp)
+        elif var.kind == "on_read" and var.aggregation is Aggregation.SUM and self._rank != 0:
+            for comp in var.components:
+                comp[...] = 0  # the initial total is the initial value, not size times it
+        return self._register(var)
+
+    def _variable_creator(self, next_creator: Any, **kwargs: Any) -> Any:
+        return self._make_local(self._devices, **kwargs)
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with: Any) -> Iterator[None]:
+        """Variables made inside are placed with ``colocate_with`` (always this process)."""
+        mode = _context.current_mode()
+        if mode.strategy is not self:
+            raise ContextError(
+                f"colocate_vars_with() of {self!r} needs its scope (current strategy: "
+                f"{mode.strategy!r})"
+            )
+
+        def creator(next_creator: Any, **kwargs: Any) -> Any:
+            return self._make_local(self._devices, **kwargs)
+
+        with _context.variable_creator_scope(creator):
+            yield
+
+    # ------------------------------------------------------------------ collectives
+    def _bcast_inplace(self, arr: np.ndarray, root: int = 0) -> None:
+        """Overwrite ``arr`` with rank ``root``'s bytes (``arr`` has the same shape everywhere)."""
+        if self._size == 1 or arr.size == 0:
+            return
+        if arr.dtype.kind == "O":
+            arr[...] = self._comm.bcast(arr if self._rank == root else None, root=root)
+            return
+        if arr.flags.c_contiguous:
+            self._comm.Bcast([_bytes_of(arr), self._MPI.BYTE], root=root)
+        else:
+            tmp = np.ascontiguousarray(arr)
+            self._comm.Bcast([_bytes_of(tmp), self._MPI.BYTE], root=root)
+            arr[...] = tmp
+
+    def _bcast_array(self, arr: np.ndarray, root: int = 0) -> np.ndarray:
+        """Rank ``root``'s array on every rank, checking that shapes and dtypes agree."""
+        arr = np.array(arr, copy=True, order="C")
+        if self._size == 1:
+            return arr
+        spec = self._comm.bcast((arr.shape, arr.dtype.str), root=root)
+        if (arr.shape, arr.dtype.str) != spec:
+            raise DistributedValueError(
+                f"broadcast on rank {self._rank}: every rank must pass a value of one shape and "
+                f"dtype (expected {spec} as on rank {root}, found {(arr.shape, arr.dtype.str)})"
+            )
+        self._bcast_inplace(arr, root)
+        return arr
+
+    def _allgather_rows(self, row: np.ndarray) -> np.ndarray:
+        """``(size, *row.shape)``: every rank's ``row``, in rank order (one in-place Allgather)."""
+        out = np.empty((self._size, *row.shape), row.dtype)
+        out[self._rank] = row
+        if self._size > 1 and out.size:
+            if out.dtype.kind == "O":
+                raise DistributedValueError(
+                    f"cannot reduce byte strings across processes (found dtype {out.dtype})"
+                )
+            self._comm.Allgather(self._MPI.IN_PLACE, [_bytes_of(out), self._MPI.BYTE])
+        return out
+
+    def _allreduce_ordered(self, local: np.ndarray) -> np.ndarray:
+        """The sum over ranks of ``local``, added in rank order, identical on every rank.
+
+        A deterministic reduce-scatter + all-gather: the flat buffer is cut into one chunk per
+        rank; ``Alltoall`` hands rank ``j`` every rank's chunk ``j``, which it adds in rank
+        order; ``Allgather`` then gives everyone every summed chunk. Each element is added in
+        the same order as ``_sum_rows`` would, moving ~2 buffers per rank instead of ``size``.
+        """
+        size = self._size
+        flat = local.reshape(-1)
+        if size == 1 or flat.size < 4 * size or flat.dtype.kind == "O":
+            return self._sum_rows(self._allgather_rows(local))
+        chunk = -(-flat.size // size)
+        send = np.zeros((size, chunk), flat.dtype)
+        send.reshape(-1)[: flat.size] = flat
+        recv = np.empty_like(send)
+        byte = self._MPI.BYTE
+        self._comm.Alltoall([_bytes_of(send), byte], [_bytes_of(recv), byte])
+        gathered = send  # reused: its contents were sent
+        gathered[self._rank] = self._sum_rows(recv)
+        self._comm.Allgather(self._MPI.IN_PLACE, [_bytes_of(gathered), byte])
+        return gathered.reshape(-1)[: flat.size].reshape(local.shape)
+
+    def _sum_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Add the rows in rank order (the order ``add_n`` uses), into a fresh array."""
+        total = np.empty(rows.shape[1:], rows.dtype)
+        total[...] = rows[0]
+        for r in range(1, rows.shape[0]):
+            np.add(total, rows[r], out=total, casting="unsafe")
+        return total
+
+    # ------------------------------------------------------------------ local values
+    def _owned_component(self, x: Any) -> Any:
+        if type(x) is np.ndarray:
+            return self._owner_of([x])
+        return None
+
+    def _as_local(self, structure: Any) -> Any:
+        """Arrays and floats become one-element PerReplica (this replica's part); the
+        components of our variables become their variables; the rest is left as it is."""
+
+        def wrap(x: Any) -> Any:
+            if isinstance(x, PerReplica) or _is_variable(x):
+                return x
+            if isinstance(x, tuple) and hasattr(x, "_fields"):
+                return type(x)(*(wrap(i) for i in x))
+            if isinstance(x, (list, tuple)):
+                return type(x)(wrap(i) for i in x)
+            if isinstance(x, dict):
+                return type(x)((k, wrap(v)) for k, v in x.items())
+            if _is_sparse(x):
+                raise DistributedValueError(
+                    f"{type(self).__name__} does not gather sparse values across processes yet "
+                    f"(found {type(x).__name__}); pass the dense gradient instead"
+                )
+            owner = self._owned_component(x)
+            if owner is not None:
+                return owner
+            if isinstance(x, (np.ndarray, np.generic, float)) and not isinstance(x, bool):
+                return PerReplica([x])
+            return x
+
+        return wrap(structure)
+
+    def _select_local(self, structure: Any) -> Any:
+        """This replica's part of a cross-replica result."""
+        if not _needs_walk(structure):
+            return structure
+
+        def pick(v: PerReplica) -> Any:
+            if len(v) == 1:
+                return v.values[0]
+            if len(v) == self._size:
+                return v.values[self._rank]
+            raise DistributedValueError(
+                f"a {type(v).__name__} with {len(v)} values for {self._size} replicas "
+                f"(expected 1 local value or {self._size}, found {len(v)})"
+            )
+
+        return _map_structure(pick, structure)
+
+    # ------------------------------------------------------------------ running
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        ctx = _MPIReplicaContext(self, self._rank)
+        a = self._select_local(args)
+        kw = self._select_local(kwargs)
+        with self.scope(), _context.push_mode(_context.Mode(self, ctx)):
+            result = fn(*a, **kw)
+        return self._as_local(result)
+
+    # ------------------------------------------------------------------ reductions
+    def _values_of(self, value: Any, method: str) -> tuple[tuple[Any, ...], Any]:
+        """This process's parts of ``value`` and their devices; devices ``None`` marks a plain
+        value, which is already one cross-replica value and is not reduced."""
+        if isinstance(value, PerReplica):
+            if len(value) == 1:
+                return value.values, self.parameter_devices
+            if len(value) == self._size:
+                return (value.values[self._rank],), self.parameter_devices
+            raise DistributedValueError(
+                f"{method}(): a {type(value).__name__} with {len(value)} values for "
+                f"{self._size} replicas of {self!r} (expected 1 local value or {self._size}, "
+                f"found {len(value)})"
+            )
+        if _is_variable(value):
+            return tuple(value.components), tuple(value.devices)
+        return (value,), None
+
+    def _reduce_to(
+        self, op: ReduceOp, values: Sequence[Any], devices: Any, axis: int | None = None
+    ) -> Any:
+        if devices is None:
+            return reduce_values(op, values, self.parameter_devices[:1], axis)
+        if _is_sparse(values[0]):
+            raise DistributedValueError(
+                f"{type(self).__name__} reduces dense values only (found {type(values[0]).__name__})"
+            )
+        local = reduce_values(ReduceOp.SUM, values, devices, axis)
+        if axis is None:
+            count = self._size * len(values)
+        else:
+            count = 0
+            for v in values:
+                a = np.asarray(v)
+                count += a.shape[axis + a.ndim if axis < 0 else axis]
+            counts = self._allgather_rows(np.array([count], np.int64))
+            count = int(counts.sum())
+        total = self._allreduce_ordered(np.asarray(local))
+        if op is ReduceOp.MEAN:
+            if count == 0:
+                raise DistributedValueError(f"cannot take the mean along axis {axis} of empty values")
+            return _mean_of(total, count)
+        return total
+
+    def _batch_reduce_to(self, op: ReduceOp, values: Sequence[Sequence[Any]], devices: Sequence[Any]) -> list[Any]:
+        if not self.fusion:
+            return [self._reduce_to(op, v, d) for v, d in zip(values, devices, strict=True)]
+        out: list[Any] = [None] * len(values)
+        groups: dict[np.dtype, list[tuple[int, np.ndarray]]] = {}
+        for i, (v, d) in enumerate(zip(values, devices, strict=True)):
+            if d is None or _is_sparse(v[0]):
+                out[i] = self._reduce_to(op, v, d)
+                continue
+            local = v[0] if len(v) == 1 else reduce_values(ReduceOp.SUM, v, d)
+            arr = np.asarray(local)
+            groups.setdefault(arr.dtype, []).append((i, arr))
+        count = self._size * max((len(v) for v in values), default=1)
+        # One collective per dtype, in a fixed (sorted) order so every process matches.
+        for dtype in sorted(groups, key=lambda dt: dt.str):
+            items = groups[dtype]
+            sizes = [a.size for _, a in items]
+            fused = np.empty(sum(sizes), dtype)
+            offset = 0
+            for (_, a), n in zip(items, sizes, strict=True):
+                fused[offset : offset + n] = a.reshape(-1)
+                offset += n
+            total = self._allreduce_ordered(fused)
+            if op is ReduceOp.MEAN:
+                total = _mean_of(total, count)
+            offset = 0
+            for (i, a), n in zip(items, sizes, strict=True):
+                out[i] = total[offset : offset + n].reshape(a.shape)
+                offset += n
+        return out
+
+    def _broadcast_to(self, value: Any, devices: Sequence[str]) -> Mirrored:
+        """Rank 0's value, one copy for this process's replica."""
+        src = np.asarray(value.read_value() if _is_variable(value) else value)
+        return Mirrored([self._bcast_array(src)])
+
+    def read_var(self, var: Any) -> np.ndarray:
+        """The value of ``var``; an on-read variable is aggregated across processes."""
+        self._require_cross_replica("read_var")
+        if _is_variable(var) and var.kind == "on_read":
+            agg = var.aggregation
+            if agg is Aggregation.ONLY_FIRST_REPLICA:
+                return self._bcast_array(np.asarray(var.components[0]))
+            rop = ReduceOp.SUM if agg is Aggregation.SUM else ReduceOp.MEAN
+            return cast(np.ndarray, self._reduce_to(rop, var.components, var.devices))
+        return super().read_var(var)
+
+    def barrier(self) -> None:
+        """Wait for every process."""
+        self._comm.Barrier()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _write_checkpoint(
+        self, path: str, records: Sequence[Any], *, object_graph: Any = None, metadata: Any = None
+    ) -> str:
+        return write_collective(
+            self._comm, path, records, self.parameter_devices, self.worker_devices,
+            object_graph=object_graph, metadata=metadata,
+        )
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def parts_dir_for(path: str) -> str:
+    """The folder of the per-rank files of the checkpoint at ``path``."""
+    return f"{path}.parts"
+
+
+def _is_distributed(record: Any, local_devices: Sequence[str]) -> bool:
+    """A record of this process's replica (every rank has its own) rather than one value."""
+    return (
+        record.kind in ("mirrored", "on_read", "independent")
+        and record.num_components == len(local_devices)
+        and list(record.attrs.get("devices", ())) == list(local_devices)
+    )
+
+
+def write_collective(
+    comm: Any,
+    path: str,
+    records: Sequence[Any],
+    local_devices: Sequence[str],
+    global_devices: Sequence[str],
+    *,
+    object_graph: Any = None,
+    metadata: Any = None,
+) -> str:
+    """Write one logical checkpoint from every rank of ``comm``; returns ``path`` on every rank.
+
+    Rank ``r`` writes the components it holds to ``<path>.parts/rank-<r>-of-<size>.h5`` (values
+    that are not per-replica, such as the checkpoint's counter, only on rank 0). Rank 0 then
+    writes the index file at ``path``: the groups and attributes of our layout with component
+    datasets as external links into the rank files, the per-component checksums and the object
+    graph. Ranks wait for each other before the index is written (a gather of the checksums),
+    and the index is written atomically, so ``path`` exists only for a complete checkpoint.
+
+    Raises:
+        CheckpointError: on every rank, when any rank failed to write its part.
+    """
+    from parallelvars.checkpoint.h5io import (
+        FORMAT_VERSION,
+        GRAPH_DATASET,
+        INDEX_DATASET,
+        H5Reader,
+        _attr_value,
+        _decode,
+        _library_version,
+        _set_attr,
+        _validate_path,
+        atomic_write,
+        write_h5,
+    )
+    from parallelvars.checkpoint.registry import component_name
+
+    path = os.path.abspath(os.fspath(path))
+    rank, size = int(comm.Get_rank()), int(comm.Get_size())
+    parts = parts_dir_for(path)
+    rel_parts = os.path.basename(parts)
+    part_name = f"rank-{rank:05d}-of-{size:05d}.h5"
+    mine = [r for r in records if rank == 0 or _is_distributed(r, local_devices)]
+    error: str | None = None
+    crcs: dict[str, list[int]] = {}
+    try:
+        os.makedirs(parts, exist_ok=True)
+        part_path = write_h5(os.path.join(parts, part_name), mine, metadata=metadata)
+        with H5Reader(part_path) as reader:
+            for rec in mine:
+                crcs[rec.path] = [int(c) for c in cast(list, reader[rec.path].stored_checksums)]
+    except Exception as exc:  # reported to every rank below, so no rank waits forever
+        error = f"rank {rank}: {type(exc).__name__}: {exc}"
+    gathered = comm.gather((error, crcs), root=0)
+
+    outcome: str | None = None
+    if rank == 0:
+        errors = [e for e, _ in gathered if e is not None]
+        if errors:
+            outcome = "; ".join(errors)
+        else:
+            try:
+                _write_index(
+                    path, records, local_devices, global_devices, [c for _, c in gathered],
+                    rel_parts, size, object_graph, metadata,
+                    helpers=(FORMAT_VERSION, GRAPH_DATASET, INDEX_DATASET, _attr_value, _decode,
+                             _library_version, _set_attr, _validate_path, atomic_write, component_name),
+                )
+            except Exception as exc:
+                outcome = f"rank 0 (index): {type(exc).__name__}: {exc}"
+    outcome = comm.bcast(outcome, root=0)
+    if outcome is not None:
+        raise CheckpointError("collective save failed", file=path, found=outcome)
+    return path
+
+
+def _write_index(
+    path: str,
+    records: Sequence[Any],
+    local_devices: Sequence[str],
+    global_devices: Sequence[str],
+    rank_crcs: Sequence[dict[str, list[int]]],
+    rel_parts: str,
+    size: int,
+    object_graph: Any,
+    metadata: Any,
+    helpers: tuple[Any, ...],
+) -> None:
+    (FORMAT_VERSION, GRAPH_DATASET, INDEX_DATASET, _attr_value, _decode, _library_version,
+     _set_attr, _validate_path, atomic_write, component_name) = helpers
+
+    def part(r: int) -> str:
+        return f"{rel_parts}/rank-{r:05d}-of-{size:05d}.h5"
+
+    def write(tmp: str) -> None:
+        index: dict[str, Any] = {}
+        with h5py.File(tmp, "w") as f:
+            f.attrs["parallelvars_format"] = np.int64(FORMAT_VERSION)
+            f.attrs["parallelvars_version"] = _library_version()
+            f.attrs["created"] = np.float64(time.time())
+            f.attrs["processes"] = np.int64(size)
+            for key, value in dict(metadata or {}).items():
+                if value is not None:
+                    f.attrs[key] = _attr_value(value)
+            for rec in records:
+                _validate_path(rec.path)
+                if rec.path in index:
+                    raise ValueError(f"{path}: variable {rec.path!r} is written twice")
+                grp = f.require_group(rec.path)
+                local_n = rec.num_components
+                if _is_distributed(rec, local_devices):
+                    sources = [(r, j) for r in range(size) for j in range(local_n)]
+                    attrs = dict(rec.attrs, devices=list(global_devices))
+                else:
+                    sources = [(0, j) for j in range(local_n)]
+                    attrs = dict(rec.attrs)
+                shape = [int(s) for s in rec.shape]
+                meta: dict[str, Any] = {"kind": rec.kind, "dtype": dtype_name(np.dtype(rec.dtype)),
+                                        "shape": shape, "num_components": len(sources)}
+                for key in ("kind", "dtype", "shape", "num_components"):
+                    _set_attr(grp.id, key, _attr_value(meta[key]))
+                extra: dict[str, Any] = {}
+                for key, value in attrs.items():
+                    if value is None or key in meta:
+                        continue
+                    stored = _attr_value(value)
+                    _set_attr(grp.id, key, stored)
+                    extra[key] = _decode(stored)
+                meta["attrs"] = extra
+                meta["crc32c"] = [rank_crcs[r][rec.path][j] for r, j in sources]
+                for i, (r, j) in enumerate(sources):
+                    grp[component_name(i)] = h5py.ExternalLink(part(r), f"/{rec.path}/{component_name(j)}")
+                index[rec.path] = meta
+            f.create_dataset(INDEX_DATASET, data=json.dumps(index), dtype=h5py.string_dtype())
+            if object_graph is not None:
+                f.create_dataset(GRAPH_DATASET, data=json.dumps(object_graph), dtype=h5py.string_dtype())
+
+    atomic_write(path, write)

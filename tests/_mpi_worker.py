@@ -1,0 +1,87 @@
+"""Run by tests/test_mpi.py under ``mpiexec -n N``: one scenario per invocation.
+
+Usage: ``python _mpi_worker.py SCENARIO OUT_DIR [CHECKPOINT]``; each rank writes
+``OUT_DIR/<scenario>-rank<r>.npz`` with what the test checks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _mpi_model as m
+
+import parallelvars as pv
+
+
+def collectives(strategy: pv.MultiWorkerMirroredStrategy, out: dict[str, np.ndarray]) -> None:
+    """reduce / batch_reduce / broadcast / merge_call on values that differ per rank."""
+    rank, n = strategy.cluster_rank, strategy.num_replicas_in_sync
+
+    def fn() -> np.ndarray:
+        ctx = pv.get_replica_context()
+        assert ctx.replica_id_in_sync_group == rank
+        mine = np.arange(5, dtype=np.float32) * (rank + 1) + 0.1 * rank
+        total = ctx.merge_call(lambda s, v: s.reduce(pv.ReduceOp.SUM, v), args=(mine,))
+        out["merge_sum"] = np.asarray(total)
+        return np.full((rank + 1, 2), rank + 1.0)  # uneven batches
+
+    per = strategy.run(fn)
+    out["axis_mean"] = strategy.reduce(pv.ReduceOp.MEAN, per, axis=0)
+    out["broadcast"] = np.asarray(
+        strategy.experimental_local_results(strategy.broadcast(np.full(3, 7.0 + rank)))[0]
+    )
+    pairs = [
+        (pv.PerReplica([np.full((2, 2), r + 1, np.int32) for r in range(n)]), None),
+        (pv.PerReplica([np.full(3, 0.5 * r) for r in range(n)]), None),
+        (pv.PerReplica([np.float32(r) for r in range(n)]), None),
+    ]
+    for i, v in enumerate(strategy.batch_reduce(pv.ReduceOp.SUM, pairs)):
+        out[f"batch_{i}"] = np.asarray(v)
+
+
+def main() -> None:
+    scenario, out_dir = sys.argv[1], sys.argv[2]
+    strategy = pv.MultiWorkerMirroredStrategy()
+    rank = strategy.cluster_rank
+    out: dict[str, np.ndarray] = {}
+    if scenario == "train":
+        # Each rank starts from its own random values: the broadcast from rank 0 must win.
+        model, opt, losses = m.train(strategy, steps=3, seed=rank)
+        out.update(m.state(model, opt))
+        out["losses"] = np.asarray(losses)
+        with strategy.scope():
+            out["seen"] = strategy.read_var(model.seen)
+        collectives(strategy, out)
+    elif scenario == "save":
+        model, opt, _ = m.train(strategy, steps=2, seed=rank)
+        path = pv.Checkpoint(model=model, optimizer=opt).save(os.path.join(out_dir, "ckpt", "run"))
+        out.update(m.state(model, opt))
+        out["path"] = np.asarray(path)
+        out["index_exists"] = np.asarray(os.path.exists(path))
+    elif scenario == "restore":
+        with strategy.scope():
+            model = m.Model(seed=100 + rank)
+            opt = pv.optimizers.Adam(0.05)
+        ckpt = pv.Checkpoint(model=model, optimizer=opt)
+        status = ckpt.restore(sys.argv[3])
+        # Slots and the step counter are created by the first step and restored then.
+        strategy.run(m.replica_step, args=(model, opt, m.batches(0, strategy.num_replicas_in_sync)))
+        status.assert_consumed()
+        out.update(m.state(model, opt))
+    elif scenario == "raise":
+        if rank == 1:
+            raise ValueError("boom on purpose in rank 1")
+        strategy.reduce(pv.ReduceOp.SUM, pv.PerReplica([np.ones(2)] * strategy.num_replicas_in_sync))
+        strategy.barrier()  # never reached: rank 1 aborted the job
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    np.savez(os.path.join(out_dir, f"{scenario}-rank{rank}.npz"), **out)
+
+
+if __name__ == "__main__":
+    main()

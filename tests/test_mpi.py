@@ -1,0 +1,225 @@
+"""MultiWorkerMirroredStrategy under a real ``mpiexec`` (the mpich of the ``[mpi]`` extra).
+
+Every launch has a timeout. The worker scenarios live in ``_mpi_worker.py``; the one-process
+reference runs the same training code (``_mpi_model.py``) under ``MirroredStrategy``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+
+pytest.importorskip("mpi4py", reason="the MPI tests need the [mpi] extra (mpi4py and mpich)")
+
+import parallelvars as pv
+from parallelvars.checkpoint.h5io import H5Reader
+from parallelvars.errors import ChecksumMismatchError
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _mpi_model as model_code
+
+WORKER = Path(__file__).parent / "_mpi_worker.py"
+LAUNCH_TIMEOUT = 60
+
+
+def _mpiexec() -> str:
+    for candidate in (Path(sys.executable).parent / "mpiexec", Path(sys.prefix) / "bin" / "mpiexec"):
+        if candidate.exists():
+            return str(candidate)
+    found = shutil.which("mpiexec")
+    if found is None:
+        pytest.fail("mpi4py is installed but no mpiexec was found next to the interpreter or on PATH")
+    return found
+
+
+def launch(n: int, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    # Oversubscribed ranks (4 on 2 cores) should yield the CPU while they wait.
+    env.setdefault("MPIR_CVAR_CH4_OFI_ENABLE_PROGRESS_THREAD", "0")
+    env.setdefault("MPIR_CVAR_POLLS_BEFORE_YIELD", "100")
+    proc = subprocess.run(
+        [_mpiexec(), "-n", str(n), sys.executable, str(WORKER), *args],
+        capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env,
+    )
+    if check and proc.returncode != 0:
+        pytest.fail(f"mpiexec -n {n} {args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def load(out: Path, scenario: str, n: int) -> list[dict[str, Any]]:
+    results = []
+    for r in range(n):
+        with np.load(out / f"{scenario}-rank{r}.npz") as f:
+            results.append({k: f[k] for k in f.files})
+    return results
+
+
+def _bits(a: Any) -> np.ndarray:
+    arr = np.ascontiguousarray(a)
+    return arr.view(np.dtype(f"u{arr.dtype.itemsize}")) if arr.dtype.kind in "fiu" else arr
+
+
+def assert_bit_equal(a: dict[str, Any], b: dict[str, Any], keys: Any = None) -> None:
+    for k in keys if keys is not None else a:
+        assert np.asarray(a[k]).dtype == np.asarray(b[k]).dtype, k
+        assert np.array_equal(_bits(a[k]), _bits(b[k])), k
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_training_equals_mirrored_in_one_process(tmp_path: Path, n: int) -> None:
+    launch(n, "train", str(tmp_path))
+    ranks = load(tmp_path, "train", n)
+    for r in ranks[1:]:
+        assert_bit_equal(ranks[0], r)  # bit-identical replicas, every collective agrees
+
+    ref_model, ref_opt, ref_losses = model_code.train(pv.MirroredStrategy(n), steps=3, seed=0)
+    expected = model_code.state(ref_model, ref_opt)
+    assert set(expected) <= set(ranks[0])
+    assert len(expected) == 3 + 6 + 1  # variables, Adam's m and v slots, iterations
+    assert_bit_equal(ranks[0], expected, expected)
+    assert int(ranks[0]["iterations"]) == 3
+    np.testing.assert_array_equal(ranks[0]["losses"], np.asarray(ref_losses))
+    assert int(ranks[0]["seen"]) == int(ref_model.seen.read_value()) == 3 * n * model_code.BATCH
+
+    # Cross-replica API on values that differ per rank, against the same sums done here.
+    mine = [np.arange(5, dtype=np.float32) * (r + 1) + np.float32(0.1) * r for r in range(n)]
+    strategy = pv.MirroredStrategy(n)
+    with strategy.scope():
+        assert_bit_equal(ranks[0], {"merge_sum": strategy.reduce("sum", pv.PerReplica(mine))}, ["merge_sum"])
+        uneven = pv.PerReplica([np.full((r + 1, 2), r + 1.0) for r in range(n)])
+        np.testing.assert_array_equal(ranks[0]["axis_mean"], strategy.reduce("mean", uneven, axis=0))
+    np.testing.assert_array_equal(ranks[0]["broadcast"], np.full(3, 7.0))  # rank 0's value
+    np.testing.assert_array_equal(ranks[0]["batch_0"], np.full((2, 2), n * (n + 1) // 2, np.int32))
+    assert ranks[0]["batch_0"].dtype == np.int32
+    np.testing.assert_array_equal(ranks[0]["batch_1"], np.full(3, 0.5 * n * (n - 1) / 2))
+    assert float(ranks[0]["batch_2"]) == n * (n - 1) / 2
+
+
+def test_checkpoint_of_four_ranks_restores_in_two_and_in_one_process(tmp_path: Path) -> None:
+    launch(4, "save", str(tmp_path))
+    saved = load(tmp_path, "save", 4)
+    path = str(saved[0]["path"])
+    assert all(str(s["path"]) == path for s in saved)
+    assert all(bool(s["index_exists"]) for s in saved)  # committed before save() returned
+    parts = sorted(os.listdir(path + ".parts"))
+    assert parts == [f"rank-{r:05d}-of-00004.h5" for r in range(4)]
+
+    # Plain h5py sees every component of the one logical checkpoint through the links.
+    with h5py.File(path, "r") as f:
+        grp = f["model/w"]
+        assert grp.attrs["kind"] == "mirrored" and int(grp.attrs["num_components"]) == 4
+        assert [x.decode() if isinstance(x, bytes) else x for x in grp.attrs["devices"]] == [
+            "cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+        assert isinstance(grp.get("parallel_component_3", getlink=True), h5py.ExternalLink)
+        for i, name in enumerate(["primary", "parallel_component_1", "parallel_component_2", "parallel_component_3"]):
+            np.testing.assert_array_equal(grp[name][()], saved[i]["w"])
+        seen = f["model/seen"]
+        assert seen.attrs["kind"] == "on_read"
+        total = sum(int(seen[k][()]) for k in seen)
+        assert total == 2 * 4 * model_code.BATCH
+
+    with H5Reader(path) as reader:
+        assert reader.verify_all() == []
+        assert reader["optimizer/iterations"].num_components == 4
+
+    # One plain process, no MPI: a mirrored restore gives the primary; slots wait for the step.
+    strategy = pv.MirroredStrategy(3)
+    with strategy.scope():
+        model = model_code.Model(seed=7)
+        opt = pv.optimizers.Adam(0.05)
+    status = pv.Checkpoint(model=model, optimizer=opt).restore(path)
+    for name in ("w", "b", "c"):
+        for comp in getattr(model, name).components:
+            np.testing.assert_array_equal(comp, saved[0][name])
+    assert int(model.seen.read_value()) == 2 * 4 * model_code.BATCH  # on-read total preserved
+    strategy.run(model_code.replica_step, args=(model, opt, pv.PerReplica([model_code.batches(0, 1).values[0]] * 3)))
+    status.assert_consumed()
+
+    # Two ranks restore and take one step; the same in one process with MirroredStrategy(2).
+    launch(2, "restore", str(tmp_path), path)
+    restored = load(tmp_path, "restore", 2)
+    assert_bit_equal(restored[0], restored[1])
+    ref = pv.MirroredStrategy(2)
+    with ref.scope():
+        ref_model = model_code.Model(seed=5)
+        ref_opt = pv.optimizers.Adam(0.05)
+    ref_status = pv.Checkpoint(model=ref_model, optimizer=ref_opt).restore(path)
+    ref.run(model_code.replica_step, args=(ref_model, ref_opt, model_code.batches(0, 2)))
+    ref_status.assert_consumed()
+    expected = model_code.state(ref_model, ref_opt)
+    assert_bit_equal(restored[0], expected, expected)
+    assert int(restored[0]["iterations"]) == 3
+
+    # A damaged rank file is caught by the checksum recorded in the index.
+    with h5py.File(os.path.join(path + ".parts", "rank-00002-of-00004.h5"), "r+") as f:
+        f["model/w/primary"][0, 0] += 1
+    with H5Reader(path) as reader:
+        problems = reader.verify_all()
+    assert len(problems) == 1 and "model/w/parallel_component_2" in problems[0]
+    with pytest.raises(ChecksumMismatchError):
+        pv.Checkpoint(model=model, optimizer=opt).restore(path)
+
+
+def test_a_raising_rank_aborts_the_job(tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = launch(2, "raise", str(tmp_path), check=False)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0, proc.stderr
+    assert "boom on purpose in rank 1" in proc.stderr, proc.stderr
+    assert "[rank 1 of 2]" in proc.stderr, proc.stderr
+    assert not (tmp_path / "raise-rank0.npz").exists()
+    assert elapsed < LAUNCH_TIMEOUT  # rank 0 did not stay blocked in its collective
+
+
+def test_importing_parallelvars_does_not_import_mpi4py() -> None:
+    code = "import sys, parallelvars as pv; pv.MirroredStrategy(2); assert 'mpi4py' not in sys.modules; print(pv.MultiWorkerMirroredStrategy.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "MultiWorkerMirroredStrategy"
+
+
+def test_single_process_without_mpiexec(tmp_path: Path) -> None:
+    # One process (a singleton MPI world) is a valid job: everything works without launching.
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[2]); import _mpi_model as m, parallelvars as pv, os\n"
+        "s = pv.MultiWorkerMirroredStrategy()\n"
+        "model, opt, losses = m.train(s, steps=2)\n"
+        "ref_model, ref_opt, ref_losses = m.train(pv.MirroredStrategy(1), steps=2)\n"
+        "a, b = m.state(model, opt), m.state(ref_model, ref_opt)\n"
+        "assert all((a[k] == b[k]).all() for k in b) and losses == ref_losses\n"
+        "p = pv.Checkpoint(model=model).save(os.path.join(sys.argv[1], 'one'))\n"
+        "print(p)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(Path(__file__).parent)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    path = out.stdout.strip()
+    with H5Reader(path) as reader:
+        assert reader.verify_all() == []
+        assert reader["model/w"].num_components == 1
+
+
+def test_sparse_gradients_are_refused_not_summed_wrongly(tmp_path: Path) -> None:
+    code = (
+        "import numpy as np, parallelvars as pv\n"
+        "from parallelvars.errors import DistributedValueError\n"
+        "s = pv.MultiWorkerMirroredStrategy()\n"
+        "with s.scope():\n"
+        "    v = pv.Variable(np.zeros((4, 2), np.float32), name='v'); opt = pv.optimizers.SGD(0.1)\n"
+        "g = pv.IndexedSlices(np.ones((1, 2), np.float32), np.array([1]), (4, 2))\n"
+        "try:\n"
+        "    s.run(lambda: opt.apply_gradients([(g, v)]))\n"
+        "except DistributedValueError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "refused:" in out.stdout and "IndexedSlices" in out.stdout
