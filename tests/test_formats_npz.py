@@ -6,6 +6,7 @@ import io
 import pathlib
 import pickle
 import struct
+import tracemalloc
 import zipfile
 
 import ml_dtypes
@@ -138,6 +139,22 @@ def test_oversized_npy_header_is_refused(tmp_path) -> None:
     with pytest.raises(CorruptCheckpointError, match="header too large") as err:
         open_npz(path)
     assert "'x'" in str(err.value)
+
+
+def test_npy_header_claiming_a_terabyte(tmp_path) -> None:
+    header = "{'descr': '<f8', 'fortran_order': False, 'shape': (137438953472,), }"
+    header += " " * (-(len(header) + 11) % 64) + "\n"
+    path = tmp_path / "tb.npz"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("big.npy", b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode())
+    tracemalloc.start()
+    try:
+        with pytest.raises(TruncatedFileError, match="'big'"):
+            open_npz(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
 
 
 def test_member_shorter_than_its_header_says(tmp_path) -> None:
