@@ -76,7 +76,8 @@ def write_hdf5(
         entries: the entries to write.
         metadata: root attributes (default: the source view's, minus the ones the writer
             sets itself: format version, library version, creation time).
-        object_graph: the object graph to store (default: the source view's, if it has one).
+        object_graph: the object graph to store (default: the source view's, when it is a
+            view of our HDF5 layout).
 
     Returns:
         The file written.
@@ -84,7 +85,9 @@ def write_hdf5(
     p = os.fspath(path)
     if metadata is None:
         metadata = getattr(entries, "metadata", None) or {}
-    if object_graph is None:
+    if object_graph is None and getattr(entries, "format", None) == "hdf5":
+        # Only our own graph (a JSON document) carries over; other formats' graphs (TF's
+        # TrackableObjectGraph) describe their own keys.
         object_graph = getattr(entries, "object_graph", None)
     values = []
     for key, entry in entries.items():
