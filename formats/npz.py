@@ -459,14 +459,21 @@ def write_npz(
 
 
 def sniff(path: str, head: bytes) -> bool:
-    """True for a zip whose first member is a ``.npy`` array or our metadata member."""
-    if head.startswith(b"PK\x05\x06"):  # an empty archive: what np.savez writes for no arrays
-        return path.lower().endswith(".npz")
-    if not head.startswith(b"PK\x03\x04") or len(head) < 30:
+    """True for a readable zip whose members are all ``.npy`` arrays (or our metadata member).
+
+    Strict on purpose: other zip-based formats (PyTorch's ``torch.save``, ``.keras``) have
+    other members, and a zip that lost its directory is left to the suffix fallback.
+    """
+    if not (head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06")):
         return False
-    fields = _LOCAL_HEADER.unpack(head[:30])
-    name = head[30:30 + fields[9]]
-    return name.endswith(b".npy") or name == INFO_MEMBER.encode()
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return False
+    if not names:  # an empty archive: what np.savez writes for no arrays
+        return path.lower().endswith(".npz")
+    return all(n.endswith(".npy") or n == INFO_MEMBER for n in names)
 
 
 FORMAT = FormatSpec(

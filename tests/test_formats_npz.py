@@ -198,3 +198,24 @@ def test_bad_parallel_info_is_reported(tmp_path) -> None:
         open_npz(path)
     assert "variable 'a'" in str(err.value)
     assert pathlib.Path(path).exists()
+
+
+def test_detection_is_strict(tmp_path) -> None:
+    torch_like = tmp_path / "model.pt"
+    with zipfile.ZipFile(torch_like, "w") as zf:  # the layout of torch.save
+        zf.writestr("archive/data.pkl", b"\x80\x02}q\x00.")
+        zf.writestr("archive/data/0", bytes(8))
+    with pytest.raises(NotACheckpointError, match="not a checkpoint of any known format"):
+        detect_format(torch_like)
+    good = tmp_path / "a.npz"
+    np.savez(good, a=np.zeros(100))
+    cut = tmp_path / "cut.npz"
+    cut.write_bytes(good.read_bytes()[:200])
+    assert detect_format(cut) == "npz"  # by its suffix: the zip directory is gone
+    with pytest.raises(TruncatedFileError):
+        open_npz(cut)
+    empty = tmp_path / "empty.npz"
+    np.savez(empty)
+    assert detect_format(empty) == "npz"
+    with open_npz(empty) as view:
+        assert len(view) == 0
