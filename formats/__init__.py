@@ -1,11 +1,35 @@
 """Checkpoint formats: a neutral lazy view, adapters, and conversion between them.
 
-Format names: ``hdf5`` (our native layout), ``safetensors``, ``npz``, ``keras``,
-``keras-legacy`` and ``tf``. See :mod:`parallelvars.formats._view` for the neutral view.
+Every adapter reads a file into a :class:`CheckpointView` (a ``Mapping`` from our slash path
+to an :class:`Entry` whose components are read on demand) and writes any mapping of entries,
+one tensor at a time. Formats are detected from magic bytes (the file's layout for HDF5
+variants), with the suffix as a fallback.
+
+================  =============================  ================================================
+name              files                          parallel variables
+================  =============================  ================================================
+``hdf5``          ``.h5``, ``.hdf5``             native: every component, checksummed
+                                                 (:mod:`parallelvars.checkpoint.h5io`)
+``safetensors``   ``.safetensors``, HF shard     primaries under their own keys, extra
+                  sets (``*.index.json``)        components next to them, info in
+                                                 ``__metadata__`` (:mod:`.safetensors`)
+``npz``           ``.npz``                       as safetensors, info in the member
+                                                 ``__parallelvars__.json`` (:mod:`.npz`)
+``keras``         Keras 3 ``.weights.h5``        primaries where Keras looks, the rest in a
+                                                 reserved group (:mod:`.keras`)
+``keras-legacy``  Keras 2 / ``model.save`` HDF5  as ``keras``
+``tf``            TensorFlow checkpoints         see :mod:`.tf`
+================  =============================  ================================================
+
+Name mapping between our paths, dotted ``state_dict`` names and TF keys: :mod:`._names`.
+Rewriting for another number of devices: :func:`reshard`. Converting: :func:`convert`.
 
 Example:
     >>> from parallelvars import formats
     >>> formats.convert("run.h5", "model.safetensors")  # doctest: +SKIP
+    'model.safetensors'
+    >>> with formats.open_checkpoint("model.safetensors") as view:  # doctest: +SKIP
+    ...     view["layers/0/attn/q/weight"].value()
 """
 
 from __future__ import annotations

@@ -210,7 +210,7 @@ def check_entry(entry: Entry, file: str | None = None) -> None:
             raise ShapeMismatchError(
                 "a sharded variable needs integer attrs shard_axis and shard_offsets",
                 file=file, variable=entry.path,
-                found=f"attrs {sorted(entry.attrs)}",
+                expected="shard_axis and shard_offsets", found=f"attrs {sorted(entry.attrs)}",
             ) from None
         if not 0 <= axis < len(shape):
             raise ShapeMismatchError(
@@ -575,7 +575,7 @@ def build_entries(
             if key in claimed:
                 raise _corrupt(
                     file, f"stored tensor {key!r} is claimed by two variables",
-                    variable=str(path), found=claimed[key],
+                    variable=str(path), expected="one owner", found=f"also {claimed[key]!r}",
                 )
             claimed[key] = str(path)
         by_first_key[recorded.keys[0]] = recorded
@@ -614,6 +614,7 @@ def _entry_from_record(store: TensorStore, path: str, rec: Any, present: set[str
         raise _corrupt(file, f"variable record is incomplete ({exc})", variable=path) from None
     if kind not in KINDS or layout not in ("components", "logical") or any(s < 0 for s in shape):
         raise _corrupt(file, "variable record has a bad kind, layout or shape", variable=path,
+                       expected=f"kind in {KINDS}, layout components|logical, shape >= 0",
                        found=f"kind={kind!r} layout={layout!r} shape={shape}")
     expected_keys = n if layout == "components" else 1
     if len(keys) != expected_keys or (layout == "logical" and kind != "sharded"):

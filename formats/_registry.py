@@ -114,11 +114,11 @@ def detect_format(path: str | os.PathLike[str]) -> str:
             continue
         if spec.sniff(p, head):
             return name
+    if not exists:  # a suffix says nothing about a file that is not there
+        raise FileNotFoundError(f"{p}: no such file or directory")
     by_suffix = format_for_suffix(p)
     if by_suffix is not None:
         return by_suffix
-    if not exists:
-        raise FileNotFoundError(f"{p}: no such file or directory")
     raise NotACheckpointError(
         "not a checkpoint of any known format",
         file=p,

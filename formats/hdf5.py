@@ -76,7 +76,8 @@ def write_hdf5(
         entries: the entries to write.
         metadata: root attributes (default: the source view's, minus the ones the writer
             sets itself: format version, library version, creation time).
-        object_graph: the object graph to store (default: the source view's, if it has one).
+        object_graph: the object graph to store (default: the source view's, when it is a
+            view of our HDF5 layout).
 
     Returns:
         The file written.

@@ -109,7 +109,7 @@ def _dataset_dtype(ds: h5py.Dataset, file: str, key: str) -> np.dtype:
         return real
     if dt.kind not in "biufc" or dt.fields is not None:
         raise UnsupportedDtypeError("unsupported HDF5 dataset type", file=file, variable=key,
-                                    found=str(dt))
+                                    expected="a numeric dtype", found=str(dt))
     return dt.newbyteorder("=")
 
 
@@ -320,7 +320,7 @@ def open_keras_legacy(path: str | os.PathLike[str]) -> CheckpointView:
 def _to_h5(array: np.ndarray, file: str, variable: str) -> np.ndarray:
     if is_string_dtype(array.dtype):
         raise UnsupportedDtypeError("Keras weight files cannot hold string tensors", file=file,
-                                    variable=variable, found="string")
+                                    variable=variable, expected="a numeric dtype", found="bytes")
     if is_ml_dtype(array.dtype):
         return array.view(f"V{array.dtype.itemsize}")  # HDF5 OPAQUE, as Keras stores bfloat16
     return array
@@ -330,10 +330,11 @@ def _check_dtypes(planned: list[PlannedTensor], file: str) -> None:
     for t in planned:
         if is_string_dtype(t.dtype):
             raise UnsupportedDtypeError("Keras weight files cannot hold string tensors", file=file,
-                                        variable=t.entry.path, found="string")
+                                        variable=t.entry.path, expected="a numeric dtype", found="bytes")
         if t.dtype.kind not in "biufc" and not is_ml_dtype(t.dtype):
             raise UnsupportedDtypeError("Keras weight files cannot hold this dtype", file=file,
-                                        variable=t.entry.path, found=str(t.dtype))
+                                        variable=t.entry.path, expected="a numeric dtype",
+                                        found=str(t.dtype))
 
 
 def _write_dataset(h5: h5py.File | h5py.Group, name: str, t: PlannedTensor, file: str,

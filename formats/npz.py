@@ -139,21 +139,23 @@ def _parse_npy_header(f: IO[bytes], member: str, file: str) -> tuple[np.dtype, t
         header = ast.literal_eval(text)
     except (UnicodeDecodeError, ValueError, SyntaxError, MemoryError, RecursionError):
         raise CorruptCheckpointError("cannot parse the .npy header", file=file, variable=member,
-                                     found=repr(raw[:80])) from None
+                                     expected="a Python dict literal", found=repr(raw[:80])) from None
     if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
         raise CorruptCheckpointError(".npy header must hold exactly descr, fortran_order, shape",
-                                     file=file, variable=member, found=repr(raw[:80]))
+                                     file=file, variable=member, expected="{'descr', 'fortran_order', 'shape'}",
+                                     found=repr(raw[:80]))
     shape, fortran = header["shape"], header["fortran_order"]
     if not isinstance(shape, tuple) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ) or not isinstance(fortran, bool):
         raise CorruptCheckpointError("bad shape or fortran_order in the .npy header", file=file,
-                                     variable=member, found=repr(header))
+                                     variable=member, expected="a tuple of ints >= 0 and a bool",
+                                     found=repr(header))
     try:
         dtype = np.lib.format.descr_to_dtype(header["descr"])
     except (TypeError, ValueError):
         raise UnsupportedDtypeError("unknown .npy dtype", file=file, variable=member,
-                                    found=repr(header["descr"])) from None
+                                    expected="a numpy type string", found=repr(header["descr"])) from None
     if dtype.hasobject:
         # np.save pickles object arrays; we never unpickle, so refuse before reading the data.
         raise UnsupportedDtypeError("object arrays (pickled data) are not supported", file=file,
@@ -161,7 +163,8 @@ def _parse_npy_header(f: IO[bytes], member: str, file: str) -> tuple[np.dtype, t
                                     found=str(dtype))
     if dtype.fields is not None or dtype.subdtype is not None or dtype.kind not in "biufcSU":
         raise UnsupportedDtypeError("only plain numeric, bool and string arrays are supported",
-                                    file=file, variable=member, found=str(dtype))
+                                    file=file, variable=member, expected="a numeric, bool or bytes dtype",
+                                    found=str(dtype))
     return dtype, tuple(shape), fortran, 8 + lenlen + hlen
 
 
@@ -188,7 +191,8 @@ class _Store(ByteStore):
                                          expected="a zip central directory at the end",
                                          found="none") from None
             raise NotACheckpointError(f"not a readable zip archive ({exc})", file=file,
-                                      expected="an .npz (zip of .npy members)") from None
+                                      expected="an .npz (zip of .npy members)",
+                                      found=f"first bytes {head!r}") from None
         except BaseException:
             self.close()
             raise
@@ -388,10 +392,12 @@ def _to_npy(array: np.ndarray, path: str, variable: str) -> np.ndarray:
         for item in flat:
             if not isinstance(item, bytes):
                 raise UnsupportedDtypeError("string tensors must hold bytes", file=path,
-                                            variable=variable, found=type(item).__name__)
+                                            variable=variable, expected="bytes",
+                                            found=type(item).__name__)
             if item.endswith(b"\0"):
                 raise UnsupportedDtypeError(".npz bytes arrays drop trailing NUL bytes", file=path,
-                                            variable=variable, found=repr(item[-8:]))
+                                            variable=variable, expected="no trailing NUL",
+                                            found=repr(item[-8:]))
         width = max((len(x) for x in flat), default=1) or 1
         return np.array(array.tolist(), dtype=f"S{width}").reshape(array.shape)
     if is_ml_dtype(array.dtype):
@@ -439,7 +445,7 @@ def write_npz(
             raise ValueError(f"{p}: variable {t.entry.path!r}: key {t.key!r} is reserved in .npz files")
         if t.dtype.kind not in "biufcO" and not is_ml_dtype(t.dtype):
             raise UnsupportedDtypeError(".npz cannot store this dtype", file=p, variable=t.entry.path,
-                                        found=str(t.dtype))
+                                        expected="a numeric, bool or bytes dtype", found=str(t.dtype))
     info["metadata"] = jsonable(carried_metadata(metadata))
     with atomic_path(p) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         scratch = Scratch()
@@ -453,14 +459,21 @@ def write_npz(
 
 
 def sniff(path: str, head: bytes) -> bool:
-    """True for a zip whose first member is a ``.npy`` array or our metadata member."""
-    if head.startswith(b"PK\x05\x06"):  # an empty archive: what np.savez writes for no arrays
-        return path.lower().endswith(".npz")
-    if not head.startswith(b"PK\x03\x04") or len(head) < 30:
+    """True for a readable zip whose members are all ``.npy`` arrays (or our metadata member).
+
+    Strict on purpose: other zip-based formats (PyTorch's ``torch.save``, ``.keras``) have
+    other members, and a zip that lost its directory is left to the suffix fallback.
+    """
+    if not (head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06")):
         return False
-    fields = _LOCAL_HEADER.unpack(head[:30])
-    name = head[30:30 + fields[9]]
-    return name.endswith(b".npy") or name == INFO_MEMBER.encode()
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return False
+    if not names:  # an empty archive: what np.savez writes for no arrays
+        return path.lower().endswith(".npz")
+    return all(n.endswith(".npy") or n == INFO_MEMBER for n in names)
 
 
 FORMAT = FormatSpec(

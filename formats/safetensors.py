@@ -169,7 +169,7 @@ def read_header(f: IO[bytes], file: str) -> tuple[dict[str, str], dict[str, tupl
         raise CorruptCheckpointError(f"the safetensors header is not valid JSON ({exc})", file=file) from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError("the safetensors header is not a JSON object", file=file,
-                                     found=type(header).__name__)
+                                     expected="an object", found=type(header).__name__)
     metadata = header.pop("__metadata__", None)
     if metadata is None:
         metadata = {}
@@ -192,10 +192,10 @@ def read_header(f: IO[bytes], file: str) -> tuple[dict[str, str], dict[str, tupl
                                         expected=f"one of {', '.join(_DTYPES)}", found=repr(dtype_str))
         if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
             raise CorruptCheckpointError("shape must be a list of non-negative integers", file=file,
-                                         variable=name, found=shape)
+                                         variable=name, expected="[d0, d1, ...] with d >= 0", found=shape)
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
             raise CorruptCheckpointError("data_offsets must be [begin, end]", file=file,
-                                         variable=name, found=offsets)
+                                         variable=name, expected="two integers >= 0", found=offsets)
         dtype = _DTYPES[dtype_str]
         nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
         entries.append((name, dtype, tuple(shape), offsets[0], offsets[1], nbytes))
@@ -212,7 +212,7 @@ def read_header(f: IO[bytes], file: str) -> tuple[dict[str, str], dict[str, tupl
                                          expected=f"begin {expected}", found=f"begin {begin}")
         if end < begin:
             raise CorruptCheckpointError("data_offsets end before they begin", file=file,
-                                         variable=name, found=[begin, end])
+                                         variable=name, expected="end >= begin", found=[begin, end])
         if end - begin != nbytes:
             raise CorruptCheckpointError("byte size does not match dtype and shape", file=file,
                                          variable=name, expected=f"{nbytes} bytes",
@@ -307,7 +307,8 @@ def _read_index(index: str) -> tuple[dict[str, Any], dict[str, str]]:
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise NotACheckpointError("not a safetensors index: no weight_map of names to files",
-                                  file=index, expected='{"weight_map": {...}}')
+                                  file=index, expected='{"weight_map": {...}}',
+                                  found=f"keys {sorted(doc) if isinstance(doc, dict) else type(doc).__name__}")
     metadata = doc.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise CorruptCheckpointError("the index metadata is not an object", file=index)
@@ -370,7 +371,8 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
                 if os.path.basename(store.shard_of(key)) != weight_map[key]:
                     raise CorruptCheckpointError("tensor is in another shard than the index says",
                                                  file=store.shard_of(key), variable=key,
-                                                 expected=weight_map[key])
+                                                 expected=weight_map[key],
+                                                 found=os.path.basename(store.shard_of(key)))
             absent = listed - set(stored_keys)
             if absent:
                 name = sorted(absent)[0]
@@ -405,13 +407,14 @@ def _storage(t: PlannedTensor, file: str) -> tuple[str, tuple[int, ...]]:
     """The safetensors dtype string and stored shape of a planned tensor."""
     if is_string_dtype(t.dtype):
         raise UnsupportedDtypeError("safetensors cannot store string tensors", file=file,
-                                    variable=t.entry.path, found="string")
+                                    variable=t.entry.path, expected="a numeric dtype", found="bytes")
     name = _st_name(t.dtype)
     if name is not None:
         return name, t.shape
     if t.dtype.kind not in "biufcV" or t.dtype.itemsize == 0:
         raise UnsupportedDtypeError("safetensors cannot store this dtype", file=file,
-                                    variable=t.entry.path, found=str(t.dtype))
+                                    variable=t.entry.path, expected="a numeric dtype",
+                                    found=str(t.dtype))
     return "U8", (*t.shape, t.dtype.itemsize)  # raw bytes; the dtype goes into the parallel info
 
 

@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 import pytest
 from formats_testlib import (
+    DATA,
     KERAS,
     TORCH,
     assert_same_view,
@@ -170,3 +171,21 @@ def test_format_for_path_and_errors(tmp_path) -> None:
         convert(tmp_path / "m.safetensors", tmp_path / "out.bin")
     with pytest.raises(ValueError, match="components"):
         convert(tmp_path / "m.safetensors", tmp_path / "out.npz", components="some")
+
+
+@pytest.mark.parametrize("suffix", ["h5", "safetensors", "npz", "weights.h5"])
+@pytest.mark.parametrize("folder", ["parallel", "sharded", "plain"])
+def test_tensorflow_checkpoints_into_every_format(tmp_path, folder, suffix) -> None:
+    src = DATA / "tf" / folder
+    out = convert(src, tmp_path / f"x.{suffix}")
+    with open_checkpoint(src) as want, open_checkpoint(out) as got:
+        assert_same_view(got, want)
+
+
+def test_tensorflow_strings_need_a_format_that_holds_them(tmp_path) -> None:
+    src = DATA / "tf" / "many"
+    with pytest.raises(UnsupportedDtypeError, match="'big/text'"):
+        convert(src, tmp_path / "x.safetensors")
+    out = convert(src, tmp_path / "x.npz")
+    with open_checkpoint(src) as want, open_checkpoint(out) as got:
+        assert_same_view(got, want)

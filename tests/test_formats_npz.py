@@ -6,6 +6,7 @@ import io
 import pathlib
 import pickle
 import struct
+import tracemalloc
 import zipfile
 
 import ml_dtypes
@@ -140,6 +141,22 @@ def test_oversized_npy_header_is_refused(tmp_path) -> None:
     assert "'x'" in str(err.value)
 
 
+def test_npy_header_claiming_a_terabyte(tmp_path) -> None:
+    header = "{'descr': '<f8', 'fortran_order': False, 'shape': (137438953472,), }"
+    header += " " * (-(len(header) + 11) % 64) + "\n"
+    path = tmp_path / "tb.npz"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("big.npy", b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode())
+    tracemalloc.start()
+    try:
+        with pytest.raises(TruncatedFileError, match="'big'"):
+            open_npz(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
 def test_member_shorter_than_its_header_says(tmp_path) -> None:
     buf = io.BytesIO()
     np.lib.format.write_array(buf, np.zeros(1000, np.float64))
@@ -181,3 +198,24 @@ def test_bad_parallel_info_is_reported(tmp_path) -> None:
         open_npz(path)
     assert "variable 'a'" in str(err.value)
     assert pathlib.Path(path).exists()
+
+
+def test_detection_is_strict(tmp_path) -> None:
+    torch_like = tmp_path / "model.pt"
+    with zipfile.ZipFile(torch_like, "w") as zf:  # the layout of torch.save
+        zf.writestr("archive/data.pkl", b"\x80\x02}q\x00.")
+        zf.writestr("archive/data/0", bytes(8))
+    with pytest.raises(NotACheckpointError, match="not a checkpoint of any known format"):
+        detect_format(torch_like)
+    good = tmp_path / "a.npz"
+    np.savez(good, a=np.zeros(100))
+    cut = tmp_path / "cut.npz"
+    cut.write_bytes(good.read_bytes()[:200])
+    assert detect_format(cut) == "npz"  # by its suffix: the zip directory is gone
+    with pytest.raises(TruncatedFileError):
+        open_npz(cut)
+    empty = tmp_path / "empty.npz"
+    np.savez(empty)
+    assert detect_format(empty) == "npz"
+    with open_npz(empty) as view:
+        assert len(view) == 0

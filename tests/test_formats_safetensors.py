@@ -7,6 +7,7 @@ import os
 import pathlib
 import shutil
 import struct
+import tracemalloc
 
 import ml_dtypes
 import numpy as np
@@ -209,9 +210,15 @@ def test_truncated_file(tmp_path) -> None:
 def test_header_claiming_a_terabyte_allocates_nothing(tmp_path) -> None:
     tera = 1 << 40
     path = _write_raw(_bad(tmp_path, "tb"), {"huge": {"dtype": "U8", "shape": [tera], "data_offsets": [0, tera]}})
-    with pytest.raises(TruncatedFileError) as err:
-        open_safetensors(path)
+    tracemalloc.start()
+    try:
+        with pytest.raises(TruncatedFileError) as err:
+            open_safetensors(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
     assert "'huge'" in str(err.value) and path in str(err.value)
+    assert peak < 1 << 20  # nothing sized by the header's claim was allocated
     # a header length of a terabyte is refused before it is read
     path = _write_raw(_bad(tmp_path, "tbh"), b"{}", n=tera)
     with pytest.raises(CorruptCheckpointError, match="header length too large"):
