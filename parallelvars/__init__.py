@@ -13,8 +13,10 @@ from parallelvars import errors
 from parallelvars.checkpoint import (
     Checkpoint,
     CheckpointLoadStatus,
+    CheckpointManager,
     Saveable,
     SaveRecord,
+    latest_checkpoint,
     register_saveable,
 )
 from parallelvars.devices import ParallelDevice
@@ -47,6 +49,7 @@ __all__ = [
     "Aggregation",
     "Checkpoint",
     "CheckpointLoadStatus",
+    "CheckpointManager",
     "MirroredStrategy",
     "Module",
     "OneDeviceStrategy",
@@ -71,6 +74,7 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "independent_buffers",
+    "latest_checkpoint",
     "register_saveable",
     "replicated_scope",
     "variable_creator_scope",

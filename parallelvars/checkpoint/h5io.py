@@ -149,10 +149,13 @@ def _attr_value(value: Any) -> Any:
     if isinstance(value, (float, np.floating)):
         return np.float64(value)
     if isinstance(value, str):
-        return value
+        # Fixed-length bytes live inside the (checksummed) object header; variable-length
+        # strings would go to the global heap, which HDF5 does not checksum and whose damage
+        # can make the C library loop or crash.
+        return np.bytes_(value.encode("utf-8"))
     if isinstance(value, (list, tuple)):
         if all(isinstance(v, str) for v in value):
-            return np.array(list(value), dtype=h5py.string_dtype()) if value else np.zeros(0, np.int64)
+            return np.array([v.encode("utf-8") for v in value], dtype=bytes) if value else np.zeros(0, np.int64)
         if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
             return np.asarray(value, dtype=np.int64)
     if isinstance(value, np.ndarray) and value.dtype.kind in "iuf":
@@ -176,8 +179,8 @@ def _write_entry(f: h5py.File, entry: Any, file: str) -> None:
     storage = _storage_dtype(dt)
     shape = tuple(int(s) for s in entry.shape)
     a = grp.attrs
-    a["kind"] = entry.kind
-    a["dtype"] = dtype_name(dt)
+    a["kind"] = _attr_value(str(entry.kind))
+    a["dtype"] = _attr_value(dtype_name(dt))
     a["shape"] = np.asarray(shape, dtype=np.int64)
     a["num_components"] = np.int64(entry.num_components)
     for key, value in dict(entry.attrs).items():
@@ -205,7 +208,7 @@ def _write_entry(f: h5py.File, entry: Any, file: str) -> None:
             ds.write_direct(src.view(storage) if is_extension_dtype(dt) else src)
         ds.attrs["crc32c"] = np.int64(checksum(arr))
         if i < len(devices):
-            ds.attrs["device"] = str(devices[i])
+            ds.attrs["device"] = _attr_value(str(devices[i]))
     if entry.kind == "sharded" and entry.num_components:
         axis = int(entry.attrs["shard_axis"])
         layout = h5py.VirtualLayout(shape=shape, dtype=storage)
@@ -236,9 +239,11 @@ def write_h5(
     items = list(entries.values()) if isinstance(entries, Mapping) else entries
 
     def write(tmp: str) -> None:
-        with h5py.File(tmp, "w") as f:
+        # libver "latest": superblock v3 and v2 object headers, B-trees and heaps, which all
+        # carry checksums, so a damaged metadata byte is an error rather than a wrong value.
+        with h5py.File(tmp, "w", libver="latest") as f:
             f.attrs["parallelvars_format"] = np.int64(FORMAT_VERSION)
-            f.attrs["parallelvars_version"] = _library_version()
+            f.attrs["parallelvars_version"] = _attr_value(_library_version())
             f.attrs["created"] = np.float64(time.time())
             for key, value in dict(metadata or {}).items():
                 if value is not None:
@@ -246,7 +251,9 @@ def write_h5(
             for entry in items:
                 _write_entry(f, entry, p)
             if object_graph is not None:
-                f.create_dataset(GRAPH_DATASET, data=json.dumps(object_graph), dtype=h5py.string_dtype())
+                raw = json.dumps(object_graph).encode("utf-8")
+                ds = f.create_dataset(GRAPH_DATASET, data=np.bytes_(raw))
+                ds.attrs["crc32c"] = np.int64(_crc32c.crc32c(raw))
 
     return atomic_write(p, write)
 
@@ -552,10 +559,17 @@ class H5Reader(Mapping[str, StoredVariable]):
             self.object_graph: dict[str, Any] | None = None
             if graph is not None:
                 raw = graph[()]
-                self.object_graph = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+                raw = raw if isinstance(raw, bytes) else str(raw).encode("utf-8")
+                stored_crc = graph.attrs.get("crc32c")
+                if stored_crc is not None and int(stored_crc) != _crc32c.crc32c(raw):
+                    raise ChecksumMismatchError(
+                        "checksum mismatch: the object graph is damaged", file=self.path, variable=GRAPH_DATASET,
+                        expected=f"crc32c {int(stored_crc):#010x}", found=f"crc32c {_crc32c.crc32c(raw):#010x}",
+                    )
+                self.object_graph = json.loads(raw.decode("utf-8"))
         except (CorruptCheckpointError, UnsupportedDtypeError):
             raise
-        except (*_H5_ERRORS, json.JSONDecodeError) as exc:
+        except (*_H5_ERRORS, json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CorruptCheckpointError("damaged file structure", file=self.path, found=str(exc)) from None
 
     def _mmap(self) -> mmap.mmap | None:
