@@ -62,6 +62,8 @@ FORMAT_VERSION = 1
 META_GROUP = "_parallelvars"
 GRAPH_DATASET = f"{META_GROUP}/object_graph"
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+# deflate's best case is about 1032:1; no compressed dataset can expand more than this.
+_MAX_COMPRESSION = 1100
 _H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, AttributeError)
 
 
@@ -322,6 +324,7 @@ class StoredVariable:
             )
         self.attrs: dict[str, Any] = attrs
         self._verified: set[int] = set()
+        self._storage_ok: set[int] = set()
         self._datasets: list[h5py.Dataset] = []
         for i in range(self.num_components):
             name = component_name(i)
@@ -380,6 +383,36 @@ class StoredVariable:
     def _fail(self, what: str, i: int, **kw: Any) -> CorruptCheckpointError:
         return CorruptCheckpointError(what, file=self._reader.path, variable=f"{self.path}/{component_name(i)}", **kw)
 
+    def _check_storage(self, i: int) -> None:
+        """Refuse a component whose shape needs more bytes than the file can hold.
+
+        Called before anything is allocated for it, so a damaged or hostile header cannot
+        make a reader allocate more than the file's size (times the best compression ratio
+        of deflate, for compressed datasets).
+        """
+        if i in self._storage_ok:
+            return
+        ds = self._datasets[i]
+        size = int(np.prod(ds.shape, dtype=np.int64)) if ds.shape else 1
+        per_item = 16 if self.dtype.kind == "O" else self.dtype.itemsize  # vlen: a heap id each
+        needed = size * per_item
+        try:
+            stored = int(ds.id.get_storage_size())
+            filtered = ds.id.get_create_plist().get_nfilters() > 0
+            external = bool(ds.external)
+        except _H5_ERRORS as exc:
+            raise self._fail("cannot read the dataset layout", i, found=str(exc)) from None
+        if not external and needed:
+            limit = stored * _MAX_COMPRESSION if filtered else stored
+            if needed > limit or stored > self._reader.file_size:
+                raise TruncatedFileError(
+                    "the dataset holds fewer bytes than its shape needs", file=self._reader.path,
+                    variable=f"{self.path}/{component_name(i)}",
+                    expected=f"{needed} bytes{' (uncompressed)' if filtered else ''}",
+                    found=f"{stored} bytes stored, file of {self._reader.file_size} bytes",
+                )
+        self._storage_ok.add(i)
+
     def _mapped(self, i: int) -> np.ndarray | None:
         """The component as a read-only array over the memory-mapped file, when contiguous."""
         ds = self._datasets[i]
@@ -410,6 +443,7 @@ class StoredVariable:
         return np.frombuffer(mm, dtype=self.dtype, count=size, offset=offset).reshape(ds.shape)
 
     def _read_h5(self, i: int) -> np.ndarray:
+        self._check_storage(i)
         ds = self._datasets[i]
         try:
             data = ds[()]
@@ -465,6 +499,7 @@ class StoredVariable:
         del raw, data
 
     def component(self, i: int) -> np.ndarray:
+        self._check_storage(i)
         out = np.empty(self.component_shape(i), self.dtype)
         self.read_component_into(i, out)
         return out
@@ -472,6 +507,8 @@ class StoredVariable:
     def value(self) -> np.ndarray:
         from parallelvars.checkpoint._restore import read_logical_into
 
+        for i in range(self.num_components):
+            self._check_storage(i)
         out = np.empty(self.shape, self.dtype)
         read_logical_into(self, out, file=self._reader.path, cast=False)
         return out
