@@ -144,7 +144,7 @@ class CheckpointView(Mapping[str, Entry]):
     path: str = "<memory>"
     metadata: Mapping[str, Any] = {}
 
-    def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+    def close(self) -> None:
         """Release open files. A closed view must not be read again."""
 
     def __enter__(self) -> CheckpointView:
@@ -194,7 +194,7 @@ def logical_value(entry: Entry) -> np.ndarray:
     single component (otherwise there is no one logical value, and ``ValueError`` is raised).
     """
     kind = entry.kind
-    if kind in ("single", "mirrored") or entry.num_components == 1 and kind != "sharded":
+    if kind in ("single", "mirrored") or (entry.num_components == 1 and kind != "sharded"):
         return entry.component(0)
     if kind == "on_read":
         agg = str(entry.attrs.get("aggregation", "sum")).lower()

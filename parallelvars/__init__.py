@@ -9,7 +9,7 @@ Example:
     4
 """
 
-from parallelvars import errors
+from parallelvars import errors, optimizers
 from parallelvars.checkpoint import (
     Checkpoint,
     CheckpointLoadStatus,
@@ -22,16 +22,27 @@ from parallelvars.checkpoint import (
 from parallelvars.devices import ParallelDevice
 from parallelvars.enums import Aggregation, ReduceOp, Synchronization
 from parallelvars.errors import ParallelVarsError
+from parallelvars.optimizers import IndexedSlices, clip_by_global_norm
 from parallelvars.strategy import (
+    DistributedDataset,
+    Mirrored,
     MirroredStrategy,
     OneDeviceStrategy,
+    PerReplica,
     ReplicaContext,
     Strategy,
     get_cross_replica_context,
+    get_loss_reduction,
     get_replica_context,
     get_strategy,
+    get_update_device,
     has_strategy,
     in_cross_replica_context,
+    increment_var,
+    loss_reduction,
+    outside_compilation,
+    scale_loss_for_replicas,
+    set_loss_reduction,
 )
 from parallelvars.tracking import Module, TrackedDict, TrackedList
 from parallelvars.variables import (
@@ -48,14 +59,18 @@ __version__ = "0.1.0"
 __all__ = [
     "Aggregation",
     "Checkpoint",
+    "DistributedDataset",
+    "IndexedSlices",
     "CheckpointLoadStatus",
     "CheckpointManager",
+    "Mirrored",
     "MirroredStrategy",
     "Module",
     "OneDeviceStrategy",
     "ParallelDevice",
     "ParallelVarsError",
     "ParallelVariable",
+    "PerReplica",
     "ReduceOp",
     "ReplicaContext",
     "SaveRecord",
@@ -67,15 +82,24 @@ __all__ = [
     "TrackedList",
     "Variable",
     "__version__",
+    "clip_by_global_norm",
     "errors",
     "get_cross_replica_context",
+    "get_loss_reduction",
     "get_replica_context",
     "get_strategy",
+    "get_update_device",
     "has_strategy",
     "in_cross_replica_context",
+    "increment_var",
     "independent_buffers",
     "latest_checkpoint",
+    "loss_reduction",
+    "optimizers",
+    "outside_compilation",
     "register_saveable",
     "replicated_scope",
+    "scale_loss_for_replicas",
+    "set_loss_reduction",
     "variable_creator_scope",
 ]

@@ -109,9 +109,11 @@ def allocate(n: int, shape: tuple[int, ...], dtype: Any) -> tuple[np.ndarray, Pl
     key = (int(n), dt)
     with _pool_lock:
         ref = _pool.get(key)
-        arena = ref() if ref is not None else None
-        offset = arena.try_allocate(size) if arena is not None else None
-        if arena is None or offset is None:
+        current = ref() if ref is not None else None
+        offset = current.try_allocate(size) if current is not None else None
+        if current is not None and offset is not None:
+            arena = current
+        else:
             capacity = max(_BLOCK_BYTES // (dt.itemsize * max(n, 1)), size)
             arena = Arena(n, dt, capacity)
             offset = arena.try_allocate(size)

@@ -41,7 +41,7 @@ class ParallelDevice(Sequence[str]):
         elif isinstance(devices, str):
             names = (canonical_device(devices),)
         else:
-            names = tuple(canonical_device(d) for d in devices)
+            names = tuple(canonical_device(d) for d in devices)  # type: ignore[union-attr]
             if not names:
                 raise ValueError("a parallel device needs at least one component device")
         if len(set(names)) != len(names):
@@ -61,7 +61,7 @@ class ParallelDevice(Sequence[str]):
     def __len__(self) -> int:
         return len(self._components)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):
         return self._components[i]
 
     def __iter__(self) -> Iterator[str]:

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import enum
+from typing import TypeVar
 
 __all__ = ["Synchronization", "Aggregation", "ReduceOp"]
+
+
+_E = TypeVar("_E", bound="_Named")
 
 
 class _Named(enum.Enum):
     """An enum whose values are lower-case strings, as stored in checkpoints."""
 
     @classmethod
-    def parse(cls, value: object) -> _Named:
+    def parse(cls: type[_E], value: object) -> _E:
         """Accept a member, its value (``"sum"``) or its name (``"SUM"``)."""
         if isinstance(value, cls):
             return value

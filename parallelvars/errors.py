@@ -33,7 +33,9 @@ __all__ = [
     "ContextError",
     "CrossReplicaOnlyError",
     "ReplicaError",
+    "DistributedValueError",
     "RestoreMismatchError",
+    "GradientError",
 ]
 
 
@@ -175,5 +177,39 @@ class ReplicaError(ParallelVarsError, RuntimeError):
     """Replicas disagreed (for example, made different numbers of ``merge_call``)."""
 
 
+class DistributedValueError(ParallelVarsError, ValueError):
+    """A per-replica value or distributed input does not fit the strategy (wrong number of
+    replicas, shapes that cannot be reduced together, a batch that cannot be split).
+
+    Derives from ``ValueError``: the data is wrong, not the context it is used in.
+    """
+
+
 class RestoreMismatchError(CheckpointError, AssertionError):
     """The saved object graph and the live one do not match as asserted."""
+
+
+class GradientError(ParallelVarsError, ValueError):
+    """A gradient does not fit its variable, or an optimizer cannot update the variable.
+
+    Derives from ``ValueError``: the call was well formed, the values handed in were not.
+
+    Attributes:
+        variable: the variable concerned, when known.
+        expected: what the variable or the optimizer needs.
+        found: what the gradient or the variable has.
+    """
+
+    def __init__(
+        self,
+        what: str,
+        *,
+        variable: str | None = None,
+        expected: Any = None,
+        found: Any = None,
+        hint: str | None = None,
+    ) -> None:
+        self.variable = variable
+        self.expected = expected
+        self.found = found
+        super().__init__(_describe(what, variable=variable, expected=expected, found=found, hint=hint))

@@ -103,7 +103,7 @@ def children_of(obj: Any) -> dict[str, Any]:
     return {name: _as_node(value) for name, value in obj._trackable_children().items()}
 
 
-class TrackedList(list, Trackable):  # type: ignore[type-arg]
+class TrackedList(list, Trackable):
     """A list whose items are checkpoint children named ``"0"``, ``"1"``, ..."""
 
     def _trackable_children(self) -> dict[str, Any]:
@@ -130,18 +130,18 @@ class TrackedList(list, Trackable):  # type: ignore[type-arg]
         super().__setitem__(index, _wrap(value) if not isinstance(index, slice) else [_wrap(v) for v in value])
         self._added(0)
 
-    def __iadd__(self, values: Any) -> TrackedList:
+    def __iadd__(self, values: Any) -> TrackedList:  # type: ignore[misc]
         self.extend(values)
         return self
 
-    def __hash__(self) -> int:  # lists are unhashable; checkpoints key nodes by identity
+    def __hash__(self) -> int:  # type: ignore[override]  # identity: containers are graph nodes
         return id(self)
 
     def __eq__(self, other: object) -> bool:
         return list.__eq__(self, other)
 
 
-class TrackedDict(dict, Trackable):  # type: ignore[type-arg]
+class TrackedDict(dict, Trackable):
     """A dict whose values are checkpoint children named by their (string) keys."""
 
     def _trackable_children(self) -> dict[str, Any]:
@@ -160,7 +160,7 @@ class TrackedDict(dict, Trackable):  # type: ignore[type-arg]
             self[key] = default
         return self[key]
 
-    def __hash__(self) -> int:
+    def __hash__(self) -> int:  # type: ignore[override]
         return id(self)
 
     def __eq__(self, other: object) -> bool:

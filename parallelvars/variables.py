@@ -49,7 +49,7 @@ import numpy as np
 import wrapt
 
 from parallelvars import _storage
-from parallelvars._dtypes import as_dtype
+from parallelvars._dtypes import as_dtype, is_extension_dtype
 from parallelvars.devices import ParallelDevice
 from parallelvars.enums import Aggregation, Synchronization
 from parallelvars.errors import ContextError, ShapeMismatchError
@@ -125,7 +125,7 @@ _INPLACE_UFUNC = {
 _MUTATING_FUNCTIONS = {np.copyto, np.put, np.putmask, np.place, np.fill_diagonal, np.put_along_axis}
 
 
-class ParallelVariable(wrapt.ObjectProxy):  # type: ignore[misc]
+class ParallelVariable(wrapt.ObjectProxy):
     """One logical variable with one component buffer per device.
 
     Do not construct directly; use :func:`Variable` (inside a strategy scope for parallel kinds).
@@ -182,7 +182,7 @@ class ParallelVariable(wrapt.ObjectProxy):  # type: ignore[misc]
         return self._self_components[0]
 
     @property
-    def device(self) -> ParallelDevice:  # type: ignore[override]
+    def device(self) -> ParallelDevice:
         """The parallel device: ``device.components`` names one device per component."""
         return self._self_device
 
@@ -375,7 +375,7 @@ class ParallelVariable(wrapt.ObjectProxy):  # type: ignore[misc]
     def _setitem_all(self, key: Any, value: Any) -> None:
         stacked = self._self_stacked
         if isinstance(key, tuple):
-            stacked[(slice(None), *key)] = value
+            stacked[(slice(None),) + key] = value  # noqa: RUF005 - the unpacking form confuses mypy on 3.10
         elif key is Ellipsis:
             stacked[...] = value
         else:
@@ -506,7 +506,8 @@ class ParallelVariable(wrapt.ObjectProxy):  # type: ignore[misc]
         return ~self._local()
 
     def __round__(self, ndigits: int | None = None) -> Any:
-        return round(self._local(), ndigits) if ndigits is not None else round(self._local())
+        value: Any = self._local()
+        return round(value, ndigits) if ndigits is not None else round(value)
 
     def __lt__(self, other: Any) -> Any:
         return self._local() < _unwrap(other)
@@ -514,10 +515,10 @@ class ParallelVariable(wrapt.ObjectProxy):  # type: ignore[misc]
     def __le__(self, other: Any) -> Any:
         return self._local() <= _unwrap(other)
 
-    def __eq__(self, other: Any) -> Any:  # type: ignore[override]
+    def __eq__(self, other: Any) -> Any:
         return self._local() == _unwrap(other)
 
-    def __ne__(self, other: Any) -> Any:  # type: ignore[override]
+    def __ne__(self, other: Any) -> Any:
         return self._local() != _unwrap(other)
 
     def __gt__(self, other: Any) -> Any:
@@ -597,7 +598,7 @@ def _imatmul(self: ParallelVariable, other: Any) -> Any:
     raise TypeError(f"variable {self.name!r}: in-place matmul is not supported; use assign(v @ m)")
 
 
-ParallelVariable.__imatmul__ = _imatmul  # type: ignore[attr-defined]
+ParallelVariable.__imatmul__ = _imatmul  # type: ignore[method-assign,assignment]
 
 
 class _VariableRef:
@@ -657,12 +658,12 @@ class ShardedVariable(ParallelVariable):
         sizes = shard_sizes(full.shape[axis], n)
         offsets = [0, *itertools.accumulate(sizes)][:-1]
         comps = []
-        for off, size in zip(offsets, sizes):
+        for off, size in zip(offsets, sizes, strict=True):
             index = [slice(None)] * ndim
             index[axis] = slice(off, off + size)
             comps.append(full[tuple(index)])
         wrapt.ObjectProxy.__init__(self, full)
-        self._self_stacked = None
+        self._self_stacked: Any = None
         self._self_components = tuple(comps)
         self._self_device = device
         self._self_name = name
@@ -687,7 +688,7 @@ class ShardedVariable(ParallelVariable):
         return tuple(c.shape[self._self_shard_axis] for c in self._self_components)
 
     @property
-    def stacked(self) -> np.ndarray:  # type: ignore[override]
+    def stacked(self) -> np.ndarray:
         raise AttributeError(
             f"variable {self._self_name!r}: shards have different shapes and no stacked buffer; "
             "use .components or the full value"
@@ -741,6 +742,8 @@ def _initial_array(initial_value: Any, dtype: Any, name: str) -> np.ndarray:
     if arr.dtype == np.float64 and not isinstance(value, np.ndarray) and not isinstance(value, np.generic):
         # Python floats and lists of them become float32, the usual parameter dtype.
         arr = arr.astype(np.float32)
+    if is_extension_dtype(arr.dtype):  # bfloat16, float8 ...: numpy reports them as kind "V"
+        return arr
     if arr.dtype.kind in "USV" or (arr.dtype.kind == "O"):
         if arr.dtype.kind == "O" and all(isinstance(x, bytes) for x in arr.flat):
             return arr

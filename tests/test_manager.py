@@ -263,16 +263,16 @@ class Boom(OSError):
 
 
 def failing_write_entry(monkeypatch, after: int) -> None:
-    real = h5io._write_entry
+    real = h5io._checked
     count = [0]
 
-    def write_entry(f, entry, file):
+    def write_entry(*args):
         count[0] += 1
         if count[0] > after:
             raise Boom(28, "No space left on device")
-        real(f, entry, file)
+        return real(*args)
 
-    monkeypatch.setattr(h5io, "_write_entry", write_entry)
+    monkeypatch.setattr(h5io, "_checked", write_entry)
 
 
 def test_failed_save_raises_and_leaves_everything_intact(tmp_path, monkeypatch):
@@ -344,16 +344,16 @@ def test_async_save_writes_the_values_at_the_call(tmp_path):
 def test_async_save_racing_with_training_thread(tmp_path, monkeypatch):
     """Values change in another thread while the background write runs; the file has the call's."""
     ckpt, w, e, step = make()
-    real = h5io._write_entry
+    real = h5io._checked
     writing = threading.Event()
     proceed = threading.Event()
 
-    def slow_write_entry(f, entry, file):
+    def slow_write_entry(*args):
         writing.set()
         proceed.wait(10)
-        real(f, entry, file)
+        return real(*args)
 
-    monkeypatch.setattr(h5io, "_write_entry", slow_write_entry)
+    monkeypatch.setattr(h5io, "_checked", slow_write_entry)
     stop = threading.Event()
 
     def train():

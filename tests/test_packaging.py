@@ -12,7 +12,11 @@ else:  # pragma: no cover
     tomllib = None
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MAPPING = {"parallelvars": "parallelvars", "formats": "parallelvars.formats", "cli": "parallelvars.cli"}
+MAPPING = {
+    "parallelvars": "parallelvars",
+    "formats": "parallelvars.formats",
+    "cli": "parallelvars.cli",
+}
 
 
 def _tree_packages() -> set[str]:
@@ -27,7 +31,9 @@ def _tree_packages() -> set[str]:
 def test_every_package_folder_is_listed_in_pyproject() -> None:
     if tomllib is None:
         return
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
     assert _tree_packages() <= listed, sorted(_tree_packages() - listed)
 
 

@@ -374,7 +374,7 @@ class Checkpoint(Trackable):
         """
         graph = build_object_graph(self)
         records = []
-        for node_id, obj, var_path in graph.variables():
+        for _, obj, var_path in graph.variables():
             saveable = get_saveable(obj)
             assert saveable is not None
             record = saveable.gather(obj)

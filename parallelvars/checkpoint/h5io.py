@@ -24,6 +24,7 @@ once, straight into the destination buffer.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import secrets
@@ -61,6 +62,9 @@ __all__ = [
 FORMAT_VERSION = 1
 META_GROUP = "_parallelvars"
 GRAPH_DATASET = f"{META_GROUP}/object_graph"
+# Per-variable attributes and checksums in one JSON document, so opening a file costs one read
+# instead of one HDF5 attribute call per attribute.
+INDEX_DATASET = f"{META_GROUP}/index"
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 # deflate's best case is about 1032:1; no compressed dataset can expand more than this.
 _MAX_COMPRESSION = 1100
@@ -97,7 +101,7 @@ def checksum(arr: np.ndarray) -> int:
             crc = _crc32c.crc32c(b, crc)
         return crc
     a = np.ascontiguousarray(arr)
-    return int(_crc32c.crc32c(_byte_view(a)))
+    return int(_crc32c.crc32c(_byte_view(a)))  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------- writing
@@ -143,26 +147,57 @@ def atomic_write(path: str, write: Any) -> str:
     return path
 
 
+def _root_attr_value(value: Any) -> Any:
+    """Like :func:`_attr_value`, with strings as fixed-length UTF-8 bytes.
+
+    The reader reads the root attributes on every open; fixed-length values live inside the
+    (checksummed) root object header, while variable-length strings would send it to HDF5's
+    global heap, which has no checksum and whose damage can make the C library loop. (Group
+    attributes stay variable-length ``str`` for plain h5py users: the reader takes those
+    values from the checksummed index instead.)
+    """
+    value = _attr_value(value)
+    if isinstance(value, str) and not value.endswith("\x00"):
+        return np.bytes_(value.encode("utf-8"))
+    return value
+
+
 def _attr_value(value: Any) -> Any:
-    if isinstance(value, bool) or isinstance(value, np.bool_):
+    if isinstance(value, (bool, np.bool_)):
         return np.bool_(value)
     if isinstance(value, (int, np.integer)):
         return np.int64(value)
     if isinstance(value, (float, np.floating)):
         return np.float64(value)
     if isinstance(value, str):
-        # Fixed-length bytes live inside the (checksummed) object header; variable-length
-        # strings would go to the global heap, which HDF5 does not checksum and whose damage
-        # can make the C library loop or crash.
-        return np.bytes_(value.encode("utf-8"))
+        return value
     if isinstance(value, (list, tuple)):
         if all(isinstance(v, str) for v in value):
-            return np.array([v.encode("utf-8") for v in value], dtype=bytes) if value else np.zeros(0, np.int64)
+            return np.array(list(value), dtype=h5py.string_dtype()) if value else np.zeros(0, np.int64)
         if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
             return np.asarray(value, dtype=np.int64)
     if isinstance(value, np.ndarray) and value.dtype.kind in "iuf":
         return value
     return "json:" + json.dumps(value)
+
+
+_SCALAR_SPACE = None
+
+
+def _set_attr(oid: Any, name: str, value: Any) -> None:
+    """Write one attribute through the low-level API (half the cost of ``obj.attrs[name] = v``)."""
+    arr = np.asarray(value, dtype=h5py.string_dtype()) if isinstance(value, str) or (
+        isinstance(value, np.ndarray) and value.dtype.kind == "O") else np.asarray(value)
+    if arr.dtype.kind == "U":
+        arr = arr.astype(h5py.string_dtype())
+    space = h5py.h5s.create(h5py.h5s.SCALAR) if arr.ndim == 0 else h5py.h5s.create_simple(arr.shape)
+    tid = h5py.h5t.py_create(arr.dtype, logical=True)
+    bname = name.encode()
+    if h5py.h5a.exists(oid, bname):
+        h5py.h5a.delete(oid, bname)
+    attr = h5py.h5a.create(oid, bname, tid, space)
+    if arr.size:
+        attr.write(np.ascontiguousarray(arr))
 
 
 def _validate_path(path: str) -> None:
@@ -171,46 +206,51 @@ def _validate_path(path: str) -> None:
         raise ValueError(f"invalid variable path {path!r} for the HDF5 layout")
 
 
-def _write_entry(f: h5py.File, entry: Any, file: str) -> None:
+def _early_dcpl() -> Any:
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # the bytes get an offset now ...
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # ... and are written once, by us
+    return dcpl
+
+
+def _create_entry(
+    f: h5py.File, entry: Any, file: str, dcpl: Any, crcs: dict[str, int]
+) -> tuple[dict[str, Any], list[Any]]:
+    """Create the group, attributes and datasets of one entry; numeric data is written later."""
     path = entry.path
     _validate_path(path)
-    if path in f and isinstance(f[path], h5py.Group) and "kind" in f[path].attrs:
-        raise ValueError(f"{file}: variable {path!r} is written twice")
     grp = f.require_group(path)
     dt = np.dtype(entry.dtype)
     storage = _storage_dtype(dt)
     shape = tuple(int(s) for s in entry.shape)
-    a = grp.attrs
-    a["kind"] = _attr_value(str(entry.kind))
-    a["dtype"] = _attr_value(dtype_name(dt))
-    a["shape"] = np.asarray(shape, dtype=np.int64)
-    a["num_components"] = np.int64(entry.num_components)
+    meta: dict[str, Any] = {"kind": entry.kind, "dtype": dtype_name(dt), "shape": list(shape),
+                            "num_components": int(entry.num_components)}
+    for key in ("kind", "dtype", "shape", "num_components"):
+        _set_attr(grp.id, key, _attr_value(meta[key]))
+    extra: dict[str, Any] = {}
     for key, value in dict(entry.attrs).items():
-        if value is None or key in ("kind", "dtype", "shape", "num_components"):
+        if value is None or key in meta:
             continue
-        a[key] = _attr_value(value)
-    devices = list(entry.attrs.get("devices") or [])
+        stored = _attr_value(value)
+        _set_attr(grp.id, key, stored)
+        extra[key] = _decode(stored)
+    meta["attrs"] = extra
+    pending: list[tuple[str, Any, tuple[int, ...]] | None] = []
     for i in range(entry.num_components):
-        arr = np.asarray(entry.component(i))
-        cshape = tuple(entry.component_shape(i))
-        if arr.shape != cshape:
-            raise ShapeMismatchError(
-                "component has the wrong shape", file=file, variable=f"{path}[{i}]", expected=cshape, found=arr.shape
-            )
-        if arr.dtype != dt:
-            raise DtypeMismatchError(
-                "component has the wrong dtype", file=file, variable=f"{path}[{i}]", expected=dt, found=arr.dtype
-            )
-        ds = grp.create_dataset(component_name(i), shape=cshape, dtype=storage)
+        cshape = tuple(int(d) for d in entry.component_shape(i))
+        name = component_name(i)
         if dt.kind == "O":
+            ds = grp.create_dataset(name, shape=cshape, dtype=storage)
+            arr = _checked(entry, i, cshape, dt, file)
             if arr.size:
                 ds[...] = arr
-        elif arr.size:
-            src = np.ascontiguousarray(arr)
-            ds.write_direct(src.view(storage) if is_extension_dtype(dt) else src)
-        ds.attrs["crc32c"] = np.int64(checksum(arr))
-        if i < len(devices):
-            ds.attrs["device"] = _attr_value(str(devices[i]))
+            crcs[f"{grp.name}/{name}"] = checksum(arr)
+            pending.append(None)
+        else:
+            space = h5py.h5s.create_simple(cshape) if cshape else h5py.h5s.create(h5py.h5s.SCALAR)
+            tid = h5py.h5t.py_create(storage, logical=True)
+            dsid = h5py.h5d.create(grp.id, name.encode(), tid, space, dcpl=dcpl)
+            pending.append((f"{grp.name}/{name}", dsid.get_offset(), cshape))
     if entry.kind == "sharded" and entry.num_components:
         axis = int(entry.attrs["shard_axis"])
         layout = h5py.VirtualLayout(shape=shape, dtype=storage)
@@ -220,6 +260,26 @@ def _write_entry(f: h5py.File, entry: Any, file: str) -> None:
             index[axis] = slice(int(start), int(start) + cshape[axis])
             layout[tuple(index)] = h5py.VirtualSource(".", f"{grp.name}/{component_name(i)}", shape=cshape)
         grp.create_virtual_dataset("value", layout)
+    return meta, pending
+
+
+def _checked(entry: Any, i: int, cshape: tuple[int, ...], dt: np.dtype, file: str) -> np.ndarray:
+    arr = np.asarray(entry.component(i))
+    if arr.shape != cshape:
+        raise ShapeMismatchError(
+            "component has the wrong shape", file=file, variable=f"{entry.path}[{i}]", expected=cshape, found=arr.shape
+        )
+    if arr.dtype != dt:
+        raise DtypeMismatchError(
+            "component has the wrong dtype", file=file, variable=f"{entry.path}[{i}]", expected=dt, found=arr.dtype
+        )
+    return arr
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 def write_h5(
@@ -231,33 +291,91 @@ def write_h5(
 ) -> str:
     """Write entries (neutral-view entries or save records) to ``path`` in the native layout.
 
-    Components are streamed one at a time from the entries (for live variables, straight from
-    their buffers). The file appears under ``path`` only once complete and flushed to disk.
+    Three passes over one temporary file: HDF5 creates every group, attribute and dataset with
+    its storage allocated up front; the component bytes are then streamed with ``pwrite`` to
+    their offsets, one component at a time, straight from the entries (for live variables, from
+    their buffers); last, checksums and the index are recorded. The file appears under ``path``
+    only once complete and flushed to disk.
 
     Returns:
         ``path``.
     """
     p = os.fspath(path)
-    items = list(entries.values()) if isinstance(entries, Mapping) else entries
+    items = list(entries.values()) if isinstance(entries, Mapping) else list(entries)
 
     def write(tmp: str) -> None:
+        index: dict[str, Any] = {}
+        crcs: dict[str, int] = {}
+        todo = []
         # libver "latest": superblock v3 and v2 object headers, B-trees and heaps, which all
         # carry checksums, so a damaged metadata byte is an error rather than a wrong value.
         with h5py.File(tmp, "w", libver="latest") as f:
-            f.attrs["parallelvars_format"] = np.int64(FORMAT_VERSION)
-            f.attrs["parallelvars_version"] = _attr_value(_library_version())
+            f.attrs["parallelvars_format"] = np.int64(FORMAT_VERSION)  # few: the high-level API is fine
+            f.attrs["parallelvars_version"] = _root_attr_value(_library_version())
             f.attrs["created"] = np.float64(time.time())
             for key, value in dict(metadata or {}).items():
                 if value is not None:
-                    f.attrs[key] = _attr_value(value)
+                    f.attrs[key] = _root_attr_value(value)
+            dcpl = _early_dcpl()
             for entry in items:
-                _write_entry(f, entry, p)
+                if entry.path in index:
+                    raise ValueError(f"{p}: variable {entry.path!r} is written twice")
+                meta, pending = _create_entry(f, entry, p, dcpl, crcs)
+                index[entry.path] = meta
+                todo.append((entry, meta, pending))
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            for entry, _, pending in todo:
+                dt = np.dtype(entry.dtype)
+                for i, slot in enumerate(pending):
+                    if slot is None:
+                        continue
+                    name, offset, cshape = slot
+                    arr = np.ascontiguousarray(_checked(entry, i, cshape, dt, p))
+                    crcs[name] = checksum(arr)
+                    if arr.nbytes:
+                        _pwrite_all(fd, memoryview(_byte_view(arr)), int(offset))  # type: ignore[arg-type]
+                    del arr
+        finally:
+            os.close(fd)
+        with h5py.File(tmp, "r+") as f:
+            fid = f.id
+            for name, crc in crcs.items():
+                _set_attr(h5py.h5d.open(fid, name.encode()), "crc32c", np.int64(crc))
+            for meta_path, meta in index.items():
+                meta["crc32c"] = [crcs[f"/{meta_path}/{component_name(i)}"] for i in range(meta["num_components"])]
+            _write_json(f, INDEX_DATASET, index)
             if object_graph is not None:
-                raw = json.dumps(object_graph).encode("utf-8")
-                ds = f.create_dataset(GRAPH_DATASET, data=np.bytes_(raw))
-                ds.attrs["crc32c"] = np.int64(_crc32c.crc32c(raw))
+                _write_json(f, GRAPH_DATASET, object_graph)
 
     return atomic_write(p, write)
+
+
+def _write_json(f: h5py.File, name: str, value: Any) -> None:
+    """A JSON document as a fixed-length string dataset with its own CRC-32C.
+
+    Fixed length keeps the bytes out of HDF5's unchecksummed global heap; the checksum covers
+    the document itself, which HDF5 does not.
+    """
+    raw = json.dumps(value).encode("utf-8")
+    ds = f.create_dataset(name, data=np.bytes_(raw))
+    ds.attrs["crc32c"] = np.int64(_crc32c.crc32c(raw))
+
+
+def _read_json(f: h5py.File, name: str, file: str) -> Any:
+    """Read a document written by :func:`_write_json` (or an older variable-length one)."""
+    ds = f.get(name)
+    if ds is None:
+        return None
+    raw = ds[()]
+    raw = bytes(raw) if isinstance(raw, bytes) else str(raw).encode("utf-8")
+    stored = ds.attrs.get("crc32c")
+    if stored is not None and int(stored) != _crc32c.crc32c(raw):
+        raise ChecksumMismatchError(
+            "checksum mismatch: a metadata document is damaged", file=file, variable=name,
+            expected=f"crc32c {int(stored):#010x}", found=f"crc32c {_crc32c.crc32c(raw):#010x}",
+        )
+    return json.loads(raw.decode("utf-8"))
 
 
 # ----------------------------------------------------------------------------- reading
@@ -297,19 +415,21 @@ def is_native_checkpoint(path: str | os.PathLike[str]) -> bool:
 class StoredVariable:
     """One variable of a checkpoint file; duck-types the neutral view's ``Entry``."""
 
-    def __init__(self, reader: H5Reader, path: str, group: h5py.Group) -> None:
+    def __init__(self, reader: H5Reader, path: str, meta: Mapping[str, Any]) -> None:
         self._reader = reader
         self.path = path
         file = reader.path
-        attrs = {k: _decode(v) for k, v in group.attrs.items()}
         try:
-            self.kind = str(attrs.pop("kind"))
-            dname = str(attrs.pop("dtype"))
-            self.shape = tuple(int(s) for s in attrs.pop("shape"))
-            self.num_components = int(attrs.pop("num_components"))
+            self.kind = str(meta["kind"])
+            dname = str(meta["dtype"])
+            self.shape = tuple(int(s) for s in meta["shape"])
+            self.num_components = int(meta["num_components"])
+            self.attrs: dict[str, Any] = dict(meta.get("attrs") or {})
+            crcs = meta.get("crc32c")
+            self._crcs: list[int | None] | None = None if crcs is None else [int(c) for c in crcs]
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptCheckpointError(
-                "variable group lacks its layout attributes", file=file, variable=path, found=str(exc)
+                "variable lacks its layout attributes", file=file, variable=path, found=f"missing {exc}"
             ) from None
         if dname == "bytes":
             self.dtype = np.dtype(object)
@@ -318,32 +438,49 @@ class StoredVariable:
                 self.dtype = as_dtype(dname)
             except UnsupportedDtypeError:
                 raise UnsupportedDtypeError("unknown dtype", file=file, variable=path, found=dname) from None
-        if self.num_components < 1 or self.num_components > 1 << 16:
+        if not 1 <= self.num_components <= 1 << 16 or (self._crcs is not None and len(self._crcs) != self.num_components):
             raise CorruptCheckpointError(
                 "impossible number of components", file=file, variable=path, found=self.num_components
             )
-        self.attrs: dict[str, Any] = attrs
+        if any(d < 0 for d in self.shape):
+            raise CorruptCheckpointError("negative dimension", file=file, variable=path, found=self.shape)
+        self._shapes: list[tuple[int, ...]] = [self._expected_component_shape(i) for i in range(self.num_components)]
         self._verified: set[int] = set()
         self._storage_ok: set[int] = set()
-        self._datasets: list[h5py.Dataset] = []
-        for i in range(self.num_components):
+        self._datasets: dict[int, Any] = {}
+        self._locations: dict[int, tuple[int, int] | None] = {}
+
+    @classmethod
+    def from_group(cls, reader: H5Reader, path: str, group: h5py.Group) -> StoredVariable:
+        """Build from group attributes (files without an index)."""
+        attrs = {k: _decode(v) for k, v in group.attrs.items()}
+        meta = {k: attrs.pop(k) for k in ("kind", "dtype", "shape", "num_components") if k in attrs}
+        meta["attrs"] = attrs
+        return cls(reader, path, meta)
+
+    def _dataset(self, i: int) -> Any:
+        """The low-level dataset id of component ``i`` (opened once, shape checked)."""
+        ds = self._datasets.get(i)
+        if ds is None:
             name = component_name(i)
-            ds = group.get(name)
-            if not isinstance(ds, h5py.Dataset):
+            try:  # the low-level open: a fraction of the cost of Group.__getitem__
+                ds = h5py.h5d.open(self._reader._h5().id, f"/{self.path}/{name}".encode())
+            except _H5_ERRORS:
+                ds = None
+            if not isinstance(ds, h5py.h5d.DatasetID):
                 raise CorruptCheckpointError(
-                    f"dataset {name!r} is missing", file=file, variable=path,
+                    f"dataset {name!r} is missing", file=self._reader.path, variable=self.path,
                     expected=f"{self.num_components} components", found=f"no {name}",
                 )
-            self._datasets.append(ds)
-        for i in range(self.num_components):
-            expected = self._expected_component_shape(i)
-            if expected is not None and tuple(self._datasets[i].shape) != expected:
+            if tuple(ds.shape) != self._shapes[i]:
                 raise CorruptCheckpointError(
-                    f"dataset {component_name(i)!r} has the wrong shape", file=file, variable=path,
-                    expected=expected, found=tuple(self._datasets[i].shape),
+                    f"dataset {name!r} has the wrong shape", file=self._reader.path, variable=self.path,
+                    expected=self._shapes[i], found=tuple(ds.shape),
                 )
+            self._datasets[i] = ds
+        return ds
 
-    def _expected_component_shape(self, i: int) -> tuple[int, ...] | None:
+    def _expected_component_shape(self, i: int) -> tuple[int, ...]:
         if self.kind != "sharded":
             return self.shape
         try:
@@ -363,7 +500,7 @@ class StoredVariable:
         return tuple(shape)
 
     def component_shape(self, i: int) -> tuple[int, ...]:
-        return tuple(self._datasets[i].shape)
+        return self._shapes[i]
 
     def component_nbytes(self, i: int) -> int:
         return int(np.prod(self.component_shape(i), dtype=np.int64)) * self.dtype.itemsize
@@ -374,11 +511,13 @@ class StoredVariable:
 
     @property
     def stored_checksums(self) -> list[int | None]:
-        out: list[int | None] = []
-        for ds in self._datasets:
-            v = ds.attrs.get("crc32c")
-            out.append(None if v is None else int(v))
-        return out
+        if self._crcs is None:
+            crcs: list[int | None] = []
+            for i in range(self.num_components):
+                v = h5py.Dataset(self._dataset(i)).attrs.get("crc32c")
+                crcs.append(None if v is None else int(v))
+            self._crcs = crcs
+        return self._crcs
 
     def _fail(self, what: str, i: int, **kw: Any) -> CorruptCheckpointError:
         return CorruptCheckpointError(what, file=self._reader.path, variable=f"{self.path}/{component_name(i)}", **kw)
@@ -386,23 +525,21 @@ class StoredVariable:
     def _check_storage(self, i: int) -> None:
         """Refuse a component whose shape needs more bytes than the file can hold.
 
-        Called before anything is allocated for it, so a damaged or hostile header cannot
-        make a reader allocate more than the file's size (times the best compression ratio
-        of deflate, for compressed datasets).
+        Called before anything is allocated for it, so a damaged or hostile header cannot make
+        a reader allocate more than the file's size (times deflate's best compression ratio,
+        for compressed datasets).
         """
         if i in self._storage_ok:
             return
-        ds = self._datasets[i]
-        size = int(np.prod(ds.shape, dtype=np.int64)) if ds.shape else 1
-        per_item = 16 if self.dtype.kind == "O" else self.dtype.itemsize  # vlen: a heap id each
-        needed = size * per_item
+        dsid = self._dataset(i)
+        needed = math.prod(self._shapes[i]) * (16 if self.dtype.kind == "O" else self.dtype.itemsize)
         try:
-            stored = int(ds.id.get_storage_size())
-            filtered = ds.id.get_create_plist().get_nfilters() > 0
-            external = bool(ds.external)
+            stored = int(dsid.get_storage_size())
+            dcpl = dsid.get_create_plist()
+            filtered, external = dcpl.get_nfilters() > 0, dcpl.get_external_count() > 0
         except _H5_ERRORS as exc:
             raise self._fail("cannot read the dataset layout", i, found=str(exc)) from None
-        if not external and needed:
+        if needed and not external:
             limit = stored * _MAX_COMPRESSION if filtered else stored
             if needed > limit or stored > self._reader.file_size:
                 raise TruncatedFileError(
@@ -413,38 +550,52 @@ class StoredVariable:
                 )
         self._storage_ok.add(i)
 
+    def _location(self, i: int) -> tuple[int, int] | None:
+        """(file offset, element count) of a contiguous, unfiltered component, else None."""
+        if i in self._locations:
+            return self._locations[i]
+        loc: tuple[int, int] | None = None
+        dsid = self._dataset(i)
+        size = math.prod(self._shapes[i])
+        nbytes = size * self.dtype.itemsize
+        if self.dtype.kind != "O":
+            try:
+                dcpl = dsid.get_create_plist()
+                plain = not (dcpl.get_layout() != h5py.h5d.CONTIGUOUS or dcpl.get_nfilters() or dcpl.get_external_count())
+                offset = dsid.get_offset() if plain and nbytes else None
+                stored = dsid.get_storage_size() if offset is not None else 0
+                file_dt = dsid.dtype
+            except _H5_ERRORS:
+                offset = None
+            if nbytes == 0:
+                loc = (0, 0)
+            elif offset is not None and not (file_dt.kind != "V" and file_dt.byteorder == ">"):
+                if stored != nbytes or file_dt.itemsize != self.dtype.itemsize:
+                    raise self._fail("stored size does not match the shape", i, expected=f"{nbytes} bytes", found=f"{stored} bytes")
+                if offset + nbytes > self._reader.file_size:
+                    raise TruncatedFileError(
+                        "file ends inside the data", file=self._reader.path, variable=f"{self.path}/{component_name(i)}",
+                        expected=f"{offset + nbytes} bytes", found=f"{self._reader.file_size} bytes",
+                    )
+                loc = (int(offset), size)
+        self._locations[i] = loc
+        return loc
+
     def _mapped(self, i: int) -> np.ndarray | None:
         """The component as a read-only array over the memory-mapped file, when contiguous."""
-        ds = self._datasets[i]
-        if self.dtype.kind == "O":
+        loc = self._location(i)
+        if loc is None:
             return None
-        size = int(np.prod(ds.shape, dtype=np.int64))
-        nbytes = size * self.dtype.itemsize
-        if nbytes == 0:
-            return np.empty(ds.shape, self.dtype)
-        try:
-            if ds.chunks is not None or ds.compression is not None or ds.external:
-                return None
-            offset = ds.id.get_offset()
-            stored = ds.id.get_storage_size()
-        except _H5_ERRORS:
-            return None
-        file_dt = ds.dtype
-        if offset is None or (file_dt.kind != "V" and file_dt.byteorder == ">"):
-            return None
-        if stored != nbytes or file_dt.itemsize != self.dtype.itemsize:
-            raise self._fail("stored size does not match the shape", i, expected=f"{nbytes} bytes", found=f"{stored} bytes")
+        offset, size = loc
+        if size == 0:
+            return np.empty(self._shapes[i], self.dtype)
         mm = self._reader._mmap()
-        if mm is None or offset + nbytes > len(mm):
-            raise TruncatedFileError(
-                "file ends inside the data", file=self._reader.path, variable=f"{self.path}/{component_name(i)}",
-                expected=f"{offset + nbytes} bytes", found=f"{self._reader.file_size} bytes",
-            )
-        return np.frombuffer(mm, dtype=self.dtype, count=size, offset=offset).reshape(ds.shape)
+        assert mm is not None
+        return np.frombuffer(mm, dtype=self.dtype, count=size, offset=offset).reshape(self._shapes[i])
 
     def _read_h5(self, i: int) -> np.ndarray:
         self._check_storage(i)
-        ds = self._datasets[i]
+        ds = h5py.Dataset(self._dataset(i))
         try:
             data = ds[()]
         except _H5_ERRORS as exc:
@@ -533,7 +684,6 @@ class H5Reader(Mapping[str, StoredVariable]):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         self._file: h5py.File | None = None
-        self._fh: Any = None
         self._mm: mmap.mmap | None = None
         if not os.path.exists(self.path):
             raise FileNotFoundError(f"{self.path}: no such checkpoint file")
@@ -590,29 +740,34 @@ class H5Reader(Mapping[str, StoredVariable]):
                 if isinstance(obj, h5py.Group) and "kind" in obj.attrs and not name.startswith(META_GROUP):
                     groups.append(name)
 
-            f.visititems(visit)
-            self._variables = {name: StoredVariable(self, name, f[name]) for name in sorted(groups)}
-            graph = f.get(GRAPH_DATASET)
-            self.object_graph: dict[str, Any] | None = None
-            if graph is not None:
-                raw = graph[()]
-                raw = raw if isinstance(raw, bytes) else str(raw).encode("utf-8")
-                stored_crc = graph.attrs.get("crc32c")
-                if stored_crc is not None and int(stored_crc) != _crc32c.crc32c(raw):
-                    raise ChecksumMismatchError(
-                        "checksum mismatch: the object graph is damaged", file=self.path, variable=GRAPH_DATASET,
-                        expected=f"crc32c {int(stored_crc):#010x}", found=f"crc32c {_crc32c.crc32c(raw):#010x}",
-                    )
-                self.object_graph = json.loads(raw.decode("utf-8"))
+            metas = _read_json(f, INDEX_DATASET, self.path)
+            if metas is not None:
+                if not isinstance(metas, dict):
+                    raise CorruptCheckpointError("index is not a mapping", file=self.path)
+                self._variables = {name: StoredVariable(self, name, metas[name]) for name in sorted(metas)}
+            else:
+                f.visititems(visit)
+                self._variables = {name: StoredVariable.from_group(self, name, f[name]) for name in sorted(groups)}
+            self.object_graph: dict[str, Any] | None = _read_json(f, GRAPH_DATASET, self.path)
         except (CorruptCheckpointError, UnsupportedDtypeError):
             raise
-        except (*_H5_ERRORS, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (*_H5_ERRORS, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
             raise CorruptCheckpointError("damaged file structure", file=self.path, found=str(exc)) from None
+
+    def _h5(self) -> h5py.File:
+        if self._file is None:
+            raise ValueError(f"{self.path}: the reader is closed")
+        return self._file
 
     def _mmap(self) -> mmap.mmap | None:
         if self._mm is None and self.file_size > 0:
-            self._fh = open(self.path, "rb")
-            self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                # MAP_POPULATE maps the whole file in one call instead of one page fault per page.
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                self._mm = mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)  # the map keeps its own reference to the file
         return self._mm
 
     def __getitem__(self, key: str) -> StoredVariable:
@@ -647,9 +802,6 @@ class H5Reader(Mapping[str, StoredVariable]):
             except BufferError:  # an array still views the map; it closes with that array
                 pass
             self._mm = None
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
         if self._file is not None:
             try:
                 self._file.close()

@@ -1,21 +1,75 @@
-"""Strategy and replica-context base classes: scopes and variable placement.
+"""Strategy and replica-context base classes: scopes, placement and the cross-replica API.
 
 A strategy owns a :class:`~parallelvars.devices.ParallelDevice` (its replicas' devices) and,
-inside ``scope()``, decides what kind of variable ``pv.Variable(...)`` makes. Running replica
-functions (``run``, ``merge_call``) and cross-replica reductions build on this.
+inside ``scope()``, decides what kind of variable ``pv.Variable(...)`` makes. The base class
+runs a single replica in the caller's thread; :class:`~parallelvars.strategy.MirroredStrategy`
+runs one thread per replica. Reductions and broadcasts go through ``_reduce_to`` /
+``_broadcast_to`` so that a strategy with one process per replica can override just those.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import Any
+import contextvars
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, cast
+
+import numpy as np
 
 from parallelvars.devices import ParallelDevice
-from parallelvars.errors import ContextError
+from parallelvars.enums import ReduceOp
+from parallelvars.errors import ContextError, CrossReplicaOnlyError, DistributedValueError
 from parallelvars.strategy import _context
+from parallelvars.strategy._reduce import reduce_values
+from parallelvars.strategy._values import (
+    Mirrored,
+    PerReplica,
+    _needs_walk,
+    local_results,
+    regroup,
+    select_replica,
+)
 
-__all__ = ["Strategy", "ReplicaContext", "MirroredStrategy", "OneDeviceStrategy"]
+__all__ = [
+    "Strategy",
+    "ReplicaContext",
+    "OneDeviceStrategy",
+    "UpdateContext",
+    "get_update_device",
+    "increment_var",
+]
+
+_UPDATE_DEVICE: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "parallelvars_update_device", default=None
+)
+
+
+def get_update_device() -> Any:
+    """The device (or devices) being updated inside ``update()`` / ``update_non_slot()``, else None."""
+    return _UPDATE_DEVICE.get()
+
+
+@contextlib.contextmanager
+def UpdateContext(device: Any) -> Iterator[None]:
+    """Mark the code inside as updating ``device`` (see :func:`get_update_device`)."""
+    token = _UPDATE_DEVICE.set(device)
+    try:
+        yield
+    finally:
+        _UPDATE_DEVICE.reset(token)
+
+
+def _is_variable(x: Any) -> bool:
+    from parallelvars.variables import ParallelVariable
+
+    return isinstance(x, ParallelVariable)
+
+
+def _top_default_replica_context() -> ReplicaContext:
+    ctx = _context._get_default_mode().replica_context
+    assert ctx is not None
+    return ctx
 
 
 class ReplicaContext:
@@ -39,13 +93,31 @@ class ReplicaContext:
         """The device(s) of this replica."""
         return (self.strategy.devices.components[self.replica_id_in_sync_group],)
 
-    def merge_call(self, fn: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def _check_current(self) -> None:
+        mode = _context.current_mode()
+        if mode.replica_context is not self:
+            where = "cross-replica context" if mode.replica_context is None else repr(mode.replica_context)
+            raise ContextError(
+                f"merge_call of {self!r} called from {where}: call it from its own replica function"
+            )
+
+    def merge_call(
+        self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         """Run ``fn(strategy, *args, **kwargs)`` once in cross-replica context.
 
-        With one replica this is a direct call inside the cross-replica mode.
+        With several replicas every replica pauses here, the arguments of all replicas are
+        grouped (values that differ become :class:`PerReplica`), ``fn`` runs once and each
+        replica receives its part of the result. With one replica this is a direct call inside
+        the cross-replica mode.
         """
+        self._check_current()
         with _context.push_mode(_context.Mode(self.strategy, None)):
-            return fn(self.strategy, *args, **(kwargs or {}))
+            result = fn(self.strategy, *args, **(kwargs or {}))
+        try:
+            return select_replica(0, result, 1)
+        except ValueError as e:
+            raise DistributedValueError(f"merge_call result: {e}") from None
 
     def _write_variable(self, var: Any, op: str, value: Any) -> Any:
         """Apply a write to a mirrored variable from this replica (``op``: assign / assign_add / assign_sub).
@@ -68,13 +140,21 @@ class ReplicaContext:
 
 
 class Strategy:
-    """Base class: a set of replica devices and the variables placed on them."""
+    """Base class: a set of replica devices, the variables placed on them, and the
+    cross-replica API (reduce, broadcast, update) over them.
+
+    The base class runs its single replica in the caller's thread.
+    """
 
     _is_default = False
 
     def __init__(self, devices: int | Sequence[str] | ParallelDevice) -> None:
         self._devices = ParallelDevice(devices)
+        # id(component 0) -> variable, to map the components returned by replicas back to
+        # their variable (checked component by component, so a reused id cannot mislead).
+        self._owners: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
+    # ------------------------------------------------------------------ devices
     @property
     def devices(self) -> ParallelDevice:
         return self._devices
@@ -85,12 +165,15 @@ class Strategy:
 
     @property
     def worker_devices(self) -> tuple[str, ...]:
+        """The devices replica functions run on, one per replica."""
         return self._devices.components
 
     @property
     def parameter_devices(self) -> tuple[str, ...]:
+        """The devices variables are placed on."""
         return self._devices.components
 
+    # ------------------------------------------------------------------ scope and variables
     @contextlib.contextmanager
     def scope(self) -> Iterator[Strategy]:
         """Enter the cross-replica context: variables made inside are placed by this strategy.
@@ -100,27 +183,348 @@ class Strategy:
         """
         mode = _context.current_mode()
         if mode.strategy is self:
-            if mode.replica_context is not None:
-                # Inside one of our replica functions: scope() makes it cross-replica again
-                # only through merge_call; here it just keeps the replica mode.
-                yield self
-                return
             yield self
             return
         if not mode.strategy._is_default:
-            raise ContextError(
-                f"cannot enter the scope of {self!r} inside the scope of {mode.strategy!r}: "
-                "strategies do not nest"
-            )
+            raise ContextError(self._mixing_message("enter the scope of", mode.strategy))
         with _context.push_mode(_context.Mode(self, None)), _context.variable_creator_scope(
             self._variable_creator
         ):
             yield self
 
+    def _mixing_message(self, action: str, current: Strategy) -> str:
+        same = " (another instance with the same devices)" if repr(current) == repr(self) else ""
+        return (
+            f"cannot {action} {self!r} inside the scope of {current!r}{same}: "
+            "strategies do not nest"
+        )
+
     def _variable_creator(self, next_creator: Any, **kwargs: Any) -> Any:
         from parallelvars.variables import _make_distributed_variable
 
-        return _make_distributed_variable(self._devices, **kwargs)
+        self._check_creation_context(kwargs.get("name"))
+        return self._register(_make_distributed_variable(self._devices, **kwargs))
+
+    def _check_creation_context(self, name: Any) -> None:
+        ctx = _context.current_mode().replica_context
+        if ctx is not None and ctx.strategy is self and self.num_replicas_in_sync > 1:
+            raise ContextError(
+                f"variable {name!r}: cannot create a variable inside a replica function of "
+                f"{self!r} (each replica would make its own); create it in strategy.scope() "
+                "or in a merge_call function"
+            )
+
+    def _register(self, var: Any) -> Any:
+        comps = getattr(var, "components", ())
+        if comps:
+            self._owners[id(comps[0])] = var
+        return var
+
+    def _owner_of(self, values: Sequence[Any]) -> Any:
+        """The variable whose components ``values`` are, or None."""
+        first = values[0]
+        if not isinstance(first, np.ndarray):
+            return None
+        var = self._owners.get(id(first))
+        if var is None:
+            return None
+        comps = var.components
+        if len(comps) != len(values) or any(c is not v for c, v in zip(comps, values, strict=False)):
+            return None
+        return var
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with: Any) -> Iterator[None]:
+        """Variables made inside are placed on the devices of ``colocate_with``.
+
+        Args:
+            colocate_with: a variable, or devices as returned by :meth:`non_slot_devices`.
+        """
+        mode = _context.current_mode()
+        if mode.strategy is not self:
+            raise ContextError(
+                f"colocate_vars_with() of {self!r} needs its scope (current strategy: "
+                f"{mode.strategy!r})"
+            )
+        if _is_variable(colocate_with):
+            target = colocate_with.device
+        elif isinstance(colocate_with, (ParallelDevice, str)) or (
+            isinstance(colocate_with, (tuple, list)) and all(isinstance(d, str) for d in colocate_with)
+        ):
+            target = ParallelDevice(colocate_with)
+        else:
+            raise DistributedValueError(
+                f"colocate_vars_with() takes a variable or device names, found {type(colocate_with).__name__}"
+            )
+
+        def creator(next_creator: Any, **kwargs: Any) -> Any:
+            from parallelvars.variables import _make_distributed_variable
+
+            self._check_creation_context(kwargs.get("name"))
+            return self._register(_make_distributed_variable(target, **kwargs))
+
+        with _context.variable_creator_scope(creator):
+            yield
+
+    def non_slot_devices(self, var_list: Sequence[Any]) -> Any:
+        """Where to keep variables that belong to no single variable (an optimizer's step
+        counters): pass the result to :meth:`colocate_vars_with` and :meth:`update_non_slot`."""
+        return self.parameter_devices
+
+    # ------------------------------------------------------------------ running replicas
+    def _check_can_run(self) -> None:
+        mode = _context.current_mode()
+        ctx = mode.replica_context
+        if ctx is not None and ctx is not _top_default_replica_context():
+            raise ContextError(
+                f"run() of {self!r} called inside a replica function ({ctx!r}): runs do not "
+                "nest; use get_replica_context().merge_call(...) to reach cross-replica context"
+            )
+        if mode.strategy is not self and not mode.strategy._is_default:
+            raise ContextError(self._mixing_message("run", mode.strategy))
+
+    def run(
+        self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """Call ``fn(*args, **kwargs)`` once per replica, each in a replica context.
+
+        :class:`PerReplica` arguments are unwrapped (replica ``i`` gets element ``i``); other
+        arguments reach every replica as they are. The results are merged: the same object from
+        every replica is returned as is, the components of one variable as that variable, and
+        values that differ as a :class:`PerReplica`.
+
+        Raises:
+            ContextError: called inside a replica function or another strategy's scope.
+            DistributedValueError: a per-replica argument has the wrong number of values.
+        """
+        self._check_can_run()
+        args = tuple(args)
+        kwargs = dict(kwargs or {})
+        n = self.num_replicas_in_sync
+        if _needs_walk(args) or _needs_walk(kwargs):
+            for x in (args, kwargs):
+                try:
+                    select_replica(0, x, n)
+                except ValueError as e:
+                    raise DistributedValueError(f"run() of {self!r}: {e}") from None
+        return self._run(fn, args, kwargs)
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        ctx = ReplicaContext(self, 0)
+        a = select_replica(0, args)
+        kw = select_replica(0, kwargs)
+        with self.scope(), _context.push_mode(_context.Mode(self, ctx)):
+            return fn(*a, **kw)
+
+    # ------------------------------------------------------------------ cross-replica API
+    def _require_cross_replica(self, method: str) -> None:
+        mode = _context.current_mode()
+        ctx = mode.replica_context
+        if ctx is not None and ctx is not _top_default_replica_context():
+            raise CrossReplicaOnlyError(
+                f"{type(self).__name__}.{method}() is cross-replica only and was called from "
+                f"{ctx!r}; call it inside get_replica_context().merge_call(fn) or outside run()"
+            )
+        if mode.strategy is not self and not mode.strategy._is_default:
+            raise ContextError(self._mixing_message(f"call {method}() of", mode.strategy))
+
+    def _values_of(self, value: Any, method: str) -> tuple[tuple[Any, ...], tuple[str, ...]]:
+        """A value's per-device parts and their devices, for a reduction."""
+        if isinstance(value, PerReplica):
+            devices = self.worker_devices
+            if len(value) != len(devices):
+                raise DistributedValueError(
+                    f"{method}(): a {type(value).__name__} with {len(value)} values for "
+                    f"{len(devices)} replicas of {self!r} (expected {len(devices)}, found {len(value)})"
+                )
+            return value.values, devices
+        if _is_variable(value):
+            return tuple(value.components), tuple(value.devices)
+        # A plain value is already one cross-replica value: reducing it changes nothing (the
+        # optimizers hand batch_reduce gradients that were reduced before).
+        return (value,), self.worker_devices[:1]
+
+    def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Combine a per-replica value across replicas into one numpy array.
+
+        Args:
+            op: ``ReduceOp.SUM`` or ``ReduceOp.MEAN``.
+            value: a :class:`PerReplica` (for example the result of :meth:`run`), a
+                :class:`Mirrored` value (one copy per device, each counted), a variable (its
+                components), or a plain value, which is already one cross-replica value and
+                comes back unchanged (reduced along ``axis`` if given).
+            axis: also reduce along this axis of each replica's value. ``MEAN`` then gives
+                the mean over all elements of all replicas along the axis, which differs from
+                the mean of per-replica means when replicas hold uneven batches.
+
+        Returns:
+            A numpy array. Summation is deterministic: per device, then in device order.
+        """
+        self._require_cross_replica("reduce")
+        rop = cast(ReduceOp, ReduceOp.parse(op))
+        values, devices = self._values_of(value, "reduce")
+        return self._reduce_to(rop, values, devices, axis)
+
+    def _reduce_to(
+        self, op: ReduceOp, values: Sequence[Any], devices: Sequence[str], axis: int | None = None
+    ) -> Any:
+        """Reduce ``values[i]`` (on ``devices[i]``); the hook a multi-process strategy overrides."""
+        return reduce_values(op, values, devices, axis)
+
+    def batch_reduce(
+        self, op: ReduceOp | str, value_destination_pairs: Iterable[tuple[Any, Any]]
+    ) -> list[Any]:
+        """Reduce several values at once: ``[(per_replica_value, destination), ...]``.
+
+        The destination (usually the variable the value is a gradient of) says where the result
+        is used; the result is a plain numpy array that :meth:`update` hands to every component.
+
+        Returns:
+            One reduced value per pair, in order.
+        """
+        self._require_cross_replica("batch_reduce")
+        rop = cast(ReduceOp, ReduceOp.parse(op))
+        pairs = list(value_destination_pairs)
+        for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise DistributedValueError(
+                    f"batch_reduce() takes (value, destination) pairs, found {type(pair).__name__}"
+                )
+        parts = [self._values_of(v, "batch_reduce") for v, _ in pairs]
+        return self._batch_reduce_to(rop, [p[0] for p in parts], [p[1] for p in parts])
+
+    def _batch_reduce_to(
+        self, op: ReduceOp, values: Sequence[Sequence[Any]], devices: Sequence[Sequence[str]]
+    ) -> list[Any]:
+        return [self._reduce_to(op, v, d) for v, d in zip(values, devices, strict=False)]
+
+    def broadcast(self, value: Any, destinations: Any = None) -> Mirrored:
+        """Copy ``value`` to every worker device (or to ``destinations``: a variable or devices).
+
+        Returns:
+            A :class:`Mirrored` value with one copy per device; passed to :meth:`run`, each
+            replica receives its own copy.
+        """
+        self._require_cross_replica("broadcast")
+        if isinstance(value, PerReplica):
+            raise DistributedValueError("broadcast() takes one value, found a per-replica value")
+        if destinations is None:
+            devices = self.worker_devices
+        elif _is_variable(destinations):
+            devices = tuple(destinations.devices)
+        else:
+            devices = ParallelDevice(destinations).components
+        return self._broadcast_to(value, devices)
+
+    def _broadcast_to(self, value: Any, devices: Sequence[str]) -> Mirrored:
+        """Make one copy of ``value`` per device; the hook a multi-process strategy overrides."""
+        src = np.asarray(value.read_value() if _is_variable(value) else value)
+        return Mirrored([np.array(src, copy=True) for _ in devices])
+
+    def update(self, var: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(component, *args, **kwargs)`` for every component of ``var``.
+
+        Arguments are unwrapped per component: a :class:`PerReplica` gives its element ``i``, a
+        variable on the same devices its component ``i``, and for a sharded ``var`` an array of
+        the full shape its shard. Each call runs inside an :func:`UpdateContext` for the
+        component's device. Write through the component (``component -= lr * g``): it is a
+        view of the variable's buffer.
+
+        Returns:
+            The merged results (see :meth:`run`), e.g. ``None`` when ``fn`` returns nothing.
+        """
+        self._require_cross_replica("update")
+        if not _is_variable(var):
+            with UpdateContext(self.parameter_devices[0]):
+                return fn(var, *(select_replica(0, a) for a in args), **kwargs)
+        comps = var.components
+        devices = var.devices
+        results = []
+        for i, (comp, dev) in enumerate(zip(comps, devices, strict=False)):
+            a = [self._unwrap_for(var, i, x) for x in args]
+            kw = {k: self._unwrap_for(var, i, x) for k, x in kwargs.items()}
+            with UpdateContext(dev):
+                results.append(fn(comp, *a, **kw))
+        return regroup(results, self._owner_of)
+
+    def _unwrap_for(self, var: Any, i: int, x: Any) -> Any:
+        n = len(var.components)
+        if isinstance(x, PerReplica):
+            if len(x) != n:
+                raise DistributedValueError(
+                    f"variable {var.name!r}: update() argument {type(x).__name__} has {len(x)} "
+                    f"values for {n} components (expected {n}, found {len(x)})"
+                )
+            return x.values[i]
+        if _is_variable(x):
+            if len(x.components) == n and (var.kind != "sharded" or x.kind == "sharded"):
+                return x.components[i]
+            return x
+        if var.kind == "sharded" and isinstance(x, np.ndarray) and x.shape == var.shape:
+            axis = var.shard_axis
+            off = var.shard_offsets[i]
+            index = [slice(None)] * x.ndim
+            index[axis] = slice(off, off + var.components[i].shape[axis])
+            return x[tuple(index)]
+        if isinstance(x, (list, tuple, dict)):
+            return select_replica(i, x, n)
+        return x
+
+    def update_non_slot(self, colocate_with: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` once, updating the non-slot variables on ``colocate_with``.
+
+        ``colocate_with`` is what :meth:`non_slot_devices` returned. ``fn`` runs once (not once
+        per device): a write through a mirrored variable already reaches every component.
+
+        Returns:
+            ``fn``'s result.
+        """
+        self._require_cross_replica("update_non_slot")
+        if _needs_walk(args) or _needs_walk(kwargs):
+            raise DistributedValueError(
+                "update_non_slot() arguments must be the same for every device, found a "
+                "per-replica value"
+            )
+        devices = tuple(colocate_with.devices) if _is_variable(colocate_with) else colocate_with
+        with UpdateContext(devices):
+            return fn(*args, **kwargs)
+
+    def read_var(self, var: Any) -> np.ndarray:
+        """The value of ``var`` as cross-replica code sees it (aggregated for on-read variables)."""
+        self._require_cross_replica("read_var")
+        if _is_variable(var):
+            return var.read_value()
+        return np.array(var, copy=True)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """The per-device parts of ``value``: a per-replica value's values, a variable's
+        components, else ``(value,)``."""
+        self._require_cross_replica("experimental_local_results")
+        return local_results(value)
+
+    def group(self, value: Any) -> tuple[Any, ...]:
+        """Every per-device part of ``value`` (walking lists, tuples and dicts), flattened."""
+        self._require_cross_replica("group")
+        out: list[Any] = []
+
+        def walk(x: Any) -> None:
+            if isinstance(x, (list, tuple)) and not isinstance(x, PerReplica):
+                for i in x:
+                    walk(i)
+            elif isinstance(x, dict):
+                for i in x.values():
+                    walk(i)
+            else:
+                out.extend(local_results(x))
+
+        walk(value)
+        return tuple(out)
+
+    def experimental_distribute_dataset(self, dataset: Any, batch_size: int | None = None) -> Any:
+        """Split global batches across the replicas (see :class:`DistributedDataset`)."""
+        from parallelvars.strategy._input import DistributedDataset
+
+        return DistributedDataset(dataset, self.num_replicas_in_sync, batch_size=batch_size)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({list(self._devices.components)!r})"
@@ -137,30 +541,24 @@ class _DefaultStrategy(Strategy):
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[Strategy]:
+        mode = _context.current_mode()
+        if not mode.strategy._is_default:
+            raise ContextError(self._mixing_message("enter the scope of", mode.strategy))
         yield self
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with: Any) -> Iterator[None]:
+        yield  # plain variables have nowhere else to go
+
+    def non_slot_devices(self, var_list: Sequence[Any]) -> Any:
+        # As a single-device strategy: the first variable by name, a stable choice.
+        var_list = list(var_list)
+        if not var_list:
+            return self.parameter_devices
+        return min(var_list, key=lambda v: str(getattr(v, "name", "")))
 
     def __repr__(self) -> str:
         return "DefaultStrategy()"
-
-
-class MirroredStrategy(Strategy):
-    """Synchronous replication over several devices of one machine (one thread per replica).
-
-    Args:
-        devices: a number of replicas (``cpu:0 .. cpu:N-1``) or a list of device names.
-            Defaults to one device.
-
-    Example:
-        >>> import numpy as np, parallelvars as pv
-        >>> strategy = pv.MirroredStrategy(2)
-        >>> with strategy.scope():
-        ...     w = pv.Variable(np.zeros(3, np.float32), name="w")
-        >>> w.kind, len(w.components)
-        ('mirrored', 2)
-    """
-
-    def __init__(self, devices: int | Sequence[str] | ParallelDevice | None = None) -> None:
-        super().__init__(1 if devices is None else devices)
 
 
 class OneDeviceStrategy(Strategy):
@@ -168,3 +566,23 @@ class OneDeviceStrategy(Strategy):
 
     def __init__(self, device: str = "cpu:0") -> None:
         super().__init__([device])
+
+
+def increment_var(var: Any, amount: Any = 1) -> None:
+    """Add ``amount`` to ``var`` once, whether called from replica or cross-replica context.
+
+    In a replica function this goes through ``merge_call``, so the variable grows by
+    ``amount`` once per step, not once per replica (a global step counter).
+    """
+
+    def add(component: np.ndarray) -> None:
+        np.add(component, amount, out=component, casting="same_kind")
+
+    def merge_fn(strategy: Strategy, v: Any) -> None:
+        strategy.update(v, add)
+
+    ctx = _context.get_replica_context()
+    if ctx is None:
+        merge_fn(_context.get_strategy(), var)
+    else:
+        ctx.merge_call(merge_fn, args=(var,))

@@ -1,0 +1,209 @@
+"""Pieces the subcommands share: argument types, format options, sizes, progress over entries."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+from parallelvars.formats import FORMAT_NAMES, CheckpointView, Entry, get_format, open_checkpoint
+
+from ._output import Output, Progress
+
+__all__ = [
+    "add_format_option",
+    "format_bytes",
+    "open_view",
+    "output_format",
+    "parse_size",
+    "positive_int",
+    "non_negative_int",
+    "progress_entries",
+    "shape_str",
+]
+
+# Decimal units are powers of 1000 and binary units powers of 1024, as in `5GB` vs `5GiB`.
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as ``5GB``, ``500MB``, ``100KiB``, ``1.5GiB`` or ``4096``.
+
+    ``KB``/``MB``/``GB``/``TB`` are decimal (1000-based), ``KiB``/``MiB``/``GiB``/``TiB``
+    binary (1024-based); a bare number is bytes. The result must be at least one byte.
+
+    Raises:
+        argparse.ArgumentTypeError: the text is not a size, or not a positive one.
+
+    Example:
+        >>> parse_size("5GB"), parse_size("100KiB"), parse_size("1.5kB")
+        (5000000000, 102400, 1500)
+    """
+    match = _SIZE_RE.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 5GB, 500MB or 100KiB, got {text!r} "
+            "(units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    number = float(match.group(1)) if "." in match.group(1) else int(match.group(1))
+    size = int(number * _UNITS[unit])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected a size of at least one byte, got {text!r}")
+    return size
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1, for argparse."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0, for argparse."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite float >= 0, for argparse."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not np.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def add_format_option(parser: argparse.ArgumentParser, flag: str, what: str) -> None:
+    """``--from`` / ``--to``: one of the registered format names (default: detect)."""
+    parser.add_argument(
+        flag,
+        dest=flag.lstrip("-").replace("-", "_") + "_format",
+        metavar="FORMAT",
+        choices=FORMAT_NAMES,
+        type=str.lower,
+        help=f"{what} ({', '.join(FORMAT_NAMES)}); detected when not given",
+    )
+
+
+def open_view(path: str, fmt: str | None) -> CheckpointView:
+    """Open ``path`` as a checkpoint view (format detected unless ``fmt``)."""
+    return open_checkpoint(path, format=fmt)
+
+
+def output_format(path: str, explicit: str | None, fallback: str | None) -> str:
+    """The format to write ``path`` in: ``explicit``, else by suffix, else ``fallback``."""
+    if explicit:
+        return explicit
+    lower = os.fspath(path).lower()
+    for name in FORMAT_NAMES:
+        try:
+            spec = get_format(name)
+        except ImportError:
+            continue
+        if any(suffix and lower.endswith(suffix.lower()) for suffix in spec.suffixes):
+            return name
+    if fallback:
+        return fallback
+    raise ValueError(f"{path}: cannot tell the output format from the name; pass --to FORMAT")
+
+
+def format_bytes(n: int) -> str:
+    """``1536`` -> ``"1.5 KiB"``; exact bytes below 1 KiB."""
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        value /= 1024.0
+        if value < 1024.0 or unit == "PiB":
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def shape_str(shape: Any) -> str:
+    """``(3, 2)`` -> ``"(3, 2)"``, ``()`` -> ``"()"``, ``(4,)`` -> ``"(4,)"``."""
+    return str(tuple(int(s) for s in shape))
+
+
+class _CountingEntry(Entry):
+    """Delegates to another entry and advances a progress bar for each component read."""
+
+    def __init__(self, inner: Entry, progress: Progress) -> None:
+        self._inner = inner
+        self._progress = progress
+        self.path = inner.path
+        self.dtype = inner.dtype
+        self.shape = tuple(inner.shape)
+        self.kind = inner.kind
+        self.num_components = inner.num_components
+        self.attrs = inner.attrs
+
+    def component_shape(self, i: int) -> tuple[int, ...]:
+        return tuple(self._inner.component_shape(i))
+
+    def component(self, i: int) -> np.ndarray:
+        out = self._inner.component(i)
+        self._progress.advance(self.component_nbytes(i))
+        return out
+
+    def read_component_into(self, i: int, out: np.ndarray) -> None:
+        self._inner.read_component_into(i, out)
+        self._progress.advance(self.component_nbytes(i))
+
+
+class _CountingEntries(Mapping[str, Entry]):
+    def __init__(self, entries: Mapping[str, Entry], progress: Progress) -> None:
+        self._entries = entries
+        self._progress = progress
+
+    def __getitem__(self, key: str) -> Entry:
+        return _CountingEntry(self._entries[key], self._progress)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def progress_entries(
+    out: Output, entries: Mapping[str, Entry], desc: str
+) -> tuple[Mapping[str, Entry], Progress]:
+    """``entries`` wrapped so that reading their components draws a progress bar.
+
+    Returns the wrapped mapping and the bar (close it when done). When no bar is drawn the
+    entries are returned unwrapped, so writers keep any fast path they have for their own
+    entry types.
+    """
+    if not out.show_progress:
+        return entries, Progress()
+    total = sum(int(entry.nbytes) for entry in entries.values())
+    bar = out.progress(total, desc)
+    return _CountingEntries(entries, bar), bar

@@ -1,0 +1,165 @@
+"""The one output sink of the command line: results, notes, errors and progress bars.
+
+A command hands its result to :meth:`Output.emit` as plain data plus a human rendering; the
+sink prints one or the other. With ``--json`` stdout carries exactly one JSON document, so a
+script can pipe it into ``json.load``; everything else (notes, errors, progress bars) goes to
+stderr. Progress bars appear only when stderr is a terminal and ``--quiet`` is not given.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any, TextIO
+
+import numpy as np
+
+__all__ = ["Output", "Progress", "to_jsonable"]
+
+
+class Progress:
+    """A byte or item counter that draws a tqdm bar on stderr, or does nothing.
+
+    Use it as a context manager; :meth:`advance` adds to the count and :meth:`set` jumps to an
+    absolute position (for library callbacks that report ``(done, total)``).
+    """
+
+    def __init__(self, bar: Any = None) -> None:
+        self._bar = bar
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def set(self, done: int, total: int | None = None) -> None:
+        if self._bar is None:
+            return
+        if total is not None and self._bar.total != total:
+            self._bar.total = total
+        self._bar.update(done - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Output:
+    """Where a command's result, notes, errors and progress go.
+
+    Args:
+        json_mode: print results as one JSON document instead of human text.
+        quiet: no notes and no progress bars (results and errors are still printed).
+        stdout: stream for results; ``sys.stdout`` at construction time by default.
+        stderr: stream for notes, errors and progress bars; ``sys.stderr`` by default.
+    """
+
+    def __init__(
+        self,
+        *,
+        json_mode: bool = False,
+        quiet: bool = False,
+        stdout: TextIO | None = None,
+        stderr: TextIO | None = None,
+    ) -> None:
+        self.json_mode = json_mode
+        self.quiet = quiet
+        self.stdout = stdout if stdout is not None else sys.stdout
+        self.stderr = stderr if stderr is not None else sys.stderr
+
+    def emit(self, data: Mapping[str, Any], human: str | Callable[[], str]) -> None:
+        """Print a command's result: ``data`` as JSON, or the human text."""
+        if self.json_mode:
+            text = json.dumps(to_jsonable(data), indent=2, allow_nan=False)
+        else:
+            text = human() if callable(human) else human
+        if text:
+            self.stdout.write(text if text.endswith("\n") else text + "\n")
+        self.stdout.flush()
+
+    def note(self, message: str) -> None:
+        """A side remark for people (stderr); silent with ``--quiet`` or ``--json``.
+
+        In JSON mode notes belong in the result document instead.
+        """
+        if not self.quiet and not self.json_mode:
+            self.stderr.write(f"note: {message}\n")
+
+    def error(self, message: str) -> None:
+        """One line on stderr, always printed."""
+        self.stderr.write(f"parallelvars: error: {one_line(message)}\n")
+        self.stderr.flush()
+
+    @property
+    def show_progress(self) -> bool:
+        if self.quiet:
+            return False
+        isatty = getattr(self.stderr, "isatty", None)
+        try:
+            return bool(isatty and isatty())
+        except (OSError, ValueError):  # a closed or odd stream
+            return False
+
+    def progress(self, total: int | None, desc: str, *, unit: str = "B") -> Progress:
+        """A progress bar over ``total`` units, drawn only on a terminal."""
+        if not self.show_progress:
+            return Progress()
+        from tqdm import tqdm  # imported only when a bar is drawn
+
+        return Progress(
+            tqdm(
+                total=total,
+                desc=desc,
+                unit=unit,
+                unit_scale=unit == "B",
+                unit_divisor=1024,
+                file=self.stderr,
+                leave=False,
+                dynamic_ncols=True,
+            )
+        )
+
+
+def one_line(message: str) -> str:
+    """``message`` folded onto one line."""
+    return "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+
+
+def to_jsonable(value: Any) -> Any:
+    """``value`` with numpy scalars, dtypes, tuples and bytes turned into JSON types.
+
+    Non-finite floats become the strings ``"nan"``, ``"inf"`` and ``"-inf"`` (strict JSON has
+    no spelling for them).
+    """
+    if isinstance(value, Mapping):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return to_jsonable(value.tolist())
+    if isinstance(value, np.generic):
+        return to_jsonable(value.item())
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", errors="backslashreplace")
+    if isinstance(value, np.dtype):
+        return value.name
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return str(value)

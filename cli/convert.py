@@ -1,0 +1,110 @@
+"""``parallelvars convert``: rewrite a checkpoint in another format."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from parallelvars import formats
+
+from ._common import add_format_option, format_bytes, open_view, parse_size
+from ._errors import UsageError
+from ._output import Output
+
+__all__ = ["add_parser", "run", "same_file"]
+
+_EPILOG = """\
+--components all keeps every component of every variable (formats without a place for
+components store them under suffixed names); --components primary keeps one value per variable
+(the logical value: the primary of a mirrored variable, the aggregate of an on-read variable,
+the full tensor of a sharded one), which is what a non-parallel reader expects.
+
+Sizes take decimal (KB, MB, GB) or binary (KiB, MiB, GiB) units: 5GB = 5*10^9 bytes,
+100KiB = 102400 bytes.
+
+examples:
+  parallelvars convert run.h5 model.safetensors
+  parallelvars convert run.h5 model.safetensors --components primary --max-shard-size 5GB
+  parallelvars convert ckpt-3 run.h5 --from tf
+  parallelvars convert model.weights.h5 weights.npz --to npz"""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "convert",
+        help="convert a checkpoint to another format",
+        description="Convert a checkpoint from one format to another, one component at a time.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("source", metavar="SRC", help="checkpoint to read")
+    parser.add_argument("destination", metavar="DST", help="file (or prefix) to write")
+    add_format_option(parser, "--from", "format of SRC")
+    add_format_option(parser, "--to", "format of DST; by default from DST's suffix")
+    parser.add_argument(
+        "--components",
+        choices=("all", "primary"),
+        default="all",
+        help="keep every component, or one logical value per variable (default: all)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        type=parse_size,
+        help="split the output into files of at most SIZE (e.g. 5GB, 500MB, 100KiB), "
+        "for formats that shard",
+    )
+    parser.add_argument(
+        "--names",
+        metavar="STYLE",
+        help="how variable paths become the output format's names (see the formats "
+        "documentation); the format's own convention when not given",
+    )
+    return parser
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether two paths name the same existing file."""
+    try:
+        return os.path.exists(b) and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def run(args: argparse.Namespace) -> int:
+    out: Output = args.out
+    if same_file(args.source, args.destination):
+        raise UsageError(f"{args.destination}: is the same file as SRC; write somewhere else")
+    src_format = args.from_format or formats.detect_format(args.source)
+    with out.progress(None, "convert") as bar:
+        written = formats.convert(
+            args.source,
+            args.destination,
+            from_format=src_format,
+            to_format=args.to_format,
+            components=args.components,
+            names=args.names,
+            max_shard_size=args.max_shard_size,
+            progress=bar.set,
+        )
+    with open_view(written, args.to_format) as view:
+        count = len(view)
+        total = sum(int(view[k].nbytes) for k in view)
+        dst_format = view.format
+    data = {
+        "source": args.source,
+        "source_format": src_format,
+        "destination": written,
+        "format": dst_format,
+        "components": args.components,
+        "max_shard_size": args.max_shard_size,
+        "num_variables": count,
+        "bytes": total,
+    }
+    out.emit(
+        data,
+        f"wrote {written} ({dst_format}, {count} variable{'s' if count != 1 else ''}, "
+        f"{format_bytes(total)}) from {args.source} ({src_format})",
+    )
+    return 0

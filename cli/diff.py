@@ -1,0 +1,257 @@
+"""``parallelvars diff``: compare two checkpoints variable by variable, component by component."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import numpy as np
+from parallelvars.formats import CheckpointView, Entry
+
+from ._common import non_negative_float, open_view, shape_str
+from ._output import Output, Progress
+from .inspect import dtype_name
+
+__all__ = ["add_parser", "run", "compare_arrays", "compare_entries"]
+
+_EPILOG = """\
+Two values x (from A) and y (from B) agree when |x - y| <= atol + rtol * |y| (numpy's
+isclose, with B as the reference); NaN agrees with NaN, and an infinity only with the same
+infinity. With the default tolerances of zero, values must be equal. Every component is
+compared, not only the primary; when the two sides hold a variable in different kinds or
+numbers of components, their logical values (what a single-device restore gives) are compared.
+
+"missing" variables are in A but not in B; "extra" ones are in B but not in A. The exit code is
+1 when anything differs (a missing or extra variable, a dtype, shape, kind or component count,
+an aggregation or shard layout, or a value beyond the tolerances), else 0.
+
+examples:
+  parallelvars diff before.h5 after.h5
+  parallelvars diff run.h5 model.safetensors --rtol 1e-5 --atol 1e-8
+  parallelvars diff a.h5 b.h5 --json | jq '.variables[] | select(.equal | not)'"""
+
+# Elements compared at a time, so that the float64 temporaries stay small for big tensors.
+_CHUNK = 1 << 20
+# Attributes whose difference changes what a restore gives.
+_SEMANTIC_ATTRS = ("aggregation", "shard_axis", "shard_offsets")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "diff",
+        help="compare two checkpoints",
+        description="Compare two checkpoints: keys, dtypes, shapes, kinds and every component's "
+        "values (max absolute and relative difference).",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("a", metavar="A", help="first checkpoint")
+    parser.add_argument("b", metavar="B", help="second checkpoint (the reference for --rtol)")
+    parser.add_argument(
+        "--rtol", metavar="R", type=non_negative_float, default=0.0,
+        help="relative tolerance (default: 0)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--atol", metavar="A", type=non_negative_float, default=0.0,
+        help="absolute tolerance (default: 0)",
+    )  # fmt: skip
+    return parser
+
+
+def _numeric(x: np.ndarray) -> np.ndarray | None:
+    """``x`` as float64 (complex128 for complex), or None when it holds no numbers."""
+    if x.dtype.kind == "c":
+        return x.astype(np.complex128)
+    if x.dtype.kind in "OSUM":
+        return None
+    try:  # bool, ints, floats, and ml_dtypes' bfloat16 / float8 (kind "V")
+        return x.astype(np.float64)
+    except (TypeError, ValueError):
+        return None
+
+
+def compare_arrays(a: np.ndarray, b: np.ndarray, *, rtol: float, atol: float) -> dict[str, Any]:
+    """How far ``a`` is from ``b`` (same shape): counts and the largest differences.
+
+    Returns a dict with ``size``, ``mismatched`` (elements beyond the tolerances), ``max_abs``
+    and ``max_rel`` (None for non-numeric data; ``inf`` where one side is NaN or infinite and
+    the other is not). ``max_rel`` is relative to ``|b|``.
+    """
+    a_flat = np.ravel(a)
+    b_flat = np.ravel(b)
+    size = int(a_flat.size)
+    text_a, text_b = a.dtype.kind in "OSU", b.dtype.kind in "OSU"
+    if text_a != text_b:  # strings against numbers: nothing agrees
+        return {"size": size, "mismatched": size, "max_abs": None, "max_rel": None}
+    if text_a:
+        mismatched = 0
+        for start in range(0, size, _CHUNK):
+            sl = slice(start, start + _CHUNK)
+            mismatched += int(np.count_nonzero(a_flat[sl] != b_flat[sl]))
+        return {"size": size, "mismatched": mismatched, "max_abs": None, "max_rel": None}
+    max_abs = 0.0
+    max_rel = 0.0
+    mismatched = 0
+    with np.errstate(all="ignore"):
+        for start in range(0, size, _CHUNK):
+            sl = slice(start, start + _CHUNK)
+            fa = _numeric(a_flat[sl])
+            fb = _numeric(b_flat[sl])
+            if fa is None or fb is None:
+                return {"size": size, "mismatched": size, "max_abs": None, "max_rel": None}
+            same = (fa == fb) | (np.isnan(fa) & np.isnan(fb))
+            absd = np.abs(fa - fb)
+            absd[same] = 0.0
+            absd[np.isnan(absd)] = np.inf
+            mag = np.abs(fb)
+            rel = np.where(
+                mag > 0, absd / np.where(mag > 0, mag, 1.0), np.where(absd > 0, np.inf, 0.0)
+            )
+            rel[np.isnan(rel)] = np.inf
+            close = same | (np.isfinite(fa) & np.isfinite(fb) & (absd <= atol + rtol * mag))
+            mismatched += int(close.size - np.count_nonzero(close))
+            if absd.size:
+                max_abs = max(max_abs, float(absd.max()))
+                max_rel = max(max_rel, float(rel.max()))
+    return {"size": size, "mismatched": mismatched, "max_abs": max_abs, "max_rel": max_rel}
+
+
+def _attr(entry: Entry, key: str) -> Any:
+    value = entry.attrs.get(key)
+    if value is None:
+        return None
+    if key == "aggregation":
+        return str(value).lower()
+    if key == "shard_offsets":
+        return [int(v) for v in value]
+    if key == "shard_axis":
+        return int(value)
+    return value
+
+
+def compare_entries(
+    ea: Entry, eb: Entry, *, rtol: float, atol: float, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Structural differences and per-component value differences of two entries."""
+    differences: list[str] = []
+    if ea.dtype != eb.dtype:
+        differences.append(f"dtype {dtype_name(ea.dtype)} vs {dtype_name(eb.dtype)}")
+    if tuple(ea.shape) != tuple(eb.shape):
+        differences.append(f"shape {shape_str(ea.shape)} vs {shape_str(eb.shape)}")
+    if ea.kind != eb.kind:
+        differences.append(f"kind {ea.kind} vs {eb.kind}")
+    if ea.num_components != eb.num_components:
+        differences.append(f"components {ea.num_components} vs {eb.num_components}")
+    for key in _SEMANTIC_ATTRS:
+        va, vb = _attr(ea, key), _attr(eb, key)
+        if va != vb and ea.kind == eb.kind:
+            differences.append(f"{key} {va} vs {vb}")
+
+    def advance(entry: Entry, i: int | None) -> None:
+        if progress is not None:
+            progress.advance(entry.nbytes if i is None else entry.component_nbytes(i))
+
+    components: list[dict[str, Any]] = []
+    compared: str | None = None
+    same_layout = (
+        ea.kind == eb.kind
+        and ea.num_components == eb.num_components
+        and all(
+            tuple(ea.component_shape(i)) == tuple(eb.component_shape(i))
+            for i in range(ea.num_components)
+        )
+    )
+    if same_layout:
+        compared = "components"
+        for i in range(ea.num_components):
+            ca, cb = ea.component(i), eb.component(i)
+            advance(ea, i)
+            advance(eb, i)
+            components.append({"component": i, **compare_arrays(ca, cb, rtol=rtol, atol=atol)})
+    elif tuple(ea.shape) == tuple(eb.shape):
+        try:
+            va, vb = ea.value(), eb.value()
+        except ValueError as exc:  # independent buffers have no one logical value
+            differences.append(f"values not compared: {exc}")
+        else:
+            compared = "logical"
+            components.append({"component": None, **compare_arrays(va, vb, rtol=rtol, atol=atol)})
+        advance(ea, None)
+        advance(eb, None)
+    equal = not differences and all(c["mismatched"] == 0 for c in components)
+    return {
+        "path": ea.path,
+        "equal": equal,
+        "differences": differences,
+        "compared": compared,
+        "components": components,
+    }
+
+
+def _fmt_num(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.6g}"
+
+
+def _side(path: str, view: CheckpointView) -> dict[str, Any]:
+    return {"path": path, "format": view.format, "num_variables": len(view)}
+
+
+def run(args: argparse.Namespace) -> int:
+    out: Output = args.out
+    with open_view(args.a, None) as va, open_view(args.b, None) as vb:
+        keys_a, keys_b = set(va), set(vb)
+        missing = sorted(keys_a - keys_b)
+        extra = sorted(keys_b - keys_a)
+        common = sorted(keys_a & keys_b)
+        total = sum(int(va[k].nbytes) + int(vb[k].nbytes) for k in common)
+        results = []
+        with out.progress(total, "compare") as bar:
+            for key in common:
+                results.append(
+                    compare_entries(va[key], vb[key], rtol=args.rtol, atol=args.atol, progress=bar)
+                )
+        side_a, side_b = _side(args.a, va), _side(args.b, vb)
+    differing = [r for r in results if not r["equal"]]
+    equal = not missing and not extra and not differing
+    data = {
+        "a": side_a,
+        "b": side_b,
+        "rtol": args.rtol,
+        "atol": args.atol,
+        "equal": equal,
+        "missing": missing,
+        "extra": extra,
+        "num_compared": len(results),
+        "num_differing": len(differing),
+        "variables": results,
+    }
+
+    def human() -> str:
+        lines = [
+            f"A: {args.a} ({side_a['format']}, {side_a['num_variables']} variables)",
+            f"B: {args.b} ({side_b['format']}, {side_b['num_variables']} variables)",
+        ]
+        lines += [f"missing from B: {k}" for k in missing]
+        lines += [f"extra in B: {k}" for k in extra]
+        for r in differing:
+            lines += [f"{r['path']}: {d}" for d in r["differences"]]
+            for c in r["components"]:
+                if c["mismatched"] == 0:
+                    continue
+                where = "logical value" if c["component"] is None else f"component {c['component']}"
+                lines.append(
+                    f"{r['path']} [{where}]: {c['mismatched']} of {c['size']} values differ; "
+                    f"max abs {_fmt_num(c['max_abs'])}, max rel {_fmt_num(c['max_rel'])}"
+                )
+        tol = f"rtol={args.rtol:g}, atol={args.atol:g}"
+        if equal:
+            lines.append(f"no differences ({len(results)} variables compared, {tol})")
+        else:
+            lines.append(
+                f"different: {len(missing)} missing, {len(extra)} extra, "
+                f"{len(differing)} of {len(results)} common variables differ ({tol})"
+            )
+        return "\n".join(lines)
+
+    out.emit(data, human)
+    return 0 if equal else 1

@@ -1,0 +1,203 @@
+"""``parallelvars inspect``: the tree of variables in a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from parallelvars.formats import CheckpointView, Entry
+
+from ._common import add_format_option, format_bytes, open_view, shape_str
+from ._output import Output, Progress
+
+__all__ = ["add_parser", "run", "components_equal", "dtype_name"]
+
+_EPILOG = """\
+For each variable: its kind (single, mirrored, on_read, independent, sharded), dtype, logical
+shape, number of components (one per device) and bytes. Mirrored variables are read in full to
+tell whether every component is bit-for-bit equal to the primary.
+
+examples:
+  parallelvars inspect run.h5
+  parallelvars inspect model.safetensors --json | jq '.variables[].path'
+  parallelvars inspect ckpt-3 --from tf"""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "inspect",
+        help="list the variables of a checkpoint",
+        description="List the variables of a checkpoint as a tree.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("checkpoint", metavar="CKPT", help="checkpoint file, directory or prefix")
+    add_format_option(parser, "--from", "format of CKPT")
+    return parser
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """The name shown for a dtype: numpy's name, ``string`` for TF strings (object arrays)."""
+    return "string" if dtype.kind == "O" else dtype.name
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype.kind == "O":
+        return bool(np.array_equal(a, b))
+    # Bit-for-bit: NaN equals the same NaN, -0.0 differs from 0.0, as a restore would see it.
+    return np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+
+
+def components_equal(entry: Entry, progress: Progress | None = None) -> list[int]:
+    """Indices of the components that differ from the primary (empty when all are equal)."""
+    primary = entry.component(0)
+    if progress is not None:
+        progress.advance(entry.component_nbytes(0))
+    differing = []
+    for i in range(1, entry.num_components):
+        if not _same(primary, entry.component(i)):
+            differing.append(i)
+        if progress is not None:
+            progress.advance(entry.component_nbytes(i))
+    return differing
+
+
+def _row(entry: Entry) -> dict[str, Any]:
+    return {
+        "path": entry.path,
+        "kind": entry.kind,
+        "dtype": dtype_name(entry.dtype),
+        "shape": [int(s) for s in entry.shape],
+        "components": int(entry.num_components),
+        "bytes": int(entry.nbytes),
+        "attrs": dict(entry.attrs),
+    }
+
+
+def _detail(row: dict[str, Any]) -> str:
+    attrs = row["attrs"]
+    bits = []
+    if row["kind"] == "mirrored":
+        bits.append("equal" if row["equal"] else f"NOT EQUAL (components {row['differing']})")
+    elif row["kind"] == "on_read" and "aggregation" in attrs:
+        bits.append(f"aggregation={attrs['aggregation']}")
+    elif row["kind"] == "sharded" and "shard_axis" in attrs:
+        bits.append(f"axis={attrs['shard_axis']}")
+    if "slot_name" in attrs:
+        bits.append(f"slot={attrs['slot_name']}")
+    return ", ".join(bits)
+
+
+@dataclass
+class _Node:
+    row: dict[str, Any] | None = None
+    children: dict[str, _Node] = field(default_factory=dict)
+
+
+def _tree(rows: list[dict[str, Any]]) -> _Node:
+    root = _Node()
+    for row in rows:
+        node = root
+        for part in row["path"].split("/"):
+            node = node.children.setdefault(part, _Node())
+        node.row = row
+    return root
+
+
+def render_tree(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows as an indented tree with aligned columns."""
+    lines: list[tuple[str, dict[str, Any] | None]] = []
+
+    def walk(node: _Node, depth: int) -> None:
+        for name, child in node.children.items():
+            pad = "  " * depth
+            if child.row is not None:
+                lines.append((pad + name, child.row))
+            if child.children:
+                lines.append((pad + name + "/", None))
+                walk(child, depth + 1)
+
+    walk(_tree(rows), 0)
+    cells = [
+        [
+            row["kind"],
+            row["dtype"],
+            shape_str(row["shape"]),
+            f"{row['components']} component{'s' if row['components'] != 1 else ''}",
+            format_bytes(row["bytes"]),
+            _detail(row),
+        ]
+        for _, row in lines
+        if row is not None
+    ]
+    widths = [max((len(c[j]) for c in cells), default=0) for j in range(6)]
+    name_width = max((len(label) for label, row in lines if row is not None), default=0)
+    out = []
+    it = iter(cells)
+    for label, row in lines:
+        if row is None:
+            out.append(label)
+            continue
+        c = next(it)
+        cols = [label.ljust(name_width)] + [c[j].ljust(widths[j]) for j in range(5)] + [c[5]]
+        out.append("  ".join(cols).rstrip())
+    return out
+
+
+def collect(view: CheckpointView, out: Output) -> list[dict[str, Any]]:
+    """One row per variable, sorted by path; mirrored variables get ``equal``/``differing``."""
+    entries = [view[key] for key in sorted(view)]
+    mirrored = [e for e in entries if e.kind == "mirrored" and e.num_components > 1]
+    rows = []
+    with out.progress(sum(e.nbytes for e in mirrored), "compare components") as bar:
+        for entry in entries:
+            row = _row(entry)
+            if entry.kind == "mirrored":
+                differing = components_equal(entry, bar) if entry.num_components > 1 else []
+                row["equal"] = not differing
+                row["differing"] = differing
+            rows.append(row)
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    out: Output = args.out
+    with open_view(args.checkpoint, args.from_format) as view:
+        rows = collect(view, out)
+        fmt, metadata = view.format, dict(view.metadata)
+    total = sum(r["bytes"] for r in rows)
+    ncomp = sum(r["components"] for r in rows)
+    data = {
+        "path": args.checkpoint,
+        "format": fmt,
+        "metadata": metadata,
+        "num_variables": len(rows),
+        "num_components": ncomp,
+        "bytes": total,
+        "variables": rows,
+    }
+
+    def human() -> str:
+        head = (
+            f"{args.checkpoint}: {fmt}, {len(rows)} variable{'s' if len(rows) != 1 else ''}, "
+            f"{ncomp} component{'s' if ncomp != 1 else ''}, {format_bytes(total)}"
+        )
+        lines = [head]
+        if metadata:
+            lines.append("metadata:")
+            for key in sorted(metadata, key=str):
+                value = str(metadata[key]).replace("\n", " ")
+                lines.append(f"  {key}: {value if len(value) <= 72 else value[:69] + '...'}")
+            lines.append("variables:")
+        lines.extend(render_tree(rows))
+        unequal = [r["path"] for r in rows if r.get("equal") is False]
+        if unequal:
+            lines.append(f"{len(unequal)} mirrored variable(s) with unequal components")
+        return "\n".join(lines)
+
+    out.emit(data, human)
+    return 0

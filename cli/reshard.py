@@ -1,0 +1,73 @@
+"""``parallelvars reshard``: rewrite a checkpoint for another number of devices."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from parallelvars import formats
+
+from ._common import add_format_option, open_view, output_format, positive_int, progress_entries
+from ._errors import UsageError
+from ._output import Output
+from .convert import same_file
+
+__all__ = ["add_parser", "run"]
+
+_EPILOG = """\
+What each kind becomes on M devices: mirrored -> the primary on all M; on_read SUM -> M
+components with the same total; on_read MEAN -> the mean on all M; on_read ONLY_FIRST_REPLICA
+-> the primary on all M; sharded -> the full value re-split into M shards; single -> unchanged. Independent buffers cannot be redistributed: they need M equal to
+the devices they were saved with, or the command stops with an error naming the variable.
+
+examples:
+  parallelvars reshard run.h5 run-8dev.h5 --devices 8
+  parallelvars reshard run.h5 run-1dev.h5 --devices 1 --json"""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "reshard",
+        help="rewrite a checkpoint for another number of devices",
+        description="Redistribute every variable of a checkpoint onto M devices.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("source", metavar="SRC", help="checkpoint to read")
+    parser.add_argument("destination", metavar="DST", help="file (or prefix) to write")
+    parser.add_argument(
+        "--devices", metavar="M", type=positive_int, required=True, help="number of devices (>= 1)"
+    )
+    add_format_option(parser, "--from", "format of SRC")
+    add_format_option(parser, "--to", "format of DST; by default from DST's suffix, else SRC's")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    out: Output = args.out
+    if same_file(args.source, args.destination):
+        raise UsageError(f"{args.destination}: is the same file as SRC; write somewhere else")
+    with open_view(args.source, args.from_format) as view:
+        before = sorted({int(view[k].num_components) for k in view})
+        entries = formats.reshard(view, args.devices)
+        fmt = output_format(args.destination, args.to_format, view.format)
+        wrapped, bar = progress_entries(out, entries, "reshard")
+        with bar:
+            written = formats.write_checkpoint(args.destination, wrapped, format=fmt)
+        count = len(entries)
+        src_format = view.format
+    data = {
+        "source": args.source,
+        "source_format": src_format,
+        "destination": written,
+        "format": fmt,
+        "devices": args.devices,
+        "source_components": before,
+        "num_variables": count,
+    }
+    out.emit(
+        data,
+        f"wrote {written} ({fmt}, {count} variable{'s' if count != 1 else ''}, "
+        f"{args.devices} device{'s' if args.devices != 1 else ''}) from {args.source} ({src_format})",
+    )
+    return 0

@@ -1,0 +1,151 @@
+"""Distributed values: :class:`PerReplica`, :class:`Mirrored`, and how they cross replica borders.
+
+``select_replica(i, structure)`` is what replica ``i`` sees of an argument (its own element of
+every per-replica value, everything else as is); ``regroup(values)`` is the inverse, used for the
+results of ``run()`` and the arguments of ``merge_call``: the same object from every replica stays
+that object, the components of one variable become that variable, anything else becomes a
+:class:`PerReplica`. Lists, tuples (named tuples too) and dicts are walked element by element.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+__all__ = ["PerReplica", "Mirrored", "select_replica", "regroup", "local_results"]
+
+
+class PerReplica:
+    """A value that differs per replica: element ``i`` belongs to replica ``i``.
+
+    Args:
+        values: one value per replica, in replica order.
+
+    Example:
+        >>> import parallelvars as pv
+        >>> x = pv.PerReplica([1.0, 2.0])
+        >>> x.values, len(x)
+        ((1.0, 2.0), 2)
+    """
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Sequence[Any]) -> None:
+        values = tuple(values)
+        if not values:
+            raise ValueError(f"a {type(self).__name__} needs at least one value")
+        self._values = values
+
+    @property
+    def values(self) -> tuple[Any, ...]:
+        """The per-replica values, in replica order."""
+        return self._values
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getitem__(self, i: int) -> Any:
+        return self._values[i]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._values)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({list(self._values)!r})"
+
+
+class Mirrored(PerReplica):
+    """A value held as one copy per replica device, every copy equal (``strategy.broadcast``).
+
+    Passed to ``run()``, replica ``i`` receives copy ``i``; reduced, it counts once per copy
+    (``SUM`` gives ``n`` times the value, ``MEAN`` the value).
+    """
+
+    __slots__ = ()
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(x, "_fields")
+
+
+def _needs_walk(x: Any) -> bool:
+    """Whether ``x`` contains a per-replica value anywhere (cheap for the common flat cases)."""
+    if isinstance(x, PerReplica):
+        return True
+    if isinstance(x, (list, tuple)):
+        return any(_needs_walk(i) for i in x)
+    if isinstance(x, dict):
+        return any(_needs_walk(i) for i in x.values())
+    return False
+
+
+def _map_structure(fn: Callable[[Any], Any], x: Any) -> Any:
+    if isinstance(x, PerReplica):
+        return fn(x)
+    if _is_namedtuple(x):
+        return type(x)(*(_map_structure(fn, i) for i in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map_structure(fn, i) for i in x)
+    if isinstance(x, dict):
+        return type(x)((k, _map_structure(fn, v)) for k, v in x.items())
+    return x
+
+
+def select_replica(replica_id: int, structure: Any, num_replicas: int | None = None) -> Any:
+    """What replica ``replica_id`` sees of ``structure``: per-replica values replaced by its part.
+
+    Raises:
+        ValueError: a per-replica value has another number of values than ``num_replicas``.
+    """
+    if not _needs_walk(structure):
+        return structure
+
+    def pick(v: PerReplica) -> Any:
+        if num_replicas is not None and len(v) != num_replicas:
+            raise ValueError(
+                f"a {type(v).__name__} value has {len(v)} values for {num_replicas} replicas "
+                f"(expected {num_replicas}, found {len(v)})"
+            )
+        return v.values[replica_id]
+
+    return _map_structure(pick, structure)
+
+
+def regroup(values: Sequence[Any], owner_of: Callable[[Sequence[Any]], Any] | None = None) -> Any:
+    """Merge one value per replica into one value.
+
+    Args:
+        values: replica ``i``'s value at index ``i``.
+        owner_of: given the values, returns the variable whose components they are, or ``None``.
+
+    Returns:
+        The shared object when every replica gave the same one; a variable when the values are
+        its components; a structure of regrouped elements when every replica gave a list, tuple
+        or dict of the same shape; else a :class:`PerReplica`.
+    """
+    first = values[0]
+    if all(v is first for v in values):
+        return first
+    if owner_of is not None:
+        owner = owner_of(values)
+        if owner is not None:
+            return owner
+    kind = type(first)
+    if all(type(v) is kind for v in values):
+        if isinstance(first, (list, tuple)) and all(len(v) == len(first) for v in values):
+            items = [regroup([v[j] for v in values], owner_of) for j in range(len(first))]
+            return kind(*items) if _is_namedtuple(first) else kind(items)
+        if isinstance(first, dict) and all(v.keys() == first.keys() for v in values):
+            return kind((k, regroup([v[k] for v in values], owner_of)) for k in first)
+    return PerReplica(values)
+
+
+def local_results(value: Any) -> tuple[Any, ...]:
+    """The per-device parts of ``value``: a per-replica value's values, a variable's components,
+    else ``(value,)``."""
+    if isinstance(value, PerReplica):
+        return value.values
+    components = getattr(value, "_self_components", None)  # a ParallelVariable, without importing it
+    if components is not None and hasattr(value, "_self_kind"):
+        return tuple(components)
+    return (value,)

@@ -1,0 +1,329 @@
+"""The command's wiring: help, usage errors, the error table, --debug, --json, progress, scripts."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+from _cli_support import register_pvtest, write_sample
+from parallelvars.cli import COMMANDS, main
+from parallelvars.cli._common import parse_size
+from parallelvars.cli._errors import EXIT_INTERNAL, EXIT_USAGE, UsageError, classify
+from parallelvars.cli._output import Output, to_jsonable
+
+from parallelvars import errors
+
+
+@pytest.fixture
+def pvtest(monkeypatch: pytest.MonkeyPatch) -> None:
+    register_pvtest(monkeypatch)
+
+
+@pytest.fixture(autouse=True)
+def _no_debug_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PARALLELVARS_DEBUG", raising=False)
+
+
+def _one_line_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# --- help -------------------------------------------------------------------------------------
+
+
+def test_help_lists_every_command_with_examples_and_exit_codes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for name in COMMANDS:
+        assert f"\n    {name} " in text
+    assert "examples:" in text and "exit codes:" in text and "PARALLELVARS_DEBUG" in text
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_subcommand_help_has_examples(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([command, "--help"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: parallelvars {command}")
+    assert "examples:" in text
+    assert f"parallelvars {command} " in text.split("examples:")[1]
+    assert "--json" in text and "--quiet" in text and "--debug" in text
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == "parallelvars 0.1.0"
+
+
+# --- usage errors: exit 2, one line ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        ([], "required: COMMAND"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["inspect"], "required: CKPT"),
+        (["inspect", "x.h5", "--bogus"], "unrecognized arguments: --bogus"),
+        (["inspect", "x.h5", "--from", "pickle"], "argument --from: invalid choice: 'pickle'"),
+        (["diff", "a", "b", "--rtol", "-1"], "argument --rtol: expected a finite number >= 0"),
+        (["diff", "a", "b", "--atol", "nan"], "argument --atol: expected a finite number >= 0"),
+        (["extract", "c", "n"], "required: -o/--output"),
+        (["extract", "c", "n", "-o", "o.npy", "--component", "-1"], "argument --component"),
+        (["convert", "a", "b", "--components", "some"], "argument --components: invalid choice"),
+        (
+            ["convert", "a", "b", "--max-shard-size", "5XB"],
+            "argument --max-shard-size: expected a size",
+        ),
+        (["reshard", "a", "b"], "required: --devices"),
+    ],
+)
+def test_usage_errors_are_one_line_with_exit_2(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    line = _one_line_error(captured.err)
+    assert line.startswith("parallelvars")
+    assert needle in line
+    assert "--help" in line
+
+
+@pytest.mark.parametrize("devices", ["0", "-2", "two", "1.5", ""])
+def test_bad_devices_value(
+    devices: str, capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path
+) -> None:
+    assert (
+        main(["reshard", str(tmp_path / "a.pvt"), str(tmp_path / "b.pvt"), "--devices", devices])
+        == 2
+    )
+    line = _one_line_error(capsys.readouterr().err)
+    assert line.startswith(
+        "parallelvars reshard: error: argument --devices: expected a positive integer"
+    )
+    assert repr(devices) in line
+
+
+# --- input errors: exit 2, one line, traceback only with --debug ---------------------------------
+
+
+def test_missing_file(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:
+    missing = tmp_path / "nothere.h5"
+    assert main(["inspect", str(missing)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert (
+        _one_line_error(captured.err)
+        == f"parallelvars: error: {missing}: no such file or directory"
+    )
+
+
+def test_not_a_checkpoint(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:
+    junk = tmp_path / "notes.txt"
+    junk.write_text("these are not tensors\n")
+    assert main(["inspect", str(junk)]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert line.startswith(f"parallelvars: error: {junk}: not a checkpoint of any known format")
+
+
+def test_truncated_file(
+    pvtest: None, capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path
+) -> None:
+    path = pathlib.Path(write_sample(tmp_path / "run.pvt"))
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    assert main(["inspect", str(path)]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert line.startswith(f"parallelvars: error: {path}: the file ends before")
+
+
+@pytest.mark.parametrize("how", ["flag", "flag-first", "env"])
+def test_debug_shows_the_traceback(
+    how: str,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    missing = str(tmp_path / "nothere.h5")
+    argv = {"flag": ["inspect", missing, "--debug"], "flag-first": ["--debug", "inspect", missing],
+            "env": ["inspect", missing]}[how]  # fmt: skip
+    if how == "env":
+        monkeypatch.setenv("PARALLELVARS_DEBUG", "1")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err
+    assert "FileNotFoundError" in err
+    assert (
+        err.strip().splitlines()[-1] == f"parallelvars: error: {missing}: no such file or directory"
+    )
+
+
+def test_unexpected_exception_is_an_internal_error(
+    pvtest: None,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import parallelvars.cli.inspect as inspect_cmd
+
+    def broken(*args: object) -> None:
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(inspect_cmd, "collect", broken)
+    path = write_sample(tmp_path / "run.pvt")
+    assert main(["inspect", path]) == EXIT_INTERNAL
+    line = _one_line_error(capsys.readouterr().err)
+    assert line == (
+        "parallelvars: error: internal error: ZeroDivisionError: division by zero "
+        "(rerun with --debug for the traceback)"
+    )
+    assert main(["inspect", path, "--debug"]) == EXIT_INTERNAL
+    assert "in broken" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("exc", "code", "message"),
+    [
+        (FileNotFoundError(2, "No such file or directory", "a.h5"), 2, "a.h5: no such file or directory"),
+        (PermissionError(13, "Permission denied", "/x"), 2, "/x: permission denied"),
+        (errors.TruncatedFileError("cut", file="f.h5"), 2, "f.h5: cut"),
+        (errors.MissingVariableError("no such variable", file="f", variable="w"), 2,
+         "f: variable 'w': no such variable"),
+        (errors.DeviceCountError("cannot redistribute", variable="rng", expected=2, found=3), 2,
+         "variable 'rng': cannot redistribute (expected 2, found 3)"),
+        (ValueError("unknown format 'x'"), 2, "unknown format 'x'"),
+        (UsageError("multi\nline"), 2, "multi\nline"),
+        (KeyboardInterrupt(), 130, "interrupted"),
+        (KeyError("k"), EXIT_INTERNAL, "internal error: KeyError: 'k' (rerun with --debug for the traceback)"),
+        (RuntimeError("bug"), EXIT_INTERNAL, "internal error: RuntimeError: bug (rerun with --debug for the traceback)"),
+    ],
+)  # fmt: skip
+def test_error_table(exc: BaseException, code: int, message: str) -> None:
+    assert classify(exc) == (code, message)
+
+
+def test_error_output_is_folded_onto_one_line() -> None:
+    err = io.StringIO()
+    Output(stderr=err).error("first\n  second\n")
+    assert err.getvalue() == "parallelvars: error: first; second\n"
+
+
+# --- sizes ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("100KiB", 102400), ("1.5GiB", 3 * 2**29),
+     ("4096", 4096), ("1kb", 1000), ("2 MiB", 2 * 2**20), ("7B", 7), ("1TB", 10**12), (".5KiB", 512)],
+)  # fmt: skip
+def test_parse_size(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "GB", "5XB", "5 G", "-1MB", "0", "0.1B", "1.2.3MB", "1e3"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_size(text)
+
+
+# --- the output sink ---------------------------------------------------------------------------
+
+
+def test_json_is_strict_and_handles_numpy() -> None:
+    data = {"a": np.float32(1.5), "b": (1, 2), "c": float("nan"), "d": -np.inf, "e": np.dtype("int8"),
+            "f": b"\xffx", "g": np.arange(2), "h": {"nested": np.bool_(True)}, "i": pathlib.Path("p")}  # fmt: skip
+    out = io.StringIO()
+    Output(json_mode=True, stdout=out).emit(data, "unused")
+    assert json.loads(out.getvalue()) == {
+        "a": 1.5, "b": [1, 2], "c": "nan", "d": "-inf", "e": "int8", "f": "\\xffx", "g": [0, 1],
+        "h": {"nested": True}, "i": "p",
+    }  # fmt: skip
+    assert to_jsonable(float("inf")) == "inf"
+
+
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_json_flag_before_or_after_the_command(
+    where: str, pvtest: None, capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path
+) -> None:
+    path = write_sample(tmp_path / "run.pvt")
+    argv = ["inspect", path, "--json"] if where == "after" else ["--json", "inspect", path]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == "pvtest"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("tty", "quiet", "drawn"), [(True, False, True), (True, True, False), (False, False, False)]
+)
+def test_progress_only_on_a_terminal_and_not_quiet(
+    tty: bool, quiet: bool, drawn: bool, pvtest: None, tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    path = write_sample(tmp_path / "run.pvt")
+    stderr = _Terminal() if tty else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    assert main(["verify", path, *(["--quiet"] if quiet else [])]) == 0
+    assert ("verify" in stderr.getvalue() and "%" in stderr.getvalue()) == drawn
+    assert capsys.readouterr().out.startswith("OK: ")  # the result itself is never silenced
+    if not drawn:
+        assert stderr.getvalue() == ""
+
+
+# --- real processes ------------------------------------------------------------------------------
+
+
+def _script() -> str:
+    """The installed console script: next to this interpreter (a venv), else on PATH."""
+    name = "parallelvars.exe" if os.name == "nt" else "parallelvars"
+    beside = pathlib.Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which("parallelvars")
+    assert found, (
+        f"the parallelvars console script is not installed (looked next to {sys.executable})"
+    )
+    return found
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PARALLELVARS_DEBUG"}
+    # Run outside the source tree: `python -m` puts the working directory first on sys.path,
+    # and the tree's parallelvars/ folder lacks the formats/ and cli/ subpackages that the
+    # installed package maps in.
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=120, env=env, check=False, cwd=tempfile.gettempdir()
+    )
+
+
+def test_console_script_help() -> None:
+    proc = _run([_script(), "--help"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: parallelvars")
+    assert "examples:" in proc.stdout
+
+
+def test_python_dash_m(tmp_path: pathlib.Path) -> None:
+    proc = _run([sys.executable, "-m", "parallelvars", "--version"])
+    assert (proc.returncode, proc.stdout.strip()) == (0, "parallelvars 0.1.0")
+    missing = tmp_path / "nothere.h5"
+    proc = _run([sys.executable, "-m", "parallelvars", "verify", str(missing)])
+    assert proc.returncode == EXIT_USAGE
+    assert proc.stdout == ""
+    assert proc.stderr == f"parallelvars: error: {missing}: no such file or directory\n"

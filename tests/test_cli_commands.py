@@ -1,0 +1,533 @@
+"""inspect, diff, verify and extract through ``main([...])`` on real files, human and --json."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+from _cli_support import register_pvtest, replaced, sample_entries, write_sample
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from parallelvars.cli import main
+from parallelvars.cli.diff import compare_arrays
+from parallelvars.formats import ArrayEntry
+
+from parallelvars.checkpoint.h5io import write_h5
+
+
+@pytest.fixture(autouse=True)
+def pvtest(monkeypatch: pytest.MonkeyPatch) -> None:
+    register_pvtest(monkeypatch)
+    monkeypatch.delenv("PARALLELVARS_DEBUG", raising=False)
+
+
+@pytest.fixture
+def sample(tmp_path: pathlib.Path) -> str:
+    return write_sample(tmp_path / "run.pvt", step=7, note="first run")
+
+
+def _json(capsys: pytest.CaptureFixture[str]) -> dict:
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return json.loads(captured.out)
+
+
+# --- inspect -------------------------------------------------------------------------------------
+
+
+def test_inspect_human_tree(sample: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", sample]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{sample}: pvtest, 9 variables, 15 components, 214 B"
+    assert lines[1:5] == ["metadata:", "  note: first run", "  step: 7", "variables:"]
+    tree = lines[5:]
+    # Groups end in "/", children are indented under them, columns line up.
+    assert tree[0] == "metrics/"
+    assert tree[1].split() == ["count", "on_read", "int64", "()", "2", "components", "16", "B",
+                               "aggregation=sum"]  # fmt: skip
+    model = tree.index("model/")
+    assert tree[model + 1] == "  dense/"
+    kernel = next(line for line in tree if line.strip().startswith("kernel"))
+    assert kernel.startswith("    kernel")
+    assert kernel.split()[1:] == [
+        "mirrored",
+        "float32",
+        "(3,",
+        "2)",
+        "2",
+        "components",
+        "48",
+        "B",
+        "equal",
+    ]
+    scale = next(line for line in tree if line.strip().startswith("scale"))
+    assert scale.split()[1:4] == ["single", "bfloat16", "(3,)"]
+    vocab = next(line for line in tree if line.startswith("vocab"))
+    assert vocab.split()[1:3] == ["single", "string"]
+    emb = next(line for line in tree if line.strip().startswith("embedding"))
+    assert emb.split()[1] == "sharded" and emb.endswith("axis=0")
+    slot = next(line for line in tree if line.strip().startswith("m "))
+    assert slot.endswith("equal, slot=m")
+    columns = {line.index(" mirrored ") for line in tree if " mirrored " in line}
+    assert len(columns) == 1
+
+
+def test_inspect_json(sample: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", sample, "--json"]) == 0
+    doc = _json(capsys)
+    assert doc["format"] == "pvtest"
+    assert doc["metadata"] == {"step": 7, "note": "first run"}
+    assert (doc["num_variables"], doc["num_components"], doc["bytes"]) == (9, 15, 214)
+    by_path = {v["path"]: v for v in doc["variables"]}
+    assert [v["path"] for v in doc["variables"]] == sorted(sample_entries())
+    assert by_path["model/dense/kernel"] == {
+        "path": "model/dense/kernel", "kind": "mirrored", "dtype": "float32", "shape": [3, 2],
+        "components": 2, "bytes": 48, "attrs": {"devices": ["cpu:0", "cpu:1"], "trainable": True},
+        "equal": True, "differing": [],
+    }  # fmt: skip
+    assert by_path["model/embedding"]["attrs"] == {"shard_axis": 0, "shard_offsets": [0, 3]}
+    assert "equal" not in by_path["metrics/count"]  # only mirrored variables are compared
+    assert by_path["vocab"]["dtype"] == "string"
+
+
+def test_inspect_reports_unequal_mirrored_components(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    w = np.ones(4, np.float32)
+    nudged = w.copy()
+    nudged[2] = np.nextafter(np.float32(1), np.float32(2))
+    negzero = np.zeros(4, np.float32)
+    entries = {
+        "w": ArrayEntry("w", [w, w, nudged], kind="mirrored"),
+        # -0.0 == 0.0 as numbers, but a restore would not give back the same bits
+        "z": ArrayEntry("z", [negzero, -negzero], kind="mirrored"),
+        # NaN in the same place with the same bits is equal
+        "n": ArrayEntry("n", [np.full(2, np.nan), np.full(2, np.nan)], kind="mirrored"),
+    }
+    path = write_sample(tmp_path / "m.pvt", entries)
+    assert main(["inspect", path, "--json"]) == 0
+    by_path = {v["path"]: v for v in _json(capsys)["variables"]}
+    assert (by_path["w"]["equal"], by_path["w"]["differing"]) == (False, [2])
+    assert (by_path["z"]["equal"], by_path["z"]["differing"]) == (False, [1])
+    assert (by_path["n"]["equal"], by_path["n"]["differing"]) == (True, [])
+    assert main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "NOT EQUAL (components [2])" in out
+    assert out.splitlines()[-1] == "2 mirrored variable(s) with unequal components"
+
+
+def test_inspect_with_explicit_format_that_does_not_match(
+    sample: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --from forces the format; a file of another format is refused with one line, exit 2.
+    code = main(["inspect", sample, "--from", "npz"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("parallelvars: error: ")
+
+
+# --- diff ----------------------------------------------------------------------------------------
+
+
+def test_diff_identical(
+    sample: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = write_sample(tmp_path / "copy.pvt")
+    assert main(["diff", sample, other]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        f"A: {sample} (pvtest, 9 variables)",
+        f"B: {other} (pvtest, 9 variables)",
+        "no differences (9 variables compared, rtol=0, atol=0)",
+    ]
+    assert main(["diff", sample, other, "--json"]) == 0
+    doc = _json(capsys)
+    assert doc["equal"] is True and doc["missing"] == [] and doc["extra"] == []
+    kernel = next(v for v in doc["variables"] if v["path"] == "model/dense/kernel")
+    assert kernel == {
+        "path": "model/dense/kernel", "equal": True, "differences": [], "compared": "components",
+        "components": [{"component": i, "size": 6, "mismatched": 0, "max_abs": 0.0, "max_rel": 0.0}
+                       for i in range(2)],
+    }  # fmt: skip
+    vocab = next(v for v in doc["variables"] if v["path"] == "vocab")
+    assert vocab["components"] == [
+        {"component": 0, "size": 2, "mismatched": 0, "max_abs": None, "max_rel": None}
+    ]
+
+
+def test_diff_finds_a_change_in_a_non_primary_component(
+    sample: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kernel = np.arange(6, dtype=np.float32).reshape(3, 2) / 4
+    changed = kernel.copy()
+    changed[1, 1] += 0.5  # 0.75 -> 1.25 in component 1 only
+    entries = replaced(
+        sample_entries(), ArrayEntry("model/dense/kernel", [kernel, changed], kind="mirrored")
+    )
+    other = write_sample(tmp_path / "b.pvt", entries)
+    assert main(["diff", other, sample]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert (
+        "model/dense/kernel [component 1]: 1 of 6 values differ; max abs 0.5, max rel 0.666667"
+        in out
+    )
+    assert (
+        out[-1] == "different: 0 missing, 0 extra, 1 of 9 common variables differ (rtol=0, atol=0)"
+    )
+    # Inside the tolerances, the same pair is equal: |1.25 - 0.75| <= 0.1 + 0.6 * 0.75.
+    assert main(["diff", other, sample, "--rtol", "0.6", "--atol", "0.1"]) == 0
+    assert main(["diff", other, sample, "--atol", "0.49", "--json"]) == 1
+    capsys.readouterr()
+    assert main(["diff", other, sample, "--atol", "0.5", "--json"]) == 0
+    doc = _json(capsys)
+    comp = next(v for v in doc["variables"] if v["path"] == "model/dense/kernel")["components"][1]
+    assert (comp["mismatched"], comp["max_abs"]) == (0, 0.5)
+
+
+def test_diff_structure_missing_and_extra(
+    sample: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    entries = sample_entries()
+    del entries["step"]
+    entries["extra/thing"] = ArrayEntry("extra/thing", [np.zeros(1)])
+    entries["model/dense/bias"] = ArrayEntry(
+        "model/dense/bias", [np.zeros(2, np.float64)] * 2, kind="mirrored"
+    )
+    kernel = np.arange(6, dtype=np.float32).reshape(3, 2) / 4
+    entries["model/dense/kernel"] = ArrayEntry("model/dense/kernel", [kernel])  # single now
+    entries["metrics/count"] = ArrayEntry(
+        "metrics/count", [np.array(3, np.int64), np.array(4, np.int64)], kind="on_read",
+        attrs={"aggregation": "mean"},
+    )  # fmt: skip
+    entries["rng/state"] = ArrayEntry(
+        "rng/state", [np.array([1, 2, 0], np.uint32)] * 2, kind="independent"
+    )
+    other = write_sample(tmp_path / "b.pvt", entries)
+    assert main(["diff", sample, other]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert "missing from B: step" in out
+    assert "extra in B: extra/thing" in out
+    assert "model/dense/bias: dtype float32 vs float64" in out
+    assert "model/dense/kernel: kind mirrored vs single" in out
+    assert "model/dense/kernel: components 2 vs 1" in out
+    assert "metrics/count: aggregation sum vs mean" in out
+    assert "rng/state: shape (2,) vs (3,)" in out
+    assert (
+        out[-1] == "different: 1 missing, 1 extra, 4 of 8 common variables differ (rtol=0, atol=0)"
+    )
+    assert main(["diff", sample, other, "--json"]) == 1
+    doc = _json(capsys)
+    assert (doc["missing"], doc["extra"], doc["num_differing"]) == (["step"], ["extra/thing"], 4)
+    by_path = {v["path"]: v for v in doc["variables"]}
+    # Different kinds: the logical values (the primary of the mirrored one) are compared.
+    assert by_path["model/dense/kernel"]["compared"] == "logical"
+    assert by_path["model/dense/kernel"]["components"][0]["mismatched"] == 0
+    # Same layout, values equal after the cast: only the dtype differs.
+    assert by_path["model/dense/bias"]["differences"] == ["dtype float32 vs float64"]
+    assert by_path["model/dense/bias"]["components"][1]["mismatched"] == 0
+    assert by_path["rng/state"]["compared"] is None
+
+
+def test_diff_sharded_against_single_compares_the_full_value(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    full = np.arange(10, dtype=np.float32).reshape(5, 2)
+    a = write_sample(tmp_path / "a.pvt", {"t": ArrayEntry("t", [full[:3], full[3:]], kind="sharded", shape=(5, 2),
+                                                           attrs={"shard_axis": 0, "shard_offsets": [0, 3]})})  # fmt: skip
+    b = write_sample(tmp_path / "b.pvt", {"t": ArrayEntry("t", [full])})
+    assert main(["diff", a, b, "--json"]) == 1  # the kinds differ...
+    var = _json(capsys)["variables"][0]
+    assert var["differences"] == ["kind sharded vs single", "components 2 vs 1"]
+    assert var["compared"] == "logical"
+    assert var["components"] == [
+        {"component": None, "size": 10, "mismatched": 0, "max_abs": 0.0, "max_rel": 0.0}
+    ]
+
+
+def test_diff_bad_input(
+    sample: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["diff", sample, str(tmp_path / "nope.pvt")]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"parallelvars: error: {tmp_path / 'nope.pvt'}: no such file or directory\n"
+    )
+
+
+def test_compare_arrays_special_values() -> None:
+    a = np.array([np.nan, np.inf, -np.inf, 1.0, np.nan, 0.0, 2.0])
+    b = np.array([np.nan, np.inf, np.inf, np.inf, 1.0, -0.0, 0.0])
+    got = compare_arrays(a, b, rtol=0.5, atol=0.0)
+    assert got == {"size": 7, "mismatched": 4, "max_abs": np.inf, "max_rel": np.inf}
+    ints = compare_arrays(
+        np.array([2**40, 5], np.int64), np.array([2**40 + 3, 5], np.int64), rtol=0, atol=0
+    )
+    assert ints == {"size": 2, "mismatched": 1, "max_abs": 3.0, "max_rel": 3.0 / (2**40 + 3)}
+    bf = compare_arrays(
+        np.array([1.0, 2.0], ml_dtypes.bfloat16), np.array([1.0, 2.5], np.float32), rtol=0, atol=0
+    )
+    assert bf == {"size": 2, "mismatched": 1, "max_abs": 0.5, "max_rel": 0.2}
+    c = compare_arrays(np.array([1 + 1j]), np.array([1 - 1j]), rtol=0, atol=0)
+    assert (c["mismatched"], c["max_abs"]) == (1, 2.0)
+    s = compare_arrays(np.array([b"a", b"b"], object), np.array([1.0, 2.0]), rtol=0, atol=0)
+    assert s == {"size": 2, "mismatched": 2, "max_abs": None, "max_rel": None}
+
+
+_floats = hnp.arrays(
+    np.float64, st.integers(0, 40), elements=st.floats(allow_subnormal=False, width=64)
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    a=_floats,
+    rtol=st.sampled_from([0.0, 1e-6, 0.5]),
+    atol=st.sampled_from([0.0, 1e-3, 10.0]),
+)
+def test_compare_arrays_agrees_with_numpy_isclose(
+    data: st.DataObject, a: np.ndarray, rtol: float, atol: float
+) -> None:
+    b = data.draw(
+        hnp.arrays(np.float64, a.shape, elements=st.floats(allow_subnormal=False, width=64))
+    )
+    got = compare_arrays(a, b, rtol=rtol, atol=atol)
+    with np.errstate(all="ignore"):
+        expected = int(np.count_nonzero(~np.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True)))
+    assert got["mismatched"] == expected
+    assert compare_arrays(a, a.copy(), rtol=0, atol=0)["mismatched"] == 0
+
+
+# --- verify --------------------------------------------------------------------------------------
+
+
+def test_verify_sound(sample: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", sample]) == 0
+    assert (
+        capsys.readouterr().out
+        == f"OK: {sample} (pvtest, 9 variables, 15 components, 214 B checked)\n"
+    )
+    assert main(["verify", sample, "--json"]) == 0
+    assert _json(capsys) == {
+        "path": sample, "format": "pvtest", "ok": True, "problems": [], "num_variables": 9,
+        "num_components": 15, "bytes": 214,
+    }  # fmt: skip
+
+
+def test_verify_names_a_damaged_component(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    marker = np.frombuffer(b"PARALLELVARS-MARKER-BYTES!", np.uint8).copy()
+    entries = {
+        "good": ArrayEntry("good", [np.zeros(3, np.float32)]),
+        "bad": ArrayEntry("bad", [np.zeros(26, np.uint8), marker], kind="independent"),
+    }
+    path = pathlib.Path(write_sample(tmp_path / "d.pvt", entries))
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b"PARALLELVARS-MARKER")
+    raw[at] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert main(["verify", str(path)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"problem: {path}: variable 'bad': component 1 is damaged (Bad CRC-32")
+    assert out[-1] == f"FAILED: {path} (pvtest): 1 problem"
+    assert main(["verify", str(path), "--json"]) == 1
+    doc = _json(capsys)
+    assert doc["ok"] is False and len(doc["problems"]) == 1 and "'bad'" in doc["problems"][0]
+
+
+def test_verify_truncated_is_a_finding(sample: str, capsys: pytest.CaptureFixture[str]) -> None:
+    path = pathlib.Path(sample)
+    path.write_bytes(path.read_bytes()[:-40])
+    assert main(["verify", sample]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert captured.out.splitlines()[0].startswith(f"problem: {sample}: the file ends before")
+
+
+def test_verify_structure_problems(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    entries = {
+        "shards": ArrayEntry("shards", [np.zeros(2), np.zeros(2)], kind="sharded", shape=(4,),
+                             attrs={"shard_axis": 0, "shard_offsets": [0, 5]}),
+        "axis": ArrayEntry("axis", [np.zeros(2), np.zeros(2)], kind="sharded", shape=(4,),
+                           attrs={"shard_axis": -1, "shard_offsets": [0, 2]}),
+        "fine": ArrayEntry("fine", [np.zeros(2), np.zeros(2)], kind="sharded", shape=(4,),
+                           attrs={"shard_axis": 0, "shard_offsets": [0, 2]}),
+    }  # fmt: skip
+    path = write_sample(tmp_path / "s.pvt", entries)
+    assert main(["verify", path, "--json"]) == 1
+    assert _json(capsys)["problems"] == [
+        "variable 'axis': shard axis out of range (expected 0..0, found -1)",
+        "variable 'shards': shard offsets do not tile axis 0 of length 4 (found offsets [0, 5])",
+    ]
+
+
+@pytest.mark.parametrize("what", ["missing", "junk"])
+def test_verify_input_errors_exit_2(
+    what: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "x.bin"
+    if what == "junk":
+        path.write_bytes(b"\x00" * 64)
+    assert main(["verify", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.splitlines()) == 1 and "Traceback" not in captured.err
+
+
+# --- extract -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "component", "expected"),
+    [
+        ("model/dense/kernel", None, np.arange(6, dtype=np.float32).reshape(3, 2) / 4),
+        ("model/dense/kernel", 1, np.arange(6, dtype=np.float32).reshape(3, 2) / 4),
+        ("model/embedding", None, np.arange(10, dtype=np.float32).reshape(5, 2)),
+        ("model/embedding", 1, np.arange(6, 10, dtype=np.float32).reshape(2, 2)),
+        ("metrics/count", None, np.array(7, np.int64)),
+        ("metrics/count", 0, np.array(3, np.int64)),
+        ("rng/state", 1, np.array([3, 4], np.uint32)),
+        ("step", None, np.array(7, np.int64)),
+    ],
+)
+def test_extract_values(
+    name: str, component: int | None, expected: np.ndarray, sample: str, tmp_path: pathlib.Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    out = tmp_path / "v.npy"
+    argv = ["extract", sample, name, "-o", str(out)] + (
+        ["--component", str(component)] if component is not None else []
+    )
+    assert main(argv) == 0
+    got = np.load(out, allow_pickle=False)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    np.testing.assert_array_equal(got, expected)
+    what = "logical value" if component is None else f"component {component}"
+    assert capsys.readouterr().out.startswith(f"wrote {out}: {name} ({what}, {expected.dtype} ")
+
+
+def test_extract_bfloat16_writes_raw_bits_with_a_note(
+    sample: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "scale.npy"
+    assert main(["extract", sample, "model/scale", "-o", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == (
+        "note: bfloat16 has no .npy dtype: wrote its raw bits as uint16; read it back with "
+        "np.load(path).view(ml_dtypes.bfloat16)\n"
+    )
+    got = np.load(out, allow_pickle=False)
+    assert got.dtype == np.uint16
+    np.testing.assert_array_equal(
+        got.view(ml_dtypes.bfloat16), np.array([1.5, -2.0, 0.25], ml_dtypes.bfloat16)
+    )
+    assert main(["extract", sample, "model/scale", "-o", str(out), "--json"]) == 0
+    doc = _json(capsys)
+    assert (doc["dtype"], doc["stored_dtype"], doc["shape"]) == ("bfloat16", "<u2", [3])
+    assert doc["note"].startswith("bfloat16 has no .npy dtype")
+    assert main(["extract", sample, "model/scale", "-o", str(out), "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2])
+def test_extract_float8(
+    dtype: type, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    value = np.array([0.5, -1.0, 448.0 if dtype is ml_dtypes.float8_e4m3fn else 2.0], dtype)
+    path = write_sample(tmp_path / "f8.pvt", {"f": ArrayEntry("f", [value])})
+    out = tmp_path / "f.npy"
+    assert main(["extract", path, "f", "-o", str(out), "--quiet"]) == 0
+    got = np.load(out, allow_pickle=False)
+    assert got.dtype == np.uint8
+    np.testing.assert_array_equal(got.view(dtype), value)
+
+
+def test_extract_strings_without_pickle(
+    sample: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "vocab.npy"
+    assert main(["extract", sample, "vocab", "-o", str(out), "--json"]) == 0
+    assert _json(capsys)["stored_dtype"] == "|S3"
+    np.testing.assert_array_equal(np.load(out, allow_pickle=False), np.array([b"ab", b"xyz"]))
+
+
+def test_extract_keeps_the_output_name(sample: str, tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "kernel.bin"  # numpy.save(name) would have written kernel.bin.npy
+    assert main(["extract", sample, "step", "-o", str(out), "-q"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kernel.bin", "run.pvt"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["model/dense/kernl"], "variable 'model/dense/kernl': no such variable; did you mean 'model/dense/kernel', 'model/dense/bias', 'optimizer/slots/model/dense/kernel/m'?"),
+        (["nothing/like/it"], "variable 'nothing/like/it': no such variable; list the variables with 'parallelvars inspect'"),
+        (["model/dense/kernel", "--component", "2"], "variable 'model/dense/kernel': no component 2 (expected 0..1)"),
+        (["rng/state"], "variable 'rng/state' holds 2 independent components and no single value; pick one with --component"),
+    ],
+)  # fmt: skip
+def test_extract_errors(argv: list[str], message: str, sample: str, tmp_path: pathlib.Path,
+                        capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    out = tmp_path / "x.npy"
+    assert main(["extract", sample, *argv, "-o", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"parallelvars: error: {sample}: {message}\n"
+    assert not out.exists()
+
+
+# --- verify on the native HDF5 layout (checked by the checkpoint reader itself) -----------------
+
+
+@pytest.fixture
+def native(tmp_path: pathlib.Path) -> str:
+    return write_h5(str(tmp_path / "run.h5"), sample_entries(), metadata={"step": 7})
+
+
+def test_verify_native_sound(native: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", native]) == 0
+    assert (
+        capsys.readouterr().out
+        == f"OK: {native} (hdf5, 9 variables, 15 components, 214 B checked)\n"
+    )
+
+
+def test_verify_native_names_the_damaged_dataset(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    marker = np.frombuffer(b"PARALLELVARS-MARKER-BYTES!", np.uint8).copy()
+    entries = {
+        "model/ok": ArrayEntry("model/ok", [np.arange(4, dtype=np.float32)]),
+        "model/bad": ArrayEntry("model/bad", [marker, marker], kind="mirrored"),
+    }
+    path = pathlib.Path(write_h5(str(tmp_path / "d.h5"), entries))
+    raw = bytearray(path.read_bytes())
+    at = raw.rindex(b"PARALLELVARS-MARKER")  # the second copy: parallel_component_1
+    raw[at + 3] ^= 0x01
+    path.write_bytes(bytes(raw))
+    assert main(["verify", str(path), "--json"]) == 1
+    doc = _json(capsys)
+    assert doc["ok"] is False and doc["format"] == "hdf5"
+    [problem] = doc["problems"]
+    assert problem.startswith(
+        f"{path}: variable 'model/bad/parallel_component_1': checksum mismatch"
+    )
+    assert main(["verify", str(path)]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == f"FAILED: {path} (hdf5): 1 problem"
+
+
+def test_verify_native_truncated(native: str, capsys: pytest.CaptureFixture[str]) -> None:
+    path = pathlib.Path(native)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size - 100])
+    assert main(["verify", native]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert captured.out.startswith(f"problem: {native}: file is truncated")
+    assert captured.out.splitlines()[-1] == f"FAILED: {native} (hdf5): 1 problem"

@@ -1,0 +1,82 @@
+"""The update core: runs over shared arenas, block walking, scratch reuse."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from parallelvars import update_core
+from parallelvars._storage import Arena, Placement
+
+
+def _axpy(var: Any, slots: Any, g: Any, hp: Any, tmp: Any, gtmp: Any) -> None:
+    # var -= lr * g; slot += g  (a toy kernel that leaves a trace of every column it sees)
+    np.multiply(g, hp, out=gtmp[0])
+    np.subtract(var, gtmp[0], out=var)
+    np.add(slots[0], g, out=slots[0])
+
+
+def _arena_with(sizes: list[int], n: int = 3) -> tuple[Arena, list[Placement]]:
+    arena = Arena(n, np.dtype(np.float32), 80000)
+    return arena, [Placement(arena, arena.try_allocate(s), s) for s in sizes]
+
+
+def test_runs_cover_only_neighbours() -> None:
+    _, pls = _arena_with([5, 7, 16, 3])
+    # variables 0, 1 and 3 are updated; 2 sits between 1 and 3 and must split the run.
+    runs = update_core.plan_runs([(0, pls[0]), (1, pls[1]), (3, pls[3])], lambda a: [a.shadow("s")])
+    assert [(r.lo, r.hi) for r in runs] == [(pls[0].offset, pls[1].offset + 7), (pls[3].offset, pls[3].offset + 3)]
+    assert [m[0] for m in runs[0].members] == [0, 1]
+    with pytest.raises(ValueError, match="twice"):
+        update_core.plan_runs([(0, pls[0]), (1, pls[0])], lambda a: [])
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_apply_runs_matches_per_variable_update(n: int) -> None:
+    rng = np.random.default_rng(1)
+    sizes = [3, 5000, 1, 70000, 64]
+    arena, pls = _arena_with(sizes, n)
+    arena.buffer[...] = rng.normal(size=arena.buffer.shape)
+    before = arena.buffer.copy()
+    grads = [rng.normal(size=s).astype(np.float32) for s in sizes]
+    shadow = arena.shadow("acc")
+    runs = update_core.plan_runs(list(enumerate(pls)), lambda a: [a.shadow("acc")])
+    assert len(runs) == 1
+    update_core.apply_runs(runs, grads, _axpy, 0.5, lambda dt: update_core.Scratch(dt))
+    for pl, g in zip(pls, grads, strict=True):
+        cols = slice(pl.offset, pl.offset + pl.size)
+        np.testing.assert_array_equal(arena.buffer[:, cols], before[:, cols] - np.float32(0.5) * g)
+        np.testing.assert_array_equal(shadow.buffer[:, cols], np.broadcast_to(g, (n, pl.size)))
+    # Padding columns saw a zero gradient: unchanged, and nothing beyond the last variable moved.
+    end = pls[-1].offset + pls[-1].size
+    mask = np.ones(arena.capacity, bool)
+    for pl in pls:
+        mask[pl.offset : pl.offset + pl.size] = False
+    np.testing.assert_array_equal(arena.buffer[:, mask], before[:, mask])
+    assert not shadow.buffer[:, end:].any()
+
+
+def test_scratch_is_reused() -> None:
+    s = update_core.Scratch(np.float64)
+    tmp, gtmp = s.take(4, 100)
+    tmp2, _ = s.take(2, 50)
+    assert tmp2[0].base is tmp[0].base and tmp2[0].shape == (2, 50) and gtmp[0].shape == (1, 100)
+    tmp3, _ = s.take(8, 10)
+    assert tmp3[0].shape == (8, 10)
+
+
+def test_block_width_keeps_blocks_cache_sized() -> None:
+    w = update_core.block_width(4, np.dtype(np.float32))
+    assert w % 64 == 0 and 4 * w * 4 <= update_core.BLOCK_BYTES
+    assert update_core.block_width(10**6, np.dtype(np.float64)) == 1024
+
+
+def test_row_view_is_a_view() -> None:
+    a = np.zeros((2, 3, 4))
+    v = update_core.row_view(a)
+    v[1, 5] = 1
+    assert a[1, 1, 1] == 1
+    with pytest.raises(ValueError):
+        update_core.row_view(np.zeros((2, 6, 4))[:, ::2])

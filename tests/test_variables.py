@@ -1,0 +1,282 @@
+"""ParallelVariable semantics: the numpy face, in-place writes on every component, kinds."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import parallelvars as pv
+from parallelvars.errors import ShapeMismatchError
+
+
+@pytest.fixture
+def strategy() -> pv.MirroredStrategy:
+    return pv.MirroredStrategy(4)
+
+
+def mirrored(strategy: pv.MirroredStrategy, value, **kw) -> pv.ParallelVariable:
+    with strategy.scope():
+        return pv.Variable(value, **kw)
+
+
+def assert_all_components(var: pv.ParallelVariable, expected) -> None:
+    for i, c in enumerate(var.components):
+        np.testing.assert_array_equal(c, expected, err_msg=f"component {i}")
+
+
+def test_parallel_device() -> None:
+    assert pv.ParallelDevice(3).components == ("cpu:0", "cpu:1", "cpu:2")
+    assert len(pv.ParallelDevice(["CPU:0", "/device:GPU:1"])) == 2
+    assert pv.ParallelDevice(["CPU:0", "/device:GPU:1"]).components == ("cpu:0", "gpu:1")
+    with pytest.raises(ValueError, match="distinct"):
+        pv.ParallelDevice(["cpu:0", "cpu:0"])
+    with pytest.raises(ValueError, match="at least one"):
+        pv.ParallelDevice(0)
+    with pytest.raises(ValueError, match="invalid device"):
+        pv.ParallelDevice(["nonsense"])
+
+
+def test_single_outside_any_strategy() -> None:
+    v = pv.Variable(np.arange(3.0), name="v")
+    assert v.kind == "single" and v.num_components == 1 and v.devices == ("cpu:0",)
+    assert v.dtype == np.float64
+    assert pv.Variable(1.5).dtype == np.float32  # Python floats become float32
+
+
+def test_numpy_face(strategy) -> None:
+    w = mirrored(strategy, np.arange(6, dtype=np.float32).reshape(3, 2), name="w")
+    assert w.shape == (3, 2) and w.dtype == np.float32 and w.ndim == 2 and w.size == 6
+    arr = np.asarray(w)
+    assert np.shares_memory(arr, w.components[0])  # zero-copy
+    assert isinstance(w, np.ndarray)  # the proxy passes for its wrapped array
+    np.testing.assert_array_equal(w + 1, np.arange(6).reshape(3, 2) + 1)
+    np.testing.assert_array_equal(1 + w, np.arange(6).reshape(3, 2) + 1)
+    np.testing.assert_array_equal(w[1:], [[2, 3], [4, 5]])
+    np.testing.assert_array_equal(w @ np.ones(2, np.float32), [1, 5, 9])
+    np.testing.assert_array_equal(w > 2, np.arange(6).reshape(3, 2) > 2)
+    assert float(np.sum(w)) == 15.0  # __array_function__
+    assert np.add(w, w).dtype == np.float32  # __array_ufunc__
+    assert np.concatenate([w, w]).shape == (6, 2)
+    assert type(np.add(w, 1)) is np.ndarray  # numpy never returns a proxy
+    assert w.T.shape == (2, 3) and w.sum() == 15
+    assert -w[0, 1] == -1 and abs(-w)[2, 1] == 5
+    assert float(mirrored(strategy, 2.5)) == 2.5 and int(mirrored(strategy, 3)) == 3
+
+
+@pytest.mark.parametrize(
+    ("op", "expected"),
+    [
+        (lambda v: v.__iadd__(2), 3),
+        (lambda v: v.__isub__(2), -1),
+        (lambda v: v.__imul__(4), 4),
+        (lambda v: v.__itruediv__(2), 0.5),
+        (lambda v: v.__ifloordiv__(2), 0),
+        (lambda v: v.__imod__(1), 0),
+        (lambda v: v.__ipow__(3), 1),
+    ],
+)
+def test_inplace_operators_reach_every_component(strategy, op, expected) -> None:
+    v = mirrored(strategy, np.ones((2, 2), np.float32))
+    result = op(v)
+    assert result is v
+    assert_all_components(v, np.full((2, 2), expected, np.float32))
+
+
+def test_bitwise_inplace_on_every_component(strategy) -> None:
+    v = mirrored(strategy, np.array([1, 2, 4], np.int32))
+    v |= 8
+    v <<= 1
+    v &= 0b11110
+    v ^= 2
+    v >>= 1
+    assert_all_components(v, (((np.array([1, 2, 4]) | 8) << 1) & 0b11110 ^ 2) >> 1)
+
+
+def test_python_statement_forms(strategy) -> None:
+    v = mirrored(strategy, np.zeros(3, np.float32))
+    v += 1
+    v *= 3
+    v[0] = 10
+    v[1:] -= 1
+    v[...] += 1
+    assert_all_components(v, [11, 3, 3])
+
+
+def test_item_assignment_variants(strategy) -> None:
+    v = mirrored(strategy, np.zeros((3, 4)))
+    v[1] = 1
+    v[:, 2] = 2
+    v[v > 1.5] = 5  # boolean mask computed from the variable itself
+    v[(0, 0)] = 7
+    v[np.array([2]), 3] = 9
+    expected = np.zeros((3, 4))
+    expected[1] = 1
+    expected[:, 2] = 5
+    expected[0, 0] = 7
+    expected[2, 3] = 9
+    assert_all_components(v, expected)
+
+
+def test_assign_methods_and_shape_check(strategy) -> None:
+    v = mirrored(strategy, np.zeros((2, 3), np.float32), name="w")
+    assert v.assign(np.ones((2, 3))) is v
+    v.assign_add(np.arange(3, dtype=np.float32))  # broadcasts
+    v.assign_sub(1)
+    assert_all_components(v, np.tile(np.arange(3, dtype=np.float32), (2, 1)))
+    with pytest.raises(ShapeMismatchError, match=r"'w'.*expected \(2, 3\), found \(3, 2\)"):
+        v.assign(np.zeros((3, 2)))
+    with pytest.raises(ShapeMismatchError):
+        v += np.ones((4, 2, 3))  # would broadcast over the stack: refused
+
+
+def test_ufunc_out_and_mutating_functions(strategy) -> None:
+    v = mirrored(strategy, np.ones(4))
+    np.multiply(v, 3, out=v)
+    assert_all_components(v, [3, 3, 3, 3])
+    np.copyto(v, [1, 2, 3, 4])
+    assert_all_components(v, [1, 2, 3, 4])
+    np.put(v, [0], [9])
+    assert_all_components(v, [9, 2, 3, 4])
+    v.fill(5)
+    assert_all_components(v, [5, 5, 5, 5])
+    v.assign([3, 1, 2, 0])
+    v.sort()
+    assert_all_components(v, [0, 1, 2, 3])
+    with pytest.raises(TypeError):
+        v.resize((8,))
+
+
+def test_repr_names_kind_shape_dtype_devices(strategy) -> None:
+    v = mirrored(strategy, np.zeros((3, 2), np.float32), name="w")
+    text = repr(v)
+    for part in ("ParallelVariable", "'w'", "kind=mirrored", "shape=(3, 2)", "dtype=float32", "cpu:3"):
+        assert part in text
+
+
+def test_hash_identity_ref_copy_pickle(strategy) -> None:
+    v = mirrored(strategy, np.arange(3.0))
+    assert hash(v) == id(v)
+    assert {v.ref(): 1}[v.ref()] == 1
+    c = copy.deepcopy(v)
+    assert type(c) is np.ndarray and c.tolist() == [0, 1, 2]
+    assert pickle.loads(pickle.dumps(v)).tolist() == [0, 1, 2]
+
+
+def test_attributes(strategy) -> None:
+    v = mirrored(strategy, np.zeros(2), name="w")
+    assert v.name == "w" and v.kind == "mirrored" and v.trainable
+    assert v.synchronization is pv.Synchronization.ON_WRITE and v.aggregation is pv.Aggregation.NONE
+    assert v.device == strategy.devices and len(v.components) == 4
+    assert v.stacked.shape == (4, 2)
+    assert all(np.shares_memory(c, v.stacked) for c in v.components)
+    r = v.read_value()
+    r += 1
+    assert_all_components(v, [0, 0])  # read_value is a copy
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "expected_read"),
+    [("sum", 10), ("mean", 2.5), ("only_first_replica", 1)],
+)
+def test_on_read_aggregation(strategy, aggregation, expected_read) -> None:
+    with strategy.scope():
+        n = pv.Variable(0.0, synchronization=pv.Synchronization.ON_READ, aggregation=aggregation)
+    assert n.kind == "on_read" and not n.trainable
+    for i, c in enumerate(n.components):
+        c[...] = i + 1
+    assert n.read_value() == expected_read
+
+
+def test_on_read_sum_cross_replica_writes_keep_exact_total(strategy) -> None:
+    with strategy.scope():
+        n = pv.Variable(np.int64(5), synchronization="on_read", aggregation="sum")
+    assert n.read_value() == 5  # the initial value once, not once per replica
+    n.assign_add(3)
+    n += 2
+    assert n.read_value() == 10
+    n.assign(7)
+    assert n.read_value() == 7 and [int(c) for c in n.components] == [7, 0, 0, 0]
+    n *= 3
+    assert n.read_value() == 21
+
+
+def test_on_read_needs_an_aggregation(strategy) -> None:
+    with strategy.scope(), pytest.raises(ValueError, match="aggregation"):
+        pv.Variable(0.0, synchronization="on_read")
+
+
+def test_independent_buffers() -> None:
+    with pv.independent_buffers(pv.ParallelDevice(3)):
+        v = pv.Variable(np.zeros(2), name="ind")
+    assert v.kind == "independent"
+    for i, c in enumerate(v.components):
+        c[...] = i
+    v += 1
+    assert [c.tolist() for c in v.components] == [[1, 1], [2, 2], [3, 3]]
+
+
+def test_replicated_scope() -> None:
+    with pv.replicated_scope(2):
+        v = pv.Variable(np.ones(2))
+    assert v.kind == "mirrored" and len(v.components) == 2
+
+
+def test_sharded_uneven_split(strategy) -> None:
+    with strategy.scope():
+        e = pv.Variable(np.arange(40.0).reshape(10, 4), name="e", shard_axis=0)
+    assert isinstance(e, pv.ShardedVariable) and e.kind == "sharded"
+    assert [c.shape[0] for c in e.components] == [3, 3, 2, 2]
+    assert e.shard_offsets == (0, 3, 6, 8)
+    assert e.shape == (10, 4)
+    np.testing.assert_array_equal(e.components[2], np.arange(24.0, 32.0).reshape(2, 4))
+    e += 1
+    np.testing.assert_array_equal(e.components[3][-1], [37, 38, 39, 40])
+    e[0, 0] = -1
+    assert e.components[0][0, 0] == -1
+
+
+def test_sharded_other_axis(strategy) -> None:
+    with strategy.scope():
+        e = pv.Variable(np.arange(12).reshape(2, 6), shard_axis=1)
+    assert [c.shape for c in e.components] == [(2, 2), (2, 2), (2, 1), (2, 1)]
+    np.testing.assert_array_equal(np.concatenate(e.components, axis=1), np.arange(12).reshape(2, 6))
+
+
+def test_scalar_components_are_views(strategy) -> None:
+    s = mirrored(strategy, np.float32(1))
+    assert all(isinstance(c, np.ndarray) and c.shape == () for c in s.components)
+    s += 1
+    assert_all_components(s, 2)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float16", "int8", "bool", "complex64"])
+def test_dtypes(strategy, dtype) -> None:
+    v = mirrored(strategy, np.ones(3), dtype=dtype)
+    assert v.dtype == (np.dtype(getattr(ml_dtypes, dtype)) if hasattr(ml_dtypes, dtype) else np.dtype(dtype))
+
+
+def test_creator_scopes_nest() -> None:
+    calls = []
+
+    def creator(next_creator, **kwargs):
+        calls.append(kwargs["name"])
+        kwargs["name"] = "renamed"
+        return next_creator(**kwargs)
+
+    with pv.variable_creator_scope(creator):
+        v = pv.Variable(1.0, name="orig")
+    assert calls == ["orig"] and v.name == "renamed"
+
+
+def test_nested_strategy_scopes() -> None:
+    s1, s2 = pv.MirroredStrategy(2), pv.MirroredStrategy(3)
+    with s1.scope():
+        with s1.scope():  # re-entering is a no-op
+            assert pv.get_strategy() is s1
+        with pytest.raises(pv.errors.ContextError, match=r"MirroredStrategy.*MirroredStrategy"), s2.scope():
+            pass
+    assert not pv.has_strategy()
