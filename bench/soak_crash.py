@@ -91,6 +91,7 @@ def child(directory: str, max_to_keep: int) -> None:
 class SoakResult:
     kills: int = 0
     saves_seen: int = 0
+    mid_write: int = 0  # kills that left a temporary file behind: they hit a write
     steps: list[int] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
@@ -157,6 +158,7 @@ def run_kills(
         proc.send_signal(signal.SIGKILL)
         proc.communicate()
         result.kills += 1
+        result.mid_write += bool(leftover_temporaries(directory))
         step, problem = check_latest(directory, previous)
         result.saves_seen += step - previous
         previous = step
@@ -195,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"kills survived: {res.kills - len(res.failures)}/{res.kills} in {time.monotonic() - t0:.1f} s; "
             f"steps saved and restored: {res.saves_seen} (last step {res.steps[-1] if res.steps else 0}); "
+            f"kills inside a write: {res.mid_write}; "
             f"temporaries left by the last kill: {before}, after reopening: {len(after)}"
         )
         for failure in res.failures[:20]:

@@ -78,7 +78,7 @@ def test_found_again_after_restart_and_restore(tmp_path):
 
 
 def test_restore_or_initialize_calls_init_fn_when_empty(tmp_path):
-    ckpt, w, *_ = make()
+    ckpt, _w, *_ = make()
     calls = []
     with pv.CheckpointManager(ckpt, tmp_path, init_fn=lambda: calls.append(1)) as mgr:
         assert mgr.restore_or_initialize() is None
@@ -133,7 +133,7 @@ def test_keep_checkpoint_every_n_hours(tmp_path, monkeypatch):
 
 
 def test_checkpoint_interval(tmp_path):
-    ckpt, w, e, step = make()
+    ckpt, _w, _e, step = make()
     with pv.CheckpointManager(ckpt, tmp_path, step_counter=step, checkpoint_interval=10, max_to_keep=None) as mgr:
         saved = []
         for k in range(0, 35, 5):
@@ -205,7 +205,7 @@ def dead_pid() -> int:
 
 
 def test_leftover_temporaries_are_ignored_and_removed(tmp_path):
-    ckpt, w, e, step = make()
+    ckpt, _w, _e, _step = make()
     with pv.CheckpointManager(ckpt, tmp_path) as mgr:
         mgr.save()
     pid = dead_pid()
@@ -234,7 +234,7 @@ def test_committed_checkpoint_missing_from_state_is_adopted(tmp_path):
     ckpt.save_counter.assign(2)
     ckpt.save(str(tmp_path / "ckpt"))  # writes ckpt-3.h5 without the manager
     assert pv.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-3.h5")
-    ckpt2, w2, _, step2 = make()
+    ckpt2, _w2, _, step2 = make()
     with pv.CheckpointManager(ckpt2, tmp_path, max_to_keep=2) as mgr:
         assert names(mgr.checkpoints) == ["ckpt-1.h5", "ckpt-2.h5", "ckpt-3.h5"]
         mgr.restore_or_initialize()
@@ -292,7 +292,7 @@ def test_failed_save_raises_and_leaves_everything_intact(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert os.path.basename(mgr.save()) == "ckpt-3.h5"
     mgr.close()
-    ckpt2, w2, _, step2 = make()
+    ckpt2, _w2, _, step2 = make()
     ckpt2.restore(pv.latest_checkpoint(tmp_path)).assert_consumed()
     assert int(step2) == 3
 
@@ -381,7 +381,7 @@ def test_async_save_racing_with_training_thread(tmp_path, monkeypatch):
 
 
 def test_async_error_reaches_the_next_call(tmp_path, monkeypatch):
-    ckpt, w, e, step = make()
+    ckpt, _w, _e, _step = make()
     mgr = pv.CheckpointManager(ckpt, tmp_path)
     mgr.save()
     failing_write_entry(monkeypatch, after=1)

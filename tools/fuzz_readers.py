@@ -191,6 +191,13 @@ def _worker_main() -> None:
     clean: dict[tuple[str, str], str] = {}
     for line in sys.stdin:
         req = json.loads(line)
+        if req.get("selftest") == "segfault":  # the harness's own test: a real crash
+            import faulthandler
+
+            faulthandler.disable()
+            faulthandler._sigsegv()
+        if req.get("selftest") == "hang":
+            time.sleep(3600)
         key = (req["clean"], req["format"])
         if key not in clean:
             clean[key] = read_digest(req["clean"], req["format"])
@@ -217,12 +224,13 @@ class ReaderWorker:
             )
         return self._proc
 
-    def check(self, path: str, clean: str, fmt: str) -> dict[str, Any]:
+    def check(self, path: str, clean: str, fmt: str, *, selftest: str | None = None) -> dict[str, Any]:
         """Read ``path`` in the worker and classify the result (see the module docstring)."""
         proc = self._start()
         assert proc.stdin is not None and proc.stdout is not None
+        request = {"path": path, "clean": clean, "format": fmt, "selftest": selftest}
         try:
-            proc.stdin.write(json.dumps({"path": path, "clean": clean, "format": fmt}) + "\n")
+            proc.stdin.write(json.dumps(request) + "\n")
             proc.stdin.flush()
         except BrokenPipeError:
             return self._died(proc)
@@ -241,7 +249,7 @@ class ReaderWorker:
 
     def _died(self, proc: subprocess.Popen[str]) -> dict[str, Any]:
         rc = proc.wait()
-        self._proc = None
+        self.close()
         return {"outcome": "crash", "detail": f"reader process exited with {rc}", "peak": 0}
 
     def close(self) -> None:
