@@ -10,6 +10,8 @@ Example:
 
 from __future__ import annotations
 
+from ._convert import convert, format_for_path
+from ._names import NAME_STYLES, component_key, from_key, parse_component_key, to_key
 from ._registry import (
     FORMAT_NAMES,
     FormatSpec,
@@ -18,19 +20,29 @@ from ._registry import (
     open_checkpoint,
     write_checkpoint,
 )
+from ._reshard import reshard, split_offsets
 from ._view import KINDS, ArrayEntry, CheckpointView, DictView, Entry, logical_value
 
 __all__ = [
     "FORMAT_NAMES",
     "KINDS",
+    "NAME_STYLES",
     "ArrayEntry",
     "CheckpointView",
     "DictView",
     "Entry",
     "FormatSpec",
+    "component_key",
+    "convert",
     "detect_format",
+    "format_for_path",
+    "from_key",
     "get_format",
     "logical_value",
     "open_checkpoint",
+    "parse_component_key",
+    "reshard",
+    "split_offsets",
+    "to_key",
     "write_checkpoint",
 ]

@@ -21,6 +21,7 @@ __all__ = [
     "FORMAT_NAMES",
     "get_format",
     "detect_format",
+    "format_for_suffix",
     "open_checkpoint",
     "write_checkpoint",
 ]
@@ -84,6 +85,22 @@ def _head(path: str, n: int = 512) -> bytes:
         return f.read(n)
 
 
+def format_for_suffix(path: str | os.PathLike[str]) -> str | None:
+    """The format a file name implies, or None. The longest matching suffix wins, so
+    ``model.weights.h5`` is ``keras`` while ``run.h5`` is ``hdf5``."""
+    lower = os.fspath(path).lower()
+    best: tuple[int, str] | None = None
+    for name in FORMAT_NAMES:
+        try:
+            spec = get_format(name)
+        except ImportError:
+            continue
+        for suffix in spec.suffixes:
+            if lower.endswith(suffix) and (best is None or len(suffix) > best[0]):
+                best = (len(suffix), name)
+    return best[1] if best else None
+
+
 def detect_format(path: str | os.PathLike[str]) -> str:
     """The format of ``path``: by magic bytes or layout first, by suffix as a fallback."""
     p = os.fspath(path)
@@ -97,14 +114,9 @@ def detect_format(path: str | os.PathLike[str]) -> str:
             continue
         if spec.sniff(p, head):
             return name
-    lower = p.lower()
-    for name in candidates:
-        try:
-            spec = get_format(name)
-        except ImportError:
-            continue
-        if any(lower.endswith(s) for s in spec.suffixes):
-            return name
+    by_suffix = format_for_suffix(p)
+    if by_suffix is not None:
+        return by_suffix
     if not exists:
         raise FileNotFoundError(f"{p}: no such file or directory")
     raise NotACheckpointError(
@@ -131,12 +143,7 @@ def write_checkpoint(
     """Write ``entries`` to ``path`` in ``format`` (by default, from the suffix)."""
     p = os.fspath(path)
     if format is None:
-        lower = p.lower()
-        for name in FORMAT_NAMES:
-            spec = get_format(name)
-            if any(lower.endswith(s) for s in spec.suffixes):
-                format = name
-                break
-        else:
+        format = format_for_suffix(p)
+        if format is None:
             raise ValueError(f"{p}: cannot tell the output format from the name; pass format=")
     return get_format(format).write(p, entries, **options)

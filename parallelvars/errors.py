@@ -29,6 +29,7 @@ __all__ = [
     "TruncatedFileError",
     "DeviceCountError",
     "UnsupportedDtypeError",
+    "InvalidEntryError",
     "CheckpointLockedError",
     "ContextError",
     "CrossReplicaOnlyError",
@@ -159,6 +160,14 @@ class DeviceCountError(CheckpointError, ValueError):
 
 class UnsupportedDtypeError(CheckpointError, TypeError):
     """A dtype the library cannot represent or store."""
+
+
+class InvalidEntryError(CheckpointError, ValueError):
+    """An entry handed to a writer cannot be stored in the target format.
+
+    For example a path with an empty name, a component whose shape disagrees with its
+    variable, or shard offsets that do not split the value.
+    """
 
 
 class CheckpointLockedError(CheckpointError, RuntimeError):

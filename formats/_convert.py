@@ -1,0 +1,182 @@
+"""``convert``: copy a checkpoint from one format to another, streaming entry by entry."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ._names import check_names
+from ._registry import format_for_suffix, get_format, open_checkpoint
+from ._reshard import reshard
+from ._view import DictView, Entry
+
+__all__ = ["convert", "format_for_path"]
+
+# Attributes that describe how a value is spread over devices; a primary-only copy drops them.
+_PARALLEL_ATTRS = frozenset({"devices", "shard_axis", "shard_offsets", "aggregation", "synchronization"})
+
+
+def format_for_path(path: str | os.PathLike[str]) -> str | None:
+    """The format an output file name implies (the longest matching suffix wins, so
+    ``model.weights.h5`` is ``keras`` and ``run.h5`` is ``hdf5``), or None."""
+    return format_for_suffix(path)
+
+
+class _PrimaryEntry(Entry):
+    """A single-component copy of an entry: its primary, or the logical value of sharded and
+    on-read variables."""
+
+    def __init__(self, source: Entry) -> None:
+        self.source = source
+        self.path = source.path
+        self.dtype = np.dtype(source.dtype)
+        self.shape = tuple(int(s) for s in source.shape)
+        self.kind = "single"
+        self.num_components = 1
+        self.attrs = {k: v for k, v in (source.attrs or {}).items() if k not in _PARALLEL_ATTRS}
+        self._logical = source.kind in ("sharded", "on_read")
+
+    def component(self, i: int) -> np.ndarray:
+        self._check_index(i)
+        return self.source.value() if self._logical else self.source.component(0)
+
+    def read_component_into(self, i: int, out: np.ndarray) -> None:
+        self._check_index(i)
+        if self._logical:
+            out[...] = self.source.value()
+        else:
+            self.source.read_component_into(0, out)
+
+    def value(self) -> np.ndarray:
+        return self.component(0)
+
+
+class _Progress:
+    def __init__(self, callback: Callable[[int, int], Any], total: int) -> None:
+        self.callback = callback
+        self.total = total
+        self.done = 0
+
+    def add(self, n: int) -> None:
+        self.done = min(self.total, self.done + n)
+        self.callback(self.done, self.total)
+
+
+class _CountingEntry(Entry):
+    """Passes reads through to ``source`` and reports the bytes read."""
+
+    def __init__(self, source: Entry, progress: _Progress) -> None:
+        self.source = source
+        self.path = source.path
+        self.dtype = np.dtype(source.dtype)
+        self.shape = tuple(int(s) for s in source.shape)
+        self.kind = source.kind
+        self.num_components = int(source.num_components)
+        self.attrs = dict(source.attrs or {})
+        self._progress = progress
+
+    def component_shape(self, i: int) -> tuple[int, ...]:
+        return tuple(int(s) for s in self.source.component_shape(i))
+
+    def component(self, i: int) -> np.ndarray:
+        value = self.source.component(i)
+        self._progress.add(self.component_nbytes(i))
+        return value
+
+    def read_component_into(self, i: int, out: np.ndarray) -> None:
+        self.source.read_component_into(i, out)
+        self._progress.add(self.component_nbytes(i))
+
+    def value(self) -> np.ndarray:
+        value = self.source.value()
+        self._progress.add(int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize)
+        return value
+
+
+def _carry(view: Mapping[str, Entry], entries: dict[str, Entry]) -> DictView:
+    out = DictView(
+        entries,
+        format=getattr(view, "format", "memory"),
+        path=getattr(view, "path", "<memory>"),
+        metadata=getattr(view, "metadata", None),
+    )
+    graph = getattr(view, "object_graph", None)
+    if graph is not None:
+        out.object_graph = graph  # type: ignore[attr-defined]
+    return out
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    from_format: str | None = None,
+    to_format: str | None = None,
+    components: str = "all",
+    names: str | None = None,
+    max_shard_size: int | str | None = None,
+    progress: Callable[[int, int], Any] | None = None,
+    devices: int | None = None,
+) -> str:
+    """Convert the checkpoint ``src`` into ``dst``, one tensor in memory at a time.
+
+    Args:
+        src: the source file or folder.
+        dst: the output file (or folder, for a safetensors shard set).
+        from_format: the source format (default: detected from magic bytes, then suffix).
+        to_format: the output format (default: from ``dst``'s suffix).
+        components: ``"all"`` keeps every component of parallel variables; ``"primary"`` writes
+            one single entry per variable: the primary, or the logical value of sharded and
+            on-read variables.
+        names: key style for formats with flat keys (``"slash"``, ``"dotted"``, ``"tf"``);
+            default: the format's own.
+        max_shard_size: split safetensors output into shards of at most this size.
+        progress: called as ``progress(bytes_done, bytes_total)`` after each tensor is read.
+        devices: reshard onto this many devices first (see :func:`reshard`).
+
+    Returns:
+        The path written (the index file of a shard set).
+
+    Example:
+        >>> convert("run.h5", "model.safetensors", components="primary")  # doctest: +SKIP
+        'model.safetensors'
+    """
+    if components not in ("all", "primary"):
+        raise ValueError(f"components must be 'all' or 'primary', got {components!r}")
+    if names is not None:
+        check_names(names)
+    target = to_format or format_for_path(dst)
+    if target is None:
+        raise ValueError(f"{os.fspath(dst)}: cannot tell the output format from the name; pass to_format=")
+    spec = get_format(target)
+    options: dict[str, Any] = {}
+    if names is not None:
+        if "names" not in spec.options:
+            raise ValueError(f"format {target!r} has no key style; names= applies to formats "
+                             "with flat keys (safetensors, npz)")
+        options["names"] = names
+    if max_shard_size is not None:
+        if "max_shard_size" not in spec.options:
+            raise ValueError(f"format {target!r} is not sharded by size; max_shard_size= applies to safetensors")
+        options["max_shard_size"] = max_shard_size
+    view = open_checkpoint(src, format=from_format)
+    try:
+        source: Mapping[str, Entry] = view
+        if devices is not None:
+            source = reshard(view, devices)
+        entries: dict[str, Entry] = dict(source.items())
+        if components == "primary":
+            entries = {k: _PrimaryEntry(e) for k, e in entries.items()}
+        if progress is not None:
+            total = sum(int(e.nbytes) for e in entries.values())
+            counter = _Progress(progress, total)
+            entries = {k: _CountingEntry(e, counter) for k, e in entries.items()}
+        result = spec.write(os.fspath(dst), _carry(view, entries), **options)
+        if progress is not None and counter.done < counter.total:
+            progress(counter.total, counter.total)  # writers may skip reads (empty tensors)
+        return result
+    finally:
+        view.close()

@@ -1,0 +1,198 @@
+"""Name mapping between our slash paths and the key conventions of other formats.
+
+Our tensor paths are slash-separated object paths (``"model/dense/kernel"``). Formats that
+store a flat list of named tensors use one of three key styles, chosen with ``names=`` on the
+writers and on :func:`~parallelvars.formats.convert`:
+
+=================================  ===============================  ===========================  ==============================================================
+what                               ``slash``                        ``dotted``                   ``tf``
+=================================  ===============================  ===========================  ==============================================================
+a variable ``model/dense/kernel``  ``model/dense/kernel``           ``model.dense.kernel``       ``model/dense/kernel/.ATTRIBUTES/VARIABLE_VALUE``
+component ``i >= 1`` of ``m/w``    ``m/w/parallel_component_1``     ``m.w/parallel_component_1`` ``m/w/.ATTRIBUTES/parallel_component_1``
+slot ``m`` of ``m/w`` held by      ``opt/slots/m/w/m``              ``opt.slots.m.w.m``          ``m/w/.OPTIMIZER_SLOT/opt/m/.ATTRIBUTES/VARIABLE_VALUE``
+optimizer ``opt``
+a path segment holding ``.``       ``a.b/c``                        ``a.b.c`` (ambiguous)        ``a..b/c`` (TF escapes ``.`` as ``..``)
+=================================  ===============================  ===========================  ==============================================================
+
+Rules:
+
+* ``slash`` keeps our paths unchanged: the default for ``.npz`` and our HDF5 layout.
+* ``dotted`` is the PyTorch ``state_dict`` convention (``layers.0.attn.q.weight``): the default
+  for safetensors, so the Hugging Face world finds its usual names. A key is mapped back by
+  replacing every ``.`` with ``/``; a path segment that itself holds a ``.`` therefore does not
+  survive a plain round trip. Our writers record the exact path in their metadata whenever the
+  key alone would not give it back, so our own readers still restore it.
+* ``tf`` is TensorFlow's object-based checkpoint key: local names joined by ``/`` (with ``.``
+  escaped as ``..`` and ``/`` as ``.S``), then ``/.ATTRIBUTES/VARIABLE_VALUE``. An optimizer
+  slot (an entry with ``attrs["slot_of"]`` and ``attrs["slot_name"]``) gets TF's
+  ``<variable>/.OPTIMIZER_SLOT/<optimizer>/<slot>`` key. A key without ``.ATTRIBUTES`` (a TF1
+  name-based checkpoint, ``dense/kernel``) maps to itself.
+* Extra components (``i >= 1``) of a parallel variable are stored next to the primary under
+  ``<primary key>/parallel_component_<i>`` (``slash``, ``dotted``) or TF's historical
+  ``<path>/.ATTRIBUTES/parallel_component_<i>`` (``tf``). A plain consumer finds the primary
+  under the variable's own name and can ignore the rest.
+
+Example:
+    >>> to_key("layers/0/attn/q/weight", "dotted")
+    'layers.0.attn.q.weight'
+    >>> from_key("layers.0.attn.q.weight", "dotted")
+    'layers/0/attn/q/weight'
+    >>> to_key("model/w", "tf", component=2)
+    'model/w/.ATTRIBUTES/parallel_component_2'
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "NAME_STYLES",
+    "check_names",
+    "component_key",
+    "from_key",
+    "parse_component_key",
+    "to_key",
+]
+
+NAME_STYLES: tuple[str, ...] = ("slash", "dotted", "tf")
+
+_ATTRIBUTES = ".ATTRIBUTES"
+_SLOT = ".OPTIMIZER_SLOT"
+_VALUE = "VARIABLE_VALUE"
+_COMPONENT_RE = re.compile(r"^parallel_component_([1-9][0-9]*)$")
+
+
+def check_names(names: str) -> str:
+    """``names`` when it is a known style; ``ValueError`` otherwise."""
+    if names not in NAME_STYLES:
+        raise ValueError(f"unknown name style {names!r} (expected one of {', '.join(NAME_STYLES)})")
+    return names
+
+
+def _tf_escape(segment: str) -> str:
+    return segment.replace(".", "..").replace("/", ".S")
+
+
+def _tf_unescape(segment: str) -> str:
+    out = []
+    i = 0
+    while i < len(segment):
+        c = segment[i]
+        if c == "." and i + 1 < len(segment) and segment[i + 1] in ".S":
+            out.append("." if segment[i + 1] == "." else "/")
+            i += 2
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _segments(path: str) -> list[str]:
+    return [s for s in path.split("/") if s != ""]
+
+
+def to_key(
+    path: str,
+    names: str = "slash",
+    *,
+    component: int = 0,
+    slot_of: str | None = None,
+    slot_name: str | None = None,
+) -> str:
+    """The key of component ``component`` of the variable at ``path`` in style ``names``.
+
+    Args:
+        path: our slash-separated tensor path.
+        names: ``"slash"``, ``"dotted"`` or ``"tf"``.
+        component: 0 for the primary, ``i >= 1`` for ``parallel_component_<i>``.
+        slot_of: for an optimizer slot, the path of the variable it serves (``tf`` style only).
+        slot_name: for an optimizer slot, the slot's name (``tf`` style only).
+    """
+    check_names(names)
+    if component < 0:
+        raise ValueError(f"variable {path!r}: component index must be >= 0, got {component}")
+    if names == "slash":
+        key = path
+    elif names == "dotted":
+        key = ".".join(_segments(path))
+    else:
+        key = _tf_object_path(path, slot_of, slot_name)
+        attribute = _VALUE if component == 0 else f"parallel_component_{component}"
+        return f"{key}/{_ATTRIBUTES}/{attribute}"
+    return key if component == 0 else f"{key}/parallel_component_{component}"
+
+
+def _tf_object_path(path: str, slot_of: str | None, slot_name: str | None) -> str:
+    segs = _segments(path)
+    if slot_of and slot_name:
+        # Our slot path is "<optimizer>/slots/<variable>/<slot>"; TF keys the slot under the
+        # variable: "<variable>/.OPTIMIZER_SLOT/<optimizer>/<slot>".
+        tail = ["slots", *_segments(slot_of), slot_name]
+        if len(segs) > len(tail) and segs[-len(tail):] == tail:
+            optimizer = segs[: -len(tail)]
+            return "/".join(
+                [_tf_escape(s) for s in _segments(slot_of)]
+                + [_SLOT]
+                + [_tf_escape(s) for s in optimizer]
+                + [_tf_escape(slot_name)]
+            )
+    return "/".join(_tf_escape(s) for s in segs)
+
+
+def component_key(path: str, index: int, names: str = "slash", **slot: str | None) -> str:
+    """Shorthand for ``to_key(path, names, component=index, ...)``."""
+    return to_key(path, names, component=index, **slot)
+
+
+def from_key(key: str, names: str = "slash") -> str:
+    """Our path for the primary key ``key`` of style ``names`` (the inverse of :func:`to_key`).
+
+    A component key (``.../parallel_component_<i>``) is not special here: it maps to a path
+    ending in ``parallel_component_<i>``; use :func:`parse_component_key` to split it.
+    """
+    check_names(names)
+    if names == "slash":
+        return key
+    if names == "dotted":
+        head, sep, tail = key.partition("/parallel_component_")
+        path = head.replace(".", "/")
+        return f"{path}{sep}{tail}" if sep else path
+    parts = key.split("/")
+    if _ATTRIBUTES not in parts:
+        return key  # TF1 name-based key: already a slash path
+    at = parts.index(_ATTRIBUTES)
+    obj = parts[:at]
+    attribute = "/".join(parts[at + 1:])
+    if _SLOT in obj:
+        s = obj.index(_SLOT)
+        variable, rest = obj[:s], obj[s + 1:]
+        if len(rest) >= 2:
+            optimizer, slot = rest[:-1], rest[-1]
+            obj = [*optimizer, "slots", *variable, slot]
+    path = "/".join(_tf_unescape(s) for s in obj)
+    if attribute == _VALUE:
+        return path
+    return f"{path}/{attribute}"
+
+
+def parse_component_key(key: str, names: str = "slash") -> tuple[str, int]:
+    """Split ``key`` into (our path of the variable, component index).
+
+    Example:
+        >>> parse_component_key("m.w/parallel_component_3", "dotted")
+        ('m/w', 3)
+        >>> parse_component_key("m/w/.ATTRIBUTES/VARIABLE_VALUE", "tf")
+        ('m/w', 0)
+    """
+    check_names(names)
+    if names == "tf":
+        head, sep, attribute = key.rpartition(f"/{_ATTRIBUTES}/")
+        match = _COMPONENT_RE.match(attribute) if sep else None
+        if match:
+            return from_key(f"{head}/{_ATTRIBUTES}/{_VALUE}", "tf"), int(match.group(1))
+        return from_key(key, "tf"), 0
+    head, sep, last = key.rpartition("/")
+    match = _COMPONENT_RE.match(last) if sep else None
+    if match:
+        return from_key(head, names), int(match.group(1))
+    return from_key(key, names), 0

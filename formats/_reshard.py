@@ -1,0 +1,225 @@
+"""Rewrite a checkpoint for another number of devices, lazily, following DESIGN.md's restore table.
+
+====================================  ==========================================================
+kind (N components in the source)     what each of the M new components holds
+====================================  ==========================================================
+single                                unchanged (or the value on all M, kind ``mirrored``, with
+                                      ``mirror_single=True``)
+mirrored                              the primary, on all M
+on_read, aggregation ``sum``          the total (the aggregate of the N components) in
+                                      component 0 and zeros elsewhere, so the sum of the
+                                      components is preserved exactly
+on_read, aggregation ``mean``         the mean, on all M
+on_read, ``only_first_replica``       the primary, on all M
+on_read, aggregation ``none``         cannot be redistributed: M == N required
+independent                           cannot be redistributed: M == N required, else
+                                      :class:`~parallelvars.errors.DeviceCountError`
+sharded (axis k)                      the full value re-split into M shards along k with
+                                      ``numpy.array_split`` sizes (10 rows over 4 devices:
+                                      3, 3, 2, 2)
+====================================  ==========================================================
+
+When M == N every parallel variable is left as it is. The new entries carry ``devices``
+``["cpu:0", ..., "cpu:M-1"]`` and, for sharded ones, the new ``shard_offsets``. Nothing is read
+until a component is asked for; a sharded component reads only the source shards it overlaps.
+
+Example:
+    >>> import numpy as np
+    >>> from parallelvars.formats import ArrayEntry, DictView, reshard
+    >>> e = ArrayEntry("e", [np.arange(5), np.arange(5, 10)], kind="sharded",
+    ...                shape=(10,), attrs={"shard_axis": 0, "shard_offsets": [0, 5]})
+    >>> r = reshard(DictView([e]), 4)["e"]
+    >>> [r.component(i).tolist() for i in range(4)]
+    [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from parallelvars.errors import DeviceCountError
+
+from ._common import check_entry
+from ._view import CheckpointView, DictView, Entry, logical_value
+
+__all__ = ["reshard", "split_offsets"]
+
+
+def split_offsets(length: int, parts: int) -> list[int]:
+    """Start offsets of ``numpy.array_split(range(length), parts)``: the first
+    ``length % parts`` parts get one row more."""
+    base, extra = divmod(length, parts)
+    offsets, start = [], 0
+    for i in range(parts):
+        offsets.append(start)
+        start += base + (1 if i < extra else 0)
+    return offsets
+
+
+def _devices(m: int) -> list[str]:
+    return [f"cpu:{i}" for i in range(m)]
+
+
+class _Cache:
+    """Holds the one value computed last, so M broadcast components cost one source read."""
+
+    def __init__(self) -> None:
+        self.owner: object = None
+        self.value: np.ndarray | None = None
+
+    def get(self, owner: object, compute: Callable[[], np.ndarray]) -> np.ndarray:
+        if self.owner is not owner or self.value is None:
+            self.value = None  # free the previous value before computing the next
+            self.value = compute()
+            self.owner = owner
+        return self.value
+
+
+class _Rewritten(Entry):
+    """An entry of the resharded view; components computed from the source on demand."""
+
+    def __init__(self, source: Entry, kind: str, m: int, attrs: Mapping[str, Any]) -> None:
+        self.source = source
+        self.path = source.path
+        self.dtype = np.dtype(source.dtype)
+        self.shape = tuple(int(s) for s in source.shape)
+        self.kind = kind
+        self.num_components = m
+        self.attrs = dict(attrs)
+
+    def component(self, i: int) -> np.ndarray:
+        out = np.empty(self.component_shape(i), self.dtype)
+        self.read_component_into(i, out)
+        return out
+
+
+class _Broadcast(_Rewritten):
+    """The same value on every component (primary or aggregate of the source)."""
+
+    def __init__(self, source: Entry, kind: str, m: int, attrs: Mapping[str, Any],
+                 compute: Callable[[], np.ndarray], cache: _Cache) -> None:
+        super().__init__(source, kind, m, attrs)
+        self._compute = compute
+        self._cache = cache
+
+    def read_component_into(self, i: int, out: np.ndarray) -> None:
+        self._check_index(i)
+        out[...] = self._cache.get(self, self._compute)
+
+    def value(self) -> np.ndarray:
+        return np.array(self._cache.get(self, self._compute), copy=True)
+
+
+class _TotalFirst(_Rewritten):
+    """on_read SUM: the total in component 0, zeros in the others."""
+
+    def read_component_into(self, i: int, out: np.ndarray) -> None:
+        self._check_index(i)
+        if i == 0:
+            out[...] = logical_value(self.source)
+        else:
+            out[...] = np.zeros((), self.dtype)
+
+    def value(self) -> np.ndarray:
+        return logical_value(self.source)
+
+
+class _Resplit(_Rewritten):
+    """sharded: component i is rows ``offsets[i]:offsets[i+1]`` of the source's full value."""
+
+    def read_component_into(self, i: int, out: np.ndarray) -> None:
+        self._check_index(i)
+        axis = int(self.attrs["shard_axis"])
+        lo = int(self.attrs["shard_offsets"][i])
+        hi = lo + self.component_shape(i)[axis]
+        src = self.source
+        src_offsets = [int(o) for o in src.attrs["shard_offsets"]]
+        for j, start in enumerate(src_offsets):
+            stop = start + int(src.component_shape(j)[axis])
+            a, b = max(lo, start), min(hi, stop)
+            if a >= b:
+                continue
+            dst = out[(slice(None),) * axis + (slice(a - lo, b - lo),)]
+            if a == start and b == stop:
+                src.read_component_into(j, dst)  # a whole source shard: read it in place
+            else:
+                shard = src.component(j)
+                dst[...] = shard[(slice(None),) * axis + (slice(a - start, b - start),)]
+                del shard
+
+    def value(self) -> np.ndarray:
+        return logical_value(self.source)
+
+
+def _rewrite(entry: Entry, m: int, mirror_single: bool, cache: _Cache, file: str | None) -> Entry:
+    check_entry(entry, file)
+    kind = entry.kind
+    n = entry.num_components
+    attrs = dict(entry.attrs or {})
+    if kind == "single":
+        if not mirror_single:
+            return entry
+        attrs["devices"] = _devices(m)
+        return _Broadcast(entry, "mirrored", m, attrs, lambda: entry.component(0), cache)
+    if m == n:
+        return entry
+    if kind == "independent":
+        raise DeviceCountError(
+            "independent buffers cannot be redistributed onto another number of devices",
+            file=file, variable=entry.path, expected=f"{n} devices", found=f"{m} devices",
+        )
+    attrs["devices"] = _devices(m)
+    if kind == "mirrored":
+        return _Broadcast(entry, kind, m, attrs, lambda: entry.component(0), cache)
+    if kind == "on_read":
+        agg = str(attrs.get("aggregation", "sum")).lower()
+        if agg == "sum":
+            return _TotalFirst(entry, kind, m, attrs)
+        if agg == "mean":
+            return _Broadcast(entry, kind, m, attrs, lambda: logical_value(entry), cache)
+        if agg == "only_first_replica":
+            return _Broadcast(entry, kind, m, attrs, lambda: entry.component(0), cache)
+        raise DeviceCountError(
+            f"an on-read variable with aggregation {agg!r} cannot be redistributed",
+            file=file, variable=entry.path, expected=f"{n} devices", found=f"{m} devices",
+        )
+    # sharded
+    axis = int(attrs["shard_axis"])
+    attrs["shard_offsets"] = split_offsets(int(entry.shape[axis]), m)
+    return _Resplit(entry, kind, m, attrs)
+
+
+def reshard(view: Mapping[str, Entry], devices: int, *, mirror_single: bool = False) -> CheckpointView:
+    """A lazy view of ``view`` rewritten for ``devices`` devices (see the module table).
+
+    Args:
+        view: any checkpoint view or mapping of entries.
+        devices: the new number of devices M (>= 1).
+        mirror_single: also turn single variables into mirrored ones on all M devices.
+
+    Returns:
+        A :class:`CheckpointView` with the same paths, format, file and metadata.
+
+    Raises:
+        DeviceCountError: an independent (or non-aggregating on-read) variable was saved for
+            another number of devices; the message names it.
+    """
+    if isinstance(devices, bool) or not isinstance(devices, (int, np.integer)) or devices < 1:
+        raise ValueError(f"devices must be a positive integer, got {devices!r}")
+    m = int(devices)
+    cache = _Cache()
+    file = getattr(view, "path", None)
+    entries = {path: _rewrite(entry, m, mirror_single, cache, file) for path, entry in view.items()}
+    out = DictView(
+        entries,
+        format=getattr(view, "format", "memory"),
+        path=getattr(view, "path", "<memory>"),
+        metadata=getattr(view, "metadata", None),
+    )
+    graph = getattr(view, "object_graph", None)
+    if graph is not None:
+        out.object_graph = graph  # type: ignore[attr-defined]  # carried to the HDF5 writer
+    return out

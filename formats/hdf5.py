@@ -1,0 +1,117 @@
+"""Our native HDF5 layout as a format adapter: a thin wrapper over
+:mod:`parallelvars.checkpoint.h5io`.
+
+Reading opens an :class:`~parallelvars.checkpoint.h5io.H5Reader` (which validates the file and
+verifies each component's checksum as it is read); writing calls
+:func:`~parallelvars.checkpoint.h5io.write_h5`, which streams one component at a time and
+replaces the target atomically. The layout itself is documented in that module. Paths are our
+slash paths as they are; there is no ``names=`` option.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import h5py
+
+from parallelvars.checkpoint.h5io import H5Reader, write_h5
+
+from ._common import carried_metadata, check_entry
+from ._h5 import is_hdf5
+from ._registry import FormatSpec
+from ._view import CheckpointView, Entry
+
+__all__ = ["FORMAT", "HDF5View", "open_hdf5", "write_hdf5"]
+
+class HDF5View(CheckpointView):
+    """A :class:`CheckpointView` over an :class:`H5Reader`.
+
+    Attributes:
+        reader: the underlying reader (``verify_all()``, ``object_graph``).
+        object_graph: the stored object graph, or None.
+    """
+
+    def __init__(self, reader: H5Reader) -> None:
+        self.reader = reader
+        self.format = "hdf5"
+        self.path = reader.path
+        self.metadata = dict(reader.metadata)
+        self.object_graph = reader.object_graph
+
+    def __getitem__(self, key: str) -> Entry:
+        return self.reader[key]  # type: ignore[return-value]  # StoredVariable duck-types Entry
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.reader)
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def verify_all(self) -> list[str]:
+        """Check every component against its stored checksum; the problems found."""
+        return self.reader.verify_all()
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def open_hdf5(path: str | os.PathLike[str]) -> HDF5View:
+    """Open a checkpoint file of our HDF5 layout (lazily; checksums verified on read)."""
+    return HDF5View(H5Reader(path))
+
+
+def write_hdf5(
+    path: str | os.PathLike[str],
+    entries: Mapping[str, Entry],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    object_graph: Mapping[str, Any] | None = None,
+) -> str:
+    """Write ``entries`` in our HDF5 layout, streaming one component at a time.
+
+    Args:
+        path: the output file.
+        entries: the entries to write.
+        metadata: root attributes (default: the source view's, minus the ones the writer
+            sets itself: format version, library version, creation time).
+        object_graph: the object graph to store (default: the source view's, if it has one).
+
+    Returns:
+        The file written.
+    """
+    p = os.fspath(path)
+    if metadata is None:
+        metadata = getattr(entries, "metadata", None) or {}
+    if object_graph is None:
+        object_graph = getattr(entries, "object_graph", None)
+    values = []
+    for key, entry in entries.items():
+        check_entry(entry, p)
+        if entry.path != key:
+            raise ValueError(f"{p}: entry stored under {key!r} has path {entry.path!r}")
+        values.append(entry)
+    meta = carried_metadata(metadata)
+    return write_h5(p, values, object_graph=object_graph, metadata=meta)
+
+
+def sniff(path: str, head: bytes) -> bool:
+    """True for an HDF5 file with our root attribute ``parallelvars_format``."""
+    if not is_hdf5(path, head):
+        return False
+    try:
+        with h5py.File(path, "r") as f:
+            return "parallelvars_format" in f.attrs
+    except (OSError, KeyError, ValueError):
+        return False
+
+
+FORMAT = FormatSpec(
+    name="hdf5",
+    description="parallelvars native HDF5 checkpoint (every component, checksummed)",
+    suffixes=(".h5", ".hdf5"),
+    sniff=sniff,
+    open=open_hdf5,
+    write=write_hdf5,
+)

@@ -1,0 +1,632 @@
+"""Keras weight files: Keras 3 ``.weights.h5`` (``keras``) and legacy Keras HDF5 (``keras-legacy``).
+
+Both are read and written with h5py; datasets are read only when a component is asked for.
+
+``keras`` (Keras 3 ``save_weights`` / ``H5IOStore``, FORMATS.md 3.2)::
+
+    /vars                       @name="sequential"   (the model's own variables)
+    /layers/dense/vars          @name="hidden"       0: kernel, 1: bias
+    /layers/batch_normalization/vars @name="bn"      0..3
+    /optimizer/vars             @name="adam"         0: iterations, 1: learning_rate, ...
+
+  Entry paths are the dataset paths (``layers/dense/vars/0``): Keras itself records no variable
+  names, only their order. The groups' attributes are kept in the view's metadata
+  (``keras_weights_layout``), so a file read and written back has the same groups, datasets,
+  attributes and values, and Keras loads it into the same architecture. Entries from other
+  formats whose paths are not of that form go to ``<parent>/vars/<i>`` in order
+  (``model/dense/kernel`` -> ``model/dense/vars/0``), with their path kept in the parallel info.
+
+``keras-legacy`` (Keras 2 ``save_weights("x.h5")`` and the ``model_weights/`` group of
+``model.save("x.h5")``, FORMATS.md 3.1)::
+
+    @layer_names = ["hidden", "bn", ...]        (split into layer_names0, 1, ... when large)
+    /hidden  @weight_names = ["sequential/hidden/kernel", ...]
+    /hidden/sequential/hidden/kernel           (Keras 2 names end in ":0")
+
+  Entry paths are the weight names without the ``:0`` suffix (``sequential/hidden/kernel``);
+  ``optimizer_weights/`` of a full-model file is read under ``optimizer_weights/<name>``. Layer
+  order, the exact weight names and the string attributes are kept in the view's metadata
+  (``keras_legacy_layout``). Entries from other formats are grouped into layers by their parent
+  path (``model/dense/kernel`` -> layer ``dense``), top-level paths into
+  ``top_level_model_weights``, as Keras does.
+
+Parallel variables: Keras counts the datasets of a layer, so only primaries (and the stitched
+value of a sharded variable) go where Keras looks; extra components go under the reserved group
+``/_parallel_components/<primary's path>/parallel_component_<i>`` and the parallel info (see
+:mod:`._common`) into the root attribute ``parallelvars``, written only when there is something
+to record. Keras ignores both.
+
+dtypes: numpy dtypes are stored natively; bfloat16 (and the other ml_dtypes types) as HDF5
+OPAQUE data (``|V2``) with a dataset attribute ``dtype="bfloat16"``, as Keras writes it. String
+tensors are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import h5py
+import numpy as np
+
+from parallelvars.errors import CorruptCheckpointError, NotACheckpointError, UnsupportedDtypeError
+
+from ._common import (
+    PlannedTensor,
+    Scratch,
+    StoreView,
+    TensorStore,
+    atomic_path,
+    build_entries,
+    carried_metadata,
+    dtype_name,
+    dumps,
+    is_ml_dtype,
+    is_string_dtype,
+    jsonable,
+    plan_tensors,
+)
+from ._h5 import attr_to_python, is_hdf5, open_h5, read_split_attr
+from ._registry import FormatSpec
+from ._view import CheckpointView, Entry
+
+__all__ = ["FORMATS", "open_keras", "open_keras_legacy", "write_keras", "write_keras_legacy"]
+
+RESERVED = "_parallel_components"
+INFO_ATTR = "parallelvars"
+KERAS_LAYOUT = "keras_weights_layout"
+LEGACY_LAYOUT = "keras_legacy_layout"
+# Keras splits string-list attributes above the HDF5 object header limit; a vlen string
+# attribute costs 16 bytes per item there.
+_HEADER_LIMIT = 64512
+_VLEN_ITEM = 16
+_VARS_RE = re.compile(r"^(?:.+/)?vars/(0|[1-9][0-9]*)$")
+_SUFFIX_RE = re.compile(r":\d+$")
+# Any version but "1" tells Keras' legacy loader that no Keras 1 conversion is needed.
+_GENERIC_KERAS_VERSION = "3.0.0"
+
+
+# --------------------------------------------------------------------------------------------
+# reading
+
+
+def _dataset_dtype(ds: h5py.Dataset, file: str, key: str) -> np.dtype:
+    dt = ds.dtype
+    if h5py.check_string_dtype(dt) is not None or h5py.check_vlen_dtype(dt) is not None:
+        return np.dtype(object)
+    if dt.kind == "V" and dt.fields is None:
+        tag = attr_to_python(ds.attrs.get("dtype", ""))
+        from ._common import dtype_from_name
+
+        real = dtype_from_name(tag, file=file, variable=key) if tag else None
+        if real is None or real.itemsize != dt.itemsize:
+            raise UnsupportedDtypeError("opaque dataset without a matching dtype attribute",
+                                        file=file, variable=key, expected='attribute dtype="bfloat16"',
+                                        found=f"{dt} with dtype={tag!r}")
+        return real
+    if dt.kind not in "biufc" or dt.fields is not None:
+        raise UnsupportedDtypeError("unsupported HDF5 dataset type", file=file, variable=key,
+                                    found=str(dt))
+    return dt.newbyteorder("=")
+
+
+class _H5Store(TensorStore):
+    """Datasets of an open h5py file, addressed by our keys."""
+
+    def __init__(self, file: str, h5: h5py.File, datasets: Mapping[str, h5py.Dataset]) -> None:
+        self.file = file
+        self._h5: h5py.File | None = h5
+        self._ds = dict(datasets)
+        self._meta = {k: (_dataset_dtype(d, file, k), tuple(int(s) for s in d.shape))
+                      for k, d in self._ds.items()}
+
+    def keys(self) -> list[str]:
+        return list(self._ds)
+
+    def stored(self, key: str) -> tuple[np.dtype, tuple[int, ...]]:
+        return self._meta[key]
+
+    def _dataset(self, key: str) -> h5py.Dataset:
+        if self._h5 is None:
+            raise ValueError(f"{self.file}: the checkpoint view is closed")
+        return self._ds[key]
+
+    @staticmethod
+    def _selection(region: tuple[int, int, int] | None) -> Any:
+        if region is None:
+            return ()
+        axis, start, stop = region
+        return (slice(None),) * axis + (slice(start, stop),)
+
+    def read_into(self, key: str, out: np.ndarray, region: tuple[int, int, int] | None = None) -> None:
+        ds = self._dataset(key)
+        if out.size == 0:
+            return
+        target = out.view(ds.dtype) if ds.dtype.kind == "V" else out
+        sel = self._selection(region)
+        if ds.shape == ():
+            target[()] = ds[()]
+        else:
+            ds.read_direct(target, source_sel=sel if sel else None)
+
+    def read_objects(self, key: str, region: tuple[int, int, int] | None = None) -> np.ndarray:
+        ds = self._dataset(key)
+        values = np.asarray(ds[self._selection(region)] if region else ds[()], dtype=object)
+        out = np.empty(values.shape, object)
+        for idx, v in np.ndenumerate(values):
+            out[idx] = v.encode("utf-8") if isinstance(v, str) else bytes(v)
+        return out
+
+    def close(self) -> None:
+        if self._h5 is not None:
+            self._h5.close()
+        self._h5 = None
+
+
+def _info(h5: h5py.File, file: str) -> dict[str, Any] | None:
+    raw = h5.attrs.get(INFO_ATTR)
+    if raw is None:
+        return None
+    try:
+        info = json.loads(attr_to_python(raw))
+    except (TypeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(f"the parallelvars attribute is not valid JSON ({exc})",
+                                     file=file, variable=INFO_ATTR) from None
+    if not isinstance(info, dict):
+        raise CorruptCheckpointError("the parallelvars attribute is not a JSON object", file=file,
+                                     variable=INFO_ATTR)
+    return info
+
+
+def _reserved(group: h5py.Group, prefix: str, out: dict[str, h5py.Dataset]) -> None:
+    if RESERVED not in group:
+        return
+
+    def visit(name: str, obj: Any) -> None:
+        if isinstance(obj, h5py.Dataset):
+            out[f"{prefix}{RESERVED}/{name}"] = obj
+
+    group[RESERVED].visititems(visit)
+
+
+def _is_legacy(h5: h5py.File) -> bool:
+    root = h5["model_weights"] if isinstance(h5.get("model_weights"), h5py.Group) else h5
+    return "layer_names" in root.attrs or "layer_names0" in root.attrs
+
+
+def _not_ours(h5: h5py.File, file: str, want: str) -> None:
+    if "parallelvars_format" in h5.attrs:
+        raise NotACheckpointError(f"this is a parallelvars HDF5 checkpoint, not a {want} file",
+                                  file=file, hint="open it with format 'hdf5'")
+
+
+def open_keras(path: str | os.PathLike[str]) -> CheckpointView:
+    """Open a Keras 3 ``.weights.h5`` file lazily (entry paths: ``layers/<name>/vars/<i>``)."""
+    p = os.fspath(path)
+    h5 = open_h5(p)
+    try:
+        _not_ours(h5, p, "Keras weights")
+        if _is_legacy(h5):
+            raise NotACheckpointError("this is a legacy Keras HDF5 file, not Keras 3 .weights.h5",
+                                      file=p, hint="open it with format 'keras-legacy'")
+        datasets: dict[str, h5py.Dataset] = {}
+        groups: dict[str, dict[str, Any]] = {}
+        root_attrs = {k: attr_to_python(v) for k, v in h5.attrs.items() if k != INFO_ATTR}
+        if root_attrs:
+            groups["/"] = root_attrs
+        found_vars = False
+
+        def visit(name: str, obj: Any) -> None:
+            nonlocal found_vars
+            if name == RESERVED or name.startswith(f"{RESERVED}/"):
+                return
+            if isinstance(obj, h5py.Group):
+                found_vars = found_vars or name.rpartition("/")[2] == "vars"
+                if obj.attrs:
+                    groups[name] = {k: attr_to_python(v) for k, v in obj.attrs.items()}
+                return
+            datasets[name] = obj
+
+        h5.visititems(visit)
+        if not found_vars:
+            raise NotACheckpointError("no Keras 'vars' group in the HDF5 file", file=p,
+                                      expected="a Keras 3 .weights.h5 layout", found=f"top-level {sorted(h5)}")
+        for name in datasets:
+            if not _VARS_RE.match(name):
+                raise CorruptCheckpointError("dataset outside a Keras vars group (expected "
+                                             "<path>/vars/<index>)", file=p, variable=name)
+        order = sorted(datasets, key=lambda k: (k.rpartition("/")[0], int(k.rpartition("/")[2])))
+        _reserved(h5, "", datasets)
+        keys = order + [k for k in datasets if k.startswith(f"{RESERVED}/")]
+        store = _H5Store(p, h5, {k: datasets[k] for k in keys})
+        info = _info(h5, p)
+        entries = build_entries(store, info, names="slash")
+        metadata = dict((info or {}).get("metadata") or {})
+        metadata[KERAS_LAYOUT] = dumps({"groups": jsonable(groups)})
+    except BaseException:
+        h5.close()
+        raise
+    return StoreView(store, entries, format="keras", path=p, metadata=metadata)
+
+
+def open_keras_legacy(path: str | os.PathLike[str]) -> CheckpointView:
+    """Open a legacy Keras HDF5 file lazily (entry paths: weight names without ``:0``)."""
+    p = os.fspath(path)
+    h5 = open_h5(p)
+    try:
+        _not_ours(h5, p, "Keras")
+        in_model = isinstance(h5.get("model_weights"), h5py.Group)
+        root = h5["model_weights"] if in_model else h5
+        if "layer_names" not in root.attrs and "layer_names0" not in root.attrs:
+            raise NotACheckpointError("no layer_names attribute: not a legacy Keras weights file",
+                                      file=p, expected="attribute layer_names",
+                                      found=f"attributes {sorted(root.attrs)}")
+        layer_names = read_split_attr(root, "layer_names")
+        datasets: dict[str, h5py.Dataset] = {}
+        layers: dict[str, list[str]] = {}
+
+        def add(group: h5py.Group, prefix: str) -> list[str]:
+            names = read_split_attr(group, "weight_names")
+            for w in names:
+                ds = group.get(w)
+                if not isinstance(ds, h5py.Dataset):
+                    raise CorruptCheckpointError("weight listed in weight_names has no dataset",
+                                                 file=p, variable=f"{group.name}/{w}")
+                key = prefix + _SUFFIX_RE.sub("", w)
+                if key in datasets:
+                    raise CorruptCheckpointError("two weights have the same name", file=p, variable=key)
+                datasets[key] = ds
+            return names
+
+        for layer in [*layer_names, "top_level_model_weights"]:
+            group = root.get(layer)
+            if not isinstance(group, h5py.Group):
+                if layer == "top_level_model_weights":
+                    continue
+                raise CorruptCheckpointError("layer listed in layer_names has no group", file=p,
+                                             variable=layer)
+            layers[layer] = add(group, "")
+        layout: dict[str, Any] = {
+            "root": "model_weights" if in_model else "",
+            "layer_names": layer_names,
+            "layers": layers,
+            "file_attrs": {k: attr_to_python(v) for k, v in h5.attrs.items()
+                           if k != INFO_ATTR and not (in_model is False and k.startswith("layer_names"))},
+        }
+        if in_model:
+            layout["root_attrs"] = {k: attr_to_python(v) for k, v in root.attrs.items()
+                                    if not k.startswith("layer_names")}
+        if isinstance(h5.get("optimizer_weights"), h5py.Group):
+            layout["optimizer_weights"] = add(h5["optimizer_weights"], "optimizer_weights/")
+        _reserved(root, "", datasets)
+        store = _H5Store(p, h5, datasets)
+        info = _info(h5, p)
+        entries = build_entries(store, info, names="slash")
+        metadata = dict((info or {}).get("metadata") or {})
+        metadata[LEGACY_LAYOUT] = dumps(jsonable(layout))
+    except BaseException:
+        h5.close()
+        raise
+    return StoreView(store, entries, format="keras-legacy", path=p, metadata=metadata)
+
+
+# --------------------------------------------------------------------------------------------
+# writing
+
+
+def _to_h5(array: np.ndarray, file: str, variable: str) -> np.ndarray:
+    if is_string_dtype(array.dtype):
+        raise UnsupportedDtypeError("Keras weight files cannot hold string tensors", file=file,
+                                    variable=variable, found="string")
+    if is_ml_dtype(array.dtype):
+        return array.view(f"V{array.dtype.itemsize}")  # HDF5 OPAQUE, as Keras stores bfloat16
+    return array
+
+
+def _check_dtypes(planned: list[PlannedTensor], file: str) -> None:
+    for t in planned:
+        if is_string_dtype(t.dtype):
+            raise UnsupportedDtypeError("Keras weight files cannot hold string tensors", file=file,
+                                        variable=t.entry.path, found="string")
+        if t.dtype.kind not in "biufc" and not is_ml_dtype(t.dtype):
+            raise UnsupportedDtypeError("Keras weight files cannot hold this dtype", file=file,
+                                        variable=t.entry.path, found=str(t.dtype))
+
+
+def _write_dataset(h5: h5py.File | h5py.Group, name: str, t: PlannedTensor, file: str,
+                   scratch: Scratch) -> None:
+    value = _to_h5(t.read_with(scratch), file, t.entry.path)
+    ds = h5.create_dataset(name, data=value)
+    if is_ml_dtype(t.dtype):
+        ds.attrs["dtype"] = dtype_name(t.dtype)
+
+
+def _set_attr(obj: h5py.Group | h5py.File, name: str, value: Any) -> None:
+    if isinstance(value, list):
+        if not value:
+            obj.attrs[name] = np.zeros(0, np.float64)  # what Keras writes for an empty list
+        elif all(isinstance(v, str) for v in value):
+            obj.attrs[name] = np.array(value, dtype=h5py.string_dtype("utf-8"))
+        else:
+            obj.attrs[name] = np.asarray(value)
+    elif value is None:
+        return
+    else:
+        obj.attrs[name] = value
+
+
+def _set_name_list(obj: h5py.Group | h5py.File, name: str, values: list[str]) -> None:
+    """Write a string-list attribute, split into ``name0``, ``name1``... as Keras does when
+    the list would overflow the object header."""
+    per_chunk = _HEADER_LIMIT // _VLEN_ITEM
+    if len(values) <= per_chunk:
+        _set_attr(obj, name, list(values))
+        return
+    for i in range(0, len(values), per_chunk):
+        _set_attr(obj, f"{name}{i // per_chunk}", list(values[i:i + per_chunk]))
+
+
+def _user_metadata(metadata: Mapping[str, Any], own: str) -> dict[str, Any]:
+    return jsonable(carried_metadata(metadata, own))
+
+
+def _layout(metadata: Mapping[str, Any], key: str) -> dict[str, Any] | None:
+    raw = metadata.get(key)
+    if raw is None:
+        return None
+    try:
+        layout = json.loads(raw) if isinstance(raw, str) else raw
+    except json.JSONDecodeError:
+        return None
+    return layout if isinstance(layout, dict) else None
+
+
+def _write_info(h5: h5py.File, info: dict[str, Any], user: dict[str, Any]) -> None:
+    if info["variables"] or user:
+        h5.attrs[INFO_ATTR] = dumps({**info, "metadata": user})
+
+
+def _keras3_keys(entries: Mapping[str, Entry], file: str) -> dict[str, str]:
+    primary: dict[str, str] = {}
+    used: set[str] = set()
+    for path in entries:
+        if path.startswith(f"{RESERVED}/"):
+            raise ValueError(f"{file}: variable {path!r}: paths under {RESERVED}/ are reserved")
+        if _VARS_RE.match(path):
+            primary[path] = path
+            used.add(path)
+    next_index: dict[str, int] = {}
+    for path in entries:
+        if path in primary:
+            continue
+        parent = path.rpartition("/")[0]
+        group = f"{parent}/vars" if parent else "vars"
+        i = next_index.get(group, 0)
+        while f"{group}/{i}" in used:
+            i += 1
+        next_index[group] = i + 1
+        primary[path] = f"{group}/{i}"
+        used.add(primary[path])
+    return primary
+
+
+def write_keras(
+    path: str | os.PathLike[str],
+    entries: Mapping[str, Entry],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+) -> str:
+    """Write ``entries`` as a Keras 3 ``.weights.h5`` file, one tensor at a time.
+
+    Args:
+        path: the output file.
+        entries: the entries (a view of a Keras file keeps its exact layout).
+        metadata: file metadata (default: the source view's); ``keras_weights_layout`` gives
+            the groups' attributes.
+
+    Returns:
+        The file written.
+    """
+    p = os.fspath(path)
+    if metadata is None:
+        metadata = getattr(entries, "metadata", None) or {}
+    layout = _layout(metadata, KERAS_LAYOUT) or {}
+    keys = _keras3_keys(entries, p)
+    planned, info = plan_tensors(
+        entries,
+        names="slash",
+        needs_record=lambda e: False,
+        file=p,
+        key_of=lambda path, e, i: keys[path] if i == 0 else f"{RESERVED}/{keys[path]}/parallel_component_{i}",
+    )
+    _check_dtypes(planned, p)
+    user = _user_metadata(metadata, KERAS_LAYOUT)
+    scratch = Scratch()
+    with atomic_path(p) as tmp, h5py.File(tmp, "w") as h5:
+        for gpath, attrs in (layout.get("groups") or {}).items():
+            group = h5 if gpath == "/" else h5.require_group(gpath)
+            for name, value in (attrs or {}).items():
+                _set_attr(group, name, value)
+        for t in planned:
+            parent = t.key.rpartition("/")[0]
+            group = h5.require_group(parent)
+            if parent.endswith("vars") and "name" not in group.attrs and not parent.startswith(RESERVED):
+                owner = parent[: -len("vars")].rstrip("/").rpartition("/")[2]
+                if owner:
+                    group.attrs["name"] = owner
+            _write_dataset(h5, t.key, t, p, scratch)
+        _write_info(h5, info, user)
+    return p
+
+
+def _legacy_plan(
+    entries: Mapping[str, Entry], layout: dict[str, Any] | None, keras3: dict[str, Any] | None
+) -> tuple[str, list[str], dict[str, list[tuple[str, str]]], list[tuple[str, str]] | None, dict[str, Any]]:
+    """(root, layer_names, layer -> [(weight name, path)], optimizer weights, layout) for the
+    legacy writer: the recorded layout when it matches the entries, else one made from paths."""
+    paths = set(entries)
+    if layout:
+        layers = {
+            str(layer): [(str(w), _SUFFIX_RE.sub("", str(w))) for w in names]
+            for layer, names in (layout.get("layers") or {}).items()
+        }
+        opt = layout.get("optimizer_weights")
+        optimizer = (
+            [(str(w), "optimizer_weights/" + _SUFFIX_RE.sub("", str(w))) for w in opt]
+            if opt is not None else None
+        )
+        covered = [p for ws in layers.values() for _, p in ws] + [p for _, p in optimizer or []]
+        if set(covered) == paths and len(covered) == len(paths):
+            root = str(layout.get("root") or "")
+            return root, [str(n) for n in layout.get("layer_names") or []], layers, optimizer, layout
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for path in entries:
+        if path.startswith(f"{RESERVED}/"):
+            raise ValueError(f"variable {path!r}: paths under {RESERVED}/ are reserved")
+        groups.setdefault(path.rpartition("/")[0], []).append((path, path))
+    keras3_groups = (keras3 or {}).get("groups") or {}
+
+    def layer_name(parent: str) -> str:
+        named = (keras3_groups.get(parent) or {}).get("name")
+        if isinstance(named, str) and named:
+            return named  # a Keras 3 vars group: its layer's own name
+        if parent == "vars" or parent.endswith("/vars"):
+            parent = parent[: -len("vars")].rstrip("/")
+        return parent.rpartition("/")[2] or "model"
+
+    wanted = {parent: layer_name(parent) for parent in groups if parent}
+    counts: dict[str, int] = {}
+    for name in wanted.values():
+        counts[name] = counts.get(name, 0) + 1
+    layers = {}
+    layer_names = []
+    for parent, weights in groups.items():
+        if not parent:
+            layers["top_level_model_weights"] = weights
+            continue
+        name = wanted[parent]
+        if counts[name] > 1 or name in ("top_level_model_weights", RESERVED):
+            name = parent.replace("/", "_")
+        layers[name] = weights
+        layer_names.append(name)
+    generic = {"file_attrs": {"keras_version": _GENERIC_KERAS_VERSION}}
+    return "", layer_names, layers, None, generic
+
+
+def write_keras_legacy(
+    path: str | os.PathLike[str],
+    entries: Mapping[str, Entry],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+) -> str:
+    """Write ``entries`` as a legacy Keras HDF5 weights file, one tensor at a time.
+
+    Args:
+        path: the output file.
+        entries: the entries (a view of a legacy Keras file keeps its exact layout, including
+            ``model_weights/`` and the model config of a full-model file).
+        metadata: file metadata (default: the source view's); ``keras_legacy_layout`` gives
+            the layout.
+
+    Returns:
+        The file written.
+    """
+    p = os.fspath(path)
+    if metadata is None:
+        metadata = getattr(entries, "metadata", None) or {}
+    root_name, layer_names, layers, optimizer, layout = _legacy_plan(
+        entries, _layout(metadata, LEGACY_LAYOUT), _layout(metadata, KERAS_LAYOUT)
+    )
+    planned, info = plan_tensors(
+        entries,
+        names="slash",
+        file=p,
+        key_of=lambda path, e, i: path if i == 0 else f"{RESERVED}/{path}/parallel_component_{i}",
+    )
+    _check_dtypes(planned, p)
+    by_key = {t.key: t for t in planned}
+    user = _user_metadata(metadata, LEGACY_LAYOUT)
+    scratch = Scratch()
+    with atomic_path(p) as tmp, h5py.File(tmp, "w") as h5:
+        for name, value in (layout.get("file_attrs") or {}).items():
+            _set_attr(h5, name, value)
+        root = h5.require_group(root_name) if root_name else h5
+        for name, value in (layout.get("root_attrs") or {}).items():
+            _set_attr(root, name, value)
+        _set_name_list(root, "layer_names", layer_names)
+        for layer, weights in layers.items():
+            group = root.require_group(layer)
+            _set_name_list(group, "weight_names", [w for w, _ in weights])
+            for weight, wpath in weights:
+                _write_dataset(group, weight, by_key[wpath], p, scratch)
+        if optimizer is not None:
+            group = h5.require_group("optimizer_weights")
+            _set_name_list(group, "weight_names", [w for w, _ in optimizer])
+            for weight, wpath in optimizer:
+                _write_dataset(group, weight, by_key[wpath], p, scratch)
+        for t in planned:
+            if t.key.startswith(f"{RESERVED}/"):
+                _write_dataset(root, t.key, t, p, scratch)
+        _write_info(h5, info, user)
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# detection
+
+
+def _sniff_with(path: str, head: bytes, check: Any) -> bool:
+    if not is_hdf5(path, head):
+        return False
+    try:
+        with h5py.File(path, "r") as h5:
+            if "parallelvars_format" in h5.attrs:
+                return False
+            return bool(check(h5))
+    except (OSError, KeyError, ValueError):
+        return False
+
+
+def _has_vars_group(h5: h5py.File) -> bool:
+    if _is_legacy(h5):
+        return False
+
+    def visit(name: str, obj: Any) -> bool | None:
+        if isinstance(obj, h5py.Group) and name.rpartition("/")[2] == "vars":
+            return True
+        return None
+
+    return bool(h5.visititems(visit))
+
+
+def sniff_keras(path: str, head: bytes) -> bool:
+    """True for an HDF5 file with Keras 3 ``vars`` groups and no legacy attributes."""
+    return _sniff_with(path, head, _has_vars_group)
+
+
+def sniff_keras_legacy(path: str, head: bytes) -> bool:
+    """True for an HDF5 file with a ``layer_names`` attribute (at the root or in model_weights)."""
+    return _sniff_with(path, head, _is_legacy)
+
+
+FORMATS = (
+    FormatSpec(
+        name="keras",
+        description="Keras 3 .weights.h5 (layers/<name>/vars/<i>)",
+        suffixes=(".weights.h5",),
+        sniff=sniff_keras,
+        open=open_keras,
+        write=write_keras,
+    ),
+    FormatSpec(
+        name="keras-legacy",
+        description="legacy Keras HDF5 weights (layer_names / weight_names, model_weights/)",
+        suffixes=(),
+        sniff=sniff_keras_legacy,
+        open=open_keras_legacy,
+        write=write_keras_legacy,
+    ),
+)

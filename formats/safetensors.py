@@ -1,0 +1,553 @@
+"""safetensors: single files and Hugging Face shard sets, read lazily and written streaming.
+
+A file is ``u64 LE N``, an N-byte JSON header (``name -> {dtype, shape, data_offsets}`` plus an
+optional ``__metadata__`` of string -> string), then the tensors' raw little-endian bytes. The
+reader checks the header as strictly as the reference implementation does (see FORMATS.md
+2.3) before it reads or allocates any tensor: a header length beyond 100,000,000 bytes, a file
+shorter than its header or data, invalid UTF-8 or JSON, duplicate names, unknown dtype strings,
+offsets that overlap or leave holes, a byte size that does not match dtype and shape, and
+trailing bytes each raise an error of :mod:`parallelvars.errors` naming the file and tensor.
+
+Writing streams: the header is computed from the entries' metadata, then each tensor is read
+from its source and written, one at a time. Tensors are ordered by alignment, then name, so
+every tensor starts aligned to its item size (like the reference writer).
+
+What our files hold (key style ``names``, default ``"dotted"``, see :mod:`._names`):
+
+* every variable's primary (component 0) under the variable's own key, so
+  ``safetensors.safe_open`` / ``load_file`` and ``transformers`` find ordinary tensors;
+* extra components of parallel variables under ``<key>/parallel_component_<i>``;
+* a sharded variable once, as its full stitched value under its key;
+* ``__metadata__``: ``"format": "pt"`` (what ``transformers`` expects), the source's file
+  metadata as strings, and ``"parallelvars"``: the parallel info (kinds, components, attrs,
+  exact paths; see :mod:`._common`), so our reader gets back exactly what was written.
+
+Shard sets (``max_shard_size=``) follow the Hugging Face convention: ``model-00001-of-00002.
+safetensors``, ... and ``model.safetensors.index.json`` with ``metadata.total_size`` (the sum of
+the tensors' byte sizes) and ``weight_map``; the parallel info goes into the index's
+``metadata.parallelvars``. A set whose tensors all fit in one shard is written as one file.
+
+dtypes: BOOL, U8/I8..U64/I64, F16, BF16, F32, F64, C64 and the float8 types F8_E4M3
+(``float8_e4m3fn``), F8_E5M2, F8_E4M3FNUZ, F8_E5M2FNUZ, F8_E8M0 (``float8_e8m0fnu``) map to
+numpy / ml_dtypes dtypes bit for bit. Other fixed-size dtypes (complex128, other ml_dtypes) are
+stored as their raw bytes in a ``U8`` tensor with a trailing axis of the item size and their
+dtype recorded in the parallel info. The sub-byte types F4 and F6_* and string tensors are
+refused with :class:`~parallelvars.errors.UnsupportedDtypeError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import threading
+from collections.abc import Callable, Mapping
+from typing import IO, Any
+
+import ml_dtypes
+import numpy as np
+
+from parallelvars.errors import (
+    CorruptCheckpointError,
+    NotACheckpointError,
+    TruncatedFileError,
+    UnsupportedDtypeError,
+)
+
+from ._common import (
+    ByteStore,
+    PlannedTensor,
+    Scratch,
+    StoreView,
+    atomic_path,
+    build_entries,
+    carried_metadata,
+    dumps,
+    is_string_dtype,
+    jsonable,
+    parse_size,
+    plan_tensors,
+    read_exact_into,
+    write_array,
+)
+from ._names import check_names
+from ._registry import FormatSpec
+from ._view import CheckpointView, Entry
+
+__all__ = ["FORMAT", "INDEX_NAME", "MAX_HEADER_SIZE", "open_safetensors", "read_header", "write_safetensors"]
+
+MAX_HEADER_SIZE = 100_000_000
+INDEX_NAME = "model.safetensors.index.json"
+META_KEY = "parallelvars"
+DEFAULT_NAMES = "dotted"
+
+# safetensors dtype string -> (numpy dtype, bits)
+_DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
+    "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz),
+    "I16": np.dtype(np.int16),
+    "U16": np.dtype(np.uint16),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I32": np.dtype(np.int32),
+    "U32": np.dtype(np.uint32),
+    "F32": np.dtype(np.float32),
+    "C64": np.dtype(np.complex64),
+    "F64": np.dtype(np.float64),
+    "I64": np.dtype(np.int64),
+    "U64": np.dtype(np.uint64),
+}
+if hasattr(ml_dtypes, "float8_e8m0fnu"):
+    _DTYPES["F8_E8M0"] = np.dtype(ml_dtypes.float8_e8m0fnu)
+# Known to the reference implementation but packed below a byte: refused, with a clear error.
+_SUB_BYTE = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+_NAME_OF = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def _st_name(dtype: np.dtype) -> str | None:
+    dtype = np.dtype(dtype)
+    for candidate, name in _NAME_OF.items():
+        if candidate == dtype and candidate.type is dtype.type:
+            return name
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# header validation
+
+
+def _no_duplicates(file: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in out:
+                raise CorruptCheckpointError("duplicate name in the JSON header", file=file, variable=k)
+            out[k] = v
+        return out
+
+    return hook
+
+
+def _is_uint(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def read_header(f: IO[bytes], file: str) -> tuple[dict[str, str], dict[str, tuple[np.dtype, tuple[int, ...], int, int]], int]:
+    """Parse and validate the header of the open safetensors file ``f``.
+
+    Returns:
+        ``(metadata, tensors, data_start)``: ``tensors`` maps each name to (numpy dtype, shape,
+        begin, end) with offsets relative to ``data_start``, in file order.
+
+    Raises:
+        TruncatedFileError, CorruptCheckpointError, UnsupportedDtypeError: see the module doc.
+    """
+    size = os.fstat(f.fileno()).st_size
+    if size < 8:
+        raise TruncatedFileError("file too short for a safetensors header length", file=file,
+                                 expected=">= 8 bytes", found=f"{size} bytes")
+    f.seek(0)
+    (n,) = struct.unpack("<Q", f.read(8))
+    if n > MAX_HEADER_SIZE:
+        raise CorruptCheckpointError("safetensors header length too large", file=file,
+                                     expected=f"<= {MAX_HEADER_SIZE} bytes", found=f"{n} bytes")
+    if 8 + n > size:
+        raise TruncatedFileError("the file ends inside the safetensors JSON header", file=file,
+                                 expected=f"{8 + n} bytes", found=f"{size} bytes")
+    raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates(file))
+    except UnicodeDecodeError as exc:
+        raise CorruptCheckpointError(f"the safetensors header is not UTF-8 ({exc.reason})", file=file) from None
+    except json.JSONDecodeError as exc:
+        raise CorruptCheckpointError(f"the safetensors header is not valid JSON ({exc})", file=file) from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError("the safetensors header is not a JSON object", file=file,
+                                     found=type(header).__name__)
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CorruptCheckpointError("__metadata__ must map strings to strings", file=file,
+                                     variable="__metadata__")
+    entries: list[tuple[str, np.dtype, tuple[int, ...], int, int, int]] = []
+    for name, info in header.items():
+        if not isinstance(info, dict):
+            raise CorruptCheckpointError("tensor info is not an object", file=file, variable=name)
+        dtype_str, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype_str, str):
+            raise CorruptCheckpointError("tensor info has no dtype string", file=file, variable=name)
+        if dtype_str in _SUB_BYTE:
+            raise UnsupportedDtypeError("sub-byte safetensors dtypes are not supported", file=file,
+                                        variable=name, expected="a dtype of 8 bits or more",
+                                        found=dtype_str)
+        if dtype_str not in _DTYPES:
+            raise UnsupportedDtypeError("unknown safetensors dtype", file=file, variable=name,
+                                        expected=f"one of {', '.join(_DTYPES)}", found=repr(dtype_str))
+        if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+            raise CorruptCheckpointError("shape must be a list of non-negative integers", file=file,
+                                         variable=name, found=shape)
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
+            raise CorruptCheckpointError("data_offsets must be [begin, end]", file=file,
+                                         variable=name, found=offsets)
+        dtype = _DTYPES[dtype_str]
+        nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
+        entries.append((name, dtype, tuple(shape), offsets[0], offsets[1], nbytes))
+    # Offsets must tile [0, end) exactly, in order: no overlap, no hole.
+    expected = 0
+    last = None
+    for name, _dtype, _shape, begin, end, nbytes in sorted(entries, key=lambda e: (e[3], e[4])):
+        last = name
+        if begin < expected:
+            raise CorruptCheckpointError("tensor data overlaps the previous tensor", file=file,
+                                         variable=name, expected=f"begin >= {expected}", found=f"begin {begin}")
+        if begin > expected:
+            raise CorruptCheckpointError("hole before the tensor's data", file=file, variable=name,
+                                         expected=f"begin {expected}", found=f"begin {begin}")
+        if end < begin:
+            raise CorruptCheckpointError("data_offsets end before they begin", file=file,
+                                         variable=name, found=[begin, end])
+        if end - begin != nbytes:
+            raise CorruptCheckpointError("byte size does not match dtype and shape", file=file,
+                                         variable=name, expected=f"{nbytes} bytes",
+                                         found=f"{end - begin} bytes")
+        if 8 + n + end > size:
+            raise TruncatedFileError("the file ends before the tensor's data", file=file,
+                                     variable=name, expected=f"{8 + n + end} bytes",
+                                     found=f"{size} bytes")
+        expected = end
+    if 8 + n + expected != size:
+        raise CorruptCheckpointError("trailing bytes after the last tensor", file=file, variable=last,
+                                     expected=f"{8 + n + expected} bytes", found=f"{size} bytes")
+    tensors = {name: (dtype, shape, b, e) for name, dtype, shape, b, e, _ in entries}
+    return metadata, tensors, 8 + n
+
+
+# --------------------------------------------------------------------------------------------
+# reading
+
+
+class _Store(ByteStore):
+    """The tensors of one safetensors file or of a shard set."""
+
+    def __init__(self, file: str, shard_files: list[str]) -> None:
+        self.file = file
+        self._files = shard_files
+        self._handles: dict[int, IO[bytes]] = {}
+        self._lock = threading.Lock()
+        self._tensors: dict[str, tuple[int, np.dtype, tuple[int, ...], int]] = {}
+        self.shard_metadata: list[dict[str, str]] = []
+        try:
+            for idx, shard in enumerate(shard_files):
+                f = open(shard, "rb")  # noqa: SIM115 - held open for lazy reads, closed by close()
+                self._handles[idx] = f
+                meta, tensors, start = read_header(f, shard)
+                self.shard_metadata.append(meta)
+                for name, (dtype, shape, begin, _end) in tensors.items():
+                    if name in self._tensors:
+                        raise CorruptCheckpointError("tensor appears in two shards", file=shard, variable=name)
+                    self._tensors[name] = (idx, dtype, shape, start + begin)
+        except BaseException:
+            self.close()
+            raise
+
+    def keys(self) -> list[str]:
+        return list(self._tensors)
+
+    def stored(self, key: str) -> tuple[np.dtype, tuple[int, ...]]:
+        _, dtype, shape, _ = self._tensors[key]
+        return dtype, shape
+
+    def shard_of(self, key: str) -> str:
+        return self._files[self._tensors[key][0]]
+
+    def _read_bytes(self, key: str, offset: int, buf: memoryview) -> None:
+        idx, _, _, start = self._tensors[key]
+        f = self._handles.get(idx)
+        if f is None:
+            raise ValueError(f"{self.file}: the checkpoint view is closed")
+        read_exact_into(f, self._lock, start + offset, buf, file=self._files[idx], key=key)
+
+    def close(self) -> None:
+        for f in self._handles.values():
+            f.close()
+        self._handles.clear()
+
+
+def _find_index(path: str) -> str | None:
+    if path.endswith(".index.json"):
+        return path
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, INDEX_NAME)):
+            return os.path.join(path, INDEX_NAME)
+        found = sorted(n for n in os.listdir(path) if n.endswith(".safetensors.index.json"))
+        if len(found) == 1:
+            return os.path.join(path, found[0])
+    return None
+
+
+def _read_index(index: str) -> tuple[dict[str, Any], dict[str, str]]:
+    size = os.path.getsize(index)
+    if size > MAX_HEADER_SIZE:
+        raise CorruptCheckpointError("index file too large", file=index,
+                                     expected=f"<= {MAX_HEADER_SIZE} bytes", found=f"{size} bytes")
+    try:
+        with open(index, "rb") as f:
+            doc = json.loads(f.read().decode("utf-8"), object_pairs_hook=_no_duplicates(index))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(f"the index is not valid JSON ({exc})", file=index) from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise NotACheckpointError("not a safetensors index: no weight_map of names to files",
+                                  file=index, expected='{"weight_map": {...}}')
+    metadata = doc.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise CorruptCheckpointError("the index metadata is not an object", file=index)
+    for shard in set(weight_map.values()):
+        if os.path.basename(shard) != shard or shard in ("", ".", ".."):
+            raise CorruptCheckpointError("shard file names must be plain names in the index's folder",
+                                         file=index, variable=shard)
+    return metadata, weight_map
+
+
+def _parse_info(raw: Any, file: str) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise CorruptCheckpointError(f"the parallelvars metadata is not valid JSON ({exc})",
+                                         file=file, variable=META_KEY) from None
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError("the parallelvars metadata is not an object", file=file, variable=META_KEY)
+    return raw
+
+
+def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) -> CheckpointView:
+    """Open a safetensors file, a shard set's index, or a folder holding either.
+
+    Args:
+        path: a ``.safetensors`` file, a ``*.safetensors.index.json`` file, or a folder with
+            ``model.safetensors.index.json`` or ``model.safetensors``.
+        names: how to map keys that the file's parallel info does not list to our paths
+            (default: the style recorded in the file, else ``"dotted"``).
+    """
+    p = os.fspath(path)
+    index = _find_index(p)
+    if index is None:
+        single = os.path.join(p, "model.safetensors") if os.path.isdir(p) else p
+        if not os.path.isfile(single):
+            raise FileNotFoundError(f"{p}: no safetensors file or index found")
+        store = _Store(single, [single])
+        meta = dict(store.shard_metadata[0])
+        info = _parse_info(meta.pop(META_KEY, None), single)
+        file = single
+    else:
+        index_meta, weight_map = _read_index(index)
+        folder = os.path.dirname(index)
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
+        if missing:
+            raise TruncatedFileError("a shard listed in the index is missing", file=index,
+                                     variable=missing[0])
+        store = _Store(index, [os.path.join(folder, s) for s in shards])
+        try:
+            listed = set(weight_map)
+            stored_keys = store.keys()
+            for key in stored_keys:
+                if key not in listed:
+                    raise CorruptCheckpointError("tensor is in a shard but not in the index",
+                                                 file=store.shard_of(key), variable=key)
+                if os.path.basename(store.shard_of(key)) != weight_map[key]:
+                    raise CorruptCheckpointError("tensor is in another shard than the index says",
+                                                 file=store.shard_of(key), variable=key,
+                                                 expected=weight_map[key])
+            absent = listed - set(stored_keys)
+            if absent:
+                name = sorted(absent)[0]
+                raise CorruptCheckpointError("tensor listed in the index is missing from its shard",
+                                             file=os.path.join(folder, weight_map[name]), variable=name)
+        except BaseException:
+            store.close()
+            raise
+        meta = {}
+        for m in store.shard_metadata:
+            meta.update(m)
+        meta.pop(META_KEY, None)
+        for k, v in index_meta.items():
+            if k not in ("total_size", META_KEY):
+                meta.setdefault(k, v if isinstance(v, str) else dumps(jsonable(v)))
+        info = _parse_info(index_meta.get(META_KEY), index)
+        file = index
+    try:
+        style = check_names(names or (info or {}).get("names") or DEFAULT_NAMES)
+        entries = build_entries(store, info, names=style)
+    except BaseException:
+        store.close()
+        raise
+    return StoreView(store, entries, format="safetensors", path=file, metadata=meta)
+
+
+# --------------------------------------------------------------------------------------------
+# writing
+
+
+def _storage(t: PlannedTensor, file: str) -> tuple[str, tuple[int, ...]]:
+    """The safetensors dtype string and stored shape of a planned tensor."""
+    if is_string_dtype(t.dtype):
+        raise UnsupportedDtypeError("safetensors cannot store string tensors", file=file,
+                                    variable=t.entry.path, found="string")
+    name = _st_name(t.dtype)
+    if name is not None:
+        return name, t.shape
+    if t.dtype.kind not in "biufcV" or t.dtype.itemsize == 0:
+        raise UnsupportedDtypeError("safetensors cannot store this dtype", file=file,
+                                    variable=t.entry.path, found=str(t.dtype))
+    return "U8", (*t.shape, t.dtype.itemsize)  # raw bytes; the dtype goes into the parallel info
+
+
+def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]) -> None:
+    stored = [(t, *_storage(t, path)) for t in tensors]
+    stored.sort(key=lambda s: (-_DTYPES[s[1]].itemsize, s[0].key))
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for t, st, shape in stored:
+        header[t.key] = {"dtype": st, "shape": list(shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = dumps(header).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the buffer starts 8-byte aligned, as the reference writes it
+    if len(raw) > MAX_HEADER_SIZE:
+        raise ValueError(f"{path}: the safetensors header would be {len(raw)} bytes, over the "
+                         f"{MAX_HEADER_SIZE} bytes readers accept; write a shard set or fewer tensors")
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        scratch = Scratch()
+        for t, _st, _shape in stored:
+            written = write_array(f, t.read_with(scratch))
+            if written != t.nbytes:  # the source lied about its shape
+                raise CorruptCheckpointError("component has another size than declared", file=path,
+                                             variable=t.entry.path, expected=f"{t.nbytes} bytes",
+                                             found=f"{written} bytes")
+
+
+def _str_metadata(metadata: Mapping[str, Any]) -> dict[str, str]:
+    out = {}
+    for k, v in carried_metadata(metadata, META_KEY, "total_size").items():
+        out[k] = v if isinstance(v, str) else dumps(jsonable(v))
+    return out
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    entries: Mapping[str, Entry],
+    *,
+    names: str = DEFAULT_NAMES,
+    max_shard_size: int | str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> str:
+    """Write ``entries`` as safetensors, streaming one tensor at a time.
+
+    Args:
+        path: the output ``.safetensors`` file (or a folder: ``model.safetensors`` in it). With
+            ``max_shard_size``, shards are named after it (``model-00001-of-00003.safetensors``)
+            and the index is ``<path>.index.json``.
+        entries: the entries (a view from another format, or :class:`ArrayEntry` objects).
+        names: key style, ``"dotted"`` (default), ``"slash"`` or ``"tf"``.
+        max_shard_size: largest shard in bytes (or ``"500MB"``, ``"2GiB"``); a tensor larger
+            than this gets a shard of its own.
+        metadata: file metadata (default: the source view's), stored as strings.
+
+    Returns:
+        The file written, or the index file of a shard set.
+    """
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        p = os.path.join(p, "model.safetensors")
+    if p.endswith(".index.json"):
+        p = p[: -len(".index.json")]
+        force_index = True
+    else:
+        force_index = False
+    if metadata is None:
+        metadata = getattr(entries, "metadata", None) or {}
+    planned, info = plan_tensors(entries, names=names,
+                                 needs_record=lambda e: _st_name(e.dtype) is None, file=p)
+    for t in planned:
+        _storage(t, p)  # refuse what cannot be stored before writing anything
+    meta = {"format": "pt", **_str_metadata(metadata)}
+    limit = parse_size(max_shard_size) if max_shard_size is not None else None
+    shards: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for t in planned:
+        if limit is not None and shards[-1] and size + t.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    if len(shards) == 1 and not force_index:
+        meta[META_KEY] = dumps(info)
+        _write_one(p, planned, meta)
+        return p
+    folder = os.path.dirname(os.path.abspath(p))
+    stem = os.path.basename(p)
+    stem = stem[: -len(".safetensors")] if stem.endswith(".safetensors") else stem
+    weight_map: dict[str, str] = {}
+    for i, tensors in enumerate(shards, 1):
+        name = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
+        _write_one(os.path.join(folder, name), tensors, meta)
+        weight_map.update((t.key, name) for t in tensors)
+    index = {
+        "metadata": {"total_size": sum(t.nbytes for t in planned), META_KEY: info},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    index_path = f"{os.path.join(folder, os.path.basename(p))}.index.json"
+    with atomic_path(index_path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+    return index_path
+
+
+# --------------------------------------------------------------------------------------------
+# detection
+
+
+def sniff(path: str, head: bytes) -> bool:
+    """True for a safetensors file, a safetensors index, or a folder holding one."""
+    if os.path.isdir(path):
+        return _find_index(path) is not None or os.path.isfile(os.path.join(path, "model.safetensors"))
+    if path.endswith(".index.json"):
+        return b'"weight_map"' in head and (path.endswith(".safetensors.index.json") or b".safetensors" in head)
+    if len(head) < 10:
+        return False
+    (n,) = struct.unpack("<Q", head[:8])
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return False
+    if n < 2 or n > MAX_HEADER_SIZE or 8 + n > size:
+        return False
+    return head[8:].lstrip(b" \t\r\n").startswith(b"{")
+
+
+FORMAT = FormatSpec(
+    name="safetensors",
+    description="safetensors file or Hugging Face shard set (model.safetensors.index.json)",
+    suffixes=(".safetensors", ".safetensors.index.json"),
+    sniff=sniff,
+    open=open_safetensors,
+    write=write_safetensors,
+    options={
+        "names": "key style: dotted (default), slash or tf",
+        "max_shard_size": "split into Hugging Face shards of at most this size (e.g. 5GB)",
+    },
+)

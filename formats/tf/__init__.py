@@ -1,0 +1,110 @@
+"""TensorFlow V2 checkpoints (``TensorBundle``), read and written without TensorFlow.
+
+A checkpoint is ``<prefix>.index`` (a LevelDB-style table of tensor metadata) plus
+``<prefix>.data-NNNNN-of-NNNNN`` shards of raw tensor bytes, and usually a ``checkpoint``
+state file naming the latest prefix of the directory. This package reads one lazily as a
+:class:`~parallelvars.formats.CheckpointView` (opening parses the index; tensors are read and
+CRC-checked on demand) and writes any view as a bundle whose bytes match TensorFlow's.
+
+Modules: ``_crc`` (CRC-32C and masking), ``_proto`` (protobuf wire coding, bundle messages),
+``_sstable`` (the index table), ``_ordered_code`` (slice keys), ``_strings`` (string tensors),
+``_dtypes``, ``_bundle`` (key-level reader and writer), ``_graph`` (object graph), ``_keys``
+(key naming), ``_state`` (the ``checkpoint`` file), ``_reader`` (the view), ``_writer``.
+
+Example:
+    >>> from parallelvars.formats import open_checkpoint, write_checkpoint  # doctest: +SKIP
+    >>> with open_checkpoint("train_dir") as view:  # the latest checkpoint of the directory
+    ...     write_checkpoint("out.h5", view)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .._registry import FormatSpec
+from ._bundle import BundleReader, BundleWriter
+from ._keys import GRAPH_KEY, METADATA_KEY, escape_local_name, unescape_local_name
+from ._reader import TfCheckpointView, TfEntry, resolve_prefix
+from ._sstable import TABLE_MAGIC
+from ._state import STATE_FILENAME
+from ._writer import write_bundle
+
+__all__ = [
+    "FORMAT",
+    "GRAPH_KEY",
+    "METADATA_KEY",
+    "BundleReader",
+    "BundleWriter",
+    "TfCheckpointView",
+    "TfEntry",
+    "escape_local_name",
+    "open_tf",
+    "resolve_prefix",
+    "sniff",
+    "unescape_local_name",
+    "write_bundle",
+]
+
+_MAGIC_BYTES = TABLE_MAGIC.to_bytes(8, "little")
+
+
+def _is_index(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() < 48:
+                return False
+            f.seek(-8, os.SEEK_END)
+            return f.read(8) == _MAGIC_BYTES
+    except OSError:
+        return False
+
+
+def sniff(path: str, head: bytes = b"") -> bool:
+    """True for a TensorFlow checkpoint: a directory holding a ``checkpoint`` state file or an
+    ``*.index``, an ``.index`` file or data shard, or a prefix whose ``.index`` exists."""
+    try:
+        if os.path.isdir(path):
+            names = os.listdir(path)
+            if STATE_FILENAME in names:
+                try:
+                    if _is_index(resolve_prefix(path) + ".index"):
+                        return True
+                except (ValueError, OSError):
+                    pass
+            return any(n.endswith(".index") and _is_index(os.path.join(path, n)) for n in names)
+        if os.path.isfile(path):
+            prefix = resolve_prefix(path)
+            return prefix != path and _is_index(prefix + ".index")
+        return _is_index(path + ".index")
+    except OSError:
+        return False
+
+
+def open_tf(path: str | os.PathLike[str], **options: Any) -> TfCheckpointView:
+    """Open a checkpoint (prefix, ``.index``, or directory) as a lazy view.
+
+    Options: ``verify`` (check CRCs on read, default True), ``parallel_kind``
+    (``"mirrored"``), ``assemble_slices`` (False), ``skip_unsupported`` (False); see
+    :class:`TfCheckpointView`.
+    """
+    return TfCheckpointView(path, **options)
+
+
+FORMAT = FormatSpec(
+    name="tf",
+    description="TensorFlow V2 checkpoint (<prefix>.index + <prefix>.data-NNNNN-of-NNNNN)",
+    suffixes=(".index",),
+    sniff=sniff,
+    open=open_tf,
+    write=write_bundle,
+    options={
+        "verify": "read: check each tensor's CRC-32C (default true)",
+        "parallel_kind": "read: kind of variables with parallel_component_N keys (mirrored)",
+        "assemble_slices": "read: partitioned tensors as single entries, not sharded (false)",
+        "skip_unsupported": "read: leave out DT_VARIANT/DT_RESOURCE tensors instead of failing",
+        "naming": "write: 'object' (tf.train.Checkpoint keys + object graph) or 'name' (TF1 Saver)",
+        "update_state": "write: make it the latest in the directory's 'checkpoint' file (true)",
+    },
+)

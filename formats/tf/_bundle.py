@@ -1,0 +1,607 @@
+"""Reading and writing a TensorFlow tensor bundle: ``<prefix>.index`` + ``<prefix>.data-*``.
+
+:class:`BundleReader` parses and validates the whole index when opened (every entry's dtype,
+shape, size, shard and byte range against the shard's real size, every slice of a partitioned
+tensor), and reads tensor bytes only when asked, straight into the destination array
+(``preadv`` into the array's buffer, then the checksum over that same buffer: no extra copy).
+
+:class:`BundleWriter` appends tensors to one data file in the order they are added and writes
+the sorted index at :meth:`BundleWriter.finish`, through temporary files renamed into place, so
+a reader never sees a half-written bundle.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import uuid
+from collections.abc import Sequence
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from parallelvars.errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    NotACheckpointError,
+    TruncatedFileError,
+    UnsupportedDtypeError,
+)
+
+from ._crc import crc32c, mask, unmask
+from ._dtypes import DT_STRING, byteswap_inplace, dtype_name, numpy_dtype, tf_dtype
+from ._ordered_code import encode_slice_key
+from ._proto import (
+    BundleEntry,
+    BundleHeader,
+    DecodeError,
+    SliceSpec,
+    decode_entry,
+    decode_header,
+    encode_entry,
+    encode_header,
+)
+from ._sstable import TableBuilder, TableReader
+from ._strings import StringChecksumError, decode_strings, encode_strings
+
+__all__ = ["BundleReader", "BundleWriter", "data_filename", "slice_region", "slice_shape"]
+
+_BIG = 1
+_HAS_PREADV = hasattr(os, "preadv")
+_PRODUCER = 1  # TensorFlow's kTensorBundleVersion
+_MIN_CONSUMER = 0
+
+
+def data_filename(prefix: str, shard_id: int, num_shards: int) -> str:
+    """``<prefix>.data-00000-of-00001``."""
+    return f"{prefix}.data-{shard_id:05d}-of-{num_shards:05d}"
+
+
+def key_str(key: bytes) -> str:
+    """A bundle key as text (undecodable bytes kept via surrogate escapes)."""
+    return key.decode("utf-8", "surrogateescape")
+
+
+def _display(key: bytes) -> str:
+    return key.decode("utf-8", "backslashreplace")
+
+
+def _nelements(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+_MAX_RANK = 64 if int(np.__version__.split(".")[0]) >= 2 else 32
+_MAX_BYTES = (1 << 63) - 1
+
+
+def _shape_problem(shape: Sequence[int], itemsize: int) -> str | None:
+    """Why numpy could not even describe an array of ``shape`` (empty or not), or None."""
+    if len(shape) > _MAX_RANK:
+        return f"rank {len(shape)} exceeds numpy's limit of {_MAX_RANK}"
+    n = itemsize
+    for d in shape:
+        n *= d or 1
+    return f"a shape of {n} bytes (zero dimensions aside)" if n > _MAX_BYTES else None
+
+
+def slice_shape(spec: SliceSpec, full_shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape of the slice ``spec`` of a tensor of ``full_shape``."""
+    return tuple(d if length is None else length for (_, length), d in zip(spec, full_shape, strict=True))
+
+
+def slice_region(spec: SliceSpec, full_shape: Sequence[int]) -> tuple[slice, ...]:
+    """The numpy index of the slice ``spec`` in the full tensor."""
+    return tuple(
+        slice(start, start + (d if length is None else length))
+        for (start, length), d in zip(spec, full_shape, strict=True)
+    )
+
+
+def _overlap(a: SliceSpec, b: SliceSpec, shape: Sequence[int]) -> bool:
+    for (s1, l1), (s2, l2), d in zip(a, b, shape, strict=True):
+        e1 = s1 + (d if l1 is None else l1)
+        e2 = s2 + (d if l2 is None else l2)
+        if e1 <= s2 or e2 <= s1:
+            return False
+    return True
+
+
+class BundleReader:
+    """A bundle opened for reading; tensors are read on demand.
+
+    Attributes:
+        prefix: the checkpoint prefix (``dir/ckpt-1``).
+        index_path: ``prefix + ".index"``.
+        header: the bundle header.
+        entries: bundle key -> :class:`BundleEntry`, every key of the index but the header.
+        slice_keys: keys that hold one slice of a partitioned tensor.
+        unsupported: key -> reason, for entries whose dtype numpy cannot hold (never read).
+        verify: whether reads check the stored checksums.
+    """
+
+    def __init__(self, prefix: str, *, verify: bool = True) -> None:
+        self.prefix = prefix
+        self.index_path = prefix + ".index"
+        self.verify = verify
+        self._files: dict[int, BinaryIO] = {}
+        self._shard_sizes: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._seek_lock = threading.Lock()
+        try:
+            with open(self.index_path, "rb") as f:
+                data = f.read()
+        except (FileNotFoundError, NotADirectoryError):
+            raise NotACheckpointError(
+                "no TensorFlow checkpoint index", file=self.index_path
+            ) from None
+        table = TableReader(data, file=self.index_path)
+        items = iter(table)
+        first = next(items, None)
+        if first is None or first[0] != b"":
+            raise CorruptCheckpointError(
+                "the index does not start with the bundle header (empty key)",
+                file=self.index_path,
+                found=None if first is None else repr(_display(first[0])),
+            )
+        try:
+            self.header = decode_header(first[1])
+        except DecodeError as exc:
+            raise CorruptCheckpointError(f"bad bundle header: {exc}", file=self.index_path) from None
+        self._check_header()
+        self.big_endian = self.header.endianness == _BIG
+        self._swap = self.big_endian != (sys.byteorder == "big")
+        self.entries: dict[bytes, BundleEntry] = {}
+        for key, value in items:
+            try:
+                self.entries[key] = decode_entry(value)
+            except DecodeError as exc:
+                raise CorruptCheckpointError(
+                    f"bad index entry: {exc}", file=self.index_path, variable=_display(key)
+                ) from None
+        self.slice_keys: set[bytes] = set()
+        self.unsupported: dict[bytes, str] = {}
+        self._validate()
+
+    # --- validation at open -------------------------------------------------------------------
+
+    def _check_header(self) -> None:
+        h = self.header
+        if h.num_shards < 1:
+            raise CorruptCheckpointError(
+                "bad shard count in the bundle header", file=self.index_path, expected=">= 1", found=h.num_shards
+            )
+        if h.endianness not in (0, 1):
+            raise CorruptCheckpointError(
+                "bad byte order in the bundle header", file=self.index_path, expected="0 or 1", found=h.endianness
+            )
+        if h.min_consumer > _PRODUCER or _PRODUCER in h.bad_consumers:
+            raise FormatVersionError(
+                "the bundle needs a newer reader",
+                file=self.index_path,
+                expected=f"min_consumer <= {_PRODUCER}, not in bad_consumers",
+                found=f"min_consumer {h.min_consumer}, bad_consumers {list(h.bad_consumers)}",
+            )
+
+    def _corrupt(self, key: bytes, what: str, **kw: Any) -> CorruptCheckpointError:
+        return CorruptCheckpointError(what, file=self.index_path, variable=_display(key), **kw)
+
+    def _validate(self) -> None:
+        for key, e in self.entries.items():
+            if e.slices:
+                self._validate_sliced(key, e)
+        for key, e in self.entries.items():
+            if not e.slices:
+                self._validate_stored(key, e)
+
+    def _validate_sliced(self, key: bytes, e: BundleEntry) -> None:
+        dt = numpy_dtype(e.dtype)
+        if dt is None:
+            self.unsupported[key] = _unsupported(e.dtype)
+        problem = _shape_problem(e.shape, dt.itemsize if dt is not None else 1)
+        if problem:
+            raise self._corrupt(key, f"impossible tensor shape: {problem}", found=e.shape)
+        total = 0
+        for spec in e.slices:
+            for (start, length), d in zip(spec, e.shape, strict=True):
+                if start + (d if length is None else length) > d:
+                    raise self._corrupt(
+                        key, "slice extent outside the tensor", expected=f"within {e.shape}", found=spec
+                    )
+            skey = encode_slice_key(key, spec)
+            s = self.entries.get(skey)
+            if s is None:
+                raise self._corrupt(key, f"the entry of slice {_spec_text(spec)} is missing")
+            want = slice_shape(spec, e.shape)
+            if s.slices or s.dtype != e.dtype or s.shape != want:
+                raise self._corrupt(
+                    key,
+                    f"slice {_spec_text(spec)} does not match its tensor",
+                    expected=f"{dtype_name(e.dtype)} {want}",
+                    found=f"{dtype_name(s.dtype)} {s.shape}" + (" with slices" if s.slices else ""),
+                )
+            self.slice_keys.add(skey)
+            total += _nelements(want)
+        if total != _nelements(e.shape):
+            raise self._corrupt(
+                key, "the slices do not cover the tensor", expected=_nelements(e.shape), found=f"{total} elements"
+            )
+        specs = e.slices
+        for i in range(len(specs)):
+            for j in range(i):
+                if _overlap(specs[i], specs[j], e.shape):
+                    raise self._corrupt(key, f"slices {_spec_text(specs[j])} and {_spec_text(specs[i])} overlap")
+
+    def _validate_stored(self, key: bytes, e: BundleEntry) -> None:
+        dt = numpy_dtype(e.dtype)
+        if dt is None:
+            self.unsupported[key] = _unsupported(e.dtype)
+            return
+        problem = _shape_problem(e.shape, dt.itemsize)
+        if problem:
+            raise self._corrupt(key, f"impossible tensor shape: {problem}", found=e.shape)
+        n = _nelements(e.shape)
+        if e.dtype == DT_STRING:
+            if e.size < n + 4:
+                raise self._corrupt(
+                    key, "string tensor entry too small for its element count", expected=f">= {n + 4} bytes", found=e.size
+                )
+        elif e.size != n * dt.itemsize:
+            raise self._corrupt(
+                key,
+                f"entry size does not match {dtype_name(e.dtype)} {e.shape}",
+                expected=f"{n * dt.itemsize} bytes",
+                found=f"{e.size} bytes",
+            )
+        if e.shard_id >= self.header.num_shards:
+            raise self._corrupt(
+                key, "shard id out of range", expected=f"< {self.header.num_shards}", found=e.shard_id
+            )
+        size = self._shard_size(e.shard_id, key)
+        if e.offset + e.size > size:
+            raise TruncatedFileError(
+                "tensor bytes run past the end of the data file",
+                file=self.shard_path(e.shard_id),
+                variable=_display(key),
+                expected=f"{e.offset + e.size} bytes",
+                found=f"{size} bytes",
+            )
+
+    def shard_path(self, shard_id: int) -> str:
+        return data_filename(self.prefix, shard_id, self.header.num_shards)
+
+    def _shard_size(self, shard_id: int, key: bytes) -> int:
+        size = self._shard_sizes.get(shard_id)
+        if size is None:
+            path = self.shard_path(shard_id)
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    "data shard is missing", file=path, variable=_display(key)
+                ) from None
+            self._shard_sizes[shard_id] = size
+        return size
+
+    # --- reading ------------------------------------------------------------------------------
+
+    def dtype(self, key: bytes) -> np.dtype:
+        """The numpy dtype of ``key``'s tensor; UnsupportedDtypeError when numpy cannot hold it."""
+        e = self.entries[key]
+        dt = numpy_dtype(e.dtype)
+        if dt is None or key in self.unsupported:
+            raise UnsupportedDtypeError(
+                self.unsupported.get(key, f"{dtype_name(e.dtype)} tensors cannot be read"),
+                file=self.index_path,
+                variable=_display(key),
+            )
+        return dt
+
+    def read(self, key: bytes) -> np.ndarray:
+        """The whole tensor stored under ``key`` (partitioned tensors assembled), checked."""
+        e = self.entries[key]
+        dt = self.dtype(key)
+        out = np.empty(e.shape, dt)
+        self._fill(key, e, out)
+        return out
+
+    def read_into(self, key: bytes, out: np.ndarray) -> None:
+        """Read ``key``'s tensor into ``out`` (its shape); in place when ``out`` is contiguous."""
+        e = self.entries[key]
+        dt = self.dtype(key)
+        if tuple(out.shape) != e.shape:
+            raise ValueError(f"{_display(key)}: output shape {out.shape} != tensor shape {e.shape}")
+        if out.dtype == dt and out.flags.c_contiguous and dt.kind != "O":
+            self._fill(key, e, out)
+        else:
+            out[...] = self.read(key)
+
+    def _fill(self, key: bytes, e: BundleEntry, out: np.ndarray) -> None:
+        if e.slices:
+            for spec in e.slices:
+                skey = encode_slice_key(key, spec)
+                target = out[slice_region(spec, e.shape)]
+                if target.flags.c_contiguous and out.dtype.kind != "O":
+                    self._fill(skey, self.entries[skey], target)
+                else:
+                    target[...] = self.read(skey)
+        elif e.dtype == DT_STRING:
+            out.reshape(-1)[:] = self._read_strings(key, e)
+        else:
+            self._read_raw(key, e, out.reshape(-1).view(np.uint8), out.dtype)
+
+    def _read_raw(self, key: bytes, e: BundleEntry, flat: np.ndarray, dtype: np.dtype) -> None:
+        if e.size:
+            self._pread(e.shard_id, e.offset, flat, key)
+        if self.verify:
+            actual = crc32c(flat)
+            if actual != unmask(e.crc32c):
+                raise ChecksumMismatchError(
+                    "checksum does not match",
+                    file=self.shard_path(e.shard_id),
+                    variable=_display(key),
+                    expected=hex(unmask(e.crc32c)),
+                    found=hex(actual),
+                )
+        if self._swap:
+            byteswap_inplace(flat, dtype)
+        if dtype.kind == "b":  # any nonzero byte is true, as in TensorFlow; numpy wants 0/1
+            np.minimum(flat, 1, out=flat)
+
+    def _read_strings(self, key: bytes, e: BundleEntry) -> list[bytes]:
+        buf = np.empty(e.size, np.uint8)
+        self._pread(e.shard_id, e.offset, buf, key)
+        try:
+            return decode_strings(
+                buf.tobytes(),
+                _nelements(e.shape),
+                "big" if self.big_endian else "little",
+                unmask(e.crc32c) if self.verify else None,
+            )
+        except StringChecksumError as exc:
+            raise ChecksumMismatchError(
+                exc.what,
+                file=self.shard_path(e.shard_id),
+                variable=_display(key),
+                expected=hex(exc.expected),
+                found=hex(exc.found),
+            ) from None
+        except DecodeError as exc:
+            raise CorruptCheckpointError(
+                f"bad string tensor: {exc}", file=self.shard_path(e.shard_id), variable=_display(key)
+            ) from None
+
+    def _file(self, shard_id: int, key: bytes) -> BinaryIO:
+        f = self._files.get(shard_id)
+        if f is None:
+            with self._lock:  # several threads may read the first tensors of a shard at once
+                f = self._files.get(shard_id)
+                if f is None:
+                    path = self.shard_path(shard_id)
+                    try:
+                        f = open(path, "rb", buffering=0)  # noqa: SIM115 - kept open until close()
+                    except FileNotFoundError:
+                        raise CorruptCheckpointError(
+                            "data shard is missing", file=path, variable=_display(key)
+                        ) from None
+                    self._files[shard_id] = f
+        return f
+
+    def _pread(self, shard_id: int, offset: int, flat: np.ndarray, key: bytes) -> None:
+        f = self._file(shard_id, key)
+        view = flat.data.cast("B")
+        total = len(view)
+        done = 0
+        if _HAS_PREADV:
+            fd = f.fileno()
+            while done < total:
+                n = os.preadv(fd, [view[done:]], offset + done)
+                if n <= 0:
+                    break
+                done += n
+        else:  # pragma: no cover - platforms without preadv
+            with self._seek_lock:
+                f.seek(offset)
+                while done < total:
+                    n = f.readinto(view[done:])  # type: ignore[attr-defined]
+                    if not n:
+                        break
+                    done += n
+        if done < total:
+            raise TruncatedFileError(
+                "data file ends inside a tensor",
+                file=self.shard_path(shard_id),
+                variable=_display(key),
+                expected=f"{offset + total} bytes",
+                found=f"{offset + done} bytes",
+            )
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def __enter__(self) -> BundleReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _unsupported(num: int) -> str:
+    if dtype_name(num).startswith("DT_"):
+        return f"{dtype_name(num)} tensors cannot be read without TensorFlow"
+    return f"unknown TensorFlow dtype number {num}"
+
+
+def _spec_text(spec: SliceSpec) -> str:
+    """SaveV2's slice notation: ``start,length`` per dimension, ``-`` for a full one."""
+    return ":".join("-" if length is None else f"{start},{length}" for start, length in spec)
+
+
+class BundleWriter:
+    """Writes a single-shard bundle; tensors go to the data file in the order they are added.
+
+    Example:
+        >>> import numpy as np, tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> with BundleWriter(os.path.join(d, "ckpt")) as w:
+        ...     _ = w.add(b"x", np.array([1.0, 2.0], np.float32))
+        >>> os.path.getsize(os.path.join(d, "ckpt.index"))
+        121
+    """
+
+    def __init__(self, prefix: str, *, big_endian: bool = False) -> None:
+        self.prefix = prefix
+        self.big_endian = big_endian
+        self._swap = big_endian != (sys.byteorder == "big")
+        self.data_path = data_filename(prefix, 0, 1)
+        self.index_path = prefix + ".index"
+        parent = os.path.dirname(os.path.abspath(prefix))
+        os.makedirs(parent, exist_ok=True)
+        tag = uuid.uuid4().hex
+        self._tmp_data = f"{self.data_path}.tempstate{tag}"
+        self._tmp_index = f"{self.index_path}.tempstate{tag}"
+        self._f: BinaryIO | None = open(self._tmp_data, "wb")  # noqa: SIM115 - closed in finish()/abort()
+        self._offset = 0
+        self.entries: dict[bytes, BundleEntry] = {}
+        self._done = False
+
+    def _check_key(self, key: bytes) -> None:
+        if not key:
+            raise ValueError("the empty key is reserved for the bundle header")
+        if key in self.entries:
+            raise ValueError(f"key {_display(key)!r} added twice")
+
+    def add(self, key: bytes, value: np.ndarray, *, dtype: int | None = None) -> BundleEntry:
+        """Append one tensor; ``dtype`` forces a TensorFlow type number (quantized types)."""
+        self._check_key(key)
+        value = np.asarray(value)
+        num = dtype if dtype is not None else tf_dtype(value.dtype)
+        if num is None:
+            raise UnsupportedDtypeError(
+                "TensorFlow checkpoints cannot hold this dtype",
+                file=self.index_path,
+                variable=_display(key),
+                found=value.dtype,
+            )
+        assert self._f is not None, "writer already finished"
+        if num == DT_STRING:
+            data, crc = encode_strings(
+                _string_elements(value, key, self.index_path), "big" if self.big_endian else "little"
+            )
+            self._f.write(data)
+            size = len(data)
+        else:
+            arr = value
+            if arr.dtype.byteorder == ">" or arr.dtype.byteorder == "<":
+                arr = arr.astype(arr.dtype.newbyteorder("="), copy=False)
+            arr = np.ascontiguousarray(arr)
+            flat = arr.reshape(-1).view(np.uint8)
+            if self._swap:
+                flat = flat.copy()
+                byteswap_inplace(flat, arr.dtype)
+            self._f.write(flat.data)
+            crc = crc32c(flat)
+            size = flat.size
+        entry = BundleEntry(num, tuple(int(d) for d in value.shape), 0, self._offset, size, mask(crc))
+        self._offset += size
+        self.entries[key] = entry
+        return entry
+
+    def add_slice(
+        self,
+        key: bytes,
+        full_shape: Sequence[int],
+        spec: SliceSpec,
+        value: np.ndarray,
+        *,
+        dtype: int | None = None,
+    ) -> BundleEntry:
+        """Append one slice of the partitioned tensor ``key`` of ``full_shape``.
+
+        ``spec`` gives ``(start, length)`` per dimension, or ``(0, None)`` for a full one.
+        """
+        full_shape = tuple(int(d) for d in full_shape)
+        want = slice_shape(spec, full_shape)
+        value = np.asarray(value)
+        if tuple(value.shape) != want:
+            raise ValueError(f"{_display(key)}: slice {_spec_text(spec)} has shape {value.shape}, expected {want}")
+        slice_entry = self.add(encode_slice_key(key, spec), value, dtype=dtype)
+        full = self.entries.get(key)
+        if full is None:
+            full = BundleEntry(slice_entry.dtype, full_shape)
+        elif not full.slices or full.dtype != slice_entry.dtype or full.shape != full_shape:
+            raise ValueError(f"{_display(key)}: slice does not match the tensor's earlier slices")
+        self.entries[key] = BundleEntry(full.dtype, full.shape, slices=(*full.slices, spec))
+        return slice_entry
+
+    def finish(self) -> None:
+        """Write the index and move both files into place."""
+        assert self._f is not None, "writer already finished"
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        self._f = None
+        table = TableBuilder()
+        table.add(b"", encode_header(BundleHeader(1, int(self.big_endian), _PRODUCER, _MIN_CONSUMER)))
+        for key in sorted(self.entries):
+            table.add(key, encode_entry(self.entries[key]))
+        with open(self._tmp_index, "wb") as f:
+            f.write(table.finish())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(self._tmp_data, self.data_path)
+        os.replace(self._tmp_index, self.index_path)
+        _fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
+        self._done = True
+
+    def abort(self) -> None:
+        """Drop everything written so far."""
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        for p in (self._tmp_data, self._tmp_index):
+            if os.path.exists(p):
+                os.remove(p)
+
+    def __enter__(self) -> BundleWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            if not self._done:
+                self.finish()
+        else:
+            self.abort()
+
+
+def _string_elements(value: np.ndarray, key: bytes, file: str) -> list[bytes]:
+    out = []
+    for item in value.reshape(-1).tolist() if value.dtype.kind != "O" else value.reshape(-1):
+        if isinstance(item, (bytes, bytearray, memoryview)):
+            out.append(bytes(item))
+        elif isinstance(item, str):
+            out.append(item.encode("utf-8"))
+        else:
+            raise UnsupportedDtypeError(
+                "string tensors hold bytes or str elements",
+                file=file,
+                variable=_display(key),
+                found=type(item).__name__,
+            )
+    return out
+
+
+def _fsync_dir(path: str) -> None:
+    if os.name != "posix":  # pragma: no cover
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,128 @@
+"""How TensorFlow names saved tensors, and how those names map to our object paths.
+
+An object-based key is ``<escaped local names joined by "/">/.ATTRIBUTES/<attribute>``, where
+each local name is escaped (``.`` -> ``..``, ``/`` -> ``.S``) so that ``.ATTRIBUTES`` and
+``.OPTIMIZER_SLOT`` can never be mistaken for a name. A legacy optimizer slot is saved as
+``<variable path>/.OPTIMIZER_SLOT/<optimizer path>/<slot name>/.ATTRIBUTES/VARIABLE_VALUE``.
+
+Our mapping:
+
+====================================================  ======================================
+TensorFlow key                                        our path, component
+====================================================  ======================================
+``model/w/.ATTRIBUTES/VARIABLE_VALUE``                ``model/w``, 0 (the primary)
+``model/w/.ATTRIBUTES/parallel_component_2``          ``model/w``, 2
+``w/.OPTIMIZER_SLOT/opt/m/.ATTRIBUTES/VARIABLE_VALUE`` ``opt/slots/w/m`` (slot_of ``w``, slot_name ``m``)
+``layer/.ATTRIBUTES/OBJECT_CONFIG_JSON``              ``layer/.ATTRIBUTES/OBJECT_CONFIG_JSON``, 0
+``dense/kernel`` (name-based, no ``.ATTRIBUTES``)     ``dense/kernel``, 0
+====================================================  ======================================
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = [
+    "GRAPH_KEY",
+    "METADATA_KEY",
+    "ATTRIBUTES",
+    "OPTIMIZER_SLOT",
+    "VARIABLE_VALUE",
+    "SLOTS",
+    "escape_local_name",
+    "unescape_local_name",
+    "component_attribute",
+    "ParsedKey",
+    "parse_key",
+    "slot_path",
+]
+
+GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+#: Our own key: a scalar string tensor holding JSON for what TensorFlow's keys cannot say.
+METADATA_KEY = "_PARALLELVARS_METADATA"
+ATTRIBUTES = ".ATTRIBUTES"
+OPTIMIZER_SLOT = ".OPTIMIZER_SLOT"
+VARIABLE_VALUE = "VARIABLE_VALUE"
+PARALLEL_COMPONENT = "parallel_component_"
+#: The path segment between an optimizer and its slot variables in our paths.
+SLOTS = "slots"
+
+_SEP = "/" + ATTRIBUTES + "/"
+_PARALLEL_RE = re.compile(r"parallel_component_([1-9][0-9]*)")
+
+
+def escape_local_name(name: str) -> str:
+    """``.`` -> ``..`` and ``/`` -> ``.S``."""
+    return name.replace(".", "..").replace("/", ".S")
+
+
+def unescape_local_name(name: str) -> str:
+    """Invert :func:`escape_local_name`; a ``.`` starting no valid escape is kept as it is."""
+    if "." not in name:
+        return name
+    out = []
+    i, n = 0, len(name)
+    while i < n:
+        c = name[i]
+        if c == "." and i + 1 < n and name[i + 1] in ".S":
+            out.append("." if name[i + 1] == "." else "/")
+            i += 2
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def component_attribute(i: int) -> str:
+    """``VARIABLE_VALUE`` for component 0, ``parallel_component_<i>`` for the others."""
+    return VARIABLE_VALUE if i == 0 else f"{PARALLEL_COMPONENT}{i}"
+
+
+@dataclass(frozen=True)
+class ParsedKey:
+    """What an object-based key says."""
+
+    path: str
+    component: int
+    slot_of: str | None = None
+    slot_name: str | None = None
+
+
+def slot_path(optimizer: str, variable: str, slot_name: str) -> str:
+    """Our path of a slot variable: ``<optimizer>/slots/<variable>/<slot name>``."""
+    return f"{optimizer}/{SLOTS}/{variable}/{slot_name}"
+
+
+def _join(names: list[str]) -> str:
+    return "/".join(unescape_local_name(n) for n in names)
+
+
+def parse_key(key: str) -> ParsedKey | None:
+    """Map an object-based key to our path and component; None for any other key."""
+    i = key.find(_SEP)
+    if i <= 0:
+        return None
+    obj, attribute = key[:i], key[i + len(_SEP) :]
+    names = obj.split("/")
+    if not attribute or "" in names:
+        return None
+    if attribute == VARIABLE_VALUE:
+        component = 0
+    else:
+        m = _PARALLEL_RE.fullmatch(attribute)
+        component = int(m.group(1)) if m else -1
+    slot_of = slot_name = None
+    if OPTIMIZER_SLOT in names:
+        j = names.index(OPTIMIZER_SLOT)
+        var, rest = names[:j], names[j + 1 :]
+        if not var or len(rest) < 2 or OPTIMIZER_SLOT in rest:
+            return None
+        slot_of, slot_name = _join(var), unescape_local_name(rest[-1])
+        path = slot_path(_join(rest[:-1]), slot_of, slot_name)
+    else:
+        path = _join(names)
+    if component < 0:  # another attribute (a config string, a table's keys): its own entry
+        path = f"{path}/{ATTRIBUTES}/{attribute}"
+        component = 0
+    return ParsedKey(path, component, slot_of, slot_name)

@@ -1,0 +1,418 @@
+"""Writing any neutral view as a TensorFlow checkpoint.
+
+Object-based naming (the default) builds an object tree from the paths (children in the order
+the paths first appear), numbers its nodes breadth first as TensorFlow does, and writes the
+tensors in node order, then the object graph. Component 0 of an entry is saved as
+``VARIABLE_VALUE`` and component i as ``parallel_component_i``; a sharded entry is saved as one
+partitioned (sliced) tensor; an optimizer slot (``attrs`` ``slot_of``/``slot_name`` at the path
+``<optimizer>/slots/<variable>/<slot>``) as a legacy ``.OPTIMIZER_SLOT`` key listed in the
+optimizer node's ``slot_variables``. Given the same tensors, the bytes are those TensorFlow
+writes.
+
+What TensorFlow's keys cannot say (a kind other than the one a reader infers, attributes such as
+``devices`` or ``aggregation``) goes into one JSON string tensor under
+``_PARALLELVARS_METADATA``, written only when some entry needs it.
+
+Name-based naming (``naming="name"``) saves each entry under its path, as
+``tf.compat.v1.train.Saver`` does, with no object graph.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from parallelvars.errors import DtypeMismatchError, InvalidEntryError, UnsupportedDtypeError
+
+from .._view import KINDS, Entry
+from ._bundle import BundleWriter
+from ._dtypes import DT_STRING, tf_dtype
+from ._graph import (
+    ObjectReference,
+    SerializedTensor,
+    SlotVariableReference,
+    TrackableObject,
+    encode_graph,
+)
+from ._keys import (
+    ATTRIBUTES,
+    GRAPH_KEY,
+    METADATA_KEY,
+    OPTIMIZER_SLOT,
+    SLOTS,
+    VARIABLE_VALUE,
+    component_attribute,
+    escape_local_name,
+)
+from ._proto import SliceSpec
+from ._reader import METADATA_FORMAT, METADATA_VERSION, infer_sharding
+from ._state import write_state
+
+__all__ = ["write_bundle"]
+
+_CKPT_NUMBER = re.compile(r"^ckpt-(\d+)\.index$")
+
+
+@dataclass
+class _Node:
+    children: dict[str, _Node] = field(default_factory=dict)
+    # (attribute name, full name, checkpoint key, variable, component index or -1 for slices)
+    attributes: list[tuple[str, str, str, _Var, int]] = field(default_factory=list)
+    slot_variables: list[tuple[_Node, str, _Node]] = field(default_factory=list)
+    id: int = -1
+
+
+@dataclass
+class _Var:
+    path: str
+    entry: Entry
+    tf_type: int
+    expressed: set[str] = field(default_factory=set)
+    slices: list[SliceSpec] | None = None
+
+
+def _names(path: str, index_path: str) -> list[str]:
+    names = path.split("/")
+    if not path or "" in names:
+        raise InvalidEntryError(
+            "a variable path needs non-empty names separated by single '/'",
+            file=index_path,
+            variable=path,
+        )
+    return names
+
+
+def _esc(names: list[str]) -> str:
+    return "/".join(escape_local_name(n) for n in names)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return _jsonable(value.tolist())
+    if isinstance(value, np.generic):
+        return _jsonable(value.item())
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "replace")
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _plan(path: str, entry: Entry, index_path: str) -> _Var:
+    if entry.kind not in KINDS:
+        raise InvalidEntryError(
+            "unknown variable kind", file=index_path, variable=path, expected=" | ".join(KINDS), found=entry.kind
+        )
+    hint = entry.attrs.get("tf_dtype")
+    num = tf_dtype(entry.dtype, hint if isinstance(hint, str) else None)
+    if num is None:
+        raise UnsupportedDtypeError(
+            "TensorFlow checkpoints cannot hold this dtype", file=index_path, variable=path, found=entry.dtype
+        )
+    var = _Var(path, entry, num)
+    if isinstance(hint, str) and num != DT_STRING and hint.startswith("DT_Q"):
+        var.expressed.add("tf_dtype")
+    name = entry.attrs.get("name")
+    if isinstance(name, str) and name:
+        var.expressed.add("name")
+    if entry.kind == "sharded":
+        var.slices = _shard_specs(path, entry, index_path)
+        var.expressed |= {"shard_axis", "shard_offsets"}
+    elif entry.num_components < 1:
+        raise InvalidEntryError("a variable needs at least one component", file=index_path, variable=path)
+    return var
+
+
+def _shard_specs(path: str, entry: Entry, index_path: str) -> list[SliceSpec]:
+    shape = tuple(int(d) for d in entry.shape)
+    try:
+        axis = int(entry.attrs["shard_axis"])
+        offsets = [int(o) for o in entry.attrs["shard_offsets"]]
+    except (KeyError, TypeError, ValueError):
+        raise InvalidEntryError(
+            "a sharded variable needs integer attrs shard_axis and shard_offsets", file=index_path, variable=path
+        ) from None
+    n = entry.num_components
+    ends = [*offsets[1:], shape[axis] if 0 <= axis < len(shape) else 0]
+    if (
+        not 0 <= axis < len(shape)
+        or len(offsets) != n
+        or n < 1
+        or offsets[0] != 0
+        or any(b < a for a, b in zip(offsets, ends, strict=True))
+    ):
+        raise InvalidEntryError(
+            "shard offsets do not split the value",
+            file=index_path,
+            variable=path,
+            expected=f"{n} non-decreasing offsets from 0 along an axis of {shape}",
+            found=f"axis {axis}, offsets {offsets}",
+        )
+    # Every extent explicit, as TensorFlow's partitioned savers (ShardedVariable, SaveSliceInfo)
+    # write them, so the slice keys and bytes match.
+    return [
+        tuple((start, end - start) if d == axis else (0, shape[d]) for d in range(len(shape)))
+        for start, end in zip(offsets, ends, strict=True)
+    ]
+
+
+def _extra(var: _Var) -> dict[str, Any] | None:
+    """The metadata record of ``var``: what a reader could not infer from the tensors."""
+    e = var.entry
+    n = e.num_components
+    if var.slices is not None:
+        shape = tuple(int(d) for d in e.shape)
+        axis = int(e.attrs["shard_axis"])
+        inferred = infer_sharding(var.slices, shape)
+        empty = any(spec[axis][1] == 0 for spec in var.slices)
+        kind_read = "sharded" if inferred == (axis, list(range(n))) and not empty else "single"
+    else:
+        kind_read = "single" if n == 1 else "mirrored"
+    record: dict[str, Any] = {}
+    if e.kind != kind_read:
+        record["kind"] = e.kind
+        if e.kind == "sharded":  # the reader needs the split the slices cannot show
+            var.expressed -= {"shard_axis", "shard_offsets"}
+    attrs = {k: _jsonable(v) for k, v in e.attrs.items() if k not in var.expressed}
+    if attrs:
+        record["attrs"] = attrs
+    return record or None
+
+
+def _component(var: _Var, i: int, index_path: str) -> np.ndarray:
+    e = var.entry
+    value = np.asarray(e.component(i))
+    want = e.component_shape(i)
+    if tuple(value.shape) != tuple(want):
+        raise InvalidEntryError(
+            f"component {i} has another shape than its variable",
+            file=index_path,
+            variable=var.path,
+            expected=tuple(want),
+            found=tuple(value.shape),
+        )
+    if var.tf_type != DT_STRING and value.dtype.newbyteorder("=") != np.dtype(e.dtype).newbyteorder("="):
+        raise DtypeMismatchError(
+            f"component {i} has another dtype than its variable",
+            file=index_path,
+            variable=var.path,
+            expected=np.dtype(e.dtype),
+            found=value.dtype,
+        )
+    return value
+
+
+def _build_tree(plans: list[_Var], index_path: str) -> tuple[_Node, list[_Node]]:
+    root = _Node()
+    slot_nodes: list[_Node] = []
+
+    def node_at(names: list[str]) -> _Node:
+        node = root
+        for n in names:
+            node = node.children.setdefault(n, _Node())
+        return node
+
+    for var in plans:
+        e = var.entry
+        names = _names(var.path, index_path)
+        attrs = e.attrs
+        slot_of, slot_name = attrs.get("slot_of"), attrs.get("slot_name")
+        suffix = f"/{SLOTS}/{slot_of}/{slot_name}"
+        if (
+            isinstance(slot_of, str)
+            and isinstance(slot_name, str)
+            and slot_of
+            and slot_name
+            and "/" not in slot_name
+            and var.path.endswith(suffix)
+            and len(var.path) > len(suffix)
+        ):
+            opt_names = _names(var.path[: -len(suffix)], index_path)
+            var_names = _names(slot_of, index_path)
+            original, optimizer = node_at(var_names), node_at(opt_names)
+            target = _Node()
+            optimizer.slot_variables.append((original, slot_name, target))
+            slot_nodes.append(target)
+            prefix = f"{_esc(var_names)}/{OPTIMIZER_SLOT}/{_esc(opt_names)}/{escape_local_name(slot_name)}"
+            var.expressed |= {"slot_of", "slot_name"}
+            attribute = VARIABLE_VALUE
+        elif len(names) >= 3 and names[-2] == ATTRIBUTES and e.num_components == 1 and e.kind != "sharded":
+            target = node_at(names[:-2])
+            prefix = _esc(names[:-2])
+            attribute = names[-1]
+        else:
+            target = node_at(names)
+            prefix = _esc(names)
+            attribute = VARIABLE_VALUE
+        name = attrs.get("name")
+        full_name = name if isinstance(name, str) else ""
+        if var.slices is not None:
+            new = [(attribute, full_name, f"{prefix}/{ATTRIBUTES}/{attribute}", var, -1)]
+        elif attribute != VARIABLE_VALUE:
+            new = [(attribute, full_name, f"{prefix}/{ATTRIBUTES}/{attribute}", var, 0)]
+        else:
+            new = [
+                (a, full_name if i == 0 else "", f"{prefix}/{ATTRIBUTES}/{a}", var, i)
+                for i, a in ((i, component_attribute(i)) for i in range(e.num_components))
+            ]
+        taken = {a[0] for a in target.attributes}
+        for a in new:
+            if a[0] in taken:
+                raise InvalidEntryError(
+                    f"two variables would be saved under the same key {a[2]!r}", file=index_path, variable=var.path
+                )
+        target.attributes.extend(new)
+    return root, slot_nodes
+
+
+def _number(root: _Node, slot_nodes: list[_Node]) -> list[_Node]:
+    order: list[_Node] = []
+    queue = deque([root])
+    while queue:
+        node = queue.popleft()
+        node.id = len(order)
+        order.append(node)
+        queue.extend(node.children.values())
+    for node in slot_nodes:
+        node.id = len(order)
+        order.append(node)
+    return order
+
+
+def _graph_bytes(order: list[_Node]) -> bytes:
+    # has_checkpoint_values: nodes with tensors or slot variables, and their ancestors
+    parents: dict[int, set[int]] = {}
+    marked: set[int] = set()
+    for node in order:
+        if node.attributes or node.slot_variables:
+            marked.add(node.id)
+        for child in node.children.values():
+            parents.setdefault(child.id, set()).add(node.id)
+    todo = set(marked)
+    while todo:
+        nid = todo.pop()
+        for p in parents.pop(nid, ()):
+            if p not in marked:
+                marked.add(p)
+                todo.add(p)
+    protos = [
+        TrackableObject(
+            children=[ObjectReference(c.id, name) for name, c in node.children.items()],
+            attributes=[SerializedTensor(a, full, key) for a, full, key, _, _ in node.attributes],
+            slot_variables=[SlotVariableReference(o.id, s, t.id) for o, s, t in node.slot_variables],
+            has_checkpoint_values=node.id in marked,
+        )
+        for node in order
+    ]
+    return encode_graph(protos)
+
+
+def _write_var(w: BundleWriter, var: _Var, key: str, comp: int, index_path: str) -> None:
+    k = key.encode("utf-8", "surrogateescape")
+    if comp >= 0:
+        w.add(k, _component(var, comp, index_path), dtype=var.tf_type)
+        return
+    assert var.slices is not None
+    e = var.entry
+    axis = int(e.attrs["shard_axis"])
+    # An empty shard has no slice (two of them could not have distinct keys); the metadata key
+    # records the split then. With no non-empty shard the value itself is empty.
+    parts = [(i, spec) for i, spec in enumerate(var.slices) if spec[axis][1] != 0]
+    if not parts:
+        w.add(k, np.empty(e.shape, e.dtype), dtype=var.tf_type)
+    for i, spec in parts:
+        w.add_slice(k, e.shape, spec, _component(var, i, index_path), dtype=var.tf_type)
+
+
+def _default_prefix(directory: str) -> str:
+    numbers = [int(m.group(1)) for f in os.listdir(directory) if (m := _CKPT_NUMBER.match(f))]
+    return os.path.join(directory, f"ckpt-{max(numbers, default=0) + 1}")
+
+
+def write_bundle(
+    path: str | os.PathLike[str],
+    entries: Mapping[str, Entry],
+    *,
+    naming: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    update_state: bool = True,
+) -> str:
+    """Write ``entries`` as a TensorFlow checkpoint; returns the prefix written.
+
+    Args:
+        path: the prefix (``dir/ckpt-1`` writes ``dir/ckpt-1.index`` and
+            ``dir/ckpt-1.data-00000-of-00001``); a trailing ``.index`` is dropped; an existing
+            directory gets the next ``ckpt-N``.
+        entries: any ``Mapping[str, Entry]`` (a view of another checkpoint, in-memory entries).
+        naming: ``"object"`` (``tf.train.Checkpoint`` keys and object graph) or ``"name"``
+            (keys are the paths, as ``tf.compat.v1.train.Saver`` writes). By default ``"name"``
+            when ``entries`` is a view of a name-based TensorFlow checkpoint, else ``"object"``.
+        metadata: file-level metadata kept in the metadata key when it is written (by default
+            the source view's own, less its ``tf_*`` keys).
+        update_state: make this checkpoint the latest in the directory's ``checkpoint`` file.
+
+    Raises:
+        UnsupportedDtypeError: a dtype TensorFlow cannot hold.
+        InvalidEntryError: an entry that cannot be saved (bad path, inconsistent components).
+    """
+    prefix = os.fspath(path)
+    if os.path.isdir(prefix):
+        prefix = _default_prefix(prefix)
+    elif prefix.endswith(".index"):
+        prefix = prefix[: -len(".index")]
+    source_meta = dict(getattr(entries, "metadata", None) or {})
+    if naming is None:
+        naming = "name" if source_meta.get("tf_naming") == "name" else "object"
+    if naming not in ("object", "name"):
+        raise ValueError(f"naming must be 'object' or 'name', not {naming!r}")
+    if metadata is None:
+        metadata = {k: v for k, v in source_meta.items() if not str(k).startswith("tf_")}
+    index_path = prefix + ".index"
+
+    plans = [_plan(p, e, index_path) for p, e in entries.items()]
+    with BundleWriter(prefix) as w:
+        if naming == "object":
+            root, slot_nodes = _build_tree(plans, index_path)
+            order = _number(root, slot_nodes)
+            for node in order:
+                for _, _, key, var, comp in node.attributes:
+                    _write_var(w, var, key, comp, index_path)
+            graph = np.array(_graph_bytes(order), dtype=object)
+        else:
+            for var in plans:
+                e = var.entry
+                if var.slices is None and e.num_components != 1:
+                    raise InvalidEntryError(
+                        "a name-based checkpoint holds one tensor per variable",
+                        file=index_path,
+                        variable=var.path,
+                        expected="1 component",
+                        found=f"{e.num_components} ({e.kind})",
+                    )
+                _write_var(w, var, var.path, -1 if var.slices is not None else 0, index_path)
+        records = {var.path: rec for var in plans if (rec := _extra(var)) is not None}
+        if naming == "object":
+            w.add(GRAPH_KEY.encode(), graph)
+        if records:
+            doc = {
+                "format": METADATA_FORMAT,
+                "version": METADATA_VERSION,
+                "variables": records,
+                "metadata": _jsonable(metadata),
+            }
+            text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+            w.add(METADATA_KEY.encode(), np.array(text.encode("utf-8"), dtype=object))
+    if update_state:
+        write_state(os.path.dirname(prefix), prefix)
+    return prefix

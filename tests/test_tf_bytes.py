@@ -1,0 +1,286 @@
+"""Byte-level facts of the TensorFlow bundle format (FORMATS.md section 1), reproduced exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from parallelvars.formats.tf import _crc, _ordered_code
+from parallelvars.formats.tf._bundle import BundleReader, BundleWriter
+from parallelvars.formats.tf._keys import escape_local_name, parse_key, unescape_local_name
+from parallelvars.formats.tf._proto import (
+    BundleEntry,
+    BundleHeader,
+    decode_entry,
+    decode_header,
+    encode_entry,
+    encode_header,
+)
+from parallelvars.formats.tf._sstable import (
+    BLOCK_SIZE,
+    TableBuilder,
+    TableReader,
+    find_short_successor,
+    find_shortest_separator,
+)
+from parallelvars.formats.tf._state import c_escape, c_unescape
+from parallelvars.formats.tf._strings import decode_strings, encode_strings
+
+WORKED_INDEX = bytes.fromhex(
+    # data block: header entry and "x"
+    "000006" "08011a020801"
+    "00010f78" "0801120412020802280835593ce535"
+    "00000000" "01000000"
+    "00" "91364233"
+    # metaindex block
+    "00000000" "01000000" "00" "c0f2a1b0"
+    # index block: "y" -> (0, 36)
+    "0001027900" "24" "00000000" "01000000" "00" "08121017"
+    # footer
+    "2908360e" + "00" * 36 + "57fb808b247547db"
+)
+
+
+def test_crc32c_check_value_and_masking() -> None:
+    assert _crc.crc32c(b"123456789") == 0xE3069283
+    assert _crc.crc32c(b"6789", _crc.crc32c(b"12345")) == 0xE3069283
+    assert _crc.mask(0) == 0xA282EAD8
+    assert _crc.mask(0x28C0C9B1) == 0x35E53C59
+    for value in (0, 1, 0xFFFFFFFF, 0x12345678, 0xE3069283):
+        assert _crc.unmask(_crc.mask(value)) == value
+
+
+def test_crc32c_reads_numpy_buffers_without_copy() -> None:
+    a = np.arange(1000, dtype=np.float32)
+    assert _crc.crc32c(a) == _crc.crc32c(a.tobytes())
+    assert _crc.crc32c(a.view(np.uint8)[4:]) == _crc.crc32c(a.tobytes()[4:])
+
+
+def test_worked_example_is_reproduced_byte_for_byte(tmp_path) -> None:
+    assert len(WORKED_INDEX) == 121
+    prefix = str(tmp_path / "ckpt")
+    with BundleWriter(prefix) as w:
+        w.add(b"x", np.array([1.0, 2.0], np.float32))
+    assert (tmp_path / "ckpt.index").read_bytes() == WORKED_INDEX
+    assert (tmp_path / "ckpt.data-00000-of-00001").read_bytes() == bytes.fromhex("0000803f00000040")
+    with BundleReader(prefix) as r:
+        assert r.header == BundleHeader(num_shards=1, producer=1)
+        assert r.entries[b"x"] == BundleEntry(1, (2,), 0, 0, 8, 0x35E53C59)
+        np.testing.assert_array_equal(r.read(b"x"), [1.0, 2.0])
+
+
+def test_worked_example_table_structure() -> None:
+    table = TableReader(WORKED_INDEX, file="worked.index")
+    assert table.index == [(b"y", (0, 36))]
+    assert table.metaindex == (41, 8)
+    assert list(table) == [
+        (b"", bytes.fromhex("08011a020801")),
+        (b"x", bytes.fromhex("0801120412020802280835593ce535")),
+    ]
+
+
+def test_header_and_entry_protos() -> None:
+    assert encode_header(BundleHeader(1, 0, 1)) == bytes.fromhex("08011a020801")
+    assert decode_header(bytes.fromhex("08011a020801")) == BundleHeader(1, 0, 1)
+    # a scalar has an empty shape message; a zero dim is an empty Dim
+    assert encode_entry(BundleEntry(9, (), size=8)) == bytes.fromhex("08091200" "2808")
+    assert encode_entry(BundleEntry(1, (0,))) == bytes.fromhex("080112021200")
+    # rows 2..4 of a [4, 3] tensor: the full entry carries dtype, shape and the slice
+    full = BundleEntry(1, (4, 3), slices=(((2, 2), (0, None)),))
+    data = encode_entry(full)
+    assert data.endswith(bytes.fromhex("3a08" "0a0408021002" "0a00"))
+    assert decode_entry(data) == full
+
+
+@pytest.mark.parametrize(
+    ("start", "limit", "expected"),
+    [
+        (b"abc", b"abe", b"abd"),  # a[i] + 1 < b[i]: shortened
+        (b"abc", b"abd", b"abc"),  # a[i] + 1 == b[i]: unchanged
+        (b"ab", b"abc", b"ab"),  # prefix: unchanged
+        (b"a\xffz", b"b", b"a\xffz"),  # first difference 'a' vs 'b': a+1 == b, unchanged
+        (b"\xff\x01", b"\xff\x05", b"\xff\x02"),
+        (b"net/a", b"step", b"o"),
+        (b"x\xff", b"y", b"x\xff"),
+    ],
+)
+def test_find_shortest_separator(start: bytes, limit: bytes, expected: bytes) -> None:
+    sep = find_shortest_separator(start, limit)
+    assert sep == expected
+    assert start <= sep < limit
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        (b"save_counter/.ATTRIBUTES/VARIABLE_VALUE", b"t"),
+        (b"x", b"y"),
+        (b"\xff\xffa", b"\xff\xffb"),
+        (b"\xff\xff", b"\xff\xff"),
+        (b"", b""),
+    ],
+)
+def test_find_short_successor(key: bytes, expected: bytes) -> None:
+    assert find_short_successor(key) == expected
+
+
+def _predicted_split(entries: list[tuple[bytes, bytes]]) -> list[int]:
+    """Entry indexes where a new data block starts, by the block-size rule of FORMATS.md."""
+    starts = [0]
+    size = 4  # restart count
+    restarts = 1
+    count = 0
+    last = b""
+    for i, (key, value) in enumerate(entries):
+        if count and len(key) + len(value) >= 2 * BLOCK_SIZE:
+            starts.append(i)
+            size, restarts, count, last = 4, 1, 0, b""
+        if count and count % 16 == 0:
+            restarts += 1
+            shared = 0
+        else:
+            shared = _shared(last, key)
+        size += _varlen(shared) + _varlen(len(key) - shared) + _varlen(len(value))
+        size += len(key) - shared + len(value)
+        count += 1
+        last = key
+        if size + 4 * restarts >= BLOCK_SIZE and i + 1 < len(entries):
+            starts.append(i + 1)
+            size, restarts, count, last = 4, 1, 0, b""
+    return starts
+
+
+def _shared(a: bytes, b: bytes) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _varlen(n: int) -> int:
+    length = 1
+    while n > 0x7F:
+        n >>= 7
+        length += 1
+    return length
+
+
+def test_multi_block_index_follows_the_block_size_and_separator_rules() -> None:
+    entries = [(f"model/layer_{i:05d}/kernel".encode(), bytes(40 + i % 7)) for i in range(5001)]
+    builder = TableBuilder()
+    for k, v in entries:
+        builder.add(k, v)
+    data = builder.finish()
+    table = TableReader(data, file="multi.index")
+    assert len(table.index) > 1
+    assert list(table) == entries
+    # blocks start where the size rule says, and separators follow the comparator rules
+    starts = _predicted_split(entries)
+    assert len(table.index) == len(starts)
+    bounds = [*starts, len(entries)]
+    for b, (sep, _) in enumerate(table.index):
+        last = entries[bounds[b + 1] - 1][0]
+        if b + 1 < len(starts):
+            assert sep == find_shortest_separator(last, entries[bounds[b + 1]][0])
+        else:
+            assert sep == find_short_successor(last)
+
+
+def test_an_overly_large_entry_starts_a_new_block() -> None:
+    builder = TableBuilder()
+    builder.add(b"a", b"1")
+    builder.add(b"b", bytes(2 * BLOCK_SIZE))
+    builder.add(b"c", b"3")
+    table = TableReader(builder.finish(), file="big.index")
+    assert [sep for sep, _ in table.index] == [b"a", b"b", b"d"]
+    assert [k for k, _ in table] == [b"a", b"b", b"c"]
+
+
+def test_string_tensor_encoding_example() -> None:
+    data, crc = encode_strings([b"ab", b"", b"xyz"])
+    assert data == bytes.fromhex("020003" "1b428bca" "6162" "78797a")
+    assert len(data) == 12
+    assert decode_strings(data, 3, expected_crc=crc) == [b"ab", b"", b"xyz"]
+
+
+def test_string_tensor_round_trip_through_a_bundle(tmp_path) -> None:
+    prefix = str(tmp_path / "s")
+    value = np.array([[b"ab", b""], [b"\x00\xff", "é".encode()]], dtype=object)
+    with BundleWriter(prefix) as w:
+        w.add(b"s", value)
+        w.add(b"e", np.array([], dtype=object))
+    with BundleReader(prefix) as r:
+        out = r.read(b"s")
+        assert out.dtype == object and out.shape == (2, 2)
+        assert out.tolist() == value.tolist()
+        assert r.read(b"e").shape == (0,)
+        assert r.entries[b"e"].size == 4  # only the checksum of no lengths
+
+
+@pytest.mark.parametrize(
+    ("value", "encoded"),
+    [
+        (0, "80"),
+        (2, "82"),
+        (-1, "7f"),
+        (63, "bf"),
+        (64, "c040"),
+        (8191, "dfff"),
+        (8192, "e02000"),
+        (200000, "e30d40"),
+    ],
+)
+def test_signed_num_increasing_examples(value: int, encoded: str) -> None:
+    assert _ordered_code.encode_signed_num_increasing(value).hex() == encoded
+    assert _ordered_code.decode_signed_num_increasing(bytes.fromhex(encoded)) == (value, len(encoded) // 2)
+
+
+def test_slice_key_example() -> None:
+    key = _ordered_code.encode_slice_key(b"e", ((2, 2), (0, None)))
+    assert key == bytes.fromhex("00650001010282828" "07f")
+    assert _ordered_code.decode_slice_key(key) == (b"e", ((2, 2), (0, None)))
+    assert _ordered_code.encode_num_increasing(0) == b"\x00"
+    assert _ordered_code.encode_num_increasing(300) == b"\x02\x01\x2c"
+    assert _ordered_code.encode_string(b"a\x00b\xff") == b"a\x00\xffb\xff\x00\x00\x01"
+    assert _ordered_code.decode_string(b"a\x00\xffb\xff\x00\x00\x01") == (b"a\x00b\xff", 8)
+
+
+def test_signed_num_increasing_preserves_order() -> None:
+    rng = np.random.default_rng(0)
+    raw = rng.integers(-(2**63), 2**63 - 1, 3000, dtype=np.int64)
+    shifts = rng.integers(0, 63, 3000)
+    values = sorted({int(v) >> int(s) for v, s in zip(raw, shifts, strict=True)} | {-(2**63), 2**63 - 1, 0, -1})
+    encoded = [_ordered_code.encode_signed_num_increasing(v) for v in values]
+    assert encoded == sorted(encoded)
+    assert [_ordered_code.decode_signed_num_increasing(e)[0] for e in encoded] == values
+
+
+@pytest.mark.parametrize(
+    ("name", "escaped"),
+    [("kernel", "kernel"), ("a.b", "a..b"), ("a/b", "a.Sb"), (".S", "..S"), ("/.", ".S.."), ("..", "....")],
+)
+def test_local_name_escaping(name: str, escaped: str) -> None:
+    assert escape_local_name(name) == escaped
+    assert unescape_local_name(escaped) == name
+
+
+def test_key_parsing() -> None:
+    p = parse_key("model/w/.ATTRIBUTES/parallel_component_2")
+    assert p is not None and (p.path, p.component) == ("model/w", 2)
+    p = parse_key("model/layer_with_weights-0/kernel/.OPTIMIZER_SLOT/optimizer/m/.ATTRIBUTES/VARIABLE_VALUE")
+    assert p is not None
+    assert p.path == "optimizer/slots/model/layer_with_weights-0/kernel/m"
+    assert (p.slot_of, p.slot_name, p.component) == ("model/layer_with_weights-0/kernel", "m", 0)
+    p = parse_key("a..b/c.Sd/.ATTRIBUTES/VARIABLE_VALUE")
+    assert p is not None and p.path == "a.b/c/d"
+    p = parse_key("layer/.ATTRIBUTES/OBJECT_CONFIG_JSON")
+    assert p is not None and (p.path, p.component) == ("layer/.ATTRIBUTES/OBJECT_CONFIG_JSON", 0)
+    assert parse_key("dense/kernel") is None
+    assert parse_key("_CHECKPOINTABLE_OBJECT_GRAPH") is None
+
+
+def test_text_format_string_escapes() -> None:
+    text = 'dir "q" \\ \n\t é'
+    escaped = c_escape(text)
+    assert escaped == 'dir \\"q\\" \\\\ \\n\\t \\303\\251'
+    assert c_unescape(escaped) == text
+    assert c_unescape("\\x41\\101\\'") == "AA'"
