@@ -24,6 +24,31 @@ from parallelvars.checkpoint.h5io import H5Reader
 from parallelvars.errors import ChecksumMismatchError, CorruptCheckpointError, TruncatedFileError
 
 FORMATS = fuzz_readers.available_formats()
+#: Formats whose reader does not yet meet the property; each is a bug to fix in that reader
+#: (the strict xfail turns into a failure the day it is fixed, so the mark gets removed).
+KNOWN_GAPS = {
+    "safetensors": "the format carries no checksum: flipped data bytes read back as wrong values",
+    "npz": "zipfile.BadZipFile (bad CRC-32) escapes the reader instead of a CorruptCheckpointError",
+    "keras": "no checksums in Keras weight files (flipped data reads back wrong); h5py errors escape",
+    "keras-legacy": "no checksums in Keras weight files (flipped data reads back wrong); h5py errors escape",
+}
+
+
+def strict(formats):
+    return [
+        pytest.param(f, marks=pytest.mark.xfail(reason=KNOWN_GAPS[f], strict=True)) if f in KNOWN_GAPS else f
+        for f in formats
+    ]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_damage_never_crashes_hangs_or_overallocates(fmt, tmp_path, worker):
+    """The part every reader meets already: at worst an exception, never a dead process."""
+    sizes = fuzz_readers.sample_sizes(fuzz_readers.write_sample(fmt, str(tmp_path)))
+    mutations = list(fuzz_readers.random_mutations(sizes, DEFAULT_CASES, seed=8))
+    counts, failures = fuzz_readers.run_campaign(fmt, str(tmp_path), mutations, worker=worker)
+    report(fmt, counts, failures)
+    assert counts["crash"] == counts["hang"] == counts["alloc"] == 0, failures
 CASES = {"hdf5": 160}  # other formats: DEFAULT_CASES
 DEFAULT_CASES = 120
 
@@ -40,10 +65,10 @@ def report(fmt: str, counts, failures) -> None:
         print(f"  {what}: {detail}")
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", strict(FORMATS))
 def test_random_flips_and_truncations_are_detected_or_harmless(fmt, tmp_path, worker):
-    size = os.path.getsize(fuzz_readers.write_sample(fmt, str(tmp_path)))
-    mutations = list(fuzz_readers.random_mutations(size, CASES.get(fmt, DEFAULT_CASES), seed=7))
+    sizes = fuzz_readers.sample_sizes(fuzz_readers.write_sample(fmt, str(tmp_path)))
+    mutations = list(fuzz_readers.random_mutations(sizes, CASES.get(fmt, DEFAULT_CASES), seed=7))
     counts, failures = fuzz_readers.run_campaign(fmt, str(tmp_path), mutations, worker=worker)
     report(fmt, counts, failures)
     assert failures == []
@@ -54,13 +79,16 @@ def test_random_flips_and_truncations_are_detected_or_harmless(fmt, tmp_path, wo
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_truncation_of_the_head_and_tail(fmt, tmp_path, worker):
     """Files cut inside the header and inside the last bytes (metadata often lives there)."""
-    size = os.path.getsize(fuzz_readers.write_sample(fmt, str(tmp_path)))
-    cuts = sorted({*range(0, min(size, 64), 3), *range(max(0, size - 48), size, 4)})
-    mutations = [fuzz_readers.Mutation(truncate_to=n) for n in cuts]
+    sizes = fuzz_readers.sample_sizes(fuzz_readers.write_sample(fmt, str(tmp_path)))
+    mutations = [
+        fuzz_readers.Mutation(truncate_to=n, target=t)
+        for t, size in enumerate(sizes)
+        for n in sorted({*range(0, min(size, 64), 3), *range(max(0, size - 48), size, 4)})
+    ]
     counts, failures = fuzz_readers.run_campaign(fmt, str(tmp_path), mutations, worker=worker)
     report(fmt, counts, failures)
     assert failures == []
-    assert counts["detected"] >= len(cuts) - 2
+    assert counts["detected"] >= len(mutations) - 2
 
 
 def test_string_tensors_in_the_global_heap(tmp_path, worker):

@@ -39,7 +39,7 @@ from typing import Any
 # --------------------------------------------------------------------------- the sample model
 
 #: Formats the sample can be written in; non-native ones need parallelvars.formats' adapter.
-ALL_FORMATS = ("hdf5", "safetensors", "npz", "keras", "tf")
+ALL_FORMATS = ("hdf5", "safetensors", "npz", "keras", "keras-legacy", "tf")
 OK_OUTCOMES = ("detected", "harmless")
 BAD_OUTCOMES = ("wrong", "undocumented", "crash", "hang", "alloc")
 #: Reads may allocate about one copy of the largest component twice over, plus h5py's own.
@@ -85,7 +85,9 @@ def available_formats() -> list[str]:
     return out
 
 
-_SUFFIX = {"hdf5": ".h5", "safetensors": ".safetensors", "npz": ".npz", "keras": ".weights.h5", "tf": ""}
+_SUFFIX = {
+    "hdf5": ".h5", "safetensors": ".safetensors", "npz": ".npz", "keras": ".weights.h5", "keras-legacy": ".h5", "tf": "",
+}
 
 
 def write_sample(fmt: str, directory: str, *, string_variable: bool = False) -> str:
@@ -101,6 +103,28 @@ def write_sample(fmt: str, directory: str, *, string_variable: bool = False) -> 
     target = os.path.join(directory, f"sample-{fmt}{_SUFFIX.get(fmt, '')}")
     with H5Reader(native) as reader:
         return write_checkpoint(target, dict(reader.items()), format=fmt)
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The files a checkpoint consists of: the file itself, or ``<prefix>.*`` for a TF prefix."""
+    if os.path.isfile(path):
+        return [path]
+    directory, prefix = os.path.split(path)
+    files = sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.startswith(prefix + "."))
+    if not files:
+        raise FileNotFoundError(path)
+    return files
+
+
+def copy_checkpoint(path: str, new_path: str) -> list[str]:
+    """Copy every file of the checkpoint at ``path`` to the same names under ``new_path``."""
+    out = []
+    for f in checkpoint_files(path):
+        target = new_path + f[len(path) :]
+        with open(f, "rb") as src, open(target, "wb") as dst:
+            dst.write(src.read())
+        out.append(target)
+    return out
 
 
 # --------------------------------------------------------------------------- reading (worker side)
@@ -242,7 +266,7 @@ class ReaderWorker:
         if not line:
             return self._died(proc)
         res: dict[str, Any] = json.loads(line)
-        size = max(os.path.getsize(path), os.path.getsize(clean))
+        size = max(sum(sample_sizes(path)), sum(sample_sizes(clean)))
         if res["outcome"] in OK_OUTCOMES and res["peak"] > 2 * size + ALLOC_SLACK:
             res = {**res, "outcome": "alloc", "detail": f"peak {res['peak']} bytes for a {size}-byte file"}
         return res
@@ -279,6 +303,7 @@ class Mutation:
 
     flips: tuple[tuple[int, int], ...] = ()
     truncate_to: int | None = None
+    target: int = 0  # which file of a multi-file checkpoint
 
     def apply(self, data: bytes) -> bytes:
         out = bytearray(data)
@@ -290,19 +315,33 @@ class Mutation:
         return bytes(out)
 
     def describe(self) -> str:
+        where = f"file {self.target}: " if self.target else ""
         if self.truncate_to is not None:
-            return f"truncate to {self.truncate_to}"
-        return ", ".join(f"xor {m:#04x} at {o}" for o, m in self.flips)
+            return f"{where}truncate to {self.truncate_to}"
+        return where + ", ".join(f"xor {m:#04x} at {o}" for o, m in self.flips)
 
 
-def random_mutations(size: int, count: int, seed: int, truncate_share: float = 0.2) -> Iterator[Mutation]:
-    """Single-byte flips anywhere and truncations at any length, reproducibly."""
+def random_mutations(
+    sizes: int | list[int], count: int, seed: int, truncate_share: float = 0.2
+) -> Iterator[Mutation]:
+    """Single-byte flips anywhere and truncations at any length, reproducibly.
+
+    ``sizes``: the file size, or the sizes of each file of a multi-file checkpoint (each file
+    is damaged as often as the others, so a small index gets as much attention as the data).
+    """
     rng = random.Random(seed)
+    sizes = [sizes] if isinstance(sizes, int) else list(sizes)
     for _ in range(count):
+        target = rng.randrange(len(sizes))
+        size = max(1, sizes[target])
         if rng.random() < truncate_share:
-            yield Mutation(truncate_to=rng.randrange(size))
+            yield Mutation(truncate_to=rng.randrange(size), target=target)
         else:
-            yield Mutation(flips=((rng.randrange(size), rng.randrange(1, 256)),))
+            yield Mutation(flips=((rng.randrange(size), rng.randrange(1, 256)),), target=target)
+
+
+def sample_sizes(path: str) -> list[int]:
+    return [os.path.getsize(f) for f in checkpoint_files(path)]
 
 
 def run_campaign(
@@ -320,11 +359,14 @@ def run_campaign(
         counts by outcome, and ``(mutation, detail)`` for every bad outcome.
     """
     clean = write_sample(fmt, directory, string_variable=string_variable)
-    if os.path.isdir(clean):
-        raise NotImplementedError(f"{fmt}: a directory checkpoint; damage one of its files instead")
-    with open(clean, "rb") as f:
-        data = f.read()
-    damaged = os.path.join(directory, "damaged" + os.path.splitext(clean)[1])
+    base = os.path.basename(clean)
+    suffix = _SUFFIX.get(fmt, "") if base.endswith(_SUFFIX.get(fmt, "")) else os.path.splitext(base)[1]
+    damaged = os.path.join(directory, "damaged" + suffix)
+    files = copy_checkpoint(clean, damaged)
+    originals = []
+    for name in files:
+        with open(name, "rb") as f:
+            originals.append(f.read())
     own = worker is None
     worker = worker or ReaderWorker()
     counts: Counter[str] = Counter()
@@ -333,9 +375,14 @@ def run_campaign(
         for mutation in mutations:
             if deadline is not None and time.monotonic() > deadline:
                 break
-            with open(damaged, "wb") as f:
-                f.write(mutation.apply(data))
-            res = worker.check(damaged, clean, fmt)
+            target = mutation.target % len(files)
+            with open(files[target], "wb") as f:
+                f.write(mutation.apply(originals[target]))
+            try:
+                res = worker.check(damaged, clean, fmt)
+            finally:
+                with open(files[target], "wb") as f:
+                    f.write(originals[target])
             counts[res["outcome"]] += 1
             if res["outcome"] not in OK_OUTCOMES:
                 failures.append((mutation.describe(), f"{res['outcome']}: {res['detail']}"))
@@ -365,11 +412,11 @@ def main(argv: list[str] | None = None) -> int:
         for fmt in formats:
             with tempfile.TemporaryDirectory() as d:
                 clean = write_sample(fmt, d, string_variable=args.strings)
-                size = os.path.getsize(clean)
+                size = sum(sample_sizes(clean))
                 deadline = None if args.seconds is None else time.monotonic() + args.seconds
                 t0 = time.monotonic()
                 counts, failures = run_campaign(
-                    fmt, d, random_mutations(size, args.cases, args.seed), worker=worker,
+                    fmt, d, random_mutations(sample_sizes(clean), args.cases, args.seed), worker=worker,
                     string_variable=args.strings, deadline=deadline,
                 )
             n = sum(counts.values())
