@@ -13,8 +13,10 @@ from parallelvars import errors, optimizers
 from parallelvars.checkpoint import (
     Checkpoint,
     CheckpointLoadStatus,
+    CheckpointManager,
     Saveable,
     SaveRecord,
+    latest_checkpoint,
     register_saveable,
 )
 from parallelvars.devices import ParallelDevice
@@ -70,6 +72,7 @@ __all__ = [
     "DistributedDataset",
     "IndexedSlices",
     "CheckpointLoadStatus",
+    "CheckpointManager",
     "Mirrored",
     "MirroredStrategy",
     "Module",
@@ -101,6 +104,7 @@ __all__ = [
     "in_cross_replica_context",
     "increment_var",
     "independent_buffers",
+    "latest_checkpoint",
     "loss_reduction",
     "optimizers",
     "outside_compilation",

@@ -2,16 +2,19 @@
 
 from parallelvars.checkpoint.checkpoint import Checkpoint, CheckpointLoadStatus
 from parallelvars.checkpoint.h5io import H5Reader, StoredVariable, write_h5
+from parallelvars.checkpoint.manager import CheckpointManager, latest_checkpoint
 from parallelvars.checkpoint.registry import Saveable, SaveRecord, get_saveable, register_saveable
 
 __all__ = [
     "Checkpoint",
     "CheckpointLoadStatus",
+    "CheckpointManager",
     "H5Reader",
     "SaveRecord",
     "Saveable",
     "StoredVariable",
     "get_saveable",
+    "latest_checkpoint",
     "register_saveable",
     "write_h5",
 ]

@@ -25,7 +25,7 @@ import numpy as np
 
 from parallelvars.checkpoint import _restore  # noqa: F401 - registers the variable saveable
 from parallelvars.checkpoint.h5io import H5Reader, write_h5
-from parallelvars.checkpoint.registry import get_saveable
+from parallelvars.checkpoint.registry import SaveRecord, get_saveable
 from parallelvars.devices import ParallelDevice
 from parallelvars.errors import CheckpointError, RestoreMismatchError
 from parallelvars.tracking import Trackable, children_of
@@ -374,6 +374,15 @@ class Checkpoint(Trackable):
 
     def write(self, path: str | os.PathLike[str]) -> str:
         """Write a checkpoint to exactly ``path`` (atomically); returns ``path``."""
+        return self._prepare_write()(path)
+
+    def _prepare_write(self, *, copy: bool = False) -> Callable[[str | os.PathLike[str]], str]:
+        """Gather what a write saves now; the returned callable writes it to a path.
+
+        With ``copy=True`` every component buffer is copied first (a snapshot), so the
+        variables may change, in another thread too, before the callable runs: it writes the
+        values as they were at this call. Without, components are views written as they are.
+        """
         graph = build_object_graph(self)
         records = []
         for _, obj, var_path in graph.variables():
@@ -381,14 +390,25 @@ class Checkpoint(Trackable):
             assert saveable is not None
             record = saveable.gather(obj)
             record.path = var_path
+            if copy:
+                record = SaveRecord(
+                    kind=record.kind, components=[np.array(c, copy=True) for c in record.components],
+                    shape=tuple(record.shape), attrs=dict(record.attrs), path=var_path,
+                )
             records.append(record)
         for node in graph.nodes:
             for var_id, slot_name, slot_id in node["slots"]:
                 rec = next(r for r in records if r.path == graph.nodes[slot_id]["path"])
                 rec.attrs["slot_of"] = graph.nodes[var_id]["path"]
                 rec.attrs["slot_name"] = slot_name
-        writer = _COLLECTIVE_WRITER or write_h5
-        return writer(os.fspath(path), records, object_graph=graph.to_json(), metadata=self._metadata())
+        object_graph, metadata = graph.to_json(), self._metadata()
+
+        writer = _COLLECTIVE_WRITER or write_h5  # every rank writes its part under MPI
+
+        def write(path: str | os.PathLike[str]) -> str:
+            return writer(os.fspath(path), records, object_graph=object_graph, metadata=metadata)
+
+        return write
 
     def save(self, file_prefix: str | os.PathLike[str]) -> str:
         """Write ``<file_prefix>-<n>.h5`` with ``n`` the incremented ``save_counter``; returns it."""

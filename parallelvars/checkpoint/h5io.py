@@ -66,6 +66,8 @@ GRAPH_DATASET = f"{META_GROUP}/object_graph"
 # instead of one HDF5 attribute call per attribute.
 INDEX_DATASET = f"{META_GROUP}/index"
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+# deflate's best case is about 1032:1; no compressed dataset can expand more than this.
+_MAX_COMPRESSION = 1100
 _H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, AttributeError)
 
 
@@ -143,6 +145,21 @@ def atomic_write(path: str, write: Any) -> str:
         raise
     _fsync_path(directory, directory=True)
     return path
+
+
+def _root_attr_value(value: Any) -> Any:
+    """Like :func:`_attr_value`, with strings as fixed-length UTF-8 bytes.
+
+    The reader reads the root attributes on every open; fixed-length values live inside the
+    (checksummed) root object header, while variable-length strings would send it to HDF5's
+    global heap, which has no checksum and whose damage can make the C library loop. (Group
+    attributes stay variable-length ``str`` for plain h5py users: the reader takes those
+    values from the checksummed index instead.)
+    """
+    value = _attr_value(value)
+    if isinstance(value, str) and not value.endswith("\x00"):
+        return np.bytes_(value.encode("utf-8"))
+    return value
 
 
 def _attr_value(value: Any) -> Any:
@@ -290,13 +307,15 @@ def write_h5(
         index: dict[str, Any] = {}
         crcs: dict[str, int] = {}
         todo = []
-        with h5py.File(tmp, "w") as f:
+        # libver "latest": superblock v3 and v2 object headers, B-trees and heaps, which all
+        # carry checksums, so a damaged metadata byte is an error rather than a wrong value.
+        with h5py.File(tmp, "w", libver="latest") as f:
             f.attrs["parallelvars_format"] = np.int64(FORMAT_VERSION)  # few: the high-level API is fine
-            f.attrs["parallelvars_version"] = _library_version()
+            f.attrs["parallelvars_version"] = _root_attr_value(_library_version())
             f.attrs["created"] = np.float64(time.time())
             for key, value in dict(metadata or {}).items():
                 if value is not None:
-                    f.attrs[key] = _attr_value(value)
+                    f.attrs[key] = _root_attr_value(value)
             dcpl = _early_dcpl()
             for entry in items:
                 if entry.path in index:
@@ -325,11 +344,38 @@ def write_h5(
                 _set_attr(h5py.h5d.open(fid, name.encode()), "crc32c", np.int64(crc))
             for meta_path, meta in index.items():
                 meta["crc32c"] = [crcs[f"/{meta_path}/{component_name(i)}"] for i in range(meta["num_components"])]
-            f.create_dataset(INDEX_DATASET, data=json.dumps(index), dtype=h5py.string_dtype())
+            _write_json(f, INDEX_DATASET, index)
             if object_graph is not None:
-                f.create_dataset(GRAPH_DATASET, data=json.dumps(object_graph), dtype=h5py.string_dtype())
+                _write_json(f, GRAPH_DATASET, object_graph)
 
     return atomic_write(p, write)
+
+
+def _write_json(f: h5py.File, name: str, value: Any) -> None:
+    """A JSON document as a fixed-length string dataset with its own CRC-32C.
+
+    Fixed length keeps the bytes out of HDF5's unchecksummed global heap; the checksum covers
+    the document itself, which HDF5 does not.
+    """
+    raw = json.dumps(value).encode("utf-8")
+    ds = f.create_dataset(name, data=np.bytes_(raw))
+    ds.attrs["crc32c"] = np.int64(_crc32c.crc32c(raw))
+
+
+def _read_json(f: h5py.File, name: str, file: str) -> Any:
+    """Read a document written by :func:`_write_json` (or an older variable-length one)."""
+    ds = f.get(name)
+    if ds is None:
+        return None
+    raw = ds[()]
+    raw = bytes(raw) if isinstance(raw, bytes) else str(raw).encode("utf-8")
+    stored = ds.attrs.get("crc32c")
+    if stored is not None and int(stored) != _crc32c.crc32c(raw):
+        raise ChecksumMismatchError(
+            "checksum mismatch: a metadata document is damaged", file=file, variable=name,
+            expected=f"crc32c {int(stored):#010x}", found=f"crc32c {_crc32c.crc32c(raw):#010x}",
+        )
+    return json.loads(raw.decode("utf-8"))
 
 
 # ----------------------------------------------------------------------------- reading
@@ -400,6 +446,7 @@ class StoredVariable:
             raise CorruptCheckpointError("negative dimension", file=file, variable=path, found=self.shape)
         self._shapes: list[tuple[int, ...]] = [self._expected_component_shape(i) for i in range(self.num_components)]
         self._verified: set[int] = set()
+        self._storage_ok: set[int] = set()
         self._datasets: dict[int, Any] = {}
         self._locations: dict[int, tuple[int, int] | None] = {}
 
@@ -475,6 +522,34 @@ class StoredVariable:
     def _fail(self, what: str, i: int, **kw: Any) -> CorruptCheckpointError:
         return CorruptCheckpointError(what, file=self._reader.path, variable=f"{self.path}/{component_name(i)}", **kw)
 
+    def _check_storage(self, i: int) -> None:
+        """Refuse a component whose shape needs more bytes than the file can hold.
+
+        Called before anything is allocated for it, so a damaged or hostile header cannot make
+        a reader allocate more than the file's size (times deflate's best compression ratio,
+        for compressed datasets).
+        """
+        if i in self._storage_ok:
+            return
+        dsid = self._dataset(i)
+        needed = math.prod(self._shapes[i]) * (16 if self.dtype.kind == "O" else self.dtype.itemsize)
+        try:
+            stored = int(dsid.get_storage_size())
+            dcpl = dsid.get_create_plist()
+            filtered, external = dcpl.get_nfilters() > 0, dcpl.get_external_count() > 0
+        except _H5_ERRORS as exc:
+            raise self._fail("cannot read the dataset layout", i, found=str(exc)) from None
+        if needed and not external:
+            limit = stored * _MAX_COMPRESSION if filtered else stored
+            if needed > limit or stored > self._reader.file_size:
+                raise TruncatedFileError(
+                    "the dataset holds fewer bytes than its shape needs", file=self._reader.path,
+                    variable=f"{self.path}/{component_name(i)}",
+                    expected=f"{needed} bytes{' (uncompressed)' if filtered else ''}",
+                    found=f"{stored} bytes stored, file of {self._reader.file_size} bytes",
+                )
+        self._storage_ok.add(i)
+
     def _location(self, i: int) -> tuple[int, int] | None:
         """(file offset, element count) of a contiguous, unfiltered component, else None."""
         if i in self._locations:
@@ -519,6 +594,7 @@ class StoredVariable:
         return np.frombuffer(mm, dtype=self.dtype, count=size, offset=offset).reshape(self._shapes[i])
 
     def _read_h5(self, i: int) -> np.ndarray:
+        self._check_storage(i)
         ds = h5py.Dataset(self._dataset(i))
         try:
             data = ds[()]
@@ -574,6 +650,7 @@ class StoredVariable:
         del raw, data
 
     def component(self, i: int) -> np.ndarray:
+        self._check_storage(i)
         out = np.empty(self.component_shape(i), self.dtype)
         self.read_component_into(i, out)
         return out
@@ -581,6 +658,8 @@ class StoredVariable:
     def value(self) -> np.ndarray:
         from parallelvars.checkpoint._restore import read_logical_into
 
+        for i in range(self.num_components):
+            self._check_storage(i)
         out = np.empty(self.shape, self.dtype)
         read_logical_into(self, out, file=self._reader.path, cast=False)
         return out
@@ -662,24 +741,18 @@ class H5Reader(Mapping[str, StoredVariable]):
                 if isinstance(obj, h5py.Group) and "kind" in obj.attrs and not name.startswith(META_GROUP):
                     groups.append(name)
 
-            index = f.get(INDEX_DATASET)
-            if index is not None:
-                raw_index = index[()]
-                metas = json.loads(raw_index.decode() if isinstance(raw_index, bytes) else raw_index)
+            metas = _read_json(f, INDEX_DATASET, self.path)
+            if metas is not None:
                 if not isinstance(metas, dict):
                     raise CorruptCheckpointError("index is not a mapping", file=self.path)
                 self._variables = {name: StoredVariable(self, name, metas[name]) for name in sorted(metas)}
             else:
                 f.visititems(visit)
                 self._variables = {name: StoredVariable.from_group(self, name, f[name]) for name in sorted(groups)}
-            graph = f.get(GRAPH_DATASET)
-            self.object_graph: dict[str, Any] | None = None
-            if graph is not None:
-                raw = graph[()]
-                self.object_graph = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+            self.object_graph: dict[str, Any] | None = _read_json(f, GRAPH_DATASET, self.path)
         except (CorruptCheckpointError, UnsupportedDtypeError):
             raise
-        except (*_H5_ERRORS, json.JSONDecodeError, AttributeError) as exc:
+        except (*_H5_ERRORS, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
             raise CorruptCheckpointError("damaged file structure", file=self.path, found=str(exc)) from None
 
     def _holds(self, dsid: Any) -> bool:

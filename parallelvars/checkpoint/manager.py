@@ -1,0 +1,553 @@
+"""``CheckpointManager``: numbered checkpoints in a directory, kept by a retention policy.
+
+A directory managed by it holds:
+
+* ``<checkpoint_name>-<n>.h5``: committed checkpoints (native HDF5 layout);
+* ``checkpoint.json``: the human-readable state, which checkpoint is the latest, which are
+  kept by the policy and when each was written::
+
+      {
+        "format": "parallelvars-checkpoint-state",
+        "version": 1,
+        "checkpoint_name": "ckpt",
+        "latest": "ckpt-7.h5",
+        "checkpoints": [{"file": "ckpt-6.h5", "number": 6, "time": 1767000000.0}, ...],
+        "preserved": [],
+        "last_preserved_time": 1767000000.0
+      }
+
+* ``.checkpoint.lock``: held (``fcntl.flock``) by the one live manager of the directory; the
+  operating system releases it when that process ends, however it ends.
+
+Crash safety: a checkpoint is written under a temporary name (``.ckpt-7.h5.tmp-PID-HEX``),
+flushed, fsynced and renamed, then the directory is fsynced; only then is the state file
+replaced the same way, and only after that are old checkpoints deleted. A crash at any moment
+therefore leaves the previous latest checkpoint, or the new one, whole. Temporaries left by a
+crashed process are removed when the next manager opens the directory, and a checkpoint that
+was committed but not yet recorded in the state (a crash between the two renames) is adopted.
+A crash between the state update and a deletion can leave an old checkpoint behind; it is
+never deleted later by mistake, because only what the state lists is ever deleted.
+
+Example:
+    >>> import numpy as np, parallelvars as pv, tempfile, os
+    >>> step = pv.Variable(np.int64(0), name="step")
+    >>> ckpt = pv.Checkpoint(step=step)
+    >>> with pv.CheckpointManager(ckpt, tempfile.mkdtemp(), max_to_keep=2) as mgr:
+    ...     for _ in range(3):
+    ...         _ = step.assign_add(1)
+    ...         _ = mgr.save()
+    ...     [os.path.basename(p) for p in mgr.checkpoints]
+    ['ckpt-2.h5', 'ckpt-3.h5']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from parallelvars.checkpoint.checkpoint import Checkpoint
+from parallelvars.checkpoint.h5io import atomic_write
+from parallelvars.errors import CheckpointError, CheckpointLockedError
+
+__all__ = ["CheckpointManager", "latest_checkpoint", "STATE_FILE", "LOCK_FILE"]
+
+STATE_FILE = "checkpoint.json"
+LOCK_FILE = ".checkpoint.lock"
+STATE_FORMAT = "parallelvars-checkpoint-state"
+STATE_VERSION = 1
+SUFFIX = ".h5"
+# The temporary names of h5io.temp_path_for: ".<final name>.tmp-<pid>-<hex>".
+_TEMP_RE = re.compile(r"^\.(?P<base>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]+$")
+
+
+@dataclass
+class _Record:
+    file: str  # relative to the directory
+    number: int
+    time: float
+
+
+def _number_of(filename: str, name: str) -> int | None:
+    prefix = f"{name}-"
+    if not (filename.startswith(prefix) and filename.endswith(SUFFIX)):
+        return None
+    digits = filename[len(prefix) : -len(SUFFIX)]
+    return int(digits) if digits.isdigit() else None
+
+
+def _committed(directory: str, name: str) -> dict[int, str]:
+    """Checkpoint files under their final names: number -> file name."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return {}
+    out = {}
+    for f in names:
+        n = _number_of(f, name)
+        if n is not None and os.path.isfile(os.path.join(directory, f)):
+            out[n] = f
+    return out
+
+
+def _read_state(directory: str) -> dict[str, Any] | None:
+    """The parsed state file, or None when missing or unreadable (then the files are scanned)."""
+    try:
+        with open(os.path.join(directory, STATE_FILE), encoding="utf-8") as fh:
+            state = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        return None
+    return state
+
+
+def _records(raw: Any) -> list[_Record]:
+    out = []
+    for item in raw if isinstance(raw, list) else []:
+        try:
+            out.append(_Record(file=str(item["file"]), number=int(item["number"]), time=float(item["time"])))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
+def _reconcile(directory: str, name: str, state: dict[str, Any] | None) -> tuple[list[_Record], list[_Record], float | None]:
+    """Managed and preserved records from the state, checked against the files on disk.
+
+    Listed files that are gone are dropped. Committed files the state does not know and that
+    are newer than its latest (a crash after the rename, before the state update; or a
+    directory without state) are adopted, oldest first.
+    """
+    on_disk = _committed(directory, name)
+    if state is not None and state.get("checkpoint_name", name) == name:
+        managed = [r for r in _records(state.get("checkpoints")) if r.number in on_disk and on_disk[r.number] == r.file]
+        preserved = [r for r in _records(state.get("preserved")) if os.path.isfile(os.path.join(directory, r.file))]
+        last = state.get("last_preserved_time")
+        last_preserved = float(last) if isinstance(last, (int, float)) else None
+        latest = _number_of(str(state.get("latest") or ""), name)
+    else:
+        managed, preserved, last_preserved, latest = [], [], None, None
+    known = {r.number for r in managed} | {r.number for r in preserved}
+    floor = latest if latest is not None else max((r.number for r in managed), default=-1)
+    for n in sorted(on_disk):
+        if n not in known and n > floor:
+            path = os.path.join(directory, on_disk[n])
+            managed.append(_Record(file=on_disk[n], number=n, time=os.path.getmtime(path)))
+    return managed, preserved, last_preserved
+
+
+def latest_checkpoint(directory: str | os.PathLike[str], checkpoint_name: str | None = None) -> str | None:
+    """The newest committed checkpoint in ``directory``, or None; takes no lock.
+
+    Safe to call while a manager is saving into the directory, from any process: it returns
+    a file that is complete, because checkpoints appear under their names only when whole.
+
+    Args:
+        directory: a directory written by :class:`CheckpointManager`.
+        checkpoint_name: the checkpoints' name prefix; by default the state file's, or, with
+            no state file, that of the highest-numbered ``<name>-<n>.h5`` present.
+    """
+    d = os.fspath(directory)
+    state = _read_state(d)
+    name = checkpoint_name
+    if name is None and state is not None and isinstance(state.get("checkpoint_name"), str):
+        name = state["checkpoint_name"]
+    if name is None:
+        best: tuple[int, str] | None = None
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            return None
+        for f in names:
+            m = re.fullmatch(r"(.+)-(\d+)" + re.escape(SUFFIX), f)
+            if m and not f.startswith(".") and (best is None or int(m.group(2)) > best[0]):
+                best = (int(m.group(2)), m.group(1))
+        if best is None:
+            return None
+        name = best[1]
+    managed, _, _ = _reconcile(d, name, state)
+    if not managed:
+        return None
+    return os.path.join(d, managed[-1].file)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _DirectoryLock:
+    """An exclusive, non-blocking lock on ``<directory>/.checkpoint.lock``.
+
+    ``fcntl.flock`` belongs to the open file, so the operating system drops it when the
+    process dies (even by SIGKILL): a crashed run never leaves the directory locked. The file
+    itself stays; it holds the owner's process id for the error message.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, LOCK_FILE)
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if not _try_lock(fd):
+                try:
+                    holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+                except OSError:
+                    holder = "unknown"
+                raise CheckpointLockedError(
+                    "the checkpoint directory is in use by another CheckpointManager",
+                    file=os.path.dirname(self.path), expected="no other manager", found=f"process {holder} holds {LOCK_FILE}",
+                    hint="close the other manager, or read with parallelvars.latest_checkpoint(), which takes no lock",
+                )
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            _unlock(fd)
+            os.close(fd)
+
+
+try:
+    import fcntl
+
+    def _try_lock(fd: int) -> bool:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def _unlock(fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+except ImportError:  # Windows: a byte-range lock, also released when the process dies
+    import msvcrt
+
+    def _try_lock(fd: int) -> bool:
+        try:
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)  # type: ignore[attr-defined]
+        except OSError:
+            return False
+        return True
+
+    def _unlock(fd: int) -> None:
+        os.lseek(fd, 0, os.SEEK_SET)
+        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)  # type: ignore[attr-defined]
+
+
+class CheckpointManager:
+    """Saves numbered checkpoints of one :class:`Checkpoint` into a directory and prunes them.
+
+    Args:
+        checkpoint: the checkpoint to save and restore.
+        directory: where checkpoints go (created if needed). One manager per directory at a
+            time: a second one, in any process, raises
+            :class:`~parallelvars.errors.CheckpointLockedError`.
+        max_to_keep: how many recent checkpoints to keep; None keeps all. Older ones are
+            deleted after each save, except those kept by ``keep_checkpoint_every_n_hours``.
+        keep_checkpoint_every_n_hours: when set, a checkpoint leaving the ``max_to_keep``
+            window is kept for good if it was written at least this many hours after the last
+            one kept that way (the preserved ones are not listed in :attr:`checkpoints`).
+        checkpoint_name: file name prefix, ``<checkpoint_name>-<n>.h5``.
+        step_counter: a scalar variable holding the training step; needed by
+            ``checkpoint_interval``.
+        checkpoint_interval: with ``step_counter``, ``save()`` writes only when the step has
+            advanced by at least this much since the last save.
+        init_fn: called by :meth:`restore_or_initialize` when there is nothing to restore.
+        async_save: make ``save()`` non-blocking by default (see :meth:`save`).
+
+    Raises:
+        CheckpointLockedError: another live manager holds the directory.
+    """
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        directory: str | os.PathLike[str],
+        max_to_keep: int | None = 5,
+        keep_checkpoint_every_n_hours: float | None = None,
+        checkpoint_name: str = "ckpt",
+        step_counter: Any = None,
+        checkpoint_interval: int | None = None,
+        init_fn: Callable[[], Any] | None = None,
+        *,
+        async_save: bool = False,
+    ) -> None:
+        if not isinstance(checkpoint, Checkpoint):
+            raise TypeError(f"checkpoint must be a parallelvars Checkpoint, not {type(checkpoint).__name__}")
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be at least 1 or None, got {max_to_keep}")
+        if checkpoint_interval is not None:
+            if step_counter is None:
+                raise ValueError("checkpoint_interval needs a step_counter")
+            if checkpoint_interval < 0:
+                raise ValueError(f"checkpoint_interval must be >= 0, got {checkpoint_interval}")
+        if not checkpoint_name or "/" in checkpoint_name or os.sep in checkpoint_name or checkpoint_name.startswith("."):
+            raise ValueError(f"invalid checkpoint_name {checkpoint_name!r}")
+        self._checkpoint = checkpoint
+        self._directory = os.path.abspath(os.fspath(directory))
+        self._max_to_keep = max_to_keep
+        self._keep_hours = keep_checkpoint_every_n_hours
+        self._name = checkpoint_name
+        self._step_counter = step_counter
+        self._interval = checkpoint_interval
+        self._init_fn = init_fn
+        self._async_default = async_save
+        self._last_step: int | None = None
+        self._mutex = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+        os.makedirs(self._directory, exist_ok=True)
+        self._lock = _DirectoryLock(self._directory)
+        self._lock.acquire()
+        try:
+            self._remove_temporaries()
+            self._managed, self._preserved, self._last_preserved = _reconcile(
+                self._directory, self._name, _read_state(self._directory)
+            )
+        except BaseException:
+            self._lock.release()
+            raise
+        self._closed = False
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def directory(self) -> str:
+        return self._directory
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return self._checkpoint
+
+    @property
+    def checkpoints(self) -> list[str]:
+        """Committed checkpoints under the ``max_to_keep`` policy, oldest first (full paths)."""
+        with self._mutex:
+            return [os.path.join(self._directory, r.file) for r in self._managed]
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """The most recently committed checkpoint (an async save counts once it is written)."""
+        with self._mutex:
+            return os.path.join(self._directory, self._managed[-1].file) if self._managed else None
+
+    @property
+    def checkpoint_interval(self) -> int | None:
+        return self._interval
+
+    # ------------------------------------------------------------------ saving
+    def save(
+        self, checkpoint_number: int | None = None, check_interval: bool = True, *, blocking: bool | None = None
+    ) -> str | None:
+        """Write the next checkpoint and apply the retention policy.
+
+        Args:
+            checkpoint_number: the number in the file name; by default the checkpoint's
+                ``save_counter`` (which every save increments).
+            check_interval: honour ``checkpoint_interval`` (pass False to save regardless).
+            blocking: False copies every component buffer now (a snapshot: training may go on
+                changing the variables; the file holds the values as they were at this call)
+                and writes in a background thread. The next ``save``, a restore, ``wait`` or
+                ``close`` waits for it, and an error in the background is raised there. At
+                most one write is in flight. Default: the manager's ``async_save``.
+
+        Returns:
+            The path of the checkpoint (for a non-blocking save, where it will be once
+            written), or None when skipped by ``checkpoint_interval``.
+
+        Raises:
+            CheckpointError (or an OSError) when the write fails; earlier checkpoints and the
+            state file are then unchanged. Also the error of an earlier non-blocking save.
+        """
+        self._check_open()
+        self.wait()
+        blocking = not self._async_default if blocking is None else blocking
+        step: int | None = None
+        if self._step_counter is not None:
+            step = int(np.asarray(self._step_counter))
+        if check_interval and self._interval is not None and self._last_step is not None:
+            assert step is not None
+            if step < self._last_step + self._interval:
+                return None
+        counter = self._checkpoint.save_counter
+        previous = int(counter)
+        counter.assign(previous + 1)
+        number = previous + 1 if checkpoint_number is None else int(np.asarray(checkpoint_number))
+        if number < 0:
+            counter.assign(previous)
+            raise ValueError(f"checkpoint_number must be >= 0, got {number}")
+        filename = f"{self._name}-{number}{SUFFIX}"
+        path = os.path.join(self._directory, filename)
+        try:
+            write = self._checkpoint._prepare_write(copy=not blocking)
+        except BaseException:
+            counter.assign(previous)
+            raise
+
+        def job() -> None:
+            try:
+                write(path)
+                self._commit(_Record(file=filename, number=number, time=time.time()))
+            except BaseException:
+                counter.assign(previous)
+                raise
+
+        if blocking:
+            job()
+        else:
+            self._thread = threading.Thread(target=self._run_async, args=(job,), name=f"checkpoint-save-{number}", daemon=True)
+            self._thread.start()
+        if step is not None:
+            self._last_step = step
+        return path
+
+    def _run_async(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as exc:  # handed to the caller's next call
+            self._error = exc
+
+    def wait(self) -> None:
+        """Wait for a non-blocking save in flight; raise its error, if it had one."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    sync = wait
+
+    def _commit(self, record: _Record) -> None:
+        """Record a written checkpoint in the state, then delete what the policy lets go."""
+        with self._mutex:
+            managed = [r for r in self._managed if r.file != record.file]
+            preserved = [r for r in self._preserved if r.file != record.file]
+            managed.append(record)
+            last_preserved = self._last_preserved
+            doomed: list[_Record] = []
+            while self._max_to_keep is not None and len(managed) > self._max_to_keep:
+                old = managed.pop(0)
+                if self._keep_hours is not None and (
+                    last_preserved is None or old.time - last_preserved >= self._keep_hours * 3600.0
+                ):
+                    preserved.append(old)
+                    last_preserved = old.time
+                else:
+                    doomed.append(old)
+            self._write_state(managed, preserved, last_preserved)
+            self._managed, self._preserved, self._last_preserved = managed, preserved, last_preserved
+        for old in doomed:  # after the state no longer names them
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self._directory, old.file))
+
+    def _write_state(self, managed: list[_Record], preserved: list[_Record], last_preserved: float | None) -> None:
+        state = {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "checkpoint_name": self._name,
+            "latest": managed[-1].file if managed else None,
+            "checkpoints": [asdict(r) for r in managed],
+            "preserved": [asdict(r) for r in preserved],
+            "last_preserved_time": last_preserved,
+        }
+        text = json.dumps(state, indent=2) + "\n"
+
+        def write(tmp: str) -> None:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.write(text)
+
+        atomic_write(os.path.join(self._directory, STATE_FILE), write)
+
+    def _remove_temporaries(self) -> None:
+        """Delete temporaries of our checkpoints and state left by processes that died."""
+        for f in os.listdir(self._directory):
+            m = _TEMP_RE.match(f)
+            if m is None:
+                continue
+            base = m.group("base")
+            if base != STATE_FILE and _number_of(base, self._name) is None:
+                continue
+            pid = int(m.group("pid"))
+            if pid != os.getpid() and _pid_alive(pid):
+                continue  # another live process writes it (not through a manager)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self._directory, f))
+
+    # ------------------------------------------------------------------ restoring
+    def restore_or_initialize(self) -> str | None:
+        """Restore the latest checkpoint if there is one, else call ``init_fn``.
+
+        Returns:
+            The path restored, or None when there was nothing to restore.
+        """
+        self._check_open()
+        self.wait()
+        latest = self.latest_checkpoint
+        if latest is not None:
+            self._checkpoint.restore(latest)
+            if self._step_counter is not None:
+                self._last_step = int(np.asarray(self._step_counter))
+            return latest
+        if self._init_fn is not None:
+            self._init_fn()
+        return None
+
+    def restore(self, path: str | None = None) -> Any:
+        """Restore ``path`` (default: the latest checkpoint) after waiting for a save in flight."""
+        self._check_open()
+        self.wait()
+        target = path or self.latest_checkpoint
+        if target is None:
+            raise CheckpointError("no checkpoint to restore", file=self._directory)
+        return self._checkpoint.restore(target)
+
+    # ------------------------------------------------------------------ lifetime
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", True):
+            raise CheckpointError("the manager is closed", file=self._directory)
+
+    def close(self) -> None:
+        """Wait for a save in flight (raising its error) and release the directory."""
+        if getattr(self, "_closed", True):
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._lock.release()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<CheckpointManager {self._directory!r} checkpoints={len(self._managed)}>"
