@@ -168,9 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         _child(*args.child)
         return 0
 
-    from parallelvars.formats import open_checkpoint
-
     from parallelvars.checkpoint.h5io import write_h5
+    from parallelvars.formats import open_checkpoint
 
     total = args.mb * MB
     largest = (args.largest_mb or max(1, args.mb // 8)) * MB

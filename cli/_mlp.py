@@ -15,9 +15,13 @@ __all__ = ["MLP", "make_blobs", "loss_and_grads", "accuracy"]
 
 
 def make_blobs(n: int, features: int, classes: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """A synthetic, learnable data set: one Gaussian blob per class (no download)."""
+    """A synthetic data set: one Gaussian blob per class, overlapping (no download).
+
+    The blobs overlap so that the task is not trivial: the nearest-centre rule gets about 89%
+    of the examples right with 32 features and 4 classes.
+    """
     rng = np.random.default_rng(seed)
-    centers = rng.normal(0.0, 2.0, size=(classes, features)).astype(np.float32)
+    centers = rng.normal(0.0, 0.7, size=(classes, features)).astype(np.float32)
     y = rng.integers(0, classes, size=n)
     x = centers[y] + rng.normal(0.0, 1.5, size=(n, features)).astype(np.float32)
     return x.astype(np.float32), y.astype(np.int64)

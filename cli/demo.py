@@ -20,6 +20,7 @@ import parallelvars as pv
 
 from ._mlp import MLP, accuracy, loss_and_grads, make_blobs
 from ._output import Output
+from .inspect import collect, render_tree
 
 FEATURES, HIDDEN, CLASSES = 32, 64, 4
 EXAMPLES, BATCH = 8192, 256
@@ -48,14 +49,16 @@ def _train(
     strategy: pv.Strategy,
     model: MLP,
     opt: Any,
+    step_var: Any,
     manager: Any,
     data: tuple[np.ndarray, np.ndarray],
-    start: int,
     stop: int,
     out: Output,
     losses: list[float],
     save_every: int,
 ) -> None:
+    """Train from the step ``step_var`` holds up to ``stop``, checkpointing every ``save_every``."""
+    start = int(step_var)
     x, y = data
     n = strategy.num_replicas_in_sync
 
@@ -71,6 +74,7 @@ def _train(
         xb, yb = x[j : j + BATCH], y[j : j + BATCH]
         per_replica = strategy.run(step, args=(pv.PerReplica(np.array_split(xb, n)), pv.PerReplica(np.array_split(yb, n))))
         losses.append(float(strategy.reduce(pv.ReduceOp.SUM, per_replica)))
+        step_var.assign_add(1)
         if (i + 1) % save_every == 0 or i + 1 == stop:
             manager.save(checkpoint_number=i + 1)
         bar.advance(1)
@@ -102,12 +106,12 @@ def run(args: argparse.Namespace) -> int:
 
     # Leg 1: train on N devices, checkpointing as we go.
     strategy, model, opt = _build(args.devices, args.seed)
-    step_var = pv.Variable(np.int64(0), name="step")
+    step_var = pv.Variable(np.int64(0), name="step")  # outside the strategy: one plain counter
     manager = pv.CheckpointManager(
         pv.Checkpoint(model=model, optimizer=opt, step=step_var), ckpt_dir, max_to_keep=3
     )
     try:
-        _train(strategy, model, opt, manager, data, 0, first_leg, out, losses, save_every)
+        _train(strategy, model, opt, step_var, manager, data, first_leg, out, losses, save_every)
     finally:
         manager.close()
     acc1 = accuracy(model, *data)
@@ -115,16 +119,16 @@ def run(args: argparse.Namespace) -> int:
 
     # Leg 2: a "restart" on another number of devices, from the latest checkpoint.
     m = _restart_devices(args.devices)
-    strategy2, model2, opt2 = _build(m, args.seed + 1)
-    manager2 = pv.CheckpointManager(
-        pv.Checkpoint(model=model2, optimizer=opt2, step=pv.Variable(np.int64(0), name="step")), ckpt_dir, max_to_keep=3
-    )
+    strategy2, model2, opt2 = _build(m, args.seed + 1)  # fresh values: the restore must replace them
+    step2 = pv.Variable(np.int64(0), name="step")
+    manager2 = pv.CheckpointManager(pv.Checkpoint(model=model2, optimizer=opt2, step=step2), ckpt_dir, max_to_keep=3)
     try:
         restored = manager2.restore_or_initialize()
         same = all(
             np.array_equal(c, np.asarray(a)) for a, b in zip(model.params, model2.params, strict=True) for c in b.components
         )
-        _train(strategy2, model2, opt2, manager2, data, first_leg, args.steps, out, losses, save_every)
+        resumed_at = int(step2)
+        _train(strategy2, model2, opt2, step2, manager2, data, args.steps, out, losses, save_every)
     finally:
         manager2.close()
     final = manager2.latest_checkpoint
@@ -135,9 +139,7 @@ def run(args: argparse.Namespace) -> int:
     st_path = formats.convert(final, os.path.join(root, "model.safetensors"))
     tf_prefix = formats.convert(final, os.path.join(root, "tf", "ckpt-1"), to_format="tf")
     with formats.open_checkpoint(final) as view:
-        summary = [
-            (path, e.kind, str(e.dtype), tuple(e.shape), e.num_components) for path, e in sorted(view.items())
-        ]
+        inspected = render_tree(collect(view, out))
     elapsed = time.perf_counter() - t0
 
     result = {
@@ -149,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         "accuracy_before_restart": acc1,
         "accuracy_final": acc2,
         "restart_restored": restored,
+        "resumed_at_step": resumed_at,
         "restart_values_equal": same,
         "examples_seen": int(model2.seen.read_value()),
         "checkpoints": manager2.checkpoints,
@@ -159,16 +162,16 @@ def run(args: argparse.Namespace) -> int:
     lines = [
         f"trained a {FEATURES}-{HIDDEN}-{CLASSES} MLP for {args.steps} steps with Adam: "
         f"{first_leg} steps on {args.devices} devices, then restarted on {m} devices",
-        f"  restart: restored {os.path.basename(mid_ckpt or '?')} onto {m} devices "
-        f"(every component equal to the saved values: {same})",
+        f"  restart: restored {os.path.basename(mid_ckpt or '?')} onto {m} devices and resumed at step "
+        f"{resumed_at} (every component equal to the saved values: {same})",
         f"  loss {losses[0]:.4f} -> {losses[first_leg - 1]:.4f} (restart) -> {losses[-1]:.4f}; "
         f"accuracy {acc1:.3f} -> {acc2:.3f}; examples seen {int(model2.seen.read_value())}",
         f"  checkpoints ({len(manager2.checkpoints)} kept): {ckpt_dir}",
         *[f"    {os.path.basename(p)}" for p in manager2.checkpoints],
         f"  safetensors: {st_path}",
         f"  TensorFlow checkpoint: {tf_prefix}.index / .data-00000-of-00001",
-        f"  inspect {os.path.basename(final)}:",
-        *[f"    {p:<36} {k:<9} {d:<8} {s!s:<10} x{c}" for p, k, d, s, c in summary],
+        f"  parallelvars inspect {final}:",
+        *[f"    {line}" for line in inspected],
         f"done in {elapsed:.1f} s",
     ]
     out.emit(result, "\n".join(lines))

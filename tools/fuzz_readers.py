@@ -96,9 +96,8 @@ def write_sample(fmt: str, directory: str, *, string_variable: bool = False) -> 
     native = ckpt.write(os.path.join(directory, "sample.h5"))
     if fmt == "hdf5":
         return native
-    from parallelvars.formats import write_checkpoint
-
     from parallelvars.checkpoint.h5io import H5Reader
+    from parallelvars.formats import write_checkpoint
 
     target = os.path.join(directory, f"sample-{fmt}{_SUFFIX.get(fmt, '')}")
     with H5Reader(native) as reader:
