@@ -29,7 +29,7 @@ import mmap
 import os
 import secrets
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import crc32c as _crc32c
@@ -276,6 +276,28 @@ def _checked(entry: Any, i: int, cshape: tuple[int, ...], dt: np.dtype, file: st
     return arr
 
 
+def _holds_arrays(entry: Any) -> bool:
+    """True when an entry's components are arrays in memory (save records, array entries)."""
+    return hasattr(entry, "components") or hasattr(entry, "component_array")
+
+
+class _Scratch:
+    """One growing byte buffer, handed out as arrays of any shape and dtype.
+
+    Converting a file reads each component into this buffer instead of a fresh array: the
+    memory is touched once, and the writer's footprint stays at its largest component.
+    """
+
+    def __init__(self) -> None:
+        self._buf = np.empty(0, np.uint8)
+
+    def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > self._buf.nbytes:
+            self._buf = np.empty(nbytes, np.uint8)
+        return self._buf[:nbytes].view(dtype).reshape(shape)
+
+
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while len(data):
         n = os.pwrite(fd, data, offset)
@@ -324,14 +346,20 @@ def write_h5(
                 index[entry.path] = meta
                 todo.append((entry, meta, pending))
         fd = os.open(tmp, os.O_WRONLY)
+        scratch = _Scratch()
         try:
             for entry, _, pending in todo:
                 dt = np.dtype(entry.dtype)
+                in_memory = _holds_arrays(entry)
                 for i, slot in enumerate(pending):
                     if slot is None:
                         continue
                     name, offset, cshape = slot
-                    arr = np.ascontiguousarray(_checked(entry, i, cshape, dt, p))
+                    if in_memory:  # live buffers or arrays: written as they are
+                        arr = np.ascontiguousarray(_checked(entry, i, cshape, dt, p))
+                    else:  # read from another file: through one reused buffer
+                        arr = scratch.array(cshape, dt)
+                        entry.read_component_into(i, arr)
                     crcs[name] = checksum(arr)
                     if arr.nbytes:
                         _pwrite_all(fd, memoryview(_byte_view(arr)), int(offset))  # type: ignore[arg-type]
@@ -581,17 +609,37 @@ class StoredVariable:
         self._locations[i] = loc
         return loc
 
-    def _mapped(self, i: int) -> np.ndarray | None:
-        """The component as a read-only array over the memory-mapped file, when contiguous."""
+    def _with_bytes(self, i: int, fn: Callable[[np.ndarray], Any]) -> Any:
+        """Call ``fn`` with component ``i`` as a read-only array; ``fn`` must not keep it.
+
+        A contiguous component is seen through a memory map of just its own pages, so a
+        checksum reads the file's pages in place and a copy goes straight from them into the
+        destination; the map is released right after, which keeps the resident memory of a
+        reader bounded by one component whatever the file's size. Other layouts go through h5py.
+        """
         loc = self._location(i)
         if loc is None:
-            return None
+            return fn(self._read_h5(i))
         offset, size = loc
         if size == 0:
-            return np.empty(self._shapes[i], self.dtype)
-        mm = self._reader._mmap()
-        assert mm is not None
-        return np.frombuffer(mm, dtype=self.dtype, count=size, offset=offset).reshape(self._shapes[i])
+            return fn(np.empty(self._shapes[i], self.dtype))
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        length = offset + size * self.dtype.itemsize - start
+        mm = mmap.mmap(
+            self._reader._fd(), length, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+            prot=mmap.PROT_READ, offset=start,
+        )
+        try:
+            arr = np.frombuffer(mm, dtype=self.dtype, count=size, offset=offset - start).reshape(self._shapes[i])
+            try:
+                return fn(arr)
+            finally:
+                del arr
+        finally:
+            try:
+                mm.close()
+            except BufferError:  # a caller kept a view: the map closes with it
+                pass
 
     def _read_h5(self, i: int) -> np.ndarray:
         self._check_storage(i)
@@ -623,8 +671,7 @@ class StoredVariable:
 
     def verify(self, i: int) -> None:
         """Check component ``i``'s bytes against its stored checksum (no copy when mapped)."""
-        raw = self._mapped(i)
-        self._check(i, raw if raw is not None else self._read_h5(i))
+        self._with_bytes(i, lambda data: self._check(i, data))
         self._verified.add(i)
 
     def read_component_into(self, i: int, out: np.ndarray, *, verify: bool = True, cast: bool = False) -> None:
@@ -639,15 +686,15 @@ class StoredVariable:
                 "dtype mismatch", file=self._reader.path, variable=self.path,
                 expected=dtype_name(out.dtype), found=dtype_name(self.dtype), hint="pass allow_cast=True to convert",
             )
-        raw = self._mapped(i)
-        data = raw if raw is not None else self._read_h5(i)
-        if verify and i not in self._verified:
-            self._check(i, data)
-        if out.dtype == data.dtype:
-            np.copyto(out, data)
-        else:
-            out[...] = data.astype(out.dtype)
-        del raw, data
+        def copy(data: np.ndarray) -> None:
+            if verify and i not in self._verified:
+                self._check(i, data)
+            if out.dtype == data.dtype:
+                np.copyto(out, data)
+            else:
+                out[...] = data.astype(out.dtype)
+
+        self._with_bytes(i, copy)
 
     def component(self, i: int) -> np.ndarray:
         self._check_storage(i)
@@ -684,7 +731,7 @@ class H5Reader(Mapping[str, StoredVariable]):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         self._file: h5py.File | None = None
-        self._mm: mmap.mmap | None = None
+        self._raw_fd: int | None = None
         self._own_name: bytes | None = None
         if not os.path.exists(self.path):
             raise FileNotFoundError(f"{self.path}: no such checkpoint file")
@@ -770,16 +817,11 @@ class H5Reader(Mapping[str, StoredVariable]):
             raise ValueError(f"{self.path}: the reader is closed")
         return self._file
 
-    def _mmap(self) -> mmap.mmap | None:
-        if self._mm is None and self.file_size > 0:
-            fd = os.open(self.path, os.O_RDONLY)
-            try:
-                # MAP_POPULATE maps the whole file in one call instead of one page fault per page.
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                self._mm = mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)  # the map keeps its own reference to the file
-        return self._mm
+    def _fd(self) -> int:
+        """A read-only descriptor of the file, for the per-component maps."""
+        if self._raw_fd is None:
+            self._raw_fd = os.open(self.path, os.O_RDONLY)
+        return self._raw_fd
 
     def __getitem__(self, key: str) -> StoredVariable:
         try:
@@ -811,12 +853,9 @@ class H5Reader(Mapping[str, StoredVariable]):
         # (linked) file open until they are released.
         for var in getattr(self, "_variables", {}).values():
             var._datasets.clear()
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:  # an array still views the map; it closes with that array
-                pass
-            self._mm = None
+        if self._raw_fd is not None:
+            os.close(self._raw_fd)
+            self._raw_fd = None
         if self._file is not None:
             try:
                 self._file.close()
