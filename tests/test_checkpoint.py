@@ -447,3 +447,8 @@ def test_failed_write_leaves_previous_checkpoint_intact(tmp_path) -> None:
         unregister_saveable(Boom)
     assert Path(path).read_bytes() == original
     assert sorted(os.listdir(tmp_path)) == ["a.h5"]  # no temporary left behind
+
+
+def test_save_creates_missing_directories(tmp_path) -> None:
+    path = pv.Checkpoint(v=pv.Variable(np.ones(2))).save(tmp_path / "a" / "b" / "run")
+    assert path == str(tmp_path / "a" / "b" / "run-1.h5") and os.path.isfile(path)

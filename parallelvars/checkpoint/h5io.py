@@ -132,6 +132,7 @@ def atomic_write(path: str, write: Any) -> str:
     """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)  # like TensorFlow: save("ckpts/run") creates ckpts/
     tmp = temp_path_for(path)
     try:
         write(tmp)
