@@ -3,6 +3,7 @@ collective per variable, measured in the same run, over 2 and 4 processes.
 
     python bench/bench_mpi.py                    # 100 MB of float32 gradients, 2 and 4 processes
     python bench/bench_mpi.py --size-mb 20 --procs 2 4 --steps 5
+    python bench/bench_mpi.py --json mpi.json    # also write the figures as JSON
 
 The script launches itself under the ``mpiexec`` of the ``[mpi]`` extra. Each step reduces the
 same gradients with ``MultiWorkerMirroredStrategy.batch_reduce`` (``ReduceOp.SUM``):
@@ -19,9 +20,12 @@ time of each is printed with the ratio baseline / fused.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -93,27 +97,71 @@ def worker(args: argparse.Namespace) -> None:
             f"ratio per-variable / fused = {med['per_variable'] / med['fused']:.2f}x"
         )
         sys.stdout.flush()
+        if args.part:
+            with open(args.part, "w") as f:
+                json.dump({
+                    "procs": n,
+                    "vars": len(sizes),
+                    "bytes_per_step": sum(sizes) * 4,
+                    "times": {f"{k}_s": v for k, v in med.items()},
+                    "samples": times,
+                    "ratios": {"per_variable_over_fused": med["per_variable"] / med["fused"],
+                               "mpi_allreduce_over_fused": med["mpi_allreduce"] / med["fused"]},
+                }, f, indent=2)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=float, default=100.0, help="gradient bytes per step (MB)")
     parser.add_argument("--vars", type=int, default=200, help="number of gradient tensors")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--procs", type=int, nargs="+", default=[2, 4], help="process counts")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # rank 0 writes its figures here
     args = parser.parse_args()
     if args.worker:
         worker(args)
-        return
+        return 0
+    params = {"size_mb": args.size_mb, "vars": args.vars, "steps": args.steps, "procs": args.procs}
     mpiexec = Path(sys.executable).parent / "mpiexec"
     if not mpiexec.exists():
         mpiexec = Path(sys.prefix) / "bin" / "mpiexec"
-    for n in args.procs:
-        cmd = [str(mpiexec), "-n", str(n), sys.executable, os.path.abspath(__file__), "--worker",
-               "--size-mb", str(args.size_mb), "--vars", str(args.vars), "--steps", str(args.steps)]
-        subprocess.run(cmd, check=True, timeout=1800)
+    missing = ("mpi4py is not installed (pip install 'parallelvars[mpi]')"
+               if importlib.util.find_spec("mpi4py") is None
+               else None if mpiexec.exists() else f"no mpiexec at {mpiexec}")
+    if missing:
+        print(f"skipped: {missing}")
+        _write_json(args.json, {"benchmark": "mpi", "params": params, "skipped": missing})
+        return 0
+    runs: dict[str, dict[str, object]] = {}
+    status = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.procs:
+            part = os.path.join(tmp, f"procs{n}.json")
+            cmd = [str(mpiexec), "-n", str(n), sys.executable, os.path.abspath(__file__), "--worker",
+                   "--size-mb", str(args.size_mb), "--vars", str(args.vars), "--steps", str(args.steps),
+                   "--part", part]
+            if not args.json:
+                subprocess.run(cmd, check=True, timeout=1800)
+                continue
+            try:
+                subprocess.run(cmd, check=True, timeout=1800)
+                with open(part) as f:
+                    runs[str(n)] = json.load(f)
+            except (subprocess.SubprocessError, OSError, ValueError) as exc:
+                print(f"procs={n} failed: {exc}", file=sys.stderr)
+                runs[str(n)] = {"procs": n, "error": str(exc)}
+                status = 1
+    _write_json(args.json, {"benchmark": "mpi", "params": params, "runs": runs})
+    return status
+
+
+def _write_json(path: str | None, figures: dict[str, object]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(figures, f, indent=2)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,11 +15,13 @@ from the page cache (the file was just written), so the ratio measures the reade
 Usage:
     python bench/bench_tf_read.py --mb 1024
     python bench/bench_tf_read.py --mb 64 --repeat 3   # a quick check
+    python bench/bench_tf_read.py --json tf_read.json  # also write the figures as JSON
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import tempfile
@@ -124,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-mb", type=int, default=16, help="size of each large tensor in MiB")
     parser.add_argument("--repeat", type=int, default=5, help="runs of each reader; the best counts")
     parser.add_argument("--dir", default=None, help="where to write the bundle (default: a temp dir)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     args = parser.parse_args(argv)
 
     directory = args.dir or tempfile.mkdtemp(prefix="bench_tf_read_")
@@ -160,6 +163,22 @@ def main(argv: list[str] | None = None) -> int:
         ratio = best["baseline"] / best["verified"]
         print(f"ratio reader (CRC verified) / plain readinto: {ratio:.2f}x (target >= 0.5x)")
         print(f"ratio reader (no CRC) / plain readinto: {best['baseline'] / best['unverified']:.2f}x")
+        if args.json:
+            figures = {
+                "benchmark": "tf_read",
+                "params": {"mb": args.mb, "tensor_mb": args.tensor_mb, "repeat": args.repeat},
+                "bundle_bytes": size,
+                "tensor_bytes": nbytes,
+                "write_seconds": written,
+                "crc32c_bytes_per_s": buf.nbytes / crc_time,
+                "times": {f"{k}_s": v for k, v in best.items()},
+                "runs": results,
+                "ratios": {"verified_rate_over_baseline": ratio,
+                           "unverified_rate_over_baseline": best["baseline"] / best["unverified"]},
+                "targets": {"verified_rate_over_baseline": {"op": ">=", "value": 0.5, "met": ratio >= 0.5}},
+            }
+            with open(args.json, "w") as f:
+                json.dump(figures, f, indent=2)
     finally:
         if args.dir is None:
             shutil.rmtree(directory, ignore_errors=True)

@@ -8,6 +8,7 @@ importable.
 
     python bench/bench_update.py                      # the issue's sizes (model A and B, 4 replicas)
     python bench/bench_update.py --scale 0.05 --steps 3   # a quick check
+    python bench/bench_update.py --json update.json   # also write the figures as JSON
 
 Targets: model A >= 4x faster than the loop and within 2.5x of the roofline; model B >= 10x
 faster than the loop.
@@ -22,6 +23,7 @@ that cost. The "rows" column computes every replica's row instead of the primary
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from collections.abc import Callable
@@ -144,12 +146,41 @@ def run_model(label: str, n_vars: int, size: int, replicas: int, steps: int) -> 
     }
 
 
+# The targets of the issue, per model: (ratio, comparison, bound).
+TARGETS = {
+    "A": [("loop_over_core", ">=", 4.0), ("core_over_roofline", "<=", 2.5)],
+    "B": [("loop_over_core", ">=", 10.0)],
+}
+
+
+def _model_json(r: dict[str, float | None]) -> dict[str, object]:
+    """One model's figures (times in seconds), its ratios and its targets with whether each was met."""
+    core, loop, roof = float(r["core"]), float(r["loop"]), float(r["roofline"])  # type: ignore[arg-type]
+    ratios = {"loop_over_core": loop / core, "core_over_roofline": core / roof}
+    if r["torch"] is not None:
+        ratios["torch_over_core"] = float(r["torch"]) / core
+    targets = {
+        name: {"op": op, "value": bound, "met": ratios[name] >= bound if op == ">=" else ratios[name] <= bound}
+        for name, op, bound in TARGETS[str(r["label"])]
+    }
+    times = {"core_s": core, "every_row_s": r["every"], "loop_s": loop, "roofline_s": roof, "torch_s": r["torch"]}
+    return {
+        "vars": r["vars"],
+        "params": r["params"],
+        "copy_bandwidth_bytes_per_s": r["bandwidth"],
+        "times": times,
+        "ratios": ratios,
+        "targets": targets,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement (best of)")
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the issue's model sizes")
     parser.add_argument("--model", choices=["A", "B", "both"], default="both")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     args = parser.parse_args(argv)
 
     models = []
@@ -164,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(header)
     print("-" * len(header))
+    figures: dict[str, object] = {}
     for label, n_vars, size in models:
         r = run_model(label, n_vars, size, args.replicas, args.steps)
+        figures[label] = _model_json(r)
         torch_ms = "skipped" if r["torch"] is None else f"{1e3 * r['torch']:.1f}"
         print(
             f"{label:<6}{r['vars']:>6}{r['params']:>12,}{1e3 * r['core']:>10.1f}"
@@ -175,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     print("core: primary row computed, copied to the mirrored rows; rows: every replica row computed")
     print("targets: A loop/core >= 4x and core/roof <= 2.5x; B loop/core >= 10x")
+    if args.json:
+        params = {"replicas": args.replicas, "steps": args.steps, "scale": args.scale, "model": args.model}
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "update", "params": params, "models": figures}, f, indent=2)
     return 0
 
 
