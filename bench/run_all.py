@@ -1,0 +1,387 @@
+"""Run every benchmark under bench/ and write one table of ratios, with the machine it ran on.
+
+Each benchmark runs as its own process (``sys.executable bench/<script> ... --json PATH``); its
+figures come back through the JSON file it writes. The table goes to stdout and to a markdown
+file (default ``bench/RESULTS.md``), headed by the machine (CPU model, cores, memory, Python,
+numpy and h5py versions, date, load average at the start) and the exact commands run, and
+followed in the file by each benchmark's own printed output.
+
+By default the sizes are reduced where the issue's full size would take long on a small
+machine (convert and TF read at 512 MB, MPI at 20 MB per step; the rest at their defaults), so
+the whole suite takes a few minutes on 2 cores. ``--full`` runs every benchmark at its own
+default (the issue's) sizes. A benchmark that fails, times out or is skipped becomes a row
+saying so; the run goes on.
+
+Usage::
+
+    python bench/run_all.py                   # reduced sizes, writes bench/RESULTS.md
+    python bench/run_all.py --full            # every benchmark at the issue's sizes
+    python bench/run_all.py --only update strategy --out /tmp/results.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(BENCH_DIR)
+MB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One benchmark script and the options run_all gives it (``quick`` unless ``--full``)."""
+
+    name: str
+    script: str
+    quick: tuple[str, ...] = ()
+
+
+BENCHMARKS = (
+    Benchmark("update", "bench_update.py"),
+    Benchmark("checkpoint", "bench_checkpoint.py"),  # the issue's size: 25M parameters x 4
+    Benchmark("convert", "bench_convert.py", ("--mb", "512")),
+    Benchmark("tf_read", "bench_tf_read.py", ("--mb", "512")),
+    Benchmark("strategy", "bench_strategy.py"),
+    Benchmark("mpi", "bench_mpi.py", ("--size-mb", "20")),
+)
+
+COLUMNS = ("area", "measurement", "ours", "baseline", "ratio", "target", "met")
+NONE = "—"
+
+
+# ---------------------------------------------------------------------------------------------
+# Formatting
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.3f} s"
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f} us"
+
+
+def _x(ratio: float) -> str:
+    return f"{ratio:.2f}x"
+
+
+def _target(t: dict[str, Any] | None, unit: str = "x", scale: float = 1.0) -> tuple[str, str]:
+    """The target column and the met column for one target record of a benchmark's JSON."""
+    if not t:
+        return NONE, "n/a"
+    value = t["value"] * scale
+    bound = f"{value:g}" if unit != "x" else f"{value:g}x"
+    if unit not in ("x", ""):
+        bound += f" {unit}"
+    return f"{t['op']} {bound}", "yes" if t["met"] else "no"
+
+
+def _row(area: str, measurement: str, ours: str, baseline: str, ratio: str,
+         target: tuple[str, str] = (NONE, "n/a")) -> list[str]:
+    return [area, measurement, ours, baseline, ratio, target[0], target[1]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows, one function per benchmark, from the figures in its JSON
+
+
+def _rows_update(d: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    replicas = d["params"]["replicas"]
+    for label, m in d["models"].items():
+        t, r, tg = m["times"], m["ratios"], m["targets"]
+        size = f"model {label}: {m['vars']} vars, {m['params']:,} params, {replicas} replicas"
+        rows.append(_row("update", f"Adam step, core vs per-component loop ({size})",
+                         _ms(t["core_s"]), _ms(t["loop_s"]), _x(r["loop_over_core"]),
+                         _target(tg.get("loop_over_core"))))
+        rows.append(_row("update", f"Adam step, core vs roofline from copy bandwidth ({size})",
+                         _ms(t["core_s"]), _ms(t["roofline_s"]), _x(r["core_over_roofline"]),
+                         _target(tg.get("core_over_roofline"))))
+    return rows
+
+
+def _rows_checkpoint(d: dict[str, Any]) -> list[list[str]]:
+    p, t = d["params"], d["times"]
+    size = f"{d['bytes'] / 1e6:.0f} MB, {p['variables']} vars x {p['devices']} components"
+    what = {
+        "save": "save (checksums, fsync, rename) vs raw tofile + fsync",
+        "restore_warm": "restore (verified) vs raw readinto, page cache warm",
+        "restore_evicted": "restore (verified) vs raw readinto, pages evicted",
+    }
+    return [
+        _row("checkpoint", f"{text}, rate ours/raw ({size})", _s(t[f"{key}_ours_s"]),
+             _s(t[f"{key}_raw_s"]), _x(d["ratios"][key]), _target(d["targets"].get(key)))
+        for key, text in what.items()
+    ]
+
+
+def _rows_convert(d: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    size = f"{d['tensor_bytes'] / MB:.0f} MB of tensors"
+    for step, s in d["steps"].items():
+        rows.append(_row("convert", f"{step} vs file copy + fsync, rate ({size})",
+                         f"{s['rate_bytes_per_s'] / MB:.0f} MB/s",
+                         f"{d['copy_rate_bytes_per_s'] / MB:.0f} MB/s",
+                         _x(s["ratios"]["rate_over_copy"]), _target(s["targets"]["rate_over_copy"])))
+        budget = s["budget_bytes"]
+        rows.append(_row("convert", f"{step} peak RSS vs largest tensor "
+                         f"({d['largest_tensor_bytes'] / MB:.0f} MB) + 256 MB",
+                         f"{s['peak_rss_bytes'] / MB:.0f} MB", f"{budget / MB:.0f} MB",
+                         _x(s["ratios"]["peak_rss_over_budget"]),
+                         _target(s["targets"]["peak_rss_over_budget"])))
+    return rows
+
+
+def _rows_tf_read(d: dict[str, Any]) -> list[list[str]]:
+    t, r = d["times"], d["ratios"]
+    size = f"{d['bundle_bytes'] / MB:.0f} MiB bundle"
+    return [
+        _row("tf read", f"read + CRC-32C verify vs plain readinto, rate ({size})",
+             _s(t["verified_s"]), _s(t["baseline_s"]), _x(r["verified_rate_over_baseline"]),
+             _target(d["targets"].get("verified_rate_over_baseline"))),
+        _row("tf read", f"read, no CRC, vs plain readinto, rate ({size})",
+             _s(t["unverified_s"]), _s(t["baseline_s"]), _x(r["unverified_rate_over_baseline"])),
+    ]
+
+
+def _rows_strategy(d: dict[str, Any]) -> list[list[str]]:
+    t, n = d["times"], d["params"]["replicas"]
+    return [
+        _row("strategy", f"run() overhead per step over the plain loop ({n} replicas, one merge_call)",
+             _us(t["overhead_s_per_step"]), NONE, NONE,
+             _target(d["targets"].get("overhead_s_per_step"), "us", 1e6)),
+        _row("strategy", f"run() vs plain loop, time per step ({n} replicas)",
+             _us(t["run_s_per_step"]), _us(t["loop_s_per_step"]), _x(d["ratios"]["run_over_loop"])),
+    ]
+
+
+def _rows_mpi(d: dict[str, Any]) -> list[list[str]]:
+    if "skipped" in d:
+        return [_row("mpi", f"skipped: {d['skipped']}", NONE, NONE, NONE)]
+    rows = []
+    for procs, run in d["runs"].items():
+        if "error" in run:
+            rows.append(_row("mpi", f"{procs} processes: failed: {run['error']}", NONE, NONE, NONE,
+                             (NONE, "no")))
+            continue
+        t = run["times"]
+        rows.append(_row(
+            "mpi", f"all-reduce, fused vs one collective per variable ({procs} processes, "
+                   f"{run['vars']} grads, {run['bytes_per_step'] / 1e6:.0f} MB/step)",
+            _ms(t["fused_s"]), _ms(t["per_variable_s"]), _x(run["ratios"]["per_variable_over_fused"])))
+    return rows
+
+
+ROWS = {
+    "update": _rows_update,
+    "checkpoint": _rows_checkpoint,
+    "convert": _rows_convert,
+    "tf_read": _rows_tf_read,
+    "strategy": _rows_strategy,
+    "mpi": _rows_mpi,
+}
+
+
+def rows_for(name: str, result: dict[str, Any]) -> list[list[str]]:
+    """The table rows of one benchmark's result.
+
+    Args:
+        name: the benchmark's name (a key of ``ROWS``).
+        result: ``{"status": "ok", "data": <its JSON>}``, or ``{"status": "failed" | "timeout",
+            "detail": str}``.
+
+    Returns:
+        Rows of ``COLUMNS``; a failed or timed-out benchmark, or one whose JSON lacks a figure,
+        gives one row saying so.
+    """
+    area = name.replace("_", " ")
+    status = result.get("status")
+    if status == "ok":
+        try:
+            return ROWS[name](result["data"])
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+            return [_row(area, f"unreadable figures: {type(exc).__name__}: {exc}", NONE, NONE, NONE,
+                         (NONE, "no"))]
+    what = "timed out" if status == "timeout" else "failed"
+    detail = result.get("detail") or ""
+    return [_row(area, f"{what}: {detail}".rstrip(": "), NONE, NONE, NONE, (NONE, "no"))]
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def build_table(results: dict[str, dict[str, Any]]) -> str:
+    """A markdown table of every benchmark's rows, in the order of ``results``."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * 3 + ["---"] * 2) + "|"]
+    for name, result in results.items():
+        for row in rows_for(name, result):
+            lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# The machine
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory() -> str:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return f"{int(line.split()[1]) / (1 << 20):.1f} GiB"
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _version(module: str) -> str:
+    try:
+        return str(__import__(module).__version__)
+    except ImportError:
+        return "not installed"
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=10, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine() -> dict[str, str]:
+    """Where and when the run happens (read before the first benchmark starts)."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "cpu": _cpu_model(),
+        "cores": str(os.cpu_count()),
+        "memory": _memory(),
+        "load average at start (1, 5, 15 min)": ", ".join(f"{x:.2f}" for x in load),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "numpy": _version("numpy"),
+        "h5py": _version("h5py"),
+        "commit": _git_commit(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+def run_one(bench: Benchmark, full: bool, tmp: str, timeout: float) -> dict[str, Any]:
+    """Run one benchmark in its own process and collect its JSON; never raises for its failure."""
+    out = os.path.join(tmp, f"{bench.name}.json")
+    script = os.path.join("bench", bench.script)
+    cmd = [sys.executable, script, *(() if full else bench.quick), "--json", out]
+    shown = f"{shlex.join(cmd[:-1])} $TMP/{bench.name}.json"
+    print(f"running {bench.name}: {shown}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {"command": shown}
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        result.update(status="timeout", detail=f"after {timeout:.0f} s",
+                      output=_text(exc.stdout) + _text(exc.stderr), seconds=time.perf_counter() - t0)
+        return result
+    result.update(seconds=time.perf_counter() - t0, returncode=proc.returncode,
+                  output=proc.stdout + (f"\n[stderr]\n{proc.stderr}" if proc.stderr.strip() else ""))
+    try:
+        with open(out) as f:
+            result.update(status="ok", data=json.load(f))
+    except (OSError, ValueError) as exc:
+        last = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or [str(exc)])[-1]
+        result.update(status="failed", detail=f"exit {proc.returncode}: {last}")
+    print(f"  {bench.name}: {result['status']} in {result['seconds']:.1f} s (exit {proc.returncode})",
+          file=sys.stderr, flush=True)
+    return result
+
+
+def _text(data: str | bytes | None) -> str:
+    if data is None:
+        return ""
+    return data.decode(errors="replace") if isinstance(data, bytes) else data
+
+
+def render(info: dict[str, str], results: dict[str, dict[str, Any]], full: bool, raw: bool) -> str:
+    """The markdown report: machine, commands, the table and (``raw``) each benchmark's output."""
+    lines = ["# Benchmark results", "",
+             "Written by `python bench/run_all.py" + (" --full" if full else "") + "`; "
+             "ratios are against a baseline measured in the same run, on this machine.", "",
+             "## Machine", ""]
+    lines += [f"- {k}: {v}" for k, v in info.items()]
+    lines += ["", "## Commands", "",
+              "Run from the repository root; `$TMP` is a temporary folder.", "", "```"]
+    for name, r in results.items():
+        took = f"{r['seconds']:.1f} s" if "seconds" in r else "?"
+        code = r.get("returncode", NONE)
+        lines.append(f"{r.get('command', name)}   # {r.get('status')}, exit {code}, {took}")
+    lines += ["```", "", "## Results", "", build_table(results), "",
+              "`ratio` is baseline time / our time (higher is better: how many times faster ours "
+              "is) in every row but three, where it is ours / baseline (lower is better): core vs "
+              "roofline, run() vs plain loop, and peak RSS vs budget. `met` is n/a where the issue "
+              "sets no target; a benchmark that failed or timed out shows `no`."]
+    if raw:
+        lines += ["", "## Output of each benchmark", ""]
+        for name, r in results.items():
+            lines += [f"### {name}", "", "```", (r.get("output") or "").rstrip(), "```", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help="every benchmark at its default (the issue's) sizes")
+    parser.add_argument("--out", default=os.path.join(BENCH_DIR, "RESULTS.md"),
+                        help="markdown file to write (default bench/RESULTS.md)")
+    parser.add_argument("--only", nargs="+", choices=[b.name for b in BENCHMARKS], metavar="NAME",
+                        help="run only these benchmarks: " + ", ".join(b.name for b in BENCHMARKS))
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per benchmark (default 900)")
+    args = parser.parse_args(argv)
+
+    info = machine()
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="pv_bench_") as tmp:
+        for bench in BENCHMARKS:
+            if args.only and bench.name not in args.only:
+                continue
+            results[bench.name] = run_one(bench, args.full, tmp, args.timeout)
+    print(render(info, results, args.full, raw=False))
+    with open(args.out, "w") as f:
+        f.write(render(info, results, args.full, raw=True))
+    print(f"written to {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

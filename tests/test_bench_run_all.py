@@ -1,0 +1,113 @@
+"""The results table of bench/run_all.py, built from synthetic benchmark figures (nothing is run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "run_all.py")
+_spec = importlib.util.spec_from_file_location("bench_run_all", _PATH)
+assert _spec is not None and _spec.loader is not None
+run_all = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = run_all  # dataclasses look their module up there
+_spec.loader.exec_module(run_all)
+
+
+def _t(op: str, value: float, met: bool) -> dict:
+    return {"op": op, "value": value, "met": met}
+
+
+def _update() -> dict:
+    def model(vars_: int, core: float, loop: float, roof: float, targets: dict) -> dict:
+        return {"vars": vars_, "params": vars_ * 10, "times": {"core_s": core, "loop_s": loop, "roofline_s": roof},
+                "ratios": {"loop_over_core": loop / core, "core_over_roofline": core / roof},
+                "targets": targets}
+
+    return {"params": {"replicas": 4}, "models": {
+        "A": model(200, 0.1, 0.5, 0.05, {"loop_over_core": _t(">=", 4.0, True),
+                                         "core_over_roofline": _t("<=", 2.5, True)}),
+        "B": model(2000, 0.02, 0.1, 0.004, {"loop_over_core": _t(">=", 10.0, False)}),
+    }}
+
+
+def _results() -> dict:
+    ok = lambda data: {"status": "ok", "data": data}  # noqa: E731
+    return {
+        "update": ok(_update()),
+        "checkpoint": ok({
+            "params": {"variables": 200, "devices": 4}, "bytes": 400e6,
+            "times": {f"{k}_{w}_s": 1.0 for k in ("save", "restore_warm", "restore_evicted")
+                      for w in ("raw", "ours")},
+            "ratios": {"save": 0.8, "restore_warm": 0.5, "restore_evicted": 0.9},
+            "targets": {"save": _t(">=", 0.7, True), "restore_warm": _t(">=", 0.7, False),
+                        "restore_evicted": _t(">=", 0.7, True)},
+        }),
+        "convert": {"status": "failed", "detail": "exit 1: MemoryError"},
+        "tf_read": {"status": "timeout", "detail": "after 900 s"},
+        "strategy": ok({
+            "params": {"replicas": 8},
+            "times": {"overhead_s_per_step": 150e-6, "run_s_per_step": 250e-6, "loop_s_per_step": 100e-6},
+            "ratios": {"run_over_loop": 2.5},
+            "targets": {"overhead_s_per_step": _t("<", 200e-6, True)},
+        }),
+        "mpi": ok({"runs": {
+            "2": {"vars": 200, "bytes_per_step": 20e6, "times": {"fused_s": 0.04, "per_variable_s": 0.06},
+                  "ratios": {"per_variable_over_fused": 1.5}},
+            "4": {"procs": 4, "error": "Command '...' returned non-zero exit status 1."},
+        }}),
+    }
+
+
+def _rows(table: str) -> list[list[str]]:
+    lines = table.splitlines()
+    assert lines[0] == "| area | measurement | ours | baseline | ratio | target | met |"
+    return [[c.strip() for c in line.strip("|").split(" | ")] for line in lines[2:]]
+
+
+def test_table_has_one_row_per_figure_with_its_target_and_verdict():
+    rows = _rows(run_all.build_table(_results()))
+    assert all(len(r) == 7 for r in rows)
+    by_area: dict[str, list[list[str]]] = {}
+    for r in rows:
+        by_area.setdefault(r[0], []).append(r)
+    assert [len(by_area[a]) for a in ("update", "checkpoint", "convert", "tf read", "strategy", "mpi")] == [
+        4, 3, 1, 1, 2, 2]
+
+    loop_a, roof_a, loop_b, roof_b = by_area["update"]
+    assert loop_a[2:] == ["100.0 ms", "500.0 ms", "5.00x", ">= 4x", "yes"]
+    assert roof_a[2:] == ["100.0 ms", "50.0 ms", "2.00x", "<= 2.5x", "yes"]
+    assert loop_b[4:] == ["5.00x", ">= 10x", "no"]
+    assert roof_b[4:] == ["5.00x", "—", "n/a"]  # model B has no roofline target
+    assert "model B" in loop_b[1]
+
+    assert [r[6] for r in by_area["checkpoint"]] == ["yes", "no", "yes"]
+    assert by_area["checkpoint"][1][4] == "0.50x"
+
+    overhead, ratio = by_area["strategy"]
+    assert overhead[2] == "150.0 us" and overhead[5:] == ["< 200 us", "yes"]
+    assert ratio[2:] == ["250.0 us", "100.0 us", "2.50x", "—", "n/a"]
+
+    two, four = by_area["mpi"]
+    assert two[2:5] == ["40.0 ms", "60.0 ms", "1.50x"] and "2 processes" in two[1]
+    assert four[1].startswith("4 processes: failed") and four[6] == "no"
+
+
+@pytest.mark.parametrize(("name", "result", "words"), [
+    ("convert", {"status": "failed", "detail": "exit 1: MemoryError"}, "failed: exit 1: MemoryError"),
+    ("tf_read", {"status": "timeout", "detail": "after 900 s"}, "timed out: after 900 s"),
+    ("strategy", {"status": "ok", "data": {"times": {}}}, "unreadable figures: KeyError"),
+    ("mpi", {"status": "ok", "data": {"skipped": "mpi4py is not installed"}}, "skipped: mpi4py"),
+])
+def test_a_benchmark_without_figures_is_one_row_saying_why(name, result, words):
+    (row,) = _rows(run_all.build_table({name: result}))
+    assert words in row[1]
+    assert row[2:5] == ["—", "—", "—"]
+    assert row[6] == ("n/a" if name == "mpi" else "no")
+
+
+def test_pipes_in_a_message_do_not_break_the_table():
+    (row,) = _rows(run_all.build_table({"convert": {"status": "failed", "detail": "a | b\nc"}}))
+    assert row[1] == "failed: a \\| b c"
