@@ -195,6 +195,22 @@ class ParallelVariable(wrapt.ObjectProxy):
         return len(self._self_components)
 
     @property
+    def component_indices(self) -> tuple[int, ...]:
+        """The global component index of each local component.
+
+        ``(0, ..., n-1)`` in one process; a multi-process strategy holds one component of a
+        larger variable per process (``(rank,)``), see :attr:`global_num_components`.
+        """
+        placed = getattr(self, "_self_global", None)
+        return tuple(range(len(self._self_components))) if placed is None else (placed[0],)
+
+    @property
+    def global_num_components(self) -> int:
+        """The number of components of the whole variable, across processes."""
+        placed = getattr(self, "_self_global", None)
+        return len(self._self_components) if placed is None else placed[1]
+
+    @property
     def name(self) -> str:
         return self._self_name
 
@@ -286,6 +302,16 @@ class ParallelVariable(wrapt.ObjectProxy):
                 return self
             ctx = _context.current_mode().replica_context
             assert ctx is not None
+            ctx._write_variable(self, op, value)
+            return self
+        ctx = _context.current_mode().replica_context
+        if (
+            ctx is not None
+            and self._self_kind not in ("on_read", "independent")
+            and ctx.strategy._merges_writes_of(self)
+        ):
+            # A process-local component of a variable spread over processes: the write is
+            # merged across replicas like any mirrored write in a replica function.
             ctx._write_variable(self, op, value)
             return self
         self._apply_write(op, value)

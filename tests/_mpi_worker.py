@@ -70,9 +70,16 @@ def main() -> None:
         ckpt = pv.Checkpoint(model=model, optimizer=opt)
         status = ckpt.restore(sys.argv[3])
         # Slots and the step counter are created by the first step and restored then.
+        with strategy.scope():
+            out["seen_restored"] = strategy.read_var(model.seen)  # the on-read total, across ranks
         strategy.run(m.replica_step, args=(model, opt, m.batches(0, strategy.num_replicas_in_sync)))
         status.assert_consumed()
         out.update(m.state(model, opt))
+        # A write to a mirrored variable in a replica function merges across processes.
+        with strategy.scope():
+            mean_var = pv.Variable(np.float32(5.0), name="mean_var", aggregation=pv.Aggregation.MEAN)
+        strategy.run(lambda: mean_var.assign_add(np.float32(1.0 + rank)))
+        out["mean_var"] = np.array(mean_var.components[0])
     elif scenario == "raise":
         if rank == 1:
             raise ValueError("boom on purpose in rank 1")

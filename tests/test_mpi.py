@@ -147,6 +147,12 @@ def test_checkpoint_of_four_ranks_restores_in_two_and_in_one_process(tmp_path: P
     # Two ranks restore and take one step; the same in one process with MirroredStrategy(2).
     launch(2, "restore", str(tmp_path), path)
     restored = load(tmp_path, "restore", 2)
+    for r in restored:
+        # 4 components saved, 2 processes now: the SUM total is kept, not doubled.
+        assert int(r["seen_restored"]) == 2 * 4 * model_code.BATCH
+        # MEAN of the writes +1 (rank 0) and +2 (rank 1) on 5.0: 6.5 in every process.
+        assert float(r.pop("mean_var")) == 6.5
+        r.pop("seen_restored")
     assert_bit_equal(restored[0], restored[1])
     ref = pv.MirroredStrategy(2)
     with ref.scope():

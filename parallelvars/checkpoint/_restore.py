@@ -110,7 +110,10 @@ class ParallelVariableSaveable(Saveable):
                 "cannot cast between byte strings and numbers", file=file, variable=path,
                 expected=dtype_name(obj.dtype), found=dtype_name(stored.dtype),
             )
-        m, n = obj.num_components, stored.num_components
+        # m counts the whole variable's components; this process holds those of `indices`
+        # (all of them, except under a multi-process strategy).
+        m, n = obj.global_num_components, stored.num_components
+        indices = obj.component_indices
         live, skind = obj.kind, stored.kind
         cast = allow_cast
         comps = obj.components
@@ -136,23 +139,23 @@ class ParallelVariableSaveable(Saveable):
 
         if same_layout:
             def componentwise() -> None:
-                for i, c in enumerate(comps):
+                for i, c in zip(indices, comps, strict=True):
                     stored.read_component_into(i, c, cast=cast)
 
             return componentwise
 
-        agg = obj.aggregation.value
+        # The total of an on-read SUM variable goes to global component 0 only.
+        zero = live == "on_read" and obj.aggregation.value == "sum"
+        targets = [c for i, c in zip(indices, comps, strict=True) if not (zero and i != 0)]
+        zeros = [c for i, c in zip(indices, comps, strict=True) if zero and i != 0]
 
         def logical() -> None:
-            read_logical_into(stored, comps[0], file=file, cast=cast)
-            if m == 1:
-                return
-            if live == "on_read" and agg == "sum":
-                for c in comps[1:]:
-                    c[...] = 0
-            else:
-                for c in comps[1:]:
-                    np.copyto(c, comps[0])
+            if targets:
+                read_logical_into(stored, targets[0], file=file, cast=cast)
+                for c in targets[1:]:
+                    np.copyto(c, targets[0])
+            for c in zeros:
+                c[...] = 0
 
         return logical
 

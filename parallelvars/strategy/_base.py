@@ -148,6 +148,12 @@ class Strategy:
 
     _is_default = False
 
+    def _merges_writes_of(self, var: Any) -> bool:
+        """True when writes to ``var`` from a replica function must go through
+        ``ReplicaContext._write_variable`` although the variable has no component per replica
+        in this process (a multi-process strategy's process-local variables)."""
+        return False
+
     def __init__(self, devices: int | Sequence[str] | ParallelDevice) -> None:
         self._devices = ParallelDevice(devices)
         # id(component 0) -> variable, to map the components returned by replicas back to

@@ -249,6 +249,9 @@ class MultiWorkerMirroredStrategy(Strategy):
             sync = Synchronization.parse(kwargs.get("synchronization", Synchronization.AUTO))
             kwargs["kind"] = "on_read" if sync is Synchronization.ON_READ else "mirrored"
         var = _make_distributed_variable(device, **kwargs)
+        # This process holds component `rank` of a variable with one component per process:
+        # restores distribute values by these global indices, not by the local count.
+        var._self_global = (self._rank, self.num_replicas_in_sync)
         if var.kind == "mirrored":
             for comp in var.components:
                 self._bcast_inplace(comp)
@@ -259,6 +262,10 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     def _variable_creator(self, next_creator: Any, **kwargs: Any) -> Any:
         return self._make_local(self._devices, **kwargs)
+
+    def _merges_writes_of(self, var: Any) -> bool:
+        comps = getattr(var, "components", ())
+        return self.num_replicas_in_sync > 1 and bool(comps) and self._owners.get(id(comps[0])) is var
 
     @contextlib.contextmanager
     def colocate_vars_with(self, colocate_with: Any) -> Iterator[None]:

@@ -1,0 +1,60 @@
+"""Shared bits of the examples: a small regression task and its parameters as parallel variables."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import parallelvars as pv
+
+FEATURES, HIDDEN = 8, 16
+
+
+def make_data(n: int = 2048, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """y = sin(x @ a) + noise: a smooth target a two-layer network can learn."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    a = rng.normal(size=(FEATURES, 1)).astype(np.float32) / np.sqrt(FEATURES)
+    y = (np.sin(3 * x @ a) + 0.05 * rng.normal(size=(n, 1))).astype(np.float32)
+    return x, y
+
+
+def make_params(seed: int = 0) -> list[pv.ParallelVariable]:
+    """w1, b1, w2, b2 as variables (mirrored when created in a strategy scope)."""
+    rng = np.random.default_rng(seed)
+    return [
+        pv.Variable(rng.normal(0, 1 / np.sqrt(FEATURES), (FEATURES, HIDDEN)).astype(np.float32), name="w1"),
+        pv.Variable(np.zeros(HIDDEN, np.float32), name="b1"),
+        pv.Variable(rng.normal(0, 1 / np.sqrt(HIDDEN), (HIDDEN, 1)).astype(np.float32), name="w2"),
+        pv.Variable(np.zeros(1, np.float32), name="b2"),
+    ]
+
+
+def train(grad_fn, steps: int, devices: int = 4, batch: int = 128, lr: float = 0.01) -> tuple[float, float]:
+    """Train with ``grad_fn(params_as_arrays, x, y, global_batch) -> (loss, grads)`` per replica.
+
+    ``grad_fn`` sees each replica's own parameter values (numpy arrays) and its slice of the
+    batch; whatever computes the gradients (numpy, PyTorch, JAX) stays outside the toolkit.
+    Returns the mean loss of the first and of the last ten steps.
+    """
+    x, y = make_data()
+    strategy = pv.MirroredStrategy(devices)
+    with strategy.scope():
+        params = make_params()
+        opt = pv.optimizers.Adam(learning_rate=lr)
+
+    def step(xb: np.ndarray, yb: np.ndarray) -> float:
+        loss, grads = grad_fn([np.asarray(p) for p in params], xb, yb, batch)
+        opt.apply_gradients(list(zip(grads, params, strict=True)))
+        return loss
+
+    losses = []
+    for i in range(steps):
+        j = (i * batch) % len(x)
+        xb, yb = x[j : j + batch], y[j : j + batch]
+        per_replica = strategy.run(
+            step, args=(pv.PerReplica(np.array_split(xb, devices)), pv.PerReplica(np.array_split(yb, devices)))
+        )
+        losses.append(float(strategy.reduce(pv.ReduceOp.SUM, per_replica)))
+    identical = all(np.array_equal(c, p.components[0]) for p in params for c in p.components)
+    print(f"replicas identical after {steps} steps: {identical}")
+    return float(np.mean(losses[:10])), float(np.mean(losses[-10:]))
