@@ -114,6 +114,9 @@ def _rows_update(d: dict[str, Any]) -> list[list[str]]:
         rows.append(_row("update", f"Adam step, core vs roofline from copy bandwidth ({size})",
                          _ms(t["core_s"]), _ms(t["roofline_s"]), _x(r["core_over_roofline"]),
                          _target(tg.get("core_over_roofline"))))
+        if t.get("torch_s") is not None:  # only where torch is importable
+            rows.append(_row("update", f"Adam step, core vs torch.optim.Adam(fused=True) ({size})",
+                             _ms(t["core_s"]), _ms(t["torch_s"]), _x(r["torch_over_core"])))
     return rows
 
 

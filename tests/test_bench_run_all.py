@@ -108,6 +108,16 @@ def test_a_benchmark_without_figures_is_one_row_saying_why(name, result, words):
     assert row[6] == ("n/a" if name == "mpi" else "no")
 
 
+def test_torch_row_only_where_torch_ran():
+    data = _update()
+    model = data["models"]["B"]
+    model["times"]["torch_s"] = 0.06
+    model["ratios"]["torch_over_core"] = 3.0
+    rows = _rows(run_all.build_table({"update": {"status": "ok", "data": data}}))
+    assert len(rows) == 5
+    assert "torch" in rows[-1][1] and rows[-1][2:] == ["20.0 ms", "60.0 ms", "3.00x", "—", "n/a"]
+
+
 def test_pipes_in_a_message_do_not_break_the_table():
     (row,) = _rows(run_all.build_table({"convert": {"status": "failed", "detail": "a | b\nc"}}))
     assert row[1] == "failed: a \\| b c"
