@@ -205,7 +205,7 @@ def logical_value(entry: Entry) -> np.ndarray:
             total += entry.component(i)  # device order: deterministic
         if agg == "mean":
             if total.dtype.kind in "iub":
-                return total // entry.num_components
+                return (total // entry.num_components).astype(total.dtype, copy=False)
             return (total / entry.num_components).astype(total.dtype, copy=False)
         return total
     if kind == "sharded":
