@@ -31,7 +31,7 @@ def main() -> int:
         out = torch.tanh(torch.from_numpy(x) @ w1 + b1) @ w2 + b2
         loss = ((out - torch.from_numpy(y)) ** 2).sum() / global_batch
         loss.backward()
-        return float(loss), [t.grad.numpy() for t in (w1, b1, w2, b2)]
+        return float(loss.detach()), [t.grad.numpy() for t in (w1, b1, w2, b2)]
 
     first, last = train(grads_torch, args.steps)
     print(f"torch gradients: loss {first:.4f} -> {last:.4f}")

@@ -139,6 +139,9 @@ class ParallelVariable(wrapt.ObjectProxy):
         [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]
     """
 
+    # (global index, global count) of the one component a multi-process strategy keeps here.
+    _self_global: tuple[int, int] | None = None
+
     def __init__(
         self,
         stacked: np.ndarray,
@@ -201,13 +204,13 @@ class ParallelVariable(wrapt.ObjectProxy):
         ``(0, ..., n-1)`` in one process; a multi-process strategy holds one component of a
         larger variable per process (``(rank,)``), see :attr:`global_num_components`.
         """
-        placed = getattr(self, "_self_global", None)
+        placed = self._self_global
         return tuple(range(len(self._self_components))) if placed is None else (placed[0],)
 
     @property
     def global_num_components(self) -> int:
         """The number of components of the whole variable, across processes."""
-        placed = getattr(self, "_self_global", None)
+        placed = self._self_global
         return len(self._self_components) if placed is None else placed[1]
 
     @property
@@ -277,8 +280,8 @@ class ParallelVariable(wrapt.ObjectProxy):
         for c in comps[1:]:  # device order: the same bits on every run
             np.add(total, c, out=total)
         if agg is Aggregation.MEAN:
-            if total.dtype.kind in "iub":
-                return total // len(comps)
+            if total.dtype.kind in "iub":  # integer mean, in the variable's own dtype
+                return (total // len(comps)).astype(total.dtype, copy=False)
             return np.divide(total, len(comps)).astype(total.dtype, copy=False)
         return total
 

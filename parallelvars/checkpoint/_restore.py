@@ -65,7 +65,7 @@ def read_logical_into(stored: Any, out: np.ndarray, *, file: str, cast: bool) ->
             np.add(out, scratch, out=out)
         if agg == "mean":
             if out.dtype.kind in "iub":
-                np.floor_divide(out, n, out=out)
+                np.floor_divide(out, n, out=out, casting="unsafe")
             else:
                 np.divide(out, n, out=out, casting="unsafe")
         return

@@ -264,7 +264,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         return self._make_local(self._devices, **kwargs)
 
     def _merges_writes_of(self, var: Any) -> bool:
-        comps = getattr(var, "components", ())
+        comps: Sequence[Any] = getattr(var, "components", ())
         return self.num_replicas_in_sync > 1 and bool(comps) and self._owners.get(id(comps[0])) is var
 
     @contextlib.contextmanager
