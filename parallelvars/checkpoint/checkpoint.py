@@ -154,7 +154,7 @@ class _Session:
     def __init__(self, path: str, allow_cast: bool) -> None:
         self.path = path
         self.allow_cast = allow_cast
-        self._reader: H5Reader | None = H5Reader(path)
+        self._reader: H5Reader | None = H5Reader(path, map_file=True)
         graph = self._reader.object_graph
         if graph is None:
             self.nodes = _graph_from_paths(list(self._reader))
@@ -173,7 +173,7 @@ class _Session:
 
     def reader(self) -> H5Reader:
         if self._reader is None:
-            self._reader = H5Reader(self.path)
+            self._reader = H5Reader(self.path, map_file=True)
         return self._reader
 
     def release(self) -> None:

@@ -215,7 +215,7 @@ def _early_dcpl() -> Any:
 
 
 def _create_entry(
-    f: h5py.File, entry: Any, file: str, dcpl: Any, crcs: dict[str, int]
+    f: h5py.File, entry: Any, file: str, dcpl: Any, crcs: dict[str, int], *, precompute: bool = False
 ) -> tuple[dict[str, Any], list[Any]]:
     """Create the group, attributes and datasets of one entry; numeric data is written later."""
     path = entry.path
@@ -236,6 +236,10 @@ def _create_entry(
         _set_attr(grp.id, key, stored)
         extra[key] = _decode(stored)
     meta["attrs"] = extra
+    # Where each component's bytes start, so a reader need not open every dataset; the
+    # component's checksum guards the value (a reader falls back to HDF5's own answer).
+    offsets: list[int | None] = []
+    meta["offsets"] = offsets
     pending: list[tuple[str, Any, tuple[int, ...]] | None] = []
     for i in range(entry.num_components):
         cshape = tuple(int(d) for d in entry.component_shape(i))
@@ -246,12 +250,20 @@ def _create_entry(
             if arr.size:
                 ds[...] = arr
             crcs[f"{grp.name}/{name}"] = checksum(arr)
+            _set_attr(ds.id, "crc32c", np.int64(crcs[f"{grp.name}/{name}"]))
+            offsets.append(None)
             pending.append(None)
         else:
             space = h5py.h5s.create_simple(cshape) if cshape else h5py.h5s.create(h5py.h5s.SCALAR)
             tid = h5py.h5t.py_create(storage, logical=True)
             dsid = h5py.h5d.create(grp.id, name.encode(), tid, space, dcpl=dcpl)
-            pending.append((f"{grp.name}/{name}", dsid.get_offset(), cshape))
+            offset = dsid.get_offset()
+            offsets.append(None if offset is None else int(offset))
+            key = f"{grp.name}/{name}"
+            if precompute:  # in-memory data: checksum now, one HDF5 session for everything
+                crcs[key] = checksum(_checked(entry, i, cshape, dt, file))
+                _set_attr(dsid, "crc32c", np.int64(crcs[key]))
+            pending.append((key, offset, cshape))
     if entry.kind == "sharded" and entry.num_components:
         axis = int(entry.attrs["shard_axis"])
         layout = h5py.VirtualLayout(shape=shape, dtype=storage)
@@ -326,6 +338,11 @@ def write_h5(
     p = os.fspath(path)
     items = list(entries.values()) if isinstance(entries, Mapping) else list(entries)
 
+    # Live variables and arrays can be checksummed before they are written, so all metadata
+    # goes in with one HDF5 session; data read from other files is checksummed as it streams
+    # through, and its checksums recorded afterwards.
+    precompute = all(_holds_arrays(e) for e in items)
+
     def write(tmp: str) -> None:
         index: dict[str, Any] = {}
         crcs: dict[str, int] = {}
@@ -343,9 +360,11 @@ def write_h5(
             for entry in items:
                 if entry.path in index:
                     raise ValueError(f"{p}: variable {entry.path!r} is written twice")
-                meta, pending = _create_entry(f, entry, p, dcpl, crcs)
+                meta, pending = _create_entry(f, entry, p, dcpl, crcs, precompute=precompute)
                 index[entry.path] = meta
                 todo.append((entry, meta, pending))
+            if precompute:
+                _finish_metadata(f, index, crcs, object_graph, set_attrs=False)
         fd = os.open(tmp, os.O_WRONLY)
         scratch = _Scratch()
         try:
@@ -361,23 +380,38 @@ def write_h5(
                     else:  # read from another file: through one reused buffer
                         arr = scratch.array(cshape, dt)
                         entry.read_component_into(i, arr)
-                    crcs[name] = checksum(arr)
+                    crc = checksum(arr)
+                    if precompute and crc != crcs[name]:
+                        raise RuntimeError(
+                            f"{p}: variable {entry.path!r} changed while it was being saved "
+                            "(write from a single thread, or save with blocking=False, which snapshots)"
+                        )
+                    crcs[name] = crc
                     if arr.nbytes:
                         _pwrite_all(fd, memoryview(_byte_view(arr)), int(offset))  # type: ignore[arg-type]
                     del arr
         finally:
             os.close(fd)
-        with h5py.File(tmp, "r+") as f:
-            fid = f.id
-            for name, crc in crcs.items():
-                _set_attr(h5py.h5d.open(fid, name.encode()), "crc32c", np.int64(crc))
-            for meta_path, meta in index.items():
-                meta["crc32c"] = [crcs[f"/{meta_path}/{component_name(i)}"] for i in range(meta["num_components"])]
-            _write_json(f, INDEX_DATASET, index)
-            if object_graph is not None:
-                _write_json(f, GRAPH_DATASET, object_graph)
+        if not precompute:
+            with h5py.File(tmp, "r+") as f:
+                _finish_metadata(f, index, crcs, object_graph, set_attrs=True)
 
     return atomic_write(p, write)
+
+
+def _finish_metadata(
+    f: h5py.File, index: dict[str, Any], crcs: dict[str, int], object_graph: Any, *, set_attrs: bool
+) -> None:
+    """Record the checksums (as dataset attributes when ``set_attrs``), the index and the graph."""
+    if set_attrs:
+        fid = f.id
+        for name, crc in crcs.items():
+            _set_attr(h5py.h5d.open(fid, name.encode()), "crc32c", np.int64(crc))
+    for meta_path, meta in index.items():
+        meta["crc32c"] = [crcs[f"/{meta_path}/{component_name(i)}"] for i in range(meta["num_components"])]
+    _write_json(f, INDEX_DATASET, index)
+    if object_graph is not None:
+        _write_json(f, GRAPH_DATASET, object_graph)
 
 
 def _write_json(f: h5py.File, name: str, value: Any) -> None:
@@ -454,6 +488,10 @@ class StoredVariable:
             self.shape = tuple(int(s) for s in meta["shape"])
             self.num_components = int(meta["num_components"])
             self.attrs: dict[str, Any] = dict(meta.get("attrs") or {})
+            offsets = meta.get("offsets")
+            self._index_offsets: list[int | None] | None = (
+                None if offsets is None else [None if o is None else int(o) for o in offsets]
+            )
             crcs = meta.get("crc32c")
             self._crcs: list[int | None] | None = None if crcs is None else [int(c) for c in crcs]
         except (KeyError, TypeError, ValueError) as exc:
@@ -478,6 +516,7 @@ class StoredVariable:
         self._storage_ok: set[int] = set()
         self._datasets: dict[int, Any] = {}
         self._locations: dict[int, tuple[int, int] | None] = {}
+        self._from_index: set[int] = set()
 
     @classmethod
     def from_group(cls, reader: H5Reader, path: str, group: h5py.Group) -> StoredVariable:
@@ -583,6 +622,21 @@ class StoredVariable:
         """(file offset, element count) of a contiguous, unfiltered component, else None."""
         if i in self._locations:
             return self._locations[i]
+        indexed = self._index_offsets[i] if self._index_offsets and i < len(self._index_offsets) else None
+        if indexed is not None and self.dtype.kind != "O":
+            size = math.prod(self._shapes[i])
+            if indexed < 0 or indexed + size * self.dtype.itemsize > self._reader.file_size:
+                raise TruncatedFileError(
+                    "file ends inside the data", file=self._reader.path, variable=f"{self.path}/{component_name(i)}",
+                    expected=f"{indexed + size * self.dtype.itemsize} bytes", found=f"{self._reader.file_size} bytes",
+                )
+            self._locations[i] = (indexed, size)
+            self._from_index.add(i)
+            return self._locations[i]
+        return self._location_from_h5(i)
+
+    def _location_from_h5(self, i: int) -> tuple[int, int] | None:
+        """The location as HDF5 itself reports it (opens the dataset)."""
         loc: tuple[int, int] | None = None
         dsid = self._dataset(i)
         size = math.prod(self._shapes[i])
@@ -618,12 +672,33 @@ class StoredVariable:
         destination; the map is released right after, which keeps the resident memory of a
         reader bounded by one component whatever the file's size. Other layouts go through h5py.
         """
+        try:
+            return self._with_located_bytes(i, fn)
+        except ChecksumMismatchError:
+            if i not in self._from_index:
+                raise
+            # The index's offset may be stale (a file rewritten by another HDF5 tool): ask
+            # HDF5 where the dataset is, and check again there.
+            self._from_index.discard(i)
+            indexed = self._locations.pop(i)
+            if self._location_from_h5(i) == indexed:
+                raise
+            return self._with_located_bytes(i, fn)
+
+    def _with_located_bytes(self, i: int, fn: Callable[[np.ndarray], Any]) -> Any:
         loc = self._location(i)
         if loc is None:
             return fn(self._read_h5(i))
         offset, size = loc
         if size == 0:
             return fn(np.empty(self._shapes[i], self.dtype))
+        whole = self._reader._whole_map()
+        if whole is not None:
+            arr = np.frombuffer(whole, dtype=self.dtype, count=size, offset=offset).reshape(self._shapes[i])
+            try:
+                return fn(arr)
+            finally:
+                del arr
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         length = offset + size * self.dtype.itemsize - start
         mm = mmap.mmap(
@@ -729,10 +804,14 @@ class H5Reader(Mapping[str, StoredVariable]):
         TruncatedFileError / CorruptCheckpointError: damaged file.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, map_file: bool = False) -> None:
         self.path = os.fspath(path)
         self._file: h5py.File | None = None
         self._raw_fd: int | None = None
+        # map_file: one map of the whole file for the reader's life (a restore reads it all,
+        # twice: checksums first, then values); otherwise one map per component read.
+        self._map_file = map_file
+        self._whole: mmap.mmap | None = None
         self._own_name: bytes | None = None
         if not os.path.exists(self.path):
             raise FileNotFoundError(f"{self.path}: no such checkpoint file")
@@ -818,6 +897,11 @@ class H5Reader(Mapping[str, StoredVariable]):
             raise ValueError(f"{self.path}: the reader is closed")
         return self._file
 
+    def _whole_map(self) -> mmap.mmap | None:
+        if self._map_file and self._whole is None and self.file_size > 0:
+            self._whole = mmap.mmap(self._fd(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        return self._whole
+
     def _fd(self) -> int:
         """A read-only descriptor of the file, for the per-component maps."""
         if self._raw_fd is None:
@@ -854,6 +938,12 @@ class H5Reader(Mapping[str, StoredVariable]):
         # (linked) file open until they are released.
         for var in getattr(self, "_variables", {}).values():
             var._datasets.clear()
+        if self._whole is not None:
+            try:
+                self._whole.close()
+            except BufferError:  # an array still views the map; it closes with that array
+                pass
+            self._whole = None
         if self._raw_fd is not None:
             os.close(self._raw_fd)
             self._raw_fd = None
