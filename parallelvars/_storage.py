@@ -23,7 +23,8 @@ import numpy as np
 
 __all__ = ["Arena", "Placement", "allocate"]
 
-_ALIGN_BYTES = 64  # offsets start on a cache line
+_ALIGN_BYTES = 64  # offsets of larger variables start on a cache line
+_PACK_BELOW_BYTES = 4096  # smaller variables are packed without padding
 _BLOCK_BYTES = 32 << 20  # a fresh shared arena holds this much (pages are touched lazily)
 _DEDICATED_BYTES = 8 << 20  # variables at least this big get an arena of their own
 
@@ -40,17 +41,27 @@ class Arena:
         self._shadows: dict[Any, Arena] = {}
         self._lock = threading.Lock()
 
-    def _align(self, offset: int) -> int:
+    def end_of(self, offset: int, size: int) -> int:
+        """Where the next variable starts after one of ``size`` elements at ``offset``.
+
+        After a variable of at least a page the next one starts on a cache line; small ones
+        are packed back to back, so that a run of small variables is one gap-free span (its
+        gradients are then staged with a single ``np.concatenate``). The padding after a
+        variable depends on that variable alone, so its slots can initialise it.
+        """
+        end = offset + size
+        if size * self.dtype.itemsize < _PACK_BELOW_BYTES:
+            return end
         step = max(1, _ALIGN_BYTES // self.dtype.itemsize)
-        return -(-offset // step) * step
+        return min(self.capacity, -(-end // step) * step)
 
     def try_allocate(self, size: int) -> int | None:
         """Reserve ``size`` columns; the offset, or ``None`` when the arena is full."""
         with self._lock:
-            start = self._align(self.used)
+            start = self.used
             if start + size > self.capacity:
                 return None
-            self.used = start + size
+            self.used = self.end_of(start, size)
             return start
 
     def view(self, offset: int, shape: tuple[int, ...]) -> np.ndarray:

@@ -33,6 +33,7 @@ bit-identical either way.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,10 +170,11 @@ class Run:
     slot_slabs: tuple[np.ndarray, ...] = ()
     grad_line: np.ndarray = field(default_factory=lambda: np.zeros((1, 0)))
     replicate: bool = False
+    # Spans of members packed back to back: (start column - lo, end, positions); their
+    # gradients are staged with one np.concatenate each.
+    segments: list[tuple[int, int, list[int]]] = field(default_factory=list)
 
 
-def _aligned_end(arena: Arena, end: int) -> int:
-    return min(arena.capacity, arena._align(end))
 
 
 def plan_runs(
@@ -209,7 +211,7 @@ def plan_runs(
                 prev = groups[-1][-1][1]
                 if pl.offset == prev.offset and pl.size == prev.size:
                     raise ValueError("the same variable appears twice in one update")
-                if pl.offset == _aligned_end(arena, prev.offset + prev.size):
+                if pl.offset == arena.end_of(prev.offset, prev.size):
                     groups[-1].append((pos, pl))
                     continue
             groups.append([(pos, pl)])
@@ -227,9 +229,21 @@ def plan_runs(
                     slot_slabs=tuple(s.buffer[:, lo:hi] for s in shadows),
                     grad_line=np.zeros((1, hi - lo), arena.dtype),
                     replicate=replicate,
+                    segments=_segments([(pos, pl.offset - lo, pl.size) for pos, pl in group]),
                 )
             )
     return runs
+
+
+def _segments(members: list[tuple[int, int, int]]) -> list[tuple[int, int, list[int]]]:
+    out: list[tuple[int, int, list[int]]] = []
+    for pos, start, size in members:
+        if out and out[-1][1] == start:
+            out[-1][2].append(pos)
+            out[-1] = (out[-1][0], start + size, out[-1][2])
+        else:
+            out.append((start, start + size, [pos]))
+    return out
 
 
 def apply_runs(
@@ -250,9 +264,14 @@ def apply_runs(
     """
     for run in runs:
         line = run.grad_line[0]
-        for pos, start, size in run.members:
+        for start, end, positions in run.segments:
             # Casting to the variable's dtype here, once per parameter, not once per replica.
-            np.copyto(line[start : start + size], grads[pos].reshape(-1), casting="same_kind")
+            if len(positions) == 1:
+                np.copyto(line[start:end], grads[positions[0]].reshape(-1), casting="same_kind")
+            else:  # axis=None flattens every gradient: one C call for the whole span
+                np.concatenate(
+                    operator.itemgetter(*positions)(grads), axis=None, out=line[start:end], casting="same_kind"
+                )
         apply_blocked(
             kernel, run.var_slab, run.slot_slabs, run.grad_line, hp, scratch(run.arena.dtype), run.replicate
         )

@@ -17,6 +17,7 @@ A step (``apply_gradients``) in a replica context goes through ``merge_call`` to
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -41,6 +42,17 @@ _PLAN_CACHE = 8
 def _is_float(dtype: np.dtype) -> bool:
     return dtype.kind == "f" or dtype.name.startswith(("bfloat", "float"))
 
+
+
+_first = operator.itemgetter(0)
+_second = operator.itemgetter(1)
+_shape_of = operator.attrgetter("shape")
+_dtype_of = operator.attrgetter("dtype")
+_NDARRAY_ONLY = {np.ndarray}
+
+
+def _INDEXED_SLICES_FREE(grads: list[Any]) -> bool:
+    return IndexedSlices not in set(map(type, grads))
 
 class Optimizer(Module):
     """Base class of the optimizers: subclasses give slots, hyperparameters and a kernel.
@@ -73,6 +85,8 @@ class Optimizer(Module):
         self._pv_scratch: dict[np.dtype, update_core.Scratch] = {}
         self._pv_info: dict[int, tuple[Any, tuple[tuple[int, ...], np.dtype, bool]]] = {}
         self._pv_known: dict[tuple[int, ...], tuple[Any, ...]] = {}
+        self._pv_shapes: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        self._pv_split: dict[tuple[int, ...], tuple[Any, ...]] = {}
         self._pv_non_slot_names: list[str] = []
         # Mirrored variables: compute the primary row and copy it (see update_core). False
         # computes every replica's row, for comparison.
@@ -241,7 +255,7 @@ class Optimizer(Module):
         shadow = self._slot_arena(pl.arena, slot_name)
         # Fill the alignment padding after the variable too: a run covering it then sees a
         # positive accumulator there, never 0 / 0.
-        end = min(shadow.capacity, shadow._align(pl.offset + pl.size))
+        end = shadow.end_of(pl.offset, pl.size)
         shadow.buffer[:, pl.offset : end] = init
         return ParallelVariable(
             shadow.view(pl.offset, shape),
@@ -271,9 +285,12 @@ class Optimizer(Module):
         """
         batch_reduce = getattr(strategy, "batch_reduce", None)
         n = int(getattr(strategy, "num_replicas_in_sync", 1))
+        plain_ok = batch_reduce is None or not (from_replicas and n > 1)
+        grads = list(map(_first, pairs))
+        if plain_ok and set(map(type, grads)) == _NDARRAY_ONLY:
+            return grads  # already one value per variable: nothing to sum
         out: list[Any] = [None] * len(pairs)
         dense: list[int] = []
-        plain_ok = batch_reduce is None or not (from_replicas and n > 1)
         for i, (g, _) in enumerate(pairs):
             if type(g) is np.ndarray and plain_ok:  # the common case, kept cheap
                 out[i] = g
@@ -381,28 +398,45 @@ class Optimizer(Module):
         global_step: Any = None,
         from_replicas: bool = False,
     ) -> None:
-        """The cross-replica step; the target of ``merge_call`` (``from_replicas`` then)."""
-        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        """The cross-replica step; the target of ``merge_call`` (``from_replicas`` then).
+
+        ``grads_and_vars`` holds no ``None`` gradient (the public entry points filter them).
+        The per-variable bookkeeping of a step is done with C-level passes (``map``,
+        ``itemgetter``) once the variable list is known, so that thousands of small variables
+        cost little more than their arithmetic.
+        """
+        pairs = grads_and_vars
         if not pairs:
             raise GradientError(
                 f"optimizer {self._pv_name!r}: no gradients provided for any variable",
                 hint="every gradient was None",
             )
-        var_list = [v for _, v in pairs]
+        var_list = list(map(_second, pairs))
         # A training loop hands the same variables every step: check them and their slots once.
         key = tuple(map(id, var_list))
         known = self._pv_known.get(key)
-        steady = known is not None and all(a is b for a, b in zip(known, var_list, strict=True))
+        steady = known is not None and all(map(operator.is_, known, var_list))
         if not steady and len(set(key)) != len(key):
             dup = next(v for i, v in enumerate(var_list) if id(v) in key[:i])
             raise GradientError("a variable appears twice in one step", variable=getattr(dup, "name", None))
         reduced = self._reduce(strategy, pairs, from_replicas)
-        grads = [self._check(g, v) for g, v in zip(reduced, var_list, strict=True)]
+        shapes = self._pv_shapes.get(key) if steady else None
+        if (
+            shapes is not None
+            and set(map(type, reduced)) == _NDARRAY_ONLY
+            and all(dt.kind in "fiu" for dt in set(map(_dtype_of, reduced)))
+            and list(map(_shape_of, reduced)) == shapes
+        ):
+            grads = reduced  # the steady state: plain arrays of the known shapes
+        else:
+            grads = [self._check(g, v) for g, v in zip(reduced, var_list, strict=True)]
         if not steady:
             self._create_slots(var_list)
             if len(self._pv_known) >= _PLAN_CACHE:
+                self._pv_shapes.pop(next(iter(self._pv_known)), None)
                 self._pv_known.pop(next(iter(self._pv_known)))
             self._pv_known[key] = tuple(var_list)
+            self._pv_shapes[key] = [self._info(v)[0] for v in var_list]
         self._create_non_slots(strategy, var_list)
         assert self.iterations is not None
         hp = self._hyper(int(self.iterations.read_value()))
@@ -422,20 +456,39 @@ class Optimizer(Module):
         self._finish_extra()
 
     def _update(self, var_list: list[Any], grads: list[Any], hp: Any) -> None:
-        fast: list[int] = []
-        for i, (v, g) in enumerate(zip(var_list, grads, strict=True)):
-            if self._info(v)[2] and type(g) is not IndexedSlices:
-                fast.append(i)
-            else:
-                self._update_one(v, g, hp)
-        if fast:
-            runs = self._plan([var_list[i] for i in fast])
-            update_core.apply_runs(runs, [grads[i] for i in fast], self._kernel, hp, self._scratch)
+        if _INDEXED_SLICES_FREE(grads):
+            # No sparse gradient: which variables take the fast path depends on them alone.
+            key = tuple(map(id, var_list))
+            split = self._pv_split.get(key)
+            if split is None or not all(map(operator.is_, split[0], var_list)):
+                info = self._info
+                fast_idx = tuple(i for i, v in enumerate(var_list) if info(v)[2])
+                split = (tuple(var_list), fast_idx, tuple(i for i in range(len(var_list)) if i not in set(fast_idx)))
+                if len(self._pv_split) >= _PLAN_CACHE:
+                    self._pv_split.pop(next(iter(self._pv_split)))
+                self._pv_split[key] = split
+            _, fast_idx, slow_idx = split
+            for i in slow_idx:
+                self._update_one(var_list[i], grads[i], hp)
+            fast_vars = var_list if len(fast_idx) == len(var_list) else [var_list[i] for i in fast_idx]
+            fast_grads = grads if len(fast_idx) == len(var_list) else [grads[i] for i in fast_idx]
+        else:
+            fast_vars, fast_grads = [], []
+            info = self._info
+            for v, g in zip(var_list, grads, strict=True):
+                if info(v)[2] and type(g) is not IndexedSlices:
+                    fast_vars.append(v)
+                    fast_grads.append(g)
+                else:
+                    self._update_one(v, g, hp)
+        if fast_vars:
+            runs = self._plan(fast_vars)
+            update_core.apply_runs(runs, fast_grads, self._kernel, hp, self._scratch)
 
     def _plan(self, fast_vars: list[Any]) -> list[update_core.Run]:
-        key = (*(id(v) for v in fast_vars), self._pv_replicate_mirrored)
+        key = (*map(id, fast_vars), self._pv_replicate_mirrored)
         cached = self._pv_plans.get(key)
-        if cached is not None and all(a is b for a, b in zip(cached[0], fast_vars, strict=True)):
+        if cached is not None and all(map(operator.is_, cached[0], fast_vars)):
             return cached[1]
         names = [n for n, _ in self._slot_specs()]
         runs = update_core.plan_runs(
