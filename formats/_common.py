@@ -44,11 +44,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
+import crc32c as _crc32c
 import numpy as np
 
 from parallelvars._dtypes import EXTENSION_DTYPES, is_extension_dtype
 from parallelvars._dtypes import dtype_name as _core_dtype_name
 from parallelvars.errors import (
+    ChecksumMismatchError,
     CorruptCheckpointError,
     ShapeMismatchError,
     TruncatedFileError,
@@ -430,19 +432,74 @@ def _region_shape(shape: tuple[int, ...], region: tuple[int, int, int] | None) -
 
 
 class ByteStore(TensorStore):
-    """A store whose tensors are raw little-endian C-order bytes reached by ``_read_bytes``."""
+    """A store whose tensors are raw little-endian C-order bytes reached by ``_read_bytes``.
+
+    A store that knows a checksum of a tensor's bytes (``_expected_crc``) has every read
+    verified: a whole-tensor read checks the bytes it read; the first partial read of a tensor
+    checks the whole tensor once, streamed through a bounded buffer.
+    """
 
     @abc.abstractmethod
     def _read_bytes(self, key: str, offset: int, buf: memoryview) -> None:
         """Fill ``buf`` with bytes ``offset:offset + len(buf)`` of tensor ``key``'s data."""
 
+    def _expected_crc(self, key: str) -> int | None:
+        """The stored checksum of tensor ``key``'s bytes, or None when the file has none."""
+        return None
+
+    def _crc_start(self, key: str) -> int:
+        """The checksum's running value before the tensor's first byte."""
+        return 0
+
+    def _crc_update(self, data: Any, crc: int) -> int:
+        """The running checksum ``crc`` continued over ``data`` (CRC-32C by default)."""
+        return int(_crc32c.crc32c(data, crc))
+
+    def _crc_name(self) -> str:
+        return "crc32c"
+
+    def _verified_keys(self) -> set[str]:
+        verified: set[str] | None = self.__dict__.get("_verified")
+        if verified is None:
+            verified = self.__dict__["_verified"] = set()
+        return verified
+
+    def _check_crc(self, key: str, crc: int) -> None:
+        expected = self._expected_crc(key)
+        if expected is not None and crc != expected:
+            raise ChecksumMismatchError(
+                "the tensor's bytes do not match their stored checksum", file=self.file, variable=key,
+                expected=f"{self._crc_name()} {expected:#010x}", found=f"{self._crc_name()} {crc:#010x}",
+            )
+        self._verified_keys().add(key)
+
+    def verify(self, key: str) -> None:
+        """Check tensor ``key``'s bytes against its stored checksum (once per store)."""
+        if self._expected_crc(key) is None or key in self._verified_keys():
+            return
+        dtype, shape = self.stored(key)
+        total = math.prod(shape) * dtype.itemsize
+        bounce = np.empty(min(total, _BLOCK), np.uint8)
+        crc = self._crc_start(key)
+        for start in range(0, total, _BLOCK):
+            block = bounce[: min(_BLOCK, total - start)]
+            self._read_bytes(key, start, block.data)
+            crc = self._crc_update(block, crc)
+        self._check_crc(key, crc)
+
     def read_into(self, key: str, out: np.ndarray, region: tuple[int, int, int] | None = None) -> None:
         dtype, shape = self.stored(key)
         flat = out.reshape(-1).view(np.uint8)
         if region is None or flat.size == 0:
+            if region is None and self._expected_crc(key) is not None:
+                if flat.size:
+                    self._read_bytes(key, 0, flat.data)
+                self._check_crc(key, self._crc_update(flat, self._crc_start(key)))
+                return
             if flat.size:
                 self._read_bytes(key, 0, flat.data)
             return
+        self.verify(key)
         axis, start, stop = region
         outer = math.prod(shape[:axis])
         inner = math.prod(shape[axis + 1:]) * dtype.itemsize

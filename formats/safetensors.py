@@ -45,10 +45,13 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
+import crc32c as _crc32c
 import ml_dtypes
 import numpy as np
 
+from parallelvars.checkpoint.h5io import checksum
 from parallelvars.errors import (
+    ChecksumMismatchError,
     CorruptCheckpointError,
     NotACheckpointError,
     TruncatedFileError,
@@ -80,6 +83,9 @@ __all__ = ["FORMAT", "INDEX_NAME", "MAX_HEADER_SIZE", "open_safetensors", "read_
 MAX_HEADER_SIZE = 100_000_000
 INDEX_NAME = "model.safetensors.index.json"
 META_KEY = "parallelvars"
+#: ``__metadata__`` key of our checksums: ``{"header": crc, "tensors": {name: crc}}``, each an
+#: 8-digit hex CRC-32C (tensor bytes; the canonical header description, see _header_crc).
+CRC_KEY = "parallelvars_crc32c"
 DEFAULT_NAMES = "dotted"
 
 # safetensors dtype string -> (numpy dtype, bits)
@@ -138,15 +144,22 @@ def _is_uint(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def read_header(f: IO[bytes], file: str) -> tuple[dict[str, str], dict[str, tuple[np.dtype, tuple[int, ...], int, int]], int]:
+def read_header(
+    f: IO[bytes], file: str
+) -> tuple[dict[str, str], dict[str, tuple[np.dtype, tuple[int, ...], int, int, int | None]], int]:
     """Parse and validate the header of the open safetensors file ``f``.
+
+    When the header carries our checksum record (``__metadata__["parallelvars_crc32c"]``), the
+    header is verified against it here.
 
     Returns:
         ``(metadata, tensors, data_start)``: ``tensors`` maps each name to (numpy dtype, shape,
-        begin, end) with offsets relative to ``data_start``, in file order.
+        begin, end, CRC-32C of its bytes or None) with offsets relative to ``data_start``, in
+        file order.
 
     Raises:
-        TruncatedFileError, CorruptCheckpointError, UnsupportedDtypeError: see the module doc.
+        TruncatedFileError, CorruptCheckpointError, ChecksumMismatchError, UnsupportedDtypeError:
+        see the module doc.
     """
     size = os.fstat(f.fileno()).st_size
     if size < 8:
@@ -177,6 +190,7 @@ def read_header(f: IO[bytes], file: str) -> tuple[dict[str, str], dict[str, tupl
         raise CorruptCheckpointError("__metadata__ must map strings to strings", file=file,
                                      variable="__metadata__")
     entries: list[tuple[str, np.dtype, tuple[int, ...], int, int, int]] = []
+    described: dict[str, tuple[str, list[int], list[int]]] = {}
     for name, info in header.items():
         if not isinstance(info, dict):
             raise CorruptCheckpointError("tensor info is not an object", file=file, variable=name)
@@ -198,6 +212,7 @@ def read_header(f: IO[bytes], file: str) -> tuple[dict[str, str], dict[str, tupl
                                          variable=name, expected="two integers >= 0", found=offsets)
         dtype = _DTYPES[dtype_str]
         nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
+        described[name] = (dtype_str, shape, offsets)
         entries.append((name, dtype, tuple(shape), offsets[0], offsets[1], nbytes))
     # Offsets must tile [0, end) exactly, in order: no overlap, no hole.
     expected = 0
@@ -225,8 +240,76 @@ def read_header(f: IO[bytes], file: str) -> tuple[dict[str, str], dict[str, tupl
     if 8 + n + expected != size:
         raise CorruptCheckpointError("trailing bytes after the last tensor", file=file, variable=last,
                                      expected=f"{8 + n + expected} bytes", found=f"{size} bytes")
-    tensors = {name: (dtype, shape, b, e) for name, dtype, shape, b, e, _ in entries}
+    crcs = _verify_header(file, metadata, described)
+    tensors = {name: (dtype, shape, b, e, None if crcs is None else crcs[name])
+               for name, dtype, shape, b, e, _ in entries}
     return metadata, tensors, 8 + n
+
+
+# --------------------------------------------------------------------------------------------
+# checksums
+
+
+def _header_crc(metadata: Mapping[str, str], tensors: Mapping[str, tuple[str, list[int], list[int]]],
+                crcs: Mapping[str, str]) -> str:
+    """CRC-32C of a canonical description of a header: every tensor's name, dtype string,
+    shape and offsets, every metadata item but our checksum key, and the tensor checksums."""
+    doc = {
+        "metadata": {k: v for k, v in metadata.items() if k != CRC_KEY},
+        "tensors": {name: [dtype, list(shape), list(offsets)] for name, (dtype, shape, offsets) in tensors.items()},
+        "crc32c": dict(crcs),
+    }
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return f"{_crc32c.crc32c(text.encode('ascii')):08x}"
+
+
+def _index_crc(metadata: Mapping[str, Any], weight_map: Mapping[str, str]) -> str:
+    """CRC-32C of a canonical description of a shard set's index (all but our checksum)."""
+    doc = {"metadata": {k: v for k, v in metadata.items() if k != CRC_KEY}, "weight_map": dict(weight_map)}
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return f"{_crc32c.crc32c(text.encode('ascii')):08x}"
+
+
+def _is_crc(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 8 and all(c in "0123456789abcdef" for c in value)
+
+
+def _verify_header(file: str, metadata: Mapping[str, str],
+                   described: Mapping[str, tuple[str, list[int], list[int]]]) -> dict[str, int] | None:
+    """Check our checksum record of a header; the tensors' CRCs, or None for a file without one.
+
+    A file whose parallel info says it carries checksums must have the record.
+    """
+    raw = metadata.get(CRC_KEY)
+    if raw is None:
+        info = metadata.get(META_KEY)
+        if info is not None and '"checksums"' in info:
+            try:
+                flagged = json.loads(info).get("checksums")
+            except (json.JSONDecodeError, AttributeError):
+                flagged = None  # reported by the info parser
+            if flagged:
+                raise CorruptCheckpointError("the checksum record is missing", file=file,
+                                             variable=CRC_KEY, expected=f"a {CRC_KEY!r} metadata item",
+                                             found="none")
+        return None
+    try:
+        record = json.loads(raw)
+        header, tensors = record["header"], record["tensors"]
+        ok = _is_crc(header) and isinstance(tensors, dict) and all(_is_crc(v) for v in tensors.values())
+    except (json.JSONDecodeError, TypeError, KeyError):
+        ok = False
+    if not ok:
+        raise CorruptCheckpointError("the checksum record is damaged", file=file, variable=CRC_KEY,
+                                     expected='{"header": crc, "tensors": {...}}', found=raw[:80])
+    found = _header_crc(metadata, described, tensors)
+    if found != header:
+        raise ChecksumMismatchError("the safetensors header does not match its checksum", file=file,
+                                    variable=CRC_KEY, expected=f"crc32c {header}", found=f"crc32c {found}")
+    if set(tensors) != set(described):
+        raise CorruptCheckpointError("the checksum record lists other tensors than the header", file=file,
+                                     variable=CRC_KEY, expected=sorted(described)[:8], found=sorted(tensors)[:8])
+    return {name: int(v, 16) for name, v in tensors.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,17 +325,22 @@ class _Store(ByteStore):
         self._handles: dict[int, IO[bytes]] = {}
         self._lock = threading.Lock()
         self._tensors: dict[str, tuple[int, np.dtype, tuple[int, ...], int]] = {}
+        self._crcs: dict[str, int] = {}
         self.shard_metadata: list[dict[str, str]] = []
+        self.shard_checked: list[bool] = []
         try:
             for idx, shard in enumerate(shard_files):
                 f = open(shard, "rb")  # noqa: SIM115 - held open for lazy reads, closed by close()
                 self._handles[idx] = f
                 meta, tensors, start = read_header(f, shard)
+                self.shard_checked.append(meta.pop(CRC_KEY, None) is not None)
                 self.shard_metadata.append(meta)
-                for name, (dtype, shape, begin, _end) in tensors.items():
+                for name, (dtype, shape, begin, _end, crc) in tensors.items():
                     if name in self._tensors:
                         raise CorruptCheckpointError("tensor appears in two shards", file=shard, variable=name)
                     self._tensors[name] = (idx, dtype, shape, start + begin)
+                    if crc is not None:
+                        self._crcs[name] = crc
         except BaseException:
             self.close()
             raise
@@ -263,6 +351,9 @@ class _Store(ByteStore):
     def stored(self, key: str) -> tuple[np.dtype, tuple[int, ...]]:
         _, dtype, shape, _ = self._tensors[key]
         return dtype, shape
+
+    def _expected_crc(self, key: str) -> int | None:
+        return self._crcs.get(key)
 
     def shard_of(self, key: str) -> str:
         return self._files[self._tensors[key][0]]
@@ -312,6 +403,13 @@ def _read_index(index: str) -> tuple[dict[str, Any], dict[str, str]]:
     metadata = doc.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise CorruptCheckpointError("the index metadata is not an object", file=index)
+    info = metadata.get(META_KEY)
+    if CRC_KEY in metadata or (isinstance(info, dict) and info.get("checksums")):
+        stored = metadata.get(CRC_KEY)
+        found = _index_crc(metadata, weight_map)
+        if stored != found:
+            raise ChecksumMismatchError("the index does not match its checksum", file=index,
+                                        variable=CRC_KEY, expected=f"crc32c {stored}", found=f"crc32c {found}")
     for shard in set(weight_map.values()):
         if os.path.basename(shard) != shard or shard in ("", ".", ".."):
             raise CorruptCheckpointError("shard file names must be plain names in the index's folder",
@@ -362,6 +460,13 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
                                      variable=missing[0])
         store = _Store(index, [os.path.join(folder, s) for s in shards])
         try:
+            raw_info = index_meta.get(META_KEY)
+            if isinstance(raw_info, dict) and raw_info.get("checksums"):
+                for shard, checked in zip(shards, store.shard_checked, strict=True):
+                    if not checked:
+                        raise CorruptCheckpointError("the shard has no checksum record", file=os.path.join(folder, shard),
+                                                     variable=CRC_KEY, expected=f"a {CRC_KEY!r} metadata item",
+                                                     found="none")
             listed = set(weight_map)
             stored_keys = store.keys()
             for key in stored_keys:
@@ -386,7 +491,7 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
             meta.update(m)
         meta.pop(META_KEY, None)
         for k, v in index_meta.items():
-            if k not in ("total_size", META_KEY):
+            if k not in ("total_size", META_KEY, CRC_KEY):
                 meta.setdefault(k, v if isinstance(v, str) else dumps(jsonable(v)))
         info = _parse_info(index_meta.get(META_KEY), index)
         file = index
@@ -418,34 +523,55 @@ def _storage(t: PlannedTensor, file: str) -> tuple[str, tuple[int, ...]]:
     return "U8", (*t.shape, t.dtype.itemsize)  # raw bytes; the dtype goes into the parallel info
 
 
-def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]) -> None:
-    stored = [(t, *_storage(t, path)) for t in tensors]
-    stored.sort(key=lambda s: (-_DTYPES[s[1]].itemsize, s[0].key))
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for t, st, shape in stored:
-        header[t.key] = {"dtype": st, "shape": list(shape), "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
+def _header_bytes(metadata: dict[str, str], described: dict[str, tuple[str, list[int], list[int]]],
+                  crcs: dict[str, str], path: str) -> bytes:
+    meta = dict(metadata)
+    meta[CRC_KEY] = dumps({"header": _header_crc(metadata, described, crcs), "tensors": crcs})
+    header: dict[str, Any] = {"__metadata__": meta}
+    for name, (dtype, shape, offsets) in described.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": offsets}
     raw = dumps(header).encode("utf-8")
     raw += b" " * (-len(raw) % 8)  # the buffer starts 8-byte aligned, as the reference writes it
     if len(raw) > MAX_HEADER_SIZE:
         raise ValueError(f"{path}: the safetensors header would be {len(raw)} bytes, over the "
                          f"{MAX_HEADER_SIZE} bytes readers accept; write a shard set or fewer tensors")
+    return raw
+
+
+def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]) -> None:
+    """Write one file. The header carries the tensors' CRC-32Cs, known only once they are
+    streamed: it is written with fixed-width placeholders first and rewritten in place."""
+    stored = [(t, *_storage(t, path)) for t in tensors]
+    stored.sort(key=lambda s: (-_DTYPES[s[1]].itemsize, s[0].key))
+    described: dict[str, tuple[str, list[int], list[int]]] = {}
+    offset = 0
+    for t, st, shape in stored:
+        described[t.key] = (st, list(shape), [offset, offset + t.nbytes])
+        offset += t.nbytes
+    crcs = {t.key: "00000000" for t, _st, _shape in stored}
+    raw = _header_bytes(metadata, described, crcs, path)
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         scratch = Scratch()
         for t, _st, _shape in stored:
-            written = write_array(f, t.read_with(scratch))
+            array = t.read_with(scratch)
+            written = write_array(f, array)
             if written != t.nbytes:  # the source lied about its shape
                 raise CorruptCheckpointError("component has another size than declared", file=path,
                                              variable=t.entry.path, expected=f"{t.nbytes} bytes",
                                              found=f"{written} bytes")
+            crcs[t.key] = f"{checksum(array):08x}"
+        final = _header_bytes(metadata, described, crcs, path)
+        if len(final) != len(raw):  # cannot happen: every CRC is 8 hex digits
+            raise AssertionError(f"{path}: the safetensors header changed length")
+        f.seek(8)
+        f.write(final)
 
 
 def _str_metadata(metadata: Mapping[str, Any]) -> dict[str, str]:
     out = {}
-    for k, v in carried_metadata(metadata, META_KEY, "total_size").items():
+    for k, v in carried_metadata(metadata, META_KEY, CRC_KEY, "total_size").items():
         out[k] = v if isinstance(v, str) else dumps(jsonable(v))
     return out
 
@@ -485,6 +611,7 @@ def write_safetensors(
         metadata = getattr(entries, "metadata", None) or {}
     planned, info = plan_tensors(entries, names=names,
                                  needs_record=lambda e: _st_name(e.dtype) is None, file=p)
+    info["checksums"] = "crc32c"  # every file written carries CRC_KEY; its loss is damage
     for t in planned:
         _storage(t, p)  # refuse what cannot be stored before writing anything
     meta = {"format": "pt", **_str_metadata(metadata)}
@@ -509,10 +636,10 @@ def write_safetensors(
         name = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
         _write_one(os.path.join(folder, name), tensors, meta)
         weight_map.update((t.key, name) for t in tensors)
-    index = {
-        "metadata": {"total_size": sum(t.nbytes for t in planned), META_KEY: info},
-        "weight_map": dict(sorted(weight_map.items())),
-    }
+    index_meta: dict[str, Any] = {"total_size": sum(t.nbytes for t in planned), META_KEY: info}
+    weight_map = dict(sorted(weight_map.items()))
+    index_meta[CRC_KEY] = _index_crc(index_meta, weight_map)
+    index = {"metadata": index_meta, "weight_map": weight_map}
     index_path = f"{os.path.join(folder, os.path.basename(p))}.index.json"
     with atomic_path(index_path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         json.dump(index, f, indent=2, ensure_ascii=False)
