@@ -14,8 +14,14 @@ a time. Our files hold:
 * ``<key>.npy`` per stored tensor, keys in style ``names`` (default ``"slash"``, see
   :mod:`._names`): every variable's primary under its own key, extra components under
   ``<key>/parallel_component_<i>``, a sharded variable once as its stitched value;
-* ``__parallelvars__.json``: the parallel info (see :mod:`._common`) plus the file
-  metadata under ``"metadata"``. ``np.load`` lists it as an ordinary member; it is not a tensor.
+* ``__parallelvars__.json`` (the first member): the parallel info (see :mod:`._common`), the
+  file metadata under ``"metadata"`` and the names of all other members under ``"members"``.
+  ``np.load`` lists it as an ordinary member; it is not a tensor.
+
+Integrity: every member carries the zip's CRC-32, and the reader verifies it on every read
+(the first partial read of a tensor checks the whole member once). The member list catches a
+damaged directory that lost or reordered members. Every error of :mod:`zipfile`, :mod:`zlib`
+and numpy's header parser on a damaged archive is raised as ours, naming the file and member.
 
 dtypes: numpy's own dtypes are stored as they are. bfloat16 and the other ml_dtypes types,
 which ``.npy`` cannot name, are stored as unsigned integers of the same width holding the raw
@@ -35,6 +41,7 @@ import os
 import struct
 import threading
 import zipfile
+import zlib
 from collections.abc import Mapping
 from typing import IO, Any
 
@@ -43,6 +50,7 @@ import numpy as np
 from parallelvars.errors import (
     CorruptCheckpointError,
     NotACheckpointError,
+    ParallelVarsError,
     TruncatedFileError,
     UnsupportedDtypeError,
 )
@@ -75,6 +83,25 @@ MAX_INFO_SIZE = 100_000_000
 DEFAULT_NAMES = "slash"
 _MAGIC = b"\x93NUMPY"
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+#: What zipfile, zlib and numpy raise on a damaged archive (mapped to our errors).
+_ZIP_ERRORS = (
+    zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, OSError, EOFError, ValueError, KeyError,
+    IndexError, TypeError, struct.error, NotImplementedError, RuntimeError, OverflowError,
+    UnicodeDecodeError,
+)
+
+
+class _Recording:
+    """A read-only stream wrapper that keeps every byte read (the .npy header's bytes)."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self.data = bytearray()
+
+    def read(self, n: int) -> bytes:
+        b = self._f.read(n)
+        self.data += b
+        return b
 
 
 def _uint_of(itemsize: int) -> np.dtype:
@@ -92,10 +119,10 @@ def _dtype_from_tag(tag: str, member: str, file: str) -> np.dtype:
 class _Member:
     """One ``.npy`` member: its header facts and where its data starts."""
 
-    __slots__ = ("abs_offset", "fortran", "hlen", "info", "key", "shape", "stored_dtype")
+    __slots__ = ("abs_offset", "fortran", "head_crc", "hlen", "info", "key", "shape", "stored_dtype")
 
     def __init__(self, key: str, info: zipfile.ZipInfo, dtype: np.dtype, shape: tuple[int, ...],
-                 fortran: bool, hlen: int, abs_offset: int | None) -> None:
+                 fortran: bool, hlen: int, abs_offset: int | None, head_crc: int) -> None:
         self.key = key
         self.info = info
         self.stored_dtype = dtype  # the dtype the .npy header declares
@@ -103,6 +130,7 @@ class _Member:
         self.fortran = fortran
         self.hlen = hlen  # bytes of magic + header inside the member
         self.abs_offset = abs_offset  # file offset of the data (STORED members), else None
+        self.head_crc = head_crc  # zip CRC-32 of the .npy header bytes: the data's CRC continues it
 
     @property
     def nbytes(self) -> int:
@@ -175,12 +203,16 @@ class _Store(ByteStore):
         self._members: dict[str, _Member] = {}
         self._dtype_tags: dict[str, np.dtype] = {}
         self.info_raw: bytes | None = None
+        self.names: list[str] = []  # every member but the parallel info, in directory order
         self._f: IO[bytes] | None = None
         try:
             self._f = open(file, "rb")  # noqa: SIM115 - closed by close()
             self._size = os.fstat(self._f.fileno()).st_size
             self._zip = zipfile.ZipFile(self._f)
-        except zipfile.BadZipFile as exc:
+        except ParallelVarsError:
+            self.close()
+            raise
+        except _ZIP_ERRORS as exc:
             head = b""
             if self._f is not None:
                 self._f.seek(0)
@@ -196,16 +228,31 @@ class _Store(ByteStore):
         except BaseException:
             self.close()
             raise
+        self._all: dict[str, _Member] = {}  # every .npy member, #dtype tags included
+        self._current = ""
         try:
             self._scan()
+        except ParallelVarsError:
+            self.close()
+            raise
+        except _ZIP_ERRORS as exc:
+            self.close()
+            raise CorruptCheckpointError(f"damaged zip archive ({type(exc).__name__}: {exc})", file=file,
+                                         variable=self._current or None) from None
         except BaseException:
             self.close()
             raise
 
     def _scan(self) -> None:
         tags: set[str] = set()
-        for info in self._zip.infolist():
+        infos = self._zip.infolist()
+        if not infos and self._zip.start_dir > 0:
+            raise CorruptCheckpointError("the zip directory lists no members but the archive holds data",
+                                         file=self.file, expected="members before the directory",
+                                         found=f"{self._zip.start_dir} unlisted bytes")
+        for info in infos:
             name = info.filename
+            self._current = name
             if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
                 raise UnsupportedDtypeError("unsupported zip compression", file=self.file,
                                             variable=name, expected="STORED or DEFLATED",
@@ -222,12 +269,15 @@ class _Store(ByteStore):
                     raise CorruptCheckpointError("metadata member too large", file=self.file, variable=name)
                 self.info_raw = self._read_small(info)
                 continue
+            self.names.append(name)
             if not name.endswith(".npy"):
+                self._zip.open(info).close()  # zipfile checks the local header's name against the directory
                 continue  # np.load does not treat these as arrays either
             key = name[:-4]
             start = self._data_start(info)
-            with self._zip.open(info) as f:
-                dtype, shape, fortran, hlen = _parse_npy_header(f, key, self.file)
+            with self._zip.open(info) as f:  # checks the local header's name against the directory
+                rec = _Recording(f)
+                dtype, shape, fortran, hlen = _parse_npy_header(rec, key, self.file)  # type: ignore[arg-type]
             if dtype.kind == "U" and key.endswith("#dtype") and shape == ():
                 tags.add(key[: -len("#dtype")])  # resolved below
             need = hlen + math.prod(shape) * dtype.itemsize
@@ -235,9 +285,13 @@ class _Store(ByteStore):
                 cls = TruncatedFileError if info.file_size < need else CorruptCheckpointError
                 raise cls("member size does not match its .npy header", file=self.file, variable=key,
                           expected=f"{need} bytes", found=f"{info.file_size} bytes")
-            self._members[key] = _Member(
-                key, info, dtype, shape, fortran, hlen, None if start is None else start + hlen
+            if key in self._all:
+                raise CorruptCheckpointError("two members have the same name", file=self.file, variable=name)
+            self._members[key] = self._all[key] = _Member(
+                key, info, dtype, shape, fortran, hlen, None if start is None else start + hlen,
+                zlib.crc32(bytes(rec.data[:hlen])),
             )
+        self._current = ""
         for base in tags:
             if base in self._members:
                 tag_member = self._members.pop(f"{base}#dtype")
@@ -272,14 +326,31 @@ class _Store(ByteStore):
         try:
             with self._zip.open(info) as f:
                 return f.read()
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
-            raise CorruptCheckpointError(f"cannot read member ({exc})", file=self.file,
+        except ParallelVarsError:
+            raise
+        except _ZIP_ERRORS as exc:  # zipfile checks the CRC-32 once the member is read to its end
+            raise CorruptCheckpointError(f"cannot read member ({type(exc).__name__}: {exc})", file=self.file,
                                          variable=info.filename) from None
 
     def _read_whole(self, m: _Member) -> bytes:
         buf = bytearray(m.nbytes)
         self._read_bytes_member(m, 0, memoryview(buf))
+        self._check_crc(m.key, self._crc_update(buf, self._crc_start(m.key)))
         return bytes(buf)
+
+    # -- checksums: the zip's own CRC-32 of each member (the .npy header, then the data) ------
+
+    def _expected_crc(self, key: str) -> int | None:
+        return self._all[key].info.CRC
+
+    def _crc_start(self, key: str) -> int:
+        return self._all[key].head_crc
+
+    def _crc_update(self, data: Any, crc: int) -> int:
+        return zlib.crc32(data, crc)
+
+    def _crc_name(self) -> str:
+        return "zip CRC-32"
 
     # -- TensorStore --------------------------------------------------------------------------
 
@@ -340,8 +411,10 @@ class _Store(ByteStore):
                     if not n:
                         raise TruncatedFileError("the member ends early", file=self.file, variable=m.key)
                     done += n
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
-            raise CorruptCheckpointError(f"cannot read member ({exc})", file=self.file,
+        except ParallelVarsError:
+            raise
+        except _ZIP_ERRORS as exc:
+            raise CorruptCheckpointError(f"cannot read member ({type(exc).__name__}: {exc})", file=self.file,
                                          variable=m.key) from None
 
     def close(self) -> None:
@@ -352,6 +425,25 @@ class _Store(ByteStore):
         if f is not None:
             f.close()
         self._f = None
+
+
+def _check_members(listed: Any, found: list[str], file: str) -> None:
+    """Our files list their members in the parallel info: a damaged zip directory that lost
+    or renamed one is caught here (zipfile itself reads what the directory still lists)."""
+    if listed is None:
+        return  # an .npz from another tool, or from before the list was recorded
+    if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
+        raise CorruptCheckpointError("the member list in the parallelvars record is damaged", file=file,
+                                     variable=INFO_MEMBER, expected="a list of member names",
+                                     found=type(listed).__name__)
+    if listed != found:
+        missing = [n for n in listed if n not in found]
+        extra = [n for n in found if n not in listed]
+        what = "a member listed in the parallelvars record is missing" if missing else (
+            "the archive holds a member the parallelvars record does not list" if extra
+            else "the members are in another order than the parallelvars record lists")
+        raise CorruptCheckpointError(what, file=file, variable=(missing or extra or [None])[0],
+                                     expected=f"{len(listed)} members", found=f"{len(found)} members")
 
 
 def open_npz(path: str | os.PathLike[str], *, names: str | None = None) -> CheckpointView:
@@ -376,7 +468,12 @@ def open_npz(path: str | os.PathLike[str], *, names: str | None = None) -> Check
             if not isinstance(info, dict):
                 raise CorruptCheckpointError("the parallelvars metadata is not an object", file=p,
                                              variable=INFO_MEMBER)
-            metadata = dict(info.get("metadata") or {})
+            raw_meta = info.get("metadata") or {}
+            if not isinstance(raw_meta, dict):
+                raise CorruptCheckpointError("the metadata in the parallelvars record is not an object",
+                                             file=p, variable=INFO_MEMBER)
+            metadata = dict(raw_meta)
+            _check_members(info.get("members"), store.names, p)
         style = check_names(names or (info or {}).get("names") or DEFAULT_NAMES)
         entries = build_entries(store, info, names=style)
     except BaseException:
@@ -447,14 +544,17 @@ def write_npz(
             raise UnsupportedDtypeError(".npz cannot store this dtype", file=p, variable=t.entry.path,
                                         expected="a numeric, bool or bytes dtype", found=str(t.dtype))
     info["metadata"] = jsonable(carried_metadata(metadata))
+    # Every member, in order: a reader sees a damaged directory that lost one. The record goes
+    # first, so a directory cut short loses tensors the record names, not the record.
+    info["members"] = [f"{t.key}.npy" for t in planned]
     with atomic_path(p) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        zf.writestr(INFO_MEMBER, dumps(info))
         scratch = Scratch()
         for t in planned:
             array = _to_npy(t.read_with(scratch), p, t.entry.path)
             with zf.open(f"{t.key}.npy", "w", force_zip64=True) as f:
                 _write_npy(f, array)
             del array
-        zf.writestr(INFO_MEMBER, dumps(info))
     return p
 
 
