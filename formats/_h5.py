@@ -3,17 +3,40 @@ attribute decoding."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import h5py
 import numpy as np
 
-from parallelvars.errors import CorruptCheckpointError, NotACheckpointError, TruncatedFileError
+from parallelvars.errors import (
+    CorruptCheckpointError,
+    NotACheckpointError,
+    ParallelVarsError,
+    TruncatedFileError,
+)
 
-__all__ = ["HDF5_SIGNATURE", "attr_to_python", "is_hdf5", "open_h5", "read_split_attr"]
+__all__ = ["H5_ERRORS", "HDF5_SIGNATURE", "attr_to_python", "h5_errors", "is_hdf5", "open_h5", "read_split_attr"]
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+#: What h5py raises on damaged HDF5 structure (HDF5's error stack mapped by h5py, and the
+#: decoding errors of attribute values).
+H5_ERRORS = (OSError, RuntimeError, LookupError, ValueError, TypeError, AttributeError, ArithmeticError)
+
+
+@contextlib.contextmanager
+def h5_errors(file: str, what: str, variable: str | None = None) -> Iterator[None]:
+    """Raise h5py's errors inside the block as :class:`CorruptCheckpointError` (ours pass)."""
+    try:
+        yield
+    except ParallelVarsError:
+        raise
+    except H5_ERRORS as exc:
+        text = f"{type(exc).__name__}: {exc}"
+        cls = TruncatedFileError if "eof" in text.lower() or "truncated" in text.lower() else CorruptCheckpointError
+        raise cls(f"{what} ({text[:200]})", file=file, variable=variable) from None
 
 
 def is_hdf5(path: str, head: bytes) -> bool:
@@ -36,7 +59,7 @@ def open_h5(path: str) -> h5py.File:
         raise FileNotFoundError(f"{path}: no such file")
     try:
         ok = bool(h5py.is_hdf5(path))
-    except OSError:
+    except H5_ERRORS:
         ok = False
     if not ok:
         with open(path, "rb") as f:
@@ -49,7 +72,7 @@ def open_h5(path: str) -> h5py.File:
 def _open(path: str) -> h5py.File:
     try:
         return h5py.File(path, "r")
-    except OSError as exc:
+    except H5_ERRORS as exc:
         text = str(exc)
         if "truncated" in text.lower() or "eof" in text.lower():
             raise TruncatedFileError(f"the HDF5 file is truncated ({text})", file=path) from None

@@ -43,16 +43,26 @@ tensors are refused.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
 from typing import Any
 
+import crc32c as _crc32c
 import h5py
 import numpy as np
 
-from parallelvars.errors import CorruptCheckpointError, NotACheckpointError, UnsupportedDtypeError
+from parallelvars.checkpoint.h5io import checksum
+from parallelvars.errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    TruncatedFileError,
+    UnsupportedDtypeError,
+)
 
 from ._common import (
     PlannedTensor,
@@ -69,7 +79,7 @@ from ._common import (
     jsonable,
     plan_tensors,
 )
-from ._h5 import attr_to_python, is_hdf5, open_h5, read_split_attr
+from ._h5 import H5_ERRORS, attr_to_python, h5_errors, is_hdf5, open_h5, read_split_attr
 from ._registry import FormatSpec
 from ._view import CheckpointView, Entry
 
@@ -77,12 +87,19 @@ __all__ = ["FORMATS", "open_keras", "open_keras_legacy", "write_keras", "write_k
 
 RESERVED = "_parallel_components"
 INFO_ATTR = "parallelvars"
+#: Dataset attribute: CRC-32C of the dataset's bytes (Keras ignores attributes it does not know).
+CRC_ATTR = "crc32c"
+#: Root attribute: CRC-32C of a canonical description of everything the reader takes from the
+#: file besides tensor bytes (dataset keys, order, dtypes, shapes and CRCs, layer and weight
+#: names, the groups' attributes, the parallel info).
+STRUCTURE_ATTR = "parallelvars_crc32c"
+_OWN_ROOT_ATTRS = (INFO_ATTR, STRUCTURE_ATTR)
+# deflate's best case is about 1032:1: no compressed dataset can expand more than this.
+_MAX_COMPRESSION = 1100
 KERAS_LAYOUT = "keras_weights_layout"
 LEGACY_LAYOUT = "keras_legacy_layout"
-# Keras splits string-list attributes above the HDF5 object header limit; a vlen string
-# attribute costs 16 bytes per item there.
+# Keras splits string-list attributes above the HDF5 object header limit.
 _HEADER_LIMIT = 64512
-_VLEN_ITEM = 16
 _VARS_RE = re.compile(r"^(?:.+/)?vars/(0|[1-9][0-9]*)$")
 _SUFFIX_RE = re.compile(r":\d+$")
 # Any version but "1" tells Keras' legacy loader that no Keras 1 conversion is needed.
@@ -122,6 +139,16 @@ class _H5Store(TensorStore):
         self._ds = dict(datasets)
         self._meta = {k: (_dataset_dtype(d, file, k), tuple(int(s) for s in d.shape))
                       for k, d in self._ds.items()}
+        self.crcs: dict[str, int | None] = {k: _dataset_crc(d, file, k) for k, d in self._ds.items()}
+        self._verified: set[str] = set()
+        size = os.path.getsize(file)
+        for k, d in self._ds.items():
+            dtype, shape = self._meta[k]
+            nbytes = math.prod(shape) * dtype.itemsize
+            limit = size * (_MAX_COMPRESSION if d.chunks is not None else 1)
+            if nbytes > limit:  # refused before anything is allocated for it
+                raise TruncatedFileError("the dataset claims more bytes than the file holds", file=file,
+                                         variable=k, expected=f"<= {limit} bytes", found=f"{nbytes} bytes")
 
     def keys(self) -> list[str]:
         return list(self._ds)
@@ -143,27 +170,97 @@ class _H5Store(TensorStore):
 
     def read_into(self, key: str, out: np.ndarray, region: tuple[int, int, int] | None = None) -> None:
         ds = self._dataset(key)
-        if out.size == 0:
+        with h5_errors(self.file, "h5py cannot read the dataset", key):
+            if region is not None:
+                self._verify(key)
+            if out.size == 0:
+                if region is None:
+                    self._check(key, out)
+                return
+            target = out.view(ds.dtype) if ds.dtype.kind == "V" else out
+            sel = self._selection(region)
+            if ds.shape == ():
+                target[()] = ds[()]
+            else:
+                ds.read_direct(target, source_sel=sel if sel else None)
+            if region is None:
+                self._check(key, out)
+
+    def _check(self, key: str, value: np.ndarray) -> None:
+        expected = self.crcs[key]
+        if expected is not None and key not in self._verified:
+            found = checksum(value)
+            if found != expected:
+                raise ChecksumMismatchError(
+                    "the dataset's bytes do not match their crc32c attribute", file=self.file,
+                    variable=key, expected=f"crc32c {expected:#010x}", found=f"crc32c {found:#010x}",
+                )
+        self._verified.add(key)
+
+    def _verify(self, key: str) -> None:
+        """Check a whole dataset before the first partial read of it (once)."""
+        if self.crcs[key] is None or key in self._verified:
             return
-        target = out.view(ds.dtype) if ds.dtype.kind == "V" else out
-        sel = self._selection(region)
-        if ds.shape == ():
-            target[()] = ds[()]
-        else:
-            ds.read_direct(target, source_sel=sel if sel else None)
+        dtype, shape = self._meta[key]
+        whole = np.empty(shape, dtype)
+        self.read_into(key, whole)
 
     def read_objects(self, key: str, region: tuple[int, int, int] | None = None) -> np.ndarray:
         ds = self._dataset(key)
-        values = np.asarray(ds[self._selection(region)] if region else ds[()], dtype=object)
+        with h5_errors(self.file, "h5py cannot read the dataset", key):
+            values = np.asarray(ds[self._selection(region)] if region else ds[()], dtype=object)
         out = np.empty(values.shape, object)
         for idx, v in np.ndenumerate(values):
             out[idx] = v.encode("utf-8") if isinstance(v, str) else bytes(v)
         return out
 
     def close(self) -> None:
-        if self._h5 is not None:
-            self._h5.close()
-        self._h5 = None
+        h5, self._h5 = self._h5, None
+        if h5 is not None:
+            with h5_errors(self.file, "h5py cannot close the file"):
+                h5.close()
+
+
+def _dataset_crc(ds: h5py.Dataset, file: str, key: str) -> int | None:
+    raw = ds.attrs.get(CRC_ATTR)
+    if raw is None:
+        return None
+    value = np.asarray(raw)
+    if value.shape != () or value.dtype.kind not in "iu" or not 0 <= int(value) < (1 << 32):
+        raise CorruptCheckpointError("the crc32c attribute is damaged", file=file, variable=key,
+                                     expected="an integer in [0, 2**32)", found=repr(raw)[:80])
+    return int(value)
+
+
+def _structure_crc(store: _H5Store, layout: Any, info: Any) -> int:
+    """CRC-32C of a canonical description of what the reader takes from the file's structure."""
+    keys = store.keys()
+    doc = {
+        "layout": jsonable(layout),
+        "info": jsonable(info),
+        "datasets": [[k, str(store.stored(k)[0]), list(store.stored(k)[1]), store.crcs[k]] for k in keys],
+    }
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return int(_crc32c.crc32c(text.encode("ascii")))
+
+
+def _verify_structure(h5: h5py.File, file: str, store: _H5Store, layout: Any, info: Any) -> None:
+    raw = h5.attrs.get(STRUCTURE_ATTR)
+    if raw is None:
+        if isinstance(info, dict) and info.get("checksums"):
+            raise CorruptCheckpointError("the structure checksum is missing", file=file,
+                                         variable=STRUCTURE_ATTR, expected=f"root attribute {STRUCTURE_ATTR}",
+                                         found="none")
+        return  # a file from Keras or another tool
+    value = np.asarray(raw)
+    if value.shape != () or value.dtype.kind not in "iu":
+        raise CorruptCheckpointError("the structure checksum attribute is damaged", file=file,
+                                     variable=STRUCTURE_ATTR, expected="an integer", found=repr(raw)[:80])
+    found = _structure_crc(store, layout, info)
+    if int(value) != found:
+        raise ChecksumMismatchError("the file's structure (names, order, attributes, dtypes, shapes) does "
+                                    "not match its checksum", file=file, variable=STRUCTURE_ATTR,
+                                    expected=f"crc32c {int(value):#010x}", found=f"crc32c {found:#010x}")
 
 
 def _info(h5: h5py.File, file: str) -> dict[str, Any] | None:
@@ -203,114 +300,147 @@ def _not_ours(h5: h5py.File, file: str, want: str) -> None:
                                   file=file, hint="open it with format 'hdf5'")
 
 
+def _scan_keras(h5: h5py.File, p: str) -> tuple[dict[str, h5py.Dataset], dict[str, dict[str, Any]]]:
+    """The datasets of a Keras 3 file in reading order, and the groups' attributes."""
+    if _is_legacy(h5):
+        raise NotACheckpointError("this is a legacy Keras HDF5 file, not Keras 3 .weights.h5",
+                                  file=p, hint="open it with format 'keras-legacy'")
+    datasets: dict[str, h5py.Dataset] = {}
+    groups: dict[str, dict[str, Any]] = {}
+    root_attrs = {k: attr_to_python(v) for k, v in h5.attrs.items() if k not in _OWN_ROOT_ATTRS}
+    if root_attrs:
+        groups["/"] = root_attrs
+    found_vars = False
+
+    def visit(name: str, obj: Any) -> None:
+        nonlocal found_vars
+        if name == RESERVED or name.startswith(f"{RESERVED}/"):
+            return
+        if isinstance(obj, h5py.Group):
+            found_vars = found_vars or name.rpartition("/")[2] == "vars"
+            if obj.attrs:
+                groups[name] = {k: attr_to_python(v) for k, v in obj.attrs.items()}
+            return
+        datasets[name] = obj
+
+    h5.visititems(visit)
+    if not found_vars:
+        raise NotACheckpointError("no Keras 'vars' group in the HDF5 file", file=p,
+                                  expected="a Keras 3 .weights.h5 layout", found=f"top-level {sorted(h5)}")
+    for name in datasets:
+        if not _VARS_RE.match(name):
+            raise CorruptCheckpointError("dataset outside a Keras vars group (expected "
+                                         "<path>/vars/<index>)", file=p, variable=name)
+    order = sorted(datasets, key=lambda k: (k.rpartition("/")[0], int(k.rpartition("/")[2])))
+    _reserved(h5, "", datasets)
+    keys = order + [k for k in datasets if k.startswith(f"{RESERVED}/")]
+    return {k: datasets[k] for k in keys}, groups
+
+
 def open_keras(path: str | os.PathLike[str]) -> CheckpointView:
-    """Open a Keras 3 ``.weights.h5`` file lazily (entry paths: ``layers/<name>/vars/<i>``)."""
+    """Open a Keras 3 ``.weights.h5`` file lazily (entry paths: ``layers/<name>/vars/<i>``).
+
+    Files we wrote carry CRC-32Cs (per dataset and of the structure), checked on read; a file
+    from Keras has none and is read as it is.
+    """
     p = os.fspath(path)
     h5 = open_h5(p)
     try:
-        _not_ours(h5, p, "Keras weights")
-        if _is_legacy(h5):
-            raise NotACheckpointError("this is a legacy Keras HDF5 file, not Keras 3 .weights.h5",
-                                      file=p, hint="open it with format 'keras-legacy'")
-        datasets: dict[str, h5py.Dataset] = {}
-        groups: dict[str, dict[str, Any]] = {}
-        root_attrs = {k: attr_to_python(v) for k, v in h5.attrs.items() if k != INFO_ATTR}
-        if root_attrs:
-            groups["/"] = root_attrs
-        found_vars = False
-
-        def visit(name: str, obj: Any) -> None:
-            nonlocal found_vars
-            if name == RESERVED or name.startswith(f"{RESERVED}/"):
-                return
-            if isinstance(obj, h5py.Group):
-                found_vars = found_vars or name.rpartition("/")[2] == "vars"
-                if obj.attrs:
-                    groups[name] = {k: attr_to_python(v) for k, v in obj.attrs.items()}
-                return
-            datasets[name] = obj
-
-        h5.visititems(visit)
-        if not found_vars:
-            raise NotACheckpointError("no Keras 'vars' group in the HDF5 file", file=p,
-                                      expected="a Keras 3 .weights.h5 layout", found=f"top-level {sorted(h5)}")
-        for name in datasets:
-            if not _VARS_RE.match(name):
-                raise CorruptCheckpointError("dataset outside a Keras vars group (expected "
-                                             "<path>/vars/<index>)", file=p, variable=name)
-        order = sorted(datasets, key=lambda k: (k.rpartition("/")[0], int(k.rpartition("/")[2])))
-        _reserved(h5, "", datasets)
-        keys = order + [k for k in datasets if k.startswith(f"{RESERVED}/")]
-        store = _H5Store(p, h5, {k: datasets[k] for k in keys})
-        info = _info(h5, p)
-        entries = build_entries(store, info, names="slash")
+        with h5_errors(p, "h5py cannot read the file's structure"):
+            _not_ours(h5, p, "Keras weights")
+            datasets, groups = _scan_keras(h5, p)
+            store = _H5Store(p, h5, datasets)
+            info = _info(h5, p)
+            _verify_structure(h5, p, store, groups, info)
+            entries = build_entries(store, info, names="slash")
         metadata = dict((info or {}).get("metadata") or {})
         metadata[KERAS_LAYOUT] = dumps({"groups": jsonable(groups)})
     except BaseException:
-        h5.close()
+        with contextlib.suppress(*H5_ERRORS):
+            h5.close()
         raise
     return StoreView(store, entries, format="keras", path=p, metadata=metadata)
 
 
+def _scan_legacy(h5: h5py.File, p: str) -> tuple[dict[str, h5py.Dataset], dict[str, Any]]:
+    """The datasets of a legacy Keras file in reading order, and its layout."""
+    in_model = isinstance(h5.get("model_weights"), h5py.Group)
+    root = h5["model_weights"] if in_model else h5
+    if "layer_names" not in root.attrs and "layer_names0" not in root.attrs:
+        raise NotACheckpointError("no layer_names attribute: not a legacy Keras weights file",
+                                  file=p, expected="attribute layer_names",
+                                  found=f"attributes {sorted(root.attrs)}")
+    layer_names = read_split_attr(root, "layer_names")
+    datasets: dict[str, h5py.Dataset] = {}
+    layers: dict[str, list[str]] = {}
+
+    def add(group: h5py.Group, prefix: str) -> list[str]:
+        names = read_split_attr(group, "weight_names")
+        for w in names:
+            ds = group.get(w)
+            if not isinstance(ds, h5py.Dataset):
+                raise CorruptCheckpointError("weight listed in weight_names has no dataset",
+                                             file=p, variable=f"{group.name}/{w}")
+            key = prefix + _SUFFIX_RE.sub("", w)
+            if key in datasets:
+                raise CorruptCheckpointError("two weights have the same name", file=p, variable=key)
+            datasets[key] = ds
+        return names
+
+    for layer in [*layer_names, "top_level_model_weights"]:
+        group = root.get(layer)
+        if not isinstance(group, h5py.Group):
+            if layer == "top_level_model_weights":
+                continue
+            raise CorruptCheckpointError("layer listed in layer_names has no group", file=p,
+                                         variable=layer)
+        layers[layer] = add(group, "")
+    layout: dict[str, Any] = {
+        "root": "model_weights" if in_model else "",
+        "layer_names": layer_names,
+        "layers": layers,
+        "file_attrs": {k: attr_to_python(v) for k, v in h5.attrs.items()
+                       if k not in _OWN_ROOT_ATTRS and not (in_model is False and k.startswith("layer_names"))},
+    }
+    if in_model:
+        layout["root_attrs"] = {k: attr_to_python(v) for k, v in root.attrs.items()
+                                if not k.startswith("layer_names")}
+    if isinstance(h5.get("optimizer_weights"), h5py.Group):
+        layout["optimizer_weights"] = add(h5["optimizer_weights"], "optimizer_weights/")
+    _reserved(root, "", datasets)
+    return datasets, layout
+
+
 def open_keras_legacy(path: str | os.PathLike[str]) -> CheckpointView:
-    """Open a legacy Keras HDF5 file lazily (entry paths: weight names without ``:0``)."""
+    """Open a legacy Keras HDF5 file lazily (entry paths: weight names without ``:0``).
+
+    Files we wrote carry CRC-32Cs (per dataset and of the structure), checked on read; a file
+    from Keras has none and is read as it is.
+    """
     p = os.fspath(path)
     h5 = open_h5(p)
     try:
-        _not_ours(h5, p, "Keras")
-        in_model = isinstance(h5.get("model_weights"), h5py.Group)
-        root = h5["model_weights"] if in_model else h5
-        if "layer_names" not in root.attrs and "layer_names0" not in root.attrs:
-            raise NotACheckpointError("no layer_names attribute: not a legacy Keras weights file",
-                                      file=p, expected="attribute layer_names",
-                                      found=f"attributes {sorted(root.attrs)}")
-        layer_names = read_split_attr(root, "layer_names")
-        datasets: dict[str, h5py.Dataset] = {}
-        layers: dict[str, list[str]] = {}
-
-        def add(group: h5py.Group, prefix: str) -> list[str]:
-            names = read_split_attr(group, "weight_names")
-            for w in names:
-                ds = group.get(w)
-                if not isinstance(ds, h5py.Dataset):
-                    raise CorruptCheckpointError("weight listed in weight_names has no dataset",
-                                                 file=p, variable=f"{group.name}/{w}")
-                key = prefix + _SUFFIX_RE.sub("", w)
-                if key in datasets:
-                    raise CorruptCheckpointError("two weights have the same name", file=p, variable=key)
-                datasets[key] = ds
-            return names
-
-        for layer in [*layer_names, "top_level_model_weights"]:
-            group = root.get(layer)
-            if not isinstance(group, h5py.Group):
-                if layer == "top_level_model_weights":
-                    continue
-                raise CorruptCheckpointError("layer listed in layer_names has no group", file=p,
-                                             variable=layer)
-            layers[layer] = add(group, "")
-        layout: dict[str, Any] = {
-            "root": "model_weights" if in_model else "",
-            "layer_names": layer_names,
-            "layers": layers,
-            "file_attrs": {k: attr_to_python(v) for k, v in h5.attrs.items()
-                           if k != INFO_ATTR and not (in_model is False and k.startswith("layer_names"))},
-        }
-        if in_model:
-            layout["root_attrs"] = {k: attr_to_python(v) for k, v in root.attrs.items()
-                                    if not k.startswith("layer_names")}
-        if isinstance(h5.get("optimizer_weights"), h5py.Group):
-            layout["optimizer_weights"] = add(h5["optimizer_weights"], "optimizer_weights/")
-        _reserved(root, "", datasets)
-        store = _H5Store(p, h5, datasets)
-        info = _info(h5, p)
-        entries = build_entries(store, info, names="slash")
+        with h5_errors(p, "h5py cannot read the file's structure"):
+            _not_ours(h5, p, "Keras")
+            datasets, layout = _scan_legacy(h5, p)
+            store = _H5Store(p, h5, datasets)
+            info = _info(h5, p)
+            _verify_structure(h5, p, store, layout, info)
+            entries = build_entries(store, info, names="slash")
         metadata = dict((info or {}).get("metadata") or {})
         metadata[LEGACY_LAYOUT] = dumps(jsonable(layout))
     except BaseException:
-        h5.close()
+        with contextlib.suppress(*H5_ERRORS):
+            h5.close()
         raise
     return StoreView(store, entries, format="keras-legacy", path=p, metadata=metadata)
+
+
+def _seal(h5: h5py.File, tmp: str, scan: Any) -> None:
+    """Store the structure checksum of the file being written (read back as the reader will)."""
+    datasets, layout = scan(h5, tmp)
+    store = _H5Store(tmp, h5, datasets)
+    h5.attrs[STRUCTURE_ATTR] = np.int64(_structure_crc(store, layout, _info(h5, tmp)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,7 +472,22 @@ def _write_dataset(h5: h5py.File | h5py.Group, name: str, t: PlannedTensor, file
     value = _to_h5(t.read_with(scratch), file, t.entry.path)
     ds = h5.create_dataset(name, data=value)
     if is_ml_dtype(t.dtype):
-        ds.attrs["dtype"] = dtype_name(t.dtype)
+        ds.attrs["dtype"] = dtype_name(t.dtype)  # a str: Keras compares it with "bfloat16"
+    ds.attrs[CRC_ATTR] = np.int64(checksum(value))
+
+
+def _fixed_strings(values: str | list[str]) -> np.ndarray:
+    """Strings as fixed-length UTF-8 bytes (``|S``), as Keras 2 writes its name lists.
+
+    Variable-length strings would live in HDF5's global heap, which has no checksum and whose
+    parser can loop forever on a damaged file; fixed-length values stay in the (checksummed)
+    object header. Readers get the same strings back (:func:`._h5.attr_to_python`).
+    """
+    if isinstance(values, str):
+        raw = values.encode("utf-8", "surrogateescape")
+        return np.array(raw, dtype=f"S{max(1, len(raw))}")
+    encoded = [v.encode("utf-8", "surrogateescape") for v in values]
+    return np.array(encoded, dtype=f"S{max((len(b) for b in encoded), default=1) or 1}")
 
 
 def _set_attr(obj: h5py.Group | h5py.File, name: str, value: Any) -> None:
@@ -350,11 +495,13 @@ def _set_attr(obj: h5py.Group | h5py.File, name: str, value: Any) -> None:
         if not value:
             obj.attrs[name] = np.zeros(0, np.float64)  # what Keras writes for an empty list
         elif all(isinstance(v, str) for v in value):
-            obj.attrs[name] = np.array(value, dtype=h5py.string_dtype("utf-8"))
+            obj.attrs[name] = _fixed_strings(value)
         else:
             obj.attrs[name] = np.asarray(value)
     elif value is None:
         return
+    elif isinstance(value, str):
+        obj.attrs[name] = _fixed_strings(value)
     else:
         obj.attrs[name] = value
 
@@ -362,7 +509,7 @@ def _set_attr(obj: h5py.Group | h5py.File, name: str, value: Any) -> None:
 def _set_name_list(obj: h5py.Group | h5py.File, name: str, values: list[str]) -> None:
     """Write a string-list attribute, split into ``name0``, ``name1``... as Keras does when
     the list would overflow the object header."""
-    per_chunk = _HEADER_LIMIT // _VLEN_ITEM
+    per_chunk = max(1, _HEADER_LIMIT // max((len(v.encode("utf-8", "surrogateescape")) for v in values), default=1) or 1)
     if len(values) <= per_chunk:
         _set_attr(obj, name, list(values))
         return
@@ -387,7 +534,7 @@ def _layout(metadata: Mapping[str, Any], key: str) -> dict[str, Any] | None:
 
 def _write_info(h5: h5py.File, info: dict[str, Any], user: dict[str, Any]) -> None:
     if info["variables"] or user:
-        h5.attrs[INFO_ATTR] = dumps({**info, "metadata": user})
+        _set_attr(h5, INFO_ATTR, dumps({**info, "checksums": "crc32c", "metadata": user}))
 
 
 def _keras3_keys(entries: Mapping[str, Entry], file: str) -> dict[str, str]:
@@ -446,7 +593,7 @@ def write_keras(
     _check_dtypes(planned, p)
     user = _user_metadata(metadata, KERAS_LAYOUT)
     scratch = Scratch()
-    with atomic_path(p) as tmp, h5py.File(tmp, "w") as h5:
+    with atomic_path(p) as tmp, h5py.File(tmp, "w", libver="latest") as h5:
         for gpath, attrs in (layout.get("groups") or {}).items():
             group = h5 if gpath == "/" else h5.require_group(gpath)
             for name, value in (attrs or {}).items():
@@ -457,9 +604,10 @@ def write_keras(
             if parent.endswith("vars") and "name" not in group.attrs and not parent.startswith(RESERVED):
                 owner = parent[: -len("vars")].rstrip("/").rpartition("/")[2]
                 if owner:
-                    group.attrs["name"] = owner
+                    _set_attr(group, "name", owner)
             _write_dataset(h5, t.key, t, p, scratch)
         _write_info(h5, info, user)
+        _seal(h5, tmp, _scan_keras)
     return p
 
 
@@ -551,7 +699,7 @@ def write_keras_legacy(
     by_key = {t.key: t for t in planned}
     user = _user_metadata(metadata, LEGACY_LAYOUT)
     scratch = Scratch()
-    with atomic_path(p) as tmp, h5py.File(tmp, "w") as h5:
+    with atomic_path(p) as tmp, h5py.File(tmp, "w", libver="latest") as h5:
         for name, value in (layout.get("file_attrs") or {}).items():
             _set_attr(h5, name, value)
         root = h5.require_group(root_name) if root_name else h5
@@ -572,6 +720,7 @@ def write_keras_legacy(
             if t.key.startswith(f"{RESERVED}/"):
                 _write_dataset(root, t.key, t, p, scratch)
         _write_info(h5, info, user)
+        _seal(h5, tmp, _scan_legacy)
     return p
 
 
@@ -587,7 +736,7 @@ def _sniff_with(path: str, head: bytes, check: Any) -> bool:
             if "parallelvars_format" in h5.attrs:
                 return False
             return bool(check(h5))
-    except (OSError, KeyError, ValueError):
+    except H5_ERRORS:
         return False
 
 

@@ -83,8 +83,18 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def h5_structure(path: Any) -> dict[str, Any]:
-    """Every group and dataset with its attributes, dtype, shape and bytes."""
+#: Integrity attributes our Keras writers add (a dataset's ``crc32c``, the root's structure
+#: checksum); Keras ignores them, and files written by Keras have none.
+INTEGRITY_ATTRS = frozenset({"crc32c", "parallelvars_crc32c"})
+
+
+def h5_structure(path: Any, *, integrity: bool = False) -> dict[str, Any]:
+    """Every group and dataset with its attributes, dtype, shape and bytes.
+
+    Args:
+        integrity: keep our integrity attributes (:data:`INTEGRITY_ATTRS`); by default they
+            are left out, so a file we wrote compares equal to the Keras file it copies.
+    """
     def decode(v: Any) -> Any:
         if isinstance(v, np.ndarray):
             return [decode(x) for x in v.tolist()]
@@ -93,7 +103,7 @@ def h5_structure(path: Any) -> dict[str, Any]:
         return v.decode() if isinstance(v, bytes) else v
 
     def attrs(obj: Any) -> dict[str, Any]:  # values, whatever string encoding holds them
-        return {k: decode(v) for k, v in obj.attrs.items()}
+        return {k: decode(v) for k, v in obj.attrs.items() if integrity or k not in INTEGRITY_ATTRS}
 
     tree: dict[str, Any] = {}
     with h5py.File(path, "r") as f:

@@ -11,6 +11,7 @@ from formats_testlib import KERAS, assert_same_view, h5_structure, keras_expecte
 from parallelvars.errors import CorruptCheckpointError, NotACheckpointError, UnsupportedDtypeError
 from parallelvars.formats import ArrayEntry, DictView, detect_format
 from parallelvars.formats import keras as keras_module
+from parallelvars.formats._h5 import attr_to_python
 from parallelvars.formats.keras import (
     RESERVED,
     open_keras,
@@ -67,7 +68,7 @@ def test_keras3_from_other_paths_layout(tmp_path) -> None:
     with h5py.File(out, "r") as f:
         assert sorted(f["model/dense/vars"]) == ["0", "1"]
         assert same_bits(f["model/dense/vars/0"][()], kernel)
-        assert f["model/dense/vars"].attrs["name"] == "dense"
+        assert attr_to_python(f["model/dense/vars"].attrs["name"]) == "dense"
         assert same_bits(f["vars/0"][()], np.array(3, np.int64))
     with open_keras(out) as back:
         assert_same_view(back, view)
@@ -110,17 +111,17 @@ def test_parallel_components_stay_out_of_keras_vars(tmp_path) -> None:
 
 def test_legacy_generic_layout_and_split_names(tmp_path, monkeypatch) -> None:
     # Keras splits name lists that overflow the 64 KB object header; shrink the limit so a
-    # small file shows the split (3 names per part).
-    monkeypatch.setattr(keras_module, "_HEADER_LIMIT", 3 * keras_module._VLEN_ITEM)
+    # small file shows the split (3 names per part: the names are fixed-length, 7 bytes each).
+    monkeypatch.setattr(keras_module, "_HEADER_LIMIT", 3 * len(b"layer00"))
     view = DictView([ArrayEntry(f"layer{i:02d}/kernel", [np.full(2, i, np.int32)]) for i in range(8)]
                     + [ArrayEntry("step", [np.array(1)])])
     out = write_keras_legacy(tmp_path / "many.h5", view)
     with h5py.File(out, "r") as f:
         assert "layer_names" not in f.attrs
-        assert [list(f.attrs[f"layer_names{i}"]) for i in range(3)] == [
+        assert [attr_to_python(f.attrs[f"layer_names{i}"]) for i in range(3)] == [
             ["layer00", "layer01", "layer02"], ["layer03", "layer04", "layer05"], ["layer06", "layer07"]]
-        assert list(f["top_level_model_weights"].attrs["weight_names"]) == ["step"]
-        assert list(f["layer07"].attrs["weight_names"]) == ["layer07/kernel"]
+        assert attr_to_python(f["top_level_model_weights"].attrs["weight_names"]) == ["step"]
+        assert attr_to_python(f["layer07"].attrs["weight_names"]) == ["layer07/kernel"]
     with open_keras_legacy(out) as back:
         assert list(back)[:2] == ["layer00/kernel", "layer01/kernel"]
         assert_same_view(back, view)
