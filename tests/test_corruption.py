@@ -24,21 +24,6 @@ from parallelvars.checkpoint.h5io import H5Reader
 from parallelvars.errors import ChecksumMismatchError, CorruptCheckpointError, TruncatedFileError
 
 FORMATS = fuzz_readers.available_formats()
-#: Formats whose reader does not yet meet the property; each is a bug to fix in that reader
-#: (the strict xfail turns into a failure the day it is fixed, so the mark gets removed).
-KNOWN_GAPS = {
-    "safetensors": "the format carries no checksum: flipped data bytes read back as wrong values",
-    "npz": "zipfile.BadZipFile (bad CRC-32) escapes the reader instead of a CorruptCheckpointError",
-    "keras": "no checksums in Keras weight files (flipped data reads back wrong); h5py errors escape",
-    "keras-legacy": "no checksums in Keras weight files (flipped data reads back wrong); h5py errors escape",
-}
-
-
-def strict(formats):
-    return [
-        pytest.param(f, marks=pytest.mark.xfail(reason=KNOWN_GAPS[f], strict=True)) if f in KNOWN_GAPS else f
-        for f in formats
-    ]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -65,7 +50,7 @@ def report(fmt: str, counts, failures) -> None:
         print(f"  {what}: {detail}")
 
 
-@pytest.mark.parametrize("fmt", strict(FORMATS))
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_random_flips_and_truncations_are_detected_or_harmless(fmt, tmp_path, worker):
     sizes = fuzz_readers.sample_sizes(fuzz_readers.write_sample(fmt, str(tmp_path)))
     mutations = list(fuzz_readers.random_mutations(sizes, CASES.get(fmt, DEFAULT_CASES), seed=7))

@@ -20,12 +20,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import fuzz_readers
 
 FORMATS = fuzz_readers.available_formats()
-#: Formats whose reader still lets foreign exceptions escape on damaged input (found by this
-#: test; each entry is a bug in that reader to fix, and the strict xfail flags the fix).
-KNOWN_ESCAPES = {
-    "npz": "zipfile.BadZipFile escapes the npz reader (bad CRC-32, mismatched names)",
-    "keras-legacy": "h5py's RuntimeError/OSError escape the keras reader on damaged HDF5 structure",
-}
 FUZZ = settings(
     max_examples=30, deadline=None, database=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -56,12 +50,6 @@ def open_bytes(path: str) -> bytes:
         return f.read()
 
 
-def mark(fmt: str):
-    if fmt in KNOWN_ESCAPES:
-        return pytest.param(fmt, marks=pytest.mark.xfail(reason=KNOWN_ESCAPES[fmt], strict=True))
-    return fmt
-
-
 def damaged_name(samples, fmt: str) -> str:
     clean, _, files, damaged = samples[fmt]
     return damaged if not os.path.isfile(clean) else files[0]
@@ -83,7 +71,7 @@ def check(worker, samples, fmt: str, target: int, data: bytes) -> None:
 edits = st.lists(st.tuples(st.integers(0, 2 * HEAD - 1), st.integers(1, 255)), min_size=1, max_size=6)
 
 
-@pytest.mark.parametrize("fmt", [mark(f) for f in FORMATS])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_mutated_headers_raise_only_documented_errors(fmt, worker, samples):
     @FUZZ
     @given(target=st.integers(0, 7), edits=edits, cut=st.one_of(st.none(), st.integers(0, 1 << 16)))
