@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import pathlib
 import pickle
 import struct
@@ -15,6 +16,7 @@ import pytest
 from formats_testlib import KERAS, TORCH, assert_same_view, same_bits, torch_expected
 
 from parallelvars.errors import (
+    ChecksumMismatchError,
     CorruptCheckpointError,
     NotACheckpointError,
     TruncatedFileError,
@@ -219,3 +221,72 @@ def test_detection_is_strict(tmp_path) -> None:
     assert detect_format(empty) == "npz"
     with open_npz(empty) as view:
         assert len(view) == 0
+
+
+# ------------------------------------------------------------------------------------------
+# integrity: the zip's CRC-32 of every member is checked, and our record lists the members
+
+
+def _sample(tmp_path) -> tuple[str, DictView]:
+    # members larger than zipfile's 4 KiB read-ahead, so that opening reads only their headers
+    w = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    view = DictView([
+        ArrayEntry("model/w", [w, w + 1], kind="mirrored"),
+        ArrayEntry("model/e", [w[:32], w[32:]], kind="sharded", shape=(64, 64),
+                   attrs={"shard_axis": 0, "shard_offsets": [0, 32]}),
+        ArrayEntry("step", [np.array(7, np.int64)]),
+    ])
+    return write_npz(tmp_path / "m.npz", view), view
+
+
+def _flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([b ^ 0x01]))
+
+
+@pytest.mark.parametrize("member", ["model/w", "model/e"])
+def test_a_flipped_data_byte_fails_the_zip_crc(tmp_path, member) -> None:
+    path, _ = _sample(tmp_path)
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo(f"{member}.npy")
+        with zf.open(info) as f:
+            data = f.read()
+    end_of_data = info.header_offset + 30 + len(info.filename) + len(info.extra) + len(data)
+    _flip(path, end_of_data - 1)  # the member's last data byte
+    with open_npz(path) as view:
+        entry = view[member]
+        i = entry.num_components - 1 if entry.kind == "sharded" else 0  # a slice: the whole member is checked
+        with pytest.raises(ChecksumMismatchError, match=f"{member}.*CRC-32"):
+            entry.component(i)
+
+
+def test_zip_errors_become_ours_naming_the_member(tmp_path) -> None:
+    path, _ = _sample(tmp_path)
+    data = bytearray(pathlib.Path(path).read_bytes())
+    at = data.rindex(b"model/w/parallel_component_1.npy")  # the name in the central directory
+    data[at + 2] ^= 0x01
+    pathlib.Path(path).write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="BadZipFile"):
+        open_npz(path)
+
+
+def test_our_record_comes_first_and_lists_every_member(tmp_path) -> None:
+    path, _ = _sample(tmp_path)
+    with zipfile.ZipFile(path) as zf:
+        names = zf.namelist()
+        record = json.loads(zf.read(INFO_MEMBER))
+    assert names[0] == INFO_MEMBER and record["members"] == names[1:]
+    assert sorted(np.load(path).files) == sorted(n.removesuffix(".npy") for n in names)  # numpy still reads it
+
+
+def test_an_archive_that_lost_a_member_is_detected(tmp_path) -> None:
+    path, _ = _sample(tmp_path)
+    cut = tmp_path / "cut.npz"
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(cut, "w") as dst:
+        for info in src.infolist()[:-1]:  # what a directory cut short still lists
+            dst.writestr(info, src.read(info))
+    with pytest.raises(CorruptCheckpointError, match=r"step\.npy.*missing|missing.*step"):
+        open_npz(cut)

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from parallelvars.errors import (
+    ChecksumMismatchError,
     CorruptCheckpointError,
     ParallelVarsError,
     TruncatedFileError,
@@ -305,3 +306,93 @@ def test_closed_view_refuses_reads(tmp_path) -> None:
     view.close()
     with pytest.raises(ValueError, match="closed"):
         entry.component(0)
+
+
+# ------------------------------------------------------------------------------------------
+# integrity: our files carry CRC-32Cs in __metadata__ (plain readers ignore them)
+
+
+def _sample_file(tmp_path) -> tuple[str, DictView]:
+    w = np.arange(12, dtype=np.float32).reshape(4, 3)
+    view = DictView([
+        ArrayEntry("model/w", [w, w + 1], kind="mirrored"),
+        ArrayEntry("model/e", [w[:2], w[2:]], kind="sharded", shape=(4, 3), attrs={"shard_axis": 0, "shard_offsets": [0, 2]}),
+        ArrayEntry("step", [np.array(7, np.int64)]),
+    ])
+    return write_safetensors(tmp_path / "m.safetensors", view), view
+
+
+def _header(path) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return n, json.loads(f.read(n))
+
+
+def _rewrite_header(path, header: dict, n: int) -> None:
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    assert len(raw) <= n
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(raw + b" " * (n - len(raw)))
+
+
+def test_checksums_are_metadata_that_plain_readers_ignore(tmp_path) -> None:
+    path, view = _sample_file(tmp_path)
+    _, header = _header(path)
+    record = json.loads(header["__metadata__"]["parallelvars_crc32c"])
+    assert set(record["tensors"]) == {k for k in header if k != "__metadata__"}
+    with safe_open(path, framework="numpy") as f:
+        assert f.metadata()["parallelvars_crc32c"] == header["__metadata__"]["parallelvars_crc32c"]
+    assert sorted(load_file(path)) == sorted(record["tensors"])
+    with open_safetensors(path) as back:
+        assert "parallelvars_crc32c" not in back.metadata
+        assert_same_view(back, view)
+
+
+@pytest.mark.parametrize("key", ["model.w", "model.e"])
+def test_a_flipped_data_byte_names_the_tensor(tmp_path, key) -> None:
+    path, _ = _sample_file(tmp_path)
+    n, header = _header(path)
+    begin = 8 + n + header[key]["data_offsets"][0]
+    with open(path, "r+b") as f:
+        f.seek(begin + 1)
+        b = f.read(1)[0]
+        f.seek(begin + 1)
+        f.write(bytes([b ^ 0x20]))
+    with open_safetensors(path) as view:
+        entry = next(e for e in view.values() if key.replace(".", "/") == e.path)
+        # model.e: component 1 is a slice of the stored value; the whole tensor is checked first
+        i = entry.num_components - 1 if entry.kind == "sharded" else 0
+        with pytest.raises(ChecksumMismatchError, match=key.replace(".", r"\.")):
+            entry.component(i)
+
+
+def test_a_changed_header_is_detected(tmp_path) -> None:
+    path, _ = _sample_file(tmp_path)
+    n, header = _header(path)
+    header["model.w"]["dtype"] = "I32"  # same width, other meaning: the offsets still tile
+    _rewrite_header(path, header, n)
+    with pytest.raises(ChecksumMismatchError, match="header"):
+        open_safetensors(path)
+
+
+def test_a_lost_checksum_record_is_detected(tmp_path) -> None:
+    path, _ = _sample_file(tmp_path)
+    n, header = _header(path)
+    meta = header["__metadata__"]
+    meta["parallelvars_crc32X"] = meta.pop("parallelvars_crc32c")
+    _rewrite_header(path, header, n)
+    with pytest.raises(CorruptCheckpointError, match="checksum record is missing"):
+        open_safetensors(path)
+
+
+def test_shard_index_is_checksummed(tmp_path) -> None:
+    _, view = _sample_file(tmp_path)
+    index = write_safetensors(tmp_path / "set" / "model.safetensors", view, max_shard_size=40)
+    with open_safetensors(index) as back:
+        assert_same_view(back, view)
+    doc = json.loads(pathlib.Path(index).read_text())
+    doc["metadata"]["parallelvars"]["variables"]["model/w"]["kind"] = "on_read"
+    pathlib.Path(index).write_text(json.dumps(doc))
+    with pytest.raises(ChecksumMismatchError, match="index"):
+        open_safetensors(index)
