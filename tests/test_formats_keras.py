@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import h5py
 import ml_dtypes
 import numpy as np
 import pytest
 from formats_testlib import KERAS, assert_same_view, h5_structure, keras_expected, same_bits
 
-from parallelvars.errors import CorruptCheckpointError, NotACheckpointError, UnsupportedDtypeError
+from parallelvars.errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    UnsupportedDtypeError,
+)
 from parallelvars.formats import ArrayEntry, DictView, detect_format
 from parallelvars.formats import keras as keras_module
 from parallelvars.formats._h5 import attr_to_python
@@ -193,3 +200,77 @@ def test_strings_are_refused(tmp_path) -> None:
     view = DictView([ArrayEntry("s", [np.array([b"x"], dtype=object)])])
     with pytest.raises(UnsupportedDtypeError, match="'s'"):
         write_keras(tmp_path / "s.weights.h5", view)
+
+
+# ------------------------------------------------------------------------------------------
+# integrity: files we write carry CRC-32Cs that Keras ignores
+
+
+def _integrity_sample() -> DictView:
+    w = np.arange(12, dtype=np.float32).reshape(4, 3)
+    return DictView([
+        ArrayEntry("model/dense/kernel", [w, w + 1], kind="mirrored"),
+        ArrayEntry("model/dense/bias", [np.zeros(3, np.float32)]),
+        ArrayEntry("step", [np.array(7, np.int64)]),
+    ])
+
+
+def _flip_dataset_byte(path, name: str) -> None:
+    with h5py.File(path, "r") as f:
+        offset = f[name].id.get_offset()
+    with open(path, "r+b") as fh:
+        fh.seek(offset + 2)
+        b = fh.read(1)[0]
+        fh.seek(offset + 2)
+        fh.write(bytes([b ^ 0x10]))
+
+
+WRITERS = [(write_keras, open_keras, "m.weights.h5", "model/dense/vars/0"),
+           (write_keras_legacy, open_keras_legacy, "m.h5", "dense/model/dense/kernel")]
+
+
+@pytest.mark.parametrize(("write", "open_", "name", "dataset"), WRITERS)
+def test_our_files_carry_checksums_and_no_global_heap(tmp_path, write, open_, name, dataset) -> None:
+    out = write(tmp_path / name, _integrity_sample())
+    with h5py.File(out, "r") as f:
+        assert f.id.get_create_plist().get_version()[0] >= 2  # a superblock with a checksum
+        assert "parallelvars_crc32c" in f.attrs and "crc32c" in f[dataset].attrs
+        vlen: list[str] = []
+        f.visititems(lambda n, o: vlen.extend(f"{n}@{k}" for k in o.attrs
+                                              if h5py.check_vlen_dtype(o.attrs.get_id(k).dtype)))
+        assert vlen == []  # no string in HDF5's unchecksummed global heap
+    with open_(out) as back:
+        assert_same_view(back, _integrity_sample())
+
+
+@pytest.mark.parametrize(("write", "open_", "name", "dataset"), WRITERS)
+def test_a_flipped_data_byte_names_the_dataset(tmp_path, write, open_, name, dataset) -> None:
+    out = write(tmp_path / name, _integrity_sample())
+    _flip_dataset_byte(out, dataset)
+    with open_(out) as view, pytest.raises(ChecksumMismatchError, match="crc32c"):
+        view["model/dense/kernel"].component(0)  # the path kept in the parallel info
+
+
+@pytest.mark.parametrize(("write", "open_", "name", "attr"), [
+    (write_keras, open_keras, "m.weights.h5", ("model/dense/vars", "name", b"other")),
+    (write_keras_legacy, open_keras_legacy, "m.h5", ("dense", "weight_names",
+                                                     np.array([b"model/dense/bias", b"model/dense/kernel"]))),
+])
+def test_a_changed_structure_is_detected(tmp_path, write, open_, name, attr) -> None:
+    out = write(tmp_path / name, _integrity_sample())
+    group, key, value = attr
+    with h5py.File(out, "r+") as f:
+        f[group].attrs[key] = value  # swapped weight order, or another layer name
+    with pytest.raises(ChecksumMismatchError, match="structure"):
+        open_(out)
+
+
+def test_h5py_errors_on_damaged_structure_are_ours(tmp_path) -> None:
+    out = write_keras_legacy(tmp_path / "m.h5", _integrity_sample())
+    data = bytearray(pathlib.Path(out).read_bytes())
+    at = data.index(b"OHDR", 100)  # an object header after the root's: its checksum fails
+    data[at + 8] ^= 0x40
+    pathlib.Path(out).write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError), open_keras_legacy(out) as view:
+        for entry in view.values():
+            entry.value()
