@@ -83,8 +83,8 @@ __all__ = ["FORMAT", "INDEX_NAME", "MAX_HEADER_SIZE", "open_safetensors", "read_
 MAX_HEADER_SIZE = 100_000_000
 INDEX_NAME = "model.safetensors.index.json"
 META_KEY = "parallelvars"
-#: ``__metadata__`` key of our checksums: ``{"header": crc, "tensors": {name: crc}}``, each an
-#: 8-digit hex CRC-32C (tensor bytes; the canonical header description, see _header_crc).
+#: ``__metadata__`` key of our checksums: one string of 8-digit hex CRC-32Cs, the header's
+#: (of its canonical description, see _header_crc) then each tensor's bytes', in name order.
 CRC_KEY = "parallelvars_crc32c"
 DEFAULT_NAMES = "dotted"
 
@@ -253,14 +253,18 @@ def read_header(
 def _header_crc(metadata: Mapping[str, str], tensors: Mapping[str, tuple[str, list[int], list[int]]],
                 crcs: Mapping[str, str]) -> str:
     """CRC-32C of a canonical description of a header: every tensor's name, dtype string,
-    shape and offsets, every metadata item but our checksum key, and the tensor checksums."""
+    shape, offsets and CRC, and every metadata item but our checksum record."""
     doc = {
         "metadata": {k: v for k, v in metadata.items() if k != CRC_KEY},
-        "tensors": {name: [dtype, list(shape), list(offsets)] for name, (dtype, shape, offsets) in tensors.items()},
-        "crc32c": dict(crcs),
+        "tensors": {name: [dtype, list(shape), list(offsets), crcs[name]]
+                    for name, (dtype, shape, offsets) in tensors.items()},
     }
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return f"{_crc32c.crc32c(text.encode('ascii')):08x}"
+
+
+def _crc_record(header_crc: str, crcs: Mapping[str, str]) -> str:
+    return header_crc + "".join(crcs[name] for name in sorted(crcs))
 
 
 def _index_crc(metadata: Mapping[str, Any], weight_map: Mapping[str, str]) -> str:
@@ -268,10 +272,6 @@ def _index_crc(metadata: Mapping[str, Any], weight_map: Mapping[str, str]) -> st
     doc = {"metadata": {k: v for k, v in metadata.items() if k != CRC_KEY}, "weight_map": dict(weight_map)}
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return f"{_crc32c.crc32c(text.encode('ascii')):08x}"
-
-
-def _is_crc(value: Any) -> bool:
-    return isinstance(value, str) and len(value) == 8 and all(c in "0123456789abcdef" for c in value)
 
 
 def _verify_header(file: str, metadata: Mapping[str, str],
@@ -293,22 +293,17 @@ def _verify_header(file: str, metadata: Mapping[str, str],
                                              variable=CRC_KEY, expected=f"a {CRC_KEY!r} metadata item",
                                              found="none")
         return None
-    try:
-        record = json.loads(raw)
-        header, tensors = record["header"], record["tensors"]
-        ok = _is_crc(header) and isinstance(tensors, dict) and all(_is_crc(v) for v in tensors.values())
-    except (json.JSONDecodeError, TypeError, KeyError):
-        ok = False
-    if not ok:
+    names = sorted(described)
+    if len(raw) != 8 * (1 + len(names)) or not all(c in "0123456789abcdef" for c in raw):
         raise CorruptCheckpointError("the checksum record is damaged", file=file, variable=CRC_KEY,
-                                     expected='{"header": crc, "tensors": {...}}', found=raw[:80])
+                                     expected=f"{8 * (1 + len(names))} hex digits for {len(names)} tensors",
+                                     found=f"{raw[:80]!r}")
+    header = raw[:8]
+    tensors = {name: raw[8 * (i + 1):8 * (i + 2)] for i, name in enumerate(names)}
     found = _header_crc(metadata, described, tensors)
     if found != header:
         raise ChecksumMismatchError("the safetensors header does not match its checksum", file=file,
                                     variable=CRC_KEY, expected=f"crc32c {header}", found=f"crc32c {found}")
-    if set(tensors) != set(described):
-        raise CorruptCheckpointError("the checksum record lists other tensors than the header", file=file,
-                                     variable=CRC_KEY, expected=sorted(described)[:8], found=sorted(tensors)[:8])
     return {name: int(v, 16) for name, v in tensors.items()}
 
 
@@ -526,7 +521,7 @@ def _storage(t: PlannedTensor, file: str) -> tuple[str, tuple[int, ...]]:
 def _header_bytes(metadata: dict[str, str], described: dict[str, tuple[str, list[int], list[int]]],
                   crcs: dict[str, str], path: str) -> bytes:
     meta = dict(metadata)
-    meta[CRC_KEY] = dumps({"header": _header_crc(metadata, described, crcs), "tensors": crcs})
+    meta[CRC_KEY] = _crc_record(_header_crc(metadata, described, crcs), crcs)
     header: dict[str, Any] = {"__metadata__": meta}
     for name, (dtype, shape, offsets) in described.items():
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": offsets}
