@@ -36,6 +36,19 @@ value of a sharded variable) go where Keras looks; extra components go under the
 :mod:`._common`) into the root attribute ``parallelvars``, written only when there is something
 to record. Keras ignores both.
 
+Integrity (files we write; Keras ignores all of it): the file is written with
+``libver="latest"``, so HDF5 checksums its own metadata (superblock, object headers, B-trees);
+every dataset has a ``crc32c`` attribute (CRC-32C of its bytes), checked when it is read; the
+root attribute ``parallelvars_crc32c`` is a CRC-32C of a canonical description of everything
+the reader takes from the structure (dataset keys and order, dtypes, shapes and CRCs, layer and
+weight names, the groups' attributes, the parallel info), checked on opening. String attributes
+are written fixed-length, as Keras 2 writes its name lists, so no string lives in HDF5's global
+heap (which has no checksum, and whose parser can loop on a damaged file); the one exception is
+the ``dtype`` attribute of bfloat16 and other ml_dtypes datasets, which Keras compares with a
+``str``. Every h5py error on a damaged file is raised as a
+:class:`~parallelvars.errors.CorruptCheckpointError` naming the file (and dataset). Files from
+Keras carry none of this and are read as they are.
+
 dtypes: numpy dtypes are stored natively; bfloat16 (and the other ml_dtypes types) as HDF5
 OPAQUE data (``|V2``) with a dataset attribute ``dtype="bfloat16"``, as Keras writes it. String
 tensors are refused.

@@ -20,7 +20,16 @@ What our files hold (key style ``names``, default ``"dotted"``, see :mod:`._name
 * a sharded variable once, as its full stitched value under its key;
 * ``__metadata__``: ``"format": "pt"`` (what ``transformers`` expects), the source's file
   metadata as strings, and ``"parallelvars"``: the parallel info (kinds, components, attrs,
-  exact paths; see :mod:`._common`), so our reader gets back exactly what was written.
+  exact paths; see :mod:`._common`), so our reader gets back exactly what was written;
+* ``__metadata__["parallelvars_crc32c"]``: integrity data that plain readers ignore, one string
+  of 8-digit hex CRC-32Cs: first of a canonical description of the header (every name, dtype,
+  shape, offsets and tensor CRC, and every other metadata item), then of each tensor's bytes in
+  name order. The CRCs are known only once the tensors are streamed, so the header is written
+  with placeholders of the same width and rewritten in place. Our reader verifies the header on
+  opening and each tensor's bytes when it is read (the first partial read of a tensor checks
+  the whole tensor once); a file whose parallel info says ``"checksums"`` must have the record.
+  Files from other writers have none and are read as before. A shard set's index carries the
+  same key in its ``metadata``: a CRC-32C of its canonical weight map and metadata.
 
 Shard sets (``max_shard_size=``) follow the Hugging Face convention: ``model-00001-of-00002.
 safetensors``, ... and ``model.safetensors.index.json`` with ``metadata.total_size`` (the sum of
