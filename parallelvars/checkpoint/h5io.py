@@ -182,23 +182,37 @@ def _attr_value(value: Any) -> Any:
     return "json:" + json.dumps(value)
 
 
-_SCALAR_SPACE = None
+_ATTR_TYPES: dict[tuple[Any, ...], tuple[Any, Any]] = {}
 
 
 def _set_attr(oid: Any, name: str, value: Any) -> None:
-    """Write one attribute through the low-level API (half the cost of ``obj.attrs[name] = v``)."""
+    """Write one attribute through the low-level API.
+
+    A checkpoint writes a few thousand attributes, so this skips what ``obj.attrs[name] = v``
+    does each time: the HDF5 type and dataspace are made once per (dtype, shape) and reused.
+    """
     arr = np.asarray(value, dtype=h5py.string_dtype()) if isinstance(value, str) or (
         isinstance(value, np.ndarray) and value.dtype.kind == "O") else np.asarray(value)
     if arr.dtype.kind == "U":
         arr = arr.astype(h5py.string_dtype())
-    space = h5py.h5s.create(h5py.h5s.SCALAR) if arr.ndim == 0 else h5py.h5s.create_simple(arr.shape)
-    tid = h5py.h5t.py_create(arr.dtype, logical=True)
+    key = ("str" if arr.dtype.kind == "O" else arr.dtype.str, arr.shape)
+    types = _ATTR_TYPES.get(key)
+    if types is None:
+        space = h5py.h5s.create(h5py.h5s.SCALAR) if arr.ndim == 0 else h5py.h5s.create_simple(arr.shape)
+        types = _ATTR_TYPES[key] = (h5py.h5t.py_create(arr.dtype, logical=True), space)
     bname = name.encode()
-    if h5py.h5a.exists(oid, bname):
+    try:
+        attr = h5py.h5a.create(oid, bname, *types)
+    except _H5_ERRORS:  # it exists already: replace it
         h5py.h5a.delete(oid, bname)
-    attr = h5py.h5a.create(oid, bname, tid, space)
+        attr = h5py.h5a.create(oid, bname, *types)
     if arr.size:
         attr.write(np.ascontiguousarray(arr))
+
+
+# Kept in the (checksummed) index only: the design's group attributes are the kind, dtype,
+# shape, devices, aggregation and sharding; these three would only cost time per variable.
+_INDEX_ONLY_ATTRS = frozenset({"name", "synchronization", "trainable"})
 
 
 def _validate_path(path: str) -> None:
@@ -233,7 +247,8 @@ def _create_entry(
         if value is None or key in meta:
             continue
         stored = _attr_value(value)
-        _set_attr(grp.id, key, stored)
+        if key not in _INDEX_ONLY_ATTRS:
+            _set_attr(grp.id, key, stored)
         extra[key] = _decode(stored)
     meta["attrs"] = extra
     # Where each component's bytes start, so a reader need not open every dataset; the
