@@ -58,7 +58,7 @@ from parallelvars.errors import (
 )
 
 from ._names import check_names, from_key, to_key
-from ._view import KINDS, CheckpointView, Entry
+from ._view import KINDS, DictView, Entry
 
 __all__ = [
     "INFO_FORMAT",
@@ -703,7 +703,7 @@ def _entry_from_record(store: TensorStore, path: str, rec: Any, present: set[str
     return entry
 
 
-class StoreView(CheckpointView):
+class StoreView(DictView):  # the Mapping over ._entries comes from DictView
     """A :class:`CheckpointView` over a dict of entries backed by a :class:`TensorStore`."""
 
     def __init__(
@@ -720,15 +720,6 @@ class StoreView(CheckpointView):
         self.format = format
         self.path = path
         self.metadata = dict(metadata)
-
-    def __getitem__(self, key: str) -> Entry:
-        return self._entries[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
     def close(self) -> None:
         self._store.close()

@@ -10,34 +10,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
+from _strategy_support import run_with_deadline
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import parallelvars as pv
 from parallelvars.errors import ContextError, CrossReplicaOnlyError, DistributedValueError
 from parallelvars.strategy import add_n_by_device, get_update_device, split_batch
-
-DEADLINE_S = 10.0
-
-
-def run_with_deadline(strategy: Any, fn: Any, args: Any = (), kwargs: Any = None) -> Any:
-    """``strategy.run`` from a helper thread carrying this thread's context, with a deadline."""
-    box: dict[str, Any] = {}
-    ctx = contextvars.copy_context()
-
-    def target() -> None:
-        try:
-            box["result"] = ctx.run(strategy.run, fn, args, kwargs)
-        except BaseException as e:
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(DEADLINE_S)
-    assert not t.is_alive(), f"strategy.run did not return within {DEADLINE_S} s"
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
 
 
 class SparseGrad(NamedTuple):

@@ -23,7 +23,7 @@ import itertools
 import json
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -35,7 +35,7 @@ from parallelvars.errors import (
     UnsupportedDtypeError,
 )
 
-from .._view import KINDS, CheckpointView, Entry
+from .._view import KINDS, DictView, Entry
 from ._bundle import BundleReader, key_str
 from ._dtypes import DT_NAMES, DT_STRING
 from ._graph import TrackableObject, decode_graph
@@ -209,7 +209,7 @@ class TfEntry(Entry):
             self._bundle.read_into(source, out)
 
 
-class TfCheckpointView(CheckpointView):
+class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictView
     """A TensorFlow checkpoint opened as a lazy :class:`CheckpointView`.
 
     Args:
@@ -260,15 +260,6 @@ class TfCheckpointView(CheckpointView):
             raise
 
     # --- Mapping ----------------------------------------------------------------------------
-
-    def __getitem__(self, key: str) -> Entry:
-        return self._entries[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
     def close(self) -> None:
         self._bundle.close()

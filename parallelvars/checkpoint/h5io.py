@@ -65,6 +65,7 @@ GRAPH_DATASET = f"{META_GROUP}/object_graph"
 # Per-variable attributes and checksums in one JSON document, so opening a file costs one read
 # instead of one HDF5 attribute call per attribute.
 INDEX_DATASET = f"{META_GROUP}/index"
+DOCUMENTS_ATTR = "parallelvars_documents"
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 # deflate's best case is about 1032:1; no compressed dataset can expand more than this.
 _MAX_COMPRESSION = 1100
@@ -182,23 +183,37 @@ def _attr_value(value: Any) -> Any:
     return "json:" + json.dumps(value)
 
 
-_SCALAR_SPACE = None
+_ATTR_TYPES: dict[tuple[Any, ...], tuple[Any, Any]] = {}
 
 
 def _set_attr(oid: Any, name: str, value: Any) -> None:
-    """Write one attribute through the low-level API (half the cost of ``obj.attrs[name] = v``)."""
+    """Write one attribute through the low-level API.
+
+    A checkpoint writes a few thousand attributes, so this skips what ``obj.attrs[name] = v``
+    does each time: the HDF5 type and dataspace are made once per (dtype, shape) and reused.
+    """
     arr = np.asarray(value, dtype=h5py.string_dtype()) if isinstance(value, str) or (
         isinstance(value, np.ndarray) and value.dtype.kind == "O") else np.asarray(value)
     if arr.dtype.kind == "U":
         arr = arr.astype(h5py.string_dtype())
-    space = h5py.h5s.create(h5py.h5s.SCALAR) if arr.ndim == 0 else h5py.h5s.create_simple(arr.shape)
-    tid = h5py.h5t.py_create(arr.dtype, logical=True)
+    key = ("str" if arr.dtype.kind == "O" else arr.dtype.str, arr.shape)
+    types = _ATTR_TYPES.get(key)
+    if types is None:
+        space = h5py.h5s.create(h5py.h5s.SCALAR) if arr.ndim == 0 else h5py.h5s.create_simple(arr.shape)
+        types = _ATTR_TYPES[key] = (h5py.h5t.py_create(arr.dtype, logical=True), space)
     bname = name.encode()
-    if h5py.h5a.exists(oid, bname):
+    try:
+        attr = h5py.h5a.create(oid, bname, *types)
+    except _H5_ERRORS:  # it exists already: replace it
         h5py.h5a.delete(oid, bname)
-    attr = h5py.h5a.create(oid, bname, tid, space)
+        attr = h5py.h5a.create(oid, bname, *types)
     if arr.size:
         attr.write(np.ascontiguousarray(arr))
+
+
+# Kept in the (checksummed) index only: the design's group attributes are the kind, dtype,
+# shape, devices, aggregation and sharding; these three would only cost time per variable.
+_INDEX_ONLY_ATTRS = frozenset({"name", "synchronization", "trainable"})
 
 
 def _validate_path(path: str) -> None:
@@ -233,7 +248,8 @@ def _create_entry(
         if value is None or key in meta:
             continue
         stored = _attr_value(value)
-        _set_attr(grp.id, key, stored)
+        if key not in _INDEX_ONLY_ATTRS:
+            _set_attr(grp.id, key, stored)
         extra[key] = _decode(stored)
     meta["attrs"] = extra
     # Where each component's bytes start, so a reader need not open every dataset; the
@@ -393,7 +409,7 @@ def write_h5(
         finally:
             os.close(fd)
         if not precompute:
-            with h5py.File(tmp, "r+") as f:
+            with h5py.File(tmp, "r+", libver="latest") as f:
                 _finish_metadata(f, index, crcs, object_graph, set_attrs=True)
 
     return atomic_write(p, write)
@@ -410,8 +426,13 @@ def _finish_metadata(
     for meta_path, meta in index.items():
         meta["crc32c"] = [crcs[f"/{meta_path}/{component_name(i)}"] for i in range(meta["num_components"])]
     _write_json(f, INDEX_DATASET, index)
+    documents = [INDEX_DATASET]
     if object_graph is not None:
         _write_json(f, GRAPH_DATASET, object_graph)
+        documents.append(GRAPH_DATASET)
+    # Which documents exist, in the checksummed root header: h5py's get() answers None for a
+    # link it cannot follow, so a damaged link would otherwise look like "no graph".
+    f.attrs[DOCUMENTS_ATTR] = np.array([d.encode() for d in documents])
 
 
 def _write_json(f: h5py.File, name: str, value: Any) -> None:
@@ -425,9 +446,18 @@ def _write_json(f: h5py.File, name: str, value: Any) -> None:
     ds.attrs["crc32c"] = np.int64(_crc32c.crc32c(raw))
 
 
-def _read_json(f: h5py.File, name: str, file: str) -> Any:
+def _read_json(f: h5py.File, name: str, file: str, *, required: bool = False) -> Any:
     """Read a document written by :func:`_write_json` (or an older variable-length one)."""
-    ds = f.get(name)
+    if required:
+        try:
+            ds = f[name]
+        except _H5_ERRORS as exc:
+            raise CorruptCheckpointError(
+                "a metadata document is missing or unreadable", file=file, variable=name,
+                expected="the document the root attribute lists", found=str(exc),
+            ) from None
+    else:
+        ds = f.get(name)
     if ds is None:
         return None
     raw = ds[()]
@@ -868,7 +898,9 @@ class H5Reader(Mapping[str, StoredVariable]):
                 if isinstance(obj, h5py.Group) and "kind" in obj.attrs and not name.startswith(META_GROUP):
                     groups.append(name)
 
-            metas = _read_json(f, INDEX_DATASET, self.path)
+            listed = self.metadata.pop(DOCUMENTS_ATTR, None)  # layout bookkeeping, not user metadata
+            required = set(listed) if isinstance(listed, list) else set()
+            metas = _read_json(f, INDEX_DATASET, self.path, required=INDEX_DATASET in required)
             if metas is not None:
                 if not isinstance(metas, dict):
                     raise CorruptCheckpointError("index is not a mapping", file=self.path)
@@ -876,7 +908,9 @@ class H5Reader(Mapping[str, StoredVariable]):
             else:
                 f.visititems(visit)
                 self._variables = {name: StoredVariable.from_group(self, name, f[name]) for name in sorted(groups)}
-            self.object_graph: dict[str, Any] | None = _read_json(f, GRAPH_DATASET, self.path)
+            self.object_graph: dict[str, Any] | None = _read_json(
+                f, GRAPH_DATASET, self.path, required=GRAPH_DATASET in required
+            )
         except (CorruptCheckpointError, UnsupportedDtypeError):
             raise
         except (*_H5_ERRORS, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:

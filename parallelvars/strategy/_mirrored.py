@@ -26,7 +26,7 @@ from parallelvars.enums import Aggregation, ReduceOp
 from parallelvars.errors import ContextError, ReplicaError
 from parallelvars.strategy import _context
 from parallelvars.strategy._base import ReplicaContext, Strategy
-from parallelvars.strategy._values import PerReplica, _needs_walk, regroup, select_replica
+from parallelvars.strategy._values import PerReplica, _needs_walk, regroup, split_per_replica
 
 __all__ = ["MirroredStrategy"]
 
@@ -142,7 +142,7 @@ class _Step:
         if not _needs_walk(result):
             return [result] * self.n
         try:
-            return [select_replica(i, result, self.n) for i in range(self.n)]
+            return split_per_replica(result, self.n)
         except ValueError as e:
             raise ReplicaError(f"merge_call result: {e}") from None
 
@@ -328,11 +328,12 @@ class MirroredStrategy(Strategy):
                     _context._CREATORS.set((*_context._CREATORS.get(), self._variable_creator)),
                 )
             try:
-                jobs = []
-                for i in range(n):
-                    a = select_replica(i, args) if split else args
-                    kw = select_replica(i, kwargs) if kwargs else kwargs
-                    jobs.append((step, contextvars.copy_context(), (self, i, step, fn, a, kw)))
+                per_args = split_per_replica(args, n) if split else [args] * n
+                per_kwargs = split_per_replica(kwargs, n) if kwargs and _needs_walk(kwargs) else [kwargs] * n
+                jobs = [
+                    (step, contextvars.copy_context(), (self, i, step, fn, per_args[i], per_kwargs[i]))
+                    for i in range(n)
+                ]
             finally:
                 if tokens is not None:
                     _context._CREATORS.reset(tokens[1])

@@ -111,6 +111,36 @@ def select_replica(replica_id: int, structure: Any, num_replicas: int | None = N
     return _map_structure(pick, structure)
 
 
+def split_per_replica(structure: Any, num_replicas: int) -> list[Any]:
+    """``[select_replica(i, structure, num_replicas) for i in range(num_replicas)]``, fast.
+
+    The common shapes (a per-replica value, or a flat tuple / list of per-replica and plain
+    values, as ``run()`` arguments are) are transposed in one pass instead of being walked
+    once per replica.
+    """
+    if type(structure) is PerReplica:
+        vals = structure.values
+        if len(vals) == num_replicas:
+            return list(vals)
+    elif type(structure) in (tuple, list) and not any(
+        isinstance(x, (list, tuple, dict)) for x in structure
+    ):
+        cols = []
+        for x in structure:
+            if type(x) is PerReplica:
+                if len(x.values) != num_replicas:
+                    break
+                cols.append(x.values)
+            elif isinstance(x, PerReplica):  # a subclass (Mirrored): keep the general path
+                break
+            else:
+                cols.append((x,) * num_replicas)
+        else:
+            kind = type(structure)
+            return [kind(col[i] for col in cols) for i in range(num_replicas)]
+    return [select_replica(i, structure, num_replicas) for i in range(num_replicas)]
+
+
 def regroup(values: Sequence[Any], owner_of: Callable[[Sequence[Any]], Any] | None = None) -> Any:
     """Merge one value per replica into one value.
 
