@@ -31,7 +31,8 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 COMMANDS: tuple[str, ...] = ("inspect", "convert", "reshard", "diff", "verify", "extract", "demo")
 
 _DESCRIPTION = """\
-Inspect, convert, reshard, compare, verify and extract checkpoints of parallel variables.
+Inspect, convert, reshard, compare, verify and extract checkpoints of parallel variables, and
+run an end-to-end demonstration (parallelvars demo).
 
 Formats: hdf5 (the native layout), safetensors, npz, keras, keras-legacy, tf. The format of an
 input is detected from its first bytes (or its suffix); --from / --to override it."""

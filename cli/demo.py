@@ -23,6 +23,15 @@ from ._output import Output
 from .inspect import collect, render_tree
 
 FEATURES, HIDDEN, CLASSES = 32, 64, 4
+
+_DESCRIPTION = """\
+Train a two-layer MLP classifier on a synthetic data set (no downloads) with MirroredStrategy
+and Adam on virtual CPU devices, keeping checkpoints with a CheckpointManager; then simulate a
+restart by restoring the latest checkpoint onto a different number of devices (half as many)
+and finish the training; convert the final checkpoint to safetensors and to a TensorFlow
+checkpoint, inspect it, and print where everything is and how the loss went.
+
+Everything is written under --dir (default ./parallelvars-demo)."""
 EXAMPLES, BATCH = 8192, 256
 
 
@@ -30,7 +39,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "demo",
         help="train a small model on virtual devices, checkpoint, restart, convert, inspect",
-        description=__doc__,
+        description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  parallelvars demo\n  parallelvars demo --devices 8 --steps 400 --dir /tmp/demo",
     )
