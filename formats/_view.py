@@ -201,8 +201,9 @@ def logical_value(entry: Entry) -> np.ndarray:
         if agg == "only_first_replica":
             return entry.component(0)
         total = entry.component(0)
-        for i in range(1, entry.num_components):
-            total += entry.component(i)  # device order: deterministic
+        with np.errstate(over="ignore", invalid="ignore"):  # inf + -inf is nan, as it should be
+            for i in range(1, entry.num_components):
+                total += entry.component(i)  # device order: deterministic
         if agg == "mean":
             if total.dtype.kind in "iub":
                 return (total // entry.num_components).astype(total.dtype, copy=False)

@@ -277,8 +277,9 @@ class ParallelVariable(wrapt.ObjectProxy):
                 "value in cross-replica context; read its components"
             )
         total = np.array(comps[0], copy=True)
-        for c in comps[1:]:  # device order: the same bits on every run
-            np.add(total, c, out=total)
+        with np.errstate(over="ignore", invalid="ignore"):  # inf + -inf is nan, as it should be
+            for c in comps[1:]:  # device order: the same bits on every run
+                np.add(total, c, out=total)
         if agg is Aggregation.MEAN:
             if total.dtype.kind in "iub":  # integer mean, in the variable's own dtype
                 return (total // len(comps)).astype(total.dtype, copy=False)

@@ -62,7 +62,8 @@ def read_logical_into(stored: Any, out: np.ndarray, *, file: str, cast: bool) ->
         scratch = np.empty_like(out)
         for i in range(1, n):  # device order: the same bits on every run
             stored.read_component_into(i, scratch, cast=cast)
-            np.add(out, scratch, out=out)
+            with np.errstate(over="ignore", invalid="ignore"):  # inf + -inf is nan, as it should be
+                np.add(out, scratch, out=out)
         if agg == "mean":
             if out.dtype.kind in "iub":
                 np.floor_divide(out, n, out=out, casting="unsafe")

@@ -762,10 +762,12 @@ class StoredVariable:
         return data.reshape(ds.shape)
 
     def _check(self, i: int, data: np.ndarray) -> None:
+        self._compare(i, checksum(data))
+
+    def _compare(self, i: int, found: int) -> None:
         expected = self.stored_checksums[i]
         if expected is None:
             raise self._fail("dataset has no crc32c attribute", i)
-        found = checksum(data)
         if found != expected:
             raise ChecksumMismatchError(
                 "checksum mismatch: the stored bytes are damaged",
@@ -776,9 +778,44 @@ class StoredVariable:
             )
 
     def verify(self, i: int) -> None:
-        """Check component ``i``'s bytes against its stored checksum (no copy when mapped)."""
-        self._with_bytes(i, lambda data: self._check(i, data))
+        """Check component ``i``'s bytes against its stored checksum.
+
+        Without a whole-file map the bytes are read in bounded chunks, so verifying a file never
+        needs more memory than one chunk.
+        """
+        if not self._reader._map_file and self._pread_ok(i):
+            try:
+                self._check_streamed(i)
+            except ChecksumMismatchError:
+                if i not in self._from_index:
+                    raise
+                self._with_bytes(i, lambda data: self._check(i, data))  # the index may be stale
+        else:
+            self._with_bytes(i, lambda data: self._check(i, data))
         self._verified.add(i)
+
+    def _pread_ok(self, i: int) -> bool:
+        loc = self._location(i)
+        return loc is not None and loc[1] > 0
+
+    def _check_streamed(self, i: int) -> None:
+        loc = self._location(i)
+        assert loc is not None
+        offset, size = loc
+        remaining = size * self.dtype.itemsize
+        buf = self._reader._chunk(remaining)
+        crc = 0
+        while remaining:
+            n = os.preadv(self._reader._fd(), [memoryview(buf)[: min(remaining, len(buf))]], offset)  # type: ignore[arg-type]
+            if n <= 0:
+                raise TruncatedFileError(
+                    "file ends inside the data", file=self._reader.path,
+                    variable=f"{self.path}/{component_name(i)}", found=f"{self._reader.file_size} bytes",
+                )
+            crc = _crc32c.crc32c(memoryview(buf)[:n], crc)  # type: ignore[arg-type]
+            offset += n
+            remaining -= n
+        self._compare(i, crc)
 
     def read_component_into(self, i: int, out: np.ndarray, *, verify: bool = True, cast: bool = False) -> None:
         """Read component ``i`` straight into ``out`` (same shape; same dtype unless ``cast``)."""
@@ -800,7 +837,37 @@ class StoredVariable:
             else:
                 out[...] = data.astype(out.dtype)
 
+        if (
+            not self._reader._map_file
+            and out.dtype == self.dtype
+            and out.flags.c_contiguous
+            and self._pread_ok(i)
+        ):
+            # Straight from the file into ``out``, then its checksum there: no map, no copy.
+            loc = self._location(i)
+            assert loc is not None
+            self._pread_into(i, out, loc[0])
+            if verify and i not in self._verified:
+                try:
+                    self._check(i, out)
+                except ChecksumMismatchError:
+                    if i not in self._from_index:
+                        raise
+                    self._with_bytes(i, copy)  # the index may be stale: HDF5's location
+            return
         self._with_bytes(i, copy)
+
+    def _pread_into(self, i: int, out: np.ndarray, offset: int) -> None:
+        view = memoryview(_byte_view(out))  # type: ignore[arg-type]
+        fd = self._reader._fd()
+        while len(view):
+            n = os.preadv(fd, [view], offset)
+            if n <= 0:
+                raise TruncatedFileError(
+                    "file ends inside the data", file=self._reader.path,
+                    variable=f"{self.path}/{component_name(i)}", found=f"{self._reader.file_size} bytes",
+                )
+            view, offset = view[n:], offset + n
 
     def component(self, i: int) -> np.ndarray:
         self._check_storage(i)
@@ -842,6 +909,7 @@ class H5Reader(Mapping[str, StoredVariable]):
         # twice: checksums first, then values); otherwise one map per component read.
         self._map_file = map_file
         self._whole: mmap.mmap | None = None
+        self._chunk_buf: np.ndarray | None = None
         self._own_name: bytes | None = None
         if not os.path.exists(self.path):
             raise FileNotFoundError(f"{self.path}: no such checkpoint file")
@@ -935,6 +1003,13 @@ class H5Reader(Mapping[str, StoredVariable]):
         if self._map_file and self._whole is None and self.file_size > 0:
             self._whole = mmap.mmap(self._fd(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         return self._whole
+
+    def _chunk(self, nbytes: int) -> np.ndarray:
+        """A reusable buffer for streamed checks: the component's size, at most 8 MiB."""
+        want = min(nbytes, 8 << 20)
+        if self._chunk_buf is None or len(self._chunk_buf) < want:
+            self._chunk_buf = np.empty(want, np.uint8)
+        return self._chunk_buf
 
     def _fd(self) -> int:
         """A read-only descriptor of the file, for the per-component maps."""
