@@ -6,7 +6,7 @@ Builds a checkpoint of ``--mb`` megabytes (default 2048) in our HDF5 layout with
 
 * copies the file with ``shutil.copyfile`` + ``fsync`` (the baseline),
 * converts it to safetensors and back with :func:`parallelvars.formats.convert`, each step in
-  its own child process, so that its peak resident memory (``getrusage`` ``ru_maxrss``) and
+  its own child process, so that its peak resident memory (``VmHWM``) and
   its peak anonymous memory (``RssAnon``, sampled; file pages mapped for reading are not
   allocations) belong to that step alone.
 
@@ -39,6 +39,22 @@ import ml_dtypes
 import numpy as np
 
 MB = 1 << 20
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set (``VmHWM``), in bytes.
+
+    Not ``getrusage().ru_maxrss``: on Linux that survives fork and exec, so a child would
+    report its parent's peak (here: the parent that generated the whole source file).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _anon_rss() -> int:
@@ -76,7 +92,7 @@ def _child(step: str, src: str, dst: str) -> None:
     print(json.dumps({
         "step": step,
         "seconds": seconds,
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss": _peak_rss(),
         "peak_anon": peak_anon,
     }))
 
