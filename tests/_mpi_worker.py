@@ -80,6 +80,25 @@ def main() -> None:
             mean_var = pv.Variable(np.float32(5.0), name="mean_var", aggregation=pv.Aggregation.MEAN)
         strategy.run(lambda: mean_var.assign_add(np.float32(1.0 + rank)))
         out["mean_var"] = np.array(mean_var.components[0])
+    elif scenario == "manager":
+        # Every process has a manager on the one directory; rank 0 keeps the books.
+        model, opt, _ = m.train(strategy, steps=1, seed=rank)
+        directory = os.path.join(out_dir, "managed")
+        manager = pv.CheckpointManager(pv.Checkpoint(model=model, optimizer=opt), directory, max_to_keep=2)
+        saved = []
+        for step in range(3):
+            strategy.run(m.replica_step, args=(model, opt, m.batches(step + 1, strategy.num_replicas_in_sync)))
+            saved.append(manager.save())
+        try:
+            manager.save(blocking=False)
+        except ValueError as exc:
+            out["async_refused"] = np.asarray("multi-process" in str(exc))
+        strategy.barrier()
+        out["latest"] = np.asarray(manager.latest_checkpoint)
+        out["kept"] = np.asarray(manager.checkpoints)
+        out["listing"] = np.asarray(sorted(os.listdir(directory)))
+        out.update(m.state(model, opt))
+        manager.close()
     elif scenario == "raise":
         if rank == 1:
             raise ValueError("boom on purpose in rank 1")

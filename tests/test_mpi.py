@@ -229,3 +229,25 @@ def test_sparse_gradients_are_refused_not_summed_wrongly(tmp_path: Path) -> None
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "refused:" in out.stdout and "IndexedSlices" in out.stdout
+
+
+def test_checkpoint_manager_across_processes(tmp_path: Path) -> None:
+    """Each process runs a manager on one directory: one lock, one state, old rank files removed."""
+    launch(2, "manager", str(tmp_path))
+    results = load(tmp_path, "manager", 2)
+    for r in results:
+        assert bool(r["async_refused"])
+        assert [os.path.basename(str(k)) for k in r["kept"]] == ["ckpt-2.h5", "ckpt-3.h5"]
+        assert os.path.basename(str(r["latest"])) == "ckpt-3.h5"
+    listing = [str(x) for x in results[0]["listing"]]
+    # The first checkpoint and its per-rank files are gone; no temporaries are left behind.
+    assert "ckpt-1.h5" not in listing and "ckpt-1.h5.parts" not in listing
+    assert {"ckpt-2.h5", "ckpt-2.h5.parts", "ckpt-3.h5", "ckpt-3.h5.parts", "checkpoint.json"} <= set(listing)
+    assert not [x for x in listing if ".tmp-" in x]
+    # The latest checkpoint restores in one plain process to the values the ranks hold.
+    latest = str(tmp_path / "managed" / "ckpt-3.h5")
+    with pv.MirroredStrategy(2).scope():
+        model = model_code.Model(seed=9)
+    pv.Checkpoint(model=model).restore(latest).expect_partial()
+    for name in ("w", "b", "c"):
+        np.testing.assert_array_equal(getattr(model, name).components[1], results[1][name])

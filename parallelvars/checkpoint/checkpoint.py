@@ -37,13 +37,24 @@ GRAPH_VERSION = 1
 # A multi-process strategy installs a writer here: each process writes its own components and
 # the processes commit one logical checkpoint together (parallelvars.strategy._mpi).
 _COLLECTIVE_WRITER: Callable[..., str] | None = None
+_COLLECTIVE_RANK = 0
+
+# A checkpoint written by several processes: its per-process files live in this folder beside it.
+PARTS_SUFFIX = ".parts"
 
 
-def set_collective_writer(writer: Callable[..., str] | None) -> None:
+def set_collective_writer(writer: Callable[..., str] | None, *, rank: int = 0) -> None:
     """Route ``Checkpoint.write`` through ``writer(path, records, *, object_graph, metadata)``
-    (``None``: the plain single-file writer)."""
-    global _COLLECTIVE_WRITER
+    (``None``: the plain single-file writer); ``rank`` is this process's rank, and rank 0 keeps
+    the books (a ``CheckpointManager``'s state, lock and deletions)."""
+    global _COLLECTIVE_WRITER, _COLLECTIVE_RANK
     _COLLECTIVE_WRITER = writer
+    _COLLECTIVE_RANK = rank if writer is not None else 0
+
+
+def collective_rank() -> int | None:
+    """This process's rank when checkpoints are written collectively (MPI), else None."""
+    return _COLLECTIVE_RANK if _COLLECTIVE_WRITER is not None else None
 
 
 def escape_name(name: str) -> str:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import re
 import threading
 import time
@@ -54,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from parallelvars.checkpoint.checkpoint import Checkpoint
+from parallelvars.checkpoint.checkpoint import PARTS_SUFFIX, Checkpoint, collective_rank
 from parallelvars.checkpoint.h5io import atomic_write
 from parallelvars.errors import CheckpointError, CheckpointLockedError
 
@@ -323,15 +324,22 @@ class CheckpointManager:
         self._error: BaseException | None = None
 
         os.makedirs(self._directory, exist_ok=True)
+        # Under a multi-process strategy every process has a manager and takes part in each
+        # save; rank 0 alone holds the directory lock, writes the state and deletes old files.
+        rank = collective_rank()
+        self._bookkeeper = rank is None or rank == 0
         self._lock = _DirectoryLock(self._directory)
-        self._lock.acquire()
+        if self._bookkeeper:
+            self._lock.acquire()
         try:
-            self._remove_temporaries()
+            if self._bookkeeper:
+                self._remove_temporaries()
             self._managed, self._preserved, self._last_preserved = _reconcile(
                 self._directory, self._name, _read_state(self._directory)
             )
         except BaseException:
-            self._lock.release()
+            if self._bookkeeper:
+                self._lock.release()
             raise
         self._closed = False
 
@@ -387,6 +395,12 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         blocking = not self._async_default if blocking is None else blocking
+        if not blocking and collective_rank() is not None:
+            raise ValueError(
+                "non-blocking saves are not available under a multi-process strategy: every "
+                "process takes part in the write, which cannot run beside training's collectives "
+                "(expected blocking=True, found blocking=False)"
+            )
         step: int | None = None
         if self._step_counter is not None:
             step = int(np.asarray(self._step_counter))
@@ -461,11 +475,17 @@ class CheckpointManager:
                     last_preserved = old.time
                 else:
                     doomed.append(old)
-            self._write_state(managed, preserved, last_preserved)
+            if self._bookkeeper:
+                self._write_state(managed, preserved, last_preserved)
             self._managed, self._preserved, self._last_preserved = managed, preserved, last_preserved
+        if not self._bookkeeper:
+            return
         for old in doomed:  # after the state no longer names them
+            doomed_path = os.path.join(self._directory, old.file)
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self._directory, old.file))
+                os.unlink(doomed_path)
+            # The per-process files of a checkpoint written under MPI.
+            shutil.rmtree(doomed_path + PARTS_SUFFIX, ignore_errors=True)
 
     def _write_state(self, managed: list[_Record], preserved: list[_Record], last_preserved: float | None) -> None:
         state = {
@@ -541,7 +561,8 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
-            self._lock.release()
+            if self._bookkeeper:
+                self._lock.release()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -204,7 +204,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             install_abort_on_error()
         from parallelvars.checkpoint import checkpoint as _ckpt
 
-        _ckpt.set_collective_writer(self._write_checkpoint)
+        _ckpt.set_collective_writer(self._write_checkpoint, rank=self._rank)
 
     # ------------------------------------------------------------------ topology
     @property
@@ -522,7 +522,9 @@ class MultiWorkerMirroredStrategy(Strategy):
 # ----------------------------------------------------------------------------- checkpoints
 def parts_dir_for(path: str) -> str:
     """The folder of the per-rank files of the checkpoint at ``path``."""
-    return f"{path}.parts"
+    from parallelvars.checkpoint.checkpoint import PARTS_SUFFIX
+
+    return f"{path}{PARTS_SUFFIX}"
 
 
 def _is_distributed(record: Any, local_devices: Sequence[str]) -> bool:
