@@ -45,8 +45,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable
