@@ -356,23 +356,10 @@ def open_keras(path: str | os.PathLike[str]) -> CheckpointView:
     Files we wrote carry CRC-32Cs (per dataset and of the structure), checked on read; a file
     from Keras has none and is read as it is.
     """
-    p = os.fspath(path)
-    h5 = open_h5(p)
-    try:
-        with h5_errors(p, "h5py cannot read the file's structure"):
-            _not_ours(h5, p, "Keras weights")
-            datasets, groups = _scan_keras(h5, p)
-            store = _H5Store(p, h5, datasets)
-            info = _info(h5, p)
-            _verify_structure(h5, p, store, groups, info)
-            entries = build_entries(store, info, names="slash")
-        metadata = dict((info or {}).get("metadata") or {})
-        metadata[KERAS_LAYOUT] = dumps({"groups": jsonable(groups)})
-    except BaseException:
-        with contextlib.suppress(*H5_ERRORS):
-            h5.close()
-        raise
-    return StoreView(store, entries, format="keras", path=p, metadata=metadata)
+    return _open(
+        path, "keras", "Keras weights", _scan_keras,
+        lambda groups: (KERAS_LAYOUT, dumps({"groups": jsonable(groups)})),
+    )
 
 
 def _scan_legacy(h5: h5py.File, p: str) -> tuple[dict[str, h5py.Dataset], dict[str, Any]]:
@@ -430,23 +417,34 @@ def open_keras_legacy(path: str | os.PathLike[str]) -> CheckpointView:
     Files we wrote carry CRC-32Cs (per dataset and of the structure), checked on read; a file
     from Keras has none and is read as it is.
     """
+    return _open(
+        path, "keras-legacy", "Keras", _scan_legacy, lambda layout: (LEGACY_LAYOUT, dumps(jsonable(layout)))
+    )
+
+
+def _open(
+    path: str | os.PathLike[str], fmt: str, what: str, scan: Any, layout_entry: Any
+) -> CheckpointView:
+    """Open either Keras layout: ``scan`` finds the datasets and the layout, which is verified
+    against the structure checksum and kept in the metadata (``layout_entry``) for writers."""
     p = os.fspath(path)
     h5 = open_h5(p)
     try:
         with h5_errors(p, "h5py cannot read the file's structure"):
-            _not_ours(h5, p, "Keras")
-            datasets, layout = _scan_legacy(h5, p)
+            _not_ours(h5, p, what)
+            datasets, layout = scan(h5, p)
             store = _H5Store(p, h5, datasets)
             info = _info(h5, p)
             _verify_structure(h5, p, store, layout, info)
             entries = build_entries(store, info, names="slash")
         metadata = dict((info or {}).get("metadata") or {})
-        metadata[LEGACY_LAYOUT] = dumps(jsonable(layout))
+        key, value = layout_entry(layout)
+        metadata[key] = value
     except BaseException:
         with contextlib.suppress(*H5_ERRORS):
             h5.close()
         raise
-    return StoreView(store, entries, format="keras-legacy", path=p, metadata=metadata)
+    return StoreView(store, entries, format=fmt, path=p, metadata=metadata)
 
 
 def _seal(h5: h5py.File, tmp: str, scan: Any) -> None:
