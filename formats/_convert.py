@@ -96,19 +96,6 @@ class _CountingEntry(Entry):
         return value
 
 
-def _carry(view: Mapping[str, Entry], entries: dict[str, Entry]) -> DictView:
-    out = DictView(
-        entries,
-        format=getattr(view, "format", "memory"),
-        path=getattr(view, "path", "<memory>"),
-        metadata=getattr(view, "metadata", None),
-    )
-    graph = getattr(view, "object_graph", None)
-    if graph is not None:
-        out.object_graph = graph  # type: ignore[attr-defined]
-    return out
-
-
 def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -174,7 +161,7 @@ def convert(
             total = sum(int(e.nbytes) for e in entries.values())
             counter = _Progress(progress, total)
             entries = {k: _CountingEntry(e, counter) for k, e in entries.items()}
-        result = spec.write(os.fspath(dst), _carry(view, entries), **options)
+        result = spec.write(os.fspath(dst), DictView.derived(view, entries), **options)
         if progress is not None and counter.done < counter.total:
             progress(counter.total, counter.total)  # writers may skip reads (empty tensors)
         return result

@@ -213,13 +213,4 @@ def reshard(view: Mapping[str, Entry], devices: int, *, mirror_single: bool = Fa
     cache = _Cache()
     file = getattr(view, "path", None)
     entries = {path: _rewrite(entry, m, mirror_single, cache, file) for path, entry in view.items()}
-    out = DictView(
-        entries,
-        format=getattr(view, "format", "memory"),
-        path=getattr(view, "path", "<memory>"),
-        metadata=getattr(view, "metadata", None),
-    )
-    graph = getattr(view, "object_graph", None)
-    if graph is not None:
-        out.object_graph = graph  # type: ignore[attr-defined]  # carried to the HDF5 writer
-    return out
+    return DictView.derived(view, entries)

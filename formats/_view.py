@@ -176,6 +176,21 @@ class DictView(CheckpointView):
         self.path = path
         self.metadata = dict(metadata or {})
 
+    @classmethod
+    def derived(cls, source: Mapping[str, Entry], entries: Mapping[str, Entry]) -> DictView:
+        """A view of ``entries`` that keeps ``source``'s format, path, metadata and object graph
+        (for views rewritten from another: converted, resharded)."""
+        out = cls(
+            entries,
+            format=getattr(source, "format", "memory"),
+            path=getattr(source, "path", "<memory>"),
+            metadata=getattr(source, "metadata", None),
+        )
+        graph = getattr(source, "object_graph", None)
+        if graph is not None:
+            out.object_graph = graph  # type: ignore[attr-defined]  # the HDF5 writer may keep it
+        return out
+
     def __getitem__(self, key: str) -> Entry:
         return self._entries[key]
 
