@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -75,37 +75,25 @@ def parse_size(text: str) -> int:
     return size
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1, for argparse."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _number(cast: Callable[[str], Any], low: float, what: str) -> Callable[[str], Any]:
+    """An argparse type: ``cast(text)``, finite and at least ``low``, else an error naming ``what``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not np.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    parse.__name__ = what.replace(" ", "_")  # argparse names the type in its messages
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """An integer >= 0, for argparse."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """A finite float >= 0, for argparse."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not np.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
+positive_int = _number(int, 1, "a positive integer")
+non_negative_int = _number(int, 0, "an integer >= 0")
+non_negative_float = _number(float, 0, "a finite number >= 0")
 
 
 def add_format_option(

@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import re
 
+from parallelvars.checkpoint.checkpoint import escape_name, unescape_name
+
 __all__ = [
     "NAME_STYLES",
     "check_names",
@@ -67,24 +69,6 @@ def check_names(names: str) -> str:
     if names not in NAME_STYLES:
         raise ValueError(f"unknown name style {names!r} (expected one of {', '.join(NAME_STYLES)})")
     return names
-
-
-def _tf_escape(segment: str) -> str:
-    return segment.replace(".", "..").replace("/", ".S")
-
-
-def _tf_unescape(segment: str) -> str:
-    out = []
-    i = 0
-    while i < len(segment):
-        c = segment[i]
-        if c == "." and i + 1 < len(segment) and segment[i + 1] in ".S":
-            out.append("." if segment[i + 1] == "." else "/")
-            i += 2
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
 
 
 def _segments(path: str) -> list[str]:
@@ -131,12 +115,12 @@ def _tf_object_path(path: str, slot_of: str | None, slot_name: str | None) -> st
         if len(segs) > len(tail) and segs[-len(tail):] == tail:
             optimizer = segs[: -len(tail)]
             return "/".join(
-                [_tf_escape(s) for s in _segments(slot_of)]
+                [escape_name(s) for s in _segments(slot_of)]
                 + [_SLOT]
-                + [_tf_escape(s) for s in optimizer]
-                + [_tf_escape(slot_name)]
+                + [escape_name(s) for s in optimizer]
+                + [escape_name(slot_name)]
             )
-    return "/".join(_tf_escape(s) for s in segs)
+    return "/".join(escape_name(s) for s in segs)
 
 
 def component_key(path: str, index: int, names: str = "slash", **slot: str | None) -> str:
@@ -169,7 +153,7 @@ def from_key(key: str, names: str = "slash") -> str:
         if len(rest) >= 2:
             optimizer, slot = rest[:-1], rest[-1]
             obj = [*optimizer, "slots", *variable, slot]
-    path = "/".join(_tf_unescape(s) for s in obj)
+    path = "/".join(unescape_name(s) for s in obj)
     if attribute == _VALUE:
         return path
     return f"{path}/{attribute}"

@@ -23,6 +23,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from parallelvars.checkpoint.checkpoint import escape_name, unescape_name
+
 __all__ = [
     "GRAPH_KEY",
     "METADATA_KEY",
@@ -48,30 +50,13 @@ PARALLEL_COMPONENT = "parallel_component_"
 #: The path segment between an optimizer and its slot variables in our paths.
 SLOTS = "slots"
 
+# TensorFlow's escaping of one local name (``.`` -> ``..``, ``/`` -> ``.S``) is the one our
+# checkpoints use: a single implementation, in the core.
+escape_local_name = escape_name
+unescape_local_name = unescape_name
+
 _SEP = "/" + ATTRIBUTES + "/"
 _PARALLEL_RE = re.compile(r"parallel_component_([1-9][0-9]*)")
-
-
-def escape_local_name(name: str) -> str:
-    """``.`` -> ``..`` and ``/`` -> ``.S``."""
-    return name.replace(".", "..").replace("/", ".S")
-
-
-def unescape_local_name(name: str) -> str:
-    """Invert :func:`escape_local_name`; a ``.`` starting no valid escape is kept as it is."""
-    if "." not in name:
-        return name
-    out = []
-    i, n = 0, len(name)
-    while i < n:
-        c = name[i]
-        if c == "." and i + 1 < n and name[i + 1] in ".S":
-            out.append("." if name[i + 1] == "." else "/")
-            i += 2
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
 
 
 def component_attribute(i: int) -> str:

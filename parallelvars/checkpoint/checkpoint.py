@@ -63,6 +63,7 @@ def escape_name(name: str) -> str:
 
 
 def unescape_name(name: str) -> str:
+    """Invert :func:`escape_name`; a ``.`` that starts no valid escape is kept as it is."""
     out, i = [], 0
     while i < len(name):
         if name[i] == "." and i + 1 < len(name):

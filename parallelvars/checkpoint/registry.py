@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +131,3 @@ def get_saveable(obj: Any) -> Saveable | None:
             return s
     return None
 
-
-def registered_types() -> Mapping[type, Saveable]:
-    return dict(_registry)

@@ -51,6 +51,15 @@ _dtype_of = operator.attrgetter("dtype")
 _NDARRAY_ONLY = {np.ndarray}
 
 
+def _dense_checked(arr: np.ndarray, var: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """``arr`` when it can be the dense gradient of ``var`` (its shape, a numeric dtype)."""
+    if arr.shape != shape:
+        raise GradientError("gradient of another shape", variable=var.name, expected=shape, found=arr.shape)
+    if arr.dtype.kind not in "fiu" and not _is_float(arr.dtype):
+        raise GradientError("gradient is not numeric", variable=var.name, expected="a float array", found=arr.dtype)
+    return arr
+
+
 def _INDEXED_SLICES_FREE(grads: list[Any]) -> bool:
     return IndexedSlices not in set(map(type, grads))
 
@@ -347,13 +356,7 @@ class Optimizer(Module):
     def _check(self, g: Any, var: Any) -> Any:
         shape = self._info(var)[0]
         if type(g) is np.ndarray:  # the common case, kept cheap
-            if g.shape != shape:
-                raise GradientError("gradient of another shape", variable=var.name, expected=shape, found=g.shape)
-            if g.dtype.kind not in "fiu" and not _is_float(g.dtype):
-                raise GradientError(
-                    "gradient is not numeric", variable=var.name, expected="a float array", found=g.dtype
-                )
-            return g
+            return _dense_checked(g, var, shape)
         # A reduced gradient may come back wrapped (a mirrored value): its primary is the value.
         if not isinstance(g, IndexedSlices) and isinstance(getattr(g, "values", None), (tuple, list)):
             g = g.values[0]
@@ -383,13 +386,7 @@ class Optimizer(Module):
                 return g.to_dense(shape)
             return g
         arr = g if type(g) is np.ndarray else np.asarray(g.read_value() if isinstance(g, ParallelVariable) else g)
-        if arr.shape != shape:
-            raise GradientError("gradient of another shape", variable=var.name, expected=shape, found=arr.shape)
-        if arr.dtype.kind not in "fiu" and not _is_float(arr.dtype):
-            raise GradientError(
-                "gradient is not numeric", variable=var.name, expected="a float array", found=arr.dtype
-            )
-        return arr
+        return _dense_checked(arr, var, shape)
 
     def _distributed_apply(
         self,
