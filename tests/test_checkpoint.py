@@ -68,6 +68,10 @@ def test_save_returns_numbered_file_and_layout_is_plain_hdf5(tmp_path) -> None:
         for name in g:
             np.testing.assert_array_equal(g[name][()], np.asarray(m.layers[0].kernel))
         assert g.attrs["kind"] == "mirrored" and list(g.attrs["shape"]) == [3, 2]
+        # Scalars are scalars, strings are str: what a plain h5py user expects to read.
+        assert type(g.attrs["kind"]) is str and type(g.attrs["dtype"]) is str
+        assert int(g.attrs["num_components"]) == 4 and np.ndim(g.attrs["num_components"]) == 0
+        assert np.ndim(g["primary"].attrs["crc32c"]) == 0
         e = f["model/embedding"]
         assert e.attrs["kind"] == "sharded" and list(e.attrs["shard_offsets"]) == [0, 3, 6, 8]
         np.testing.assert_array_equal(e["value"][()], np.arange(40, dtype=np.float32).reshape(10, 4))
@@ -470,8 +474,39 @@ def test_stale_index_offsets_fall_back_to_hdf5s_own_locations(saved) -> None:
     assert snapshot(dst) == snapshot(src)
 
 
-def test_a_buffer_changing_during_save_fails_the_save(tmp_path) -> None:
-    """Checksums of live buffers are taken before the write; a change in between is an error."""
+def test_a_buffer_changing_during_save_fails_the_save(tmp_path, monkeypatch) -> None:
+    """A live buffer written to by another thread while it is saved fails the save.
+
+    The file would otherwise hold a mix of the old and new values under a matching checksum.
+    """
+    from parallelvars.checkpoint import h5io
+
+    buf = np.zeros(3 * h5io._DataWriter.CHUNK // 4, np.float32)  # three chunks of bytes
+    real = h5io._pwrite_all
+
+    def pwrite_then_train(fd, data, offset):
+        real(fd, data, offset)
+        buf[-1] += 1  # another thread trains on while the chunks are written
+
+    class Live:
+        path, kind, shape, num_components, attrs = "v", "single", buf.shape, 1, {}
+        dtype, components = buf.dtype, [buf]
+
+        def component_shape(self, i):
+            return buf.shape
+
+        def component(self, i):
+            return buf
+
+    monkeypatch.setattr(h5io, "_pwrite_all", pwrite_then_train)
+    target = tmp_path / "a.h5"
+    with pytest.raises(RuntimeError, match="'v' changed while it was being saved"):
+        h5io.write_h5(target, [Live()])
+    assert not target.exists() and os.listdir(tmp_path) == []
+
+
+def test_save_reads_each_live_component_once(tmp_path) -> None:
+    """The value saved is the one read; checksums describe the file's bytes."""
     from parallelvars.checkpoint.h5io import write_h5
 
     class Drifting:
@@ -487,14 +522,14 @@ def test_a_buffer_changing_during_save_fails_the_save(tmp_path) -> None:
 
         def component(self, i):
             self.calls += 1
-            if self.calls > 1:  # another thread trains on while the file is written
-                self.components[0] += 1
-            return self.components[0]
+            return self.components[0] + self.calls  # a fresh value on every call
 
-    target = tmp_path / "a.h5"
-    with pytest.raises(RuntimeError, match="changed while it was being saved"):
-        write_h5(target, [Drifting()])
-    assert not target.exists() and os.listdir(tmp_path) == []
+    entry = Drifting()
+    path = write_h5(tmp_path / "a.h5", [entry])
+    assert entry.calls == 1
+    with H5Reader(path) as r:
+        assert r.verify_all() == []
+        np.testing.assert_array_equal(r["v"].component(0), np.ones(4, np.float32))
 
 
 def test_string_variable_checksums_are_recorded(tmp_path) -> None:

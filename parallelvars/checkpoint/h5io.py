@@ -23,11 +23,15 @@ once, straight into the destination buffer.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import mmap
 import os
+import queue
 import secrets
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -183,32 +187,55 @@ def _attr_value(value: Any) -> Any:
     return "json:" + json.dumps(value)
 
 
-_ATTR_TYPES: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+# (dtype or "str", shape) -> (file type, memory type, dataspace), made once.
+_ATTR_TYPES: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
+# Prepared string values (kinds, dtype names, device lists recur on every variable).
+_STRING_ATTRS: dict[Any, tuple[np.ndarray, tuple[Any, Any, Any]]] = {}
+
+
+def _prepared(value: Any) -> tuple[np.ndarray, tuple[Any, Any, Any]]:
+    """An attribute value as a contiguous array, with its HDF5 types and dataspace."""
+    arr = np.asarray(value, dtype=h5py.string_dtype()) if isinstance(value, str) or (
+        isinstance(value, np.ndarray) and value.dtype.kind == "O") else np.asarray(value)
+    if arr.dtype.kind == "U":
+        arr = arr.astype(h5py.string_dtype())
+    if not arr.flags.c_contiguous:  # (not np.ascontiguousarray: it makes scalars 1-d)
+        arr = arr.copy()
+    key = ("str" if arr.dtype.kind == "O" else arr.dtype.str, arr.shape)
+    types = _ATTR_TYPES.get(key)
+    if types is None:
+        space = h5py.h5s.create(h5py.h5s.SCALAR) if arr.ndim == 0 else h5py.h5s.create_simple(arr.shape)
+        # The file type is the logical one (variable-length UTF-8 for strings); the memory type
+        # is what h5py converts from (Python objects for strings).
+        types = _ATTR_TYPES[key] = (h5py.h5t.py_create(arr.dtype, logical=True), h5py.h5t.py_create(arr.dtype), space)
+    return arr, types
 
 
 def _set_attr(oid: Any, name: str, value: Any) -> None:
     """Write one attribute through the low-level API.
 
     A checkpoint writes a few thousand attributes, so this skips what ``obj.attrs[name] = v``
-    does each time: the HDF5 type and dataspace are made once per (dtype, shape) and reused.
+    does each time: the HDF5 types and dataspace are made once per (dtype, shape) and reused,
+    and recurring string values are converted once.
     """
-    arr = np.asarray(value, dtype=h5py.string_dtype()) if isinstance(value, str) or (
-        isinstance(value, np.ndarray) and value.dtype.kind == "O") else np.asarray(value)
-    if arr.dtype.kind == "U":
-        arr = arr.astype(h5py.string_dtype())
-    key = ("str" if arr.dtype.kind == "O" else arr.dtype.str, arr.shape)
-    types = _ATTR_TYPES.get(key)
-    if types is None:
-        space = h5py.h5s.create(h5py.h5s.SCALAR) if arr.ndim == 0 else h5py.h5s.create_simple(arr.shape)
-        types = _ATTR_TYPES[key] = (h5py.h5t.py_create(arr.dtype, logical=True), space)
+    key = value if isinstance(value, str) else tuple(value) if isinstance(value, np.ndarray) and value.dtype.kind == "O" else None
+    if key is not None:
+        prepared = _STRING_ATTRS.get(key)
+        if prepared is None:
+            prepared = _prepared(value)
+            if len(_STRING_ATTRS) < 1024:
+                _STRING_ATTRS[key] = prepared
+    else:
+        prepared = _prepared(value)
+    arr, (ftype, mtype, space) = prepared
     bname = name.encode()
     try:
-        attr = h5py.h5a.create(oid, bname, *types)
+        attr = h5py.h5a.create(oid, bname, ftype, space)
     except _H5_ERRORS:  # it exists already: replace it
         h5py.h5a.delete(oid, bname)
-        attr = h5py.h5a.create(oid, bname, *types)
+        attr = h5py.h5a.create(oid, bname, ftype, space)
     if arr.size:
-        attr.write(np.ascontiguousarray(arr))
+        attr.write(arr, mtype=mtype)
 
 
 # Kept in the (checksummed) index only: the design's group attributes are the kind, dtype,
@@ -229,13 +256,17 @@ def _early_dcpl() -> Any:
     return dcpl
 
 
-def _create_entry(
-    f: h5py.File, entry: Any, file: str, dcpl: Any, crcs: dict[str, int], *, precompute: bool = False
-) -> tuple[dict[str, Any], list[Any]]:
-    """Create the group, attributes and datasets of one entry; numeric data is written later."""
+def _write_entry(
+    f: h5py.File, writer: _DataWriter, entry: Any, file: str, dcpl: Any, scratch: _Scratch
+) -> dict[str, Any]:
+    """Create the group, attributes and datasets of one entry and write its component bytes.
+
+    Each component's bytes go to the storage HDF5 allocated for its dataset, checksummed on
+    the way (see :class:`_DataWriter`). Returns the entry's record for the index.
+    """
     path = entry.path
     _validate_path(path)
-    grp = f.require_group(path)
+    grp = _new_group(f, path)
     dt = np.dtype(entry.dtype)
     storage = _storage_dtype(dt)
     shape = tuple(int(s) for s in entry.shape)
@@ -255,8 +286,10 @@ def _create_entry(
     # Where each component's bytes start, so a reader need not open every dataset; the
     # component's checksum guards the value (a reader falls back to HDF5's own answer).
     offsets: list[int | None] = []
+    crcs: list[int] = []
     meta["offsets"] = offsets
-    pending: list[tuple[str, Any, tuple[int, ...]] | None] = []
+    meta["crc32c"] = crcs
+    in_memory = _holds_arrays(entry)
     for i in range(entry.num_components):
         cshape = tuple(int(d) for d in entry.component_shape(i))
         name = component_name(i)
@@ -265,21 +298,26 @@ def _create_entry(
             arr = _checked(entry, i, cshape, dt, file)
             if arr.size:
                 ds[...] = arr
-            crcs[f"{grp.name}/{name}"] = checksum(arr)
-            _set_attr(ds.id, "crc32c", np.int64(crcs[f"{grp.name}/{name}"]))
+            crc = checksum(arr)
+            dsid = ds.id
             offsets.append(None)
-            pending.append(None)
         else:
-            space = h5py.h5s.create_simple(cshape) if cshape else h5py.h5s.create(h5py.h5s.SCALAR)
-            tid = h5py.h5t.py_create(storage, logical=True)
-            dsid = h5py.h5d.create(grp.id, name.encode(), tid, space, dcpl=dcpl)
+            dsid = h5py.h5d.create(grp.id, name.encode(), _file_type(storage), writer.space(cshape), dcpl=dcpl)
             offset = dsid.get_offset()
             offsets.append(None if offset is None else int(offset))
-            key = f"{grp.name}/{name}"
-            if precompute:  # in-memory data: checksum now, one HDF5 session for everything
-                crcs[key] = checksum(_checked(entry, i, cshape, dt, file))
-                _set_attr(dsid, "crc32c", np.int64(crcs[key]))
-            pending.append((key, offset, cshape))
+            if in_memory:  # live buffers or arrays: written as they are
+                arr = np.ascontiguousarray(_checked(entry, i, cshape, dt, file))
+            else:  # read from another file: through one reused buffer
+                arr = scratch.array(cshape, dt)
+                entry.read_component_into(i, arr)
+            if arr.nbytes and offset is None:
+                raise RuntimeError(f"{file}: HDF5 allocated no storage for {path!r}[{i}]")
+            crc = writer.write(arr, 0 if offset is None else int(offset))
+            if in_memory:
+                writer.check_unchanged(arr, crc, path)
+            del arr
+        crcs.append(crc)
+        _set_attr(dsid, "crc32c", np.int64(crc))
     if entry.kind == "sharded" and entry.num_components:
         axis = int(entry.attrs["shard_axis"])
         layout = h5py.VirtualLayout(shape=shape, dtype=storage)
@@ -289,7 +327,22 @@ def _create_entry(
             index[axis] = slice(int(start), int(start) + cshape[axis])
             layout[tuple(index)] = h5py.VirtualSource(".", f"{grp.name}/{component_name(i)}", shape=cshape)
         grp.create_virtual_dataset("value", layout)
-    return meta, pending
+    return meta
+
+
+def _new_group(f: h5py.File, path: str) -> h5py.Group:
+    """The group at ``path``, created with its missing parents (it usually does not exist)."""
+    lcpl = _LCPL.get("lcpl")
+    if lcpl is None:
+        lcpl = _LCPL["lcpl"] = h5py.h5p.create(h5py.h5p.LINK_CREATE)
+        lcpl.set_create_intermediate_group(True)
+    try:
+        return h5py.Group(h5py.h5g.create(f.id, path.encode(), lcpl=lcpl))
+    except _H5_ERRORS:  # it exists: a parent of a variable written before
+        return f.require_group(path)
+
+
+_LCPL: dict[str, Any] = {}
 
 
 def _checked(entry: Any, i: int, cshape: tuple[int, ...], dt: np.dtype, file: str) -> np.ndarray:
@@ -333,6 +386,148 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
+def _file_type(storage: np.dtype) -> Any:
+    """The HDF5 type of a storage dtype, made once per dtype."""
+    tid = _FILE_TYPES.get(storage)
+    if tid is None:
+        tid = _FILE_TYPES[storage] = h5py.h5t.py_create(storage, logical=True)
+    return tid
+
+
+_FILE_TYPES: dict[np.dtype, Any] = {}
+
+
+def _sync_file_range() -> Callable[..., int] | None:
+    """libc's ``sync_file_range`` (Linux), or None where it is not available."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_MULTICORE = (os.cpu_count() or 1) > 1
+_SYNC_FILE_RANGE_WRITE = 2  # start writing the dirty pages; do not wait
+
+
+class _DataWriter:
+    """Writes the component bytes of a save into the storage HDF5 allocated for them.
+
+    The bytes go through a descriptor of our own to storage that HDF5 allocated up front and
+    never writes itself (fill time "never"), so HDF5 only ever handles metadata.
+
+    * Each chunk of ``CHUNK`` bytes is checksummed and then written while it is in the CPU
+      cache: the buffer is read from memory once, and the checksum describes the bytes written.
+    * Every ``WRITEBACK_STEP`` bytes the kernel is asked to start writing them to disk (Linux's
+      ``sync_file_range``; elsewhere nothing), so the disk works while the save goes on and the
+      final ``fsync`` has little left to wait for. Only a hint: the ``fsync`` guarantees
+      durability either way.
+    * A live buffer is checksummed again once written (:meth:`check_unchanged`): another thread
+      writing to it meanwhile would leave a mix of two values in the file under a matching
+      checksum, so that fails the save instead.
+
+    The second checksums of large buffers and the writeback hints (which can block while the
+    disk is busy) run on a helper thread when the machine has more than one core; both release
+    the GIL, so they overlap with the next variables' metadata. :meth:`close` waits for them
+    and raises the first error.
+    """
+
+    CHUNK = 1 << 20
+    WRITEBACK_STEP = 8 << 20
+    ASYNC_CHECK = 256 << 10  # smaller buffers are checked inline: cheaper than a hand-off
+
+    def __init__(self, path: str, file: str) -> None:
+        self.file = file
+        self.fd = os.open(path, os.O_WRONLY)
+        self._lo = self._hi = -1
+        self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._spaces: dict[tuple[int, ...], Any] = {}
+
+    def space(self, shape: tuple[int, ...]) -> Any:
+        """An HDF5 dataspace of ``shape``, made once per shape in a save."""
+        space = self._spaces.get(shape)
+        if space is None:
+            space = h5py.h5s.create_simple(shape) if shape else h5py.h5s.create(h5py.h5s.SCALAR)
+            self._spaces[shape] = space
+        return space
+
+    def write(self, arr: np.ndarray, offset: int) -> int:
+        """Write a C-contiguous array's bytes at ``offset``; return their CRC-32C."""
+        data = memoryview(_byte_view(arr))  # type: ignore[arg-type]
+        crc = 0
+        for start in range(0, len(data), self.CHUNK):
+            piece = data[start : start + self.CHUNK]
+            crc = _crc32c.crc32c(piece, crc)
+            _pwrite_all(self.fd, piece, offset + start)
+        if len(data) and _SYNC_FILE_RANGE is not None:
+            lo, hi = offset, offset + len(data)
+            self._lo, self._hi = (lo, hi) if self._lo < 0 else (min(self._lo, lo), max(self._hi, hi))
+            if self._hi - self._lo >= self.WRITEBACK_STEP:
+                self._start_writeback()
+        return crc
+
+    def check_unchanged(self, arr: np.ndarray, crc: int, variable: str) -> None:
+        """Fail the save if ``arr`` no longer has checksum ``crc``."""
+        if arr.nbytes >= self.ASYNC_CHECK:
+            self._submit(self._check, arr, crc, variable)
+        elif arr.nbytes:
+            self._check(arr, crc, variable)
+
+    def _check(self, arr: np.ndarray, crc: int, variable: str) -> None:
+        if checksum(arr) != crc:
+            raise RuntimeError(
+                f"{self.file}: variable {variable!r} changed while it was being saved "
+                "(write from a single thread, or save with blocking=False, which snapshots)"
+            )
+
+    def _start_writeback(self) -> None:
+        if self._lo >= 0:
+            assert _SYNC_FILE_RANGE is not None
+            self._submit(_SYNC_FILE_RANGE, self.fd, self._lo, self._hi - self._lo, _SYNC_FILE_RANGE_WRITE)
+            self._lo = self._hi = -1
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self._error is not None:
+            raise self._error
+        if not _MULTICORE:
+            fn(*args)
+            return
+        if self._queue is None:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._run, name="parallelvars-save", daemon=True)
+            self._thread.start()
+        self._queue.put((fn, args))
+
+    def _run(self) -> None:
+        assert self._queue is not None
+        while (item := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    item[0](*item[1])
+                except BaseException as exc:  # handed to the saving thread by close()
+                    self._error = exc
+
+    def close(self, *, raise_errors: bool) -> None:
+        """Finish the helper's work, close the descriptor, raise the first error if asked."""
+        try:
+            if raise_errors:
+                self._start_writeback()
+        finally:
+            if self._queue is not None and self._thread is not None:
+                self._queue.put(None)
+                self._thread.join()
+            os.close(self.fd)
+        if raise_errors and self._error is not None:
+            raise self._error
+
+
 def write_h5(
     path: str | os.PathLike[str],
     entries: Iterable[Any] | Mapping[str, Any],
@@ -342,11 +537,13 @@ def write_h5(
 ) -> str:
     """Write entries (neutral-view entries or save records) to ``path`` in the native layout.
 
-    Three passes over one temporary file: HDF5 creates every group, attribute and dataset with
-    its storage allocated up front; the component bytes are then streamed with ``pwrite`` to
-    their offsets, one component at a time, straight from the entries (for live variables, from
-    their buffers); last, checksums and the index are recorded. The file appears under ``path``
-    only once complete and flushed to disk.
+    One pass over the entries and one HDF5 session on a temporary file: for each entry HDF5
+    creates the group, attributes and datasets with their storage allocated up front, and the
+    component bytes are written straight to that storage with ``pwrite``, one component at a
+    time, from the entries (for live variables, from their buffers; for other files, through
+    one reused buffer), checksummed as they go. The disk writes start while later entries are
+    still being prepared. Last come the index and the object graph. The file appears under
+    ``path`` only once complete and flushed to disk.
 
     Returns:
         ``path``.
@@ -354,15 +551,8 @@ def write_h5(
     p = os.fspath(path)
     items = list(entries.values()) if isinstance(entries, Mapping) else list(entries)
 
-    # Live variables and arrays can be checksummed before they are written, so all metadata
-    # goes in with one HDF5 session; data read from other files is checksummed as it streams
-    # through, and its checksums recorded afterwards.
-    precompute = all(_holds_arrays(e) for e in items)
-
     def write(tmp: str) -> None:
         index: dict[str, Any] = {}
-        crcs: dict[str, int] = {}
-        todo = []
         # libver "latest": superblock v3 and v2 object headers, B-trees and heaps, which all
         # carry checksums, so a damaged metadata byte is an error rather than a wrong value.
         with h5py.File(tmp, "w", libver="latest") as f:
@@ -373,58 +563,22 @@ def write_h5(
                 if value is not None:
                     f.attrs[key] = _root_attr_value(value)
             dcpl = _early_dcpl()
-            for entry in items:
-                if entry.path in index:
-                    raise ValueError(f"{p}: variable {entry.path!r} is written twice")
-                meta, pending = _create_entry(f, entry, p, dcpl, crcs, precompute=precompute)
-                index[entry.path] = meta
-                todo.append((entry, meta, pending))
-            if precompute:
-                _finish_metadata(f, index, crcs, object_graph, set_attrs=False)
-        fd = os.open(tmp, os.O_WRONLY)
-        scratch = _Scratch()
-        try:
-            for entry, _, pending in todo:
-                dt = np.dtype(entry.dtype)
-                in_memory = _holds_arrays(entry)
-                for i, slot in enumerate(pending):
-                    if slot is None:
-                        continue
-                    name, offset, cshape = slot
-                    if in_memory:  # live buffers or arrays: written as they are
-                        arr = np.ascontiguousarray(_checked(entry, i, cshape, dt, p))
-                    else:  # read from another file: through one reused buffer
-                        arr = scratch.array(cshape, dt)
-                        entry.read_component_into(i, arr)
-                    crc = checksum(arr)
-                    if precompute and crc != crcs[name]:
-                        raise RuntimeError(
-                            f"{p}: variable {entry.path!r} changed while it was being saved "
-                            "(write from a single thread, or save with blocking=False, which snapshots)"
-                        )
-                    crcs[name] = crc
-                    if arr.nbytes:
-                        _pwrite_all(fd, memoryview(_byte_view(arr)), int(offset))  # type: ignore[arg-type]
-                    del arr
-        finally:
-            os.close(fd)
-        if not precompute:
-            with h5py.File(tmp, "r+", libver="latest") as f:
-                _finish_metadata(f, index, crcs, object_graph, set_attrs=True)
+            writer, scratch, ok = _DataWriter(tmp, p), _Scratch(), False
+            try:
+                for entry in items:
+                    if entry.path in index:
+                        raise ValueError(f"{p}: variable {entry.path!r} is written twice")
+                    index[entry.path] = _write_entry(f, writer, entry, p, dcpl, scratch)
+                ok = True
+            finally:
+                writer.close(raise_errors=ok)
+            _finish_metadata(f, index, object_graph)
 
     return atomic_write(p, write)
 
 
-def _finish_metadata(
-    f: h5py.File, index: dict[str, Any], crcs: dict[str, int], object_graph: Any, *, set_attrs: bool
-) -> None:
-    """Record the checksums (as dataset attributes when ``set_attrs``), the index and the graph."""
-    if set_attrs:
-        fid = f.id
-        for name, crc in crcs.items():
-            _set_attr(h5py.h5d.open(fid, name.encode()), "crc32c", np.int64(crc))
-    for meta_path, meta in index.items():
-        meta["crc32c"] = [crcs[f"/{meta_path}/{component_name(i)}"] for i in range(meta["num_components"])]
+def _finish_metadata(f: h5py.File, index: dict[str, Any], object_graph: Any) -> None:
+    """Record the index (with every component's checksum) and the object graph."""
     _write_json(f, INDEX_DATASET, index)
     documents = [INDEX_DATASET]
     if object_graph is not None:
