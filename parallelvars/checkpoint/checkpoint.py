@@ -15,6 +15,7 @@ not exist yet are remembered on their parent and restored the moment they are at
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint import _restore  # noqa: F401 - registers the variable saveable
 from parallelvars.checkpoint.h5io import H5Reader, write_h5
 from parallelvars.checkpoint.registry import SaveRecord, get_saveable
@@ -242,7 +244,7 @@ class _Session:
                     matched[int(slot_id)] = slot
 
         reader = self.reader()
-        plans = []
+        plans, sizes, checks, check_sizes = [], [], [], []
         for nid, live in matched.items():
             path = nodes[nid].get("path")
             if path is None:
@@ -251,10 +253,14 @@ class _Session:
             saveable = get_saveable(live)
             assert saveable is not None
             plans.append(saveable.plan_restore(live, stored, file=self.path, path=path, allow_cast=self.allow_cast))
+            sizes.append(stored.nbytes)
             for i in range(stored.num_components):
-                stored.verify(i)
-        for apply in plans:
-            apply()
+                checks.append(functools.partial(stored.verify, i))
+                check_sizes.append(stored.component_nbytes(i))
+        # All or nothing: every checksum is verified before the first value is written. Both
+        # passes are checksums and copies in C, spread over the cores.
+        run_partitioned(checks, check_sizes)
+        run_partitioned(plans, sizes)
         self.matched.update(matched)
         self.restored.update(nid for nid in matched if nodes[nid].get("path") is not None)
         for parent, name, child_id in deferred:

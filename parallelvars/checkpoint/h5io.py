@@ -755,7 +755,7 @@ class StoredVariable:
         return self._shapes[i]
 
     def component_nbytes(self, i: int) -> int:
-        return int(np.prod(self.component_shape(i), dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self._shapes[i]) * self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
@@ -1063,7 +1063,8 @@ class H5Reader(Mapping[str, StoredVariable]):
         # twice: checksums first, then values); otherwise one map per component read.
         self._map_file = map_file
         self._whole: mmap.mmap | None = None
-        self._chunk_buf: np.ndarray | None = None
+        self._local = threading.local()
+        self._lock = threading.RLock()
         self._own_name: bytes | None = None
         if not os.path.exists(self.path):
             raise FileNotFoundError(f"{self.path}: no such checkpoint file")
@@ -1153,22 +1154,29 @@ class H5Reader(Mapping[str, StoredVariable]):
             raise ValueError(f"{self.path}: the reader is closed")
         return self._file
 
+    # Components may be verified and copied from several threads at once (a restore does):
+    # the lazily made map and descriptor are made under a lock, the chunk buffer is per thread.
     def _whole_map(self) -> mmap.mmap | None:
         if self._map_file and self._whole is None and self.file_size > 0:
-            self._whole = mmap.mmap(self._fd(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            with self._lock:
+                if self._whole is None:
+                    self._whole = mmap.mmap(self._fd(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         return self._whole
 
     def _chunk(self, nbytes: int) -> np.ndarray:
         """A reusable buffer for streamed checks: the component's size, at most 8 MiB."""
         want = min(nbytes, 8 << 20)
-        if self._chunk_buf is None or len(self._chunk_buf) < want:
-            self._chunk_buf = np.empty(want, np.uint8)
-        return self._chunk_buf
+        buf: np.ndarray | None = getattr(self._local, "chunk", None)
+        if buf is None or len(buf) < want:
+            buf = self._local.chunk = np.empty(want, np.uint8)
+        return buf
 
     def _fd(self) -> int:
         """A read-only descriptor of the file, for the per-component maps."""
         if self._raw_fd is None:
-            self._raw_fd = os.open(self.path, os.O_RDONLY)
+            with self._lock:
+                if self._raw_fd is None:
+                    self._raw_fd = os.open(self.path, os.O_RDONLY)
         return self._raw_fd
 
     def __getitem__(self, key: str) -> StoredVariable:

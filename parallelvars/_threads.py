@@ -1,0 +1,107 @@
+"""Spreading independent, GIL-releasing work (checksums, copies) over a few threads.
+
+Checksumming and copying hundreds of megabytes is done in C with the GIL released (crc32c,
+``np.copyto``), so on a machine with several cores a restore can verify and copy on all of them.
+The work is split into contiguous groups of about equal bytes, one per thread; the calling
+thread takes the first group, so nothing is handed off when there is a single core or little
+work.
+
+``PARALLELVARS_THREADS`` sets the number of threads (1 turns this off); the default is the
+number of cores, at most 4 (memory bandwidth, not arithmetic, bounds this work).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+__all__ = ["run_partitioned", "thread_count"]
+
+_DEFAULT_MAX = 4
+# Below this many bytes the hand-off costs more than it saves.
+MIN_PARALLEL_BYTES = 16 << 20
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+
+
+def thread_count() -> int:
+    """Threads to use: ``PARALLELVARS_THREADS`` if set, else the cores (at most 4)."""
+    env = os.environ.get("PARALLELVARS_THREADS", "").strip()
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise ValueError(f"PARALLELVARS_THREADS must be a whole number, found {env!r}") from None
+    return max(1, min(_DEFAULT_MAX, os.cpu_count() or 1))
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size < workers:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="parallelvars")
+            _pool_size = workers
+        return _pool
+
+
+def partition(weights: Sequence[int], parts: int) -> list[tuple[int, int]]:
+    """Split ``range(len(weights))`` into at most ``parts`` contiguous ranges of about equal weight."""
+    total = sum(weights)
+    bounds: list[tuple[int, int]] = []
+    start, acc = 0, 0
+    for i, w in enumerate(weights):
+        acc += w
+        # Close the current range once it holds its share of what has been seen so far.
+        if len(bounds) < parts - 1 and acc * parts >= total * (len(bounds) + 1) and i + 1 < len(weights):
+            bounds.append((start, i + 1))
+            start = i + 1
+    bounds.append((start, len(weights)))
+    return bounds
+
+
+_in_worker = threading.local()
+
+
+def _run_range(calls: Sequence[Callable[[], object]], lo: int, hi: int, worker: bool = False) -> None:
+    if worker:
+        _in_worker.active = True
+    for call in calls[lo:hi]:
+        call()
+
+
+def run_partitioned(calls: Sequence[Callable[[], object]], weights: Sequence[int]) -> None:
+    """Run every call once, spread over threads by weight (bytes); raise the first error.
+
+    The calls must be independent of each other. Every thread has finished when this returns
+    or raises, so no call is still running afterwards. When several calls fail, the error of
+    the earliest range (in the order of ``calls``) is raised; a range stops at its first error.
+    """
+    threads = thread_count()
+    # A call that itself spreads work runs it inline: waiting on the pool from inside the
+    # pool could wait forever.
+    nested = getattr(_in_worker, "active", False)
+    if threads < 2 or nested or len(calls) < 2 or sum(weights) < MIN_PARALLEL_BYTES:
+        _run_range(calls, 0, len(calls))
+        return
+    ranges = partition(weights, threads)
+    futures: list[Future[None]] = []
+    if len(ranges) > 1:
+        pool = _executor(len(ranges) - 1)
+        futures = [pool.submit(_run_range, calls, lo, hi, True) for lo, hi in ranges[1:]]
+    error: BaseException | None = None
+    try:
+        _run_range(calls, *ranges[0])
+    except BaseException as exc:
+        error = exc
+    for fut in futures:  # wait for every thread before returning or raising
+        failed = fut.exception()
+        if error is None and failed is not None:
+            error = failed
+    if error is not None:
+        raise error
