@@ -79,6 +79,7 @@ __all__ = [
     "jsonable",
     "parse_size",
     "plan_tensors",
+    "little_endian",
     "write_array",
 ]
 
@@ -759,12 +760,17 @@ def atomic_path(path: str) -> Iterator[str]:
             os.close(dfd)
 
 
-def write_array(f: IO[bytes], array: np.ndarray) -> int:
-    """Write the raw C-order bytes of ``array`` to ``f`` without an extra copy; the byte count."""
+def little_endian(array: np.ndarray) -> np.ndarray:
+    """``array`` as C-ordered little-endian values (itself when it already is)."""
     a = np.ascontiguousarray(array)
     if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and not _LITTLE):
         a = a.astype(a.dtype.newbyteorder("<"))
-    view = a.reshape(-1).view(np.uint8).data
+    return a
+
+
+def write_array(f: IO[bytes], array: np.ndarray) -> int:
+    """Write the raw C-order bytes of ``array`` to ``f`` without an extra copy; the byte count."""
+    view = little_endian(array).reshape(-1).view(np.uint8).data
     f.write(view)
     return view.nbytes
 

@@ -58,7 +58,7 @@ import crc32c as _crc32c
 import ml_dtypes
 import numpy as np
 
-from parallelvars.checkpoint.h5io import checksum
+from parallelvars._fileio import DataWriter
 from parallelvars.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -78,10 +78,10 @@ from ._common import (
     dumps,
     is_string_dtype,
     jsonable,
+    little_endian,
     parse_size,
     plan_tensors,
     read_exact_into,
-    write_array,
 )
 from ._names import check_names
 from ._registry import FormatSpec
@@ -554,23 +554,30 @@ def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]
         offset += t.nbytes
     crcs = {t.key: "00000000" for t, _st, _shape in stored}
     raw = _header_bytes(metadata, described, crcs, path)
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        scratch = Scratch()
-        for t, _st, _shape in stored:
-            array = t.read_with(scratch)
-            written = write_array(f, array)
-            if written != t.nbytes:  # the source lied about its shape
-                raise CorruptCheckpointError("component has another size than declared", file=path,
-                                             variable=t.entry.path, expected=f"{t.nbytes} bytes",
-                                             found=f"{written} bytes")
-            crcs[t.key] = f"{checksum(array):08x}"
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+        data_start = 8 + len(raw)
+        # The tensors' bytes, each checksummed as it is written (see DataWriter).
+        writer, scratch, ok = DataWriter(tmp, path), Scratch(), False
+        try:
+            for t, _st, _shape in stored:
+                array = little_endian(t.read_with(scratch))
+                if array.nbytes != t.nbytes:  # the source lied about its shape
+                    raise CorruptCheckpointError("component has another size than declared", file=path,
+                                                 variable=t.entry.path, expected=f"{t.nbytes} bytes",
+                                                 found=f"{array.nbytes} bytes")
+                crcs[t.key] = f"{writer.write(array, data_start + described[t.key][2][0]):08x}"
+            ok = True
+        finally:
+            writer.close(raise_errors=ok)
         final = _header_bytes(metadata, described, crcs, path)
         if len(final) != len(raw):  # cannot happen: every CRC is 8 hex digits
             raise AssertionError(f"{path}: the safetensors header changed length")
-        f.seek(8)
-        f.write(final)
+        with open(tmp, "r+b") as f:
+            f.seek(8)
+            f.write(final)
 
 
 def _str_metadata(metadata: Mapping[str, Any]) -> dict[str, str]:

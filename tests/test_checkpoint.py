@@ -479,10 +479,11 @@ def test_a_buffer_changing_during_save_fails_the_save(tmp_path, monkeypatch) -> 
 
     The file would otherwise hold a mix of the old and new values under a matching checksum.
     """
+    from parallelvars import _fileio
     from parallelvars.checkpoint import h5io
 
-    buf = np.zeros(3 * h5io._DataWriter.CHUNK // 4, np.float32)  # three chunks of bytes
-    real = h5io._pwrite_all
+    buf = np.zeros(3 * _fileio.DataWriter.CHUNK // 4, np.float32)  # three chunks of bytes
+    real = _fileio.pwrite_all
 
     def pwrite_then_train(fd, data, offset):
         real(fd, data, offset)
@@ -498,7 +499,7 @@ def test_a_buffer_changing_during_save_fails_the_save(tmp_path, monkeypatch) -> 
         def component(self, i):
             return buf
 
-    monkeypatch.setattr(h5io, "_pwrite_all", pwrite_then_train)
+    monkeypatch.setattr(_fileio, "pwrite_all", pwrite_then_train)
     target = tmp_path / "a.h5"
     with pytest.raises(RuntimeError, match="'v' changed while it was being saved"):
         h5io.write_h5(target, [Live()])

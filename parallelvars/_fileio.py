@@ -1,0 +1,167 @@
+"""Writing array bytes to files: checksummed in one pass, with the disk started early.
+
+Shared by the native checkpoint writer and the format writers, so every writer streams its
+tensors the same way (see :class:`DataWriter`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import crc32c as _crc32c
+import numpy as np
+
+from parallelvars._threads import thread_count
+
+__all__ = ["DataWriter", "byte_view", "checksum", "pwrite_all"]
+
+
+def byte_view(arr: np.ndarray) -> np.ndarray:
+    """A flat uint8 view of a C-contiguous array (any dtype, 0-d included)."""
+    return arr.reshape(-1).view(np.uint8)
+
+
+def checksum(arr: np.ndarray) -> int:
+    """CRC-32C of an array's C-order bytes; for byte strings, of each length (u64 LE) and bytes."""
+    if arr.dtype.kind == "O":
+        crc = 0
+        for item in arr.reshape(-1):
+            b = bytes(item)
+            crc = _crc32c.crc32c(len(b).to_bytes(8, "little"), crc)
+            crc = _crc32c.crc32c(b, crc)
+        return crc
+    a = np.ascontiguousarray(arr)
+    return int(_crc32c.crc32c(byte_view(a)))  # type: ignore[arg-type]
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (``os.pwrite`` may write less than asked)."""
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _sync_file_range() -> Callable[..., int] | None:
+    """libc's ``sync_file_range`` (Linux), or None where it is not available."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writing the dirty pages; do not wait
+
+
+class DataWriter:
+    """Writes arrays' bytes at given offsets of a file being saved, checksummed on the way.
+
+    * Each chunk of ``CHUNK`` bytes is checksummed and then written while it is in the CPU
+      cache: the buffer is read from memory once, and the checksum describes the bytes written.
+    * Every ``WRITEBACK_STEP`` bytes the kernel is asked to start writing them to disk (Linux's
+      ``sync_file_range``; elsewhere nothing), so the disk works while the save goes on and the
+      final ``fsync`` has little left to wait for. Only a hint: the ``fsync`` guarantees
+      durability either way.
+    * A live buffer is checksummed again once written (:meth:`check_unchanged`): another thread
+      writing to it meanwhile would leave a mix of two values in the file under a matching
+      checksum, so that fails the save instead.
+
+    The second checksums of large buffers and the writeback hints (which can block while the
+    disk is busy) run on a helper thread when the machine has more than one core; both release
+    the GIL, so they overlap with the next variables' metadata. :meth:`close` waits for them
+    and raises the first error.
+    """
+
+    CHUNK = 1 << 20
+    WRITEBACK_STEP = 8 << 20
+    ASYNC_CHECK = 256 << 10  # smaller buffers are checked inline: cheaper than a hand-off
+
+    def __init__(self, path: str, file: str) -> None:
+        """Open ``path`` (which exists) for writing; ``file`` is the name errors give."""
+        self.file = file
+        self.fd = os.open(path, os.O_WRONLY)
+        self._helper = thread_count() > 1
+        self._lo = self._hi = -1
+        self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def write(self, arr: np.ndarray, offset: int) -> int:
+        """Write a C-contiguous array's bytes at ``offset``; return their CRC-32C."""
+        data = memoryview(byte_view(arr))  # type: ignore[arg-type]
+        crc = 0
+        for start in range(0, len(data), self.CHUNK):
+            piece = data[start : start + self.CHUNK]
+            crc = _crc32c.crc32c(piece, crc)
+            pwrite_all(self.fd, piece, offset + start)
+        if len(data) and _SYNC_FILE_RANGE is not None:
+            lo, hi = offset, offset + len(data)
+            self._lo, self._hi = (lo, hi) if self._lo < 0 else (min(self._lo, lo), max(self._hi, hi))
+            if self._hi - self._lo >= self.WRITEBACK_STEP:
+                self._start_writeback()
+        return crc
+
+    def check_unchanged(self, arr: np.ndarray, crc: int, variable: str) -> None:
+        """Fail the save if ``arr`` no longer has checksum ``crc``."""
+        if arr.nbytes >= self.ASYNC_CHECK:
+            self._submit(self._check, arr, crc, variable)
+        elif arr.nbytes:
+            self._check(arr, crc, variable)
+
+    def _check(self, arr: np.ndarray, crc: int, variable: str) -> None:
+        if checksum(arr) != crc:
+            raise RuntimeError(
+                f"{self.file}: variable {variable!r} changed while it was being saved "
+                "(write from a single thread, or save with blocking=False, which snapshots)"
+            )
+
+    def _start_writeback(self) -> None:
+        if self._lo >= 0:
+            assert _SYNC_FILE_RANGE is not None
+            self._submit(_SYNC_FILE_RANGE, self.fd, self._lo, self._hi - self._lo, _SYNC_FILE_RANGE_WRITE)
+            self._lo = self._hi = -1
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self._error is not None:
+            raise self._error
+        if not self._helper:
+            fn(*args)
+            return
+        if self._queue is None:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._run, name="parallelvars-save", daemon=True)
+            self._thread.start()
+        self._queue.put((fn, args))
+
+    def _run(self) -> None:
+        assert self._queue is not None
+        while (item := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    item[0](*item[1])
+                except BaseException as exc:  # handed to the saving thread by close()
+                    self._error = exc
+
+    def close(self, *, raise_errors: bool) -> None:
+        """Finish the helper's work, close the descriptor, raise the first error if asked."""
+        try:
+            if raise_errors:
+                self._start_writeback()
+        finally:
+            if self._queue is not None and self._thread is not None:
+                self._queue.put(None)
+                self._thread.join()
+            os.close(self.fd)
+        if raise_errors and self._error is not None:
+            raise self._error
