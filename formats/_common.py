@@ -33,14 +33,11 @@ shapes from the file's header and reads bytes only when a component is asked for
 from __future__ import annotations
 
 import abc
-import contextlib
 import itertools
 import json
 import math
-import os
-import tempfile
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -49,6 +46,7 @@ import numpy as np
 
 from parallelvars._dtypes import EXTENSION_DTYPES, is_extension_dtype
 from parallelvars._dtypes import dtype_name as _core_dtype_name
+from parallelvars._fileio import atomic_path
 from parallelvars.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -728,36 +726,6 @@ class StoreView(DictView):  # the Mapping over ._entries comes from DictView
 
 # --------------------------------------------------------------------------------------------
 # writing helpers
-
-
-@contextlib.contextmanager
-def atomic_path(path: str) -> Iterator[str]:
-    """Yield a temporary path next to ``path``; on success fsync it and rename it over ``path``.
-
-    A failed write leaves ``path`` as it was (a previous file stays intact).
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    os.close(fd)
-    try:
-        yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename durable where directories can be opened
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
 
 
 def little_endian(array: np.ndarray) -> np.ndarray:

@@ -6,12 +6,14 @@ tensors the same way (see :class:`DataWriter`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import queue
+import secrets
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import crc32c as _crc32c
@@ -19,7 +21,7 @@ import numpy as np
 
 from parallelvars._threads import thread_count
 
-__all__ = ["DataWriter", "byte_view", "checksum", "pwrite_all"]
+__all__ = ["DataWriter", "atomic_path", "byte_view", "checksum", "pwrite_all", "temp_path_for"]
 
 
 def byte_view(arr: np.ndarray) -> np.ndarray:
@@ -38,6 +40,49 @@ def checksum(arr: np.ndarray) -> int:
         return crc
     a = np.ascontiguousarray(arr)
     return int(_crc32c.crc32c(byte_view(a)))  # type: ignore[arg-type]
+
+
+def _fsync_path(path: str, directory: bool = False) -> None:
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        if directory:
+            return  # some platforms cannot open directories; the rename is still atomic
+        raise
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_path_for(path: str) -> str:
+    """A temporary name in the same directory, recognisable as ours (``.NAME.tmp-PID-HEX``)."""
+    directory, base = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{base}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str) -> Iterator[str]:
+    """Yield a temporary path next to ``path``; on success fsync it and rename it onto ``path``.
+
+    A reader (or a crash) sees either the old file or the complete new one, never a torn one;
+    a failed write removes the temporary and leaves ``path`` as it was. The directory is made
+    if missing (like TensorFlow: ``save("ckpts/run")`` creates ``ckpts/``) and fsynced after
+    the rename.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = temp_path_for(path)
+    try:
+        yield tmp
+        _fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_path(directory, directory=True)
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -27,7 +27,6 @@ import json
 import math
 import mmap
 import os
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -38,7 +37,7 @@ import h5py
 import numpy as np
 
 from parallelvars._dtypes import as_dtype, dtype_name, is_extension_dtype
-from parallelvars._fileio import DataWriter, byte_view, checksum
+from parallelvars._fileio import DataWriter, atomic_path, byte_view, checksum
 from parallelvars.checkpoint.registry import component_name
 from parallelvars.errors import (
     ChecksumMismatchError,
@@ -90,47 +89,11 @@ def _storage_dtype(dt: np.dtype) -> np.dtype:
 
 
 # ----------------------------------------------------------------------------- writing
-def _fsync_path(path: str, directory: bool = False) -> None:
-    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError:
-        if directory:
-            return  # some platforms cannot open directories; the rename is still atomic
-        raise
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def temp_path_for(path: str) -> str:
-    """A temporary name in the same directory, recognisable as ours (``.NAME.tmp-...``)."""
-    directory, base = os.path.split(os.path.abspath(path))
-    return os.path.join(directory, f".{base}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-
-
 def atomic_write(path: str, write: Any) -> str:
-    """Call ``write(tmp_path)``, fsync, and rename onto ``path``; remove the temporary on failure.
-
-    A reader (or a crash) sees either the old file or the complete new one, never a torn one.
-    """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)  # like TensorFlow: save("ckpts/run") creates ckpts/
-    tmp = temp_path_for(path)
-    try:
+    """Call ``write(tmp_path)`` and put the result at ``path`` atomically (see ``atomic_path``)."""
+    with atomic_path(os.fspath(path)) as tmp:
         write(tmp)
-        _fsync_path(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_path(directory, directory=True)
-    return path
+    return os.fspath(path)
 
 
 def _root_attr_value(value: Any) -> Any:

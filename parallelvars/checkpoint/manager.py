@@ -66,7 +66,7 @@ LOCK_FILE = ".checkpoint.lock"
 STATE_FORMAT = "parallelvars-checkpoint-state"
 STATE_VERSION = 1
 SUFFIX = ".h5"
-# The temporary names of h5io.temp_path_for: ".<final name>.tmp-<pid>-<hex>".
+# The temporary names of _fileio.temp_path_for: ".<final name>.tmp-<pid>-<hex>".
 _TEMP_RE = re.compile(r"^\.(?P<base>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]+$")
 
 
