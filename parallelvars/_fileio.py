@@ -199,7 +199,12 @@ class DataWriter:
                     self._error = exc
 
     def close(self, *, raise_errors: bool) -> None:
-        """Finish the helper's work, close the descriptor, raise the first error if asked."""
+        """Finish the helper's work, close the descriptor, raise the first error if asked.
+
+        Closing again does nothing.
+        """
+        if self.fd < 0:
+            return
         try:
             if raise_errors:
                 self._start_writeback()
@@ -207,6 +212,8 @@ class DataWriter:
             if self._queue is not None and self._thread is not None:
                 self._queue.put(None)
                 self._thread.join()
-            os.close(self.fd)
+                self._queue = self._thread = None
+            fd, self.fd = self.fd, -1
+            os.close(fd)
         if raise_errors and self._error is not None:
             raise self._error

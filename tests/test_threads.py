@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -29,7 +30,7 @@ def test_partition_is_contiguous_covering_and_bounded(weights, parts) -> None:
     ranges = _threads.partition(weights, parts)
     assert 1 <= len(ranges) <= max(1, parts)
     assert ranges[0][0] == 0 and ranges[-1][1] == len(weights)
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
     assert all(lo < hi for lo, hi in ranges) or weights == []
 
 
