@@ -5,12 +5,13 @@ The layout (documented with an ``h5dump``-style example in ``docs/FORMAT.md``):
 * root attributes ``parallelvars_format`` (= 1), ``parallelvars_version``, ``created`` and
   whatever the writer knows (``save_counter``, ``step``);
 * one group per variable at its object path, with attributes ``kind``, ``dtype``, ``shape``,
-  ``num_components``, ``devices``, ``aggregation``, ``synchronization``, ``trainable``,
-  ``name`` and, for sharded variables, ``shard_axis`` and ``shard_offsets``;
+  ``num_components``, ``devices``, ``aggregation`` and, for sharded variables, ``shard_axis``
+  and ``shard_offsets`` (``name``, ``synchronization`` and ``trainable`` are in the index only);
 * in it one dataset per component, ``primary`` and ``parallel_component_1`` ..., each with a
-  ``crc32c`` attribute (CRC-32C of its C-order bytes) and its ``device``;
+  ``crc32c`` attribute (CRC-32C of its C-order bytes);
 * for sharded variables a virtual dataset ``value`` stitching the shards together;
-* the object graph as JSON in the dataset ``/_parallelvars/object_graph``.
+* the object graph as JSON in the dataset ``/_parallelvars/object_graph``, and an index of every
+  variable (attributes, checksums, data offsets) as JSON in ``/_parallelvars/index``.
 
 bfloat16 and the float8 family are stored as HDF5 opaque types of their size, with the
 ``dtype`` group attribute naming them (the convention Keras uses); strings as variable-length
