@@ -46,7 +46,7 @@ import numpy as np
 
 from parallelvars._dtypes import EXTENSION_DTYPES, is_extension_dtype
 from parallelvars._dtypes import dtype_name as _core_dtype_name
-from parallelvars._fileio import atomic_path
+from parallelvars._fileio import Scratch, atomic_path
 from parallelvars.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -296,26 +296,6 @@ class PlannedTensor:
         if is_string_dtype(self.dtype):
             return self.read()
         return self.read_into(scratch.array(self.dtype, self.shape))
-
-
-class Scratch:
-    """One buffer reused for every tensor a writer streams, grown to the largest one.
-
-    Reading each tensor into fresh memory costs a page fault per page every time; reusing one
-    buffer pays that once, and memory stays at the largest tensor.
-    """
-
-    def __init__(self) -> None:
-        self._buf = np.empty(0, np.uint8)
-
-    def array(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-        """A C-contiguous array of ``dtype`` and ``shape`` over the buffer (contents undefined)."""
-        dtype = np.dtype(dtype)
-        n = math.prod(shape) * dtype.itemsize
-        if n > self._buf.size:
-            self._buf = np.empty(0, np.uint8)  # free the old buffer before the new one
-            self._buf = np.empty(n, np.uint8)
-        return self._buf[:n].view(dtype).reshape(shape)
 
 
 def plan_tensors(

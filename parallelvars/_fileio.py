@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 import queue
 import secrets
@@ -21,7 +22,7 @@ import numpy as np
 
 from parallelvars._threads import thread_count
 
-__all__ = ["DataWriter", "atomic_path", "byte_view", "checksum", "pwrite_all", "temp_path_for"]
+__all__ = ["DataWriter", "Scratch", "atomic_path", "byte_view", "checksum", "pwrite_all", "temp_path_for"]
 
 
 def byte_view(arr: np.ndarray) -> np.ndarray:
@@ -40,6 +41,26 @@ def checksum(arr: np.ndarray) -> int:
         return crc
     a = np.ascontiguousarray(arr)
     return int(_crc32c.crc32c(byte_view(a)))  # type: ignore[arg-type]
+
+
+class Scratch:
+    """One buffer reused for every tensor a writer streams, grown to the largest one.
+
+    Reading each tensor into fresh memory costs a page fault per page every time; reusing one
+    buffer pays that once, and memory stays at the largest tensor.
+    """
+
+    def __init__(self) -> None:
+        self._buf = np.empty(0, np.uint8)
+
+    def array(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A C-contiguous array of ``dtype`` and ``shape`` over the buffer (contents undefined)."""
+        dtype = np.dtype(dtype)
+        n = math.prod(shape) * dtype.itemsize
+        if n > self._buf.size:
+            self._buf = np.empty(0, np.uint8)  # free the old buffer before the new one
+            self._buf = np.empty(n, np.uint8)
+        return self._buf[:n].view(dtype).reshape(shape)
 
 
 def _fsync_path(path: str, directory: bool = False) -> None:

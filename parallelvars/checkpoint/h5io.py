@@ -38,7 +38,7 @@ import h5py
 import numpy as np
 
 from parallelvars._dtypes import as_dtype, dtype_name, is_extension_dtype
-from parallelvars._fileio import DataWriter, atomic_path, byte_view, checksum
+from parallelvars._fileio import DataWriter, Scratch, atomic_path, byte_view, checksum
 from parallelvars.checkpoint.registry import component_name
 from parallelvars.errors import (
     ChecksumMismatchError,
@@ -162,7 +162,11 @@ def _set_attr(oid: Any, name: str, value: Any) -> None:
     does each time: the HDF5 types and dataspace are made once per (dtype, shape) and reused,
     and recurring string values are converted once.
     """
-    key = value if isinstance(value, str) else tuple(value) if isinstance(value, np.ndarray) and value.dtype.kind == "O" else None
+    key: Any = None
+    if isinstance(value, str):
+        key = value
+    elif isinstance(value, np.ndarray) and value.dtype.kind == "O" and value.ndim == 1:
+        key = tuple(value)
     if key is not None:
         prepared = _STRING_ATTRS.get(key)
         if prepared is None:
@@ -201,7 +205,7 @@ def _early_dcpl() -> Any:
 
 
 def _write_entry(
-    f: h5py.File, writer: _DataWriter, entry: Any, file: str, dcpl: Any, scratch: _Scratch
+    f: h5py.File, writer: _DataWriter, entry: Any, file: str, dcpl: Any, scratch: Scratch
 ) -> dict[str, Any]:
     """Create the group, attributes and datasets of one entry and write its component bytes.
 
@@ -252,7 +256,7 @@ def _write_entry(
             if in_memory:  # live buffers or arrays: written as they are
                 arr = np.ascontiguousarray(_checked(entry, i, cshape, dt, file))
             else:  # read from another file: through one reused buffer
-                arr = scratch.array(cshape, dt)
+                arr = scratch.array(dt, cshape)
                 entry.read_component_into(i, arr)
             if arr.nbytes and offset is None:
                 raise RuntimeError(f"{file}: HDF5 allocated no storage for {path!r}[{i}]")
@@ -305,23 +309,6 @@ def _checked(entry: Any, i: int, cshape: tuple[int, ...], dt: np.dtype, file: st
 def _holds_arrays(entry: Any) -> bool:
     """True when an entry's components are arrays in memory (save records, array entries)."""
     return hasattr(entry, "components") or hasattr(entry, "component_array")
-
-
-class _Scratch:
-    """One growing byte buffer, handed out as arrays of any shape and dtype.
-
-    Converting a file reads each component into this buffer instead of a fresh array: the
-    memory is touched once, and the writer's footprint stays at its largest component.
-    """
-
-    def __init__(self) -> None:
-        self._buf = np.empty(0, np.uint8)
-
-    def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes > self._buf.nbytes:
-            self._buf = np.empty(nbytes, np.uint8)
-        return self._buf[:nbytes].view(dtype).reshape(shape)
 
 
 def _file_type(storage: np.dtype) -> Any:
@@ -391,7 +378,7 @@ def write_h5(
                 if value is not None:
                     f.attrs[key] = _root_attr_value(value)
             dcpl = _early_dcpl()
-            writer, scratch, ok = _DataWriter(tmp, p), _Scratch(), False
+            writer, scratch, ok = _DataWriter(tmp, p), Scratch(), False
             try:
                 for entry in items:
                     if entry.path in index:
