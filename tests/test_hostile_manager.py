@@ -60,56 +60,90 @@ def values_in(path: str) -> set[int]:
 
 
 # ----------------------------------------------------------------------------- torn snapshots
-def test_async_snapshots_under_a_writer_thread_are_consistent_or_refused(tmp_path):
-    ckpt, variables = make_model()
-    stop = threading.Event()
+class Writer:
+    """A thread setting every variable, in order, to an increasing counter, flat out."""
 
-    def writer() -> None:
+    def __init__(self, variables) -> None:
+        self.variables = variables
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run)
+
+    def run(self) -> None:
         k = 0
-        while not stop.is_set():
+        while not self.stop.is_set():
             k += 1
-            set_all(variables, k)
+            set_all(self.variables, k)
 
-    old_interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)  # interleave the threads finely: tears are likely if possible
-    thread = threading.Thread(target=writer)
+    def __enter__(self) -> Writer:
+        self.old_interval = sys.getswitchinterval()
+        sys.setswitchinterval(2e-5)  # interleave the threads finely: tears are likely if possible
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+        sys.setswitchinterval(self.old_interval)
+
+
+def test_async_snapshots_under_a_writer_thread_are_consistent_or_refused(tmp_path, monkeypatch):
+    ckpt, variables = make_model(40)
+    where = {id(obj): p for _, obj, p in checkpoint_module.build_object_graph(ckpt).variables()}
+    taken: list[dict[str, list[np.ndarray]]] = []
+
+    def keep(path, records, **kwargs):  # the snapshot as the writer receives it
+        taken.append({r.path: list(r.components) for r in records})
+        return path
+
+    monkeypatch.setattr(checkpoint_module, "write_h5", keep)
+    refused = 0
+    with Writer(variables):
+        for _ in range(300):
+            try:
+                ckpt._prepare_write(copy=True)(str(tmp_path / "unused.h5"))
+            except ConcurrentWriteError:
+                refused += 1
+    assert len(taken) + refused == 300 and taken
+    for snap in taken:
+        assert_one_moment_values([snap[where[id(v)]] for v in variables])
+    monkeypatch.undo()
+
+    # The same end to end: non-blocking saves committed while the writer runs.
     committed, refused = [], 0
-    try:
-        with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=None) as mgr:
-            thread.start()
-            for _ in range(40):
-                try:
-                    committed.append(mgr.save(blocking=False))
-                except ConcurrentWriteError as exc:
-                    assert isinstance(exc, ParallelVarsError) and isinstance(exc, RuntimeError)
-                    refused += 1
-                mgr.wait()
-            stop.set()
-            thread.join()
-            assert mgr.checkpoints == committed
-    finally:
-        stop.set()
-        sys.setswitchinterval(old_interval)
-    assert len(committed) + refused == 40
+    with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=None) as mgr, Writer(variables):
+        for _ in range(20):
+            try:
+                committed.append(mgr.save(blocking=False))
+            except ConcurrentWriteError as exc:
+                assert isinstance(exc, ParallelVarsError) and isinstance(exc, RuntimeError)
+                refused += 1
+            mgr.wait()
+        assert mgr.checkpoints == committed
+    assert len(committed) + refused == 20
     for path in committed:
         assert_one_moment(path, ckpt, variables)
 
 
-def assert_one_moment(path: str, ckpt, variables) -> None:
-    """The file holds the variables as they were at one moment of a writer that sets them,
-    in order, to a counter: every variable holds one value on all its components, and along
-    the writer's order the values are k + 1 up to where it had got, then k."""
-    where = {id(obj): p for _, obj, p in checkpoint_module.build_object_graph(ckpt).variables()}
+def assert_one_moment_values(per_variable: list[list[np.ndarray]]) -> None:
+    """Values of the variables in the writer's order, as they were at one moment of a writer
+    that sets them in that order to a counter: every variable holds one value on all its
+    components, and along the order the values are k + 1 up to where it had got, then k."""
     seq = []
+    for components in per_variable:
+        found = {int(x) for c in components for x in np.unique(c)}
+        assert len(found) == 1, found
+        seq.append(found.pop())
+    assert all(a >= b for a, b in itertools.pairwise(seq)) and seq[0] - seq[-1] <= 1, seq
+
+
+def assert_one_moment(path: str, ckpt, variables) -> None:
+    where = {id(obj): p for _, obj, p in checkpoint_module.build_object_graph(ckpt).variables()}
     with h5io.H5Reader(path) as r:
+        per_variable = []
         for v in variables:
             entry = r[where[id(v)]]
-            found: set[int] = set()
-            for i in range(entry.num_components):
-                found.update(int(x) for x in np.unique(entry.component(i)))
-            assert len(found) == 1, (path, where[id(v)], found)
-            seq.append(found.pop())
-    assert all(a >= b for a, b in itertools.pairwise(seq)) and seq[0] - seq[-1] <= 1, (path, seq)
+            per_variable.append([entry.component(i) for i in range(entry.num_components)])
+    assert_one_moment_values(per_variable)
 
 
 def test_snapshot_copies_again_when_a_write_lands_between_the_passes(tmp_path, monkeypatch):

@@ -8,20 +8,27 @@ A directory managed by it holds:
 
       {
         "format": "parallelvars-checkpoint-state",
-        "version": 1,
+        "version": 2,
         "checkpoint_name": "ckpt",
         "latest": "ckpt-7.h5",
         "checkpoints": [{"file": "ckpt-6.h5", "number": 6, "time": 1767000000.0}, ...],
         "preserved": [],
-        "last_preserved_time": 1767000000.0
+        "last_preserved_time": 1767000000.0,
+        "crc32c": "1a2b3c4d"
       }
 
+  ``crc32c`` is the CRC-32C of the canonical JSON of the other fields (sorted keys, no
+  spaces). A state file failing it is not trusted: the committed files are the truth, and
+  the next manager rebuilds the state from them.
+
 * ``.checkpoint.lock``: held (``fcntl.flock``) by the one live manager of the directory; the
-  operating system releases it when that process ends, however it ends.
+  operating system releases it when that process ends, however it ends. Opened without
+  following links and without truncating; anything but a regular file of one link is refused.
 
 Crash safety: a checkpoint is written under a temporary name (``.ckpt-7.h5.tmp-PID-HEX``),
 flushed, fsynced and renamed, then the directory is fsynced; only then is the state file
-replaced the same way, and only after that are old checkpoints deleted. A crash at any moment
+replaced the same way (if that fails, the new checkpoint is deleted again and the save
+raises), and only after that are old checkpoints deleted. A crash at any moment
 therefore leaves the previous latest checkpoint, or the new one, whole. Temporaries left by a
 crashed process are removed when the next manager opens the directory, and a checkpoint that
 was committed but not yet recorded in the state (a crash between the two renames) is adopted.
@@ -494,11 +501,13 @@ class CheckpointManager:
             checkpoint_number: the number in the file name; by default the checkpoint's
                 ``save_counter`` (which every save increments).
             check_interval: honour ``checkpoint_interval`` (pass False to save regardless).
-            blocking: False copies every component buffer now (a snapshot: training may go on
-                changing the variables; the file holds the values as they were at this call)
-                and writes in a background thread. The next ``save``, a restore, ``wait`` or
-                ``close`` waits for it, and an error in the background is raised there. At
-                most one write is in flight. Default: the manager's ``async_save``.
+            blocking: False copies every component buffer now (a snapshot of one moment,
+                checked against the live buffers: training may go on changing the variables;
+                the file holds the values as they were at this call) and writes in a
+                background thread. The next ``save``, a restore, ``wait`` or ``close`` waits
+                for it, and an error in the background is raised there; at interpreter exit
+                the write is completed, or its error printed on stderr. At most one write is
+                in flight. Default: the manager's ``async_save``.
 
         Returns:
             The path of the checkpoint (for a non-blocking save, where it will be once
@@ -507,6 +516,9 @@ class CheckpointManager:
         Raises:
             CheckpointError (or an OSError) when the write fails; earlier checkpoints and the
             state file are then unchanged. Also the error of an earlier non-blocking save.
+            ConcurrentWriteError: (non-blocking) other threads kept writing the variables
+                while they were copied; nothing was saved.
+            ReadOnlyDirectoryError: the manager was opened read-only.
         """
         self._check_open()
         self.wait()
