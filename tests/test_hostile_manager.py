@@ -389,6 +389,22 @@ def test_a_changed_digit_in_the_state_file_is_detected(tmp_path):
     assert json.loads(state_path.read_text())["latest"] == "ckpt-3.h5"
 
 
+def test_a_damaged_state_file_never_leads_to_deletions(tmp_path):
+    ckpt, _ = make_model(2)
+    with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=None) as mgr:
+        for _ in range(4):
+            mgr.save()
+    (tmp_path / manager.STATE_FILE).write_text("damaged")
+    with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=2) as mgr:
+        assert basenames(mgr.checkpoints) == ["ckpt-3.h5", "ckpt-4.h5"]
+        mgr.save()
+        assert basenames(mgr.checkpoints) == ["ckpt-4.h5", "ckpt-5.h5"]
+    # ckpt-1 and ckpt-2 were not recorded by a trusted state: kept for good; ckpt-3 was.
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".h5")) == [
+        "ckpt-1.h5", "ckpt-2.h5", "ckpt-4.h5", "ckpt-5.h5",
+    ]
+
+
 def test_state_files_without_a_checksum_are_still_read(tmp_path):
     ckpt, _ = make_model(2)
     with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=None) as mgr:

@@ -441,6 +441,12 @@ class CheckpointManager:
                 self._remove_temporaries()
             state = _read_state(self._directory)
             self._managed, self._preserved, self._last_preserved = _reconcile(self._directory, self._name, state)
+            if state is None and self._max_to_keep is not None and len(self._managed) > self._max_to_keep:
+                # Without a trusted record of what the policy let go, nothing found is deleted:
+                # what is beyond the max_to_keep window is kept for good, like a preserved one.
+                extra = self._managed[: -self._max_to_keep]
+                self._managed = self._managed[-self._max_to_keep :]
+                self._preserved = sorted(self._preserved + extra, key=lambda r: r.number)
             if self._locked and (state is None or _comparable(state) != self._state(self._managed, self._preserved, self._last_preserved)):
                 # The directory listing is the truth: rebuild a missing, damaged or stale state
                 # file now. Failing here (no space yet) is not fatal: the next save writes it.
