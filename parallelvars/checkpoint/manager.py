@@ -432,6 +432,7 @@ class CheckpointManager:
         self._lock = _DirectoryLock(self._directory)
         # A directory this process cannot write is opened for reading only: no lock (the
         # manager is then a lock-free reader, like latest_checkpoint()), and save() refuses.
+        self._read_only_asked = read_only
         self._read_only = read_only or not os.access(self._directory, os.W_OK | os.X_OK)
         if self._bookkeeper and not self._read_only:
             self._read_only = not self._lock.acquire()
@@ -531,7 +532,8 @@ class CheckpointManager:
         if self._read_only:
             raise ReadOnlyDirectoryError(
                 "cannot save: the checkpoint directory is read-only for this process", file=self._directory,
-                expected="a writable directory", found="no write permission (or a read-only file system)",
+                expected="a writable directory",
+                found="opened with read_only=True" if self._read_only_asked else "no write permission (or a read-only file system)",
                 hint="restore works; save into another directory",
             )
         blocking = not self._async_default if blocking is None else blocking
