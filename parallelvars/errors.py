@@ -31,6 +31,8 @@ __all__ = [
     "UnsupportedDtypeError",
     "InvalidEntryError",
     "CheckpointLockedError",
+    "ConcurrentWriteError",
+    "ReadOnlyDirectoryError",
     "ContextError",
     "CrossReplicaOnlyError",
     "ReplicaError",
@@ -176,6 +178,14 @@ class InvalidEntryError(CheckpointError, ValueError):
 
 class CheckpointLockedError(CheckpointError, RuntimeError):
     """Another live process holds the checkpoint directory's lock."""
+
+
+class ConcurrentWriteError(CheckpointError, RuntimeError):
+    """Variables kept changing while a save copied them: no consistent snapshot was taken."""
+
+
+class ReadOnlyDirectoryError(CheckpointError, PermissionError):
+    """A checkpoint directory that can only be read was asked to take a write."""
 
 
 class ContextError(ParallelVarsError, RuntimeError):

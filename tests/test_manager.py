@@ -257,6 +257,37 @@ def test_state_file_damaged_or_missing_falls_back_to_the_files(tmp_path):
     assert pv.latest_checkpoint(tmp_path / "missing") is None
 
 
+def test_state_file_is_checksummed(tmp_path):
+    ckpt, *_ = make()
+    with pv.CheckpointManager(ckpt, tmp_path) as mgr:
+        mgr.save()
+    state = json.loads((tmp_path / manager.STATE_FILE).read_text())
+    assert state["version"] == 2 and state["crc32c"] == manager._state_checksum(state)
+    state["latest"] = "ckpt-0.h5"  # not checked again: not trusted
+    (tmp_path / manager.STATE_FILE).write_text(json.dumps(state))
+    assert manager._read_state(str(tmp_path)) is None
+    assert pv.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-1.h5")
+
+
+def test_read_only_manager_beside_the_writer(tmp_path):
+    ckpt, w, e, step = make()
+    writer = pv.CheckpointManager(ckpt, tmp_path, max_to_keep=2)
+    reader_ckpt, _w2, _e2, step2 = make()
+    reader = pv.CheckpointManager(reader_ckpt, tmp_path, read_only=True)  # no lock taken
+    assert reader.read_only and not writer.read_only
+    assert reader.latest_checkpoint is None and reader.restore_or_initialize() is None
+    for k in (1, 2, 3):
+        set_values(w, e, step, k)
+        writer.save()
+        assert reader.latest_checkpoint == writer.latest_checkpoint  # follows the writer
+        assert reader.restore_or_initialize() == writer.latest_checkpoint and int(step2) == k
+    assert reader.checkpoints == writer.checkpoints
+    with pytest.raises(pv.errors.ReadOnlyDirectoryError):
+        reader.save()
+    reader.close()
+    writer.close()
+
+
 # ----------------------------------------------------------------------------- failures
 class Boom(OSError):
     pass
@@ -316,6 +347,8 @@ def test_failed_state_write_keeps_the_old_state(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert (tmp_path / manager.STATE_FILE).read_bytes() == state
     assert names(mgr.checkpoints) == ["ckpt-1.h5"] and (tmp_path / "ckpt-1.h5").exists()
+    assert not (tmp_path / "ckpt-2.h5").exists()  # taken back: everyone agrees on ckpt-1
+    assert pv.latest_checkpoint(tmp_path) == mgr.latest_checkpoint
     assert not [f for f in listing(tmp_path) if ".tmp-" in f]
     assert int(ckpt.save_counter) == 1
     assert os.path.basename(mgr.save()) == "ckpt-2.h5"  # the next save goes through

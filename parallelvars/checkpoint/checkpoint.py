@@ -24,12 +24,13 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars._fileio import byte_view
 from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint import _restore  # noqa: F401 - registers the variable saveable
 from parallelvars.checkpoint.h5io import H5Reader, write_h5
 from parallelvars.checkpoint.registry import SaveRecord, get_saveable
 from parallelvars.devices import ParallelDevice
-from parallelvars.errors import CheckpointError, RestoreMismatchError
+from parallelvars.errors import CheckpointError, ConcurrentWriteError, RestoreMismatchError
 from parallelvars.tracking import Trackable, children_of
 
 __all__ = ["Checkpoint", "CheckpointLoadStatus", "build_object_graph", "escape_name", "unescape_name"]
@@ -334,6 +335,59 @@ class CheckpointLoadStatus:
         return sorted(nodes[i] for i in self._session.restored)
 
 
+SNAPSHOT_ATTEMPTS = 4
+_COMPARE_CHUNK = 4 << 20  # bytes compared at a time: bounded temporary memory
+
+
+def _unchanged(live: np.ndarray, copied: np.ndarray) -> bool:
+    """Whether ``live`` still holds exactly the bytes of ``copied`` (NaNs included)."""
+    if live.dtype.kind == "O" or not live.flags.c_contiguous:
+        return bool(np.array_equal(live, copied))
+    a, b = byte_view(live), byte_view(copied)
+    for start in range(0, a.size, _COMPARE_CHUNK):
+        if not np.array_equal(a[start : start + _COMPARE_CHUNK], b[start : start + _COMPARE_CHUNK]):
+            return False
+    return True
+
+
+def _snapshot(records: list[SaveRecord]) -> list[SaveRecord]:
+    """Copies of every record's components that held together at one moment.
+
+    Double collect: copy every component, then compare every live buffer with its copy. If
+    none differs, each buffer held its copied bytes from its copy to its comparison, and all
+    those intervals contain the moment between the last copy and the first comparison: the
+    copies are the values of that one moment (the guard of a blocking save's second checksum,
+    over the whole set instead of one buffer at a time). Otherwise copy again, up to
+    ``SNAPSHOT_ATTEMPTS`` times, then refuse: a save never holds a mix of old and new values.
+    Bytes are compared, so a writer that changes a buffer and puts back exactly the bytes it
+    replaced, both between that buffer's copy and its comparison, goes unseen.
+
+    Raises:
+        ConcurrentWriteError: variables kept changing in another thread during every attempt.
+    """
+    changed = ""
+    for _ in range(SNAPSHOT_ATTEMPTS):
+        copies = [[np.array(c, copy=True, order="C") for c in r.components] for r in records]
+        changed = next(
+            (
+                r.path
+                for r, cs in zip(records, copies, strict=True)
+                if not all(_unchanged(live, c) for live, c in zip(r.components, cs, strict=True))
+            ),
+            "",
+        )
+        if not changed:
+            return [
+                SaveRecord(kind=r.kind, components=cs, shape=tuple(r.shape), attrs=dict(r.attrs), path=r.path)
+                for r, cs in zip(records, copies, strict=True)
+            ]
+    raise ConcurrentWriteError(
+        "changed while a non-blocking save copied the variables", variable=changed,
+        expected="no writes during the copy", found=f"writes during each of {SNAPSHOT_ATTEMPTS} attempts",
+        hint="call save() from the thread that updates the variables, or pause the other writers while it runs",
+    )
+
+
 class Checkpoint(Trackable):
     """Groups trackable objects and saves or restores them together.
 
@@ -397,9 +451,10 @@ class Checkpoint(Trackable):
     def _prepare_write(self, *, copy: bool = False) -> Callable[[str | os.PathLike[str]], str]:
         """Gather what a write saves now; the returned callable writes it to a path.
 
-        With ``copy=True`` every component buffer is copied first (a snapshot), so the
-        variables may change, in another thread too, before the callable runs: it writes the
-        values as they were at this call. Without, components are views written as they are.
+        With ``copy=True`` every component buffer is copied first (a consistent snapshot, see
+        :func:`_snapshot`), so the variables may change, in another thread too, before the
+        callable runs: it writes the values as they were at this call. Without, components
+        are views written as they are.
         """
         graph = build_object_graph(self)
         records = []
@@ -408,12 +463,9 @@ class Checkpoint(Trackable):
             assert saveable is not None
             record = saveable.gather(obj)
             record.path = var_path
-            if copy:
-                record = SaveRecord(
-                    kind=record.kind, components=[np.array(c, copy=True) for c in record.components],
-                    shape=tuple(record.shape), attrs=dict(record.attrs), path=var_path,
-                )
             records.append(record)
+        if copy:
+            records = _snapshot(records)
         for node in graph.nodes:
             for var_id, slot_name, slot_id in node["slots"]:
                 rec = next(r for r in records if r.path == graph.nodes[slot_id]["path"])

@@ -8,20 +8,27 @@ A directory managed by it holds:
 
       {
         "format": "parallelvars-checkpoint-state",
-        "version": 1,
+        "version": 2,
         "checkpoint_name": "ckpt",
         "latest": "ckpt-7.h5",
         "checkpoints": [{"file": "ckpt-6.h5", "number": 6, "time": 1767000000.0}, ...],
         "preserved": [],
-        "last_preserved_time": 1767000000.0
+        "last_preserved_time": 1767000000.0,
+        "crc32c": "1a2b3c4d"
       }
 
+  ``crc32c`` is the CRC-32C of the canonical JSON of the other fields (sorted keys, no
+  spaces). A state file failing it is not trusted: the committed files are the truth, and
+  the next manager rebuilds the state from them.
+
 * ``.checkpoint.lock``: held (``fcntl.flock``) by the one live manager of the directory; the
-  operating system releases it when that process ends, however it ends.
+  operating system releases it when that process ends, however it ends. Opened without
+  following links and without truncating; anything but a regular file of one link is refused.
 
 Crash safety: a checkpoint is written under a temporary name (``.ckpt-7.h5.tmp-PID-HEX``),
 flushed, fsynced and renamed, then the directory is fsynced; only then is the state file
-replaced the same way, and only after that are old checkpoints deleted. A crash at any moment
+replaced the same way (if that fails, the new checkpoint is deleted again and the save
+raises), and only after that are old checkpoints deleted. A crash at any moment
 therefore leaves the previous latest checkpoint, or the new one, whole. Temporaries left by a
 crashed process are removed when the next manager opens the directory, and a checkpoint that
 was committed but not yet recorded in the state (a crash between the two renames) is adopted.
@@ -42,29 +49,36 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import errno
 import json
 import os
 import re
 import shutil
+import stat
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import crc32c as _crc32c
 import numpy as np
 
 from parallelvars.checkpoint.checkpoint import PARTS_SUFFIX, Checkpoint, collective_rank
 from parallelvars.checkpoint.h5io import atomic_write
-from parallelvars.errors import CheckpointError, CheckpointLockedError
+from parallelvars.errors import CheckpointError, CheckpointLockedError, ReadOnlyDirectoryError
 
 __all__ = ["CheckpointManager", "latest_checkpoint", "STATE_FILE", "LOCK_FILE"]
 
 STATE_FILE = "checkpoint.json"
 LOCK_FILE = ".checkpoint.lock"
 STATE_FORMAT = "parallelvars-checkpoint-state"
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2 adds "crc32c"; version 1 files (no checksum) are still read
+STATE_MAX_BYTES = 64 << 20  # a larger state file is not ours: the files are scanned instead
+_READ_ONLY_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
 SUFFIX = ".h5"
 # The temporary names of _fileio.temp_path_for: ".<final name>.tmp-<pid>-<hex>".
 _TEMP_RE = re.compile(r"^\.(?P<base>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]+$")
@@ -99,14 +113,47 @@ def _committed(directory: str, name: str) -> dict[int, str]:
     return out
 
 
+def _state_checksum(state: dict[str, Any]) -> str:
+    """CRC-32C (8 hex digits) of the state's canonical JSON, its ``crc32c`` field left out."""
+    body = {k: v for k, v in state.items() if k != "crc32c"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return f"{_crc32c.crc32c(canonical.encode('ascii')):08x}"
+
+
 def _read_state(directory: str) -> dict[str, Any] | None:
-    """The parsed state file, or None when missing or unreadable (then the files are scanned)."""
+    """The parsed state file, or None when missing, unreadable or not trusted.
+
+    Not trusted: not a regular file, too large, not our format, or (version 2) a checksum
+    that does not match its content. The caller then scans the directory: the committed
+    checkpoint files are the truth, the state file only a record of them.
+    """
+    path = os.path.join(directory, STATE_FILE)
     try:
-        with open(os.path.join(directory, STATE_FILE), encoding="utf-8") as fh:
-            state = json.load(fh)
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
         return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > STATE_MAX_BYTES:
+            return None
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            raw = fh.read(STATE_MAX_BYTES + 1)
+        state = json.loads(raw.decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        return None
+    version = state.get("version")
+    if version == 1 and "crc32c" not in state:
+        return state  # written before state files had a checksum
+    if version != STATE_VERSION:
+        return None
+    try:
+        if state.get("crc32c") != _state_checksum(state):
+            return None
+    except (TypeError, ValueError):
         return None
     return state
 
@@ -116,7 +163,7 @@ def _records(raw: Any) -> list[_Record]:
     for item in raw if isinstance(raw, list) else []:
         try:
             out.append(_Record(file=str(item["file"]), number=int(item["number"]), time=float(item["time"])))
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             continue
     return out
 
@@ -131,7 +178,10 @@ def _reconcile(directory: str, name: str, state: dict[str, Any] | None) -> tuple
     on_disk = _committed(directory, name)
     if state is not None and state.get("checkpoint_name", name) == name:
         managed = [r for r in _records(state.get("checkpoints")) if r.number in on_disk and on_disk[r.number] == r.file]
-        preserved = [r for r in _records(state.get("preserved")) if os.path.isfile(os.path.join(directory, r.file))]
+        preserved = [
+            r for r in _records(state.get("preserved"))
+            if _number_of(r.file, name) == r.number and os.path.isfile(os.path.join(directory, r.file))
+        ]
         last = state.get("last_preserved_time")
         last_preserved = float(last) if isinstance(last, (int, float)) else None
         latest = _number_of(str(state.get("latest") or ""), name)
@@ -141,8 +191,11 @@ def _reconcile(directory: str, name: str, state: dict[str, Any] | None) -> tuple
     floor = latest if latest is not None else max((r.number for r in managed), default=-1)
     for n in sorted(on_disk):
         if n not in known and n > floor:
-            path = os.path.join(directory, on_disk[n])
-            managed.append(_Record(file=on_disk[n], number=n, time=os.path.getmtime(path)))
+            try:
+                mtime = os.path.getmtime(os.path.join(directory, on_disk[n]))
+            except OSError:
+                continue  # deleted since the listing (retention in another process)
+            managed.append(_Record(file=on_disk[n], number=n, time=mtime))
     return managed, preserved, last_preserved
 
 
@@ -205,9 +258,28 @@ class _DirectoryLock:
         self.path = os.path.join(directory, LOCK_FILE)
         self._fd: int | None = None
 
-    def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    def acquire(self) -> bool:
+        """Take the lock; False when the directory cannot be written (read-only use).
+
+        The file is opened without following a symbolic link and without truncating, and
+        written only once it is known to be a regular file of its own (one link): a lock
+        file planted as a link to another file is refused, that file left untouched.
+        """
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
         try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as exc:
+            if exc.errno in _READ_ONLY_ERRNOS:
+                return False
+            if exc.errno == errno.ELOOP or os.path.islink(self.path):
+                raise self._refused("a symbolic link") from None
+            raise
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise self._refused("not a regular file")
+            if info.st_nlink != 1:
+                raise self._refused(f"a file with {info.st_nlink} links")
             if not _try_lock(fd):
                 try:
                     holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
@@ -224,6 +296,13 @@ class _DirectoryLock:
             os.close(fd)
             raise
         self._fd = fd
+        return True
+
+    def _refused(self, found: str) -> CheckpointLockedError:
+        return CheckpointLockedError(
+            "refusing to use the lock file", file=self.path, expected="a regular file", found=found,
+            hint="remove it; the manager creates its own",
+        )
 
     def release(self) -> None:
         if self._fd is not None:
@@ -260,6 +339,21 @@ except ImportError:  # Windows: a byte-range lock, also released when the proces
         msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)  # type: ignore[attr-defined]
 
 
+def _comparable(state: dict[str, Any]) -> dict[str, Any]:
+    """A state as read, in the shape :meth:`CheckpointManager._state` builds (to compare)."""
+    out = {k: v for k, v in state.items() if k != "crc32c"}
+    out["version"] = STATE_VERSION
+    return out
+
+
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class CheckpointManager:
     """Saves numbered checkpoints of one :class:`Checkpoint` into a directory and prunes them.
 
@@ -280,6 +374,10 @@ class CheckpointManager:
             advanced by at least this much since the last save.
         init_fn: called by :meth:`restore_or_initialize` when there is nothing to restore.
         async_save: make ``save()`` non-blocking by default (see :meth:`save`).
+        read_only: open the directory for restoring only, without its lock, beside a manager
+            that writes it (an evaluator following a training run). A directory this process
+            cannot write is opened that way by itself. ``save()`` then raises
+            :class:`~parallelvars.errors.ReadOnlyDirectoryError`.
 
     Raises:
         CheckpointLockedError: another live manager holds the directory.
@@ -297,6 +395,7 @@ class CheckpointManager:
         init_fn: Callable[[], Any] | None = None,
         *,
         async_save: bool = False,
+        read_only: bool = False,
     ) -> None:
         if not isinstance(checkpoint, Checkpoint):
             raise TypeError(f"checkpoint must be a parallelvars Checkpoint, not {type(checkpoint).__name__}")
@@ -322,23 +421,40 @@ class CheckpointManager:
         self._mutex = threading.Lock()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._pending: str | None = None
 
-        os.makedirs(self._directory, exist_ok=True)
+        if not read_only:
+            os.makedirs(self._directory, exist_ok=True)
         # Under a multi-process strategy every process has a manager and takes part in each
         # save; rank 0 alone holds the directory lock, writes the state and deletes old files.
         rank = collective_rank()
         self._bookkeeper = rank is None or rank == 0
         self._lock = _DirectoryLock(self._directory)
-        if self._bookkeeper:
-            self._lock.acquire()
+        # A directory this process cannot write is opened for reading only: no lock (the
+        # manager is then a lock-free reader, like latest_checkpoint()), and save() refuses.
+        self._read_only_asked = read_only
+        self._read_only = read_only or not os.access(self._directory, os.W_OK | os.X_OK)
+        if self._bookkeeper and not self._read_only:
+            self._read_only = not self._lock.acquire()
+        self._locked = self._bookkeeper and not self._read_only
         try:
-            if self._bookkeeper:
+            if self._locked:
                 self._remove_temporaries()
-            self._managed, self._preserved, self._last_preserved = _reconcile(
-                self._directory, self._name, _read_state(self._directory)
-            )
+            state = _read_state(self._directory)
+            self._managed, self._preserved, self._last_preserved = _reconcile(self._directory, self._name, state)
+            if state is None and self._max_to_keep is not None and len(self._managed) > self._max_to_keep:
+                # Without a trusted record of what the policy let go, nothing found is deleted:
+                # what is beyond the max_to_keep window is kept for good, like a preserved one.
+                extra = self._managed[: -self._max_to_keep]
+                self._managed = self._managed[-self._max_to_keep :]
+                self._preserved = sorted(self._preserved + extra, key=lambda r: r.number)
+            if self._locked and (state is None or _comparable(state) != self._state(self._managed, self._preserved, self._last_preserved)):
+                # The directory listing is the truth: rebuild a missing, damaged or stale state
+                # file now. Failing here (no space yet) is not fatal: the next save writes it.
+                with contextlib.suppress(OSError):
+                    self._write_state(self._managed, self._preserved, self._last_preserved)
         except BaseException:
-            if self._bookkeeper:
+            if self._locked:
                 self._lock.release()
             raise
         self._closed = False
@@ -353,14 +469,28 @@ class CheckpointManager:
         return self._checkpoint
 
     @property
+    def read_only(self) -> bool:
+        """True when the directory cannot be written: restore works, ``save()`` refuses."""
+        return self._read_only
+
+    def _refresh(self) -> None:
+        """A reader without the lock sees the directory as it is now (another process writes it)."""
+        if self._read_only:
+            managed, preserved, last = _reconcile(self._directory, self._name, _read_state(self._directory))
+            with self._mutex:
+                self._managed, self._preserved, self._last_preserved = managed, preserved, last
+
+    @property
     def checkpoints(self) -> list[str]:
         """Committed checkpoints under the ``max_to_keep`` policy, oldest first (full paths)."""
+        self._refresh()
         with self._mutex:
             return [os.path.join(self._directory, r.file) for r in self._managed]
 
     @property
     def latest_checkpoint(self) -> str | None:
         """The most recently committed checkpoint (an async save counts once it is written)."""
+        self._refresh()
         with self._mutex:
             return os.path.join(self._directory, self._managed[-1].file) if self._managed else None
 
@@ -378,11 +508,13 @@ class CheckpointManager:
             checkpoint_number: the number in the file name; by default the checkpoint's
                 ``save_counter`` (which every save increments).
             check_interval: honour ``checkpoint_interval`` (pass False to save regardless).
-            blocking: False copies every component buffer now (a snapshot: training may go on
-                changing the variables; the file holds the values as they were at this call)
-                and writes in a background thread. The next ``save``, a restore, ``wait`` or
-                ``close`` waits for it, and an error in the background is raised there. At
-                most one write is in flight. Default: the manager's ``async_save``.
+            blocking: False copies every component buffer now (a snapshot of one moment,
+                checked against the live buffers: training may go on changing the variables;
+                the file holds the values as they were at this call) and writes in a
+                background thread. The next ``save``, a restore, ``wait`` or ``close`` waits
+                for it, and an error in the background is raised there; at interpreter exit
+                the write is completed, or its error printed on stderr. At most one write is
+                in flight. Default: the manager's ``async_save``.
 
         Returns:
             The path of the checkpoint (for a non-blocking save, where it will be once
@@ -391,9 +523,19 @@ class CheckpointManager:
         Raises:
             CheckpointError (or an OSError) when the write fails; earlier checkpoints and the
             state file are then unchanged. Also the error of an earlier non-blocking save.
+            ConcurrentWriteError: (non-blocking) other threads kept writing the variables
+                while they were copied; nothing was saved.
+            ReadOnlyDirectoryError: the manager was opened read-only.
         """
         self._check_open()
         self.wait()
+        if self._read_only:
+            raise ReadOnlyDirectoryError(
+                "cannot save: the checkpoint directory is read-only for this process", file=self._directory,
+                expected="a writable directory",
+                found="opened with read_only=True" if self._read_only_asked else "no write permission (or a read-only file system)",
+                hint="restore works; save into another directory",
+            )
         blocking = not self._async_default if blocking is None else blocking
         if not blocking and collective_rank() is not None:
             raise ValueError(
@@ -422,19 +564,32 @@ class CheckpointManager:
         except BaseException:
             counter.assign(previous)
             raise
+        replaces = os.path.lexists(path)
 
         def job() -> None:
             try:
                 write(path)
-                self._commit(_Record(file=filename, number=number, time=time.time()))
             except BaseException:
                 counter.assign(previous)
+                raise
+            try:
+                self._commit(_Record(file=filename, number=number, time=time.time()), replaces)
+            except BaseException:
+                with self._mutex:
+                    kept = any(r.file == filename for r in self._managed)
+                if not kept:  # taken back: the counter too
+                    counter.assign(previous)
                 raise
 
         if blocking:
             job()
         else:
-            self._thread = threading.Thread(target=self._run_async, args=(job,), name=f"checkpoint-save-{number}", daemon=True)
+            # Not a daemon: the interpreter joins it before exiting (before the atexit hooks
+            # that tear h5py down), so a pending save completes and commits; _report_at_exit
+            # prints what failed.
+            self._thread = threading.Thread(target=self._run_async, args=(job,), name=f"checkpoint-save-{number}")
+            self._pending = path
+            _PENDING.add(self)
             self._thread.start()
         if step is not None:
             self._last_step = step
@@ -446,20 +601,43 @@ class CheckpointManager:
         except BaseException as exc:  # handed to the caller's next call
             self._error = exc
 
+    def _report_at_exit(self) -> None:
+        """At interpreter exit: finish a save in flight; print its error, nobody else will."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+        err, self._error = self._error, None
+        if err is not None:
+            last = self.latest_checkpoint
+            print(
+                f"parallelvars: the non-blocking save to {self._pending} failed at exit and was not "
+                f"committed: {type(err).__name__}: {err}; the last good checkpoint is {last or 'none'}",
+                file=sys.stderr, flush=True,
+            )
+
     def wait(self) -> None:
         """Wait for a non-blocking save in flight; raise its error, if it had one."""
         thread = self._thread
         if thread is not None:
             thread.join()
             self._thread = None
+        _PENDING.discard(self)
         if self._error is not None:
             err, self._error = self._error, None
             raise err
 
     sync = wait
 
-    def _commit(self, record: _Record) -> None:
-        """Record a written checkpoint in the state, then delete what the policy lets go."""
+    def _commit(self, record: _Record, replaces: bool = False) -> None:
+        """Record a written checkpoint in the state, then delete what the policy lets go.
+
+        When the state file cannot be replaced (no space left, an I/O error), the save is
+        undone: the new file is deleted again, so the directory, the state file and this
+        manager still agree on the previous checkpoint, and the error is raised. Where the
+        file cannot be taken back (it replaced one of the same name, or the deletion fails
+        too) it stays committed, and this manager adopts it from the listing, like the next
+        one would; the state file is rebuilt by the next save or manager.
+        """
         with self._mutex:
             managed = [r for r in self._managed if r.file != record.file]
             preserved = [r for r in self._preserved if r.file != record.file]
@@ -476,7 +654,11 @@ class CheckpointManager:
                 else:
                     doomed.append(old)
             if self._bookkeeper:
-                self._write_state(managed, preserved, last_preserved)
+                try:
+                    self._write_state(managed, preserved, last_preserved)
+                except BaseException:
+                    self._undo_commit(record, replaces)
+                    raise
             self._managed, self._preserved, self._last_preserved = managed, preserved, last_preserved
         if not self._bookkeeper:
             return
@@ -487,8 +669,28 @@ class CheckpointManager:
             # The per-process files of a checkpoint written under MPI.
             shutil.rmtree(doomed_path + PARTS_SUFFIX, ignore_errors=True)
 
-    def _write_state(self, managed: list[_Record], preserved: list[_Record], last_preserved: float | None) -> None:
-        state = {
+    def _undo_commit(self, record: _Record, replaces: bool) -> None:
+        """After a failed state write (under the mutex): take the new checkpoint back, or adopt it."""
+        state = _read_state(self._directory)
+        recorded = state is not None and state.get("latest") == record.file  # replaced, then failed to fsync
+        if not replaces and not recorded:
+            try:
+                os.unlink(os.path.join(self._directory, record.file))
+                shutil.rmtree(os.path.join(self._directory, record.file) + PARTS_SUFFIX, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    _fsync_directory(self._directory)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                pass
+        managed, preserved, last = _reconcile(self._directory, self._name, state)
+        if record.file not in {r.file for r in managed}:
+            managed.append(record)
+        self._managed, self._preserved, self._last_preserved = managed, preserved, last
+
+    def _state(self, managed: list[_Record], preserved: list[_Record], last_preserved: float | None) -> dict[str, Any]:
+        return {
             "format": STATE_FORMAT,
             "version": STATE_VERSION,
             "checkpoint_name": self._name,
@@ -497,7 +699,11 @@ class CheckpointManager:
             "preserved": [asdict(r) for r in preserved],
             "last_preserved_time": last_preserved,
         }
-        text = json.dumps(state, indent=2) + "\n"
+
+    def _write_state(self, managed: list[_Record], preserved: list[_Record], last_preserved: float | None) -> None:
+        state = self._state(managed, preserved, last_preserved)
+        state["crc32c"] = _state_checksum(state)
+        text = json.dumps(state, indent=2, allow_nan=False) + "\n"
 
         def write(tmp: str) -> None:
             with open(tmp, "w", encoding="utf-8") as fh:
@@ -529,12 +735,11 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
-        latest = self.latest_checkpoint
-        if latest is not None:
-            self._checkpoint.restore(latest)
+        restored = self._restore_newest()
+        if restored is not None:
             if self._step_counter is not None:
                 self._last_step = int(np.asarray(self._step_counter))
-            return latest
+            return restored[0]
         if self._init_fn is not None:
             self._init_fn()
         return None
@@ -543,10 +748,32 @@ class CheckpointManager:
         """Restore ``path`` (default: the latest checkpoint) after waiting for a save in flight."""
         self._check_open()
         self.wait()
-        target = path or self.latest_checkpoint
-        if target is None:
+        if path:
+            return self._checkpoint.restore(path)
+        restored = self._restore_newest()
+        if restored is None:
             raise CheckpointError("no checkpoint to restore", file=self._directory)
-        return self._checkpoint.restore(target)
+        return restored[1]
+
+    def _restore_newest(self) -> tuple[str, Any] | None:
+        """Restore the newest checkpoint: (path, status), or None when there is none.
+
+        A checkpoint deleted between the listing and its opening (retention by a manager in
+        another process, when this one only reads) is skipped for the next newest; a restore
+        that fails that way has changed nothing, it is all or nothing.
+        """
+        tried: set[str] = set()
+        while True:
+            candidates = [p for p in reversed(self.checkpoints) if p not in tried]
+            if not candidates:
+                return None
+            path = candidates[0]
+            try:
+                return path, self._checkpoint.restore(path)
+            except (FileNotFoundError, CheckpointError):
+                if os.path.exists(path):
+                    raise
+                tried.add(path)  # deleted while it was being opened: whatever that raised
 
     # ------------------------------------------------------------------ lifetime
     def _check_open(self) -> None:
@@ -561,7 +788,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
-            if self._bookkeeper:
+            if self._locked:
                 self._lock.release()
 
     def __enter__(self) -> CheckpointManager:
@@ -572,3 +799,17 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"<CheckpointManager {self._directory!r} checkpoints={len(self._managed)}>"
+
+
+# Managers with a non-blocking save started and not yet waited for. The interpreter joins the
+# save threads (not daemons) before the atexit hooks run; this hook, registered after h5py was
+# imported and so run before h5py's own (atexit is last in, first out), reports their errors.
+_PENDING: set[CheckpointManager] = set()
+
+
+@atexit.register
+def _finish_pending_saves() -> None:
+    for mgr in list(_PENDING):
+        _PENDING.discard(mgr)
+        with contextlib.suppress(Exception):
+            mgr._report_at_exit()

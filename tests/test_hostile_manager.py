@@ -1,0 +1,575 @@
+"""CheckpointManager under faults: torn snapshots, exit with a save in flight, a full disk
+while the state file is replaced, planted lock files, a damaged state file, read-only
+directories and readers racing with retention."""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import parallelvars as pv
+from parallelvars.checkpoint import checkpoint as checkpoint_module
+from parallelvars.checkpoint import h5io, manager
+from parallelvars.errors import (
+    CheckpointLockedError,
+    ConcurrentWriteError,
+    ParallelVarsError,
+    ReadOnlyDirectoryError,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_model(n: int = 6):
+    """A checkpoint of ``n`` variables of several kinds (mirrored, sharded, single)."""
+    with pv.MirroredStrategy(2).scope():
+        mirrored = [pv.Variable(np.zeros((64,), np.float64), name=f"m{i}") for i in range(n // 2)]
+        sharded = [pv.Variable(np.zeros((8, 4), np.int64), name=f"s{i}", shard_axis=0) for i in range(n - n // 2)]
+    step = pv.Variable(np.int64(0), name="step")
+    variables = [*mirrored, *sharded, step]
+    model = pv.Module()
+    model.mirrored, model.sharded = mirrored, sharded
+    return pv.Checkpoint(model=model, step=step), variables
+
+
+def set_all(variables, k: int) -> None:
+    for v in variables:
+        v.assign(np.full(np.shape(v), k, v.dtype))
+
+
+def values_in(path: str) -> set[int]:
+    """Every value of every component of every variable in a checkpoint (save_counter aside)."""
+    out: set[int] = set()
+    with h5io.H5Reader(path) as r:
+        for name in r:
+            if name == "save_counter":
+                continue
+            entry = r[name]
+            for i in range(entry.num_components):
+                out.update(int(x) for x in np.unique(entry.component(i)))
+    return out
+
+
+# ----------------------------------------------------------------------------- torn snapshots
+class Writer:
+    """A thread setting every variable, in order, to an increasing counter, flat out."""
+
+    def __init__(self, variables) -> None:
+        self.variables = variables
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run)
+
+    def run(self) -> None:
+        k = 0
+        while not self.stop.is_set():
+            k += 1
+            set_all(self.variables, k)
+
+    def __enter__(self) -> Writer:
+        self.old_interval = sys.getswitchinterval()
+        sys.setswitchinterval(2e-5)  # interleave the threads finely: tears are likely if possible
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+        sys.setswitchinterval(self.old_interval)
+
+
+def test_async_snapshots_under_a_writer_thread_are_consistent_or_refused(tmp_path, monkeypatch):
+    ckpt, variables = make_model(40)
+    where = {id(obj): p for _, obj, p in checkpoint_module.build_object_graph(ckpt).variables()}
+    taken: list[dict[str, list[np.ndarray]]] = []
+
+    def keep(path, records, **kwargs):  # the snapshot as the writer receives it
+        taken.append({r.path: list(r.components) for r in records})
+        return path
+
+    monkeypatch.setattr(checkpoint_module, "write_h5", keep)
+    refused = 0
+    with Writer(variables):
+        for _ in range(300):
+            try:
+                ckpt._prepare_write(copy=True)(str(tmp_path / "unused.h5"))
+            except ConcurrentWriteError:
+                refused += 1
+    assert len(taken) + refused == 300 and taken
+    for snap in taken:
+        assert_one_moment_values([snap[where[id(v)]] for v in variables])
+    monkeypatch.undo()
+
+    # The same end to end: non-blocking saves committed while the writer runs.
+    committed, refused = [], 0
+    with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=None) as mgr, Writer(variables):
+        for _ in range(20):
+            try:
+                committed.append(mgr.save(blocking=False))
+            except ConcurrentWriteError as exc:
+                assert isinstance(exc, ParallelVarsError) and isinstance(exc, RuntimeError)
+                refused += 1
+            mgr.wait()
+        assert mgr.checkpoints == committed
+    assert len(committed) + refused == 20
+    for path in committed:
+        assert_one_moment(path, ckpt, variables)
+
+
+def assert_one_moment_values(per_variable: list[list[np.ndarray]]) -> None:
+    """Values of the variables in the writer's order, as they were at one moment of a writer
+    that sets them in that order to a counter: every variable holds one value on all its
+    components, and along the order the values are k + 1 up to where it had got, then k."""
+    seq = []
+    for components in per_variable:
+        found = {int(x) for c in components for x in np.unique(c)}
+        assert len(found) == 1, found
+        seq.append(found.pop())
+    assert all(a >= b for a, b in itertools.pairwise(seq)) and seq[0] - seq[-1] <= 1, seq
+
+
+def assert_one_moment(path: str, ckpt, variables) -> None:
+    where = {id(obj): p for _, obj, p in checkpoint_module.build_object_graph(ckpt).variables()}
+    with h5io.H5Reader(path) as r:
+        per_variable = []
+        for v in variables:
+            entry = r[where[id(v)]]
+            per_variable.append([entry.component(i) for i in range(entry.num_components)])
+    assert_one_moment_values(per_variable)
+
+
+def test_snapshot_copies_again_when_a_write_lands_between_the_passes(tmp_path, monkeypatch):
+    ckpt, variables = make_model(2)
+    set_all(variables, 1)
+    real = checkpoint_module._unchanged
+    calls = [0]
+
+    def racing(live, copied):
+        calls[0] += 1
+        if calls[0] == 1:
+            set_all(variables, 2)  # a writer thread lands after the copy, before the check
+        return real(live, copied)
+
+    monkeypatch.setattr(checkpoint_module, "_unchanged", racing)
+    write = ckpt._prepare_write(copy=True)
+    set_all(variables, 3)  # after the snapshot: not in the file
+    monkeypatch.undo()
+    assert calls[0] > len(variables)  # compared twice: the first pass found the change
+    assert values_in(write(str(tmp_path / "snap.h5"))) == {2}
+
+
+def test_snapshot_refused_when_writes_never_stop(tmp_path, monkeypatch):
+    ckpt, variables = make_model(2)
+    k = [0]
+    real = checkpoint_module._unchanged
+
+    def always_racing(live, copied):
+        k[0] += 1
+        set_all(variables, k[0])
+        return real(live, copied)
+
+    with pv.CheckpointManager(ckpt, tmp_path) as mgr:
+        mgr.save()
+        monkeypatch.setattr(checkpoint_module, "_unchanged", always_racing)
+        with pytest.raises(ConcurrentWriteError, match="non-blocking save"):
+            mgr.save(blocking=False)
+        monkeypatch.undo()
+        assert int(ckpt.save_counter) == 1
+        assert [os.path.basename(p) for p in mgr.checkpoints] == ["ckpt-1.h5"]
+        assert mgr.save(blocking=False).endswith("ckpt-2.h5")  # writes stopped: it goes through
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".h5")) == ["ckpt-1.h5", "ckpt-2.h5"]
+
+
+# ----------------------------------------------------------------------------- exit in flight
+EXIT_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+    import parallelvars as pv
+    from parallelvars.checkpoint import h5io
+
+    directory, mode = sys.argv[1], sys.argv[2]
+    with pv.MirroredStrategy(2).scope():
+        w = pv.Variable(np.zeros((256, 64), np.float32), name="w")
+    step = pv.Variable(np.int64(0), name="step")
+    ckpt = pv.Checkpoint(w=w, step=step)
+    mgr = pv.CheckpointManager(ckpt, directory)
+    w.assign(np.ones((256, 64), np.float32)); step.assign(1)
+    mgr.save()
+    real = h5io._checked
+
+    def slow(*args):
+        time.sleep(0.05)  # the write is still running when the main thread ends
+        if mode == "fail":
+            raise OSError(28, "No space left on device")
+        return real(*args)
+
+    h5io._checked = slow
+    w.assign(np.full((256, 64), 2, np.float32)); step.assign(2)
+    mgr.save(blocking=False)
+    w.assign(np.full((256, 64), 3, np.float32)); step.assign(3)  # after the snapshot
+    if mode == "raise":
+        raise SystemExit(0)
+    # no close(), no wait(): the interpreter exits with the save in flight
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["exit", "raise", "fail"])
+def test_exit_with_a_save_in_flight(tmp_path, mode):
+    script = tmp_path / "run.py"
+    script.write_text(EXIT_SCRIPT)
+    for run in range(3):
+        d = tmp_path / f"ckpts-{run}"
+        proc = subprocess.run(
+            [sys.executable, str(script), str(d), mode], capture_output=True, text=True, timeout=120, cwd=REPO
+        )
+        assert proc.returncode == 0, proc.stderr
+        w = pv.Variable(np.zeros((256, 64), np.float32), name="w")
+        step = pv.Variable(np.int64(0), name="step")
+        reader = pv.Checkpoint(w=w, step=step)
+        latest = pv.latest_checkpoint(d)
+        reader.restore(latest).assert_consumed()
+        if mode == "fail":
+            assert "failed at exit and was not committed" in proc.stderr
+            assert "No space left on device" in proc.stderr and latest.endswith("ckpt-1.h5")
+            assert int(step) == 1 and float(np.asarray(w)[0, 0]) == 1.0
+            assert not (d / "ckpt-2.h5").exists()
+        else:
+            assert proc.stderr == ""
+            assert latest.endswith("ckpt-2.h5")  # committed, with the values at the call
+            assert int(step) == 2 and float(np.asarray(w)[0, 0]) == 2.0
+            state = json.loads((d / manager.STATE_FILE).read_text())
+            assert state["latest"] == "ckpt-2.h5"
+        assert not [f for f in os.listdir(d) if ".tmp-" in f]
+
+
+# ----------------------------------------------------------------------------- full disk
+def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def basenames(paths):
+    return [os.path.basename(p) for p in paths]
+
+
+def test_state_write_failing_takes_the_save_back_then_recovers(tmp_path, monkeypatch):
+    ckpt, variables = make_model(2)
+    mgr = pv.CheckpointManager(ckpt, tmp_path, max_to_keep=2)
+    for k in (1, 2):
+        set_all(variables, k)
+        mgr.save()
+    set_all(variables, 3)
+    monkeypatch.setattr(manager, "atomic_write", no_space)
+    with pytest.raises(OSError) as info:
+        mgr.save()
+    assert info.value.errno == errno.ENOSPC
+    # The manager, the lock-free reader and the directory agree on the last good checkpoint.
+    assert basenames(mgr.checkpoints) == ["ckpt-1.h5", "ckpt-2.h5"]
+    assert mgr.latest_checkpoint == pv.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-2.h5")
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".h5")) == ["ckpt-1.h5", "ckpt-2.h5"]
+    assert int(ckpt.save_counter) == 2
+    with pytest.raises(OSError):  # still full: fails the same clean way
+        mgr.save(blocking=False)
+        mgr.wait()
+    monkeypatch.undo()  # space freed: the same manager goes on
+    assert os.path.basename(mgr.save()) == "ckpt-3.h5"
+    assert basenames(mgr.checkpoints) == ["ckpt-2.h5", "ckpt-3.h5"]
+    mgr.close()
+    assert json.loads((tmp_path / manager.STATE_FILE).read_text())["latest"] == "ckpt-3.h5"
+
+
+def test_fresh_manager_after_a_failed_state_write(tmp_path, monkeypatch):
+    ckpt, variables = make_model(2)
+    mgr = pv.CheckpointManager(ckpt, tmp_path, max_to_keep=2)
+    set_all(variables, 1)
+    mgr.save()
+    # The new file cannot be taken back either: it stays committed, and is adopted.
+    monkeypatch.setattr(manager, "atomic_write", no_space)
+    real_unlink = os.unlink
+
+    def stuck_unlink(path, *args, **kwargs):
+        if str(path).endswith("ckpt-2.h5"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(manager.os, "unlink", stuck_unlink)
+    set_all(variables, 2)
+    with pytest.raises(OSError):
+        mgr.save()
+    monkeypatch.undo()
+    assert mgr.latest_checkpoint == pv.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-2.h5")
+    assert int(ckpt.save_counter) == 2
+    assert json.loads((tmp_path / manager.STATE_FILE).read_text())["latest"] == "ckpt-1.h5"  # stale
+    mgr.close()
+    monkeypatch.setattr(manager, "atomic_write", no_space)
+    with pv.CheckpointManager(make_model(2)[0], tmp_path, max_to_keep=2) as fresh:  # opens while full
+        assert basenames(fresh.checkpoints) == ["ckpt-1.h5", "ckpt-2.h5"]
+    monkeypatch.undo()
+    ckpt2, variables2 = make_model(2)
+    with pv.CheckpointManager(ckpt2, tmp_path, max_to_keep=2) as fresh:  # rebuilds the state file
+        state = json.loads((tmp_path / manager.STATE_FILE).read_text())
+        assert state["latest"] == "ckpt-2.h5" and manager._read_state(str(tmp_path)) is not None
+        fresh.restore_or_initialize()
+        assert values_in(fresh.latest_checkpoint) == {2} and int(variables2[-1]) == 2
+        assert os.path.basename(fresh.save()) == "ckpt-3.h5"
+        assert basenames(fresh.checkpoints) == ["ckpt-2.h5", "ckpt-3.h5"]
+
+
+# ----------------------------------------------------------------------------- lock file
+@pytest.mark.skipif(not hasattr(os, "symlink") or sys.platform == "win32", reason="POSIX links")
+def test_planted_lock_links_are_refused_and_their_targets_untouched(tmp_path):
+    ckpt, _ = make_model(2)
+    d = tmp_path / "ckpts"
+    d.mkdir()
+    target = tmp_path / "precious.txt"
+    target.write_text("do not truncate me\n")
+    (d / manager.LOCK_FILE).symlink_to(target)
+    with pytest.raises(CheckpointLockedError, match="symbolic link") as info:
+        pv.CheckpointManager(ckpt, d)
+    assert isinstance(info.value, ParallelVarsError) and manager.LOCK_FILE in str(info.value)
+    assert target.read_text() == "do not truncate me\n"
+
+    os.unlink(d / manager.LOCK_FILE)  # a dangling link: nothing is created at its target
+    (d / manager.LOCK_FILE).symlink_to(tmp_path / "created.txt")
+    with pytest.raises(CheckpointLockedError):
+        pv.CheckpointManager(ckpt, d)
+    assert not (tmp_path / "created.txt").exists()
+
+    os.unlink(d / manager.LOCK_FILE)  # a hard link to another file
+    os.link(target, d / manager.LOCK_FILE)
+    with pytest.raises(CheckpointLockedError, match="2 links"):
+        pv.CheckpointManager(ckpt, d)
+    assert target.read_text() == "do not truncate me\n"
+
+    os.unlink(d / manager.LOCK_FILE)  # a FIFO: refused, never blocks
+    os.mkfifo(d / manager.LOCK_FILE)
+    with pytest.raises(CheckpointLockedError, match="not a regular file"):
+        pv.CheckpointManager(ckpt, d)
+
+    os.unlink(d / manager.LOCK_FILE)
+    with pv.CheckpointManager(ckpt, d) as mgr:  # its own lock file again
+        mgr.save()
+    assert (d / manager.LOCK_FILE).read_text() == f"{os.getpid()}\n"
+
+
+# ----------------------------------------------------------------------------- state checksum
+def test_a_changed_digit_in_the_state_file_is_detected(tmp_path):
+    ckpt, _ = make_model(2)
+    with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=3) as mgr:
+        for _ in range(3):
+            mgr.save()
+    state_path = tmp_path / manager.STATE_FILE
+    good = state_path.read_text()
+    state = json.loads(good)
+    assert state["version"] == manager.STATE_VERSION and len(state["crc32c"]) == 8
+    newest = str(tmp_path / "ckpt-3.h5")
+    digits = [i for i, ch in enumerate(good) if ch.isdigit()]
+    assert digits
+    for i in digits:  # every single changed digit: not trusted, the files decide
+        damaged = good[:i] + str((int(good[i]) + 1) % 10) + good[i + 1 :]
+        state_path.write_text(damaged)
+        # (A digit past a float's precision reads as the same number: the same content.)
+        assert manager._read_state(str(tmp_path)) in (None, state), damaged
+        assert pv.latest_checkpoint(tmp_path) == newest
+    # The example of the fault: the newest record's number rolled back by one.
+    state_path.write_text(good.replace('"number": 3', '"number": 2'))
+    assert pv.latest_checkpoint(tmp_path) == newest
+    with pv.CheckpointManager(make_model(2)[0], tmp_path, max_to_keep=3) as mgr:
+        assert mgr.latest_checkpoint == newest
+    assert manager._read_state(str(tmp_path)) is not None  # rebuilt on open
+    assert json.loads(state_path.read_text())["latest"] == "ckpt-3.h5"
+
+
+def test_a_damaged_state_file_never_leads_to_deletions(tmp_path):
+    ckpt, _ = make_model(2)
+    with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=None) as mgr:
+        for _ in range(4):
+            mgr.save()
+    (tmp_path / manager.STATE_FILE).write_text("damaged")
+    with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=2) as mgr:
+        assert basenames(mgr.checkpoints) == ["ckpt-3.h5", "ckpt-4.h5"]
+        mgr.save()
+        assert basenames(mgr.checkpoints) == ["ckpt-4.h5", "ckpt-5.h5"]
+    # ckpt-1 and ckpt-2 were not recorded by a trusted state: kept for good; ckpt-3 was.
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".h5")) == [
+        "ckpt-1.h5", "ckpt-2.h5", "ckpt-4.h5", "ckpt-5.h5",
+    ]
+
+
+def test_state_files_without_a_checksum_are_still_read(tmp_path):
+    ckpt, _ = make_model(2)
+    with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=None) as mgr:
+        mgr.save()
+        mgr.save()
+    state = json.loads((tmp_path / manager.STATE_FILE).read_text())
+    del state["crc32c"]
+    state["version"] = 1
+    (tmp_path / manager.STATE_FILE).write_text(json.dumps(state))
+    assert manager._read_state(str(tmp_path)) is not None
+    state["version"] = 2  # the current version must carry its checksum
+    (tmp_path / manager.STATE_FILE).write_text(json.dumps(state))
+    assert manager._read_state(str(tmp_path)) is None
+    (tmp_path / manager.STATE_FILE).write_text("[" * 100_000)  # deep nesting: just untrusted
+    assert manager._read_state(str(tmp_path)) is None
+    if hasattr(os, "mkfifo"):  # a FIFO in its place: never blocks, not trusted
+        os.unlink(tmp_path / manager.STATE_FILE)
+        os.mkfifo(tmp_path / manager.STATE_FILE)
+        assert manager._read_state(str(tmp_path)) is None
+    assert pv.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-2.h5")
+
+
+def test_preserved_records_never_name_files_outside(tmp_path):
+    ckpt, _ = make_model(2)
+    with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=1) as mgr:
+        mgr.save()
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.h5"
+    outside.write_bytes(b"x")
+    try:
+        state = json.loads((tmp_path / manager.STATE_FILE).read_text())
+        state["preserved"] = [{"file": f"../{outside.name}", "number": 0, "time": 0.0}]
+        state["crc32c"] = manager._state_checksum(state)
+        (tmp_path / manager.STATE_FILE).write_text(json.dumps(state))
+        preserved = manager._reconcile(str(tmp_path), "ckpt", manager._read_state(str(tmp_path)))[1]
+        assert preserved == []
+    finally:
+        outside.unlink()
+
+
+# ----------------------------------------------------------------------------- read-only
+def saved_directory(tmp_path):
+    ckpt, variables = make_model(2)
+    with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=None) as mgr:
+        for k in (1, 2):
+            set_all(variables, k)
+            mgr.save()
+    os.unlink(tmp_path / manager.LOCK_FILE)
+    return {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
+
+
+def check_read_only_manager(tmp_path, before) -> None:
+    ckpt, variables = make_model(2)
+    mgr = pv.CheckpointManager(ckpt, tmp_path)
+    assert mgr.read_only
+    assert basenames(mgr.checkpoints) == ["ckpt-1.h5", "ckpt-2.h5"]
+    assert mgr.latest_checkpoint == pv.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-2.h5")
+    assert mgr.restore_or_initialize() == str(tmp_path / "ckpt-2.h5")
+    assert int(variables[-1]) == 2
+    mgr.restore(str(tmp_path / "ckpt-1.h5"))
+    assert int(variables[-1]) == 1
+    with pytest.raises(ReadOnlyDirectoryError, match="read-only") as info:
+        mgr.save()
+    assert isinstance(info.value, PermissionError) and isinstance(info.value, ParallelVarsError)
+    assert int(ckpt.save_counter) == 1  # as restored from ckpt-1: the refused save took nothing
+    mgr.close()
+    assert {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)} == before
+
+
+@pytest.mark.skipif(sys.platform == "win32" or os.geteuid() == 0, reason="chmod does not restrict root")
+def test_read_only_directory_by_permissions(tmp_path):
+    before = saved_directory(tmp_path)
+    os.chmod(tmp_path, 0o555)
+    try:
+        check_read_only_manager(tmp_path, before)
+    finally:
+        os.chmod(tmp_path, 0o755)
+
+
+def test_read_only_directory_reported_by_access(tmp_path, monkeypatch):
+    before = saved_directory(tmp_path)
+    real_access = os.access
+    monkeypatch.setattr(
+        manager.os, "access", lambda p, mode, **kw: False if os.fspath(p) == str(tmp_path) else real_access(p, mode, **kw)
+    )
+    check_read_only_manager(tmp_path, before)
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES])
+def test_read_only_file_system_found_at_the_lock(tmp_path, monkeypatch, code):
+    before = saved_directory(tmp_path)
+    real_open = os.open
+
+    def refusing_open(path, flags, *args, **kwargs):
+        if os.path.basename(os.fspath(path)) == manager.LOCK_FILE:
+            raise OSError(code, os.strerror(code))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(manager.os, "open", refusing_open)
+    check_read_only_manager(tmp_path, before)
+
+
+# ----------------------------------------------------------------------------- retention races
+def test_readers_racing_with_retention_never_see_a_vanished_file(tmp_path):
+    ckpt, variables = make_model(2)
+    writer_mgr = pv.CheckpointManager(ckpt, tmp_path, max_to_keep=1)
+    set_all(variables, 1)
+    writer_mgr.save()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    restored = [0]
+
+    def write() -> None:
+        k = 1
+        while not stop.is_set():
+            k += 1
+            set_all(variables, k)
+            writer_mgr.save()
+
+    def read() -> None:
+        reader_ckpt, reader_vars = make_model(2)
+        reader = pv.CheckpointManager(reader_ckpt, tmp_path, read_only=True)
+        try:
+            while not stop.is_set():
+                latest = pv.latest_checkpoint(tmp_path)
+                assert latest is not None
+                path = reader.restore_or_initialize()
+                assert path is not None
+                assert len({int(np.asarray(v).reshape(-1)[0]) for v in reader_vars}) == 1
+                restored[0] += 1
+        except BaseException as exc:
+            errors.append(exc)
+            stop.set()
+        finally:
+            reader.close()
+
+    threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(2)]
+    for t in threads:
+        t.start()
+    stop.wait(3.0)
+    stop.set()
+    for t in threads:
+        t.join()
+    writer_mgr.close()
+    assert not errors, errors[0]
+    assert restored[0] > 0
+
+
+def test_restore_skips_a_checkpoint_deleted_while_it_opens(tmp_path, monkeypatch):
+    ckpt, variables = make_model(2)
+    with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=None) as mgr:
+        for k in (1, 2):
+            set_all(variables, k)
+            mgr.save()
+    reader_ckpt, reader_vars = make_model(2)
+    reader = pv.CheckpointManager(reader_ckpt, tmp_path, read_only=True)
+    real_restore = pv.Checkpoint.restore
+
+    def vanishing(self, path, **kwargs):
+        if os.fspath(path).endswith("ckpt-2.h5") and os.path.exists(path):
+            os.unlink(path)  # retention in another process, between listing and opening
+        return real_restore(self, path, **kwargs)
+
+    monkeypatch.setattr(pv.Checkpoint, "restore", vanishing)
+    assert reader.restore_or_initialize() == str(tmp_path / "ckpt-1.h5")
+    assert int(reader_vars[-1]) == 1
+    os.unlink(tmp_path / "ckpt-1.h5")
+    assert reader.restore_or_initialize() is None  # nothing left: initialise
+    reader.close()
