@@ -782,8 +782,10 @@ def _initial_array(initial_value: Any, dtype: Any, name: str) -> np.ndarray:
 
 
 def _base_creator(**kwargs: Any) -> ParallelVariable:
-    """The creator at the bottom of the stack: a single-device variable."""
-    return _make_distributed_variable(ParallelDevice(1), **kwargs)
+    """The creator at the bottom of the stack: a variable on ``device`` (a creator above set
+    it), else a single-device variable."""
+    device = kwargs.pop("device", None)
+    return _make_distributed_variable(ParallelDevice(1) if device is None else device, **kwargs)
 
 
 def _make_distributed_variable(
@@ -894,8 +896,13 @@ def independent_buffers(device: ParallelDevice | int | Sequence[str]) -> Any:
     pdev = ParallelDevice(device) if not isinstance(device, ParallelDevice) else device
 
     def creator(next_creator: Any, **kwargs: Any) -> ParallelVariable:
-        kwargs.pop("shard_axis", None)
-        return _make_distributed_variable(pdev, kind="independent" if len(pdev) > 1 else "single", **kwargs)
+        # Chained like every creator: scopes installed outside this one still run. An inner
+        # creator that already placed the variable wins.
+        if "device" not in kwargs:
+            kwargs.pop("shard_axis", None)
+            kwargs["device"] = pdev
+            kwargs["kind"] = "independent" if len(pdev) > 1 else "single"
+        return next_creator(**kwargs)
 
     return variable_creator_scope(creator)
 
@@ -905,6 +912,7 @@ def replicated_scope(num_replicas: int) -> Any:
     pdev = ParallelDevice(num_replicas)
 
     def creator(next_creator: Any, **kwargs: Any) -> ParallelVariable:
-        return _make_distributed_variable(pdev, **kwargs)
+        kwargs.setdefault("device", pdev)
+        return next_creator(**kwargs)
 
     return variable_creator_scope(creator)

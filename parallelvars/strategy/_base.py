@@ -72,6 +72,23 @@ def _top_default_replica_context() -> ReplicaContext:
     return ctx
 
 
+class _Creation:
+    """One replica's request to create a variable (an opaque value for ``merge_call``)."""
+
+    __slots__ = ("kwargs", "next_creator")
+
+    def __init__(self, next_creator: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+        self.next_creator = next_creator
+        self.kwargs = kwargs
+
+
+def _create_once(strategy: Strategy, request: Any) -> Any:
+    """The merge function behind variable creation in a replica function: the first replica's
+    arguments make the one variable every replica receives."""
+    first = request.values[0] if isinstance(request, PerReplica) else request
+    return strategy._register(first.next_creator(**first.kwargs))
+
+
 class ReplicaContext:
     """What a replica function sees of its strategy: its id and the merge point.
 
@@ -206,10 +223,18 @@ class Strategy:
         )
 
     def _variable_creator(self, next_creator: Any, **kwargs: Any) -> Any:
-        from parallelvars.variables import _make_distributed_variable
+        """Place the variable on this strategy's devices (unless a creator inside already
+        placed it) and hand it down the creator chain (``next_creator``), as every creator does.
 
-        self._check_creation_context(kwargs.get("name"))
-        return self._register(_make_distributed_variable(self._devices, **kwargs))
+        Inside a replica function every replica calls this; the variable is made once, from the
+        first replica's arguments, in a ``merge_call``, and every replica receives it (the
+        model-building pattern of TensorFlow's MirroredStrategy).
+        """
+        kwargs.setdefault("device", self._devices)
+        ctx = _context.current_mode().replica_context
+        if ctx is not None and ctx.strategy is self and self.num_replicas_in_sync > 1:
+            return ctx.merge_call(_create_once, args=(_Creation(next_creator, kwargs),))
+        return self._register(next_creator(**kwargs))
 
     def _check_creation_context(self, name: Any) -> None:
         ctx = _context.current_mode().replica_context
@@ -264,10 +289,8 @@ class Strategy:
             )
 
         def creator(next_creator: Any, **kwargs: Any) -> Any:
-            from parallelvars.variables import _make_distributed_variable
-
-            self._check_creation_context(kwargs.get("name"))
-            return self._register(_make_distributed_variable(target, **kwargs))
+            kwargs.setdefault("device", target)
+            return next_creator(**kwargs)  # the strategy's creator, further down, registers it
 
         with _context.variable_creator_scope(creator):
             yield
