@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from parallelvars.errors import DistributedValueError
+
 __all__ = ["ParallelDevice", "canonical_device"]
 
 
@@ -73,7 +75,6 @@ class ParallelDevice(Sequence[str]):
         Raises:
             DistributedValueError: not one value per component device.
         """
-        from parallelvars.errors import DistributedValueError
         from parallelvars.strategy._values import PerReplica
 
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
@@ -81,10 +82,7 @@ class ParallelDevice(Sequence[str]):
                 f"pack() takes one value per device of {self!r} (a list or tuple), found "
                 f"{type(values).__name__}"
             )
-        if len(values) != len(self._components):
-            raise DistributedValueError(
-                f"pack() onto {self!r}: expected {len(self._components)} values, found {len(values)}"
-            )
+        self._check_count("pack", len(values))
         if name is None:
             return PerReplica(list(values))
         from parallelvars.variables import _wrap_components
@@ -100,7 +98,6 @@ class ParallelDevice(Sequence[str]):
         Raises:
             DistributedValueError: ``value`` is not per-device, or is placed on other devices.
         """
-        from parallelvars.errors import DistributedValueError
         from parallelvars.strategy._values import PerReplica
 
         if isinstance(value, PerReplica):
@@ -117,11 +114,14 @@ class ParallelDevice(Sequence[str]):
                 f"unpack() onto {self!r} takes a per-device value (PerReplica or a variable), "
                 f"found {type(value).__name__}"
             )
-        if len(parts) != len(self._components):
-            raise DistributedValueError(
-                f"unpack() onto {self!r}: expected {len(self._components)} values, found {len(parts)}"
-            )
+        self._check_count("unpack", len(parts))
         return parts
+
+    def _check_count(self, method: str, found: int) -> None:
+        if found != len(self._components):
+            raise DistributedValueError(
+                f"{method}() onto {self!r}: expected {len(self._components)} values, found {found}"
+            )
 
     def __len__(self) -> int:
         return len(self._components)

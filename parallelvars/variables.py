@@ -98,6 +98,30 @@ def _unwrap_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: _unwrap(v) for k, v in kwargs.items()}
 
 
+def _fitting_value(value: Any, shape: tuple[int, ...], name: str) -> np.ndarray:
+    """``value`` as an array that broadcasts to ``shape`` (a write into variable ``name``)."""
+    arr = np.asarray(value)
+    try:
+        ok = np.broadcast_shapes(arr.shape, shape) == shape
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ShapeMismatchError(
+            "cannot write a value of another shape", variable=name, expected=shape, found=arr.shape
+        )
+    return arr
+
+
+def _write_array(target: np.ndarray, op: str, arr: np.ndarray) -> None:
+    """Apply ``op`` (``assign`` / ``assign_add`` / ``assign_sub``) of ``arr`` to ``target`` in place."""
+    if op == "assign":
+        target[...] = arr
+    elif op == "assign_add":
+        np.add(target, arr, out=target, casting="same_kind")
+    else:
+        np.subtract(target, arr, out=target, casting="same_kind")
+
+
 _BINARY = {
     "add": operator.add,
     "sub": operator.sub,
@@ -298,7 +322,10 @@ class ParallelVariable(wrapt.ObjectProxy):
             if isinstance(current, str) and current in devices and len(devices) == len(comps):
                 return comps[devices.index(current)]
             return self._local()
-        name = canonical_device(device)
+        try:
+            name = canonical_device(device)
+        except ValueError as e:
+            raise DistributedValueError(f"variable {self._self_name!r}: {e}") from None
         if name not in devices or len(devices) != len(comps):
             raise DistributedValueError(
                 f"variable {self._self_name!r} has no component on {name} (its devices: {list(devices)})"
@@ -361,30 +388,10 @@ class ParallelVariable(wrapt.ObjectProxy):
         return self
 
     def _check_value_shape(self, value: Any) -> np.ndarray:
-        arr = np.asarray(value)
-        shape = self.__wrapped__.shape
-        try:
-            ok = np.broadcast_shapes(arr.shape, shape) == shape
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ShapeMismatchError(
-                "cannot write a value of another shape",
-                variable=self._self_name,
-                expected=shape,
-                found=arr.shape,
-            )
-        return arr
+        return _fitting_value(value, self.__wrapped__.shape, self._self_name)
 
     def _apply_component(self, i: int, op: str, value: Any) -> None:
-        arr = self._check_value_shape(value)
-        comp = self._self_components[i]
-        if op == "assign":
-            comp[...] = arr
-        elif op == "assign_add":
-            np.add(comp, arr, out=comp, casting="same_kind")
-        else:
-            np.subtract(comp, arr, out=comp, casting="same_kind")
+        _write_array(self._self_components[i], op, self._check_value_shape(value))
 
     def _apply_write(self, op: str, value: Any) -> None:
         """Apply ``op`` in cross-replica terms: the write the whole variable sees once."""
@@ -731,23 +738,8 @@ class ComponentVariable(np.ndarray):
         return self._pv_device
 
     def _write(self, op: str, value: Any) -> ComponentVariable:
-        arr = np.asarray(_unwrap(value))
         base = self.view(np.ndarray)
-        try:
-            ok = np.broadcast_shapes(arr.shape, base.shape) == base.shape
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ShapeMismatchError(
-                f"cannot {op} a value of another shape on device {self._pv_device}",
-                variable=self._pv_name, expected=base.shape, found=arr.shape,
-            )
-        if op == "assign":
-            base[...] = arr
-        elif op == "assign_add":
-            np.add(base, arr, out=base, casting="same_kind")
-        else:
-            np.subtract(base, arr, out=base, casting="same_kind")
+        _write_array(base, op, _fitting_value(_unwrap(value), base.shape, self._pv_name))
         return self
 
     def assign(self, value: Any) -> ComponentVariable:

@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 from _strategy_support import run_with_deadline
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import parallelvars as pv
 from parallelvars.errors import ParallelVarsError
@@ -326,6 +328,8 @@ def test_replicated_variable_wraps_per_device_values() -> None:
     assert all(not c.any() for c in rv.components)
     with pytest.raises(pv.errors.DistributedValueError, match="no component on cpu:7"):
         rv.get("cpu:7")
+    with pytest.raises(pv.errors.DistributedValueError, match="invalid device name"):
+        rv.get("nonsense")
     with pytest.raises(pv.errors.ShapeMismatchError):
         pv.ReplicatedVariable("bad", [np.zeros(2), np.zeros(3)])
     with pytest.raises(TypeError):
@@ -374,3 +378,22 @@ def test_non_numeric_gradient_is_a_type_error(replicas: int, grad: Any) -> None:
     with pytest.raises(TypeError) as info:
         run_with_deadline(strategy, lambda: opt.apply_gradients([(grad, w)], name="step"))
     assert isinstance(info.value, ParallelVarsError)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batches=st.lists(
+        st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=1, max_size=6),
+        min_size=2, max_size=4,
+    ).filter(lambda b: len({len(x) for x in b}) == 1),
+)
+def test_average_losses_sum_to_the_global_mean(batches: list[list[float]]) -> None:
+    """``compute_average_loss``: the replicas' results summed (what the optimizers do with
+    gradients) are the mean over the global batch, for any equal per-replica batches."""
+    strategy = pv.MirroredStrategy(len(batches))
+    per_replica = pv.PerReplica([np.array(b, np.float64) for b in batches])
+    out = strategy.run(pv.compute_average_loss, args=(per_replica,))
+    with strategy.scope():
+        total = float(strategy.reduce(pv.ReduceOp.SUM, out))
+    expected = float(np.mean(np.concatenate([np.array(b) for b in batches])))
+    assert total == pytest.approx(expected, rel=1e-9, abs=1e-9)
