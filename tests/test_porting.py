@@ -341,6 +341,8 @@ def test_replicated_variable_wraps_per_device_values() -> None:
         assert sv.devices == strategy.devices.components
         got = strategy.update(sv, lambda v: float(sv.get()[0]))
     assert got.values == (0.0, 1.0)  # get() inside update: the device being updated
+    mine = run_with_deadline(strategy, lambda: float(sv.get()[0]))
+    assert mine.values == (0.0, 1.0)  # get() in a replica function: the replica's own
     assert run_with_deadline(strategy, lambda: sv) is sv
 
 
