@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from parallelvars.errors import DistributedValueError
 
 __all__ = ["ParallelDevice", "canonical_device"]
 
@@ -57,6 +60,68 @@ class ParallelDevice(Sequence[str]):
     def name(self) -> str:
         """A readable name for the whole parallel device."""
         return "parallel(" + ",".join(self._components) + ")"
+
+    def pack(self, values: Sequence[Any], *, name: str | None = None) -> Any:
+        """One per-device value from ``values[i]`` on ``components[i]`` (the parallel-device
+        ``pack``).
+
+        Args:
+            values: one value per component device, in order.
+            name: when given, the values become the components of a new independent-buffers
+                variable of that name on this device (each component keeps its own value);
+                otherwise the result is a :class:`~parallelvars.PerReplica`, which
+                ``strategy.run`` hands out one value per replica.
+
+        Raises:
+            DistributedValueError: not one value per component device.
+        """
+        from parallelvars.strategy._values import PerReplica
+
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise DistributedValueError(
+                f"pack() takes one value per device of {self!r} (a list or tuple), found "
+                f"{type(values).__name__}"
+            )
+        self._check_count("pack", len(values))
+        if name is None:
+            return PerReplica(list(values))
+        from parallelvars.variables import _wrap_components
+
+        kind = "independent" if len(self._components) > 1 else "single"
+        return _wrap_components(name, values, self, kind)
+
+    def unpack(self, value: Any) -> list[Any]:
+        """The per-device parts of ``value``, one per component device (the parallel-device
+        ``unpack``): a :class:`~parallelvars.PerReplica`'s values, or a variable's components
+        (numpy views of its buffers) when the variable lives on this device.
+
+        Raises:
+            DistributedValueError: ``value`` is not per-device, or is placed on other devices.
+        """
+        from parallelvars.strategy._values import PerReplica
+
+        if isinstance(value, PerReplica):
+            parts = list(value.values)
+        elif hasattr(value, "_self_components") and hasattr(value, "devices"):
+            if tuple(value.devices) != self._components:
+                raise DistributedValueError(
+                    f"unpack() of variable {value.name!r}: it lives on {list(value.devices)}, "
+                    f"not on {list(self._components)}"
+                )
+            parts = list(value.components)
+        else:
+            raise DistributedValueError(
+                f"unpack() onto {self!r} takes a per-device value (PerReplica or a variable), "
+                f"found {type(value).__name__}"
+            )
+        self._check_count("unpack", len(parts))
+        return parts
+
+    def _check_count(self, method: str, found: int) -> None:
+        if found != len(self._components):
+            raise DistributedValueError(
+                f"{method}() onto {self!r}: expected {len(self._components)} values, found {found}"
+            )
 
     def __len__(self) -> int:
         return len(self._components)

@@ -37,8 +37,10 @@ __all__ = [
     "CrossReplicaOnlyError",
     "ReplicaError",
     "DistributedValueError",
+    "DistributedTypeError",
     "RestoreMismatchError",
     "GradientError",
+    "GradientTypeError",
 ]
 
 
@@ -208,6 +210,14 @@ class DistributedValueError(ParallelVarsError, ValueError):
     """
 
 
+class DistributedTypeError(DistributedValueError, TypeError):
+    """A value to reduce or distribute is not numeric (strings, arbitrary objects).
+
+    Also a ``TypeError``, the class TensorFlow raises for a value that cannot be converted to a
+    tensor, so ported ``except TypeError`` clauses keep working.
+    """
+
+
 class RestoreMismatchError(CheckpointError, AssertionError):
     """The saved object graph and the live one do not match as asserted."""
 
@@ -236,3 +246,8 @@ class GradientError(ParallelVarsError, ValueError):
         self.expected = expected
         self.found = found
         super().__init__(_describe(what, variable=variable, expected=expected, found=found, hint=hint))
+
+
+class GradientTypeError(GradientError, TypeError):
+    """A gradient is not numeric (TensorFlow: "Gradient must be convertible to a Tensor or
+    IndexedSlices, or None"). Also a ``TypeError``, TensorFlow's class for it."""

@@ -52,11 +52,18 @@ from parallelvars import _storage
 from parallelvars._dtypes import as_dtype, is_extension_dtype
 from parallelvars.devices import ParallelDevice
 from parallelvars.enums import Aggregation, Synchronization
-from parallelvars.errors import ContextError, ShapeMismatchError
+from parallelvars.errors import (
+    ContextError,
+    DistributedTypeError,
+    DistributedValueError,
+    ShapeMismatchError,
+)
 from parallelvars.strategy import _context
 
 __all__ = [
+    "ComponentVariable",
     "ParallelVariable",
+    "ReplicatedVariable",
     "ShardedVariable",
     "Variable",
     "variable_creator_scope",
@@ -89,6 +96,30 @@ def _unwrap(x: Any) -> Any:
 
 def _unwrap_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: _unwrap(v) for k, v in kwargs.items()}
+
+
+def _fitting_value(value: Any, shape: tuple[int, ...], name: str) -> np.ndarray:
+    """``value`` as an array that broadcasts to ``shape`` (a write into variable ``name``)."""
+    arr = np.asarray(value)
+    try:
+        ok = np.broadcast_shapes(arr.shape, shape) == shape
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ShapeMismatchError(
+            "cannot write a value of another shape", variable=name, expected=shape, found=arr.shape
+        )
+    return arr
+
+
+def _write_array(target: np.ndarray, op: str, arr: np.ndarray) -> None:
+    """Apply ``op`` (``assign`` / ``assign_add`` / ``assign_sub``) of ``arr`` to ``target`` in place."""
+    if op == "assign":
+        target[...] = arr
+    elif op == "assign_add":
+        np.add(target, arr, out=target, casting="same_kind")
+    else:
+        np.subtract(target, arr, out=target, casting="same_kind")
 
 
 _BINARY = {
@@ -266,6 +297,41 @@ class ParallelVariable(wrapt.ObjectProxy):
     def numpy(self) -> np.ndarray:
         return self.read_value()
 
+    def get_shape(self) -> tuple[int, ...]:
+        """The logical shape (TensorFlow's ``get_shape()``; ``shape`` is the same)."""
+        return tuple(self.__wrapped__.shape)
+
+    def get(self, device: str | None = None) -> np.ndarray:
+        """The component on ``device`` (a numpy view of its buffer), TensorFlow's
+        ``MirroredVariable.get(device)``.
+
+        Without ``device``: the component being updated inside ``strategy.update`` /
+        ``update_non_slot`` for one device, else this replica's own inside a replica function,
+        else the primary (the seed's ``ReplicatedVariable.get()``).
+
+        Raises:
+            DistributedValueError: the variable has no component on ``device``.
+        """
+        from parallelvars.devices import canonical_device
+        from parallelvars.strategy._base import get_update_device
+
+        comps = self._self_components
+        devices = self._self_device.components
+        if device is None:
+            current = get_update_device()
+            if isinstance(current, str) and current in devices and len(devices) == len(comps):
+                return comps[devices.index(current)]
+            return self._local()
+        try:
+            name = canonical_device(device)
+        except ValueError as e:
+            raise DistributedValueError(f"variable {self._self_name!r}: {e}") from None
+        if name not in devices or len(devices) != len(comps):
+            raise DistributedValueError(
+                f"variable {self._self_name!r} has no component on {name} (its devices: {list(devices)})"
+            )
+        return comps[devices.index(name)]
+
     def _aggregate(self) -> np.ndarray:
         agg = self._self_aggregation
         comps = self._self_components
@@ -322,30 +388,10 @@ class ParallelVariable(wrapt.ObjectProxy):
         return self
 
     def _check_value_shape(self, value: Any) -> np.ndarray:
-        arr = np.asarray(value)
-        shape = self.__wrapped__.shape
-        try:
-            ok = np.broadcast_shapes(arr.shape, shape) == shape
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ShapeMismatchError(
-                "cannot write a value of another shape",
-                variable=self._self_name,
-                expected=shape,
-                found=arr.shape,
-            )
-        return arr
+        return _fitting_value(value, self.__wrapped__.shape, self._self_name)
 
     def _apply_component(self, i: int, op: str, value: Any) -> None:
-        arr = self._check_value_shape(value)
-        comp = self._self_components[i]
-        if op == "assign":
-            comp[...] = arr
-        elif op == "assign_add":
-            np.add(comp, arr, out=comp, casting="same_kind")
-        else:
-            np.subtract(comp, arr, out=comp, casting="same_kind")
+        _write_array(self._self_components[i], op, self._check_value_shape(value))
 
     def _apply_write(self, op: str, value: Any) -> None:
         """Apply ``op`` in cross-replica terms: the write the whole variable sees once."""
@@ -649,6 +695,87 @@ class _VariableRef:
         return isinstance(other, _VariableRef) and other._var is self._var
 
 
+class ComponentVariable(np.ndarray):
+    """One component of a variable, as :meth:`Strategy.update` hands it to its ``fn``.
+
+    A numpy view of the component's buffer (writes through it, ``c -= lr * g`` or
+    ``np.add(c, d, out=c)``, land in the variable) that also has the per-device variable
+    methods ported code calls on what ``fn`` receives in TensorFlow: ``assign``,
+    ``assign_add``, ``assign_sub`` (each writes this component only and returns the view),
+    ``read_value`` / ``value`` / ``numpy`` (a plain copy), plus ``name`` and ``device``.
+
+    Arithmetic on it gives plain numpy arrays; only views of it (slices) keep the methods.
+    """
+
+    _pv_name: str = ""
+    _pv_device: str = ""
+
+    def __array_finalize__(self, obj: Any) -> None:
+        if obj is not None:
+            self._pv_name = getattr(obj, "_pv_name", "")
+            self._pv_device = getattr(obj, "_pv_device", "")
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        # Compute on plain arrays, so results are plain arrays; an ``out=`` view is written
+        # through and returned as given (``c -= d`` keeps ``c`` the component view).
+        args = [x.view(np.ndarray) if isinstance(x, ComponentVariable) else _unwrap(x) for x in inputs]
+        out = kwargs.get("out")
+        if out is not None:
+            kwargs["out"] = tuple(x.view(np.ndarray) if isinstance(x, ComponentVariable) else x for x in out)
+        result = getattr(ufunc, method)(*args, **kwargs)
+        if out is not None:
+            return out[0] if len(out) == 1 else out
+        return result
+
+    @property
+    def name(self) -> str:
+        """The variable's name."""
+        return self._pv_name
+
+    @property
+    def device(self) -> str:  # type: ignore[override]  # numpy's array-API "cpu"
+        """The device this component lives on (as TensorFlow's per-device variable)."""
+        return self._pv_device
+
+    def _write(self, op: str, value: Any) -> ComponentVariable:
+        base = self.view(np.ndarray)
+        _write_array(base, op, _fitting_value(_unwrap(value), base.shape, self._pv_name))
+        return self
+
+    def assign(self, value: Any) -> ComponentVariable:
+        """Set this component's value."""
+        return self._write("assign", value)
+
+    def assign_add(self, delta: Any) -> ComponentVariable:
+        """Add ``delta`` to this component."""
+        return self._write("assign_add", delta)
+
+    def assign_sub(self, delta: Any) -> ComponentVariable:
+        """Subtract ``delta`` from this component."""
+        return self._write("assign_sub", delta)
+
+    def read_value(self) -> np.ndarray:
+        """A plain copy of this component's value."""
+        return np.array(self.view(np.ndarray), copy=True)
+
+    def value(self) -> np.ndarray:
+        return self.read_value()
+
+    def numpy(self) -> np.ndarray:
+        return self.read_value()
+
+    def get_shape(self) -> tuple[int, ...]:
+        return tuple(self.shape)
+
+
+def component_variable(var: ParallelVariable, i: int) -> ComponentVariable:
+    """Component ``i`` of ``var`` as a :class:`ComponentVariable` view."""
+    view = var.components[i].view(ComponentVariable)
+    view._pv_name = var.name
+    view._pv_device = var.devices[i]
+    return view
+
+
 def shard_sizes(length: int, n: int) -> list[int]:
     """Sizes of ``n`` shards of ``length`` rows: the first ``length % n`` get one more.
 
@@ -782,8 +909,10 @@ def _initial_array(initial_value: Any, dtype: Any, name: str) -> np.ndarray:
 
 
 def _base_creator(**kwargs: Any) -> ParallelVariable:
-    """The creator at the bottom of the stack: a single-device variable."""
-    return _make_distributed_variable(ParallelDevice(1), **kwargs)
+    """The creator at the bottom of the stack: a variable on ``device`` (a creator above set
+    it), else a single-device variable."""
+    device = kwargs.pop("device", None)
+    return _make_distributed_variable(ParallelDevice(1) if device is None else device, **kwargs)
 
 
 def _make_distributed_variable(
@@ -885,6 +1014,67 @@ def Variable(
     return call(len(creators) - 1, **kwargs)
 
 
+def _wrap_components(name: str, values: Sequence[Any], device: ParallelDevice, kind: str) -> ParallelVariable:
+    """A variable of ``kind`` on ``device`` whose component ``i`` is a copy of ``values[i]``."""
+    arrays = [np.asarray(_unwrap(v)) for v in values]
+    first = arrays[0]
+    for i, a in enumerate(arrays[1:], start=1):
+        if a.shape != first.shape:
+            raise ShapeMismatchError(
+                f"component {i} has another shape than component 0",
+                variable=name, expected=first.shape, found=a.shape,
+            )
+        if a.dtype != first.dtype:
+            raise DistributedTypeError(
+                f"variable {name!r}: component {i} has another dtype than component 0 "
+                f"(expected {first.dtype}, found {a.dtype})"
+            )
+    var = _make_distributed_variable(device, initial_value=first, name=name, kind=kind)
+    for comp, a in zip(var.components[1:], arrays[1:], strict=True):
+        comp[...] = a
+    strategy = _context.get_strategy()
+    if not strategy._is_default and strategy.devices == device:
+        strategy._register(var)  # so that run() maps its components back to it
+    return var
+
+
+def ReplicatedVariable(
+    name: str, variables: Sequence[Any], devices: ParallelDevice | int | Sequence[str] | None = None
+) -> ParallelVariable:
+    """One mirrored variable from existing per-device values (the seed's
+    ``ReplicatedVariable(name, variables)``).
+
+    Component ``i`` is a copy of ``variables[i]`` (arrays, or single-device variables); reads
+    give the primary, ``assign`` reaches every component, as in the seed.
+
+    Args:
+        name: the variable's name.
+        variables: one value per device, all of one shape and dtype.
+        devices: the devices (default: the current strategy's when it has as many, else
+            ``cpu:0 .. cpu:n-1``).
+
+    Raises:
+        ShapeMismatchError: the values have different shapes.
+        DistributedTypeError: the values have different dtypes (also a ``TypeError``).
+        DistributedValueError: no values, or not one per device.
+    """
+    values = list(variables)
+    if not values:
+        raise DistributedValueError(f"variable {name!r}: ReplicatedVariable needs at least one value")
+    if devices is None:
+        strategy = _context.get_strategy()
+        same = not strategy._is_default and len(strategy.devices) == len(values)
+        pdev = strategy.devices if same else ParallelDevice(len(values))
+    else:
+        pdev = devices if isinstance(devices, ParallelDevice) else ParallelDevice(devices)
+    if len(pdev) != len(values):
+        raise DistributedValueError(
+            f"variable {name!r}: {len(values)} values for {len(pdev)} devices (expected "
+            f"{len(pdev)}, found {len(values)})"
+        )
+    return _wrap_components(name, values, pdev, "mirrored" if len(values) > 1 else "single")
+
+
 def independent_buffers(device: ParallelDevice | int | Sequence[str]) -> Any:
     """A creator scope whose variables keep one independent buffer per component device.
 
@@ -894,8 +1084,13 @@ def independent_buffers(device: ParallelDevice | int | Sequence[str]) -> Any:
     pdev = ParallelDevice(device) if not isinstance(device, ParallelDevice) else device
 
     def creator(next_creator: Any, **kwargs: Any) -> ParallelVariable:
-        kwargs.pop("shard_axis", None)
-        return _make_distributed_variable(pdev, kind="independent" if len(pdev) > 1 else "single", **kwargs)
+        # Chained like every creator: scopes installed outside this one still run. An inner
+        # creator that already placed the variable wins.
+        if "device" not in kwargs:
+            kwargs.pop("shard_axis", None)
+            kwargs["device"] = pdev
+            kwargs["kind"] = "independent" if len(pdev) > 1 else "single"
+        return next_creator(**kwargs)
 
     return variable_creator_scope(creator)
 
@@ -905,6 +1100,7 @@ def replicated_scope(num_replicas: int) -> Any:
     pdev = ParallelDevice(num_replicas)
 
     def creator(next_creator: Any, **kwargs: Any) -> ParallelVariable:
-        return _make_distributed_variable(pdev, **kwargs)
+        kwargs.setdefault("device", pdev)
+        return next_creator(**kwargs)
 
     return variable_creator_scope(creator)

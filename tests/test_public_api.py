@@ -15,6 +15,7 @@ TOP_LEVEL = [
     "optimizers", "IndexedSlices", "clip_by_global_norm",
     "Checkpoint", "CheckpointManager", "latest_checkpoint",
     "independent_buffers", "replicated_scope", "variable_creator_scope", "errors",
+    "ComponentVariable", "ReplicatedVariable", "compute_average_loss", "scale_regularization_loss",
 ]
 STRATEGY_METHODS = [
     "scope", "run", "reduce", "batch_reduce", "broadcast", "update", "update_non_slot",
@@ -24,7 +25,7 @@ STRATEGY_METHODS = [
 ]
 VARIABLE_MEMBERS = [
     "components", "device", "name", "kind", "synchronization", "aggregation", "trainable",
-    "assign", "assign_add", "assign_sub", "read_value",
+    "assign", "assign_add", "assign_sub", "read_value", "get_shape", "get",
 ]
 
 

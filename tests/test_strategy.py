@@ -179,10 +179,10 @@ def test_run_inside_a_replica_function_is_an_error() -> None:
         run_with_deadline(strategy, fn)
 
 
-def test_creating_a_variable_in_a_replica_function_is_an_error() -> None:
+def test_creating_a_variable_in_a_replica_function_makes_one_mirrored_variable() -> None:
     strategy = pv.MirroredStrategy(2)
-    with pytest.raises(ContextError, match="cannot create a variable inside a replica"):
-        run_with_deadline(strategy, lambda: pv.Variable(1.0, name="late"))
+    v = run_with_deadline(strategy, lambda: pv.Variable(1.0, name="late"))
+    assert v.kind == "mirrored" and [float(c) for c in v.components] == [1.0, 1.0]
 
 
 def test_run_carries_the_callers_context_into_replicas() -> None:

@@ -17,7 +17,10 @@ sharded       the full value, re-split by the live variable's own shards (reads 
 =============  ===============================================================================
 
 An independent-buffers variable in the file has no single logical value, so it restores only
-onto a variable with the same number of components.
+onto a variable with the same number of components, or onto a plain (single) variable, which
+receives component 0 (saved under the plain key for that reason, as in the seed
+parallel_device_saving); the other components are then reported unmatched by the load status
+(``assert_consumed()`` fails, ``expect_partial()`` accepts it).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from parallelvars._dtypes import dtype_name
-from parallelvars.checkpoint.registry import Saveable, SaveRecord, register_saveable
+from parallelvars.checkpoint.registry import Saveable, SaveRecord, component_name, register_saveable
 from parallelvars.errors import DeviceCountError, DtypeMismatchError, ShapeMismatchError
 from parallelvars.variables import ParallelVariable, ShardedVariable
 
@@ -118,6 +121,18 @@ class ParallelVariableSaveable(Saveable):
         live, skind = obj.kind, stored.kind
         cast = allow_cast
         comps = obj.components
+        if skind == "independent" and n > 1 and live == "single" and m == 1:
+            # The seed (parallel_device_saving) saves component 0 under the plain key so that a
+            # non-parallel variable restores from it; the other components stay unmatched.
+            target = comps[0]
+
+            def first_component() -> None:
+                stored.read_component_into(0, target, cast=cast)
+
+            first_component.unmatched = [  # type: ignore[attr-defined]
+                f"{path}/{component_name(i)}" for i in range(1, n)
+            ]
+            return first_component
         if skind == "independent" and n > 1 and n != m:
             raise DeviceCountError(
                 "independent buffers restore only onto the same number of devices",

@@ -184,6 +184,9 @@ class _Session:
                 raise CheckpointError("object graph is malformed", file=path, found=str(exc)) from None
         self.matched: dict[int, Any] = {}
         self.restored: set[int] = set()
+        # Saved components a restore left out (an independent variable's components 1.. read
+        # into a plain variable), reported by assert_consumed().
+        self.unmatched_parts: list[str] = []
         self.pending = 0
 
     def reader(self) -> H5Reader:
@@ -246,6 +249,7 @@ class _Session:
 
         reader = self.reader()
         plans, sizes, checks, check_sizes = [], [], [], []
+        left_out: list[str] = []
         for nid, live in matched.items():
             path = nodes[nid].get("path")
             if path is None:
@@ -253,7 +257,9 @@ class _Session:
             stored = reader[path]
             saveable = get_saveable(live)
             assert saveable is not None
-            plans.append(saveable.plan_restore(live, stored, file=self.path, path=path, allow_cast=self.allow_cast))
+            plan = saveable.plan_restore(live, stored, file=self.path, path=path, allow_cast=self.allow_cast)
+            plans.append(plan)
+            left_out.extend(getattr(plan, "unmatched", ()))
             sizes.append(stored.nbytes)
             for i in range(stored.num_components):
                 checks.append(functools.partial(stored.verify, i))
@@ -263,6 +269,7 @@ class _Session:
         run_partitioned(checks, check_sizes)
         run_partitioned(plans, sizes)
         self.matched.update(matched)
+        self.unmatched_parts.extend(left_out)
         self.restored.update(nid for nid in matched if nodes[nid].get("path") is not None)
         for parent, name, child_id in deferred:
             parent._pv_deferred_map()[name] = _Pending(self, child_id)
@@ -302,6 +309,7 @@ class CheckpointLoadStatus:
     def assert_consumed(self) -> CheckpointLoadStatus:
         """Every saved value was restored and every live variable was matched."""
         missing = [p for i, p in self._session.variable_nodes().items() if i not in self._session.restored]
+        missing += self._session.unmatched_parts
         if missing:
             raise RestoreMismatchError(
                 "saved values were not restored (no matching live object yet)", file=self._session.path,

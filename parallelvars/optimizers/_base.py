@@ -27,7 +27,7 @@ import numpy as np
 from parallelvars import update_core
 from parallelvars._storage import Arena, Placement
 from parallelvars.enums import ReduceOp
-from parallelvars.errors import ContextError, GradientError
+from parallelvars.errors import ContextError, GradientError, GradientTypeError
 from parallelvars.optimizers._sparse import IndexedSlices, sum_indexed_slices
 from parallelvars.strategy import _context
 from parallelvars.tracking import Module
@@ -53,10 +53,11 @@ _NDARRAY_ONLY = {np.ndarray}
 
 def _dense_checked(arr: np.ndarray, var: Any, shape: tuple[int, ...]) -> np.ndarray:
     """``arr`` when it can be the dense gradient of ``var`` (its shape, a numeric dtype)."""
+    # The dtype first: a string or an object is a TypeError (as in TensorFlow), not a shape error.
+    if arr.dtype.kind not in "fiu" and not _is_float(arr.dtype):
+        raise GradientTypeError("gradient is not numeric", variable=var.name, expected="a float array", found=arr.dtype)
     if arr.shape != shape:
         raise GradientError("gradient of another shape", variable=var.name, expected=shape, found=arr.shape)
-    if arr.dtype.kind not in "fiu" and not _is_float(arr.dtype):
-        raise GradientError("gradient is not numeric", variable=var.name, expected="a float array", found=arr.dtype)
     return arr
 
 
@@ -111,8 +112,41 @@ class Optimizer(Module):
     def learning_rate(self) -> float | Callable[[int], float]:
         return self._pv_learning_rate
 
+    def compute_gradients(
+        self, loss_fn: Callable[[], Sequence[Any]], var_list: Sequence[Any]
+    ) -> list[tuple[Any, Any]]:
+        """Gradients from any autodiff, scaled for the strategy's loss reduction.
+
+        ``loss_fn()`` returns one gradient per variable of ``var_list`` (numpy, or arrays of
+        torch / jax that convert with ``np.asarray``; ``None`` for no gradient). When the loss
+        reduction is ``MEAN`` (the default, see :func:`~parallelvars.loss_reduction`) and several
+        replicas are in sync, the gradients are scaled by ``1 / num_replicas``, as the seed's
+        ``compute_gradients`` scales a "mean" loss by ``1 / num_towers``: the replicas'
+        gradients are then summed by :meth:`apply_gradients` into the gradient of the global mean.
+        The loss reduction is read after ``loss_fn`` ran, so ``loss_fn`` may set it.
+
+        Returns:
+            ``(gradient, variable)`` pairs for :meth:`apply_gradients`.
+
+        Raises:
+            GradientError: ``loss_fn`` returned another number of gradients than variables.
+        """
+        from parallelvars.strategy._host import scale_loss_for_replicas
+
+        variables = list(var_list)
+        grads = list(loss_fn())
+        if len(grads) != len(variables):
+            raise GradientError(
+                f"optimizer {self._pv_name!r}: compute_gradients() needs one gradient per variable",
+                expected=f"{len(variables)} gradients", found=f"{len(grads)} gradients",
+            )
+        return list(zip(scale_loss_for_replicas(grads), variables, strict=True))
+
     def apply_gradients(
-        self, grads_and_vars: Iterable[tuple[Any, Any]], global_step: Any = None
+        self,
+        grads_and_vars: Iterable[tuple[Any, Any]],
+        global_step: Any = None,
+        name: str | None = None,
     ) -> None:
         """Apply one step of gradients to their variables.
 
@@ -124,11 +158,14 @@ class Optimizer(Module):
             grads_and_vars: ``(gradient, variable)`` pairs; a gradient is an array of the
                 variable's shape, an :class:`~parallelvars.IndexedSlices`, or ``None``.
             global_step: an integer variable to increment by one after the update.
+            name: accepted for code ported from TensorFlow (an op name there); unused.
 
         Raises:
             ContextError: in a cross-replica context (inside ``strategy.scope()`` but not in a
                 replica function); call :meth:`distributed_apply` there.
-            GradientError: no gradient at all, or a gradient that does not fit its variable.
+            GradientError: no gradient at all, or a gradient that does not fit its variable
+                (a non-numeric gradient: :class:`~parallelvars.errors.GradientTypeError`, also
+                a ``TypeError``).
         """
         # Filter before merging, so every replica hands merge_call the same variables.
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]

@@ -25,6 +25,7 @@ from parallelvars.strategy._host import (
     set_loss_reduction,
 )
 from parallelvars.strategy._input import DistributedDataset, split_batch
+from parallelvars.strategy._loss import compute_average_loss, scale_regularization_loss
 from parallelvars.strategy._mirrored import MirroredStrategy
 from parallelvars.strategy._reduce import add_n_by_device
 from parallelvars.strategy._values import Mirrored, PerReplica
@@ -51,6 +52,7 @@ __all__ = [
     "Strategy",
     "UpdateContext",
     "add_n_by_device",
+    "compute_average_loss",
     "get_cross_replica_context",
     "get_loss_reduction",
     "get_replica_context",
@@ -63,6 +65,7 @@ __all__ = [
     "loss_reduction",
     "outside_compilation",
     "scale_loss_for_replicas",
+    "scale_regularization_loss",
     "set_loss_reduction",
     "split_batch",
     "variable_creator_scope",

@@ -18,7 +18,7 @@ from typing import Any, cast
 import numpy as np
 
 from parallelvars.devices import ParallelDevice
-from parallelvars.enums import ReduceOp
+from parallelvars.enums import Aggregation, ReduceOp
 from parallelvars.errors import ContextError, CrossReplicaOnlyError, DistributedValueError
 from parallelvars.strategy import _context
 from parallelvars.strategy._reduce import reduce_values
@@ -70,6 +70,23 @@ def _top_default_replica_context() -> ReplicaContext:
     ctx = _context._get_default_mode().replica_context
     assert ctx is not None
     return ctx
+
+
+class _Creation:
+    """One replica's request to create a variable (an opaque value for ``merge_call``)."""
+
+    __slots__ = ("kwargs", "next_creator")
+
+    def __init__(self, next_creator: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+        self.next_creator = next_creator
+        self.kwargs = kwargs
+
+
+def _create_once(strategy: Strategy, request: Any) -> Any:
+    """The merge function behind variable creation in a replica function: the first replica's
+    arguments make the one variable every replica receives."""
+    first = request.values[0] if isinstance(request, PerReplica) else request
+    return strategy._register(first.next_creator(**first.kwargs))
 
 
 class ReplicaContext:
@@ -206,10 +223,18 @@ class Strategy:
         )
 
     def _variable_creator(self, next_creator: Any, **kwargs: Any) -> Any:
-        from parallelvars.variables import _make_distributed_variable
+        """Place the variable on this strategy's devices (unless a creator inside already
+        placed it) and hand it down the creator chain (``next_creator``), as every creator does.
 
-        self._check_creation_context(kwargs.get("name"))
-        return self._register(_make_distributed_variable(self._devices, **kwargs))
+        Inside a replica function every replica calls this; the variable is made once, from the
+        first replica's arguments, in a ``merge_call``, and every replica receives it (the
+        model-building pattern of TensorFlow's MirroredStrategy).
+        """
+        kwargs.setdefault("device", self._devices)
+        ctx = _context.current_mode().replica_context
+        if ctx is not None and ctx.strategy is self and self.num_replicas_in_sync > 1:
+            return ctx.merge_call(_create_once, args=(_Creation(next_creator, kwargs),))
+        return self._register(next_creator(**kwargs))
 
     def _check_creation_context(self, name: Any) -> None:
         ctx = _context.current_mode().replica_context
@@ -264,10 +289,8 @@ class Strategy:
             )
 
         def creator(next_creator: Any, **kwargs: Any) -> Any:
-            from parallelvars.variables import _make_distributed_variable
-
-            self._check_creation_context(kwargs.get("name"))
-            return self._register(_make_distributed_variable(target, **kwargs))
+            kwargs.setdefault("device", target)
+            return next_creator(**kwargs)  # the strategy's creator, further down, registers it
 
         with _context.variable_creator_scope(creator):
             yield
@@ -350,26 +373,84 @@ class Strategy:
         # optimizers hand batch_reduce gradients that were reduced before).
         return (value,), self.worker_devices[:1]
 
-    def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+    def reduce(
+        self, op: ReduceOp | Aggregation | str, value: Any, axis: Any = None, *, destinations: Any = None
+    ) -> Any:
         """Combine a per-replica value across replicas into one numpy array.
 
         Args:
-            op: ``ReduceOp.SUM`` or ``ReduceOp.MEAN``.
+            op: ``ReduceOp.SUM`` or ``ReduceOp.MEAN``; an :class:`~parallelvars.Aggregation`
+                is accepted too (``SUM``, ``MEAN``, and ``ONLY_FIRST_REPLICA``: the first
+                replica's value), as the seeds' ``reduce(aggregation, value, destinations)``.
             value: a :class:`PerReplica` (for example the result of :meth:`run`), a
                 :class:`Mirrored` value (one copy per device, each counted), a variable (its
                 components), or a plain value, which is already one cross-replica value and
                 comes back unchanged (reduced along ``axis`` if given).
             axis: also reduce along this axis of each replica's value. ``MEAN`` then gives
                 the mean over all elements of all replicas along the axis, which differs from
-                the mean of per-replica means when replicas hold uneven batches.
+                the mean of per-replica means when replicas hold uneven batches. A variable,
+                device name(s) or :class:`ParallelDevice` here is the seeds' ``destinations``
+                argument (see below), not an axis.
+            destinations: where the result is used (the seeds' third argument). As in
+                :meth:`batch_reduce`, the result is one plain array whatever the destination,
+                which every component of a variable there can take; an invalid destination is
+                an error.
 
         Returns:
             A numpy array. Summation is deterministic: per device, then in device order.
         """
         self._require_cross_replica("reduce")
-        rop = cast(ReduceOp, ReduceOp.parse(op))
+        if axis is not None and not isinstance(axis, (int, np.integer)):
+            if destinations is not None:
+                raise DistributedValueError(
+                    f"reduce() got destinations twice ({axis!r} and {destinations!r})"
+                )
+            axis, destinations = None, axis
+        if destinations is not None:
+            self._check_destinations(destinations)
+        rop = self._parse_reduce_op(op)
         values, devices = self._values_of(value, "reduce")
+        if rop is None:  # Aggregation.ONLY_FIRST_REPLICA
+            if type(self)._reduce_to is not Strategy._reduce_to:
+                raise DistributedValueError(
+                    f"reduce() of {self!r}: ONLY_FIRST_REPLICA needs every replica's value in "
+                    "this process (expected ReduceOp.SUM or MEAN)"
+                )
+            first = values[0]
+            if axis is not None:
+                return np.sum(np.asarray(first), axis=int(axis))
+            return np.array(first.read_value() if _is_variable(first) else first, copy=True)
         return self._reduce_to(rop, values, devices, axis)
+
+    @staticmethod
+    def _parse_reduce_op(op: Any) -> ReduceOp | None:
+        """A :class:`ReduceOp` from a ReduceOp, an Aggregation or their names; ``None`` for
+        ``Aggregation.ONLY_FIRST_REPLICA``."""
+        if isinstance(op, Aggregation):
+            if op is Aggregation.NONE:
+                raise DistributedValueError(
+                    "cannot reduce with Aggregation.NONE (expected SUM, MEAN or ONLY_FIRST_REPLICA)"
+                )
+            if op is Aggregation.ONLY_FIRST_REPLICA:
+                return None
+            return ReduceOp.SUM if op is Aggregation.SUM else ReduceOp.MEAN
+        if isinstance(op, str) and op.lower() == "only_first_replica":
+            return None
+        try:
+            return cast(ReduceOp, ReduceOp.parse(op))
+        except ValueError as e:
+            raise DistributedValueError(str(e)) from None
+
+    def _check_destinations(self, destinations: Any) -> None:
+        if _is_variable(destinations):
+            return
+        try:
+            ParallelDevice(destinations)
+        except (TypeError, ValueError):
+            raise DistributedValueError(
+                "reduce() destinations must be a variable or device names, found "
+                f"{destinations!r}"
+            ) from None
 
     def _reduce_to(
         self, op: ReduceOp, values: Sequence[Any], devices: Sequence[str], axis: int | None = None
@@ -389,7 +470,12 @@ class Strategy:
             One reduced value per pair, in order.
         """
         self._require_cross_replica("batch_reduce")
-        rop = cast(ReduceOp, ReduceOp.parse(op))
+        rop = self._parse_reduce_op(op)
+        if rop is None:
+            raise DistributedValueError(
+                "batch_reduce() takes ReduceOp.SUM or MEAN (or Aggregation.SUM / MEAN), found "
+                f"{op!r}; reduce() takes ONLY_FIRST_REPLICA"
+            )
         pairs = list(value_destination_pairs)
         for pair in pairs:
             if not (isinstance(pair, tuple) and len(pair) == 2):
@@ -430,27 +516,35 @@ class Strategy:
     def update(self, var: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(component, *args, **kwargs)`` for every component of ``var``.
 
+        ``component`` is a :class:`~parallelvars.ComponentVariable`: a numpy view of the
+        component's buffer that also has ``assign`` / ``assign_add`` / ``assign_sub`` /
+        ``read_value`` (the per-device variable TensorFlow hands ``fn``), so both
+        ``component -= lr * g`` and ``component.assign_sub(lr * g)`` write this component.
         Arguments are unwrapped per component: a :class:`PerReplica` gives its element ``i``, a
         variable on the same devices its component ``i``, and for a sharded ``var`` an array of
         the full shape its shard. Each call runs inside an :func:`UpdateContext` for the
-        component's device. Write through the component (``component -= lr * g``): it is a
-        view of the variable's buffer.
+        component's device.
 
         Returns:
-            The merged results (see :meth:`run`), e.g. ``None`` when ``fn`` returns nothing.
+            The merged results (see :meth:`run`), e.g. ``None`` when ``fn`` returns nothing; a
+            ``fn`` returning its component gives back ``var``.
         """
         self._require_cross_replica("update")
         if not _is_variable(var):
             with UpdateContext(self.parameter_devices[0]):
                 return fn(var, *(select_replica(0, a) for a in args), **kwargs)
+        from parallelvars.variables import component_variable
+
         comps = var.components
         devices = var.devices
         results = []
         for i, (comp, dev) in enumerate(zip(comps, devices, strict=False)):
             a = [self._unwrap_for(var, i, x) for x in args]
             kw = {k: self._unwrap_for(var, i, x) for k, x in kwargs.items()}
+            view = component_variable(var, i)
             with UpdateContext(dev):
-                results.append(fn(comp, *a, **kw))
+                result = fn(view, *a, **kw)
+            results.append(comp if result is view else result)
         return regroup(results, self._owner_of)
 
     def _unwrap_for(self, var: Any, i: int, x: Any) -> Any:

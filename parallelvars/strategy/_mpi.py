@@ -261,6 +261,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         return self._register(var)
 
     def _variable_creator(self, next_creator: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:  # an inner creator (independent_buffers, ...) placed it
+            return next_creator(**kwargs)
         return self._make_local(self._devices, **kwargs)
 
     def _merges_writes_of(self, var: Any) -> bool:

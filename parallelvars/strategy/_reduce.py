@@ -13,9 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars._dtypes import is_extension_dtype
 from parallelvars.devices import canonical_device
 from parallelvars.enums import ReduceOp
-from parallelvars.errors import DistributedValueError
+from parallelvars.errors import DistributedTypeError, DistributedValueError
 
 __all__ = ["device_key", "add_n", "add_n_by_device", "reduce_values"]
 
@@ -32,6 +33,10 @@ def add_n(values: Sequence[Any]) -> np.ndarray:
     if not arrays:
         raise ValueError("add_n needs at least one value")
     dtype = np.result_type(*arrays)
+    if dtype.kind in "OSUV" and not is_extension_dtype(dtype):
+        raise DistributedTypeError(
+            f"cannot add non-numeric values (expected numbers, found dtype {dtype})"
+        )
     try:
         shape = np.broadcast_shapes(*(a.shape for a in arrays))
     except ValueError:
