@@ -355,6 +355,20 @@ class MultiWorkerMirroredStrategy(Strategy):
             np.add(total, rows[r], out=total, casting="unsafe")
         return total
 
+    # ------------------------------------------------------------------ the fused gradient path
+    def _local_replica_count(self) -> int:
+        return 1
+
+    def _fused_sum_order(self) -> tuple[int, ...] | None:
+        return (0,)
+
+    def _allreduce_flat(self, buffer: np.ndarray) -> np.ndarray:
+        """One rank-ordered all-reduce of a whole flat gradient buffer (see ``_allreduce_ordered``)."""
+        return buffer if self._size == 1 else self._allreduce_ordered(buffer)
+
+    def _merge_args(self, values: Sequence[Any]) -> Any:
+        return self._as_local(values[0])
+
     # ------------------------------------------------------------------ local values
     def _owned_component(self, x: Any) -> Any:
         if type(x) is np.ndarray:
