@@ -326,12 +326,12 @@ class Optimizer(Module):
             self._distributed_apply(strategy, merged, global_step, True)
             return
         plan = self._fused_plan(key, var_list)
-        fused = self._fused_positions(plan, parts)
+        fused, picked = self._fused_positions(plan, parts, len(var_list))
         if not fused:
             merged = strategy._merge_args([p.pairs for p in parts])
             self._distributed_apply(strategy, merged, global_step, True)
             return
-        lines = self._pack(var_list, fused, parts, order, strategy)
+        lines = self._pack(var_list, fused, picked if fused == plan.candidates else None, parts, order, strategy)
         if len(fused) == len(var_list):
             rest: Any = []
         else:
@@ -364,8 +364,11 @@ class Optimizer(Module):
         return plan
 
     @staticmethod
-    def _fused_positions(plan: _FusedPlan, parts: Sequence[_ReplicaGradients]) -> tuple[int, ...]:
-        """The positions whose gradients take the fused path this step.
+    def _fused_positions(
+        plan: _FusedPlan, parts: Sequence[_ReplicaGradients], count: int
+    ) -> tuple[tuple[int, ...], list[Any]]:
+        """The positions whose gradients take the fused path this step, and each replica's
+        gradients at the candidate positions.
 
         A gradient qualifies when every replica gave a plain array of the variable's dtype and
         shape and not every replica gave the same object (one shared value keeps the meaning
@@ -373,15 +376,18 @@ class Optimizer(Module):
         """
         cand = plan.candidates
         if not cand:
-            return ()
-        picked = [plan.pick(list(map(_first, p.pairs))) for p in parts]
+            return (), []
+        if len(cand) == count:
+            picked = [list(map(_first, p.pairs)) for p in parts]
+        else:
+            picked = [plan.pick(list(map(_first, p.pairs))) for p in parts]
         if all(
             set(map(type, g)) == _NDARRAY_ONLY
             and list(map(_dtype_of, g)) == plan.dtypes
             and list(map(_shape_of, g)) == plan.shapes
             for g in picked
         ) and (len(parts) == 1 or not any(map(operator.is_, picked[0], picked[1]))):
-            return cand
+            return cand, picked
         out = []
         for k, pos in enumerate(cand):
             gs = [g[k] for g in picked]
@@ -389,18 +395,20 @@ class Optimizer(Module):
                 type(g) is np.ndarray and g.dtype == plan.dtypes[k] and g.shape == plan.shapes[k] for g in gs
             ) and not (len(gs) > 1 and all(g is gs[0] for g in gs)):
                 out.append(pos)
-        return tuple(out)
+        return tuple(out), picked
 
     def _pack(
         self,
         var_list: list[Any],
         fused: tuple[int, ...],
+        picked: list[Any] | None,
         parts: Sequence[_ReplicaGradients],
         order: tuple[int, ...],
         strategy: Any,
     ) -> _FusedLines:
         """Each local replica's fused gradients as flat buffers (in summing order), reduced
-        across processes where the strategy spans several."""
+        across processes where the strategy spans several. ``picked``: each replica's
+        gradients at the fused positions, when already listed."""
         fvars = var_list if len(fused) == len(var_list) else [var_list[i] for i in fused]
         fkey = tuple(map(id, fvars))
         cached = self._pv_lines.get(fkey)
@@ -419,7 +427,7 @@ class Optimizer(Module):
         pick = (lambda seq: seq) if len(fused) == len(var_list) else (lambda seq: [seq[i] for i in fused])
         bufs: list[dict[np.dtype, np.ndarray]] = []
         for r in order:
-            grads = pick(list(map(_first, parts[r].pairs)))
+            grads = picked[r] if picked is not None else pick(list(map(_first, parts[r].pairs)))
             if user is not None and len(user) == len(parts) and all(map(operator.is_, grads, user._views[r])):
                 bufs.append(user._buffers[r])  # written in place: nothing to pack
                 continue
