@@ -49,6 +49,7 @@ __all__ = [
     "Scratch",
     "GradLayout",
     "apply_blocked",
+    "apply_direct",
     "apply_lines",
     "apply_runs",
     "layout_lines",
@@ -396,6 +397,37 @@ def apply_lines(
             run.replicate,
             lines[1:],
         )
+
+
+def apply_direct(
+    runs: Sequence[Run],
+    parts: Sequence[Sequence[np.ndarray]],
+    kernel: Kernel,
+    hp: Any,
+    scratch: Callable[[np.dtype], Scratch],
+) -> None:
+    """:func:`apply_lines` with each replica's gradients as they are, one array per variable
+    (indexed by the members' positions, of the variables' dtype): no packing copy, one
+    :func:`apply_blocked` per variable. For large variables, where the per-variable calls cost
+    little next to the arithmetic and a packing copy would be a pass over every gradient.
+    The same bits as :func:`apply_lines` (the kernel is elementwise; the padding it skips
+    keeps its value either way).
+    """
+    for run in runs:
+        sc = scratch(run.arena.dtype)
+        for pos, start, size in run.members:
+            lines = [p[pos].reshape(1, -1) for p in parts]
+            cols = slice(start, start + size)
+            apply_blocked(
+                kernel,
+                run.var_slab[:, cols],
+                tuple(s[:, cols] for s in run.slot_slabs),
+                lines[0],
+                hp,
+                sc,
+                run.replicate,
+                lines[1:],
+            )
 
 
 def row_view(stacked: np.ndarray) -> np.ndarray:

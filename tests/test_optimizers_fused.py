@@ -14,6 +14,8 @@ from parallelvars.errors import ContextError, GradientError
 from parallelvars.strategy._reduce import add_n_by_device
 
 SHAPES = [(37, 5), (3,), (1,), (), (129,), (8, 8, 3), (1001,)]
+# Large enough on average that the replicas' arrays are added without packing.
+LARGE = [(40009,), (150, 131), (17,)]
 
 
 def _bits(a: Any) -> np.ndarray:
@@ -22,20 +24,20 @@ def _bits(a: Any) -> np.ndarray:
 
 
 def _model(
-    strategy: pv.Strategy, dtype: Any, make_opt: Callable[[], opts.Optimizer], seed: int = 0
+    strategy: pv.Strategy, dtype: Any, make_opt: Callable[[], opts.Optimizer], seed: int = 0, shapes: Any = SHAPES
 ) -> tuple[list[Any], opts.Optimizer]:
     rng = np.random.default_rng(seed)
     with strategy.scope():
-        vs = [pv.Variable(rng.normal(size=s).astype(dtype), name=f"v{i}") for i, s in enumerate(SHAPES)]
+        vs = [pv.Variable(rng.normal(size=s).astype(dtype), name=f"v{i}") for i, s in enumerate(shapes)]
         opt = make_opt()
     return vs, opt
 
 
-def _grads(rng: np.random.Generator, n: int, dtype: Any) -> list[list[np.ndarray]]:
+def _grads(rng: np.random.Generator, n: int, dtype: Any, shapes: Any = SHAPES) -> list[list[np.ndarray]]:
     # Magnitudes far apart, so that another summation order gives other bits.
     scales = [1e-3, 1.0, 1e3, 7.0]
     return [
-        [(rng.normal(size=s) * scales[r % len(scales)]).astype(dtype) for s in SHAPES] for r in range(n)
+        [(rng.normal(size=s) * scales[r % len(scales)]).astype(dtype) for s in shapes] for r in range(n)
     ]
 
 
@@ -49,18 +51,19 @@ def _state(vs: list[Any], opt: opts.Optimizer) -> list[Any]:
     return [*vs, *sorted((s for _, _, s in opt._checkpoint_slots()), key=lambda s: s.name)]
 
 
+@pytest.mark.parametrize("shapes", [SHAPES, LARGE], ids=["packed", "direct"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize(
     "devices", [1, 2, 3, 4, ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]], ids=["1", "2", "3", "4", "unordered"]
 )
-def test_fused_sum_is_bit_identical_to_the_per_variable_sum(dtype: Any, devices: Any) -> None:
+def test_fused_sum_is_bit_identical_to_the_per_variable_sum(dtype: Any, devices: Any, shapes: Any) -> None:
     strategy = pv.MirroredStrategy(devices)
     n = strategy.num_replicas_in_sync
-    vs, opt = _model(strategy, dtype, lambda: opts.Adam(0.01))
-    ref_vs, ref_opt = _model(strategy, dtype, lambda: opts.Adam(0.01))
+    vs, opt = _model(strategy, dtype, lambda: opts.Adam(0.01), shapes=shapes)
+    ref_vs, ref_opt = _model(strategy, dtype, lambda: opts.Adam(0.01), shapes=shapes)
     rng = np.random.default_rng(1)
     for _ in range(3):
-        per_replica = _grads(rng, n, dtype)
+        per_replica = _grads(rng, n, dtype, shapes)
 
         def step(grads: list[np.ndarray]) -> None:
             opt.apply_gradients(zip(grads, vs, strict=True))
@@ -69,11 +72,13 @@ def test_fused_sum_is_bit_identical_to_the_per_variable_sum(dtype: Any, devices:
         # The per-variable reduction: per device, in device order.
         reduced = [
             add_n_by_device([(strategy.worker_devices[r], per_replica[r][i]) for r in range(n)])
-            for i in range(len(SHAPES))
+            for i in range(len(shapes))
         ]
         with strategy.scope():
             ref_opt.distributed_apply(strategy, list(zip(reduced, ref_vs, strict=True)))
-    assert opt._pv_lines, "the step did not take the fused path"
+    ((_, (_, _, staging)),) = opt._pv_lines.values()  # the step took the fused path
+    packed = any(b.any() for part in staging for b in part.values())
+    assert packed == (shapes is SHAPES)
     _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
 
 
@@ -183,7 +188,7 @@ def test_gradient_buffers_are_summed_without_packing() -> None:
         strategy.run(ref_step, args=(pv.PerReplica(per_replica),))
     _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
     # Nothing went through the packing buffers.
-    (_, (_, _, staging)), = opt._pv_lines.values()
+    ((_, (_, _, staging)),) = opt._pv_lines.values()
     assert all(not b.any() for part in staging for b in part.values())
     views = bufs.views(replica=1)
     assert views[0].shape == SHAPES[0] and np.shares_memory(views[0], bufs.buffers(1)[np.dtype(np.float32)])

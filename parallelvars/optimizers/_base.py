@@ -38,6 +38,9 @@ __all__ = ["GradientBuffers", "Optimizer"]
 
 _tokens = itertools.count()
 _PLAN_CACHE = 8
+# Mean elements per variable from which the fused path adds the replicas' gradient arrays as
+# they are instead of packing them first (a packing copy then costs more than the calls).
+_DIRECT_SIZE = 16384
 
 
 def _is_float(dtype: np.dtype) -> bool:
@@ -94,7 +97,7 @@ class _FusedPlan:
 class _FusedLines:
     """Fused variables of a step, their runs, and the local gradient buffers to sum."""
 
-    __slots__ = ("layout", "parts", "runs", "variables")
+    __slots__ = ("direct", "layout", "parts", "runs", "variables")
 
     def __init__(
         self,
@@ -102,11 +105,14 @@ class _FusedLines:
         runs: list[update_core.Run],
         layout: update_core.GradLayout,
         parts: list[dict[np.dtype, np.ndarray]],
+        direct: list[Any] | None = None,
     ) -> None:
         self.variables = variables
         self.runs = runs
         self.layout = layout
         self.parts = parts
+        # Instead of parts: each replica's gradient arrays, summed without packing.
+        self.direct = direct
 
 
 class GradientBuffers:
@@ -425,6 +431,11 @@ class Optimizer(Module):
         if user is not None and user.variables != tuple(fvars):
             user = None
         pick = (lambda seq: seq) if len(fused) == len(var_list) else (lambda seq: [seq[i] for i in fused])
+        cross_process = len(parts) == 1 and strategy.num_replicas_in_sync > 1
+        if user is None and not cross_process and sum(layout.sizes.values()) >= _DIRECT_SIZE * len(fvars):
+            # Large variables: add the replicas' arrays as they are, no packing copy.
+            direct = [picked[r] if picked is not None else pick(list(map(_first, parts[r].pairs))) for r in order]
+            return _FusedLines(fvars, runs, layout, [], direct)
         bufs: list[dict[np.dtype, np.ndarray]] = []
         for r in order:
             grads = picked[r] if picked is not None else pick(list(map(_first, parts[r].pairs)))
@@ -433,7 +444,7 @@ class Optimizer(Module):
                 continue
             update_core.pack_lines(runs, layout, grads, staging[r])
             bufs.append(staging[r])
-        if len(bufs) == 1 and strategy.num_replicas_in_sync > 1:
+        if cross_process:
             # The other replicas are other processes: one all-reduce per dtype buffer, in a
             # fixed dtype order so that every process makes the same calls.
             bufs = [{dt: strategy._allreduce_flat(bufs[0][dt]) for dt in layout.sizes}]
@@ -750,6 +761,9 @@ class Optimizer(Module):
         self._step_done(strategy, global_step)
 
     def _apply_fused(self, fused: _FusedLines, hp: Any) -> None:
+        if fused.direct is not None:
+            update_core.apply_direct(fused.runs, fused.direct, self._kernel, hp, self._scratch)
+            return
         update_core.apply_lines(fused.runs, fused.layout, fused.parts, self._kernel, hp, self._scratch)
 
     def _step_done(self, strategy: Any, global_step: Any) -> None:

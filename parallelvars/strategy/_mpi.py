@@ -22,10 +22,13 @@ equal to ``MirroredStrategy``'s (which adds replicas in device order). It moves 
 bytes as a ring all-reduce (~2 buffers per rank). Small buffers use one ``Allgather`` of whole
 rows and the same rank-ordered sum.
 
-Tensor fusion. ``batch_reduce`` (what ``apply_gradients`` calls) packs every gradient of one
-dtype into this process's row of one ``(size, total)`` buffer and runs one ``Allgather`` per
-dtype per step instead of one collective per variable (``fusion=False`` turns that off, for
-the benchmark).
+Tensor fusion. ``apply_gradients`` packs this process's dense gradients of one dtype into one
+flat buffer laid out like the variables' arena (or takes it as it is from
+``Optimizer.gradient_buffers``) and reduces it with one rank-ordered all-reduce per dtype per
+step (``_allreduce_flat``); the update core consumes the reduced buffer directly.
+``batch_reduce`` likewise packs every gradient of one dtype into one buffer and runs one
+collective per dtype instead of one per variable (``fusion=False`` turns both off, for the
+benchmark).
 
 Initial values are broadcast from rank 0 when a variable is created, so the replicas start
 identical; each step then applies the same reduced gradients everywhere, keeping them
