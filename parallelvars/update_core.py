@@ -303,9 +303,11 @@ def apply_runs(
             if len(positions) == 1:
                 np.copyto(line[start:end], grads[positions[0]].reshape(-1), casting="same_kind")
             else:  # axis=None flattens every gradient: one C call for the whole span
-                np.concatenate(
-                    operator.itemgetter(*positions)(grads), axis=None, out=line[start:end], casting="same_kind"
-                )
+                parts = operator.itemgetter(*positions)(grads)
+                try:  # gradients of the variables' dtype: numpy's quickest path, no casting
+                    np.concatenate(parts, axis=None, out=line[start:end], casting="equiv")
+                except TypeError:
+                    np.concatenate(parts, axis=None, out=line[start:end], casting="same_kind")
         apply_blocked(
             kernel, run.var_slab, run.slot_slabs, run.grad_line, hp, scratch(run.arena.dtype), run.replicate
         )
@@ -353,22 +355,25 @@ def layout_lines(runs: Sequence[Run]) -> GradLayout:
 def pack_lines(
     runs: Sequence[Run], layout: GradLayout, grads: Sequence[np.ndarray], out: dict[np.dtype, np.ndarray]
 ) -> None:
-    """Copy dense gradients (indexed by the members' positions) into buffers of ``layout``.
+    """Copy dense gradients (indexed by the members' positions, each of its variable's dtype)
+    into buffers of ``layout``.
 
     One ``np.concatenate`` per span of variables packed back to back; the padding between
-    spans is left as it is (zero in buffers made by :meth:`GradLayout.buffers`).
+    spans is left as it is (zero in buffers made by :meth:`GradLayout.buffers`). No casting
+    (``casting="equiv"``, which is also numpy's quickest path for many small arrays): a
+    gradient of another dtype raises ``TypeError``.
     """
     for run, (dt, start) in zip(runs, layout.spans, strict=True):
         buf = out[dt]
         for s0, s1, positions in run.segments:
             if len(positions) == 1:
-                np.copyto(buf[start + s0 : start + s1], grads[positions[0]].reshape(-1), casting="same_kind")
+                np.copyto(buf[start + s0 : start + s1], grads[positions[0]].reshape(-1), casting="equiv")
             else:
                 np.concatenate(
                     operator.itemgetter(*positions)(grads),
                     axis=None,
                     out=buf[start + s0 : start + s1],
-                    casting="same_kind",
+                    casting="equiv",
                 )
 
 
