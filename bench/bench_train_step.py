@@ -188,7 +188,7 @@ def _model_json(r: dict[str, object]) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement (best of)")
+    parser.add_argument("--steps", type=int, default=9, help="timed steps per measurement (best of)")
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the issue's model sizes")
     parser.add_argument("--model", choices=["A", "B", "both"], default="both")
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")

@@ -376,8 +376,9 @@ def render(info: dict[str, str], results: dict[str, dict[str, Any]], full: bool,
         lines.append(f"{r.get('command', name)}   # {r.get('status')}, exit {code}, {took}")
     lines += ["```", "", "## Results", "", build_table(results), "",
               "`ratio` is baseline time / our time (higher is better: how many times faster ours "
-              "is) in every row but three, where it is ours / baseline (lower is better): core vs "
-              "roofline, run() vs plain loop, and peak RSS vs budget. `met` is n/a where the issue "
+              "is) in every row but these, where it is ours / baseline (lower is better): core vs "
+              "roofline, the train step (and with gradient buffers) vs the core alone, run() vs "
+              "plain loop, and peak RSS vs budget. `met` is n/a where the issue "
               "sets no target; a benchmark that failed or timed out shows `no`."]
     if raw:
         lines += ["", "## Output of each benchmark", ""]
