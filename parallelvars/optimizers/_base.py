@@ -422,7 +422,8 @@ class Optimizer(Module):
             self._create_slots(fvars)
             runs = self._plan(fvars)
             layout = update_core.layout_lines(runs)
-            staging = [layout.buffers() for _ in parts]
+            # Packing targets, made on first use (large variables and gradient buffers need none).
+            staging: list[dict[np.dtype, np.ndarray] | None] = [None] * len(parts)
             if len(self._pv_lines) >= _PLAN_CACHE:
                 self._pv_lines.pop(next(iter(self._pv_lines)))
             self._pv_lines[fkey] = cached = (tuple(fvars), (runs, layout, staging))
@@ -442,8 +443,11 @@ class Optimizer(Module):
             if user is not None and len(user) == len(parts) and all(map(operator.is_, grads, user._views[r])):
                 bufs.append(user._buffers[r])  # written in place: nothing to pack
                 continue
-            update_core.pack_lines(runs, layout, grads, staging[r])
-            bufs.append(staging[r])
+            target = staging[r]
+            if target is None:
+                target = staging[r] = layout.buffers()
+            update_core.pack_lines(runs, layout, grads, target)
+            bufs.append(target)
         if cross_process:
             # The other replicas are other processes: one all-reduce per dtype buffer, in a
             # fixed dtype order so that every process makes the same calls.
