@@ -25,13 +25,12 @@ model B (2,000 vars, 1M params); model B in-run >= 10x faster than the loop.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from collections.abc import Callable
 
 import numpy as np
-from bench_update import B1, B2, EPS, LR, _time_interleaved
+from bench_update import B1, B2, EPS, LR, _time_interleaved, check_targets, models_of, parse_args
 
 import parallelvars as pv
 
@@ -172,10 +171,7 @@ def _model_json(r: dict[str, object]) -> dict[str, object]:
     for k in ("tf_eager", "tf_function"):
         if k in t:
             ratios[f"{k}_over_run"] = t[k] / t["run"]
-    targets = {
-        name: {"op": op, "value": bound, "met": ratios[name] >= bound if op == ">=" else ratios[name] <= bound}
-        for name, op, bound in TARGETS[str(r["label"])]
-    }
+    targets = check_targets(ratios, TARGETS[str(r["label"])])
     return {
         "vars": r["vars"],
         "params": r["params"],
@@ -186,19 +182,8 @@ def _model_json(r: dict[str, object]) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=9, help="timed steps per measurement (best of)")
-    parser.add_argument("--scale", type=float, default=1.0, help="fraction of the issue's model sizes")
-    parser.add_argument("--model", choices=["A", "B", "both"], default="both")
-    parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
-    args = parser.parse_args(argv)
-
-    models = []
-    if args.model in ("A", "both"):
-        models.append(("A", max(1, round(200 * args.scale)), 50_000))
-    if args.model in ("B", "both"):
-        models.append(("B", max(1, round(2000 * args.scale)), 500))
+    args = parse_args(__doc__, argv, steps=9)
+    models = models_of(args)
     print(f"float32 Adam inside strategy.run, {args.replicas} replicas with their own gradients, best of {args.steps}")
     header = (
         f"{'model':<6}{'vars':>6}{'params':>12}{'core ms':>10}{'run ms':>10}{'bufs ms':>10}{'loop ms':>10}"

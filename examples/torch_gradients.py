@@ -15,10 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import numpy as np
-from _common import make_data, make_params
-
-import parallelvars as pv
+from _common import train
 
 
 def main() -> int:
@@ -32,41 +29,20 @@ def main() -> int:
         return 0
     torch.set_num_threads(1)  # the replicas already run in parallel threads
 
-    devices, batch = 4, 128
-    x, y = make_data()
-    strategy = pv.MirroredStrategy(devices)
-    with strategy.scope():
-        params = make_params()
-        opt = pv.optimizers.Adam(learning_rate=0.01)
-        grads = opt.gradient_buffers(params)  # one flat gradient buffer per replica
-
-    def step(xb: np.ndarray, yb: np.ndarray) -> float:
-        views = grads.views()  # this replica's gradient of each parameter, in its buffer
-        for view in views:
-            view.fill(0)  # autograd accumulates into .grad
-        w1, b1, w2, b2 = tensors = [torch.from_numpy(np.asarray(p)).requires_grad_() for p in params]
-        for t, view in zip(tensors, views, strict=True):
-            t.grad = torch.from_numpy(view)  # shares memory with the buffer
-        out = torch.tanh(torch.from_numpy(xb) @ w1 + b1) @ w2 + b2
-        loss = ((out - torch.from_numpy(yb)) ** 2).sum() / batch
+    def grads_torch(params, x, y, global_batch, out):
+        w1, b1, w2, b2 = tensors = [torch.from_numpy(p).requires_grad_() for p in params]  # shares memory
+        for t, view in zip(tensors, out, strict=True):
+            view.fill(0)  # autograd adds into an existing .grad
+            t.grad = torch.from_numpy(view)  # the gradient buffer itself
+        pred = torch.tanh(torch.from_numpy(x) @ w1 + b1) @ w2 + b2
+        loss = ((pred - torch.from_numpy(y)) ** 2).sum() / global_batch
         loss.backward()
-        for t, view in zip(tensors, views, strict=True):
-            if t.grad is not None and t.grad.data_ptr() != view.ctypes.data:  # pragma: no cover
-                view[...] = t.grad.numpy()  # torch chose a new tensor: copy it in
-        opt.apply_gradients(grads.grads_and_vars())  # no packing: the buffers are summed as they are
+        for t, view in zip(tensors, out, strict=True):
+            if t.grad.data_ptr() != view.ctypes.data:  # torch chose a new tensor: copy it in
+                view[...] = t.grad.numpy()
         return float(loss.detach())
 
-    losses = []
-    for i in range(args.steps):
-        j = (i * batch) % len(x)
-        xb, yb = x[j : j + batch], y[j : j + batch]
-        per_replica = strategy.run(
-            step, args=(pv.PerReplica(np.array_split(xb, devices)), pv.PerReplica(np.array_split(yb, devices)))
-        )
-        losses.append(float(strategy.reduce(pv.ReduceOp.SUM, per_replica)))
-    identical = all(np.array_equal(c, p.components[0]) for p in params for c in p.components)
-    print(f"replicas identical after {args.steps} steps: {identical}")
-    first, last = float(np.mean(losses[:10])), float(np.mean(losses[-10:]))
+    first, last = train(grads_torch, args.steps, gradient_buffers=True)
     print(f"torch gradients: loss {first:.4f} -> {last:.4f}")
     return 0
 

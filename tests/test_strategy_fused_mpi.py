@@ -7,7 +7,6 @@ bit-identical to ``MirroredStrategy`` with as many replicas in one process.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,8 @@ pytest.importorskip("mpi4py", reason="the MPI tests need the [mpi] extra (mpi4py
 
 import parallelvars as pv
 
-SHAPES = [(37, 5), (3,), (), (1001,)]
+sys.path.insert(0, str(Path(__file__).parent))
+from test_mpi import _mpiexec
 
 # Shared by the ranks and the one-process reference (exec'd in both).
 MODEL = '''
@@ -69,16 +69,6 @@ for buffers in (False, True):
     assert opt._pv_lines, "the fused path was not taken"
     np.savez(f"{sys.argv[1]}/rank{rank}-{int(buffers)}.npz", **state)
 '''
-
-
-def _mpiexec() -> str:
-    for candidate in (Path(sys.executable).parent / "mpiexec", Path(sys.prefix) / "bin" / "mpiexec"):
-        if candidate.exists():
-            return str(candidate)
-    found = shutil.which("mpiexec")
-    if found is None:
-        pytest.fail("mpi4py is installed but no mpiexec was found next to the interpreter or on PATH")
-    return found
 
 
 def _bits(a: Any) -> np.ndarray:
