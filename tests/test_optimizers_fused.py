@@ -196,6 +196,24 @@ def test_gradient_buffers_are_summed_without_packing() -> None:
     assert not any(v.any() for r in range(3) for v in bufs.views(r))
 
 
+def test_arrays_other_than_the_views_are_packed() -> None:
+    # Another array in place of a view (here: in a list the caller changed) is not mistaken
+    # for the buffer's contents.
+    strategy = pv.MirroredStrategy(2)
+    vs, opt = _model(strategy, np.float32, lambda: opts.SGD(1.0))
+    with strategy.scope():
+        bufs = opt.gradient_buffers(vs)
+    before = vs[0].read_value().copy()
+
+    def step() -> None:
+        views = bufs.views()
+        views[0] = np.ones(SHAPES[0], np.float32)  # not in the buffer, which holds zeros
+        opt.apply_gradients(zip(views, vs, strict=True))
+
+    strategy.run(step)
+    np.testing.assert_array_equal(vs[0].read_value(), before - 2.0)
+
+
 def test_gradient_buffers_errors() -> None:
     strategy = pv.MirroredStrategy(2)
     with strategy.scope():

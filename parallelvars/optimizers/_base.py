@@ -167,8 +167,12 @@ class GradientBuffers:
         return replica
 
     def views(self, replica: int | None = None) -> list[np.ndarray]:
-        """One writable gradient array per variable, in order: the current replica's by default."""
-        return self._views[self._index(replica)]
+        """One writable gradient array per variable, in order: the current replica's by default.
+
+        A new list each call (of the same arrays), so that changing the list changes nothing
+        that ``apply_gradients`` relies on.
+        """
+        return list(self._views[self._index(replica)])
 
     def grads_and_vars(self, replica: int | None = None) -> list[tuple[np.ndarray, Any]]:
         """``zip(views(replica), variables)``, ready for :meth:`Optimizer.apply_gradients`."""
