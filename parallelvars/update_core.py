@@ -22,6 +22,12 @@ replica row receives, so numpy broadcasts it). This module decides which memory 
   then done once per parameter instead of once per replica, which is what lets a CPU beat a
   per-component loop (numpy's ufuncs are compute-bound on cache-resident blocks). Variables
   whose components may differ (``independent`` kind) have every row computed.
+* **Replicas' gradients.** Inside ``strategy.run`` each replica has its own gradients. They
+  arrive as flat buffers laid out like the runs (:class:`GradLayout`, :func:`pack_lines`, or
+  the user's gradient buffers) or, for large variables, as the arrays themselves
+  (:func:`apply_direct`); :func:`apply_blocked` adds them block by block, left to right in
+  device order, right before the kernel uses the block, so the reduction makes no pass of its
+  own over memory and gives the bits of the per-variable ``add_n`` sum.
 * **Fallback.** Sharded variables (no stacked buffer), variables without an arena placement and
   float dtypes numpy has no fast loops for (bfloat16, float8: computed in float32 and cast back)
   take a per-variable path through the same kernel, so both paths share one formula.
