@@ -4,7 +4,12 @@ A step (``apply_gradients``) in a replica context goes through ``merge_call`` to
 :meth:`Optimizer._distributed_apply`, which runs once in cross-replica context:
 
 1. gradients that are ``None`` are dropped;
-2. the rest are reduced with ``ReduceOp.SUM`` across replicas (``strategy.batch_reduce``);
+2. the rest are reduced with ``ReduceOp.SUM`` across replicas. From ``apply_gradients``
+   (:meth:`Optimizer._merged_apply`), dense gradients of arena variables take the fused path:
+   each replica's are packed into flat buffers laid out like the arena (or written there by
+   the user, :class:`GradientBuffers`), reduced across processes in one call per dtype, and
+   added replica by replica inside the update core's blocks, in device order; everything else
+   goes through ``strategy.batch_reduce``, one value per variable;
 3. slots are created next to their variables (a mirrored variable's slots are mirrored on the
    same devices, in the optimizer's shadow arenas, see :mod:`parallelvars.update_core`);
 4. every variable is updated by the update core: dense gradients of variables sharing an arena
