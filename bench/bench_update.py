@@ -153,16 +153,42 @@ TARGETS = {
 }
 
 
+def check_targets(ratios: dict[str, float], targets: list[tuple[str, str, float]]) -> dict[str, object]:
+    """Each ``(ratio, ">=" or "<=", bound)`` target with the ratio measured and whether it was met."""
+    return {
+        name: {"op": op, "value": bound, "met": ratios[name] >= bound if op == ">=" else ratios[name] <= bound}
+        for name, op, bound in targets
+    }
+
+
+def parse_args(doc: str | None, argv: list[str] | None, steps: int = 5) -> argparse.Namespace:
+    """The options every model benchmark takes (replicas, steps, scale, model, json)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per measurement (best of)")
+    parser.add_argument("--scale", type=float, default=1.0, help="fraction of the issue's model sizes")
+    parser.add_argument("--model", choices=["A", "B", "both"], default="both")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
+    return parser.parse_args(argv)
+
+
+def models_of(args: argparse.Namespace) -> list[tuple[str, int, int]]:
+    """``(label, variables, size)`` of the models asked for: A = 200 x 50,000, B = 2,000 x 500."""
+    models = []
+    if args.model in ("A", "both"):
+        models.append(("A", max(1, round(200 * args.scale)), 50_000))
+    if args.model in ("B", "both"):
+        models.append(("B", max(1, round(2000 * args.scale)), 500))
+    return models
+
+
 def _model_json(r: dict[str, float | None]) -> dict[str, object]:
     """One model's figures (times in seconds), its ratios and its targets with whether each was met."""
     core, loop, roof = float(r["core"]), float(r["loop"]), float(r["roofline"])  # type: ignore[arg-type]
     ratios = {"loop_over_core": loop / core, "core_over_roofline": core / roof}
     if r["torch"] is not None:
         ratios["torch_over_core"] = float(r["torch"]) / core
-    targets = {
-        name: {"op": op, "value": bound, "met": ratios[name] >= bound if op == ">=" else ratios[name] <= bound}
-        for name, op, bound in TARGETS[str(r["label"])]
-    }
+    targets = check_targets(ratios, TARGETS[str(r["label"])])
     times = {"core_s": core, "every_row_s": r["every"], "loop_s": loop, "roofline_s": roof, "torch_s": r["torch"]}
     return {
         "vars": r["vars"],
@@ -175,19 +201,8 @@ def _model_json(r: dict[str, float | None]) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement (best of)")
-    parser.add_argument("--scale", type=float, default=1.0, help="fraction of the issue's model sizes")
-    parser.add_argument("--model", choices=["A", "B", "both"], default="both")
-    parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
-    args = parser.parse_args(argv)
-
-    models = []
-    if args.model in ("A", "both"):
-        models.append(("A", max(1, round(200 * args.scale)), 50_000))
-    if args.model in ("B", "both"):
-        models.append(("B", max(1, round(2000 * args.scale)), 500))
+    args = parse_args(__doc__, argv)
+    models = models_of(args)
     print(f"float32 Adam, {args.replicas} mirrored replicas, best of {args.steps} steps")
     header = (
         f"{'model':<6}{'vars':>6}{'params':>12}{'core ms':>10}{'rows ms':>10}{'loop ms':>10}{'roof ms':>10}"

@@ -51,6 +51,7 @@ class Benchmark:
 
 BENCHMARKS = (
     Benchmark("update", "bench_update.py"),
+    Benchmark("train_step", "bench_train_step.py"),
     Benchmark("checkpoint", "bench_checkpoint.py"),  # the issue's size: 25M parameters x 4
     Benchmark("convert", "bench_convert.py", ("--mb", "512")),
     Benchmark("tf_read", "bench_tf_read.py", ("--mb", "512")),
@@ -117,6 +118,26 @@ def _rows_update(d: dict[str, Any]) -> list[list[str]]:
         if t.get("torch_s") is not None:  # only where torch is importable
             rows.append(_row("update", f"Adam step, core vs torch.optim.Adam(fused=True) ({size})",
                              _ms(t["core_s"]), _ms(t["torch_s"]), _x(r["torch_over_core"])))
+    return rows
+
+
+def _rows_train_step(d: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    replicas = d["params"]["replicas"]
+    for label, m in d["models"].items():
+        t, r, tg = m["times"], m["ratios"], m["targets"]
+        size = f"model {label}: {m['vars']} vars, {m['params']:,} params, {replicas} replicas"
+        rows.append(_row("train step", f"apply_gradients in strategy.run vs the core alone ({size})",
+                         _ms(t["run_s"]), _ms(t["core_s"]), _x(r["run_over_core"]),
+                         _target(tg.get("run_over_core"))))
+        rows.append(_row("train step", f"the same with gradient buffers vs the core alone ({size})",
+                         _ms(t["buffers_s"]), _ms(t["core_s"]), _x(r["buffers_over_core"])))
+        rows.append(_row("train step", f"speed-up over the per-component loop ({size})",
+                         _ms(t["run_s"]), _ms(t["loop_s"]), _x(r["loop_over_run"]),
+                         _target(tg.get("loop_over_run"))))
+        if t.get("tf_function_s") is not None:
+            rows.append(_row("train step", f"tf.distribute.MirroredStrategy, tf.function ({size})",
+                             _ms(t["run_s"]), _ms(t["tf_function_s"]), _x(r["tf_function_over_run"])))
     return rows
 
 
@@ -194,6 +215,7 @@ def _rows_mpi(d: dict[str, Any]) -> list[list[str]]:
 
 ROWS = {
     "update": _rows_update,
+    "train_step": _rows_train_step,
     "checkpoint": _rows_checkpoint,
     "convert": _rows_convert,
     "tf_read": _rows_tf_read,
@@ -354,8 +376,9 @@ def render(info: dict[str, str], results: dict[str, dict[str, Any]], full: bool,
         lines.append(f"{r.get('command', name)}   # {r.get('status')}, exit {code}, {took}")
     lines += ["```", "", "## Results", "", build_table(results), "",
               "`ratio` is baseline time / our time (higher is better: how many times faster ours "
-              "is) in every row but three, where it is ours / baseline (lower is better): core vs "
-              "roofline, run() vs plain loop, and peak RSS vs budget. `met` is n/a where the issue "
+              "is) in every row but these, where it is ours / baseline (lower is better): core vs "
+              "roofline, the train step (and with gradient buffers) vs the core alone, run() vs "
+              "plain loop, and peak RSS vs budget. `met` is n/a where the issue "
               "sets no target; a benchmark that failed or timed out shows `no`."]
     if raw:
         lines += ["", "## Output of each benchmark", ""]

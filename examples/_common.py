@@ -29,11 +29,16 @@ def make_params(seed: int = 0) -> list[pv.ParallelVariable]:
     ]
 
 
-def train(grad_fn, steps: int, devices: int = 4, batch: int = 128, lr: float = 0.01) -> tuple[float, float]:
+def train(
+    grad_fn, steps: int, devices: int = 4, batch: int = 128, lr: float = 0.01, gradient_buffers: bool = False
+) -> tuple[float, float]:
     """Train with ``grad_fn(params_as_arrays, x, y, global_batch) -> (loss, grads)`` per replica.
 
     ``grad_fn`` sees each replica's own parameter values (numpy arrays) and its slice of the
     batch; whatever computes the gradients (numpy, PyTorch, JAX) stays outside the toolkit.
+    With ``gradient_buffers``, ``grad_fn(params, x, y, global_batch, out) -> loss`` writes the
+    gradients into ``out``, this replica's views of the optimizer's gradient buffers
+    (``opt.gradient_buffers``), and ``apply_gradients`` takes them without a packing copy.
     Returns the mean loss of the first and of the last ten steps.
     """
     x, y = make_data()
@@ -41,9 +46,15 @@ def train(grad_fn, steps: int, devices: int = 4, batch: int = 128, lr: float = 0
     with strategy.scope():
         params = make_params()
         opt = pv.optimizers.Adam(learning_rate=lr)
+        buffers = opt.gradient_buffers(params) if gradient_buffers else None
 
     def step(xb: np.ndarray, yb: np.ndarray) -> float:
-        loss, grads = grad_fn([np.asarray(p) for p in params], xb, yb, batch)
+        arrays = [np.asarray(p) for p in params]
+        if buffers is not None:
+            loss = grad_fn(arrays, xb, yb, batch, buffers.views())
+            opt.apply_gradients(buffers.grads_and_vars())
+            return loss
+        loss, grads = grad_fn(arrays, xb, yb, batch)
         opt.apply_gradients(list(zip(grads, params, strict=True)))
         return loss
 

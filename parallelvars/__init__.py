@@ -22,7 +22,7 @@ from parallelvars.checkpoint import (
 from parallelvars.devices import ParallelDevice
 from parallelvars.enums import Aggregation, ReduceOp, Synchronization
 from parallelvars.errors import ParallelVarsError
-from parallelvars.optimizers import IndexedSlices, clip_by_global_norm
+from parallelvars.optimizers import GradientBuffers, IndexedSlices, clip_by_global_norm
 from parallelvars.strategy import (
     DistributedDataset,
     Mirrored,
@@ -74,6 +74,7 @@ __all__ = [
     "Aggregation",
     "Checkpoint",
     "DistributedDataset",
+    "GradientBuffers",
     "IndexedSlices",
     "CheckpointLoadStatus",
     "CheckpointManager",

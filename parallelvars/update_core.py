@@ -22,6 +22,12 @@ replica row receives, so numpy broadcasts it). This module decides which memory 
   then done once per parameter instead of once per replica, which is what lets a CPU beat a
   per-component loop (numpy's ufuncs are compute-bound on cache-resident blocks). Variables
   whose components may differ (``independent`` kind) have every row computed.
+* **Replicas' gradients.** Inside ``strategy.run`` each replica has its own gradients. They
+  arrive as flat buffers laid out like the runs (:class:`GradLayout`, :func:`pack_lines`, or
+  the user's gradient buffers) or, for large variables, as the arrays themselves
+  (:func:`apply_direct`); :func:`apply_blocked` adds them block by block, left to right in
+  device order, right before the kernel uses the block, so the reduction makes no pass of its
+  own over memory and gives the bits of the per-variable ``add_n`` sum.
 * **Fallback.** Sharded variables (no stacked buffer), variables without an arena placement and
   float dtypes numpy has no fast loops for (bfloat16, float8: computed in float32 and cast back)
   take a per-variable path through the same kernel, so both paths share one formula.
@@ -47,8 +53,13 @@ __all__ = [
     "Kernel",
     "Run",
     "Scratch",
+    "GradLayout",
     "apply_blocked",
+    "apply_direct",
+    "apply_lines",
     "apply_runs",
+    "layout_lines",
+    "pack_lines",
     "plan_runs",
     "row_view",
 ]
@@ -91,7 +102,14 @@ class Scratch:
         self.count = count
         self._rows: list[np.ndarray] = []
         self._line: list[np.ndarray] = []
+        self._sum = np.empty((1, 0), self.dtype)
         self._shape = (0, 0)
+
+    def sum_line(self, width: int) -> np.ndarray:
+        """A ``(1, width)`` line apart from :meth:`take`'s: where replicas' gradients are summed."""
+        if self._sum.shape[1] < width:
+            self._sum = np.empty((1, width), self.dtype)
+        return self._sum[:, :width]
 
     def take(self, rows: int, width: int) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
         """Views ``(tmp, gtmp)`` of shapes ``(rows, width)`` and ``(1, width)``."""
@@ -115,12 +133,18 @@ def apply_blocked(
     hp: Any,
     scratch: Scratch,
     replicate: bool = False,
+    addends: Sequence[np.ndarray] = (),
 ) -> None:
     """Apply ``kernel`` to 2-D ``var`` / ``slots`` / ``grad`` in cache-sized column blocks.
 
     With ``replicate`` (rows known to be equal: a mirrored variable and its slots), the kernel
     computes row 0 of each block and the block is copied to the other rows while it is still
     in cache: the arithmetic is done once per parameter, the memory written once per replica.
+
+    ``addends``: more ``(1, total)`` gradient lines of ``var``'s dtype. The gradient the kernel
+    sees is then ``((grad + addends[0]) + addends[1]) + ...``, summed block by block while the
+    block is in cache: the left-to-right order of :func:`parallelvars.strategy._reduce.add_n`,
+    so the bits are those of a separate reduction, without its pass over memory.
     """
     rows, total = var.shape
     once = replicate and rows > 1
@@ -128,24 +152,40 @@ def apply_blocked(
     width = block_width(1 if once else rows, var.dtype)
     for c0 in range(0, total, width):
         c1 = min(total, c0 + width)
-        if once:
-            tmp, gtmp = scratch.take(1, c1 - c0)
-            v0 = var[:1, c0:c1]
-            s0 = tuple(s[:1, c0:c1] for s in slots)
-            kernel(v0, s0, grad[:, c0:c1], hp, tmp, gtmp)
-            np.copyto(var[1:, c0:c1], v0)
-            for s, top in zip(slots, s0, strict=True):
-                np.copyto(s[1:, c0:c1], top)
+        if addends:
+            g = scratch.sum_line(c1 - c0)
+            np.add(grad[:, c0:c1], addends[0][:, c0:c1], out=g)
+            for a in addends[1:]:
+                np.add(g, a[:, c0:c1], out=g)
+            _apply_block(kernel, var, slots, g, hp, scratch, once, c0, c1)
             continue
-        tmp, gtmp = scratch.take(rows, c1 - c0)
-        kernel(
-            var[:, c0:c1],
-            tuple(s[:, c0:c1] for s in slots),
-            grad[:, c0:c1],
-            hp,
-            tmp,
-            gtmp,
-        )
+        _apply_block(kernel, var, slots, grad[:, c0:c1], hp, scratch, once, c0, c1)
+
+
+def _apply_block(
+    kernel: Kernel,
+    var: np.ndarray,
+    slots: Sequence[np.ndarray],
+    g: np.ndarray,
+    hp: Any,
+    scratch: Scratch,
+    once: bool,
+    c0: int,
+    c1: int,
+) -> None:
+    """The kernel over columns ``[c0, c1)``; ``g`` is that block of the gradient."""
+    rows = var.shape[0]
+    if once:
+        tmp, gtmp = scratch.take(1, c1 - c0)
+        v0 = var[:1, c0:c1]
+        s0 = tuple(s[:1, c0:c1] for s in slots)
+        kernel(v0, s0, g, hp, tmp, gtmp)
+        np.copyto(var[1:, c0:c1], v0)
+        for s, top in zip(slots, s0, strict=True):
+            np.copyto(s[1:, c0:c1], top)
+        return
+    tmp, gtmp = scratch.take(rows, c1 - c0)
+    kernel(var[:, c0:c1], tuple(s[:, c0:c1] for s in slots), g, hp, tmp, gtmp)
 
 
 @dataclass
@@ -269,12 +309,136 @@ def apply_runs(
             if len(positions) == 1:
                 np.copyto(line[start:end], grads[positions[0]].reshape(-1), casting="same_kind")
             else:  # axis=None flattens every gradient: one C call for the whole span
-                np.concatenate(
-                    operator.itemgetter(*positions)(grads), axis=None, out=line[start:end], casting="same_kind"
-                )
+                parts = operator.itemgetter(*positions)(grads)
+                try:  # gradients of the variables' dtype: numpy's quickest path, no casting
+                    np.concatenate(parts, axis=None, out=line[start:end], casting="equiv")
+                except TypeError:
+                    np.concatenate(parts, axis=None, out=line[start:end], casting="same_kind")
         apply_blocked(
             kernel, run.var_slab, run.slot_slabs, run.grad_line, hp, scratch(run.arena.dtype), run.replicate
         )
+
+
+@dataclass
+class GradLayout:
+    """The gradient lines of a list of runs laid end to end: one flat buffer per dtype.
+
+    Run ``k``'s line is ``buffer[spans[k][1] : spans[k][1] + run.hi - run.lo]`` of the buffer
+    of dtype ``spans[k][0]``: the arena's own layout over the run's columns, alignment padding
+    included (kept zero), so a reduced buffer is the update's gradient with no gather.
+
+    Attributes:
+        sizes: elements of the buffer of each dtype, dtypes in a fixed (sorted) order.
+        spans: ``(dtype, start)`` of each run's line.
+        views: ``(dtype, start, size)`` of each variable, by its position in the runs.
+    """
+
+    sizes: dict[np.dtype, int]
+    spans: list[tuple[np.dtype, int]]
+    views: dict[int, tuple[np.dtype, int, int]]
+
+    def buffers(self) -> dict[np.dtype, np.ndarray]:
+        """Fresh zeroed buffers of this layout."""
+        return {dt: np.zeros(n, dt) for dt, n in self.sizes.items()}
+
+
+def layout_lines(runs: Sequence[Run]) -> GradLayout:
+    """Lay the runs' gradient lines end to end, one flat buffer per dtype."""
+    sizes: dict[np.dtype, int] = {}
+    spans: list[tuple[np.dtype, int]] = []
+    views: dict[int, tuple[np.dtype, int, int]] = {}
+    for run in runs:
+        dt = np.dtype(run.arena.dtype)
+        start = sizes.get(dt, 0)
+        spans.append((dt, start))
+        sizes[dt] = start + run.hi - run.lo
+        for pos, off, size in run.members:
+            views[pos] = (dt, start + off, size)
+    ordered = {dt: sizes[dt] for dt in sorted(sizes, key=lambda d: d.str)}
+    return GradLayout(ordered, spans, views)
+
+
+def pack_lines(
+    runs: Sequence[Run], layout: GradLayout, grads: Sequence[np.ndarray], out: dict[np.dtype, np.ndarray]
+) -> None:
+    """Copy dense gradients (indexed by the members' positions, each of its variable's dtype)
+    into buffers of ``layout``.
+
+    One ``np.concatenate`` per span of variables packed back to back; the padding between
+    spans is left as it is (zero in buffers made by :meth:`GradLayout.buffers`). No casting
+    (``casting="equiv"``, which is also numpy's quickest path for many small arrays): a
+    gradient of another dtype raises ``TypeError``.
+    """
+    for run, (dt, start) in zip(runs, layout.spans, strict=True):
+        buf = out[dt]
+        for s0, s1, positions in run.segments:
+            if len(positions) == 1:
+                np.copyto(buf[start + s0 : start + s1], grads[positions[0]].reshape(-1), casting="equiv")
+            else:
+                np.concatenate(
+                    operator.itemgetter(*positions)(grads),
+                    axis=None,
+                    out=buf[start + s0 : start + s1],
+                    casting="equiv",
+                )
+
+
+def apply_lines(
+    runs: Sequence[Run],
+    layout: GradLayout,
+    parts: Sequence[dict[np.dtype, np.ndarray]],
+    kernel: Kernel,
+    hp: Any,
+    scratch: Callable[[np.dtype], Scratch],
+) -> None:
+    """One step over every run whose gradient is the sum of ``parts``, buffers of ``layout``.
+
+    The parts are added left to right (``parts[0] + parts[1] + ...``) block by block inside
+    :func:`apply_blocked`, so the reduction costs no pass of its own over memory.
+    """
+    for run, (dt, start) in zip(runs, layout.spans, strict=True):
+        lines = [p[dt][start : start + run.hi - run.lo].reshape(1, -1) for p in parts]
+        apply_blocked(
+            kernel,
+            run.var_slab,
+            run.slot_slabs,
+            lines[0],
+            hp,
+            scratch(run.arena.dtype),
+            run.replicate,
+            lines[1:],
+        )
+
+
+def apply_direct(
+    runs: Sequence[Run],
+    parts: Sequence[Sequence[np.ndarray]],
+    kernel: Kernel,
+    hp: Any,
+    scratch: Callable[[np.dtype], Scratch],
+) -> None:
+    """:func:`apply_lines` with each replica's gradients as they are, one array per variable
+    (indexed by the members' positions, of the variables' dtype): no packing copy, one
+    :func:`apply_blocked` per variable. For large variables, where the per-variable calls cost
+    little next to the arithmetic and a packing copy would be a pass over every gradient.
+    The same bits as :func:`apply_lines` (the kernel is elementwise; the padding it skips
+    keeps its value either way).
+    """
+    for run in runs:
+        sc = scratch(run.arena.dtype)
+        for pos, start, size in run.members:
+            lines = [p[pos].reshape(1, -1) for p in parts]
+            cols = slice(start, start + size)
+            apply_blocked(
+                kernel,
+                run.var_slab[:, cols],
+                tuple(s[:, cols] for s in run.slot_slabs),
+                lines[0],
+                hp,
+                sc,
+                run.replicate,
+                lines[1:],
+            )
 
 
 def row_view(stacked: np.ndarray) -> np.ndarray:

@@ -121,3 +121,21 @@ def test_torch_row_only_where_torch_ran():
 def test_pipes_in_a_message_do_not_break_the_table():
     (row,) = _rows(run_all.build_table({"convert": {"status": "failed", "detail": "a | b\nc"}}))
     assert row[1] == "failed: a \\| b c"
+
+
+def test_train_step_rows():
+    def model(vars_: int, met: bool) -> dict:
+        times = {"run_s": 0.012, "core_s": 0.01, "buffers_s": 0.011, "loop_s": 0.15}
+        ratios = {"run_over_core": 1.2, "buffers_over_core": 1.1, "loop_over_run": 12.5}
+        targets = {"run_over_core": _t("<=", 1.5, met), "loop_over_run": _t(">=", 10.0, True)}
+        return {"vars": vars_, "params": vars_ * 10, "times": times, "ratios": ratios, "targets": targets}
+
+    data = {"params": {"replicas": 4}, "models": {"A": model(200, False), "B": model(2000, True)}}
+    rows = _rows(run_all.build_table({"train_step": {"status": "ok", "data": data}}))
+    assert len(rows) == 6 and all(r[0] == "train step" for r in rows)
+    run_a, bufs_a, loop_a = rows[:3]
+    assert run_a[2:] == ["12.0 ms", "10.0 ms", "1.20x", "<= 1.5x", "no"] and "model A" in run_a[1]
+    assert bufs_a[2:] == ["11.0 ms", "10.0 ms", "1.10x", "—", "n/a"]
+    assert loop_a[4:] == ["12.50x", ">= 10x", "yes"]
+    assert rows[3][6] == "yes"
+    assert any(b.name == "train_step" for b in run_all.BENCHMARKS)

@@ -12,7 +12,7 @@ TOP_LEVEL = [
     "MirroredStrategy", "OneDeviceStrategy", "MultiWorkerMirroredStrategy", "PerReplica",
     "get_replica_context", "get_cross_replica_context", "has_strategy", "get_strategy",
     "ReduceOp", "Synchronization", "Aggregation", "outside_compilation",
-    "optimizers", "IndexedSlices", "clip_by_global_norm",
+    "optimizers", "IndexedSlices", "clip_by_global_norm", "GradientBuffers",
     "Checkpoint", "CheckpointManager", "latest_checkpoint",
     "independent_buffers", "replicated_scope", "variable_creator_scope", "errors",
     "ComponentVariable", "ReplicatedVariable", "compute_average_loss", "scale_regularization_loss",
@@ -35,7 +35,7 @@ def test_top_level_names(name: str) -> None:
     assert name in pv.__all__
 
 
-@pytest.mark.parametrize("name", ["SGD", "Momentum", "Adam", "AdamW", "Adagrad", "RMSProp", "Optimizer"])
+@pytest.mark.parametrize("name", ["SGD", "Momentum", "Adam", "AdamW", "Adagrad", "RMSProp", "Optimizer", "GradientBuffers"])
 def test_optimizers(name: str) -> None:
     assert hasattr(pv.optimizers, name)
 

@@ -80,3 +80,43 @@ def test_row_view_is_a_view() -> None:
     assert a[1, 1, 1] == 1
     with pytest.raises(ValueError):
         update_core.row_view(np.zeros((2, 6, 4))[:, ::2])
+
+
+@pytest.mark.parametrize("replicate", [False, True])
+def test_replicas_lines_packed_or_direct_give_the_add_n_bits(replicate: bool) -> None:
+    from parallelvars.strategy._reduce import add_n
+
+    rng = np.random.default_rng(7)
+    sizes = [3, 5000, 1, 70000, 64]
+    grads = [[(rng.normal(size=s) * 10.0 ** r).astype(np.float32) for s in sizes] for r in range(4)]
+    outs = []
+    for how in ("summed", "packed", "direct"):
+        arena, pls = _arena_with(sizes, 2)
+        arena.buffer[:] = 1.0
+        runs = update_core.plan_runs([(i, pl, replicate) for i, pl in enumerate(pls)], lambda a: [a.shadow("s")])
+        layout = update_core.layout_lines(runs)
+        assert sorted(layout.views) == list(range(len(sizes)))
+        scratch = update_core.Scratch(np.float32)
+        scratch_of = lambda dt, s=scratch: s  # noqa: E731
+        if how == "summed":
+            reduced = [add_n([g[i] for g in grads]) for i in range(len(sizes))]
+            update_core.apply_runs(runs, reduced, _axpy, 0.5, scratch_of)
+        elif how == "packed":
+            parts = [layout.buffers() for _ in grads]
+            for g, part in zip(grads, parts, strict=True):
+                update_core.pack_lines(runs, layout, g, part)
+            update_core.apply_lines(runs, layout, parts, _axpy, 0.5, scratch_of)
+        else:
+            update_core.apply_direct(runs, grads, _axpy, 0.5, scratch_of)
+        outs.append((arena.buffer.copy(), arena.shadow("s").buffer.copy()))
+    for var, slot in outs[1:]:
+        assert np.array_equal(var.view(np.uint32), outs[0][0].view(np.uint32))
+        assert np.array_equal(slot.view(np.uint32), outs[0][1].view(np.uint32))
+
+
+def test_pack_lines_refuses_to_cast() -> None:
+    _, pls = _arena_with([3, 4])
+    runs = update_core.plan_runs([(0, pls[0]), (1, pls[1])], lambda a: [])
+    layout = update_core.layout_lines(runs)
+    with pytest.raises(TypeError):
+        update_core.pack_lines(runs, layout, [np.ones(3), np.ones(4)], layout.buffers())

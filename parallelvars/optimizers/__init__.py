@@ -13,7 +13,7 @@ Example:
     2
 """
 
-from parallelvars.optimizers._base import Optimizer
+from parallelvars.optimizers._base import GradientBuffers, Optimizer
 from parallelvars.optimizers._rules import SGD, Adagrad, Adam, AdamW, Momentum, RMSProp
 from parallelvars.optimizers._sparse import IndexedSlices, clip_by_global_norm, global_norm
 
@@ -22,6 +22,7 @@ __all__ = [
     "Adagrad",
     "Adam",
     "AdamW",
+    "GradientBuffers",
     "IndexedSlices",
     "Momentum",
     "Optimizer",

@@ -4,7 +4,12 @@ A step (``apply_gradients``) in a replica context goes through ``merge_call`` to
 :meth:`Optimizer._distributed_apply`, which runs once in cross-replica context:
 
 1. gradients that are ``None`` are dropped;
-2. the rest are reduced with ``ReduceOp.SUM`` across replicas (``strategy.batch_reduce``);
+2. the rest are reduced with ``ReduceOp.SUM`` across replicas. From ``apply_gradients``
+   (:meth:`Optimizer._merged_apply`), dense gradients of arena variables take the fused path:
+   each replica's are packed into flat buffers laid out like the arena (or written there by
+   the user, :class:`GradientBuffers`), reduced across processes in one call per dtype, and
+   added replica by replica inside the update core's blocks, in device order; everything else
+   goes through ``strategy.batch_reduce``, one value per variable;
 3. slots are created next to their variables (a mirrored variable's slots are mirrored on the
    same devices, in the optimizer's shadow arenas, see :mod:`parallelvars.update_core`);
 4. every variable is updated by the update core: dense gradients of variables sharing an arena
@@ -30,13 +35,17 @@ from parallelvars.enums import ReduceOp
 from parallelvars.errors import ContextError, GradientError, GradientTypeError
 from parallelvars.optimizers._sparse import IndexedSlices, sum_indexed_slices
 from parallelvars.strategy import _context
+from parallelvars.strategy._values import PerReplica
 from parallelvars.tracking import Module
 from parallelvars.variables import ParallelVariable, ShardedVariable, _make_distributed_variable
 
-__all__ = ["Optimizer"]
+__all__ = ["GradientBuffers", "Optimizer"]
 
 _tokens = itertools.count()
 _PLAN_CACHE = 8
+# Mean elements per variable from which the fused path adds the replicas' gradient arrays as
+# they are instead of packing them first (a packing copy then costs more than the calls).
+_DIRECT_SIZE = 16384
 
 
 def _is_float(dtype: np.dtype) -> bool:
@@ -63,6 +72,131 @@ def _dense_checked(arr: np.ndarray, var: Any, shape: tuple[int, ...]) -> np.ndar
 
 def _INDEXED_SLICES_FREE(grads: list[Any]) -> bool:
     return IndexedSlices not in set(map(type, grads))
+
+class _ReplicaGradients:
+    """One replica's ``(gradient, variable)`` pairs, handed to ``merge_call`` as one value.
+
+    ``merge_call`` groups the replicas' arguments element by element; wrapped, the pairs of a
+    step cross the rendezvous as one object per replica and the optimizer reads them itself.
+    """
+
+    __slots__ = ("pairs",)
+
+    def __init__(self, pairs: list[tuple[Any, Any]]) -> None:
+        self.pairs = pairs
+
+
+class _FusedPlan:
+    """The fused path of one variable list: which positions may take it, and their checks."""
+
+    __slots__ = ("candidates", "dtypes", "pick", "shapes")
+
+    def __init__(self, candidates: tuple[int, ...], dtypes: list[np.dtype], shapes: list[tuple[int, ...]]) -> None:
+        self.candidates = candidates
+        self.dtypes = dtypes
+        self.shapes = shapes
+        self.pick: Callable[[Sequence[Any]], Any] = (
+            operator.itemgetter(*candidates) if len(candidates) > 1 else (lambda seq: [seq[i] for i in candidates])
+        )
+
+
+class _FusedLines:
+    """Fused variables of a step, their runs, and the local gradient buffers to sum."""
+
+    __slots__ = ("direct", "layout", "parts", "runs", "variables")
+
+    def __init__(
+        self,
+        variables: list[Any],
+        runs: list[update_core.Run],
+        layout: update_core.GradLayout,
+        parts: list[dict[np.dtype, np.ndarray]],
+        direct: list[Any] | None = None,
+    ) -> None:
+        self.variables = variables
+        self.runs = runs
+        self.layout = layout
+        self.parts = parts
+        # Instead of parts: each replica's gradient arrays, summed without packing.
+        self.direct = direct
+
+
+class GradientBuffers:
+    """Flat gradient buffers laid out like the variables, one per local replica.
+
+    Made by :meth:`Optimizer.gradient_buffers`. Each replica's buffer holds the gradients of
+    every variable of the list back to back in the variables' own memory layout (one flat
+    array per dtype), and :meth:`views` gives one writable array per variable, of the
+    variable's shape, into that buffer. Code that writes its gradients into the views
+    (``torch.from_numpy(view)``, ``np.matmul(..., out=view)``, ``view[...] = g``) and passes
+    the views themselves to :meth:`Optimizer.apply_gradients` skips the packing copy: the
+    replicas' buffers are summed and consumed by the update as they are.
+
+    The buffers keep their contents between steps (nothing zeroes them); call :meth:`zero`
+    where gradients are accumulated.
+    """
+
+    def __init__(self, variables: Sequence[Any], layout: update_core.GradLayout, replicas: int) -> None:
+        self.variables: tuple[Any, ...] = tuple(variables)
+        self._layout = layout
+        self._buffers = [layout.buffers() for _ in range(replicas)]
+        self._views: list[list[np.ndarray]] = []
+        for bufs in self._buffers:
+            views = []
+            for pos, var in enumerate(self.variables):
+                dt, start, size = layout.views[pos]
+                views.append(bufs[dt][start : start + size].reshape(tuple(var.shape)))
+            self._views.append(views)
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def _index(self, replica: int | None) -> int:
+        if replica is None:
+            ctx = _context.current_mode().replica_context
+            if ctx is None:
+                raise ContextError(
+                    "GradientBuffers.views() without a replica number is called in a replica "
+                    "function (inside strategy.run); pass replica= elsewhere"
+                )
+            count = ctx.strategy._local_replica_count()
+            if count != len(self._buffers):
+                raise ContextError(
+                    f"these gradient buffers were made for {len(self._buffers)} replica(s), but this "
+                    f"replica function runs under {ctx.strategy!r} with {count}: make them in its scope"
+                )
+            replica = ctx.replica_id_in_sync_group if count > 1 else 0
+        if not 0 <= replica < len(self._buffers):
+            raise ContextError(
+                f"no gradient buffer for replica {replica} (expected 0 <= replica < {len(self._buffers)})"
+            )
+        return replica
+
+    def views(self, replica: int | None = None) -> list[np.ndarray]:
+        """One writable gradient array per variable, in order: the current replica's by default.
+
+        A new list each call (of the same arrays), so that changing the list changes nothing
+        that ``apply_gradients`` relies on.
+        """
+        return list(self._views[self._index(replica)])
+
+    def grads_and_vars(self, replica: int | None = None) -> list[tuple[np.ndarray, Any]]:
+        """``zip(views(replica), variables)``, ready for :meth:`Optimizer.apply_gradients`."""
+        return list(zip(self.views(replica), self.variables, strict=True))
+
+    def buffers(self, replica: int | None = None) -> dict[np.dtype, np.ndarray]:
+        """The flat buffers (one per dtype) behind :meth:`views`."""
+        return self._buffers[self._index(replica)]
+
+    def zero(self) -> None:
+        """Set every replica's gradients to zero."""
+        for bufs in self._buffers:
+            for b in bufs.values():
+                b.fill(0)
+
+    def __repr__(self) -> str:
+        return f"<GradientBuffers of {len(self.variables)} variables x {len(self._buffers)} replicas>"
+
 
 class Optimizer(Module):
     """Base class of the optimizers: subclasses give slots, hyperparameters and a kernel.
@@ -101,6 +235,10 @@ class Optimizer(Module):
         # Mirrored variables: compute the primary row and copy it (see update_core). False
         # computes every replica's row, for comparison.
         self._pv_replicate_mirrored = True
+        # The fused path of apply_gradients, per variable list (all, then the fused subset).
+        self._pv_fused: dict[tuple[int, ...], tuple[tuple[Any, ...], _FusedPlan]] = {}
+        self._pv_lines: dict[tuple[int, ...], tuple[tuple[Any, ...], Any]] = {}
+        self._pv_gradbufs: dict[tuple[int, ...], GradientBuffers] = {}
         self.iterations: ParallelVariable | None = None
 
     # ------------------------------------------------------------------ public API
@@ -176,7 +314,191 @@ class Optimizer(Module):
                 f"context of {mode.strategy!r}; call it inside strategy.run(...), or use "
                 "optimizer.distributed_apply(strategy, grads_and_vars) with reduced gradients"
             )
-        mode.replica_context.merge_call(self._distributed_apply, args=(pairs, global_step, True))
+        mode.replica_context.merge_call(self._merged_apply, args=(_ReplicaGradients(pairs), global_step))
+
+    def gradient_buffers(self, var_list: Sequence[Any]) -> GradientBuffers:
+        """Flat gradient buffers for ``var_list``, one per replica, with a view per variable.
+
+        Gradients written into ``buffers.views()`` inside a replica function and passed as they
+        are (``opt.apply_gradients(buffers.grads_and_vars())``) reach the update without a
+        packing copy; see :class:`GradientBuffers`. Calling this again with the same variables
+        gives the same buffers.
+
+        Raises:
+            GradientError: a variable that is not a float16/32/64 variable with an arena
+                placement (sharded, bfloat16, ...): give those gradients as plain arrays.
+        """
+        var_list = list(var_list)
+        key = tuple(map(id, var_list))
+        found = self._pv_gradbufs.get(key)
+        if found is not None and all(map(operator.is_, found.variables, var_list)):
+            return found
+        if len(set(key)) != len(key):
+            raise GradientError("a variable appears twice in the gradient buffers' list")
+        for v in var_list:
+            if not self._info(v)[2]:
+                raise GradientError(
+                    "gradient buffers hold float16/32/64 variables with an arena placement",
+                    variable=v.name,
+                    expected="a mirrored or single-device float variable",
+                    found=f"{type(v).__name__} of {v.dtype}",
+                )
+        strategy = _context.current_mode().strategy
+        self._create_slots(var_list)
+        runs = self._plan(var_list)
+        layout = update_core.layout_lines(runs)
+        bufs = GradientBuffers(var_list, layout, strategy._local_replica_count())
+        self._pv_gradbufs[key] = bufs
+        return bufs
+
+    def _merged_apply(self, strategy: Any, grads: Any, global_step: Any) -> None:
+        """The target of ``apply_gradients``' merge_call: the fused path where it applies.
+
+        Dense gradients of a float16/32/64 variable with an arena placement, of the variable's
+        dtype and shape, take the fused path: each local replica's gradients are packed into
+        flat buffers laid out like the arena (no copy at all for :class:`GradientBuffers`),
+        the strategy reduces each dtype's buffer across processes in one call, and the update
+        core adds the local replicas block by block, in device order, as it updates. Every
+        other gradient (sparse, another dtype, one object shared by every replica, sharded or
+        bfloat16 variables) goes through ``batch_reduce`` as before, in the same step.
+        """
+        parts = grads.values if isinstance(grads, PerReplica) else (grads,)
+        if not all(type(p) is _ReplicaGradients for p in parts):
+            raise GradientError("apply_gradients: merge_call arguments of another kind")
+        var_list = list(map(_second, parts[0].pairs))
+        key = tuple(map(id, var_list))
+        order = strategy._fused_sum_order() if hasattr(strategy, "_fused_sum_order") else None
+        if (
+            order is None
+            or len(parts) != len(order)
+            or not getattr(strategy, "fusion", True)
+            or any(tuple(map(id, map(_second, p.pairs))) != key for p in parts[1:])
+        ):
+            merged = strategy._merge_args([p.pairs for p in parts]) if hasattr(strategy, "_merge_args") else parts[0].pairs
+            self._distributed_apply(strategy, merged, global_step, True)
+            return
+        plan = self._fused_plan(key, var_list)
+        fused, picked = self._fused_positions(plan, parts, len(var_list))
+        if not fused:
+            merged = strategy._merge_args([p.pairs for p in parts])
+            self._distributed_apply(strategy, merged, global_step, True)
+            return
+        lines = self._pack(var_list, fused, picked if fused == plan.candidates else None, parts, order, strategy)
+        if len(fused) == len(var_list):
+            rest: Any = []
+        else:
+            keep = set(fused)
+            others = [i for i in range(len(var_list)) if i not in keep]
+            rest = strategy._merge_args([[p.pairs[i] for i in others] for p in parts])
+        self._distributed_apply(strategy, rest, global_step, True, lines)
+
+    def _fused_plan(self, key: tuple[int, ...], var_list: list[Any]) -> _FusedPlan:
+        cached = self._pv_fused.get(key)
+        if cached is not None and all(map(operator.is_, cached[0], var_list)):
+            return cached[1]
+        candidates: list[int] = []
+        # A repeated variable is the per-variable path's error to raise.
+        for i, v in enumerate(var_list if len(set(key)) == len(key) else ()):
+            try:
+                info = self._info(v)
+            except GradientError:  # raised again, in its place, by the per-variable path
+                continue
+            if info[2]:
+                candidates.append(i)
+        plan = _FusedPlan(
+            tuple(candidates),
+            [self._info(var_list[i])[1] for i in candidates],
+            [self._info(var_list[i])[0] for i in candidates],
+        )
+        if len(self._pv_fused) >= _PLAN_CACHE:
+            self._pv_fused.pop(next(iter(self._pv_fused)))
+        self._pv_fused[key] = (tuple(var_list), plan)
+        return plan
+
+    @staticmethod
+    def _fused_positions(
+        plan: _FusedPlan, parts: Sequence[_ReplicaGradients], count: int
+    ) -> tuple[tuple[int, ...], list[Any]]:
+        """The positions whose gradients take the fused path this step, and each replica's
+        gradients at the candidate positions.
+
+        A gradient qualifies when every replica gave a plain array of the variable's dtype and
+        shape and not every replica gave the same object (one shared value keeps the meaning
+        ``batch_reduce`` gives it). The common case is checked with C-level passes.
+        """
+        cand = plan.candidates
+        if not cand:
+            return (), []
+        if len(cand) == count:
+            picked = [list(map(_first, p.pairs)) for p in parts]
+        else:
+            picked = [plan.pick(list(map(_first, p.pairs))) for p in parts]
+        if all(
+            set(map(type, g)) == _NDARRAY_ONLY
+            and list(map(_dtype_of, g)) == plan.dtypes
+            and list(map(_shape_of, g)) == plan.shapes
+            for g in picked
+        ) and (len(parts) == 1 or not any(map(operator.is_, picked[0], picked[1]))):
+            return cand, picked
+        out = []
+        for k, pos in enumerate(cand):
+            gs = [g[k] for g in picked]
+            if all(
+                type(g) is np.ndarray and g.dtype == plan.dtypes[k] and g.shape == plan.shapes[k] for g in gs
+            ) and not (len(gs) > 1 and all(g is gs[0] for g in gs)):
+                out.append(pos)
+        return tuple(out), picked
+
+    def _pack(
+        self,
+        var_list: list[Any],
+        fused: tuple[int, ...],
+        picked: list[Any] | None,
+        parts: Sequence[_ReplicaGradients],
+        order: tuple[int, ...],
+        strategy: Any,
+    ) -> _FusedLines:
+        """Each local replica's fused gradients as flat buffers (in summing order), reduced
+        across processes where the strategy spans several. ``picked``: each replica's
+        gradients at the fused positions, when already listed."""
+        fvars = var_list if len(fused) == len(var_list) else [var_list[i] for i in fused]
+        fkey = tuple(map(id, fvars))
+        cached = self._pv_lines.get(fkey)
+        if cached is None or not all(map(operator.is_, cached[0], fvars)):
+            self._create_slots(fvars)
+            runs = self._plan(fvars)
+            layout = update_core.layout_lines(runs)
+            # Packing targets, made on first use (large variables and gradient buffers need none).
+            staging: list[dict[np.dtype, np.ndarray] | None] = [None] * len(parts)
+            if len(self._pv_lines) >= _PLAN_CACHE:
+                self._pv_lines.pop(next(iter(self._pv_lines)))
+            self._pv_lines[fkey] = cached = (tuple(fvars), (runs, layout, staging))
+        runs, layout, staging = cached[1]
+        user = self._pv_gradbufs.get(fkey)
+        if user is not None and user.variables != tuple(fvars):
+            user = None
+        pick = (lambda seq: seq) if len(fused) == len(var_list) else (lambda seq: [seq[i] for i in fused])
+        cross_process = len(parts) == 1 and strategy.num_replicas_in_sync > 1
+        if user is None and not cross_process and sum(layout.sizes.values()) >= _DIRECT_SIZE * len(fvars):
+            # Large variables: add the replicas' arrays as they are, no packing copy.
+            direct = [picked[r] if picked is not None else pick(list(map(_first, parts[r].pairs))) for r in order]
+            return _FusedLines(fvars, runs, layout, [], direct)
+        bufs: list[dict[np.dtype, np.ndarray]] = []
+        for r in order:
+            grads = picked[r] if picked is not None else pick(list(map(_first, parts[r].pairs)))
+            if user is not None and len(user) == len(parts) and all(map(operator.is_, grads, user._views[r])):
+                bufs.append(user._buffers[r])  # written in place: nothing to pack
+                continue
+            target = staging[r]
+            if target is None:
+                target = staging[r] = layout.buffers()
+            update_core.pack_lines(runs, layout, grads, target)
+            bufs.append(target)
+        if cross_process:
+            # The other replicas are other processes: one all-reduce per dtype buffer, in a
+            # fixed dtype order so that every process makes the same calls.
+            bufs = [{dt: strategy._allreduce_flat(bufs[0][dt]) for dt in layout.sizes}]
+        return _FusedLines(fvars, runs, layout, bufs)
 
     def distributed_apply(
         self, strategy: Any, grads_and_vars: Iterable[tuple[Any, Any]], global_step: Any = None
@@ -431,16 +753,25 @@ class Optimizer(Module):
         grads_and_vars: list[tuple[Any, Any]],
         global_step: Any = None,
         from_replicas: bool = False,
+        fused: _FusedLines | None = None,
     ) -> None:
         """The cross-replica step; the target of ``merge_call`` (``from_replicas`` then).
 
         ``grads_and_vars`` holds no ``None`` gradient (the public entry points filter them).
         The per-variable bookkeeping of a step is done with C-level passes (``map``,
         ``itemgetter``) once the variable list is known, so that thousands of small variables
-        cost little more than their arithmetic.
+        cost little more than their arithmetic. ``fused``: more variables of the step, whose
+        gradients are flat buffers (see :meth:`_merged_apply`).
         """
         pairs = grads_and_vars
         if not pairs:
+            if fused is not None:
+                self._create_non_slots(strategy, fused.variables)
+                assert self.iterations is not None
+                hp = self._hyper(int(self.iterations.read_value()))
+                self._apply_fused(fused, hp)
+                self._step_done(strategy, global_step)
+                return
             raise GradientError(
                 f"optimizer {self._pv_name!r}: no gradients provided for any variable",
                 hint="every gradient was None",
@@ -471,11 +802,21 @@ class Optimizer(Module):
                 self._pv_known.pop(next(iter(self._pv_known)))
             self._pv_known[key] = tuple(var_list)
             self._pv_shapes[key] = [self._info(v)[0] for v in var_list]
-        self._create_non_slots(strategy, var_list)
+        self._create_non_slots(strategy, var_list if fused is None else [*fused.variables, *var_list])
         assert self.iterations is not None
         hp = self._hyper(int(self.iterations.read_value()))
+        if fused is not None:
+            self._apply_fused(fused, hp)
         self._update(var_list, grads, hp)
+        self._step_done(strategy, global_step)
 
+    def _apply_fused(self, fused: _FusedLines, hp: Any) -> None:
+        if fused.direct is not None:
+            update_core.apply_direct(fused.runs, fused.direct, self._kernel, hp, self._scratch)
+            return
+        update_core.apply_lines(fused.runs, fused.layout, fused.parts, self._kernel, hp, self._scratch)
+
+    def _step_done(self, strategy: Any, global_step: Any) -> None:
         update_non_slot = getattr(strategy, "update_non_slot", None)
         if update_non_slot is not None:
             update_non_slot(self.iterations, self._finish)

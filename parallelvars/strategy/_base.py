@@ -17,11 +17,11 @@ from typing import Any, cast
 
 import numpy as np
 
-from parallelvars.devices import ParallelDevice
+from parallelvars.devices import ParallelDevice, canonical_device
 from parallelvars.enums import Aggregation, ReduceOp
 from parallelvars.errors import ContextError, CrossReplicaOnlyError, DistributedValueError
 from parallelvars.strategy import _context
-from parallelvars.strategy._reduce import reduce_values
+from parallelvars.strategy._reduce import device_key, reduce_values
 from parallelvars.strategy._values import (
     Mirrored,
     PerReplica,
@@ -489,6 +489,31 @@ class Strategy:
         self, op: ReduceOp, values: Sequence[Sequence[Any]], devices: Sequence[Sequence[str]]
     ) -> list[Any]:
         return [self._reduce_to(op, v, d) for v, d in zip(values, devices, strict=False)]
+
+    # ------------------------------------------------------------------ the fused gradient path
+    # How ``Optimizer.apply_gradients`` reduces flat per-replica gradient buffers (see
+    # parallelvars.optimizers._base): the replicas this process holds, the order in which a SUM
+    # adds them, and the reduction across processes.
+    def _local_replica_count(self) -> int:
+        """How many replicas' values a merge_call of this process sees."""
+        return self.num_replicas_in_sync
+
+    def _fused_sum_order(self) -> tuple[int, ...] | None:
+        """The local replicas in the order a SUM adds them (device order, as ``add_n_by_device``
+        does), or ``None`` where two replicas share a device (their sum is grouped per device)."""
+        devices = [canonical_device(d) for d in self.worker_devices]
+        if len(set(devices)) != len(devices):
+            return None
+        return tuple(sorted(range(len(devices)), key=lambda i: device_key(devices[i])))
+
+    def _allreduce_flat(self, buffer: np.ndarray) -> np.ndarray:
+        """The SUM of ``buffer`` over processes (rank order); one process: the buffer itself."""
+        return buffer
+
+    def _merge_args(self, values: Sequence[Any]) -> Any:
+        """The merge_call argument made of each local replica's ``values[i]`` (as ``merge_call``
+        would have grouped it)."""
+        return regroup(values, self._owner_of)
 
     def broadcast(self, value: Any, destinations: Any = None) -> Mirrored:
         """Copy ``value`` to every worker device (or to ``destinations``: a variable or devices).

@@ -22,10 +22,13 @@ equal to ``MirroredStrategy``'s (which adds replicas in device order). It moves 
 bytes as a ring all-reduce (~2 buffers per rank). Small buffers use one ``Allgather`` of whole
 rows and the same rank-ordered sum.
 
-Tensor fusion. ``batch_reduce`` (what ``apply_gradients`` calls) packs every gradient of one
-dtype into this process's row of one ``(size, total)`` buffer and runs one ``Allgather`` per
-dtype per step instead of one collective per variable (``fusion=False`` turns that off, for
-the benchmark).
+Tensor fusion. ``apply_gradients`` packs this process's dense gradients of one dtype into one
+flat buffer laid out like the variables' arena (or takes it as it is from
+``Optimizer.gradient_buffers``) and reduces it with one rank-ordered all-reduce per dtype per
+step (``_allreduce_flat``); the update core consumes the reduced buffer directly.
+``batch_reduce`` likewise packs every gradient of one dtype into one buffer and runs one
+collective per dtype instead of one per variable (``fusion=False`` turns both off, for the
+benchmark).
 
 Initial values are broadcast from rank 0 when a variable is created, so the replicas start
 identical; each step then applies the same reduced gradients everywhere, keeping them
@@ -356,6 +359,20 @@ class MultiWorkerMirroredStrategy(Strategy):
         for r in range(1, rows.shape[0]):
             np.add(total, rows[r], out=total, casting="unsafe")
         return total
+
+    # ------------------------------------------------------------------ the fused gradient path
+    def _local_replica_count(self) -> int:
+        return 1
+
+    def _fused_sum_order(self) -> tuple[int, ...] | None:
+        return (0,)
+
+    def _allreduce_flat(self, buffer: np.ndarray) -> np.ndarray:
+        """One rank-ordered all-reduce of a whole flat gradient buffer (see ``_allreduce_ordered``)."""
+        return buffer if self._size == 1 else self._allreduce_ordered(buffer)
+
+    def _merge_args(self, values: Sequence[Any]) -> Any:
+        return self._as_local(values[0])
 
     # ------------------------------------------------------------------ local values
     def _owned_component(self, x: Any) -> Any:

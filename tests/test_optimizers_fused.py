@@ -1,0 +1,234 @@
+"""The fused path of apply_gradients: flat per-replica buffers, same bits as per-variable sums."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import parallelvars as pv
+from parallelvars import optimizers as opts
+from parallelvars.errors import ContextError, GradientError
+from parallelvars.strategy._reduce import add_n_by_device
+
+SHAPES = [(37, 5), (3,), (1,), (), (129,), (8, 8, 3), (1001,)]
+# Large enough on average that the replicas' arrays are added without packing.
+LARGE = [(40009,), (150, 131), (17,)]
+
+
+def _bits(a: Any) -> np.ndarray:
+    arr = np.ascontiguousarray(a)
+    return arr.view(np.dtype(f"u{arr.dtype.itemsize}"))
+
+
+def _model(
+    strategy: pv.Strategy, dtype: Any, make_opt: Callable[[], opts.Optimizer], seed: int = 0, shapes: Any = SHAPES
+) -> tuple[list[Any], opts.Optimizer]:
+    rng = np.random.default_rng(seed)
+    with strategy.scope():
+        vs = [pv.Variable(rng.normal(size=s).astype(dtype), name=f"v{i}") for i, s in enumerate(shapes)]
+        opt = make_opt()
+    return vs, opt
+
+
+def _grads(rng: np.random.Generator, n: int, dtype: Any, shapes: Any = SHAPES) -> list[list[np.ndarray]]:
+    # Magnitudes far apart, so that another summation order gives other bits.
+    scales = [1e-3, 1.0, 1e3, 7.0]
+    return [
+        [(rng.normal(size=s) * scales[r % len(scales)]).astype(dtype) for s in shapes] for r in range(n)
+    ]
+
+
+def _assert_same(a: list[Any], b: list[Any]) -> None:
+    for x, y in zip(a, b, strict=True):
+        for cx, cy in zip(x.components, y.components, strict=True):
+            assert np.array_equal(_bits(cx), _bits(cy)), x.name
+
+
+def _state(vs: list[Any], opt: opts.Optimizer) -> list[Any]:
+    return [*vs, *sorted((s for _, _, s in opt._checkpoint_slots()), key=lambda s: s.name)]
+
+
+@pytest.mark.parametrize("shapes", [SHAPES, LARGE], ids=["packed", "direct"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    "devices", [1, 2, 3, 4, ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]], ids=["1", "2", "3", "4", "unordered"]
+)
+def test_fused_sum_is_bit_identical_to_the_per_variable_sum(dtype: Any, devices: Any, shapes: Any) -> None:
+    strategy = pv.MirroredStrategy(devices)
+    n = strategy.num_replicas_in_sync
+    vs, opt = _model(strategy, dtype, lambda: opts.Adam(0.01), shapes=shapes)
+    ref_vs, ref_opt = _model(strategy, dtype, lambda: opts.Adam(0.01), shapes=shapes)
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        per_replica = _grads(rng, n, dtype, shapes)
+
+        def step(grads: list[np.ndarray]) -> None:
+            opt.apply_gradients(zip(grads, vs, strict=True))
+
+        strategy.run(step, args=(pv.PerReplica(per_replica),))
+        # The per-variable reduction: per device, in device order.
+        reduced = [
+            add_n_by_device([(strategy.worker_devices[r], per_replica[r][i]) for r in range(n)])
+            for i in range(len(shapes))
+        ]
+        with strategy.scope():
+            ref_opt.distributed_apply(strategy, list(zip(reduced, ref_vs, strict=True)))
+    ((_, (_, _, staging)),) = opt._pv_lines.values()  # the step took the fused path
+    packed = [part is not None for part in staging]
+    assert packed == [shapes is SHAPES] * n
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+
+
+def test_the_fused_sum_follows_device_order() -> None:
+    # The same gradients handed to replicas in another order give the device-order bits.
+    strategy = pv.MirroredStrategy(["cpu:1", "cpu:0"])
+    vs, opt = _model(strategy, np.float32, lambda: opts.SGD(1.0))
+    g_big = [np.full(s, 1e8, np.float32) for s in SHAPES]
+    g_small = [np.full(s, 3.0, np.float32) for s in SHAPES]
+
+    def step(grads: list[np.ndarray]) -> None:
+        opt.apply_gradients(zip(grads, vs, strict=True))
+
+    before = [v.read_value().astype(np.float64) for v in vs]
+    strategy.run(step, args=(pv.PerReplica([g_small, g_big]),))
+    want = np.float32(np.float32(1e8) + np.float32(3.0))  # device cpu:0 (replica 1) first
+    for b, v in zip(before, vs, strict=True):
+        np.testing.assert_array_equal(v.read_value(), (b.astype(np.float32) - want).astype(np.float32))
+
+
+def _mixed_run(fusion: bool) -> list[Any]:
+    strategy = pv.MirroredStrategy(3)
+    if not fusion:
+        strategy.fusion = False  # type: ignore[attr-defined]
+    rng = np.random.default_rng(5)
+    with strategy.scope():
+        a = pv.Variable(rng.normal(size=(5, 3)).astype(np.float32), name="a")
+        emb = pv.Variable(rng.normal(size=(6, 2)).astype(np.float32), name="emb")
+        b = pv.Variable(rng.normal(size=(7,)).astype(np.float32), name="b")
+        shared = pv.Variable(rng.normal(size=(2,)).astype(np.float32), name="shared")
+        bf = pv.Variable(rng.normal(size=(4,)).astype(np.float32), name="bf")
+        opt = opts.Momentum(0.1, 0.9)
+    one = np.ones(2, np.float32)
+    gs = [[rng.normal(size=(5, 3)).astype(np.float32) for _ in range(3)] for _ in range(2)]
+    g64 = [[rng.normal(size=(7,)) for _ in range(3)] for _ in range(2)]
+
+    def step(ga: np.ndarray, gb: np.ndarray, idx: np.ndarray) -> None:
+        sparse = pv.IndexedSlices(np.ones((2, 2), np.float32), idx, (6, 2))
+        opt.apply_gradients([(ga, a), (sparse, emb), (gb, b), (one, shared), (np.ones(4, np.float32), bf)])
+
+    rows = [np.array([r, 5]) for r in range(3)]
+    for k in range(2):
+        strategy.run(step, args=(pv.PerReplica(gs[k]), pv.PerReplica(g64[k]), pv.PerReplica(rows)))
+    return _state([a, emb, b, shared, bf], opt)
+
+
+def test_mixed_steps_match_the_per_variable_path() -> None:
+    # Dense float32 (fused), sparse, float64 gradients of a float32 variable, one object that
+    # every replica gives, and per-replica arrays that are equal: the same bits either way.
+    _assert_same(_mixed_run(True), _mixed_run(False))
+
+
+def test_sharded_and_bfloat16_variables_next_to_fused_ones() -> None:
+    import ml_dtypes
+
+    strategy = pv.MirroredStrategy(2)
+    with strategy.scope():
+        w = pv.Variable(np.ones(3, np.float32), name="w")
+        e = pv.Variable(np.ones((4, 2), np.float32), name="e", shard_axis=0)
+        h = pv.Variable(np.ones(3, ml_dtypes.bfloat16), name="h")
+        opt = opts.SGD(0.5)
+
+    def step(g: np.ndarray) -> None:
+        opt.apply_gradients([(g, w), (np.ones((4, 2), np.float32), e), (np.ones(3, ml_dtypes.bfloat16), h)])
+
+    strategy.run(step, args=(pv.PerReplica([np.ones(3, np.float32), np.full(3, 2.0, np.float32)]),))
+    np.testing.assert_array_equal(w.read_value(), np.full(3, -0.5, np.float32))
+    assert int(opt.iterations.read_value()) == 1
+
+
+def test_steady_steps_reuse_the_plan_and_buffers() -> None:
+    strategy = pv.MirroredStrategy(2)
+    vs, opt = _model(strategy, np.float32, lambda: opts.SGD(0.1))
+    rng = np.random.default_rng(2)
+
+    def step(grads: list[np.ndarray]) -> None:
+        opt.apply_gradients(zip(grads, vs, strict=True))
+
+    strategy.run(step, args=(pv.PerReplica(_grads(rng, 2, np.float32)),))
+    plans, lines = dict(opt._pv_fused), dict(opt._pv_lines)
+    strategy.run(step, args=(pv.PerReplica(_grads(rng, 2, np.float32)),))
+    assert opt._pv_fused == plans and len(lines) == 1
+    assert all(opt._pv_lines[k] is lines[k] for k in lines)
+
+
+def test_gradient_buffers_are_summed_without_packing() -> None:
+    strategy = pv.MirroredStrategy(3)
+    vs, opt = _model(strategy, np.float32, lambda: opts.Adam(0.01))
+    ref_vs, ref_opt = _model(strategy, np.float32, lambda: opts.Adam(0.01))
+    with strategy.scope():
+        bufs = opt.gradient_buffers(vs)
+    assert len(bufs) == 3 and opt.gradient_buffers(vs) is bufs
+    rng = np.random.default_rng(4)
+    for _ in range(2):
+        per_replica = _grads(rng, 3, np.float32)
+
+        def step(grads: list[np.ndarray]) -> None:
+            views = bufs.views()
+            for view, g in zip(views, grads, strict=True):
+                view[...] = g  # what torch / jax / numpy code writes in place
+            opt.apply_gradients(bufs.grads_and_vars())
+
+        def ref_step(grads: list[np.ndarray]) -> None:
+            ref_opt.apply_gradients(zip(grads, ref_vs, strict=True))
+
+        strategy.run(step, args=(pv.PerReplica(per_replica),))
+        strategy.run(ref_step, args=(pv.PerReplica(per_replica),))
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+    # Nothing went through the packing buffers.
+    ((_, (_, _, staging)),) = opt._pv_lines.values()
+    assert staging == [None] * 3
+    views = bufs.views(replica=1)
+    assert views[0].shape == SHAPES[0] and np.shares_memory(views[0], bufs.buffers(1)[np.dtype(np.float32)])
+    bufs.zero()
+    assert not any(v.any() for r in range(3) for v in bufs.views(r))
+
+
+def test_arrays_other_than_the_views_are_packed() -> None:
+    # Another array in place of a view (here: in a list the caller changed) is not mistaken
+    # for the buffer's contents.
+    strategy = pv.MirroredStrategy(2)
+    vs, opt = _model(strategy, np.float32, lambda: opts.SGD(1.0))
+    with strategy.scope():
+        bufs = opt.gradient_buffers(vs)
+    before = vs[0].read_value().copy()
+
+    def step() -> None:
+        views = bufs.views()
+        views[0] = np.ones(SHAPES[0], np.float32)  # not in the buffer, which holds zeros
+        opt.apply_gradients(zip(views, vs, strict=True))
+
+    strategy.run(step)
+    np.testing.assert_array_equal(vs[0].read_value(), before - 2.0)
+
+
+def test_gradient_buffers_errors() -> None:
+    strategy = pv.MirroredStrategy(2)
+    with strategy.scope():
+        w = pv.Variable(np.ones(3, np.float32), name="w")
+        e = pv.Variable(np.ones((4, 2), np.float32), name="e", shard_axis=0)
+        opt = opts.SGD(0.1)
+        bufs = opt.gradient_buffers([w])
+        with pytest.raises(GradientError, match="arena"):
+            opt.gradient_buffers([w, e])
+        with pytest.raises(GradientError, match="twice"):
+            opt.gradient_buffers([w, w])
+        with pytest.raises(ContextError, match="replica function"):
+            bufs.views()  # cross-replica context
+    with pytest.raises(ContextError, match="made for 2 replica"):
+        bufs.views()  # the default strategy's one replica
+    with pytest.raises(ContextError, match="replica 2"):
+        bufs.views(2)
+    assert isinstance(bufs, pv.GradientBuffers)
