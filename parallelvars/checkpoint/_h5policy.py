@@ -38,6 +38,7 @@ __all__ = [
     "check_dataset",
     "check_path",
     "check_regular_file",
+    "get",
     "open_dataset",
     "part_file",
     "walk",
@@ -109,7 +110,7 @@ def check_path(
     parts = [p for p in path.split("/") if p]
     if len(parts) > MAX_DEPTH:
         raise _refuse("the object path is too deep", file, path, f"{len(parts)} levels, at most {MAX_DEPTH}")
-    prefix = ""
+    prefix = "" if path.startswith("/") else "."
     for n, part in enumerate(parts):
         prefix = f"{prefix}/{part}"
         last = n == len(parts) - 1
@@ -123,7 +124,7 @@ def check_path(
             if last and last_external and kind == h5py.h5l.TYPE_EXTERNAL:
                 return (bytes(value[0]), bytes(value[1]))
             raise _refuse("the object is reached through a link out of the file's own objects",
-                          file, prefix.lstrip("/"), _describe(kind, value))
+                          file, prefix.removeprefix(".").lstrip("/"), _describe(kind, value))
         if not last and checked is not None:
             checked.add(prefix)
     return None
@@ -157,6 +158,18 @@ def check_dataset(dsid: Any, file: str, name: str, *, own_virtual: bool = False)
         if not own_virtual or foreign:
             raise _refuse("the dataset is a virtual dataset", file, name,
                           f"sources in {foreign[:3]!r}" if foreign else "a virtual layout")
+
+
+def get(group: h5py.Group, path: str, file: str) -> h5py.Group | h5py.Dataset | None:
+    """``group.get(path)`` with every link on the way checked first (None when absent)."""
+    check_path(group.id, path, file)
+    try:
+        obj = group.get(path)
+    except _H5_ERRORS:
+        return None
+    if isinstance(obj, h5py.Dataset):
+        check_dataset(obj.id, file, f"{group.name.rstrip('/')}/{path}".lstrip("/"))
+    return obj if isinstance(obj, (h5py.Group, h5py.Dataset)) else None
 
 
 def open_dataset(loc: Any, path: str, file: str, *, checked: set[str] | None = None) -> Any:
@@ -204,14 +217,15 @@ def part_file(file: str, link: tuple[bytes, bytes], name: str) -> str:
 
 
 def walk(
-    group: h5py.Group, file: str, *, own_virtual: str | None = None
+    group: h5py.Group, file: str, *, own_virtual: str | None = None, skip_links: bool = False
 ) -> Iterator[tuple[str, h5py.Group | h5py.Dataset]]:
     """Every object under ``group`` as (path relative to it, object), groups before their members.
 
     Iterative and linear in the number of links: only hard links are followed, each object once
     (a hard-link cycle is refused), datasets are checked with :func:`check_dataset`, and paths
     deeper than :data:`MAX_DEPTH` are refused. Sibling order is HDF5's (by name). Datasets named
-    ``own_virtual`` may be virtual datasets over the same file.
+    ``own_virtual`` may be virtual datasets over the same file. With ``skip_links`` (format
+    detection), links are passed over instead of refused.
     """
     seen = {group.id}
     stack: list[tuple[str, h5py.Group, int, Iterator[str]]] = [("", group, 0, iter(list(group)))]
@@ -224,6 +238,8 @@ def walk(
         path = f"{prefix}{name}"
         link = grp.get(name, getlink=True)
         if not isinstance(link, h5py.HardLink):
+            if skip_links:
+                continue
             if isinstance(link, h5py.SoftLink):
                 kind, value = h5py.h5l.TYPE_SOFT, link.path.encode()
             elif isinstance(link, h5py.ExternalLink):

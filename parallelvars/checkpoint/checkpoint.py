@@ -26,8 +26,7 @@ import numpy as np
 
 from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint import _restore  # noqa: F401 - registers the variable saveable
-# A checkpoint written by several processes: its per-process files live in <file>.parts/ beside it.
-from parallelvars.checkpoint._h5policy import PARTS_SUFFIX
+from parallelvars.checkpoint._h5policy import PARTS_SUFFIX  # noqa: F401 - <file>.parts/: a multi-process save's files
 from parallelvars.checkpoint.h5io import H5Reader, write_h5
 from parallelvars.checkpoint.registry import SaveRecord, get_saveable
 from parallelvars.devices import ParallelDevice
