@@ -159,7 +159,8 @@ class _H5Store(TensorStore):
         for k, d in self._ds.items():
             _h5policy.check_dataset(d.id, file, k)  # no bytes from outside the file
             dtype, shape = self._meta[k]
-            nbytes = math.prod(shape) * dtype.itemsize
+            # (the stored size: a fixed-length string's elements may be larger than an object)
+            nbytes = math.prod(shape) * max(dtype.itemsize, d.dtype.itemsize)
             limit = size * (_MAX_COMPRESSION if d.chunks is not None else 1)
             if nbytes > limit:  # refused before anything is allocated for it
                 raise TruncatedFileError("the dataset claims more bytes than the file holds", file=file,

@@ -424,3 +424,50 @@ def test_the_walk_is_linear_and_refuses_hard_link_cycles(tmp_path):
         f["a/b"]["loop"] = f["a"]
     with h5py.File(path, "r") as f, pytest.raises(CorruptCheckpointError, match="linked twice"):
         list(_h5policy.walk(f, str(path)))
+
+
+# ----------------------------------------------------------------------------- type bombs
+def _bytes_variable(tmp_path: Path) -> Path:
+    from parallelvars.formats import ArrayEntry, write_checkpoint
+
+    path = tmp_path / "b.h5"
+    write_checkpoint(path, {"s": ArrayEntry("s", [np.array([b"ab", b"cd"], dtype=object)])}, format="hdf5")
+    return path
+
+
+def test_a_bytes_variable_stored_as_huge_fixed_length_strings_is_refused(tmp_path):
+    """The index says ``bytes`` (16 bytes an element in the checks); the dataset's elements
+    are 1 MB fixed-length strings, compressed: 1 GB to inflate from a few KB."""
+    path = _bytes_variable(tmp_path)
+    n = 1000
+    replace_primary(path, "s", lambda g, name: g.create_dataset(
+        name, shape=(n,), dtype="S1048576", chunks=(1,), compression="gzip"), shape=(n,))
+    with h5py.File(path, "r+") as f:  # a few chunks written: enough storage for the old size check
+        for i in range(8):
+            f["s/primary"][i] = b"x"
+    assert path.stat().st_size < 1 << 20
+    out = run("reader", path)
+    assert_refused(out)
+    assert "stored type" in out, out
+
+
+def test_a_bytes_variable_must_be_contiguous(tmp_path):
+    path = _bytes_variable(tmp_path)
+    replace_primary(path, "s", lambda g, name: g.create_dataset(
+        name, shape=(4,), dtype=h5py.vlen_dtype(bytes), chunks=(2,), compression="gzip"))
+    with H5Reader(path) as r, pytest.raises(CorruptCheckpointError, match="chunked or filtered"):
+        r["s"].value()
+
+
+def test_a_numeric_variable_stored_with_another_type_is_refused(tmp_path):
+    path, var = native(tmp_path)
+    replace_primary(path, var, lambda g, name: g.create_dataset(name, shape=(4,), dtype=h5py.vlen_dtype(bytes)))
+    with H5Reader(path) as r, pytest.raises(CorruptCheckpointError, match="stored type"):
+        r[var].value()
+
+
+def test_keras_fixed_length_strings_are_sized_by_their_stored_type(tmp_path):
+    path = keras3(tmp_path, lambda g, name: g.create_dataset(
+        name, shape=(1000,), dtype="S1048576", chunks=(1,), compression="gzip"))
+    out = run("convert", path, tmp_path / "out.npz", "keras")
+    assert "REFUSED TruncatedFileError" in out, out

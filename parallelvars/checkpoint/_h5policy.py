@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import h5py
+import numpy as np
 
 from parallelvars.errors import CorruptCheckpointError, NotACheckpointError
 
@@ -38,6 +39,7 @@ __all__ = [
     "check_dataset",
     "check_path",
     "check_regular_file",
+    "check_stored_type",
     "get",
     "open_dataset",
     "part_file",
@@ -170,6 +172,35 @@ def get(group: h5py.Group, path: str, file: str) -> h5py.Group | h5py.Dataset | 
     if isinstance(obj, h5py.Dataset):
         check_dataset(obj.id, file, f"{group.name.rstrip('/')}/{path}".lstrip("/"))
     return obj if isinstance(obj, (h5py.Group, h5py.Dataset)) else None
+
+
+def check_stored_type(dsid: Any, dtype: np.dtype, file: str, name: str) -> None:
+    """Refuse a dataset whose HDF5 type or layout is not one our writer makes for ``dtype``.
+
+    Reading converts the stored type to ``dtype``: a stored type of another size (a fixed-length
+    string of megabytes per element where the index says ``bytes``) would make HDF5 allocate
+    and convert far more than the checks on the declared dtype allow. Variable-length values
+    (``bytes``) must be contiguous and unfiltered, as written, so their count is bounded by the
+    file's size.
+    """
+    try:
+        stored = dsid.dtype
+        dcpl = dsid.get_create_plist()
+        plain = dcpl.get_layout() == h5py.h5d.CONTIGUOUS and dcpl.get_nfilters() == 0
+    except _H5_ERRORS as exc:
+        raise CorruptCheckpointError("cannot read the dataset's type", file=file, variable=name,
+                                     found=str(exc)[:200]) from None
+    string = h5py.check_string_dtype(stored)
+    vlen = h5py.check_vlen_dtype(stored) is not None or (string is not None and string.length is None)
+    if dtype.kind == "O":
+        ok, expected = vlen and plain, "variable-length bytes, contiguous and unfiltered"
+    else:
+        ok = not vlen and stored.kind in "biufcV" and stored.itemsize == dtype.itemsize and stored.fields is None
+        expected = f"{dtype.itemsize}-byte elements of {dtype}"
+    if not ok:
+        raise CorruptCheckpointError("the stored type does not match the variable's dtype", file=file,
+                                     variable=name, expected=expected,
+                                     found=f"{stored} ({'contiguous' if plain else 'chunked or filtered'})")
 
 
 def open_dataset(loc: Any, path: str, file: str, *, checked: set[str] | None = None) -> Any:

@@ -618,6 +618,7 @@ class StoredVariable:
         if i in self._storage_ok:
             return
         dsid = self._dataset(i)
+        _h5policy.check_stored_type(dsid, self.dtype, self._reader.path, f"{self.path}/{component_name(i)}")
         needed = math.prod(self._shapes[i]) * (16 if self.dtype.kind == "O" else self.dtype.itemsize)
         try:
             stored = int(dsid.get_storage_size())
