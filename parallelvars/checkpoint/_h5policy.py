@@ -132,11 +132,14 @@ def check_path(
     return None
 
 
-def check_dataset(dsid: Any, file: str, name: str, *, own_virtual: bool = False) -> None:
+def check_dataset(
+    dsid: Any, file: str, name: str, *, own_virtual: bool = False, dtype: np.dtype | None = None
+) -> None:
     """Refuse a dataset whose bytes would come from outside its file.
 
     ``dsid`` is an h5py ``DatasetID`` (or ``Dataset``). External storage is always refused;
-    a virtual dataset only when ``own_virtual`` and all its sources are in the same file.
+    a virtual dataset only when ``own_virtual`` and all its sources are in the same file. With
+    ``dtype``, the stored type is checked too (:func:`check_stored_type`).
     """
     if isinstance(dsid, h5py.Dataset):
         dsid = dsid.id
@@ -160,6 +163,8 @@ def check_dataset(dsid: Any, file: str, name: str, *, own_virtual: bool = False)
         if not own_virtual or foreign:
             raise _refuse("the dataset is a virtual dataset", file, name,
                           f"sources in {foreign[:3]!r}" if foreign else "a virtual layout")
+    if dtype is not None:
+        check_stored_type(dsid, dtype, file, name, dcpl=dcpl)
 
 
 def get(group: h5py.Group, path: str, file: str) -> h5py.Group | h5py.Dataset | None:
@@ -174,7 +179,7 @@ def get(group: h5py.Group, path: str, file: str) -> h5py.Group | h5py.Dataset | 
     return obj if isinstance(obj, (h5py.Group, h5py.Dataset)) else None
 
 
-def check_stored_type(dsid: Any, dtype: np.dtype, file: str, name: str) -> None:
+def check_stored_type(dsid: Any, dtype: np.dtype, file: str, name: str, *, dcpl: Any = None) -> None:
     """Refuse a dataset whose HDF5 type or layout is not one our writer makes for ``dtype``.
 
     Reading converts the stored type to ``dtype``: a stored type of another size (a fixed-length
@@ -185,26 +190,30 @@ def check_stored_type(dsid: Any, dtype: np.dtype, file: str, name: str) -> None:
     """
     try:
         stored = dsid.dtype
-        dcpl = dsid.get_create_plist()
+        dcpl = dcpl or dsid.get_create_plist()
         plain = dcpl.get_layout() == h5py.h5d.CONTIGUOUS and dcpl.get_nfilters() == 0
     except _H5_ERRORS as exc:
         raise CorruptCheckpointError("cannot read the dataset's type", file=file, variable=name,
                                      found=str(exc)[:200]) from None
-    string = h5py.check_string_dtype(stored)
-    vlen = h5py.check_vlen_dtype(stored) is not None or (string is not None and string.length is None)
     if dtype.kind == "O":
-        ok, expected = vlen and plain, "variable-length bytes, contiguous and unfiltered"
-    else:
-        ok = not vlen and stored.kind in "biufcV" and stored.itemsize == dtype.itemsize and stored.fields is None
-        expected = f"{dtype.itemsize}-byte elements of {dtype}"
+        string = h5py.check_string_dtype(stored)
+        vlen = h5py.check_vlen_dtype(stored) is not None or (string is not None and string.length is None)
+        ok = vlen and plain
+    else:  # (variable-length and string types map to kinds "O" and "S")
+        ok = stored.kind in "biufcV" and stored.itemsize == dtype.itemsize and stored.fields is None
     if not ok:
+        expected = ("variable-length bytes, contiguous and unfiltered" if dtype.kind == "O"
+                    else f"{dtype.itemsize}-byte elements of {dtype}")
         raise CorruptCheckpointError("the stored type does not match the variable's dtype", file=file,
                                      variable=name, expected=expected,
                                      found=f"{stored} ({'contiguous' if plain else 'chunked or filtered'})")
 
 
-def open_dataset(loc: Any, path: str, file: str, *, checked: set[str] | None = None) -> Any:
-    """The low-level id of the dataset at ``path`` in ``loc``, its links and layout checked.
+def open_dataset(
+    loc: Any, path: str, file: str, *, checked: set[str] | None = None, dtype: np.dtype | None = None
+) -> Any:
+    """The low-level id of the dataset at ``path`` in ``loc``, its links and layout checked
+    (and its stored type, given the ``dtype`` it is read as).
 
     Returns None when there is no such object (the caller names what is missing).
     """
@@ -213,7 +222,7 @@ def open_dataset(loc: Any, path: str, file: str, *, checked: set[str] | None = N
         dsid = h5py.h5d.open(loc, path.encode())
     except _H5_ERRORS:
         return None
-    check_dataset(dsid, file, path.lstrip("/"))
+    check_dataset(dsid, file, path.lstrip("/"), dtype=dtype)
     return dsid
 
 

@@ -552,7 +552,7 @@ class StoredVariable:
         ds = self._datasets.get(i)
         if ds is None:
             name = component_name(i)
-            ds = self._reader._open_dataset(f"/{self.path}/{name}")
+            ds = self._reader._open_dataset(f"/{self.path}/{name}", self.dtype)
             if not isinstance(ds, h5py.h5d.DatasetID):
                 raise CorruptCheckpointError(
                     f"dataset {name!r} is missing", file=self._reader.path, variable=self.path,
@@ -618,7 +618,6 @@ class StoredVariable:
         if i in self._storage_ok:
             return
         dsid = self._dataset(i)
-        _h5policy.check_stored_type(dsid, self.dtype, self._reader.path, f"{self.path}/{component_name(i)}")
         needed = math.prod(self._shapes[i]) * (16 if self.dtype.kind == "O" else self.dtype.itemsize)
         try:
             stored = int(dsid.get_storage_size())
@@ -974,8 +973,9 @@ class H5Reader(Mapping[str, StoredVariable]):
         except (*_H5_ERRORS, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
             raise CorruptCheckpointError("damaged file structure", file=self.path, found=str(exc)) from None
 
-    def _open_dataset(self, path: str) -> Any:
-        """The dataset id at ``path`` under the indirection policy (see ``_h5policy``), or None.
+    def _open_dataset(self, path: str, dtype: np.dtype) -> Any:
+        """The dataset id at ``path`` under the indirection policy (see ``_h5policy``), its
+        stored type checked for ``dtype``; None when there is no such dataset.
 
         A component that is an external link into this checkpoint's own ``.parts`` folder (a
         multi-process save) is opened in that part by us, after the link is validated; no
@@ -988,7 +988,7 @@ class H5Reader(Mapping[str, StoredVariable]):
                 dsid = h5py.h5d.open(f.id, path.encode())
             except _H5_ERRORS:
                 return None
-            _h5policy.check_dataset(dsid, self.path, path.lstrip("/"))
+            _h5policy.check_dataset(dsid, self.path, path.lstrip("/"), dtype=dtype)
             return dsid
         part_path = _h5policy.part_file(self.path, link, path.lstrip("/"))
         with self._lock:
@@ -1001,7 +1001,7 @@ class H5Reader(Mapping[str, StoredVariable]):
                         "a part of the checkpoint cannot be opened", file=self.path, variable=path.lstrip("/"),
                         found=f"{part_path}: {exc}",
                     ) from None
-        return _h5policy.open_dataset(part.id, os.fsdecode(link[1]), part_path)
+        return _h5policy.open_dataset(part.id, os.fsdecode(link[1]), part_path, dtype=dtype)
 
     def _holds(self, dsid: Any) -> bool:
         """Whether a dataset lives in this file (not behind an external link: those are read
