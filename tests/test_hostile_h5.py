@@ -471,3 +471,10 @@ def test_keras_fixed_length_strings_are_sized_by_their_stored_type(tmp_path):
         name, shape=(1000,), dtype="S1048576", chunks=(1,), compression="gzip"))
     out = run("convert", path, tmp_path / "out.npz", "keras")
     assert "REFUSED TruncatedFileError" in out, out
+
+
+def test_keras_variable_length_strings_must_be_contiguous(tmp_path):
+    path = keras3(tmp_path, lambda g, name: g.create_dataset(
+        name, shape=(4,), dtype=h5py.vlen_dtype(bytes), chunks=(2,), compression="gzip"))
+    out = run("open", path, "keras")
+    assert "REFUSED CorruptCheckpointError" in out and "chunked or filtered" in out, out
