@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,20 +110,38 @@ def _tree(rows: list[dict[str, Any]]) -> _Node:
     return root
 
 
+# Deeper levels are not indented further (their rows show the rest of the path), and the name
+# column is at most this wide, so the output stays linear in the paths' total length.
+_MAX_INDENT = 32
+_MAX_NAME_WIDTH = 80
+
+
 def render_tree(rows: list[dict[str, Any]]) -> list[str]:
-    """The rows as an indented tree with aligned columns."""
+    """The rows as an indented tree with aligned columns (iterative: any depth)."""
     lines: list[tuple[str, dict[str, Any] | None]] = []
-
-    def walk(node: _Node, depth: int) -> None:
-        for name, child in node.children.items():
-            pad = "  " * depth
-            if child.row is not None:
-                lines.append((pad + name, child.row))
-            if child.children:
+    # Depth-first with an explicit stack; ``below`` holds the names under the deepest indented
+    # group, joined only when a row is printed.
+    stack: list[tuple[Iterator[tuple[str, _Node]], int]] = [(iter(_tree(rows).children.items()), 0)]
+    below: list[str] = []
+    while stack:
+        children, depth = stack[-1]
+        item = next(children, None)
+        if item is None:
+            stack.pop()
+            if depth > _MAX_INDENT and below:
+                below.pop()
+            continue
+        name, child = item
+        pad = "  " * min(depth, _MAX_INDENT)
+        if child.row is not None:
+            label = "/".join([*below, name]) if depth >= _MAX_INDENT else name
+            lines.append((pad + label, child.row))
+        if child.children:
+            if depth < _MAX_INDENT:
                 lines.append((pad + name + "/", None))
-                walk(child, depth + 1)
-
-    walk(_tree(rows), 0)
+            else:
+                below.append(name)
+            stack.append((iter(child.children.items()), depth + 1))
     cells = [
         [
             row["kind"],
@@ -136,7 +155,7 @@ def render_tree(rows: list[dict[str, Any]]) -> list[str]:
         if row is not None
     ]
     widths = [max((len(c[j]) for c in cells), default=0) for j in range(6)]
-    name_width = max((len(label) for label, row in lines if row is not None), default=0)
+    name_width = min(max((len(label) for label, row in lines if row is not None), default=0), _MAX_NAME_WIDTH)
     out = []
     it = iter(cells)
     for label, row in lines:

@@ -11,6 +11,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from parallelvars.checkpoint._h5policy import check_regular_file
 from parallelvars.errors import (
     CorruptCheckpointError,
     NotACheckpointError,
@@ -57,6 +58,7 @@ def open_h5(path: str) -> h5py.File:
     """Open ``path`` read-only, turning h5py's errors into ours (naming the file)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file")
+    check_regular_file(path)  # a FIFO or a device would block or never end
     try:
         ok = bool(h5py.is_hdf5(path))
     except H5_ERRORS:

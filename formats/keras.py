@@ -68,6 +68,7 @@ import crc32c as _crc32c
 import h5py
 import numpy as np
 
+from parallelvars.checkpoint import _h5policy
 from parallelvars.checkpoint.h5io import checksum
 from parallelvars.errors import (
     ChecksumMismatchError,
@@ -157,7 +158,11 @@ class _H5Store(TensorStore):
         size = os.path.getsize(file)
         for k, d in self._ds.items():
             dtype, shape = self._meta[k]
-            nbytes = math.prod(shape) * dtype.itemsize
+            # No bytes from outside the file; variable-length strings contiguous and unfiltered
+            # (their count bounded by the file's size).
+            _h5policy.check_dataset(d.id, file, k, dtype=dtype if d.dtype.kind == "O" else None)
+            # (the stored size: a fixed-length string's elements may be larger than an object)
+            nbytes = math.prod(shape) * max(dtype.itemsize, d.dtype.itemsize)
             limit = size * (_MAX_COMPRESSION if d.chunks is not None else 1)
             if nbytes > limit:  # refused before anything is allocated for it
                 raise TruncatedFileError("the dataset claims more bytes than the file holds", file=file,
@@ -291,19 +296,23 @@ def _info(h5: h5py.File, file: str) -> dict[str, Any] | None:
     return info
 
 
-def _reserved(group: h5py.Group, prefix: str, out: dict[str, h5py.Dataset]) -> None:
-    if RESERVED not in group:
+def _reserved(group: h5py.Group, prefix: str, out: dict[str, h5py.Dataset], file: str) -> None:
+    reserved = _h5policy.get(group, RESERVED, file)
+    if not isinstance(reserved, h5py.Group):
         return
-
-    def visit(name: str, obj: Any) -> None:
+    for name, obj in _h5policy.walk(reserved, file):
         if isinstance(obj, h5py.Dataset):
             out[f"{prefix}{RESERVED}/{name}"] = obj
 
-    group[RESERVED].visititems(visit)
+
+def _model_weights(h5: h5py.File, file: str) -> h5py.Group | None:
+    """The legacy ``model_weights`` group (of a whole-model file), links checked."""
+    group = _h5policy.get(h5, "model_weights", file)
+    return group if isinstance(group, h5py.Group) else None
 
 
 def _is_legacy(h5: h5py.File) -> bool:
-    root = h5["model_weights"] if isinstance(h5.get("model_weights"), h5py.Group) else h5
+    root = _model_weights(h5, h5.filename) or h5
     return "layer_names" in root.attrs or "layer_names0" in root.attrs
 
 
@@ -325,18 +334,15 @@ def _scan_keras(h5: h5py.File, p: str) -> tuple[dict[str, h5py.Dataset], dict[st
         groups["/"] = root_attrs
     found_vars = False
 
-    def visit(name: str, obj: Any) -> None:
-        nonlocal found_vars
+    for name, obj in _h5policy.walk(h5, p):  # iterative, links refused, depth capped
         if name == RESERVED or name.startswith(f"{RESERVED}/"):
-            return
+            continue
         if isinstance(obj, h5py.Group):
             found_vars = found_vars or name.rpartition("/")[2] == "vars"
             if obj.attrs:
                 groups[name] = {k: attr_to_python(v) for k, v in obj.attrs.items()}
-            return
+            continue
         datasets[name] = obj
-
-    h5.visititems(visit)
     if not found_vars:
         raise NotACheckpointError("no Keras 'vars' group in the HDF5 file", file=p,
                                   expected="a Keras 3 .weights.h5 layout", found=f"top-level {sorted(h5)}")
@@ -345,7 +351,7 @@ def _scan_keras(h5: h5py.File, p: str) -> tuple[dict[str, h5py.Dataset], dict[st
             raise CorruptCheckpointError("dataset outside a Keras vars group (expected "
                                          "<path>/vars/<index>)", file=p, variable=name)
     order = sorted(datasets, key=lambda k: (k.rpartition("/")[0], int(k.rpartition("/")[2])))
-    _reserved(h5, "", datasets)
+    _reserved(h5, "", datasets, p)
     keys = order + [k for k in datasets if k.startswith(f"{RESERVED}/")]
     return {k: datasets[k] for k in keys}, groups
 
@@ -364,8 +370,9 @@ def open_keras(path: str | os.PathLike[str]) -> CheckpointView:
 
 def _scan_legacy(h5: h5py.File, p: str) -> tuple[dict[str, h5py.Dataset], dict[str, Any]]:
     """The datasets of a legacy Keras file in reading order, and its layout."""
-    in_model = isinstance(h5.get("model_weights"), h5py.Group)
-    root = h5["model_weights"] if in_model else h5
+    model_weights = _model_weights(h5, p)
+    in_model = model_weights is not None
+    root = model_weights or h5
     if "layer_names" not in root.attrs and "layer_names0" not in root.attrs:
         raise NotACheckpointError("no layer_names attribute: not a legacy Keras weights file",
                                   file=p, expected="attribute layer_names",
@@ -377,7 +384,7 @@ def _scan_legacy(h5: h5py.File, p: str) -> tuple[dict[str, h5py.Dataset], dict[s
     def add(group: h5py.Group, prefix: str) -> list[str]:
         names = read_split_attr(group, "weight_names")
         for w in names:
-            ds = group.get(w)
+            ds = _h5policy.get(group, w, p)
             if not isinstance(ds, h5py.Dataset):
                 raise CorruptCheckpointError("weight listed in weight_names has no dataset",
                                              file=p, variable=f"{group.name}/{w}")
@@ -388,7 +395,7 @@ def _scan_legacy(h5: h5py.File, p: str) -> tuple[dict[str, h5py.Dataset], dict[s
         return names
 
     for layer in [*layer_names, "top_level_model_weights"]:
-        group = root.get(layer)
+        group = _h5policy.get(root, layer, p)
         if not isinstance(group, h5py.Group):
             if layer == "top_level_model_weights":
                 continue
@@ -405,9 +412,10 @@ def _scan_legacy(h5: h5py.File, p: str) -> tuple[dict[str, h5py.Dataset], dict[s
     if in_model:
         layout["root_attrs"] = {k: attr_to_python(v) for k, v in root.attrs.items()
                                 if not k.startswith("layer_names")}
-    if isinstance(h5.get("optimizer_weights"), h5py.Group):
-        layout["optimizer_weights"] = add(h5["optimizer_weights"], "optimizer_weights/")
-    _reserved(root, "", datasets)
+    optimizer = _h5policy.get(h5, "optimizer_weights", p)
+    if isinstance(optimizer, h5py.Group):
+        layout["optimizer_weights"] = add(optimizer, "optimizer_weights/")
+    _reserved(root, "", datasets, p)
     return datasets, layout
 
 
@@ -755,12 +763,10 @@ def _has_vars_group(h5: h5py.File) -> bool:
     if _is_legacy(h5):
         return False
 
-    def visit(name: str, obj: Any) -> bool | None:
-        if isinstance(obj, h5py.Group) and name.rpartition("/")[2] == "vars":
-            return True
-        return None
-
-    return bool(h5.visititems(visit))
+    return any(
+        isinstance(obj, h5py.Group) and name.rpartition("/")[2] == "vars"
+        for name, obj in _h5policy.walk(h5, h5.filename, skip_links=True)
+    )
 
 
 def sniff_keras(path: str, head: bytes) -> bool:

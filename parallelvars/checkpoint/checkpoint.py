@@ -27,6 +27,7 @@ import numpy as np
 from parallelvars._fileio import byte_view
 from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint import _restore  # noqa: F401 - registers the variable saveable
+from parallelvars.checkpoint._h5policy import PARTS_SUFFIX  # noqa: F401 - <file>.parts/: a multi-process save's files
 from parallelvars.checkpoint.h5io import H5Reader, write_h5
 from parallelvars.checkpoint.registry import SaveRecord, get_saveable
 from parallelvars.devices import ParallelDevice
@@ -41,9 +42,6 @@ GRAPH_VERSION = 1
 # the processes commit one logical checkpoint together (parallelvars.strategy._mpi).
 _COLLECTIVE_WRITER: Callable[..., str] | None = None
 _COLLECTIVE_RANK = 0
-
-# A checkpoint written by several processes: its per-process files live in this folder beside it.
-PARTS_SUFFIX = ".parts"
 
 
 def set_collective_writer(writer: Callable[..., str] | None, *, rank: int = 0) -> None:

@@ -39,6 +39,7 @@ import numpy as np
 
 from parallelvars._dtypes import as_dtype, dtype_name, is_extension_dtype
 from parallelvars._fileio import DataWriter, Scratch, atomic_path, byte_view, checksum
+from parallelvars.checkpoint import _h5policy
 from parallelvars.checkpoint.registry import component_name
 from parallelvars.errors import (
     ChecksumMismatchError,
@@ -417,18 +418,16 @@ def _write_json(f: h5py.File, name: str, value: Any) -> None:
 
 def _read_json(f: h5py.File, name: str, file: str, *, required: bool = False) -> Any:
     """Read a document written by :func:`_write_json` (or an older variable-length one)."""
-    if required:
-        try:
-            ds = f[name]
-        except _H5_ERRORS as exc:
+    dsid = _h5policy.open_dataset(f.id, f"/{name}", file)
+    if dsid is None:
+        if required:
             raise CorruptCheckpointError(
                 "a metadata document is missing or unreadable", file=file, variable=name,
-                expected="the document the root attribute lists", found=str(exc),
-            ) from None
-    else:
-        ds = f.get(name)
-    if ds is None:
+                expected="the document the root attribute lists", found="no such dataset",
+            )
         return None
+    ds = h5py.Dataset(dsid)
+    _check_document(ds, file, name)
     raw = ds[()]
     raw = bytes(raw) if isinstance(raw, bytes) else str(raw).encode("utf-8")
     stored = ds.attrs.get("crc32c")
@@ -438,6 +437,29 @@ def _read_json(f: h5py.File, name: str, file: str, *, required: bool = False) ->
             expected=f"crc32c {int(stored):#010x}", found=f"crc32c {_crc32c.crc32c(raw):#010x}",
         )
     return json.loads(raw.decode("utf-8"))
+
+
+def _check_document(ds: h5py.Dataset, file: str, name: str) -> None:
+    """Refuse a metadata document of a type or size we never write, before reading it."""
+    dt, shape = ds.dtype, ds.shape
+    vlen = h5py.check_string_dtype(dt) is not None and h5py.check_string_dtype(dt).length is None
+    if shape != () or not (vlen or dt.kind == "S"):
+        raise CorruptCheckpointError(
+            "a metadata document has the wrong type", file=file, variable=name,
+            expected="a scalar string", found=f"{dt} of shape {shape}",
+        )
+    if dt.itemsize > _file_size(file) and not vlen:
+        raise TruncatedFileError(
+            "a metadata document claims more bytes than the file holds", file=file, variable=name,
+            expected=f"<= {_file_size(file)} bytes", found=f"{dt.itemsize} bytes",
+        )
+
+
+def _file_size(file: str) -> int:
+    try:
+        return os.path.getsize(file)
+    except OSError:
+        return 0
 
 
 # ----------------------------------------------------------------------------- reading
@@ -530,10 +552,7 @@ class StoredVariable:
         ds = self._datasets.get(i)
         if ds is None:
             name = component_name(i)
-            try:  # the low-level open: a fraction of the cost of Group.__getitem__
-                ds = h5py.h5d.open(self._reader._h5().id, f"/{self.path}/{name}".encode())
-            except _H5_ERRORS:
-                ds = None
+            ds = self._reader._open_dataset(f"/{self.path}/{name}", self.dtype)
             if not isinstance(ds, h5py.h5d.DatasetID):
                 raise CorruptCheckpointError(
                     f"dataset {name!r} is missing", file=self._reader.path, variable=self.path,
@@ -881,11 +900,14 @@ class H5Reader(Mapping[str, StoredVariable]):
         self._local = threading.local()
         self._lock = threading.RLock()
         self._own_name: bytes | None = None
+        # Parts of a multi-process checkpoint (reached by external link), opened by us.
+        self._parts: dict[str, h5py.File] = {}
+        self._checked_groups: set[str] = set()
         if not os.path.exists(self.path):
             raise FileNotFoundError(f"{self.path}: no such checkpoint file")
         if os.path.isdir(self.path):
             raise NotACheckpointError("is a directory, not a checkpoint file", file=self.path)
-        self.file_size = os.path.getsize(self.path)
+        self.file_size = _h5policy.check_regular_file(self.path).st_size  # a FIFO would block
         with open(self.path, "rb") as fh:
             head = fh.read(8)
         if not h5py.is_hdf5(self.path):
@@ -930,12 +952,6 @@ class H5Reader(Mapping[str, StoredVariable]):
         self.format_version = version
         try:
             self.metadata: dict[str, Any] = {k: _decode(v) for k, v in f.attrs.items()}
-            groups: list[str] = []
-
-            def visit(name: str, obj: Any) -> None:
-                if isinstance(obj, h5py.Group) and "kind" in obj.attrs and not name.startswith(META_GROUP):
-                    groups.append(name)
-
             listed = self.metadata.pop(DOCUMENTS_ATTR, None)  # layout bookkeeping, not user metadata
             required = set(listed) if isinstance(listed, list) else set()
             metas = _read_json(f, INDEX_DATASET, self.path, required=INDEX_DATASET in required)
@@ -944,8 +960,11 @@ class H5Reader(Mapping[str, StoredVariable]):
                     raise CorruptCheckpointError("index is not a mapping", file=self.path)
                 self._variables = {name: StoredVariable(self, name, metas[name]) for name in sorted(metas)}
             else:
-                f.visititems(visit)
-                self._variables = {name: StoredVariable.from_group(self, name, f[name]) for name in sorted(groups)}
+                groups = {
+                    name: obj for name, obj in _h5policy.walk(f, self.path, own_virtual="value")
+                    if isinstance(obj, h5py.Group) and "kind" in obj.attrs and not name.startswith(META_GROUP)
+                }
+                self._variables = {name: StoredVariable.from_group(self, name, groups[name]) for name in sorted(groups)}
             self.object_graph: dict[str, Any] | None = _read_json(
                 f, GRAPH_DATASET, self.path, required=GRAPH_DATASET in required
             )
@@ -953,6 +972,36 @@ class H5Reader(Mapping[str, StoredVariable]):
             raise
         except (*_H5_ERRORS, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
             raise CorruptCheckpointError("damaged file structure", file=self.path, found=str(exc)) from None
+
+    def _open_dataset(self, path: str, dtype: np.dtype) -> Any:
+        """The dataset id at ``path`` under the indirection policy (see ``_h5policy``), its
+        stored type checked for ``dtype``; None when there is no such dataset.
+
+        A component that is an external link into this checkpoint's own ``.parts`` folder (a
+        multi-process save) is opened in that part by us, after the link is validated; no
+        other link is ever followed.
+        """
+        f = self._h5()
+        link = _h5policy.check_path(f.id, path, self.path, checked=self._checked_groups, last_external=True)
+        if link is None:
+            try:  # the low-level open: a fraction of the cost of Group.__getitem__
+                dsid = h5py.h5d.open(f.id, path.encode())
+            except _H5_ERRORS:
+                return None
+            _h5policy.check_dataset(dsid, self.path, path.lstrip("/"), dtype=dtype)
+            return dsid
+        part_path = _h5policy.part_file(self.path, link, path.lstrip("/"))
+        with self._lock:
+            part = self._parts.get(part_path)
+            if part is None:
+                try:
+                    part = self._parts[part_path] = h5py.File(part_path, "r")
+                except _H5_ERRORS as exc:
+                    raise CorruptCheckpointError(
+                        "a part of the checkpoint cannot be opened", file=self.path, variable=path.lstrip("/"),
+                        found=f"{part_path}: {exc}",
+                    ) from None
+        return _h5policy.open_dataset(part.id, os.fsdecode(link[1]), part_path, dtype=dtype)
 
     def _holds(self, dsid: Any) -> bool:
         """Whether a dataset lives in this file (not behind an external link: those are read
@@ -1033,6 +1082,12 @@ class H5Reader(Mapping[str, StoredVariable]):
         if self._raw_fd is not None:
             os.close(self._raw_fd)
             self._raw_fd = None
+        for part in getattr(self, "_parts", {}).values():
+            try:
+                part.close()
+            except _H5_ERRORS:
+                pass
+        self._parts = {}
         if self._file is not None:
             try:
                 self._file.close()

@@ -1,0 +1,480 @@
+"""Hostile HDF5 files stay inside their file (the indirection policy, docs/FORMAT.md).
+
+Each crafted file uses one HDF5 indirection (external storage, a virtual dataset, an external
+or soft link) or a resource bomb. The readers run in a subprocess under an address-space limit
+and a time limit, and must refuse the file with our documented error, without any foreign byte
+(or a checksum of one) reaching their output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import crc32c
+import h5py
+import numpy as np
+import pytest
+
+import parallelvars as pv
+from parallelvars.checkpoint import _h5policy
+from parallelvars.checkpoint.h5io import INDEX_DATASET, H5Reader, _write_json
+from parallelvars.errors import CorruptCheckpointError
+
+ROOT = Path(__file__).resolve().parent.parent
+SECRET = b"TOP-SECRET-BYTES"  # 16 bytes: 4 float32
+LIMIT_AS = 2 << 30  # bytes of address space for a reader
+TIMEOUT = 60  # seconds; every case here takes about one
+
+# Runs one reader operation; prints REFUSED/ACCEPTED and what the operation produced.
+_RUNNER = r"""
+import os, resource, sys
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+sys.path.insert(0, sys.argv[2])
+op, args = sys.argv[3], sys.argv[4:]
+import numpy as np
+import parallelvars as pv
+from parallelvars.errors import ParallelVarsError
+try:
+    if op == "reader":
+        from parallelvars.checkpoint.h5io import H5Reader
+        with H5Reader(args[0]) as r:
+            problems = r.verify_all()
+            values = [r[k].value().tobytes() for k in r]
+        print("ACCEPTED", problems, values)
+    elif op == "restore":
+        v = pv.Variable(np.zeros(int(args[1]), np.float32), name="w")
+        pv.Checkpoint(w=v).restore(args[0])
+        print("ACCEPTED", np.asarray(v).tobytes())
+    elif op == "cli":
+        from cli import main
+        code = main(args)
+        print("EXIT", code)
+        sys.exit(0)
+    elif op == "open":
+        import formats
+        view = formats.open_checkpoint(args[0], format=args[1])
+        print("ACCEPTED", {k: view[k].value().tobytes() for k in view})
+    elif op == "convert":
+        import formats
+        formats.convert(args[0], args[1], from_format=args[2], to_format="npz")
+        print("ACCEPTED", open(args[1], "rb").read())
+    else:
+        raise SystemExit(f"unknown op {op}")
+except ParallelVarsError as exc:
+    print("REFUSED", type(exc).__name__, exc)
+"""
+
+
+def run(op: str, *args: str | os.PathLike[str]) -> str:
+    """Run ``op`` in a bounded subprocess; its output (stdout and stderr)."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUNNER, str(LIMIT_AS), str(ROOT), op, *map(str, args)],
+        capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=str(ROOT),
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    return out
+
+
+def assert_refused(out: str, *, secret: bytes = SECRET) -> None:
+    assert "REFUSED" in out or ("EXIT" in out and "EXIT 0" not in out), out
+    assert "Traceback" not in out, out
+    assert secret.decode() not in out, out
+    assert f"{crc32c.crc32c(secret):#010x}" not in out, out  # no checksum of foreign bytes
+
+
+# ----------------------------------------------------------------------------- crafting
+def native(tmp: Path, name: str = "a.h5", n: int = 4) -> tuple[Path, str]:
+    """A one-variable native checkpoint; (its path, the variable's path in the file)."""
+    path = tmp / name
+    v = pv.Variable(np.arange(n, dtype=np.float32), name="w")
+    pv.Checkpoint(w=v).write(path)
+    with H5Reader(path) as r:
+        (var,) = [k for k in r if k != "save_counter"]
+    return path, var
+
+
+def replace_primary(path: Path, var: str, make, *, shape: tuple[int, ...] = (4,), index: bool = True) -> None:
+    """Replace ``var``'s component by ``make(group, 'primary')``; the index then holds no data
+    offset (so a reader must go through HDF5) and the declared ``shape``."""
+    with h5py.File(path, "r+") as f:
+        grp = f[var]
+        del grp["primary"]
+        make(grp, "primary")
+        doc = json.loads(f[INDEX_DATASET][()])
+        del f[INDEX_DATASET]
+        if index:
+            doc[var]["offsets"] = [None]
+            doc[var]["shape"] = list(shape)
+            doc[var]["crc32c"] = [0]
+            _write_json(f, INDEX_DATASET, doc)
+        else:
+            f.attrs["parallelvars_documents"] = np.array([b"_parallelvars/object_graph"])
+            grp.attrs["shape"] = np.asarray(shape, np.int64)
+
+
+@pytest.fixture()
+def secret(tmp_path: Path) -> Path:
+    p = tmp_path / "secret.txt"
+    p.write_bytes(SECRET)
+    return p
+
+
+@pytest.fixture()
+def other(tmp_path: Path) -> Path:
+    """Another user's HDF5 file, with the secret as a float32 dataset ``/x`` and ``/g/primary``."""
+    p = tmp_path / "other.h5"
+    with h5py.File(p, "w") as f:
+        f["x"] = np.frombuffer(SECRET, np.float32)
+        f["g/primary"] = np.frombuffer(SECRET, np.float32)
+    return p
+
+
+def external_storage(target: Path | str, nbytes: int = 16):
+    def make(grp: h5py.Group, name: str) -> None:
+        grp.create_dataset(name, shape=(nbytes // 4,), dtype=np.float32, external=[(str(target), 0, nbytes)])
+
+    return make
+
+
+def virtual(target: Path, source: str = "x"):
+    def make(grp: h5py.Group, name: str) -> None:
+        layout = h5py.VirtualLayout(shape=(4,), dtype=np.float32)
+        layout[:] = h5py.VirtualSource(str(target), source, shape=(4,))
+        grp.create_virtual_dataset(name, layout)
+
+    return make
+
+
+def link(filename: str, obj: str = "/x"):
+    def make(grp: h5py.Group, name: str) -> None:
+        grp[name] = h5py.ExternalLink(filename, obj)
+
+    return make
+
+
+# ----------------------------------------------------------------------------- native reader
+@pytest.mark.parametrize("index", [True, False], ids=["index", "no-index"])
+def test_external_storage_on_a_foreign_file_is_refused(tmp_path, secret, index):
+    path, var = native(tmp_path)
+    replace_primary(path, var, external_storage(secret), index=index)
+    for op in (("reader", path), ("restore", path, 4)):
+        out = run(*op)
+        assert_refused(out)
+        assert "external storage" in out and str(secret) in out and var in out, out
+
+
+def test_verify_prints_no_checksum_of_foreign_bytes(tmp_path, secret):
+    path, var = native(tmp_path)
+    replace_primary(path, var, external_storage(secret))
+    out = run("cli", "verify", path)
+    assert_refused(out)
+    assert "external storage" in out
+
+
+def test_external_storage_on_dev_zero_declaring_gibs_is_refused_small_and_fast(tmp_path):
+    path, var = native(tmp_path)
+    nbytes = 3 << 30
+    replace_primary(path, var, external_storage("/dev/zero", nbytes), shape=(nbytes // 4,))
+    assert path.stat().st_size < 64 << 10
+    for op in (("reader", path), ("cli", "verify", path), ("cli", "extract", path, var, "-o", tmp_path / "x.npy")):
+        out = run(*op)
+        assert_refused(out)
+        assert "/dev/zero" in out, out
+    assert not (tmp_path / "x.npy").exists()
+
+
+def test_virtual_dataset_onto_another_file_is_refused(tmp_path, other):
+    path, var = native(tmp_path)
+    replace_primary(path, var, virtual(other))
+    out = run("reader", path)
+    assert_refused(out)
+    assert "virtual dataset" in out and str(other) in out, out
+
+
+def test_own_sharded_value_vds_is_accepted(tmp_path):
+    from parallelvars.formats import ArrayEntry, write_checkpoint
+
+    path = tmp_path / "s.h5"
+    entry = ArrayEntry("s", [np.arange(2, dtype=np.float32), np.arange(2, 4, dtype=np.float32)], kind="sharded",
+                       shape=(4,), attrs={"shard_axis": 0, "shard_offsets": [0, 2]})
+    write_checkpoint(path, {"s": entry}, format="hdf5")
+    with h5py.File(path, "r") as f:
+        assert f["s/value"].is_virtual
+    out = run("reader", path)
+    assert "ACCEPTED" in out, out
+
+
+@pytest.mark.parametrize("target", ["abs", "outside", "dotdot", "other-parts"])
+def test_external_links_outside_the_parts_folder_are_refused(tmp_path, other, target):
+    path, var = native(tmp_path)
+    (tmp_path / "a.h5.parts").mkdir()
+    name = {
+        "abs": str(other),
+        "outside": "other.h5",
+        "dotdot": "a.h5.parts/../other.h5",
+        "other-parts": "b.h5.parts/rank-00000-of-00001.h5",
+    }[target]
+    replace_primary(path, var, link(name))
+    for op in (("reader", path), ("restore", path, 4), ("cli", "inspect", path), ("cli", "verify", path)):
+        out = run(*op)
+        if op[:2] == ("cli", "inspect"):
+            assert "EXIT 0" in out or "REFUSED" in out  # inspect reads no component
+            assert SECRET.decode() not in out
+            continue
+        assert_refused(out)
+        assert "external link" in out and var in out, out
+
+
+def test_an_intermediate_external_link_is_refused_before_it_is_followed(tmp_path, other):
+    path, var = native(tmp_path)
+    with h5py.File(path, "r+") as f:
+        del f[var]
+        f[var] = h5py.ExternalLink(str(other), "/g")
+    out = run("reader", path)
+    assert_refused(out)
+    assert "external link" in out
+
+
+def test_a_soft_link_is_refused(tmp_path):
+    path, var = native(tmp_path)
+    with h5py.File(path, "r+") as f:
+        f["hidden"] = np.frombuffer(SECRET, np.float32)
+    replace_primary(path, var, lambda g, n: g.__setitem__(n, h5py.SoftLink("/hidden")))
+    out = run("reader", path)
+    assert_refused(out)
+    assert "soft link" in out
+
+
+def _parts(tmp_path: Path) -> Path:
+    parts = tmp_path / "a.h5.parts"
+    parts.mkdir()
+    return parts
+
+
+def test_an_external_link_to_a_fifo_does_not_hang(tmp_path):
+    path, var = native(tmp_path)
+    fifo = _parts(tmp_path) / "rank-00000-of-00001.h5"
+    os.mkfifo(fifo)
+    replace_primary(path, var, link("a.h5.parts/rank-00000-of-00001.h5", f"/{var}/primary"))
+    for op in (("reader", path), ("restore", path, 4), ("cli", "verify", path)):
+        out = run(*op)  # a hang would be the subprocess timeout
+        assert_refused(out)
+        assert "FIFO" in out, out
+
+
+def test_external_storage_on_a_fifo_does_not_hang(tmp_path):
+    path, var = native(tmp_path)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    replace_primary(path, var, external_storage(fifo))
+    out = run("cli", "verify", path)
+    assert_refused(out)
+
+
+def test_a_fifo_given_as_the_checkpoint_does_not_hang(tmp_path):
+    fifo = tmp_path / "ckpt.h5"
+    os.mkfifo(fifo)
+    out = run("reader", fifo)
+    assert "REFUSED NotACheckpointError" in out and "FIFO" in out, out
+
+
+def test_a_symlink_in_the_parts_folder_is_refused(tmp_path, other):
+    path, var = native(tmp_path)
+    (_parts(tmp_path) / "rank-00000-of-00001.h5").symlink_to(other)
+    replace_primary(path, var, link("a.h5.parts/rank-00000-of-00001.h5", "/x"))
+    out = run("reader", path)
+    assert_refused(out)
+    assert "symbolic link" in out, out
+
+
+def test_a_symlinked_parts_folder_is_refused(tmp_path, other):
+    path, var = native(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with h5py.File(elsewhere / "rank-00000-of-00001.h5", "w") as f:
+        f["x"] = np.frombuffer(SECRET, np.float32)
+    (tmp_path / "a.h5.parts").symlink_to(elsewhere)
+    replace_primary(path, var, link("a.h5.parts/rank-00000-of-00001.h5", "/x"))
+    out = run("reader", path)
+    assert_refused(out)
+
+
+def test_a_link_into_the_own_parts_folder_is_followed(tmp_path):
+    """The multi-process layout's exception (proves the refusals above are about the target)."""
+    path, var = native(tmp_path)
+    with h5py.File(_parts(tmp_path) / "rank-00000-of-00001.h5", "w") as f:
+        f["x"] = np.arange(4, dtype=np.float32) * 2
+    crc = crc32c.crc32c((np.arange(4, dtype=np.float32) * 2).tobytes())
+    replace_primary(path, var, link("a.h5.parts/rank-00000-of-00001.h5", "/x"))
+    with h5py.File(path, "r+") as f:  # the right checksum this time
+        doc = json.loads(f[INDEX_DATASET][()])
+        doc[var]["crc32c"] = [crc]
+        del f[INDEX_DATASET]
+        _write_json(f, INDEX_DATASET, doc)
+    with H5Reader(path) as r:
+        assert r.verify_all() == []
+        np.testing.assert_array_equal(r[var].value(), np.arange(4, dtype=np.float32) * 2)
+
+
+def test_a_part_may_not_link_further(tmp_path, secret):
+    path, var = native(tmp_path)
+    with h5py.File(_parts(tmp_path) / "rank-00000-of-00001.h5", "w") as f:
+        f.create_dataset("x", shape=(4,), dtype=np.float32, external=[(str(secret), 0, 16)])
+    replace_primary(path, var, link("a.h5.parts/rank-00000-of-00001.h5", "/x"))
+    with H5Reader(path) as r, pytest.raises(CorruptCheckpointError, match="external storage"):
+        r[var].value()
+
+
+def test_the_index_document_may_not_be_indirect(tmp_path, secret):
+    path, _ = native(tmp_path)
+    with h5py.File(path, "r+") as f:
+        del f[INDEX_DATASET]
+        f.create_dataset(INDEX_DATASET, shape=(16,), dtype="S1", external=[(str(secret), 0, 16)])
+    out = run("reader", path)
+    assert_refused(out)
+    assert "external storage" in out
+
+
+# ----------------------------------------------------------------------------- Keras readers
+def keras3(tmp_path: Path, make=None, depth: int = 1) -> Path:
+    path = tmp_path / "m.weights.h5"
+    with h5py.File(path, "w") as f:
+        grp = f.require_group("/".join(["layers"] + ["d"] * depth) + "/vars")
+        if make is None:
+            grp["0"] = np.arange(4, dtype=np.float32)
+        else:
+            make(grp, "0")
+    return path
+
+
+def legacy(tmp_path: Path, make) -> Path:
+    path = tmp_path / "legacy.h5"
+    with h5py.File(path, "w") as f:
+        f.attrs["layer_names"] = np.array([b"dense"])
+        grp = f.create_group("dense")
+        grp.attrs["weight_names"] = np.array([b"dense/kernel:0"])
+        make(grp.create_group("dense"), "kernel:0")
+    return path
+
+
+KERAS_ATTACKS = ["external-storage", "virtual", "external-link", "soft-link"]
+
+
+def _attack(kind: str, secret: Path, other: Path):
+    return {
+        "external-storage": external_storage(secret),
+        "virtual": virtual(other),
+        "external-link": link(str(other)),
+        "soft-link": lambda g, n: g.__setitem__(n, h5py.SoftLink("/x")),
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", KERAS_ATTACKS)
+@pytest.mark.parametrize("fmt", ["keras", "keras-legacy"])
+def test_keras_readers_refuse_indirection(tmp_path, secret, other, kind, fmt):
+    make = _attack(kind, secret, other)
+    if kind == "soft-link":
+        inner = make
+
+        def make(g, n):  # a dataset of this file, reached through a soft link
+            g.file["x"] = np.frombuffer(SECRET, np.float32)
+            inner(g, n)
+    path = keras3(tmp_path, make) if fmt == "keras" else legacy(tmp_path, make)
+    out_file = tmp_path / "out.npz"
+    for op in (("open", path, fmt), ("convert", path, out_file, fmt)):
+        out = run(*op)
+        assert_refused(out)
+        assert str(path) in out, out
+    assert not out_file.exists()
+
+
+def test_keras_reader_refuses_paths_deeper_than_the_limit_quickly(tmp_path):
+    path = keras3(tmp_path, depth=_h5policy.MAX_DEPTH + 10)
+    out = run("convert", path, tmp_path / "out.npz", "keras")
+    assert "REFUSED" in out and "too deep" in out, out
+
+
+def test_keras_reader_reads_deep_paths_below_the_limit(tmp_path):
+    path = keras3(tmp_path, depth=200)
+    out = run("convert", path, tmp_path / "out.npz", "keras")
+    assert "ACCEPTED" in out, out
+
+
+def test_inspect_renders_deep_paths_without_recursion(tmp_path):
+    from parallelvars.formats import ArrayEntry, write_checkpoint
+
+    deep = "/".join(["x"] * 5000)
+    path = tmp_path / "deep.npz"
+    write_checkpoint(path, {deep: ArrayEntry(deep, [np.zeros(2, np.float32)])}, format="npz")
+    out = run("cli", "inspect", path)
+    assert "EXIT 0" in out and "RecursionError" not in out, out
+
+
+def test_the_walk_is_linear_and_refuses_hard_link_cycles(tmp_path):
+    path = tmp_path / "cycle.h5"
+    with h5py.File(path, "w") as f:
+        f["a/b/c"] = np.zeros(2)
+        f["a/b"]["loop"] = f["a"]
+    with h5py.File(path, "r") as f, pytest.raises(CorruptCheckpointError, match="linked twice"):
+        list(_h5policy.walk(f, str(path)))
+
+
+# ----------------------------------------------------------------------------- type bombs
+def _bytes_variable(tmp_path: Path) -> Path:
+    from parallelvars.formats import ArrayEntry, write_checkpoint
+
+    path = tmp_path / "b.h5"
+    write_checkpoint(path, {"s": ArrayEntry("s", [np.array([b"ab", b"cd"], dtype=object)])}, format="hdf5")
+    return path
+
+
+def test_a_bytes_variable_stored_as_huge_fixed_length_strings_is_refused(tmp_path):
+    """The index says ``bytes`` (16 bytes an element in the checks); the dataset's elements
+    are 1 MB fixed-length strings, compressed: 1 GB to inflate from a few KB."""
+    path = _bytes_variable(tmp_path)
+    n = 1000
+    replace_primary(path, "s", lambda g, name: g.create_dataset(
+        name, shape=(n,), dtype="S1048576", chunks=(1,), compression="gzip"), shape=(n,))
+    with h5py.File(path, "r+") as f:  # a few chunks written: enough storage for the old size check
+        for i in range(8):
+            f["s/primary"][i] = b"x"
+    assert path.stat().st_size < 1 << 20
+    out = run("reader", path)
+    assert_refused(out)
+    assert "stored type" in out, out
+
+
+def test_a_bytes_variable_must_be_contiguous(tmp_path):
+    path = _bytes_variable(tmp_path)
+    replace_primary(path, "s", lambda g, name: g.create_dataset(
+        name, shape=(4,), dtype=h5py.vlen_dtype(bytes), chunks=(2,), compression="gzip"))
+    with H5Reader(path) as r, pytest.raises(CorruptCheckpointError, match="chunked or filtered"):
+        r["s"].value()
+
+
+def test_a_numeric_variable_stored_with_another_type_is_refused(tmp_path):
+    path, var = native(tmp_path)
+    replace_primary(path, var, lambda g, name: g.create_dataset(name, shape=(4,), dtype=h5py.vlen_dtype(bytes)))
+    with H5Reader(path) as r, pytest.raises(CorruptCheckpointError, match="stored type"):
+        r[var].value()
+
+
+def test_keras_fixed_length_strings_are_sized_by_their_stored_type(tmp_path):
+    path = keras3(tmp_path, lambda g, name: g.create_dataset(
+        name, shape=(1000,), dtype="S1048576", chunks=(1,), compression="gzip"))
+    out = run("convert", path, tmp_path / "out.npz", "keras")
+    assert "REFUSED TruncatedFileError" in out, out
+
+
+def test_keras_variable_length_strings_must_be_contiguous(tmp_path):
+    path = keras3(tmp_path, lambda g, name: g.create_dataset(
+        name, shape=(4,), dtype=h5py.vlen_dtype(bytes), chunks=(2,), compression="gzip"))
+    out = run("open", path, "keras")
+    assert "REFUSED CorruptCheckpointError" in out and "chunked or filtered" in out, out
