@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -507,7 +508,20 @@ def test_read_only_file_system_found_at_the_lock(tmp_path, monkeypatch, code):
 
 
 # ----------------------------------------------------------------------------- retention races
-def test_readers_racing_with_retention_never_see_a_vanished_file(tmp_path):
+def test_readers_racing_with_retention_never_see_a_vanished_file(tmp_path, monkeypatch):
+    """Stress: a writer keeping one checkpoint saves flat out while readers poll. Each reader
+    naps after its directory listings (a loaded machine), so that retention often deletes a
+    listed file before the reader looks at it."""
+    reader_threads: set[int] = set()
+    real_listdir = os.listdir
+
+    def loaded_listdir(path=".") -> list[str]:
+        names = real_listdir(path)
+        if threading.get_ident() in reader_threads:
+            time.sleep(0.002)
+        return names
+
+    monkeypatch.setattr(os, "listdir", loaded_listdir)
     ckpt, variables = make_model(2)
     writer_mgr = pv.CheckpointManager(ckpt, tmp_path, max_to_keep=1)
     set_all(variables, 1)
@@ -526,6 +540,7 @@ def test_readers_racing_with_retention_never_see_a_vanished_file(tmp_path):
     def read() -> None:
         reader_ckpt, reader_vars = make_model(2)
         reader = pv.CheckpointManager(reader_ckpt, tmp_path, read_only=True)
+        reader_threads.add(threading.get_ident())
         try:
             while not stop.is_set():
                 latest = pv.latest_checkpoint(tmp_path)
@@ -540,10 +555,10 @@ def test_readers_racing_with_retention_never_see_a_vanished_file(tmp_path):
         finally:
             reader.close()
 
-    threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(2)]
+    threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(3)]
     for t in threads:
         t.start()
-    stop.wait(3.0)
+    stop.wait(2.0)
     stop.set()
     for t in threads:
         t.join()
