@@ -35,6 +35,11 @@ was committed but not yet recorded in the state (a crash between the two renames
 A crash between the state update and a deletion can leave an old checkpoint behind; it is
 never deleted later by mistake, because only what the state lists is ever deleted.
 
+Readers take no lock (:func:`latest_checkpoint`, a ``read_only`` manager): they read the state,
+then list the directory, and list again when a listed file was deleted before they looked at
+it (retention after a newer commit). As a committed checkpoint exists at every moment of a
+save, a reader never reports none while one is committed.
+
 Example:
     >>> import numpy as np, parallelvars as pv, tempfile, os
     >>> step = pv.Variable(np.int64(0), name="step")
