@@ -709,3 +709,61 @@ def test_readers_at_every_step_of_a_save(tmp_path, monkeypatch, how):
     assert seen[-1][1] == "ckpt-3.h5"
     reader.close()
     writer.close()
+
+
+@pytest.mark.parametrize("how", READERS)
+def test_a_state_gone_stale_before_the_listing_is_read_again(tmp_path, monkeypatch, how):
+    """Between a reader's reading of the state and its listing, the writer saves a lower number
+    (an explicit ``checkpoint_number``) and retention deletes the one the state named: the
+    reader reads the state again rather than find nothing it knows."""
+    ckpt, variables = make_model(2)
+    writer = pv.CheckpointManager(ckpt, tmp_path, max_to_keep=1)
+    set_all(variables, 5)
+    writer.save(checkpoint_number=5)
+    reader_ckpt, reader_vars = make_model(2)
+    reader = pv.CheckpointManager(reader_ckpt, tmp_path, read_only=True)
+    call = _readers(tmp_path, reader, reader_vars)[how]
+    real_listdir = os.listdir
+    pending = [True]
+
+    def save_then_listdir(path=".") -> list[str]:
+        if pending[0] and os.fspath(path) == str(tmp_path):
+            pending[0] = False
+            set_all(variables, 3)
+            writer.save(checkpoint_number=3)
+        return real_listdir(path)
+
+    monkeypatch.setattr(os, "listdir", save_then_listdir)
+    path = call()
+    monkeypatch.undo()
+    assert not pending[0]
+    assert path == str(tmp_path / "ckpt-3.h5")
+    if how == "restore_or_initialize":
+        assert int(reader_vars[-1]) == 3
+    reader.close()
+    writer.close()
+
+
+def test_a_checkpoint_deleted_by_hand_costs_readers_one_more_look(tmp_path, monkeypatch):
+    """A file the state lists, deleted otherwise than by retention: the state read again is
+    unchanged, so the listing stands (no retry loop), and the next newest is found."""
+    ckpt, variables = make_model(2)
+    with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=3) as writer:
+        for k in (1, 2, 3):
+            set_all(variables, k)
+            writer.save()
+    os.unlink(tmp_path / "ckpt-3.h5")
+    reads = [0]
+    real_read_state = manager._read_state
+
+    def counted(directory: str):
+        reads[0] += 1
+        return real_read_state(directory)
+
+    monkeypatch.setattr(manager, "_read_state", counted)
+    assert pv.latest_checkpoint(tmp_path, "ckpt") == str(tmp_path / "ckpt-2.h5")
+    assert reads[0] == 2
+    reader_ckpt, reader_vars = make_model(2)
+    with pv.CheckpointManager(reader_ckpt, tmp_path, read_only=True) as reader:
+        assert reader.restore_or_initialize() == str(tmp_path / "ckpt-2.h5")
+        assert int(reader_vars[-1]) == 2

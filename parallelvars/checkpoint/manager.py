@@ -198,17 +198,22 @@ def _reconcile(directory: str, name: str, state: dict[str, Any] | None) -> tuple
     directory without state) are adopted, oldest first. One listing: a reader racing with
     retention uses :func:`_scan`.
     """
-    managed, preserved, last_preserved, _ = _reconcile_listing(directory, name, state)
+    managed, preserved, last_preserved, _, _ = _reconcile_listing(directory, name, state)
     return managed, preserved, last_preserved
 
 
 def _reconcile_listing(
     directory: str, name: str, state: dict[str, Any] | None
-) -> tuple[list[_Record], list[_Record], float | None, bool]:
-    """:func:`_reconcile`, and whether a file listed vanished before it was looked at."""
+) -> tuple[list[_Record], list[_Record], float | None, bool, bool]:
+    """:func:`_reconcile`, then whether a file listed vanished before it was looked at, and
+    whether a checkpoint the state lists is not in the listing (a save, then its retention,
+    between the reading of the state and the listing; or a file deleted by hand)."""
     on_disk, vanished = _committed(directory, name)
+    missing = False
     if state is not None and state.get("checkpoint_name", name) == name:
-        managed = [r for r in _records(state.get("checkpoints")) if r.number in on_disk and on_disk[r.number][0] == r.file]
+        listed = _records(state.get("checkpoints"))
+        managed = [r for r in listed if r.number in on_disk and on_disk[r.number][0] == r.file]
+        missing = len(managed) < len(listed)
         preserved = [r for r in _records(state.get("preserved")) if r.number in on_disk and on_disk[r.number][0] == r.file]
         last = state.get("last_preserved_time")
         last_preserved = float(last) if isinstance(last, (int, float)) else None
@@ -220,28 +225,31 @@ def _reconcile_listing(
     for n in sorted(on_disk):
         if n not in known and n > floor:
             managed.append(_Record(file=on_disk[n][0], number=n, time=on_disk[n][1]))
-    return managed, preserved, last_preserved, vanished
+    return managed, preserved, last_preserved, vanished, missing
 
 
-# A reader lists the directory again while files it listed vanish before it looks at them;
-# each time, a newer checkpoint was committed first (retention deletes only after a commit),
-# so a few attempts suffice; the bound only stops a reader beside a deleter gone wild.
+# A reader lists the directory again while it finds its listing or its state stale; each
+# time, a save was committed in between (retention deletes only after a commit), so a few
+# attempts suffice; the bound only stops a reader beside a deleter gone wild.
 _SCAN_ATTEMPTS = 1000
 
 
 def _scan(directory: str, name: str) -> tuple[dict[str, Any] | None, list[_Record], list[_Record], float | None]:
-    """The state and :func:`_reconcile`'s records, from a listing none of whose files vanished.
+    """The state and :func:`_reconcile`'s records, from a listing and a state that agree.
 
     Lock-free readers race with the retention of a manager saving in another thread or
     process. The state is read before each listing, so the listing is never older than the
-    state; a listing that went stale (a listed file deleted before it was looked at, after a
-    newer checkpoint was committed) is taken again. A committed checkpoint is therefore never
-    missed, and a file deleted before it was looked at is never reported.
+    state. When a listed file vanished before it was looked at (retention after a newer
+    commit), both are taken again. When the state lists a checkpoint the listing lacks, the
+    state is read again: unchanged, no save came between (retention deletes only what the
+    state it just wrote no longer lists: the file was deleted otherwise) and the listing
+    stands; changed, both are taken again. A committed checkpoint is therefore never missed,
+    and a file already gone when it was looked at is never reported.
     """
     for _ in range(_SCAN_ATTEMPTS):
         state = _read_state(directory)
-        managed, preserved, last_preserved, vanished = _reconcile_listing(directory, name, state)
-        if not vanished:
+        managed, preserved, last_preserved, vanished, missing = _reconcile_listing(directory, name, state)
+        if not vanished and (not missing or _read_state(directory) == state):
             break
     return state, managed, preserved, last_preserved
 
