@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -507,7 +508,20 @@ def test_read_only_file_system_found_at_the_lock(tmp_path, monkeypatch, code):
 
 
 # ----------------------------------------------------------------------------- retention races
-def test_readers_racing_with_retention_never_see_a_vanished_file(tmp_path):
+def test_readers_racing_with_retention_never_see_a_vanished_file(tmp_path, monkeypatch):
+    """Stress: a writer keeping one checkpoint saves flat out while readers poll. Each reader
+    naps after its directory listings (a loaded machine), so that retention often deletes a
+    listed file before the reader looks at it."""
+    reader_threads: set[int] = set()
+    real_listdir = os.listdir
+
+    def loaded_listdir(path=".") -> list[str]:
+        names = real_listdir(path)
+        if threading.get_ident() in reader_threads:
+            time.sleep(0.002)
+        return names
+
+    monkeypatch.setattr(os, "listdir", loaded_listdir)
     ckpt, variables = make_model(2)
     writer_mgr = pv.CheckpointManager(ckpt, tmp_path, max_to_keep=1)
     set_all(variables, 1)
@@ -526,6 +540,7 @@ def test_readers_racing_with_retention_never_see_a_vanished_file(tmp_path):
     def read() -> None:
         reader_ckpt, reader_vars = make_model(2)
         reader = pv.CheckpointManager(reader_ckpt, tmp_path, read_only=True)
+        reader_threads.add(threading.get_ident())
         try:
             while not stop.is_set():
                 latest = pv.latest_checkpoint(tmp_path)
@@ -540,10 +555,10 @@ def test_readers_racing_with_retention_never_see_a_vanished_file(tmp_path):
         finally:
             reader.close()
 
-    threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(2)]
+    threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(3)]
     for t in threads:
         t.start()
-    stop.wait(3.0)
+    stop.wait(2.0)
     stop.set()
     for t in threads:
         t.join()
@@ -573,3 +588,182 @@ def test_restore_skips_a_checkpoint_deleted_while_it_opens(tmp_path, monkeypatch
     os.unlink(tmp_path / "ckpt-1.h5")
     assert reader.restore_or_initialize() is None  # nothing left: initialise
     reader.close()
+
+
+def _readers(tmp_path, reader, reader_vars):
+    """Each lock-free way to find the newest checkpoint: name -> a call returning its path."""
+
+    def restored() -> str | None:
+        path = reader.restore_or_initialize()
+        if path is not None:
+            assert len({int(np.asarray(v).reshape(-1)[0]) for v in reader_vars}) == 1
+        return path
+
+    return {
+        "latest_checkpoint": lambda: pv.latest_checkpoint(tmp_path),
+        "latest_checkpoint_named": lambda: pv.latest_checkpoint(tmp_path, "ckpt"),
+        "manager.latest_checkpoint": lambda: reader.latest_checkpoint,
+        "manager.checkpoints": lambda: (reader.checkpoints or [None])[-1],
+        "restore_or_initialize": restored,
+    }
+
+
+READERS = list(_readers(None, None, None))
+
+
+@pytest.mark.parametrize("state", ["kept", "missing"])
+@pytest.mark.parametrize("saves", [1, 2])
+@pytest.mark.parametrize("how", READERS)
+def test_a_listing_gone_stale_under_retention_is_taken_again(tmp_path, monkeypatch, how, saves, state):
+    """The writer commits and deletes between a reader's directory listing and its look at the
+    files listed: the reader looks again, it never reports "no checkpoint" nor a vanished file."""
+    ckpt, variables = make_model(2)
+    writer = pv.CheckpointManager(ckpt, tmp_path, max_to_keep=1)
+    set_all(variables, 1)
+    writer.save()
+    if state == "missing":
+        os.unlink(tmp_path / manager.STATE_FILE)  # scanned: every file listed is adopted
+    reader_ckpt, reader_vars = make_model(2)
+    reader = pv.CheckpointManager(reader_ckpt, tmp_path, read_only=True)
+    call = _readers(tmp_path, reader, reader_vars)[how]
+    real_listdir = os.listdir
+    stale = [3]  # the first listings the reader takes all go stale before it looks at them
+    busy = [False]
+    k = [1]
+
+    def listdir_then_save(path=".") -> list[str]:
+        names = real_listdir(path)
+        if stale[0] and not busy[0] and os.fspath(path) == str(tmp_path):
+            stale[0] -= 1
+            busy[0] = True
+            try:
+                for _ in range(saves):
+                    k[0] += 1
+                    set_all(variables, k[0])
+                    writer.save()
+            finally:
+                busy[0] = False
+            if state == "missing":
+                os.unlink(tmp_path / manager.STATE_FILE)
+        return names
+
+    monkeypatch.setattr(os, "listdir", listdir_then_save)
+    path = call()
+    monkeypatch.undo()
+    assert path is not None
+    assert os.path.isfile(path)
+    assert stale[0] == 0  # every stale listing was taken again: the last one shows the newest
+    assert path == str(tmp_path / f"ckpt-{k[0]}.h5")
+    if how == "restore_or_initialize":
+        assert int(reader_vars[-1]) == int(os.path.basename(path)[5:-3])
+    reader.close()
+    writer.close()
+
+
+@pytest.mark.parametrize("how", READERS)
+def test_readers_at_every_step_of_a_save(tmp_path, monkeypatch, how):
+    """Stop the writer before and after each rename and deletion of a save (the state file
+    mid-replacement included): every reader finds the previous or the new checkpoint, whole."""
+    ckpt, variables = make_model(2)
+    writer = pv.CheckpointManager(ckpt, tmp_path, max_to_keep=1)
+    set_all(variables, 1)
+    writer.save()
+    reader_ckpt, reader_vars = make_model(2)
+    reader = pv.CheckpointManager(reader_ckpt, tmp_path, read_only=True)
+    call = _readers(tmp_path, reader, reader_vars)[how]
+    seen: list[tuple[str, str]] = []
+
+    def check(step: str) -> None:
+        path = call()
+        assert path is not None, step
+        assert os.path.isfile(path), step
+        if how == "restore_or_initialize":
+            assert int(reader_vars[-1]) == int(os.path.basename(path)[5:-3])
+        seen.append((step, os.path.basename(path)))
+
+    def hooked(real, label):
+        def step(*args, **kwargs):
+            target = os.path.basename(os.fspath(args[-1] if label == "replace" else args[0]))
+            check(f"before {label} {target}")
+            out = real(*args, **kwargs)
+            check(f"after {label} {target}")
+            return out
+
+        return step
+
+    monkeypatch.setattr(os, "replace", hooked(os.replace, "replace"))
+    monkeypatch.setattr(os, "unlink", hooked(os.unlink, "unlink"))
+    for k in (2, 3):
+        set_all(variables, k)
+        writer.save()
+    monkeypatch.undo()
+    steps = [s for s, _ in seen]
+    # The order that keeps a committed checkpoint at every moment: the new file, then the
+    # state naming it, then the deletion of the old one.
+    assert steps[:6] == [
+        "before replace ckpt-2.h5", "after replace ckpt-2.h5",
+        "before replace checkpoint.json", "after replace checkpoint.json",
+        "before unlink ckpt-1.h5", "after unlink ckpt-1.h5",
+    ]
+    assert dict(seen)["after replace ckpt-2.h5"] == "ckpt-2.h5"
+    assert seen[-1][1] == "ckpt-3.h5"
+    reader.close()
+    writer.close()
+
+
+@pytest.mark.parametrize("how", READERS)
+def test_a_state_gone_stale_before_the_listing_is_read_again(tmp_path, monkeypatch, how):
+    """Between a reader's reading of the state and its listing, the writer saves a lower number
+    (an explicit ``checkpoint_number``) and retention deletes the one the state named: the
+    reader reads the state again rather than find nothing it knows."""
+    ckpt, variables = make_model(2)
+    writer = pv.CheckpointManager(ckpt, tmp_path, max_to_keep=1)
+    set_all(variables, 5)
+    writer.save(checkpoint_number=5)
+    reader_ckpt, reader_vars = make_model(2)
+    reader = pv.CheckpointManager(reader_ckpt, tmp_path, read_only=True)
+    call = _readers(tmp_path, reader, reader_vars)[how]
+    real_listdir = os.listdir
+    pending = [True]
+
+    def save_then_listdir(path=".") -> list[str]:
+        if pending[0] and os.fspath(path) == str(tmp_path):
+            pending[0] = False
+            set_all(variables, 3)
+            writer.save(checkpoint_number=3)
+        return real_listdir(path)
+
+    monkeypatch.setattr(os, "listdir", save_then_listdir)
+    path = call()
+    monkeypatch.undo()
+    assert not pending[0]
+    assert path == str(tmp_path / "ckpt-3.h5")
+    if how == "restore_or_initialize":
+        assert int(reader_vars[-1]) == 3
+    reader.close()
+    writer.close()
+
+
+def test_a_checkpoint_deleted_by_hand_costs_readers_one_more_look(tmp_path, monkeypatch):
+    """A file the state lists, deleted otherwise than by retention: the state read again is
+    unchanged, so the listing stands (no retry loop), and the next newest is found."""
+    ckpt, variables = make_model(2)
+    with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=3) as writer:
+        for k in (1, 2, 3):
+            set_all(variables, k)
+            writer.save()
+    os.unlink(tmp_path / "ckpt-3.h5")
+    reads = [0]
+    real_read_state = manager._read_state
+
+    def counted(directory: str):
+        reads[0] += 1
+        return real_read_state(directory)
+
+    monkeypatch.setattr(manager, "_read_state", counted)
+    assert pv.latest_checkpoint(tmp_path, "ckpt") == str(tmp_path / "ckpt-2.h5")
+    assert reads[0] == 2
+    reader_ckpt, reader_vars = make_model(2)
+    with pv.CheckpointManager(reader_ckpt, tmp_path, read_only=True) as reader:
+        assert reader.restore_or_initialize() == str(tmp_path / "ckpt-2.h5")
+        assert int(reader_vars[-1]) == 2

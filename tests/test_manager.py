@@ -243,6 +243,66 @@ def test_committed_checkpoint_missing_from_state_is_adopted(tmp_path):
         assert names(mgr.checkpoints) == ["ckpt-3.h5", "ckpt-4.h5"]
 
 
+CRASH_DURING_SAVE = """
+import os, sys
+sys.path.insert(0, sys.argv[3])
+import parallelvars as pv
+from test_manager import make, set_values
+directory, point = sys.argv[1], sys.argv[2]
+ckpt, w, e, step = make()
+mgr = pv.CheckpointManager(ckpt, directory, max_to_keep=1)
+set_values(w, e, step, 1)
+mgr.save()
+when, op, target = point.split()
+real = {"replace": os.replace, "unlink": os.unlink}[op]
+def hooked(*args):
+    name = os.path.basename(os.fspath(args[-1] if op == "replace" else args[0]))
+    if name == target and when == "before":
+        os._exit(17)
+    real(*args)
+    if name == target:
+        os._exit(17)
+setattr(os, op, hooked)
+set_values(w, e, step, 2)
+mgr.save()
+"""
+
+
+@pytest.mark.parametrize(
+    "point, newest",
+    [
+        ("before replace ckpt-2.h5", 1),
+        ("after replace ckpt-2.h5", 2),
+        ("before replace checkpoint.json", 2),
+        ("after replace checkpoint.json", 2),
+        ("after unlink ckpt-1.h5", 2),
+    ],
+)
+def test_a_crash_at_any_step_of_a_save_keeps_the_newest_checkpoint(tmp_path, point, newest):
+    """The process dies before or after each rename and deletion of a save (retention keeps
+    one): the newest committed checkpoint is found whole, by readers and by the next manager."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run(
+        [sys.executable, "-c", CRASH_DURING_SAVE, str(tmp_path), point, tests], capture_output=True, timeout=120
+    )
+    assert proc.returncode == 17, proc.stderr.decode()  # died at that point
+    expected = str(tmp_path / f"ckpt-{newest}.h5")
+    assert pv.latest_checkpoint(tmp_path) == expected
+    ckpt, w, _e, step = make()
+    with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=1, read_only=True) as reader:
+        assert reader.restore_or_initialize() == expected
+        assert int(step) == newest and float(np.asarray(w)[0, 0]) == newest
+    ckpt, w, e, step = make()
+    with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=1) as mgr:
+        assert mgr.latest_checkpoint == expected
+        mgr.restore_or_initialize()
+        assert int(step) == newest
+        set_values(w, e, step, 7)
+        mgr.save()
+        assert names(mgr.checkpoints) == [f"ckpt-{newest + 1}.h5"]
+    assert pv.latest_checkpoint(tmp_path) == str(tmp_path / f"ckpt-{newest + 1}.h5")
+
+
 def test_state_file_damaged_or_missing_falls_back_to_the_files(tmp_path):
     ckpt, *_ = make()
     with pv.CheckpointManager(ckpt, tmp_path) as mgr:

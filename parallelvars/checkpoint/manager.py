@@ -35,6 +35,11 @@ was committed but not yet recorded in the state (a crash between the two renames
 A crash between the state update and a deletion can leave an old checkpoint behind; it is
 never deleted later by mistake, because only what the state lists is ever deleted.
 
+Readers take no lock (:func:`latest_checkpoint`, a ``read_only`` manager): they read the state,
+then list the directory, and list again when a listed file was deleted before they looked at
+it (retention after a newer commit). As a committed checkpoint exists at every moment of a
+save, a reader never reports none while one is committed.
+
 Example:
     >>> import numpy as np, parallelvars as pv, tempfile, os
     >>> step = pv.Variable(np.int64(0), name="step")
@@ -99,18 +104,35 @@ def _number_of(filename: str, name: str) -> int | None:
     return int(digits) if digits.isdigit() else None
 
 
-def _committed(directory: str, name: str) -> dict[int, str]:
-    """Checkpoint files under their final names: number -> file name."""
+def _committed(directory: str, name: str) -> tuple[dict[int, tuple[str, float]], bool]:
+    """Checkpoint files under their final names: number -> (file name, mtime); and whether a
+    file listed was gone when looked at.
+
+    A listing is a snapshot: retention in another thread or process may delete a listed file
+    before it is looked at, after committing a newer one the listing does not show. A caller
+    seeing ``True`` lists again (:func:`_scan`) rather than conclude from a stale listing.
+    """
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
-        return {}
+        return {}, False
     out = {}
+    vanished = False
     for f in names:
         n = _number_of(f, name)
-        if n is not None and os.path.isfile(os.path.join(directory, f)):
-            out[n] = f
-    return out
+        if n is None:
+            continue
+        path = os.path.join(directory, f)
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            vanished = vanished or not os.path.lexists(path)  # present: a dangling link, not ours
+            continue
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode):
+            out[n] = (f, info.st_mtime)
+    return out, vanished
 
 
 def _state_checksum(state: dict[str, Any]) -> str:
@@ -173,15 +195,26 @@ def _reconcile(directory: str, name: str, state: dict[str, Any] | None) -> tuple
 
     Listed files that are gone are dropped. Committed files the state does not know and that
     are newer than its latest (a crash after the rename, before the state update; or a
-    directory without state) are adopted, oldest first.
+    directory without state) are adopted, oldest first. One listing: a reader racing with
+    retention uses :func:`_scan`.
     """
-    on_disk = _committed(directory, name)
+    managed, preserved, last_preserved, _, _ = _reconcile_listing(directory, name, state)
+    return managed, preserved, last_preserved
+
+
+def _reconcile_listing(
+    directory: str, name: str, state: dict[str, Any] | None
+) -> tuple[list[_Record], list[_Record], float | None, bool, bool]:
+    """:func:`_reconcile`, then whether a file listed vanished before it was looked at, and
+    whether a checkpoint the state lists is not in the listing (a save, then its retention,
+    between the reading of the state and the listing; or a file deleted by hand)."""
+    on_disk, vanished = _committed(directory, name)
+    missing = False
     if state is not None and state.get("checkpoint_name", name) == name:
-        managed = [r for r in _records(state.get("checkpoints")) if r.number in on_disk and on_disk[r.number] == r.file]
-        preserved = [
-            r for r in _records(state.get("preserved"))
-            if _number_of(r.file, name) == r.number and os.path.isfile(os.path.join(directory, r.file))
-        ]
+        listed = _records(state.get("checkpoints"))
+        managed = [r for r in listed if r.number in on_disk and on_disk[r.number][0] == r.file]
+        missing = len(managed) < len(listed)
+        preserved = [r for r in _records(state.get("preserved")) if r.number in on_disk and on_disk[r.number][0] == r.file]
         last = state.get("last_preserved_time")
         last_preserved = float(last) if isinstance(last, (int, float)) else None
         latest = _number_of(str(state.get("latest") or ""), name)
@@ -191,12 +224,34 @@ def _reconcile(directory: str, name: str, state: dict[str, Any] | None) -> tuple
     floor = latest if latest is not None else max((r.number for r in managed), default=-1)
     for n in sorted(on_disk):
         if n not in known and n > floor:
-            try:
-                mtime = os.path.getmtime(os.path.join(directory, on_disk[n]))
-            except OSError:
-                continue  # deleted since the listing (retention in another process)
-            managed.append(_Record(file=on_disk[n], number=n, time=mtime))
-    return managed, preserved, last_preserved
+            managed.append(_Record(file=on_disk[n][0], number=n, time=on_disk[n][1]))
+    return managed, preserved, last_preserved, vanished, missing
+
+
+# A reader lists the directory again while it finds its listing or its state stale; each
+# time, a save was committed in between (retention deletes only after a commit), so a few
+# attempts suffice; the bound only stops a reader beside a deleter gone wild.
+_SCAN_ATTEMPTS = 1000
+
+
+def _scan(directory: str, name: str) -> tuple[dict[str, Any] | None, list[_Record], list[_Record], float | None]:
+    """The state and :func:`_reconcile`'s records, from a listing and a state that agree.
+
+    Lock-free readers race with the retention of a manager saving in another thread or
+    process. The state is read before each listing, so the listing is never older than the
+    state. When a listed file vanished before it was looked at (retention after a newer
+    commit), both are taken again. When the state lists a checkpoint the listing lacks, the
+    state is read again: unchanged, no save came between (retention deletes only what the
+    state it just wrote no longer lists: the file was deleted otherwise) and the listing
+    stands; changed, both are taken again. A committed checkpoint is therefore never missed,
+    and a file already gone when it was looked at is never reported.
+    """
+    for _ in range(_SCAN_ATTEMPTS):
+        state = _read_state(directory)
+        managed, preserved, last_preserved, vanished, missing = _reconcile_listing(directory, name, state)
+        if not vanished and (not missing or _read_state(directory) == state):
+            break
+    return state, managed, preserved, last_preserved
 
 
 def latest_checkpoint(directory: str | os.PathLike[str], checkpoint_name: str | None = None) -> str | None:
@@ -211,10 +266,11 @@ def latest_checkpoint(directory: str | os.PathLike[str], checkpoint_name: str | 
             no state file, that of the highest-numbered ``<name>-<n>.h5`` present.
     """
     d = os.fspath(directory)
-    state = _read_state(d)
     name = checkpoint_name
-    if name is None and state is not None and isinstance(state.get("checkpoint_name"), str):
-        name = state["checkpoint_name"]
+    if name is None:
+        state = _read_state(d)
+        if state is not None and isinstance(state.get("checkpoint_name"), str):
+            name = state["checkpoint_name"]
     if name is None:
         best: tuple[int, str] | None = None
         try:
@@ -228,7 +284,7 @@ def latest_checkpoint(directory: str | os.PathLike[str], checkpoint_name: str | 
         if best is None:
             return None
         name = best[1]
-    managed, _, _ = _reconcile(d, name, state)
+    managed = _scan(d, name)[1]
     if not managed:
         return None
     return os.path.join(d, managed[-1].file)
@@ -440,8 +496,7 @@ class CheckpointManager:
         try:
             if self._locked:
                 self._remove_temporaries()
-            state = _read_state(self._directory)
-            self._managed, self._preserved, self._last_preserved = _reconcile(self._directory, self._name, state)
+            state, self._managed, self._preserved, self._last_preserved = _scan(self._directory, self._name)
             if state is None and self._max_to_keep is not None and len(self._managed) > self._max_to_keep:
                 # Without a trusted record of what the policy let go, nothing found is deleted:
                 # what is beyond the max_to_keep window is kept for good, like a preserved one.
@@ -476,7 +531,7 @@ class CheckpointManager:
     def _refresh(self) -> None:
         """A reader without the lock sees the directory as it is now (another process writes it)."""
         if self._read_only:
-            managed, preserved, last = _reconcile(self._directory, self._name, _read_state(self._directory))
+            _, managed, preserved, last = _scan(self._directory, self._name)
             with self._mutex:
                 self._managed, self._preserved, self._last_preserved = managed, preserved, last
 
