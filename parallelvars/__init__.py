@@ -9,7 +9,7 @@ Example:
     4
 """
 
-from parallelvars import errors, optimizers
+from parallelvars import _source_tree, errors, optimizers
 from parallelvars.checkpoint import (
     Checkpoint,
     CheckpointLoadStatus,
@@ -55,6 +55,9 @@ from parallelvars.variables import (
 )
 
 __version__ = "0.1.0"
+
+# Run from a source checkout, parallelvars.formats and parallelvars.cli live beside this folder.
+_source_tree.install(__path__[0])
 
 
 def __getattr__(name: str) -> object:
