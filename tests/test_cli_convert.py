@@ -332,3 +332,43 @@ def test_unknown_output_suffix_names_the_cli_flag(run_h5, tmp_path, capsys) -> N
     assert main(["convert", run_h5, str(tmp_path / "model.bin")]) == 2
     err = capsys.readouterr().err
     assert "--to" in err and "to_format=" not in err
+
+
+# ---------------------------------------------------------------------------- legacy Keras -> Keras 3
+KERAS_DATA = pathlib.Path(__file__).parent / "data" / "keras"
+
+
+def test_legacy_keras_converts_to_keras3_layout(tmp_path, capsys) -> None:
+    import h5py
+
+    out = tmp_path / "out.weights.h5"
+    assert main(["convert", str(KERAS_DATA / "model_legacy.h5"), str(out)]) == 0
+
+    def datasets(path: pathlib.Path) -> dict[str, tuple[np.ndarray, str]]:
+        found: dict[str, tuple[np.ndarray, str]] = {}
+        with h5py.File(path, "r") as h5:
+            def visit(name: str, obj: object) -> None:
+                if isinstance(obj, h5py.Dataset):
+                    owner = h5[name.rpartition("/")[0]].attrs.get("name")
+                    found[name] = (obj[()], owner.decode() if isinstance(owner, bytes) else owner)
+            h5.visititems(visit)
+        return found
+
+    ours, keras = datasets(out), datasets(KERAS_DATA / "model.weights.h5")
+    assert sorted(ours) == sorted(keras)  # layers/dense/vars/0 ... exactly as Keras 3 writes
+    for key, (value, owner) in keras.items():
+        np.testing.assert_array_equal(ours[key][0], value, err_msg=key)
+        assert ours[key][1] == owner, key
+
+
+def test_legacy_keras_without_model_config_is_refused(tmp_path, capsys) -> None:
+    from parallelvars.formats import ArrayEntry, write_checkpoint
+
+    legacy = tmp_path / "weights.h5"
+    entries = {"d1/kernel": ArrayEntry("d1/kernel", [np.ones((2, 3), np.float32)])}
+    write_checkpoint(str(legacy), entries, format="keras-legacy")
+    out = tmp_path / "out.weights.h5"
+    assert main(["convert", str(legacy), str(out), "--from", "keras-legacy"]) == 2
+    err = capsys.readouterr().err
+    assert "model config" in err and "class" in err
+    assert not out.exists()

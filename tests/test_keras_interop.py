@@ -72,3 +72,14 @@ def test_keras_legacy_writer_is_loadable_by_keras(tmp_path, expected) -> None:
     model = fixture_model()
     model.load_weights(out)  # Keras 3 reads the legacy layout by layer order
     np.testing.assert_allclose(model.predict(expected["x"], verbose=0), expected["y"], atol=1e-6)
+
+
+def test_legacy_file_converted_to_keras3_loads_in_keras(tmp_path, expected) -> None:
+    out = tmp_path / "from_legacy.weights.h5"
+    formats.convert(DATA / "model_legacy.h5", out)  # keras-legacy -> keras, by suffix
+    model = fixture_model()
+    model.load_weights(out)
+    np.testing.assert_allclose(model.predict(expected["x"], verbose=0), expected["y"], atol=1e-6)
+    for i, w in enumerate(model.weights):
+        key = next(k for k in expected if k.startswith(f"{i}:"))
+        np.testing.assert_array_equal(np.asarray(w), expected[key])
