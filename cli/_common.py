@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -24,6 +25,8 @@ from ._output import Output, Progress
 __all__ = [
     "add_destination_options",
     "add_format_option",
+    "metadata_text",
+    "natural_key",
     "destination_path",
     "format_bytes",
     "open_view",
@@ -181,6 +184,37 @@ def destination_path(path: str, fmt: str | None, *, parents: bool = False) -> tu
             raise UsageError(f"{folder}: no such folder; create it, or pass --parents to create it")
         os.makedirs(folder, exist_ok=True)
     return target, fmt
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_key(path: str) -> tuple[tuple[tuple[int, int | str], ...], ...]:
+    """Sort key putting paths in natural order: ``vars/2`` before ``vars/10``.
+
+    The one ordering of every listing the commands print (inspect, diff, verify): path segment
+    by segment, runs of digits compared as numbers, everything else as text.
+    """
+    return tuple(
+        tuple((0, int(part)) if part.isdigit() else (1, part) for part in _DIGITS.split(segment) if part)
+        for segment in path.split("/")
+    )
+
+
+# Metadata keys whose value is a POSIX timestamp (seconds), shown as ISO 8601 UTC.
+_TIMESTAMP_KEYS = frozenset({"created"})
+
+
+def metadata_text(key: str, value: Any) -> str:
+    """A metadata value as one line of human output (timestamps in ISO 8601, UTC)."""
+    if key in _TIMESTAMP_KEYS and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            stamp = datetime.datetime.fromtimestamp(float(value), tz=datetime.timezone.utc)
+        except (ValueError, OverflowError, OSError):
+            pass
+        else:
+            return stamp.isoformat(timespec="seconds")
+    return str(value).replace("\n", " ")
 
 
 def format_bytes(n: int) -> str:

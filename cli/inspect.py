@@ -10,7 +10,14 @@ import numpy as np
 
 from parallelvars.formats import CheckpointView, Entry
 
-from ._common import add_format_option, format_bytes, open_view, shape_str
+from ._common import (
+    add_format_option,
+    format_bytes,
+    metadata_text,
+    natural_key,
+    open_view,
+    shape_str,
+)
 from ._output import Output, Progress
 
 __all__ = ["add_parser", "run", "components_equal", "dtype_name"]
@@ -151,7 +158,7 @@ def render_tree(rows: list[dict[str, Any]]) -> list[str]:
 
 def collect(view: CheckpointView, out: Output) -> list[dict[str, Any]]:
     """One row per variable, sorted by path; mirrored variables get ``equal``/``differing``."""
-    entries = [view[key] for key in sorted(view)]
+    entries = [view[key] for key in sorted(view, key=natural_key)]
     mirrored = [e for e in entries if e.kind == "mirrored" and e.num_components > 1]
     rows = []
     with out.progress(sum(e.nbytes for e in mirrored), "compare components") as bar:
@@ -190,8 +197,8 @@ def run(args: argparse.Namespace) -> int:
         lines = [head]
         if metadata:
             lines.append("metadata:")
-            for key in sorted(metadata, key=str):
-                value = str(metadata[key]).replace("\n", " ")
+            for key in sorted(metadata, key=lambda k: natural_key(str(k))):
+                value = metadata_text(str(key), metadata[key])
                 lines.append(f"  {key}: {value if len(value) <= 72 else value[:69] + '...'}")
             lines.append("variables:")
         lines.extend(render_tree(rows))

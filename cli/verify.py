@@ -13,7 +13,7 @@ from parallelvars.checkpoint.h5io import HDF5_SIGNATURE, H5Reader
 from parallelvars.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from parallelvars.formats import KINDS, CheckpointView, Entry, detect_format
 
-from ._common import add_format_option, format_bytes, open_view
+from ._common import add_format_option, format_bytes, natural_key, open_view
 from ._output import Output, Progress
 
 __all__ = ["add_parser", "run", "check_structure", "check_data"]
@@ -125,7 +125,7 @@ def check_data(entry: Entry, progress: Progress | None = None) -> list[str]:
 def _verify_view(view: CheckpointView, out: Output) -> tuple[list[str], dict[str, int]]:
     problems: list[str] = []
     entries = []
-    for key in sorted(view):
+    for key in sorted(view, key=natural_key):
         try:
             entries.append(view[key])
         except Exception as exc:

@@ -675,3 +675,39 @@ def test_golden_extract_bfloat16_and_float8_bits(
     got = np.load(out, allow_pickle=False)
     assert got.dtype == bits.dtype
     np.testing.assert_array_equal(got, bits)
+
+
+# ---------------------------------------------------------------------------- small rules
+def test_listings_are_in_natural_order(tmp_path, capsys) -> None:
+    from parallelvars.cli._common import natural_key
+
+    keys = [f"layers/dense/vars/{i}" for i in (10, 2, 0, 1, 11)] + ["layers/dense_10/x", "layers/dense_2/x"]
+    assert sorted(keys, key=natural_key) == [
+        "layers/dense/vars/0", "layers/dense/vars/1", "layers/dense/vars/2",
+        "layers/dense/vars/10", "layers/dense/vars/11", "layers/dense_2/x", "layers/dense_10/x",
+    ]  # fmt: skip
+    entries = {f"v/{i}": ArrayEntry(f"v/{i}", [np.full(2, i, np.float32)]) for i in (0, 1, 10, 2)}
+    path = write_checkpoint(str(tmp_path / "n.npz"), entries, format="npz")
+    assert main(["inspect", path, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["variables"]
+    assert [r["path"] for r in rows] == ["v/0", "v/1", "v/2", "v/10"]
+    assert main(["verify", path, "--json"]) == 0
+    capsys.readouterr()
+    other = {k: ArrayEntry(k, [np.zeros(2, np.float32)]) for k in ("w/10", "w/2")}
+    path_b = write_checkpoint(str(tmp_path / "m.npz"), other, format="npz")
+    assert main(["diff", path, path_b, "--json"]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["missing"] == ["v/0", "v/1", "v/2", "v/10"]
+    assert result["extra"] == ["w/2", "w/10"]
+
+
+def test_inspect_shows_created_as_iso_8601(sample: str, capsys) -> None:
+    from parallelvars.cli._common import metadata_text
+
+    assert metadata_text("created", 0) == "1970-01-01T00:00:00+00:00"
+    assert metadata_text("created", "not a time") == "not a time"
+    assert main(["inspect", sample]) == 0
+    text = capsys.readouterr().out
+    line = next((ln for ln in text.splitlines() if ln.strip().startswith("created:")), None)
+    if line is not None:
+        assert "T" in line and line.rstrip().endswith("+00:00"), line
