@@ -183,7 +183,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             with open_view(path, fmt) as view:
                 result = _verify_view(view, out)
-    except CorruptCheckpointError as exc:  # damaged beyond opening: a finding, not a usage error
+    except (CorruptCheckpointError, NotACheckpointError) as exc:
+        # A file whose format is known (from --from, its bytes or its suffix) but that does not
+        # open as one is damaged: a finding (1) whatever the format, not a usage error (2).
         result = [str(exc)], {"num_variables": 0, "num_components": 0, "bytes": 0}
     problems, stats = result
     data = {"path": path, "format": fmt, "ok": not problems, "problems": problems, **stats}

@@ -711,3 +711,17 @@ def test_inspect_shows_created_as_iso_8601(sample: str, capsys) -> None:
     line = next((ln for ln in text.splitlines() if ln.strip().startswith("created:")), None)
     if line is not None:
         assert "T" in line and line.rstrip().endswith("+00:00"), line
+
+
+@pytest.mark.parametrize("name", ["e.h5", "e.hdf5", "e.safetensors", "e.npz", "e.weights.h5", "e.index"])
+def test_verify_exit_code_does_not_depend_on_the_suffix(tmp_path, name, capsys) -> None:
+    path = tmp_path / name
+    path.write_bytes(b"")
+    assert main(["verify", str(path)]) == 1  # a checkpoint file of a known format, damaged
+    assert "problem" in capsys.readouterr().out
+
+
+def test_a_directory_without_a_checkpoint_says_so(tmp_path, capsys) -> None:
+    assert main(["inspect", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "directory" in err and "b''" not in err
