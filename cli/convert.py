@@ -25,7 +25,8 @@ _EPILOG = """\
 --components all keeps every component of every variable (formats without a place for
 components store them under suffixed names); --components primary keeps one value per variable
 (the logical value: the primary of a mirrored variable, the aggregate of an on-read variable,
-the full tensor of a sharded one), which is what a non-parallel reader expects.
+the full tensor of a sharded one), which is what a non-parallel reader expects. A variable of
+independent buffers has no single value: --components primary refuses it, as extract does.
 
 Sizes take decimal (KB, MB, GB) or binary (KiB, MiB, GiB) units: 5GB = 5*10^9 bytes,
 100KiB = 102400 bytes.

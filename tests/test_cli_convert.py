@@ -372,3 +372,15 @@ def test_legacy_keras_without_model_config_is_refused(tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert "model config" in err and "class" in err
     assert not out.exists()
+
+
+def test_components_primary_refuses_independent_buffers_like_extract(tmp_path, capsys) -> None:
+    src = write_sample(tmp_path / "run.h5")  # the sample has rng/state: independent buffers
+    out = tmp_path / "p.npz"
+    assert main(["convert", src, str(out), "--components", "primary"]) == 2
+    err = capsys.readouterr().err
+    assert "rng/state" in err and "independent" in err and "--component" in err
+    assert not out.exists()
+    assert main(["extract", src, "rng/state", "-o", str(tmp_path / "x.npy")]) == 2
+    assert "independent" in capsys.readouterr().err
+    assert main(["extract", src, "rng/state", "--component", "1", "-o", str(tmp_path / "x.npy")]) == 0
