@@ -251,3 +251,13 @@ def test_checkpoint_manager_across_processes(tmp_path: Path) -> None:
     pv.Checkpoint(model=model).restore(latest).expect_partial()
     for name in ("w", "b", "c"):
         np.testing.assert_array_equal(getattr(model, name).components[1], results[1][name])
+
+
+def test_saving_again_with_fewer_processes_leaves_no_stale_rank_files(tmp_path: Path) -> None:
+    launch(4, "save", str(tmp_path))
+    path = str(load(tmp_path, "save", 4)[0]["path"])
+    launch(2, "save", str(tmp_path))
+    assert str(load(tmp_path, "save", 2)[0]["path"]) == path  # the same checkpoint, rewritten
+    assert sorted(os.listdir(path + ".parts")) == [f"rank-{r:05d}-of-00002.h5" for r in range(2)]
+    with H5Reader(path) as reader:
+        assert reader.verify_all() == []
