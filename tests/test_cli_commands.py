@@ -725,3 +725,27 @@ def test_a_directory_without_a_checkpoint_says_so(tmp_path, capsys) -> None:
     assert main(["inspect", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "directory" in err and "b''" not in err
+
+
+def test_inspect_shows_the_tree_with_a_damaged_component_marked(tmp_path, capsys) -> None:
+    marker = np.frombuffer(b"PARALLELVARS-MARKER-BYTES!", np.uint8).copy()
+    entries = {
+        "model/ok": ArrayEntry("model/ok", [np.arange(4, dtype=np.float32)]),
+        "model/bad": ArrayEntry("model/bad", [marker, marker], kind="mirrored"),
+        "model/fine": ArrayEntry("model/fine", [np.zeros(3, np.float32)] * 2, kind="mirrored"),
+    }
+    path = pathlib.Path(write_h5(str(tmp_path / "d.h5"), entries))
+    raw = bytearray(path.read_bytes())
+    at = raw.rindex(b"PARALLELVARS-MARKER")  # model/bad's parallel_component_1
+    raw[at + 3] ^= 0x01
+    path.write_bytes(bytes(raw))
+    assert main(["inspect", str(path)]) == 1
+    text = capsys.readouterr().out
+    bad = next(ln for ln in text.splitlines() if ln.strip().startswith("bad "))
+    assert "DAMAGED" in bad
+    assert any(ln.strip().startswith("ok ") for ln in text.splitlines())
+    assert any(ln.strip().startswith("fine ") and "equal" in ln for ln in text.splitlines())
+    assert "checksum mismatch" in text
+    assert main(["inspect", str(path), "--json"]) == 1
+    rows = {r["path"]: r for r in _json(capsys)["variables"]}
+    assert "checksum mismatch" in rows["model/bad"]["damaged"] and "damaged" not in rows["model/ok"]
