@@ -10,6 +10,7 @@ Example:
 """
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from parallelvars import _source_tree
@@ -101,7 +102,12 @@ _source_tree.install(__path__[0])
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'parallelvars' has no attribute {name!r}")
+        # A submodule (pv.checkpoint, pv.strategy ...) is an attribute once imported, as when
+        # this package imported everything eagerly.
+        if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            module = f"{__name__}.{name}"
+        else:
+            raise AttributeError(f"module 'parallelvars' has no attribute {name!r}")
     loaded = importlib.import_module(module)
     value = loaded if module == f"{__name__}.{name}" else getattr(loaded, name)
     globals()[name] = value

@@ -347,6 +347,9 @@ def test_asarray_shares_memory_for_ordinary_dtypes(strategy) -> None:
         (lambda: pv.Variable(np.ones(3), aggregation="most"), ValueError),
         (lambda: pv.Variable(np.array(["text"])), TypeError),
         (lambda: pv.Variable(np.ones(3), dtype="float3"), TypeError),
+        (lambda: pv.PerReplica([]), ValueError),
+        (lambda: pv.Mirrored([]), ValueError),
+        (lambda: pv.OneDeviceStrategy("not a device"), ValueError),
     ],
 )
 def test_constructor_errors_are_ours(make, builtin) -> None:
