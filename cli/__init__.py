@@ -127,6 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments after the program name; ``sys.argv[1:]`` when None.
     """
     args_list = list(sys.argv[1:] if argv is None else argv)
+    if "--version" in args_list and not any(a in COMMANDS for a in args_list):
+        # What argparse's version action prints, without importing every subcommand first.
+        print(f"parallelvars {__version__}")
+        return 0
     debug = debug_from_env() or "--debug" in args_list
     out = Output()
     try:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -17,10 +19,15 @@ from parallelvars.formats import (
     open_checkpoint,
 )
 
+from ._errors import UsageError
 from ._output import Output, Progress
 
 __all__ = [
+    "add_destination_options",
     "add_format_option",
+    "metadata_text",
+    "natural_key",
+    "destination_path",
     "format_bytes",
     "open_view",
     "output_format",
@@ -121,6 +128,93 @@ def output_format(path: str, explicit: str | None, fallback: str | None) -> str:
     if name is None:
         raise ValueError(f"{path}: cannot tell the output format from the name; pass --to FORMAT")
     return name
+
+
+# The file a command writes into a folder destination, per format (Hugging Face's names for
+# safetensors: model.safetensors, or model-00001-of-00002.safetensors + the index).
+_FOLDER_FILES = {
+    "safetensors": "model.safetensors",
+    "hdf5": "model.h5",
+    "keras": "model.weights.h5",
+    "keras-legacy": "model.h5",
+    "npz": "model.npz",
+    "tf": "model",  # a prefix: model.index + model.data-00000-of-00001
+}
+
+
+def add_destination_options(parser: argparse.ArgumentParser) -> None:
+    """``--parents``: let a command create its destination's missing folders."""
+    parser.add_argument(
+        "--parents",
+        action="store_true",
+        help="create DST's missing folders (default: a missing folder is an error)",
+    )
+
+
+def is_folder_destination(path: str) -> bool:
+    """A destination ending in a path separator, or an existing directory, is a folder."""
+    return path.endswith(("/", os.sep)) or os.path.isdir(path)
+
+
+def destination_path(path: str, fmt: str | None, *, parents: bool = False) -> tuple[str, str]:
+    """Where a command writes, and in which format: the one rule for every output argument.
+
+    * A destination ending in ``/`` or naming an existing directory is a folder: the output
+      goes inside it under the format's usual name (``_FOLDER_FILES``); the format must then
+      come from ``--to`` (or the command's fallback, passed as ``fmt``).
+    * Otherwise it is a file (or a TF prefix) and its format is ``fmt`` or its suffix.
+    * The folder the output goes into must exist, unless ``parents`` (``--parents``) asks to
+      create it; nothing is ever created silently.
+
+    Returns ``(path to hand to the writer, format name)``.
+    """
+    if is_folder_destination(path):
+        if fmt is None:
+            raise UsageError(f"{path}: is a folder; pass --to FORMAT to say what to write in it")
+        folder, target = path, os.path.join(path, _FOLDER_FILES.get(fmt, "model"))
+    else:
+        fmt = fmt or format_for_path(path)
+        if fmt is None:
+            raise UsageError(f"{path}: cannot tell the output format from the name; pass --to FORMAT")
+        folder, target = os.path.dirname(path) or os.curdir, path
+    if not os.path.isdir(folder):
+        if os.path.lexists(folder):
+            raise UsageError(f"{folder}: is not a folder")
+        if not parents:
+            raise UsageError(f"{folder}: no such folder; create it, or pass --parents to create it")
+        os.makedirs(folder, exist_ok=True)
+    return target, fmt
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_key(path: str) -> tuple[tuple[tuple[int, int | str], ...], ...]:
+    """Sort key putting paths in natural order: ``vars/2`` before ``vars/10``.
+
+    The one ordering of every listing the commands print (inspect, diff, verify): path segment
+    by segment, runs of digits compared as numbers, everything else as text.
+    """
+    return tuple(
+        tuple((0, int(part)) if part.isdigit() else (1, part) for part in _DIGITS.split(segment) if part)
+        for segment in path.split("/")
+    )
+
+
+# Metadata keys whose value is a POSIX timestamp (seconds), shown as ISO 8601 UTC.
+_TIMESTAMP_KEYS = frozenset({"created"})
+
+
+def metadata_text(key: str, value: Any) -> str:
+    """A metadata value as one line of human output (timestamps in ISO 8601, UTC)."""
+    if key in _TIMESTAMP_KEYS and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            stamp = datetime.datetime.fromtimestamp(float(value), tz=datetime.timezone.utc)
+        except (ValueError, OverflowError, OSError):
+            pass
+        else:
+            return stamp.isoformat(timespec="seconds")
+    return str(value).replace("\n", " ")
 
 
 def format_bytes(n: int) -> str:

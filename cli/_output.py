@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-__all__ = ["Output", "Progress", "to_jsonable"]
+__all__ = ["Output", "Progress", "counted", "to_jsonable"]
 
 
 class Progress:
@@ -127,6 +127,11 @@ class Output:
                 dynamic_ncols=True,
             )
         )
+
+
+def counted(n: int, word: str) -> str:
+    """``"1 device"``, ``"2 devices"``: a count with its noun in the right number."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def one_line(message: str) -> str:

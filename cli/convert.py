@@ -8,7 +8,14 @@ from typing import Any
 
 from parallelvars import formats
 
-from ._common import add_format_option, format_bytes, open_view, parse_size
+from ._common import (
+    add_destination_options,
+    add_format_option,
+    destination_path,
+    format_bytes,
+    open_view,
+    parse_size,
+)
 from ._errors import UsageError
 from ._output import Output
 
@@ -18,7 +25,8 @@ _EPILOG = """\
 --components all keeps every component of every variable (formats without a place for
 components store them under suffixed names); --components primary keeps one value per variable
 (the logical value: the primary of a mirrored variable, the aggregate of an on-read variable,
-the full tensor of a sharded one), which is what a non-parallel reader expects.
+the full tensor of a sharded one), which is what a non-parallel reader expects. A variable of
+independent buffers has no single value: --components primary refuses it, as extract does.
 
 Sizes take decimal (KB, MB, GB) or binary (KiB, MiB, GiB) units: 5GB = 5*10^9 bytes,
 100KiB = 102400 bytes.
@@ -27,7 +35,8 @@ examples:
   parallelvars convert run.h5 model.safetensors
   parallelvars convert run.h5 model.safetensors --components primary --max-shard-size 5GB
   parallelvars convert ckpt-3 run.h5 --from tf
-  parallelvars convert model.weights.h5 weights.npz --to npz"""
+  parallelvars convert model.weights.h5 weights.npz --to npz
+  parallelvars convert run.h5 shards/ --to safetensors --max-shard-size 5GB --parents"""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -39,9 +48,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("source", metavar="SRC", help="checkpoint to read")
-    parser.add_argument("destination", metavar="DST", help="file (or prefix) to write")
+    parser.add_argument(
+        "destination",
+        metavar="DST",
+        help="file (or prefix) to write; a folder (ending in /, or existing) gets model.<suffix> "
+        "or Hugging Face's shard names inside",
+    )
     add_format_option(parser, "--from", "format of SRC")
     add_format_option(parser, "--to", "format of DST", "by default from DST's suffix")
+    add_destination_options(parser)
     parser.add_argument(
         "--components",
         choices=("all", "primary"),
@@ -80,18 +95,21 @@ def run(args: argparse.Namespace) -> int:
     if same_file(args.source, args.destination):
         raise UsageError(f"{args.destination}: is the same file as SRC; write somewhere else")
     src_format = args.from_format or formats.detect_format(args.source)
+    destination, dst_format = destination_path(args.destination, args.to_format, parents=args.parents)
+    if same_file(args.source, destination):
+        raise UsageError(f"{destination}: is the same file as SRC; write somewhere else")
     with out.progress(None, "convert") as bar:
         written = formats.convert(
             args.source,
-            args.destination,
+            destination,
             from_format=src_format,
-            to_format=args.to_format,
+            to_format=dst_format,
             components=args.components,
             names=args.names,
             max_shard_size=args.max_shard_size,
             progress=bar.set,
         )
-    with open_view(written, args.to_format) as view:
+    with open_view(written, dst_format) as view:
         count = len(view)
         total = sum(int(view[k].nbytes) for k in view)
         dst_format = view.format

@@ -19,7 +19,7 @@ import numpy as np
 import parallelvars as pv
 
 from ._mlp import MLP, accuracy, loss_and_grads, make_blobs
-from ._output import Output
+from ._output import Output, counted
 from .inspect import collect, render_tree
 
 FEATURES, HIDDEN, CLASSES = 32, 64, 4
@@ -77,7 +77,7 @@ def _train(
         model.seen.assign_add(len(yb))  # on-read: each replica counts its own examples
         return loss
 
-    bar = out.progress(total=stop - start, desc=f"training on {n} devices", unit="step")
+    bar = out.progress(total=stop - start, desc=f"training on {counted(n, 'device')}", unit="step")
     for i in range(start, stop):
         j = (i * BATCH) % EXAMPLES
         xb, yb = x[j : j + BATCH], y[j : j + BATCH]
@@ -170,8 +170,8 @@ def run(args: argparse.Namespace) -> int:
     }
     lines = [
         f"trained a {FEATURES}-{HIDDEN}-{CLASSES} MLP for {args.steps} steps with Adam: "
-        f"{first_leg} steps on {args.devices} devices, then restarted on {m} devices",
-        f"  restart: restored {os.path.basename(mid_ckpt or '?')} onto {m} devices and resumed at step "
+        f"{first_leg} steps on {counted(args.devices, 'device')}, then restarted on {counted(m, 'device')}",
+        f"  restart: restored {os.path.basename(mid_ckpt or '?')} onto {counted(m, 'device')} and resumed at step "
         f"{resumed_at} (every component equal to the saved values: {same})",
         f"  loss {losses[0]:.4f} -> {losses[first_leg - 1]:.4f} (restart) -> {losses[-1]:.4f}; "
         f"accuracy {acc1:.3f} -> {acc2:.3f}; examples seen {int(model2.seen.read_value())}",

@@ -9,7 +9,7 @@ import numpy as np
 
 from parallelvars.formats import CheckpointView, Entry
 
-from ._common import non_negative_float, open_view, shape_str
+from ._common import natural_key, non_negative_float, open_view, shape_str
 from ._output import Output, Progress
 from .inspect import dtype_name
 
@@ -224,9 +224,9 @@ def run(args: argparse.Namespace) -> int:
     out: Output = args.out
     with open_view(args.a, None) as va, open_view(args.b, None) as vb:
         keys_a, keys_b = set(va), set(vb)
-        missing = sorted(keys_a - keys_b)
-        extra = sorted(keys_b - keys_a)
-        common = sorted(keys_a & keys_b)
+        missing = sorted(keys_a - keys_b, key=natural_key)
+        extra = sorted(keys_b - keys_a, key=natural_key)
+        common = sorted(keys_a & keys_b, key=natural_key)
         total = sum(int(va[k].nbytes) + int(vb[k].nbytes) for k in common)
         results = []
         with out.progress(total, "compare") as bar:

@@ -9,9 +9,17 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars.errors import ParallelVarsError
 from parallelvars.formats import CheckpointView, Entry
 
-from ._common import add_format_option, format_bytes, open_view, shape_str
+from ._common import (
+    add_format_option,
+    format_bytes,
+    metadata_text,
+    natural_key,
+    open_view,
+    shape_str,
+)
 from ._output import Output, Progress
 
 __all__ = ["add_parser", "run", "components_equal", "dtype_name"]
@@ -83,7 +91,9 @@ def _row(entry: Entry) -> dict[str, Any]:
 def _detail(row: dict[str, Any]) -> str:
     attrs = row["attrs"]
     bits = []
-    if row["kind"] == "mirrored":
+    if "damaged" in row:
+        bits.append("DAMAGED (see 'parallelvars verify')")
+    elif row["kind"] == "mirrored":
         bits.append("equal" if row["equal"] else f"NOT EQUAL (components {row['differing']})")
     elif row["kind"] == "on_read" and "aggregation" in attrs:
         bits.append(f"aggregation={attrs['aggregation']}")
@@ -170,17 +180,28 @@ def render_tree(rows: list[dict[str, Any]]) -> list[str]:
 
 def collect(view: CheckpointView, out: Output) -> list[dict[str, Any]]:
     """One row per variable, sorted by path; mirrored variables get ``equal``/``differing``."""
-    entries = [view[key] for key in sorted(view)]
-    mirrored = [e for e in entries if e.kind == "mirrored" and e.num_components > 1]
+    entries = []
     rows = []
+    for key in sorted(view, key=natural_key):
+        try:
+            entries.append(view[key])
+        except ParallelVarsError as exc:  # shown in the tree, marked, with the others
+            rows.append({"path": key, "kind": "?", "dtype": "?", "shape": [], "components": 0,
+                         "bytes": 0, "attrs": {}, "damaged": str(exc)})
+    mirrored = [e for e in entries if e.kind == "mirrored" and e.num_components > 1]
     with out.progress(sum(e.nbytes for e in mirrored), "compare components") as bar:
         for entry in entries:
             row = _row(entry)
             if entry.kind == "mirrored":
-                differing = components_equal(entry, bar) if entry.num_components > 1 else []
-                row["equal"] = not differing
-                row["differing"] = differing
+                try:
+                    differing = components_equal(entry, bar) if entry.num_components > 1 else []
+                except ParallelVarsError as exc:
+                    row["damaged"] = str(exc)
+                else:
+                    row["equal"] = not differing
+                    row["differing"] = differing
             rows.append(row)
+    rows.sort(key=lambda r: natural_key(r["path"]))
     return rows
 
 
@@ -209,15 +230,17 @@ def run(args: argparse.Namespace) -> int:
         lines = [head]
         if metadata:
             lines.append("metadata:")
-            for key in sorted(metadata, key=str):
-                value = str(metadata[key]).replace("\n", " ")
+            for key in sorted(metadata, key=lambda k: natural_key(str(k))):
+                value = metadata_text(str(key), metadata[key])
                 lines.append(f"  {key}: {value if len(value) <= 72 else value[:69] + '...'}")
             lines.append("variables:")
         lines.extend(render_tree(rows))
         unequal = [r["path"] for r in rows if r.get("equal") is False]
         if unequal:
             lines.append(f"{len(unequal)} mirrored variable(s) with unequal components")
+        lines.extend(f"damaged: {r['damaged']}" for r in damaged)
         return "\n".join(lines)
 
+    damaged = [r for r in rows if "damaged" in r]
     out.emit(data, human)
-    return 0
+    return 1 if damaged else 0

@@ -7,7 +7,15 @@ from typing import Any
 
 from parallelvars import formats
 
-from ._common import add_format_option, open_view, output_format, positive_int, progress_entries
+from ._common import (
+    add_destination_options,
+    add_format_option,
+    destination_path,
+    open_view,
+    output_format,
+    positive_int,
+    progress_entries,
+)
 from ._errors import UsageError
 from ._output import Output
 from .convert import same_file
@@ -41,6 +49,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     add_format_option(parser, "--from", "format of SRC")
     add_format_option(parser, "--to", "format of DST", "by default from DST's suffix, else SRC's")
+    add_destination_options(parser)
     return parser
 
 
@@ -51,10 +60,13 @@ def run(args: argparse.Namespace) -> int:
     with open_view(args.source, args.from_format) as view:
         before = sorted({int(view[k].num_components) for k in view})
         entries = formats.reshard(view, args.devices)
-        fmt = output_format(args.destination, args.to_format, view.format)
+        destination, fmt = destination_path(
+            args.destination, args.to_format or output_format(args.destination, None, view.format),
+            parents=args.parents,
+        )
         wrapped, bar = progress_entries(out, entries, "reshard")
         with bar:
-            written = formats.write_checkpoint(args.destination, wrapped, format=fmt)
+            written = formats.write_checkpoint(destination, wrapped, format=fmt)
         count = len(entries)
         src_format = view.format
     data = {

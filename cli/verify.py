@@ -13,7 +13,7 @@ from parallelvars.checkpoint.h5io import HDF5_SIGNATURE, H5Reader
 from parallelvars.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from parallelvars.formats import KINDS, CheckpointView, Entry, detect_format
 
-from ._common import add_format_option, format_bytes, open_view
+from ._common import add_format_option, format_bytes, natural_key, open_view
 from ._output import Output, Progress
 
 __all__ = ["add_parser", "run", "check_structure", "check_data"]
@@ -125,7 +125,7 @@ def check_data(entry: Entry, progress: Progress | None = None) -> list[str]:
 def _verify_view(view: CheckpointView, out: Output) -> tuple[list[str], dict[str, int]]:
     problems: list[str] = []
     entries = []
-    for key in sorted(view):
+    for key in sorted(view, key=natural_key):
         try:
             entries.append(view[key])
         except Exception as exc:
@@ -183,7 +183,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             with open_view(path, fmt) as view:
                 result = _verify_view(view, out)
-    except CorruptCheckpointError as exc:  # damaged beyond opening: a finding, not a usage error
+    except (CorruptCheckpointError, NotACheckpointError) as exc:
+        # A file whose format is known (from --from, its bytes or its suffix) but that does not
+        # open as one is damaged: a finding (1) whatever the format, not a usage error (2).
         result = [str(exc)], {"num_variables": 0, "num_components": 0, "bytes": 0}
     problems, stats = result
     data = {"path": path, "format": fmt, "ok": not problems, "problems": problems, **stats}

@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars.errors import InvalidEntryError
+
 from ._names import check_names
 from ._registry import format_for_suffix, get_format, open_checkpoint
 from ._reshard import reshard
@@ -117,7 +119,8 @@ def convert(
         to_format: the output format (default: from ``dst``'s suffix).
         components: ``"all"`` keeps every component of parallel variables; ``"primary"`` writes
             one single entry per variable: the primary, or the logical value of sharded and
-            on-read variables.
+            on-read variables; a variable of independent buffers has no single value and is
+            refused (InvalidEntryError).
         names: key style for formats with flat keys (``"slash"``, ``"dotted"``, ``"tf"``);
             default: the format's own.
         max_shard_size: split safetensors output into shards of at most this size.
@@ -156,6 +159,15 @@ def convert(
             source = reshard(view, devices)
         entries: dict[str, Entry] = dict(source.items())
         if components == "primary":
+            for key, e in entries.items():
+                if e.kind == "independent" and e.num_components > 1:  # as `extract` refuses it
+                    raise InvalidEntryError(
+                        f"holds {e.num_components} independent components and no single value "
+                        "to write with components='primary'",
+                        file=os.fspath(src), variable=key,
+                        hint="keep them with components='all' (--components all), or extract one "
+                        "with 'parallelvars extract --component'",
+                    )
             entries = {k: _PrimaryEntry(e) for k, e in entries.items()}
         if progress is not None:
             total = sum(int(e.nbytes) for e in entries.values())

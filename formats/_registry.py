@@ -123,7 +123,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         "not a checkpoint of any known format",
         file=p,
         expected=f"one of {', '.join(FORMAT_NAMES)}",
-        found=f"first bytes {head[:8]!r}",
+        found="a directory with no checkpoint files in it" if os.path.isdir(p) else f"first bytes {head[:8]!r}",
     )
 
 

@@ -580,6 +580,91 @@ def _keras3_keys(entries: Mapping[str, Entry], file: str) -> dict[str, str]:
     return primary
 
 
+_MODEL_CLASSES = ("Sequential", "Functional", "Model")
+
+
+def _snake_case(name: str) -> str:
+    """Keras' ``naming.to_snake_case``: ``BatchNormalization`` -> ``batch_normalization``."""
+    name = re.sub(r"\W+", "", name)
+    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
+
+
+def _keras3_from_legacy(
+    entries: Mapping[str, Entry], legacy: dict[str, Any], file: str
+) -> tuple[dict[str, str], dict[str, dict[str, Any]]] | None:
+    """Keras 3 keys and groups for the weights of a legacy Keras file, or None when the entries
+    are not that file's weights (renamed or from elsewhere: the generic mapping applies).
+
+    Keras 3 names a layer's group after its *class* (``layers/dense_1/vars``, made unique in
+    layer order) and records the layer's name in ``@name``; the legacy layout has the layer
+    names and their order, and the model config of a full-model file has the classes.
+    """
+    layers = {
+        str(layer): [_SUFFIX_RE.sub("", str(w)) for w in names]
+        for layer, names in (legacy.get("layers") or {}).items()
+    }
+    covered = [path for paths in layers.values() for path in paths]
+    optimizer = ["optimizer_weights/" + _SUFFIX_RE.sub("", str(w)) for w in legacy.get("optimizer_weights") or []]
+    if set(entries) != set(covered) | set(optimizer) or len(covered) != len(set(covered)):
+        return None
+    if optimizer:
+        raise ValueError(
+            f"{file}: the legacy file's optimizer weights ({len(optimizer)}) have no place in a "
+            "Keras 3 .weights.h5 made from it (Keras 3 orders optimizer variables by its own "
+            "optimizer objects); convert to another format to keep them"
+        )
+    raw = (legacy.get("file_attrs") or {}).get("model_config")
+    try:
+        config = json.loads(raw) if isinstance(raw, str) else raw
+    except json.JSONDecodeError:
+        config = None
+    model = config.get("config") if isinstance(config, dict) else None
+    if not isinstance(model, dict) or not isinstance(model.get("layers"), list):
+        raise ValueError(
+            f"{file}: a Keras 3 .weights.h5 names each layer's weights by the layer's class, and "
+            "this legacy file has no model config saying which class each layer is (a "
+            "save_weights file); convert the full-model file (model.save), or load it in Keras "
+            "and call save_weights there"
+        )
+    classes: dict[str, str] = {}
+    for layer in model["layers"]:
+        if isinstance(layer, dict):
+            cfg = layer.get("config")
+            name = cfg.get("name") if isinstance(cfg, dict) else None
+            name = name if isinstance(name, str) else layer.get("name")
+            if isinstance(name, str) and isinstance(layer.get("class_name"), str):
+                classes[name] = layer["class_name"]
+    keys: dict[str, str] = {}
+    groups: dict[str, dict[str, Any]] = {}
+    if isinstance(model.get("name"), str):
+        groups["vars"] = {"name": model["name"]}
+    used: dict[str, int] = {}
+    for layer in [str(n) for n in legacy.get("layer_names") or []]:
+        cls = classes.get(layer)
+        if cls is None:
+            raise ValueError(f"{file}: layer {layer!r} is not in the file's model config; cannot "
+                             "tell its Keras 3 group")
+        if cls in _MODEL_CLASSES:
+            raise ValueError(f"{file}: layer {layer!r} is a nested model ({cls}); its Keras 3 "
+                             "layout cannot be derived from the legacy file")
+        group = _snake_case(cls)
+        if group in used:
+            used[group] += 1
+            group = f"{group}_{used[group]}"
+        else:
+            used[group] = 0
+        groups[f"layers/{group}/vars"] = {"name": layer}
+        for i, path in enumerate(layers.get(layer, [])):
+            keys[path] = f"layers/{group}/vars/{i}"
+    for i, path in enumerate(layers.get("top_level_model_weights", [])):
+        keys[path] = f"vars/{i}"
+    if set(keys) != set(covered):
+        missing = sorted(set(covered) - set(keys))
+        raise ValueError(f"{file}: weights of layers not in layer_names cannot be placed: {missing[:3]}")
+    return keys, groups
+
+
 def write_keras(
     path: str | os.PathLike[str],
     entries: Mapping[str, Entry],
@@ -592,7 +677,9 @@ def write_keras(
         path: the output file.
         entries: the entries (a view of a Keras file keeps its exact layout).
         metadata: file metadata (default: the source view's); ``keras_weights_layout`` gives
-            the groups' attributes.
+            the groups' attributes. The weights of a legacy Keras file (``keras_legacy_layout``)
+            go where Keras 3 looks for them (``layers/<class>/vars/<i>``), which needs the
+            model config of a full-model file; a mapping that cannot be made is a ValueError.
 
     Returns:
         The file written.
@@ -601,7 +688,13 @@ def write_keras(
     if metadata is None:
         metadata = getattr(entries, "metadata", None) or {}
     layout = _layout(metadata, KERAS_LAYOUT) or {}
-    keys = _keras3_keys(entries, p)
+    legacy = None if layout else _layout(metadata, LEGACY_LAYOUT)
+    mapped = _keras3_from_legacy(entries, legacy, p) if legacy else None
+    if mapped is not None:  # a legacy Keras file: Keras 3's own names for its layers
+        keys, groups = mapped
+        layout = {"groups": groups}
+    else:
+        keys = _keras3_keys(entries, p)
     planned, info = plan_tensors(
         entries,
         names="slash",

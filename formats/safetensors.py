@@ -611,7 +611,7 @@ def write_safetensors(
         The file written, or the index file of a shard set.
     """
     p = os.fspath(path)
-    if os.path.isdir(p):
+    if os.path.isdir(p) or p.endswith(("/", os.sep)):  # a folder: Hugging Face's names inside
         p = os.path.join(p, "model.safetensors")
     if p.endswith(".index.json"):
         p = p[: -len(".index.json")]

@@ -9,65 +9,117 @@ Example:
     4
 """
 
-from parallelvars import errors, optimizers
-from parallelvars.checkpoint import (
-    Checkpoint,
-    CheckpointLoadStatus,
-    CheckpointManager,
-    Saveable,
-    SaveRecord,
-    latest_checkpoint,
-    register_saveable,
-)
-from parallelvars.devices import ParallelDevice
-from parallelvars.enums import Aggregation, ReduceOp, Synchronization
-from parallelvars.errors import ParallelVarsError
-from parallelvars.optimizers import GradientBuffers, IndexedSlices, clip_by_global_norm
-from parallelvars.strategy import (
-    DistributedDataset,
-    Mirrored,
-    MirroredStrategy,
-    OneDeviceStrategy,
-    PerReplica,
-    ReplicaContext,
-    Strategy,
-    compute_average_loss,
-    get_cross_replica_context,
-    get_loss_reduction,
-    get_replica_context,
-    get_strategy,
-    get_update_device,
-    has_strategy,
-    in_cross_replica_context,
-    increment_var,
-    loss_reduction,
-    outside_compilation,
-    scale_loss_for_replicas,
-    scale_regularization_loss,
-    set_loss_reduction,
-)
-from parallelvars.tracking import Module, TrackedDict, TrackedList
-from parallelvars.variables import (
-    ComponentVariable,
-    ParallelVariable,
-    ReplicatedVariable,
-    ShardedVariable,
-    Variable,
-    independent_buffers,
-    replicated_scope,
-    variable_creator_scope,
-)
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+from parallelvars import _source_tree
+
+if TYPE_CHECKING:  # the public names, imported on first use (see __getattr__)
+    from parallelvars import errors, optimizers
+    from parallelvars.checkpoint import (
+        Checkpoint,
+        CheckpointLoadStatus,
+        CheckpointManager,
+        Saveable,
+        SaveRecord,
+        latest_checkpoint,
+        register_saveable,
+    )
+    from parallelvars.devices import ParallelDevice
+    from parallelvars.enums import Aggregation, ReduceOp, Synchronization
+    from parallelvars.errors import ParallelVarsError
+    from parallelvars.optimizers import GradientBuffers, IndexedSlices, clip_by_global_norm
+    from parallelvars.strategy import (
+        DistributedDataset,
+        Mirrored,
+        MirroredStrategy,
+        OneDeviceStrategy,
+        PerReplica,
+        ReplicaContext,
+        Strategy,
+        compute_average_loss,
+        get_cross_replica_context,
+        get_loss_reduction,
+        get_replica_context,
+        get_strategy,
+        get_update_device,
+        has_strategy,
+        in_cross_replica_context,
+        increment_var,
+        loss_reduction,
+        outside_compilation,
+        scale_loss_for_replicas,
+        scale_regularization_loss,
+        set_loss_reduction,
+    )
+    from parallelvars.tracking import Module, TrackedDict, TrackedList
+    from parallelvars.variables import (
+        ComponentVariable,
+        ParallelVariable,
+        ReplicatedVariable,
+        ShardedVariable,
+        Variable,
+        independent_buffers,
+        replicated_scope,
+        variable_creator_scope,
+    )
+
+# Public name -> the module defining it. Importing parallelvars imports none of them, so that
+# `parallelvars --version` and `import parallelvars.errors` stay fast; the first use does.
+_LAZY: dict[str, str] = {
+    "errors": "parallelvars.errors",
+    "optimizers": "parallelvars.optimizers",
+    **dict.fromkeys(
+        ["Checkpoint", "CheckpointLoadStatus", "CheckpointManager", "Saveable", "SaveRecord",
+         "latest_checkpoint", "register_saveable"],
+        "parallelvars.checkpoint",
+    ),
+    "ParallelDevice": "parallelvars.devices",
+    **dict.fromkeys(["Aggregation", "ReduceOp", "Synchronization"], "parallelvars.enums"),
+    "ParallelVarsError": "parallelvars.errors",
+    **dict.fromkeys(["GradientBuffers", "IndexedSlices", "clip_by_global_norm"], "parallelvars.optimizers"),
+    **dict.fromkeys(
+        ["DistributedDataset", "Mirrored", "MirroredStrategy", "OneDeviceStrategy", "PerReplica",
+         "ReplicaContext", "Strategy", "compute_average_loss", "get_cross_replica_context", "get_loss_reduction",
+         "get_replica_context", "get_strategy", "get_update_device", "has_strategy",
+         "in_cross_replica_context", "increment_var", "loss_reduction", "outside_compilation",
+         "scale_loss_for_replicas", "scale_regularization_loss", "set_loss_reduction"],
+        "parallelvars.strategy",
+    ),
+    **dict.fromkeys(["Module", "TrackedDict", "TrackedList"], "parallelvars.tracking"),
+    **dict.fromkeys(
+        ["ComponentVariable", "ParallelVariable", "ReplicatedVariable", "ShardedVariable", "Variable", "independent_buffers",
+         "replicated_scope", "variable_creator_scope"],
+        "parallelvars.variables",
+    ),
+    # Imported on first use, so that importing parallelvars never imports mpi4py.
+    "MultiWorkerMirroredStrategy": "parallelvars.strategy._mpi",
+}  # fmt: skip
 
 __version__ = "0.1.0"
 
+# Run from a source checkout, parallelvars.formats and parallelvars.cli live beside this folder.
+_source_tree.install(__path__[0])
 
-def __getattr__(name: str) -> object:
-    # Imported on first use, so that importing parallelvars never imports mpi4py.
-    if name == "MultiWorkerMirroredStrategy":
-        from parallelvars.strategy._mpi import MultiWorkerMirroredStrategy
 
-        return MultiWorkerMirroredStrategy
-    raise AttributeError(f"module 'parallelvars' has no attribute {name!r}")
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        # A submodule (pv.checkpoint, pv.strategy ...) is an attribute once imported, as when
+        # this package imported everything eagerly.
+        if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            module = f"{__name__}.{name}"
+        else:
+            raise AttributeError(f"module 'parallelvars' has no attribute {name!r}")
+    loaded = importlib.import_module(module)
+    value = loaded if module == f"{__name__}.{name}" else getattr(loaded, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 __all__ = [

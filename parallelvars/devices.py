@@ -7,6 +7,8 @@ from typing import Any
 
 from parallelvars.errors import DistributedValueError
 
+from parallelvars.errors import DistributedValueError
+
 __all__ = ["ParallelDevice", "canonical_device"]
 
 
@@ -18,7 +20,7 @@ def canonical_device(name: str) -> str:
             text = text[len(prefix):]
     kind, sep, index = text.rpartition(":")
     if not sep or not kind or not index.isdigit():
-        raise ValueError(f"invalid device name {name!r} (expected 'kind:index', e.g. 'cpu:0')")
+        raise DistributedValueError(f"invalid device name {name!r} (expected 'kind:index', e.g. 'cpu:0')")
     return f"{kind.lower()}:{int(index)}"
 
 
@@ -39,16 +41,16 @@ class ParallelDevice(Sequence[str]):
             names: tuple[str, ...] = devices.components
         elif isinstance(devices, int) and not isinstance(devices, bool):
             if devices < 1:
-                raise ValueError(f"a parallel device needs at least one component, got {devices}")
+                raise DistributedValueError(f"a parallel device needs at least one component, got {devices}")
             names = tuple(f"cpu:{i}" for i in range(devices))
         elif isinstance(devices, str):
             names = (canonical_device(devices),)
         else:
             names = tuple(canonical_device(d) for d in devices)  # type: ignore[union-attr]
             if not names:
-                raise ValueError("a parallel device needs at least one component device")
+                raise DistributedValueError("a parallel device needs at least one component device")
         if len(set(names)) != len(names):
-            raise ValueError(f"component devices must be distinct, got {list(names)}")
+            raise DistributedValueError(f"component devices must be distinct, got {list(names)}")
         self._components = names
 
     @property

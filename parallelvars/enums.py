@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from typing import TypeVar
 
+from parallelvars.errors import DistributedValueError
+
 __all__ = ["Synchronization", "Aggregation", "ReduceOp"]
 
 
@@ -23,7 +25,7 @@ class _Named(enum.Enum):
             for member in cls:
                 if value.lower() in (member.value, member.name.lower()):
                     return member
-        raise ValueError(
+        raise DistributedValueError(
             f"invalid {cls.__name__}: {value!r} (expected one of "
             f"{', '.join(m.name for m in cls)})"
         )

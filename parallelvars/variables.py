@@ -22,6 +22,12 @@ Overridden dunders and why (everything else is forwarded to the wrapped array by
   ``__index__``), ``__getitem__``, ``__len__``, ``__iter__``, ``__array__``,
   ``__array_ufunc__``, ``__array_function__``: read the *local* component (the primary outside
   replica functions) and unwrap other variables, so numpy never sees a proxy.
+* ``__array_interface__`` / ``__array_struct__``: numpy consults them *before* ``__array__``.
+  For ordinary dtypes they describe the local component (so ``np.asarray(v)`` shares its
+  memory); for the ml_dtypes extension types (bfloat16, float8 ...) they are absent, because
+  their type string is a bare ``|V2`` and numpy would read raw void bytes; ``__array__`` then
+  gives the real dtype. (``memoryview(v)`` is refused like for any proxy: use
+  ``memoryview(np.asarray(v))``.)
 * in-place operators (``+=``, ``-=``, ``*=``, ``/=``, ``//=``, ``%=``, ``**=``, ``<<=``,
   ``>>=``, ``&=``, ``|=``, ``^=``) and ``__setitem__``: must reach *every* component of a
   mirrored variable, not only the primary that wrapt would update. ``+=`` and ``-=`` are
@@ -57,6 +63,7 @@ from parallelvars.errors import (
     DistributedTypeError,
     DistributedValueError,
     ShapeMismatchError,
+    UnsupportedDtypeError,
 )
 from parallelvars.strategy import _context
 
@@ -152,6 +159,8 @@ _INPLACE_UFUNC = {
     "or": np.bitwise_or,
     "xor": np.bitwise_xor,
 }
+# Attributes the proxy must not forward to the wrapped array (see __array_interface__).
+_NOT_FORWARDED = frozenset({"__array_interface__", "__array_struct__"})
 # numpy functions that write into their first argument.
 _MUTATING_FUNCTIONS = {np.copyto, np.put, np.putmask, np.place, np.fill_diagonal, np.put_along_axis}
 
@@ -186,7 +195,7 @@ class ParallelVariable(wrapt.ObjectProxy):
         placement: _storage.Placement | None = None,
     ) -> None:
         if stacked.shape[0] != len(device):
-            raise ValueError(
+            raise DistributedValueError(
                 f"variable {name!r}: {stacked.shape[0]} components for {len(device)} devices"
             )
         super().__init__(stacked[0, ...])  # a 0-d view for scalars, not a copy
@@ -499,6 +508,20 @@ class ParallelVariable(wrapt.ObjectProxy):
             return arr.astype(dtype)
         return np.array(arr, copy=True) if copy else arr
 
+    def _interface_array(self, protocol: str) -> np.ndarray:
+        arr = self._local()
+        if is_extension_dtype(arr.dtype):
+            raise AttributeError(f"{protocol} (a {arr.dtype} variable converts through __array__)")
+        return arr
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        return self._interface_array("__array_interface__").__array_interface__
+
+    @property
+    def __array_struct__(self) -> Any:
+        return self._interface_array("__array_struct__").__array_struct__
+
     def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
         out = kwargs.get("out")
         targets = [o for o in (out or ()) if isinstance(o, ParallelVariable)]
@@ -639,7 +662,8 @@ class ParallelVariable(wrapt.ObjectProxy):
         return sorted(set(dir(type(self))) | set(dir(self.__wrapped__)))
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("_self_"):
+        # A protocol property that raised AttributeError must stay absent, not be forwarded.
+        if name.startswith("_self_") or name in _NOT_FORWARDED:
             raise AttributeError(name)
         return getattr(self._local(), name)
 
@@ -806,11 +830,7 @@ class ShardedVariable(ParallelVariable):
         aggregation: Aggregation = Aggregation.NONE,
     ) -> None:
         ndim = full.ndim
-        if ndim == 0:
-            raise ValueError(f"variable {name!r}: a scalar cannot be sharded")
-        axis = shard_axis + ndim if shard_axis < 0 else shard_axis
-        if not 0 <= axis < ndim:
-            raise ValueError(f"variable {name!r}: shard_axis {shard_axis} out of range for {ndim} dims")
+        axis = _check_shard_axis(name, shard_axis, ndim)
         n = len(device)
         sizes = shard_sizes(full.shape[axis], n)
         offsets = [0, *itertools.accumulate(sizes)][:-1]
@@ -904,8 +924,20 @@ def _initial_array(initial_value: Any, dtype: Any, name: str) -> np.ndarray:
     if arr.dtype.kind in "USV" or (arr.dtype.kind == "O"):
         if arr.dtype.kind == "O" and all(isinstance(x, bytes) for x in arr.flat):
             return arr
-        raise TypeError(f"variable {name!r}: unsupported initial value dtype {arr.dtype}")
+        raise UnsupportedDtypeError(f"variable {name!r}: unsupported initial value dtype {arr.dtype}")
     return arr
+
+
+def _check_shard_axis(name: str, shard_axis: Any, ndim: int) -> int:
+    """``shard_axis`` as a non-negative axis of an ``ndim``-d value, checked with or without a strategy."""
+    if isinstance(shard_axis, bool) or not isinstance(shard_axis, (int, np.integer)):
+        raise DistributedValueError(f"variable {name!r}: shard_axis must be an int, got {shard_axis!r}")
+    if ndim == 0:
+        raise DistributedValueError(f"variable {name!r}: a scalar cannot be sharded")
+    axis = int(shard_axis) + ndim if shard_axis < 0 else int(shard_axis)
+    if not 0 <= axis < ndim:
+        raise DistributedValueError(f"variable {name!r}: shard_axis {shard_axis} out of range for {ndim} dims")
+    return axis
 
 
 def _base_creator(**kwargs: Any) -> ParallelVariable:
@@ -933,11 +965,13 @@ def _make_distributed_variable(
     agg = Aggregation.parse(aggregation)
     arr = _initial_array(initial_value, dtype, name)
     n = len(device)
+    if shard_axis is not None:
+        _check_shard_axis(name, shard_axis, arr.ndim)
     if trainable is None:
         trainable = sync is not Synchronization.ON_READ
     if shard_axis is not None and n > 1:
         if sync is Synchronization.ON_READ:
-            raise ValueError(f"variable {name!r}: a sharded variable cannot be ON_READ")
+            raise DistributedValueError(f"variable {name!r}: a sharded variable cannot be ON_READ")
         full = np.array(arr, copy=True, order="C")
         return ShardedVariable(full, device=device, name=name, shard_axis=int(shard_axis), trainable=trainable, aggregation=agg)
     if kind is None:
@@ -948,7 +982,7 @@ def _make_distributed_variable(
         else:
             kind = "mirrored"
     if kind == "on_read" and agg is Aggregation.NONE:
-        raise ValueError(
+        raise DistributedValueError(
             f"variable {name!r}: an ON_READ variable needs an aggregation "
             "(Aggregation.SUM, MEAN or ONLY_FIRST_REPLICA) to be read across replicas"
         )

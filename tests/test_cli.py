@@ -329,3 +329,27 @@ def test_python_dash_m(tmp_path: pathlib.Path) -> None:
     assert proc.stdout == ""
     assert proc.stderr.startswith(f"parallelvars: error: {missing}: no such ")
     assert proc.stderr.count("\n") == 1 and proc.stderr.endswith("\n")
+
+
+def test_version_imports_neither_the_library_nor_the_formats() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from parallelvars.cli import main\n"
+        "assert main(['--version']) == 0\n"
+        "heavy = ('h5py', 'parallelvars.variables', 'parallelvars.checkpoint', 'parallelvars.formats')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(heavy)))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    version, loaded = proc.stdout.splitlines()
+    assert version.startswith("parallelvars ")
+    assert loaded == "[]"
+
+
+def test_version_after_a_subcommand_is_still_an_error(capsys) -> None:
+    from parallelvars.cli import main
+
+    assert main(["inspect", "--version"]) == 2

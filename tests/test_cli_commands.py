@@ -675,3 +675,77 @@ def test_golden_extract_bfloat16_and_float8_bits(
     got = np.load(out, allow_pickle=False)
     assert got.dtype == bits.dtype
     np.testing.assert_array_equal(got, bits)
+
+
+# ---------------------------------------------------------------------------- small rules
+def test_listings_are_in_natural_order(tmp_path, capsys) -> None:
+    from parallelvars.cli._common import natural_key
+
+    keys = [f"layers/dense/vars/{i}" for i in (10, 2, 0, 1, 11)] + ["layers/dense_10/x", "layers/dense_2/x"]
+    assert sorted(keys, key=natural_key) == [
+        "layers/dense/vars/0", "layers/dense/vars/1", "layers/dense/vars/2",
+        "layers/dense/vars/10", "layers/dense/vars/11", "layers/dense_2/x", "layers/dense_10/x",
+    ]  # fmt: skip
+    entries = {f"v/{i}": ArrayEntry(f"v/{i}", [np.full(2, i, np.float32)]) for i in (0, 1, 10, 2)}
+    path = write_checkpoint(str(tmp_path / "n.npz"), entries, format="npz")
+    assert main(["inspect", path, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["variables"]
+    assert [r["path"] for r in rows] == ["v/0", "v/1", "v/2", "v/10"]
+    assert main(["verify", path, "--json"]) == 0
+    capsys.readouterr()
+    other = {k: ArrayEntry(k, [np.zeros(2, np.float32)]) for k in ("w/10", "w/2")}
+    path_b = write_checkpoint(str(tmp_path / "m.npz"), other, format="npz")
+    assert main(["diff", path, path_b, "--json"]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["missing"] == ["v/0", "v/1", "v/2", "v/10"]
+    assert result["extra"] == ["w/2", "w/10"]
+
+
+def test_inspect_shows_created_as_iso_8601(sample: str, capsys) -> None:
+    from parallelvars.cli._common import metadata_text
+
+    assert metadata_text("created", 0) == "1970-01-01T00:00:00+00:00"
+    assert metadata_text("created", "not a time") == "not a time"
+    assert main(["inspect", sample]) == 0
+    text = capsys.readouterr().out
+    line = next((ln for ln in text.splitlines() if ln.strip().startswith("created:")), None)
+    if line is not None:
+        assert "T" in line and line.rstrip().endswith("+00:00"), line
+
+
+@pytest.mark.parametrize("name", ["e.h5", "e.hdf5", "e.safetensors", "e.npz", "e.weights.h5", "e.index"])
+def test_verify_exit_code_does_not_depend_on_the_suffix(tmp_path, name, capsys) -> None:
+    path = tmp_path / name
+    path.write_bytes(b"")
+    assert main(["verify", str(path)]) == 1  # a checkpoint file of a known format, damaged
+    assert "problem" in capsys.readouterr().out
+
+
+def test_a_directory_without_a_checkpoint_says_so(tmp_path, capsys) -> None:
+    assert main(["inspect", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "directory" in err and "b''" not in err
+
+
+def test_inspect_shows_the_tree_with_a_damaged_component_marked(tmp_path, capsys) -> None:
+    marker = np.frombuffer(b"PARALLELVARS-MARKER-BYTES!", np.uint8).copy()
+    entries = {
+        "model/ok": ArrayEntry("model/ok", [np.arange(4, dtype=np.float32)]),
+        "model/bad": ArrayEntry("model/bad", [marker, marker], kind="mirrored"),
+        "model/fine": ArrayEntry("model/fine", [np.zeros(3, np.float32)] * 2, kind="mirrored"),
+    }
+    path = pathlib.Path(write_h5(str(tmp_path / "d.h5"), entries))
+    raw = bytearray(path.read_bytes())
+    at = raw.rindex(b"PARALLELVARS-MARKER")  # model/bad's parallel_component_1
+    raw[at + 3] ^= 0x01
+    path.write_bytes(bytes(raw))
+    assert main(["inspect", str(path)]) == 1
+    text = capsys.readouterr().out
+    bad = next(ln for ln in text.splitlines() if ln.strip().startswith("bad "))
+    assert "DAMAGED" in bad
+    assert any(ln.strip().startswith("ok ") for ln in text.splitlines())
+    assert any(ln.strip().startswith("fine ") and "equal" in ln for ln in text.splitlines())
+    assert "checksum mismatch" in text
+    assert main(["inspect", str(path), "--json"]) == 1
+    rows = {r["path"]: r for r in _json(capsys)["variables"]}
+    assert "checksum mismatch" in rows["model/bad"]["damaged"] and "damaged" not in rows["model/ok"]

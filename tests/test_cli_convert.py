@@ -280,3 +280,107 @@ def test_reshard_missing_source(tmp_path: pathlib.Path, capsys: pytest.CaptureFi
     src = tmp_path / "nothere.h5"
     assert main(["reshard", str(src), str(tmp_path / "o.h5"), "--devices", "2"]) == 2
     assert _one_line(capsys).startswith(f"parallelvars: error: {src}: no such ")
+
+
+# ---------------------------------------------------------------------------- folder destinations
+def test_convert_into_a_new_folder_with_shards(run_h5, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = ["convert", run_h5, "shards/", "--to", "safetensors", "--max-shard-size", "40B"]
+    assert main(args) == 2  # the folder does not exist and --parents was not given
+    err = capsys.readouterr().err
+    assert "shards" in err and "--parents" in err and ".tmp" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.h5"]
+    assert main([*args, "--parents"]) == 0
+    names = sorted(p.name for p in (tmp_path / "shards").iterdir())
+    assert "model.safetensors.index.json" in names
+    shards = [n for n in names if n != "model.safetensors.index.json"]
+    assert len(shards) > 1 and all(n.startswith("model-0000") and n.endswith(f"-of-{len(shards):05d}.safetensors") for n in shards)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.h5", "shards"]
+    with open_checkpoint(str(tmp_path / "shards")) as view:
+        assert "model/dense/kernel" in view
+
+
+def test_convert_into_a_new_folder_without_shards(run_h5, tmp_path, capsys) -> None:
+    dst = tmp_path / "out" / "deeper"
+    assert main(["convert", run_h5, f"{dst}/", "--to", "safetensors", "--parents"]) == 0
+    assert sorted(p.name for p in dst.iterdir()) == ["model.safetensors"]
+    assert main(["convert", run_h5, str(dst), "--to", "npz"]) == 0  # an existing folder
+    assert sorted(p.name for p in dst.iterdir()) == ["model.npz", "model.safetensors"]
+
+
+def test_folder_destination_needs_a_format(run_h5, tmp_path, capsys) -> None:
+    assert main(["convert", run_h5, f"{tmp_path}/"]) == 2
+    assert "--to FORMAT" in capsys.readouterr().err
+
+
+def test_missing_parent_folder_is_an_error(run_h5, tmp_path, capsys) -> None:
+    dst = tmp_path / "nope" / "model.safetensors"
+    assert main(["convert", run_h5, str(dst)]) == 2
+    err = capsys.readouterr().err
+    assert "no such folder" in err and str(tmp_path / "nope") in err
+    assert not (tmp_path / "nope").exists()
+    assert main(["convert", run_h5, str(dst), "--parents"]) == 0
+    assert dst.is_file()
+
+
+def test_reshard_into_a_folder(run_h5, tmp_path, capsys) -> None:
+    assert main(["reshard", run_h5, f"{tmp_path}/re/", "--devices", "1", "--parents"]) == 0
+    assert sorted(p.name for p in (tmp_path / "re").iterdir()) == ["model.h5"]
+
+
+def test_unknown_output_suffix_names_the_cli_flag(run_h5, tmp_path, capsys) -> None:
+    assert main(["convert", run_h5, str(tmp_path / "model.bin")]) == 2
+    err = capsys.readouterr().err
+    assert "--to" in err and "to_format=" not in err
+
+
+# ---------------------------------------------------------------------------- legacy Keras -> Keras 3
+KERAS_DATA = pathlib.Path(__file__).parent / "data" / "keras"
+
+
+def test_legacy_keras_converts_to_keras3_layout(tmp_path, capsys) -> None:
+    import h5py
+
+    out = tmp_path / "out.weights.h5"
+    assert main(["convert", str(KERAS_DATA / "model_legacy.h5"), str(out)]) == 0
+
+    def datasets(path: pathlib.Path) -> dict[str, tuple[np.ndarray, str]]:
+        found: dict[str, tuple[np.ndarray, str]] = {}
+        with h5py.File(path, "r") as h5:
+            def visit(name: str, obj: object) -> None:
+                if isinstance(obj, h5py.Dataset):
+                    owner = h5[name.rpartition("/")[0]].attrs.get("name")
+                    found[name] = (obj[()], owner.decode() if isinstance(owner, bytes) else owner)
+            h5.visititems(visit)
+        return found
+
+    ours, keras = datasets(out), datasets(KERAS_DATA / "model.weights.h5")
+    assert sorted(ours) == sorted(keras)  # layers/dense/vars/0 ... exactly as Keras 3 writes
+    for key, (value, owner) in keras.items():
+        np.testing.assert_array_equal(ours[key][0], value, err_msg=key)
+        assert ours[key][1] == owner, key
+
+
+def test_legacy_keras_without_model_config_is_refused(tmp_path, capsys) -> None:
+    from parallelvars.formats import ArrayEntry, write_checkpoint
+
+    legacy = tmp_path / "weights.h5"
+    entries = {"d1/kernel": ArrayEntry("d1/kernel", [np.ones((2, 3), np.float32)])}
+    write_checkpoint(str(legacy), entries, format="keras-legacy")
+    out = tmp_path / "out.weights.h5"
+    assert main(["convert", str(legacy), str(out), "--from", "keras-legacy"]) == 2
+    err = capsys.readouterr().err
+    assert "model config" in err and "class" in err
+    assert not out.exists()
+
+
+def test_components_primary_refuses_independent_buffers_like_extract(tmp_path, capsys) -> None:
+    src = write_sample(tmp_path / "run.h5")  # the sample has rng/state: independent buffers
+    out = tmp_path / "p.npz"
+    assert main(["convert", src, str(out), "--components", "primary"]) == 2
+    err = capsys.readouterr().err
+    assert "rng/state" in err and "independent" in err and "--component" in err
+    assert not out.exists()
+    assert main(["extract", src, "rng/state", "-o", str(tmp_path / "x.npy")]) == 2
+    assert "independent" in capsys.readouterr().err
+    assert main(["extract", src, "rng/state", "--component", "1", "-o", str(tmp_path / "x.npy")]) == 0

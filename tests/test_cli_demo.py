@@ -55,3 +55,9 @@ def test_mlp_gradients_match_finite_differences() -> None:
             flat_v[k] = old
             var.assign(flat_v.reshape(var.shape))
             assert abs((up - down) / (2 * eps) - grad.reshape(-1)[k]) < 2e-2
+
+
+def test_demo_counts_in_words(tmp_path, capsys) -> None:
+    assert main(["demo", "--devices", "1", "--steps", "4", "--dir", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "on 1 device," in text and "1 devices" not in text

@@ -20,7 +20,7 @@ from formats_testlib import (
 )
 from safetensors.numpy import load_file
 
-from parallelvars.errors import UnsupportedDtypeError
+from parallelvars.errors import InvalidEntryError, UnsupportedDtypeError
 from parallelvars.formats import (
     ArrayEntry,
     DictView,
@@ -94,13 +94,18 @@ def _parallel_view() -> DictView:
 
 
 def test_components_primary(tmp_path) -> None:
-    src = write_checkpoint(tmp_path / "p.h5", _parallel_view())
+    view = _parallel_view()
+    src = write_checkpoint(tmp_path / "p.h5", view)
+    # Independent buffers have no single value: refused, as `extract` refuses them.
+    with pytest.raises(InvalidEntryError, match="m/i"):
+        convert(src, tmp_path / "refused.safetensors", components="primary")
+    assert not (tmp_path / "refused.safetensors").exists()
+    src = write_checkpoint(tmp_path / "q.h5", {k: view[k] for k in view if k != "m/i"})
     out = convert(src, tmp_path / "p.safetensors", components="primary")
     plain = load_file(out)
-    assert sorted(plain) == ["m.e", "m.i", "m.n", "m.w"]
+    assert sorted(plain) == ["m.e", "m.n", "m.w"]
     assert same_bits(plain["m.e"], np.arange(24, dtype=np.float32).reshape(8, 3))
     assert same_bits(plain["m.n"], np.array([4.0, 6.0]))
-    assert same_bits(plain["m.i"], np.zeros(2, np.int8))
     with open_checkpoint(out) as view:
         assert all(e.kind == "single" and "devices" not in e.attrs for e in view.values())
 

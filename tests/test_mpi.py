@@ -251,3 +251,35 @@ def test_checkpoint_manager_across_processes(tmp_path: Path) -> None:
     pv.Checkpoint(model=model).restore(latest).expect_partial()
     for name in ("w", "b", "c"):
         np.testing.assert_array_equal(getattr(model, name).components[1], results[1][name])
+
+
+def test_saving_again_with_fewer_processes_leaves_no_stale_rank_files(tmp_path: Path) -> None:
+    launch(4, "save", str(tmp_path))
+    path = str(load(tmp_path, "save", 4)[0]["path"])
+    launch(2, "save", str(tmp_path))
+    assert str(load(tmp_path, "save", 2)[0]["path"]) == path  # the same checkpoint, rewritten
+    assert sorted(os.listdir(path + ".parts")) == [f"rank-{r:05d}-of-00002.h5" for r in range(2)]
+    with H5Reader(path) as reader:
+        assert reader.verify_all() == []
+
+
+def test_checkpoint_copied_without_its_parts_folder_says_what_is_missing(tmp_path: Path) -> None:
+    launch(2, "save", str(tmp_path))
+    path = str(load(tmp_path, "save", 2)[0]["path"])
+    alone = tmp_path / "copied.h5"
+    shutil.copy(path, alone)  # the index only, as a user copying one file would
+    from parallelvars.errors import CorruptCheckpointError
+
+    with H5Reader(str(alone)) as reader, pytest.raises(CorruptCheckpointError) as info:
+        for key in reader:
+            reader[key].component(0)
+    message = str(info.value)
+    assert ".parts/" in message and "parallelvars convert" in message
+    # What the message proposes works where the folder is: a standalone file.
+    from parallelvars.cli import main
+
+    standalone = tmp_path / "standalone.h5"
+    assert main(["convert", path, str(standalone)]) == 0
+    (tmp_path / "far").mkdir()
+    shutil.copy(standalone, tmp_path / "far" / "standalone.h5")
+    assert main(["verify", str(tmp_path / "far" / "standalone.h5")]) == 0

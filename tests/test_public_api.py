@@ -54,3 +54,14 @@ def test_strategy_and_variable_members() -> None:
 def test_formats_surface() -> None:
     assert callable(formats.convert) and callable(formats.reshard)
     assert set(formats.FORMAT_NAMES) == {"hdf5", "safetensors", "npz", "keras", "keras-legacy", "tf"}
+
+
+def test_every_public_name_resolves_lazily() -> None:
+    """parallelvars loads its public names on first use (``_LAZY``); a name listed in
+    ``__all__`` but missing from that table would raise AttributeError only when used."""
+    import parallelvars as pv
+
+    missing = [n for n in pv.__all__ if n != "__version__" and n not in pv._LAZY]
+    assert missing == []
+    for name in pv.__all__:
+        assert getattr(pv, name) is not None

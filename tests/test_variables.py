@@ -280,3 +280,89 @@ def test_nested_strategy_scopes() -> None:
         with pytest.raises(pv.errors.ContextError, match=r"MirroredStrategy.*MirroredStrategy"), s2.scope():
             pass
     assert not pv.has_strategy()
+
+
+# ---------------------------------------------------------------------------- extension dtypes
+EXTENSION_NAMES = sorted(pv._dtypes.EXTENSION_DTYPES)
+
+
+def _kinds(dtype: np.dtype) -> list[pv.ParallelVariable]:
+    value = np.arange(4).astype(dtype)
+    single = pv.Variable(value)
+    with pv.MirroredStrategy(2).scope():
+        mirror = pv.Variable(value)
+        sharded = pv.Variable(value, shard_axis=0)
+        on_read = pv.Variable(value, synchronization="on_read", aggregation="only_first_replica")
+    with pv.independent_buffers(2):
+        independent = pv.Variable(value)
+    return [single, mirror, sharded, on_read, independent]
+
+
+@pytest.mark.parametrize("name", EXTENSION_NAMES)
+def test_extension_dtypes_convert_with_their_dtype(name: str) -> None:
+    dtype = pv._dtypes.EXTENSION_DTYPES[name]
+    expected = np.arange(4).astype(dtype)
+    for var in _kinds(dtype):
+        for arr in (np.asarray(var), np.array(var), np.asanyarray(var), np.array(var, copy=True)):
+            assert arr.dtype == dtype, (name, var.kind, arr.dtype)
+            np.testing.assert_array_equal(arr.astype(np.float32), expected.astype(np.float32))
+        assert not hasattr(var, "__array_interface__")
+        assert not hasattr(var, "__array_struct__")
+        with pytest.raises(TypeError):
+            memoryview(var)  # never the raw bytes
+
+
+def test_bfloat16_arithmetic_keeps_dtype() -> None:
+    v = pv.Variable(np.array([1.0, 2.0], ml_dtypes.bfloat16))
+    for result in (v + 1, np.add(v, 1), np.multiply(v, v), np.stack([v, v]), np.concatenate([v, v])):
+        assert result.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(np.add(v, 1).astype(np.float32), [2.0, 3.0])
+
+
+def test_asarray_shares_memory_for_ordinary_dtypes(strategy) -> None:
+    w = pv.Variable(np.arange(3, dtype=np.float32))
+    arr = np.asarray(w)
+    assert arr.dtype == np.float32 and np.shares_memory(arr, w.primary)
+    m = mirrored(strategy, np.ones(3, np.float32))
+    assert np.shares_memory(np.asarray(m), m.primary)
+    assert w.__array_interface__["typestr"] == "<f4"
+    assert memoryview(np.asarray(w)).format == "f"
+
+
+# ---------------------------------------------------------------------------- constructor errors
+@pytest.mark.parametrize(
+    "make, builtin",
+    [
+        (lambda: pv.MirroredStrategy(0), ValueError),
+        (lambda: pv.MirroredStrategy(-1), ValueError),
+        (lambda: pv.MirroredStrategy([]), ValueError),
+        (lambda: pv.MirroredStrategy(["cpu:0", "cpu:0"]), ValueError),
+        (lambda: pv.MirroredStrategy(["not a device"]), ValueError),
+        (lambda: pv.ParallelDevice(0), ValueError),
+        (lambda: pv.Variable(np.ones(3), shard_axis=5), ValueError),
+        (lambda: pv.Variable(np.ones(3), shard_axis=-2), ValueError),
+        (lambda: pv.Variable(1.0, shard_axis=0), ValueError),
+        (lambda: pv.Variable(np.ones(3), shard_axis="0"), ValueError),
+        (lambda: pv.Variable(np.ones(3), synchronization="sometimes"), ValueError),
+        (lambda: pv.Variable(np.ones(3), aggregation="most"), ValueError),
+        (lambda: pv.Variable(np.array(["text"])), TypeError),
+        (lambda: pv.Variable(np.ones(3), dtype="float3"), TypeError),
+        (lambda: pv.PerReplica([]), ValueError),
+        (lambda: pv.Mirrored([]), ValueError),
+        (lambda: pv.OneDeviceStrategy("not a device"), ValueError),
+    ],
+)
+def test_constructor_errors_are_ours(make, builtin) -> None:
+    with pytest.raises(pv.ParallelVarsError) as info:
+        make()
+    assert isinstance(info.value, builtin)
+
+
+def test_constructor_errors_in_a_strategy_are_ours(strategy) -> None:
+    with strategy.scope():
+        with pytest.raises(pv.ParallelVarsError, match="shard_axis 5 out of range"):
+            pv.Variable(np.ones(8), shard_axis=5)
+        with pytest.raises(pv.ParallelVarsError, match="ON_READ"):
+            pv.Variable(np.ones(8), synchronization="on_read", shard_axis=0, aggregation="sum")
+        with pytest.raises(pv.ParallelVarsError, match="aggregation"):
+            pv.Variable(np.ones(8), synchronization="on_read")

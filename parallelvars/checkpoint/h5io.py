@@ -557,6 +557,7 @@ class StoredVariable:
                 raise CorruptCheckpointError(
                     f"dataset {name!r} is missing", file=self._reader.path, variable=self.path,
                     expected=f"{self.num_components} components", found=f"no {name}",
+                    hint=self._missing_part_hint(name),
                 )
             if tuple(ds.shape) != self._shapes[i]:
                 raise CorruptCheckpointError(
@@ -565,6 +566,21 @@ class StoredVariable:
                 )
             self._datasets[i] = ds
         return ds
+
+    def _missing_part_hint(self, name: str) -> str | None:
+        """For a multi-process checkpoint whose rank file is gone: what the file needs."""
+        try:
+            link = self._reader._h5().get(f"/{self.path}/{name}", getlink=True)
+        except Exception:  # the message without a hint is still right
+            return None
+        if not isinstance(link, h5py.ExternalLink):
+            return None
+        folder = os.path.dirname(link.filename) or "."
+        return (
+            f"it lives in {link.filename}, beside the file, which is not there: a checkpoint saved "
+            f"by several processes is the file plus its folder {folder}/; copy both, or make a "
+            "standalone file where both are with 'parallelvars convert CHECKPOINT standalone.h5'"
+        )
 
     def _expected_component_shape(self, i: int) -> tuple[int, ...]:
         if self.kind != "sharded":

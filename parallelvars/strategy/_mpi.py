@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -90,6 +91,8 @@ def _bytes_of(arr: np.ndarray) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- failure
+# The rank files of a collective save: <path>.parts/rank-<r>-of-<size>.h5.
+_RANK_FILE = re.compile(r"rank-\d{5}-of-\d{5}\.h5")
 _HOOK_INSTALLED = False
 
 
@@ -625,10 +628,25 @@ def write_collective(
                 )
             except Exception as exc:
                 outcome = f"rank 0 (index): {type(exc).__name__}: {exc}"
+            else:
+                _remove_stale_parts(parts, size)
     outcome = comm.bcast(outcome, root=0)
     if outcome is not None:
         raise CheckpointError("collective save failed", file=path, found=outcome)
     return path
+
+
+def _remove_stale_parts(parts: str, size: int) -> None:
+    """Delete rank files of an earlier save with another number of processes.
+
+    Called once the new index is committed: until then they belong to the last good checkpoint.
+    """
+    current = f"-of-{size:05d}.h5"
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parts):
+            if _RANK_FILE.fullmatch(name) and not name.endswith(current):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(parts, name))
 
 
 def _write_index(

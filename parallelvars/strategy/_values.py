@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from parallelvars.errors import DistributedValueError
+
 __all__ = ["PerReplica", "Mirrored", "select_replica", "regroup", "local_results"]
 
 
@@ -33,7 +35,7 @@ class PerReplica:
     def __init__(self, values: Sequence[Any]) -> None:
         values = tuple(values)
         if not values:
-            raise ValueError(f"a {type(self).__name__} needs at least one value")
+            raise DistributedValueError(f"a {type(self).__name__} needs at least one value")
         self._values = values
 
     @property
@@ -102,7 +104,7 @@ def select_replica(replica_id: int, structure: Any, num_replicas: int | None = N
 
     def pick(v: PerReplica) -> Any:
         if num_replicas is not None and len(v) != num_replicas:
-            raise ValueError(
+            raise DistributedValueError(
                 f"a {type(v).__name__} value has {len(v)} values for {num_replicas} replicas "
                 f"(expected {num_replicas}, found {len(v)})"
             )
