@@ -35,7 +35,6 @@ other files are read as UTF-8 ``bytes``.
 from __future__ import annotations
 
 import ast
-import json
 import math
 import os
 import struct
@@ -47,6 +46,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from parallelvars._fileio import load_json
 from parallelvars.errors import (
     CorruptCheckpointError,
     NotACheckpointError,
@@ -460,11 +460,8 @@ def open_npz(path: str | os.PathLike[str], *, names: str | None = None) -> Check
         info: dict[str, Any] | None = None
         metadata: dict[str, Any] = {}
         if store.info_raw is not None:
-            try:
-                info = json.loads(store.info_raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise CorruptCheckpointError(f"the parallelvars metadata is not valid JSON ({exc})",
-                                             file=p, variable=INFO_MEMBER) from None
+            info = load_json(store.info_raw, file=p, variable=INFO_MEMBER, what="parallelvars metadata",
+                             max_bytes=MAX_INFO_SIZE)
             if not isinstance(info, dict):
                 raise CorruptCheckpointError("the parallelvars metadata is not an object", file=p,
                                              variable=INFO_MEMBER)

@@ -58,7 +58,7 @@ import crc32c as _crc32c
 import ml_dtypes
 import numpy as np
 
-from parallelvars._fileio import DataWriter
+from parallelvars._fileio import DataWriter, load_json
 from parallelvars.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -183,12 +183,8 @@ def read_header(
         raise TruncatedFileError("the file ends inside the safetensors JSON header", file=file,
                                  expected=f"{8 + n} bytes", found=f"{size} bytes")
     raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates(file))
-    except UnicodeDecodeError as exc:
-        raise CorruptCheckpointError(f"the safetensors header is not UTF-8 ({exc.reason})", file=file) from None
-    except json.JSONDecodeError as exc:
-        raise CorruptCheckpointError(f"the safetensors header is not valid JSON ({exc})", file=file) from None
+    header = load_json(raw, file=file, what="safetensors header", max_bytes=MAX_HEADER_SIZE,
+                       object_pairs_hook=_no_duplicates(file))
     if not isinstance(header, dict):
         raise CorruptCheckpointError("the safetensors header is not a JSON object", file=file,
                                      expected="an object", found=type(header).__name__)
@@ -294,8 +290,9 @@ def _verify_header(file: str, metadata: Mapping[str, str],
         info = metadata.get(META_KEY)
         if info is not None and '"checksums"' in info:
             try:
-                flagged = json.loads(info).get("checksums")
-            except (json.JSONDecodeError, AttributeError):
+                flagged = load_json(info.encode("utf-8", "surrogatepass"), file=file,
+                                    variable=META_KEY).get("checksums")
+            except (CorruptCheckpointError, AttributeError):
                 flagged = None  # reported by the info parser
             if flagged:
                 raise CorruptCheckpointError("the checksum record is missing", file=file,
@@ -392,11 +389,10 @@ def _read_index(index: str) -> tuple[dict[str, Any], dict[str, str]]:
     if size > MAX_HEADER_SIZE:
         raise CorruptCheckpointError("index file too large", file=index,
                                      expected=f"<= {MAX_HEADER_SIZE} bytes", found=f"{size} bytes")
-    try:
-        with open(index, "rb") as f:
-            doc = json.loads(f.read().decode("utf-8"), object_pairs_hook=_no_duplicates(index))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptCheckpointError(f"the index is not valid JSON ({exc})", file=index) from None
+    with open(index, "rb") as f:
+        raw = f.read(MAX_HEADER_SIZE + 1)
+    doc = load_json(raw, file=index, what="shard index", max_bytes=MAX_HEADER_SIZE,
+                    object_pairs_hook=_no_duplicates(index))
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
@@ -425,11 +421,8 @@ def _parse_info(raw: Any, file: str) -> dict[str, Any] | None:
     if raw is None:
         return None
     if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise CorruptCheckpointError(f"the parallelvars metadata is not valid JSON ({exc})",
-                                         file=file, variable=META_KEY) from None
+        raw = load_json(raw.encode("utf-8", "surrogatepass"), file=file, variable=META_KEY,
+                        what="parallelvars metadata")
     if not isinstance(raw, dict):
         raise CorruptCheckpointError("the parallelvars metadata is not an object", file=file, variable=META_KEY)
     return raw

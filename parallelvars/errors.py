@@ -31,6 +31,8 @@ __all__ = [
     "UnsupportedDtypeError",
     "InvalidEntryError",
     "CheckpointLockedError",
+    "CheckpointWriteError",
+    "LimitExceededError",
     "ContextError",
     "CrossReplicaOnlyError",
     "ReplicaError",
@@ -176,6 +178,22 @@ class InvalidEntryError(CheckpointError, ValueError):
 
 class CheckpointLockedError(CheckpointError, RuntimeError):
     """Another live process holds the checkpoint directory's lock."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """Writing a file failed in the operating system: the disk is full (``ENOSPC``), the file
+    outgrew a size limit (``EFBIG``, ``RLIMIT_FSIZE``), a quota was exceeded or the device
+    failed. The last good file at that path is left as it was.
+
+    Derives from ``OSError``; ``errno`` and ``filename`` are those of the failed write.
+    """
+
+
+class LimitExceededError(CorruptCheckpointError):
+    """A file declares more than a reader accepts before reading it: a header, a JSON
+    document nested deeper or larger than the documented caps, a member or tensor larger than
+    the file itself. See docs/formats.md, "Limits".
+    """
 
 
 class ContextError(ParallelVarsError, RuntimeError):

@@ -12,6 +12,7 @@ a reader never sees a half-written bundle.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
@@ -135,7 +136,7 @@ def find_overlap(specs: Sequence[SliceSpec], shape: Sequence[int]) -> tuple[int,
     if len(partial) <= 1:
         axis = partial.pop() if partial else 0
         order = sorted(boxes, key=lambda b: b[1][axis][0])
-        for (j, prev), (i, cur) in zip(order, order[1:]):
+        for (j, prev), (i, cur) in itertools.pairwise(order):
             if cur[axis][0] < prev[axis][1]:
                 return (min(i, j), max(i, j))
         return None
@@ -151,7 +152,7 @@ def find_overlap(specs: Sequence[SliceSpec], shape: Sequence[int]) -> tuple[int,
     for i, box in boxes:
         region = tuple(slice(w[box[d][0]], w[box[d][1]]) for d, w in zip(axes, where, strict=True))
         if grid[region].any():
-            for j, other in boxes:
+            for j, _ in boxes:
                 if j < i and _overlap(specs[i], specs[j], shape):
                     return (j, i)
         grid[region] = 1

@@ -20,7 +20,6 @@ Grouping rules:
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import re
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars._fileio import load_json
 from parallelvars.errors import (
     CorruptCheckpointError,
     FormatVersionError,
@@ -378,10 +378,7 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
         if METADATA_KEY not in keys:
             return {}, {}
         raw = self._read_string_scalar(METADATA_KEY)
-        try:
-            doc = json.loads(raw.decode("utf-8"))
-        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError
-            raise self._corrupt(f"metadata is not JSON: {exc}", variable=METADATA_KEY) from None
+        doc = load_json(raw, file=self._bundle.index_path, variable=METADATA_KEY, what="metadata")
         if not isinstance(doc, dict) or doc.get("format") != METADATA_FORMAT:
             raise self._corrupt("unrecognised metadata", variable=METADATA_KEY, expected=METADATA_FORMAT)
         version = doc.get("version")
