@@ -8,7 +8,7 @@ from typing import Any
 
 from parallelvars import formats
 
-from ._common import add_format_option, format_bytes, open_view, parse_size
+from ._common import add_format_option, format_bytes, open_view, parse_size, reader_options
 from ._errors import UsageError
 from ._output import Output
 
@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
             names=args.names,
             max_shard_size=args.max_shard_size,
             progress=bar.set,
+            read_options=reader_options(src_format),
         )
     with open_view(written, args.to_format) as view:
         count = len(view)

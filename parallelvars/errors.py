@@ -33,6 +33,7 @@ __all__ = [
     "CheckpointLockedError",
     "CheckpointWriteError",
     "LimitExceededError",
+    "ForeignReferenceError",
     "ContextError",
     "CrossReplicaOnlyError",
     "ReplicaError",
@@ -193,6 +194,14 @@ class LimitExceededError(CorruptCheckpointError):
     """A file declares more than a reader accepts before reading it: a header, a JSON
     document nested deeper or larger than the documented caps, a member or tensor larger than
     the file itself. See docs/formats.md, "Limits".
+    """
+
+
+class ForeignReferenceError(CorruptCheckpointError):
+    """A file points at another file outside the checkpoint's own directory (a TensorFlow
+    ``checkpoint`` state file naming an absolute path elsewhere or a path through ``..``), and
+    following such references was not allowed (``follow_state_outside=True``, CLI
+    ``--follow-state-outside``).
     """
 
 
