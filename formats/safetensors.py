@@ -445,7 +445,11 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
             raise FileNotFoundError(f"{p}: no safetensors file or index found")
         store = _Store(single, [single])
         meta = dict(store.shard_metadata[0])
-        info = _parse_info(meta.pop(META_KEY, None), single)
+        try:
+            info = _parse_info(meta.pop(META_KEY, None), single)
+        except BaseException:
+            store.close()
+            raise
         file = single
     else:
         index_meta, weight_map = _read_index(index)
@@ -490,7 +494,11 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
         for k, v in index_meta.items():
             if k not in ("total_size", META_KEY, CRC_KEY):
                 meta.setdefault(k, v if isinstance(v, str) else dumps(jsonable(v)))
-        info = _parse_info(index_meta.get(META_KEY), index)
+        try:
+            info = _parse_info(index_meta.get(META_KEY), index)
+        except BaseException:
+            store.close()
+            raise
         file = index
     try:
         style = check_names(names or (info or {}).get("names") or DEFAULT_NAMES)
