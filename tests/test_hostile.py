@@ -96,7 +96,7 @@ def test_npz_honest_zip_bomb_reads_in_bounded_memory(tmp_path: Path) -> None:
 
 def test_npz_huge_npy_header_is_refused(tmp_path: Path) -> None:
     path = CRAFTED["npz-huge-npy-header"](str(tmp_path))
-    with pytest.raises(CorruptCheckpointError, match=".npy header too large") as info:
+    with pytest.raises(CorruptCheckpointError, match=r"\.npy header too large") as info:
         open_checkpoint(path)
     assert info.value.variable == "w"
 
