@@ -282,11 +282,18 @@ def _entries(n: int) -> dict[str, ArrayEntry]:
     return {"w": ArrayEntry("w", [np.arange(n, dtype=np.float32)])}
 
 
-@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz", ".index"])
 def test_file_size_limit_is_a_write_error_and_keeps_the_old_file(suffix: str, tmp_path: Path) -> None:
     path = str(tmp_path / f"out{suffix}")
-    write_checkpoint(path, _entries(4))
-    before = Path(path).read_bytes()
+    if suffix == ".index":  # a TF bundle: the prefix names it
+        path = str(tmp_path / "out")
+        write_checkpoint(path, _entries(4), format="tf", update_state=False)
+        path_files = sorted(p.name for p in tmp_path.iterdir())
+        before = (tmp_path / "out.index").read_bytes()
+    else:
+        write_checkpoint(path, _entries(4))
+        path_files = [f"out{suffix}"]
+        before = Path(path).read_bytes()
     code = f"""
         import errno, resource, signal
         import numpy as np
@@ -295,7 +302,8 @@ def test_file_size_limit_is_a_write_error_and_keeps_the_old_file(suffix: str, tm
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
         try:
-            write_checkpoint({path!r}, {{"w": ArrayEntry("w", [np.zeros(1 << 20, np.float32)])}})
+            write_checkpoint({path!r}, {{"w": ArrayEntry("w", [np.zeros(1 << 20, np.float32)])}},
+                             **({{"format": "tf", "update_state": False}} if {suffix == ".index"} else {{}}))
         except CheckpointWriteError as exc:
             assert isinstance(exc, OSError) and exc.errno == errno.EFBIG, exc
             assert exc.filename == {path!r} and {path!r} in str(exc), exc
@@ -303,8 +311,8 @@ def test_file_size_limit_is_a_write_error_and_keeps_the_old_file(suffix: str, tm
     """
     res = limited(code, budget_mb=512, timeout=120)
     assert "REFUSED" in res.stdout, res.stderr[-2000:]
-    assert Path(path).read_bytes() == before
-    assert [p.name for p in tmp_path.iterdir()] == [f"out{suffix}"]  # no temporary left
+    assert (tmp_path / ("out.index" if suffix == ".index" else f"out{suffix}")).read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == path_files  # no temporary left
 
 
 def test_disk_full_is_a_write_error_and_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

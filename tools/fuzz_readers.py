@@ -18,6 +18,7 @@ Run it as a long fuzz session (the tests run the same code with a few hundred ca
 
     python tools/fuzz_readers.py --cases 20000 --format hdf5
     python tools/fuzz_readers.py --seconds 600            # every format, until time is up
+    python tools/fuzz_readers.py --crafted                # the hand-made hostile files (CRAFTED)
 """
 
 from __future__ import annotations
@@ -694,11 +695,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=None, help="stop each format after this long")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--strings", action="store_true", help="add a byte-string variable to the sample")
+    parser.add_argument("--crafted", action="store_true",
+                        help="sweep the crafted hostile files (CRAFTED) through every entry point instead")
     args = parser.parse_args(argv)
     if args.worker:
         _worker_main()
         return 0
     import tempfile
+
+    if args.crafted:
+        bad = 0
+        for name, maker in CRAFTED.items():
+            with tempfile.TemporaryDirectory() as d:
+                t0 = time.monotonic()
+                problems = sweep(maker(d), d)
+            print(f"{name}: {'ok' if not problems else 'FAIL'} in {time.monotonic() - t0:.1f} s")
+            for p in problems:
+                print(f"  {p}")
+            bad += len(problems)
+        return 1 if bad else 0
 
     formats = args.format or available_formats()
     total_bad = 0

@@ -22,6 +22,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from parallelvars._fileio import write_error
 from parallelvars.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -625,11 +626,25 @@ class BundleWriter:
         return self
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
+        # A write the system refused (disk full, file too large) is our CheckpointWriteError;
+        # the temporaries go, the last good checkpoint stays.
         if exc_type is None:
             if not self._done:
-                self.finish()
+                try:
+                    self.finish()
+                except BaseException as exc:
+                    self.abort()
+                    mapped = write_error(exc, self.prefix)
+                    if mapped is not exc:
+                        raise mapped from exc
+                    raise
         else:
             self.abort()
+            exc = rest[0] if rest else None
+            if isinstance(exc, BaseException):
+                mapped = write_error(exc, self.prefix)
+                if mapped is not exc:
+                    raise mapped from exc
 
 
 def _string_elements(value: np.ndarray, key: bytes, file: str) -> list[bytes]:
