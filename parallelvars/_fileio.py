@@ -52,7 +52,7 @@ MAX_JSON_DEPTH = 64
 #: header's is 100,000,000 bytes, the reference implementation's).
 MAX_JSON_BYTES = 256_000_000
 _JSON_KEEP = bytes(range(256)).translate(None, b'"[]{}')
-_DEPTH_CHUNK = 1 << 22
+_DEPTH_CHUNK = 1 << 20  # bytes of brackets and quotes per step: ~30 MB of temporaries
 #: errno values that mean the write itself failed (not a wrong path or a permission).
 _WRITE_ERRNOS = frozenset(
     getattr(errno, name) for name in ("ENOSPC", "EFBIG", "EDQUOT", "EIO") if hasattr(errno, name)
