@@ -21,6 +21,7 @@ from typing import NoReturn
 
 from parallelvars import __version__
 
+from ._common import READ_OPTIONS
 from ._errors import EXIT_USAGE, classify, debug_from_env
 from ._output import Output, one_line
 
@@ -97,6 +98,12 @@ def _add_common_options(parser: argparse.ArgumentParser, *, suppress: bool) -> N
         default=default,
         help="show the traceback of an error (also PARALLELVARS_DEBUG=1)",
     )
+    parser.add_argument(
+        "--follow-state-outside",
+        action="store_true",
+        default=default,
+        help="follow a TensorFlow 'checkpoint' state file that names a checkpoint outside its directory",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,6 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = Output(json_mode=args.json, quiet=args.quiet)
         args.out = out
         debug = debug or args.debug
+        READ_OPTIONS.clear()
+        if args.follow_state_outside:
+            READ_OPTIONS["follow_state_outside"] = True
         return int(args._run(args))
     except _ParserExit as exc:
         return exc.code

@@ -15,7 +15,9 @@ from parallelvars.formats import (
     FORMAT_NAMES,
     CheckpointView,
     Entry,
+    detect_format,
     format_for_path,
+    get_format,
     open_checkpoint,
 )
 
@@ -30,6 +32,8 @@ __all__ = [
     "destination_path",
     "format_bytes",
     "open_view",
+    "READ_OPTIONS",
+    "reader_options",
     "output_format",
     "parse_size",
     "positive_int",
@@ -117,9 +121,21 @@ def add_format_option(
     )
 
 
+#: Reader options the command line gives every command (``--follow-state-outside``); set by
+#: ``main`` for each command.
+READ_OPTIONS: dict[str, Any] = {}
+
+
+def reader_options(fmt: str) -> dict[str, Any]:
+    """The options of :data:`READ_OPTIONS` that the reader of format ``fmt`` takes."""
+    known = get_format(fmt).options
+    return {k: v for k, v in READ_OPTIONS.items() if k in known}
+
+
 def open_view(path: str, fmt: str | None) -> CheckpointView:
     """Open ``path`` as a checkpoint view (format detected unless ``fmt``)."""
-    return open_checkpoint(path, format=fmt)
+    name = fmt or detect_format(path)
+    return open_checkpoint(path, format=name, **reader_options(name))
 
 
 def output_format(path: str, explicit: str | None, fallback: str | None) -> str:

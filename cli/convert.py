@@ -15,6 +15,7 @@ from ._common import (
     format_bytes,
     open_view,
     parse_size,
+    reader_options,
 )
 from ._errors import UsageError
 from ._output import Output
@@ -108,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
             names=args.names,
             max_shard_size=args.max_shard_size,
             progress=bar.set,
+            read_options=reader_options(src_format),
         )
     with open_view(written, dst_format) as view:
         count = len(view)

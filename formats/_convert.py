@@ -109,6 +109,7 @@ def convert(
     max_shard_size: int | str | None = None,
     progress: Callable[[int, int], Any] | None = None,
     devices: int | None = None,
+    read_options: Mapping[str, Any] | None = None,
 ) -> str:
     """Convert the checkpoint ``src`` into ``dst``, one tensor in memory at a time.
 
@@ -126,6 +127,8 @@ def convert(
         max_shard_size: split safetensors output into shards of at most this size.
         progress: called as ``progress(bytes_done, bytes_total)`` after each tensor is read.
         devices: reshard onto this many devices first (see :func:`reshard`).
+        read_options: options for the source format's reader (``follow_state_outside=True``
+            for a TensorFlow directory whose state file names a checkpoint elsewhere, ...).
 
     Returns:
         The path written (the index file of a shard set).
@@ -152,7 +155,7 @@ def convert(
         if "max_shard_size" not in spec.options:
             raise ValueError(f"format {target!r} is not sharded by size; max_shard_size= applies to safetensors")
         options["max_shard_size"] = max_shard_size
-    view = open_checkpoint(src, format=from_format)
+    view = open_checkpoint(src, format=from_format, **dict(read_options or {}))
     try:
         source: Mapping[str, Entry] = view
         if devices is not None:

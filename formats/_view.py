@@ -55,9 +55,10 @@ class Entry(abc.ABC):
         if self.kind != "sharded":
             return tuple(self.shape)
         axis = int(self.attrs["shard_axis"])
-        offsets = [int(o) for o in self.attrs["shard_offsets"]] + [int(self.shape[axis])]
+        offsets = self.attrs["shard_offsets"]  # indexed, not copied: O(1) per component
+        stop = int(offsets[i + 1]) if i + 1 < len(offsets) else int(self.shape[axis])
         shape = list(self.shape)
-        shape[axis] = offsets[i + 1] - offsets[i]
+        shape[axis] = stop - int(offsets[i])
         return tuple(shape)
 
     @abc.abstractmethod

@@ -35,7 +35,6 @@ other files are read as UTF-8 ``bytes``.
 from __future__ import annotations
 
 import ast
-import json
 import math
 import os
 import struct
@@ -47,8 +46,10 @@ from typing import IO, Any
 
 import numpy as np
 
+from parallelvars._fileio import load_json
 from parallelvars.errors import (
     CorruptCheckpointError,
+    LimitExceededError,
     NotACheckpointError,
     ParallelVarsError,
     TruncatedFileError,
@@ -80,6 +81,8 @@ __all__ = ["FORMAT", "INFO_MEMBER", "MAX_HEADER_SIZE", "open_npz", "write_npz"]
 INFO_MEMBER = "__parallelvars__.json"
 MAX_HEADER_SIZE = 10_000  # numpy's own default limit for .npy headers
 MAX_INFO_SIZE = 100_000_000
+#: Most bytes a DEFLATED member may claim per compressed byte (deflate's own limit is 1032).
+MAX_DEFLATE_RATIO = 1032
 DEFAULT_NAMES = "slash"
 _MAGIC = b"\x93NUMPY"
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
@@ -260,13 +263,23 @@ class _Store(ByteStore):
             if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
                 raise CorruptCheckpointError("STORED member with differing sizes", file=self.file,
                                              variable=name)
+            if info.compress_type == zipfile.ZIP_DEFLATED and (
+                info.file_size > info.compress_size * MAX_DEFLATE_RATIO + 1024
+            ):
+                # Deflate cannot expand beyond ~1032:1: a directory claiming more lies, and no
+                # buffer is sized from it.
+                raise LimitExceededError("member claims more bytes than its compressed data can hold",
+                                         file=self.file, variable=name,
+                                         expected=f"<= {info.compress_size * MAX_DEFLATE_RATIO + 1024} bytes",
+                                         found=f"{info.file_size} bytes")
             if info.header_offset + 30 + info.compress_size > self._size:
                 raise TruncatedFileError("the file ends inside a member", file=self.file, variable=name,
                                          expected=f">= {info.header_offset + 30 + info.compress_size} bytes",
                                          found=f"{self._size} bytes")
             if name == INFO_MEMBER:
                 if info.file_size > MAX_INFO_SIZE:
-                    raise CorruptCheckpointError("metadata member too large", file=self.file, variable=name)
+                    raise LimitExceededError("metadata member too large", file=self.file, variable=name,
+                                             expected=f"<= {MAX_INFO_SIZE} bytes", found=f"{info.file_size} bytes")
                 self.info_raw = self._read_small(info)
                 continue
             self.names.append(name)
@@ -460,11 +473,8 @@ def open_npz(path: str | os.PathLike[str], *, names: str | None = None) -> Check
         info: dict[str, Any] | None = None
         metadata: dict[str, Any] = {}
         if store.info_raw is not None:
-            try:
-                info = json.loads(store.info_raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise CorruptCheckpointError(f"the parallelvars metadata is not valid JSON ({exc})",
-                                             file=p, variable=INFO_MEMBER) from None
+            info = load_json(store.info_raw, file=p, variable=INFO_MEMBER, what="parallelvars metadata",
+                             max_bytes=MAX_INFO_SIZE)
             if not isinstance(info, dict):
                 raise CorruptCheckpointError("the parallelvars metadata is not an object", file=p,
                                              variable=INFO_MEMBER)

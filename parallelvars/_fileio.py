@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import json
 import math
 import os
 import queue
@@ -21,8 +23,118 @@ import crc32c as _crc32c
 import numpy as np
 
 from parallelvars._threads import thread_count
+from parallelvars.errors import (
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    LimitExceededError,
+    ParallelVarsError,
+)
 
-__all__ = ["DataWriter", "Scratch", "atomic_path", "byte_view", "checksum", "pwrite_all", "temp_path_for"]
+__all__ = [
+    "MAX_JSON_BYTES",
+    "MAX_JSON_DEPTH",
+    "DataWriter",
+    "Scratch",
+    "atomic_path",
+    "byte_view",
+    "checksum",
+    "json_depth",
+    "load_json",
+    "pwrite_all",
+    "temp_path_for",
+    "write_error",
+]
+
+#: Deepest nesting of objects and arrays accepted in any JSON document a reader parses (ours
+#: are at most 6 deep; safetensors headers and shard indexes 3).
+MAX_JSON_DEPTH = 64
+#: Largest JSON document a reader parses, unless the format has its own cap (the safetensors
+#: header's is 100,000,000 bytes, the reference implementation's).
+MAX_JSON_BYTES = 256_000_000
+_JSON_KEEP = bytes(range(256)).translate(None, b'"[]{}')
+_DEPTH_CHUNK = 1 << 20  # bytes of brackets and quotes per step: ~30 MB of temporaries
+#: errno values that mean the write itself failed (not a wrong path or a permission).
+_WRITE_ERRNOS = frozenset(
+    getattr(errno, name) for name in ("ENOSPC", "EFBIG", "EDQUOT", "EIO") if hasattr(errno, name)
+)
+
+
+def json_depth(raw: bytes) -> int:
+    """How deeply the arrays and objects of the JSON text ``raw`` nest, without parsing it.
+
+    Linear, in chunks of bounded memory: escapes are dropped (a backslash and the byte after
+    it), then everything but quotes and brackets; brackets between quotes do not count. Only
+    meaningful for valid JSON (the parser rejects the rest).
+    """
+    text = raw.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _JSON_KEEP)
+    opening, closing = ord("["), ord("]")
+    inside, depth, deepest = 0, 0, 0
+    for start in range(0, len(text), _DEPTH_CHUNK):
+        arr = np.frombuffer(text, np.uint8, min(_DEPTH_CHUNK, len(text) - start), start)
+        quotes = np.cumsum(arr == 34, dtype=np.int64) + inside
+        outside = (quotes & 1) == 0
+        step = np.zeros(arr.shape, np.int64)
+        step[((arr == opening) | (arr == ord("{"))) & outside] = 1
+        step[((arr == closing) | (arr == ord("}"))) & outside] = -1
+        levels = np.cumsum(step) + depth
+        if levels.size:
+            deepest = max(deepest, int(levels.max()))
+            depth = int(levels[-1])
+        inside = int(quotes[-1]) & 1 if quotes.size else inside
+    return deepest
+
+
+def load_json(
+    raw: bytes,
+    *,
+    file: str,
+    variable: str | None = None,
+    what: str = "JSON document",
+    max_bytes: int = MAX_JSON_BYTES,
+    max_depth: int = MAX_JSON_DEPTH,
+    object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
+) -> Any:
+    """Parse UTF-8 JSON read from ``file`` within the caps, every failure as our error.
+
+    Raises:
+        LimitExceededError: ``raw`` is larger than ``max_bytes`` or nests deeper than
+            ``max_depth``.
+        CorruptCheckpointError: not UTF-8, not JSON.
+    """
+    if len(raw) > max_bytes:
+        raise LimitExceededError(f"the {what} is too large", file=file, variable=variable,
+                                 expected=f"<= {max_bytes} bytes", found=f"{len(raw)} bytes")
+    depth = json_depth(raw)
+    if depth > max_depth:
+        raise LimitExceededError(f"the {what} nests too deeply", file=file, variable=variable,
+                                 expected=f"<= {max_depth} levels", found=f"{depth} levels")
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=object_pairs_hook)
+    except ParallelVarsError:
+        raise
+    except UnicodeDecodeError as exc:
+        raise CorruptCheckpointError(f"the {what} is not UTF-8 ({exc.reason})", file=file,
+                                     variable=variable) from None
+    except (ValueError, RecursionError, MemoryError) as exc:  # JSONDecodeError is a ValueError
+        raise CorruptCheckpointError(f"the {what} is not valid JSON, or not JSON at all ({type(exc).__name__}: {exc})",
+                                     file=file, variable=variable) from None
+
+
+def write_error(exc: BaseException, file: str) -> BaseException:
+    """``exc`` as :class:`~parallelvars.errors.CheckpointWriteError` naming ``file`` when it is
+    a failed write (disk full, file too large, quota, I/O error), else ``exc`` itself."""
+    if not isinstance(exc, OSError) or isinstance(exc, ParallelVarsError):
+        return exc
+    code = exc.errno
+    if code is None:  # h5py reports the C library's errno inside its message
+        text = str(exc)
+        code = next((c for c in _WRITE_ERRNOS if os.strerror(c) in text or f"errno = {c}," in text), None)
+    if code is None or code not in _WRITE_ERRNOS:
+        return exc
+    err = CheckpointWriteError("cannot write the file", file=file, found=os.strerror(code),
+                               hint="the last good file at this path is unchanged")
+    err.errno, err.strerror, err.filename = code, os.strerror(code), file
+    return err
 
 
 def byte_view(arr: np.ndarray) -> np.ndarray:
@@ -88,7 +200,8 @@ def atomic_path(path: str) -> Iterator[str]:
     """Yield a temporary path next to ``path``; on success fsync it and rename it onto ``path``.
 
     A reader (or a crash) sees either the old file or the complete new one, never a torn one;
-    a failed write removes the temporary and leaves ``path`` as it was. The directory is made
+    a failed write removes the temporary and leaves ``path`` as it was (a full disk or a file
+    over a size limit is raised as :class:`~parallelvars.errors.CheckpointWriteError`). The directory is made
     if missing (like TensorFlow: ``save("ckpts/run")`` creates ``ckpts/``) and fsynced after
     the rename.
     """
@@ -99,9 +212,12 @@ def atomic_path(path: str) -> Iterator[str]:
         yield tmp
         _fsync_path(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        mapped = write_error(exc, path)
+        if mapped is not exc:
+            raise mapped from exc
         raise
     _fsync_path(directory, directory=True)
 

@@ -7,8 +7,6 @@ from typing import Any
 
 from parallelvars.errors import DistributedValueError
 
-from parallelvars.errors import DistributedValueError
-
 __all__ = ["ParallelDevice", "canonical_device"]
 
 

@@ -33,6 +33,9 @@ __all__ = [
     "CheckpointLockedError",
     "ConcurrentWriteError",
     "ReadOnlyDirectoryError",
+    "CheckpointWriteError",
+    "LimitExceededError",
+    "ForeignReferenceError",
     "ContextError",
     "CrossReplicaOnlyError",
     "ReplicaError",
@@ -188,6 +191,30 @@ class ConcurrentWriteError(CheckpointError, RuntimeError):
 
 class ReadOnlyDirectoryError(CheckpointError, PermissionError):
     """A checkpoint directory that can only be read was asked to take a write."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """Writing a file failed in the operating system: the disk is full (``ENOSPC``), the file
+    outgrew a size limit (``EFBIG``, ``RLIMIT_FSIZE``), a quota was exceeded or the device
+    failed. The last good file at that path is left as it was.
+
+    Derives from ``OSError``; ``errno`` and ``filename`` are those of the failed write.
+    """
+
+
+class LimitExceededError(CorruptCheckpointError):
+    """A file declares more than a reader accepts before reading it: a header, a JSON
+    document nested deeper or larger than the documented caps, a member or tensor larger than
+    the file itself. See docs/formats.md, "Limits".
+    """
+
+
+class ForeignReferenceError(CorruptCheckpointError):
+    """A file points at another file outside the checkpoint's own directory (a TensorFlow
+    ``checkpoint`` state file naming an absolute path elsewhere or a path through ``..``), and
+    following such references was not allowed (``follow_state_outside=True``, CLI
+    ``--follow-state-outside``).
+    """
 
 
 class ContextError(ParallelVarsError, RuntimeError):

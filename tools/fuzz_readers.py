@@ -18,6 +18,7 @@ Run it as a long fuzz session (the tests run the same code with a few hundred ca
 
     python tools/fuzz_readers.py --cases 20000 --format hdf5
     python tools/fuzz_readers.py --seconds 600            # every format, until time is up
+    python tools/fuzz_readers.py --crafted                # the hand-made hostile files (CRAFTED)
 """
 
 from __future__ import annotations
@@ -124,6 +125,301 @@ def copy_checkpoint(path: str, new_path: str) -> list[str]:
             dst.write(src.read())
         out.append(target)
     return out
+
+
+# --------------------------------------------------------------------------- crafted files
+# Hand-made hostile inputs, one per class of attack: each maker writes its file(s) under a
+# directory and returns the path to open. Every one must be refused with a documented error
+# (or, for the legal ones, read), in bounded time and memory; see tests/test_hostile.py.
+
+DEEP = 100_000  # nesting of the deep JSON documents
+
+
+def _deep_json(depth: int = DEEP) -> bytes:
+    return b'{"x": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+def _safetensors_bytes(header: bytes, data: bytes = b"") -> bytes:
+    import struct
+
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header + data
+
+
+def _write(path: str, data: bytes) -> str:
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
+
+
+def craft_npz_lying_directory(directory: str, claimed: int = 64 << 30) -> str:
+    """A ~300-byte npz whose one DEFLATED member claims ``claimed`` bytes (zip64 sizes), with
+    a .npy header that agrees, so nothing but the directory's word says how large it is."""
+    import struct
+    import zlib
+
+    npy = bytearray(b"\x93NUMPY\x01\x00")
+    text = f"{{'descr': '<f4', 'fortran_order': False, 'shape': ({(claimed - 128) // 4},), }}"
+    text = text.ljust(128 - 10 - 1) + "\n"
+    npy += struct.pack("<H", len(text)) + text.encode("latin1")
+    assert len(npy) == 128 and (claimed - 128) % 4 == 0
+    comp = zlib.compressobj(9, zlib.DEFLATED, -15)
+    body = comp.compress(bytes(npy) + bytes(64)) + comp.flush()
+    name = b"w.npy"
+    crc = zlib.crc32(bytes(npy))
+    extra = struct.pack("<HHQQ", 1, 16, claimed, len(body))
+    local = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45, 0, 8, 0, 0x21, crc, 0xFFFFFFFF, 0xFFFFFFFF,
+                        len(name), len(extra)) + name + extra
+    central = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45, 0, 8, 0, 0x21, crc, 0xFFFFFFFF,
+                          0xFFFFFFFF, len(name), len(extra), 0, 0, 0, 0, 0) + name + extra
+    start = len(local) + len(body)
+    end = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 1, 1, len(central), start, 0)
+    return _write(os.path.join(directory, "lying.npz"), local + body + central + end)
+
+
+def craft_npz_zip_bomb(directory: str, size: int = 256 << 20) -> str:
+    """An honest zip bomb: a DEFLATED member of ``size`` zero bytes (~1000:1)."""
+    import zipfile
+
+    import numpy as np
+
+    path = os.path.join(directory, "bomb.npz")
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf, zf.open("w.npy", "w", force_zip64=True) as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": (size // 4,)})
+        chunk = bytes(1 << 20)
+        for _ in range(size // len(chunk)):
+            f.write(chunk)
+    return path
+
+
+def craft_npz_huge_npy_header(directory: str) -> str:
+    """An npz whose member's .npy (format 2.0) header length field claims 4 GiB."""
+    import struct
+    import zipfile
+
+    path = os.path.join(directory, "huge-header.npz")
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("w.npy", b"\x93NUMPY\x02\x00" + struct.pack("<I", 0xFFFFFFF0) + b"{'descr'")
+    return path
+
+
+def craft_npz_deep_json(directory: str) -> str:
+    """An npz whose parallelvars record is JSON nested 100,000 deep."""
+    import zipfile
+
+    path = os.path.join(directory, "deep.npz")
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("__parallelvars__.json", _deep_json())
+    return path
+
+
+def craft_safetensors_deep_json(directory: str) -> str:
+    return _write(os.path.join(directory, "deep.safetensors"), _safetensors_bytes(_deep_json()))
+
+
+def craft_safetensors_deep_metadata(directory: str) -> str:
+    """Deep JSON inside the ``parallelvars`` metadata string of an otherwise valid header."""
+    header = json.dumps({"__metadata__": {"parallelvars": _deep_json().decode()}}).encode()
+    return _write(os.path.join(directory, "deep-meta.safetensors"), _safetensors_bytes(header))
+
+
+def craft_safetensors_index_deep_json(directory: str) -> str:
+    return _write(os.path.join(directory, "model.safetensors.index.json"),
+                  b'{"weight_map": {}, "metadata": ' + _deep_json() + b"}")
+
+
+def craft_safetensors_lying_offsets(directory: str) -> str:
+    """A tensor whose data_offsets run 1 TiB past the end of the file."""
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1 << 38], "data_offsets": [0, 1 << 40]}}).encode()
+    return _write(os.path.join(directory, "lying.safetensors"), _safetensors_bytes(header, bytes(16)))
+
+
+def craft_safetensors_overlap(directory: str) -> str:
+    """Two tensors sharing the same bytes."""
+    header = json.dumps({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                         "b": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    return _write(os.path.join(directory, "overlap.safetensors"), _safetensors_bytes(header, bytes(16)))
+
+
+def craft_safetensors_header_past_end(directory: str) -> str:
+    """A header length of 90 MB in a 64-byte file."""
+    import struct
+
+    return _write(os.path.join(directory, "short.safetensors"), struct.pack("<Q", 90_000_000) + b"{" + bytes(55))
+
+
+def craft_safetensors_large_header(directory: str, tensors: int = 200_000) -> str:
+    """A legal file whose header holds ``tensors`` one-element tensors (~17 MB at 200,000;
+    1,000,000 gives the ~90 MB of the slow test)."""
+    parts = [b"{"]
+    for i in range(tensors):
+        parts.append(b'"model.layers.%d.weight":{"dtype":"F32","shape":[1],"data_offsets":[%d,%d]},'
+                     % (i, 4 * i, 4 * i + 4))
+    parts[-1] = parts[-1][:-1]
+    parts.append(b"}")
+    return _write(os.path.join(directory, "large-header.safetensors"),
+                  _safetensors_bytes(b"".join(parts), bytes(4 * tensors)))
+
+
+def craft_tf_many_slices(directory: str, slices: int = 8000) -> str:
+    """A TF bundle with one variable partitioned into ``slices`` slices along axis 0."""
+    import numpy as np
+
+    from parallelvars.formats.tf._bundle import BundleWriter
+
+    prefix = os.path.join(directory, "slices", "ckpt")
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    with BundleWriter(prefix) as w:
+        for i in range(slices):
+            w.add_slice(b"v", (slices, 2), ((i, 1), (0, None)), np.full((1, 2), i, np.float32))
+    return prefix
+
+
+def craft_tf_deep_metadata(directory: str) -> str:
+    """A TF bundle whose parallelvars metadata key holds deep JSON."""
+    import numpy as np
+
+    from parallelvars.formats.tf._bundle import BundleWriter
+
+    prefix = os.path.join(directory, "deepmeta", "ckpt")
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    with BundleWriter(prefix) as w:
+        w.add(b"w/.ATTRIBUTES/VARIABLE_VALUE", np.ones(2))
+        w.add(b"_PARALLELVARS_METADATA", np.array(_deep_json(), dtype=object))
+    return prefix
+
+
+def craft_tf_state_outside(directory: str, how: str = "dotdot") -> str:
+    """A directory whose ``checkpoint`` state file names a checkpoint elsewhere (through
+    ``..``, or by absolute path); the checkpoint there is valid."""
+    import numpy as np
+
+    from parallelvars.formats.tf._bundle import BundleWriter
+
+    elsewhere = os.path.join(directory, "elsewhere")
+    os.makedirs(elsewhere, exist_ok=True)
+    with BundleWriter(os.path.join(elsewhere, "ckpt-1")) as w:
+        w.add(b"w/.ATTRIBUTES/VARIABLE_VALUE", np.ones(2))
+    here = os.path.join(directory, f"state-{how}")
+    os.makedirs(here, exist_ok=True)
+    target = "../elsewhere/ckpt-1" if how == "dotdot" else os.path.abspath(os.path.join(elsewhere, "ckpt-1"))
+    with open(os.path.join(here, "checkpoint"), "w") as f:
+        f.write(f'model_checkpoint_path: "{target}"\n')
+    return here
+
+
+def craft_hdf5_deep_graph(directory: str) -> str:
+    """A native checkpoint whose object graph document is deep JSON (with a matching CRC)."""
+    import crc32c
+    import h5py
+    import numpy as np
+
+    from parallelvars.checkpoint.h5io import GRAPH_DATASET
+
+    path = write_sample("hdf5", directory)
+    raw = _deep_json()
+    with h5py.File(path, "r+") as f:
+        del f[GRAPH_DATASET]
+        ds = f.create_dataset(GRAPH_DATASET, data=np.bytes_(raw))
+        ds.attrs["crc32c"] = np.int64(crc32c.crc32c(raw))
+    return path
+
+
+def craft_hdf5_bad_graph(directory: str) -> str:
+    """A native checkpoint whose object graph has children of the wrong shape."""
+    import crc32c
+    import h5py
+    import numpy as np
+
+    from parallelvars.checkpoint.h5io import GRAPH_DATASET
+
+    path = os.path.join(directory, "badgraph.h5")
+    os.replace(write_sample("hdf5", directory), path)
+    raw = json.dumps({"nodes": [{"children": [["model", "x"]]}, {"children": 5, "path": 7}]}).encode()
+    with h5py.File(path, "r+") as f:
+        del f[GRAPH_DATASET]
+        ds = f.create_dataset(GRAPH_DATASET, data=np.bytes_(raw))
+        ds.attrs["crc32c"] = np.int64(crc32c.crc32c(raw))
+    return path
+
+
+#: name -> maker. Each is refused with a documented error, except the legal ones in LEGAL.
+CRAFTED: dict[str, Any] = {
+    "npz-lying-directory": craft_npz_lying_directory,
+    "npz-zip-bomb": craft_npz_zip_bomb,
+    "npz-huge-npy-header": craft_npz_huge_npy_header,
+    "npz-deep-json": craft_npz_deep_json,
+    "safetensors-deep-json": craft_safetensors_deep_json,
+    "safetensors-deep-metadata": craft_safetensors_deep_metadata,
+    "safetensors-index-deep-json": craft_safetensors_index_deep_json,
+    "safetensors-lying-offsets": craft_safetensors_lying_offsets,
+    "safetensors-overlap": craft_safetensors_overlap,
+    "safetensors-header-past-end": craft_safetensors_header_past_end,
+    "safetensors-large-header": craft_safetensors_large_header,
+    "tf-many-slices": craft_tf_many_slices,
+    "tf-deep-metadata": craft_tf_deep_metadata,
+    "tf-state-dotdot": lambda d: craft_tf_state_outside(d, "dotdot"),
+    "tf-state-absolute": lambda d: craft_tf_state_outside(d, "absolute"),
+    "hdf5-deep-graph": craft_hdf5_deep_graph,
+    "hdf5-bad-graph": craft_hdf5_bad_graph,
+}
+#: Crafted inputs that are legal files and must read (in bounded time and memory).
+LEGAL = frozenset({"npz-zip-bomb", "safetensors-large-header", "tf-many-slices"})
+
+
+def sweep(path: str, scratch: str) -> list[str]:
+    """Run ``path`` through every entry point; what went wrong (empty when all is well).
+
+    The entry points: ``formats.open_checkpoint`` (every component read), ``formats.convert``,
+    ``Checkpoint.restore`` and the CLI's ``inspect``, ``verify`` and ``convert``. Only
+    :class:`~parallelvars.errors.ParallelVarsError` may escape the library, and the CLI must
+    exit 0, 1 or 2 (never 3, "internal error").
+    """
+    import contextlib
+    import io
+
+    import numpy as np
+
+    import parallelvars as pv
+    from parallelvars.cli import main
+    from parallelvars.errors import ParallelVarsError
+    from parallelvars.formats import convert, open_checkpoint
+
+    problems: list[str] = []
+
+    def guarded(what: str, fn: Any) -> None:
+        try:
+            fn()
+        except ParallelVarsError:
+            pass
+        except FileNotFoundError:
+            if os.path.isfile(path):  # only a name that is no file (a TF prefix) may be "not found"
+                problems.append(f"{what}: FileNotFoundError for an existing file")
+        except BaseException as exc:  # the point is to catch everything
+            problems.append(f"{what}: {type(exc).__name__}: {str(exc)[:200]}")
+
+    def read_all() -> None:
+        with open_checkpoint(path) as view:
+            for key in view:
+                entry = view[key]
+                for i in range(entry.num_components):
+                    np.asarray(entry.component(i))
+
+    guarded("open_checkpoint", read_all)
+    guarded("convert", lambda: convert(path, os.path.join(scratch, "out.npz")))
+
+    def restore() -> None:
+        ckpt = pv.Checkpoint(model=pv.Module())
+        ckpt.restore(path)
+
+    guarded("Checkpoint.restore", restore)
+    for argv in (["inspect", path], ["verify", path], ["convert", path, os.path.join(scratch, "cli.npz")]):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["-q", *argv])
+        if code not in (0, 1, 2):
+            problems.append(f"cli {argv[0]}: exit {code}: {err.getvalue().strip()[:200]}")
+    return problems
 
 
 # --------------------------------------------------------------------------- reading (worker side)
@@ -399,11 +695,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=None, help="stop each format after this long")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--strings", action="store_true", help="add a byte-string variable to the sample")
+    parser.add_argument("--crafted", action="store_true",
+                        help="sweep the crafted hostile files (CRAFTED) through every entry point instead")
     args = parser.parse_args(argv)
     if args.worker:
         _worker_main()
         return 0
     import tempfile
+
+    if args.crafted:
+        bad = 0
+        for name, maker in CRAFTED.items():
+            with tempfile.TemporaryDirectory() as d:
+                t0 = time.monotonic()
+                problems = sweep(maker(d), d)
+            print(f"{name}: {'ok' if not problems else 'FAIL'} in {time.monotonic() - t0:.1f} s")
+            for p in problems:
+                print(f"  {p}")
+            bad += len(problems)
+        return 1 if bad else 0
 
     formats = args.format or available_formats()
     total_bad = 0

@@ -22,6 +22,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from parallelvars.errors import ForeignReferenceError
+
 from .._registry import FormatSpec
 from ._bundle import BundleReader, BundleWriter
 from ._keys import GRAPH_KEY, METADATA_KEY, escape_local_name, unescape_local_name
@@ -71,6 +73,8 @@ def sniff(path: str, head: bytes = b"") -> bool:
                 try:
                     if _is_index(resolve_prefix(path) + ".index"):
                         return True
+                except ForeignReferenceError:
+                    return True  # a TensorFlow directory; opening says why it is refused
                 except (ValueError, OSError):
                     pass
             return any(n.endswith(".index") and _is_index(os.path.join(path, n)) for n in names)
@@ -86,8 +90,9 @@ def open_tf(path: str | os.PathLike[str], **options: Any) -> TfCheckpointView:
     """Open a checkpoint (prefix, ``.index``, or directory) as a lazy view.
 
     Options: ``verify`` (check CRCs on read, default True), ``parallel_kind``
-    (``"mirrored"``), ``assemble_slices`` (False), ``skip_unsupported`` (False); see
-    :class:`TfCheckpointView`.
+    (``"mirrored"``), ``assemble_slices`` (False), ``skip_unsupported`` (False),
+    ``follow_state_outside`` (False: a directory's state file naming a checkpoint outside the
+    directory is refused); see :class:`TfCheckpointView`.
     """
     return TfCheckpointView(path, **options)
 
@@ -104,6 +109,7 @@ FORMAT = FormatSpec(
         "parallel_kind": "read: kind of variables with parallel_component_N keys (mirrored)",
         "assemble_slices": "read: partitioned tensors as single entries, not sharded (false)",
         "skip_unsupported": "read: leave out DT_VARIANT/DT_RESOURCE tensors instead of failing",
+        "follow_state_outside": "read: follow a state file naming a checkpoint outside its directory (false)",
         "naming": "write: 'object' (tf.train.Checkpoint keys + object graph) or 'name' (TF1 Saver)",
         "update_state": "write: make it the latest in the directory's 'checkpoint' file (true)",
     },

@@ -12,6 +12,7 @@ a reader never sees a half-written bundle.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
@@ -21,6 +22,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from parallelvars._fileio import write_error
 from parallelvars.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -109,6 +111,53 @@ def _overlap(a: SliceSpec, b: SliceSpec, shape: Sequence[int]) -> bool:
         if e1 <= s2 or e2 <= s1:
             return False
     return True
+
+
+#: Most cells of the grid that the slice boundaries of a tensor sliced along several axes
+#: draw (one byte each) before :func:`find_overlap` refuses to check the slicing.
+MAX_SLICE_GRID = 1 << 24
+
+
+def find_overlap(specs: Sequence[SliceSpec], shape: Sequence[int]) -> tuple[int, int] | None:
+    """Indices ``(j, i)``, ``j < i``, of two slices of ``specs`` that overlap, else None.
+
+    Linear in the number of slices (after a sort) when the slices are partial along at most one
+    axis, as every TensorFlow partitioner writes them; otherwise a count over the grid the
+    slice boundaries draw, of at most :data:`MAX_SLICE_GRID` cells (a ``ValueError`` beyond).
+    Empty slices overlap nothing.
+    """
+    boxes: list[tuple[int, list[tuple[int, int]]]] = []
+    for i, spec in enumerate(specs):
+        box = [(s, s + (d if n is None else n)) for (s, n), d in zip(spec, shape, strict=True)]
+        if all(e > s for s, e in box):
+            boxes.append((i, box))
+    if len(boxes) < 2:
+        return None
+    partial = {d for _, box in boxes for d, (s, e) in enumerate(box) if (s, e) != (0, shape[d])}
+    if len(partial) <= 1:
+        axis = partial.pop() if partial else 0
+        order = sorted(boxes, key=lambda b: b[1][axis][0])
+        for (j, prev), (i, cur) in itertools.pairwise(order):
+            if cur[axis][0] < prev[axis][1]:
+                return (min(i, j), max(i, j))
+        return None
+    axes = sorted(partial)
+    edges = [sorted({x for _, box in boxes for x in box[d]}) for d in axes]
+    cells = 1
+    for e in edges:
+        cells *= len(e) - 1
+        if cells > MAX_SLICE_GRID:
+            raise ValueError(f"the slices draw a grid of more than {MAX_SLICE_GRID} cells")
+    where = [{x: k for k, x in enumerate(e)} for e in edges]
+    grid = np.zeros([len(e) - 1 for e in edges], np.uint8)
+    for i, box in boxes:
+        region = tuple(slice(w[box[d][0]], w[box[d][1]]) for d, w in zip(axes, where, strict=True))
+        if grid[region].any():
+            for j, _ in boxes:
+                if j < i and _overlap(specs[i], specs[j], shape):
+                    return (j, i)
+        grid[region] = 1
+    return None
 
 
 class BundleReader:
@@ -231,10 +280,14 @@ class BundleReader:
                 key, "the slices do not cover the tensor", expected=_nelements(e.shape), found=f"{total} elements"
             )
         specs = e.slices
-        for i in range(len(specs)):
-            for j in range(i):
-                if _overlap(specs[i], specs[j], e.shape):
-                    raise self._corrupt(key, f"slices {_spec_text(specs[j])} and {_spec_text(specs[i])} overlap")
+        try:
+            pair = find_overlap(specs, e.shape)
+        except ValueError as exc:
+            raise self._corrupt(key, f"the slicing is too irregular to check ({exc})",
+                                found=f"{len(specs)} slices") from None
+        if pair is not None:
+            j, i = pair
+            raise self._corrupt(key, f"slices {_spec_text(specs[j])} and {_spec_text(specs[i])} overlap")
 
     def _validate_stored(self, key: bytes, e: BundleEntry) -> None:
         dt = numpy_dtype(e.dtype)
@@ -573,11 +626,25 @@ class BundleWriter:
         return self
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
+        # A write the system refused (disk full, file too large) is our CheckpointWriteError;
+        # the temporaries go, the last good checkpoint stays.
         if exc_type is None:
             if not self._done:
-                self.finish()
+                try:
+                    self.finish()
+                except BaseException as exc:
+                    self.abort()
+                    mapped = write_error(exc, self.prefix)
+                    if mapped is not exc:
+                        raise mapped from exc
+                    raise
         else:
             self.abort()
+            exc = rest[0] if rest else None
+            if isinstance(exc, BaseException):
+                mapped = write_error(exc, self.prefix)
+                if mapped is not exc:
+                    raise mapped from exc
 
 
 def _string_elements(value: np.ndarray, key: bytes, file: str) -> list[bytes]:

@@ -20,7 +20,6 @@ Grouping rules:
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import re
 from collections.abc import Sequence
@@ -28,8 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars._fileio import load_json
 from parallelvars.errors import (
     CorruptCheckpointError,
+    ForeignReferenceError,
     FormatVersionError,
     NotACheckpointError,
     UnsupportedDtypeError,
@@ -53,12 +54,24 @@ _DATA_RE = re.compile(r"^(.*)\.data-\d{5,}-of-\d{5,}$")
 _TRAILING_NUMBER = re.compile(r"^(.*?)(\d+)$")
 
 
-def resolve_prefix(path: str) -> str:
+def _inside(directory: str, candidate: str) -> bool:
+    """Whether ``candidate`` (symbolic links resolved) lies inside ``directory``."""
+    base = os.path.realpath(directory)
+    return os.path.commonpath([base, os.path.realpath(candidate)]) == base
+
+
+def resolve_prefix(path: str, *, follow_state_outside: bool = False) -> str:
     """The checkpoint prefix that ``path`` names.
 
     ``path`` may be a prefix (``dir/ckpt-1``), its ``.index`` or a data file, or a directory:
     then the latest checkpoint of its ``checkpoint`` state file, else its only ``*.index``,
     else (several, no state file) the one with the highest trailing number.
+
+    A state file naming a checkpoint outside the directory (an absolute path elsewhere, a path
+    through ``..`` or a symbolic link out) is refused with
+    :class:`~parallelvars.errors.ForeignReferenceError` unless ``follow_state_outside``; an
+    absolute path whose checkpoint is gone but whose name is in the directory (the directory
+    was moved) resolves to the one in the directory.
     """
     if os.path.isdir(path):
         state = read_state(path)
@@ -69,6 +82,14 @@ def resolve_prefix(path: str) -> str:
                 moved = os.path.join(path, os.path.basename(p))  # the directory was moved
                 if os.path.isfile(moved + ".index"):
                     cand = moved
+            if not follow_state_outside and not _inside(path, cand + ".index"):
+                raise ForeignReferenceError(
+                    "the checkpoint state file names a checkpoint outside its directory",
+                    file=os.path.join(path, STATE_FILENAME),
+                    expected="a checkpoint inside the directory",
+                    found=repr(p),
+                    hint="pass follow_state_outside=True (CLI: --follow-state-outside) to follow it",
+                )
             if not os.path.isfile(cand + ".index"):
                 raise NotACheckpointError(
                     "the checkpoint state file names a checkpoint that does not exist",
@@ -221,6 +242,8 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
         assemble_slices: read every partitioned tensor as one ``single`` entry.
         skip_unsupported: leave out tensors numpy cannot hold (``DT_VARIANT``,
             ``DT_RESOURCE``), listing them in :attr:`skipped`, instead of raising.
+        follow_state_outside: for a directory, follow its ``checkpoint`` state file even when
+            it names a checkpoint outside the directory (refused by default).
 
     Attributes:
         object_graph: the decoded ``TrackableObjectGraph`` nodes, or None (name-based).
@@ -241,11 +264,12 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
         parallel_kind: str = "mirrored",
         assemble_slices: bool = False,
         skip_unsupported: bool = False,
+        follow_state_outside: bool = False,
     ) -> None:
         if parallel_kind not in ("mirrored", "independent", "on_read"):
             raise ValueError(f"parallel_kind must be 'mirrored', 'independent' or 'on_read', not {parallel_kind!r}")
         self.source = os.fspath(path)
-        self.path = resolve_prefix(self.source)
+        self.path = resolve_prefix(self.source, follow_state_outside=follow_state_outside)
         self._bundle = BundleReader(self.path, verify=verify)
         self._parallel_kind = parallel_kind
         self._assemble = assemble_slices
@@ -378,10 +402,7 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
         if METADATA_KEY not in keys:
             return {}, {}
         raw = self._read_string_scalar(METADATA_KEY)
-        try:
-            doc = json.loads(raw.decode("utf-8"))
-        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError
-            raise self._corrupt(f"metadata is not JSON: {exc}", variable=METADATA_KEY) from None
+        doc = load_json(raw, file=self._bundle.index_path, variable=METADATA_KEY, what="metadata")
         if not isinstance(doc, dict) or doc.get("format") != METADATA_FORMAT:
             raise self._corrupt("unrecognised metadata", variable=METADATA_KEY, expected=METADATA_FORMAT)
         version = doc.get("version")

@@ -31,7 +31,12 @@ from parallelvars.checkpoint._h5policy import PARTS_SUFFIX  # noqa: F401 - <file
 from parallelvars.checkpoint.h5io import H5Reader, write_h5
 from parallelvars.checkpoint.registry import SaveRecord, get_saveable
 from parallelvars.devices import ParallelDevice
-from parallelvars.errors import CheckpointError, ConcurrentWriteError, RestoreMismatchError
+from parallelvars.errors import (
+    CheckpointError,
+    ConcurrentWriteError,
+    CorruptCheckpointError,
+    RestoreMismatchError,
+)
 from parallelvars.tracking import Trackable, children_of
 
 __all__ = ["Checkpoint", "CheckpointLoadStatus", "build_object_graph", "escape_name", "unescape_name"]
@@ -161,6 +166,52 @@ def _graph_from_paths(paths: list[str]) -> list[dict[str, Any]]:
     return nodes
 
 
+def _is_index(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _graph_nodes(graph: Any, path: str) -> list[dict[str, Any]]:
+    """The nodes of a saved object graph, every field checked for type and range (a damaged
+    or crafted graph is a :class:`~parallelvars.errors.CorruptCheckpointError`, never a
+    ``TypeError``/``KeyError`` later in the restore)."""
+
+    def bad(what: str, where: str, found: Any) -> CorruptCheckpointError:
+        text = repr(found)
+        return CorruptCheckpointError(f"object graph is malformed: {what}", file=path, variable=where,
+                                      found=text if len(text) <= 80 else text[:77] + "...")
+
+    nodes = graph.get("nodes") if isinstance(graph, dict) else None
+    if not isinstance(nodes, list):
+        raise bad("no list of nodes", "object_graph", type(graph).__name__)
+    n = len(nodes)
+    out: list[dict[str, Any]] = []
+    for i, node in enumerate(nodes):
+        where = f"node {i}"
+        if not isinstance(node, dict):
+            raise bad("a node is not an object", where, node)
+        node = dict(node)
+        node.setdefault("slots", [])
+        node.setdefault("children", [])
+        node.setdefault("path", None)
+        if node["path"] is not None and not isinstance(node["path"], str):
+            raise bad("a variable path is not a string", where, node["path"])
+        children = node["children"]
+        if not isinstance(children, list) or not all(
+            isinstance(c, list) and len(c) == 2 and isinstance(c[0], str) and _is_index(c[1]) and c[1] < n
+            for c in children
+        ):
+            raise bad("children must be [name, node id] pairs of existing nodes", where, children)
+        slots = node["slots"]
+        if not isinstance(slots, list) or not all(
+            isinstance(s, list) and len(s) == 3 and _is_index(s[0]) and s[0] < n and isinstance(s[1], str)
+            and _is_index(s[2]) and s[2] < n
+            for s in slots
+        ):
+            raise bad("slots must be [variable id, slot name, slot id] of existing nodes", where, slots)
+        out.append(node)
+    return out
+
+
 class _Session:
     """One ``restore()`` call: the file, its graph, and what has been matched so far."""
 
@@ -172,14 +223,7 @@ class _Session:
         if graph is None:
             self.nodes = _graph_from_paths(list(self._reader))
         else:
-            try:
-                self.nodes = list(graph["nodes"])
-                for node in self.nodes:
-                    node.setdefault("slots", [])
-                    node.setdefault("children", [])
-                    node.setdefault("path", None)
-            except (KeyError, TypeError, AttributeError) as exc:
-                raise CheckpointError("object graph is malformed", file=path, found=str(exc)) from None
+            self.nodes = _graph_nodes(graph, path)
         self.matched: dict[int, Any] = {}
         self.restored: set[int] = set()
         # Saved components a restore left out (an independent variable's components 1.. read

@@ -38,7 +38,7 @@ import h5py
 import numpy as np
 
 from parallelvars._dtypes import as_dtype, dtype_name, is_extension_dtype
-from parallelvars._fileio import DataWriter, Scratch, atomic_path, byte_view, checksum
+from parallelvars._fileio import DataWriter, Scratch, atomic_path, byte_view, checksum, load_json
 from parallelvars.checkpoint import _h5policy
 from parallelvars.checkpoint.registry import component_name
 from parallelvars.errors import (
@@ -436,7 +436,7 @@ def _read_json(f: h5py.File, name: str, file: str, *, required: bool = False) ->
             "checksum mismatch: a metadata document is damaged", file=file, variable=name,
             expected=f"crc32c {int(stored):#010x}", found=f"crc32c {_crc32c.crc32c(raw):#010x}",
         )
-    return json.loads(raw.decode("utf-8"))
+    return load_json(raw, file=file, variable=name, what="metadata document")
 
 
 def _check_document(ds: h5py.Dataset, file: str, name: str) -> None:
@@ -469,7 +469,7 @@ def _decode(value: Any) -> Any:
     if isinstance(value, str) and value.startswith("json:"):
         try:
             return json.loads(value[5:])
-        except ValueError:
+        except (ValueError, RecursionError):
             return value
     if isinstance(value, np.ndarray):
         if value.dtype.kind in ("O", "S", "U"):
