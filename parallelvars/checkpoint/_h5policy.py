@@ -56,11 +56,21 @@ _LINK_KINDS = {h5py.h5l.TYPE_SOFT: "soft link", h5py.h5l.TYPE_EXTERNAL: "externa
 _H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, AttributeError)
 
 
-def _refuse(what: str, file: str, name: str | None, found: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        what, file=file, variable=name, found=found,
-        hint="HDF5 indirection out of the file is refused (docs/FORMAT.md, 'What a reader refuses')",
+_POLICY_HINT = "HDF5 indirection out of the file is refused (docs/FORMAT.md, 'What a reader refuses')"
+
+
+def _parts_hint(folder: str) -> str:
+    return (
+        f"a checkpoint saved by several processes is the file plus its folder {folder}/ beside it, "
+        "under the names it was saved with; copy both without renaming, or make a standalone file "
+        "where both are with 'parallelvars convert CHECKPOINT standalone.h5'"
     )
+
+
+def _refuse(
+    what: str, file: str, name: str | None, found: str, *, hint: str = _POLICY_HINT
+) -> CorruptCheckpointError:
+    return CorruptCheckpointError(what, file=file, variable=name, found=found, hint=hint)
 
 
 def check_regular_file(path: str, *, file: str | None = None, follow: bool = True) -> os.stat_result:
@@ -240,13 +250,18 @@ def part_file(file: str, link: tuple[bytes, bytes], name: str) -> str:
         os.path.isabs(target) or "\\" in target or "\x00" in target or len(parts) != 2
         or parts[0] != base or parts[1] in ("", ".", "..")
     ):
+        # A well-formed link into another name's parts folder: this file was renamed or copied
+        # away from its folder. Still refused (it could reach another checkpoint's parts).
+        renamed = len(parts) == 2 and parts[0].endswith(PARTS_SUFFIX) and "/" not in parts[0] and parts[0] not in (".", "..")
         raise _refuse("an external link does not point into the checkpoint's own parts folder", file, name,
-                      f"external link to {target!r}, expected {base}/<part>")
+                      f"external link to {target!r}, expected {base}/<part>",
+                      hint=_parts_hint(parts[0]) if renamed else _POLICY_HINT)
     folder = os.path.join(os.path.dirname(os.path.abspath(file)), base)
     try:
         st = os.lstat(folder)
     except OSError:
-        raise _refuse("the parts folder of an external link is missing", file, name, folder) from None
+        raise _refuse("the parts folder of an external link is missing", file, name, folder,
+                      hint=_parts_hint(base)) from None
     if not stat.S_ISDIR(st.st_mode):
         raise _refuse("the parts folder is not a folder", file, name, f"{folder} is not a real folder")
     path = os.path.join(folder, parts[1])
