@@ -403,7 +403,8 @@ class Checkpoint(Trackable):
         """
         graph = build_object_graph(self)
         records = []
-        for _, obj, var_path in graph.variables():
+        by_node: dict[int, SaveRecord] = {}
+        for node_id, obj, var_path in graph.variables():
             saveable = get_saveable(obj)
             assert saveable is not None
             record = saveable.gather(obj)
@@ -414,9 +415,10 @@ class Checkpoint(Trackable):
                     shape=tuple(record.shape), attrs=dict(record.attrs), path=var_path,
                 )
             records.append(record)
+            by_node[node_id] = record
         for node in graph.nodes:
             for var_id, slot_name, slot_id in node["slots"]:
-                rec = next(r for r in records if r.path == graph.nodes[slot_id]["path"])
+                rec = by_node[slot_id]  # a slot is a variable node of this graph: one dict lookup
                 rec.attrs["slot_of"] = graph.nodes[var_id]["path"]
                 rec.attrs["slot_name"] = slot_name
         object_graph, metadata = graph.to_json(), self._metadata()

@@ -459,8 +459,9 @@ class Optimizer(Module):
             split = self._pv_split.get(key)
             if split is None or not all(map(operator.is_, split[0], var_list)):
                 info = self._info
-                fast_idx = tuple(i for i, v in enumerate(var_list) if info(v)[2])
-                split = (tuple(var_list), fast_idx, tuple(i for i in range(len(var_list)) if i not in set(fast_idx)))
+                fast = [info(v)[2] for v in var_list]  # one pass: the split is linear in the variables
+                fast_idx = tuple(i for i, f in enumerate(fast) if f)
+                split = (tuple(var_list), fast_idx, tuple(i for i, f in enumerate(fast) if not f))
                 if len(self._pv_split) >= _PLAN_CACHE:
                     self._pv_split.pop(next(iter(self._pv_split)))
                 self._pv_split[key] = split
