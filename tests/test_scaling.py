@@ -199,6 +199,7 @@ def test_object_graph_and_tracking_are_linear():
                 m.items.append(var)
                 m.items[i] = var  # replacing an item looks up pending restores
                 m.table[f"k{i}"] = var
+                setattr(m, f"attr{i}", var)  # a module with many attributes
             m.items.insert(0, m.items[0])
             assert len(m.variables) == k
 
@@ -247,7 +248,10 @@ def test_cli_commands_are_linear_in_entries(tmp_path, capsys, fmt, suffix, comma
         }[command]
 
         def run() -> None:
-            assert cli_main(["-q", "--json", *argv]) == 0
+            for mode in (["--json"], []):  # the JSON document and the human output (a tree)
+                for out in (d / "b.npz", d / f"c.{suffix}", d / "x.npy"):
+                    out.unlink(missing_ok=True)
+                assert cli_main(["-q", *mode, *argv]) == 0
 
         return run
 
@@ -273,3 +277,19 @@ def test_cli_over_100k_entries_finishes(tmp_path):
             capture_output=True, text=True, timeout=600, env=env,
         )
         assert proc.returncode == 0, proc.stderr
+
+
+def test_a_variable_given_twice_is_named():
+    def make(k: int) -> Callable[[], Any]:
+        _, model, opt, grads = _model(k)
+        variables = model.variables
+        pairs = [*zip(grads, variables, strict=True), (grads[0], variables[k // 2])]
+
+        def step() -> None:
+            with pytest.raises(pv.errors.GradientError, match="appears twice") as info:
+                opt.apply_gradients(pairs)
+            assert info.value.variable == f"kernel{k // 2}"
+
+        return step
+
+    assert_linear(make)

@@ -414,7 +414,11 @@ class Optimizer(Module):
         known = self._pv_known.get(key)
         steady = known is not None and all(map(operator.is_, known, var_list))
         if not steady and len(set(key)) != len(key):
-            dup = next(v for i, v in enumerate(var_list) if id(v) in key[:i])
+            seen: set[int] = set()
+            for dup in var_list:  # the first variable seen before
+                if id(dup) in seen:
+                    break
+                seen.add(id(dup))
             raise GradientError("a variable appears twice in one step", variable=getattr(dup, "name", None))
         reduced = self._reduce(strategy, pairs, from_replicas)
         shapes = self._pv_shapes.get(key) if steady else None
