@@ -34,10 +34,10 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from bench_checkpoint import best, remove  # run as bench/bench_scaling.py: bench/ is on the path
 
 import parallelvars as pv
 
@@ -50,22 +50,6 @@ except ImportError:  # the peer is optional
 OPS = ("step", "gather", "save", "restore")
 TARGET_GROWTH = 12.0  # from 500 to 5,000 variables (linear: 10x)
 TARGETED = ("step", "save", "restore")
-
-
-def best(fn: Callable[[], Any], repeat: int, before: Callable[[], Any] | None = None) -> float:
-    times = []
-    for _ in range(repeat):
-        if before is not None:
-            before()
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
-def remove(path: str) -> None:
-    if os.path.exists(path):
-        os.unlink(path)
 
 
 def measure(count: int, params: int, devices: int, repeat: int, folder: str) -> dict[str, Any]:

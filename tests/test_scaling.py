@@ -230,7 +230,7 @@ def _entries(k: int) -> dict[str, ArrayEntry]:
     return entries
 
 
-@pytest.mark.parametrize("fmt,suffix", [("hdf5", "h5"), ("safetensors", "safetensors")])
+@pytest.mark.parametrize("fmt,suffix", [("hdf5", "h5"), ("safetensors", "safetensors"), ("npz", "npz")])
 @pytest.mark.parametrize("command", ["inspect", "verify", "diff", "extract", "convert", "reshard"])
 def test_cli_commands_are_linear_in_entries(tmp_path, capsys, fmt, suffix, command):
     def make(k: int) -> Callable[[], Any]:
