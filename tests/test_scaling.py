@@ -293,3 +293,64 @@ def test_a_variable_given_twice_is_named():
         return step
 
     assert_linear(make)
+
+
+# ---------------------------------------------------------------------------------------------
+# The cyclic garbage collector is paused while a save gathers and while a restore runs
+
+
+def test_save_and_restore_pause_the_collector_and_resume_it(tmp_path):
+    import gc
+
+    _, model, opt, _ = _trained(3)
+    ckpt = pv.Checkpoint(model=model, opt=opt)
+    seen: list[bool] = []
+    saveable = pv.checkpoint.registry.get_saveable(model.layers[0].kernel)
+    original = type(saveable).plan_restore
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(gc.isenabled())
+        return original(self, *args, **kwargs)
+
+    assert gc.isenabled()
+    path = ckpt.write(str(tmp_path / "a.h5"))
+    assert gc.isenabled()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(saveable), "plan_restore", spy)
+        ckpt.restore(path).assert_consumed()
+    assert seen and not any(seen)  # off while planning the restore
+    assert gc.isenabled()
+
+    model.layers[0].kernel = pv.Variable(np.zeros(4, np.float32), name="kernel0")  # another shape
+    with pytest.raises(pv.errors.ShapeMismatchError):
+        ckpt.restore(path)
+    assert gc.isenabled()  # resumed after a failed restore too
+
+    gc.disable()
+    try:
+        ckpt.write(str(tmp_path / "b.h5"))
+        assert not gc.isenabled()  # a collector the caller turned off stays off
+    finally:
+        gc.enable()
+
+
+def test_overlapping_pauses_in_threads_resume_the_collector_once():
+    import gc
+
+    from parallelvars.checkpoint.checkpoint import _gc_paused
+
+    inside, release = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with _gc_paused():
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=other)
+    with _gc_paused():
+        t.start()
+        assert inside.wait(10)
+    assert not gc.isenabled()  # the other thread is still inside
+    release.set()
+    t.join(10)
+    assert gc.isenabled()
