@@ -7,10 +7,10 @@ numpy and h5py versions, date, load average at the start) and the exact commands
 followed in the file by each benchmark's own printed output.
 
 By default the sizes are reduced where the issue's full size would take long on a small
-machine (convert and TF read at 512 MB, MPI at 20 MB per step; the rest at their defaults), so
-the whole suite takes a few minutes on 2 cores. ``--full`` runs every benchmark at its own
-default (the issue's) sizes. A benchmark that fails, times out or is skipped becomes a row
-saying so; the run goes on.
+machine (convert and TF read at 512 MB, MPI at 20 MB per step, scaling at 500 and 5,000
+variables; the rest at their defaults), so the whole suite takes a few minutes on 2 cores.
+``--full`` runs every benchmark at its own default (the issue's) sizes. A benchmark that fails,
+times out or is skipped becomes a row saying so; the run goes on.
 
 Usage::
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -57,6 +58,7 @@ BENCHMARKS = (
     Benchmark("tf_read", "bench_tf_read.py", ("--mb", "512")),
     Benchmark("strategy", "bench_strategy.py"),
     Benchmark("mpi", "bench_mpi.py", ("--size-mb", "20")),
+    Benchmark("scaling", "bench_scaling.py", ("--counts", "500", "5000")),  # --full: 50,000 too
 )
 
 COLUMNS = ("area", "measurement", "ours", "baseline", "ratio", "target", "met")
@@ -213,6 +215,36 @@ def _rows_mpi(d: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+_SCALING_OPS = {
+    "save": "Checkpoint.save",
+    "restore": "Checkpoint.restore + assert_consumed",
+    "step": "strategy.run(step), Adam apply_gradients",
+    "gather": "save gather (graph, records; no writing)",
+}
+
+
+def _rows_scaling(d: dict[str, Any]) -> list[list[str]]:
+    p, runs, growth = d["params"], d["runs"], d["growth"]
+    counts = [int(c) for c in p["counts"]]
+    rows = []
+    for a, b in itertools.pairwise(counts):
+        for op, text in _SCALING_OPS.items():
+            ta, tb = runs[str(a)]["times"][op], runs[str(b)]["times"][op]
+            target = d["targets"].get(f"{op}_growth_{a}_{b}")
+            rows.append(_row(
+                "scaling", f"{text}: time at {b:,} vs {a:,} variables, same {p['params']:,} params "
+                           f"({ta / a * 1e6:.0f} -> {tb / b * 1e6:.0f} us per variable)",
+                _s(tb), _s(ta), _x(growth[op][f"{a}->{b}"]), _target(target)))
+    if p.get("peer"):
+        top = str(counts[-1])
+        t, n = runs[top]["times"], runs[top]["tensors"]
+        for ours, peer, text in (("save", "peer_save", "save vs safetensors save_file"),
+                                 ("restore", "peer_load", "restore vs safetensors load_file")):
+            rows.append(_row("scaling", f"{text}, same tensors ({int(top):,} variables, {n:,} tensors)",
+                             _s(t[ours]), _s(t[peer]), _x(t[peer] / t[ours])))
+    return rows
+
+
 ROWS = {
     "update": _rows_update,
     "train_step": _rows_train_step,
@@ -221,6 +253,7 @@ ROWS = {
     "tf_read": _rows_tf_read,
     "strategy": _rows_strategy,
     "mpi": _rows_mpi,
+    "scaling": _rows_scaling,
 }
 
 
@@ -378,7 +411,8 @@ def render(info: dict[str, str], results: dict[str, dict[str, Any]], full: bool,
               "`ratio` is baseline time / our time (higher is better: how many times faster ours "
               "is) in every row but these, where it is ours / baseline (lower is better): core vs "
               "roofline, the train step (and with gradient buffers) vs the core alone, run() vs "
-              "plain loop, and peak RSS vs budget. `met` is n/a where the issue "
+              "plain loop, peak RSS vs budget, and scaling's time at more variables vs fewer (10x "
+              "the variables: 10x is linear). `met` is n/a where the issue "
               "sets no target; a benchmark that failed or timed out shows `no`."]
     if raw:
         lines += ["", "## Output of each benchmark", ""]

@@ -12,6 +12,7 @@ leaves a note on the parent (``_pv_deferred``); the moment a child of that name 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -110,7 +111,16 @@ class TrackedList(list, Trackable):
         return {str(i): v for i, v in enumerate(self) if is_trackable(v)}
 
     def _added(self, start: int) -> None:
-        for i in range(start, len(self)):
+        """Items from ``start`` on may be new: hand each one its pending restore, if any."""
+        deferred = self.__dict__.get("_pv_deferred")
+        if not deferred:
+            return  # nothing pending (the usual case): no per-item work at all
+        n = len(self)
+        if n - start <= len(deferred):
+            indices: Iterable[int] = range(start, n)
+        else:  # fewer notes than items: visit the notes, not the list
+            indices = sorted(int(k) for k in deferred if k.isdigit() and start <= int(k) < n)
+        for i in indices:
             self._maybe_restore_child(str(i), self[i])
 
     def append(self, value: Any) -> None:
@@ -216,10 +226,10 @@ def _walk_variables(root: Any) -> Iterator[Any]:
     from parallelvars.variables import ParallelVariable
 
     seen: set[int] = set()
-    stack = [root]
+    queue = deque([root])  # breadth-first; popleft is O(1) where list.pop(0) is O(n)
     order: list[Any] = []
-    while stack:
-        node = stack.pop(0)
+    while queue:
+        node = queue.popleft()
         for child in children_of(node).values():
             if id(child) in seen:
                 continue
@@ -227,5 +237,5 @@ def _walk_variables(root: Any) -> Iterator[Any]:
             if isinstance(child, ParallelVariable):
                 order.append(child)
             else:
-                stack.append(child)
+                queue.append(child)
     yield from order

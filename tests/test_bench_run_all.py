@@ -139,3 +139,42 @@ def test_train_step_rows():
     assert loop_a[4:] == ["12.50x", ">= 10x", "yes"]
     assert rows[3][6] == "yes"
     assert any(b.name == "train_step" for b in run_all.BENCHMARKS)
+
+
+def _scaling(peer: bool = True) -> dict:
+    def run(count: int, unit: float) -> dict:
+        times = {op: unit * count for op in ("step", "gather", "save", "restore", "step_first")}
+        if peer:
+            times.update(peer_save=unit * count / 4, peer_load=unit * count / 2)
+        return {"variables": count, "tensors": count * 6, "times": times}
+
+    runs = {"500": run(500, 1e-3), "5000": run(5000, 1.1e-3), "50000": run(50000, 1.1e-3)}
+    growth = {op: {"500->5000": 11.0, "5000->50000": 10.0}
+              for op in ("step", "gather", "save", "restore", "step_first")}
+    growth["save"]["500->5000"] = 13.0
+    return {
+        "params": {"counts": [500, 5000, 50000], "params": 4_000_000, "devices": 2,
+                   "peer": "safetensors" if peer else None},
+        "runs": runs, "growth": growth, "ratios": {},
+        "targets": {"save_growth_500_5000": _t("<=", 12.0, False),
+                    "restore_growth_500_5000": _t("<=", 12.0, True),
+                    "step_growth_500_5000": _t("<=", 12.0, True)},
+    }
+
+
+def test_scaling_rows_show_growth_per_step_of_counts_and_the_peer():
+    rows = _rows(run_all.build_table({"scaling": {"status": "ok", "data": _scaling()}}))
+    assert len(rows) == 2 * 4 + 2
+    save = next(r for r in rows if r[1].startswith("Checkpoint.save: time at 5,000 vs 500"))
+    assert save[2:] == ["5.500 s", "0.500 s", "13.00x", "<= 12x", "no"]
+    assert "1000 -> 1100 us per variable" in save[1]
+    later = next(r for r in rows if r[1].startswith("Checkpoint.save: time at 50,000 vs 5,000"))
+    assert later[4:] == ["10.00x", "—", "n/a"]  # the issue sets no target past 5,000
+    peer = next(r for r in rows if "safetensors save_file" in r[1])
+    assert "50,000 variables, 300,000 tensors" in peer[1] and peer[4] == "0.25x"
+    no_peer = _rows(run_all.build_table({"scaling": {"status": "ok", "data": _scaling(peer=False)}}))
+    assert len(no_peer) == 8 and not any("safetensors" in r[1] for r in no_peer)
+
+
+def test_every_benchmark_has_a_row_function():
+    assert {b.name for b in run_all.BENCHMARKS} == set(run_all.ROWS)

@@ -782,7 +782,11 @@ class Optimizer(Module):
         known = self._pv_known.get(key)
         steady = known is not None and all(map(operator.is_, known, var_list))
         if not steady and len(set(key)) != len(key):
-            dup = next(v for i, v in enumerate(var_list) if id(v) in key[:i])
+            seen: set[int] = set()
+            for dup in var_list:  # the first variable seen before
+                if id(dup) in seen:
+                    break
+                seen.add(id(dup))
             raise GradientError("a variable appears twice in one step", variable=getattr(dup, "name", None))
         reduced = self._reduce(strategy, pairs, from_replicas)
         shapes = self._pv_shapes.get(key) if steady else None
@@ -837,8 +841,9 @@ class Optimizer(Module):
             split = self._pv_split.get(key)
             if split is None or not all(map(operator.is_, split[0], var_list)):
                 info = self._info
-                fast_idx = tuple(i for i, v in enumerate(var_list) if info(v)[2])
-                split = (tuple(var_list), fast_idx, tuple(i for i in range(len(var_list)) if i not in set(fast_idx)))
+                fast = [info(v)[2] for v in var_list]  # one pass: the split is linear in the variables
+                fast_idx = tuple(i for i, f in enumerate(fast) if f)
+                split = (tuple(var_list), fast_idx, tuple(i for i, f in enumerate(fast) if not f))
                 if len(self._pv_split) >= _PLAN_CACHE:
                     self._pv_split.pop(next(iter(self._pv_split)))
                 self._pv_split[key] = split
