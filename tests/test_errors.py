@@ -225,7 +225,8 @@ def test_not_found_is_an_os_error_with_errno_and_filename(tmp_path: Path) -> Non
         ("tf-index", "a TensorFlow checkpoint"),
         ("safetensors", "a safetensors file"),
         ("npz", "an npz archive"),
-        ("keras", "a Keras weights file"),
+        ("keras", "a Keras file"),
+        ("foreign-hdf5", "an HDF5 file of another writer"),
         ("manager-dir", "a checkpoint directory"),
         ("empty-dir", "a directory"),
     ],
@@ -246,8 +247,11 @@ def test_restore_of_a_foreign_checkpoint_names_the_file_and_says_how(
         target = str(tmp_path / "empty")
         os.mkdir(target)
     else:
-        suffix = {"safetensors": ".safetensors", "npz": ".npz", "keras": ".weights.h5"}[make]
+        suffix = {"safetensors": ".safetensors", "npz": ".npz", "keras": ".weights.h5", "foreign-hdf5": ".weights.h5"}[make]
         target = convert(native, str(tmp_path / f"out{suffix}"))
+        if make == "foreign-hdf5":  # a Keras file under a plain name
+            os.rename(target, str(tmp_path / "plain.h5"))
+            target = str(tmp_path / "plain.h5")
     with pytest.raises(ParallelVarsError) as info:
         ckpt.restore(target)
     err = info.value
@@ -259,6 +263,13 @@ def test_restore_of_a_foreign_checkpoint_names_the_file_and_says_how(
         assert f"parallelvars convert {target} out.h5" in message
     if make == "manager-dir":
         assert "latest_checkpoint" in message and "ckpt-1.h5" in message
+
+
+def test_restore_of_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = str(tmp_path / "pipe.h5")
+    os.mkfifo(fifo)
+    with pytest.raises(errors.NotACheckpointError, match="FIFO"):
+        pv.Checkpoint(w=_variable()).restore(fifo)
 
 
 def test_the_hinted_conversion_then_restores(tmp_path: Path) -> None:

@@ -2,13 +2,18 @@
 
 ``Checkpoint.restore`` reads only the native HDF5 layout. When it is handed a TensorFlow
 checkpoint, a safetensors, npz or Keras file, or a manager's directory, the error it raises
-says what the path is and how to get a native checkpoint from it. Which format a path holds is
-decided by the format registry's own detection (one place), imported only on this error path.
+says what the path is and how to get a native checkpoint from it.
+
+The core never imports the format adapters (``parallelvars.formats`` builds on the core), so
+this is a coarse look at names and first bytes, only on the error path; the adapters' own
+detection (``formats.detect_format``) stays the one that decides how a file is read.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import stat
 
 from parallelvars.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
 
@@ -18,20 +23,43 @@ _LABELS = {
     "tf": "a TensorFlow checkpoint",
     "safetensors": "a safetensors file",
     "npz": "an npz archive",
-    "keras": "a Keras weights file",
-    "keras-legacy": "a legacy Keras HDF5 file",
+    "keras": "a Keras file",
+    "hdf5": "an HDF5 file of another writer (Keras?)",
 }
+_TF_FILE = re.compile(r"\.(index|data-\d+-of-\d+)$")
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def _kind(path: str) -> str | None:
+    if os.path.isdir(path):
+        try:
+            names = os.listdir(path)
+        except OSError:
+            return None
+        return "tf" if "checkpoint" in names or any(n.endswith(".index") for n in names) else None
+    if _TF_FILE.search(path) or (not os.path.exists(path) and os.path.exists(path + ".index")):
+        return "tf"
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # opening a FIFO would block
+            return None
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError:
+        return None
+    lower = path.lower()
+    if lower.endswith((".safetensors", ".safetensors.index.json")) or head[8:9] == b"{":
+        return "safetensors"
+    if head.startswith(b"PK"):
+        return "keras" if lower.endswith(".keras") else "npz"
+    if head.startswith(_HDF5_SIGNATURE):
+        return "keras" if lower.endswith(".weights.h5") else "hdf5"
+    return None
 
 
 def foreign_hint(path: str) -> str | None:
     """How to restore from ``path`` when it is not a native checkpoint, or None if unknown."""
-    try:
-        from parallelvars.formats._registry import detect_format
-
-        name: str | None = detect_format(path)
-    except Exception:  # any refusal: the path is nothing we can name
-        name = None
-    if name in _LABELS:
+    name = _kind(path)
+    if name is not None:
         return f"{_LABELS[name]}: convert it first with 'parallelvars convert {path} out.h5'"
     if os.path.isdir(path):
         from parallelvars.checkpoint.manager import latest_checkpoint
