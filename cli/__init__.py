@@ -21,7 +21,6 @@ from typing import NoReturn
 
 from parallelvars import __version__
 
-from ._common import READ_OPTIONS
 from ._errors import EXIT_USAGE, classify, debug_from_env
 from ._output import Output, one_line
 
@@ -145,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = Output(json_mode=args.json, quiet=args.quiet)
         args.out = out
         debug = debug or args.debug
+        from ._common import READ_OPTIONS  # here: --version must not import the formats
+
         READ_OPTIONS.clear()
         if args.follow_state_outside:
             READ_OPTIONS["follow_state_outside"] = True
