@@ -142,7 +142,7 @@ def output_format(path: str, explicit: str | None, fallback: str | None) -> str:
     """The format to write ``path`` in: ``explicit``, else by suffix, else ``fallback``."""
     name = explicit or format_for_path(path) or fallback
     if name is None:
-        raise ValueError(f"{path}: cannot tell the output format from the name; pass --to FORMAT")
+        raise UsageError(f"{path}: cannot tell the output format from the name; pass --to FORMAT")
     return name
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from parallelvars.errors import MissingVariableError, ParallelVarsError
+from parallelvars.errors import InvalidArgumentError, MissingVariableError, ParallelVarsError
 
 __all__ = [
     "EXIT_OK",
@@ -35,10 +35,11 @@ EXIT_INTERNAL = 3
 EXIT_INTERRUPTED = 130
 
 
-class UsageError(ValueError):
+class UsageError(InvalidArgumentError):
     """An argument that parses but makes no sense (a component index out of range, ...).
 
-    Derives from ``ValueError``: it is bad input, like the library's own input errors.
+    An :class:`~parallelvars.errors.InvalidArgumentError`, so a ``ParallelVarsError`` and a
+    ``ValueError``: it is bad input, like the library's own input errors.
     """
 
 
@@ -75,8 +76,8 @@ ERROR_TABLE: Sequence[tuple[type[BaseException], int, Callable[[BaseException], 
     (ParallelVarsError, EXIT_USAGE, _describe),
     # Files that are not there, not readable, or not writable.
     (OSError, EXIT_USAGE, _describe_os_error),
-    # The registry and the adapters raise ValueError for a name they do not know or a value
-    # they cannot take (an unknown format, an output name with no known suffix).
+    # A ValueError from outside the library (numpy refusing a value handed on from the
+    # command line) is still bad input; the library's own are ParallelVarsError above.
     (ValueError, EXIT_USAGE, _describe),
     # A format whose optional dependency is not installed.
     (ImportError, EXIT_USAGE, lambda e: f"a format needs a module that is not installed: {e}"),

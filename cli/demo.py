@@ -18,6 +18,7 @@ import numpy as np
 
 import parallelvars as pv
 
+from ._errors import UsageError
 from ._mlp import MLP, accuracy, loss_and_grads, make_blobs
 from ._output import Output, counted
 from .inspect import collect, render_tree
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
     out: Output = args.out
     if args.devices < 1 or args.steps < 2:
-        raise ValueError(f"--devices must be >= 1 and --steps >= 2 (found {args.devices} and {args.steps})")
+        raise UsageError(f"--devices must be >= 1 and --steps >= 2 (found {args.devices} and {args.steps})")
     root = os.path.abspath(args.dir)
     ckpt_dir = os.path.join(root, "checkpoints")
     os.makedirs(ckpt_dir, exist_ok=True)

@@ -50,6 +50,8 @@ from parallelvars._fileio import Scratch, atomic_path
 from parallelvars.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
+    InvalidArgumentError,
+    InvalidEntryError,
     ShapeMismatchError,
     TruncatedFileError,
     UnsupportedDtypeError,
@@ -105,7 +107,7 @@ def dtype_name(dtype: np.dtype) -> str:
     """The checkpoint name of ``dtype`` (``float32``, ``bfloat16``; ``bytes`` for strings)."""
     dtype = np.dtype(dtype)
     if not (is_string_dtype(dtype) or is_ml_dtype(dtype) or (dtype.kind in "biufc" and dtype.fields is None)):
-        raise TypeError(f"dtype {dtype} is not a tensor dtype")
+        raise UnsupportedDtypeError(f"dtype {dtype} is not a tensor dtype")
     return _core_dtype_name(dtype)
 
 
@@ -175,15 +177,15 @@ def parse_size(size: int | str) -> int:
                 try:
                     value = int(float(text[: -len(suffix)]) * factor)
                 except ValueError:
-                    raise ValueError(f"cannot read size {size!r} (expected e.g. 500MB or 2GiB)") from None
+                    raise InvalidArgumentError(f"cannot read size {size!r} (expected e.g. 500MB or 2GiB)") from None
                 break
         else:
             try:
                 value = int(float(text))
             except ValueError:
-                raise ValueError(f"cannot read size {size!r} (expected e.g. 500MB or 2GiB)") from None
+                raise InvalidArgumentError(f"cannot read size {size!r} (expected e.g. 500MB or 2GiB)") from None
     if value <= 0:
-        raise ValueError(f"size must be positive, got {size!r}")
+        raise InvalidArgumentError(f"size must be positive, got {size!r}")
     return value
 
 
@@ -194,9 +196,9 @@ def parse_size(size: int | str) -> int:
 def check_entry(entry: Entry, file: str | None = None) -> None:
     """Raise a clear error when ``entry``'s kind, components or shard offsets do not agree."""
     if entry.kind not in KINDS:
-        raise ValueError(f"variable {entry.path!r}: unknown kind {entry.kind!r} (expected one of {KINDS})")
+        raise InvalidEntryError("unknown kind", variable=entry.path, expected=f"one of {KINDS}", found=repr(entry.kind))
     if entry.num_components < 1:
-        raise ValueError(f"variable {entry.path!r}: an entry needs at least one component")
+        raise InvalidEntryError("an entry needs at least one component", variable=entry.path)
     if entry.kind == "single" and entry.num_components != 1:
         raise ShapeMismatchError(
             "a single variable has exactly one component",
@@ -344,7 +346,7 @@ def plan_tensors(
             layout = "components"
         for t in tensors:
             if t.key in owner:
-                raise ValueError(
+                raise InvalidEntryError(
                     f"{file or '<output>'}: variables {owner[t.key]!r} and {path!r} both map to "
                     f"the key {t.key!r} with names={names!r}; choose another name style"
                 )

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from parallelvars.errors import InvalidEntryError
+from parallelvars.errors import InvalidArgumentError, InvalidEntryError
 
 from ._names import check_names
 from ._registry import format_for_suffix, get_format, open_checkpoint
@@ -138,22 +138,22 @@ def convert(
         'model.safetensors'
     """
     if components not in ("all", "primary"):
-        raise ValueError(f"components must be 'all' or 'primary', got {components!r}")
+        raise InvalidArgumentError(f"components must be 'all' or 'primary', got {components!r}")
     if names is not None:
         check_names(names)
     target = to_format or format_for_path(dst)
     if target is None:
-        raise ValueError(f"{os.fspath(dst)}: cannot tell the output format from the name; pass to_format=")
+        raise InvalidArgumentError(f"{os.fspath(dst)}: cannot tell the output format from the name; pass to_format=")
     spec = get_format(target)
     options: dict[str, Any] = {}
     if names is not None:
         if "names" not in spec.options:
-            raise ValueError(f"format {target!r} has no key style; names= applies to formats "
+            raise InvalidArgumentError(f"format {target!r} has no key style; names= applies to formats "
                              "with flat keys (safetensors, npz)")
         options["names"] = names
     if max_shard_size is not None:
         if "max_shard_size" not in spec.options:
-            raise ValueError(f"format {target!r} is not sharded by size; max_shard_size= applies to safetensors")
+            raise InvalidArgumentError(f"format {target!r} is not sharded by size; max_shard_size= applies to safetensors")
         options["max_shard_size"] = max_shard_size
     view = open_checkpoint(src, format=from_format, **dict(read_options or {}))
     try:

@@ -13,6 +13,7 @@ import numpy as np
 
 from parallelvars.checkpoint._h5policy import check_regular_file
 from parallelvars.errors import (
+    CheckpointNotFoundError,
     CorruptCheckpointError,
     NotACheckpointError,
     ParallelVarsError,
@@ -57,7 +58,7 @@ def is_hdf5(path: str, head: bytes) -> bool:
 def open_h5(path: str) -> h5py.File:
     """Open ``path`` read-only, turning h5py's errors into ours (naming the file)."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such file")
+        raise CheckpointNotFoundError(file=path)
     check_regular_file(path)  # a FIFO or a device would block or never end
     try:
         ok = bool(h5py.is_hdf5(path))

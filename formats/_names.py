@@ -46,6 +46,7 @@ from __future__ import annotations
 import re
 
 from parallelvars.checkpoint.checkpoint import escape_name, unescape_name
+from parallelvars.errors import InvalidArgumentError
 
 __all__ = [
     "NAME_STYLES",
@@ -67,7 +68,7 @@ _COMPONENT_RE = re.compile(r"^parallel_component_([1-9][0-9]*)$")
 def check_names(names: str) -> str:
     """``names`` when it is a known style; ``ValueError`` otherwise."""
     if names not in NAME_STYLES:
-        raise ValueError(f"unknown name style {names!r} (expected one of {', '.join(NAME_STYLES)})")
+        raise InvalidArgumentError(f"unknown name style {names!r} (expected one of {', '.join(NAME_STYLES)})")
     return names
 
 
@@ -94,7 +95,7 @@ def to_key(
     """
     check_names(names)
     if component < 0:
-        raise ValueError(f"variable {path!r}: component index must be >= 0, got {component}")
+        raise InvalidArgumentError(f"variable {path!r}: component index must be >= 0, got {component}")
     if names == "slash":
         key = path
     elif names == "dotted":

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from parallelvars.errors import NotACheckpointError
+from parallelvars.errors import CheckpointNotFoundError, InvalidArgumentError, NotACheckpointError
 
 from ._view import CheckpointView, Entry
 
@@ -69,7 +69,7 @@ def get_format(name: str) -> FormatSpec:
     """The :class:`FormatSpec` registered under ``name``."""
     key = name.lower()
     if key not in _ADAPTER_MODULES:
-        raise ValueError(f"unknown format {name!r} (expected one of {', '.join(FORMAT_NAMES)})")
+        raise InvalidArgumentError(f"unknown format {name!r} (expected one of {', '.join(FORMAT_NAMES)})")
     if key not in _loaded:
         module = importlib.import_module(_ADAPTER_MODULES[key])
         specs = getattr(module, "FORMATS", None) or (module.FORMAT,)
@@ -115,7 +115,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         if spec.sniff(p, head):
             return name
     if not exists:  # a suffix says nothing about a file that is not there
-        raise FileNotFoundError(f"{p}: no such file or directory")
+        raise CheckpointNotFoundError("no such file or directory", file=p)
     by_suffix = format_for_suffix(p)
     if by_suffix is not None:
         return by_suffix
@@ -145,5 +145,5 @@ def write_checkpoint(
     if format is None:
         format = format_for_suffix(p)
         if format is None:
-            raise ValueError(f"{p}: cannot tell the output format from the name; pass format=")
+            raise InvalidArgumentError(f"{p}: cannot tell the output format from the name; pass format=")
     return get_format(format).write(p, entries, **options)

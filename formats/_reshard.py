@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from parallelvars.errors import DeviceCountError
+from parallelvars.errors import DeviceCountError, InvalidArgumentError
 
 from ._common import check_entry
 from ._view import CheckpointView, DictView, Entry, logical_value
@@ -208,7 +208,7 @@ def reshard(view: Mapping[str, Entry], devices: int, *, mirror_single: bool = Fa
             another number of devices; the message names it.
     """
     if isinstance(devices, bool) or not isinstance(devices, (int, np.integer)) or devices < 1:
-        raise ValueError(f"devices must be a positive integer, got {devices!r}")
+        raise InvalidArgumentError(f"devices must be a positive integer, got {devices!r}")
     m = int(devices)
     cache = _Cache()
     file = getattr(view, "path", None)

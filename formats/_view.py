@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars.errors import ComponentIndexError, InvalidEntryError
+
 __all__ = ["KINDS", "Entry", "ArrayEntry", "CheckpointView", "DictView", "logical_value"]
 
 KINDS = ("single", "mirrored", "on_read", "independent", "sharded")
@@ -83,7 +85,7 @@ class Entry(abc.ABC):
 
     def _check_index(self, i: int) -> None:
         if not 0 <= i < self.num_components:
-            raise IndexError(
+            raise ComponentIndexError(
                 f"variable {self.path!r} has {self.num_components} components, no component {i}"
             )
 
@@ -107,13 +109,13 @@ class ArrayEntry(Entry):
         attrs: Mapping[str, Any] | None = None,
     ) -> None:
         if not components:
-            raise ValueError(f"variable {path!r}: an entry needs at least one component")
+            raise InvalidEntryError("an entry needs at least one component", variable=path)
         self.path = path
         self._components = [np.asarray(c) for c in components]
         self.dtype = self._components[0].dtype
         self.kind = kind or ("single" if len(self._components) == 1 else "mirrored")
         if self.kind not in KINDS:
-            raise ValueError(f"variable {path!r}: unknown kind {self.kind!r} (expected one of {KINDS})")
+            raise InvalidEntryError("unknown kind", variable=path, expected=f"one of {KINDS}", found=repr(self.kind))
         self.num_components = len(self._components)
         self.attrs = dict(attrs or {})
         self.shape = tuple(int(s) for s in (shape if shape is not None else self._components[0].shape))
@@ -234,7 +236,7 @@ def logical_value(entry: Entry) -> np.ndarray:
             index[axis] = slice(int(start), int(start) + size)
             entry.read_component_into(i, out[tuple(index)])
         return out
-    raise ValueError(
+    raise InvalidEntryError(
         f"variable {entry.path!r}: {entry.num_components} independent components have no single "
         "logical value; read each component instead"
     )

@@ -17,6 +17,7 @@ from typing import Any
 import h5py
 
 from parallelvars.checkpoint.h5io import H5Reader, write_h5
+from parallelvars.errors import InvalidEntryError
 
 from ._common import carried_metadata, check_entry
 from ._h5 import is_hdf5
@@ -91,7 +92,7 @@ def write_hdf5(
     for key, entry in entries.items():
         check_entry(entry, p)
         if entry.path != key:
-            raise ValueError(f"{p}: entry stored under {key!r} has path {entry.path!r}")
+            raise InvalidEntryError(f"entry stored under {key!r} has another path", file=p, variable=entry.path)
         values.append(entry)
     meta = carried_metadata(metadata)
     return write_h5(p, values, object_graph=object_graph, metadata=meta)

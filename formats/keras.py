@@ -72,7 +72,9 @@ from parallelvars.checkpoint import _h5policy
 from parallelvars.checkpoint.h5io import checksum
 from parallelvars.errors import (
     ChecksumMismatchError,
+    ClosedCheckpointError,
     CorruptCheckpointError,
+    InvalidEntryError,
     NotACheckpointError,
     TruncatedFileError,
     UnsupportedDtypeError,
@@ -176,7 +178,7 @@ class _H5Store(TensorStore):
 
     def _dataset(self, key: str) -> h5py.Dataset:
         if self._h5 is None:
-            raise ValueError(f"{self.file}: the checkpoint view is closed")
+            raise ClosedCheckpointError("the checkpoint view is closed", file=self.file)
         return self._ds[key]
 
     @staticmethod
@@ -561,7 +563,7 @@ def _keras3_keys(entries: Mapping[str, Entry], file: str) -> dict[str, str]:
     used: set[str] = set()
     for path in entries:
         if path.startswith(f"{RESERVED}/"):
-            raise ValueError(f"{file}: variable {path!r}: paths under {RESERVED}/ are reserved")
+            raise InvalidEntryError(f"paths under {RESERVED}/ are reserved", file=file, variable=path)
         if _VARS_RE.match(path):
             primary[path] = path
             used.add(path)
@@ -609,7 +611,7 @@ def _keras3_from_legacy(
     if set(entries) != set(covered) | set(optimizer) or len(covered) != len(set(covered)):
         return None
     if optimizer:
-        raise ValueError(
+        raise InvalidEntryError(
             f"{file}: the legacy file's optimizer weights ({len(optimizer)}) have no place in a "
             "Keras 3 .weights.h5 made from it (Keras 3 orders optimizer variables by its own "
             "optimizer objects); convert to another format to keep them"
@@ -621,7 +623,7 @@ def _keras3_from_legacy(
         config = None
     model = config.get("config") if isinstance(config, dict) else None
     if not isinstance(model, dict) or not isinstance(model.get("layers"), list):
-        raise ValueError(
+        raise InvalidEntryError(
             f"{file}: a Keras 3 .weights.h5 names each layer's weights by the layer's class, and "
             "this legacy file has no model config saying which class each layer is (a "
             "save_weights file); convert the full-model file (model.save), or load it in Keras "
@@ -643,10 +645,10 @@ def _keras3_from_legacy(
     for layer in [str(n) for n in legacy.get("layer_names") or []]:
         cls = classes.get(layer)
         if cls is None:
-            raise ValueError(f"{file}: layer {layer!r} is not in the file's model config; cannot "
+            raise InvalidEntryError(f"{file}: layer {layer!r} is not in the file's model config; cannot "
                              "tell its Keras 3 group")
         if cls in _MODEL_CLASSES:
-            raise ValueError(f"{file}: layer {layer!r} is a nested model ({cls}); its Keras 3 "
+            raise InvalidEntryError(f"{file}: layer {layer!r} is a nested model ({cls}); its Keras 3 "
                              "layout cannot be derived from the legacy file")
         group = _snake_case(cls)
         if group in used:
@@ -661,7 +663,7 @@ def _keras3_from_legacy(
         keys[path] = f"vars/{i}"
     if set(keys) != set(covered):
         missing = sorted(set(covered) - set(keys))
-        raise ValueError(f"{file}: weights of layers not in layer_names cannot be placed: {missing[:3]}")
+        raise InvalidEntryError(f"{file}: weights of layers not in layer_names cannot be placed: {missing[:3]}")
     return keys, groups
 
 
@@ -746,7 +748,7 @@ def _legacy_plan(
     groups: dict[str, list[tuple[str, str]]] = {}
     for path in entries:
         if path.startswith(f"{RESERVED}/"):
-            raise ValueError(f"variable {path!r}: paths under {RESERVED}/ are reserved")
+            raise InvalidEntryError(f"paths under {RESERVED}/ are reserved", variable=path)
         groups.setdefault(path.rpartition("/")[0], []).append((path, path))
     keras3_groups = (keras3 or {}).get("groups") or {}
 

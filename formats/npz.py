@@ -48,7 +48,9 @@ import numpy as np
 
 from parallelvars._fileio import load_json
 from parallelvars.errors import (
+    ClosedCheckpointError,
     CorruptCheckpointError,
+    InvalidEntryError,
     LimitExceededError,
     NotACheckpointError,
     ParallelVarsError,
@@ -411,7 +413,7 @@ class _Store(ByteStore):
 
     def _read_bytes_member(self, m: _Member, offset: int, buf: memoryview) -> None:
         if self._f is None:
-            raise ValueError(f"{self.file}: the checkpoint view is closed")
+            raise ClosedCheckpointError("the checkpoint view is closed", file=self.file)
         if m.abs_offset is not None:
             read_exact_into(self._f, self._lock, m.abs_offset + offset, buf, file=self.file, key=m.key)
             return
@@ -549,7 +551,7 @@ def write_npz(
     )
     for t in planned:
         if t.key == INFO_MEMBER[:-4] or t.key.endswith("#dtype"):
-            raise ValueError(f"{p}: variable {t.entry.path!r}: key {t.key!r} is reserved in .npz files")
+            raise InvalidEntryError(f"key {t.key!r} is reserved in .npz files", file=p, variable=t.entry.path)
         if t.dtype.kind not in "biufcO" and not is_ml_dtype(t.dtype):
             raise UnsupportedDtypeError(".npz cannot store this dtype", file=p, variable=t.entry.path,
                                         expected="a numeric, bool or bytes dtype", found=str(t.dtype))

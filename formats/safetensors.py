@@ -60,8 +60,11 @@ import numpy as np
 
 from parallelvars._fileio import DataWriter, load_json
 from parallelvars.errors import (
+    CheckpointNotFoundError,
     ChecksumMismatchError,
+    ClosedCheckpointError,
     CorruptCheckpointError,
+    InvalidEntryError,
     NotACheckpointError,
     TruncatedFileError,
     UnsupportedDtypeError,
@@ -419,7 +422,7 @@ class _Store(ByteStore):
         idx, _, _, start = self._tensors[key]
         f = self._handles.get(idx)
         if f is None:
-            raise ValueError(f"{self.file}: the checkpoint view is closed")
+            raise ClosedCheckpointError("the checkpoint view is closed", file=self.file)
         read_exact_into(f, self._lock, start + offset, buf, file=self._files[idx], key=key)
 
     def close(self) -> None:
@@ -498,7 +501,7 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
     if index is None:
         single = os.path.join(p, "model.safetensors") if os.path.isdir(p) else p
         if not os.path.isfile(single):
-            raise FileNotFoundError(f"{p}: no safetensors file or index found")
+            raise CheckpointNotFoundError("no safetensors file or index found", file=p)
         store = _Store(single, [single])
         meta = dict(store.shard_metadata[0])
         try:
@@ -594,7 +597,7 @@ def _header_bytes(metadata: dict[str, str], described: dict[str, tuple[str, list
     raw = dumps(header).encode("utf-8")
     raw += b" " * (-len(raw) % 8)  # the buffer starts 8-byte aligned, as the reference writes it
     if len(raw) > MAX_HEADER_SIZE:
-        raise ValueError(f"{path}: the safetensors header would be {len(raw)} bytes, over the "
+        raise InvalidEntryError(f"{path}: the safetensors header would be {len(raw)} bytes, over the "
                          f"{MAX_HEADER_SIZE} bytes readers accept; write a shard set or fewer tensors")
     return raw
 

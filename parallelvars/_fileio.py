@@ -25,6 +25,7 @@ import numpy as np
 from parallelvars._threads import thread_count
 from parallelvars.errors import (
     CheckpointWriteError,
+    ConcurrentWriteError,
     CorruptCheckpointError,
     LimitExceededError,
     ParallelVarsError,
@@ -303,9 +304,9 @@ class DataWriter:
 
     def _check(self, arr: np.ndarray, crc: int, variable: str) -> None:
         if checksum(arr) != crc:
-            raise RuntimeError(
-                f"{self.file}: variable {variable!r} changed while it was being saved "
-                "(write from a single thread, or save with blocking=False, which snapshots)"
+            raise ConcurrentWriteError(
+                "changed while it was being saved", file=self.file, variable=variable,
+                hint="write from a single thread, or save with blocking=False, which snapshots",
             )
 
     def _start_writeback(self) -> None:

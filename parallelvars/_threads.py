@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from parallelvars.errors import InvalidArgumentError
+
 __all__ = ["run_partitioned", "thread_count"]
 
 _DEFAULT_MAX = 4
@@ -35,7 +37,7 @@ def thread_count() -> int:
         try:
             return max(1, int(env))
         except ValueError:
-            raise ValueError(f"PARALLELVARS_THREADS must be a whole number, found {env!r}") from None
+            raise InvalidArgumentError(f"PARALLELVARS_THREADS must be a whole number, found {env!r}") from None
     return max(1, min(_DEFAULT_MAX, os.cpu_count() or 1))
 
 

@@ -13,6 +13,7 @@ attributes, and their message always names them, in the shape
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Any
 
@@ -44,6 +45,12 @@ __all__ = [
     "RestoreMismatchError",
     "GradientError",
     "GradientTypeError",
+    "InvalidArgumentError",
+    "InvalidArgumentTypeError",
+    "ComponentIndexError",
+    "UnsupportedOperationError",
+    "CheckpointNotFoundError",
+    "ClosedCheckpointError",
 ]
 
 
@@ -124,6 +131,28 @@ def _rebuild(cls: type[BaseException], message: str) -> BaseException:
     err = cls.__new__(cls)
     Exception.__init__(err, message)
     return err
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """There is no file (or directory) at the checkpoint path that was asked for.
+
+    Derives from ``FileNotFoundError``, what ``open()`` raises for the same path, so existing
+    ``except FileNotFoundError`` / ``except OSError`` clauses keep working; ``errno`` is
+    ``ENOENT`` and ``filename`` the path.
+    """
+
+    def __init__(self, what: str = "no such file", **kwargs: Any) -> None:
+        super().__init__(what, **kwargs)
+        self.errno = errno.ENOENT
+        self.strerror = os.strerror(errno.ENOENT)
+        self.filename = self.file
+
+
+class ClosedCheckpointError(CheckpointError, ValueError):
+    """A checkpoint reader or view was used after ``close()``.
+
+    Derives from ``ValueError``, what Python's own file objects raise for I/O on a closed file.
+    """
 
 
 class NotACheckpointError(CheckpointError, ValueError):
@@ -278,3 +307,38 @@ class GradientError(ParallelVarsError, ValueError):
 class GradientTypeError(GradientError, TypeError):
     """A gradient is not numeric (TensorFlow: "Gradient must be convertible to a Tensor or
     IndexedSlices, or None"). Also a ``TypeError``, TensorFlow's class for it."""
+
+
+class InvalidArgumentError(ParallelVarsError, ValueError):
+    """An argument (or environment setting) has a value the call cannot take: a learning rate
+    out of range, ``max_to_keep=0``, an unknown format or name style, a size that cannot be read.
+
+    Derives from ``ValueError``, the class Python and numpy raise for a well-typed argument with
+    a wrong value. The message names the argument and says what was expected and found.
+    """
+
+
+class InvalidArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument is of the wrong type (``CheckpointManager`` handed something that is not a
+    ``Checkpoint``).
+
+    Also a ``TypeError``, the class Python raises for an argument of the wrong type, so both
+    ``except TypeError`` and ``except ValueError`` callers catch it.
+    """
+
+
+class ComponentIndexError(InvalidArgumentError, IndexError):
+    """A component index outside ``0 <= i < num_components`` of a variable.
+
+    Also an ``IndexError``, what a sequence raises for an index out of range, so loops and
+    ``except IndexError`` clauses written for sequences keep working.
+    """
+
+
+class UnsupportedOperationError(ParallelVarsError, TypeError):
+    """An operation a variable does not support: deleting items, changing its shape in place,
+    in-place matmul, a ufunc ``out=`` it cannot be.
+
+    Derives from ``TypeError``, what Python raises for an operation a type does not support
+    (``del (1, 2)[0]``), and numpy for an operand it cannot use.
+    """

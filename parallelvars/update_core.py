@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from parallelvars._storage import Arena
+from parallelvars.errors import GradientError, InvalidArgumentError
 
 __all__ = [
     "FAST_DTYPES",
@@ -250,7 +251,7 @@ def plan_runs(
             if groups:
                 prev = groups[-1][-1][1]
                 if pl.offset == prev.offset and pl.size == prev.size:
-                    raise ValueError("the same variable appears twice in one update")
+                    raise GradientError("the same variable appears twice in one update")
                 if pl.offset == arena.end_of(prev.offset, prev.size):
                     groups[-1].append((pos, pl))
                     continue
@@ -445,5 +446,5 @@ def row_view(stacked: np.ndarray) -> np.ndarray:
     """A ``(n, size)`` view of an ``(n, *shape)`` buffer (a copy never: it must be written)."""
     out = stacked.reshape(stacked.shape[0], -1)
     if out.size and not np.shares_memory(out, stacked):
-        raise ValueError("the buffer is not contiguous; a 2-D view of it does not exist")
+        raise InvalidArgumentError("the buffer is not contiguous; a 2-D view of it does not exist")
     return out

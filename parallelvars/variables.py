@@ -62,8 +62,10 @@ from parallelvars.errors import (
     ContextError,
     DistributedTypeError,
     DistributedValueError,
+    InvalidArgumentError,
     ShapeMismatchError,
     UnsupportedDtypeError,
+    UnsupportedOperationError,
 )
 from parallelvars.strategy import _context
 
@@ -467,7 +469,7 @@ class ParallelVariable(wrapt.ObjectProxy):
             stacked[:, key] = value
 
     def __delitem__(self, key: Any) -> None:
-        raise TypeError(f"variable {self._self_name!r}: items cannot be deleted")
+        raise UnsupportedOperationError(f"variable {self._self_name!r}: items cannot be deleted")
 
     def _for_each_component(self, method: str, *args: Any, **kwargs: Any) -> None:
         args = tuple(_unwrap(a) for a in args)
@@ -497,14 +499,14 @@ class ParallelVariable(wrapt.ObjectProxy):
         self._for_each_component("put", *args, **kwargs)
 
     def resize(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError(f"variable {self._self_name!r}: a variable's shape is fixed")
+        raise UnsupportedOperationError(f"variable {self._self_name!r}: a variable's shape is fixed")
 
     # ------------------------------------------------------------------ numpy protocol
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         arr = self._local()
         if dtype is not None and np.dtype(dtype) != arr.dtype:
             if copy is False:
-                raise ValueError("a copy is needed to change the dtype")
+                raise InvalidArgumentError("a copy is needed to change the dtype")
             return arr.astype(dtype)
         return np.array(arr, copy=True) if copy else arr
 
@@ -533,7 +535,7 @@ class ParallelVariable(wrapt.ObjectProxy):
         self, targets: list[ParallelVariable], ufunc: np.ufunc, method: str, inputs: Any, kwargs: dict[str, Any]
     ) -> Any:
         if len(targets) != 1 or method != "__call__":
-            raise TypeError("a variable can be the `out` of a plain ufunc call with one output only")
+            raise UnsupportedOperationError("a variable can be the `out` of a plain ufunc call with one output only")
         (var,) = targets
         rest = {k: _unwrap(v) for k, v in kwargs.items() if k != "out"}
         i = var._replica_index()
@@ -695,7 +697,7 @@ del _name, _fwd, _ref, _inp
 
 def _imatmul(self: ParallelVariable, other: Any) -> Any:
     # Not an element-wise write: refuse it rather than update only the primary.
-    raise TypeError(f"variable {self.name!r}: in-place matmul is not supported; use assign(v @ m)")
+    raise UnsupportedOperationError(f"variable {self.name!r}: in-place matmul is not supported; use assign(v @ m)")
 
 
 ParallelVariable.__imatmul__ = _imatmul  # type: ignore[method-assign,assignment]

@@ -503,7 +503,7 @@ def test_a_buffer_changing_during_save_fails_the_save(tmp_path, monkeypatch) -> 
 
     monkeypatch.setattr(_fileio, "pwrite_all", pwrite_then_train)
     target = tmp_path / "a.h5"
-    with pytest.raises(RuntimeError, match="'v' changed while it was being saved"):
+    with pytest.raises(errors.ConcurrentWriteError, match="'v': changed while it was being saved"):
         h5io.write_h5(target, [Live()])
     assert not target.exists() and os.listdir(tmp_path) == []
 

@@ -148,7 +148,7 @@ def test_debug_shows_the_traceback(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err
-    assert "FileNotFoundError" in err
+    assert "CheckpointNotFoundError" in err
     assert err.strip().splitlines()[-1].startswith(f"parallelvars: error: {missing}: no such ")
 
 

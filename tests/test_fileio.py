@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from parallelvars import _fileio
+from parallelvars.errors import ConcurrentWriteError
 
 
 @pytest.fixture(params=["inline", "helper thread"])
@@ -64,7 +65,7 @@ def test_a_changed_buffer_fails_the_save(tmp_path, threads) -> None:
     crc = writer.write(a, 0)
     a[7] = 1  # changed after its write, before the check
     try:
-        with pytest.raises(RuntimeError, match=r"ckpt\.h5: variable 'model/w' changed while it was being saved"):
+        with pytest.raises(ConcurrentWriteError, match=r"ckpt\.h5: variable 'model/w': changed while it was being saved"):
             writer.check_unchanged(a, crc, "model/w")
             writer.close(raise_errors=True)
     finally:

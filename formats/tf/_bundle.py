@@ -27,6 +27,7 @@ from parallelvars.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
     FormatVersionError,
+    InvalidEntryError,
     NotACheckpointError,
     TruncatedFileError,
     UnsupportedDtypeError,
@@ -367,7 +368,7 @@ class BundleReader:
         e = self.entries[key]
         dt = self.dtype(key)
         if tuple(out.shape) != e.shape:
-            raise ValueError(f"{_display(key)}: output shape {out.shape} != tensor shape {e.shape}")
+            raise InvalidEntryError(f"{_display(key)}: output shape {out.shape} != tensor shape {e.shape}")
         if out.dtype == dt and out.flags.c_contiguous and dt.kind != "O":
             self._fill(key, e, out)
         else:
@@ -526,9 +527,9 @@ class BundleWriter:
 
     def _check_key(self, key: bytes) -> None:
         if not key:
-            raise ValueError("the empty key is reserved for the bundle header")
+            raise InvalidEntryError("the empty key is reserved for the bundle header")
         if key in self.entries:
-            raise ValueError(f"key {_display(key)!r} added twice")
+            raise InvalidEntryError(f"key {_display(key)!r} added twice")
 
     def add(self, key: bytes, value: np.ndarray, *, dtype: int | None = None) -> BundleEntry:
         """Append one tensor; ``dtype`` forces a TensorFlow type number (quantized types)."""
@@ -583,13 +584,13 @@ class BundleWriter:
         want = slice_shape(spec, full_shape)
         value = np.asarray(value)
         if tuple(value.shape) != want:
-            raise ValueError(f"{_display(key)}: slice {_spec_text(spec)} has shape {value.shape}, expected {want}")
+            raise InvalidEntryError(f"{_display(key)}: slice {_spec_text(spec)} has shape {value.shape}, expected {want}")
         slice_entry = self.add(encode_slice_key(key, spec), value, dtype=dtype)
         full = self.entries.get(key)
         if full is None:
             full = BundleEntry(slice_entry.dtype, full_shape)
         elif not full.slices or full.dtype != slice_entry.dtype or full.shape != full_shape:
-            raise ValueError(f"{_display(key)}: slice does not match the tensor's earlier slices")
+            raise InvalidEntryError(f"{_display(key)}: slice does not match the tensor's earlier slices")
         self.entries[key] = BundleEntry(full.dtype, full.shape, slices=(*full.slices, spec))
         return slice_entry
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+from parallelvars.errors import InvalidEntryError
+
 from ._proto import DecodeError, SliceSpec
 
 __all__ = [
@@ -45,7 +47,7 @@ _ESCAPES = {b"\x00": b"\x00\xff", b"\xff": b"\xff\x00"}
 def encode_num_increasing(value: int) -> bytes:
     """A byte count, then ``value`` big-endian (``0`` is the single byte ``00``)."""
     if not 0 <= value < 1 << 64:
-        raise ValueError(f"NumIncreasing takes a uint64, not {value}")
+        raise InvalidEntryError(f"NumIncreasing takes a uint64, not {value}")
     n = (value.bit_length() + 7) // 8
     return bytes([n]) + value.to_bytes(n, "big")
 
@@ -91,7 +93,7 @@ def decode_string(buf: bytes, pos: int = 0) -> tuple[bytes, int]:
 def encode_signed_num_increasing(value: int) -> bytes:
     """The signed, order-preserving, variable-length encoding of an int64."""
     if not _INT64_MIN <= value <= _INT64_MAX:
-        raise ValueError(f"SignedNumIncreasing takes an int64, not {value}")
+        raise InvalidEntryError(f"SignedNumIncreasing takes an int64, not {value}")
     x = ~value if value < 0 else value
     if x < 64:
         return bytes([(0x80 ^ value) & 0xFF])

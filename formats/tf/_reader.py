@@ -32,6 +32,7 @@ from parallelvars.errors import (
     CorruptCheckpointError,
     ForeignReferenceError,
     FormatVersionError,
+    InvalidArgumentError,
     NotACheckpointError,
     UnsupportedDtypeError,
 )
@@ -267,7 +268,7 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
         follow_state_outside: bool = False,
     ) -> None:
         if parallel_kind not in ("mirrored", "independent", "on_read"):
-            raise ValueError(f"parallel_kind must be 'mirrored', 'independent' or 'on_read', not {parallel_kind!r}")
+            raise InvalidArgumentError(f"parallel_kind must be 'mirrored', 'independent' or 'on_read', not {parallel_kind!r}")
         self.source = os.fspath(path)
         self.path = resolve_prefix(self.source, follow_state_outside=follow_state_outside)
         self._bundle = BundleReader(self.path, verify=verify)

@@ -21,6 +21,7 @@ from parallelvars.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
     FormatVersionError,
+    InvalidEntryError,
     NotACheckpointError,
     TruncatedFileError,
 )
@@ -143,7 +144,7 @@ class TableBuilder:
     def add(self, key: bytes, value: bytes) -> None:
         if self._num_entries:
             if key <= self._last_key:
-                raise ValueError(f"table keys must increase: {key!r} after {self._last_key!r}")
+                raise InvalidEntryError(f"table keys must increase: {key!r} after {self._last_key!r}")
             if len(key) + len(value) >= OVERLY_LARGE_BLOCK_RATIO * self.block_size:
                 self._flush()
         if self._pending is not None:

@@ -29,7 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from parallelvars.errors import DtypeMismatchError, InvalidEntryError, UnsupportedDtypeError
+from parallelvars.errors import (
+    DtypeMismatchError,
+    InvalidArgumentError,
+    InvalidEntryError,
+    UnsupportedDtypeError,
+)
 
 from .._view import KINDS, Entry
 from ._bundle import BundleWriter
@@ -375,7 +380,7 @@ def write_bundle(
     if naming is None:
         naming = "name" if source_meta.get("tf_naming") == "name" else "object"
     if naming not in ("object", "name"):
-        raise ValueError(f"naming must be 'object' or 'name', not {naming!r}")
+        raise InvalidArgumentError(f"naming must be 'object' or 'name', not {naming!r}")
     if metadata is None:
         metadata = {k: v for k, v in source_meta.items() if not str(k).startswith("tf_")}
     index_path = prefix + ".index"

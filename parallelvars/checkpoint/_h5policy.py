@@ -31,7 +31,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from parallelvars.errors import CorruptCheckpointError, NotACheckpointError
+from parallelvars.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 
 __all__ = [
     "MAX_DEPTH",
@@ -81,7 +81,7 @@ def check_regular_file(path: str, *, file: str | None = None, follow: bool = Tru
     try:
         st = os.stat(path) if follow else os.lstat(path)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such file") from None
+        raise CheckpointNotFoundError(file=path) from None
     if not stat.S_ISREG(st.st_mode):
         kind = "a directory" if stat.S_ISDIR(st.st_mode) else (
             "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)

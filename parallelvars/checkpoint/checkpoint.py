@@ -30,14 +30,18 @@ import numpy as np
 from parallelvars._fileio import byte_view
 from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint import _restore  # noqa: F401 - registers the variable saveable
+from parallelvars.checkpoint._foreign import with_foreign_hint
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX  # noqa: F401 - <file>.parts/: a multi-process save's files
 from parallelvars.checkpoint.h5io import H5Reader, write_h5
 from parallelvars.checkpoint.registry import SaveRecord, get_saveable
 from parallelvars.devices import ParallelDevice
 from parallelvars.errors import (
     CheckpointError,
+    CheckpointNotFoundError,
     ConcurrentWriteError,
     CorruptCheckpointError,
+    InvalidArgumentError,
+    NotACheckpointError,
     RestoreMismatchError,
 )
 from parallelvars.tracking import Trackable, children_of
@@ -501,10 +505,10 @@ class Checkpoint(Trackable):
         from parallelvars.variables import _make_distributed_variable
 
         if "save_counter" in roots:
-            raise ValueError("'save_counter' is reserved for the checkpoint's own counter")
+            raise InvalidArgumentError("'save_counter' is reserved for the checkpoint's own counter")
         for name, value in roots.items():
             if value is None:
-                raise ValueError(f"checkpoint root {name!r} is None")
+                raise InvalidArgumentError(f"checkpoint root {name!r} is None")
         self._roots = dict(roots)
         # Outside any strategy on purpose: the counter is one value, whoever creates the checkpoint.
         self.save_counter = _make_distributed_variable(
@@ -600,7 +604,10 @@ class Checkpoint(Trackable):
         if not os.path.exists(p) and os.path.exists(p + ".h5"):
             p += ".h5"
         with _gc_paused():
-            session = _Session(p, allow_cast)
+            try:
+                session = _Session(p, allow_cast)
+            except (NotACheckpointError, CheckpointNotFoundError) as exc:
+                raise with_foreign_hint(exc, p) from None
             try:
                 session.restore_into(0, self)
             finally:

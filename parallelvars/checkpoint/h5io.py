@@ -42,10 +42,13 @@ from parallelvars._fileio import DataWriter, Scratch, atomic_path, byte_view, ch
 from parallelvars.checkpoint import _h5policy
 from parallelvars.checkpoint.registry import component_name
 from parallelvars.errors import (
+    CheckpointNotFoundError,
     ChecksumMismatchError,
+    ClosedCheckpointError,
     CorruptCheckpointError,
     DtypeMismatchError,
     FormatVersionError,
+    InvalidEntryError,
     NotACheckpointError,
     ShapeMismatchError,
     TruncatedFileError,
@@ -195,7 +198,7 @@ _INDEX_ONLY_ATTRS = frozenset({"name", "synchronization", "trainable"})
 def _validate_path(path: str) -> None:
     parts = path.split("/")
     if not path or path.startswith("/") or any(p in ("", ".") for p in parts) or parts[0] == META_GROUP:
-        raise ValueError(f"invalid variable path {path!r} for the HDF5 layout")
+        raise InvalidEntryError("invalid variable path for the HDF5 layout", variable=path)
 
 
 def _early_dcpl() -> Any:
@@ -383,7 +386,7 @@ def write_h5(
             try:
                 for entry in items:
                     if entry.path in index:
-                        raise ValueError(f"{p}: variable {entry.path!r} is written twice")
+                        raise InvalidEntryError("is written twice", file=p, variable=entry.path)
                     index[entry.path] = _write_entry(f, writer, entry, p, dcpl, scratch)
                 ok = True
             finally:
@@ -920,7 +923,7 @@ class H5Reader(Mapping[str, StoredVariable]):
         self._parts: dict[str, h5py.File] = {}
         self._checked_groups: set[str] = set()
         if not os.path.exists(self.path):
-            raise FileNotFoundError(f"{self.path}: no such checkpoint file")
+            raise CheckpointNotFoundError("no such checkpoint file", file=self.path)
         if os.path.isdir(self.path):
             raise NotACheckpointError("is a directory, not a checkpoint file", file=self.path)
         self.file_size = _h5policy.check_regular_file(self.path).st_size  # a FIFO would block
@@ -1031,7 +1034,7 @@ class H5Reader(Mapping[str, StoredVariable]):
 
     def _h5(self) -> h5py.File:
         if self._file is None:
-            raise ValueError(f"{self.path}: the reader is closed")
+            raise ClosedCheckpointError("the reader is closed", file=self.path)
         return self._file
 
     # Components may be verified and copied from several threads at once (a restore does):

@@ -74,7 +74,13 @@ import numpy as np
 
 from parallelvars.checkpoint.checkpoint import PARTS_SUFFIX, Checkpoint, collective_rank
 from parallelvars.checkpoint.h5io import atomic_write
-from parallelvars.errors import CheckpointError, CheckpointLockedError, ReadOnlyDirectoryError
+from parallelvars.errors import (
+    CheckpointError,
+    CheckpointLockedError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    ReadOnlyDirectoryError,
+)
 
 __all__ = ["CheckpointManager", "latest_checkpoint", "STATE_FILE", "LOCK_FILE"]
 
@@ -454,16 +460,16 @@ class CheckpointManager:
         read_only: bool = False,
     ) -> None:
         if not isinstance(checkpoint, Checkpoint):
-            raise TypeError(f"checkpoint must be a parallelvars Checkpoint, not {type(checkpoint).__name__}")
+            raise InvalidArgumentTypeError(f"checkpoint must be a parallelvars Checkpoint, not {type(checkpoint).__name__}")
         if max_to_keep is not None and max_to_keep < 1:
-            raise ValueError(f"max_to_keep must be at least 1 or None, got {max_to_keep}")
+            raise InvalidArgumentError(f"max_to_keep must be at least 1 or None, got {max_to_keep}")
         if checkpoint_interval is not None:
             if step_counter is None:
-                raise ValueError("checkpoint_interval needs a step_counter")
+                raise InvalidArgumentError("checkpoint_interval needs a step_counter")
             if checkpoint_interval < 0:
-                raise ValueError(f"checkpoint_interval must be >= 0, got {checkpoint_interval}")
+                raise InvalidArgumentError(f"checkpoint_interval must be >= 0, got {checkpoint_interval}")
         if not checkpoint_name or "/" in checkpoint_name or os.sep in checkpoint_name or checkpoint_name.startswith("."):
-            raise ValueError(f"invalid checkpoint_name {checkpoint_name!r}")
+            raise InvalidArgumentError(f"invalid checkpoint_name {checkpoint_name!r}")
         self._checkpoint = checkpoint
         self._directory = os.path.abspath(os.fspath(directory))
         self._max_to_keep = max_to_keep
@@ -593,7 +599,7 @@ class CheckpointManager:
             )
         blocking = not self._async_default if blocking is None else blocking
         if not blocking and collective_rank() is not None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "non-blocking saves are not available under a multi-process strategy: every "
                 "process takes part in the write, which cannot run beside training's collectives "
                 "(expected blocking=True, found blocking=False)"
@@ -611,7 +617,7 @@ class CheckpointManager:
         number = previous + 1 if checkpoint_number is None else int(np.asarray(checkpoint_number))
         if number < 0:
             counter.assign(previous)
-            raise ValueError(f"checkpoint_number must be >= 0, got {number}")
+            raise InvalidArgumentError(f"checkpoint_number must be >= 0, got {number}")
         filename = f"{self._name}-{number}{SUFFIX}"
         path = os.path.join(self._directory, filename)
         try:

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars.errors import InvalidArgumentError
+
 __all__ = [
     "Saveable",
     "SaveRecord",
@@ -109,7 +111,7 @@ def register_saveable(cls: type, saveable: Saveable, *, override: bool = False) 
     """Make instances of ``cls`` (and subclasses) saveable with ``saveable``."""
     with _lock:
         if cls in _registry and not override:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{cls.__module__}.{cls.__qualname__} already has a saveable "
                 f"({type(_registry[cls]).__name__}); pass override=True to replace it"
             )

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars.errors import InvalidArgumentError
 from parallelvars.optimizers._base import Optimizer
 
 __all__ = ["SGD", "Momentum", "Adam", "AdamW", "Adagrad", "RMSProp"]
@@ -24,7 +25,7 @@ LearningRate = float | Callable[[int], float]
 def _check_range(name: str, value: float, lo: float, hi: float) -> float:
     value = float(value)
     if not lo <= value <= hi:
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+        raise InvalidArgumentError(f"{name} must be in [{lo}, {hi}], got {value}")
     return value
 
 
@@ -223,7 +224,7 @@ class Adagrad(Optimizer):
         self, learning_rate: LearningRate, initial_accumulator_value: float = 0.1, name: str = "Adagrad"
     ) -> None:
         if not initial_accumulator_value > 0:
-            raise ValueError(f"initial_accumulator_value must be positive, got {initial_accumulator_value}")
+            raise InvalidArgumentError(f"initial_accumulator_value must be positive, got {initial_accumulator_value}")
         super().__init__(learning_rate, name)
         self.initial_accumulator_value = float(initial_accumulator_value)
 

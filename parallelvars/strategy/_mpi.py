@@ -65,7 +65,12 @@ import numpy as np
 from parallelvars._dtypes import dtype_name
 from parallelvars.devices import ParallelDevice
 from parallelvars.enums import Aggregation, ReduceOp, Synchronization
-from parallelvars.errors import CheckpointError, ContextError, DistributedValueError
+from parallelvars.errors import (
+    CheckpointError,
+    ContextError,
+    DistributedValueError,
+    InvalidEntryError,
+)
 from parallelvars.strategy import _context
 from parallelvars.strategy._base import ReplicaContext, Strategy, _is_variable
 from parallelvars.strategy._reduce import _is_sparse, _mean_of, reduce_values
@@ -680,7 +685,7 @@ def _write_index(
             for rec in records:
                 _validate_path(rec.path)
                 if rec.path in index:
-                    raise ValueError(f"{path}: variable {rec.path!r} is written twice")
+                    raise InvalidEntryError("is written twice", file=path, variable=rec.path)
                 grp = f.require_group(rec.path)
                 local_n = rec.num_components
                 if _is_distributed(rec, local_devices):

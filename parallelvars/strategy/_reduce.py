@@ -31,7 +31,7 @@ def add_n(values: Sequence[Any]) -> np.ndarray:
     """Add ``values`` left to right into a fresh array of their common dtype."""
     arrays = [np.asarray(v) for v in values]
     if not arrays:
-        raise ValueError("add_n needs at least one value")
+        raise DistributedValueError("add_n needs at least one value")
     dtype = np.result_type(*arrays)
     if dtype.kind in "OSUV" and not is_extension_dtype(dtype):
         raise DistributedTypeError(
