@@ -201,7 +201,7 @@ def collect(view: CheckpointView, out: Output) -> list[dict[str, Any]]:
                     row["equal"] = not differing
                     row["differing"] = differing
             rows.append(row)
-    rows.sort(key=lambda r: natural_key(r["path"]))
+    rows.sort(key=lambda r: natural_key(str(r["path"])))
     return rows
 
 

@@ -641,11 +641,11 @@ class BundleWriter:
                     raise
         else:
             self.abort()
-            exc = rest[0] if rest else None
-            if isinstance(exc, BaseException):
-                mapped = write_error(exc, self.prefix)
-                if mapped is not exc:
-                    raise mapped from exc
+            failure = rest[0] if rest else None
+            if isinstance(failure, BaseException):
+                mapped = write_error(failure, self.prefix)
+                if mapped is not failure:
+                    raise mapped from failure
 
 
 def _string_elements(value: np.ndarray, key: bytes, file: str) -> list[bytes]:

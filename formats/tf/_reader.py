@@ -277,7 +277,7 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
         self._skip = skip_unsupported
         self.skipped: dict[str, str] = {}
         self.object_graph: list[TrackableObject] | None = None
-        self._entries: dict[str, TfEntry] = {}
+        self._entries: dict[str, Entry] = {}  # TfEntry values
         try:
             self._build()
         except BaseException:
