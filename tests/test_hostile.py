@@ -172,6 +172,7 @@ def _inspect_large_header(tmp_path: Path, tensors: int, budget_mb: int, timeout:
     assert code == 0, err
 
 
+@pytest.mark.slow
 def test_safetensors_large_legal_header_inspects_in_bounded_memory(tmp_path: Path) -> None:
     # ~17 MB of header, 200,000 tensors: a real 100k-tensor model's header is 10-20 MB.
     _inspect_large_header(tmp_path, 200_000, budget_mb=1024, timeout=300)
