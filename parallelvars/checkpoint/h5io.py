@@ -30,8 +30,8 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import crc32c as _crc32c
 import h5py
@@ -57,6 +57,9 @@ __all__ = [
     "H5Reader",
     "StoredVariable",
     "write_h5",
+    "write_h5_index",
+    "ComponentLink",
+    "LinkedVariable",
     "checksum",
     "is_native_checkpoint",
 ]
@@ -213,24 +216,10 @@ def _write_entry(
     the way (see :class:`_DataWriter`). Returns the entry's record for the index.
     """
     path = entry.path
-    _validate_path(path)
-    grp = _new_group(f, path)
     dt = np.dtype(entry.dtype)
     storage = _storage_dtype(dt)
     shape = tuple(int(s) for s in entry.shape)
-    meta: dict[str, Any] = {"kind": entry.kind, "dtype": dtype_name(dt), "shape": list(shape),
-                            "num_components": int(entry.num_components)}
-    for key in ("kind", "dtype", "shape", "num_components"):
-        _set_attr(grp.id, key, _attr_value(meta[key]))
-    extra: dict[str, Any] = {}
-    for key, value in dict(entry.attrs).items():
-        if value is None or key in meta:
-            continue
-        stored = _attr_value(value)
-        if key not in _INDEX_ONLY_ATTRS:
-            _set_attr(grp.id, key, stored)
-        extra[key] = _decode(stored)
-    meta["attrs"] = extra
+    grp, meta = _write_group(f, path, entry.kind, dt, shape, int(entry.num_components), entry.attrs)
     # Where each component's bytes start, so a reader need not open every dataset; the
     # component's checksum guards the value (a reader falls back to HDF5's own answer).
     offsets: list[int | None] = []
@@ -276,6 +265,29 @@ def _write_entry(
             layout[tuple(index)] = h5py.VirtualSource(".", f"{grp.name}/{component_name(i)}", shape=cshape)
         grp.create_virtual_dataset("value", layout)
     return meta
+
+
+def _write_group(
+    f: h5py.File, path: str, kind: str, dt: np.dtype, shape: tuple[int, ...], num_components: int,
+    attrs: Mapping[str, Any],
+) -> tuple[h5py.Group, dict[str, Any]]:
+    """Create a variable's group with its layout attributes; returns it and its index record."""
+    _validate_path(path)
+    grp = _new_group(f, path)
+    meta: dict[str, Any] = {"kind": kind, "dtype": dtype_name(dt), "shape": list(shape),
+                            "num_components": num_components}
+    for key in ("kind", "dtype", "shape", "num_components"):
+        _set_attr(grp.id, key, _attr_value(meta[key]))
+    extra: dict[str, Any] = {}
+    for key, value in dict(attrs).items():
+        if value is None or key in meta:
+            continue
+        stored = _attr_value(value)
+        if key not in _INDEX_ONLY_ATTRS:
+            _set_attr(grp.id, key, stored)
+        extra[key] = _decode(stored)
+    meta["attrs"] = extra
+    return grp, meta
 
 
 def _new_group(f: h5py.File, path: str) -> h5py.Group:
@@ -368,15 +380,7 @@ def write_h5(
 
     def write(tmp: str) -> None:
         index: dict[str, Any] = {}
-        # libver "latest": superblock v3 and v2 object headers, B-trees and heaps, which all
-        # carry checksums, so a damaged metadata byte is an error rather than a wrong value.
-        with h5py.File(tmp, "w", libver="latest") as f:
-            f.attrs["parallelvars_format"] = np.int64(FORMAT_VERSION)  # few: the high-level API is fine
-            f.attrs["parallelvars_version"] = _root_attr_value(_library_version())
-            f.attrs["created"] = np.float64(time.time())
-            for key, value in dict(metadata or {}).items():
-                if value is not None:
-                    f.attrs[key] = _root_attr_value(value)
+        with _new_file(tmp, metadata) as f:
             dcpl = _early_dcpl()
             writer, scratch, ok = _DataWriter(tmp, p), Scratch(), False
             try:
@@ -387,6 +391,81 @@ def write_h5(
                 ok = True
             finally:
                 writer.close(raise_errors=ok)
+            _finish_metadata(f, index, object_graph)
+
+    return atomic_write(p, write)
+
+
+def _new_file(tmp: str, metadata: Mapping[str, Any] | None) -> h5py.File:
+    """A new file of our layout with its root attributes.
+
+    libver "latest": superblock v3 and v2 object headers, B-trees and heaps, which all carry
+    checksums, so a damaged metadata byte is an error rather than a wrong value.
+    """
+    f = h5py.File(tmp, "w", libver="latest")
+    f.attrs["parallelvars_format"] = np.int64(FORMAT_VERSION)  # few: the high-level API is fine
+    f.attrs["parallelvars_version"] = _root_attr_value(_library_version())
+    f.attrs["created"] = np.float64(time.time())
+    for key, value in dict(metadata or {}).items():
+        if value is not None:
+            f.attrs[key] = _root_attr_value(value)
+    return f
+
+
+class ComponentLink(NamedTuple):
+    """Where one component of a multi-process checkpoint lives: ``file`` (relative to the
+    index file's folder), the ``dataset`` path in it, and the CRC-32C of its bytes."""
+
+    file: str
+    dataset: str
+    crc32c: int
+
+
+class LinkedVariable(NamedTuple):
+    """One variable of a multi-process checkpoint's index file (see :func:`write_h5_index`)."""
+
+    path: str
+    kind: str
+    dtype: Any
+    shape: tuple[int, ...]
+    attrs: Mapping[str, Any]
+    components: Sequence[ComponentLink]
+
+
+def write_h5_index(
+    path: str | os.PathLike[str],
+    variables: Iterable[LinkedVariable],
+    *,
+    object_graph: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> str:
+    """Write the index file of a checkpoint whose component bytes live in other files.
+
+    The same layout as :func:`write_h5` (root attributes, one group per variable with its
+    attributes, the checksummed fixed-length index and object graph, the document list, the
+    newest HDF5 file format), with each component dataset an external link to
+    ``component.file:component.dataset`` and its checksum taken from the link record. The
+    file appears under ``path`` only once complete and flushed to disk.
+
+    Returns:
+        ``path``.
+    """
+    p = os.fspath(path)
+    items = list(variables)
+
+    def write(tmp: str) -> None:
+        index: dict[str, Any] = {}
+        with _new_file(tmp, metadata) as f:
+            for var in items:
+                if var.path in index:
+                    raise ValueError(f"{p}: variable {var.path!r} is written twice")
+                shape = tuple(int(s) for s in var.shape)
+                grp, meta = _write_group(f, var.path, var.kind, np.dtype(var.dtype), shape, len(var.components), var.attrs)
+                meta["offsets"] = [None] * len(var.components)
+                meta["crc32c"] = [int(c.crc32c) for c in var.components]
+                for i, link in enumerate(var.components):
+                    grp[component_name(i)] = h5py.ExternalLink(link.file, link.dataset)
+                index[var.path] = meta
             _finish_metadata(f, index, object_graph)
 
     return atomic_write(p, write)
