@@ -40,6 +40,7 @@ import numpy as np
 from parallelvars._dtypes import as_dtype, dtype_name, is_extension_dtype
 from parallelvars._fileio import DataWriter, Scratch, atomic_path, byte_view, checksum
 from parallelvars.checkpoint.registry import component_name
+from parallelvars.enums import Aggregation
 from parallelvars.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -72,6 +73,10 @@ GRAPH_DATASET = f"{META_GROUP}/object_graph"
 INDEX_DATASET = f"{META_GROUP}/index"
 DOCUMENTS_ATTR = "parallelvars_documents"
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+# The documented variable kinds and on-read aggregations (the enums' values).
+KINDS = ("single", "mirrored", "on_read", "independent", "sharded")
+AGGREGATIONS = tuple(a.value for a in Aggregation)
+_MAX_COMPONENTS = 1 << 16
 # deflate's best case is about 1032:1; no compressed dataset can expand more than this.
 _MAX_COMPRESSION = 1100
 _H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, AttributeError)
@@ -541,6 +546,10 @@ def _decode(value: Any) -> Any:
     return value
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def is_native_checkpoint(path: str | os.PathLike[str]) -> bool:
     """True when ``path`` is an HDF5 file with our root attribute (any version)."""
     p = os.fspath(path)
@@ -583,13 +592,7 @@ class StoredVariable:
                 self.dtype = as_dtype(dname)
             except UnsupportedDtypeError:
                 raise UnsupportedDtypeError("unknown dtype", file=file, variable=path, found=dname) from None
-        if not 1 <= self.num_components <= 1 << 16 or (self._crcs is not None and len(self._crcs) != self.num_components):
-            raise CorruptCheckpointError(
-                "impossible number of components", file=file, variable=path, found=self.num_components
-            )
-        if any(d < 0 for d in self.shape):
-            raise CorruptCheckpointError("negative dimension", file=file, variable=path, found=self.shape)
-        self._shapes: list[tuple[int, ...]] = [self._expected_component_shape(i) for i in range(self.num_components)]
+        self._shapes: list[tuple[int, ...]] = self._validated_layout()
         self._verified: set[int] = set()
         self._storage_ok: set[int] = set()
         self._datasets: dict[int, Any] = {}
@@ -626,24 +629,60 @@ class StoredVariable:
             self._datasets[i] = ds
         return ds
 
-    def _expected_component_shape(self, i: int) -> tuple[int, ...]:
-        if self.kind != "sharded":
-            return self.shape
-        try:
-            axis = int(self.attrs["shard_axis"])
-            offsets = [int(o) for o in self.attrs["shard_offsets"]] + [self.shape[axis]]
-        except (KeyError, TypeError, ValueError, IndexError):
-            raise CorruptCheckpointError(
-                "sharded variable without valid shard_axis / shard_offsets", file=self._reader.path, variable=self.path
-            ) from None
-        if len(offsets) != self.num_components + 1:
-            raise CorruptCheckpointError(
-                "shard offsets do not match the components", file=self._reader.path, variable=self.path,
-                expected=self.num_components, found=len(offsets) - 1,
+    def _bad(self, what: str, expected: Any, found: Any) -> CorruptCheckpointError:
+        return CorruptCheckpointError(what, file=self._reader.path, variable=self.path, expected=expected, found=found)
+
+    def _validated_layout(self) -> list[tuple[int, ...]]:
+        """Check every layout field of the variable once, at open; the components' shapes.
+
+        The kind and aggregation are in their documented sets, the counts of components,
+        checksums, offsets and devices agree, and a sharded variable's ``shard_offsets`` start
+        at 0 and cover its shard axis exactly, so no reader ever leaves a row unwritten.
+        """
+        n = self.num_components
+        if self.kind not in KINDS:
+            raise self._bad("unknown variable kind", f"one of {', '.join(KINDS)}", repr(self.kind))
+        if not 1 <= n <= _MAX_COMPONENTS or (self.kind == "single" and n != 1):
+            raise self._bad(
+                "impossible number of components", "1" if self.kind == "single" else f"1 to {_MAX_COMPONENTS}", n
             )
-        shape = list(self.shape)
-        shape[axis] = offsets[i + 1] - offsets[i]
-        return tuple(shape)
+        for what, values in (("checksums", self._crcs), ("data offsets", self._index_offsets)):
+            if values is not None and len(values) != n:
+                raise self._bad(f"the index lists {len(values)} {what}", f"{n} (one per component)", len(values))
+        if any(d < 0 for d in self.shape):
+            raise self._bad("negative dimension", "dimensions >= 0", self.shape)
+        aggregation = self.attrs.get("aggregation")
+        if aggregation is not None and str(aggregation).lower() not in AGGREGATIONS:
+            raise self._bad("unknown aggregation", f"one of {', '.join(AGGREGATIONS)}", repr(aggregation))
+        devices = self.attrs.get("devices")
+        if devices is not None and (
+            not isinstance(devices, list) or len(devices) != n or not all(isinstance(d, str) for d in devices)
+        ):
+            raise self._bad("devices do not match the components", f"{n} device names", repr(devices))
+        if self.kind != "sharded":
+            return [self.shape] * n
+        axis_value: Any = self.attrs.get("shard_axis")
+        offsets_value: Any = self.attrs.get("shard_offsets")
+        if not _is_int(axis_value) or not 0 <= int(axis_value) < len(self.shape):
+            raise self._bad("shard_axis out of range", f"an axis of shape {self.shape}", repr(axis_value))
+        axis = int(axis_value)
+        if not isinstance(offsets_value, list) or not all(_is_int(o) for o in offsets_value):
+            raise self._bad("shard_offsets is not a list of integers", f"{n} offsets", repr(offsets_value))
+        offsets = [int(o) for o in offsets_value]
+        if len(offsets) != n:
+            raise self._bad("shard offsets do not match the components", f"{n} offsets", len(offsets))
+        bounds = [*offsets, self.shape[axis]]
+        if offsets[0] != 0 or any(bounds[i + 1] < bounds[i] for i in range(n)):
+            raise self._bad(
+                "shard_offsets do not cover the shard axis exactly (gap, overlap or past the end)",
+                f"offsets from 0, non-decreasing, within {self.shape[axis]} rows of axis {axis}", offsets,
+            )
+        shapes = []
+        for i in range(n):
+            shape = list(self.shape)
+            shape[axis] = bounds[i + 1] - bounds[i]
+            shapes.append(tuple(shape))
+        return shapes
 
     def component_shape(self, i: int) -> tuple[int, ...]:
         return self._shapes[i]
@@ -841,6 +880,80 @@ class StoredVariable:
         else:
             self._with_bytes(i, lambda data: self._check(i, data))
         self._verified.add(i)
+
+    def verify_group(self) -> None:
+        """The variable's group opens through HDF5 and its attributes agree with the index."""
+        try:
+            group = self._reader._h5()[self.path]
+            attrs = {k: _decode(v) for k, v in group.attrs.items()}
+        except _H5_ERRORS as exc:
+            raise CorruptCheckpointError(
+                "the variable's group is unreadable", file=self._reader.path, variable=self.path, found=str(exc)
+            ) from None
+        if not isinstance(group, h5py.Group):
+            raise self._bad("not a group", "a group", type(group).__name__)
+        dt = "bytes" if self.dtype.kind == "O" else dtype_name(self.dtype)
+        want: dict[str, Any] = {"kind": self.kind, "dtype": dt, "shape": list(self.shape),
+                                "num_components": self.num_components, **self.attrs}
+        for key, value in attrs.items():
+            if key in want and value != want[key]:
+                raise self._bad(f"group attribute {key!r} disagrees with the index", repr(want[key]), repr(value))
+        for key in ("kind", "dtype", "shape", "num_components"):
+            if key not in attrs:
+                raise self._bad(f"group attribute {key!r} is missing", repr(want[key]), "none")
+
+    def verify_through_h5(self, i: int) -> None:
+        """Read component ``i`` through HDF5 (as h5py and every other tool do), in bounded
+        blocks, and check those bytes against the stored checksum too."""
+        self._check_storage(i)
+        if self.dtype.kind == "O":
+            self._check(i, self._read_h5(i))
+            return
+        ds = h5py.Dataset(self._dataset(i))
+        shape = self._shapes[i]
+        try:
+            if ds.dtype.itemsize != self.dtype.itemsize:
+                raise self._fail(
+                    "stored element size does not match the dtype", i,
+                    expected=f"{self.dtype.itemsize} bytes", found=f"{ds.dtype.itemsize} bytes",
+                )
+            if not shape or math.prod(shape) == 0:
+                crc = checksum(self._as_dtype(np.asarray(ds[()])).reshape(shape))
+            else:
+                row = math.prod(shape[1:]) * self.dtype.itemsize
+                step = max(1, (8 << 20) // max(row, 1))
+                crc = 0
+                for start in range(0, shape[0], step):
+                    block = np.ascontiguousarray(self._as_dtype(np.asarray(ds[start : start + step])))
+                    crc = _crc32c.crc32c(byte_view(block), crc)  # type: ignore[arg-type]
+        except _H5_ERRORS as exc:
+            raise self._fail("HDF5 cannot read the dataset", i, found=str(exc)) from None
+        self._compare(i, int(crc))
+
+    def _as_dtype(self, data: np.ndarray) -> np.ndarray:
+        if data.dtype == self.dtype:
+            return data
+        return data.view(self.dtype) if data.dtype.kind == "V" else data.astype(self.dtype.newbyteorder("="))
+
+    def verify_stitched_value(self) -> None:
+        """A sharded variable's ``value`` dataset, when there, reads as its shards put together."""
+        try:
+            group = self._reader._h5()[self.path]
+            if "value" not in group:
+                return
+            stitched = self._as_dtype(np.asarray(group["value"][()]))
+        except _H5_ERRORS as exc:
+            raise CorruptCheckpointError(
+                "HDF5 cannot read the stitched 'value' dataset", file=self._reader.path,
+                variable=f"{self.path}/value", found=str(exc),
+            ) from None
+        if stitched.shape != self.shape or not np.array_equal(
+            byte_view(np.ascontiguousarray(stitched)), byte_view(self.value())
+        ):
+            raise CorruptCheckpointError(
+                "the stitched 'value' dataset differs from the shards", file=self._reader.path,
+                variable=f"{self.path}/value", expected="the shards put together", found="other values",
+            )
 
     def _pread_ok(self, i: int) -> bool:
         loc = self._location(i)
@@ -1088,12 +1201,32 @@ class H5Reader(Mapping[str, StoredVariable]):
         return len(self._variables)
 
     def verify_all(self) -> list[str]:
-        """Check every component of every variable; the problems found (empty when sound)."""
+        """Check every variable; the problems found (empty when sound).
+
+        Every component's bytes against its checksum, and the file's structure as any HDF5
+        reader sees it: each variable's group and attributes (equal to the index), each
+        component dataset read through HDF5 (its bytes again against the checksum) and a
+        sharded variable's ``value`` (equal to its shards), so a file that h5py or ``extract``
+        cannot read never passes.
+        """
         problems = []
         for var in self._variables.values():
+            try:
+                var.verify_group()
+            except CorruptCheckpointError as exc:
+                problems.append(str(exc))
+                continue
+            sound = True
             for i in range(var.num_components):
                 try:
                     var.verify(i)
+                    var.verify_through_h5(i)
+                except CorruptCheckpointError as exc:
+                    problems.append(str(exc))
+                    sound = False
+            if sound and var.kind == "sharded":
+                try:
+                    var.verify_stitched_value()
                 except CorruptCheckpointError as exc:
                     problems.append(str(exc))
         return problems
