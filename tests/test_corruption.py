@@ -342,3 +342,68 @@ def test_verify_passes_only_what_h5py_reads_identically_every_bit(tmp_path):
                 yield pos, bit
 
     _flip_sweep(tmp_path, positions)
+
+
+# ----------------------------------------------------------------------------- truncated in place
+TRUNCATE_DURING_RESTORE = r"""
+import sys, threading
+import numpy as np
+import parallelvars as pv
+from parallelvars.checkpoint.h5io import StoredVariable
+from parallelvars.errors import CorruptCheckpointError
+
+path, phase = sys.argv[1], sys.argv[2]
+
+def model():
+    m = pv.Module()
+    with pv.MirroredStrategy(2).scope():
+        m.vs = [pv.Variable(np.full((256, 256), i, np.float32), name=f"v{i}") for i in range(8)]
+    return m
+
+pv.Checkpoint(model=model()).write(path)
+m = model()
+for v in m.vs:
+    v.assign(np.full((256, 256), -1, np.float32))
+
+cut, done = threading.Event(), threading.Event()
+
+def truncate():  # another thread cuts the file while the restore is reading it
+    cut.wait()
+    with open(path, "r+b") as f:
+        f.truncate(4096)
+    done.set()
+
+threading.Thread(target=truncate, daemon=True).start()
+hooked = StoredVariable.verify if phase == "verify" else StoredVariable.read_component_into
+
+def first_then_cut(self, *args, **kwargs):
+    result = hooked(self, *args, **kwargs)
+    cut.set()
+    done.wait(10)
+    return result
+
+setattr(StoredVariable, hooked.__name__, first_then_cut)
+try:
+    pv.Checkpoint(model=m).restore(path)
+except CorruptCheckpointError as exc:
+    print("error:", type(exc).__name__, exc)
+    if phase == "verify":  # all or nothing: no variable was written
+        assert all((np.asarray(c) == -1).all() for v in m.vs for c in v.components), "partly restored"
+        print("untouched")
+else:
+    print("no error")
+"""
+
+
+@pytest.mark.parametrize("phase", ["verify", "copy"])
+def test_a_file_truncated_during_a_restore_is_an_error_not_a_signal(tmp_path, phase):
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-c", TRUNCATE_DURING_RESTORE, str(tmp_path / "c.h5"), phase],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, f"died with {proc.returncode} (negative: a signal)\n{proc.stderr[-2000:]}"
+    assert proc.stdout.startswith("error: "), proc.stdout  # one of our errors, naming the file
+    if phase == "verify":
+        assert "untouched" in proc.stdout, proc.stdout

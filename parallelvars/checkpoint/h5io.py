@@ -17,16 +17,15 @@ bfloat16 and the float8 family are stored as HDF5 opaque types of their size, wi
 ``dtype`` group attribute naming them (the convention Keras uses); strings as variable-length
 bytes.
 
-Reading is lazy and fast: contiguous datasets are read through a read-only memory map of the
-file, so a checksum is computed over the mapped bytes without a copy and the value is copied
-once, straight into the destination buffer.
+Reading is lazy and fast: contiguous datasets are read with ``pread`` straight into the
+destination buffer and checksummed there (a verification pass streams in bounded chunks). The
+file is never memory-mapped, so a file truncated while it is read is an error, not SIGBUS.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import threading
 import time
@@ -784,10 +783,10 @@ class StoredVariable:
     def _with_bytes(self, i: int, fn: Callable[[np.ndarray], Any]) -> Any:
         """Call ``fn`` with component ``i`` as a read-only array; ``fn`` must not keep it.
 
-        A contiguous component is seen through a memory map of just its own pages, so a
-        checksum reads the file's pages in place and a copy goes straight from them into the
-        destination; the map is released right after, which keeps the resident memory of a
-        reader bounded by one component whatever the file's size. Other layouts go through h5py.
+        A contiguous component is read with ``pread`` into a reused buffer of this thread (one
+        component's size at most, so a reader's memory stays bounded whatever the file's size;
+        most reads skip this and go straight into their destination, see
+        :meth:`read_component_into`). Other layouts go through h5py.
         """
         try:
             return self._with_located_bytes(i, fn)
@@ -809,30 +808,16 @@ class StoredVariable:
         offset, size = loc
         if size == 0:
             return fn(np.empty(self._shapes[i], self.dtype))
-        whole = self._reader._whole_map()
-        if whole is not None:
-            arr = np.frombuffer(whole, dtype=self.dtype, count=size, offset=offset).reshape(self._shapes[i])
-            try:
-                return fn(arr)
-            finally:
-                del arr
-        start = offset - offset % mmap.ALLOCATIONGRANULARITY
-        length = offset + size * self.dtype.itemsize - start
-        mm = mmap.mmap(
-            self._reader._fd(), length, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-            prot=mmap.PROT_READ, offset=start,
-        )
+        # Read with pread into a buffer of this thread's, never through a memory map: a file
+        # truncated while it is being read is then an error (TruncatedFileError), not SIGBUS.
+        buf = self._reader._buffer(size * self.dtype.itemsize)
+        arr = buf.view(self.dtype).reshape(self._shapes[i])
+        self._pread_into(i, arr, offset)
+        arr.flags.writeable = False
         try:
-            arr = np.frombuffer(mm, dtype=self.dtype, count=size, offset=offset - start).reshape(self._shapes[i])
-            try:
-                return fn(arr)
-            finally:
-                del arr
+            return fn(arr)
         finally:
-            try:
-                mm.close()
-            except BufferError:  # a caller kept a view: the map closes with it
-                pass
+            del arr
 
     def _read_h5(self, i: int) -> np.ndarray:
         self._check_storage(i)
@@ -867,10 +852,10 @@ class StoredVariable:
     def verify(self, i: int) -> None:
         """Check component ``i``'s bytes against its stored checksum.
 
-        Without a whole-file map the bytes are read in bounded chunks, so verifying a file never
-        needs more memory than one chunk.
+        The bytes are read with ``pread`` in bounded chunks, so verifying a file never needs
+        more memory than one chunk.
         """
-        if not self._reader._map_file and self._pread_ok(i):
+        if self._pread_ok(i):
             try:
                 self._check_streamed(i)
             except ChecksumMismatchError:
@@ -964,6 +949,8 @@ class StoredVariable:
         assert loc is not None
         offset, size = loc
         remaining = size * self.dtype.itemsize
+        if remaining > 1 << 20 and hasattr(os, "posix_fadvise"):  # start reading it all ahead
+            os.posix_fadvise(self._reader._fd(), offset, remaining, os.POSIX_FADV_WILLNEED)
         buf = self._reader._chunk(remaining)
         crc = 0
         while remaining:
@@ -999,12 +986,11 @@ class StoredVariable:
                 out[...] = data.astype(out.dtype)
 
         if (
-            not self._reader._map_file
-            and out.dtype == self.dtype
+            out.dtype == self.dtype
             and out.flags.c_contiguous
             and self._pread_ok(i)
         ):
-            # Straight from the file into ``out``, then its checksum there: no map, no copy.
+            # Straight from the file into ``out``, then its checksum there: no extra copy.
             loc = self._location(i)
             assert loc is not None
             self._pread_into(i, out, loc[0])
@@ -1066,10 +1052,9 @@ class H5Reader(Mapping[str, StoredVariable]):
         self.path = os.fspath(path)
         self._file: h5py.File | None = None
         self._raw_fd: int | None = None
-        # map_file: one map of the whole file for the reader's life (a restore reads it all,
-        # twice: checksums first, then values); otherwise one map per component read.
-        self._map_file = map_file
-        self._whole: mmap.mmap | None = None
+        # map_file: accepted for compatibility; the file is never memory-mapped (a mapped file
+        # truncated by another process kills the reader with SIGBUS): every read is a pread.
+        del map_file
         self._local = threading.local()
         self._lock = threading.RLock()
         self._own_name: bytes | None = None
@@ -1162,13 +1147,16 @@ class H5Reader(Mapping[str, StoredVariable]):
         return self._file
 
     # Components may be verified and copied from several threads at once (a restore does):
-    # the lazily made map and descriptor are made under a lock, the chunk buffer is per thread.
-    def _whole_map(self) -> mmap.mmap | None:
-        if self._map_file and self._whole is None and self.file_size > 0:
-            with self._lock:
-                if self._whole is None:
-                    self._whole = mmap.mmap(self._fd(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        return self._whole
+    # the lazily opened descriptor is made under a lock, the read buffers are per thread.
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` bytes to read a component into: this thread's reused buffer, or a fresh
+        one for a component over 64 MiB (so a reader does not keep that much memory)."""
+        if nbytes > 64 << 20:
+            return np.empty(nbytes, np.uint8)
+        buf: np.ndarray | None = getattr(self._local, "component", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._local.component = np.empty(max(nbytes, 1 << 16), np.uint8)
+        return buf[:nbytes]
 
     def _chunk(self, nbytes: int) -> np.ndarray:
         """A reusable buffer for streamed checks: the component's size, at most 8 MiB."""
@@ -1179,11 +1167,14 @@ class H5Reader(Mapping[str, StoredVariable]):
         return buf
 
     def _fd(self) -> int:
-        """A read-only descriptor of the file, for the per-component maps."""
+        """A read-only descriptor of the file, for the reads with pread."""
         if self._raw_fd is None:
             with self._lock:
                 if self._raw_fd is None:
-                    self._raw_fd = os.open(self.path, os.O_RDONLY)
+                    fd = os.open(self.path, os.O_RDONLY)
+                    if hasattr(os, "posix_fadvise"):  # read front to back: a larger readahead
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    self._raw_fd = fd
         return self._raw_fd
 
     def __getitem__(self, key: str) -> StoredVariable:
@@ -1236,12 +1227,6 @@ class H5Reader(Mapping[str, StoredVariable]):
         # (linked) file open until they are released.
         for var in getattr(self, "_variables", {}).values():
             var._datasets.clear()
-        if self._whole is not None:
-            try:
-                self._whole.close()
-            except BufferError:  # an array still views the map; it closes with that array
-                pass
-            self._whole = None
         if self._raw_fd is not None:
             os.close(self._raw_fd)
             self._raw_fd = None
