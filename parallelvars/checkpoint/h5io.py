@@ -545,6 +545,12 @@ def _decode(value: Any) -> Any:
     return value
 
 
+def _is_variable_length(tid: Any) -> bool:
+    if tid.get_class() == h5py.h5t.VLEN:
+        return True
+    return bool(tid.get_class() == h5py.h5t.STRING and tid.is_variable_str())
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
@@ -870,7 +876,15 @@ class StoredVariable:
         """The variable's group opens through HDF5 and its attributes agree with the index."""
         try:
             group = self._reader._h5()[self.path]
-            attrs = {k: _decode(v) for k, v in group.attrs.items()}
+            attrs: dict[str, Any] = {}
+            for key in group.attrs:
+                # Variable-length values live in HDF5's unchecksummed global heap, whose damage
+                # can make the C library loop: only their presence is checked (the reader takes
+                # the values from the checksummed index).
+                if _is_variable_length(h5py.h5a.open(group.id, key.encode()).get_type()):
+                    attrs[key] = None
+                else:
+                    attrs[key] = _decode(group.attrs[key])
         except _H5_ERRORS as exc:
             raise CorruptCheckpointError(
                 "the variable's group is unreadable", file=self._reader.path, variable=self.path, found=str(exc)
@@ -881,7 +895,7 @@ class StoredVariable:
         want: dict[str, Any] = {"kind": self.kind, "dtype": dt, "shape": list(self.shape),
                                 "num_components": self.num_components, **self.attrs}
         for key, value in attrs.items():
-            if key in want and value != want[key]:
+            if key in want and value is not None and value != want[key]:
                 raise self._bad(f"group attribute {key!r} disagrees with the index", repr(want[key]), repr(value))
         for key in ("kind", "dtype", "shape", "num_components"):
             if key not in attrs:
