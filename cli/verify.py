@@ -145,7 +145,8 @@ def _verify_view(view: CheckpointView, out: Output) -> tuple[list[str], dict[str
 
 
 def _verify_native(path: str) -> tuple[list[str], dict[str, int]]:
-    """Problems found by the native reader's own ``verify_all`` (layout, then every checksum)."""
+    """Problems found by the native reader's own ``verify_all`` (index fields at open, then
+    every checksum and every group and dataset read through HDF5)."""
     with H5Reader(path) as reader:
         problems = [str(p) for p in reader.verify_all()]
         entries = [reader[k] for k in reader]

@@ -8,6 +8,7 @@ attribute and component byte (and the object graph) equal to the clean file's.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -168,3 +169,249 @@ def test_a_hostile_shape_is_refused_before_any_allocation(tmp_path):
             with pytest.raises(TruncatedFileError, match="fewer bytes"):
                 r[name].value()
         assert len(r.verify_all()) == 2
+
+
+# ----------------------------------------------------------------------------- index fields
+def rewrite_index(path: str, change) -> None:
+    """Edit the index as a hostile writer would: the document stays well-formed, its own
+    checksum recomputed, so only the reader's validation stands between it and a restore."""
+    from parallelvars.checkpoint.h5io import INDEX_DATASET, _write_json
+
+    with h5py.File(path, "r+") as f:
+        index = json.loads(bytes(f[INDEX_DATASET][()]).decode())
+        change(index)
+        del f[INDEX_DATASET]
+        _write_json(f, INDEX_DATASET, index)
+
+
+def _set(variable: str, *keys_and_value):
+    *keys, value = keys_and_value
+
+    def change(index: dict) -> None:
+        target = index[variable]
+        for k in keys[:-1]:
+            target = target[k]
+        target[keys[-1]] = value
+
+    return change
+
+
+INDEX_DAMAGE = {
+    # shard_offsets of model/e (4 rows on 2 devices: [0, 2])
+    "offsets-not-from-0": _set("model/e", "attrs", "shard_offsets", [1, 2]),
+    "offsets-overlap": _set("model/e", "attrs", "shard_offsets", [0, 5]),
+    "offsets-decrease": _set("model/e", "attrs", "shard_offsets", [2, 1]),
+    "offsets-too-few": _set("model/e", "attrs", "shard_offsets", [0]),
+    "offsets-gap-vs-datasets": _set("model/e", "attrs", "shard_offsets", [0, 3]),
+    "offsets-not-ints": _set("model/e", "attrs", "shard_offsets", ["0", 2]),
+    "shard-axis-out-of-range": _set("model/e", "attrs", "shard_axis", 2),
+    "shard-axis-missing": _set("model/e", "attrs", "shard_axis", None),
+    "unknown-kind": _set("model/w", "kind", "replicated"),
+    "unknown-aggregation": _set("model/w", "attrs", "aggregation", "max"),
+    "single-with-two": _set("model/w", "kind", "single"),
+    "devices-vs-components": _set("model/w", "attrs", "devices", ["cpu:0"]),
+    "checksum-count": _set("model/w", "crc32c", [1]),
+    "component-count": _set("model/w", "num_components", 3),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(INDEX_DAMAGE))
+def test_invalid_index_fields_are_refused_by_every_reader(tmp_path, damage, capsys):
+    from parallelvars.cli import main
+
+    ckpt, _w, _e = sample_model()
+    path = ckpt.write(tmp_path / "c.h5")
+    rewrite_index(path, INDEX_DAMAGE[damage])
+
+    with pytest.raises(CorruptCheckpointError) as info, H5Reader(path) as reader:
+        reader.verify_all()
+        for var in reader.values():
+            var.value()
+    message = str(info.value)
+    assert str(path) in message and ("model/e" in message or "model/w" in message), message
+
+    ckpt2, w2, e2 = sample_model()
+    w2.assign(np.full((3, 4), -1, np.float32))
+    e2.assign(np.full((4, 2), -1, np.int64))
+    with pytest.raises(CorruptCheckpointError):
+        ckpt2.restore(path)
+    for c in w2.components:  # all or nothing
+        np.testing.assert_array_equal(c, np.full((3, 4), -1, np.float32))
+    np.testing.assert_array_equal(np.asarray(e2), np.full((4, 2), -1, np.int64))
+
+    assert main(["verify", path]) == 1
+    assert "FAILED" in capsys.readouterr().out
+    assert main(["extract", path, "model/e", "-o", str(tmp_path / "e.npy")]) != 0
+    assert not (tmp_path / "e.npy").exists()
+    assert main(["convert", path, str(tmp_path / "c.npz"), "--to", "npz"]) != 0
+    assert main(["reshard", path, str(tmp_path / "r.h5"), "--devices", "3"]) != 0
+
+
+def test_shard_offsets_are_validated_in_files_without_an_index(tmp_path):
+    """Older files (attributes only) go through the same validation."""
+    from parallelvars.checkpoint.h5io import DOCUMENTS_ATTR, INDEX_DATASET
+
+    ckpt, *_ = sample_model()
+    path = ckpt.write(tmp_path / "c.h5")
+    with h5py.File(path, "r+") as f:
+        del f[INDEX_DATASET]
+        f.attrs[DOCUMENTS_ATTR] = np.array([b"_parallelvars/object_graph"])
+        f["model/e"].attrs["shard_offsets"] = np.array([1, 2], np.int64)
+    with pytest.raises(CorruptCheckpointError, match="shard_offsets"):
+        H5Reader(path)
+
+
+def test_uneven_and_empty_shards_stay_valid(tmp_path):
+    with pv.MirroredStrategy(4).scope():
+        e = pv.Variable(np.arange(6, dtype=np.float32).reshape(3, 2), name="e", shard_axis=0)
+    path = pv.Checkpoint(e=e).write(tmp_path / "c.h5")
+    with H5Reader(path) as reader:
+        assert reader["e"].attrs["shard_offsets"] == [0, 1, 2, 3]
+        assert reader.verify_all() == []
+        np.testing.assert_array_equal(reader["e"].value(), np.arange(6, dtype=np.float32).reshape(3, 2))
+
+
+# ----------------------------------------------------------------------------- verify vs HDF5
+def _h5py_everything(path: str) -> list:
+    """What a plain h5py user reads: every object's attributes and every dataset's values."""
+    out: list = []
+
+    def visit(name: str, obj) -> None:
+        # Variable-length string attributes live in HDF5's unchecksummed global heap; the
+        # reader takes those values from the checksummed index, and verify checks only that
+        # they are there: compared by name only.
+        attrs = {k: None if isinstance(v, str) or (isinstance(v, np.ndarray) and v.dtype.kind == "O")
+                 else fuzz_readers._canon(v) for k, v in sorted(obj.attrs.items())}
+        value = fuzz_readers._canon(obj[()]) if isinstance(obj, h5py.Dataset) else None
+        out.append((name, attrs, value))
+
+    with h5py.File(path, "r") as f:
+        out.append(("/", {k: fuzz_readers._canon(v) for k, v in sorted(f.attrs.items()) if k != "created"}, None))
+        f.visititems(visit)
+    return out
+
+
+def _verify_says_ok(path: str) -> bool:
+    from parallelvars.errors import ParallelVarsError
+
+    try:
+        with H5Reader(path) as reader:
+            return reader.verify_all() == []
+    except ParallelVarsError:
+        return False
+
+
+def _flip_sweep(tmp_path, positions) -> tuple[int, int]:
+    ckpt, *_ = sample_model()
+    clean_path = ckpt.write(tmp_path / "clean.h5")
+    clean = _h5py_everything(clean_path)
+    with open(clean_path, "rb") as f:
+        raw = f.read()
+    damaged = str(tmp_path / "damaged.h5")
+    reported = harmless = 0
+    for pos, bit in positions(len(raw)):
+        data = bytearray(raw)
+        data[pos] ^= 1 << bit
+        with open(damaged, "wb") as f:
+            f.write(bytes(data))
+        if not _verify_says_ok(damaged):
+            reported += 1
+            continue
+        try:
+            seen = _h5py_everything(damaged)
+        except Exception as exc:  # any h5py failure is the finding
+            pytest.fail(f"bit {bit} of byte {pos}: verify says OK but h5py fails: {exc!r}")
+        assert seen == clean, f"bit {bit} of byte {pos}: verify says OK but h5py reads other values"
+        harmless += 1
+    return reported, harmless
+
+
+def test_verify_passes_only_what_h5py_reads_identically(tmp_path):
+    """A seeded sample of single-bit flips: each is reported by verify or changes nothing h5py reads."""
+    rng = np.random.default_rng(8)
+
+    def positions(size: int):
+        for pos in rng.choice(size, size=min(size, 300), replace=False):
+            yield int(pos), int(rng.integers(8))
+
+    reported, harmless = _flip_sweep(tmp_path, positions)
+    assert reported > 0 and harmless > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("PARALLELVARS_FULL_SWEEP"), reason="every byte of the file: minutes; set PARALLELVARS_FULL_SWEEP=1"
+)
+def test_verify_passes_only_what_h5py_reads_identically_every_byte(tmp_path):
+    rng = np.random.default_rng(9)
+
+    def positions(size: int):
+        for pos in range(size):
+            yield pos, int(rng.integers(8))
+
+    _flip_sweep(tmp_path, positions)
+
+
+# ----------------------------------------------------------------------------- truncated in place
+TRUNCATE_DURING_RESTORE = r"""
+import sys, threading
+import numpy as np
+import parallelvars as pv
+from parallelvars.checkpoint.h5io import StoredVariable
+from parallelvars.errors import CorruptCheckpointError
+
+path, phase = sys.argv[1], sys.argv[2]
+
+def model():
+    m = pv.Module()
+    with pv.MirroredStrategy(2).scope():
+        m.vs = [pv.Variable(np.full((256, 256), i, np.float32), name=f"v{i}") for i in range(8)]
+    return m
+
+pv.Checkpoint(model=model()).write(path)
+m = model()
+for v in m.vs:
+    v.assign(np.full((256, 256), -1, np.float32))
+
+cut, done = threading.Event(), threading.Event()
+
+def truncate():  # another thread cuts the file while the restore is reading it
+    cut.wait()
+    with open(path, "r+b") as f:
+        f.truncate(4096)
+    done.set()
+
+threading.Thread(target=truncate, daemon=True).start()
+hooked = StoredVariable.verify if phase == "verify" else StoredVariable.read_component_into
+
+def first_then_cut(self, *args, **kwargs):
+    result = hooked(self, *args, **kwargs)
+    cut.set()
+    done.wait(10)
+    return result
+
+setattr(StoredVariable, hooked.__name__, first_then_cut)
+try:
+    pv.Checkpoint(model=m).restore(path)
+except CorruptCheckpointError as exc:
+    print("error:", type(exc).__name__, exc)
+    if phase == "verify":  # all or nothing: no variable was written
+        assert all((np.asarray(c) == -1).all() for v in m.vs for c in v.components), "partly restored"
+        print("untouched")
+else:
+    print("no error")
+"""
+
+
+@pytest.mark.parametrize("phase", ["verify", "copy"])
+def test_a_file_truncated_during_a_restore_is_an_error_not_a_signal(tmp_path, phase):
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-c", TRUNCATE_DURING_RESTORE, str(tmp_path / "c.h5"), phase],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, f"died with {proc.returncode} (negative: a signal)\n{proc.stderr[-2000:]}"
+    assert proc.stdout.startswith("error: "), proc.stdout  # one of our errors, naming the file
+    if phase == "verify":
+        assert "untouched" in proc.stdout, proc.stdout

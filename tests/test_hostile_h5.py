@@ -114,6 +114,7 @@ def replace_primary(path: Path, var: str, make, *, shape: tuple[int, ...] = (4,)
             doc[var]["shape"] = list(shape)
             doc[var]["crc32c"] = [0]
             _write_json(f, INDEX_DATASET, doc)
+            grp.attrs["shape"] = np.asarray(shape, np.int64)  # consistent, as an attacker would make it
         else:
             f.attrs["parallelvars_documents"] = np.array([b"_parallelvars/object_graph"])
             grp.attrs["shape"] = np.asarray(shape, np.int64)

@@ -480,8 +480,10 @@ def read_digest(path: str, fmt: str) -> str:
                 del comp
         if fmt == "hdf5":
             problems = view.verify_all()
-            if problems:
-                h.update(b"problems:" + "\n".join(problems).encode())
+            if problems:  # damage verify reports is detected damage
+                from parallelvars.errors import CorruptCheckpointError
+
+                raise CorruptCheckpointError("verify found problems", file=path, found="; ".join(problems))
     finally:
         view.close()
     return h.hexdigest()

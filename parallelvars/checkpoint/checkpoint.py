@@ -50,24 +50,35 @@ __all__ = ["Checkpoint", "CheckpointLoadStatus", "build_object_graph", "escape_n
 
 GRAPH_VERSION = 1
 
-# A multi-process strategy installs a writer here: each process writes its own components and
-# the processes commit one logical checkpoint together (parallelvars.strategy._mpi).
-_COLLECTIVE_WRITER: Callable[..., str] | None = None
-_COLLECTIVE_RANK = 0
+# A multi-process strategy registers itself here: each process then writes its own components
+# and the processes commit one logical checkpoint together, through the writer the strategy's
+# ``checkpoint_writer()`` hands out (parallelvars.strategy._mpi). Held for the process's life:
+# a dropped strategy must not turn the next save into every rank writing the same file.
+_PROCESS_STRATEGY: list[Any] = []
 
 
-def set_collective_writer(writer: Callable[..., str] | None, *, rank: int = 0) -> None:
-    """Route ``Checkpoint.write`` through ``writer(path, records, *, object_graph, metadata)``
-    (``None``: the plain single-file writer); ``rank`` is this process's rank, and rank 0 keeps
-    the books (a ``CheckpointManager``'s state, lock and deletions)."""
-    global _COLLECTIVE_WRITER, _COLLECTIVE_RANK
-    _COLLECTIVE_WRITER = writer
-    _COLLECTIVE_RANK = rank if writer is not None else 0
+def use_process_strategy(strategy: Any) -> None:
+    """Write checkpoints through ``strategy.checkpoint_writer()`` (``None``: the plain
+    single-file writer). ``strategy.cluster_rank`` is this process's rank; rank 0 keeps the
+    books (a ``CheckpointManager``'s state, lock and deletions)."""
+    _PROCESS_STRATEGY[:] = [] if strategy is None else [strategy]
+
+
+def _process_strategy() -> Any:
+    return _PROCESS_STRATEGY[0] if _PROCESS_STRATEGY else None
+
+
+def _checkpoint_writer() -> Callable[..., str]:
+    """``writer(path, records, *, object_graph, metadata)`` for this process's saves."""
+    strategy = _process_strategy()
+    writer = None if strategy is None else strategy.checkpoint_writer()
+    return writer or write_h5
 
 
 def collective_rank() -> int | None:
     """This process's rank when checkpoints are written collectively (MPI), else None."""
-    return _COLLECTIVE_RANK if _COLLECTIVE_WRITER is not None else None
+    strategy = _process_strategy()
+    return None if strategy is None else int(strategy.cluster_rank)
 
 
 _gc_lock = threading.Lock()
@@ -549,7 +560,7 @@ class Checkpoint(Trackable):
         with _gc_paused():
             records, object_graph, metadata = self._gather(copy)
 
-        writer = _COLLECTIVE_WRITER or write_h5  # every rank writes its part under MPI
+        writer = _checkpoint_writer()  # every rank writes its part under MPI
 
         def write(path: str | os.PathLike[str]) -> str:
             return writer(os.fspath(path), records, object_graph=object_graph, metadata=metadata)

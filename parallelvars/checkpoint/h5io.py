@@ -17,21 +17,20 @@ bfloat16 and the float8 family are stored as HDF5 opaque types of their size, wi
 ``dtype`` group attribute naming them (the convention Keras uses); strings as variable-length
 bytes.
 
-Reading is lazy and fast: contiguous datasets are read through a read-only memory map of the
-file, so a checksum is computed over the mapped bytes without a copy and the value is copied
-once, straight into the destination buffer.
+Reading is lazy and fast: contiguous datasets are read with ``pread`` straight into the
+destination buffer and checksummed there (a verification pass streams in bounded chunks). The
+file is never memory-mapped, so a file truncated while it is read is an error, not SIGBUS.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import crc32c as _crc32c
 import h5py
@@ -41,6 +40,7 @@ from parallelvars._dtypes import as_dtype, dtype_name, is_extension_dtype
 from parallelvars._fileio import DataWriter, Scratch, atomic_path, byte_view, checksum, load_json
 from parallelvars.checkpoint import _h5policy
 from parallelvars.checkpoint.registry import component_name
+from parallelvars.enums import Aggregation
 from parallelvars.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
@@ -61,6 +61,9 @@ __all__ = [
     "H5Reader",
     "StoredVariable",
     "write_h5",
+    "write_h5_index",
+    "ComponentLink",
+    "LinkedVariable",
     "checksum",
     "is_native_checkpoint",
 ]
@@ -73,6 +76,10 @@ GRAPH_DATASET = f"{META_GROUP}/object_graph"
 INDEX_DATASET = f"{META_GROUP}/index"
 DOCUMENTS_ATTR = "parallelvars_documents"
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+# The documented variable kinds and on-read aggregations (the enums' values).
+KINDS = ("single", "mirrored", "on_read", "independent", "sharded")
+AGGREGATIONS = tuple(a.value for a in Aggregation)
+_MAX_COMPONENTS = 1 << 16
 # deflate's best case is about 1032:1; no compressed dataset can expand more than this.
 _MAX_COMPRESSION = 1100
 _H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, AttributeError)
@@ -217,24 +224,10 @@ def _write_entry(
     the way (see :class:`_DataWriter`). Returns the entry's record for the index.
     """
     path = entry.path
-    _validate_path(path)
-    grp = _new_group(f, path)
     dt = np.dtype(entry.dtype)
     storage = _storage_dtype(dt)
     shape = tuple(int(s) for s in entry.shape)
-    meta: dict[str, Any] = {"kind": entry.kind, "dtype": dtype_name(dt), "shape": list(shape),
-                            "num_components": int(entry.num_components)}
-    for key in ("kind", "dtype", "shape", "num_components"):
-        _set_attr(grp.id, key, _attr_value(meta[key]))
-    extra: dict[str, Any] = {}
-    for key, value in dict(entry.attrs).items():
-        if value is None or key in meta:
-            continue
-        stored = _attr_value(value)
-        if key not in _INDEX_ONLY_ATTRS:
-            _set_attr(grp.id, key, stored)
-        extra[key] = _decode(stored)
-    meta["attrs"] = extra
+    grp, meta = _write_group(f, path, entry.kind, dt, shape, int(entry.num_components), entry.attrs)
     # Where each component's bytes start, so a reader need not open every dataset; the
     # component's checksum guards the value (a reader falls back to HDF5's own answer).
     offsets: list[int | None] = []
@@ -280,6 +273,29 @@ def _write_entry(
             layout[tuple(index)] = h5py.VirtualSource(".", f"{grp.name}/{component_name(i)}", shape=cshape)
         grp.create_virtual_dataset("value", layout)
     return meta
+
+
+def _write_group(
+    f: h5py.File, path: str, kind: str, dt: np.dtype, shape: tuple[int, ...], num_components: int,
+    attrs: Mapping[str, Any],
+) -> tuple[h5py.Group, dict[str, Any]]:
+    """Create a variable's group with its layout attributes; returns it and its index record."""
+    _validate_path(path)
+    grp = _new_group(f, path)
+    meta: dict[str, Any] = {"kind": kind, "dtype": dtype_name(dt), "shape": list(shape),
+                            "num_components": num_components}
+    for key in ("kind", "dtype", "shape", "num_components"):
+        _set_attr(grp.id, key, _attr_value(meta[key]))
+    extra: dict[str, Any] = {}
+    for key, value in dict(attrs).items():
+        if value is None or key in meta:
+            continue
+        stored = _attr_value(value)
+        if key not in _INDEX_ONLY_ATTRS:
+            _set_attr(grp.id, key, stored)
+        extra[key] = _decode(stored)
+    meta["attrs"] = extra
+    return grp, meta
 
 
 def _new_group(f: h5py.File, path: str) -> h5py.Group:
@@ -372,15 +388,7 @@ def write_h5(
 
     def write(tmp: str) -> None:
         index: dict[str, Any] = {}
-        # libver "latest": superblock v3 and v2 object headers, B-trees and heaps, which all
-        # carry checksums, so a damaged metadata byte is an error rather than a wrong value.
-        with h5py.File(tmp, "w", libver="latest") as f:
-            f.attrs["parallelvars_format"] = np.int64(FORMAT_VERSION)  # few: the high-level API is fine
-            f.attrs["parallelvars_version"] = _root_attr_value(_library_version())
-            f.attrs["created"] = np.float64(time.time())
-            for key, value in dict(metadata or {}).items():
-                if value is not None:
-                    f.attrs[key] = _root_attr_value(value)
+        with _new_file(tmp, metadata) as f:
             dcpl = _early_dcpl()
             writer, scratch, ok = _DataWriter(tmp, p), Scratch(), False
             try:
@@ -391,6 +399,81 @@ def write_h5(
                 ok = True
             finally:
                 writer.close(raise_errors=ok)
+            _finish_metadata(f, index, object_graph)
+
+    return atomic_write(p, write)
+
+
+def _new_file(tmp: str, metadata: Mapping[str, Any] | None) -> h5py.File:
+    """A new file of our layout with its root attributes.
+
+    libver "latest": superblock v3 and v2 object headers, B-trees and heaps, which all carry
+    checksums, so a damaged metadata byte is an error rather than a wrong value.
+    """
+    f = h5py.File(tmp, "w", libver="latest")
+    f.attrs["parallelvars_format"] = np.int64(FORMAT_VERSION)  # few: the high-level API is fine
+    f.attrs["parallelvars_version"] = _root_attr_value(_library_version())
+    f.attrs["created"] = np.float64(time.time())
+    for key, value in dict(metadata or {}).items():
+        if value is not None:
+            f.attrs[key] = _root_attr_value(value)
+    return f
+
+
+class ComponentLink(NamedTuple):
+    """Where one component of a multi-process checkpoint lives: ``file`` (relative to the
+    index file's folder), the ``dataset`` path in it, and the CRC-32C of its bytes."""
+
+    file: str
+    dataset: str
+    crc32c: int
+
+
+class LinkedVariable(NamedTuple):
+    """One variable of a multi-process checkpoint's index file (see :func:`write_h5_index`)."""
+
+    path: str
+    kind: str
+    dtype: Any
+    shape: tuple[int, ...]
+    attrs: Mapping[str, Any]
+    components: Sequence[ComponentLink]
+
+
+def write_h5_index(
+    path: str | os.PathLike[str],
+    variables: Iterable[LinkedVariable],
+    *,
+    object_graph: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> str:
+    """Write the index file of a checkpoint whose component bytes live in other files.
+
+    The same layout as :func:`write_h5` (root attributes, one group per variable with its
+    attributes, the checksummed fixed-length index and object graph, the document list, the
+    newest HDF5 file format), with each component dataset an external link to
+    ``component.file:component.dataset`` and its checksum taken from the link record. The
+    file appears under ``path`` only once complete and flushed to disk.
+
+    Returns:
+        ``path``.
+    """
+    p = os.fspath(path)
+    items = list(variables)
+
+    def write(tmp: str) -> None:
+        index: dict[str, Any] = {}
+        with _new_file(tmp, metadata) as f:
+            for var in items:
+                if var.path in index:
+                    raise InvalidEntryError("is written twice", file=p, variable=var.path)
+                shape = tuple(int(s) for s in var.shape)
+                grp, meta = _write_group(f, var.path, var.kind, np.dtype(var.dtype), shape, len(var.components), var.attrs)
+                meta["offsets"] = [None] * len(var.components)
+                meta["crc32c"] = [int(c.crc32c) for c in var.components]
+                for i, link in enumerate(var.components):
+                    grp[component_name(i)] = h5py.ExternalLink(link.file, link.dataset)
+                index[var.path] = meta
             _finish_metadata(f, index, object_graph)
 
     return atomic_write(p, write)
@@ -487,6 +570,16 @@ def _decode(value: Any) -> Any:
     return value
 
 
+def _is_variable_length(tid: Any) -> bool:
+    if tid.get_class() == h5py.h5t.VLEN:
+        return True
+    return bool(tid.get_class() == h5py.h5t.STRING and tid.is_variable_str())
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def is_native_checkpoint(path: str | os.PathLike[str]) -> bool:
     """True when ``path`` is an HDF5 file with our root attribute (any version)."""
     p = os.fspath(path)
@@ -529,13 +622,7 @@ class StoredVariable:
                 self.dtype = as_dtype(dname)
             except UnsupportedDtypeError:
                 raise UnsupportedDtypeError("unknown dtype", file=file, variable=path, found=dname) from None
-        if not 1 <= self.num_components <= 1 << 16 or (self._crcs is not None and len(self._crcs) != self.num_components):
-            raise CorruptCheckpointError(
-                "impossible number of components", file=file, variable=path, found=self.num_components
-            )
-        if any(d < 0 for d in self.shape):
-            raise CorruptCheckpointError("negative dimension", file=file, variable=path, found=self.shape)
-        self._shapes: list[tuple[int, ...]] = [self._expected_component_shape(i) for i in range(self.num_components)]
+        self._shapes: list[tuple[int, ...]] = self._validated_layout()
         self._verified: set[int] = set()
         self._storage_ok: set[int] = set()
         self._datasets: dict[int, Any] = {}
@@ -585,24 +672,60 @@ class StoredVariable:
             "standalone file where both are with 'parallelvars convert CHECKPOINT standalone.h5'"
         )
 
-    def _expected_component_shape(self, i: int) -> tuple[int, ...]:
-        if self.kind != "sharded":
-            return self.shape
-        try:
-            axis = int(self.attrs["shard_axis"])
-            offsets = [int(o) for o in self.attrs["shard_offsets"]] + [self.shape[axis]]
-        except (KeyError, TypeError, ValueError, IndexError):
-            raise CorruptCheckpointError(
-                "sharded variable without valid shard_axis / shard_offsets", file=self._reader.path, variable=self.path
-            ) from None
-        if len(offsets) != self.num_components + 1:
-            raise CorruptCheckpointError(
-                "shard offsets do not match the components", file=self._reader.path, variable=self.path,
-                expected=self.num_components, found=len(offsets) - 1,
+    def _bad(self, what: str, expected: Any, found: Any) -> CorruptCheckpointError:
+        return CorruptCheckpointError(what, file=self._reader.path, variable=self.path, expected=expected, found=found)
+
+    def _validated_layout(self) -> list[tuple[int, ...]]:
+        """Check every layout field of the variable once, at open; the components' shapes.
+
+        The kind and aggregation are in their documented sets, the counts of components,
+        checksums, offsets and devices agree, and a sharded variable's ``shard_offsets`` start
+        at 0 and cover its shard axis exactly, so no reader ever leaves a row unwritten.
+        """
+        n = self.num_components
+        if self.kind not in KINDS:
+            raise self._bad("unknown variable kind", f"one of {', '.join(KINDS)}", repr(self.kind))
+        if not 1 <= n <= _MAX_COMPONENTS or (self.kind == "single" and n != 1):
+            raise self._bad(
+                "impossible number of components", "1" if self.kind == "single" else f"1 to {_MAX_COMPONENTS}", n
             )
-        shape = list(self.shape)
-        shape[axis] = offsets[i + 1] - offsets[i]
-        return tuple(shape)
+        for what, values in (("checksums", self._crcs), ("data offsets", self._index_offsets)):
+            if values is not None and len(values) != n:
+                raise self._bad(f"the index lists {len(values)} {what}", f"{n} (one per component)", len(values))
+        if any(d < 0 for d in self.shape):
+            raise self._bad("negative dimension", "dimensions >= 0", self.shape)
+        aggregation = self.attrs.get("aggregation")
+        if aggregation is not None and str(aggregation).lower() not in AGGREGATIONS:
+            raise self._bad("unknown aggregation", f"one of {', '.join(AGGREGATIONS)}", repr(aggregation))
+        devices = self.attrs.get("devices")
+        if devices is not None and (
+            not isinstance(devices, list) or len(devices) != n or not all(isinstance(d, str) for d in devices)
+        ):
+            raise self._bad("devices do not match the components", f"{n} device names", repr(devices))
+        if self.kind != "sharded":
+            return [self.shape] * n
+        axis_value: Any = self.attrs.get("shard_axis")
+        offsets_value: Any = self.attrs.get("shard_offsets")
+        if not _is_int(axis_value) or not 0 <= int(axis_value) < len(self.shape):
+            raise self._bad("shard_axis out of range", f"an axis of shape {self.shape}", repr(axis_value))
+        axis = int(axis_value)
+        if not isinstance(offsets_value, list) or not all(_is_int(o) for o in offsets_value):
+            raise self._bad("shard_offsets is not a list of integers", f"{n} offsets", repr(offsets_value))
+        offsets = [int(o) for o in offsets_value]
+        if len(offsets) != n:
+            raise self._bad("shard offsets do not match the components", f"{n} offsets", len(offsets))
+        bounds = [*offsets, self.shape[axis]]
+        if offsets[0] != 0 or any(bounds[i + 1] < bounds[i] for i in range(n)):
+            raise self._bad(
+                "shard_offsets do not cover the shard axis exactly (gap, overlap or past the end)",
+                f"offsets from 0, non-decreasing, within {self.shape[axis]} rows of axis {axis}", offsets,
+            )
+        shapes = []
+        for i in range(n):
+            shape = list(self.shape)
+            shape[axis] = bounds[i + 1] - bounds[i]
+            shapes.append(tuple(shape))
+        return shapes
 
     def component_shape(self, i: int) -> tuple[int, ...]:
         return self._shapes[i]
@@ -704,10 +827,10 @@ class StoredVariable:
     def _with_bytes(self, i: int, fn: Callable[[np.ndarray], Any]) -> Any:
         """Call ``fn`` with component ``i`` as a read-only array; ``fn`` must not keep it.
 
-        A contiguous component is seen through a memory map of just its own pages, so a
-        checksum reads the file's pages in place and a copy goes straight from them into the
-        destination; the map is released right after, which keeps the resident memory of a
-        reader bounded by one component whatever the file's size. Other layouts go through h5py.
+        A contiguous component is read with ``pread`` into a reused buffer of this thread (one
+        component's size at most, so a reader's memory stays bounded whatever the file's size;
+        most reads skip this and go straight into their destination, see
+        :meth:`read_component_into`). Other layouts go through h5py.
         """
         try:
             return self._with_located_bytes(i, fn)
@@ -729,30 +852,16 @@ class StoredVariable:
         offset, size = loc
         if size == 0:
             return fn(np.empty(self._shapes[i], self.dtype))
-        whole = self._reader._whole_map()
-        if whole is not None:
-            arr = np.frombuffer(whole, dtype=self.dtype, count=size, offset=offset).reshape(self._shapes[i])
-            try:
-                return fn(arr)
-            finally:
-                del arr
-        start = offset - offset % mmap.ALLOCATIONGRANULARITY
-        length = offset + size * self.dtype.itemsize - start
-        mm = mmap.mmap(
-            self._reader._fd(), length, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-            prot=mmap.PROT_READ, offset=start,
-        )
+        # Read with pread into a buffer of this thread's, never through a memory map: a file
+        # truncated while it is being read is then an error (TruncatedFileError), not SIGBUS.
+        buf = self._reader._buffer(size * self.dtype.itemsize)
+        arr = buf.view(self.dtype).reshape(self._shapes[i])
+        self._pread_into(i, arr, offset)
+        arr.flags.writeable = False
         try:
-            arr = np.frombuffer(mm, dtype=self.dtype, count=size, offset=offset - start).reshape(self._shapes[i])
-            try:
-                return fn(arr)
-            finally:
-                del arr
+            return fn(arr)
         finally:
-            try:
-                mm.close()
-            except BufferError:  # a caller kept a view: the map closes with it
-                pass
+            del arr
 
     def _read_h5(self, i: int) -> np.ndarray:
         self._check_storage(i)
@@ -787,10 +896,10 @@ class StoredVariable:
     def verify(self, i: int) -> None:
         """Check component ``i``'s bytes against its stored checksum.
 
-        Without a whole-file map the bytes are read in bounded chunks, so verifying a file never
-        needs more memory than one chunk.
+        The bytes are read with ``pread`` in bounded chunks, so verifying a file never needs
+        more memory than one chunk.
         """
-        if not self._reader._map_file and self._pread_ok(i):
+        if self._pread_ok(i):
             try:
                 self._check_streamed(i)
             except ChecksumMismatchError:
@@ -801,6 +910,88 @@ class StoredVariable:
             self._with_bytes(i, lambda data: self._check(i, data))
         self._verified.add(i)
 
+    def verify_group(self) -> None:
+        """The variable's group opens through HDF5 and its attributes agree with the index."""
+        try:
+            group = self._reader._h5()[self.path]
+            attrs: dict[str, Any] = {}
+            for key in group.attrs:
+                # Variable-length values live in HDF5's unchecksummed global heap, whose damage
+                # can make the C library loop: only their presence is checked (the reader takes
+                # the values from the checksummed index).
+                if _is_variable_length(h5py.h5a.open(group.id, key.encode()).get_type()):
+                    attrs[key] = None
+                else:
+                    attrs[key] = _decode(group.attrs[key])
+        except _H5_ERRORS as exc:
+            raise CorruptCheckpointError(
+                "the variable's group is unreadable", file=self._reader.path, variable=self.path, found=str(exc)
+            ) from None
+        if not isinstance(group, h5py.Group):
+            raise self._bad("not a group", "a group", type(group).__name__)
+        dt = "bytes" if self.dtype.kind == "O" else dtype_name(self.dtype)
+        want: dict[str, Any] = {"kind": self.kind, "dtype": dt, "shape": list(self.shape),
+                                "num_components": self.num_components, **self.attrs}
+        for key, value in attrs.items():
+            if key in want and value is not None and value != want[key]:
+                raise self._bad(f"group attribute {key!r} disagrees with the index", repr(want[key]), repr(value))
+        for key in ("kind", "dtype", "shape", "num_components"):
+            if key not in attrs:
+                raise self._bad(f"group attribute {key!r} is missing", repr(want[key]), "none")
+
+    def verify_through_h5(self, i: int) -> None:
+        """Read component ``i`` through HDF5 (as h5py and every other tool do), in bounded
+        blocks, and check those bytes against the stored checksum too."""
+        self._check_storage(i)
+        if self.dtype.kind == "O":
+            self._check(i, self._read_h5(i))
+            return
+        ds = h5py.Dataset(self._dataset(i))
+        shape = self._shapes[i]
+        try:
+            if ds.dtype.itemsize != self.dtype.itemsize:
+                raise self._fail(
+                    "stored element size does not match the dtype", i,
+                    expected=f"{self.dtype.itemsize} bytes", found=f"{ds.dtype.itemsize} bytes",
+                )
+            if not shape or math.prod(shape) == 0:
+                crc = checksum(self._as_dtype(np.asarray(ds[()])).reshape(shape))
+            else:
+                row = math.prod(shape[1:]) * self.dtype.itemsize
+                step = max(1, (8 << 20) // max(row, 1))
+                crc = 0
+                for start in range(0, shape[0], step):
+                    block = np.ascontiguousarray(self._as_dtype(np.asarray(ds[start : start + step])))
+                    crc = _crc32c.crc32c(byte_view(block), crc)  # type: ignore[arg-type]
+        except _H5_ERRORS as exc:
+            raise self._fail("HDF5 cannot read the dataset", i, found=str(exc)) from None
+        self._compare(i, int(crc))
+
+    def _as_dtype(self, data: np.ndarray) -> np.ndarray:
+        if data.dtype == self.dtype:
+            return data
+        return data.view(self.dtype) if data.dtype.kind == "V" else data.astype(self.dtype.newbyteorder("="))
+
+    def verify_stitched_value(self) -> None:
+        """A sharded variable's ``value`` dataset, when there, reads as its shards put together."""
+        try:
+            group = self._reader._h5()[self.path]
+            if "value" not in group:
+                return
+            stitched = self._as_dtype(np.asarray(group["value"][()]))
+        except _H5_ERRORS as exc:
+            raise CorruptCheckpointError(
+                "HDF5 cannot read the stitched 'value' dataset", file=self._reader.path,
+                variable=f"{self.path}/value", found=str(exc),
+            ) from None
+        if stitched.shape != self.shape or not np.array_equal(
+            byte_view(np.ascontiguousarray(stitched)), byte_view(self.value())
+        ):
+            raise CorruptCheckpointError(
+                "the stitched 'value' dataset differs from the shards", file=self._reader.path,
+                variable=f"{self.path}/value", expected="the shards put together", found="other values",
+            )
+
     def _pread_ok(self, i: int) -> bool:
         loc = self._location(i)
         return loc is not None and loc[1] > 0
@@ -810,6 +1001,8 @@ class StoredVariable:
         assert loc is not None
         offset, size = loc
         remaining = size * self.dtype.itemsize
+        if remaining > 1 << 20 and hasattr(os, "posix_fadvise"):  # start reading it all ahead
+            os.posix_fadvise(self._reader._fd(), offset, remaining, os.POSIX_FADV_WILLNEED)
         buf = self._reader._chunk(remaining)
         crc = 0
         while remaining:
@@ -845,12 +1038,11 @@ class StoredVariable:
                 out[...] = data.astype(out.dtype)
 
         if (
-            not self._reader._map_file
-            and out.dtype == self.dtype
+            out.dtype == self.dtype
             and out.flags.c_contiguous
             and self._pread_ok(i)
         ):
-            # Straight from the file into ``out``, then its checksum there: no map, no copy.
+            # Straight from the file into ``out``, then its checksum there: no extra copy.
             loc = self._location(i)
             assert loc is not None
             self._pread_into(i, out, loc[0])
@@ -912,10 +1104,9 @@ class H5Reader(Mapping[str, StoredVariable]):
         self.path = os.fspath(path)
         self._file: h5py.File | None = None
         self._raw_fd: int | None = None
-        # map_file: one map of the whole file for the reader's life (a restore reads it all,
-        # twice: checksums first, then values); otherwise one map per component read.
-        self._map_file = map_file
-        self._whole: mmap.mmap | None = None
+        # map_file: accepted for compatibility; the file is never memory-mapped (a mapped file
+        # truncated by another process kills the reader with SIGBUS): every read is a pread.
+        del map_file
         self._local = threading.local()
         self._lock = threading.RLock()
         self._own_name: bytes | None = None
@@ -1038,13 +1229,16 @@ class H5Reader(Mapping[str, StoredVariable]):
         return self._file
 
     # Components may be verified and copied from several threads at once (a restore does):
-    # the lazily made map and descriptor are made under a lock, the chunk buffer is per thread.
-    def _whole_map(self) -> mmap.mmap | None:
-        if self._map_file and self._whole is None and self.file_size > 0:
-            with self._lock:
-                if self._whole is None:
-                    self._whole = mmap.mmap(self._fd(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        return self._whole
+    # the lazily opened descriptor is made under a lock, the read buffers are per thread.
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` bytes to read a component into: this thread's reused buffer, or a fresh
+        one for a component over 64 MiB (so a reader does not keep that much memory)."""
+        if nbytes > 64 << 20:
+            return np.empty(nbytes, np.uint8)
+        buf: np.ndarray | None = getattr(self._local, "component", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._local.component = np.empty(max(nbytes, 1 << 16), np.uint8)
+        return buf[:nbytes]
 
     def _chunk(self, nbytes: int) -> np.ndarray:
         """A reusable buffer for streamed checks: the component's size, at most 8 MiB."""
@@ -1055,11 +1249,14 @@ class H5Reader(Mapping[str, StoredVariable]):
         return buf
 
     def _fd(self) -> int:
-        """A read-only descriptor of the file, for the per-component maps."""
+        """A read-only descriptor of the file, for the reads with pread."""
         if self._raw_fd is None:
             with self._lock:
                 if self._raw_fd is None:
-                    self._raw_fd = os.open(self.path, os.O_RDONLY)
+                    fd = os.open(self.path, os.O_RDONLY)
+                    if hasattr(os, "posix_fadvise"):  # read front to back: a larger readahead
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    self._raw_fd = fd
         return self._raw_fd
 
     def __getitem__(self, key: str) -> StoredVariable:
@@ -1077,12 +1274,32 @@ class H5Reader(Mapping[str, StoredVariable]):
         return len(self._variables)
 
     def verify_all(self) -> list[str]:
-        """Check every component of every variable; the problems found (empty when sound)."""
+        """Check every variable; the problems found (empty when sound).
+
+        Every component's bytes against its checksum, and the file's structure as any HDF5
+        reader sees it: each variable's group and attributes (equal to the index), each
+        component dataset read through HDF5 (its bytes again against the checksum) and a
+        sharded variable's ``value`` (equal to its shards), so a file that h5py or ``extract``
+        cannot read never passes.
+        """
         problems = []
         for var in self._variables.values():
+            try:
+                var.verify_group()
+            except CorruptCheckpointError as exc:
+                problems.append(str(exc))
+                continue
+            sound = True
             for i in range(var.num_components):
                 try:
                     var.verify(i)
+                    var.verify_through_h5(i)
+                except CorruptCheckpointError as exc:
+                    problems.append(str(exc))
+                    sound = False
+            if sound and var.kind == "sharded":
+                try:
+                    var.verify_stitched_value()
                 except CorruptCheckpointError as exc:
                     problems.append(str(exc))
         return problems
@@ -1092,12 +1309,6 @@ class H5Reader(Mapping[str, StoredVariable]):
         # (linked) file open until they are released.
         for var in getattr(self, "_variables", {}).values():
             var._datasets.clear()
-        if self._whole is not None:
-            try:
-                self._whole.close()
-            except BufferError:  # an array still views the map; it closes with that array
-                pass
-            self._whole = None
         if self._raw_fd is not None:
             os.close(self._raw_fd)
             self._raw_fd = None

@@ -50,26 +50,21 @@ instead of leaving the others waiting in a collective.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import sys
-import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
-import h5py
 import numpy as np
 
-from parallelvars._dtypes import dtype_name
 from parallelvars.devices import ParallelDevice
 from parallelvars.enums import Aggregation, ReduceOp, Synchronization
 from parallelvars.errors import (
     CheckpointError,
     ContextError,
     DistributedValueError,
-    InvalidEntryError,
 )
 from parallelvars.strategy import _context
 from parallelvars.strategy._base import ReplicaContext, Strategy, _is_variable
@@ -215,7 +210,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             install_abort_on_error()
         from parallelvars.checkpoint import checkpoint as _ckpt
 
-        _ckpt.set_collective_writer(self._write_checkpoint, rank=self._rank)
+        _ckpt.use_process_strategy(self)
 
     # ------------------------------------------------------------------ topology
     @property
@@ -537,6 +532,10 @@ class MultiWorkerMirroredStrategy(Strategy):
         self._comm.Barrier()
 
     # ------------------------------------------------------------------ checkpoints
+    def checkpoint_writer(self) -> Callable[..., str]:
+        """How this process writes a checkpoint: collectively, every rank its own part."""
+        return self._write_checkpoint
+
     def _write_checkpoint(
         self, path: str, records: Sequence[Any], *, object_graph: Any = None, metadata: Any = None
     ) -> str:
@@ -585,20 +584,7 @@ def write_collective(
     Raises:
         CheckpointError: on every rank, when any rank failed to write its part.
     """
-    from parallelvars.checkpoint.h5io import (
-        FORMAT_VERSION,
-        GRAPH_DATASET,
-        INDEX_DATASET,
-        H5Reader,
-        _attr_value,
-        _decode,
-        _library_version,
-        _set_attr,
-        _validate_path,
-        atomic_write,
-        write_h5,
-    )
-    from parallelvars.checkpoint.registry import component_name
+    from parallelvars.checkpoint.h5io import H5Reader, write_h5
 
     path = os.path.abspath(os.fspath(path))
     rank, size = int(comm.Get_rank()), int(comm.Get_size())
@@ -628,8 +614,6 @@ def write_collective(
                 _write_index(
                     path, records, local_devices, global_devices, [c for _, c in gathered],
                     rel_parts, size, object_graph, metadata,
-                    helpers=(FORMAT_VERSION, GRAPH_DATASET, INDEX_DATASET, _attr_value, _decode,
-                             _library_version, _set_attr, _validate_path, atomic_write, component_name),
                 )
             except Exception as exc:
                 outcome = f"rank 0 (index): {type(exc).__name__}: {exc}"
@@ -664,55 +648,31 @@ def _write_index(
     size: int,
     object_graph: Any,
     metadata: Any,
-    helpers: tuple[Any, ...],
 ) -> None:
-    (FORMAT_VERSION, GRAPH_DATASET, INDEX_DATASET, _attr_value, _decode, _library_version,
-     _set_attr, _validate_path, atomic_write, component_name) = helpers
+    """Rank 0: the index file, through the layout's one writer (``write_h5_index``).
+
+    A per-replica record gets one component per rank (rank ``r``'s components follow rank
+    ``r - 1``'s) and the global device list; any other record is rank 0's.
+    """
+    from parallelvars.checkpoint.h5io import ComponentLink, LinkedVariable, write_h5_index
+    from parallelvars.checkpoint.registry import component_name
 
     def part(r: int) -> str:
         return f"{rel_parts}/rank-{r:05d}-of-{size:05d}.h5"
 
-    def write(tmp: str) -> None:
-        index: dict[str, Any] = {}
-        with h5py.File(tmp, "w") as f:
-            f.attrs["parallelvars_format"] = np.int64(FORMAT_VERSION)
-            f.attrs["parallelvars_version"] = _library_version()
-            f.attrs["created"] = np.float64(time.time())
-            f.attrs["processes"] = np.int64(size)
-            for key, value in dict(metadata or {}).items():
-                if value is not None:
-                    f.attrs[key] = _attr_value(value)
-            for rec in records:
-                _validate_path(rec.path)
-                if rec.path in index:
-                    raise InvalidEntryError("is written twice", file=path, variable=rec.path)
-                grp = f.require_group(rec.path)
-                local_n = rec.num_components
-                if _is_distributed(rec, local_devices):
-                    sources = [(r, j) for r in range(size) for j in range(local_n)]
-                    attrs = dict(rec.attrs, devices=list(global_devices))
-                else:
-                    sources = [(0, j) for j in range(local_n)]
-                    attrs = dict(rec.attrs)
-                shape = [int(s) for s in rec.shape]
-                meta: dict[str, Any] = {"kind": rec.kind, "dtype": dtype_name(np.dtype(rec.dtype)),
-                                        "shape": shape, "num_components": len(sources)}
-                for key in ("kind", "dtype", "shape", "num_components"):
-                    _set_attr(grp.id, key, _attr_value(meta[key]))
-                extra: dict[str, Any] = {}
-                for key, value in attrs.items():
-                    if value is None or key in meta:
-                        continue
-                    stored = _attr_value(value)
-                    _set_attr(grp.id, key, stored)
-                    extra[key] = _decode(stored)
-                meta["attrs"] = extra
-                meta["crc32c"] = [rank_crcs[r][rec.path][j] for r, j in sources]
-                for i, (r, j) in enumerate(sources):
-                    grp[component_name(i)] = h5py.ExternalLink(part(r), f"/{rec.path}/{component_name(j)}")
-                index[rec.path] = meta
-            f.create_dataset(INDEX_DATASET, data=json.dumps(index), dtype=h5py.string_dtype())
-            if object_graph is not None:
-                f.create_dataset(GRAPH_DATASET, data=json.dumps(object_graph), dtype=h5py.string_dtype())
-
-    atomic_write(path, write)
+    variables = []
+    for rec in records:
+        local_n = rec.num_components
+        if _is_distributed(rec, local_devices):
+            sources = [(r, j) for r in range(size) for j in range(local_n)]
+            attrs = dict(rec.attrs, devices=list(global_devices))
+        else:
+            sources = [(0, j) for j in range(local_n)]
+            attrs = dict(rec.attrs)
+        links = [
+            ComponentLink(part(r), f"/{rec.path}/{component_name(j)}", rank_crcs[r][rec.path][j]) for r, j in sources
+        ]
+        variables.append(LinkedVariable(rec.path, rec.kind, rec.dtype, tuple(rec.shape), attrs, links))
+    write_h5_index(
+        path, variables, object_graph=object_graph, metadata=dict(metadata or {}, processes=size)
+    )
