@@ -79,7 +79,9 @@ TARGET = 0.7  # rate ratio ours / raw, for save and both restores
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--params", type=float, default=25e6)
     ap.add_argument("--variables", type=int, default=200)
     ap.add_argument("--devices", type=int, default=4)
@@ -103,7 +105,9 @@ def main() -> None:
         raw_path, ours = os.path.join(d, "raw.bin"), os.path.join(d, "ckpt.h5")
         # Each save writes a new file: removing the previous one (freeing its blocks) is not
         # part of writing the bytes, and would otherwise be timed for both sides.
-        t_raw_save = best(lambda: raw_save(raw_path, components), args.repeat, before=lambda: remove(raw_path))
+        t_raw_save = best(
+            lambda: raw_save(raw_path, components), args.repeat, before=lambda: remove(raw_path)
+        )
         t_save = best(lambda: ckpt.write(ours), args.repeat, before=lambda: remove(ours))
         t_raw_restore = best(lambda: raw_restore(raw_path, components), args.repeat)
         t_restore = best(lambda: ckpt.restore(ours).assert_consumed(), args.repeat)
@@ -113,11 +117,16 @@ def main() -> None:
         file_size = os.path.getsize(ours)
 
     gb = nbytes / 1e9
-    print(f"checkpoint: {args.variables} variables, {int(args.params):,} parameters x {args.devices} components "
-          f"= {nbytes / 1e6:.0f} MB (file {file_size / 1e6:.0f} MB), best of {args.repeat}")
+    print(
+        f"checkpoint: {args.variables} variables, {int(args.params):,} parameters x {args.devices} components "
+        f"= {nbytes / 1e6:.0f} MB (file {file_size / 1e6:.0f} MB), best of {args.repeat}"
+    )
     print(f"{'':10}{'raw (s)':>10}{'ours (s)':>10}{'raw GB/s':>10}{'ours GB/s':>11}{'ratio':>8}")
-    rows = (("save", t_raw_save, t_save), ("restore", t_raw_restore, t_restore),
-            ("restore*", t_raw_cold, t_cold))
+    rows = (
+        ("save", t_raw_save, t_save),
+        ("restore", t_raw_restore, t_restore),
+        ("restore*", t_raw_cold, t_cold),
+    )
     for name, raw, our in rows:
         print(f"{name:10}{raw:10.3f}{our:10.3f}{gb / raw:10.2f}{gb / our:11.2f}{raw / our:8.2f}")
     print("restore: files in the page cache; restore*: pages evicted first (read from disk)")
@@ -126,14 +135,23 @@ def main() -> None:
         ratios = {keys[name]: raw / our for name, raw, our in rows}
         figures = {
             "benchmark": "checkpoint",
-            "params": {"params": int(args.params), "variables": args.variables, "devices": args.devices,
-                       "repeat": args.repeat},
+            "params": {
+                "params": int(args.params),
+                "variables": args.variables,
+                "devices": args.devices,
+                "repeat": args.repeat,
+            },
             "bytes": nbytes,
             "file_bytes": file_size,
-            "times": {f"{keys[name]}_{who}_s": t for name, raw, our in rows
-                      for who, t in (("raw", raw), ("ours", our))},
+            "times": {
+                f"{keys[name]}_{who}_s": t
+                for name, raw, our in rows
+                for who, t in (("raw", raw), ("ours", our))
+            },
             "ratios": ratios,
-            "targets": {k: {"op": ">=", "value": TARGET, "met": r >= TARGET} for k, r in ratios.items()},
+            "targets": {
+                k: {"op": ">=", "value": TARGET, "met": r >= TARGET} for k, r in ratios.items()
+            },
         }
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

@@ -89,24 +89,32 @@ def _child(step: str, src: str, dst: str) -> None:
     stop.set()
     sampler.join()
     peak_anon = max(peak_anon, _anon_rss())
-    print(json.dumps({
-        "step": step,
-        "seconds": seconds,
-        "peak_rss": _peak_rss(),
-        "peak_anon": peak_anon,
-    }))
+    print(
+        json.dumps(
+            {
+                "step": step,
+                "seconds": seconds,
+                "peak_rss": _peak_rss(),
+                "peak_anon": peak_anon,
+            }
+        )
+    )
 
 
 class _Synth:
     """An entry whose components are generated on demand (so building the file streams too)."""
 
-    def __init__(self, path: str, dtype: Any, shape: tuple[int, ...], kind: str, n: int, seed: int) -> None:
+    def __init__(
+        self, path: str, dtype: Any, shape: tuple[int, ...], kind: str, n: int, seed: int
+    ) -> None:
         self.path = path
         self.dtype = np.dtype(dtype)
         self.shape = shape
         self.kind = kind
         self.num_components = n
-        self.attrs: dict[str, Any] = {"devices": [f"cpu:{i}" for i in range(n)]} if kind != "single" else {}
+        self.attrs: dict[str, Any] = (
+            {"devices": [f"cpu:{i}" for i in range(n)]} if kind != "single" else {}
+        )
         if kind == "sharded":
             rows = shape[0]
             base, extra = divmod(rows, n)
@@ -135,12 +143,18 @@ class _Synth:
 
 def _entries(total: int, largest: int) -> list[_Synth]:
     """Variables adding up to ``total`` bytes, the largest tensor ``largest`` bytes."""
-    out: list[_Synth] = [_Synth("model/embedding", np.float32, (largest // 4096, 1024), "single", 1, 0)]
+    out: list[_Synth] = [
+        _Synth("model/embedding", np.float32, (largest // 4096, 1024), "single", 1, 0)
+    ]
     used = out[0].shape[0] * 4096
     chunk = max(MB, min(largest // 2, total // 16))
     i = 1
-    kinds = [("single", 1, np.float32), ("mirrored", 2, np.float32), ("sharded", 4, np.float32),
-             ("single", 1, ml_dtypes.bfloat16)]
+    kinds = [
+        ("single", 1, np.float32),
+        ("mirrored", 2, np.float32),
+        ("sharded", 4, np.float32),
+        ("single", 1, ml_dtypes.bfloat16),
+    ]
     while used + 4096 * 2 <= total:
         kind, n, dtype = kinds[i % len(kinds)]
         itemsize = np.dtype(dtype).itemsize
@@ -172,15 +186,21 @@ def _copy(src: str, dst: str) -> float:
 def _run_child(step: str, src: str, dst: str) -> dict[str, Any]:
     if os.path.exists(dst):
         os.unlink(dst)
-    proc = subprocess.run([sys.executable, __file__, "--child", step, src, dst],
-                          check=True, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", step, src, dst],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=2048, help="checkpoint size in MB (default 2048)")
-    parser.add_argument("--largest-mb", type=int, default=None, help="largest tensor in MB (default mb/8)")
+    parser.add_argument(
+        "--largest-mb", type=int, default=None, help="largest tensor in MB (default mb/8)"
+    )
     parser.add_argument("--repeat", type=int, default=3, help="runs per step; the best time counts")
     parser.add_argument("--dir", default=None, help="work folder (default: a temporary folder)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
@@ -203,18 +223,26 @@ def main(argv: list[str] | None = None) -> int:
         build = time.perf_counter() - t0
         with open_checkpoint(src) as view:
             data = sum(e.nbytes for e in view.values())
-            biggest = max(e.component_nbytes(i) for e in view.values() for i in range(e.num_components))
-            biggest = max(biggest, max(int(np.prod(e.shape)) * e.dtype.itemsize for e in view.values()))
-        print(f"checkpoint: {len(entries)} variables, {data / MB:.0f} MB of tensors "
-              f"(file {os.path.getsize(src) / MB:.0f} MB, built in {build:.1f} s), "
-              f"largest tensor {biggest / MB:.0f} MB")
+            biggest = max(
+                e.component_nbytes(i) for e in view.values() for i in range(e.num_components)
+            )
+            biggest = max(
+                biggest, max(int(np.prod(e.shape)) * e.dtype.itemsize for e in view.values())
+            )
+        print(
+            f"checkpoint: {len(entries)} variables, {data / MB:.0f} MB of tensors "
+            f"(file {os.path.getsize(src) / MB:.0f} MB, built in {build:.1f} s), "
+            f"largest tensor {biggest / MB:.0f} MB"
+        )
 
         copy_path = os.path.join(tmp, "copy.h5")
         copy_s = min(_copy(src, copy_path) for _ in range(args.repeat))
         os.unlink(copy_path)
         copy_rate = os.path.getsize(src) / copy_s
-        print(f"baseline  shutil.copyfile + fsync: {copy_s:6.2f} s  {copy_rate / MB:8.0f} MB/s "
-              f"(best of {args.repeat})")
+        print(
+            f"baseline  shutil.copyfile + fsync: {copy_s:6.2f} s  {copy_rate / MB:8.0f} MB/s "
+            f"(best of {args.repeat})"
+        )
 
         st = os.path.join(tmp, "ckpt.safetensors")
         back = os.path.join(tmp, "back.h5")
@@ -228,12 +256,16 @@ def main(argv: list[str] | None = None) -> int:
             rate = data / seconds
             ratio = rate / copy_rate
             limit = biggest + 256 * MB
-            print(f"convert   {step}: {seconds:6.2f} s  {rate / MB:6.0f} MB/s = {ratio:.2f}x copy "
-                  f"[target >= 0.5x: {'met' if ratio >= 0.5 else 'MISSED'}]")
-            print(f"          peak RSS {peak / MB:.0f} MB [target < largest + 256 MB = {limit / MB:.0f} MB: "
-                  f"{'met' if peak < limit else 'MISSED'}]; peak anonymous memory {anon / MB:.0f} MB "
-                  f"[{'met' if anon < limit else 'MISSED'}] (RSS also counts the file pages a reader "
-                  f"maps; they are page cache, not allocations)")
+            print(
+                f"convert   {step}: {seconds:6.2f} s  {rate / MB:6.0f} MB/s = {ratio:.2f}x copy "
+                f"[target >= 0.5x: {'met' if ratio >= 0.5 else 'MISSED'}]"
+            )
+            print(
+                f"          peak RSS {peak / MB:.0f} MB [target < largest + 256 MB = {limit / MB:.0f} MB: "
+                f"{'met' if peak < limit else 'MISSED'}]; peak anonymous memory {anon / MB:.0f} MB "
+                f"[{'met' if anon < limit else 'MISSED'}] (RSS also counts the file pages a reader "
+                f"maps; they are page cache, not allocations)"
+            )
             ok &= ratio >= 0.5 and peak < limit
             steps[step] = {
                 "seconds": seconds,
@@ -251,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         with open_checkpoint(src) as a, open_checkpoint(back) as b:
             same = sorted(a) == sorted(b) and all(
                 a[k].num_components == b[k].num_components
-                and np.array_equal(a[k].component(0).view(np.uint8), b[k].component(0).view(np.uint8))
+                and np.array_equal(
+                    a[k].component(0).view(np.uint8), b[k].component(0).view(np.uint8)
+                )
                 for k in list(a)[:3]
             )
         print(f"round trip identical (first variables checked bit for bit): {same}")

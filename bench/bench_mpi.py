@@ -99,26 +99,36 @@ def worker(args: argparse.Namespace) -> None:
         sys.stdout.flush()
         if args.part:
             with open(args.part, "w") as f:
-                json.dump({
-                    "procs": n,
-                    "vars": len(sizes),
-                    "bytes_per_step": sum(sizes) * 4,
-                    "times": {f"{k}_s": v for k, v in med.items()},
-                    "samples": times,
-                    "ratios": {"per_variable_over_fused": med["per_variable"] / med["fused"],
-                               "mpi_allreduce_over_fused": med["mpi_allreduce"] / med["fused"]},
-                }, f, indent=2)
+                json.dump(
+                    {
+                        "procs": n,
+                        "vars": len(sizes),
+                        "bytes_per_step": sum(sizes) * 4,
+                        "times": {f"{k}_s": v for k, v in med.items()},
+                        "samples": times,
+                        "ratios": {
+                            "per_variable_over_fused": med["per_variable"] / med["fused"],
+                            "mpi_allreduce_over_fused": med["mpi_allreduce"] / med["fused"],
+                        },
+                    },
+                    f,
+                    indent=2,
+                )
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size-mb", type=float, default=100.0, help="gradient bytes per step (MB)")
     parser.add_argument("--vars", type=int, default=200, help="number of gradient tensors")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--procs", type=int, nargs="+", default=[2, 4], help="process counts")
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # rank 0 writes its figures here
+    parser.add_argument(
+        "--part", default=None, help=argparse.SUPPRESS
+    )  # rank 0 writes its figures here
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -127,9 +137,13 @@ def main() -> int:
     mpiexec = Path(sys.executable).parent / "mpiexec"
     if not mpiexec.exists():
         mpiexec = Path(sys.prefix) / "bin" / "mpiexec"
-    missing = ("mpi4py is not installed (pip install 'parallelvars[mpi]')"
-               if importlib.util.find_spec("mpi4py") is None
-               else None if mpiexec.exists() else f"no mpiexec at {mpiexec}")
+    missing = (
+        "mpi4py is not installed (pip install 'parallelvars[mpi]')"
+        if importlib.util.find_spec("mpi4py") is None
+        else None
+        if mpiexec.exists()
+        else f"no mpiexec at {mpiexec}"
+    )
     if missing:
         print(f"skipped: {missing}")
         _write_json(args.json, {"benchmark": "mpi", "params": params, "skipped": missing})
@@ -139,9 +153,22 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.procs:
             part = os.path.join(tmp, f"procs{n}.json")
-            cmd = [str(mpiexec), "-n", str(n), sys.executable, os.path.abspath(__file__), "--worker",
-                   "--size-mb", str(args.size_mb), "--vars", str(args.vars), "--steps", str(args.steps),
-                   "--part", part]
+            cmd = [
+                str(mpiexec),
+                "-n",
+                str(n),
+                sys.executable,
+                os.path.abspath(__file__),
+                "--worker",
+                "--size-mb",
+                str(args.size_mb),
+                "--vars",
+                str(args.vars),
+                "--steps",
+                str(args.steps),
+                "--part",
+                part,
+            ]
             if not args.json:
                 subprocess.run(cmd, check=True, timeout=1800)
                 continue

@@ -54,20 +54,27 @@ TARGET_GROWTH = 12.0  # from 500 to 5,000 variables (linear: 10x)
 TARGETED = ("step", "save", "restore")
 
 
-def measure(count: int, params: int, devices: int, repeat: int, save_repeat: int,
-            folder: str) -> dict[str, Any]:
+def measure(
+    count: int, params: int, devices: int, repeat: int, save_repeat: int, folder: str
+) -> dict[str, Any]:
     """Every figure at one variable count."""
     size = max(1, params // count)
     rng = np.random.default_rng(count)
     strategy = pv.MirroredStrategy(devices)
     with strategy.scope():
         model = pv.Module()
-        model.vars = [pv.Variable(rng.standard_normal(size).astype(np.float32), name=f"v{i}")
-                      for i in range(count)]
+        model.vars = [
+            pv.Variable(rng.standard_normal(size).astype(np.float32), name=f"v{i}")
+            for i in range(count)
+        ]
         opt = pv.optimizers.Adam(1e-3)
     variables = list(model.vars)
-    grads = pv.PerReplica([[rng.standard_normal(size).astype(np.float32) for _ in range(count)]
-                           for _ in range(devices)])
+    grads = pv.PerReplica(
+        [
+            [rng.standard_normal(size).astype(np.float32) for _ in range(count)]
+            for _ in range(devices)
+        ]
+    )
 
     def step() -> None:
         strategy.run(lambda g: opt.apply_gradients(zip(g, variables, strict=True)), args=(grads,))
@@ -103,21 +110,35 @@ def measure(count: int, params: int, devices: int, repeat: int, save_repeat: int
     nbytes = sum(a.nbytes for a in tensors.values())
     if st_save is not None and st_load is not None:
         st_path = os.path.join(folder, f"peer{count}.safetensors")
-        times["peer_save"] = best(lambda: st_save(tensors, st_path), repeat,
-                                  before=lambda: (remove(st_path), gc.collect()))
+        times["peer_save"] = best(
+            lambda: st_save(tensors, st_path),
+            repeat,
+            before=lambda: (remove(st_path), gc.collect()),
+        )
         times["peer_load"] = best(lambda: st_load(st_path), repeat, before=gc.collect)
         remove(st_path)
     clear()
-    return {"variables": count, "params_per_variable": size, "tensors": len(tensors), "bytes": nbytes,
-            "repeat": repeat, "save_repeat": save_repeat, "times": times}
+    return {
+        "variables": count,
+        "params_per_variable": size,
+        "tensors": len(tensors),
+        "bytes": nbytes,
+        "repeat": repeat,
+        "save_repeat": save_repeat,
+        "times": times,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--counts", type=int, nargs="+", default=[500, 5000, 50000])
     ap.add_argument("--params", type=float, default=4e6, help="total parameters, split evenly")
     ap.add_argument("--devices", type=int, default=2)
-    ap.add_argument("--repeat", type=int, default=3, help="best of (saves past 5,000 variables: once)")
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="best of (saves past 5,000 variables: once)"
+    )
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     args = ap.parse_args(argv)
@@ -127,48 +148,84 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         for count in counts:
             save_repeat = args.repeat if count <= 5000 else 1
-            runs[str(count)] = run = measure(count, int(args.params), args.devices, args.repeat,
-                                             save_repeat, d)
+            runs[str(count)] = run = measure(
+                count, int(args.params), args.devices, args.repeat, save_repeat, d
+            )
             t = run["times"]
-            print(f"{count:>7} variables: " + ", ".join(f"{k} {v:.3f} s" for k, v in t.items()), flush=True)
+            print(
+                f"{count:>7} variables: " + ", ".join(f"{k} {v:.3f} s" for k, v in t.items()),
+                flush=True,
+            )
 
-    print(f"\nscaling: {int(args.params):,} parameters in every model, {args.devices} devices, Adam "
-          f"(each checkpoint: variables + 2 slots); per-variable cost in microseconds")
+    print(
+        f"\nscaling: {int(args.params):,} parameters in every model, {args.devices} devices, Adam "
+        f"(each checkpoint: variables + 2 slots); per-variable cost in microseconds"
+    )
     names = [*OPS, "step_first"] + (["peer_save", "peer_load"] if st_save is not None else [])
-    labels = {"step": "step (steady)", "step_first": "step (first)", "gather": "save gather",
-              "save": "save", "restore": "restore", "peer_save": "safetensors save",
-              "peer_load": "safetensors load"}
-    print(f"{'':18}" + "".join(f"{c:>12,}" for c in counts) + "".join(
-        f"{f'{a:,}->{b:,}':>16}" for a, b in itertools.pairwise(counts)))
+    labels = {
+        "step": "step (steady)",
+        "step_first": "step (first)",
+        "gather": "save gather",
+        "save": "save",
+        "restore": "restore",
+        "peer_save": "safetensors save",
+        "peer_load": "safetensors load",
+    }
+    print(
+        f"{'':18}"
+        + "".join(f"{c:>12,}" for c in counts)
+        + "".join(f"{f'{a:,}->{b:,}':>16}" for a, b in itertools.pairwise(counts))
+    )
     growth: dict[str, dict[str, float]] = {}
     for name in names:
         per = [runs[str(c)]["times"][name] / c * 1e6 for c in counts]
-        steps = {f"{a}->{b}": runs[str(b)]["times"][name] / runs[str(a)]["times"][name]
-                 for a, b in itertools.pairwise(counts)}
+        steps = {
+            f"{a}->{b}": runs[str(b)]["times"][name] / runs[str(a)]["times"][name]
+            for a, b in itertools.pairwise(counts)
+        }
         growth[name] = steps
-        print(f"{labels[name]:18}" + "".join(f"{p:12.1f}" for p in per)
-              + "".join(f"{g:15.2f}x" for g in steps.values()))
+        print(
+            f"{labels[name]:18}"
+            + "".join(f"{p:12.1f}" for p in per)
+            + "".join(f"{g:15.2f}x" for g in steps.values())
+        )
     ratios: dict[str, float] = {}
     if st_save is not None:
         for c in counts:
             t = runs[str(c)]["times"]
             ratios[f"peer_save_over_save_{c}"] = t["peer_save"] / t["save"]
             ratios[f"peer_load_over_restore_{c}"] = t["peer_load"] / t["restore"]
-        print("ours vs safetensors (its time / ours, higher is better): " + "; ".join(
-            f"{c:,} vars save {ratios[f'peer_save_over_save_{c}']:.2f}x, "
-            f"restore {ratios[f'peer_load_over_restore_{c}']:.2f}x" for c in counts))
+        print(
+            "ours vs safetensors (its time / ours, higher is better): "
+            + "; ".join(
+                f"{c:,} vars save {ratios[f'peer_save_over_save_{c}']:.2f}x, "
+                f"restore {ratios[f'peer_load_over_restore_{c}']:.2f}x"
+                for c in counts
+            )
+        )
     targets = {}
     if 500 in counts and 5000 in counts:
         for name in TARGETED:
             g = growth[name]["500->5000"]
-            targets[f"{name}_growth_500_5000"] = {"op": "<=", "value": TARGET_GROWTH, "met": g <= TARGET_GROWTH}
-        print("target: each of save, restore, step grows <= 12x from 500 to 5,000 variables: " + ", ".join(
-            f"{n} {growth[n]['500->5000']:.2f}x" for n in TARGETED))
+            targets[f"{name}_growth_500_5000"] = {
+                "op": "<=",
+                "value": TARGET_GROWTH,
+                "met": g <= TARGET_GROWTH,
+            }
+        print(
+            "target: each of save, restore, step grows <= 12x from 500 to 5,000 variables: "
+            + ", ".join(f"{n} {growth[n]['500->5000']:.2f}x" for n in TARGETED)
+        )
     if args.json:
         figures = {
             "benchmark": "scaling",
-            "params": {"counts": counts, "params": int(args.params), "devices": args.devices,
-                       "repeat": args.repeat, "peer": "safetensors" if st_save is not None else None},
+            "params": {
+                "counts": counts,
+                "params": int(args.params),
+                "devices": args.devices,
+                "repeat": args.repeat,
+                "peer": "safetensors" if st_save is not None else None,
+            },
             "runs": runs,
             "growth": growth,
             "ratios": ratios,

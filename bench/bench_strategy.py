@@ -84,10 +84,14 @@ OVERHEAD_TARGET_S = 200e-6  # run() over the plain loop, per step, with 8 replic
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2000, help="steps per timed repeat")
-    parser.add_argument("--repeats", type=int, default=7, help="timed repeats (the median is reported)")
+    parser.add_argument(
+        "--repeats", type=int, default=7, help="timed repeats (the median is reported)"
+    )
     parser.add_argument("--size", type=int, default=256, help="elements of each replica's value")
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     args = parser.parse_args(argv)
@@ -135,20 +139,37 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loop  ({n} calls of fn, plain):             {loop * 1e6:9.1f} us/step")
     print(f"run   (strategy.run, threads + merge_call): {run * 1e6:9.1f} us/step")
     print(f"floor (bare {n}-thread lock hand-offs):      {floor * 1e6:9.1f} us/step")
-    print(f"overhead of run over loop: {(run - loop) * 1e6:.1f} us/step (target < 200 us); "
-          f"ratio run/loop {run / loop:.1f}x; library cost above the floor "
-          f"{(run - loop - floor) * 1e6:.1f} us/step")
+    print(
+        f"overhead of run over loop: {(run - loop) * 1e6:.1f} us/step (target < 200 us); "
+        f"ratio run/loop {run / loop:.1f}x; library cost above the floor "
+        f"{(run - loop - floor) * 1e6:.1f} us/step"
+    )
     if args.json:
         overhead = run - loop
         figures = {
             "benchmark": "strategy",
-            "params": {"replicas": n, "steps": args.steps, "repeats": args.repeats, "size": args.size},
-            "times": {"loop_s_per_step": loop, "run_s_per_step": run, "floor_s_per_step": floor,
-                      "overhead_s_per_step": overhead, "above_floor_s_per_step": run - loop - floor},
+            "params": {
+                "replicas": n,
+                "steps": args.steps,
+                "repeats": args.repeats,
+                "size": args.size,
+            },
+            "times": {
+                "loop_s_per_step": loop,
+                "run_s_per_step": run,
+                "floor_s_per_step": floor,
+                "overhead_s_per_step": overhead,
+                "above_floor_s_per_step": run - loop - floor,
+            },
             "samples": samples,
             "ratios": {"run_over_loop": run / loop},
-            "targets": {"overhead_s_per_step": {"op": "<", "value": OVERHEAD_TARGET_S,
-                                                "met": overhead < OVERHEAD_TARGET_S}},
+            "targets": {
+                "overhead_s_per_step": {
+                    "op": "<",
+                    "value": OVERHEAD_TARGET_S,
+                    "met": overhead < OVERHEAD_TARGET_S,
+                }
+            },
         }
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

@@ -70,7 +70,10 @@ class _LazyView(CheckpointView):
 
 def make_bundle(directory: str, total_mb: int, tensor_mb: int) -> str:
     rows = tensor_mb * MiB // 4 // 1024
-    entries: list[Entry] = [_RandomEntry(f"model/big/{i}", (rows, 1024), i) for i in range(max(1, total_mb // tensor_mb))]
+    entries: list[Entry] = [
+        _RandomEntry(f"model/big/{i}", (rows, 1024), i)
+        for i in range(max(1, total_mb // tensor_mb))
+    ]
     entries += [_RandomEntry(f"model/small/{i}", (17, 3), 1000 + i) for i in range(50)]
     return write_checkpoint(os.path.join(directory, "ckpt-1"), _LazyView(entries), format="tf")
 
@@ -123,9 +126,15 @@ def best_of(fn, repeat: int) -> tuple[float, int]:  # type: ignore[no-untyped-de
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=1024, help="bundle size in MiB (default 1024)")
-    parser.add_argument("--tensor-mb", type=int, default=16, help="size of each large tensor in MiB")
-    parser.add_argument("--repeat", type=int, default=5, help="runs of each reader; the best counts")
-    parser.add_argument("--dir", default=None, help="where to write the bundle (default: a temp dir)")
+    parser.add_argument(
+        "--tensor-mb", type=int, default=16, help="size of each large tensor in MiB"
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=5, help="runs of each reader; the best counts"
+    )
+    parser.add_argument(
+        "--dir", default=None, help="where to write the bundle (default: a temp dir)"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     args = parser.parse_args(argv)
 
@@ -136,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         prefix = make_bundle(directory, args.mb, min(args.tensor_mb, args.mb))
         written = time.perf_counter() - t0
         size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
-        print(f"bundle: {prefix} ({size / MiB:.1f} MiB, written in {written:.2f} s, "
-              f"{size / MiB / written:.0f} MiB/s incl. generating the data)")
+        print(
+            f"bundle: {prefix} ({size / MiB:.1f} MiB, written in {written:.2f} s, "
+            f"{size / MiB / written:.0f} MiB/s incl. generating the data)"
+        )
 
         buf = np.random.default_rng(0).random(64 * MiB // 4, dtype=np.float32)
         crc_time, _ = best_of(lambda: (crc32c(buf), buf.nbytes)[1], args.repeat)
@@ -162,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label}: {best[name]:.3f} s  {nbytes / best[name] / 1e9:6.2f} GB/s")
         ratio = best["baseline"] / best["verified"]
         print(f"ratio reader (CRC verified) / plain readinto: {ratio:.2f}x (target >= 0.5x)")
-        print(f"ratio reader (no CRC) / plain readinto: {best['baseline'] / best['unverified']:.2f}x")
+        print(
+            f"ratio reader (no CRC) / plain readinto: {best['baseline'] / best['unverified']:.2f}x"
+        )
         if args.json:
             figures = {
                 "benchmark": "tf_read",
@@ -173,9 +186,13 @@ def main(argv: list[str] | None = None) -> int:
                 "crc32c_bytes_per_s": buf.nbytes / crc_time,
                 "times": {f"{k}_s": v for k, v in best.items()},
                 "runs": results,
-                "ratios": {"verified_rate_over_baseline": ratio,
-                           "unverified_rate_over_baseline": best["baseline"] / best["unverified"]},
-                "targets": {"verified_rate_over_baseline": {"op": ">=", "value": 0.5, "met": ratio >= 0.5}},
+                "ratios": {
+                    "verified_rate_over_baseline": ratio,
+                    "unverified_rate_over_baseline": best["baseline"] / best["unverified"],
+                },
+                "targets": {
+                    "verified_rate_over_baseline": {"op": ">=", "value": 0.5, "met": ratio >= 0.5}
+                },
             }
             with open(args.json, "w") as f:
                 json.dump(figures, f, indent=2)

@@ -39,13 +39,19 @@ def _model(
     strategy: pv.MirroredStrategy, sizes: list[int], rng: np.random.Generator
 ) -> tuple[list[pv.ParallelVariable], pv.optimizers.Optimizer]:
     with strategy.scope():
-        vs = [pv.Variable(rng.standard_normal(s, dtype=np.float32), name=f"v{i}") for i, s in enumerate(sizes)]
+        vs = [
+            pv.Variable(rng.standard_normal(s, dtype=np.float32), name=f"v{i}")
+            for i, s in enumerate(sizes)
+        ]
         opt = pv.optimizers.Adam(LR, B1, B2, EPS)
     return vs, opt
 
 
 def make_core(
-    strategy: pv.MirroredStrategy, sizes: list[int], grads: list[np.ndarray], rng: np.random.Generator
+    strategy: pv.MirroredStrategy,
+    sizes: list[int],
+    grads: list[np.ndarray],
+    rng: np.random.Generator,
 ) -> Callable[[], object]:
     vs, opt = _model(strategy, sizes, rng)
     pairs = list(zip(grads, vs, strict=True))
@@ -58,7 +64,10 @@ def make_core(
 
 
 def make_run(
-    strategy: pv.MirroredStrategy, sizes: list[int], per_replica: list[list[np.ndarray]], rng: np.random.Generator
+    strategy: pv.MirroredStrategy,
+    sizes: list[int],
+    per_replica: list[list[np.ndarray]],
+    rng: np.random.Generator,
 ) -> Callable[[], object]:
     vs, opt = _model(strategy, sizes, rng)
 
@@ -70,7 +79,10 @@ def make_run(
 
 
 def make_buffers(
-    strategy: pv.MirroredStrategy, sizes: list[int], per_replica: list[list[np.ndarray]], rng: np.random.Generator
+    strategy: pv.MirroredStrategy,
+    sizes: list[int],
+    per_replica: list[list[np.ndarray]],
+    rng: np.random.Generator,
 ) -> Callable[[], object]:
     vs, opt = _model(strategy, sizes, rng)
     with strategy.scope():
@@ -85,7 +97,9 @@ def make_buffers(
     return lambda: strategy.run(replica_step)
 
 
-def make_loop(sizes: list[int], per_replica: list[list[np.ndarray]], rng: np.random.Generator) -> Callable[[], object]:
+def make_loop(
+    sizes: list[int], per_replica: list[list[np.ndarray]], rng: np.random.Generator
+) -> Callable[[], object]:
     replicas = len(per_replica)
     comps = [[rng.standard_normal(s, dtype=np.float32) for _ in range(replicas)] for s in sizes]
     ms = [[np.zeros(s, np.float32) for _ in range(replicas)] for s in sizes]
@@ -109,7 +123,9 @@ def make_loop(sizes: list[int], per_replica: list[list[np.ndarray]], rng: np.ran
     return step
 
 
-def make_tf(sizes: list[int], per_replica: list[list[np.ndarray]]) -> dict[str, Callable[[], object]]:
+def make_tf(
+    sizes: list[int], per_replica: list[list[np.ndarray]]
+) -> dict[str, Callable[[], object]]:
     """``tf.distribute.MirroredStrategy`` on 4 logical CPUs, eager and in ``tf.function``."""
     try:
         import tensorflow as tf  # type: ignore[import-not-found]
@@ -118,7 +134,9 @@ def make_tf(sizes: list[int], per_replica: list[list[np.ndarray]]) -> dict[str, 
     replicas = len(per_replica)
     cpus = tf.config.list_physical_devices("CPU")
     try:
-        tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * replicas)
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration()] * replicas
+        )
     except RuntimeError:  # already initialised
         pass
     strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
@@ -139,7 +157,9 @@ def make_tf(sizes: list[int], per_replica: list[list[np.ndarray]]) -> dict[str, 
 def run_model(label: str, n_vars: int, size: int, replicas: int, steps: int) -> dict[str, object]:
     rng = np.random.default_rng(0)
     sizes = [size] * n_vars
-    per_replica = [[rng.standard_normal(s, dtype=np.float32) for s in sizes] for _ in range(replicas)]
+    per_replica = [
+        [rng.standard_normal(s, dtype=np.float32) for s in sizes] for _ in range(replicas)
+    ]
     reduced = [sum(g[j] for g in per_replica[1:]) + per_replica[0][j] for j in range(n_vars)]
     strategy = pv.MirroredStrategy(replicas)
     fns: dict[str, Callable[[], object]] = {
@@ -184,7 +204,9 @@ def _model_json(r: dict[str, object]) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(__doc__, argv, steps=9)
     models = models_of(args)
-    print(f"float32 Adam inside strategy.run, {args.replicas} replicas with their own gradients, best of {args.steps}")
+    print(
+        f"float32 Adam inside strategy.run, {args.replicas} replicas with their own gradients, best of {args.steps}"
+    )
     header = (
         f"{'model':<6}{'vars':>6}{'params':>12}{'core ms':>10}{'run ms':>10}{'bufs ms':>10}{'loop ms':>10}"
         f"{'tf ms':>10}{'run/core':>10}{'bufs/core':>11}{'loop/run':>10}"
@@ -203,10 +225,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{t['run'] / t['core']:>9.2f}x{t['buffers'] / t['core']:>10.2f}x{t['loop'] / t['run']:>9.1f}x"
         )
     print("core: distributed_apply of reduced gradients; run: apply_gradients in strategy.run with")
-    print("per-replica gradients; bufs: the same with gradient_buffers views; loop: per-component numpy")
+    print(
+        "per-replica gradients; bufs: the same with gradient_buffers views; loop: per-component numpy"
+    )
     print("targets: A run/core <= 1.35x; B run/core <= 1.5x and loop/run >= 10x")
     if args.json:
-        params = {"replicas": args.replicas, "steps": args.steps, "scale": args.scale, "model": args.model}
+        params = {
+            "replicas": args.replicas,
+            "steps": args.steps,
+            "scale": args.scale,
+            "model": args.model,
+        }
         with open(args.json, "w") as f:
             json.dump({"benchmark": "train_step", "params": params, "models": figures}, f, indent=2)
     return 0

@@ -57,7 +57,10 @@ def make_core(
     sizes: list[int], replicas: int, rng: np.random.Generator, every_row: bool = False
 ) -> Callable[[], object]:
     with pv.replicated_scope(replicas):
-        vs = [pv.Variable(rng.standard_normal(s, dtype=np.float32), name=f"v{i}") for i, s in enumerate(sizes)]
+        vs = [
+            pv.Variable(rng.standard_normal(s, dtype=np.float32), name=f"v{i}")
+            for i, s in enumerate(sizes)
+        ]
     grads = [rng.standard_normal(s, dtype=np.float32) for s in sizes]
     opt = pv.optimizers.Adam(LR, B1, B2, EPS)
     # every_row: compute each replica's row instead of the primary row copied to the others.
@@ -116,7 +119,9 @@ def make_torch(sizes: list[int], replicas: int) -> Callable[[], object] | None:
         return None
 
 
-def run_model(label: str, n_vars: int, size: int, replicas: int, steps: int) -> dict[str, float | None]:
+def run_model(
+    label: str, n_vars: int, size: int, replicas: int, steps: int
+) -> dict[str, float | None]:
     rng = np.random.default_rng(0)
     sizes = [size] * n_vars
     params = n_vars * size
@@ -153,20 +158,32 @@ TARGETS = {
 }
 
 
-def check_targets(ratios: dict[str, float], targets: list[tuple[str, str, float]]) -> dict[str, object]:
+def check_targets(
+    ratios: dict[str, float], targets: list[tuple[str, str, float]]
+) -> dict[str, object]:
     """Each ``(ratio, ">=" or "<=", bound)`` target with the ratio measured and whether it was met."""
     return {
-        name: {"op": op, "value": bound, "met": ratios[name] >= bound if op == ">=" else ratios[name] <= bound}
+        name: {
+            "op": op,
+            "value": bound,
+            "met": ratios[name] >= bound if op == ">=" else ratios[name] <= bound,
+        }
         for name, op, bound in targets
     }
 
 
 def parse_args(doc: str | None, argv: list[str] | None, steps: int = 5) -> argparse.Namespace:
     """The options every model benchmark takes (replicas, steps, scale, model, json)."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=steps, help="timed steps per measurement (best of)")
-    parser.add_argument("--scale", type=float, default=1.0, help="fraction of the issue's model sizes")
+    parser.add_argument(
+        "--steps", type=int, default=steps, help="timed steps per measurement (best of)"
+    )
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="fraction of the issue's model sizes"
+    )
     parser.add_argument("--model", choices=["A", "B", "both"], default="both")
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     return parser.parse_args(argv)
@@ -189,7 +206,13 @@ def _model_json(r: dict[str, float | None]) -> dict[str, object]:
     if r["torch"] is not None:
         ratios["torch_over_core"] = float(r["torch"]) / core
     targets = check_targets(ratios, TARGETS[str(r["label"])])
-    times = {"core_s": core, "every_row_s": r["every"], "loop_s": loop, "roofline_s": roof, "torch_s": r["torch"]}
+    times = {
+        "core_s": core,
+        "every_row_s": r["every"],
+        "loop_s": loop,
+        "roofline_s": roof,
+        "torch_s": r["torch"],
+    }
     return {
         "vars": r["vars"],
         "params": r["params"],
@@ -221,10 +244,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{1e3 * r['roofline']:>10.1f}{torch_ms:>10}{r['loop'] / r['core']:>10.1f}x"
             f"{r['core'] / r['roofline']:>10.2f}x{r['bandwidth'] / 1e9:>11.1f}"
         )
-    print("core: primary row computed, copied to the mirrored rows; rows: every replica row computed")
+    print(
+        "core: primary row computed, copied to the mirrored rows; rows: every replica row computed"
+    )
     print("targets: A loop/core >= 4x and core/roof <= 2.5x; B loop/core >= 10x")
     if args.json:
-        params = {"replicas": args.replicas, "steps": args.steps, "scale": args.scale, "model": args.model}
+        params = {
+            "replicas": args.replicas,
+            "steps": args.steps,
+            "scale": args.scale,
+            "model": args.model,
+        }
         with open(args.json, "w") as f:
             json.dump({"benchmark": "update", "params": params, "models": figures}, f, indent=2)
     return 0

@@ -96,8 +96,14 @@ def _target(t: dict[str, Any] | None, unit: str = "x", scale: float = 1.0) -> tu
     return f"{t['op']} {bound}", "yes" if t["met"] else "no"
 
 
-def _row(area: str, measurement: str, ours: str, baseline: str, ratio: str,
-         target: tuple[str, str] = (NONE, "n/a")) -> list[str]:
+def _row(
+    area: str,
+    measurement: str,
+    ours: str,
+    baseline: str,
+    ratio: str,
+    target: tuple[str, str] = (NONE, "n/a"),
+) -> list[str]:
     return [area, measurement, ours, baseline, ratio, target[0], target[1]]
 
 
@@ -111,15 +117,36 @@ def _rows_update(d: dict[str, Any]) -> list[list[str]]:
     for label, m in d["models"].items():
         t, r, tg = m["times"], m["ratios"], m["targets"]
         size = f"model {label}: {m['vars']} vars, {m['params']:,} params, {replicas} replicas"
-        rows.append(_row("update", f"Adam step, core vs per-component loop ({size})",
-                         _ms(t["core_s"]), _ms(t["loop_s"]), _x(r["loop_over_core"]),
-                         _target(tg.get("loop_over_core"))))
-        rows.append(_row("update", f"Adam step, core vs roofline from copy bandwidth ({size})",
-                         _ms(t["core_s"]), _ms(t["roofline_s"]), _x(r["core_over_roofline"]),
-                         _target(tg.get("core_over_roofline"))))
+        rows.append(
+            _row(
+                "update",
+                f"Adam step, core vs per-component loop ({size})",
+                _ms(t["core_s"]),
+                _ms(t["loop_s"]),
+                _x(r["loop_over_core"]),
+                _target(tg.get("loop_over_core")),
+            )
+        )
+        rows.append(
+            _row(
+                "update",
+                f"Adam step, core vs roofline from copy bandwidth ({size})",
+                _ms(t["core_s"]),
+                _ms(t["roofline_s"]),
+                _x(r["core_over_roofline"]),
+                _target(tg.get("core_over_roofline")),
+            )
+        )
         if t.get("torch_s") is not None:  # only where torch is importable
-            rows.append(_row("update", f"Adam step, core vs torch.optim.Adam(fused=True) ({size})",
-                             _ms(t["core_s"]), _ms(t["torch_s"]), _x(r["torch_over_core"])))
+            rows.append(
+                _row(
+                    "update",
+                    f"Adam step, core vs torch.optim.Adam(fused=True) ({size})",
+                    _ms(t["core_s"]),
+                    _ms(t["torch_s"]),
+                    _x(r["torch_over_core"]),
+                )
+            )
     return rows
 
 
@@ -129,17 +156,45 @@ def _rows_train_step(d: dict[str, Any]) -> list[list[str]]:
     for label, m in d["models"].items():
         t, r, tg = m["times"], m["ratios"], m["targets"]
         size = f"model {label}: {m['vars']} vars, {m['params']:,} params, {replicas} replicas"
-        rows.append(_row("train step", f"apply_gradients in strategy.run vs the core alone ({size})",
-                         _ms(t["run_s"]), _ms(t["core_s"]), _x(r["run_over_core"]),
-                         _target(tg.get("run_over_core"))))
-        rows.append(_row("train step", f"the same with gradient buffers vs the core alone ({size})",
-                         _ms(t["buffers_s"]), _ms(t["core_s"]), _x(r["buffers_over_core"])))
-        rows.append(_row("train step", f"speed-up over the per-component loop ({size})",
-                         _ms(t["run_s"]), _ms(t["loop_s"]), _x(r["loop_over_run"]),
-                         _target(tg.get("loop_over_run"))))
+        rows.append(
+            _row(
+                "train step",
+                f"apply_gradients in strategy.run vs the core alone ({size})",
+                _ms(t["run_s"]),
+                _ms(t["core_s"]),
+                _x(r["run_over_core"]),
+                _target(tg.get("run_over_core")),
+            )
+        )
+        rows.append(
+            _row(
+                "train step",
+                f"the same with gradient buffers vs the core alone ({size})",
+                _ms(t["buffers_s"]),
+                _ms(t["core_s"]),
+                _x(r["buffers_over_core"]),
+            )
+        )
+        rows.append(
+            _row(
+                "train step",
+                f"speed-up over the per-component loop ({size})",
+                _ms(t["run_s"]),
+                _ms(t["loop_s"]),
+                _x(r["loop_over_run"]),
+                _target(tg.get("loop_over_run")),
+            )
+        )
         if t.get("tf_function_s") is not None:
-            rows.append(_row("train step", f"tf.distribute.MirroredStrategy, tf.function ({size})",
-                             _ms(t["run_s"]), _ms(t["tf_function_s"]), _x(r["tf_function_over_run"])))
+            rows.append(
+                _row(
+                    "train step",
+                    f"tf.distribute.MirroredStrategy, tf.function ({size})",
+                    _ms(t["run_s"]),
+                    _ms(t["tf_function_s"]),
+                    _x(r["tf_function_over_run"]),
+                )
+            )
     return rows
 
 
@@ -152,8 +207,14 @@ def _rows_checkpoint(d: dict[str, Any]) -> list[list[str]]:
         "restore_evicted": "restore (verified) vs raw readinto, pages evicted",
     }
     return [
-        _row("checkpoint", f"{text}, rate ours/raw ({size})", _s(t[f"{key}_ours_s"]),
-             _s(t[f"{key}_raw_s"]), _x(d["ratios"][key]), _target(d["targets"].get(key)))
+        _row(
+            "checkpoint",
+            f"{text}, rate ours/raw ({size})",
+            _s(t[f"{key}_ours_s"]),
+            _s(t[f"{key}_raw_s"]),
+            _x(d["ratios"][key]),
+            _target(d["targets"].get(key)),
+        )
         for key, text in what.items()
     ]
 
@@ -162,16 +223,28 @@ def _rows_convert(d: dict[str, Any]) -> list[list[str]]:
     rows = []
     size = f"{d['tensor_bytes'] / MB:.0f} MB of tensors"
     for step, s in d["steps"].items():
-        rows.append(_row("convert", f"{step} vs file copy + fsync, rate ({size})",
-                         f"{s['rate_bytes_per_s'] / MB:.0f} MB/s",
-                         f"{d['copy_rate_bytes_per_s'] / MB:.0f} MB/s",
-                         _x(s["ratios"]["rate_over_copy"]), _target(s["targets"]["rate_over_copy"])))
+        rows.append(
+            _row(
+                "convert",
+                f"{step} vs file copy + fsync, rate ({size})",
+                f"{s['rate_bytes_per_s'] / MB:.0f} MB/s",
+                f"{d['copy_rate_bytes_per_s'] / MB:.0f} MB/s",
+                _x(s["ratios"]["rate_over_copy"]),
+                _target(s["targets"]["rate_over_copy"]),
+            )
+        )
         budget = s["budget_bytes"]
-        rows.append(_row("convert", f"{step} peak RSS vs largest tensor "
-                         f"({d['largest_tensor_bytes'] / MB:.0f} MB) + 256 MB",
-                         f"{s['peak_rss_bytes'] / MB:.0f} MB", f"{budget / MB:.0f} MB",
-                         _x(s["ratios"]["peak_rss_over_budget"]),
-                         _target(s["targets"]["peak_rss_over_budget"])))
+        rows.append(
+            _row(
+                "convert",
+                f"{step} peak RSS vs largest tensor "
+                f"({d['largest_tensor_bytes'] / MB:.0f} MB) + 256 MB",
+                f"{s['peak_rss_bytes'] / MB:.0f} MB",
+                f"{budget / MB:.0f} MB",
+                _x(s["ratios"]["peak_rss_over_budget"]),
+                _target(s["targets"]["peak_rss_over_budget"]),
+            )
+        )
     return rows
 
 
@@ -179,22 +252,42 @@ def _rows_tf_read(d: dict[str, Any]) -> list[list[str]]:
     t, r = d["times"], d["ratios"]
     size = f"{d['bundle_bytes'] / MB:.0f} MiB bundle"
     return [
-        _row("tf read", f"read + CRC-32C verify vs plain readinto, rate ({size})",
-             _s(t["verified_s"]), _s(t["baseline_s"]), _x(r["verified_rate_over_baseline"]),
-             _target(d["targets"].get("verified_rate_over_baseline"))),
-        _row("tf read", f"read, no CRC, vs plain readinto, rate ({size})",
-             _s(t["unverified_s"]), _s(t["baseline_s"]), _x(r["unverified_rate_over_baseline"])),
+        _row(
+            "tf read",
+            f"read + CRC-32C verify vs plain readinto, rate ({size})",
+            _s(t["verified_s"]),
+            _s(t["baseline_s"]),
+            _x(r["verified_rate_over_baseline"]),
+            _target(d["targets"].get("verified_rate_over_baseline")),
+        ),
+        _row(
+            "tf read",
+            f"read, no CRC, vs plain readinto, rate ({size})",
+            _s(t["unverified_s"]),
+            _s(t["baseline_s"]),
+            _x(r["unverified_rate_over_baseline"]),
+        ),
     ]
 
 
 def _rows_strategy(d: dict[str, Any]) -> list[list[str]]:
     t, n = d["times"], d["params"]["replicas"]
     return [
-        _row("strategy", f"run() overhead per step over the plain loop ({n} replicas, one merge_call)",
-             _us(t["overhead_s_per_step"]), NONE, NONE,
-             _target(d["targets"].get("overhead_s_per_step"), "us", 1e6)),
-        _row("strategy", f"run() vs plain loop, time per step ({n} replicas)",
-             _us(t["run_s_per_step"]), _us(t["loop_s_per_step"]), _x(d["ratios"]["run_over_loop"])),
+        _row(
+            "strategy",
+            f"run() overhead per step over the plain loop ({n} replicas, one merge_call)",
+            _us(t["overhead_s_per_step"]),
+            NONE,
+            NONE,
+            _target(d["targets"].get("overhead_s_per_step"), "us", 1e6),
+        ),
+        _row(
+            "strategy",
+            f"run() vs plain loop, time per step ({n} replicas)",
+            _us(t["run_s_per_step"]),
+            _us(t["loop_s_per_step"]),
+            _x(d["ratios"]["run_over_loop"]),
+        ),
     ]
 
 
@@ -204,14 +297,28 @@ def _rows_mpi(d: dict[str, Any]) -> list[list[str]]:
     rows = []
     for procs, run in d["runs"].items():
         if "error" in run:
-            rows.append(_row("mpi", f"{procs} processes: failed: {run['error']}", NONE, NONE, NONE,
-                             (NONE, "no")))
+            rows.append(
+                _row(
+                    "mpi",
+                    f"{procs} processes: failed: {run['error']}",
+                    NONE,
+                    NONE,
+                    NONE,
+                    (NONE, "no"),
+                )
+            )
             continue
         t = run["times"]
-        rows.append(_row(
-            "mpi", f"all-reduce, fused vs one collective per variable ({procs} processes, "
-                   f"{run['vars']} grads, {run['bytes_per_step'] / 1e6:.0f} MB/step)",
-            _ms(t["fused_s"]), _ms(t["per_variable_s"]), _x(run["ratios"]["per_variable_over_fused"])))
+        rows.append(
+            _row(
+                "mpi",
+                f"all-reduce, fused vs one collective per variable ({procs} processes, "
+                f"{run['vars']} grads, {run['bytes_per_step'] / 1e6:.0f} MB/step)",
+                _ms(t["fused_s"]),
+                _ms(t["per_variable_s"]),
+                _x(run["ratios"]["per_variable_over_fused"]),
+            )
+        )
     return rows
 
 
@@ -231,17 +338,33 @@ def _rows_scaling(d: dict[str, Any]) -> list[list[str]]:
         for op, text in _SCALING_OPS.items():
             ta, tb = runs[str(a)]["times"][op], runs[str(b)]["times"][op]
             target = d["targets"].get(f"{op}_growth_{a}_{b}")
-            rows.append(_row(
-                "scaling", f"{text}: time at {b:,} vs {a:,} variables, same {p['params']:,} params "
-                           f"({ta / a * 1e6:.0f} -> {tb / b * 1e6:.0f} us per variable)",
-                _s(tb), _s(ta), _x(growth[op][f"{a}->{b}"]), _target(target)))
+            rows.append(
+                _row(
+                    "scaling",
+                    f"{text}: time at {b:,} vs {a:,} variables, same {p['params']:,} params "
+                    f"({ta / a * 1e6:.0f} -> {tb / b * 1e6:.0f} us per variable)",
+                    _s(tb),
+                    _s(ta),
+                    _x(growth[op][f"{a}->{b}"]),
+                    _target(target),
+                )
+            )
     if p.get("peer"):
         top = str(counts[-1])
         t, n = runs[top]["times"], runs[top]["tensors"]
-        for ours, peer, text in (("save", "peer_save", "save vs safetensors save_file"),
-                                 ("restore", "peer_load", "restore vs safetensors load_file")):
-            rows.append(_row("scaling", f"{text}, same tensors ({int(top):,} variables, {n:,} tensors)",
-                             _s(t[ours]), _s(t[peer]), _x(t[peer] / t[ours])))
+        for ours, peer, text in (
+            ("save", "peer_save", "save vs safetensors save_file"),
+            ("restore", "peer_load", "restore vs safetensors load_file"),
+        ):
+            rows.append(
+                _row(
+                    "scaling",
+                    f"{text}, same tensors ({int(top):,} variables, {n:,} tensors)",
+                    _s(t[ours]),
+                    _s(t[peer]),
+                    _x(t[peer] / t[ours]),
+                )
+            )
     return rows
 
 
@@ -275,8 +398,16 @@ def rows_for(name: str, result: dict[str, Any]) -> list[list[str]]:
         try:
             return ROWS[name](result["data"])
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
-            return [_row(area, f"unreadable figures: {type(exc).__name__}: {exc}", NONE, NONE, NONE,
-                         (NONE, "no"))]
+            return [
+                _row(
+                    area,
+                    f"unreadable figures: {type(exc).__name__}: {exc}",
+                    NONE,
+                    NONE,
+                    NONE,
+                    (NONE, "no"),
+                )
+            ]
     what = "timed out" if status == "timeout" else "failed"
     detail = result.get("detail") or ""
     return [_row(area, f"{what}: {detail}".rstrip(": "), NONE, NONE, NONE, (NONE, "no"))]
@@ -288,7 +419,10 @@ def _cell(text: str) -> str:
 
 def build_table(results: dict[str, dict[str, Any]]) -> str:
     """A markdown table of every benchmark's rows, in the order of ``results``."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * 3 + ["---"] * 2) + "|"]
+    lines = [
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "|".join(["---"] * 2 + ["---:"] * 3 + ["---"] * 2) + "|",
+    ]
     for name, result in results.items():
         for row in rows_for(name, result):
             lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
@@ -330,10 +464,20 @@ def _version(module: str) -> str:
 
 def _git_commit() -> str:
     try:
-        head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10, check=True)
-        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=True)
+        head = subprocess.run(
+            ["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+        dirty = subprocess.run(
+            ["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
         return head.stdout.strip() + (" plus uncommitted changes" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -372,19 +516,31 @@ def run_one(bench: Benchmark, full: bool, tmp: str, timeout: float) -> dict[str,
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        result.update(status="timeout", detail=f"after {timeout:.0f} s",
-                      output=_text(exc.stdout) + _text(exc.stderr), seconds=time.perf_counter() - t0)
+        result.update(
+            status="timeout",
+            detail=f"after {timeout:.0f} s",
+            output=_text(exc.stdout) + _text(exc.stderr),
+            seconds=time.perf_counter() - t0,
+        )
         return result
-    result.update(seconds=time.perf_counter() - t0, returncode=proc.returncode,
-                  output=proc.stdout + (f"\n[stderr]\n{proc.stderr}" if proc.stderr.strip() else ""))
+    result.update(
+        seconds=time.perf_counter() - t0,
+        returncode=proc.returncode,
+        output=proc.stdout + (f"\n[stderr]\n{proc.stderr}" if proc.stderr.strip() else ""),
+    )
     try:
         with open(out) as f:
             result.update(status="ok", data=json.load(f))
     except (OSError, ValueError) as exc:
-        last = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or [str(exc)])[-1]
+        last = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or [str(exc)])[
+            -1
+        ]
         result.update(status="failed", detail=f"exit {proc.returncode}: {last}")
-    print(f"  {bench.name}: {result['status']} in {result['seconds']:.1f} s (exit {proc.returncode})",
-          file=sys.stderr, flush=True)
+    print(
+        f"  {bench.name}: {result['status']} in {result['seconds']:.1f} s (exit {proc.returncode})",
+        file=sys.stderr,
+        flush=True,
+    )
     return result
 
 
@@ -396,24 +552,42 @@ def _text(data: str | bytes | None) -> str:
 
 def render(info: dict[str, str], results: dict[str, dict[str, Any]], full: bool, raw: bool) -> str:
     """The markdown report: machine, commands, the table and (``raw``) each benchmark's output."""
-    lines = ["# Benchmark results", "",
-             "Written by `python bench/run_all.py" + (" --full" if full else "") + "`; "
-             "ratios are against a baseline measured in the same run, on this machine.", "",
-             "## Machine", ""]
+    lines = [
+        "# Benchmark results",
+        "",
+        "Written by `python bench/run_all.py" + (" --full" if full else "") + "`; "
+        "ratios are against a baseline measured in the same run, on this machine.",
+        "",
+        "## Machine",
+        "",
+    ]
     lines += [f"- {k}: {v}" for k, v in info.items()]
-    lines += ["", "## Commands", "",
-              "Run from the repository root; `$TMP` is a temporary folder.", "", "```"]
+    lines += [
+        "",
+        "## Commands",
+        "",
+        "Run from the repository root; `$TMP` is a temporary folder.",
+        "",
+        "```",
+    ]
     for name, r in results.items():
         took = f"{r['seconds']:.1f} s" if "seconds" in r else "?"
         code = r.get("returncode", NONE)
         lines.append(f"{r.get('command', name)}   # {r.get('status')}, exit {code}, {took}")
-    lines += ["```", "", "## Results", "", build_table(results), "",
-              "`ratio` is baseline time / our time (higher is better: how many times faster ours "
-              "is) in every row but these, where it is ours / baseline (lower is better): core vs "
-              "roofline, the train step (and with gradient buffers) vs the core alone, run() vs "
-              "plain loop, peak RSS vs budget, and scaling's time at more variables vs fewer (10x "
-              "the variables: 10x is linear). `met` is n/a where the issue "
-              "sets no target; a benchmark that failed or timed out shows `no`."]
+    lines += [
+        "```",
+        "",
+        "## Results",
+        "",
+        build_table(results),
+        "",
+        "`ratio` is baseline time / our time (higher is better: how many times faster ours "
+        "is) in every row but these, where it is ours / baseline (lower is better): core vs "
+        "roofline, the train step (and with gradient buffers) vs the core alone, run() vs "
+        "plain loop, peak RSS vs budget, and scaling's time at more variables vs fewer (10x "
+        "the variables: 10x is linear). `met` is n/a where the issue "
+        "sets no target; a benchmark that failed or timed out shows `no`.",
+    ]
     if raw:
         lines += ["", "## Output of each benchmark", ""]
         for name, r in results.items():
@@ -422,13 +596,27 @@ def render(info: dict[str, str], results: dict[str, dict[str, Any]], full: bool,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--full", action="store_true", help="every benchmark at its default (the issue's) sizes")
-    parser.add_argument("--out", default=os.path.join(BENCH_DIR, "RESULTS.md"),
-                        help="markdown file to write (default bench/RESULTS.md)")
-    parser.add_argument("--only", nargs="+", choices=[b.name for b in BENCHMARKS], metavar="NAME",
-                        help="run only these benchmarks: " + ", ".join(b.name for b in BENCHMARKS))
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per benchmark (default 900)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--full", action="store_true", help="every benchmark at its default (the issue's) sizes"
+    )
+    parser.add_argument(
+        "--out",
+        default=os.path.join(BENCH_DIR, "RESULTS.md"),
+        help="markdown file to write (default bench/RESULTS.md)",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=[b.name for b in BENCHMARKS],
+        metavar="NAME",
+        help="run only these benchmarks: " + ", ".join(b.name for b in BENCHMARKS),
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds per benchmark (default 900)"
+    )
     args = parser.parse_args(argv)
 
     info = machine()

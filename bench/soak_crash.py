@@ -41,8 +41,10 @@ def build(num_devices: int = 2) -> tuple[Any, dict[str, Any]]:
     with pv.MirroredStrategy(num_devices).scope():
         w = pv.Variable(np.zeros((16, 8), np.float32), name="w")
         n = pv.Variable(
-            np.float64(0.0), name="n",
-            synchronization=pv.Synchronization.ON_READ, aggregation=pv.Aggregation.SUM,
+            np.float64(0.0),
+            name="n",
+            synchronization=pv.Synchronization.ON_READ,
+            aggregation=pv.Aggregation.SUM,
         )
         e = pv.Variable(np.zeros((12, 3), np.int64), name="e", shard_axis=0)
     model = pv.Module()
@@ -115,7 +117,9 @@ def check_latest(directory: str, previous: int) -> tuple[int, str | None]:
         problems.append(f"file number {number}, save_counter {int(ckpt.save_counter)}, step {step}")
     want = expected(step)
     for name in ("w", "e"):
-        for i, comp in enumerate(variables[name].components if name == "w" else [np.asarray(variables[name])]):
+        for i, comp in enumerate(
+            variables[name].components if name == "w" else [np.asarray(variables[name])]
+        ):
             if not np.array_equal(comp, want[name]):
                 problems.append(f"{name}[{i}] is not the value of step {step}")
     total = float(np.sum([float(c) for c in variables["n"].components]))
@@ -127,7 +131,12 @@ def check_latest(directory: str, previous: int) -> tuple[int, str | None]:
 
 
 def run_kills(
-    directory: str, kills: int, *, seed: int = 0, max_delay: float = 0.25, max_to_keep: int = 3,
+    directory: str,
+    kills: int,
+    *,
+    seed: int = 0,
+    max_delay: float = 0.25,
+    max_to_keep: int = 3,
     deadline: float | None = None,
 ) -> SoakResult:
     """Start, kill and check the saving child ``kills`` times in ``directory``."""
@@ -139,8 +148,17 @@ def run_kills(
         if deadline is not None and time.monotonic() > deadline:
             break
         proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--child", directory, "--max-to-keep", str(max_to_keep)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--child",
+                directory,
+                "--max-to-keep",
+                str(max_to_keep),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
         )
         assert proc.stdout is not None
         ready, _, _ = select.select([proc.stdout], [], [], 60)
@@ -148,7 +166,9 @@ def run_kills(
         if not line.startswith(b"ready"):
             proc.kill()
             _, err = proc.communicate()
-            result.failures.append(f"child did not start: {line!r} {err.decode(errors='replace')[-2000:]}")
+            result.failures.append(
+                f"child did not start: {line!r} {err.decode(errors='replace')[-2000:]}"
+            )
             break
         time.sleep(rng.uniform(0.0, max_delay))
         if proc.poll() is not None:
@@ -177,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("--kills", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-delay", type=float, default=0.25, help="longest wait before a kill, seconds")
+    parser.add_argument(
+        "--max-delay", type=float, default=0.25, help="longest wait before a kill, seconds"
+    )
     parser.add_argument("--max-to-keep", type=int, default=3)
     parser.add_argument("--dir", help="directory to use (default: a temporary one)")
     args = parser.parse_args(argv)
@@ -189,7 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         directory = args.dir or tmp
         t0 = time.monotonic()
-        res = run_kills(directory, args.kills, seed=args.seed, max_delay=args.max_delay, max_to_keep=args.max_to_keep)
+        res = run_kills(
+            directory,
+            args.kills,
+            seed=args.seed,
+            max_delay=args.max_delay,
+            max_to_keep=args.max_to_keep,
+        )
         before = len(leftover_temporaries(directory))
         ckpt, _ = build()
         with pv.CheckpointManager(ckpt, directory, max_to_keep=args.max_to_keep):

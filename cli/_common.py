@@ -191,7 +191,9 @@ def destination_path(path: str, fmt: str | None, *, parents: bool = False) -> tu
     else:
         fmt = fmt or format_for_path(path)
         if fmt is None:
-            raise UsageError(f"{path}: cannot tell the output format from the name; pass --to FORMAT")
+            raise UsageError(
+                f"{path}: cannot tell the output format from the name; pass --to FORMAT"
+            )
         folder, target = os.path.dirname(path) or os.curdir, path
     if not os.path.isdir(folder):
         if os.path.lexists(folder):
@@ -212,7 +214,11 @@ def natural_key(path: str) -> tuple[tuple[tuple[int, int | str], ...], ...]:
     by segment, runs of digits compared as numbers, everything else as text.
     """
     return tuple(
-        tuple((0, int(part)) if part.isdigit() else (1, part) for part in _DIGITS.split(segment) if part)
+        tuple(
+            (0, int(part)) if part.isdigit() else (1, part)
+            for part in _DIGITS.split(segment)
+            if part
+        )
         for segment in path.split("/")
     )
 
@@ -223,7 +229,11 @@ _TIMESTAMP_KEYS = frozenset({"created"})
 
 def metadata_text(key: str, value: Any) -> str:
     """A metadata value as one line of human output (timestamps in ISO 8601, UTC)."""
-    if key in _TIMESTAMP_KEYS and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+    if (
+        key in _TIMESTAMP_KEYS
+        and isinstance(value, (int, float, str))
+        and not isinstance(value, bool)
+    ):
         try:
             stamp = datetime.datetime.fromtimestamp(float(value), tz=datetime.timezone.utc)
         except (ValueError, OverflowError, OSError):

@@ -32,9 +32,13 @@ class MLP(pv.Module):
 
     def __init__(self, features: int, hidden: int, classes: int, seed: int = 0) -> None:
         rng = np.random.default_rng(seed)
-        self.w1 = pv.Variable(rng.normal(0, np.sqrt(2 / features), (features, hidden)).astype(np.float32), name="w1")
+        self.w1 = pv.Variable(
+            rng.normal(0, np.sqrt(2 / features), (features, hidden)).astype(np.float32), name="w1"
+        )
         self.b1 = pv.Variable(np.zeros(hidden, np.float32), name="b1")
-        self.w2 = pv.Variable(rng.normal(0, np.sqrt(1 / hidden), (hidden, classes)).astype(np.float32), name="w2")
+        self.w2 = pv.Variable(
+            rng.normal(0, np.sqrt(1 / hidden), (hidden, classes)).astype(np.float32), name="w2"
+        )
         self.b2 = pv.Variable(np.zeros(classes, np.float32), name="b2")
         self.seen = pv.Variable(
             np.int64(0), name="examples_seen", synchronization="on_read", aggregation="sum"
@@ -49,7 +53,9 @@ class MLP(pv.Module):
         return h, h @ self.w2 + self.b2
 
 
-def loss_and_grads(model: MLP, x: np.ndarray, y: np.ndarray, global_batch: int) -> tuple[float, list[np.ndarray]]:
+def loss_and_grads(
+    model: MLP, x: np.ndarray, y: np.ndarray, global_batch: int
+) -> tuple[float, list[np.ndarray]]:
     """Softmax cross-entropy summed over ``x`` and divided by the *global* batch size.
 
     Dividing by the global batch makes the replicas' gradients add up to the gradient of the mean
@@ -70,7 +76,12 @@ def loss_and_grads(model: MLP, x: np.ndarray, y: np.ndarray, global_batch: int) 
     dh[h <= 0] = 0.0
     dw1 = x.T @ dh
     db1 = dh.sum(axis=0)
-    return loss, [dw1.astype(np.float32), db1.astype(np.float32), dw2.astype(np.float32), db2.astype(np.float32)]
+    return loss, [
+        dw1.astype(np.float32),
+        db1.astype(np.float32),
+        dw2.astype(np.float32),
+        db2.astype(np.float32),
+    ]
 
 
 def accuracy(model: MLP, x: np.ndarray, y: np.ndarray) -> float:

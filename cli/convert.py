@@ -96,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
     if same_file(args.source, args.destination):
         raise UsageError(f"{args.destination}: is the same file as SRC; write somewhere else")
     src_format = args.from_format or formats.detect_format(args.source)
-    destination, dst_format = destination_path(args.destination, args.to_format, parents=args.parents)
+    destination, dst_format = destination_path(
+        args.destination, args.to_format, parents=args.parents
+    )
     if same_file(args.source, destination):
         raise UsageError(f"{destination}: is the same file as SRC; write somewhere else")
     with out.progress(None, "convert") as bar:

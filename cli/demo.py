@@ -44,9 +44,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  parallelvars demo\n  parallelvars demo --devices 8 --steps 400 --dir /tmp/demo",
     )
-    p.add_argument("--devices", type=int, default=4, help="virtual CPU devices to train on (default 4)")
+    p.add_argument(
+        "--devices", type=int, default=4, help="virtual CPU devices to train on (default 4)"
+    )
     p.add_argument("--steps", type=int, default=300, help="training steps in all (default 300)")
-    p.add_argument("--dir", default="parallelvars-demo", help="where to write everything (default ./parallelvars-demo)")
+    p.add_argument(
+        "--dir",
+        default="parallelvars-demo",
+        help="where to write everything (default ./parallelvars-demo)",
+    )
     p.add_argument("--seed", type=int, default=0, help="data and initialisation seed")
     return p
 
@@ -82,7 +88,9 @@ def _train(
     for i in range(start, stop):
         j = (i * BATCH) % EXAMPLES
         xb, yb = x[j : j + BATCH], y[j : j + BATCH]
-        per_replica = strategy.run(step, args=(pv.PerReplica(np.array_split(xb, n)), pv.PerReplica(np.array_split(yb, n))))
+        per_replica = strategy.run(
+            step, args=(pv.PerReplica(np.array_split(xb, n)), pv.PerReplica(np.array_split(yb, n)))
+        )
         losses.append(float(strategy.reduce(pv.ReduceOp.SUM, per_replica)))
         step_var.assign_add(1)
         if (i + 1) % save_every == 0 or i + 1 == stop:
@@ -104,7 +112,9 @@ def run(args: argparse.Namespace) -> int:
 
     out: Output = args.out
     if args.devices < 1 or args.steps < 2:
-        raise UsageError(f"--devices must be >= 1 and --steps >= 2 (found {args.devices} and {args.steps})")
+        raise UsageError(
+            f"--devices must be >= 1 and --steps >= 2 (found {args.devices} and {args.steps})"
+        )
     root = os.path.abspath(args.dir)
     ckpt_dir = os.path.join(root, "checkpoints")
     os.makedirs(ckpt_dir, exist_ok=True)
@@ -129,13 +139,19 @@ def run(args: argparse.Namespace) -> int:
 
     # Leg 2: a "restart" on another number of devices, from the latest checkpoint.
     m = _restart_devices(args.devices)
-    strategy2, model2, opt2 = _build(m, args.seed + 1)  # fresh values: the restore must replace them
+    strategy2, model2, opt2 = _build(
+        m, args.seed + 1
+    )  # fresh values: the restore must replace them
     step2 = pv.Variable(np.int64(0), name="step")
-    manager2 = pv.CheckpointManager(pv.Checkpoint(model=model2, optimizer=opt2, step=step2), ckpt_dir, max_to_keep=3)
+    manager2 = pv.CheckpointManager(
+        pv.Checkpoint(model=model2, optimizer=opt2, step=step2), ckpt_dir, max_to_keep=3
+    )
     try:
         restored = manager2.restore_or_initialize()
         same = all(
-            np.array_equal(c, np.asarray(a)) for a, b in zip(model.params, model2.params, strict=True) for c in b.components
+            np.array_equal(c, np.asarray(a))
+            for a, b in zip(model.params, model2.params, strict=True)
+            for c in b.components
         )
         resumed_at = int(step2)
         _train(strategy2, model2, opt2, step2, manager2, data, args.steps, out, losses, save_every)

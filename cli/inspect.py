@@ -165,7 +165,9 @@ def render_tree(rows: list[dict[str, Any]]) -> list[str]:
         if row is not None
     ]
     widths = [max((len(c[j]) for c in cells), default=0) for j in range(6)]
-    name_width = min(max((len(label) for label, row in lines if row is not None), default=0), _MAX_NAME_WIDTH)
+    name_width = min(
+        max((len(label) for label, row in lines if row is not None), default=0), _MAX_NAME_WIDTH
+    )
     out = []
     it = iter(cells)
     for label, row in lines:
@@ -186,8 +188,18 @@ def collect(view: CheckpointView, out: Output) -> list[dict[str, Any]]:
         try:
             entries.append(view[key])
         except ParallelVarsError as exc:  # shown in the tree, marked, with the others
-            rows.append({"path": key, "kind": "?", "dtype": "?", "shape": [], "components": 0,
-                         "bytes": 0, "attrs": {}, "damaged": str(exc)})
+            rows.append(
+                {
+                    "path": key,
+                    "kind": "?",
+                    "dtype": "?",
+                    "shape": [],
+                    "components": 0,
+                    "bytes": 0,
+                    "attrs": {},
+                    "damaged": str(exc),
+                }
+            )
     mirrored = [e for e in entries if e.kind == "mirrored" and e.num_components > 1]
     with out.progress(sum(e.nbytes for e in mirrored), "compare components") as bar:
         for entry in entries:

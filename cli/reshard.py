@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         before = sorted({int(view[k].num_components) for k in view})
         entries = formats.reshard(view, args.devices)
         destination, fmt = destination_path(
-            args.destination, args.to_format or output_format(args.destination, None, view.format),
+            args.destination,
+            args.to_format or output_format(args.destination, None, view.format),
             parents=args.parents,
         )
         wrapped, bar = progress_entries(out, entries, "reshard")

@@ -22,7 +22,9 @@ def make_params(seed: int = 0) -> list[pv.ParallelVariable]:
     """w1, b1, w2, b2 as variables (mirrored when created in a strategy scope)."""
     rng = np.random.default_rng(seed)
     return [
-        pv.Variable(rng.normal(0, 1 / np.sqrt(FEATURES), (FEATURES, HIDDEN)).astype(np.float32), name="w1"),
+        pv.Variable(
+            rng.normal(0, 1 / np.sqrt(FEATURES), (FEATURES, HIDDEN)).astype(np.float32), name="w1"
+        ),
         pv.Variable(np.zeros(HIDDEN, np.float32), name="b1"),
         pv.Variable(rng.normal(0, 1 / np.sqrt(HIDDEN), (HIDDEN, 1)).astype(np.float32), name="w2"),
         pv.Variable(np.zeros(1, np.float32), name="b2"),
@@ -30,7 +32,12 @@ def make_params(seed: int = 0) -> list[pv.ParallelVariable]:
 
 
 def train(
-    grad_fn, steps: int, devices: int = 4, batch: int = 128, lr: float = 0.01, gradient_buffers: bool = False
+    grad_fn,
+    steps: int,
+    devices: int = 4,
+    batch: int = 128,
+    lr: float = 0.01,
+    gradient_buffers: bool = False,
 ) -> tuple[float, float]:
     """Train with ``grad_fn(params_as_arrays, x, y, global_batch) -> (loss, grads)`` per replica.
 
@@ -63,7 +70,11 @@ def train(
         j = (i * batch) % len(x)
         xb, yb = x[j : j + batch], y[j : j + batch]
         per_replica = strategy.run(
-            step, args=(pv.PerReplica(np.array_split(xb, devices)), pv.PerReplica(np.array_split(yb, devices)))
+            step,
+            args=(
+                pv.PerReplica(np.array_split(xb, devices)),
+                pv.PerReplica(np.array_split(yb, devices)),
+            ),
         )
         losses.append(float(strategy.reduce(pv.ReduceOp.SUM, per_replica)))
     identical = all(np.array_equal(c, p.components[0]) for p in params for c in p.components)

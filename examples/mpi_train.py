@@ -24,7 +24,11 @@ import parallelvars as pv
 def main() -> None:
     strategy = pv.MultiWorkerMirroredStrategy()
     rank, n = strategy.cluster_rank, strategy.num_replicas_in_sync
-    out_dir = sys.argv[1] if len(sys.argv) > 1 else os.path.join(tempfile.gettempdir(), "parallelvars-mpi")
+    out_dir = (
+        sys.argv[1]
+        if len(sys.argv) > 1
+        else os.path.join(tempfile.gettempdir(), "parallelvars-mpi")
+    )
 
     rng = np.random.default_rng(42)  # the same data on every rank; each takes its slice
     x = rng.normal(size=(64 * n, 8)).astype(np.float32)

@@ -1,6 +1,6 @@
 """Embed parallelvars in a training loop whose gradients come from plain numpy.
 
-    python examples/numpy_gradients.py [--steps 300]
+python examples/numpy_gradients.py [--steps 300]
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ def grads_numpy(params, x, y, global_batch):
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=300)
     first, last = train(grads_numpy, ap.parse_args().steps)
     print(f"numpy gradients: loss {first:.4f} -> {last:.4f}")

@@ -19,7 +19,9 @@ from _common import train
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=300)
     args = ap.parse_args()
     try:
@@ -30,7 +32,9 @@ def main() -> int:
     torch.set_num_threads(1)  # the replicas already run in parallel threads
 
     def grads_torch(params, x, y, global_batch, out):
-        w1, b1, w2, b2 = tensors = [torch.from_numpy(p).requires_grad_() for p in params]  # shares memory
+        w1, b1, w2, b2 = tensors = [
+            torch.from_numpy(p).requires_grad_() for p in params
+        ]  # shares memory
         for t, view in zip(tensors, out, strict=True):
             view.fill(0)  # autograd adds into an existing .grad
             t.grad = torch.from_numpy(view)  # the gradient buffer itself

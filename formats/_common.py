@@ -106,7 +106,11 @@ def is_ml_dtype(dtype: np.dtype) -> bool:
 def dtype_name(dtype: np.dtype) -> str:
     """The checkpoint name of ``dtype`` (``float32``, ``bfloat16``; ``bytes`` for strings)."""
     dtype = np.dtype(dtype)
-    if not (is_string_dtype(dtype) or is_ml_dtype(dtype) or (dtype.kind in "biufc" and dtype.fields is None)):
+    if not (
+        is_string_dtype(dtype)
+        or is_ml_dtype(dtype)
+        or (dtype.kind in "biufc" and dtype.fields is None)
+    ):
         raise UnsupportedDtypeError(f"dtype {dtype} is not a tensor dtype")
     return _core_dtype_name(dtype)
 
@@ -169,21 +173,32 @@ def parse_size(size: int | str) -> int:
     else:
         text = str(size).strip().upper().replace(" ", "")
         units = {
-            "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
-            "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1,
+            "KIB": 1 << 10,
+            "MIB": 1 << 20,
+            "GIB": 1 << 30,
+            "TIB": 1 << 40,
+            "KB": 10**3,
+            "MB": 10**6,
+            "GB": 10**9,
+            "TB": 10**12,
+            "B": 1,
         }
         for suffix, factor in units.items():
             if text.endswith(suffix):
                 try:
                     value = int(float(text[: -len(suffix)]) * factor)
                 except ValueError:
-                    raise InvalidArgumentError(f"cannot read size {size!r} (expected e.g. 500MB or 2GiB)") from None
+                    raise InvalidArgumentError(
+                        f"cannot read size {size!r} (expected e.g. 500MB or 2GiB)"
+                    ) from None
                 break
         else:
             try:
                 value = int(float(text))
             except ValueError:
-                raise InvalidArgumentError(f"cannot read size {size!r} (expected e.g. 500MB or 2GiB)") from None
+                raise InvalidArgumentError(
+                    f"cannot read size {size!r} (expected e.g. 500MB or 2GiB)"
+                ) from None
     if value <= 0:
         raise InvalidArgumentError(f"size must be positive, got {size!r}")
     return value
@@ -196,13 +211,18 @@ def parse_size(size: int | str) -> int:
 def check_entry(entry: Entry, file: str | None = None) -> None:
     """Raise a clear error when ``entry``'s kind, components or shard offsets do not agree."""
     if entry.kind not in KINDS:
-        raise InvalidEntryError("unknown kind", variable=entry.path, expected=f"one of {KINDS}", found=repr(entry.kind))
+        raise InvalidEntryError(
+            "unknown kind", variable=entry.path, expected=f"one of {KINDS}", found=repr(entry.kind)
+        )
     if entry.num_components < 1:
         raise InvalidEntryError("an entry needs at least one component", variable=entry.path)
     if entry.kind == "single" and entry.num_components != 1:
         raise ShapeMismatchError(
             "a single variable has exactly one component",
-            file=file, variable=entry.path, expected=1, found=entry.num_components,
+            file=file,
+            variable=entry.path,
+            expected=1,
+            found=entry.num_components,
         )
     if entry.kind == "sharded":
         shape = tuple(int(s) for s in entry.shape)
@@ -212,13 +232,18 @@ def check_entry(entry: Entry, file: str | None = None) -> None:
         except (KeyError, TypeError, ValueError):
             raise ShapeMismatchError(
                 "a sharded variable needs integer attrs shard_axis and shard_offsets",
-                file=file, variable=entry.path,
-                expected="shard_axis and shard_offsets", found=f"attrs {sorted(entry.attrs)}",
+                file=file,
+                variable=entry.path,
+                expected="shard_axis and shard_offsets",
+                found=f"attrs {sorted(entry.attrs)}",
             ) from None
         if not 0 <= axis < len(shape):
             raise ShapeMismatchError(
-                "shard axis out of range", file=file, variable=entry.path,
-                expected=f"0 <= axis < {len(shape)}", found=axis,
+                "shard axis out of range",
+                file=file,
+                variable=entry.path,
+                expected=f"0 <= axis < {len(shape)}",
+                found=axis,
             )
         if (
             len(offsets) != entry.num_components
@@ -227,7 +252,9 @@ def check_entry(entry: Entry, file: str | None = None) -> None:
             or (offsets and offsets[-1] > shape[axis])
         ):
             raise ShapeMismatchError(
-                "shard offsets do not tile the sharded axis", file=file, variable=entry.path,
+                "shard offsets do not tile the sharded axis",
+                file=file,
+                variable=entry.path,
                 expected=f"{entry.num_components} ascending offsets from 0 within {shape[axis]}",
                 found=offsets,
             )
@@ -291,7 +318,6 @@ class PlannedTensor:
             region = (slice(None),) * axis + (slice(int(start), int(start) + size),)
             entry.read_component_into(j, out[region])
         return out
-
 
     def read_with(self, scratch: Scratch) -> np.ndarray:
         """The tensor read into ``scratch`` (valid until the next read with it)."""
@@ -389,7 +415,9 @@ class TensorStore(abc.ABC):
         """The dtype and shape the tensor ``key`` is stored with."""
 
     @abc.abstractmethod
-    def read_into(self, key: str, out: np.ndarray, region: tuple[int, int, int] | None = None) -> None:
+    def read_into(
+        self, key: str, out: np.ndarray, region: tuple[int, int, int] | None = None
+    ) -> None:
         """Read tensor ``key`` (or the slice ``region = (axis, start, stop)``) into ``out``.
 
         ``out`` is C-contiguous with the stored dtype and the shape of what is read.
@@ -409,7 +437,7 @@ def _region_shape(shape: tuple[int, ...], region: tuple[int, int, int] | None) -
     if region is None:
         return shape
     axis, start, stop = region
-    return (*shape[:axis], stop - start, *shape[axis + 1:])
+    return (*shape[:axis], stop - start, *shape[axis + 1 :])
 
 
 class ByteStore(TensorStore):
@@ -449,8 +477,11 @@ class ByteStore(TensorStore):
         expected = self._expected_crc(key)
         if expected is not None and crc != expected:
             raise ChecksumMismatchError(
-                "the tensor's bytes do not match their stored checksum", file=self.file, variable=key,
-                expected=f"{self._crc_name()} {expected:#010x}", found=f"{self._crc_name()} {crc:#010x}",
+                "the tensor's bytes do not match their stored checksum",
+                file=self.file,
+                variable=key,
+                expected=f"{self._crc_name()} {expected:#010x}",
+                found=f"{self._crc_name()} {crc:#010x}",
             )
         self._verified_keys().add(key)
 
@@ -468,7 +499,9 @@ class ByteStore(TensorStore):
             crc = self._crc_update(block, crc)
         self._check_crc(key, crc)
 
-    def read_into(self, key: str, out: np.ndarray, region: tuple[int, int, int] | None = None) -> None:
+    def read_into(
+        self, key: str, out: np.ndarray, region: tuple[int, int, int] | None = None
+    ) -> None:
         dtype, shape = self.stored(key)
         flat = out.reshape(-1).view(np.uint8)
         if region is None or flat.size == 0:
@@ -483,7 +516,7 @@ class ByteStore(TensorStore):
         self.verify(key)
         axis, start, stop = region
         outer = math.prod(shape[:axis])
-        inner = math.prod(shape[axis + 1:]) * dtype.itemsize
+        inner = math.prod(shape[axis + 1 :]) * dtype.itemsize
         run = (stop - start) * inner  # bytes of the slice in one outer row
         stride = shape[axis] * inner  # bytes of one outer row
         if outer == 1 or run == stride:
@@ -491,7 +524,9 @@ class ByteStore(TensorStore):
             return
         if run >= (64 << 10):  # long runs: read each straight into place
             for o in range(outer):
-                self._read_bytes(key, o * stride + start * inner, flat[o * run:(o + 1) * run].data)
+                self._read_bytes(
+                    key, o * stride + start * inner, flat[o * run : (o + 1) * run].data
+                )
             return
         rows = max(1, _BLOCK // stride)
         bounce = np.empty(min(rows, outer) * stride, np.uint8)
@@ -499,7 +534,9 @@ class ByteStore(TensorStore):
             o1 = min(outer, o0 + rows)
             block = bounce[: (o1 - o0) * stride]
             self._read_bytes(key, o0 * stride, block.data)
-            flat[o0 * run:o1 * run] = block.reshape(o1 - o0, stride)[:, start * inner:start * inner + run].reshape(-1)
+            flat[o0 * run : o1 * run] = block.reshape(o1 - o0, stride)[
+                :, start * inner : start * inner + run
+            ].reshape(-1)
 
 
 class StoredEntry(Entry):
@@ -568,7 +605,9 @@ class StoredEntry(Entry):
             out[...] = target
 
 
-def _corrupt(file: str, what: str, variable: str | None = None, **kw: Any) -> CorruptCheckpointError:
+def _corrupt(
+    file: str, what: str, variable: str | None = None, **kw: Any
+) -> CorruptCheckpointError:
     return CorruptCheckpointError(what, file=file, variable=variable, **kw)
 
 
@@ -598,7 +637,9 @@ def build_entries(
 
             raise FormatVersionError(
                 "the parallelvars metadata has an unknown version",
-                file=file, expected=f"<= {INFO_VERSION}", found=version,
+                file=file,
+                expected=f"<= {INFO_VERSION}",
+                found=version,
             )
         variables = info.get("variables") or {}
         if not isinstance(variables, Mapping):
@@ -612,8 +653,11 @@ def build_entries(
         for key in recorded.keys:
             if key in claimed:
                 raise _corrupt(
-                    file, f"stored tensor {key!r} is claimed by two variables",
-                    variable=str(path), expected="one owner", found=f"also {claimed[key]!r}",
+                    file,
+                    f"stored tensor {key!r} is claimed by two variables",
+                    variable=str(path),
+                    expected="one owner",
+                    found=f"also {claimed[key]!r}",
                 )
             claimed[key] = str(path)
         by_first_key[recorded.keys[0]] = recorded
@@ -627,11 +671,20 @@ def build_entries(
         else:
             dtype, shape = store.stored(key)
             entry = StoredEntry(
-                store, from_key(key, names), dtype=dtype, shape=shape, kind="single",
-                num_components=1, keys=[key], layout="components", attrs={},
+                store,
+                from_key(key, names),
+                dtype=dtype,
+                shape=shape,
+                kind="single",
+                num_components=1,
+                keys=[key],
+                layout="components",
+                attrs={},
             )
         if entry.path in out:
-            raise _corrupt(file, "two stored tensors map to the same variable path", variable=entry.path)
+            raise _corrupt(
+                file, "two stored tensors map to the same variable path", variable=entry.path
+            )
         out[entry.path] = entry
     return out
 
@@ -651,22 +704,44 @@ def _entry_from_record(store: TensorStore, path: str, rec: Any, present: set[str
     except (KeyError, TypeError, ValueError) as exc:
         raise _corrupt(file, f"variable record is incomplete ({exc})", variable=path) from None
     if kind not in KINDS or layout not in ("components", "logical") or any(s < 0 for s in shape):
-        raise _corrupt(file, "variable record has a bad kind, layout or shape", variable=path,
-                       expected=f"kind in {KINDS}, layout components|logical, shape >= 0",
-                       found=f"kind={kind!r} layout={layout!r} shape={shape}")
+        raise _corrupt(
+            file,
+            "variable record has a bad kind, layout or shape",
+            variable=path,
+            expected=f"kind in {KINDS}, layout components|logical, shape >= 0",
+            found=f"kind={kind!r} layout={layout!r} shape={shape}",
+        )
     expected_keys = n if layout == "components" else 1
     if len(keys) != expected_keys or (layout == "logical" and kind != "sharded"):
-        raise _corrupt(file, "variable record lists the wrong number of stored tensors",
-                       variable=path, expected=expected_keys, found=len(keys))
+        raise _corrupt(
+            file,
+            "variable record lists the wrong number of stored tensors",
+            variable=path,
+            expected=expected_keys,
+            found=len(keys),
+        )
     for key in keys:
         if key not in present:
-            raise _corrupt(file, f"stored tensor {key!r} listed in the metadata is missing", variable=path)
-    entry = StoredEntry(store, path, dtype=dtype, shape=shape, kind=kind, num_components=n,
-                        keys=keys, layout=layout, attrs=attrs)
+            raise _corrupt(
+                file, f"stored tensor {key!r} listed in the metadata is missing", variable=path
+            )
+    entry = StoredEntry(
+        store,
+        path,
+        dtype=dtype,
+        shape=shape,
+        kind=kind,
+        num_components=n,
+        keys=keys,
+        layout=layout,
+        attrs=attrs,
+    )
     try:
         check_entry(entry, file)
     except ShapeMismatchError as exc:
-        raise _corrupt(file, exc.what, variable=path, expected=exc.expected, found=exc.found) from None
+        raise _corrupt(
+            file, exc.what, variable=path, expected=exc.expected, found=exc.found
+        ) from None
     # The stored tensors must hold exactly the bytes the record describes.
     for i, key in enumerate(keys):
         sdtype, sshape = store.stored(key)
@@ -678,9 +753,13 @@ def _entry_from_record(store: TensorStore, path: str, rec: Any, present: set[str
                 tuple(sshape[: len(want)]) == tuple(want)
             )
         if not ok:
-            raise _corrupt(file, f"stored tensor {key!r} does not match the variable",
-                           variable=path, expected=f"{tuple(want)} {dtype}",
-                           found=f"{tuple(sshape)} {sdtype}")
+            raise _corrupt(
+                file,
+                f"stored tensor {key!r} does not match the variable",
+                variable=path,
+                expected=f"{tuple(want)} {dtype}",
+                found=f"{tuple(sshape)} {sdtype}",
+            )
     return entry
 
 
@@ -728,7 +807,9 @@ def write_array(f: IO[bytes], array: np.ndarray) -> int:
 _LITTLE = np.little_endian
 
 
-def read_exact_into(f: IO[bytes], lock: threading.Lock, offset: int, buf: memoryview, *, file: str, key: str) -> None:
+def read_exact_into(
+    f: IO[bytes], lock: threading.Lock, offset: int, buf: memoryview, *, file: str, key: str
+) -> None:
     """Fill ``buf`` from ``f`` at ``offset``; TruncatedFileError when the file ends early."""
     with lock:
         f.seek(offset)
@@ -737,8 +818,11 @@ def read_exact_into(f: IO[bytes], lock: threading.Lock, offset: int, buf: memory
             n = f.readinto(buf[done:])  # type: ignore[attr-defined]
             if not n:
                 raise TruncatedFileError(
-                    "the file ends inside the tensor's data", file=file, variable=key,
-                    expected=f"{len(buf)} bytes at offset {offset}", found=f"{done} bytes",
+                    "the file ends inside the tensor's data",
+                    file=file,
+                    variable=key,
+                    expected=f"{len(buf)} bytes at offset {offset}",
+                    found=f"{done} bytes",
                 )
             done += n
 

@@ -18,7 +18,9 @@ from ._view import DictView, Entry
 __all__ = ["convert", "format_for_path"]
 
 # Attributes that describe how a value is spread over devices; a primary-only copy drops them.
-_PARALLEL_ATTRS = frozenset({"devices", "shard_axis", "shard_offsets", "aggregation", "synchronization"})
+_PARALLEL_ATTRS = frozenset(
+    {"devices", "shard_axis", "shard_offsets", "aggregation", "synchronization"}
+)
 
 
 def format_for_path(path: str | os.PathLike[str]) -> str | None:
@@ -143,17 +145,23 @@ def convert(
         check_names(names)
     target = to_format or format_for_path(dst)
     if target is None:
-        raise InvalidArgumentError(f"{os.fspath(dst)}: cannot tell the output format from the name; pass to_format=")
+        raise InvalidArgumentError(
+            f"{os.fspath(dst)}: cannot tell the output format from the name; pass to_format="
+        )
     spec = get_format(target)
     options: dict[str, Any] = {}
     if names is not None:
         if "names" not in spec.options:
-            raise InvalidArgumentError(f"format {target!r} has no key style; names= applies to formats "
-                             "with flat keys (safetensors, npz)")
+            raise InvalidArgumentError(
+                f"format {target!r} has no key style; names= applies to formats "
+                "with flat keys (safetensors, npz)"
+            )
         options["names"] = names
     if max_shard_size is not None:
         if "max_shard_size" not in spec.options:
-            raise InvalidArgumentError(f"format {target!r} is not sharded by size; max_shard_size= applies to safetensors")
+            raise InvalidArgumentError(
+                f"format {target!r} is not sharded by size; max_shard_size= applies to safetensors"
+            )
         options["max_shard_size"] = max_shard_size
     view = open_checkpoint(src, format=from_format, **dict(read_options or {}))
     try:
@@ -167,7 +175,8 @@ def convert(
                     raise InvalidEntryError(
                         f"holds {e.num_components} independent components and no single value "
                         "to write with components='primary'",
-                        file=os.fspath(src), variable=key,
+                        file=os.fspath(src),
+                        variable=key,
                         hint="keep them with components='all' (--components all), or extract one "
                         "with 'parallelvars extract --component'",
                     )

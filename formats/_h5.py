@@ -20,12 +20,28 @@ from parallelvars.errors import (
     TruncatedFileError,
 )
 
-__all__ = ["H5_ERRORS", "HDF5_SIGNATURE", "attr_to_python", "h5_errors", "is_hdf5", "open_h5", "read_split_attr"]
+__all__ = [
+    "H5_ERRORS",
+    "HDF5_SIGNATURE",
+    "attr_to_python",
+    "h5_errors",
+    "is_hdf5",
+    "open_h5",
+    "read_split_attr",
+]
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 #: What h5py raises on damaged HDF5 structure (HDF5's error stack mapped by h5py, and the
 #: decoding errors of attribute values).
-H5_ERRORS = (OSError, RuntimeError, LookupError, ValueError, TypeError, AttributeError, ArithmeticError)
+H5_ERRORS = (
+    OSError,
+    RuntimeError,
+    LookupError,
+    ValueError,
+    TypeError,
+    AttributeError,
+    ArithmeticError,
+)
 
 
 @contextlib.contextmanager
@@ -37,7 +53,11 @@ def h5_errors(file: str, what: str, variable: str | None = None) -> Iterator[Non
         raise
     except H5_ERRORS as exc:
         text = f"{type(exc).__name__}: {exc}"
-        cls = TruncatedFileError if "eof" in text.lower() or "truncated" in text.lower() else CorruptCheckpointError
+        cls = (
+            TruncatedFileError
+            if "eof" in text.lower() or "truncated" in text.lower()
+            else CorruptCheckpointError
+        )
         raise cls(f"{what} ({text[:200]})", file=file, variable=variable) from None
 
 
@@ -67,8 +87,9 @@ def open_h5(path: str) -> h5py.File:
     if not ok:
         with open(path, "rb") as f:
             head = f.read(len(HDF5_SIGNATURE))
-        raise NotACheckpointError("not an HDF5 file", file=path, expected=repr(HDF5_SIGNATURE),
-                                  found=repr(head))
+        raise NotACheckpointError(
+            "not an HDF5 file", file=path, expected=repr(HDF5_SIGNATURE), found=repr(head)
+        )
     return _open(path)
 
 
@@ -87,7 +108,11 @@ def attr_to_python(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.decode("utf-8", "surrogateescape")
     if isinstance(value, np.ndarray):
-        return [attr_to_python(v) for v in value.tolist()] if value.ndim else attr_to_python(value.item())
+        return (
+            [attr_to_python(v) for v in value.tolist()]
+            if value.ndim
+            else attr_to_python(value.item())
+        )
     if isinstance(value, np.generic):
         return attr_to_python(value.item())
     if isinstance(value, (list, tuple)):

@@ -68,7 +68,9 @@ _COMPONENT_RE = re.compile(r"^parallel_component_([1-9][0-9]*)$")
 def check_names(names: str) -> str:
     """``names`` when it is a known style; ``ValueError`` otherwise."""
     if names not in NAME_STYLES:
-        raise InvalidArgumentError(f"unknown name style {names!r} (expected one of {', '.join(NAME_STYLES)})")
+        raise InvalidArgumentError(
+            f"unknown name style {names!r} (expected one of {', '.join(NAME_STYLES)})"
+        )
     return names
 
 
@@ -95,7 +97,9 @@ def to_key(
     """
     check_names(names)
     if component < 0:
-        raise InvalidArgumentError(f"variable {path!r}: component index must be >= 0, got {component}")
+        raise InvalidArgumentError(
+            f"variable {path!r}: component index must be >= 0, got {component}"
+        )
     if names == "slash":
         key = path
     elif names == "dotted":
@@ -113,7 +117,7 @@ def _tf_object_path(path: str, slot_of: str | None, slot_name: str | None) -> st
         # Our slot path is "<optimizer>/slots/<variable>/<slot>"; TF keys the slot under the
         # variable: "<variable>/.OPTIMIZER_SLOT/<optimizer>/<slot>".
         tail = ["slots", *_segments(slot_of), slot_name]
-        if len(segs) > len(tail) and segs[-len(tail):] == tail:
+        if len(segs) > len(tail) and segs[-len(tail) :] == tail:
             optimizer = segs[: -len(tail)]
             return "/".join(
                 [escape_name(s) for s in _segments(slot_of)]
@@ -147,10 +151,10 @@ def from_key(key: str, names: str = "slash") -> str:
         return key  # TF1 name-based key: already a slash path
     at = parts.index(_ATTRIBUTES)
     obj = parts[:at]
-    attribute = "/".join(parts[at + 1:])
+    attribute = "/".join(parts[at + 1 :])
     if _SLOT in obj:
         s = obj.index(_SLOT)
-        variable, rest = obj[:s], obj[s + 1:]
+        variable, rest = obj[:s], obj[s + 1 :]
         if len(rest) >= 2:
             optimizer, slot = rest[:-1], rest[-1]
             obj = [*optimizer, "slots", *variable, slot]

@@ -69,7 +69,9 @@ def get_format(name: str) -> FormatSpec:
     """The :class:`FormatSpec` registered under ``name``."""
     key = name.lower()
     if key not in _ADAPTER_MODULES:
-        raise InvalidArgumentError(f"unknown format {name!r} (expected one of {', '.join(FORMAT_NAMES)})")
+        raise InvalidArgumentError(
+            f"unknown format {name!r} (expected one of {', '.join(FORMAT_NAMES)})"
+        )
     if key not in _loaded:
         module = importlib.import_module(_ADAPTER_MODULES[key])
         specs = getattr(module, "FORMATS", None) or (module.FORMAT,)
@@ -123,11 +125,15 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         "not a checkpoint of any known format",
         file=p,
         expected=f"one of {', '.join(FORMAT_NAMES)}",
-        found="a directory with no checkpoint files in it" if os.path.isdir(p) else f"first bytes {head[:8]!r}",
+        found="a directory with no checkpoint files in it"
+        if os.path.isdir(p)
+        else f"first bytes {head[:8]!r}",
     )
 
 
-def open_checkpoint(path: str | os.PathLike[str], format: str | None = None, **options: Any) -> CheckpointView:
+def open_checkpoint(
+    path: str | os.PathLike[str], format: str | None = None, **options: Any
+) -> CheckpointView:
     """Open ``path`` as a lazy :class:`CheckpointView` (format detected unless given)."""
     p = os.fspath(path)
     name = format or detect_format(p)
@@ -145,5 +151,7 @@ def write_checkpoint(
     if format is None:
         format = format_for_suffix(p)
         if format is None:
-            raise InvalidArgumentError(f"{p}: cannot tell the output format from the name; pass format=")
+            raise InvalidArgumentError(
+                f"{p}: cannot tell the output format from the name; pass format="
+            )
     return get_format(format).write(p, entries, **options)

@@ -99,8 +99,15 @@ class _Rewritten(Entry):
 class _Broadcast(_Rewritten):
     """The same value on every component (primary or aggregate of the source)."""
 
-    def __init__(self, source: Entry, kind: str, m: int, attrs: Mapping[str, Any],
-                 compute: Callable[[], np.ndarray], cache: _Cache) -> None:
+    def __init__(
+        self,
+        source: Entry,
+        kind: str,
+        m: int,
+        attrs: Mapping[str, Any],
+        compute: Callable[[], np.ndarray],
+        cache: _Cache,
+    ) -> None:
         super().__init__(source, kind, m, attrs)
         self._compute = compute
         self._cache = cache
@@ -169,7 +176,10 @@ def _rewrite(entry: Entry, m: int, mirror_single: bool, cache: _Cache, file: str
     if kind == "independent":
         raise DeviceCountError(
             "independent buffers cannot be redistributed onto another number of devices",
-            file=file, variable=entry.path, expected=f"{n} devices", found=f"{m} devices",
+            file=file,
+            variable=entry.path,
+            expected=f"{n} devices",
+            found=f"{m} devices",
         )
     attrs["devices"] = _devices(m)
     if kind == "mirrored":
@@ -184,7 +194,10 @@ def _rewrite(entry: Entry, m: int, mirror_single: bool, cache: _Cache, file: str
             return _Broadcast(entry, kind, m, attrs, lambda: entry.component(0), cache)
         raise DeviceCountError(
             f"an on-read variable with aggregation {agg!r} cannot be redistributed",
-            file=file, variable=entry.path, expected=f"{n} devices", found=f"{m} devices",
+            file=file,
+            variable=entry.path,
+            expected=f"{n} devices",
+            found=f"{m} devices",
         )
     # sharded
     axis = int(attrs["shard_axis"])
@@ -192,7 +205,9 @@ def _rewrite(entry: Entry, m: int, mirror_single: bool, cache: _Cache, file: str
     return _Resplit(entry, kind, m, attrs)
 
 
-def reshard(view: Mapping[str, Entry], devices: int, *, mirror_single: bool = False) -> CheckpointView:
+def reshard(
+    view: Mapping[str, Entry], devices: int, *, mirror_single: bool = False
+) -> CheckpointView:
     """A lazy view of ``view`` rewritten for ``devices`` devices (see the module table).
 
     Args:

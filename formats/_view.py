@@ -115,10 +115,14 @@ class ArrayEntry(Entry):
         self.dtype = self._components[0].dtype
         self.kind = kind or ("single" if len(self._components) == 1 else "mirrored")
         if self.kind not in KINDS:
-            raise InvalidEntryError("unknown kind", variable=path, expected=f"one of {KINDS}", found=repr(self.kind))
+            raise InvalidEntryError(
+                "unknown kind", variable=path, expected=f"one of {KINDS}", found=repr(self.kind)
+            )
         self.num_components = len(self._components)
         self.attrs = dict(attrs or {})
-        self.shape = tuple(int(s) for s in (shape if shape is not None else self._components[0].shape))
+        self.shape = tuple(
+            int(s) for s in (shape if shape is not None else self._components[0].shape)
+        )
 
     def component(self, i: int) -> np.ndarray:
         self._check_index(i)
@@ -157,7 +161,9 @@ class CheckpointView(Mapping[str, Entry]):
         self.close()
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} format={self.format} path={self.path!r} entries={len(self)}>"
+        return (
+            f"<{type(self).__name__} format={self.format} path={self.path!r} entries={len(self)}>"
+        )
 
 
 class DictView(CheckpointView):

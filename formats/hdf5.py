@@ -26,6 +26,7 @@ from ._view import CheckpointView, Entry
 
 __all__ = ["FORMAT", "HDF5View", "open_hdf5", "write_hdf5"]
 
+
 class HDF5View(CheckpointView):
     """A :class:`CheckpointView` over an :class:`H5Reader`.
 
@@ -92,7 +93,9 @@ def write_hdf5(
     for key, entry in entries.items():
         check_entry(entry, p)
         if entry.path != key:
-            raise InvalidEntryError(f"entry stored under {key!r} has another path", file=p, variable=entry.path)
+            raise InvalidEntryError(
+                f"entry stored under {key!r} has another path", file=p, variable=entry.path
+            )
         values.append(entry)
     meta = carried_metadata(metadata)
     return write_h5(p, values, object_graph=object_graph, metadata=meta)

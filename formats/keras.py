@@ -136,13 +136,22 @@ def _dataset_dtype(ds: h5py.Dataset, file: str, key: str) -> np.dtype:
 
         real = dtype_from_name(tag, file=file, variable=key) if tag else None
         if real is None or real.itemsize != dt.itemsize:
-            raise UnsupportedDtypeError("opaque dataset without a matching dtype attribute",
-                                        file=file, variable=key, expected='attribute dtype="bfloat16"',
-                                        found=f"{dt} with dtype={tag!r}")
+            raise UnsupportedDtypeError(
+                "opaque dataset without a matching dtype attribute",
+                file=file,
+                variable=key,
+                expected='attribute dtype="bfloat16"',
+                found=f"{dt} with dtype={tag!r}",
+            )
         return real
     if dt.kind not in "biufc" or dt.fields is not None:
-        raise UnsupportedDtypeError("unsupported HDF5 dataset type", file=file, variable=key,
-                                    expected="a numeric dtype", found=str(dt))
+        raise UnsupportedDtypeError(
+            "unsupported HDF5 dataset type",
+            file=file,
+            variable=key,
+            expected="a numeric dtype",
+            found=str(dt),
+        )
     return dt.newbyteorder("=")
 
 
@@ -153,9 +162,13 @@ class _H5Store(TensorStore):
         self.file = file
         self._h5: h5py.File | None = h5
         self._ds = dict(datasets)
-        self._meta = {k: (_dataset_dtype(d, file, k), tuple(int(s) for s in d.shape))
-                      for k, d in self._ds.items()}
-        self.crcs: dict[str, int | None] = {k: _dataset_crc(d, file, k) for k, d in self._ds.items()}
+        self._meta = {
+            k: (_dataset_dtype(d, file, k), tuple(int(s) for s in d.shape))
+            for k, d in self._ds.items()
+        }
+        self.crcs: dict[str, int | None] = {
+            k: _dataset_crc(d, file, k) for k, d in self._ds.items()
+        }
         self._verified: set[str] = set()
         size = os.path.getsize(file)
         for k, d in self._ds.items():
@@ -167,8 +180,13 @@ class _H5Store(TensorStore):
             nbytes = math.prod(shape) * max(dtype.itemsize, d.dtype.itemsize)
             limit = size * (_MAX_COMPRESSION if d.chunks is not None else 1)
             if nbytes > limit:  # refused before anything is allocated for it
-                raise TruncatedFileError("the dataset claims more bytes than the file holds", file=file,
-                                         variable=k, expected=f"<= {limit} bytes", found=f"{nbytes} bytes")
+                raise TruncatedFileError(
+                    "the dataset claims more bytes than the file holds",
+                    file=file,
+                    variable=k,
+                    expected=f"<= {limit} bytes",
+                    found=f"{nbytes} bytes",
+                )
 
     def keys(self) -> list[str]:
         return list(self._ds)
@@ -188,7 +206,9 @@ class _H5Store(TensorStore):
         axis, start, stop = region
         return (slice(None),) * axis + (slice(start, stop),)
 
-    def read_into(self, key: str, out: np.ndarray, region: tuple[int, int, int] | None = None) -> None:
+    def read_into(
+        self, key: str, out: np.ndarray, region: tuple[int, int, int] | None = None
+    ) -> None:
         ds = self._dataset(key)
         with h5_errors(self.file, "h5py cannot read the dataset", key):
             if region is not None:
@@ -212,8 +232,11 @@ class _H5Store(TensorStore):
             found = checksum(value)
             if found != expected:
                 raise ChecksumMismatchError(
-                    "the dataset's bytes do not match their crc32c attribute", file=self.file,
-                    variable=key, expected=f"crc32c {expected:#010x}", found=f"crc32c {found:#010x}",
+                    "the dataset's bytes do not match their crc32c attribute",
+                    file=self.file,
+                    variable=key,
+                    expected=f"crc32c {expected:#010x}",
+                    found=f"crc32c {found:#010x}",
                 )
         self._verified.add(key)
 
@@ -247,8 +270,13 @@ def _dataset_crc(ds: h5py.Dataset, file: str, key: str) -> int | None:
         return None
     value = np.asarray(raw)
     if value.shape != () or value.dtype.kind not in "iu" or not 0 <= int(value) < (1 << 32):
-        raise CorruptCheckpointError("the crc32c attribute is damaged", file=file, variable=key,
-                                     expected="an integer in [0, 2**32)", found=repr(raw)[:80])
+        raise CorruptCheckpointError(
+            "the crc32c attribute is damaged",
+            file=file,
+            variable=key,
+            expected="an integer in [0, 2**32)",
+            found=repr(raw)[:80],
+        )
     return int(value)
 
 
@@ -258,7 +286,9 @@ def _structure_crc(store: _H5Store, layout: Any, info: Any) -> int:
     doc = {
         "layout": jsonable(layout),
         "info": jsonable(info),
-        "datasets": [[k, str(store.stored(k)[0]), list(store.stored(k)[1]), store.crcs[k]] for k in keys],
+        "datasets": [
+            [k, str(store.stored(k)[0]), list(store.stored(k)[1]), store.crcs[k]] for k in keys
+        ],
     }
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return int(_crc32c.crc32c(text.encode("ascii")))
@@ -268,19 +298,33 @@ def _verify_structure(h5: h5py.File, file: str, store: _H5Store, layout: Any, in
     raw = h5.attrs.get(STRUCTURE_ATTR)
     if raw is None:
         if isinstance(info, dict) and info.get("checksums"):
-            raise CorruptCheckpointError("the structure checksum is missing", file=file,
-                                         variable=STRUCTURE_ATTR, expected=f"root attribute {STRUCTURE_ATTR}",
-                                         found="none")
+            raise CorruptCheckpointError(
+                "the structure checksum is missing",
+                file=file,
+                variable=STRUCTURE_ATTR,
+                expected=f"root attribute {STRUCTURE_ATTR}",
+                found="none",
+            )
         return  # a file from Keras or another tool
     value = np.asarray(raw)
     if value.shape != () or value.dtype.kind not in "iu":
-        raise CorruptCheckpointError("the structure checksum attribute is damaged", file=file,
-                                     variable=STRUCTURE_ATTR, expected="an integer", found=repr(raw)[:80])
+        raise CorruptCheckpointError(
+            "the structure checksum attribute is damaged",
+            file=file,
+            variable=STRUCTURE_ATTR,
+            expected="an integer",
+            found=repr(raw)[:80],
+        )
     found = _structure_crc(store, layout, info)
     if int(value) != found:
-        raise ChecksumMismatchError("the file's structure (names, order, attributes, dtypes, shapes) does "
-                                    "not match its checksum", file=file, variable=STRUCTURE_ATTR,
-                                    expected=f"crc32c {int(value):#010x}", found=f"crc32c {found:#010x}")
+        raise ChecksumMismatchError(
+            "the file's structure (names, order, attributes, dtypes, shapes) does "
+            "not match its checksum",
+            file=file,
+            variable=STRUCTURE_ATTR,
+            expected=f"crc32c {int(value):#010x}",
+            found=f"crc32c {found:#010x}",
+        )
 
 
 def _info(h5: h5py.File, file: str) -> dict[str, Any] | None:
@@ -290,11 +334,13 @@ def _info(h5: h5py.File, file: str) -> dict[str, Any] | None:
     try:
         info = json.loads(attr_to_python(raw))
     except (TypeError, json.JSONDecodeError) as exc:
-        raise CorruptCheckpointError(f"the parallelvars attribute is not valid JSON ({exc})",
-                                     file=file, variable=INFO_ATTR) from None
+        raise CorruptCheckpointError(
+            f"the parallelvars attribute is not valid JSON ({exc})", file=file, variable=INFO_ATTR
+        ) from None
     if not isinstance(info, dict):
-        raise CorruptCheckpointError("the parallelvars attribute is not a JSON object", file=file,
-                                     variable=INFO_ATTR)
+        raise CorruptCheckpointError(
+            "the parallelvars attribute is not a JSON object", file=file, variable=INFO_ATTR
+        )
     return info
 
 
@@ -320,15 +366,21 @@ def _is_legacy(h5: h5py.File) -> bool:
 
 def _not_ours(h5: h5py.File, file: str, want: str) -> None:
     if "parallelvars_format" in h5.attrs:
-        raise NotACheckpointError(f"this is a parallelvars HDF5 checkpoint, not a {want} file",
-                                  file=file, hint="open it with format 'hdf5'")
+        raise NotACheckpointError(
+            f"this is a parallelvars HDF5 checkpoint, not a {want} file",
+            file=file,
+            hint="open it with format 'hdf5'",
+        )
 
 
 def _scan_keras(h5: h5py.File, p: str) -> tuple[dict[str, h5py.Dataset], dict[str, dict[str, Any]]]:
     """The datasets of a Keras 3 file in reading order, and the groups' attributes."""
     if _is_legacy(h5):
-        raise NotACheckpointError("this is a legacy Keras HDF5 file, not Keras 3 .weights.h5",
-                                  file=p, hint="open it with format 'keras-legacy'")
+        raise NotACheckpointError(
+            "this is a legacy Keras HDF5 file, not Keras 3 .weights.h5",
+            file=p,
+            hint="open it with format 'keras-legacy'",
+        )
     datasets: dict[str, h5py.Dataset] = {}
     groups: dict[str, dict[str, Any]] = {}
     root_attrs = {k: attr_to_python(v) for k, v in h5.attrs.items() if k not in _OWN_ROOT_ATTRS}
@@ -346,12 +398,19 @@ def _scan_keras(h5: h5py.File, p: str) -> tuple[dict[str, h5py.Dataset], dict[st
             continue
         datasets[name] = obj
     if not found_vars:
-        raise NotACheckpointError("no Keras 'vars' group in the HDF5 file", file=p,
-                                  expected="a Keras 3 .weights.h5 layout", found=f"top-level {sorted(h5)}")
+        raise NotACheckpointError(
+            "no Keras 'vars' group in the HDF5 file",
+            file=p,
+            expected="a Keras 3 .weights.h5 layout",
+            found=f"top-level {sorted(h5)}",
+        )
     for name in datasets:
         if not _VARS_RE.match(name):
-            raise CorruptCheckpointError("dataset outside a Keras vars group (expected "
-                                         "<path>/vars/<index>)", file=p, variable=name)
+            raise CorruptCheckpointError(
+                "dataset outside a Keras vars group (expected <path>/vars/<index>)",
+                file=p,
+                variable=name,
+            )
     order = sorted(datasets, key=lambda k: (k.rpartition("/")[0], int(k.rpartition("/")[2])))
     _reserved(h5, "", datasets, p)
     keys = order + [k for k in datasets if k.startswith(f"{RESERVED}/")]
@@ -365,7 +424,10 @@ def open_keras(path: str | os.PathLike[str]) -> CheckpointView:
     from Keras has none and is read as it is.
     """
     return _open(
-        path, "keras", "Keras weights", _scan_keras,
+        path,
+        "keras",
+        "Keras weights",
+        _scan_keras,
         lambda groups: (KERAS_LAYOUT, dumps({"groups": jsonable(groups)})),
     )
 
@@ -376,9 +438,12 @@ def _scan_legacy(h5: h5py.File, p: str) -> tuple[dict[str, h5py.Dataset], dict[s
     in_model = model_weights is not None
     root = model_weights or h5
     if "layer_names" not in root.attrs and "layer_names0" not in root.attrs:
-        raise NotACheckpointError("no layer_names attribute: not a legacy Keras weights file",
-                                  file=p, expected="attribute layer_names",
-                                  found=f"attributes {sorted(root.attrs)}")
+        raise NotACheckpointError(
+            "no layer_names attribute: not a legacy Keras weights file",
+            file=p,
+            expected="attribute layer_names",
+            found=f"attributes {sorted(root.attrs)}",
+        )
     layer_names = read_split_attr(root, "layer_names")
     datasets: dict[str, h5py.Dataset] = {}
     layers: dict[str, list[str]] = {}
@@ -388,8 +453,11 @@ def _scan_legacy(h5: h5py.File, p: str) -> tuple[dict[str, h5py.Dataset], dict[s
         for w in names:
             ds = _h5policy.get(group, w, p)
             if not isinstance(ds, h5py.Dataset):
-                raise CorruptCheckpointError("weight listed in weight_names has no dataset",
-                                             file=p, variable=f"{group.name}/{w}")
+                raise CorruptCheckpointError(
+                    "weight listed in weight_names has no dataset",
+                    file=p,
+                    variable=f"{group.name}/{w}",
+                )
             key = prefix + _SUFFIX_RE.sub("", w)
             if key in datasets:
                 raise CorruptCheckpointError("two weights have the same name", file=p, variable=key)
@@ -401,19 +469,24 @@ def _scan_legacy(h5: h5py.File, p: str) -> tuple[dict[str, h5py.Dataset], dict[s
         if not isinstance(group, h5py.Group):
             if layer == "top_level_model_weights":
                 continue
-            raise CorruptCheckpointError("layer listed in layer_names has no group", file=p,
-                                         variable=layer)
+            raise CorruptCheckpointError(
+                "layer listed in layer_names has no group", file=p, variable=layer
+            )
         layers[layer] = add(group, "")
     layout: dict[str, Any] = {
         "root": "model_weights" if in_model else "",
         "layer_names": layer_names,
         "layers": layers,
-        "file_attrs": {k: attr_to_python(v) for k, v in h5.attrs.items()
-                       if k not in _OWN_ROOT_ATTRS and not (in_model is False and k.startswith("layer_names"))},
+        "file_attrs": {
+            k: attr_to_python(v)
+            for k, v in h5.attrs.items()
+            if k not in _OWN_ROOT_ATTRS and not (in_model is False and k.startswith("layer_names"))
+        },
     }
     if in_model:
-        layout["root_attrs"] = {k: attr_to_python(v) for k, v in root.attrs.items()
-                                if not k.startswith("layer_names")}
+        layout["root_attrs"] = {
+            k: attr_to_python(v) for k, v in root.attrs.items() if not k.startswith("layer_names")
+        }
     optimizer = _h5policy.get(h5, "optimizer_weights", p)
     if isinstance(optimizer, h5py.Group):
         layout["optimizer_weights"] = add(optimizer, "optimizer_weights/")
@@ -428,7 +501,11 @@ def open_keras_legacy(path: str | os.PathLike[str]) -> CheckpointView:
     from Keras has none and is read as it is.
     """
     return _open(
-        path, "keras-legacy", "Keras", _scan_legacy, lambda layout: (LEGACY_LAYOUT, dumps(jsonable(layout)))
+        path,
+        "keras-legacy",
+        "Keras",
+        _scan_legacy,
+        lambda layout: (LEGACY_LAYOUT, dumps(jsonable(layout))),
     )
 
 
@@ -470,8 +547,13 @@ def _seal(h5: h5py.File, tmp: str, scan: Any) -> None:
 
 def _to_h5(array: np.ndarray, file: str, variable: str) -> np.ndarray:
     if is_string_dtype(array.dtype):
-        raise UnsupportedDtypeError("Keras weight files cannot hold string tensors", file=file,
-                                    variable=variable, expected="a numeric dtype", found="bytes")
+        raise UnsupportedDtypeError(
+            "Keras weight files cannot hold string tensors",
+            file=file,
+            variable=variable,
+            expected="a numeric dtype",
+            found="bytes",
+        )
     if is_ml_dtype(array.dtype):
         return array.view(f"V{array.dtype.itemsize}")  # HDF5 OPAQUE, as Keras stores bfloat16
     return array
@@ -480,16 +562,26 @@ def _to_h5(array: np.ndarray, file: str, variable: str) -> np.ndarray:
 def _check_dtypes(planned: list[PlannedTensor], file: str) -> None:
     for t in planned:
         if is_string_dtype(t.dtype):
-            raise UnsupportedDtypeError("Keras weight files cannot hold string tensors", file=file,
-                                        variable=t.entry.path, expected="a numeric dtype", found="bytes")
+            raise UnsupportedDtypeError(
+                "Keras weight files cannot hold string tensors",
+                file=file,
+                variable=t.entry.path,
+                expected="a numeric dtype",
+                found="bytes",
+            )
         if t.dtype.kind not in "biufc" and not is_ml_dtype(t.dtype):
-            raise UnsupportedDtypeError("Keras weight files cannot hold this dtype", file=file,
-                                        variable=t.entry.path, expected="a numeric dtype",
-                                        found=str(t.dtype))
+            raise UnsupportedDtypeError(
+                "Keras weight files cannot hold this dtype",
+                file=file,
+                variable=t.entry.path,
+                expected="a numeric dtype",
+                found=str(t.dtype),
+            )
 
 
-def _write_dataset(h5: h5py.File | h5py.Group, name: str, t: PlannedTensor, file: str,
-                   scratch: Scratch) -> None:
+def _write_dataset(
+    h5: h5py.File | h5py.Group, name: str, t: PlannedTensor, file: str, scratch: Scratch
+) -> None:
     value = _to_h5(t.read_with(scratch), file, t.entry.path)
     ds = h5.create_dataset(name, data=value)
     if is_ml_dtype(t.dtype):
@@ -530,12 +622,16 @@ def _set_attr(obj: h5py.Group | h5py.File, name: str, value: Any) -> None:
 def _set_name_list(obj: h5py.Group | h5py.File, name: str, values: list[str]) -> None:
     """Write a string-list attribute, split into ``name0``, ``name1``... as Keras does when
     the list would overflow the object header."""
-    per_chunk = max(1, _HEADER_LIMIT // max((len(v.encode("utf-8", "surrogateescape")) for v in values), default=1) or 1)
+    per_chunk = max(
+        1,
+        _HEADER_LIMIT // max((len(v.encode("utf-8", "surrogateescape")) for v in values), default=1)
+        or 1,
+    )
     if len(values) <= per_chunk:
         _set_attr(obj, name, list(values))
         return
     for i in range(0, len(values), per_chunk):
-        _set_attr(obj, f"{name}{i // per_chunk}", list(values[i:i + per_chunk]))
+        _set_attr(obj, f"{name}{i // per_chunk}", list(values[i : i + per_chunk]))
 
 
 def _user_metadata(metadata: Mapping[str, Any], own: str) -> dict[str, Any]:
@@ -563,7 +659,9 @@ def _keras3_keys(entries: Mapping[str, Entry], file: str) -> dict[str, str]:
     used: set[str] = set()
     for path in entries:
         if path.startswith(f"{RESERVED}/"):
-            raise InvalidEntryError(f"paths under {RESERVED}/ are reserved", file=file, variable=path)
+            raise InvalidEntryError(
+                f"paths under {RESERVED}/ are reserved", file=file, variable=path
+            )
         if _VARS_RE.match(path):
             primary[path] = path
             used.add(path)
@@ -607,7 +705,10 @@ def _keras3_from_legacy(
         for layer, names in (legacy.get("layers") or {}).items()
     }
     covered = [path for paths in layers.values() for path in paths]
-    optimizer = ["optimizer_weights/" + _SUFFIX_RE.sub("", str(w)) for w in legacy.get("optimizer_weights") or []]
+    optimizer = [
+        "optimizer_weights/" + _SUFFIX_RE.sub("", str(w))
+        for w in legacy.get("optimizer_weights") or []
+    ]
     if set(entries) != set(covered) | set(optimizer) or len(covered) != len(set(covered)):
         return None
     if optimizer:
@@ -645,11 +746,15 @@ def _keras3_from_legacy(
     for layer in [str(n) for n in legacy.get("layer_names") or []]:
         cls = classes.get(layer)
         if cls is None:
-            raise InvalidEntryError(f"{file}: layer {layer!r} is not in the file's model config; cannot "
-                             "tell its Keras 3 group")
+            raise InvalidEntryError(
+                f"{file}: layer {layer!r} is not in the file's model config; cannot "
+                "tell its Keras 3 group"
+            )
         if cls in _MODEL_CLASSES:
-            raise InvalidEntryError(f"{file}: layer {layer!r} is a nested model ({cls}); its Keras 3 "
-                             "layout cannot be derived from the legacy file")
+            raise InvalidEntryError(
+                f"{file}: layer {layer!r} is a nested model ({cls}); its Keras 3 "
+                "layout cannot be derived from the legacy file"
+            )
         group = _snake_case(cls)
         if group in used:
             used[group] += 1
@@ -663,7 +768,9 @@ def _keras3_from_legacy(
         keys[path] = f"vars/{i}"
     if set(keys) != set(covered):
         missing = sorted(set(covered) - set(keys))
-        raise InvalidEntryError(f"{file}: weights of layers not in layer_names cannot be placed: {missing[:3]}")
+        raise InvalidEntryError(
+            f"{file}: weights of layers not in layer_names cannot be placed: {missing[:3]}"
+        )
     return keys, groups
 
 
@@ -702,7 +809,9 @@ def write_keras(
         names="slash",
         needs_record=lambda e: False,
         file=p,
-        key_of=lambda path, e, i: keys[path] if i == 0 else f"{RESERVED}/{keys[path]}/parallel_component_{i}",
+        key_of=lambda path, e, i: (
+            keys[path] if i == 0 else f"{RESERVED}/{keys[path]}/parallel_component_{i}"
+        ),
     )
     _check_dtypes(planned, p)
     user = _user_metadata(metadata, KERAS_LAYOUT)
@@ -715,7 +824,11 @@ def write_keras(
         for t in planned:
             parent = t.key.rpartition("/")[0]
             group = h5.require_group(parent)
-            if parent.endswith("vars") and "name" not in group.attrs and not parent.startswith(RESERVED):
+            if (
+                parent.endswith("vars")
+                and "name" not in group.attrs
+                and not parent.startswith(RESERVED)
+            ):
                 owner = parent[: -len("vars")].rstrip("/").rpartition("/")[2]
                 if owner:
                     _set_attr(group, "name", owner)
@@ -727,7 +840,9 @@ def write_keras(
 
 def _legacy_plan(
     entries: Mapping[str, Entry], layout: dict[str, Any] | None, keras3: dict[str, Any] | None
-) -> tuple[str, list[str], dict[str, list[tuple[str, str]]], list[tuple[str, str]] | None, dict[str, Any]]:
+) -> tuple[
+    str, list[str], dict[str, list[tuple[str, str]]], list[tuple[str, str]] | None, dict[str, Any]
+]:
     """(root, layer_names, layer -> [(weight name, path)], optimizer weights, layout) for the
     legacy writer: the recorded layout when it matches the entries, else one made from paths."""
     paths = set(entries)
@@ -739,12 +854,19 @@ def _legacy_plan(
         opt = layout.get("optimizer_weights")
         optimizer = (
             [(str(w), "optimizer_weights/" + _SUFFIX_RE.sub("", str(w))) for w in opt]
-            if opt is not None else None
+            if opt is not None
+            else None
         )
         covered = [p for ws in layers.values() for _, p in ws] + [p for _, p in optimizer or []]
         if set(covered) == paths and len(covered) == len(paths):
             root = str(layout.get("root") or "")
-            return root, [str(n) for n in layout.get("layer_names") or []], layers, optimizer, layout
+            return (
+                root,
+                [str(n) for n in layout.get("layer_names") or []],
+                layers,
+                optimizer,
+                layout,
+            )
     groups: dict[str, list[tuple[str, str]]] = {}
     for path in entries:
         if path.startswith(f"{RESERVED}/"):

@@ -90,8 +90,19 @@ _MAGIC = b"\x93NUMPY"
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 #: What zipfile, zlib and numpy raise on a damaged archive (mapped to our errors).
 _ZIP_ERRORS = (
-    zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, OSError, EOFError, ValueError, KeyError,
-    IndexError, TypeError, struct.error, NotImplementedError, RuntimeError, OverflowError,
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    zlib.error,
+    OSError,
+    EOFError,
+    ValueError,
+    KeyError,
+    IndexError,
+    TypeError,
+    struct.error,
+    NotImplementedError,
+    RuntimeError,
+    OverflowError,
     UnicodeDecodeError,
 )
 
@@ -124,10 +135,28 @@ def _dtype_from_tag(tag: str, member: str, file: str) -> np.dtype:
 class _Member:
     """One ``.npy`` member: its header facts and where its data starts."""
 
-    __slots__ = ("abs_offset", "fortran", "head_crc", "hlen", "info", "key", "shape", "stored_dtype")
+    __slots__ = (
+        "abs_offset",
+        "fortran",
+        "head_crc",
+        "hlen",
+        "info",
+        "key",
+        "shape",
+        "stored_dtype",
+    )
 
-    def __init__(self, key: str, info: zipfile.ZipInfo, dtype: np.dtype, shape: tuple[int, ...],
-                 fortran: bool, hlen: int, abs_offset: int | None, head_crc: int) -> None:
+    def __init__(
+        self,
+        key: str,
+        info: zipfile.ZipInfo,
+        dtype: np.dtype,
+        shape: tuple[int, ...],
+        fortran: bool,
+        hlen: int,
+        abs_offset: int | None,
+        head_crc: int,
+    ) -> None:
         self.key = key
         self.info = info
         self.stored_dtype = dtype  # the dtype the .npy header declares
@@ -142,12 +171,19 @@ class _Member:
         return math.prod(self.shape) * self.stored_dtype.itemsize
 
 
-def _parse_npy_header(f: IO[bytes], member: str, file: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+def _parse_npy_header(
+    f: IO[bytes], member: str, file: str
+) -> tuple[np.dtype, tuple[int, ...], bool, int]:
     """(dtype, shape, fortran_order, header length) of the .npy stream ``f``."""
     magic = f.read(8)
     if len(magic) < 8 or magic[:6] != _MAGIC:
-        raise CorruptCheckpointError("member is not a .npy array", file=file, variable=member,
-                                     expected=repr(_MAGIC), found=repr(magic[:6]))
+        raise CorruptCheckpointError(
+            "member is not a .npy array",
+            file=file,
+            variable=member,
+            expected=repr(_MAGIC),
+            found=repr(magic[:6]),
+        )
     major = magic[6]
     if major == 1:
         raw_len = f.read(2)
@@ -156,14 +192,24 @@ def _parse_npy_header(f: IO[bytes], member: str, file: str) -> tuple[np.dtype, t
         raw_len = f.read(4)
         fmt, lenlen = "<I", 4
     else:
-        raise CorruptCheckpointError("unknown .npy format version", file=file, variable=member,
-                                     expected="1.0, 2.0 or 3.0", found=f"{major}.{magic[7]}")
+        raise CorruptCheckpointError(
+            "unknown .npy format version",
+            file=file,
+            variable=member,
+            expected="1.0, 2.0 or 3.0",
+            found=f"{major}.{magic[7]}",
+        )
     if len(raw_len) < lenlen:
         raise TruncatedFileError("the .npy header is cut short", file=file, variable=member)
     (hlen,) = struct.unpack(fmt, raw_len)
     if hlen > MAX_HEADER_SIZE:
-        raise CorruptCheckpointError(".npy header too large", file=file, variable=member,
-                                     expected=f"<= {MAX_HEADER_SIZE} bytes", found=f"{hlen} bytes")
+        raise CorruptCheckpointError(
+            ".npy header too large",
+            file=file,
+            variable=member,
+            expected=f"<= {MAX_HEADER_SIZE} bytes",
+            found=f"{hlen} bytes",
+        )
     raw = f.read(hlen)
     if len(raw) < hlen:
         raise TruncatedFileError("the .npy header is cut short", file=file, variable=member)
@@ -171,33 +217,61 @@ def _parse_npy_header(f: IO[bytes], member: str, file: str) -> tuple[np.dtype, t
         text = raw.decode("utf-8" if major == 3 else "latin1")
         header = ast.literal_eval(text)
     except (UnicodeDecodeError, ValueError, SyntaxError, MemoryError, RecursionError):
-        raise CorruptCheckpointError("cannot parse the .npy header", file=file, variable=member,
-                                     expected="a Python dict literal", found=repr(raw[:80])) from None
+        raise CorruptCheckpointError(
+            "cannot parse the .npy header",
+            file=file,
+            variable=member,
+            expected="a Python dict literal",
+            found=repr(raw[:80]),
+        ) from None
     if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
-        raise CorruptCheckpointError(".npy header must hold exactly descr, fortran_order, shape",
-                                     file=file, variable=member, expected="{'descr', 'fortran_order', 'shape'}",
-                                     found=repr(raw[:80]))
+        raise CorruptCheckpointError(
+            ".npy header must hold exactly descr, fortran_order, shape",
+            file=file,
+            variable=member,
+            expected="{'descr', 'fortran_order', 'shape'}",
+            found=repr(raw[:80]),
+        )
     shape, fortran = header["shape"], header["fortran_order"]
-    if not isinstance(shape, tuple) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ) or not isinstance(fortran, bool):
-        raise CorruptCheckpointError("bad shape or fortran_order in the .npy header", file=file,
-                                     variable=member, expected="a tuple of ints >= 0 and a bool",
-                                     found=repr(header))
+    if (
+        not isinstance(shape, tuple)
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        or not isinstance(fortran, bool)
+    ):
+        raise CorruptCheckpointError(
+            "bad shape or fortran_order in the .npy header",
+            file=file,
+            variable=member,
+            expected="a tuple of ints >= 0 and a bool",
+            found=repr(header),
+        )
     try:
         dtype = np.lib.format.descr_to_dtype(header["descr"])
     except (TypeError, ValueError):
-        raise UnsupportedDtypeError("unknown .npy dtype", file=file, variable=member,
-                                    expected="a numpy type string", found=repr(header["descr"])) from None
+        raise UnsupportedDtypeError(
+            "unknown .npy dtype",
+            file=file,
+            variable=member,
+            expected="a numpy type string",
+            found=repr(header["descr"]),
+        ) from None
     if dtype.hasobject:
         # np.save pickles object arrays; we never unpickle, so refuse before reading the data.
-        raise UnsupportedDtypeError("object arrays (pickled data) are not supported", file=file,
-                                    variable=member, expected="a numeric, bool or bytes dtype",
-                                    found=str(dtype))
+        raise UnsupportedDtypeError(
+            "object arrays (pickled data) are not supported",
+            file=file,
+            variable=member,
+            expected="a numeric, bool or bytes dtype",
+            found=str(dtype),
+        )
     if dtype.fields is not None or dtype.subdtype is not None or dtype.kind not in "biufcSU":
-        raise UnsupportedDtypeError("only plain numeric, bool and string arrays are supported",
-                                    file=file, variable=member, expected="a numeric, bool or bytes dtype",
-                                    found=str(dtype))
+        raise UnsupportedDtypeError(
+            "only plain numeric, bool and string arrays are supported",
+            file=file,
+            variable=member,
+            expected="a numeric, bool or bytes dtype",
+            found=str(dtype),
+        )
     return dtype, tuple(shape), fortran, 8 + lenlen + hlen
 
 
@@ -224,12 +298,18 @@ class _Store(ByteStore):
                 head = self._f.read(4)
             self.close()
             if head == b"PK\x03\x04":  # a zip that lost its end: the central directory
-                raise TruncatedFileError(f"the zip archive is truncated or damaged ({exc})", file=file,
-                                         expected="a zip central directory at the end",
-                                         found="none") from None
-            raise NotACheckpointError(f"not a readable zip archive ({exc})", file=file,
-                                      expected="an .npz (zip of .npy members)",
-                                      found=f"first bytes {head!r}") from None
+                raise TruncatedFileError(
+                    f"the zip archive is truncated or damaged ({exc})",
+                    file=file,
+                    expected="a zip central directory at the end",
+                    found="none",
+                ) from None
+            raise NotACheckpointError(
+                f"not a readable zip archive ({exc})",
+                file=file,
+                expected="an .npz (zip of .npy members)",
+                found=f"first bytes {head!r}",
+            ) from None
         except BaseException:
             self.close()
             raise
@@ -242,8 +322,11 @@ class _Store(ByteStore):
             raise
         except _ZIP_ERRORS as exc:
             self.close()
-            raise CorruptCheckpointError(f"damaged zip archive ({type(exc).__name__}: {exc})", file=file,
-                                         variable=self._current or None) from None
+            raise CorruptCheckpointError(
+                f"damaged zip archive ({type(exc).__name__}: {exc})",
+                file=file,
+                variable=self._current or None,
+            ) from None
         except BaseException:
             self.close()
             raise
@@ -252,41 +335,63 @@ class _Store(ByteStore):
         tags: set[str] = set()
         infos = self._zip.infolist()
         if not infos and self._zip.start_dir > 0:
-            raise CorruptCheckpointError("the zip directory lists no members but the archive holds data",
-                                         file=self.file, expected="members before the directory",
-                                         found=f"{self._zip.start_dir} unlisted bytes")
+            raise CorruptCheckpointError(
+                "the zip directory lists no members but the archive holds data",
+                file=self.file,
+                expected="members before the directory",
+                found=f"{self._zip.start_dir} unlisted bytes",
+            )
         for info in infos:
             name = info.filename
             self._current = name
             if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
-                raise UnsupportedDtypeError("unsupported zip compression", file=self.file,
-                                            variable=name, expected="STORED or DEFLATED",
-                                            found=info.compress_type)
+                raise UnsupportedDtypeError(
+                    "unsupported zip compression",
+                    file=self.file,
+                    variable=name,
+                    expected="STORED or DEFLATED",
+                    found=info.compress_type,
+                )
             if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
-                raise CorruptCheckpointError("STORED member with differing sizes", file=self.file,
-                                             variable=name)
+                raise CorruptCheckpointError(
+                    "STORED member with differing sizes", file=self.file, variable=name
+                )
             if info.compress_type == zipfile.ZIP_DEFLATED and (
                 info.file_size > info.compress_size * MAX_DEFLATE_RATIO + 1024
             ):
                 # Deflate cannot expand beyond ~1032:1: a directory claiming more lies, and no
                 # buffer is sized from it.
-                raise LimitExceededError("member claims more bytes than its compressed data can hold",
-                                         file=self.file, variable=name,
-                                         expected=f"<= {info.compress_size * MAX_DEFLATE_RATIO + 1024} bytes",
-                                         found=f"{info.file_size} bytes")
+                raise LimitExceededError(
+                    "member claims more bytes than its compressed data can hold",
+                    file=self.file,
+                    variable=name,
+                    expected=f"<= {info.compress_size * MAX_DEFLATE_RATIO + 1024} bytes",
+                    found=f"{info.file_size} bytes",
+                )
             if info.header_offset + 30 + info.compress_size > self._size:
-                raise TruncatedFileError("the file ends inside a member", file=self.file, variable=name,
-                                         expected=f">= {info.header_offset + 30 + info.compress_size} bytes",
-                                         found=f"{self._size} bytes")
+                raise TruncatedFileError(
+                    "the file ends inside a member",
+                    file=self.file,
+                    variable=name,
+                    expected=f">= {info.header_offset + 30 + info.compress_size} bytes",
+                    found=f"{self._size} bytes",
+                )
             if name == INFO_MEMBER:
                 if info.file_size > MAX_INFO_SIZE:
-                    raise LimitExceededError("metadata member too large", file=self.file, variable=name,
-                                             expected=f"<= {MAX_INFO_SIZE} bytes", found=f"{info.file_size} bytes")
+                    raise LimitExceededError(
+                        "metadata member too large",
+                        file=self.file,
+                        variable=name,
+                        expected=f"<= {MAX_INFO_SIZE} bytes",
+                        found=f"{info.file_size} bytes",
+                    )
                 self.info_raw = self._read_small(info)
                 continue
             self.names.append(name)
             if not name.endswith(".npy"):
-                self._zip.open(info).close()  # zipfile checks the local header's name against the directory
+                self._zip.open(
+                    info
+                ).close()  # zipfile checks the local header's name against the directory
                 continue  # np.load does not treat these as arrays either
             key = name[:-4]
             start = self._data_start(info)
@@ -298,12 +403,25 @@ class _Store(ByteStore):
             need = hlen + math.prod(shape) * dtype.itemsize
             if info.file_size != need:
                 cls = TruncatedFileError if info.file_size < need else CorruptCheckpointError
-                raise cls("member size does not match its .npy header", file=self.file, variable=key,
-                          expected=f"{need} bytes", found=f"{info.file_size} bytes")
+                raise cls(
+                    "member size does not match its .npy header",
+                    file=self.file,
+                    variable=key,
+                    expected=f"{need} bytes",
+                    found=f"{info.file_size} bytes",
+                )
             if key in self._all:
-                raise CorruptCheckpointError("two members have the same name", file=self.file, variable=name)
+                raise CorruptCheckpointError(
+                    "two members have the same name", file=self.file, variable=name
+                )
             self._members[key] = self._all[key] = _Member(
-                key, info, dtype, shape, fortran, hlen, None if start is None else start + hlen,
+                key,
+                info,
+                dtype,
+                shape,
+                fortran,
+                hlen,
+                None if start is None else start + hlen,
                 zlib.crc32(bytes(rec.data[:hlen])),
             )
         self._current = ""
@@ -315,9 +433,13 @@ class _Store(ByteStore):
                 real = _dtype_from_tag(tag, base, self.file)
                 m = self._members[base]
                 if real.itemsize != m.stored_dtype.itemsize:
-                    raise CorruptCheckpointError("#dtype does not match the width of the stored bits",
-                                                 file=self.file, variable=base, expected=str(real),
-                                                 found=str(m.stored_dtype))
+                    raise CorruptCheckpointError(
+                        "#dtype does not match the width of the stored bits",
+                        file=self.file,
+                        variable=base,
+                        expected=str(real),
+                        found=str(m.stored_dtype),
+                    )
                 self._dtype_tags[base] = real
 
     def _data_start(self, info: zipfile.ZipInfo) -> int | None:
@@ -325,16 +447,28 @@ class _Store(ByteStore):
         if info.compress_type != zipfile.ZIP_STORED or self._f is None:
             return None
         raw = bytearray(30)
-        read_exact_into(self._f, self._lock, info.header_offset, memoryview(raw), file=self.file,
-                        key=info.filename)
+        read_exact_into(
+            self._f,
+            self._lock,
+            info.header_offset,
+            memoryview(raw),
+            file=self.file,
+            key=info.filename,
+        )
         fields = _LOCAL_HEADER.unpack(bytes(raw))
         if fields[0] != 0x04034B50:
-            raise CorruptCheckpointError("bad zip local header", file=self.file, variable=info.filename)
+            raise CorruptCheckpointError(
+                "bad zip local header", file=self.file, variable=info.filename
+            )
         start = info.header_offset + 30 + fields[9] + fields[10]
         if start + info.file_size > self._size:
-            raise TruncatedFileError("the file ends inside a member", file=self.file,
-                                     variable=info.filename, expected=f"{start + info.file_size} bytes",
-                                     found=f"{self._size} bytes")
+            raise TruncatedFileError(
+                "the file ends inside a member",
+                file=self.file,
+                variable=info.filename,
+                expected=f"{start + info.file_size} bytes",
+                found=f"{self._size} bytes",
+            )
         return start
 
     def _read_small(self, info: zipfile.ZipInfo) -> bytes:
@@ -344,8 +478,11 @@ class _Store(ByteStore):
         except ParallelVarsError:
             raise
         except _ZIP_ERRORS as exc:  # zipfile checks the CRC-32 once the member is read to its end
-            raise CorruptCheckpointError(f"cannot read member ({type(exc).__name__}: {exc})", file=self.file,
-                                         variable=info.filename) from None
+            raise CorruptCheckpointError(
+                f"cannot read member ({type(exc).__name__}: {exc})",
+                file=self.file,
+                variable=info.filename,
+            ) from None
 
     def _read_whole(self, m: _Member) -> bytes:
         buf = bytearray(m.nbytes)
@@ -392,19 +529,28 @@ class _Store(ByteStore):
             out[idx] = value.encode("utf-8") if isinstance(value, str) else bytes(value)
         return out
 
-    def read_into(self, key: str, out: np.ndarray, region: tuple[int, int, int] | None = None) -> None:
+    def read_into(
+        self, key: str, out: np.ndarray, region: tuple[int, int, int] | None = None
+    ) -> None:
         m = self._members[key]
-        native = m.stored_dtype.byteorder in ("=", "|") or (m.stored_dtype.byteorder == "<") == np.little_endian
+        native = (
+            m.stored_dtype.byteorder in ("=", "|")
+            or (m.stored_dtype.byteorder == "<") == np.little_endian
+        )
         if m.fortran or not native:
             # Rare layouts: read the whole member, then reorder into place.
             raw = self._read_whole(m)
-            arr = np.frombuffer(raw, m.stored_dtype).reshape(m.shape, order="F" if m.fortran else "C")
+            arr = np.frombuffer(raw, m.stored_dtype).reshape(
+                m.shape, order="F" if m.fortran else "C"
+            )
             if region is not None:
                 axis, start, stop = region
                 arr = arr[(slice(None),) * axis + (slice(start, stop),)]
-            out.reshape(-1).view(np.uint8)[...] = np.ascontiguousarray(
-                arr.astype(m.stored_dtype.newbyteorder("="))
-            ).reshape(-1).view(np.uint8)
+            out.reshape(-1).view(np.uint8)[...] = (
+                np.ascontiguousarray(arr.astype(m.stored_dtype.newbyteorder("=")))
+                .reshape(-1)
+                .view(np.uint8)
+            )
             return
         super().read_into(key, out, region)
 
@@ -415,7 +561,9 @@ class _Store(ByteStore):
         if self._f is None:
             raise ClosedCheckpointError("the checkpoint view is closed", file=self.file)
         if m.abs_offset is not None:
-            read_exact_into(self._f, self._lock, m.abs_offset + offset, buf, file=self.file, key=m.key)
+            read_exact_into(
+                self._f, self._lock, m.abs_offset + offset, buf, file=self.file, key=m.key
+            )
             return
         try:
             with self._lock, self._zip.open(m.info) as f:
@@ -424,13 +572,16 @@ class _Store(ByteStore):
                 while done < len(buf):
                     n = f.readinto(buf[done:])  # type: ignore[attr-defined]
                     if not n:
-                        raise TruncatedFileError("the member ends early", file=self.file, variable=m.key)
+                        raise TruncatedFileError(
+                            "the member ends early", file=self.file, variable=m.key
+                        )
                     done += n
         except ParallelVarsError:
             raise
         except _ZIP_ERRORS as exc:
-            raise CorruptCheckpointError(f"cannot read member ({type(exc).__name__}: {exc})", file=self.file,
-                                         variable=m.key) from None
+            raise CorruptCheckpointError(
+                f"cannot read member ({type(exc).__name__}: {exc})", file=self.file, variable=m.key
+            ) from None
 
     def close(self) -> None:
         z = getattr(self, "_zip", None)
@@ -448,17 +599,32 @@ def _check_members(listed: Any, found: list[str], file: str) -> None:
     if listed is None:
         return  # an .npz from another tool, or from before the list was recorded
     if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
-        raise CorruptCheckpointError("the member list in the parallelvars record is damaged", file=file,
-                                     variable=INFO_MEMBER, expected="a list of member names",
-                                     found=type(listed).__name__)
+        raise CorruptCheckpointError(
+            "the member list in the parallelvars record is damaged",
+            file=file,
+            variable=INFO_MEMBER,
+            expected="a list of member names",
+            found=type(listed).__name__,
+        )
     if listed != found:
         missing = [n for n in listed if n not in found]
         extra = [n for n in found if n not in listed]
-        what = "a member listed in the parallelvars record is missing" if missing else (
-            "the archive holds a member the parallelvars record does not list" if extra
-            else "the members are in another order than the parallelvars record lists")
-        raise CorruptCheckpointError(what, file=file, variable=(missing or extra or [None])[0],
-                                     expected=f"{len(listed)} members", found=f"{len(found)} members")
+        what = (
+            "a member listed in the parallelvars record is missing"
+            if missing
+            else (
+                "the archive holds a member the parallelvars record does not list"
+                if extra
+                else "the members are in another order than the parallelvars record lists"
+            )
+        )
+        raise CorruptCheckpointError(
+            what,
+            file=file,
+            variable=(missing or extra or [None])[0],
+            expected=f"{len(listed)} members",
+            found=f"{len(found)} members",
+        )
 
 
 def open_npz(path: str | os.PathLike[str], *, names: str | None = None) -> CheckpointView:
@@ -475,15 +641,24 @@ def open_npz(path: str | os.PathLike[str], *, names: str | None = None) -> Check
         info: dict[str, Any] | None = None
         metadata: dict[str, Any] = {}
         if store.info_raw is not None:
-            info = load_json(store.info_raw, file=p, variable=INFO_MEMBER, what="parallelvars metadata",
-                             max_bytes=MAX_INFO_SIZE)
+            info = load_json(
+                store.info_raw,
+                file=p,
+                variable=INFO_MEMBER,
+                what="parallelvars metadata",
+                max_bytes=MAX_INFO_SIZE,
+            )
             if not isinstance(info, dict):
-                raise CorruptCheckpointError("the parallelvars metadata is not an object", file=p,
-                                             variable=INFO_MEMBER)
+                raise CorruptCheckpointError(
+                    "the parallelvars metadata is not an object", file=p, variable=INFO_MEMBER
+                )
             raw_meta = info.get("metadata") or {}
             if not isinstance(raw_meta, dict):
-                raise CorruptCheckpointError("the metadata in the parallelvars record is not an object",
-                                             file=p, variable=INFO_MEMBER)
+                raise CorruptCheckpointError(
+                    "the metadata in the parallelvars record is not an object",
+                    file=p,
+                    variable=INFO_MEMBER,
+                )
             metadata = dict(raw_meta)
             _check_members(info.get("members"), store.names, p)
         style = check_names(names or (info or {}).get("names") or DEFAULT_NAMES)
@@ -500,13 +675,21 @@ def _to_npy(array: np.ndarray, path: str, variable: str) -> np.ndarray:
         flat = array.reshape(-1)
         for item in flat:
             if not isinstance(item, bytes):
-                raise UnsupportedDtypeError("string tensors must hold bytes", file=path,
-                                            variable=variable, expected="bytes",
-                                            found=type(item).__name__)
+                raise UnsupportedDtypeError(
+                    "string tensors must hold bytes",
+                    file=path,
+                    variable=variable,
+                    expected="bytes",
+                    found=type(item).__name__,
+                )
             if item.endswith(b"\0"):
-                raise UnsupportedDtypeError(".npz bytes arrays drop trailing NUL bytes", file=path,
-                                            variable=variable, expected="no trailing NUL",
-                                            found=repr(item[-8:]))
+                raise UnsupportedDtypeError(
+                    ".npz bytes arrays drop trailing NUL bytes",
+                    file=path,
+                    variable=variable,
+                    expected="no trailing NUL",
+                    found=repr(item[-8:]),
+                )
         width = max((len(x) for x in flat), default=1) or 1
         return np.array(array.tolist(), dtype=f"S{width}").reshape(array.shape)
     if is_ml_dtype(array.dtype):
@@ -547,19 +730,32 @@ def write_npz(
     if metadata is None:
         metadata = getattr(entries, "metadata", None) or {}
     planned, info = plan_tensors(
-        entries, names=names, needs_record=lambda e: is_ml_dtype(e.dtype) or is_string_dtype(e.dtype), file=p
+        entries,
+        names=names,
+        needs_record=lambda e: is_ml_dtype(e.dtype) or is_string_dtype(e.dtype),
+        file=p,
     )
     for t in planned:
         if t.key == INFO_MEMBER[:-4] or t.key.endswith("#dtype"):
-            raise InvalidEntryError(f"key {t.key!r} is reserved in .npz files", file=p, variable=t.entry.path)
+            raise InvalidEntryError(
+                f"key {t.key!r} is reserved in .npz files", file=p, variable=t.entry.path
+            )
         if t.dtype.kind not in "biufcO" and not is_ml_dtype(t.dtype):
-            raise UnsupportedDtypeError(".npz cannot store this dtype", file=p, variable=t.entry.path,
-                                        expected="a numeric, bool or bytes dtype", found=str(t.dtype))
+            raise UnsupportedDtypeError(
+                ".npz cannot store this dtype",
+                file=p,
+                variable=t.entry.path,
+                expected="a numeric, bool or bytes dtype",
+                found=str(t.dtype),
+            )
     info["metadata"] = jsonable(carried_metadata(metadata))
     # Every member, in order: a reader sees a damaged directory that lost one. The record goes
     # first, so a directory cut short loses tensors the record names, not the record.
     info["members"] = [f"{t.key}.npy" for t in planned]
-    with atomic_path(p) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+    with (
+        atomic_path(p) as tmp,
+        zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf,
+    ):
         zf.writestr(INFO_MEMBER, dumps(info))
         scratch = Scratch()
         for t in planned:

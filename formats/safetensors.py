@@ -90,7 +90,14 @@ from ._names import check_names
 from ._registry import FormatSpec
 from ._view import CheckpointView, Entry
 
-__all__ = ["FORMAT", "INDEX_NAME", "MAX_HEADER_SIZE", "open_safetensors", "read_header", "write_safetensors"]
+__all__ = [
+    "FORMAT",
+    "INDEX_NAME",
+    "MAX_HEADER_SIZE",
+    "open_safetensors",
+    "read_header",
+    "write_safetensors",
+]
 
 MAX_HEADER_SIZE = 100_000_000
 INDEX_NAME = "model.safetensors.index.json"
@@ -147,14 +154,18 @@ def _no_duplicates(file: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any
             seen: set[str] = set()
             for k, _ in pairs:
                 if k in seen:
-                    raise CorruptCheckpointError("duplicate name in the JSON header", file=file, variable=k)
+                    raise CorruptCheckpointError(
+                        "duplicate name in the JSON header", file=file, variable=k
+                    )
                 seen.add(k)
         return out
 
     return hook
 
 
-def _tiles_exactly(entries: list[tuple[str, np.dtype, tuple[int, ...], int, int, int]], data_size: int) -> bool:
+def _tiles_exactly(
+    entries: list[tuple[str, np.dtype, tuple[int, ...], int, int, int]], data_size: int
+) -> bool:
     """Whether the tensors' offsets tile ``[0, data_size)`` in order with the right byte sizes,
     checked in bulk (numpy); False sends the caller to the tensor-by-tensor loop that says
     which tensor is wrong."""
@@ -196,35 +207,59 @@ def read_header(
     """
     size = os.fstat(f.fileno()).st_size
     if size < 8:
-        raise TruncatedFileError("file too short for a safetensors header length", file=file,
-                                 expected=">= 8 bytes", found=f"{size} bytes")
+        raise TruncatedFileError(
+            "file too short for a safetensors header length",
+            file=file,
+            expected=">= 8 bytes",
+            found=f"{size} bytes",
+        )
     f.seek(0)
     (n,) = struct.unpack("<Q", f.read(8))
     if n > MAX_HEADER_SIZE:
-        raise CorruptCheckpointError("safetensors header length too large", file=file,
-                                     expected=f"<= {MAX_HEADER_SIZE} bytes", found=f"{n} bytes")
+        raise CorruptCheckpointError(
+            "safetensors header length too large",
+            file=file,
+            expected=f"<= {MAX_HEADER_SIZE} bytes",
+            found=f"{n} bytes",
+        )
     if 8 + n > size:
-        raise TruncatedFileError("the file ends inside the safetensors JSON header", file=file,
-                                 expected=f"{8 + n} bytes", found=f"{size} bytes")
+        raise TruncatedFileError(
+            "the file ends inside the safetensors JSON header",
+            file=file,
+            expected=f"{8 + n} bytes",
+            found=f"{size} bytes",
+        )
     raw = f.read(n)
-    header = load_json(raw, file=file, what="safetensors header", max_bytes=MAX_HEADER_SIZE,
-                       object_pairs_hook=_no_duplicates(file))
+    header = load_json(
+        raw,
+        file=file,
+        what="safetensors header",
+        max_bytes=MAX_HEADER_SIZE,
+        object_pairs_hook=_no_duplicates(file),
+    )
     if not isinstance(header, dict):
-        raise CorruptCheckpointError("the safetensors header is not a JSON object", file=file,
-                                     expected="an object", found=type(header).__name__)
+        raise CorruptCheckpointError(
+            "the safetensors header is not a JSON object",
+            file=file,
+            expected="an object",
+            found=type(header).__name__,
+        )
     metadata = header.pop("__metadata__", None)
     if metadata is None:
         metadata = {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise CorruptCheckpointError("__metadata__ must map strings to strings", file=file,
-                                     variable="__metadata__")
+        raise CorruptCheckpointError(
+            "__metadata__ must map strings to strings", file=file, variable="__metadata__"
+        )
     entries: list[tuple[str, np.dtype, tuple[int, ...], int, int, int]] = []
     described: dict[str, tuple[str, list[int], list[int]]] = {}
     fast = _fast_entries(header, described)
     if fast is not None and _tiles_exactly(fast, size - 8 - n):
         crcs = _verify_header(file, metadata, described)
-        tensors = {name: (dtype, shape, b, e, None if crcs is None else crcs[name])
-                   for name, dtype, shape, b, e, _ in fast}
+        tensors = {
+            name: (dtype, shape, b, e, None if crcs is None else crcs[name])
+            for name, dtype, shape, b, e, _ in fast
+        }
         return metadata, tensors, 8 + n
     described.clear()
     for name, info in header.items():
@@ -232,20 +267,43 @@ def read_header(
             raise CorruptCheckpointError("tensor info is not an object", file=file, variable=name)
         dtype_str, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if not isinstance(dtype_str, str):
-            raise CorruptCheckpointError("tensor info has no dtype string", file=file, variable=name)
+            raise CorruptCheckpointError(
+                "tensor info has no dtype string", file=file, variable=name
+            )
         if dtype_str in _SUB_BYTE:
-            raise UnsupportedDtypeError("sub-byte safetensors dtypes are not supported", file=file,
-                                        variable=name, expected="a dtype of 8 bits or more",
-                                        found=dtype_str)
+            raise UnsupportedDtypeError(
+                "sub-byte safetensors dtypes are not supported",
+                file=file,
+                variable=name,
+                expected="a dtype of 8 bits or more",
+                found=dtype_str,
+            )
         if dtype_str not in _DTYPES:
-            raise UnsupportedDtypeError("unknown safetensors dtype", file=file, variable=name,
-                                        expected=f"one of {', '.join(_DTYPES)}", found=repr(dtype_str))
+            raise UnsupportedDtypeError(
+                "unknown safetensors dtype",
+                file=file,
+                variable=name,
+                expected=f"one of {', '.join(_DTYPES)}",
+                found=repr(dtype_str),
+            )
         if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
-            raise CorruptCheckpointError("shape must be a list of non-negative integers", file=file,
-                                         variable=name, expected="[d0, d1, ...] with d >= 0", found=shape)
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
-            raise CorruptCheckpointError("data_offsets must be [begin, end]", file=file,
-                                         variable=name, expected="two integers >= 0", found=offsets)
+            raise CorruptCheckpointError(
+                "shape must be a list of non-negative integers",
+                file=file,
+                variable=name,
+                expected="[d0, d1, ...] with d >= 0",
+                found=shape,
+            )
+        if not (
+            isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)
+        ):
+            raise CorruptCheckpointError(
+                "data_offsets must be [begin, end]",
+                file=file,
+                variable=name,
+                expected="two integers >= 0",
+                found=offsets,
+            )
         dtype = _DTYPES[dtype_str]
         nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
         described[name] = (dtype_str, shape, offsets)
@@ -256,29 +314,59 @@ def read_header(
     for name, _dtype, _shape, begin, end, nbytes in sorted(entries, key=lambda e: (e[3], e[4])):
         last = name
         if begin < expected:
-            raise CorruptCheckpointError("tensor data overlaps the previous tensor", file=file,
-                                         variable=name, expected=f"begin >= {expected}", found=f"begin {begin}")
+            raise CorruptCheckpointError(
+                "tensor data overlaps the previous tensor",
+                file=file,
+                variable=name,
+                expected=f"begin >= {expected}",
+                found=f"begin {begin}",
+            )
         if begin > expected:
-            raise CorruptCheckpointError("hole before the tensor's data", file=file, variable=name,
-                                         expected=f"begin {expected}", found=f"begin {begin}")
+            raise CorruptCheckpointError(
+                "hole before the tensor's data",
+                file=file,
+                variable=name,
+                expected=f"begin {expected}",
+                found=f"begin {begin}",
+            )
         if end < begin:
-            raise CorruptCheckpointError("data_offsets end before they begin", file=file,
-                                         variable=name, expected="end >= begin", found=[begin, end])
+            raise CorruptCheckpointError(
+                "data_offsets end before they begin",
+                file=file,
+                variable=name,
+                expected="end >= begin",
+                found=[begin, end],
+            )
         if end - begin != nbytes:
-            raise CorruptCheckpointError("byte size does not match dtype and shape", file=file,
-                                         variable=name, expected=f"{nbytes} bytes",
-                                         found=f"{end - begin} bytes")
+            raise CorruptCheckpointError(
+                "byte size does not match dtype and shape",
+                file=file,
+                variable=name,
+                expected=f"{nbytes} bytes",
+                found=f"{end - begin} bytes",
+            )
         if 8 + n + end > size:
-            raise TruncatedFileError("the file ends before the tensor's data", file=file,
-                                     variable=name, expected=f"{8 + n + end} bytes",
-                                     found=f"{size} bytes")
+            raise TruncatedFileError(
+                "the file ends before the tensor's data",
+                file=file,
+                variable=name,
+                expected=f"{8 + n + end} bytes",
+                found=f"{size} bytes",
+            )
         expected = end
     if 8 + n + expected != size:
-        raise CorruptCheckpointError("trailing bytes after the last tensor", file=file, variable=last,
-                                     expected=f"{8 + n + expected} bytes", found=f"{size} bytes")
+        raise CorruptCheckpointError(
+            "trailing bytes after the last tensor",
+            file=file,
+            variable=last,
+            expected=f"{8 + n + expected} bytes",
+            found=f"{size} bytes",
+        )
     crcs = _verify_header(file, metadata, described)
-    tensors = {name: (dtype, shape, b, e, None if crcs is None else crcs[name])
-               for name, dtype, shape, b, e, _ in entries}
+    tensors = {
+        name: (dtype, shape, b, e, None if crcs is None else crcs[name])
+        for name, dtype, shape, b, e, _ in entries
+    }
     return metadata, tensors, 8 + n
 
 
@@ -296,7 +384,12 @@ def _fast_entries(
             return None
         shape, offsets = info.get("shape"), info.get("data_offsets")
         dtype = dtypes.get(info.get("dtype"))  # type: ignore[arg-type]
-        if dtype is None or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
+        if (
+            dtype is None
+            or type(shape) is not list
+            or type(offsets) is not list
+            or len(offsets) != 2
+        ):
             return None
         dims += shape
         offs += offsets
@@ -306,22 +399,29 @@ def _fast_entries(
     for values in (dims, offs):
         if values and (not set(map(type, values)) <= {int} or min(values) < 0):
             return None
-    return [(name, dtype, tuple(shape), offsets[0], offsets[1], math.prod(shape) * dtype.itemsize)
-            for name, dtype, shape, offsets in out]
+    return [
+        (name, dtype, tuple(shape), offsets[0], offsets[1], math.prod(shape) * dtype.itemsize)
+        for name, dtype, shape, offsets in out
+    ]
 
 
 # --------------------------------------------------------------------------------------------
 # checksums
 
 
-def _header_crc(metadata: Mapping[str, str], tensors: Mapping[str, tuple[str, list[int], list[int]]],
-                crcs: Mapping[str, str]) -> str:
+def _header_crc(
+    metadata: Mapping[str, str],
+    tensors: Mapping[str, tuple[str, list[int], list[int]]],
+    crcs: Mapping[str, str],
+) -> str:
     """CRC-32C of a canonical description of a header: every tensor's name, dtype string,
     shape, offsets and CRC, and every metadata item but our checksum record."""
     doc = {
         "metadata": {k: v for k, v in metadata.items() if k != CRC_KEY},
-        "tensors": {name: [dtype, list(shape), list(offsets), crcs[name]]
-                    for name, (dtype, shape, offsets) in tensors.items()},
+        "tensors": {
+            name: [dtype, list(shape), list(offsets), crcs[name]]
+            for name, (dtype, shape, offsets) in tensors.items()
+        },
     }
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return f"{_crc32c.crc32c(text.encode('ascii')):08x}"
@@ -333,13 +433,19 @@ def _crc_record(header_crc: str, crcs: Mapping[str, str]) -> str:
 
 def _index_crc(metadata: Mapping[str, Any], weight_map: Mapping[str, str]) -> str:
     """CRC-32C of a canonical description of a shard set's index (all but our checksum)."""
-    doc = {"metadata": {k: v for k, v in metadata.items() if k != CRC_KEY}, "weight_map": dict(weight_map)}
+    doc = {
+        "metadata": {k: v for k, v in metadata.items() if k != CRC_KEY},
+        "weight_map": dict(weight_map),
+    }
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return f"{_crc32c.crc32c(text.encode('ascii')):08x}"
 
 
-def _verify_header(file: str, metadata: Mapping[str, str],
-                   described: Mapping[str, tuple[str, list[int], list[int]]]) -> dict[str, int] | None:
+def _verify_header(
+    file: str,
+    metadata: Mapping[str, str],
+    described: Mapping[str, tuple[str, list[int], list[int]]],
+) -> dict[str, int] | None:
     """Check our checksum record of a header; the tensors' CRCs, or None for a file without one.
 
     A file whose parallel info says it carries checksums must have the record.
@@ -349,26 +455,40 @@ def _verify_header(file: str, metadata: Mapping[str, str],
         info = metadata.get(META_KEY)
         if info is not None and '"checksums"' in info:
             try:
-                flagged = load_json(info.encode("utf-8", "surrogatepass"), file=file,
-                                    variable=META_KEY).get("checksums")
+                flagged = load_json(
+                    info.encode("utf-8", "surrogatepass"), file=file, variable=META_KEY
+                ).get("checksums")
             except (CorruptCheckpointError, AttributeError):
                 flagged = None  # reported by the info parser
             if flagged:
-                raise CorruptCheckpointError("the checksum record is missing", file=file,
-                                             variable=CRC_KEY, expected=f"a {CRC_KEY!r} metadata item",
-                                             found="none")
+                raise CorruptCheckpointError(
+                    "the checksum record is missing",
+                    file=file,
+                    variable=CRC_KEY,
+                    expected=f"a {CRC_KEY!r} metadata item",
+                    found="none",
+                )
         return None
     names = sorted(described)
     if len(raw) != 8 * (1 + len(names)) or not all(c in "0123456789abcdef" for c in raw):
-        raise CorruptCheckpointError("the checksum record is damaged", file=file, variable=CRC_KEY,
-                                     expected=f"{8 * (1 + len(names))} hex digits for {len(names)} tensors",
-                                     found=f"{raw[:80]!r}")
+        raise CorruptCheckpointError(
+            "the checksum record is damaged",
+            file=file,
+            variable=CRC_KEY,
+            expected=f"{8 * (1 + len(names))} hex digits for {len(names)} tensors",
+            found=f"{raw[:80]!r}",
+        )
     header = raw[:8]
-    tensors = {name: raw[8 * (i + 1):8 * (i + 2)] for i, name in enumerate(names)}
+    tensors = {name: raw[8 * (i + 1) : 8 * (i + 2)] for i, name in enumerate(names)}
     found = _header_crc(metadata, described, tensors)
     if found != header:
-        raise ChecksumMismatchError("the safetensors header does not match its checksum", file=file,
-                                    variable=CRC_KEY, expected=f"crc32c {header}", found=f"crc32c {found}")
+        raise ChecksumMismatchError(
+            "the safetensors header does not match its checksum",
+            file=file,
+            variable=CRC_KEY,
+            expected=f"crc32c {header}",
+            found=f"crc32c {found}",
+        )
     return {name: int(v, 16) for name, v in tensors.items()}
 
 
@@ -397,7 +517,9 @@ class _Store(ByteStore):
                 self.shard_metadata.append(meta)
                 for name, (dtype, shape, begin, _end, crc) in tensors.items():
                     if name in self._tensors:
-                        raise CorruptCheckpointError("tensor appears in two shards", file=shard, variable=name)
+                        raise CorruptCheckpointError(
+                            "tensor appears in two shards", file=shard, variable=name
+                        )
                     self._tensors[name] = (idx, dtype, shape, start + begin)
                     if crc is not None:
                         self._crcs[name] = crc
@@ -446,19 +568,31 @@ def _find_index(path: str) -> str | None:
 def _read_index(index: str) -> tuple[dict[str, Any], dict[str, str]]:
     size = os.path.getsize(index)
     if size > MAX_HEADER_SIZE:
-        raise CorruptCheckpointError("index file too large", file=index,
-                                     expected=f"<= {MAX_HEADER_SIZE} bytes", found=f"{size} bytes")
+        raise CorruptCheckpointError(
+            "index file too large",
+            file=index,
+            expected=f"<= {MAX_HEADER_SIZE} bytes",
+            found=f"{size} bytes",
+        )
     with open(index, "rb") as f:
         raw = f.read(MAX_HEADER_SIZE + 1)
-    doc = load_json(raw, file=index, what="shard index", max_bytes=MAX_HEADER_SIZE,
-                    object_pairs_hook=_no_duplicates(index))
+    doc = load_json(
+        raw,
+        file=index,
+        what="shard index",
+        max_bytes=MAX_HEADER_SIZE,
+        object_pairs_hook=_no_duplicates(index),
+    )
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
-        raise NotACheckpointError("not a safetensors index: no weight_map of names to files",
-                                  file=index, expected='{"weight_map": {...}}',
-                                  found=f"keys {sorted(doc) if isinstance(doc, dict) else type(doc).__name__}")
+        raise NotACheckpointError(
+            "not a safetensors index: no weight_map of names to files",
+            file=index,
+            expected='{"weight_map": {...}}',
+            found=f"keys {sorted(doc) if isinstance(doc, dict) else type(doc).__name__}",
+        )
     metadata = doc.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise CorruptCheckpointError("the index metadata is not an object", file=index)
@@ -467,12 +601,20 @@ def _read_index(index: str) -> tuple[dict[str, Any], dict[str, str]]:
         stored = metadata.get(CRC_KEY)
         found = _index_crc(metadata, weight_map)
         if stored != found:
-            raise ChecksumMismatchError("the index does not match its checksum", file=index,
-                                        variable=CRC_KEY, expected=f"crc32c {stored}", found=f"crc32c {found}")
+            raise ChecksumMismatchError(
+                "the index does not match its checksum",
+                file=index,
+                variable=CRC_KEY,
+                expected=f"crc32c {stored}",
+                found=f"crc32c {found}",
+            )
     for shard in set(weight_map.values()):
         if os.path.basename(shard) != shard or shard in ("", ".", ".."):
-            raise CorruptCheckpointError("shard file names must be plain names in the index's folder",
-                                         file=index, variable=shard)
+            raise CorruptCheckpointError(
+                "shard file names must be plain names in the index's folder",
+                file=index,
+                variable=shard,
+            )
     return metadata, weight_map
 
 
@@ -480,10 +622,16 @@ def _parse_info(raw: Any, file: str) -> dict[str, Any] | None:
     if raw is None:
         return None
     if isinstance(raw, str):
-        raw = load_json(raw.encode("utf-8", "surrogatepass"), file=file, variable=META_KEY,
-                        what="parallelvars metadata")
+        raw = load_json(
+            raw.encode("utf-8", "surrogatepass"),
+            file=file,
+            variable=META_KEY,
+            what="parallelvars metadata",
+        )
     if not isinstance(raw, dict):
-        raise CorruptCheckpointError("the parallelvars metadata is not an object", file=file, variable=META_KEY)
+        raise CorruptCheckpointError(
+            "the parallelvars metadata is not an object", file=file, variable=META_KEY
+        )
     return raw
 
 
@@ -516,33 +664,47 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
         if missing:
-            raise TruncatedFileError("a shard listed in the index is missing", file=index,
-                                     variable=missing[0])
+            raise TruncatedFileError(
+                "a shard listed in the index is missing", file=index, variable=missing[0]
+            )
         store = _Store(index, [os.path.join(folder, s) for s in shards])
         try:
             raw_info = index_meta.get(META_KEY)
             if isinstance(raw_info, dict) and raw_info.get("checksums"):
                 for shard, checked in zip(shards, store.shard_checked, strict=True):
                     if not checked:
-                        raise CorruptCheckpointError("the shard has no checksum record", file=os.path.join(folder, shard),
-                                                     variable=CRC_KEY, expected=f"a {CRC_KEY!r} metadata item",
-                                                     found="none")
+                        raise CorruptCheckpointError(
+                            "the shard has no checksum record",
+                            file=os.path.join(folder, shard),
+                            variable=CRC_KEY,
+                            expected=f"a {CRC_KEY!r} metadata item",
+                            found="none",
+                        )
             listed = set(weight_map)
             stored_keys = store.keys()
             for key in stored_keys:
                 if key not in listed:
-                    raise CorruptCheckpointError("tensor is in a shard but not in the index",
-                                                 file=store.shard_of(key), variable=key)
+                    raise CorruptCheckpointError(
+                        "tensor is in a shard but not in the index",
+                        file=store.shard_of(key),
+                        variable=key,
+                    )
                 if os.path.basename(store.shard_of(key)) != weight_map[key]:
-                    raise CorruptCheckpointError("tensor is in another shard than the index says",
-                                                 file=store.shard_of(key), variable=key,
-                                                 expected=weight_map[key],
-                                                 found=os.path.basename(store.shard_of(key)))
+                    raise CorruptCheckpointError(
+                        "tensor is in another shard than the index says",
+                        file=store.shard_of(key),
+                        variable=key,
+                        expected=weight_map[key],
+                        found=os.path.basename(store.shard_of(key)),
+                    )
             absent = listed - set(stored_keys)
             if absent:
                 name = sorted(absent)[0]
-                raise CorruptCheckpointError("tensor listed in the index is missing from its shard",
-                                             file=os.path.join(folder, weight_map[name]), variable=name)
+                raise CorruptCheckpointError(
+                    "tensor listed in the index is missing from its shard",
+                    file=os.path.join(folder, weight_map[name]),
+                    variable=name,
+                )
         except BaseException:
             store.close()
             raise
@@ -575,20 +737,33 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
 def _storage(t: PlannedTensor, file: str) -> tuple[str, tuple[int, ...]]:
     """The safetensors dtype string and stored shape of a planned tensor."""
     if is_string_dtype(t.dtype):
-        raise UnsupportedDtypeError("safetensors cannot store string tensors", file=file,
-                                    variable=t.entry.path, expected="a numeric dtype", found="bytes")
+        raise UnsupportedDtypeError(
+            "safetensors cannot store string tensors",
+            file=file,
+            variable=t.entry.path,
+            expected="a numeric dtype",
+            found="bytes",
+        )
     name = _st_name(t.dtype)
     if name is not None:
         return name, t.shape
     if t.dtype.kind not in "biufcV" or t.dtype.itemsize == 0:
-        raise UnsupportedDtypeError("safetensors cannot store this dtype", file=file,
-                                    variable=t.entry.path, expected="a numeric dtype",
-                                    found=str(t.dtype))
+        raise UnsupportedDtypeError(
+            "safetensors cannot store this dtype",
+            file=file,
+            variable=t.entry.path,
+            expected="a numeric dtype",
+            found=str(t.dtype),
+        )
     return "U8", (*t.shape, t.dtype.itemsize)  # raw bytes; the dtype goes into the parallel info
 
 
-def _header_bytes(metadata: dict[str, str], described: dict[str, tuple[str, list[int], list[int]]],
-                  crcs: dict[str, str], path: str) -> bytes:
+def _header_bytes(
+    metadata: dict[str, str],
+    described: dict[str, tuple[str, list[int], list[int]]],
+    crcs: dict[str, str],
+    path: str,
+) -> bytes:
     meta = dict(metadata)
     meta[CRC_KEY] = _crc_record(_header_crc(metadata, described, crcs), crcs)
     header: dict[str, Any] = {"__metadata__": meta}
@@ -597,8 +772,10 @@ def _header_bytes(metadata: dict[str, str], described: dict[str, tuple[str, list
     raw = dumps(header).encode("utf-8")
     raw += b" " * (-len(raw) % 8)  # the buffer starts 8-byte aligned, as the reference writes it
     if len(raw) > MAX_HEADER_SIZE:
-        raise InvalidEntryError(f"{path}: the safetensors header would be {len(raw)} bytes, over the "
-                         f"{MAX_HEADER_SIZE} bytes readers accept; write a shard set or fewer tensors")
+        raise InvalidEntryError(
+            f"{path}: the safetensors header would be {len(raw)} bytes, over the "
+            f"{MAX_HEADER_SIZE} bytes readers accept; write a shard set or fewer tensors"
+        )
     return raw
 
 
@@ -625,9 +802,13 @@ def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]
             for t, _st, _shape in stored:
                 array = little_endian(t.read_with(scratch))
                 if array.nbytes != t.nbytes:  # the source lied about its shape
-                    raise CorruptCheckpointError("component has another size than declared", file=path,
-                                                 variable=t.entry.path, expected=f"{t.nbytes} bytes",
-                                                 found=f"{array.nbytes} bytes")
+                    raise CorruptCheckpointError(
+                        "component has another size than declared",
+                        file=path,
+                        variable=t.entry.path,
+                        expected=f"{t.nbytes} bytes",
+                        found=f"{array.nbytes} bytes",
+                    )
                 crcs[t.key] = f"{writer.write(array, data_start + described[t.key][2][0]):08x}"
             ok = True
         finally:
@@ -680,8 +861,9 @@ def write_safetensors(
         force_index = False
     if metadata is None:
         metadata = getattr(entries, "metadata", None) or {}
-    planned, info = plan_tensors(entries, names=names,
-                                 needs_record=lambda e: _st_name(e.dtype) is None, file=p)
+    planned, info = plan_tensors(
+        entries, names=names, needs_record=lambda e: _st_name(e.dtype) is None, file=p
+    )
     info["checksums"] = "crc32c"  # every file written carries CRC_KEY; its loss is damage
     for t in planned:
         _storage(t, p)  # refuse what cannot be stored before writing anything
@@ -725,9 +907,13 @@ def write_safetensors(
 def sniff(path: str, head: bytes) -> bool:
     """True for a safetensors file, a safetensors index, or a folder holding one."""
     if os.path.isdir(path):
-        return _find_index(path) is not None or os.path.isfile(os.path.join(path, "model.safetensors"))
+        return _find_index(path) is not None or os.path.isfile(
+            os.path.join(path, "model.safetensors")
+        )
     if path.endswith(".index.json"):
-        return b'"weight_map"' in head and (path.endswith(".safetensors.index.json") or b".safetensors" in head)
+        return b'"weight_map"' in head and (
+            path.endswith(".safetensors.index.json") or b".safetensors" in head
+        )
     if len(head) < 10:
         return False
     (n,) = struct.unpack("<Q", head[:8])

@@ -103,22 +103,36 @@ def load_json(
         CorruptCheckpointError: not UTF-8, not JSON.
     """
     if len(raw) > max_bytes:
-        raise LimitExceededError(f"the {what} is too large", file=file, variable=variable,
-                                 expected=f"<= {max_bytes} bytes", found=f"{len(raw)} bytes")
+        raise LimitExceededError(
+            f"the {what} is too large",
+            file=file,
+            variable=variable,
+            expected=f"<= {max_bytes} bytes",
+            found=f"{len(raw)} bytes",
+        )
     depth = json_depth(raw)
     if depth > max_depth:
-        raise LimitExceededError(f"the {what} nests too deeply", file=file, variable=variable,
-                                 expected=f"<= {max_depth} levels", found=f"{depth} levels")
+        raise LimitExceededError(
+            f"the {what} nests too deeply",
+            file=file,
+            variable=variable,
+            expected=f"<= {max_depth} levels",
+            found=f"{depth} levels",
+        )
     try:
         return json.loads(raw.decode("utf-8"), object_pairs_hook=object_pairs_hook)
     except ParallelVarsError:
         raise
     except UnicodeDecodeError as exc:
-        raise CorruptCheckpointError(f"the {what} is not UTF-8 ({exc.reason})", file=file,
-                                     variable=variable) from None
+        raise CorruptCheckpointError(
+            f"the {what} is not UTF-8 ({exc.reason})", file=file, variable=variable
+        ) from None
     except (ValueError, RecursionError, MemoryError) as exc:  # JSONDecodeError is a ValueError
-        raise CorruptCheckpointError(f"the {what} is not valid JSON, or not JSON at all ({type(exc).__name__}: {exc})",
-                                     file=file, variable=variable) from None
+        raise CorruptCheckpointError(
+            f"the {what} is not valid JSON, or not JSON at all ({type(exc).__name__}: {exc})",
+            file=file,
+            variable=variable,
+        ) from None
 
 
 def write_error(exc: BaseException, file: str) -> BaseException:
@@ -129,11 +143,17 @@ def write_error(exc: BaseException, file: str) -> BaseException:
     code = exc.errno
     if code is None:  # h5py reports the C library's errno inside its message
         text = str(exc)
-        code = next((c for c in _WRITE_ERRNOS if os.strerror(c) in text or f"errno = {c}," in text), None)
+        code = next(
+            (c for c in _WRITE_ERRNOS if os.strerror(c) in text or f"errno = {c}," in text), None
+        )
     if code is None or code not in _WRITE_ERRNOS:
         return exc
-    err = CheckpointWriteError("cannot write the file", file=file, found=os.strerror(code),
-                               hint="the last good file at this path is unchanged")
+    err = CheckpointWriteError(
+        "cannot write the file",
+        file=file,
+        found=os.strerror(code),
+        hint="the last good file at this path is unchanged",
+    )
     err.errno, err.strerror, err.filename = code, os.strerror(code), file
     return err
 
@@ -276,7 +296,9 @@ class DataWriter:
         self.fd = os.open(path, os.O_WRONLY)
         self._helper = thread_count() > 1
         self._lo = self._hi = -1
-        self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] | None = None
+        self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] | None = (
+            None
+        )
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -290,7 +312,9 @@ class DataWriter:
             pwrite_all(self.fd, piece, offset + start)
         if len(data) and _SYNC_FILE_RANGE is not None:
             lo, hi = offset, offset + len(data)
-            self._lo, self._hi = (lo, hi) if self._lo < 0 else (min(self._lo, lo), max(self._hi, hi))
+            self._lo, self._hi = (
+                (lo, hi) if self._lo < 0 else (min(self._lo, lo), max(self._hi, hi))
+            )
             if self._hi - self._lo >= self.WRITEBACK_STEP:
                 self._start_writeback()
         return crc
@@ -305,14 +329,18 @@ class DataWriter:
     def _check(self, arr: np.ndarray, crc: int, variable: str) -> None:
         if checksum(arr) != crc:
             raise ConcurrentWriteError(
-                "changed while it was being saved", file=self.file, variable=variable,
+                "changed while it was being saved",
+                file=self.file,
+                variable=variable,
                 hint="write from a single thread, or save with blocking=False, which snapshots",
             )
 
     def _start_writeback(self) -> None:
         if self._lo >= 0:
             assert _SYNC_FILE_RANGE is not None
-            self._submit(_SYNC_FILE_RANGE, self.fd, self._lo, self._hi - self._lo, _SYNC_FILE_RANGE_WRITE)
+            self._submit(
+                _SYNC_FILE_RANGE, self.fd, self._lo, self._hi - self._lo, _SYNC_FILE_RANGE_WRITE
+            )
             self._lo = self._hi = -1
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> None:

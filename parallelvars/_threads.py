@@ -37,7 +37,9 @@ def thread_count() -> int:
         try:
             return max(1, int(env))
         except ValueError:
-            raise InvalidArgumentError(f"PARALLELVARS_THREADS must be a whole number, found {env!r}") from None
+            raise InvalidArgumentError(
+                f"PARALLELVARS_THREADS must be a whole number, found {env!r}"
+            ) from None
     return max(1, min(_DEFAULT_MAX, os.cpu_count() or 1))
 
 
@@ -60,7 +62,11 @@ def partition(weights: Sequence[int], parts: int) -> list[tuple[int, int]]:
     for i, w in enumerate(weights):
         acc += w
         # Close the current range once it holds its share of what has been seen so far.
-        if len(bounds) < parts - 1 and acc * parts >= total * (len(bounds) + 1) and i + 1 < len(weights):
+        if (
+            len(bounds) < parts - 1
+            and acc * parts >= total * (len(bounds) + 1)
+            and i + 1 < len(weights)
+        ):
             bounds.append((start, i + 1))
             start = i + 1
     bounds.append((start, len(weights)))
@@ -70,7 +76,9 @@ def partition(weights: Sequence[int], parts: int) -> list[tuple[int, int]]:
 _in_worker = threading.local()
 
 
-def _run_range(calls: Sequence[Callable[[], object]], lo: int, hi: int, worker: bool = False) -> None:
+def _run_range(
+    calls: Sequence[Callable[[], object]], lo: int, hi: int, worker: bool = False
+) -> None:
     if worker:
         _in_worker.active = True
     for call in calls[lo:hi]:

@@ -15,10 +15,12 @@ def canonical_device(name: str) -> str:
     text = str(name).strip()
     for prefix in ("/device:", "device:", "/"):
         if text.lower().startswith(prefix):
-            text = text[len(prefix):]
+            text = text[len(prefix) :]
     kind, sep, index = text.rpartition(":")
     if not sep or not kind or not index.isdigit():
-        raise DistributedValueError(f"invalid device name {name!r} (expected 'kind:index', e.g. 'cpu:0')")
+        raise DistributedValueError(
+            f"invalid device name {name!r} (expected 'kind:index', e.g. 'cpu:0')"
+        )
     return f"{kind.lower()}:{int(index)}"
 
 
@@ -39,7 +41,9 @@ class ParallelDevice(Sequence[str]):
             names: tuple[str, ...] = devices.components
         elif isinstance(devices, int) and not isinstance(devices, bool):
             if devices < 1:
-                raise DistributedValueError(f"a parallel device needs at least one component, got {devices}")
+                raise DistributedValueError(
+                    f"a parallel device needs at least one component, got {devices}"
+                )
             names = tuple(f"cpu:{i}" for i in range(devices))
         elif isinstance(devices, str):
             names = (canonical_device(devices),)

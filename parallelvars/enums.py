@@ -26,8 +26,7 @@ class _Named(enum.Enum):
                 if value.lower() in (member.value, member.name.lower()):
                     return member
         raise DistributedValueError(
-            f"invalid {cls.__name__}: {value!r} (expected one of "
-            f"{', '.join(m.name for m in cls)})"
+            f"invalid {cls.__name__}: {value!r} (expected one of {', '.join(m.name for m in cls)})"
         )
 
     def __str__(self) -> str:

@@ -87,7 +87,11 @@ def _describe(
 
 def _fmt(value: Any) -> str:
     if isinstance(value, tuple):
-        return repr(tuple(int(v) for v in value)) if all(isinstance(v, int) for v in value) else repr(value)
+        return (
+            repr(tuple(int(v) for v in value))
+            if all(isinstance(v, int) for v in value)
+            else repr(value)
+        )
     return str(value)
 
 
@@ -301,7 +305,9 @@ class GradientError(ParallelVarsError, ValueError):
         self.variable = variable
         self.expected = expected
         self.found = found
-        super().__init__(_describe(what, variable=variable, expected=expected, found=found, hint=hint))
+        super().__init__(
+            _describe(what, variable=variable, expected=expected, found=found, hint=hint)
+        )
 
 
 class GradientTypeError(GradientError, TypeError):

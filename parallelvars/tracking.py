@@ -137,7 +137,9 @@ class TrackedList(list, Trackable):
         self._added(0)
 
     def __setitem__(self, index: Any, value: Any) -> None:
-        super().__setitem__(index, _wrap(value) if not isinstance(index, slice) else [_wrap(v) for v in value])
+        super().__setitem__(
+            index, _wrap(value) if not isinstance(index, slice) else [_wrap(v) for v in value]
+        )
         self._added(0)
 
     def __iadd__(self, values: Any) -> TrackedList:  # type: ignore[misc]

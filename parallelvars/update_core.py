@@ -74,7 +74,14 @@ BLOCK_BYTES = 128 << 10
 _MIN_BLOCK = 1024
 
 Kernel = Callable[
-    [np.ndarray, tuple[np.ndarray, ...], np.ndarray, Any, tuple[np.ndarray, ...], tuple[np.ndarray, ...]],
+    [
+        np.ndarray,
+        tuple[np.ndarray, ...],
+        np.ndarray,
+        Any,
+        tuple[np.ndarray, ...],
+        tuple[np.ndarray, ...],
+    ],
     None,
 ]
 """``kernel(var, slots, grad, hp, tmp, gtmp)``: update ``var`` and ``slots`` in place.
@@ -216,8 +223,6 @@ class Run:
     segments: list[tuple[int, int, list[int]]] = field(default_factory=list)
 
 
-
-
 def plan_runs(
     placements: Sequence[tuple[int, Any]] | Sequence[tuple[int, Any, bool]],
     slot_arenas: Callable[[Arena], Sequence[Arena]],
@@ -316,7 +321,13 @@ def apply_runs(
                 except TypeError:
                     np.concatenate(parts, axis=None, out=line[start:end], casting="same_kind")
         apply_blocked(
-            kernel, run.var_slab, run.slot_slabs, run.grad_line, hp, scratch(run.arena.dtype), run.replicate
+            kernel,
+            run.var_slab,
+            run.slot_slabs,
+            run.grad_line,
+            hp,
+            scratch(run.arena.dtype),
+            run.replicate,
         )
 
 
@@ -360,7 +371,10 @@ def layout_lines(runs: Sequence[Run]) -> GradLayout:
 
 
 def pack_lines(
-    runs: Sequence[Run], layout: GradLayout, grads: Sequence[np.ndarray], out: dict[np.dtype, np.ndarray]
+    runs: Sequence[Run],
+    layout: GradLayout,
+    grads: Sequence[np.ndarray],
+    out: dict[np.dtype, np.ndarray],
 ) -> None:
     """Copy dense gradients (indexed by the members' positions, each of its variable's dtype)
     into buffers of ``layout``.
@@ -374,7 +388,9 @@ def pack_lines(
         buf = out[dt]
         for s0, s1, positions in run.segments:
             if len(positions) == 1:
-                np.copyto(buf[start + s0 : start + s1], grads[positions[0]].reshape(-1), casting="equiv")
+                np.copyto(
+                    buf[start + s0 : start + s1], grads[positions[0]].reshape(-1), casting="equiv"
+                )
             else:
                 np.concatenate(
                     operator.itemgetter(*positions)(grads),

@@ -98,8 +98,14 @@ def _unwrap(x: Any) -> Any:
     """Replace variables by the array they read as here (recursively in lists and tuples)."""
     if isinstance(x, ParallelVariable):
         return x._local()
-    if isinstance(x, (list, tuple)) and any(isinstance(i, (ParallelVariable, list, tuple)) for i in x):
-        return type(x)(_unwrap(i) for i in x) if not hasattr(x, "_fields") else type(x)(*(_unwrap(i) for i in x))
+    if isinstance(x, (list, tuple)) and any(
+        isinstance(i, (ParallelVariable, list, tuple)) for i in x
+    ):
+        return (
+            type(x)(_unwrap(i) for i in x)
+            if not hasattr(x, "_fields")
+            else type(x)(*(_unwrap(i) for i in x))
+        )
     return x
 
 
@@ -499,7 +505,9 @@ class ParallelVariable(wrapt.ObjectProxy):
         self._for_each_component("put", *args, **kwargs)
 
     def resize(self, *args: Any, **kwargs: Any) -> None:
-        raise UnsupportedOperationError(f"variable {self._self_name!r}: a variable's shape is fixed")
+        raise UnsupportedOperationError(
+            f"variable {self._self_name!r}: a variable's shape is fixed"
+        )
 
     # ------------------------------------------------------------------ numpy protocol
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
@@ -532,14 +540,23 @@ class ParallelVariable(wrapt.ObjectProxy):
         return getattr(ufunc, method)(*(_unwrap(x) for x in inputs), **_unwrap_kwargs(kwargs))
 
     def _ufunc_into(
-        self, targets: list[ParallelVariable], ufunc: np.ufunc, method: str, inputs: Any, kwargs: dict[str, Any]
+        self,
+        targets: list[ParallelVariable],
+        ufunc: np.ufunc,
+        method: str,
+        inputs: Any,
+        kwargs: dict[str, Any],
     ) -> Any:
         if len(targets) != 1 or method != "__call__":
-            raise UnsupportedOperationError("a variable can be the `out` of a plain ufunc call with one output only")
+            raise UnsupportedOperationError(
+                "a variable can be the `out` of a plain ufunc call with one output only"
+            )
         (var,) = targets
         rest = {k: _unwrap(v) for k, v in kwargs.items() if k != "out"}
         i = var._replica_index()
-        if var._self_kind == "on_read" or (i is not None and var._self_kind not in ("independent",)):
+        if var._self_kind == "on_read" or (
+            i is not None and var._self_kind not in ("independent",)
+        ):
             result = ufunc(*(_unwrap(x) for x in inputs), **rest)
             var.assign(result)
             return var
@@ -697,7 +714,9 @@ del _name, _fwd, _ref, _inp
 
 def _imatmul(self: ParallelVariable, other: Any) -> Any:
     # Not an element-wise write: refuse it rather than update only the primary.
-    raise UnsupportedOperationError(f"variable {self.name!r}: in-place matmul is not supported; use assign(v @ m)")
+    raise UnsupportedOperationError(
+        f"variable {self.name!r}: in-place matmul is not supported; use assign(v @ m)"
+    )
 
 
 ParallelVariable.__imatmul__ = _imatmul  # type: ignore[method-assign,assignment]
@@ -744,10 +763,14 @@ class ComponentVariable(np.ndarray):
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
         # Compute on plain arrays, so results are plain arrays; an ``out=`` view is written
         # through and returned as given (``c -= d`` keeps ``c`` the component view).
-        args = [x.view(np.ndarray) if isinstance(x, ComponentVariable) else _unwrap(x) for x in inputs]
+        args = [
+            x.view(np.ndarray) if isinstance(x, ComponentVariable) else _unwrap(x) for x in inputs
+        ]
         out = kwargs.get("out")
         if out is not None:
-            kwargs["out"] = tuple(x.view(np.ndarray) if isinstance(x, ComponentVariable) else x for x in out)
+            kwargs["out"] = tuple(
+                x.view(np.ndarray) if isinstance(x, ComponentVariable) else x for x in out
+            )
         result = getattr(ufunc, method)(*args, **kwargs)
         if out is not None:
             return out[0] if len(out) == 1 else out
@@ -906,7 +929,11 @@ class ShardedVariable(ParallelVariable):
     def _ufunc_into(self, targets: Any, ufunc: Any, method: str, inputs: Any, kwargs: Any) -> Any:
         (var,) = targets
         rest = {k: _unwrap(v) for k, v in kwargs.items() if k != "out"}
-        ufunc(*(var.__wrapped__ if x is var else _unwrap(x) for x in inputs), out=var.__wrapped__, **rest)
+        ufunc(
+            *(var.__wrapped__ if x is var else _unwrap(x) for x in inputs),
+            out=var.__wrapped__,
+            **rest,
+        )
         return var
 
 
@@ -918,7 +945,11 @@ def _initial_array(initial_value: Any, dtype: Any, name: str) -> np.ndarray:
     if dtype is not None:
         return np.asarray(value, dtype=as_dtype(dtype))
     arr = np.asarray(value)
-    if arr.dtype == np.float64 and not isinstance(value, np.ndarray) and not isinstance(value, np.generic):
+    if (
+        arr.dtype == np.float64
+        and not isinstance(value, np.ndarray)
+        and not isinstance(value, np.generic)
+    ):
         # Python floats and lists of them become float32, the usual parameter dtype.
         arr = arr.astype(np.float32)
     if is_extension_dtype(arr.dtype):  # bfloat16, float8 ...: numpy reports them as kind "V"
@@ -926,19 +957,25 @@ def _initial_array(initial_value: Any, dtype: Any, name: str) -> np.ndarray:
     if arr.dtype.kind in "USV" or (arr.dtype.kind == "O"):
         if arr.dtype.kind == "O" and all(isinstance(x, bytes) for x in arr.flat):
             return arr
-        raise UnsupportedDtypeError(f"variable {name!r}: unsupported initial value dtype {arr.dtype}")
+        raise UnsupportedDtypeError(
+            f"variable {name!r}: unsupported initial value dtype {arr.dtype}"
+        )
     return arr
 
 
 def _check_shard_axis(name: str, shard_axis: Any, ndim: int) -> int:
     """``shard_axis`` as a non-negative axis of an ``ndim``-d value, checked with or without a strategy."""
     if isinstance(shard_axis, bool) or not isinstance(shard_axis, (int, np.integer)):
-        raise DistributedValueError(f"variable {name!r}: shard_axis must be an int, got {shard_axis!r}")
+        raise DistributedValueError(
+            f"variable {name!r}: shard_axis must be an int, got {shard_axis!r}"
+        )
     if ndim == 0:
         raise DistributedValueError(f"variable {name!r}: a scalar cannot be sharded")
     axis = int(shard_axis) + ndim if shard_axis < 0 else int(shard_axis)
     if not 0 <= axis < ndim:
-        raise DistributedValueError(f"variable {name!r}: shard_axis {shard_axis} out of range for {ndim} dims")
+        raise DistributedValueError(
+            f"variable {name!r}: shard_axis {shard_axis} out of range for {ndim} dims"
+        )
     return axis
 
 
@@ -975,7 +1012,14 @@ def _make_distributed_variable(
         if sync is Synchronization.ON_READ:
             raise DistributedValueError(f"variable {name!r}: a sharded variable cannot be ON_READ")
         full = np.array(arr, copy=True, order="C")
-        return ShardedVariable(full, device=device, name=name, shard_axis=int(shard_axis), trainable=trainable, aggregation=agg)
+        return ShardedVariable(
+            full,
+            device=device,
+            name=name,
+            shard_axis=int(shard_axis),
+            trainable=trainable,
+            aggregation=agg,
+        )
     if kind is None:
         if n == 1:
             kind = "single"
@@ -1050,7 +1094,9 @@ def Variable(
     return call(len(creators) - 1, **kwargs)
 
 
-def _wrap_components(name: str, values: Sequence[Any], device: ParallelDevice, kind: str) -> ParallelVariable:
+def _wrap_components(
+    name: str, values: Sequence[Any], device: ParallelDevice, kind: str
+) -> ParallelVariable:
     """A variable of ``kind`` on ``device`` whose component ``i`` is a copy of ``values[i]``."""
     arrays = [np.asarray(_unwrap(v)) for v in values]
     first = arrays[0]
@@ -1058,7 +1104,9 @@ def _wrap_components(name: str, values: Sequence[Any], device: ParallelDevice, k
         if a.shape != first.shape:
             raise ShapeMismatchError(
                 f"component {i} has another shape than component 0",
-                variable=name, expected=first.shape, found=a.shape,
+                variable=name,
+                expected=first.shape,
+                found=a.shape,
             )
         if a.dtype != first.dtype:
             raise DistributedTypeError(
@@ -1096,7 +1144,9 @@ def ReplicatedVariable(
     """
     values = list(variables)
     if not values:
-        raise DistributedValueError(f"variable {name!r}: ReplicatedVariable needs at least one value")
+        raise DistributedValueError(
+            f"variable {name!r}: ReplicatedVariable needs at least one value"
+        )
     if devices is None:
         strategy = _context.get_strategy()
         same = not strategy._is_default and len(strategy.devices) == len(values)

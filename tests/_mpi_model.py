@@ -25,8 +25,10 @@ class Model(pv.Module):
         self.b = pv.Variable(rng.normal(size=(3,)).astype(np.float32), name="b")
         self.c = pv.Variable(rng.normal(size=(5,)), name="c")  # float64
         self.seen = pv.Variable(
-            np.int64(0), name="seen",
-            synchronization=pv.Synchronization.ON_READ, aggregation=pv.Aggregation.SUM,
+            np.int64(0),
+            name="seen",
+            synchronization=pv.Synchronization.ON_READ,
+            aggregation=pv.Aggregation.SUM,
         )
 
     def trainable(self) -> list[Any]:
@@ -64,7 +66,9 @@ def train(strategy: Any, steps: int, seed: int = 0) -> tuple[Model, Any, list[fl
         opt = pv.optimizers.Adam(0.05)
     losses = []
     for step in range(steps):
-        loss = strategy.run(replica_step, args=(model, opt, batches(step, strategy.num_replicas_in_sync)))
+        loss = strategy.run(
+            replica_step, args=(model, opt, batches(step, strategy.num_replicas_in_sync))
+        )
         losses.append(float(strategy.reduce(pv.ReduceOp.MEAN, loss)))
     return model, opt, losses
 

@@ -77,17 +77,24 @@ def main() -> None:
         out.update(m.state(model, opt))
         # A write to a mirrored variable in a replica function merges across processes.
         with strategy.scope():
-            mean_var = pv.Variable(np.float32(5.0), name="mean_var", aggregation=pv.Aggregation.MEAN)
+            mean_var = pv.Variable(
+                np.float32(5.0), name="mean_var", aggregation=pv.Aggregation.MEAN
+            )
         strategy.run(lambda: mean_var.assign_add(np.float32(1.0 + rank)))
         out["mean_var"] = np.array(mean_var.components[0])
     elif scenario == "manager":
         # Every process has a manager on the one directory; rank 0 keeps the books.
         model, opt, _ = m.train(strategy, steps=1, seed=rank)
         directory = os.path.join(out_dir, "managed")
-        manager = pv.CheckpointManager(pv.Checkpoint(model=model, optimizer=opt), directory, max_to_keep=2)
+        manager = pv.CheckpointManager(
+            pv.Checkpoint(model=model, optimizer=opt), directory, max_to_keep=2
+        )
         saved = []
         for step in range(3):
-            strategy.run(m.replica_step, args=(model, opt, m.batches(step + 1, strategy.num_replicas_in_sync)))
+            strategy.run(
+                m.replica_step,
+                args=(model, opt, m.batches(step + 1, strategy.num_replicas_in_sync)),
+            )
             saved.append(manager.save())
         try:
             manager.save(blocking=False)
@@ -102,7 +109,9 @@ def main() -> None:
     elif scenario == "raise":
         if rank == 1:
             raise ValueError("boom on purpose in rank 1")
-        strategy.reduce(pv.ReduceOp.SUM, pv.PerReplica([np.ones(2)] * strategy.num_replicas_in_sync))
+        strategy.reduce(
+            pv.ReduceOp.SUM, pv.PerReplica([np.ones(2)] * strategy.num_replicas_in_sync)
+        )
         strategy.barrier()  # never reached: rank 1 aborted the job
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")

@@ -95,6 +95,7 @@ def h5_structure(path: Any, *, integrity: bool = False) -> dict[str, Any]:
         integrity: keep our integrity attributes (:data:`INTEGRITY_ATTRS`); by default they
             are left out, so a file we wrote compares equal to the Keras file it copies.
     """
+
     def decode(v: Any) -> Any:
         if isinstance(v, np.ndarray):
             return [decode(x) for x in v.tolist()]
@@ -153,8 +154,12 @@ def random_array(draw: Any, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarr
 
 
 @st.composite
-def entries(draw: Any, dtypes: list[np.dtype] = NUMERIC_DTYPES, kinds: tuple[str, ...] | None = None,
-            max_vars: int = 4) -> DictView:
+def entries(
+    draw: Any,
+    dtypes: list[np.dtype] = NUMERIC_DTYPES,
+    kinds: tuple[str, ...] | None = None,
+    max_vars: int = 4,
+) -> DictView:
     """A view of up to ``max_vars`` random variables of every kind."""
     kinds = kinds or ("single", "mirrored", "on_read", "independent", "sharded")
     count = draw(st.integers(1, max_vars))

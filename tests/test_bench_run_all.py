@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "run_all.py")
+_PATH = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "run_all.py"
+)
 _spec = importlib.util.spec_from_file_location("bench_run_all", _PATH)
 assert _spec is not None and _spec.loader is not None
 run_all = importlib.util.module_from_spec(_spec)
@@ -22,42 +24,77 @@ def _t(op: str, value: float, met: bool) -> dict:
 
 def _update() -> dict:
     def model(vars_: int, core: float, loop: float, roof: float, targets: dict) -> dict:
-        return {"vars": vars_, "params": vars_ * 10, "times": {"core_s": core, "loop_s": loop, "roofline_s": roof},
-                "ratios": {"loop_over_core": loop / core, "core_over_roofline": core / roof},
-                "targets": targets}
+        return {
+            "vars": vars_,
+            "params": vars_ * 10,
+            "times": {"core_s": core, "loop_s": loop, "roofline_s": roof},
+            "ratios": {"loop_over_core": loop / core, "core_over_roofline": core / roof},
+            "targets": targets,
+        }
 
-    return {"params": {"replicas": 4}, "models": {
-        "A": model(200, 0.1, 0.5, 0.05, {"loop_over_core": _t(">=", 4.0, True),
-                                         "core_over_roofline": _t("<=", 2.5, True)}),
-        "B": model(2000, 0.02, 0.1, 0.004, {"loop_over_core": _t(">=", 10.0, False)}),
-    }}
+    return {
+        "params": {"replicas": 4},
+        "models": {
+            "A": model(
+                200,
+                0.1,
+                0.5,
+                0.05,
+                {"loop_over_core": _t(">=", 4.0, True), "core_over_roofline": _t("<=", 2.5, True)},
+            ),
+            "B": model(2000, 0.02, 0.1, 0.004, {"loop_over_core": _t(">=", 10.0, False)}),
+        },
+    }
 
 
 def _results() -> dict:
     ok = lambda data: {"status": "ok", "data": data}  # noqa: E731
     return {
         "update": ok(_update()),
-        "checkpoint": ok({
-            "params": {"variables": 200, "devices": 4}, "bytes": 400e6,
-            "times": {f"{k}_{w}_s": 1.0 for k in ("save", "restore_warm", "restore_evicted")
-                      for w in ("raw", "ours")},
-            "ratios": {"save": 0.8, "restore_warm": 0.5, "restore_evicted": 0.9},
-            "targets": {"save": _t(">=", 0.7, True), "restore_warm": _t(">=", 0.7, False),
-                        "restore_evicted": _t(">=", 0.7, True)},
-        }),
+        "checkpoint": ok(
+            {
+                "params": {"variables": 200, "devices": 4},
+                "bytes": 400e6,
+                "times": {
+                    f"{k}_{w}_s": 1.0
+                    for k in ("save", "restore_warm", "restore_evicted")
+                    for w in ("raw", "ours")
+                },
+                "ratios": {"save": 0.8, "restore_warm": 0.5, "restore_evicted": 0.9},
+                "targets": {
+                    "save": _t(">=", 0.7, True),
+                    "restore_warm": _t(">=", 0.7, False),
+                    "restore_evicted": _t(">=", 0.7, True),
+                },
+            }
+        ),
         "convert": {"status": "failed", "detail": "exit 1: MemoryError"},
         "tf_read": {"status": "timeout", "detail": "after 900 s"},
-        "strategy": ok({
-            "params": {"replicas": 8},
-            "times": {"overhead_s_per_step": 150e-6, "run_s_per_step": 250e-6, "loop_s_per_step": 100e-6},
-            "ratios": {"run_over_loop": 2.5},
-            "targets": {"overhead_s_per_step": _t("<", 200e-6, True)},
-        }),
-        "mpi": ok({"runs": {
-            "2": {"vars": 200, "bytes_per_step": 20e6, "times": {"fused_s": 0.04, "per_variable_s": 0.06},
-                  "ratios": {"per_variable_over_fused": 1.5}},
-            "4": {"procs": 4, "error": "Command '...' returned non-zero exit status 1."},
-        }}),
+        "strategy": ok(
+            {
+                "params": {"replicas": 8},
+                "times": {
+                    "overhead_s_per_step": 150e-6,
+                    "run_s_per_step": 250e-6,
+                    "loop_s_per_step": 100e-6,
+                },
+                "ratios": {"run_over_loop": 2.5},
+                "targets": {"overhead_s_per_step": _t("<", 200e-6, True)},
+            }
+        ),
+        "mpi": ok(
+            {
+                "runs": {
+                    "2": {
+                        "vars": 200,
+                        "bytes_per_step": 20e6,
+                        "times": {"fused_s": 0.04, "per_variable_s": 0.06},
+                        "ratios": {"per_variable_over_fused": 1.5},
+                    },
+                    "4": {"procs": 4, "error": "Command '...' returned non-zero exit status 1."},
+                }
+            }
+        ),
     }
 
 
@@ -73,8 +110,9 @@ def test_table_has_one_row_per_figure_with_its_target_and_verdict():
     by_area: dict[str, list[list[str]]] = {}
     for r in rows:
         by_area.setdefault(r[0], []).append(r)
-    assert [len(by_area[a]) for a in ("update", "checkpoint", "convert", "tf read", "strategy", "mpi")] == [
-        4, 3, 1, 1, 2, 2]
+    assert [
+        len(by_area[a]) for a in ("update", "checkpoint", "convert", "tf read", "strategy", "mpi")
+    ] == [4, 3, 1, 1, 2, 2]
 
     loop_a, roof_a, loop_b, roof_b = by_area["update"]
     assert loop_a[2:] == ["100.0 ms", "500.0 ms", "5.00x", ">= 4x", "yes"]
@@ -95,12 +133,23 @@ def test_table_has_one_row_per_figure_with_its_target_and_verdict():
     assert four[1].startswith("4 processes: failed") and four[6] == "no"
 
 
-@pytest.mark.parametrize(("name", "result", "words"), [
-    ("convert", {"status": "failed", "detail": "exit 1: MemoryError"}, "failed: exit 1: MemoryError"),
-    ("tf_read", {"status": "timeout", "detail": "after 900 s"}, "timed out: after 900 s"),
-    ("strategy", {"status": "ok", "data": {"times": {}}}, "unreadable figures: KeyError"),
-    ("mpi", {"status": "ok", "data": {"skipped": "mpi4py is not installed"}}, "skipped: mpi4py"),
-])
+@pytest.mark.parametrize(
+    ("name", "result", "words"),
+    [
+        (
+            "convert",
+            {"status": "failed", "detail": "exit 1: MemoryError"},
+            "failed: exit 1: MemoryError",
+        ),
+        ("tf_read", {"status": "timeout", "detail": "after 900 s"}, "timed out: after 900 s"),
+        ("strategy", {"status": "ok", "data": {"times": {}}}, "unreadable figures: KeyError"),
+        (
+            "mpi",
+            {"status": "ok", "data": {"skipped": "mpi4py is not installed"}},
+            "skipped: mpi4py",
+        ),
+    ],
+)
 def test_a_benchmark_without_figures_is_one_row_saying_why(name, result, words):
     (row,) = _rows(run_all.build_table({name: result}))
     assert words in row[1]
@@ -128,7 +177,13 @@ def test_train_step_rows():
         times = {"run_s": 0.012, "core_s": 0.01, "buffers_s": 0.011, "loop_s": 0.15}
         ratios = {"run_over_core": 1.2, "buffers_over_core": 1.1, "loop_over_run": 12.5}
         targets = {"run_over_core": _t("<=", 1.5, met), "loop_over_run": _t(">=", 10.0, True)}
-        return {"vars": vars_, "params": vars_ * 10, "times": times, "ratios": ratios, "targets": targets}
+        return {
+            "vars": vars_,
+            "params": vars_ * 10,
+            "times": times,
+            "ratios": ratios,
+            "targets": targets,
+        }
 
     data = {"params": {"replicas": 4}, "models": {"A": model(200, False), "B": model(2000, True)}}
     rows = _rows(run_all.build_table({"train_step": {"status": "ok", "data": data}}))
@@ -149,16 +204,26 @@ def _scaling(peer: bool = True) -> dict:
         return {"variables": count, "tensors": count * 6, "times": times}
 
     runs = {"500": run(500, 1e-3), "5000": run(5000, 1.1e-3), "50000": run(50000, 1.1e-3)}
-    growth = {op: {"500->5000": 11.0, "5000->50000": 10.0}
-              for op in ("step", "gather", "save", "restore", "step_first")}
+    growth = {
+        op: {"500->5000": 11.0, "5000->50000": 10.0}
+        for op in ("step", "gather", "save", "restore", "step_first")
+    }
     growth["save"]["500->5000"] = 13.0
     return {
-        "params": {"counts": [500, 5000, 50000], "params": 4_000_000, "devices": 2,
-                   "peer": "safetensors" if peer else None},
-        "runs": runs, "growth": growth, "ratios": {},
-        "targets": {"save_growth_500_5000": _t("<=", 12.0, False),
-                    "restore_growth_500_5000": _t("<=", 12.0, True),
-                    "step_growth_500_5000": _t("<=", 12.0, True)},
+        "params": {
+            "counts": [500, 5000, 50000],
+            "params": 4_000_000,
+            "devices": 2,
+            "peer": "safetensors" if peer else None,
+        },
+        "runs": runs,
+        "growth": growth,
+        "ratios": {},
+        "targets": {
+            "save_growth_500_5000": _t("<=", 12.0, False),
+            "restore_growth_500_5000": _t("<=", 12.0, True),
+            "step_growth_500_5000": _t("<=", 12.0, True),
+        },
     }
 
 
@@ -172,7 +237,9 @@ def test_scaling_rows_show_growth_per_step_of_counts_and_the_peer():
     assert later[4:] == ["10.00x", "—", "n/a"]  # the issue sets no target past 5,000
     peer = next(r for r in rows if "safetensors save_file" in r[1])
     assert "50,000 variables, 300,000 tensors" in peer[1] and peer[4] == "0.25x"
-    no_peer = _rows(run_all.build_table({"scaling": {"status": "ok", "data": _scaling(peer=False)}}))
+    no_peer = _rows(
+        run_all.build_table({"scaling": {"status": "ok", "data": _scaling(peer=False)}})
+    )
     assert len(no_peer) == 8 and not any("safetensors" in r[1] for r in no_peer)
 
 

@@ -22,7 +22,9 @@ from parallelvars.checkpoint.registry import unregister_saveable
 class Dense(pv.Module):
     def __init__(self, n_in: int = 3, n_out: int = 2, seed: int = 0) -> None:
         rng = np.random.default_rng(seed)
-        self.kernel = pv.Variable(rng.standard_normal((n_in, n_out)).astype(np.float32), name="kernel")
+        self.kernel = pv.Variable(
+            rng.standard_normal((n_in, n_out)).astype(np.float32), name="kernel"
+        )
         self.bias = pv.Variable(np.zeros(n_out, np.float32), name="bias")
 
 
@@ -32,10 +34,18 @@ def make_model(devices: int | None, seed: int = 0) -> pv.Module:
     def build() -> pv.Module:
         m = pv.Module()
         m.layers = [Dense(seed=seed), Dense(2, 2, seed=seed + 1)]
-        m.embedding = pv.Variable(np.arange(40, dtype=np.float32).reshape(10, 4) + seed, name="e", shard_axis=0)
-        m.count = pv.Variable(np.int64(0), name="count", synchronization="on_read", aggregation="sum")
-        m.mean = pv.Variable(np.float64(0), name="mean", synchronization="on_read", aggregation="mean")
-        m.first = pv.Variable(np.float32(0), name="first", synchronization="on_read", aggregation="only_first_replica")
+        m.embedding = pv.Variable(
+            np.arange(40, dtype=np.float32).reshape(10, 4) + seed, name="e", shard_axis=0
+        )
+        m.count = pv.Variable(
+            np.int64(0), name="count", synchronization="on_read", aggregation="sum"
+        )
+        m.mean = pv.Variable(
+            np.float64(0), name="mean", synchronization="on_read", aggregation="mean"
+        )
+        m.first = pv.Variable(
+            np.float32(0), name="first", synchronization="on_read", aggregation="only_first_replica"
+        )
         return m
 
     if devices is None:
@@ -64,7 +74,12 @@ def test_save_returns_numbered_file_and_layout_is_plain_hdf5(tmp_path) -> None:
     with h5py.File(path, "r") as f:
         assert f.attrs["parallelvars_format"] == 1
         g = f["model/layers/0/kernel"]
-        assert sorted(g) == ["parallel_component_1", "parallel_component_2", "parallel_component_3", "primary"]
+        assert sorted(g) == [
+            "parallel_component_1",
+            "parallel_component_2",
+            "parallel_component_3",
+            "primary",
+        ]
         for name in g:
             np.testing.assert_array_equal(g[name][()], np.asarray(m.layers[0].kernel))
         assert g.attrs["kind"] == "mirrored" and list(g.attrs["shape"]) == [3, 2]
@@ -74,10 +89,20 @@ def test_save_returns_numbered_file_and_layout_is_plain_hdf5(tmp_path) -> None:
         assert np.ndim(g["primary"].attrs["crc32c"]) == 0
         e = f["model/embedding"]
         assert e.attrs["kind"] == "sharded" and list(e.attrs["shard_offsets"]) == [0, 3, 6, 8]
-        np.testing.assert_array_equal(e["value"][()], np.arange(40, dtype=np.float32).reshape(10, 4))
+        np.testing.assert_array_equal(
+            e["value"][()], np.arange(40, dtype=np.float32).reshape(10, 4)
+        )
         assert e["parallel_component_3"].shape == (2, 4)
-        assert [int(f["model/count"][k][()]) for k in ("primary", "parallel_component_3")] == [10, 40]
-        assert "crc32c" in g["primary"].attrs and list(g.attrs["devices"]) == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+        assert [int(f["model/count"][k][()]) for k in ("primary", "parallel_component_3")] == [
+            10,
+            40,
+        ]
+        assert "crc32c" in g["primary"].attrs and list(g.attrs["devices"]) == [
+            "cpu:0",
+            "cpu:1",
+            "cpu:2",
+            "cpu:3",
+        ]
         assert f["_parallelvars/object_graph"][()]
 
 
@@ -113,7 +138,9 @@ def test_restore_onto_other_device_counts(tmp_path, target) -> None:
         for c in layer_dst.kernel.components:
             np.testing.assert_array_equal(c, layer_src.kernel.components[0])
     # sharded: the full value, re-split into M shards
-    np.testing.assert_array_equal(np.asarray(dst.embedding), np.arange(40, dtype=np.float32).reshape(10, 4) + 3)
+    np.testing.assert_array_equal(
+        np.asarray(dst.embedding), np.arange(40, dtype=np.float32).reshape(10, 4) + 3
+    )
     if target and target > 1:
         assert len(dst.embedding.components) == m
     # on-read SUM keeps the total, MEAN the mean, ONLY_FIRST the first
@@ -153,9 +180,24 @@ def test_independent_buffers_need_the_same_device_count(tmp_path) -> None:
 
 
 DTYPES = [
-    np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,
-    np.uint8, np.uint16, np.uint32, np.uint64, np.bool_, np.complex64, np.complex128,
-    ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fnuz,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.bool_,
+    np.complex64,
+    np.complex128,
+    ml_dtypes.bfloat16,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+    ml_dtypes.float8_e4m3fnuz,
     ml_dtypes.float8_e5m2fnuz,
 ]
 
@@ -164,7 +206,11 @@ DTYPES = [
 def test_every_dtype_round_trips_bit_exactly(tmp_path, dtype) -> None:
     rng = np.random.default_rng(0)
     bits = rng.integers(0, 256, size=(5, 3, np.dtype(dtype).itemsize), dtype=np.uint8)
-    value = bits.view(np.dtype(dtype)).reshape(5, 3) if np.dtype(dtype) != np.bool_ else bits[..., 0] % 2 == 1
+    value = (
+        bits.view(np.dtype(dtype)).reshape(5, 3)
+        if np.dtype(dtype) != np.bool_
+        else bits[..., 0] % 2 == 1
+    )
     with pv.MirroredStrategy(2).scope():
         v = pv.Variable(value, name="v", dtype=dtype)
     path = pv.Checkpoint(v=v).write(tmp_path / "a.h5")
@@ -176,7 +222,9 @@ def test_every_dtype_round_trips_bit_exactly(tmp_path, dtype) -> None:
     assert H5Reader(path)["v"].dtype == np.dtype(dtype)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     value=hnp.arrays(
         dtype=st.sampled_from([np.float32, np.int64, np.uint8, np.float16]),
@@ -347,7 +395,11 @@ def test_shape_mismatch_names_file_and_variable(saved) -> None:
     with pytest.raises(errors.ShapeMismatchError) as info:
         pv.Checkpoint(model=dst).restore(path)
     msg = str(info.value)
-    assert "good.h5" in msg and "model/layers/1/kernel" in msg and "expected (3, 3), found (2, 2)" in msg
+    assert (
+        "good.h5" in msg
+        and "model/layers/1/kernel" in msg
+        and "expected (3, 3), found (2, 2)" in msg
+    )
     assert snapshot(dst) == before  # all or nothing
 
 
@@ -357,7 +409,9 @@ def test_dtype_mismatch_and_opt_in_cast(saved) -> None:
     with pv.MirroredStrategy(2).scope():
         dst.layers[0].kernel = pv.Variable(np.zeros((3, 2), np.float64))
     before = snapshot(dst)
-    with pytest.raises(errors.DtypeMismatchError, match=r"model/layers/0/kernel.*expected float64, found float32"):
+    with pytest.raises(
+        errors.DtypeMismatchError, match=r"model/layers/0/kernel.*expected float64, found float32"
+    ):
         pv.Checkpoint(model=dst).restore(path)
     assert snapshot(dst) == before
     pv.Checkpoint(model=dst).restore(path, allow_cast=True).assert_consumed()
@@ -380,7 +434,9 @@ def test_missing_variable(saved) -> None:
 def test_not_hdf5(tmp_path) -> None:
     p = tmp_path / "x.h5"
     p.write_bytes(b"PK\x03\x04 not an hdf5 file at all")
-    with pytest.raises(errors.NotACheckpointError, match=r"x\.h5: not an HDF5 file \(expected HDF5 signature"):
+    with pytest.raises(
+        errors.NotACheckpointError, match=r"x\.h5: not an HDF5 file \(expected HDF5 signature"
+    ):
         pv.Checkpoint(v=pv.Variable(1.0)).restore(p)
 
 
@@ -409,7 +465,9 @@ def test_checksum_mismatch_names_the_variable_and_changes_nothing(saved) -> None
         fh.write(b"\x01\x02\x03\x04")
     dst = make_model(4, seed=0)
     before = snapshot(dst)
-    with pytest.raises(errors.ChecksumMismatchError, match=r"model/layers/1/bias/parallel_component_2.*crc32c"):
+    with pytest.raises(
+        errors.ChecksumMismatchError, match=r"model/layers/1/bias/parallel_component_2.*crc32c"
+    ):
         pv.Checkpoint(model=dst).restore(path)
     assert snapshot(dst) == before
     assert any("parallel_component_2" in p for p in H5Reader(path).verify_all())

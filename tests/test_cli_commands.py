@@ -681,7 +681,10 @@ def test_golden_extract_bfloat16_and_float8_bits(
 def test_listings_are_in_natural_order(tmp_path, capsys) -> None:
     from parallelvars.cli._common import natural_key
 
-    keys = [f"layers/dense/vars/{i}" for i in (10, 2, 0, 1, 11)] + ["layers/dense_10/x", "layers/dense_2/x"]
+    keys = [f"layers/dense/vars/{i}" for i in (10, 2, 0, 1, 11)] + [
+        "layers/dense_10/x",
+        "layers/dense_2/x",
+    ]
     assert sorted(keys, key=natural_key) == [
         "layers/dense/vars/0", "layers/dense/vars/1", "layers/dense/vars/2",
         "layers/dense/vars/10", "layers/dense/vars/11", "layers/dense_2/x", "layers/dense_10/x",
@@ -713,7 +716,9 @@ def test_inspect_shows_created_as_iso_8601(sample: str, capsys) -> None:
         assert "T" in line and line.rstrip().endswith("+00:00"), line
 
 
-@pytest.mark.parametrize("name", ["e.h5", "e.hdf5", "e.safetensors", "e.npz", "e.weights.h5", "e.index"])
+@pytest.mark.parametrize(
+    "name", ["e.h5", "e.hdf5", "e.safetensors", "e.npz", "e.weights.h5", "e.index"]
+)
 def test_verify_exit_code_does_not_depend_on_the_suffix(tmp_path, name, capsys) -> None:
     path = tmp_path / name
     path.write_bytes(b"")

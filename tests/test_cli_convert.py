@@ -294,7 +294,10 @@ def test_convert_into_a_new_folder_with_shards(run_h5, tmp_path, monkeypatch, ca
     names = sorted(p.name for p in (tmp_path / "shards").iterdir())
     assert "model.safetensors.index.json" in names
     shards = [n for n in names if n != "model.safetensors.index.json"]
-    assert len(shards) > 1 and all(n.startswith("model-0000") and n.endswith(f"-of-{len(shards):05d}.safetensors") for n in shards)
+    assert len(shards) > 1 and all(
+        n.startswith("model-0000") and n.endswith(f"-of-{len(shards):05d}.safetensors")
+        for n in shards
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.h5", "shards"]
     with open_checkpoint(str(tmp_path / "shards")) as view:
         assert "model/dense/kernel" in view
@@ -347,10 +350,12 @@ def test_legacy_keras_converts_to_keras3_layout(tmp_path, capsys) -> None:
     def datasets(path: pathlib.Path) -> dict[str, tuple[np.ndarray, str]]:
         found: dict[str, tuple[np.ndarray, str]] = {}
         with h5py.File(path, "r") as h5:
+
             def visit(name: str, obj: object) -> None:
                 if isinstance(obj, h5py.Dataset):
                     owner = h5[name.rpartition("/")[0]].attrs.get("name")
                     found[name] = (obj[()], owner.decode() if isinstance(owner, bytes) else owner)
+
             h5.visititems(visit)
         return found
 
@@ -383,4 +388,6 @@ def test_components_primary_refuses_independent_buffers_like_extract(tmp_path, c
     assert not out.exists()
     assert main(["extract", src, "rng/state", "-o", str(tmp_path / "x.npy")]) == 2
     assert "independent" in capsys.readouterr().err
-    assert main(["extract", src, "rng/state", "--component", "1", "-o", str(tmp_path / "x.npy")]) == 0
+    assert (
+        main(["extract", src, "rng/state", "--component", "1", "-o", str(tmp_path / "x.npy")]) == 0
+    )

@@ -16,7 +16,9 @@ import h5py
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+)
 
 import fuzz_readers
 
@@ -35,6 +37,8 @@ def test_damage_never_crashes_hangs_or_overallocates(fmt, tmp_path, worker):
     counts, failures = fuzz_readers.run_campaign(fmt, str(tmp_path), mutations, worker=worker)
     report(fmt, counts, failures)
     assert counts["crash"] == counts["hang"] == counts["alloc"] == 0, failures
+
+
 CASES = {"hdf5": 160}  # other formats: DEFAULT_CASES
 DEFAULT_CASES = 120
 
@@ -117,7 +121,10 @@ def data_offset(path, dataset: str) -> int:
 
 @pytest.mark.parametrize(
     ("dataset", "variable"),
-    [("model/w/parallel_component_1", "model/w/parallel_component_1"), ("model/e/primary", "model/e/primary")],
+    [
+        ("model/w/parallel_component_1", "model/w/parallel_component_1"),
+        ("model/e/primary", "model/e/primary"),
+    ],
 )
 def test_checksum_mismatch_names_the_variable_and_restores_nothing(tmp_path, dataset, variable):
     ckpt, _w, _e = sample_model()
@@ -157,9 +164,19 @@ def test_a_hostile_shape_is_refused_before_any_allocation(tmp_path):
     path = str(tmp_path / "huge.h5")
     with h5py.File(path, "w", libver="latest") as f:
         f.attrs["parallelvars_format"] = 1
-        for name, kwargs in (("plain", {}), ("zipped", {"chunks": (1024, 1024), "compression": "gzip"})):
+        for name, kwargs in (
+            ("plain", {}),
+            ("zipped", {"chunks": (1024, 1024), "compression": "gzip"}),
+        ):
             g = f.create_group(name)
-            g.attrs.update({"kind": "single", "dtype": "float32", "shape": [1 << 20, 1 << 20], "num_components": 1})
+            g.attrs.update(
+                {
+                    "kind": "single",
+                    "dtype": "float32",
+                    "shape": [1 << 20, 1 << 20],
+                    "num_components": 1,
+                }
+            )
             ds = g.create_dataset("primary", shape=(1 << 20, 1 << 20), dtype="f4", **kwargs)
             ds.attrs["crc32c"] = 0
     with H5Reader(path) as r:
@@ -268,7 +285,9 @@ def test_uneven_and_empty_shards_stay_valid(tmp_path):
     with H5Reader(path) as reader:
         assert reader["e"].attrs["shard_offsets"] == [0, 1, 2, 3]
         assert reader.verify_all() == []
-        np.testing.assert_array_equal(reader["e"].value(), np.arange(6, dtype=np.float32).reshape(3, 2))
+        np.testing.assert_array_equal(
+            reader["e"].value(), np.arange(6, dtype=np.float32).reshape(3, 2)
+        )
 
 
 # ----------------------------------------------------------------------------- verify vs HDF5
@@ -280,13 +299,23 @@ def _h5py_everything(path: str) -> list:
         # Variable-length string attributes live in HDF5's unchecksummed global heap; the
         # reader takes those values from the checksummed index, and verify checks only that
         # they are there: compared by name only.
-        attrs = {k: None if isinstance(v, str) or (isinstance(v, np.ndarray) and v.dtype.kind == "O")
-                 else fuzz_readers._canon(v) for k, v in sorted(obj.attrs.items())}
+        attrs = {
+            k: None
+            if isinstance(v, str) or (isinstance(v, np.ndarray) and v.dtype.kind == "O")
+            else fuzz_readers._canon(v)
+            for k, v in sorted(obj.attrs.items())
+        }
         value = fuzz_readers._canon(obj[()]) if isinstance(obj, h5py.Dataset) else None
         out.append((name, attrs, value))
 
     with h5py.File(path, "r") as f:
-        out.append(("/", {k: fuzz_readers._canon(v) for k, v in sorted(f.attrs.items()) if k != "created"}, None))
+        out.append(
+            (
+                "/",
+                {k: fuzz_readers._canon(v) for k, v in sorted(f.attrs.items()) if k != "created"},
+                None,
+            )
+        )
         f.visititems(visit)
     return out
 
@@ -340,7 +369,8 @@ def test_verify_passes_only_what_h5py_reads_identically(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    not os.environ.get("PARALLELVARS_FULL_SWEEP"), reason="every byte of the file: minutes; set PARALLELVARS_FULL_SWEEP=1"
+    not os.environ.get("PARALLELVARS_FULL_SWEEP"),
+    reason="every byte of the file: minutes; set PARALLELVARS_FULL_SWEEP=1",
 )
 def test_verify_passes_only_what_h5py_reads_identically_every_byte(tmp_path):
     rng = np.random.default_rng(9)
@@ -409,9 +439,13 @@ def test_a_file_truncated_during_a_restore_is_an_error_not_a_signal(tmp_path, ph
 
     proc = subprocess.run(
         [sys.executable, "-c", TRUNCATE_DURING_RESTORE, str(tmp_path / "c.h5"), phase],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    assert proc.returncode == 0, f"died with {proc.returncode} (negative: a signal)\n{proc.stderr[-2000:]}"
+    assert proc.returncode == 0, (
+        f"died with {proc.returncode} (negative: a signal)\n{proc.stderr[-2000:]}"
+    )
     assert proc.stdout.startswith("error: "), proc.stdout  # one of our errors, naming the file
     if phase == "verify":
         assert "untouched" in proc.stdout, proc.stdout

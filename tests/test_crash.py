@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+)
 
 import soak_crash
 
@@ -35,6 +37,8 @@ def test_sigkill_during_saves_never_loses_or_tears_the_latest_checkpoint(tmp_pat
         assert len(mgr.checkpoints) <= 3 + 1
         assert mgr.checkpoints[-1] == pv.latest_checkpoint(tmp_path)
         assert mgr.restore_or_initialize() == pv.latest_checkpoint(tmp_path)
-    print(f"kills survived: {result.kills}, steps saved: {result.steps[-1]}, "
-          f"kills that left a half-written file: {result.mid_write}")
+    print(
+        f"kills survived: {result.kills}, steps saved: {result.steps[-1]}, "
+        f"kills that left a half-written file: {result.mid_write}"
+    )
     assert result.mid_write >= 1  # some kills did land inside a write

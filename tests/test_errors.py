@@ -153,13 +153,21 @@ def _h5_written_twice(tmp: Path) -> None:
 CASES: list[tuple[str, Callable[[Path], Any], type[BaseException]]] = [
     ("adam-beta1", lambda t: pv.optimizers.Adam(0.1, beta1=2.0), ValueError),
     ("rmsprop-decay", lambda t: pv.optimizers.RMSProp(0.1, decay=-1.0), ValueError),
-    ("adagrad-accumulator", lambda t: pv.optimizers.Adagrad(0.1, initial_accumulator_value=0.0), ValueError),
+    (
+        "adagrad-accumulator",
+        lambda t: pv.optimizers.Adagrad(0.1, initial_accumulator_value=0.0),
+        ValueError,
+    ),
     ("checkpoint-root-none", lambda t: pv.Checkpoint(x=None), ValueError),
     ("checkpoint-save-counter", lambda t: pv.Checkpoint(save_counter=_variable()), ValueError),
     ("manager-not-a-checkpoint", lambda t: pv.CheckpointManager(object(), str(t)), TypeError),  # type: ignore[arg-type]
     ("manager-max-to-keep", lambda t: _manager(t, max_to_keep=0), ValueError),
     ("manager-interval-no-counter", lambda t: _manager(t, checkpoint_interval=5), ValueError),
-    ("manager-interval-negative", lambda t: _manager(t, checkpoint_interval=-1, step_counter=_variable(1)), ValueError),
+    (
+        "manager-interval-negative",
+        lambda t: _manager(t, checkpoint_interval=-1, step_counter=_variable(1)),
+        ValueError,
+    ),
     ("manager-name", lambda t: _manager(t, checkpoint_name="a/b"), ValueError),
     ("manager-number", lambda t: _manager(t).save(checkpoint_number=-1), ValueError),
     ("threads-env", _threads, ValueError),
@@ -169,7 +177,11 @@ CASES: list[tuple[str, Callable[[Path], Any], type[BaseException]]] = [
     ("variable-imatmul", _imatmul, TypeError),
     ("variable-ufunc-accumulate", _ufunc_two_outs, TypeError),
     ("variable-array-no-copy", _array_no_copy, ValueError),
-    ("restore-missing", lambda t: pv.Checkpoint(w=_variable()).restore(str(t / "nope.h5")), FileNotFoundError),
+    (
+        "restore-missing",
+        lambda t: pv.Checkpoint(w=_variable()).restore(str(t / "nope.h5")),
+        FileNotFoundError,
+    ),
     ("restore-directory", lambda t: pv.Checkpoint(w=_variable()).restore(str(t)), ValueError),
     ("convert-components", lambda t: _convert(t, "o.h5", components="some"), ValueError),
     ("convert-no-suffix", lambda t: _convert(t, "out.unknown"), ValueError),
@@ -247,7 +259,12 @@ def test_restore_of_a_foreign_checkpoint_names_the_file_and_says_how(
         target = str(tmp_path / "empty")
         os.mkdir(target)
     else:
-        suffix = {"safetensors": ".safetensors", "npz": ".npz", "keras": ".weights.h5", "foreign-hdf5": ".weights.h5"}[make]
+        suffix = {
+            "safetensors": ".safetensors",
+            "npz": ".npz",
+            "keras": ".weights.h5",
+            "foreign-hdf5": ".weights.h5",
+        }[make]
         target = convert(native, str(tmp_path / f"out{suffix}"))
         if make == "foreign-hdf5":  # a Keras file under a plain name
             os.rename(target, str(tmp_path / "plain.h5"))
@@ -292,7 +309,11 @@ def test_every_error_class_is_exported_documented_and_ours() -> None:
         assert issubclass(cls, ParallelVarsError), name
         assert cls.__doc__ and cls.__doc__.strip(), name
         if cls not in (ParallelVarsError, errors.CheckpointError):  # the two bases
-            builtins_ = [b for b in cls.__mro__ if b.__module__ == "builtins" and b not in (Exception, BaseException, object)]
+            builtins_ = [
+                b
+                for b in cls.__mro__
+                if b.__module__ == "builtins" and b not in (Exception, BaseException, object)
+            ]
             assert builtins_, f"{name} derives from no standard exception"
 
 
@@ -307,17 +328,33 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     # __array_interface__ / __array_struct__ on AttributeError.
     ("parallelvars/__init__.py", "AttributeError", "__getattr__"): "attribute protocol",
     ("parallelvars/strategy/__init__.py", "AttributeError", "__getattr__"): "attribute protocol",
-    ("parallelvars/variables.py", "AttributeError", "_interface_array"): "numpy falls back to __array__",
+    (
+        "parallelvars/variables.py",
+        "AttributeError",
+        "_interface_array",
+    ): "numpy falls back to __array__",
     ("parallelvars/variables.py", "AttributeError", "__getattr__"): "attribute protocol",
-    ("parallelvars/variables.py", "AttributeError", "stacked"): "property: hasattr(v, 'stacked') is False",
-    ("parallelvars/checkpoint/checkpoint.py", "AttributeError", "__getattr__"): "attribute protocol",
+    (
+        "parallelvars/variables.py",
+        "AttributeError",
+        "stacked",
+    ): "property: hasattr(v, 'stacked') is False",
+    (
+        "parallelvars/checkpoint/checkpoint.py",
+        "AttributeError",
+        "__getattr__",
+    ): "attribute protocol",
     # An abstract method a subclass must override: a bug in the subclass, not bad input.
     ("parallelvars/optimizers/_base.py", "NotImplementedError", "_kernel"): "abstract method",
     # A missing optional dependency (mpi4py): ImportError is what callers and the CLI test for.
     ("parallelvars/strategy/_mpi.py", "ImportError", "_import_mpi"): "optional dependency",
     # Our own invariants, unreachable from any input: HDF5 broke its contract, a header we
     # just sized changed length, a branch the argument parser makes impossible.
-    ("parallelvars/checkpoint/h5io.py", "RuntimeError", "_write_entry"): "HDF5 allocated no storage",
+    (
+        "parallelvars/checkpoint/h5io.py",
+        "RuntimeError",
+        "_write_entry",
+    ): "HDF5 allocated no storage",
     ("formats/safetensors.py", "AssertionError", "_write_one"): "a header we sized changed length",
     ("cli/_common.py", "AssertionError", "*"): "unreachable branch",
     # Raised and caught inside the same reader, which re-raises our CorruptCheckpointError.
@@ -326,7 +363,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
 }
 
 _BUILTIN_EXCEPTIONS = {
-    name for name, obj in vars(builtins).items() if isinstance(obj, type) and issubclass(obj, BaseException)
+    name
+    for name, obj in vars(builtins).items()
+    if isinstance(obj, type) and issubclass(obj, BaseException)
 }
 
 
@@ -365,7 +404,9 @@ def test_no_builtin_raise_outside_the_allow_list() -> None:
                     seen.add((rel, exc, func) if (rel, exc, func) in ALLOWED else (rel, exc, "*"))
                 else:
                     offenders.append(f"{rel}:{line}: raise {exc} in {func}()")
-    assert offenders == [], "raise an error from parallelvars.errors instead:\n" + "\n".join(offenders)
+    assert offenders == [], "raise an error from parallelvars.errors instead:\n" + "\n".join(
+        offenders
+    )
     # A stale entry would let a future raise through unnoticed.
     assert sorted(set(ALLOWED) - seen) == []
 

@@ -14,7 +14,11 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args],
-        capture_output=True, text=True, timeout=300, cwd=EXAMPLES, check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=EXAMPLES,
+        check=False,
     )
 
 
@@ -32,7 +36,9 @@ def test_numpy_gradients_example_learns() -> None:
     assert last < 0.5 * first
 
 
-@pytest.mark.parametrize(("script", "module"), [("torch_gradients.py", "torch"), ("jax_gradients.py", "jax")])
+@pytest.mark.parametrize(
+    ("script", "module"), [("torch_gradients.py", "torch"), ("jax_gradients.py", "jax")]
+)
 def test_framework_gradient_examples(script: str, module: str) -> None:
     proc = _run(script, "--steps", "60")
     assert proc.returncode == 0, proc.stderr

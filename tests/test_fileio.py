@@ -39,7 +39,9 @@ def test_writes_every_byte_at_its_offset_with_its_checksum(tmp_path, threads) ->
 
 def test_writeback_hints_cover_what_was_written(tmp_path, monkeypatch, threads) -> None:
     calls: list[tuple[int, int, int]] = []
-    monkeypatch.setattr(_fileio, "_SYNC_FILE_RANGE", lambda fd, off, n, flags: calls.append((off, n, flags)) or 0)
+    monkeypatch.setattr(
+        _fileio, "_SYNC_FILE_RANGE", lambda fd, off, n, flags: calls.append((off, n, flags)) or 0
+    )
     monkeypatch.setattr(_fileio.DataWriter, "WRITEBACK_STEP", 1 << 20)
     path = tmp_path / "f.bin"
     path.write_bytes(b"")
@@ -65,7 +67,10 @@ def test_a_changed_buffer_fails_the_save(tmp_path, threads) -> None:
     crc = writer.write(a, 0)
     a[7] = 1  # changed after its write, before the check
     try:
-        with pytest.raises(ConcurrentWriteError, match=r"ckpt\.h5: variable 'model/w': changed while it was being saved"):
+        with pytest.raises(
+            ConcurrentWriteError,
+            match=r"ckpt\.h5: variable 'model/w': changed while it was being saved",
+        ):
             writer.check_unchanged(a, crc, "model/w")
             writer.close(raise_errors=True)
     finally:

@@ -60,15 +60,19 @@ def _header(path: str) -> bytes:
         return f.read(n)
 
 
-@pytest.mark.parametrize(("source", "fmt", "suffix"), [("model.weights.h5", "keras", ".weights.h5"),
-                                                       ("model_legacy.h5", "keras-legacy", ".h5")])
+@pytest.mark.parametrize(
+    ("source", "fmt", "suffix"),
+    [("model.weights.h5", "keras", ".weights.h5"), ("model_legacy.h5", "keras-legacy", ".h5")],
+)
 def test_keras_golden_files_through_hdf5_and_back(tmp_path, source, fmt, suffix) -> None:
     mid = convert(KERAS / source, tmp_path / "mid.h5", from_format=fmt)
     back = convert(mid, tmp_path / f"back{suffix}", to_format=fmt)
     assert h5_structure(back) == h5_structure(KERAS / source)
     with open_checkpoint(mid) as view:
         values = [view[p].value() for p in view]
-        assert sorted(v.tobytes() for v in values) == sorted(v.tobytes() for _, v in keras_expected())
+        assert sorted(v.tobytes() for v in values) == sorted(
+            v.tobytes() for _, v in keras_expected()
+        )
 
 
 def test_safetensors_golden_through_npz_and_safetensors(tmp_path) -> None:
@@ -83,14 +87,28 @@ def test_safetensors_golden_through_npz_and_safetensors(tmp_path) -> None:
 
 def _parallel_view() -> DictView:
     full = np.arange(24, dtype=np.float32).reshape(8, 3)
-    return DictView([
-        ArrayEntry("m/w", [full[:2], full[:2]], kind="mirrored", attrs={"devices": ["cpu:0", "cpu:1"]}),
-        ArrayEntry("m/e", [full[:5], full[5:]], kind="sharded", shape=(8, 3),
-                   attrs={"shard_axis": 0, "shard_offsets": [0, 5], "devices": ["cpu:0", "cpu:1"]}),
-        ArrayEntry("m/n", [np.array([1.0, 2.0]), np.array([3.0, 4.0])], kind="on_read",
-                   attrs={"aggregation": "sum", "devices": ["cpu:0", "cpu:1"]}),
-        ArrayEntry("m/i", [np.zeros(2, np.int8), np.ones(2, np.int8)], kind="independent"),
-    ], metadata={"step": 7})
+    return DictView(
+        [
+            ArrayEntry(
+                "m/w", [full[:2], full[:2]], kind="mirrored", attrs={"devices": ["cpu:0", "cpu:1"]}
+            ),
+            ArrayEntry(
+                "m/e",
+                [full[:5], full[5:]],
+                kind="sharded",
+                shape=(8, 3),
+                attrs={"shard_axis": 0, "shard_offsets": [0, 5], "devices": ["cpu:0", "cpu:1"]},
+            ),
+            ArrayEntry(
+                "m/n",
+                [np.array([1.0, 2.0]), np.array([3.0, 4.0])],
+                kind="on_read",
+                attrs={"aggregation": "sum", "devices": ["cpu:0", "cpu:1"]},
+            ),
+            ArrayEntry("m/i", [np.zeros(2, np.int8), np.ones(2, np.int8)], kind="independent"),
+        ],
+        metadata={"step": 7},
+    )
 
 
 def test_components_primary(tmp_path) -> None:
@@ -131,7 +149,11 @@ def test_progress_reports_bytes(tmp_path) -> None:
 
 def test_names_option(tmp_path) -> None:
     src = write_checkpoint(tmp_path / "p.h5", _parallel_view())
-    for names, key in (("slash", "m/w"), ("dotted", "m.w"), ("tf", "m/w/.ATTRIBUTES/VARIABLE_VALUE")):
+    for names, key in (
+        ("slash", "m/w"),
+        ("dotted", "m.w"),
+        ("tf", "m/w/.ATTRIBUTES/VARIABLE_VALUE"),
+    ):
         out = convert(src, tmp_path / f"{names}.safetensors", names=names)
         assert key in load_file(out)
         with open_checkpoint(out) as view:
@@ -155,7 +177,9 @@ def test_convert_with_devices(tmp_path) -> None:
 
 
 def test_failed_convert_leaves_no_file(tmp_path) -> None:
-    view = DictView([ArrayEntry("a", [np.zeros(3)]), ArrayEntry("s", [np.array([b"x"], dtype=object)])])
+    view = DictView(
+        [ArrayEntry("a", [np.zeros(3)]), ArrayEntry("s", [np.array([b"x"], dtype=object)])]
+    )
     src = write_checkpoint(tmp_path / "s.npz", view)
     target = tmp_path / "out.safetensors"
     target.write_bytes(b"previous")

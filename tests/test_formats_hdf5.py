@@ -38,14 +38,30 @@ def test_golden_safetensors_through_hdf5(tmp_path) -> None:
 
 def test_parallel_kinds_and_object_graph(tmp_path) -> None:
     full = np.arange(30, dtype=np.float32).reshape(10, 3)
-    view = DictView([
-        ArrayEntry("m/w", [full[:2], full[:2] + 1], kind="mirrored", attrs={"devices": ["cpu:0", "cpu:1"]}),
-        ArrayEntry("m/e", [full[:4], full[4:7], full[7:]], kind="sharded", shape=(10, 3),
-                   attrs={"shard_axis": 0, "shard_offsets": [0, 4, 7]}),
-        ArrayEntry("m/n", [np.array(1, np.int64), np.array(2, np.int64)], kind="on_read",
-                   attrs={"aggregation": "sum"}),
-        ArrayEntry("s", [np.array([b"ab", b"", b"\xffc"], dtype=object)]),
-    ])
+    view = DictView(
+        [
+            ArrayEntry(
+                "m/w",
+                [full[:2], full[:2] + 1],
+                kind="mirrored",
+                attrs={"devices": ["cpu:0", "cpu:1"]},
+            ),
+            ArrayEntry(
+                "m/e",
+                [full[:4], full[4:7], full[7:]],
+                kind="sharded",
+                shape=(10, 3),
+                attrs={"shard_axis": 0, "shard_offsets": [0, 4, 7]},
+            ),
+            ArrayEntry(
+                "m/n",
+                [np.array(1, np.int64), np.array(2, np.int64)],
+                kind="on_read",
+                attrs={"aggregation": "sum"},
+            ),
+            ArrayEntry("s", [np.array([b"ab", b"", b"\xffc"], dtype=object)]),
+        ]
+    )
     graph = {"version": 1, "nodes": _graph_from_paths(sorted(view))}
     out = write_hdf5(tmp_path / "p.h5", view, object_graph=graph)
     with open_hdf5(out) as back:

@@ -29,10 +29,14 @@ from parallelvars.formats.keras import (
 
 # model order -> dataset of model.weights.h5 (Keras names list items by snake_case class)
 KERAS3_PATHS = [
-    "layers/dense/vars/0", "layers/dense/vars/1",
-    "layers/batch_normalization/vars/0", "layers/batch_normalization/vars/1",
-    "layers/batch_normalization/vars/2", "layers/batch_normalization/vars/3",
-    "layers/dense_1/vars/0", "layers/dense_1/vars/1",
+    "layers/dense/vars/0",
+    "layers/dense/vars/1",
+    "layers/batch_normalization/vars/0",
+    "layers/batch_normalization/vars/1",
+    "layers/batch_normalization/vars/2",
+    "layers/batch_normalization/vars/3",
+    "layers/dense_1/vars/0",
+    "layers/dense_1/vars/1",
 ]
 
 
@@ -69,8 +73,13 @@ def test_keras3_from_other_paths_layout(tmp_path) -> None:
     rng = np.random.default_rng(0)
     kernel = rng.standard_normal((3, 2)).astype(np.float32)
     bias = np.zeros(2, np.float32)
-    view = DictView([ArrayEntry("model/dense/kernel", [kernel]), ArrayEntry("model/dense/bias", [bias]),
-                     ArrayEntry("step", [np.array(3, np.int64)])])
+    view = DictView(
+        [
+            ArrayEntry("model/dense/kernel", [kernel]),
+            ArrayEntry("model/dense/bias", [bias]),
+            ArrayEntry("step", [np.array(3, np.int64)]),
+        ]
+    )
     out = write_keras(tmp_path / "m.weights.h5", view)
     with h5py.File(out, "r") as f:
         assert sorted(f["model/dense/vars"]) == ["0", "1"]
@@ -97,14 +106,27 @@ def test_bfloat16_is_opaque_with_dtype_attribute(tmp_path) -> None:
 
 def test_parallel_components_stay_out_of_keras_vars(tmp_path) -> None:
     w = np.arange(6, dtype=np.float32).reshape(2, 3)
-    view = DictView([
-        ArrayEntry("layers/dense/vars/0", [w, w * 2], kind="on_read",
-                   attrs={"aggregation": "sum", "devices": ["cpu:0", "cpu:1"]}),
-        ArrayEntry("layers/dense/vars/1", [w[:1], w[1:]], kind="sharded", shape=(2, 3),
-                   attrs={"shard_axis": 0, "shard_offsets": [0, 1]}),
-    ])
-    for write, open_, name in ((write_keras, open_keras, "p.weights.h5"),
-                               (write_keras_legacy, open_keras_legacy, "p.h5")):
+    view = DictView(
+        [
+            ArrayEntry(
+                "layers/dense/vars/0",
+                [w, w * 2],
+                kind="on_read",
+                attrs={"aggregation": "sum", "devices": ["cpu:0", "cpu:1"]},
+            ),
+            ArrayEntry(
+                "layers/dense/vars/1",
+                [w[:1], w[1:]],
+                kind="sharded",
+                shape=(2, 3),
+                attrs={"shard_axis": 0, "shard_offsets": [0, 1]},
+            ),
+        ]
+    )
+    for write, open_, name in (
+        (write_keras, open_keras, "p.weights.h5"),
+        (write_keras_legacy, open_keras_legacy, "p.h5"),
+    ):
         out = write(tmp_path / name, view)
         with h5py.File(out, "r") as f:
             assert f"{RESERVED}/layers/dense/vars/0/parallel_component_1" in f
@@ -120,13 +142,18 @@ def test_legacy_generic_layout_and_split_names(tmp_path, monkeypatch) -> None:
     # Keras splits name lists that overflow the 64 KB object header; shrink the limit so a
     # small file shows the split (3 names per part: the names are fixed-length, 7 bytes each).
     monkeypatch.setattr(keras_module, "_HEADER_LIMIT", 3 * len(b"layer00"))
-    view = DictView([ArrayEntry(f"layer{i:02d}/kernel", [np.full(2, i, np.int32)]) for i in range(8)]
-                    + [ArrayEntry("step", [np.array(1)])])
+    view = DictView(
+        [ArrayEntry(f"layer{i:02d}/kernel", [np.full(2, i, np.int32)]) for i in range(8)]
+        + [ArrayEntry("step", [np.array(1)])]
+    )
     out = write_keras_legacy(tmp_path / "many.h5", view)
     with h5py.File(out, "r") as f:
         assert "layer_names" not in f.attrs
         assert [attr_to_python(f.attrs[f"layer_names{i}"]) for i in range(3)] == [
-            ["layer00", "layer01", "layer02"], ["layer03", "layer04", "layer05"], ["layer06", "layer07"]]
+            ["layer00", "layer01", "layer02"],
+            ["layer03", "layer04", "layer05"],
+            ["layer06", "layer07"],
+        ]
         assert attr_to_python(f["top_level_model_weights"].attrs["weight_names"]) == ["step"]
         assert attr_to_python(f["layer07"].attrs["weight_names"]) == ["layer07/kernel"]
     with open_keras_legacy(out) as back:
@@ -208,11 +235,13 @@ def test_strings_are_refused(tmp_path) -> None:
 
 def _integrity_sample() -> DictView:
     w = np.arange(12, dtype=np.float32).reshape(4, 3)
-    return DictView([
-        ArrayEntry("model/dense/kernel", [w, w + 1], kind="mirrored"),
-        ArrayEntry("model/dense/bias", [np.zeros(3, np.float32)]),
-        ArrayEntry("step", [np.array(7, np.int64)]),
-    ])
+    return DictView(
+        [
+            ArrayEntry("model/dense/kernel", [w, w + 1], kind="mirrored"),
+            ArrayEntry("model/dense/bias", [np.zeros(3, np.float32)]),
+            ArrayEntry("step", [np.array(7, np.int64)]),
+        ]
+    )
 
 
 def _flip_dataset_byte(path, name: str) -> None:
@@ -225,19 +254,26 @@ def _flip_dataset_byte(path, name: str) -> None:
         fh.write(bytes([b ^ 0x10]))
 
 
-WRITERS = [(write_keras, open_keras, "m.weights.h5", "model/dense/vars/0"),
-           (write_keras_legacy, open_keras_legacy, "m.h5", "dense/model/dense/kernel")]
+WRITERS = [
+    (write_keras, open_keras, "m.weights.h5", "model/dense/vars/0"),
+    (write_keras_legacy, open_keras_legacy, "m.h5", "dense/model/dense/kernel"),
+]
 
 
 @pytest.mark.parametrize(("write", "open_", "name", "dataset"), WRITERS)
-def test_our_files_carry_checksums_and_no_global_heap(tmp_path, write, open_, name, dataset) -> None:
+def test_our_files_carry_checksums_and_no_global_heap(
+    tmp_path, write, open_, name, dataset
+) -> None:
     out = write(tmp_path / name, _integrity_sample())
     with h5py.File(out, "r") as f:
         assert f.id.get_create_plist().get_version()[0] >= 2  # a superblock with a checksum
         assert "parallelvars_crc32c" in f.attrs and "crc32c" in f[dataset].attrs
         vlen: list[str] = []
-        f.visititems(lambda n, o: vlen.extend(f"{n}@{k}" for k in o.attrs
-                                              if h5py.check_vlen_dtype(o.attrs.get_id(k).dtype)))
+        f.visititems(
+            lambda n, o: vlen.extend(
+                f"{n}@{k}" for k in o.attrs if h5py.check_vlen_dtype(o.attrs.get_id(k).dtype)
+            )
+        )
         assert vlen == []  # no string in HDF5's unchecksummed global heap
     with open_(out) as back:
         assert_same_view(back, _integrity_sample())
@@ -251,11 +287,18 @@ def test_a_flipped_data_byte_names_the_dataset(tmp_path, write, open_, name, dat
         view["model/dense/kernel"].component(0)  # the path kept in the parallel info
 
 
-@pytest.mark.parametrize(("write", "open_", "name", "attr"), [
-    (write_keras, open_keras, "m.weights.h5", ("model/dense/vars", "name", b"other")),
-    (write_keras_legacy, open_keras_legacy, "m.h5", ("dense", "weight_names",
-                                                     np.array([b"model/dense/bias", b"model/dense/kernel"]))),
-])
+@pytest.mark.parametrize(
+    ("write", "open_", "name", "attr"),
+    [
+        (write_keras, open_keras, "m.weights.h5", ("model/dense/vars", "name", b"other")),
+        (
+            write_keras_legacy,
+            open_keras_legacy,
+            "m.h5",
+            ("dense", "weight_names", np.array([b"model/dense/bias", b"model/dense/kernel"])),
+        ),
+    ],
+)
 def test_a_changed_structure_is_detected(tmp_path, write, open_, name, attr) -> None:
     out = write(tmp_path / name, _integrity_sample())
     group, key, value = attr

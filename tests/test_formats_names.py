@@ -44,7 +44,10 @@ def test_tf_optimizer_slots() -> None:
     assert key == "model/w/.OPTIMIZER_SLOT/opt/m/.ATTRIBUTES/VARIABLE_VALUE"
     assert from_key(key, "tf") == "opt/slots/model/w/m"
     # a slot whose path does not follow our convention keeps its own path
-    assert to_key("elsewhere/m", "tf", slot_of="model/w", slot_name="m") == "elsewhere/m/.ATTRIBUTES/VARIABLE_VALUE"
+    assert (
+        to_key("elsewhere/m", "tf", slot_of="model/w", slot_name="m")
+        == "elsewhere/m/.ATTRIBUTES/VARIABLE_VALUE"
+    )
 
 
 def test_tf_escapes_and_name_based_keys() -> None:

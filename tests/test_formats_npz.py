@@ -62,11 +62,13 @@ def test_numpy_loads_our_output(tmp_path) -> None:
 
 def test_ml_dtypes_as_raw_bits_and_strings(tmp_path) -> None:
     bits = np.arange(12, dtype=np.uint16)
-    view = DictView([
-        ArrayEntry("bf", [bits.view(ml_dtypes.bfloat16).reshape(3, 4)]),
-        ArrayEntry("f8", [np.arange(5, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)]),
-        ArrayEntry("s", [np.array([[b"ab", b""], [b"xyz", b"\x00q"]], dtype=object)]),
-    ])
+    view = DictView(
+        [
+            ArrayEntry("bf", [bits.view(ml_dtypes.bfloat16).reshape(3, 4)]),
+            ArrayEntry("f8", [np.arange(5, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)]),
+            ArrayEntry("s", [np.array([[b"ab", b""], [b"xyz", b"\x00q"]], dtype=object)]),
+        ]
+    )
     out = write_npz(tmp_path / "d.npz", view)
     with np.load(out) as z:
         assert z["bf"].dtype == np.uint16 and same_bits(z["bf"], bits.reshape(3, 4))
@@ -102,8 +104,17 @@ def test_sharded_components_are_slices_of_the_stored_value(tmp_path) -> None:
     full = np.arange(40, dtype=np.int16).reshape(4, 10)
     offsets = [0, 4, 7]
     shards = [full[:, 0:4], full[:, 4:7], full[:, 7:]]
-    view = DictView([ArrayEntry("e", shards, kind="sharded", shape=(4, 10),
-                                attrs={"shard_axis": 1, "shard_offsets": offsets})])
+    view = DictView(
+        [
+            ArrayEntry(
+                "e",
+                shards,
+                kind="sharded",
+                shape=(4, 10),
+                attrs={"shard_axis": 1, "shard_offsets": offsets},
+            )
+        ]
+    )
     out = write_npz(tmp_path / "e.npz", view)
     with np.load(out) as z:
         assert same_bits(z["e"], full)  # a plain reader sees the full tensor
@@ -148,7 +159,9 @@ def test_npy_header_claiming_a_terabyte(tmp_path) -> None:
     header += " " * (-(len(header) + 11) % 64) + "\n"
     path = tmp_path / "tb.npz"
     with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr("big.npy", b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode())
+        zf.writestr(
+            "big.npy", b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode()
+        )
     tracemalloc.start()
     try:
         with pytest.raises(TruncatedFileError, match="'big'"):
@@ -193,9 +206,12 @@ def test_bad_parallel_info_is_reported(tmp_path) -> None:
         buf = io.BytesIO()
         np.lib.format.write_array(buf, np.zeros(2))
         zf.writestr("a.npy", buf.getvalue())
-        zf.writestr(INFO_MEMBER, '{"format": "parallelvars", "version": 1, "variables": '
-                                 '{"a": {"kind": "mirrored", "dtype": "float64", "shape": [2], '
-                                 '"num_components": 2, "keys": ["a", "a/parallel_component_1"]}}}')
+        zf.writestr(
+            INFO_MEMBER,
+            '{"format": "parallelvars", "version": 1, "variables": '
+            '{"a": {"kind": "mirrored", "dtype": "float64", "shape": [2], '
+            '"num_components": 2, "keys": ["a", "a/parallel_component_1"]}}}',
+        )
     with pytest.raises(CorruptCheckpointError, match="missing") as err:
         open_npz(path)
     assert "variable 'a'" in str(err.value)
@@ -230,12 +246,19 @@ def test_detection_is_strict(tmp_path) -> None:
 def _sample(tmp_path) -> tuple[str, DictView]:
     # members larger than zipfile's 4 KiB read-ahead, so that opening reads only their headers
     w = np.arange(4096, dtype=np.float32).reshape(64, 64)
-    view = DictView([
-        ArrayEntry("model/w", [w, w + 1], kind="mirrored"),
-        ArrayEntry("model/e", [w[:32], w[32:]], kind="sharded", shape=(64, 64),
-                   attrs={"shard_axis": 0, "shard_offsets": [0, 32]}),
-        ArrayEntry("step", [np.array(7, np.int64)]),
-    ])
+    view = DictView(
+        [
+            ArrayEntry("model/w", [w, w + 1], kind="mirrored"),
+            ArrayEntry(
+                "model/e",
+                [w[:32], w[32:]],
+                kind="sharded",
+                shape=(64, 64),
+                attrs={"shard_axis": 0, "shard_offsets": [0, 32]},
+            ),
+            ArrayEntry("step", [np.array(7, np.int64)]),
+        ]
+    )
     return write_npz(tmp_path / "m.npz", view), view
 
 
@@ -258,7 +281,9 @@ def test_a_flipped_data_byte_fails_the_zip_crc(tmp_path, member) -> None:
     _flip(path, end_of_data - 1)  # the member's last data byte
     with open_npz(path) as view:
         entry = view[member]
-        i = entry.num_components - 1 if entry.kind == "sharded" else 0  # a slice: the whole member is checked
+        i = (
+            entry.num_components - 1 if entry.kind == "sharded" else 0
+        )  # a slice: the whole member is checked
         with pytest.raises(ChecksumMismatchError, match=f"{member}.*CRC-32"):
             entry.component(i)
 
@@ -279,7 +304,9 @@ def test_our_record_comes_first_and_lists_every_member(tmp_path) -> None:
         names = zf.namelist()
         record = json.loads(zf.read(INFO_MEMBER))
     assert names[0] == INFO_MEMBER and record["members"] == names[1:]
-    assert sorted(np.load(path).files) == sorted(n.removesuffix(".npy") for n in names)  # numpy still reads it
+    assert sorted(np.load(path).files) == sorted(
+        n.removesuffix(".npy") for n in names
+    )  # numpy still reads it
 
 
 def test_an_archive_that_lost_a_member_is_detected(tmp_path) -> None:

@@ -41,18 +41,26 @@ def test_on_read_sum_preserves_the_total_exactly(m: int) -> None:
 
 
 def test_on_read_sum_integers() -> None:
-    e = ArrayEntry("c", [np.array(3, np.int64), np.array(4, np.int64), np.array(5, np.int64)],
-                   kind="on_read", attrs={"aggregation": "sum"})
+    e = ArrayEntry(
+        "c",
+        [np.array(3, np.int64), np.array(4, np.int64), np.array(5, np.int64)],
+        kind="on_read",
+        attrs={"aggregation": "sum"},
+    )
     r = reshard(_view(e), 2)["c"]
     assert [int(c) for c in _comps(r)] == [12, 0]
 
 
 def test_on_read_mean_and_only_first() -> None:
     a, b = np.array([1.0, 3.0]), np.array([3.0, 5.0])
-    mean = reshard(_view(ArrayEntry("m", [a, b], kind="on_read", attrs={"aggregation": "mean"})), 3)["m"]
+    mean = reshard(
+        _view(ArrayEntry("m", [a, b], kind="on_read", attrs={"aggregation": "mean"})), 3
+    )["m"]
     assert all(same_bits(c, np.array([2.0, 4.0])) for c in _comps(mean))
-    first = reshard(_view(ArrayEntry("f", [a, b], kind="on_read",
-                                     attrs={"aggregation": "only_first_replica"})), 4)["f"]
+    first = reshard(
+        _view(ArrayEntry("f", [a, b], kind="on_read", attrs={"aggregation": "only_first_replica"})),
+        4,
+    )["f"]
     assert first.num_components == 4 and all(same_bits(c, a) for c in _comps(first))
 
 
@@ -63,7 +71,12 @@ def test_independent_requires_same_count() -> None:
     with pytest.raises(DeviceCountError) as err:
         reshard(_view(e), 3)
     msg = str(err.value)
-    assert "'model/buf'" in msg and "2 devices" in msg and "3 devices" in msg and "/data/ckpt.npz" in msg
+    assert (
+        "'model/buf'" in msg
+        and "2 devices" in msg
+        and "3 devices" in msg
+        and "/data/ckpt.npz" in msg
+    )
 
 
 def test_on_read_without_aggregation_cannot_move() -> None:
@@ -74,8 +87,13 @@ def test_on_read_without_aggregation_cannot_move() -> None:
 
 def test_sharded_resplit_uneven() -> None:
     full = np.arange(40).reshape(10, 4)
-    e = ArrayEntry("e", [full[:5], full[5:]], kind="sharded", shape=(10, 4),
-                   attrs={"shard_axis": 0, "shard_offsets": [0, 5]})
+    e = ArrayEntry(
+        "e",
+        [full[:5], full[5:]],
+        kind="sharded",
+        shape=(10, 4),
+        attrs={"shard_axis": 0, "shard_offsets": [0, 5]},
+    )
     r = reshard(_view(e), 4)["e"]
     assert r.attrs["shard_offsets"] == [0, 3, 6, 8]
     assert [c.shape[0] for c in _comps(r)] == [3, 3, 2, 2]
@@ -87,8 +105,13 @@ def test_sharded_resplit_uneven() -> None:
 
 def test_sharded_resplit_other_axis_and_more_devices_than_rows() -> None:
     full = np.arange(12, dtype=np.float32).reshape(2, 3, 2)
-    e = ArrayEntry("e", [full[:, :1], full[:, 1:]], kind="sharded", shape=(2, 3, 2),
-                   attrs={"shard_axis": 1, "shard_offsets": [0, 1]})
+    e = ArrayEntry(
+        "e",
+        [full[:, :1], full[:, 1:]],
+        kind="sharded",
+        shape=(2, 3, 2),
+        attrs={"shard_axis": 1, "shard_offsets": [0, 1]},
+    )
     r = reshard(_view(e), 5)["e"]
     assert [c.shape[1] for c in _comps(r)] == [1, 1, 1, 0, 0]
     assert same_bits(np.concatenate(_comps(r), axis=1), full)

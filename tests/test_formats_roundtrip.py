@@ -35,7 +35,9 @@ def _round_trip(fmt: str, name: str, options: dict, view: DictView) -> None:
             assert_same_view(back, view)
 
 
-@pytest.mark.parametrize(("fmt", "name", "options"), TARGETS, ids=[f"{t[0]}-{t[2]}" for t in TARGETS])
+@pytest.mark.parametrize(
+    ("fmt", "name", "options"), TARGETS, ids=[f"{t[0]}-{t[2]}" for t in TARGETS]
+)
 @_SETTINGS
 @given(view=entries(dtypes=NUMERIC_DTYPES + EXTRA_DTYPES))
 def test_writer_reader_pairs(fmt: str, name: str, options: dict, view: DictView) -> None:
@@ -44,8 +46,13 @@ def test_writer_reader_pairs(fmt: str, name: str, options: dict, view: DictView)
 
 @pytest.mark.parametrize("fmt", ["hdf5", "npz"])
 @settings(max_examples=15, deadline=None)
-@given(data=st.lists(st.binary(max_size=5).filter(lambda b: not b.endswith(b"\0") and b"\0" not in b),
-                     min_size=0, max_size=6))
+@given(
+    data=st.lists(
+        st.binary(max_size=5).filter(lambda b: not b.endswith(b"\0") and b"\0" not in b),
+        min_size=0,
+        max_size=6,
+    )
+)
 def test_string_tensors(fmt: str, data: list[bytes]) -> None:
     value = np.empty(len(data), object)
     value[:] = data
@@ -54,8 +61,12 @@ def test_string_tensors(fmt: str, data: list[bytes]) -> None:
 
 
 @_SETTINGS
-@given(view=entries(max_vars=3), hops=st.lists(st.sampled_from(["h5", "safetensors", "npz", "weights.h5"]),
-                                               min_size=2, max_size=4))
+@given(
+    view=entries(max_vars=3),
+    hops=st.lists(
+        st.sampled_from(["h5", "safetensors", "npz", "weights.h5"]), min_size=2, max_size=4
+    ),
+)
 def test_conversion_chains(view: DictView, hops: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         current = get_format("hdf5").write(os.path.join(tmp, "start.h5"), view)

@@ -28,7 +28,9 @@ from parallelvars.formats import ArrayEntry, DictView, detect_format, from_key, 
 from parallelvars.formats.safetensors import open_safetensors, write_safetensors
 
 
-@pytest.mark.parametrize("source", ["model.safetensors", "sharded", "sharded/model.safetensors.index.json"])
+@pytest.mark.parametrize(
+    "source", ["model.safetensors", "sharded", "sharded/model.safetensors.index.json"]
+)
 def test_golden_files_read_exactly(source: str) -> None:
     expected = torch_expected()
     with open_safetensors(TORCH / source) as view:
@@ -88,17 +90,19 @@ def test_reference_library_loads_our_output(tmp_path) -> None:
 
 
 def test_header_layout_matches_reference_rules(tmp_path) -> None:
-    view = DictView([
-        ArrayEntry("small", [np.arange(3, dtype=np.int16)]),
-        ArrayEntry("big", [np.arange(3, dtype=np.float64)]),
-        ArrayEntry("mid", [np.arange(3, dtype=np.float32)]),
-    ])
+    view = DictView(
+        [
+            ArrayEntry("small", [np.arange(3, dtype=np.int16)]),
+            ArrayEntry("big", [np.arange(3, dtype=np.float64)]),
+            ArrayEntry("mid", [np.arange(3, dtype=np.float32)]),
+        ]
+    )
     out = write_safetensors(tmp_path / "m.safetensors", view, names="slash")
     raw = pathlib.Path(out).read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     assert (8 + n) % 8 == 0  # padded with spaces: the buffer starts 8-byte aligned
-    header = json.loads(raw[8:8 + n])
-    assert raw[8:8 + n].endswith(b" ") or len(raw[8:8 + n].rstrip()) == n
+    header = json.loads(raw[8 : 8 + n])
+    assert raw[8 : 8 + n].endswith(b" ") or len(raw[8 : 8 + n].rstrip()) == n
     order = sorted((v["data_offsets"][0], k) for k, v in header.items() if k != "__metadata__")
     assert [k for _, k in order] == ["big", "mid", "small"]  # alignment descending
     for k, v in header.items():
@@ -111,11 +115,18 @@ def test_header_layout_matches_reference_rules(tmp_path) -> None:
 def test_parallel_variables_are_plain_tensors_for_plain_readers(tmp_path) -> None:
     w = np.arange(6, dtype=np.float32).reshape(3, 2)
     e = np.arange(20, dtype=np.int32).reshape(10, 2)
-    view = DictView([
-        ArrayEntry("m/w", [w, w + 1], kind="mirrored", attrs={"devices": ["cpu:0", "cpu:1"]}),
-        ArrayEntry("m/e", [e[:5], e[5:]], kind="sharded", shape=(10, 2),
-                   attrs={"shard_axis": 0, "shard_offsets": [0, 5]}),
-    ])
+    view = DictView(
+        [
+            ArrayEntry("m/w", [w, w + 1], kind="mirrored", attrs={"devices": ["cpu:0", "cpu:1"]}),
+            ArrayEntry(
+                "m/e",
+                [e[:5], e[5:]],
+                kind="sharded",
+                shape=(10, 2),
+                attrs={"shard_axis": 0, "shard_offsets": [0, 5]},
+            ),
+        ]
+    )
     out = write_safetensors(tmp_path / "p.safetensors", view)
     plain = load_file(out)
     assert sorted(plain) == ["m.e", "m.w", "m.w/parallel_component_1"]
@@ -146,7 +157,9 @@ def test_sharded_output_follows_hugging_face_convention(tmp_path) -> None:
     assert single.endswith("one/model.safetensors") and os.path.isfile(single)
 
 
-@pytest.mark.parametrize(("size", "expected"), [(100, 100), ("1KB", 1000), ("2KiB", 2048), ("1.5MB", 1_500_000)])
+@pytest.mark.parametrize(
+    ("size", "expected"), [(100, 100), ("1KB", 1000), ("2KiB", 2048), ("1.5MB", 1_500_000)]
+)
 def test_max_shard_size_units(tmp_path, size, expected) -> None:
     from parallelvars.formats._common import parse_size
 
@@ -156,12 +169,14 @@ def test_max_shard_size_units(tmp_path, size, expected) -> None:
 def test_dtypes_are_bit_exact_including_fallbacks(tmp_path) -> None:
     rng = np.random.default_rng(1)
     bits = rng.integers(0, 256, size=64, dtype=np.uint8)
-    view = DictView([
-        ArrayEntry("bf16", [bits[:16].view(ml_dtypes.bfloat16)]),
-        ArrayEntry("f8", [bits[:8].view(ml_dtypes.float8_e5m2)]),
-        ArrayEntry("c128", [bits[:32].view(np.complex128)]),
-        ArrayEntry("b11", [bits[:4].view(ml_dtypes.float8_e4m3b11fnuz)]),
-    ])
+    view = DictView(
+        [
+            ArrayEntry("bf16", [bits[:16].view(ml_dtypes.bfloat16)]),
+            ArrayEntry("f8", [bits[:8].view(ml_dtypes.float8_e5m2)]),
+            ArrayEntry("c128", [bits[:32].view(np.complex128)]),
+            ArrayEntry("b11", [bits[:4].view(ml_dtypes.float8_e4m3b11fnuz)]),
+        ]
+    )
     out = write_safetensors(tmp_path / "d.safetensors", view)
     with safe_open(out, framework="numpy") as f:
         assert f.get_slice("c128").get_dtype() == "U8"  # raw bytes; the dtype is in the metadata
@@ -211,7 +226,9 @@ def test_truncated_file(tmp_path) -> None:
 
 def test_header_claiming_a_terabyte_allocates_nothing(tmp_path) -> None:
     tera = 1 << 40
-    path = _write_raw(_bad(tmp_path, "tb"), {"huge": {"dtype": "U8", "shape": [tera], "data_offsets": [0, tera]}})
+    path = _write_raw(
+        _bad(tmp_path, "tb"), {"huge": {"dtype": "U8", "shape": [tera], "data_offsets": [0, tera]}}
+    )
     tracemalloc.start()
     try:
         with pytest.raises(TruncatedFileError) as err:
@@ -230,25 +247,75 @@ def test_header_claiming_a_terabyte_allocates_nothing(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("header", "data", "error", "match", "named"),
     [
-        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-          "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12),
-         CorruptCheckpointError, "overlaps", "b"),
-        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-          "b": {"dtype": "F32", "shape": [1], "data_offsets": [12, 16]}}, bytes(16),
-         CorruptCheckpointError, "hole", "b"),
-        ({"a": {"dtype": "f32", "shape": [2], "data_offsets": [0, 8]}}, bytes(8),
-         UnsupportedDtypeError, "unknown safetensors dtype", "a"),
-        ({"a": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, bytes(1),
-         UnsupportedDtypeError, "sub-byte", "a"),
-        ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8),
-         CorruptCheckpointError, "byte size", "a"),
-        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(9),
-         CorruptCheckpointError, "trailing bytes", "a"),
-        ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, bytes(8),
-         CorruptCheckpointError, "shape", "a"),
-        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, bytes(8),
-         CorruptCheckpointError, "hole", "a"),
-        ({"__metadata__": {"n": 1}}, b"", CorruptCheckpointError, "strings to strings", "__metadata__"),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            bytes(12),
+            CorruptCheckpointError,
+            "overlaps",
+            "b",
+        ),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [1], "data_offsets": [12, 16]},
+            },
+            bytes(16),
+            CorruptCheckpointError,
+            "hole",
+            "b",
+        ),
+        (
+            {"a": {"dtype": "f32", "shape": [2], "data_offsets": [0, 8]}},
+            bytes(8),
+            UnsupportedDtypeError,
+            "unknown safetensors dtype",
+            "a",
+        ),
+        (
+            {"a": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}},
+            bytes(1),
+            UnsupportedDtypeError,
+            "sub-byte",
+            "a",
+        ),
+        (
+            {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}},
+            bytes(8),
+            CorruptCheckpointError,
+            "byte size",
+            "a",
+        ),
+        (
+            {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+            bytes(9),
+            CorruptCheckpointError,
+            "trailing bytes",
+            "a",
+        ),
+        (
+            {"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}},
+            bytes(8),
+            CorruptCheckpointError,
+            "shape",
+            "a",
+        ),
+        (
+            {"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}},
+            bytes(8),
+            CorruptCheckpointError,
+            "hole",
+            "a",
+        ),
+        (
+            {"__metadata__": {"n": 1}},
+            b"",
+            CorruptCheckpointError,
+            "strings to strings",
+            "__metadata__",
+        ),
         ([1, 2], b"", CorruptCheckpointError, "not a JSON object", None),
     ],
 )
@@ -315,11 +382,19 @@ def test_closed_view_refuses_reads(tmp_path) -> None:
 
 def _sample_file(tmp_path) -> tuple[str, DictView]:
     w = np.arange(12, dtype=np.float32).reshape(4, 3)
-    view = DictView([
-        ArrayEntry("model/w", [w, w + 1], kind="mirrored"),
-        ArrayEntry("model/e", [w[:2], w[2:]], kind="sharded", shape=(4, 3), attrs={"shard_axis": 0, "shard_offsets": [0, 2]}),
-        ArrayEntry("step", [np.array(7, np.int64)]),
-    ])
+    view = DictView(
+        [
+            ArrayEntry("model/w", [w, w + 1], kind="mirrored"),
+            ArrayEntry(
+                "model/e",
+                [w[:2], w[2:]],
+                kind="sharded",
+                shape=(4, 3),
+                attrs={"shard_axis": 0, "shard_offsets": [0, 2]},
+            ),
+            ArrayEntry("step", [np.array(7, np.int64)]),
+        ]
+    )
     return write_safetensors(tmp_path / "m.safetensors", view), view
 
 
@@ -348,7 +423,9 @@ def test_checksums_are_metadata_that_plain_readers_ignore(tmp_path) -> None:
     tensors = load_file(path)
     assert sorted(tensors) == names
     for i, name in enumerate(names):
-        assert int(record[8 * (i + 1):8 * (i + 2)], 16) == crc32c.crc32c(np.ascontiguousarray(tensors[name]).tobytes())
+        assert int(record[8 * (i + 1) : 8 * (i + 2)], 16) == crc32c.crc32c(
+            np.ascontiguousarray(tensors[name]).tobytes()
+        )
     with open_safetensors(path) as back:
         assert "parallelvars_crc32c" not in back.metadata
         assert_same_view(back, view)

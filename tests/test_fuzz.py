@@ -15,13 +15,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+)
 
 import fuzz_readers
 
 FORMATS = fuzz_readers.available_formats()
 FUZZ = settings(
-    max_examples=30, deadline=None, database=None, derandomize=True,
+    max_examples=30,
+    deadline=None,
+    database=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 HEAD = 1024  # headers and metadata: the first and last bytes of each file
@@ -41,7 +46,12 @@ def samples(tmp_path_factory):
         clean = fuzz_readers.write_sample(fmt, d)
         files = fuzz_readers.checkpoint_files(clean)
         damaged = os.path.join(d, "fuzzed")
-        out[fmt] = (clean, [open_bytes(f) for f in files], fuzz_readers.copy_checkpoint(clean, damaged), damaged)
+        out[fmt] = (
+            clean,
+            [open_bytes(f) for f in files],
+            fuzz_readers.copy_checkpoint(clean, damaged),
+            damaged,
+        )
     return out
 
 
@@ -68,7 +78,9 @@ def check(worker, samples, fmt: str, target: int, data: bytes) -> None:
     assert res["outcome"] not in ("undocumented", "crash", "hang", "alloc"), res
 
 
-edits = st.lists(st.tuples(st.integers(0, 2 * HEAD - 1), st.integers(1, 255)), min_size=1, max_size=6)
+edits = st.lists(
+    st.tuples(st.integers(0, 2 * HEAD - 1), st.integers(1, 255)), min_size=1, max_size=6
+)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

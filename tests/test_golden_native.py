@@ -85,7 +85,9 @@ def test_single_process_file_restores_every_kind() -> None:
     check_restored(ckpt, want)
     sharded = H5Reader(DATA / "single.h5")["model/embedding"]
     assert sharded.kind == "sharded" and list(sharded.attrs["shard_offsets"]) == [0, 3, 5]
-    np.testing.assert_array_equal(sharded.value(), np.arange(14, dtype=np.float32).reshape(7, 2) - 3)
+    np.testing.assert_array_equal(
+        sharded.value(), np.arange(14, dtype=np.float32).reshape(7, 2) - 3
+    )
 
 
 def test_single_process_file_reader_values() -> None:
@@ -117,7 +119,9 @@ def test_multi_process_file_restores_onto_two_replicas() -> None:
         m: Any = pv.Module()
         m.w = pv.Variable(np.zeros((2, 3), np.float32), name="w")
         m.seen = pv.Variable(np.int64(0), name="seen", synchronization="on_read", aggregation="sum")
-        m.avg = pv.Variable(np.float32(0), name="avg", synchronization="on_read", aggregation="mean")
+        m.avg = pv.Variable(
+            np.float32(0), name="avg", synchronization="on_read", aggregation="mean"
+        )
     ckpt = pv.Checkpoint(model=m)
     ckpt.restore(DATA / "mpi.h5").assert_existing_objects_matched()
     check_restored_subset(ckpt, {k: v for k, v in want.items() if k.startswith("model/")})

@@ -75,7 +75,11 @@ def run(op: str, *args: str | os.PathLike[str]) -> str:
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-c", _RUNNER, str(LIMIT_AS), str(ROOT), op, *map(str, args)],
-        capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env,
+        cwd=str(ROOT),
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
@@ -100,7 +104,9 @@ def native(tmp: Path, name: str = "a.h5", n: int = 4) -> tuple[Path, str]:
     return path, var
 
 
-def replace_primary(path: Path, var: str, make, *, shape: tuple[int, ...] = (4,), index: bool = True) -> None:
+def replace_primary(
+    path: Path, var: str, make, *, shape: tuple[int, ...] = (4,), index: bool = True
+) -> None:
     """Replace ``var``'s component by ``make(group, 'primary')``; the index then holds no data
     offset (so a reader must go through HDF5) and the declared ``shape``."""
     with h5py.File(path, "r+") as f:
@@ -114,7 +120,9 @@ def replace_primary(path: Path, var: str, make, *, shape: tuple[int, ...] = (4,)
             doc[var]["shape"] = list(shape)
             doc[var]["crc32c"] = [0]
             _write_json(f, INDEX_DATASET, doc)
-            grp.attrs["shape"] = np.asarray(shape, np.int64)  # consistent, as an attacker would make it
+            grp.attrs["shape"] = np.asarray(
+                shape, np.int64
+            )  # consistent, as an attacker would make it
         else:
             f.attrs["parallelvars_documents"] = np.array([b"_parallelvars/object_graph"])
             grp.attrs["shape"] = np.asarray(shape, np.int64)
@@ -139,7 +147,9 @@ def other(tmp_path: Path) -> Path:
 
 def external_storage(target: Path | str, nbytes: int = 16):
     def make(grp: h5py.Group, name: str) -> None:
-        grp.create_dataset(name, shape=(nbytes // 4,), dtype=np.float32, external=[(str(target), 0, nbytes)])
+        grp.create_dataset(
+            name, shape=(nbytes // 4,), dtype=np.float32, external=[(str(target), 0, nbytes)]
+        )
 
     return make
 
@@ -184,7 +194,11 @@ def test_external_storage_on_dev_zero_declaring_gibs_is_refused_small_and_fast(t
     nbytes = 3 << 30
     replace_primary(path, var, external_storage("/dev/zero", nbytes), shape=(nbytes // 4,))
     assert path.stat().st_size < 64 << 10
-    for op in (("reader", path), ("cli", "verify", path), ("cli", "extract", path, var, "-o", tmp_path / "x.npy")):
+    for op in (
+        ("reader", path),
+        ("cli", "verify", path),
+        ("cli", "extract", path, var, "-o", tmp_path / "x.npy"),
+    ):
         out = run(*op)
         assert_refused(out)
         assert "/dev/zero" in out, out
@@ -203,13 +217,40 @@ def test_own_sharded_value_vds_is_accepted(tmp_path):
     from parallelvars.formats import ArrayEntry, write_checkpoint
 
     path = tmp_path / "s.h5"
-    entry = ArrayEntry("s", [np.arange(2, dtype=np.float32), np.arange(2, 4, dtype=np.float32)], kind="sharded",
-                       shape=(4,), attrs={"shard_axis": 0, "shard_offsets": [0, 2]})
+    entry = ArrayEntry(
+        "s",
+        [np.arange(2, dtype=np.float32), np.arange(2, 4, dtype=np.float32)],
+        kind="sharded",
+        shape=(4,),
+        attrs={"shard_axis": 0, "shard_offsets": [0, 2]},
+    )
     write_checkpoint(path, {"s": entry}, format="hdf5")
     with h5py.File(path, "r") as f:
         assert f["s/value"].is_virtual
     out = run("reader", path)
     assert "ACCEPTED" in out, out
+
+
+def test_sharded_value_vds_onto_another_file_is_refused_by_verify(tmp_path, other):
+    """``verify`` also reads a sharded variable's stitched ``value``: a ``value`` whose sources
+    are in another file is refused there too, and none of its bytes are read."""
+    from parallelvars.formats import ArrayEntry, write_checkpoint
+
+    path = tmp_path / "s.h5"
+    entry = ArrayEntry(
+        "s",
+        [np.arange(2, dtype=np.float32), np.arange(2, 4, dtype=np.float32)],
+        kind="sharded",
+        shape=(4,),
+        attrs={"shard_axis": 0, "shard_offsets": [0, 2]},
+    )
+    write_checkpoint(path, {"s": entry}, format="hdf5")
+    with h5py.File(path, "r+") as f:
+        del f["s/value"]
+        virtual(other)(f["s"], "value")
+    out = run("cli", "verify", path)
+    assert_refused(out)
+    assert "virtual dataset" in out and str(other) in out, out
 
 
 @pytest.mark.parametrize("target", ["abs", "outside", "dotdot", "other-parts"])
@@ -223,7 +264,12 @@ def test_external_links_outside_the_parts_folder_are_refused(tmp_path, other, ta
         "other-parts": "b.h5.parts/rank-00000-of-00001.h5",
     }[target]
     replace_primary(path, var, link(name))
-    for op in (("reader", path), ("restore", path, 4), ("cli", "inspect", path), ("cli", "verify", path)):
+    for op in (
+        ("reader", path),
+        ("restore", path, 4),
+        ("cli", "inspect", path),
+        ("cli", "verify", path),
+    ):
         out = run(*op)
         if op[:2] == ("cli", "inspect"):
             assert "EXIT 0" in out or "REFUSED" in out  # inspect reads no component
@@ -387,6 +433,7 @@ def test_keras_readers_refuse_indirection(tmp_path, secret, other, kind, fmt):
         def make(g, n):  # a dataset of this file, reached through a soft link
             g.file["x"] = np.frombuffer(SECRET, np.float32)
             inner(g, n)
+
     path = keras3(tmp_path, make) if fmt == "keras" else legacy(tmp_path, make)
     out_file = tmp_path / "out.npz"
     for op in (("open", path, fmt), ("convert", path, out_file, fmt)):
@@ -432,7 +479,9 @@ def _bytes_variable(tmp_path: Path) -> Path:
     from parallelvars.formats import ArrayEntry, write_checkpoint
 
     path = tmp_path / "b.h5"
-    write_checkpoint(path, {"s": ArrayEntry("s", [np.array([b"ab", b"cd"], dtype=object)])}, format="hdf5")
+    write_checkpoint(
+        path, {"s": ArrayEntry("s", [np.array([b"ab", b"cd"], dtype=object)])}, format="hdf5"
+    )
     return path
 
 
@@ -441,8 +490,14 @@ def test_a_bytes_variable_stored_as_huge_fixed_length_strings_is_refused(tmp_pat
     are 1 MB fixed-length strings, compressed: 1 GB to inflate from a few KB."""
     path = _bytes_variable(tmp_path)
     n = 1000
-    replace_primary(path, "s", lambda g, name: g.create_dataset(
-        name, shape=(n,), dtype="S1048576", chunks=(1,), compression="gzip"), shape=(n,))
+    replace_primary(
+        path,
+        "s",
+        lambda g, name: g.create_dataset(
+            name, shape=(n,), dtype="S1048576", chunks=(1,), compression="gzip"
+        ),
+        shape=(n,),
+    )
     with h5py.File(path, "r+") as f:  # a few chunks written: enough storage for the old size check
         for i in range(8):
             f["s/primary"][i] = b"x"
@@ -454,28 +509,43 @@ def test_a_bytes_variable_stored_as_huge_fixed_length_strings_is_refused(tmp_pat
 
 def test_a_bytes_variable_must_be_contiguous(tmp_path):
     path = _bytes_variable(tmp_path)
-    replace_primary(path, "s", lambda g, name: g.create_dataset(
-        name, shape=(4,), dtype=h5py.vlen_dtype(bytes), chunks=(2,), compression="gzip"))
+    replace_primary(
+        path,
+        "s",
+        lambda g, name: g.create_dataset(
+            name, shape=(4,), dtype=h5py.vlen_dtype(bytes), chunks=(2,), compression="gzip"
+        ),
+    )
     with H5Reader(path) as r, pytest.raises(CorruptCheckpointError, match="chunked or filtered"):
         r["s"].value()
 
 
 def test_a_numeric_variable_stored_with_another_type_is_refused(tmp_path):
     path, var = native(tmp_path)
-    replace_primary(path, var, lambda g, name: g.create_dataset(name, shape=(4,), dtype=h5py.vlen_dtype(bytes)))
+    replace_primary(
+        path, var, lambda g, name: g.create_dataset(name, shape=(4,), dtype=h5py.vlen_dtype(bytes))
+    )
     with H5Reader(path) as r, pytest.raises(CorruptCheckpointError, match="stored type"):
         r[var].value()
 
 
 def test_keras_fixed_length_strings_are_sized_by_their_stored_type(tmp_path):
-    path = keras3(tmp_path, lambda g, name: g.create_dataset(
-        name, shape=(1000,), dtype="S1048576", chunks=(1,), compression="gzip"))
+    path = keras3(
+        tmp_path,
+        lambda g, name: g.create_dataset(
+            name, shape=(1000,), dtype="S1048576", chunks=(1,), compression="gzip"
+        ),
+    )
     out = run("convert", path, tmp_path / "out.npz", "keras")
     assert "REFUSED TruncatedFileError" in out, out
 
 
 def test_keras_variable_length_strings_must_be_contiguous(tmp_path):
-    path = keras3(tmp_path, lambda g, name: g.create_dataset(
-        name, shape=(4,), dtype=h5py.vlen_dtype(bytes), chunks=(2,), compression="gzip"))
+    path = keras3(
+        tmp_path,
+        lambda g, name: g.create_dataset(
+            name, shape=(4,), dtype=h5py.vlen_dtype(bytes), chunks=(2,), compression="gzip"
+        ),
+    )
     out = run("open", path, "keras")
     assert "REFUSED CorruptCheckpointError" in out and "chunked or filtered" in out, out

@@ -34,7 +34,10 @@ def make_model(n: int = 6):
     """A checkpoint of ``n`` variables of several kinds (mirrored, sharded, single)."""
     with pv.MirroredStrategy(2).scope():
         mirrored = [pv.Variable(np.zeros((64,), np.float64), name=f"m{i}") for i in range(n // 2)]
-        sharded = [pv.Variable(np.zeros((8, 4), np.int64), name=f"s{i}", shard_axis=0) for i in range(n - n // 2)]
+        sharded = [
+            pv.Variable(np.zeros((8, 4), np.int64), name=f"s{i}", shard_axis=0)
+            for i in range(n - n // 2)
+        ]
     step = pv.Variable(np.int64(0), name="step")
     variables = [*mirrored, *sharded, step]
     model = pv.Module()
@@ -186,7 +189,10 @@ def test_snapshot_refused_when_writes_never_stop(tmp_path, monkeypatch):
         assert int(ckpt.save_counter) == 1
         assert [os.path.basename(p) for p in mgr.checkpoints] == ["ckpt-1.h5"]
         assert mgr.save(blocking=False).endswith("ckpt-2.h5")  # writes stopped: it goes through
-    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".h5")) == ["ckpt-1.h5", "ckpt-2.h5"]
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".h5")) == [
+        "ckpt-1.h5",
+        "ckpt-2.h5",
+    ]
 
 
 # ----------------------------------------------------------------------------- exit in flight
@@ -231,7 +237,11 @@ def test_exit_with_a_save_in_flight(tmp_path, mode):
     for run in range(3):
         d = tmp_path / f"ckpts-{run}"
         proc = subprocess.run(
-            [sys.executable, str(script), str(d), mode], capture_output=True, text=True, timeout=120, cwd=REPO
+            [sys.executable, str(script), str(d), mode],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
         )
         assert proc.returncode == 0, proc.stderr
         w = pv.Variable(np.zeros((256, 64), np.float32), name="w")
@@ -276,7 +286,10 @@ def test_state_write_failing_takes_the_save_back_then_recovers(tmp_path, monkeyp
     # The manager, the lock-free reader and the directory agree on the last good checkpoint.
     assert basenames(mgr.checkpoints) == ["ckpt-1.h5", "ckpt-2.h5"]
     assert mgr.latest_checkpoint == pv.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-2.h5")
-    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".h5")) == ["ckpt-1.h5", "ckpt-2.h5"]
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".h5")) == [
+        "ckpt-1.h5",
+        "ckpt-2.h5",
+    ]
     assert int(ckpt.save_counter) == 2
     with pytest.raises(OSError):  # still full: fails the same clean way
         mgr.save(blocking=False)
@@ -312,7 +325,9 @@ def test_fresh_manager_after_a_failed_state_write(tmp_path, monkeypatch):
     assert json.loads((tmp_path / manager.STATE_FILE).read_text())["latest"] == "ckpt-1.h5"  # stale
     mgr.close()
     monkeypatch.setattr(manager, "atomic_write", no_space)
-    with pv.CheckpointManager(make_model(2)[0], tmp_path, max_to_keep=2) as fresh:  # opens while full
+    with pv.CheckpointManager(
+        make_model(2)[0], tmp_path, max_to_keep=2
+    ) as fresh:  # opens while full
         assert basenames(fresh.checkpoints) == ["ckpt-1.h5", "ckpt-2.h5"]
     monkeypatch.undo()
     ckpt2, variables2 = make_model(2)
@@ -402,7 +417,10 @@ def test_a_damaged_state_file_never_leads_to_deletions(tmp_path):
         assert basenames(mgr.checkpoints) == ["ckpt-4.h5", "ckpt-5.h5"]
     # ckpt-1 and ckpt-2 were not recorded by a trusted state: kept for good; ckpt-3 was.
     assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".h5")) == [
-        "ckpt-1.h5", "ckpt-2.h5", "ckpt-4.h5", "ckpt-5.h5",
+        "ckpt-1.h5",
+        "ckpt-2.h5",
+        "ckpt-4.h5",
+        "ckpt-5.h5",
     ]
 
 
@@ -474,7 +492,9 @@ def check_read_only_manager(tmp_path, before) -> None:
     assert {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)} == before
 
 
-@pytest.mark.skipif(sys.platform == "win32" or os.geteuid() == 0, reason="chmod does not restrict root")
+@pytest.mark.skipif(
+    sys.platform == "win32" or os.geteuid() == 0, reason="chmod does not restrict root"
+)
 def test_read_only_directory_by_permissions(tmp_path):
     before = saved_directory(tmp_path)
     os.chmod(tmp_path, 0o555)
@@ -488,7 +508,11 @@ def test_read_only_directory_reported_by_access(tmp_path, monkeypatch):
     before = saved_directory(tmp_path)
     real_access = os.access
     monkeypatch.setattr(
-        manager.os, "access", lambda p, mode, **kw: False if os.fspath(p) == str(tmp_path) else real_access(p, mode, **kw)
+        manager.os,
+        "access",
+        lambda p, mode, **kw: (
+            False if os.fspath(p) == str(tmp_path) else real_access(p, mode, **kw)
+        ),
     )
     check_read_only_manager(tmp_path, before)
 
@@ -614,7 +638,9 @@ READERS = list(_readers(None, None, None))
 @pytest.mark.parametrize("state", ["kept", "missing"])
 @pytest.mark.parametrize("saves", [1, 2])
 @pytest.mark.parametrize("how", READERS)
-def test_a_listing_gone_stale_under_retention_is_taken_again(tmp_path, monkeypatch, how, saves, state):
+def test_a_listing_gone_stale_under_retention_is_taken_again(
+    tmp_path, monkeypatch, how, saves, state
+):
     """The writer commits and deletes between a reader's directory listing and its look at the
     files listed: the reader looks again, it never reports "no checkpoint" nor a vanished file."""
     ckpt, variables = make_model(2)
@@ -701,9 +727,12 @@ def test_readers_at_every_step_of_a_save(tmp_path, monkeypatch, how):
     # The order that keeps a committed checkpoint at every moment: the new file, then the
     # state naming it, then the deletion of the old one.
     assert steps[:6] == [
-        "before replace ckpt-2.h5", "after replace ckpt-2.h5",
-        "before replace checkpoint.json", "after replace checkpoint.json",
-        "before unlink ckpt-1.h5", "after unlink ckpt-1.h5",
+        "before replace ckpt-2.h5",
+        "after replace ckpt-2.h5",
+        "before replace checkpoint.json",
+        "after replace checkpoint.json",
+        "before unlink ckpt-1.h5",
+        "after unlink ckpt-1.h5",
     ]
     assert dict(seen)["after replace ckpt-2.h5"] == "ckpt-2.h5"
     assert seen[-1][1] == "ckpt-3.h5"

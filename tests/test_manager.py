@@ -50,7 +50,11 @@ def test_save_numbers_retention_and_state(tmp_path):
             assert os.path.basename(mgr.save()) == f"ckpt-{k}.h5"
         assert names(mgr.checkpoints) == ["ckpt-3.h5", "ckpt-4.h5", "ckpt-5.h5"]
         assert mgr.latest_checkpoint == str(tmp_path / "ckpt-5.h5")
-    assert {f for f in listing(tmp_path) if f.endswith(".h5")} == {"ckpt-3.h5", "ckpt-4.h5", "ckpt-5.h5"}
+    assert {f for f in listing(tmp_path) if f.endswith(".h5")} == {
+        "ckpt-3.h5",
+        "ckpt-4.h5",
+        "ckpt-5.h5",
+    }
     text = (tmp_path / manager.STATE_FILE).read_text()
     state = json.loads(text)
     assert "\n  " in text  # indented: meant to be read by people
@@ -101,7 +105,9 @@ def test_explicit_checkpoint_number_and_overwrite(tmp_path):
         mgr.save(checkpoint_number=100)
         assert names(mgr.checkpoints) == ["model-100.h5"]
         assert os.path.basename(mgr.save(checkpoint_number=np.int64(7))) == "model-7.h5"
-        assert mgr.latest_checkpoint.endswith("model-7.h5")  # the last saved, not the largest number
+        assert mgr.latest_checkpoint.endswith(
+            "model-7.h5"
+        )  # the last saved, not the largest number
     assert pv.latest_checkpoint(tmp_path).endswith("model-7.h5")
     with h5io.H5Reader(tmp_path / "model-100.h5") as r:
         assert int(r["step"].component(0)) == 9
@@ -111,7 +117,9 @@ def test_keep_checkpoint_every_n_hours(tmp_path, monkeypatch):
     clock = [1_000_000.0]
     monkeypatch.setattr(manager.time, "time", lambda: clock[0])
     ckpt, *_ = make()
-    with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=2, keep_checkpoint_every_n_hours=1.0) as mgr:
+    with pv.CheckpointManager(
+        ckpt, tmp_path, max_to_keep=2, keep_checkpoint_every_n_hours=1.0
+    ) as mgr:
         for _ in range(8):
             mgr.save()
             clock[0] += 1800.0  # half an hour per save
@@ -124,7 +132,9 @@ def test_keep_checkpoint_every_n_hours(tmp_path, monkeypatch):
     # A restart keeps them (never deleting preserved ones) and goes on with the same policy:
     # ckpt-7 leaves the window an hour after ckpt-5 was kept, so it is kept too.
     ckpt2, *_ = make()
-    with pv.CheckpointManager(ckpt2, tmp_path, max_to_keep=2, keep_checkpoint_every_n_hours=1.0) as mgr:
+    with pv.CheckpointManager(
+        ckpt2, tmp_path, max_to_keep=2, keep_checkpoint_every_n_hours=1.0
+    ) as mgr:
         ckpt2.save_counter.assign(8)
         mgr.save()
         assert names(mgr.checkpoints) == ["ckpt-8.h5", "ckpt-9.h5"]
@@ -134,7 +144,9 @@ def test_keep_checkpoint_every_n_hours(tmp_path, monkeypatch):
 
 def test_checkpoint_interval(tmp_path):
     ckpt, _w, _e, step = make()
-    with pv.CheckpointManager(ckpt, tmp_path, step_counter=step, checkpoint_interval=10, max_to_keep=None) as mgr:
+    with pv.CheckpointManager(
+        ckpt, tmp_path, step_counter=step, checkpoint_interval=10, max_to_keep=None
+    ) as mgr:
         saved = []
         for k in range(0, 35, 5):
             step.assign(np.int64(k))
@@ -184,7 +196,9 @@ sys.stdin.read()
 
 def test_lock_of_another_process_and_its_release_when_killed(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD_LOCK, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        [sys.executable, "-c", HOLD_LOCK, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
     )
     try:
         assert proc.stdout.readline().strip() == b"locked"
@@ -283,7 +297,9 @@ def test_a_crash_at_any_step_of_a_save_keeps_the_newest_checkpoint(tmp_path, poi
     one): the newest committed checkpoint is found whole, by readers and by the next manager."""
     tests = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.run(
-        [sys.executable, "-c", CRASH_DURING_SAVE, str(tmp_path), point, tests], capture_output=True, timeout=120
+        [sys.executable, "-c", CRASH_DURING_SAVE, str(tmp_path), point, tests],
+        capture_output=True,
+        timeout=120,
     )
     assert proc.returncode == 17, proc.stderr.decode()  # died at that point
     expected = str(tmp_path / f"ckpt-{newest}.h5")
@@ -377,7 +393,9 @@ def test_failed_save_raises_and_leaves_everything_intact(tmp_path, monkeypatch):
     failing_write_entry(monkeypatch, after=2)
     with pytest.raises(OSError):  # CheckpointWriteError, an OSError with the errno
         mgr.save()
-    assert {f: (tmp_path / f).read_bytes() for f in listing(tmp_path)} == before  # no temporary either
+    assert {
+        f: (tmp_path / f).read_bytes() for f in listing(tmp_path)
+    } == before  # no temporary either
     assert int(ckpt.save_counter) == 2
     assert names(mgr.checkpoints) == ["ckpt-1.h5", "ckpt-2.h5"]
     monkeypatch.undo()
@@ -430,7 +448,9 @@ def test_async_save_writes_the_values_at_the_call(tmp_path):
         with h5io.H5Reader(path) as r:
             assert int(r["step"].component(0)) == k
             for i in range(2):
-                np.testing.assert_array_equal(r["model/w"].component(i), np.full((4, 3), k, np.float32))
+                np.testing.assert_array_equal(
+                    r["model/w"].component(i), np.full((4, 3), k, np.float32)
+                )
             np.testing.assert_array_equal(r["model/e"].value(), np.arange(12).reshape(6, 2) + k)
 
 
@@ -528,7 +548,7 @@ def test_at_most_one_write_in_flight(tmp_path, monkeypatch):
             set_values(w, e, step, k)
             mgr.save()
     assert peak[0] == 1
-    assert len([f for f in os.listdir(tmp_path) if f.endswith('.h5')]) == 6
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".h5")]) == 6
 
 
 def test_restore_waits_for_the_save_in_flight(tmp_path):

@@ -32,12 +32,17 @@ LAUNCH_TIMEOUT = 60
 
 
 def _mpiexec() -> str:
-    for candidate in (Path(sys.executable).parent / "mpiexec", Path(sys.prefix) / "bin" / "mpiexec"):
+    for candidate in (
+        Path(sys.executable).parent / "mpiexec",
+        Path(sys.prefix) / "bin" / "mpiexec",
+    ):
         if candidate.exists():
             return str(candidate)
     found = shutil.which("mpiexec")
     if found is None:
-        pytest.fail("mpi4py is installed but no mpiexec was found next to the interpreter or on PATH")
+        pytest.fail(
+            "mpi4py is installed but no mpiexec was found next to the interpreter or on PATH"
+        )
     return found
 
 
@@ -48,10 +53,15 @@ def launch(n: int, *args: str, check: bool = True) -> subprocess.CompletedProces
     env.setdefault("MPIR_CVAR_POLLS_BEFORE_YIELD", "100")
     proc = subprocess.run(
         [_mpiexec(), "-n", str(n), sys.executable, str(WORKER), *args],
-        capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT,
+        env=env,
     )
     if check and proc.returncode != 0:
-        pytest.fail(f"mpiexec -n {n} {args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        pytest.fail(
+            f"mpiexec -n {n} {args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        )
     return proc
 
 
@@ -94,9 +104,13 @@ def test_training_equals_mirrored_in_one_process(tmp_path: Path, n: int) -> None
     mine = [np.arange(5, dtype=np.float32) * (r + 1) + np.float32(0.1) * r for r in range(n)]
     strategy = pv.MirroredStrategy(n)
     with strategy.scope():
-        assert_bit_equal(ranks[0], {"merge_sum": strategy.reduce("sum", pv.PerReplica(mine))}, ["merge_sum"])
+        assert_bit_equal(
+            ranks[0], {"merge_sum": strategy.reduce("sum", pv.PerReplica(mine))}, ["merge_sum"]
+        )
         uneven = pv.PerReplica([np.full((r + 1, 2), r + 1.0) for r in range(n)])
-        np.testing.assert_array_equal(ranks[0]["axis_mean"], strategy.reduce("mean", uneven, axis=0))
+        np.testing.assert_array_equal(
+            ranks[0]["axis_mean"], strategy.reduce("mean", uneven, axis=0)
+        )
     np.testing.assert_array_equal(ranks[0]["broadcast"], np.full(3, 7.0))  # rank 0's value
     np.testing.assert_array_equal(ranks[0]["batch_0"], np.full((2, 2), n * (n + 1) // 2, np.int32))
     assert ranks[0]["batch_0"].dtype == np.int32
@@ -118,9 +132,15 @@ def test_checkpoint_of_four_ranks_restores_in_two_and_in_one_process(tmp_path: P
         grp = f["model/w"]
         assert grp.attrs["kind"] == "mirrored" and int(grp.attrs["num_components"]) == 4
         assert [x.decode() if isinstance(x, bytes) else x for x in grp.attrs["devices"]] == [
-            "cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+            "cpu:0",
+            "cpu:1",
+            "cpu:2",
+            "cpu:3",
+        ]
         assert isinstance(grp.get("parallel_component_3", getlink=True), h5py.ExternalLink)
-        for i, name in enumerate(["primary", "parallel_component_1", "parallel_component_2", "parallel_component_3"]):
+        for i, name in enumerate(
+            ["primary", "parallel_component_1", "parallel_component_2", "parallel_component_3"]
+        ):
             np.testing.assert_array_equal(grp[name][()], saved[i]["w"])
         seen = f["model/seen"]
         assert seen.attrs["kind"] == "on_read"
@@ -141,7 +161,10 @@ def test_checkpoint_of_four_ranks_restores_in_two_and_in_one_process(tmp_path: P
         for comp in getattr(model, name).components:
             np.testing.assert_array_equal(comp, saved[0][name])
     assert int(model.seen.read_value()) == 2 * 4 * model_code.BATCH  # on-read total preserved
-    strategy.run(model_code.replica_step, args=(model, opt, pv.PerReplica([model_code.batches(0, 1).values[0]] * 3)))
+    strategy.run(
+        model_code.replica_step,
+        args=(model, opt, pv.PerReplica([model_code.batches(0, 1).values[0]] * 3)),
+    )
     status.assert_consumed()
 
     # Two ranks restore and take one step; the same in one process with MirroredStrategy(2).
@@ -182,7 +205,12 @@ def _all_values(path: str) -> dict[str, Any] | None:
             return None
         out: dict[str, Any] = {}
         for name, var in reader.items():
-            out[name] = (var.kind, dict(var.attrs), [var.component(i) for i in range(var.num_components)], var.value())
+            out[name] = (
+                var.kind,
+                dict(var.attrs),
+                [var.component(i) for i in range(var.num_components)],
+                var.value(),
+            )
         return out
 
 
@@ -196,7 +224,9 @@ def test_the_index_file_is_written_by_the_checksummed_layout_writer(tmp_path: Pa
         index = f["_parallelvars/index"]
         assert index.dtype.kind == "S" and "crc32c" in index.attrs  # fixed length, own checksum
         assert [d.decode() for d in f.attrs["parallelvars_documents"]] == [
-            "_parallelvars/index", "_parallelvars/object_graph"]
+            "_parallelvars/index",
+            "_parallelvars/object_graph",
+        ]
         assert int(f.attrs["processes"]) == 2
         assert isinstance(f["model/w"].get("parallel_component_1", getlink=True), h5py.ExternalLink)
     good = _all_values(path)
@@ -223,7 +253,10 @@ def test_the_index_file_is_written_by_the_checksummed_layout_writer(tmp_path: Pa
         for name, (kind, attrs, comps, value) in good.items():
             fkind, fattrs, fcomps, fvalue = found[name]
             assert (fkind, fattrs) == (kind, attrs), (pos, name)
-            assert all(np.array_equal(a, b) for a, b in zip(fcomps, comps, strict=True)), (pos, name)
+            assert all(np.array_equal(a, b) for a, b in zip(fcomps, comps, strict=True)), (
+                pos,
+                name,
+            )
             assert np.array_equal(fvalue, value), (pos, name)
     assert caught > 0
 
@@ -241,7 +274,9 @@ def test_a_raising_rank_aborts_the_job(tmp_path: Path) -> None:
 
 def test_importing_parallelvars_does_not_import_mpi4py() -> None:
     code = "import sys, parallelvars as pv; pv.MirroredStrategy(2); assert 'mpi4py' not in sys.modules; print(pv.MultiWorkerMirroredStrategy.__name__)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
     assert out.stdout.strip() == "MultiWorkerMirroredStrategy"
 
 
@@ -257,8 +292,12 @@ def test_single_process_without_mpiexec(tmp_path: Path) -> None:
         "p = pv.Checkpoint(model=model).save(os.path.join(sys.argv[1], 'one'))\n"
         "print(p)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(Path(__file__).parent)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path), str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     path = out.stdout.strip()
     with H5Reader(path) as reader:
@@ -295,7 +334,13 @@ def test_checkpoint_manager_across_processes(tmp_path: Path) -> None:
     listing = [str(x) for x in results[0]["listing"]]
     # The first checkpoint and its per-rank files are gone; no temporaries are left behind.
     assert "ckpt-1.h5" not in listing and "ckpt-1.h5.parts" not in listing
-    assert {"ckpt-2.h5", "ckpt-2.h5.parts", "ckpt-3.h5", "ckpt-3.h5.parts", "checkpoint.json"} <= set(listing)
+    assert {
+        "ckpt-2.h5",
+        "ckpt-2.h5.parts",
+        "ckpt-3.h5",
+        "ckpt-3.h5.parts",
+        "checkpoint.json",
+    } <= set(listing)
     assert not [x for x in listing if ".tmp-" in x]
     # The latest checkpoint restores in one plain process to the values the ranks hold.
     latest = str(tmp_path / "managed" / "ckpt-3.h5")

@@ -34,7 +34,10 @@ def test_replicas_stay_bit_identical(name: str) -> None:
     rng = np.random.default_rng(0)
     shapes = [(37, 5), (3,), (1000,), (), (8, 8, 3)]
     with strategy.scope():
-        vs = [pv.Variable(rng.normal(size=s).astype(np.float32), name=f"v{i}") for i, s in enumerate(shapes)]
+        vs = [
+            pv.Variable(rng.normal(size=s).astype(np.float32), name=f"v{i}")
+            for i, s in enumerate(shapes)
+        ]
         opt = ALL[name]()
     for _ in range(60):
         grads = [rng.normal(size=s).astype(np.float32) * 10 for s in shapes]
@@ -129,7 +132,9 @@ def test_only_the_given_variables_change_in_a_shared_arena() -> None:
 
 
 def test_padding_between_variables_stays_finite() -> None:
-    vs = [pv.Variable(np.ones(3, np.float32), name=f"p{i}") for i in range(4)]  # 13 padding columns each
+    vs = [
+        pv.Variable(np.ones(3, np.float32), name=f"p{i}") for i in range(4)
+    ]  # 13 padding columns each
     opt = opts.Adagrad(0.1)
     rms = opts.RMSProp(0.1, centered=True, epsilon=0.0)
     for _ in range(3):
@@ -194,7 +199,9 @@ def _model(strategy: Any) -> tuple[Any, Any]:
 
 def _step(strategy: Any, m: Any, opt: Any, k: int) -> None:
     with strategy.scope():
-        opt.distributed_apply(strategy, [(np.full((2, 3), k + 1.0), m.w), (np.full((4, 2), -k - 0.5), m.e)])
+        opt.distributed_apply(
+            strategy, [(np.full((2, 3), k + 1.0), m.w), (np.full((4, 2), -k - 0.5), m.e)]
+        )
 
 
 def test_checkpoint_saves_slots_and_defers_their_restore(tmp_path: Any) -> None:

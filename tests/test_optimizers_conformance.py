@@ -18,7 +18,10 @@ from parallelvars import optimizers as opts
 # name -> (constructor, reference config)
 CASES: dict[str, tuple[Any, dict[str, Any]]] = {
     "sgd": (lambda: opts.SGD(0.1), {"kind": "sgd", "lr": 0.1}),
-    "momentum": (lambda: opts.Momentum(0.05, 0.9), {"kind": "momentum", "lr": 0.05, "mu": 0.9, "nesterov": False}),
+    "momentum": (
+        lambda: opts.Momentum(0.05, 0.9),
+        {"kind": "momentum", "lr": 0.05, "mu": 0.9, "nesterov": False},
+    ),
     "nesterov": (
         lambda: opts.Momentum(0.05, 0.8, use_nesterov=True),
         {"kind": "momentum", "lr": 0.05, "mu": 0.8, "nesterov": True},
@@ -123,9 +126,7 @@ def test_conformance(case: str, replicas: int, dtype: Any, sparse: bool) -> None
     init = {k: rng.normal(size=s).astype(dtype) for k, s in SHAPES.items()}
     strategy = pv.MirroredStrategy(replicas)
     with strategy.scope():
-        live = {
-            k: pv.Variable(init[k], name=k, shard_axis=0 if k == "e" else None) for k in SHAPES
-        }
+        live = {k: pv.Variable(init[k], name=k, shard_axis=0 if k == "e" else None) for k in SHAPES}
         opt = make()
     refs = {k: Reference(cfg, init[k]) for k in SHAPES}
     steps = 4
@@ -156,11 +157,20 @@ def test_conformance(case: str, replicas: int, dtype: Any, sparse: bool) -> None
             assert len(var.components) == replicas
             for comp in var.components:
                 np.testing.assert_allclose(comp, refs[k].var, rtol=rtol, atol=atol, err_msg=k)
-        np.testing.assert_allclose(np.asarray(var.read_value()), refs[k].var, rtol=rtol, atol=atol, err_msg=k)
+        np.testing.assert_allclose(
+            np.asarray(var.read_value()), refs[k].var, rtol=rtol, atol=atol, err_msg=k
+        )
     assert int(opt.iterations.read_value()) == steps
     if cfg["kind"] == "adam":
-        np.testing.assert_allclose(float(opt.beta1_power.read_value()), cfg["b1"] ** (steps + 1), rtol=1e-14)
-        np.testing.assert_allclose(np.asarray(opt.get_slot(live["w"], "m").read_value()), refs["w"].s["m"], rtol=rtol, atol=atol)
+        np.testing.assert_allclose(
+            float(opt.beta1_power.read_value()), cfg["b1"] ** (steps + 1), rtol=1e-14
+        )
+        np.testing.assert_allclose(
+            np.asarray(opt.get_slot(live["w"], "m").read_value()),
+            refs["w"].s["m"],
+            rtol=rtol,
+            atol=atol,
+        )
 
 
 def _one_step(opt: Any, value: float, grad: float, steps: int = 1) -> float:
@@ -177,7 +187,9 @@ def test_hand_checked_values() -> None:
     # Adam's first step moves by about lr whatever the gradient's size.
     assert _one_step(opts.Adam(0.1), 1.0, 1000.0) == pytest.approx(0.9, abs=1e-9)
     # Adagrad: accum 0.1 + 1 = 1.1.
-    assert _one_step(opts.Adagrad(0.1), 1.0, 1.0) == pytest.approx(1.0 - 0.1 / math.sqrt(1.1), abs=1e-15)
+    assert _one_step(opts.Adagrad(0.1), 1.0, 1.0) == pytest.approx(
+        1.0 - 0.1 / math.sqrt(1.1), abs=1e-15
+    )
     # RMSProp: rms starts at 1, so 0.9 * 1 + 0.1 * 1 = 1 and the step is lr.
     assert _one_step(opts.RMSProp(0.1, epsilon=0.0), 1.0, 1.0) == pytest.approx(0.9, abs=1e-15)
     # AdamW, zero gradient: only the decay, 1 - 0.1 * 0.5.

@@ -24,20 +24,30 @@ def _bits(a: Any) -> np.ndarray:
 
 
 def _model(
-    strategy: pv.Strategy, dtype: Any, make_opt: Callable[[], opts.Optimizer], seed: int = 0, shapes: Any = SHAPES
+    strategy: pv.Strategy,
+    dtype: Any,
+    make_opt: Callable[[], opts.Optimizer],
+    seed: int = 0,
+    shapes: Any = SHAPES,
 ) -> tuple[list[Any], opts.Optimizer]:
     rng = np.random.default_rng(seed)
     with strategy.scope():
-        vs = [pv.Variable(rng.normal(size=s).astype(dtype), name=f"v{i}") for i, s in enumerate(shapes)]
+        vs = [
+            pv.Variable(rng.normal(size=s).astype(dtype), name=f"v{i}")
+            for i, s in enumerate(shapes)
+        ]
         opt = make_opt()
     return vs, opt
 
 
-def _grads(rng: np.random.Generator, n: int, dtype: Any, shapes: Any = SHAPES) -> list[list[np.ndarray]]:
+def _grads(
+    rng: np.random.Generator, n: int, dtype: Any, shapes: Any = SHAPES
+) -> list[list[np.ndarray]]:
     # Magnitudes far apart, so that another summation order gives other bits.
     scales = [1e-3, 1.0, 1e3, 7.0]
     return [
-        [(rng.normal(size=s) * scales[r % len(scales)]).astype(dtype) for s in shapes] for r in range(n)
+        [(rng.normal(size=s) * scales[r % len(scales)]).astype(dtype) for s in shapes]
+        for r in range(n)
     ]
 
 
@@ -54,9 +64,13 @@ def _state(vs: list[Any], opt: opts.Optimizer) -> list[Any]:
 @pytest.mark.parametrize("shapes", [SHAPES, LARGE], ids=["packed", "direct"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize(
-    "devices", [1, 2, 3, 4, ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]], ids=["1", "2", "3", "4", "unordered"]
+    "devices",
+    [1, 2, 3, 4, ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]],
+    ids=["1", "2", "3", "4", "unordered"],
 )
-def test_fused_sum_is_bit_identical_to_the_per_variable_sum(dtype: Any, devices: Any, shapes: Any) -> None:
+def test_fused_sum_is_bit_identical_to_the_per_variable_sum(
+    dtype: Any, devices: Any, shapes: Any
+) -> None:
     strategy = pv.MirroredStrategy(devices)
     n = strategy.num_replicas_in_sync
     vs, opt = _model(strategy, dtype, lambda: opts.Adam(0.01), shapes=shapes)
@@ -96,7 +110,9 @@ def test_the_fused_sum_follows_device_order() -> None:
     strategy.run(step, args=(pv.PerReplica([g_small, g_big]),))
     want = np.float32(np.float32(1e8) + np.float32(3.0))  # device cpu:0 (replica 1) first
     for b, v in zip(before, vs, strict=True):
-        np.testing.assert_array_equal(v.read_value(), (b.astype(np.float32) - want).astype(np.float32))
+        np.testing.assert_array_equal(
+            v.read_value(), (b.astype(np.float32) - want).astype(np.float32)
+        )
 
 
 def _mixed_run(fusion: bool) -> list[Any]:
@@ -117,7 +133,9 @@ def _mixed_run(fusion: bool) -> list[Any]:
 
     def step(ga: np.ndarray, gb: np.ndarray, idx: np.ndarray) -> None:
         sparse = pv.IndexedSlices(np.ones((2, 2), np.float32), idx, (6, 2))
-        opt.apply_gradients([(ga, a), (sparse, emb), (gb, b), (one, shared), (np.ones(4, np.float32), bf)])
+        opt.apply_gradients(
+            [(ga, a), (sparse, emb), (gb, b), (one, shared), (np.ones(4, np.float32), bf)]
+        )
 
     rows = [np.array([r, 5]) for r in range(3)]
     for k in range(2):
@@ -142,7 +160,9 @@ def test_sharded_and_bfloat16_variables_next_to_fused_ones() -> None:
         opt = opts.SGD(0.5)
 
     def step(g: np.ndarray) -> None:
-        opt.apply_gradients([(g, w), (np.ones((4, 2), np.float32), e), (np.ones(3, ml_dtypes.bfloat16), h)])
+        opt.apply_gradients(
+            [(g, w), (np.ones((4, 2), np.float32), e), (np.ones(3, ml_dtypes.bfloat16), h)]
+        )
 
     strategy.run(step, args=(pv.PerReplica([np.ones(3, np.float32), np.full(3, 2.0, np.float32)]),))
     np.testing.assert_array_equal(w.read_value(), np.full(3, -0.5, np.float32))
@@ -191,7 +211,9 @@ def test_gradient_buffers_are_summed_without_packing() -> None:
     ((_, (_, _, staging)),) = opt._pv_lines.values()
     assert staging == [None] * 3
     views = bufs.views(replica=1)
-    assert views[0].shape == SHAPES[0] and np.shares_memory(views[0], bufs.buffers(1)[np.dtype(np.float32)])
+    assert views[0].shape == SHAPES[0] and np.shares_memory(
+        views[0], bufs.buffers(1)[np.dtype(np.float32)]
+    )
     bufs.zero()
     assert not any(v.any() for r in range(3) for v in bufs.views(r))
 

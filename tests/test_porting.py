@@ -52,7 +52,9 @@ def test_variables_created_in_replica_fn_keep_their_order_and_train() -> None:
         return model["a"]
 
     with strategy.scope():
-        run_with_deadline(strategy, step, args=(pv.PerReplica([np.ones(2, np.float32), np.ones(2, np.float32)]),))
+        run_with_deadline(
+            strategy, step, args=(pv.PerReplica([np.ones(2, np.float32), np.ones(2, np.float32)]),)
+        )
     a, b = model["a"], model["b"]
     assert (a.name, b.name) == ("a", "b")
     # Two replicas' gradients summed: 1 + 1 = 2 (and 4 for b), times 0.5.
@@ -279,7 +281,9 @@ def test_independent_buffers_restore_into_a_plain_variable(tmp_path: Any) -> Non
     plain = pv.Variable(np.zeros(2, np.float32), name="buf")
     status = pv.Checkpoint(v=plain).restore(path)
     np.testing.assert_array_equal(plain, [1.0, 1.0])
-    with pytest.raises(pv.errors.RestoreMismatchError, match="v/parallel_component_1, v/parallel_component_2"):
+    with pytest.raises(
+        pv.errors.RestoreMismatchError, match="v/parallel_component_1, v/parallel_component_2"
+    ):
         status.assert_consumed()
     status.expect_partial()
     status.assert_existing_objects_matched()
@@ -356,7 +360,10 @@ def test_reduce_accepts_destinations_and_aggregations() -> None:
         w = pv.Variable(np.zeros(2), name="w")
         assert strategy.reduce(pv.Aggregation.SUM, value, w).tolist() == [4.0, 6.0]
         assert strategy.reduce("mean", value, destinations="cpu:0").tolist() == [2.0, 3.0]
-        assert strategy.reduce(pv.Aggregation.MEAN, value, ["cpu:0", "cpu:1"]).tolist() == [2.0, 3.0]
+        assert strategy.reduce(pv.Aggregation.MEAN, value, ["cpu:0", "cpu:1"]).tolist() == [
+            2.0,
+            3.0,
+        ]
         assert strategy.reduce(pv.Aggregation.ONLY_FIRST_REPLICA, value).tolist() == [1.0, 2.0]
         assert float(strategy.reduce(pv.ReduceOp.SUM, value, 0)) == 10.0  # an int is an axis
         with pytest.raises(pv.errors.DistributedValueError, match="NONE"):
@@ -387,8 +394,11 @@ def test_non_numeric_gradient_is_a_type_error(replicas: int, grad: Any) -> None:
     # Equal per-replica batch sizes, drawn directly (a filter on random lengths rejects most).
     batches=st.tuples(st.integers(2, 4), st.integers(1, 6)).flatmap(
         lambda rb: st.lists(
-            st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=rb[1], max_size=rb[1]),
-            min_size=rb[0], max_size=rb[0],
+            st.lists(
+                st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=rb[1], max_size=rb[1]
+            ),
+            min_size=rb[0],
+            max_size=rb[0],
         )
     ),
 )

@@ -8,24 +8,71 @@ import parallelvars as pv
 from parallelvars import formats
 
 TOP_LEVEL = [
-    "ParallelDevice", "ParallelVariable", "ShardedVariable", "Variable", "Module",
-    "MirroredStrategy", "OneDeviceStrategy", "MultiWorkerMirroredStrategy", "PerReplica",
-    "get_replica_context", "get_cross_replica_context", "has_strategy", "get_strategy",
-    "ReduceOp", "Synchronization", "Aggregation", "outside_compilation",
-    "optimizers", "IndexedSlices", "clip_by_global_norm", "GradientBuffers",
-    "Checkpoint", "CheckpointManager", "latest_checkpoint",
-    "independent_buffers", "replicated_scope", "variable_creator_scope", "errors",
-    "ComponentVariable", "ReplicatedVariable", "compute_average_loss", "scale_regularization_loss",
+    "ParallelDevice",
+    "ParallelVariable",
+    "ShardedVariable",
+    "Variable",
+    "Module",
+    "MirroredStrategy",
+    "OneDeviceStrategy",
+    "MultiWorkerMirroredStrategy",
+    "PerReplica",
+    "get_replica_context",
+    "get_cross_replica_context",
+    "has_strategy",
+    "get_strategy",
+    "ReduceOp",
+    "Synchronization",
+    "Aggregation",
+    "outside_compilation",
+    "optimizers",
+    "IndexedSlices",
+    "clip_by_global_norm",
+    "GradientBuffers",
+    "Checkpoint",
+    "CheckpointManager",
+    "latest_checkpoint",
+    "independent_buffers",
+    "replicated_scope",
+    "variable_creator_scope",
+    "errors",
+    "ComponentVariable",
+    "ReplicatedVariable",
+    "compute_average_loss",
+    "scale_regularization_loss",
 ]
 STRATEGY_METHODS = [
-    "scope", "run", "reduce", "batch_reduce", "broadcast", "update", "update_non_slot",
-    "colocate_vars_with", "non_slot_devices", "experimental_local_results",
-    "experimental_distribute_dataset", "num_replicas_in_sync", "group", "read_var",
-    "worker_devices", "parameter_devices",
+    "scope",
+    "run",
+    "reduce",
+    "batch_reduce",
+    "broadcast",
+    "update",
+    "update_non_slot",
+    "colocate_vars_with",
+    "non_slot_devices",
+    "experimental_local_results",
+    "experimental_distribute_dataset",
+    "num_replicas_in_sync",
+    "group",
+    "read_var",
+    "worker_devices",
+    "parameter_devices",
 ]
 VARIABLE_MEMBERS = [
-    "components", "device", "name", "kind", "synchronization", "aggregation", "trainable",
-    "assign", "assign_add", "assign_sub", "read_value", "get_shape", "get",
+    "components",
+    "device",
+    "name",
+    "kind",
+    "synchronization",
+    "aggregation",
+    "trainable",
+    "assign",
+    "assign_add",
+    "assign_sub",
+    "read_value",
+    "get_shape",
+    "get",
 ]
 
 
@@ -35,7 +82,10 @@ def test_top_level_names(name: str) -> None:
     assert name in pv.__all__
 
 
-@pytest.mark.parametrize("name", ["SGD", "Momentum", "Adam", "AdamW", "Adagrad", "RMSProp", "Optimizer", "GradientBuffers"])
+@pytest.mark.parametrize(
+    "name",
+    ["SGD", "Momentum", "Adam", "AdamW", "Adagrad", "RMSProp", "Optimizer", "GradientBuffers"],
+)
 def test_optimizers(name: str) -> None:
     assert hasattr(pv.optimizers, name)
 
@@ -53,7 +103,14 @@ def test_strategy_and_variable_members() -> None:
 
 def test_formats_surface() -> None:
     assert callable(formats.convert) and callable(formats.reshard)
-    assert set(formats.FORMAT_NAMES) == {"hdf5", "safetensors", "npz", "keras", "keras-legacy", "tf"}
+    assert set(formats.FORMAT_NAMES) == {
+        "hdf5",
+        "safetensors",
+        "npz",
+        "keras",
+        "keras-legacy",
+        "tf",
+    }
 
 
 def test_every_public_name_resolves_lazily() -> None:

@@ -76,7 +76,9 @@ def assert_linear(make: Callable[[int], Callable[[], Any]], n: int = N) -> tuple
     """``make(k)`` prepares an operation over k variables (untraced) and returns it."""
     small, large = make(n), make(4 * n)
     a, b = lines(small), lines(large)
-    assert b <= GROWTH * a, f"{b} lines at {4 * n} against {a} at {n}: {b / a:.1f}x for 4x the variables"
+    assert b <= GROWTH * a, (
+        f"{b} lines at {4 * n} against {a} at {n}: {b / a:.1f}x for 4x the variables"
+    )
     return a, b
 
 
@@ -163,7 +165,9 @@ def test_first_and_steady_steps_inside_run_are_linear():
         variables = model.variables
 
         def step() -> None:  # the first step creates the slots and the update plan
-            strategy.run(lambda g: opt.apply_gradients(zip(g, variables, strict=True)), args=(per_replica,))
+            strategy.run(
+                lambda g: opt.apply_gradients(zip(g, variables, strict=True)), args=(per_replica,)
+            )
 
         return step
 
@@ -225,12 +229,18 @@ def _entries(k: int) -> dict[str, ArrayEntry]:
     entries = {}
     for i in range(k):
         path = f"model/layer{i // 4}/w{i % 4}"
-        entries[path] = ArrayEntry(path, [np.full(4, i, np.float32)] * 2, kind="mirrored",
-                                   attrs={"devices": ["cpu:0", "cpu:1"]})
+        entries[path] = ArrayEntry(
+            path,
+            [np.full(4, i, np.float32)] * 2,
+            kind="mirrored",
+            attrs={"devices": ["cpu:0", "cpu:1"]},
+        )
     return entries
 
 
-@pytest.mark.parametrize("fmt,suffix", [("hdf5", "h5"), ("safetensors", "safetensors"), ("npz", "npz")])
+@pytest.mark.parametrize(
+    "fmt,suffix", [("hdf5", "h5"), ("safetensors", "safetensors"), ("npz", "npz")]
+)
 @pytest.mark.parametrize("command", ["inspect", "verify", "diff", "extract", "convert", "reshard"])
 def test_cli_commands_are_linear_in_entries(tmp_path, capsys, fmt, suffix, command):
     def make(k: int) -> Callable[[], Any]:
@@ -274,7 +284,10 @@ def test_cli_over_100k_entries_finishes(tmp_path):
     for argv in (["inspect", src], ["verify", src], ["diff", src, src]):
         proc = subprocess.run(
             [sys.executable, "-m", "parallelvars", "-q", "--json", *argv],
-            capture_output=True, text=True, timeout=600, env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
         )
         assert proc.returncode == 0, proc.stderr
 

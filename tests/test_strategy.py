@@ -39,8 +39,12 @@ def test_scope_enters_cross_replica_context_and_places_variables() -> None:
         assert pv.get_replica_context() is None
         assert pv.get_cross_replica_context() is strategy
         w = pv.Variable(np.zeros((2, 2), np.float32), name="w")
-        n = pv.Variable(0.0, name="n", synchronization=pv.Synchronization.ON_READ,
-                        aggregation=pv.Aggregation.SUM)
+        n = pv.Variable(
+            0.0,
+            name="n",
+            synchronization=pv.Synchronization.ON_READ,
+            aggregation=pv.Aggregation.SUM,
+        )
         e = pv.Variable(np.zeros((7, 2)), name="e", shard_axis=0)
     assert (w.kind, n.kind, e.kind) == ("mirrored", "on_read", "sharded")
     assert w.devices == ("cpu:0", "cpu:1", "cpu:2")
@@ -118,8 +122,12 @@ def test_each_replica_runs_in_its_own_thread_with_its_own_context(devices: Any) 
     def fn() -> tuple[int, int, tuple[str, ...], int]:
         ctx = pv.get_replica_context()
         assert ctx is not None and ctx.strategy is strategy
-        return (ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync, ctx.devices,
-                threading.get_ident())
+        return (
+            ctx.replica_id_in_sync_group,
+            ctx.num_replicas_in_sync,
+            ctx.devices,
+            threading.get_ident(),
+        )
 
     out = run_with_deadline(strategy, fn)
     assert isinstance(out, tuple) and isinstance(out[0], pv.PerReplica)
@@ -139,7 +147,9 @@ def test_run_unwraps_per_replica_and_passes_shared_values_through() -> None:
         assert b is shared
         return a + c["k"]
 
-    out = run_with_deadline(strategy, fn, args=(per, shared), kwargs={"c": {"k": pv.PerReplica([1, 2, 3])}})
+    out = run_with_deadline(
+        strategy, fn, args=(per, shared), kwargs={"c": {"k": pv.PerReplica([1, 2, 3])}}
+    )
     assert out.values == (11, 22, 33)
 
 
@@ -157,7 +167,9 @@ def test_run_merges_results() -> None:
 
     out = run_with_deadline(strategy, fn)
     assert out["same"] is token
-    assert isinstance(out["diff"], list) and out["diff"][0].values == (0, 1) and out["diff"][1] == "x"
+    assert (
+        isinstance(out["diff"], list) and out["diff"][0].values == (0, 1) and out["diff"][1] == "x"
+    )
     assert out["comp"] is w  # the components of one mirrored variable -> that variable
     assert out["var"] is w
     assert out["none"] is None
@@ -349,14 +361,19 @@ def test_an_exception_in_replica_2_reaches_the_caller(where: str) -> None:
     with pytest.raises(Boom):
         run_with_deadline(strategy, fn)
     assert time.monotonic() - start < DEADLINE_S
+
     # No replica thread is left blocked: the strategy runs merge_calls again.
     def clean() -> Any:
         ctx = pv.get_replica_context()
         assert ctx is not None
-        return ctx.merge_call(lambda s, i: s.reduce(pv.ReduceOp.SUM, i), args=(ctx.replica_id_in_sync_group,))
+        return ctx.merge_call(
+            lambda s, i: s.reduce(pv.ReduceOp.SUM, i), args=(ctx.replica_id_in_sync_group,)
+        )
 
     assert float(run_with_deadline(strategy, clean)) == 6.0
-    alive = [t for t in threading.enumerate() if t.name.startswith(f"parallelvars-{id(strategy):x}")]
+    alive = [
+        t for t in threading.enumerate() if t.name.startswith(f"parallelvars-{id(strategy):x}")
+    ]
     assert len(alive) == 4
 
 
@@ -425,7 +442,11 @@ def test_write_to_mirrored_variable_without_aggregation_is_an_error() -> None:
 
 @pytest.mark.parametrize(
     ("aggregation", "expected"),
-    [(pv.Aggregation.MEAN, 6.0), (pv.Aggregation.SUM, 9.0), (pv.Aggregation.ONLY_FIRST_REPLICA, 6.0)],
+    [
+        (pv.Aggregation.MEAN, 6.0),
+        (pv.Aggregation.SUM, 9.0),
+        (pv.Aggregation.ONLY_FIRST_REPLICA, 6.0),
+    ],
 )
 def test_assign_add_merges_across_replicas(aggregation: pv.Aggregation, expected: float) -> None:
     strategy = pv.MirroredStrategy(4)
@@ -437,7 +458,11 @@ def test_assign_add_merges_across_replicas(aggregation: pv.Aggregation, expected
 
 @pytest.mark.parametrize(
     ("aggregation", "expected"),
-    [(pv.Aggregation.MEAN, 1.5), (pv.Aggregation.SUM, 6.0), (pv.Aggregation.ONLY_FIRST_REPLICA, 0.0)],
+    [
+        (pv.Aggregation.MEAN, 1.5),
+        (pv.Aggregation.SUM, 6.0),
+        (pv.Aggregation.ONLY_FIRST_REPLICA, 0.0),
+    ],
 )
 def test_assign_of_different_values_merges(aggregation: pv.Aggregation, expected: float) -> None:
     strategy = pv.MirroredStrategy(4)
@@ -458,8 +483,12 @@ def test_assign_of_different_values_merges(aggregation: pv.Aggregation, expected
 def test_on_read_variable_updates_only_the_local_component() -> None:
     strategy = pv.MirroredStrategy(3)
     with strategy.scope():
-        n = pv.Variable(0.0, name="n", synchronization=pv.Synchronization.ON_READ,
-                        aggregation=pv.Aggregation.SUM)
+        n = pv.Variable(
+            0.0,
+            name="n",
+            synchronization=pv.Synchronization.ON_READ,
+            aggregation=pv.Aggregation.SUM,
+        )
 
     def fn() -> None:
         ctx = pv.get_replica_context()

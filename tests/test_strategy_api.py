@@ -69,8 +69,12 @@ def test_batch_reduce_with_variables_as_destinations() -> None:
     sa, sb = s.batch_reduce(pv.ReduceOp.SUM, [(ga, a), (gb, b)])
     np.testing.assert_array_equal(sa, [3, 3])
     np.testing.assert_array_equal(sb, [0, 2, 4])
-    sparse = pv.PerReplica([SparseGrad(np.ones((1, 2)), np.array([0]), (4, 2)),
-                            SparseGrad(np.full((1, 2), 3.0), np.array([2]), (4, 2))])
+    sparse = pv.PerReplica(
+        [
+            SparseGrad(np.ones((1, 2)), np.array([0]), (4, 2)),
+            SparseGrad(np.full((1, 2), 3.0), np.array([2]), (4, 2)),
+        ]
+    )
     (red,) = s.batch_reduce(pv.ReduceOp.MEAN, [(sparse, None)])
     assert isinstance(red, SparseGrad) and red.indices.tolist() == [0, 2]
     np.testing.assert_array_equal(red.values, [[0.5, 0.5], [1.5, 1.5]])
@@ -93,7 +97,7 @@ def test_add_n_groups_by_device_then_adds_in_device_order() -> None:
     big, one = np.float32(1e8), np.float32(1.0)
     # cpu:10 sorts after cpu:2 (by index, not as text); the two cpu:2 summands add first.
     summands = [("cpu:10", -big), ("cpu:2", big), ("cpu:0", one), ("cpu:2", one)]
-    expected = ((one + (big + one)) + -big)
+    expected = (one + (big + one)) + -big
     assert add_n_by_device(summands) == expected
     assert add_n_by_device(list(reversed(summands))) == (one + (one + big)) + -big
 
@@ -102,8 +106,10 @@ def test_sums_are_bit_identical_whatever_the_thread_timing() -> None:
     s = pv.MirroredStrategy(4)
     rng = np.random.default_rng(7)
     # Values spanning many magnitudes: their float32 sum depends on the order of addition.
-    values = [(rng.standard_normal(64) * 10.0 ** rng.integers(-3, 8, 64)).astype(np.float32)
-              for _ in range(4)]
+    values = [
+        (rng.standard_normal(64) * 10.0 ** rng.integers(-3, 8, 64)).astype(np.float32)
+        for _ in range(4)
+    ]
     in_order = ((values[0] + values[1]) + values[2]) + values[3]
     reordered = ((values[3] + values[1]) + values[0]) + values[2]
     assert in_order.tobytes() != reordered.tobytes()  # the order is observable
@@ -222,8 +228,12 @@ def test_local_results_group_read_var_and_devices() -> None:
     s = pv.MirroredStrategy(2)
     with s.scope():
         w = pv.Variable(np.ones(2), name="w")
-        n = pv.Variable(1.0, name="n", synchronization=pv.Synchronization.ON_READ,
-                        aggregation=pv.Aggregation.MEAN)
+        n = pv.Variable(
+            1.0,
+            name="n",
+            synchronization=pv.Synchronization.ON_READ,
+            aggregation=pv.Aggregation.MEAN,
+        )
         n.components[1][...] = 3.0
         assert s.experimental_local_results(w) == w.components
         assert s.experimental_local_results(pv.PerReplica([1, 2])) == (1, 2)
@@ -329,7 +339,9 @@ def test_outside_compilation_must_leave_the_context_it_entered() -> None:
         finally:
             left_open.pop().__exit__(None, None, None)  # in the context that entered it
 
-    with pytest.raises(ContextError, match=r"entered in DefaultStrategy.*left in OneDeviceStrategy"):
+    with pytest.raises(
+        ContextError, match=r"entered in DefaultStrategy.*left in OneDeviceStrategy"
+    ):
         run_with_deadline(s, fn)
 
     def recovers() -> Any:
@@ -402,7 +414,10 @@ def test_distribute_dataset_splits_uneven_batches() -> None:
 
 def test_distribute_dataset_of_an_iterable_of_dict_batches() -> None:
     s = pv.MirroredStrategy(2)
-    batches = [{"a": np.arange(4), "b": np.ones((4, 3))}, {"a": np.arange(3), "b": np.zeros((3, 3))}]
+    batches = [
+        {"a": np.arange(4), "b": np.ones((4, 3))},
+        {"a": np.arange(3), "b": np.zeros((3, 3))},
+    ]
     out = list(s.experimental_distribute_dataset(batches))
     assert out[1].values[0]["a"].tolist() == [0, 1] and out[1].values[1]["b"].shape == (1, 3)
 

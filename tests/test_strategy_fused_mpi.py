@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_mpi import _mpiexec
 
 # Shared by the ranks and the one-process reference (exec'd in both).
-MODEL = '''
+MODEL = """
 import numpy as np
 import parallelvars as pv
 
@@ -58,9 +58,11 @@ def train(strategy, buffers, local_replicas):
     for var, name, slot in opt._checkpoint_slots():
         state[f"{var.name}/{name}"] = np.array(slot.components[0])
     return state, opt
-'''
+"""
 
-WORKER = MODEL + '''
+WORKER = (
+    MODEL
+    + """
 import sys
 s = pv.MultiWorkerMirroredStrategy()
 rank = s.cluster_rank
@@ -68,7 +70,8 @@ for buffers in (False, True):
     state, opt = train(s, buffers, pv.PerReplica(list(range(s.num_replicas_in_sync))))
     assert opt._pv_lines, "the fused path was not taken"
     np.savez(f"{sys.argv[1]}/rank{rank}-{int(buffers)}.npz", **state)
-'''
+"""
+)
 
 
 def _bits(a: Any) -> np.ndarray:
@@ -85,7 +88,10 @@ def test_fused_all_reduce_equals_mirrored_in_one_process(tmp_path: Path) -> None
     env.setdefault("MPIR_CVAR_POLLS_BEFORE_YIELD", "100")
     proc = subprocess.run(
         [_mpiexec(), "-n", str(n), sys.executable, str(script), str(tmp_path)],
-        capture_output=True, text=True, timeout=90, env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

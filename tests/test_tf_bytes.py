@@ -28,14 +28,26 @@ from parallelvars.formats.tf._strings import decode_strings, encode_strings
 
 WORKED_INDEX = bytes.fromhex(
     # data block: header entry and "x"
-    "000006" "08011a020801"
-    "00010f78" "0801120412020802280835593ce535"
-    "00000000" "01000000"
-    "00" "91364233"
+    "000006"
+    "08011a020801"
+    "00010f78"
+    "0801120412020802280835593ce535"
+    "00000000"
+    "01000000"
+    "00"
+    "91364233"
     # metaindex block
-    "00000000" "01000000" "00" "c0f2a1b0"
+    "00000000"
+    "01000000"
+    "00"
+    "c0f2a1b0"
     # index block: "y" -> (0, 36)
-    "0001027900" "24" "00000000" "01000000" "00" "08121017"
+    "0001027900"
+    "24"
+    "00000000"
+    "01000000"
+    "00"
+    "08121017"
     # footer
     "2908360e" + "00" * 36 + "57fb808b247547db"
 )
@@ -83,12 +95,12 @@ def test_header_and_entry_protos() -> None:
     assert encode_header(BundleHeader(1, 0, 1)) == bytes.fromhex("08011a020801")
     assert decode_header(bytes.fromhex("08011a020801")) == BundleHeader(1, 0, 1)
     # a scalar has an empty shape message; a zero dim is an empty Dim
-    assert encode_entry(BundleEntry(9, (), size=8)) == bytes.fromhex("08091200" "2808")
+    assert encode_entry(BundleEntry(9, (), size=8)) == bytes.fromhex("080912002808")
     assert encode_entry(BundleEntry(1, (0,))) == bytes.fromhex("080112021200")
     # rows 2..4 of a [4, 3] tensor: the full entry carries dtype, shape and the slice
     full = BundleEntry(1, (4, 3), slices=(((2, 2), (0, None)),))
     data = encode_entry(full)
-    assert data.endswith(bytes.fromhex("3a08" "0a0408021002" "0a00"))
+    assert data.endswith(bytes.fromhex("3a080a04080210020a00"))
     assert decode_entry(data) == full
 
 
@@ -198,7 +210,7 @@ def test_an_overly_large_entry_starts_a_new_block() -> None:
 
 def test_string_tensor_encoding_example() -> None:
     data, crc = encode_strings([b"ab", b"", b"xyz"])
-    assert data == bytes.fromhex("020003" "1b428bca" "6162" "78797a")
+    assert data == bytes.fromhex("0200031b428bca616278797a")
     assert len(data) == 12
     assert decode_strings(data, 3, expected_crc=crc) == [b"ab", b"", b"xyz"]
 
@@ -232,12 +244,15 @@ def test_string_tensor_round_trip_through_a_bundle(tmp_path) -> None:
 )
 def test_signed_num_increasing_examples(value: int, encoded: str) -> None:
     assert _ordered_code.encode_signed_num_increasing(value).hex() == encoded
-    assert _ordered_code.decode_signed_num_increasing(bytes.fromhex(encoded)) == (value, len(encoded) // 2)
+    assert _ordered_code.decode_signed_num_increasing(bytes.fromhex(encoded)) == (
+        value,
+        len(encoded) // 2,
+    )
 
 
 def test_slice_key_example() -> None:
     key = _ordered_code.encode_slice_key(b"e", ((2, 2), (0, None)))
-    assert key == bytes.fromhex("00650001010282828" "07f")
+    assert key == bytes.fromhex("0065000101028282807f")
     assert _ordered_code.decode_slice_key(key) == (b"e", ((2, 2), (0, None)))
     assert _ordered_code.encode_num_increasing(0) == b"\x00"
     assert _ordered_code.encode_num_increasing(300) == b"\x02\x01\x2c"
@@ -249,7 +264,9 @@ def test_signed_num_increasing_preserves_order() -> None:
     rng = np.random.default_rng(0)
     raw = rng.integers(-(2**63), 2**63 - 1, 3000, dtype=np.int64)
     shifts = rng.integers(0, 63, 3000)
-    values = sorted({int(v) >> int(s) for v, s in zip(raw, shifts, strict=True)} | {-(2**63), 2**63 - 1, 0, -1})
+    values = sorted(
+        {int(v) >> int(s) for v, s in zip(raw, shifts, strict=True)} | {-(2**63), 2**63 - 1, 0, -1}
+    )
     encoded = [_ordered_code.encode_signed_num_increasing(v) for v in values]
     assert encoded == sorted(encoded)
     assert [_ordered_code.decode_signed_num_increasing(e)[0] for e in encoded] == values
@@ -257,7 +274,14 @@ def test_signed_num_increasing_preserves_order() -> None:
 
 @pytest.mark.parametrize(
     ("name", "escaped"),
-    [("kernel", "kernel"), ("a.b", "a..b"), ("a/b", "a.Sb"), (".S", "..S"), ("/.", ".S.."), ("..", "....")],
+    [
+        ("kernel", "kernel"),
+        ("a.b", "a..b"),
+        ("a/b", "a.Sb"),
+        (".S", "..S"),
+        ("/.", ".S.."),
+        ("..", "...."),
+    ],
 )
 def test_local_name_escaping(name: str, escaped: str) -> None:
     assert escape_local_name(name) == escaped
@@ -267,7 +291,9 @@ def test_local_name_escaping(name: str, escaped: str) -> None:
 def test_key_parsing() -> None:
     p = parse_key("model/w/.ATTRIBUTES/parallel_component_2")
     assert p is not None and (p.path, p.component) == ("model/w", 2)
-    p = parse_key("model/layer_with_weights-0/kernel/.OPTIMIZER_SLOT/optimizer/m/.ATTRIBUTES/VARIABLE_VALUE")
+    p = parse_key(
+        "model/layer_with_weights-0/kernel/.OPTIMIZER_SLOT/optimizer/m/.ATTRIBUTES/VARIABLE_VALUE"
+    )
     assert p is not None
     assert p.path == "optimizer/slots/model/layer_with_weights-0/kernel/m"
     assert (p.slot_of, p.slot_name, p.component) == ("model/layer_with_weights-0/kernel", "m", 0)

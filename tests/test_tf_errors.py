@@ -44,7 +44,9 @@ def make_bundle(
     header: BundleHeader | bytes | None = None,
 ) -> str:
     """A bundle with hand-made index entries (BundleEntry or raw value bytes) and data shards."""
-    head = header if isinstance(header, bytes) else encode_header(header or BundleHeader(len(shards)))
+    head = (
+        header if isinstance(header, bytes) else encode_header(header or BundleHeader(len(shards)))
+    )
     table = TableBuilder()
     table.add(b"", head)
     for key in sorted(entries):
@@ -144,16 +146,34 @@ def test_shard_truncated_after_opening(plain: Path) -> None:
         (BundleEntry(1, (2**30, 2**30), size=8), CorruptCheckpointError, "size does not match"),
         (BundleEntry(1, (2**40, 2**40), size=8), CorruptCheckpointError, "impossible tensor shape"),
         (BundleEntry(1, (2**31, 2**31), size=2**64 - 2**32), CorruptCheckpointError, "negative"),
-        (BundleEntry(1, (2**20, 2**20), size=4 * 2**40, crc32c=1), TruncatedFileError, "past the end"),
+        (
+            BundleEntry(1, (2**20, 2**20), size=4 * 2**40, crc32c=1),
+            TruncatedFileError,
+            "past the end",
+        ),
         (BundleEntry(7, (2**50,), size=20), CorruptCheckpointError, "too small"),
         (BundleEntry(1, (2,), shard_id=3, size=8), CorruptCheckpointError, "shard id"),
-        (BundleEntry(1, (2**30, 2**30), slices=(((0, 1), (0, 1)),)), CorruptCheckpointError, "missing"),
-        (BundleEntry(1, (0, 2**62), crc32c=mask(0)), CorruptCheckpointError, "impossible tensor shape"),
+        (
+            BundleEntry(1, (2**30, 2**30), slices=(((0, 1), (0, 1)),)),
+            CorruptCheckpointError,
+            "missing",
+        ),
+        (
+            BundleEntry(1, (0, 2**62), crc32c=mask(0)),
+            CorruptCheckpointError,
+            "impossible tensor shape",
+        ),
         (BundleEntry(1, (1,) * 70, size=4, crc32c=1), CorruptCheckpointError, "rank 70"),
-        (BundleEntry(1, (2**62, 0), slices=(((0, 0), (0, 0)),)), CorruptCheckpointError, "impossible"),
+        (
+            BundleEntry(1, (2**62, 0), slices=(((0, 0), (0, 0)),)),
+            CorruptCheckpointError,
+            "impossible",
+        ),
     ],
 )
-def test_absurd_sizes_and_shapes_allocate_nothing(tmp_path: Path, entry: BundleEntry, error, match: str) -> None:
+def test_absurd_sizes_and_shapes_allocate_nothing(
+    tmp_path: Path, entry: BundleEntry, error, match: str
+) -> None:
     prefix = make_bundle(tmp_path / "c", {b"w": entry}, [bytes(64)])
     with pytest.raises(error, match=match) as info:
         BundleReader(prefix)
@@ -181,8 +201,13 @@ def test_slices_must_cover_the_tensor_without_overlap(tmp_path: Path) -> None:
         BundleReader(make_bundle(tmp_path / "e", entries, [part * 2]))
 
 
-@pytest.mark.parametrize(("dtype", "name"), [(21, "DT_VARIANT"), (20, "DT_RESOURCE"), (99, "unknown TensorFlow dtype number 99")])
-def test_variant_resource_and_unknown_dtypes_are_refused(tmp_path: Path, dtype: int, name: str) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "name"),
+    [(21, "DT_VARIANT"), (20, "DT_RESOURCE"), (99, "unknown TensorFlow dtype number 99")],
+)
+def test_variant_resource_and_unknown_dtypes_are_refused(
+    tmp_path: Path, dtype: int, name: str
+) -> None:
     good = np.arange(2, dtype=np.float32).tobytes()
     prefix = make_bundle(
         tmp_path / "c",
@@ -231,9 +256,13 @@ def test_an_index_without_header(tmp_path: Path) -> None:
 def test_snappy_blocks_are_refused(plain: Path) -> None:
     index = plain.with_suffix(".index")
     data = bytearray(index.read_bytes())
-    block_end = _first_block_size(bytes(data))  # the only data block starts at 0; its trailer follows
+    block_end = _first_block_size(
+        bytes(data)
+    )  # the only data block starts at 0; its trailer follows
     data[block_end] = 1
-    data[block_end + 1 : block_end + 5] = mask(crc32c(b"\x01", crc32c(bytes(data[:block_end])))).to_bytes(4, "little")
+    data[block_end + 1 : block_end + 5] = mask(
+        crc32c(b"\x01", crc32c(bytes(data[:block_end])))
+    ).to_bytes(4, "little")
     index.write_bytes(bytes(data))
     with pytest.raises(FormatVersionError, match="snappy") as info:
         open_checkpoint(plain)
@@ -264,14 +293,20 @@ def test_bad_object_graph_and_metadata(tmp_path: Path) -> None:
     doc = {"format": "parallelvars.tf-metadata", "version": 9}
     with pytest.raises(FormatVersionError, match="newer"):
         open_checkpoint(bundle("m2", **{meta: json.dumps(doc).encode()}))
-    doc = {"format": "parallelvars.tf-metadata", "version": 1, "variables": {"w": {"kind": "sideways"}}}
+    doc = {
+        "format": "parallelvars.tf-metadata",
+        "version": 1,
+        "variables": {"w": {"kind": "sideways"}},
+    }
     with pytest.raises(CorruptCheckpointError, match="malformed metadata record"):
         open_checkpoint(bundle("m3", **{meta: json.dumps(doc).encode()}))
     doc["variables"] = {"w": {"kind": "sharded"}}
     with pytest.raises(CorruptCheckpointError, match="bad shard axis or offsets") as info:
         open_checkpoint(bundle("m4", **{meta: json.dumps(doc).encode()}))
     check(info.value, "'w'")
-    doc["variables"] = {"w": {"kind": "sharded", "attrs": {"shard_axis": 0, "shard_offsets": [0, 1]}}}
+    doc["variables"] = {
+        "w": {"kind": "sharded", "attrs": {"shard_axis": 0, "shard_offsets": [0, 1]}}
+    }
     with pytest.raises(CorruptCheckpointError, match="do not match the saved slices") as info:
         open_checkpoint(bundle("m6", **{meta: json.dumps(doc).encode()}))
     check(info.value, "'w'")
@@ -289,7 +324,10 @@ def test_damaged_string_tensors(tmp_path: Path) -> None:
     shard = tmp_path / "s.data-00000-of-00001"
     good = shard.read_bytes()
     shard.write_bytes(good[:2] + bytes([good[2] ^ 1]) + good[3:])  # the length checksum
-    with BundleReader(prefix) as r, pytest.raises(ChecksumMismatchError, match="string lengths") as info:
+    with (
+        BundleReader(prefix) as r,
+        pytest.raises(ChecksumMismatchError, match="string lengths") as info,
+    ):
         r.read(b"s")
     check(info.value, str(shard), "'s'")
     shard.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # a string byte
@@ -308,7 +346,9 @@ def test_errors_are_never_bare_os_errors_for_missing_paths(tmp_path: Path) -> No
 
 def test_bool_bytes_other_than_one_read_as_true(tmp_path: Path) -> None:
     raw = b"\x00\x02\x01\xff"
-    prefix = make_bundle(tmp_path / "c", {b"b": BundleEntry(10, (4,), size=4, crc32c=mask(crc32c(raw)))}, [raw])
+    prefix = make_bundle(
+        tmp_path / "c", {b"b": BundleEntry(10, (4,), size=4, crc32c=mask(crc32c(raw)))}, [raw]
+    )
     with BundleReader(prefix) as r:
         value = r.read(b"b")
     assert value.tolist() == [False, True, True, True]

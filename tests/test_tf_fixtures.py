@@ -114,7 +114,9 @@ def test_parallel_checkpoint_becomes_parallel_variables(expected) -> None:
         w = view["model/w"]
         assert (w.kind, w.num_components, w.shape, w.dtype) == ("mirrored", 3, (3, 2), np.float32)
         np.testing.assert_array_equal(w.value(), want["model/w/.ATTRIBUTES/VARIABLE_VALUE"])
-        for i, attr in enumerate(["VARIABLE_VALUE", "parallel_component_1", "parallel_component_2"]):
+        for i, attr in enumerate(
+            ["VARIABLE_VALUE", "parallel_component_1", "parallel_component_2"]
+        ):
             np.testing.assert_array_equal(w.component(i), want[f"model/w/.ATTRIBUTES/{attr}"])
             out = np.empty((3, 2), np.float32)
             w.read_component_into(i, out)
@@ -152,7 +154,9 @@ def test_many_has_four_shards_and_partitioned_tensors(expected) -> None:
     with TfCheckpointView(DATA / "many", assemble_slices=True) as view:
         e = view["big/vs/241"]
         assert (e.kind, e.num_components) == ("single", 1)
-        np.testing.assert_array_equal(e.component(0), expected["many"]["big/vs/241/.ATTRIBUTES/VARIABLE_VALUE"])
+        np.testing.assert_array_equal(
+            e.component(0), expected["many"]["big/vs/241/.ATTRIBUTES/VARIABLE_VALUE"]
+        )
 
 
 @pytest.mark.parametrize("folder", ["plain", "parallel", "mirrored", "tf1", "sharded"])
@@ -162,7 +166,9 @@ def test_rewriting_a_checkpoint_reproduces_tensorflows_bytes(folder: str, tmp_pa
         written = write_checkpoint(tmp_path / prefix, view, format="tf")
     assert written == str(tmp_path / prefix)
     for suffix in (".index", ".data-00000-of-00001"):
-        assert filecmp.cmp(DATA / folder / (prefix + suffix), tmp_path / (prefix + suffix), shallow=False), suffix
+        assert filecmp.cmp(
+            DATA / folder / (prefix + suffix), tmp_path / (prefix + suffix), shallow=False
+        ), suffix
     assert (tmp_path / "checkpoint").read_text() == (DATA / folder / "checkpoint").read_text()
 
 
@@ -172,7 +178,9 @@ def test_tensorflow_sharded_variable_and_legacy_slots(expected) -> None:
         emb = view["model/emb"]
         assert (emb.kind, emb.num_components, emb.shape) == ("sharded", 2, (5, 2))
         assert (emb.attrs["shard_axis"], emb.attrs["shard_offsets"]) == (0, [0, 3])
-        np.testing.assert_array_equal(emb.component(1), np.arange(6, 10, dtype=np.float32).reshape(2, 2))
+        np.testing.assert_array_equal(
+            emb.component(1), np.arange(6, 10, dtype=np.float32).reshape(2, 2)
+        )
         np.testing.assert_array_equal(emb.value(), want["model/emb/.ATTRIBUTES/VARIABLE_VALUE"])
         for slot in ("m", "v"):
             e = view[f"optimizer/slots/model/v/{slot}"]
@@ -233,7 +241,10 @@ def test_tf_to_memory_to_tf_keeps_keys_and_values(folder: str, tmp_path: Path, e
             if key != GRAPH:
                 assert_tf_equal(got[key], value, key)
         for path, entry in memory.items():
-            assert (back[path].kind, back[path].num_components) == (entry.kind, entry.num_components)
+            assert (back[path].kind, back[path].num_components) == (
+                entry.kind,
+                entry.num_components,
+            )
             assert dict(back[path].attrs) == dict(entry.attrs)
 
 

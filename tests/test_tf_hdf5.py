@@ -14,7 +14,14 @@ from parallelvars.formats import ArrayEntry, DictView, open_checkpoint, write_ch
 from parallelvars.formats.tf import BundleReader
 
 DATA = Path(__file__).parent / "data" / "tf"
-FOLDERS = {"plain": "ckpt-1", "parallel": "ckpt-1", "mirrored": "ckpt-1", "tf1": "model.ckpt-3", "many": "ckpt-1", "sharded": "ckpt-1"}
+FOLDERS = {
+    "plain": "ckpt-1",
+    "parallel": "ckpt-1",
+    "mirrored": "ckpt-1",
+    "tf1": "model.ckpt-3",
+    "many": "ckpt-1",
+    "sharded": "ckpt-1",
+}
 
 
 def _keys(prefix: str) -> set[bytes]:
@@ -26,7 +33,12 @@ def _same_entries(a, b) -> None:  # type: ignore[no-untyped-def]
     assert list(sorted(a)) == list(sorted(b))
     for path in a:
         x, y = a[path], b[path]
-        assert (x.kind, x.dtype, tuple(x.shape), x.num_components) == (y.kind, y.dtype, tuple(y.shape), y.num_components), path
+        assert (x.kind, x.dtype, tuple(x.shape), x.num_components) == (
+            y.kind,
+            y.dtype,
+            tuple(y.shape),
+            y.num_components,
+        ), path
         assert dict(x.attrs) == dict(y.attrs), path
         for i in range(x.num_components):
             cx, cy = x.component(i), y.component(i)
@@ -53,19 +65,49 @@ def test_hdf5_to_tf_to_hdf5_loses_nothing(tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
     devices = ["cpu:0", "cpu:1", "cpu:2"]
     entries = [
-        ArrayEntry("model/w", [rng.normal(size=(4, 3)).astype(np.float32)] * 3, kind="mirrored",
-                   attrs={"devices": devices, "aggregation": "none", "synchronization": "on_write",
-                          "trainable": True, "name": "w"}),
-        ArrayEntry("model/count", [np.int64(i) for i in range(3)], kind="on_read",
-                   attrs={"devices": devices, "aggregation": "sum", "synchronization": "on_read",
-                          "trainable": False}),
-        ArrayEntry("model/buffers", [rng.normal(size=2) for _ in range(3)], kind="independent",
-                   attrs={"devices": devices}),
-        ArrayEntry("model/emb", [rng.normal(size=(2, 5)), rng.normal(size=(2, 5)), rng.normal(size=(1, 5))],
-                   kind="sharded", shape=(5, 5), attrs={"shard_axis": 0, "shard_offsets": [0, 2, 4], "devices": devices}),
+        ArrayEntry(
+            "model/w",
+            [rng.normal(size=(4, 3)).astype(np.float32)] * 3,
+            kind="mirrored",
+            attrs={
+                "devices": devices,
+                "aggregation": "none",
+                "synchronization": "on_write",
+                "trainable": True,
+                "name": "w",
+            },
+        ),
+        ArrayEntry(
+            "model/count",
+            [np.int64(i) for i in range(3)],
+            kind="on_read",
+            attrs={
+                "devices": devices,
+                "aggregation": "sum",
+                "synchronization": "on_read",
+                "trainable": False,
+            },
+        ),
+        ArrayEntry(
+            "model/buffers",
+            [rng.normal(size=2) for _ in range(3)],
+            kind="independent",
+            attrs={"devices": devices},
+        ),
+        ArrayEntry(
+            "model/emb",
+            [rng.normal(size=(2, 5)), rng.normal(size=(2, 5)), rng.normal(size=(1, 5))],
+            kind="sharded",
+            shape=(5, 5),
+            attrs={"shard_axis": 0, "shard_offsets": [0, 2, 4], "devices": devices},
+        ),
         ArrayEntry("model/bf", [np.array([1.5, -2.0], ml_dtypes.bfloat16)]),
-        ArrayEntry("opt/slots/model/w/m", [np.zeros((4, 3), np.float32)] * 3, kind="mirrored",
-                   attrs={"slot_of": "model/w", "slot_name": "m", "devices": devices}),
+        ArrayEntry(
+            "opt/slots/model/w/m",
+            [np.zeros((4, 3), np.float32)] * 3,
+            kind="mirrored",
+            attrs={"slot_of": "model/w", "slot_name": "m", "devices": devices},
+        ),
         ArrayEntry("opt/iterations", [np.int64(12)]),
     ]
     first = write_h5(tmp_path / "a.h5", DictView(entries), metadata={"step": 12})
@@ -84,7 +126,8 @@ def test_hdf5_to_tf_to_hdf5_loses_nothing(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("parallelvars.formats.hdf5") is None, reason="the hdf5 format adapter is not installed"
+    importlib.util.find_spec("parallelvars.formats.hdf5") is None,
+    reason="the hdf5 format adapter is not installed",
 )
 def test_through_the_format_registry(tmp_path: Path) -> None:
     with open_checkpoint(DATA / "parallel") as view:

@@ -27,7 +27,8 @@ DTYPES = [np.float32, np.float64, np.int8, np.uint16, np.int64, np.bool_, np.com
 # Local names: anything without "/" (our separator); "." and ".S" exercise TensorFlow's escaping.
 # A name ".ATTRIBUTES" is left out: our paths use it to carry TensorFlow's other attributes.
 NAMES = st.text(
-    alphabet=st.sampled_from(list("ab.S_-09é")) | st.characters(codec="utf-8", exclude_characters="/"),
+    alphabet=st.sampled_from(list("ab.S_-09é"))
+    | st.characters(codec="utf-8", exclude_characters="/"),
     min_size=1,
     max_size=8,
 ).filter(lambda n: n != ".ATTRIBUTES")
@@ -40,7 +41,9 @@ def _value(data: st.DataObject, dtype, shape: tuple[int, ...]) -> np.ndarray:
         out = np.empty(n, dtype=object)
         out[:] = items
         return out.reshape(shape)
-    raw = data.draw(st.binary(min_size=n * np.dtype(dtype).itemsize, max_size=n * np.dtype(dtype).itemsize))
+    raw = data.draw(
+        st.binary(min_size=n * np.dtype(dtype).itemsize, max_size=n * np.dtype(dtype).itemsize)
+    )
     value = np.frombuffer(raw, np.uint8).view(dtype).reshape(shape).copy()
     if np.dtype(dtype) == np.bool_:
         value = value.view(np.uint8) % 2 == 1
@@ -49,7 +52,14 @@ def _value(data: st.DataObject, dtype, shape: tuple[int, ...]) -> np.ndarray:
 
 @st.composite
 def entries(draw: st.DrawFn) -> list[ArrayEntry]:
-    paths = draw(st.lists(st.lists(NAMES, min_size=1, max_size=3).map("/".join), min_size=1, max_size=5, unique=True))
+    paths = draw(
+        st.lists(
+            st.lists(NAMES, min_size=1, max_size=3).map("/".join),
+            min_size=1,
+            max_size=5,
+            unique=True,
+        )
+    )
     out = []
     data = draw(st.data())
     for path in paths:
@@ -61,7 +71,9 @@ def entries(draw: st.DrawFn) -> list[ArrayEntry]:
             cuts = sorted(draw(st.lists(st.integers(0, shape[0]), max_size=3)))
             offsets = [0, *cuts]
             ends = [*cuts, shape[0]]
-            comps = [_value(data, dtype, (e - s, *shape[1:])) for s, e in zip(offsets, ends, strict=True)]
+            comps = [
+                _value(data, dtype, (e - s, *shape[1:])) for s, e in zip(offsets, ends, strict=True)
+            ]
             attrs = {"shard_axis": 0, "shard_offsets": offsets}
         else:
             n = 1 if kind == "single" else draw(st.integers(1, 3))
@@ -90,7 +102,11 @@ def test_write_read_round_trip(items: list[ArrayEntry]) -> None:
             assert sorted(view) == sorted(e.path for e in items)
             for e in items:
                 back = view[e.path]
-                assert (back.kind, back.num_components, back.shape) == (e.kind, e.num_components, e.shape)
+                assert (back.kind, back.num_components, back.shape) == (
+                    e.kind,
+                    e.num_components,
+                    e.shape,
+                )
                 assert dict(back.attrs) == e.attrs
                 for i in range(e.num_components):
                     assert _same(back.component(i), e.component(i)), (e.path, i)
@@ -125,7 +141,9 @@ def _expect_only_our_errors(prefix: Path, verify: bool = True) -> None:
 PLAIN_INDEX = (DATA / "plain" / "ckpt-1.index").read_bytes()
 PLAIN_ITEMS = list(TableReader(PLAIN_INDEX, file="plain"))
 
-mutation = st.tuples(st.sampled_from(["flip", "cut", "insert", "set"]), st.integers(0, 10**6), st.integers(0, 255))
+mutation = st.tuples(
+    st.sampled_from(["flip", "cut", "insert", "set"]), st.integers(0, 10**6), st.integers(0, 255)
+)
 
 
 def _mutate(data: bytes, ops: list[tuple[str, int, int]]) -> bytes:
@@ -153,7 +171,13 @@ def test_mutated_index_bytes_raise_only_our_errors(ops: list[tuple[str, int, int
 
 
 @SETTINGS
-@given(st.lists(st.tuples(st.integers(0, 100), st.lists(mutation, min_size=1, max_size=3)), min_size=1, max_size=3))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 100), st.lists(mutation, min_size=1, max_size=3)),
+        min_size=1,
+        max_size=3,
+    )
+)
 def test_mutated_index_entries_with_valid_checksums_raise_only_our_errors(changes) -> None:
     """Damage inside the entries (keys and protos), in a table whose block checksums are right,
     so the damage reaches the parsers behind the checksum."""

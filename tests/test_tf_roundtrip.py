@@ -36,21 +36,46 @@ def test_kinds_and_attrs_tf_cannot_express_survive_a_round_trip(tmp_path: Path) 
     rng = np.random.default_rng(1)
     devices = ["cpu:0", "cpu:1"]
     entries = [
-        ArrayEntry("m/w", [rng.normal(size=(3, 2)).astype(np.float32)] * 2, kind="mirrored",
-                   attrs={"devices": devices, "trainable": True, "name": "w"}),
-        ArrayEntry("m/n", [np.float32(1), np.float32(2)], kind="on_read",
-                   attrs={"aggregation": "sum", "synchronization": "on_read", "devices": devices}),
+        ArrayEntry(
+            "m/w",
+            [rng.normal(size=(3, 2)).astype(np.float32)] * 2,
+            kind="mirrored",
+            attrs={"devices": devices, "trainable": True, "name": "w"},
+        ),
+        ArrayEntry(
+            "m/n",
+            [np.float32(1), np.float32(2)],
+            kind="on_read",
+            attrs={"aggregation": "sum", "synchronization": "on_read", "devices": devices},
+        ),
         ArrayEntry("m/buf", [np.arange(3), np.arange(3) * 2], kind="independent"),
-        ArrayEntry("m/e", [np.ones((3, 4)), np.zeros((2, 4))], kind="sharded", shape=(5, 4),
-                   attrs={"shard_axis": 0, "shard_offsets": [0, 3], "devices": devices}),
-        ArrayEntry("m/col", [np.ones((2, 1), np.int32), np.zeros((2, 3), np.int32)], kind="sharded",
-                   shape=(2, 4), attrs={"shard_axis": 1, "shard_offsets": np.array([0, 1])}),
-        ArrayEntry("m/one", [np.ones((4,), np.float16)], kind="sharded", shape=(4,),
-                   attrs={"shard_axis": 0, "shard_offsets": [0]}),
+        ArrayEntry(
+            "m/e",
+            [np.ones((3, 4)), np.zeros((2, 4))],
+            kind="sharded",
+            shape=(5, 4),
+            attrs={"shard_axis": 0, "shard_offsets": [0, 3], "devices": devices},
+        ),
+        ArrayEntry(
+            "m/col",
+            [np.ones((2, 1), np.int32), np.zeros((2, 3), np.int32)],
+            kind="sharded",
+            shape=(2, 4),
+            attrs={"shard_axis": 1, "shard_offsets": np.array([0, 1])},
+        ),
+        ArrayEntry(
+            "m/one",
+            [np.ones((4,), np.float16)],
+            kind="sharded",
+            shape=(4,),
+            attrs={"shard_axis": 0, "shard_offsets": [0]},
+        ),
         ArrayEntry("m/lonely", [np.float64(3)], kind="mirrored"),
         ArrayEntry("step", [np.int64(7)], attrs={"trainable": False}),
     ]
-    prefix = write_checkpoint(tmp_path / "ckpt-1", DictView(entries, metadata={"step": 7, "tf_x": 1}), format="tf")
+    prefix = write_checkpoint(
+        tmp_path / "ckpt-1", DictView(entries, metadata={"step": 7, "tf_x": 1}), format="tf"
+    )
     assert METADATA_KEY.encode() in keys_of(prefix)
     with open_checkpoint(tmp_path) as view:
         assert list(view) == [e.path for e in entries]
@@ -58,8 +83,14 @@ def test_kinds_and_attrs_tf_cannot_express_survive_a_round_trip(tmp_path: Path) 
         for e in entries:
             back = view[e.path]
             assert (back.kind, back.num_components, back.shape, back.dtype) == (
-                e.kind, e.num_components, e.shape, e.dtype), e.path
-            want_attrs = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in e.attrs.items()}
+                e.kind,
+                e.num_components,
+                e.shape,
+                e.dtype,
+            ), e.path
+            want_attrs = {
+                k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in e.attrs.items()
+            }
             assert dict(back.attrs) == want_attrs, e.path
             for i in range(e.num_components):
                 np.testing.assert_array_equal(back.component(i), e.component(i))
@@ -68,12 +99,20 @@ def test_kinds_and_attrs_tf_cannot_express_survive_a_round_trip(tmp_path: Path) 
 
 
 def test_plain_entries_write_no_metadata_key(tmp_path: Path) -> None:
-    prefix = write(tmp_path, [
-        ArrayEntry("a/b", [np.arange(4.0)]),
-        ArrayEntry("a/c", [np.arange(2), np.arange(2)]),  # mirrored: what a reader infers
-        ArrayEntry("e", [np.ones((2, 2)), np.ones((1, 2))], kind="sharded", shape=(3, 2),
-                   attrs={"shard_axis": 0, "shard_offsets": [0, 2], "name": "e"}),
-    ])
+    prefix = write(
+        tmp_path,
+        [
+            ArrayEntry("a/b", [np.arange(4.0)]),
+            ArrayEntry("a/c", [np.arange(2), np.arange(2)]),  # mirrored: what a reader infers
+            ArrayEntry(
+                "e",
+                [np.ones((2, 2)), np.ones((1, 2))],
+                kind="sharded",
+                shape=(3, 2),
+                attrs={"shard_axis": 0, "shard_offsets": [0, 2], "name": "e"},
+            ),
+        ],
+    )
     assert set(keys_of(prefix)) == {
         GRAPH,
         b"a/b/.ATTRIBUTES/VARIABLE_VALUE",
@@ -90,10 +129,16 @@ def test_graph_is_consistent_with_the_keys(tmp_path: Path) -> None:
         ArrayEntry("model/dense/kernel", [np.ones((2, 2), np.float32)], attrs={"name": "kernel"}),
         ArrayEntry("model/dense/bias", [np.ones(2, np.float32)] * 3),
         ArrayEntry("optimizer/iter", [np.int64(3)]),
-        ArrayEntry("optimizer/slots/model/dense/kernel/m", [np.zeros((2, 2), np.float32)],
-                   attrs={"slot_of": "model/dense/kernel", "slot_name": "m"}),
-        ArrayEntry("optimizer/slots/model/dense/kernel/v", [np.zeros((2, 2), np.float32)],
-                   attrs={"slot_of": "model/dense/kernel", "slot_name": "v"}),
+        ArrayEntry(
+            "optimizer/slots/model/dense/kernel/m",
+            [np.zeros((2, 2), np.float32)],
+            attrs={"slot_of": "model/dense/kernel", "slot_name": "m"},
+        ),
+        ArrayEntry(
+            "optimizer/slots/model/dense/kernel/v",
+            [np.zeros((2, 2), np.float32)],
+            attrs={"slot_of": "model/dense/kernel", "slot_name": "v"},
+        ),
         ArrayEntry("a.b/c/d", [np.int8(1)]),
     ]
     prefix = write(tmp_path, entries)
@@ -134,7 +179,10 @@ def test_graph_is_consistent_with_the_keys(tmp_path: Path) -> None:
 
 
 def test_slot_of_a_variable_that_is_not_saved_keeps_an_empty_node(tmp_path: Path) -> None:
-    prefix = write(tmp_path, [ArrayEntry("opt/slots/w/m", [np.zeros(2)], attrs={"slot_of": "w", "slot_name": "m"})])
+    prefix = write(
+        tmp_path,
+        [ArrayEntry("opt/slots/w/m", [np.zeros(2)], attrs={"slot_of": "w", "slot_name": "m"})],
+    )
     nodes = graph_of(prefix)
     names = {c.local_name: c.node_id for c in nodes[0].children}
     assert set(names) == {"w", "opt"}
@@ -144,10 +192,13 @@ def test_slot_of_a_variable_that_is_not_saved_keeps_an_empty_node(tmp_path: Path
 
 def test_other_attributes_keep_their_key(tmp_path: Path) -> None:
     config = np.array(b'{"units": 3}', dtype=object)
-    prefix = write(tmp_path, [
-        ArrayEntry("layer/.ATTRIBUTES/OBJECT_CONFIG_JSON", [config]),
-        ArrayEntry("layer/kernel", [np.ones(3)]),
-    ])
+    prefix = write(
+        tmp_path,
+        [
+            ArrayEntry("layer/.ATTRIBUTES/OBJECT_CONFIG_JSON", [config]),
+            ArrayEntry("layer/kernel", [np.ones(3)]),
+        ],
+    )
     assert b"layer/.ATTRIBUTES/OBJECT_CONFIG_JSON" in keys_of(prefix)
     with open_checkpoint(prefix) as view:
         assert view["layer/.ATTRIBUTES/OBJECT_CONFIG_JSON"].component(0)[()] == b'{"units": 3}'
@@ -173,11 +224,20 @@ def test_irregular_component_keys_become_separate_entries(tmp_path: Path) -> Non
 
 
 def test_name_based_checkpoints(tmp_path: Path) -> None:
-    prefix = write(tmp_path, [
-        ArrayEntry("dense/kernel", [np.ones((2, 3), np.float32)]),
-        ArrayEntry("emb", [np.ones((2, 2)), np.ones((2, 2))], kind="sharded", shape=(4, 2),
-                   attrs={"shard_axis": 0, "shard_offsets": [0, 2]}),
-    ], naming="name")
+    prefix = write(
+        tmp_path,
+        [
+            ArrayEntry("dense/kernel", [np.ones((2, 3), np.float32)]),
+            ArrayEntry(
+                "emb",
+                [np.ones((2, 2)), np.ones((2, 2))],
+                kind="sharded",
+                shape=(4, 2),
+                attrs={"shard_axis": 0, "shard_offsets": [0, 2]},
+            ),
+        ],
+        naming="name",
+    )
     assert set(keys_of(prefix)) == {b"dense/kernel", b"emb"}
     with open_checkpoint(prefix) as view:
         assert view.metadata["tf_naming"] == "name"
@@ -217,11 +277,14 @@ def test_every_numeric_dtype_round_trips_bit_exactly(dtype, tmp_path: Path) -> N
 
 
 def test_strings_bytes_and_unicode_arrays_become_dt_string(tmp_path: Path) -> None:
-    prefix = write(tmp_path, [
-        ArrayEntry("o", [np.array([b"a", b"", b"\x00z"], dtype=object)]),
-        ArrayEntry("s", [np.array([b"xy", b"z"])]),
-        ArrayEntry("u", [np.array([["é", "b"]])]),
-    ])
+    prefix = write(
+        tmp_path,
+        [
+            ArrayEntry("o", [np.array([b"a", b"", b"\x00z"], dtype=object)]),
+            ArrayEntry("s", [np.array([b"xy", b"z"])]),
+            ArrayEntry("u", [np.array([["é", "b"]])]),
+        ],
+    )
     assert set(keys_of(prefix).values()) == {7}
     with open_checkpoint(prefix) as view:
         assert view["o"].component(0).tolist() == [b"a", b"", b"\x00z"]
@@ -230,7 +293,9 @@ def test_strings_bytes_and_unicode_arrays_become_dt_string(tmp_path: Path) -> No
 
 
 def test_quantized_types_keep_their_tensorflow_type(tmp_path: Path) -> None:
-    prefix = write(tmp_path, [ArrayEntry("q", [np.arange(4, dtype=np.int8)], attrs={"tf_dtype": "DT_QINT8"})])
+    prefix = write(
+        tmp_path, [ArrayEntry("q", [np.arange(4, dtype=np.int8)], attrs={"tf_dtype": "DT_QINT8"})]
+    )
     assert keys_of(prefix)[b"q/.ATTRIBUTES/VARIABLE_VALUE"] == 11
     with open_checkpoint(prefix) as view:
         assert view["q"].attrs == {"tf_dtype": "DT_QINT8"}
@@ -280,11 +345,27 @@ def test_unusual_shapes(shape: tuple[int, ...], tmp_path: Path) -> None:
     [
         (ArrayEntry("a//b", [np.ones(1)]), "non-empty names"),
         (ArrayEntry("/a", [np.ones(1)]), "non-empty names"),
-        (ArrayEntry("e", [np.ones((2, 2)), np.ones((2, 2))], kind="sharded", shape=(4, 2),
-                    attrs={"shard_axis": 0, "shard_offsets": [1, 2]}), "shard offsets"),
+        (
+            ArrayEntry(
+                "e",
+                [np.ones((2, 2)), np.ones((2, 2))],
+                kind="sharded",
+                shape=(4, 2),
+                attrs={"shard_axis": 0, "shard_offsets": [1, 2]},
+            ),
+            "shard offsets",
+        ),
         (ArrayEntry("e", [np.ones((2, 2))], kind="sharded", shape=(2, 2), attrs={}), "shard_axis"),
-        (ArrayEntry("e", [np.ones((2, 2)), np.ones((3, 2))], kind="sharded", shape=(4, 2),
-                    attrs={"shard_axis": 0, "shard_offsets": [0, 2]}), "another shape"),
+        (
+            ArrayEntry(
+                "e",
+                [np.ones((2, 2)), np.ones((3, 2))],
+                kind="sharded",
+                shape=(4, 2),
+                attrs={"shard_axis": 0, "shard_offsets": [0, 2]},
+            ),
+            "another shape",
+        ),
     ],
 )
 def test_entries_a_writer_cannot_store(entry: ArrayEntry, match: str, tmp_path: Path) -> None:

@@ -98,7 +98,9 @@ def test_thread_count_setting(monkeypatch) -> None:
     monkeypatch.setenv("PARALLELVARS_THREADS", "1")
     assert _threads.thread_count() == 1
     monkeypatch.setenv("PARALLELVARS_THREADS", "two")
-    with pytest.raises(ValueError, match="PARALLELVARS_THREADS must be a whole number, found 'two'"):
+    with pytest.raises(
+        ValueError, match="PARALLELVARS_THREADS must be a whole number, found 'two'"
+    ):
         _threads.thread_count()
     monkeypatch.delenv("PARALLELVARS_THREADS")
     assert 1 <= _threads.thread_count() <= 4

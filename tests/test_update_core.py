@@ -27,7 +27,10 @@ def test_runs_cover_only_neighbours() -> None:
     _, pls = _arena_with([5, 7, 16, 3])
     # variables 0, 1 and 3 are updated; 2 sits between 1 and 3 and must split the run.
     runs = update_core.plan_runs([(0, pls[0]), (1, pls[1]), (3, pls[3])], lambda a: [a.shadow("s")])
-    assert [(r.lo, r.hi) for r in runs] == [(pls[0].offset, pls[1].offset + 7), (pls[3].offset, pls[3].offset + 3)]
+    assert [(r.lo, r.hi) for r in runs] == [
+        (pls[0].offset, pls[1].offset + 7),
+        (pls[3].offset, pls[3].offset + 3),
+    ]
     assert [m[0] for m in runs[0].members] == [0, 1]
     with pytest.raises(ValueError, match="twice"):
         update_core.plan_runs([(0, pls[0]), (1, pls[0])], lambda a: [])
@@ -88,12 +91,14 @@ def test_replicas_lines_packed_or_direct_give_the_add_n_bits(replicate: bool) ->
 
     rng = np.random.default_rng(7)
     sizes = [3, 5000, 1, 70000, 64]
-    grads = [[(rng.normal(size=s) * 10.0 ** r).astype(np.float32) for s in sizes] for r in range(4)]
+    grads = [[(rng.normal(size=s) * 10.0**r).astype(np.float32) for s in sizes] for r in range(4)]
     outs = []
     for how in ("summed", "packed", "direct"):
         arena, pls = _arena_with(sizes, 2)
         arena.buffer[:] = 1.0
-        runs = update_core.plan_runs([(i, pl, replicate) for i, pl in enumerate(pls)], lambda a: [a.shadow("s")])
+        runs = update_core.plan_runs(
+            [(i, pl, replicate) for i, pl in enumerate(pls)], lambda a: [a.shadow("s")]
+        )
         layout = update_core.layout_lines(runs)
         assert sorted(layout.views) == list(range(len(sizes)))
         scratch = update_core.Scratch(np.float32)

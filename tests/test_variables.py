@@ -153,7 +153,14 @@ def test_ufunc_out_and_mutating_functions(strategy) -> None:
 def test_repr_names_kind_shape_dtype_devices(strategy) -> None:
     v = mirrored(strategy, np.zeros((3, 2), np.float32), name="w")
     text = repr(v)
-    for part in ("ParallelVariable", "'w'", "kind=mirrored", "shape=(3, 2)", "dtype=float32", "cpu:3"):
+    for part in (
+        "ParallelVariable",
+        "'w'",
+        "kind=mirrored",
+        "shape=(3, 2)",
+        "dtype=float32",
+        "cpu:3",
+    ):
         assert part in text
 
 
@@ -253,10 +260,14 @@ def test_scalar_components_are_views(strategy) -> None:
     assert_all_components(s, 2)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float16", "int8", "bool", "complex64"])
+@pytest.mark.parametrize(
+    "dtype", ["bfloat16", "float8_e4m3fn", "float16", "int8", "bool", "complex64"]
+)
 def test_dtypes(strategy, dtype) -> None:
     v = mirrored(strategy, np.ones(3), dtype=dtype)
-    assert v.dtype == (np.dtype(getattr(ml_dtypes, dtype)) if hasattr(ml_dtypes, dtype) else np.dtype(dtype))
+    assert v.dtype == (
+        np.dtype(getattr(ml_dtypes, dtype)) if hasattr(ml_dtypes, dtype) else np.dtype(dtype)
+    )
 
 
 def test_creator_scopes_nest() -> None:
@@ -277,7 +288,10 @@ def test_nested_strategy_scopes() -> None:
     with s1.scope():
         with s1.scope():  # re-entering is a no-op
             assert pv.get_strategy() is s1
-        with pytest.raises(pv.errors.ContextError, match=r"MirroredStrategy.*MirroredStrategy"), s2.scope():
+        with (
+            pytest.raises(pv.errors.ContextError, match=r"MirroredStrategy.*MirroredStrategy"),
+            s2.scope(),
+        ):
             pass
     assert not pv.has_strategy()
 
@@ -314,7 +328,13 @@ def test_extension_dtypes_convert_with_their_dtype(name: str) -> None:
 
 def test_bfloat16_arithmetic_keeps_dtype() -> None:
     v = pv.Variable(np.array([1.0, 2.0], ml_dtypes.bfloat16))
-    for result in (v + 1, np.add(v, 1), np.multiply(v, v), np.stack([v, v]), np.concatenate([v, v])):
+    for result in (
+        v + 1,
+        np.add(v, 1),
+        np.multiply(v, v),
+        np.stack([v, v]),
+        np.concatenate([v, v]),
+    ):
         assert result.dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(np.add(v, 1).astype(np.float32), [2.0, 3.0])
 

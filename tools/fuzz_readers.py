@@ -57,8 +57,10 @@ def build_sample(string_variable: bool = False) -> Any:
         w = pv.Variable(np.linspace(-1, 1, 24, dtype=np.float32).reshape(6, 4), name="w")
         b = pv.Variable(np.arange(4, dtype=np.float64) / 3, name="b")
         n = pv.Variable(
-            np.float32(5.0), name="n",
-            synchronization=pv.Synchronization.ON_READ, aggregation=pv.Aggregation.SUM,
+            np.float32(5.0),
+            name="n",
+            synchronization=pv.Synchronization.ON_READ,
+            aggregation=pv.Aggregation.SUM,
         )
         e = pv.Variable(np.arange(40, dtype=np.int32).reshape(10, 4), name="e", shard_axis=0)
     model = pv.Module()
@@ -87,7 +89,12 @@ def available_formats() -> list[str]:
 
 
 _SUFFIX = {
-    "hdf5": ".h5", "safetensors": ".safetensors", "npz": ".npz", "keras": ".weights.h5", "keras-legacy": ".h5", "tf": "",
+    "hdf5": ".h5",
+    "safetensors": ".safetensors",
+    "npz": ".npz",
+    "keras": ".weights.h5",
+    "keras-legacy": ".h5",
+    "tf": "",
 }
 
 
@@ -110,7 +117,9 @@ def checkpoint_files(path: str) -> list[str]:
     if os.path.isfile(path):
         return [path]
     directory, prefix = os.path.split(path)
-    files = sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.startswith(prefix + "."))
+    files = sorted(
+        os.path.join(directory, f) for f in os.listdir(directory) if f.startswith(prefix + ".")
+    )
     if not files:
         raise FileNotFoundError(path)
     return files
@@ -168,10 +177,48 @@ def craft_npz_lying_directory(directory: str, claimed: int = 64 << 30) -> str:
     name = b"w.npy"
     crc = zlib.crc32(bytes(npy))
     extra = struct.pack("<HHQQ", 1, 16, claimed, len(body))
-    local = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45, 0, 8, 0, 0x21, crc, 0xFFFFFFFF, 0xFFFFFFFF,
-                        len(name), len(extra)) + name + extra
-    central = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45, 0, 8, 0, 0x21, crc, 0xFFFFFFFF,
-                          0xFFFFFFFF, len(name), len(extra), 0, 0, 0, 0, 0) + name + extra
+    local = (
+        struct.pack(
+            "<IHHHHHIIIHH",
+            0x04034B50,
+            45,
+            0,
+            8,
+            0,
+            0x21,
+            crc,
+            0xFFFFFFFF,
+            0xFFFFFFFF,
+            len(name),
+            len(extra),
+        )
+        + name
+        + extra
+    )
+    central = (
+        struct.pack(
+            "<IHHHHHHIIIHHHHHII",
+            0x02014B50,
+            45,
+            45,
+            0,
+            8,
+            0,
+            0x21,
+            crc,
+            0xFFFFFFFF,
+            0xFFFFFFFF,
+            len(name),
+            len(extra),
+            0,
+            0,
+            0,
+            0,
+            0,
+        )
+        + name
+        + extra
+    )
     start = len(local) + len(body)
     end = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 1, 1, len(central), start, 0)
     return _write(os.path.join(directory, "lying.npz"), local + body + central + end)
@@ -184,8 +231,13 @@ def craft_npz_zip_bomb(directory: str, size: int = 256 << 20) -> str:
     import numpy as np
 
     path = os.path.join(directory, "bomb.npz")
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf, zf.open("w.npy", "w", force_zip64=True) as f:
-        np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": (size // 4,)})
+    with (
+        zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf,
+        zf.open("w.npy", "w", force_zip64=True) as f,
+    ):
+        np.lib.format.write_array_header_1_0(
+            f, {"descr": "<f4", "fortran_order": False, "shape": (size // 4,)}
+        )
         chunk = bytes(1 << 20)
         for _ in range(size // len(chunk)):
             f.write(chunk)
@@ -224,28 +276,43 @@ def craft_safetensors_deep_metadata(directory: str) -> str:
 
 
 def craft_safetensors_index_deep_json(directory: str) -> str:
-    return _write(os.path.join(directory, "model.safetensors.index.json"),
-                  b'{"weight_map": {}, "metadata": ' + _deep_json() + b"}")
+    return _write(
+        os.path.join(directory, "model.safetensors.index.json"),
+        b'{"weight_map": {}, "metadata": ' + _deep_json() + b"}",
+    )
 
 
 def craft_safetensors_lying_offsets(directory: str) -> str:
     """A tensor whose data_offsets run 1 TiB past the end of the file."""
-    header = json.dumps({"w": {"dtype": "F32", "shape": [1 << 38], "data_offsets": [0, 1 << 40]}}).encode()
-    return _write(os.path.join(directory, "lying.safetensors"), _safetensors_bytes(header, bytes(16)))
+    header = json.dumps(
+        {"w": {"dtype": "F32", "shape": [1 << 38], "data_offsets": [0, 1 << 40]}}
+    ).encode()
+    return _write(
+        os.path.join(directory, "lying.safetensors"), _safetensors_bytes(header, bytes(16))
+    )
 
 
 def craft_safetensors_overlap(directory: str) -> str:
     """Two tensors sharing the same bytes."""
-    header = json.dumps({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-                         "b": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
-    return _write(os.path.join(directory, "overlap.safetensors"), _safetensors_bytes(header, bytes(16)))
+    header = json.dumps(
+        {
+            "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+            "b": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+        }
+    ).encode()
+    return _write(
+        os.path.join(directory, "overlap.safetensors"), _safetensors_bytes(header, bytes(16))
+    )
 
 
 def craft_safetensors_header_past_end(directory: str) -> str:
     """A header length of 90 MB in a 64-byte file."""
     import struct
 
-    return _write(os.path.join(directory, "short.safetensors"), struct.pack("<Q", 90_000_000) + b"{" + bytes(55))
+    return _write(
+        os.path.join(directory, "short.safetensors"),
+        struct.pack("<Q", 90_000_000) + b"{" + bytes(55),
+    )
 
 
 def craft_safetensors_large_header(directory: str, tensors: int = 200_000) -> str:
@@ -253,12 +320,16 @@ def craft_safetensors_large_header(directory: str, tensors: int = 200_000) -> st
     1,000,000 gives the ~90 MB of the slow test)."""
     parts = [b"{"]
     for i in range(tensors):
-        parts.append(b'"model.layers.%d.weight":{"dtype":"F32","shape":[1],"data_offsets":[%d,%d]},'
-                     % (i, 4 * i, 4 * i + 4))
+        parts.append(
+            b'"model.layers.%d.weight":{"dtype":"F32","shape":[1],"data_offsets":[%d,%d]},'
+            % (i, 4 * i, 4 * i + 4)
+        )
     parts[-1] = parts[-1][:-1]
     parts.append(b"}")
-    return _write(os.path.join(directory, "large-header.safetensors"),
-                  _safetensors_bytes(b"".join(parts), bytes(4 * tensors)))
+    return _write(
+        os.path.join(directory, "large-header.safetensors"),
+        _safetensors_bytes(b"".join(parts), bytes(4 * tensors)),
+    )
 
 
 def craft_tf_many_slices(directory: str, slices: int = 8000) -> str:
@@ -302,7 +373,11 @@ def craft_tf_state_outside(directory: str, how: str = "dotdot") -> str:
         w.add(b"w/.ATTRIBUTES/VARIABLE_VALUE", np.ones(2))
     here = os.path.join(directory, f"state-{how}")
     os.makedirs(here, exist_ok=True)
-    target = "../elsewhere/ckpt-1" if how == "dotdot" else os.path.abspath(os.path.join(elsewhere, "ckpt-1"))
+    target = (
+        "../elsewhere/ckpt-1"
+        if how == "dotdot"
+        else os.path.abspath(os.path.join(elsewhere, "ckpt-1"))
+    )
     with open(os.path.join(here, "checkpoint"), "w") as f:
         f.write(f'model_checkpoint_path: "{target}"\n')
     return here
@@ -335,7 +410,9 @@ def craft_hdf5_bad_graph(directory: str) -> str:
 
     path = os.path.join(directory, "badgraph.h5")
     os.replace(write_sample("hdf5", directory), path)
-    raw = json.dumps({"nodes": [{"children": [["model", "x"]]}, {"children": 5, "path": 7}]}).encode()
+    raw = json.dumps(
+        {"nodes": [{"children": [["model", "x"]]}, {"children": 5, "path": 7}]}
+    ).encode()
     with h5py.File(path, "r+") as f:
         del f[GRAPH_DATASET]
         ds = f.create_dataset(GRAPH_DATASET, data=np.bytes_(raw))
@@ -413,7 +490,11 @@ def sweep(path: str, scratch: str) -> list[str]:
         ckpt.restore(path)
 
     guarded("Checkpoint.restore", restore)
-    for argv in (["inspect", path], ["verify", path], ["convert", path, os.path.join(scratch, "cli.npz")]):
+    for argv in (
+        ["inspect", path],
+        ["verify", path],
+        ["convert", path, os.path.join(scratch, "cli.npz")],
+    ):
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main(["-q", *argv])
@@ -463,8 +544,11 @@ def read_digest(path: str, fmt: str) -> str:
         for key in list(view):
             entry = view[key]
             head = {
-                "path": key, "kind": entry.kind, "dtype": str(np.dtype(entry.dtype)),
-                "shape": [int(s) for s in entry.shape], "n": int(entry.num_components),
+                "path": key,
+                "kind": entry.kind,
+                "dtype": str(np.dtype(entry.dtype)),
+                "shape": [int(s) for s in entry.shape],
+                "n": int(entry.num_components),
                 "attrs": _canon(dict(entry.attrs)),
             }
             h.update(json.dumps(head, sort_keys=True, default=str).encode())
@@ -483,7 +567,9 @@ def read_digest(path: str, fmt: str) -> str:
             if problems:  # damage verify reports is detected damage
                 from parallelvars.errors import CorruptCheckpointError
 
-                raise CorruptCheckpointError("verify found problems", file=path, found="; ".join(problems))
+                raise CorruptCheckpointError(
+                    "verify found problems", file=path, found="; ".join(problems)
+                )
     finally:
         view.close()
     return h.hexdigest()
@@ -540,12 +626,17 @@ class ReaderWorker:
             env = dict(os.environ, PYTHONFAULTHANDLER="1")
             self._proc = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--worker"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                text=True, env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                env=env,
             )
         return self._proc
 
-    def check(self, path: str, clean: str, fmt: str, *, selftest: str | None = None) -> dict[str, Any]:
+    def check(
+        self, path: str, clean: str, fmt: str, *, selftest: str | None = None
+    ) -> dict[str, Any]:
         """Read ``path`` in the worker and classify the result (see the module docstring)."""
         proc = self._start()
         assert proc.stdin is not None and proc.stdout is not None
@@ -558,14 +649,22 @@ class ReaderWorker:
         ready, _, _ = select.select([proc.stdout], [], [], self.timeout)
         if not ready:
             self.close()
-            return {"outcome": "hang", "detail": f"no answer within {self.timeout:.0f} s", "peak": 0}
+            return {
+                "outcome": "hang",
+                "detail": f"no answer within {self.timeout:.0f} s",
+                "peak": 0,
+            }
         line = proc.stdout.readline()
         if not line:
             return self._died(proc)
         res: dict[str, Any] = json.loads(line)
         size = max(sum(sample_sizes(path)), sum(sample_sizes(clean)))
         if res["outcome"] in OK_OUTCOMES and res["peak"] > 2 * size + ALLOC_SLACK:
-            res = {**res, "outcome": "alloc", "detail": f"peak {res['peak']} bytes for a {size}-byte file"}
+            res = {
+                **res,
+                "outcome": "alloc",
+                "detail": f"peak {res['peak']} bytes for a {size}-byte file",
+            }
         return res
 
     def _died(self, proc: subprocess.Popen[str]) -> dict[str, Any]:
@@ -657,7 +756,9 @@ def run_campaign(
     """
     clean = write_sample(fmt, directory, string_variable=string_variable)
     base = os.path.basename(clean)
-    suffix = _SUFFIX.get(fmt, "") if base.endswith(_SUFFIX.get(fmt, "")) else os.path.splitext(base)[1]
+    suffix = (
+        _SUFFIX.get(fmt, "") if base.endswith(_SUFFIX.get(fmt, "")) else os.path.splitext(base)[1]
+    )
     damaged = os.path.join(directory, "damaged" + suffix)
     files = copy_checkpoint(clean, damaged)
     originals = []
@@ -692,13 +793,22 @@ def run_campaign(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--format", action="append", help="format(s) to fuzz (default: all available)")
+    parser.add_argument(
+        "--format", action="append", help="format(s) to fuzz (default: all available)"
+    )
     parser.add_argument("--cases", type=int, default=5000, help="damaged files per format")
-    parser.add_argument("--seconds", type=float, default=None, help="stop each format after this long")
+    parser.add_argument(
+        "--seconds", type=float, default=None, help="stop each format after this long"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--strings", action="store_true", help="add a byte-string variable to the sample")
-    parser.add_argument("--crafted", action="store_true",
-                        help="sweep the crafted hostile files (CRAFTED) through every entry point instead")
+    parser.add_argument(
+        "--strings", action="store_true", help="add a byte-string variable to the sample"
+    )
+    parser.add_argument(
+        "--crafted",
+        action="store_true",
+        help="sweep the crafted hostile files (CRAFTED) through every entry point instead",
+    )
     args = parser.parse_args(argv)
     if args.worker:
         _worker_main()
@@ -727,12 +837,18 @@ def main(argv: list[str] | None = None) -> int:
                 deadline = None if args.seconds is None else time.monotonic() + args.seconds
                 t0 = time.monotonic()
                 counts, failures = run_campaign(
-                    fmt, d, random_mutations(sample_sizes(clean), args.cases, args.seed), worker=worker,
-                    string_variable=args.strings, deadline=deadline,
+                    fmt,
+                    d,
+                    random_mutations(sample_sizes(clean), args.cases, args.seed),
+                    worker=worker,
+                    string_variable=args.strings,
+                    deadline=deadline,
                 )
             n = sum(counts.values())
-            print(f"{fmt}: {n} damaged files ({size} bytes each) in {time.monotonic() - t0:.1f} s: "
-                  + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+            print(
+                f"{fmt}: {n} damaged files ({size} bytes each) in {time.monotonic() - t0:.1f} s: "
+                + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+            )
             for what, detail in failures[:20]:
                 print(f"  FAIL {what}: {detail}")
             total_bad += len(failures)

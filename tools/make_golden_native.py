@@ -38,8 +38,12 @@ def build_single() -> tuple[Any, Any]:
         m.kernel = pv.Variable(np.zeros((3, 2), np.float32), name="kernel")
         m.bias = pv.Variable(np.zeros(2, np.float32), name="bias")
         m.embedding = pv.Variable(np.zeros((7, 2), np.float32), name="embedding", shard_axis=0)
-        m.count = pv.Variable(np.int64(0), name="count", synchronization="on_read", aggregation="sum")
-        m.mean = pv.Variable(np.float64(0), name="mean", synchronization="on_read", aggregation="mean")
+        m.count = pv.Variable(
+            np.int64(0), name="count", synchronization="on_read", aggregation="sum"
+        )
+        m.mean = pv.Variable(
+            np.float64(0), name="mean", synchronization="on_read", aggregation="mean"
+        )
         m.first = pv.Variable(
             np.float32(0), name="first", synchronization="on_read", aggregation="only_first_replica"
         )
@@ -76,7 +80,9 @@ def build_mpi(strategy: Any) -> tuple[Any, Any]:
         m: Any = pv.Module()
         m.w = pv.Variable(np.zeros((2, 3), np.float32), name="w")
         m.seen = pv.Variable(np.int64(0), name="seen", synchronization="on_read", aggregation="sum")
-        m.avg = pv.Variable(np.float32(0), name="avg", synchronization="on_read", aggregation="mean")
+        m.avg = pv.Variable(
+            np.float32(0), name="avg", synchronization="on_read", aggregation="mean"
+        )
         opt = pv.optimizers.Adam(0.1)
     return m, opt
 
@@ -92,7 +98,9 @@ def expected(ckpt: pv.Checkpoint) -> dict[str, np.ndarray]:
 
 def _save_npz(path: str, values: dict[str, np.ndarray]) -> None:
     # bfloat16 is not an npz dtype: store its bits.
-    bits: dict[str, Any] = {k: (v.view(np.uint16) if v.dtype == ml_dtypes.bfloat16 else v) for k, v in values.items()}
+    bits: dict[str, Any] = {
+        k: (v.view(np.uint16) if v.dtype == ml_dtypes.bfloat16 else v) for k, v in values.items()
+    }
     np.savez(path, **bits)
 
 
@@ -144,8 +152,17 @@ def main() -> None:
     shutil.rmtree(os.path.join(out_dir, "mpi.h5.parts"), ignore_errors=True)
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     subprocess.run(
-        [mpiexec, "-n", str(MPI_RANKS), sys.executable, os.path.abspath(__file__), "--mpi-rank", out_dir],
-        check=True, timeout=120,
+        [
+            mpiexec,
+            "-n",
+            str(MPI_RANKS),
+            sys.executable,
+            os.path.abspath(__file__),
+            "--mpi-rank",
+            out_dir,
+        ],
+        check=True,
+        timeout=120,
     )
     merge_mpi_expected(out_dir)
 

@@ -94,7 +94,9 @@ def _shape_problem(shape: Sequence[int], itemsize: int) -> str | None:
 
 def slice_shape(spec: SliceSpec, full_shape: Sequence[int]) -> tuple[int, ...]:
     """The shape of the slice ``spec`` of a tensor of ``full_shape``."""
-    return tuple(d if length is None else length for (_, length), d in zip(spec, full_shape, strict=True))
+    return tuple(
+        d if length is None else length for (_, length), d in zip(spec, full_shape, strict=True)
+    )
 
 
 def slice_region(spec: SliceSpec, full_shape: Sequence[int]) -> tuple[slice, ...]:
@@ -201,7 +203,9 @@ class BundleReader:
         try:
             self.header = decode_header(first[1])
         except DecodeError as exc:
-            raise CorruptCheckpointError(f"bad bundle header: {exc}", file=self.index_path) from None
+            raise CorruptCheckpointError(
+                f"bad bundle header: {exc}", file=self.index_path
+            ) from None
         self._check_header()
         self.big_endian = self.header.endianness == _BIG
         self._swap = self.big_endian != (sys.byteorder == "big")
@@ -223,11 +227,17 @@ class BundleReader:
         h = self.header
         if h.num_shards < 1:
             raise CorruptCheckpointError(
-                "bad shard count in the bundle header", file=self.index_path, expected=">= 1", found=h.num_shards
+                "bad shard count in the bundle header",
+                file=self.index_path,
+                expected=">= 1",
+                found=h.num_shards,
             )
         if h.endianness not in (0, 1):
             raise CorruptCheckpointError(
-                "bad byte order in the bundle header", file=self.index_path, expected="0 or 1", found=h.endianness
+                "bad byte order in the bundle header",
+                file=self.index_path,
+                expected="0 or 1",
+                found=h.endianness,
             )
         if h.min_consumer > _PRODUCER or _PRODUCER in h.bad_consumers:
             raise FormatVersionError(
@@ -260,7 +270,10 @@ class BundleReader:
             for (start, length), d in zip(spec, e.shape, strict=True):
                 if start + (d if length is None else length) > d:
                     raise self._corrupt(
-                        key, "slice extent outside the tensor", expected=f"within {e.shape}", found=spec
+                        key,
+                        "slice extent outside the tensor",
+                        expected=f"within {e.shape}",
+                        found=spec,
                     )
             skey = encode_slice_key(key, spec)
             s = self.entries.get(skey)
@@ -278,17 +291,23 @@ class BundleReader:
             total += _nelements(want)
         if total != _nelements(e.shape):
             raise self._corrupt(
-                key, "the slices do not cover the tensor", expected=_nelements(e.shape), found=f"{total} elements"
+                key,
+                "the slices do not cover the tensor",
+                expected=_nelements(e.shape),
+                found=f"{total} elements",
             )
         specs = e.slices
         try:
             pair = find_overlap(specs, e.shape)
         except ValueError as exc:
-            raise self._corrupt(key, f"the slicing is too irregular to check ({exc})",
-                                found=f"{len(specs)} slices") from None
+            raise self._corrupt(
+                key, f"the slicing is too irregular to check ({exc})", found=f"{len(specs)} slices"
+            ) from None
         if pair is not None:
             j, i = pair
-            raise self._corrupt(key, f"slices {_spec_text(specs[j])} and {_spec_text(specs[i])} overlap")
+            raise self._corrupt(
+                key, f"slices {_spec_text(specs[j])} and {_spec_text(specs[i])} overlap"
+            )
 
     def _validate_stored(self, key: bytes, e: BundleEntry) -> None:
         dt = numpy_dtype(e.dtype)
@@ -302,7 +321,10 @@ class BundleReader:
         if e.dtype == DT_STRING:
             if e.size < n + 4:
                 raise self._corrupt(
-                    key, "string tensor entry too small for its element count", expected=f">= {n + 4} bytes", found=e.size
+                    key,
+                    "string tensor entry too small for its element count",
+                    expected=f">= {n + 4} bytes",
+                    found=e.size,
                 )
         elif e.size != n * dt.itemsize:
             raise self._corrupt(
@@ -313,7 +335,10 @@ class BundleReader:
             )
         if e.shard_id >= self.header.num_shards:
             raise self._corrupt(
-                key, "shard id out of range", expected=f"< {self.header.num_shards}", found=e.shard_id
+                key,
+                "shard id out of range",
+                expected=f"< {self.header.num_shards}",
+                found=e.shard_id,
             )
         size = self._shard_size(e.shard_id, key)
         if e.offset + e.size > size:
@@ -368,7 +393,9 @@ class BundleReader:
         e = self.entries[key]
         dt = self.dtype(key)
         if tuple(out.shape) != e.shape:
-            raise InvalidEntryError(f"{_display(key)}: output shape {out.shape} != tensor shape {e.shape}")
+            raise InvalidEntryError(
+                f"{_display(key)}: output shape {out.shape} != tensor shape {e.shape}"
+            )
         if out.dtype == dt and out.flags.c_contiguous and dt.kind != "O":
             self._fill(key, e, out)
         else:
@@ -426,7 +453,9 @@ class BundleReader:
             ) from None
         except DecodeError as exc:
             raise CorruptCheckpointError(
-                f"bad string tensor: {exc}", file=self.shard_path(e.shard_id), variable=_display(key)
+                f"bad string tensor: {exc}",
+                file=self.shard_path(e.shard_id),
+                variable=_display(key),
             ) from None
 
     def _file(self, shard_id: int, key: bytes) -> BinaryIO:
@@ -546,7 +575,8 @@ class BundleWriter:
         assert self._f is not None, "writer already finished"
         if num == DT_STRING:
             data, crc = encode_strings(
-                _string_elements(value, key, self.index_path), "big" if self.big_endian else "little"
+                _string_elements(value, key, self.index_path),
+                "big" if self.big_endian else "little",
             )
             self._f.write(data)
             size = len(data)
@@ -562,7 +592,9 @@ class BundleWriter:
             self._f.write(flat.data)
             crc = crc32c(flat)
             size = flat.size
-        entry = BundleEntry(num, tuple(int(d) for d in value.shape), 0, self._offset, size, mask(crc))
+        entry = BundleEntry(
+            num, tuple(int(d) for d in value.shape), 0, self._offset, size, mask(crc)
+        )
         self._offset += size
         self.entries[key] = entry
         return entry
@@ -584,13 +616,17 @@ class BundleWriter:
         want = slice_shape(spec, full_shape)
         value = np.asarray(value)
         if tuple(value.shape) != want:
-            raise InvalidEntryError(f"{_display(key)}: slice {_spec_text(spec)} has shape {value.shape}, expected {want}")
+            raise InvalidEntryError(
+                f"{_display(key)}: slice {_spec_text(spec)} has shape {value.shape}, expected {want}"
+            )
         slice_entry = self.add(encode_slice_key(key, spec), value, dtype=dtype)
         full = self.entries.get(key)
         if full is None:
             full = BundleEntry(slice_entry.dtype, full_shape)
         elif not full.slices or full.dtype != slice_entry.dtype or full.shape != full_shape:
-            raise InvalidEntryError(f"{_display(key)}: slice does not match the tensor's earlier slices")
+            raise InvalidEntryError(
+                f"{_display(key)}: slice does not match the tensor's earlier slices"
+            )
         self.entries[key] = BundleEntry(full.dtype, full.shape, slices=(*full.slices, spec))
         return slice_entry
 
@@ -602,7 +638,9 @@ class BundleWriter:
         self._f.close()
         self._f = None
         table = TableBuilder()
-        table.add(b"", encode_header(BundleHeader(1, int(self.big_endian), _PRODUCER, _MIN_CONSUMER)))
+        table.add(
+            b"", encode_header(BundleHeader(1, int(self.big_endian), _PRODUCER, _MIN_CONSUMER))
+        )
         for key in sorted(self.entries):
             table.add(key, encode_entry(self.entries[key]))
         with open(self._tmp_index, "wb") as f:

@@ -146,7 +146,11 @@ def decode_graph(data: bytes) -> list[TrackableObject]:
 
     Node references (children, slot variables) are checked to point at existing nodes.
     """
-    nodes = [_decode_node(expect_bytes(num, wire, value)) for num, wire, value in iter_fields(data) if num == 1]
+    nodes = [
+        _decode_node(expect_bytes(num, wire, value))
+        for num, wire, value in iter_fields(data)
+        if num == 1
+    ]
     n = len(nodes)
     for i, node in enumerate(nodes):
         refs = [c.node_id for c in node.children]

@@ -268,7 +268,9 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
         follow_state_outside: bool = False,
     ) -> None:
         if parallel_kind not in ("mirrored", "independent", "on_read"):
-            raise InvalidArgumentError(f"parallel_kind must be 'mirrored', 'independent' or 'on_read', not {parallel_kind!r}")
+            raise InvalidArgumentError(
+                f"parallel_kind must be 'mirrored', 'independent' or 'on_read', not {parallel_kind!r}"
+            )
         self.source = os.fspath(path)
         self.path = resolve_prefix(self.source, follow_state_outside=follow_state_outside)
         self._bundle = BundleReader(self.path, verify=verify)
@@ -300,7 +302,10 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
         e = b.entries[raw]
         if e.dtype != DT_STRING or e.shape != () or e.slices:
             raise self._corrupt(
-                "not a scalar string tensor", variable=key, expected="DT_STRING []", found=f"{DT_NAMES.get(e.dtype, e.dtype)} {list(e.shape)}"
+                "not a scalar string tensor",
+                variable=key,
+                expected="DT_STRING []",
+                found=f"{DT_NAMES.get(e.dtype, e.dtype)} {list(e.shape)}",
             )
         return bytes(b.read(raw)[()])
 
@@ -341,7 +346,9 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
                 attribute_of[key] = key[key.find("/" + ATTRIBUTES + "/") + len(ATTRIBUTES) + 2 :]
             comps = groups.setdefault(path, {})
             if comp in comps:
-                raise self._corrupt(f"keys {comps[comp]!r} and {key!r} name the same variable", variable=path)
+                raise self._corrupt(
+                    f"keys {comps[comp]!r} and {key!r} name the same variable", variable=path
+                )
             comps[comp] = key
 
         # groups that are not one regular variable become one entry per key
@@ -353,13 +360,17 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
             for key in comps.values():
                 alone = f"{path}/{ATTRIBUTES}/{attribute_of[key]}" if key in attribute_of else key
                 if alone in groups or alone in regular:
-                    raise self._corrupt(f"key {key!r} and another key both map to {alone!r}", variable=alone)
+                    raise self._corrupt(
+                        f"key {key!r} and another key both map to {alone!r}", variable=alone
+                    )
                 regular[alone] = {0: key}
 
         key_to_path = {key: path for path, comps in regular.items() for key in comps.values()}
         for path in self._order(regular, key_to_path, keys):
             comps = regular[path]
-            entry = self._make_entry(path, comps, keys, full_names, slots.get(path), meta_vars.get(path))
+            entry = self._make_entry(
+                path, comps, keys, full_names, slots.get(path), meta_vars.get(path)
+            )
             if entry is not None:
                 self._entries[path] = entry
 
@@ -399,13 +410,17 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
         rest = sorted((p for p in groups if p not in order), key=position)
         return [*order, *rest]
 
-    def _read_metadata(self, keys: dict[str, bytes]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    def _read_metadata(
+        self, keys: dict[str, bytes]
+    ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
         if METADATA_KEY not in keys:
             return {}, {}
         raw = self._read_string_scalar(METADATA_KEY)
         doc = load_json(raw, file=self._bundle.index_path, variable=METADATA_KEY, what="metadata")
         if not isinstance(doc, dict) or doc.get("format") != METADATA_FORMAT:
-            raise self._corrupt("unrecognised metadata", variable=METADATA_KEY, expected=METADATA_FORMAT)
+            raise self._corrupt(
+                "unrecognised metadata", variable=METADATA_KEY, expected=METADATA_FORMAT
+            )
         version = doc.get("version")
         if not isinstance(version, int) or version > METADATA_VERSION:
             raise FormatVersionError(
@@ -425,7 +440,9 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
                 or not isinstance(rec.get("attrs", {}), dict)
                 or rec.get("kind", "single") not in KINDS
             ):
-                raise self._corrupt("malformed metadata record", variable=path, found=repr(rec)[:120])
+                raise self._corrupt(
+                    "malformed metadata record", variable=path, found=repr(rec)[:120]
+                )
         return variables, file_meta
 
     def _make_entry(
@@ -539,7 +556,10 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
         wanted = [(o, end - o) for o, end in zip(offsets, ends, strict=True) if end > o]
         by_extent: dict[tuple[int, int], SliceSpec] = {}
         for spec in e.slices:
-            if any(d != axis and not (s == 0 and (n is None or n == e.shape[d])) for d, (s, n) in enumerate(spec)):
+            if any(
+                d != axis and not (s == 0 and (n is None or n == e.shape[d]))
+                for d, (s, n) in enumerate(spec)
+            ):
                 break
             start, length = spec[axis]
             by_extent[(start, e.shape[axis] if length is None else length)] = spec

@@ -144,7 +144,9 @@ class TableBuilder:
     def add(self, key: bytes, value: bytes) -> None:
         if self._num_entries:
             if key <= self._last_key:
-                raise InvalidEntryError(f"table keys must increase: {key!r} after {self._last_key!r}")
+                raise InvalidEntryError(
+                    f"table keys must increase: {key!r} after {self._last_key!r}"
+                )
             if len(key) + len(value) >= OVERLY_LARGE_BLOCK_RATIO * self.block_size:
                 self._flush()
         if self._pending is not None:
@@ -208,7 +210,9 @@ class TableReader:
                 found=f"{len(data)} bytes",
             )
         footer = data[-FOOTER_SIZE:]
-        magic = int.from_bytes(footer[40:44], "little") | int.from_bytes(footer[44:48], "little") << 32
+        magic = (
+            int.from_bytes(footer[40:44], "little") | int.from_bytes(footer[44:48], "little") << 32
+        )
         if magic != TABLE_MAGIC:
             raise NotACheckpointError(
                 "not a TensorFlow checkpoint index (bad table magic number)",
@@ -234,7 +238,9 @@ class TableReader:
                 bsize, pos = decode_varint(value, pos, len(value))
             except DecodeError as exc:
                 raise CorruptCheckpointError(
-                    f"bad block handle in the table index: {exc}", file=file, variable=_key_repr(sep)
+                    f"bad block handle in the table index: {exc}",
+                    file=file,
+                    variable=_key_repr(sep),
                 ) from None
             self.index.append((sep, (boff, bsize)))
 
@@ -265,7 +271,10 @@ class TableReader:
             )
         if kind != _NO_COMPRESSION:
             raise CorruptCheckpointError(
-                f"{what} at offset {off}: unknown block type", file=self.file, expected=0, found=kind
+                f"{what} at offset {off}: unknown block type",
+                file=self.file,
+                expected=0,
+                found=kind,
             )
         return block
 
@@ -273,7 +282,9 @@ class TableReader:
         block = self._block(handle, what)
         n = len(block)
         if n < 4:
-            raise CorruptCheckpointError(f"{what} of {n} bytes has no restart count", file=self.file)
+            raise CorruptCheckpointError(
+                f"{what} of {n} bytes has no restart count", file=self.file
+            )
         num_restarts = int.from_bytes(block[n - 4 :], "little")
         if num_restarts > (n - 4) // 4:
             raise CorruptCheckpointError(

@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 
 from parallelvars.errors import CorruptCheckpointError
 
-__all__ = ["STATE_FILENAME", "CheckpointState", "read_state", "write_state", "c_escape", "c_unescape"]
+__all__ = [
+    "STATE_FILENAME",
+    "CheckpointState",
+    "read_state",
+    "write_state",
+    "c_escape",
+    "c_unescape",
+]
 
 STATE_FILENAME = "checkpoint"
 

@@ -75,11 +75,15 @@ def decode_strings(
     crc = crc32c(_fixed_lengths(lengths, byteorder))
     stored = int.from_bytes(data[pos : pos + 4], byteorder)  # type: ignore[arg-type]
     if unmask(stored) != crc:
-        raise StringChecksumError("checksum of the string lengths does not match", unmask(stored), crc)
+        raise StringChecksumError(
+            "checksum of the string lengths does not match", unmask(stored), crc
+        )
     crc = crc32c(data[pos : pos + 4], crc)
     pos += 4
     if sum(lengths) != end - pos:
-        raise DecodeError(f"string lengths add up to {sum(lengths)} bytes, the entry holds {end - pos}")
+        raise DecodeError(
+            f"string lengths add up to {sum(lengths)} bytes, the entry holds {end - pos}"
+        )
     if expected_crc is not None:
         crc = crc32c(data[pos:], crc)
         if crc != expected_crc:

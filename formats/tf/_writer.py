@@ -117,13 +117,20 @@ def _jsonable(value: Any) -> Any:
 def _plan(path: str, entry: Entry, index_path: str) -> _Var:
     if entry.kind not in KINDS:
         raise InvalidEntryError(
-            "unknown variable kind", file=index_path, variable=path, expected=" | ".join(KINDS), found=entry.kind
+            "unknown variable kind",
+            file=index_path,
+            variable=path,
+            expected=" | ".join(KINDS),
+            found=entry.kind,
         )
     hint = entry.attrs.get("tf_dtype")
     num = tf_dtype(entry.dtype, hint if isinstance(hint, str) else None)
     if num is None:
         raise UnsupportedDtypeError(
-            "TensorFlow checkpoints cannot hold this dtype", file=index_path, variable=path, found=entry.dtype
+            "TensorFlow checkpoints cannot hold this dtype",
+            file=index_path,
+            variable=path,
+            found=entry.dtype,
         )
     var = _Var(path, entry, num)
     if isinstance(hint, str) and num != DT_STRING and hint.startswith("DT_Q"):
@@ -135,7 +142,9 @@ def _plan(path: str, entry: Entry, index_path: str) -> _Var:
         var.slices = _shard_specs(path, entry, index_path)
         var.expressed |= {"shard_axis", "shard_offsets"}
     elif entry.num_components < 1:
-        raise InvalidEntryError("a variable needs at least one component", file=index_path, variable=path)
+        raise InvalidEntryError(
+            "a variable needs at least one component", file=index_path, variable=path
+        )
     return var
 
 
@@ -146,7 +155,9 @@ def _shard_specs(path: str, entry: Entry, index_path: str) -> list[SliceSpec]:
         offsets = [int(o) for o in entry.attrs["shard_offsets"]]
     except (KeyError, TypeError, ValueError):
         raise InvalidEntryError(
-            "a sharded variable needs integer attrs shard_axis and shard_offsets", file=index_path, variable=path
+            "a sharded variable needs integer attrs shard_axis and shard_offsets",
+            file=index_path,
+            variable=path,
         ) from None
     n = entry.num_components
     ends = [*offsets[1:], shape[axis] if 0 <= axis < len(shape) else 0]
@@ -207,7 +218,9 @@ def _component(var: _Var, i: int, index_path: str) -> np.ndarray:
             expected=tuple(want),
             found=tuple(value.shape),
         )
-    if var.tf_type != DT_STRING and value.dtype.newbyteorder("=") != np.dtype(e.dtype).newbyteorder("="):
+    if var.tf_type != DT_STRING and value.dtype.newbyteorder("=") != np.dtype(e.dtype).newbyteorder(
+        "="
+    ):
         raise DtypeMismatchError(
             f"component {i} has another dtype than its variable",
             file=index_path,
@@ -252,7 +265,12 @@ def _build_tree(plans: list[_Var], index_path: str) -> tuple[_Node, list[_Node]]
             prefix = f"{_esc(var_names)}/{OPTIMIZER_SLOT}/{_esc(opt_names)}/{escape_local_name(slot_name)}"
             var.expressed |= {"slot_of", "slot_name"}
             attribute = VARIABLE_VALUE
-        elif len(names) >= 3 and names[-2] == ATTRIBUTES and e.num_components == 1 and e.kind != "sharded":
+        elif (
+            len(names) >= 3
+            and names[-2] == ATTRIBUTES
+            and e.num_components == 1
+            and e.kind != "sharded"
+        ):
             target = node_at(names[:-2])
             prefix = _esc(names[:-2])
             attribute = names[-1]
@@ -275,7 +293,9 @@ def _build_tree(plans: list[_Var], index_path: str) -> tuple[_Node, list[_Node]]
         for a in new:
             if a[0] in taken:
                 raise InvalidEntryError(
-                    f"two variables would be saved under the same key {a[2]!r}", file=index_path, variable=var.path
+                    f"two variables would be saved under the same key {a[2]!r}",
+                    file=index_path,
+                    variable=var.path,
                 )
         target.attributes.extend(new)
     return root, slot_nodes
@@ -315,7 +335,9 @@ def _graph_bytes(order: list[_Node]) -> bytes:
         TrackableObject(
             children=[ObjectReference(c.id, name) for name, c in node.children.items()],
             attributes=[SerializedTensor(a, full, key) for a, full, key, _, _ in node.attributes],
-            slot_variables=[SlotVariableReference(o.id, s, t.id) for o, s, t in node.slot_variables],
+            slot_variables=[
+                SlotVariableReference(o.id, s, t.id) for o, s, t in node.slot_variables
+            ],
             has_checkpoint_values=node.id in marked,
         )
         for node in order

@@ -85,5 +85,10 @@ def with_foreign_hint(exc: CheckpointError, path: str) -> CheckpointError:
     if hint is None or hint in str(exc):
         return exc
     return type(exc)(
-        exc.what, file=exc.file, variable=exc.variable, expected=exc.expected, found=exc.found, hint=hint
+        exc.what,
+        file=exc.file,
+        variable=exc.variable,
+        expected=exc.expected,
+        found=exc.found,
+        hint=hint,
     )

@@ -56,7 +56,9 @@ _LINK_KINDS = {h5py.h5l.TYPE_SOFT: "soft link", h5py.h5l.TYPE_EXTERNAL: "externa
 _H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, AttributeError)
 
 
-_POLICY_HINT = "HDF5 indirection out of the file is refused (docs/FORMAT.md, 'What a reader refuses')"
+_POLICY_HINT = (
+    "HDF5 indirection out of the file is refused (docs/FORMAT.md, 'What a reader refuses')"
+)
 
 
 def _parts_hint(folder: str) -> str:
@@ -73,7 +75,9 @@ def _refuse(
     return CorruptCheckpointError(what, file=file, variable=name, found=found, hint=hint)
 
 
-def check_regular_file(path: str, *, file: str | None = None, follow: bool = True) -> os.stat_result:
+def check_regular_file(
+    path: str, *, file: str | None = None, follow: bool = True
+) -> os.stat_result:
     """``os.stat`` (``os.lstat`` unless ``follow``) of ``path``, refusing anything but a regular file.
 
     A FIFO, a device or a socket is refused before anything opens it (opening a FIFO blocks).
@@ -83,9 +87,17 @@ def check_regular_file(path: str, *, file: str | None = None, follow: bool = Tru
     except FileNotFoundError:
         raise CheckpointNotFoundError(file=path) from None
     if not stat.S_ISREG(st.st_mode):
-        kind = "a directory" if stat.S_ISDIR(st.st_mode) else (
-            "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
-            else "a device or socket")
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(st.st_mode)
+            else (
+                "a symbolic link"
+                if stat.S_ISLNK(st.st_mode)
+                else "a FIFO"
+                if stat.S_ISFIFO(st.st_mode)
+                else "a device or socket"
+            )
+        )
         if file is None:
             raise NotACheckpointError(f"is {kind}, not a regular file", file=path)
         raise _refuse("a linked file is not a regular file", file, path, kind)
@@ -121,7 +133,9 @@ def check_path(
     """
     parts = [p for p in path.split("/") if p]
     if len(parts) > MAX_DEPTH:
-        raise _refuse("the object path is too deep", file, path, f"{len(parts)} levels, at most {MAX_DEPTH}")
+        raise _refuse(
+            "the object path is too deep", file, path, f"{len(parts)} levels, at most {MAX_DEPTH}"
+        )
     prefix = "" if path.startswith("/") else "."
     for n, part in enumerate(parts):
         prefix = f"{prefix}/{part}"
@@ -135,8 +149,12 @@ def check_path(
         if kind != h5py.h5l.TYPE_HARD:
             if last and last_external and kind == h5py.h5l.TYPE_EXTERNAL:
                 return (bytes(value[0]), bytes(value[1]))
-            raise _refuse("the object is reached through a link out of the file's own objects",
-                          file, prefix.removeprefix(".").lstrip("/"), _describe(kind, value))
+            raise _refuse(
+                "the object is reached through a link out of the file's own objects",
+                file,
+                prefix.removeprefix(".").lstrip("/"),
+                _describe(kind, value),
+            )
         if not last and checked is not None:
             checked.add(prefix)
     return None
@@ -160,19 +178,29 @@ def check_dataset(
         first = dcpl.get_external(0)[0] if external else b""
         sources = (
             [dcpl.get_virtual_filename(i) for i in range(dcpl.get_virtual_count())]
-            if layout == h5py.h5d.VIRTUAL else []
+            if layout == h5py.h5d.VIRTUAL
+            else []
         )
     except _H5_ERRORS as exc:
-        raise CorruptCheckpointError("cannot read the dataset's layout", file=file, variable=name,
-                                     found=str(exc)[:200]) from None
+        raise CorruptCheckpointError(
+            "cannot read the dataset's layout", file=file, variable=name, found=str(exc)[:200]
+        ) from None
     if external:
-        raise _refuse("the dataset keeps its bytes in external storage", file, name,
-                      f"{external} external file(s), the first {os.fsdecode(first)!r}")
+        raise _refuse(
+            "the dataset keeps its bytes in external storage",
+            file,
+            name,
+            f"{external} external file(s), the first {os.fsdecode(first)!r}",
+        )
     if layout == h5py.h5d.VIRTUAL:
         foreign = sorted({s for s in sources if s != "."})
         if not own_virtual or foreign:
-            raise _refuse("the dataset is a virtual dataset", file, name,
-                          f"sources in {foreign[:3]!r}" if foreign else "a virtual layout")
+            raise _refuse(
+                "the dataset is a virtual dataset",
+                file,
+                name,
+                f"sources in {foreign[:3]!r}" if foreign else "a virtual layout",
+            )
     if dtype is not None:
         check_stored_type(dsid, dtype, file, name, dcpl=dcpl)
 
@@ -189,7 +217,9 @@ def get(group: h5py.Group, path: str, file: str) -> h5py.Group | h5py.Dataset | 
     return obj if isinstance(obj, (h5py.Group, h5py.Dataset)) else None
 
 
-def check_stored_type(dsid: Any, dtype: np.dtype, file: str, name: str, *, dcpl: Any = None) -> None:
+def check_stored_type(
+    dsid: Any, dtype: np.dtype, file: str, name: str, *, dcpl: Any = None
+) -> None:
     """Refuse a dataset whose HDF5 type or layout is not one our writer makes for ``dtype``.
 
     Reading converts the stored type to ``dtype``: a stored type of another size (a fixed-length
@@ -203,24 +233,39 @@ def check_stored_type(dsid: Any, dtype: np.dtype, file: str, name: str, *, dcpl:
         dcpl = dcpl or dsid.get_create_plist()
         plain = dcpl.get_layout() == h5py.h5d.CONTIGUOUS and dcpl.get_nfilters() == 0
     except _H5_ERRORS as exc:
-        raise CorruptCheckpointError("cannot read the dataset's type", file=file, variable=name,
-                                     found=str(exc)[:200]) from None
+        raise CorruptCheckpointError(
+            "cannot read the dataset's type", file=file, variable=name, found=str(exc)[:200]
+        ) from None
     if dtype.kind == "O":
         string = h5py.check_string_dtype(stored)
-        vlen = h5py.check_vlen_dtype(stored) is not None or (string is not None and string.length is None)
+        vlen = h5py.check_vlen_dtype(stored) is not None or (
+            string is not None and string.length is None
+        )
         ok = vlen and plain
     else:  # (variable-length and string types map to kinds "O" and "S")
         ok = stored.kind in "biufcV" and stored.itemsize == dtype.itemsize and stored.fields is None
     if not ok:
-        expected = ("variable-length bytes, contiguous and unfiltered" if dtype.kind == "O"
-                    else f"{dtype.itemsize}-byte elements of {dtype}")
-        raise CorruptCheckpointError("the stored type does not match the variable's dtype", file=file,
-                                     variable=name, expected=expected,
-                                     found=f"{stored} ({'contiguous' if plain else 'chunked or filtered'})")
+        expected = (
+            "variable-length bytes, contiguous and unfiltered"
+            if dtype.kind == "O"
+            else f"{dtype.itemsize}-byte elements of {dtype}"
+        )
+        raise CorruptCheckpointError(
+            "the stored type does not match the variable's dtype",
+            file=file,
+            variable=name,
+            expected=expected,
+            found=f"{stored} ({'contiguous' if plain else 'chunked or filtered'})",
+        )
 
 
 def open_dataset(
-    loc: Any, path: str, file: str, *, checked: set[str] | None = None, dtype: np.dtype | None = None
+    loc: Any,
+    path: str,
+    file: str,
+    *,
+    checked: set[str] | None = None,
+    dtype: np.dtype | None = None,
 ) -> Any:
     """The low-level id of the dataset at ``path`` in ``loc``, its links and layout checked
     (and its stored type, given the ``dtype`` it is read as).
@@ -247,23 +292,43 @@ def part_file(file: str, link: tuple[bytes, bytes], name: str) -> str:
     base = os.path.basename(file) + PARTS_SUFFIX
     parts = target.split("/")
     if (
-        os.path.isabs(target) or "\\" in target or "\x00" in target or len(parts) != 2
-        or parts[0] != base or parts[1] in ("", ".", "..")
+        os.path.isabs(target)
+        or "\\" in target
+        or "\x00" in target
+        or len(parts) != 2
+        or parts[0] != base
+        or parts[1] in ("", ".", "..")
     ):
         # A well-formed link into another name's parts folder: this file was renamed or copied
         # away from its folder. Still refused (it could reach another checkpoint's parts).
-        renamed = len(parts) == 2 and parts[0].endswith(PARTS_SUFFIX) and "/" not in parts[0] and parts[0] not in (".", "..")
-        raise _refuse("an external link does not point into the checkpoint's own parts folder", file, name,
-                      f"external link to {target!r}, expected {base}/<part>",
-                      hint=_parts_hint(parts[0]) if renamed else _POLICY_HINT)
+        renamed = (
+            len(parts) == 2
+            and parts[0].endswith(PARTS_SUFFIX)
+            and "/" not in parts[0]
+            and parts[0] not in (".", "..")
+        )
+        raise _refuse(
+            "an external link does not point into the checkpoint's own parts folder",
+            file,
+            name,
+            f"external link to {target!r}, expected {base}/<part>",
+            hint=_parts_hint(parts[0]) if renamed else _POLICY_HINT,
+        )
     folder = os.path.join(os.path.dirname(os.path.abspath(file)), base)
     try:
         st = os.lstat(folder)
     except OSError:
-        raise _refuse("the parts folder of an external link is missing", file, name, folder,
-                      hint=_parts_hint(base)) from None
+        raise _refuse(
+            "the parts folder of an external link is missing",
+            file,
+            name,
+            folder,
+            hint=_parts_hint(base),
+        ) from None
     if not stat.S_ISDIR(st.st_mode):
-        raise _refuse("the parts folder is not a folder", file, name, f"{folder} is not a real folder")
+        raise _refuse(
+            "the parts folder is not a folder", file, name, f"{folder} is not a real folder"
+        )
     path = os.path.join(folder, parts[1])
     check_regular_file(path, file=file, follow=False)
     if os.path.dirname(os.path.realpath(path)) != os.path.realpath(folder):
@@ -301,17 +366,28 @@ def walk(
                 kind, value = h5py.h5l.TYPE_EXTERNAL, (link.filename.encode(), link.path.encode())
             else:
                 kind, value = -1, None
-            raise _refuse("the object is reached through a link out of the file's own objects",
-                          file, path, _describe(kind, value))
+            raise _refuse(
+                "the object is reached through a link out of the file's own objects",
+                file,
+                path,
+                _describe(kind, value),
+            )
         obj = grp[name]
         if isinstance(obj, h5py.Dataset):
             check_dataset(obj.id, file, path, own_virtual=name == own_virtual)
             yield path, obj
         elif isinstance(obj, h5py.Group):
             if obj.id in seen:
-                raise _refuse("a group is linked twice", file, path, "a hard link to a group met before (a cycle?)")
+                raise _refuse(
+                    "a group is linked twice",
+                    file,
+                    path,
+                    "a hard link to a group met before (a cycle?)",
+                )
             seen.add(obj.id)
             if depth + 1 > MAX_DEPTH:
-                raise _refuse("the group path is too deep", file, path, f"more than {MAX_DEPTH} levels")
+                raise _refuse(
+                    "the group path is too deep", file, path, f"more than {MAX_DEPTH} levels"
+                )
             yield path, obj
             stack.append((f"{path}/", obj, depth + 1, iter(list(obj))))

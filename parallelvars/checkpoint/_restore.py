@@ -76,7 +76,10 @@ def read_logical_into(stored: Any, out: np.ndarray, *, file: str, cast: bool) ->
     if kind == "independent" and n > 1:
         raise DeviceCountError(
             "independent buffers restore only onto the same number of devices",
-            file=file, variable=stored.path, expected=f"{n} components", found="a single value",
+            file=file,
+            variable=stored.path,
+            expected=f"{n} components",
+            found="a single value",
         )
     stored.read_component_into(0, out, cast=cast)
 
@@ -95,24 +98,41 @@ class ParallelVariableSaveable(Saveable):
         if isinstance(obj, ShardedVariable):
             attrs["shard_axis"] = obj.shard_axis
             attrs["shard_offsets"] = list(obj.shard_offsets)
-        return SaveRecord(kind=obj.kind, components=obj.components, shape=tuple(obj.__wrapped__.shape), attrs=attrs)
+        return SaveRecord(
+            kind=obj.kind,
+            components=obj.components,
+            shape=tuple(obj.__wrapped__.shape),
+            attrs=attrs,
+        )
 
     def plan_restore(
         self, obj: ParallelVariable, stored: Any, *, file: str, path: str, allow_cast: bool
     ) -> Callable[[], None]:
         shape = tuple(obj.__wrapped__.shape)
         if tuple(stored.shape) != shape:
-            raise ShapeMismatchError("shape mismatch", file=file, variable=path, expected=shape, found=tuple(stored.shape))
+            raise ShapeMismatchError(
+                "shape mismatch",
+                file=file,
+                variable=path,
+                expected=shape,
+                found=tuple(stored.shape),
+            )
         if stored.dtype != obj.dtype and not allow_cast:
             raise DtypeMismatchError(
-                "dtype mismatch", file=file, variable=path,
-                expected=dtype_name(obj.dtype), found=dtype_name(stored.dtype),
+                "dtype mismatch",
+                file=file,
+                variable=path,
+                expected=dtype_name(obj.dtype),
+                found=dtype_name(stored.dtype),
                 hint="restore with allow_cast=True to convert",
             )
         if stored.dtype != obj.dtype and (stored.dtype.kind == "O") != (obj.dtype.kind == "O"):
             raise DtypeMismatchError(
-                "cannot cast between byte strings and numbers", file=file, variable=path,
-                expected=dtype_name(obj.dtype), found=dtype_name(stored.dtype),
+                "cannot cast between byte strings and numbers",
+                file=file,
+                variable=path,
+                expected=dtype_name(obj.dtype),
+                found=dtype_name(stored.dtype),
             )
         # m counts the whole variable's components; this process holds those of `indices`
         # (all of them, except under a multi-process strategy).
@@ -136,12 +156,18 @@ class ParallelVariableSaveable(Saveable):
         if skind == "independent" and n > 1 and n != m:
             raise DeviceCountError(
                 "independent buffers restore only onto the same number of devices",
-                file=file, variable=path, expected=f"{m} devices", found=f"{n} devices in the file",
+                file=file,
+                variable=path,
+                expected=f"{m} devices",
+                found=f"{n} devices in the file",
             )
         if live == "independent" and m > 1 and n != m:
             raise DeviceCountError(
                 "an independent-buffers variable needs one saved component per device",
-                file=file, variable=path, expected=f"{m} components", found=f"{n} components",
+                file=file,
+                variable=path,
+                expected=f"{m} components",
+                found=f"{n} components",
             )
         if isinstance(obj, ShardedVariable):
             full = obj.__wrapped__
@@ -149,11 +175,14 @@ class ParallelVariableSaveable(Saveable):
 
         same_layout = n == m and skind == live and skind != "sharded"
         if live == "on_read" and skind == "on_read":
-            same_layout = same_layout and str(stored.attrs.get("aggregation")) == obj.aggregation.value
+            same_layout = (
+                same_layout and str(stored.attrs.get("aggregation")) == obj.aggregation.value
+            )
         if live == "independent" and n == m:
             same_layout = skind != "sharded"
 
         if same_layout:
+
             def componentwise() -> None:
                 for i, c in zip(indices, comps, strict=True):
                     stored.read_component_into(i, c, cast=cast)

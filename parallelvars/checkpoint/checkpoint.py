@@ -46,7 +46,13 @@ from parallelvars.errors import (
 )
 from parallelvars.tracking import Trackable, children_of
 
-__all__ = ["Checkpoint", "CheckpointLoadStatus", "build_object_graph", "escape_name", "unescape_name"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointLoadStatus",
+    "build_object_graph",
+    "escape_name",
+    "unescape_name",
+]
 
 GRAPH_VERSION = 1
 
@@ -122,7 +128,9 @@ def unescape_name(name: str) -> str:
     out, i = [], 0
     while i < len(name):
         if name[i] == "." and i + 1 < len(name):
-            out.append("." if name[i + 1] == "." else "/" if name[i + 1] == "S" else name[i : i + 2])
+            out.append(
+                "." if name[i + 1] == "." else "/" if name[i + 1] == "S" else name[i : i + 2]
+            )
             i += 2
         else:
             out.append(name[i])
@@ -209,7 +217,9 @@ def _graph_from_paths(paths: list[str]) -> list[dict[str, Any]]:
             if prefix in index:
                 continue
             index[prefix] = len(nodes)
-            nodes.append({"children": [], "path": path if depth == len(parts) else None, "slots": []})
+            nodes.append(
+                {"children": [], "path": path if depth == len(parts) else None, "slots": []}
+            )
             parent = index["/".join(parts[: depth - 1])]
             nodes[parent]["children"].append([unescape_name(parts[depth - 1]), index[prefix]])
     return nodes
@@ -226,8 +236,12 @@ def _graph_nodes(graph: Any, path: str) -> list[dict[str, Any]]:
 
     def bad(what: str, where: str, found: Any) -> CorruptCheckpointError:
         text = repr(found)
-        return CorruptCheckpointError(f"object graph is malformed: {what}", file=path, variable=where,
-                                      found=text if len(text) <= 80 else text[:77] + "...")
+        return CorruptCheckpointError(
+            f"object graph is malformed: {what}",
+            file=path,
+            variable=where,
+            found=text if len(text) <= 80 else text[:77] + "...",
+        )
 
     nodes = graph.get("nodes") if isinstance(graph, dict) else None
     if not isinstance(nodes, list):
@@ -246,17 +260,28 @@ def _graph_nodes(graph: Any, path: str) -> list[dict[str, Any]]:
             raise bad("a variable path is not a string", where, node["path"])
         children = node["children"]
         if not isinstance(children, list) or not all(
-            isinstance(c, list) and len(c) == 2 and isinstance(c[0], str) and _is_index(c[1]) and c[1] < n
+            isinstance(c, list)
+            and len(c) == 2
+            and isinstance(c[0], str)
+            and _is_index(c[1])
+            and c[1] < n
             for c in children
         ):
             raise bad("children must be [name, node id] pairs of existing nodes", where, children)
         slots = node["slots"]
         if not isinstance(slots, list) or not all(
-            isinstance(s, list) and len(s) == 3 and _is_index(s[0]) and s[0] < n and isinstance(s[1], str)
-            and _is_index(s[2]) and s[2] < n
+            isinstance(s, list)
+            and len(s) == 3
+            and _is_index(s[0])
+            and s[0] < n
+            and isinstance(s[1], str)
+            and _is_index(s[2])
+            and s[2] < n
             for s in slots
         ):
-            raise bad("slots must be [variable id, slot name, slot id] of existing nodes", where, slots)
+            raise bad(
+                "slots must be [variable id, slot name, slot id] of existing nodes", where, slots
+            )
         out.append(node)
     return out
 
@@ -305,12 +330,15 @@ class _Session:
             if nid in matched or nid in self.matched:
                 continue
             if not 0 <= nid < len(nodes):
-                raise CheckpointError("object graph refers to a missing node", file=self.path, found=nid)
+                raise CheckpointError(
+                    "object graph refers to a missing node", file=self.path, found=nid
+                )
             node = nodes[nid]
             is_var = node.get("path") is not None
             if is_var != _is_leaf(live):
                 raise RestoreMismatchError(
-                    "object kinds differ", file=self.path,
+                    "object kinds differ",
+                    file=self.path,
                     variable=node.get("path") or f"node {nid}",
                     expected="a variable" if is_var else "a container of variables",
                     found=type(live).__name__,
@@ -348,7 +376,9 @@ class _Session:
             stored = reader[path]
             saveable = get_saveable(live)
             assert saveable is not None
-            plan = saveable.plan_restore(live, stored, file=self.path, path=path, allow_cast=self.allow_cast)
+            plan = saveable.plan_restore(
+                live, stored, file=self.path, path=path, allow_cast=self.allow_cast
+            )
             plans.append(plan)
             left_out.extend(getattr(plan, "unmatched", ()))
             sizes.append(stored.nbytes)
@@ -401,12 +431,18 @@ class CheckpointLoadStatus:
     def assert_consumed(self) -> CheckpointLoadStatus:
         """Every saved value was restored and every live variable was matched."""
         with _gc_paused():
-            missing = [p for i, p in self._session.variable_nodes().items() if i not in self._session.restored]
+            missing = [
+                p
+                for i, p in self._session.variable_nodes().items()
+                if i not in self._session.restored
+            ]
         missing += self._session.unmatched_parts
         if missing:
             raise RestoreMismatchError(
-                "saved values were not restored (no matching live object yet)", file=self._session.path,
-                expected="every saved variable restored", found=", ".join(sorted(missing)[:20]),
+                "saved values were not restored (no matching live object yet)",
+                file=self._session.path,
+                expected="every saved variable restored",
+                found=", ".join(sorted(missing)[:20]),
             )
         self.assert_existing_objects_matched()
         return self
@@ -416,8 +452,10 @@ class CheckpointLoadStatus:
         unmatched = self._unmatched_live()
         if unmatched:
             raise RestoreMismatchError(
-                "live variables have no value in the checkpoint", file=self._session.path,
-                expected="every live variable matched", found=", ".join(sorted(unmatched)[:20]),
+                "live variables have no value in the checkpoint",
+                file=self._session.path,
+                expected="every live variable matched",
+                found=", ".join(sorted(unmatched)[:20]),
             )
         return self
 
@@ -479,12 +517,20 @@ def _snapshot(records: list[SaveRecord]) -> list[SaveRecord]:
         )
         if not changed:
             return [
-                SaveRecord(kind=r.kind, components=cs, shape=tuple(r.shape), attrs=dict(r.attrs), path=r.path)
+                SaveRecord(
+                    kind=r.kind,
+                    components=cs,
+                    shape=tuple(r.shape),
+                    attrs=dict(r.attrs),
+                    path=r.path,
+                )
                 for r, cs in zip(records, copies, strict=True)
             ]
     raise ConcurrentWriteError(
-        "changed while a non-blocking save copied the variables", variable=changed,
-        expected="no writes during the copy", found=f"writes during each of {SNAPSHOT_ATTEMPTS} attempts",
+        "changed while a non-blocking save copied the variables",
+        variable=changed,
+        expected="no writes during the copy",
+        found=f"writes during each of {SNAPSHOT_ATTEMPTS} attempts",
         hint="call save() from the thread that updates the variables, or pause the other writers while it runs",
     )
 
@@ -516,7 +562,9 @@ class Checkpoint(Trackable):
         from parallelvars.variables import _make_distributed_variable
 
         if "save_counter" in roots:
-            raise InvalidArgumentError("'save_counter' is reserved for the checkpoint's own counter")
+            raise InvalidArgumentError(
+                "'save_counter' is reserved for the checkpoint's own counter"
+            )
         for name, value in roots.items():
             if value is None:
                 raise InvalidArgumentError(f"checkpoint root {name!r} is None")
@@ -600,7 +648,9 @@ class Checkpoint(Trackable):
             self.save_counter.assign(previous)
             raise
 
-    def restore(self, path: str | os.PathLike[str], *, allow_cast: bool = False) -> CheckpointLoadStatus:
+    def restore(
+        self, path: str | os.PathLike[str], *, allow_cast: bool = False
+    ) -> CheckpointLoadStatus:
         """Restore from ``path`` (``.h5`` may be omitted); all or nothing for existing objects.
 
         Args:

@@ -134,7 +134,9 @@ def _attr_value(value: Any) -> Any:
         return value
     if isinstance(value, (list, tuple)):
         if all(isinstance(v, str) for v in value):
-            return np.array(list(value), dtype=h5py.string_dtype()) if value else np.zeros(0, np.int64)
+            return (
+                np.array(list(value), dtype=h5py.string_dtype()) if value else np.zeros(0, np.int64)
+            )
         if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
             return np.asarray(value, dtype=np.int64)
     if isinstance(value, np.ndarray) and value.dtype.kind in "iuf":
@@ -150,8 +152,11 @@ _STRING_ATTRS: dict[Any, tuple[np.ndarray, tuple[Any, Any, Any]]] = {}
 
 def _prepared(value: Any) -> tuple[np.ndarray, tuple[Any, Any, Any]]:
     """An attribute value as a contiguous array, with its HDF5 types and dataspace."""
-    arr = np.asarray(value, dtype=h5py.string_dtype()) if isinstance(value, str) or (
-        isinstance(value, np.ndarray) and value.dtype.kind == "O") else np.asarray(value)
+    arr = (
+        np.asarray(value, dtype=h5py.string_dtype())
+        if isinstance(value, str) or (isinstance(value, np.ndarray) and value.dtype.kind == "O")
+        else np.asarray(value)
+    )
     if arr.dtype.kind == "U":
         arr = arr.astype(h5py.string_dtype())
     if not arr.flags.c_contiguous:  # (not np.ascontiguousarray: it makes scalars 1-d)
@@ -159,10 +164,16 @@ def _prepared(value: Any) -> tuple[np.ndarray, tuple[Any, Any, Any]]:
     key = ("str" if arr.dtype.kind == "O" else arr.dtype.str, arr.shape)
     types = _ATTR_TYPES.get(key)
     if types is None:
-        space = h5py.h5s.create(h5py.h5s.SCALAR) if arr.ndim == 0 else h5py.h5s.create_simple(arr.shape)
+        space = (
+            h5py.h5s.create(h5py.h5s.SCALAR) if arr.ndim == 0 else h5py.h5s.create_simple(arr.shape)
+        )
         # The file type is the logical one (variable-length UTF-8 for strings); the memory type
         # is what h5py converts from (Python objects for strings).
-        types = _ATTR_TYPES[key] = (h5py.h5t.py_create(arr.dtype, logical=True), h5py.h5t.py_create(arr.dtype), space)
+        types = _ATTR_TYPES[key] = (
+            h5py.h5t.py_create(arr.dtype, logical=True),
+            h5py.h5t.py_create(arr.dtype),
+            space,
+        )
     return arr, types
 
 
@@ -204,7 +215,12 @@ _INDEX_ONLY_ATTRS = frozenset({"name", "synchronization", "trainable"})
 
 def _validate_path(path: str) -> None:
     parts = path.split("/")
-    if not path or path.startswith("/") or any(p in ("", ".") for p in parts) or parts[0] == META_GROUP:
+    if (
+        not path
+        or path.startswith("/")
+        or any(p in ("", ".") for p in parts)
+        or parts[0] == META_GROUP
+    ):
         raise InvalidEntryError("invalid variable path for the HDF5 layout", variable=path)
 
 
@@ -247,7 +263,9 @@ def _write_entry(
             dsid = ds.id
             offsets.append(None)
         else:
-            dsid = h5py.h5d.create(grp.id, name.encode(), _file_type(storage), writer.space(cshape), dcpl=dcpl)
+            dsid = h5py.h5d.create(
+                grp.id, name.encode(), _file_type(storage), writer.space(cshape), dcpl=dcpl
+            )
             offset = dsid.get_offset()
             offsets.append(None if offset is None else int(offset))
             if in_memory:  # live buffers or arrays: written as they are
@@ -270,20 +288,31 @@ def _write_entry(
             cshape = tuple(entry.component_shape(i))
             index: list[Any] = [slice(None)] * len(shape)
             index[axis] = slice(int(start), int(start) + cshape[axis])
-            layout[tuple(index)] = h5py.VirtualSource(".", f"{grp.name}/{component_name(i)}", shape=cshape)
+            layout[tuple(index)] = h5py.VirtualSource(
+                ".", f"{grp.name}/{component_name(i)}", shape=cshape
+            )
         grp.create_virtual_dataset("value", layout)
     return meta
 
 
 def _write_group(
-    f: h5py.File, path: str, kind: str, dt: np.dtype, shape: tuple[int, ...], num_components: int,
+    f: h5py.File,
+    path: str,
+    kind: str,
+    dt: np.dtype,
+    shape: tuple[int, ...],
+    num_components: int,
     attrs: Mapping[str, Any],
 ) -> tuple[h5py.Group, dict[str, Any]]:
     """Create a variable's group with its layout attributes; returns it and its index record."""
     _validate_path(path)
     grp = _new_group(f, path)
-    meta: dict[str, Any] = {"kind": kind, "dtype": dtype_name(dt), "shape": list(shape),
-                            "num_components": num_components}
+    meta: dict[str, Any] = {
+        "kind": kind,
+        "dtype": dtype_name(dt),
+        "shape": list(shape),
+        "num_components": num_components,
+    }
     for key in ("kind", "dtype", "shape", "num_components"):
         _set_attr(grp.id, key, _attr_value(meta[key]))
     extra: dict[str, Any] = {}
@@ -317,11 +346,19 @@ def _checked(entry: Any, i: int, cshape: tuple[int, ...], dt: np.dtype, file: st
     arr = np.asarray(entry.component(i))
     if arr.shape != cshape:
         raise ShapeMismatchError(
-            "component has the wrong shape", file=file, variable=f"{entry.path}[{i}]", expected=cshape, found=arr.shape
+            "component has the wrong shape",
+            file=file,
+            variable=f"{entry.path}[{i}]",
+            expected=cshape,
+            found=arr.shape,
         )
     if arr.dtype != dt:
         raise DtypeMismatchError(
-            "component has the wrong dtype", file=file, variable=f"{entry.path}[{i}]", expected=dt, found=arr.dtype
+            "component has the wrong dtype",
+            file=file,
+            variable=f"{entry.path}[{i}]",
+            expected=dt,
+            found=arr.dtype,
         )
     return arr
 
@@ -468,7 +505,15 @@ def write_h5_index(
                 if var.path in index:
                     raise InvalidEntryError("is written twice", file=p, variable=var.path)
                 shape = tuple(int(s) for s in var.shape)
-                grp, meta = _write_group(f, var.path, var.kind, np.dtype(var.dtype), shape, len(var.components), var.attrs)
+                grp, meta = _write_group(
+                    f,
+                    var.path,
+                    var.kind,
+                    np.dtype(var.dtype),
+                    shape,
+                    len(var.components),
+                    var.attrs,
+                )
                 meta["offsets"] = [None] * len(var.components)
                 meta["crc32c"] = [int(c.crc32c) for c in var.components]
                 for i, link in enumerate(var.components):
@@ -508,8 +553,11 @@ def _read_json(f: h5py.File, name: str, file: str, *, required: bool = False) ->
     if dsid is None:
         if required:
             raise CorruptCheckpointError(
-                "a metadata document is missing or unreadable", file=file, variable=name,
-                expected="the document the root attribute lists", found="no such dataset",
+                "a metadata document is missing or unreadable",
+                file=file,
+                variable=name,
+                expected="the document the root attribute lists",
+                found="no such dataset",
             )
         return None
     ds = h5py.Dataset(dsid)
@@ -519,8 +567,11 @@ def _read_json(f: h5py.File, name: str, file: str, *, required: bool = False) ->
     stored = ds.attrs.get("crc32c")
     if stored is not None and int(stored) != _crc32c.crc32c(raw):
         raise ChecksumMismatchError(
-            "checksum mismatch: a metadata document is damaged", file=file, variable=name,
-            expected=f"crc32c {int(stored):#010x}", found=f"crc32c {_crc32c.crc32c(raw):#010x}",
+            "checksum mismatch: a metadata document is damaged",
+            file=file,
+            variable=name,
+            expected=f"crc32c {int(stored):#010x}",
+            found=f"crc32c {_crc32c.crc32c(raw):#010x}",
         )
     return load_json(raw, file=file, variable=name, what="metadata document")
 
@@ -531,13 +582,19 @@ def _check_document(ds: h5py.Dataset, file: str, name: str) -> None:
     vlen = h5py.check_string_dtype(dt) is not None and h5py.check_string_dtype(dt).length is None
     if shape != () or not (vlen or dt.kind == "S"):
         raise CorruptCheckpointError(
-            "a metadata document has the wrong type", file=file, variable=name,
-            expected="a scalar string", found=f"{dt} of shape {shape}",
+            "a metadata document has the wrong type",
+            file=file,
+            variable=name,
+            expected="a scalar string",
+            found=f"{dt} of shape {shape}",
         )
     if dt.itemsize > _file_size(file) and not vlen:
         raise TruncatedFileError(
-            "a metadata document claims more bytes than the file holds", file=file, variable=name,
-            expected=f"<= {_file_size(file)} bytes", found=f"{dt.itemsize} bytes",
+            "a metadata document claims more bytes than the file holds",
+            file=file,
+            variable=name,
+            expected=f"<= {_file_size(file)} bytes",
+            found=f"{dt.itemsize} bytes",
         )
 
 
@@ -613,7 +670,10 @@ class StoredVariable:
             self._crcs: list[int | None] | None = None if crcs is None else [int(c) for c in crcs]
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptCheckpointError(
-                "variable lacks its layout attributes", file=file, variable=path, found=f"missing {exc}"
+                "variable lacks its layout attributes",
+                file=file,
+                variable=path,
+                found=f"missing {exc}",
             ) from None
         if dname == "bytes":
             self.dtype = np.dtype(object)
@@ -621,7 +681,9 @@ class StoredVariable:
             try:
                 self.dtype = as_dtype(dname)
             except UnsupportedDtypeError:
-                raise UnsupportedDtypeError("unknown dtype", file=file, variable=path, found=dname) from None
+                raise UnsupportedDtypeError(
+                    "unknown dtype", file=file, variable=path, found=dname
+                ) from None
         self._shapes: list[tuple[int, ...]] = self._validated_layout()
         self._verified: set[int] = set()
         self._storage_ok: set[int] = set()
@@ -645,14 +707,20 @@ class StoredVariable:
             ds = self._reader._open_dataset(f"/{self.path}/{name}", self.dtype)
             if not isinstance(ds, h5py.h5d.DatasetID):
                 raise CorruptCheckpointError(
-                    f"dataset {name!r} is missing", file=self._reader.path, variable=self.path,
-                    expected=f"{self.num_components} components", found=f"no {name}",
+                    f"dataset {name!r} is missing",
+                    file=self._reader.path,
+                    variable=self.path,
+                    expected=f"{self.num_components} components",
+                    found=f"no {name}",
                     hint=self._missing_part_hint(name),
                 )
             if tuple(ds.shape) != self._shapes[i]:
                 raise CorruptCheckpointError(
-                    f"dataset {name!r} has the wrong shape", file=self._reader.path, variable=self.path,
-                    expected=self._shapes[i], found=tuple(ds.shape),
+                    f"dataset {name!r} has the wrong shape",
+                    file=self._reader.path,
+                    variable=self.path,
+                    expected=self._shapes[i],
+                    found=tuple(ds.shape),
                 )
             self._datasets[i] = ds
         return ds
@@ -673,7 +741,9 @@ class StoredVariable:
         )
 
     def _bad(self, what: str, expected: Any, found: Any) -> CorruptCheckpointError:
-        return CorruptCheckpointError(what, file=self._reader.path, variable=self.path, expected=expected, found=found)
+        return CorruptCheckpointError(
+            what, file=self._reader.path, variable=self.path, expected=expected, found=found
+        )
 
     def _validated_layout(self) -> list[tuple[int, ...]]:
         """Check every layout field of the variable once, at open; the components' shapes.
@@ -687,38 +757,55 @@ class StoredVariable:
             raise self._bad("unknown variable kind", f"one of {', '.join(KINDS)}", repr(self.kind))
         if not 1 <= n <= _MAX_COMPONENTS or (self.kind == "single" and n != 1):
             raise self._bad(
-                "impossible number of components", "1" if self.kind == "single" else f"1 to {_MAX_COMPONENTS}", n
+                "impossible number of components",
+                "1" if self.kind == "single" else f"1 to {_MAX_COMPONENTS}",
+                n,
             )
         for what, values in (("checksums", self._crcs), ("data offsets", self._index_offsets)):
             if values is not None and len(values) != n:
-                raise self._bad(f"the index lists {len(values)} {what}", f"{n} (one per component)", len(values))
+                raise self._bad(
+                    f"the index lists {len(values)} {what}", f"{n} (one per component)", len(values)
+                )
         if any(d < 0 for d in self.shape):
             raise self._bad("negative dimension", "dimensions >= 0", self.shape)
         aggregation = self.attrs.get("aggregation")
         if aggregation is not None and str(aggregation).lower() not in AGGREGATIONS:
-            raise self._bad("unknown aggregation", f"one of {', '.join(AGGREGATIONS)}", repr(aggregation))
+            raise self._bad(
+                "unknown aggregation", f"one of {', '.join(AGGREGATIONS)}", repr(aggregation)
+            )
         devices = self.attrs.get("devices")
         if devices is not None and (
-            not isinstance(devices, list) or len(devices) != n or not all(isinstance(d, str) for d in devices)
+            not isinstance(devices, list)
+            or len(devices) != n
+            or not all(isinstance(d, str) for d in devices)
         ):
-            raise self._bad("devices do not match the components", f"{n} device names", repr(devices))
+            raise self._bad(
+                "devices do not match the components", f"{n} device names", repr(devices)
+            )
         if self.kind != "sharded":
             return [self.shape] * n
         axis_value: Any = self.attrs.get("shard_axis")
         offsets_value: Any = self.attrs.get("shard_offsets")
         if not _is_int(axis_value) or not 0 <= int(axis_value) < len(self.shape):
-            raise self._bad("shard_axis out of range", f"an axis of shape {self.shape}", repr(axis_value))
+            raise self._bad(
+                "shard_axis out of range", f"an axis of shape {self.shape}", repr(axis_value)
+            )
         axis = int(axis_value)
         if not isinstance(offsets_value, list) or not all(_is_int(o) for o in offsets_value):
-            raise self._bad("shard_offsets is not a list of integers", f"{n} offsets", repr(offsets_value))
+            raise self._bad(
+                "shard_offsets is not a list of integers", f"{n} offsets", repr(offsets_value)
+            )
         offsets = [int(o) for o in offsets_value]
         if len(offsets) != n:
-            raise self._bad("shard offsets do not match the components", f"{n} offsets", len(offsets))
+            raise self._bad(
+                "shard offsets do not match the components", f"{n} offsets", len(offsets)
+            )
         bounds = [*offsets, self.shape[axis]]
         if offsets[0] != 0 or any(bounds[i + 1] < bounds[i] for i in range(n)):
             raise self._bad(
                 "shard_offsets do not cover the shard axis exactly (gap, overlap or past the end)",
-                f"offsets from 0, non-decreasing, within {self.shape[axis]} rows of axis {axis}", offsets,
+                f"offsets from 0, non-decreasing, within {self.shape[axis]} rows of axis {axis}",
+                offsets,
             )
         shapes = []
         for i in range(n):
@@ -748,7 +835,9 @@ class StoredVariable:
         return self._crcs
 
     def _fail(self, what: str, i: int, **kw: Any) -> CorruptCheckpointError:
-        return CorruptCheckpointError(what, file=self._reader.path, variable=f"{self.path}/{component_name(i)}", **kw)
+        return CorruptCheckpointError(
+            what, file=self._reader.path, variable=f"{self.path}/{component_name(i)}", **kw
+        )
 
     def _check_storage(self, i: int) -> None:
         """Refuse a component whose shape needs more bytes than the file can hold.
@@ -760,7 +849,9 @@ class StoredVariable:
         if i in self._storage_ok:
             return
         dsid = self._dataset(i)
-        needed = math.prod(self._shapes[i]) * (16 if self.dtype.kind == "O" else self.dtype.itemsize)
+        needed = math.prod(self._shapes[i]) * (
+            16 if self.dtype.kind == "O" else self.dtype.itemsize
+        )
         try:
             stored = int(dsid.get_storage_size())
             dcpl = dsid.get_create_plist()
@@ -771,7 +862,8 @@ class StoredVariable:
             limit = stored * _MAX_COMPRESSION if filtered else stored
             if needed > limit or stored > self._reader.file_size:
                 raise TruncatedFileError(
-                    "the dataset holds fewer bytes than its shape needs", file=self._reader.path,
+                    "the dataset holds fewer bytes than its shape needs",
+                    file=self._reader.path,
                     variable=f"{self.path}/{component_name(i)}",
                     expected=f"{needed} bytes{' (uncompressed)' if filtered else ''}",
                     found=f"{stored} bytes stored, file of {self._reader.file_size} bytes",
@@ -782,13 +874,18 @@ class StoredVariable:
         """(file offset, element count) of a contiguous, unfiltered component, else None."""
         if i in self._locations:
             return self._locations[i]
-        indexed = self._index_offsets[i] if self._index_offsets and i < len(self._index_offsets) else None
+        indexed = (
+            self._index_offsets[i] if self._index_offsets and i < len(self._index_offsets) else None
+        )
         if indexed is not None and self.dtype.kind != "O":
             size = math.prod(self._shapes[i])
             if indexed < 0 or indexed + size * self.dtype.itemsize > self._reader.file_size:
                 raise TruncatedFileError(
-                    "file ends inside the data", file=self._reader.path, variable=f"{self.path}/{component_name(i)}",
-                    expected=f"{indexed + size * self.dtype.itemsize} bytes", found=f"{self._reader.file_size} bytes",
+                    "file ends inside the data",
+                    file=self._reader.path,
+                    variable=f"{self.path}/{component_name(i)}",
+                    expected=f"{indexed + size * self.dtype.itemsize} bytes",
+                    found=f"{self._reader.file_size} bytes",
                 )
             self._locations[i] = (indexed, size)
             self._from_index.add(i)
@@ -804,7 +901,11 @@ class StoredVariable:
         if self.dtype.kind != "O" and self._reader._holds(dsid):
             try:
                 dcpl = dsid.get_create_plist()
-                plain = not (dcpl.get_layout() != h5py.h5d.CONTIGUOUS or dcpl.get_nfilters() or dcpl.get_external_count())
+                plain = not (
+                    dcpl.get_layout() != h5py.h5d.CONTIGUOUS
+                    or dcpl.get_nfilters()
+                    or dcpl.get_external_count()
+                )
                 offset = dsid.get_offset() if plain and nbytes else None
                 stored = dsid.get_storage_size() if offset is not None else 0
                 file_dt = dsid.dtype
@@ -814,11 +915,19 @@ class StoredVariable:
                 loc = (0, 0)
             elif offset is not None and not (file_dt.kind != "V" and file_dt.byteorder == ">"):
                 if stored != nbytes or file_dt.itemsize != self.dtype.itemsize:
-                    raise self._fail("stored size does not match the shape", i, expected=f"{nbytes} bytes", found=f"{stored} bytes")
+                    raise self._fail(
+                        "stored size does not match the shape",
+                        i,
+                        expected=f"{nbytes} bytes",
+                        found=f"{stored} bytes",
+                    )
                 if offset + nbytes > self._reader.file_size:
                     raise TruncatedFileError(
-                        "file ends inside the data", file=self._reader.path, variable=f"{self.path}/{component_name(i)}",
-                        expected=f"{offset + nbytes} bytes", found=f"{self._reader.file_size} bytes",
+                        "file ends inside the data",
+                        file=self._reader.path,
+                        variable=f"{self.path}/{component_name(i)}",
+                        expected=f"{offset + nbytes} bytes",
+                        found=f"{self._reader.file_size} bytes",
                     )
                 loc = (int(offset), size)
         self._locations[i] = loc
@@ -874,7 +983,11 @@ class StoredVariable:
             return np.asarray(data, dtype=object).reshape(ds.shape)
         data = np.asarray(data)
         if data.dtype != self.dtype:
-            data = data.view(self.dtype) if data.dtype.kind == "V" else data.astype(self.dtype.newbyteorder("="))
+            data = (
+                data.view(self.dtype)
+                if data.dtype.kind == "V"
+                else data.astype(self.dtype.newbyteorder("="))
+            )
         return data.reshape(ds.shape)
 
     def _check(self, i: int, data: np.ndarray) -> None:
@@ -913,7 +1026,9 @@ class StoredVariable:
     def verify_group(self) -> None:
         """The variable's group opens through HDF5 and its attributes agree with the index."""
         try:
-            group = self._reader._h5()[self.path]
+            group = _h5policy.get(self._reader._h5(), self.path, self._reader.path)  # links checked
+            if not isinstance(group, h5py.Group):
+                raise KeyError(f"no group at {self.path!r}")
             attrs: dict[str, Any] = {}
             for key in group.attrs:
                 # Variable-length values live in HDF5's unchecksummed global heap, whose damage
@@ -923,18 +1038,32 @@ class StoredVariable:
                     attrs[key] = None
                 else:
                     attrs[key] = _decode(group.attrs[key])
+        except CorruptCheckpointError:
+            raise  # refused by the indirection policy: its own message
         except _H5_ERRORS as exc:
             raise CorruptCheckpointError(
-                "the variable's group is unreadable", file=self._reader.path, variable=self.path, found=str(exc)
+                "the variable's group is unreadable",
+                file=self._reader.path,
+                variable=self.path,
+                found=str(exc),
             ) from None
         if not isinstance(group, h5py.Group):
             raise self._bad("not a group", "a group", type(group).__name__)
         dt = "bytes" if self.dtype.kind == "O" else dtype_name(self.dtype)
-        want: dict[str, Any] = {"kind": self.kind, "dtype": dt, "shape": list(self.shape),
-                                "num_components": self.num_components, **self.attrs}
+        want: dict[str, Any] = {
+            "kind": self.kind,
+            "dtype": dt,
+            "shape": list(self.shape),
+            "num_components": self.num_components,
+            **self.attrs,
+        }
         for key, value in attrs.items():
             if key in want and value is not None and value != want[key]:
-                raise self._bad(f"group attribute {key!r} disagrees with the index", repr(want[key]), repr(value))
+                raise self._bad(
+                    f"group attribute {key!r} disagrees with the index",
+                    repr(want[key]),
+                    repr(value),
+                )
         for key in ("kind", "dtype", "shape", "num_components"):
             if key not in attrs:
                 raise self._bad(f"group attribute {key!r} is missing", repr(want[key]), "none")
@@ -951,8 +1080,10 @@ class StoredVariable:
         try:
             if ds.dtype.itemsize != self.dtype.itemsize:
                 raise self._fail(
-                    "stored element size does not match the dtype", i,
-                    expected=f"{self.dtype.itemsize} bytes", found=f"{ds.dtype.itemsize} bytes",
+                    "stored element size does not match the dtype",
+                    i,
+                    expected=f"{self.dtype.itemsize} bytes",
+                    found=f"{ds.dtype.itemsize} bytes",
                 )
             if not shape or math.prod(shape) == 0:
                 crc = checksum(self._as_dtype(np.asarray(ds[()])).reshape(shape))
@@ -961,7 +1092,9 @@ class StoredVariable:
                 step = max(1, (8 << 20) // max(row, 1))
                 crc = 0
                 for start in range(0, shape[0], step):
-                    block = np.ascontiguousarray(self._as_dtype(np.asarray(ds[start : start + step])))
+                    block = np.ascontiguousarray(
+                        self._as_dtype(np.asarray(ds[start : start + step]))
+                    )
                     crc = _crc32c.crc32c(byte_view(block), crc)  # type: ignore[arg-type]
         except _H5_ERRORS as exc:
             raise self._fail("HDF5 cannot read the dataset", i, found=str(exc)) from None
@@ -970,26 +1103,43 @@ class StoredVariable:
     def _as_dtype(self, data: np.ndarray) -> np.ndarray:
         if data.dtype == self.dtype:
             return data
-        return data.view(self.dtype) if data.dtype.kind == "V" else data.astype(self.dtype.newbyteorder("="))
+        return (
+            data.view(self.dtype)
+            if data.dtype.kind == "V"
+            else data.astype(self.dtype.newbyteorder("="))
+        )
 
     def verify_stitched_value(self) -> None:
         """A sharded variable's ``value`` dataset, when there, reads as its shards put together."""
         try:
-            group = self._reader._h5()[self.path]
-            if "value" not in group:
+            group = _h5policy.get(self._reader._h5(), self.path, self._reader.path)  # links checked
+            if not isinstance(group, h5py.Group) or "value" not in group:
                 return
-            stitched = self._as_dtype(np.asarray(group["value"][()]))
+            # Our own stitched view may be virtual, with every source in this file; nothing else.
+            _h5policy.check_path(group.id, "value", self._reader.path)
+            dataset = group["value"]
+            _h5policy.check_dataset(
+                dataset.id, self._reader.path, f"{self.path}/value", own_virtual=True
+            )
+            stitched = self._as_dtype(np.asarray(dataset[()]))
+        except CorruptCheckpointError:
+            raise  # refused by the indirection policy: its own message
         except _H5_ERRORS as exc:
             raise CorruptCheckpointError(
-                "HDF5 cannot read the stitched 'value' dataset", file=self._reader.path,
-                variable=f"{self.path}/value", found=str(exc),
+                "HDF5 cannot read the stitched 'value' dataset",
+                file=self._reader.path,
+                variable=f"{self.path}/value",
+                found=str(exc),
             ) from None
         if stitched.shape != self.shape or not np.array_equal(
             byte_view(np.ascontiguousarray(stitched)), byte_view(self.value())
         ):
             raise CorruptCheckpointError(
-                "the stitched 'value' dataset differs from the shards", file=self._reader.path,
-                variable=f"{self.path}/value", expected="the shards put together", found="other values",
+                "the stitched 'value' dataset differs from the shards",
+                file=self._reader.path,
+                variable=f"{self.path}/value",
+                expected="the shards put together",
+                found="other values",
             )
 
     def _pread_ok(self, i: int) -> bool:
@@ -1009,26 +1159,38 @@ class StoredVariable:
             n = os.preadv(self._reader._fd(), [memoryview(buf)[: min(remaining, len(buf))]], offset)  # type: ignore[arg-type]
             if n <= 0:
                 raise TruncatedFileError(
-                    "file ends inside the data", file=self._reader.path,
-                    variable=f"{self.path}/{component_name(i)}", found=f"{self._reader.file_size} bytes",
+                    "file ends inside the data",
+                    file=self._reader.path,
+                    variable=f"{self.path}/{component_name(i)}",
+                    found=f"{self._reader.file_size} bytes",
                 )
             crc = _crc32c.crc32c(memoryview(buf)[:n], crc)  # type: ignore[arg-type]
             offset += n
             remaining -= n
         self._compare(i, crc)
 
-    def read_component_into(self, i: int, out: np.ndarray, *, verify: bool = True, cast: bool = False) -> None:
+    def read_component_into(
+        self, i: int, out: np.ndarray, *, verify: bool = True, cast: bool = False
+    ) -> None:
         """Read component ``i`` straight into ``out`` (same shape; same dtype unless ``cast``)."""
         if tuple(out.shape) != self.component_shape(i):
             raise ShapeMismatchError(
-                "shape mismatch", file=self._reader.path, variable=self.path,
-                expected=tuple(out.shape), found=self.component_shape(i),
+                "shape mismatch",
+                file=self._reader.path,
+                variable=self.path,
+                expected=tuple(out.shape),
+                found=self.component_shape(i),
             )
         if out.dtype != self.dtype and not cast:
             raise DtypeMismatchError(
-                "dtype mismatch", file=self._reader.path, variable=self.path,
-                expected=dtype_name(out.dtype), found=dtype_name(self.dtype), hint="pass allow_cast=True to convert",
+                "dtype mismatch",
+                file=self._reader.path,
+                variable=self.path,
+                expected=dtype_name(out.dtype),
+                found=dtype_name(self.dtype),
+                hint="pass allow_cast=True to convert",
             )
+
         def copy(data: np.ndarray) -> None:
             if verify and i not in self._verified:
                 self._check(i, data)
@@ -1037,11 +1199,7 @@ class StoredVariable:
             else:
                 out[...] = data.astype(out.dtype)
 
-        if (
-            out.dtype == self.dtype
-            and out.flags.c_contiguous
-            and self._pread_ok(i)
-        ):
+        if out.dtype == self.dtype and out.flags.c_contiguous and self._pread_ok(i):
             # Straight from the file into ``out``, then its checksum there: no extra copy.
             loc = self._location(i)
             assert loc is not None
@@ -1063,8 +1221,10 @@ class StoredVariable:
             n = os.preadv(fd, [view], offset)
             if n <= 0:
                 raise TruncatedFileError(
-                    "file ends inside the data", file=self._reader.path,
-                    variable=f"{self.path}/{component_name(i)}", found=f"{self._reader.file_size} bytes",
+                    "file ends inside the data",
+                    file=self._reader.path,
+                    variable=f"{self.path}/{component_name(i)}",
+                    found=f"{self._reader.file_size} bytes",
                 )
             view, offset = view[n:], offset + n
 
@@ -1122,7 +1282,10 @@ class H5Reader(Mapping[str, StoredVariable]):
             head = fh.read(8)
         if not h5py.is_hdf5(self.path):
             raise NotACheckpointError(
-                "not an HDF5 file", file=self.path, expected=f"HDF5 signature {HDF5_SIGNATURE!r}", found=f"{head!r}"
+                "not an HDF5 file",
+                file=self.path,
+                expected=f"HDF5 signature {HDF5_SIGNATURE!r}",
+                found=f"{head!r}",
             )
         try:
             self._file = h5py.File(self.path, "r")
@@ -1130,7 +1293,9 @@ class H5Reader(Mapping[str, StoredVariable]):
             msg = str(exc)
             if "truncated" in msg.lower():
                 raise TruncatedFileError("file is truncated", file=self.path, found=msg) from None
-            raise CorruptCheckpointError("HDF5 file cannot be opened", file=self.path, found=msg) from None
+            raise CorruptCheckpointError(
+                "HDF5 file cannot be opened", file=self.path, found=msg
+            ) from None
         try:
             self._load()
         except BaseException:
@@ -1143,45 +1308,65 @@ class H5Reader(Mapping[str, StoredVariable]):
         try:
             version = f.attrs.get("parallelvars_format")
         except _H5_ERRORS as exc:
-            raise CorruptCheckpointError("root attributes unreadable", file=self.path, found=str(exc)) from None
+            raise CorruptCheckpointError(
+                "root attributes unreadable", file=self.path, found=str(exc)
+            ) from None
         if version is None:
             raise NotACheckpointError(
-                "an HDF5 file, but not a parallelvars checkpoint", file=self.path,
-                expected="root attribute 'parallelvars_format'", found="none",
+                "an HDF5 file, but not a parallelvars checkpoint",
+                file=self.path,
+                expected="root attribute 'parallelvars_format'",
+                found="none",
             )
         try:
             version = int(version)
         except (TypeError, ValueError):
-            raise CorruptCheckpointError("bad format version attribute", file=self.path, found=repr(version)) from None
+            raise CorruptCheckpointError(
+                "bad format version attribute", file=self.path, found=repr(version)
+            ) from None
         if version > FORMAT_VERSION:
             raise FormatVersionError(
-                "checkpoint written by a newer layout version", file=self.path,
-                expected=f"version <= {FORMAT_VERSION}", found=f"version {version}",
+                "checkpoint written by a newer layout version",
+                file=self.path,
+                expected=f"version <= {FORMAT_VERSION}",
+                found=f"version {version}",
                 hint="upgrade parallelvars to read it",
             )
         self.format_version = version
         try:
             self.metadata: dict[str, Any] = {k: _decode(v) for k, v in f.attrs.items()}
-            listed = self.metadata.pop(DOCUMENTS_ATTR, None)  # layout bookkeeping, not user metadata
+            listed = self.metadata.pop(
+                DOCUMENTS_ATTR, None
+            )  # layout bookkeeping, not user metadata
             required = set(listed) if isinstance(listed, list) else set()
             metas = _read_json(f, INDEX_DATASET, self.path, required=INDEX_DATASET in required)
             if metas is not None:
                 if not isinstance(metas, dict):
                     raise CorruptCheckpointError("index is not a mapping", file=self.path)
-                self._variables = {name: StoredVariable(self, name, metas[name]) for name in sorted(metas)}
+                self._variables = {
+                    name: StoredVariable(self, name, metas[name]) for name in sorted(metas)
+                }
             else:
                 groups = {
-                    name: obj for name, obj in _h5policy.walk(f, self.path, own_virtual="value")
-                    if isinstance(obj, h5py.Group) and "kind" in obj.attrs and not name.startswith(META_GROUP)
+                    name: obj
+                    for name, obj in _h5policy.walk(f, self.path, own_virtual="value")
+                    if isinstance(obj, h5py.Group)
+                    and "kind" in obj.attrs
+                    and not name.startswith(META_GROUP)
                 }
-                self._variables = {name: StoredVariable.from_group(self, name, groups[name]) for name in sorted(groups)}
+                self._variables = {
+                    name: StoredVariable.from_group(self, name, groups[name])
+                    for name in sorted(groups)
+                }
             self.object_graph: dict[str, Any] | None = _read_json(
                 f, GRAPH_DATASET, self.path, required=GRAPH_DATASET in required
             )
         except (CorruptCheckpointError, UnsupportedDtypeError):
             raise
         except (*_H5_ERRORS, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-            raise CorruptCheckpointError("damaged file structure", file=self.path, found=str(exc)) from None
+            raise CorruptCheckpointError(
+                "damaged file structure", file=self.path, found=str(exc)
+            ) from None
 
     def _open_dataset(self, path: str, dtype: np.dtype) -> Any:
         """The dataset id at ``path`` under the indirection policy (see ``_h5policy``), its
@@ -1192,7 +1377,9 @@ class H5Reader(Mapping[str, StoredVariable]):
         other link is ever followed.
         """
         f = self._h5()
-        link = _h5policy.check_path(f.id, path, self.path, checked=self._checked_groups, last_external=True)
+        link = _h5policy.check_path(
+            f.id, path, self.path, checked=self._checked_groups, last_external=True
+        )
         if link is None:
             try:  # the low-level open: a fraction of the cost of Group.__getitem__
                 dsid = h5py.h5d.open(f.id, path.encode())
@@ -1208,7 +1395,9 @@ class H5Reader(Mapping[str, StoredVariable]):
                     part = self._parts[part_path] = h5py.File(part_path, "r")
                 except _H5_ERRORS as exc:
                     raise CorruptCheckpointError(
-                        "a part of the checkpoint cannot be opened", file=self.path, variable=path.lstrip("/"),
+                        "a part of the checkpoint cannot be opened",
+                        file=self.path,
+                        variable=path.lstrip("/"),
                         found=f"{part_path}: {exc}",
                     ) from None
         return _h5policy.open_dataset(part.id, os.fsdecode(link[1]), part_path, dtype=dtype)
@@ -1265,7 +1454,9 @@ class H5Reader(Mapping[str, StoredVariable]):
         except KeyError:
             from parallelvars.errors import MissingVariableError
 
-            raise MissingVariableError("no such variable in the checkpoint", file=self.path, variable=key) from None
+            raise MissingVariableError(
+                "no such variable in the checkpoint", file=self.path, variable=key
+            ) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._variables)

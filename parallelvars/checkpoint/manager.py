@@ -144,7 +144,9 @@ def _committed(directory: str, name: str) -> tuple[dict[int, tuple[str, float]],
 def _state_checksum(state: dict[str, Any]) -> str:
     """CRC-32C (8 hex digits) of the state's canonical JSON, its ``crc32c`` field left out."""
     body = {k: v for k, v in state.items() if k != "crc32c"}
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    canonical = json.dumps(
+        body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    )
     return f"{_crc32c.crc32c(canonical.encode('ascii')):08x}"
 
 
@@ -157,7 +159,9 @@ def _read_state(directory: str) -> dict[str, Any] | None:
     """
     path = os.path.join(directory, STATE_FILE)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        fd = os.open(
+            path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        )
     except OSError:
         return None
     try:
@@ -190,13 +194,19 @@ def _records(raw: Any) -> list[_Record]:
     out = []
     for item in raw if isinstance(raw, list) else []:
         try:
-            out.append(_Record(file=str(item["file"]), number=int(item["number"]), time=float(item["time"])))
+            out.append(
+                _Record(
+                    file=str(item["file"]), number=int(item["number"]), time=float(item["time"])
+                )
+            )
         except (KeyError, TypeError, ValueError, OverflowError):
             continue
     return out
 
 
-def _reconcile(directory: str, name: str, state: dict[str, Any] | None) -> tuple[list[_Record], list[_Record], float | None]:
+def _reconcile(
+    directory: str, name: str, state: dict[str, Any] | None
+) -> tuple[list[_Record], list[_Record], float | None]:
     """Managed and preserved records from the state, checked against the files on disk.
 
     Listed files that are gone are dropped. Committed files the state does not know and that
@@ -220,7 +230,11 @@ def _reconcile_listing(
         listed = _records(state.get("checkpoints"))
         managed = [r for r in listed if r.number in on_disk and on_disk[r.number][0] == r.file]
         missing = len(managed) < len(listed)
-        preserved = [r for r in _records(state.get("preserved")) if r.number in on_disk and on_disk[r.number][0] == r.file]
+        preserved = [
+            r
+            for r in _records(state.get("preserved"))
+            if r.number in on_disk and on_disk[r.number][0] == r.file
+        ]
         last = state.get("last_preserved_time")
         last_preserved = float(last) if isinstance(last, (int, float)) else None
         latest = _number_of(str(state.get("latest") or ""), name)
@@ -240,7 +254,9 @@ def _reconcile_listing(
 _SCAN_ATTEMPTS = 1000
 
 
-def _scan(directory: str, name: str) -> tuple[dict[str, Any] | None, list[_Record], list[_Record], float | None]:
+def _scan(
+    directory: str, name: str
+) -> tuple[dict[str, Any] | None, list[_Record], list[_Record], float | None]:
     """The state and :func:`_reconcile`'s records, from a listing and a state that agree.
 
     Lock-free readers race with the retention of a manager saving in another thread or
@@ -254,13 +270,17 @@ def _scan(directory: str, name: str) -> tuple[dict[str, Any] | None, list[_Recor
     """
     for _ in range(_SCAN_ATTEMPTS):
         state = _read_state(directory)
-        managed, preserved, last_preserved, vanished, missing = _reconcile_listing(directory, name, state)
+        managed, preserved, last_preserved, vanished, missing = _reconcile_listing(
+            directory, name, state
+        )
         if not vanished and (not missing or _read_state(directory) == state):
             break
     return state, managed, preserved, last_preserved
 
 
-def latest_checkpoint(directory: str | os.PathLike[str], checkpoint_name: str | None = None) -> str | None:
+def latest_checkpoint(
+    directory: str | os.PathLike[str], checkpoint_name: str | None = None
+) -> str | None:
     """The newest committed checkpoint in ``directory``, or None; takes no lock.
 
     Safe to call while a manager is saving into the directory, from any process: it returns
@@ -349,7 +369,9 @@ class _DirectoryLock:
                     holder = "unknown"
                 raise CheckpointLockedError(
                     "the checkpoint directory is in use by another CheckpointManager",
-                    file=os.path.dirname(self.path), expected="no other manager", found=f"process {holder} holds {LOCK_FILE}",
+                    file=os.path.dirname(self.path),
+                    expected="no other manager",
+                    found=f"process {holder} holds {LOCK_FILE}",
                     hint="close the other manager, or read with parallelvars.latest_checkpoint(), which takes no lock",
                 )
             os.ftruncate(fd, 0)
@@ -362,7 +384,10 @@ class _DirectoryLock:
 
     def _refused(self, found: str) -> CheckpointLockedError:
         return CheckpointLockedError(
-            "refusing to use the lock file", file=self.path, expected="a regular file", found=found,
+            "refusing to use the lock file",
+            file=self.path,
+            expected="a regular file",
+            found=found,
             hint="remove it; the manager creates its own",
         )
 
@@ -460,15 +485,24 @@ class CheckpointManager:
         read_only: bool = False,
     ) -> None:
         if not isinstance(checkpoint, Checkpoint):
-            raise InvalidArgumentTypeError(f"checkpoint must be a parallelvars Checkpoint, not {type(checkpoint).__name__}")
+            raise InvalidArgumentTypeError(
+                f"checkpoint must be a parallelvars Checkpoint, not {type(checkpoint).__name__}"
+            )
         if max_to_keep is not None and max_to_keep < 1:
             raise InvalidArgumentError(f"max_to_keep must be at least 1 or None, got {max_to_keep}")
         if checkpoint_interval is not None:
             if step_counter is None:
                 raise InvalidArgumentError("checkpoint_interval needs a step_counter")
             if checkpoint_interval < 0:
-                raise InvalidArgumentError(f"checkpoint_interval must be >= 0, got {checkpoint_interval}")
-        if not checkpoint_name or "/" in checkpoint_name or os.sep in checkpoint_name or checkpoint_name.startswith("."):
+                raise InvalidArgumentError(
+                    f"checkpoint_interval must be >= 0, got {checkpoint_interval}"
+                )
+        if (
+            not checkpoint_name
+            or "/" in checkpoint_name
+            or os.sep in checkpoint_name
+            or checkpoint_name.startswith(".")
+        ):
             raise InvalidArgumentError(f"invalid checkpoint_name {checkpoint_name!r}")
         self._checkpoint = checkpoint
         self._directory = os.path.abspath(os.fspath(directory))
@@ -502,14 +536,24 @@ class CheckpointManager:
         try:
             if self._locked:
                 self._remove_temporaries()
-            state, self._managed, self._preserved, self._last_preserved = _scan(self._directory, self._name)
-            if state is None and self._max_to_keep is not None and len(self._managed) > self._max_to_keep:
+            state, self._managed, self._preserved, self._last_preserved = _scan(
+                self._directory, self._name
+            )
+            if (
+                state is None
+                and self._max_to_keep is not None
+                and len(self._managed) > self._max_to_keep
+            ):
                 # Without a trusted record of what the policy let go, nothing found is deleted:
                 # what is beyond the max_to_keep window is kept for good, like a preserved one.
                 extra = self._managed[: -self._max_to_keep]
                 self._managed = self._managed[-self._max_to_keep :]
                 self._preserved = sorted(self._preserved + extra, key=lambda r: r.number)
-            if self._locked and (state is None or _comparable(state) != self._state(self._managed, self._preserved, self._last_preserved)):
+            if self._locked and (
+                state is None
+                or _comparable(state)
+                != self._state(self._managed, self._preserved, self._last_preserved)
+            ):
                 # The directory listing is the truth: rebuild a missing, damaged or stale state
                 # file now. Failing here (no space yet) is not fatal: the next save writes it.
                 with contextlib.suppress(OSError):
@@ -561,7 +605,11 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ saving
     def save(
-        self, checkpoint_number: int | None = None, check_interval: bool = True, *, blocking: bool | None = None
+        self,
+        checkpoint_number: int | None = None,
+        check_interval: bool = True,
+        *,
+        blocking: bool | None = None,
     ) -> str | None:
         """Write the next checkpoint and apply the retention policy.
 
@@ -592,9 +640,12 @@ class CheckpointManager:
         self.wait()
         if self._read_only:
             raise ReadOnlyDirectoryError(
-                "cannot save: the checkpoint directory is read-only for this process", file=self._directory,
+                "cannot save: the checkpoint directory is read-only for this process",
+                file=self._directory,
                 expected="a writable directory",
-                found="opened with read_only=True" if self._read_only_asked else "no write permission (or a read-only file system)",
+                found="opened with read_only=True"
+                if self._read_only_asked
+                else "no write permission (or a read-only file system)",
                 hint="restore works; save into another directory",
             )
         blocking = not self._async_default if blocking is None else blocking
@@ -648,7 +699,9 @@ class CheckpointManager:
             # Not a daemon: the interpreter joins it before exiting (before the atexit hooks
             # that tear h5py down), so a pending save completes and commits; _report_at_exit
             # prints what failed.
-            self._thread = threading.Thread(target=self._run_async, args=(job,), name=f"checkpoint-save-{number}")
+            self._thread = threading.Thread(
+                target=self._run_async, args=(job,), name=f"checkpoint-save-{number}"
+            )
             self._pending = path
             _PENDING.add(self)
             self._thread.start()
@@ -673,7 +726,8 @@ class CheckpointManager:
             print(
                 f"parallelvars: the non-blocking save to {self._pending} failed at exit and was not "
                 f"committed: {type(err).__name__}: {err}; the last good checkpoint is {last or 'none'}",
-                file=sys.stderr, flush=True,
+                file=sys.stderr,
+                flush=True,
             )
 
     def wait(self) -> None:
@@ -720,7 +774,11 @@ class CheckpointManager:
                 except BaseException:
                     self._undo_commit(record, replaces)
                     raise
-            self._managed, self._preserved, self._last_preserved = managed, preserved, last_preserved
+            self._managed, self._preserved, self._last_preserved = (
+                managed,
+                preserved,
+                last_preserved,
+            )
         if not self._bookkeeper:
             return
         for old in doomed:  # after the state no longer names them
@@ -733,11 +791,15 @@ class CheckpointManager:
     def _undo_commit(self, record: _Record, replaces: bool) -> None:
         """After a failed state write (under the mutex): take the new checkpoint back, or adopt it."""
         state = _read_state(self._directory)
-        recorded = state is not None and state.get("latest") == record.file  # replaced, then failed to fsync
+        recorded = (
+            state is not None and state.get("latest") == record.file
+        )  # replaced, then failed to fsync
         if not replaces and not recorded:
             try:
                 os.unlink(os.path.join(self._directory, record.file))
-                shutil.rmtree(os.path.join(self._directory, record.file) + PARTS_SUFFIX, ignore_errors=True)
+                shutil.rmtree(
+                    os.path.join(self._directory, record.file) + PARTS_SUFFIX, ignore_errors=True
+                )
                 with contextlib.suppress(OSError):
                     _fsync_directory(self._directory)
                 return
@@ -750,7 +812,9 @@ class CheckpointManager:
             managed.append(record)
         self._managed, self._preserved, self._last_preserved = managed, preserved, last
 
-    def _state(self, managed: list[_Record], preserved: list[_Record], last_preserved: float | None) -> dict[str, Any]:
+    def _state(
+        self, managed: list[_Record], preserved: list[_Record], last_preserved: float | None
+    ) -> dict[str, Any]:
         return {
             "format": STATE_FORMAT,
             "version": STATE_VERSION,
@@ -761,7 +825,9 @@ class CheckpointManager:
             "last_preserved_time": last_preserved,
         }
 
-    def _write_state(self, managed: list[_Record], preserved: list[_Record], last_preserved: float | None) -> None:
+    def _write_state(
+        self, managed: list[_Record], preserved: list[_Record], last_preserved: float | None
+    ) -> None:
         state = self._state(managed, preserved, last_preserved)
         state["crc32c"] = _state_checksum(state)
         text = json.dumps(state, indent=2, allow_nan=False) + "\n"

@@ -43,8 +43,8 @@ def component_index(name: str) -> int | None:
     if name == "primary":
         return 0
     prefix = "parallel_component_"
-    if name.startswith(prefix) and name[len(prefix):].isdigit():
-        i = int(name[len(prefix):])
+    if name.startswith(prefix) and name[len(prefix) :].isdigit():
+        i = int(name[len(prefix) :])
         return i if i > 0 else None
     return None
 
@@ -95,7 +95,9 @@ class Saveable(abc.ABC):
         """The record to save for ``obj`` (component arrays as views of its buffers)."""
 
     @abc.abstractmethod
-    def plan_restore(self, obj: Any, stored: Any, *, file: str, path: str, allow_cast: bool) -> Callable[[], None]:
+    def plan_restore(
+        self, obj: Any, stored: Any, *, file: str, path: str, allow_cast: bool
+    ) -> Callable[[], None]:
         """Validate ``stored`` against ``obj`` and return the callable that restores it.
 
         Must not modify ``obj``; raises a :class:`~parallelvars.errors.CheckpointError` naming
@@ -132,4 +134,3 @@ def get_saveable(obj: Any) -> Saveable | None:
         if s is not None:
             return s
     return None
-

@@ -52,7 +52,6 @@ def _is_float(dtype: np.dtype) -> bool:
     return dtype.kind == "f" or dtype.name.startswith(("bfloat", "float"))
 
 
-
 _first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
 _shape_of = operator.attrgetter("shape")
@@ -64,14 +63,19 @@ def _dense_checked(arr: np.ndarray, var: Any, shape: tuple[int, ...]) -> np.ndar
     """``arr`` when it can be the dense gradient of ``var`` (its shape, a numeric dtype)."""
     # The dtype first: a string or an object is a TypeError (as in TensorFlow), not a shape error.
     if arr.dtype.kind not in "fiu" and not _is_float(arr.dtype):
-        raise GradientTypeError("gradient is not numeric", variable=var.name, expected="a float array", found=arr.dtype)
+        raise GradientTypeError(
+            "gradient is not numeric", variable=var.name, expected="a float array", found=arr.dtype
+        )
     if arr.shape != shape:
-        raise GradientError("gradient of another shape", variable=var.name, expected=shape, found=arr.shape)
+        raise GradientError(
+            "gradient of another shape", variable=var.name, expected=shape, found=arr.shape
+        )
     return arr
 
 
 def _INDEXED_SLICES_FREE(grads: list[Any]) -> bool:
     return IndexedSlices not in set(map(type, grads))
+
 
 class _ReplicaGradients:
     """One replica's ``(gradient, variable)`` pairs, handed to ``merge_call`` as one value.
@@ -91,12 +95,16 @@ class _FusedPlan:
 
     __slots__ = ("candidates", "dtypes", "pick", "shapes")
 
-    def __init__(self, candidates: tuple[int, ...], dtypes: list[np.dtype], shapes: list[tuple[int, ...]]) -> None:
+    def __init__(
+        self, candidates: tuple[int, ...], dtypes: list[np.dtype], shapes: list[tuple[int, ...]]
+    ) -> None:
         self.candidates = candidates
         self.dtypes = dtypes
         self.shapes = shapes
         self.pick: Callable[[Sequence[Any]], Any] = (
-            operator.itemgetter(*candidates) if len(candidates) > 1 else (lambda seq: [seq[i] for i in candidates])
+            operator.itemgetter(*candidates)
+            if len(candidates) > 1
+            else (lambda seq: [seq[i] for i in candidates])
         )
 
 
@@ -136,7 +144,9 @@ class GradientBuffers:
     where gradients are accumulated.
     """
 
-    def __init__(self, variables: Sequence[Any], layout: update_core.GradLayout, replicas: int) -> None:
+    def __init__(
+        self, variables: Sequence[Any], layout: update_core.GradLayout, replicas: int
+    ) -> None:
         self.variables: tuple[Any, ...] = tuple(variables)
         self._layout = layout
         self._buffers = [layout.buffers() for _ in range(replicas)]
@@ -195,7 +205,9 @@ class GradientBuffers:
                 b.fill(0)
 
     def __repr__(self) -> str:
-        return f"<GradientBuffers of {len(self.variables)} variables x {len(self._buffers)} replicas>"
+        return (
+            f"<GradientBuffers of {len(self.variables)} variables x {len(self._buffers)} replicas>"
+        )
 
 
 class Optimizer(Module):
@@ -276,7 +288,8 @@ class Optimizer(Module):
         if len(grads) != len(variables):
             raise GradientError(
                 f"optimizer {self._pv_name!r}: compute_gradients() needs one gradient per variable",
-                expected=f"{len(variables)} gradients", found=f"{len(grads)} gradients",
+                expected=f"{len(variables)} gradients",
+                found=f"{len(grads)} gradients",
             )
         return list(zip(scale_loss_for_replicas(grads), variables, strict=True))
 
@@ -314,7 +327,9 @@ class Optimizer(Module):
                 f"context of {mode.strategy!r}; call it inside strategy.run(...), or use "
                 "optimizer.distributed_apply(strategy, grads_and_vars) with reduced gradients"
             )
-        mode.replica_context.merge_call(self._merged_apply, args=(_ReplicaGradients(pairs), global_step))
+        mode.replica_context.merge_call(
+            self._merged_apply, args=(_ReplicaGradients(pairs), global_step)
+        )
 
     def gradient_buffers(self, var_list: Sequence[Any]) -> GradientBuffers:
         """Flat gradient buffers for ``var_list``, one per replica, with a view per variable.
@@ -374,7 +389,11 @@ class Optimizer(Module):
             or not getattr(strategy, "fusion", True)
             or any(tuple(map(id, map(_second, p.pairs))) != key for p in parts[1:])
         ):
-            merged = strategy._merge_args([p.pairs for p in parts]) if hasattr(strategy, "_merge_args") else parts[0].pairs
+            merged = (
+                strategy._merge_args([p.pairs for p in parts])
+                if hasattr(strategy, "_merge_args")
+                else parts[0].pairs
+            )
             self._distributed_apply(strategy, merged, global_step, True)
             return
         plan = self._fused_plan(key, var_list)
@@ -383,7 +402,9 @@ class Optimizer(Module):
             merged = strategy._merge_args([p.pairs for p in parts])
             self._distributed_apply(strategy, merged, global_step, True)
             return
-        lines = self._pack(var_list, fused, picked if fused == plan.candidates else None, parts, order, strategy)
+        lines = self._pack(
+            var_list, fused, picked if fused == plan.candidates else None, parts, order, strategy
+        )
         if len(fused) == len(var_list):
             rest: Any = []
         else:
@@ -444,7 +465,8 @@ class Optimizer(Module):
         for k, pos in enumerate(cand):
             gs = [g[k] for g in picked]
             if all(
-                type(g) is np.ndarray and g.dtype == plan.dtypes[k] and g.shape == plan.shapes[k] for g in gs
+                type(g) is np.ndarray and g.dtype == plan.dtypes[k] and g.shape == plan.shapes[k]
+                for g in gs
             ) and not (len(gs) > 1 and all(g is gs[0] for g in gs)):
                 out.append(pos)
         return tuple(out), picked
@@ -477,16 +499,31 @@ class Optimizer(Module):
         user = self._pv_gradbufs.get(fkey)
         if user is not None and user.variables != tuple(fvars):
             user = None
-        pick = (lambda seq: seq) if len(fused) == len(var_list) else (lambda seq: [seq[i] for i in fused])
+        pick = (
+            (lambda seq: seq)
+            if len(fused) == len(var_list)
+            else (lambda seq: [seq[i] for i in fused])
+        )
         cross_process = len(parts) == 1 and strategy.num_replicas_in_sync > 1
-        if user is None and not cross_process and sum(layout.sizes.values()) >= _DIRECT_SIZE * len(fvars):
+        if (
+            user is None
+            and not cross_process
+            and sum(layout.sizes.values()) >= _DIRECT_SIZE * len(fvars)
+        ):
             # Large variables: add the replicas' arrays as they are, no packing copy.
-            direct = [picked[r] if picked is not None else pick(list(map(_first, parts[r].pairs))) for r in order]
+            direct = [
+                picked[r] if picked is not None else pick(list(map(_first, parts[r].pairs)))
+                for r in order
+            ]
             return _FusedLines(fvars, runs, layout, [], direct)
         bufs: list[dict[np.dtype, np.ndarray]] = []
         for r in order:
             grads = picked[r] if picked is not None else pick(list(map(_first, parts[r].pairs)))
-            if user is not None and len(user) == len(parts) and all(map(operator.is_, grads, user._views[r])):
+            if (
+                user is not None
+                and len(user) == len(parts)
+                and all(map(operator.is_, grads, user._views[r]))
+            ):
                 bufs.append(user._buffers[r])  # written in place: nothing to pack
                 continue
             target = staging[r]
@@ -643,7 +680,9 @@ class Optimizer(Module):
         return s
 
     # ------------------------------------------------------------------ the step
-    def _reduce(self, strategy: Any, pairs: list[tuple[Any, Any]], from_replicas: bool) -> list[Any]:
+    def _reduce(
+        self, strategy: Any, pairs: list[tuple[Any, Any]], from_replicas: bool
+    ) -> list[Any]:
         """SUM every gradient across replicas.
 
         ``from_replicas``: the pairs were merged from every replica's ``apply_gradients``, so a
@@ -717,14 +756,21 @@ class Optimizer(Module):
         if type(g) is np.ndarray:  # the common case, kept cheap
             return _dense_checked(g, var, shape)
         # A reduced gradient may come back wrapped (a mirrored value): its primary is the value.
-        if not isinstance(g, IndexedSlices) and isinstance(getattr(g, "values", None), (tuple, list)):
+        if not isinstance(g, IndexedSlices) and isinstance(
+            getattr(g, "values", None), (tuple, list)
+        ):
             g = g.values[0]
         if isinstance(g, IndexedSlices):
             if not shape:
-                raise GradientError("a scalar variable cannot take a sparse gradient", variable=var.name)
+                raise GradientError(
+                    "a scalar variable cannot take a sparse gradient", variable=var.name
+                )
             if g.dense_shape is not None and g.dense_shape != shape:
                 raise GradientError(
-                    "sparse gradient for another shape", variable=var.name, expected=shape, found=g.dense_shape
+                    "sparse gradient for another shape",
+                    variable=var.name,
+                    expected=shape,
+                    found=g.dense_shape,
                 )
             if tuple(g.values.shape[1:]) != shape[1:]:
                 raise GradientError(
@@ -744,7 +790,11 @@ class Optimizer(Module):
             if self._sparse_as_dense:
                 return g.to_dense(shape)
             return g
-        arr = g if type(g) is np.ndarray else np.asarray(g.read_value() if isinstance(g, ParallelVariable) else g)
+        arr = (
+            g
+            if type(g) is np.ndarray
+            else np.asarray(g.read_value() if isinstance(g, ParallelVariable) else g)
+        )
         return _dense_checked(arr, var, shape)
 
     def _distributed_apply(
@@ -787,7 +837,9 @@ class Optimizer(Module):
                 if id(dup) in seen:
                     break
                 seen.add(id(dup))
-            raise GradientError("a variable appears twice in one step", variable=getattr(dup, "name", None))
+            raise GradientError(
+                "a variable appears twice in one step", variable=getattr(dup, "name", None)
+            )
         reduced = self._reduce(strategy, pairs, from_replicas)
         shapes = self._pv_shapes.get(key) if steady else None
         if (
@@ -806,7 +858,9 @@ class Optimizer(Module):
                 self._pv_known.pop(next(iter(self._pv_known)))
             self._pv_known[key] = tuple(var_list)
             self._pv_shapes[key] = [self._info(v)[0] for v in var_list]
-        self._create_non_slots(strategy, var_list if fused is None else [*fused.variables, *var_list])
+        self._create_non_slots(
+            strategy, var_list if fused is None else [*fused.variables, *var_list]
+        )
         assert self.iterations is not None
         hp = self._hyper(int(self.iterations.read_value()))
         if fused is not None:
@@ -818,7 +872,9 @@ class Optimizer(Module):
         if fused.direct is not None:
             update_core.apply_direct(fused.runs, fused.direct, self._kernel, hp, self._scratch)
             return
-        update_core.apply_lines(fused.runs, fused.layout, fused.parts, self._kernel, hp, self._scratch)
+        update_core.apply_lines(
+            fused.runs, fused.layout, fused.parts, self._kernel, hp, self._scratch
+        )
 
     def _step_done(self, strategy: Any, global_step: Any) -> None:
         update_non_slot = getattr(strategy, "update_non_slot", None)
@@ -841,7 +897,9 @@ class Optimizer(Module):
             split = self._pv_split.get(key)
             if split is None or not all(map(operator.is_, split[0], var_list)):
                 info = self._info
-                fast = [info(v)[2] for v in var_list]  # one pass: the split is linear in the variables
+                fast = [
+                    info(v)[2] for v in var_list
+                ]  # one pass: the split is linear in the variables
                 fast_idx = tuple(i for i, f in enumerate(fast) if f)
                 split = (tuple(var_list), fast_idx, tuple(i for i, f in enumerate(fast) if not f))
                 if len(self._pv_split) >= _PLAN_CACHE:
@@ -850,7 +908,9 @@ class Optimizer(Module):
             _, fast_idx, slow_idx = split
             for i in slow_idx:
                 self._update_one(var_list[i], grads[i], hp)
-            fast_vars = var_list if len(fast_idx) == len(var_list) else [var_list[i] for i in fast_idx]
+            fast_vars = (
+                var_list if len(fast_idx) == len(var_list) else [var_list[i] for i in fast_idx]
+            )
             fast_grads = grads if len(fast_idx) == len(var_list) else [grads[i] for i in fast_idx]
         else:
             fast_vars, fast_grads = [], []
@@ -905,10 +965,15 @@ class Optimizer(Module):
                 s[:, idx] = rs.reshape(s[:, idx].shape)
             return
         self._compute(
-            update_core.row_view(sv), [update_core.row_view(s) for s in ss], np.asarray(g).reshape(1, -1), hp
+            update_core.row_view(sv),
+            [update_core.row_view(s) for s in ss],
+            np.asarray(g).reshape(1, -1),
+            hp,
         )
 
-    def _compute(self, var2d: np.ndarray, slots2d: list[np.ndarray], g: np.ndarray, hp: Any) -> None:
+    def _compute(
+        self, var2d: np.ndarray, slots2d: list[np.ndarray], g: np.ndarray, hp: Any
+    ) -> None:
         dt = var2d.dtype
         if dt in update_core.FAST_DTYPES:
             line = g.astype(dt, copy=False) if g.dtype != dt else g

@@ -64,7 +64,11 @@ class Momentum(Optimizer):
     """
 
     def __init__(
-        self, learning_rate: LearningRate, momentum: float, use_nesterov: bool = False, name: str = "Momentum"
+        self,
+        learning_rate: LearningRate,
+        momentum: float,
+        use_nesterov: bool = False,
+        name: str = "Momentum",
     ) -> None:
         super().__init__(learning_rate, name)
         self.momentum = float(momentum)
@@ -75,7 +79,12 @@ class Momentum(Optimizer):
 
     def _hyper(self, step: int) -> SimpleNamespace:
         lr = self._lr(step)
-        return SimpleNamespace(lr=lr, momentum=self.momentum, lr_momentum=lr * self.momentum, nesterov=self.use_nesterov)
+        return SimpleNamespace(
+            lr=lr,
+            momentum=self.momentum,
+            lr_momentum=lr * self.momentum,
+            nesterov=self.use_nesterov,
+        )
 
     @staticmethod
     def _kernel(var: Any, slots: Any, g: Any, hp: Any, tmp: Any, gtmp: Any) -> None:
@@ -221,10 +230,15 @@ class Adagrad(Optimizer):
     """
 
     def __init__(
-        self, learning_rate: LearningRate, initial_accumulator_value: float = 0.1, name: str = "Adagrad"
+        self,
+        learning_rate: LearningRate,
+        initial_accumulator_value: float = 0.1,
+        name: str = "Adagrad",
     ) -> None:
         if not initial_accumulator_value > 0:
-            raise InvalidArgumentError(f"initial_accumulator_value must be positive, got {initial_accumulator_value}")
+            raise InvalidArgumentError(
+                f"initial_accumulator_value must be positive, got {initial_accumulator_value}"
+            )
         super().__init__(learning_rate, name)
         self.initial_accumulator_value = float(initial_accumulator_value)
 

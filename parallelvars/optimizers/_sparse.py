@@ -150,7 +150,10 @@ def clip_by_global_norm(
     if per_replica and use_norm is None:
         n = len(per_replica[0].values)
         columns = [
-            [t.values[i] if isinstance(getattr(t, "values", None), (tuple, list)) else t for t in items]
+            [
+                t.values[i] if isinstance(getattr(t, "values", None), (tuple, list)) else t
+                for t in items
+            ]
             for i in range(n)
         ]
         clipped = [clip_by_global_norm(col, clip_norm) for col in columns]

@@ -113,7 +113,11 @@ class ReplicaContext:
     def _check_current(self) -> None:
         mode = _context.current_mode()
         if mode.replica_context is not self:
-            where = "cross-replica context" if mode.replica_context is None else repr(mode.replica_context)
+            where = (
+                "cross-replica context"
+                if mode.replica_context is None
+                else repr(mode.replica_context)
+            )
             raise ContextError(
                 f"merge_call of {self!r} called from {where}: call it from its own replica function"
             )
@@ -210,8 +214,9 @@ class Strategy:
             return
         if not mode.strategy._is_default:
             raise ContextError(self._mixing_message("enter the scope of", mode.strategy))
-        with _context.push_mode(_context.Mode(self, None)), _context.variable_creator_scope(
-            self._variable_creator
+        with (
+            _context.push_mode(_context.Mode(self, None)),
+            _context.variable_creator_scope(self._variable_creator),
         ):
             yield self
 
@@ -260,7 +265,9 @@ class Strategy:
         if var is None:
             return None
         comps = var.components
-        if len(comps) != len(values) or any(c is not v for c, v in zip(comps, values, strict=False)):
+        if len(comps) != len(values) or any(
+            c is not v for c, v in zip(comps, values, strict=False)
+        ):
             return None
         return var
 
@@ -280,7 +287,8 @@ class Strategy:
         if _is_variable(colocate_with):
             target = colocate_with.device
         elif isinstance(colocate_with, (ParallelDevice, str)) or (
-            isinstance(colocate_with, (tuple, list)) and all(isinstance(d, str) for d in colocate_with)
+            isinstance(colocate_with, (tuple, list))
+            and all(isinstance(d, str) for d in colocate_with)
         ):
             target = ParallelDevice(colocate_with)
         else:
@@ -374,7 +382,12 @@ class Strategy:
         return (value,), self.worker_devices[:1]
 
     def reduce(
-        self, op: ReduceOp | Aggregation | str, value: Any, axis: Any = None, *, destinations: Any = None
+        self,
+        op: ReduceOp | Aggregation | str,
+        value: Any,
+        axis: Any = None,
+        *,
+        destinations: Any = None,
     ) -> Any:
         """Combine a per-replica value across replicas into one numpy array.
 
@@ -448,8 +461,7 @@ class Strategy:
             ParallelDevice(destinations)
         except (TypeError, ValueError):
             raise DistributedValueError(
-                "reduce() destinations must be a variable or device names, found "
-                f"{destinations!r}"
+                f"reduce() destinations must be a variable or device names, found {destinations!r}"
             ) from None
 
     def _reduce_to(
@@ -595,7 +607,9 @@ class Strategy:
             return select_replica(i, x, n)
         return x
 
-    def update_non_slot(self, colocate_with: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def update_non_slot(
+        self, colocate_with: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
         """Run ``fn(*args, **kwargs)`` once, updating the non-slot variables on ``colocate_with``.
 
         ``colocate_with`` is what :meth:`non_slot_devices` returned. ``fn`` runs once (not once

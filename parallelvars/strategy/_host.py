@@ -120,7 +120,11 @@ def loss_reduction(op: ReduceOp | str) -> Iterator[None]:
 
 def _num_replicas() -> int:
     ctx = _context.get_replica_context()
-    return ctx.num_replicas_in_sync if ctx is not None else _context.get_strategy().num_replicas_in_sync
+    return (
+        ctx.num_replicas_in_sync
+        if ctx is not None
+        else _context.get_strategy().num_replicas_in_sync
+    )
 
 
 def _is_sparse(x: Any) -> bool:
@@ -162,7 +166,8 @@ def scale_loss_for_replicas(value: Any, num_replicas: int | None = None) -> Any:
 
     if isinstance(value, (list, tuple)) and not _is_sparse(value):
         out = [
-            (scale(item[0]), *item[1:]) if isinstance(item, tuple) else scale(item) for item in value
+            (scale(item[0]), *item[1:]) if isinstance(item, tuple) else scale(item)
+            for item in value
         ]
         return type(value)(out)
     return scale(value)

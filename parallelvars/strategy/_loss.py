@@ -73,7 +73,9 @@ def compute_average_loss(
         per_example_loss = per_example_loss * sample_weight
     if global_batch_size is None:
         global_batch_size = shape[0] * _num_replicas()
-    elif isinstance(global_batch_size, bool) or not isinstance(global_batch_size, (int, np.integer)):
+    elif isinstance(global_batch_size, bool) or not isinstance(
+        global_batch_size, (int, np.integer)
+    ):
         raise DistributedValueError(
             f"global_batch_size must be an integer (found {type(global_batch_size).__name__})"
         )

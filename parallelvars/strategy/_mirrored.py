@@ -73,7 +73,9 @@ class _Step:
             f"{self.error_replica} raised {type(self.error).__name__}: {self.error}"
         )
 
-    def merge(self, replica: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def merge(
+        self, replica: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         with self.lock:
             if self.aborted:
                 raise self._stopped(replica)
@@ -129,9 +131,7 @@ class _Step:
                     f"{len(calls[0][1])} {sorted(calls[0][2])}"
                 )
         owner_of = self.strategy._owner_of
-        args = tuple(
-            regroup([c[1][j] for c in calls], owner_of) for j in range(len(calls[0][1]))
-        )
+        args = tuple(regroup([c[1][j] for c in calls], owner_of) for j in range(len(calls[0][1])))
         kwargs = {k: regroup([c[2][k] for c in calls], owner_of) for k in calls[0][2]}
         modes = _context._MODES
         token = modes.set((*modes.get(), _context.Mode(self.strategy, None)))
@@ -210,7 +210,12 @@ def _merge_write(strategy: Strategy, var: Any, op: str, value: Any) -> None:
 
 
 def _replica_body(
-    strategy: MirroredStrategy, replica: int, step: _Step, fn: Callable[..., Any], args: Any, kwargs: Any
+    strategy: MirroredStrategy,
+    replica: int,
+    step: _Step,
+    fn: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
 ) -> Any:
     # Runs inside a copy of the caller's context: this set is discarded with the copy.
     ctx = _MirroredReplicaContext(strategy, replica, step)
@@ -329,9 +334,15 @@ class MirroredStrategy(Strategy):
                 )
             try:
                 per_args = split_per_replica(args, n) if split else [args] * n
-                per_kwargs = split_per_replica(kwargs, n) if kwargs and _needs_walk(kwargs) else [kwargs] * n
+                per_kwargs = (
+                    split_per_replica(kwargs, n) if kwargs and _needs_walk(kwargs) else [kwargs] * n
+                )
                 jobs = [
-                    (step, contextvars.copy_context(), (self, i, step, fn, per_args[i], per_kwargs[i]))
+                    (
+                        step,
+                        contextvars.copy_context(),
+                        (self, i, step, fn, per_args[i], per_kwargs[i]),
+                    )
                     for i in range(n)
                 ]
             finally:
@@ -349,7 +360,11 @@ class MirroredStrategy(Strategy):
                 raise
         if step.error is not None:
             err = step.error
-            if step.error_replica >= 0 and hasattr(err, "add_note") and not isinstance(err, ReplicaError):
+            if (
+                step.error_replica >= 0
+                and hasattr(err, "add_note")
+                and not isinstance(err, ReplicaError)
+            ):
                 err.add_note(f"(raised in replica {step.error_replica} of {self!r})")
             raise err
         return regroup(step.results, self._owner_of)

@@ -197,7 +197,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         strategy.reduce(pv.ReduceOp.SUM, total)                    # 3.0 on every rank
     """
 
-    def __init__(self, comm: Any = None, *, fusion: bool = True, abort_on_error: bool = True) -> None:
+    def __init__(
+        self, comm: Any = None, *, fusion: bool = True, abort_on_error: bool = True
+    ) -> None:
         MPI = _import_mpi()
         self._MPI = MPI
         self._comm = MPI.COMM_WORLD if comm is None else comm
@@ -273,7 +275,9 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     def _merges_writes_of(self, var: Any) -> bool:
         comps: Sequence[Any] = getattr(var, "components", ())
-        return self.num_replicas_in_sync > 1 and bool(comps) and self._owners.get(id(comps[0])) is var
+        return (
+            self.num_replicas_in_sync > 1 and bool(comps) and self._owners.get(id(comps[0])) is var
+        )
 
     @contextlib.contextmanager
     def colocate_vars_with(self, colocate_with: Any) -> Iterator[None]:
@@ -476,11 +480,15 @@ class MultiWorkerMirroredStrategy(Strategy):
         total = self._allreduce_ordered(np.asarray(local))
         if op is ReduceOp.MEAN:
             if count == 0:
-                raise DistributedValueError(f"cannot take the mean along axis {axis} of empty values")
+                raise DistributedValueError(
+                    f"cannot take the mean along axis {axis} of empty values"
+                )
             return _mean_of(total, count)
         return total
 
-    def _batch_reduce_to(self, op: ReduceOp, values: Sequence[Sequence[Any]], devices: Sequence[Any]) -> list[Any]:
+    def _batch_reduce_to(
+        self, op: ReduceOp, values: Sequence[Sequence[Any]], devices: Sequence[Any]
+    ) -> list[Any]:
         if not self.fusion:
             return [self._reduce_to(op, v, d) for v, d in zip(values, devices, strict=True)]
         out: list[Any] = [None] * len(values)
@@ -540,8 +548,13 @@ class MultiWorkerMirroredStrategy(Strategy):
         self, path: str, records: Sequence[Any], *, object_graph: Any = None, metadata: Any = None
     ) -> str:
         return write_collective(
-            self._comm, path, records, self.parameter_devices, self.worker_devices,
-            object_graph=object_graph, metadata=metadata,
+            self._comm,
+            path,
+            records,
+            self.parameter_devices,
+            self.worker_devices,
+            object_graph=object_graph,
+            metadata=metadata,
         )
 
 
@@ -612,8 +625,15 @@ def write_collective(
         else:
             try:
                 _write_index(
-                    path, records, local_devices, global_devices, [c for _, c in gathered],
-                    rel_parts, size, object_graph, metadata,
+                    path,
+                    records,
+                    local_devices,
+                    global_devices,
+                    [c for _, c in gathered],
+                    rel_parts,
+                    size,
+                    object_graph,
+                    metadata,
                 )
             except Exception as exc:
                 outcome = f"rank 0 (index): {type(exc).__name__}: {exc}"
@@ -670,9 +690,12 @@ def _write_index(
             sources = [(0, j) for j in range(local_n)]
             attrs = dict(rec.attrs)
         links = [
-            ComponentLink(part(r), f"/{rec.path}/{component_name(j)}", rank_crcs[r][rec.path][j]) for r, j in sources
+            ComponentLink(part(r), f"/{rec.path}/{component_name(j)}", rank_crcs[r][rec.path][j])
+            for r, j in sources
         ]
-        variables.append(LinkedVariable(rec.path, rec.kind, rec.dtype, tuple(rec.shape), attrs, links))
+        variables.append(
+            LinkedVariable(rec.path, rec.kind, rec.dtype, tuple(rec.shape), attrs, links)
+        )
     write_h5_index(
         path, variables, object_graph=object_graph, metadata=dict(metadata or {}, processes=size)
     )

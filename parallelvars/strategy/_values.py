@@ -177,7 +177,9 @@ def local_results(value: Any) -> tuple[Any, ...]:
     else ``(value,)``."""
     if isinstance(value, PerReplica):
         return value.values
-    components = getattr(value, "_self_components", None)  # a ParallelVariable, without importing it
+    components = getattr(
+        value, "_self_components", None
+    )  # a ParallelVariable, without importing it
     if components is not None and hasattr(value, "_self_kind"):
         return tuple(components)
     return (value,)
