@@ -449,3 +449,21 @@ def test_sweep_only_our_errors_escape_and_the_cli_never_exits_3(tmp_path: Path) 
         scratch.mkdir(exist_ok=True)
         problems += [f"{name}: {p}" for p in fuzz_readers.sweep(path, str(scratch))]
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "convert"])
+def test_a_fifo_given_to_the_cli_is_refused_without_blocking(tmp_path: Path, command: str) -> None:
+    """Format detection reads a file's first bytes; a FIFO there would block forever."""
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    argv = [command, str(fifo)] + ([str(tmp_path / "out.h5")] if command == "convert" else [])
+    proc = subprocess.run(
+        [sys.executable, "-m", "parallelvars", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "FIFO" in proc.stderr and "pipe.safetensors" in proc.stderr
+    assert not (tmp_path / "out.h5").exists()
