@@ -1028,7 +1028,11 @@ class StoredVariable:
         try:
             group = _h5policy.get(self._reader._h5(), self.path, self._reader.path)  # links checked
             if not isinstance(group, h5py.Group):
-                raise KeyError(f"no group at {self.path!r}")
+                raise CorruptCheckpointError(
+                    "the index lists a variable whose HDF5 group is missing",
+                    file=self._reader.path,
+                    variable=self.path,
+                )
             attrs: dict[str, Any] = {}
             for key in group.attrs:
                 # Variable-length values live in HDF5's unchecksummed global heap, whose damage
