@@ -21,6 +21,7 @@ import parallelvars as pv
 KILLS = 22
 
 
+@pytest.mark.slow  # about 8 s of repeated SIGKILLs; CI runs it (.ci/run, -m slow)
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL is POSIX")
 def test_sigkill_during_saves_never_loses_or_tears_the_latest_checkpoint(tmp_path):
     result = soak_crash.run_kills(str(tmp_path), KILLS, seed=1234, max_delay=0.2, max_to_keep=3)

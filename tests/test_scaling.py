@@ -238,6 +238,7 @@ def _entries(k: int) -> dict[str, ArrayEntry]:
     return entries
 
 
+@pytest.mark.slow  # 18 cases of 1-3 s; CI runs them (.ci/run, -m slow)
 @pytest.mark.parametrize(
     "fmt,suffix", [("hdf5", "h5"), ("safetensors", "safetensors"), ("npz", "npz")]
 )
