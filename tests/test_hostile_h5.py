@@ -213,7 +213,8 @@ def test_virtual_dataset_onto_another_file_is_refused(tmp_path, other):
     assert "virtual dataset" in out and str(other) in out, out
 
 
-def test_own_sharded_value_vds_is_accepted(tmp_path):
+def sharded_file(tmp_path: Path) -> Path:
+    """A native file with one sharded variable ``s`` (two shards) and its stitched ``value``."""
     from parallelvars.formats import ArrayEntry, write_checkpoint
 
     path = tmp_path / "s.h5"
@@ -225,6 +226,11 @@ def test_own_sharded_value_vds_is_accepted(tmp_path):
         attrs={"shard_axis": 0, "shard_offsets": [0, 2]},
     )
     write_checkpoint(path, {"s": entry}, format="hdf5")
+    return path
+
+
+def test_own_sharded_value_vds_is_accepted(tmp_path):
+    path = sharded_file(tmp_path)
     with h5py.File(path, "r") as f:
         assert f["s/value"].is_virtual
     out = run("reader", path)
@@ -234,17 +240,7 @@ def test_own_sharded_value_vds_is_accepted(tmp_path):
 def test_sharded_value_vds_onto_another_file_is_refused_by_verify(tmp_path, other):
     """``verify`` also reads a sharded variable's stitched ``value``: a ``value`` whose sources
     are in another file is refused there too, and none of its bytes are read."""
-    from parallelvars.formats import ArrayEntry, write_checkpoint
-
-    path = tmp_path / "s.h5"
-    entry = ArrayEntry(
-        "s",
-        [np.arange(2, dtype=np.float32), np.arange(2, 4, dtype=np.float32)],
-        kind="sharded",
-        shape=(4,),
-        attrs={"shard_axis": 0, "shard_offsets": [0, 2]},
-    )
-    write_checkpoint(path, {"s": entry}, format="hdf5")
+    path = sharded_file(tmp_path)
     with h5py.File(path, "r+") as f:
         del f["s/value"]
         virtual(other)(f["s"], "value")
