@@ -260,3 +260,24 @@ def test_apply_gradients_in_strategy_run_sums_replica_gradients(name: str) -> No
         np.testing.assert_allclose(comp, ref_w.read_value(), rtol=1e-12, atol=1e-14)
     for comp in emb.components:
         np.testing.assert_allclose(comp, ref_emb.read_value(), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_a_gradient_object_shared_by_every_replica_counts_once_per_replica(replicas: int) -> None:
+    """Every replica handing ``apply_gradients`` the same array (a closure's gradient) is summed
+    once per replica, bit for bit as equal separate arrays are; it used to count once."""
+    values = np.array([0.1, 1.7, -3.3], np.float32)
+    results = []
+    for shared in (True, False):
+        strategy = pv.MirroredStrategy(replicas)
+        with strategy.scope():
+            w = pv.Variable(np.zeros(3, np.float32), name="w")
+            opt = pv.optimizers.SGD(1.0)
+        grads = [values] * replicas if shared else [values.copy() for _ in range(replicas)]
+        strategy.run(
+            lambda g, w=w, opt=opt: opt.apply_gradients([(g, w)]), args=(pv.PerReplica(grads),)
+        )
+        results.append(np.asarray(w).copy())
+    expected = -sum([values] * (replicas - 1), values.copy())
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0], expected)

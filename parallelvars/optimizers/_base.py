@@ -713,7 +713,17 @@ class Optimizer(Module):
             else:
                 dense.append(i)
         if dense and batch_reduce is not None:
-            reduced = batch_reduce(ReduceOp.SUM, [(pairs[i][0], pairs[i][1]) for i in dense])
+            local = len(getattr(strategy, "worker_devices", ())) or 1
+            values = []
+            for i in dense:
+                g = pairs[i][0]
+                if from_replicas and n > 1 and not isinstance(g, PerReplica):
+                    # The same object from every replica (merge_call keeps it one value): each
+                    # replica gave it, so it is summed once per replica, in device order, exactly
+                    # as equal separate arrays are (and as sparse gradients are above).
+                    g = PerReplica([g] * local)
+                values.append((g, pairs[i][1]))
+            reduced = batch_reduce(ReduceOp.SUM, values)
             for i, r in zip(dense, reduced, strict=True):
                 out[i] = r
         return out
