@@ -25,12 +25,21 @@ model B (2,000 vars, 1M params); model B in-run >= 10x faster than the loop.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 
 import numpy as np
-from bench_update import B1, B2, EPS, LR, _time_interleaved, check_targets, models_of, parse_args
+from bench_update import (
+    B1,
+    B2,
+    EPS,
+    LR,
+    _time_interleaved,
+    check_targets,
+    models_of,
+    parse_args,
+    write_json,
+)
 
 import parallelvars as pv
 
@@ -229,15 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         "per-replica gradients; bufs: the same with gradient_buffers views; loop: per-component numpy"
     )
     print("targets: A run/core <= 1.35x; B run/core <= 1.5x and loop/run >= 10x")
-    if args.json:
-        params = {
-            "replicas": args.replicas,
-            "steps": args.steps,
-            "scale": args.scale,
-            "model": args.model,
-        }
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "train_step", "params": params, "models": figures}, f, indent=2)
+    write_json(args, "train_step", figures)
     return 0
 
 

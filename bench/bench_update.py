@@ -223,6 +223,20 @@ def _model_json(r: dict[str, float | None]) -> dict[str, object]:
     }
 
 
+def write_json(args: argparse.Namespace, benchmark: str, figures: dict[str, object]) -> None:
+    """Write ``--json``'s file (what run_all reads): the run's parameters and each model's figures."""
+    if not args.json:
+        return
+    params = {
+        "replicas": args.replicas,
+        "steps": args.steps,
+        "scale": args.scale,
+        "model": args.model,
+    }
+    with open(args.json, "w") as f:
+        json.dump({"benchmark": benchmark, "params": params, "models": figures}, f, indent=2)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(__doc__, argv)
     models = models_of(args)
@@ -248,15 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         "core: primary row computed, copied to the mirrored rows; rows: every replica row computed"
     )
     print("targets: A loop/core >= 4x and core/roof <= 2.5x; B loop/core >= 10x")
-    if args.json:
-        params = {
-            "replicas": args.replicas,
-            "steps": args.steps,
-            "scale": args.scale,
-            "model": args.model,
-        }
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "update", "params": params, "models": figures}, f, indent=2)
+    write_json(args, "update", figures)
     return 0
 
 
