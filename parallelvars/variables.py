@@ -4,6 +4,10 @@ A :class:`ParallelVariable` holds all its components in one ``(n, *shape)`` nump
 component ``i`` is the view ``stacked[i]`` and the proxy wraps ``stacked[0]`` (the primary), so
 ``np.asarray(v)``, ``v.shape``, ``v + 1`` and ``v[2:]`` behave like the primary array. Inside a
 replica function of the variable's strategy, reads see the replica's own component instead.
+An on-read variable outside its replica functions reads as its aggregate, as TensorFlow's
+SyncOnRead variables do (``np.asarray``, ``repr``, ``int``, arithmetic, ``read_value()``: the
+SUM total, the MEAN, the primary for ONLY_FIRST_REPLICA); ``.primary``, ``.components`` and
+``.stacked`` are always the raw parts.
 
 Kinds (``v.kind``):
 
@@ -11,7 +15,8 @@ Kinds (``v.kind``):
 * ``mirrored``: made in a strategy scope (``Synchronization.ON_WRITE``); every write reaches
   every component.
 * ``on_read``: ``Synchronization.ON_READ`` with an aggregation (SUM / MEAN /
-  ONLY_FIRST_REPLICA); each replica writes its own component, ``read_value()`` aggregates.
+  ONLY_FIRST_REPLICA); each replica writes and reads its own component, every read outside
+  the replica functions gives the aggregate.
 * ``independent``: made in :func:`independent_buffers`; each component holds its own value.
 * ``sharded``: :class:`ShardedVariable`, made with ``shard_axis=k``; the components are slices
   of one logical value, and the proxy wraps the full value.
@@ -20,14 +25,17 @@ Overridden dunders and why (everything else is forwarded to the wrapped array by
 
 * arithmetic, comparison, unary, conversion (``__int__``, ``__float__``, ``__bool__``,
   ``__index__``), ``__getitem__``, ``__len__``, ``__iter__``, ``__array__``,
-  ``__array_ufunc__``, ``__array_function__``: read the *local* component (the primary outside
-  replica functions) and unwrap other variables, so numpy never sees a proxy.
+  ``__array_ufunc__``, ``__array_function__``: read the *local* value (the replica's component
+  inside replica functions; outside, the primary, or an on-read variable's aggregate) and
+  unwrap other variables, so numpy never sees a proxy. Attributes that do not depend on the
+  values (``shape``, ``dtype``, ``ndim``, ``size``, ...) come from the primary directly.
 * ``__array_interface__`` / ``__array_struct__``: numpy consults them *before* ``__array__``.
   For ordinary dtypes they describe the local component (so ``np.asarray(v)`` shares its
   memory); for the ml_dtypes extension types (bfloat16, float8 ...) they are absent, because
   their type string is a bare ``|V2`` and numpy would read raw void bytes; ``__array__`` then
-  gives the real dtype. (``memoryview(v)`` is refused like for any proxy: use
-  ``memoryview(np.asarray(v))``.)
+  gives the real dtype. They are absent for an on-read SUM / MEAN aggregate too (a temporary:
+  numpy would keep a pointer into freed memory). (``memoryview(v)`` is refused like for any
+  proxy: use ``memoryview(np.asarray(v))``.)
 * in-place operators (``+=``, ``-=``, ``*=``, ``/=``, ``//=``, ``%=``, ``**=``, ``<<=``,
   ``>>=``, ``&=``, ``|=``, ``^=``) and ``__setitem__``: must reach *every* component of a
   mirrored variable, not only the primary that wrapt would update. ``+=`` and ``-=`` are
@@ -49,7 +57,7 @@ import itertools
 import operator
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import wrapt
@@ -169,6 +177,8 @@ _INPLACE_UFUNC = {
 }
 # Attributes the proxy must not forward to the wrapped array (see __array_interface__).
 _NOT_FORWARDED = frozenset({"__array_interface__", "__array_struct__"})
+# Array attributes that do not depend on the values (no aggregate is computed for them).
+_VALUE_FREE = frozenset({"shape", "dtype", "ndim", "size", "itemsize", "nbytes"})
 # numpy functions that write into their first argument.
 _MUTATING_FUNCTIONS = {np.copyto, np.put, np.putmask, np.place, np.fill_diagonal, np.put_along_axis}
 
@@ -189,6 +199,8 @@ class ParallelVariable(wrapt.ObjectProxy):
 
     # (global index, global count) of the one component a multi-process strategy keeps here.
     _self_global: tuple[int, int] | None = None
+    # The class name repr shows (private subclasses show their public base).
+    _repr_name: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -298,7 +310,8 @@ class ParallelVariable(wrapt.ObjectProxy):
         return ctx.replica_id_in_sync_group
 
     def _local(self) -> np.ndarray:
-        """The array this variable reads as here: the replica's component, else the primary."""
+        """The array this variable reads as here: the replica's component, else the primary
+        (an on-read variable: its aggregate, see :class:`_OnReadVariable`)."""
         i = self._replica_index()
         return self.__wrapped__ if i is None else self._self_components[i]
 
@@ -363,10 +376,11 @@ class ParallelVariable(wrapt.ObjectProxy):
         with np.errstate(over="ignore", invalid="ignore"):  # inf + -inf is nan, as it should be
             for c in comps[1:]:  # device order: the same bits on every run
                 np.add(total, c, out=total)
-        if agg is Aggregation.MEAN:
-            if total.dtype.kind in "iub":  # integer mean, in the variable's own dtype
-                return (total // len(comps)).astype(total.dtype, copy=False)
-            return np.divide(total, len(comps)).astype(total.dtype, copy=False)
+        if agg is Aggregation.MEAN:  # in the variable's own dtype; an array also when 0-d
+            if total.dtype.kind in "iub":  # integer mean
+                np.floor_divide(total, len(comps), out=total, casting="unsafe")
+            else:
+                np.divide(total, len(comps), out=total, casting="unsafe")
         return total
 
     # ------------------------------------------------------------------ writing
@@ -661,7 +675,7 @@ class ParallelVariable(wrapt.ObjectProxy):
     def __repr__(self) -> str:
         shape = tuple(self.__wrapped__.shape)
         text = (
-            f"<{type(self).__name__} {self._self_name!r} kind={self._self_kind} shape={shape} "
+            f"<{self._repr_name or type(self).__name__} {self._self_name!r} kind={self._self_kind} shape={shape} "
             f"dtype={self.__wrapped__.dtype} devices={list(self._self_device.components)}"
         )
         if self.__wrapped__.size <= 8:
@@ -720,6 +734,55 @@ def _imatmul(self: ParallelVariable, other: Any) -> Any:
 
 
 ParallelVariable.__imatmul__ = _imatmul  # type: ignore[method-assign,assignment]
+
+
+class _OnReadVariable(ParallelVariable):
+    """An on-read variable of several components: outside its replica functions it reads as its
+    aggregate, as TensorFlow's SyncOnRead variables do in a cross-replica context.
+
+    The SUM total and the MEAN are computed on each read (a new array, in the variable's
+    dtype); ONLY_FIRST_REPLICA reads as the primary itself. Inside a replica function each
+    replica reads its own component. A class of its own, so that the mirrored and single read
+    path pays nothing for the check. A process of a multi-process strategy holds one component
+    and reads it (this class is not used then); ``strategy.read_var(v)`` aggregates across
+    processes.
+    """
+
+    _repr_name = "ParallelVariable"
+
+    def _computed(self) -> bool:
+        """Whether reads here give a computed aggregate (not a component's buffer)."""
+        return (
+            self._self_aggregation is not Aggregation.ONLY_FIRST_REPLICA
+            and self._replica_index() is None
+        )
+
+    def _local(self) -> np.ndarray:
+        i = self._replica_index()
+        if i is not None:
+            return self._self_components[i]
+        if self._self_aggregation is Aggregation.ONLY_FIRST_REPLICA:
+            return self.__wrapped__
+        return self._aggregate()
+
+    def _interface_array(self, protocol: str) -> np.ndarray:
+        if self._computed():
+            # A temporary array: numpy would keep a pointer into freed memory.
+            raise AttributeError(f"{protocol} (an on-read aggregate converts through __array__)")
+        return super()._interface_array(protocol)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        if copy is False and self._computed():
+            raise InvalidArgumentError(
+                f"variable {self._self_name!r}: an on-read variable's aggregate is computed on "
+                "each read and cannot be read without a copy (its parts: .components)"
+            )
+        return super().__array__(dtype, copy)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _VALUE_FREE:  # the same for every part and the aggregate: nothing to compute
+            return getattr(self.__wrapped__, name)
+        return super().__getattr__(name)
 
 
 class _VariableRef:
@@ -1038,7 +1101,8 @@ def _make_distributed_variable(
     stacked[...] = arr
     if kind == "on_read" and agg is Aggregation.SUM and n > 1:
         stacked[1:] = 0  # the initial total is the initial value, not n times it
-    return ParallelVariable(
+    cls = _OnReadVariable if kind == "on_read" and n > 1 else ParallelVariable
+    return cls(
         stacked,
         device=device,
         name=name,

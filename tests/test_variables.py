@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import parallelvars as pv
 from parallelvars.errors import ShapeMismatchError
@@ -209,6 +212,122 @@ def test_on_read_sum_cross_replica_writes_keep_exact_total(strategy) -> None:
     assert n.read_value() == 7 and [int(c) for c in n.components] == [7, 0, 0, 0]
     n *= 3
     assert n.read_value() == 21
+
+
+def _on_read_parts(strategy, aggregation, parts, dtype=np.int64) -> pv.ParallelVariable:
+    with strategy.scope():
+        v = pv.Variable(
+            np.zeros(np.shape(parts[0]), dtype),
+            name="metric",
+            synchronization="on_read",
+            aggregation=aggregation,
+        )
+    for c, p in zip(v.components, parts, strict=True):
+        c[...] = p
+    return v
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "logical"), [("sum", 138), ("mean", 34), ("only_first_replica", 30)]
+)
+def test_on_read_reads_as_its_aggregate_in_cross_replica_context(
+    strategy, aggregation, logical
+) -> None:
+    # The parts 30, 40, 50, 18: SUM 138, integer MEAN 34, ONLY_FIRST_REPLICA 30.
+    v = _on_read_parts(strategy, aggregation, [30, 40, 50, 18])
+    for ctx in (contextlib.nullcontext(), strategy.scope()):  # default and cross-replica contexts
+        with ctx:
+            assert int(v) == logical and float(v) == logical and v.__index__() == logical
+            assert np.asarray(v).tolist() == logical and np.asarray(v).dtype == np.int64
+            assert v.read_value().tolist() == logical and v.numpy().tolist() == logical
+            assert f"value={logical}>" in repr(v) and str(v) == str(logical)
+            assert f"{v:d}" == str(logical)
+            assert (v + 1).tolist() == logical + 1 and (1 + v).tolist() == logical + 1
+            assert (v * 2).tolist() == 2 * logical and (-v).tolist() == -logical
+            assert bool(v == logical) and bool(v > logical - 1)
+            assert np.add(v, 0).tolist() == logical and np.sum(v) == logical
+            assert v.sum() == logical and v.item() == logical and v.tolist() == logical
+            assert copy.copy(v).tolist() == logical and pickle.loads(pickle.dumps(v)) == logical
+    # The raw parts stay the parts.
+    assert [int(c) for c in v.components] == [30, 40, 50, 18]
+    assert int(v.primary) == 30 and v.stacked.tolist() == [30, 40, 50, 18]
+    assert v.shape == () and v.dtype == np.int64
+
+
+@pytest.mark.parametrize("aggregation", ["sum", "mean", "only_first_replica"])
+def test_on_read_reads_its_own_part_in_a_replica_function(strategy, aggregation) -> None:
+    v = _on_read_parts(strategy, aggregation, [30, 40, 50, 18])
+
+    got: list = [None] * 4
+
+    def read():
+        a = np.asarray(v)
+        got[pv.get_replica_context().replica_id_in_sync_group] = (
+            int(v),
+            float(v),
+            a.tolist(),
+            np.shares_memory(a, v.components[pv.get_replica_context().replica_id_in_sync_group]),
+            v.read_value().tolist(),
+            (v + 1).tolist(),
+            repr(v).rsplit("value=", 1)[1],
+        )
+
+    strategy.run(read)
+    assert [g[0] for g in got] == [30, 40, 50, 18]
+    assert [g[1] for g in got] == [30.0, 40.0, 50.0, 18.0]
+    assert [g[2] for g in got] == [30, 40, 50, 18]
+    assert all(g[3] for g in got)  # np.asarray is the replica's own buffer, not a copy
+    assert [g[4] for g in got] == [30, 40, 50, 18]
+    assert [g[5] for g in got] == [31, 41, 51, 19]
+    assert [g[6] for g in got] == ["30>", "40>", "50>", "18>"]
+
+
+def test_on_read_aggregate_is_a_copy_and_only_first_replica_shares_the_primary(strategy) -> None:
+    total = _on_read_parts(strategy, "sum", [np.ones(3)] * 4, np.float32)
+    a = np.asarray(total)
+    assert a.tolist() == [4.0] * 3 and not np.shares_memory(a, total.stacked)
+    a += 1  # a computed value: writing to it changes no part
+    assert total.stacked.sum() == 12
+    with pytest.raises(ValueError, match="aggregate"):
+        np.asarray(total, copy=False)
+    with pytest.raises(AttributeError):
+        total.__array_interface__  # noqa: B018 - absent, so numpy uses __array__
+    first = _on_read_parts(strategy, "only_first_replica", [np.arange(3)] * 4, np.float32)
+    assert np.shares_memory(np.asarray(first), first.primary)
+    assert np.asarray(first, copy=False).tolist() == [0.0, 1.0, 2.0]
+
+
+def test_on_read_mean_of_floats_keeps_the_dtype(strategy) -> None:
+    v = _on_read_parts(strategy, "mean", [1, 2, 3, 5], np.float16)
+    assert np.asarray(v).dtype == np.float16 and float(v) == 2.75
+    assert v.read_value().dtype == np.float16
+
+
+@given(
+    aggregation=st.sampled_from(["sum", "mean", "only_first_replica"]),
+    parts=st.lists(st.integers(-(2**40), 2**40), min_size=1, max_size=6),
+)
+@settings(max_examples=40, deadline=None)
+def test_on_read_reads_follow_the_aggregation(aggregation, parts) -> None:
+    n = len(parts)
+    strategy = pv.MirroredStrategy(n)
+    v = _on_read_parts(strategy, aggregation, parts)
+    expected = {
+        "sum": sum(parts),
+        "mean": sum(parts) // n,
+        "only_first_replica": parts[0],
+    }[aggregation]
+    if n == 1:
+        expected = parts[0]  # one replica: the variable is a plain one
+    assert int(v) == expected and np.asarray(v).tolist() == expected
+    assert v.read_value().tolist() == expected and (v - expected).tolist() == 0
+    seen = [None] * n
+
+    def read() -> None:
+        seen[pv.get_replica_context().replica_id_in_sync_group] = int(v)
+
+    strategy.run(read)
+    assert seen == parts  # each replica its own part
 
 
 def test_on_read_needs_an_aggregation(strategy) -> None:
