@@ -13,7 +13,7 @@ leaves a note on the parent (``_pv_deferred``); the moment a child of that name 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 __all__ = ["Trackable", "Module", "TrackedList", "TrackedDict", "children_of", "is_trackable"]
@@ -34,6 +34,18 @@ class Trackable:
         """The slot variable for ``variable`` named ``slot_name``, or None (optimizers override)."""
         return None
 
+    def _checkpoint_stage(
+        self, slots: list[tuple[Any, str]], children: list[str]
+    ) -> tuple[dict[tuple[int, str], Any], dict[str, Any], Callable[[], None] | None]:
+        """Make now what a restore has values for: ``slots`` (``(variable, slot_name)`` pairs)
+        and the missing ``children`` (names), unattached.
+
+        Returns the slot variables made (by ``(id(variable), slot_name)``), the children made
+        (by name) and a callable that attaches them, which the restore calls once every value
+        checked out (optimizers override; by default nothing is made).
+        """
+        return {}, {}, None
+
     # -- deferred restoration
     def _pv_deferred_map(self) -> dict[str, Any]:
         d = self.__dict__.get("_pv_deferred")
@@ -52,16 +64,16 @@ class Trackable:
     def _maybe_restore_child(self, name: str, value: Any) -> None:
         deferred = self.__dict__.get("_pv_deferred")
         if deferred and name in deferred and is_trackable(value):
-            pending = deferred.pop(name)
-            pending.apply(value)
+            deferred[name].apply(value)  # a mismatch raises and leaves the note for another try
+            del deferred[name]
 
     def _maybe_restore_slot(self, variable: Any, slot_name: str, slot_variable: Any) -> None:
         """Optimizers call this after creating a slot, so a pending restore can fill it."""
         deferred = self.__dict__.get("_pv_deferred_slot_map")
         key = (id(variable), slot_name)
         if deferred and key in deferred:
-            pending = deferred.pop(key)
-            pending.apply(slot_variable)
+            deferred[key].apply(slot_variable)
+            del deferred[key]
 
 
 def is_trackable(value: Any) -> bool:

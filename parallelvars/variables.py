@@ -199,6 +199,9 @@ class ParallelVariable(wrapt.ObjectProxy):
 
     # (global index, global count) of the one component a multi-process strategy keeps here.
     _self_global: tuple[int, int] | None = None
+    # A restore converts saved values of another dtype without allow_cast when they convert
+    # exactly (an optimizer's non-slot counters: float32 beta powers into float64 ones).
+    _self_exact_cast: bool = False
     # The class name repr shows (private subclasses show their public base).
     _repr_name: ClassVar[str | None] = None
 

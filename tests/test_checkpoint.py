@@ -278,6 +278,19 @@ def test_deferred_restoration_of_lazily_built_objects(tmp_path) -> None:
     status.assert_consumed()
 
 
+def test_a_deferred_value_that_does_not_fit_raises_on_attach_and_keeps_waiting(tmp_path) -> None:
+    src = pv.Module()
+    src.w = pv.Variable(np.arange(3, dtype=np.float32), name="w")
+    path = pv.Checkpoint(model=src).write(tmp_path / "a.h5")
+    dst = pv.Module()
+    status = pv.Checkpoint(model=dst).restore(path)
+    with pytest.raises(errors.ShapeMismatchError, match="model/w"):
+        dst.w = pv.Variable(np.zeros(4, np.float32), name="w")
+    dst.w = pv.Variable(np.zeros(3, np.float32), name="w")  # the value still waits for it
+    assert dst.w.tolist() == [0.0, 1.0, 2.0]
+    status.assert_consumed()
+
+
 class _SlotOwner(pv.Module):
     """A minimal optimizer-like owner of slots, to test slot relations and deferral."""
 

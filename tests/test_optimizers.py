@@ -217,13 +217,31 @@ def test_checkpoint_saves_slots_and_defers_their_restore(tmp_path: Any) -> None:
     _step(strategy, m, opt, 3)  # the step the restored copy must reproduce
 
     m2, opt2 = _model(strategy)
-    status = pv.Checkpoint(model=m2, optimizer=opt2).restore(path)  # before any slot exists
-    assert opt2.iterations is None and opt2.get_slot(m2.w, "m") is None
-    _step(strategy, m2, opt2, 3)  # creates slots and non-slots, which take the saved values
+    status = pv.Checkpoint(model=m2, optimizer=opt2).restore(path)
+    # The variables are there, so the restore makes their slots and the counters at once.
+    assert int(opt2.iterations) == 3 and opt2.get_slot(m2.w, "m") is not None
+    status.assert_consumed()
+    _step(strategy, m2, opt2, 3)
     assert int(opt2.iterations.read_value()) == 4
     assert float(opt2.beta1_power.read_value()) == pytest.approx(0.9**5)
-    status.assert_consumed()
     for a, b in [(m.w, m2.w), (m.e, m2.e), (opt.get_slot(m.w, "v"), opt2.get_slot(m2.w, "v"))]:
+        for ca, cb in zip(a.components, b.components, strict=True):
+            np.testing.assert_array_equal(ca, cb)
+
+    # A model built after the restore: its slots wait for the first step (or build()).
+    m3 = pv.Module()
+    with strategy.scope():
+        opt3 = opts.Adam(0.1)
+    status = pv.Checkpoint(model=m3, optimizer=opt3).restore(path)
+    assert opt3.iterations is None
+    fresh, _ = _model(strategy)
+    m3.w = fresh.w  # restored as it is attached, with its slots and the counters
+    assert int(opt3.iterations) == 3 and opt3.get_slot(m3.w, "v") is not None
+    assert opt3.get_slot(fresh.e, "m") is None
+    m3.e = fresh.e
+    status.assert_consumed()
+    _step(strategy, m3, opt3, 3)
+    for a, b in [(m.w, m3.w), (m.e, m3.e), (opt.get_slot(m.e, "m"), opt3.get_slot(m3.e, "m"))]:
         for ca, cb in zip(a.components, b.components, strict=True):
             np.testing.assert_array_equal(ca, cb)
 

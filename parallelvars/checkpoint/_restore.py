@@ -84,6 +84,31 @@ def read_logical_into(stored: Any, out: np.ndarray, *, file: str, cast: bool) ->
     stored.read_component_into(0, out, cast=cast)
 
 
+# The most bytes read up front to check that a counter's saved values convert exactly.
+_EXACT_CHECK_BYTES = 1 << 16
+
+
+def _exactly_representable(stored: Any, dtype: np.dtype) -> bool:
+    """Whether every saved component of ``stored`` converts to ``dtype`` and back unchanged.
+
+    For an optimizer's non-slot counters (a step count, beta powers), which are scalars: a
+    TensorFlow checkpoint keeps beta powers in float32, ours are float64; a value that converts
+    exactly is taken without ``allow_cast``. Larger values are not checked (not exact).
+    """
+    if stored.dtype.kind not in "biuf" or np.dtype(dtype).kind not in "biuf":
+        return False
+    if stored.nbytes > _EXACT_CHECK_BYTES:
+        return False
+    for i in range(stored.num_components):
+        saved = np.empty(stored.component_shape(i), stored.dtype)
+        stored.read_component_into(i, saved)
+        with np.errstate(all="ignore"):
+            back = saved.astype(dtype).astype(stored.dtype)
+        if not np.array_equal(back, saved, equal_nan=saved.dtype.kind == "f"):
+            return False
+    return True
+
+
 class ParallelVariableSaveable(Saveable):
     """Saves ``primary`` and ``parallel_component_1..N-1``; restores by the table above."""
 
@@ -117,15 +142,19 @@ class ParallelVariableSaveable(Saveable):
                 expected=shape,
                 found=tuple(stored.shape),
             )
+        cast = allow_cast
         if stored.dtype != obj.dtype and not allow_cast:
-            raise DtypeMismatchError(
-                "dtype mismatch",
-                file=file,
-                variable=path,
-                expected=dtype_name(obj.dtype),
-                found=dtype_name(stored.dtype),
-                hint="restore with allow_cast=True to convert",
-            )
+            if not (obj._self_exact_cast and _exactly_representable(stored, obj.dtype)):
+                raise DtypeMismatchError(
+                    "dtype mismatch"
+                    + (" (values not exactly representable)" if obj._self_exact_cast else ""),
+                    file=file,
+                    variable=path,
+                    expected=dtype_name(obj.dtype),
+                    found=dtype_name(stored.dtype),
+                    hint="restore with allow_cast=True to convert",
+                )
+            cast = True  # a counter whose saved values convert exactly (float32 beta powers)
         if stored.dtype != obj.dtype and (stored.dtype.kind == "O") != (obj.dtype.kind == "O"):
             raise DtypeMismatchError(
                 "cannot cast between byte strings and numbers",
@@ -139,7 +168,6 @@ class ParallelVariableSaveable(Saveable):
         m, n = obj.global_num_components, stored.num_components
         indices = obj.component_indices
         live, skind = obj.kind, stored.kind
-        cast = allow_cast
         comps = obj.components
         if skind == "independent" and n > 1 and live == "single" and m == 1:
             # The seed (parallel_device_saving) saves component 0 under the plain key so that a

@@ -304,6 +304,8 @@ class _Session:
         # into a plain variable), reported by assert_consumed().
         self.unmatched_parts: list[str] = []
         self.pending = 0
+        # Variable node id -> the slot relations naming it (built on first use).
+        self._slots_of: dict[int, list[tuple[int, int, str, int]]] | None = None
 
     def reader(self) -> H5Reader:
         if self._reader is None:
@@ -320,10 +322,138 @@ class _Session:
 
     def restore_into(self, node_id: int, obj: Any) -> None:
         """Match the saved subgraph at ``node_id`` with ``obj`` and restore it, all or nothing."""
+        self.plan_into(node_id, obj)()
+
+    def plan_into(self, node_id: int, obj: Any) -> Callable[[], None]:
+        """Match the saved subgraph at ``node_id`` with ``obj`` and check everything (shapes,
+        dtypes, device counts, checksums) without writing; the callable returned writes it.
+
+        An object that can make now what the file holds for it (an optimizer, its slots and
+        step counters for variables matched here: ``_checkpoint_stage``) makes them unattached;
+        they are attached when the callable runs, so a failed check leaves it as it was.
+        """
         matched: dict[int, Any] = {}
         deferred: list[tuple[Any, str, int]] = []
         deferred_slots: list[tuple[Any, Any, str, int]] = []
-        queue: deque[tuple[int, Any]] = deque([(node_id, obj)])
+        nodes = self.nodes
+        self._match([(node_id, obj)], matched, deferred)
+        # Per live object: its slots the file has and it has not made, its missing children.
+        wanted: dict[int, tuple[Any, list[tuple[Any, str, int]], list[str]]] = {}
+        for parent, name, _ in deferred:
+            wanted.setdefault(id(parent), (parent, [], []))[2].append(name)
+        for owner_id, var_id, slot_name, slot_id in self._slot_relations(matched):
+            live = matched.get(owner_id, self.matched.get(owner_id))
+            var = matched.get(var_id, self.matched.get(var_id))
+            if live is None or var is None or not isinstance(live, Trackable):
+                continue
+            slot = live._lookup_slot(var, slot_name)
+            if slot is None:
+                wanted.setdefault(id(live), (live, [], []))[1].append((var, slot_name, slot_id))
+            elif slot_id not in matched and slot_id not in self.matched:
+                matched[slot_id] = slot
+        attach: list[Callable[[], None]] = []
+        for live, slots, names in wanted.values():
+            # Children this restore noted earlier (a model attached after the optimizer).
+            notes = live.__dict__.get("_pv_deferred") or {}
+            earlier = {
+                name: note.node_id
+                for name, note in notes.items()
+                if isinstance(note, _Pending) and note.session is self
+            }
+            made_slots, made_children, done = live._checkpoint_stage(
+                [(v, n) for v, n, _ in slots], [*names, *earlier]
+            )
+            if done is not None:
+                attach.append(done)
+            for var, slot_name, slot_id in slots:
+                slot = made_slots.get((id(var), slot_name))
+                if slot is None:
+                    deferred_slots.append((live, var, slot_name, slot_id))
+                elif slot_id not in matched and slot_id not in self.matched:
+                    matched[slot_id] = slot
+            if made_children:
+                # Attaching them closes the earlier notes (the owner's _checkpoint_stage).
+                found = [
+                    (child_id, made_children[name])
+                    for name, child_id in earlier.items()
+                    if name in made_children
+                ]
+                found += [
+                    (child_id, made_children[name])
+                    for parent, name, child_id in deferred
+                    if parent is live and name in made_children
+                ]
+                deferred = [d for d in deferred if not (d[0] is live and d[1] in made_children)]
+                self._match(found, matched, deferred)
+
+        reader = self.reader()
+        plans, sizes, checks, check_sizes = [], [], [], []
+        left_out: list[str] = []
+        for nid, live in matched.items():
+            path = nodes[nid].get("path")
+            if path is None:
+                continue
+            stored = reader[path]
+            saveable = get_saveable(live)
+            assert saveable is not None
+            plan = saveable.plan_restore(
+                live, stored, file=self.path, path=path, allow_cast=self.allow_cast
+            )
+            plans.append(plan)
+            left_out.extend(getattr(plan, "unmatched", ()))
+            sizes.append(stored.nbytes)
+            for i in range(stored.num_components):
+                checks.append(functools.partial(stored.verify, i))
+                check_sizes.append(stored.component_nbytes(i))
+        # All or nothing: every checksum is verified before the first value is written. Both
+        # passes are checksums and copies in C, spread over the cores.
+        run_partitioned(checks, check_sizes)
+
+        def commit() -> None:
+            run_partitioned(plans, sizes)
+            for done in attach:
+                done()
+            self.matched.update(matched)
+            self.unmatched_parts.extend(left_out)
+            self.restored.update(nid for nid in matched if nodes[nid].get("path") is not None)
+            for parent, name, child_id in deferred:
+                parent._pv_deferred_map()[name] = _Pending(self, child_id)
+                self.pending += 1
+            for opt, var, slot_name, slot_id in deferred_slots:
+                opt._pv_deferred_slots()[(id(var), slot_name)] = _Pending(self, slot_id)
+                self.pending += 1
+
+        return commit
+
+    def _slot_relations(self, matched: dict[int, Any]) -> list[tuple[int, int, str, int]]:
+        """``(owner, variable, slot name, slot)`` node ids of the saved slot relations that
+        ``matched`` (newly matched nodes) completes: of owners matched now, and of variables
+        matched now whose owner was matched by an earlier part of this restore."""
+        if self._slots_of is None:
+            self._slots_of = {}
+            for owner_id, node in enumerate(self.nodes):
+                for var_id, slot_name, slot_id in node["slots"]:
+                    self._slots_of.setdefault(int(var_id), []).append(
+                        (owner_id, int(var_id), slot_name, int(slot_id))
+                    )
+        out: list[tuple[int, int, str, int]] = []
+        for nid in matched:
+            for var_id, slot_name, slot_id in self.nodes[nid]["slots"]:
+                out.append((nid, int(var_id), slot_name, int(slot_id)))
+            for rel in self._slots_of.get(nid, ()):
+                if rel[0] not in matched:  # an owner matched now is listed above
+                    out.append(rel)
+        return out
+
+    def _match(
+        self,
+        starts: list[tuple[int, Any]],
+        matched: dict[int, Any],
+        deferred: list[tuple[Any, str, int]],
+    ) -> None:
+        """Match saved nodes with live objects breadth-first from ``starts``; a saved child
+        with no live object yet goes to ``deferred``."""
+        queue: deque[tuple[int, Any]] = deque(starts)
         nodes = self.nodes
         while queue:
             nid, live = queue.popleft()
@@ -353,51 +483,6 @@ class _Session:
                     deferred.append((live, name, int(child_id)))
                 else:
                     queue.append((int(child_id), child))
-        for nid, live in list(matched.items()):
-            if not isinstance(live, Trackable):
-                continue
-            for var_id, slot_name, slot_id in nodes[nid]["slots"]:
-                var = matched.get(var_id, self.matched.get(var_id))
-                if var is None:
-                    continue
-                slot = live._lookup_slot(var, slot_name)
-                if slot is None:
-                    deferred_slots.append((live, var, slot_name, int(slot_id)))
-                elif slot_id not in matched and slot_id not in self.matched:
-                    matched[int(slot_id)] = slot
-
-        reader = self.reader()
-        plans, sizes, checks, check_sizes = [], [], [], []
-        left_out: list[str] = []
-        for nid, live in matched.items():
-            path = nodes[nid].get("path")
-            if path is None:
-                continue
-            stored = reader[path]
-            saveable = get_saveable(live)
-            assert saveable is not None
-            plan = saveable.plan_restore(
-                live, stored, file=self.path, path=path, allow_cast=self.allow_cast
-            )
-            plans.append(plan)
-            left_out.extend(getattr(plan, "unmatched", ()))
-            sizes.append(stored.nbytes)
-            for i in range(stored.num_components):
-                checks.append(functools.partial(stored.verify, i))
-                check_sizes.append(stored.component_nbytes(i))
-        # All or nothing: every checksum is verified before the first value is written. Both
-        # passes are checksums and copies in C, spread over the cores.
-        run_partitioned(checks, check_sizes)
-        run_partitioned(plans, sizes)
-        self.matched.update(matched)
-        self.unmatched_parts.extend(left_out)
-        self.restored.update(nid for nid in matched if nodes[nid].get("path") is not None)
-        for parent, name, child_id in deferred:
-            parent._pv_deferred_map()[name] = _Pending(self, child_id)
-            self.pending += 1
-        for opt, var, slot_name, slot_id in deferred_slots:
-            opt._pv_deferred_slots()[(id(var), slot_name)] = _Pending(self, slot_id)
-            self.pending += 1
 
 
 class _Pending:
@@ -407,12 +492,27 @@ class _Pending:
         self.session = session
         self.node_id = node_id
 
+    def plan(self, obj: Any) -> Callable[[], None]:
+        """Check the restore into ``obj`` (raising leaves this note as it was); the callable
+        returned writes it and closes the note."""
+        commit = self.session.plan_into(self.node_id, obj)
+
+        def done() -> None:
+            self.session.pending -= 1
+            try:
+                commit()
+            finally:
+                self.session.release()
+
+        return done
+
     def apply(self, obj: Any) -> None:
+        self.plan(obj)()
+
+    def discard(self) -> None:
+        """Drop this note (a later restore gave the object its value)."""
         self.session.pending -= 1
-        try:
-            self.session.restore_into(self.node_id, obj)
-        finally:
-            self.session.release()
+        self.session.release()
 
 
 class CheckpointLoadStatus:

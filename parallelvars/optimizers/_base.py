@@ -10,8 +10,9 @@ A step (``apply_gradients``) in a replica context goes through ``merge_call`` to
    the user, :class:`GradientBuffers`), reduced across processes in one call per dtype, and
    added replica by replica inside the update core's blocks, in device order; everything else
    goes through ``strategy.batch_reduce``, one value per variable;
-3. slots are created next to their variables (a mirrored variable's slots are mirrored on the
-   same devices, in the optimizer's shadow arenas, see :mod:`parallelvars.update_core`);
+3. slots are created next to their variables, unless :meth:`Optimizer.build` or a restore
+   made them before (a mirrored variable's slots are mirrored on the same devices, in the
+   optimizer's shadow arenas, see :mod:`parallelvars.update_core`);
 4. every variable is updated by the update core: dense gradients of variables sharing an arena
    in a few block-wise ufunc calls over all replicas at once, the rest one variable at a time;
 5. the non-slot variables (the step count ``iterations``, Adam's beta powers) are updated once,
@@ -252,6 +253,8 @@ class Optimizer(Module):
         self._pv_lines: dict[tuple[int, ...], tuple[tuple[Any, ...], Any]] = {}
         self._pv_gradbufs: dict[tuple[int, ...], GradientBuffers] = {}
         self.iterations: ParallelVariable | None = None
+        # Non-slot variables being made by _stage_non_slots (name -> variable), else None.
+        self._pv_staging: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ public API
     @property
@@ -544,8 +547,47 @@ class Optimizer(Module):
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         self._distributed_apply(strategy, pairs, global_step)
 
+    def build(self, var_list: Sequence[Any]) -> None:
+        """Create the slots of every variable of ``var_list`` and the non-slot variables
+        (``iterations``, Adam's beta powers) now, not at the first step (Keras 3's name).
+
+        Values a restore left pending for them (a checkpoint restored before the optimizer had
+        these variables) are filled in: right after ``build`` a status's
+        ``assert_consumed()`` passes, and a saved slot or counter that does not fit (another
+        shape, another dtype) raises here, naming the file, the variable, what was expected
+        and what was found. All or nothing: after an error nothing was created, and the next
+        ``build`` or step raises the same error. A step counter saved with another dtype is
+        converted where every value converts exactly (TensorFlow's float32 beta powers), without
+        ``allow_cast``. Calling ``build`` again, or with more variables, makes only what is
+        missing. Call it in the strategy's scope, as the step would run.
+
+        Args:
+            var_list: the variables this optimizer will train.
+
+        Raises:
+            GradientError: a variable the optimizer cannot train (not a float variable made by
+                ``pv.Variable``, an ON_READ variable) or listed twice.
+            ShapeMismatchError, DtypeMismatchError: a pending restored value does not fit.
+
+        Example:
+            >>> import numpy as np, parallelvars as pv
+            >>> w = pv.Variable(np.ones(2, np.float32), name="w")
+            >>> opt = pv.optimizers.Adam(0.1)
+            >>> opt.build([w])
+            >>> int(opt.iterations), opt.get_slot(w, "m").tolist()
+            (0, [0.0, 0.0])
+        """
+        var_list = list(var_list)
+        key = tuple(map(id, var_list))
+        if len(set(key)) != len(key):
+            raise GradientError("a variable appears twice in build()'s list")
+        for v in var_list:
+            self._info(v)
+        self._build_state(_context.current_mode().strategy, var_list, non_slots=True)
+
     def get_slot(self, var: Any, name: str) -> ParallelVariable | None:
-        """The slot ``name`` of ``var``, or ``None`` before the first step (or if it has none)."""
+        """The slot ``name`` of ``var``, or ``None`` before :meth:`build` or the first step
+        (or if it has none); a restore that brings ``var``'s slots makes them at once."""
         entry = self._pv_slots.get(name, {}).get(id(var))
         return None if entry is None or entry[0] is not var else entry[1]
 
@@ -599,7 +641,10 @@ class Optimizer(Module):
         return float(lr(step)) if callable(lr) else lr
 
     def _add_non_slot(self, name: str, value: Any, dtype: Any, device: Any) -> None:
-        if getattr(self, name, None) is not None:
+        """Make the non-slot variable ``name`` on ``device`` (once); from
+        ``_create_extra_non_slots``, inside :meth:`_stage_non_slots`, which attaches it."""
+        staging = self._pv_staging
+        if getattr(self, name, None) is not None or staging is None or name in staging:
             return
         kwargs: dict[str, Any] = dict(
             initial_value=np.asarray(value, dtype), name=f"{self._pv_name}/{name}", trainable=False
@@ -613,32 +658,132 @@ class Optimizer(Module):
                 var = Variable(**kwargs)
         else:
             var = _make_distributed_variable(device, **kwargs)
-        self._pv_non_slot_names.append(name)
-        setattr(self, name, var)  # tracked; a pending restore fills it here
+        # A counter restores from another dtype where its values convert exactly (TensorFlow
+        # keeps beta powers in float32).
+        var._self_exact_cast = True
+        staging[name] = var
+
+    def _stage_non_slots(self, strategy: Any, var_list: Sequence[Any]) -> dict[str, Any]:
+        """The non-slot variables (``iterations`` and the subclass's), made but not attached."""
+        if self.iterations is not None:
+            return {}
+        from parallelvars.devices import ParallelDevice
+
+        non_slot_devices = getattr(strategy, "non_slot_devices", None)
+        if non_slot_devices is not None and not getattr(strategy, "_is_default", False):
+            found = non_slot_devices(var_list)
+            device = found if isinstance(found, ParallelDevice) else ParallelDevice(list(found))
+        else:
+            device = var_list[0].device if var_list else ParallelDevice(1)
+        self._pv_staging = {}
+        try:
+            self._add_non_slot("iterations", 0, np.int64, device)
+            self._create_extra_non_slots(device)
+            return self._pv_staging
+        finally:
+            self._pv_staging = None
+
+    def _stage_slots(
+        self, var_list: Sequence[Any]
+    ) -> dict[tuple[int, str], tuple[Any, str, ParallelVariable]]:
+        """The slots ``var_list`` lacks, made but not attached."""
+        made: dict[tuple[int, str], tuple[Any, str, ParallelVariable]] = {}
+        for slot_name, init in self._slot_specs():
+            table = self._pv_slots.get(slot_name, {})
+            for var in var_list:
+                entry = table.get(id(var))
+                key = (id(var), slot_name)
+                if (entry is not None and entry[0] is var) or key in made:
+                    continue
+                made[key] = (var, slot_name, self._make_slot(var, slot_name, init))
+        return made
+
+    def _attach(
+        self,
+        slots: dict[tuple[int, str], tuple[Any, str, ParallelVariable]],
+        non_slots: dict[str, Any],
+    ) -> None:
+        """Make staged slots and non-slot variables the optimizer's own."""
+        for var, slot_name, slot in slots.values():
+            self._pv_slots.setdefault(slot_name, {})[id(var)] = (var, slot)
+        deferred = self.__dict__.get("_pv_deferred") or {}
+        for name, var in non_slots.items():
+            stale = deferred.pop(name, None)  # a later restore already gave it its value
+            if stale is not None:
+                stale.discard()
+            object.__setattr__(self, name, var)
+            self._pv_non_slot_names.append(name)
+
+    def _build_state(self, strategy: Any, var_list: Sequence[Any], *, non_slots: bool) -> None:
+        """Make what ``var_list`` lacks (slots; with ``non_slots`` the step counters), fill it
+        from pending restores, and attach it: all or nothing.
+
+        Every pending value is checked (shape, dtype, checksum) before anything is written or
+        attached; a mismatch raises and leaves the optimizer, and the pending restores, as they
+        were, so the next build or step raises the same clear error again.
+        """
+        slots = self._stage_slots(var_list)
+        made = self._stage_non_slots(strategy, var_list) if non_slots else {}
+        if not slots and not made:
+            return
+        notes: list[tuple[dict[Any, Any], Any, Any, Any]] = []
+        slot_notes = self.__dict__.get("_pv_deferred_slot_map")
+        if slot_notes:
+            for key, (_, _, slot) in slots.items():
+                if key in slot_notes:
+                    notes.append((slot_notes, key, slot_notes[key], slot))
+        child_notes = self.__dict__.get("_pv_deferred")
+        if child_notes:
+            for name, var in made.items():
+                if name in child_notes:
+                    notes.append((child_notes, name, child_notes[name], var))
+        commits = [pending.plan(obj) for _, _, pending, obj in notes]  # raises before writing
+        for (table, key, _, _), commit in zip(notes, commits, strict=True):
+            del table[key]
+            commit()
+        self._attach(slots, made)
 
     def _create_non_slots(self, strategy: Any, var_list: Sequence[Any]) -> None:
         if self.iterations is not None:
             return
-        device = var_list[0].device
-        non_slot_devices = getattr(strategy, "non_slot_devices", None)
-        if non_slot_devices is not None and not getattr(strategy, "_is_default", False):
-            from parallelvars.devices import ParallelDevice
-
-            found = non_slot_devices(var_list)
-            device = found if isinstance(found, ParallelDevice) else ParallelDevice(list(found))
-        self._add_non_slot("iterations", 0, np.int64, device)
-        self._create_extra_non_slots(device)
+        self._build_state(strategy, var_list, non_slots=True)
 
     def _create_slots(self, var_list: Sequence[Any]) -> None:
-        for slot_name, init in self._slot_specs():
-            table = self._pv_slots.setdefault(slot_name, {})
-            for var in var_list:
-                entry = table.get(id(var))
-                if entry is not None and entry[0] is var:
-                    continue
-                slot = self._make_slot(var, slot_name, init)
-                table[id(var)] = (var, slot)
-                self._maybe_restore_slot(var, slot_name, slot)
+        self._build_state(None, var_list, non_slots=False)
+
+    def _checkpoint_stage(
+        self, slots: list[tuple[Any, str]], children: list[str]
+    ) -> tuple[dict[tuple[int, str], Any], dict[str, Any], Callable[[], None] | None]:
+        """A restore that brings slots of variables it matched makes them now, with the step
+        counters when the file has them (see :meth:`Trackable._checkpoint_stage`)."""
+        var_list: list[Any] = []
+        seen: set[int] = set()
+        for var, _ in slots:
+            if id(var) in seen:
+                continue
+            seen.add(id(var))
+            try:
+                self._info(var)
+            except GradientError:
+                continue  # not a variable this optimizer trains: its slots stay unmatched
+            var_list.append(var)
+        if not var_list:
+            return {}, {}, None
+        made_slots = self._stage_slots(var_list)  # every slot of each: a variable's set is whole
+        made: dict[str, Any] = {}
+        if self.iterations is None and children:
+            strategy = _context.current_mode().strategy
+            # Outside a multi-process strategy's scope its process-local variables cannot get
+            # counters of their own kind: the first step (in the scope) makes them.
+            if not (strategy._is_default and any(v._self_global for v in var_list)):
+                made = self._stage_non_slots(strategy, var_list)
+                if not set(children) & set(made):
+                    made = {}  # the file has no counters: the first step makes them
+
+        def attach() -> None:
+            self._attach(made_slots, made)
+
+        return {k: v[2] for k, v in made_slots.items()}, made, attach
 
     def _slot_arena(self, arena: Arena, slot_name: str) -> Arena:
         return arena.shadow(("optimizer-slot", self._pv_token, slot_name))
