@@ -351,7 +351,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     # Our own invariants, unreachable from any input: HDF5 broke its contract, a header we
     # just sized changed length, a branch the argument parser makes impossible.
     (
-        "parallelvars/checkpoint/h5io.py",
+        "parallelvars/checkpoint/h5io/write.py",
         "RuntimeError",
         "_write_entry",
     ): "HDF5 allocated no storage",
