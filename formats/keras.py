@@ -33,7 +33,7 @@ Both are read and written with h5py; datasets are read only when a component is 
 Parallel variables: Keras counts the datasets of a layer, so only primaries (and the stitched
 value of a sharded variable) go where Keras looks; extra components go under the reserved group
 ``/_parallel_components/<primary's path>/parallel_component_<i>`` and the parallel info (see
-:mod:`._common`) into the root attribute ``parallelvars``, written only when there is something
+:mod:`._info`) into the root attribute ``parallelvars``, written only when there is something
 to record. Keras ignores both.
 
 Integrity (files we write; Keras ignores all of it): the file is written with
@@ -68,6 +68,7 @@ import crc32c as _crc32c
 import h5py
 import numpy as np
 
+from parallelvars._fileio import Scratch, atomic_path
 from parallelvars.checkpoint import _h5policy
 from parallelvars.checkpoint.h5io import checksum
 from parallelvars.errors import (
@@ -80,23 +81,13 @@ from parallelvars.errors import (
     UnsupportedDtypeError,
 )
 
-from ._common import (
-    PlannedTensor,
-    Scratch,
-    StoreView,
-    TensorStore,
-    atomic_path,
-    build_entries,
-    carried_metadata,
-    dtype_name,
-    dumps,
-    is_ml_dtype,
-    is_string_dtype,
-    jsonable,
-    plan_tensors,
-)
+from ._dtypes import dtype_name, is_ml_dtype, is_string_dtype
 from ._h5 import H5_ERRORS, attr_to_python, h5_errors, is_hdf5, open_h5, read_split_attr
+from ._info import StoreView, build_entries
+from ._json import carried_metadata, dumps, jsonable
+from ._plan import PlannedTensor, plan_tensors
 from ._registry import FormatSpec
+from ._store import TensorStore
 from ._view import CheckpointView, Entry
 
 __all__ = ["FORMATS", "open_keras", "open_keras_legacy", "write_keras", "write_keras_legacy"]
@@ -132,7 +123,7 @@ def _dataset_dtype(ds: h5py.Dataset, file: str, key: str) -> np.dtype:
         return np.dtype(object)
     if dt.kind == "V" and dt.fields is None:
         tag = attr_to_python(ds.attrs.get("dtype", ""))
-        from ._common import dtype_from_name
+        from ._dtypes import dtype_from_name
 
         real = dtype_from_name(tag, file=file, variable=key) if tag else None
         if real is None or real.itemsize != dt.itemsize:

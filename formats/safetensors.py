@@ -20,7 +20,7 @@ What our files hold (key style ``names``, default ``"dotted"``, see :mod:`._name
 * a sharded variable once, as its full stitched value under its key;
 * ``__metadata__``: ``"format": "pt"`` (what ``transformers`` expects), the source's file
   metadata as strings, and ``"parallelvars"``: the parallel info (kinds, components, attrs,
-  exact paths; see :mod:`._common`), so our reader gets back exactly what was written;
+  exact paths; see :mod:`._info`), so our reader gets back exactly what was written;
 * ``__metadata__["parallelvars_crc32c"]``: integrity data that plain readers ignore, one string
   of 8-digit hex CRC-32Cs: first of a canonical description of the header (every name, dtype,
   shape, offsets and tensor CRC, and every other metadata item), then of each tensor's bytes in
@@ -58,7 +58,7 @@ import crc32c as _crc32c
 import ml_dtypes
 import numpy as np
 
-from parallelvars._fileio import DataWriter, load_json
+from parallelvars._fileio import DataWriter, Scratch, atomic_path, load_json
 from parallelvars.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
@@ -70,24 +70,14 @@ from parallelvars.errors import (
     UnsupportedDtypeError,
 )
 
-from ._common import (
-    ByteStore,
-    PlannedTensor,
-    Scratch,
-    StoreView,
-    atomic_path,
-    build_entries,
-    carried_metadata,
-    dumps,
-    is_string_dtype,
-    jsonable,
-    little_endian,
-    parse_size,
-    plan_tensors,
-    read_exact_into,
-)
+from ._dtypes import is_string_dtype
+from ._info import StoreView, build_entries
+from ._json import carried_metadata, dumps, jsonable
 from ._names import check_names
+from ._plan import PlannedTensor, plan_tensors
 from ._registry import FormatSpec
+from ._sizes import parse_size
+from ._store import ByteStore, little_endian, read_exact_into
 from ._view import CheckpointView, Entry
 
 __all__ = [
