@@ -114,7 +114,9 @@ def _uint_of(itemsize: int) -> np.dtype:
 
 
 def _dtype_from_tag(tag: str, member: str, file: str) -> np.dtype:
-    from .safetensors import _DTYPES  # the safetensors names (BF16, F8_E4M3, ...)
+    from parallelvars.formats.safetensors._dtypes import (
+        _DTYPES,
+    )  # the safetensors names (BF16, F8_E4M3, ...)
 
     if tag in _DTYPES:
         return _DTYPES[tag]
