@@ -41,7 +41,7 @@ _EPILOG = """\
 examples:
   parallelvars demo --dir /tmp/demo
   parallelvars inspect run.h5
-  parallelvars convert run.h5 model.safetensors --components primary --max-shard-size 5GB
+  parallelvars convert run.h5 model.safetensors --components logical --max-shard-size 5GB
   parallelvars reshard run.h5 run-2dev.h5 --devices 2
   parallelvars diff run.h5 model.safetensors --atol 1e-6
   parallelvars verify run.h5 --json

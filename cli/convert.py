@@ -24,17 +24,20 @@ __all__ = ["add_parser", "run", "same_file"]
 
 _EPILOG = """\
 --components all keeps every component of every variable (formats without a place for
-components store them under suffixed names); --components primary keeps one value per variable
-(the logical value: the primary of a mirrored variable, the aggregate of an on-read variable,
-the full tensor of a sharded one), which is what a non-parallel reader expects. A variable of
-independent buffers has no single value: --components primary refuses it, as extract does.
+components store them under suffixed names; an on-read SUM/MEAN variable's plain key holds its
+aggregate, its parts are parallel_component_0..N-1); --components logical keeps one value per
+variable, the logical value of every kind (what a restore onto one device gives: the primary
+of a mirrored variable, the aggregate of an on-read variable, the full tensor of a sharded one),
+which is what a non-parallel reader expects. --components primary is the older name of
+logical, with the same meaning. A variable of independent buffers has no single value:
+--components logical refuses it, as extract does.
 
 Sizes take decimal (KB, MB, GB) or binary (KiB, MiB, GiB) units: 5GB = 5*10^9 bytes,
 100KiB = 102400 bytes.
 
 examples:
   parallelvars convert run.h5 model.safetensors
-  parallelvars convert run.h5 model.safetensors --components primary --max-shard-size 5GB
+  parallelvars convert run.h5 model.safetensors --components logical --max-shard-size 5GB
   parallelvars convert ckpt-3 run.h5 --from tf
   parallelvars convert model.weights.h5 weights.npz --to npz
   parallelvars convert run.h5 shards/ --to safetensors --max-shard-size 5GB --parents"""
@@ -60,9 +63,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_destination_options(parser)
     parser.add_argument(
         "--components",
-        choices=("all", "primary"),
+        choices=("all", "logical", "primary"),
         default="all",
-        help="keep every component, or one logical value per variable (default: all)",
+        help="keep every component, or one logical value per variable (primary: the older "
+        "name of logical) (default: all)",
     )
     parser.add_argument(
         "--max-shard-size",

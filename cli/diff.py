@@ -55,7 +55,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--logical",
         action="store_true",
         help="compare each variable's logical value only, ignoring how it is spread over "
-        "devices (kind, components, shard layout): to check a --components primary copy "
+        "devices (kind, components, shard layout): to check a --components logical copy "
         "or a resharded checkpoint",
     )
     parser.add_argument(

@@ -35,7 +35,7 @@ Example:
 from __future__ import annotations
 
 from ._convert import convert, format_for_path
-from ._names import NAME_STYLES, component_key, from_key, parse_component_key, to_key
+from ._names import NAME_STYLES, component_key, from_key, parse_component_key, part_key, to_key
 from ._registry import (
     FORMAT_NAMES,
     FormatSpec,
@@ -65,6 +65,7 @@ __all__ = [
     "logical_value",
     "open_checkpoint",
     "parse_component_key",
+    "part_key",
     "reshard",
     "split_offsets",
     "to_key",

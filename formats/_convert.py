@@ -120,9 +120,11 @@ def convert(
         dst: the output file (or folder, for a safetensors shard set).
         from_format: the source format (default: detected from magic bytes, then suffix).
         to_format: the output format (default: from ``dst``'s suffix).
-        components: ``"all"`` keeps every component of parallel variables; ``"primary"`` writes
-            one single entry per variable: the primary, or the logical value of sharded and
-            on-read variables; a variable of independent buffers has no single value and is
+        components: ``"all"`` keeps every component of parallel variables; ``"logical"``
+            writes one single entry per variable, its logical value whatever its kind (what a
+            restore onto one device gives: a mirrored variable's primary, an on-read
+            variable's aggregate, a sharded variable's full value); ``"primary"`` is the older
+            name of ``"logical"``. A variable of independent buffers has no single value and is
             refused (InvalidEntryError).
         names: key style for formats with flat keys (``"slash"``, ``"dotted"``, ``"tf"``);
             default: the format's own.
@@ -136,11 +138,13 @@ def convert(
         The path written (the index file of a shard set).
 
     Example:
-        >>> convert("run.h5", "model.safetensors", components="primary")  # doctest: +SKIP
+        >>> convert("run.h5", "model.safetensors", components="logical")  # doctest: +SKIP
         'model.safetensors'
     """
-    if components not in ("all", "primary"):
-        raise InvalidArgumentError(f"components must be 'all' or 'primary', got {components!r}")
+    if components not in ("all", "logical", "primary"):
+        raise InvalidArgumentError(
+            f"components must be 'all' or 'logical' ('primary'), got {components!r}"
+        )
     if names is not None:
         check_names(names)
     target = to_format or format_for_path(dst)
@@ -169,12 +173,12 @@ def convert(
         if devices is not None:
             source = reshard(view, devices)
         entries: dict[str, Entry] = dict(source.items())
-        if components == "primary":
+        if components in ("logical", "primary"):
             for key, e in entries.items():
                 if e.kind == "independent" and e.num_components > 1:  # as `extract` refuses it
                     raise InvalidEntryError(
                         f"holds {e.num_components} independent components and no single value "
-                        "to write with components='primary'",
+                        "to write with components='logical'",
                         file=os.fspath(src),
                         variable=key,
                         hint="keep them with components='all' (--components all), or extract one "

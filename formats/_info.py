@@ -19,10 +19,13 @@ reserved ``.npz`` member, an HDF5 root attribute):
                    "num_components": 4, "layout": "logical", "keys": ["model.e"],
                    "attrs": {"shard_axis": 0, "shard_offsets": [0, 3, 6, 8]}}}}
 
-``layout`` is ``"components"`` (one stored tensor per component, in order) or ``"logical"``
+``layout`` is ``"components"`` (one stored tensor per component, in order), ``"logical"``
 (sharded variables only: the stitched full value is stored once under the variable's key, so a
 plain consumer sees the whole tensor, and component ``i`` is read back as the slice
-``shard_offsets[i]:shard_offsets[i + 1]`` along ``shard_axis``). Only variables that need it
+``shard_offsets[i]:shard_offsets[i + 1]`` along ``shard_axis``) or ``"aggregate"`` (on-read SUM
+and MEAN variables of several parts: ``keys[0]``, the variable's own key, holds the aggregate a
+plain consumer reads as the value, then ``keys[1 + i]`` part ``i``, under
+``parallel_component_<i>``, 0 included). Only variables that need it
 are listed (a kind other than ``single``, attributes, a dtype the format cannot name, or a key
 that does not map back to the path); every other stored tensor is a ``single`` variable whose
 path is ``from_key(key, names)``.
@@ -52,6 +55,7 @@ from ._view import KINDS, DictView, Entry
 
 INFO_FORMAT = "parallelvars"
 INFO_VERSION = 1
+_LAYOUTS = ("components", "logical", "aggregate")
 
 
 class StoredEntry(Entry):
@@ -84,6 +88,8 @@ class StoredEntry(Entry):
         self._check_index(i)
         if self.layout == "components":
             return self.keys[i], None
+        if self.layout == "aggregate":  # keys[0] holds the aggregate, then every part
+            return self.keys[i + 1], None
         axis = int(self.attrs["shard_axis"])
         start = int(self.attrs["shard_offsets"][i])
         return self.keys[0], (axis, start, start + self.component_shape(i)[axis])
@@ -98,7 +104,7 @@ class StoredEntry(Entry):
         self._read(key, region, out)
 
     def value(self) -> np.ndarray:
-        if self.layout == "logical":  # the stitched value is stored as it is
+        if self.layout in ("logical", "aggregate"):  # stored as it is
             out = np.empty(self.shape, self.dtype)
             self._read(self.keys[0], None, out)
             return out
@@ -218,16 +224,20 @@ def _entry_from_record(store: TensorStore, path: str, rec: Any, present: set[str
         attrs = dict(rec.get("attrs") or {})
     except (KeyError, TypeError, ValueError) as exc:
         raise _corrupt(file, f"variable record is incomplete ({exc})", variable=path) from None
-    if kind not in KINDS or layout not in ("components", "logical") or any(s < 0 for s in shape):
+    if kind not in KINDS or layout not in _LAYOUTS or any(s < 0 for s in shape):
         raise _corrupt(
             file,
             "variable record has a bad kind, layout or shape",
             variable=path,
-            expected=f"kind in {KINDS}, layout components|logical, shape >= 0",
+            expected=f"kind in {KINDS}, layout {'|'.join(_LAYOUTS)}, shape >= 0",
             found=f"kind={kind!r} layout={layout!r} shape={shape}",
         )
-    expected_keys = n if layout == "components" else 1
-    if len(keys) != expected_keys or (layout == "logical" and kind != "sharded"):
+    expected_keys = {"components": n, "logical": 1, "aggregate": n + 1}[layout]
+    if (
+        len(keys) != expected_keys
+        or (layout == "logical" and kind != "sharded")
+        or (layout == "aggregate" and kind != "on_read")
+    ):
         raise _corrupt(
             file,
             "variable record lists the wrong number of stored tensors",
@@ -260,7 +270,12 @@ def _entry_from_record(store: TensorStore, path: str, rec: Any, present: set[str
     # The stored tensors must hold exactly the bytes the record describes.
     for i, key in enumerate(keys):
         sdtype, sshape = store.stored(key)
-        want = entry.shape if layout == "logical" else entry.component_shape(i)
+        if layout == "components":
+            want = entry.component_shape(i)
+        elif layout == "aggregate" and i > 0:
+            want = entry.component_shape(i - 1)
+        else:
+            want = entry.shape
         if is_string_dtype(dtype):
             ok = tuple(sshape) == tuple(want)
         else:

@@ -31,6 +31,9 @@ Rules:
   ``<primary key>/parallel_component_<i>`` (``slash``, ``dotted``) or TF's historical
   ``<path>/.ATTRIBUTES/parallel_component_<i>`` (``tf``). A plain consumer finds the primary
   under the variable's own name and can ignore the rest.
+* An on-read variable (SUM or MEAN, several parts) stores its aggregate under the plain key,
+  what a plain consumer and TensorFlow read as its value, and *every* part under
+  ``parallel_component_<i>``, ``0`` included (:func:`part_key`).
 
 Example:
     >>> to_key("layers/0/attn/q/weight", "dotted")
@@ -54,6 +57,7 @@ __all__ = [
     "component_key",
     "from_key",
     "parse_component_key",
+    "part_key",
     "to_key",
 ]
 
@@ -131,6 +135,22 @@ def _tf_object_path(path: str, slot_of: str | None, slot_name: str | None) -> st
 def component_key(path: str, index: int, names: str = "slash", **slot: str | None) -> str:
     """Shorthand for ``to_key(path, names, component=index, ...)``."""
     return to_key(path, names, component=index, **slot)
+
+
+def part_key(path: str, index: int, names: str = "slash", **slot: str | None) -> str:
+    """The key of part ``index`` of an on-read variable whose plain key holds the aggregate:
+    ``parallel_component_<index>`` for every part, ``0`` included.
+
+    Example:
+        >>> part_key("m/n", 0, "dotted")
+        'm.n/parallel_component_0'
+        >>> part_key("m/n", 0, "tf")
+        'm/n/.ATTRIBUTES/parallel_component_0'
+    """
+    if index != 0:
+        return to_key(path, names, component=index, **slot)
+    key = to_key(path, names, component=1, **slot)
+    return key[: -len("1")] + "0"
 
 
 def from_key(key: str, names: str = "slash") -> str:

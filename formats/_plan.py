@@ -20,15 +20,15 @@ from parallelvars.errors import (
 from ._dtypes import dtype_name, is_string_dtype
 from ._info import INFO_FORMAT, INFO_VERSION
 from ._json import jsonable
-from ._names import check_names, from_key, to_key
+from ._names import check_names, from_key, part_key, to_key
 from ._validate import check_entry
-from ._view import Entry
+from ._view import Entry, aggregates
 
 
 @dataclass
 class PlannedTensor:
     """One tensor a writer will store: component ``component`` of ``entry`` (``None``: the
-    logical value of a sharded entry) under ``key``."""
+    logical value of a sharded entry, or an on-read entry's aggregate) under ``key``."""
 
     key: str
     entry: Entry
@@ -77,6 +77,9 @@ class PlannedTensor:
         if self.component is not None:
             entry.read_component_into(self.component, out)
             return out
+        if entry.kind != "sharded":  # an on-read aggregate: computed from the parts
+            out[...] = entry.value()
+            return out
         axis = int(entry.attrs["shard_axis"])
         for j, start in enumerate(entry.attrs["shard_offsets"]):
             size = int(entry.component_shape(j)[axis])
@@ -89,6 +92,24 @@ class PlannedTensor:
         if is_string_dtype(self.dtype):
             return self.read()
         return self.read_into(scratch.array(self.dtype, self.shape))
+
+
+def _part_key(
+    path: str,
+    entry: Entry,
+    i: int,
+    names: str,
+    slot: dict[str, Any],
+    key_of: Callable[[str, Entry, int], str] | None,
+) -> str:
+    """The key of part ``i`` of an aggregated on-read entry (``parallel_component_<i>``, 0
+    included; a format's ``key_of`` names part 0 like its part 1, ending in ``0``)."""
+    if key_of is None:
+        return part_key(path, i, names, **slot)
+    if i:
+        return key_of(path, entry, i)
+    first = key_of(path, entry, 1)
+    return first[: -len("1")] + "0"
 
 
 def plan_tensors(
@@ -132,6 +153,14 @@ def plan_tensors(
         if entry.kind == "sharded":
             tensors = [PlannedTensor(primary, entry, None)]
             layout = "logical"
+        elif aggregates(entry):
+            # The aggregate under the plain key, every part (0 included) beside it.
+            tensors = [PlannedTensor(primary, entry, None)]
+            tensors += [
+                PlannedTensor(_part_key(path, entry, i, names, slot, key_of), entry, i)
+                for i in range(entry.num_components)
+            ]
+            layout = "aggregate"
         else:
             tensors = [PlannedTensor(key(i), entry, i) for i in range(entry.num_components)]
             layout = "components"

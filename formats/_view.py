@@ -210,6 +210,15 @@ class DictView(CheckpointView):
         return len(self._entries)
 
 
+def aggregates(entry: Entry) -> bool:
+    """Whether ``entry``'s logical value is computed from its parts: an on-read SUM or MEAN
+    variable of several components. Flat formats store that aggregate under the plain key
+    (what a plain consumer and TensorFlow read) and every part under ``parallel_component_<i>``."""
+    if entry.kind != "on_read" or entry.num_components < 2:
+        return False
+    return str(entry.attrs.get("aggregation", "sum")).lower() != "only_first_replica"
+
+
 def logical_value(entry: Entry) -> np.ndarray:
     """The value a restore onto one device gives, following DESIGN.md's rules.
 
