@@ -91,3 +91,34 @@ def test_components_logical_writes_each_kinds_logical_value(saved, tmp_path, com
     with np.load(out) as z:
         got = {k: z[k].tolist() for k in z.files if not k.startswith("__")}
     assert got == {"model/n": 138, "model/a": [1.5, 3.0], "model/f": 1.0, "save_counter": 0}
+
+
+def test_tf_checkpoint_keeps_the_aggregate_under_variable_value(saved, tmp_path) -> None:
+    from parallelvars.formats.tf._bundle import BundleReader
+
+    prefix = formats.convert(saved, tmp_path / "tf" / "ckpt-1", to_format="tf")
+    bundle = BundleReader(prefix)
+    try:
+
+        def read(key: str) -> list:
+            return bundle.read(key.encode()).tolist()
+
+        assert read("model/n/.ATTRIBUTES/VARIABLE_VALUE") == 138  # what TensorFlow reads
+        parts = [read(f"model/n/.ATTRIBUTES/parallel_component_{i}") for i in range(4)]
+        assert parts == PARTS
+        assert read("model/a/.ATTRIBUTES/VARIABLE_VALUE") == [1.5, 3.0]
+        assert read("model/f/.ATTRIBUTES/VARIABLE_VALUE") == 1.0  # ONLY_FIRST: the first part
+    finally:
+        bundle.close()
+    view = formats.open_checkpoint(prefix)
+    try:
+        n = view["model/n"]
+        assert (n.kind, n.num_components, n.attrs["aggregation"]) == ("on_read", 4, "sum")
+        assert [int(n.component(i)) for i in range(4)] == PARTS and int(n.value()) == 138
+    finally:
+        view.close()
+    back = formats.convert(prefix, tmp_path / "back.h5")
+    m = _model(pv.MirroredStrategy(4))
+    pv.Checkpoint(model=m).restore(back).assert_consumed()
+    assert m.n.stacked.tolist() == PARTS
+    assert m.a.stacked.tolist() == [[i, 2 * i] for i in range(4)]

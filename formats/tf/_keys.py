@@ -57,6 +57,9 @@ unescape_local_name = unescape_name
 
 _SEP = "/" + ATTRIBUTES + "/"
 _PARALLEL_RE = re.compile(r"parallel_component_([1-9][0-9]*)")
+#: The component number :func:`parse_key` gives ``parallel_component_0``: part 0 of an on-read
+#: variable whose ``VARIABLE_VALUE`` holds the aggregate (our writer's layout for them).
+PART_ZERO = -2
 
 
 def component_attribute(i: int) -> str:
@@ -94,6 +97,8 @@ def parse_key(key: str) -> ParsedKey | None:
         return None
     if attribute == VARIABLE_VALUE:
         component = 0
+    elif attribute == f"{PARALLEL_COMPONENT}0":
+        component = PART_ZERO
     else:
         m = _PARALLEL_RE.fullmatch(attribute)
         component = int(m.group(1)) if m else -1
@@ -107,7 +112,7 @@ def parse_key(key: str) -> ParsedKey | None:
         path = slot_path(_join(rest[:-1]), slot_of, slot_name)
     else:
         path = _join(names)
-    if component < 0:  # another attribute (a config string, a table's keys): its own entry
+    if component == -1:  # another attribute (a config string, a table's keys): its own entry
         path = f"{path}/{ATTRIBUTES}/{attribute}"
         component = 0
     return ParsedKey(path, component, slot_of, slot_name)

@@ -9,7 +9,9 @@ Grouping rules:
 
 - ``VARIABLE_VALUE`` and ``parallel_component_N`` of one object become one entry with N+1
   components, of kind ``mirrored`` (TensorFlow's keys do not say more; the ``parallel_kind``
-  option picks another kind) unless our metadata key records the kind.
+  option picks another kind) unless our metadata key records the kind. With a
+  ``parallel_component_0`` key (our layout for on-read SUM / MEAN variables), ``VARIABLE_VALUE``
+  holds the aggregate and the entry's N components are ``parallel_component_0..N-1``.
 - A partitioned (sliced) tensor tiled along exactly one axis becomes a ``sharded`` entry whose
   components are the slices (``value()`` assembles them); any other slicing, or the
   ``assemble_slices`` option, gives a ``single`` entry whose component is the assembled tensor.
@@ -41,7 +43,7 @@ from .._view import KINDS, DictView, Entry
 from ._bundle import BundleReader, key_str
 from ._dtypes import DT_NAMES, DT_STRING
 from ._graph import TrackableObject, decode_graph
-from ._keys import ATTRIBUTES, GRAPH_KEY, METADATA_KEY, parse_key
+from ._keys import ATTRIBUTES, GRAPH_KEY, METADATA_KEY, PART_ZERO, parse_key
 from ._ordered_code import encode_slice_key
 from ._proto import DecodeError, SliceSpec
 from ._state import STATE_FILENAME, read_state
@@ -377,7 +379,10 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
     def _is_regular(self, comps: dict[int, str], keys: dict[str, bytes]) -> bool:
         if len(comps) == 1:
             return 0 in comps
-        if sorted(comps) != list(range(len(comps))):
+        if PART_ZERO in comps:  # VARIABLE_VALUE: the aggregate; parts 0..N-1 beside it
+            if sorted(comps) != [PART_ZERO, *range(len(comps) - 1)]:
+                return False
+        elif sorted(comps) != list(range(len(comps))):
             return False
         es = [self._bundle.entries[keys[k]] for k in comps.values()]
         return all(e.dtype == es[0].dtype and e.shape == es[0].shape for e in es)
@@ -455,7 +460,11 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
         meta: dict[str, Any] | None,
     ) -> TfEntry | None:
         b = self._bundle
-        ordered = [comps[i] for i in range(len(comps))]
+        if PART_ZERO in comps:  # an on-read aggregate under VARIABLE_VALUE: read the parts
+            ordered = [comps[PART_ZERO], *(comps[i] for i in range(1, len(comps) - 1))]
+            full_names = {**full_names, ordered[0]: full_names.get(comps[0], "")}
+        else:
+            ordered = [comps[i] for i in range(len(comps))]
         sources = [keys[k] for k in ordered]
         first = b.entries[sources[0]]
         try:
@@ -483,6 +492,8 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
         meta_kind = meta.get("kind")
         meta_attrs = dict(meta.get("attrs", {}))
         kind = "single" if len(sources) == 1 else self._parallel_kind
+        if PART_ZERO in comps:
+            kind = "on_read"
         shape = first.shape
         shards: tuple[int, list[int], list[bytes | None]] | None = None
         if meta_kind == "sharded":

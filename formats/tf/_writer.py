@@ -3,7 +3,9 @@
 Object-based naming (the default) builds an object tree from the paths (children in the order
 the paths first appear), numbers its nodes breadth first as TensorFlow does, and writes the
 tensors in node order, then the object graph. Component 0 of an entry is saved as
-``VARIABLE_VALUE`` and component i as ``parallel_component_i``; a sharded entry is saved as one
+``VARIABLE_VALUE`` and component i as ``parallel_component_i``, except for an on-read SUM or
+MEAN entry of several parts: its aggregate (what TensorFlow reads a SyncOnRead variable as) is
+``VARIABLE_VALUE`` and part i is ``parallel_component_i``, 0 included; a sharded entry is saved as one
 partitioned (sliced) tensor; an optimizer slot (``attrs`` ``slot_of``/``slot_name`` at the path
 ``<optimizer>/slots/<variable>/<slot>``) as a legacy ``.OPTIMIZER_SLOT`` key listed in the
 optimizer node's ``slot_variables``. Given the same tensors, the bytes are those TensorFlow
@@ -36,7 +38,7 @@ from parallelvars.errors import (
     UnsupportedDtypeError,
 )
 
-from .._view import KINDS, Entry
+from .._view import KINDS, Entry, aggregates
 from ._bundle import BundleWriter
 from ._dtypes import DT_STRING, tf_dtype
 from ._graph import (
@@ -51,6 +53,7 @@ from ._keys import (
     GRAPH_KEY,
     METADATA_KEY,
     OPTIMIZER_SLOT,
+    PARALLEL_COMPONENT,
     SLOTS,
     VARIABLE_VALUE,
     component_attribute,
@@ -284,6 +287,16 @@ def _build_tree(plans: list[_Var], index_path: str) -> tuple[_Node, list[_Node]]
             new = [(attribute, full_name, f"{prefix}/{ATTRIBUTES}/{attribute}", var, -1)]
         elif attribute != VARIABLE_VALUE:
             new = [(attribute, full_name, f"{prefix}/{ATTRIBUTES}/{attribute}", var, 0)]
+        elif aggregates(e):
+            # VARIABLE_VALUE holds what TensorFlow reads a SyncOnRead variable as: the
+            # aggregate; every part (0 included) goes under parallel_component_<i>.
+            new = [
+                (VARIABLE_VALUE, full_name, f"{prefix}/{ATTRIBUTES}/{VARIABLE_VALUE}", var, _AGG)
+            ]
+            new += [
+                (a, "", f"{prefix}/{ATTRIBUTES}/{a}", var, i)
+                for i, a in ((i, f"{PARALLEL_COMPONENT}{i}") for i in range(e.num_components))
+            ]
         else:
             new = [
                 (a, full_name if i == 0 else "", f"{prefix}/{ATTRIBUTES}/{a}", var, i)
@@ -345,10 +358,17 @@ def _graph_bytes(order: list[_Node]) -> bytes:
     return encode_graph(protos)
 
 
+# The component number of an on-read entry's aggregate in the attribute lists (-1: slices).
+_AGG = -2
+
+
 def _write_var(w: BundleWriter, var: _Var, key: str, comp: int, index_path: str) -> None:
     k = key.encode("utf-8", "surrogateescape")
     if comp >= 0:
         w.add(k, _component(var, comp, index_path), dtype=var.tf_type)
+        return
+    if comp == _AGG:
+        w.add(k, np.asarray(var.entry.value()), dtype=var.tf_type)
         return
     assert var.slices is not None
     e = var.entry
