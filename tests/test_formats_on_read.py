@@ -122,3 +122,43 @@ def test_tf_checkpoint_keeps_the_aggregate_under_variable_value(saved, tmp_path)
     pv.Checkpoint(model=m).restore(back).assert_consumed()
     assert m.n.stacked.tolist() == PARTS
     assert m.a.stacked.tolist() == [[i, 2 * i] for i in range(4)]
+
+
+@pytest.mark.parametrize(
+    ("kind", "keys", "what"),
+    [
+        ("on_read", ["n", "n/parallel_component_0"], "wrong number"),  # 2 parts, 1 listed
+        ("mirrored", ["n", "n/parallel_component_0", "n/parallel_component_1"], "wrong number"),
+        ("on_read", ["n/parallel_component_0", "n", "missing"], "missing"),
+    ],
+)
+def test_a_crafted_aggregate_record_is_a_corrupt_checkpoint(tmp_path, kind, keys, what) -> None:
+    import json
+
+    from safetensors.numpy import save_file
+
+    tensors = {
+        "n": np.array(3, np.int64),
+        "n/parallel_component_0": np.array(1, np.int64),
+        "n/parallel_component_1": np.array(2, np.int64),
+    }
+    info = {
+        "format": "parallelvars",
+        "version": 1,
+        "names": "slash",
+        "variables": {
+            "n": {
+                "kind": kind,
+                "dtype": "int64",
+                "shape": [],
+                "num_components": 2,
+                "layout": "aggregate",
+                "keys": keys,
+                "attrs": {"aggregation": "sum"},
+            }
+        },
+    }
+    path = tmp_path / "crafted.safetensors"
+    save_file(tensors, str(path), metadata={"parallelvars": json.dumps(info)})
+    with pytest.raises(pv.errors.CorruptCheckpointError, match=what):
+        formats.open_checkpoint(path).close()
