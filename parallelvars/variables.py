@@ -27,8 +27,9 @@ Overridden dunders and why (everything else is forwarded to the wrapped array by
   ``__index__``), ``__getitem__``, ``__len__``, ``__iter__``, ``__array__``,
   ``__array_ufunc__``, ``__array_function__``: read the *local* value (the replica's component
   inside replica functions; outside, the primary, or an on-read variable's aggregate) and
-  unwrap other variables, so numpy never sees a proxy. Attributes that do not depend on the
-  values (``shape``, ``dtype``, ``ndim``, ``size``, ...) come from the primary directly.
+  unwrap other variables, so numpy never sees a proxy. For an on-read variable, attributes that
+  do not depend on the values (``shape``, ``dtype``, ``ndim``, ``size``, ...) come from the
+  primary, so reading them computes no aggregate.
 * ``__array_interface__`` / ``__array_struct__``: numpy consults them *before* ``__array__``.
   For ordinary dtypes they describe the local component (so ``np.asarray(v)`` shares its
   memory); for the ml_dtypes extension types (bfloat16, float8 ...) they are absent, because
