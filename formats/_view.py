@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from parallelvars.errors import ComponentIndexError, InvalidEntryError
+from parallelvars.variables import aggregate_parts
 
 __all__ = ["KINDS", "Entry", "ArrayEntry", "CheckpointView", "DictView", "logical_value"]
 
@@ -230,18 +231,13 @@ def logical_value(entry: Entry) -> np.ndarray:
     if kind in ("single", "mirrored") or (entry.num_components == 1 and kind != "sharded"):
         return entry.component(0)
     if kind == "on_read":
-        agg = str(entry.attrs.get("aggregation", "sum")).lower()
-        if agg == "only_first_replica":
-            return entry.component(0)
-        total = entry.component(0)
-        with np.errstate(over="ignore", invalid="ignore"):  # inf + -inf is nan, as it should be
-            for i in range(1, entry.num_components):
-                total += entry.component(i)  # device order: deterministic
-        if agg == "mean":
-            if total.dtype.kind in "iub":
-                return (total // entry.num_components).astype(total.dtype, copy=False)
-            return (total / entry.num_components).astype(total.dtype, copy=False)
-        return total
+        n = entry.num_components
+        return aggregate_parts(
+            entry.component(0),
+            (entry.component(i) for i in range(1, n)),
+            n,
+            str(entry.attrs.get("aggregation", "sum")),
+        )
     if kind == "sharded":
         out = np.empty(entry.shape, entry.dtype)
         axis = int(entry.attrs["shard_axis"])

@@ -57,7 +57,7 @@ from __future__ import annotations
 import itertools
 import operator
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -101,6 +101,30 @@ def _unique_name(name: str | None) -> str:
         return str(name)
     with _name_lock:
         return f"Variable_{next(_name_counter)}"
+
+
+def aggregate_parts(
+    out: np.ndarray, rest: Iterable[np.ndarray], n: int, aggregation: Aggregation | str
+) -> np.ndarray:
+    """The aggregate of an on-read variable's ``n`` parts, computed in ``out``; returns it.
+
+    The one rule for reads, restores and format conversions: ``out`` holds part 0 and
+    ``rest`` gives parts ``1 .. n-1`` in device order (so a sum has the same bits on every
+    run); ONLY_FIRST_REPLICA is part 0 (``rest`` is not consumed), MEAN is the sum divided
+    by ``n`` in the parts' dtype (integers round down), any other aggregation the sum.
+    """
+    agg = aggregation.value if isinstance(aggregation, Aggregation) else str(aggregation).lower()
+    if agg == Aggregation.ONLY_FIRST_REPLICA.value or n == 1:
+        return out
+    with np.errstate(over="ignore", invalid="ignore"):  # inf + -inf is nan, as it should be
+        for part in rest:
+            np.add(out, part, out=out)
+    if agg == Aggregation.MEAN.value:
+        if out.dtype.kind in "iub":
+            np.floor_divide(out, n, out=out, casting="unsafe")
+        else:
+            np.divide(out, n, out=out, casting="unsafe")
+    return out
 
 
 def _unwrap(x: Any) -> Any:
@@ -376,16 +400,7 @@ class ParallelVariable(wrapt.ObjectProxy):
                 f"variable {self._self_name!r}: an on-read variable with aggregation NONE has no "
                 "value in cross-replica context; read its components"
             )
-        total = np.array(comps[0], copy=True)
-        with np.errstate(over="ignore", invalid="ignore"):  # inf + -inf is nan, as it should be
-            for c in comps[1:]:  # device order: the same bits on every run
-                np.add(total, c, out=total)
-        if agg is Aggregation.MEAN:  # in the variable's own dtype; an array also when 0-d
-            if total.dtype.kind in "iub":  # integer mean
-                np.floor_divide(total, len(comps), out=total, casting="unsafe")
-            else:
-                np.divide(total, len(comps), out=total, casting="unsafe")
-        return total
+        return aggregate_parts(np.array(comps[0], copy=True), comps[1:], len(comps), agg)
 
     # ------------------------------------------------------------------ writing
     def assign(self, value: Any) -> ParallelVariable:

@@ -25,7 +25,7 @@ parallel_device_saving); the other components are then reported unmatched by the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -33,7 +33,7 @@ import numpy as np
 from parallelvars._dtypes import dtype_name
 from parallelvars.checkpoint.registry import Saveable, SaveRecord, component_name, register_saveable
 from parallelvars.errors import DeviceCountError, DtypeMismatchError, ShapeMismatchError
-from parallelvars.variables import ParallelVariable, ShardedVariable
+from parallelvars.variables import ParallelVariable, ShardedVariable, aggregate_parts
 
 __all__ = ["ParallelVariableSaveable", "read_logical_into"]
 
@@ -58,20 +58,15 @@ def read_logical_into(stored: Any, out: np.ndarray, *, file: str, cast: bool) ->
             stored.read_component_into(i, out[index], cast=cast)
         return
     if kind == "on_read" and n > 1:
-        agg = str(stored.attrs.get("aggregation", "sum")).lower()
         stored.read_component_into(0, out, cast=cast)
-        if agg == "only_first_replica":
-            return
-        scratch = np.empty_like(out)
-        for i in range(1, n):  # device order: the same bits on every run
-            stored.read_component_into(i, scratch, cast=cast)
-            with np.errstate(over="ignore", invalid="ignore"):  # inf + -inf is nan, as it should be
-                np.add(out, scratch, out=out)
-        if agg == "mean":
-            if out.dtype.kind in "iub":
-                np.floor_divide(out, n, out=out, casting="unsafe")
-            else:
-                np.divide(out, n, out=out, casting="unsafe")
+
+        def rest() -> Iterator[np.ndarray]:
+            scratch = np.empty_like(out)
+            for i in range(1, n):
+                stored.read_component_into(i, scratch, cast=cast)
+                yield scratch
+
+        aggregate_parts(out, rest(), n, str(stored.attrs.get("aggregation", "sum")))
         return
     if kind == "independent" and n > 1:
         raise DeviceCountError(
