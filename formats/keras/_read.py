@@ -94,11 +94,11 @@ def _open(
         metadata = dict((info or {}).get("metadata") or {})
         key, value = layout_entry(layout)
         metadata[key] = value
+        return StoreView(store, entries, format=fmt, path=p, metadata=metadata, info=info)
     except BaseException:
         with contextlib.suppress(*H5_ERRORS):
             h5.close()
         raise
-    return StoreView(store, entries, format=fmt, path=p, metadata=metadata)
 
 
 def _sniff_with(path: str, head: bytes, check: Any) -> bool:
