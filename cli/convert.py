@@ -29,6 +29,11 @@ components store them under suffixed names); --components primary keeps one valu
 the full tensor of a sharded one), which is what a non-parallel reader expects. A variable of
 independent buffers has no single value: --components primary refuses it, as extract does.
 
+A Keras .keras archive holds the model's architecture besides its weights: writing one takes
+the model's own archive as a template (--like TEMPLATE.keras), whose config.json and
+metadata.json are kept and whose weights are replaced. Weights that do not fit the template
+(other layers, shapes or dtypes) are refused.
+
 Sizes take decimal (KB, MB, GB) or binary (KiB, MiB, GiB) units: 5GB = 5*10^9 bytes,
 100KiB = 102400 bytes.
 
@@ -37,6 +42,8 @@ examples:
   parallelvars convert run.h5 model.safetensors --components primary --max-shard-size 5GB
   parallelvars convert ckpt-3 run.h5 --from tf
   parallelvars convert model.weights.h5 weights.npz --to npz
+  parallelvars convert model.keras run.h5
+  parallelvars convert run.h5 trained.keras --like model.keras
   parallelvars convert run.h5 shards/ --to safetensors --max-shard-size 5GB --parents"""
 
 
@@ -70,6 +77,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=parse_size,
         help="split the output into files of at most SIZE (e.g. 5GB, 500MB, 100KiB), "
         "for formats that shard",
+    )
+    parser.add_argument(
+        "--like",
+        metavar="TEMPLATE",
+        help="for a .keras DST: the model's own .keras archive, whose config is kept and whose "
+        "weights are replaced",
     )
     parser.add_argument(
         "--names",
@@ -112,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
             max_shard_size=args.max_shard_size,
             progress=bar.set,
             read_options=reader_options(src_format),
+            like=args.like,
         )
     with open_view(written, dst_format) as view:
         count = len(view)

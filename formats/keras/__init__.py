@@ -81,11 +81,12 @@ __all__ = [
 FORMATS = (
     FormatSpec(
         name="keras",
-        description="Keras 3 .weights.h5 (layers/<name>/vars/<i>)",
-        suffixes=(".weights.h5",),
+        description="Keras 3 .weights.h5 or .keras archive (layers/<name>/vars/<i>)",
+        suffixes=(".weights.h5", ".keras"),
         sniff=sniff_keras,
         open=open_keras,
         write=write_keras,
+        options={"like": "for a .keras archive: the model's own archive (its config is kept)"},
     ),
     FormatSpec(
         name="keras-legacy",
