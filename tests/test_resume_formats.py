@@ -176,6 +176,9 @@ def test_a_file_without_metadata_restores_its_values_and_reports_the_rest(tmp_pa
     for c in model["w"].components:
         np.testing.assert_array_equal(c, w)
     assert status.restored_paths == ["model/w"]
+    assert status.unrestored_paths == ["extra/thing"]
+    # the optimizer has no variables yet; the file has no save counter
+    assert status.unmatched_live_paths == ["model/b", "save_counter"]
     with pytest.raises(errors.RestoreMismatchError, match="extra/thing"):
         status.assert_consumed()
     with pytest.raises(errors.RestoreMismatchError, match="model/b"):
@@ -211,3 +214,31 @@ def test_graph_from_paths_puts_slots_on_the_optimizer() -> None:
     opt = next(i for i, n in enumerate(nodes) if ["opt", i] in nodes[0]["children"])
     assert nodes[opt]["slots"] == [[paths["m/w"], "m", paths["opt/slots/m/w/m"]]]
     assert all(paths["opt/slots/m/w/m"] != c[1] for n in nodes for c in n["children"])
+
+
+def test_a_tensorflow_adam_checkpoint_restores_its_slots() -> None:
+    """tests/data/tf/sharded: TF 2.21, tf.compat.v1.train.AdamOptimizer after one step of
+    ones. Its slots reach our Adam's m and v through TensorFlow's own slot_variables."""
+    folder = str(Path(__file__).parent / "data" / "tf" / "sharded")
+    with formats.open_checkpoint(folder) as view:
+        saved = {k: view[k].value() for k in view}
+    with pv.MirroredStrategy(2).scope():
+        emb = pv.Variable(np.zeros((5, 2), np.float32), name="emb")
+        v = pv.Variable(np.zeros(3, np.float32), name="v")
+    opt = pv.optimizers.Adam(0.1)
+    status = pv.Checkpoint(model={"emb": emb, "v": v}, optimizer=opt).restore(
+        folder,
+        allow_cast=True,  # TensorFlow keeps the beta powers in float32, we in float64
+    )
+    assert "optimizer/slots/model/v/m" in status.unrestored_paths  # until the slots exist
+    opt.apply_gradients([(np.zeros(3, np.float32), v)])  # creates the slots: restored then
+    m, vv = saved["optimizer/slots/model/v/m"], saved["optimizer/slots/model/v/v"]
+    for c in opt.get_slot(v, "m").components:
+        np.testing.assert_allclose(c, 0.9 * m, rtol=1e-6)
+    for c in opt.get_slot(v, "v").components:
+        np.testing.assert_allclose(c, 0.999 * vv, rtol=1e-6)
+    # TF1's Adam has no step counter: reported, not silently left at zero
+    assert status.unmatched_live_paths == ["optimizer/iterations"]
+    assert status.unrestored_paths == []
+    with pytest.raises(errors.RestoreMismatchError, match="optimizer/iterations"):
+        status.assert_consumed()

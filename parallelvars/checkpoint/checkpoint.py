@@ -499,15 +499,27 @@ class CheckpointLoadStatus:
             matched = {id(o) for o in self._session.matched.values()}
             return [path for _, obj, path in graph.variables() if id(obj) not in matched]
 
-    def assert_consumed(self) -> CheckpointLoadStatus:
-        """Every saved value was restored and every live variable was matched."""
+    @property
+    def unrestored_paths(self) -> list[str]:
+        """Saved values not restored so far, sorted: no live object matched them yet (a slot
+        waiting for its optimizer to create it, a name another model does not have), and the
+        components 1.. of an independent variable read into a plain one."""
         with _gc_paused():
             missing = [
                 p
                 for i, p in self._session.variable_nodes().items()
                 if i not in self._session.restored
             ]
-        missing += self._session.unmatched_parts
+        return sorted(missing + self._session.unmatched_parts)
+
+    @property
+    def unmatched_live_paths(self) -> list[str]:
+        """Variables reachable from the root now that no saved value was matched with, sorted."""
+        return sorted(self._unmatched_live())
+
+    def assert_consumed(self) -> CheckpointLoadStatus:
+        """Every saved value was restored and every live variable was matched."""
+        missing = self.unrestored_paths
         if missing:
             raise RestoreMismatchError(
                 "saved values were not restored (no matching live object yet)",
