@@ -78,16 +78,17 @@ def _to(src: str, tmp_path: Path, target: str) -> str:
         "npz": "x.npz",
         "tf": "tf/ckpt",
         "keras": "x.weights.h5",
+        "keras-legacy": "legacy.h5",
     }[target]
     options: dict[str, object] = {}
-    if target == "tf":
-        options["to_format"] = "tf"
+    if target in ("tf", "keras-legacy"):
+        options["to_format"] = target
     if target == "safetensors-sharded":
         options.update(to_format="safetensors", max_shard_size=64)
     return formats.convert(src, str(tmp_path / out), **options)  # type: ignore[arg-type]
 
 
-TARGETS = ["safetensors", "safetensors-sharded", "npz", "tf", "keras"]
+TARGETS = ["safetensors", "safetensors-sharded", "npz", "tf", "keras", "keras-legacy"]
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -242,3 +243,29 @@ def test_a_tensorflow_adam_checkpoint_restores_its_slots() -> None:
     assert status.unrestored_paths == []
     with pytest.raises(errors.RestoreMismatchError, match="optimizer/iterations"):
         status.assert_consumed()
+
+
+def test_inspect_says_what_a_file_records_of_the_training_run(
+    saved: tuple[str, dict[str, list]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from parallelvars.cli import main
+
+    path, _ = saved
+    plain = tmp_path / "other.safetensors"
+    _plain_safetensors(plain, {"model.w": np.ones(2, np.float32)})
+    cases = {
+        path: ("parallelvars", 4),
+        _to(path, tmp_path, "npz"): ("parallelvars", 4),
+        _to(path, tmp_path, "tf"): ("tensorflow", 4),
+        str(plain): (None, 0),
+    }
+    for target, (graph, slots) in cases.items():
+        assert main(["inspect", target, "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)["training_structure"]
+        assert doc == {"object_graph": graph, "slots": slots, "slots_without_variable": []}
+    assert main(["inspect", str(plain)]) == 0
+    assert "none recorded" in capsys.readouterr().out.splitlines()[-1]
+    assert main(["inspect", path]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "training structure: parallelvars object graph, 4 optimizer slots"
+    )
