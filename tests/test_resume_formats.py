@@ -269,3 +269,20 @@ def test_inspect_says_what_a_file_records_of_the_training_run(
     assert capsys.readouterr().out.splitlines()[-1] == (
         "training structure: parallelvars object graph, 4 optimizer slots"
     )
+
+
+def test_a_file_no_format_reads_says_what_it_seems_to_be(tmp_path: Path) -> None:
+    import h5py
+
+    path = str(tmp_path / "other.h5")
+    with h5py.File(path, "w") as f:
+        f["a"] = np.ones(3)
+    model, opt = _model()
+    with pytest.raises(errors.NotACheckpointError, match="neither our layout nor a Keras") as info:
+        pv.Checkpoint(model=model, optimizer=opt).restore(path)
+    assert str(info.value).startswith(path)
+    damaged = tmp_path / "model.safetensors"
+    damaged.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(errors.ParallelVarsError) as info:
+        pv.Checkpoint(model=model, optimizer=opt).restore(str(damaged))
+    assert isinstance(info.value, ValueError) and str(damaged) in str(info.value)

@@ -23,7 +23,7 @@ _LABELS = {
     "safetensors": "a safetensors file",
     "npz": "an npz archive",
     "keras": "a Keras file",
-    "hdf5": "an HDF5 file of another writer (Keras?)",
+    "hdf5": "an HDF5 file of another writer: neither our layout nor a Keras weight file",
 }
 _TF_FILE = re.compile(r"\.(index|data-\d+-of-\d+)$")
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
@@ -56,10 +56,12 @@ def foreign_kind(path: str) -> str | None:
 
 
 def foreign_hint(path: str) -> str | None:
-    """How to restore from ``path`` when it is not a native checkpoint, or None if unknown."""
+    """Why a restore could not read ``path`` and what to do, or None if unknown."""
     name = foreign_kind(path)
+    if name == "hdf5":
+        return _LABELS[name]
     if name is not None:
-        return f"{_LABELS[name]}: convert it first with 'parallelvars convert {path} out.h5'"
+        return f"{_LABELS[name]} that does not open as one: 'parallelvars verify {path}' says why"
     if os.path.isdir(path):
         from parallelvars.checkpoint.manager import latest_checkpoint
 

@@ -1,4 +1,5 @@
-"""``Checkpoint``: save and restore an object graph in the native HDF5 layout.
+"""``Checkpoint``: save and restore an object graph in the native HDF5 layout (a restore also
+reads every other format :mod:`parallelvars.formats` reads; see ``_sources``).
 
 Saving walks the graph breadth-first from the checkpoint's roots; every object with a
 registered saveable (variables) is written at the first path that reaches it
