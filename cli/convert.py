@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from parallelvars import formats
+from parallelvars.formats._graph import shared_objects
 
 from ._common import (
     add_destination_options,
@@ -104,6 +106,22 @@ def same_file(a: str, b: str) -> bool:
         return False
 
 
+def _not_carried(source: str, src_format: str, dst_format: str) -> list[str]:
+    """What the destination format cannot carry of the source, one line each (empty: all)."""
+    if dst_format != "tf":
+        return []
+    with open_view(source, src_format) as view:
+        graph = getattr(view, "object_graph", None)
+    shared = shared_objects(graph) if isinstance(graph, Mapping) else 0
+    if not shared:
+        return []
+    return [
+        f"{shared} link(s) of the object graph reach an object another path already reaches; "
+        "a TensorFlow checkpoint names each object once, by its first path (a restore is "
+        "unaffected)"
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     out: Output = args.out
     if same_file(args.source, args.destination):
@@ -127,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
             read_options=reader_options(src_format),
             like=args.like,
         )
+    notes = _not_carried(args.source, src_format, dst_format)
+    for note in notes:
+        out.note(note)
     with open_view(written, dst_format) as view:
         count = len(view)
         total = sum(int(view[k].nbytes) for k in view)
@@ -140,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         "max_shard_size": args.max_shard_size,
         "num_variables": count,
         "bytes": total,
+        "notes": notes,
     }
     out.emit(
         data,

@@ -22,7 +22,7 @@ from parallelvars.checkpoint.checkpoint import (
     slot_relations,
 )
 
-__all__ = ["carried_graph", "graph_from_info", "object_graph_for"]
+__all__ = ["carried_graph", "graph_from_info", "object_graph_for", "shared_objects"]
 
 
 def carried_graph(entries: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -64,3 +64,17 @@ def graph_from_info(info: Mapping[str, Any] | None, file: str) -> dict[str, Any]
     graph = info["object_graph"]
     nodes = checked_graph_nodes(graph, file)
     return {"version": graph.get("version", GRAPH_VERSION), "nodes": nodes}
+
+
+def shared_objects(graph: Mapping[str, Any]) -> int:
+    """How many of a native graph's child links reach an object that another link reached
+    first: a format that names each object by one path (TensorFlow's, built from the paths)
+    keeps only the first of them. A restore is unaffected (the object is matched once)."""
+    seen: set[int] = set()
+    extra = 0
+    for node in graph.get("nodes") or []:
+        for _, child in node.get("children") or []:
+            if child in seen:
+                extra += 1
+            seen.add(child)
+    return extra

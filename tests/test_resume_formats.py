@@ -286,3 +286,34 @@ def test_a_file_no_format_reads_says_what_it_seems_to_be(tmp_path: Path) -> None
     with pytest.raises(errors.ParallelVarsError) as info:
         pv.Checkpoint(model=model, optimizer=opt).restore(str(damaged))
     assert isinstance(info.value, ValueError) and str(damaged) in str(info.value)
+
+
+def test_a_conversion_says_what_the_target_cannot_carry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A variable reached by two paths (tied weights): TensorFlow's graph keeps the first path
+    only. The conversion says so (stderr, --json), and the restore still fills both."""
+    from parallelvars.cli import main
+
+    def tied() -> tuple[pv.Module, pv.ParallelVariable]:
+        with pv.MirroredStrategy(2).scope():
+            w = pv.Variable(np.arange(2, dtype=np.float32))
+        m = pv.Module()
+        m.embed, m.head = pv.Module(), pv.Module()
+        m.embed.w = m.head.w = w
+        return m, w
+
+    model, _ = tied()
+    path = pv.Checkpoint(model=model).write(str(tmp_path / "tied.h5"))
+    assert main(["convert", path, str(tmp_path / "tf" / "c"), "--to", "tf", "--parents"]) == 0
+    assert "note: 1 link(s) of the object graph" in capsys.readouterr().err
+    assert (
+        main(["convert", path, str(tmp_path / "tf2" / "c"), "--to", "tf", "--parents", "--json"])
+        == 0
+    )
+    assert len(json.loads(capsys.readouterr().out)["notes"]) == 1
+    assert main(["convert", path, str(tmp_path / "t.npz"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["notes"] == []  # npz carries our graph
+    fresh, w = tied()
+    pv.Checkpoint(model=fresh).restore(str(tmp_path / "tf" / "c")).assert_consumed()
+    assert w.components[1].tolist() == [0.0, 1.0]
