@@ -5,6 +5,7 @@ Real Keras loading what we write is in test_keras_interop.py."""
 from __future__ import annotations
 
 import json
+import sys
 import zipfile
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from formats_testlib import KERAS, same_bits
 import parallelvars as pv
 from parallelvars import errors, formats
 from parallelvars.cli import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # fuzz_readers
 
 WEIGHTS = KERAS / "model.weights.h5"
 CONFIG = json.dumps({"class_name": "Sequential", "config": {"name": "sequential"}})
@@ -178,3 +181,65 @@ def test_a_member_that_claims_to_expand_too_much_is_refused(tmp_path: Path) -> N
     path.write_bytes(bytes(raw))
     with pytest.raises(errors.CorruptCheckpointError, match="expand"):
         formats.open_checkpoint(str(path))
+
+
+# ------------------------------------------------------------------------------ fuzzed archives
+
+
+@pytest.fixture(scope="module")
+def fuzz_sample(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, bytes]:
+    """The fuzzers' sample model (every kind) as the weights of a .keras archive."""
+    import fuzz_readers
+
+    d = tmp_path_factory.mktemp("keras_archive")
+    weights = fuzz_readers.write_sample("keras", str(d))
+    clean = _archive(d / "clean.keras", weights=Path(weights))
+    return clean, Path(clean).read_bytes()
+
+
+@pytest.fixture(scope="module")
+def reader_worker():  # type: ignore[no-untyped-def]
+    import fuzz_readers
+
+    with fuzz_readers.ReaderWorker(timeout=30) as worker:
+        yield worker
+
+
+def test_mutated_archives_raise_only_documented_errors(
+    fuzz_sample: tuple[str, bytes], reader_worker: object, tmp_path: Path
+) -> None:
+    """Bytes flipped in the first and last KiB (local header, the weights' HDF5 superblock, the
+    central directory), or the archive cut short: only our documented errors, no crash, no
+    hang, no allocation beyond the file (the readers' isolated worker of tools/fuzz_readers)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    clean, original = fuzz_sample
+    target = tmp_path / "fuzzed.keras"
+    head = 1024
+
+    @settings(
+        max_examples=40,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
+    @given(
+        edits=st.lists(
+            st.tuples(st.integers(0, 2 * head - 1), st.integers(1, 255)), min_size=1, max_size=6
+        ),
+        cut=st.one_of(st.none(), st.integers(0, len(original))),
+    )
+    def prop(edits: list[tuple[int, int]], cut: int | None) -> None:
+        data = bytearray(original)
+        for pos, mask in edits:
+            offset = pos if pos < head else len(data) - (pos - head) - 1
+            data[offset] ^= mask
+        if cut is not None:
+            del data[cut:]
+        target.write_bytes(bytes(data))
+        res = reader_worker.check(str(target), clean, "keras")  # type: ignore[attr-defined]
+        assert res["outcome"] not in ("undocumented", "crash", "hang", "alloc"), res
+
+    prop()
