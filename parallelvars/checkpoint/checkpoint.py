@@ -258,7 +258,7 @@ def graph_from_paths(
             add_path(path, True)
     for path, (owner, slot_of, slot_name) in owners.items():
         var_id = index.get(slot_of)
-        opt_id = index.get(owner) if owner in index else None
+        opt_id = index.get(owner)
         if (
             var_id is None
             or nodes[var_id]["path"] is None
