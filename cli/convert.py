@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from parallelvars import formats
+from parallelvars.formats._graph import shared_objects
 
 from ._common import (
     add_destination_options,
@@ -32,6 +34,11 @@ which is what a non-parallel reader expects. --components primary is the older n
 logical, with the same meaning. A variable of independent buffers has no single value:
 --components logical refuses it, as extract does.
 
+A Keras .keras archive holds the model's architecture besides its weights: writing one takes
+the model's own archive as a template (--like TEMPLATE.keras), whose config.json and
+metadata.json are kept and whose weights are replaced. Weights that do not fit the template
+(other layers, shapes or dtypes) are refused.
+
 Sizes take decimal (KB, MB, GB) or binary (KiB, MiB, GiB) units: 5GB = 5*10^9 bytes,
 100KiB = 102400 bytes.
 
@@ -40,6 +47,8 @@ examples:
   parallelvars convert run.h5 model.safetensors --components logical --max-shard-size 5GB
   parallelvars convert ckpt-3 run.h5 --from tf
   parallelvars convert model.weights.h5 weights.npz --to npz
+  parallelvars convert model.keras run.h5
+  parallelvars convert run.h5 trained.keras --like model.keras
   parallelvars convert run.h5 shards/ --to safetensors --max-shard-size 5GB --parents"""
 
 
@@ -76,6 +85,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "for formats that shard",
     )
     parser.add_argument(
+        "--like",
+        metavar="TEMPLATE",
+        help="for a .keras DST: the model's own .keras archive, whose config is kept and whose "
+        "weights are replaced",
+    )
+    parser.add_argument(
         "--names",
         choices=formats.NAME_STYLES,
         help="key style for formats with flat keys (safetensors, npz): slash keeps our paths "
@@ -93,6 +108,22 @@ def same_file(a: str, b: str) -> bool:
         return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
     except OSError:
         return False
+
+
+def _not_carried(source: str, src_format: str, dst_format: str) -> list[str]:
+    """What the destination format cannot carry of the source, one line each (empty: all)."""
+    if dst_format != "tf":
+        return []
+    with open_view(source, src_format) as view:
+        graph = getattr(view, "object_graph", None)
+    shared = shared_objects(graph) if isinstance(graph, Mapping) else 0
+    if not shared:
+        return []
+    return [
+        f"{shared} link(s) of the object graph reach an object another path already reaches; "
+        "a TensorFlow checkpoint names each object once, by its first path (a restore is "
+        "unaffected)"
+    ]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,7 +147,11 @@ def run(args: argparse.Namespace) -> int:
             max_shard_size=args.max_shard_size,
             progress=bar.set,
             read_options=reader_options(src_format),
+            like=args.like,
         )
+    notes = _not_carried(args.source, src_format, dst_format)
+    for note in notes:
+        out.note(note)
     with open_view(written, dst_format) as view:
         count = len(view)
         total = sum(int(view[k].nbytes) for k in view)
@@ -130,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         "max_shard_size": args.max_shard_size,
         "num_variables": count,
         "bytes": total,
+        "notes": notes,
     }
     out.emit(
         data,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,12 +22,14 @@ from ._common import (
 )
 from ._output import Output, Progress
 
-__all__ = ["add_parser", "run", "components_equal", "dtype_name"]
+__all__ = ["add_parser", "run", "components_equal", "dtype_name", "training_structure"]
 
 _EPILOG = """\
 For each variable: its kind (single, mirrored, on_read, independent, sharded), dtype, logical
 shape, number of components (one per device) and bytes. Mirrored variables are read in full to
-tell whether every component is bit-for-bit equal to the primary.
+tell whether every component is bit-for-bit equal to the primary. The last line says what the
+file records of the training run: its object graph and optimizer slots (a file without them
+restores its values by path).
 
 examples:
   parallelvars inspect run.h5
@@ -217,11 +219,45 @@ def collect(view: CheckpointView, out: Output) -> list[dict[str, Any]]:
     return rows
 
 
+def training_structure(view: CheckpointView, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the file says of the training run beyond values: whose object graph it carries
+    (``"parallelvars"``, ``"tensorflow"`` or None: a restore then matches by path), its
+    optimizer slots, and the slots whose variable is not in the file (they restore nowhere)."""
+    graph = getattr(view, "object_graph", None)
+    paths = {r["path"] for r in rows}
+    slots = [r for r in rows if isinstance(r["attrs"].get("slot_of"), str)]
+    return {
+        "object_graph": "parallelvars"
+        if isinstance(graph, Mapping)
+        else "tensorflow"
+        if graph is not None
+        else None,
+        "slots": len(slots),
+        "slots_without_variable": [r["path"] for r in slots if r["attrs"]["slot_of"] not in paths],
+    }
+
+
+def _structure_text(structure: dict[str, Any]) -> str:
+    n = structure["slots"]
+    graph = structure["object_graph"]
+    if graph is None and not n:
+        return "training structure: none recorded (a restore matches variables by path)"
+    text = "training structure: " + (
+        f"{graph} object graph" if graph else "no object graph (rebuilt from the paths)"
+    )
+    text += f", {n} optimizer slot{'s' if n != 1 else ''}"
+    orphans = structure["slots_without_variable"]
+    if orphans:
+        text += f"; {len(orphans)} without their variable: {', '.join(orphans[:5])}"
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
     out: Output = args.out
     with open_view(args.checkpoint, args.from_format) as view:
         rows = collect(view, out)
         fmt, metadata = view.format, dict(view.metadata)
+        structure = training_structure(view, rows)
     total = sum(r["bytes"] for r in rows)
     ncomp = sum(r["components"] for r in rows)
     data = {
@@ -231,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
         "num_variables": len(rows),
         "num_components": ncomp,
         "bytes": total,
+        "training_structure": structure,
         "variables": rows,
     }
 
@@ -247,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
                 lines.append(f"  {key}: {value if len(value) <= 72 else value[:69] + '...'}")
             lines.append("variables:")
         lines.extend(render_tree(rows))
+        lines.append(_structure_text(structure))
         unequal = [r["path"] for r in rows if r.get("equal") is False]
         if unequal:
             lines.append(f"{len(unequal)} mirrored variable(s) with unequal components")

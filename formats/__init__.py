@@ -15,11 +15,14 @@ name              files                          parallel variables
                                                  ``__metadata__`` (:mod:`.safetensors`)
 ``npz``           ``.npz``                       as safetensors, info in the member
                                                  ``__parallelvars__.json`` (:mod:`.npz`)
-``keras``         Keras 3 ``.weights.h5``        primaries where Keras looks, the rest in a
-                                                 reserved group (:mod:`.keras`)
+``keras``         Keras 3 ``.weights.h5``,       primaries where Keras looks, the rest in a
+                  ``.keras`` archives            reserved group (:mod:`.keras`)
 ``keras-legacy``  Keras 2 / ``model.save`` HDF5  as ``keras``
 ``tf``            TensorFlow checkpoints         see :mod:`.tf`
 ================  =============================  ================================================
+
+Every format carries the optimizer slots (``slot_of`` / ``slot_name``) and, where it has room,
+our object graph (:mod:`._graph`), so a conversion back to HDF5 restores and resumes training.
 
 Name mapping between our paths, dotted ``state_dict`` names and TF keys: :mod:`._names`.
 Rewriting for another number of devices: :func:`reshard`. Converting: :func:`convert`.

@@ -112,6 +112,7 @@ def convert(
     progress: Callable[[int, int], Any] | None = None,
     devices: int | None = None,
     read_options: Mapping[str, Any] | None = None,
+    like: str | os.PathLike[str] | None = None,
 ) -> str:
     """Convert the checkpoint ``src`` into ``dst``, one tensor in memory at a time.
 
@@ -133,6 +134,9 @@ def convert(
         devices: reshard onto this many devices first (see :func:`reshard`).
         read_options: options for the source format's reader (``follow_state_outside=True``
             for a TensorFlow directory whose state file names a checkpoint elsewhere, ...).
+        like: for a Keras ``.keras`` archive, the model's own archive: its configuration is
+            kept and its weights replaced; weights that do not fit it are refused
+            (InvalidEntryError).
 
     Returns:
         The path written (the index file of a shard set).
@@ -167,6 +171,12 @@ def convert(
                 f"format {target!r} is not sharded by size; max_shard_size= applies to safetensors"
             )
         options["max_shard_size"] = max_shard_size
+    if like is not None:
+        if "like" not in spec.options:
+            raise InvalidArgumentError(
+                f"format {target!r} takes no template; like= applies to Keras .keras archives"
+            )
+        options["like"] = os.fspath(like)
     view = open_checkpoint(src, format=from_format, **dict(read_options or {}))
     try:
         source: Mapping[str, Entry] = view

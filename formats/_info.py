@@ -48,6 +48,7 @@ from parallelvars.errors import (
 )
 
 from ._dtypes import dtype_from_name, is_string_dtype
+from ._graph import graph_from_info
 from ._names import from_key
 from ._store import TensorStore, _region_shape
 from ._validate import check_entry
@@ -304,12 +305,15 @@ class StoreView(DictView):  # the Mapping over ._entries comes from DictView
         format: str,
         path: str,
         metadata: Mapping[str, Any],
+        info: Mapping[str, Any] | None = None,
     ) -> None:
         self._store = store
         self._entries = dict(entries)
         self.format = format
         self.path = path
         self.metadata = dict(metadata)
+        # The native object graph the parallel info carries, checked (see ._graph).
+        self.object_graph = graph_from_info(info, path)
 
     def close(self) -> None:
         self._store.close()

@@ -18,6 +18,7 @@ from parallelvars.errors import (
 )
 
 from ._dtypes import dtype_name, is_string_dtype
+from ._graph import carried_graph
 from ._info import INFO_FORMAT, INFO_VERSION
 from ._json import jsonable
 from ._names import check_names, from_key, part_key, to_key
@@ -188,4 +189,7 @@ def plan_tensors(
                 "attrs": jsonable(dict(attrs)),
             }
     info = {"format": INFO_FORMAT, "version": INFO_VERSION, "names": names, "variables": variables}
+    graph = carried_graph(entries)
+    if graph is not None:
+        info["object_graph"] = jsonable(graph)
     return planned, info

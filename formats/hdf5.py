@@ -19,6 +19,7 @@ import h5py
 from parallelvars.checkpoint.h5io import H5Reader, write_h5
 from parallelvars.errors import InvalidEntryError
 
+from ._graph import object_graph_for
 from ._h5 import is_hdf5
 from ._json import carried_metadata
 from ._registry import FormatSpec
@@ -79,8 +80,9 @@ def write_hdf5(
         entries: the entries to write.
         metadata: root attributes (default: the source view's, minus the ones the writer
             sets itself: format version, library version, creation time).
-        object_graph: the object graph to store (default: the source view's, when it is a
-            view of our HDF5 layout).
+        object_graph: the object graph to store (default: the source view's native graph when
+            it describes exactly these entries, else one rebuilt from the paths and the
+            entries' slot relations; see :mod:`._graph`).
 
     Returns:
         The file written.
@@ -89,7 +91,7 @@ def write_hdf5(
     if metadata is None:
         metadata = getattr(entries, "metadata", None) or {}
     if object_graph is None:
-        object_graph = _carried_graph(entries)
+        object_graph = object_graph_for(entries)
     values = []
     for key, entry in entries.items():
         check_entry(entry, p)
@@ -100,23 +102,6 @@ def write_hdf5(
         values.append(entry)
     meta = carried_metadata(metadata)
     return write_h5(p, values, object_graph=object_graph, metadata=meta)
-
-
-def _carried_graph(entries: Mapping[str, Entry]) -> Mapping[str, Any] | None:
-    """The source view's object graph, when it is one of ours and describes exactly these entries.
-
-    Other formats keep graphs of their own shape (TensorFlow's list of objects), and a filtered
-    or renamed conversion no longer matches its source's graph: the writer then stores none and
-    a restore matches objects by path.
-    """
-    graph = getattr(entries, "object_graph", None)
-    if not isinstance(graph, Mapping) or not isinstance(graph.get("nodes"), list):
-        return None
-    try:
-        paths = {n["path"] for n in graph["nodes"] if n.get("path") is not None}
-    except (TypeError, KeyError, AttributeError):
-        return None
-    return graph if paths == set(entries) else None
 
 
 def sniff(path: str, head: bytes) -> bool:

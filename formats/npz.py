@@ -654,10 +654,10 @@ def open_npz(path: str | os.PathLike[str], *, names: str | None = None) -> Check
             _check_members(info.get("members"), store.names, p)
         style = check_names(names or (info or {}).get("names") or DEFAULT_NAMES)
         entries = build_entries(store, info, names=style)
+        return StoreView(store, entries, format="npz", path=p, metadata=metadata, info=info)
     except BaseException:
         store.close()
         raise
-    return StoreView(store, entries, format="npz", path=p, metadata=metadata)
 
 
 def _to_npy(array: np.ndarray, path: str, variable: str) -> np.ndarray:

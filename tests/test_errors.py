@@ -233,42 +233,20 @@ def test_not_found_is_an_os_error_with_errno_and_filename(tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     ("make", "label"),
     [
-        ("tf-prefix", "a TensorFlow checkpoint"),
-        ("tf-index", "a TensorFlow checkpoint"),
-        ("safetensors", "a safetensors file"),
-        ("npz", "an npz archive"),
-        ("keras", "a Keras file"),
-        ("foreign-hdf5", "an HDF5 file of another writer"),
         ("manager-dir", "a checkpoint directory"),
         ("empty-dir", "a directory"),
     ],
 )
-def test_restore_of_a_foreign_checkpoint_names_the_file_and_says_how(
+def test_restore_of_a_directory_names_it_and_says_how(
     make: str, label: str, tmp_path: Path
 ) -> None:
-    from parallelvars.formats import convert
-
-    ckpt, native = _checkpoint_file(tmp_path)
-    if make.startswith("tf"):
-        convert(native, str(tmp_path / "tfc"), to_format="tf")
-        target = str(tmp_path / ("tfc" if make == "tf-prefix" else "tfc.index"))
-    elif make == "manager-dir":
+    ckpt, _ = _checkpoint_file(tmp_path)
+    if make == "manager-dir":
         pv.CheckpointManager(ckpt, str(tmp_path / "m")).save()
         target = str(tmp_path / "m")
-    elif make == "empty-dir":
+    else:
         target = str(tmp_path / "empty")
         os.mkdir(target)
-    else:
-        suffix = {
-            "safetensors": ".safetensors",
-            "npz": ".npz",
-            "keras": ".weights.h5",
-            "foreign-hdf5": ".weights.h5",
-        }[make]
-        target = convert(native, str(tmp_path / f"out{suffix}"))
-        if make == "foreign-hdf5":  # a Keras file under a plain name
-            os.rename(target, str(tmp_path / "plain.h5"))
-            target = str(tmp_path / "plain.h5")
     with pytest.raises(ParallelVarsError) as info:
         ckpt.restore(target)
     err = info.value
@@ -276,8 +254,6 @@ def test_restore_of_a_foreign_checkpoint_names_the_file_and_says_how(
     assert isinstance(err, ValueError | FileNotFoundError)
     message = str(err)
     assert message.startswith(target) and label in message, message
-    if make not in ("manager-dir", "empty-dir"):
-        assert f"parallelvars convert {target} out.h5" in message
     if make == "manager-dir":
         assert "latest_checkpoint" in message and "ckpt-1.h5" in message
 
@@ -287,17 +263,6 @@ def test_restore_of_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     with pytest.raises(errors.NotACheckpointError, match="FIFO"):
         pv.Checkpoint(w=_variable()).restore(fifo)
-
-
-def test_the_hinted_conversion_then_restores(tmp_path: Path) -> None:
-    from parallelvars.formats import convert
-
-    ckpt, native = _checkpoint_file(tmp_path)
-    convert(native, str(tmp_path / "tfc"), to_format="tf")
-    with pytest.raises(errors.CheckpointNotFoundError):
-        ckpt.restore(str(tmp_path / "tfc"))
-    out = convert(str(tmp_path / "tfc"), str(tmp_path / "out.h5"))
-    ckpt.restore(out).assert_consumed()
 
 
 # ------------------------------------------------------------------ every class is documented

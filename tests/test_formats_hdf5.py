@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from formats_testlib import KERAS, TORCH, assert_same_view, h5_structure, same_bits, torch_expected
 
-from parallelvars.checkpoint.checkpoint import _graph_from_paths
+from parallelvars.checkpoint.checkpoint import graph_from_paths
 from parallelvars.errors import CorruptCheckpointError, NotACheckpointError, TruncatedFileError
 from parallelvars.formats import ArrayEntry, DictView, detect_format, open_checkpoint
 from parallelvars.formats.hdf5 import open_hdf5, write_hdf5
@@ -62,7 +62,7 @@ def test_parallel_kinds_and_object_graph(tmp_path) -> None:
             ArrayEntry("s", [np.array([b"ab", b"", b"\xffc"], dtype=object)]),
         ]
     )
-    graph = {"version": 1, "nodes": _graph_from_paths(sorted(view))}
+    graph = {"version": 1, "nodes": graph_from_paths(sorted(view))}
     out = write_hdf5(tmp_path / "p.h5", view, object_graph=graph)
     with open_hdf5(out) as back:
         assert_same_view(back, view)

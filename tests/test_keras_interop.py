@@ -83,3 +83,29 @@ def test_legacy_file_converted_to_keras3_loads_in_keras(tmp_path, expected) -> N
     out = tmp_path / "from_legacy.weights.h5"
     formats.convert(DATA / "model_legacy.h5", out)  # keras-legacy -> keras, by suffix
     assert_keras_loads(out, expected)
+
+
+@pytest.mark.parametrize("via", ["hdf5", "safetensors", "npz"])
+def test_keras_loads_a_keras_archive_we_write(tmp_path, expected, via) -> None:
+    """A .keras archive of Keras' own, through another format and back with --like: Keras
+    loads the result as the whole model (architecture from the template, weights from us)."""
+    template = tmp_path / "model.keras"
+    model = fixture_model()
+    model.load_weights(DATA / "model.weights.h5")
+    model.save(template)
+    middle = formats.convert(template, tmp_path / {"hdf5": "mid.h5"}.get(via, f"mid.{via}"))
+    out = formats.convert(middle, tmp_path / "ours.keras", like=template)
+    loaded = keras.saving.load_model(out)
+    np.testing.assert_allclose(loaded.predict(expected["x"], verbose=0), expected["y"], atol=1e-6)
+    for mine, theirs in zip(loaded.weights, model.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(mine), np.asarray(theirs))
+
+
+def test_keras_archive_from_a_mismatched_model_is_refused(tmp_path) -> None:
+    template = tmp_path / "model.keras"
+    fixture_model().save(template)
+    other = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, name="hidden")])
+    other.save_weights(tmp_path / "other.weights.h5")
+    with pytest.raises(ValueError, match="do not fit the template"):
+        formats.convert(tmp_path / "other.weights.h5", tmp_path / "bad.keras", like=template)
+    assert not (tmp_path / "bad.keras").exists()

@@ -53,7 +53,11 @@ dtypes: numpy dtypes are stored natively; bfloat16 (and the other ml_dtypes type
 OPAQUE data (``|V2``) with a dataset attribute ``dtype="bfloat16"``, as Keras writes it. String
 tensors are refused.
 
-Modules: ``_layout`` (our reserved names), ``_store`` (datasets as a lazy tensor store),
+``.keras`` archives (Keras 3 ``model.save``): the ``keras`` format reads the
+``model.weights.h5`` inside and writes an archive from a template (``like=``), keeping its
+``config.json`` and ``metadata.json`` (:mod:`._archive`).
+
+Modules: ``_layout`` (our reserved names), ``_archive`` (``.keras`` archives), ``_store`` (datasets as a lazy tensor store),
 ``_integrity`` (dataset and structure checksums), ``_read`` (opening either layout),
 ``_write`` (shared writing helpers), ``_weights`` (Keras 3) and ``_legacy`` (legacy Keras).
 """
@@ -81,11 +85,12 @@ __all__ = [
 FORMATS = (
     FormatSpec(
         name="keras",
-        description="Keras 3 .weights.h5 (layers/<name>/vars/<i>)",
-        suffixes=(".weights.h5",),
+        description="Keras 3 .weights.h5 or .keras archive (layers/<name>/vars/<i>)",
+        suffixes=(".weights.h5", ".keras"),
         sniff=sniff_keras,
         open=open_keras,
         write=write_keras,
+        options={"like": "for a .keras archive: the model's own archive (its config is kept)"},
     ),
     FormatSpec(
         name="keras-legacy",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Any
+from typing import IO, Any
 
 import h5py
 
@@ -77,28 +77,42 @@ def _not_ours(h5: h5py.File, file: str, want: str) -> None:
 
 
 def _open(
-    path: str | os.PathLike[str], fmt: str, what: str, scan: Any, layout_entry: Any
+    path: str | os.PathLike[str],
+    fmt: str,
+    what: str,
+    scan: Any,
+    layout_entry: Any,
+    *,
+    h5: h5py.File | None = None,
+    size: int | None = None,
+    owned: IO[bytes] | None = None,
 ) -> CheckpointView:
     """Open either Keras layout: ``scan`` finds the datasets and the layout, which is verified
-    against the structure checksum and kept in the metadata (``layout_entry``) for writers."""
+    against the structure checksum and kept in the metadata (``layout_entry``) for writers.
+
+    ``h5``: the file already open (the weights inside a ``.keras`` archive, ``path`` then only
+    names it), ``size`` its size in bytes, ``owned`` the file object under it, closed with
+    the view.
+    """
     p = os.fspath(path)
-    h5 = open_h5(p)
+    if h5 is None:
+        h5 = open_h5(p)
     try:
         with h5_errors(p, "h5py cannot read the file's structure"):
             _not_ours(h5, p, what)
             datasets, layout = scan(h5, p)
-            store = _H5Store(p, h5, datasets)
+            store = _H5Store(p, h5, datasets, size=size, owned=owned)
             info = _info(h5, p)
             _verify_structure(h5, p, store, layout, info)
             entries = build_entries(store, info, names="slash")
         metadata = dict((info or {}).get("metadata") or {})
         key, value = layout_entry(layout)
         metadata[key] = value
+        return StoreView(store, entries, format=fmt, path=p, metadata=metadata, info=info)
     except BaseException:
         with contextlib.suppress(*H5_ERRORS):
             h5.close()
         raise
-    return StoreView(store, entries, format=fmt, path=p, metadata=metadata)
 
 
 def _sniff_with(path: str, head: bytes, check: Any) -> bool:

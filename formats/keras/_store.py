@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import IO, Any
 
 import h5py
 import numpy as np
@@ -59,9 +59,18 @@ def _dataset_dtype(ds: h5py.Dataset, file: str, key: str) -> np.dtype:
 class _H5Store(TensorStore):
     """Datasets of an open h5py file, addressed by our keys."""
 
-    def __init__(self, file: str, h5: h5py.File, datasets: Mapping[str, h5py.Dataset]) -> None:
+    def __init__(
+        self,
+        file: str,
+        h5: h5py.File,
+        datasets: Mapping[str, h5py.Dataset],
+        *,
+        size: int | None = None,
+        owned: IO[bytes] | None = None,
+    ) -> None:
         self.file = file
         self._h5: h5py.File | None = h5
+        self._owned = owned  # the file object h5py reads (a .keras archive's member), or None
         self._ds = dict(datasets)
         self._meta = {
             k: (_dataset_dtype(d, file, k), tuple(int(s) for s in d.shape))
@@ -71,7 +80,8 @@ class _H5Store(TensorStore):
             k: _dataset_crc(d, file, k) for k, d in self._ds.items()
         }
         self._verified: set[str] = set()
-        size = os.path.getsize(file)
+        if size is None:
+            size = os.path.getsize(file)
         for k, d in self._ds.items():
             dtype, shape = self._meta[k]
             # No bytes from outside the file; variable-length strings contiguous and unfiltered
@@ -160,6 +170,11 @@ class _H5Store(TensorStore):
 
     def close(self) -> None:
         h5, self._h5 = self._h5, None
-        if h5 is not None:
-            with h5_errors(self.file, "h5py cannot close the file"):
-                h5.close()
+        owned, self._owned = self._owned, None
+        try:
+            if h5 is not None:
+                with h5_errors(self.file, "h5py cannot close the file"):
+                    h5.close()
+        finally:
+            if owned is not None:
+                owned.close()

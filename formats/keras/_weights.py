@@ -6,7 +6,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import IO, Any
 
 import h5py
 
@@ -14,6 +14,7 @@ from parallelvars._fileio import Scratch, atomic_path
 from parallelvars.checkpoint import _h5policy
 from parallelvars.errors import (
     CorruptCheckpointError,
+    InvalidArgumentError,
     InvalidEntryError,
     NotACheckpointError,
 )
@@ -23,6 +24,12 @@ from parallelvars.formats._h5 import (
 from parallelvars.formats._json import dumps, jsonable
 from parallelvars.formats._plan import plan_tensors
 from parallelvars.formats._view import CheckpointView, Entry
+from parallelvars.formats.keras._archive import (
+    is_keras_archive,
+    is_zip,
+    open_keras_archive,
+    write_keras_archive,
+)
 from parallelvars.formats.keras._layout import (
     _OWN_ROOT_ATTRS,
     KERAS_LAYOUT,
@@ -88,18 +95,32 @@ def _scan_keras(h5: h5py.File, p: str) -> tuple[dict[str, h5py.Dataset], dict[st
     return {k: datasets[k] for k in keys}, groups
 
 
-def open_keras(path: str | os.PathLike[str]) -> CheckpointView:
-    """Open a Keras 3 ``.weights.h5`` file lazily (entry paths: ``layers/<name>/vars/<i>``).
+def open_keras(
+    path: str | os.PathLike[str],
+    *,
+    h5: h5py.File | None = None,
+    size: int | None = None,
+    owned: IO[bytes] | None = None,
+) -> CheckpointView:
+    """Open a Keras 3 ``.weights.h5`` file or ``.keras`` archive lazily (entry paths:
+    ``layers/<name>/vars/<i>``).
 
     Files we wrote carry CRC-32Cs (per dataset and of the structure), checked on read; a file
-    from Keras has none and is read as it is.
+    from Keras has none and is read as it is. ``h5``, ``size`` and ``owned``: the weights of a
+    ``.keras`` archive already open (see :mod:`._archive`).
     """
+    p = os.fspath(path)
+    if h5 is None and is_zip(p):  # a .keras archive: the weights inside
+        return open_keras_archive(p)
     return _open(
-        path,
+        p,
         "keras",
         "Keras weights",
         _scan_keras,
         lambda groups: (KERAS_LAYOUT, dumps({"groups": jsonable(groups)})),
+        h5=h5,
+        size=size,
+        owned=owned,
     )
 
 
@@ -228,21 +249,32 @@ def write_keras(
     entries: Mapping[str, Entry],
     *,
     metadata: Mapping[str, Any] | None = None,
+    like: str | os.PathLike[str] | None = None,
 ) -> str:
-    """Write ``entries`` as a Keras 3 ``.weights.h5`` file, one tensor at a time.
+    """Write ``entries`` as a Keras 3 ``.weights.h5`` file (or ``.keras`` archive), one tensor
+    at a time.
 
     Args:
-        path: the output file.
+        path: the output file; a name ending in ``.keras`` writes an archive (needs ``like``).
         entries: the entries (a view of a Keras file keeps its exact layout).
         metadata: file metadata (default: the source view's); ``keras_weights_layout`` gives
             the groups' attributes. The weights of a legacy Keras file (``keras_legacy_layout``)
             go where Keras 3 looks for them (``layers/<class>/vars/<i>``), which needs the
             model config of a full-model file; a mapping that cannot be made is a ValueError.
+        like: for a ``.keras`` archive, the model's own archive: its configuration is kept and
+            its weights replaced (see :mod:`._archive`).
 
     Returns:
         The file written.
     """
     p = os.fspath(path)
+    if p.lower().endswith(".keras"):
+        return write_keras_archive(p, entries, like=like, metadata=metadata)
+    if like is not None:
+        raise InvalidArgumentError(
+            f"{p}: like= applies to .keras archives (a template's config kept, its weights "
+            "replaced); a .weights.h5 file holds the weights only"
+        )
     if metadata is None:
         metadata = getattr(entries, "metadata", None) or {}
     layout = _layout(metadata, KERAS_LAYOUT) or {}
@@ -298,5 +330,8 @@ def _has_vars_group(h5: h5py.File) -> bool:
 
 
 def sniff_keras(path: str, head: bytes) -> bool:
-    """True for an HDF5 file with Keras 3 ``vars`` groups and no legacy attributes."""
+    """True for an HDF5 file with Keras 3 ``vars`` groups and no legacy attributes, or a
+    ``.keras`` archive."""
+    if head.startswith(b"PK"):
+        return is_keras_archive(path, head)
     return _sniff_with(path, head, _has_vars_group)

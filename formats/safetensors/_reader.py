@@ -188,7 +188,7 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
     try:
         style = check_names(names or (info or {}).get("names") or DEFAULT_NAMES)
         entries = build_entries(store, info, names=style)
+        return StoreView(store, entries, format="safetensors", path=file, metadata=meta, info=info)
     except BaseException:
         store.close()
         raise
-    return StoreView(store, entries, format="safetensors", path=file, metadata=meta)

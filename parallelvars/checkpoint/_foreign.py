@@ -1,12 +1,11 @@
-"""Hints for a restore pointed at something that is not a native checkpoint.
+"""A coarse look at what a path holds, and hints for a restore that cannot read it.
 
-``Checkpoint.restore`` reads only the native HDF5 layout. When it is handed a TensorFlow
-checkpoint, a safetensors, npz or Keras file, or a manager's directory, the error it raises
-says what the path is and how to get a native checkpoint from it.
-
-The core never imports the format adapters (``parallelvars.formats`` builds on the core), so
-this is a coarse look at names and first bytes, only on the error path; the adapters' own
-detection (``formats.detect_format``) stays the one that decides how a file is read.
+``Checkpoint.restore`` reads our HDF5 layout and, through :mod:`parallelvars.formats`, every
+other format we read (``_sources``). :func:`foreign_kind` decides, from names and first bytes
+only, whether a path is worth handing to the format detection (so a restore of a native file
+never imports the adapters). When nothing can read the path (a manager's directory, an HDF5
+file of another writer, a damaged file of another format), the error says what the path
+seems to be and what to do.
 """
 
 from __future__ import annotations
@@ -17,20 +16,20 @@ import stat
 
 from parallelvars.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
 
-__all__ = ["foreign_hint", "with_foreign_hint"]
+__all__ = ["foreign_hint", "foreign_kind", "with_foreign_hint"]
 
 _LABELS = {
     "tf": "a TensorFlow checkpoint",
     "safetensors": "a safetensors file",
     "npz": "an npz archive",
     "keras": "a Keras file",
-    "hdf5": "an HDF5 file of another writer (Keras?)",
+    "hdf5": "an HDF5 file of another writer: neither our layout nor a Keras weight file",
 }
 _TF_FILE = re.compile(r"\.(index|data-\d+-of-\d+)$")
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
-def _kind(path: str) -> str | None:
+def foreign_kind(path: str) -> str | None:
     if os.path.isdir(path):
         try:
             names = os.listdir(path)
@@ -57,10 +56,12 @@ def _kind(path: str) -> str | None:
 
 
 def foreign_hint(path: str) -> str | None:
-    """How to restore from ``path`` when it is not a native checkpoint, or None if unknown."""
-    name = _kind(path)
+    """Why a restore could not read ``path`` and what to do, or None if unknown."""
+    name = foreign_kind(path)
+    if name == "hdf5":
+        return _LABELS[name]
     if name is not None:
-        return f"{_LABELS[name]}: convert it first with 'parallelvars convert {path} out.h5'"
+        return f"{_LABELS[name]} that does not open as one: 'parallelvars verify {path}' says why"
     if os.path.isdir(path):
         from parallelvars.checkpoint.manager import latest_checkpoint
 

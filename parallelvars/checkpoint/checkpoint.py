@@ -1,4 +1,5 @@
-"""``Checkpoint``: save and restore an object graph in the native HDF5 layout.
+"""``Checkpoint``: save and restore an object graph in the native HDF5 layout (a restore also
+reads every other format :mod:`parallelvars.formats` reads; see ``_sources``).
 
 Saving walks the graph breadth-first from the checkpoint's roots; every object with a
 registered saveable (variables) is written at the first path that reaches it
@@ -21,7 +22,7 @@ import gc
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,8 @@ from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint import _restore  # noqa: F401 - registers the variable saveable
 from parallelvars.checkpoint._foreign import with_foreign_hint
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX  # noqa: F401 - <file>.parts/: a multi-process save's files
-from parallelvars.checkpoint.h5io import H5Reader, write_h5
+from parallelvars.checkpoint._sources import open_source
+from parallelvars.checkpoint.h5io import write_h5
 from parallelvars.checkpoint.registry import SaveRecord, get_saveable
 from parallelvars.devices import ParallelDevice
 from parallelvars.errors import (
@@ -50,7 +52,10 @@ __all__ = [
     "Checkpoint",
     "CheckpointLoadStatus",
     "build_object_graph",
+    "checked_graph_nodes",
     "escape_name",
+    "graph_from_paths",
+    "slot_relations",
     "unescape_name",
 ]
 
@@ -206,30 +211,96 @@ def build_object_graph(root: Any) -> ObjectGraph:
     return graph
 
 
-def _graph_from_paths(paths: list[str]) -> list[dict[str, Any]]:
-    """A graph for files without one (written by a converter): one node per path component."""
+def graph_from_paths(
+    paths: Iterable[str], slots: Mapping[str, tuple[str, str]] | None = None
+) -> list[dict[str, Any]]:
+    """The object graph of a file that stores none (written by a converter), from its paths.
+
+    One node per path component, children named by the unescaped component. ``slots`` maps the
+    path of an optimizer slot (``<optimizer>/slots/<variable>/<slot>``, as :func:`build_object_graph`
+    names it) to ``(slot_of, slot_name)``: such a path becomes a slot of the optimizer's node
+    for the variable's node, as in a graph saved by :meth:`Checkpoint.write`, so a restore
+    finds it through the optimizer (and defers it until the optimizer creates the slot). A slot
+    whose optimizer or variable cannot be told from the path stays a plain path.
+    """
+    paths = list(paths)
+    slots = dict(slots or {})
     nodes: list[dict[str, Any]] = [{"children": [], "path": None, "slots": []}]
     index: dict[str, int] = {"": 0}
-    for path in paths:
-        parts = path.split("/")
+
+    def add_path(path: str, leaf: bool) -> int:
+        parts = path.split("/") if path else []
         for depth in range(1, len(parts) + 1):
             prefix = "/".join(parts[:depth])
             if prefix in index:
                 continue
             index[prefix] = len(nodes)
             nodes.append(
-                {"children": [], "path": path if depth == len(parts) else None, "slots": []}
+                {
+                    "children": [],
+                    "path": path if leaf and depth == len(parts) else None,
+                    "slots": [],
+                }
             )
             parent = index["/".join(parts[: depth - 1])]
             nodes[parent]["children"].append([unescape_name(parts[depth - 1]), index[prefix]])
+        return index[path]
+
+    owners: dict[str, tuple[str, str, str]] = {}
+    for path in paths:
+        slot = slots.get(path)
+        owner = None if slot is None else _slot_owner(path, *slot)
+        if slot is not None and owner is not None:
+            owners[path] = (owner, *slot)
+    variables = set(paths) - set(owners)
+    for path in paths:
+        if path in variables:
+            add_path(path, True)
+    for path, (owner, slot_of, slot_name) in owners.items():
+        var_id = index.get(slot_of)
+        opt_id = index.get(owner)
+        if (
+            var_id is None
+            or nodes[var_id]["path"] is None
+            or (opt_id is not None and nodes[opt_id]["path"] is not None)
+        ):
+            add_path(path, True)  # no such variable saved: keep the slot by its path
+            continue
+        if opt_id is None:
+            opt_id = add_path(owner, False)
+        slot_id = len(nodes)
+        nodes.append({"children": [], "path": path, "slots": []})
+        nodes[opt_id]["slots"].append([var_id, slot_name, slot_id])
     return nodes
+
+
+def _slot_owner(path: str, slot_of: str, slot_name: str) -> str | None:
+    """The optimizer's path in a slot's path ``<optimizer>/slots/<slot_of>/<slot_name>``."""
+    for name in dict.fromkeys((escape_name(slot_name), slot_name)):
+        suffix = f"/slots/{slot_of}/{name}"
+        if path.endswith(suffix) and len(path) > len(suffix):
+            return path[: -len(suffix)]
+        if path == suffix[1:]:
+            return ""
+    return None
+
+
+def slot_relations(source: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
+    """``path -> (slot_of, slot_name)`` for the entries of ``source`` marked as optimizer slots."""
+    out: dict[str, tuple[str, str]] = {}
+    for path in source:
+        attrs = getattr(source[path], "attrs", None) or {}
+        slot_of, slot_name = attrs.get("slot_of"), attrs.get("slot_name")
+        if isinstance(slot_of, str) and isinstance(slot_name, str) and slot_of and slot_name:
+            out[path] = (slot_of, slot_name)
+    return out
 
 
 def _is_index(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def _graph_nodes(graph: Any, path: str) -> list[dict[str, Any]]:
+def checked_graph_nodes(graph: Any, path: str) -> list[dict[str, Any]]:
     """The nodes of a saved object graph, every field checked for type and range (a damaged
     or crafted graph is a :class:`~parallelvars.errors.CorruptCheckpointError`, never a
     ``TypeError``/``KeyError`` later in the restore)."""
@@ -292,12 +363,13 @@ class _Session:
     def __init__(self, path: str, allow_cast: bool) -> None:
         self.path = path
         self.allow_cast = allow_cast
-        self._reader: H5Reader | None = H5Reader(path, map_file=True)
+        # Our HDF5 layout, or a view of another format we read (see _sources).
+        self._reader: Any = open_source(path)
         graph = self._reader.object_graph
         if graph is None:
-            self.nodes = _graph_from_paths(list(self._reader))
+            self.nodes = graph_from_paths(self._reader, slot_relations(self._reader))
         else:
-            self.nodes = _graph_nodes(graph, path)
+            self.nodes = checked_graph_nodes(graph, path)
         self.matched: dict[int, Any] = {}
         self.restored: set[int] = set()
         # Saved components a restore left out (an independent variable's components 1.. read
@@ -307,9 +379,9 @@ class _Session:
         # Variable node id -> the slot relations naming it (built on first use).
         self._slots_of: dict[int, list[tuple[int, int, str, int]]] | None = None
 
-    def reader(self) -> H5Reader:
+    def reader(self) -> Any:
         if self._reader is None:
-            self._reader = H5Reader(self.path, map_file=True)
+            self._reader = open_source(self.path)
         return self._reader
 
     def release(self) -> None:
@@ -528,15 +600,27 @@ class CheckpointLoadStatus:
             matched = {id(o) for o in self._session.matched.values()}
             return [path for _, obj, path in graph.variables() if id(obj) not in matched]
 
-    def assert_consumed(self) -> CheckpointLoadStatus:
-        """Every saved value was restored and every live variable was matched."""
+    @property
+    def unrestored_paths(self) -> list[str]:
+        """Saved values not restored so far, sorted: no live object matched them yet (a slot
+        waiting for its optimizer to create it, a name another model does not have), and the
+        components 1.. of an independent variable read into a plain one."""
         with _gc_paused():
             missing = [
                 p
                 for i, p in self._session.variable_nodes().items()
                 if i not in self._session.restored
             ]
-        missing += self._session.unmatched_parts
+        return sorted(missing + self._session.unmatched_parts)
+
+    @property
+    def unmatched_live_paths(self) -> list[str]:
+        """Variables reachable from the root now that no saved value was matched with, sorted."""
+        return sorted(self._unmatched_live())
+
+    def assert_consumed(self) -> CheckpointLoadStatus:
+        """Every saved value was restored and every live variable was matched."""
+        missing = self.unrestored_paths
         if missing:
             raise RestoreMismatchError(
                 "saved values were not restored (no matching live object yet)",

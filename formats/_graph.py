@@ -1,0 +1,80 @@
+"""The native object graph carried through the other formats.
+
+A checkpoint written by :meth:`~parallelvars.Checkpoint.write` stores its object graph (which
+object holds which variable under which name, which optimizer slot serves which variable).
+safetensors, npz and the Keras files carry that graph in their parallel info (key
+``object_graph``, see :mod:`._info`); every format carries the slot relations themselves as the
+entries' ``slot_of`` / ``slot_name`` attributes (TensorFlow checkpoints as TensorFlow's own
+``.OPTIMIZER_SLOT`` keys and ``slot_variables``). Writing our HDF5 layout from any of them stores
+the carried graph, or one rebuilt from the paths and slot relations, so a restore of the
+converted file finds every slot through its optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from parallelvars.checkpoint.checkpoint import (
+    GRAPH_VERSION,
+    checked_graph_nodes,
+    graph_from_paths,
+    slot_relations,
+)
+
+__all__ = ["carried_graph", "graph_from_info", "object_graph_for", "shared_objects"]
+
+
+def carried_graph(entries: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The source view's native object graph, when it describes exactly these entries.
+
+    TensorFlow views keep graphs of their own shape (a list of objects), and a filtered or
+    renamed conversion no longer matches its source's graph: then there is none to carry.
+    """
+    graph = getattr(entries, "object_graph", None)
+    if not isinstance(graph, Mapping) or not isinstance(graph.get("nodes"), list):
+        return None
+    try:
+        paths = {n["path"] for n in graph["nodes"] if n.get("path") is not None}
+    except (TypeError, KeyError, AttributeError):
+        return None
+    return dict(graph) if paths == set(entries) else None
+
+
+def object_graph_for(entries: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The graph an HDF5 file of ``entries`` stores: the carried one, else one rebuilt from the
+    paths when some entries are optimizer slots, else None (a restore matches by path)."""
+    graph = carried_graph(entries)
+    if graph is not None:
+        return graph
+    slots = slot_relations(entries)
+    if not slots:
+        return None
+    return {"version": GRAPH_VERSION, "nodes": graph_from_paths(entries, slots)}
+
+
+def graph_from_info(info: Mapping[str, Any] | None, file: str) -> dict[str, Any] | None:
+    """The object graph recorded in a parallel info document, checked node by node.
+
+    Raises:
+        CorruptCheckpointError: the recorded graph is malformed.
+    """
+    if not isinstance(info, Mapping) or info.get("object_graph") is None:
+        return None
+    graph = info["object_graph"]
+    nodes = checked_graph_nodes(graph, file)
+    return {"version": graph.get("version", GRAPH_VERSION), "nodes": nodes}
+
+
+def shared_objects(graph: Mapping[str, Any]) -> int:
+    """How many of a native graph's child links reach an object that another link reached
+    first: a format that names each object by one path (TensorFlow's, built from the paths)
+    keeps only the first of them. A restore is unaffected (the object is matched once)."""
+    seen: set[int] = set()
+    extra = 0
+    for node in graph.get("nodes") or []:
+        for _, child in node.get("children") or []:
+            if child in seen:
+                extra += 1
+            seen.add(child)
+    return extra

@@ -1,0 +1,326 @@
+"""Keras 3 ``.keras`` archives: the weights inside, read in place; written from a template.
+
+A ``.keras`` file (Keras 3 ``model.save``) is a zip archive of ``config.json`` (the model's
+architecture), ``metadata.json`` (Keras version, date), ``model.weights.h5`` (the weights, in
+the layout of :mod:`._weights`) and optionally ``assets/``. Reading opens the weights member
+as the ``keras`` format does a ``.weights.h5`` file: a member stored uncompressed (as Keras
+writes it) is read in place through a window onto the archive, a compressed one is inflated
+into an anonymous temporary file first. The member's CRC-32 from the zip directory is checked
+when the archive is opened; sizes and offsets are checked against the file before anything
+is read or allocated.
+
+Writing needs the model's own archive as a template (``like=``): its ``config.json``,
+``metadata.json`` and assets are copied as they are and its weights replaced, so
+``keras.saving.load_model`` loads the result. The weights must fit the template's structure
+exactly (the same datasets, shapes and dtypes); anything else is refused before a byte is
+written, never turned into an archive Keras cannot load.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import struct
+import tempfile
+import zipfile
+import zlib
+from collections.abc import Mapping
+from typing import IO, Any, cast
+
+import h5py
+
+from parallelvars._fileio import atomic_path
+from parallelvars.checkpoint import _h5policy
+from parallelvars.errors import (
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    InvalidEntryError,
+    NotACheckpointError,
+    TruncatedFileError,
+)
+from parallelvars.formats._h5 import H5_ERRORS
+from parallelvars.formats._view import CheckpointView, Entry
+from parallelvars.formats.keras._layout import (
+    _MAX_COMPRESSION,
+    KERAS_LAYOUT,
+    LEGACY_LAYOUT,
+    RESERVED,
+)
+
+__all__ = [
+    "WEIGHTS_MEMBER",
+    "is_keras_archive",
+    "is_zip",
+    "open_keras_archive",
+    "write_keras_archive",
+]
+
+WEIGHTS_MEMBER = "model.weights.h5"
+CONFIG_MEMBER = "config.json"
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
+_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError)
+_BLOCK = 1 << 20
+
+
+def is_keras_archive(path: str, head: bytes = b"") -> bool:
+    """True for a zip archive holding ``config.json`` and ``model.weights.h5``."""
+    if os.path.isdir(path) or not (head or _head(path)).startswith(b"PK"):
+        return False
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = set(zf.namelist())
+    except _ZIP_ERRORS:
+        return False
+    return WEIGHTS_MEMBER in names and CONFIG_MEMBER in names
+
+
+def is_zip(path: str) -> bool:
+    """Whether ``path`` is a regular file that starts like a zip archive."""
+    return not os.path.isdir(path) and _head(path).startswith(b"PK")
+
+
+def _head(path: str) -> bytes:
+    try:
+        _h5policy.check_regular_file(path)
+        with open(path, "rb") as f:
+            return f.read(4)
+    except (OSError, ValueError):
+        return b""
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``start:start + size`` of an open file, read with ``pread`` (thread-safe)."""
+
+    def __init__(self, f: IO[bytes], start: int, size: int) -> None:
+        self._f = f
+        self._fd = f.fileno()
+        self._start = start
+        self._size = size
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self._size - self._pos))
+        done = 0
+        while done < n:
+            chunk = os.pread(self._fd, n - done, self._start + self._pos + done)
+            if not chunk:
+                break
+            view[done : done + len(chunk)] = chunk
+            done += len(chunk)
+        self._pos += done
+        return done
+
+    def close(self) -> None:
+        if not self.closed:
+            self._f.close()
+        super().close()
+
+
+def _weights_file(path: str) -> tuple[IO[bytes], int]:
+    """The weights member of the archive ``path`` as a seekable binary file, and its size."""
+    size = _h5policy.check_regular_file(path).st_size
+    where = f"{path}/{WEIGHTS_MEMBER}"
+    try:
+        zf = zipfile.ZipFile(path)
+    except _ZIP_ERRORS as exc:
+        raise NotACheckpointError(
+            f"not a zip archive ({exc})", file=path, expected="a Keras .keras archive"
+        ) from None
+    with zf:
+        try:
+            info = zf.getinfo(WEIGHTS_MEMBER)
+        except KeyError:
+            raise NotACheckpointError(
+                "a zip archive without model weights",
+                file=path,
+                expected=f"a member {WEIGHTS_MEMBER!r} (a Keras 3 .keras archive)",
+                found=", ".join(zf.namelist()[:5]) or "no members",
+            ) from None
+        if info.flag_bits & 0x1:
+            raise NotACheckpointError("the weights member is encrypted", file=where)
+        if info.compress_type == zipfile.ZIP_STORED:
+            f = open(path, "rb")  # noqa: SIM115 - owned by the window, closed with the view
+            try:
+                start = _stored_data_start(f, info, size, where)
+                window = _Window(f, start, info.file_size)
+            except BaseException:
+                f.close()
+                raise
+            try:
+                _check_crc(window, info, where)
+            except BaseException:
+                window.close()
+                raise
+            window.seek(0)
+            return cast(IO[bytes], window), info.file_size  # h5py reads it as a binary file
+        if info.file_size > max(info.compress_size, 1) * _MAX_COMPRESSION:
+            raise CorruptCheckpointError(
+                "the weights member claims to expand more than deflate can",
+                file=where,
+                expected=f"<= {_MAX_COMPRESSION} times its {info.compress_size} compressed bytes",
+                found=f"{info.file_size} bytes",
+            )
+        out = tempfile.TemporaryFile()  # noqa: SIM115 - closed with the view
+        try:
+            with zf.open(info) as member:  # stops at file_size; checks the CRC at the end
+                shutil.copyfileobj(member, out, _BLOCK)
+            out.seek(0)
+        except _ZIP_ERRORS as exc:
+            out.close()
+            raise CorruptCheckpointError(
+                f"the weights member cannot be inflated ({exc})", file=where
+            ) from None
+        except BaseException:
+            out.close()
+            raise
+        return out, info.file_size
+
+
+def _stored_data_start(f: IO[bytes], info: zipfile.ZipInfo, size: int, where: str) -> int:
+    """Where an uncompressed member's bytes start, checked against the archive's size."""
+    raw = os.pread(f.fileno(), _LOCAL_HEADER.size, info.header_offset)
+    if len(raw) < _LOCAL_HEADER.size:
+        raise TruncatedFileError("the archive ends inside a member's header", file=where)
+    signature, name_len, extra_len = _LOCAL_HEADER.unpack(raw)
+    if signature != b"PK\x03\x04":
+        raise CorruptCheckpointError(
+            "the member's local header is damaged",
+            file=where,
+            expected="signature PK\\x03\\x04",
+            found=repr(signature),
+        )
+    start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    if info.compress_size != info.file_size or start + info.file_size > size:
+        raise TruncatedFileError(
+            "the weights member extends past the end of the archive",
+            file=where,
+            expected=f"{start + info.file_size} bytes",
+            found=f"{size} bytes",
+        )
+    return start
+
+
+def _check_crc(window: _Window, info: zipfile.ZipInfo, where: str) -> None:
+    crc = 0
+    buf = bytearray(_BLOCK)
+    while n := window.readinto(buf):
+        crc = zlib.crc32(memoryview(buf)[:n], crc)
+    if crc != info.CRC:
+        raise CorruptCheckpointError(
+            "the weights member does not match its CRC-32 in the zip directory",
+            file=where,
+            expected=f"crc32 {info.CRC:#010x}",
+            found=f"crc32 {crc:#010x}",
+        )
+
+
+def open_keras_archive(path: str | os.PathLike[str]) -> CheckpointView:
+    """Open the weights of a Keras 3 ``.keras`` archive (entry paths as in ``.weights.h5``)."""
+    from parallelvars.formats.keras._weights import open_keras
+
+    p = os.fspath(path)
+    fobj, size = _weights_file(p)
+    try:
+        try:
+            h5 = h5py.File(fobj, "r")
+        except H5_ERRORS as exc:
+            raise CorruptCheckpointError(
+                f"h5py cannot open the weights ({exc})", file=f"{p}/{WEIGHTS_MEMBER}"
+            ) from None
+        view = open_keras(f"{p}/{WEIGHTS_MEMBER}", h5=h5, size=size, owned=fobj)
+    except BaseException:
+        fobj.close()
+        raise
+    view.path = p
+    return view
+
+
+def _structure(view: Mapping[str, Entry]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {
+        k: (str(e.dtype), tuple(int(s) for s in e.shape))
+        for k, e in view.items()
+        if not k.startswith(f"{RESERVED}/")
+    }
+
+
+def write_keras_archive(
+    path: str | os.PathLike[str],
+    entries: Mapping[str, Entry],
+    *,
+    like: str | os.PathLike[str] | None,
+    metadata: Mapping[str, Any] | None = None,
+) -> str:
+    """Write ``entries`` as the weights of a copy of the archive ``like``.
+
+    Raises:
+        InvalidArgumentError: no template.
+        InvalidEntryError: the weights do not fit the template's structure.
+    """
+    from parallelvars.formats.keras._weights import _keras3_keys, write_keras
+
+    p = os.fspath(path)
+    if like is None:
+        raise InvalidArgumentError(
+            f"{p}: a .keras archive holds the model's architecture besides its weights; "
+            "pass the model's own archive as a template (like=TEMPLATE.keras, --like)"
+        )
+    template = os.fspath(like)
+    with open_keras_archive(template) as source:
+        want = _structure(source)
+        layout = source.metadata.get(KERAS_LAYOUT)
+    keys = _keras3_keys(entries, p)
+    got = {keys[k]: (str(e.dtype), tuple(int(s) for s in e.shape)) for k, e in entries.items()}
+    missing = sorted(set(want) - set(got))
+    extra = sorted(set(got) - set(want))
+    differ = sorted(k for k in set(want) & set(got) if want[k] != got[k])
+    if missing or extra or differ:
+        problems = []
+        if missing:
+            problems.append(f"missing {', '.join(missing[:5])}")
+        if extra:
+            problems.append(f"not in the template {', '.join(extra[:5])}")
+        for k in differ[:5]:
+            problems.append(
+                f"{k} is {got[k][0]} {got[k][1]}, the template's {want[k][0]} {want[k][1]}"
+            )
+        raise InvalidEntryError(
+            "the weights do not fit the template's structure",
+            file=p,
+            variable=(missing or extra or differ)[0],
+            expected=f"the {len(want)} weights of {template}",
+            found="; ".join(problems),
+        )
+    meta = dict(metadata if metadata is not None else getattr(entries, "metadata", None) or {})
+    meta.pop(LEGACY_LAYOUT, None)
+    if layout is not None:
+        meta[KERAS_LAYOUT] = layout  # the template's groups and their attributes
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(p)) or None) as tmpdir:
+        weights = write_keras(os.path.join(tmpdir, WEIGHTS_MEMBER), entries, metadata=meta)
+        with (
+            atomic_path(p) as tmp,
+            zipfile.ZipFile(template) as zin,
+            zipfile.ZipFile(tmp, "w") as zout,
+        ):
+            for info in zin.infolist():  # the template's members in its order, weights replaced
+                if info.filename == WEIGHTS_MEMBER:
+                    zout.write(weights, WEIGHTS_MEMBER, compress_type=zipfile.ZIP_STORED)
+                    continue
+                with zin.open(info) as src, zout.open(info, "w") as dst:
+                    shutil.copyfileobj(src, dst, _BLOCK)
+    return p
