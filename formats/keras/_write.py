@@ -15,7 +15,7 @@ from parallelvars._fileio import Scratch, checksum
 from parallelvars.errors import (
     UnsupportedDtypeError,
 )
-from parallelvars.formats._dtypes import dtype_name, is_ml_dtype, is_string_dtype
+from parallelvars.formats._dtypes import is_ml_dtype, is_string_dtype, tensor_dtype_name
 from parallelvars.formats._json import carried_metadata, dumps, jsonable
 from parallelvars.formats._plan import PlannedTensor
 from parallelvars.formats.keras._integrity import _structure_crc
@@ -74,7 +74,7 @@ def _write_dataset(
     value = _to_h5(t.read_with(scratch), file, t.entry.path)
     ds = h5.create_dataset(name, data=value)
     if is_ml_dtype(t.dtype):
-        ds.attrs["dtype"] = dtype_name(t.dtype)  # a str: Keras compares it with "bfloat16"
+        ds.attrs["dtype"] = tensor_dtype_name(t.dtype)  # a str: Keras compares it with "bfloat16"
     ds.attrs[CRC_ATTR] = np.int64(checksum(value))
 
 

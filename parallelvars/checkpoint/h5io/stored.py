@@ -452,7 +452,7 @@ class StoredVariable:
             ) from None
         if not isinstance(group, h5py.Group):
             raise self._bad("not a group", "a group", type(group).__name__)
-        dt = "bytes" if self.dtype.kind == "O" else dtype_name(self.dtype)
+        dt = dtype_name(self.dtype)
         want: dict[str, Any] = {
             "kind": self.kind,
             "dtype": dt,
