@@ -20,8 +20,9 @@ from parallelvars import errors
 from parallelvars.cli import COMMANDS, main
 from parallelvars.cli._common import size_arg
 from parallelvars.cli._errors import EXIT_INTERNAL, EXIT_USAGE, UsageError, classify
-from parallelvars.cli._output import Output, to_jsonable
+from parallelvars.cli._output import Output
 from parallelvars.errors import InvalidArgumentError
+from parallelvars.formats._json import jsonable
 from parallelvars.formats._sizes import parse_size
 
 
@@ -258,7 +259,7 @@ def test_json_is_strict_and_handles_numpy() -> None:
         "a": 1.5, "b": [1, 2], "c": "nan", "d": "-inf", "e": "int8", "f": "\\xffx", "g": [0, 1],
         "h": {"nested": True}, "i": "p",
     }  # fmt: skip
-    assert to_jsonable(float("inf")) == "inf"
+    assert jsonable(float("inf")) == "inf"
 
 
 @pytest.mark.parametrize("where", ["after", "before"])

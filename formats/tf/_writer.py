@@ -36,6 +36,7 @@ from parallelvars.errors import (
     UnsupportedDtypeError,
 )
 
+from .._json import jsonable
 from .._view import KINDS, Entry
 from ._bundle import BundleWriter
 from ._dtypes import DT_STRING, tf_dtype
@@ -96,22 +97,6 @@ def _names(path: str, index_path: str) -> list[str]:
 
 def _esc(names: list[str]) -> str:
     return "/".join(escape_local_name(n) for n in names)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, np.ndarray):
-        return _jsonable(value.tolist())
-    if isinstance(value, np.generic):
-        return _jsonable(value.item())
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value).decode("utf-8", "replace")
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
 
 
 def _plan(path: str, entry: Entry, index_path: str) -> _Var:
@@ -200,7 +185,7 @@ def _extra(var: _Var) -> dict[str, Any] | None:
         record["kind"] = e.kind
         if e.kind == "sharded":  # the reader needs the split the slices cannot show
             var.expressed -= {"shard_axis", "shard_offsets"}
-    attrs = {k: _jsonable(v) for k, v in e.attrs.items() if k not in var.expressed}
+    attrs = {k: jsonable(v) for k, v in e.attrs.items() if k not in var.expressed}
     if attrs:
         record["attrs"] = attrs
     return record or None
@@ -436,7 +421,7 @@ def write_bundle(
                 "format": METADATA_FORMAT,
                 "version": METADATA_VERSION,
                 "variables": records,
-                "metadata": _jsonable(metadata),
+                "metadata": jsonable(metadata),
             }
             text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
             w.add(METADATA_KEY.encode(), np.array(text.encode("utf-8"), dtype=object))
