@@ -1,0 +1,43 @@
+"""Small helpers the library needs in several layers exist once; the other layers import them."""
+
+from __future__ import annotations
+
+import pathlib
+
+import h5py
+import numpy as np
+import pytest
+
+from parallelvars.checkpoint import _foreign, _h5policy
+from parallelvars.checkpoint.h5io import layout
+
+
+def test_hdf5_constants_are_the_policy_modules() -> None:
+    from parallelvars.checkpoint import h5io
+    from parallelvars.formats import _h5
+
+    assert h5io.HDF5_SIGNATURE is _h5.HDF5_SIGNATURE is _h5policy.HDF5_SIGNATURE
+    assert _foreign.HDF5_SIGNATURE is _h5policy.HDF5_SIGNATURE
+    assert layout._H5_ERRORS is _h5.H5_ERRORS is _h5policy.H5_ERRORS
+    assert layout._MAX_COMPRESSION == _h5policy.MAX_COMPRESSION == 1100
+    with open(h5py.__file__, "rb") as f:  # not HDF5
+        assert not f.read(8).startswith(_h5policy.HDF5_SIGNATURE)
+
+
+# The native reader's copy of the tuple lacked IndexError and ArithmeticError (the formats' had
+# them): h5py raising either on a damaged file now becomes our error in the native reader too.
+@pytest.mark.parametrize("exc", [IndexError("index"), ZeroDivisionError("div"), OverflowError("o")])
+def test_h5_errors_cover_lookup_and_arithmetic(exc: Exception) -> None:
+    assert isinstance(exc, _h5policy.H5_ERRORS)
+
+
+def test_the_hdf5_sniffer_takes_damage_as_not_ours(tmp_path: pathlib.Path) -> None:
+    from parallelvars.formats import hdf5
+
+    path = tmp_path / "x.h5"
+    with h5py.File(path, "w") as f:
+        f["a"] = np.zeros(3)
+    raw = path.read_bytes()
+    assert hdf5.sniff(str(path), raw[:64]) is False  # HDF5, but not our root attribute
+    path.write_bytes(raw[:200])  # truncated
+    assert hdf5.sniff(str(path), raw[:64]) is False
