@@ -60,7 +60,7 @@ _LINK_KINDS = {h5py.h5l.TYPE_SOFT: "soft link", h5py.h5l.TYPE_EXTERNAL: "externa
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 #: What h5py raises on damaged HDF5 structure (HDF5's error stack as h5py maps it, and the
 #: decoding errors of attribute values): every HDF5 reader catches this one tuple.
-H5_ERRORS: tuple[type[Exception], ...] = (
+H5_ERRORS = (
     OSError,
     RuntimeError,
     LookupError,
