@@ -41,3 +41,15 @@ def test_the_hdf5_sniffer_takes_damage_as_not_ours(tmp_path: pathlib.Path) -> No
     assert hdf5.sniff(str(path), raw[:64]) is False  # HDF5, but not our root attribute
     path.write_bytes(raw[:200])  # truncated
     assert hdf5.sniff(str(path), raw[:64]) is False
+
+
+@pytest.mark.parametrize(
+    ("value", "integer", "index"),
+    [(3, True, True), (0, True, True), (-1, True, False), (np.int64(5), True, True),
+     (np.uint8(0), True, True), (np.int32(-2), True, False), (True, False, False),
+     (np.bool_(True), False, False), (2.0, False, False), ("1", False, False), (None, False, False)],
+)  # fmt: skip
+def test_integer_checks_on_decoded_values(value: object, integer: bool, index: bool) -> None:
+    from parallelvars._ints import is_index, is_int
+
+    assert (is_int(value), is_index(value)) == (integer, index)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from parallelvars._fileio import byte_view
+from parallelvars._ints import is_index
 from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint import _restore  # noqa: F401 - registers the variable saveable
 from parallelvars.checkpoint._foreign import with_foreign_hint
@@ -225,10 +226,6 @@ def _graph_from_paths(paths: list[str]) -> list[dict[str, Any]]:
     return nodes
 
 
-def _is_index(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
 def _graph_nodes(graph: Any, path: str) -> list[dict[str, Any]]:
     """The nodes of a saved object graph, every field checked for type and range (a damaged
     or crafted graph is a :class:`~parallelvars.errors.CorruptCheckpointError`, never a
@@ -263,7 +260,7 @@ def _graph_nodes(graph: Any, path: str) -> list[dict[str, Any]]:
             isinstance(c, list)
             and len(c) == 2
             and isinstance(c[0], str)
-            and _is_index(c[1])
+            and is_index(c[1])
             and c[1] < n
             for c in children
         ):
@@ -272,10 +269,10 @@ def _graph_nodes(graph: Any, path: str) -> list[dict[str, Any]]:
         if not isinstance(slots, list) or not all(
             isinstance(s, list)
             and len(s) == 3
-            and _is_index(s[0])
+            and is_index(s[0])
             and s[0] < n
             and isinstance(s[1], str)
-            and _is_index(s[2])
+            and is_index(s[2])
             and s[2] < n
             for s in slots
         ):
