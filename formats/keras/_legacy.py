@@ -40,7 +40,7 @@ from parallelvars.formats.keras._write import (
     _check_dtypes,
     _layout,
     _seal,
-    _set_attr,
+    _set_keras_attr,
     _set_name_list,
     _user_metadata,
     _write_dataset,
@@ -228,10 +228,10 @@ def write_keras_legacy(
     scratch = Scratch()
     with atomic_path(p) as tmp, h5py.File(tmp, "w", libver="latest") as h5:
         for name, value in (layout.get("file_attrs") or {}).items():
-            _set_attr(h5, name, value)
+            _set_keras_attr(h5, name, value)
         root = h5.require_group(root_name) if root_name else h5
         for name, value in (layout.get("root_attrs") or {}).items():
-            _set_attr(root, name, value)
+            _set_keras_attr(root, name, value)
         _set_name_list(root, "layer_names", layer_names)
         for layer, weights in layers.items():
             group = root.require_group(layer)

@@ -35,7 +35,7 @@ from parallelvars.formats.keras._write import (
     _check_dtypes,
     _layout,
     _seal,
-    _set_attr,
+    _set_keras_attr,
     _user_metadata,
     _write_dataset,
     _write_info,
@@ -269,7 +269,7 @@ def write_keras(
         for gpath, attrs in (layout.get("groups") or {}).items():
             group = h5 if gpath == "/" else h5.require_group(gpath)
             for name, value in (attrs or {}).items():
-                _set_attr(group, name, value)
+                _set_keras_attr(group, name, value)
         for t in planned:
             parent = t.key.rpartition("/")[0]
             group = h5.require_group(parent)
@@ -280,7 +280,7 @@ def write_keras(
             ):
                 owner = parent[: -len("vars")].rstrip("/").rpartition("/")[2]
                 if owner:
-                    _set_attr(group, "name", owner)
+                    _set_keras_attr(group, "name", owner)
             _write_dataset(h5, t.key, t, p, scratch)
         _write_info(h5, info, user)
         _seal(h5, tmp, _scan_keras)
