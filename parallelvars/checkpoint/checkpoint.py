@@ -59,8 +59,9 @@ GRAPH_VERSION = 1
 
 # A multi-process strategy registers itself here: each process then writes its own components
 # and the processes commit one logical checkpoint together, through the writer the strategy's
-# ``checkpoint_writer()`` hands out (parallelvars.strategy._mpi). Held for the process's life:
-# a dropped strategy must not turn the next save into every rank writing the same file.
+# ``checkpoint_writer()`` hands out (under MPI: h5io.collective.write_collective). Held for the
+# process's life: a dropped strategy must not turn the next save into every rank writing the
+# same file.
 _PROCESS_STRATEGY: list[Any] = []
 
 
