@@ -44,7 +44,11 @@ Example:
 from __future__ import annotations
 
 from parallelvars.checkpoint.checkpoint import escape_name, unescape_name
-from parallelvars.checkpoint.registry import component_name, extra_component_index
+from parallelvars.checkpoint.registry import (
+    COMPONENT_PREFIX,
+    component_name,
+    extra_component_index,
+)
 from parallelvars.errors import InvalidArgumentError
 
 __all__ = [
@@ -146,7 +150,7 @@ def from_key(key: str, names: str = "slash") -> str:
     if names == "slash":
         return key
     if names == "dotted":
-        head, sep, tail = key.partition("/parallel_component_")
+        head, sep, tail = key.partition(f"/{COMPONENT_PREFIX}")
         path = head.replace(".", "/")
         return f"{path}{sep}{tail}" if sep else path
     parts = key.split("/")

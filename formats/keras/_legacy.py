@@ -11,6 +11,7 @@ import h5py
 
 from parallelvars._fileio import Scratch, atomic_path
 from parallelvars.checkpoint import _h5policy
+from parallelvars.checkpoint.registry import component_name
 from parallelvars.errors import (
     CorruptCheckpointError,
     InvalidEntryError,
@@ -220,7 +221,7 @@ def write_keras_legacy(
         entries,
         names="slash",
         file=p,
-        key_of=lambda path, e, i: path if i == 0 else f"{RESERVED}/{path}/parallel_component_{i}",
+        key_of=lambda path, e, i: path if i == 0 else f"{RESERVED}/{path}/{component_name(i)}",
     )
     _check_dtypes(planned, p)
     by_key = {t.key: t for t in planned}

@@ -12,6 +12,7 @@ import h5py
 
 from parallelvars._fileio import Scratch, atomic_path
 from parallelvars.checkpoint import _h5policy
+from parallelvars.checkpoint.registry import component_name
 from parallelvars.errors import (
     CorruptCheckpointError,
     InvalidEntryError,
@@ -259,7 +260,7 @@ def write_keras(
         needs_record=lambda e: False,
         file=p,
         key_of=lambda path, e, i: (
-            keys[path] if i == 0 else f"{RESERVED}/{keys[path]}/parallel_component_{i}"
+            keys[path] if i == 0 else f"{RESERVED}/{keys[path]}/{component_name(i)}"
         ),
     )
     _check_dtypes(planned, p)
