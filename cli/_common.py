@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars.errors import InvalidArgumentError
 from parallelvars.formats import (
     FORMAT_NAMES,
     CheckpointView,
@@ -20,6 +21,7 @@ from parallelvars.formats import (
     get_format,
     open_checkpoint,
 )
+from parallelvars.formats._sizes import parse_size
 
 from ._errors import UsageError
 from ._output import Output, Progress
@@ -35,7 +37,7 @@ __all__ = [
     "READ_OPTIONS",
     "reader_options",
     "output_format",
-    "parse_size",
+    "size_arg",
     "positive_int",
     "non_negative_int",
     "non_negative_float",
@@ -43,47 +45,18 @@ __all__ = [
     "shape_str",
 ]
 
-# Decimal units are powers of 1000 and binary units powers of 1024, as in `5GB` vs `5GiB`.
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 
-
-def parse_size(text: str) -> int:
-    """Bytes in a size such as ``5GB``, ``500MB``, ``100KiB``, ``1.5GiB`` or ``4096``.
-
-    ``KB``/``MB``/``GB``/``TB`` are decimal (1000-based), ``KiB``/``MiB``/``GiB``/``TiB``
-    binary (1024-based); a bare number is bytes. The result must be at least one byte.
+def size_arg(text: str) -> int:
+    """An argparse type: bytes in ``text`` by :func:`parallelvars.formats._sizes.parse_size`
+    (``5GB``, ``500MB``, ``100KiB``, ``1.5GiB``, ``1e9``, ``4096``), the library's one grammar.
 
     Raises:
         argparse.ArgumentTypeError: the text is not a size, or not a positive one.
-
-    Example:
-        >>> parse_size("5GB"), parse_size("100KiB"), parse_size("1.5kB")
-        (5000000000, 102400, 1500)
     """
-    match = _SIZE_RE.match(text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"expected a size such as 5GB, 500MB or 100KiB, got {text!r} "
-            "(units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
-        )
-    number = float(match.group(1)) if "." in match.group(1) else int(match.group(1))
-    size = int(number * _UNITS[unit])
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"expected a size of at least one byte, got {text!r}")
-    return size
+    try:
+        return parse_size(text)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _number(cast: Callable[[str], Any], low: float, what: str) -> Callable[[str], Any]:

@@ -9,15 +9,11 @@ stderr. Progress bars appear only when stderr is a terminal and ``--quiet`` is n
 from __future__ import annotations
 
 import json
-import math
-import os
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
-import numpy as np
-
-__all__ = ["Output", "Progress", "counted", "to_jsonable"]
+__all__ = ["Output", "Progress", "counted"]
 
 
 class Progress:
@@ -79,7 +75,10 @@ class Output:
     def emit(self, data: Mapping[str, Any], human: str | Callable[[], str]) -> None:
         """Print a command's result: ``data`` as JSON, or the human text."""
         if self.json_mode:
-            text = json.dumps(to_jsonable(data), indent=2, allow_nan=False)
+            # Imported here: `parallelvars --version` must not load the formats.
+            from parallelvars.formats._json import jsonable
+
+            text = json.dumps(jsonable(data), indent=2, allow_nan=False)
         else:
             text = human() if callable(human) else human
         if text:
@@ -137,34 +136,3 @@ def counted(n: int, word: str) -> str:
 def one_line(message: str) -> str:
     """``message`` folded onto one line."""
     return "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
-
-
-def to_jsonable(value: Any) -> Any:
-    """``value`` with numpy scalars, dtypes, tuples and bytes turned into JSON types.
-
-    Non-finite floats become the strings ``"nan"``, ``"inf"`` and ``"-inf"`` (strict JSON has
-    no spelling for them).
-    """
-    if isinstance(value, Mapping):
-        return {str(k): to_jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [to_jsonable(v) for v in value]
-    if isinstance(value, np.ndarray):
-        return to_jsonable(value.tolist())
-    if isinstance(value, np.generic):
-        return to_jsonable(value.item())
-    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
-        return value
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return value
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value).decode("utf-8", errors="backslashreplace")
-    if isinstance(value, np.dtype):
-        return value.name
-    if isinstance(value, os.PathLike):
-        return os.fspath(value)
-    return str(value)

@@ -16,8 +16,8 @@ from ._common import (
     destination_path,
     format_bytes,
     open_view,
-    parse_size,
     reader_options,
+    size_arg,
 )
 from ._errors import UsageError
 from ._output import Output
@@ -80,9 +80,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-shard-size",
         metavar="SIZE",
-        type=parse_size,
-        help="split the output into files of at most SIZE (e.g. 5GB, 500MB, 100KiB), "
-        "for formats that shard",
+        type=size_arg,
+        help="split the output into files of at most SIZE (e.g. 5GB, 500MB, 100KiB, 1e9), "
+        "for formats that shard (units: B, KB, MB, GB, TB decimal; KiB, MiB, GiB, TiB binary)",
     )
     parser.add_argument(
         "--like",

@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars._dtypes import dtype_name
 from parallelvars.formats import CheckpointView, Entry
 
 from ._common import natural_key, non_negative_float, open_view, shape_str
 from ._output import Output, Progress
-from .inspect import dtype_name
 
 __all__ = ["add_parser", "run", "compare_arrays", "compare_entries"]
 

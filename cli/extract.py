@@ -9,12 +9,12 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars._dtypes import dtype_name
 from parallelvars.errors import MissingVariableError
 
 from ._common import add_format_option, format_bytes, non_negative_int, open_view, shape_str
 from ._errors import UsageError
 from ._output import Output
-from .inspect import dtype_name
 
 __all__ = ["add_parser", "run", "npy_ready"]
 

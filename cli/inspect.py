@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars._dtypes import dtype_name
 from parallelvars.errors import ParallelVarsError
 from parallelvars.formats import CheckpointView, Entry
 
@@ -22,7 +23,7 @@ from ._common import (
 )
 from ._output import Output, Progress
 
-__all__ = ["add_parser", "run", "components_equal", "dtype_name", "training_structure"]
+__all__ = ["add_parser", "run", "components_equal", "training_structure"]
 
 _EPILOG = """\
 For each variable: its kind (single, mirrored, on_read, independent, sharded), dtype, logical
@@ -48,11 +49,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("checkpoint", metavar="CKPT", help="checkpoint file, directory or prefix")
     add_format_option(parser, "--from", "format of CKPT")
     return parser
-
-
-def dtype_name(dtype: np.dtype) -> str:
-    """The name shown for a dtype: numpy's name, ``string`` for TF strings (object arrays)."""
-    return "string" if dtype.kind == "O" else dtype.name
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:

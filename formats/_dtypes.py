@@ -6,8 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from parallelvars._dtypes import EXTENSION_DTYPES, is_extension_dtype
-from parallelvars._dtypes import dtype_name as _core_dtype_name
+from parallelvars._dtypes import EXTENSION_DTYPES, dtype_name, is_extension_dtype
 from parallelvars.errors import UnsupportedDtypeError
 
 
@@ -21,8 +20,10 @@ def is_ml_dtype(dtype: np.dtype) -> bool:
     return is_extension_dtype(np.dtype(dtype))
 
 
-def dtype_name(dtype: np.dtype) -> str:
-    """The checkpoint name of ``dtype`` (``float32``, ``bfloat16``; ``bytes`` for strings)."""
+def tensor_dtype_name(dtype: np.dtype) -> str:
+    """The checkpoint name of ``dtype`` (``float32``, ``bfloat16``; ``bytes`` for strings), for
+    tensor dtypes only: :func:`parallelvars._dtypes.dtype_name` after refusing records and
+    other non-tensor dtypes with UnsupportedDtypeError."""
     dtype = np.dtype(dtype)
     if not (
         is_string_dtype(dtype)
@@ -30,11 +31,11 @@ def dtype_name(dtype: np.dtype) -> str:
         or (dtype.kind in "biufc" and dtype.fields is None)
     ):
         raise UnsupportedDtypeError(f"dtype {dtype} is not a tensor dtype")
-    return _core_dtype_name(dtype)
+    return dtype_name(dtype)
 
 
 def dtype_from_name(name: Any, *, file: str | None = None, variable: str | None = None) -> np.dtype:
-    """The numpy dtype named ``name`` by :func:`dtype_name`; UnsupportedDtypeError otherwise."""
+    """The numpy dtype named ``name`` by :func:`tensor_dtype_name`; UnsupportedDtypeError otherwise."""
     if name == "bytes":
         return np.dtype(object)
     if isinstance(name, str) and name in EXTENSION_DTYPES:

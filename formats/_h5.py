@@ -11,7 +11,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from parallelvars.checkpoint._h5policy import check_regular_file
+from parallelvars.checkpoint._h5policy import H5_ERRORS, HDF5_SIGNATURE, check_regular_file
 from parallelvars.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -29,19 +29,6 @@ __all__ = [
     "open_h5",
     "read_split_attr",
 ]
-
-HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-#: What h5py raises on damaged HDF5 structure (HDF5's error stack mapped by h5py, and the
-#: decoding errors of attribute values).
-H5_ERRORS = (
-    OSError,
-    RuntimeError,
-    LookupError,
-    ValueError,
-    TypeError,
-    AttributeError,
-    ArithmeticError,
-)
 
 
 @contextlib.contextmanager

@@ -5,26 +5,48 @@ converter carries over.
 from __future__ import annotations
 
 import json
+import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from parallelvars._dtypes import dtype_name
+
 
 def jsonable(value: Any) -> Any:
-    """``value`` as plain JSON data (numpy scalars and arrays, tuples and bytes converted)."""
-    if isinstance(value, np.ndarray):
-        return [jsonable(v) for v in value.tolist()] if value.ndim else jsonable(value.item())
-    if isinstance(value, np.generic):
-        return jsonable(value.item())
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
+    """``value`` as plain, strict JSON data: the one converter of every metadata writer and of
+    the CLI's ``--json``.
+
+    Mappings become objects with string keys; lists, tuples and sets arrays; numpy arrays and
+    scalars their Python values; a dtype its checkpoint name (``float32``, ``bfloat16``);
+    ``bytes`` text (UTF-8, other bytes as ``\\xNN`` escapes, so the result always encodes);
+    non-finite floats the strings ``"nan"``, ``"inf"`` and ``"-inf"`` (strict JSON has no
+    spelling for them); paths their text; anything else ``str(value)``.
+    """
     if isinstance(value, Mapping):
         return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "surrogateescape")
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return jsonable(value.tolist())
+    if isinstance(value, np.generic):
+        return jsonable(value.item())
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
         return value
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", errors="backslashreplace")
+    if isinstance(value, np.dtype):
+        return dtype_name(value)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
     return str(value)
 
 

@@ -46,9 +46,12 @@ Example:
 
 from __future__ import annotations
 
-import re
-
 from parallelvars.checkpoint.checkpoint import escape_name, unescape_name
+from parallelvars.checkpoint.registry import (
+    COMPONENT_PREFIX,
+    component_name,
+    extra_component_index,
+)
 from parallelvars.errors import InvalidArgumentError
 
 __all__ = [
@@ -63,10 +66,14 @@ __all__ = [
 
 NAME_STYLES: tuple[str, ...] = ("slash", "dotted", "tf")
 
-_ATTRIBUTES = ".ATTRIBUTES"
-_SLOT = ".OPTIMIZER_SLOT"
-_VALUE = "VARIABLE_VALUE"
-_COMPONENT_RE = re.compile(r"^parallel_component_([1-9][0-9]*)$")
+# TensorFlow's object-based key table, the one formats/tf/ uses as well:
+# ``<escaped object path>/.ATTRIBUTES/<attribute>``; a legacy optimizer slot is keyed
+# ``<variable>/.OPTIMIZER_SLOT/<optimizer>/<slot>``.
+ATTRIBUTES = ".ATTRIBUTES"
+OPTIMIZER_SLOT = ".OPTIMIZER_SLOT"
+VARIABLE_VALUE = "VARIABLE_VALUE"
+#: The path segment between an optimizer and its slot variables in our paths.
+SLOTS = "slots"
 
 
 def check_names(names: str) -> str:
@@ -110,9 +117,9 @@ def to_key(
         key = ".".join(_segments(path))
     else:
         key = _tf_object_path(path, slot_of, slot_name)
-        attribute = _VALUE if component == 0 else f"parallel_component_{component}"
-        return f"{key}/{_ATTRIBUTES}/{attribute}"
-    return key if component == 0 else f"{key}/parallel_component_{component}"
+        attribute = VARIABLE_VALUE if component == 0 else component_name(component)
+        return f"{key}/{ATTRIBUTES}/{attribute}"
+    return key if component == 0 else f"{key}/{component_name(component)}"
 
 
 def _tf_object_path(path: str, slot_of: str | None, slot_name: str | None) -> str:
@@ -120,12 +127,12 @@ def _tf_object_path(path: str, slot_of: str | None, slot_name: str | None) -> st
     if slot_of and slot_name:
         # Our slot path is "<optimizer>/slots/<variable>/<slot>"; TF keys the slot under the
         # variable: "<variable>/.OPTIMIZER_SLOT/<optimizer>/<slot>".
-        tail = ["slots", *_segments(slot_of), slot_name]
+        tail = [SLOTS, *_segments(slot_of), slot_name]
         if len(segs) > len(tail) and segs[-len(tail) :] == tail:
             optimizer = segs[: -len(tail)]
             return "/".join(
                 [escape_name(s) for s in _segments(slot_of)]
-                + [_SLOT]
+                + [OPTIMIZER_SLOT]
                 + [escape_name(s) for s in optimizer]
                 + [escape_name(slot_name)]
             )
@@ -163,23 +170,23 @@ def from_key(key: str, names: str = "slash") -> str:
     if names == "slash":
         return key
     if names == "dotted":
-        head, sep, tail = key.partition("/parallel_component_")
+        head, sep, tail = key.partition(f"/{COMPONENT_PREFIX}")
         path = head.replace(".", "/")
         return f"{path}{sep}{tail}" if sep else path
     parts = key.split("/")
-    if _ATTRIBUTES not in parts:
+    if ATTRIBUTES not in parts:
         return key  # TF1 name-based key: already a slash path
-    at = parts.index(_ATTRIBUTES)
+    at = parts.index(ATTRIBUTES)
     obj = parts[:at]
     attribute = "/".join(parts[at + 1 :])
-    if _SLOT in obj:
-        s = obj.index(_SLOT)
+    if OPTIMIZER_SLOT in obj:
+        s = obj.index(OPTIMIZER_SLOT)
         variable, rest = obj[:s], obj[s + 1 :]
         if len(rest) >= 2:
             optimizer, slot = rest[:-1], rest[-1]
-            obj = [*optimizer, "slots", *variable, slot]
+            obj = [*optimizer, SLOTS, *variable, slot]
     path = "/".join(unescape_name(s) for s in obj)
-    if attribute == _VALUE:
+    if attribute == VARIABLE_VALUE:
         return path
     return f"{path}/{attribute}"
 
@@ -195,13 +202,13 @@ def parse_component_key(key: str, names: str = "slash") -> tuple[str, int]:
     """
     check_names(names)
     if names == "tf":
-        head, sep, attribute = key.rpartition(f"/{_ATTRIBUTES}/")
-        match = _COMPONENT_RE.match(attribute) if sep else None
-        if match:
-            return from_key(f"{head}/{_ATTRIBUTES}/{_VALUE}", "tf"), int(match.group(1))
+        head, sep, attribute = key.rpartition(f"/{ATTRIBUTES}/")
+        index = extra_component_index(attribute) if sep else None
+        if index is not None:
+            return from_key(f"{head}/{ATTRIBUTES}/{VARIABLE_VALUE}", "tf"), index
         return from_key(key, "tf"), 0
     head, sep, last = key.rpartition("/")
-    match = _COMPONENT_RE.match(last) if sep else None
-    if match:
-        return from_key(head, names), int(match.group(1))
+    index = extra_component_index(last) if sep else None
+    if index is not None:
+        return from_key(head, names), index
     return from_key(key, names), 0

@@ -17,7 +17,7 @@ from parallelvars.errors import (
     ShapeMismatchError,
 )
 
-from ._dtypes import dtype_name, is_string_dtype
+from ._dtypes import is_string_dtype, tensor_dtype_name
 from ._graph import carried_graph
 from ._info import INFO_FORMAT, INFO_VERSION
 from ._json import jsonable
@@ -181,7 +181,7 @@ def plan_tensors(
         ):
             variables[path] = {
                 "kind": entry.kind,
-                "dtype": dtype_name(entry.dtype),
+                "dtype": tensor_dtype_name(entry.dtype),
                 "shape": [int(s) for s in entry.shape],
                 "num_components": int(entry.num_components),
                 "layout": layout,

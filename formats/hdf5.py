@@ -20,7 +20,7 @@ from parallelvars.checkpoint.h5io import H5Reader, write_h5
 from parallelvars.errors import InvalidEntryError
 
 from ._graph import object_graph_for
-from ._h5 import is_hdf5
+from ._h5 import H5_ERRORS, is_hdf5
 from ._json import carried_metadata
 from ._registry import FormatSpec
 from ._validate import check_entry
@@ -111,7 +111,7 @@ def sniff(path: str, head: bytes) -> bool:
     try:
         with h5py.File(path, "r") as f:
             return "parallelvars_format" in f.attrs
-    except (OSError, KeyError, ValueError):
+    except H5_ERRORS:
         return False
 
 

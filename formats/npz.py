@@ -47,6 +47,7 @@ from typing import IO, Any
 import numpy as np
 
 from parallelvars._fileio import Scratch, atomic_path, load_json
+from parallelvars._ints import is_index
 from parallelvars.errors import (
     ClosedCheckpointError,
     CorruptCheckpointError,
@@ -226,7 +227,7 @@ def _parse_npy_header(
     shape, fortran = header["shape"], header["fortran_order"]
     if (
         not isinstance(shape, tuple)
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        or not all(is_index(d) for d in shape)
         or not isinstance(fortran, bool)
     ):
         raise CorruptCheckpointError(

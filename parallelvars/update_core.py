@@ -53,7 +53,7 @@ __all__ = [
     "FAST_DTYPES",
     "Kernel",
     "Run",
-    "Scratch",
+    "UpdateScratch",
     "GradLayout",
     "apply_blocked",
     "apply_direct",
@@ -98,8 +98,9 @@ def block_width(rows: int, dtype: np.dtype) -> int:
     return max(_MIN_BLOCK, width // 64 * 64)
 
 
-class Scratch:
-    """Preallocated scratch of one dtype: ``count`` ``(rows, width)`` and ``(1, width)`` arrays.
+class UpdateScratch:
+    """The update core's preallocated scratch of one dtype: ``count`` ``(rows, width)`` and
+    ``(1, width)`` arrays (not :class:`parallelvars._fileio.Scratch`, a writer's read buffer).
 
     Grows (reallocates) only when asked for more rows or columns than it holds, so a training
     loop allocates nothing after its first step.
@@ -139,7 +140,7 @@ def apply_blocked(
     slots: Sequence[np.ndarray],
     grad: np.ndarray,
     hp: Any,
-    scratch: Scratch,
+    scratch: UpdateScratch,
     replicate: bool = False,
     addends: Sequence[np.ndarray] = (),
 ) -> None:
@@ -176,7 +177,7 @@ def _apply_block(
     slots: Sequence[np.ndarray],
     g: np.ndarray,
     hp: Any,
-    scratch: Scratch,
+    scratch: UpdateScratch,
     once: bool,
     c0: int,
     c1: int,
@@ -297,7 +298,7 @@ def apply_runs(
     grads: Sequence[np.ndarray],
     kernel: Kernel,
     hp: Any,
-    scratch: Callable[[np.dtype], Scratch],
+    scratch: Callable[[np.dtype], UpdateScratch],
 ) -> None:
     """One step over every run: stage the gradients, then walk the slabs in blocks.
 
@@ -406,7 +407,7 @@ def apply_lines(
     parts: Sequence[dict[np.dtype, np.ndarray]],
     kernel: Kernel,
     hp: Any,
-    scratch: Callable[[np.dtype], Scratch],
+    scratch: Callable[[np.dtype], UpdateScratch],
 ) -> None:
     """One step over every run whose gradient is the sum of ``parts``, buffers of ``layout``.
 
@@ -432,7 +433,7 @@ def apply_direct(
     parts: Sequence[Sequence[np.ndarray]],
     kernel: Kernel,
     hp: Any,
-    scratch: Callable[[np.dtype], Scratch],
+    scratch: Callable[[np.dtype], UpdateScratch],
 ) -> None:
     """:func:`apply_lines` with each replica's gradients as they are, one array per variable
     (indexed by the members' positions, of the variables' dtype): no packing copy, one

@@ -18,9 +18,12 @@ from _cli_support import write_sample
 
 from parallelvars import errors
 from parallelvars.cli import COMMANDS, main
-from parallelvars.cli._common import parse_size
+from parallelvars.cli._common import size_arg
 from parallelvars.cli._errors import EXIT_INTERNAL, EXIT_USAGE, UsageError, classify
-from parallelvars.cli._output import Output, to_jsonable
+from parallelvars.cli._output import Output
+from parallelvars.errors import InvalidArgumentError
+from parallelvars.formats._json import jsonable
+from parallelvars.formats._sizes import parse_size
 
 
 @pytest.fixture(autouse=True)
@@ -204,19 +207,44 @@ def test_error_output_is_folded_onto_one_line() -> None:
 # --- sizes ---------------------------------------------------------------------------------------
 
 
+# One grammar for the library's max_shard_size and the CLI's --max-shard-size: every spelling
+# either of the two former parsers took is still taken, with the same answer.
 @pytest.mark.parametrize(
     ("text", "size"),
     [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("100KiB", 102400), ("1.5GiB", 3 * 2**29),
-     ("4096", 4096), ("1kb", 1000), ("2 MiB", 2 * 2**20), ("7B", 7), ("1TB", 10**12), (".5KiB", 512)],
+     ("4096", 4096), ("1kb", 1000), ("2 MiB", 2 * 2**20), ("7B", 7), ("1TB", 10**12), (".5KiB", 512),
+     ("1e9", 10**9), ("2.5e3KB", 2_500_000), (" 3 gib ", 3 * 2**30), ("1.5MB", 1_500_000),
+     ("1.9", 1), ("18446744073709551617", 2**64 + 1)],
 )  # fmt: skip
 def test_parse_size(text: str, size: int) -> None:
     assert parse_size(text) == size
+    assert size_arg(text) == size
 
 
-@pytest.mark.parametrize("text", ["", "GB", "5XB", "5 G", "-1MB", "0", "0.1B", "1.2.3MB", "1e3"])
+@pytest.mark.parametrize(
+    "text",
+    ["", "GB", "5XB", "5 G", "-1MB", "0", "0.1B", "1.2.3MB", "1e", "inf", "nan", "1e400", "5 G B"],
+)
 def test_parse_size_rejects(text: str) -> None:
-    with pytest.raises(argparse.ArgumentTypeError):
+    with pytest.raises(InvalidArgumentError, match="size"):
         parse_size(text)
+    with pytest.raises(argparse.ArgumentTypeError, match="size"):
+        size_arg(text)
+
+
+def test_parse_size_takes_positive_ints_only() -> None:
+    assert parse_size(100) == 100
+    for bad in (0, -5, True):
+        with pytest.raises(InvalidArgumentError):
+            parse_size(bad)
+
+
+def test_max_shard_size_help_and_errors_name_the_grammar(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["convert", "a.h5", "b.safetensors", "--max-shard-size", "5 G"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-shard-size" in err and "5GB, 500MB, 100KiB" in err
 
 
 # --- the output sink ---------------------------------------------------------------------------
@@ -231,7 +259,7 @@ def test_json_is_strict_and_handles_numpy() -> None:
         "a": 1.5, "b": [1, 2], "c": "nan", "d": "-inf", "e": "int8", "f": "\\xffx", "g": [0, 1],
         "h": {"nested": True}, "i": "p",
     }  # fmt: skip
-    assert to_jsonable(float("inf")) == "inf"
+    assert jsonable(float("inf")) == "inf"
 
 
 @pytest.mark.parametrize("where", ["after", "before"])

@@ -68,7 +68,7 @@ def test_inspect_human_tree(sample: str, capsys: pytest.CaptureFixture[str]) -> 
     scale = next(line for line in tree if line.strip().startswith("scale"))
     assert scale.split()[1:4] == ["single", "bfloat16", "(3,)"]
     vocab = next(line for line in tree if line.startswith("vocab"))
-    assert vocab.split()[1:3] == ["single", "string"]
+    assert vocab.split()[1:3] == ["single", "bytes"]  # the stored name, as docs/FORMAT.md spells it
     emb = next(line for line in tree if line.strip().startswith("embedding"))
     assert emb.split()[1] == "sharded" and emb.endswith("axis=0")
     slot = next(line for line in tree if line.strip().startswith("m "))
@@ -92,7 +92,7 @@ def test_inspect_json(sample: str, capsys: pytest.CaptureFixture[str]) -> None:
     }  # fmt: skip
     assert by_path["model/embedding"]["attrs"] == {"shard_axis": 0, "shard_offsets": [0, 3]}
     assert "equal" not in by_path["metrics/count"]  # only mirrored variables are compared
-    assert by_path["vocab"]["dtype"] == "string"
+    assert by_path["vocab"]["dtype"] == "bytes"
 
 
 def test_inspect_reports_unequal_mirrored_components(

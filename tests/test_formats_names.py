@@ -77,3 +77,32 @@ def test_round_trip(path: str, names: str, component: int) -> None:
 def test_tf_round_trip_with_dots(segments: list[str]) -> None:
     path = "/".join(segments)
     assert from_key(to_key(path, "tf"), "tf") == path
+
+
+# One definition of component names serves our HDF5 layout, the flat key styles and TF keys.
+def test_component_names_are_one_definition() -> None:
+    from parallelvars.checkpoint.registry import component_index, component_name
+    from parallelvars.formats.tf._keys import component_attribute, parse_key
+
+    assert [component_name(i) for i in range(3)] == [
+        "primary", "parallel_component_1", "parallel_component_2"
+    ]  # fmt: skip
+    for i in range(1, 4):
+        assert component_index(component_name(i)) == i
+        assert parse_component_key(component_key("m/w", i, "dotted"), "dotted") == ("m/w", i)
+        parsed = parse_key(f"m/w/.ATTRIBUTES/{component_attribute(i)}")
+        assert parsed is not None and (parsed.path, parsed.component) == ("m/w", i)
+    assert component_index("primary") == 0
+
+
+# The registry's copy took any str.isdigit() tail: "parallel_component_01" was component 1 and
+# "parallel_component_\u00b2" raised a bare ValueError; the formats' copies took canonical names only.
+@pytest.mark.parametrize(
+    "name", ["parallel_component_0", "parallel_component_01", "parallel_component_\u00b2",
+             "parallel_component_", "parallel_component_1x", "Primary"]
+)  # fmt: skip
+def test_non_canonical_component_names_are_not_components(name: str) -> None:
+    from parallelvars.checkpoint.registry import component_index
+
+    assert component_index(name) is None
+    assert parse_component_key(f"m/w/{name}") == (f"m/w/{name}", 0)

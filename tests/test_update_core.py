@@ -47,7 +47,7 @@ def test_apply_runs_matches_per_variable_update(n: int) -> None:
     shadow = arena.shadow("acc")
     runs = update_core.plan_runs(list(enumerate(pls)), lambda a: [a.shadow("acc")])
     assert len(runs) == 1
-    update_core.apply_runs(runs, grads, _axpy, 0.5, lambda dt: update_core.Scratch(dt))
+    update_core.apply_runs(runs, grads, _axpy, 0.5, lambda dt: update_core.UpdateScratch(dt))
     for pl, g in zip(pls, grads, strict=True):
         cols = slice(pl.offset, pl.offset + pl.size)
         np.testing.assert_array_equal(arena.buffer[:, cols], before[:, cols] - np.float32(0.5) * g)
@@ -62,7 +62,7 @@ def test_apply_runs_matches_per_variable_update(n: int) -> None:
 
 
 def test_scratch_is_reused() -> None:
-    s = update_core.Scratch(np.float64)
+    s = update_core.UpdateScratch(np.float64)
     tmp, gtmp = s.take(4, 100)
     tmp2, _ = s.take(2, 50)
     assert tmp2[0].base is tmp[0].base and tmp2[0].shape == (2, 50) and gtmp[0].shape == (1, 100)
@@ -101,7 +101,7 @@ def test_replicas_lines_packed_or_direct_give_the_add_n_bits(replicate: bool) ->
         )
         layout = update_core.layout_lines(runs)
         assert sorted(layout.views) == list(range(len(sizes)))
-        scratch = update_core.Scratch(np.float32)
+        scratch = update_core.UpdateScratch(np.float32)
         scratch_of = lambda dt, s=scratch: s  # noqa: E731
         if how == "summed":
             reduced = [add_n([g[i] for g in grads]) for i in range(len(sizes))]

@@ -32,6 +32,7 @@ import h5py
 
 from parallelvars._fileio import atomic_path
 from parallelvars.checkpoint import _h5policy
+from parallelvars.checkpoint._h5policy import MAX_COMPRESSION
 from parallelvars.errors import (
     CorruptCheckpointError,
     InvalidArgumentError,
@@ -42,7 +43,6 @@ from parallelvars.errors import (
 from parallelvars.formats._h5 import H5_ERRORS
 from parallelvars.formats._view import CheckpointView, Entry
 from parallelvars.formats.keras._layout import (
-    _MAX_COMPRESSION,
     KERAS_LAYOUT,
     LEGACY_LAYOUT,
     RESERVED,
@@ -169,11 +169,11 @@ def _weights_file(path: str) -> tuple[IO[bytes], int]:
                 raise
             window.seek(0)
             return cast(IO[bytes], window), info.file_size  # h5py reads it as a binary file
-        if info.file_size > max(info.compress_size, 1) * _MAX_COMPRESSION:
+        if info.file_size > max(info.compress_size, 1) * MAX_COMPRESSION:
             raise CorruptCheckpointError(
                 "the weights member claims to expand more than deflate can",
                 file=where,
-                expected=f"<= {_MAX_COMPRESSION} times its {info.compress_size} compressed bytes",
+                expected=f"<= {MAX_COMPRESSION} times its {info.compress_size} compressed bytes",
                 found=f"{info.file_size} bytes",
             )
         out = tempfile.TemporaryFile()  # noqa: SIM115 - closed with the view

@@ -13,7 +13,5 @@ CRC_ATTR = "crc32c"
 #: names, the groups' attributes, the parallel info).
 STRUCTURE_ATTR = "parallelvars_crc32c"
 _OWN_ROOT_ATTRS = (INFO_ATTR, STRUCTURE_ATTR)
-# deflate's best case is about 1032:1: no compressed dataset can expand more than this.
-_MAX_COMPRESSION = 1100
 KERAS_LAYOUT = "keras_weights_layout"
 LEGACY_LAYOUT = "keras_legacy_layout"

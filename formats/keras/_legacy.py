@@ -11,6 +11,7 @@ import h5py
 
 from parallelvars._fileio import Scratch, atomic_path
 from parallelvars.checkpoint import _h5policy
+from parallelvars.checkpoint.registry import component_name
 from parallelvars.errors import (
     CorruptCheckpointError,
     InvalidEntryError,
@@ -40,7 +41,7 @@ from parallelvars.formats.keras._write import (
     _check_dtypes,
     _layout,
     _seal,
-    _set_attr,
+    _set_keras_attr,
     _set_name_list,
     _user_metadata,
     _write_dataset,
@@ -220,7 +221,7 @@ def write_keras_legacy(
         entries,
         names="slash",
         file=p,
-        key_of=lambda path, e, i: path if i == 0 else f"{RESERVED}/{path}/parallel_component_{i}",
+        key_of=lambda path, e, i: path if i == 0 else f"{RESERVED}/{path}/{component_name(i)}",
     )
     _check_dtypes(planned, p)
     by_key = {t.key: t for t in planned}
@@ -228,10 +229,10 @@ def write_keras_legacy(
     scratch = Scratch()
     with atomic_path(p) as tmp, h5py.File(tmp, "w", libver="latest") as h5:
         for name, value in (layout.get("file_attrs") or {}).items():
-            _set_attr(h5, name, value)
+            _set_keras_attr(h5, name, value)
         root = h5.require_group(root_name) if root_name else h5
         for name, value in (layout.get("root_attrs") or {}).items():
-            _set_attr(root, name, value)
+            _set_keras_attr(root, name, value)
         _set_name_list(root, "layer_names", layer_names)
         for layer, weights in layers.items():
             group = root.require_group(layer)

@@ -24,7 +24,6 @@ from parallelvars.formats._h5 import (
 )
 from parallelvars.formats._store import TensorStore
 from parallelvars.formats.keras._integrity import _dataset_crc
-from parallelvars.formats.keras._layout import _MAX_COMPRESSION
 
 
 def _dataset_dtype(ds: h5py.Dataset, file: str, key: str) -> np.dtype:
@@ -89,7 +88,7 @@ class _H5Store(TensorStore):
             _h5policy.check_dataset(d.id, file, k, dtype=dtype if d.dtype.kind == "O" else None)
             # (the stored size: a fixed-length string's elements may be larger than an object)
             nbytes = math.prod(shape) * max(dtype.itemsize, d.dtype.itemsize)
-            limit = size * (_MAX_COMPRESSION if d.chunks is not None else 1)
+            limit = size * (_h5policy.MAX_COMPRESSION if d.chunks is not None else 1)
             if nbytes > limit:  # refused before anything is allocated for it
                 raise TruncatedFileError(
                     "the dataset claims more bytes than the file holds",

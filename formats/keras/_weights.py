@@ -12,6 +12,7 @@ import h5py
 
 from parallelvars._fileio import Scratch, atomic_path
 from parallelvars.checkpoint import _h5policy
+from parallelvars.checkpoint.registry import component_name
 from parallelvars.errors import (
     CorruptCheckpointError,
     InvalidArgumentError,
@@ -42,7 +43,7 @@ from parallelvars.formats.keras._write import (
     _check_dtypes,
     _layout,
     _seal,
-    _set_attr,
+    _set_keras_attr,
     _user_metadata,
     _write_dataset,
     _write_info,
@@ -291,7 +292,7 @@ def write_keras(
         needs_record=lambda e: False,
         file=p,
         key_of=lambda path, e, i: (
-            keys[path] if i == 0 else f"{RESERVED}/{keys[path]}/parallel_component_{i}"
+            keys[path] if i == 0 else f"{RESERVED}/{keys[path]}/{component_name(i)}"
         ),
     )
     _check_dtypes(planned, p)
@@ -301,7 +302,7 @@ def write_keras(
         for gpath, attrs in (layout.get("groups") or {}).items():
             group = h5 if gpath == "/" else h5.require_group(gpath)
             for name, value in (attrs or {}).items():
-                _set_attr(group, name, value)
+                _set_keras_attr(group, name, value)
         for t in planned:
             parent = t.key.rpartition("/")[0]
             group = h5.require_group(parent)
@@ -312,7 +313,7 @@ def write_keras(
             ):
                 owner = parent[: -len("vars")].rstrip("/").rpartition("/")[2]
                 if owner:
-                    _set_attr(group, "name", owner)
+                    _set_keras_attr(group, "name", owner)
             _write_dataset(h5, t.key, t, p, scratch)
         _write_info(h5, info, user)
         _seal(h5, tmp, _scan_keras)

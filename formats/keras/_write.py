@@ -15,7 +15,7 @@ from parallelvars._fileio import Scratch, checksum
 from parallelvars.errors import (
     UnsupportedDtypeError,
 )
-from parallelvars.formats._dtypes import dtype_name, is_ml_dtype, is_string_dtype
+from parallelvars.formats._dtypes import is_ml_dtype, is_string_dtype, tensor_dtype_name
 from parallelvars.formats._json import carried_metadata, dumps, jsonable
 from parallelvars.formats._plan import PlannedTensor
 from parallelvars.formats.keras._integrity import _structure_crc
@@ -74,7 +74,7 @@ def _write_dataset(
     value = _to_h5(t.read_with(scratch), file, t.entry.path)
     ds = h5.create_dataset(name, data=value)
     if is_ml_dtype(t.dtype):
-        ds.attrs["dtype"] = dtype_name(t.dtype)  # a str: Keras compares it with "bfloat16"
+        ds.attrs["dtype"] = tensor_dtype_name(t.dtype)  # a str: Keras compares it with "bfloat16"
     ds.attrs[CRC_ATTR] = np.int64(checksum(value))
 
 
@@ -92,7 +92,9 @@ def _fixed_strings(values: str | list[str]) -> np.ndarray:
     return np.array(encoded, dtype=f"S{max((len(b) for b in encoded), default=1) or 1}")
 
 
-def _set_attr(obj: h5py.Group | h5py.File, name: str, value: Any) -> None:
+def _set_keras_attr(obj: h5py.Group | h5py.File, name: str, value: Any) -> None:
+    """Set one attribute as Keras writes it: strings fixed-length UTF-8, an empty list as an
+    empty float64 array, None not at all (the native layout's writer is h5io.attributes)."""
     if isinstance(value, list):
         if not value:
             obj.attrs[name] = np.zeros(0, np.float64)  # what Keras writes for an empty list
@@ -117,10 +119,10 @@ def _set_name_list(obj: h5py.Group | h5py.File, name: str, values: list[str]) ->
         or 1,
     )
     if len(values) <= per_chunk:
-        _set_attr(obj, name, list(values))
+        _set_keras_attr(obj, name, list(values))
         return
     for i in range(0, len(values), per_chunk):
-        _set_attr(obj, f"{name}{i // per_chunk}", list(values[i : i + per_chunk]))
+        _set_keras_attr(obj, f"{name}{i // per_chunk}", list(values[i : i + per_chunk]))
 
 
 def _user_metadata(metadata: Mapping[str, Any], own: str) -> dict[str, Any]:
@@ -140,4 +142,4 @@ def _layout(metadata: Mapping[str, Any], key: str) -> dict[str, Any] | None:
 
 def _write_info(h5: h5py.File, info: dict[str, Any], user: dict[str, Any]) -> None:
     if info["variables"] or user:
-        _set_attr(h5, INFO_ATTR, dumps({**info, "checksums": "crc32c", "metadata": user}))
+        _set_keras_attr(h5, INFO_ATTR, dumps({**info, "checksums": "crc32c", "metadata": user}))

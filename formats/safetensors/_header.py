@@ -13,6 +13,7 @@ from typing import IO, Any
 import numpy as np
 
 from parallelvars._fileio import load_json
+from parallelvars._ints import is_index
 from parallelvars.errors import (
     CorruptCheckpointError,
     TruncatedFileError,
@@ -58,10 +59,6 @@ def _tiles_exactly(
     b, e = b[order], e[order]
     n = np.array(sizes, np.int64)[order]
     return bool(b[0] == 0 and e[-1] == data_size and (e - b == n).all() and (b[1:] == e[:-1]).all())
-
-
-def _is_uint(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def read_header(
@@ -162,7 +159,7 @@ def read_header(
                 expected=f"one of {', '.join(_DTYPES)}",
                 found=repr(dtype_str),
             )
-        if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+        if not isinstance(shape, list) or not all(is_index(d) for d in shape):
             raise CorruptCheckpointError(
                 "shape must be a list of non-negative integers",
                 file=file,
@@ -171,7 +168,7 @@ def read_header(
                 found=shape,
             )
         if not (
-            isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)
+            isinstance(offsets, list) and len(offsets) == 2 and all(is_index(o) for o in offsets)
         ):
             raise CorruptCheckpointError(
                 "data_offsets must be [begin, end]",
@@ -271,7 +268,7 @@ def _fast_entries(
         offs += offsets
         described[name] = (info["dtype"], shape, offsets)
         out.append((name, dtype, shape, offsets))
-    # Only non-negative ints (bool is not int here, as in _is_uint).
+    # Only non-negative ints (bool is not int here, as in is_index).
     for values in (dims, offs):
         if values and (not set(map(type, values)) <= {int} or min(values) < 0):
             return None

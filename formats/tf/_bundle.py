@@ -34,7 +34,7 @@ from parallelvars.errors import (
 )
 
 from ._crc import crc32c, mask, unmask
-from ._dtypes import DT_STRING, byteswap_inplace, dtype_name, numpy_dtype, tf_dtype
+from ._dtypes import DT_STRING, byteswap_inplace, numpy_dtype, tf_dtype, tf_type_name
 from ._ordered_code import encode_slice_key
 from ._proto import (
     BundleEntry,
@@ -284,8 +284,9 @@ class BundleReader:
                 raise self._corrupt(
                     key,
                     f"slice {_spec_text(spec)} does not match its tensor",
-                    expected=f"{dtype_name(e.dtype)} {want}",
-                    found=f"{dtype_name(s.dtype)} {s.shape}" + (" with slices" if s.slices else ""),
+                    expected=f"{tf_type_name(e.dtype)} {want}",
+                    found=f"{tf_type_name(s.dtype)} {s.shape}"
+                    + (" with slices" if s.slices else ""),
                 )
             self.slice_keys.add(skey)
             total += _nelements(want)
@@ -329,7 +330,7 @@ class BundleReader:
         elif e.size != n * dt.itemsize:
             raise self._corrupt(
                 key,
-                f"entry size does not match {dtype_name(e.dtype)} {e.shape}",
+                f"entry size does not match {tf_type_name(e.dtype)} {e.shape}",
                 expected=f"{n * dt.itemsize} bytes",
                 found=f"{e.size} bytes",
             )
@@ -374,7 +375,7 @@ class BundleReader:
         dt = numpy_dtype(e.dtype)
         if dt is None or key in self.unsupported:
             raise UnsupportedDtypeError(
-                self.unsupported.get(key, f"{dtype_name(e.dtype)} tensors cannot be read"),
+                self.unsupported.get(key, f"{tf_type_name(e.dtype)} tensors cannot be read"),
                 file=self.index_path,
                 variable=_display(key),
             )
@@ -516,8 +517,8 @@ class BundleReader:
 
 
 def _unsupported(num: int) -> str:
-    if dtype_name(num).startswith("DT_"):
-        return f"{dtype_name(num)} tensors cannot be read without TensorFlow"
+    if tf_type_name(num).startswith("DT_"):
+        return f"{tf_type_name(num)} tensors cannot be read without TensorFlow"
     return f"unknown TensorFlow dtype number {num}"
 
 

@@ -17,7 +17,7 @@ __all__ = [
     "DT_NAMES",
     "numpy_dtype",
     "tf_dtype",
-    "dtype_name",
+    "tf_type_name",
     "byteswap_inplace",
 ]
 
@@ -74,7 +74,7 @@ _FROM_NUMPY: dict[np.dtype, int] = {
 }
 
 
-def dtype_name(num: int) -> str:
+def tf_type_name(num: int) -> str:
     """``"DT_FLOAT"`` for 1, ``"DataType(99)"`` for numbers TensorFlow does not define here."""
     return DT_NAMES.get(num, f"DataType({num})")
 

@@ -20,10 +20,12 @@ TensorFlow key                                        our path, component
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from parallelvars.checkpoint.checkpoint import escape_name, unescape_name
+from parallelvars.checkpoint.registry import COMPONENT_PREFIX, component_name, extra_component_index
+
+from .._names import ATTRIBUTES, OPTIMIZER_SLOT, SLOTS, VARIABLE_VALUE
 
 __all__ = [
     "GRAPH_KEY",
@@ -43,12 +45,6 @@ __all__ = [
 GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 #: Our own key: a scalar string tensor holding JSON for what TensorFlow's keys cannot say.
 METADATA_KEY = "_PARALLELVARS_METADATA"
-ATTRIBUTES = ".ATTRIBUTES"
-OPTIMIZER_SLOT = ".OPTIMIZER_SLOT"
-VARIABLE_VALUE = "VARIABLE_VALUE"
-PARALLEL_COMPONENT = "parallel_component_"
-#: The path segment between an optimizer and its slot variables in our paths.
-SLOTS = "slots"
 
 # TensorFlow's escaping of one local name (``.`` -> ``..``, ``/`` -> ``.S``) is the one our
 # checkpoints use: a single implementation, in the core.
@@ -56,7 +52,6 @@ escape_local_name = escape_name
 unescape_local_name = unescape_name
 
 _SEP = "/" + ATTRIBUTES + "/"
-_PARALLEL_RE = re.compile(r"parallel_component_([1-9][0-9]*)")
 #: The component number :func:`parse_key` gives ``parallel_component_0``: part 0 of an on-read
 #: variable whose ``VARIABLE_VALUE`` holds the aggregate (our writer's layout for them).
 PART_ZERO = -2
@@ -64,7 +59,7 @@ PART_ZERO = -2
 
 def component_attribute(i: int) -> str:
     """``VARIABLE_VALUE`` for component 0, ``parallel_component_<i>`` for the others."""
-    return VARIABLE_VALUE if i == 0 else f"{PARALLEL_COMPONENT}{i}"
+    return VARIABLE_VALUE if i == 0 else component_name(i)
 
 
 @dataclass(frozen=True)
@@ -97,11 +92,11 @@ def parse_key(key: str) -> ParsedKey | None:
         return None
     if attribute == VARIABLE_VALUE:
         component = 0
-    elif attribute == f"{PARALLEL_COMPONENT}0":
+    elif attribute == f"{COMPONENT_PREFIX}0":
         component = PART_ZERO
     else:
-        m = _PARALLEL_RE.fullmatch(attribute)
-        component = int(m.group(1)) if m else -1
+        index = extra_component_index(attribute)
+        component = -1 if index is None else index
     slot_of = slot_name = None
     if OPTIMIZER_SLOT in names:
         j = names.index(OPTIMIZER_SLOT)

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from parallelvars._fileio import load_json
+from parallelvars._ints import is_int
 from parallelvars.errors import (
     CorruptCheckpointError,
     ForeignReferenceError,
@@ -542,9 +543,6 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
         e = self._bundle.entries[key]
         raw_axis, raw_offsets = meta_attrs.get("shard_axis"), meta_attrs.get("shard_offsets")
         rank = len(e.shape)
-
-        def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
 
         axis = int(raw_axis) if is_int(raw_axis) else -1  # type: ignore[arg-type]
         offsets: list[int] = []

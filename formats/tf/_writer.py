@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars.checkpoint.registry import COMPONENT_PREFIX
 from parallelvars.errors import (
     DtypeMismatchError,
     InvalidArgumentError,
@@ -38,6 +39,7 @@ from parallelvars.errors import (
     UnsupportedDtypeError,
 )
 
+from .._json import jsonable
 from .._view import KINDS, Entry, aggregates
 from ._bundle import BundleWriter
 from ._dtypes import DT_STRING, tf_dtype
@@ -53,7 +55,6 @@ from ._keys import (
     GRAPH_KEY,
     METADATA_KEY,
     OPTIMIZER_SLOT,
-    PARALLEL_COMPONENT,
     SLOTS,
     VARIABLE_VALUE,
     component_attribute,
@@ -99,22 +100,6 @@ def _names(path: str, index_path: str) -> list[str]:
 
 def _esc(names: list[str]) -> str:
     return "/".join(escape_local_name(n) for n in names)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, np.ndarray):
-        return _jsonable(value.tolist())
-    if isinstance(value, np.generic):
-        return _jsonable(value.item())
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value).decode("utf-8", "replace")
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
 
 
 def _plan(path: str, entry: Entry, index_path: str) -> _Var:
@@ -203,7 +188,7 @@ def _extra(var: _Var) -> dict[str, Any] | None:
         record["kind"] = e.kind
         if e.kind == "sharded":  # the reader needs the split the slices cannot show
             var.expressed -= {"shard_axis", "shard_offsets"}
-    attrs = {k: _jsonable(v) for k, v in e.attrs.items() if k not in var.expressed}
+    attrs = {k: jsonable(v) for k, v in e.attrs.items() if k not in var.expressed}
     if attrs:
         record["attrs"] = attrs
     return record or None
@@ -295,7 +280,7 @@ def _build_tree(plans: list[_Var], index_path: str) -> tuple[_Node, list[_Node]]
             ]
             new += [
                 (a, "", f"{prefix}/{ATTRIBUTES}/{a}", var, i)
-                for i, a in ((i, f"{PARALLEL_COMPONENT}{i}") for i in range(e.num_components))
+                for i, a in ((i, f"{COMPONENT_PREFIX}{i}") for i in range(e.num_components))
             ]
         else:
             new = [
@@ -456,7 +441,7 @@ def write_bundle(
                 "format": METADATA_FORMAT,
                 "version": METADATA_VERSION,
                 "variables": records,
-                "metadata": _jsonable(metadata),
+                "metadata": jsonable(metadata),
             }
             text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
             w.add(METADATA_KEY.encode(), np.array(text.encode("utf-8"), dtype=object))

@@ -14,6 +14,7 @@ import os
 import re
 import stat
 
+from parallelvars.checkpoint._h5policy import HDF5_SIGNATURE
 from parallelvars.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
 
 __all__ = ["foreign_hint", "foreign_kind", "with_foreign_hint"]
@@ -26,7 +27,6 @@ _LABELS = {
     "hdf5": "an HDF5 file of another writer: neither our layout nor a Keras weight file",
 }
 _TF_FILE = re.compile(r"\.(index|data-\d+-of-\d+)$")
-_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
 def foreign_kind(path: str) -> str | None:
@@ -50,7 +50,7 @@ def foreign_kind(path: str) -> str | None:
         return "safetensors"
     if head.startswith(b"PK"):
         return "keras" if lower.endswith(".keras") else "npz"
-    if head.startswith(_HDF5_SIGNATURE):
+    if head.startswith(HDF5_SIGNATURE):
         return "keras" if lower.endswith(".weights.h5") else "hdf5"
     return None
 

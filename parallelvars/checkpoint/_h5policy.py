@@ -34,6 +34,9 @@ import numpy as np
 from parallelvars.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 
 __all__ = [
+    "H5_ERRORS",
+    "HDF5_SIGNATURE",
+    "MAX_COMPRESSION",
     "MAX_DEPTH",
     "PARTS_SUFFIX",
     "check_dataset",
@@ -53,7 +56,22 @@ MAX_DEPTH = 256
 PARTS_SUFFIX = ".parts"
 
 _LINK_KINDS = {h5py.h5l.TYPE_SOFT: "soft link", h5py.h5l.TYPE_EXTERNAL: "external link"}
-_H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, AttributeError)
+#: The first eight bytes of every HDF5 file.
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+#: What h5py raises on damaged HDF5 structure (HDF5's error stack as h5py maps it, and the
+#: decoding errors of attribute values): every HDF5 reader catches this one tuple.
+H5_ERRORS = (
+    OSError,
+    RuntimeError,
+    LookupError,
+    ValueError,
+    TypeError,
+    AttributeError,
+    ArithmeticError,
+)
+#: deflate's best case is about 1032:1: no compressed dataset can expand more than this, so a
+#: reader bounds a filtered dataset's size by its stored bytes times this.
+MAX_COMPRESSION = 1100
 
 
 _POLICY_HINT = (
@@ -144,7 +162,7 @@ def check_path(
             continue
         try:
             kind, value = _link(loc, prefix.encode())
-        except _H5_ERRORS:
+        except H5_ERRORS:
             return None  # no such link: the caller's open reports it as missing
         if kind != h5py.h5l.TYPE_HARD:
             if last and last_external and kind == h5py.h5l.TYPE_EXTERNAL:
@@ -181,7 +199,7 @@ def check_dataset(
             if layout == h5py.h5d.VIRTUAL
             else []
         )
-    except _H5_ERRORS as exc:
+    except H5_ERRORS as exc:
         raise CorruptCheckpointError(
             "cannot read the dataset's layout", file=file, variable=name, found=str(exc)[:200]
         ) from None
@@ -210,7 +228,7 @@ def get(group: h5py.Group, path: str, file: str) -> h5py.Group | h5py.Dataset | 
     check_path(group.id, path, file)
     try:
         obj = group.get(path)
-    except _H5_ERRORS:
+    except H5_ERRORS:
         return None
     if isinstance(obj, h5py.Dataset):
         check_dataset(obj.id, file, f"{group.name.rstrip('/')}/{path}".lstrip("/"))
@@ -232,7 +250,7 @@ def check_stored_type(
         stored = dsid.dtype
         dcpl = dcpl or dsid.get_create_plist()
         plain = dcpl.get_layout() == h5py.h5d.CONTIGUOUS and dcpl.get_nfilters() == 0
-    except _H5_ERRORS as exc:
+    except H5_ERRORS as exc:
         raise CorruptCheckpointError(
             "cannot read the dataset's type", file=file, variable=name, found=str(exc)[:200]
         ) from None
@@ -275,7 +293,7 @@ def open_dataset(
     check_path(loc, path, file, checked=checked)
     try:
         dsid = h5py.h5d.open(loc, path.encode())
-    except _H5_ERRORS:
+    except H5_ERRORS:
         return None
     check_dataset(dsid, file, path.lstrip("/"), dtype=dtype)
     return dsid

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from parallelvars._fileio import byte_view
+from parallelvars._ints import is_index
 from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint import _restore  # noqa: F401 - registers the variable saveable
 from parallelvars.checkpoint._foreign import with_foreign_hint
@@ -63,8 +64,9 @@ GRAPH_VERSION = 1
 
 # A multi-process strategy registers itself here: each process then writes its own components
 # and the processes commit one logical checkpoint together, through the writer the strategy's
-# ``checkpoint_writer()`` hands out (parallelvars.strategy._mpi). Held for the process's life:
-# a dropped strategy must not turn the next save into every rank writing the same file.
+# ``checkpoint_writer()`` hands out (under MPI: h5io.collective.write_collective). Held for the
+# process's life: a dropped strategy must not turn the next save into every rank writing the
+# same file.
 _PROCESS_STRATEGY: list[Any] = []
 
 
@@ -296,10 +298,6 @@ def slot_relations(source: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
     return out
 
 
-def _is_index(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
 def checked_graph_nodes(graph: Any, path: str) -> list[dict[str, Any]]:
     """The nodes of a saved object graph, every field checked for type and range (a damaged
     or crafted graph is a :class:`~parallelvars.errors.CorruptCheckpointError`, never a
@@ -334,7 +332,7 @@ def checked_graph_nodes(graph: Any, path: str) -> list[dict[str, Any]]:
             isinstance(c, list)
             and len(c) == 2
             and isinstance(c[0], str)
-            and _is_index(c[1])
+            and is_index(c[1])
             and c[1] < n
             for c in children
         ):
@@ -343,10 +341,10 @@ def checked_graph_nodes(graph: Any, path: str) -> list[dict[str, Any]]:
         if not isinstance(slots, list) or not all(
             isinstance(s, list)
             and len(s) == 3
-            and _is_index(s[0])
+            and is_index(s[0])
             and s[0] < n
             and isinstance(s[1], str)
-            and _is_index(s[2])
+            and is_index(s[2])
             and s[2] < n
             for s in slots
         ):

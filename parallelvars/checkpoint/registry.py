@@ -13,6 +13,7 @@ Register your own type with :func:`register_saveable`; registering a type twice 
 from __future__ import annotations
 
 import abc
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,25 +29,35 @@ __all__ = [
     "register_saveable",
     "unregister_saveable",
     "get_saveable",
+    "PRIMARY",
+    "COMPONENT_PREFIX",
     "component_name",
     "component_index",
+    "extra_component_index",
 ]
+
+
+#: The dataset name of component 0 in our HDF5 layout (flat formats key it by the path alone).
+PRIMARY = "primary"
+#: Components ``i >= 1`` are ``parallel_component_<i>`` in every layout and format we write.
+COMPONENT_PREFIX = "parallel_component_"
+_EXTRA_COMPONENT = re.compile(r"parallel_component_([1-9][0-9]*)")
 
 
 def component_name(i: int) -> str:
     """The dataset name of component ``i``: ``primary`` for 0, else ``parallel_component_i``."""
-    return "primary" if i == 0 else f"parallel_component_{i}"
+    return PRIMARY if i == 0 else f"{COMPONENT_PREFIX}{i}"
+
+
+def extra_component_index(name: str) -> int | None:
+    """``i`` for the name ``parallel_component_<i>`` (``i >= 1``, no leading zeros), else None."""
+    match = _EXTRA_COMPONENT.fullmatch(name)
+    return int(match.group(1)) if match else None
 
 
 def component_index(name: str) -> int | None:
     """The inverse of :func:`component_name` (None for other names)."""
-    if name == "primary":
-        return 0
-    prefix = "parallel_component_"
-    if name.startswith(prefix) and name[len(prefix) :].isdigit():
-        i = int(name[len(prefix) :])
-        return i if i > 0 else None
-    return None
+    return 0 if name == PRIMARY else extra_component_index(name)
 
 
 @dataclass

@@ -239,7 +239,7 @@ class Optimizer(Module):
         self._pv_token = next(_tokens)
         self._pv_slots: dict[str, dict[int, tuple[Any, Any]]] = {}
         self._pv_plans: dict[tuple[int, ...], tuple[tuple[Any, ...], list[update_core.Run]]] = {}
-        self._pv_scratch: dict[np.dtype, update_core.Scratch] = {}
+        self._pv_scratch: dict[np.dtype, update_core.UpdateScratch] = {}
         self._pv_info: dict[int, tuple[Any, tuple[tuple[int, ...], np.dtype, bool]]] = {}
         self._pv_known: dict[tuple[int, ...], tuple[Any, ...]] = {}
         self._pv_shapes: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
@@ -818,10 +818,10 @@ class Optimizer(Module):
             placement=Placement(shadow, pl.offset, pl.size),
         )
 
-    def _scratch(self, dtype: np.dtype) -> update_core.Scratch:
+    def _scratch(self, dtype: np.dtype) -> update_core.UpdateScratch:
         s = self._pv_scratch.get(dtype)
         if s is None:
-            s = self._pv_scratch[dtype] = update_core.Scratch(dtype)
+            s = self._pv_scratch[dtype] = update_core.UpdateScratch(dtype)
         return s
 
     # ------------------------------------------------------------------ the step

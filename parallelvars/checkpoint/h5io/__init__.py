@@ -24,7 +24,9 @@ file is never memory-mapped, so a file truncated while it is read is an error, n
 Modules: ``layout`` (format constants, kinds and aggregations, limits, path validation,
 storage dtypes), ``attributes`` (attribute and JSON-document encoding and decoding), ``write``
 (:func:`write_h5`, :func:`write_h5_index`), ``stored`` (:class:`StoredVariable`, one variable
-of a file) and ``read`` (:class:`H5Reader`, :func:`is_native_checkpoint`).
+of a file), ``read`` (:class:`H5Reader`, :func:`is_native_checkpoint`) and ``collective``
+(:func:`~parallelvars.checkpoint.h5io.collective.write_collective`, the multi-process writer
+built on ``write_h5`` and ``write_h5_index``).
 """
 
 from __future__ import annotations

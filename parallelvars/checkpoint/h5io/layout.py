@@ -10,6 +10,8 @@ import h5py
 import numpy as np
 
 from parallelvars._dtypes import is_extension_dtype
+from parallelvars.checkpoint._h5policy import H5_ERRORS, MAX_COMPRESSION
+from parallelvars.checkpoint._h5policy import HDF5_SIGNATURE as HDF5_SIGNATURE
 from parallelvars.enums import Aggregation
 from parallelvars.errors import InvalidEntryError
 
@@ -20,14 +22,13 @@ GRAPH_DATASET = f"{META_GROUP}/object_graph"
 # instead of one HDF5 attribute call per attribute.
 INDEX_DATASET = f"{META_GROUP}/index"
 DOCUMENTS_ATTR = "parallelvars_documents"
-HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 # The documented variable kinds and on-read aggregations (the enums' values).
 KINDS = ("single", "mirrored", "on_read", "independent", "sharded")
 AGGREGATIONS = tuple(a.value for a in Aggregation)
 _MAX_COMPONENTS = 1 << 16
-# deflate's best case is about 1032:1; no compressed dataset can expand more than this.
-_MAX_COMPRESSION = 1100
-_H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, AttributeError)
+# The HDF5 constants every reader shares, under the names the h5io modules use.
+_MAX_COMPRESSION = MAX_COMPRESSION
+_H5_ERRORS = H5_ERRORS
 
 
 def _library_version() -> str:

@@ -15,6 +15,7 @@ import numpy as np
 
 from parallelvars._dtypes import as_dtype, dtype_name
 from parallelvars._fileio import byte_view, checksum
+from parallelvars._ints import is_int
 from parallelvars.checkpoint import _h5policy
 from parallelvars.checkpoint.h5io.attributes import _decode
 from parallelvars.checkpoint.h5io.layout import (
@@ -42,10 +43,6 @@ def _is_variable_length(tid: Any) -> bool:
     if tid.get_class() == h5py.h5t.VLEN:
         return True
     return bool(tid.get_class() == h5py.h5t.STRING and tid.is_variable_str())
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 class StoredVariable:
@@ -185,12 +182,12 @@ class StoredVariable:
             return [self.shape] * n
         axis_value: Any = self.attrs.get("shard_axis")
         offsets_value: Any = self.attrs.get("shard_offsets")
-        if not _is_int(axis_value) or not 0 <= int(axis_value) < len(self.shape):
+        if not is_int(axis_value) or not 0 <= int(axis_value) < len(self.shape):
             raise self._bad(
                 "shard_axis out of range", f"an axis of shape {self.shape}", repr(axis_value)
             )
         axis = int(axis_value)
-        if not isinstance(offsets_value, list) or not all(_is_int(o) for o in offsets_value):
+        if not isinstance(offsets_value, list) or not all(is_int(o) for o in offsets_value):
             raise self._bad(
                 "shard_offsets is not a list of integers", f"{n} offsets", repr(offsets_value)
             )
@@ -452,7 +449,7 @@ class StoredVariable:
             ) from None
         if not isinstance(group, h5py.Group):
             raise self._bad("not a group", "a group", type(group).__name__)
-        dt = "bytes" if self.dtype.kind == "O" else dtype_name(self.dtype)
+        dt = dtype_name(self.dtype)
         want: dict[str, Any] = {
             "kind": self.kind,
             "dtype": dt,

@@ -1,0 +1,175 @@
+"""The multi-process layout writer: one logical checkpoint written by every process together.
+
+Every rank writes the components it holds to its own file ``<path>.parts/rank-<r>-of-<n>.h5``
+with :func:`~parallelvars.checkpoint.h5io.write.write_h5`, in parallel; rank 0 then writes the
+index file at ``path`` with :func:`~parallelvars.checkpoint.h5io.write.write_h5_index`: the
+groups and attributes of our layout with component datasets as external links into the rank
+files, the per-component checksums, the object graph and the document list. The index appears
+(atomically) only after every rank has written and flushed its file, so it is the commit point.
+A plain ``h5py.File(path)`` sees every component through the links, and
+:class:`~parallelvars.checkpoint.h5io.read.H5Reader` reads and verifies them, with any number
+of processes or none.
+
+A multi-process strategy hands ``Checkpoint`` this writer through its ``checkpoint_writer()``;
+the communicator is duck-typed (``Get_rank``, ``Get_size``, ``gather``, ``bcast``: mpi4py's
+``Comm``), so nothing here imports MPI or the strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Sequence
+from typing import Any, cast
+
+from parallelvars.checkpoint._h5policy import PARTS_SUFFIX
+from parallelvars.checkpoint.h5io.read import H5Reader
+from parallelvars.checkpoint.h5io.write import (
+    ComponentLink,
+    LinkedVariable,
+    write_h5,
+    write_h5_index,
+)
+from parallelvars.checkpoint.registry import component_name
+from parallelvars.errors import CheckpointError
+
+__all__ = ["parts_dir_for", "write_collective"]
+
+_RANK_FILE = re.compile(r"rank-\d{5}-of-\d{5}\.h5")
+
+
+def parts_dir_for(path: str) -> str:
+    """The folder of the per-rank files of the checkpoint at ``path``."""
+    return f"{path}{PARTS_SUFFIX}"
+
+
+def _is_distributed(record: Any, local_devices: Sequence[str]) -> bool:
+    """A record of this process's replica (every rank has its own) rather than one value."""
+    return (
+        record.kind in ("mirrored", "on_read", "independent")
+        and record.num_components == len(local_devices)
+        and list(record.attrs.get("devices", ())) == list(local_devices)
+    )
+
+
+def write_collective(
+    comm: Any,
+    path: str,
+    records: Sequence[Any],
+    local_devices: Sequence[str],
+    global_devices: Sequence[str],
+    *,
+    object_graph: Any = None,
+    metadata: Any = None,
+) -> str:
+    """Write one logical checkpoint from every rank of ``comm``; returns ``path`` on every rank.
+
+    Rank ``r`` writes the components it holds to ``<path>.parts/rank-<r>-of-<size>.h5`` (values
+    that are not per-replica, such as the checkpoint's counter, only on rank 0). Rank 0 then
+    writes the index file at ``path``: the groups and attributes of our layout with component
+    datasets as external links into the rank files, the per-component checksums and the object
+    graph. Ranks wait for each other before the index is written (a gather of the checksums),
+    and the index is written atomically, so ``path`` exists only for a complete checkpoint.
+
+    Raises:
+        CheckpointError: on every rank, when any rank failed to write its part.
+    """
+    path = os.path.abspath(os.fspath(path))
+    rank, size = int(comm.Get_rank()), int(comm.Get_size())
+    parts = parts_dir_for(path)
+    rel_parts = os.path.basename(parts)
+    part_name = f"rank-{rank:05d}-of-{size:05d}.h5"
+    mine = [r for r in records if rank == 0 or _is_distributed(r, local_devices)]
+    error: str | None = None
+    crcs: dict[str, list[int]] = {}
+    try:
+        os.makedirs(parts, exist_ok=True)
+        part_path = write_h5(os.path.join(parts, part_name), mine, metadata=metadata)
+        with H5Reader(part_path) as reader:
+            for rec in mine:
+                crcs[rec.path] = [int(c) for c in cast(list, reader[rec.path].stored_checksums)]
+    except Exception as exc:  # reported to every rank below, so no rank waits forever
+        error = f"rank {rank}: {type(exc).__name__}: {exc}"
+    gathered = comm.gather((error, crcs), root=0)
+
+    outcome: str | None = None
+    if rank == 0:
+        errors = [e for e, _ in gathered if e is not None]
+        if errors:
+            outcome = "; ".join(errors)
+        else:
+            try:
+                _write_index(
+                    path,
+                    records,
+                    local_devices,
+                    global_devices,
+                    [c for _, c in gathered],
+                    rel_parts,
+                    size,
+                    object_graph,
+                    metadata,
+                )
+            except Exception as exc:
+                outcome = f"rank 0 (index): {type(exc).__name__}: {exc}"
+            else:
+                _remove_stale_parts(parts, size)
+    outcome = comm.bcast(outcome, root=0)
+    if outcome is not None:
+        raise CheckpointError("collective save failed", file=path, found=outcome)
+    return path
+
+
+def _remove_stale_parts(parts: str, size: int) -> None:
+    """Delete rank files of an earlier save with another number of processes.
+
+    Called once the new index is committed: until then they belong to the last good checkpoint.
+    """
+    current = f"-of-{size:05d}.h5"
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parts):
+            if _RANK_FILE.fullmatch(name) and not name.endswith(current):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(parts, name))
+
+
+def _write_index(
+    path: str,
+    records: Sequence[Any],
+    local_devices: Sequence[str],
+    global_devices: Sequence[str],
+    rank_crcs: Sequence[dict[str, list[int]]],
+    rel_parts: str,
+    size: int,
+    object_graph: Any,
+    metadata: Any,
+) -> None:
+    """Rank 0: the index file, through the layout's one writer (``write_h5_index``).
+
+    A per-replica record gets one component per rank (rank ``r``'s components follow rank
+    ``r - 1``'s) and the global device list; any other record is rank 0's.
+    """
+
+    def part(r: int) -> str:
+        return f"{rel_parts}/rank-{r:05d}-of-{size:05d}.h5"
+
+    variables = []
+    for rec in records:
+        local_n = rec.num_components
+        if _is_distributed(rec, local_devices):
+            sources = [(r, j) for r in range(size) for j in range(local_n)]
+            attrs = dict(rec.attrs, devices=list(global_devices))
+        else:
+            sources = [(0, j) for j in range(local_n)]
+            attrs = dict(rec.attrs)
+        links = [
+            ComponentLink(part(r), f"/{rec.path}/{component_name(j)}", rank_crcs[r][rec.path][j])
+            for r, j in sources
+        ]
+        variables.append(
+            LinkedVariable(rec.path, rec.kind, rec.dtype, tuple(rec.shape), attrs, links)
+        )
+    write_h5_index(
+        path, variables, object_graph=object_graph, metadata=dict(metadata or {}, processes=size)
+    )
