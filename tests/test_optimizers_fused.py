@@ -57,6 +57,12 @@ def _assert_same(a: list[Any], b: list[Any]) -> None:
             assert np.array_equal(_bits(cx), _bits(cy)), x.name
 
 
+def _lines(opt: opts.Optimizer) -> Any:
+    """The fused path's cache of the one variable list ``opt`` has stepped."""
+    ((_, lines),) = opt._pv_lines.values()
+    return lines
+
+
 def _state(vs: list[Any], opt: opts.Optimizer) -> list[Any]:
     return [*vs, *sorted((s for _, _, s in opt._checkpoint_slots()), key=lambda s: s.name)]
 
@@ -90,9 +96,9 @@ def test_fused_sum_is_bit_identical_to_the_per_variable_sum(
         ]
         with strategy.scope():
             ref_opt.distributed_apply(strategy, list(zip(reduced, ref_vs, strict=True)))
-    ((_, (_, _, staging)),) = opt._pv_lines.values()  # the step took the fused path
-    packed = [part is not None for part in staging]
-    assert packed == [shapes is SHAPES] * n
+    # The step took the fused path, reading the replicas' arrays as they are (nothing packed).
+    lines = _lines(opt)
+    assert lines.staging == [None] * n and lines._gather is not None
     _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
 
 
@@ -207,9 +213,8 @@ def test_gradient_buffers_are_summed_without_packing() -> None:
         strategy.run(step, args=(pv.PerReplica(per_replica),))
         strategy.run(ref_step, args=(pv.PerReplica(per_replica),))
     _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
-    # Nothing went through the packing buffers.
-    ((_, (_, _, staging)),) = opt._pv_lines.values()
-    assert staging == [None] * 3
+    # Nothing went through the packing buffers, nor was gathered.
+    assert _lines(opt).staging == [None] * 3 and _lines(opt)._gather is None
     views = bufs.views(replica=1)
     assert views[0].shape == SHAPES[0] and np.shares_memory(
         views[0], bufs.buffers(1)[np.dtype(np.float32)]
@@ -254,3 +259,56 @@ def test_gradient_buffers_errors() -> None:
     with pytest.raises(ContextError, match="replica 2"):
         bufs.views(2)
     assert isinstance(bufs, pv.GradientBuffers)
+
+
+def test_gradients_in_any_memory_layout_give_the_same_bits() -> None:
+    # Fortran-ordered and strided gradients are copied by numpy instead of joined as bytes.
+    strategy = pv.MirroredStrategy(3)
+    vs, opt = _model(strategy, np.float32, lambda: opts.Adam(0.01))
+    ref_vs, ref_opt = _model(strategy, np.float32, lambda: opts.Adam(0.01))
+    rng = np.random.default_rng(6)
+
+    def odd_layout(g: np.ndarray) -> np.ndarray:
+        if g.ndim >= 2:
+            return np.asfortranarray(g)
+        wide = np.zeros(2 * g.size + 1, g.dtype)
+        wide[1::2] = g.reshape(-1)
+        return wide[1::2].reshape(g.shape)
+
+    for _ in range(2):
+        per_replica = _grads(rng, 3, np.float32)
+        odd = [[odd_layout(g) for g in gs] for gs in per_replica]
+        assert not all(g.flags.c_contiguous for g in odd[0])
+
+        def step(grads: list[np.ndarray], o: opts.Optimizer, v: list[Any]) -> None:
+            o.apply_gradients(zip(grads, v, strict=True))
+
+        strategy.run(step, args=(pv.PerReplica(odd), opt, vs))
+        strategy.run(step, args=(pv.PerReplica(per_replica), ref_opt, ref_vs))
+    assert _lines(opt).staging == [None] * 3
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+
+
+def test_a_gradient_in_a_variables_memory_is_read_before_the_step_writes() -> None:
+    # b's gradient is a view of a's memory, and a (large: updated first, in place) changes in
+    # the step: the gradient must be the value before the step, as a packed copy has it.
+    strategy = pv.MirroredStrategy(2)
+    shapes = [(20000,), (10,), (3,)]
+    vs, opt = _model(strategy, np.float32, lambda: opts.SGD(1.0), shapes=shapes)
+    ref_vs, ref_opt = _model(strategy, np.float32, lambda: opts.SGD(1.0), shapes=shapes)
+    rng = np.random.default_rng(8)
+    per_replica = _grads(rng, 2, np.float32, shapes)
+
+    def step(grads: list[np.ndarray]) -> None:
+        mine = [grads[0], np.asarray(vs[0])[:10], grads[2]]  # this replica's component of a
+        opt.apply_gradients(zip(mine, vs, strict=True))
+
+    def ref_step(grads: list[np.ndarray]) -> None:
+        mine = [grads[0], np.array(np.asarray(ref_vs[0])[:10]), grads[2]]  # a copy
+        ref_opt.apply_gradients(zip(mine, ref_vs, strict=True))
+
+    for _ in range(2):
+        strategy.run(step, args=(pv.PerReplica(per_replica),))
+        strategy.run(ref_step, args=(pv.PerReplica(per_replica),))
+    assert _lines(opt).staging != [None] * 2  # packed first
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
