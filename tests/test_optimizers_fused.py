@@ -312,3 +312,47 @@ def test_a_gradient_in_a_variables_memory_is_read_before_the_step_writes() -> No
         strategy.run(ref_step, args=(pv.PerReplica(per_replica),))
     assert _lines(opt).staging != [None] * 2  # packed first
     _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+
+
+def test_zip_of_two_lists_is_read_without_its_pairs() -> None:
+    from parallelvars.optimizers._base import _zipped_lists
+
+    g, v = [1, 2, 3], ("a", "b", "c")
+    z = zip(g, v, strict=True)
+    got = _zipped_lists(z)
+    assert got is not None and got[0] is g and got[1] is v
+    assert list(z) == []  # left exhausted, as iterating it would leave it
+    partly = zip(g, v, strict=False)
+    next(partly)
+    assert _zipped_lists(partly) is None and list(partly) == [(2, "b"), (3, "c")]
+    assert _zipped_lists(zip(g, v[:2], strict=False)) is None  # zip's own shortest-length answer
+    assert _zipped_lists(zip((x for x in g), v, strict=False)) is None
+    assert _zipped_lists(zip(g, v, g, strict=False)) is None
+    assert _zipped_lists([(1, "a")]) is None
+
+
+def test_zip_steps_keep_the_semantics_of_their_pairs() -> None:
+    # None gradients, a shorter zip and zip(strict=True) of unequal lengths, all in replicas.
+    strategy = pv.MirroredStrategy(2)
+    vs, opt = _model(strategy, np.float32, lambda: opts.SGD(1.0))
+    before = [v.read_value().copy() for v in vs]
+    ones = [np.ones(s, np.float32) for s in SHAPES]
+
+    def step(k: int) -> None:
+        grads: list[Any] = list(ones)
+        grads[1] = None
+        opt.apply_gradients(zip(grads[:k], vs, strict=False))
+
+    for k in (len(SHAPES), 3):
+        strategy.run(step, args=(k,))
+    for i, (b, v) in enumerate(zip(before, vs, strict=True)):
+        want = b
+        for _ in range(0 if i == 1 else (2 if i < 3 else 1)):  # None: never; past 3: once
+            want = want - np.float32(2.0)
+        np.testing.assert_array_equal(v.read_value(), want)
+
+    def strict_step() -> None:
+        opt.apply_gradients(zip(ones[:2], vs, strict=True))
+
+    with pytest.raises(ValueError, match="longer"):
+        strategy.run(strict_step)

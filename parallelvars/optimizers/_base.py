@@ -112,16 +112,73 @@ def _may_alias(
 
 
 class _ReplicaGradients:
-    """One replica's ``(gradient, variable)`` pairs, handed to ``merge_call`` as one value.
+    """One replica's gradients and variables, handed to ``merge_call`` as one value.
 
     ``merge_call`` groups the replicas' arguments element by element; wrapped, the pairs of a
-    step cross the rendezvous as one object per replica and the optimizer reads them itself.
+    step cross the rendezvous as one object per replica and the optimizer reads them itself,
+    as parallel sequences ``grads`` and ``variables`` (read, never changed) or as ``pairs``.
+    Either form is made from the other on first use.
     """
 
-    __slots__ = ("pairs",)
+    __slots__ = ("_grads", "_pairs", "_variables")
 
-    def __init__(self, pairs: list[tuple[Any, Any]]) -> None:
-        self.pairs = pairs
+    def __init__(
+        self,
+        grads: Sequence[Any] | None = None,
+        variables: Sequence[Any] | None = None,
+        pairs: list[tuple[Any, Any]] | None = None,
+    ) -> None:
+        self._grads = grads
+        self._variables = variables
+        self._pairs = pairs
+
+    @property
+    def grads(self) -> Sequence[Any]:
+        if self._grads is None:
+            self._grads = list(map(_first, self.pairs))
+        return self._grads
+
+    @property
+    def variables(self) -> Sequence[Any]:
+        if self._variables is None:
+            self._variables = list(map(_second, self.pairs))
+        return self._variables
+
+    @property
+    def pairs(self) -> list[tuple[Any, Any]]:
+        if self._pairs is None:
+            assert self._grads is not None and self._variables is not None
+            self._pairs = list(zip(self._grads, self._variables, strict=True))
+        return self._pairs
+
+
+_LIST_ITERATORS: tuple[type, ...] = (type(iter([])), type(iter(())))
+
+
+def _zipped_lists(grads_and_vars: Any) -> tuple[Sequence[Any], Sequence[Any]] | None:
+    """The two sequences behind ``zip(grads, variables)``, when it is one over two lists or
+    tuples of one length not yet iterated, without making its pairs; else ``None``.
+
+    What ``zip`` hands out is read through its pickling state (``__reduce__``, as ``copy`` and
+    ``pickle`` read it), and the zip is then left exhausted, as iterating it would leave it.
+    """
+    if type(grads_and_vars) is not zip:
+        return None
+    try:
+        iterators = grads_and_vars.__reduce__()[1]
+        if len(iterators) != 2 or not all(type(it) in _LIST_ITERATORS for it in iterators):
+            return None
+        states = [it.__reduce__() for it in iterators]
+        if not all(len(st) == 3 and st[2] == 0 for st in states):
+            return None  # already partly iterated
+        grads, variables = (st[1][0] for st in states)
+        if len(grads) != len(variables):
+            return None  # zip's own answer: the shorter length, or strict's error
+        for it, seq in zip(iterators, (grads, variables), strict=True):
+            it.__setstate__(len(seq))
+    except (AttributeError, TypeError, IndexError, ValueError):
+        return None
+    return grads, variables
 
 
 class _FusedPlan:
@@ -387,8 +444,13 @@ class Optimizer(Module):
                 (a non-numeric gradient: :class:`~parallelvars.errors.GradientTypeError`, also
                 a ``TypeError``).
         """
-        # Gradients that are None are dropped in the merge (see _merged_apply).
-        pairs = list(grads_and_vars)
+        # Gradients that are None are dropped: here, or for zip(grads, variables), in the merge.
+        lists = _zipped_lists(grads_and_vars)
+        mine = (
+            _ReplicaGradients(*lists)
+            if lists is not None
+            else _ReplicaGradients(pairs=[(g, v) for g, v in grads_and_vars if g is not None])
+        )
         mode = _context.current_mode()
         if mode.replica_context is None:
             raise ContextError(
@@ -396,9 +458,7 @@ class Optimizer(Module):
                 f"context of {mode.strategy!r}; call it inside strategy.run(...), or use "
                 "optimizer.distributed_apply(strategy, grads_and_vars) with reduced gradients"
             )
-        mode.replica_context.merge_call(
-            self._merged_apply, args=(_ReplicaGradients(pairs), global_step)
-        )
+        mode.replica_context.merge_call(self._merged_apply, args=(mine, global_step))
 
     def gradient_buffers(self, var_list: Sequence[Any]) -> GradientBuffers:
         """Flat gradient buffers for ``var_list``, one per replica, with a view per variable.
@@ -464,13 +524,15 @@ class Optimizer(Module):
             order is not None
             and fusable
             and steady is not None
-            and all(len(p.pairs) == len(steady[0]) for p in parts)
-            and all(all(map(operator.is_, map(_second, p.pairs), steady[0])) for p in parts)
+            and all(len(p.variables) == len(steady[0]) for p in parts)
+            and all(all(map(operator.is_, p.variables, steady[0])) for p in parts)
         ):
             known, _, known_plan, known_lines = steady
-            if len(known_plan.candidates) == len(known):
+            if len(known_plan.candidates) == len(known) and all(
+                len(p.grads) == len(known) for p in parts
+            ):
                 # (A None gradient is not an array: it fails the check and takes the general path.)
-                listed = [list(map(_first, p.pairs)) for p in parts]
+                listed = [p.grads for p in parts]
                 fused, listed = self._fused_positions(known_plan, parts, len(known), listed)
                 if len(fused) == len(known):
                     self._distributed_apply(
@@ -484,13 +546,13 @@ class Optimizer(Module):
         # The general path: drop None gradients, as each replica would have before merging.
         parts = [
             p
-            if _NONE_TYPE not in set(map(type, map(_first, p.pairs)))
-            else _ReplicaGradients([(g, v) for g, v in p.pairs if g is not None])
+            if _NONE_TYPE not in set(map(type, p.grads))
+            else _ReplicaGradients(pairs=[(g, v) for g, v in p.pairs if g is not None])
             for p in parts
         ]
-        var_list = list(map(_second, parts[0].pairs))
+        var_list = list(parts[0].variables)
         key = tuple(map(id, var_list))
-        if not fusable or any(tuple(map(id, map(_second, p.pairs))) != key for p in parts[1:]):
+        if not fusable or any(tuple(map(id, p.variables)) != key for p in parts[1:]):
             merged = (
                 strategy._merge_args([p.pairs for p in parts])
                 if hasattr(strategy, "_merge_args")
@@ -562,9 +624,9 @@ class Optimizer(Module):
         if listed is not None:
             picked = listed  # every position a candidate, each replica's gradients listed
         elif len(cand) == count:
-            picked = [list(map(_first, p.pairs)) for p in parts]
+            picked = [p.grads for p in parts]
         else:
-            picked = [plan.pick(list(map(_first, p.pairs))) for p in parts]
+            picked = [plan.pick(p.grads) for p in parts]
         if all(
             set(map(type, g)) == _NDARRAY_ONLY
             and list(map(_dtype_of, g)) == plan.dtypes
@@ -614,10 +676,7 @@ class Optimizer(Module):
             if len(fused) == len(var_list)
             else (lambda seq: [seq[i] for i in fused])
         )
-        grads = [
-            picked[r] if picked is not None else pick(list(map(_first, parts[r].pairs)))
-            for r in order
-        ]
+        grads = [picked[r] if picked is not None else pick(parts[r].grads) for r in order]
         cross_process = len(parts) == 1 and strategy.num_replicas_in_sync > 1
         if not cross_process:
             user = self._pv_gradbufs.get(lines.key) if self._pv_gradbufs else None
