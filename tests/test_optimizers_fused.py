@@ -356,3 +356,18 @@ def test_zip_steps_keep_the_semantics_of_their_pairs() -> None:
 
     with pytest.raises(ValueError, match="longer"):
         strategy.run(strict_step)
+
+
+def test_reduced_gradients_in_a_variables_memory_are_read_before_the_step_writes() -> None:
+    # The same through distributed_apply (one reduced gradient per variable, no replicas).
+    strategy = pv.MirroredStrategy(2)
+    shapes = [(20000,), (10,), (3,)]
+    vs, opt = _model(strategy, np.float32, lambda: opts.SGD(1.0), shapes=shapes)
+    ref_vs, ref_opt = _model(strategy, np.float32, lambda: opts.SGD(1.0), shapes=shapes)
+    grads = _grads(np.random.default_rng(9), 1, np.float32, shapes)[0]
+    with strategy.scope():
+        for _ in range(2):
+            opt.distributed_apply(strategy, zip([grads[0], vs[0][:10], grads[2]], vs, strict=True))
+            ref = [grads[0], np.array(ref_vs[0][:10]), grads[2]]
+            ref_opt.distributed_apply(strategy, zip(ref, ref_vs, strict=True))
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))

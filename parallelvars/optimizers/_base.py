@@ -225,7 +225,7 @@ class _FusedLines:
 class _LinesCache:
     """What the fused path keeps per variable list: runs, their layout, packing targets."""
 
-    __slots__ = ("_gather", "key", "layout", "runs", "staging")
+    __slots__ = ("_gather", "dtypes", "key", "layout", "runs", "staging")
 
     def __init__(self, key: tuple[int, ...], runs: list[update_core.Run], replicas: int) -> None:
         self.key = key
@@ -234,6 +234,8 @@ class _LinesCache:
         # Packing targets, made on first use (gathered steps and gradient buffers need none).
         self.staging: list[dict[np.dtype, np.ndarray] | None] = [None] * replicas
         self._gather: tuple[update_core.GatherPlan, frozenset[int]] | None = None
+        # The variables' dtypes, by position (the gradients a gather reads must have them).
+        self.dtypes: list[np.dtype] = []
 
     def gather(self) -> tuple[update_core.GatherPlan, frozenset[int]]:
         """The gather plan and the ids of the buffers the step writes, made on first use."""
@@ -373,6 +375,7 @@ class Optimizer(Module):
         self._pv_fused: dict[tuple[int, ...], tuple[tuple[Any, ...], _FusedPlan]] = {}
         self._pv_lines: dict[tuple[int, ...], tuple[tuple[Any, ...], Any]] = {}
         self._pv_gradbufs: dict[tuple[int, ...], GradientBuffers] = {}
+        self._pv_plan_lines: dict[int, _LinesCache] = {}
         # The last variable list whose every gradient took the fused path, with its plans.
         self._pv_steady: tuple[tuple[Any, ...], tuple[int, ...], _FusedPlan, _LinesCache] | None = (
             None
@@ -1103,7 +1106,26 @@ class Optimizer(Module):
                     self._update_one(v, g, hp)
         if fast_vars:
             runs = self._plan(fast_vars)
+            lines = self._plan_lines(fast_vars, runs)
+            if list(map(_dtype_of, fast_grads)) == lines.dtypes:
+                plan, owner_ids = lines.gather()
+                if not _may_alias(plan, owner_ids, [fast_grads]):
+                    # No staging line: each block's gradients are gathered into cache.
+                    update_core.apply_gathered(plan, [fast_grads], self._kernel, hp, self._scratch)
+                    return
             update_core.apply_runs(runs, fast_grads, self._kernel, hp, self._scratch)
+
+    def _plan_lines(self, fast_vars: list[Any], runs: list[update_core.Run]) -> _LinesCache:
+        """The gather plan of ``runs`` (those of ``fast_vars``), made once per plan."""
+        found = self._pv_plan_lines.get(id(runs))
+        if found is not None and found.runs is runs:
+            return found
+        lines = _LinesCache((), runs, 0)
+        lines.dtypes = [self._info(v)[1] for v in fast_vars]
+        if len(self._pv_plan_lines) >= _PLAN_CACHE:
+            self._pv_plan_lines.pop(next(iter(self._pv_plan_lines)))
+        self._pv_plan_lines[id(runs)] = lines
+        return lines
 
     def _plan(self, fast_vars: list[Any]) -> list[update_core.Run]:
         key = (*map(id, fast_vars), self._pv_replicate_mirrored)
