@@ -240,6 +240,16 @@ def test_arrays_other_than_the_views_are_packed() -> None:
     strategy.run(step)
     np.testing.assert_array_equal(vs[0].read_value(), before - 2.0)
 
+    def changed_pairs_step() -> None:
+        pairs = bufs.grads_and_vars()
+        pairs[0] = (np.ones(SHAPES[0], np.float32), vs[0])  # the list handed out, changed
+        opt.apply_gradients(pairs)
+
+    for _ in range(2):  # the second step is a steady one
+        strategy.run(changed_pairs_step)
+    two = np.float32(2.0)
+    np.testing.assert_array_equal(vs[0].read_value(), before - two - two - two)
+
 
 def test_gradient_buffers_errors() -> None:
     strategy = pv.MirroredStrategy(2)

@@ -60,7 +60,6 @@ _dtype_of = operator.attrgetter("dtype")
 _base_of = operator.attrgetter("base")
 _NDARRAY_ONLY = {np.ndarray}
 _NONE_TYPE = type(None)
-_NONE_ID = {id(None)}
 
 
 def _dense_checked(arr: np.ndarray, var: Any, shape: tuple[int, ...]) -> np.ndarray:
@@ -94,8 +93,7 @@ def _may_alias(
     """
     unknown: list[Any] = []
     for gs in grads:
-        ids = set(map(id, map(_base_of, gs)))
-        if ids == _NONE_ID:
+        if all(map(operator.is_, map(_base_of, gs), itertools.repeat(None))):
             continue  # every array owns its memory: the common case, one C-level pass
         bases = list(map(_base_of, gs))
         odd = {
@@ -150,6 +148,21 @@ class _ReplicaGradients:
             assert self._grads is not None and self._variables is not None
             self._pairs = list(zip(self._grads, self._variables, strict=True))
         return self._pairs
+
+
+def _same_variables(parts: Sequence[_ReplicaGradients], known: tuple[Any, ...]) -> bool:
+    """Whether every replica's variables are ``known``, in order (one identity pass per list;
+    replicas that hand in the same list object, as a shared ``zip(grads, variables)`` does,
+    share it)."""
+    checked: list[Any] = []
+    for p in parts:
+        vs = p.variables
+        if any(vs is c for c in checked):
+            continue
+        if len(vs) != len(known) or not all(map(operator.is_, vs, known)):
+            return False
+        checked.append(vs)
+    return True
 
 
 _LIST_ITERATORS: tuple[type, ...] = (type(iter([])), type(iter(())))
@@ -253,6 +266,23 @@ class _LinesCache:
         return target
 
 
+class _BufferPairs(list[tuple[Any, Any]]):
+    """The list :meth:`GradientBuffers.grads_and_vars` returns: a plain list of pairs that also
+    says which buffers' views it holds, as long as it holds them (see :meth:`intact`)."""
+
+    __slots__ = ("owner", "replica")
+
+    def __init__(self, pairs: list[tuple[Any, Any]], owner: GradientBuffers, replica: int) -> None:
+        super().__init__(pairs)
+        self.owner = owner
+        self.replica = replica
+
+    def intact(self) -> bool:
+        """Whether the list still holds exactly the pairs it was made with (nobody changed it)."""
+        made = self.owner._pairs[self.replica]
+        return len(self) == len(made) and all(map(operator.is_, self, made))
+
+
 class GradientBuffers:
     """Flat gradient buffers laid out like the variables, one per local replica.
 
@@ -281,6 +311,8 @@ class GradientBuffers:
                 dt, start, size = layout.views[pos]
                 views.append(bufs[dt][start : start + size].reshape(tuple(var.shape)))
             self._views.append(views)
+        # What grads_and_vars() hands out, made once: the same pairs every step.
+        self._pairs = [list(zip(views, self.variables, strict=True)) for views in self._views]
 
     def __len__(self) -> int:
         return len(self._buffers)
@@ -315,8 +347,10 @@ class GradientBuffers:
         return list(self._views[self._index(replica)])
 
     def grads_and_vars(self, replica: int | None = None) -> list[tuple[np.ndarray, Any]]:
-        """``zip(views(replica), variables)``, ready for :meth:`Optimizer.apply_gradients`."""
-        return list(zip(self.views(replica), self.variables, strict=True))
+        """``list(zip(views(replica), variables))``, ready for :meth:`Optimizer.apply_gradients`
+        (which, handed this list unchanged, knows it holds the views without reading it)."""
+        r = self._index(replica)
+        return _BufferPairs(self._pairs[r], self, r)
 
     def buffers(self, replica: int | None = None) -> dict[np.dtype, np.ndarray]:
         """The flat buffers (one per dtype) behind :meth:`views`."""
@@ -448,12 +482,16 @@ class Optimizer(Module):
                 a ``TypeError``).
         """
         # Gradients that are None are dropped: here, or for zip(grads, variables), in the merge.
-        lists = _zipped_lists(grads_and_vars)
-        mine = (
-            _ReplicaGradients(*lists)
-            if lists is not None
-            else _ReplicaGradients(pairs=[(g, v) for g, v in grads_and_vars if g is not None])
-        )
+        if type(grads_and_vars) is _BufferPairs and grads_and_vars.intact():
+            bufs, r = grads_and_vars.owner, grads_and_vars.replica
+            mine = _ReplicaGradients(bufs._views[r], bufs.variables, grads_and_vars)
+        else:
+            lists = _zipped_lists(grads_and_vars)
+            mine = (
+                _ReplicaGradients(*lists)
+                if lists is not None
+                else _ReplicaGradients(pairs=[(g, v) for g, v in grads_and_vars if g is not None])
+            )
         mode = _context.current_mode()
         if mode.replica_context is None:
             raise ContextError(
@@ -527,10 +565,27 @@ class Optimizer(Module):
             order is not None
             and fusable
             and steady is not None
-            and all(len(p.variables) == len(steady[0]) for p in parts)
-            and all(all(map(operator.is_, p.variables, steady[0])) for p in parts)
+            and _same_variables(parts, steady[0])
         ):
-            known, _, known_plan, known_lines = steady
+            known, known_key, known_plan, known_lines = steady
+            user = self._pv_gradbufs.get(known_key) if self._pv_gradbufs else None
+            if (
+                user is not None
+                and len(user) == len(parts) == strategy.num_replicas_in_sync  # one process
+                and all(p.grads is user._views[r] for r, p in enumerate(parts))
+            ):
+                # Every replica handed in its gradient buffers' own views (grads_and_vars()
+                # unchanged): of the variables' dtypes and shapes by construction, summed as
+                # the buffers they are.
+                bufs = [user._buffers[r] for r in order]
+                self._distributed_apply(
+                    strategy,
+                    [],
+                    global_step,
+                    True,
+                    _FusedLines(list(known), known_lines.runs, known_lines.layout, bufs),
+                )
+                return
             if len(known_plan.candidates) == len(known) and all(
                 len(p.grads) == len(known) for p in parts
             ):
