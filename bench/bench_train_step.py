@@ -11,7 +11,7 @@ in the same run and in turns:
   gradients of a variable, then update each replica's copy with numpy;
 * **buffers**: the in-run step with the replicas' gradients already in
   ``opt.gradient_buffers(variables)`` views (written in place by the gradient code), so
-  ``apply_gradients`` skips the packing copy;
+  ``apply_gradients`` skips the gathering copy;
 * **tf**: ``tf.distribute.MirroredStrategy`` on 4 logical CPU devices doing the same step, when
   TensorFlow is importable (an optional anchor, skipped otherwise).
 

@@ -23,11 +23,13 @@ replica row receives, so numpy broadcasts it). This module decides which memory 
   per-component loop (numpy's ufuncs are compute-bound on cache-resident blocks). Variables
   whose components may differ (``independent`` kind) have every row computed.
 * **Replicas' gradients.** Inside ``strategy.run`` each replica has its own gradients. They
-  arrive as flat buffers laid out like the runs (:class:`GradLayout`, :func:`pack_lines`, or
-  the user's gradient buffers) or, for large variables, as the arrays themselves
-  (:func:`apply_direct`); :func:`apply_blocked` adds them block by block, left to right in
-  device order, right before the kernel uses the block, so the reduction makes no pass of its
-  own over memory and gives the bits of the per-variable ``add_n`` sum.
+  arrive as the arrays themselves (:func:`apply_gathered`: each block's gradients are gathered
+  into a cache-resident line right before the kernel uses the block, large variables' arrays
+  are read in place) or as flat buffers laid out like the runs (:class:`GradLayout`: the
+  user's gradient buffers, an all-reduced buffer, or :func:`pack_lines`); the replicas are
+  added block by block, left to right in device order, right before the kernel uses the
+  block, so the reduction makes no pass of its own over memory and gives the bits of the
+  per-variable ``add_n`` sum.
 * **Fallback.** Sharded variables (no stacked buffer), variables without an arena placement and
   float dtypes numpy has no fast loops for (bfloat16, float8: computed in float32 and cast back)
   take a per-variable path through the same kernel, so both paths share one formula.
@@ -55,12 +57,15 @@ __all__ = [
     "Run",
     "UpdateScratch",
     "GradLayout",
+    "GatherPlan",
     "apply_blocked",
-    "apply_direct",
+    "apply_gathered",
     "apply_lines",
     "apply_runs",
+    "overlaps",
     "layout_lines",
     "pack_lines",
+    "plan_gather",
     "plan_runs",
     "row_view",
 ]
@@ -112,6 +117,7 @@ class UpdateScratch:
         self._rows: list[np.ndarray] = []
         self._line: list[np.ndarray] = []
         self._sum = np.empty((1, 0), self.dtype)
+        self._gather = np.empty((2, 0), self.dtype)
         self._shape = (0, 0)
 
     def sum_line(self, width: int) -> np.ndarray:
@@ -119,6 +125,13 @@ class UpdateScratch:
         if self._sum.shape[1] < width:
             self._sum = np.empty((1, width), self.dtype)
         return self._sum[:, :width]
+
+    def gather_line(self, width: int, k: int) -> np.ndarray:
+        """A ``(width,)`` line ``k`` (0 or 1), apart from the others: where a block's gradients
+        are copied when they cannot be joined as bytes (see :func:`apply_gathered`)."""
+        if self._gather.shape[1] < width:
+            self._gather = np.empty((2, width), self.dtype)
+        return self._gather[k, :width]
 
     def take(self, rows: int, width: int) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
         """Views ``(tmp, gtmp)`` of shapes ``(rows, width)`` and ``(1, width)``."""
@@ -428,23 +441,133 @@ def apply_lines(
         )
 
 
-def apply_direct(
-    runs: Sequence[Run],
+@dataclass
+class GatherPlan:
+    """How :func:`apply_gathered` walks a list of runs, made once per list by :func:`plan_gather`.
+
+    Attributes:
+        runs: the runs.
+        walks: per run, ``(direct, blocks)``: the members (``(position, start - lo, size)``)
+            large enough to be read in place, and the blocks ``(c0, c1, pick)`` of small
+            members: columns ``[c0, c1)`` of the run, whose gradients ``pick(grads)`` (a tuple,
+            zero padding arrays included) laid end to end are the block's gradient line.
+        tail: the zero padding arrays, appended (in this order) to a replica's gradient list
+            before ``pick`` is applied; ``pick`` reaches them by negative index.
+        owners: the buffers a step writes (the runs' arenas and slot arenas), as address ranges
+            ``(start, end)``: a gradient inside one would be read after the step changed it.
+    """
+
+    runs: list[Run]
+    walks: list[tuple[list[tuple[int, int, int]], list[tuple[int, int, Callable[[Any], Any]]]]]
+    tail: list[np.ndarray]
+    owners: list[tuple[int, int]]
+
+
+def plan_gather(runs: Sequence[Run]) -> GatherPlan:
+    """Cut every run into cache-sized blocks of whole small members, for :func:`apply_gathered`.
+
+    A member of at least half a block is read in place (no copy). Small members are grouped,
+    in column order, into blocks of at most one block width; the alignment padding between two
+    members of a block is a zero array in the block's list, so the block's gradient line is
+    zero there, as a packed line is.
+    """
+    pads: dict[tuple[np.dtype, int], int] = {}
+    tail: list[np.ndarray] = []
+    walks = []
+    owners: dict[int, tuple[int, int]] = {}
+    for run in runs:
+        dt = np.dtype(run.arena.dtype)
+        for buf in (
+            run.arena.buffer,
+            *(s.base if s.base is not None else s for s in run.slot_slabs),
+        ):
+            lo, hi = np.lib.array_utils.byte_bounds(buf)
+            owners[lo] = (lo, hi)
+        rows = run.var_slab.shape[0]
+        width = block_width(1 if run.replicate and rows > 1 else rows, dt)
+        direct: list[tuple[int, int, int]] = []
+        groups: list[list[tuple[int, int, int]]] = [[]]
+        for member in run.members:
+            _, start, size = member
+            if 2 * size >= width:
+                direct.append(member)
+                groups.append([])
+                continue
+            group = groups[-1]
+            if group and start + size - group[0][1] > width:
+                groups.append(group := [])
+            group.append(member)
+        blocks: list[tuple[int, int, Callable[[Any], Any]]] = []
+        for group in groups:
+            if len(group) == 1:
+                direct.append(group[0])
+            elif group:
+                picks: list[int] = []
+                end = group[0][1]
+                for pos, start, size in group:
+                    if start > end:  # alignment padding: a zero array of its length
+                        key = (dt, start - end)
+                        if key not in pads:
+                            pads[key] = len(tail)
+                            tail.append(np.zeros(start - end, dt))
+                        picks.append(-1 - pads[key])
+                    picks.append(pos)
+                    end = start + size
+                blocks.append((group[0][1], end, operator.itemgetter(*picks)))
+        walks.append((direct, blocks))
+    # Negative indices count from the end: the list handed to pick is grads + tail reversed.
+    return GatherPlan(list(runs), walks, tail[::-1], sorted(owners.values()))
+
+
+def overlaps(plan: GatherPlan, arrays: Sequence[np.ndarray]) -> bool:
+    """Whether any of ``arrays`` shares memory with a buffer the step writes (``plan.owners``)."""
+    owners = plan.owners
+    for a in arrays:
+        lo, hi = np.lib.array_utils.byte_bounds(a)
+        for o0, o1 in owners:
+            if lo < o1 and o0 < hi:
+                return True
+    return False
+
+
+def _gathered(items: tuple[Any, ...], dtype: np.dtype, line: np.ndarray) -> np.ndarray:
+    """The arrays ``items`` (of ``dtype``, sizes summing to ``len(line)``) laid end to end.
+
+    ``bytes.join`` copies C-contiguous arrays with one ``memcpy`` each, several times quicker
+    than ``np.concatenate`` per array; it refuses any other layout (``TypeError``), which is then
+    flattened by numpy into ``line``. Either way the values are the arrays' C-order elements.
+    """
+    try:
+        return np.frombuffer(b"".join(items), dtype)
+    except TypeError:
+        np.concatenate(items, axis=None, out=line, casting="equiv")
+        return line
+
+
+def apply_gathered(
+    plan: GatherPlan,
     parts: Sequence[Sequence[np.ndarray]],
     kernel: Kernel,
     hp: Any,
     scratch: Callable[[np.dtype], UpdateScratch],
 ) -> None:
-    """:func:`apply_lines` with each replica's gradients as they are, one array per variable
-    (indexed by the members' positions, of the variables' dtype): no packing copy, one
-    :func:`apply_blocked` per variable. For large variables, where the per-variable calls cost
-    little next to the arithmetic and a packing copy would be a pass over every gradient.
-    The same bits as :func:`apply_lines` (the kernel is elementwise; the padding it skips
-    keeps its value either way).
+    """One step over every run of ``plan`` whose gradient is the sum of the ``parts``.
+
+    ``parts``: each replica's gradients, in summing order, as lists indexed by the members'
+    positions (arrays of the variables' dtype and size, each replica its own). No flat buffer
+    and no pass of its own over memory: a block's gradients are joined into a cache-resident
+    line per replica right before the kernel uses the block, and added left to right
+    (``parts[0] + parts[1] + ...``), the bits of :func:`apply_lines` over packed buffers; a
+    large member's arrays are added block by block in place, as in :func:`apply_blocked`.
+
+    The gradients are read while the step writes the variables and slots: none of them may
+    share memory with those (see :func:`overlaps`).
     """
-    for run in runs:
-        sc = scratch(run.arena.dtype)
-        for pos, start, size in run.members:
+    exts = [[*p, *plan.tail] for p in parts] if plan.tail else parts
+    for run, (direct, blocks) in zip(plan.runs, plan.walks, strict=True):
+        dt = run.arena.dtype
+        sc = scratch(dt)
+        for pos, start, size in direct:
             lines = [p[pos].reshape(1, -1) for p in parts]
             cols = slice(start, start + size)
             apply_blocked(
@@ -456,6 +579,22 @@ def apply_direct(
                 sc,
                 run.replicate,
                 lines[1:],
+            )
+        if not blocks:
+            continue
+        once = run.replicate and run.var_slab.shape[0] > 1
+        first, rest = exts[0], exts[1:]
+        for c0, c1, pick in blocks:
+            w = c1 - c0
+            g = _gathered(pick(first), dt, sc.gather_line(w, 0))
+            if rest:
+                total = sc.sum_line(w)
+                np.add(g, _gathered(pick(rest[0]), dt, sc.gather_line(w, 1)), out=total[0])
+                for ext in rest[1:]:
+                    np.add(total[0], _gathered(pick(ext), dt, sc.gather_line(w, 1)), out=total[0])
+                g = total
+            _apply_block(
+                kernel, run.var_slab, run.slot_slabs, g.reshape(1, w), hp, sc, once, c0, c1
             )
 
 

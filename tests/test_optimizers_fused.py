@@ -57,6 +57,12 @@ def _assert_same(a: list[Any], b: list[Any]) -> None:
             assert np.array_equal(_bits(cx), _bits(cy)), x.name
 
 
+def _lines(opt: opts.Optimizer) -> Any:
+    """The fused path's cache of the one variable list ``opt`` has stepped."""
+    ((_, lines),) = opt._pv_lines.values()
+    return lines
+
+
 def _state(vs: list[Any], opt: opts.Optimizer) -> list[Any]:
     return [*vs, *sorted((s for _, _, s in opt._checkpoint_slots()), key=lambda s: s.name)]
 
@@ -90,9 +96,9 @@ def test_fused_sum_is_bit_identical_to_the_per_variable_sum(
         ]
         with strategy.scope():
             ref_opt.distributed_apply(strategy, list(zip(reduced, ref_vs, strict=True)))
-    ((_, (_, _, staging)),) = opt._pv_lines.values()  # the step took the fused path
-    packed = [part is not None for part in staging]
-    assert packed == [shapes is SHAPES] * n
+    # The step took the fused path, reading the replicas' arrays as they are (nothing packed).
+    lines = _lines(opt)
+    assert lines.staging == [None] * n and lines._gather is not None
     _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
 
 
@@ -207,9 +213,8 @@ def test_gradient_buffers_are_summed_without_packing() -> None:
         strategy.run(step, args=(pv.PerReplica(per_replica),))
         strategy.run(ref_step, args=(pv.PerReplica(per_replica),))
     _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
-    # Nothing went through the packing buffers.
-    ((_, (_, _, staging)),) = opt._pv_lines.values()
-    assert staging == [None] * 3
+    # Nothing went through the packing buffers, nor was gathered.
+    assert _lines(opt).staging == [None] * 3 and _lines(opt)._gather is None
     views = bufs.views(replica=1)
     assert views[0].shape == SHAPES[0] and np.shares_memory(
         views[0], bufs.buffers(1)[np.dtype(np.float32)]
@@ -235,6 +240,16 @@ def test_arrays_other_than_the_views_are_packed() -> None:
     strategy.run(step)
     np.testing.assert_array_equal(vs[0].read_value(), before - 2.0)
 
+    def changed_pairs_step() -> None:
+        pairs = bufs.grads_and_vars()
+        pairs[0] = (np.ones(SHAPES[0], np.float32), vs[0])  # the list handed out, changed
+        opt.apply_gradients(pairs)
+
+    for _ in range(2):  # the second step is a steady one
+        strategy.run(changed_pairs_step)
+    two = np.float32(2.0)
+    np.testing.assert_array_equal(vs[0].read_value(), before - two - two - two)
+
 
 def test_gradient_buffers_errors() -> None:
     strategy = pv.MirroredStrategy(2)
@@ -254,3 +269,115 @@ def test_gradient_buffers_errors() -> None:
     with pytest.raises(ContextError, match="replica 2"):
         bufs.views(2)
     assert isinstance(bufs, pv.GradientBuffers)
+
+
+def test_gradients_in_any_memory_layout_give_the_same_bits() -> None:
+    # Fortran-ordered and strided gradients are copied by numpy instead of joined as bytes.
+    strategy = pv.MirroredStrategy(3)
+    vs, opt = _model(strategy, np.float32, lambda: opts.Adam(0.01))
+    ref_vs, ref_opt = _model(strategy, np.float32, lambda: opts.Adam(0.01))
+    rng = np.random.default_rng(6)
+
+    def odd_layout(g: np.ndarray) -> np.ndarray:
+        if g.ndim >= 2:
+            return np.asfortranarray(g)
+        wide = np.zeros(2 * g.size + 1, g.dtype)
+        wide[1::2] = g.reshape(-1)
+        return wide[1::2].reshape(g.shape)
+
+    for _ in range(2):
+        per_replica = _grads(rng, 3, np.float32)
+        odd = [[odd_layout(g) for g in gs] for gs in per_replica]
+        assert not all(g.flags.c_contiguous for g in odd[0])
+
+        def step(grads: list[np.ndarray], o: opts.Optimizer, v: list[Any]) -> None:
+            o.apply_gradients(zip(grads, v, strict=True))
+
+        strategy.run(step, args=(pv.PerReplica(odd), opt, vs))
+        strategy.run(step, args=(pv.PerReplica(per_replica), ref_opt, ref_vs))
+    assert _lines(opt).staging == [None] * 3
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+
+
+def test_a_gradient_in_a_variables_memory_is_read_before_the_step_writes() -> None:
+    # b's gradient is a view of a's memory, and a (large: updated first, in place) changes in
+    # the step: the gradient must be the value before the step, as a packed copy has it.
+    strategy = pv.MirroredStrategy(2)
+    shapes = [(20000,), (10,), (3,)]
+    vs, opt = _model(strategy, np.float32, lambda: opts.SGD(1.0), shapes=shapes)
+    ref_vs, ref_opt = _model(strategy, np.float32, lambda: opts.SGD(1.0), shapes=shapes)
+    rng = np.random.default_rng(8)
+    per_replica = _grads(rng, 2, np.float32, shapes)
+
+    def step(grads: list[np.ndarray]) -> None:
+        mine = [grads[0], np.asarray(vs[0])[:10], grads[2]]  # this replica's component of a
+        opt.apply_gradients(zip(mine, vs, strict=True))
+
+    def ref_step(grads: list[np.ndarray]) -> None:
+        mine = [grads[0], np.array(np.asarray(ref_vs[0])[:10]), grads[2]]  # a copy
+        ref_opt.apply_gradients(zip(mine, ref_vs, strict=True))
+
+    for _ in range(2):
+        strategy.run(step, args=(pv.PerReplica(per_replica),))
+        strategy.run(ref_step, args=(pv.PerReplica(per_replica),))
+    assert _lines(opt).staging != [None] * 2  # packed first
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+
+
+def test_zip_of_two_lists_is_read_without_its_pairs() -> None:
+    from parallelvars.optimizers._base import _zipped_lists
+
+    g, v = [1, 2, 3], ("a", "b", "c")
+    z = zip(g, v, strict=True)
+    got = _zipped_lists(z)
+    assert got is not None and got[0] is g and got[1] is v
+    assert list(z) == []  # left exhausted, as iterating it would leave it
+    partly = zip(g, v, strict=False)
+    next(partly)
+    assert _zipped_lists(partly) is None and list(partly) == [(2, "b"), (3, "c")]
+    assert _zipped_lists(zip(g, v[:2], strict=False)) is None  # zip's own shortest-length answer
+    assert _zipped_lists(zip((x for x in g), v, strict=False)) is None
+    assert _zipped_lists(zip(g, v, g, strict=False)) is None
+    assert _zipped_lists([(1, "a")]) is None
+
+
+def test_zip_steps_keep_the_semantics_of_their_pairs() -> None:
+    # None gradients, a shorter zip and zip(strict=True) of unequal lengths, all in replicas.
+    strategy = pv.MirroredStrategy(2)
+    vs, opt = _model(strategy, np.float32, lambda: opts.SGD(1.0))
+    before = [v.read_value().copy() for v in vs]
+    ones = [np.ones(s, np.float32) for s in SHAPES]
+
+    def step(k: int) -> None:
+        grads: list[Any] = list(ones)
+        grads[1] = None
+        opt.apply_gradients(zip(grads[:k], vs, strict=False))
+
+    for k in (len(SHAPES), 3):
+        strategy.run(step, args=(k,))
+    for i, (b, v) in enumerate(zip(before, vs, strict=True)):
+        want = b
+        for _ in range(0 if i == 1 else (2 if i < 3 else 1)):  # None: never; past 3: once
+            want = want - np.float32(2.0)
+        np.testing.assert_array_equal(v.read_value(), want)
+
+    def strict_step() -> None:
+        opt.apply_gradients(zip(ones[:2], vs, strict=True))
+
+    with pytest.raises(ValueError, match="longer"):
+        strategy.run(strict_step)
+
+
+def test_reduced_gradients_in_a_variables_memory_are_read_before_the_step_writes() -> None:
+    # The same through distributed_apply (one reduced gradient per variable, no replicas).
+    strategy = pv.MirroredStrategy(2)
+    shapes = [(20000,), (10,), (3,)]
+    vs, opt = _model(strategy, np.float32, lambda: opts.SGD(1.0), shapes=shapes)
+    ref_vs, ref_opt = _model(strategy, np.float32, lambda: opts.SGD(1.0), shapes=shapes)
+    grads = _grads(np.random.default_rng(9), 1, np.float32, shapes)[0]
+    with strategy.scope():
+        for _ in range(2):
+            opt.distributed_apply(strategy, zip([grads[0], vs[0][:10], grads[2]], vs, strict=True))
+            ref = [grads[0], np.array(ref_vs[0][:10]), grads[2]]
+            ref_opt.distributed_apply(strategy, zip(ref, ref_vs, strict=True))
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))

@@ -86,14 +86,14 @@ def test_row_view_is_a_view() -> None:
 
 
 @pytest.mark.parametrize("replicate", [False, True])
-def test_replicas_lines_packed_or_direct_give_the_add_n_bits(replicate: bool) -> None:
+def test_replicas_lines_packed_or_gathered_give_the_add_n_bits(replicate: bool) -> None:
     from parallelvars.strategy._reduce import add_n
 
     rng = np.random.default_rng(7)
     sizes = [3, 5000, 1, 70000, 64]
     grads = [[(rng.normal(size=s) * 10.0**r).astype(np.float32) for s in sizes] for r in range(4)]
     outs = []
-    for how in ("summed", "packed", "direct"):
+    for how in ("summed", "packed", "gathered"):
         arena, pls = _arena_with(sizes, 2)
         arena.buffer[:] = 1.0
         runs = update_core.plan_runs(
@@ -112,7 +112,13 @@ def test_replicas_lines_packed_or_direct_give_the_add_n_bits(replicate: bool) ->
                 update_core.pack_lines(runs, layout, g, part)
             update_core.apply_lines(runs, layout, parts, _axpy, 0.5, scratch_of)
         else:
-            update_core.apply_direct(runs, grads, _axpy, 0.5, scratch_of)
+            plan = update_core.plan_gather(runs)
+            # The 5,000-element variable is gathered next to its neighbours across its
+            # alignment padding; the 70,000-element one is read in place, and so is the last,
+            # alone after it.
+            (direct, blocks), *_ = plan.walks
+            assert [m[0] for m in direct] == [3, 4] and len(blocks) == 1 and plan.tail
+            update_core.apply_gathered(plan, grads, _axpy, 0.5, scratch_of)
         outs.append((arena.buffer.copy(), arena.shadow("s").buffer.copy()))
     for var, slot in outs[1:]:
         assert np.array_equal(var.view(np.uint32), outs[0][0].view(np.uint32))

@@ -44,9 +44,10 @@ __all__ = ["GradientBuffers", "Optimizer"]
 
 _tokens = itertools.count()
 _PLAN_CACHE = 8
-# Mean elements per variable from which the fused path adds the replicas' gradient arrays as
-# they are instead of packing them first (a packing copy then costs more than the calls).
-_DIRECT_SIZE = 16384
+# Gradients that are views of memory numpy does not own (a torch tensor's, a variable's
+# interface) whose addresses the fused path checks against the step's buffers; more, and the
+# step packs them first instead (a packed copy cannot change under the update).
+_ADDRESS_CHECKS = 256
 
 
 def _is_float(dtype: np.dtype) -> bool:
@@ -57,7 +58,9 @@ _first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
 _shape_of = operator.attrgetter("shape")
 _dtype_of = operator.attrgetter("dtype")
+_base_of = operator.attrgetter("base")
 _NDARRAY_ONLY = {np.ndarray}
+_NONE_TYPE = type(None)
 
 
 def _dense_checked(arr: np.ndarray, var: Any, shape: tuple[int, ...]) -> np.ndarray:
@@ -78,17 +81,118 @@ def _INDEXED_SLICES_FREE(grads: list[Any]) -> bool:
     return IndexedSlices not in set(map(type, grads))
 
 
+def _may_alias(
+    plan: update_core.GatherPlan, owner_ids: frozenset[int], grads: Sequence[Sequence[Any]]
+) -> bool:
+    """Whether a gradient array may share memory with a variable or slot the step writes.
+
+    The gathered step reads gradients while it writes: such a gradient would be read changed.
+    An array owning its memory (``base`` None), or a view of another array that owns its
+    memory and is not one of the step's buffers, cannot; the few others (views of a torch
+    tensor, of a variable through ``np.asarray``) have their addresses checked, or, when
+    there are many, the answer is yes and the step packs them first.
+    """
+    unknown: list[Any] = []
+    for gs in grads:
+        if all(map(operator.is_, map(_base_of, gs), itertools.repeat(None))):
+            continue  # every array owns its memory: the common case, one C-level pass
+        bases = list(map(_base_of, gs))
+        odd = {
+            id(b)
+            for b in dict(zip(map(id, bases), bases, strict=True)).values()
+            if b is not None
+            and (type(b) is not np.ndarray or b.base is not None or id(b) in owner_ids)
+        }
+        if odd:
+            unknown.extend(g for g in gs if g.base is not None and id(g.base) in odd)
+            if len(unknown) > _ADDRESS_CHECKS:
+                return True
+    return bool(unknown) and update_core.overlaps(plan, unknown)
+
+
 class _ReplicaGradients:
-    """One replica's ``(gradient, variable)`` pairs, handed to ``merge_call`` as one value.
+    """One replica's gradients and variables, handed to ``merge_call`` as one value.
 
     ``merge_call`` groups the replicas' arguments element by element; wrapped, the pairs of a
-    step cross the rendezvous as one object per replica and the optimizer reads them itself.
+    step cross the rendezvous as one object per replica and the optimizer reads them itself,
+    as parallel sequences ``grads`` and ``variables`` (read, never changed) or as ``pairs``.
+    Either form is made from the other on first use.
     """
 
-    __slots__ = ("pairs",)
+    __slots__ = ("_grads", "_pairs", "_variables")
 
-    def __init__(self, pairs: list[tuple[Any, Any]]) -> None:
-        self.pairs = pairs
+    def __init__(
+        self,
+        grads: Sequence[Any] | None = None,
+        variables: Sequence[Any] | None = None,
+        pairs: list[tuple[Any, Any]] | None = None,
+    ) -> None:
+        self._grads = grads
+        self._variables = variables
+        self._pairs = pairs
+
+    @property
+    def grads(self) -> Sequence[Any]:
+        if self._grads is None:
+            self._grads = list(map(_first, self.pairs))
+        return self._grads
+
+    @property
+    def variables(self) -> Sequence[Any]:
+        if self._variables is None:
+            self._variables = list(map(_second, self.pairs))
+        return self._variables
+
+    @property
+    def pairs(self) -> list[tuple[Any, Any]]:
+        if self._pairs is None:
+            assert self._grads is not None and self._variables is not None
+            self._pairs = list(zip(self._grads, self._variables, strict=True))
+        return self._pairs
+
+
+def _same_variables(parts: Sequence[_ReplicaGradients], known: tuple[Any, ...]) -> bool:
+    """Whether every replica's variables are ``known``, in order (one identity pass per list;
+    replicas that hand in the same list object, as a shared ``zip(grads, variables)`` does,
+    share it)."""
+    checked: list[Any] = []
+    for p in parts:
+        vs = p.variables
+        if any(vs is c for c in checked):
+            continue
+        if len(vs) != len(known) or not all(map(operator.is_, vs, known)):
+            return False
+        checked.append(vs)
+    return True
+
+
+_LIST_ITERATORS: tuple[type, ...] = (type(iter([])), type(iter(())))
+
+
+def _zipped_lists(grads_and_vars: Any) -> tuple[Sequence[Any], Sequence[Any]] | None:
+    """The two sequences behind ``zip(grads, variables)``, when it is one over two lists or
+    tuples of one length not yet iterated, without making its pairs; else ``None``.
+
+    What ``zip`` hands out is read through its pickling state (``__reduce__``, as ``copy`` and
+    ``pickle`` read it), and the zip is then left exhausted, as iterating it would leave it.
+    """
+    if type(grads_and_vars) is not zip:
+        return None
+    try:
+        iterators = grads_and_vars.__reduce__()[1]
+        if len(iterators) != 2 or not all(type(it) in _LIST_ITERATORS for it in iterators):
+            return None
+        states = [it.__reduce__() for it in iterators]
+        if not all(len(st) == 3 and st[2] == 0 for st in states):
+            return None  # already partly iterated
+        grads, variables = (st[1][0] for st in states)
+        if len(grads) != len(variables):
+            return None  # zip's own answer: the shorter length, or strict's error
+        for it, seq in zip(iterators, (grads, variables), strict=True):
+            it.__setstate__(len(seq))
+    except (AttributeError, TypeError, IndexError, ValueError):
+        return None
+    return grads, variables
 
 
 class _FusedPlan:
@@ -112,7 +216,7 @@ class _FusedPlan:
 class _FusedLines:
     """Fused variables of a step, their runs, and the local gradient buffers to sum."""
 
-    __slots__ = ("direct", "layout", "parts", "runs", "variables")
+    __slots__ = ("arrays", "gather", "layout", "parts", "runs", "variables")
 
     def __init__(
         self,
@@ -120,14 +224,64 @@ class _FusedLines:
         runs: list[update_core.Run],
         layout: update_core.GradLayout,
         parts: list[dict[np.dtype, np.ndarray]],
-        direct: list[Any] | None = None,
+        gather: update_core.GatherPlan | None = None,
+        arrays: list[Any] | None = None,
     ) -> None:
         self.variables = variables
         self.runs = runs
         self.layout = layout
         self.parts = parts
-        # Instead of parts: each replica's gradient arrays, summed without packing.
-        self.direct = direct
+        # Instead of parts: each replica's gradient arrays, gathered block by block.
+        self.gather = gather
+        self.arrays = arrays
+
+
+class _LinesCache:
+    """What the fused path keeps per variable list: runs, their layout, packing targets."""
+
+    __slots__ = ("_gather", "dtypes", "key", "layout", "runs", "staging")
+
+    def __init__(self, key: tuple[int, ...], runs: list[update_core.Run], replicas: int) -> None:
+        self.key = key
+        self.runs = runs
+        self.layout = update_core.layout_lines(runs)
+        # Packing targets, made on first use (gathered steps and gradient buffers need none).
+        self.staging: list[dict[np.dtype, np.ndarray] | None] = [None] * replicas
+        self._gather: tuple[update_core.GatherPlan, frozenset[int]] | None = None
+        # The variables' dtypes, by position (the gradients a gather reads must have them).
+        self.dtypes: list[np.dtype] = []
+
+    def gather(self) -> tuple[update_core.GatherPlan, frozenset[int]]:
+        """The gather plan and the ids of the buffers the step writes, made on first use."""
+        if self._gather is None:
+            plan = update_core.plan_gather(self.runs)
+            owners = {id(r.arena.buffer) for r in self.runs}
+            owners.update(id(s.base) for r in self.runs for s in r.slot_slabs)
+            self._gather = (plan, frozenset(owners))
+        return self._gather
+
+    def packed(self, replica: int) -> dict[np.dtype, np.ndarray]:
+        target = self.staging[replica]
+        if target is None:
+            target = self.staging[replica] = self.layout.buffers()
+        return target
+
+
+class _BufferPairs(list[tuple[Any, Any]]):
+    """The list :meth:`GradientBuffers.grads_and_vars` returns: a plain list of pairs that also
+    says which buffers' views it holds, as long as it holds them (see :meth:`intact`)."""
+
+    __slots__ = ("owner", "replica")
+
+    def __init__(self, pairs: list[tuple[Any, Any]], owner: GradientBuffers, replica: int) -> None:
+        super().__init__(pairs)
+        self.owner = owner
+        self.replica = replica
+
+    def intact(self) -> bool:
+        """Whether the list still holds exactly the pairs it was made with (nobody changed it)."""
+        made = self.owner._pairs[self.replica]
+        return len(self) == len(made) and all(map(operator.is_, self, made))
 
 
 class GradientBuffers:
@@ -158,6 +312,8 @@ class GradientBuffers:
                 dt, start, size = layout.views[pos]
                 views.append(bufs[dt][start : start + size].reshape(tuple(var.shape)))
             self._views.append(views)
+        # What grads_and_vars() hands out, made once: the same pairs every step.
+        self._pairs = [list(zip(views, self.variables, strict=True)) for views in self._views]
 
     def __len__(self) -> int:
         return len(self._buffers)
@@ -192,8 +348,10 @@ class GradientBuffers:
         return list(self._views[self._index(replica)])
 
     def grads_and_vars(self, replica: int | None = None) -> list[tuple[np.ndarray, Any]]:
-        """``zip(views(replica), variables)``, ready for :meth:`Optimizer.apply_gradients`."""
-        return list(zip(self.views(replica), self.variables, strict=True))
+        """``list(zip(views(replica), variables))``, ready for :meth:`Optimizer.apply_gradients`
+        (which, handed this list unchanged, knows it holds the views without reading it)."""
+        r = self._index(replica)
+        return _BufferPairs(self._pairs[r], self, r)
 
     def buffers(self, replica: int | None = None) -> dict[np.dtype, np.ndarray]:
         """The flat buffers (one per dtype) behind :meth:`views`."""
@@ -252,6 +410,11 @@ class Optimizer(Module):
         self._pv_fused: dict[tuple[int, ...], tuple[tuple[Any, ...], _FusedPlan]] = {}
         self._pv_lines: dict[tuple[int, ...], tuple[tuple[Any, ...], Any]] = {}
         self._pv_gradbufs: dict[tuple[int, ...], GradientBuffers] = {}
+        self._pv_plan_lines: dict[int, _LinesCache] = {}
+        # The last variable list whose every gradient took the fused path, with its plans.
+        self._pv_steady: tuple[tuple[Any, ...], tuple[int, ...], _FusedPlan, _LinesCache] | None = (
+            None
+        )
         self.iterations: ParallelVariable | None = None
         # Non-slot variables being made by _stage_non_slots (name -> variable), else None.
         self._pv_staging: dict[str, Any] | None = None
@@ -321,8 +484,17 @@ class Optimizer(Module):
                 (a non-numeric gradient: :class:`~parallelvars.errors.GradientTypeError`, also
                 a ``TypeError``).
         """
-        # Filter before merging, so every replica hands merge_call the same variables.
-        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        # Gradients that are None are dropped: here, or for zip(grads, variables), in the merge.
+        if type(grads_and_vars) is _BufferPairs and grads_and_vars.intact():
+            bufs, r = grads_and_vars.owner, grads_and_vars.replica
+            mine = _ReplicaGradients(bufs._views[r], bufs.variables, grads_and_vars)
+        else:
+            lists = _zipped_lists(grads_and_vars)
+            mine = (
+                _ReplicaGradients(*lists)
+                if lists is not None
+                else _ReplicaGradients(pairs=[(g, v) for g, v in grads_and_vars if g is not None])
+            )
         mode = _context.current_mode()
         if mode.replica_context is None:
             raise ContextError(
@@ -330,9 +502,7 @@ class Optimizer(Module):
                 f"context of {mode.strategy!r}; call it inside strategy.run(...), or use "
                 "optimizer.distributed_apply(strategy, grads_and_vars) with reduced gradients"
             )
-        mode.replica_context.merge_call(
-            self._merged_apply, args=(_ReplicaGradients(pairs), global_step)
-        )
+        mode.replica_context.merge_call(self._merged_apply, args=(mine, global_step))
 
     def gradient_buffers(self, var_list: Sequence[Any]) -> GradientBuffers:
         """Flat gradient buffers for ``var_list``, one per replica, with a view per variable.
@@ -373,25 +543,77 @@ class Optimizer(Module):
         """The target of ``apply_gradients``' merge_call: the fused path where it applies.
 
         Dense gradients of a float16/32/64 variable with an arena placement, of the variable's
-        dtype and shape, take the fused path: each local replica's gradients are packed into
-        flat buffers laid out like the arena (no copy at all for :class:`GradientBuffers`),
-        the strategy reduces each dtype's buffer across processes in one call, and the update
-        core adds the local replicas block by block, in device order, as it updates. Every
-        other gradient (sparse, another dtype, one object shared by every replica, sharded or
-        bfloat16 variables) goes through ``batch_reduce`` as before, in the same step.
+        dtype and shape, take the fused path: the update core reads each local replica's
+        gradients as they are, block by block (or the user's :class:`GradientBuffers`, or, over
+        several processes, flat buffers all-reduced in one call per dtype), and adds the local
+        replicas in device order as it updates. Every other gradient (sparse, another dtype,
+        one object shared by every replica, sharded or bfloat16 variables) goes through
+        ``batch_reduce`` as before, in the same step. Gradients that are ``None`` are dropped.
+
+        A training loop hands the same variables every step: then one identity pass per
+        replica over the variables finds the step's plan, and the gradients are checked with
+        a few C-level passes.
         """
-        parts = grads.values if isinstance(grads, PerReplica) else (grads,)
+        parts: Sequence[_ReplicaGradients] = (
+            grads.values if isinstance(grads, PerReplica) else (grads,)
+        )
         if not all(type(p) is _ReplicaGradients for p in parts):
             raise GradientError("apply_gradients: merge_call arguments of another kind")
-        var_list = list(map(_second, parts[0].pairs))
-        key = tuple(map(id, var_list))
         order = strategy._fused_sum_order() if hasattr(strategy, "_fused_sum_order") else None
+        fusable = (
+            order is not None and len(parts) == len(order) and getattr(strategy, "fusion", True)
+        )
+        steady = self._pv_steady
         if (
-            order is None
-            or len(parts) != len(order)
-            or not getattr(strategy, "fusion", True)
-            or any(tuple(map(id, map(_second, p.pairs))) != key for p in parts[1:])
+            order is not None
+            and fusable
+            and steady is not None
+            and _same_variables(parts, steady[0])
         ):
+            known, known_key, known_plan, known_lines = steady
+            user = self._pv_gradbufs.get(known_key) if self._pv_gradbufs else None
+            if (
+                user is not None
+                and len(user) == len(parts) == strategy.num_replicas_in_sync  # one process
+                and all(p.grads is user._views[r] for r, p in enumerate(parts))
+            ):
+                # Every replica handed in its gradient buffers' own views (grads_and_vars()
+                # unchanged): of the variables' dtypes and shapes by construction, summed as
+                # the buffers they are.
+                bufs = [user._buffers[r] for r in order]
+                self._distributed_apply(
+                    strategy,
+                    [],
+                    global_step,
+                    True,
+                    _FusedLines(list(known), known_lines.runs, known_lines.layout, bufs),
+                )
+                return
+            if len(known_plan.candidates) == len(known) and all(
+                len(p.grads) == len(known) for p in parts
+            ):
+                # (A None gradient is not an array: it fails the check and takes the general path.)
+                listed = [p.grads for p in parts]
+                fused, listed = self._fused_positions(known_plan, parts, len(known), listed)
+                if len(fused) == len(known):
+                    self._distributed_apply(
+                        strategy,
+                        [],
+                        global_step,
+                        True,
+                        self._pack(known, fused, listed, parts, order, strategy, known_lines),
+                    )
+                    return
+        # The general path: drop None gradients, as each replica would have before merging.
+        parts = [
+            p
+            if _NONE_TYPE not in set(map(type, p.grads))
+            else _ReplicaGradients(pairs=[(g, v) for g, v in p.pairs if g is not None])
+            for p in parts
+        ]
+        var_list = list(parts[0].variables)
+        key = tuple(map(id, var_list))
+        if not fusable or any(tuple(map(id, p.variables)) != key for p in parts[1:]):
             merged = (
                 strategy._merge_args([p.pairs for p in parts])
                 if hasattr(strategy, "_merge_args")
@@ -399,6 +621,7 @@ class Optimizer(Module):
             )
             self._distributed_apply(strategy, merged, global_step, True)
             return
+        assert order is not None
         plan = self._fused_plan(key, var_list)
         fused, picked = self._fused_positions(plan, parts, len(var_list))
         if not fused:
@@ -410,6 +633,8 @@ class Optimizer(Module):
         )
         if len(fused) == len(var_list):
             rest: Any = []
+            # The next step with these variables starts from here.
+            self._pv_steady = (tuple(var_list), key, plan, self._pv_lines[key][1])
         else:
             keep = set(fused)
             others = [i for i in range(len(var_list)) if i not in keep]
@@ -441,7 +666,10 @@ class Optimizer(Module):
 
     @staticmethod
     def _fused_positions(
-        plan: _FusedPlan, parts: Sequence[_ReplicaGradients], count: int
+        plan: _FusedPlan,
+        parts: Sequence[_ReplicaGradients],
+        count: int,
+        listed: list[Any] | None = None,
     ) -> tuple[tuple[int, ...], list[Any]]:
         """The positions whose gradients take the fused path this step, and each replica's
         gradients at the candidate positions.
@@ -449,18 +677,21 @@ class Optimizer(Module):
         A gradient qualifies when every replica gave a plain array of the variable's dtype and
         shape and not every replica gave the same object (one shared value keeps the meaning
         ``batch_reduce`` gives it). The common case is checked with C-level passes.
+        ``listed``: each replica's gradients, already listed (every position a candidate).
         """
         cand = plan.candidates
         if not cand:
             return (), []
-        if len(cand) == count:
-            picked = [list(map(_first, p.pairs)) for p in parts]
+        if listed is not None:
+            picked = listed  # every position a candidate, each replica's gradients listed
+        elif len(cand) == count:
+            picked = [p.grads for p in parts]
         else:
-            picked = [plan.pick(list(map(_first, p.pairs))) for p in parts]
+            picked = [plan.pick(p.grads) for p in parts]
         if all(
             set(map(type, g)) == _NDARRAY_ONLY
             and list(map(_dtype_of, g)) == plan.dtypes
-            and list(map(_shape_of, g)) == plan.shapes
+            and all(map(operator.eq, map(_shape_of, g), plan.shapes))
             for g in picked
         ) and (len(parts) == 1 or not any(map(operator.is_, picked[0], picked[1]))):
             return cand, picked
@@ -476,63 +707,59 @@ class Optimizer(Module):
 
     def _pack(
         self,
-        var_list: list[Any],
+        var_list: Sequence[Any],
         fused: tuple[int, ...],
         picked: list[Any] | None,
         parts: Sequence[_ReplicaGradients],
         order: tuple[int, ...],
         strategy: Any,
+        lines: _LinesCache | None = None,
     ) -> _FusedLines:
-        """Each local replica's fused gradients as flat buffers (in summing order), reduced
-        across processes where the strategy spans several. ``picked``: each replica's
-        gradients at the fused positions, when already listed."""
-        fvars = var_list if len(fused) == len(var_list) else [var_list[i] for i in fused]
-        fkey = tuple(map(id, fvars))
-        cached = self._pv_lines.get(fkey)
-        if cached is None or not all(map(operator.is_, cached[0], fvars)):
-            self._create_slots(fvars)
-            runs = self._plan(fvars)
-            layout = update_core.layout_lines(runs)
-            # Packing targets, made on first use (large variables and gradient buffers need none).
-            staging: list[dict[np.dtype, np.ndarray] | None] = [None] * len(parts)
-            if len(self._pv_lines) >= _PLAN_CACHE:
-                self._pv_lines.pop(next(iter(self._pv_lines)))
-            self._pv_lines[fkey] = cached = (tuple(fvars), (runs, layout, staging))
-        runs, layout, staging = cached[1]
-        user = self._pv_gradbufs.get(fkey)
-        if user is not None and user.variables != tuple(fvars):
-            user = None
+        """Each local replica's fused gradients, in summing order: as they are (gathered block
+        by block inside the update), as the user's gradient buffers, or packed into flat
+        buffers (reduced across processes where the strategy spans several). ``picked``: each
+        replica's gradients at the fused positions, when already listed; ``lines``: the cache
+        of the fused variables, when known (a steady step)."""
+        fvars = list(var_list) if len(fused) == len(var_list) else [var_list[i] for i in fused]
+        if lines is None:
+            fkey = tuple(map(id, fvars))
+            cached = self._pv_lines.get(fkey)
+            if cached is None or not all(map(operator.is_, cached[0], fvars)):
+                self._create_slots(fvars)
+                if len(self._pv_lines) >= _PLAN_CACHE:
+                    self._pv_lines.pop(next(iter(self._pv_lines)))
+                cached = (tuple(fvars), _LinesCache(fkey, self._plan(fvars), len(parts)))
+                self._pv_lines[fkey] = cached
+            lines = cached[1]
+        runs, layout = lines.runs, lines.layout
         pick = (
             (lambda seq: seq)
             if len(fused) == len(var_list)
             else (lambda seq: [seq[i] for i in fused])
         )
+        grads = [picked[r] if picked is not None else pick(parts[r].grads) for r in order]
         cross_process = len(parts) == 1 and strategy.num_replicas_in_sync > 1
-        if (
-            user is None
-            and not cross_process
-            and sum(layout.sizes.values()) >= _DIRECT_SIZE * len(fvars)
-        ):
-            # Large variables: add the replicas' arrays as they are, no packing copy.
-            direct = [
-                picked[r] if picked is not None else pick(list(map(_first, parts[r].pairs)))
-                for r in order
-            ]
-            return _FusedLines(fvars, runs, layout, [], direct)
-        bufs: list[dict[np.dtype, np.ndarray]] = []
-        for r in order:
-            grads = picked[r] if picked is not None else pick(list(map(_first, parts[r].pairs)))
+        if not cross_process:
+            user = self._pv_gradbufs.get(lines.key) if self._pv_gradbufs else None
             if (
                 user is not None
+                and all(map(operator.is_, user.variables, fvars))
                 and len(user) == len(parts)
-                and all(map(operator.is_, grads, user._views[r]))
+                and all(
+                    all(map(operator.is_, g, user._views[r]))
+                    for g, r in zip(grads, order, strict=True)
+                )
             ):
-                bufs.append(user._buffers[r])  # written in place: nothing to pack
-                continue
-            target = staging[r]
-            if target is None:
-                target = staging[r] = layout.buffers()
-            update_core.pack_lines(runs, layout, grads, target)
+                # Written in place: the buffers are the packed gradients already.
+                bufs = [user._buffers[r] for r in order]
+                return _FusedLines(fvars, runs, layout, bufs)
+            plan, owner_ids = lines.gather()
+            if not _may_alias(plan, owner_ids, grads):
+                return _FusedLines(fvars, runs, layout, [], plan, grads)
+        bufs = []
+        for r, g in zip(order, grads, strict=True):
+            target = lines.packed(r)
+            update_core.pack_lines(runs, layout, g, target)
             bufs.append(target)
         if cross_process:
             # The other replicas are other processes: one all-reduce per dtype buffer, in a
@@ -1024,8 +1251,9 @@ class Optimizer(Module):
         self._step_done(strategy, global_step)
 
     def _apply_fused(self, fused: _FusedLines, hp: Any) -> None:
-        if fused.direct is not None:
-            update_core.apply_direct(fused.runs, fused.direct, self._kernel, hp, self._scratch)
+        if fused.gather is not None:
+            assert fused.arrays is not None
+            update_core.apply_gathered(fused.gather, fused.arrays, self._kernel, hp, self._scratch)
             return
         update_core.apply_lines(
             fused.runs, fused.layout, fused.parts, self._kernel, hp, self._scratch
@@ -1078,7 +1306,26 @@ class Optimizer(Module):
                     self._update_one(v, g, hp)
         if fast_vars:
             runs = self._plan(fast_vars)
+            lines = self._plan_lines(fast_vars, runs)
+            if list(map(_dtype_of, fast_grads)) == lines.dtypes:
+                plan, owner_ids = lines.gather()
+                if not _may_alias(plan, owner_ids, [fast_grads]):
+                    # No staging line: each block's gradients are gathered into cache.
+                    update_core.apply_gathered(plan, [fast_grads], self._kernel, hp, self._scratch)
+                    return
             update_core.apply_runs(runs, fast_grads, self._kernel, hp, self._scratch)
+
+    def _plan_lines(self, fast_vars: list[Any], runs: list[update_core.Run]) -> _LinesCache:
+        """The gather plan of ``runs`` (those of ``fast_vars``), made once per plan."""
+        found = self._pv_plan_lines.get(id(runs))
+        if found is not None and found.runs is runs:
+            return found
+        lines = _LinesCache((), runs, 0)
+        lines.dtypes = [self._info(v)[1] for v in fast_vars]
+        if len(self._pv_plan_lines) >= _PLAN_CACHE:
+            self._pv_plan_lines.pop(next(iter(self._pv_plan_lines)))
+        self._pv_plan_lines[id(runs)] = lines
+        return lines
 
     def _plan(self, fast_vars: list[Any]) -> list[update_core.Run]:
         key = (*map(id, fast_vars), self._pv_replicate_mirrored)
