@@ -9,11 +9,8 @@ from __future__ import annotations
 import os
 import sys
 
-import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 import _mpi_model as m
+import numpy as np
 
 import parallelvars as pv
 

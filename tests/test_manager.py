@@ -259,7 +259,6 @@ def test_committed_checkpoint_missing_from_state_is_adopted(tmp_path):
 
 CRASH_DURING_SAVE = """
 import os, sys
-sys.path.insert(0, sys.argv[3])
 import parallelvars as pv
 from test_manager import make, set_values
 directory, point = sys.argv[1], sys.argv[2]
@@ -292,14 +291,16 @@ mgr.save()
         ("after unlink ckpt-1.h5", 2),
     ],
 )
-def test_a_crash_at_any_step_of_a_save_keeps_the_newest_checkpoint(tmp_path, point, newest):
+def test_a_crash_at_any_step_of_a_save_keeps_the_newest_checkpoint(
+    tmp_path, point, newest, helper_env
+):
     """The process dies before or after each rename and deletion of a save (retention keeps
     one): the newest committed checkpoint is found whole, by readers and by the next manager."""
-    tests = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.run(
-        [sys.executable, "-c", CRASH_DURING_SAVE, str(tmp_path), point, tests],
+        [sys.executable, "-c", CRASH_DURING_SAVE, str(tmp_path), point],
         capture_output=True,
         timeout=120,
+        env=helper_env,
     )
     assert proc.returncode == 17, proc.stderr.decode()  # died at that point
     expected = str(tmp_path / f"ckpt-{newest}.h5")
