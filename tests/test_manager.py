@@ -407,6 +407,17 @@ def test_failed_save_raises_and_leaves_everything_intact(tmp_path, monkeypatch):
     assert int(step2) == 3
 
 
+@pytest.mark.parametrize("number", [-1, "seven", [1, 2]])
+def test_refused_checkpoint_number_leaves_the_counter(tmp_path, number):
+    ckpt, *_ = make()
+    with pv.CheckpointManager(ckpt, tmp_path) as mgr:
+        mgr.save()
+        with pytest.raises((ValueError, TypeError)):
+            mgr.save(checkpoint_number=number)
+        assert int(ckpt.save_counter) == 1
+        assert os.path.basename(mgr.save()) == "ckpt-2.h5"
+
+
 def test_failed_state_write_keeps_the_old_state(tmp_path, monkeypatch):
     ckpt, *_ = make()
     mgr = pv.CheckpointManager(ckpt, tmp_path, max_to_keep=1)

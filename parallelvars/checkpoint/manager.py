@@ -667,35 +667,28 @@ class CheckpointManager:
             assert step is not None
             if step < self._last_step + self._interval:
                 return None
-        counter = self._checkpoint.save_counter
-        previous = int(counter)
-        counter.assign(previous + 1)
-        number = previous + 1 if checkpoint_number is None else int(np.asarray(checkpoint_number))
-        if number < 0:
-            counter.assign(previous)
-            raise InvalidArgumentError(f"checkpoint_number must be >= 0, got {number}")
-        filename = f"{self._name}-{number}{SUFFIX}"
-        path = os.path.join(self._directory, filename)
-        try:
+        count = self._checkpoint._count_save()
+        with count:  # a save refused or failing here leaves the counter where it was
+            number = (
+                count.number if checkpoint_number is None else int(np.asarray(checkpoint_number))
+            )
+            if number < 0:
+                raise InvalidArgumentError(f"checkpoint_number must be >= 0, got {number}")
+            filename = f"{self._name}-{number}{SUFFIX}"
+            path = os.path.join(self._directory, filename)
             write = self._checkpoint._prepare_write(copy=not blocking)
-        except BaseException:
-            counter.assign(previous)
-            raise
         replaces = os.path.lexists(path)
 
         def job() -> None:
-            try:
+            with count:
                 write(path)
-            except BaseException:
-                counter.assign(previous)
-                raise
             try:
                 self._commit(_Record(file=filename, number=number, time=time.time()), replaces)
             except BaseException:
                 with self._mutex:
                     kept = any(r.file == filename for r in self._managed)
                 if not kept:  # taken back: the counter too
-                    counter.assign(previous)
+                    count.undo()
                 raise
 
         if blocking:
