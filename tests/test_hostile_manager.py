@@ -201,7 +201,7 @@ EXIT_SCRIPT = textwrap.dedent(
     import sys, time
     import numpy as np
     import parallelvars as pv
-    from parallelvars.checkpoint import h5io
+    from parallelvars.checkpoint.h5io import write
 
     directory, mode = sys.argv[1], sys.argv[2]
     with pv.MirroredStrategy(2).scope():
@@ -211,7 +211,7 @@ EXIT_SCRIPT = textwrap.dedent(
     mgr = pv.CheckpointManager(ckpt, directory)
     w.assign(np.ones((256, 64), np.float32)); step.assign(1)
     mgr.save()
-    real = h5io._checked
+    real = write._checked
 
     def slow(*args):
         time.sleep(0.05)  # the write is still running when the main thread ends
@@ -219,7 +219,7 @@ EXIT_SCRIPT = textwrap.dedent(
             raise OSError(28, "No space left on device")
         return real(*args)
 
-    h5io._checked = slow
+    write._checked = slow
     w.assign(np.full((256, 64), 2, np.float32)); step.assign(2)
     mgr.save(blocking=False)
     w.assign(np.full((256, 64), 3, np.float32)); step.assign(3)  # after the snapshot
