@@ -115,6 +115,10 @@ def test_training_equals_mirrored_in_one_process(tmp_path: Path, n: int) -> None
     assert ranks[0]["batch_0"].dtype == np.int32
     np.testing.assert_array_equal(ranks[0]["batch_1"], np.full(3, 0.5 * n * (n - 1) / 2))
     assert float(ranks[0]["batch_2"]) == n * (n - 1) / 2
+    # In-place writes in a replica function, merged: SUM of each rank's doubled-and-more
+    # value, MEAN of each rank's item.
+    np.testing.assert_array_equal(ranks[0]["inplace_scaled"], np.full(3, n * (n - 1) / 2 + 2 * n))
+    np.testing.assert_array_equal(ranks[0]["inplace_items"], [(n - 1) / 2, 0.0, 0.0])
 
 
 def test_checkpoint_of_four_ranks_restores_in_two_and_in_one_process(tmp_path: Path) -> None:
