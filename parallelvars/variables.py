@@ -72,6 +72,9 @@ from parallelvars.errors import (
 from parallelvars.strategy import _context, _write_plan
 from parallelvars.strategy._write_plan import Route
 
+# The routes as module constants: a class attribute of an Enum costs a lookup on every write.
+_OWN, _MERGE, _EVERY, _FULL = Route.OWN, Route.MERGE, Route.EVERY, Route.FULL
+
 __all__ = [
     "ComponentVariable",
     "ParallelVariable",
@@ -388,10 +391,10 @@ class ParallelVariable(wrapt.ObjectProxy):
         """A value write, where :func:`~parallelvars.strategy._write_plan.route` sends it."""
         value = _unwrap(value)
         where, i = _write_plan.route(self)
-        if where is Route.OWN:
+        if where is _OWN:
             assert i is not None
             _write_array(self._self_components[i], op, self._check_value_shape(value))
-        elif where is Route.MERGE:
+        elif where is _MERGE:
             ctx = _context.current_mode().replica_context
             assert ctx is not None
             ctx._write_variable(self, op, value)
@@ -399,22 +402,24 @@ class ParallelVariable(wrapt.ObjectProxy):
             self._apply_write(op, value)
         return self
 
-    def _change(self, change: Callable[[np.ndarray], object], every: Callable[[], object]) -> None:
-        """An in-place change, where :func:`~parallelvars.strategy._write_plan.route` sends it:
-        ``change(array)`` changes one array in place, ``every()`` makes the change on every
-        component (in one call over the stacked buffer where it can)."""
-        where, i = _write_plan.route(self)
-        if where is Route.OWN:
+    def _change(self, where: Route, i: int | None, change: Callable[[np.ndarray], object]) -> None:
+        """An in-place change ``change(array)`` on the route ``where, i`` that
+        :func:`~parallelvars.strategy._write_plan.route` gave, other than ``EVERY``: the callers
+        change every component themselves, in one call over the stacked buffer where they can
+        (and without a call per component where they cannot: the common case stays cheap)."""
+        if where is _OWN:
             assert i is not None
             change(self._self_components[i])
-        elif where is Route.EVERY:
-            every()
-        elif where is Route.FULL:
+        elif where is _FULL:
             change(self.__wrapped__)
         else:  # MERGE, LOGICAL: on the value as it reads here, then written like assign()
+            assert where is not _EVERY
             new = self.read_value()
             change(new)
-            self.assign(new)
+            if where is _MERGE:
+                self.assign(new)
+            else:  # what assign() does on this route
+                self._apply_write("assign", new)
 
     def _check_value_shape(self, value: Any) -> np.ndarray:
         return _fitting_value(value, self.__wrapped__.shape, self._self_name)
@@ -441,16 +446,24 @@ class ParallelVariable(wrapt.ObjectProxy):
         if name == "sub":
             return self.assign_sub(other)
         other = _unwrap(other)
-        self._check_value_shape(other)  # an in-place result keeps the variable's shape
+        if not np.isscalar(other):  # an in-place result keeps the variable's shape
+            self._check_value_shape(other)
         ufunc = _INPLACE_UFUNC[name]
-        stacked = self._self_stacked
-        self._change(lambda a: ufunc(a, other, out=a), lambda: ufunc(stacked, other, out=stacked))
+        where, i = _write_plan.route(self)
+        if where is _EVERY:
+            ufunc(self._self_stacked, other, out=self._self_stacked)
+        else:
+            self._change(where, i, lambda a: ufunc(a, other, out=a))
         return self
 
     def __setitem__(self, key: Any, value: Any) -> None:
         key = _unwrap(key)
         value = _unwrap(value)
-        self._change(lambda a: a.__setitem__(key, value), lambda: self._setitem_all(key, value))
+        where, i = _write_plan.route(self)
+        if where is _EVERY:
+            self._setitem_all(key, value)
+        else:
+            self._change(where, i, lambda a: a.__setitem__(key, value))
 
     def _setitem_all(self, key: Any, value: Any) -> None:
         stacked = self._self_stacked
@@ -469,14 +482,12 @@ class ParallelVariable(wrapt.ObjectProxy):
         (an axis) speak of one component's axes, not of the stacked buffer's."""
         args = tuple(_unwrap(a) for a in args)
         kwargs = _unwrap_kwargs(kwargs)
-        self._change(
-            lambda a: getattr(a, method)(*args, **kwargs),
-            lambda: self._on_each_component(lambda c: getattr(c, method)(*args, **kwargs)),
-        )
-
-    def _on_each_component(self, change: Callable[[np.ndarray], object]) -> None:
-        for comp in self._self_components:
-            change(comp)
+        where, i = _write_plan.route(self)
+        if where is _EVERY:
+            for comp in self._self_components:
+                getattr(comp, method)(*args, **kwargs)
+        else:
+            self._change(where, i, lambda a: getattr(a, method)(*args, **kwargs))
 
     def fill(self, value: Any) -> None:
         self._for_each_component("fill", value)
@@ -540,10 +551,16 @@ class ParallelVariable(wrapt.ObjectProxy):
         (var,) = targets
         rest = {k: _unwrap(v) for k, v in kwargs.items() if k != "out"}
 
-        def change(a: np.ndarray) -> None:
-            ufunc(*(a if x is var else _unwrap(x) for x in inputs), out=a, **rest)
-
-        var._change(change, lambda: var._on_each_component(change))
+        where, i = _write_plan.route(var)
+        if where is _EVERY:
+            for comp in var._self_components:
+                ufunc(*[comp if x is var else _unwrap(x) for x in inputs], out=comp, **rest)
+        else:
+            var._change(
+                where,
+                i,
+                lambda a: ufunc(*[a if x is var else _unwrap(x) for x in inputs], out=a, **rest),
+            )
         return var
 
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
@@ -552,10 +569,12 @@ class ParallelVariable(wrapt.ObjectProxy):
             rest = tuple(_unwrap(a) for a in args[1:])
             kw = _unwrap_kwargs(kwargs)
 
-            def change(a: np.ndarray) -> None:
-                func(a, *rest, **kw)
-
-            var._change(change, lambda: var._on_each_component(change))
+            where, i = _write_plan.route(var)
+            if where is _EVERY:
+                for comp in var._self_components:
+                    func(comp, *rest, **kw)
+            else:
+                var._change(where, i, lambda a: func(a, *rest, **kw))
             return None
         return func(*(_unwrap(a) for a in args), **_unwrap_kwargs(kwargs))
 

@@ -66,19 +66,29 @@ def route(var: Any) -> tuple[Route, int | None]:
     and ``MERGE`` inside a replica function of the variable's devices, else None)."""
     kind = var._self_kind
     if kind == "sharded":
-        return Route.FULL, None
+        return _FULL
+    ctx = _context.current_mode().replica_context
+    if ctx is None or ctx.strategy._is_default:
+        # Outside replica functions: the common case, decided without more lookups.
+        return _LOGICAL if kind == "on_read" else _EVERY
     i = var._replica_index()
     if i is not None:
-        return (Route.OWN if kind in ("on_read", "independent") else Route.MERGE), i
+        return (_OWN if kind in ("on_read", "independent") else _MERGE), i
     if kind == "on_read":
-        return Route.LOGICAL, None
-    if kind != "independent":
-        ctx = _context.current_mode().replica_context
-        if ctx is not None and ctx.strategy._merges_writes_of(var):
-            # A process-local component of a variable spread over processes: merged across
-            # replicas like any mirrored write in a replica function.
-            return Route.MERGE, None
-    return Route.EVERY, None
+        return _LOGICAL
+    if kind != "independent" and ctx.strategy._merges_writes_of(var):
+        # A process-local component of a variable spread over processes: merged across
+        # replicas like any mirrored write in a replica function.
+        return _MERGE_HERE
+    return _EVERY
+
+
+# Module constants: a class attribute of an Enum costs a lookup on every write.
+_OWN, _MERGE = Route.OWN, Route.MERGE
+_MERGE_HERE: tuple[Route, int | None] = (Route.MERGE, None)
+_FULL: tuple[Route, int | None] = (Route.FULL, None)
+_LOGICAL: tuple[Route, int | None] = (Route.LOGICAL, None)
+_EVERY: tuple[Route, int | None] = (Route.EVERY, None)
 
 
 def merge_reduction(var: Any, op: str, strategy: Any) -> ReduceOp | None:
