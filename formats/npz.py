@@ -1,8 +1,9 @@
 """NumPy ``.npz``: read member by member without unpickling anything, written streaming.
 
 Reading never calls ``np.load``. The zip's central directory is read with :mod:`zipfile`; each
-``<key>.npy`` member's header is parsed here (magic, version, a header of at most
-``MAX_HEADER_SIZE`` bytes read with :func:`ast.literal_eval`), and a member whose dtype holds
+``<key>.npy`` member's header is parsed by numpy's own header reader
+(:func:`numpy.lib.format.read_magic`, ``read_array_header_1_0`` / ``_2_0``) through a stream
+that refuses to read past ``MAX_HEADER_SIZE`` bytes of header, and a member whose dtype holds
 Python objects (``|O``, which ``np.save`` pickles) is refused with
 :class:`~parallelvars.errors.UnsupportedDtypeError` before any of its data is touched.
 Tensor bytes are read on demand: straight from the file for STORED members (``np.savez``),
@@ -34,14 +35,14 @@ other files are read as UTF-8 ``bytes``.
 
 from __future__ import annotations
 
-import ast
 import math
 import os
 import struct
 import threading
+import tokenize
 import zipfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 import numpy as np
@@ -78,6 +79,25 @@ MAX_DEFLATE_RATIO = 1032
 DEFAULT_NAMES = "slash"
 _MAGIC = b"\x93NUMPY"
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+#: Per .npy major version: bytes of the header-length field and numpy's header reader. 3.0
+#: differs from 2.0 only in encoding the header as UTF-8 instead of latin-1, which only
+#: non-ASCII field names of structured dtypes need (refused either way), so 2.0's reader reads it.
+_HEADER_READERS: dict[int, tuple[int, Callable[..., tuple[Any, Any, np.dtype]]]] = {
+    1: (2, np.lib.format.read_array_header_1_0),
+    2: (4, np.lib.format.read_array_header_2_0),
+    3: (4, np.lib.format.read_array_header_2_0),
+}
+#: What numpy's header reader raises on a damaged header: its own ValueError; the tokenizer's
+#: error from its fallback parse of Python 2 headers; that fallback's UserWarning where warnings
+#: are errors; a recursion or memory error of ``ast.literal_eval``.
+_HEADER_ERRORS = (
+    ValueError,
+    SyntaxError,
+    tokenize.TokenError,
+    UserWarning,
+    RecursionError,
+    MemoryError,
+)
 #: What zipfile, zlib and numpy raise on a damaged archive (mapped to our errors).
 _ZIP_ERRORS = (
     zipfile.BadZipFile,
@@ -97,15 +117,36 @@ _ZIP_ERRORS = (
 )
 
 
-class _Recording:
-    """A read-only stream wrapper that keeps every byte read (the .npy header's bytes)."""
+class _HeaderStream:
+    """The member's stream as numpy's header reader sees it.
 
-    def __init__(self, f: IO[bytes]) -> None:
+    Keeps every byte read (the zip CRC-32 of the data continues the header's), refuses a read
+    that would go past the largest header we accept (``limit``, set once the version is known)
+    before reading anything, so a length field claiming gigabytes allocates nothing, and
+    reports a short read (the member ends inside its header) as ours.
+    """
+
+    def __init__(self, f: IO[bytes], member: str, file: str) -> None:
         self._f = f
+        self._member = member
+        self._file = file
         self.data = bytearray()
+        self.limit = 8  # the magic string, until the version says how long the length field is
 
-    def read(self, n: int) -> bytes:
+    def read(self, n: int = -1, /) -> bytes:
+        if n < 0 or len(self.data) + n > self.limit:  # numpy reads exact counts, never "all"
+            raise CorruptCheckpointError(
+                ".npy header too large",
+                file=self._file,
+                variable=self._member,
+                expected=f"<= {MAX_HEADER_SIZE} bytes",
+                found=f"{n} bytes",
+            )
         b = self._f.read(n)
+        if len(b) < n:  # zipfile's streams return short only at the member's end
+            raise TruncatedFileError(
+                "the .npy header is cut short", file=self._file, variable=self._member
+            )
         self.data += b
         return b
 
@@ -165,88 +206,68 @@ class _Member:
 
 def _parse_npy_header(
     f: IO[bytes], member: str, file: str
-) -> tuple[np.dtype, tuple[int, ...], bool, int]:
-    """(dtype, shape, fortran_order, header length) of the .npy stream ``f``."""
-    magic = f.read(8)
-    if len(magic) < 8 or magic[:6] != _MAGIC:
+) -> tuple[np.dtype, tuple[int, ...], bool, bytes]:
+    """(dtype, shape, fortran_order, header bytes) of the .npy stream ``f``.
+
+    numpy's own reader parses the header (:func:`numpy.lib.format.read_magic`,
+    ``read_array_header_1_0`` / ``_2_0``, ``ast.literal_eval`` on at most ``MAX_HEADER_SIZE``
+    bytes); what it raises on a damaged header is raised as ours, and what it lets through
+    (negative or bool dimensions, object, structured and other dtypes we do not store) is
+    refused here.
+    """
+    stream = _HeaderStream(f, member, file)
+    try:
+        major, minor = np.lib.format.read_magic(stream)
+    except ParallelVarsError:  # the stream's own: the member ends inside the magic string
+        raise
+    except ValueError:  # not the magic string
         raise CorruptCheckpointError(
             "member is not a .npy array",
             file=file,
             variable=member,
             expected=repr(_MAGIC),
-            found=repr(magic[:6]),
-        )
-    major = magic[6]
-    if major == 1:
-        raw_len = f.read(2)
-        fmt, lenlen = "<H", 2
-    elif major in (2, 3):
-        raw_len = f.read(4)
-        fmt, lenlen = "<I", 4
-    else:
+            found=repr(bytes(stream.data[:6])),
+        ) from None
+    if major not in _HEADER_READERS:
         raise CorruptCheckpointError(
             "unknown .npy format version",
             file=file,
             variable=member,
             expected="1.0, 2.0 or 3.0",
-            found=f"{major}.{magic[7]}",
+            found=f"{major}.{minor}",
         )
-    if len(raw_len) < lenlen:
-        raise TruncatedFileError("the .npy header is cut short", file=file, variable=member)
-    (hlen,) = struct.unpack(fmt, raw_len)
-    if hlen > MAX_HEADER_SIZE:
-        raise CorruptCheckpointError(
-            ".npy header too large",
-            file=file,
-            variable=member,
-            expected=f"<= {MAX_HEADER_SIZE} bytes",
-            found=f"{hlen} bytes",
-        )
-    raw = f.read(hlen)
-    if len(raw) < hlen:
-        raise TruncatedFileError("the .npy header is cut short", file=file, variable=member)
+    length_field, read_header = _HEADER_READERS[major]
+    stream.limit = 8 + length_field + MAX_HEADER_SIZE
     try:
-        text = raw.decode("utf-8" if major == 3 else "latin1")
-        header = ast.literal_eval(text)
-    except (UnicodeDecodeError, ValueError, SyntaxError, MemoryError, RecursionError):
+        shape, fortran, dtype = read_header(stream, max_header_size=MAX_HEADER_SIZE)
+    except ParallelVarsError:  # the stream's own: too large or cut short
+        raise
+    except _HEADER_ERRORS as exc:
+        if isinstance(exc, ValueError) and isinstance(exc.__cause__, TypeError):
+            # numpy's "descr is not a valid dtype descriptor": a header that parsed, naming a
+            # dtype numpy does not know.
+            raise UnsupportedDtypeError(
+                "unknown .npy dtype",
+                file=file,
+                variable=member,
+                expected="a numpy type string",
+                found=str(exc),
+            ) from None
         raise CorruptCheckpointError(
             "cannot parse the .npy header",
             file=file,
             variable=member,
-            expected="a Python dict literal",
-            found=repr(raw[:80]),
+            expected="a dict literal of descr, fortran_order and shape",
+            found=f"{str(exc)[:200]} (header {bytes(stream.data[8 + length_field :][:80])!r})",
         ) from None
-    if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
+    if not all(is_index(d) for d in shape):
         raise CorruptCheckpointError(
-            ".npy header must hold exactly descr, fortran_order, shape",
+            "bad shape in the .npy header",
             file=file,
             variable=member,
-            expected="{'descr', 'fortran_order', 'shape'}",
-            found=repr(raw[:80]),
+            expected="a tuple of ints >= 0",
+            found=repr(shape),
         )
-    shape, fortran = header["shape"], header["fortran_order"]
-    if (
-        not isinstance(shape, tuple)
-        or not all(is_index(d) for d in shape)
-        or not isinstance(fortran, bool)
-    ):
-        raise CorruptCheckpointError(
-            "bad shape or fortran_order in the .npy header",
-            file=file,
-            variable=member,
-            expected="a tuple of ints >= 0 and a bool",
-            found=repr(header),
-        )
-    try:
-        dtype = np.lib.format.descr_to_dtype(header["descr"])
-    except (TypeError, ValueError):
-        raise UnsupportedDtypeError(
-            "unknown .npy dtype",
-            file=file,
-            variable=member,
-            expected="a numpy type string",
-            found=repr(header["descr"]),
-        ) from None
     if dtype.hasobject:
         # np.save pickles object arrays; we never unpickle, so refuse before reading the data.
         raise UnsupportedDtypeError(
@@ -264,7 +285,7 @@ def _parse_npy_header(
             expected="a numeric, bool or bytes dtype",
             found=str(dtype),
         )
-    return dtype, tuple(shape), fortran, 8 + lenlen + hlen
+    return dtype, tuple(shape), fortran, bytes(stream.data)
 
 
 class _Store(ByteStore):
@@ -388,8 +409,8 @@ class _Store(ByteStore):
             key = name[:-4]
             start = self._data_start(info)
             with self._zip.open(info) as f:  # checks the local header's name against the directory
-                rec = _Recording(f)
-                dtype, shape, fortran, hlen = _parse_npy_header(rec, key, self.file)  # type: ignore[arg-type]
+                dtype, shape, fortran, head = _parse_npy_header(f, key, self.file)
+            hlen = len(head)
             if dtype.kind == "U" and key.endswith("#dtype") and shape == ():
                 tags.add(key[: -len("#dtype")])  # resolved below
             need = hlen + math.prod(shape) * dtype.itemsize
@@ -414,7 +435,7 @@ class _Store(ByteStore):
                 fortran,
                 hlen,
                 None if start is None else start + hlen,
-                zlib.crc32(bytes(rec.data[:hlen])),
+                zlib.crc32(head),
             )
         self._current = ""
         for base in tags:

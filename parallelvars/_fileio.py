@@ -12,17 +12,16 @@ import errno
 import json
 import math
 import os
-import queue
 import secrets
 import sys
-import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import crc32c as _crc32c
 import numpy as np
 
-from parallelvars._threads import thread_count
+from parallelvars._threads import submit_or_run, thread_count
 from parallelvars.errors import (
     CheckpointWriteError,
     ConcurrentWriteError,
@@ -281,9 +280,11 @@ class DataWriter:
       checksum, so that fails the save instead.
 
     The second checksums of large buffers and the writeback hints (which can block while the
-    disk is busy) run on a helper thread when the machine has more than one core; both release
-    the GIL, so they overlap with the next variables' metadata. :meth:`close` waits for them
-    and raises the first error.
+    disk is busy) run on a helper thread (a one-worker ``ThreadPoolExecutor``) when the
+    machine has more than one core; both release the GIL, so they overlap with the next
+    variables' metadata. :meth:`close` waits for them and raises the first error. A save
+    still running at interpreter exit, when ``concurrent.futures`` takes no new work, does
+    that work inline (:func:`~parallelvars._threads.submit_or_run`).
     """
 
     CHUNK = 1 << 20
@@ -296,10 +297,7 @@ class DataWriter:
         self.fd = os.open(path, os.O_WRONLY)
         self._helper = thread_count() > 1
         self._lo = self._hi = -1
-        self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] | None = (
-            None
-        )
-        self._thread: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None  # one worker: the work runs in order
         self._error: BaseException | None = None
 
     def write(self, arr: np.ndarray, offset: int) -> int:
@@ -349,20 +347,16 @@ class DataWriter:
         if not self._helper:
             fn(*args)
             return
-        if self._queue is None:
-            self._queue = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._run, name="parallelvars-save", daemon=True)
-            self._thread.start()
-        self._queue.put((fn, args))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parallelvars-save")
+        submit_or_run(self._pool, self._run, fn, args)
 
-    def _run(self) -> None:
-        assert self._queue is not None
-        while (item := self._queue.get()) is not None:
-            if self._error is None:
-                try:
-                    item[0](*item[1])
-                except BaseException as exc:  # handed to the saving thread by close()
-                    self._error = exc
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        if self._error is None:  # after the first error the rest is skipped
+            try:
+                fn(*args)
+            except BaseException as exc:  # handed to the saving thread by close()
+                self._error = exc
 
     def close(self, *, raise_errors: bool) -> None:
         """Finish the helper's work, close the descriptor, raise the first error if asked.
@@ -375,10 +369,9 @@ class DataWriter:
             if raise_errors:
                 self._start_writeback()
         finally:
-            if self._queue is not None and self._thread is not None:
-                self._queue.put(None)
-                self._thread.join()
-                self._queue = self._thread = None
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
             fd, self.fd = self.fd, -1
             os.close(fd)
         if raise_errors and self._error is not None:

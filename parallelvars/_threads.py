@@ -16,10 +16,13 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from parallelvars.errors import InvalidArgumentError
 
-__all__ = ["run_partitioned", "thread_count"]
+__all__ = ["run_partitioned", "submit_or_run", "thread_count"]
+
+_T = TypeVar("_T")
 
 _DEFAULT_MAX = 4
 # Below this many bytes the hand-off costs more than it saves.
@@ -52,6 +55,27 @@ def _executor(workers: int) -> ThreadPoolExecutor:
             _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="parallelvars")
             _pool_size = workers
         return _pool
+
+
+def submit_or_run(pool: ThreadPoolExecutor, fn: Callable[..., _T], *args: Any) -> Future[_T]:
+    """``pool.submit(fn, *args)``; at interpreter exit, ``fn`` run now in the calling thread.
+
+    When the main thread ends, ``concurrent.futures`` joins its pools' threads (each finishes
+    the work it was given: a save in flight completes) and from then on refuses new work with
+    ``RuntimeError``, in every pool. Work handed over from then on (by a save finishing at exit,
+    or from an ``atexit`` hook) runs inline instead; its outcome is in the returned future
+    either way. Only for pools that are never shut down while still in use.
+    """
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+        pass
+    future: Future[_T] = Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as exc:  # like a pool thread; an interrupt still reaches the caller
+        future.set_exception(exc)
+    return future
 
 
 def partition(weights: Sequence[int], parts: int) -> list[tuple[int, int]]:

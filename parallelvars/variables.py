@@ -40,7 +40,9 @@ Overridden dunders and why (everything else is forwarded to the wrapped array by
 * in-place operators (``+=``, ``-=``, ``*=``, ``/=``, ``//=``, ``%=``, ``**=``, ``<<=``,
   ``>>=``, ``&=``, ``|=``, ``^=``) and ``__setitem__``: must reach *every* component of a
   mirrored variable, not only the primary that wrapt would update. ``+=`` and ``-=`` are
-  ``assign_add`` / ``assign_sub`` (so they merge across replicas inside a replica function).
+  ``assign_add`` / ``assign_sub``. Where every write goes (this replica's component, merged
+  across replicas, every component, the full value) is decided in one place:
+  :func:`parallelvars.strategy._write_plan.route`.
 * ``fill``, ``sort``, ``partition``, ``put``: array methods that write in place; same reason.
 * ``__hash__``: by identity (an array is unhashable; a variable is a key in optimizer state).
   Like any numpy array, ``==`` compares element-wise.
@@ -76,7 +78,11 @@ from parallelvars.errors import (
     UnsupportedDtypeError,
     UnsupportedOperationError,
 )
-from parallelvars.strategy import _context
+from parallelvars.strategy import _context, _write_plan
+from parallelvars.strategy._write_plan import Route
+
+# The routes as module constants: a class attribute of an Enum costs a lookup on every write.
+_OWN, _MERGE, _EVERY, _FULL = Route.OWN, Route.MERGE, Route.EVERY, Route.FULL
 
 __all__ = [
     "ComponentVariable",
@@ -161,7 +167,8 @@ def _fitting_value(value: Any, shape: tuple[int, ...], name: str) -> np.ndarray:
 
 
 def _write_array(target: np.ndarray, op: str, arr: np.ndarray) -> None:
-    """Apply ``op`` (``assign`` / ``assign_add`` / ``assign_sub``) of ``arr`` to ``target`` in place."""
+    """Apply ``op`` (``assign`` / ``assign_add`` / ``assign_sub``) of ``arr`` to ``target`` in
+    place: a component, the stacked buffer (every component) or a sharded variable's full value."""
     if op == "assign":
         target[...] = arr
     elif op == "assign_add":
@@ -414,55 +421,57 @@ class ParallelVariable(wrapt.ObjectProxy):
         return self._write("assign_sub", delta)
 
     def _write(self, op: str, value: Any) -> ParallelVariable:
+        """A value write, where :func:`~parallelvars.strategy._write_plan.route` sends it."""
         value = _unwrap(value)
-        i = self._replica_index()
-        if i is not None:
-            if self._self_kind in ("on_read", "independent"):
-                self._apply_component(i, op, value)
-                return self
+        where, i = _write_plan.route(self)
+        if where is _OWN:
+            assert i is not None
+            _write_array(self._self_components[i], op, self._check_value_shape(value))
+        elif where is _MERGE:
             ctx = _context.current_mode().replica_context
             assert ctx is not None
             ctx._write_variable(self, op, value)
-            return self
-        ctx = _context.current_mode().replica_context
-        if (
-            ctx is not None
-            and self._self_kind not in ("on_read", "independent")
-            and ctx.strategy._merges_writes_of(self)
-        ):
-            # A process-local component of a variable spread over processes: the write is
-            # merged across replicas like any mirrored write in a replica function.
-            ctx._write_variable(self, op, value)
-            return self
-        self._apply_write(op, value)
+        else:
+            self._apply_write(op, value)
         return self
+
+    def _change(self, where: Route, i: int | None, change: Callable[[np.ndarray], object]) -> None:
+        """An in-place change ``change(array)`` on the route ``where, i`` that
+        :func:`~parallelvars.strategy._write_plan.route` gave, other than ``EVERY``: the callers
+        change every component themselves, in one call over the stacked buffer where they can
+        (and without a call per component where they cannot: the common case stays cheap)."""
+        if where is _OWN:
+            assert i is not None
+            change(self._self_components[i])
+        elif where is _FULL:
+            change(self.__wrapped__)
+        else:  # MERGE, LOGICAL: on the value as it reads here, then written like assign()
+            assert where is not _EVERY
+            new = self.read_value()
+            change(new)
+            if where is _MERGE:
+                self.assign(new)
+            else:  # what assign() does on this route
+                self._apply_write("assign", new)
 
     def _check_value_shape(self, value: Any) -> np.ndarray:
         return _fitting_value(value, self.__wrapped__.shape, self._self_name)
-
-    def _apply_component(self, i: int, op: str, value: Any) -> None:
-        _write_array(self._self_components[i], op, self._check_value_shape(value))
 
     def _apply_write(self, op: str, value: Any) -> None:
         """Apply ``op`` in cross-replica terms: the write the whole variable sees once."""
         arr = self._check_value_shape(value)
         stacked = self._self_stacked
-        if self._self_kind == "on_read" and len(self._self_components) > 1:
-            agg = self._self_aggregation
-            if agg is Aggregation.SUM:
-                # Keep the total exact for every dtype: it lives in the primary.
-                if op == "assign":
-                    stacked[1:] = 0
-                    stacked[0] = arr
-                else:
-                    self._apply_component(0, op, arr)
-                return
-        if op == "assign":
-            stacked[...] = arr
-        elif op == "assign_add":
-            np.add(stacked, arr, out=stacked, casting="same_kind")
-        else:
-            np.subtract(stacked, arr, out=stacked, casting="same_kind")
+        if (
+            self._self_kind == "on_read"
+            and len(self._self_components) > 1
+            and self._self_aggregation is Aggregation.SUM
+        ):
+            # Keep the total exact for every dtype: it lives in the primary.
+            if op == "assign":
+                stacked[1:] = 0
+            _write_array(self._self_components[0], op, arr)
+            return
+        _write_array(stacked, op, arr)
 
     def _inplace(self, name: str, other: Any) -> ParallelVariable:
         if name == "add":
@@ -470,33 +479,24 @@ class ParallelVariable(wrapt.ObjectProxy):
         if name == "sub":
             return self.assign_sub(other)
         other = _unwrap(other)
+        if not np.isscalar(other):  # an in-place result keeps the variable's shape
+            self._check_value_shape(other)
         ufunc = _INPLACE_UFUNC[name]
-        i = self._replica_index()
-        if i is not None and self._self_kind in ("on_read", "independent"):
-            comp = self._self_components[i]
-            ufunc(comp, other, out=comp)
-            return self
-        if i is not None or self._self_kind == "on_read":
-            # A value computed from the current one, then written like assign().
-            return self.assign(ufunc(self.read_value(), other))
-        self._check_value_shape(other)
-        stacked = self._self_stacked
-        ufunc(stacked, other, out=stacked)
+        where, i = _write_plan.route(self)
+        if where is _EVERY:
+            ufunc(self._self_stacked, other, out=self._self_stacked)
+        else:
+            self._change(where, i, lambda a: ufunc(a, other, out=a))
         return self
 
     def __setitem__(self, key: Any, value: Any) -> None:
         key = _unwrap(key)
         value = _unwrap(value)
-        i = self._replica_index()
-        if i is not None and self._self_kind in ("on_read", "independent"):
-            self._self_components[i][key] = value
-            return
-        if i is not None or self._self_kind == "on_read":
-            new = self.read_value()
-            new[key] = value
-            self.assign(new)
-            return
-        self._setitem_all(key, value)
+        where, i = _write_plan.route(self)
+        if where is _EVERY:
+            self._setitem_all(key, value)
+        else:
+            self._change(where, i, lambda a: a.__setitem__(key, value))
 
     def _setitem_all(self, key: Any, value: Any) -> None:
         stacked = self._self_stacked
@@ -511,19 +511,16 @@ class ParallelVariable(wrapt.ObjectProxy):
         raise UnsupportedOperationError(f"variable {self._self_name!r}: items cannot be deleted")
 
     def _for_each_component(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """An in-place array method (``fill``, ``sort``, ...), per component: its arguments
+        (an axis) speak of one component's axes, not of the stacked buffer's."""
         args = tuple(_unwrap(a) for a in args)
         kwargs = _unwrap_kwargs(kwargs)
-        i = self._replica_index()
-        if i is not None and self._self_kind in ("on_read", "independent"):
-            getattr(self._self_components[i], method)(*args, **kwargs)
-            return
-        if i is not None or self._self_kind == "on_read":
-            new = self.read_value()
-            getattr(new, method)(*args, **kwargs)
-            self.assign(new)
-            return
-        for comp in self._self_components:
-            getattr(comp, method)(*args, **kwargs)
+        where, i = _write_plan.route(self)
+        if where is _EVERY:
+            for comp in self._self_components:
+                getattr(comp, method)(*args, **kwargs)
+        else:
+            self._change(where, i, lambda a: getattr(a, method)(*args, **kwargs))
 
     def fill(self, value: Any) -> None:
         self._for_each_component("fill", value)
@@ -586,17 +583,17 @@ class ParallelVariable(wrapt.ObjectProxy):
             )
         (var,) = targets
         rest = {k: _unwrap(v) for k, v in kwargs.items() if k != "out"}
-        i = var._replica_index()
-        if var._self_kind == "on_read" or (
-            i is not None and var._self_kind not in ("independent",)
-        ):
-            result = ufunc(*(_unwrap(x) for x in inputs), **rest)
-            var.assign(result)
-            return var
-        comps = var._self_components if i is None else (var._self_components[i],)
-        for comp in comps:
-            args = [comp if x is var else _unwrap(x) for x in inputs]
-            ufunc(*args, out=comp, **rest)
+
+        where, i = _write_plan.route(var)
+        if where is _EVERY:
+            for comp in var._self_components:
+                ufunc(*[comp if x is var else _unwrap(x) for x in inputs], out=comp, **rest)
+        else:
+            var._change(
+                where,
+                i,
+                lambda a: ufunc(*[a if x is var else _unwrap(x) for x in inputs], out=a, **rest),
+            )
         return var
 
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
@@ -604,15 +601,13 @@ class ParallelVariable(wrapt.ObjectProxy):
             var = args[0]
             rest = tuple(_unwrap(a) for a in args[1:])
             kw = _unwrap_kwargs(kwargs)
-            i = var._replica_index()
-            if var._self_kind == "on_read" or (i is not None and var._self_kind != "independent"):
-                new = var.read_value()
-                func(new, *rest, **kw)
-                var.assign(new)
-                return None
-            comps = var._self_components if i is None else (var._self_components[i],)
-            for comp in comps:
-                func(comp, *rest, **kw)
+
+            where, i = _write_plan.route(var)
+            if where is _EVERY:
+                for comp in var._self_components:
+                    func(comp, *rest, **kw)
+            else:
+                var._change(where, i, lambda a: func(a, *rest, **kw))
             return None
         return func(*(_unwrap(a) for a in args), **_unwrap_kwargs(kwargs))
 
@@ -869,6 +864,7 @@ class ComponentVariable(np.ndarray):
         return self._pv_device
 
     def _write(self, op: str, value: Any) -> ComponentVariable:
+        # Always this component alone: what fn receives from Strategy.update is one device's.
         base = self.view(np.ndarray)
         _write_array(base, op, _fitting_value(_unwrap(value), base.shape, self._pv_name))
         return self
@@ -988,35 +984,7 @@ class ShardedVariable(ParallelVariable):
         return np.array(self.__wrapped__, copy=True)
 
     def _apply_write(self, op: str, value: Any) -> None:
-        arr = self._check_value_shape(value)
-        full = self.__wrapped__
-        if op == "assign":
-            full[...] = arr
-        elif op == "assign_add":
-            np.add(full, arr, out=full, casting="same_kind")
-        else:
-            np.subtract(full, arr, out=full, casting="same_kind")
-
-    def _inplace(self, name: str, other: Any) -> ParallelVariable:
-        full = self.__wrapped__
-        _INPLACE_UFUNC[name](full, _unwrap(other), out=full)
-        return self
-
-    def _setitem_all(self, key: Any, value: Any) -> None:
-        self.__wrapped__[key] = value
-
-    def _for_each_component(self, method: str, *args: Any, **kwargs: Any) -> None:
-        getattr(self.__wrapped__, method)(*(_unwrap(a) for a in args), **_unwrap_kwargs(kwargs))
-
-    def _ufunc_into(self, targets: Any, ufunc: Any, method: str, inputs: Any, kwargs: Any) -> Any:
-        (var,) = targets
-        rest = {k: _unwrap(v) for k, v in kwargs.items() if k != "out"}
-        ufunc(
-            *(var.__wrapped__ if x is var else _unwrap(x) for x in inputs),
-            out=var.__wrapped__,
-            **rest,
-        )
-        return var
+        _write_array(self.__wrapped__, op, self._check_value_shape(value))
 
 
 # ---------------------------------------------------------------------------- creation

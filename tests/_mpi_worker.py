@@ -9,11 +9,8 @@ from __future__ import annotations
 import os
 import sys
 
-import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 import _mpi_model as m
+import numpy as np
 
 import parallelvars as pv
 
@@ -42,6 +39,20 @@ def collectives(strategy: pv.MultiWorkerMirroredStrategy, out: dict[str, np.ndar
     ]
     for i, v in enumerate(strategy.batch_reduce(pv.ReduceOp.SUM, pairs)):
         out[f"batch_{i}"] = np.asarray(v)
+
+    # Every way of writing a mirrored variable in a replica function merges across ranks by
+    # its aggregation, as assign() does (not only this rank's copy).
+    with strategy.scope():
+        scaled = pv.Variable(np.ones(3), name="scaled", aggregation="sum")
+        items = pv.Variable(np.zeros(3), name="items", aggregation="mean")
+
+    def writes() -> None:
+        scaled.__imul__(rank + 2.0)  # `scaled *= ...`
+        items[0] = float(rank)
+
+    strategy.run(writes)
+    out["inplace_scaled"] = np.asarray(scaled)
+    out["inplace_items"] = np.asarray(items)
 
 
 def main() -> None:

@@ -346,6 +346,16 @@ def test_save_counter_continues_after_restore(tmp_path) -> None:
     assert c2.save(tmp_path / "r").endswith("r-3.h5")
 
 
+def test_failed_save_takes_its_count_back(tmp_path) -> None:
+    c = pv.Checkpoint(v=pv.Variable(np.ones(2)))
+    c.save(tmp_path / "r")
+    (tmp_path / "d-2.h5").mkdir()  # the next file's name is taken by a directory
+    with pytest.raises(OSError):
+        c.save(tmp_path / "d")
+    assert int(c.save_counter) == 1
+    assert c.save(tmp_path / "r").endswith("r-2.h5")
+
+
 def test_names_with_dots_and_slashes_are_escaped(tmp_path) -> None:
     m = pv.Module()
     m.table = {"a.b/c": pv.Variable(np.ones(1), name="x")}

@@ -12,15 +12,10 @@ import json
 import os
 import sys
 
+import fuzz_readers
 import h5py
 import numpy as np
 import pytest
-
-sys.path.insert(
-    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
-)
-
-import fuzz_readers
 
 import parallelvars as pv
 from parallelvars.checkpoint.h5io import H5Reader

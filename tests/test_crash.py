@@ -5,15 +5,9 @@ The driver is bench/soak_crash.py (hundreds of kills there); here a short run of
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
-
-sys.path.insert(
-    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-)
-
 import soak_crash
 
 import parallelvars as pv

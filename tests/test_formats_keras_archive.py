@@ -5,7 +5,6 @@ Real Keras loading what we write is in test_keras_interop.py."""
 from __future__ import annotations
 
 import json
-import sys
 import zipfile
 from pathlib import Path
 
@@ -16,8 +15,6 @@ from formats_testlib import KERAS, same_bits
 import parallelvars as pv
 from parallelvars import errors, formats
 from parallelvars.cli import main
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # fuzz_readers
 
 WEIGHTS = KERAS / "model.weights.h5"
 CONFIG = json.dumps({"class_name": "Sequential", "config": {"name": "sequential"}})

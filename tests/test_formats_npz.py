@@ -154,6 +154,111 @@ def test_oversized_npy_header_is_refused(tmp_path) -> None:
     assert "'x'" in str(err.value)
 
 
+def _npz_of_member(path: pathlib.Path, version: int, header: str, data: bytes = b"") -> None:
+    """An archive of one member ``x.npy``: magic, the header's length field, header, data."""
+    raw = header.encode("latin1")
+    length = struct.pack("<H" if version == 1 else "<I", len(raw))
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("x.npy", b"\x93NUMPY" + bytes([version, 0]) + length + raw + data)
+
+
+@pytest.mark.parametrize(
+    "version, header, error, message",
+    [
+        # numpy's tokenizer fallback (for Python 2 headers) raises its own TokenError here
+        (1, "{'descr': '<f4', (", CorruptCheckpointError, "cannot parse"),
+        (2, '"""', CorruptCheckpointError, "cannot parse"),
+        (1, "{'descr': '<f4', 'fortran_order': 0, 'shape': ()}", CorruptCheckpointError, "parse"),
+        (1, "{'descr': '<f4', 'shape': ()}", CorruptCheckpointError, "cannot parse"),
+        (1, "[1, 2]", CorruptCheckpointError, "cannot parse"),
+        # numpy lets negative and bool dimensions through; we do not
+        (
+            1,
+            "{'descr': '<f4', 'fortran_order': False, 'shape': (-1,)}",
+            CorruptCheckpointError,
+            "bad shape",
+        ),
+        (
+            1,
+            "{'descr': '<f4', 'fortran_order': False, 'shape': (True,)}",
+            CorruptCheckpointError,
+            "bad shape",
+        ),
+        (
+            1,
+            "{'descr': '<q9', 'fortran_order': False, 'shape': ()}",
+            UnsupportedDtypeError,
+            "unknown .npy dtype",
+        ),
+        (
+            1,
+            "{'descr': '|O', 'fortran_order': False, 'shape': ()}",
+            UnsupportedDtypeError,
+            "pickled",
+        ),
+        (
+            1,
+            "{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': ()}",
+            UnsupportedDtypeError,
+            "plain",
+        ),
+        (
+            4,
+            "{'descr': '<f4', 'fortran_order': False, 'shape': ()}",
+            CorruptCheckpointError,
+            "version",
+        ),
+    ],
+)
+def test_bad_npy_headers_raise_our_errors(tmp_path, version, header, error, message) -> None:
+    path = tmp_path / "bad.npz"
+    _npz_of_member(path, version, header)
+    with pytest.raises(error, match=message) as err:
+        open_npz(path)
+    assert str(path) in str(err.value) and "'x'" in str(err.value)
+
+
+def test_npy_header_length_claiming_gigabytes_is_refused_before_reading(tmp_path) -> None:
+    path = tmp_path / "h.npz"
+    with zipfile.ZipFile(path, "w") as zf:  # 2.0 length field: 4 GiB - 1, then 64 MiB of header
+        zf.writestr(
+            "x.npy", b"\x93NUMPY\x02\x00" + struct.pack("<I", 2**32 - 1) + b" " * (64 << 20)
+        )
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptCheckpointError, match="header too large") as err:
+            open_npz(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert f"{2**32 - 1} bytes" in str(err.value)
+    assert peak < 1 << 20  # numpy's reader never got to read the claimed header
+
+
+@pytest.mark.parametrize("cut", [5, 9, 40])
+def test_npy_header_cut_short(tmp_path, cut) -> None:
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, np.zeros(3, np.float32))
+    path = tmp_path / "cut.npz"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("x.npy", buf.getvalue()[:cut])
+    with pytest.raises(TruncatedFileError, match="cut short") as err:
+        open_npz(path)
+    assert "'x'" in str(err.value)
+
+
+@pytest.mark.parametrize("version", [(1, 0), (2, 0), (3, 0)])
+def test_every_npy_version_reads(tmp_path, version) -> None:
+    want = np.arange(12, dtype=np.int16).reshape(3, 4)
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, want, version=version)
+    path = tmp_path / "v.npz"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("x.npy", buf.getvalue())
+    with open_npz(path) as view:
+        assert same_bits(view["x"].value(), want)
+
+
 def test_npy_header_claiming_a_terabyte(tmp_path) -> None:
     header = "{'descr': '<f8', 'fortran_order': False, 'shape': (137438953472,), }"
     header += " " * (-(len(header) + 11) % 64) + "\n"

@@ -9,17 +9,11 @@ The long version: ``python tools/fuzz_readers.py --seconds 600``.
 from __future__ import annotations
 
 import os
-import sys
 
+import fuzz_readers
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-sys.path.insert(
-    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
-)
-
-import fuzz_readers
 
 FORMATS = fuzz_readers.available_formats()
 FUZZ = settings(

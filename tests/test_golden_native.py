@@ -6,11 +6,11 @@ from the live buffers at save time (``*-expected.npz``), not from our reader.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import h5py
+import make_golden_native as golden
 import ml_dtypes
 import numpy as np
 import pytest
@@ -21,8 +21,6 @@ from parallelvars.checkpoint.h5io import H5Reader
 from parallelvars.checkpoint.registry import component_name
 
 DATA = Path(__file__).parent / "data" / "native" / "v1"
-sys.path.insert(0, str(Path(__file__).parent.parent / "tools"))
-import make_golden_native as golden  # noqa: E402
 
 
 def expected(name: str) -> dict[str, np.ndarray]:

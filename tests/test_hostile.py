@@ -18,6 +18,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import fuzz_readers
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -36,9 +37,6 @@ from parallelvars.formats import ArrayEntry, open_checkpoint, write_checkpoint
 from parallelvars.formats.tf import _bundle
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-
-import fuzz_readers  # noqa: E402
 
 CRAFTED = fuzz_readers.CRAFTED
 
@@ -50,8 +48,7 @@ def limited(
     what it holds once the library is imported, killed after ``timeout`` seconds."""
     prologue = textwrap.dedent(
         f"""
-        import resource, sys
-        sys.path.insert(0, {str(ROOT / "tools")!r})
+        import resource
         import numpy, h5py, parallelvars, parallelvars.formats, parallelvars.cli
         from parallelvars.formats import tf, npz, safetensors
         with open("/proc/self/status") as f:

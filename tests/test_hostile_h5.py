@@ -35,8 +35,7 @@ _RUNNER = r"""
 import os, resource, sys
 limit = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-sys.path.insert(0, sys.argv[2])
-op, args = sys.argv[3], sys.argv[4:]
+op, args = sys.argv[2], sys.argv[3:]
 import numpy as np
 import parallelvars as pv
 from parallelvars.errors import ParallelVarsError
@@ -52,16 +51,16 @@ try:
         pv.Checkpoint(w=v).restore(args[0])
         print("ACCEPTED", np.asarray(v).tobytes())
     elif op == "cli":
-        from cli import main
+        from parallelvars.cli import main
         code = main(args)
         print("EXIT", code)
         sys.exit(0)
     elif op == "open":
-        import formats
+        from parallelvars import formats
         view = formats.open_checkpoint(args[0], format=args[1])
         print("ACCEPTED", {k: view[k].value().tobytes() for k in view})
     elif op == "convert":
-        import formats
+        from parallelvars import formats
         formats.convert(args[0], args[1], from_format=args[2], to_format="npz")
         print("ACCEPTED", open(args[1], "rb").read())
     else:
@@ -75,7 +74,7 @@ def run(op: str, *args: str | os.PathLike[str]) -> str:
     """Run ``op`` in a bounded subprocess; its output (stdout and stderr)."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-c", _RUNNER, str(LIMIT_AS), str(ROOT), op, *map(str, args)],
+        [sys.executable, "-c", _RUNNER, str(LIMIT_AS), op, *map(str, args)],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,

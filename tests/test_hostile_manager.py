@@ -242,6 +242,9 @@ def test_exit_with_a_save_in_flight(tmp_path, mode):
             text=True,
             timeout=120,
             cwd=REPO,
+            # A helper thread for the writer even on one core: the save hands it work (the
+            # final writeback hint) after concurrent.futures stopped taking new work.
+            env=dict(os.environ, PARALLELVARS_THREADS="2"),
         )
         assert proc.returncode == 0, proc.stderr
         w = pv.Variable(np.zeros((256, 64), np.float32), name="w")
@@ -261,6 +264,47 @@ def test_exit_with_a_save_in_flight(tmp_path, mode):
             state = json.loads((d / manager.STATE_FILE).read_text())
             assert state["latest"] == "ckpt-2.h5"
         assert not [f for f in os.listdir(d) if ".tmp-" in f]
+
+
+ATEXIT_SCRIPT = textwrap.dedent(
+    """
+    import atexit, sys
+    import numpy as np
+    import parallelvars as pv
+
+    directory = sys.argv[1]
+    w = pv.Variable(np.zeros((512, 256), np.float32), name="w")
+    mgr = pv.CheckpointManager(pv.Checkpoint(w=w), directory)
+
+    def save_at_exit():
+        w.assign(np.full((512, 256), 5, np.float32))
+        print("saving", mgr.save(blocking=False), flush=True)
+
+    atexit.register(save_at_exit)
+    """
+)
+
+
+def test_non_blocking_save_from_an_atexit_hook_is_written(tmp_path):
+    """concurrent.futures takes no new work once the main thread has ended: a non-blocking save
+    asked for by an atexit hook is written in that thread instead, and committed."""
+    script = tmp_path / "run.py"
+    script.write_text(ATEXIT_SCRIPT)
+    d = tmp_path / "ckpts"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(d)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=dict(os.environ, PARALLELVARS_THREADS="2"),
+    )
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.split() == ["saving", str(d / "ckpt-1.h5")]
+    w = pv.Variable(np.zeros((512, 256), np.float32), name="w")
+    pv.Checkpoint(w=w).restore(pv.latest_checkpoint(d)).assert_consumed()
+    assert float(np.asarray(w)[0, 0]) == 5.0
+    assert not [f for f in os.listdir(d) if ".tmp-" in f]
 
 
 # ----------------------------------------------------------------------------- full disk

@@ -260,7 +260,6 @@ def test_committed_checkpoint_missing_from_state_is_adopted(tmp_path):
 
 CRASH_DURING_SAVE = """
 import os, sys
-sys.path.insert(0, sys.argv[3])
 import parallelvars as pv
 from test_manager import make, set_values
 directory, point = sys.argv[1], sys.argv[2]
@@ -293,14 +292,16 @@ mgr.save()
         ("after unlink ckpt-1.h5", 2),
     ],
 )
-def test_a_crash_at_any_step_of_a_save_keeps_the_newest_checkpoint(tmp_path, point, newest):
+def test_a_crash_at_any_step_of_a_save_keeps_the_newest_checkpoint(
+    tmp_path, point, newest, helper_env
+):
     """The process dies before or after each rename and deletion of a save (retention keeps
     one): the newest committed checkpoint is found whole, by readers and by the next manager."""
-    tests = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.run(
-        [sys.executable, "-c", CRASH_DURING_SAVE, str(tmp_path), point, tests],
+        [sys.executable, "-c", CRASH_DURING_SAVE, str(tmp_path), point],
         capture_output=True,
         timeout=120,
+        env=helper_env,
     )
     assert proc.returncode == 17, proc.stderr.decode()  # died at that point
     expected = str(tmp_path / f"ckpt-{newest}.h5")
@@ -405,6 +406,17 @@ def test_failed_save_raises_and_leaves_everything_intact(tmp_path, monkeypatch):
     ckpt2, _w2, _, step2 = make()
     ckpt2.restore(pv.latest_checkpoint(tmp_path)).assert_consumed()
     assert int(step2) == 3
+
+
+@pytest.mark.parametrize("number", [-1, "seven", [1, 2]])
+def test_refused_checkpoint_number_leaves_the_counter(tmp_path, number):
+    ckpt, *_ = make()
+    with pv.CheckpointManager(ckpt, tmp_path) as mgr:
+        mgr.save()
+        with pytest.raises((ValueError, TypeError)):
+            mgr.save(checkpoint_number=number)
+        assert int(ckpt.save_counter) == 1
+        assert os.path.basename(mgr.save()) == "ckpt-2.h5"
 
 
 def test_failed_state_write_keeps_the_old_state(tmp_path, monkeypatch):

@@ -20,12 +20,11 @@ import pytest
 
 pytest.importorskip("mpi4py", reason="the MPI tests need the [mpi] extra (mpi4py and mpich)")
 
+import _mpi_model as model_code
+
 import parallelvars as pv
 from parallelvars.checkpoint.h5io import H5Reader
 from parallelvars.errors import ChecksumMismatchError
-
-sys.path.insert(0, str(Path(__file__).parent))
-import _mpi_model as model_code
 
 WORKER = Path(__file__).parent / "_mpi_worker.py"
 LAUNCH_TIMEOUT = 60
@@ -116,6 +115,10 @@ def test_training_equals_mirrored_in_one_process(tmp_path: Path, n: int) -> None
     assert ranks[0]["batch_0"].dtype == np.int32
     np.testing.assert_array_equal(ranks[0]["batch_1"], np.full(3, 0.5 * n * (n - 1) / 2))
     assert float(ranks[0]["batch_2"]) == n * (n - 1) / 2
+    # In-place writes in a replica function, merged: SUM of each rank's doubled-and-more
+    # value, MEAN of each rank's item.
+    np.testing.assert_array_equal(ranks[0]["inplace_scaled"], np.full(3, n * (n - 1) / 2 + 2 * n))
+    np.testing.assert_array_equal(ranks[0]["inplace_items"], [(n - 1) / 2, 0.0, 0.0])
 
 
 def test_checkpoint_of_four_ranks_restores_in_two_and_in_one_process(tmp_path: Path) -> None:
@@ -280,10 +283,10 @@ def test_importing_parallelvars_does_not_import_mpi4py() -> None:
     assert out.stdout.strip() == "MultiWorkerMirroredStrategy"
 
 
-def test_single_process_without_mpiexec(tmp_path: Path) -> None:
+def test_single_process_without_mpiexec(tmp_path: Path, helper_env: dict[str, str]) -> None:
     # One process (a singleton MPI world) is a valid job: everything works without launching.
     code = (
-        "import sys; sys.path.insert(0, sys.argv[2]); import _mpi_model as m, parallelvars as pv, os\n"
+        "import sys, os, _mpi_model as m, parallelvars as pv\n"
         "s = pv.MultiWorkerMirroredStrategy()\n"
         "model, opt, losses = m.train(s, steps=2)\n"
         "ref_model, ref_opt, ref_losses = m.train(pv.MirroredStrategy(1), steps=2)\n"
@@ -293,10 +296,11 @@ def test_single_process_without_mpiexec(tmp_path: Path) -> None:
         "print(p)\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path), str(Path(__file__).parent)],
+        [sys.executable, "-c", code, str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=60,
+        env=helper_env,
     )
     assert out.returncode == 0, out.stderr
     path = out.stdout.strip()

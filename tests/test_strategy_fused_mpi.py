@@ -17,10 +17,9 @@ import pytest
 
 pytest.importorskip("mpi4py", reason="the MPI tests need the [mpi] extra (mpi4py and mpich)")
 
-import parallelvars as pv
-
-sys.path.insert(0, str(Path(__file__).parent))
 from test_mpi import _mpiexec
+
+import parallelvars as pv
 
 # Shared by the ranks and the one-process reference (exec'd in both).
 MODEL = """

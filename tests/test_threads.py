@@ -143,3 +143,22 @@ def test_threaded_restore_is_all_or_nothing(tmp_path, threaded) -> None:
     for v in dst.vars:
         for c in v.components:
             np.testing.assert_array_equal(c, np.full((64, 8), -1, np.float32))
+
+
+def test_submit_or_run_uses_the_pool_and_runs_inline_once_it_takes_no_work() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
+        assert _threads.submit_or_run(pool, threading.current_thread).result() is not (
+            threading.current_thread()
+        )
+    finally:
+        pool.shutdown()
+    # A pool that takes no more work (as every pool once the interpreter is exiting): the
+    # call runs in this thread, its outcome in the future.
+    assert _threads.submit_or_run(pool, threading.current_thread).result() is (
+        threading.current_thread()
+    )
+    failed = _threads.submit_or_run(pool, int, "x")
+    assert isinstance(failed.exception(), ValueError)

@@ -585,6 +585,32 @@ class _Pending:
         self.session.release()
 
 
+class SaveCount:
+    """One save's step of a checkpoint's ``save_counter``: incremented when made, taken back
+    by :meth:`undo`, or by leaving a ``with`` block on an error, when the save fails.
+
+    A failed save leaves the counter where it was, so the next save reuses the number. Used
+    by :meth:`Checkpoint.save` and by the manager, whose write may finish in another thread.
+    """
+
+    def __init__(self, counter: Any) -> None:
+        self._counter = counter
+        self.previous = int(counter)
+        self.number = self.previous + 1
+        counter.assign(self.number)
+
+    def undo(self) -> None:
+        """Put the counter back to its value before this save."""
+        self._counter.assign(self.previous)
+
+    def __enter__(self) -> SaveCount:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None:
+            self.undo()
+
+
 class CheckpointLoadStatus:
     """What a restore matched; assertions for tests and careful callers."""
 
@@ -821,14 +847,12 @@ class Checkpoint(Trackable):
 
     def save(self, file_prefix: str | os.PathLike[str]) -> str:
         """Write ``<file_prefix>-<n>.h5`` with ``n`` the incremented ``save_counter``; returns it."""
-        previous = int(self.save_counter)
-        number = previous + 1
-        self.save_counter.assign(number)
-        try:
-            return self.write(f"{os.fspath(file_prefix)}-{number}.h5")
-        except BaseException:
-            self.save_counter.assign(previous)
-            raise
+        with self._count_save() as count:
+            return self.write(f"{os.fspath(file_prefix)}-{count.number}.h5")
+
+    def _count_save(self) -> SaveCount:
+        """Increment ``save_counter`` for a save; the returned count takes it back on failure."""
+        return SaveCount(self.save_counter)
 
     def restore(
         self, path: str | os.PathLike[str], *, allow_cast: bool = False

@@ -66,12 +66,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import crc32c as _crc32c
 import numpy as np
 
+from parallelvars._threads import submit_or_run
 from parallelvars.checkpoint.checkpoint import PARTS_SUFFIX, Checkpoint, collective_rank
 from parallelvars.checkpoint.h5io import atomic_write
 from parallelvars.errors import (
@@ -515,8 +518,10 @@ class CheckpointManager:
         self._async_default = async_save
         self._last_step: int | None = None
         self._mutex = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        # Non-blocking saves: one worker, so at most one write is in flight and they run in
+        # order; the future holds the write's outcome until wait() hands it to the caller.
+        self._executor: ThreadPoolExecutor | None = None
+        self._future: Future[None] | None = None
         self._pending: str | None = None
 
         if not read_only:
@@ -662,65 +667,52 @@ class CheckpointManager:
             assert step is not None
             if step < self._last_step + self._interval:
                 return None
-        counter = self._checkpoint.save_counter
-        previous = int(counter)
-        counter.assign(previous + 1)
-        number = previous + 1 if checkpoint_number is None else int(np.asarray(checkpoint_number))
-        if number < 0:
-            counter.assign(previous)
-            raise InvalidArgumentError(f"checkpoint_number must be >= 0, got {number}")
-        filename = f"{self._name}-{number}{SUFFIX}"
-        path = os.path.join(self._directory, filename)
-        try:
+        count = self._checkpoint._count_save()
+        with count:  # a save refused or failing here leaves the counter where it was
+            number = (
+                count.number if checkpoint_number is None else int(np.asarray(checkpoint_number))
+            )
+            if number < 0:
+                raise InvalidArgumentError(f"checkpoint_number must be >= 0, got {number}")
+            filename = f"{self._name}-{number}{SUFFIX}"
+            path = os.path.join(self._directory, filename)
             write = self._checkpoint._prepare_write(copy=not blocking)
-        except BaseException:
-            counter.assign(previous)
-            raise
         replaces = os.path.lexists(path)
 
         def job() -> None:
-            try:
+            with count:
                 write(path)
-            except BaseException:
-                counter.assign(previous)
-                raise
             try:
                 self._commit(_Record(file=filename, number=number, time=time.time()), replaces)
             except BaseException:
                 with self._mutex:
                     kept = any(r.file == filename for r in self._managed)
                 if not kept:  # taken back: the counter too
-                    counter.assign(previous)
+                    count.undo()
                 raise
 
         if blocking:
             job()
         else:
-            # Not a daemon: the interpreter joins it before exiting (before the atexit hooks
-            # that tear h5py down), so a pending save completes and commits; _report_at_exit
-            # prints what failed.
-            self._thread = threading.Thread(
-                target=self._run_async, args=(job,), name=f"checkpoint-save-{number}"
-            )
+            # concurrent.futures joins its worker threads when the main thread ends, before
+            # the atexit hooks that tear h5py down, so a pending save completes and commits;
+            # _report_at_exit prints what failed. From then on (a save from an atexit hook)
+            # submit_or_run writes in this thread.
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="checkpoint-save"
+                )
             self._pending = path
             _PENDING.add(self)
-            self._thread.start()
+            self._future = submit_or_run(self._executor, job)
         if step is not None:
             self._last_step = step
         return path
 
-    def _run_async(self, job: Callable[[], None]) -> None:
-        try:
-            job()
-        except BaseException as exc:  # handed to the caller's next call
-            self._error = exc
-
     def _report_at_exit(self) -> None:
         """At interpreter exit: finish a save in flight; print its error, nobody else will."""
-        thread = self._thread
-        if thread is not None:
-            thread.join()
-        err, self._error = self._error, None
+        future, self._future = self._future, None
+        err = None if future is None else future.exception()  # waits for it
         if err is not None:
             last = self.latest_checkpoint
             print(
@@ -732,13 +724,13 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Wait for a non-blocking save in flight; raise its error, if it had one."""
-        thread = self._thread
-        if thread is not None:
-            thread.join()
-            self._thread = None
+        future = self._future
+        if future is not None:
+            futures.wait([future])  # an interrupt here leaves the save to the next wait()
+            self._future = None
         _PENDING.discard(self)
-        if self._error is not None:
-            err, self._error = self._error, None
+        err = None if future is None else future.exception()
+        if err is not None:
             raise err
 
     sync = wait
@@ -915,6 +907,9 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
             if self._locked:
                 self._lock.release()
 
@@ -928,9 +923,10 @@ class CheckpointManager:
         return f"<CheckpointManager {self._directory!r} checkpoints={len(self._managed)}>"
 
 
-# Managers with a non-blocking save started and not yet waited for. The interpreter joins the
-# save threads (not daemons) before the atexit hooks run; this hook, registered after h5py was
-# imported and so run before h5py's own (atexit is last in, first out), reports their errors.
+# Managers with a non-blocking save started and not yet waited for. concurrent.futures joins
+# the save threads when the main thread ends, before the atexit hooks run; this hook, registered
+# after h5py was imported and so run before h5py's own (atexit is last in, first out), reports
+# their errors.
 _PENDING: set[CheckpointManager] = set()
 
 

@@ -22,11 +22,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from parallelvars.devices import ParallelDevice
-from parallelvars.enums import Aggregation, ReduceOp
+from parallelvars.enums import ReduceOp
 from parallelvars.errors import ContextError, ReplicaError
 from parallelvars.strategy import _context
 from parallelvars.strategy._base import ReplicaContext, Strategy
 from parallelvars.strategy._values import PerReplica, _needs_walk, regroup, split_per_replica
+from parallelvars.strategy._write_plan import merge_reduction
 
 __all__ = ["MirroredStrategy"]
 
@@ -183,27 +184,19 @@ class _MirroredReplicaContext(ReplicaContext):
 
     def _write_variable(self, var: Any, op: str, value: Any) -> Any:
         """Merge the replicas' writes to ``var`` by its aggregation, then apply the result once."""
-        agg = var.aggregation
-        if agg is Aggregation.NONE:
-            raise ContextError(
-                f"variable {var.name!r}: {op}() inside a replica function of {self.strategy!r} "
-                f"with {self.num_replicas_in_sync} replicas needs an aggregation to merge the "
-                "replicas' writes (expected aggregation SUM, MEAN or ONLY_FIRST_REPLICA, found "
-                "NONE); create the variable with one, or write it in cross-replica context"
-            )
+        merge_reduction(var, op, self.strategy)  # refused before the rendezvous, in every replica
         return self.merge_call(_merge_write, args=(var, op, value))
 
 
 def _merge_write(strategy: Strategy, var: Any, op: str, value: Any) -> None:
-    agg = var.aggregation
-    if agg is Aggregation.ONLY_FIRST_REPLICA:
+    rop = merge_reduction(var, op, strategy)
+    if rop is None:  # the first replica's value
         merged = value.values[0] if isinstance(value, PerReplica) else value
     elif isinstance(value, PerReplica):
-        rop = ReduceOp.SUM if agg is Aggregation.SUM else ReduceOp.MEAN
         merged = strategy.reduce(rop, value)
-    elif agg is Aggregation.SUM:
+    elif rop is ReduceOp.SUM:
         # Every replica wrote the same object: the sum is n times it.
-        merged = strategy.reduce(ReduceOp.SUM, PerReplica([value] * strategy.num_replicas_in_sync))
+        merged = strategy.reduce(rop, PerReplica([value] * strategy.num_replicas_in_sync))
     else:
         merged = value  # the mean of n equal writes
     var._apply_write(op, merged)

@@ -66,6 +66,7 @@ from parallelvars.strategy._base import ReplicaContext, Strategy, _is_variable
 from parallelvars.strategy._collectives import MPICollectives
 from parallelvars.strategy._reduce import _is_sparse, _mean_of, reduce_values
 from parallelvars.strategy._values import Mirrored, PerReplica, _map_structure, _needs_walk
+from parallelvars.strategy._write_plan import merge_reduction
 
 __all__ = ["MultiWorkerMirroredStrategy", "install_abort_on_error"]
 
@@ -140,25 +141,20 @@ class _MPIReplicaContext(ReplicaContext):
         return strategy._select_local(result)
 
     def _write_variable(self, var: Any, op: str, value: Any) -> Any:
+        """Merge the ranks' writes to ``var`` by its aggregation, then apply the result once."""
+        merge_reduction(var, op, self.strategy)  # refused before the collective, on every rank
         return self.merge_call(_merge_write, args=(var, op, value))
 
 
 def _merge_write(strategy: MultiWorkerMirroredStrategy, var: Any, op: str, value: Any) -> None:
-    agg = var.aggregation
-    if agg is Aggregation.NONE:
-        raise ContextError(
-            f"variable {var.name!r}: {op}() inside a replica function of {strategy!r} needs an "
-            "aggregation to merge the replicas' writes (expected SUM, MEAN or ONLY_FIRST_REPLICA, "
-            "found NONE)"
-        )
-    if agg is Aggregation.ONLY_FIRST_REPLICA:
+    rop = merge_reduction(var, op, strategy)
+    if rop is None:  # rank 0's value
         local = value.values[0] if isinstance(value, PerReplica) else value
         merged = strategy._bcast_array(np.array(local, copy=True))
-    else:
-        rop = ReduceOp.SUM if agg is Aggregation.SUM else ReduceOp.MEAN
-        if not isinstance(value, PerReplica):
-            value = PerReplica([value])
-        merged = strategy.reduce(rop, value)
+    else:  # each rank's value is its replica's part
+        merged = strategy.reduce(
+            rop, value if isinstance(value, PerReplica) else PerReplica([value])
+        )
     var._apply_write(op, merged)
 
 
