@@ -127,7 +127,7 @@ def run_partitioned(calls: Sequence[Callable[[], object]], weights: Sequence[int
     futures: list[Future[None]] = []
     if len(ranges) > 1:
         pool = _executor(len(ranges) - 1)
-        futures = [pool.submit(_run_range, calls, lo, hi, True) for lo, hi in ranges[1:]]
+        futures = [submit_or_run(pool, _run_range, calls, lo, hi, True) for lo, hi in ranges[1:]]
     error: BaseException | None = None
     try:
         _run_range(calls, *ranges[0])

@@ -307,6 +307,43 @@ def test_non_blocking_save_from_an_atexit_hook_is_written(tmp_path):
     assert not [f for f in os.listdir(d) if ".tmp-" in f]
 
 
+RESTORE_AT_EXIT_SCRIPT = textwrap.dedent(
+    """
+    import atexit, sys
+    import numpy as np
+    import parallelvars as pv
+
+    path = sys.argv[1]
+    ws = [pv.Variable(np.full((1 << 20,), i, np.float32), name=f"w{i}") for i in range(8)]
+    path = pv.Checkpoint(ws=ws).save(path)  # 32 MiB: a restore big enough to spread over threads
+
+    def restore_at_exit():
+        fresh = [pv.Variable(np.zeros((1 << 20,), np.float32), name=f"w{i}") for i in range(8)]
+        pv.Checkpoint(ws=fresh).restore(path).assert_consumed()
+        print("restored", [float(np.asarray(w)[-1]) for w in fresh], flush=True)
+
+    atexit.register(restore_at_exit)
+    """
+)
+
+
+def test_threaded_restore_from_an_atexit_hook(tmp_path):
+    """A restore that spreads its reads over threads, asked for once the main thread has ended
+    (an atexit hook), runs those reads in the calling thread instead of failing to schedule."""
+    script = tmp_path / "run.py"
+    script.write_text(RESTORE_AT_EXIT_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt.h5")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=dict(os.environ, PARALLELVARS_THREADS="2"),
+    )
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.split("[")[1].split("]")[0].split(", ") == [f"{i}.0" for i in range(8)]
+
+
 # ----------------------------------------------------------------------------- full disk
 def no_space(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
