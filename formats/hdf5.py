@@ -44,7 +44,7 @@ class HDF5View(CheckpointView):
         self.object_graph = reader.object_graph
 
     def __getitem__(self, key: str) -> Entry:
-        return self.reader[key]  # type: ignore[return-value]  # StoredVariable duck-types Entry
+        return self.reader[key]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.reader)

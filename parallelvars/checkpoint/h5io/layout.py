@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 
 from parallelvars._dtypes import is_extension_dtype
-from parallelvars.enums import Aggregation
+from parallelvars.checkpoint import entry as _entry
 from parallelvars.errors import InvalidEntryError
 
 FORMAT_VERSION = 1
@@ -21,10 +21,10 @@ GRAPH_DATASET = f"{META_GROUP}/object_graph"
 INDEX_DATASET = f"{META_GROUP}/index"
 DOCUMENTS_ATTR = "parallelvars_documents"
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-# The documented variable kinds and on-read aggregations (the enums' values).
-KINDS = ("single", "mirrored", "on_read", "independent", "sharded")
-AGGREGATIONS = tuple(a.value for a in Aggregation)
-_MAX_COMPONENTS = 1 << 16
+# The documented variable kinds and on-read aggregations: the entry model's.
+KINDS = _entry.KINDS
+AGGREGATIONS = _entry.AGGREGATIONS
+_MAX_COMPONENTS = _entry.MAX_COMPONENTS
 # deflate's best case is about 1032:1; no compressed dataset can expand more than this.
 _MAX_COMPRESSION = 1100
 _H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, AttributeError)
