@@ -278,32 +278,32 @@ def spread_plan(
             found=f"{n} components",
         )
     same = n == m and skind == target_kind and skind != "sharded"
-    if same and skind == "on_read":
-        same = srule.aggregation == trule.aggregation
+    if same and skind == "on_read":  # saved with the same aggregation, named in the file
+        same = str((source.attrs or {}).get("aggregation")).lower() == trule.aggregation
     if target_kind == "independent" and n == m:
         same = skind != "sharded"
     if same:
         return Spread("componentwise")
     if n > 1 and srule.value is None:
         hint = (
-            "it restores only component by component onto an on-read variable of as many "
-            "devices with the same aggregation"
+            "it goes only component by component onto as many devices: an on-read variable "
+            "with the same aggregation, or independent buffers"
             if skind == "on_read"
-            else "it restores only component by component onto as many devices"
+            else "it goes only component by component onto as many devices"
         )
         raise no_value_error(
             source,
             file=file,
             error=DeviceCountError,
-            expected=f"{n} components, restored one by one",
-            found=f"{m} {target_kind} components",
+            expected=f"{n} components taken one by one",
+            found=f"a {target_kind} variable of {m} component{'s' if m != 1 else ''}",
             hint=hint,
             variable=name,
         )
     if trule.spread is None and m > 1:
         raise DeviceCountError(
-            f"a {target_kind} variable with aggregation {trule.aggregation!r} cannot be filled "
-            "from another layout",
+            f"this {target_kind} variable with aggregation {trule.aggregation!r} takes only the "
+            "same number of components, saved with the same aggregation",
             file=file,
             variable=name,
             expected=f"{m} components saved with the same aggregation",
