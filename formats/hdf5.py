@@ -16,13 +16,13 @@ from typing import Any
 
 import h5py
 
+from parallelvars.checkpoint.entry import check_entry
 from parallelvars.checkpoint.h5io import H5Reader, write_h5
 from parallelvars.errors import InvalidEntryError
 
 from ._h5 import is_hdf5
 from ._json import carried_metadata
 from ._registry import FormatSpec
-from ._validate import check_entry
 from ._view import CheckpointView, Entry
 
 __all__ = ["FORMAT", "HDF5View", "open_hdf5", "write_hdf5"]

@@ -56,6 +56,7 @@ import wrapt
 
 from parallelvars import _storage
 from parallelvars._dtypes import as_dtype, is_extension_dtype
+from parallelvars._geometry import shard_offsets, shard_sizes, shard_slices
 from parallelvars.devices import ParallelDevice
 from parallelvars.enums import Aggregation, Synchronization
 from parallelvars.errors import (
@@ -825,16 +826,6 @@ def component_variable(var: ParallelVariable, i: int) -> ComponentVariable:
     return view
 
 
-def shard_sizes(length: int, n: int) -> list[int]:
-    """Sizes of ``n`` shards of ``length`` rows: the first ``length % n`` get one more.
-
-    >>> shard_sizes(10, 4)
-    [3, 3, 2, 2]
-    """
-    q, r = divmod(int(length), int(n))
-    return [q + 1] * r + [q] * (n - r)
-
-
 class ShardedVariable(ParallelVariable):
     """A variable whose components are slices of one logical value along ``shard_axis``.
 
@@ -857,13 +848,8 @@ class ShardedVariable(ParallelVariable):
         ndim = full.ndim
         axis = _check_shard_axis(name, shard_axis, ndim)
         n = len(device)
-        sizes = shard_sizes(full.shape[axis], n)
-        offsets = [0, *itertools.accumulate(sizes)][:-1]
-        comps = []
-        for off, size in zip(offsets, sizes, strict=True):
-            index = [slice(None)] * ndim
-            index[axis] = slice(off, off + size)
-            comps.append(full[tuple(index)])
+        offsets = shard_offsets(full.shape[axis], n)
+        comps = [full[index] for index in shard_slices(full.shape, axis, offsets)]
         wrapt.ObjectProxy.__init__(self, full)
         self._self_stacked: Any = None
         self._self_components = tuple(comps)

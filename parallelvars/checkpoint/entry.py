@@ -276,9 +276,11 @@ def check_entry(
     file: str | None = None,
     *,
     error: type[CheckpointError] = InvalidEntryError,
+    variable: str | None = None,
 ) -> None:
-    """Raise ``error`` naming ``file``, the variable, expected and found when ``entry``'s layout
-    is not one of the documented ones (see :func:`layout_problem`).
+    """Raise ``error`` naming ``file``, the variable (``variable``, default the entry's path),
+    expected and found when ``entry``'s layout is not one of the documented ones (see
+    :func:`layout_problem`).
 
     Writers and the formats' plans raise :class:`~parallelvars.errors.InvalidEntryError` (the
     entry handed to them is wrong); readers pass
@@ -288,4 +290,5 @@ def check_entry(
     problem = layout_problem(entry.kind, shape, int(entry.num_components), entry.attrs or {})
     if problem is not None:
         what, expected, found = problem
-        raise error(what, file=file, variable=entry.path, expected=expected, found=found)
+        name = entry.path if variable is None else variable
+        raise error(what, file=file, variable=name, expected=expected, found=found)
