@@ -285,12 +285,7 @@ def spread_plan(
     if same:
         return Spread("componentwise")
     if n > 1 and srule.value is None:
-        hint = (
-            "it goes only component by component onto as many devices: an on-read variable "
-            "with the same aggregation, or independent buffers"
-            if skind == "on_read"
-            else "it goes only component by component onto as many devices"
-        )
+        hint = "it goes only component by component onto as many devices (independent buffers)"
         raise no_value_error(
             source,
             file=file,

@@ -16,6 +16,10 @@ sharded       the full value, re-split by the live variable's own shards (reads 
                into the right rows, so re-sharding costs nothing extra)
 =============  ===============================================================================
 
+The decision is the core's one rule table (:mod:`parallelvars.checkpoint._aggregate`,
+``spread_plan``), which ``formats.reshard`` consults too. An on-read variable saved with
+aggregation ``none`` has no single value either: it restores only component by component.
+
 An independent-buffers variable in the file has no single logical value, so it restores only
 onto a variable with the same number of components, or onto a plain (single) variable, which
 receives component 0 (saved under the plain key for that reason, as in the seed
