@@ -222,6 +222,12 @@ def test_on_read_none_convert_and_cli_refuse_one_value(
     assert "2 on-read components with aggregation 'none' and no single value" in err
     assert main(["extract", path, "v", "--component", "1", "-o", str(tmp_path / "v.npy")]) == 0
     np.testing.assert_array_equal(np.load(tmp_path / "v.npy"), [2.0, 2.0])
+    capsys.readouterr()
+    other = write_checkpoint(tmp_path / "b.h5", {"v": _none_entry(3)})
+    assert main(["diff", path, other, "--json"]) == 1  # not summed and compared: not comparable
+    assert "aggregation 'none'" in capsys.readouterr().out
+    assert main(["reshard", path, str(tmp_path / "r.h5"), "--devices", "3"]) == 2
+    assert "'v'" in capsys.readouterr().err and not (tmp_path / "r.h5").exists()
 
 
 def test_spread_plan_is_the_one_decision_of_restore_and_reshard() -> None:
