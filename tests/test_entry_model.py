@@ -197,8 +197,9 @@ def test_on_read_none_restore_goes_component_by_component_or_not_at_all(
     path = write_checkpoint(tmp_path / "a.h5", {"v": _none_entry()})
     with pv.MirroredStrategy(2).scope():
         summed = pv.Variable(np.zeros(2), synchronization="on_read", aggregation="sum")
+        table = pv.Variable(np.zeros(2), shard_axis=0)
     plain = pv.Variable(np.zeros(2))
-    for live in (summed, plain):  # was: the sum 3.0 restored
+    for live in (summed, table, plain):  # was: the sum 3.0 restored
         with pytest.raises(DeviceCountError, match=r"a\.h5.*'v'.*no single logical value"):
             pv.Checkpoint(v=live).restore(path)
         assert all(not c.any() for c in live.components)

@@ -141,7 +141,8 @@ class ParallelVariableSaveable(Saveable):
             ]
             return first_component
         if isinstance(obj, ShardedVariable):
-            _aggregate.spread_plan(stored, "single", None, 1, file=file, variable=path)
+            # "resplit" (or a refusal): the full value, read straight into the shards' rows
+            _aggregate.spread_plan(stored, "sharded", None, m, file=file, variable=path)
             full = obj.__wrapped__
             return lambda: read_logical_into(stored, full, file=file, cast=cast)
 
