@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars.checkpoint.entry import CountingEntry
 from parallelvars.errors import InvalidArgumentError
 from parallelvars.formats import (
     FORMAT_NAMES,
@@ -233,39 +234,13 @@ def shape_str(shape: Any) -> str:
     return str(tuple(int(s) for s in shape))
 
 
-class _CountingEntry(Entry):
-    """Delegates to another entry and advances a progress bar for each component read."""
-
-    def __init__(self, inner: Entry, progress: Progress) -> None:
-        self._inner = inner
-        self._progress = progress
-        self.path = inner.path
-        self.dtype = inner.dtype
-        self.shape = tuple(inner.shape)
-        self.kind = inner.kind
-        self.num_components = inner.num_components
-        self.attrs = inner.attrs
-
-    def component_shape(self, i: int) -> tuple[int, ...]:
-        return tuple(self._inner.component_shape(i))
-
-    def component(self, i: int) -> np.ndarray:
-        out = self._inner.component(i)
-        self._progress.advance(self.component_nbytes(i))
-        return out
-
-    def read_component_into(self, i: int, out: np.ndarray) -> None:
-        self._inner.read_component_into(i, out)
-        self._progress.advance(self.component_nbytes(i))
-
-
 class _CountingEntries(Mapping[str, Entry]):
     def __init__(self, entries: Mapping[str, Entry], progress: Progress) -> None:
         self._entries = entries
         self._progress = progress
 
     def __getitem__(self, key: str) -> Entry:
-        return _CountingEntry(self._entries[key], self._progress)
+        return CountingEntry(self._entries[key], self._progress.advance)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars._aggregate import has_logical_value, no_value_what
 from parallelvars._dtypes import dtype_name
 from parallelvars.formats import CheckpointView, Entry
 
@@ -183,9 +184,7 @@ def compare_entries(
             for i in range(ea.num_components)
         )
     )
-    has_logical = not any(
-        e.kind == "independent" and e.num_components > 1 for e in (ea, eb)
-    )  # independent buffers have no one logical value
+    has_logical = has_logical_value(ea) and has_logical_value(eb)
     if same_layout and not (logical and has_logical):
         compared = "components"
         for i in range(ea.num_components):
@@ -201,7 +200,12 @@ def compare_entries(
         compared_values = compare_arrays(value_a, value_b, rtol=rtol, atol=atol)
         components.append({"component": None, **compared_values})
     elif tuple(ea.shape) == tuple(eb.shape):
-        differences.append("values not compared: independent components have no single value")
+        which = next(e for e in (ea, eb) if not has_logical_value(e))
+        differences.append(
+            f"values not compared: {which.path!r} holds {no_value_what(which)} and no single value"
+            if which.kind != "independent"
+            else "values not compared: independent components have no single value"
+        )
     equal = not differences and all(c["mismatched"] == 0 for c in components)
     return {
         "path": ea.path,

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars._aggregate import has_logical_value, no_value_what
 from parallelvars._dtypes import dtype_name
 from parallelvars.errors import MissingVariableError
 
@@ -125,10 +126,10 @@ def run(args: argparse.Namespace) -> int:
                 f"{args.checkpoint}: variable {args.name!r}: no component {args.component} "
                 f"(expected 0..{entry.num_components - 1})"
             )
-        if args.component is None and entry.kind == "independent" and entry.num_components > 1:
+        if args.component is None and not has_logical_value(entry):
             raise UsageError(
-                f"{args.checkpoint}: variable {args.name!r} holds {entry.num_components} "
-                "independent components and no single value; pick one with --component"
+                f"{args.checkpoint}: variable {args.name!r} holds {no_value_what(entry)} "
+                "and no single value; pick one with --component"
             )
         value = entry.value() if args.component is None else entry.component(args.component)
         kind = entry.kind

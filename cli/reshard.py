@@ -26,8 +26,10 @@ _EPILOG = """\
 What each kind becomes on M devices: mirrored -> the primary on all M; on_read SUM -> the
 total in component 0 and zeros elsewhere (the sum is preserved exactly); on_read MEAN -> the
 mean on all M; on_read ONLY_FIRST_REPLICA -> the primary on all M; sharded -> the full value
-re-split into M shards (numpy.array_split sizes); single -> unchanged. Independent buffers cannot be redistributed: they need M equal to
-the devices they were saved with, or the command stops with an error naming the variable.
+re-split into M shards (numpy.array_split sizes); single -> unchanged. Independent buffers
+and on-read variables with aggregation none have no single value and cannot be redistributed:
+they need M equal to the devices they were saved with, or the command stops with an error
+naming the variable.
 
 examples:
   parallelvars reshard run.h5 run-8dev.h5 --devices 8

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 from typing import Any
 
 import numpy as np
 
+from parallelvars.checkpoint.entry import check_entry
 from parallelvars.checkpoint.h5io import HDF5_SIGNATURE, H5Reader
-from parallelvars.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
-from parallelvars.formats import KINDS, CheckpointView, Entry, detect_format
+from parallelvars.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidEntryError,
+    NotACheckpointError,
+)
+from parallelvars.formats import CheckpointView, Entry, detect_format
 
 from ._common import add_format_option, format_bytes, natural_key, open_view
 from ._output import Output, Progress
@@ -57,40 +62,13 @@ def _describe(entry_path: str, where: str, exc: BaseException) -> str:
 
 
 def check_structure(entry: Entry) -> list[str]:
-    """Problems with an entry's metadata: kind, component count, shard layout."""
-    path = entry.path
-    problems = []
-    if entry.kind not in KINDS:
-        problems.append(f"variable {path!r}: unknown kind {entry.kind!r} (expected one of {KINDS})")
-        return problems
-    n = int(entry.num_components)
-    if n < 1:
-        return [f"variable {path!r}: no components (expected at least 1, found {n})"]
-    if entry.kind == "single" and n != 1:
-        problems.append(f"variable {path!r}: kind single with {n} components (expected 1)")
-    if entry.kind == "sharded":
-        attrs = entry.attrs
-        if "shard_axis" not in attrs or "shard_offsets" not in attrs:
-            return [f"variable {path!r}: sharded without shard_axis and shard_offsets attributes"]
-        axis = int(attrs["shard_axis"])
-        offsets = [int(o) for o in attrs["shard_offsets"]]
-        if not 0 <= axis < len(entry.shape):
-            return [
-                f"variable {path!r}: shard axis out of range "
-                f"(expected 0..{len(entry.shape) - 1}, found {axis})"
-            ]
-        if len(offsets) != n:
-            return [
-                f"variable {path!r}: shard offsets do not match the components "
-                f"(expected {n} offsets, found {len(offsets)})"
-            ]
-        bounds = [*offsets, int(entry.shape[axis])]
-        if offsets[0] != 0 or any(lo > hi for lo, hi in itertools.pairwise(bounds)):
-            problems.append(
-                f"variable {path!r}: shard offsets do not tile axis {axis} of length "
-                f"{entry.shape[axis]} (found offsets {offsets})"
-            )
-    return problems
+    """Problems with an entry's metadata: the core's entry checks (kind, component count,
+    aggregation, devices, shard layout), in their one wording."""
+    try:
+        check_entry(entry)
+    except InvalidEntryError as exc:
+        return [str(exc)]
+    return []
 
 
 def check_data(entry: Entry, progress: Progress | None = None) -> list[str]:

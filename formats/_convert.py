@@ -8,7 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from parallelvars.errors import InvalidArgumentError, InvalidEntryError
+from parallelvars._aggregate import has_logical_value, no_value_error, rule_for
+from parallelvars.checkpoint.entry import CountingEntry, ForwardingEntry
+from parallelvars.errors import InvalidArgumentError
 
 from ._names import check_names
 from ._registry import format_for_suffix, get_format, open_checkpoint
@@ -29,30 +31,33 @@ def format_for_path(path: str | os.PathLike[str]) -> str | None:
     return format_for_suffix(path)
 
 
-class _PrimaryEntry(Entry):
-    """A single-component copy of an entry: its primary, or the logical value of sharded and
-    on-read variables."""
+class _PrimaryEntry(ForwardingEntry):
+    """A single-component copy of an entry: its logical value (the primary of a mirrored
+    variable, the aggregate of an on-read one, the stitched shards of a sharded one)."""
 
     def __init__(self, source: Entry) -> None:
-        self.source = source
-        self.path = source.path
-        self.dtype = np.dtype(source.dtype)
-        self.shape = tuple(int(s) for s in source.shape)
+        super().__init__(source)
         self.kind = "single"
         self.num_components = 1
-        self.attrs = {k: v for k, v in (source.attrs or {}).items() if k not in _PARALLEL_ATTRS}
-        self._logical = source.kind in ("sharded", "on_read")
+        self.attrs = {k: v for k, v in self.attrs.items() if k not in _PARALLEL_ATTRS}
+        self._primary = source.kind != "sharded" and (
+            source.num_components == 1 or rule_for(source.kind, source.attrs).value == "primary"
+        )
+
+    def component_shape(self, i: int) -> tuple[int, ...]:
+        self._check_index(i)
+        return self.shape
 
     def component(self, i: int) -> np.ndarray:
         self._check_index(i)
-        return self.source.value() if self._logical else self.source.component(0)
+        return self.source.component(0) if self._primary else self.source.value()
 
     def read_component_into(self, i: int, out: np.ndarray) -> None:
         self._check_index(i)
-        if self._logical:
-            out[...] = self.source.value()
-        else:
+        if self._primary:
             self.source.read_component_into(0, out)
+        else:
+            out[...] = self.source.value()
 
     def value(self) -> np.ndarray:
         return self.component(0)
@@ -67,37 +72,6 @@ class _Progress:
     def add(self, n: int) -> None:
         self.done = min(self.total, self.done + n)
         self.callback(self.done, self.total)
-
-
-class _CountingEntry(Entry):
-    """Passes reads through to ``source`` and reports the bytes read."""
-
-    def __init__(self, source: Entry, progress: _Progress) -> None:
-        self.source = source
-        self.path = source.path
-        self.dtype = np.dtype(source.dtype)
-        self.shape = tuple(int(s) for s in source.shape)
-        self.kind = source.kind
-        self.num_components = int(source.num_components)
-        self.attrs = dict(source.attrs or {})
-        self._progress = progress
-
-    def component_shape(self, i: int) -> tuple[int, ...]:
-        return tuple(int(s) for s in self.source.component_shape(i))
-
-    def component(self, i: int) -> np.ndarray:
-        value = self.source.component(i)
-        self._progress.add(self.component_nbytes(i))
-        return value
-
-    def read_component_into(self, i: int, out: np.ndarray) -> None:
-        self.source.read_component_into(i, out)
-        self._progress.add(self.component_nbytes(i))
-
-    def value(self) -> np.ndarray:
-        value = self.source.value()
-        self._progress.add(int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize)
-        return value
 
 
 def convert(
@@ -125,8 +99,8 @@ def convert(
             writes one single entry per variable, its logical value whatever its kind (what a
             restore onto one device gives: a mirrored variable's primary, an on-read
             variable's aggregate, a sharded variable's full value); ``"primary"`` is the older
-            name of ``"logical"``. A variable of independent buffers has no single value and is
-            refused (InvalidEntryError).
+            name of ``"logical"``. A variable with no single value (independent buffers, on-read
+            with aggregation ``none``) is refused (InvalidEntryError).
         names: key style for formats with flat keys (``"slash"``, ``"dotted"``, ``"tf"``);
             default: the format's own.
         max_shard_size: split safetensors output into shards of at most this size.
@@ -185,10 +159,9 @@ def convert(
         entries: dict[str, Entry] = dict(source.items())
         if components in ("logical", "primary"):
             for key, e in entries.items():
-                if e.kind == "independent" and e.num_components > 1:  # as `extract` refuses it
-                    raise InvalidEntryError(
-                        f"holds {e.num_components} independent components and no single value "
-                        "to write with components='logical'",
+                if not has_logical_value(e):  # as `extract` refuses it
+                    raise no_value_error(
+                        e,
                         file=os.fspath(src),
                         variable=key,
                         hint="keep them with components='all' (--components all), or extract one "
@@ -198,7 +171,7 @@ def convert(
         if progress is not None:
             total = sum(int(e.nbytes) for e in entries.values())
             counter = _Progress(progress, total)
-            entries = {k: _CountingEntry(e, counter) for k, e in entries.items()}
+            entries = {k: CountingEntry(e, counter.add) for k, e in entries.items()}
         result = spec.write(os.fspath(dst), DictView.derived(view, entries), **options)
         if progress is not None and counter.done < counter.total:
             progress(counter.total, counter.total)  # writers may skip reads (empty tensors)

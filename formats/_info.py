@@ -42,17 +42,16 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars.checkpoint.entry import layout_problem
 from parallelvars.errors import (
     CorruptCheckpointError,
-    ShapeMismatchError,
 )
 
 from ._dtypes import dtype_from_name, is_string_dtype
 from ._graph import graph_from_info
 from ._names import from_key
 from ._store import TensorStore, _region_shape
-from ._validate import check_entry
-from ._view import KINDS, DictView, Entry
+from ._view import DictView, Entry
 
 INFO_FORMAT = "parallelvars"
 INFO_VERSION = 1
@@ -225,13 +224,17 @@ def _entry_from_record(store: TensorStore, path: str, rec: Any, present: set[str
         attrs = dict(rec.get("attrs") or {})
     except (KeyError, TypeError, ValueError) as exc:
         raise _corrupt(file, f"variable record is incomplete ({exc})", variable=path) from None
-    if kind not in KINDS or layout not in _LAYOUTS or any(s < 0 for s in shape):
+    problem = layout_problem(kind, shape, n, attrs)  # the core's one entry validation
+    if problem is not None:
+        what, expected, found = problem
+        raise _corrupt(file, what, variable=path, expected=expected, found=found)
+    if layout not in _LAYOUTS:
         raise _corrupt(
             file,
-            "variable record has a bad kind, layout or shape",
+            "variable record has a bad layout",
             variable=path,
-            expected=f"kind in {KINDS}, layout {'|'.join(_LAYOUTS)}, shape >= 0",
-            found=f"kind={kind!r} layout={layout!r} shape={shape}",
+            expected="|".join(_LAYOUTS),
+            found=repr(layout),
         )
     expected_keys = {"components": n, "logical": 1, "aggregate": n + 1}[layout]
     if (
@@ -262,12 +265,6 @@ def _entry_from_record(store: TensorStore, path: str, rec: Any, present: set[str
         layout=layout,
         attrs=attrs,
     )
-    try:
-        check_entry(entry, file)
-    except ShapeMismatchError as exc:
-        raise _corrupt(
-            file, exc.what, variable=path, expected=exc.expected, found=exc.found
-        ) from None
     # The stored tensors must hold exactly the bytes the record describes.
     for i, key in enumerate(keys):
         sdtype, sshape = store.stored(key)

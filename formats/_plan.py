@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 
 from parallelvars._fileio import Scratch
+from parallelvars._geometry import shard_slices
+from parallelvars.checkpoint.entry import check_entry
 from parallelvars.errors import (
     InvalidEntryError,
     ShapeMismatchError,
@@ -22,7 +24,6 @@ from ._graph import carried_graph
 from ._info import INFO_FORMAT, INFO_VERSION
 from ._json import jsonable
 from ._names import check_names, from_key, part_key, to_key
-from ._validate import check_entry
 from ._view import Entry, aggregates
 
 
@@ -82,9 +83,7 @@ class PlannedTensor:
             out[...] = entry.value()
             return out
         axis = int(entry.attrs["shard_axis"])
-        for j, start in enumerate(entry.attrs["shard_offsets"]):
-            size = int(entry.component_shape(j)[axis])
-            region = (slice(None),) * axis + (slice(int(start), int(start) + size),)
+        for j, region in enumerate(shard_slices(out.shape, axis, entry.attrs["shard_offsets"])):
             entry.read_component_into(j, out[region])
         return out
 

@@ -1,5 +1,9 @@
 """Rewrite a checkpoint for another number of devices, lazily, following DESIGN.md's restore table.
 
+What each of the M new components holds is decided by the core's one restore rule table
+(:mod:`parallelvars._aggregate`, :func:`~parallelvars._aggregate.spread_plan`),
+the same decision a restore into live variables makes:
+
 ====================================  ==========================================================
 kind (N components in the source)     what each of the M new components holds
 ====================================  ==========================================================
@@ -40,23 +44,20 @@ from typing import Any
 
 import numpy as np
 
-from parallelvars.errors import DeviceCountError, InvalidArgumentError
+from parallelvars._aggregate import aggregation_of, logical_value, spread_plan
+from parallelvars._geometry import overlapping_shards, shard_bounds, shard_index, shard_offsets
+from parallelvars.checkpoint.entry import Entry, ForwardingEntry, check_entry
+from parallelvars.errors import InvalidArgumentError
 
-from ._validate import check_entry
-from ._view import CheckpointView, DictView, Entry, logical_value
+from ._view import CheckpointView, DictView
 
 __all__ = ["reshard", "split_offsets"]
 
 
 def split_offsets(length: int, parts: int) -> list[int]:
     """Start offsets of ``numpy.array_split(range(length), parts)``: the first
-    ``length % parts`` parts get one row more."""
-    base, extra = divmod(length, parts)
-    offsets, start = [], 0
-    for i in range(parts):
-        offsets.append(start)
-        start += base + (1 if i < extra else 0)
-    return offsets
+    ``length % parts`` parts get one row more (see :mod:`parallelvars._geometry`)."""
+    return shard_offsets(length, parts)
 
 
 def _devices(m: int) -> list[str]:
@@ -78,17 +79,17 @@ class _Cache:
         return self.value
 
 
-class _Rewritten(Entry):
+class _Rewritten(ForwardingEntry):
     """An entry of the resharded view; components computed from the source on demand."""
 
     def __init__(self, source: Entry, kind: str, m: int, attrs: Mapping[str, Any]) -> None:
-        self.source = source
-        self.path = source.path
-        self.dtype = np.dtype(source.dtype)
-        self.shape = tuple(int(s) for s in source.shape)
+        super().__init__(source)
         self.kind = kind
         self.num_components = m
         self.attrs = dict(attrs)
+
+    def component_shape(self, i: int) -> tuple[int, ...]:
+        return Entry.component_shape(self, i)
 
     def component(self, i: int) -> np.ndarray:
         out = np.empty(self.component_shape(i), self.dtype)
@@ -143,18 +144,17 @@ class _Resplit(_Rewritten):
         lo = int(self.attrs["shard_offsets"][i])
         hi = lo + self.component_shape(i)[axis]
         src = self.source
+        length = int(self.shape[axis])
         src_offsets = [int(o) for o in src.attrs["shard_offsets"]]
-        for j, start in enumerate(src_offsets):
-            stop = start + int(src.component_shape(j)[axis])
-            a, b = max(lo, start), min(hi, stop)
-            if a >= b:
-                continue
-            dst = out[(slice(None),) * axis + (slice(a - lo, b - lo),)]
+        bounds = shard_bounds(src_offsets, length)
+        for j, a, b in overlapping_shards(src_offsets, length, lo, hi):
+            start, stop = bounds[j], bounds[j + 1]
+            dst = out[shard_index(out.ndim, axis, a - lo, b - lo)]
             if a == start and b == stop:
                 src.read_component_into(j, dst)  # a whole source shard: read it in place
             else:
                 shard = src.component(j)
-                dst[...] = shard[(slice(None),) * axis + (slice(a - start, b - start),)]
+                dst[...] = shard[shard_index(shard.ndim, axis, a - start, b - start)]
                 del shard
 
     def value(self) -> np.ndarray:
@@ -164,45 +164,22 @@ class _Resplit(_Rewritten):
 def _rewrite(entry: Entry, m: int, mirror_single: bool, cache: _Cache, file: str | None) -> Entry:
     check_entry(entry, file)
     kind = entry.kind
-    n = entry.num_components
     attrs = dict(entry.attrs or {})
     if kind == "single":
         if not mirror_single:
             return entry
         attrs["devices"] = _devices(m)
         return _Broadcast(entry, "mirrored", m, attrs, lambda: entry.component(0), cache)
-    if m == n:
+    if m == entry.num_components:
         return entry
-    if kind == "independent":
-        raise DeviceCountError(
-            "independent buffers cannot be redistributed onto another number of devices",
-            file=file,
-            variable=entry.path,
-            expected=f"{n} devices",
-            found=f"{m} devices",
-        )
+    spread = spread_plan(entry, kind, aggregation_of(kind, attrs), m, file=file, rewriting=True)
     attrs["devices"] = _devices(m)
-    if kind == "mirrored":
-        return _Broadcast(entry, kind, m, attrs, lambda: entry.component(0), cache)
-    if kind == "on_read":
-        agg = str(attrs.get("aggregation", "sum")).lower()
-        if agg == "sum":
-            return _TotalFirst(entry, kind, m, attrs)
-        if agg == "mean":
-            return _Broadcast(entry, kind, m, attrs, lambda: logical_value(entry), cache)
-        if agg == "only_first_replica":
-            return _Broadcast(entry, kind, m, attrs, lambda: entry.component(0), cache)
-        raise DeviceCountError(
-            f"an on-read variable with aggregation {agg!r} cannot be redistributed",
-            file=file,
-            variable=entry.path,
-            expected=f"{n} devices",
-            found=f"{m} devices",
-        )
-    # sharded
-    axis = int(attrs["shard_axis"])
-    attrs["shard_offsets"] = split_offsets(int(entry.shape[axis]), m)
-    return _Resplit(entry, kind, m, attrs)
+    if spread.how == "first":
+        return _TotalFirst(entry, kind, m, attrs)
+    if spread.how == "resplit":
+        attrs["shard_offsets"] = shard_offsets(int(entry.shape[int(attrs["shard_axis"])]), m)
+        return _Resplit(entry, kind, m, attrs)
+    return _Broadcast(entry, kind, m, attrs, lambda: logical_value(entry), cache)
 
 
 def reshard(
@@ -219,8 +196,8 @@ def reshard(
         A :class:`CheckpointView` with the same paths, format, file and metadata.
 
     Raises:
-        DeviceCountError: an independent (or non-aggregating on-read) variable was saved for
-            another number of devices; the message names it.
+        DeviceCountError: an independent (or aggregation ``none`` on-read) variable was saved
+            for another number of devices; the message names it.
     """
     if isinstance(devices, bool) or not isinstance(devices, (int, np.integer)) or devices < 1:
         raise InvalidArgumentError(f"devices must be a positive integer, got {devices!r}")

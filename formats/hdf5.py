@@ -16,6 +16,7 @@ from typing import Any
 
 import h5py
 
+from parallelvars.checkpoint.entry import check_entry
 from parallelvars.checkpoint.h5io import H5Reader, write_h5
 from parallelvars.errors import InvalidEntryError
 
@@ -23,7 +24,6 @@ from ._graph import object_graph_for
 from ._h5 import H5_ERRORS, is_hdf5
 from ._json import carried_metadata
 from ._registry import FormatSpec
-from ._validate import check_entry
 from ._view import CheckpointView, Entry
 
 __all__ = ["FORMAT", "HDF5View", "open_hdf5", "write_hdf5"]
@@ -45,7 +45,7 @@ class HDF5View(CheckpointView):
         self.object_graph = reader.object_graph
 
     def __getitem__(self, key: str) -> Entry:
-        return self.reader[key]  # type: ignore[return-value]  # StoredVariable duck-types Entry
+        return self.reader[key]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.reader)

@@ -48,6 +48,7 @@ from typing import IO, Any
 import numpy as np
 
 from parallelvars._fileio import Scratch, atomic_path, load_json
+from parallelvars._geometry import shard_index
 from parallelvars._ints import is_index
 from parallelvars.errors import (
     ClosedCheckpointError,
@@ -536,7 +537,7 @@ class _Store(ByteStore):
         arr = np.frombuffer(raw, m.stored_dtype).reshape(m.shape, order="F" if m.fortran else "C")
         if region is not None:
             axis, start, stop = region
-            arr = arr[(slice(None),) * axis + (slice(start, stop),)]
+            arr = arr[shard_index(arr.ndim, axis, start, stop)]
         out = np.empty(arr.shape, object)
         for idx, value in np.ndenumerate(arr):
             out[idx] = value.encode("utf-8") if isinstance(value, str) else bytes(value)
@@ -558,7 +559,7 @@ class _Store(ByteStore):
             )
             if region is not None:
                 axis, start, stop = region
-                arr = arr[(slice(None),) * axis + (slice(start, stop),)]
+                arr = arr[shard_index(arr.ndim, axis, start, stop)]
             out.reshape(-1).view(np.uint8)[...] = (
                 np.ascontiguousarray(arr.astype(m.stored_dtype.newbyteorder("=")))
                 .reshape(-1)

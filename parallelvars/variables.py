@@ -59,14 +59,16 @@ from __future__ import annotations
 import itertools
 import operator
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import wrapt
 
 from parallelvars import _storage
+from parallelvars._aggregate import aggregate_parts
 from parallelvars._dtypes import as_dtype, is_extension_dtype
+from parallelvars._geometry import shard_offsets, shard_sizes, shard_slices
 from parallelvars.devices import ParallelDevice
 from parallelvars.enums import Aggregation, Synchronization
 from parallelvars.errors import (
@@ -107,30 +109,6 @@ def _unique_name(name: str | None) -> str:
         return str(name)
     with _name_lock:
         return f"Variable_{next(_name_counter)}"
-
-
-def aggregate_parts(
-    out: np.ndarray, rest: Iterable[np.ndarray], n: int, aggregation: Aggregation | str
-) -> np.ndarray:
-    """The aggregate of an on-read variable's ``n`` parts, computed in ``out``; returns it.
-
-    The one rule for reads, restores and format conversions: ``out`` holds part 0 and
-    ``rest`` gives parts ``1 .. n-1`` in device order (so a sum has the same bits on every
-    run); ONLY_FIRST_REPLICA is part 0 (``rest`` is not consumed), MEAN is the sum divided
-    by ``n`` in the parts' dtype (integers round down), any other aggregation the sum.
-    """
-    agg = aggregation.value if isinstance(aggregation, Aggregation) else str(aggregation).lower()
-    if agg == Aggregation.ONLY_FIRST_REPLICA.value or n == 1:
-        return out
-    with np.errstate(over="ignore", invalid="ignore"):  # inf + -inf is nan, as it should be
-        for part in rest:
-            np.add(out, part, out=out)
-    if agg == Aggregation.MEAN.value:
-        if out.dtype.kind in "iub":
-            np.floor_divide(out, n, out=out, casting="unsafe")
-        else:
-            np.divide(out, n, out=out, casting="unsafe")
-    return out
 
 
 def _unwrap(x: Any) -> Any:
@@ -903,16 +881,6 @@ def component_variable(var: ParallelVariable, i: int) -> ComponentVariable:
     return view
 
 
-def shard_sizes(length: int, n: int) -> list[int]:
-    """Sizes of ``n`` shards of ``length`` rows: the first ``length % n`` get one more.
-
-    >>> shard_sizes(10, 4)
-    [3, 3, 2, 2]
-    """
-    q, r = divmod(int(length), int(n))
-    return [q + 1] * r + [q] * (n - r)
-
-
 class ShardedVariable(ParallelVariable):
     """A variable whose components are slices of one logical value along ``shard_axis``.
 
@@ -935,13 +903,8 @@ class ShardedVariable(ParallelVariable):
         ndim = full.ndim
         axis = _check_shard_axis(name, shard_axis, ndim)
         n = len(device)
-        sizes = shard_sizes(full.shape[axis], n)
-        offsets = [0, *itertools.accumulate(sizes)][:-1]
-        comps = []
-        for off, size in zip(offsets, sizes, strict=True):
-            index = [slice(None)] * ndim
-            index[axis] = slice(off, off + size)
-            comps.append(full[tuple(index)])
+        offsets = shard_offsets(full.shape[axis], n)
+        comps = [full[index] for index in shard_slices(full.shape, axis, offsets)]
         wrapt.ObjectProxy.__init__(self, full)
         self._self_stacked: Any = None
         self._self_components = tuple(comps)

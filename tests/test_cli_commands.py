@@ -394,24 +394,30 @@ def test_check_structure() -> None:
                           attrs={"shard_axis": axis, "shard_offsets": offsets})  # fmt: skip
 
     assert check_structure(sharded(0, [0, 2])) == []
+    # The core's one entry validation, in its one wording (the HDF5 reader's and the writers').
+    cover = "shard_offsets do not cover the shard axis exactly"
     assert check_structure(sharded(0, [0, 5])) == [
-        "variable 's': shard offsets do not tile axis 0 of length 4 (found offsets [0, 5])"
+        f"variable 's': {cover} (expected 2 non-decreasing offsets from 0 within the 4 rows of "
+        "axis 0, found [0, 5])"
     ]
     assert check_structure(sharded(0, [1, 2])) == [
-        "variable 's': shard offsets do not tile axis 0 of length 4 (found offsets [1, 2])"
+        f"variable 's': {cover} (expected 2 non-decreasing offsets from 0 within the 4 rows of "
+        "axis 0, found [1, 2])"
     ]
     assert check_structure(sharded(-1, [0, 2])) == [
-        "variable 's': shard axis out of range (expected 0..0, found -1)"
+        "variable 's': shard_axis out of range (expected an axis of shape (4,), found -1)"
     ]
     assert check_structure(sharded(0, [0])) == [
-        "variable 's': shard offsets do not match the components (expected 2 offsets, found 1)"
+        "variable 's': shard_offsets do not match the components (expected 2 offsets, found 1)"
     ]
     bare = ArrayEntry("s", [np.zeros(2), np.zeros(2)], kind="sharded", shape=(4,))
     assert check_structure(bare) == [
-        "variable 's': sharded without shard_axis and shard_offsets attributes"
+        "variable 's': shard_axis out of range (expected an axis of shape (4,), found None)"
     ]
     single = ArrayEntry("one", [np.zeros(2), np.zeros(2)], kind="single")
-    assert check_structure(single) == ["variable 'one': kind single with 2 components (expected 1)"]
+    assert check_structure(single) == [
+        "variable 'one': impossible number of components (expected 1, found 2)"
+    ]
 
 
 @pytest.mark.parametrize("what", ["missing", "junk"])

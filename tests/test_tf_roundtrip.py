@@ -353,7 +353,7 @@ def test_unusual_shapes(shape: tuple[int, ...], tmp_path: Path) -> None:
                 shape=(4, 2),
                 attrs={"shard_axis": 0, "shard_offsets": [1, 2]},
             ),
-            "shard offsets",
+            "shard_offsets",
         ),
         (ArrayEntry("e", [np.ones((2, 2))], kind="sharded", shape=(2, 2), attrs={}), "shard_axis"),
         (

@@ -21,7 +21,6 @@ Grouping rules:
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 from collections.abc import Sequence
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from parallelvars._fileio import load_json
+from parallelvars._geometry import offsets_problem, shard_bounds
 from parallelvars._ints import is_int
 from parallelvars.errors import (
     CorruptCheckpointError,
@@ -551,9 +551,7 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
         if not (
             0 <= axis < rank
             and offsets
-            and offsets[0] == 0
-            and all(a <= b for a, b in itertools.pairwise(offsets))
-            and offsets[-1] <= e.shape[axis]
+            and offsets_problem(offsets, e.shape[axis], len(offsets)) is None
         ):
             raise self._corrupt(
                 "bad shard axis or offsets in the metadata",
@@ -561,7 +559,7 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
                 expected=f"an axis < {rank} and non-decreasing offsets from 0",
                 found=f"axis {raw_axis!r}, offsets {str(raw_offsets)[:80]}",
             )
-        ends = [*offsets[1:], e.shape[axis]]
+        ends = shard_bounds(offsets, e.shape[axis])[1:]
         wanted = [(o, end - o) for o, end in zip(offsets, ends, strict=True) if end > o]
         by_extent: dict[tuple[int, int], SliceSpec] = {}
         for spec in e.slices:

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars._geometry import shard_bounds
+from parallelvars.checkpoint.entry import check_entry
 from parallelvars.checkpoint.registry import COMPONENT_PREFIX
 from parallelvars.errors import (
     DtypeMismatchError,
@@ -40,7 +42,7 @@ from parallelvars.errors import (
 )
 
 from .._json import jsonable
-from .._view import KINDS, Entry, aggregates
+from .._view import Entry, aggregates
 from ._bundle import BundleWriter
 from ._dtypes import DT_STRING, tf_dtype
 from ._graph import (
@@ -103,14 +105,7 @@ def _esc(names: list[str]) -> str:
 
 
 def _plan(path: str, entry: Entry, index_path: str) -> _Var:
-    if entry.kind not in KINDS:
-        raise InvalidEntryError(
-            "unknown variable kind",
-            file=index_path,
-            variable=path,
-            expected=" | ".join(KINDS),
-            found=entry.kind,
-        )
+    check_entry(entry, index_path, variable=path)
     hint = entry.attrs.get("tf_dtype")
     num = tf_dtype(entry.dtype, hint if isinstance(hint, str) else None)
     if num is None:
@@ -129,40 +124,15 @@ def _plan(path: str, entry: Entry, index_path: str) -> _Var:
     if entry.kind == "sharded":
         var.slices = _shard_specs(path, entry, index_path)
         var.expressed |= {"shard_axis", "shard_offsets"}
-    elif entry.num_components < 1:
-        raise InvalidEntryError(
-            "a variable needs at least one component", file=index_path, variable=path
-        )
     return var
 
 
 def _shard_specs(path: str, entry: Entry, index_path: str) -> list[SliceSpec]:
+    """The slice of each shard (the entry's layout already checked by ``check_entry``)."""
     shape = tuple(int(d) for d in entry.shape)
-    try:
-        axis = int(entry.attrs["shard_axis"])
-        offsets = [int(o) for o in entry.attrs["shard_offsets"]]
-    except (KeyError, TypeError, ValueError):
-        raise InvalidEntryError(
-            "a sharded variable needs integer attrs shard_axis and shard_offsets",
-            file=index_path,
-            variable=path,
-        ) from None
-    n = entry.num_components
-    ends = [*offsets[1:], shape[axis] if 0 <= axis < len(shape) else 0]
-    if (
-        not 0 <= axis < len(shape)
-        or len(offsets) != n
-        or n < 1
-        or offsets[0] != 0
-        or any(b < a for a, b in zip(offsets, ends, strict=True))
-    ):
-        raise InvalidEntryError(
-            "shard offsets do not split the value",
-            file=index_path,
-            variable=path,
-            expected=f"{n} non-decreasing offsets from 0 along an axis of {shape}",
-            found=f"axis {axis}, offsets {offsets}",
-        )
+    axis = int(entry.attrs["shard_axis"])
+    offsets = [int(o) for o in entry.attrs["shard_offsets"]]
+    ends = shard_bounds(offsets, shape[axis])[1:]
     # Every extent explicit, as TensorFlow's partitioned savers (ShardedVariable, SaveSliceInfo)
     # write them, so the slice keys and bytes match.
     return [

@@ -1,14 +1,18 @@
-"""Checkpoints: the saveable registry, the native HDF5 layout, ``Checkpoint``."""
+"""Checkpoints: the saved-entry model, the saveable registry, the native HDF5 layout,
+``Checkpoint``."""
 
 from parallelvars.checkpoint.checkpoint import Checkpoint, CheckpointLoadStatus
+from parallelvars.checkpoint.entry import ArrayEntry, Entry
 from parallelvars.checkpoint.h5io import H5Reader, StoredVariable, write_h5
 from parallelvars.checkpoint.manager import CheckpointManager, latest_checkpoint
 from parallelvars.checkpoint.registry import Saveable, SaveRecord, get_saveable, register_saveable
 
 __all__ = [
+    "ArrayEntry",
     "Checkpoint",
     "CheckpointLoadStatus",
     "CheckpointManager",
+    "Entry",
     "H5Reader",
     "SaveRecord",
     "Saveable",

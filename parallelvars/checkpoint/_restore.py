@@ -16,6 +16,10 @@ sharded       the full value, re-split by the live variable's own shards (reads 
                into the right rows, so re-sharding costs nothing extra)
 =============  ===============================================================================
 
+The decision is the core's one rule table (:mod:`parallelvars._aggregate`,
+``spread_plan``), which ``formats.reshard`` consults too. An on-read variable saved with
+aggregation ``none`` has no single value either: it restores only component by component.
+
 An independent-buffers variable in the file has no single logical value, so it restores only
 onto a variable with the same number of components, or onto a plain (single) variable, which
 receives component 0 (saved under the plain key for that reason, as in the seed
@@ -25,58 +29,45 @@ parallel_device_saving); the other components are then reported unmatched by the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from parallelvars import _aggregate
 from parallelvars._dtypes import dtype_name
+from parallelvars.checkpoint.entry import Entry
+from parallelvars.checkpoint.h5io.stored import StoredVariable
 from parallelvars.checkpoint.registry import Saveable, SaveRecord, component_name, register_saveable
-from parallelvars.errors import DeviceCountError, DtypeMismatchError, ShapeMismatchError
-from parallelvars.variables import ParallelVariable, ShardedVariable, aggregate_parts
+from parallelvars.errors import DtypeMismatchError, ShapeMismatchError
+from parallelvars.variables import ParallelVariable, ShardedVariable
 
 __all__ = ["ParallelVariableSaveable", "read_logical_into"]
 
 
-def _shard_slices(stored: Any) -> list[tuple[Any, ...]]:
-    axis = int(stored.attrs["shard_axis"])
-    out = []
-    for i, start in enumerate(stored.attrs["shard_offsets"]):
-        index: list[Any] = [slice(None)] * len(stored.shape)
-        size = stored.component_shape(i)[axis]
-        index[axis] = slice(int(start), int(start) + size)
-        out.append(tuple(index))
-    return out
+def _reader(stored: Entry, cast: bool) -> Callable[[int, np.ndarray], None]:
+    """``read(i, out)``: component ``i`` of ``stored`` into ``out``, cast to ``out``'s dtype
+    when ``cast`` (the native reader casts as it reads; other entries through a copy)."""
+    if isinstance(stored, StoredVariable):
+        native = stored
+
+        def read_native(i: int, out: np.ndarray) -> None:
+            native.read_component_into(i, out, cast=cast)
+
+        return read_native
+
+    def read(i: int, out: np.ndarray) -> None:
+        if out.dtype == stored.dtype:
+            stored.read_component_into(i, out)
+        else:  # allowed by the plan: allow_cast
+            out[...] = stored.component(i)
+
+    return read
 
 
-def read_logical_into(stored: Any, out: np.ndarray, *, file: str, cast: bool) -> None:
+def read_logical_into(stored: Entry, out: np.ndarray, *, file: str, cast: bool) -> None:
     """Read the logical value of ``stored`` into ``out`` (checksums verified by the reader)."""
-    kind = stored.kind
-    n = stored.num_components
-    if kind == "sharded":
-        for i, index in enumerate(_shard_slices(stored)):
-            stored.read_component_into(i, out[index], cast=cast)
-        return
-    if kind == "on_read" and n > 1:
-        stored.read_component_into(0, out, cast=cast)
-
-        def rest() -> Iterator[np.ndarray]:
-            scratch = np.empty_like(out)
-            for i in range(1, n):
-                stored.read_component_into(i, scratch, cast=cast)
-                yield scratch
-
-        aggregate_parts(out, rest(), n, str(stored.attrs.get("aggregation", "sum")))
-        return
-    if kind == "independent" and n > 1:
-        raise DeviceCountError(
-            "independent buffers restore only onto the same number of devices",
-            file=file,
-            variable=stored.path,
-            expected=f"{n} components",
-            found="a single value",
-        )
-    stored.read_component_into(0, out, cast=cast)
+    _aggregate.read_logical_into(stored, out, file=file, read=_reader(stored, cast))
 
 
 # The most bytes read up front to check that a counter's saved values convert exactly.
@@ -126,7 +117,7 @@ class ParallelVariableSaveable(Saveable):
         )
 
     def plan_restore(
-        self, obj: ParallelVariable, stored: Any, *, file: str, path: str, allow_cast: bool
+        self, obj: ParallelVariable, stored: Entry, *, file: str, path: str, allow_cast: bool
     ) -> Callable[[], None]:
         shape = tuple(obj.__wrapped__.shape)
         if tuple(stored.shape) != shape:
@@ -164,56 +155,38 @@ class ParallelVariableSaveable(Saveable):
         indices = obj.component_indices
         live, skind = obj.kind, stored.kind
         comps = obj.components
+        read = _reader(stored, cast)
         if skind == "independent" and n > 1 and live == "single" and m == 1:
             # The seed (parallel_device_saving) saves component 0 under the plain key so that a
             # non-parallel variable restores from it; the other components stay unmatched.
             target = comps[0]
 
             def first_component() -> None:
-                stored.read_component_into(0, target, cast=cast)
+                read(0, target)
 
             first_component.unmatched = [  # type: ignore[attr-defined]
                 f"{path}/{component_name(i)}" for i in range(1, n)
             ]
             return first_component
-        if skind == "independent" and n > 1 and n != m:
-            raise DeviceCountError(
-                "independent buffers restore only onto the same number of devices",
-                file=file,
-                variable=path,
-                expected=f"{m} devices",
-                found=f"{n} devices in the file",
-            )
-        if live == "independent" and m > 1 and n != m:
-            raise DeviceCountError(
-                "an independent-buffers variable needs one saved component per device",
-                file=file,
-                variable=path,
-                expected=f"{m} components",
-                found=f"{n} components",
-            )
         if isinstance(obj, ShardedVariable):
+            # "resplit" (or a refusal): the full value, read straight into the shards' rows
+            _aggregate.spread_plan(stored, "sharded", None, m, file=file, variable=path)
             full = obj.__wrapped__
             return lambda: read_logical_into(stored, full, file=file, cast=cast)
 
-        same_layout = n == m and skind == live and skind != "sharded"
-        if live == "on_read" and skind == "on_read":
-            same_layout = (
-                same_layout and str(stored.attrs.get("aggregation")) == obj.aggregation.value
-            )
-        if live == "independent" and n == m:
-            same_layout = skind != "sharded"
-
-        if same_layout:
+        spread = _aggregate.spread_plan(
+            stored, live, obj.aggregation.value, m, file=file, variable=path
+        )
+        if spread.how == "componentwise":
 
             def componentwise() -> None:
                 for i, c in zip(indices, comps, strict=True):
-                    stored.read_component_into(i, c, cast=cast)
+                    read(i, c)
 
             return componentwise
 
-        # The total of an on-read SUM variable goes to global component 0 only.
-        zero = live == "on_read" and obj.aggregation.value == "sum"
+        # spread "first" (on-read SUM): the total goes to global component 0 only.
+        zero = spread.how == "first"
         targets = [c for i, c in zip(indices, comps, strict=True) if not (zero and i != 0)]
         zeros = [c for i, c in zip(indices, comps, strict=True) if zero and i != 0]
 

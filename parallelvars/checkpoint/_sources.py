@@ -24,14 +24,15 @@ from typing import Any
 import numpy as np
 
 from parallelvars.checkpoint._foreign import foreign_kind
+from parallelvars.checkpoint.entry import Entry
 from parallelvars.checkpoint.h5io import H5Reader
 from parallelvars.errors import NotACheckpointError, ParallelVarsError
 
 __all__ = ["StagedEntry", "ViewSource", "open_source"]
 
 
-class StagedEntry:
-    """An entry of another format's view, duck-typing a native ``StoredVariable``.
+class StagedEntry(Entry):
+    """An entry of another format's view as a restore reads it.
 
     :meth:`verify` reads component ``i`` (the format's own checks run then) and keeps it;
     :meth:`read_component_into` copies it into place and lets it go.
@@ -63,6 +64,13 @@ class StagedEntry:
         data = self._entry.component(i)
         with self._lock:
             self._staged[i] = data
+
+    def component(self, i: int) -> np.ndarray:
+        """Component ``i``: the copy :meth:`verify` kept (handed over, not kept twice), else
+        read now."""
+        with self._lock:
+            data = self._staged.pop(i, None)
+        return self._entry.component(i) if data is None else data
 
     def read_component_into(self, i: int, out: np.ndarray, *, cast: bool = False) -> None:
         """Copy component ``i`` into ``out``: its shape, and its dtype unless ``cast`` (the

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars.checkpoint.entry import Entry
 from parallelvars.errors import InvalidArgumentError
 
 __all__ = [
@@ -61,8 +62,9 @@ def component_index(name: str) -> int | None:
 
 
 @dataclass
-class SaveRecord:
-    """What one object saves: an entry of the neutral view (duck-typed), built from live buffers.
+class SaveRecord(Entry):
+    """What one object saves: an :class:`~parallelvars.checkpoint.entry.Entry` built from live
+    buffers (``component(i)`` is the buffer itself, not a copy: writers only read it).
 
     Attributes:
         path: the object path in the checkpoint (set by the checkpoint).
@@ -77,14 +79,12 @@ class SaveRecord:
     shape: tuple[int, ...]
     attrs: dict[str, Any] = field(default_factory=dict)
     path: str = ""
+    dtype: np.dtype = field(init=False, repr=False, compare=False)
+    num_components: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def dtype(self) -> np.dtype:
-        return self.components[0].dtype
-
-    @property
-    def num_components(self) -> int:
-        return len(self.components)
+    def __post_init__(self) -> None:
+        self.dtype = self.components[0].dtype if len(self.components) else np.dtype(np.float64)
+        self.num_components = len(self.components)
 
     def component_shape(self, i: int) -> tuple[int, ...]:
         return tuple(self.components[i].shape)
@@ -107,7 +107,7 @@ class Saveable(abc.ABC):
 
     @abc.abstractmethod
     def plan_restore(
-        self, obj: Any, stored: Any, *, file: str, path: str, allow_cast: bool
+        self, obj: Any, stored: Entry, *, file: str, path: str, allow_cast: bool
     ) -> Callable[[], None]:
         """Validate ``stored`` against ``obj`` and return the callable that restores it.
 

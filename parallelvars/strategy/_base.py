@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from parallelvars._geometry import shard_index
 from parallelvars.devices import ParallelDevice, canonical_device
 from parallelvars.enums import Aggregation, ReduceOp
 from parallelvars.errors import ContextError, CrossReplicaOnlyError, DistributedValueError
@@ -598,11 +599,8 @@ class Strategy:
                 return x.components[i]
             return x
         if var.kind == "sharded" and isinstance(x, np.ndarray) and x.shape == var.shape:
-            axis = var.shard_axis
-            off = var.shard_offsets[i]
-            index = [slice(None)] * x.ndim
-            index[axis] = slice(off, off + var.components[i].shape[axis])
-            return x[tuple(index)]
+            axis, off = var.shard_axis, var.shard_offsets[i]
+            return x[shard_index(x.ndim, axis, off, off + var.components[i].shape[axis])]
         if isinstance(x, (list, tuple, dict)):
             return select_replica(i, x, n)
         return x

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
+from parallelvars._geometry import shard_bounds, shard_offsets
 from parallelvars.errors import DistributedValueError
 from parallelvars.strategy._values import PerReplica
 
 __all__ = ["DistributedDataset", "split_batch"]
-
-
-def _shard_sizes(length: int, n: int) -> list[int]:
-    q, r = divmod(int(length), int(n))
-    return [q + 1] * r + [q] * (n - r)
 
 
 def _leaves(batch: Any) -> list[np.ndarray]:
@@ -69,12 +66,8 @@ def split_batch(batch: Any, num_replicas: int) -> PerReplica:
         [[0, 1, 2], [3, 4]]
     """
     length = _batch_length(batch)
-    parts = []
-    start = 0
-    for size in _shard_sizes(length, num_replicas):
-        parts.append(_take(batch, start, start + size))
-        start += size
-    return PerReplica(parts)
+    bounds = shard_bounds(shard_offsets(length, num_replicas), length)
+    return PerReplica([_take(batch, lo, hi) for lo, hi in itertools.pairwise(bounds)])
 
 
 class DistributedDataset:

@@ -10,9 +10,9 @@ import h5py
 import numpy as np
 
 from parallelvars._dtypes import is_extension_dtype
+from parallelvars.checkpoint import entry as _entry
 from parallelvars.checkpoint._h5policy import H5_ERRORS, MAX_COMPRESSION
 from parallelvars.checkpoint._h5policy import HDF5_SIGNATURE as HDF5_SIGNATURE
-from parallelvars.enums import Aggregation
 from parallelvars.errors import InvalidEntryError
 
 FORMAT_VERSION = 1
@@ -22,10 +22,10 @@ GRAPH_DATASET = f"{META_GROUP}/object_graph"
 # instead of one HDF5 attribute call per attribute.
 INDEX_DATASET = f"{META_GROUP}/index"
 DOCUMENTS_ATTR = "parallelvars_documents"
-# The documented variable kinds and on-read aggregations (the enums' values).
-KINDS = ("single", "mirrored", "on_read", "independent", "sharded")
-AGGREGATIONS = tuple(a.value for a in Aggregation)
-_MAX_COMPONENTS = 1 << 16
+# The documented variable kinds and on-read aggregations: the entry model's.
+KINDS = _entry.KINDS
+AGGREGATIONS = _entry.AGGREGATIONS
+_MAX_COMPONENTS = _entry.MAX_COMPONENTS
 # The HDF5 constants every reader shares, under the names the h5io modules use.
 _MAX_COMPRESSION = MAX_COMPRESSION
 _H5_ERRORS = H5_ERRORS

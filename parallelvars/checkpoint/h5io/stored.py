@@ -13,18 +13,14 @@ import crc32c as _crc32c
 import h5py
 import numpy as np
 
+from parallelvars._aggregate import has_logical_value, no_value_error, read_logical_into
 from parallelvars._dtypes import as_dtype, dtype_name
 from parallelvars._fileio import byte_view, checksum
-from parallelvars._ints import is_int
+from parallelvars._geometry import shard_shapes
 from parallelvars.checkpoint import _h5policy
+from parallelvars.checkpoint.entry import Entry, check_entry
 from parallelvars.checkpoint.h5io.attributes import _decode
-from parallelvars.checkpoint.h5io.layout import (
-    _H5_ERRORS,
-    _MAX_COMPONENTS,
-    _MAX_COMPRESSION,
-    AGGREGATIONS,
-    KINDS,
-)
+from parallelvars.checkpoint.h5io.layout import _H5_ERRORS, _MAX_COMPRESSION
 from parallelvars.checkpoint.registry import component_name
 from parallelvars.errors import (
     ChecksumMismatchError,
@@ -45,8 +41,9 @@ def _is_variable_length(tid: Any) -> bool:
     return bool(tid.get_class() == h5py.h5t.STRING and tid.is_variable_str())
 
 
-class StoredVariable:
-    """One variable of a checkpoint file; duck-types the neutral view's ``Entry``."""
+class StoredVariable(Entry):
+    """One variable of a checkpoint file: an :class:`~parallelvars.checkpoint.entry.Entry`
+    whose components are read from the file and verified against their checksums."""
 
     def __init__(self, reader: H5Reader, path: str, meta: Mapping[str, Any]) -> None:
         self._reader = reader
@@ -144,71 +141,20 @@ class StoredVariable:
     def _validated_layout(self) -> list[tuple[int, ...]]:
         """Check every layout field of the variable once, at open; the components' shapes.
 
-        The kind and aggregation are in their documented sets, the counts of components,
-        checksums, offsets and devices agree, and a sharded variable's ``shard_offsets`` start
-        at 0 and cover its shard axis exactly, so no reader ever leaves a row unwritten.
+        The entry checks every reader shares (:func:`~parallelvars.checkpoint.entry.check_entry`:
+        kind, aggregation, components, devices, shard axis and offsets covering the axis
+        exactly, so no reader ever leaves a row unwritten), then the index's own lists.
         """
         n = self.num_components
-        if self.kind not in KINDS:
-            raise self._bad("unknown variable kind", f"one of {', '.join(KINDS)}", repr(self.kind))
-        if not 1 <= n <= _MAX_COMPONENTS or (self.kind == "single" and n != 1):
-            raise self._bad(
-                "impossible number of components",
-                "1" if self.kind == "single" else f"1 to {_MAX_COMPONENTS}",
-                n,
-            )
+        check_entry(self, self._reader.path, error=CorruptCheckpointError)
         for what, values in (("checksums", self._crcs), ("data offsets", self._index_offsets)):
             if values is not None and len(values) != n:
                 raise self._bad(
                     f"the index lists {len(values)} {what}", f"{n} (one per component)", len(values)
                 )
-        if any(d < 0 for d in self.shape):
-            raise self._bad("negative dimension", "dimensions >= 0", self.shape)
-        aggregation = self.attrs.get("aggregation")
-        if aggregation is not None and str(aggregation).lower() not in AGGREGATIONS:
-            raise self._bad(
-                "unknown aggregation", f"one of {', '.join(AGGREGATIONS)}", repr(aggregation)
-            )
-        devices = self.attrs.get("devices")
-        if devices is not None and (
-            not isinstance(devices, list)
-            or len(devices) != n
-            or not all(isinstance(d, str) for d in devices)
-        ):
-            raise self._bad(
-                "devices do not match the components", f"{n} device names", repr(devices)
-            )
         if self.kind != "sharded":
             return [self.shape] * n
-        axis_value: Any = self.attrs.get("shard_axis")
-        offsets_value: Any = self.attrs.get("shard_offsets")
-        if not is_int(axis_value) or not 0 <= int(axis_value) < len(self.shape):
-            raise self._bad(
-                "shard_axis out of range", f"an axis of shape {self.shape}", repr(axis_value)
-            )
-        axis = int(axis_value)
-        if not isinstance(offsets_value, list) or not all(is_int(o) for o in offsets_value):
-            raise self._bad(
-                "shard_offsets is not a list of integers", f"{n} offsets", repr(offsets_value)
-            )
-        offsets = [int(o) for o in offsets_value]
-        if len(offsets) != n:
-            raise self._bad(
-                "shard offsets do not match the components", f"{n} offsets", len(offsets)
-            )
-        bounds = [*offsets, self.shape[axis]]
-        if offsets[0] != 0 or any(bounds[i + 1] < bounds[i] for i in range(n)):
-            raise self._bad(
-                "shard_offsets do not cover the shard axis exactly (gap, overlap or past the end)",
-                f"offsets from 0, non-decreasing, within {self.shape[axis]} rows of axis {axis}",
-                offsets,
-            )
-        shapes = []
-        for i in range(n):
-            shape = list(self.shape)
-            shape[axis] = bounds[i + 1] - bounds[i]
-            shapes.append(tuple(shape))
-        return shapes
+        return shard_shapes(self.shape, int(self.attrs["shard_axis"]), self.attrs["shard_offsets"])
 
     def component_shape(self, i: int) -> tuple[int, ...]:
         return self._shapes[i]
@@ -635,12 +581,12 @@ class StoredVariable:
         return out
 
     def value(self) -> np.ndarray:
-        from parallelvars.checkpoint._restore import read_logical_into
-
+        if not has_logical_value(self):
+            raise no_value_error(self, file=self._reader.path)
         for i in range(self.num_components):
             self._check_storage(i)
         out = np.empty(self.shape, self.dtype)
-        read_logical_into(self, out, file=self._reader.path, cast=False)
+        read_logical_into(self, out, file=self._reader.path)
         return out
 
     def __repr__(self) -> str:

@@ -14,6 +14,8 @@ import numpy as np
 
 from parallelvars._dtypes import dtype_name
 from parallelvars._fileio import DataWriter, Scratch, atomic_path, checksum
+from parallelvars._geometry import shard_slices
+from parallelvars.checkpoint.entry import Entry
 from parallelvars.checkpoint.h5io.attributes import (
     _attr_value,
     _decode,
@@ -55,7 +57,7 @@ def _early_dcpl() -> Any:
 
 
 def _write_entry(
-    f: h5py.File, writer: _DataWriter, entry: Any, file: str, dcpl: Any, scratch: Scratch
+    f: h5py.File, writer: _DataWriter, entry: Entry, file: str, dcpl: Any, scratch: Scratch
 ) -> dict[str, Any]:
     """Create the group, attributes and datasets of one entry and write its component bytes.
 
@@ -107,13 +109,10 @@ def _write_entry(
     if entry.kind == "sharded" and entry.num_components:
         axis = int(entry.attrs["shard_axis"])
         layout = h5py.VirtualLayout(shape=shape, dtype=storage)
-        for i, start in enumerate(entry.attrs["shard_offsets"]):
+        slices = shard_slices(shape, axis, entry.attrs["shard_offsets"])
+        for i, index in enumerate(slices):
             cshape = tuple(entry.component_shape(i))
-            index: list[Any] = [slice(None)] * len(shape)
-            index[axis] = slice(int(start), int(start) + cshape[axis])
-            layout[tuple(index)] = h5py.VirtualSource(
-                ".", f"{grp.name}/{component_name(i)}", shape=cshape
-            )
+            layout[index] = h5py.VirtualSource(".", f"{grp.name}/{component_name(i)}", shape=cshape)
         grp.create_virtual_dataset("value", layout)
     return meta
 
@@ -165,7 +164,7 @@ def _new_group(f: h5py.File, path: str) -> h5py.Group:
 _LCPL: dict[str, Any] = {}
 
 
-def _checked(entry: Any, i: int, cshape: tuple[int, ...], dt: np.dtype, file: str) -> np.ndarray:
+def _checked(entry: Entry, i: int, cshape: tuple[int, ...], dt: np.dtype, file: str) -> np.ndarray:
     arr = np.asarray(entry.component(i))
     if arr.shape != cshape:
         raise ShapeMismatchError(
@@ -186,7 +185,7 @@ def _checked(entry: Any, i: int, cshape: tuple[int, ...], dt: np.dtype, file: st
     return arr
 
 
-def _holds_arrays(entry: Any) -> bool:
+def _holds_arrays(entry: Entry) -> bool:
     """True when an entry's components are arrays in memory (save records, array entries)."""
     return hasattr(entry, "components") or hasattr(entry, "component_array")
 
@@ -225,7 +224,7 @@ class _DataWriter(DataWriter):
 
 def write_h5(
     path: str | os.PathLike[str],
-    entries: Iterable[Any] | Mapping[str, Any],
+    entries: Iterable[Entry] | Mapping[str, Entry],
     *,
     object_graph: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,

@@ -1,0 +1,294 @@
+"""The saved-entry model: one saved variable as every reader, writer and tool sees it.
+
+An :class:`Entry` is a variable's metadata (``path``, ``kind``, ``dtype``, ``shape``,
+``attrs``, ``num_components``) and its components, read on demand. The registry's
+:class:`~parallelvars.checkpoint.registry.SaveRecord` (live buffers), the HDF5 reader's
+:class:`~parallelvars.checkpoint.h5io.StoredVariable`, every format's entries and the
+rewritten entries of a conversion or re-shard are all entries; writers take any
+``Mapping[str, Entry]`` and stream it entry by entry.
+
+Kinds (``Entry.kind``) and what the components are:
+
+==============  ====================================================================
+``single``      one component, the value
+``mirrored``    N components that are meant to be equal; component 0 is the primary
+``on_read``     N per-device components aggregated on read (``attrs["aggregation"]``:
+                ``"sum"``, ``"mean"`` or ``"only_first_replica"``; ``"none"`` has no
+                single value)
+``independent`` N components, each its own value
+``sharded``     N slices of one logical value along ``attrs["shard_axis"]``, starting at
+                ``attrs["shard_offsets"][i]``
+==============  ====================================================================
+
+Common ``attrs`` keys: ``devices`` (list of device names), ``aggregation``,
+``synchronization``, ``trainable``, ``shard_axis``, ``shard_offsets``, ``name`` (the
+variable's own name), ``slot_of`` / ``slot_name`` (for an optimizer slot: the path of the
+variable it serves and the slot's name). Adapters may add keys of their own; writers ignore
+keys they do not know.
+
+:func:`check_entry` is the one validation of an entry's layout (kind, number of components,
+dimensions, aggregation, devices, shard axis and offsets); the HDF5 reader, the writers and the
+formats' plans all use it, so a bad entry reads the same wherever it is found.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from parallelvars import _geometry
+from parallelvars.enums import Aggregation
+from parallelvars.errors import CheckpointError, ComponentIndexError, InvalidEntryError
+
+__all__ = [
+    "AGGREGATIONS",
+    "KINDS",
+    "MAX_COMPONENTS",
+    "ArrayEntry",
+    "CountingEntry",
+    "Entry",
+    "ForwardingEntry",
+    "check_entry",
+    "layout_problem",
+]
+
+# The documented variable kinds and on-read aggregations (the enums' values).
+KINDS = ("single", "mirrored", "on_read", "independent", "sharded")
+AGGREGATIONS = tuple(a.value for a in Aggregation)
+MAX_COMPONENTS = 1 << 16
+
+
+class Entry(abc.ABC):
+    """One saved variable: its metadata, and its components read on demand."""
+
+    path: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    kind: str
+    num_components: int
+    attrs: Mapping[str, Any]
+
+    def component_shape(self, i: int) -> tuple[int, ...]:
+        """The shape of component ``i`` (a shard's shape for sharded entries)."""
+        self._check_index(i)
+        if self.kind != "sharded":
+            return tuple(self.shape)
+        axis = int(self.attrs["shard_axis"])
+        offsets = self.attrs["shard_offsets"]  # indexed, not copied: O(1) per component
+        stop = int(offsets[i + 1]) if i + 1 < len(offsets) else int(self.shape[axis])
+        shape = list(self.shape)
+        shape[axis] = stop - int(offsets[i])
+        return tuple(shape)
+
+    @abc.abstractmethod
+    def component(self, i: int) -> np.ndarray:
+        """Read component ``i`` into a new array that the caller owns."""
+
+    def read_component_into(self, i: int, out: np.ndarray) -> None:
+        """Read component ``i`` into ``out`` (same shape and dtype); adapters may do it in place."""
+        out[...] = self.component(i)
+
+    def component_nbytes(self, i: int) -> int:
+        return math.prod(self.component_shape(i)) * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all components together."""
+        return sum(self.component_nbytes(i) for i in range(self.num_components))
+
+    def value(self) -> np.ndarray:
+        """The logical value: what a restore onto a single device gives.
+
+        See :func:`parallelvars._aggregate.logical_value`; an entry with no single
+        value (independent buffers, on-read with aggregation ``none``) raises
+        :class:`~parallelvars.errors.InvalidEntryError`.
+        """
+        from parallelvars._aggregate import logical_value
+
+        return logical_value(self)
+
+    def _check_index(self, i: int) -> None:
+        if not 0 <= i < self.num_components:
+            raise ComponentIndexError(
+                f"variable {self.path!r} has {self.num_components} components, no component {i}"
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} {self.path!r} kind={self.kind} dtype={self.dtype} "
+            f"shape={tuple(self.shape)} components={self.num_components}>"
+        )
+
+
+class ArrayEntry(Entry):
+    """An entry whose components are numpy arrays in memory (or views of them)."""
+
+    def __init__(
+        self,
+        path: str,
+        components: Sequence[np.ndarray],
+        *,
+        kind: str | None = None,
+        shape: Sequence[int] | None = None,
+        attrs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not components:
+            raise InvalidEntryError("an entry needs at least one component", variable=path)
+        self.path = path
+        self._components = [np.asarray(c) for c in components]
+        self.dtype = self._components[0].dtype
+        self.kind = kind or ("single" if len(self._components) == 1 else "mirrored")
+        if self.kind not in KINDS:
+            raise InvalidEntryError(
+                "unknown variable kind",
+                variable=path,
+                expected=f"one of {', '.join(KINDS)}",
+                found=repr(self.kind),
+            )
+        self.num_components = len(self._components)
+        self.attrs = dict(attrs or {})
+        self.shape = tuple(
+            int(s) for s in (shape if shape is not None else self._components[0].shape)
+        )
+
+    def component(self, i: int) -> np.ndarray:
+        self._check_index(i)
+        return np.array(self._components[i], copy=True)
+
+    def read_component_into(self, i: int, out: np.ndarray) -> None:
+        self._check_index(i)
+        np.copyto(out, self._components[i])
+
+    def component_array(self, i: int) -> np.ndarray:
+        """Component ``i`` without a copy (do not mutate it)."""
+        self._check_index(i)
+        return self._components[i]
+
+
+class ForwardingEntry(Entry):
+    """An entry that passes every read through to ``source``, with ``source``'s metadata
+    (subclasses change what they need: the kind, the attrs, what a read does)."""
+
+    def __init__(self, source: Entry) -> None:
+        self.source = source
+        self.path = source.path
+        self.dtype = np.dtype(source.dtype)
+        self.shape = tuple(int(s) for s in source.shape)
+        self.kind = source.kind
+        self.num_components = int(source.num_components)
+        self.attrs = dict(source.attrs or {})
+
+    def component_shape(self, i: int) -> tuple[int, ...]:
+        return tuple(int(s) for s in self.source.component_shape(i))
+
+    def component(self, i: int) -> np.ndarray:
+        return self.source.component(i)
+
+    def read_component_into(self, i: int, out: np.ndarray) -> None:
+        self.source.read_component_into(i, out)
+
+    def value(self) -> np.ndarray:
+        return self.source.value()
+
+
+class CountingEntry(ForwardingEntry):
+    """Passes reads through to ``source`` and reports the bytes of each read to ``count``
+    (a progress bar, a convert progress callback)."""
+
+    def __init__(self, source: Entry, count: Callable[[int], Any]) -> None:
+        super().__init__(source)
+        self._count = count
+
+    def component(self, i: int) -> np.ndarray:
+        value = self.source.component(i)
+        self._count(self.component_nbytes(i))
+        return value
+
+    def read_component_into(self, i: int, out: np.ndarray) -> None:
+        self.source.read_component_into(i, out)
+        self._count(self.component_nbytes(i))
+
+    def value(self) -> np.ndarray:
+        value = self.source.value()
+        self._count(math.prod(self.shape) * self.dtype.itemsize)
+        return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def layout_problem(
+    kind: str, shape: Sequence[int], num_components: int, attrs: Mapping[str, Any]
+) -> tuple[str, Any, Any] | None:
+    """What is wrong with a variable's layout, as ``(what, expected, found)``, or None.
+
+    The kind and aggregation are in their documented sets, the number of components fits the
+    kind, dimensions are not negative, ``devices`` (when present) names one device per
+    component, and a sharded variable's ``shard_offsets`` start at 0 and cover its shard axis
+    exactly, so no reader ever leaves a row unwritten.
+    """
+    n = num_components
+    if kind not in KINDS:
+        return "unknown variable kind", f"one of {', '.join(KINDS)}", repr(kind)
+    if not 1 <= n <= MAX_COMPONENTS or (kind == "single" and n != 1):
+        expected = "1" if kind == "single" else f"1 to {MAX_COMPONENTS}"
+        return "impossible number of components", expected, n
+    if any(d < 0 for d in shape):
+        return "negative dimension", "dimensions >= 0", tuple(shape)
+    aggregation = attrs.get("aggregation")
+    if aggregation is not None and str(aggregation).lower() not in AGGREGATIONS:
+        return "unknown aggregation", f"one of {', '.join(AGGREGATIONS)}", repr(aggregation)
+    devices = attrs.get("devices")
+    if devices is not None and (
+        not isinstance(devices, (list, tuple))
+        or len(devices) != n
+        or not all(isinstance(d, str) for d in devices)
+    ):
+        return "devices do not match the components", f"{n} device names", repr(devices)
+    if kind != "sharded":
+        return None
+    axis: Any = attrs.get("shard_axis")
+    offsets: Any = attrs.get("shard_offsets")
+    if not _is_int(axis) or not 0 <= int(axis) < len(shape):
+        return "shard_axis out of range", f"an axis of shape {tuple(shape)}", repr(axis)
+    if not isinstance(offsets, (list, tuple, np.ndarray)) or not all(_is_int(o) for o in offsets):
+        return "shard_offsets is not a list of integers", f"{n} offsets", repr(offsets)
+    offsets = [int(o) for o in offsets]
+    if len(offsets) != n:
+        return "shard_offsets do not match the components", f"{n} offsets", len(offsets)
+    problem = _geometry.offsets_problem(offsets, int(shape[int(axis)]), n)
+    if problem is not None:
+        return (
+            "shard_offsets do not cover the shard axis exactly",
+            f"{problem} of axis {int(axis)}",
+            offsets,
+        )
+    return None
+
+
+def check_entry(
+    entry: Entry,
+    file: str | None = None,
+    *,
+    error: type[CheckpointError] = InvalidEntryError,
+    variable: str | None = None,
+) -> None:
+    """Raise ``error`` naming ``file``, the variable (``variable``, default the entry's path),
+    expected and found when ``entry``'s layout is not one of the documented ones (see
+    :func:`layout_problem`).
+
+    Writers and the formats' plans raise :class:`~parallelvars.errors.InvalidEntryError` (the
+    entry handed to them is wrong); readers pass
+    :class:`~parallelvars.errors.CorruptCheckpointError` (the file is).
+    """
+    shape = tuple(int(s) for s in entry.shape)
+    problem = layout_problem(entry.kind, shape, int(entry.num_components), entry.attrs or {})
+    if problem is not None:
+        what, expected, found = problem
+        name = entry.path if variable is None else variable
+        raise error(what, file=file, variable=name, expected=expected, found=found)
