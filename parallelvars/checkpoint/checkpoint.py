@@ -32,6 +32,7 @@ from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint import _restore  # noqa: F401 - registers the variable saveable
 from parallelvars.checkpoint._foreign import with_foreign_hint
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX  # noqa: F401 - <file>.parts/: a multi-process save's files
+from parallelvars.checkpoint._skeleton import SkeletonCache
 from parallelvars.checkpoint.h5io import H5Reader, write_h5
 from parallelvars.checkpoint.registry import SaveRecord, get_saveable
 from parallelvars.devices import ParallelDevice
@@ -573,6 +574,9 @@ class Checkpoint(Trackable):
         self.save_counter = _make_distributed_variable(
             ParallelDevice(1), initial_value=np.int64(0), name="save_counter", trainable=False
         )
+        # The skeleton of the structure saved last: a repeated save of it is written from the
+        # cached bytes instead of by HDF5 (see checkpoint._skeleton).
+        self._pv_skeletons = SkeletonCache()
 
     def __getattr__(self, name: str) -> Any:
         roots = self.__dict__.get("_roots", {})
@@ -609,9 +613,12 @@ class Checkpoint(Trackable):
             records, object_graph, metadata = self._gather(copy)
 
         writer = _checkpoint_writer()  # every rank writes its part under MPI
+        extra = {"skeletons": self._pv_skeletons} if writer is write_h5 else {}
 
         def write(path: str | os.PathLike[str]) -> str:
-            return writer(os.fspath(path), records, object_graph=object_graph, metadata=metadata)
+            return writer(
+                os.fspath(path), records, object_graph=object_graph, metadata=metadata, **extra
+            )
 
         return write
 
