@@ -189,7 +189,8 @@ class Skeleton:
         """Keep the index document's template (``template % crcs`` is the document); False
         when a document of this structure might not fit the capacity."""
         self.template = template
-        return len(template) <= self.index_capacity
+        # Each "%d" (2 characters) becomes a checksum of at most 10 digits.
+        return len(template) + 8 * len(self.offsets) <= self.index_capacity
 
     def write(
         self,
@@ -224,19 +225,15 @@ class Skeleton:
                 dest[...] = data
                 crcs[i] = int(_crc32c.crc32c(dest))  # type: ignore[arg-type]
                 check(arr, crcs[i], i)
-            # The large components first: their disk writes start while the rest is prepared.
             for i in big:
                 crcs[i] = write(components[i], int(self.offsets[i]))
                 check(components[i], crcs[i], i)
-            raw = (self.template % tuple(crcs)).encode("utf-8")
-            if len(raw) > self.index_capacity:  # cannot happen (see set_template); never torn
-                raise RuntimeError("the index outgrew its skeleton")
-            raw = raw.ljust(self.index_capacity, b" ")
+            raw = (self.template % tuple(crcs)).encode("utf-8").ljust(self.index_capacity, b" ")
             self._put(raw, self.index_offset)
             values[index_crc] = np.int64(_crc32c.crc32c(raw))
             self._patch(values)
-            for offset, piece in self.pieces:
-                pwrite_all(fd, memoryview(piece), offset)  # type: ignore[arg-type]
+            for at, image in self.pieces:
+                pwrite_all(fd, memoryview(image), at)  # type: ignore[arg-type]
 
     def patch_file(self, fd: int, values: dict[str, Any]) -> None:
         """Put ``values`` into the file HDF5 wrote (with sentinels there): the patched header
