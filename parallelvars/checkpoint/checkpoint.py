@@ -155,12 +155,19 @@ class ObjectGraph:
         node_id = len(self.nodes)
         self.ids[id(obj)] = node_id
         self.objects.append(obj)
-        self.nodes.append({"children": [], "path": path if _is_leaf(obj) else None, "slots": []})
+        leaf = _is_leaf(obj)
+        self.nodes.append({"children": [], "path": path if leaf else None, "slots": []})
         self._paths.append(path or "")
+        self._leaves.append(leaf)
         return node_id
 
     def __post_init__(self) -> None:
         self._paths: list[str] = []
+        self._leaves: list[bool] = []
+
+    def is_leaf(self, node_id: int) -> bool:
+        """Whether the node is a saved value (a variable) rather than a container."""
+        return self._leaves[node_id]
 
     def path_of(self, node_id: int) -> str:
         return self._paths[node_id]
@@ -188,7 +195,7 @@ def build_object_graph(root: Any) -> ObjectGraph:
             if child_id is None:
                 path = f"{base}/{escape_name(name)}" if base else escape_name(name)
                 child_id = graph.add(child, path)
-                if not _is_leaf(child):
+                if not graph.is_leaf(child_id):
                     queue.append(child_id)
             graph.nodes[parent]["children"].append([name, child_id])
     for node_id in range(len(graph.objects)):

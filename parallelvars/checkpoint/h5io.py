@@ -495,17 +495,17 @@ def _header_values(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
 def _structure_key(
     items: Sequence[Any], object_graph: Mapping[str, Any] | None, metadata: Mapping[str, Any] | None
 ) -> Any:
-    """What a file's bytes depend on besides the component values and the header values (None
-    when a save cannot be written from a skeleton: byte strings, entries that are not arrays)."""
-    records = []
-    for e in items:
-        comps = getattr(e, "components", None)
-        if comps is None:
-            return None
-        descr = tuple((c.dtype, c.shape) for c in comps)
-        if any(d.kind == "O" for d, _ in descr):
-            return None
-        records.append((e.path, e.kind, tuple(e.shape), dict(e.attrs), descr))
+    """What a file's bytes depend on besides the component values and the header values: the
+    library version, the metadata's names and types, the object graph and each entry's path,
+    kind, shape, attributes and components' dtypes and shapes. None for entries that are not
+    arrays in memory (they are never written from a skeleton)."""
+    try:
+        records = [
+            (e.path, e.kind, e.shape, e.attrs, [(c.dtype, c.shape) for c in e.components])
+            for e in items
+        ]
+    except AttributeError:
+        return None
     meta = tuple(
         (k, type(v).__name__ if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
         for k, v in dict(metadata or {}).items()
@@ -547,9 +547,12 @@ def _capture(
             offsets.append(meta["offsets"][i] or 0)
             nbytes.append(c.nbytes)
     skel = None
-    if template is not None and template % tuple(
-        c for m in index.values() for c in m["crc32c"]
-    ) == json.dumps(index):
+    objects = any(c.dtype.kind == "O" for e in items for c in e.components)
+    if (
+        template is not None
+        and not objects
+        and template % tuple(c for m in index.values() for c in m["crc32c"]) == json.dumps(index)
+    ):
         skel = _skeleton.capture(tmp, key, offsets, nbytes, offset, capacity, sentinels)
         skel = skel if skel is not None and skel.set_template(template) else None
     if skel is not None:
