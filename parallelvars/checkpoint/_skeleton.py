@@ -363,6 +363,7 @@ class SkeletonCache:
         self.put(None)
 
 
-def index_capacity(length: int, components: int) -> int:
-    """Room for an index of ``length`` bytes whose checksums may all change digit count."""
-    return int(math.ceil((length + 9 * components + 64) / 64) * 64)
+def index_capacity(length: int, checksums: int) -> int:
+    """Room for an index document of ``length`` bytes besides its ``checksums`` (each written
+    in at most 10 digits), rounded up to 64 bytes."""
+    return int(math.ceil((length + 10 * checksums + 64) / 64) * 64)

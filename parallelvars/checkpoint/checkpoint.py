@@ -377,11 +377,13 @@ class _Session:
         reader = self.reader()
         plans, sizes, checks, check_sizes = [], [], [], []
         left_out: list[str] = []
+        paths: list[str] = []
         for nid, live in matched.items():
             path = nodes[nid].get("path")
             if path is None:
                 continue
             stored = reader[path]
+            paths.append(path)
             saveable = get_saveable(live)
             assert saveable is not None
             plan = saveable.plan_restore(
@@ -395,8 +397,12 @@ class _Session:
                 check_sizes.append(stored.component_nbytes(i))
         # All or nothing: every checksum is verified before the first value is written. Both
         # passes are checksums and copies in C, spread over the cores.
-        run_partitioned(checks, check_sizes)
-        run_partitioned(plans, sizes)
+        reader.stage(reader[p] for p in paths)  # small components: a few large reads
+        try:
+            run_partitioned(checks, check_sizes)
+            run_partitioned(plans, sizes)
+        finally:
+            reader.unstage()
         self.matched.update(matched)
         self.unmatched_parts.extend(left_out)
         self.restored.update(nid for nid in matched if nodes[nid].get("path") is not None)
