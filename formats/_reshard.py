@@ -42,7 +42,7 @@ import numpy as np
 
 from parallelvars.errors import DeviceCountError, InvalidArgumentError
 
-from ._common import check_entry
+from ._validate import check_entry
 from ._view import CheckpointView, DictView, Entry, logical_value
 
 __all__ = ["reshard", "split_offsets"]

@@ -19,9 +19,10 @@ import h5py
 from parallelvars.checkpoint.h5io import H5Reader, write_h5
 from parallelvars.errors import InvalidEntryError
 
-from ._common import carried_metadata, check_entry
 from ._h5 import is_hdf5
+from ._json import carried_metadata
 from ._registry import FormatSpec
+from ._validate import check_entry
 from ._view import CheckpointView, Entry
 
 __all__ = ["FORMAT", "HDF5View", "open_hdf5", "write_hdf5"]

@@ -14,7 +14,7 @@ a time. Our files hold:
 * ``<key>.npy`` per stored tensor, keys in style ``names`` (default ``"slash"``, see
   :mod:`._names`): every variable's primary under its own key, extra components under
   ``<key>/parallel_component_<i>``, a sharded variable once as its stitched value;
-* ``__parallelvars__.json`` (the first member): the parallel info (see :mod:`._common`), the
+* ``__parallelvars__.json`` (the first member): the parallel info (see :mod:`._info`), the
   file metadata under ``"metadata"`` and the names of all other members under ``"members"``.
   ``np.load`` lists it as an ordinary member; it is not a tensor.
 
@@ -46,7 +46,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from parallelvars._fileio import load_json
+from parallelvars._fileio import Scratch, atomic_path, load_json
 from parallelvars.errors import (
     ClosedCheckpointError,
     CorruptCheckpointError,
@@ -58,24 +58,13 @@ from parallelvars.errors import (
     UnsupportedDtypeError,
 )
 
-from ._common import (
-    ByteStore,
-    Scratch,
-    StoreView,
-    atomic_path,
-    build_entries,
-    carried_metadata,
-    dtype_from_name,
-    dumps,
-    is_ml_dtype,
-    is_string_dtype,
-    jsonable,
-    plan_tensors,
-    read_exact_into,
-    write_array,
-)
+from ._dtypes import dtype_from_name, is_ml_dtype, is_string_dtype
+from ._info import StoreView, build_entries
+from ._json import carried_metadata, dumps, jsonable
 from ._names import check_names
+from ._plan import plan_tensors
 from ._registry import FormatSpec
+from ._store import ByteStore, read_exact_into, write_array
 from ._view import CheckpointView, Entry
 
 __all__ = ["FORMAT", "INFO_MEMBER", "MAX_HEADER_SIZE", "open_npz", "write_npz"]
@@ -125,7 +114,9 @@ def _uint_of(itemsize: int) -> np.dtype:
 
 
 def _dtype_from_tag(tag: str, member: str, file: str) -> np.dtype:
-    from .safetensors import _DTYPES  # the safetensors names (BF16, F8_E4M3, ...)
+    from parallelvars.formats.safetensors._dtypes import (
+        _DTYPES,
+    )  # the safetensors names (BF16, F8_E4M3, ...)
 
     if tag in _DTYPES:
         return _DTYPES[tag]

@@ -192,7 +192,8 @@ def test_a_hostile_shape_is_refused_before_any_allocation(tmp_path):
 def rewrite_index(path: str, change) -> None:
     """Edit the index as a hostile writer would: the document stays well-formed, its own
     checksum recomputed, so only the reader's validation stands between it and a restore."""
-    from parallelvars.checkpoint.h5io import INDEX_DATASET, _write_json
+    from parallelvars.checkpoint.h5io import INDEX_DATASET
+    from parallelvars.checkpoint.h5io.attributes import _write_json
 
     with h5py.File(path, "r+") as f:
         index = json.loads(bytes(f[INDEX_DATASET][()]).decode())

@@ -351,11 +351,15 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     # Our own invariants, unreachable from any input: HDF5 broke its contract, a header we
     # just sized changed length, a branch the argument parser makes impossible.
     (
-        "parallelvars/checkpoint/h5io.py",
+        "parallelvars/checkpoint/h5io/write.py",
         "RuntimeError",
         "_write_entry",
     ): "HDF5 allocated no storage",
-    ("formats/safetensors.py", "AssertionError", "_write_one"): "a header we sized changed length",
+    (
+        "formats/safetensors/_writer.py",
+        "AssertionError",
+        "_write_one",
+    ): "a header we sized changed length",
     ("cli/_common.py", "AssertionError", "*"): "unreachable branch",
     # Raised and caught inside the same reader, which re-raises our CorruptCheckpointError.
     ("formats/tf/_state.py", "ValueError", "c_unescape"): "caught by read_state",

@@ -17,7 +17,6 @@ from parallelvars.errors import (
     UnsupportedDtypeError,
 )
 from parallelvars.formats import ArrayEntry, DictView, detect_format
-from parallelvars.formats import keras as keras_module
 from parallelvars.formats._h5 import attr_to_python
 from parallelvars.formats.keras import (
     RESERVED,
@@ -26,6 +25,7 @@ from parallelvars.formats.keras import (
     write_keras,
     write_keras_legacy,
 )
+from parallelvars.formats.keras import _write as keras_write
 
 # model order -> dataset of model.weights.h5 (Keras names list items by snake_case class)
 KERAS3_PATHS = [
@@ -141,7 +141,7 @@ def test_parallel_components_stay_out_of_keras_vars(tmp_path) -> None:
 def test_legacy_generic_layout_and_split_names(tmp_path, monkeypatch) -> None:
     # Keras splits name lists that overflow the 64 KB object header; shrink the limit so a
     # small file shows the split (3 names per part: the names are fixed-length, 7 bytes each).
-    monkeypatch.setattr(keras_module, "_HEADER_LIMIT", 3 * len(b"layer00"))
+    monkeypatch.setattr(keras_write, "_HEADER_LIMIT", 3 * len(b"layer00"))
     view = DictView(
         [ArrayEntry(f"layer{i:02d}/kernel", [np.full(2, i, np.int32)]) for i in range(8)]
         + [ArrayEntry("step", [np.array(1)])]

@@ -21,7 +21,8 @@ import pytest
 
 import parallelvars as pv
 from parallelvars.checkpoint import _h5policy
-from parallelvars.checkpoint.h5io import INDEX_DATASET, H5Reader, _write_json
+from parallelvars.checkpoint.h5io import INDEX_DATASET, H5Reader
+from parallelvars.checkpoint.h5io.attributes import _write_json
 from parallelvars.errors import CorruptCheckpointError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -201,7 +201,7 @@ EXIT_SCRIPT = textwrap.dedent(
     import sys, time
     import numpy as np
     import parallelvars as pv
-    from parallelvars.checkpoint import h5io
+    from parallelvars.checkpoint.h5io import write
     from parallelvars.checkpoint._skeleton import SkeletonCache
 
     directory, mode = sys.argv[1], sys.argv[2]
@@ -212,7 +212,7 @@ EXIT_SCRIPT = textwrap.dedent(
     mgr = pv.CheckpointManager(ckpt, directory)
     w.assign(np.ones((256, 64), np.float32)); step.assign(1)
     mgr.save()
-    real = h5io._checked
+    real = write._checked
 
     def slow(*args):
         time.sleep(0.05)  # the write is still running when the main thread ends
@@ -220,7 +220,7 @@ EXIT_SCRIPT = textwrap.dedent(
             raise OSError(28, "No space left on device")
         return real(*args)
 
-    h5io._checked = slow
+    write._checked = slow
     SkeletonCache.get = lambda self, key: None  # through HDF5, which calls _checked
     w.assign(np.full((256, 64), 2, np.float32)); step.assign(2)
     mgr.save(blocking=False)

@@ -15,6 +15,7 @@ import pytest
 import parallelvars as pv
 from parallelvars.checkpoint import h5io, manager
 from parallelvars.checkpoint._skeleton import SkeletonCache
+from parallelvars.checkpoint.h5io import write as h5write
 from parallelvars.errors import CheckpointLockedError, ParallelVarsError
 
 
@@ -371,7 +372,7 @@ class Boom(OSError):
 
 
 def failing_write_entry(monkeypatch, after: int) -> None:
-    real = h5io._checked
+    real = h5write._checked
     count = [0]
 
     def write_entry(*args):
@@ -380,7 +381,7 @@ def failing_write_entry(monkeypatch, after: int) -> None:
             raise Boom(28, "No space left on device")
         return real(*args)
 
-    monkeypatch.setattr(h5io, "_checked", write_entry)
+    monkeypatch.setattr(h5write, "_checked", write_entry)
     # Every save through HDF5 (a repeated save would be written from its cached skeleton).
     monkeypatch.setattr(SkeletonCache, "get", lambda self, key: None)
 
@@ -422,7 +423,7 @@ def test_failed_state_write_keeps_the_old_state(tmp_path, monkeypatch):
             raise Boom(5, "I/O error")
         real_replace(src, dst)
 
-    monkeypatch.setattr(h5io.os, "replace", no_rename)
+    monkeypatch.setattr(h5write.os, "replace", no_rename)
     with pytest.raises(OSError):  # CheckpointWriteError, an OSError with the errno
         mgr.save()
     monkeypatch.undo()
@@ -460,7 +461,7 @@ def test_async_save_writes_the_values_at_the_call(tmp_path):
 def test_async_save_racing_with_training_thread(tmp_path, monkeypatch):
     """Values change in another thread while the background write runs; the file has the call's."""
     ckpt, w, e, step = make()
-    real = h5io._checked
+    real = h5write._checked
     writing = threading.Event()
     proceed = threading.Event()
 
@@ -469,7 +470,7 @@ def test_async_save_racing_with_training_thread(tmp_path, monkeypatch):
         proceed.wait(10)
         return real(*args)
 
-    monkeypatch.setattr(h5io, "_checked", slow_write_entry)
+    monkeypatch.setattr(h5write, "_checked", slow_write_entry)
     stop = threading.Event()
 
     def train():

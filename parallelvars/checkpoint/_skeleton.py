@@ -223,8 +223,8 @@ class Skeleton:
                 data = arr.reshape(-1).view(np.uint8)
                 dest = self.pieces[piece][1][start : start + data.size]
                 dest[...] = data
-                crcs[i] = crc = _crc32c.crc32c(dest)
-                if _crc32c.crc32c(data) != crc:  # changed while it was copied
+                crcs[i] = crc = _crc32c.crc32c(dest)  # type: ignore[arg-type]
+                if _crc32c.crc32c(data) != crc:  # type: ignore[arg-type]  # changed meanwhile
                     check(arr, crc, i)
             for i in big:
                 crcs[i] = write(components[i], int(self.offsets[i]))

@@ -1,0 +1,300 @@
+"""The *parallel info* of formats that hold a flat list of named tensors, and the entries and
+view built from it when such a file is read.
+
+safetensors, ``.npz`` and the Keras weight files know nothing of parallel variables. Our
+writers put each variable's primary under the variable's own key (see :mod:`._names`), extra
+components next to it, and record what a plain key cannot say in a small JSON document, the
+*parallel info*, stored where the format allows metadata (safetensors ``__metadata__``, a
+reserved ``.npz`` member, an HDF5 root attribute):
+
+.. code-block:: json
+
+    {"format": "parallelvars", "version": 1, "names": "dotted",
+     "variables": {
+       "model/w": {"kind": "mirrored", "dtype": "bfloat16", "shape": [3, 2],
+                   "num_components": 2, "layout": "components",
+                   "keys": ["model.w", "model.w/parallel_component_1"],
+                   "attrs": {"devices": ["cpu:0", "cpu:1"]}},
+       "model/e": {"kind": "sharded", "dtype": "float32", "shape": [10, 4],
+                   "num_components": 4, "layout": "logical", "keys": ["model.e"],
+                   "attrs": {"shard_axis": 0, "shard_offsets": [0, 3, 6, 8]}}}}
+
+``layout`` is ``"components"`` (one stored tensor per component, in order) or ``"logical"``
+(sharded variables only: the stitched full value is stored once under the variable's key, so a
+plain consumer sees the whole tensor, and component ``i`` is read back as the slice
+``shard_offsets[i]:shard_offsets[i + 1]`` along ``shard_axis``). Only variables that need it
+are listed (a kind other than ``single``, attributes, a dtype the format cannot name, or a key
+that does not map back to the path); every other stored tensor is a ``single`` variable whose
+path is ``from_key(key, names)``.
+
+Everything here reads lazily: a :class:`TensorStore` knows the stored tensors' dtypes and
+shapes from the file's header and reads bytes only when a component is asked for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from parallelvars.errors import (
+    CorruptCheckpointError,
+    ShapeMismatchError,
+)
+
+from ._dtypes import dtype_from_name, is_string_dtype
+from ._names import from_key
+from ._store import TensorStore, _region_shape
+from ._validate import check_entry
+from ._view import KINDS, DictView, Entry
+
+INFO_FORMAT = "parallelvars"
+INFO_VERSION = 1
+
+
+class StoredEntry(Entry):
+    """An :class:`Entry` whose components live in a :class:`TensorStore`."""
+
+    def __init__(
+        self,
+        store: TensorStore,
+        path: str,
+        *,
+        dtype: np.dtype,
+        shape: Sequence[int],
+        kind: str,
+        num_components: int,
+        keys: Sequence[str],
+        layout: str,
+        attrs: Mapping[str, Any],
+    ) -> None:
+        self._store = store
+        self.path = path
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(int(s) for s in shape)
+        self.kind = kind
+        self.num_components = int(num_components)
+        self.keys = tuple(keys)
+        self.layout = layout
+        self.attrs = dict(attrs)
+
+    def _source(self, i: int) -> tuple[str, tuple[int, int, int] | None]:
+        self._check_index(i)
+        if self.layout == "components":
+            return self.keys[i], None
+        axis = int(self.attrs["shard_axis"])
+        start = int(self.attrs["shard_offsets"][i])
+        return self.keys[0], (axis, start, start + self.component_shape(i)[axis])
+
+    def component(self, i: int) -> np.ndarray:
+        out = np.empty(self.component_shape(i), self.dtype)
+        self.read_component_into(i, out)
+        return out
+
+    def read_component_into(self, i: int, out: np.ndarray) -> None:
+        key, region = self._source(i)
+        self._read(key, region, out)
+
+    def value(self) -> np.ndarray:
+        if self.layout == "logical":  # the stitched value is stored as it is
+            out = np.empty(self.shape, self.dtype)
+            self._read(self.keys[0], None, out)
+            return out
+        return super().value()
+
+    def _read(self, key: str, region: tuple[int, int, int] | None, out: np.ndarray) -> None:
+        if is_string_dtype(self.dtype):
+            out[...] = self._store.read_objects(key, region)
+            return
+        stored_dtype, stored_shape = self._store.stored(key)
+        target = out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)
+        sshape = _region_shape(stored_shape, region)
+        if stored_dtype == target.dtype and sshape == target.shape:
+            buf = target
+        else:  # the format stores the bits under another dtype (bfloat16 as uint16, ...)
+            buf = target.reshape(-1).view(np.uint8).view(stored_dtype).reshape(sshape)
+        self._store.read_into(key, buf, region)
+        if target is not out:
+            out[...] = target
+
+
+def _corrupt(
+    file: str, what: str, variable: str | None = None, **kw: Any
+) -> CorruptCheckpointError:
+    return CorruptCheckpointError(what, file=file, variable=variable, **kw)
+
+
+def build_entries(
+    store: TensorStore,
+    info: Mapping[str, Any] | None,
+    *,
+    names: str,
+    hidden: Callable[[str], bool] = lambda key: False,
+) -> dict[str, Entry]:
+    """The entries of ``store``, grouped and typed by the parallel ``info`` (may be None).
+
+    Args:
+        store: the stored tensors.
+        info: the parallel info document, or None for a plain file.
+        names: the key style used to map unlisted keys to paths.
+        hidden: keys that are not tensors of the checkpoint (skipped when unlisted).
+    """
+    file = store.file
+    variables: Mapping[str, Any] = {}
+    if info is not None:
+        if not isinstance(info, Mapping) or info.get("format") != INFO_FORMAT:
+            raise _corrupt(file, "the parallelvars metadata is not a parallelvars document")
+        version = info.get("version")
+        if not isinstance(version, int) or version > INFO_VERSION:
+            from parallelvars.errors import FormatVersionError
+
+            raise FormatVersionError(
+                "the parallelvars metadata has an unknown version",
+                file=file,
+                expected=f"<= {INFO_VERSION}",
+                found=version,
+            )
+        variables = info.get("variables") or {}
+        if not isinstance(variables, Mapping):
+            raise _corrupt(file, "the parallelvars metadata 'variables' is not an object")
+    stored_keys = list(store.keys())
+    present = set(stored_keys)
+    claimed: dict[str, str] = {}
+    by_first_key: dict[str, Entry] = {}
+    for path, rec in variables.items():
+        recorded = _entry_from_record(store, str(path), rec, present)
+        for key in recorded.keys:
+            if key in claimed:
+                raise _corrupt(
+                    file,
+                    f"stored tensor {key!r} is claimed by two variables",
+                    variable=str(path),
+                    expected="one owner",
+                    found=f"also {claimed[key]!r}",
+                )
+            claimed[key] = str(path)
+        by_first_key[recorded.keys[0]] = recorded
+    out: dict[str, Entry] = {}
+    for key in stored_keys:
+        entry: Entry
+        if key in by_first_key:
+            entry = by_first_key[key]
+        elif key in claimed or hidden(key):
+            continue
+        else:
+            dtype, shape = store.stored(key)
+            entry = StoredEntry(
+                store,
+                from_key(key, names),
+                dtype=dtype,
+                shape=shape,
+                kind="single",
+                num_components=1,
+                keys=[key],
+                layout="components",
+                attrs={},
+            )
+        if entry.path in out:
+            raise _corrupt(
+                file, "two stored tensors map to the same variable path", variable=entry.path
+            )
+        out[entry.path] = entry
+    return out
+
+
+def _entry_from_record(store: TensorStore, path: str, rec: Any, present: set[str]) -> StoredEntry:
+    file = store.file
+    if not isinstance(rec, Mapping):
+        raise _corrupt(file, "variable record is not an object", variable=path)
+    try:
+        kind = rec["kind"]
+        dtype = dtype_from_name(rec["dtype"], file=file, variable=path)
+        shape = tuple(int(s) for s in rec["shape"])
+        n = int(rec["num_components"])
+        keys = [str(k) for k in rec["keys"]]
+        layout = rec.get("layout", "components")
+        attrs = dict(rec.get("attrs") or {})
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _corrupt(file, f"variable record is incomplete ({exc})", variable=path) from None
+    if kind not in KINDS or layout not in ("components", "logical") or any(s < 0 for s in shape):
+        raise _corrupt(
+            file,
+            "variable record has a bad kind, layout or shape",
+            variable=path,
+            expected=f"kind in {KINDS}, layout components|logical, shape >= 0",
+            found=f"kind={kind!r} layout={layout!r} shape={shape}",
+        )
+    expected_keys = n if layout == "components" else 1
+    if len(keys) != expected_keys or (layout == "logical" and kind != "sharded"):
+        raise _corrupt(
+            file,
+            "variable record lists the wrong number of stored tensors",
+            variable=path,
+            expected=expected_keys,
+            found=len(keys),
+        )
+    for key in keys:
+        if key not in present:
+            raise _corrupt(
+                file, f"stored tensor {key!r} listed in the metadata is missing", variable=path
+            )
+    entry = StoredEntry(
+        store,
+        path,
+        dtype=dtype,
+        shape=shape,
+        kind=kind,
+        num_components=n,
+        keys=keys,
+        layout=layout,
+        attrs=attrs,
+    )
+    try:
+        check_entry(entry, file)
+    except ShapeMismatchError as exc:
+        raise _corrupt(
+            file, exc.what, variable=path, expected=exc.expected, found=exc.found
+        ) from None
+    # The stored tensors must hold exactly the bytes the record describes.
+    for i, key in enumerate(keys):
+        sdtype, sshape = store.stored(key)
+        want = entry.shape if layout == "logical" else entry.component_shape(i)
+        if is_string_dtype(dtype):
+            ok = tuple(sshape) == tuple(want)
+        else:
+            ok = math.prod(sshape) * sdtype.itemsize == math.prod(want) * dtype.itemsize and (
+                tuple(sshape[: len(want)]) == tuple(want)
+            )
+        if not ok:
+            raise _corrupt(
+                file,
+                f"stored tensor {key!r} does not match the variable",
+                variable=path,
+                expected=f"{tuple(want)} {dtype}",
+                found=f"{tuple(sshape)} {sdtype}",
+            )
+    return entry
+
+
+class StoreView(DictView):  # the Mapping over ._entries comes from DictView
+    """A :class:`CheckpointView` over a dict of entries backed by a :class:`TensorStore`."""
+
+    def __init__(
+        self,
+        store: TensorStore,
+        entries: Mapping[str, Entry],
+        *,
+        format: str,
+        path: str,
+        metadata: Mapping[str, Any],
+    ) -> None:
+        self._store = store
+        self._entries = dict(entries)
+        self.format = format
+        self.path = path
+        self.metadata = dict(metadata)
+
+    def close(self) -> None:
+        self._store.close()

@@ -1,0 +1,162 @@
+"""Write plans for flat-tensor formats: each variable checked, then laid out as the stored
+tensors (keys, dtypes, shapes, sources) and the parallel info that describes them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from parallelvars._fileio import Scratch
+from parallelvars.errors import (
+    InvalidEntryError,
+    ShapeMismatchError,
+)
+
+from ._dtypes import dtype_name, is_string_dtype
+from ._info import INFO_FORMAT, INFO_VERSION
+from ._json import jsonable
+from ._names import check_names, from_key, to_key
+from ._validate import check_entry
+from ._view import Entry
+
+
+@dataclass
+class PlannedTensor:
+    """One tensor a writer will store: component ``component`` of ``entry`` (``None``: the
+    logical value of a sharded entry) under ``key``."""
+
+    key: str
+    entry: Entry
+    component: int | None
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.entry.dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.component is None:
+            return tuple(int(s) for s in self.entry.shape)
+        return tuple(int(s) for s in self.entry.component_shape(self.component))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def read(self) -> np.ndarray:
+        """The tensor's value, as a C-contiguous array the caller owns."""
+        if self.component is None:
+            value = self.entry.value()
+        else:
+            value = self.entry.component(self.component)
+        if not value.flags.c_contiguous:
+            value = np.array(value, order="C")
+        if value.shape != self.shape or value.dtype != self.dtype:
+            raise ShapeMismatchError(
+                "a component read back with another shape or dtype than the entry declares",
+                variable=self.entry.path,
+                expected=f"{self.shape} {self.dtype}",
+                found=f"{value.shape} {value.dtype}",
+            )
+        return value
+
+    def read_into(self, out: np.ndarray) -> np.ndarray:
+        """Read the tensor into ``out`` (this tensor's dtype and shape) and return it.
+
+        A sharded entry's shards are read straight into their place in ``out``. String
+        tensors cannot live in a reused buffer: for them a new array is returned.
+        """
+        if is_string_dtype(self.dtype):
+            return self.read()
+        entry = self.entry
+        if self.component is not None:
+            entry.read_component_into(self.component, out)
+            return out
+        axis = int(entry.attrs["shard_axis"])
+        for j, start in enumerate(entry.attrs["shard_offsets"]):
+            size = int(entry.component_shape(j)[axis])
+            region = (slice(None),) * axis + (slice(int(start), int(start) + size),)
+            entry.read_component_into(j, out[region])
+        return out
+
+    def read_with(self, scratch: Scratch) -> np.ndarray:
+        """The tensor read into ``scratch`` (valid until the next read with it)."""
+        if is_string_dtype(self.dtype):
+            return self.read()
+        return self.read_into(scratch.array(self.dtype, self.shape))
+
+
+def plan_tensors(
+    entries: Mapping[str, Entry],
+    *,
+    names: str,
+    needs_record: Callable[[Entry], bool] = lambda entry: False,
+    file: str | None = None,
+    key_of: Callable[[str, Entry, int], str] | None = None,
+) -> tuple[list[PlannedTensor], dict[str, Any]]:
+    """Which tensors a flat-key writer stores, under which keys, and the parallel info.
+
+    Args:
+        entries: the entries to write.
+        names: the key style (see :mod:`._names`).
+        needs_record: format hook: True when an entry must be listed in the info even if it is
+            a plain single variable (for example a dtype the format cannot name).
+        file: the file being written, for error messages.
+        key_of: format hook replacing the key style: ``key_of(path, entry, i)`` is the key of
+            component ``i`` (0: the primary, or the stitched value of a sharded entry).
+
+    Returns:
+        The planned tensors in entry order, and the parallel info document.
+    """
+    check_names(names)
+    planned: list[PlannedTensor] = []
+    variables: dict[str, Any] = {}
+    owner: dict[str, str] = {}
+    for path, entry in entries.items():
+        check_entry(entry, file)
+        attrs = entry.attrs or {}
+        slot = {"slot_of": attrs.get("slot_of"), "slot_name": attrs.get("slot_name")}
+        slot = {k: (str(v) if v is not None else None) for k, v in slot.items()}
+
+        def key(i: int, path: str = path, entry: Entry = entry, slot: dict = slot) -> str:
+            if key_of is not None:
+                return key_of(path, entry, i)
+            return to_key(path, names, component=i, **slot)
+
+        primary = key(0)
+        if entry.kind == "sharded":
+            tensors = [PlannedTensor(primary, entry, None)]
+            layout = "logical"
+        else:
+            tensors = [PlannedTensor(key(i), entry, i) for i in range(entry.num_components)]
+            layout = "components"
+        for t in tensors:
+            if t.key in owner:
+                raise InvalidEntryError(
+                    f"{file or '<output>'}: variables {owner[t.key]!r} and {path!r} both map to "
+                    f"the key {t.key!r} with names={names!r}; choose another name style"
+                )
+            owner[t.key] = path
+        planned.extend(tensors)
+        if (
+            entry.kind != "single"
+            or attrs
+            or from_key(primary, names) != path
+            or needs_record(entry)
+        ):
+            variables[path] = {
+                "kind": entry.kind,
+                "dtype": dtype_name(entry.dtype),
+                "shape": [int(s) for s in entry.shape],
+                "num_components": int(entry.num_components),
+                "layout": layout,
+                "keys": [t.key for t in tensors],
+                "attrs": jsonable(dict(attrs)),
+            }
+    info = {"format": INFO_FORMAT, "version": INFO_VERSION, "names": names, "variables": variables}
+    return planned, info

@@ -1,0 +1,199 @@
+"""Stored tensors of a flat-tensor file, read lazily: :class:`TensorStore`, the byte-offset
+:class:`ByteStore`, exact reads into a buffer, and little-endian writes.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import threading
+from collections.abc import Sequence
+from typing import IO, Any
+
+import crc32c as _crc32c
+import numpy as np
+
+from parallelvars.errors import (
+    ChecksumMismatchError,
+    TruncatedFileError,
+    UnsupportedDtypeError,
+)
+
+# Reads of a strided slice go through a bounce buffer of at most this many bytes.
+_BLOCK = 16 << 20
+
+
+class TensorStore(abc.ABC):
+    """Stored tensors of one file (or shard set): names, dtypes and shapes known, bytes lazy."""
+
+    file: str
+
+    @abc.abstractmethod
+    def keys(self) -> Sequence[str]:
+        """Stored tensor keys in file order."""
+
+    @abc.abstractmethod
+    def stored(self, key: str) -> tuple[np.dtype, tuple[int, ...]]:
+        """The dtype and shape the tensor ``key`` is stored with."""
+
+    @abc.abstractmethod
+    def read_into(
+        self, key: str, out: np.ndarray, region: tuple[int, int, int] | None = None
+    ) -> None:
+        """Read tensor ``key`` (or the slice ``region = (axis, start, stop)``) into ``out``.
+
+        ``out`` is C-contiguous with the stored dtype and the shape of what is read.
+        """
+
+    def read_objects(self, key: str, region: tuple[int, int, int] | None = None) -> np.ndarray:
+        """Read a string tensor as an object array of ``bytes``."""
+        raise UnsupportedDtypeError(
+            "string tensors are not supported by this format", file=self.file, variable=key
+        )
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release open files."""
+
+
+def _region_shape(shape: tuple[int, ...], region: tuple[int, int, int] | None) -> tuple[int, ...]:
+    if region is None:
+        return shape
+    axis, start, stop = region
+    return (*shape[:axis], stop - start, *shape[axis + 1 :])
+
+
+class ByteStore(TensorStore):
+    """A store whose tensors are raw little-endian C-order bytes reached by ``_read_bytes``.
+
+    A store that knows a checksum of a tensor's bytes (``_expected_crc``) has every read
+    verified: a whole-tensor read checks the bytes it read; the first partial read of a tensor
+    checks the whole tensor once, streamed through a bounded buffer.
+    """
+
+    @abc.abstractmethod
+    def _read_bytes(self, key: str, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` with bytes ``offset:offset + len(buf)`` of tensor ``key``'s data."""
+
+    def _expected_crc(self, key: str) -> int | None:
+        """The stored checksum of tensor ``key``'s bytes, or None when the file has none."""
+        return None
+
+    def _crc_start(self, key: str) -> int:
+        """The checksum's running value before the tensor's first byte."""
+        return 0
+
+    def _crc_update(self, data: Any, crc: int) -> int:
+        """The running checksum ``crc`` continued over ``data`` (CRC-32C by default)."""
+        return int(_crc32c.crc32c(data, crc))
+
+    def _crc_name(self) -> str:
+        return "crc32c"
+
+    def _verified_keys(self) -> set[str]:
+        verified: set[str] | None = self.__dict__.get("_verified")
+        if verified is None:
+            verified = self.__dict__["_verified"] = set()
+        return verified
+
+    def _check_crc(self, key: str, crc: int) -> None:
+        expected = self._expected_crc(key)
+        if expected is not None and crc != expected:
+            raise ChecksumMismatchError(
+                "the tensor's bytes do not match their stored checksum",
+                file=self.file,
+                variable=key,
+                expected=f"{self._crc_name()} {expected:#010x}",
+                found=f"{self._crc_name()} {crc:#010x}",
+            )
+        self._verified_keys().add(key)
+
+    def verify(self, key: str) -> None:
+        """Check tensor ``key``'s bytes against its stored checksum (once per store)."""
+        if self._expected_crc(key) is None or key in self._verified_keys():
+            return
+        dtype, shape = self.stored(key)
+        total = math.prod(shape) * dtype.itemsize
+        bounce = np.empty(min(total, _BLOCK), np.uint8)
+        crc = self._crc_start(key)
+        for start in range(0, total, _BLOCK):
+            block = bounce[: min(_BLOCK, total - start)]
+            self._read_bytes(key, start, block.data)
+            crc = self._crc_update(block, crc)
+        self._check_crc(key, crc)
+
+    def read_into(
+        self, key: str, out: np.ndarray, region: tuple[int, int, int] | None = None
+    ) -> None:
+        dtype, shape = self.stored(key)
+        flat = out.reshape(-1).view(np.uint8)
+        if region is None or flat.size == 0:
+            if region is None and self._expected_crc(key) is not None:
+                if flat.size:
+                    self._read_bytes(key, 0, flat.data)
+                self._check_crc(key, self._crc_update(flat, self._crc_start(key)))
+                return
+            if flat.size:
+                self._read_bytes(key, 0, flat.data)
+            return
+        self.verify(key)
+        axis, start, stop = region
+        outer = math.prod(shape[:axis])
+        inner = math.prod(shape[axis + 1 :]) * dtype.itemsize
+        run = (stop - start) * inner  # bytes of the slice in one outer row
+        stride = shape[axis] * inner  # bytes of one outer row
+        if outer == 1 or run == stride:
+            self._read_bytes(key, start * inner, flat.data)
+            return
+        if run >= (64 << 10):  # long runs: read each straight into place
+            for o in range(outer):
+                self._read_bytes(
+                    key, o * stride + start * inner, flat[o * run : (o + 1) * run].data
+                )
+            return
+        rows = max(1, _BLOCK // stride)
+        bounce = np.empty(min(rows, outer) * stride, np.uint8)
+        for o0 in range(0, outer, rows):
+            o1 = min(outer, o0 + rows)
+            block = bounce[: (o1 - o0) * stride]
+            self._read_bytes(key, o0 * stride, block.data)
+            flat[o0 * run : o1 * run] = block.reshape(o1 - o0, stride)[
+                :, start * inner : start * inner + run
+            ].reshape(-1)
+
+
+def little_endian(array: np.ndarray) -> np.ndarray:
+    """``array`` as C-ordered little-endian values (itself when it already is)."""
+    a = np.ascontiguousarray(array)
+    if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and not _LITTLE):
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return a
+
+
+def write_array(f: IO[bytes], array: np.ndarray) -> int:
+    """Write the raw C-order bytes of ``array`` to ``f`` without an extra copy; the byte count."""
+    view = little_endian(array).reshape(-1).view(np.uint8).data
+    f.write(view)
+    return view.nbytes
+
+
+_LITTLE = np.little_endian
+
+
+def read_exact_into(
+    f: IO[bytes], lock: threading.Lock, offset: int, buf: memoryview, *, file: str, key: str
+) -> None:
+    """Fill ``buf`` from ``f`` at ``offset``; TruncatedFileError when the file ends early."""
+    with lock:
+        f.seek(offset)
+        done = 0
+        while done < len(buf):
+            n = f.readinto(buf[done:])  # type: ignore[attr-defined]
+            if not n:
+                raise TruncatedFileError(
+                    "the file ends inside the tensor's data",
+                    file=file,
+                    variable=key,
+                    expected=f"{len(buf)} bytes at offset {offset}",
+                    found=f"{done} bytes",
+                )
+            done += n

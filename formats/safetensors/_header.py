@@ -1,0 +1,281 @@
+"""The strict validation of a safetensors header (FORMATS.md 2.3) before any tensor is read
+or allocated.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from collections.abc import Callable, Mapping
+from typing import IO, Any
+
+import numpy as np
+
+from parallelvars._fileio import load_json
+from parallelvars.errors import (
+    CorruptCheckpointError,
+    TruncatedFileError,
+    UnsupportedDtypeError,
+)
+from parallelvars.formats.safetensors._dtypes import _DTYPES, _SUB_BYTE
+from parallelvars.formats.safetensors._integrity import _verify_header
+from parallelvars.formats.safetensors._layout import MAX_HEADER_SIZE
+
+
+def _no_duplicates(file: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)  # one C call per object; the loop below only when a name repeats
+        if len(out) != len(pairs):
+            seen: set[str] = set()
+            for k, _ in pairs:
+                if k in seen:
+                    raise CorruptCheckpointError(
+                        "duplicate name in the JSON header", file=file, variable=k
+                    )
+                seen.add(k)
+        return out
+
+    return hook
+
+
+def _tiles_exactly(
+    entries: list[tuple[str, np.dtype, tuple[int, ...], int, int, int]], data_size: int
+) -> bool:
+    """Whether the tensors' offsets tile ``[0, data_size)`` in order with the right byte sizes,
+    checked in bulk (numpy); False sends the caller to the tensor-by-tensor loop that says
+    which tensor is wrong."""
+    if not entries:
+        return data_size == 0
+    begins = [e[3] for e in entries]
+    ends = [e[4] for e in entries]
+    sizes = [e[5] for e in entries]
+    if max(ends) > data_size or max(sizes) > data_size:
+        return False  # also keeps every value below 2**63 for the arrays below
+    b = np.array(begins, np.int64)
+    e = np.array(ends, np.int64)
+    order = np.argsort(b, kind="stable")
+    b, e = b[order], e[order]
+    n = np.array(sizes, np.int64)[order]
+    return bool(b[0] == 0 and e[-1] == data_size and (e - b == n).all() and (b[1:] == e[:-1]).all())
+
+
+def _is_uint(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def read_header(
+    f: IO[bytes], file: str
+) -> tuple[dict[str, str], dict[str, tuple[np.dtype, tuple[int, ...], int, int, int | None]], int]:
+    """Parse and validate the header of the open safetensors file ``f``.
+
+    When the header carries our checksum record (``__metadata__["parallelvars_crc32c"]``), the
+    header is verified against it here.
+
+    Returns:
+        ``(metadata, tensors, data_start)``: ``tensors`` maps each name to (numpy dtype, shape,
+        begin, end, CRC-32C of its bytes or None) with offsets relative to ``data_start``, in
+        file order.
+
+    Raises:
+        TruncatedFileError, CorruptCheckpointError, ChecksumMismatchError, UnsupportedDtypeError:
+        see the module doc.
+    """
+    size = os.fstat(f.fileno()).st_size
+    if size < 8:
+        raise TruncatedFileError(
+            "file too short for a safetensors header length",
+            file=file,
+            expected=">= 8 bytes",
+            found=f"{size} bytes",
+        )
+    f.seek(0)
+    (n,) = struct.unpack("<Q", f.read(8))
+    if n > MAX_HEADER_SIZE:
+        raise CorruptCheckpointError(
+            "safetensors header length too large",
+            file=file,
+            expected=f"<= {MAX_HEADER_SIZE} bytes",
+            found=f"{n} bytes",
+        )
+    if 8 + n > size:
+        raise TruncatedFileError(
+            "the file ends inside the safetensors JSON header",
+            file=file,
+            expected=f"{8 + n} bytes",
+            found=f"{size} bytes",
+        )
+    raw = f.read(n)
+    header = load_json(
+        raw,
+        file=file,
+        what="safetensors header",
+        max_bytes=MAX_HEADER_SIZE,
+        object_pairs_hook=_no_duplicates(file),
+    )
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(
+            "the safetensors header is not a JSON object",
+            file=file,
+            expected="an object",
+            found=type(header).__name__,
+        )
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CorruptCheckpointError(
+            "__metadata__ must map strings to strings", file=file, variable="__metadata__"
+        )
+    entries: list[tuple[str, np.dtype, tuple[int, ...], int, int, int]] = []
+    described: dict[str, tuple[str, list[int], list[int]]] = {}
+    fast = _fast_entries(header, described)
+    if fast is not None and _tiles_exactly(fast, size - 8 - n):
+        crcs = _verify_header(file, metadata, described)
+        tensors = {
+            name: (dtype, shape, b, e, None if crcs is None else crcs[name])
+            for name, dtype, shape, b, e, _ in fast
+        }
+        return metadata, tensors, 8 + n
+    described.clear()
+    for name, info in header.items():
+        if not isinstance(info, dict):
+            raise CorruptCheckpointError("tensor info is not an object", file=file, variable=name)
+        dtype_str, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype_str, str):
+            raise CorruptCheckpointError(
+                "tensor info has no dtype string", file=file, variable=name
+            )
+        if dtype_str in _SUB_BYTE:
+            raise UnsupportedDtypeError(
+                "sub-byte safetensors dtypes are not supported",
+                file=file,
+                variable=name,
+                expected="a dtype of 8 bits or more",
+                found=dtype_str,
+            )
+        if dtype_str not in _DTYPES:
+            raise UnsupportedDtypeError(
+                "unknown safetensors dtype",
+                file=file,
+                variable=name,
+                expected=f"one of {', '.join(_DTYPES)}",
+                found=repr(dtype_str),
+            )
+        if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+            raise CorruptCheckpointError(
+                "shape must be a list of non-negative integers",
+                file=file,
+                variable=name,
+                expected="[d0, d1, ...] with d >= 0",
+                found=shape,
+            )
+        if not (
+            isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)
+        ):
+            raise CorruptCheckpointError(
+                "data_offsets must be [begin, end]",
+                file=file,
+                variable=name,
+                expected="two integers >= 0",
+                found=offsets,
+            )
+        dtype = _DTYPES[dtype_str]
+        nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
+        described[name] = (dtype_str, shape, offsets)
+        entries.append((name, dtype, tuple(shape), offsets[0], offsets[1], nbytes))
+    # Offsets must tile [0, end) exactly, in order: no overlap, no hole.
+    expected = 0
+    last = None
+    for name, _dtype, _shape, begin, end, nbytes in sorted(entries, key=lambda e: (e[3], e[4])):
+        last = name
+        if begin < expected:
+            raise CorruptCheckpointError(
+                "tensor data overlaps the previous tensor",
+                file=file,
+                variable=name,
+                expected=f"begin >= {expected}",
+                found=f"begin {begin}",
+            )
+        if begin > expected:
+            raise CorruptCheckpointError(
+                "hole before the tensor's data",
+                file=file,
+                variable=name,
+                expected=f"begin {expected}",
+                found=f"begin {begin}",
+            )
+        if end < begin:
+            raise CorruptCheckpointError(
+                "data_offsets end before they begin",
+                file=file,
+                variable=name,
+                expected="end >= begin",
+                found=[begin, end],
+            )
+        if end - begin != nbytes:
+            raise CorruptCheckpointError(
+                "byte size does not match dtype and shape",
+                file=file,
+                variable=name,
+                expected=f"{nbytes} bytes",
+                found=f"{end - begin} bytes",
+            )
+        if 8 + n + end > size:
+            raise TruncatedFileError(
+                "the file ends before the tensor's data",
+                file=file,
+                variable=name,
+                expected=f"{8 + n + end} bytes",
+                found=f"{size} bytes",
+            )
+        expected = end
+    if 8 + n + expected != size:
+        raise CorruptCheckpointError(
+            "trailing bytes after the last tensor",
+            file=file,
+            variable=last,
+            expected=f"{8 + n + expected} bytes",
+            found=f"{size} bytes",
+        )
+    crcs = _verify_header(file, metadata, described)
+    tensors = {
+        name: (dtype, shape, b, e, None if crcs is None else crcs[name])
+        for name, dtype, shape, b, e, _ in entries
+    }
+    return metadata, tensors, 8 + n
+
+
+def _fast_entries(
+    header: Mapping[str, Any], described: dict[str, tuple[str, list[int], list[int]]]
+) -> list[tuple[str, np.dtype, tuple[int, ...], int, int, int]] | None:
+    """The tensors of a well-formed header, checked in bulk (one pass, no per-field calls);
+    None at the first doubt, for the tensor-by-tensor checks to name the problem."""
+    out = []
+    dims: list[Any] = []
+    offs: list[Any] = []
+    dtypes = _DTYPES
+    for name, info in header.items():
+        if type(info) is not dict:
+            return None
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        dtype = dtypes.get(info.get("dtype"))  # type: ignore[arg-type]
+        if (
+            dtype is None
+            or type(shape) is not list
+            or type(offsets) is not list
+            or len(offsets) != 2
+        ):
+            return None
+        dims += shape
+        offs += offsets
+        described[name] = (info["dtype"], shape, offsets)
+        out.append((name, dtype, shape, offsets))
+    # Only non-negative ints (bool is not int here, as in _is_uint).
+    for values in (dims, offs):
+        if values and (not set(map(type, values)) <= {int} or min(values) < 0):
+            return None
+    return [
+        (name, dtype, tuple(shape), offsets[0], offsets[1], math.prod(shape) * dtype.itemsize)
+        for name, dtype, shape, offsets in out
+    ]

@@ -1,0 +1,101 @@
+"""Our integrity record in ``__metadata__["parallelvars_crc32c"]``: the header's canonical CRC,
+the record's string form, the shard index's CRC, and their verification on opening.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import crc32c as _crc32c
+
+from parallelvars._fileio import load_json
+from parallelvars.errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+)
+from parallelvars.formats.safetensors._layout import CRC_KEY, META_KEY
+
+
+def _header_crc(
+    metadata: Mapping[str, str],
+    tensors: Mapping[str, tuple[str, list[int], list[int]]],
+    crcs: Mapping[str, str],
+) -> str:
+    """CRC-32C of a canonical description of a header: every tensor's name, dtype string,
+    shape, offsets and CRC, and every metadata item but our checksum record."""
+    doc = {
+        "metadata": {k: v for k, v in metadata.items() if k != CRC_KEY},
+        "tensors": {
+            name: [dtype, list(shape), list(offsets), crcs[name]]
+            for name, (dtype, shape, offsets) in tensors.items()
+        },
+    }
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return f"{_crc32c.crc32c(text.encode('ascii')):08x}"
+
+
+def _crc_record(header_crc: str, crcs: Mapping[str, str]) -> str:
+    return header_crc + "".join(crcs[name] for name in sorted(crcs))
+
+
+def _index_crc(metadata: Mapping[str, Any], weight_map: Mapping[str, str]) -> str:
+    """CRC-32C of a canonical description of a shard set's index (all but our checksum)."""
+    doc = {
+        "metadata": {k: v for k, v in metadata.items() if k != CRC_KEY},
+        "weight_map": dict(weight_map),
+    }
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return f"{_crc32c.crc32c(text.encode('ascii')):08x}"
+
+
+def _verify_header(
+    file: str,
+    metadata: Mapping[str, str],
+    described: Mapping[str, tuple[str, list[int], list[int]]],
+) -> dict[str, int] | None:
+    """Check our checksum record of a header; the tensors' CRCs, or None for a file without one.
+
+    A file whose parallel info says it carries checksums must have the record.
+    """
+    raw = metadata.get(CRC_KEY)
+    if raw is None:
+        info = metadata.get(META_KEY)
+        if info is not None and '"checksums"' in info:
+            try:
+                flagged = load_json(
+                    info.encode("utf-8", "surrogatepass"), file=file, variable=META_KEY
+                ).get("checksums")
+            except (CorruptCheckpointError, AttributeError):
+                flagged = None  # reported by the info parser
+            if flagged:
+                raise CorruptCheckpointError(
+                    "the checksum record is missing",
+                    file=file,
+                    variable=CRC_KEY,
+                    expected=f"a {CRC_KEY!r} metadata item",
+                    found="none",
+                )
+        return None
+    names = sorted(described)
+    if len(raw) != 8 * (1 + len(names)) or not all(c in "0123456789abcdef" for c in raw):
+        raise CorruptCheckpointError(
+            "the checksum record is damaged",
+            file=file,
+            variable=CRC_KEY,
+            expected=f"{8 * (1 + len(names))} hex digits for {len(names)} tensors",
+            found=f"{raw[:80]!r}",
+        )
+    header = raw[:8]
+    tensors = {name: raw[8 * (i + 1) : 8 * (i + 2)] for i, name in enumerate(names)}
+    found = _header_crc(metadata, described, tensors)
+    if found != header:
+        raise ChecksumMismatchError(
+            "the safetensors header does not match its checksum",
+            file=file,
+            variable=CRC_KEY,
+            expected=f"crc32c {header}",
+            found=f"crc32c {found}",
+        )
+    return {name: int(v, 16) for name, v in tensors.items()}

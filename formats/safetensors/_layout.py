@@ -1,0 +1,13 @@
+"""Names and limits of the safetensors layout as we use it: the header size limit, our
+``__metadata__`` keys, the shard index's file name and the default key style.
+"""
+
+from __future__ import annotations
+
+MAX_HEADER_SIZE = 100_000_000
+INDEX_NAME = "model.safetensors.index.json"
+META_KEY = "parallelvars"
+#: ``__metadata__`` key of our checksums: one string of 8-digit hex CRC-32Cs, the header's
+#: (of its canonical description, see _header_crc) then each tensor's bytes', in name order.
+CRC_KEY = "parallelvars_crc32c"
+DEFAULT_NAMES = "dotted"

@@ -1,0 +1,194 @@
+"""Opening a safetensors file or shard set as a lazy :class:`~parallelvars.formats.CheckpointView`."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import IO, Any
+
+import numpy as np
+
+from parallelvars._fileio import load_json
+from parallelvars.errors import (
+    CheckpointNotFoundError,
+    ClosedCheckpointError,
+    CorruptCheckpointError,
+    TruncatedFileError,
+)
+from parallelvars.formats._info import StoreView, build_entries
+from parallelvars.formats._json import dumps, jsonable
+from parallelvars.formats._names import check_names
+from parallelvars.formats._store import ByteStore, read_exact_into
+from parallelvars.formats._view import CheckpointView
+from parallelvars.formats.safetensors._header import read_header
+from parallelvars.formats.safetensors._index import _find_index, _read_index
+from parallelvars.formats.safetensors._layout import CRC_KEY, DEFAULT_NAMES, META_KEY
+
+
+class _Store(ByteStore):
+    """The tensors of one safetensors file or of a shard set."""
+
+    def __init__(self, file: str, shard_files: list[str]) -> None:
+        self.file = file
+        self._files = shard_files
+        self._handles: dict[int, IO[bytes]] = {}
+        self._lock = threading.Lock()
+        self._tensors: dict[str, tuple[int, np.dtype, tuple[int, ...], int]] = {}
+        self._crcs: dict[str, int] = {}
+        self.shard_metadata: list[dict[str, str]] = []
+        self.shard_checked: list[bool] = []
+        try:
+            for idx, shard in enumerate(shard_files):
+                f = open(shard, "rb")  # noqa: SIM115 - held open for lazy reads, closed by close()
+                self._handles[idx] = f
+                meta, tensors, start = read_header(f, shard)
+                self.shard_checked.append(meta.pop(CRC_KEY, None) is not None)
+                self.shard_metadata.append(meta)
+                for name, (dtype, shape, begin, _end, crc) in tensors.items():
+                    if name in self._tensors:
+                        raise CorruptCheckpointError(
+                            "tensor appears in two shards", file=shard, variable=name
+                        )
+                    self._tensors[name] = (idx, dtype, shape, start + begin)
+                    if crc is not None:
+                        self._crcs[name] = crc
+        except BaseException:
+            self.close()
+            raise
+
+    def keys(self) -> list[str]:
+        return list(self._tensors)
+
+    def stored(self, key: str) -> tuple[np.dtype, tuple[int, ...]]:
+        _, dtype, shape, _ = self._tensors[key]
+        return dtype, shape
+
+    def _expected_crc(self, key: str) -> int | None:
+        return self._crcs.get(key)
+
+    def shard_of(self, key: str) -> str:
+        return self._files[self._tensors[key][0]]
+
+    def _read_bytes(self, key: str, offset: int, buf: memoryview) -> None:
+        idx, _, _, start = self._tensors[key]
+        f = self._handles.get(idx)
+        if f is None:
+            raise ClosedCheckpointError("the checkpoint view is closed", file=self.file)
+        read_exact_into(f, self._lock, start + offset, buf, file=self._files[idx], key=key)
+
+    def close(self) -> None:
+        for f in self._handles.values():
+            f.close()
+        self._handles.clear()
+
+
+def _parse_info(raw: Any, file: str) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        raw = load_json(
+            raw.encode("utf-8", "surrogatepass"),
+            file=file,
+            variable=META_KEY,
+            what="parallelvars metadata",
+        )
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(
+            "the parallelvars metadata is not an object", file=file, variable=META_KEY
+        )
+    return raw
+
+
+def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) -> CheckpointView:
+    """Open a safetensors file, a shard set's index, or a folder holding either.
+
+    Args:
+        path: a ``.safetensors`` file, a ``*.safetensors.index.json`` file, or a folder with
+            ``model.safetensors.index.json`` or ``model.safetensors``.
+        names: how to map keys that the file's parallel info does not list to our paths
+            (default: the style recorded in the file, else ``"dotted"``).
+    """
+    p = os.fspath(path)
+    index = _find_index(p)
+    if index is None:
+        single = os.path.join(p, "model.safetensors") if os.path.isdir(p) else p
+        if not os.path.isfile(single):
+            raise CheckpointNotFoundError("no safetensors file or index found", file=p)
+        store = _Store(single, [single])
+        meta = dict(store.shard_metadata[0])
+        try:
+            info = _parse_info(meta.pop(META_KEY, None), single)
+        except BaseException:
+            store.close()
+            raise
+        file = single
+    else:
+        index_meta, weight_map = _read_index(index)
+        folder = os.path.dirname(index)
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
+        if missing:
+            raise TruncatedFileError(
+                "a shard listed in the index is missing", file=index, variable=missing[0]
+            )
+        store = _Store(index, [os.path.join(folder, s) for s in shards])
+        try:
+            raw_info = index_meta.get(META_KEY)
+            if isinstance(raw_info, dict) and raw_info.get("checksums"):
+                for shard, checked in zip(shards, store.shard_checked, strict=True):
+                    if not checked:
+                        raise CorruptCheckpointError(
+                            "the shard has no checksum record",
+                            file=os.path.join(folder, shard),
+                            variable=CRC_KEY,
+                            expected=f"a {CRC_KEY!r} metadata item",
+                            found="none",
+                        )
+            listed = set(weight_map)
+            stored_keys = store.keys()
+            for key in stored_keys:
+                if key not in listed:
+                    raise CorruptCheckpointError(
+                        "tensor is in a shard but not in the index",
+                        file=store.shard_of(key),
+                        variable=key,
+                    )
+                if os.path.basename(store.shard_of(key)) != weight_map[key]:
+                    raise CorruptCheckpointError(
+                        "tensor is in another shard than the index says",
+                        file=store.shard_of(key),
+                        variable=key,
+                        expected=weight_map[key],
+                        found=os.path.basename(store.shard_of(key)),
+                    )
+            absent = listed - set(stored_keys)
+            if absent:
+                name = sorted(absent)[0]
+                raise CorruptCheckpointError(
+                    "tensor listed in the index is missing from its shard",
+                    file=os.path.join(folder, weight_map[name]),
+                    variable=name,
+                )
+        except BaseException:
+            store.close()
+            raise
+        meta = {}
+        for m in store.shard_metadata:
+            meta.update(m)
+        meta.pop(META_KEY, None)
+        for k, v in index_meta.items():
+            if k not in ("total_size", META_KEY, CRC_KEY):
+                meta.setdefault(k, v if isinstance(v, str) else dumps(jsonable(v)))
+        try:
+            info = _parse_info(index_meta.get(META_KEY), index)
+        except BaseException:
+            store.close()
+            raise
+        file = index
+    try:
+        style = check_names(names or (info or {}).get("names") or DEFAULT_NAMES)
+        entries = build_entries(store, info, names=style)
+    except BaseException:
+        store.close()
+        raise
+    return StoreView(store, entries, format="safetensors", path=file, metadata=meta)

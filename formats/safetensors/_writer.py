@@ -1,0 +1,196 @@
+"""Writing safetensors: one file or a shard set, streamed one tensor at a time."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+from parallelvars._fileio import DataWriter, Scratch, atomic_path
+from parallelvars.errors import (
+    CorruptCheckpointError,
+    InvalidEntryError,
+    UnsupportedDtypeError,
+)
+from parallelvars.formats._dtypes import is_string_dtype
+from parallelvars.formats._json import carried_metadata, dumps, jsonable
+from parallelvars.formats._plan import PlannedTensor, plan_tensors
+from parallelvars.formats._sizes import parse_size
+from parallelvars.formats._store import little_endian
+from parallelvars.formats._view import Entry
+from parallelvars.formats.safetensors._dtypes import _DTYPES, _st_name
+from parallelvars.formats.safetensors._integrity import _crc_record, _header_crc, _index_crc
+from parallelvars.formats.safetensors._layout import (
+    CRC_KEY,
+    DEFAULT_NAMES,
+    MAX_HEADER_SIZE,
+    META_KEY,
+)
+
+
+def _storage(t: PlannedTensor, file: str) -> tuple[str, tuple[int, ...]]:
+    """The safetensors dtype string and stored shape of a planned tensor."""
+    if is_string_dtype(t.dtype):
+        raise UnsupportedDtypeError(
+            "safetensors cannot store string tensors",
+            file=file,
+            variable=t.entry.path,
+            expected="a numeric dtype",
+            found="bytes",
+        )
+    name = _st_name(t.dtype)
+    if name is not None:
+        return name, t.shape
+    if t.dtype.kind not in "biufcV" or t.dtype.itemsize == 0:
+        raise UnsupportedDtypeError(
+            "safetensors cannot store this dtype",
+            file=file,
+            variable=t.entry.path,
+            expected="a numeric dtype",
+            found=str(t.dtype),
+        )
+    return "U8", (*t.shape, t.dtype.itemsize)  # raw bytes; the dtype goes into the parallel info
+
+
+def _header_bytes(
+    metadata: dict[str, str],
+    described: dict[str, tuple[str, list[int], list[int]]],
+    crcs: dict[str, str],
+    path: str,
+) -> bytes:
+    meta = dict(metadata)
+    meta[CRC_KEY] = _crc_record(_header_crc(metadata, described, crcs), crcs)
+    header: dict[str, Any] = {"__metadata__": meta}
+    for name, (dtype, shape, offsets) in described.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": offsets}
+    raw = dumps(header).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the buffer starts 8-byte aligned, as the reference writes it
+    if len(raw) > MAX_HEADER_SIZE:
+        raise InvalidEntryError(
+            f"{path}: the safetensors header would be {len(raw)} bytes, over the "
+            f"{MAX_HEADER_SIZE} bytes readers accept; write a shard set or fewer tensors"
+        )
+    return raw
+
+
+def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]) -> None:
+    """Write one file. The header carries the tensors' CRC-32Cs, known only once they are
+    streamed: it is written with fixed-width placeholders first and rewritten in place."""
+    stored = [(t, *_storage(t, path)) for t in tensors]
+    stored.sort(key=lambda s: (-_DTYPES[s[1]].itemsize, s[0].key))
+    described: dict[str, tuple[str, list[int], list[int]]] = {}
+    offset = 0
+    for t, st, shape in stored:
+        described[t.key] = (st, list(shape), [offset, offset + t.nbytes])
+        offset += t.nbytes
+    crcs = {t.key: "00000000" for t, _st, _shape in stored}
+    raw = _header_bytes(metadata, described, crcs, path)
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+        data_start = 8 + len(raw)
+        # The tensors' bytes, each checksummed as it is written (see DataWriter).
+        writer, scratch, ok = DataWriter(tmp, path), Scratch(), False
+        try:
+            for t, _st, _shape in stored:
+                array = little_endian(t.read_with(scratch))
+                if array.nbytes != t.nbytes:  # the source lied about its shape
+                    raise CorruptCheckpointError(
+                        "component has another size than declared",
+                        file=path,
+                        variable=t.entry.path,
+                        expected=f"{t.nbytes} bytes",
+                        found=f"{array.nbytes} bytes",
+                    )
+                crcs[t.key] = f"{writer.write(array, data_start + described[t.key][2][0]):08x}"
+            ok = True
+        finally:
+            writer.close(raise_errors=ok)
+        final = _header_bytes(metadata, described, crcs, path)
+        if len(final) != len(raw):  # cannot happen: every CRC is 8 hex digits
+            raise AssertionError(f"{path}: the safetensors header changed length")
+        with open(tmp, "r+b") as f:
+            f.seek(8)
+            f.write(final)
+
+
+def _str_metadata(metadata: Mapping[str, Any]) -> dict[str, str]:
+    out = {}
+    for k, v in carried_metadata(metadata, META_KEY, CRC_KEY, "total_size").items():
+        out[k] = v if isinstance(v, str) else dumps(jsonable(v))
+    return out
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    entries: Mapping[str, Entry],
+    *,
+    names: str = DEFAULT_NAMES,
+    max_shard_size: int | str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> str:
+    """Write ``entries`` as safetensors, streaming one tensor at a time.
+
+    Args:
+        path: the output ``.safetensors`` file (or a folder: ``model.safetensors`` in it). With
+            ``max_shard_size``, shards are named after it (``model-00001-of-00003.safetensors``)
+            and the index is ``<path>.index.json``.
+        entries: the entries (a view from another format, or :class:`ArrayEntry` objects).
+        names: key style, ``"dotted"`` (default), ``"slash"`` or ``"tf"``.
+        max_shard_size: largest shard in bytes (or ``"500MB"``, ``"2GiB"``); a tensor larger
+            than this gets a shard of its own.
+        metadata: file metadata (default: the source view's), stored as strings.
+
+    Returns:
+        The file written, or the index file of a shard set.
+    """
+    p = os.fspath(path)
+    if os.path.isdir(p) or p.endswith(("/", os.sep)):  # a folder: Hugging Face's names inside
+        p = os.path.join(p, "model.safetensors")
+    if p.endswith(".index.json"):
+        p = p[: -len(".index.json")]
+        force_index = True
+    else:
+        force_index = False
+    if metadata is None:
+        metadata = getattr(entries, "metadata", None) or {}
+    planned, info = plan_tensors(
+        entries, names=names, needs_record=lambda e: _st_name(e.dtype) is None, file=p
+    )
+    info["checksums"] = "crc32c"  # every file written carries CRC_KEY; its loss is damage
+    for t in planned:
+        _storage(t, p)  # refuse what cannot be stored before writing anything
+    meta = {"format": "pt", **_str_metadata(metadata)}
+    limit = parse_size(max_shard_size) if max_shard_size is not None else None
+    shards: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for t in planned:
+        if limit is not None and shards[-1] and size + t.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    if len(shards) == 1 and not force_index:
+        meta[META_KEY] = dumps(info)
+        _write_one(p, planned, meta)
+        return p
+    folder = os.path.dirname(os.path.abspath(p))
+    stem = os.path.basename(p)
+    stem = stem[: -len(".safetensors")] if stem.endswith(".safetensors") else stem
+    weight_map: dict[str, str] = {}
+    for i, tensors in enumerate(shards, 1):
+        name = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
+        _write_one(os.path.join(folder, name), tensors, meta)
+        weight_map.update((t.key, name) for t in tensors)
+    index_meta: dict[str, Any] = {"total_size": sum(t.nbytes for t in planned), META_KEY: info}
+    weight_map = dict(sorted(weight_map.items()))
+    index_meta[CRC_KEY] = _index_crc(index_meta, weight_map)
+    index = {"metadata": index_meta, "weight_map": weight_map}
+    index_path = f"{os.path.join(folder, os.path.basename(p))}.index.json"
+    with atomic_path(index_path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+    return index_path

@@ -1,0 +1,72 @@
+"""The native layout's constants: format version, metadata paths, the documented kinds and
+aggregations, limits, variable-path validation and the storage dtype of each numpy dtype.
+"""
+
+from __future__ import annotations
+
+import os
+
+import h5py
+import numpy as np
+
+from parallelvars._dtypes import is_extension_dtype
+from parallelvars.enums import Aggregation
+from parallelvars.errors import InvalidEntryError
+
+FORMAT_VERSION = 1
+META_GROUP = "_parallelvars"
+GRAPH_DATASET = f"{META_GROUP}/object_graph"
+# Per-variable attributes and checksums in one JSON document, so opening a file costs one read
+# instead of one HDF5 attribute call per attribute.
+INDEX_DATASET = f"{META_GROUP}/index"
+DOCUMENTS_ATTR = "parallelvars_documents"
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+# The documented variable kinds and on-read aggregations (the enums' values).
+KINDS = ("single", "mirrored", "on_read", "independent", "sharded")
+AGGREGATIONS = tuple(a.value for a in Aggregation)
+_MAX_COMPONENTS = 1 << 16
+# H5Reader.stage: components under this size are read ahead in spans, neighbours under
+# STAGE_GAP apart in one read, at most STAGE_LIMIT bytes in all.
+STAGE_COMPONENT = 1 << 20
+STAGE_GAP = 64 << 10
+STAGE_LIMIT = 256 << 20
+# deflate's best case is about 1032:1; no compressed dataset can expand more than this.
+_MAX_COMPRESSION = 1100
+_H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, AttributeError)
+
+
+def _library_version() -> str:
+    from parallelvars import __version__
+
+    return __version__
+
+
+def _storage_dtype(dt: np.dtype) -> np.dtype:
+    if dt.kind == "O":
+        return h5py.vlen_dtype(bytes)
+    if is_extension_dtype(dt):
+        return h5py.opaque_dtype(np.dtype(f"V{dt.itemsize}"))
+    return dt.newbyteorder("<") if dt.byteorder == ">" else dt
+
+
+# Kept in the (checksummed) index only: the design's group attributes are the kind, dtype,
+# shape, devices, aggregation and sharding; these three would only cost time per variable.
+_INDEX_ONLY_ATTRS = frozenset({"name", "synchronization", "trainable"})
+
+
+def _validate_path(path: str) -> None:
+    parts = path.split("/")
+    if (
+        not path
+        or path.startswith("/")
+        or any(p in ("", ".") for p in parts)
+        or parts[0] == META_GROUP
+    ):
+        raise InvalidEntryError("invalid variable path for the HDF5 layout", variable=path)
+
+
+def _file_size(file: str) -> int:
+    try:
+        return os.path.getsize(file)
+    except OSError:
+        return 0

@@ -1,0 +1,403 @@
+"""Opening a native checkpoint file: :class:`H5Reader` (the index, the object graph, one
+:class:`~parallelvars.checkpoint.h5io.stored.StoredVariable` per variable) and
+:func:`is_native_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import h5py
+import numpy as np
+
+from parallelvars.checkpoint import _h5policy
+from parallelvars.checkpoint.h5io.attributes import _decode, _read_json
+from parallelvars.checkpoint.h5io.layout import (
+    _H5_ERRORS,
+    DOCUMENTS_ATTR,
+    FORMAT_VERSION,
+    GRAPH_DATASET,
+    HDF5_SIGNATURE,
+    INDEX_DATASET,
+    META_GROUP,
+    STAGE_COMPONENT,
+    STAGE_GAP,
+    STAGE_LIMIT,
+)
+from parallelvars.checkpoint.h5io.stored import StoredVariable
+from parallelvars.errors import (
+    CheckpointNotFoundError,
+    ClosedCheckpointError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    NotACheckpointError,
+    TruncatedFileError,
+    UnsupportedDtypeError,
+)
+
+
+def is_native_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is an HDF5 file with our root attribute (any version)."""
+    p = os.fspath(path)
+    try:
+        if not os.path.isfile(p) or not h5py.is_hdf5(p):
+            return False
+        with h5py.File(p, "r") as f:
+            return "parallelvars_format" in f.attrs
+    except _H5_ERRORS:
+        return False
+
+
+class H5Reader(Mapping[str, StoredVariable]):
+    """A checkpoint file in the native layout, opened read-only: a Mapping path -> variable.
+
+    Raises:
+        FileNotFoundError: no such file.
+        NotACheckpointError: not HDF5, or HDF5 without our layout.
+        FormatVersionError: written by a newer, incompatible layout version.
+        TruncatedFileError / CorruptCheckpointError: damaged file.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, map_file: bool = False) -> None:
+        self.path = os.fspath(path)
+        self._file: h5py.File | None = None
+        self._raw_fd: int | None = None
+        # map_file: accepted for compatibility; the file is never memory-mapped (a mapped file
+        # truncated by another process kills the reader with SIGBUS): every read is a pread.
+        del map_file
+        self._local = threading.local()
+        self._lock = threading.RLock()
+        self._own_name: bytes | None = None
+        # Parts of a multi-process checkpoint (reached by external link), opened by us.
+        self._parts: dict[str, h5py.File] = {}
+        self._checked_groups: set[str] = set()
+        # Small components read ahead in a few large reads (see stage()): the start of each
+        # staged span, its end, and its bytes.
+        self._staged: tuple[list[int], list[int], list[np.ndarray]] | None = None
+        if not os.path.exists(self.path):
+            raise CheckpointNotFoundError("no such checkpoint file", file=self.path)
+        if os.path.isdir(self.path):
+            raise NotACheckpointError("is a directory, not a checkpoint file", file=self.path)
+        self.file_size = _h5policy.check_regular_file(self.path).st_size  # a FIFO would block
+        with open(self.path, "rb") as fh:
+            head = fh.read(8)
+        if not h5py.is_hdf5(self.path):
+            raise NotACheckpointError(
+                "not an HDF5 file",
+                file=self.path,
+                expected=f"HDF5 signature {HDF5_SIGNATURE!r}",
+                found=f"{head!r}",
+            )
+        try:
+            self._file = h5py.File(self.path, "r")
+        except _H5_ERRORS as exc:
+            msg = str(exc)
+            if "truncated" in msg.lower():
+                raise TruncatedFileError("file is truncated", file=self.path, found=msg) from None
+            raise CorruptCheckpointError(
+                "HDF5 file cannot be opened", file=self.path, found=msg
+            ) from None
+        try:
+            self._load()
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self) -> None:
+        f = self._file
+        assert f is not None
+        try:
+            version = f.attrs.get("parallelvars_format")
+        except _H5_ERRORS as exc:
+            raise CorruptCheckpointError(
+                "root attributes unreadable", file=self.path, found=str(exc)
+            ) from None
+        if version is None:
+            raise NotACheckpointError(
+                "an HDF5 file, but not a parallelvars checkpoint",
+                file=self.path,
+                expected="root attribute 'parallelvars_format'",
+                found="none",
+            )
+        try:
+            version = int(version)
+        except (TypeError, ValueError):
+            raise CorruptCheckpointError(
+                "bad format version attribute", file=self.path, found=repr(version)
+            ) from None
+        if version > FORMAT_VERSION:
+            raise FormatVersionError(
+                "checkpoint written by a newer layout version",
+                file=self.path,
+                expected=f"version <= {FORMAT_VERSION}",
+                found=f"version {version}",
+                hint="upgrade parallelvars to read it",
+            )
+        self.format_version = version
+        try:
+            self.metadata: dict[str, Any] = {k: _decode(v) for k, v in f.attrs.items()}
+            listed = self.metadata.pop(
+                DOCUMENTS_ATTR, None
+            )  # layout bookkeeping, not user metadata
+            required = set(listed) if isinstance(listed, list) else set()
+            metas = _read_json(f, INDEX_DATASET, self.path, required=INDEX_DATASET in required)
+            if metas is not None:
+                if not isinstance(metas, dict):
+                    raise CorruptCheckpointError("index is not a mapping", file=self.path)
+                self._variables = {
+                    name: StoredVariable(self, name, metas[name]) for name in sorted(metas)
+                }
+            else:
+                groups = {
+                    name: obj
+                    for name, obj in _h5policy.walk(f, self.path, own_virtual="value")
+                    if isinstance(obj, h5py.Group)
+                    and "kind" in obj.attrs
+                    and not name.startswith(META_GROUP)
+                }
+                self._variables = {
+                    name: StoredVariable.from_group(self, name, groups[name])
+                    for name in sorted(groups)
+                }
+            self.object_graph: dict[str, Any] | None = _read_json(
+                f, GRAPH_DATASET, self.path, required=GRAPH_DATASET in required
+            )
+        except (CorruptCheckpointError, UnsupportedDtypeError):
+            raise
+        except (*_H5_ERRORS, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+            raise CorruptCheckpointError(
+                "damaged file structure", file=self.path, found=str(exc)
+            ) from None
+
+    def _open_dataset(self, path: str, dtype: np.dtype) -> Any:
+        """The dataset id at ``path`` under the indirection policy (see ``_h5policy``), its
+        stored type checked for ``dtype``; None when there is no such dataset.
+
+        A component that is an external link into this checkpoint's own ``.parts`` folder (a
+        multi-process save) is opened in that part by us, after the link is validated; no
+        other link is ever followed.
+        """
+        f = self._h5()
+        link = _h5policy.check_path(
+            f.id, path, self.path, checked=self._checked_groups, last_external=True
+        )
+        if link is None:
+            try:  # the low-level open: a fraction of the cost of Group.__getitem__
+                dsid = h5py.h5d.open(f.id, path.encode())
+            except _H5_ERRORS:
+                return None
+            _h5policy.check_dataset(dsid, self.path, path.lstrip("/"), dtype=dtype)
+            return dsid
+        part_path = _h5policy.part_file(self.path, link, path.lstrip("/"))
+        with self._lock:
+            part = self._parts.get(part_path)
+            if part is None:
+                try:
+                    part = self._parts[part_path] = h5py.File(part_path, "r")
+                except _H5_ERRORS as exc:
+                    raise CorruptCheckpointError(
+                        "a part of the checkpoint cannot be opened",
+                        file=self.path,
+                        variable=path.lstrip("/"),
+                        found=f"{part_path}: {exc}",
+                    ) from None
+        return _h5policy.open_dataset(part.id, os.fsdecode(link[1]), part_path, dtype=dtype)
+
+    def _holds(self, dsid: Any) -> bool:
+        """Whether a dataset lives in this file (not behind an external link: those are read
+        through HDF5, not from this file's map)."""
+        if self._own_name is None:
+            self._own_name = h5py.h5f.get_name(self._h5().id)
+        try:
+            return bool(h5py.h5f.get_name(dsid) == self._own_name)
+        except _H5_ERRORS:
+            return False
+
+    def _h5(self) -> h5py.File:
+        if self._file is None:
+            raise ClosedCheckpointError("the reader is closed", file=self.path)
+        return self._file
+
+    # Components may be verified and copied from several threads at once (a restore does):
+    # the lazily opened descriptor is made under a lock, the read buffers are per thread.
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` bytes to read a component into: this thread's reused buffer, or a fresh
+        one for a component over 64 MiB (so a reader does not keep that much memory)."""
+        if nbytes > 64 << 20:
+            return np.empty(nbytes, np.uint8)
+        buf: np.ndarray | None = getattr(self._local, "component", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._local.component = np.empty(max(nbytes, 1 << 16), np.uint8)
+        return buf[:nbytes]
+
+    def _chunk(self, nbytes: int) -> np.ndarray:
+        """A reusable buffer for streamed checks: the component's size, at most 8 MiB."""
+        want = min(nbytes, 8 << 20)
+        buf: np.ndarray | None = getattr(self._local, "chunk", None)
+        if buf is None or len(buf) < want:
+            buf = self._local.chunk = np.empty(want, np.uint8)
+        return buf
+
+    def _fd(self) -> int:
+        """A read-only descriptor of the file, for the reads with pread."""
+        if self._raw_fd is None:
+            with self._lock:
+                if self._raw_fd is None:
+                    fd = os.open(self.path, os.O_RDONLY)
+                    if hasattr(os, "posix_fadvise"):  # read front to back: a larger readahead
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    self._raw_fd = fd
+        return self._raw_fd
+
+    def stage(self, variables: Iterable[StoredVariable]) -> None:
+        """Read the small components of ``variables`` now, with a few large reads.
+
+        A restore of many small variables would otherwise pay two system calls per component
+        (one to verify it, one to copy it). Components under ``STAGE_COMPONENT`` bytes whose
+        offsets the index gives are sorted by offset and read in spans (neighbours less than
+        ``STAGE_GAP`` apart share one read), at most ``STAGE_LIMIT`` bytes in all; verification
+        and copies then work from memory, on the bytes that were read once. Released by
+        :meth:`unstage`.
+        """
+        ranges: list[tuple[int, int]] = []
+        total = 0
+        for var in variables:
+            if var.dtype.kind == "O" or var._index_offsets is None:
+                continue
+            for i in range(var.num_components):
+                nbytes = var.component_nbytes(i)
+                if 0 < nbytes < STAGE_COMPONENT and total + nbytes <= STAGE_LIMIT:
+                    loc = var._location(i)  # checked against the file's size
+                    if loc is not None and i in var._from_index:
+                        ranges.append((loc[0], nbytes))
+                        total += nbytes
+        if len(ranges) < 2:
+            return
+        ranges.sort()
+        starts: list[int] = []
+        ends: list[int] = []
+        for offset, nbytes in ranges:
+            if starts and offset - ends[-1] <= STAGE_GAP and offset >= starts[-1]:
+                ends[-1] = max(ends[-1], offset + nbytes)
+            else:
+                starts.append(offset)
+                ends.append(offset + nbytes)
+        bufs = []
+        for start, end in zip(starts, ends, strict=True):
+            buf = np.empty(end - start, np.uint8)
+            view, at = memoryview(buf), start  # type: ignore[arg-type]
+            while len(view):
+                n = os.preadv(self._fd(), [view], at)
+                if n <= 0:
+                    raise TruncatedFileError(
+                        "file ends inside the data",
+                        file=self.path,
+                        expected=f"{end} bytes",
+                        found=f"{self.file_size} bytes",
+                    )
+                view, at = view[n:], at + n
+            bufs.append(buf)
+        self._staged = (starts, ends, bufs)
+
+    def unstage(self) -> None:
+        """Drop what :meth:`stage` read."""
+        self._staged = None
+
+    def _staged_bytes(self, offset: int, nbytes: int) -> np.ndarray | None:
+        """The staged bytes ``[offset, offset + nbytes)`` of the file, when staged."""
+        staged = self._staged
+        if staged is None:
+            return None
+        starts, ends, bufs = staged
+        k = bisect.bisect_right(starts, offset) - 1
+        if k < 0 or offset + nbytes > ends[k]:
+            return None
+        return bufs[k][offset - starts[k] : offset - starts[k] + nbytes]
+
+    def __getitem__(self, key: str) -> StoredVariable:
+        try:
+            return self._variables[key]
+        except KeyError:
+            from parallelvars.errors import MissingVariableError
+
+            raise MissingVariableError(
+                "no such variable in the checkpoint", file=self.path, variable=key
+            ) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._variables)
+
+    def __len__(self) -> int:
+        return len(self._variables)
+
+    def verify_all(self) -> list[str]:
+        """Check every variable; the problems found (empty when sound).
+
+        Every component's bytes against its checksum, and the file's structure as any HDF5
+        reader sees it: each variable's group and attributes (equal to the index), each
+        component dataset read through HDF5 (its bytes again against the checksum) and a
+        sharded variable's ``value`` (equal to its shards), so a file that h5py or ``extract``
+        cannot read never passes.
+        """
+        problems = []
+        for var in self._variables.values():
+            try:
+                var.verify_group()
+            except CorruptCheckpointError as exc:
+                problems.append(str(exc))
+                continue
+            sound = True
+            for i in range(var.num_components):
+                try:
+                    var.verify(i)
+                    var.verify_through_h5(i)
+                except CorruptCheckpointError as exc:
+                    problems.append(str(exc))
+                    sound = False
+            if sound and var.kind == "sharded":
+                try:
+                    var.verify_stitched_value()
+                except CorruptCheckpointError as exc:
+                    problems.append(str(exc))
+        return problems
+
+    def close(self) -> None:
+        # Drop the dataset ids first: those reached through external links keep their own
+        # (linked) file open until they are released.
+        for var in getattr(self, "_variables", {}).values():
+            var._datasets.clear()
+        if self._raw_fd is not None:
+            os.close(self._raw_fd)
+            self._raw_fd = None
+        for part in getattr(self, "_parts", {}).values():
+            try:
+                part.close()
+            except _H5_ERRORS:
+                pass
+        self._parts = {}
+        if self._file is not None:
+            try:
+                self._file.close()
+            except _H5_ERRORS:
+                pass
+            self._file = None
+
+    def __enter__(self) -> H5Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"<H5Reader {self.path!r} variables={len(self._variables)}>"

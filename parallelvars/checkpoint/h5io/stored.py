@@ -1,0 +1,662 @@
+"""One variable of a native checkpoint file (:class:`StoredVariable`): layout validation,
+component reads straight into the destination buffer, and checksum verification.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import crc32c as _crc32c
+import h5py
+import numpy as np
+
+from parallelvars._dtypes import as_dtype, dtype_name
+from parallelvars._fileio import byte_view, checksum
+from parallelvars.checkpoint import _h5policy
+from parallelvars.checkpoint.h5io.attributes import _decode
+from parallelvars.checkpoint.h5io.layout import (
+    _H5_ERRORS,
+    _MAX_COMPONENTS,
+    _MAX_COMPRESSION,
+    AGGREGATIONS,
+    KINDS,
+)
+from parallelvars.checkpoint.registry import component_name
+from parallelvars.errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    DtypeMismatchError,
+    ShapeMismatchError,
+    TruncatedFileError,
+    UnsupportedDtypeError,
+)
+
+if TYPE_CHECKING:
+    from parallelvars.checkpoint.h5io.read import H5Reader
+
+
+def _is_variable_length(tid: Any) -> bool:
+    if tid.get_class() == h5py.h5t.VLEN:
+        return True
+    return bool(tid.get_class() == h5py.h5t.STRING and tid.is_variable_str())
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+class StoredVariable:
+    """One variable of a checkpoint file; duck-types the neutral view's ``Entry``."""
+
+    def __init__(self, reader: H5Reader, path: str, meta: Mapping[str, Any]) -> None:
+        self._reader = reader
+        self.path = path
+        file = reader.path
+        try:
+            self.kind = str(meta["kind"])
+            dname = str(meta["dtype"])
+            self.shape = tuple(int(s) for s in meta["shape"])
+            self.num_components = int(meta["num_components"])
+            self.attrs: dict[str, Any] = dict(meta.get("attrs") or {})
+            offsets = meta.get("offsets")
+            self._index_offsets: list[int | None] | None = (
+                None if offsets is None else [None if o is None else int(o) for o in offsets]
+            )
+            crcs = meta.get("crc32c")
+            self._crcs: list[int | None] | None = None if crcs is None else [int(c) for c in crcs]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptCheckpointError(
+                "variable lacks its layout attributes",
+                file=file,
+                variable=path,
+                found=f"missing {exc}",
+            ) from None
+        if dname == "bytes":
+            self.dtype = np.dtype(object)
+        else:
+            try:
+                self.dtype = as_dtype(dname)
+            except UnsupportedDtypeError:
+                raise UnsupportedDtypeError(
+                    "unknown dtype", file=file, variable=path, found=dname
+                ) from None
+        self._shapes: list[tuple[int, ...]] = self._validated_layout()
+        self._verified: set[int] = set()
+        self._storage_ok: set[int] = set()
+        self._datasets: dict[int, Any] = {}
+        self._locations: dict[int, tuple[int, int] | None] = {}
+        self._from_index: set[int] = set()
+
+    @classmethod
+    def from_group(cls, reader: H5Reader, path: str, group: h5py.Group) -> StoredVariable:
+        """Build from group attributes (files without an index)."""
+        attrs = {k: _decode(v) for k, v in group.attrs.items()}
+        meta = {k: attrs.pop(k) for k in ("kind", "dtype", "shape", "num_components") if k in attrs}
+        meta["attrs"] = attrs
+        return cls(reader, path, meta)
+
+    def _dataset(self, i: int) -> Any:
+        """The low-level dataset id of component ``i`` (opened once, shape checked)."""
+        ds = self._datasets.get(i)
+        if ds is None:
+            name = component_name(i)
+            ds = self._reader._open_dataset(f"/{self.path}/{name}", self.dtype)
+            if not isinstance(ds, h5py.h5d.DatasetID):
+                raise CorruptCheckpointError(
+                    f"dataset {name!r} is missing",
+                    file=self._reader.path,
+                    variable=self.path,
+                    expected=f"{self.num_components} components",
+                    found=f"no {name}",
+                    hint=self._missing_part_hint(name),
+                )
+            if tuple(ds.shape) != self._shapes[i]:
+                raise CorruptCheckpointError(
+                    f"dataset {name!r} has the wrong shape",
+                    file=self._reader.path,
+                    variable=self.path,
+                    expected=self._shapes[i],
+                    found=tuple(ds.shape),
+                )
+            self._datasets[i] = ds
+        return ds
+
+    def _missing_part_hint(self, name: str) -> str | None:
+        """For a multi-process checkpoint whose rank file is gone: what the file needs."""
+        try:
+            link = self._reader._h5().get(f"/{self.path}/{name}", getlink=True)
+        except Exception:  # the message without a hint is still right
+            return None
+        if not isinstance(link, h5py.ExternalLink):
+            return None
+        folder = os.path.dirname(link.filename) or "."
+        return (
+            f"it lives in {link.filename}, beside the file, which is not there: a checkpoint saved "
+            f"by several processes is the file plus its folder {folder}/; copy both, or make a "
+            "standalone file where both are with 'parallelvars convert CHECKPOINT standalone.h5'"
+        )
+
+    def _bad(self, what: str, expected: Any, found: Any) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            what, file=self._reader.path, variable=self.path, expected=expected, found=found
+        )
+
+    def _validated_layout(self) -> list[tuple[int, ...]]:
+        """Check every layout field of the variable once, at open; the components' shapes.
+
+        The kind and aggregation are in their documented sets, the counts of components,
+        checksums, offsets and devices agree, and a sharded variable's ``shard_offsets`` start
+        at 0 and cover its shard axis exactly, so no reader ever leaves a row unwritten.
+        """
+        n = self.num_components
+        if self.kind not in KINDS:
+            raise self._bad("unknown variable kind", f"one of {', '.join(KINDS)}", repr(self.kind))
+        if not 1 <= n <= _MAX_COMPONENTS or (self.kind == "single" and n != 1):
+            raise self._bad(
+                "impossible number of components",
+                "1" if self.kind == "single" else f"1 to {_MAX_COMPONENTS}",
+                n,
+            )
+        for what, values in (("checksums", self._crcs), ("data offsets", self._index_offsets)):
+            if values is not None and len(values) != n:
+                raise self._bad(
+                    f"the index lists {len(values)} {what}", f"{n} (one per component)", len(values)
+                )
+        if any(d < 0 for d in self.shape):
+            raise self._bad("negative dimension", "dimensions >= 0", self.shape)
+        aggregation = self.attrs.get("aggregation")
+        if aggregation is not None and str(aggregation).lower() not in AGGREGATIONS:
+            raise self._bad(
+                "unknown aggregation", f"one of {', '.join(AGGREGATIONS)}", repr(aggregation)
+            )
+        devices = self.attrs.get("devices")
+        if devices is not None and (
+            not isinstance(devices, list)
+            or len(devices) != n
+            or not all(isinstance(d, str) for d in devices)
+        ):
+            raise self._bad(
+                "devices do not match the components", f"{n} device names", repr(devices)
+            )
+        if self.kind != "sharded":
+            return [self.shape] * n
+        axis_value: Any = self.attrs.get("shard_axis")
+        offsets_value: Any = self.attrs.get("shard_offsets")
+        if not _is_int(axis_value) or not 0 <= int(axis_value) < len(self.shape):
+            raise self._bad(
+                "shard_axis out of range", f"an axis of shape {self.shape}", repr(axis_value)
+            )
+        axis = int(axis_value)
+        if not isinstance(offsets_value, list) or not all(_is_int(o) for o in offsets_value):
+            raise self._bad(
+                "shard_offsets is not a list of integers", f"{n} offsets", repr(offsets_value)
+            )
+        offsets = [int(o) for o in offsets_value]
+        if len(offsets) != n:
+            raise self._bad(
+                "shard offsets do not match the components", f"{n} offsets", len(offsets)
+            )
+        bounds = [*offsets, self.shape[axis]]
+        if offsets[0] != 0 or any(bounds[i + 1] < bounds[i] for i in range(n)):
+            raise self._bad(
+                "shard_offsets do not cover the shard axis exactly (gap, overlap or past the end)",
+                f"offsets from 0, non-decreasing, within {self.shape[axis]} rows of axis {axis}",
+                offsets,
+            )
+        shapes = []
+        for i in range(n):
+            shape = list(self.shape)
+            shape[axis] = bounds[i + 1] - bounds[i]
+            shapes.append(tuple(shape))
+        return shapes
+
+    def component_shape(self, i: int) -> tuple[int, ...]:
+        return self._shapes[i]
+
+    def component_nbytes(self, i: int) -> int:
+        return math.prod(self._shapes[i]) * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.component_nbytes(i) for i in range(self.num_components))
+
+    @property
+    def stored_checksums(self) -> list[int | None]:
+        if self._crcs is None:
+            crcs: list[int | None] = []
+            for i in range(self.num_components):
+                v = h5py.Dataset(self._dataset(i)).attrs.get("crc32c")
+                crcs.append(None if v is None else int(v))
+            self._crcs = crcs
+        return self._crcs
+
+    def _fail(self, what: str, i: int, **kw: Any) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            what, file=self._reader.path, variable=f"{self.path}/{component_name(i)}", **kw
+        )
+
+    def _check_storage(self, i: int) -> None:
+        """Refuse a component whose shape needs more bytes than the file can hold.
+
+        Called before anything is allocated for it, so a damaged or hostile header cannot make
+        a reader allocate more than the file's size (times deflate's best compression ratio,
+        for compressed datasets).
+        """
+        if i in self._storage_ok:
+            return
+        dsid = self._dataset(i)
+        needed = math.prod(self._shapes[i]) * (
+            16 if self.dtype.kind == "O" else self.dtype.itemsize
+        )
+        try:
+            stored = int(dsid.get_storage_size())
+            dcpl = dsid.get_create_plist()
+            filtered, external = dcpl.get_nfilters() > 0, dcpl.get_external_count() > 0
+        except _H5_ERRORS as exc:
+            raise self._fail("cannot read the dataset layout", i, found=str(exc)) from None
+        if needed and not external:
+            limit = stored * _MAX_COMPRESSION if filtered else stored
+            if needed > limit or stored > self._reader.file_size:
+                raise TruncatedFileError(
+                    "the dataset holds fewer bytes than its shape needs",
+                    file=self._reader.path,
+                    variable=f"{self.path}/{component_name(i)}",
+                    expected=f"{needed} bytes{' (uncompressed)' if filtered else ''}",
+                    found=f"{stored} bytes stored, file of {self._reader.file_size} bytes",
+                )
+        self._storage_ok.add(i)
+
+    def _location(self, i: int) -> tuple[int, int] | None:
+        """(file offset, element count) of a contiguous, unfiltered component, else None."""
+        if i in self._locations:
+            return self._locations[i]
+        indexed = (
+            self._index_offsets[i] if self._index_offsets and i < len(self._index_offsets) else None
+        )
+        if indexed is not None and self.dtype.kind != "O":
+            size = math.prod(self._shapes[i])
+            if indexed < 0 or indexed + size * self.dtype.itemsize > self._reader.file_size:
+                raise TruncatedFileError(
+                    "file ends inside the data",
+                    file=self._reader.path,
+                    variable=f"{self.path}/{component_name(i)}",
+                    expected=f"{indexed + size * self.dtype.itemsize} bytes",
+                    found=f"{self._reader.file_size} bytes",
+                )
+            self._locations[i] = (indexed, size)
+            self._from_index.add(i)
+            return self._locations[i]
+        return self._location_from_h5(i)
+
+    def _location_from_h5(self, i: int) -> tuple[int, int] | None:
+        """The location as HDF5 itself reports it (opens the dataset)."""
+        loc: tuple[int, int] | None = None
+        dsid = self._dataset(i)
+        size = math.prod(self._shapes[i])
+        nbytes = size * self.dtype.itemsize
+        if self.dtype.kind != "O" and self._reader._holds(dsid):
+            try:
+                dcpl = dsid.get_create_plist()
+                plain = not (
+                    dcpl.get_layout() != h5py.h5d.CONTIGUOUS
+                    or dcpl.get_nfilters()
+                    or dcpl.get_external_count()
+                )
+                offset = dsid.get_offset() if plain and nbytes else None
+                stored = dsid.get_storage_size() if offset is not None else 0
+                file_dt = dsid.dtype
+            except _H5_ERRORS:
+                offset = None
+            if nbytes == 0:
+                loc = (0, 0)
+            elif offset is not None and not (file_dt.kind != "V" and file_dt.byteorder == ">"):
+                if stored != nbytes or file_dt.itemsize != self.dtype.itemsize:
+                    raise self._fail(
+                        "stored size does not match the shape",
+                        i,
+                        expected=f"{nbytes} bytes",
+                        found=f"{stored} bytes",
+                    )
+                if offset + nbytes > self._reader.file_size:
+                    raise TruncatedFileError(
+                        "file ends inside the data",
+                        file=self._reader.path,
+                        variable=f"{self.path}/{component_name(i)}",
+                        expected=f"{offset + nbytes} bytes",
+                        found=f"{self._reader.file_size} bytes",
+                    )
+                loc = (int(offset), size)
+        self._locations[i] = loc
+        return loc
+
+    def _with_bytes(self, i: int, fn: Callable[[np.ndarray], Any]) -> Any:
+        """Call ``fn`` with component ``i`` as a read-only array; ``fn`` must not keep it.
+
+        A contiguous component is read with ``pread`` into a reused buffer of this thread (one
+        component's size at most, so a reader's memory stays bounded whatever the file's size;
+        most reads skip this and go straight into their destination, see
+        :meth:`read_component_into`). Other layouts go through h5py.
+        """
+        try:
+            return self._with_located_bytes(i, fn)
+        except ChecksumMismatchError:
+            if i not in self._from_index:
+                raise
+            # The index's offset may be stale (a file rewritten by another HDF5 tool): ask
+            # HDF5 where the dataset is, and check again there.
+            self._from_index.discard(i)
+            indexed = self._locations.pop(i)
+            if self._location_from_h5(i) == indexed:
+                raise
+            return self._with_located_bytes(i, fn)
+
+    def _with_located_bytes(self, i: int, fn: Callable[[np.ndarray], Any]) -> Any:
+        loc = self._location(i)
+        if loc is None:
+            return fn(self._read_h5(i))
+        offset, size = loc
+        if size == 0:
+            return fn(np.empty(self._shapes[i], self.dtype))
+        # Read with pread into a buffer of this thread's, never through a memory map: a file
+        # truncated while it is being read is then an error (TruncatedFileError), not SIGBUS.
+        buf = self._reader._buffer(size * self.dtype.itemsize)
+        arr = buf.view(self.dtype).reshape(self._shapes[i])
+        self._pread_into(i, arr, offset)
+        arr.flags.writeable = False
+        try:
+            return fn(arr)
+        finally:
+            del arr
+
+    def _read_h5(self, i: int) -> np.ndarray:
+        self._check_storage(i)
+        ds = h5py.Dataset(self._dataset(i))
+        try:
+            data = ds[()]
+        except _H5_ERRORS as exc:
+            raise self._fail("cannot read the dataset", i, found=str(exc)) from None
+        if self.dtype.kind == "O":
+            return np.asarray(data, dtype=object).reshape(ds.shape)
+        data = np.asarray(data)
+        if data.dtype != self.dtype:
+            data = (
+                data.view(self.dtype)
+                if data.dtype.kind == "V"
+                else data.astype(self.dtype.newbyteorder("="))
+            )
+        return data.reshape(ds.shape)
+
+    def _check(self, i: int, data: np.ndarray) -> None:
+        self._compare(i, checksum(data))
+
+    def _compare(self, i: int, found: int) -> None:
+        expected = self.stored_checksums[i]
+        if expected is None:
+            raise self._fail("dataset has no crc32c attribute", i)
+        if found != expected:
+            raise ChecksumMismatchError(
+                "checksum mismatch: the stored bytes are damaged",
+                file=self._reader.path,
+                variable=f"{self.path}/{component_name(i)}",
+                expected=f"crc32c {expected:#010x}",
+                found=f"crc32c {found:#010x}",
+            )
+
+    def verify(self, i: int) -> None:
+        """Check component ``i``'s bytes against its stored checksum.
+
+        The bytes are read with ``pread`` in bounded chunks, so verifying a file never needs
+        more memory than one chunk.
+        """
+        if self._pread_ok(i):
+            try:
+                self._check_streamed(i)
+            except ChecksumMismatchError:
+                if i not in self._from_index:
+                    raise
+                self._with_bytes(i, lambda data: self._check(i, data))  # the index may be stale
+        else:
+            self._with_bytes(i, lambda data: self._check(i, data))
+        self._verified.add(i)
+
+    def verify_group(self) -> None:
+        """The variable's group opens through HDF5 and its attributes agree with the index."""
+        try:
+            group = _h5policy.get(self._reader._h5(), self.path, self._reader.path)  # links checked
+            if not isinstance(group, h5py.Group):
+                raise CorruptCheckpointError(
+                    "the index lists a variable whose HDF5 group is missing",
+                    file=self._reader.path,
+                    variable=self.path,
+                )
+            attrs: dict[str, Any] = {}
+            for key in group.attrs:
+                # Variable-length values live in HDF5's unchecksummed global heap, whose damage
+                # can make the C library loop: only their presence is checked (the reader takes
+                # the values from the checksummed index).
+                if _is_variable_length(h5py.h5a.open(group.id, key.encode()).get_type()):
+                    attrs[key] = None
+                else:
+                    attrs[key] = _decode(group.attrs[key])
+        except CorruptCheckpointError:
+            raise  # refused by the indirection policy: its own message
+        except _H5_ERRORS as exc:
+            raise CorruptCheckpointError(
+                "the variable's group is unreadable",
+                file=self._reader.path,
+                variable=self.path,
+                found=str(exc),
+            ) from None
+        if not isinstance(group, h5py.Group):
+            raise self._bad("not a group", "a group", type(group).__name__)
+        dt = "bytes" if self.dtype.kind == "O" else dtype_name(self.dtype)
+        want: dict[str, Any] = {
+            "kind": self.kind,
+            "dtype": dt,
+            "shape": list(self.shape),
+            "num_components": self.num_components,
+            **self.attrs,
+        }
+        for key, value in attrs.items():
+            if key in want and value is not None and value != want[key]:
+                raise self._bad(
+                    f"group attribute {key!r} disagrees with the index",
+                    repr(want[key]),
+                    repr(value),
+                )
+        for key in ("kind", "dtype", "shape", "num_components"):
+            if key not in attrs:
+                raise self._bad(f"group attribute {key!r} is missing", repr(want[key]), "none")
+
+    def verify_through_h5(self, i: int) -> None:
+        """Read component ``i`` through HDF5 (as h5py and every other tool do), in bounded
+        blocks, and check those bytes against the stored checksum too."""
+        self._check_storage(i)
+        if self.dtype.kind == "O":
+            self._check(i, self._read_h5(i))
+            return
+        ds = h5py.Dataset(self._dataset(i))
+        shape = self._shapes[i]
+        try:
+            if ds.dtype.itemsize != self.dtype.itemsize:
+                raise self._fail(
+                    "stored element size does not match the dtype",
+                    i,
+                    expected=f"{self.dtype.itemsize} bytes",
+                    found=f"{ds.dtype.itemsize} bytes",
+                )
+            if not shape or math.prod(shape) == 0:
+                crc = checksum(self._as_dtype(np.asarray(ds[()])).reshape(shape))
+            else:
+                row = math.prod(shape[1:]) * self.dtype.itemsize
+                step = max(1, (8 << 20) // max(row, 1))
+                crc = 0
+                for start in range(0, shape[0], step):
+                    block = np.ascontiguousarray(
+                        self._as_dtype(np.asarray(ds[start : start + step]))
+                    )
+                    crc = _crc32c.crc32c(byte_view(block), crc)  # type: ignore[arg-type]
+        except _H5_ERRORS as exc:
+            raise self._fail("HDF5 cannot read the dataset", i, found=str(exc)) from None
+        self._compare(i, int(crc))
+
+    def _as_dtype(self, data: np.ndarray) -> np.ndarray:
+        if data.dtype == self.dtype:
+            return data
+        return (
+            data.view(self.dtype)
+            if data.dtype.kind == "V"
+            else data.astype(self.dtype.newbyteorder("="))
+        )
+
+    def verify_stitched_value(self) -> None:
+        """A sharded variable's ``value`` dataset, when there, reads as its shards put together."""
+        try:
+            group = _h5policy.get(self._reader._h5(), self.path, self._reader.path)  # links checked
+            if not isinstance(group, h5py.Group) or "value" not in group:
+                return
+            # Our own stitched view may be virtual, with every source in this file; nothing else.
+            _h5policy.check_path(group.id, "value", self._reader.path)
+            dataset = group["value"]
+            _h5policy.check_dataset(
+                dataset.id, self._reader.path, f"{self.path}/value", own_virtual=True
+            )
+            stitched = self._as_dtype(np.asarray(dataset[()]))
+        except CorruptCheckpointError:
+            raise  # refused by the indirection policy: its own message
+        except _H5_ERRORS as exc:
+            raise CorruptCheckpointError(
+                "HDF5 cannot read the stitched 'value' dataset",
+                file=self._reader.path,
+                variable=f"{self.path}/value",
+                found=str(exc),
+            ) from None
+        if stitched.shape != self.shape or not np.array_equal(
+            byte_view(np.ascontiguousarray(stitched)), byte_view(self.value())
+        ):
+            raise CorruptCheckpointError(
+                "the stitched 'value' dataset differs from the shards",
+                file=self._reader.path,
+                variable=f"{self.path}/value",
+                expected="the shards put together",
+                found="other values",
+            )
+
+    def _pread_ok(self, i: int) -> bool:
+        loc = self._location(i)
+        return loc is not None and loc[1] > 0
+
+    def _check_streamed(self, i: int) -> None:
+        loc = self._location(i)
+        assert loc is not None
+        offset, size = loc
+        remaining = size * self.dtype.itemsize
+        staged = self._reader._staged_bytes(offset, remaining)
+        if staged is not None:
+            self._compare(i, int(_crc32c.crc32c(staged)))  # type: ignore[arg-type]
+            return
+        if remaining > 1 << 20 and hasattr(os, "posix_fadvise"):  # start reading it all ahead
+            os.posix_fadvise(self._reader._fd(), offset, remaining, os.POSIX_FADV_WILLNEED)
+        buf = self._reader._chunk(remaining)
+        crc = 0
+        while remaining:
+            n = os.preadv(self._reader._fd(), [memoryview(buf)[: min(remaining, len(buf))]], offset)  # type: ignore[arg-type]
+            if n <= 0:
+                raise TruncatedFileError(
+                    "file ends inside the data",
+                    file=self._reader.path,
+                    variable=f"{self.path}/{component_name(i)}",
+                    found=f"{self._reader.file_size} bytes",
+                )
+            crc = _crc32c.crc32c(memoryview(buf)[:n], crc)  # type: ignore[arg-type]
+            offset += n
+            remaining -= n
+        self._compare(i, crc)
+
+    def read_component_into(
+        self, i: int, out: np.ndarray, *, verify: bool = True, cast: bool = False
+    ) -> None:
+        """Read component ``i`` straight into ``out`` (same shape; same dtype unless ``cast``)."""
+        if tuple(out.shape) != self.component_shape(i):
+            raise ShapeMismatchError(
+                "shape mismatch",
+                file=self._reader.path,
+                variable=self.path,
+                expected=tuple(out.shape),
+                found=self.component_shape(i),
+            )
+        if out.dtype != self.dtype and not cast:
+            raise DtypeMismatchError(
+                "dtype mismatch",
+                file=self._reader.path,
+                variable=self.path,
+                expected=dtype_name(out.dtype),
+                found=dtype_name(self.dtype),
+                hint="pass allow_cast=True to convert",
+            )
+
+        def copy(data: np.ndarray) -> None:
+            if verify and i not in self._verified:
+                self._check(i, data)
+            if out.dtype == data.dtype:
+                np.copyto(out, data)
+            else:
+                out[...] = data.astype(out.dtype)
+
+        if out.dtype == self.dtype and out.flags.c_contiguous and self._pread_ok(i):
+            # Straight from the file into ``out``, then its checksum there: no extra copy.
+            loc = self._location(i)
+            assert loc is not None
+            self._pread_into(i, out, loc[0])
+            if verify and i not in self._verified:
+                try:
+                    self._check(i, out)
+                except ChecksumMismatchError:
+                    if i not in self._from_index:
+                        raise
+                    self._with_bytes(i, copy)  # the index may be stale: HDF5's location
+            return
+        self._with_bytes(i, copy)
+
+    def _pread_into(self, i: int, out: np.ndarray, offset: int) -> None:
+        flat = byte_view(out)
+        staged = self._reader._staged_bytes(offset, flat.size)
+        if staged is not None:  # read with its neighbours already (see H5Reader.stage)
+            np.copyto(flat, staged)
+            return
+        view = memoryview(flat)  # type: ignore[arg-type]
+        fd = self._reader._fd()
+        while len(view):
+            n = os.preadv(fd, [view], offset)
+            if n <= 0:
+                raise TruncatedFileError(
+                    "file ends inside the data",
+                    file=self._reader.path,
+                    variable=f"{self.path}/{component_name(i)}",
+                    found=f"{self._reader.file_size} bytes",
+                )
+            view, offset = view[n:], offset + n
+
+    def component(self, i: int) -> np.ndarray:
+        self._check_storage(i)
+        out = np.empty(self.component_shape(i), self.dtype)
+        self.read_component_into(i, out)
+        return out
+
+    def value(self) -> np.ndarray:
+        from parallelvars.checkpoint._restore import read_logical_into
+
+        for i in range(self.num_components):
+            self._check_storage(i)
+        out = np.empty(self.shape, self.dtype)
+        read_logical_into(self, out, file=self._reader.path, cast=False)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"<StoredVariable {self.path!r} kind={self.kind} dtype={dtype_name(self.dtype)} "
+            f"shape={self.shape} components={self.num_components}>"
+        )

@@ -1,0 +1,544 @@
+"""Writing the native layout: :func:`write_h5` (one file) and :func:`write_h5_index` (an index
+file whose components are external links into per-process part files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import h5py
+import numpy as np
+
+from parallelvars._dtypes import dtype_name
+from parallelvars._fileio import DataWriter, Scratch, atomic_path, checksum
+from parallelvars.checkpoint import _skeleton
+from parallelvars.checkpoint._skeleton import SkeletonCache
+from parallelvars.checkpoint.h5io.attributes import (
+    _attr_value,
+    _decode,
+    _root_attr_value,
+    _set_attr,
+    _write_json,
+)
+from parallelvars.checkpoint.h5io.layout import (
+    _H5_ERRORS,
+    _INDEX_ONLY_ATTRS,
+    DOCUMENTS_ATTR,
+    FORMAT_VERSION,
+    GRAPH_DATASET,
+    INDEX_DATASET,
+    _library_version,
+    _storage_dtype,
+    _validate_path,
+)
+from parallelvars.checkpoint.registry import component_name
+from parallelvars.errors import (
+    DtypeMismatchError,
+    InvalidEntryError,
+    ShapeMismatchError,
+)
+
+
+def atomic_write(path: str, write: Any) -> str:
+    """Call ``write(tmp_path)`` and put the result at ``path`` atomically (see ``atomic_path``)."""
+    with atomic_path(os.fspath(path)) as tmp:
+        write(tmp)
+    return os.fspath(path)
+
+
+def _early_dcpl() -> Any:
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_obj_track_times(False)  # no clock in the file: a structure's bytes are its own
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # the bytes get an offset now ...
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # ... and are written once, by us
+    return dcpl
+
+
+def _write_entry(
+    f: h5py.File, writer: _DataWriter, entry: Any, file: str, dcpl: Any, scratch: Scratch
+) -> dict[str, Any]:
+    """Create the group, attributes and datasets of one entry and write its component bytes.
+
+    Each component's bytes go to the storage HDF5 allocated for its dataset, checksummed on
+    the way (see :class:`_DataWriter`). Returns the entry's record for the index.
+    """
+    path = entry.path
+    dt = np.dtype(entry.dtype)
+    storage = _storage_dtype(dt)
+    shape = tuple(int(s) for s in entry.shape)
+    grp, meta = _write_group(f, path, entry.kind, dt, shape, int(entry.num_components), entry.attrs)
+    # Where each component's bytes start, so a reader need not open every dataset; the
+    # component's checksum guards the value (a reader falls back to HDF5's own answer).
+    offsets: list[int | None] = []
+    crcs: list[int] = []
+    meta["offsets"] = offsets
+    meta["crc32c"] = crcs
+    in_memory = _holds_arrays(entry)
+    for i in range(entry.num_components):
+        cshape = tuple(int(d) for d in entry.component_shape(i))
+        name = component_name(i)
+        if dt.kind == "O":
+            ds = grp.create_dataset(name, shape=cshape, dtype=storage, track_times=False)
+            arr = _checked(entry, i, cshape, dt, file)
+            if arr.size:
+                ds[...] = arr
+            crc = checksum(arr)
+            dsid = ds.id
+            offsets.append(None)
+        else:
+            dsid = h5py.h5d.create(
+                grp.id, name.encode(), _file_type(storage), writer.space(cshape), dcpl=dcpl
+            )
+            offset = dsid.get_offset()
+            offsets.append(None if offset is None else int(offset))
+            if in_memory:  # live buffers or arrays: written as they are
+                arr = np.ascontiguousarray(_checked(entry, i, cshape, dt, file))
+            else:  # read from another file: through one reused buffer
+                arr = scratch.array(dt, cshape)
+                entry.read_component_into(i, arr)
+            if arr.nbytes and offset is None:
+                raise RuntimeError(f"{file}: HDF5 allocated no storage for {path!r}[{i}]")
+            crc = writer.write(arr, 0 if offset is None else int(offset))
+            if in_memory:
+                writer.check_unchanged(arr, crc, path)
+            del arr
+        crcs.append(crc)  # in the (checksummed) index, not in the dataset's object header
+    if entry.kind == "sharded" and entry.num_components:
+        axis = int(entry.attrs["shard_axis"])
+        layout = h5py.VirtualLayout(shape=shape, dtype=storage)
+        for i, start in enumerate(entry.attrs["shard_offsets"]):
+            cshape = tuple(entry.component_shape(i))
+            index: list[Any] = [slice(None)] * len(shape)
+            index[axis] = slice(int(start), int(start) + cshape[axis])
+            layout[tuple(index)] = h5py.VirtualSource(
+                ".", f"{grp.name}/{component_name(i)}", shape=cshape
+            )
+        vdcpl = layout._get_dcpl(f.filename)
+        vdcpl.set_obj_track_times(False)
+        h5py.h5d.create(
+            grp.id, b"value", _file_type(storage), h5py.h5s.create_simple(shape), dcpl=vdcpl
+        )
+    return meta
+
+
+def _write_group(
+    f: h5py.File,
+    path: str,
+    kind: str,
+    dt: np.dtype,
+    shape: tuple[int, ...],
+    num_components: int,
+    attrs: Mapping[str, Any],
+) -> tuple[h5py.Group, dict[str, Any]]:
+    """Create a variable's group with its layout attributes; returns it and its index record."""
+    _validate_path(path)
+    grp = _new_group(f, path)
+    meta: dict[str, Any] = {
+        "kind": kind,
+        "dtype": dtype_name(dt),
+        "shape": list(shape),
+        "num_components": num_components,
+    }
+    for key in ("kind", "dtype", "shape", "num_components"):
+        _set_attr(grp.id, key, _attr_value(meta[key]))
+    extra: dict[str, Any] = {}
+    for key, value in dict(attrs).items():
+        if value is None or key in meta:
+            continue
+        stored = _attr_value(value)
+        if key not in _INDEX_ONLY_ATTRS:
+            _set_attr(grp.id, key, stored)
+        extra[key] = _decode(stored)
+    meta["attrs"] = extra
+    return grp, meta
+
+
+def _new_group(f: h5py.File, path: str) -> h5py.Group:
+    """The group at ``path``, created with its missing parents (it usually does not exist)."""
+    lcpl, gcpl = _LCPL.get("lcpl"), _LCPL.get("gcpl")
+    if lcpl is None or gcpl is None:
+        lcpl = _LCPL["lcpl"] = h5py.h5p.create(h5py.h5p.LINK_CREATE)
+        lcpl.set_create_intermediate_group(True)
+        gcpl = _LCPL["gcpl"] = h5py.h5p.create(h5py.h5p.GROUP_CREATE)
+        gcpl.set_obj_track_times(False)  # (intermediate groups are made with it too)
+    try:
+        return h5py.Group(h5py.h5g.create(f.id, path.encode(), lcpl=lcpl, gcpl=gcpl))
+    except _H5_ERRORS:  # it exists: a parent of a variable written before
+        return f.require_group(path)
+
+
+_LCPL: dict[str, Any] = {}
+
+
+def _checked(entry: Any, i: int, cshape: tuple[int, ...], dt: np.dtype, file: str) -> np.ndarray:
+    arr = np.asarray(entry.component(i))
+    if arr.shape != cshape:
+        raise ShapeMismatchError(
+            "component has the wrong shape",
+            file=file,
+            variable=f"{entry.path}[{i}]",
+            expected=cshape,
+            found=arr.shape,
+        )
+    if arr.dtype != dt:
+        raise DtypeMismatchError(
+            "component has the wrong dtype",
+            file=file,
+            variable=f"{entry.path}[{i}]",
+            expected=dt,
+            found=arr.dtype,
+        )
+    return arr
+
+
+def _holds_arrays(entry: Any) -> bool:
+    """True when an entry's components are arrays in memory (save records, array entries)."""
+    return hasattr(entry, "components") or hasattr(entry, "component_array")
+
+
+def _file_type(storage: np.dtype) -> Any:
+    """The HDF5 type of a storage dtype, made once per dtype."""
+    tid = _FILE_TYPES.get(storage)
+    if tid is None:
+        tid = _FILE_TYPES[storage] = h5py.h5t.py_create(storage, logical=True)
+    return tid
+
+
+_FILE_TYPES: dict[np.dtype, Any] = {}
+
+
+class _DataWriter(DataWriter):
+    """The component bytes of a save, written into the storage HDF5 allocated for them.
+
+    HDF5 allocates each dataset's storage up front and never writes it itself (fill time
+    "never"); the bytes go there through a descriptor of our own, so HDF5 only ever handles
+    metadata. Also caches the dataspaces of a save.
+    """
+
+    def __init__(self, path: str, file: str) -> None:
+        super().__init__(path, file)
+        self._spaces: dict[tuple[int, ...], Any] = {}
+
+    def space(self, shape: tuple[int, ...]) -> Any:
+        """An HDF5 dataspace of ``shape``, made once per shape in a save."""
+        space = self._spaces.get(shape)
+        if space is None:
+            space = h5py.h5s.create_simple(shape) if shape else h5py.h5s.create(h5py.h5s.SCALAR)
+            self._spaces[shape] = space
+        return space
+
+
+def write_h5(
+    path: str | os.PathLike[str],
+    entries: Iterable[Any] | Mapping[str, Any],
+    *,
+    object_graph: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    skeletons: SkeletonCache | None = None,
+) -> str:
+    """Write entries (neutral-view entries or save records) to ``path`` in the native layout.
+
+    One pass over the entries and one HDF5 session on a temporary file: for each entry HDF5
+    creates the group, attributes and datasets with their storage allocated up front, and the
+    component bytes are written straight to that storage with ``pwrite``, one component at a
+    time, from the entries (for live variables, from their buffers; for other files, through
+    one reused buffer), checksummed as they go. The disk writes start while later entries are
+    still being prepared. Last come the index and the object graph. The file appears under
+    ``path`` only once complete and flushed to disk.
+
+    With ``skeletons`` (a checkpoint's cache), a save of the structure the cache holds is
+    written from the cached skeleton: the first save's bytes with the new component data,
+    index and header values (see ``_skeleton``); byte for byte what HDF5 writes. Any other
+    save is written by HDF5 and its skeleton cached.
+
+    Returns:
+        ``path``.
+    """
+    p = os.fspath(path)
+    items = list(entries.values()) if isinstance(entries, Mapping) else list(entries)
+    key = _structure_key(items, object_graph, metadata) if skeletons is not None else None
+    if key is not None and skeletons is not None:
+        cached = skeletons.get(key)
+        if cached is not None:
+            return atomic_write(
+                p, lambda tmp: _write_from_skeleton(tmp, p, cached, items, metadata)
+            )
+    captured: list[_skeleton.Skeleton | None] = []
+
+    def write(tmp: str) -> None:
+        index: dict[str, Any] = {}
+        # With a skeleton to capture, the header values that change between saves are written
+        # as random sentinels first (to find them in the file), then patched to their values.
+        values = _header_values(metadata) if key is not None else {}
+        sentinels = {name: _skeleton.sentinel(np.asarray(v).dtype) for name, v in values.items()}
+        with _new_file(tmp, metadata, sentinels) as f:
+            dcpl = _early_dcpl()
+            writer, scratch, ok = _DataWriter(tmp, p), Scratch(), False
+            try:
+                for entry in items:
+                    if entry.path in index:
+                        raise InvalidEntryError("is written twice", file=p, variable=entry.path)
+                    index[entry.path] = _write_entry(f, writer, entry, p, dcpl, scratch)
+                ok = True
+            finally:
+                writer.close(raise_errors=ok)
+            template = _index_template(index) if key is not None else None
+            where = _finish_metadata(
+                f, index, object_graph, crc_sentinel=sentinels.get(_INDEX_CRC), template=template
+            )
+        if key is not None:
+            captured.append(_capture(tmp, key, items, index, where, template, values, sentinels))
+
+    atomic_write(p, write)
+    if skeletons is not None and key is not None:
+        skeletons.put(captured[0] if captured else None)
+    return p
+
+
+# The header value names a skeleton patches: the root attributes that change between saves,
+# and the index document's checksum.
+_INDEX_CRC = "/_parallelvars/index:crc32c"
+
+
+def _header_values(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The root attribute values of a save that live in its object header and change between
+    saves: ``created`` and every integer or float of the metadata (``save_counter``,
+    ``step``), by name (the index checksum is added once known)."""
+    values: dict[str, Any] = {"created": np.float64(time.time())}
+    for key, value in dict(metadata or {}).items():
+        stored = None if value is None else _root_attr_value(value)
+        if isinstance(stored, (np.int64, np.float64)):
+            values[key] = stored
+    values[_INDEX_CRC] = np.int64(0)
+    return values
+
+
+def _structure_key(
+    items: Sequence[Any], object_graph: Mapping[str, Any] | None, metadata: Mapping[str, Any] | None
+) -> Any:
+    """What a file's bytes depend on besides the component values and the header values: the
+    library version, the metadata's names and types, the object graph and each entry's path,
+    kind, shape, attributes and components' dtypes and shapes. None for entries that are not
+    arrays in memory (they are never written from a skeleton)."""
+    try:
+        records = [
+            (e.path, e.kind, e.shape, e.attrs, [(c.dtype, c.shape) for c in e.components])
+            for e in items
+        ]
+    except AttributeError:
+        return None
+    meta = tuple(
+        (k, type(v).__name__ if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+        for k, v in dict(metadata or {}).items()
+        if v is not None
+    )
+    return (_library_version(), meta, object_graph, records)
+
+
+def _index_template(index: Mapping[str, Any]) -> str:
+    """The index document with a ``%d`` for every checksum: ``template % crcs`` is
+    ``json.dumps(index)`` (the checksums are each record's last field)."""
+    parts = []
+    for path, meta in index.items():
+        rest = {k: v for k, v in meta.items() if k != "crc32c"}
+        body = json.dumps(rest).replace("%", "%%")
+        crcs = ", ".join(["%d"] * len(meta["crc32c"]))
+        parts.append(f'{json.dumps(path).replace("%", "%%")}: {body[:-1]}, "crc32c": [{crcs}]}}')
+    return "{" + ", ".join(parts) + "}"
+
+
+def _capture(
+    tmp: str,
+    key: Any,
+    items: Sequence[Any],
+    index: Mapping[str, Any],
+    where: tuple[int, int, int],
+    template: str | None,
+    values: dict[str, Any],
+    sentinels: dict[str, Any],
+) -> _skeleton.Skeleton | None:
+    """Cache the skeleton of the file HDF5 wrote at ``tmp`` and put the real header values in
+    it (patched in place, or through HDF5 when the file cannot be a skeleton)."""
+    offset, capacity, crc = where
+    values[_INDEX_CRC] = np.int64(crc)
+    offsets, nbytes = [], []
+    for e in items:
+        meta = index[e.path]
+        for i, c in enumerate(e.components):
+            offsets.append(meta["offsets"][i] or 0)
+            nbytes.append(c.nbytes)
+    skel = None
+    objects = any(c.dtype.kind == "O" for e in items for c in e.components)
+    if (
+        template is not None
+        and not objects
+        and template % tuple(c for m in index.values() for c in m["crc32c"]) == json.dumps(index)
+    ):
+        skel = _skeleton.capture(tmp, key, offsets, nbytes, offset, capacity, sentinels)
+        skel = skel if skel is not None and skel.set_template(template) else None
+    if skel is not None:
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            skel.patch_file(fd, values)
+        finally:
+            os.close(fd)
+        return skel
+    with h5py.File(tmp, "r+") as f:
+        for name, value in values.items():
+            if name == _INDEX_CRC:
+                f[INDEX_DATASET].attrs.modify("crc32c", value)
+            else:
+                f.attrs.modify(name, value)
+    return None
+
+
+def _write_from_skeleton(
+    tmp: str,
+    file: str,
+    skel: _skeleton.Skeleton,
+    items: Sequence[Any],
+    metadata: Mapping[str, Any] | None,
+) -> None:
+    """Write a save of the skeleton's structure to ``tmp``: the skeleton's bytes, the component
+    data at its datasets' offsets, the index, and the header values patched."""
+    values = _header_values(metadata)
+    comps = [np.ascontiguousarray(c) for e in items for c in e.components]
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    os.close(fd)
+    writer, ok = _DataWriter(tmp, file), False
+    names = [f"{e.path}[{i}]" for e in items for i in range(len(e.components))]
+    try:
+        os.ftruncate(writer.fd, skel.file_size)
+        skel.write(
+            writer.fd,
+            comps,
+            values,
+            write=writer.write,
+            check=lambda arr, crc, i: writer.check_unchanged(arr, crc, names[i]),
+            index_crc=_INDEX_CRC,
+        )
+        ok = True
+    finally:
+        writer.close(raise_errors=ok)
+
+
+def _new_file(
+    tmp: str, metadata: Mapping[str, Any] | None, values: Mapping[str, Any] | None = None
+) -> h5py.File:
+    """A new file of our layout with its root attributes (``values`` overrides some).
+
+    libver "latest": superblock v3 and v2 object headers, B-trees and heaps, which all carry
+    checksums, so a damaged metadata byte is an error rather than a wrong value. No object
+    records times, so the same content makes the same bytes.
+    """
+    values = values or {}
+    f = h5py.File(tmp, "w", libver="latest")
+    f.attrs["parallelvars_format"] = np.int64(FORMAT_VERSION)  # few: the high-level API is fine
+    f.attrs["parallelvars_version"] = _root_attr_value(_library_version())
+    f.attrs["created"] = values.get("created", np.float64(time.time()))
+    for key, value in dict(metadata or {}).items():
+        if value is not None:
+            f.attrs[key] = values.get(key, _root_attr_value(value))
+    return f
+
+
+class ComponentLink(NamedTuple):
+    """Where one component of a multi-process checkpoint lives: ``file`` (relative to the
+    index file's folder), the ``dataset`` path in it, and the CRC-32C of its bytes."""
+
+    file: str
+    dataset: str
+    crc32c: int
+
+
+class LinkedVariable(NamedTuple):
+    """One variable of a multi-process checkpoint's index file (see :func:`write_h5_index`)."""
+
+    path: str
+    kind: str
+    dtype: Any
+    shape: tuple[int, ...]
+    attrs: Mapping[str, Any]
+    components: Sequence[ComponentLink]
+
+
+def write_h5_index(
+    path: str | os.PathLike[str],
+    variables: Iterable[LinkedVariable],
+    *,
+    object_graph: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> str:
+    """Write the index file of a checkpoint whose component bytes live in other files.
+
+    The same layout as :func:`write_h5` (root attributes, one group per variable with its
+    attributes, the checksummed fixed-length index and object graph, the document list, the
+    newest HDF5 file format), with each component dataset an external link to
+    ``component.file:component.dataset`` and its checksum taken from the link record. The
+    file appears under ``path`` only once complete and flushed to disk.
+
+    Returns:
+        ``path``.
+    """
+    p = os.fspath(path)
+    items = list(variables)
+
+    def write(tmp: str) -> None:
+        index: dict[str, Any] = {}
+        with _new_file(tmp, metadata) as f:
+            for var in items:
+                if var.path in index:
+                    raise InvalidEntryError("is written twice", file=p, variable=var.path)
+                shape = tuple(int(s) for s in var.shape)
+                grp, meta = _write_group(
+                    f,
+                    var.path,
+                    var.kind,
+                    np.dtype(var.dtype),
+                    shape,
+                    len(var.components),
+                    var.attrs,
+                )
+                meta["offsets"] = [None] * len(var.components)
+                meta["crc32c"] = [int(c.crc32c) for c in var.components]
+                for i, link in enumerate(var.components):
+                    grp[component_name(i)] = h5py.ExternalLink(link.file, link.dataset)
+                index[var.path] = meta
+            _finish_metadata(f, index, object_graph)
+
+    return atomic_write(p, write)
+
+
+def _finish_metadata(
+    f: h5py.File,
+    index: dict[str, Any],
+    object_graph: Any,
+    *,
+    crc_sentinel: Any = None,
+    template: str | None = None,
+) -> tuple[int, int, int]:
+    """Record the index (with every component's checksum) and the object graph.
+
+    The index is padded with spaces to a capacity that any later index of the same structure
+    fits in (only checksums change, and each has at most 10 digits). Returns the index's data
+    offset, its capacity and its checksum (the attribute holds ``crc_sentinel`` when given).
+    """
+    text = json.dumps(index)
+    # The capacity depends on the structure alone (not on the checksums' digits), so every save
+    # of a structure has the same bytes outside the data, whoever writes it.
+    crcs = [c for m in index.values() for c in m["crc32c"]]
+    capacity = _skeleton.index_capacity(len(text) - len("".join(map(str, crcs))), len(crcs))
+    ds, crc = _write_json(f, INDEX_DATASET, text=text, capacity=capacity, crc_value=crc_sentinel)
+    offset = ds.id.get_offset()
+    documents = [INDEX_DATASET]
+    if object_graph is not None:
+        _write_json(f, GRAPH_DATASET, object_graph)
+        documents.append(GRAPH_DATASET)
+    # Which documents exist, in the checksummed root header: h5py's get() answers None for a
+    # link it cannot follow, so a damaged link would otherwise look like "no graph".
+    f.attrs[DOCUMENTS_ATTR] = np.array([d.encode() for d in documents])
+    return (-1 if offset is None else int(offset)), capacity, crc
