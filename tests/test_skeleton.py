@@ -243,3 +243,22 @@ def test_any_structure_repeats_byte_for_byte(tmp_path_factory, fixed_clock, spec
         assert fa.read() == fb.read()
     with H5Reader(path) as r:
         assert r.verify_all() == []
+
+
+def test_a_key_that_does_not_compare_is_a_miss() -> None:
+    cache = _skeleton.SkeletonCache()
+    skel = _skeleton.Skeleton(
+        key=("v", {"a": np.arange(3)}),
+        file_size=0,
+        pieces=[],
+        offsets=np.zeros(0, np.int64),
+        nbytes=np.zeros(0, np.int64),
+        inline=np.zeros(0, bool),
+        index_offset=0,
+        index_capacity=0,
+    )
+    cache.put(skel)
+    assert cache.get(("v", {"a": np.arange(3)})) is None  # arrays: no truth value, no reuse
+    assert cache.get(skel.key) is skel
+    cache.clear()
+    assert cache.get(skel.key) is None

@@ -353,7 +353,13 @@ class SkeletonCache:
         """The cached skeleton when ``key`` (the structure) is the cached one's."""
         with self._lock:
             skel = self._skeleton
-        return skel if skel is not None and skel.key == key else None
+        if skel is None:
+            return None
+        try:
+            same = bool(skel.key == key)
+        except (ValueError, TypeError):  # attributes that do not compare (arrays): a new one
+            same = False
+        return skel if same else None
 
     def put(self, skeleton: Skeleton | None) -> None:
         with self._lock:

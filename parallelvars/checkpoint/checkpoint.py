@@ -629,9 +629,10 @@ class Checkpoint(Trackable):
         extra = {"skeletons": self._pv_skeletons} if writer is write_h5 else {}
 
         def write(path: str | os.PathLike[str]) -> str:
-            return writer(
-                os.fspath(path), records, object_graph=object_graph, metadata=metadata, **extra
-            )
+            with _gc_paused():  # a few objects per variable, all alive until the write ends
+                return writer(
+                    os.fspath(path), records, object_graph=object_graph, metadata=metadata, **extra
+                )
 
         return write
 
