@@ -262,3 +262,22 @@ def test_a_key_that_does_not_compare_is_a_miss() -> None:
     assert cache.get(skel.key) is skel
     cache.clear()
     assert cache.get(skel.key) is None
+
+
+def test_manager_saves_blocking_or_not_reuse_the_skeleton(tmp_path, fixed_clock) -> None:
+    m = make_model()
+    ckpt = pv.Checkpoint(model=m)
+    with pv.CheckpointManager(ckpt, tmp_path / "run", max_to_keep=None) as mgr:
+        mgr.save()
+        first = ckpt._pv_skeletons._skeleton
+        assert first is not None
+        for k, blocking in ((2, False), (3, True), (4, False)):
+            change_values(m, k)
+            path = mgr.save(blocking=blocking)
+            mgr.wait()
+            assert ckpt._pv_skeletons._skeleton is first  # the same structure: reused
+            plain = plain_write(ckpt, str(tmp_path / f"plain-{k}.h5"))
+            assert read(path) == read(plain)
+    fresh = make_model()
+    pv.Checkpoint(model=fresh).restore(path).assert_consumed()
+    np.testing.assert_array_equal(fresh.big.components[0], m.big.components[0])
