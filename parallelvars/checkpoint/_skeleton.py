@@ -255,12 +255,18 @@ class Skeleton:
             image[end - start :] = np.frombuffer(digest.to_bytes(4, "little"), np.uint8)
         return chunks
 
-    def _span(self, start: int, end: int) -> np.ndarray:
-        """The image bytes ``[start, end)`` (they lie in one piece)."""
+    def _find(self, start: int, end: int) -> np.ndarray | None:
+        """The image bytes ``[start, end)``, or None when no piece holds them all."""
         for offset, piece in self.pieces:
             if offset <= start and end <= offset + piece.size:
                 return piece[start - offset : end - offset]
-        raise KeyError((start, end))
+        return None
+
+    def _span(self, start: int, end: int) -> np.ndarray:
+        """The image bytes ``[start, end)``, which :func:`capture` checked lie in one piece."""
+        found = self._find(start, end)
+        assert found is not None
+        return found
 
     def _put(self, data: bytes, offset: int) -> None:
         self._span(offset, offset + len(data))[...] = np.frombuffer(data, np.uint8)
@@ -333,11 +339,9 @@ def capture(
             if k < 0 or int(offs[j]) + int(lens[j]) > starts[k] + pieces[k][1].size:
                 return None
             skeleton.inline_at.append((k, int(offs[j]) - starts[k]))
-    try:
-        skeleton._span(index_offset, index_offset + index_capacity)
-        for patch in patches.values():
-            skeleton._span(patch.chunk_start, patch.chunk_end + 4)
-    except KeyError:
+    spans = [(index_offset, index_offset + index_capacity)]
+    spans += [(p.chunk_start, p.chunk_end + 4) for p in patches.values()]
+    if any(skeleton._find(start, end) is None for start, end in spans):
         return None
     return skeleton
 
