@@ -25,9 +25,11 @@ HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 KINDS = ("single", "mirrored", "on_read", "independent", "sharded")
 AGGREGATIONS = tuple(a.value for a in Aggregation)
 _MAX_COMPONENTS = 1 << 16
-# H5Reader.stage: components under this size are read ahead in spans, neighbours under
-# STAGE_GAP apart in one read, at most STAGE_LIMIT bytes in all.
+# H5Reader.stage: when a restore has at least STAGE_MIN_COMPONENTS components under
+# STAGE_COMPONENT bytes, they are read ahead in spans, neighbours under STAGE_GAP apart in one
+# read, at most STAGE_LIMIT bytes in all.
 STAGE_COMPONENT = 64 << 10
+STAGE_MIN_COMPONENTS = 512
 STAGE_GAP = 64 << 10
 STAGE_LIMIT = 256 << 20
 # deflate's best case is about 1032:1; no compressed dataset can expand more than this.

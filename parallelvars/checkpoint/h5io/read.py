@@ -28,6 +28,7 @@ from parallelvars.checkpoint.h5io.layout import (
     STAGE_COMPONENT,
     STAGE_GAP,
     STAGE_LIMIT,
+    STAGE_MIN_COMPONENTS,
 )
 from parallelvars.checkpoint.h5io.stored import StoredVariable
 from parallelvars.errors import (
@@ -258,7 +259,9 @@ class H5Reader(Mapping[str, StoredVariable]):
         """Read the small components of ``variables`` now, with a few large reads.
 
         A restore of many small variables would otherwise pay two system calls per component
-        (one to verify it, one to copy it). Components under ``STAGE_COMPONENT`` bytes whose
+        (one to verify it, one to copy it). With at least ``STAGE_MIN_COMPONENTS`` of them
+        (fewer save little, and one thread reading them from a cold disk can cost more than the
+        restore's threads reading them in place), components under ``STAGE_COMPONENT`` bytes whose
         offsets the index gives are sorted by offset and read in spans (neighbours less than
         ``STAGE_GAP`` apart share one read), at most ``STAGE_LIMIT`` bytes in all; verification
         and copies then work from memory, on the bytes that were read once. Released by
@@ -276,7 +279,7 @@ class H5Reader(Mapping[str, StoredVariable]):
                     if loc is not None and i in var._from_index:
                         ranges.append((loc[0], nbytes))
                         total += nbytes
-        if len(ranges) < 2:
+        if len(ranges) < STAGE_MIN_COMPONENTS:  # a few syscalls saved; serial reads would cost more
             return
         ranges.sort()
         starts: list[int] = []
