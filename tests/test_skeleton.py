@@ -281,3 +281,36 @@ def test_manager_saves_blocking_or_not_reuse_the_skeleton(tmp_path, fixed_clock)
     fresh = make_model()
     pv.Checkpoint(model=fresh).restore(path).assert_consumed()
     np.testing.assert_array_equal(fresh.big.components[0], m.big.components[0])
+
+
+def many_small(n: int = 600) -> pv.Module:
+    m = pv.Module()
+    m.vs = [pv.Variable(np.full(3, i, np.float32), name=f"v{i}") for i in range(n)]
+    return m
+
+
+def test_many_small_components_are_read_ahead_and_verified(tmp_path) -> None:
+    path = pv.Checkpoint(model=many_small()).write(tmp_path / "c.h5")
+    with H5Reader(path) as r:
+        r.stage(r[k] for k in r)
+        assert r._staged is not None and len(r._staged[0]) < 10  # a few reads, not 600
+        assert r["model/vs/7"].value().tolist() == [7, 7, 7]
+        r.unstage()
+    back = many_small()
+    for v in back.vs:
+        v.assign(np.full(3, -1, np.float32))
+    pv.Checkpoint(model=back).restore(path).assert_consumed()
+    assert [float(v.numpy()[0]) for v in back.vs] == list(range(600))
+    # A damaged byte in one of them: refused, and no variable written.
+    with H5Reader(path) as r:
+        offset = r["model/vs/123"]._location(0)[0]
+    with open(path, "r+b") as f:
+        f.seek(offset + 2)
+        byte = f.read(1)
+        f.seek(offset + 2)
+        f.write(bytes([byte[0] ^ 0x10]))
+    for v in back.vs:
+        v.assign(np.full(3, -1, np.float32))
+    with pytest.raises(pv.errors.ChecksumMismatchError, match="vs/123"):
+        pv.Checkpoint(model=back).restore(path)
+    assert all(float(v.numpy()[0]) == -1 for v in back.vs)
