@@ -202,6 +202,7 @@ EXIT_SCRIPT = textwrap.dedent(
     import numpy as np
     import parallelvars as pv
     from parallelvars.checkpoint.h5io import write
+    from parallelvars.checkpoint._skeleton import SkeletonCache
 
     directory, mode = sys.argv[1], sys.argv[2]
     with pv.MirroredStrategy(2).scope():
@@ -220,6 +221,7 @@ EXIT_SCRIPT = textwrap.dedent(
         return real(*args)
 
     write._checked = slow
+    SkeletonCache.get = lambda self, key: None  # through HDF5, which calls _checked
     w.assign(np.full((256, 64), 2, np.float32)); step.assign(2)
     mgr.save(blocking=False)
     w.assign(np.full((256, 64), 3, np.float32)); step.assign(3)  # after the snapshot

@@ -14,6 +14,7 @@ import pytest
 
 import parallelvars as pv
 from parallelvars.checkpoint import h5io, manager
+from parallelvars.checkpoint._skeleton import SkeletonCache
 from parallelvars.checkpoint.h5io import write as h5write
 from parallelvars.errors import CheckpointLockedError, ParallelVarsError
 
@@ -382,6 +383,8 @@ def failing_write_entry(monkeypatch, after: int) -> None:
         return real(*args)
 
     monkeypatch.setattr(h5write, "_checked", write_entry)
+    # Every save through HDF5 (a repeated save would be written from its cached skeleton).
+    monkeypatch.setattr(SkeletonCache, "get", lambda self, key: None)
 
 
 def test_failed_save_raises_and_leaves_everything_intact(tmp_path, monkeypatch):

@@ -34,6 +34,7 @@ from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint import _restore  # noqa: F401 - registers the variable saveable
 from parallelvars.checkpoint._foreign import with_foreign_hint
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX  # noqa: F401 - <file>.parts/: a multi-process save's files
+from parallelvars.checkpoint._skeleton import SkeletonCache
 from parallelvars.checkpoint._sources import open_source
 from parallelvars.checkpoint.h5io import write_h5
 from parallelvars.checkpoint.registry import SaveRecord, get_saveable
@@ -161,12 +162,19 @@ class ObjectGraph:
         node_id = len(self.nodes)
         self.ids[id(obj)] = node_id
         self.objects.append(obj)
-        self.nodes.append({"children": [], "path": path if _is_leaf(obj) else None, "slots": []})
+        leaf = _is_leaf(obj)
+        self.nodes.append({"children": [], "path": path if leaf else None, "slots": []})
         self._paths.append(path or "")
+        self._leaves.append(leaf)
         return node_id
 
     def __post_init__(self) -> None:
         self._paths: list[str] = []
+        self._leaves: list[bool] = []
+
+    def is_leaf(self, node_id: int) -> bool:
+        """Whether the node is a saved value (a variable) rather than a container."""
+        return self._leaves[node_id]
 
     def path_of(self, node_id: int) -> str:
         return self._paths[node_id]
@@ -194,7 +202,7 @@ def build_object_graph(root: Any) -> ObjectGraph:
             if child_id is None:
                 path = f"{base}/{escape_name(name)}" if base else escape_name(name)
                 child_id = graph.add(child, path)
-                if not _is_leaf(child):
+                if not graph.is_leaf(child_id):
                     queue.append(child_id)
             graph.nodes[parent]["children"].append([name, child_id])
     for node_id in range(len(graph.objects)):
@@ -459,11 +467,13 @@ class _Session:
         reader = self.reader()
         plans, sizes, checks, check_sizes = [], [], [], []
         left_out: list[str] = []
+        staged: list[Any] = []
         for nid, live in matched.items():
             path = nodes[nid].get("path")
             if path is None:
                 continue
             stored = reader[path]
+            staged.append(stored)
             saveable = get_saveable(live)
             assert saveable is not None
             plan = saveable.plan_restore(
@@ -476,11 +486,24 @@ class _Session:
                 checks.append(functools.partial(stored.verify, i))
                 check_sizes.append(stored.component_nbytes(i))
         # All or nothing: every checksum is verified before the first value is written. Both
-        # passes are checksums and copies in C, spread over the cores.
-        run_partitioned(checks, check_sizes)
+        # passes are checksums and copies in C, spread over the cores. A native file's small
+        # components are read ahead in a few large reads that both passes then use.
+        stage = getattr(reader, "stage", None)
+        if stage is not None:
+            stage(staged)
+        try:
+            run_partitioned(checks, check_sizes)
+        except BaseException:
+            if stage is not None:
+                reader.unstage()
+            raise
 
         def commit() -> None:
-            run_partitioned(plans, sizes)
+            try:
+                run_partitioned(plans, sizes)
+            finally:
+                if stage is not None:
+                    reader.unstage()
             for done in attach:
                 done()
             self.matched.update(matched)
@@ -781,6 +804,9 @@ class Checkpoint(Trackable):
         self.save_counter = _make_distributed_variable(
             ParallelDevice(1), initial_value=np.int64(0), name="save_counter", trainable=False
         )
+        # The skeleton of the structure saved last: a repeated save of it is written from the
+        # cached bytes instead of by HDF5 (see checkpoint._skeleton).
+        self._pv_skeletons = SkeletonCache()
 
     def __getattr__(self, name: str) -> Any:
         roots = self.__dict__.get("_roots", {})
@@ -817,9 +843,13 @@ class Checkpoint(Trackable):
             records, object_graph, metadata = self._gather(copy)
 
         writer = _checkpoint_writer()  # every rank writes its part under MPI
+        extra = {"skeletons": self._pv_skeletons} if writer is write_h5 else {}
 
         def write(path: str | os.PathLike[str]) -> str:
-            return writer(os.fspath(path), records, object_graph=object_graph, metadata=metadata)
+            with _gc_paused():  # a few objects per variable, all alive until the write ends
+                return writer(
+                    os.fspath(path), records, object_graph=object_graph, metadata=metadata, **extra
+                )
 
         return write
 

@@ -117,6 +117,8 @@ class Saveable(abc.ABC):
 
 
 _registry: dict[type, Saveable] = {}
+# What get_saveable answered for each type asked about (cleared on every registration).
+_by_type: dict[type, Saveable | None] = {}
 _lock = threading.Lock()
 
 
@@ -129,19 +131,29 @@ def register_saveable(cls: type, saveable: Saveable, *, override: bool = False) 
                 f"({type(_registry[cls]).__name__}); pass override=True to replace it"
             )
         _registry[cls] = saveable
+        _by_type.clear()
 
 
 def unregister_saveable(cls: type) -> None:
     with _lock:
         _registry.pop(cls, None)
+        _by_type.clear()
 
 
 def get_saveable(obj: Any) -> Saveable | None:
     """The saveable registered for ``type(obj)`` or its nearest base class, if any."""
     if not _registry:
         return None
-    for klass in type(obj).__mro__:
-        s = _registry.get(klass)
-        if s is not None:
-            return s
-    return None
+    cls = type(obj)
+    try:
+        return _by_type[cls]  # a checkpoint asks once per object: once per type is enough
+    except KeyError:
+        pass
+    with _lock:  # (under the lock: a registration meanwhile cannot leave a stale answer)
+        found = None
+        for klass in cls.__mro__:
+            found = _registry.get(klass)
+            if found is not None:
+                break
+        _by_type[cls] = found
+    return found

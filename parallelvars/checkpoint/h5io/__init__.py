@@ -7,11 +7,16 @@ The layout (documented with an ``h5dump``-style example in ``docs/FORMAT.md``):
 * one group per variable at its object path, with attributes ``kind``, ``dtype``, ``shape``,
   ``num_components``, ``devices``, ``aggregation`` and, for sharded variables, ``shard_axis``
   and ``shard_offsets`` (``name``, ``synchronization`` and ``trainable`` are in the index only);
-* in it one dataset per component, ``primary`` and ``parallel_component_1`` ..., each with a
-  ``crc32c`` attribute (CRC-32C of its C-order bytes);
+* in it one dataset per component, ``primary`` and ``parallel_component_1`` ..., whose
+  CRC-32C (of its C-order bytes) is in the index (files of earlier versions also have it as
+  the dataset's ``crc32c`` attribute);
 * for sharded variables a virtual dataset ``value`` stitching the shards together;
 * the object graph as JSON in the dataset ``/_parallelvars/object_graph``, and an index of every
-  variable (attributes, checksums, data offsets) as JSON in ``/_parallelvars/index``.
+  variable (attributes, checksums, data offsets) as JSON in ``/_parallelvars/index``, padded
+  with spaces to a capacity fixed by the structure.
+
+No object records times, so the same content gives the same bytes: a repeated save of one
+structure is written from the first save's bytes (``checkpoint._skeleton``).
 
 bfloat16 and the float8 family are stored as HDF5 opaque types of their size, with the
 ``dtype`` group attribute naming them (the convention Keras uses); strings as variable-length
@@ -19,7 +24,8 @@ bytes.
 
 Reading is lazy and fast: contiguous datasets are read with ``pread`` straight into the
 destination buffer and checksummed there (a verification pass streams in bounded chunks). The
-file is never memory-mapped, so a file truncated while it is read is an error, not SIGBUS.
+file is never memory-mapped, so a file truncated while it is read is an error, not SIGBUS. A
+restore reads its small components ahead in a few large reads (``H5Reader.stage``).
 
 Modules: ``layout`` (format constants, kinds and aggregations, limits, path validation,
 storage dtypes), ``attributes`` (attribute and JSON-document encoding and decoding), ``write``

@@ -119,15 +119,26 @@ def _set_attr(oid: Any, name: str, value: Any) -> None:
         attr.write(arr, mtype=mtype)
 
 
-def _write_json(f: h5py.File, name: str, value: Any) -> None:
+def _write_json(
+    f: h5py.File,
+    name: str,
+    value: Any = None,
+    *,
+    text: str | None = None,
+    capacity: int = 0,
+    crc_value: Any = None,
+) -> tuple[h5py.Dataset, int]:
     """A JSON document as a fixed-length string dataset with its own CRC-32C.
 
     Fixed length keeps the bytes out of HDF5's unchecksummed global heap; the checksum covers
-    the document itself, which HDF5 does not.
+    the document itself (with its padding: spaces, which JSON ignores), which HDF5 does not.
+    Returns the dataset and the checksum (the attribute holds ``crc_value`` when given).
     """
-    raw = json.dumps(value).encode("utf-8")
-    ds = f.create_dataset(name, data=np.bytes_(raw))
-    ds.attrs["crc32c"] = np.int64(_crc32c.crc32c(raw))
+    raw = (json.dumps(value) if text is None else text).encode("utf-8").ljust(capacity, b" ")
+    ds = f.create_dataset(name, data=np.bytes_(raw), track_times=False)
+    crc = int(_crc32c.crc32c(raw))
+    ds.attrs["crc32c"] = np.int64(crc if crc_value is None else crc_value)
+    return ds, crc
 
 
 def _read_json(f: h5py.File, name: str, file: str, *, required: bool = False) -> Any:

@@ -26,6 +26,13 @@ DOCUMENTS_ATTR = "parallelvars_documents"
 KINDS = _entry.KINDS
 AGGREGATIONS = _entry.AGGREGATIONS
 _MAX_COMPONENTS = _entry.MAX_COMPONENTS
+# H5Reader.stage: when a restore has at least STAGE_MIN_COMPONENTS components under
+# STAGE_COMPONENT bytes, they are read ahead in spans, neighbours under STAGE_GAP apart in one
+# read, at most STAGE_LIMIT bytes in all.
+STAGE_COMPONENT = 64 << 10
+STAGE_MIN_COMPONENTS = 512
+STAGE_GAP = 64 << 10
+STAGE_LIMIT = 256 << 20
 # The HDF5 constants every reader shares, under the names the h5io modules use.
 _MAX_COMPRESSION = MAX_COMPRESSION
 _H5_ERRORS = H5_ERRORS

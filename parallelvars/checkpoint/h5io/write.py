@@ -4,6 +4,7 @@ file whose components are external links into per-process part files).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -15,6 +16,8 @@ import numpy as np
 from parallelvars._dtypes import dtype_name
 from parallelvars._fileio import DataWriter, Scratch, atomic_path, checksum
 from parallelvars._geometry import shard_slices
+from parallelvars.checkpoint import _skeleton
+from parallelvars.checkpoint._skeleton import SkeletonCache
 from parallelvars.checkpoint.entry import Entry
 from parallelvars.checkpoint.h5io.attributes import (
     _attr_value,
@@ -51,6 +54,7 @@ def atomic_write(path: str, write: Any) -> str:
 
 def _early_dcpl() -> Any:
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_obj_track_times(False)  # no clock in the file: a structure's bytes are its own
     dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # the bytes get an offset now ...
     dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # ... and are written once, by us
     return dcpl
@@ -80,7 +84,7 @@ def _write_entry(
         cshape = tuple(int(d) for d in entry.component_shape(i))
         name = component_name(i)
         if dt.kind == "O":
-            ds = grp.create_dataset(name, shape=cshape, dtype=storage)
+            ds = grp.create_dataset(name, shape=cshape, dtype=storage, track_times=False)
             arr = _checked(entry, i, cshape, dt, file)
             if arr.size:
                 ds[...] = arr
@@ -104,8 +108,7 @@ def _write_entry(
             if in_memory:
                 writer.check_unchanged(arr, crc, path)
             del arr
-        crcs.append(crc)
-        _set_attr(dsid, "crc32c", np.int64(crc))
+        crcs.append(crc)  # in the (checksummed) index, not in the dataset's object header
     if entry.kind == "sharded" and entry.num_components:
         axis = int(entry.attrs["shard_axis"])
         layout = h5py.VirtualLayout(shape=shape, dtype=storage)
@@ -113,7 +116,11 @@ def _write_entry(
         for i, index in enumerate(slices):
             cshape = tuple(entry.component_shape(i))
             layout[index] = h5py.VirtualSource(".", f"{grp.name}/{component_name(i)}", shape=cshape)
-        grp.create_virtual_dataset("value", layout)
+        vdcpl = layout._get_dcpl(f.filename)
+        vdcpl.set_obj_track_times(False)
+        h5py.h5d.create(
+            grp.id, b"value", _file_type(storage), h5py.h5s.create_simple(shape), dcpl=vdcpl
+        )
     return meta
 
 
@@ -151,12 +158,14 @@ def _write_group(
 
 def _new_group(f: h5py.File, path: str) -> h5py.Group:
     """The group at ``path``, created with its missing parents (it usually does not exist)."""
-    lcpl = _LCPL.get("lcpl")
-    if lcpl is None:
+    lcpl, gcpl = _LCPL.get("lcpl"), _LCPL.get("gcpl")
+    if lcpl is None or gcpl is None:
         lcpl = _LCPL["lcpl"] = h5py.h5p.create(h5py.h5p.LINK_CREATE)
         lcpl.set_create_intermediate_group(True)
+        gcpl = _LCPL["gcpl"] = h5py.h5p.create(h5py.h5p.GROUP_CREATE)
+        gcpl.set_obj_track_times(False)  # (intermediate groups are made with it too)
     try:
-        return h5py.Group(h5py.h5g.create(f.id, path.encode(), lcpl=lcpl))
+        return h5py.Group(h5py.h5g.create(f.id, path.encode(), lcpl=lcpl, gcpl=gcpl))
     except _H5_ERRORS:  # it exists: a parent of a variable written before
         return f.require_group(path)
 
@@ -228,6 +237,7 @@ def write_h5(
     *,
     object_graph: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
+    skeletons: SkeletonCache | None = None,
 ) -> str:
     """Write entries (neutral-view entries or save records) to ``path`` in the native layout.
 
@@ -239,15 +249,32 @@ def write_h5(
     still being prepared. Last come the index and the object graph. The file appears under
     ``path`` only once complete and flushed to disk.
 
+    With ``skeletons`` (a checkpoint's cache), a save of the structure the cache holds is
+    written from the cached skeleton: the first save's bytes with the new component data,
+    index and header values (see ``_skeleton``); byte for byte what HDF5 writes. Any other
+    save is written by HDF5 and its skeleton cached.
+
     Returns:
         ``path``.
     """
     p = os.fspath(path)
     items = list(entries.values()) if isinstance(entries, Mapping) else list(entries)
+    key = _structure_key(items, object_graph, metadata) if skeletons is not None else None
+    if key is not None and skeletons is not None:
+        cached = skeletons.get(key)
+        if cached is not None:
+            return atomic_write(
+                p, lambda tmp: _write_from_skeleton(tmp, p, cached, items, metadata)
+            )
+    captured: list[_skeleton.Skeleton | None] = []
 
     def write(tmp: str) -> None:
         index: dict[str, Any] = {}
-        with _new_file(tmp, metadata) as f:
+        # With a skeleton to capture, the header values that change between saves are written
+        # as random sentinels first (to find them in the file), then patched to their values.
+        values = _header_values(metadata) if key is not None else {}
+        sentinels = {name: _skeleton.sentinel(np.asarray(v).dtype) for name, v in values.items()}
+        with _new_file(tmp, metadata, sentinels) as f:
             dcpl = _early_dcpl()
             writer, scratch, ok = _DataWriter(tmp, p), Scratch(), False
             try:
@@ -258,24 +285,163 @@ def write_h5(
                 ok = True
             finally:
                 writer.close(raise_errors=ok)
-            _finish_metadata(f, index, object_graph)
+            template = _index_template(index) if key is not None else None
+            where = _finish_metadata(
+                f, index, object_graph, crc_sentinel=sentinels.get(_INDEX_CRC), template=template
+            )
+        if key is not None:
+            captured.append(_capture(tmp, key, items, index, where, template, values, sentinels))
 
-    return atomic_write(p, write)
+    atomic_write(p, write)
+    if skeletons is not None and key is not None:
+        skeletons.put(captured[0] if captured else None)
+    return p
 
 
-def _new_file(tmp: str, metadata: Mapping[str, Any] | None) -> h5py.File:
-    """A new file of our layout with its root attributes.
+# The header value names a skeleton patches: the root attributes that change between saves,
+# and the index document's checksum.
+_INDEX_CRC = "/_parallelvars/index:crc32c"
+
+
+def _header_values(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The root attribute values of a save that live in its object header and change between
+    saves: ``created`` and every integer or float of the metadata (``save_counter``,
+    ``step``), by name (the index checksum is added once known)."""
+    values: dict[str, Any] = {"created": np.float64(time.time())}
+    for key, value in dict(metadata or {}).items():
+        stored = None if value is None else _root_attr_value(value)
+        if isinstance(stored, (np.int64, np.float64)):
+            values[key] = stored
+    values[_INDEX_CRC] = np.int64(0)
+    return values
+
+
+def _structure_key(
+    items: Sequence[Any], object_graph: Mapping[str, Any] | None, metadata: Mapping[str, Any] | None
+) -> Any:
+    """What a file's bytes depend on besides the component values and the header values: the
+    library version, the metadata's names and types, the object graph and each entry's path,
+    kind, shape, attributes and components' dtypes and shapes. None for entries that are not
+    arrays in memory (they are never written from a skeleton)."""
+    try:
+        records = [
+            (e.path, e.kind, e.shape, e.attrs, [(c.dtype, c.shape) for c in e.components])
+            for e in items
+        ]
+    except AttributeError:
+        return None
+    meta = tuple(
+        (k, type(v).__name__ if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+        for k, v in dict(metadata or {}).items()
+        if v is not None
+    )
+    return (_library_version(), meta, object_graph, records)
+
+
+def _index_template(index: Mapping[str, Any]) -> str:
+    """The index document with a ``%d`` for every checksum: ``template % crcs`` is
+    ``json.dumps(index)`` (the checksums are each record's last field)."""
+    parts = []
+    for path, meta in index.items():
+        rest = {k: v for k, v in meta.items() if k != "crc32c"}
+        body = json.dumps(rest).replace("%", "%%")
+        crcs = ", ".join(["%d"] * len(meta["crc32c"]))
+        parts.append(f'{json.dumps(path).replace("%", "%%")}: {body[:-1]}, "crc32c": [{crcs}]}}')
+    return "{" + ", ".join(parts) + "}"
+
+
+def _capture(
+    tmp: str,
+    key: Any,
+    items: Sequence[Any],
+    index: Mapping[str, Any],
+    where: tuple[int, int, int],
+    template: str | None,
+    values: dict[str, Any],
+    sentinels: dict[str, Any],
+) -> _skeleton.Skeleton | None:
+    """Cache the skeleton of the file HDF5 wrote at ``tmp`` and put the real header values in
+    it (patched in place, or through HDF5 when the file cannot be a skeleton)."""
+    offset, capacity, crc = where
+    values[_INDEX_CRC] = np.int64(crc)
+    offsets, nbytes = [], []
+    for e in items:
+        meta = index[e.path]
+        for i, c in enumerate(e.components):
+            offsets.append(meta["offsets"][i] or 0)
+            nbytes.append(c.nbytes)
+    skel = None
+    objects = any(c.dtype.kind == "O" for e in items for c in e.components)
+    if (
+        template is not None
+        and not objects
+        and template % tuple(c for m in index.values() for c in m["crc32c"]) == json.dumps(index)
+    ):
+        skel = _skeleton.capture(tmp, key, offsets, nbytes, offset, capacity, sentinels)
+        skel = skel if skel is not None and skel.set_template(template) else None
+    if skel is not None:
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            skel.patch_file(fd, values)
+        finally:
+            os.close(fd)
+        return skel
+    with h5py.File(tmp, "r+") as f:
+        for name, value in values.items():
+            if name == _INDEX_CRC:
+                f[INDEX_DATASET].attrs.modify("crc32c", value)
+            else:
+                f.attrs.modify(name, value)
+    return None
+
+
+def _write_from_skeleton(
+    tmp: str,
+    file: str,
+    skel: _skeleton.Skeleton,
+    items: Sequence[Any],
+    metadata: Mapping[str, Any] | None,
+) -> None:
+    """Write a save of the skeleton's structure to ``tmp``: the skeleton's bytes, the component
+    data at its datasets' offsets, the index, and the header values patched."""
+    values = _header_values(metadata)
+    comps = [np.ascontiguousarray(c) for e in items for c in e.components]
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    os.close(fd)
+    writer, ok = _DataWriter(tmp, file), False
+    names = [f"{e.path}[{i}]" for e in items for i in range(len(e.components))]
+    try:
+        os.ftruncate(writer.fd, skel.file_size)
+        skel.write(
+            writer.fd,
+            comps,
+            values,
+            write=writer.write,
+            check=lambda arr, crc, i: writer.check_unchanged(arr, crc, names[i]),
+            index_crc=_INDEX_CRC,
+        )
+        ok = True
+    finally:
+        writer.close(raise_errors=ok)
+
+
+def _new_file(
+    tmp: str, metadata: Mapping[str, Any] | None, values: Mapping[str, Any] | None = None
+) -> h5py.File:
+    """A new file of our layout with its root attributes (``values`` overrides some).
 
     libver "latest": superblock v3 and v2 object headers, B-trees and heaps, which all carry
-    checksums, so a damaged metadata byte is an error rather than a wrong value.
+    checksums, so a damaged metadata byte is an error rather than a wrong value. No object
+    records times, so the same content makes the same bytes.
     """
+    values = values or {}
     f = h5py.File(tmp, "w", libver="latest")
     f.attrs["parallelvars_format"] = np.int64(FORMAT_VERSION)  # few: the high-level API is fine
     f.attrs["parallelvars_version"] = _root_attr_value(_library_version())
-    f.attrs["created"] = np.float64(time.time())
+    f.attrs["created"] = values.get("created", np.float64(time.time()))
     for key, value in dict(metadata or {}).items():
         if value is not None:
-            f.attrs[key] = _root_attr_value(value)
+            f.attrs[key] = values.get(key, _root_attr_value(value))
     return f
 
 
@@ -346,9 +512,27 @@ def write_h5_index(
     return atomic_write(p, write)
 
 
-def _finish_metadata(f: h5py.File, index: dict[str, Any], object_graph: Any) -> None:
-    """Record the index (with every component's checksum) and the object graph."""
-    _write_json(f, INDEX_DATASET, index)
+def _finish_metadata(
+    f: h5py.File,
+    index: dict[str, Any],
+    object_graph: Any,
+    *,
+    crc_sentinel: Any = None,
+    template: str | None = None,
+) -> tuple[int, int, int]:
+    """Record the index (with every component's checksum) and the object graph.
+
+    The index is padded with spaces to a capacity that any later index of the same structure
+    fits in (only checksums change, and each has at most 10 digits). Returns the index's data
+    offset, its capacity and its checksum (the attribute holds ``crc_sentinel`` when given).
+    """
+    text = json.dumps(index)
+    # The capacity depends on the structure alone (not on the checksums' digits), so every save
+    # of a structure has the same bytes outside the data, whoever writes it.
+    crcs = [c for m in index.values() for c in m["crc32c"]]
+    capacity = _skeleton.index_capacity(len(text) - len("".join(map(str, crcs))), len(crcs))
+    ds, crc = _write_json(f, INDEX_DATASET, text=text, capacity=capacity, crc_value=crc_sentinel)
+    offset = ds.id.get_offset()
     documents = [INDEX_DATASET]
     if object_graph is not None:
         _write_json(f, GRAPH_DATASET, object_graph)
@@ -356,3 +540,4 @@ def _finish_metadata(f: h5py.File, index: dict[str, Any], object_graph: Any) -> 
     # Which documents exist, in the checksummed root header: h5py's get() answers None for a
     # link it cannot follow, so a damaged link would otherwise look like "no graph".
     f.attrs[DOCUMENTS_ATTR] = np.array([d.encode() for d in documents])
+    return (-1 if offset is None else int(offset)), capacity, crc

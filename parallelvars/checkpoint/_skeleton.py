@@ -1,0 +1,379 @@
+"""Skeleton reuse: repeated saves of one structure written from the first save's bytes.
+
+A training run saves the same structure (paths, kinds, shapes, dtypes, devices, slots, object
+graph) again and again; only the values change. The first save of a structure is written by
+HDF5, as every save was; its bytes are then kept as the structure's *skeleton*: everything in
+the file but the component data. A later save of the same structure writes the skeleton, the
+component bytes at the offsets HDF5 gave their datasets, the index document (with the new
+checksums) at its dataset's offset, and the few values that live in HDF5 object headers (the
+root attributes ``created``, ``save_counter``, ``step`` and the index's ``crc32c``), each
+patched in place with the header's Jenkins lookup3 checksum recomputed. The result is byte for
+byte the file HDF5 writes for that content (the writer makes HDF5's output deterministic: no
+object times, component checksums in the index rather than in object headers).
+
+Only what can be checked is reused: a value is patched only where it sits, once, inside an
+object header chunk whose stored lookup3 checksum this module reproduces; anything else (an
+attribute in dense storage, a value found twice) means no skeleton, and the save is written by
+HDF5 as before.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c as _crc32c
+import numpy as np
+
+from parallelvars._fileio import pwrite_all
+
+__all__ = [
+    "Patch",
+    "Skeleton",
+    "SkeletonCache",
+    "header_chunk",
+    "lookup3",
+    "sentinel",
+]
+
+_MASK = 0xFFFFFFFF
+# Component data smaller than this is copied into the skeleton image and written with it;
+# larger components are written straight from their buffers.
+INLINE_BYTES = 64 << 10
+# A skeleton keeps at most this many bytes of image (metadata and small components).
+MAX_IMAGE_BYTES = 256 << 20
+
+
+def _rot(x: int, k: int) -> int:
+    return ((x << k) | (x >> (32 - k))) & _MASK
+
+
+def lookup3(data: bytes | memoryview, initval: int = 0) -> int:
+    """Bob Jenkins' lookup3 ``hashlittle`` of ``data``: HDF5's metadata checksum
+    (``H5_checksum_lookup3``)."""
+    n = len(data)
+    a = b = c = (0xDEADBEEF + n + initval) & _MASK
+    k = bytes(data)
+    pos = 0
+    while n - pos > 12:
+        x, y, z = struct.unpack_from("<III", k, pos)
+        a = (a + x) & _MASK
+        b = (b + y) & _MASK
+        c = (c + z) & _MASK
+        a = (a - c) & _MASK
+        a ^= _rot(c, 4)
+        c = (c + b) & _MASK
+        b = (b - a) & _MASK
+        b ^= _rot(a, 6)
+        a = (a + c) & _MASK
+        c = (c - b) & _MASK
+        c ^= _rot(b, 8)
+        b = (b + a) & _MASK
+        a = (a - c) & _MASK
+        a ^= _rot(c, 16)
+        c = (c + b) & _MASK
+        b = (b - a) & _MASK
+        b ^= _rot(a, 19)
+        a = (a + c) & _MASK
+        c = (c - b) & _MASK
+        c ^= _rot(b, 4)
+        b = (b + a) & _MASK
+        pos += 12
+    rest = n - pos
+    if rest == 0:
+        return c
+    tail = k[pos:] + b"\x00" * (12 - rest)
+    x, y, z = struct.unpack("<III", tail)
+    a = (a + x) & _MASK
+    b = (b + y) & _MASK
+    c = (c + z) & _MASK
+    c ^= b
+    c = (c - _rot(b, 14)) & _MASK
+    a ^= c
+    a = (a - _rot(c, 11)) & _MASK
+    b ^= a
+    b = (b - _rot(a, 25)) & _MASK
+    c ^= b
+    c = (c - _rot(b, 16)) & _MASK
+    a ^= c
+    a = (a - _rot(c, 4)) & _MASK
+    b ^= a
+    b = (b - _rot(a, 14)) & _MASK
+    c ^= b
+    c = (c - _rot(b, 24)) & _MASK
+    return c
+
+
+def header_chunk(image: bytes | memoryview, pos: int) -> tuple[int, int] | None:
+    """The (start, checksum offset) of the version-2 object header chunk 0 holding ``pos``.
+
+    The nearest ``OHDR`` signature before ``pos`` is parsed (version, flags, the optional
+    times and attribute-storage fields, the chunk size) and accepted only when ``pos`` lies in
+    its chunk and the chunk's stored lookup3 checksum is reproduced; else None.
+    """
+    buf = bytes(image[max(0, pos - (1 << 16)) : pos])
+    base = max(0, pos - (1 << 16))
+    at = buf.rfind(b"OHDR")
+    while at >= 0:
+        start = base + at
+        head = bytes(image[start : start + 32])
+        if len(head) >= 7 and head[4] == 2:
+            flags = head[5]
+            p = 6 + (16 if flags & 0x20 else 0) + (4 if flags & 0x10 else 0)
+            width = 1 << (flags & 0x03)
+            if p + width <= len(head):
+                size = int.from_bytes(head[p : p + width], "little")
+                end = start + p + width + size  # the checksum's offset
+                if start < pos < end and end + 4 <= len(image):
+                    stored = int.from_bytes(bytes(image[end : end + 4]), "little")
+                    if lookup3(image[start:end]) == stored:
+                        return start, end
+        at = buf.rfind(b"OHDR", 0, at)
+    return None
+
+
+_SENTINEL_LOCK = threading.Lock()
+
+
+def sentinel(dtype: np.dtype) -> np.generic:
+    """A value of ``dtype`` (int64 or float64) with random bytes, to find where HDF5 put it."""
+    with _SENTINEL_LOCK:
+        raw = os.urandom(8)
+    if np.dtype(dtype).kind == "f":
+        # A normal float: random mantissa, exponent of 2**40.
+        bits = (int.from_bytes(raw, "little") & ((1 << 52) - 1)) | (1063 << 52)
+        return np.frombuffer(bits.to_bytes(8, "little"), np.float64)[0]
+    value = int.from_bytes(raw, "little") & ((1 << 62) - 1) | (1 << 61)
+    return np.int64(value)
+
+
+@dataclass
+class Patch:
+    """A value inside an object header: its offset, dtype and the header chunk around it."""
+
+    offset: int
+    dtype: np.dtype
+    chunk_start: int
+    chunk_end: int
+
+
+@dataclass
+class Skeleton:
+    """The bytes of one structure's file but the component data (see the module docstring).
+
+    ``pieces`` are the file's byte ranges ``(offset, bytes)`` outside the components written
+    straight from their buffers; ``offsets``/``nbytes`` give every component's data range in
+    write order; ``inline`` says which components are copied into the pieces instead.
+    """
+
+    key: Any
+    file_size: int
+    pieces: list[tuple[int, np.ndarray]]
+    offsets: np.ndarray
+    nbytes: np.ndarray
+    inline: np.ndarray
+    index_offset: int
+    index_capacity: int
+    patches: dict[str, Patch] = field(default_factory=dict)
+    # (piece number, start in the piece) of every inline component, in write order.
+    inline_at: list[tuple[int, int]] = field(default_factory=list)
+    template: str = ""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def set_template(self, template: str) -> bool:
+        """Keep the index document's template (``template % crcs`` is the document); False
+        when a document of this structure might not fit the capacity."""
+        self.template = template
+        # Each "%d" (2 characters) becomes a checksum of at most 10 digits.
+        return len(template) + 8 * len(self.offsets) <= self.index_capacity
+
+    def write(
+        self,
+        fd: int,
+        components: Sequence[np.ndarray],
+        values: dict[str, Any],
+        *,
+        write: Callable[[np.ndarray, int], int],
+        check: Callable[[np.ndarray, int, int], None],
+        index_crc: str,
+    ) -> None:
+        """Write a file of this structure to ``fd`` (of ``file_size`` bytes): its components
+        (C-contiguous, in write order), the index with their checksums and the header
+        ``values`` (``values[index_crc]`` is set to the index's checksum).
+
+        Small components are copied into the skeleton's image and checksummed there; larger
+        ones go through ``write(arr, offset) -> crc``. ``check(arr, crc, i)`` is called for
+        each once its bytes are written, so a live buffer changed meanwhile fails the save.
+        """
+        with self.lock:
+            crcs = [0] * len(components)
+            big: list[int] = []
+            inline_no = 0
+            for i, arr in enumerate(components):
+                if not self.inline[i]:
+                    big.append(i)
+                    continue
+                piece, start = self.inline_at[inline_no]
+                inline_no += 1
+                data = arr.reshape(-1).view(np.uint8)
+                dest = self.pieces[piece][1][start : start + data.size]
+                dest[...] = data
+                crcs[i] = crc = _crc32c.crc32c(dest)  # type: ignore[arg-type]
+                if _crc32c.crc32c(data) != crc:  # type: ignore[arg-type]  # changed meanwhile
+                    check(arr, crc, i)
+            for i in big:
+                crcs[i] = write(components[i], int(self.offsets[i]))
+                check(components[i], crcs[i], i)
+            raw = (self.template % tuple(crcs)).encode("utf-8").ljust(self.index_capacity, b" ")
+            self._put(raw, self.index_offset)
+            values[index_crc] = np.int64(_crc32c.crc32c(raw))
+            self._patch(values)
+            for at, image in self.pieces:
+                pwrite_all(fd, memoryview(image), at)  # type: ignore[arg-type]
+
+    def patch_file(self, fd: int, values: dict[str, Any]) -> None:
+        """Put ``values`` into the file HDF5 wrote (with sentinels there): the patched header
+        chunks only."""
+        with self.lock:
+            for start, end in self._patch(values):
+                pwrite_all(fd, memoryview(self._span(start, end + 4)), start)  # type: ignore[arg-type]
+
+    def _patch(self, values: dict[str, Any]) -> set[tuple[int, int]]:
+        """Set the header values in the image and recompute their chunks' checksums."""
+        for name, value in values.items():
+            patch = self.patches[name]
+            self._put(np.asarray(value, patch.dtype).tobytes(), patch.offset)
+        chunks = {(p.chunk_start, p.chunk_end) for p in self.patches.values()}
+        for start, end in chunks:
+            image = self._span(start, end + 4)
+            digest = lookup3(image[: end - start].tobytes())
+            image[end - start :] = np.frombuffer(digest.to_bytes(4, "little"), np.uint8)
+        return chunks
+
+    def _find(self, start: int, end: int) -> np.ndarray | None:
+        """The image bytes ``[start, end)``, or None when no piece holds them all."""
+        for offset, piece in self.pieces:
+            if offset <= start and end <= offset + piece.size:
+                return piece[start - offset : end - offset]
+        return None
+
+    def _span(self, start: int, end: int) -> np.ndarray:
+        """The image bytes ``[start, end)``, which :func:`capture` checked lie in one piece."""
+        found = self._find(start, end)
+        assert found is not None
+        return found
+
+    def _put(self, data: bytes, offset: int) -> None:
+        self._span(offset, offset + len(data))[...] = np.frombuffer(data, np.uint8)
+
+
+def capture(
+    path: str,
+    key: Any,
+    offsets: Sequence[int],
+    nbytes: Sequence[int],
+    index_offset: int,
+    index_capacity: int,
+    sentinels: dict[str, np.generic],
+) -> Skeleton | None:
+    """The skeleton of the file HDF5 just wrote at ``path`` (closed, not yet renamed), or None.
+
+    ``offsets``/``nbytes``: every component's data range, in write order. ``sentinels``: the
+    header values written with random bytes, by name; each must be found exactly once, inside
+    a header chunk whose checksum :func:`header_chunk` reproduces.
+    """
+    size = os.path.getsize(path)
+    offs = np.asarray(offsets, np.int64)
+    lens = np.asarray(nbytes, np.int64)
+    if offs.size and (offs.min() < 0 or int((offs + lens).max()) > size):
+        return None
+    with open(path, "rb") as f:
+        image = f.read()
+    patches: dict[str, Patch] = {}
+    for name, value in sentinels.items():
+        raw = np.asarray(value).tobytes()
+        at = image.find(raw)
+        if at < 0 or image.find(raw, at + 1) >= 0:
+            return None
+        chunk = header_chunk(image, at)
+        if chunk is None:
+            return None
+        patches[name] = Patch(at, np.asarray(value).dtype, *chunk)
+    inline = lens < INLINE_BYTES
+    # The file minus the components written from their buffers, as pieces.
+    order = np.argsort(offs, kind="stable")
+    pieces: list[tuple[int, np.ndarray]] = []
+    cursor = 0
+    whole = np.frombuffer(image, np.uint8)
+    for j in order:
+        if inline[j] or lens[j] == 0:
+            continue
+        start = int(offs[j])
+        if start > cursor:
+            pieces.append((cursor, whole[cursor:start].copy()))
+        cursor = max(cursor, start + int(lens[j]))
+    if cursor < size:
+        pieces.append((cursor, whole[cursor:size].copy()))
+    if sum(p.size for _, p in pieces) > MAX_IMAGE_BYTES:
+        return None
+    skeleton = Skeleton(
+        key=key,
+        file_size=size,
+        pieces=pieces,
+        offsets=offs,
+        nbytes=lens,
+        inline=inline,
+        index_offset=index_offset,
+        index_capacity=index_capacity,
+        patches=patches,
+    )
+    starts = [p[0] for p in pieces]
+    for j in range(offs.size):
+        if inline[j]:
+            k = int(np.searchsorted(starts, int(offs[j]), side="right")) - 1
+            if k < 0 or int(offs[j]) + int(lens[j]) > starts[k] + pieces[k][1].size:
+                return None
+            skeleton.inline_at.append((k, int(offs[j]) - starts[k]))
+    spans = [(index_offset, index_offset + index_capacity)]
+    spans += [(p.chunk_start, p.chunk_end + 4) for p in patches.values()]
+    if any(skeleton._find(start, end) is None for start, end in spans):
+        return None
+    return skeleton
+
+
+class SkeletonCache:
+    """The skeleton of the last structure a checkpoint saved (one per checkpoint object)."""
+
+    def __init__(self) -> None:
+        self._skeleton: Skeleton | None = None
+        self._lock = threading.Lock()
+
+    def get(self, key: Any) -> Skeleton | None:
+        """The cached skeleton when ``key`` (the structure) is the cached one's."""
+        with self._lock:
+            skel = self._skeleton
+        if skel is None:
+            return None
+        try:
+            same = bool(skel.key == key)
+        except (ValueError, TypeError):  # attributes that do not compare (arrays): a new one
+            same = False
+        return skel if same else None
+
+    def put(self, skeleton: Skeleton | None) -> None:
+        with self._lock:
+            self._skeleton = skeleton
+
+    def clear(self) -> None:
+        self.put(None)
+
+
+def index_capacity(length: int, checksums: int) -> int:
+    """Room for an index document of ``length`` bytes besides its ``checksums`` (each written
+    in at most 10 digits), rounded up to 64 bytes."""
+    return int(math.ceil((length + 10 * checksums + 64) / 64) * 64)

@@ -1,0 +1,316 @@
+"""Repeated saves written from a structure's cached skeleton are the files HDF5 writes."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+import h5py
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import parallelvars as pv
+from parallelvars.checkpoint import H5Reader, _skeleton
+from parallelvars.checkpoint.checkpoint import _gc_paused
+from parallelvars.checkpoint.h5io import write_h5
+from parallelvars.errors import CheckpointWriteError
+
+CREATED = 1_700_000_000.25
+
+
+@pytest.fixture
+def fixed_clock(monkeypatch):
+    """Every save records the same ``created`` time, so two ways of writing can be compared."""
+    monkeypatch.setattr(time, "time", lambda: CREATED)
+
+
+def make_model() -> pv.Module:
+    m = pv.Module()
+    with pv.MirroredStrategy(2).scope():
+        m.w = pv.Variable(np.arange(12, dtype=np.float32).reshape(3, 4), name="w")
+        m.big = pv.Variable(np.linspace(0, 1, 40_000, dtype=np.float32), name="big")
+        m.count = pv.Variable(
+            np.int64(3), name="count", synchronization="on_read", aggregation="sum"
+        )
+        m.half = pv.Variable(np.ones(5, ml_dtypes.bfloat16), name="half")
+        m.empty = pv.Variable(np.zeros((0, 3), np.float64), name="empty")
+        m.emb = pv.Variable(np.arange(20, dtype=np.float32).reshape(10, 2), name="e", shard_axis=0)
+    m.single = pv.Variable(np.float64(2.5), name="single")
+    return m
+
+
+def change_values(m: pv.Module, k: int) -> None:
+    m.w.assign(np.full((3, 4), k, np.float32))
+    m.big.assign(np.linspace(k, k + 1, 40_000, dtype=np.float32))
+    m.emb.assign(np.arange(20, dtype=np.float32).reshape(10, 2) * k)
+    m.single.assign(np.float64(k) / 3)
+
+
+def plain_write(ckpt: pv.Checkpoint, path: str) -> str:
+    """The same checkpoint written by HDF5 alone (no skeleton)."""
+    with _gc_paused():
+        records, graph, metadata = ckpt._gather(False)
+    return write_h5(path, records, object_graph=graph, metadata=metadata)
+
+
+def walk(f: h5py.File) -> dict[str, object]:
+    """Everything h5py sees: every group and dataset, attributes, values, types, layouts."""
+    seen: dict[str, object] = {"/": {k: repr(v) for k, v in f.attrs.items()}}
+
+    def visit(name: str, obj: object) -> None:
+        attrs = {k: repr(v) for k, v in obj.attrs.items()}  # type: ignore[attr-defined]
+        if isinstance(obj, h5py.Dataset):
+            plist = obj.id.get_create_plist()
+            seen[name] = (
+                attrs,
+                obj.dtype.str,
+                obj.shape,
+                plist.get_layout(),
+                plist.get_nfilters(),
+                obj.is_virtual,
+                np.asarray(obj[()]).tobytes(),
+            )
+        else:
+            seen[name] = attrs
+
+    f.visititems(visit)
+    return seen
+
+
+def assert_same_for_h5py(a: str, b: str) -> None:
+    with h5py.File(a, "r") as fa, h5py.File(b, "r") as fb:
+        wa, wb = walk(fa), walk(fb)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert wa[key] == wb[key], key
+
+
+def read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_lookup3_matches_the_reference_vectors() -> None:
+    # Bob Jenkins' lookup3.c driver: hashlittle("", 0, 0) and the "Four score" vectors.
+    assert _skeleton.lookup3(b"", 0) == 0xDEADBEEF
+    text = b"Four score and seven years ago"
+    assert _skeleton.lookup3(text, 0) == 0x17770551
+    assert _skeleton.lookup3(text, 1) == 0xCD628161
+
+
+def test_repeated_save_is_the_file_hdf5_writes(tmp_path, fixed_clock) -> None:
+    m = make_model()
+    step = pv.Variable(np.int64(0), name="step")
+    ckpt = pv.Checkpoint(model=m, step=step)
+    first = ckpt.save(tmp_path / "run")  # written by HDF5; its skeleton cached
+    assert ckpt._pv_skeletons._skeleton is not None
+    for k in (2, 3):
+        change_values(m, k)
+        step.assign(k * 10)
+        path = ckpt.save(tmp_path / "run")  # from the skeleton
+        plain = plain_write(ckpt, str(tmp_path / f"plain-{k}.h5"))
+        with open(path, "rb") as fa, open(plain, "rb") as fb:
+            assert fa.read() == fb.read()
+        assert_same_for_h5py(path, plain)
+        with h5py.File(path, "r") as f:
+            assert int(f.attrs["save_counter"]) == k and int(f.attrs["step"]) == k * 10
+            assert float(f.attrs["created"]) == CREATED
+        with H5Reader(path) as r:
+            assert r.verify_all() == []
+    fresh = make_model()
+    back = pv.Checkpoint(model=fresh, step=pv.Variable(np.int64(0), name="step"))
+    back.restore(path).assert_consumed()
+    np.testing.assert_array_equal(fresh.emb.numpy(), m.emb.numpy())
+    np.testing.assert_array_equal(fresh.big.components[1], m.big.components[1])
+    assert int(back.step) == 30 and float(fresh.single) == 1.0
+    with H5Reader(first) as r:  # the first file is unchanged by the later saves
+        assert r.verify_all() == [] and int(r.metadata["save_counter"]) == 1
+
+
+def test_first_save_is_the_plain_file(tmp_path, fixed_clock) -> None:
+    ckpt = pv.Checkpoint(model=make_model())
+    path = ckpt.write(tmp_path / "a.h5")  # sentinels written by HDF5, then patched
+    plain = plain_write(ckpt, str(tmp_path / "plain.h5"))
+    with open(path, "rb") as fa, open(plain, "rb") as fb:
+        assert fa.read() == fb.read()
+
+
+@pytest.mark.parametrize("change", ["add", "shape", "dtype", "reorder", "attrs"])
+def test_a_changed_structure_rebuilds_the_skeleton(tmp_path, fixed_clock, change) -> None:
+    m = pv.Module()
+    m.a = pv.Variable(np.ones(4, np.float32), name="a")
+    m.b = pv.Variable(np.arange(3, dtype=np.int32), name="b")
+    ckpt = pv.Checkpoint(model=m)
+    ckpt.write(tmp_path / "one.h5")
+    before = ckpt._pv_skeletons._skeleton
+    if change == "add":
+        m.c = pv.Variable(np.zeros(2, np.float64), name="c")
+    elif change == "shape":
+        m.a = pv.Variable(np.ones(5, np.float32), name="a")
+    elif change == "dtype":
+        m.b = pv.Variable(np.arange(3, dtype=np.int64), name="b")
+    elif change == "reorder":
+        m.a, m.b = m.b, m.a
+    else:
+        m.a = pv.Variable(np.ones(4, np.float32), name="renamed", trainable=False)
+    path = ckpt.write(tmp_path / "two.h5")
+    assert ckpt._pv_skeletons._skeleton is not before
+    plain = plain_write(ckpt, str(tmp_path / "plain.h5"))
+    with open(path, "rb") as fa, open(plain, "rb") as fb:
+        assert fa.read() == fb.read()
+    live = {k: np.asarray(v.numpy()) for k, v in pv.tracking.children_of(m).items()}
+    with H5Reader(path) as r:
+        assert r.verify_all() == []
+        for name, value in live.items():
+            np.testing.assert_array_equal(r[f"model/{name}"].value(), value)
+
+
+def test_a_failed_repeated_save_leaves_the_last_good_file(tmp_path, monkeypatch) -> None:
+    m = pv.Module()
+    m.a = pv.Variable(np.ones(100, np.float32), name="a")
+    ckpt = pv.Checkpoint(model=m)
+    path = ckpt.write(tmp_path / "c.h5")
+    good = read(path)
+    m.a.assign(np.full(100, 7, np.float32))
+
+    def full_disk(fd: int, data: memoryview, offset: int) -> None:
+        os.pwrite(fd, bytes(data[:10]), offset)  # a torn write, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(_skeleton, "pwrite_all", full_disk)
+    with pytest.raises(CheckpointWriteError):
+        ckpt.write(path)
+    assert read(path) == good
+    assert sorted(os.listdir(tmp_path)) == ["c.h5"]  # no temporary left behind
+    monkeypatch.undo()
+    ckpt.write(path)  # the skeleton is still sound
+    with H5Reader(path) as r:
+        assert r.verify_all() == [] and r["model/a"].value()[0] == 7
+
+
+def test_byte_strings_are_written_by_hdf5_every_time(tmp_path) -> None:
+    ckpt = pv.Checkpoint(s=pv.Variable(np.array([b"ab", b"c"], dtype=object), name="s"))
+    ckpt.write(tmp_path / "a.h5")
+    assert ckpt._pv_skeletons._skeleton is None
+    path = ckpt.write(tmp_path / "b.h5")
+    with H5Reader(path) as r:
+        assert r.verify_all() == [] and r["s"].value().tolist() == [b"ab", b"c"]
+
+
+DTYPES = [np.float32, np.float64, np.int8, np.int64, np.uint16, ml_dtypes.bfloat16]
+
+
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    spec=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 40), max_size=2).map(tuple),
+            st.sampled_from(DTYPES),
+            st.sampled_from([1, 2]),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_any_structure_repeats_byte_for_byte(tmp_path_factory, fixed_clock, spec, seed) -> None:
+    d = tmp_path_factory.mktemp("s")
+    rng = np.random.default_rng(seed)
+    m = pv.Module()
+    variables = []
+    for shape, dtype, n in spec:
+        value = (rng.standard_normal(shape) * 50).astype(dtype)
+        scope = pv.MirroredStrategy(n).scope() if n > 1 else None
+        if scope is None:
+            variables.append(pv.Variable(value))
+        else:
+            with scope:
+                variables.append(pv.Variable(value))
+    m.vars = variables
+    ckpt = pv.Checkpoint(model=m)
+    ckpt.write(d / "first.h5")
+    for v in variables:
+        v.assign((rng.standard_normal(v.shape) * 50).astype(v.dtype))
+    path = ckpt.write(d / "again.h5")
+    plain = plain_write(ckpt, str(d / "plain.h5"))
+    with open(path, "rb") as fa, open(plain, "rb") as fb:
+        assert fa.read() == fb.read()
+    with H5Reader(path) as r:
+        assert r.verify_all() == []
+
+
+def test_a_key_that_does_not_compare_is_a_miss() -> None:
+    cache = _skeleton.SkeletonCache()
+    skel = _skeleton.Skeleton(
+        key=("v", {"a": np.arange(3)}),
+        file_size=0,
+        pieces=[],
+        offsets=np.zeros(0, np.int64),
+        nbytes=np.zeros(0, np.int64),
+        inline=np.zeros(0, bool),
+        index_offset=0,
+        index_capacity=0,
+    )
+    cache.put(skel)
+    assert cache.get(("v", {"a": np.arange(3)})) is None  # arrays: no truth value, no reuse
+    assert cache.get(skel.key) is skel
+    cache.clear()
+    assert cache.get(skel.key) is None
+
+
+def test_manager_saves_blocking_or_not_reuse_the_skeleton(tmp_path, fixed_clock) -> None:
+    m = make_model()
+    ckpt = pv.Checkpoint(model=m)
+    with pv.CheckpointManager(ckpt, tmp_path / "run", max_to_keep=None) as mgr:
+        mgr.save()
+        first = ckpt._pv_skeletons._skeleton
+        assert first is not None
+        for k, blocking in ((2, False), (3, True), (4, False)):
+            change_values(m, k)
+            path = mgr.save(blocking=blocking)
+            mgr.wait()
+            assert ckpt._pv_skeletons._skeleton is first  # the same structure: reused
+            plain = plain_write(ckpt, str(tmp_path / f"plain-{k}.h5"))
+            assert read(path) == read(plain)
+    fresh = make_model()
+    pv.Checkpoint(model=fresh).restore(path).assert_consumed()
+    np.testing.assert_array_equal(fresh.big.components[0], m.big.components[0])
+
+
+def many_small(n: int = 600) -> pv.Module:
+    m = pv.Module()
+    m.vs = [pv.Variable(np.full(3, i, np.float32), name=f"v{i}") for i in range(n)]
+    return m
+
+
+def test_many_small_components_are_read_ahead_and_verified(tmp_path) -> None:
+    path = pv.Checkpoint(model=many_small()).write(tmp_path / "c.h5")
+    with H5Reader(path) as r:
+        r.stage(r[k] for k in r)
+        assert r._staged is not None and len(r._staged[0]) < 10  # a few reads, not 600
+        assert r["model/vs/7"].value().tolist() == [7, 7, 7]
+        r.unstage()
+    back = many_small()
+    for v in back.vs:
+        v.assign(np.full(3, -1, np.float32))
+    pv.Checkpoint(model=back).restore(path).assert_consumed()
+    assert [float(v.numpy()[0]) for v in back.vs] == list(range(600))
+    # A damaged byte in one of them: refused, and no variable written.
+    with H5Reader(path) as r:
+        offset = r["model/vs/123"]._location(0)[0]
+    with open(path, "r+b") as f:
+        f.seek(offset + 2)
+        byte = f.read(1)
+        f.seek(offset + 2)
+        f.write(bytes([byte[0] ^ 0x10]))
+    for v in back.vs:
+        v.assign(np.full(3, -1, np.float32))
+    with pytest.raises(pv.errors.ChecksumMismatchError, match="vs/123"):
+        pv.Checkpoint(model=back).restore(path)
+    assert all(float(v.numpy()[0]) == -1 for v in back.vs)
