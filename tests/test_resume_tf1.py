@@ -82,6 +82,34 @@ def test_the_real_saver_fixture_restores_by_path_and_by_name() -> None:
         np.testing.assert_array_equal(c, want["bias"])
 
 
+def test_a_real_tf1_adam_checkpoint_resumes_as_tensorflow_continues() -> None:
+    """tests/data/tf/tf1_adam: a Saver checkpoint of TF 2.21's AdamOptimizer after two steps;
+    the third step TensorFlow took from it is in tf1_adam_after_step_3.npz."""
+    after = np.load(DATA / "tf1_adam_after_step_3.npz")
+    with pv.MirroredStrategy(2).scope():
+        kernel = pv.Variable(np.zeros((3, 4), np.float32), name="dense/kernel")
+        bias = pv.Variable(np.zeros(4, np.float32), name="dense/bias")
+        opt = pv.optimizers.Adam(0.01)
+    model = pv.Module()
+    model.layer = pv.Module()
+    model.layer.kernel, model.layer.bias = kernel, bias
+    status = pv.Checkpoint(model=model, optimizer=opt).restore(str(DATA / "tf1_adam"))
+    assert status.unrestored_paths == []
+    assert status.unmatched_live_paths == ["optimizer/iterations", "save_counter"]
+    grads = [np.full((3, 4), 0.25, np.float32), np.linspace(-1, 1, 4, dtype=np.float32)]
+    opt.apply_gradients(list(zip(grads, (kernel, bias), strict=True)))
+    for var, key in ((kernel, "dense/kernel"), (bias, "dense/bias")):
+        for c in _components(var):
+            np.testing.assert_allclose(c, after[key], rtol=1e-6, atol=1e-7)
+        # TensorFlow rounds beta1, beta2 to float32 first (1 - float32(0.999) is 1.0000467e-3):
+        # the moments agree to float32 rounding of those constants, a few parts in 1e6
+        for slot, suffix in (("m", "Adam"), ("v", "Adam_1")):
+            for c in _components(opt.get_slot(var, slot)):
+                np.testing.assert_allclose(c, after[f"{key}/{suffix}"], rtol=5e-6, atol=1e-9)
+    for name in ("beta1_power", "beta2_power"):
+        np.testing.assert_allclose(float(getattr(opt, name).read_value()), after[name], rtol=1e-7)
+
+
 def test_adam_slots_and_beta_powers_map_and_the_next_step_is_tf1_adam(tmp_path: Path) -> None:
     saved = _adam_state()
     prefix = _saver_file(tmp_path, saved)

@@ -33,7 +33,7 @@ import numpy as np
 
 from parallelvars.checkpoint._foreign import foreign_kind
 from parallelvars.checkpoint.h5io import H5Reader
-from parallelvars.errors import NotACheckpointError, ParallelVarsError
+from parallelvars.errors import MissingVariableError, NotACheckpointError, ParallelVarsError
 
 __all__ = ["NamedSource", "StagedEntry", "ViewSource", "by_live_names", "open_source", "reasons_of"]
 
@@ -181,7 +181,7 @@ class NamedSource(Mapping[str, StagedEntry]):
         key = self.renames.get(path)
         if key is None:
             if path in self._moved or path not in self.source:
-                raise KeyError(path)
+                raise MissingVariableError("no such variable", file=self.path, variable=path)
             return self.source[path]
         entry = self.source[key]
         entry.path = path
