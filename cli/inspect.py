@@ -218,10 +218,19 @@ def collect(view: CheckpointView, out: Output) -> list[dict[str, Any]]:
 def training_structure(view: CheckpointView, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """What the file says of the training run beyond values: whose object graph it carries
     (``"parallelvars"``, ``"tensorflow"`` or None: a restore then matches by path), its
-    optimizer slots, and the slots whose variable is not in the file (they restore nowhere)."""
+    optimizer slots, the slots whose variable is not in the file (they restore nowhere), the
+    optimizer state a TF1 name-based checkpoint holds (``tf1_slots``, ``tf1_counters``: mapped
+    by variable name at restore), and what no restore can map, with the reason
+    (``not_mappable``)."""
+    from parallelvars.checkpoint._sources import reasons_of
+    from parallelvars.formats.tf._tf1 import name_based_state
+
     graph = getattr(view, "object_graph", None)
     paths = {r["path"] for r in rows}
     slots = [r for r in rows if isinstance(r["attrs"].get("slot_of"), str)]
+    tf1, counters = name_based_state(view)
+    not_mappable = {k: s.reason for k, s in tf1.items() if s.slot_name is None}
+    not_mappable.update(reasons_of(view))
     return {
         "object_graph": "parallelvars"
         if isinstance(graph, Mapping)
@@ -230,6 +239,9 @@ def training_structure(view: CheckpointView, rows: list[dict[str, Any]]) -> dict
         else None,
         "slots": len(slots),
         "slots_without_variable": [r["path"] for r in slots if r["attrs"]["slot_of"] not in paths],
+        "tf1_slots": sum(s.slot_name is not None for s in tf1.values()),
+        "tf1_counters": counters,
+        "not_mappable": dict(sorted(not_mappable.items())),
     }
 
 
@@ -237,7 +249,8 @@ def _structure_text(structure: dict[str, Any]) -> str:
     n = structure["slots"]
     graph = structure["object_graph"]
     if graph is None and not n:
-        return "training structure: none recorded (a restore matches variables by path)"
+        text = "training structure: none recorded (a restore matches variables by path)"
+        return text + _mapping_text(structure)
     text = "training structure: " + (
         f"{graph} object graph" if graph else "no object graph (rebuilt from the paths)"
     )
@@ -245,6 +258,23 @@ def _structure_text(structure: dict[str, Any]) -> str:
     orphans = structure["slots_without_variable"]
     if orphans:
         text += f"; {len(orphans)} without their variable: {', '.join(orphans[:5])}"
+    return text + _mapping_text(structure)
+
+
+def _mapping_text(structure: dict[str, Any]) -> str:
+    """The TF1 name-based state and what no restore can map, for the structure line."""
+    text = ""
+    tf1, counters = structure["tf1_slots"], structure["tf1_counters"]
+    if tf1 or counters:
+        text += (
+            f"; TF1 name-based optimizer state: {tf1} slot{'s' if tf1 != 1 else ''}"
+            + (f" and {', '.join(counters)}" if counters else "")
+            + " (mapped onto the live model by variable name at restore)"
+        )
+    unmapped = structure["not_mappable"]
+    if unmapped:
+        first, why = next(iter(unmapped.items()))
+        text += f"; {len(unmapped)} not mappable, e.g. {first}: {why}"
     return text
 
 

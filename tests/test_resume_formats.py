@@ -264,7 +264,14 @@ def test_inspect_says_what_a_file_records_of_the_training_run(
     for target, (graph, slots) in cases.items():
         assert main(["inspect", target, "--json"]) == 0
         doc = json.loads(capsys.readouterr().out)["training_structure"]
-        assert doc == {"object_graph": graph, "slots": slots, "slots_without_variable": []}
+        assert doc == {
+            "object_graph": graph,
+            "slots": slots,
+            "slots_without_variable": [],
+            "tf1_slots": 0,
+            "tf1_counters": [],
+            "not_mappable": {},
+        }
     assert main(["inspect", str(plain)]) == 0
     assert "none recorded" in capsys.readouterr().out.splitlines()[-1]
     assert main(["inspect", path]) == 0

@@ -35,7 +35,7 @@ from parallelvars.checkpoint import _restore  # noqa: F401 - registers the varia
 from parallelvars.checkpoint._foreign import with_foreign_hint
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX  # noqa: F401 - <file>.parts/: a multi-process save's files
 from parallelvars.checkpoint._skeleton import SkeletonCache
-from parallelvars.checkpoint._sources import open_source
+from parallelvars.checkpoint._sources import by_live_names, open_source, reasons_of
 from parallelvars.checkpoint.h5io import write_h5
 from parallelvars.checkpoint.registry import SaveRecord, get_saveable
 from parallelvars.devices import ParallelDevice
@@ -366,11 +366,21 @@ def checked_graph_nodes(graph: Any, path: str) -> list[dict[str, Any]]:
 class _Session:
     """One ``restore()`` call: the file, its graph, and what has been matched so far."""
 
-    def __init__(self, path: str, allow_cast: bool) -> None:
+    def __init__(self, path: str, allow_cast: bool, root: Any = None) -> None:
         self.path = path
         self.allow_cast = allow_cast
-        # Our HDF5 layout, or a view of another format we read (see _sources).
+        # Our HDF5 layout, or a view of another format we read (see _sources); a name-based
+        # TensorFlow checkpoint seen through the live names of ``root``'s objects.
         self._reader: Any = open_source(path)
+        if root is not None:
+            try:
+                self._reader = by_live_names(self._reader, root)
+            except BaseException:
+                self._reader.close()
+                raise
+        self._names = self._reader if hasattr(self._reader, "over") else None
+        # Saved path -> why no live object can take it (reported by the load status).
+        self.reasons: dict[str, str] = reasons_of(self._reader)
         graph = self._reader.object_graph
         if graph is None:
             self.nodes = graph_from_paths(self._reader, slot_relations(self._reader))
@@ -387,7 +397,8 @@ class _Session:
 
     def reader(self) -> Any:
         if self._reader is None:
-            self._reader = open_source(self.path)
+            source = open_source(self.path)
+            self._reader = source if self._names is None else self._names.over(source)
         return self._reader
 
     def release(self) -> None:
@@ -634,6 +645,9 @@ class SaveCount:
             self.undo()
 
 
+_NOT_TAKEN = "no live object took it (so far)"
+
+
 class CheckpointLoadStatus:
     """What a restore matched; assertions for tests and careful callers."""
 
@@ -661,6 +675,14 @@ class CheckpointLoadStatus:
         return sorted(missing + self._session.unmatched_parts)
 
     @property
+    def unrestored_reasons(self) -> dict[str, str]:
+        """Each of :attr:`unrestored_paths` with why it was not restored: what the restore
+        found it cannot map (a TF1 slot whose optimizer cannot be told, a Keras 3 optimizer
+        variable saved by position), else that no live object took it so far."""
+        reasons = self._session.reasons
+        return {p: reasons.get(p, _NOT_TAKEN) for p in self.unrestored_paths}
+
+    @property
     def unmatched_live_paths(self) -> list[str]:
         """Variables reachable from the root now that no saved value was matched with, sorted."""
         return sorted(self._unmatched_live())
@@ -669,11 +691,14 @@ class CheckpointLoadStatus:
         """Every saved value was restored and every live variable was matched."""
         missing = self.unrestored_paths
         if missing:
+            reasons = self._session.reasons
             raise RestoreMismatchError(
                 "saved values were not restored (no matching live object yet)",
                 file=self._session.path,
                 expected="every saved variable restored",
-                found=", ".join(sorted(missing)[:20]),
+                found=", ".join(
+                    f"{p} ({reasons[p]})" if p in reasons else p for p in sorted(missing)[:20]
+                ),
             )
         self.assert_existing_objects_matched()
         return self
@@ -902,7 +927,7 @@ class Checkpoint(Trackable):
             p += ".h5"
         with _gc_paused():
             try:
-                session = _Session(p, allow_cast)
+                session = _Session(p, allow_cast, self)
             except (NotACheckpointError, CheckpointNotFoundError) as exc:
                 raise with_foreign_hint(exc, p) from None
             try:
