@@ -481,17 +481,24 @@ class _Session:
             )
             plans.append(plan)
             left_out.extend(getattr(plan, "unmatched", ()))
-            sizes.append(stored.nbytes)
-            for i in range(stored.num_components):
-                checks.append(functools.partial(stored.verify, i))
-                check_sizes.append(stored.component_nbytes(i))
         # All or nothing: every checksum is verified before the first value is written. Both
         # passes are checksums and copies in C, spread over the cores. A native file's small
-        # components are read ahead in a few large reads that both passes then use.
+        # components are read ahead in a few large reads that both passes then use, and
+        # verified as they are read (stage() names those); the others are verified here.
         stage = getattr(reader, "stage", None)
-        if stage is not None:
-            stage(staged)
+        verified: set[tuple[str, int]] = set()
         try:
+            if stage is not None:
+                verified = stage(staged)
+            for stored in staged:
+                size = 0
+                for i in range(stored.num_components):
+                    nbytes = stored.component_nbytes(i)
+                    size += nbytes
+                    if (stored.path, i) not in verified:
+                        checks.append(functools.partial(stored.verify, i))
+                        check_sizes.append(nbytes)
+                sizes.append(size)
             run_partitioned(checks, check_sizes)
         except BaseException:
             if stage is not None:
