@@ -292,8 +292,9 @@ def many_small(n: int = 600) -> pv.Module:
 def test_many_small_components_are_read_ahead_and_verified(tmp_path) -> None:
     path = pv.Checkpoint(model=many_small()).write(tmp_path / "c.h5")
     with H5Reader(path) as r:
-        r.stage(r[k] for k in r)
+        verified = r.stage(r[k] for k in r)
         assert r._staged is not None and len(r._staged[0]) < 10  # a few reads, not 600
+        assert verified == {(k, 0) for k in r}  # checked as they were read
         assert r["model/vs/7"].value().tolist() == [7, 7, 7]
         r.unstage()
     back = many_small()
@@ -314,3 +315,8 @@ def test_many_small_components_are_read_ahead_and_verified(tmp_path) -> None:
     with pytest.raises(pv.errors.ChecksumMismatchError, match="vs/123"):
         pv.Checkpoint(model=back).restore(path)
     assert all(float(v.numpy()[0]) == -1 for v in back.vs)
+    with H5Reader(path) as r:  # the damaged one is left for the full check, which raises
+        verified = r.stage(r[k] for k in r)
+        assert verified == {(k, 0) for k in r} - {("model/vs/123", 0)}
+        with pytest.raises(pv.errors.ChecksumMismatchError, match="vs/123"):
+            r["model/vs/123"].verify(0)

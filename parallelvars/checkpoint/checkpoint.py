@@ -336,25 +336,31 @@ def checked_graph_nodes(graph: Any, path: str) -> list[dict[str, Any]]:
         if node["path"] is not None and not isinstance(node["path"], str):
             raise bad("a variable path is not a string", where, node["path"])
         children = node["children"]
-        if not isinstance(children, list) or not all(
-            isinstance(c, list)
-            and len(c) == 2
-            and isinstance(c[0], str)
-            and is_index(c[1])
-            and c[1] < n
-            for c in children
+        if not isinstance(children, list) or (
+            children
+            and not all(
+                isinstance(c, list)
+                and len(c) == 2
+                and isinstance(c[0], str)
+                and is_index(c[1])
+                and c[1] < n
+                for c in children
+            )
         ):
             raise bad("children must be [name, node id] pairs of existing nodes", where, children)
         slots = node["slots"]
-        if not isinstance(slots, list) or not all(
-            isinstance(s, list)
-            and len(s) == 3
-            and is_index(s[0])
-            and s[0] < n
-            and isinstance(s[1], str)
-            and is_index(s[2])
-            and s[2] < n
-            for s in slots
+        if not isinstance(slots, list) or (
+            slots
+            and not all(
+                isinstance(s, list)
+                and len(s) == 3
+                and is_index(s[0])
+                and s[0] < n
+                and isinstance(s[1], str)
+                and is_index(s[2])
+                and s[2] < n
+                for s in slots
+            )
         ):
             raise bad(
                 "slots must be [variable id, slot name, slot id] of existing nodes", where, slots
@@ -492,17 +498,24 @@ class _Session:
             )
             plans.append(plan)
             left_out.extend(getattr(plan, "unmatched", ()))
-            sizes.append(stored.nbytes)
-            for i in range(stored.num_components):
-                checks.append(functools.partial(stored.verify, i))
-                check_sizes.append(stored.component_nbytes(i))
         # All or nothing: every checksum is verified before the first value is written. Both
         # passes are checksums and copies in C, spread over the cores. A native file's small
-        # components are read ahead in a few large reads that both passes then use.
+        # components are read ahead in a few large reads that both passes then use, and
+        # verified as they are read (stage() names those); the others are verified here.
         stage = getattr(reader, "stage", None)
-        if stage is not None:
-            stage(staged)
+        verified: set[tuple[str, int]] = set()
         try:
+            if stage is not None:
+                verified = stage(staged)
+            for stored in staged:
+                size = 0
+                for i in range(stored.num_components):
+                    nbytes = stored.component_nbytes(i)
+                    size += nbytes
+                    if (stored.path, i) not in verified:
+                        checks.append(functools.partial(stored.verify, i))
+                        check_sizes.append(nbytes)
+                sizes.append(size)
             run_partitioned(checks, check_sizes)
         except BaseException:
             if stage is not None:

@@ -238,7 +238,7 @@ def layout_problem(
     if not 1 <= n <= MAX_COMPONENTS or (kind == "single" and n != 1):
         expected = "1" if kind == "single" else f"1 to {MAX_COMPONENTS}"
         return "impossible number of components", expected, n
-    if any(d < 0 for d in shape):
+    if shape and min(shape) < 0:
         return "negative dimension", "dimensions >= 0", tuple(shape)
     aggregation = attrs.get("aggregation")
     if aggregation is not None and str(aggregation).lower() not in AGGREGATIONS:
@@ -286,7 +286,7 @@ def check_entry(
     entry handed to them is wrong); readers pass
     :class:`~parallelvars.errors.CorruptCheckpointError` (the file is).
     """
-    shape = tuple(int(s) for s in entry.shape)
+    shape = tuple(map(int, entry.shape))
     problem = layout_problem(entry.kind, shape, int(entry.num_components), entry.attrs or {})
     if problem is not None:
         what, expected, found = problem

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import crc32c as _crc32c
 import h5py
 import numpy as np
 
@@ -255,7 +256,7 @@ class H5Reader(Mapping[str, StoredVariable]):
                     self._raw_fd = fd
         return self._raw_fd
 
-    def stage(self, variables: Iterable[StoredVariable]) -> None:
+    def stage(self, variables: Iterable[StoredVariable]) -> set[tuple[str, int]]:
         """Read the small components of ``variables`` now, with a few large reads.
 
         A restore of many small variables would otherwise pay two system calls per component
@@ -263,28 +264,36 @@ class H5Reader(Mapping[str, StoredVariable]):
         (fewer save little, and one thread reading them from a cold disk can cost more than the
         restore's threads reading them in place), components under ``STAGE_COMPONENT`` bytes whose
         offsets the index gives are sorted by offset and read in spans (neighbours less than
-        ``STAGE_GAP`` apart share one read), at most ``STAGE_LIMIT`` bytes in all; verification
-        and copies then work from memory, on the bytes that were read once. Released by
-        :meth:`unstage`.
+        ``STAGE_GAP`` apart share one read), at most ``STAGE_LIMIT`` bytes in all; copies then
+        work from memory, on the bytes that were read once. Released by :meth:`unstage`.
+
+        The staged components whose checksums the index gives are verified here, in one pass
+        over the spans (a component's crc32c over its own bytes inside the span), and marked
+        verified; the returned set names them as ``(variable path, component)``, so a restore
+        does not check them again. A component whose bytes do not match is left unverified:
+        :meth:`StoredVariable.verify` then raises for it (or reads it where HDF5 places it,
+        when the index's offset is stale), as without staging.
         """
-        ranges: list[tuple[int, int]] = []
+        ranges: list[tuple[int, int, StoredVariable | None, int]] = []
         total = 0
         for var in variables:
             if var.dtype.kind == "O" or var._index_offsets is None:
                 continue
+            crcs = var._crcs  # from the index; None: each dataset's attribute (checked later)
             for i in range(var.num_components):
                 nbytes = var.component_nbytes(i)
                 if 0 < nbytes < STAGE_COMPONENT and total + nbytes <= STAGE_LIMIT:
                     loc = var._location(i)  # checked against the file's size
                     if loc is not None and i in var._from_index:
-                        ranges.append((loc[0], nbytes))
+                        checked = var if crcs is not None and crcs[i] is not None else None
+                        ranges.append((loc[0], nbytes, checked, i))
                         total += nbytes
         if len(ranges) < STAGE_MIN_COMPONENTS:  # a few syscalls saved; serial reads would cost more
-            return
-        ranges.sort()
+            return set()
+        ranges.sort(key=lambda r: r[0])
         starts: list[int] = []
         ends: list[int] = []
-        for offset, nbytes in ranges:
+        for offset, nbytes, _, _ in ranges:
             if starts and offset - ends[-1] <= STAGE_GAP and offset >= starts[-1]:
                 ends[-1] = max(ends[-1], offset + nbytes)
             else:
@@ -309,6 +318,19 @@ class H5Reader(Mapping[str, StoredVariable]):
                 view, at = view[n:], at + n
             bufs.append(buf)
         self._staged = (starts, ends, bufs)
+        # Every staged component against its checksum, span by span (ranges are in file order).
+        verified: set[tuple[str, int]] = set()
+        k = 0
+        for offset, nbytes, owner, i in ranges:
+            while offset >= ends[k]:
+                k += 1
+            if owner is None:
+                continue
+            at = offset - starts[k]
+            if _crc32c.crc32c(bufs[k][at : at + nbytes]) == owner._crcs[i]:  # type: ignore[index, arg-type]
+                owner._verified.add(i)
+                verified.add((owner.path, i))
+        return verified
 
     def unstage(self) -> None:
         """Drop what :meth:`stage` read."""

@@ -35,6 +35,20 @@ if TYPE_CHECKING:
     from parallelvars.checkpoint.h5io.read import H5Reader
 
 
+# dtype name -> dtype, for the first names met (an index names one per variable, mostly the
+# same few); bounded, so a crafted index of many distinct names cannot grow it.
+_DTYPES: dict[str, np.dtype] = {}
+
+
+def _dtype_named(name: str) -> np.dtype:
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        dtype = as_dtype(name)
+        if len(_DTYPES) < 64:
+            _DTYPES[name] = dtype
+    return dtype
+
+
 def _is_variable_length(tid: Any) -> bool:
     if tid.get_class() == h5py.h5t.VLEN:
         return True
@@ -52,7 +66,7 @@ class StoredVariable(Entry):
         try:
             self.kind = str(meta["kind"])
             dname = str(meta["dtype"])
-            self.shape = tuple(int(s) for s in meta["shape"])
+            self.shape = tuple(map(int, meta["shape"]))
             self.num_components = int(meta["num_components"])
             self.attrs: dict[str, Any] = dict(meta.get("attrs") or {})
             offsets = meta.get("offsets")
@@ -60,7 +74,7 @@ class StoredVariable(Entry):
                 None if offsets is None else [None if o is None else int(o) for o in offsets]
             )
             crcs = meta.get("crc32c")
-            self._crcs: list[int | None] | None = None if crcs is None else [int(c) for c in crcs]
+            self._crcs: list[int | None] | None = None if crcs is None else list(map(int, crcs))
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptCheckpointError(
                 "variable lacks its layout attributes",
@@ -72,7 +86,7 @@ class StoredVariable(Entry):
             self.dtype = np.dtype(object)
         else:
             try:
-                self.dtype = as_dtype(dname)
+                self.dtype = _dtype_named(dname)
             except UnsupportedDtypeError:
                 raise UnsupportedDtypeError(
                     "unknown dtype", file=file, variable=path, found=dname
