@@ -78,16 +78,18 @@ class Trackable:
 
 def is_trackable(value: Any) -> bool:
     """True for objects a checkpoint saves or walks into."""
+    get = _get_saveable
+    if get is None:  # imported on first use: the registry imports this module's users
+        get = _load_get_saveable()
+    if get(value) is not None:  # first: a variable, the common case, in one cached lookup
+        return True
     if isinstance(value, Trackable):
         return True
     if isinstance(value, (list, tuple)):
         return any(is_trackable(v) for v in value)
     if isinstance(value, dict):
         return any(is_trackable(v) for v in value.values())
-    get = _get_saveable
-    if get is None:  # imported on first use: the registry imports this module's users
-        get = _load_get_saveable()
-    return get(value) is not None
+    return False
 
 
 _get_saveable: Callable[[Any], Any] | None = None
