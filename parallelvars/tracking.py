@@ -78,15 +78,29 @@ class Trackable:
 
 def is_trackable(value: Any) -> bool:
     """True for objects a checkpoint saves or walks into."""
-    from parallelvars.checkpoint.registry import get_saveable
-
+    get = _get_saveable
+    if get is None:  # imported on first use: the registry imports this module's users
+        get = _load_get_saveable()
+    if get(value) is not None:  # first: a variable, the common case, in one cached lookup
+        return True
     if isinstance(value, Trackable):
         return True
     if isinstance(value, (list, tuple)):
         return any(is_trackable(v) for v in value)
     if isinstance(value, dict):
         return any(is_trackable(v) for v in value.values())
-    return get_saveable(value) is not None
+    return False
+
+
+_get_saveable: Callable[[Any], Any] | None = None
+
+
+def _load_get_saveable() -> Callable[[Any], Any]:
+    global _get_saveable
+    from parallelvars.checkpoint.registry import get_saveable
+
+    _get_saveable = get_saveable
+    return get_saveable
 
 
 class _Container(Trackable):

@@ -99,11 +99,12 @@ class ParallelVariableSaveable(Saveable):
     """Saves ``primary`` and ``parallel_component_1..N-1``; restores by the table above."""
 
     def gather(self, obj: ParallelVariable) -> SaveRecord:
+        # (``_value_``: an enum member's value without the descriptor call of ``.value``)
         attrs: dict[str, Any] = {
             "name": obj.name,
             "devices": list(obj.devices),
-            "synchronization": obj.synchronization.value,
-            "aggregation": obj.aggregation.value,
+            "synchronization": obj.synchronization._value_,
+            "aggregation": obj.aggregation._value_,
             "trainable": obj.trainable,
         }
         if isinstance(obj, ShardedVariable):

@@ -184,6 +184,9 @@ class Skeleton:
     inline_at: list[tuple[int, int]] = field(default_factory=list)
     template: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _write_plan: tuple[list[tuple[int, np.ndarray]], list[int]] | None = field(
+        default=None, repr=False
+    )
 
     def set_template(self, template: str) -> bool:
         """Keep the index document's template (``template % crcs`` is the document); False
@@ -212,19 +215,14 @@ class Skeleton:
         """
         with self.lock:
             crcs = [0] * len(components)
-            big: list[int] = []
-            inline_no = 0
-            for i, arr in enumerate(components):
-                if not self.inline[i]:
-                    big.append(i)
-                    continue
-                piece, start = self.inline_at[inline_no]
-                inline_no += 1
+            inline, big = self._plan()
+            crc32c = _crc32c.crc32c
+            for i, dest in inline:
+                arr = components[i]
                 data = arr.reshape(-1).view(np.uint8)
-                dest = self.pieces[piece][1][start : start + data.size]
                 dest[...] = data
-                crcs[i] = crc = _crc32c.crc32c(dest)  # type: ignore[arg-type]
-                if _crc32c.crc32c(data) != crc:  # type: ignore[arg-type]  # changed meanwhile
+                crcs[i] = crc = crc32c(dest)  # type: ignore[arg-type]
+                if crc32c(data) != crc:  # type: ignore[arg-type]  # changed meanwhile
                     check(arr, crc, i)
             for i in big:
                 crcs[i] = write(components[i], int(self.offsets[i]))
@@ -235,6 +233,25 @@ class Skeleton:
             self._patch(values)
             for at, image in self.pieces:
                 pwrite_all(fd, memoryview(image), at)  # type: ignore[arg-type]
+
+    def _plan(self) -> tuple[list[tuple[int, np.ndarray]], list[int]]:
+        """``(component number, its bytes in the image)`` of every inline component and the
+        numbers of the others, in write order (made on the first write, then reused)."""
+        plan = self._write_plan
+        if plan is None:
+            inline: list[tuple[int, np.ndarray]] = []
+            big: list[int] = []
+            at = iter(self.inline_at)
+            for i, (small, size) in enumerate(
+                zip(self.inline.tolist(), self.nbytes.tolist(), strict=True)
+            ):
+                if small:
+                    piece, start = next(at)
+                    inline.append((i, self.pieces[piece][1][start : start + size]))
+                else:
+                    big.append(i)
+            plan = self._write_plan = (inline, big)
+        return plan
 
     def patch_file(self, fd: int, values: dict[str, Any]) -> None:
         """Put ``values`` into the file HDF5 wrote (with sentinels there): the patched header

@@ -37,7 +37,7 @@ from parallelvars.checkpoint._h5policy import PARTS_SUFFIX  # noqa: F401 - <file
 from parallelvars.checkpoint._skeleton import SkeletonCache
 from parallelvars.checkpoint._sources import by_live_names, open_source, reasons_of
 from parallelvars.checkpoint.h5io import write_h5
-from parallelvars.checkpoint.registry import SaveRecord, get_saveable
+from parallelvars.checkpoint.registry import Saveable, SaveRecord, get_saveable
 from parallelvars.devices import ParallelDevice
 from parallelvars.errors import (
     CheckpointError,
@@ -162,27 +162,36 @@ class ObjectGraph:
         node_id = len(self.nodes)
         self.ids[id(obj)] = node_id
         self.objects.append(obj)
-        leaf = _is_leaf(obj)
-        self.nodes.append({"children": [], "path": path if leaf else None, "slots": []})
+        # A leaf is a saved value: no Trackable, a registered saveable (kept for the gather).
+        saveable = None if isinstance(obj, Trackable) else get_saveable(obj)
+        self.nodes.append({"children": [], "path": None if saveable is None else path, "slots": []})
         self._paths.append(path or "")
-        self._leaves.append(leaf)
+        if saveable is not None:
+            self._leaves[node_id] = saveable
         return node_id
 
     def __post_init__(self) -> None:
         self._paths: list[str] = []
-        self._leaves: list[bool] = []
+        # node id -> saveable of every leaf, in node order
+        self._leaves: dict[int, Saveable] = {}
 
     def is_leaf(self, node_id: int) -> bool:
         """Whether the node is a saved value (a variable) rather than a container."""
-        return self._leaves[node_id]
+        return node_id in self._leaves
 
     def path_of(self, node_id: int) -> str:
         return self._paths[node_id]
 
     def variables(self) -> Iterator[tuple[int, Any, str]]:
-        for i, node in enumerate(self.nodes):
-            if node["path"] is not None:
-                yield i, self.objects[i], node["path"]
+        objects, paths = self.objects, self._paths
+        for i in self._leaves:
+            yield i, objects[i], paths[i]
+
+    def saveables(self) -> Iterator[tuple[int, Any, str, Saveable]]:
+        """``(node id, object, path, saveable)`` of every variable node, in node order."""
+        objects, paths = self.objects, self._paths
+        for i, saveable in self._leaves.items():
+            yield i, objects[i], paths[i], saveable
 
     def to_json(self) -> dict[str, Any]:
         return {"version": GRAPH_VERSION, "nodes": self.nodes}
@@ -192,32 +201,41 @@ def build_object_graph(root: Any) -> ObjectGraph:
     """Walk ``root`` breadth-first; every object once, at the first path that reaches it."""
     graph = ObjectGraph()
     graph.add(root, "")
+    ids, objects, nodes, leaves, add = (
+        graph.ids,
+        graph.objects,
+        graph.nodes,
+        graph._leaves,
+        graph.add,
+    )
     queue: deque[int] = deque([0])
+    trackables: list[int] = []  # the containers walked, in walk order (they may own slots)
     while queue:
         parent = queue.popleft()
-        obj = graph.objects[parent]
+        obj = objects[parent]
+        if isinstance(obj, Trackable):
+            trackables.append(parent)
         base = graph.path_of(parent)
+        prefix = f"{base}/" if base else ""
+        children = nodes[parent]["children"]
         for name, child in children_of(obj).items():
-            child_id = graph.ids.get(id(child))
+            child_id = ids.get(id(child))
             if child_id is None:
-                path = f"{base}/{escape_name(name)}" if base else escape_name(name)
-                child_id = graph.add(child, path)
-                if not graph.is_leaf(child_id):
+                child_id = add(child, prefix + escape_name(name))
+                if child_id not in leaves:
                     queue.append(child_id)
-            graph.nodes[parent]["children"].append([name, child_id])
-    for node_id in range(len(graph.objects)):
-        obj = graph.objects[node_id]
-        if not isinstance(obj, Trackable):
-            continue
+            children.append([name, child_id])
+    for node_id in sorted(trackables):  # node order, as every node was visited before
+        obj = objects[node_id]
         for var, slot_name, slot_var in obj._checkpoint_slots():
-            var_id = graph.ids.get(id(var))
+            var_id = ids.get(id(var))
             if var_id is None or slot_var is None:
                 continue  # a slot of a variable that is not saved is not saved either
-            slot_id = graph.ids.get(id(slot_var))
+            slot_id = ids.get(id(slot_var))
             if slot_id is None:
                 path = f"{graph.path_of(node_id)}/slots/{graph.path_of(var_id)}/{escape_name(slot_name)}"
-                slot_id = graph.add(slot_var, path)
-            graph.nodes[node_id]["slots"].append([var_id, slot_name, slot_id])
+                slot_id = add(slot_var, path)
+            nodes[node_id]["slots"].append([var_id, slot_name, slot_id])
     return graph
 
 
@@ -896,17 +914,19 @@ class Checkpoint(Trackable):
         graph = build_object_graph(self)
         records = []
         node_ids = []
-        for node_id, obj, var_path in graph.variables():
-            saveable = get_saveable(obj)
-            assert saveable is not None
+        for node_id, obj, var_path, saveable in graph.saveables():
             record = saveable.gather(obj)
             record.path = var_path
             records.append(record)
             node_ids.append(node_id)
         if copy:
             records = _snapshot(records)
-        by_node = dict(zip(node_ids, records, strict=True))
+        by_node: dict[int, SaveRecord] | None = None
         for node in graph.nodes:
+            if not node["slots"]:
+                continue
+            if by_node is None:
+                by_node = dict(zip(node_ids, records, strict=True))
             for var_id, slot_name, slot_id in node["slots"]:
                 rec = by_node[slot_id]  # a slot is a variable node of this graph: one dict lookup
                 rec.attrs["slot_of"] = graph.nodes[var_id]["path"]

@@ -4,6 +4,8 @@ file whose components are external links into per-process part files).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import os
 import time
@@ -409,17 +411,17 @@ def _write_from_skeleton(
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     os.close(fd)
     writer, ok = _DataWriter(tmp, file), False
-    names = [f"{e.path}[{i}]" for e in items for i in range(len(e.components))]
+    starts: list[int] = []  # the first component number of each entry, once a name is needed
+
+    def check(arr: np.ndarray, crc: int, i: int) -> None:
+        if not starts:
+            starts.extend(itertools.accumulate((len(e.components) for e in items), initial=0))
+        j = bisect.bisect_right(starts, i) - 1
+        writer.check_unchanged(arr, crc, f"{items[j].path}[{i - starts[j]}]")
+
     try:
         os.ftruncate(writer.fd, skel.file_size)
-        skel.write(
-            writer.fd,
-            comps,
-            values,
-            write=writer.write,
-            check=lambda arr, crc, i: writer.check_unchanged(arr, crc, names[i]),
-            index_crc=_INDEX_CRC,
-        )
+        skel.write(writer.fd, comps, values, write=writer.write, check=check, index_crc=_INDEX_CRC)
         ok = True
     finally:
         writer.close(raise_errors=ok)
