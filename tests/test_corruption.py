@@ -87,6 +87,7 @@ def test_string_tensors_in_the_global_heap(tmp_path, worker):
     assert failures == []
 
 
+@pytest.mark.slow  # a worker process crashed and hung on purpose; CI runs it (.ci/run, -m slow)
 def test_worker_counts_crashes_and_hangs(tmp_path):
     """The harness itself: a reader that dies or stalls is reported, not survived silently."""
     clean = fuzz_readers.write_sample("hdf5", str(tmp_path))
@@ -351,6 +352,7 @@ def _flip_sweep(tmp_path, positions) -> tuple[int, int]:
     return reported, harmless
 
 
+@pytest.mark.slow  # a byte sweep through verify and h5py; CI runs it (.ci/run, -m slow)
 def test_verify_passes_only_what_h5py_reads_identically(tmp_path):
     """A seeded sample of single-bit flips: each is reported by verify or changes nothing h5py reads."""
     rng = np.random.default_rng(8)

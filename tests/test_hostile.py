@@ -291,6 +291,7 @@ def test_find_overlap_agrees_with_pairwise(
         assert j < i and _bundle._overlap(specs[i], specs[j], shape)
 
 
+@pytest.mark.slow  # CLI subprocesses; CI runs it (.ci/run, -m slow)
 @pytest.mark.parametrize("how", ["dotdot", "absolute"])
 def test_tf_state_file_outside_its_directory_needs_the_flag(how: str, tmp_path: Path) -> None:
     directory = CRAFTED[f"tf-state-{how}"](str(tmp_path))
@@ -433,6 +434,7 @@ def _corpus(tmp_path: Path) -> list[str]:
     return out
 
 
+@pytest.mark.slow  # hundreds of crafted files through every reader; CI runs it (.ci/run, -m slow)
 def test_sweep_only_our_errors_escape_and_the_cli_never_exits_3(tmp_path: Path) -> None:
     inputs = []
     for name, maker in CRAFTED.items():

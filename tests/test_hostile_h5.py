@@ -249,6 +249,7 @@ def test_sharded_value_vds_onto_another_file_is_refused_by_verify(tmp_path, othe
     assert "virtual dataset" in out and str(other) in out, out
 
 
+@pytest.mark.slow  # 4 subprocesses under limits; CI runs it (.ci/run, -m slow)
 @pytest.mark.parametrize("target", ["abs", "outside", "dotdot", "other-parts"])
 def test_external_links_outside_the_parts_folder_are_refused(tmp_path, other, target):
     path, var = native(tmp_path)

@@ -26,6 +26,9 @@ import parallelvars as pv
 from parallelvars.checkpoint.h5io import H5Reader
 from parallelvars.errors import ChecksumMismatchError
 
+# Real MPI runs: each test starts 2-4 processes (2-4 s each); CI runs them (.ci/run, -m slow).
+pytestmark = pytest.mark.slow
+
 WORKER = Path(__file__).parent / "_mpi_worker.py"
 LAUNCH_TIMEOUT = 60
 

@@ -116,6 +116,7 @@ def _trained(k: int) -> tuple[pv.MirroredStrategy, pv.Module, Any, list[np.ndarr
     return strategy, model, opt, grads
 
 
+@pytest.mark.slow  # saves and restores at several sizes; CI runs it (.ci/run, -m slow)
 def test_save_with_optimizer_slots_is_linear(tmp_path):
     def make(k: int) -> Callable[[], Any]:
         _, model, opt, _ = _trained(k)
@@ -126,6 +127,7 @@ def test_save_with_optimizer_slots_is_linear(tmp_path):
     assert_linear(make)
 
 
+@pytest.mark.slow  # saves and restores at several sizes; CI runs it (.ci/run, -m slow)
 def test_restore_is_linear(tmp_path):
     def make(k: int) -> Callable[[], Any]:
         _, model, opt, _ = _trained(k)
@@ -136,6 +138,7 @@ def test_restore_is_linear(tmp_path):
     assert_linear(make)
 
 
+@pytest.mark.slow  # saves and restores at several sizes; CI runs it (.ci/run, -m slow)
 def test_deferred_restore_as_layers_are_appended_is_linear(tmp_path):
     def make(k: int) -> Callable[[], Any]:
         _, model, _, _ = _model(k)

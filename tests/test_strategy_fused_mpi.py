@@ -21,6 +21,9 @@ from test_mpi import _mpiexec
 
 import parallelvars as pv
 
+# A real MPI run of the fused all-reduce; CI runs it (.ci/run, -m slow).
+pytestmark = pytest.mark.slow
+
 # Shared by the ranks and the one-process reference (exec'd in both).
 MODEL = """
 import numpy as np
