@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -116,6 +116,15 @@ class ViewSource(Mapping[str, StagedEntry]):
     def __len__(self) -> int:
         return len(self.view)
 
+    def stage(self, variables: Iterable[Any]) -> set[tuple[str, int]]:
+        """The native reader's read-ahead (:meth:`H5Reader.stage`); another format reads each
+        component when it is verified, so nothing is read ahead and nothing is verified here."""
+        del variables
+        return set()
+
+    def unstage(self) -> None:
+        """Nothing was read ahead (see :meth:`stage`)."""
+
     def close(self) -> None:
         self.view.close()
 
@@ -203,6 +212,15 @@ class NamedSource(Mapping[str, StagedEntry]):
 
     def __len__(self) -> int:
         return len(self._paths)
+
+    def stage(self, variables: Iterable[Any]) -> set[tuple[str, int]]:
+        """The native reader's read-ahead (:meth:`H5Reader.stage`); another format reads each
+        component when it is verified, so nothing is read ahead and nothing is verified here."""
+        del variables
+        return set()
+
+    def unstage(self) -> None:
+        """Nothing was read ahead (see :meth:`stage`)."""
 
     def close(self) -> None:
         self.source.close()

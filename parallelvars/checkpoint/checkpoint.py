@@ -520,11 +520,8 @@ class _Session:
         # passes are checksums and copies in C, spread over the cores. A native file's small
         # components are read ahead in a few large reads that both passes then use, and
         # verified as they are read (stage() names those); the others are verified here.
-        stage = getattr(reader, "stage", None)
-        verified: set[tuple[str, int]] = set()
         try:
-            if stage is not None:
-                verified = stage(staged)
+            verified = reader.stage(staged)
             for stored in staged:
                 size = 0
                 for i in range(stored.num_components):
@@ -536,16 +533,14 @@ class _Session:
                 sizes.append(size)
             run_partitioned(checks, check_sizes)
         except BaseException:
-            if stage is not None:
-                reader.unstage()
+            reader.unstage()
             raise
 
         def commit() -> None:
             try:
                 run_partitioned(plans, sizes)
             finally:
-                if stage is not None:
-                    reader.unstage()
+                reader.unstage()
             for done in attach:
                 done()
             self.matched.update(matched)
