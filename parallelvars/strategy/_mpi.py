@@ -458,7 +458,13 @@ class MultiWorkerMirroredStrategy(MPICollectives, Strategy):
         return self._write_checkpoint
 
     def _write_checkpoint(
-        self, path: str, records: Sequence[Any], *, object_graph: Any = None, metadata: Any = None
+        self,
+        path: str,
+        records: Sequence[Any],
+        *,
+        object_graph: Any = None,
+        metadata: Any = None,
+        skeletons: Any = None,
     ) -> str:
         from parallelvars.checkpoint.h5io.collective import write_collective
 
@@ -470,4 +476,5 @@ class MultiWorkerMirroredStrategy(MPICollectives, Strategy):
             self.worker_devices,
             object_graph=object_graph,
             metadata=metadata,
+            skeletons=skeletons,
         )

@@ -20,10 +20,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import weakref
 from collections.abc import Sequence
 from typing import Any, cast
 
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX
+from parallelvars.checkpoint._skeleton import SkeletonCache
 from parallelvars.checkpoint.h5io.read import H5Reader
 from parallelvars.checkpoint.h5io.write import (
     ComponentLink,
@@ -62,6 +64,7 @@ def write_collective(
     *,
     object_graph: Any = None,
     metadata: Any = None,
+    skeletons: SkeletonCache | None = None,
 ) -> str:
     """Write one logical checkpoint from every rank of ``comm``; returns ``path`` on every rank.
 
@@ -71,6 +74,11 @@ def write_collective(
     datasets as external links into the rank files, the per-component checksums and the object
     graph. Ranks wait for each other before the index is written (a gather of the checksums),
     and the index is written atomically, so ``path`` exists only for a complete checkpoint.
+
+    With ``skeletons`` (the checkpoint's cache), repeated saves of one structure are written
+    from cached bytes, byte for byte what HDF5 writes: each rank's file through ``write_h5``'s
+    skeleton, and rank 0's index file through ``write_h5_index``'s, kept in a second cache
+    that lives as long as ``skeletons``.
 
     Raises:
         CheckpointError: on every rank, when any rank failed to write its part.
@@ -85,7 +93,9 @@ def write_collective(
     crcs: dict[str, list[int]] = {}
     try:
         os.makedirs(parts, exist_ok=True)
-        part_path = write_h5(os.path.join(parts, part_name), mine, metadata=metadata)
+        part_path = write_h5(
+            os.path.join(parts, part_name), mine, metadata=metadata, skeletons=skeletons
+        )
         with H5Reader(part_path) as reader:
             for rec in mine:
                 crcs[rec.path] = [int(c) for c in cast(list, reader[rec.path].stored_checksums)]
@@ -110,6 +120,7 @@ def write_collective(
                     size,
                     object_graph,
                     metadata,
+                    None if skeletons is None else _index_skeletons(skeletons),
                 )
             except Exception as exc:
                 outcome = f"rank 0 (index): {type(exc).__name__}: {exc}"
@@ -119,6 +130,20 @@ def write_collective(
     if outcome is not None:
         raise CheckpointError("collective save failed", file=path, found=outcome)
     return path
+
+
+# The index files' skeleton cache of each checkpoint's cache (rank 0 writes both files).
+_INDEX_SKELETONS: weakref.WeakKeyDictionary[SkeletonCache, SkeletonCache] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _index_skeletons(skeletons: SkeletonCache) -> SkeletonCache:
+    """The cache of the index files of the checkpoint whose rank files use ``skeletons``."""
+    cache = _INDEX_SKELETONS.get(skeletons)
+    if cache is None:
+        cache = _INDEX_SKELETONS[skeletons] = SkeletonCache()
+    return cache
 
 
 def _remove_stale_parts(parts: str, size: int) -> None:
@@ -144,6 +169,7 @@ def _write_index(
     size: int,
     object_graph: Any,
     metadata: Any,
+    skeletons: SkeletonCache | None = None,
 ) -> None:
     """Rank 0: the index file, through the layout's one writer (``write_h5_index``).
 
@@ -171,5 +197,9 @@ def _write_index(
             LinkedVariable(rec.path, rec.kind, rec.dtype, tuple(rec.shape), attrs, links)
         )
     write_h5_index(
-        path, variables, object_graph=object_graph, metadata=dict(metadata or {}, processes=size)
+        path,
+        variables,
+        object_graph=object_graph,
+        metadata=dict(metadata or {}, processes=size),
+        skeletons=skeletons,
     )
