@@ -22,11 +22,14 @@ import os
 import re
 import weakref
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
+
+import h5py
 
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX
 from parallelvars.checkpoint._skeleton import SkeletonCache
-from parallelvars.checkpoint.h5io.read import H5Reader
+from parallelvars.checkpoint.h5io.attributes import _read_json
+from parallelvars.checkpoint.h5io.layout import INDEX_DATASET
 from parallelvars.checkpoint.h5io.write import (
     ComponentLink,
     LinkedVariable,
@@ -34,7 +37,7 @@ from parallelvars.checkpoint.h5io.write import (
     write_h5_index,
 )
 from parallelvars.checkpoint.registry import component_name
-from parallelvars.errors import CheckpointError
+from parallelvars.errors import CheckpointError, CorruptCheckpointError
 
 __all__ = ["parts_dir_for", "write_collective"]
 
@@ -96,9 +99,7 @@ def write_collective(
         part_path = write_h5(
             os.path.join(parts, part_name), mine, metadata=metadata, skeletons=skeletons
         )
-        with H5Reader(part_path) as reader:
-            for rec in mine:
-                crcs[rec.path] = [int(c) for c in cast(list, reader[rec.path].stored_checksums)]
+        crcs = _checksums(part_path, [rec.path for rec in mine])
     except Exception as exc:  # reported to every rank below, so no rank waits forever
         error = f"rank {rank}: {type(exc).__name__}: {exc}"
     gathered = comm.gather((error, crcs), root=0)
@@ -130,6 +131,19 @@ def write_collective(
     if outcome is not None:
         raise CheckpointError("collective save failed", file=path, found=outcome)
     return path
+
+
+def _checksums(part_path: str, paths: Sequence[str]) -> dict[str, list[int]]:
+    """The component checksums of ``paths`` that the rank file just written records in its
+    (checksummed) index document."""
+    with h5py.File(part_path, "r") as f:
+        index = _read_json(f, INDEX_DATASET, part_path, required=True)
+    try:
+        return {p: [int(c) for c in index[p]["crc32c"]] for p in paths}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(
+            "the rank file's index lacks a component checksum", file=part_path, found=repr(exc)
+        ) from None
 
 
 # The index files' skeleton cache of each checkpoint's cache (rank 0 writes both files).
@@ -177,22 +191,24 @@ def _write_index(
     ``r - 1``'s) and the global device list; any other record is rank 0's.
     """
 
-    def part(r: int) -> str:
-        return f"{rel_parts}/rank-{r:05d}-of-{size:05d}.h5"
-
+    part = [f"{rel_parts}/rank-{r:05d}-of-{size:05d}.h5" for r in range(size)]
+    names = [component_name(j) for j in range(max((r.num_components for r in records), default=0))]
+    everyone = list(range(size))
     variables = []
     for rec in records:
         local_n = rec.num_components
         if _is_distributed(rec, local_devices):
-            sources = [(r, j) for r in range(size) for j in range(local_n)]
+            ranks = everyone
             attrs = dict(rec.attrs, devices=list(global_devices))
         else:
-            sources = [(0, j) for j in range(local_n)]
+            ranks = everyone[:1]
             attrs = dict(rec.attrs)
-        links = [
-            ComponentLink(part(r), f"/{rec.path}/{component_name(j)}", rank_crcs[r][rec.path][j])
-            for r, j in sources
-        ]
+        links = []
+        for r in ranks:
+            crcs = rank_crcs[r][rec.path]
+            links += [
+                ComponentLink(part[r], f"/{rec.path}/{names[j]}", crcs[j]) for j in range(local_n)
+            ]
         variables.append(
             LinkedVariable(rec.path, rec.kind, rec.dtype, tuple(rec.shape), attrs, links)
         )

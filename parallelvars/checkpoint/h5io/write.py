@@ -585,8 +585,8 @@ def _index_structure(
         (
             v.path,
             v.kind,
-            dtype_name(np.dtype(v.dtype)),
-            tuple(int(s) for s in v.shape),
+            np.dtype(v.dtype),
+            tuple(v.shape),
             dict(v.attrs),
             [(c.file[n:], c.dataset) for c in v.components],
         )
