@@ -22,7 +22,6 @@ same disk, after the MPI run.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -30,9 +29,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
+from bench_mpi import _write_json, find_mpiexec  # run as bench/bench_mpi_checkpoint.py
 
 
 def sizes(total: int, count: int, seed: int = 0) -> list[int]:
@@ -201,16 +200,7 @@ def main() -> int:
         worker(args)
         return 0
     params = {"vars": args.vars, "params": args.params, "procs": args.procs, "rounds": args.rounds}
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    if not mpiexec.exists():
-        mpiexec = Path(sys.prefix) / "bin" / "mpiexec"
-    missing = (
-        "mpi4py is not installed (pip install 'parallelvars[mpi]')"
-        if importlib.util.find_spec("mpi4py") is None
-        else None
-        if mpiexec.exists()
-        else f"no mpiexec at {mpiexec}"
-    )
+    mpiexec, missing = find_mpiexec()
     if missing:
         print(f"skipped: {missing}")
         _write_json(
@@ -246,12 +236,6 @@ def main() -> int:
             runs[str(n)] = report(n, mpi, one_process(args, n))
     _write_json(args.json, {"benchmark": "mpi_checkpoint", "params": params, "runs": runs})
     return status
-
-
-def _write_json(path: str | None, figures: dict[str, object]) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(figures, f, indent=2)
 
 
 if __name__ == "__main__":
