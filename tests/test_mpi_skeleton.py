@@ -173,7 +173,7 @@ def test_lookup3_many_matches_lookup3() -> None:
     assert got.tolist() == [lookup3(image[s:e].tobytes()) for s, e in spans]
 
 
-@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize("size", [1, 2, 4, 12])
 def test_repeated_collective_saves_are_the_files_hdf5_writes(
     tmp_path: Path, fixed_clock: None, size: int
 ) -> None:
@@ -260,23 +260,47 @@ def test_a_rank_failing_mid_save_leaves_the_last_good_checkpoint(
     assert_readable(str(path), 4, 5)
 
 
-def test_index_links_in_dense_storage_are_written_by_hdf5_every_time(
-    tmp_path: Path, fixed_clock: None
+@pytest.mark.parametrize("n", [12, 100])
+def test_index_links_in_dense_storage_repeat_byte_for_byte(
+    tmp_path: Path, fixed_clock: None, n: int
 ) -> None:
-    # Twelve components: the group keeps its links in a fractal heap, which no skeleton patches.
+    # Over 8 components a group keeps its links in a fractal heap (direct blocks, 100: more
+    # than one row of them), whose checksummed blocks the skeleton patches too.
     def variables(k: int) -> list[LinkedVariable]:
         links = [
-            ComponentLink(f"c-{k}.parts/r{i}.h5", "/v/primary", 1000 * k + i) for i in range(12)
+            ComponentLink(f"c-{k}.parts/r{i}.h5", "/v/primary", 1000 * k + i) for i in range(n)
         ]
-        return [LinkedVariable("v", "mirrored", np.float32, (2,), {}, links)]
+        return [
+            LinkedVariable(f"g{j}/v", "mirrored", np.float32, (2,), {}, links) for j in range(3)
+        ]
 
     cache = SkeletonCache()
     for k in (1, 2, 3):
         path = write_h5_index(tmp_path / f"s{k}.h5", variables(k), skeletons=cache)
         plain = write_h5_index(tmp_path / f"p{k}.h5", variables(k))
         assert Path(path).read_bytes() == Path(plain).read_bytes()
-        assert isinstance(cache._skeleton, _index_skeleton.NoSkeleton)
+        assert isinstance(cache._skeleton, _index_skeleton.IndexSkeleton)
         with h5py.File(path, "r") as f:
-            assert (
-                f["v"].get("parallel_component_11", getlink=True).filename == f"c-{k}.parts/r11.h5"
-            )
+            link = f["g2/v"].get(f"parallel_component_{n - 1}", getlink=True)
+            assert link.filename == f"c-{k}.parts/r{n - 1}.h5"
+
+
+def test_an_index_file_that_cannot_be_a_skeleton_is_written_by_hdf5_every_time(
+    tmp_path: Path, fixed_clock: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+
+    def no_capture(*args: Any) -> None:
+        calls.append(1)
+
+    monkeypatch.setattr(_index_skeleton, "capture", no_capture)
+    cache = SkeletonCache()
+    for k in (1, 2, 3):
+        links = [ComponentLink(f"c-{k}.parts/r{i}.h5", "/v/primary", k + i) for i in range(2)]
+        variables = [LinkedVariable("v", "mirrored", np.float32, (2,), {}, links)]
+        meta = {"save_counter": k}
+        path = write_h5_index(tmp_path / f"s{k}.h5", variables, metadata=meta, skeletons=cache)
+        plain = write_h5_index(tmp_path / f"p{k}.h5", variables, metadata=meta)
+        assert Path(path).read_bytes() == Path(plain).read_bytes()
+        assert isinstance(cache._skeleton, _index_skeleton.NoSkeleton)
+    assert calls == [1]  # tried once for the structure, not again

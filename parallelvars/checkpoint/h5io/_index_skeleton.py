@@ -13,16 +13,18 @@ structure alone, except for three kinds of value, each of a length fixed by the 
 
 The first save of a structure is written by HDF5 with random sentinels in place of those
 values (the folder as a random string of the same length); the sentinels are found in the
-file, each inside an object header chunk (``OHDR`` or a continuation ``OCHK``) whose stored
-Jenkins lookup3 checksum is reproduced here, and the file's bytes are kept. A later save of
+file, each inside a metadata block whose stored Jenkins lookup3 checksum is reproduced here
+(an object header chunk, ``OHDR`` or a continuation ``OCHK``, or, for a group of more than 8
+links, a fractal heap direct block ``FHDB``), and the file's bytes are kept. A later save of
 the structure copies them, puts the new values in, and recomputes the checksums of the chunks
 it changed, all of them at once (:func:`lookup3_many`, vectorised over chunks). The result is
-byte for byte the file HDF5 writes. Anything the capture cannot check (a sentinel found twice
-or outside such a chunk, links in dense storage) means no skeleton: HDF5 writes every save.
+byte for byte the file HDF5 writes. Anything the capture cannot check (a sentinel found twice or
+outside such a block) means no skeleton: HDF5 writes every save of that structure.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import re
 import struct
@@ -129,17 +131,51 @@ def link_sentinel(length: int) -> bytes:
     return bytes(alphabet[b % len(alphabet)] for b in os.urandom(length))
 
 
-def _header_chunk(image: bytes, pos: int, end_of: int, continuations: dict[int, int]) -> Any:
-    """The (start, checksum offset) of the object header chunk that holds ``image[pos:end_of]``
-    by its layout alone (the checksums are checked together afterwards), or None."""
-    ohdr = image.rfind(b"OHDR", max(0, pos - (1 << 16)), pos)
-    ochk = image.rfind(b"OCHK", max(0, pos - (1 << 16)), pos)
-    if ochk > ohdr:  # a continuation chunk: its length is in the message that points to it
+def _signatures(image: bytes) -> dict[bytes, list[int]]:
+    """Where each metadata block signature occurs in ``image``, in order."""
+    return {
+        sig: [m.start() for m in re.finditer(re.escape(sig), image)]
+        for sig in (b"OHDR", b"OCHK", b"FHDB")
+    }
+
+
+def _before(positions: list[int], pos: int) -> int:
+    """The last of ``positions`` (sorted) that ends by ``pos``, or -1."""
+    i = bisect.bisect_right(positions, pos - 4) - 1
+    return positions[i] if i >= 0 else -1
+
+
+def _header_chunk(
+    image: bytes,
+    pos: int,
+    end_of: int,
+    continuations: dict[int, int],
+    signatures: dict[bytes, list[int]],
+) -> tuple[int, int, int] | None:
+    """The checksummed metadata block that holds ``image[pos:end_of]``, by its layout alone
+    (the checksums are checked together afterwards), as ``(start, end, checksum offset)``: its
+    lookup3 checksum covers ``image[start:end]`` with the checksum's own 4 bytes as zeros.
+    An object header chunk (``OHDR`` chunk 0, or a continuation ``OCHK``) ends at its
+    checksum; a fractal heap direct block (``FHDB``: a group's links in dense storage) holds
+    its checksum in its prefix. None for anything else."""
+    ohdr, ochk, fhdb = (_before(signatures[sig], pos) for sig in (b"OHDR", b"OCHK", b"FHDB"))
+    nearest = max(ohdr, ochk, fhdb)
+    if nearest < 0:
+        return None
+    if nearest == fhdb:
+        block = _direct_block(image, fhdb)
+        if block is None:
+            return None
+        start, end, cpos = block
+        if start + 4 < pos and end_of <= end and (end_of <= cpos or pos >= cpos + 4):
+            return start, end, cpos
+        return None
+    if nearest == ochk:  # a continuation chunk: its length is in the message that points to it
         length = continuations.get(ochk)
         if length is None:
             return None
         start, end = ochk, ochk + length - 4
-    elif ohdr >= 0:
+    else:
         head = image[ohdr : ohdr + 32]
         if len(head) < 7 or head[4] != 2:
             return None
@@ -150,11 +186,35 @@ def _header_chunk(image: bytes, pos: int, end_of: int, continuations: dict[int, 
             return None
         start = ohdr
         end = ohdr + p + width + int.from_bytes(head[p : p + width], "little")
-    else:
-        return None
     if start < pos and end_of <= end and end + 4 <= len(image):
-        return start, end
+        return start, end, end
     return None
+
+
+def _direct_block(image: bytes, at: int) -> tuple[int, int, int] | None:
+    """(start, end, checksum offset) of the fractal heap direct block at ``at``, from its heap
+    header (``FRHP``: 8-byte addresses and lengths, no filters, checksummed direct blocks)."""
+    if image[at + 4 : at + 5] != b"\x00":
+        return None
+    heap = int.from_bytes(image[at + 5 : at + 13], "little")
+    hdr = image[heap : heap + 146]
+    if len(hdr) < 146 or hdr[:5] != b"FRHP\x00" or hdr[7:9] != b"\x00\x00" or not hdr[9] & 2:
+        return None
+    width = int.from_bytes(hdr[110:112], "little")
+    first = int.from_bytes(hdr[112:120], "little")
+    bits = int.from_bytes(hdr[128:130], "little")
+    off_size = (bits + 7) // 8
+    if not (width and first and 0 < off_size <= 8):
+        return None
+    offset = int.from_bytes(image[at + 13 : at + 13 + off_size], "little")
+    # The doubling table: rows 0 and 1 of blocks of the first size, then each row's twice
+    # the last's, ``width`` blocks a row.
+    row = offset // (width * first)
+    size = first if row == 0 else first << (row.bit_length() - 1)
+    cpos = at + 13 + off_size
+    if at + size > len(image):
+        return None
+    return at, at + size, cpos
 
 
 def _continuations(image: bytes) -> dict[int, int]:
@@ -174,6 +234,16 @@ def _continuations(image: bytes) -> dict[int, int]:
     return found
 
 
+def _checksum(image: np.ndarray, chunks: Sequence[tuple[int, int, int]]) -> None:
+    """Recompute the lookup3 checksum of every ``(start, end, checksum offset)`` block."""
+    if not chunks:
+        return
+    at = np.array([c for _, _, c in chunks], np.int64)[:, None] + np.arange(4)
+    image[at] = 0  # (inside a direct block, the checksum is taken with its field zeroed)
+    digests = lookup3_many(image, [(s, e) for s, e, _ in chunks])
+    image[at] = digests.astype("<u4").view(np.uint8).reshape(-1, 4)
+
+
 @dataclass
 class IndexSkeleton:
     """The bytes of one structure's index file, with where its changing values sit."""
@@ -183,7 +253,7 @@ class IndexSkeleton:
     prefix: bytes  # the link folder the image holds now
     prefix_at: np.ndarray  # where every link's folder starts
     values: dict[str, tuple[int, np.dtype]]  # header value name -> (offset, dtype)
-    chunks: list[tuple[int, int]]  # (start, checksum offset) of every chunk holding a value
+    chunks: list[tuple[int, int, int]]  # (start, end, checksum offset): see _header_chunk
     value_chunks: list[int]  # the chunks holding the header values (a subset of chunks)
     index_offset: int
     index_capacity: int
@@ -218,12 +288,7 @@ class IndexSkeleton:
         for name, value in values.items():
             offset, dtype = self.values[name]
             self._put(np.asarray(value, dtype).tobytes(), offset)
-        spans = [self.chunks[i] for i in dirty]
-        digests = lookup3_many(self.image, spans)
-        ends = np.array([e for _, e in spans], np.int64)
-        self.image[ends[:, None] + np.arange(4)] = (
-            digests.astype("<u4").view(np.uint8).reshape(-1, 4)
-        )
+        _checksum(self.image, [self.chunks[i] for i in dirty])
 
     def _put(self, data: bytes, offset: int) -> None:
         self.image[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
@@ -260,18 +325,20 @@ def capture(
         if at < 0 or image.find(raw, at + 1) >= 0:
             return None
         value_at[name] = (at, np.asarray(value).dtype)
-    continuations = _continuations(image) if b"OCHK" in image else {}
-    chunk_of: dict[tuple[int, int], int] = {}
+    signatures = _signatures(image)
+    continuations = _continuations(image) if signatures[b"OCHK"] else {}
+    chunk_of: dict[tuple[int, int, int], int] = {}
     spot_chunk: list[int] = []
     for pos, length in spots + [(at, dt.itemsize) for at, dt in value_at.values()]:
-        chunk = _header_chunk(image, pos, pos + length, continuations)
+        chunk = _header_chunk(image, pos, pos + length, continuations, signatures)
         if chunk is None:
             return None
         spot_chunk.append(chunk_of.setdefault(chunk, len(chunk_of)))
     chunks = list(chunk_of)
     whole = np.frombuffer(image, np.uint8).copy()
-    stored = np.array([int.from_bytes(image[e : e + 4], "little") for _, e in chunks], np.uint32)
-    if not np.array_equal(lookup3_many(whole, chunks), stored):
+    stored = whole.copy()
+    _checksum(stored, chunks)
+    if not np.array_equal(stored, whole):  # every block's checksum, as HDF5 computed it
         return None
     offset, capacity, template = index
     if offset < 0 or offset + capacity > len(image):
