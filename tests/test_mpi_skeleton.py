@@ -17,6 +17,8 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from parallelvars.checkpoint import H5Reader
 from parallelvars.checkpoint._skeleton import SkeletonCache, lookup3
@@ -304,3 +306,57 @@ def test_an_index_file_that_cannot_be_a_skeleton_is_written_by_hdf5_every_time(
         assert Path(path).read_bytes() == Path(plain).read_bytes()
         assert isinstance(cache._skeleton, _index_skeleton.NoSkeleton)
     assert calls == [1]  # tried once for the structure, not again
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    spec=st.lists(
+        st.tuples(
+            st.integers(1, 24),  # components (links) of the variable
+            st.sampled_from(["mirrored", "on_read", "single"]),
+            st.lists(st.integers(0, 9), max_size=3).map(tuple),
+            st.dictionaries(
+                st.sampled_from(["aggregation", "trainable", "note"]),
+                st.one_of(st.booleans(), st.integers(-5, 5), st.text("abcé", max_size=40)),
+                max_size=3,
+            ),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    folder=st.text("abcxyz-_.é", min_size=1, max_size=30),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_any_index_structure_repeats_byte_for_byte(
+    tmp_path_factory: pytest.TempPathFactory,
+    fixed_clock: None,
+    spec: list[tuple[int, str, tuple[int, ...], dict[str, object]]],
+    folder: str,
+    seed: int,
+) -> None:
+    d = tmp_path_factory.mktemp("idx")
+    rng = np.random.default_rng(seed)
+    cache = SkeletonCache()
+    for k, name in enumerate((folder, folder[::-1], folder.upper())):  # one length, new names
+        variables = [
+            LinkedVariable(
+                f"m/v{j}",
+                kind,
+                np.float32,
+                shape,
+                attrs,
+                [
+                    ComponentLink(f"{name}.parts/r{i}.h5", f"/m/v{j}/c", int(rng.integers(2**32)))
+                    for i in range(n)
+                ],
+            )
+            for j, (n, kind, shape, attrs) in enumerate(spec)
+        ]
+        meta = {"save_counter": k, "step": int(rng.integers(2**40))}
+        path = write_h5_index(d / f"s{k}.h5", variables, metadata=meta, skeletons=cache)
+        plain = write_h5_index(d / f"p{k}.h5", variables, metadata=meta)
+        assert Path(path).read_bytes() == Path(plain).read_bytes()
+        if k:
+            assert isinstance(cache._skeleton, _index_skeleton.IndexSkeleton)
