@@ -38,7 +38,8 @@ Checkpoints: :meth:`MultiWorkerMirroredStrategy.checkpoint_writer` hands ``Check
 collective layout writer, :func:`parallelvars.checkpoint.h5io.collective.write_collective`:
 every rank writes its own components to its own HDF5 file, in parallel, and rank 0 commits the
 index file at the path ``save()`` returns, whose components are external links into the rank
-files.
+files. Repeated saves of one structure write both kinds of file from the checkpoint's cached
+skeletons.
 
 Failure. Creating the strategy installs a ``sys.excepthook`` that prints an uncaught exception
 with the rank and calls ``MPI.COMM_WORLD.Abort(1)``, so a rank that raises ends the whole job

@@ -25,6 +25,7 @@ outside such a block) means no skeleton: HDF5 writes every save of that structur
 from __future__ import annotations
 
 import bisect
+import itertools
 import os
 import re
 import struct
@@ -212,7 +213,7 @@ def _direct_block(image: bytes, at: int) -> tuple[int, int, int] | None:
     row = offset // (width * first)
     size = first if row == 0 else first << (row.bit_length() - 1)
     cpos = at + 13 + off_size
-    if at + size > len(image):
+    if cpos + 4 > at + size or at + size > len(image):
         return None
     return at, at + size, cpos
 
@@ -335,13 +336,17 @@ def capture(
             return None
         spot_chunk.append(chunk_of.setdefault(chunk, len(chunk_of)))
     chunks = list(chunk_of)
+    offset, capacity, template = index
+    # The blocks and the index document are disjoint, so patching one never touches another.
+    extents = sorted([(s, max(e, c + 4)) for s, e, c in chunks] + [(offset, offset + capacity)])
+    if offset < 0 or offset + capacity > len(image):
+        return None
+    if any(nxt[0] < cur[1] for cur, nxt in itertools.pairwise(extents)):
+        return None
     whole = np.frombuffer(image, np.uint8).copy()
     stored = whole.copy()
     _checksum(stored, chunks)
     if not np.array_equal(stored, whole):  # every block's checksum, as HDF5 computed it
-        return None
-    offset, capacity, template = index
-    if offset < 0 or offset + capacity > len(image):
         return None
     return IndexSkeleton(
         key=key,
