@@ -38,6 +38,7 @@ import crc32c as _crc32c
 import numpy as np
 
 from parallelvars._fileio import pwrite_all
+from parallelvars.checkpoint._skeleton import MAX_IMAGE_BYTES
 
 __all__ = ["IndexSkeleton", "NoSkeleton", "capture", "link_sentinel", "lookup3_many"]
 
@@ -307,6 +308,8 @@ def capture(
     the folder of its ``links`` external links and ``sentinels`` as its header values, or None
     when any of them is not found where it can be checked. ``index``: the index document's
     offset, capacity and template."""
+    if os.path.getsize(path) > MAX_IMAGE_BYTES:  # kept in memory: as a file's skeleton is
+        return None
     with open(path, "rb") as f:
         image = f.read()
     spots: list[tuple[int, int]] = []  # (position, length) of every value to patch
