@@ -163,6 +163,14 @@ def main() -> None:
             manager.save(blocking=False)
         except ValueError as exc:
             out["async_refused"] = np.asarray("multi-process" in str(exc))
+        # The manager's saves (ckpt-1 .. ckpt-3, one structure) went through the skeletons.
+        from parallelvars.checkpoint.h5io import collective
+
+        skeletons = manager._checkpoint._pv_skeletons
+        out["rank_skeleton"] = np.asarray(skeletons._skeleton is not None)
+        if rank == 0:
+            index = collective._INDEX_SKELETONS[skeletons]._skeleton
+            out["index_skeleton"] = np.asarray(type(index).__name__)
         strategy.barrier()
         out["latest"] = np.asarray(manager.latest_checkpoint)
         out["kept"] = np.asarray(manager.checkpoints)
