@@ -77,9 +77,17 @@ def repeat(strategy: pv.MultiWorkerMirroredStrategy, out_dir: str, out: dict) ->
     def step(k: int) -> None:
         strategy.run(m.replica_step, args=(model, opt, m.batches(k, n)))
 
+    from parallelvars.checkpoint.h5io.collective import _INDEX_SKELETONS
+
+    def skeletons() -> list[int]:
+        cache = ckpt._pv_skeletons
+        index = _INDEX_SKELETONS[cache]._skeleton if rank == 0 else None
+        return [id(cache._skeleton), id(index)]
+
     for k in (1, 2, 3):
         step(k)
         both(k)
+        out[f"skeletons_{k}"] = np.asarray(skeletons())
     with strategy.scope():  # a new variable: a new structure
         model.extra = pv.Variable(np.full(3, 2.0 + rank, np.float32), name="extra")
     both(4)

@@ -191,6 +191,11 @@ def test_repeated_collective_saves_are_the_files_hdf5_writes(
         assert all(c is not None and c._skeleton is not None for c in caches)
         index = collective._INDEX_SKELETONS[caches[0]]._skeleton  # type: ignore[index]
         assert isinstance(index, _index_skeleton.IndexSkeleton)
+        now = [index] + [c._skeleton for c in caches if c is not None]
+        if k == 1:
+            first = now
+        else:  # written from the first save's skeletons, not rebuilt
+            assert all(a is b for a, b in zip(now, first, strict=True))
     assert_readable(str(tmp_path / "a" / "ckpt-1.h5"), size, 1)  # earlier saves are untouched
 
 
