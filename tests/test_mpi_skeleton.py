@@ -88,11 +88,11 @@ def run_ranks(size: int, fn: Callable[[ThreadComm], object]) -> list[object]:
     return out
 
 
-def records(rank: int, size: int, k: int, extra: bool = False) -> list[SaveRecord]:
+def records(rank: int, size: int, k: int, extra: bool = False, bump: float = 0) -> list[SaveRecord]:
     """What rank ``rank`` saves at save ``k``: per-replica variables of its device and, like a
     checkpoint's counter, one value (saved by rank 0 only)."""
     dev = [f"cpu:{rank}"]
-    w = np.arange(12, dtype=np.float32).reshape(3, 4) * (k + rank)
+    w = np.arange(12, dtype=np.float32).reshape(3, 4) * (k + rank) + np.float32(bump)
     recs = [
         SaveRecord("mirrored", [w], (3, 4), {"devices": dev, "aggregation": "mean"}, path="m/w"),
         SaveRecord(
@@ -113,6 +113,7 @@ def save_all(
     caches: list[SkeletonCache | None],
     extra: bool = False,
     name: str = "ckpt",
+    bump: float = 0,
 ) -> list[object]:
     devices = [f"cpu:{r}" for r in range(size)]
     path = str(directory / f"{name}-{k}.h5")
@@ -122,7 +123,7 @@ def save_all(
         return write_collective(
             comm,
             path,
-            records(r, size, k, extra),
+            records(r, size, k, extra, bump),
             [f"cpu:{r}"],
             devices,
             object_graph={"nodes": [k if extra else 0]},
@@ -138,7 +139,8 @@ def files_of(path: str) -> dict[str, bytes]:
     out = {"index": Path(path).read_bytes()}
     parts = Path(path + ".parts")
     for f in sorted(parts.iterdir()):
-        out[f.name] = f.read_bytes()
+        if f.is_file():
+            out[f.name] = f.read_bytes()
     return out
 
 
@@ -265,6 +267,51 @@ def test_a_rank_failing_mid_save_leaves_the_last_good_checkpoint(
     (plain,) = set(save_all(tmp_path / "b", 4, 5, [None] * 4))
     assert files_of(str(path)) == files_of(str(plain))
     assert_readable(str(path), 4, 5)
+
+
+def test_a_failed_rewrite_of_the_same_path_leaves_the_committed_checkpoint(
+    tmp_path: Path, fixed_clock: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ckpt.write("latest.h5") every epoch: the rank files of a save that fails must not have
+    # replaced those of the committed checkpoint (they wait in .parts/.staged/ until all ranks
+    # wrote theirs).
+    caches: list[SkeletonCache | None] = [SkeletonCache() for _ in range(4)]
+    path = str(tmp_path / "latest-1.h5")
+    assert save_all(tmp_path, 4, 1, caches, name="latest") == [path] * 4
+    good = files_of(path)
+    real = collective.write_h5
+
+    def failing(p: str, *args: Any, **kwargs: Any) -> str:
+        if "rank-00003" in p:
+            raise OSError(28, "No space left on device")
+        return real(p, *args, **kwargs)
+
+    monkeypatch.setattr(collective, "write_h5", failing)
+    for _ in range(2):  # (the second from the skeletons of the first)
+        outcomes = save_all(tmp_path, 4, 1, caches, name="latest")
+        assert all(isinstance(o, CheckpointError) for o in outcomes), outcomes
+        assert files_of(path) == good  # every rank file and the index as committed
+        assert_readable(path, 4, 1)
+    monkeypatch.setattr(collective, "write_h5", real)
+
+    def no_index(*args: Any, **kwargs: Any) -> str:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(collective, "write_h5_index", no_index)
+    assert all(
+        isinstance(o, CheckpointError) for o in save_all(tmp_path, 4, 1, caches, name="latest")
+    )
+    assert files_of(path) == good
+    monkeypatch.undo()
+    monkeypatch.setattr(time, "time", lambda: CREATED)
+
+    # A save that succeeds replaces it, and clears what the failed ones left staged.
+    save_all(tmp_path, 4, 1, caches, name="latest", bump=100)
+    assert files_of(path) != good
+    with H5Reader(path) as reader:
+        assert reader.verify_all() == []
+        assert float(reader["m/w"].component(3)[0, 0]) == 100.0
+    assert sorted(os.listdir(path + ".parts")) == [f"rank-{r:05d}-of-00004.h5" for r in range(4)]
 
 
 @pytest.mark.parametrize("n", [12, 100])

@@ -4,8 +4,15 @@ Every rank writes the components it holds to its own file ``<path>.parts/rank-<r
 with :func:`~parallelvars.checkpoint.h5io.write.write_h5`, in parallel; rank 0 then writes the
 index file at ``path`` with :func:`~parallelvars.checkpoint.h5io.write.write_h5_index`: the
 groups and attributes of our layout with component datasets as external links into the rank
-files, the per-component checksums, the object graph and the document list. The index appears
-(atomically) only after every rank has written and flushed its file, so it is the commit point.
+files, the per-component checksums, the object graph and the document list.
+
+Nothing of the last good checkpoint is replaced before every rank has written its file: the
+ranks write into ``<path>.parts/.staged/`` and rank 0 writes the index there too; once all
+succeeded, rank 0 moves the rank files into ``<path>.parts/`` and then the index onto ``path``
+(renames, each directory fsynced). A save that fails in any rank, also one that rewrites the
+checkpoint at the same path, leaves the committed checkpoint as it was; only a crash during
+the renames of the commit (milliseconds) can leave an index whose checksums catch newer rank
+files.
 A plain ``h5py.File(path)`` sees every component through the links, and
 :class:`~parallelvars.checkpoint.h5io.read.H5Reader` reads and verifies them, with any number
 of processes or none.
@@ -20,12 +27,14 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import h5py
 
+from parallelvars._fileio import _fsync_path
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX
 from parallelvars.checkpoint._skeleton import SkeletonCache
 from parallelvars.checkpoint.h5io.attributes import _read_json
@@ -42,6 +51,8 @@ from parallelvars.errors import CheckpointError, CorruptCheckpointError
 __all__ = ["parts_dir_for", "write_collective"]
 
 _RANK_FILE = re.compile(r"rank-\d{5}-of-\d{5}\.h5")
+# Where a save's files wait, inside the parts folder, until every rank has written its own.
+_STAGED = ".staged"
 
 
 def parts_dir_for(path: str) -> str:
@@ -75,8 +86,10 @@ def write_collective(
     that are not per-replica, such as the checkpoint's counter, only on rank 0). Rank 0 then
     writes the index file at ``path``: the groups and attributes of our layout with component
     datasets as external links into the rank files, the per-component checksums and the object
-    graph. Ranks wait for each other before the index is written (a gather of the checksums),
-    and the index is written atomically, so ``path`` exists only for a complete checkpoint.
+    graph. Ranks wait for each other before the index is written (a gather of the checksums).
+    Every file is written in ``<path>.parts/.staged/`` first and moved into place only once all
+    are written, the index last, so ``path`` exists only for a complete checkpoint and a failed
+    save leaves the last good one, at this path too.
 
     With ``skeletons`` (the checkpoint's cache), repeated saves of one structure are written
     from cached bytes, byte for byte what HDF5 writes: each rank's file through ``write_h5``'s
@@ -89,15 +102,16 @@ def write_collective(
     path = os.path.abspath(os.fspath(path))
     rank, size = int(comm.Get_rank()), int(comm.Get_size())
     parts = parts_dir_for(path)
+    staged = os.path.join(parts, _STAGED)
     rel_parts = os.path.basename(parts)
     part_name = f"rank-{rank:05d}-of-{size:05d}.h5"
     mine = [r for r in records if rank == 0 or _is_distributed(r, local_devices)]
     error: str | None = None
     crcs: dict[str, list[int]] = {}
     try:
-        os.makedirs(parts, exist_ok=True)
+        os.makedirs(staged, exist_ok=True)
         part_path = write_h5(
-            os.path.join(parts, part_name), mine, metadata=metadata, skeletons=skeletons
+            os.path.join(staged, part_name), mine, metadata=metadata, skeletons=skeletons
         )
         crcs = _checksums(part_path, [rec.path for rec in mine])
     except Exception as exc:  # reported to every rank below, so no rank waits forever
@@ -111,8 +125,9 @@ def write_collective(
             outcome = "; ".join(errors)
         else:
             try:
+                index = os.path.join(staged, "index.h5")
                 _write_index(
-                    path,
+                    index,
                     records,
                     local_devices,
                     global_devices,
@@ -123,10 +138,12 @@ def write_collective(
                     metadata,
                     None if skeletons is None else _index_skeletons(skeletons),
                 )
+                _commit(path, parts, staged, index, size)
             except Exception as exc:
                 outcome = f"rank 0 (index): {type(exc).__name__}: {exc}"
             else:
                 _remove_stale_parts(parts, size)
+                shutil.rmtree(staged, ignore_errors=True)  # (and what a failed save left there)
     outcome = comm.bcast(outcome, root=0)
     if outcome is not None:
         raise CheckpointError("collective save failed", file=path, found=outcome)
@@ -158,6 +175,17 @@ def _index_skeletons(skeletons: SkeletonCache) -> SkeletonCache:
     if cache is None:
         cache = _INDEX_SKELETONS[skeletons] = SkeletonCache()
     return cache
+
+
+def _commit(path: str, parts: str, staged: str, index: str, size: int) -> None:
+    """Rank 0, once every rank has written its file: move the staged rank files into the parts
+    folder, then the staged index onto ``path``, fsyncing each folder."""
+    for r in range(size):
+        name = f"rank-{r:05d}-of-{size:05d}.h5"
+        os.replace(os.path.join(staged, name), os.path.join(parts, name))
+    _fsync_path(parts, directory=True)
+    os.replace(index, path)
+    _fsync_path(os.path.dirname(path), directory=True)
 
 
 def _remove_stale_parts(parts: str, size: int) -> None:
