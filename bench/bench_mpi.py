@@ -116,6 +116,21 @@ def worker(args: argparse.Namespace) -> None:
                 )
 
 
+def find_mpiexec() -> tuple[Path, str | None]:
+    """The ``mpiexec`` of the ``[mpi]`` extra and why MPI runs cannot start (None if they can)."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.exists():
+        mpiexec = Path(sys.prefix) / "bin" / "mpiexec"
+    missing = (
+        "mpi4py is not installed (pip install 'parallelvars[mpi]')"
+        if importlib.util.find_spec("mpi4py") is None
+        else None
+        if mpiexec.exists()
+        else f"no mpiexec at {mpiexec}"
+    )
+    return mpiexec, missing
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -134,16 +149,7 @@ def main() -> int:
         worker(args)
         return 0
     params = {"size_mb": args.size_mb, "vars": args.vars, "steps": args.steps, "procs": args.procs}
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    if not mpiexec.exists():
-        mpiexec = Path(sys.prefix) / "bin" / "mpiexec"
-    missing = (
-        "mpi4py is not installed (pip install 'parallelvars[mpi]')"
-        if importlib.util.find_spec("mpi4py") is None
-        else None
-        if mpiexec.exists()
-        else f"no mpiexec at {mpiexec}"
-    )
+    mpiexec, missing = find_mpiexec()
     if missing:
         print(f"skipped: {missing}")
         _write_json(args.json, {"benchmark": "mpi", "params": params, "skipped": missing})

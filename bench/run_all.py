@@ -58,6 +58,7 @@ BENCHMARKS = (
     Benchmark("tf_read", "bench_tf_read.py", ("--mb", "512")),
     Benchmark("strategy", "bench_strategy.py"),
     Benchmark("mpi", "bench_mpi.py", ("--size-mb", "20")),
+    Benchmark("mpi_checkpoint", "bench_mpi_checkpoint.py", ("--procs", "2")),  # --full: 4 too
     Benchmark("scaling", "bench_scaling.py", ("--counts", "500", "5000")),  # --full: 50,000 too
 )
 
@@ -322,6 +323,40 @@ def _rows_mpi(d: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _rows_mpi_checkpoint(d: dict[str, Any]) -> list[list[str]]:
+    area = "mpi checkpoint"
+    if "skipped" in d:
+        return [_row(area, f"skipped: {d['skipped']}", NONE, NONE, NONE)]
+    rows = []
+    p = d["params"]
+    size = f"{p['vars']} vars, {p['params'] * 4 / 1e6:.0f} MB per replica"
+    for procs, run in d["runs"].items():
+        if "error" in run:
+            failed = f"{procs} processes: failed: {run['error']}"
+            rows.append(_row(area, failed, NONE, NONE, NONE, (NONE, "no")))
+            continue
+        mpi, one = run["best_s"]["mpi"], run["best_s"]["one_process"]
+        rows.append(
+            _row(
+                area,
+                f"repeated save (skeletons) vs every file by HDF5 ({procs} processes, {size})",
+                _s(mpi["repeated"]),
+                _s(mpi["no_skeleton"]),
+                _x(mpi["no_skeleton"] / mpi["repeated"]),
+            )
+        )
+        rows.append(
+            _row(
+                area,
+                f"repeated save vs one process, MirroredStrategy({procs}) ({procs} processes)",
+                _s(mpi["repeated"]),
+                _s(one["repeated"]),
+                _x(one["repeated"] / mpi["repeated"]),
+            )
+        )
+    return rows
+
+
 _SCALING_OPS = {
     "save": "Checkpoint.save",
     "restore": "Checkpoint.restore + assert_consumed",
@@ -376,6 +411,7 @@ ROWS = {
     "tf_read": _rows_tf_read,
     "strategy": _rows_strategy,
     "mpi": _rows_mpi,
+    "mpi_checkpoint": _rows_mpi_checkpoint,
     "scaling": _rows_scaling,
 }
 

@@ -55,6 +55,66 @@ def collectives(strategy: pv.MultiWorkerMirroredStrategy, out: dict[str, np.ndar
     out["inplace_items"] = np.asarray(items)
 
 
+def repeat(strategy: pv.MultiWorkerMirroredStrategy, out_dir: str, out: dict) -> None:
+    """Repeated saves (from the skeletons) beside plain ones of the same content, a structure
+    change, and a save that fails in rank 1; every save at one fixed ``created`` time."""
+    import time
+
+    from parallelvars.checkpoint.h5io import collective
+
+    time.time = lambda: 1_700_000_000.5  # the files of two ways of writing can be compared
+    rank, n = strategy.cluster_rank, strategy.num_replicas_in_sync
+    model, opt, _ = m.train(strategy, steps=1, seed=rank)
+    ckpt = pv.Checkpoint(model=model, optimizer=opt)
+
+    def both(k: int) -> str:
+        path = ckpt.write(os.path.join(out_dir, "skel", f"ckpt-{k}.h5"))
+        cache, ckpt._pv_skeletons = ckpt._pv_skeletons, None
+        ckpt.write(os.path.join(out_dir, "plain", f"ckpt-{k}.h5"))  # HDF5 writes all of it
+        ckpt._pv_skeletons = cache
+        return path
+
+    def step(k: int) -> None:
+        strategy.run(m.replica_step, args=(model, opt, m.batches(k, n)))
+
+    from parallelvars.checkpoint.h5io.collective import _INDEX_SKELETONS
+
+    def skeletons() -> list[int]:
+        cache = ckpt._pv_skeletons
+        index = _INDEX_SKELETONS[cache]._skeleton if rank == 0 else None
+        return [id(cache._skeleton), id(index)]
+
+    for k in (1, 2, 3):
+        step(k)
+        both(k)
+        out[f"skeletons_{k}"] = np.asarray(skeletons())
+    with strategy.scope():  # a new variable: a new structure
+        model.extra = pv.Variable(np.full(3, 2.0 + rank, np.float32), name="extra")
+    both(4)
+    out["skeleton_kept"] = np.asarray(ckpt._pv_skeletons._skeleton is not None)
+    if rank == 0:  # the index file's skeleton, beside the rank file's
+        index = collective._INDEX_SKELETONS[ckpt._pv_skeletons]._skeleton
+        out["index_skeleton"] = np.asarray(type(index).__name__)
+    real = collective.write_h5
+
+    def failing(path: str, *args: object, **kwargs: object) -> str:
+        if rank == 1:
+            raise OSError(28, "No space left on device")
+        return real(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    collective.write_h5 = failing  # type: ignore[assignment]
+    step(5)
+    try:
+        ckpt.write(os.path.join(out_dir, "skel", "ckpt-5.h5"))
+    except pv.ParallelVarsError as exc:
+        out["failed"] = np.asarray(str(exc))
+    collective.write_h5 = real
+    step(6)
+    out["path"] = np.asarray(both(6))
+    for name in ("w", "b", "c", "extra"):
+        out[name] = np.array(getattr(model, name).components[0])
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     strategy = pv.MultiWorkerMirroredStrategy()
@@ -111,12 +171,29 @@ def main() -> None:
             manager.save(blocking=False)
         except ValueError as exc:
             out["async_refused"] = np.asarray("multi-process" in str(exc))
+        # The manager's saves (ckpt-1 .. ckpt-3, one structure) went through the skeletons.
+        from parallelvars.checkpoint.h5io import collective
+
+        skeletons = manager._checkpoint._pv_skeletons
+        out["rank_skeleton"] = np.asarray(skeletons._skeleton is not None)
+        if rank == 0:
+            index = collective._INDEX_SKELETONS[skeletons]._skeleton
+            out["index_skeleton"] = np.asarray(type(index).__name__)
         strategy.barrier()
         out["latest"] = np.asarray(manager.latest_checkpoint)
         out["kept"] = np.asarray(manager.checkpoints)
         out["listing"] = np.asarray(sorted(os.listdir(directory)))
         out.update(m.state(model, opt))
         manager.close()
+    elif scenario == "repeat":
+        repeat(strategy, out_dir, out)
+    elif scenario == "restore_exact":
+        with strategy.scope():
+            model = m.Model(seed=200 + rank)
+            model.extra = pv.Variable(np.zeros(3, np.float32), name="extra")
+        pv.Checkpoint(model=model).restore(sys.argv[3]).expect_partial()
+        for name in ("w", "b", "c", "extra"):
+            out[name] = np.array(getattr(model, name).components[0])
     elif scenario == "raise":
         if rank == 1:
             raise ValueError("boom on purpose in rank 1")

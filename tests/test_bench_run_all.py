@@ -157,6 +157,23 @@ def test_a_benchmark_without_figures_is_one_row_saying_why(name, result, words):
     assert row[6] == ("n/a" if name == "mpi" else "no")
 
 
+def test_mpi_checkpoint_rows() -> None:
+    best = {
+        "mpi": {"first": 6.0, "repeated": 0.25, "no_skeleton": 5.0},
+        "one_process": {"first": 2.0, "repeated": 0.1, "no_skeleton": 2.0},
+    }
+    data = {
+        "params": {"vars": 5000, "params": 5e6},
+        "runs": {"2": {"procs": 2, "best_s": best}, "4": {"procs": 4, "error": "exit 1"}},
+    }
+    rows = _rows(run_all.build_table({"mpi_checkpoint": {"status": "ok", "data": data}}))
+    skel, one, failed = rows
+    assert skel[2:5] == ["0.250 s", "5.000 s", "20.00x"] and "2 processes" in skel[1]
+    assert "5000 vars, 20 MB per replica" in skel[1]
+    assert one[2:5] == ["0.250 s", "0.100 s", "0.40x"] and "MirroredStrategy(2)" in one[1]
+    assert failed[1].startswith("4 processes: failed") and failed[6] == "no"
+
+
 def test_torch_row_only_where_torch_ran():
     data = _update()
     model = data["models"]["B"]

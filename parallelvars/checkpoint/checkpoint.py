@@ -83,7 +83,7 @@ def _process_strategy() -> Any:
 
 
 def _checkpoint_writer() -> Callable[..., str]:
-    """``writer(path, records, *, object_graph, metadata)`` for this process's saves."""
+    """``writer(path, records, *, object_graph, metadata, skeletons)`` for this process's saves."""
     strategy = _process_strategy()
     writer = None if strategy is None else strategy.checkpoint_writer()
     return writer or write_h5
@@ -894,12 +894,15 @@ class Checkpoint(Trackable):
             records, object_graph, metadata = self._gather(copy)
 
         writer = _checkpoint_writer()  # every rank writes its part under MPI
-        extra = {"skeletons": self._pv_skeletons} if writer is write_h5 else {}
 
         def write(path: str | os.PathLike[str]) -> str:
             with _gc_paused():  # a few objects per variable, all alive until the write ends
                 return writer(
-                    os.fspath(path), records, object_graph=object_graph, metadata=metadata, **extra
+                    os.fspath(path),
+                    records,
+                    object_graph=object_graph,
+                    metadata=metadata,
+                    skeletons=self._pv_skeletons,
                 )
 
         return write

@@ -38,7 +38,8 @@ Checkpoints: :meth:`MultiWorkerMirroredStrategy.checkpoint_writer` hands ``Check
 collective layout writer, :func:`parallelvars.checkpoint.h5io.collective.write_collective`:
 every rank writes its own components to its own HDF5 file, in parallel, and rank 0 commits the
 index file at the path ``save()`` returns, whose components are external links into the rank
-files.
+files. Repeated saves of one structure write both kinds of file from the checkpoint's cached
+skeletons.
 
 Failure. Creating the strategy installs a ``sys.excepthook`` that prints an uncaught exception
 with the rank and calls ``MPI.COMM_WORLD.Abort(1)``, so a rank that raises ends the whole job
@@ -458,7 +459,13 @@ class MultiWorkerMirroredStrategy(MPICollectives, Strategy):
         return self._write_checkpoint
 
     def _write_checkpoint(
-        self, path: str, records: Sequence[Any], *, object_graph: Any = None, metadata: Any = None
+        self,
+        path: str,
+        records: Sequence[Any],
+        *,
+        object_graph: Any = None,
+        metadata: Any = None,
+        skeletons: Any = None,
     ) -> str:
         from parallelvars.checkpoint.h5io.collective import write_collective
 
@@ -470,4 +477,5 @@ class MultiWorkerMirroredStrategy(MPICollectives, Strategy):
             self.worker_devices,
             object_graph=object_graph,
             metadata=metadata,
+            skeletons=skeletons,
         )

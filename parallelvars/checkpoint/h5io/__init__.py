@@ -16,7 +16,8 @@ The layout (documented with an ``h5dump``-style example in ``docs/FORMAT.md``):
   with spaces to a capacity fixed by the structure.
 
 No object records times, so the same content gives the same bytes: a repeated save of one
-structure is written from the first save's bytes (``checkpoint._skeleton``).
+structure is written from the first save's bytes (``checkpoint._skeleton``), and so is a
+repeated multi-process index file (``_index_skeleton``).
 
 bfloat16 and the float8 family are stored as HDF5 opaque types of their size, with the
 ``dtype`` group attribute naming them (the convention Keras uses); strings as variable-length
@@ -32,7 +33,8 @@ storage dtypes), ``attributes`` (attribute and JSON-document encoding and decodi
 (:func:`write_h5`, :func:`write_h5_index`), ``stored`` (:class:`StoredVariable`, one variable
 of a file), ``read`` (:class:`H5Reader`, :func:`is_native_checkpoint`) and ``collective``
 (:func:`~parallelvars.checkpoint.h5io.collective.write_collective`, the multi-process writer
-built on ``write_h5`` and ``write_h5_index``).
+built on ``write_h5`` and ``write_h5_index``) and ``_index_skeleton`` (the index file's
+skeleton: the values that change between two index files of one structure, patched).
 """
 
 from __future__ import annotations

@@ -4,8 +4,15 @@ Every rank writes the components it holds to its own file ``<path>.parts/rank-<r
 with :func:`~parallelvars.checkpoint.h5io.write.write_h5`, in parallel; rank 0 then writes the
 index file at ``path`` with :func:`~parallelvars.checkpoint.h5io.write.write_h5_index`: the
 groups and attributes of our layout with component datasets as external links into the rank
-files, the per-component checksums, the object graph and the document list. The index appears
-(atomically) only after every rank has written and flushed its file, so it is the commit point.
+files, the per-component checksums, the object graph and the document list.
+
+Nothing of the last good checkpoint is replaced before every rank has written its file: the
+ranks write into ``<path>.parts/.staged/`` and rank 0 writes the index there too; once all
+succeeded, rank 0 moves the rank files into ``<path>.parts/`` and then the index onto ``path``
+(renames, each directory fsynced). A save that fails in any rank, also one that rewrites the
+checkpoint at the same path, leaves the committed checkpoint as it was; only a crash during
+the renames of the commit (milliseconds) can leave an index whose checksums catch newer rank
+files.
 A plain ``h5py.File(path)`` sees every component through the links, and
 :class:`~parallelvars.checkpoint.h5io.read.H5Reader` reads and verifies them, with any number
 of processes or none.
@@ -20,11 +27,18 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
+import weakref
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
+import h5py
+
+from parallelvars._fileio import _fsync_path
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX
-from parallelvars.checkpoint.h5io.read import H5Reader
+from parallelvars.checkpoint._skeleton import SkeletonCache
+from parallelvars.checkpoint.h5io.attributes import _read_json
+from parallelvars.checkpoint.h5io.layout import INDEX_DATASET
 from parallelvars.checkpoint.h5io.write import (
     ComponentLink,
     LinkedVariable,
@@ -32,11 +46,13 @@ from parallelvars.checkpoint.h5io.write import (
     write_h5_index,
 )
 from parallelvars.checkpoint.registry import component_name
-from parallelvars.errors import CheckpointError
+from parallelvars.errors import CheckpointError, CorruptCheckpointError
 
 __all__ = ["parts_dir_for", "write_collective"]
 
 _RANK_FILE = re.compile(r"rank-\d{5}-of-\d{5}\.h5")
+# Where a save's files wait, inside the parts folder, until every rank has written its own.
+_STAGED = ".staged"
 
 
 def parts_dir_for(path: str) -> str:
@@ -62,6 +78,7 @@ def write_collective(
     *,
     object_graph: Any = None,
     metadata: Any = None,
+    skeletons: SkeletonCache | None = None,
 ) -> str:
     """Write one logical checkpoint from every rank of ``comm``; returns ``path`` on every rank.
 
@@ -69,8 +86,15 @@ def write_collective(
     that are not per-replica, such as the checkpoint's counter, only on rank 0). Rank 0 then
     writes the index file at ``path``: the groups and attributes of our layout with component
     datasets as external links into the rank files, the per-component checksums and the object
-    graph. Ranks wait for each other before the index is written (a gather of the checksums),
-    and the index is written atomically, so ``path`` exists only for a complete checkpoint.
+    graph. Ranks wait for each other before the index is written (a gather of the checksums).
+    Every file is written in ``<path>.parts/.staged/`` first and moved into place only once all
+    are written, the index last, so ``path`` exists only for a complete checkpoint and a failed
+    save leaves the last good one, at this path too.
+
+    With ``skeletons`` (the checkpoint's cache), repeated saves of one structure are written
+    from cached bytes, byte for byte what HDF5 writes: each rank's file through ``write_h5``'s
+    skeleton, and rank 0's index file through ``write_h5_index``'s, kept in a second cache
+    that lives as long as ``skeletons``.
 
     Raises:
         CheckpointError: on every rank, when any rank failed to write its part.
@@ -78,17 +102,18 @@ def write_collective(
     path = os.path.abspath(os.fspath(path))
     rank, size = int(comm.Get_rank()), int(comm.Get_size())
     parts = parts_dir_for(path)
+    staged = os.path.join(parts, _STAGED)
     rel_parts = os.path.basename(parts)
     part_name = f"rank-{rank:05d}-of-{size:05d}.h5"
     mine = [r for r in records if rank == 0 or _is_distributed(r, local_devices)]
     error: str | None = None
     crcs: dict[str, list[int]] = {}
     try:
-        os.makedirs(parts, exist_ok=True)
-        part_path = write_h5(os.path.join(parts, part_name), mine, metadata=metadata)
-        with H5Reader(part_path) as reader:
-            for rec in mine:
-                crcs[rec.path] = [int(c) for c in cast(list, reader[rec.path].stored_checksums)]
+        os.makedirs(staged, exist_ok=True)
+        part_path = write_h5(
+            os.path.join(staged, part_name), mine, metadata=metadata, skeletons=skeletons
+        )
+        crcs = _checksums(part_path, [rec.path for rec in mine])
     except Exception as exc:  # reported to every rank below, so no rank waits forever
         error = f"rank {rank}: {type(exc).__name__}: {exc}"
     gathered = comm.gather((error, crcs), root=0)
@@ -100,8 +125,9 @@ def write_collective(
             outcome = "; ".join(errors)
         else:
             try:
+                index = os.path.join(staged, "index.h5")
                 _write_index(
-                    path,
+                    index,
                     records,
                     local_devices,
                     global_devices,
@@ -110,15 +136,56 @@ def write_collective(
                     size,
                     object_graph,
                     metadata,
+                    None if skeletons is None else _index_skeletons(skeletons),
                 )
+                _commit(path, parts, staged, index, size)
             except Exception as exc:
                 outcome = f"rank 0 (index): {type(exc).__name__}: {exc}"
             else:
                 _remove_stale_parts(parts, size)
+                shutil.rmtree(staged, ignore_errors=True)  # (and what a failed save left there)
     outcome = comm.bcast(outcome, root=0)
     if outcome is not None:
         raise CheckpointError("collective save failed", file=path, found=outcome)
     return path
+
+
+def _checksums(part_path: str, paths: Sequence[str]) -> dict[str, list[int]]:
+    """The component checksums of ``paths`` that the rank file just written records in its
+    (checksummed) index document."""
+    with h5py.File(part_path, "r") as f:
+        index = _read_json(f, INDEX_DATASET, part_path, required=True)
+    try:
+        return {p: [int(c) for c in index[p]["crc32c"]] for p in paths}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(
+            "the rank file's index lacks a component checksum", file=part_path, found=repr(exc)
+        ) from None
+
+
+# The index files' skeleton cache of each checkpoint's cache (rank 0 writes both files).
+_INDEX_SKELETONS: weakref.WeakKeyDictionary[SkeletonCache, SkeletonCache] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _index_skeletons(skeletons: SkeletonCache) -> SkeletonCache:
+    """The cache of the index files of the checkpoint whose rank files use ``skeletons``."""
+    cache = _INDEX_SKELETONS.get(skeletons)
+    if cache is None:
+        cache = _INDEX_SKELETONS[skeletons] = SkeletonCache()
+    return cache
+
+
+def _commit(path: str, parts: str, staged: str, index: str, size: int) -> None:
+    """Rank 0, once every rank has written its file: move the staged rank files into the parts
+    folder, then the staged index onto ``path``, fsyncing each folder."""
+    for r in range(size):
+        name = f"rank-{r:05d}-of-{size:05d}.h5"
+        os.replace(os.path.join(staged, name), os.path.join(parts, name))
+    _fsync_path(parts, directory=True)
+    os.replace(index, path)
+    _fsync_path(os.path.dirname(path), directory=True)
 
 
 def _remove_stale_parts(parts: str, size: int) -> None:
@@ -144,6 +211,7 @@ def _write_index(
     size: int,
     object_graph: Any,
     metadata: Any,
+    skeletons: SkeletonCache | None = None,
 ) -> None:
     """Rank 0: the index file, through the layout's one writer (``write_h5_index``).
 
@@ -151,25 +219,31 @@ def _write_index(
     ``r - 1``'s) and the global device list; any other record is rank 0's.
     """
 
-    def part(r: int) -> str:
-        return f"{rel_parts}/rank-{r:05d}-of-{size:05d}.h5"
-
+    part = [f"{rel_parts}/rank-{r:05d}-of-{size:05d}.h5" for r in range(size)]
+    names = [component_name(j) for j in range(max((r.num_components for r in records), default=0))]
+    everyone = list(range(size))
     variables = []
     for rec in records:
         local_n = rec.num_components
         if _is_distributed(rec, local_devices):
-            sources = [(r, j) for r in range(size) for j in range(local_n)]
+            ranks = everyone
             attrs = dict(rec.attrs, devices=list(global_devices))
         else:
-            sources = [(0, j) for j in range(local_n)]
+            ranks = everyone[:1]
             attrs = dict(rec.attrs)
-        links = [
-            ComponentLink(part(r), f"/{rec.path}/{component_name(j)}", rank_crcs[r][rec.path][j])
-            for r, j in sources
-        ]
+        links = []
+        for r in ranks:
+            crcs = rank_crcs[r][rec.path]
+            links += [
+                ComponentLink(part[r], f"/{rec.path}/{names[j]}", crcs[j]) for j in range(local_n)
+            ]
         variables.append(
             LinkedVariable(rec.path, rec.kind, rec.dtype, tuple(rec.shape), attrs, links)
         )
     write_h5_index(
-        path, variables, object_graph=object_graph, metadata=dict(metadata or {}, processes=size)
+        path,
+        variables,
+        object_graph=object_graph,
+        metadata=dict(metadata or {}, processes=size),
+        skeletons=skeletons,
     )

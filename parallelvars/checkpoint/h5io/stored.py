@@ -216,13 +216,19 @@ class StoredVariable(Entry):
             raise self._fail("cannot read the dataset layout", i, found=str(exc)) from None
         if needed and not external:
             limit = stored * _MAX_COMPRESSION if filtered else stored
-            if needed > limit or stored > self._reader.file_size:
+            held = self._reader.file_size
+            if stored > held:  # a component behind an external link: the size of its file
+                try:
+                    held = int(h5py.h5i.get_file_id(dsid).get_filesize())
+                except _H5_ERRORS:
+                    pass
+            if needed > limit or stored > held:
                 raise TruncatedFileError(
                     "the dataset holds fewer bytes than its shape needs",
                     file=self._reader.path,
                     variable=f"{self.path}/{component_name(i)}",
                     expected=f"{needed} bytes{' (uncompressed)' if filtered else ''}",
-                    found=f"{stored} bytes stored, file of {self._reader.file_size} bytes",
+                    found=f"{stored} bytes stored, file of {held} bytes",
                 )
         self._storage_ok.add(i)
 

@@ -10,7 +10,7 @@ import json
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import h5py
 import numpy as np
@@ -21,6 +21,7 @@ from parallelvars._geometry import shard_slices
 from parallelvars.checkpoint import _skeleton
 from parallelvars.checkpoint._skeleton import SkeletonCache
 from parallelvars.checkpoint.entry import Entry
+from parallelvars.checkpoint.h5io import _index_skeleton
 from parallelvars.checkpoint.h5io.attributes import (
     _attr_value,
     _decode,
@@ -473,6 +474,7 @@ def write_h5_index(
     *,
     object_graph: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
+    skeletons: SkeletonCache | None = None,
 ) -> str:
     """Write the index file of a checkpoint whose component bytes live in other files.
 
@@ -482,36 +484,163 @@ def write_h5_index(
     ``component.file:component.dataset`` and its checksum taken from the link record. The
     file appears under ``path`` only once complete and flushed to disk.
 
+    With ``skeletons`` (a cache kept for the index files of one checkpoint), a save of the
+    structure the cache holds is written from the cached bytes of the first: the links' folder
+    (the part of every ``component.file`` up to its last ``/``, one for all links, of the same
+    length), the index's checksums and the header values put in, the header checksums
+    recomputed (see ``_index_skeleton``); byte for byte what HDF5 writes. Any other save is
+    written by HDF5 and its skeleton cached.
+
     Returns:
         ``path``.
     """
     p = os.fspath(path)
     items = list(variables)
+    prefix, key = (
+        ("", None) if skeletons is None else _index_structure(items, object_graph, metadata)
+    )
+    cached = None if key is None or skeletons is None else skeletons.get(key)
+    if isinstance(cached, _index_skeleton.IndexSkeleton):
+        skel = cached
+
+        def repeat(tmp: str) -> None:
+            crcs = [int(c.crc32c) for v in items for c in v.components]
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            try:
+                skel.write(fd, prefix.encode(), crcs, _header_values(metadata), _INDEX_CRC)
+            finally:
+                os.close(fd)
+
+        return atomic_write(p, repeat)
+    if cached is not None:  # a structure known to have no skeleton: HDF5 writes it
+        return atomic_write(
+            p,
+            lambda tmp: _write_index_file(tmp, p, items, object_graph, metadata, {}, "", ""),
+        )
+    captured: list[Any] = []
 
     def write(tmp: str) -> None:
-        index: dict[str, Any] = {}
-        with _new_file(tmp, metadata) as f:
-            for var in items:
-                if var.path in index:
-                    raise InvalidEntryError("is written twice", file=p, variable=var.path)
-                shape = tuple(int(s) for s in var.shape)
-                grp, meta = _write_group(
-                    f,
-                    var.path,
-                    var.kind,
-                    np.dtype(var.dtype),
-                    shape,
-                    len(var.components),
-                    var.attrs,
-                )
-                meta["offsets"] = [None] * len(var.components)
-                meta["crc32c"] = [int(c.crc32c) for c in var.components]
-                for i, link in enumerate(var.components):
-                    grp[component_name(i)] = h5py.ExternalLink(link.file, link.dataset)
-                index[var.path] = meta
-            _finish_metadata(f, index, object_graph)
+        if key is None:
+            _write_index_file(tmp, p, items, object_graph, metadata, {}, prefix, prefix)
+            return
+        values = _header_values(metadata)
+        sentinels = {name: _skeleton.sentinel(np.asarray(v).dtype) for name, v in values.items()}
+        stand_in = _index_skeleton.link_sentinel(len(prefix.encode()))
+        index, (offset, capacity, crc), template = _write_index_file(
+            tmp, p, items, object_graph, metadata, sentinels, prefix, stand_in.decode()
+        )
+        crcs = [c for m in index.values() for c in m["crc32c"]]
+        skel = None
+        if (
+            template is not None
+            and template % tuple(crcs) == json.dumps(index)
+            and len(template) + 8 * len(crcs) <= capacity  # any checksums fit
+        ):
+            links = sum(len(v.components) for v in items) if prefix else 0
+            skel = _index_skeleton.capture(
+                tmp, key, stand_in, links, sentinels, (offset, capacity, template)
+            )
+        if skel is None:  # the file gets its real values through HDF5; so will later saves
+            _write_index_file(tmp, p, items, object_graph, metadata, {}, prefix, prefix)
+            captured.append(_index_skeleton.NoSkeleton(key))
+            return
+        values[_INDEX_CRC] = np.int64(crc)
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            skel.write(fd, prefix.encode(), crcs, values, _INDEX_CRC)
+        finally:
+            os.close(fd)
+        captured.append(skel)
 
-    return atomic_write(p, write)
+    atomic_write(p, write)
+    if skeletons is not None:
+        # (the cache compares keys only, whatever it holds)
+        skeletons.put(cast(Any, captured[0] if captured else None))
+    return p
+
+
+def _link_prefix(items: Sequence[LinkedVariable]) -> str | None:
+    """The folder part (up to the last ``/``) shared by every link's file, or None."""
+    first = next((c.file for v in items for c in v.components), "")
+    prefix = first[: first.rfind("/") + 1]
+    for v in items:
+        for c in v.components:
+            if not c.file.startswith(prefix) or "/" in c.file[len(prefix) :]:
+                return None
+    return prefix
+
+
+def _index_structure(
+    items: Sequence[LinkedVariable],
+    object_graph: Mapping[str, Any] | None,
+    metadata: Mapping[str, Any] | None,
+) -> tuple[str, Any]:
+    """The links' shared folder and what an index file's bytes depend on besides it, the
+    component checksums and the header values (None when its links share no folder)."""
+    prefix = _link_prefix(items)
+    if prefix is None:
+        return "", None
+    n = len(prefix)
+    records = [
+        (
+            v.path,
+            v.kind,
+            np.dtype(v.dtype),
+            tuple(v.shape),
+            dict(v.attrs),
+            [(c.file[n:], c.dataset) for c in v.components],
+        )
+        for v in items
+    ]
+    meta = tuple(
+        (k, type(v).__name__ if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+        for k, v in dict(metadata or {}).items()
+        if v is not None
+    )
+    return prefix, (_library_version(), len(prefix.encode()), meta, object_graph, records)
+
+
+def _write_index_file(
+    tmp: str,
+    file: str,
+    items: Sequence[LinkedVariable],
+    object_graph: Mapping[str, Any] | None,
+    metadata: Mapping[str, Any] | None,
+    values: Mapping[str, Any],
+    prefix: str,
+    stand_in: str,
+) -> tuple[dict[str, Any], tuple[int, int, int], str | None]:
+    """The index file written by HDF5 at ``tmp`` (``values`` override header values, and
+    ``stand_in`` replaces every link's folder ``prefix``); returns the index, where its
+    document lies (offset, capacity, checksum) and its template (None without ``values``)."""
+    index: dict[str, Any] = {}
+    with _new_file(tmp, metadata, values) as f:
+        for var in items:
+            if var.path in index:
+                raise InvalidEntryError("is written twice", file=file, variable=var.path)
+            shape = tuple(int(s) for s in var.shape)
+            n = len(var.components)
+            grp, meta = _write_group(
+                f, var.path, var.kind, np.dtype(var.dtype), shape, n, var.attrs
+            )
+            meta["offsets"] = [None] * n
+            meta["crc32c"] = [int(c.crc32c) for c in var.components]
+            links, lcpl, lapl = grp.id.links, grp._lcpl, grp._lapl
+            for i, link in enumerate(var.components):
+                target = stand_in + link.file[len(prefix) :]
+                links.create_external(
+                    component_name(i).encode(),
+                    target.encode(),
+                    link.dataset.encode(),
+                    lcpl=lcpl,
+                    lapl=lapl,
+                )
+            index[var.path] = meta
+        template = _index_template(index) if values else None
+        where = _finish_metadata(
+            f, index, object_graph, crc_sentinel=values.get(_INDEX_CRC), template=template
+        )
+    return index, where, template
 
 
 def _finish_metadata(

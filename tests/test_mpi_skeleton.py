@@ -1,0 +1,414 @@
+"""Repeated multi-process saves written from skeletons are the files HDF5 writes.
+
+The ranks here are threads sharing an in-process communicator (the duck-typed ``gather`` /
+``bcast`` of ``write_collective``), so these run in the default suite; the real ``mpiexec``
+runs of the same checks are in ``test_mpi_repeated.py`` (slow).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from parallelvars.checkpoint import H5Reader
+from parallelvars.checkpoint._skeleton import SkeletonCache, lookup3
+from parallelvars.checkpoint.h5io import _index_skeleton, collective
+from parallelvars.checkpoint.h5io.collective import write_collective
+from parallelvars.checkpoint.h5io.write import ComponentLink, LinkedVariable, write_h5_index
+from parallelvars.checkpoint.registry import SaveRecord
+from parallelvars.errors import CheckpointError
+
+CREATED = 1_700_000_000.5
+
+
+@pytest.fixture
+def fixed_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every save records the same ``created`` time, so two ways of writing can be compared."""
+    monkeypatch.setattr(time, "time", lambda: CREATED)
+
+
+class ThreadComm:
+    """Rank ``rank`` of ``size`` threads: ``gather`` and ``bcast`` as mpi4py's ``Comm``."""
+
+    def __init__(self, rank: int, shared: dict[str, Any]) -> None:
+        self.rank, self.shared = rank, shared
+
+    def Get_rank(self) -> int:
+        return self.rank
+
+    def Get_size(self) -> int:
+        return int(self.shared["size"])
+
+    def gather(self, value: object, root: int = 0) -> list[object] | None:
+        self.shared["slots"][self.rank] = value
+        self.shared["barrier"].wait()
+        out = list(self.shared["slots"]) if self.rank == root else None
+        self.shared["barrier"].wait()
+        return out
+
+    def bcast(self, value: object, root: int = 0) -> object:
+        if self.rank == root:
+            self.shared["value"] = value
+        self.shared["barrier"].wait()
+        out = self.shared["value"]
+        self.shared["barrier"].wait()
+        return out
+
+
+def run_ranks(size: int, fn: Callable[[ThreadComm], object]) -> list[object]:
+    """``fn(comm)`` on ``size`` threads at once; each one's result or exception."""
+    shared: dict[str, Any] = {
+        "size": size,
+        "slots": [None] * size,
+        "barrier": threading.Barrier(size, timeout=60),
+    }
+    out: list[object] = [None] * size
+
+    def one(r: int) -> None:
+        try:
+            out[r] = fn(ThreadComm(r, shared))
+        except BaseException as exc:  # handed to the test
+            out[r] = exc
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+def records(rank: int, size: int, k: int, extra: bool = False, bump: float = 0) -> list[SaveRecord]:
+    """What rank ``rank`` saves at save ``k``: per-replica variables of its device and, like a
+    checkpoint's counter, one value (saved by rank 0 only)."""
+    dev = [f"cpu:{rank}"]
+    w = np.arange(12, dtype=np.float32).reshape(3, 4) * (k + rank) + np.float32(bump)
+    recs = [
+        SaveRecord("mirrored", [w], (3, 4), {"devices": dev, "aggregation": "mean"}, path="m/w"),
+        SaveRecord(
+            "mirrored", [np.full(70_000, k, np.float32)], (70_000,), {"devices": dev}, path="m/big"
+        ),
+        SaveRecord("on_read", [np.array(k * 10 + rank)], (), {"devices": dev}, path="m/seen"),
+        SaveRecord("single", [np.array(k, np.int64)], (), {"devices": ["cpu:0"]}, path="count"),
+    ]
+    if extra:
+        recs.append(SaveRecord("mirrored", [w[:1] + 1], (1, 4), {"devices": dev}, path="m/new"))
+    return recs
+
+
+def save_all(
+    directory: Path,
+    size: int,
+    k: int,
+    caches: list[SkeletonCache | None],
+    extra: bool = False,
+    name: str = "ckpt",
+    bump: float = 0,
+) -> list[object]:
+    devices = [f"cpu:{r}" for r in range(size)]
+    path = str(directory / f"{name}-{k}.h5")
+
+    def save(comm: ThreadComm) -> str:
+        r = comm.Get_rank()
+        return write_collective(
+            comm,
+            path,
+            records(r, size, k, extra, bump),
+            [f"cpu:{r}"],
+            devices,
+            object_graph={"nodes": [k if extra else 0]},
+            metadata={"save_counter": k, "step": 100 * k},
+            skeletons=caches[r],
+        )
+
+    return run_ranks(size, save)
+
+
+def files_of(path: str) -> dict[str, bytes]:
+    """The index file and every rank file of the checkpoint at ``path``, by relative name."""
+    out = {"index": Path(path).read_bytes()}
+    parts = Path(path + ".parts")
+    for f in sorted(parts.iterdir()):
+        if f.is_file():
+            out[f.name] = f.read_bytes()
+    return out
+
+
+def assert_readable(path: str, size: int, k: int, extra: bool = False) -> None:
+    """Plain h5py sees every component through the links; our reader verifies them all."""
+    with h5py.File(path, "r") as f:
+        grp = f["m/w"]
+        assert int(grp.attrs["num_components"]) == size
+        for r in range(size):
+            name = "primary" if r == 0 else f"parallel_component_{r}"
+            link = grp.get(name, getlink=True)
+            assert isinstance(link, h5py.ExternalLink)
+            assert link.filename == f"{os.path.basename(path)}.parts/rank-{r:05d}-of-{size:05d}.h5"
+            expected = np.arange(12, dtype=np.float32).reshape(3, 4) * (k + r)
+            np.testing.assert_array_equal(grp[name][()], expected)
+        assert int(f.attrs["save_counter"]) == k and int(f.attrs["step"]) == 100 * k
+        assert ("m/new" in f) == extra
+    with H5Reader(path) as reader:
+        assert reader.verify_all() == []
+        assert int(reader["count"].component(0)) == k
+        assert [int(reader["m/seen"].component(r)) for r in range(size)] == [
+            k * 10 + r for r in range(size)
+        ]
+
+
+def test_lookup3_many_matches_lookup3() -> None:
+    rng = np.random.default_rng(3)
+    image = rng.integers(0, 256, 5000, dtype=np.uint8)
+    spans = [(0, 0), (0, 1), (0, 12), (0, 13), (5, 29), (100, 100 + 4000)]
+    spans += [
+        (int(s), int(s) + int(n)) for s, n in zip(rng.integers(0, 900, 50), range(50), strict=True)
+    ]
+    got = _index_skeleton.lookup3_many(image, spans)
+    assert got.tolist() == [lookup3(image[s:e].tobytes()) for s, e in spans]
+
+
+@pytest.mark.parametrize("size", [1, 2, 4, 12])
+def test_repeated_collective_saves_are_the_files_hdf5_writes(
+    tmp_path: Path, fixed_clock: None, size: int
+) -> None:
+    caches: list[SkeletonCache | None] = [SkeletonCache() for _ in range(size)]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for k in (1, 2, 3):  # ckpt-1, -2, -3: every index file links to a new folder
+        (path,) = set(save_all(tmp_path / "a", size, k, caches))
+        assert isinstance(path, str)
+        (plain,) = set(save_all(tmp_path / "b", size, k, [None] * size))
+        assert files_of(path) == files_of(str(plain))  # byte for byte, every file
+        assert_readable(path, size, k)
+        assert all(c is not None and c._skeleton is not None for c in caches)
+        index = collective._INDEX_SKELETONS[caches[0]]._skeleton  # type: ignore[index]
+        assert isinstance(index, _index_skeleton.IndexSkeleton)
+        now = [index] + [c._skeleton for c in caches if c is not None]
+        if k == 1:
+            first = now
+        else:  # written from the first save's skeletons, not rebuilt
+            assert all(a is b for a, b in zip(now, first, strict=True))
+    assert_readable(str(tmp_path / "a" / "ckpt-1.h5"), size, 1)  # earlier saves are untouched
+
+
+def test_a_changed_structure_rebuilds_both_skeletons(tmp_path: Path, fixed_clock: None) -> None:
+    caches: list[SkeletonCache | None] = [SkeletonCache(), SkeletonCache()]
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    save_all(tmp_path / "a", 2, 1, caches)
+    assert caches[0] is not None and caches[1] is not None
+    before = (caches[1]._skeleton, collective._INDEX_SKELETONS[caches[0]]._skeleton)
+    for k, extra, name in (
+        (2, True, "ckpt"),
+        (3, True, "ckpt"),
+        (10, True, "ckpt"),
+        (4, False, "x"),
+    ):
+        (path,) = set(save_all(tmp_path / "a", 2, k, caches, extra, name))
+        (plain,) = set(save_all(tmp_path / "b", 2, k, [None, None], extra, name))
+        assert files_of(str(path)) == files_of(str(plain))
+        assert_readable(str(path), 2, k, extra)
+    # A new variable, then a longer file name (ckpt-10: a longer link folder), then one fewer:
+    # every one a new structure, written by HDF5 and cached.
+    after = (caches[1]._skeleton, collective._INDEX_SKELETONS[caches[0]]._skeleton)
+    assert after[0] is not before[0] and after[1] is not before[1]
+
+
+def test_a_rank_failing_mid_save_leaves_the_last_good_checkpoint(
+    tmp_path: Path, fixed_clock: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caches: list[SkeletonCache | None] = [SkeletonCache() for _ in range(4)]
+    for k in (1, 2):
+        save_all(tmp_path, 4, k, caches)
+    good = files_of(str(tmp_path / "ckpt-2.h5"))
+    real = collective.write_h5
+
+    def failing(path: str, *args: Any, **kwargs: Any) -> str:
+        if "rank-00002" in path:  # rank 2 writes half its file, then the disk fails
+            with open(path, "wb") as f:
+                f.write(b"half")
+            raise OSError(28, "No space left on device")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(collective, "write_h5", failing)
+    outcomes = save_all(tmp_path, 4, 3, caches)
+    assert all(isinstance(o, CheckpointError) for o in outcomes), outcomes
+    assert "rank 2" in str(outcomes[0]) and "No space left" in str(outcomes[0])
+    assert not (tmp_path / "ckpt-3.h5").exists()  # never committed
+    assert files_of(str(tmp_path / "ckpt-2.h5")) == good  # the last good checkpoint
+    assert_readable(str(tmp_path / "ckpt-2.h5"), 4, 2)
+
+    # The index write failing (after every rank file is written) commits nothing either.
+    monkeypatch.setattr(collective, "write_h5", real)
+
+    def no_index(*args: Any, **kwargs: Any) -> str:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(collective, "write_h5_index", no_index)
+    outcomes = save_all(tmp_path, 4, 4, caches)
+    assert all(isinstance(o, CheckpointError) for o in outcomes) and "(index)" in str(outcomes[0])
+    assert not (tmp_path / "ckpt-4.h5").exists()
+    monkeypatch.undo()
+    monkeypatch.setattr(time, "time", lambda: CREATED)
+
+    # The next save works, from the skeletons, and is the file HDF5 writes.
+    (path,) = set(save_all(tmp_path, 4, 5, caches))
+    (tmp_path / "b").mkdir()
+    (plain,) = set(save_all(tmp_path / "b", 4, 5, [None] * 4))
+    assert files_of(str(path)) == files_of(str(plain))
+    assert_readable(str(path), 4, 5)
+
+
+def test_a_failed_rewrite_of_the_same_path_leaves_the_committed_checkpoint(
+    tmp_path: Path, fixed_clock: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ckpt.write("latest.h5") every epoch: the rank files of a save that fails must not have
+    # replaced those of the committed checkpoint (they wait in .parts/.staged/ until all ranks
+    # wrote theirs).
+    caches: list[SkeletonCache | None] = [SkeletonCache() for _ in range(4)]
+    path = str(tmp_path / "latest-1.h5")
+    assert save_all(tmp_path, 4, 1, caches, name="latest") == [path] * 4
+    good = files_of(path)
+    real = collective.write_h5
+
+    def failing(p: str, *args: Any, **kwargs: Any) -> str:
+        if "rank-00003" in p:
+            raise OSError(28, "No space left on device")
+        return real(p, *args, **kwargs)
+
+    monkeypatch.setattr(collective, "write_h5", failing)
+    for _ in range(2):  # (the second from the skeletons of the first)
+        outcomes = save_all(tmp_path, 4, 1, caches, name="latest")
+        assert all(isinstance(o, CheckpointError) for o in outcomes), outcomes
+        assert files_of(path) == good  # every rank file and the index as committed
+        assert_readable(path, 4, 1)
+    monkeypatch.setattr(collective, "write_h5", real)
+
+    def no_index(*args: Any, **kwargs: Any) -> str:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(collective, "write_h5_index", no_index)
+    assert all(
+        isinstance(o, CheckpointError) for o in save_all(tmp_path, 4, 1, caches, name="latest")
+    )
+    assert files_of(path) == good
+    monkeypatch.undo()
+    monkeypatch.setattr(time, "time", lambda: CREATED)
+
+    # A save that succeeds replaces it, and clears what the failed ones left staged.
+    save_all(tmp_path, 4, 1, caches, name="latest", bump=100)
+    assert files_of(path) != good
+    with H5Reader(path) as reader:
+        assert reader.verify_all() == []
+        assert float(reader["m/w"].component(3)[0, 0]) == 100.0
+    assert sorted(os.listdir(path + ".parts")) == [f"rank-{r:05d}-of-00004.h5" for r in range(4)]
+
+
+@pytest.mark.parametrize("n", [12, 100])
+def test_index_links_in_dense_storage_repeat_byte_for_byte(
+    tmp_path: Path, fixed_clock: None, n: int
+) -> None:
+    # Over 8 components a group keeps its links in a fractal heap (direct blocks, 100: more
+    # than one row of them), whose checksummed blocks the skeleton patches too.
+    def variables(k: int) -> list[LinkedVariable]:
+        links = [
+            ComponentLink(f"c-{k}.parts/r{i}.h5", "/v/primary", 1000 * k + i) for i in range(n)
+        ]
+        return [
+            LinkedVariable(f"g{j}/v", "mirrored", np.float32, (2,), {}, links) for j in range(3)
+        ]
+
+    cache = SkeletonCache()
+    for k in (1, 2, 3):
+        path = write_h5_index(tmp_path / f"s{k}.h5", variables(k), skeletons=cache)
+        plain = write_h5_index(tmp_path / f"p{k}.h5", variables(k))
+        assert Path(path).read_bytes() == Path(plain).read_bytes()
+        assert isinstance(cache._skeleton, _index_skeleton.IndexSkeleton)
+        with h5py.File(path, "r") as f:
+            link = f["g2/v"].get(f"parallel_component_{n - 1}", getlink=True)
+            assert link.filename == f"c-{k}.parts/r{n - 1}.h5"
+
+
+def test_an_index_file_that_cannot_be_a_skeleton_is_written_by_hdf5_every_time(
+    tmp_path: Path, fixed_clock: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+
+    def no_capture(*args: Any) -> None:
+        calls.append(1)
+
+    monkeypatch.setattr(_index_skeleton, "capture", no_capture)
+    cache = SkeletonCache()
+    for k in (1, 2, 3):
+        links = [ComponentLink(f"c-{k}.parts/r{i}.h5", "/v/primary", k + i) for i in range(2)]
+        variables = [LinkedVariable("v", "mirrored", np.float32, (2,), {}, links)]
+        meta = {"save_counter": k}
+        path = write_h5_index(tmp_path / f"s{k}.h5", variables, metadata=meta, skeletons=cache)
+        plain = write_h5_index(tmp_path / f"p{k}.h5", variables, metadata=meta)
+        assert Path(path).read_bytes() == Path(plain).read_bytes()
+        assert isinstance(cache._skeleton, _index_skeleton.NoSkeleton)
+    assert calls == [1]  # tried once for the structure, not again
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    spec=st.lists(
+        st.tuples(
+            st.integers(1, 24),  # components (links) of the variable
+            st.sampled_from(["mirrored", "on_read", "single"]),
+            st.lists(st.integers(0, 9), max_size=3).map(tuple),
+            st.dictionaries(
+                st.sampled_from(["aggregation", "trainable", "note"]),
+                st.one_of(st.booleans(), st.integers(-5, 5), st.text("abcé", max_size=40)),
+                max_size=3,
+            ),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    folder=st.text("abcxyz-_.é", min_size=1, max_size=30),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_any_index_structure_repeats_byte_for_byte(
+    tmp_path_factory: pytest.TempPathFactory,
+    fixed_clock: None,
+    spec: list[tuple[int, str, tuple[int, ...], dict[str, object]]],
+    folder: str,
+    seed: int,
+) -> None:
+    d = tmp_path_factory.mktemp("idx")
+    rng = np.random.default_rng(seed)
+    cache = SkeletonCache()
+    for k, name in enumerate((folder, folder[::-1], folder.upper())):  # one length, new names
+        variables = [
+            LinkedVariable(
+                f"m/v{j}",
+                kind,
+                np.float32,
+                shape,
+                attrs,
+                [
+                    ComponentLink(f"{name}.parts/r{i}.h5", f"/m/v{j}/c", int(rng.integers(2**32)))
+                    for i in range(n)
+                ],
+            )
+            for j, (n, kind, shape, attrs) in enumerate(spec)
+        ]
+        meta = {"save_counter": k, "step": int(rng.integers(2**40))}
+        path = write_h5_index(d / f"s{k}.h5", variables, metadata=meta, skeletons=cache)
+        plain = write_h5_index(d / f"p{k}.h5", variables, metadata=meta)
+        assert Path(path).read_bytes() == Path(plain).read_bytes()
+        if k:
+            assert isinstance(cache._skeleton, _index_skeleton.IndexSkeleton)
