@@ -177,11 +177,11 @@ def test_a_failed_repeated_save_leaves_the_last_good_file(tmp_path, monkeypatch)
     good = read(path)
     m.a.assign(np.full(100, 7, np.float32))
 
-    def full_disk(fd: int, data: memoryview, offset: int) -> None:
-        os.pwrite(fd, bytes(data[:10]), offset)  # a torn write, then the disk is full
+    def full_disk(fd: int, buffers: list, offset: int, size: int) -> None:
+        os.pwrite(fd, bytes(buffers[0][:10]), offset)  # a torn write, then the disk is full
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(_skeleton, "pwrite_all", full_disk)
+    monkeypatch.setattr(_skeleton, "pwritev_all", full_disk)
     with pytest.raises(CheckpointWriteError):
         ckpt.write(path)
     assert read(path) == good
