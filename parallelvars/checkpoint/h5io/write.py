@@ -332,12 +332,19 @@ class RecordList(list):
     components' values may, they are read at every write.
     """
 
-    __slots__ = ("_flat", "_key")
+    __slots__ = ("_flat", "_key", "_starts")
 
     def __init__(self, records: Iterable[Any] = (), *, key: Any = None) -> None:
         super().__init__(records)
         self._key = key
         self._flat: tuple[list[np.ndarray], list[int]] | None = None
+        self._starts: list[int] | None = None
+
+    def starts(self) -> list[int]:
+        """The number of each record's first component in write order (then the total)."""
+        if self._starts is None:
+            self._starts = list(itertools.accumulate((len(r.components) for r in self), initial=0))
+        return self._starts
 
     def structure(self) -> Any:
         """The records' part of :func:`_structure_key` (None: not all are arrays in memory)."""
@@ -357,6 +364,13 @@ class RecordList(list):
         for i in strided:
             out[i] = np.ascontiguousarray(out[i])
         return out
+
+
+def _component_starts(items: Sequence[Any]) -> list[int]:
+    """The number of each entry's first component in write order (then the total)."""
+    if isinstance(items, RecordList):
+        return items.starts()
+    return list(itertools.accumulate((len(e.components) for e in items), initial=0))
 
 
 def _records_key(items: Sequence[Any]) -> Any:
@@ -481,7 +495,7 @@ def _write_from_skeleton(
 
     def check(arr: np.ndarray, crc: int, i: int) -> None:
         if not starts:
-            starts.extend(itertools.accumulate((len(e.components) for e in items), initial=0))
+            starts.extend(_component_starts(items))
         j = bisect.bisect_right(starts, i) - 1
         writer.check_unchanged(arr, crc, f"{items[j].path}[{i - starts[j]}]")
 
