@@ -220,6 +220,7 @@ class Skeleton:
     inline_at: list[tuple[int, int]] = field(default_factory=list)
     template: str = ""
     _between: list[str] = field(default_factory=list, repr=False)
+    _between_bytes: list[bytes] | None = field(default=None, repr=False)
     # The last component list that fitted (a checkpoint hands the same list while its
     # structure is unchanged).
     _fitted: Sequence[np.ndarray] | None = field(default=None, repr=False)
@@ -244,13 +245,27 @@ class Skeleton:
         # Each "%d" (2 characters) becomes a checksum of at most 10 digits.
         return len(template) + 8 * len(self.offsets) <= self.index_capacity
 
-    def document(self, crcs: Sequence[int]) -> bytes:
-        """The index document with ``crcs`` (``template % crcs``), padded to its capacity."""
-        parts: list[str] = [""] * (2 * len(crcs) + 1)
-        parts[0::2] = self._between
-        parts[1::2] = map(str, crcs)
-        text = "".join(parts)
-        return text.encode("utf-8").ljust(self.index_capacity, b" ")
+    def _document(self, crcs: Sequence[int]) -> bytes:
+        """``template % crcs``, encoded: one join of the text between the checksums (as bytes,
+        made once) and the checksums' digits (one conversion of all of them)."""
+        between = self._between_bytes
+        if between is None:
+            between = self._between_bytes = [t.encode("utf-8") for t in self._between]
+        if not crcs:
+            return between[0]
+        parts: list[bytes] = [b""] * (2 * len(crcs) + 1)
+        parts[0::2] = between
+        parts[1::2] = " ".join(map(str, crcs)).encode("ascii").split(b" ")
+        return b"".join(parts)
+
+    def _put_document(self, crcs: Sequence[int]) -> int:
+        """Put the index document with ``crcs`` into the image, padded with spaces to its
+        capacity; returns the padded document's checksum."""
+        doc = self._document(crcs)
+        span = self._span(self.index_offset, self.index_offset + self.index_capacity)
+        span[: len(doc)] = np.frombuffer(doc, np.uint8)
+        span[len(doc) :] = 0x20
+        return int(_CRC(span))
 
     def fits(self, components: Sequence[np.ndarray]) -> bool:
         """Whether ``components`` (in write order) have the sizes this structure's have."""
@@ -299,9 +314,7 @@ class Skeleton:
             else:
                 for i, crc in zip(plan.small, before, strict=True):
                     crcs[i] = crc
-            raw = self.document(crcs)
-            self._put(raw, self.index_offset)
-            values[index_crc] = np.int64(_crc32c.crc32c(raw))
+            values[index_crc] = np.int64(self._put_document(crcs))
             self._patch(values)
             plan.write(fd, small)
             after = list(map(_CRC, small))
