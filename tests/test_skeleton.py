@@ -465,3 +465,26 @@ def test_a_buffer_changed_during_the_gathered_write_fails_the_save(tmp_path, mon
         ckpt.write(path)
     assert read(path) == good
     assert sorted(os.listdir(tmp_path)) == ["c.h5"]
+
+
+def test_repeated_saves_read_every_component_anew(tmp_path, fixed_clock) -> None:
+    m = pv.Module()
+    with pv.MirroredStrategy(2).scope():
+        # shards along axis 1 are strided views: copied at each write, never kept
+        m.cols = pv.Variable(np.arange(12, dtype=np.float32).reshape(3, 4), shard_axis=1)
+        m.rows = pv.Variable(np.arange(8, dtype=np.float64).reshape(4, 2), shard_axis=0)
+    m.scalar = pv.Variable(np.float32(1), name="scalar")
+    assert not m.cols.components[0].flags.c_contiguous
+    ckpt = pv.Checkpoint(model=m)
+    ckpt.write(tmp_path / "first.h5")
+    for k in (2, 3):
+        m.cols.assign(np.full((3, 4), k, np.float32))
+        m.rows.assign(np.full((4, 2), -k, np.float64))
+        m.scalar.assign(np.float32(k))
+        path = ckpt.write(tmp_path / f"again-{k}.h5")
+        ref = pv.Checkpoint(model=m).write(tmp_path / f"ref-{k}.h5")
+        assert read(path) == read(ref)
+        with H5Reader(path) as r:
+            assert r.verify_all() == []
+            np.testing.assert_array_equal(r["model/cols"].value(), np.full((3, 4), k))
+            assert float(r["model/scalar"].value()) == k
