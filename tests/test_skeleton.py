@@ -488,3 +488,21 @@ def test_repeated_saves_read_every_component_anew(tmp_path, fixed_clock) -> None
             assert r.verify_all() == []
             np.testing.assert_array_equal(r["model/cols"].value(), np.full((3, 4), k))
             assert float(r["model/scalar"].value()) == k
+
+
+def test_a_short_gathered_write_is_resumed(tmp_path, monkeypatch) -> None:
+    real = os.pwritev
+
+    def short(fd: int, buffers: list, offset: int) -> int:  # writes 2 buffers and 3 bytes
+        return real(fd, [*buffers[:2], bytes(memoryview(buffers[2]).cast("B")[:3])], offset)
+
+    monkeypatch.setattr(os, "pwritev", short)
+    bufs = [np.arange(5, dtype=np.float32), np.zeros(0, np.uint8), np.arange(7, dtype=np.int64)]
+    bufs.append(np.frombuffer(b"tail", np.uint8))
+    path = tmp_path / "f.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        _skeleton.pwritev_all(fd, bufs, 4, sum(b.nbytes for b in bufs))
+    finally:
+        os.close(fd)
+    assert read(str(path)) == b"\0" * 4 + b"".join(b.tobytes() for b in bufs)
