@@ -186,8 +186,10 @@ def node_children(obj: Any) -> tuple[dict[str, Any], tuple[Any, ...]]:
         how, raw = _MODULE, (tuple(source), tuple(source.values()))
     if how == _LIST:
         volatile = _volatile(raw)
-    elif how != _OTHER:
+    elif how == _DICT:
         volatile = _volatile(raw[1])
+    elif how == _MODULE:  # (a module's _pv_ attributes are never its children)
+        volatile = _volatile(v for k, v in source.items() if not k.startswith("_pv_"))
     else:
         volatile = ()
     snapshot = (how, obj, source, raw, tuple(children), tuple(children.values()), volatile)
