@@ -14,9 +14,19 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from operator import is_
 from typing import Any
 
-__all__ = ["Trackable", "Module", "TrackedList", "TrackedDict", "children_of", "is_trackable"]
+__all__ = [
+    "Trackable",
+    "Module",
+    "TrackedList",
+    "TrackedDict",
+    "children_of",
+    "is_trackable",
+    "node_children",
+    "same_children",
+]
 
 
 class Trackable:
@@ -104,10 +114,11 @@ def _load_get_saveable() -> Callable[[Any], Any]:
 
 
 class _Container(Trackable):
-    """An ephemeral node for a plain tuple, list or dict found inside the graph."""
+    """An ephemeral node for a plain tuple, list or dict (``source``) found inside the graph."""
 
-    def __init__(self, items: Iterable[tuple[str, Any]]) -> None:
+    def __init__(self, items: Iterable[tuple[str, Any]], source: Any = None) -> None:
         self._items = dict(items)
+        self._source = source
 
     def _trackable_children(self) -> dict[str, Any]:
         return {k: v for k, v in self._items.items() if is_trackable(v)}
@@ -117,9 +128,9 @@ def _as_node(value: Any) -> Any:
     if isinstance(value, Trackable):
         return value
     if isinstance(value, (list, tuple)):
-        return _Container((str(i), v) for i, v in enumerate(value))
+        return _Container(((str(i), v) for i, v in enumerate(value)), value)
     if isinstance(value, dict):
-        return _Container((str(k), v) for k, v in value.items())
+        return _Container(((str(k), v) for k, v in value.items()), value)
     return value
 
 
@@ -128,6 +139,90 @@ def children_of(obj: Any) -> dict[str, Any]:
     if not isinstance(obj, Trackable):
         return {}
     return {name: _as_node(value) for name, value in obj._trackable_children().items()}
+
+
+# -- snapshots of a node's children, so a repeated save can tell cheaply that the graph it walked
+# before is the graph now. A snapshot keeps the node's children (names, and the values by
+# identity) and, where the node is a list, a dict or a module whose children come from the base
+# classes' rules, its raw contents: when those are the same objects, so are the children (only a
+# plain list, tuple or dict among them can become trackable or stop being so, as its own
+# contents change: those are asked again). Anything else asks the node again and compares.
+_LIST, _DICT, _MODULE, _OTHER = range(4)
+
+
+def _volatile(items: Iterable[Any]) -> tuple[tuple[Any, bool], ...]:
+    """``(item, is_trackable(item))`` of the plain containers among ``items``."""
+    return tuple(
+        (v, is_trackable(v))
+        for v in items
+        if isinstance(v, (list, tuple, dict)) and not isinstance(v, Trackable)
+    )
+
+
+def node_children(obj: Any) -> tuple[dict[str, Any], tuple[Any, ...]]:
+    """The trackable children of a graph node (``obj._trackable_children()``, containers not
+    yet turned into nodes) and a snapshot of them for :func:`same_children`.
+
+    The snapshot holds the children (and the node's raw contents) by reference: the objects
+    stay alive as long as it does, so an identity it compares cannot be another object's.
+    """
+    children = obj._trackable_children()
+    method = type(obj)._trackable_children
+    source: Any = obj
+    raw: Any = None
+    how = _OTHER
+    if type(obj) is _Container:
+        source = obj._source
+        if type(source) in (list, tuple):
+            how, raw = _LIST, tuple(source)
+        elif type(source) is dict:
+            how, raw = _DICT, (tuple(source), tuple(source.values()))
+    elif method is TrackedList._trackable_children:
+        how, raw = _LIST, tuple(obj)
+    elif method is TrackedDict._trackable_children:
+        how, raw = _DICT, (tuple(obj), tuple(obj.values()))
+    elif method is Module._trackable_children:
+        source = vars(obj)
+        how, raw = _MODULE, (tuple(source), tuple(source.values()))
+    if how == _LIST:
+        volatile = _volatile(raw)
+    elif how == _DICT:
+        volatile = _volatile(raw[1])
+    elif how == _MODULE:  # (a module's _pv_ attributes are never its children)
+        volatile = _volatile(v for k, v in source.items() if not k.startswith("_pv_"))
+    else:
+        volatile = ()
+    snapshot = (how, obj, source, raw, tuple(children), tuple(children.values()), volatile)
+    return children, snapshot
+
+
+def same_children(snapshot: tuple[Any, ...]) -> bool:
+    """Whether the node of a :func:`node_children` snapshot has the same children now (the
+    same names, in the same order, naming the same objects)."""
+    how, obj, source, raw, names, values, volatile = snapshot
+    if how == _MODULE:
+        source = vars(obj)  # (asked again: a module's __dict__ can be replaced)
+    if how == _LIST:
+        fast = len(source) == len(raw) and all(map(is_, source, raw))
+    elif how != _OTHER:
+        keys, items = raw
+        fast = (
+            len(source) == len(keys)
+            and all(map(is_, source, keys))
+            and all(map(is_, source.values(), items))
+        )
+    else:
+        fast = False
+    if fast and all(is_trackable(v) is was for v, was in volatile):
+        return True
+    if type(obj) is _Container:  # the contents of a plain container, as _as_node reads them
+        obj = _as_node(source)
+    children = obj._trackable_children()
+    return (
+        len(children) == len(names)
+        and all(map(is_, children.values(), values))
+        and tuple(children) == names
+    )
 
 
 class TrackedList(list, Trackable):

@@ -232,6 +232,9 @@ class ParallelVariable(wrapt.ObjectProxy):
                 f"variable {name!r}: {stacked.shape[0]} components for {len(device)} devices"
             )
         super().__init__(stacked[0, ...])  # a 0-d view for scalars, not a copy
+        # Set here once and never changed (read-only properties): a checkpoint keeps a
+        # variable's save record (name, devices, kind, shape, components) for as long as the
+        # variable stays in its object graph (Checkpoint._gather).
         self._self_stacked = stacked
         self._self_components = tuple(stacked[i, ...] for i in range(stacked.shape[0]))
         self._self_device = device

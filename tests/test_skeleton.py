@@ -177,11 +177,11 @@ def test_a_failed_repeated_save_leaves_the_last_good_file(tmp_path, monkeypatch)
     good = read(path)
     m.a.assign(np.full(100, 7, np.float32))
 
-    def full_disk(fd: int, data: memoryview, offset: int) -> None:
-        os.pwrite(fd, bytes(data[:10]), offset)  # a torn write, then the disk is full
+    def full_disk(fd: int, buffers: list, offset: int, size: int) -> None:
+        os.pwrite(fd, bytes(buffers[0][:10]), offset)  # a torn write, then the disk is full
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(_skeleton, "pwrite_all", full_disk)
+    monkeypatch.setattr(_skeleton, "pwritev_all", full_disk)
     with pytest.raises(CheckpointWriteError):
         ckpt.write(path)
     assert read(path) == good
@@ -320,3 +320,189 @@ def test_many_small_components_are_read_ahead_and_verified(tmp_path) -> None:
         assert verified == {(k, 0) for k in r} - {("model/vs/123", 0)}
         with pytest.raises(pv.errors.ChecksumMismatchError, match="vs/123"):
             r["model/vs/123"].verify(0)
+
+
+# -- a repeated save sees every change of structure
+
+
+class Registry(pv.tracking.Trackable):
+    """A custom trackable: its children are whatever its own table holds now."""
+
+    def __init__(self) -> None:
+        self.table: dict[str, object] = {}
+
+    def _trackable_children(self) -> dict[str, object]:
+        return dict(self.table)
+
+
+def structured_model() -> tuple[pv.Module, pv.optimizers.Optimizer]:
+    m = pv.Module()
+    m.a = pv.Variable(np.arange(4, dtype=np.float32), name="a")
+    m.b = pv.Variable(np.arange(3, dtype=np.int32), name="b")
+    with pv.MirroredStrategy(2).scope():
+        m.mirrored = pv.Variable(np.ones(3, np.float32), name="mirrored")
+        m.sharded = pv.Variable(np.arange(12, dtype=np.float32).reshape(6, 2), shard_axis=0)
+    m.layers = [pv.Module(), pv.Module()]
+    m.layers[0].k = pv.Variable(np.full(2, 5, np.float64), name="k")
+    m.table = {"x": pv.Variable(np.float32(1), name="x")}
+    m.inner = pv.Variable(np.zeros(2, np.float32), name="in0")
+    m.nested = ([pv.Variable(np.zeros(2, np.float32), name="n0")], [])  # plain lists in a tuple
+    m.registry = Registry()
+    m.registry.table["r"] = pv.Variable(np.ones(2, np.float32), name="r")
+    opt = pv.optimizers.Adam(0.1)
+    return m, opt
+
+
+def _step(m: pv.Module, opt: pv.optimizers.Optimizer) -> None:
+    opt.apply_gradients([(np.ones(4, np.float32), m.a)])
+
+
+CHANGES = {
+    "add": lambda m, opt: setattr(m, "c", pv.Variable(np.zeros(2), name="c")),
+    "remove": lambda m, opt: delattr(m, "b"),
+    "slot": _step,  # the optimizer creates its slots for m.a
+    "rename": lambda m, opt: (setattr(m, "b2", m.b), delattr(m, "b")),
+    "swap": lambda m, opt: (setattr(m, "a", m.b), setattr(m, "b", m.a)),
+    "shape": lambda m, opt: setattr(m, "a", pv.Variable(np.ones(5, np.float32), name="a")),
+    "dtype": lambda m, opt: setattr(m, "b", pv.Variable(np.arange(3, dtype=np.int64), name="b")),
+    "name": lambda m, opt: setattr(m, "b", pv.Variable(np.arange(3, dtype=np.int32), name="z")),
+    "devices": lambda m, opt: _in_scope(
+        3, lambda: setattr(m, "mirrored", pv.Variable(np.ones(3, np.float32), name="mirrored"))
+    ),
+    "sharding": lambda m, opt: _in_scope(
+        3,
+        lambda: setattr(
+            m, "sharded", pv.Variable(np.arange(12, dtype=np.float32).reshape(6, 2), shard_axis=0)
+        ),
+    ),
+    "list-append": lambda m, opt: m.layers.append(pv.Variable(np.ones(2), name="l2")),
+    "list-replace": lambda m, opt: m.layers.__setitem__(1, pv.Variable(np.ones(2), name="l1")),
+    "list-in-module": lambda m, opt: m.layers[1].__setattr__("k", pv.Variable(np.ones(1))),
+    "dict": lambda m, opt: m.table.__setitem__("y", pv.Variable(np.ones(2), name="y")),
+    "plain-list": lambda m, opt: m.nested[0].append(pv.Variable(np.ones(2), name="n1")),
+    "empty-plain-list": lambda m, opt: m.nested[1].append(pv.Variable(np.ones(2), name="n2")),
+    "custom": lambda m, opt: m.registry.table.__setitem__("s", pv.Variable(np.ones(3))),
+    "custom-replace": lambda m, opt: m.registry.table.__setitem__("r", pv.Variable(np.ones(2))),
+    "module-dict": lambda m, opt: setattr(
+        m.layers[0], "__dict__", {"k": pv.Variable(np.zeros(2, np.float64), name="k")}
+    ),
+}
+
+
+def _in_scope(devices: int, make) -> None:
+    with pv.MirroredStrategy(devices).scope():
+        make()
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_every_change_of_structure_is_seen(tmp_path, fixed_clock, change) -> None:
+    m, opt = structured_model()
+    ckpt = pv.Checkpoint(model=m, opt=opt)
+    ckpt.write(tmp_path / "one.h5")
+    memo = ckpt._pv_save_memo
+    ckpt.write(tmp_path / "same.h5")  # nothing changed: the last save's graph and records
+    assert ckpt._pv_save_memo is memo
+    CHANGES[change](m, opt)
+    path = ckpt.write(tmp_path / "two.h5")
+    assert ckpt._pv_save_memo is not memo
+    # The reference: a new checkpoint of the same objects, written by HDF5 alone.
+    ref = pv.Checkpoint(model=m, opt=opt).write(tmp_path / "ref.h5")
+    assert read(path) == read(ref)
+    assert_same_for_h5py(path, ref)
+    live = {v.name: [np.asarray(c) for c in v.components] for v in m.variables}
+    with H5Reader(path) as r:
+        assert r.verify_all() == []
+        saved = {r[k].attrs["name"]: k for k in r}
+        for name, comps in live.items():
+            entry = r[saved[name]]
+            for i, c in enumerate(comps):
+                np.testing.assert_array_equal(entry.component(i), c)
+    ckpt.write(tmp_path / "three.h5")  # the new structure is kept
+    assert read(tmp_path / "three.h5") == read(ref)
+
+
+def test_a_registered_type_is_seen(tmp_path, fixed_clock) -> None:
+    class Counter:
+        def __init__(self) -> None:
+            self.var = pv.Variable(np.int64(7), name="count")
+
+    class CounterSaveable(pv.checkpoint.registry.Saveable):
+        def gather(self, obj):
+            return pv.checkpoint.registry.get_saveable(obj.var).gather(obj.var)
+
+        def plan_restore(self, obj, stored, *, file, path, allow_cast):
+            return lambda: None
+
+    m = pv.Module()
+    m.a = pv.Variable(np.ones(2, np.float32), name="a")
+    m.counters = (Counter(),)  # not saveable yet: not in the graph
+    ckpt = pv.Checkpoint(model=m)
+    ckpt.write(tmp_path / "one.h5")
+    pv.checkpoint.registry.register_saveable(Counter, CounterSaveable())
+    try:
+        path = ckpt.write(tmp_path / "two.h5")
+        ref = pv.Checkpoint(model=m).write(tmp_path / "ref.h5")
+    finally:
+        pv.checkpoint.registry.unregister_saveable(Counter)
+    assert read(path) == read(ref)
+    with H5Reader(path) as r:
+        assert "model/counters/0" in r
+
+
+def test_a_buffer_changed_during_the_gathered_write_fails_the_save(tmp_path, monkeypatch) -> None:
+    m = many_small(40)
+    ckpt = pv.Checkpoint(model=m)
+    path = ckpt.write(tmp_path / "c.h5")
+    good = read(path)
+    real = _skeleton.pwritev_all
+
+    def racing(fd: int, buffers: list, offset: int, size: int) -> None:
+        real(fd, buffers, offset, size)
+        m.vs[3].assign(np.full(3, -1, np.float32))  # another thread, as it were
+
+    monkeypatch.setattr(_skeleton, "pwritev_all", racing)
+    with pytest.raises(pv.errors.ConcurrentWriteError, match="model/vs/3"):
+        ckpt.write(path)
+    assert read(path) == good
+    assert sorted(os.listdir(tmp_path)) == ["c.h5"]
+
+
+def test_repeated_saves_read_every_component_anew(tmp_path, fixed_clock) -> None:
+    m = pv.Module()
+    with pv.MirroredStrategy(2).scope():
+        # shards along axis 1 are strided views: copied at each write, never kept
+        m.cols = pv.Variable(np.arange(12, dtype=np.float32).reshape(3, 4), shard_axis=1)
+        m.rows = pv.Variable(np.arange(8, dtype=np.float64).reshape(4, 2), shard_axis=0)
+    m.scalar = pv.Variable(np.float32(1), name="scalar")
+    assert not m.cols.components[0].flags.c_contiguous
+    ckpt = pv.Checkpoint(model=m)
+    ckpt.write(tmp_path / "first.h5")
+    for k in (2, 3):
+        m.cols.assign(np.full((3, 4), k, np.float32))
+        m.rows.assign(np.full((4, 2), -k, np.float64))
+        m.scalar.assign(np.float32(k))
+        path = ckpt.write(tmp_path / f"again-{k}.h5")
+        ref = pv.Checkpoint(model=m).write(tmp_path / f"ref-{k}.h5")
+        assert read(path) == read(ref)
+        with H5Reader(path) as r:
+            assert r.verify_all() == []
+            np.testing.assert_array_equal(r["model/cols"].value(), np.full((3, 4), k))
+            assert float(r["model/scalar"].value()) == k
+
+
+def test_a_short_gathered_write_is_resumed(tmp_path, monkeypatch) -> None:
+    real = os.pwritev
+
+    def short(fd: int, buffers: list, offset: int) -> int:  # writes 2 buffers and 3 bytes
+        return real(fd, [*buffers[:2], bytes(memoryview(buffers[2]).cast("B")[:3])], offset)
+
+    monkeypatch.setattr(os, "pwritev", short)
+    bufs = [np.arange(5, dtype=np.float32), np.zeros(0, np.uint8), np.arange(7, dtype=np.int64)]
+    bufs.append(np.frombuffer(b"tail", np.uint8))
+    path = tmp_path / "f.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        _skeleton.pwritev_all(fd, bufs, 4, sum(b.nbytes for b in bufs))
+    finally:
+        os.close(fd)
+    assert read(str(path)) == b"\0" * 4 + b"".join(b.tobytes() for b in bufs)

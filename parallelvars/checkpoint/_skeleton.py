@@ -20,7 +20,9 @@ HDF5 as before.
 from __future__ import annotations
 
 import math
+import operator
 import os
+import re
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -30,7 +32,7 @@ from typing import Any
 import crc32c as _crc32c
 import numpy as np
 
-from parallelvars._fileio import pwrite_all
+from parallelvars._fileio import byte_view, pwrite_all
 
 __all__ = [
     "Patch",
@@ -38,6 +40,7 @@ __all__ = [
     "SkeletonCache",
     "header_chunk",
     "lookup3",
+    "pwritev_all",
     "sentinel",
 ]
 
@@ -47,6 +50,39 @@ _MASK = 0xFFFFFFFF
 INLINE_BYTES = 64 << 10
 # A skeleton keeps at most this many bytes of image (metadata and small components).
 MAX_IMAGE_BYTES = 256 << 20
+
+
+def _iov_max() -> int:
+    try:
+        n = os.sysconf("SC_IOV_MAX")
+    except (AttributeError, ValueError, OSError):
+        n = -1
+    return n if n > 0 else 16
+
+
+# The most buffers one gathered write takes (Linux: 1024).
+IOV_MAX = min(_iov_max(), 1024)
+
+
+def pwritev_all(fd: int, buffers: Sequence[np.ndarray], offset: int, size: int) -> None:
+    """Write C-contiguous arrays' bytes one after another from ``offset`` (``size`` bytes in
+    all, at most :data:`IOV_MAX` buffers): one gathered write, a short one resumed."""
+    done = os.pwritev(fd, buffers, offset) if _PWRITEV else 0  # type: ignore[arg-type]
+    if done == size:
+        return
+    at = offset
+    for buf in buffers:  # a short write (or no pwritev): the rest buffer by buffer
+        data = byte_view(buf)
+        n = data.size
+        if done >= n:
+            done -= n
+        else:
+            pwrite_all(fd, memoryview(data[done:]), at + done)  # type: ignore[arg-type]
+            done = 0
+        at += n
+
+
+_PWRITEV = hasattr(os, "pwritev")
 
 
 def _rot(x: int, k: int) -> int:
@@ -183,17 +219,66 @@ class Skeleton:
     # (piece number, start in the piece) of every inline component, in write order.
     inline_at: list[tuple[int, int]] = field(default_factory=list)
     template: str = ""
+    _between: list[str] = field(default_factory=list, repr=False)
+    _between_bytes: list[bytes] | None = field(default=None, repr=False)
+    # The last component list that fitted (a checkpoint hands the same list while its
+    # structure is unchanged).
+    _fitted: Sequence[np.ndarray] | None = field(default=None, repr=False)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    _write_plan: tuple[list[tuple[int, np.ndarray]], list[int]] | None = field(
-        default=None, repr=False
-    )
+    _write_plan: _Plan | None = field(default=None, repr=False)
 
     def set_template(self, template: str) -> bool:
         """Keep the index document's template (``template % crcs`` is the document); False
         when a document of this structure might not fit the capacity."""
         self.template = template
+        # The text between the checksums, so that a document is one join (``%`` formatting
+        # scans every character of the template, megabytes at 50,000 variables).
+        parts = [""]
+        for token in _TEMPLATE_TOKEN.split(template):
+            if token == "%d":
+                parts.append("")
+            else:
+                parts[-1] += "%" if token == "%%" else token
+        if len(parts) != len(self.offsets) + 1:
+            return False
+        self._between = parts
         # Each "%d" (2 characters) becomes a checksum of at most 10 digits.
         return len(template) + 8 * len(self.offsets) <= self.index_capacity
+
+    def _document(self, crcs: Sequence[int]) -> bytes:
+        """``template % crcs``, encoded: one join of the text between the checksums (as bytes,
+        made once) and the checksums' digits (one conversion of all of them)."""
+        between = self._between_bytes
+        if between is None:
+            between = self._between_bytes = [t.encode("utf-8") for t in self._between]
+        if not crcs:
+            return between[0]
+        parts: list[bytes] = [b""] * (2 * len(crcs) + 1)
+        parts[0::2] = between
+        parts[1::2] = " ".join(map(str, crcs)).encode("ascii").split(b" ")
+        return b"".join(parts)
+
+    def _put_document(self, crcs: Sequence[int]) -> int:
+        """Put the index document with ``crcs`` into the image, padded with spaces to its
+        capacity; returns the padded document's checksum."""
+        doc = self._document(crcs)
+        span = self._span(self.index_offset, self.index_offset + self.index_capacity)
+        span[: len(doc)] = np.frombuffer(doc, np.uint8)
+        span[len(doc) :] = 0x20
+        return int(_CRC(span))
+
+    def fits(self, components: Sequence[np.ndarray]) -> bool:
+        """Whether ``components`` (in write order) have the sizes this structure's have."""
+        if components is self._fitted:  # the same arrays again (an array's size is fixed)
+            return True
+        n = len(components)
+        if n != self.nbytes.size:
+            return False
+        sizes = np.fromiter(map(_NBYTES, components), np.int64, n)
+        if not np.array_equal(sizes, self.nbytes):
+            return False
+        self._fitted = components
+        return True
 
     def write(
         self,
@@ -206,51 +291,43 @@ class Skeleton:
         index_crc: str,
     ) -> None:
         """Write a file of this structure to ``fd`` (of ``file_size`` bytes): its components
-        (C-contiguous, in write order), the index with their checksums and the header
-        ``values`` (``values[index_crc]`` is set to the index's checksum).
+        (C-contiguous, in write order, the sizes :meth:`fits` checks), the index with their
+        checksums and the header ``values`` (``values[index_crc]`` is set to the index's
+        checksum).
 
-        Small components are copied into the skeleton's image and checksummed there; larger
-        ones go through ``write(arr, offset) -> crc``. ``check(arr, crc, i)`` is called for
-        each once its bytes are written, so a live buffer changed meanwhile fails the save.
+        Components under ``INLINE_BYTES`` go out with the skeleton's image in a few gathered
+        writes (``pwritev``: the image's bytes between them and their buffers, in file order),
+        each checksummed before and again after (a live buffer changed meanwhile fails the
+        save through ``check(arr, crc, i)``); larger ones through ``write(arr, offset) -> crc``
+        and then ``check``.
         """
         with self.lock:
+            plan = self._plan()
             crcs = [0] * len(components)
-            inline, big = self._plan()
-            crc32c = _crc32c.crc32c
-            for i, dest in inline:
-                arr = components[i]
-                data = arr.reshape(-1).view(np.uint8)
-                dest[...] = data
-                crcs[i] = crc = crc32c(dest)  # type: ignore[arg-type]
-                if crc32c(data) != crc:  # type: ignore[arg-type]  # changed meanwhile
-                    check(arr, crc, i)
-            for i in big:
+            for i in plan.big:
                 crcs[i] = write(components[i], int(self.offsets[i]))
                 check(components[i], crcs[i], i)
-            raw = (self.template % tuple(crcs)).encode("utf-8").ljust(self.index_capacity, b" ")
-            self._put(raw, self.index_offset)
-            values[index_crc] = np.int64(_crc32c.crc32c(raw))
+            small = plan.pick(components)
+            before = list(map(_CRC, small))
+            if plan.every:  # all of them, in write order
+                crcs = before
+            else:
+                for i, crc in zip(plan.small, before, strict=True):
+                    crcs[i] = crc
+            values[index_crc] = np.int64(self._put_document(crcs))
             self._patch(values)
-            for at, image in self.pieces:
-                pwrite_all(fd, memoryview(image), at)  # type: ignore[arg-type]
+            plan.write(fd, small)
+            after = list(map(_CRC, small))
+            if after != before:  # a buffer changed while it was written: name the first
+                for j, (crc, arr) in enumerate(zip(before, small, strict=True)):
+                    if after[j] != crc:
+                        check(arr, crc, plan.small[j])
 
-    def _plan(self) -> tuple[list[tuple[int, np.ndarray]], list[int]]:
-        """``(component number, its bytes in the image)`` of every inline component and the
-        numbers of the others, in write order (made on the first write, then reused)."""
+    def _plan(self) -> _Plan:
+        """How :meth:`write` writes this structure (made on its first write, then reused)."""
         plan = self._write_plan
         if plan is None:
-            inline: list[tuple[int, np.ndarray]] = []
-            big: list[int] = []
-            at = iter(self.inline_at)
-            for i, (small, size) in enumerate(
-                zip(self.inline.tolist(), self.nbytes.tolist(), strict=True)
-            ):
-                if small:
-                    piece, start = next(at)
-                    inline.append((i, self.pieces[piece][1][start : start + size]))
-                else:
-                    big.append(i)
-            plan = self._write_plan = (inline, big)
+            plan = self._write_plan = _Plan.make(self)
         return plan
 
     def patch_file(self, fd: int, values: dict[str, Any]) -> None:
@@ -287,6 +364,89 @@ class Skeleton:
 
     def _put(self, data: bytes, offset: int) -> None:
         self._span(offset, offset + len(data))[...] = np.frombuffer(data, np.uint8)
+
+
+_NBYTES = operator.attrgetter("nbytes")
+# The template's placeholders (a checksum) and escapes, and the text between them.
+_TEMPLATE_TOKEN = re.compile(r"(%d|%%)")
+# CRC-32C of a C-contiguous array's bytes (any dtype: the buffer is read as bytes).
+_CRC: Callable[[Any], int] = _crc32c.crc32c
+
+
+class _Plan:
+    """A skeleton's gathered writes: every image piece with the small components inside it.
+
+    ``small`` lists the components written with the pieces, in file order; ``big`` the
+    others (written from their buffers), empty ones in neither. ``runs`` are the writes:
+    ``(file offset, byte count, image segments, first and end position in small)``; each
+    run's buffers are its segments and its components alternating, segment first, at most
+    :data:`IOV_MAX` of them.
+    """
+
+    def __init__(
+        self,
+        small: list[int],
+        big: list[int],
+        runs: list[tuple[int, int, list[np.ndarray], int, int]],
+        count: int,
+    ) -> None:
+        self.small = small
+        self.big = big
+        self.runs = runs
+        # whether the small components are all ``count`` components, in write order
+        self.every = small == list(range(count))
+        if len(small) > 1:
+            getter = operator.itemgetter(*small)
+            self.pick: Callable[[Sequence[np.ndarray]], Sequence[np.ndarray]] = getter
+        else:
+            self.pick = lambda comps: [comps[i] for i in small]
+
+    @classmethod
+    def make(cls, skel: Skeleton) -> _Plan:
+        lens = skel.nbytes.tolist()
+        inline = skel.inline.tolist()
+        at = iter(skel.inline_at)
+        inside: list[list[tuple[int, int, int]]] = [[] for _ in skel.pieces]
+        big: list[int] = []
+        for i, (small, size) in enumerate(zip(inline, lens, strict=True)):
+            if small:
+                piece, start = next(at)
+                if size:
+                    inside[piece].append((start, size, i))
+            else:
+                big.append(i)
+        order: list[int] = []
+        runs: list[tuple[int, int, list[np.ndarray], int, int]] = []
+        per_run = (IOV_MAX - 1) // 2  # components per write: 2 buffers each, plus a segment
+        for (offset, image), comps in zip(skel.pieces, inside, strict=True):
+            comps.sort()
+            if not comps:
+                runs.append((offset, image.size, [image], len(order), len(order)))
+                continue
+            cursor = 0  # in the piece
+            for k in range(0, len(comps), per_run):
+                chunk = comps[k : k + per_run]
+                first = len(order)
+                segments = []
+                run_start = cursor
+                for start, size, i in chunk:
+                    segments.append(image[cursor:start])
+                    order.append(i)
+                    cursor = start + size
+                last = k + per_run >= len(comps)
+                end = image.size if last else cursor
+                segments.append(image[cursor:end])
+                cursor = end
+                runs.append((offset + run_start, end - run_start, segments, first, len(order)))
+        return cls(order, big, runs, len(lens))
+
+    def write(self, fd: int, small: Sequence[np.ndarray]) -> None:
+        """The runs' gathered writes, with ``small`` (:attr:`pick` of the components)."""
+        for offset, size, segments, first, end in self.runs:
+            buffers: list[Any] = [None] * (len(segments) + end - first)
+            buffers[0::2] = segments
+            buffers[1::2] = small[first:end]
+            pwritev_all(fd, buffers, offset, size)
 
 
 def capture(
@@ -359,6 +519,16 @@ def capture(
     spans = [(index_offset, index_offset + index_capacity)]
     spans += [(p.chunk_start, p.chunk_end + 4) for p in patches.values()]
     if any(skeleton._find(start, end) is None for start, end in spans):
+        return None
+    # Every component's bytes are written over the image's, so none may overlap another, the
+    # index or a patched header (never so in a file HDF5 wrote; checked, not assumed).
+    used = lens > 0
+    o, n = offs[used], lens[used]
+    sort = np.argsort(o, kind="stable")
+    o, n = o[sort], n[sort]
+    if np.any(o[1:] < o[:-1] + n[:-1]):
+        return None
+    if any(np.any((o < end) & (o + n > start)) for start, end in spans):
         return None
     return skeleton
 

@@ -24,6 +24,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from operator import is_
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,9 @@ from parallelvars.checkpoint._h5policy import PARTS_SUFFIX  # noqa: F401 - <file
 from parallelvars.checkpoint._skeleton import SkeletonCache
 from parallelvars.checkpoint._sources import by_live_names, open_source, reasons_of
 from parallelvars.checkpoint.h5io import write_h5
+from parallelvars.checkpoint.h5io.write import RecordList
 from parallelvars.checkpoint.registry import Saveable, SaveRecord, get_saveable
+from parallelvars.checkpoint.registry import generation as registry_generation
 from parallelvars.devices import ParallelDevice
 from parallelvars.errors import (
     CheckpointError,
@@ -48,7 +51,7 @@ from parallelvars.errors import (
     NotACheckpointError,
     RestoreMismatchError,
 )
-from parallelvars.tracking import Trackable, children_of
+from parallelvars.tracking import Trackable, _as_node, children_of, node_children, same_children
 
 __all__ = [
     "Checkpoint",
@@ -152,7 +155,11 @@ def _is_leaf(obj: Any) -> bool:
 
 @dataclass
 class ObjectGraph:
-    """The graph of one save: nodes, the live object of each, and variable paths."""
+    """The graph of one save: nodes, the live object of each, and variable paths.
+
+    It also keeps what :meth:`unchanged` needs to tell that the live graph is still this one
+    (a snapshot of every container's children and of every trackable's slots).
+    """
 
     objects: list[Any] = field(default_factory=list)
     nodes: list[dict[str, Any]] = field(default_factory=list)
@@ -174,6 +181,13 @@ class ObjectGraph:
         self._paths: list[str] = []
         # node id -> saveable of every leaf, in node order
         self._leaves: dict[int, Saveable] = {}
+        # What the walk saw (see unchanged): the registrations it asked, a snapshot of every
+        # container's children (tracking.node_children) and every trackable's slots.
+        self._generation = registry_generation()
+        self._snapshots: list[tuple[Any, ...]] = []
+        self._slot_snapshots: list[
+            tuple[Any, tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]
+        ] = []
 
     def is_leaf(self, node_id: int) -> bool:
         """Whether the node is a saved value (a variable) rather than a container."""
@@ -196,6 +210,30 @@ class ObjectGraph:
     def to_json(self) -> dict[str, Any]:
         return {"version": GRAPH_VERSION, "nodes": self.nodes}
 
+    def unchanged(self) -> bool:
+        """Whether a walk of the live objects now would give this graph again.
+
+        The walk is a function of each container's children (names and objects, in order), of
+        each trackable's slots and of which types are saveable: when every container has the
+        same children as when this graph was built, and every trackable the same slots, the
+        walk visits the same objects in the same order, under the same paths. Costs one
+        identity comparison per child (containers whose children come from the base classes'
+        rules are compared by their contents) instead of a new graph.
+        """
+        if registry_generation() != self._generation:
+            return False
+        if not all(map(same_children, self._snapshots)):
+            return False
+        for obj, variables, names, slots in self._slot_snapshots:
+            now = obj._checkpoint_slots()
+            if len(now) != len(names):
+                return False
+            if now:
+                v, n, s = zip(*now, strict=True)
+                if not (n == names and all(map(is_, v, variables)) and all(map(is_, s, slots))):
+                    return False
+        return True
+
 
 def build_object_graph(root: Any) -> ObjectGraph:
     """Walk ``root`` breadth-first; every object once, at the first path that reaches it."""
@@ -208,17 +246,22 @@ def build_object_graph(root: Any) -> ObjectGraph:
         graph._leaves,
         graph.add,
     )
+    snapshots = graph._snapshots
     queue: deque[int] = deque([0])
     trackables: list[int] = []  # the containers walked, in walk order (they may own slots)
     while queue:
         parent = queue.popleft()
         obj = objects[parent]
-        if isinstance(obj, Trackable):
-            trackables.append(parent)
+        if not isinstance(obj, Trackable):
+            continue  # (a root that is neither a container nor a variable: nothing in it)
+        trackables.append(parent)
         base = graph.path_of(parent)
         prefix = f"{base}/" if base else ""
         children = nodes[parent]["children"]
-        for name, child in children_of(obj).items():
+        found, snapshot = node_children(obj)
+        snapshots.append(snapshot)
+        for name, value in found.items():
+            child = _as_node(value)
             child_id = ids.get(id(child))
             if child_id is None:
                 child_id = add(child, prefix + escape_name(name))
@@ -227,7 +270,10 @@ def build_object_graph(root: Any) -> ObjectGraph:
             children.append([name, child_id])
     for node_id in sorted(trackables):  # node order, as every node was visited before
         obj = objects[node_id]
-        for var, slot_name, slot_var in obj._checkpoint_slots():
+        triples = obj._checkpoint_slots()
+        v, n, s = zip(*triples, strict=True) if triples else ((), (), ())
+        graph._slot_snapshots.append((obj, v, n, s))
+        for var, slot_name, slot_var in triples:
             var_id = ids.get(id(var))
             if var_id is None or slot_var is None:
                 continue  # a slot of a variable that is not saved is not saved either
@@ -771,7 +817,7 @@ def _unchanged(live: np.ndarray, copied: np.ndarray) -> bool:
     return True
 
 
-def _snapshot(records: list[SaveRecord]) -> list[SaveRecord]:
+def _snapshot(records: list[SaveRecord]) -> RecordList:
     """Copies of every record's components that held together at one moment.
 
     Double collect: copy every component, then compare every live buffer with its copy. If
@@ -798,16 +844,21 @@ def _snapshot(records: list[SaveRecord]) -> list[SaveRecord]:
             "",
         )
         if not changed:
-            return [
-                SaveRecord(
-                    kind=r.kind,
-                    components=cs,
-                    shape=tuple(r.shape),
-                    attrs=dict(r.attrs),
-                    path=r.path,
-                )
-                for r, cs in zip(records, copies, strict=True)
-            ]
+            # The copies have their records' structure: a RecordList's key holds for them too.
+            key = records.structure() if isinstance(records, RecordList) else None
+            return RecordList(
+                (
+                    SaveRecord(
+                        kind=r.kind,
+                        components=cs,
+                        shape=tuple(r.shape),
+                        attrs=dict(r.attrs),
+                        path=r.path,
+                    )
+                    for r, cs in zip(records, copies, strict=True)
+                ),
+                key=key,
+            )
     raise ConcurrentWriteError(
         "changed while a non-blocking save copied the variables",
         variable=changed,
@@ -858,6 +909,9 @@ class Checkpoint(Trackable):
         # The skeleton of the structure saved last: a repeated save of it is written from the
         # cached bytes instead of by HDF5 (see checkpoint._skeleton).
         self._pv_skeletons = SkeletonCache()
+        # The last save's object graph, records and graph document, saved again while the graph
+        # is unchanged (see _gather).
+        self._pv_save_memo: tuple[ObjectGraph, RecordList, dict[str, Any]] | None = None
 
     def __getattr__(self, name: str) -> Any:
         roots = self.__dict__.get("_roots", {})
@@ -880,7 +934,10 @@ class Checkpoint(Trackable):
 
     def write(self, path: str | os.PathLike[str]) -> str:
         """Write a checkpoint to exactly ``path`` (atomically); returns ``path``."""
-        return self._prepare_write()(path)
+        # One pause for the gather and the write: resumed in between, the collector would walk
+        # everything the gather made (all of it young) once more before the write.
+        with _gc_paused():
+            return self._prepare_write()(path)
 
     def _prepare_write(self, *, copy: bool = False) -> Callable[[str | os.PathLike[str]], str]:
         """Gather what a write saves now; the returned callable writes it to a path.
@@ -908,17 +965,34 @@ class Checkpoint(Trackable):
         return write
 
     def _gather(self, copy: bool) -> tuple[list[SaveRecord], dict[str, Any], dict[str, Any]]:
-        """The records of every saved variable (slots marked), the object graph and metadata."""
+        """The records of every saved variable (slots marked), the object graph and metadata.
+
+        While the object graph is the last save's (:meth:`ObjectGraph.unchanged`: every
+        container has the same children, every trackable the same slots), the last save's
+        records and graph document are the ones saved: a variable's record holds what cannot
+        change for its object (name, devices, kind, shape, dtype, sharding, its component
+        views), and its path and slot attributes are the graph's. So a repeated save costs an
+        identity comparison per object here, and the writer's per-record work (``RecordList``)
+        is done once per structure. Any change builds a new graph and new records.
+        """
+        memo = self._pv_save_memo
+        if memo is None or not memo[0].unchanged():
+            memo = self._pv_save_memo = self._gather_new()
+        _, records, object_graph = memo
+        if copy:
+            records = _snapshot(records)
+        return records, object_graph, self._metadata()
+
+    def _gather_new(self) -> tuple[ObjectGraph, RecordList, dict[str, Any]]:
+        """A new object graph and records (see :meth:`_gather`)."""
         graph = build_object_graph(self)
-        records = []
+        records = RecordList()
         node_ids = []
         for node_id, obj, var_path, saveable in graph.saveables():
             record = saveable.gather(obj)
             record.path = var_path
             records.append(record)
             node_ids.append(node_id)
-        if copy:
-            records = _snapshot(records)
         by_node: dict[int, SaveRecord] | None = None
         for node in graph.nodes:
             if not node["slots"]:
@@ -929,7 +1003,7 @@ class Checkpoint(Trackable):
                 rec = by_node[slot_id]  # a slot is a variable node of this graph: one dict lookup
                 rec.attrs["slot_of"] = graph.nodes[var_id]["path"]
                 rec.attrs["slot_name"] = slot_name
-        return records, graph.to_json(), self._metadata()
+        return graph, records, graph.to_json()
 
     def save(self, file_prefix: str | os.PathLike[str]) -> str:
         """Write ``<file_prefix>-<n>.h5`` with ``n`` the incremented ``save_counter``; returns it."""

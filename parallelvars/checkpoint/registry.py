@@ -35,6 +35,7 @@ __all__ = [
     "component_name",
     "component_index",
     "extra_component_index",
+    "generation",
 ]
 
 
@@ -120,6 +121,13 @@ _registry: dict[type, Saveable] = {}
 # What get_saveable answered for each type asked about (cleared on every registration).
 _by_type: dict[type, Saveable | None] = {}
 _lock = threading.Lock()
+# Counts the registrations: what a walk of the graph found saveable holds while it is unchanged.
+_generation = 0
+
+
+def generation() -> int:
+    """A number that changes whenever a type is registered or unregistered."""
+    return _generation
 
 
 def register_saveable(cls: type, saveable: Saveable, *, override: bool = False) -> None:
@@ -132,12 +140,19 @@ def register_saveable(cls: type, saveable: Saveable, *, override: bool = False) 
             )
         _registry[cls] = saveable
         _by_type.clear()
+        _bump()
 
 
 def unregister_saveable(cls: type) -> None:
     with _lock:
         _registry.pop(cls, None)
         _by_type.clear()
+        _bump()
+
+
+def _bump() -> None:
+    global _generation
+    _generation += 1
 
 
 def get_saveable(obj: Any) -> Saveable | None:

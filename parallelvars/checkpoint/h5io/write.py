@@ -261,13 +261,17 @@ def write_h5(
         ``path``.
     """
     p = os.fspath(path)
-    items = list(entries.values()) if isinstance(entries, Mapping) else list(entries)
+    if isinstance(entries, RecordList):
+        items: Sequence[Any] = entries
+    else:
+        items = list(entries.values()) if isinstance(entries, Mapping) else list(entries)
     key = _structure_key(items, object_graph, metadata) if skeletons is not None else None
     if key is not None and skeletons is not None:
         cached = skeletons.get(key)
-        if cached is not None:
+        comps = None if cached is None else _flat_components(items)
+        if cached is not None and comps is not None and cached.fits(comps):
             return atomic_write(
-                p, lambda tmp: _write_from_skeleton(tmp, p, cached, items, metadata)
+                p, lambda tmp: _write_from_skeleton(tmp, p, cached, items, comps, metadata)
             )
     captured: list[_skeleton.Skeleton | None] = []
 
@@ -319,6 +323,85 @@ def _header_values(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     return values
 
 
+class RecordList(list):
+    """Save records that keep what writing their structure again needs, made on first use:
+    their part of the structure key and the flat list of their components.
+
+    A checkpoint hands the same records to every save while its object graph is unchanged
+    (``Checkpoint._gather``), so a repeated save does this per-record work once per
+    structure. The records must not change once written (what is kept would be stale); their
+    components' values may, they are read at every write.
+    """
+
+    __slots__ = ("_flat", "_key", "_starts")
+
+    def __init__(self, records: Iterable[Any] = (), *, key: Any = None) -> None:
+        super().__init__(records)
+        self._key = key
+        self._flat: tuple[list[np.ndarray], list[int]] | None = None
+        self._starts: list[int] | None = None
+
+    def starts(self) -> list[int]:
+        """The number of each record's first component in write order (then the total)."""
+        if self._starts is None:
+            self._starts = list(itertools.accumulate((len(r.components) for r in self), initial=0))
+        return self._starts
+
+    def structure(self) -> Any:
+        """The records' part of :func:`_structure_key` (None: not all are arrays in memory)."""
+        if self._key is None:
+            self._key = _records_key(self)
+        return self._key
+
+    def components(self) -> list[np.ndarray]:
+        """Every record's components in write order, C-contiguous (strided ones copied now)."""
+        if self._flat is None:
+            comps = [c for r in self for c in r.components]
+            self._flat = (comps, [i for i, c in enumerate(comps) if not c.flags.c_contiguous])
+        comps, strided = self._flat
+        if not strided:
+            return comps
+        out = list(comps)
+        for i in strided:
+            out[i] = np.ascontiguousarray(out[i])
+        return out
+
+
+def _component_starts(items: Sequence[Any]) -> list[int]:
+    """The number of each entry's first component in write order (then the total)."""
+    if isinstance(items, RecordList):
+        return items.starts()
+    return list(itertools.accumulate((len(e.components) for e in items), initial=0))
+
+
+def _records_key(items: Sequence[Any]) -> Any:
+    """Each entry's path, kind, shape, attributes and components' dtypes and shapes (None for
+    entries that are not arrays in memory)."""
+    try:
+        return tuple(
+            (
+                e.path,
+                e.kind,
+                tuple(e.shape),
+                dict(e.attrs),
+                tuple((c.dtype, c.shape) for c in e.components),
+            )
+            for e in items
+        )
+    except AttributeError:
+        return None
+
+
+def _flat_components(items: Sequence[Any]) -> list[np.ndarray] | None:
+    """Every entry's components in write order, C-contiguous (None: not arrays in memory)."""
+    if isinstance(items, RecordList):
+        return items.components()
+    try:
+        return [np.ascontiguousarray(c) for e in items for c in e.components]
+    except AttributeError:
+        return None
+
+
 def _structure_key(
     items: Sequence[Any], object_graph: Mapping[str, Any] | None, metadata: Mapping[str, Any] | None
 ) -> Any:
@@ -326,12 +409,8 @@ def _structure_key(
     library version, the metadata's names and types, the object graph and each entry's path,
     kind, shape, attributes and components' dtypes and shapes. None for entries that are not
     arrays in memory (they are never written from a skeleton)."""
-    try:
-        records = [
-            (e.path, e.kind, e.shape, e.attrs, [(c.dtype, c.shape) for c in e.components])
-            for e in items
-        ]
-    except AttributeError:
+    records = items.structure() if isinstance(items, RecordList) else _records_key(items)
+    if records is None:
         return None
     meta = tuple(
         (k, type(v).__name__ if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
@@ -403,12 +482,13 @@ def _write_from_skeleton(
     file: str,
     skel: _skeleton.Skeleton,
     items: Sequence[Any],
+    comps: Sequence[np.ndarray],
     metadata: Mapping[str, Any] | None,
 ) -> None:
     """Write a save of the skeleton's structure to ``tmp``: the skeleton's bytes, the component
-    data at its datasets' offsets, the index, and the header values patched."""
+    data (``comps``: every entry's components, C-contiguous) at its datasets' offsets, the
+    index, and the header values patched."""
     values = _header_values(metadata)
-    comps = [np.ascontiguousarray(c) for e in items for c in e.components]
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     os.close(fd)
     writer, ok = _DataWriter(tmp, file), False
@@ -416,7 +496,7 @@ def _write_from_skeleton(
 
     def check(arr: np.ndarray, crc: int, i: int) -> None:
         if not starts:
-            starts.extend(itertools.accumulate((len(e.components) for e in items), initial=0))
+            starts.extend(_component_starts(items))
         j = bisect.bisect_right(starts, i) - 1
         writer.check_unchanged(arr, crc, f"{items[j].path}[{i - starts[j]}]")
 
