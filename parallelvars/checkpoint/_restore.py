@@ -30,19 +30,29 @@ parallel_device_saving); the other components are then reported unmatched by the
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from parallelvars import _aggregate
 from parallelvars._dtypes import dtype_name
 from parallelvars.checkpoint.entry import Entry
+from parallelvars.checkpoint.h5io.layout import STAGE_LIMIT
 from parallelvars.checkpoint.h5io.stored import StoredVariable
-from parallelvars.checkpoint.registry import Saveable, SaveRecord, component_name, register_saveable
+from parallelvars.checkpoint.registry import (
+    Saveable,
+    SaveRecord,
+    component_name,
+    get_saveable,
+    register_saveable,
+)
 from parallelvars.errors import DtypeMismatchError, ShapeMismatchError
 from parallelvars.variables import ParallelVariable, ShardedVariable
 
-__all__ = ["ParallelVariableSaveable", "read_logical_into"]
+if TYPE_CHECKING:
+    from parallelvars.checkpoint.h5io.read import H5Reader, IndexTable
+
+__all__ = ["DirectRestore", "ParallelVariableSaveable", "plan_direct", "read_logical_into"]
 
 
 def _reader(stored: Entry, cast: bool) -> Callable[[int, np.ndarray], None]:
@@ -202,4 +212,135 @@ class ParallelVariableSaveable(Saveable):
         return logical
 
 
-register_saveable(ParallelVariable, ParallelVariableSaveable())
+_SAVEABLE = ParallelVariableSaveable()
+register_saveable(ParallelVariable, _SAVEABLE)
+
+
+class DirectRestore:
+    """The restore of many variables that take the file's components one for one, in bulk.
+
+    :func:`plan_direct` picks them, :meth:`read` reads and verifies every component they take
+    (:meth:`H5Reader.read_bulk`) and :meth:`commit` copies each into its live buffer: per
+    variable, one memoryview made at planning and one copy, no plan object of its own.
+    """
+
+    __slots__ = ("at", "buffer", "items", "nbytes", "rows", "targets")
+
+    def __init__(
+        self, items: list[tuple[int, Any, str]], rows: list[int], targets: list[memoryview]
+    ) -> None:
+        self.items = items  # (node id, live variable, saved path) of each variable taken
+        self.rows = rows  # its row of the index table
+        self.targets = targets  # each component's live bytes, variable by variable
+        self.buffer: np.ndarray | None = None
+        self.at: list[int] = []
+        self.nbytes: list[int] = []
+
+    def read(self, reader: H5Reader) -> list[tuple[int, Any, str]]:
+        """Read and verify every component; the variables with a component whose bytes do
+        not match its checksum are dropped from this restore and returned (the general path
+        then reads them: from where HDF5 places a dataset whose indexed offset is stale, or
+        raising the error that names the damage)."""
+        table = reader.table
+        assert table is not None
+        rows = np.array(self.rows, np.int64)
+        slots = table.component_slots(rows)
+        buffer, at, bad = reader.read_bulk(slots)
+        nbytes = table.nbytes[slots]
+        failed: list[tuple[int, Any, str]] = []
+        if bad:
+            counts = table.first[rows + 1] - table.first[rows]
+            owner = np.repeat(np.arange(rows.size), counts)
+            dropped = set(owner[bad].tolist())
+            failed = [self.items[k] for k in sorted(dropped)]
+            keep = ~np.isin(owner, list(dropped))
+            self.items = [it for k, it in enumerate(self.items) if k not in dropped]
+            self.rows = [r for k, r in enumerate(self.rows) if k not in dropped]
+            self.targets = [t for t, ok in zip(self.targets, keep.tolist(), strict=True) if ok]
+            at, nbytes = at[keep], nbytes[keep]
+        self.buffer, self.at, self.nbytes = buffer, at.tolist(), nbytes.tolist()
+        return failed
+
+    def commit(self) -> None:
+        """Copy every verified component into its live buffer."""
+        if self.buffer is None:
+            return
+        whole = memoryview(self.buffer)  # type: ignore[arg-type]
+        for target, at, n in zip(self.targets, self.at, self.nbytes, strict=True):
+            target[:] = whole[at : at + n]
+        self.release()
+
+    def release(self) -> None:
+        """Drop the bytes read (committed, or the restore failed)."""
+        self.buffer, self.targets = None, []
+
+
+def plan_direct(
+    table: IndexTable, items: list[tuple[int, Any, str]]
+) -> tuple[DirectRestore | None, list[tuple[int, Any, str]]]:
+    """Split ``items`` (node id, live object, saved path) into the common case, restored in
+    bulk, and the rest, each planned by its saveable's :meth:`plan_restore` as before.
+
+    The common case is the one :meth:`ParallelVariableSaveable.plan_restore` restores
+    component by component with nothing to check but the bytes: a (not sharded) parallel
+    variable of this process whose file entry has its kind, dtype, shape, number of components
+    and, on-read, aggregation, and whose components the index places (a direct row of
+    ``table``), up to ``STAGE_LIMIT`` bytes in all. Read from the variable's own fields, not
+    through the proxy; everything else (another saveable, a cast, a re-shard, an aggregate, a
+    refusal, a multi-process variable) goes the general way, unchanged.
+    """
+    rows_of = table.rows
+    direct, kinds, dtypes, shapes = table.direct, table.kinds, table.dtypes, table.shapes
+    counts, aggregations, row_nbytes = table.counts, table.aggregations, table.row_nbytes
+    plain: dict[type, bool] = {}  # per type: a variable that our saveable restores
+    taken: list[tuple[int, Any, str]] = []
+    rows: list[int] = []
+    targets: list[memoryview] = []
+    rest: list[tuple[int, Any, str]] = []
+    budget = STAGE_LIMIT
+    for item in items:
+        _, live, path = item
+        row = rows_of.get(path)
+        if row is None or not direct[row]:
+            rest.append(item)
+            continue
+        cls = type(live)
+        ok = plain.get(cls)
+        if ok is None:
+            ok = plain[cls] = (
+                issubclass(cls, ParallelVariable)
+                and not issubclass(cls, ShardedVariable)
+                and get_saveable(live) is _SAVEABLE
+            )
+        if not ok or live._self_global is not None:
+            rest.append(item)
+            continue
+        wrapped = live.__wrapped__
+        kind = kinds[row]
+        dtype = dtypes[row]
+        comps = live._self_components
+        if (
+            kind != live._self_kind
+            or len(comps) != counts[row]
+            or shapes[row] != wrapped.shape
+            or (dtype is not wrapped.dtype and dtype != wrapped.dtype)
+            or (kind == "on_read" and aggregations[row] != live._self_aggregation.value)
+            or row_nbytes[row] > budget
+        ):
+            rest.append(item)
+            continue
+        try:
+            views = [memoryview(c).cast("B") for c in comps]
+        except (TypeError, ValueError):  # not contiguous: the general path copies it
+            rest.append(item)
+            continue
+        if any(v.readonly for v in views):
+            rest.append(item)
+            continue
+        budget -= row_nbytes[row]
+        taken.append(item)
+        rows.append(row)
+        targets.extend(views)
+    if not taken:
+        return None, rest
+    return DirectRestore(taken, rows, targets), rest

@@ -34,6 +34,7 @@ from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint import _restore  # noqa: F401 - registers the variable saveable
 from parallelvars.checkpoint._foreign import with_foreign_hint
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX  # noqa: F401 - <file>.parts/: a multi-process save's files
+from parallelvars.checkpoint._restore import plan_direct
 from parallelvars.checkpoint._skeleton import SkeletonCache
 from parallelvars.checkpoint._sources import by_live_names, open_source, reasons_of
 from parallelvars.checkpoint.h5io import write_h5
@@ -503,24 +504,35 @@ class _Session:
         plans, sizes, checks, check_sizes = [], [], [], []
         left_out: list[str] = []
         staged: list[Any] = []
-        for nid, live in matched.items():
-            path = nodes[nid].get("path")
-            if path is None:
-                continue
-            stored = reader[path]
-            staged.append(stored)
-            saveable = get_saveable(live)
-            assert saveable is not None
-            plan = saveable.plan_restore(
-                live, stored, file=self.path, path=path, allow_cast=self.allow_cast
-            )
-            plans.append(plan)
-            left_out.extend(getattr(plan, "unmatched", ()))
-        # All or nothing: every checksum is verified before the first value is written. Both
-        # passes are checksums and copies in C, spread over the cores. A native file's small
-        # components are read ahead in a few large reads that both passes then use, and
-        # verified as they are read (stage() names those); the others are verified here.
+        items = [(nid, live, nodes[nid]["path"]) for nid, live in matched.items()]
+        items = [item for item in items if item[2] is not None]
+        # The common case (a variable taking its saved components one for one) in bulk; the
+        # rest each through its saveable's plan.
+        table = getattr(reader, "table", None)
+        direct, items = (None, items) if table is None else plan_direct(table, items)
+
+        def plan_each(items: list[tuple[int, Any, str]]) -> None:
+            for _, live, path in items:
+                stored = reader[path]
+                staged.append(stored)
+                saveable = get_saveable(live)
+                assert saveable is not None
+                plan = saveable.plan_restore(
+                    live, stored, file=self.path, path=path, allow_cast=self.allow_cast
+                )
+                plans.append(plan)
+                left_out.extend(getattr(plan, "unmatched", ()))
+
+        plan_each(items)
+        # All or nothing: every checksum is verified before the first value is written. The
+        # common case's components are read in a few large reads and verified there (those
+        # whose bytes do not match go the general way, which names the damage). Of the others,
+        # a native file's small components are read ahead in a few large reads that both
+        # passes then use, and verified as they are read (stage() names those); the rest are
+        # verified here; checksums and copies in C, spread over the cores.
         try:
+            if direct is not None:
+                plan_each(direct.read(reader))
             verified = reader.stage(staged)
             for stored in staged:
                 size = 0
@@ -534,13 +546,19 @@ class _Session:
             run_partitioned(checks, check_sizes)
         except BaseException:
             reader.unstage()
+            if direct is not None:
+                direct.release()
             raise
 
         def commit() -> None:
             try:
+                if direct is not None:
+                    direct.commit()
                 run_partitioned(plans, sizes)
             finally:
                 reader.unstage()
+                if direct is not None:
+                    direct.release()
             for done in attach:
                 done()
             self.matched.update(matched)
