@@ -29,7 +29,9 @@ parallel_device_saving); the other components are then reported unmatched by the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+import operator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -221,41 +223,41 @@ class DirectRestore:
 
     :func:`plan_direct` picks them, :meth:`read` reads and verifies every component they take
     (:meth:`H5Reader.read_bulk`) and :meth:`commit` copies each into its live buffer: per
-    variable, one memoryview made at planning and one copy, no plan object of its own.
+    component, one memoryview made at planning and one copy; no plan object per variable.
     """
 
-    __slots__ = ("at", "buffer", "items", "nbytes", "rows", "targets")
+    __slots__ = ("at", "buffer", "nbytes", "rows", "taken", "targets")
 
-    def __init__(
-        self, items: list[tuple[int, Any, str]], rows: list[int], targets: list[memoryview]
-    ) -> None:
-        self.items = items  # (node id, live variable, saved path) of each variable taken
+    def __init__(self, taken: list[int], rows: list[int], targets: list[memoryview]) -> None:
+        self.taken = taken  # the position of each variable taken in the list planned
         self.rows = rows  # its row of the index table
         self.targets = targets  # each component's live bytes, variable by variable
         self.buffer: np.ndarray | None = None
         self.at: list[int] = []
         self.nbytes: list[int] = []
 
-    def read(self, reader: H5Reader) -> list[tuple[int, Any, str]]:
+    def read(self, reader: H5Reader) -> list[int]:
         """Read and verify every component; the variables with a component whose bytes do
-        not match its checksum are dropped from this restore and returned (the general path
-        then reads them: from where HDF5 places a dataset whose indexed offset is stale, or
-        raising the error that names the damage)."""
+        not match its checksum are dropped from this restore and returned (their positions:
+        the general path then reads them, from where HDF5 places a dataset whose indexed
+        offset is stale, or raising the error that names the damage)."""
         table = reader.table
         assert table is not None
         rows = np.array(self.rows, np.int64)
         slots = table.component_slots(rows)
         buffer, at, bad = reader.read_bulk(slots)
         nbytes = table.nbytes[slots]
-        failed: list[tuple[int, Any, str]] = []
+        failed: list[int] = []
         if bad:
             counts = table.first[rows + 1] - table.first[rows]
             owner = np.repeat(np.arange(rows.size), counts)
-            dropped = set(owner[bad].tolist())
-            failed = [self.items[k] for k in sorted(dropped)]
-            keep = ~np.isin(owner, list(dropped))
-            self.items = [it for k, it in enumerate(self.items) if k not in dropped]
-            self.rows = [r for k, r in enumerate(self.rows) if k not in dropped]
+            dropped = sorted(set(owner[bad].tolist()))
+            failed = [self.taken[k] for k in dropped]
+            keep = ~np.isin(owner, dropped)
+            kept = np.ones(rows.size, bool)
+            kept[dropped] = False
+            self.taken = np.array(self.taken, np.int64)[kept].tolist()
+            self.rows = rows[kept].tolist()
             self.targets = [t for t, ok in zip(self.targets, keep.tolist(), strict=True) if ok]
             at, nbytes = at[keep], nbytes[keep]
         self.buffer, self.at, self.nbytes = buffer, at.tolist(), nbytes.tolist()
@@ -275,72 +277,94 @@ class DirectRestore:
         self.buffer, self.targets = None, []
 
 
+def _bools(values: Iterable[Any]) -> np.ndarray:
+    return np.fromiter(values, bool)
+
+
+def _byte_views(components: Iterable[Any]) -> list[memoryview] | None:
+    """A writable flat byte view of each array; None when one is not contiguous or not
+    writable."""
+    try:
+        views = list(map(_CAST_BYTES, map(_MEMORYVIEW, components)))
+    except (TypeError, ValueError):
+        return None
+    return None if any(map(_READONLY, views)) else views
+
+
+_MEMORYVIEW: Callable[[Any], memoryview] = memoryview
+_CAST_BYTES = operator.methodcaller("cast", "B")
+_READONLY = operator.attrgetter("readonly")
+
+
 def plan_direct(
-    table: IndexTable, items: list[tuple[int, Any, str]]
-) -> tuple[DirectRestore | None, list[tuple[int, Any, str]]]:
-    """Split ``items`` (node id, live object, saved path) into the common case, restored in
-    bulk, and the rest, each planned by its saveable's :meth:`plan_restore` as before.
+    table: IndexTable, lives: list[Any], paths: list[str]
+) -> tuple[DirectRestore | None, list[int]]:
+    """Split the live objects ``lives``, to restore from the saved ``paths``, into the common
+    case, restored in bulk, and the rest (their positions, returned), each planned by its
+    saveable's :meth:`plan_restore` as before.
 
     The common case is the one :meth:`ParallelVariableSaveable.plan_restore` restores
     component by component with nothing to check but the bytes: a (not sharded) parallel
     variable of this process whose file entry has its kind, dtype, shape, number of components
     and, on-read, aggregation, and whose components the index places (a direct row of
-    ``table``), up to ``STAGE_LIMIT`` bytes in all. Read from the variable's own fields, not
-    through the proxy; everything else (another saveable, a cast, a re-shard, an aggregate, a
-    refusal, a multi-process variable) goes the general way, unchanged.
+    ``table``), up to ``STAGE_LIMIT`` bytes in all, into contiguous writable buffers.
+    Decided column by column (C loops over the variables' own fields, never through the
+    proxy); everything else (another saveable, a cast, a re-shard, an aggregate, a refusal, a
+    multi-process variable) goes the general way, unchanged.
     """
-    rows_of = table.rows
-    direct, kinds, dtypes, shapes = table.direct, table.kinds, table.dtypes, table.shapes
-    counts, aggregations, row_nbytes = table.counts, table.aggregations, table.row_nbytes
-    plain: dict[type, bool] = {}  # per type: a variable that our saveable restores
-    taken: list[tuple[int, Any, str]] = []
-    rows: list[int] = []
-    targets: list[memoryview] = []
-    rest: list[tuple[int, Any, str]] = []
-    budget = STAGE_LIMIT
-    for item in items:
-        _, live, path = item
-        row = rows_of.get(path)
-        if row is None or not direct[row]:
-            rest.append(item)
-            continue
-        cls = type(live)
-        ok = plain.get(cls)
-        if ok is None:
-            ok = plain[cls] = (
-                issubclass(cls, ParallelVariable)
-                and not issubclass(cls, ShardedVariable)
-                and get_saveable(live) is _SAVEABLE
-            )
-        if not ok or live._self_global is not None:
-            rest.append(item)
-            continue
-        wrapped = live.__wrapped__
-        kind = kinds[row]
-        dtype = dtypes[row]
-        comps = live._self_components
-        if (
-            kind != live._self_kind
-            or len(comps) != counts[row]
-            or shapes[row] != wrapped.shape
-            or (dtype is not wrapped.dtype and dtype != wrapped.dtype)
-            or (kind == "on_read" and aggregations[row] != live._self_aggregation.value)
-            or row_nbytes[row] > budget
-        ):
-            rest.append(item)
-            continue
-        try:
-            views = [memoryview(c).cast("B") for c in comps]
-        except (TypeError, ValueError):  # not contiguous: the general path copies it
-            rest.append(item)
-            continue
-        if any(v.readonly for v in views):
-            rest.append(item)
-            continue
-        budget -= row_nbytes[row]
-        taken.append(item)
-        rows.append(row)
-        targets.extend(views)
+    missing = len(table.names)  # (a row past the last: not in the file)
+    rows = list(map(table.rows.get, paths, itertools.repeat(missing)))
+    direct = [*table.direct, False]
+    types = list(map(type, lives))
+    plain = {  # per type: a variable that our saveable restores component by component
+        cls: issubclass(cls, ParallelVariable)
+        and not issubclass(cls, ShardedVariable)
+        and get_saveable(lives[types.index(cls)]) is _SAVEABLE
+        for cls in set(types)
+    }
+    pick = np.flatnonzero(
+        _bools(map(direct.__getitem__, rows)) & _bools(map(plain.__getitem__, types))
+    ).tolist()
+    cand = list(map(lives.__getitem__, pick))
+    rows = list(map(rows.__getitem__, pick))
+    kinds = list(map(table.kinds.__getitem__, rows))
+    comps = list(map(_COMPONENTS, cand))
+    wrapped = list(map(_WRAPPED, cand))
+    ok = (
+        _bools(map(operator.is_, map(_GLOBAL, cand), itertools.repeat(None)))
+        & _bools(map(operator.eq, kinds, map(_KIND, cand)))
+        & _bools(map(operator.eq, map(table.counts.__getitem__, rows), map(len, comps)))
+        & _bools(map(operator.eq, map(table.shapes.__getitem__, rows), map(_SHAPE, wrapped)))
+        & _bools(map(operator.eq, map(table.dtypes.__getitem__, rows), map(_DTYPE, wrapped)))
+    )
+    if "on_read" in kinds:  # component by component only from the same aggregation
+        lowered, aggregations = table.lowered, table.aggregations
+        for k, (kind, row) in enumerate(zip(kinds, rows, strict=True)):
+            if kind == "on_read" and ok[k]:
+                ok[k] = lowered[aggregations[row]] == cand[k]._self_aggregation.value
+    sizes = np.array(list(map(table.row_nbytes.__getitem__, rows)), np.int64)
+    ok &= np.cumsum(np.where(ok, sizes, 0)) <= STAGE_LIMIT  # the first ones, to the limit
+    keep = np.flatnonzero(ok).tolist()
+    views = _byte_views(itertools.chain.from_iterable(map(comps.__getitem__, keep)))
+    if views is None:  # a buffer not contiguous or not writable: find it, variable by variable
+        views = []
+        for k in list(keep):
+            mine = _byte_views(comps[k])
+            if mine is None:
+                keep.remove(k)
+            else:
+                views.extend(mine)
+    taken = list(map(pick.__getitem__, keep))
+    chosen = set(taken)
+    rest = [k for k in range(len(lives)) if k not in chosen]
     if not taken:
         return None, rest
-    return DirectRestore(taken, rows, targets), rest
+    return DirectRestore(taken, list(map(rows.__getitem__, keep)), views), rest
+
+
+_COMPONENTS = operator.attrgetter("_self_components")
+_WRAPPED = operator.attrgetter("__wrapped__")
+_GLOBAL = operator.attrgetter("_self_global")
+_KIND = operator.attrgetter("_self_kind")
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")

@@ -509,7 +509,10 @@ class _Session:
         # The common case (a variable taking its saved components one for one) in bulk; the
         # rest each through its saveable's plan.
         table = getattr(reader, "table", None)
-        direct, items = (None, items) if table is None else plan_direct(table, items)
+        direct = None
+        if table is not None:
+            direct, rest = plan_direct(table, [it[1] for it in items], [it[2] for it in items])
+            taken_items, items = items, [items[k] for k in rest]
 
         def plan_each(items: list[tuple[int, Any, str]]) -> None:
             for _, live, path in items:
@@ -532,7 +535,7 @@ class _Session:
         # verified here; checksums and copies in C, spread over the cores.
         try:
             if direct is not None:
-                plan_each(direct.read(reader))
+                plan_each([taken_items[k] for k in direct.read(reader)])
             verified = reader.stage(staged)
             for stored in staged:
                 size = 0

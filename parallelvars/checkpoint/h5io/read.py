@@ -20,7 +20,7 @@ import h5py
 import numpy as np
 
 from parallelvars.checkpoint import _h5policy
-from parallelvars.checkpoint.entry import layout_problem
+from parallelvars.checkpoint.entry import AGGREGATIONS, layout_problem
 from parallelvars.checkpoint.h5io.attributes import _decode, _read_json
 from parallelvars.checkpoint.h5io.layout import (
     _H5_ERRORS,
@@ -78,6 +78,7 @@ class IndexTable:
         "first",
         "kinds",
         "located",
+        "lowered",
         "names",
         "nbytes",
         "offsets",
@@ -93,7 +94,8 @@ class IndexTable:
         dtypes: list[np.dtype],
         shapes: list[tuple[int, ...]],
         counts: list[int],
-        aggregations: list[str | None],
+        aggregations: list[Any],
+        lowered: dict[Any, str],
         first: np.ndarray,
         offsets: np.ndarray,
         nbytes: np.ndarray,
@@ -108,7 +110,8 @@ class IndexTable:
         self.dtypes = dtypes
         self.shapes = shapes
         self.counts = counts
-        self.aggregations = aggregations
+        self.aggregations = aggregations  # as the index has them (None: not given)
+        self.lowered = lowered  # each of them as spread_plan compares it
         self.first = first
         self.offsets = offsets
         self.nbytes = nbytes
@@ -169,29 +172,30 @@ class IndexTable:
 
 
 def _index_table(metas: dict[str, Any], file: str, file_size: int) -> IndexTable | None:
-    """The index as an :class:`IndexTable`, or None when any entry is not in the canonical
-    form our writers give (missing or mistyped fields, a layout :func:`layout_problem`
-    refuses, values out of range): such a file is opened the general way, entry by entry, with
-    the general path's errors. Sharded and byte-string variables are rows too, never direct.
+    """The index as an :class:`IndexTable`, or None when any entry is not in the form our
+    writers give (a field missing or of another type, a layout :func:`layout_problem`
+    refuses, a value out of range): such a file is opened the general way, entry by entry,
+    with the general path's errors. Sharded and byte-string variables are rows too, never
+    direct (their StoredVariables are made at open).
 
-    Raises (for the first bad entry in path order, naming the file, the component, expected
-    and found): :class:`TruncatedFileError` for data placed outside the file, and
-    :class:`CorruptCheckpointError` for two datasets placed in the same bytes.
+    Column by column, in C loops (``map``, ``set``, numpy); the few distinct layouts (kind,
+    number of components, aggregation, devices) are each checked once.
     """
     names = sorted(metas)
     entries = list(map(metas.__getitem__, names))
     if _types(entries) - {dict}:
         return None
+    get = operator.itemgetter
     try:
-        kinds = list(map(operator.itemgetter("kind"), entries))
-        dnames = list(map(operator.itemgetter("dtype"), entries))
-        shapes_json = list(map(operator.itemgetter("shape"), entries))
-        counts = list(map(operator.itemgetter("num_components"), entries))
-        offsets_json = list(map(operator.itemgetter("offsets"), entries))
-        crcs_json = list(map(operator.itemgetter("crc32c"), entries))
+        kinds = list(map(get("kind"), entries))
+        dnames = list(map(get("dtype"), entries))
+        shapes_json = list(map(get("shape"), entries))
+        counts = list(map(get("num_components"), entries))
+        offsets_json = list(map(get("offsets"), entries))
+        crcs_json = list(map(get("crc32c"), entries))
+        attrs: list[Any] = list(map(get("attrs"), entries))
     except KeyError:
         return None
-    attrs: list[Any] = list(map(dict.get, entries, itertools.repeat("attrs")))
     if (
         _types(kinds) - {str}
         or _types(dnames) - {str}
@@ -204,83 +208,108 @@ def _index_table(metas: dict[str, Any], file: str, file_size: int) -> IndexTable
         or list(map(len, crcs_json)) != counts
     ):
         return None
-    # The layouts: few distinct ones (kind, components, aggregation, devices), each checked by
-    # the one validation every reader shares; shapes checked for negative dimensions below.
+    kind_set = set(kinds)
+    if any(layout_problem(k, (), n, {}) for k, n in set(zip(kinds, counts, strict=True))):
+        return None
     aggregations = list(map(dict.get, attrs, itertools.repeat("aggregation")))
-    devices = list(map(dict.get, attrs, itertools.repeat("devices")))
-    if _types(aggregations) - {str, _NONE} or _types(devices) - {list, _NONE}:
+    if _types(aggregations) - {str, _NONE}:
         return None
-    flat_devices = list(itertools.chain.from_iterable(d for d in devices if d is not None))
-    if _types(flat_devices) - {str}:
-        return None
-    device_counts = [None if d is None else len(d) for d in devices]
-    for kind, n, aggregation, ndev in set(
-        zip(kinds, counts, aggregations, device_counts, strict=True)
-    ):
-        if kind == "sharded":
-            continue  # checked by its StoredVariable, made at open
-        layout = {"aggregation": aggregation, "devices": None if ndev is None else [""] * ndev}
-        if layout_problem(kind, (), n, layout) is not None:
+    lowered: dict[Any, str] = {}
+    for agg in set(aggregations):
+        if agg is not None and agg.lower() not in AGGREGATIONS:
             return None
+        lowered[agg] = str(agg).lower()  # as spread_plan compares them (None: "none")
+    devices: list[Any] = list(map(dict.get, attrs, itertools.repeat("devices")))
+    device_types = _types(devices)
+    if device_types - {list, _NONE}:
+        return None
+    try:  # (a device that is not a string may be unhashable: no canonical index either way)
+        if device_types == {list}:
+            if list(map(len, devices)) != counts:
+                return None
+            distinct = set(map(tuple, devices))
+        else:
+            listed = [(d, n) for d, n in zip(devices, counts, strict=True) if d is not None]
+            if any(len(d) != n for d, n in listed):
+                return None
+            distinct = {tuple(d) for d, _ in listed}
+    except TypeError:
+        return None
+    if _types(itertools.chain.from_iterable(distinct)) - {str}:
+        return None
+    # Shapes, offsets and checksums: integers in range, as numpy arrays.
     dims = list(itertools.chain.from_iterable(shapes_json))
     flat_offsets = list(itertools.chain.from_iterable(offsets_json))
     flat_crcs = list(itertools.chain.from_iterable(crcs_json))
     offset_types = _types(flat_offsets)
     if _types(dims) - {int} or offset_types - {int, _NONE} or _types(flat_crcs) - {int}:
         return None
-    if (dims and min(dims) < 0) or (
-        flat_crcs and not 0 <= min(flat_crcs) <= max(flat_crcs) < 1 << 32
-    ):
+    if dims and (min(dims) < 0 or max(dims) >= 1 << 62):
         return None
-    located = [o is not None for o in flat_offsets] if _NONE in offset_types else None
-    placed = flat_offsets if located is None else [o for o in flat_offsets if o is not None]
-    if placed and (min(placed) < 0 or max(placed) >= 1 << 62):
-        return None  # outside every file: the general path names it
-    if located is not None:
+    if flat_crcs and not 0 <= min(flat_crcs) <= max(flat_crcs) < 1 << 32:
+        return None
+    located = None
+    if _NONE in offset_types:
+        located = np.array([o is not None for o in flat_offsets], bool)
         flat_offsets = [-1 if o is None else o for o in flat_offsets]
+        placed = np.array(flat_offsets, np.int64)[located]
+    if flat_offsets and (
+        min(flat_offsets if located is None else placed.tolist() or [0]) < 0
+        or max(flat_offsets) >= 1 << 62
+    ):
+        return None  # outside every file: the general path names it
+    dname_set = set(dnames)
     try:
-        dtype_of = {name: _dtype_named(name) for name in set(dnames) if name != "bytes"}
+        dtype_of = {name: _dtype_named(name) for name in dname_set if name != "bytes"}
     except UnsupportedDtypeError:
         return None  # the general path names the entry
     dtype_of["bytes"] = np.dtype(object)
     dtypes = list(map(dtype_of.__getitem__, dnames))
-    shapes = list(map(tuple, shapes_json))
-    sizes = list(map(math.prod, shapes))
-    row_nbytes = list(map(operator.mul, sizes, (d.itemsize for d in dtypes)))
-    first = np.zeros(len(names) + 1, np.int64)
-    np.cumsum(counts, out=first[1:])
+    itemsize_of = {name: dt.itemsize for name, dt in dtype_of.items()}
+    rows = len(names)
+    # Elements per variable: the product of each row's dimensions (a 1 put before each row
+    # keeps scalars, which have none, in the product), refused past 2**62 bytes.
+    ndims = np.array(list(map(len, shapes_json)), np.int64)
+    heads = np.zeros(rows, np.int64)
+    np.cumsum(ndims[:-1], out=heads[1:])
+    ones = np.insert(np.array(dims, np.int64), heads, 1)
+    at = heads + np.arange(rows, dtype=np.int64)
+    itemsizes = np.array(list(map(itemsize_of.__getitem__, dnames)), np.int64)
+    if rows and float(
+        (np.multiply.reduceat(ones.astype(np.float64), at) * np.maximum(itemsizes, 1)).max()
+    ) >= float(1 << 62):
+        return None
+    row_nbytes = np.multiply.reduceat(ones, at) * itemsizes if rows else ndims
+    counts_arr = np.array(counts, np.int64)
+    first = np.zeros(rows + 1, np.int64)
+    np.cumsum(counts_arr, out=first[1:])
     offsets = np.array(flat_offsets, np.int64)
     crcs = np.array(flat_crcs, np.int64)
-    # Sizes beyond any file are clipped to one byte past it (their data cannot be there).
-    clipped = (
-        [min(b, file_size + 1) for b in row_nbytes]
-        if max(row_nbytes, default=0) > file_size
-        else row_nbytes
-    )
-    nbytes = np.repeat(np.array(clipped, np.int64), counts)
-    general = np.zeros(len(names), bool)
-    for row, (kind, dtype) in enumerate(zip(kinds, dtypes, strict=True)):
-        if kind == "sharded" or dtype.kind == "O":
-            general[row] = True
-    has = np.ones(offsets.size, bool) if located is None else np.array(located, bool)
-    has &= ~np.repeat(general, counts)
+    nbytes = np.repeat(row_nbytes, counts_arr)
+    has = np.ones(offsets.size, bool) if located is None else located
+    if "sharded" in kind_set or "bytes" in dname_set:
+        general = np.array(
+            [k == "sharded" or d == "bytes" for k, d in zip(kinds, dnames, strict=True)], bool
+        )
+        has &= ~np.repeat(general, counts_arr)
+        nbytes[~has] = 0  # a shard's size is not the variable's: not read from the table
     small = (nbytes > 0) & (nbytes < STAGE_COMPONENT) & has
-    per_row = np.add.reduceat(small.astype(np.int64), first[:-1]) if small.size else small
-    direct = (per_row == np.asarray(counts)).tolist() if len(names) else []
+    per_row = np.add.reduceat(small.astype(np.int64), first[:-1]) if rows else counts_arr
     return IndexTable(
         names,
         kinds,
         dtypes,
-        shapes,
-        list(counts),
-        [str(a).lower() for a in aggregations],  # as spread_plan compares them
+        list(map(tuple, shapes_json)),
+        counts,
+        aggregations,
+        lowered,
         first,
         offsets,
         nbytes,
         crcs,
         has,
-        direct,
-        list(map(operator.mul, row_nbytes, counts)),
+        (per_row == counts_arr).tolist(),
+        (row_nbytes * counts_arr).tolist(),
     )
 
 
