@@ -335,8 +335,14 @@ def plan_direct(
         & _bools(map(operator.eq, kinds, map(_KIND, cand)))
         & _bools(map(operator.eq, map(table.counts.__getitem__, rows), map(len, comps)))
         & _bools(map(operator.eq, map(table.shapes.__getitem__, rows), map(_SHAPE, wrapped)))
-        & _bools(map(operator.eq, map(table.dtypes.__getitem__, rows), map(_DTYPE, wrapped)))
     )
+    # dtypes: the same object, mostly (numpy's builtin dtypes are singletons); else compared
+    dtypes = list(map(table.dtypes.__getitem__, rows))
+    live_dtypes = list(map(_DTYPE, wrapped))
+    same = _bools(map(operator.is_, dtypes, live_dtypes))
+    for k in np.flatnonzero(ok & ~same).tolist():
+        same[k] = dtypes[k] == live_dtypes[k]
+    ok &= same
     if "on_read" in kinds:  # component by component only from the same aggregation
         lowered, aggregations = table.lowered, table.aggregations
         for k, (kind, row) in enumerate(zip(kinds, rows, strict=True)):
