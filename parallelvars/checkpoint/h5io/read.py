@@ -552,6 +552,21 @@ class H5Reader(Mapping[str, StoredVariable]):
                     self._raw_fd = fd
         return self._raw_fd
 
+    def _read_fully(self, view: memoryview, offset: int) -> None:
+        """Fill ``view`` with the file's bytes from ``offset`` on (a file that ends first, cut
+        by someone else since it was opened, is a :class:`TruncatedFileError`)."""
+        end, fd = offset + len(view), self._fd()
+        while len(view):
+            n = os.preadv(fd, [view], offset)
+            if n <= 0:
+                raise TruncatedFileError(
+                    "file ends inside the data",
+                    file=self.path,
+                    expected=f"{end} bytes",
+                    found=f"{self.file_size} bytes",
+                )
+            view, offset = view[n:], offset + n
+
     def stage(self, variables: Iterable[StoredVariable]) -> set[tuple[str, int]]:
         """Read the small components of ``variables`` now, with a few large reads.
 
@@ -601,17 +616,7 @@ class H5Reader(Mapping[str, StoredVariable]):
         bufs = []
         for start, end in zip(starts, ends, strict=True):
             buf = np.empty(end - start, np.uint8)
-            view, at = memoryview(buf), start  # type: ignore[arg-type]
-            while len(view):
-                n = os.preadv(self._fd(), [view], at)
-                if n <= 0:
-                    raise TruncatedFileError(
-                        "file ends inside the data",
-                        file=self.path,
-                        expected=f"{end} bytes",
-                        found=f"{self.file_size} bytes",
-                    )
-                view, at = view[n:], at + n
+            self._read_fully(memoryview(buf), start)  # type: ignore[arg-type]
             bufs.append(buf)
         self._staged = (starts, ends, bufs)
         # Every staged component against its checksum, span by span (ranges are in file order).
@@ -667,17 +672,7 @@ class H5Reader(Mapping[str, StoredVariable]):
                 os.posix_fadvise(fd, start, size, os.POSIX_FADV_WILLNEED)
         whole = memoryview(buf)  # type: ignore[arg-type]
         for start, size, base in spans_list:
-            view, at = whole[base : base + size], start
-            while len(view):
-                n = os.preadv(fd, [view], at)
-                if n <= 0:
-                    raise TruncatedFileError(
-                        "file ends inside the data",
-                        file=self.path,
-                        expected=f"{start + size} bytes",
-                        found=f"{os.fstat(fd).st_size} bytes",
-                    )
-                view, at = view[n:], at + n
+            self._read_fully(whole[base : base + size], start)
         span_of = np.cumsum(new) - 1
         at_sorted = starts - span_starts[span_of] + bases[span_of]
         crc = _crc32c.crc32c
