@@ -171,6 +171,45 @@ def test_the_common_case_is_read_in_bulk(tmp_path: pathlib.Path, monkeypatch) ->
     assert rest == []
 
 
+def test_sharded_and_byte_string_variables_go_the_general_way(tmp_path, monkeypatch) -> None:
+    """A file with a sharded and a byte-string variable is still opened in bulk: those two are
+    planned one by one (their StoredVariables made at open), the others read in bulk."""
+
+    def build(seed: int) -> pv.Module:
+        m = _model([("mirrored", 2, "float32", (6,))], seed=seed)
+        with pv.MirroredStrategy(2).scope():
+            m.table = pv.Variable(
+                np.arange(12.0, dtype=np.float32).reshape(6, 2) + seed, shard_axis=0
+            )
+        m.words = pv.Variable(np.array([b"a%d" % seed, b"bc"], dtype=object))
+        return m
+
+    src, dst = build(1), build(2)
+    path = pv.Checkpoint(model=src).write(tmp_path / "c.h5")
+    with H5Reader(path) as reader:
+        assert reader.table is not None
+        general = {
+            p
+            for p, direct in zip(reader.table.names, reader.table.direct, strict=True)
+            if not direct
+        }
+        assert general == {"model/table", "model/words"}
+    taken = []
+    real = _checkpoint.plan_direct
+
+    def spy(table, lives, paths):
+        direct, rest = real(table, lives, paths)
+        taken.append(sorted(paths[k] for k in rest))
+        return direct, rest
+
+    monkeypatch.setattr(_checkpoint, "plan_direct", spy)
+    pv.Checkpoint(model=dst).restore(path).assert_consumed()
+    assert taken == [["model/table", "model/words"]]
+    assert _state(dst) == _state(src)
+    assert np.array_equal(dst.table.numpy(), src.table.numpy())
+    assert list(dst.words.numpy()) == list(src.words.numpy())
+
+
 def _rewrite_index(path: pathlib.Path, edit) -> None:
     with h5py.File(path, "r+") as f:
         index = json.loads(f["_parallelvars/index"][()])

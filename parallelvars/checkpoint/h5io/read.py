@@ -209,8 +209,9 @@ def _index_table(metas: dict[str, Any], file: str, file_size: int) -> IndexTable
     ):
         return None
     kind_set = set(kinds)
-    if any(layout_problem(k, (), n, {}) for k, n in set(zip(kinds, counts, strict=True))):
-        return None
+    for kind, n in set(zip(kinds, counts, strict=True)):
+        if kind != "sharded" and layout_problem(kind, (), n, {}) is not None:
+            return None  # (a sharded entry's layout is checked by its StoredVariable, at open)
     aggregations = list(map(dict.get, attrs, itertools.repeat("aggregation")))
     if _types(aggregations) - {str, _NONE}:
         return None
