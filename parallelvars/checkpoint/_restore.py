@@ -38,6 +38,7 @@ import numpy as np
 
 from parallelvars import _aggregate
 from parallelvars._dtypes import dtype_name
+from parallelvars._fileio import byte_view
 from parallelvars.checkpoint.entry import Entry
 from parallelvars.checkpoint.h5io.layout import STAGE_LIMIT
 from parallelvars.checkpoint.h5io.stored import StoredVariable
@@ -291,6 +292,15 @@ def _byte_views(components: Iterable[Any]) -> list[memoryview] | None:
     return None if any(map(_READONLY, views)) else views
 
 
+def _raw_byte_views(components: Iterable[np.ndarray]) -> list[memoryview] | None:
+    """:func:`_byte_views` through a uint8 view, for dtypes the buffer protocol cannot
+    export (bfloat16 and the other extension dtypes)."""
+    arrays = list(components)
+    if not all(a.flags.c_contiguous and a.flags.writeable for a in arrays):
+        return None
+    return [memoryview(byte_view(a)) for a in arrays]  # type: ignore[arg-type]
+
+
 _MEMORYVIEW: Callable[[Any], memoryview] = memoryview
 _CAST_BYTES = operator.methodcaller("cast", "B")
 _READONLY = operator.attrgetter("readonly")
@@ -355,7 +365,7 @@ def plan_direct(
     if views is None:  # a buffer not contiguous or not writable: find it, variable by variable
         views = []
         for k in list(keep):
-            mine = _byte_views(comps[k])
+            mine = _byte_views(comps[k]) or _raw_byte_views(comps[k])
             if mine is None:
                 keep.remove(k)
             else:
