@@ -57,7 +57,7 @@ def _types(values: Iterable[Any]) -> set[type]:
 
 
 class IndexTable:
-    """A native file's index as arrays: one row per variable (in path order), one slot per
+    """A native file's index as arrays: one row per variable (in the index's order), one slot per
     component, parsed and validated in bulk at open.
 
     A row holds a variable's kind, dtype, shape, number of components and on-read aggregation;
@@ -135,7 +135,9 @@ class IndexTable:
         offsets, nbytes, located = self.offsets, self.nbytes, self.located
         outside = located & (offsets + nbytes > file_size)
         if outside.any():
-            slot = int(np.argmax(outside))
+            rows = {self._row_of(int(k)) for k in np.flatnonzero(outside)}
+            first = min(rows, key=self.names.__getitem__)  # the first in path order
+            slot = int(self.first[first]) + int(np.argmax(outside[self.first[first] :]))
             row = self._row_of(slot)
             size = math.prod(self.shapes[row]) * self.dtypes[row].itemsize
             raise TruncatedFileError(
@@ -181,8 +183,10 @@ def _index_table(metas: dict[str, Any], file: str, file_size: int) -> IndexTable
     Column by column, in C loops (``map``, ``set``, numpy); the few distinct layouts (kind,
     number of components, aggregation, devices) are each checked once.
     """
-    names = sorted(metas)
-    entries = list(map(metas.__getitem__, names))
+    # Rows in the index's own order: the decoded entries lie in memory in that order, so each
+    # pass over a column reads them front to back (in path order, every pass would jump).
+    names = list(metas)
+    entries = list(metas.values())
     if _types(entries) - {dict}:
         return None
     get = operator.itemgetter
@@ -463,13 +467,17 @@ class H5Reader(Mapping[str, StoredVariable]):
             }
             self._names = list(self._variables)
             return
-        self._names = table.names
+        self._names = sorted(table.names)
         self._variables = {}
-        for name, direct, kind, dtype in zip(
-            table.names, table.direct, table.kinds, table.dtypes, strict=True
-        ):
-            if not direct and (kind == "sharded" or dtype.kind == "O"):
-                self._variables[name] = StoredVariable(self, name, metas[name])
+        general = [
+            name
+            for name, direct, kind, dtype in zip(
+                table.names, table.direct, table.kinds, table.dtypes, strict=True
+            )
+            if not direct and (kind == "sharded" or dtype.kind == "O")
+        ]
+        for name in sorted(general):  # (the first bad one in path order raises, as before)
+            self._variables[name] = StoredVariable(self, name, metas[name])
         if table.check_placement(self.path, self.file_size):
             self.table = table
 
