@@ -329,11 +329,20 @@ def test_save_and_restore_pause_the_collector_and_resume_it(tmp_path):
         seen.append(gc.isenabled())
         return original(self, *args, **kwargs)
 
+    from parallelvars.checkpoint import checkpoint as _checkpoint
+
+    direct = _checkpoint.plan_direct  # the planner of the common case, in bulk
+
+    def spy_direct(*args: Any) -> Any:
+        seen.append(gc.isenabled())
+        return direct(*args)
+
     assert gc.isenabled()
     path = ckpt.write(str(tmp_path / "a.h5"))
     assert gc.isenabled()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(type(saveable), "plan_restore", spy)
+        mp.setattr(_checkpoint, "plan_direct", spy_direct)
         ckpt.restore(path).assert_consumed()
     assert seen and not any(seen)  # off while planning the restore
     assert gc.isenabled()

@@ -29,20 +29,33 @@ parallel_device_saving); the other components are then reported unmatched by the
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import itertools
+import operator
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from parallelvars import _aggregate
 from parallelvars._dtypes import dtype_name
+from parallelvars._fileio import byte_view
 from parallelvars.checkpoint.entry import Entry
+from parallelvars.checkpoint.h5io.layout import STAGE_LIMIT
 from parallelvars.checkpoint.h5io.stored import StoredVariable
-from parallelvars.checkpoint.registry import Saveable, SaveRecord, component_name, register_saveable
+from parallelvars.checkpoint.registry import (
+    Saveable,
+    SaveRecord,
+    component_name,
+    get_saveable,
+    register_saveable,
+)
 from parallelvars.errors import DtypeMismatchError, ShapeMismatchError
 from parallelvars.variables import ParallelVariable, ShardedVariable
 
-__all__ = ["ParallelVariableSaveable", "read_logical_into"]
+if TYPE_CHECKING:
+    from parallelvars.checkpoint.h5io.read import H5Reader, IndexTable
+
+__all__ = ["DirectRestore", "ParallelVariableSaveable", "plan_direct", "read_logical_into"]
 
 
 def _reader(stored: Entry, cast: bool) -> Callable[[int, np.ndarray], None]:
@@ -202,4 +215,172 @@ class ParallelVariableSaveable(Saveable):
         return logical
 
 
-register_saveable(ParallelVariable, ParallelVariableSaveable())
+_SAVEABLE = ParallelVariableSaveable()
+register_saveable(ParallelVariable, _SAVEABLE)
+
+
+class DirectRestore:
+    """The restore of many variables that take the file's components one for one, in bulk.
+
+    :func:`plan_direct` picks them, :meth:`read` reads and verifies every component they take
+    (:meth:`H5Reader.read_bulk`) and :meth:`commit` copies each into its live buffer: per
+    component, one memoryview made at planning and one copy; no plan object per variable.
+    """
+
+    __slots__ = ("at", "buffer", "nbytes", "rows", "taken", "targets")
+
+    def __init__(self, taken: list[int], rows: list[int], targets: list[memoryview]) -> None:
+        self.taken = taken  # the position of each variable taken in the list planned
+        self.rows = rows  # its row of the index table
+        self.targets = targets  # each component's live bytes, variable by variable
+        self.buffer: np.ndarray | None = None
+        self.at: list[int] = []
+        self.nbytes: list[int] = []
+
+    def read(self, reader: H5Reader) -> list[int]:
+        """Read and verify every component; the variables with a component whose bytes do
+        not match its checksum are dropped from this restore and returned (their positions:
+        the general path then reads them, from where HDF5 places a dataset whose indexed
+        offset is stale, or raising the error that names the damage)."""
+        table = reader.table
+        assert table is not None
+        rows = np.array(self.rows, np.int64)
+        slots = table.component_slots(rows)
+        buffer, at, bad = reader.read_bulk(slots)
+        nbytes = table.nbytes[slots]
+        failed: list[int] = []
+        if bad:
+            counts = table.first[rows + 1] - table.first[rows]
+            owner = np.repeat(np.arange(rows.size), counts)
+            dropped = sorted(set(owner[bad].tolist()))
+            failed = [self.taken[k] for k in dropped]
+            keep = ~np.isin(owner, dropped)
+            kept = np.ones(rows.size, bool)
+            kept[dropped] = False
+            self.taken = np.array(self.taken, np.int64)[kept].tolist()
+            self.rows = rows[kept].tolist()
+            self.targets = [t for t, ok in zip(self.targets, keep.tolist(), strict=True) if ok]
+            at, nbytes = at[keep], nbytes[keep]
+        self.buffer, self.at, self.nbytes = buffer, at.tolist(), nbytes.tolist()
+        return failed
+
+    def commit(self) -> None:
+        """Copy every verified component into its live buffer."""
+        if self.buffer is None:
+            return
+        whole = memoryview(self.buffer)  # type: ignore[arg-type]
+        for target, at, n in zip(self.targets, self.at, self.nbytes, strict=True):
+            target[:] = whole[at : at + n]
+        self.release()
+
+    def release(self) -> None:
+        """Drop the bytes read (committed, or the restore failed)."""
+        self.buffer, self.targets = None, []
+
+
+def _bools(values: Iterable[Any]) -> np.ndarray:
+    return np.fromiter(values, bool)
+
+
+def _byte_views(components: Iterable[Any]) -> list[memoryview] | None:
+    """A writable flat byte view of each array; None when one is not contiguous or not
+    writable."""
+    try:
+        views = list(map(_CAST_BYTES, map(_MEMORYVIEW, components)))
+    except (TypeError, ValueError):
+        return None
+    return None if any(map(_READONLY, views)) else views
+
+
+def _raw_byte_views(components: Iterable[np.ndarray]) -> list[memoryview] | None:
+    """:func:`_byte_views` through a uint8 view, for dtypes the buffer protocol cannot
+    export (bfloat16 and the other extension dtypes)."""
+    arrays = list(components)
+    if not all(a.flags.c_contiguous and a.flags.writeable for a in arrays):
+        return None
+    return [memoryview(byte_view(a)) for a in arrays]  # type: ignore[arg-type]
+
+
+_MEMORYVIEW: Callable[[Any], memoryview] = memoryview
+_CAST_BYTES = operator.methodcaller("cast", "B")
+_READONLY = operator.attrgetter("readonly")
+
+
+def plan_direct(
+    table: IndexTable, lives: list[Any], paths: list[str]
+) -> tuple[DirectRestore | None, list[int]]:
+    """Split the live objects ``lives``, to restore from the saved ``paths``, into the common
+    case, restored in bulk, and the rest (their positions, returned), each planned by its
+    saveable's :meth:`plan_restore` as before.
+
+    The common case is the one :meth:`ParallelVariableSaveable.plan_restore` restores
+    component by component with nothing to check but the bytes: a (not sharded) parallel
+    variable of this process whose file entry has its kind, dtype, shape, number of components
+    and, on-read, aggregation, and whose components the index places (a direct row of
+    ``table``), up to ``STAGE_LIMIT`` bytes in all, into contiguous writable buffers.
+    Decided column by column (C loops over the variables' own fields, never through the
+    proxy); everything else (another saveable, a cast, a re-shard, an aggregate, a refusal, a
+    multi-process variable) goes the general way, unchanged.
+    """
+    missing = len(table.names)  # (a row past the last: not in the file)
+    rows = list(map(table.rows.get, paths, itertools.repeat(missing)))
+    direct = [*table.direct, False]
+    types = list(map(type, lives))
+    plain = {  # per type: a variable that our saveable restores component by component
+        cls: issubclass(cls, ParallelVariable)
+        and not issubclass(cls, ShardedVariable)
+        and get_saveable(lives[types.index(cls)]) is _SAVEABLE
+        for cls in set(types)
+    }
+    pick = np.flatnonzero(
+        _bools(map(direct.__getitem__, rows)) & _bools(map(plain.__getitem__, types))
+    ).tolist()
+    cand = list(map(lives.__getitem__, pick))
+    rows = list(map(rows.__getitem__, pick))
+    kinds = list(map(table.kinds.__getitem__, rows))
+    comps = list(map(_COMPONENTS, cand))
+    wrapped = list(map(_WRAPPED, cand))
+    ok = (
+        _bools(map(operator.is_, map(_GLOBAL, cand), itertools.repeat(None)))
+        & _bools(map(operator.eq, kinds, map(_KIND, cand)))
+        & _bools(map(operator.eq, map(table.counts.__getitem__, rows), map(len, comps)))
+        & _bools(map(operator.eq, map(table.shapes.__getitem__, rows), map(_SHAPE, wrapped)))
+    )
+    # dtypes: the same object, mostly (numpy's builtin dtypes are singletons); else compared
+    dtypes = list(map(table.dtypes.__getitem__, rows))
+    live_dtypes = list(map(_DTYPE, wrapped))
+    same = _bools(map(operator.is_, dtypes, live_dtypes))
+    for k in np.flatnonzero(ok & ~same).tolist():
+        same[k] = dtypes[k] == live_dtypes[k]
+    ok &= same
+    if "on_read" in kinds:  # component by component only from the same aggregation
+        lowered, aggregations = table.lowered, table.aggregations
+        for k, (kind, row) in enumerate(zip(kinds, rows, strict=True)):
+            if kind == "on_read" and ok[k]:
+                ok[k] = lowered[aggregations[row]] == cand[k]._self_aggregation.value
+    sizes = np.array(list(map(table.row_nbytes.__getitem__, rows)), np.int64)
+    ok &= np.cumsum(np.where(ok, sizes, 0)) <= STAGE_LIMIT  # the first ones, to the limit
+    keep = np.flatnonzero(ok).tolist()
+    views = _byte_views(itertools.chain.from_iterable(map(comps.__getitem__, keep)))
+    if views is None:  # a buffer not contiguous or not writable: find it, variable by variable
+        views = []
+        for k in list(keep):
+            mine = _byte_views(comps[k]) or _raw_byte_views(comps[k])
+            if mine is None:
+                keep.remove(k)
+            else:
+                views.extend(mine)
+    taken = list(map(pick.__getitem__, keep))
+    chosen = set(taken)
+    rest = [k for k in range(len(lives)) if k not in chosen]
+    if not taken:
+        return None, rest
+    return DirectRestore(taken, list(map(rows.__getitem__, keep)), views), rest
+
+
+_COMPONENTS = operator.attrgetter("_self_components")
+_WRAPPED = operator.attrgetter("__wrapped__")
+_GLOBAL = operator.attrgetter("_self_global")
+_KIND = operator.attrgetter("_self_kind")
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")

@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import itertools
+import operator
 import os
 import threading
 from collections import deque
@@ -35,6 +37,7 @@ from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint import _restore  # noqa: F401 - registers the variable saveable
 from parallelvars.checkpoint._foreign import with_foreign_hint
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX  # noqa: F401 - <file>.parts/: a multi-process save's files
+from parallelvars.checkpoint._restore import plan_direct
 from parallelvars.checkpoint._skeleton import SkeletonCache
 from parallelvars.checkpoint._sources import by_live_names, open_source, reasons_of
 from parallelvars.checkpoint.h5io import write_h5
@@ -370,6 +373,41 @@ def slot_relations(source: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
     return out
 
 
+def _types(values: Iterable[Any]) -> set[type]:
+    return set(map(type, values))
+
+
+def _canonical_nodes(nodes: list[Any]) -> bool:
+    """Whether every node of a saved graph is as our writers make it, checked field by field
+    over all nodes at once: a dict with a ``path`` (a string or None), ``children`` of
+    ``[name, node id]`` and ``slots`` of ``[variable id, slot name, slot id]``, ids of
+    existing nodes. Such nodes need no copy and no check one by one."""
+    count = len(nodes)
+    if _types(nodes) != {dict} and nodes:
+        return False
+    repeat = itertools.repeat
+    if not all(map(dict.__contains__, nodes, repeat("path"))):
+        return False
+    children: list[Any] = list(map(dict.get, nodes, repeat("children")))
+    slots: list[Any] = list(map(dict.get, nodes, repeat("slots")))
+    if _types(map(dict.get, nodes, repeat("path"))) - {str, type(None)}:
+        return False
+    if _types(children) - {list} or _types(slots) - {list}:
+        return False
+    pairs = list(itertools.chain.from_iterable(children))
+    triples = list(itertools.chain.from_iterable(slots))
+    if _types(pairs) - {list} or _types(triples) - {list}:
+        return False
+    if set(map(len, pairs)) - {2} or set(map(len, triples)) - {3}:
+        return False
+    item = operator.itemgetter
+    ids = [*map(item(1), pairs), *map(item(0), triples), *map(item(2), triples)]
+    names = [*map(item(0), pairs), *map(item(1), triples)]
+    if _types(ids) - {int} or _types(names) - {str}:
+        return False
+    return not ids or (min(ids) >= 0 and max(ids) < count)
+
+
 def checked_graph_nodes(graph: Any, path: str) -> list[dict[str, Any]]:
     """The nodes of a saved object graph, every field checked for type and range (a damaged
     or crafted graph is a :class:`~parallelvars.errors.CorruptCheckpointError`, never a
@@ -387,6 +425,8 @@ def checked_graph_nodes(graph: Any, path: str) -> list[dict[str, Any]]:
     nodes = graph.get("nodes") if isinstance(graph, dict) else None
     if not isinstance(nodes, list):
         raise bad("no list of nodes", "object_graph", type(graph).__name__)
+    if _canonical_nodes(nodes):
+        return nodes
     n = len(nodes)
     out: list[dict[str, Any]] = []
     for i, node in enumerate(nodes):
@@ -549,24 +589,38 @@ class _Session:
         plans, sizes, checks, check_sizes = [], [], [], []
         left_out: list[str] = []
         staged: list[Any] = []
-        for nid, live in matched.items():
-            path = nodes[nid].get("path")
-            if path is None:
-                continue
-            stored = reader[path]
-            staged.append(stored)
-            saveable = get_saveable(live)
-            assert saveable is not None
-            plan = saveable.plan_restore(
-                live, stored, file=self.path, path=path, allow_cast=self.allow_cast
-            )
-            plans.append(plan)
-            left_out.extend(getattr(plan, "unmatched", ()))
-        # All or nothing: every checksum is verified before the first value is written. Both
-        # passes are checksums and copies in C, spread over the cores. A native file's small
-        # components are read ahead in a few large reads that both passes then use, and
-        # verified as they are read (stage() names those); the others are verified here.
+        items = [(nid, live, nodes[nid]["path"]) for nid, live in matched.items()]
+        items = [item for item in items if item[2] is not None]
+        # The common case (a variable taking its saved components one for one) in bulk; the
+        # rest each through its saveable's plan.
+        table = getattr(reader, "table", None)
+        direct = None
+        if table is not None:
+            direct, rest = plan_direct(table, [it[1] for it in items], [it[2] for it in items])
+            taken_items, items = items, [items[k] for k in rest]
+
+        def plan_each(items: list[tuple[int, Any, str]]) -> None:
+            for _, live, path in items:
+                stored = reader[path]
+                staged.append(stored)
+                saveable = get_saveable(live)
+                assert saveable is not None
+                plan = saveable.plan_restore(
+                    live, stored, file=self.path, path=path, allow_cast=self.allow_cast
+                )
+                plans.append(plan)
+                left_out.extend(getattr(plan, "unmatched", ()))
+
+        plan_each(items)
+        # All or nothing: every checksum is verified before the first value is written. The
+        # common case's components are read in a few large reads and verified there (those
+        # whose bytes do not match go the general way, which names the damage). Of the others,
+        # a native file's small components are read ahead in a few large reads that both
+        # passes then use, and verified as they are read (stage() names those); the rest are
+        # verified here; checksums and copies in C, spread over the cores.
         try:
+            if direct is not None:
+                plan_each([taken_items[k] for k in direct.read(reader)])
             verified = reader.stage(staged)
             for stored in staged:
                 size = 0
@@ -580,13 +634,19 @@ class _Session:
             run_partitioned(checks, check_sizes)
         except BaseException:
             reader.unstage()
+            if direct is not None:
+                direct.release()
             raise
 
         def commit() -> None:
             try:
+                if direct is not None:
+                    direct.commit()
                 run_partitioned(plans, sizes)
             finally:
                 reader.unstage()
+                if direct is not None:
+                    direct.release()
             for done in attach:
                 done()
             self.matched.update(matched)
@@ -631,34 +691,41 @@ class _Session:
         with no live object yet goes to ``deferred``."""
         queue: deque[tuple[int, Any]] = deque(starts)
         nodes = self.nodes
+        earlier = self.matched
+        count = len(nodes)
+        leafy: dict[type, bool] = {}  # per type: a saved value, not a container
         while queue:
             nid, live = queue.popleft()
-            if nid in matched or nid in self.matched:
+            if nid in matched or nid in earlier:
                 continue
-            if not 0 <= nid < len(nodes):
+            if not 0 <= nid < count:
                 raise CheckpointError(
                     "object graph refers to a missing node", file=self.path, found=nid
                 )
             node = nodes[nid]
-            is_var = node.get("path") is not None
-            if is_var != _is_leaf(live):
+            path = node.get("path")
+            leaf = leafy.get(type(live))
+            if leaf is None:
+                leaf = leafy[type(live)] = _is_leaf(live)
+            if (path is not None) != leaf:
                 raise RestoreMismatchError(
                     "object kinds differ",
                     file=self.path,
-                    variable=node.get("path") or f"node {nid}",
-                    expected="a variable" if is_var else "a container of variables",
+                    variable=path or f"node {nid}",
+                    expected="a variable" if path is not None else "a container of variables",
                     found=type(live).__name__,
                 )
             matched[nid] = live
-            if is_var:
+            if leaf or not node["children"]:
                 continue
-            live_children = children_of(live)
+            get = children_of(live).get
+            append = queue.append
             for name, child_id in node["children"]:
-                child = live_children.get(name)
+                child = get(name)
                 if child is None:
                     deferred.append((live, name, int(child_id)))
                 else:
-                    queue.append((int(child_id), child))
+                    append((int(child_id), child))
 
 
 class _Pending:

@@ -6,7 +6,10 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
+import math
+import operator
 import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping
@@ -17,6 +20,7 @@ import h5py
 import numpy as np
 
 from parallelvars.checkpoint import _h5policy
+from parallelvars.checkpoint.entry import AGGREGATIONS, layout_problem
 from parallelvars.checkpoint.h5io.attributes import _decode, _read_json
 from parallelvars.checkpoint.h5io.layout import (
     _H5_ERRORS,
@@ -31,7 +35,8 @@ from parallelvars.checkpoint.h5io.layout import (
     STAGE_LIMIT,
     STAGE_MIN_COMPONENTS,
 )
-from parallelvars.checkpoint.h5io.stored import StoredVariable
+from parallelvars.checkpoint.h5io.stored import StoredVariable, _dtype_named
+from parallelvars.checkpoint.registry import component_name
 from parallelvars.errors import (
     CheckpointNotFoundError,
     ClosedCheckpointError,
@@ -41,6 +46,276 @@ from parallelvars.errors import (
     TruncatedFileError,
     UnsupportedDtypeError,
 )
+
+# Every type a canonical index field has; anything else sends the whole file down the general
+# path (one StoredVariable per entry, made at open, as before).
+_NONE = type(None)
+
+
+def _types(values: Iterable[Any]) -> set[type]:
+    return set(map(type, values))
+
+
+class IndexTable:
+    """A native file's index as arrays: one row per variable (in the index's order), one slot per
+    component, parsed and validated in bulk at open.
+
+    A row holds a variable's kind, dtype, shape, number of components and on-read aggregation;
+    the component slots ``first[row]:first[row + 1]`` hold each component's data offset in the
+    file, size in bytes and checksum. ``direct[row]`` says whether a restore may read the row's
+    components in bulk (see :meth:`H5Reader.read_bulk`): every component non-empty, smaller
+    than ``STAGE_COMPONENT``, at an offset and with a checksum the index gives, in a dtype of
+    fixed size, not sharded. Rows are plain lists of values the decoded index already holds
+    (strings, dtypes, ints) and a few numpy arrays: no object per variable.
+    """
+
+    __slots__ = (
+        "aggregations",
+        "counts",
+        "crcs",
+        "direct",
+        "dtypes",
+        "first",
+        "kinds",
+        "located",
+        "lowered",
+        "names",
+        "nbytes",
+        "offsets",
+        "row_nbytes",
+        "rows",
+        "shapes",
+    )
+
+    def __init__(
+        self,
+        names: list[str],
+        kinds: list[str],
+        dtypes: list[np.dtype],
+        shapes: list[tuple[int, ...]],
+        counts: list[int],
+        aggregations: list[Any],
+        lowered: dict[Any, str],
+        first: np.ndarray,
+        offsets: np.ndarray,
+        nbytes: np.ndarray,
+        crcs: np.ndarray,
+        located: np.ndarray,
+        direct: list[bool],
+        row_nbytes: list[int],
+    ) -> None:
+        self.names = names
+        self.rows = dict(zip(names, range(len(names)), strict=True))
+        self.kinds = kinds
+        self.dtypes = dtypes
+        self.shapes = shapes
+        self.counts = counts
+        self.aggregations = aggregations  # as the index has them (None: not given)
+        self.lowered = lowered  # each of them as spread_plan compares it
+        self.first = first
+        self.offsets = offsets
+        self.nbytes = nbytes
+        self.crcs = crcs
+        self.located = located
+        self.direct = direct
+        self.row_nbytes = row_nbytes  # bytes of all of a row's components
+
+    def check_placement(self, file: str, file_size: int) -> bool:
+        """Whether the components the index places are each in their own bytes.
+
+        A component placed past the end of the file is refused (the first in path order, as
+        :meth:`StoredVariable._location` would name it). Offsets that overlap are no error:
+        an index whose offsets went stale (a file rewritten by another HDF5 tool) is read the
+        general way, each component from where HDF5 places it when its indexed bytes do not
+        match its checksum; False then.
+
+        Raises:
+            TruncatedFileError: data placed past the end of the file.
+        """
+        offsets, nbytes, located = self.offsets, self.nbytes, self.located
+        outside = located & (offsets + nbytes > file_size)
+        if outside.any():
+            rows = {self._row_of(int(k)) for k in np.flatnonzero(outside)}
+            first = min(rows, key=self.names.__getitem__)  # the first in path order
+            slot = int(self.first[first]) + int(np.argmax(outside[self.first[first] :]))
+            row = self._row_of(slot)
+            size = math.prod(self.shapes[row]) * self.dtypes[row].itemsize
+            raise TruncatedFileError(
+                "file ends inside the data",
+                file=file,
+                variable=self.slot_name(slot),
+                expected=f"{int(offsets[slot]) + size} bytes",
+                found=f"{file_size} bytes",
+            )
+        placed = np.flatnonzero(located & (nbytes > 0))
+        if placed.size < 2:
+            return True
+        order = placed[np.argsort(offsets[placed], kind="stable")]
+        starts = offsets[order]
+        ends = np.maximum.accumulate(starts + nbytes[order])
+        return not bool((starts[1:] < ends[:-1]).any())
+
+    def component_slots(self, rows: np.ndarray) -> np.ndarray:
+        """The component slots of ``rows``, row by row in component order."""
+        starts = self.first[rows]
+        counts = self.first[rows + 1] - starts
+        if counts.size and int(counts.max()) == 1:
+            return starts
+        base = np.repeat(starts - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
+        return base + np.arange(int(counts.sum()), dtype=np.int64)
+
+    def _row_of(self, slot: int) -> int:
+        return int(np.searchsorted(self.first, slot, side="right")) - 1
+
+    def slot_name(self, slot: int) -> str:
+        """``<variable path>/<component name>`` of a component slot (for messages)."""
+        row = self._row_of(slot)
+        return f"{self.names[row]}/{component_name(slot - int(self.first[row]))}"
+
+
+def _index_table(metas: dict[str, Any], file: str, file_size: int) -> IndexTable | None:
+    """The index as an :class:`IndexTable`, or None when any entry is not in the form our
+    writers give (a field missing or of another type, a layout :func:`layout_problem`
+    refuses, a value out of range): such a file is opened the general way, entry by entry,
+    with the general path's errors. Sharded and byte-string variables are rows too, never
+    direct (their StoredVariables are made at open).
+
+    Column by column, in C loops (``map``, ``set``, numpy); the few distinct layouts (kind,
+    number of components, aggregation, devices) are each checked once.
+    """
+    # Rows in the index's own order: the decoded entries lie in memory in that order, so each
+    # pass over a column reads them front to back (in path order, every pass would jump).
+    names = list(metas)
+    entries = list(metas.values())
+    if _types(entries) - {dict}:
+        return None
+    get = operator.itemgetter
+    try:
+        kinds = list(map(get("kind"), entries))
+        dnames = list(map(get("dtype"), entries))
+        shapes_json = list(map(get("shape"), entries))
+        counts = list(map(get("num_components"), entries))
+        offsets_json = list(map(get("offsets"), entries))
+        crcs_json = list(map(get("crc32c"), entries))
+        attrs: list[Any] = list(map(get("attrs"), entries))
+    except KeyError:
+        return None
+    if (
+        _types(kinds) - {str}
+        or _types(dnames) - {str}
+        or _types(shapes_json) - {list}
+        or _types(counts) - {int}
+        or _types(offsets_json) - {list}
+        or _types(crcs_json) - {list}
+        or _types(attrs) - {dict}
+        or list(map(len, offsets_json)) != counts
+        or list(map(len, crcs_json)) != counts
+    ):
+        return None
+    kind_set = set(kinds)
+    for kind, n in set(zip(kinds, counts, strict=True)):
+        if kind != "sharded" and layout_problem(kind, (), n, {}) is not None:
+            return None  # (a sharded entry's layout is checked by its StoredVariable, at open)
+    aggregations = list(map(dict.get, attrs, itertools.repeat("aggregation")))
+    if _types(aggregations) - {str, _NONE}:
+        return None
+    lowered: dict[Any, str] = {}
+    for agg in set(aggregations):
+        if agg is not None and agg.lower() not in AGGREGATIONS:
+            return None
+        lowered[agg] = str(agg).lower()  # as spread_plan compares them (None: "none")
+    devices: list[Any] = list(map(dict.get, attrs, itertools.repeat("devices")))
+    device_types = _types(devices)
+    if device_types - {list, _NONE}:
+        return None
+    try:  # (a device that is not a string may be unhashable: no canonical index either way)
+        if device_types == {list}:
+            if list(map(len, devices)) != counts:
+                return None
+            distinct = set(map(tuple, devices))
+        else:
+            listed = [(d, n) for d, n in zip(devices, counts, strict=True) if d is not None]
+            if any(len(d) != n for d, n in listed):
+                return None
+            distinct = {tuple(d) for d, _ in listed}
+    except TypeError:
+        return None
+    if _types(itertools.chain.from_iterable(distinct)) - {str}:
+        return None
+    # Shapes, offsets and checksums: integers in range, as numpy arrays.
+    dims = list(itertools.chain.from_iterable(shapes_json))
+    flat_offsets = list(itertools.chain.from_iterable(offsets_json))
+    flat_crcs = list(itertools.chain.from_iterable(crcs_json))
+    offset_types = _types(flat_offsets)
+    if _types(dims) - {int} or offset_types - {int, _NONE} or _types(flat_crcs) - {int}:
+        return None
+    if dims and (min(dims) < 0 or max(dims) >= 1 << 62):
+        return None
+    if flat_crcs and not 0 <= min(flat_crcs) <= max(flat_crcs) < 1 << 32:
+        return None
+    located = None
+    if _NONE in offset_types:
+        located = np.array([o is not None for o in flat_offsets], bool)
+        flat_offsets = [-1 if o is None else o for o in flat_offsets]
+        placed = np.array(flat_offsets, np.int64)[located]
+    if flat_offsets and (
+        min(flat_offsets if located is None else placed.tolist() or [0]) < 0
+        or max(flat_offsets) >= 1 << 62
+    ):
+        return None  # outside every file: the general path names it
+    dname_set = set(dnames)
+    try:
+        dtype_of = {name: _dtype_named(name) for name in dname_set if name != "bytes"}
+    except UnsupportedDtypeError:
+        return None  # the general path names the entry
+    dtype_of["bytes"] = np.dtype(object)
+    dtypes = list(map(dtype_of.__getitem__, dnames))
+    itemsize_of = {name: dt.itemsize for name, dt in dtype_of.items()}
+    rows = len(names)
+    # Elements per variable: the product of each row's dimensions (a 1 put before each row
+    # keeps scalars, which have none, in the product), refused past 2**62 bytes.
+    ndims = np.array(list(map(len, shapes_json)), np.int64)
+    heads = np.zeros(rows, np.int64)
+    np.cumsum(ndims[:-1], out=heads[1:])
+    ones = np.insert(np.array(dims, np.int64), heads, 1)
+    at = heads + np.arange(rows, dtype=np.int64)
+    itemsizes = np.array(list(map(itemsize_of.__getitem__, dnames)), np.int64)
+    if rows and float(
+        (np.multiply.reduceat(ones.astype(np.float64), at) * np.maximum(itemsizes, 1)).max()
+    ) >= float(1 << 62):
+        return None
+    row_nbytes = np.multiply.reduceat(ones, at) * itemsizes if rows else ndims
+    counts_arr = np.array(counts, np.int64)
+    first = np.zeros(rows + 1, np.int64)
+    np.cumsum(counts_arr, out=first[1:])
+    offsets = np.array(flat_offsets, np.int64)
+    crcs = np.array(flat_crcs, np.int64)
+    nbytes = np.repeat(row_nbytes, counts_arr)
+    has = np.ones(offsets.size, bool) if located is None else located
+    if "sharded" in kind_set or "bytes" in dname_set:
+        general = np.array(
+            [k == "sharded" or d == "bytes" for k, d in zip(kinds, dnames, strict=True)], bool
+        )
+        has &= ~np.repeat(general, counts_arr)
+        nbytes[~has] = 0  # a shard's size is not the variable's: not read from the table
+    small = (nbytes > 0) & (nbytes < STAGE_COMPONENT) & has
+    per_row = np.add.reduceat(small.astype(np.int64), first[:-1]) if rows else counts_arr
+    return IndexTable(
+        names,
+        kinds,
+        dtypes,
+        list(map(tuple, shapes_json)),
+        counts,
+        aggregations,
+        lowered,
+        first,
+        offsets,
+        nbytes,
+        crcs,
+        has,
+        (per_row == counts_arr).tolist(),
+        (row_nbytes * counts_arr).tolist(),
+    )
 
 
 def is_native_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -78,6 +353,11 @@ class H5Reader(Mapping[str, StoredVariable]):
         # Parts of a multi-process checkpoint (reached by external link), opened by us.
         self._parts: dict[str, h5py.File] = {}
         self._checked_groups: set[str] = set()
+        # The index's entries (path -> decoded entry) and, when they are all in our writers'
+        # form, the same as arrays; a StoredVariable is made when a path is first asked for.
+        self._metas: dict[str, Any] = {}
+        self._names: list[str] = []
+        self.table: IndexTable | None = None
         # Small components read ahead in a few large reads (see stage()): the start of each
         # staged span, its end, and its bytes.
         self._staged: tuple[list[int], list[int], list[np.ndarray]] | None = None
@@ -151,9 +431,7 @@ class H5Reader(Mapping[str, StoredVariable]):
             if metas is not None:
                 if not isinstance(metas, dict):
                     raise CorruptCheckpointError("index is not a mapping", file=self.path)
-                self._variables = {
-                    name: StoredVariable(self, name, metas[name]) for name in sorted(metas)
-                }
+                self._open_index(metas)
             else:
                 groups = {
                     name: obj
@@ -166,6 +444,7 @@ class H5Reader(Mapping[str, StoredVariable]):
                     name: StoredVariable.from_group(self, name, groups[name])
                     for name in sorted(groups)
                 }
+                self._names = list(self._variables)
             self.object_graph: dict[str, Any] | None = _read_json(
                 f, GRAPH_DATASET, self.path, required=GRAPH_DATASET in required
             )
@@ -175,6 +454,32 @@ class H5Reader(Mapping[str, StoredVariable]):
             raise CorruptCheckpointError(
                 "damaged file structure", file=self.path, found=str(exc)
             ) from None
+
+    def _open_index(self, metas: dict[str, Any]) -> None:
+        """Take the index: in bulk (:class:`IndexTable`) when every entry is in our writers'
+        form, its unusual rows (sharded, byte strings) as StoredVariables now; otherwise one
+        StoredVariable per entry, each validated as it is made (the first bad one raises)."""
+        table = _index_table(metas, self.path, self.file_size)
+        self._metas = metas
+        if table is None:
+            self._variables = {
+                name: StoredVariable(self, name, metas[name]) for name in sorted(metas)
+            }
+            self._names = list(self._variables)
+            return
+        self._names = sorted(table.names)
+        self._variables = {}
+        general = [
+            name
+            for name, direct, kind, dtype in zip(
+                table.names, table.direct, table.kinds, table.dtypes, strict=True
+            )
+            if not direct and (kind == "sharded" or dtype.kind == "O")
+        ]
+        for name in sorted(general):  # (the first bad one in path order raises, as before)
+            self._variables[name] = StoredVariable(self, name, metas[name])
+        if table.check_placement(self.path, self.file_size):
+            self.table = table
 
     def _open_dataset(self, path: str, dtype: np.dtype) -> Any:
         """The dataset id at ``path`` under the indirection policy (see ``_h5policy``), its
@@ -256,6 +561,21 @@ class H5Reader(Mapping[str, StoredVariable]):
                     self._raw_fd = fd
         return self._raw_fd
 
+    def _read_fully(self, view: memoryview, offset: int) -> None:
+        """Fill ``view`` with the file's bytes from ``offset`` on (a file that ends first, cut
+        by someone else since it was opened, is a :class:`TruncatedFileError`)."""
+        end, fd = offset + len(view), self._fd()
+        while len(view):
+            n = os.preadv(fd, [view], offset)
+            if n <= 0:
+                raise TruncatedFileError(
+                    "file ends inside the data",
+                    file=self.path,
+                    expected=f"{end} bytes",
+                    found=f"{self.file_size} bytes",
+                )
+            view, offset = view[n:], offset + n
+
     def stage(self, variables: Iterable[StoredVariable]) -> set[tuple[str, int]]:
         """Read the small components of ``variables`` now, with a few large reads.
 
@@ -305,17 +625,7 @@ class H5Reader(Mapping[str, StoredVariable]):
         bufs = []
         for start, end in zip(starts, ends, strict=True):
             buf = np.empty(end - start, np.uint8)
-            view, at = memoryview(buf), start  # type: ignore[arg-type]
-            while len(view):
-                n = os.preadv(self._fd(), [view], at)
-                if n <= 0:
-                    raise TruncatedFileError(
-                        "file ends inside the data",
-                        file=self.path,
-                        expected=f"{end} bytes",
-                        found=f"{self.file_size} bytes",
-                    )
-                view, at = view[n:], at + n
+            self._read_fully(memoryview(buf), start)  # type: ignore[arg-type]
             bufs.append(buf)
         self._staged = (starts, ends, bufs)
         # Every staged component against its checksum, span by span (ranges are in file order).
@@ -331,6 +641,64 @@ class H5Reader(Mapping[str, StoredVariable]):
                 owner._verified.add(i)
                 verified.add((owner.path, i))
         return verified
+
+    def read_bulk(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Read the components at ``slots`` of :attr:`table` (direct rows' components, at most
+        ``STAGE_LIMIT`` bytes together) into one buffer and verify each against its checksum.
+
+        The components are read in file order in a few large reads (neighbours less than
+        ``STAGE_GAP`` apart share one; the gaps are HDF5's object headers), then each one's
+        crc32c is computed over its own bytes in the buffer. Returns the buffer, where each
+        slot's bytes start in it, and the positions in ``slots`` of the components whose bytes
+        do not match (the caller reads those the general way: a stale offset, or the error
+        naming the damage).
+        """
+        table = self.table
+        assert table is not None
+        offsets = table.offsets[slots]
+        nbytes = table.nbytes[slots]
+        order = np.argsort(offsets, kind="stable")
+        starts, sizes = offsets[order], nbytes[order]
+        ends = np.maximum.accumulate(starts + sizes)
+        total = int(sizes.sum())
+        for gap in (STAGE_GAP, 0):  # without gaps when they would double what is read
+            new = np.empty(starts.size, bool)
+            new[:1] = True
+            new[1:] = starts[1:] - ends[:-1] > gap
+            heads = np.flatnonzero(new)
+            span_starts = starts[heads]
+            span_ends = ends[np.append(heads[1:], starts.size) - 1]
+            spans = span_ends - span_starts
+            if int(spans.sum()) <= 2 * total + (1 << 20):
+                break
+        bases = np.zeros(spans.size, np.int64)
+        np.cumsum(spans[:-1], out=bases[1:])
+        buf = np.empty(int(spans.sum()), np.uint8)
+        fd = self._fd()
+        spans_list = list(zip(span_starts.tolist(), spans.tolist(), bases.tolist(), strict=True))
+        if len(spans_list) > 1 and hasattr(os, "posix_fadvise"):  # the disk reads them in parallel
+            for start, size, _ in spans_list:
+                os.posix_fadvise(fd, start, size, os.POSIX_FADV_WILLNEED)
+        whole = memoryview(buf)  # type: ignore[arg-type]
+        for start, size, base in spans_list:
+            self._read_fully(whole[base : base + size], start)
+        span_of = np.cumsum(new) - 1
+        at_sorted = starts - span_starts[span_of] + bases[span_of]
+        crc = _crc32c.crc32c
+        bad = [
+            k
+            for k, p, n, c in zip(
+                order.tolist(),
+                at_sorted.tolist(),
+                sizes.tolist(),
+                table.crcs[slots][order].tolist(),
+                strict=True,
+            )
+            if crc(whole[p : p + n]) != c
+        ]
+        at = np.empty_like(at_sorted)
+        at[order] = at_sorted
+        return buf, at, bad
 
     def unstage(self) -> None:
         """Drop what :meth:`stage` read."""
@@ -348,20 +716,27 @@ class H5Reader(Mapping[str, StoredVariable]):
         return bufs[k][offset - starts[k] : offset - starts[k] + nbytes]
 
     def __getitem__(self, key: str) -> StoredVariable:
-        try:
-            return self._variables[key]
-        except KeyError:
+        var = self._variables.get(key)
+        if var is not None:
+            return var
+        meta = self._metas.get(key)
+        if meta is None:
             from parallelvars.errors import MissingVariableError
 
             raise MissingVariableError(
                 "no such variable in the checkpoint", file=self.path, variable=key
-            ) from None
+            )
+        # A row of the table, validated at open: made now, once (whichever thread is first).
+        return self._variables.setdefault(key, StoredVariable(self, key, meta))
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._variables)
+        return iter(self._names)
 
     def __len__(self) -> int:
-        return len(self._variables)
+        return len(self._names)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._variables or key in self._metas
 
     def verify_all(self) -> list[str]:
         """Check every variable; the problems found (empty when sound).
@@ -373,7 +748,7 @@ class H5Reader(Mapping[str, StoredVariable]):
         cannot read never passes.
         """
         problems = []
-        for var in self._variables.values():
+        for var in self.values():
             try:
                 var.verify_group()
             except CorruptCheckpointError as exc:
@@ -399,6 +774,10 @@ class H5Reader(Mapping[str, StoredVariable]):
         # (linked) file open until they are released.
         for var in getattr(self, "_variables", {}).values():
             var._datasets.clear()
+        if self._metas:  # made again from the index when asked for after closing
+            # (each StoredVariable refers back to this reader: dropping them breaks the cycles,
+            # so a closed reader and its index are freed at once, not by the cyclic collector)
+            self._variables = {}
         if self._raw_fd is not None:
             os.close(self._raw_fd)
             self._raw_fd = None
@@ -428,4 +807,4 @@ class H5Reader(Mapping[str, StoredVariable]):
             pass
 
     def __repr__(self) -> str:
-        return f"<H5Reader {self.path!r} variables={len(self._variables)}>"
+        return f"<H5Reader {self.path!r} variables={len(self._names)}>"

@@ -89,7 +89,11 @@ class StoredVariable(Entry):
                 self.dtype = _dtype_named(dname)
             except UnsupportedDtypeError:
                 raise UnsupportedDtypeError(
-                    "unknown dtype", file=file, variable=path, found=dname
+                    "unknown dtype",
+                    file=file,
+                    variable=path,
+                    expected="a numpy dtype name (float32, int64, ...), bfloat16 or bytes",
+                    found=dname,
                 ) from None
         self._shapes: list[tuple[int, ...]] = self._validated_layout()
         self._verified: set[int] = set()
