@@ -4,6 +4,8 @@ buffers (arenas), with a change in a span checked component by component."""
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import time
 
 import h5py
@@ -28,11 +30,11 @@ def fixed_clock(monkeypatch):
     monkeypatch.setattr(time, "time", lambda: CREATED)
 
 
-def interleaved(n: int):
-    """``2n`` small float32 variables allocated alternately into one arena: the checkpoint
-    saves the even ones, the odd ones (the same arena, between them) are not saved."""
+def interleaved(n: int, size: int = 5):
+    """``2n`` float32 variables of ``size`` elements allocated alternately into one arena: the
+    checkpoint saves the even ones, the odd ones (the same arena, between them) are not."""
     with pv.MirroredStrategy(2).scope():
-        every = [pv.Variable(np.full(5, i, np.float32), name=f"v{i}") for i in range(2 * n)]
+        every = [pv.Variable(np.full(size, i, np.float32), name=f"v{i}") for i in range(2 * n)]
     model = pv.Module()
     model.saved = every[0::2]
     return pv.Checkpoint(model=model), every[0::2], every[1::2]
@@ -66,67 +68,100 @@ def test_saved_variables_of_an_arena_are_copied_as_a_few_spans():
         assert any(lo <= address < lo + n for lo, n in spans)
 
 
-def test_writes_to_unsaved_variables_in_the_spans_do_not_fail_the_save(tmp_path, monkeypatch):
-    ckpt, saved, unsaved = interleaved(20)
-    real = checkpoint_module._unchanged
-    calls = [0]
-
-    def racing(live, copied):  # another thread writes the unsaved variables, flat out
-        calls[0] += 1
-        for v in unsaved:
-            v.assign(np.full(5, -calls[0], np.float32))
-        return real(live, copied)
-
-    monkeypatch.setattr(checkpoint_module, "_unchanged", racing)
-    write = ckpt._prepare_write(copy=True)  # no ConcurrentWriteError: only gaps changed
-    monkeypatch.undo()
-    for v in saved:
-        v.assign(np.full(5, 99, np.float32))  # after the snapshot: not in the file
-    found = stored(write(str(tmp_path / "c.h5")))
-    assert {k: [c.tolist() for c in cs] for k, cs in found.items()} == {
-        f"model/saved/{j}": [[2.0 * j] * 5] * 2 for j in range(20)
-    }
-    assert all(c.tolist() == [-calls[0]] * 5 for v in unsaved for c in v.components)
-
-
-def test_a_write_to_a_saved_variable_in_a_span_is_copied_again(tmp_path, monkeypatch):
-    ckpt, saved, _unsaved = interleaved(20)
+def write_before_each_comparison(monkeypatch, write) -> list[int]:
+    """Run ``write(k)`` (k = 1, 2, ...) before each comparison of the snapshot: another thread
+    writing after the copy and before its check, as it were. Returns the count, updated."""
     real = checkpoint_module._unchanged
     calls = [0]
 
     def racing(live, copied):
         calls[0] += 1
-        if calls[0] == 1:  # lands after the copy, before the comparison: caught, copied again
-            saved[7].assign(np.full(5, -7, np.float32))
+        write(calls[0])
         return real(live, copied)
 
     monkeypatch.setattr(checkpoint_module, "_unchanged", racing)
-    write = ckpt._prepare_write(copy=True)
+    return calls
+
+
+def test_writes_to_unsaved_variables_in_the_spans_do_not_fail_the_save(tmp_path, monkeypatch):
+    ckpt, saved, unsaved = interleaved(20)
+
+    def write(k: int) -> None:  # the unsaved variables, flat out
+        for v in unsaved:
+            v.assign(np.full(5, -k, np.float32))
+
+    calls = write_before_each_comparison(monkeypatch, write)
+    write_file = ckpt._prepare_write(copy=True)  # no ConcurrentWriteError: only gaps changed
+    monkeypatch.undo()
+    for v in saved:
+        v.assign(np.full(5, 99, np.float32))  # after the snapshot: not in the file
+    found = stored(write_file(str(tmp_path / "c.h5")))
+    assert {k: [c.tolist() for c in cs] for k, cs in found.items()} == {
+        f"model/saved/{j}": [[2.0 * j] * 5] * 2 for j in range(20)
+    }
+    assert calls[0] > 0
+    assert all(c.tolist() == [-calls[0]] * 5 for v in unsaved for c in v.components)
+
+
+def test_a_write_to_a_saved_variable_in_a_span_is_copied_again(tmp_path, monkeypatch):
+    ckpt, saved, _unsaved = interleaved(20)
+
+    def write(k: int) -> None:  # lands after the first copy, before its comparison
+        if k == 1:
+            saved[7].assign(np.full(5, -7, np.float32))
+
+    write_before_each_comparison(monkeypatch, write)
+    write_file = ckpt._prepare_write(copy=True)
     monkeypatch.undo()
     saved[7].assign(np.full(5, 99, np.float32))
-    found = stored(write(str(tmp_path / "c.h5")))
+    found = stored(write_file(str(tmp_path / "c.h5")))
     assert [c.tolist() for c in found["model/saved/7"]] == [[-7.0] * 5] * 2
     assert [c.tolist() for c in found["model/saved/6"]] == [[12.0] * 5] * 2
 
 
 def test_a_saved_variable_written_during_every_copy_refuses_the_save(tmp_path, monkeypatch):
     ckpt, saved, _unsaved = interleaved(20)
-    real = checkpoint_module._unchanged
-    k = [0]
-
-    def always_racing(live, copied):
-        k[0] += 1
-        saved[11].assign(np.full(5, k[0], np.float32))
-        return real(live, copied)
-
     with pv.CheckpointManager(ckpt, tmp_path) as mgr:
-        monkeypatch.setattr(checkpoint_module, "_unchanged", always_racing)
+        write_before_each_comparison(
+            monkeypatch, lambda k: saved[11].assign(np.full(5, k, np.float32))
+        )
         with pytest.raises(ConcurrentWriteError, match="model/saved/11") as info:
             mgr.save(blocking=False)
         monkeypatch.undo()
         assert "4 attempts" in str(info.value)
         assert mgr.checkpoints == [] and int(ckpt.save_counter) == 0
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".h5")]
+
+
+def test_a_thread_writing_unsaved_variables_of_the_arena_never_refuses_a_save(tmp_path):
+    # End to end with a real writer thread (the deterministic tests above pin the logic down):
+    # variables of 4 KiB, so a span's copy takes long enough for the writer to run in between.
+    ckpt, _saved, unsaved = interleaved(100, size=1024)
+    stop = threading.Event()
+
+    def run() -> None:
+        k = 0
+        while not stop.is_set():
+            k += 1
+            for v in unsaved:
+                v.assign(np.full(1024, -k, np.float32))
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(2e-5)  # interleave the threads finely
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=None) as mgr:
+            paths = [mgr.save(blocking=False) for _ in range(10)]  # none refused
+            mgr.wait()
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(old)
+    for path in paths:
+        found = stored(path)
+        for j in range(100):
+            assert all((c == 2.0 * j).all() for c in found[f"model/saved/{j}"])
 
 
 def strided_model():
