@@ -68,6 +68,22 @@ def test_saved_variables_of_an_arena_are_copied_as_a_few_spans():
         assert any(lo <= address < lo + n for lo, n in spans)
 
 
+def test_spans_leave_wide_gaps_out_and_stay_small():
+    ckpt, saved, unsaved = interleaved(300, size=1024)  # 4 KiB each, 2.4 MB of a 32 MB arena
+    with pv.MirroredStrategy(2).scope():
+        big = pv.Variable(np.ones(1 << 19, np.float32), name="big")  # 2 MiB, the same arena
+    ckpt.model.big = big
+    plan = plan_of(ckpt)
+    spans = [(live.size, members) for live, _, members in plan.spans]
+    assert all(n <= checkpoint_module._SPAN_MAX or len(m) == 1 for n, m in spans)
+    (i,) = [i for i, c in enumerate(plan.flat) if c is big.components[0]]
+    assert [i] in [m for _, m in spans]  # larger than a span: a span of its own
+    nbytes = lambda vs: sum(c.nbytes for v in vs for c in v.components)  # noqa: E731
+    copied = sum(n for n, _ in spans)
+    # The saved bytes and the unsaved variables between them: not the rows' unused ends.
+    assert nbytes([*saved, big]) <= copied <= nbytes([*saved, *unsaved, big]) + 8
+
+
 def write_before_each_comparison(monkeypatch, write) -> list[int]:
     """Run ``write(k)`` (k = 1, 2, ...) before each comparison of the snapshot: another thread
     writing after the copy and before its check, as it were. Returns the count, updated."""

@@ -806,11 +806,16 @@ class CheckpointLoadStatus:
 
 SNAPSHOT_ATTEMPTS = 4
 _COMPARE_CHUNK = 4 << 20  # bytes compared at a time: bounded temporary memory
-# Two components of one base buffer are copied in one span when the bytes between them are at
-# most this many, or at most as many as the span holds so far (padding, variables this
-# checkpoint does not save): a span is one copy and one comparison, and the bytes copied
-# besides the components' stay below about their number.
+# Two components of one base buffer are copied in one span when at most this many bytes lie
+# between them (padding, variables this checkpoint does not save): a span is one copy and one
+# comparison, and copying a few KiB more costs less than another span does. Wider gaps (an
+# arena row's unused end, large variables not saved) start a new span: never copied.
 _SPAN_GAP = 4096
+# A span ends before a component that would take it past this many bytes (a larger component
+# is a span of its own): buffers of a few MiB at most are reused by the allocator from one save
+# to the next, larger ones are mapped anew and their pages faulted in at every copy (8 MiB
+# spans, a whole arena row, made the copy of 400 MB 1.5-2x slower than copying by component).
+_SPAN_MAX = 1 << 20
 _SPAN_ALIGN = 64  # a span's copy keeps its address modulo this: copies aligned like the live
 
 
@@ -843,27 +848,28 @@ class _SnapshotPlan:
 
     Variables live side by side in arenas (``parallelvars._storage``): the C-contiguous
     components that share a base buffer are sorted by address and grouped into spans (see
-    ``_SPAN_GAP``), each copied by one memcpy into one buffer and compared in one pass; the
-    copied components are views into it. Every other component (strided shards, object
+    ``_SPAN_GAP``), each copied by one memcpy into a buffer of its own and compared in one
+    pass; the copied components are views into it (one buffer per span, of at most
+    ``_SPAN_MAX`` bytes unless one component is larger). Every other component (strided shards, object
     arrays, empty ones, buffers whose base is not a C-contiguous array) is copied by itself.
 
     Attributes:
         flat: every record's components in write order.
-        spans: ``(live, start, components)``: a flat uint8 view of a span of a live base
-            buffer, where its copy starts in the snapshot buffer, and the numbers of the
-            components in it.
-        offsets: per component, where its copy starts in the snapshot buffer (-1: by itself).
+        spans: ``(live, address, components)``: a flat uint8 view of a span of a live base
+            buffer, its address, and the numbers of the components in it.
+        span_of: per component, the number of its span (-1: copied by itself).
+        offsets: per component of a span, where it starts in the span.
         singles: the numbers of the components copied by themselves.
-        size: the bytes of the snapshot buffer.
         starts: the number of each record's first component (then the total).
     """
 
-    __slots__ = ("flat", "offsets", "singles", "size", "spans", "starts")
+    __slots__ = ("flat", "offsets", "singles", "span_of", "spans", "starts")
 
     def __init__(self, records: Sequence[SaveRecord]) -> None:
         self.flat: list[np.ndarray] = [c for r in records for c in r.components]
         self.starts = list(itertools.accumulate((len(r.components) for r in records), initial=0))
-        self.offsets = [-1] * len(self.flat)
+        self.span_of = [-1] * len(self.flat)
+        self.offsets = [0] * len(self.flat)
         self.singles: list[int] = []
         roots: dict[int, tuple[np.ndarray, int, list[tuple[int, int, int]]]] = {}
         for i, c in enumerate(self.flat):
@@ -888,30 +894,26 @@ class _SnapshotPlan:
                 continue
             group[2].append((addr, addr + c.nbytes, i))
         self.spans: list[tuple[np.ndarray, int, list[int]]] = []
-        size = 0
         for root, base, members in roots.values():
             members.sort()
             whole = byte_view(root)
             run: list[tuple[int, int, int]] = []
             hi = 0
             for m in [*members, None]:
-                if run and (m is None or m[0] - hi > max(_SPAN_GAP, hi - run[0][0])):
+                if run and (m is None or m[0] - hi > _SPAN_GAP or m[1] - run[0][0] > _SPAN_MAX):
                     lo = run[0][0]
-                    start = size + (lo - size) % _SPAN_ALIGN
                     for addr, _, i in run:
-                        self.offsets[i] = start + addr - lo
-                    self.spans.append((whole[lo - base : hi - base], start, [e[2] for e in run]))
-                    size = start + hi - lo
+                        self.span_of[i], self.offsets[i] = len(self.spans), addr - lo
+                    self.spans.append((whole[lo - base : hi - base], lo, [e[2] for e in run]))
                     run = []
                 if m is not None:
                     hi = max(hi, m[1]) if run else m[1]
                     run.append(m)
-        self.size = size
 
-    def copy_of(self, buffer: np.ndarray, i: int) -> np.ndarray:
-        """Component ``i``'s copy in the snapshot ``buffer`` (a component of a span)."""
+    def copy_of(self, span: np.ndarray, i: int) -> np.ndarray:
+        """Component ``i``'s copy in the copy of its ``span``."""
         c = self.flat[i]
-        return np.ndarray(c.shape, c.dtype, buffer, self.offsets[i])
+        return np.ndarray(c.shape, c.dtype, span, self.offsets[i])
 
     def path_of(self, records: Sequence[SaveRecord], i: int) -> str:
         return records[bisect.bisect_right(self.starts, i) - 1].path
@@ -921,16 +923,16 @@ class _Snapshot:
     """The copies of one moment taken by :func:`_snapshot`; :meth:`records` makes the records
     that hold them (left to the thread that writes them: the calling thread only copies)."""
 
-    __slots__ = ("_buffer", "_plan", "_records", "_singles")
+    __slots__ = ("_plan", "_records", "_singles", "_spans")
 
     def __init__(
         self,
         records: Sequence[SaveRecord],
         plan: _SnapshotPlan,
-        buffer: np.ndarray,
+        spans: list[np.ndarray],
         singles: list[np.ndarray],
     ) -> None:
-        self._records, self._plan, self._buffer, self._singles = records, plan, buffer, singles
+        self._records, self._plan, self._spans, self._singles = records, plan, spans, singles
 
     def records(self) -> RecordList:
         """Records like the live ones (shared attributes) holding the copies.
@@ -938,11 +940,11 @@ class _Snapshot:
         They have the live records' structure: a ``RecordList``'s key holds for them too, so a
         repeated save is written from its skeleton.
         """
-        plan, buffer, records = self._plan, self._buffer, self._records
+        plan, spans, records = self._plan, self._spans, self._records
         singles = iter(self._singles)
         copies = [
-            next(singles) if off < 0 else np.ndarray(c.shape, c.dtype, buffer, off)
-            for c, off in zip(plan.flat, plan.offsets, strict=True)
+            next(singles) if n < 0 else np.ndarray(c.shape, c.dtype, spans[n], off)
+            for c, n, off in zip(plan.flat, plan.span_of, plan.offsets, strict=True)
         ]
         key = records.structure() if isinstance(records, RecordList) else None
         out = RecordList(key=key)
@@ -980,15 +982,18 @@ def _snapshot(records: Sequence[SaveRecord], plan: _SnapshotPlan | None = None) 
     flat = plan.flat
     changed = ""
     for _ in range(SNAPSHOT_ATTEMPTS):
-        buffer = np.empty(plan.size, np.uint8)
-        for live, start, _members in plan.spans:
-            np.copyto(buffer[start : start + live.size], live)
+        spans = []
+        for live, address, _members in plan.spans:
+            buffer = np.empty(live.size + _SPAN_ALIGN, np.uint8)
+            start = (address - _address(buffer)) % _SPAN_ALIGN
+            spans.append(buffer[start : start + live.size])
+            np.copyto(spans[-1], live)
         singles = [np.array(flat[i], copy=True, order="C") for i in plan.singles]
         changed = ""
-        for live, start, members in plan.spans:
-            if _unchanged(live, buffer[start : start + live.size]):
+        for (live, _, members), span in zip(plan.spans, spans, strict=True):
+            if _unchanged(live, span):
                 continue
-            i = next((i for i in members if not _unchanged(flat[i], plan.copy_of(buffer, i))), -1)
+            i = next((i for i in members if not _unchanged(flat[i], plan.copy_of(span, i))), -1)
             if i >= 0:
                 changed = plan.path_of(records, i)
                 break
@@ -1003,7 +1008,7 @@ def _snapshot(records: Sequence[SaveRecord], plan: _SnapshotPlan | None = None) 
             )
             changed = plan.path_of(records, i) if i >= 0 else ""
         if not changed:
-            return _Snapshot(records, plan, buffer, singles)
+            return _Snapshot(records, plan, spans, singles)
     raise ConcurrentWriteError(
         "changed while a non-blocking save copied the variables",
         variable=changed,
