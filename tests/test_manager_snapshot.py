@@ -201,6 +201,7 @@ def test_strided_shards_and_non_contiguous_components_are_copied_right(tmp_path)
     for v in (m.cols, m.rows, m.mirrored, m.scalar):
         v.assign(np.zeros(np.shape(v), v.dtype))  # after the snapshot
     copied = snap.records()
+    assert copied.structure() is records.structure()  # kept, not computed again
     for r in copied:
         want = expected[r.path]
         assert len(r.components) == len(want)
@@ -234,11 +235,16 @@ def dump(path: str) -> dict:
 
 
 @pytest.mark.parametrize("repeated", [False, True])
-def test_a_non_blocking_save_writes_the_file_of_a_blocking_save(tmp_path, fixed_clock, repeated):
+def test_a_non_blocking_save_writes_the_file_of_a_blocking_save(
+    tmp_path, fixed_clock, monkeypatch, repeated
+):
     ckpt, saved, _unsaved = interleaved(30)
     ckpt.model.strided = strided_model()
+    cache = ckpt._pv_skeletons
+    real_get, found = cache.get, []
+    monkeypatch.setattr(cache, "get", lambda key: found.append(real_get(key)) or found[-1])
     with pv.CheckpointManager(ckpt, tmp_path / "async", max_to_keep=None) as mgr:
-        if repeated:  # the second save of a structure is written from its skeleton
+        if repeated:
             mgr.save(blocking=False)
             mgr.wait()
         for j, v in enumerate(saved):
@@ -247,6 +253,8 @@ def test_a_non_blocking_save_writes_the_file_of_a_blocking_save(tmp_path, fixed_
         for v in saved:
             v.assign(np.zeros(5, np.float32))  # while the save is in flight: not in its file
         mgr.wait()
+    # The copies keep their records' structure: the second save is written from the skeleton.
+    assert (found[-1] is not None) == repeated
     for j, v in enumerate(saved):
         v.assign(np.full(5, j + 0.5, np.float32))
     blocking = ckpt.write(tmp_path / "blocking.h5")  # the same save_counter, values and clock
