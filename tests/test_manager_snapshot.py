@@ -1,0 +1,320 @@
+"""The non-blocking save's snapshot: components copied and compared by span of their base
+buffers (arenas), with a change in a span checked component by component."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import h5py
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import parallelvars as pv
+from parallelvars.checkpoint import checkpoint as checkpoint_module
+from parallelvars.checkpoint import h5io
+from parallelvars.checkpoint.checkpoint import _snapshot, _SnapshotPlan
+from parallelvars.checkpoint.registry import SaveRecord
+from parallelvars.errors import ConcurrentWriteError
+
+CREATED = 1_700_000_000.0
+
+
+@pytest.fixture
+def fixed_clock(monkeypatch):
+    """Every save records the same ``created`` time, so two ways of writing can be compared."""
+    monkeypatch.setattr(time, "time", lambda: CREATED)
+
+
+def interleaved(n: int, size: int = 5):
+    """``2n`` float32 variables of ``size`` elements allocated alternately into one arena: the
+    checkpoint saves the even ones, the odd ones (the same arena, between them) are not."""
+    with pv.MirroredStrategy(2).scope():
+        every = [pv.Variable(np.full(size, i, np.float32), name=f"v{i}") for i in range(2 * n)]
+    model = pv.Module()
+    model.saved = every[0::2]
+    return pv.Checkpoint(model=model), every[0::2], every[1::2]
+
+
+def stored(path: str) -> dict[str, list[np.ndarray]]:
+    with h5io.H5Reader(path) as r:
+        return {
+            name: [r[name].component(i) for i in range(r[name].num_components)]
+            for name in r
+            if name != "save_counter"
+        }
+
+
+def plan_of(ckpt) -> _SnapshotPlan:
+    records = ckpt._gather(False)[0]
+    ckpt._snapshot(records)
+    return ckpt._pv_snapshot_plan[1]
+
+
+def test_saved_variables_of_an_arena_are_copied_as_a_few_spans():
+    ckpt, saved, unsaved = interleaved(50)
+    plan = plan_of(ckpt)
+    assert not plan.singles[:-1]  # only save_counter's own arena may be alone
+    # One span per arena row (2 devices), save_counter's own: not one per component.
+    assert len(plan.spans) <= 3 < 2 * len(saved)
+    # The unsaved variables between the saved ones are copied with them, in the spans.
+    spans = [(s[0].__array_interface__["data"][0], s[0].nbytes) for s in plan.spans if s[0].size]
+    for c in (c for v in unsaved[:-1] for c in v.components):  # the last one is after them
+        address = c.__array_interface__["data"][0]
+        assert any(lo <= address < lo + n for lo, n in spans)
+
+
+def test_spans_leave_wide_gaps_out_and_stay_small():
+    ckpt, saved, unsaved = interleaved(300, size=1024)  # 4 KiB each, 2.4 MB of a 32 MB arena
+    with pv.MirroredStrategy(2).scope():
+        big = pv.Variable(np.ones(1 << 19, np.float32), name="big")  # 2 MiB, the same arena
+    ckpt.model.big = big
+    plan = plan_of(ckpt)
+    spans = [(live.size, members) for live, _, members in plan.spans]
+    assert all(n <= checkpoint_module._SPAN_MAX or len(m) == 1 for n, m in spans)
+    (i,) = [i for i, c in enumerate(plan.flat) if c is big.components[0]]
+    assert [i] in [m for _, m in spans]  # larger than a span: a span of its own
+    nbytes = lambda vs: sum(c.nbytes for v in vs for c in v.components)  # noqa: E731
+    copied = sum(n for n, _ in spans)
+    # The saved bytes and the unsaved variables between them: not the rows' unused ends.
+    assert nbytes([*saved, big]) <= copied <= nbytes([*saved, *unsaved, big]) + 8
+
+
+def write_before_each_comparison(monkeypatch, write) -> list[int]:
+    """Run ``write(k)`` (k = 1, 2, ...) before each comparison of the snapshot: another thread
+    writing after the copy and before its check, as it were. Returns the count, updated."""
+    real = checkpoint_module._unchanged
+    calls = [0]
+
+    def racing(live, copied):
+        calls[0] += 1
+        write(calls[0])
+        return real(live, copied)
+
+    monkeypatch.setattr(checkpoint_module, "_unchanged", racing)
+    return calls
+
+
+def test_writes_to_unsaved_variables_in_the_spans_do_not_fail_the_save(tmp_path, monkeypatch):
+    ckpt, saved, unsaved = interleaved(20)
+
+    def write(k: int) -> None:  # the unsaved variables, flat out
+        for v in unsaved:
+            v.assign(np.full(5, -k, np.float32))
+
+    calls = write_before_each_comparison(monkeypatch, write)
+    write_file = ckpt._prepare_write(copy=True)  # no ConcurrentWriteError: only gaps changed
+    monkeypatch.undo()
+    for v in saved:
+        v.assign(np.full(5, 99, np.float32))  # after the snapshot: not in the file
+    found = stored(write_file(str(tmp_path / "c.h5")))
+    assert {k: [c.tolist() for c in cs] for k, cs in found.items()} == {
+        f"model/saved/{j}": [[2.0 * j] * 5] * 2 for j in range(20)
+    }
+    assert calls[0] > 0
+    assert all(c.tolist() == [-calls[0]] * 5 for v in unsaved for c in v.components)
+
+
+def test_a_write_to_a_saved_variable_in_a_span_is_copied_again(tmp_path, monkeypatch):
+    ckpt, saved, _unsaved = interleaved(20)
+
+    def write(k: int) -> None:  # lands after the first copy, before its comparison
+        if k == 1:
+            saved[7].assign(np.full(5, -7, np.float32))
+
+    write_before_each_comparison(monkeypatch, write)
+    write_file = ckpt._prepare_write(copy=True)
+    monkeypatch.undo()
+    saved[7].assign(np.full(5, 99, np.float32))
+    found = stored(write_file(str(tmp_path / "c.h5")))
+    assert [c.tolist() for c in found["model/saved/7"]] == [[-7.0] * 5] * 2
+    assert [c.tolist() for c in found["model/saved/6"]] == [[12.0] * 5] * 2
+
+
+def test_a_saved_variable_written_during_every_copy_refuses_the_save(tmp_path, monkeypatch):
+    ckpt, saved, _unsaved = interleaved(20)
+    with pv.CheckpointManager(ckpt, tmp_path) as mgr:
+        write_before_each_comparison(
+            monkeypatch, lambda k: saved[11].assign(np.full(5, k, np.float32))
+        )
+        with pytest.raises(ConcurrentWriteError, match="model/saved/11") as info:
+            mgr.save(blocking=False)
+        monkeypatch.undo()
+        assert "4 attempts" in str(info.value)
+        assert mgr.checkpoints == [] and int(ckpt.save_counter) == 0
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".h5")]
+
+
+def test_a_thread_writing_unsaved_variables_of_the_arena_never_refuses_a_save(tmp_path):
+    # End to end with a real writer thread (the deterministic tests above pin the logic down):
+    # variables of 4 KiB, so a span's copy takes long enough for the writer to run in between.
+    ckpt, _saved, unsaved = interleaved(100, size=1024)
+    stop = threading.Event()
+
+    def run() -> None:
+        k = 0
+        while not stop.is_set():
+            k += 1
+            for v in unsaved:
+                v.assign(np.full(1024, -k, np.float32))
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(2e-5)  # interleave the threads finely
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=None) as mgr:
+            paths = [mgr.save(blocking=False) for _ in range(10)]  # none refused
+            mgr.wait()
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(old)
+    for path in paths:
+        found = stored(path)
+        for j in range(100):
+            assert all((c == 2.0 * j).all() for c in found[f"model/saved/{j}"])
+
+
+def strided_model():
+    with pv.MirroredStrategy(2).scope():
+        m = pv.Module()
+        m.cols = pv.Variable(np.arange(24, dtype=np.float32).reshape(4, 6), shard_axis=1)
+        m.rows = pv.Variable(np.arange(16, dtype=np.float64).reshape(8, 2), shard_axis=0)
+        m.mirrored = pv.Variable(np.linspace(0, 1, 7), name="mirrored")
+        m.empty = pv.Variable(np.zeros((0, 3), np.float32), name="empty")
+    m.scalar = pv.Variable(np.int64(5), name="scalar")
+    return m
+
+
+def test_strided_shards_and_non_contiguous_components_are_copied_right(tmp_path):
+    m = strided_model()
+    ckpt = pv.Checkpoint(model=m)
+    records = ckpt._gather(False)[0]
+    assert any(not c.flags.c_contiguous for r in records for c in r.components)
+    expected = {r.path: [np.array(c) for c in r.components] for r in records}
+    snap = ckpt._snapshot(records)
+    for v in (m.cols, m.rows, m.mirrored, m.scalar):
+        v.assign(np.zeros(np.shape(v), v.dtype))  # after the snapshot
+    copied = snap.records()
+    assert copied.structure() is records.structure()  # kept, not computed again
+    for r in copied:
+        want = expected[r.path]
+        assert len(r.components) == len(want)
+        for c, w in zip(r.components, want, strict=True):
+            assert c.shape == w.shape and c.dtype == w.dtype
+            np.testing.assert_array_equal(c, w)
+    found = stored(ckpt._prepare_write()(str(tmp_path / "zeros.h5")))
+    assert all(not c.any() for cs in found.values() for c in cs)
+
+
+def attr_value(v) -> object:
+    a = np.asarray(v)
+    return (a.dtype.str, a.shape, a.tolist() if a.dtype.kind == "O" else a.tobytes())
+
+
+def dump(path: str) -> dict:
+    """Every dataset's bytes, dtype and shape and every attribute of a file (h5py)."""
+    out: dict = {}
+    with h5py.File(path, "r") as f:
+
+        def visit(name, obj):
+            attrs = {k: attr_value(v) for k, v in obj.attrs.items()}
+            if isinstance(obj, h5py.Dataset):
+                out[name] = (obj.dtype.str, obj.shape, obj[()].tobytes(), attrs)
+            else:
+                out[name] = attrs
+
+        visit("/", f)
+        f.visititems(visit)
+    return out
+
+
+@pytest.mark.parametrize("repeated", [False, True])
+def test_a_non_blocking_save_writes_the_file_of_a_blocking_save(
+    tmp_path, fixed_clock, monkeypatch, repeated
+):
+    ckpt, saved, _unsaved = interleaved(30)
+    ckpt.model.strided = strided_model()
+    cache = ckpt._pv_skeletons
+    real_get, found = cache.get, []
+    monkeypatch.setattr(cache, "get", lambda key: found.append(real_get(key)) or found[-1])
+    with pv.CheckpointManager(ckpt, tmp_path / "async", max_to_keep=None) as mgr:
+        if repeated:
+            mgr.save(blocking=False)
+            mgr.wait()
+        for j, v in enumerate(saved):
+            v.assign(np.full(5, j + 0.5, np.float32))
+        path = mgr.save(blocking=False)
+        for v in saved:
+            v.assign(np.zeros(5, np.float32))  # while the save is in flight: not in its file
+        mgr.wait()
+    # The copies keep their records' structure: the second save is written from the skeleton.
+    assert (found[-1] is not None) == repeated
+    for j, v in enumerate(saved):
+        v.assign(np.full(5, j + 0.5, np.float32))
+    blocking = ckpt.write(tmp_path / "blocking.h5")  # the same save_counter, values and clock
+    assert dump(path) == dump(blocking)
+    with open(path, "rb") as a, open(blocking, "rb") as b:
+        assert a.read() == b.read()
+
+
+def test_snapshot_of_records_that_are_not_a_record_list(tmp_path):
+    base = np.arange(40, dtype=np.float32)
+    records = [
+        SaveRecord(kind="single", components=[base[0:10]], shape=(10,), path="a"),
+        SaveRecord(kind="single", components=[base[20:30]], shape=(10,), path="b"),
+    ]
+    copied = _snapshot(records).records()
+    base[:] = -1
+    assert [r.path for r in copied] == ["a", "b"]
+    assert copied[0].components[0].tolist() == list(range(10))
+    assert copied[1].components[0].tolist() == list(range(20, 30))
+
+
+@st.composite
+def views_of_one_buffer(draw):
+    """A base buffer and views of it: contiguous slices (possibly overlapping, reshaped,
+    reinterpreted as another dtype), strided ones, and arrays of their own."""
+    size = draw(st.integers(64, 20_000))
+    base = np.random.default_rng(draw(st.integers(0, 2**32 - 1))).integers(
+        0, 256, size, dtype=np.uint8
+    )
+    views = []
+    for _ in range(draw(st.integers(1, 12))):
+        kind = draw(st.sampled_from(["slice", "float", "strided", "own", "empty"]))
+        a = draw(st.integers(0, size - 8))
+        b = draw(st.integers(a, min(size, a + 4000)))
+        if kind == "slice":
+            views.append(base[a:b])
+        elif kind == "float":
+            n = (b - a) // 4
+            views.append(base[a : a + 4 * n].view(np.float32).reshape(n, 1))
+        elif kind == "strided":
+            views.append(base[a:b:3])
+        elif kind == "own":
+            views.append(base[a:b].copy())
+        else:
+            views.append(base[a:a])
+    return base, views
+
+
+@settings(max_examples=60, deadline=None)
+@given(views_of_one_buffer())
+def test_snapshot_copies_any_views_of_a_buffer(case):
+    base, views = case
+    records = [
+        SaveRecord(kind="single", components=[v], shape=v.shape, path=f"v{i}")
+        for i, v in enumerate(views)
+    ]
+    want = [v.tobytes() for v in views]
+    copied = _snapshot(records).records()
+    base[:] = 0
+    for r, v, w in zip(copied, views, want, strict=True):
+        (c,) = r.components
+        assert c.shape == v.shape and c.dtype == v.dtype and c.flags.c_contiguous
+        assert c.tobytes() == w
