@@ -17,11 +17,19 @@ from hypothesis import strategies as st
 import parallelvars as pv
 from parallelvars import errors
 from parallelvars._dtypes import as_dtype
+from parallelvars.checkpoint import _restore
 from parallelvars.checkpoint import checkpoint as _checkpoint
 from parallelvars.checkpoint.h5io import H5Reader
 
 KINDS = ("single", "mirrored", "on_read_sum", "on_read_mean", "independent")
 DTYPES = ("float32", "float64", "int32", "int8", "bool", "float16", "bfloat16")
+
+
+@pytest.fixture(autouse=True)
+def _bulk_from_one_component(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These models are small: the bulk path takes them whatever their number of components
+    (its minimum has a test of its own)."""
+    monkeypatch.setattr(_restore, "DIRECT_MIN_COMPONENTS", 0)
 
 
 def _general_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,6 +180,34 @@ def test_the_common_case_is_read_in_bulk(tmp_path: pathlib.Path, monkeypatch) ->
     ((direct, rest),) = made
     assert direct is not None and len(direct.taken) == 6  # the five and save_counter
     assert rest == []
+
+
+def test_fewer_components_than_the_minimum_go_the_general_way(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below ``DIRECT_MIN_COMPONENTS`` components the bulk path takes nothing (a few reads in
+    bulk, serial, would only delay the general path's threads); at the minimum it takes all."""
+    specs = [("mirrored", 2, "float32", (4,)), ("single", 1, "float64", (3,))]
+    src = _model(specs, seed=5)
+    path = pv.Checkpoint(model=src).write(tmp_path / "c.h5")
+    real = _checkpoint.plan_direct
+    made = []
+
+    def spy(table, lives, paths):
+        direct, rest = real(table, lives, paths)
+        made.append((direct, rest))
+        return direct, rest
+
+    monkeypatch.setattr(_checkpoint, "plan_direct", spy)
+    components = 2 + 1 + 1  # and save_counter's
+    for minimum, bulk in ((components + 1, False), (components, True)):
+        monkeypatch.setattr(_restore, "DIRECT_MIN_COMPONENTS", minimum)
+        dst = _model(specs, seed=6)
+        pv.Checkpoint(model=dst).restore(path).assert_consumed()
+        assert _state(dst) == _state(src)
+        direct, rest = made.pop()
+        assert (direct is not None) == bulk
+        assert rest == ([] if bulk else [0, 1, 2])  # the two variables and save_counter
 
 
 def test_sharded_and_byte_string_variables_go_the_general_way(tmp_path, monkeypatch) -> None:

@@ -40,7 +40,7 @@ from parallelvars import _aggregate
 from parallelvars._dtypes import dtype_name
 from parallelvars._fileio import byte_view
 from parallelvars.checkpoint.entry import Entry
-from parallelvars.checkpoint.h5io.layout import STAGE_LIMIT
+from parallelvars.checkpoint.h5io.layout import STAGE_LIMIT, STAGE_MIN_COMPONENTS
 from parallelvars.checkpoint.h5io.stored import StoredVariable
 from parallelvars.checkpoint.registry import (
     Saveable,
@@ -306,6 +306,10 @@ _CAST_BYTES = operator.methodcaller("cast", "B")
 _READONLY = operator.attrgetter("readonly")
 
 
+#: The fewest components the bulk path takes; below, every variable goes the general way.
+DIRECT_MIN_COMPONENTS = STAGE_MIN_COMPONENTS
+
+
 def plan_direct(
     table: IndexTable, lives: list[Any], paths: list[str]
 ) -> tuple[DirectRestore | None, list[int]]:
@@ -317,8 +321,8 @@ def plan_direct(
     component by component with nothing to check but the bytes: a (not sharded) parallel
     variable of this process whose file entry has its kind, dtype, shape, number of components
     and, on-read, aggregation, and whose components the index places (a direct row of
-    ``table``), up to ``STAGE_LIMIT`` bytes in all, into contiguous writable buffers.
-    Decided column by column (C loops over the variables' own fields, never through the
+    ``table``), up to ``STAGE_LIMIT`` bytes in all, into contiguous writable buffers; and at
+    least ``DIRECT_MIN_COMPONENTS`` such components, else none is taken. Decided column by column (C loops over the variables' own fields, never through the
     proxy); everything else (another saveable, a cast, a re-shard, an aggregate, a refusal, a
     multi-process variable) goes the general way, unchanged.
     """
@@ -370,6 +374,12 @@ def plan_direct(
                 keep.remove(k)
             else:
                 views.extend(mine)
+    if len(views) < DIRECT_MIN_COMPONENTS:
+        # A few components save a few system calls in bulk, but their reads run serially
+        # before the general path's threads start: with the file's pages not in memory, a
+        # restore of mostly large variables took 1.5x as long (as the read-ahead's own
+        # threshold, H5Reader.stage).
+        return None, list(range(len(lives)))
     taken = list(map(pick.__getitem__, keep))
     chosen = set(taken)
     rest = [k for k in range(len(lives)) if k not in chosen]
