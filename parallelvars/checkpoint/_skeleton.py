@@ -32,7 +32,7 @@ from typing import Any
 import crc32c as _crc32c
 import numpy as np
 
-from parallelvars._fileio import byte_view, pwrite_all
+from parallelvars._fileio import IOV_MAX, pwrite_all, pwritev_all
 
 __all__ = [
     "Patch",
@@ -40,7 +40,6 @@ __all__ = [
     "SkeletonCache",
     "header_chunk",
     "lookup3",
-    "pwritev_all",
     "sentinel",
 ]
 
@@ -50,39 +49,6 @@ _MASK = 0xFFFFFFFF
 INLINE_BYTES = 64 << 10
 # A skeleton keeps at most this many bytes of image (metadata and small components).
 MAX_IMAGE_BYTES = 256 << 20
-
-
-def _iov_max() -> int:
-    try:
-        n = os.sysconf("SC_IOV_MAX")
-    except (AttributeError, ValueError, OSError):
-        n = -1
-    return n if n > 0 else 16
-
-
-# The most buffers one gathered write takes (Linux: 1024).
-IOV_MAX = min(_iov_max(), 1024)
-
-
-def pwritev_all(fd: int, buffers: Sequence[np.ndarray], offset: int, size: int) -> None:
-    """Write C-contiguous arrays' bytes one after another from ``offset`` (``size`` bytes in
-    all, at most :data:`IOV_MAX` buffers): one gathered write, a short one resumed."""
-    done = os.pwritev(fd, buffers, offset) if _PWRITEV else 0  # type: ignore[arg-type]
-    if done == size:
-        return
-    at = offset
-    for buf in buffers:  # a short write (or no pwritev): the rest buffer by buffer
-        data = byte_view(buf)
-        n = data.size
-        if done >= n:
-            done -= n
-        else:
-            pwrite_all(fd, memoryview(data[done:]), at + done)  # type: ignore[arg-type]
-            done = 0
-        at += n
-
-
-_PWRITEV = hasattr(os, "pwritev")
 
 
 def _rot(x: int, k: int) -> int:

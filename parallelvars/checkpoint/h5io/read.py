@@ -561,9 +561,10 @@ class H5Reader(Mapping[str, StoredVariable]):
                     self._raw_fd = fd
         return self._raw_fd
 
-    def _read_fully(self, view: memoryview, offset: int) -> None:
+    def _read_fully(self, view: memoryview, offset: int, variable: str | None = None) -> None:
         """Fill ``view`` with the file's bytes from ``offset`` on (a file that ends first, cut
-        by someone else since it was opened, is a :class:`TruncatedFileError`)."""
+        by someone else since it was opened, is a :class:`TruncatedFileError` naming
+        ``variable``, the component read, when given)."""
         end, fd = offset + len(view), self._fd()
         while len(view):
             n = os.preadv(fd, [view], offset)
@@ -571,6 +572,7 @@ class H5Reader(Mapping[str, StoredVariable]):
                 raise TruncatedFileError(
                     "file ends inside the data",
                     file=self.path,
+                    variable=variable,
                     expected=f"{end} bytes",
                     found=f"{self.file_size} bytes",
                 )

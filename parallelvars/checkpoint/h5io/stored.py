@@ -594,18 +594,11 @@ class StoredVariable(Entry):
         if staged is not None:  # read with its neighbours already (see H5Reader.stage)
             np.copyto(flat, staged)
             return
-        view = memoryview(flat)  # type: ignore[arg-type]
-        fd = self._reader._fd()
-        while len(view):
-            n = os.preadv(fd, [view], offset)
-            if n <= 0:
-                raise TruncatedFileError(
-                    "file ends inside the data",
-                    file=self._reader.path,
-                    variable=f"{self.path}/{component_name(i)}",
-                    found=f"{self._reader.file_size} bytes",
-                )
-            view, offset = view[n:], offset + n
+        self._reader._read_fully(
+            memoryview(flat),  # type: ignore[arg-type]
+            offset,
+            f"{self.path}/{component_name(i)}",
+        )
 
     def component(self, i: int) -> np.ndarray:
         self._check_storage(i)
