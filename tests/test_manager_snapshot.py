@@ -318,3 +318,69 @@ def test_snapshot_copies_any_views_of_a_buffer(case):
         (c,) = r.components
         assert c.shape == v.shape and c.dtype == v.dtype and c.flags.c_contiguous
         assert c.tobytes() == w
+
+
+def kept_copies(ckpt):
+    plan = ckpt._pv_snapshot_plan
+    return None if plan is None else plan[1]._kept
+
+
+def test_copies_are_kept_for_the_next_save_and_hold_each_saves_values(tmp_path):
+    ckpt, saved, _unsaved = interleaved(30)
+    ckpt.model.strided = strided_model()  # components copied one by one are kept too
+    paths, records = [], []
+    with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=None) as mgr:
+        for k in range(4):
+            for v in saved:
+                v.assign(np.full(5, k, np.float32))
+            paths.append(mgr.save(blocking=False))
+            for v in saved:
+                v.assign(np.full(5, -1, np.float32))  # while the write runs: not in the file
+            mgr.wait()
+            kept = kept_copies(ckpt)
+            assert kept is not None and kept.records is not None
+            records.append(kept.records)
+        # Later saves copy into the first one's buffers and write its records again.
+        assert all(r is records[0] for r in records)
+    assert kept_copies(ckpt) is None  # closing the manager frees them
+    for k, path in enumerate(paths):
+        found = stored(path)
+        assert all((c == k).all() for j in range(30) for c in found[f"model/saved/{j}"])
+        cols = np.arange(24, dtype=np.float32).reshape(4, 6)
+        np.testing.assert_array_equal(found["model/strided/cols"][1], cols[:, 3:])
+
+
+def test_copies_still_being_written_are_never_copied_into(tmp_path):
+    ckpt, saved, _unsaved = interleaved(10)
+    first = ckpt._prepare_write(copy=True)  # its copies are in use until it has written
+    for v in saved:
+        v.assign(np.full(5, 7, np.float32))
+    second = ckpt._prepare_write(copy=True)  # other buffers
+    found = stored(first(str(tmp_path / "first.h5")))
+    assert all((c == 2 * j).all() for j in range(10) for c in found[f"model/saved/{j}"])
+    found = stored(second(str(tmp_path / "second.h5")))
+    assert all((c == 7).all() for j in range(10) for c in found[f"model/saved/{j}"])
+
+
+def test_copies_are_kept_after_a_failed_write_and_a_refused_snapshot(tmp_path, monkeypatch):
+    ckpt, saved, _unsaved = interleaved(10)
+    write_file = ckpt._prepare_write(copy=True)
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(OSError):
+        write_file(str(tmp_path / "file" / "c.h5"))  # a file where its folder should be
+    assert kept_copies(ckpt) is not None
+    write_before_each_comparison(monkeypatch, lambda k: saved[3].assign(np.full(5, k, np.float32)))
+    with pytest.raises(ConcurrentWriteError):
+        ckpt._prepare_write(copy=True)
+    monkeypatch.undo()
+    assert kept_copies(ckpt) is not None
+
+
+def test_copies_larger_than_the_limit_are_freed_after_their_write(tmp_path, monkeypatch):
+    ckpt, _saved, _unsaved = interleaved(10)
+    monkeypatch.setattr(checkpoint_module, "SNAPSHOT_KEEP_BYTES", 0)
+    ckpt._prepare_write(copy=True)(str(tmp_path / "c.h5"))
+    assert kept_copies(ckpt) is None
+    monkeypatch.undo()
+    ckpt._prepare_write(copy=True)(str(tmp_path / "d.h5"))
+    assert kept_copies(ckpt) is not None

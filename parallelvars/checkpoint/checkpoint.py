@@ -883,6 +883,11 @@ _SPAN_GAP = 4096
 # spans, a whole arena row, made the copy of 400 MB 1.5-2x slower than copying by component).
 _SPAN_MAX = 1 << 20
 _SPAN_ALIGN = 64  # a span's copy keeps its address modulo this: copies aligned like the live
+# A structure's copies (at most this many bytes in all) are kept from one non-blocking save to
+# the next and copied into again: the next save then reuses the records made over them, so its
+# background write costs what a blocking save of the live variables costs, and the copy faults
+# in no new pages. Larger snapshots are freed when their write ends.
+SNAPSHOT_KEEP_BYTES = 1 << 30
 
 
 def _unchanged(live: np.ndarray, copied: np.ndarray) -> bool:
@@ -929,7 +934,17 @@ class _SnapshotPlan:
         starts: the number of each record's first component (then the total).
     """
 
-    __slots__ = ("flat", "offsets", "singles", "span_of", "spans", "starts")
+    __slots__ = (
+        "_kept",
+        "_lock",
+        "flat",
+        "nbytes",
+        "offsets",
+        "singles",
+        "span_of",
+        "spans",
+        "starts",
+    )
 
     def __init__(self, records: Sequence[SaveRecord]) -> None:
         self.flat: list[np.ndarray] = [c for r in records for c in r.components]
@@ -975,6 +990,36 @@ class _SnapshotPlan:
                 if m is not None:
                     hi = max(hi, m[1]) if run else m[1]
                     run.append(m)
+        self.nbytes = sum(live.size for live, _, _ in self.spans) + sum(
+            self.flat[i].nbytes for i in self.singles
+        )
+        self._kept: _Copies | None = None
+        self._lock = threading.Lock()
+
+    def take(self) -> _Copies:
+        """The copies of the last snapshot whose write has ended (kept by :meth:`give_back`),
+        or new buffers (none kept, or they are in use by a write still running)."""
+        with self._lock:
+            kept, self._kept = self._kept, None
+        if kept is not None:
+            return kept
+        spans = []
+        for live, address, _members in self.spans:
+            buffer = np.empty(live.size + _SPAN_ALIGN, np.uint8)
+            start = (address - _address(buffer)) % _SPAN_ALIGN
+            spans.append(buffer[start : start + live.size])
+        singles = []
+        for i in self.singles:
+            c = np.asarray(self.flat[i])
+            singles.append(np.empty(c.shape, c.dtype))
+        return _Copies(spans, singles)
+
+    def give_back(self, copies: _Copies) -> None:
+        """Keep ``copies`` (their write has ended) for the next snapshot, when the structure's
+        copies take at most ``SNAPSHOT_KEEP_BYTES``."""
+        if self.nbytes <= SNAPSHOT_KEEP_BYTES:
+            with self._lock:
+                self._kept = copies
 
     def copy_of(self, span: np.ndarray, i: int) -> np.ndarray:
         """Component ``i``'s copy in the copy of its ``span``."""
@@ -985,29 +1030,42 @@ class _SnapshotPlan:
         return records[bisect.bisect_right(self.starts, i) - 1].path
 
 
+class _Copies:
+    """One set of copy buffers of a :class:`_SnapshotPlan` (a buffer per span, an array per
+    component copied by itself) and the records made over them, once (the same buffers give
+    the same records)."""
+
+    __slots__ = ("records", "singles", "spans")
+
+    def __init__(self, spans: list[np.ndarray], singles: list[np.ndarray]) -> None:
+        self.spans = spans
+        self.singles = singles
+        self.records: RecordList | None = None
+
+
 class _Snapshot:
     """The copies of one moment taken by :func:`_snapshot`; :meth:`records` makes the records
-    that hold them (left to the thread that writes them: the calling thread only copies)."""
+    that hold them (left to the thread that writes them: the calling thread only copies), and
+    :meth:`release` hands the buffers back to the plan once the write has ended."""
 
-    __slots__ = ("_plan", "_records", "_singles", "_spans")
+    __slots__ = ("_copies", "_plan", "_records")
 
-    def __init__(
-        self,
-        records: Sequence[SaveRecord],
-        plan: _SnapshotPlan,
-        spans: list[np.ndarray],
-        singles: list[np.ndarray],
-    ) -> None:
-        self._records, self._plan, self._spans, self._singles = records, plan, spans, singles
+    def __init__(self, records: Sequence[SaveRecord], plan: _SnapshotPlan, copies: _Copies) -> None:
+        self._records, self._plan, self._copies = records, plan, copies
 
     def records(self) -> RecordList:
         """Records like the live ones (shared attributes) holding the copies.
 
         They have the live records' structure: a ``RecordList``'s key holds for them too, so a
-        repeated save is written from its skeleton.
+        repeated save is written from its skeleton. Made once per set of buffers: copies kept
+        from an earlier save come with their records (the same objects, so the writer's
+        per-record work is not done again either).
         """
-        plan, spans, records = self._plan, self._spans, self._records
-        singles = iter(self._singles)
+        made = self._copies.records
+        if made is not None:
+            return made
+        plan, spans, records = self._plan, self._copies.spans, self._records
+        singles = iter(self._copies.singles)
         copies = [
             next(singles) if n < 0 else np.ndarray(c.shape, c.dtype, spans[n], off)
             for c, n, off in zip(plan.flat, plan.span_of, plan.offsets, strict=True)
@@ -1020,7 +1078,12 @@ class _Snapshot:
             copy.__dict__.update(r.__dict__)  # what is not a component is the live record's
             copy.components = copies[starts[n] : starts[n + 1]]
             out.append(copy)
+        self._copies.records = out
         return out
+
+    def release(self) -> None:
+        """The write of these copies has ended: the next snapshot may copy into them."""
+        self._plan.give_back(self._copies)
 
 
 def _snapshot(records: Sequence[SaveRecord], plan: _SnapshotPlan | None = None) -> _Snapshot:
@@ -1047,14 +1110,13 @@ def _snapshot(records: Sequence[SaveRecord], plan: _SnapshotPlan | None = None) 
         plan = _SnapshotPlan(records)
     flat = plan.flat
     changed = ""
+    copies = plan.take()
+    spans, singles = copies.spans, copies.singles
     for _ in range(SNAPSHOT_ATTEMPTS):
-        spans = []
-        for live, address, _members in plan.spans:
-            buffer = np.empty(live.size + _SPAN_ALIGN, np.uint8)
-            start = (address - _address(buffer)) % _SPAN_ALIGN
-            spans.append(buffer[start : start + live.size])
-            np.copyto(spans[-1], live)
-        singles = [np.array(flat[i], copy=True, order="C") for i in plan.singles]
+        for (live, _, _), span in zip(plan.spans, spans, strict=True):
+            np.copyto(span, live)
+        for i, single in zip(plan.singles, singles, strict=True):
+            np.copyto(single, flat[i])
         changed = ""
         for (live, _, members), span in zip(plan.spans, spans, strict=True):
             if _unchanged(live, span):
@@ -1074,7 +1136,8 @@ def _snapshot(records: Sequence[SaveRecord], plan: _SnapshotPlan | None = None) 
             )
             changed = plan.path_of(records, i) if i >= 0 else ""
         if not changed:
-            return _Snapshot(records, plan, spans, singles)
+            return _Snapshot(records, plan, copies)
+    plan.give_back(copies)
     raise ConcurrentWriteError(
         "changed while a non-blocking save copied the variables",
         variable=changed,
@@ -1173,14 +1236,18 @@ class Checkpoint(Trackable):
         writer = _checkpoint_writer()  # every rank writes its part under MPI
 
         def write(path: str | os.PathLike[str]) -> str:
-            with _gc_paused():  # a few objects per variable, all alive until the write ends
-                return writer(
-                    os.fspath(path),
-                    records if snapshot is None else snapshot.records(),
-                    object_graph=object_graph,
-                    metadata=metadata,
-                    skeletons=self._pv_skeletons,
-                )
+            try:
+                with _gc_paused():  # a few objects per variable, all alive until the write ends
+                    return writer(
+                        os.fspath(path),
+                        records if snapshot is None else snapshot.records(),
+                        object_graph=object_graph,
+                        metadata=metadata,
+                        skeletons=self._pv_skeletons,
+                    )
+            finally:
+                if snapshot is not None:
+                    snapshot.release()
 
         return write
 
@@ -1211,6 +1278,11 @@ class Checkpoint(Trackable):
         if plan is None or plan[0] is not records:
             plan = self._pv_snapshot_plan = (records, _SnapshotPlan(records))
         return _snapshot(records, plan[1])
+
+    def _drop_snapshot_copies(self) -> None:
+        """Free the copies kept from the last non-blocking save (``SNAPSHOT_KEEP_BYTES``); the
+        next one allocates them again. A manager calls this when it closes."""
+        self._pv_snapshot_plan = None
 
     def _gather_new(self) -> tuple[ObjectGraph, RecordList, dict[str, Any]]:
         """A new object graph and records (see :meth:`_gather`)."""

@@ -900,13 +900,15 @@ class CheckpointManager:
             raise CheckpointError("the manager is closed", file=self._directory)
 
     def close(self) -> None:
-        """Wait for a save in flight (raising its error) and release the directory."""
+        """Wait for a save in flight (raising its error) and release the directory, and the
+        copies a non-blocking save keeps for the next one."""
         if getattr(self, "_closed", True):
             return
         try:
             self.wait()
         finally:
             self._closed = True
+            self._checkpoint._drop_snapshot_copies()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
