@@ -245,6 +245,7 @@ def test_a_rank_failing_mid_save_leaves_the_last_good_checkpoint(
     assert all(isinstance(o, CheckpointError) for o in outcomes), outcomes
     assert "rank 2" in str(outcomes[0]) and "No space left" in str(outcomes[0])
     assert not (tmp_path / "ckpt-3.h5").exists()  # never committed
+    assert not (tmp_path / "ckpt-3.h5.parts").exists()  # and nothing of it left behind
     assert files_of(str(tmp_path / "ckpt-2.h5")) == good  # the last good checkpoint
     assert_readable(str(tmp_path / "ckpt-2.h5"), 4, 2)
 
@@ -292,6 +293,10 @@ def test_a_failed_rewrite_of_the_same_path_leaves_the_committed_checkpoint(
         assert all(isinstance(o, CheckpointError) for o in outcomes), outcomes
         assert files_of(path) == good  # every rank file and the index as committed
         assert_readable(path, 4, 1)
+        # What the failed save wrote is removed with it: only the committed rank files remain.
+        assert sorted(os.listdir(path + ".parts")) == [
+            f"rank-{r:05d}-of-00004.h5" for r in range(4)
+        ]
     monkeypatch.setattr(collective, "write_h5", real)
 
     def no_index(*args: Any, **kwargs: Any) -> str:
@@ -305,7 +310,7 @@ def test_a_failed_rewrite_of_the_same_path_leaves_the_committed_checkpoint(
     monkeypatch.undo()
     monkeypatch.setattr(time, "time", lambda: CREATED)
 
-    # A save that succeeds replaces it, and clears what the failed ones left staged.
+    # A save that succeeds replaces it.
     save_all(tmp_path, 4, 1, caches, name="latest", bump=100)
     assert files_of(path) != good
     with H5Reader(path) as reader:

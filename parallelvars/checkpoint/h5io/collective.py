@@ -143,7 +143,12 @@ def write_collective(
                 outcome = f"rank 0 (index): {type(exc).__name__}: {exc}"
             else:
                 _remove_stale_parts(parts, size)
-                shutil.rmtree(staged, ignore_errors=True)  # (and what a failed save left there)
+        # Every rank has reported (the gather): nothing writes into the staging folder any
+        # more, whether the save was committed or failed.
+        shutil.rmtree(staged, ignore_errors=True)
+        if outcome is not None:
+            with contextlib.suppress(OSError):  # (not empty: a committed checkpoint's parts)
+                os.rmdir(parts)  # a first save to this path that failed leaves no folder
     outcome = comm.bcast(outcome, root=0)
     if outcome is not None:
         raise CheckpointError("collective save failed", file=path, found=outcome)
