@@ -693,8 +693,9 @@ def render(info: dict[str, str], results: dict[str, dict[str, Any]], full: bool,
         "`ratio` is baseline time / our time (higher is better: how many times faster ours "
         "is) in every row but these, where it is ours / baseline (lower is better): core vs "
         "roofline, the train step (and with gradient buffers) vs the core alone, run() vs "
-        "plain loop, peak RSS vs budget, and scaling's time at more variables vs fewer (10x "
-        "the variables: 10x is linear). `met` is n/a where the issue "
+        "plain loop, peak RSS vs budget, scaling's time at more variables vs fewer (10x "
+        "the variables: 10x is linear), the checkpoint's save and restore vs safetensors, and "
+        "the non-blocking save vs a blocking write. `met` is n/a where the issue "
         "sets no target; a benchmark that failed or timed out shows `no`.",
     ]
     if raw:
