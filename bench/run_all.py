@@ -43,17 +43,22 @@ MB = 1 << 20
 
 @dataclass(frozen=True)
 class Benchmark:
-    """One benchmark script and the options run_all gives it (``quick`` unless ``--full``)."""
+    """One benchmark script and the options run_all gives it: ``base`` always, ``quick`` too
+    unless ``--full``."""
 
     name: str
     script: str
     quick: tuple[str, ...] = ()
+    base: tuple[str, ...] = ()
 
 
 BENCHMARKS = (
     Benchmark("update", "bench_update.py"),
     Benchmark("train_step", "bench_train_step.py"),
     Benchmark("checkpoint", "bench_checkpoint.py"),  # the issue's size: 25M parameters x 4
+    # Against safetensors at 5,000 and 50,000 tensors (--full: 100 MB and 400 MB as well)
+    Benchmark("checkpoint_peers", "bench_checkpoint.py", ("--sizes", "5k,50k"), ("--peers",)),
+    Benchmark("async_save", "bench_async_save.py"),
     Benchmark("convert", "bench_convert.py", ("--mb", "512")),
     Benchmark("tf_read", "bench_tf_read.py", ("--mb", "512")),
     Benchmark("strategy", "bench_strategy.py"),
@@ -217,6 +222,72 @@ def _rows_checkpoint(d: dict[str, Any]) -> list[list[str]]:
             _target(d["targets"].get(key)),
         )
         for key, text in what.items()
+    ]
+
+
+_PEER_ROWS = (
+    # (ratio, measurement, ours, baseline)
+    (
+        "save_vs_safetensors",
+        "repeated Checkpoint.write vs safetensors save_file + fsync",
+        "ours_save",
+        "safetensors_save",
+    ),
+    (
+        "restore_vs_safetensors",
+        "verified Checkpoint.restore vs safetensors load_file",
+        "ours_restore",
+        "safetensors_restore",
+    ),
+    ("save_vs_raw", "save, rate ours/raw tofile + fsync", "ours_save", "raw_save"),
+    (
+        "restore_evicted_vs_raw",
+        "verified restore, pages evicted, rate ours/raw readinto",
+        "ours_restore_evicted",
+        "raw_restore_evicted",
+    ),
+)
+
+
+def _rows_checkpoint_peers(d: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for r in d["sizes"]:
+        t, ratios, targets = r["times"], r["ratios"], r["targets"]
+        size = f"{r['tensors']:,} tensors, {r['bytes'] / 1e6:.0f} MB"
+        for key, text, ours, base in _PEER_ROWS:
+            if key not in targets:  # each size shows the ratios it has targets for
+                continue
+            rows.append(
+                _row(
+                    "checkpoint peers",
+                    f"{text} ({size})",
+                    _s(t[ours]),
+                    _s(t[base]),
+                    _x(ratios[key]),
+                    _target(targets[key]),
+                )
+            )
+    return rows
+
+
+_ASYNC_ROWS = (
+    # (measurement, ours, ratio); the baseline is the blocking Checkpoint.write
+    ("manager.save(blocking=False) returns", "async_call", "call_vs_blocking"),
+    ("whole non-blocking save until wait() returns", "async_total", "total_vs_blocking"),
+)
+
+
+def _rows_async_save(d: dict[str, Any]) -> list[list[str]]:
+    return [
+        _row(
+            "async save",
+            f"{text}, vs blocking Checkpoint.write ({r['variables']:,} vars)",
+            _s(r["times"][ours]),
+            _s(r["times"]["blocking"]),
+            _x(r["ratios"][ratio]),
+        )
+        for r in d["sizes"]
+        for text, ours, ratio in _ASYNC_ROWS
     ]
 
 
@@ -407,6 +478,8 @@ ROWS = {
     "update": _rows_update,
     "train_step": _rows_train_step,
     "checkpoint": _rows_checkpoint,
+    "checkpoint_peers": _rows_checkpoint_peers,
+    "async_save": _rows_async_save,
     "convert": _rows_convert,
     "tf_read": _rows_tf_read,
     "strategy": _rows_strategy,
@@ -544,7 +617,7 @@ def run_one(bench: Benchmark, full: bool, tmp: str, timeout: float) -> dict[str,
     """Run one benchmark in its own process and collect its JSON; never raises for its failure."""
     out = os.path.join(tmp, f"{bench.name}.json")
     script = os.path.join("bench", bench.script)
-    cmd = [sys.executable, script, *(() if full else bench.quick), "--json", out]
+    cmd = [sys.executable, script, *bench.base, *(() if full else bench.quick), "--json", out]
     shown = f"{shlex.join(cmd[:-1])} $TMP/{bench.name}.json"
     print(f"running {bench.name}: {shown}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
@@ -620,8 +693,9 @@ def render(info: dict[str, str], results: dict[str, dict[str, Any]], full: bool,
         "`ratio` is baseline time / our time (higher is better: how many times faster ours "
         "is) in every row but these, where it is ours / baseline (lower is better): core vs "
         "roofline, the train step (and with gradient buffers) vs the core alone, run() vs "
-        "plain loop, peak RSS vs budget, and scaling's time at more variables vs fewer (10x "
-        "the variables: 10x is linear). `met` is n/a where the issue "
+        "plain loop, peak RSS vs budget, scaling's time at more variables vs fewer (10x "
+        "the variables: 10x is linear), the checkpoint's save and restore vs safetensors, and "
+        "the non-blocking save vs a blocking write. `met` is n/a where the issue "
         "sets no target; a benchmark that failed or timed out shows `no`.",
     ]
     if raw:

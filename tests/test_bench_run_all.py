@@ -262,3 +262,87 @@ def test_scaling_rows_show_growth_per_step_of_counts_and_the_peer():
 
 def test_every_benchmark_has_a_row_function():
     assert {b.name for b in run_all.BENCHMARKS} == set(run_all.ROWS)
+
+
+def test_checkpoint_peers_rows_show_each_sizes_targets():
+    def size(name: str, tensors: int, mb: float, targets: dict) -> dict:
+        times = {
+            k: 1.0
+            for k in (
+                "ours_save",
+                "safetensors_save",
+                "ours_restore",
+                "safetensors_restore",
+                "raw_save",
+                "ours_restore_evicted",
+                "raw_restore_evicted",
+            )
+        }
+        times["ours_restore"] = 2.0
+        ratios = {
+            "save_vs_safetensors": 0.5,
+            "restore_vs_safetensors": 2.0,
+            "save_vs_raw": 1.2,
+            "restore_evicted_vs_raw": 0.8,
+        }
+        return {
+            "size": name,
+            "tensors": tensors,
+            "bytes": mb * 1e6,
+            "times": times,
+            "ratios": ratios,
+            "targets": targets,
+        }
+
+    data = {
+        "sizes": [
+            size(
+                "50k",
+                50_000,
+                20,
+                {
+                    "save_vs_safetensors": _t("<=", 1.5, True),
+                    "restore_vs_safetensors": _t("<=", 1.5, False),
+                },
+            ),
+            size("large", 800, 400, {"restore_evicted_vs_raw": _t(">=", 0.9, False)}),
+        ]
+    }
+    rows = _rows(run_all.build_table({"checkpoint_peers": {"status": "ok", "data": data}}))
+    save, restore, evicted = rows
+    assert "50,000 tensors, 20 MB" in save[1] and "safetensors save_file" in save[1]
+    assert save[2:] == ["1.000 s", "1.000 s", "0.50x", "<= 1.5x", "yes"]
+    assert restore[2:] == ["2.000 s", "1.000 s", "2.00x", "<= 1.5x", "no"]
+    assert "pages evicted" in evicted[1] and "800 tensors, 400 MB" in evicted[1]
+    assert evicted[4:] == ["0.80x", ">= 0.9x", "no"]
+
+
+def test_async_save_rows():
+    data = {
+        "sizes": [
+            {
+                "variables": 50_000,
+                "times": {"async_call": 0.01, "async_total": 0.2, "blocking": 0.16},
+                "ratios": {"call_vs_blocking": 0.0625, "total_vs_blocking": 1.25},
+            }
+        ]
+    }
+    call, total = _rows(run_all.build_table({"async_save": {"status": "ok", "data": data}}))
+    assert call[2:5] == ["0.010 s", "0.160 s", "0.06x"] and "50,000 vars" in call[1]
+    assert total[2:5] == ["0.200 s", "0.160 s", "1.25x"] and "wait()" in total[1]
+
+
+def test_peers_run_with_their_mode_in_quick_and_full_runs(monkeypatch, tmp_path):
+    (peers,) = [b for b in run_all.BENCHMARKS if b.name == "checkpoint_peers"]
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        seen.append(cmd)
+        raise run_all.subprocess.TimeoutExpired(cmd, 1)
+
+    monkeypatch.setattr(run_all.subprocess, "run", fake_run)
+    for full in (False, True):
+        run_all.run_one(peers, full, str(tmp_path), 1)
+    quick, full_cmd = seen
+    assert "--peers" in quick and "--peers" in full_cmd
+    assert quick[quick.index("--sizes") + 1] == "5k,50k" and "--sizes" not in full_cmd
