@@ -235,6 +235,8 @@ def test_any_index_makes_columns_that_give_it_back(index: dict[str, Any]) -> Non
     if table is not None:
         assert table.names == list(index)
         assert table.crcs.tolist() == [c for e in index.values() for c in e["crc32c"]]
+        assert table.shapes == [tuple(e["shape"]) for e in index.values()]
+        assert table.counts == [e["num_components"] for e in index.values()]
 
 
 # ----------------------------------------------------------------------------- hostile

@@ -106,9 +106,11 @@ class IndexTable:
         located: np.ndarray,
         direct: list[bool],
         row_nbytes: list[int],
+        rows: dict[str, int] | None = None,
     ) -> None:
         self.names = names
-        self.rows = dict(zip(names, range(len(names)), strict=True))
+        # (each name's row; made here unless given)
+        self.rows = dict(zip(names, range(len(names)), strict=True)) if rows is None else rows
         self.kinds = kinds
         self.dtypes = dtypes
         self.shapes = shapes
@@ -303,6 +305,7 @@ def _assemble(
     offsets: np.ndarray,
     located: np.ndarray | None,
     crcs: np.ndarray,
+    row_of: dict[str, int] | None = None,
 ) -> IndexTable | None:
     """The :class:`IndexTable` of validated columns (every dimension, offset and checksum in
     range, every dtype name in ``dtype_of``); None when a variable's size reaches 2**62
@@ -351,6 +354,7 @@ def _assemble(
         has,
         (per_row == counts_arr).tolist(),
         (row_nbytes * counts_arr).tolist(),
+        row_of,
     )
 
 
@@ -402,16 +406,20 @@ def _int_column(
         at = next(k for k, v in enumerate(values) if type(v) not in allowed)
         raise bad("integers or null" if nulls else "integers", at)
     located = None
-    placed = values
+    ints = values
     if _NONE in types:
         located = np.fromiter(map(operator.is_not, values, itertools.repeat(None)), bool)
-        placed = [v for v in values if v is not None]
-    if placed and (min(placed) < low or max(placed) >= high):
+        ints = [-1 if v is None else v for v in values]
+    try:
+        arr = np.array(ints, np.int64)
+        placed = arr if located is None else arr[located]
+        inside = not placed.size or (int(placed.min()) >= low and int(placed.max()) < high)
+    except OverflowError:  # past 64 bits
+        inside = False
+    if not inside:
         at = next(k for k, v in enumerate(values) if v is not None and not low <= v < high)
         raise bad(f"integers in [{low}, {high})", at)
-    if located is not None:
-        values = [-1 if v is None else v for v in values]
-    return np.array(values, np.int64), located
+    return arr, located
 
 
 _ABSENT = object()
@@ -473,6 +481,35 @@ class ColumnEntries(Mapping[str, dict[str, Any]]):
 
 # The row attributes a reader needs per layout (the table checks them once per layout).
 _LAYOUT_ONLY_ATTRS = frozenset({"aggregation", "devices"})
+
+
+def _shape_tuples(
+    values: list[int], dims: np.ndarray, ndims: np.ndarray, dim_first: np.ndarray
+) -> list[tuple[int, ...]]:
+    """Each row's shape as a tuple, from every row's dimensions in turn (``values``, also as
+    ``dims``), each row's number of them and where each row's start."""
+    rows = ndims.size
+    if not rows:
+        return []
+    low, high = int(ndims.min()), int(ndims.max())
+    if low == high:  # one number of dimensions (the common case): tuples made in C
+        return list(zip(*[iter(values)] * low, strict=True)) if low else [()] * rows
+    # Rows sorted by their number of dimensions: each group's tuples made in C, then put back
+    # in row order.
+    order = np.argsort(ndims, kind="stable")
+    counts = ndims[order]
+    starts = dim_first[:-1][order]
+    base = np.repeat(starts - (np.cumsum(counts) - counts), counts)
+    flat = dims[base + np.arange(int(counts.sum()), dtype=np.int64)].tolist()
+    grouped: list[tuple[int, ...]] = []
+    at = 0
+    for k, n in zip(*np.unique(counts, return_counts=True), strict=True):
+        k, n = int(k), int(n)
+        grouped.extend(zip(*[iter(flat[at : at + k * n])] * k, strict=True) if k else [()] * n)
+        at += k * n
+    where = np.empty(rows, np.int64)
+    where[order] = np.arange(rows, dtype=np.int64)
+    return list(map(grouped.__getitem__, where.tolist()))
 
 
 def _columns_table(doc: Any, file: str) -> tuple[IndexTable | None, ColumnEntries] | None:
@@ -616,8 +653,7 @@ def _columns_table(doc: Any, file: str) -> tuple[IndexTable | None, ColumnEntrie
     kinds = list(map(kind_of.__getitem__, lid))
     aggregations = list(map(agg_of.__getitem__, lid))
     lowered = {agg: str(agg).lower() for agg in set(agg_of)}
-    dim_values: list[int] = doc["shapes"]
-    shapes = list(map(tuple, map(dim_values.__getitem__, map(slice, dim_list, dim_list[1:]))))
+    shapes = _shape_tuples(doc["shapes"], dims, ndims, dim_first)
     table = _assemble(
         list(paths),
         kinds,
@@ -632,6 +668,7 @@ def _columns_table(doc: Any, file: str) -> tuple[IndexTable | None, ColumnEntrie
         offsets,
         located,
         crcs,
+        row_of,
     )
     return table, entries  # (None: a size past 2**62 bytes, which the general path names)
 
