@@ -300,6 +300,10 @@ HOSTILE: dict[str, tuple[Any, str]] = {
         lambda d: d["row_attrs"]["name"].__setitem__(0, None),
         "row_attrs.name",
     ),
+    "row-attr-beside-a-layout-value": (
+        lambda d: d["layouts"][0]["attrs"].update(name="fixed"),
+        "row_attrs.name",
+    ),
     "row-attr-without-place": (
         lambda d: d["row_attrs"]["slot_of"].__setitem__(0, "x"),
         "row_attrs.slot_of",

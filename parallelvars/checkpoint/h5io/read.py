@@ -430,7 +430,7 @@ def _same(a: Any, b: Any) -> bool:
     ``1.0``, and mappings keep their order)."""
     if a is _ABSENT or b is _ABSENT:
         return a is b
-    return bool(a == b) and json.dumps(a) == json.dumps(b)
+    return json.dumps(a) == json.dumps(b)
 
 
 class ColumnEntries(Mapping[str, dict[str, Any]]):
@@ -548,6 +548,7 @@ def _columns_table(doc: Any, file: str) -> tuple[IndexTable | None, ColumnEntrie
     row_attrs: dict[str, Any] = doc["row_attrs"]
     # The layouts: few, each checked on its own.
     kind_of, dname_of, ndim_of, count_of, agg_of = [], [], [], [], []
+    places: dict[str, list[int]] = {}  # the layouts that take each row attribute from the row
     canonical = True
     for k, layout in enumerate(doc["layouts"]):
         field = f"layouts[{k}]"
@@ -568,6 +569,8 @@ def _columns_table(doc: Any, file: str) -> tuple[IndexTable | None, ColumnEntrie
                 raise _malformed(file, f"{field}.{key}", f"0 to {high - 1}", got)
         attrs = layout["attrs"]
         for key, value in attrs.items():
+            if value is None:
+                places.setdefault(key, []).append(k)
             if value is None and (key not in row_attrs or key in _LAYOUT_ONLY_ATTRS):
                 raise _malformed(
                     file, f"{field}.attrs.{key}", "a value (or a row attribute's place)", None
@@ -617,12 +620,13 @@ def _columns_table(doc: Any, file: str) -> tuple[IndexTable | None, ColumnEntrie
         if not isinstance(values, list) or len(values) != rows:
             size = len(values) if isinstance(values, list) else type(values).__name__
             raise _malformed(file, field, f"a list of {rows} values", size)
-        has = np.array([key in d["attrs"] for d in doc["layouts"]], bool)
+        has = np.zeros(len(kind_of), bool)
+        has[places.get(key, [])] = True
         given = np.fromiter(map(operator.is_not, values, itertools.repeat(None)), bool, rows)
         wrong = np.flatnonzero(given != has[ids]) if rows else ids
         if wrong.size:
             r = int(wrong[0])
-            expected = "a value (its layout has the attribute)" if has[ids[r]] else "null"
+            expected = "a value (its layout takes it from the row)" if has[ids[r]] else "null"
             raise _malformed(file, field, expected, _short(values[r]), paths[r])
     dim_first = np.zeros(rows + 1, np.int64)
     np.cumsum(ndims, out=dim_first[1:])
