@@ -16,6 +16,7 @@ import fuzz_readers
 import h5py
 import numpy as np
 import pytest
+from _columns_support import strip_columns, write_columns
 
 import parallelvars as pv
 from parallelvars.checkpoint.h5io import H5Reader
@@ -229,20 +230,29 @@ INDEX_DAMAGE = {
 }
 
 
+@pytest.mark.parametrize("document", ["index", "columns"])
 @pytest.mark.parametrize("damage", sorted(INDEX_DAMAGE))
-def test_invalid_index_fields_are_refused_by_every_reader(tmp_path, damage, capsys):
+def test_invalid_index_fields_are_refused_by_every_reader(tmp_path, damage, document, capsys):
+    """The damage in the index of a file without columns, or in both documents (the columns
+    made from the damaged index, as a hostile writer would): the reader reads either."""
     from parallelvars.cli import main
 
     ckpt, _w, _e = sample_model()
     path = ckpt.write(tmp_path / "c.h5")
     rewrite_index(path, INDEX_DAMAGE[damage])
+    if document == "index":
+        strip_columns(path)
+    else:
+        write_columns(path)
 
     with pytest.raises(CorruptCheckpointError) as info, H5Reader(path) as reader:
         reader.verify_all()
         for var in reader.values():
             var.value()
     message = str(info.value)
-    assert str(path) in message and ("model/e" in message or "model/w" in message), message
+    # (a count the columns hold once per layout is named by its field, not its variable)
+    named = ("model/e", "model/w") if document == "index" else ("model/", "_parallelvars/columns")
+    assert str(path) in message and any(n in message for n in named), message
 
     ckpt2, w2, e2 = sample_model()
     w2.assign(np.full((3, 4), -1, np.float32))

@@ -18,11 +18,13 @@ import crc32c
 import h5py
 import numpy as np
 import pytest
+from _columns_support import strip_columns, write_columns
 
 import parallelvars as pv
 from parallelvars.checkpoint import _h5policy
 from parallelvars.checkpoint.h5io import INDEX_DATASET, H5Reader
 from parallelvars.checkpoint.h5io.attributes import _write_json
+from parallelvars.checkpoint.h5io.layout import COLUMNS_DATASET
 from parallelvars.errors import CorruptCheckpointError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,7 +127,10 @@ def replace_primary(
             )  # consistent, as an attacker would make it
         else:
             f.attrs["parallelvars_documents"] = np.array([b"_parallelvars/object_graph"])
+            del f[COLUMNS_DATASET]
             grp.attrs["shape"] = np.asarray(shape, np.int64)
+    if index:
+        write_columns(str(path))  # the columns say what the index says
 
 
 @pytest.fixture()
@@ -362,6 +367,7 @@ def test_a_link_into_the_own_parts_folder_is_followed(tmp_path):
         doc[var]["crc32c"] = [crc]
         del f[INDEX_DATASET]
         _write_json(f, INDEX_DATASET, doc)
+    write_columns(str(path))
     with H5Reader(path) as r:
         assert r.verify_all() == []
         np.testing.assert_array_equal(r[var].value(), np.arange(4, dtype=np.float32) * 2)
@@ -376,14 +382,30 @@ def test_a_part_may_not_link_further(tmp_path, secret):
         r[var].value()
 
 
-def test_the_index_document_may_not_be_indirect(tmp_path, secret):
+@pytest.mark.parametrize("document", ["index", "columns"])
+def test_the_index_document_may_not_be_indirect(tmp_path, secret, document):
+    """The document a reader opens the file with (the columns; the index of a file without
+    them) refused at open; the index beside the columns refused by verify."""
+    path, _ = native(tmp_path)
+    if document == "index":
+        strip_columns(str(path))
+    name = INDEX_DATASET if document == "index" else COLUMNS_DATASET
+    with h5py.File(path, "r+") as f:
+        del f[name]
+        f.create_dataset(name, shape=(16,), dtype="S1", external=[(str(secret), 0, 16)])
+    out = run("reader", path)
+    assert_refused(out)
+    assert "external storage" in out
+
+
+def test_an_indirect_index_beside_the_columns_fails_verify(tmp_path, secret):
     path, _ = native(tmp_path)
     with h5py.File(path, "r+") as f:
         del f[INDEX_DATASET]
         f.create_dataset(INDEX_DATASET, shape=(16,), dtype="S1", external=[(str(secret), 0, 16)])
-    out = run("reader", path)
-    assert_refused(out)
-    assert "external storage" in out
+    out = run("cli", "verify", path)
+    assert "EXIT 1" in out and "external storage" in out, out
+    assert SECRET.decode() not in out and "Traceback" not in out
 
 
 # ----------------------------------------------------------------------------- Keras readers

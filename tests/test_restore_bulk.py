@@ -11,6 +11,7 @@ import pathlib
 import h5py
 import numpy as np
 import pytest
+from _columns_support import write_columns
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -255,6 +256,7 @@ def _rewrite_index(path: pathlib.Path, edit) -> None:
         edit(index)
         del f["_parallelvars/index"]
         f.create_dataset("_parallelvars/index", data=json.dumps(index), dtype=h5py.string_dtype())
+    write_columns(str(path))  # the same edit in the columns, which a reader takes first
 
 
 @pytest.fixture

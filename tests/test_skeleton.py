@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import time
 
+import crc32c
 import h5py
 import ml_dtypes
 import numpy as np
@@ -119,6 +121,13 @@ def test_repeated_save_is_the_file_hdf5_writes(tmp_path, fixed_clock) -> None:
         with h5py.File(path, "r") as f:
             assert int(f.attrs["save_counter"]) == k and int(f.attrs["step"]) == k * 10
             assert float(f.attrs["created"]) == CREATED
+            # the columns document with this save's checksums, its own checksum patched
+            index = json.loads(bytes(f["_parallelvars/index"][()]))
+            raw = bytes(f["_parallelvars/columns"][()])
+            assert int(f["_parallelvars/columns"].attrs["crc32c"]) == crc32c.crc32c(raw)
+            assert json.loads(raw)["crc32c"] == [c for e in index.values() for c in e["crc32c"]]
+        with H5Reader(path) as r:
+            assert r._columns  # opened from the columns
         with H5Reader(path) as r:
             assert r.verify_all() == []
     fresh = make_model()

@@ -185,6 +185,12 @@ class Skeleton:
     # (piece number, start in the piece) of every inline component, in write order.
     inline_at: list[tuple[int, int]] = field(default_factory=list)
     template: str = ""
+    # The columns document (docs/FORMAT.md): its data offset and capacity (0: none), and its
+    # bytes before and after the checksums.
+    columns_offset: int = -1
+    columns_capacity: int = 0
+    _columns_head: bytes = field(default=b"", repr=False)
+    _columns_tail: bytes = field(default=b"", repr=False)
     _between: list[str] = field(default_factory=list, repr=False)
     _between_bytes: list[bytes] | None = field(default=None, repr=False)
     # The last component list that fitted (a checkpoint hands the same list while its
@@ -211,27 +217,52 @@ class Skeleton:
         # Each "%d" (2 characters) becomes a checksum of at most 10 digits.
         return len(template) + 8 * len(self.offsets) <= self.index_capacity
 
-    def _document(self, crcs: Sequence[int]) -> bytes:
-        """``template % crcs``, encoded: one join of the text between the checksums (as bytes,
-        made once) and the checksums' digits (one conversion of all of them)."""
+    def set_columns(self, head: str, tail: str) -> bool:
+        """Keep the columns document's text before and after its checksums; False when a
+        document of this structure might not fit its capacity."""
+        self._columns_head, self._columns_tail = head.encode("utf-8"), tail.encode("utf-8")
+        n = len(self.offsets)
+        # Each checksum takes at most 10 digits, and 2 more for the ", " before it.
+        room = len(self._columns_head) + len(self._columns_tail) + 12 * n
+        return self.columns_capacity > 0 and room <= self.columns_capacity
+
+    def _document(self, digits: bytes) -> bytes:
+        """``template % crcs``, encoded, from ``digits`` (the checksums' digits joined by
+        spaces): one join of the text between the checksums (as bytes, made once) and the
+        checksums' digits."""
         between = self._between_bytes
         if between is None:
             between = self._between_bytes = [t.encode("utf-8") for t in self._between]
-        if not crcs:
+        if len(between) == 1:
             return between[0]
-        parts: list[bytes] = [b""] * (2 * len(crcs) + 1)
+        parts: list[bytes] = [b""] * (2 * len(between) - 1)
         parts[0::2] = between
-        parts[1::2] = " ".join(map(str, crcs)).encode("ascii").split(b" ")
+        parts[1::2] = digits.split(b" ")
         return b"".join(parts)
 
-    def _put_document(self, crcs: Sequence[int]) -> int:
-        """Put the index document with ``crcs`` into the image, padded with spaces to its
-        capacity; returns the padded document's checksum."""
-        doc = self._document(crcs)
-        span = self._span(self.index_offset, self.index_offset + self.index_capacity)
+    def _put_document(self, doc: bytes, offset: int, capacity: int) -> int:
+        """Put a document into the image at ``offset``, padded with spaces to ``capacity``;
+        returns the padded document's checksum."""
+        span = self._span(offset, offset + capacity)
         span[: len(doc)] = np.frombuffer(doc, np.uint8)
         span[len(doc) :] = 0x20
         return int(_CRC(span))
+
+    def _put_documents(
+        self, crcs: Sequence[int], values: dict[str, Any], index_crc: str, columns_crc: str
+    ) -> None:
+        """Put the index and the columns with ``crcs`` into the image, their checksums into
+        ``values`` (one conversion of the checksums to digits serves both)."""
+        digits = " ".join(map(str, crcs)).encode("ascii")
+        doc = self._document(digits)
+        values[index_crc] = np.int64(
+            self._put_document(doc, self.index_offset, self.index_capacity)
+        )
+        if self.columns_capacity:
+            doc = self._columns_head + digits.replace(b" ", b", ") + self._columns_tail
+            values[columns_crc] = np.int64(
+                self._put_document(doc, self.columns_offset, self.columns_capacity)
+            )
 
     def fits(self, components: Sequence[np.ndarray]) -> bool:
         """Whether ``components`` (in write order) have the sizes this structure's have."""
@@ -255,11 +286,12 @@ class Skeleton:
         write: Callable[[np.ndarray, int], int],
         check: Callable[[np.ndarray, int, int], None],
         index_crc: str,
+        columns_crc: str = "",
     ) -> None:
         """Write a file of this structure to ``fd`` (of ``file_size`` bytes): its components
-        (C-contiguous, in write order, the sizes :meth:`fits` checks), the index with their
-        checksums and the header ``values`` (``values[index_crc]`` is set to the index's
-        checksum).
+        (C-contiguous, in write order, the sizes :meth:`fits` checks), the index and the
+        columns with their checksums and the header ``values`` (``values[index_crc]`` and
+        ``values[columns_crc]`` are set to the documents' checksums).
 
         Components under ``INLINE_BYTES`` go out with the skeleton's image in a few gathered
         writes (``pwritev``: the image's bytes between them and their buffers, in file order),
@@ -280,7 +312,7 @@ class Skeleton:
             else:
                 for i, crc in zip(plan.small, before, strict=True):
                     crcs[i] = crc
-            values[index_crc] = np.int64(self._put_document(crcs))
+            self._put_documents(crcs, values, index_crc, columns_crc)
             self._patch(values)
             plan.write(fd, small)
             after = list(map(_CRC, small))
@@ -423,10 +455,13 @@ def capture(
     index_offset: int,
     index_capacity: int,
     sentinels: dict[str, np.generic],
+    *,
+    columns: tuple[int, int] | None = None,
 ) -> Skeleton | None:
     """The skeleton of the file HDF5 just wrote at ``path`` (closed, not yet renamed), or None.
 
-    ``offsets``/``nbytes``: every component's data range, in write order. ``sentinels``: the
+    ``offsets``/``nbytes``: every component's data range, in write order; ``columns``: the
+    columns document's data offset and capacity, when the file has one. ``sentinels``: the
     header values written with random bytes, by name; each must be found exactly once, inside
     a header chunk whose checksum :func:`header_chunk` reproduces.
     """
@@ -475,6 +510,8 @@ def capture(
         index_capacity=index_capacity,
         patches=patches,
     )
+    if columns is not None:
+        skeleton.columns_offset, skeleton.columns_capacity = columns
     starts = [p[0] for p in pieces]
     for j in range(offs.size):
         if inline[j]:
@@ -483,6 +520,10 @@ def capture(
                 return None
             skeleton.inline_at.append((k, int(offs[j]) - starts[k]))
     spans = [(index_offset, index_offset + index_capacity)]
+    if columns is not None:
+        if columns[0] < 0:
+            return None
+        spans.append((columns[0], columns[0] + columns[1]))
     spans += [(p.chunk_start, p.chunk_end + 4) for p in patches.values()]
     if any(skeleton._find(start, end) is None for start, end in spans):
         return None

@@ -21,6 +21,12 @@ GRAPH_DATASET = f"{META_GROUP}/object_graph"
 # Per-variable attributes and checksums in one JSON document, so opening a file costs one read
 # instead of one HDF5 attribute call per attribute.
 INDEX_DATASET = f"{META_GROUP}/index"
+# The index again, column by column (see docs/FORMAT.md): what a reader that knows it reads at
+# open instead of the index. ``COLUMNS_ROW_ATTRS``: the attributes our writer keeps per row
+# (they differ between most variables); every other attribute is part of a row's layout.
+COLUMNS_DATASET = f"{META_GROUP}/columns"
+COLUMNS_VERSION = 1
+COLUMNS_ROW_ATTRS = ("name", "slot_of")
 DOCUMENTS_ATTR = "parallelvars_documents"
 # The documented variable kinds and on-read aggregations: the entry model's.
 KINDS = _entry.KINDS

@@ -32,6 +32,9 @@ from parallelvars.checkpoint.h5io.attributes import (
 from parallelvars.checkpoint.h5io.layout import (
     _H5_ERRORS,
     _INDEX_ONLY_ATTRS,
+    COLUMNS_DATASET,
+    COLUMNS_ROW_ATTRS,
+    COLUMNS_VERSION,
     DOCUMENTS_ATTR,
     FORMAT_VERSION,
     GRAPH_DATASET,
@@ -279,7 +282,7 @@ def write_h5(
         index: dict[str, Any] = {}
         # With a skeleton to capture, the header values that change between saves are written
         # as random sentinels first (to find them in the file), then patched to their values.
-        values = _header_values(metadata) if key is not None else {}
+        values = _header_values(metadata, columns=True) if key is not None else {}
         sentinels = {name: _skeleton.sentinel(np.asarray(v).dtype) for name, v in values.items()}
         with _new_file(tmp, metadata, sentinels) as f:
             dcpl = _early_dcpl()
@@ -293,11 +296,19 @@ def write_h5(
             finally:
                 writer.close(raise_errors=ok)
             template = _index_template(index) if key is not None else None
-            where = _finish_metadata(
-                f, index, object_graph, crc_sentinel=sentinels.get(_INDEX_CRC), template=template
+            where, columns = _finish_metadata(
+                f,
+                index,
+                object_graph,
+                crc_sentinel=sentinels.get(_INDEX_CRC),
+                template=template,
+                columns=True,
+                columns_sentinel=sentinels.get(_COLUMNS_CRC),
             )
         if key is not None:
-            captured.append(_capture(tmp, key, items, index, where, template, values, sentinels))
+            captured.append(
+                _capture(tmp, key, items, index, where, columns, template, values, sentinels)
+            )
 
     atomic_write(p, write)
     if skeletons is not None and key is not None:
@@ -306,20 +317,24 @@ def write_h5(
 
 
 # The header value names a skeleton patches: the root attributes that change between saves,
-# and the index document's checksum.
+# and the index and columns documents' checksums.
 _INDEX_CRC = "/_parallelvars/index:crc32c"
+_COLUMNS_CRC = "/_parallelvars/columns:crc32c"
 
 
-def _header_values(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+def _header_values(metadata: Mapping[str, Any] | None, *, columns: bool = False) -> dict[str, Any]:
     """The root attribute values of a save that live in its object header and change between
     saves: ``created`` and every integer or float of the metadata (``save_counter``,
-    ``step``), by name (the index checksum is added once known)."""
+    ``step``), by name (the index checksum, and with ``columns`` the columns', are added once
+    known)."""
     values: dict[str, Any] = {"created": np.float64(time.time())}
     for key, value in dict(metadata or {}).items():
         stored = None if value is None else _root_attr_value(value)
         if isinstance(stored, (np.int64, np.float64)):
             values[key] = stored
     values[_INDEX_CRC] = np.int64(0)
+    if columns:
+        values[_COLUMNS_CRC] = np.int64(0)
     return values
 
 
@@ -432,12 +447,66 @@ def _index_template(index: Mapping[str, Any]) -> str:
     return "{" + ", ".join(parts) + "}"
 
 
+def _columns_parts(index: Mapping[str, Any]) -> tuple[str, str]:
+    """The columns document of ``index`` (docs/FORMAT.md) without its checksums: the text
+    before them and after them (``head + ", ".join(map(str, crcs)) + tail`` is the document).
+
+    Distinct layouts (kind, dtype, number of dimensions and of components, the attributes but
+    the per-row ones, each a ``null`` where it stands) are listed once and referenced by
+    number; the paths, the per-row attributes, dimensions, data offsets and checksums are flat
+    lists, the last three of every row's values in turn (a row's count is its layout's).
+    """
+    ids: dict[tuple[Any, ...], int] = {}
+    layouts: list[dict[str, Any]] = []
+    rows: list[int] = []
+    row_attrs: dict[str, list[Any]] = {k: [] for k in COLUMNS_ROW_ATTRS}
+    columns = list(row_attrs.items())
+    dims: list[int] = []
+    offsets: list[int | None] = []
+    for meta in index.values():
+        attrs = meta["attrs"]
+        fixed = dict(attrs)
+        for key, column in columns:
+            column.append(fixed.get(key))
+            if key in fixed:
+                fixed[key] = None
+        shape = meta["shape"]
+        layout = (meta["kind"], meta["dtype"], len(shape), meta["num_components"], repr(fixed))
+        number = ids.get(layout)
+        if number is None:
+            number = ids[layout] = len(layouts)
+            kind, dtype, ndim, count, _ = layout
+            layouts.append(
+                {
+                    "kind": kind,
+                    "dtype": dtype,
+                    "ndim": ndim,
+                    "num_components": count,
+                    "attrs": fixed,
+                }
+            )
+        rows.append(number)
+        dims.extend(shape)
+        offsets.extend(meta["offsets"])
+    doc = {
+        "version": COLUMNS_VERSION,
+        "layouts": layouts,
+        "paths": list(index),
+        "layout": rows,
+        "row_attrs": row_attrs,
+        "shapes": dims,
+        "offsets": offsets,
+    }
+    return json.dumps(doc)[:-1] + ', "crc32c": [', "]}"
+
+
 def _capture(
     tmp: str,
     key: Any,
     items: Sequence[Any],
     index: Mapping[str, Any],
     where: tuple[int, int, int],
+    columns: ColumnsPlace | None,
     template: str | None,
     values: dict[str, Any],
     sentinels: dict[str, Any],
@@ -446,6 +515,8 @@ def _capture(
     it (patched in place, or through HDF5 when the file cannot be a skeleton)."""
     offset, capacity, crc = where
     values[_INDEX_CRC] = np.int64(crc)
+    if columns is not None:
+        values[_COLUMNS_CRC] = np.int64(columns.crc)
     offsets, nbytes = [], []
     for e in items:
         meta = index[e.path]
@@ -459,8 +530,21 @@ def _capture(
         and not objects
         and template % tuple(c for m in index.values() for c in m["crc32c"]) == json.dumps(index)
     ):
-        skel = _skeleton.capture(tmp, key, offsets, nbytes, offset, capacity, sentinels)
-        skel = skel if skel is not None and skel.set_template(template) else None
+        skel = _skeleton.capture(
+            tmp,
+            key,
+            offsets,
+            nbytes,
+            offset,
+            capacity,
+            sentinels,
+            columns=None if columns is None else (columns.offset, columns.capacity),
+        )
+        if skel is not None and not (
+            skel.set_template(template)
+            and (columns is None or skel.set_columns(columns.head, columns.tail))
+        ):
+            skel = None
     if skel is not None:
         fd = os.open(tmp, os.O_WRONLY)
         try:
@@ -472,6 +556,8 @@ def _capture(
         for name, value in values.items():
             if name == _INDEX_CRC:
                 f[INDEX_DATASET].attrs.modify("crc32c", value)
+            elif name == _COLUMNS_CRC:
+                f[COLUMNS_DATASET].attrs.modify("crc32c", value)
             else:
                 f.attrs.modify(name, value)
     return None
@@ -488,7 +574,7 @@ def _write_from_skeleton(
     """Write a save of the skeleton's structure to ``tmp``: the skeleton's bytes, the component
     data (``comps``: every entry's components, C-contiguous) at its datasets' offsets, the
     index, and the header values patched."""
-    values = _header_values(metadata)
+    values = _header_values(metadata, columns=skel.columns_capacity > 0)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     os.close(fd)
     writer, ok = _DataWriter(tmp, file), False
@@ -502,7 +588,15 @@ def _write_from_skeleton(
 
     try:
         os.ftruncate(writer.fd, skel.file_size)
-        skel.write(writer.fd, comps, values, write=writer.write, check=check, index_crc=_INDEX_CRC)
+        skel.write(
+            writer.fd,
+            comps,
+            values,
+            write=writer.write,
+            check=check,
+            index_crc=_INDEX_CRC,
+            columns_crc=_COLUMNS_CRC,
+        )
         ok = True
     finally:
         writer.close(raise_errors=ok)
@@ -717,10 +811,21 @@ def _write_index_file(
                 )
             index[var.path] = meta
         template = _index_template(index) if values else None
-        where = _finish_metadata(
+        where, _ = _finish_metadata(
             f, index, object_graph, crc_sentinel=values.get(_INDEX_CRC), template=template
         )
     return index, where, template
+
+
+class ColumnsPlace(NamedTuple):
+    """Where a file's columns document lies (data offset, capacity), its checksum, and its
+    text before and after the checksums (see :func:`_columns_parts`)."""
+
+    offset: int
+    capacity: int
+    crc: int
+    head: str
+    tail: str
 
 
 def _finish_metadata(
@@ -730,25 +835,42 @@ def _finish_metadata(
     *,
     crc_sentinel: Any = None,
     template: str | None = None,
-) -> tuple[int, int, int]:
-    """Record the index (with every component's checksum) and the object graph.
+    columns: bool = False,
+    columns_sentinel: Any = None,
+) -> tuple[tuple[int, int, int], ColumnsPlace | None]:
+    """Record the index (with every component's checksum), with ``columns`` the columns
+    document (the same, column by column), and the object graph.
 
-    The index is padded with spaces to a capacity that any later index of the same structure
+    Each document is padded with spaces to a capacity that any later one of the same structure
     fits in (only checksums change, and each has at most 10 digits). Returns the index's data
-    offset, its capacity and its checksum (the attribute holds ``crc_sentinel`` when given).
+    offset, its capacity and its checksum (the attribute holds ``crc_sentinel`` when given),
+    and where the columns are (their attribute holds ``columns_sentinel`` when given).
     """
     text = json.dumps(index)
     # The capacity depends on the structure alone (not on the checksums' digits), so every save
     # of a structure has the same bytes outside the data, whoever writes it.
     crcs = [c for m in index.values() for c in m["crc32c"]]
+    digits = ", ".join(map(str, crcs))
     capacity = _skeleton.index_capacity(len(text) - len("".join(map(str, crcs))), len(crcs))
     ds, crc = _write_json(f, INDEX_DATASET, text=text, capacity=capacity, crc_value=crc_sentinel)
     offset = ds.id.get_offset()
     documents = [INDEX_DATASET]
+    place = None
+    if columns:
+        head, tail = _columns_parts(index)
+        room = _skeleton.index_capacity(
+            len(head) + len(tail) + 2 * max(len(crcs) - 1, 0), len(crcs)
+        )
+        cds, ccrc = _write_json(
+            f, COLUMNS_DATASET, text=head + digits + tail, capacity=room, crc_value=columns_sentinel
+        )
+        coffset = cds.id.get_offset()
+        place = ColumnsPlace(-1 if coffset is None else int(coffset), room, ccrc, head, tail)
+        documents.append(COLUMNS_DATASET)
     if object_graph is not None:
         _write_json(f, GRAPH_DATASET, object_graph)
         documents.append(GRAPH_DATASET)
     # Which documents exist, in the checksummed root header: h5py's get() answers None for a
     # link it cannot follow, so a damaged link would otherwise look like "no graph".
     f.attrs[DOCUMENTS_ATTR] = np.array([d.encode() for d in documents])
-    return (-1 if offset is None else int(offset)), capacity, crc
+    return ((-1 if offset is None else int(offset)), capacity, crc), place
