@@ -189,3 +189,19 @@ def test_an_empty_string_attribute_passes(tmp_path):
     with h5py.File(path, "r+") as f:
         f["v"].attrs["note"] = ""
     assert problems(path) == []
+
+
+def test_a_damaged_virtual_mapping_is_refused_before_hdf5_opens_it(tmp_path, sample):
+    """A sharded variable's ``value`` is a virtual dataset whose mapping (sources and
+    selections) is a global heap object: HDF5 decodes it before checking its checksum, and a
+    damaged selection there crashed it; verify checks the collection and that checksum first."""
+    _path, raw = sample
+
+    def change(data: bytearray) -> None:
+        at = bytes(data).find(b"/model/e/primary\x00")
+        assert at > collection(bytes(data))[0]
+        data[at + 22] ^= 0x10  # inside the first source's selection
+
+    found = problems(damaged(tmp_path, raw, change))
+    assert len(found) == 1 and "model/e/value" in found[0], found
+    assert "mapping fails its checksum" in found[0], found

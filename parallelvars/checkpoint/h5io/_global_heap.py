@@ -23,6 +23,7 @@ from typing import Any
 
 import h5py
 
+from parallelvars.checkpoint._skeleton import lookup3
 from parallelvars.errors import CorruptCheckpointError
 
 __all__ = ["GlobalHeapCheck"]
@@ -32,6 +33,8 @@ _OBJECT_HEADER = 16  # index (2), reference count (2), reserved (4), size (8)
 _ATTRIBUTE = 0x000C
 _CONTINUATION = 0x0010
 _ATTRIBUTE_INFO = 0x0015
+_LAYOUT = 0x0008
+_VIRTUAL = 3  # the layout class of a virtual dataset, whose mapping is a global heap object
 _V2_MESSAGE = struct.Struct("<BH")  # type, size (then flags and the creation order)
 _V1_MESSAGE = struct.Struct("<HH")  # type, size (then flags and 3 reserved bytes)
 _ATTRIBUTE_HEAD = struct.Struct("<BBHHH")  # version, flags, name, type and space sizes
@@ -130,6 +133,45 @@ class GlobalHeapCheck:
                 found=exc.found,
             ) from None
         return values
+
+    def check_virtual_layout(self, address: int, variable: str) -> None:
+        """Validate the global heap object holding the mapping of the virtual dataset whose
+        object header is at ``address`` (nothing for other layouts), before HDF5 opens it."""
+        try:
+            self._attribute_messages(address)
+            body = self._layout
+            if body is None or len(body) < 2 or body[1] != _VIRTUAL:
+                return
+            if len(body) < 2 + self._addr + 4:
+                raise _Refused("a short virtual layout message")
+            collection = int.from_bytes(body[2 : 2 + self._addr], "little")
+            index = int.from_bytes(body[2 + self._addr : 6 + self._addr], "little")
+            objects = self._collection(collection)
+            if not index or index not in objects:
+                raise _Refused(
+                    "the virtual dataset's mapping is a missing heap object",
+                    f"object {index} in the collection at {collection}",
+                    f"objects {sorted(objects)[:8]}",
+                )
+            # The mapping ends with the lookup3 checksum of what precedes it, which HDF5
+            # checks only after decoding it (a damaged selection there can crash it).
+            mapping = objects[index]
+            stored = int.from_bytes(mapping[-4:], "little") if len(mapping) >= 4 else None
+            found = lookup3(mapping[:-4]) if stored is not None else None
+            if stored is None or found != stored:
+                raise _Refused(
+                    "the virtual dataset's mapping fails its checksum",
+                    "lookup3 " + (f"{stored:#010x}" if stored is not None else "(none)"),
+                    "lookup3 " + (f"{found:#010x}" if found is not None else "(none)"),
+                )
+        except _Refused as exc:
+            raise CorruptCheckpointError(
+                f"the virtual dataset's global heap: {exc.what}",
+                file=self._file,
+                variable=variable,
+                expected=exc.expected,
+                found=exc.found,
+            ) from None
 
     def _check_references(self, name: str, data: bytes, element: int, count: int) -> list[bytes]:
         ref = 4 + self._addr + 4
@@ -242,6 +284,12 @@ class GlobalHeapCheck:
             f"the object header at {address}",
         )
         head = block[:32]
+        if len(head) < 16:
+            raise _Refused(
+                f"the object header at {address} lies outside the file",
+                f"at least 16 bytes before the end of a file of {self._size} bytes",
+                f"{len(head)} bytes",
+            )
         chunks: list[tuple[int, int]] = []  # (offset, length) of the message area of each chunk
         if head[:4] == b"OHDR":
             if len(head) < 7 or head[4] != 2:
@@ -261,6 +309,7 @@ class GlobalHeapCheck:
             creation_order = False
         messages: dict[bytes, bytes] = {}
         dense = False
+        self._layout: bytes | None = None
         seen: set[int] = set()
         k = 0
         while k < len(chunks):
@@ -304,6 +353,8 @@ class GlobalHeapCheck:
                 elif mtype == _ATTRIBUTE:
                     name, values = self._attribute(body, address)
                     messages[name] = values
+                elif mtype == _LAYOUT:
+                    self._layout = body
                 elif mtype == _ATTRIBUTE_INFO:
                     at = 2 + (2 if body[1:2] and body[1] & 1 else 0)
                     heap = self._uint(body, at, self._addr)

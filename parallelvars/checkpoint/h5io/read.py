@@ -1151,7 +1151,7 @@ class H5Reader(Mapping[str, StoredVariable]):
                     sound = False
             if sound and var.kind == "sharded":
                 try:
-                    var.verify_stitched_value()
+                    var.verify_stitched_value(heap)
                 except CorruptCheckpointError as exc:
                     problems.append(str(exc))
         return problems

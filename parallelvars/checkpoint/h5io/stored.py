@@ -547,14 +547,21 @@ class StoredVariable(Entry):
             else data.astype(self.dtype.newbyteorder("="))
         )
 
-    def verify_stitched_value(self) -> None:
-        """A sharded variable's ``value`` dataset, when there, reads as its shards put together."""
+    def verify_stitched_value(self, heap: GlobalHeapCheck | None = None) -> None:
+        """A sharded variable's ``value`` dataset, when there, reads as its shards put together.
+
+        With ``heap``, a virtual ``value``'s mapping (a global heap object) is validated by our
+        own parser before HDF5 opens the dataset.
+        """
         try:
             group = _h5policy.get(self._reader._h5(), self.path, self._reader.path)  # links checked
             if not isinstance(group, h5py.Group) or "value" not in group:
                 return
             # Our own stitched view may be virtual, with every source in this file; nothing else.
             _h5policy.check_path(group.id, "value", self._reader.path)
+            if heap is not None:
+                address = int(h5py.h5o.get_info(group.id, b"value").addr)
+                heap.check_virtual_layout(address, f"{self.path}/value")
             dataset = group["value"]
             _h5policy.check_dataset(
                 dataset.id, self._reader.path, f"{self.path}/value", own_virtual=True
