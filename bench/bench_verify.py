@@ -3,9 +3,9 @@
 Model: ``--variables`` small variables (5,000 by default), a third mirrored on 2 devices, a
 third sharded on 2 devices, a third single, so every group carries variable-length string
 attributes (kind, dtype, aggregation, devices). Timed: ``H5Reader.verify_all`` as it is (the
-global heap objects of those attributes validated by our parser, then the values read through
-HDF5 and compared with the index) against the baseline of the same call with the heap check
-left out (the values' presence only, as verify did before), in interleaved rounds.
+global heap objects of those attributes validated by our parser, their values compared with
+the index) against the baseline of the same call with the heap check left out (the values'
+presence only, as verify did before), in interleaved rounds.
 
     python bench/bench_verify.py [--variables 5000] [--repeat 5]
 

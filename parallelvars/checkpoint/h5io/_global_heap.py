@@ -50,6 +50,15 @@ class _Refused(Exception):
         super().__init__(what)
         self.what, self.expected, self.found = what, expected, found
 
+    def error(self, prefix: str, file: str, variable: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{prefix}: {self.what}",
+            file=file,
+            variable=variable,
+            expected=self.expected,
+            found=self.found,
+        )
+
 
 def _align8(n: int) -> int:
     return (n + 7) & ~7
@@ -114,7 +123,7 @@ class GlobalHeapCheck:
         if not attributes:
             return values
         try:
-            messages, dense = self._attribute_messages(int(h5py.h5o.get_info(oid).addr))
+            messages, dense, _ = self._header_messages(int(h5py.h5o.get_info(oid).addr))
             for name, tid, count in attributes:
                 raw = messages.get(name.encode("utf-8"))
                 if raw is None:
@@ -125,21 +134,14 @@ class GlobalHeapCheck:
                     )
                 values[name] = self._check_references(name, raw, _element_size(name, tid), count)
         except _Refused as exc:
-            raise CorruptCheckpointError(
-                f"variable-length attribute values: {exc.what}",
-                file=self._file,
-                variable=variable,
-                expected=exc.expected,
-                found=exc.found,
-            ) from None
+            raise exc.error("variable-length attribute values", self._file, variable) from None
         return values
 
     def check_virtual_layout(self, address: int, variable: str) -> None:
         """Validate the global heap object holding the mapping of the virtual dataset whose
         object header is at ``address`` (nothing for other layouts), before HDF5 opens it."""
         try:
-            self._attribute_messages(address)
-            body = self._layout
+            body = self._header_messages(address)[2]
             if body is None or len(body) < 2 or body[1] != _VIRTUAL:
                 return
             if len(body) < 2 + self._addr + 4:
@@ -165,13 +167,7 @@ class GlobalHeapCheck:
                     "lookup3 " + (f"{found:#010x}" if found is not None else "(none)"),
                 )
         except _Refused as exc:
-            raise CorruptCheckpointError(
-                f"the virtual dataset's global heap: {exc.what}",
-                file=self._file,
-                variable=variable,
-                expected=exc.expected,
-                found=exc.found,
-            ) from None
+            raise exc.error("the virtual dataset's global heap", self._file, variable) from None
 
     def _check_references(self, name: str, data: bytes, element: int, count: int) -> list[bytes]:
         ref = 4 + self._addr + 4
@@ -274,9 +270,10 @@ class GlobalHeapCheck:
         return objects
 
     # ------------------------------------------------------------------------- object headers
-    def _attribute_messages(self, address: int) -> tuple[dict[bytes, bytes], bool]:
-        """The attribute messages of the object header at ``address`` (name -> the data's
-        bytes) and whether it has dense attribute storage."""
+    def _header_messages(self, address: int) -> tuple[dict[bytes, bytes], bool, bytes | None]:
+        """What verify needs of the object header at ``address``: its attribute messages
+        (name -> the data's bytes), whether it has dense attribute storage, and its layout
+        message (None: none)."""
         # One read for the header's prefix and (mostly) its whole first chunk.
         block = self._read(
             address,
@@ -309,7 +306,7 @@ class GlobalHeapCheck:
             creation_order = False
         messages: dict[bytes, bytes] = {}
         dense = False
-        self._layout: bytes | None = None
+        layout: bytes | None = None
         seen: set[int] = set()
         k = 0
         while k < len(chunks):
@@ -354,13 +351,13 @@ class GlobalHeapCheck:
                     name, values = self._attribute(body, address)
                     messages[name] = values
                 elif mtype == _LAYOUT:
-                    self._layout = body
+                    layout = body
                 elif mtype == _ATTRIBUTE_INFO:
                     at = 2 + (2 if body[1:2] and body[1] & 1 else 0)
                     heap = self._uint(body, at, self._addr)
                     dense = heap != (1 << (8 * self._addr)) - 1
                 p = body_at + (msize if version == 2 else _align8(msize))
-        return messages, dense
+        return messages, dense, layout
 
     def _attribute(self, body: bytes, address: int) -> tuple[bytes, bytes]:
         """An attribute message's name and the bytes of its data."""
