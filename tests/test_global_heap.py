@@ -205,3 +205,55 @@ def test_a_damaged_virtual_mapping_is_refused_before_hdf5_opens_it(tmp_path, sam
     found = problems(damaged(tmp_path, raw, change))
     assert len(found) == 1 and "model/e/value" in found[0], found
     assert "mapping fails its checksum" in found[0], found
+
+
+def sharded_with_slots(tmp_path, name: str = "c.h5") -> str:
+    """A sharded variable with Adam's slots: the slots' groups have 10 attributes."""
+    with pv.MirroredStrategy(2).scope():
+        m = pv.Module()
+        m.e = pv.Variable(np.arange(8, dtype=np.float32).reshape(4, 2), name="e", shard_axis=0)
+        opt = pv.optimizers.Adam(0.1)
+    opt.apply_gradients([(np.ones((4, 2), np.float32), m.e)])
+    return str(pv.Checkpoint(model=m, opt=opt).write(tmp_path / name))
+
+
+def is_dense(path: str, group: str) -> bool:
+    """Whether HDF5 keeps the group's attributes in dense storage (a fractal heap)."""
+    with H5Reader(path) as reader, h5py.File(path, "r") as f:
+        heap = GlobalHeapCheck(reader._fd(), reader.file_size, reader.path, 8, 8)
+        return heap._header_messages(int(h5py.h5o.get_info(f[group].id).addr))[1]
+
+
+SLOTS = ("opt/slots/model/e/m", "opt/slots/model/e/v")
+
+
+def test_groups_of_many_attributes_keep_them_in_their_header_and_are_checked(tmp_path):
+    path = sharded_with_slots(tmp_path)
+    with h5py.File(path, "r") as f:
+        assert len(f[SLOTS[0]].attrs) == 10 and f[SLOTS[0]].attrs["slot_of"] == "model/e"
+    assert not any(is_dense(path, g) for g in SLOTS)
+    assert problems(path) == []
+    with open(path, "rb") as fh:
+        raw = fh.read()
+
+    def change(data: bytearray) -> None:  # a slot's slot_of: a heap object "model/e"
+        raw = bytes(data)
+        at = next(
+            p + 16
+            for p, _i, n in collection(raw)[1]
+            if n == 7 and raw[p + 16 : p + 23] == b"model/e"
+        )
+        data[at + 6] ^= 0x01  # "model/d"
+
+    found = problems(damaged(tmp_path, raw, change))
+    assert found and all("'slot_of' disagrees with the index" in p for p in found), found
+
+
+def test_attributes_in_dense_storage_are_checked_for_presence_only(tmp_path, monkeypatch):
+    # Files written before groups kept more than 8 attributes in their header still pass.
+    from parallelvars.checkpoint.h5io import write as write_module
+
+    monkeypatch.setattr(write_module, "_COMPACT_ATTRS", 100)  # every group made as by default
+    path = sharded_with_slots(tmp_path, "dense.h5")
+    assert all(is_dense(path, g) for g in SLOTS)
+    assert problems(path) == []

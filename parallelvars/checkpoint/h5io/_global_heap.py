@@ -117,7 +117,8 @@ class GlobalHeapCheck:
         CorruptCheckpointError naming the file and ``variable``.
 
         Returns each attribute's elements: the bytes of the heap objects they refer to (empty
-        for a null reference), which are the bytes HDF5 hands out for them.
+        for a null reference), which are the bytes HDF5 hands out for them. An attribute kept
+        in the object's dense attribute storage is left out.
         """
         values: dict[str, list[bytes]] = {}
         if not attributes:
@@ -126,11 +127,16 @@ class GlobalHeapCheck:
             messages, dense, _ = self._header_messages(int(h5py.h5o.get_info(oid).addr))
             for name, tid, count in attributes:
                 raw = messages.get(name.encode("utf-8"))
+                if raw is None and dense:
+                    # In the group's dense storage (more than 8 attributes, in files written
+                    # before such groups kept them in their header): not reached from here,
+                    # left out of the returned values (checked for presence only).
+                    continue
                 if raw is None:
                     raise _Refused(
                         f"attribute {name!r} is not in the object header",
                         "its attribute message",
-                        "dense attribute storage, which verify cannot check" if dense else "none",
+                        "none",
                     )
                 values[name] = self._check_references(name, raw, _element_size(name, tid), count)
         except _Refused as exc:

@@ -473,6 +473,8 @@ class StoredVariable(Entry):
                     self.path,
                 )
                 for key, attr, tid in variable:  # validated: HDF5 may read them now
+                    if key not in held:
+                        continue  # in dense storage, which the parser does not reach
                     attrs[key] = _held_value(held[key], attr.shape, tid)
                     if attrs[key] is _UNHELD:
                         attrs[key] = _attribute_value(group, key, attr, tid)
