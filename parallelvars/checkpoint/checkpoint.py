@@ -689,44 +689,102 @@ class _Session:
         deferred: list[tuple[Any, str, int]],
     ) -> None:
         """Match saved nodes with live objects breadth-first from ``starts``; a saved child
-        with no live object yet goes to ``deferred``."""
-        queue: deque[tuple[int, Any]] = deque(starts)
+        with no live object yet goes to ``deferred``.
+
+        Each node is checked and matched when it is reached (in breadth-first order, so the
+        first mismatch raised is the one a walk node by node meets first); only containers with
+        children wait in the queue. The children of a container are matched together (C loops
+        over their ids, names and types); anything unusual among them (a node reached twice, an
+        id out of range, a mismatch) goes through :meth:`_match_one`, child by child.
+        """
+        queue: deque[tuple[int, Any]] = deque()
+        leafy: dict[type, bool] = {}  # per type: a saved value, not a container
+        for nid, live in starts:
+            self._match_one(nid, live, matched, queue, leafy)
         nodes = self.nodes
         earlier = self.matched
         count = len(nodes)
-        leafy: dict[type, bool] = {}  # per type: a saved value, not a container
         while queue:
-            nid, live = queue.popleft()
-            if nid in matched or nid in earlier:
-                continue
-            if not 0 <= nid < count:
-                raise CheckpointError(
-                    "object graph refers to a missing node", file=self.path, found=nid
+            parent_id, parent = queue.popleft()
+            children = nodes[parent_id]["children"]
+            names = list(map(_FIRST, children))
+            ids = list(map(int, map(_SECOND, children)))
+            have = children_of(parent)
+            # (the structure saved: the live children in the saved order, no lookup by name)
+            same = list(have) == names
+            lives = list(have.values()) if same else list(map(have.get, names))
+            if any(map(is_, lives, itertools.repeat(None))):
+                for name, child_id, live in zip(names, ids, lives, strict=True):
+                    if live is None:
+                        deferred.append((parent, name, child_id))
+                found = [k for k, live in enumerate(lives) if live is not None]
+                ids = list(map(ids.__getitem__, found))
+                lives = list(map(lives.__getitem__, found))
+            types = list(map(type, lives))
+            for cls in set(types).difference(leafy):
+                leafy[cls] = _is_leaf(lives[types.index(cls)])
+            leaf = list(map(leafy.__getitem__, types))
+            fresh = (
+                len(set(ids)) == len(ids)
+                and matched.keys().isdisjoint(ids)
+                and earlier.keys().isdisjoint(ids)
+                and (not ids or (min(ids) >= 0 and max(ids) < count))
+            )
+            kids = list(map(nodes.__getitem__, ids)) if fresh else []
+            if not fresh or leaf != list(
+                map(
+                    operator.is_not,
+                    map(dict.get, kids, itertools.repeat("path")),
+                    itertools.repeat(None),
                 )
-            node = nodes[nid]
-            path = node.get("path")
-            leaf = leafy.get(type(live))
-            if leaf is None:
-                leaf = leafy[type(live)] = _is_leaf(live)
-            if (path is not None) != leaf:
-                raise RestoreMismatchError(
-                    "object kinds differ",
-                    file=self.path,
-                    variable=path or f"node {nid}",
-                    expected="a variable" if path is not None else "a container of variables",
-                    found=type(live).__name__,
-                )
-            matched[nid] = live
-            if leaf or not node["children"]:
+            ):
+                for nid, live in zip(ids, lives, strict=True):
+                    self._match_one(nid, live, matched, queue, leafy)
                 continue
-            get = children_of(live).get
-            append = queue.append
-            for name, child_id in node["children"]:
-                child = get(name)
-                if child is None:
-                    deferred.append((live, name, int(child_id)))
-                else:
-                    append((int(child_id), child))
+            matched.update(zip(ids, lives, strict=True))
+            if False in leaf:  # containers: their children next
+                queue.extend(
+                    (nid, live)
+                    for nid, live, is_leaf, node in zip(ids, lives, leaf, kids, strict=True)
+                    if not is_leaf and node["children"]
+                )
+
+    def _match_one(
+        self,
+        nid: int,
+        live: Any,
+        matched: dict[int, Any],
+        queue: deque[tuple[int, Any]],
+        leafy: dict[type, bool],
+    ) -> None:
+        """Check and match one saved node with ``live`` (nothing when already matched); a
+        container with children goes to ``queue``."""
+        if nid in matched or nid in self.matched:
+            return
+        if not 0 <= nid < len(self.nodes):
+            raise CheckpointError(
+                "object graph refers to a missing node", file=self.path, found=nid
+            )
+        node = self.nodes[nid]
+        path = node.get("path")
+        leaf = leafy.get(type(live))
+        if leaf is None:
+            leaf = leafy[type(live)] = _is_leaf(live)
+        if (path is not None) != leaf:
+            raise RestoreMismatchError(
+                "object kinds differ",
+                file=self.path,
+                variable=path or f"node {nid}",
+                expected="a variable" if path is not None else "a container of variables",
+                found=type(live).__name__,
+            )
+        matched[nid] = live
+        if not leaf and node["children"]:
+            queue.append((nid, live))
+
+
+_FIRST = operator.itemgetter(0)
+_SECOND = operator.itemgetter(1)
 
 
 class _Pending:
