@@ -505,6 +505,8 @@ class _Session:
         self.pending = 0
         # Variable node id -> the slot relations naming it (built on first use).
         self._slots_of: dict[int, list[tuple[int, int, str, int]]] | None = None
+        # Each node's saved path, once the graph is dropped (see release()).
+        self._paths: list[str | None] | None = None
 
     def reader(self) -> Any:
         if self._reader is None:
@@ -513,12 +515,30 @@ class _Session:
         return self._reader
 
     def release(self) -> None:
-        if self._reader is not None and self.pending == 0:
+        """Close the file once nothing waits for a live object (no note is pending); the saved
+        graph is then dropped too, keeping only each node's path for the load status.
+
+        (Dropped here, while the restore still pauses the cyclic collector: its nodes, a few
+        containers per saved object, are otherwise all alive and young when the collector
+        resumes, and its first collection walks every one of them.)
+        """
+        if self.pending != 0:
+            return
+        if self._reader is not None:
             self._reader.close()
             self._reader = None
+        if self._paths is None:
+            self._paths = list(map(dict.get, self.nodes, itertools.repeat("path")))
+            self.nodes = []
+            self._slots_of = None
 
     def variable_nodes(self) -> dict[int, str]:
-        return {i: n["path"] for i, n in enumerate(self.nodes) if n.get("path") is not None}
+        """``node id -> saved path`` of the graph's variables."""
+        paths = self._paths
+        if paths is None:
+            paths = list(map(dict.get, self.nodes, itertools.repeat("path")))
+        has = map(operator.is_not, paths, itertools.repeat(None))
+        return dict(itertools.compress(enumerate(paths), has))
 
     def restore_into(self, node_id: int, obj: Any) -> None:
         """Match the saved subgraph at ``node_id`` with ``obj`` and restore it, all or nothing."""
@@ -590,8 +610,14 @@ class _Session:
         plans, sizes, checks, check_sizes = [], [], [], []
         left_out: list[str] = []
         staged: list[Any] = []
-        items = [(nid, live, nodes[nid]["path"]) for nid, live in matched.items()]
-        items = [item for item in items if item[2] is not None]
+        # The variables matched: (node id, live object, saved path), in matched order.
+        nids = list(matched)
+        paths = list(map(dict.get, map(nodes.__getitem__, nids), itertools.repeat("path")))
+        is_variable = list(map(operator.is_not, paths, itertools.repeat(None)))
+        variable_ids = list(itertools.compress(nids, is_variable))
+        items = list(
+            itertools.compress(zip(nids, matched.values(), paths, strict=True), is_variable)
+        )
         # The common case (a variable taking its saved components one for one) in bulk; the
         # rest each through its saveable's plan.
         table = getattr(reader, "table", None)
@@ -652,7 +678,7 @@ class _Session:
                 done()
             self.matched.update(matched)
             self.unmatched_parts.extend(left_out)
-            self.restored.update(nid for nid in matched if nodes[nid].get("path") is not None)
+            self.restored.update(variable_ids)
             for parent, name, child_id in deferred:
                 parent._pv_deferred_map()[name] = _Pending(self, child_id)
                 self.pending += 1
@@ -666,18 +692,23 @@ class _Session:
         """``(owner, variable, slot name, slot)`` node ids of the saved slot relations that
         ``matched`` (newly matched nodes) completes: of owners matched now, and of variables
         matched now whose owner was matched by an earlier part of this restore."""
+        nodes = self.nodes
         if self._slots_of is None:
             self._slots_of = {}
-            for owner_id, node in enumerate(self.nodes):
-                for var_id, slot_name, slot_id in node["slots"]:
+            # (only the owners of slots: a model without an optimizer has none)
+            for owner_id in itertools.compress(range(len(nodes)), map(_SLOTS, nodes)):
+                for var_id, slot_name, slot_id in nodes[owner_id]["slots"]:
                     self._slots_of.setdefault(int(var_id), []).append(
                         (owner_id, int(var_id), slot_name, int(slot_id))
                     )
         out: list[tuple[int, int, str, int]] = []
+        if not self._slots_of:  # no slot relation in the file
+            return out
+        slots_of = self._slots_of
         for nid in matched:
-            for var_id, slot_name, slot_id in self.nodes[nid]["slots"]:
+            for var_id, slot_name, slot_id in nodes[nid]["slots"]:
                 out.append((nid, int(var_id), slot_name, int(slot_id)))
-            for rel in self._slots_of.get(nid, ()):
+            for rel in slots_of.get(nid, ()):
                 if rel[0] not in matched:  # an owner matched now is listed above
                     out.append(rel)
         return out
@@ -785,6 +816,7 @@ class _Session:
 
 _FIRST = operator.itemgetter(0)
 _SECOND = operator.itemgetter(1)
+_SLOTS = operator.itemgetter("slots")
 
 
 class _Pending:
