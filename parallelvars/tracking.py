@@ -154,6 +154,7 @@ def _as_node(value: Any) -> Any:
 
 
 _PLAIN_CONTAINERS = (list, tuple, dict)
+_NO_CLASS: Any = None  # (what getattr gives for an object without __class__)
 
 
 def _any_plain_container(values: Iterable[Any]) -> bool:
@@ -161,8 +162,8 @@ def _any_plain_container(values: Iterable[Any]) -> bool:
     class: ``isinstance`` answers from ``type(v)`` and from ``v.__class__`` (which a proxy
     forwards to the object it wraps), so both of every value are collected in C loops."""
     values = list(values)
-    classes = set(map(type, values))
-    classes.update(map(getattr, values, repeat("__class__"), repeat(None)))
+    classes: set[Any] = set(map(type, values))
+    classes.update(map(getattr, values, repeat("__class__"), repeat(_NO_CLASS)))
     return any(isinstance(c, type) and issubclass(c, _PLAIN_CONTAINERS) for c in classes)
 
 

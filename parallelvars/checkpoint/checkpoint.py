@@ -534,7 +534,7 @@ class _Session:
 
     def variable_nodes(self) -> dict[int, str]:
         """``node id -> saved path`` of the graph's variables."""
-        paths = self._paths
+        paths: list[Any] | None = self._paths
         if paths is None:
             paths = list(map(dict.get, self.nodes, itertools.repeat("path")))
         has = map(operator.is_not, paths, itertools.repeat(None))
@@ -612,7 +612,9 @@ class _Session:
         staged: list[Any] = []
         # The variables matched: (node id, live object, saved path), in matched order.
         nids = list(matched)
-        paths = list(map(dict.get, map(nodes.__getitem__, nids), itertools.repeat("path")))
+        paths: list[Any] = list(
+            map(dict.get, map(nodes.__getitem__, nids), itertools.repeat("path"))
+        )
         is_variable = list(map(operator.is_not, paths, itertools.repeat(None)))
         variable_ids = list(itertools.compress(nids, is_variable))
         items = list(
