@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from itertools import repeat
 from operator import is_
 from typing import Any
 
@@ -113,6 +114,24 @@ def _load_get_saveable() -> Callable[[Any], Any]:
     return get_saveable
 
 
+def _trackable_only(items: dict[str, Any]) -> dict[str, Any]:
+    """The items of ``items`` whose values are trackable (:func:`is_trackable`), in order.
+
+    A saveable is registered per type (``get_saveable`` looks at ``type(value)`` only), so one
+    value of each type answers for all of that type: a container of thousands of variables is
+    checked once per distinct type instead of once per item. ``items`` is returned as it is
+    when every value has a saveable.
+    """
+    get = _get_saveable
+    if get is None:
+        get = _load_get_saveable()
+    values = items.values()
+    one_of_each = dict(zip(map(type, values), values, strict=True)).values()
+    if all(get(value) is not None for value in one_of_each):
+        return items
+    return {k: v for k, v in items.items() if is_trackable(v)}
+
+
 class _Container(Trackable):
     """An ephemeral node for a plain tuple, list or dict (``source``) found inside the graph."""
 
@@ -121,7 +140,7 @@ class _Container(Trackable):
         self._source = source
 
     def _trackable_children(self) -> dict[str, Any]:
-        return {k: v for k, v in self._items.items() if is_trackable(v)}
+        return dict(_trackable_only(self._items))
 
 
 def _as_node(value: Any) -> Any:
@@ -134,11 +153,40 @@ def _as_node(value: Any) -> Any:
     return value
 
 
+_PLAIN_CONTAINERS = (list, tuple, dict)
+_NO_CLASS: Any = None  # (what getattr gives for an object without __class__)
+
+
+def _any_plain_container(values: Iterable[Any]) -> bool:
+    """``any(isinstance(v, (list, tuple, dict)) for v in values)``, asked once per distinct
+    class: ``isinstance`` answers from ``type(v)`` and from ``v.__class__`` (which a proxy
+    forwards to the object it wraps), so both of every value are collected in C loops."""
+    values = list(values)
+    classes: set[Any] = set(map(type, values))
+    classes.update(map(getattr, values, repeat("__class__"), repeat(_NO_CLASS)))
+    return any(isinstance(c, type) and issubclass(c, _PLAIN_CONTAINERS) for c in classes)
+
+
 def children_of(obj: Any) -> dict[str, Any]:
     """The trackable children of ``obj`` (containers turned into nodes)."""
     if not isinstance(obj, Trackable):
         return {}
-    return {name: _as_node(value) for name, value in obj._trackable_children().items()}
+    children = obj._trackable_children()
+    if not _any_plain_container(children.values()):  # (mostly: variables and modules)
+        return dict(children)
+    return {name: _as_node(value) for name, value in children.items()}
+
+
+_index_names: list[str] = []
+
+
+def _item_names(count: int) -> list[str]:
+    """``["0", "1", ..., str(count - 1)]``: a list's child names, made once per process (a
+    list of thousands of variables is walked at every save and restore)."""
+    global _index_names
+    if len(_index_names) < count:
+        _index_names = list(map(str, range(max(count, 2 * len(_index_names)))))
+    return _index_names[:count]
 
 
 # -- snapshots of a node's children, so a repeated save can tell cheaply that the graph it walked
@@ -229,7 +277,7 @@ class TrackedList(list, Trackable):
     """A list whose items are checkpoint children named ``"0"``, ``"1"``, ..."""
 
     def _trackable_children(self) -> dict[str, Any]:
-        return {str(i): v for i, v in enumerate(self) if is_trackable(v)}
+        return _trackable_only(dict(zip(_item_names(len(self)), self, strict=True)))
 
     def _added(self, start: int) -> None:
         """Items from ``start`` on may be new: hand each one its pending restore, if any."""
@@ -278,7 +326,7 @@ class TrackedDict(dict, Trackable):
     """A dict whose values are checkpoint children named by their (string) keys."""
 
     def _trackable_children(self) -> dict[str, Any]:
-        return {str(k): v for k, v in self.items() if is_trackable(v)}
+        return _trackable_only(dict(zip(map(str, self), self.values(), strict=True)))
 
     def __setitem__(self, key: Any, value: Any) -> None:
         super().__setitem__(key, _wrap(value))

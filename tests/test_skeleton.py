@@ -515,3 +515,28 @@ def test_a_short_gathered_write_is_resumed(tmp_path, monkeypatch) -> None:
     finally:
         os.close(fd)
     assert read(str(path)) == b"\0" * 4 + b"".join(b.tobytes() for b in bufs)
+
+
+def test_the_writer_hands_back_the_checksums_its_index_records(tmp_path) -> None:
+    # A multi-process save gathers every rank's checksums from the writer for its index file.
+    m = make_model()
+    ckpt = pv.Checkpoint(m=m)
+    cache = _skeleton.SkeletonCache()
+    with _gc_paused():
+        records, graph, metadata = ckpt._gather(False)
+    for k in range(3):  # by HDF5 (and captured), then from the skeleton
+        change_values(m, k)
+        found: dict[str, list[int]] = {}
+        path = write_h5(
+            tmp_path / f"c{k}.h5",
+            records,
+            object_graph=graph,
+            metadata=metadata,
+            skeletons=cache,
+            checksums=found,
+        )
+        assert cache._skeleton is not None  # captured by the first: the others used it
+        with h5py.File(path, "r") as f:
+            index = json.loads(bytes(f["_parallelvars/index"][()]))
+        assert found == {p: meta["crc32c"] for p, meta in index.items()}
+        assert found["m/w"] == [crc32c.crc32c(c.tobytes()) for c in m.w.components]

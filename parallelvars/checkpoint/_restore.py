@@ -278,10 +278,6 @@ class DirectRestore:
         self.buffer, self.targets = None, []
 
 
-def _bools(values: Iterable[Any]) -> np.ndarray:
-    return np.fromiter(values, bool)
-
-
 def _byte_views(components: Iterable[Any]) -> list[memoryview] | None:
     """A writable flat byte view of each array; None when one is not contiguous or not
     writable."""
@@ -326,6 +322,7 @@ def plan_direct(
     proxy); everything else (another saveable, a cast, a re-shard, an aggregate, a refusal, a
     multi-process variable) goes the general way, unchanged.
     """
+    count = len(lives)
     missing = len(table.names)  # (a row past the last: not in the file)
     rows = list(map(table.rows.get, paths, itertools.repeat(missing)))
     direct = [*table.direct, False]
@@ -336,35 +333,39 @@ def plan_direct(
         and get_saveable(lives[types.index(cls)]) is _SAVEABLE
         for cls in set(types)
     }
-    pick = np.flatnonzero(
-        _bools(map(direct.__getitem__, rows)) & _bools(map(plain.__getitem__, types))
-    ).tolist()
+    pick = list(
+        itertools.compress(
+            range(count),
+            map(operator.and_, map(direct.__getitem__, rows), map(plain.__getitem__, types)),
+        )
+    )
     cand = list(map(lives.__getitem__, pick))
     rows = list(map(rows.__getitem__, pick))
     kinds = list(map(table.kinds.__getitem__, rows))
     comps = list(map(_COMPONENTS, cand))
     wrapped = list(map(_WRAPPED, cand))
-    ok = (
-        _bools(map(operator.is_, map(_GLOBAL, cand), itertools.repeat(None)))
-        & _bools(map(operator.eq, kinds, map(_KIND, cand)))
-        & _bools(map(operator.eq, map(table.counts.__getitem__, rows), map(len, comps)))
-        & _bools(map(operator.eq, map(table.shapes.__getitem__, rows), map(_SHAPE, wrapped)))
-    )
-    # dtypes: the same object, mostly (numpy's builtin dtypes are singletons); else compared
-    dtypes = list(map(table.dtypes.__getitem__, rows))
-    live_dtypes = list(map(_DTYPE, wrapped))
-    same = _bools(map(operator.is_, dtypes, live_dtypes))
-    for k in np.flatnonzero(ok & ~same).tolist():
-        same[k] = dtypes[k] == live_dtypes[k]
-    ok &= same
+    # Column by column, what the file has against what the variables are: one comparison of
+    # two lists when they agree (the usual case), else value by value. (Lists compare their
+    # items by identity first: numpy's builtin dtypes are singletons.)
+    ok = _agree(list(map(_GLOBAL, cand)), [None] * len(cand))
+    for saved, live in (
+        (kinds, list(map(_KIND, cand))),
+        (list(map(table.counts.__getitem__, rows)), list(map(len, comps))),
+        (list(map(table.shapes.__getitem__, rows)), list(map(_SHAPE, wrapped))),
+        (list(map(table.dtypes.__getitem__, rows)), list(map(_DTYPE, wrapped))),
+    ):
+        ok = _both(ok, _agree(saved, live))
+    if ok is None:
+        ok = [True] * len(cand)
     if "on_read" in kinds:  # component by component only from the same aggregation
         lowered, aggregations = table.lowered, table.aggregations
         for k, (kind, row) in enumerate(zip(kinds, rows, strict=True)):
             if kind == "on_read" and ok[k]:
                 ok[k] = lowered[aggregations[row]] == cand[k]._self_aggregation.value
-    sizes = np.array(list(map(table.row_nbytes.__getitem__, rows)), np.int64)
-    ok &= np.cumsum(np.where(ok, sizes, 0)) <= STAGE_LIMIT  # the first ones, to the limit
-    keep = np.flatnonzero(ok).tolist()
+    sizes = list(map(table.row_nbytes.__getitem__, rows))
+    if sum(itertools.compress(sizes, ok)) > STAGE_LIMIT:  # the first ones, to the limit
+        ok = ((np.cumsum(np.where(ok, sizes, 0)) <= STAGE_LIMIT) & np.array(ok, bool)).tolist()
+    keep = list(itertools.compress(range(len(cand)), ok))
     views = _byte_views(itertools.chain.from_iterable(map(comps.__getitem__, keep)))
     if views is None:  # a buffer not contiguous or not writable: find it, variable by variable
         views = []
@@ -379,13 +380,24 @@ def plan_direct(
         # before the general path's threads start: with the file's pages not in memory, a
         # restore of mostly large variables took 1.5x as long (as the read-ahead's own
         # threshold, H5Reader.stage).
-        return None, list(range(len(lives)))
+        return None, list(range(count))
     taken = list(map(pick.__getitem__, keep))
-    chosen = set(taken)
-    rest = [k for k in range(len(lives)) if k not in chosen]
+    rest = sorted(set(range(count)).difference(taken))
     if not taken:
         return None, rest
     return DirectRestore(taken, list(map(rows.__getitem__, keep)), views), rest
+
+
+def _agree(saved: list[Any], live: list[Any]) -> list[bool] | None:
+    """Whether each saved value equals its live one; None when all do."""
+    return None if saved == live else list(map(operator.eq, saved, live))
+
+
+def _both(a: list[bool] | None, b: list[bool] | None) -> list[bool] | None:
+    """Element-wise ``a and b`` of two :func:`_agree` results (None: all true)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return list(map(operator.and_, a, b))
 
 
 _COMPONENTS = operator.attrgetter("_self_components")

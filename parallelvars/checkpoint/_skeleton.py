@@ -287,11 +287,12 @@ class Skeleton:
         check: Callable[[np.ndarray, int, int], None],
         index_crc: str,
         columns_crc: str = "",
-    ) -> None:
+    ) -> list[int]:
         """Write a file of this structure to ``fd`` (of ``file_size`` bytes): its components
         (C-contiguous, in write order, the sizes :meth:`fits` checks), the index and the
         columns with their checksums and the header ``values`` (``values[index_crc]`` and
-        ``values[columns_crc]`` are set to the documents' checksums).
+        ``values[columns_crc]`` are set to the documents' checksums). Returns the components'
+        checksums, in write order (as the index records them).
 
         Components under ``INLINE_BYTES`` go out with the skeleton's image in a few gathered
         writes (``pwritev``: the image's bytes between them and their buffers, in file order),
@@ -320,6 +321,7 @@ class Skeleton:
                 for j, (crc, arr) in enumerate(zip(before, small, strict=True)):
                     if after[j] != crc:
                         check(arr, crc, plan.small[j])
+            return crcs
 
     def _plan(self) -> _Plan:
         """How :meth:`write` writes this structure (made on its first write, then reused)."""

@@ -505,6 +505,8 @@ class _Session:
         self.pending = 0
         # Variable node id -> the slot relations naming it (built on first use).
         self._slots_of: dict[int, list[tuple[int, int, str, int]]] | None = None
+        # Each node's saved path, once the graph is dropped (see release()).
+        self._paths: list[str | None] | None = None
 
     def reader(self) -> Any:
         if self._reader is None:
@@ -513,12 +515,30 @@ class _Session:
         return self._reader
 
     def release(self) -> None:
-        if self._reader is not None and self.pending == 0:
+        """Close the file once nothing waits for a live object (no note is pending); the saved
+        graph is then dropped too, keeping only each node's path for the load status.
+
+        (Dropped here, while the restore still pauses the cyclic collector: its nodes, a few
+        containers per saved object, are otherwise all alive and young when the collector
+        resumes, and its first collection walks every one of them.)
+        """
+        if self.pending != 0:
+            return
+        if self._reader is not None:
             self._reader.close()
             self._reader = None
+        if self._paths is None:
+            self._paths = list(map(dict.get, self.nodes, itertools.repeat("path")))
+            self.nodes = []
+            self._slots_of = None
 
     def variable_nodes(self) -> dict[int, str]:
-        return {i: n["path"] for i, n in enumerate(self.nodes) if n.get("path") is not None}
+        """``node id -> saved path`` of the graph's variables."""
+        paths: list[Any] | None = self._paths
+        if paths is None:
+            paths = list(map(dict.get, self.nodes, itertools.repeat("path")))
+        has = map(operator.is_not, paths, itertools.repeat(None))
+        return dict(itertools.compress(enumerate(paths), has))
 
     def restore_into(self, node_id: int, obj: Any) -> None:
         """Match the saved subgraph at ``node_id`` with ``obj`` and restore it, all or nothing."""
@@ -590,8 +610,16 @@ class _Session:
         plans, sizes, checks, check_sizes = [], [], [], []
         left_out: list[str] = []
         staged: list[Any] = []
-        items = [(nid, live, nodes[nid]["path"]) for nid, live in matched.items()]
-        items = [item for item in items if item[2] is not None]
+        # The variables matched: (node id, live object, saved path), in matched order.
+        nids = list(matched)
+        paths: list[Any] = list(
+            map(dict.get, map(nodes.__getitem__, nids), itertools.repeat("path"))
+        )
+        is_variable = list(map(operator.is_not, paths, itertools.repeat(None)))
+        variable_ids = list(itertools.compress(nids, is_variable))
+        items = list(
+            itertools.compress(zip(nids, matched.values(), paths, strict=True), is_variable)
+        )
         # The common case (a variable taking its saved components one for one) in bulk; the
         # rest each through its saveable's plan.
         table = getattr(reader, "table", None)
@@ -652,7 +680,7 @@ class _Session:
                 done()
             self.matched.update(matched)
             self.unmatched_parts.extend(left_out)
-            self.restored.update(nid for nid in matched if nodes[nid].get("path") is not None)
+            self.restored.update(variable_ids)
             for parent, name, child_id in deferred:
                 parent._pv_deferred_map()[name] = _Pending(self, child_id)
                 self.pending += 1
@@ -666,18 +694,23 @@ class _Session:
         """``(owner, variable, slot name, slot)`` node ids of the saved slot relations that
         ``matched`` (newly matched nodes) completes: of owners matched now, and of variables
         matched now whose owner was matched by an earlier part of this restore."""
+        nodes = self.nodes
         if self._slots_of is None:
             self._slots_of = {}
-            for owner_id, node in enumerate(self.nodes):
-                for var_id, slot_name, slot_id in node["slots"]:
+            # (only the owners of slots: a model without an optimizer has none)
+            for owner_id in itertools.compress(range(len(nodes)), map(_SLOTS, nodes)):
+                for var_id, slot_name, slot_id in nodes[owner_id]["slots"]:
                     self._slots_of.setdefault(int(var_id), []).append(
                         (owner_id, int(var_id), slot_name, int(slot_id))
                     )
         out: list[tuple[int, int, str, int]] = []
+        if not self._slots_of:  # no slot relation in the file
+            return out
+        slots_of = self._slots_of
         for nid in matched:
-            for var_id, slot_name, slot_id in self.nodes[nid]["slots"]:
+            for var_id, slot_name, slot_id in nodes[nid]["slots"]:
                 out.append((nid, int(var_id), slot_name, int(slot_id)))
-            for rel in self._slots_of.get(nid, ()):
+            for rel in slots_of.get(nid, ()):
                 if rel[0] not in matched:  # an owner matched now is listed above
                     out.append(rel)
         return out
@@ -689,44 +722,103 @@ class _Session:
         deferred: list[tuple[Any, str, int]],
     ) -> None:
         """Match saved nodes with live objects breadth-first from ``starts``; a saved child
-        with no live object yet goes to ``deferred``."""
-        queue: deque[tuple[int, Any]] = deque(starts)
+        with no live object yet goes to ``deferred``.
+
+        Each node is checked and matched when it is reached (in breadth-first order, so the
+        first mismatch raised is the one a walk node by node meets first); only containers with
+        children wait in the queue. The children of a container are matched together (C loops
+        over their ids, names and types); anything unusual among them (a node reached twice, an
+        id out of range, a mismatch) goes through :meth:`_match_one`, child by child.
+        """
+        queue: deque[tuple[int, Any]] = deque()
+        leafy: dict[type, bool] = {}  # per type: a saved value, not a container
+        for nid, live in starts:
+            self._match_one(nid, live, matched, queue, leafy)
         nodes = self.nodes
         earlier = self.matched
         count = len(nodes)
-        leafy: dict[type, bool] = {}  # per type: a saved value, not a container
         while queue:
-            nid, live = queue.popleft()
-            if nid in matched or nid in earlier:
-                continue
-            if not 0 <= nid < count:
-                raise CheckpointError(
-                    "object graph refers to a missing node", file=self.path, found=nid
+            parent_id, parent = queue.popleft()
+            children = nodes[parent_id]["children"]
+            names = list(map(_FIRST, children))
+            ids = list(map(int, map(_SECOND, children)))
+            have = children_of(parent)
+            # (the structure saved: the live children in the saved order, no lookup by name)
+            same = list(have) == names
+            lives = list(have.values()) if same else list(map(have.get, names))
+            if any(map(is_, lives, itertools.repeat(None))):
+                for name, child_id, live in zip(names, ids, lives, strict=True):
+                    if live is None:
+                        deferred.append((parent, name, child_id))
+                found = [k for k, live in enumerate(lives) if live is not None]
+                ids = list(map(ids.__getitem__, found))
+                lives = list(map(lives.__getitem__, found))
+            types = list(map(type, lives))
+            for cls in set(types).difference(leafy):
+                leafy[cls] = _is_leaf(lives[types.index(cls)])
+            leaf = list(map(leafy.__getitem__, types))
+            fresh = (
+                len(set(ids)) == len(ids)
+                and matched.keys().isdisjoint(ids)
+                and earlier.keys().isdisjoint(ids)
+                and (not ids or (min(ids) >= 0 and max(ids) < count))
+            )
+            kids = list(map(nodes.__getitem__, ids)) if fresh else []
+            if not fresh or leaf != list(
+                map(
+                    operator.is_not,
+                    map(dict.get, kids, itertools.repeat("path")),
+                    itertools.repeat(None),
                 )
-            node = nodes[nid]
-            path = node.get("path")
-            leaf = leafy.get(type(live))
-            if leaf is None:
-                leaf = leafy[type(live)] = _is_leaf(live)
-            if (path is not None) != leaf:
-                raise RestoreMismatchError(
-                    "object kinds differ",
-                    file=self.path,
-                    variable=path or f"node {nid}",
-                    expected="a variable" if path is not None else "a container of variables",
-                    found=type(live).__name__,
-                )
-            matched[nid] = live
-            if leaf or not node["children"]:
+            ):
+                for nid, live in zip(ids, lives, strict=True):
+                    self._match_one(nid, live, matched, queue, leafy)
                 continue
-            get = children_of(live).get
-            append = queue.append
-            for name, child_id in node["children"]:
-                child = get(name)
-                if child is None:
-                    deferred.append((live, name, int(child_id)))
-                else:
-                    append((int(child_id), child))
+            matched.update(zip(ids, lives, strict=True))
+            if False in leaf:  # containers: their children next
+                queue.extend(
+                    (nid, live)
+                    for nid, live, is_leaf, node in zip(ids, lives, leaf, kids, strict=True)
+                    if not is_leaf and node["children"]
+                )
+
+    def _match_one(
+        self,
+        nid: int,
+        live: Any,
+        matched: dict[int, Any],
+        queue: deque[tuple[int, Any]],
+        leafy: dict[type, bool],
+    ) -> None:
+        """Check and match one saved node with ``live`` (nothing when already matched); a
+        container with children goes to ``queue``."""
+        if nid in matched or nid in self.matched:
+            return
+        if not 0 <= nid < len(self.nodes):
+            raise CheckpointError(
+                "object graph refers to a missing node", file=self.path, found=nid
+            )
+        node = self.nodes[nid]
+        path = node.get("path")
+        leaf = leafy.get(type(live))
+        if leaf is None:
+            leaf = leafy[type(live)] = _is_leaf(live)
+        if (path is not None) != leaf:
+            raise RestoreMismatchError(
+                "object kinds differ",
+                file=self.path,
+                variable=path or f"node {nid}",
+                expected="a variable" if path is not None else "a container of variables",
+                found=type(live).__name__,
+            )
+        matched[nid] = live
+        if not leaf and node["children"]:
+            queue.append((nid, live))
+
+
+_FIRST = operator.itemgetter(0)
+_SECOND = operator.itemgetter(1)
+_SLOTS = operator.itemgetter("slots")
 
 
 class _Pending:

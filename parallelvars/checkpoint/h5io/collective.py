@@ -32,13 +32,9 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import h5py
-
 from parallelvars._fileio import _fsync_path
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX
 from parallelvars.checkpoint._skeleton import SkeletonCache
-from parallelvars.checkpoint.h5io.attributes import _read_json
-from parallelvars.checkpoint.h5io.layout import INDEX_DATASET
 from parallelvars.checkpoint.h5io.write import (
     ComponentLink,
     LinkedVariable,
@@ -46,7 +42,7 @@ from parallelvars.checkpoint.h5io.write import (
     write_h5_index,
 )
 from parallelvars.checkpoint.registry import component_name
-from parallelvars.errors import CheckpointError, CorruptCheckpointError
+from parallelvars.errors import CheckpointError
 
 __all__ = ["parts_dir_for", "write_collective"]
 
@@ -110,10 +106,13 @@ def write_collective(
     crcs: dict[str, list[int]] = {}
     try:
         os.makedirs(staged, exist_ok=True)
-        part_path = write_h5(
-            os.path.join(staged, part_name), mine, metadata=metadata, skeletons=skeletons
+        write_h5(
+            os.path.join(staged, part_name),
+            mine,
+            metadata=metadata,
+            skeletons=skeletons,
+            checksums=crcs,  # as the rank file's index records them
         )
-        crcs = _checksums(part_path, [rec.path for rec in mine])
     except Exception as exc:  # reported to every rank below, so no rank waits forever
         error = f"rank {rank}: {type(exc).__name__}: {exc}"
     gathered = comm.gather((error, crcs), root=0)
@@ -153,19 +152,6 @@ def write_collective(
     if outcome is not None:
         raise CheckpointError("collective save failed", file=path, found=outcome)
     return path
-
-
-def _checksums(part_path: str, paths: Sequence[str]) -> dict[str, list[int]]:
-    """The component checksums of ``paths`` that the rank file just written records in its
-    (checksummed) index document."""
-    with h5py.File(part_path, "r") as f:
-        index = _read_json(f, INDEX_DATASET, part_path, required=True)
-    try:
-        return {p: [int(c) for c in index[p]["crc32c"]] for p in paths}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptCheckpointError(
-            "the rank file's index lacks a component checksum", file=part_path, found=repr(exc)
-        ) from None
 
 
 # The index files' skeleton cache of each checkpoint's cache (rank 0 writes both files).

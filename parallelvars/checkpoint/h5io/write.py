@@ -262,6 +262,7 @@ def write_h5(
     object_graph: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
     skeletons: SkeletonCache | None = None,
+    checksums: dict[str, list[int]] | None = None,
 ) -> str:
     """Write entries (neutral-view entries or save records) to ``path`` in the native layout.
 
@@ -278,6 +279,9 @@ def write_h5(
     index and header values (see ``_skeleton``); byte for byte what HDF5 writes. Any other
     save is written by HDF5 and its skeleton cached.
 
+    ``checksums``, when given, receives each entry's component checksums by path, as the
+    file's index records them (a multi-process save gathers them for its index file).
+
     Returns:
         ``path``.
     """
@@ -291,10 +295,21 @@ def write_h5(
         cached = skeletons.get(key)
         comps = None if cached is None else _flat_components(items)
         if cached is not None and comps is not None and cached.fits(comps):
-            return atomic_write(
-                p, lambda tmp: _write_from_skeleton(tmp, p, cached, items, comps, metadata)
+            flat: list[int] = []
+            atomic_write(
+                p,
+                lambda tmp: flat.extend(
+                    _write_from_skeleton(tmp, p, cached, items, comps, metadata)
+                ),
             )
+            if checksums is not None:
+                starts = _component_starts(items)
+                for n, e in enumerate(items):
+                    checksums[e.path] = flat[starts[n] : starts[n + 1]]
+            return p
     captured: list[_skeleton.Skeleton | None] = []
+
+    written: dict[str, Any] = {}
 
     def write(tmp: str) -> None:
         index: dict[str, Any] = {}
@@ -327,10 +342,13 @@ def write_h5(
             captured.append(
                 _capture(tmp, key, items, index, where, columns, template, values, sentinels)
             )
+        written.update(index)
 
     atomic_write(p, write)
     if skeletons is not None and key is not None:
         skeletons.put(captured[0] if captured else None)
+    if checksums is not None:
+        checksums.update((path, list(meta["crc32c"])) for path, meta in written.items())
     return p
 
 
@@ -588,10 +606,10 @@ def _write_from_skeleton(
     items: Sequence[Any],
     comps: Sequence[np.ndarray],
     metadata: Mapping[str, Any] | None,
-) -> None:
+) -> list[int]:
     """Write a save of the skeleton's structure to ``tmp``: the skeleton's bytes, the component
     data (``comps``: every entry's components, C-contiguous) at its datasets' offsets, the
-    index, and the header values patched."""
+    index, and the header values patched. Returns the components' checksums in write order."""
     values = _header_values(metadata, columns=skel.columns_capacity > 0)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     os.close(fd)
@@ -606,7 +624,7 @@ def _write_from_skeleton(
 
     try:
         os.ftruncate(writer.fd, skel.file_size)
-        skel.write(
+        crcs = skel.write(
             writer.fd,
             comps,
             values,
@@ -618,6 +636,7 @@ def _write_from_skeleton(
         ok = True
     finally:
         writer.close(raise_errors=ok)
+    return crcs
 
 
 def _new_file(
