@@ -22,6 +22,7 @@ import numpy as np
 
 from parallelvars.checkpoint import _h5policy
 from parallelvars.checkpoint.entry import AGGREGATIONS, MAX_COMPONENTS, layout_problem
+from parallelvars.checkpoint.h5io._global_heap import GlobalHeapCheck
 from parallelvars.checkpoint.h5io.attributes import _decode, _read_json
 from parallelvars.checkpoint.h5io.layout import (
     _H5_ERRORS,
@@ -1125,15 +1126,18 @@ class H5Reader(Mapping[str, StoredVariable]):
         """Check every variable; the problems found (empty when sound).
 
         Every component's bytes against its checksum, and the file's structure as any HDF5
-        reader sees it: each variable's group and attributes (equal to the index), each
+        reader sees it: each variable's group and attributes (equal to the index; the global
+        heap objects of variable-length values validated by our own parser first), each
         component dataset read through HDF5 (its bytes again against the checksum) and a
         sharded variable's ``value`` (equal to its shards), so a file that h5py or ``extract``
         cannot read never passes.
         """
         problems = self._columns_problems() if self._columns else []
+        sizes = self._h5().id.get_create_plist().get_sizes()
+        heap = GlobalHeapCheck(self._fd(), self.file_size, self.path, *map(int, sizes))
         for var in self.values():
             try:
-                var.verify_group()
+                var.verify_group(heap)
             except CorruptCheckpointError as exc:
                 problems.append(str(exc))
                 continue
@@ -1147,7 +1151,7 @@ class H5Reader(Mapping[str, StoredVariable]):
                     sound = False
             if sound and var.kind == "sharded":
                 try:
-                    var.verify_stitched_value()
+                    var.verify_stitched_value(heap)
                 except CorruptCheckpointError as exc:
                     problems.append(str(exc))
         return problems

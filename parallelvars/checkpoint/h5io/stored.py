@@ -32,6 +32,7 @@ from parallelvars.errors import (
 )
 
 if TYPE_CHECKING:
+    from parallelvars.checkpoint.h5io._global_heap import GlobalHeapCheck
     from parallelvars.checkpoint.h5io.read import H5Reader
 
 
@@ -53,6 +54,56 @@ def _is_variable_length(tid: Any) -> bool:
     if tid.get_class() == h5py.h5t.VLEN:
         return True
     return bool(tid.get_class() == h5py.h5t.STRING and tid.is_variable_str())
+
+
+# HDF5 memory types by numpy dtype string ("str": a variable-length string), made once
+_MEMORY_TYPES: dict[str, Any] = {}
+
+
+def _memory_type(key: str, dtype: Any) -> Any:
+    mtype = _MEMORY_TYPES.get(key)
+    if mtype is None:
+        mtype = _MEMORY_TYPES[key] = h5py.h5t.py_create(dtype)
+    return mtype
+
+
+def _elements(shape: tuple[int, ...] | None) -> int:
+    """The number of elements of an attribute's dataspace (None: a null dataspace)."""
+    return 0 if shape is None else math.prod(shape)
+
+
+_UNHELD = object()
+
+
+def _held_value(elements: list[bytes], shape: tuple[int, ...] | None, tid: Any) -> Any:
+    """A variable-length string attribute's value, decoded as h5py decodes it, from the heap
+    objects our parser validated (the bytes HDF5's read returns for it, at a fraction of an
+    HDF5 read's cost); ``_UNHELD`` for other types and shapes, which HDF5 then reads."""
+    if shape is None or len(shape) > 1 or tid.get_class() != h5py.h5t.STRING:
+        return _UNHELD
+    text = [b.decode("utf-8", "surrogateescape") for b in elements]
+    return _decode(text[0]) if not shape else [_decode(v) for v in text]
+
+
+def _attribute_value(group: h5py.Group, key: str, attr: Any, tid: Any) -> Any:
+    """The decoded value of ``group.attrs[key]`` (``attr`` opened already): plain numbers,
+    fixed-length strings and variable-length strings, scalar or 1-d, are read through the
+    low-level API (a fraction of the high-level read's cost, a few thousand times per
+    verify); anything else through h5py's high-level read."""
+    shape = attr.shape
+    if shape is None or len(shape) > 1:
+        return _decode(group.attrs[key])
+    if tid.get_class() == h5py.h5t.STRING and tid.is_variable_str():
+        raw = np.empty(shape, object)
+        attr.read(raw, mtype=_memory_type("str", h5py.string_dtype()))
+        text = [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in raw.ravel()]
+        return _decode(text[0]) if raw.ndim == 0 else [_decode(v) for v in text]
+    dtype = attr.dtype
+    if dtype.kind not in "iufbS" or dtype.fields is not None or dtype.subdtype is not None:
+        return _decode(group.attrs[key])
+    arr = np.empty(shape, dtype)
+    attr.read(arr, mtype=_memory_type(dtype.str, dtype))
+    return _decode(arr[()] if arr.ndim == 0 else arr)
 
 
 class StoredVariable(Entry):
@@ -389,8 +440,14 @@ class StoredVariable(Entry):
             self._with_bytes(i, lambda data: self._check(i, data))
         self._verified.add(i)
 
-    def verify_group(self) -> None:
-        """The variable's group opens through HDF5 and its attributes agree with the index."""
+    def verify_group(self, heap: GlobalHeapCheck | None = None) -> None:
+        """The variable's group opens through HDF5 and its attributes agree with the index.
+
+        Variable-length values live in HDF5's unchecksummed global heap, whose damage can make
+        the C library fail or loop: with ``heap``, every heap object they refer to is first
+        validated by our own parser (:mod:`._global_heap`), then the values are read through
+        HDF5 and compared too; without it, only their presence is checked.
+        """
         try:
             group = _h5policy.get(self._reader._h5(), self.path, self._reader.path)  # links checked
             if not isinstance(group, h5py.Group):
@@ -400,16 +457,29 @@ class StoredVariable(Entry):
                     variable=self.path,
                 )
             attrs: dict[str, Any] = {}
+            variable: list[tuple[str, Any, Any]] = []
             for key in group.attrs:
-                # Variable-length values live in HDF5's unchecksummed global heap, whose damage
-                # can make the C library loop: only their presence is checked (the reader takes
-                # the values from the checksummed index).
-                if _is_variable_length(h5py.h5a.open(group.id, key.encode()).get_type()):
+                attr = h5py.h5a.open(group.id, key.encode())
+                tid = attr.get_type()
+                if _is_variable_length(tid):
                     attrs[key] = None
+                    variable.append((key, attr, tid))
                 else:
-                    attrs[key] = _decode(group.attrs[key])
+                    attrs[key] = _attribute_value(group, key, attr, tid)
+            if heap is not None and variable:
+                held = heap.check_attributes(
+                    group.id,
+                    [(key, tid, _elements(attr.shape)) for key, attr, tid in variable],
+                    self.path,
+                )
+                for key, attr, tid in variable:  # validated: HDF5 may read them now
+                    if key not in held:
+                        continue  # in dense storage, which the parser does not reach
+                    attrs[key] = _held_value(held[key], attr.shape, tid)
+                    if attrs[key] is _UNHELD:
+                        attrs[key] = _attribute_value(group, key, attr, tid)
         except CorruptCheckpointError:
-            raise  # refused by the indirection policy: its own message
+            raise  # refused by the indirection policy or the heap's parser: its own message
         except _H5_ERRORS as exc:
             raise CorruptCheckpointError(
                 "the variable's group is unreadable",
@@ -479,14 +549,21 @@ class StoredVariable(Entry):
             else data.astype(self.dtype.newbyteorder("="))
         )
 
-    def verify_stitched_value(self) -> None:
-        """A sharded variable's ``value`` dataset, when there, reads as its shards put together."""
+    def verify_stitched_value(self, heap: GlobalHeapCheck | None = None) -> None:
+        """A sharded variable's ``value`` dataset, when there, reads as its shards put together.
+
+        With ``heap``, a virtual ``value``'s mapping (a global heap object) is validated by our
+        own parser before HDF5 opens the dataset.
+        """
         try:
             group = _h5policy.get(self._reader._h5(), self.path, self._reader.path)  # links checked
             if not isinstance(group, h5py.Group) or "value" not in group:
                 return
             # Our own stitched view may be virtual, with every source in this file; nothing else.
             _h5policy.check_path(group.id, "value", self._reader.path)
+            if heap is not None:
+                address = int(h5py.h5o.get_info(group.id, b"value").addr)
+                heap.check_virtual_layout(address, f"{self.path}/value")
             dataset = group["value"]
             _h5policy.check_dataset(
                 dataset.id, self._reader.path, f"{self.path}/value", own_virtual=True

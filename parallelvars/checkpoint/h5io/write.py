@@ -141,7 +141,10 @@ def _write_group(
 ) -> tuple[h5py.Group, dict[str, Any]]:
     """Create a variable's group with its layout attributes; returns it and its index record."""
     _validate_path(path)
-    grp = _new_group(f, path)
+    stored_attrs = 4 + sum(
+        1 for k, v in attrs.items() if v is not None and k not in _INDEX_ONLY_ATTRS
+    )
+    grp = _new_group(f, path, wide=stored_attrs > _COMPACT_ATTRS)
     meta: dict[str, Any] = {
         "kind": kind,
         "dtype": dtype_name(dt),
@@ -162,14 +165,29 @@ def _write_group(
     return grp, meta
 
 
-def _new_group(f: h5py.File, path: str) -> h5py.Group:
-    """The group at ``path``, created with its missing parents (it usually does not exist)."""
+# HDF5 keeps at most 8 attributes in a group's object header by default and moves them all
+# to "dense" storage (a fractal heap and a B-tree) past that. A group of more attributes (an
+# optimizer slot of a sharded variable has 10) is created keeping up to _WIDE_ATTRS in the
+# header, so every group's attributes sit in its checksummed object header, where verify
+# reads them (h5io/_global_heap.py); readers see the same attributes either way.
+_COMPACT_ATTRS = 8
+_WIDE_ATTRS = 32
+
+
+def _new_group(f: h5py.File, path: str, *, wide: bool = False) -> h5py.Group:
+    """The group at ``path``, created with its missing parents (it usually does not exist);
+    ``wide``: keeping up to ``_WIDE_ATTRS`` attributes in its object header."""
     lcpl, gcpl = _LCPL.get("lcpl"), _LCPL.get("gcpl")
     if lcpl is None or gcpl is None:
         lcpl = _LCPL["lcpl"] = h5py.h5p.create(h5py.h5p.LINK_CREATE)
         lcpl.set_create_intermediate_group(True)
         gcpl = _LCPL["gcpl"] = h5py.h5p.create(h5py.h5p.GROUP_CREATE)
         gcpl.set_obj_track_times(False)  # (intermediate groups are made with it too)
+        wide_gcpl = _LCPL["wide"] = h5py.h5p.create(h5py.h5p.GROUP_CREATE)
+        wide_gcpl.set_obj_track_times(False)
+        wide_gcpl.set_attr_phase_change(_WIDE_ATTRS, _WIDE_ATTRS - 2)
+    if wide:
+        gcpl = _LCPL["wide"]
     try:
         return h5py.Group(h5py.h5g.create(f.id, path.encode(), lcpl=lcpl, gcpl=gcpl))
     except _H5_ERRORS:  # it exists: a parent of a variable written before
