@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from parallelvars._fileio import byte_view
+from parallelvars._fileio import byte_view, value_types
 from parallelvars._ints import is_index
 from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint import _restore  # noqa: F401 - registers the variable saveable
@@ -374,37 +374,33 @@ def slot_relations(source: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
     return out
 
 
-def _types(values: Iterable[Any]) -> set[type]:
-    return set(map(type, values))
-
-
 def _canonical_nodes(nodes: list[Any]) -> bool:
     """Whether every node of a saved graph is as our writers make it, checked field by field
     over all nodes at once: a dict with a ``path`` (a string or None), ``children`` of
     ``[name, node id]`` and ``slots`` of ``[variable id, slot name, slot id]``, ids of
     existing nodes. Such nodes need no copy and no check one by one."""
     count = len(nodes)
-    if _types(nodes) != {dict} and nodes:
+    if value_types(nodes) != {dict} and nodes:
         return False
     repeat = itertools.repeat
     if not all(map(dict.__contains__, nodes, repeat("path"))):
         return False
     children: list[Any] = list(map(dict.get, nodes, repeat("children")))
     slots: list[Any] = list(map(dict.get, nodes, repeat("slots")))
-    if _types(map(dict.get, nodes, repeat("path"))) - {str, type(None)}:
+    if value_types(map(dict.get, nodes, repeat("path"))) - {str, type(None)}:
         return False
-    if _types(children) - {list} or _types(slots) - {list}:
+    if value_types(children) - {list} or value_types(slots) - {list}:
         return False
     pairs = list(itertools.chain.from_iterable(children))
     triples = list(itertools.chain.from_iterable(slots))
-    if _types(pairs) - {list} or _types(triples) - {list}:
+    if value_types(pairs) - {list} or value_types(triples) - {list}:
         return False
     if set(map(len, pairs)) - {2} or set(map(len, triples)) - {3}:
         return False
     item = operator.itemgetter
     ids = [*map(item(1), pairs), *map(item(0), triples), *map(item(2), triples)]
     names = [*map(item(0), pairs), *map(item(1), triples)]
-    if _types(ids) - {int} or _types(names) - {str}:
+    if value_types(ids) - {int} or value_types(names) - {str}:
         return False
     return not ids or (min(ids) >= 0 and max(ids) < count)
 

@@ -20,6 +20,7 @@ import crc32c as _crc32c
 import h5py
 import numpy as np
 
+from parallelvars._fileio import value_types
 from parallelvars.checkpoint import _h5policy
 from parallelvars.checkpoint.entry import AGGREGATIONS, MAX_COMPONENTS, layout_problem
 from parallelvars.checkpoint.h5io._global_heap import GlobalHeapCheck
@@ -54,10 +55,6 @@ from parallelvars.errors import (
 # Every type a canonical index field has; anything else sends the whole file down the general
 # path (one StoredVariable per entry, made at open, as before).
 _NONE = type(None)
-
-
-def _types(values: Iterable[Any]) -> set[type]:
-    return set(map(type, values))
 
 
 class IndexTable:
@@ -193,7 +190,7 @@ def _index_table(metas: dict[str, Any], file: str, file_size: int) -> IndexTable
     # pass over a column reads them front to back (in path order, every pass would jump).
     names = list(metas)
     entries = list(metas.values())
-    if _types(entries) - {dict}:
+    if value_types(entries) - {dict}:
         return None
     get = operator.itemgetter
     try:
@@ -207,13 +204,13 @@ def _index_table(metas: dict[str, Any], file: str, file_size: int) -> IndexTable
     except KeyError:
         return None
     if (
-        _types(kinds) - {str}
-        or _types(dnames) - {str}
-        or _types(shapes_json) - {list}
-        or _types(counts) - {int}
-        or _types(offsets_json) - {list}
-        or _types(crcs_json) - {list}
-        or _types(attrs) - {dict}
+        value_types(kinds) - {str}
+        or value_types(dnames) - {str}
+        or value_types(shapes_json) - {list}
+        or value_types(counts) - {int}
+        or value_types(offsets_json) - {list}
+        or value_types(crcs_json) - {list}
+        or value_types(attrs) - {dict}
         or list(map(len, offsets_json)) != counts
         or list(map(len, crcs_json)) != counts
     ):
@@ -222,7 +219,7 @@ def _index_table(metas: dict[str, Any], file: str, file_size: int) -> IndexTable
         if kind != "sharded" and layout_problem(kind, (), n, {}) is not None:
             return None  # (a sharded entry's layout is checked by its StoredVariable, at open)
     aggregations = list(map(dict.get, attrs, itertools.repeat("aggregation")))
-    if _types(aggregations) - {str, _NONE}:
+    if value_types(aggregations) - {str, _NONE}:
         return None
     lowered: dict[Any, str] = {}
     for agg in set(aggregations):
@@ -230,7 +227,7 @@ def _index_table(metas: dict[str, Any], file: str, file_size: int) -> IndexTable
             return None
         lowered[agg] = str(agg).lower()  # as spread_plan compares them (None: "none")
     devices: list[Any] = list(map(dict.get, attrs, itertools.repeat("devices")))
-    device_types = _types(devices)
+    device_types = value_types(devices)
     if device_types - {list, _NONE}:
         return None
     try:  # (a device that is not a string may be unhashable: no canonical index either way)
@@ -245,14 +242,14 @@ def _index_table(metas: dict[str, Any], file: str, file_size: int) -> IndexTable
             distinct = {tuple(d) for d, _ in listed}
     except TypeError:
         return None
-    if _types(itertools.chain.from_iterable(distinct)) - {str}:
+    if value_types(itertools.chain.from_iterable(distinct)) - {str}:
         return None
     # Shapes, offsets and checksums: integers in range, as numpy arrays.
     dims = list(itertools.chain.from_iterable(shapes_json))
     flat_offsets = list(itertools.chain.from_iterable(offsets_json))
     flat_crcs = list(itertools.chain.from_iterable(crcs_json))
-    offset_types = _types(flat_offsets)
-    if _types(dims) - {int} or offset_types - {int, _NONE} or _types(flat_crcs) - {int}:
+    offset_types = value_types(flat_offsets)
+    if value_types(dims) - {int} or offset_types - {int, _NONE} or value_types(flat_crcs) - {int}:
         return None
     if dims and (min(dims) < 0 or max(dims) >= 1 << 62):
         return None
@@ -401,7 +398,7 @@ def _int_column(
             variable = owners[1][bisect.bisect_right(owners[0], at) - 1]
         return _malformed(file, field, expected, _short(values[at]), variable)
 
-    types = _types(values)
+    types = value_types(values)
     allowed = {int, _NONE} if nulls else {int}
     if types - allowed:
         at = next(k for k, v in enumerate(values) if type(v) not in allowed)
@@ -600,7 +597,7 @@ def _columns_table(doc: Any, file: str) -> tuple[IndexTable | None, ColumnEntrie
     # The rows.
     paths: list[Any] = doc["paths"]
     rows = len(paths)
-    if _types(paths) - {str}:
+    if value_types(paths) - {str}:
         wrong = next(p for p in paths if not isinstance(p, str))
         raise _malformed(file, "paths", "strings", _short(wrong))
     row_of = dict(zip(paths, range(rows), strict=True))
