@@ -141,27 +141,25 @@ def _write_group(
 ) -> tuple[h5py.Group, dict[str, Any]]:
     """Create a variable's group with its layout attributes; returns it and its index record."""
     _validate_path(path)
-    stored_attrs = 4 + sum(
-        1 for k, v in attrs.items() if v is not None and k not in _INDEX_ONLY_ATTRS
-    )
-    grp = _new_group(f, path, wide=stored_attrs > _COMPACT_ATTRS)
     meta: dict[str, Any] = {
         "kind": kind,
         "dtype": dtype_name(dt),
         "shape": list(shape),
         "num_components": num_components,
     }
-    for key in ("kind", "dtype", "shape", "num_components"):
+    # The other attributes, as stored; the group gets those that are not kept in the index only.
+    extra = {
+        key: _attr_value(value)
+        for key, value in dict(attrs).items()
+        if value is not None and key not in meta
+    }
+    on_group = [key for key in extra if key not in _INDEX_ONLY_ATTRS]
+    grp = _new_group(f, path, wide=len(meta) + len(on_group) > _COMPACT_ATTRS)
+    for key in meta:
         _set_attr(grp.id, key, _attr_value(meta[key]))
-    extra: dict[str, Any] = {}
-    for key, value in dict(attrs).items():
-        if value is None or key in meta:
-            continue
-        stored = _attr_value(value)
-        if key not in _INDEX_ONLY_ATTRS:
-            _set_attr(grp.id, key, stored)
-        extra[key] = _decode(stored)
-    meta["attrs"] = extra
+    for key in on_group:
+        _set_attr(grp.id, key, extra[key])
+    meta["attrs"] = {key: _decode(stored) for key, stored in extra.items()}
     return grp, meta
 
 
@@ -342,7 +340,8 @@ def write_h5(
             captured.append(
                 _capture(tmp, key, items, index, where, columns, template, values, sentinels)
             )
-        written.update(index)
+        if checksums is not None:
+            written.update(index)
 
     atomic_write(p, write)
     if skeletons is not None and key is not None:
@@ -887,17 +886,16 @@ def _finish_metadata(
     # The capacity depends on the structure alone (not on the checksums' digits), so every save
     # of a structure has the same bytes outside the data, whoever writes it.
     crcs = [c for m in index.values() for c in m["crc32c"]]
-    digits = ", ".join(map(str, crcs))
-    capacity = _skeleton.index_capacity(len(text) - len("".join(map(str, crcs))), len(crcs))
+    digits = ", ".join(map(str, crcs))  # (the columns' checksum list)
+    separators = 2 * max(len(crcs) - 1, 0)
+    capacity = _skeleton.index_capacity(len(text) - (len(digits) - separators), len(crcs))
     ds, crc = _write_json(f, INDEX_DATASET, text=text, capacity=capacity, crc_value=crc_sentinel)
     offset = ds.id.get_offset()
     documents = [INDEX_DATASET]
     place = None
     if columns:
         head, tail = _columns_parts(index)
-        room = _skeleton.index_capacity(
-            len(head) + len(tail) + 2 * max(len(crcs) - 1, 0), len(crcs)
-        )
+        room = _skeleton.index_capacity(len(head) + len(tail) + separators, len(crcs))
         cds, ccrc = _write_json(
             f, COLUMNS_DATASET, text=head + digits + tail, capacity=room, crc_value=columns_sentinel
         )
