@@ -1,5 +1,7 @@
 """Parallel variables: a ``wrapt.ObjectProxy`` over the primary component of a stacked buffer.
 
+One module over 900 lines on purpose: the proxy and its overridden dunders belong together.
+
 A :class:`ParallelVariable` holds all its components in one ``(n, *shape)`` numpy buffer;
 component ``i`` is the view ``stacked[i]`` and the proxy wraps ``stacked[0]`` (the primary), so
 ``np.asarray(v)``, ``v.shape``, ``v + 1`` and ``v[2:]`` behave like the primary array. Inside a

@@ -82,6 +82,10 @@ def _INDEXED_SLICES_FREE(grads: list[Any]) -> bool:
 class Optimizer(OptimizerState):
     """Base class of the optimizers: subclasses give slots, hyperparameters and a kernel.
 
+    A step is ``opt.apply_gradients(zip(grads, variables))`` (any iterable of pairs) or, without
+    a pair per variable, ``opt.apply(grads, variables)``, in a replica function or outside
+    every strategy; ``opt.distributed_apply(strategy, pairs)`` in a cross-replica context.
+
     Subclasses define:
 
     * ``_slot_specs()``: ``(slot name, initial value)`` pairs, in the kernel's slot order;
