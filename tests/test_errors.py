@@ -311,6 +311,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ): "attribute protocol",
     # An abstract method a subclass must override: a bug in the subclass, not bad input.
     ("parallelvars/optimizers/_base.py", "NotImplementedError", "_kernel"): "abstract method",
+    ("parallelvars/optimizers/_slots.py", "NotImplementedError", "_info"): "abstract method",
     # A missing optional dependency (mpi4py): ImportError is what callers and the CLI test for.
     ("parallelvars/strategy/_mpi.py", "ImportError", "_import_mpi"): "optional dependency",
     # Our own invariants, unreachable from any input: HDF5 broke its contract, a header we

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import parallelvars as pv
+from parallelvars._write_plan import Route, route
 from parallelvars.errors import ContextError, ShapeMismatchError, UnsupportedOperationError
-from parallelvars.strategy._write_plan import Route, route
 
 N = 3
 

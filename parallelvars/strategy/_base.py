@@ -10,18 +10,17 @@ runs one thread per replica. Reductions and broadcasts go through ``_reduce_to``
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast
 
 import numpy as np
 
+from parallelvars import _modes
 from parallelvars._geometry import shard_index
 from parallelvars.devices import ParallelDevice, canonical_device
 from parallelvars.enums import Aggregation, ReduceOp
 from parallelvars.errors import ContextError, CrossReplicaOnlyError, DistributedValueError
-from parallelvars.strategy import _context
 from parallelvars.strategy._reduce import device_key, reduce_values
 from parallelvars.strategy._values import (
     Mirrored,
@@ -41,24 +40,24 @@ __all__ = [
     "increment_var",
 ]
 
-_UPDATE_DEVICE: contextvars.ContextVar[Any] = contextvars.ContextVar(
-    "parallelvars_update_device", default=None
-)
+# The update-device stack lives below variables (which read it); re-exported here, its public home.
+get_update_device = _modes.get_update_device
+UpdateContext = _modes.UpdateContext
+_default_mode: _modes.Mode[Strategy, ReplicaContext] | None = None
 
 
-def get_update_device() -> Any:
-    """The device (or devices) being updated inside ``update()`` / ``update_non_slot()``, else None."""
-    return _UPDATE_DEVICE.get()
+def _get_default_mode() -> _modes.Mode[Strategy, ReplicaContext]:
+    global _default_mode
+    if _default_mode is None:
+        strategy = _DefaultStrategy()
+        _default_mode = _modes.Mode(strategy, strategy._default_replica_context)
+    return _default_mode
 
 
-@contextlib.contextmanager
-def UpdateContext(device: Any) -> Iterator[None]:
-    """Mark the code inside as updating ``device`` (see :func:`get_update_device`)."""
-    token = _UPDATE_DEVICE.set(device)
-    try:
-        yield
-    finally:
-        _UPDATE_DEVICE.reset(token)
+def current_mode() -> _modes.Mode[Strategy, ReplicaContext]:
+    """The innermost mode of this thread (the default replica context when none was pushed)."""
+    stack = _modes._MODES.get()
+    return stack[-1] if stack else _get_default_mode()
 
 
 def _is_variable(x: Any) -> bool:
@@ -68,7 +67,7 @@ def _is_variable(x: Any) -> bool:
 
 
 def _top_default_replica_context() -> ReplicaContext:
-    ctx = _context._get_default_mode().replica_context
+    ctx = _get_default_mode().replica_context
     assert ctx is not None
     return ctx
 
@@ -112,7 +111,7 @@ class ReplicaContext:
         return (self.strategy.devices.components[self.replica_id_in_sync_group],)
 
     def _check_current(self) -> None:
-        mode = _context.current_mode()
+        mode = current_mode()
         if mode.replica_context is not self:
             where = (
                 "cross-replica context"
@@ -134,7 +133,7 @@ class ReplicaContext:
         the cross-replica mode.
         """
         self._check_current()
-        with _context.push_mode(_context.Mode(self.strategy, None)):
+        with _modes.push_mode(_modes.Mode(self.strategy, None)):
             result = fn(self.strategy, *args, **(kwargs or {}))
         try:
             return select_replica(0, result, 1)
@@ -209,15 +208,15 @@ class Strategy:
         Re-entering the scope of the strategy already current is a no-op; entering another
         strategy's scope inside one raises :class:`~parallelvars.errors.ContextError`.
         """
-        mode = _context.current_mode()
+        mode = current_mode()
         if mode.strategy is self:
             yield self
             return
         if not mode.strategy._is_default:
             raise ContextError(self._mixing_message("enter the scope of", mode.strategy))
         with (
-            _context.push_mode(_context.Mode(self, None)),
-            _context.variable_creator_scope(self._variable_creator),
+            _modes.push_mode(_modes.Mode(self, None)),
+            _modes.variable_creator_scope(self._variable_creator),
         ):
             yield self
 
@@ -237,13 +236,13 @@ class Strategy:
         model-building pattern of TensorFlow's MirroredStrategy).
         """
         kwargs.setdefault("device", self._devices)
-        ctx = _context.current_mode().replica_context
+        ctx = current_mode().replica_context
         if ctx is not None and ctx.strategy is self and self.num_replicas_in_sync > 1:
             return ctx.merge_call(_create_once, args=(_Creation(next_creator, kwargs),))
         return self._register(next_creator(**kwargs))
 
     def _check_creation_context(self, name: Any) -> None:
-        ctx = _context.current_mode().replica_context
+        ctx = current_mode().replica_context
         if ctx is not None and ctx.strategy is self and self.num_replicas_in_sync > 1:
             raise ContextError(
                 f"variable {name!r}: cannot create a variable inside a replica function of "
@@ -279,7 +278,7 @@ class Strategy:
         Args:
             colocate_with: a variable, or devices as returned by :meth:`non_slot_devices`.
         """
-        mode = _context.current_mode()
+        mode = current_mode()
         if mode.strategy is not self:
             raise ContextError(
                 f"colocate_vars_with() of {self!r} needs its scope (current strategy: "
@@ -301,7 +300,7 @@ class Strategy:
             kwargs.setdefault("device", target)
             return next_creator(**kwargs)  # the strategy's creator, further down, registers it
 
-        with _context.variable_creator_scope(creator):
+        with _modes.variable_creator_scope(creator):
             yield
 
     def non_slot_devices(self, var_list: Sequence[Any]) -> Any:
@@ -311,7 +310,7 @@ class Strategy:
 
     # ------------------------------------------------------------------ running replicas
     def _check_can_run(self) -> None:
-        mode = _context.current_mode()
+        mode = current_mode()
         ctx = mode.replica_context
         if ctx is not None and ctx is not _top_default_replica_context():
             raise ContextError(
@@ -351,12 +350,12 @@ class Strategy:
         ctx = ReplicaContext(self, 0)
         a = select_replica(0, args)
         kw = select_replica(0, kwargs)
-        with self.scope(), _context.push_mode(_context.Mode(self, ctx)):
+        with self.scope(), _modes.push_mode(_modes.Mode(self, ctx)):
             return fn(*a, **kw)
 
     # ------------------------------------------------------------------ cross-replica API
     def _require_cross_replica(self, method: str) -> None:
-        mode = _context.current_mode()
+        mode = current_mode()
         ctx = mode.replica_context
         if ctx is not None and ctx is not _top_default_replica_context():
             raise CrossReplicaOnlyError(
@@ -678,7 +677,7 @@ class _DefaultStrategy(Strategy):
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[Strategy]:
-        mode = _context.current_mode()
+        mode = current_mode()
         if not mode.strategy._is_default:
             raise ContextError(self._mixing_message("enter the scope of", mode.strategy))
         yield self
@@ -718,8 +717,9 @@ def increment_var(var: Any, amount: Any = 1) -> None:
     def merge_fn(strategy: Strategy, v: Any) -> None:
         strategy.update(v, add)
 
-    ctx = _context.get_replica_context()
+    mode = current_mode()
+    ctx = mode.replica_context
     if ctx is None:
-        merge_fn(_context.get_strategy(), var)
+        merge_fn(mode.strategy, var)
     else:
         ctx.merge_call(merge_fn, args=(var,))

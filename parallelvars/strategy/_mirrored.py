@@ -21,13 +21,13 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from parallelvars._write_plan import merge_reduction
 from parallelvars.devices import ParallelDevice
 from parallelvars.enums import ReduceOp
 from parallelvars.errors import ContextError, ReplicaError
 from parallelvars.strategy import _context
 from parallelvars.strategy._base import ReplicaContext, Strategy
 from parallelvars.strategy._values import PerReplica, _needs_walk, regroup, split_per_replica
-from parallelvars.strategy._write_plan import merge_reduction
 
 __all__ = ["MirroredStrategy"]
 
