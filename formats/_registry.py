@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import importlib
 import os
-import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from parallelvars.checkpoint._h5policy import check_regular_file
+from parallelvars._fileio import open_input
 from parallelvars.errors import CheckpointNotFoundError, InvalidArgumentError, NotACheckpointError
 
 from ._view import CheckpointView, Entry
@@ -85,13 +84,8 @@ def get_format(name: str) -> FormatSpec:
 def _head(path: str, n: int = 512) -> bytes:
     if os.path.isdir(path):
         return b""
-    # A FIFO, device or socket is refused before it is opened (opening a FIFO blocks); the
-    # descriptor is opened non-blocking and checked again, so a swap in between cannot block.
-    check_regular_file(path)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    fd = open_input(path)  # a FIFO, device or socket is refused, never opened blocking
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            check_regular_file(path)  # raises: what is there now is not a regular file
         return os.pread(fd, n, 0)
     finally:
         os.close(fd)

@@ -73,8 +73,9 @@ __all__ = [
 def sniff(path: str, head: bytes) -> bool:
     """True for a safetensors file, a safetensors index, or a folder holding one."""
     if os.path.isdir(path):
-        return _find_index(path) is not None or os.path.isfile(
-            os.path.join(path, "model.safetensors")
+        single = os.path.join(path, "model.safetensors")  # (a FIFO there: opening says so)
+        return _find_index(path) is not None or (
+            os.path.lexists(single) and not os.path.isdir(single)
         )
     if path.endswith(".index.json"):
         return b'"weight_map"' in head and (

@@ -8,7 +8,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from parallelvars._fileio import load_json
+from parallelvars._fileio import load_json, open_input_file
 from parallelvars.errors import (
     CheckpointNotFoundError,
     ClosedCheckpointError,
@@ -28,7 +28,9 @@ from parallelvars.formats.safetensors._layout import CRC_KEY, DEFAULT_NAMES, MET
 class _Store(ByteStore):
     """The tensors of one safetensors file or of a shard set."""
 
-    def __init__(self, file: str, shard_files: list[str]) -> None:
+    def __init__(self, file: str, shard_files: list[str], *, within: str | None = None) -> None:
+        """Open ``shard_files`` (of the index ``file``, or the one file ``file``); ``within``:
+        the folder they were found in (None: the user named the file)."""
         self.file = file
         self._files = shard_files
         self._handles: dict[int, IO[bytes]] = {}
@@ -39,7 +41,18 @@ class _Store(ByteStore):
         self.shard_checked: list[bool] = []
         try:
             for idx, shard in enumerate(shard_files):
-                f = open(shard, "rb")  # noqa: SIM115 - held open for lazy reads, closed by close()
+                try:  # held open for lazy reads, closed by close()
+                    f = open_input_file(
+                        shard, within=within, referrer=None if shard == file else file
+                    )
+                except CheckpointNotFoundError:
+                    if shard == file:
+                        raise
+                    raise TruncatedFileError(
+                        "a shard listed in the index is missing",
+                        file=file,
+                        variable=os.path.basename(shard),
+                    ) from None
                 self._handles[idx] = f
                 meta, tensors, start = read_header(f, shard)
                 self.shard_checked.append(meta.pop(CRC_KEY, None) is not None)
@@ -110,11 +123,14 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
     """
     p = os.fspath(path)
     index = _find_index(p)
+    # Files found in a folder (the index of a folder, every shard) are held to the rule of
+    # every file a reader opens: regular files, no symbolic link out of the folder.
+    found_in = p if os.path.isdir(p) else None
     if index is None:
-        single = os.path.join(p, "model.safetensors") if os.path.isdir(p) else p
-        if not os.path.isfile(single):
+        single = os.path.join(p, "model.safetensors") if found_in is not None else p
+        if not os.path.lexists(single):
             raise CheckpointNotFoundError("no safetensors file or index found", file=p)
-        store = _Store(single, [single])
+        store = _Store(single, [single], within=found_in)
         meta = dict(store.shard_metadata[0])
         try:
             info = _parse_info(meta.pop(META_KEY, None), single)
@@ -123,15 +139,10 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
             raise
         file = single
     else:
-        index_meta, weight_map = _read_index(index)
-        folder = os.path.dirname(index)
+        index_meta, weight_map = _read_index(index, within=found_in)
+        folder = os.path.dirname(index) or os.curdir
         shards = sorted(set(weight_map.values()))
-        missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
-        if missing:
-            raise TruncatedFileError(
-                "a shard listed in the index is missing", file=index, variable=missing[0]
-            )
-        store = _Store(index, [os.path.join(folder, s) for s in shards])
+        store = _Store(index, [os.path.join(folder, s) for s in shards], within=folder)
         try:
             raw_info = index_meta.get(META_KEY)
             if isinstance(raw_info, dict) and raw_info.get("checksums"):

@@ -18,12 +18,13 @@ import sys
 import threading
 import uuid
 from collections.abc import Sequence
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 
-from parallelvars._fileio import write_error
+from parallelvars._fileio import MAX_JSON_BYTES, open_input_file, read_input, write_error
 from parallelvars.errors import (
+    CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
     FormatVersionError,
@@ -52,6 +53,9 @@ from ._strings import StringChecksumError, decode_strings, encode_strings
 __all__ = ["BundleReader", "BundleWriter", "data_filename", "slice_region", "slice_shape"]
 
 _BIG = 1
+#: The largest index a reader takes (read whole): about two million tensors' entries, as the
+#: largest JSON document a reader parses (``parallelvars._fileio.MAX_JSON_BYTES``).
+MAX_INDEX_BYTES = MAX_JSON_BYTES
 _HAS_PREADV = hasattr(os, "preadv")
 _PRODUCER = 1  # TensorFlow's kTensorBundleVersion
 _MIN_CONSUMER = 0
@@ -176,18 +180,32 @@ class BundleReader:
         verify: whether reads check the stored checksums.
     """
 
-    def __init__(self, prefix: str, *, verify: bool = True) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        *,
+        verify: bool = True,
+        folder: str | None = None,
+        index_named: bool = False,
+    ) -> None:
         self.prefix = prefix
         self.index_path = prefix + ".index"
         self.verify = verify
+        # The checkpoint's folder: the index (unless the user named it) and the data shards
+        # are files found there, opened under the rule of every file a reader opens.
+        self.folder = folder if folder is not None else os.path.dirname(prefix) or os.curdir
         self._files: dict[int, BinaryIO] = {}
         self._shard_sizes: dict[int, int] = {}
         self._lock = threading.Lock()
         self._seek_lock = threading.Lock()
         try:
-            with open(self.index_path, "rb") as f:
-                data = f.read()
-        except (FileNotFoundError, NotADirectoryError):
+            data = read_input(
+                self.index_path,
+                max_bytes=MAX_INDEX_BYTES,
+                what="checkpoint index",
+                within=None if index_named else self.folder,
+            )
+        except (CheckpointNotFoundError, NotADirectoryError):
             raise NotACheckpointError(
                 "no TensorFlow checkpoint index", file=self.index_path
             ) from None
@@ -219,7 +237,11 @@ class BundleReader:
                 ) from None
         self.slice_keys: set[bytes] = set()
         self.unsupported: dict[bytes, str] = {}
-        self._validate()
+        try:
+            self._validate()  # (opens the data shards: closed again if it fails)
+        except BaseException:
+            self.close()
+            raise
 
     # --- validation at open -------------------------------------------------------------------
 
@@ -357,14 +379,9 @@ class BundleReader:
     def _shard_size(self, shard_id: int, key: bytes) -> int:
         size = self._shard_sizes.get(shard_id)
         if size is None:
-            path = self.shard_path(shard_id)
-            try:
-                size = os.stat(path).st_size
-            except FileNotFoundError:
-                raise CorruptCheckpointError(
-                    "data shard is missing", file=path, variable=_display(key)
-                ) from None
-            self._shard_sizes[shard_id] = size
+            size = self._shard_sizes[shard_id] = os.fstat(
+                self._file(shard_id, key).fileno()
+            ).st_size
         return size
 
     # --- reading ------------------------------------------------------------------------------
@@ -466,13 +483,19 @@ class BundleReader:
                 f = self._files.get(shard_id)
                 if f is None:
                     path = self.shard_path(shard_id)
-                    try:
-                        f = open(path, "rb", buffering=0)  # noqa: SIM115 - kept open until close()
-                    except FileNotFoundError:
+                    try:  # kept open until close(); a found file: not a FIFO, no link out
+                        opened = open_input_file(
+                            path,
+                            buffering=0,
+                            within=self.folder,
+                            referrer=self.index_path,
+                            variable=_display(key),
+                        )
+                    except CheckpointNotFoundError:
                         raise CorruptCheckpointError(
                             "data shard is missing", file=path, variable=_display(key)
                         ) from None
-                    self._files[shard_id] = f
+                    f = self._files[shard_id] = cast(BinaryIO, opened)
         return f
 
     def _pread(self, shard_id: int, offset: int, flat: np.ndarray, key: bytes) -> None:
