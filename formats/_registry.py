@@ -25,6 +25,7 @@ __all__ = [
     "format_for_suffix",
     "open_checkpoint",
     "write_checkpoint",
+    "check_destination",
 ]
 
 
@@ -41,6 +42,8 @@ class FormatSpec:
         open: ``open(path, **options)`` -> a :class:`CheckpointView`.
         write: ``write(path, entries, **options)`` -> the path written; ``entries`` is any
             ``Mapping[str, Entry]``.
+        outputs: ``outputs(path)`` -> the files a write at ``path`` replaces (default: the
+            path itself); a TF prefix's index and data shards, a shard set's index.
     """
 
     name: str
@@ -50,6 +53,7 @@ class FormatSpec:
     open: Callable[..., CheckpointView]
     write: Callable[..., str]
     options: Mapping[str, str] = field(default_factory=dict)
+    outputs: Callable[[str], list[str]] | None = None
 
 
 # name -> module that defines FORMAT; imported lazily. Detection tries them in this order.
@@ -158,4 +162,32 @@ def write_checkpoint(
             raise InvalidArgumentError(
                 f"{p}: cannot tell the output format from the name; pass format="
             )
-    return get_format(format).write(p, entries, **options)
+    spec = get_format(format)
+    check_destination(entries, p, spec)
+    return spec.write(p, entries, **options)
+
+
+def _same(a: str, b: str) -> bool:
+    if os.path.abspath(a) == os.path.abspath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_destination(entries: Mapping[str, Entry], path: str, spec: FormatSpec) -> None:
+    """Refuse a write at ``path`` that would replace a file the source of ``entries`` reads
+    (any of a view's :attr:`~CheckpointView.files`: a shard of the set being converted, its
+    index, a TF checkpoint's data shard)."""
+    sources = tuple(getattr(entries, "files", ()))
+    if not sources:
+        return
+    outputs = spec.outputs(path) if spec.outputs is not None else [path]
+    for out in outputs:
+        for src in sources:
+            if _same(out, src):
+                raise InvalidArgumentError(
+                    f"{path}: writing it would replace {out}, a file of the source checkpoint "
+                    f"{getattr(entries, 'path', src)}; write somewhere else"
+                )

@@ -93,6 +93,18 @@ def sniff(path: str, head: bytes) -> bool:
     return head[8:].lstrip(b" \t\r\n").startswith(b"{")
 
 
+def outputs(path: str) -> list[str]:
+    """The files a write at ``path`` replaces: the file and the index of a set of its name."""
+    p = (
+        os.path.join(path, "model.safetensors")
+        if os.path.isdir(path) or path.endswith("/")
+        else path
+    )
+    if p.endswith(".index.json"):
+        p = p[: -len(".index.json")]
+    return [p, f"{p}.index.json"]
+
+
 FORMAT = FormatSpec(
     name="safetensors",
     description="safetensors file or Hugging Face shard set (model.safetensors.index.json)",
@@ -104,4 +116,5 @@ FORMAT = FormatSpec(
         "names": "key style: dotted (default), slash or tf",
         "max_shard_size": "split into Hugging Face shards of at most this size (e.g. 5GB)",
     },
+    outputs=outputs,
 )

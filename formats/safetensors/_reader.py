@@ -33,6 +33,7 @@ class _Store(ByteStore):
         the folder they were found in (None: the user named the file)."""
         self.file = file
         self._files = shard_files
+        self.paths = list(shard_files)
         self._handles: dict[int, IO[bytes]] = {}
         self._lock = threading.Lock()
         self._tensors: dict[str, tuple[int, np.dtype, tuple[int, ...], int]] = {}
@@ -199,7 +200,9 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
     try:
         style = check_names(names or (info or {}).get("names") or DEFAULT_NAMES)
         entries = build_entries(store, info, names=style)
-        return StoreView(store, entries, format="safetensors", path=file, metadata=meta, info=info)
+        view = StoreView(store, entries, format="safetensors", path=file, metadata=meta, info=info)
+        view.files = list(dict.fromkeys([file, *store.paths]))  # the index first, then shards
+        return view
     except BaseException:
         store.close()
         raise

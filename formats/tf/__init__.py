@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from parallelvars._fileio import open_input
@@ -50,6 +51,7 @@ __all__ = [
 ]
 
 _MAGIC_BYTES = TABLE_MAGIC.to_bytes(8, "little")
+_DATA_NAME = re.compile(r"\.data-\d{5,}-of-\d{5,}")
 
 
 def _is_index(path: str, within: str | None) -> bool:
@@ -117,6 +119,25 @@ def open_tf(path: str | os.PathLike[str], **options: Any) -> TfCheckpointView:
     return TfCheckpointView(path, **options)
 
 
+def outputs(path: str) -> list[str]:
+    """The files a write at ``path`` replaces: the prefix's index and data shards (a folder
+    gets a new prefix: nothing)."""
+    if os.path.isdir(path):
+        return []
+    prefix = path[: -len(".index")] if path.endswith(".index") else path
+    folder, base = os.path.split(prefix)
+    try:
+        names = os.listdir(folder or os.curdir)
+    except OSError:
+        names = []
+    shards = [
+        os.path.join(folder, n)
+        for n in names
+        if _DATA_NAME.fullmatch(n[len(base) :] if n.startswith(base) else "")
+    ]
+    return [prefix + ".index", *shards]
+
+
 FORMAT = FormatSpec(
     name="tf",
     description="TensorFlow V2 checkpoint (<prefix>.index + <prefix>.data-NNNNN-of-NNNNN)",
@@ -133,4 +154,5 @@ FORMAT = FormatSpec(
         "naming": "write: 'object' (tf.train.Checkpoint keys + object graph) or 'name' (TF1 Saver)",
         "update_state": "write: make it the latest in the directory's 'checkpoint' file (true)",
     },
+    outputs=outputs,
 )

@@ -295,6 +295,16 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
             folder=folder,
             index_named=self.source == self.path + ".index",
         )
+        state = os.path.join(self.source, STATE_FILENAME)
+        self.files = [
+            *([state] if os.path.isdir(self.source) and os.path.lexists(state) else []),
+            self._bundle.index_path,
+            *(
+                self._bundle.shard_path(i)
+                for i in range(self._bundle.header.num_shards)
+                if os.path.lexists(self._bundle.shard_path(i))
+            ),
+        ]
         self._parallel_kind = parallel_kind
         self._assemble = assemble_slices
         self._skip = skip_unsupported
