@@ -12,6 +12,7 @@ import errno
 import json
 import math
 import os
+import re
 import secrets
 import stat
 import sys
@@ -132,7 +133,7 @@ def load_json(
             found=f"{depth} levels",
         )
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=object_pairs_hook)
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=object_pairs_hook)
     except ParallelVarsError:
         raise
     except UnicodeDecodeError as exc:
@@ -145,6 +146,41 @@ def load_json(
             file=file,
             variable=variable,
         ) from None
+    if _SURROGATE_ESCAPE.search(raw):  # (UTF-8 itself cannot hold one: only an escape can)
+        bad = _lone_surrogate(doc)
+        if bad is not None:
+            raise CorruptCheckpointError(
+                f"the {what} holds text that is not valid Unicode",
+                file=file,
+                variable=variable,
+                expected="no lone surrogate (as the reference JSON parsers refuse them)",
+                found=ascii(bad[:80]),
+            )
+    return doc
+
+
+#: A JSON escape of a UTF-16 surrogate: only through one can decoded text hold a lone one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(doc: Any) -> str | None:
+    """The first string (key or value) of the decoded JSON ``doc`` that cannot be encoded as
+    UTF-8 (a lone surrogate, which ``json`` decodes and serde_json, the safetensors reference,
+    refuses), or None."""
+    stack = [doc]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return item
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
 
 
 def value_types(values: Iterable[Any]) -> set[type]:

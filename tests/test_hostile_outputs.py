@@ -11,7 +11,7 @@ import pytest
 
 from parallelvars import formats
 from parallelvars.cli import main
-from parallelvars.errors import InvalidArgumentError
+from parallelvars.errors import CorruptCheckpointError, InvalidArgumentError
 
 
 def entries(value: float, n: int = 6) -> dict[str, formats.ArrayEntry]:
@@ -50,3 +50,81 @@ def test_convert_over_its_own_tf_data_shard_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="a file of the source checkpoint"):
         formats.convert(prefix + ".index", prefix, to_format="tf")
     assert snapshot(tmp_path) == before
+
+
+# ------------------------------------------------------------------------------ names
+
+LONE = "a\ud800"
+
+
+def _safetensors_file(path: Path, name_json: str) -> Path:
+    import struct
+
+    entry = '{"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}'
+    header = f'{{"{name_json}": {entry}}}'.encode()
+    header += b" " * (-len(header) % 8)
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0\0\x80\x3f")
+    return path
+
+
+def test_a_lone_surrogate_name_is_refused_at_open_as_the_reference_does(tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+
+    bad = _safetensors_file(tmp_path / "bad.safetensors", "a\\ud800")
+    from safetensors import SafetensorError
+
+    with pytest.raises(SafetensorError, match="hex escape"):  # the reference's verdict
+        load_file(str(bad))
+    with pytest.raises(CorruptCheckpointError, match="not valid Unicode") as info:
+        formats.open_checkpoint(str(bad))
+    assert info.value.file == str(bad)
+    assert main(["convert", str(bad), str(tmp_path / "out.npz")]) == 2
+    # a surrogate pair is one character: both read it
+    good = _safetensors_file(tmp_path / "good.safetensors", "a\\ud83d\\ude00")
+    assert list(load_file(str(good))) == ["a\U0001f600"]
+    with formats.open_checkpoint(str(good)) as view:
+        assert list(view) == ["a\U0001f600"]
+
+
+def test_a_lone_surrogate_in_the_native_index_is_refused_at_open(tmp_path: Path) -> None:
+    import json
+
+    import h5py
+    from _columns_support import write_columns
+
+    import parallelvars as pv
+    from parallelvars.checkpoint.h5io import INDEX_DATASET, H5Reader
+    from parallelvars.checkpoint.h5io.attributes import _write_json
+
+    path = tmp_path / "n.h5"
+    pv.Checkpoint(w=pv.Variable(np.arange(4, dtype=np.float32), name="w")).write(str(path))
+    with h5py.File(path, "r+") as f:
+        doc = json.loads(f[INDEX_DATASET][()])
+        doc[LONE] = doc.pop("w")
+        del f[INDEX_DATASET]
+        _write_json(f, INDEX_DATASET, doc)
+    write_columns(str(path))
+    with pytest.raises(CorruptCheckpointError, match="not valid Unicode"):
+        H5Reader(str(path)).close()
+
+
+def test_a_tf_key_that_is_not_utf8_is_refused_at_open(tmp_path: Path) -> None:
+    from parallelvars.formats.tf._bundle import BundleWriter
+
+    with BundleWriter(str(tmp_path / "ckpt")) as w:
+        w.add(b"a\xff/.ATTRIBUTES/VARIABLE_VALUE", np.ones(2, np.float32))
+    with pytest.raises(CorruptCheckpointError, match="not UTF-8 text"):
+        formats.open_checkpoint(str(tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "npz", "tf", "hdf5", "keras"])
+def test_writers_refuse_a_lone_surrogate_name_as_our_error(tmp_path: Path, fmt: str) -> None:
+    from parallelvars.errors import InvalidEntryError
+
+    suffix = {"safetensors": ".safetensors", "npz": ".npz", "tf": "", "hdf5": ".h5"}
+    path = str(tmp_path / f"out{suffix.get(fmt, '.weights.h5')}")
+    bad = {LONE: formats.ArrayEntry(LONE, [np.ones(2, np.float32)])}
+    with pytest.raises(InvalidEntryError, match="not valid Unicode") as info:
+        formats.write_checkpoint(path, bad, format=fmt)
+    str(info.value).encode("utf-8")  # the message itself prints
+    assert not [p for p in tmp_path.iterdir()]

@@ -64,6 +64,15 @@ def _inside(directory: str, candidate: str) -> bool:
     return os.path.commonpath([base, os.path.realpath(candidate)]) == base
 
 
+def _is_text(text: str) -> bool:
+    """Whether ``text`` is valid Unicode (no lone surrogate, no undecodable byte escaped)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _present(index: str) -> bool:
     """Whether an index is there: anything but a folder (a FIFO or a link out is refused when
     it is opened, with the reason, rather than taken for no index)."""
@@ -343,6 +352,15 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
     def _build(self) -> None:
         b = self._bundle
         keys = {key_str(k): k for k in b.entries if k not in b.slice_keys}
+        for text, k in keys.items():
+            if text.encode("utf-8", "surrogateescape") != k or not _is_text(text):
+                # TensorFlow's Python reader refuses such a key too (it decodes keys as UTF-8)
+                raise self._corrupt(
+                    "a tensor key is not UTF-8 text",
+                    variable=k.decode("utf-8", "backslashreplace"),
+                    expected="UTF-8 text",
+                    found=ascii(k[:80]),
+                )
         full_names: dict[str, str] = {}
         if GRAPH_KEY in keys:
             try:
