@@ -4,7 +4,10 @@ old content or the new, never a mix that verifies."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -128,3 +131,106 @@ def test_writers_refuse_a_lone_surrogate_name_as_our_error(tmp_path: Path, fmt: 
         formats.write_checkpoint(path, bad, format=fmt)
     str(info.value).encode("utf-8")  # the message itself prints
     assert not [p for p in tmp_path.iterdir()]
+
+
+# ------------------------------------------------------------------- all-or-nothing outputs
+# A write is killed (os._exit, as SIGKILL: no cleanup runs) at each of its steps that changes
+# the folder (a rename or an unlink: the files before are temporaries or new names), in a
+# forked child; the destination must then read back exactly the old content or the new one.
+
+_STEPS = ("replace", "rename", "unlink", "remove")
+
+
+def _write_killed_at(step: int, write: Callable[[], object]) -> bool:
+    """Run ``write`` in a forked child killed at its ``step``-th folder change; whether it
+    finished before that step."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 0
+        try:
+            count = [0]
+            for name in _STEPS:
+                original = getattr(os, name)
+
+                def killing(*args: Any, _original: Any = original, **kw: Any) -> Any:
+                    count[0] += 1
+                    if count[0] == step:
+                        os._exit(9)
+                    return _original(*args, **kw)
+
+                setattr(os, name, killing)
+            write()
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status), status
+    code = os.WEXITSTATUS(status)
+    assert code in (0, 9), f"the write failed in the child (exit {code})"
+    return code == 0
+
+
+def _values(path: str) -> dict[str, list[float]]:
+    with formats.open_checkpoint(path) as view:
+        return {k: view[k].value().tolist() for k in view}
+
+
+# (name, how to write it: (destination, entries) -> the path to read back)
+_OUTPUTS: dict[str, Callable[[Path, dict[str, formats.ArrayEntry]], str]] = {
+    "safetensors set": lambda d, e: (
+        formats.write_checkpoint(str(d) + "/", e, format="safetensors", max_shard_size=200)
+        and str(d)
+    ),
+    "safetensors set to file": lambda d, e: (
+        formats.write_checkpoint(
+            str(d) + "/", e, format="safetensors", max_shard_size=None if len(e) > 6 else 200
+        )
+        and str(d)
+    ),
+    "tf": lambda d, e: formats.write_checkpoint(str(d / "ckpt"), e, format="tf") and str(d),
+    "npz": lambda d, e: formats.write_checkpoint(str(d / "w.npz"), e),
+    "hdf5": lambda d, e: formats.write_checkpoint(str(d / "w.h5"), e),
+}
+
+
+def _leftovers(d: Path, path: str) -> list[str]:
+    """Files of ``d`` that are neither the output at ``path`` nor a temporary of a killed write
+    (``.NAME.tmp-PID-HEX``, TensorFlow's ``*.tempstate*``)."""
+    with formats.open_checkpoint(path) as view:
+        mine = {os.path.basename(f) for f in view.files}
+    return sorted(
+        n for n in os.listdir(d) if n not in mine and not n.startswith(".") and "tempstate" not in n
+    )
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+@pytest.mark.parametrize("kind", list(_OUTPUTS))
+def test_a_kill_at_any_step_leaves_the_old_output_or_the_new(kind: str, tmp_path: Path) -> None:
+    write = _OUTPUTS[kind]
+    old, new = entries(1.0, 6), entries(2.0, 8)  # another number of tensors and of shards
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    want_old = _values(write(tmp_path / "old", old))
+    want_new = _values(write(tmp_path / "new", new))
+    seen = set()
+    step = 1
+    while True:
+        d = tmp_path / f"step{step}"
+        d.mkdir()
+        path = write(d, old)
+        finished = _write_killed_at(step, lambda d=d: write(d, new))
+        got = _values(path)
+        if finished:
+            assert got == want_new, kind
+            break
+        assert got in (want_old, want_new), (kind, step)  # never a mix
+        seen.add("new" if got == want_new else "old")
+        assert main(["-q", "verify", path]) == 0, (kind, step)
+        # the next write over what the kill left is whole, and leaves no file of the old one
+        assert _values(write(d, new)) == want_new, (kind, step)
+        assert _leftovers(d, path) == [], (kind, step)
+        step += 1
+    assert "old" in seen  # kills landed inside the write
+    if kind.startswith(("safetensors", "tf")):
+        assert "new" in seen  # and between its commit and the cleanup of the old files

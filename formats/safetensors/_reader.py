@@ -11,6 +11,7 @@ import numpy as np
 from parallelvars._fileio import load_json, open_input_file
 from parallelvars.errors import (
     CheckpointNotFoundError,
+    ChecksumMismatchError,
     ClosedCheckpointError,
     CorruptCheckpointError,
     TruncatedFileError,
@@ -22,7 +23,7 @@ from parallelvars.formats._store import ByteStore, read_exact_into
 from parallelvars.formats._view import CheckpointView
 from parallelvars.formats.safetensors._header import read_header
 from parallelvars.formats.safetensors._index import _find_index, _read_index
-from parallelvars.formats.safetensors._layout import CRC_KEY, DEFAULT_NAMES, META_KEY
+from parallelvars.formats.safetensors._layout import CRC_KEY, DEFAULT_NAMES, META_KEY, SHARDS_KEY
 
 
 class _Store(ByteStore):
@@ -40,6 +41,7 @@ class _Store(ByteStore):
         self._crcs: dict[str, int] = {}
         self.shard_metadata: list[dict[str, str]] = []
         self.shard_checked: list[bool] = []
+        self.shard_crcs: list[str | None] = []  # each header's CRC-32C, from its record
         try:
             for idx, shard in enumerate(shard_files):
                 try:  # held open for lazy reads, closed by close()
@@ -56,7 +58,9 @@ class _Store(ByteStore):
                     ) from None
                 self._handles[idx] = f
                 meta, tensors, start = read_header(f, shard)
-                self.shard_checked.append(meta.pop(CRC_KEY, None) is not None)
+                record = meta.pop(CRC_KEY, None)
+                self.shard_checked.append(record is not None)
+                self.shard_crcs.append(record[:8] if isinstance(record, str) else None)
                 self.shard_metadata.append(meta)
                 for name, (dtype, shape, begin, _end, crc) in tensors.items():
                     if name in self._tensors:
@@ -156,6 +160,19 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
                             expected=f"a {CRC_KEY!r} metadata item",
                             found="none",
                         )
+            written = index_meta.get(SHARDS_KEY)
+            if written is not None:  # each shard must be the one the index was written with
+                for shard, crc in zip(shards, store.shard_crcs, strict=True):
+                    want = written.get(shard) if isinstance(written, dict) else None
+                    if want != crc:
+                        raise ChecksumMismatchError(
+                            "the shard is not the one its index was written with",
+                            file=os.path.join(folder, shard),
+                            variable=SHARDS_KEY,
+                            expected=f"header crc32c {want}",
+                            found=f"header crc32c {crc}",
+                            hint=f"listed by {index}",
+                        )
             listed = set(weight_map)
             stored_keys = store.keys()
             for key in stored_keys:
@@ -189,7 +206,7 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
             meta.update(m)
         meta.pop(META_KEY, None)
         for k, v in index_meta.items():
-            if k not in ("total_size", META_KEY, CRC_KEY):
+            if k not in ("total_size", META_KEY, CRC_KEY, SHARDS_KEY):
                 meta.setdefault(k, v if isinstance(v, str) else dumps(jsonable(v)))
         try:
             info = _parse_info(index_meta.get(META_KEY), index)

@@ -12,8 +12,10 @@ a reader never sees a half-written bundle.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import re
 import sys
 import threading
 import uuid
@@ -22,7 +24,13 @@ from typing import Any, BinaryIO, cast
 
 import numpy as np
 
-from parallelvars._fileio import MAX_JSON_BYTES, open_input_file, read_input, write_error
+from parallelvars._fileio import (
+    MAX_JSON_BYTES,
+    atomic_path,
+    open_input_file,
+    read_input,
+    write_error,
+)
 from parallelvars.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
@@ -30,6 +38,7 @@ from parallelvars.errors import (
     FormatVersionError,
     InvalidEntryError,
     NotACheckpointError,
+    ParallelVarsError,
     TruncatedFileError,
     UnsupportedDtypeError,
 )
@@ -566,10 +575,15 @@ class BundleWriter:
         self.prefix = prefix
         self.big_endian = big_endian
         self._swap = big_endian != (sys.byteorder == "big")
-        self.data_path = data_filename(prefix, 0, 1)
         self.index_path = prefix + ".index"
         parent = os.path.dirname(os.path.abspath(prefix))
         os.makedirs(parent, exist_ok=True)
+        # All or nothing over a checkpoint at the same prefix: TensorFlow names the data files
+        # after their count, so the new one takes the other count (one file, or two with the
+        # second empty) and never replaces a file the old index names; the index's rename is
+        # the commit, and the old data files go after it.
+        self.num_shards = 2 if _shard_count(self.index_path) == 1 else 1
+        self.data_path = data_filename(prefix, 0, self.num_shards)
         tag = uuid.uuid4().hex
         self._tmp_data = f"{self.data_path}.tempstate{tag}"
         self._tmp_index = f"{self.index_path}.tempstate{tag}"
@@ -662,19 +676,28 @@ class BundleWriter:
         self._f.close()
         self._f = None
         table = TableBuilder()
-        table.add(
-            b"", encode_header(BundleHeader(1, int(self.big_endian), _PRODUCER, _MIN_CONSUMER))
-        )
+        header = BundleHeader(self.num_shards, int(self.big_endian), _PRODUCER, _MIN_CONSUMER)
+        table.add(b"", encode_header(header))
         for key in sorted(self.entries):
             table.add(key, encode_entry(self.entries[key]))
         with open(self._tmp_index, "wb") as f:
             f.write(table.finish())
             f.flush()
             os.fsync(f.fileno())
-        os.replace(self._tmp_data, self.data_path)
-        os.replace(self._tmp_index, self.index_path)
+        for shard in range(1, self.num_shards):  # the empty second data file of a pair
+            with atomic_path(data_filename(self.prefix, shard, self.num_shards)) as tmp:
+                open(tmp, "xb").close()
+        os.replace(self._tmp_data, self.data_path)  # a name the old index does not use
+        _fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
+        os.replace(self._tmp_index, self.index_path)  # the commit
         _fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
         self._done = True
+        folder, base = os.path.split(self.prefix)
+        for name in os.listdir(folder or os.curdir):  # the old checkpoint's data files
+            m = _DATA_SUFFIX.fullmatch(name[len(base) :]) if name.startswith(base) else None
+            if m is not None and int(m.group(1)) != self.num_shards:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(folder, name))
 
     def abort(self) -> None:
         """Drop everything written so far."""
@@ -708,6 +731,22 @@ class BundleWriter:
                 mapped = write_error(failure, self.prefix)
                 if mapped is not failure:
                     raise mapped from failure
+
+
+_DATA_SUFFIX = re.compile(r"\.data-\d{5}-of-(\d{5})")
+
+
+def _shard_count(index: str) -> int | None:
+    """The data file count the index at ``index`` names, or None (no index, or not one we can
+    read: nothing it names needs keeping)."""
+    try:
+        data = read_input(index, max_bytes=MAX_INDEX_BYTES, what="checkpoint index")
+        first = next(iter(TableReader(data, file=index)), None)
+        if first is None or first[0] != b"":
+            return None
+        return decode_header(first[1]).num_shards
+    except (OSError, ParallelVarsError, DecodeError, ValueError):
+        return None
 
 
 def _string_elements(value: np.ndarray, key: bytes, file: str) -> list[bytes]:
