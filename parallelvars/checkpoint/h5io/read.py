@@ -687,6 +687,26 @@ def is_native_checkpoint(path: str | os.PathLike[str]) -> bool:
         return False
 
 
+#: Bytes read per system call when a component's checksum is taken as it is read (1 MiB: the
+#: chunk is still in the CPU's cache when its CRC-32C runs).
+CHECK_CHUNK = 1 << 20
+
+
+#: The most bytes of larger components a restore keeps in memory between verifying them and
+#: copying them into the variables (docs/checkpoints.md, "A restore lands only checked
+#: bytes"): a quarter of the machine's memory, at most 4 GiB. Beyond, a component is read
+#: again when it is copied, into a buffer of its size, and checked there before it lands.
+def _keep_limit() -> int:
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        memory = 4 << 30
+    return int(min(4 << 30, memory // 4))
+
+
+RESTORE_KEEP_LIMIT = _keep_limit()
+
+
 class H5Reader(Mapping[str, StoredVariable]):
     """A checkpoint file in the native layout, opened read-only: a Mapping path -> variable.
 
@@ -720,6 +740,10 @@ class H5Reader(Mapping[str, StoredVariable]):
         # Small components read ahead in a few large reads (see stage()): the start of each
         # staged span, its end, and its bytes.
         self._staged: tuple[list[int], list[int], list[np.ndarray]] | None = None
+        # A restore's larger components, read and verified once and kept until they are copied
+        # (file offset -> bytes), and the bytes it may still keep (see stage()).
+        self._kept: dict[int, np.ndarray] = {}
+        self._keep_left = 0
         if not os.path.exists(self.path):
             raise CheckpointNotFoundError("no such checkpoint file", file=self.path)
         if os.path.isdir(self.path):
@@ -940,13 +964,19 @@ class H5Reader(Mapping[str, StoredVariable]):
                     self._raw_fd = fd
         return self._raw_fd
 
-    def _read_fully(self, view: memoryview, offset: int, variable: str | None = None) -> None:
+    def _read_fully(
+        self, view: memoryview, offset: int, variable: str | None = None, *, crc: bool = False
+    ) -> int:
         """Fill ``view`` with the file's bytes from ``offset`` on (a file that ends first, cut
         by someone else since it was opened, is a :class:`TruncatedFileError` naming
-        ``variable``, the component read, when given)."""
+        ``variable``, the component read, when given). With ``crc``, the bytes are read in
+        chunks of ``CHECK_CHUNK`` and their CRC-32C is taken as each chunk arrives, while it is
+        in the CPU's cache, and returned (else 0)."""
         end, fd = offset + len(view), self._fd()
+        step = CHECK_CHUNK if crc else len(view)
+        value = 0
         while len(view):
-            n = os.preadv(fd, [view], offset)
+            n = os.preadv(fd, [view[:step]], offset)
             if n <= 0:
                 raise TruncatedFileError(
                     "file ends inside the data",
@@ -955,7 +985,10 @@ class H5Reader(Mapping[str, StoredVariable]):
                     expected=f"{end} bytes",
                     found=f"{self.file_size} bytes",
                 )
+            if crc:
+                value = _crc32c.crc32c(view[:n], value)
             view, offset = view[n:], offset + n
+        return value
 
     def stage(self, variables: Iterable[StoredVariable]) -> set[tuple[str, int]]:
         """Read the small components of ``variables`` now, with a few large reads.
@@ -975,6 +1008,9 @@ class H5Reader(Mapping[str, StoredVariable]):
         :meth:`StoredVariable.verify` then raises for it (or reads it where HDF5 places it,
         when the index's offset is stale), as without staging.
         """
+        # The larger components a restore verifies next (StoredVariable.verify) are kept in
+        # memory, up to RESTORE_KEEP_LIMIT bytes, so the bytes copied are the bytes verified.
+        self._kept, self._keep_left = {}, RESTORE_KEEP_LIMIT
         ranges: list[tuple[int, int, StoredVariable | None, int]] = []
         total = 0
         for var in variables:
@@ -1082,11 +1118,33 @@ class H5Reader(Mapping[str, StoredVariable]):
         return buf, at, bad
 
     def unstage(self) -> None:
-        """Drop what :meth:`stage` read."""
+        """Drop what :meth:`stage` read, and what the verification kept."""
         self._staged = None
+        with self._lock:
+            self._kept, self._keep_left = {}, 0
+
+    def _keep_budget(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more verified bytes may be kept (and take them from the budget)."""
+        with self._lock:
+            if nbytes > self._keep_left:
+                return False
+            self._keep_left -= nbytes
+            return True
+
+    def _keep(self, offset: int, data: np.ndarray | None, nbytes: int) -> None:
+        """Keep ``data`` (the verified bytes at ``offset``), or give ``nbytes`` back (None)."""
+        with self._lock:
+            if data is None:
+                self._keep_left += nbytes
+            else:
+                self._kept[offset] = data
 
     def _staged_bytes(self, offset: int, nbytes: int) -> np.ndarray | None:
-        """The staged bytes ``[offset, offset + nbytes)`` of the file, when staged."""
+        """The staged bytes ``[offset, offset + nbytes)`` of the file, when staged (or kept
+        by a restore's verification)."""
+        kept = self._kept.get(offset)
+        if kept is not None and kept.size == nbytes:
+            return kept
         staged = self._staged
         if staged is None:
             return None
