@@ -743,7 +743,8 @@ class H5Reader(Mapping[str, StoredVariable]):
         # A restore's larger components, read and verified once and kept until they are copied
         # (file offset -> bytes), and the bytes it may still keep (see stage()).
         self._kept: dict[int, np.ndarray] = {}
-        self._keep_left = 0
+        self._slots: dict[int, tuple[int, int]] = {}  # offset -> (place in the arena, bytes)
+        self._arena: np.ndarray | None = None
         if not os.path.exists(self.path):
             raise CheckpointNotFoundError("no such checkpoint file", file=self.path)
         if os.path.isdir(self.path):
@@ -991,6 +992,52 @@ class H5Reader(Mapping[str, StoredVariable]):
         return value
 
     def stage(self, variables: Iterable[StoredVariable]) -> set[tuple[str, int]]:
+        """Prepare a restore of ``variables``: read their small components now
+        (:meth:`_stage_small`, whose verified components are returned), and set aside the
+        memory the larger ones are kept in between their verification and their copy.
+
+        The components whose place the index gives and that are not staged get a slot of one
+        buffer (one allocation, so the kernel can back it with huge pages: fresh small
+        buffers cost a page fault per 4 KiB), first ones first, at most
+        ``RESTORE_KEEP_LIMIT`` bytes; :meth:`StoredVariable.verify` reads each into its slot,
+        verifies it there and keeps it, and the copy into the variable takes those bytes.
+        """
+        variables = list(variables)
+        verified = self._stage_small(variables)
+        slots: dict[int, tuple[int, int]] = {}
+        total = 0
+        for var in variables:
+            if var.dtype.kind == "O" or var._index_offsets is None:
+                continue
+            for i in range(var.num_components):
+                nbytes = var.component_nbytes(i)
+                if nbytes == 0 or total + nbytes > RESTORE_KEEP_LIMIT:
+                    continue
+                loc = var._location(i)
+                if loc is None or self._staged_bytes(loc[0], nbytes) is not None:
+                    continue
+                slots[loc[0]] = (total, nbytes)
+                total += nbytes
+        with self._lock:
+            self._kept = {}
+            self._slots = slots
+            self._arena = np.empty(total, np.uint8) if total else None
+        return verified
+
+    def _slot(self, offset: int, nbytes: int) -> np.ndarray | None:
+        """The memory set aside for the component at ``offset`` (:meth:`stage`), or None."""
+        slot = self._slots.get(offset)
+        arena = self._arena
+        if slot is None or arena is None or slot[1] != nbytes:
+            return None
+        return arena[slot[0] : slot[0] + nbytes]
+
+    def _keep(self, offset: int, data: np.ndarray) -> None:
+        """Keep ``data``, the verified bytes at ``offset``, for the copy."""
+        with self._lock:
+            self._kept[offset] = data
+
+    def _stage_small(self, variables: list[StoredVariable]) -> set[tuple[str, int]]:
         """Read the small components of ``variables`` now, with a few large reads.
 
         A restore of many small variables would otherwise pay two system calls per component
@@ -1008,9 +1055,6 @@ class H5Reader(Mapping[str, StoredVariable]):
         :meth:`StoredVariable.verify` then raises for it (or reads it where HDF5 places it,
         when the index's offset is stale), as without staging.
         """
-        # The larger components a restore verifies next (StoredVariable.verify) are kept in
-        # memory, up to RESTORE_KEEP_LIMIT bytes, so the bytes copied are the bytes verified.
-        self._kept, self._keep_left = {}, RESTORE_KEEP_LIMIT
         ranges: list[tuple[int, int, StoredVariable | None, int]] = []
         total = 0
         for var in variables:
@@ -1121,23 +1165,7 @@ class H5Reader(Mapping[str, StoredVariable]):
         """Drop what :meth:`stage` read, and what the verification kept."""
         self._staged = None
         with self._lock:
-            self._kept, self._keep_left = {}, 0
-
-    def _keep_budget(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more verified bytes may be kept (and take them from the budget)."""
-        with self._lock:
-            if nbytes > self._keep_left:
-                return False
-            self._keep_left -= nbytes
-            return True
-
-    def _keep(self, offset: int, data: np.ndarray | None, nbytes: int) -> None:
-        """Keep ``data`` (the verified bytes at ``offset``), or give ``nbytes`` back (None)."""
-        with self._lock:
-            if data is None:
-                self._keep_left += nbytes
-            else:
-                self._kept[offset] = data
+            self._kept, self._slots, self._arena = {}, {}, None
 
     def _staged_bytes(self, offset: int, nbytes: int) -> np.ndarray | None:
         """The staged bytes ``[offset, offset + nbytes)`` of the file, when staged (or kept

@@ -596,28 +596,25 @@ class StoredVariable(Entry):
         return loc is not None and loc[1] > 0
 
     def _verify_kept(self, i: int) -> bool:
-        """During a restore (``H5Reader.stage``), read component ``i`` into memory of its own,
-        verify it and keep it for the copy, while the reader's budget allows; whether it did."""
+        """During a restore (``H5Reader.stage``), read component ``i`` into the memory set
+        aside for it, verify it there and keep it for the copy; whether it had memory."""
         loc = self._location(i)
         assert loc is not None
         offset, size = loc
-        nbytes = size * self.dtype.itemsize
         reader = self._reader
-        if reader._staged_bytes(offset, nbytes) is not None or not reader._keep_budget(nbytes):
+        slot = reader._slot(offset, size * self.dtype.itemsize)
+        if slot is None:
             return False
-        data = None
-        try:
-            buf = np.empty(nbytes, np.uint8)
-            found = reader._read_fully(
-                memoryview(buf),  # type: ignore[arg-type]
-                offset,
-                f"{self.path}/{component_name(i)}",
-                crc=True,
-            )
-            self._compare(i, found)
-            data = buf
-        finally:
-            reader._keep(offset, data, nbytes)
+        if slot.size > 1 << 20 and hasattr(os, "posix_fadvise"):  # start reading it all ahead
+            os.posix_fadvise(reader._fd(), offset, slot.size, os.POSIX_FADV_WILLNEED)
+        found = reader._read_fully(
+            memoryview(slot),  # type: ignore[arg-type]
+            offset,
+            f"{self.path}/{component_name(i)}",
+            crc=True,
+        )
+        self._compare(i, found)
+        reader._keep(offset, slot)
         return True
 
     def _check_streamed(self, i: int) -> None:
