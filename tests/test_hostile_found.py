@@ -27,7 +27,6 @@ import pytest
 
 import parallelvars as pv
 from parallelvars import formats
-from parallelvars._fileio import checkpoint_root, open_input
 from parallelvars.checkpoint import manager
 from parallelvars.errors import (
     CorruptCheckpointError,
@@ -310,6 +309,8 @@ def test_a_multi_process_part_may_link_only_inside_its_folder(tmp_path: Path) ->
 
 
 def test_the_rule_named_versus_found(tmp_path: Path) -> None:
+    from parallelvars._fileio import open_input
+
     real = tmp_path / "real.bin"
     real.write_bytes(b"abc")
     folder = tmp_path / "ckpt"
@@ -331,6 +332,8 @@ def test_the_rule_named_versus_found(tmp_path: Path) -> None:
 def test_a_hugging_face_cache_snapshot_opens_where_it_lies(tmp_path: Path) -> None:
     """huggingface_hub's cache: snapshots/<revision>/ files link into the repository's
     blobs/; the repository folder is the checkpoint's folder."""
+    from parallelvars._fileio import checkpoint_root
+
     repo = tmp_path / "hub" / "models--org--name"
     snap = repo / "snapshots" / "0123abcd"
     snap.mkdir(parents=True)
