@@ -729,16 +729,6 @@ def _madvise() -> Any:
 _MADVISE = _madvise()
 
 
-def _set_aside(nbytes: int) -> np.ndarray:
-    """A buffer of ``nbytes`` for a restore's reads. The kernel gives its pages on first touch
-    (a fault and zeroing each, 0.1-1.9 s per 256 MiB on a loaded test machine): for a large
-    one, a helper faults them in ahead of the reads, while those wait on the disk."""
-    buf = np.empty(nbytes, np.uint8)
-    if nbytes >= _PREFAULT_MIN and _MADVISE is not None:
-        threading.Thread(target=_prefault, args=(buf,), daemon=True).start()
-    return buf
-
-
 def _prefault(arena: np.ndarray) -> None:
     """Fault ``arena``'s pages in, in order, without changing a byte (the reads fill it
     meanwhile): ``madvise(MADV_POPULATE_WRITE)``, a hint; nothing where it is not known."""
@@ -1064,7 +1054,11 @@ class H5Reader(Mapping[str, StoredVariable]):
                     continue
                 slots[loc[0]] = (total, nbytes)
                 total += nbytes
-        arena = _set_aside(total) if total else None
+        arena = np.empty(total, np.uint8) if total else None
+        if arena is not None and total >= _PREFAULT_MIN and _MADVISE is not None:
+            # The kernel gives the buffer's pages on first touch (zeroing each): a helper
+            # touches them ahead of the reads, while those wait on the disk.
+            threading.Thread(target=_prefault, args=(arena,), daemon=True).start()
         with self._lock:
             self._kept = {}
             self._slots = slots
@@ -1181,7 +1175,7 @@ class H5Reader(Mapping[str, StoredVariable]):
                 break
         bases = np.zeros(spans.size, np.int64)
         np.cumsum(spans[:-1], out=bases[1:])
-        buf = _set_aside(int(spans.sum()))
+        buf = np.empty(int(spans.sum()), np.uint8)
         fd = self._fd()
         spans_list = list(zip(span_starts.tolist(), spans.tolist(), bases.tolist(), strict=True))
         if len(spans_list) > 1 and hasattr(os, "posix_fadvise"):  # the disk reads them in parallel
