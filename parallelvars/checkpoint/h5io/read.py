@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import bisect
 import copy
-import ctypes
 import itertools
 import json
 import math
 import operator
 import os
-import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, cast
@@ -707,40 +705,6 @@ def _keep_limit() -> int:
 
 
 RESTORE_KEEP_LIMIT = _keep_limit()
-#: The smallest buffer of a restore whose pages a helper thread touches ahead of the reads.
-_PREFAULT_MIN = 16 << 20
-
-
-_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable without touching them
-
-
-def _madvise() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _madvise()
-
-
-def _prefault(arena: np.ndarray) -> None:
-    """Fault ``arena``'s pages in, in order, without changing a byte (the reads fill it
-    meanwhile): ``madvise(MADV_POPULATE_WRITE)``, a hint; nothing where it is not known."""
-    if _MADVISE is None:
-        return
-    page = os.sysconf("SC_PAGE_SIZE")
-    addr = int(arena.ctypes.data)
-    start, end = -(-addr // page) * page, (addr + arena.size) // page * page
-    step = 16 << 20
-    for at in range(start, end, step):
-        if _MADVISE(at, min(step, end - at), _MADV_POPULATE_WRITE) != 0:
-            return  # (an older kernel: the pages fault in as they are read)
 
 
 class H5Reader(Mapping[str, StoredVariable]):
@@ -1054,15 +1018,10 @@ class H5Reader(Mapping[str, StoredVariable]):
                     continue
                 slots[loc[0]] = (total, nbytes)
                 total += nbytes
-        arena = np.empty(total, np.uint8) if total else None
-        if arena is not None and total >= _PREFAULT_MIN and _MADVISE is not None:
-            # The kernel gives the buffer's pages on first touch (zeroing each): a helper
-            # touches them ahead of the reads, while those wait on the disk.
-            threading.Thread(target=_prefault, args=(arena,), daemon=True).start()
         with self._lock:
             self._kept = {}
             self._slots = slots
-            self._arena = arena
+            self._arena = np.empty(total, np.uint8) if total else None
         return verified
 
     def _slot(self, offset: int, nbytes: int) -> np.ndarray | None:
