@@ -406,8 +406,8 @@ from parallelvars.checkpoint.h5io import read
 from parallelvars.errors import CheckpointError
 
 path, phase = sys.argv[1], sys.argv[2]
-if phase == "copy-unkept":  # beyond the memory a restore keeps verified bytes in
-    read.RESTORE_KEEP_LIMIT = 0
+if phase == "copy-kept":  # the verified bytes kept in memory until they are copied
+    read.RESTORE_KEEP_LIMIT = 1 << 30
 
 def model():
     m = pv.Module()
@@ -452,11 +452,11 @@ else:
 """
 
 
-@pytest.mark.parametrize("phase", ["verify", "copy", "copy-unkept"])
+@pytest.mark.parametrize("phase", ["verify", "copy", "copy-kept"])
 def test_a_file_truncated_during_a_restore_is_an_error_not_a_signal(tmp_path, phase):
-    """Cut while verified: an error, nothing written. Cut while copied: the verified bytes
-    kept in memory restore whole; beyond that memory, a ConcurrentWriteError naming what was
-    written (docs/checkpoints.md)."""
+    """Cut while verified: an error, nothing written. Cut while copied: a ConcurrentWriteError
+    naming what was written; with the verified bytes kept in memory (RESTORE_KEEP_LIMIT), a
+    whole restore (docs/checkpoints.md)."""
     import subprocess
 
     proc = subprocess.run(
@@ -468,7 +468,7 @@ def test_a_file_truncated_during_a_restore_is_an_error_not_a_signal(tmp_path, ph
     assert proc.returncode == 0, (
         f"died with {proc.returncode} (negative: a signal)\n{proc.stderr[-2000:]}"
     )
-    if phase == "copy":
+    if phase == "copy-kept":
         assert proc.stdout.startswith("no error"), proc.stdout
         return
     assert proc.stdout.startswith("error: "), proc.stdout  # one of our errors, naming the file

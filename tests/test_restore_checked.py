@@ -52,11 +52,10 @@ def _between_passes(monkeypatch: pytest.MonkeyPatch, change: Any) -> None:
 def test_a_file_changed_between_the_passes_lands_no_unchecked_byte(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str, kept: bool
 ) -> None:
-    """Within the memory bound the verified bytes are kept and copied: the restore is whole
-    and ignores the change. Beyond it (a bound of 0 here) each component is read again into a
+    """Kept in memory (RESTORE_KEEP_LIMIT set), the verified bytes are copied: the restore is
+    whole and ignores the change. Not kept (the default), each component is read again into a
     buffer and checked there before it lands: ConcurrentWriteError, nothing unchecked landed."""
-    if not kept:
-        monkeypatch.setattr(read_module, "RESTORE_KEEP_LIMIT", 0)
+    monkeypatch.setattr(read_module, "RESTORE_KEEP_LIMIT", 1 << 30 if kept else 0)
     a, b = str(tmp_path / "a.h5"), str(tmp_path / "b.h5")
     model(1.0)[0].write(a)
     model(100.0)[0].write(b)  # the same structure: the same layout, other values

@@ -694,17 +694,13 @@ CHECK_CHUNK = 1 << 20
 
 #: The most bytes of larger components a restore keeps in memory between verifying them and
 #: copying them into the variables (docs/checkpoints.md, "A restore lands only checked
-#: bytes"): a quarter of the machine's memory, at most 4 GiB. Beyond, a component is read
-#: again when it is copied, into a buffer of its size, and checked there before it lands.
-def _keep_limit() -> int:
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        memory = 4 << 30
-    return int(min(4 << 30, memory // 4))
-
-
-RESTORE_KEEP_LIMIT = _keep_limit()
+#: bytes"); 0 by default. Kept, a file rewritten after its verification cannot change the
+#: restore; but the memory is fresh, and its page faults made a restore of 400 MB with the
+#: pages evicted 1.1-2.5x slower on the 2-core test machine (huge pages stalled on compaction,
+#: 4 KiB pages cost a fault each). Not kept, a component is read again when it is copied,
+#: into a reused buffer, and checked there before it lands (a change is then a
+#: ConcurrentWriteError naming the variables already restored).
+RESTORE_KEEP_LIMIT = 0
 
 
 class H5Reader(Mapping[str, StoredVariable]):
