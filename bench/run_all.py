@@ -246,6 +246,12 @@ _PEER_ROWS = (
         "ours_restore_evicted",
         "raw_restore_evicted",
     ),
+    (
+        "restore_evicted_vs_bound",
+        "verified restore, pages evicted, rate ours/verify-then-write bound",
+        "ours_restore_evicted",
+        "verify_then_write_bound",
+    ),
 )
 
 

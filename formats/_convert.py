@@ -13,7 +13,7 @@ from parallelvars.checkpoint.entry import CountingEntry, ForwardingEntry
 from parallelvars.errors import InvalidArgumentError
 
 from ._names import check_names
-from ._registry import format_for_suffix, get_format, open_checkpoint
+from ._registry import format_for_suffix, get_format, open_checkpoint, write_checkpoint
 from ._reshard import reshard
 from ._view import DictView, Entry
 
@@ -172,7 +172,9 @@ def convert(
             total = sum(int(e.nbytes) for e in entries.values())
             counter = _Progress(progress, total)
             entries = {k: CountingEntry(e, counter.add) for k, e in entries.items()}
-        result = spec.write(os.fspath(dst), DictView.derived(view, entries), **options)
+        result = write_checkpoint(
+            os.fspath(dst), DictView.derived(view, entries), format=target, **options
+        )
         if progress is not None and counter.done < counter.total:
             progress(counter.total, counter.total)  # writers may skip reads (empty tensors)
         return result

@@ -11,9 +11,9 @@ from typing import Any
 import h5py
 import numpy as np
 
-from parallelvars.checkpoint._h5policy import H5_ERRORS, HDF5_SIGNATURE, check_regular_file
+from parallelvars._fileio import open_input
+from parallelvars.checkpoint._h5policy import H5_ERRORS, HDF5_SIGNATURE
 from parallelvars.errors import (
-    CheckpointNotFoundError,
     CorruptCheckpointError,
     NotACheckpointError,
     ParallelVarsError,
@@ -64,16 +64,16 @@ def is_hdf5(path: str, head: bytes) -> bool:
 
 def open_h5(path: str) -> h5py.File:
     """Open ``path`` read-only, turning h5py's errors into ours (naming the file)."""
-    if not os.path.exists(path):
-        raise CheckpointNotFoundError(file=path)
-    check_regular_file(path)  # a FIFO or a device would block or never end
+    fd = open_input(path)  # a FIFO or a device would block or never end
+    try:
+        head = os.pread(fd, len(HDF5_SIGNATURE), 0)
+    finally:
+        os.close(fd)
     try:
         ok = bool(h5py.is_hdf5(path))
     except H5_ERRORS:
         ok = False
     if not ok:
-        with open(path, "rb") as f:
-            head = f.read(len(HDF5_SIGNATURE))
         raise NotACheckpointError(
             "not an HDF5 file", file=path, expected=repr(HDF5_SIGNATURE), found=repr(head)
         )

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import importlib
 import os
-import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from parallelvars.checkpoint._h5policy import check_regular_file
+from parallelvars._fileio import open_input
 from parallelvars.errors import CheckpointNotFoundError, InvalidArgumentError, NotACheckpointError
 
 from ._view import CheckpointView, Entry
@@ -26,6 +25,7 @@ __all__ = [
     "format_for_suffix",
     "open_checkpoint",
     "write_checkpoint",
+    "check_destination",
 ]
 
 
@@ -42,6 +42,8 @@ class FormatSpec:
         open: ``open(path, **options)`` -> a :class:`CheckpointView`.
         write: ``write(path, entries, **options)`` -> the path written; ``entries`` is any
             ``Mapping[str, Entry]``.
+        outputs: ``outputs(path)`` -> the files a write at ``path`` replaces (default: the
+            path itself); a TF prefix's index and data shards, a shard set's index.
     """
 
     name: str
@@ -51,6 +53,7 @@ class FormatSpec:
     open: Callable[..., CheckpointView]
     write: Callable[..., str]
     options: Mapping[str, str] = field(default_factory=dict)
+    outputs: Callable[[str], list[str]] | None = None
 
 
 # name -> module that defines FORMAT; imported lazily. Detection tries them in this order.
@@ -85,13 +88,8 @@ def get_format(name: str) -> FormatSpec:
 def _head(path: str, n: int = 512) -> bytes:
     if os.path.isdir(path):
         return b""
-    # A FIFO, device or socket is refused before it is opened (opening a FIFO blocks); the
-    # descriptor is opened non-blocking and checked again, so a swap in between cannot block.
-    check_regular_file(path)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    fd = open_input(path)  # a FIFO, device or socket is refused, never opened blocking
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            check_regular_file(path)  # raises: what is there now is not a regular file
         return os.pread(fd, n, 0)
     finally:
         os.close(fd)
@@ -164,4 +162,32 @@ def write_checkpoint(
             raise InvalidArgumentError(
                 f"{p}: cannot tell the output format from the name; pass format="
             )
-    return get_format(format).write(p, entries, **options)
+    spec = get_format(format)
+    check_destination(entries, p, spec)
+    return spec.write(p, entries, **options)
+
+
+def _same(a: str, b: str) -> bool:
+    if os.path.abspath(a) == os.path.abspath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_destination(entries: Mapping[str, Entry], path: str, spec: FormatSpec) -> None:
+    """Refuse a write at ``path`` that would replace a file the source of ``entries`` reads
+    (any of a view's :attr:`~CheckpointView.files`: a shard of the set being converted, its
+    index, a TF checkpoint's data shard)."""
+    sources = tuple(getattr(entries, "files", ()))
+    if not sources:
+        return
+    outputs = spec.outputs(path) if spec.outputs is not None else [path]
+    for out in outputs:
+        for src in sources:
+            if _same(out, src):
+                raise InvalidArgumentError(
+                    f"{path}: writing it would replace {out}, a file of the source checkpoint "
+                    f"{getattr(entries, 'path', src)}; write somewhere else"
+                )

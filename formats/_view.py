@@ -39,11 +39,25 @@ class CheckpointView(Mapping[str, Entry]):
         format: the format name (``"hdf5"``, ``"safetensors"``, ...).
         path: the file or directory the view reads.
         metadata: file-level metadata (strings, numbers), format dependent.
+        files: every file the view reads: the one named and those found next to it (a shard
+            set's index and shards, a TF checkpoint's index and data shards); a writer never
+            writes over one of them (``write_checkpoint``).
     """
 
     format: str = "memory"
     path: str = "<memory>"
     metadata: Mapping[str, Any] = {}
+    _files: tuple[str, ...] | None = None
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        if self._files is not None:
+            return self._files
+        return () if self.path == "<memory>" else (self.path,)
+
+    @files.setter
+    def files(self, value: Sequence[str]) -> None:
+        self._files = tuple(value)
 
     def close(self) -> None:
         """Release open files. A closed view must not be read again."""
@@ -89,6 +103,7 @@ class DictView(CheckpointView):
             path=getattr(source, "path", "<memory>"),
             metadata=getattr(source, "metadata", None),
         )
+        out.files = tuple(getattr(source, "files", ()))
         graph = getattr(source, "object_graph", None)
         if graph is not None:
             out.object_graph = graph  # type: ignore[attr-defined]  # the HDF5 writer may keep it

@@ -47,7 +47,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from parallelvars._fileio import Scratch, atomic_path, load_json
+from parallelvars._fileio import Scratch, atomic_path, load_json, open_input_file
 from parallelvars._geometry import shard_index
 from parallelvars._ints import is_index
 from parallelvars.errors import (
@@ -55,7 +55,6 @@ from parallelvars.errors import (
     CorruptCheckpointError,
     InvalidEntryError,
     LimitExceededError,
-    NotACheckpointError,
     ParallelVarsError,
     TruncatedFileError,
     UnsupportedDtypeError,
@@ -69,14 +68,20 @@ from ._plan import plan_tensors
 from ._registry import FormatSpec
 from ._store import ByteStore, read_exact_into, write_array
 from ._view import CheckpointView, Entry
+from ._zip import MAX_DEFLATE_RATIO, ZIP_ERRORS, check_members, open_zip
 
-__all__ = ["FORMAT", "INFO_MEMBER", "MAX_HEADER_SIZE", "open_npz", "write_npz"]
+__all__ = [
+    "FORMAT",
+    "INFO_MEMBER",
+    "MAX_DEFLATE_RATIO",
+    "MAX_HEADER_SIZE",
+    "open_npz",
+    "write_npz",
+]
 
 INFO_MEMBER = "__parallelvars__.json"
 MAX_HEADER_SIZE = 10_000  # numpy's own default limit for .npy headers
 MAX_INFO_SIZE = 100_000_000
-#: Most bytes a DEFLATED member may claim per compressed byte (deflate's own limit is 1032).
-MAX_DEFLATE_RATIO = 1032
 DEFAULT_NAMES = "slash"
 _MAGIC = b"\x93NUMPY"
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
@@ -100,22 +105,7 @@ _HEADER_ERRORS = (
     MemoryError,
 )
 #: What zipfile, zlib and numpy raise on a damaged archive (mapped to our errors).
-_ZIP_ERRORS = (
-    zipfile.BadZipFile,
-    zipfile.LargeZipFile,
-    zlib.error,
-    OSError,
-    EOFError,
-    ValueError,
-    KeyError,
-    IndexError,
-    TypeError,
-    struct.error,
-    NotImplementedError,
-    RuntimeError,
-    OverflowError,
-    UnicodeDecodeError,
-)
+_ZIP_ERRORS = ZIP_ERRORS
 
 
 class _HeaderStream:
@@ -299,31 +289,9 @@ class _Store(ByteStore):
         self.names: list[str] = []  # every member but the parallel info, in directory order
         self._f: IO[bytes] | None = None
         try:
-            self._f = open(file, "rb")  # noqa: SIM115 - closed by close()
+            self._f = open_input_file(file)  # closed by close(); never a FIFO or device
             self._size = os.fstat(self._f.fileno()).st_size
-            self._zip = zipfile.ZipFile(self._f)
-        except ParallelVarsError:
-            self.close()
-            raise
-        except _ZIP_ERRORS as exc:
-            head = b""
-            if self._f is not None:
-                self._f.seek(0)
-                head = self._f.read(4)
-            self.close()
-            if head == b"PK\x03\x04":  # a zip that lost its end: the central directory
-                raise TruncatedFileError(
-                    f"the zip archive is truncated or damaged ({exc})",
-                    file=file,
-                    expected="a zip central directory at the end",
-                    found="none",
-                ) from None
-            raise NotACheckpointError(
-                f"not a readable zip archive ({exc})",
-                file=file,
-                expected="an .npz (zip of .npy members)",
-                found=f"first bytes {head!r}",
-            ) from None
+            self._zip = open_zip(self._f, file, expected="an .npz (zip of .npy members)")
         except BaseException:
             self.close()
             raise
@@ -355,41 +323,9 @@ class _Store(ByteStore):
                 expected="members before the directory",
                 found=f"{self._zip.start_dir} unlisted bytes",
             )
-        for info in infos:
+        for info in check_members(self._zip, self.file, self._size):  # the one zip policy
             name = info.filename
             self._current = name
-            if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
-                raise UnsupportedDtypeError(
-                    "unsupported zip compression",
-                    file=self.file,
-                    variable=name,
-                    expected="STORED or DEFLATED",
-                    found=info.compress_type,
-                )
-            if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
-                raise CorruptCheckpointError(
-                    "STORED member with differing sizes", file=self.file, variable=name
-                )
-            if info.compress_type == zipfile.ZIP_DEFLATED and (
-                info.file_size > info.compress_size * MAX_DEFLATE_RATIO + 1024
-            ):
-                # Deflate cannot expand beyond ~1032:1: a directory claiming more lies, and no
-                # buffer is sized from it.
-                raise LimitExceededError(
-                    "member claims more bytes than its compressed data can hold",
-                    file=self.file,
-                    variable=name,
-                    expected=f"<= {info.compress_size * MAX_DEFLATE_RATIO + 1024} bytes",
-                    found=f"{info.file_size} bytes",
-                )
-            if info.header_offset + 30 + info.compress_size > self._size:
-                raise TruncatedFileError(
-                    "the file ends inside a member",
-                    file=self.file,
-                    variable=name,
-                    expected=f">= {info.header_offset + 30 + info.compress_size} bytes",
-                    found=f"{self._size} bytes",
-                )
             if name == INFO_MEMBER:
                 if info.file_size > MAX_INFO_SIZE:
                     raise LimitExceededError(
@@ -423,10 +359,6 @@ class _Store(ByteStore):
                     variable=key,
                     expected=f"{need} bytes",
                     found=f"{info.file_size} bytes",
-                )
-            if key in self._all:
-                raise CorruptCheckpointError(
-                    "two members have the same name", file=self.file, variable=name
                 )
             self._members[key] = self._all[key] = _Member(
                 key,
@@ -789,9 +721,9 @@ def sniff(path: str, head: bytes) -> bool:
     if not (head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06")):
         return False
     try:
-        with zipfile.ZipFile(path) as zf:
+        with open_input_file(path) as f, zipfile.ZipFile(f) as zf:
             names = zf.namelist()
-    except (zipfile.BadZipFile, OSError, ValueError):
+    except (zipfile.BadZipFile, OSError, ValueError):  # (our refusals are ValueErrors)
         return False
     if not names:  # an empty archive: what np.savez writes for no arrays
         return path.lower().endswith(".npz")

@@ -12,21 +12,26 @@ import errno
 import json
 import math
 import os
+import re
 import secrets
+import stat
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import IO, Any
 
 import crc32c as _crc32c
 import numpy as np
 
 from parallelvars._threads import submit_or_run, thread_count
 from parallelvars.errors import (
+    CheckpointNotFoundError,
     CheckpointWriteError,
     ConcurrentWriteError,
     CorruptCheckpointError,
+    ForeignReferenceError,
     LimitExceededError,
+    NotACheckpointError,
     ParallelVarsError,
 )
 
@@ -37,9 +42,15 @@ __all__ = [
     "Scratch",
     "atomic_path",
     "byte_view",
+    "check_input",
+    "checkpoint_root",
     "checksum",
     "json_depth",
     "load_json",
+    "open_input",
+    "open_input_file",
+    "read_input",
+    "stat_input",
     "pwrite_all",
     "pwritev_all",
     "temp_path_for",
@@ -122,7 +133,7 @@ def load_json(
             found=f"{depth} levels",
         )
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=object_pairs_hook)
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=object_pairs_hook)
     except ParallelVarsError:
         raise
     except UnicodeDecodeError as exc:
@@ -135,12 +146,290 @@ def load_json(
             file=file,
             variable=variable,
         ) from None
+    if _SURROGATE_ESCAPE.search(raw):  # (UTF-8 itself cannot hold one: only an escape can)
+        bad = _lone_surrogate(doc)
+        if bad is not None:
+            raise CorruptCheckpointError(
+                f"the {what} holds text that is not valid Unicode",
+                file=file,
+                variable=variable,
+                expected="no lone surrogate (as the reference JSON parsers refuse them)",
+                found=ascii(bad[:80]),
+            )
+    return doc
+
+
+#: A JSON escape of a UTF-16 surrogate: only through one can decoded text hold a lone one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(doc: Any) -> str | None:
+    """The first string (key or value) of the decoded JSON ``doc`` that cannot be encoded as
+    UTF-8 (a lone surrogate, which ``json`` decodes and serde_json, the safetensors reference,
+    refuses), or None."""
+    stack = [doc]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return item
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
 
 
 def value_types(values: Iterable[Any]) -> set[type]:
     """The types among ``values`` (one C loop): how a decoded JSON document's columns are
     checked in bulk (``value_types(kinds) - {str}`` is empty when every kind is a string)."""
     return set(map(type, values))
+
+
+# ------------------------------------------------------------------ files a reader opens
+# The one rule for every file a reader opens, named by the user or found next to a checkpoint
+# (a TF data shard, index or state file, a safetensors shard or index, a multi-process part):
+# see open_input. Every reader of every format opens its files through it.
+
+#: Repository folders of a Hugging Face cache (``<cache>/models--org--name``), whose
+#: ``snapshots/<revision>/`` files are symbolic links into the repository's ``blobs/``.
+_HF_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
+
+
+def _kind_of(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device"
+
+
+def checkpoint_root(folder: str) -> str:
+    """The real folder that the files found next to a checkpoint in ``folder`` must stay in.
+
+    ``folder`` itself with symbolic links resolved; but for a folder inside a Hugging Face
+    cache snapshot (``<cache>/models--org--name/snapshots/<revision>/``), whose files are
+    symbolic links into the repository's own ``blobs/`` (a real folder, not a link), the
+    repository folder: a set downloaded with ``huggingface_hub`` opens where it lies.
+    """
+    real = os.path.realpath(folder or os.curdir)
+    parts = real.split(os.sep)
+    for k in range(len(parts) - 2, 0, -1):  # the nearest ancestor named "snapshots"
+        if parts[k] != "snapshots":
+            continue
+        repo = os.sep.join(parts[:k]) or os.sep
+        if os.path.basename(repo).startswith(_HF_REPO_PREFIXES):
+            try:
+                blobs = os.lstat(os.path.join(repo, "blobs"))
+            except OSError:
+                break
+            if stat.S_ISDIR(blobs.st_mode):
+                return repo
+        break
+    return real
+
+
+def _inside(root: str, real: str) -> bool:
+    try:
+        return os.path.commonpath([root, real]) == root
+    except ValueError:  # different drives
+        return False
+
+
+def _opened_path(fd: int, path: str) -> str:
+    """The real path of the file open at ``fd`` (Linux says which file was opened, whatever
+    was swapped in since; elsewhere the path resolved again)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return os.path.realpath(path)
+
+
+def _not_regular(
+    path: str, kind: str, within: str | None, referrer: str | None, variable: str | None
+) -> ParallelVarsError:
+    if within is None:
+        return NotACheckpointError(f"is {kind}, not a regular file", file=path)
+    return CorruptCheckpointError(
+        f"a file of the checkpoint is {kind}, not a regular file",
+        file=path,
+        variable=variable,
+        expected="a regular file",
+        found=kind,
+        hint=f"found next to {referrer}" if referrer else None,
+    )
+
+
+def _outside(
+    path: str, root: str, real: str, referrer: str | None, variable: str | None
+) -> ForeignReferenceError:
+    return ForeignReferenceError(
+        "a file of the checkpoint is a symbolic link out of the checkpoint's folder",
+        file=path,
+        variable=variable,
+        expected=f"a file inside {root}",
+        found=f"a symbolic link to {real}",
+        hint=(f"found next to {referrer}; " if referrer else "")
+        + "copy the file into the folder instead of linking it",
+    )
+
+
+def _stat_input(
+    path: str,
+    root: str | None,
+    within: str | None,
+    referrer: str | None,
+    variable: str | None,
+    what: str,
+) -> os.stat_result:
+    """The part of :func:`open_input`'s rule checked before anything is opened."""
+    try:
+        st = os.lstat(path) if root is not None else os.stat(path)
+        if root is not None and stat.S_ISLNK(st.st_mode):
+            real = os.path.realpath(path)
+            if not _inside(root, real):
+                raise _outside(path, root, real, referrer, variable)
+            st = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"no such {what}", file=path, variable=variable) from None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise _not_regular(path, "a loop of symbolic links", within, referrer, variable) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(path, _kind_of(st.st_mode), within, referrer, variable)
+    return st
+
+
+def stat_input(
+    path: str,
+    *,
+    within: str | None = None,
+    referrer: str | None = None,
+    variable: str | None = None,
+    what: str = "file",
+) -> os.stat_result:
+    """:func:`open_input`'s rule as far as it is checked without opening ``path`` (for a
+    listing that picks files it will open later, through :func:`open_input` or by name);
+    its ``stat``."""
+    root = None if within is None else checkpoint_root(within)
+    return _stat_input(path, root, within, referrer, variable, what)
+
+
+def open_input(
+    path: str,
+    *,
+    within: str | None = None,
+    referrer: str | None = None,
+    variable: str | None = None,
+    max_bytes: int | None = None,
+    what: str = "file",
+) -> int:
+    """Open a file a reader reads, under the one rule for every file: a read-only descriptor.
+
+    * It must be a regular file: a FIFO, socket, device or directory is refused before
+      anything opens it (opening a FIFO blocks), and the descriptor is opened non-blocking and
+      checked again (``fstat``), so a swap in between cannot block either.
+    * ``within``: the file was *found* next to a checkpoint in that folder (a data shard, an
+      index, a state file, a part), not named by the user. It may be a symbolic link only
+      when it resolves inside the checkpoint's folder (:func:`checkpoint_root`); a link out
+      of it is refused with :class:`~parallelvars.errors.ForeignReferenceError` (checked on
+      the path and again on the file actually opened). A file the user named may be a link:
+      they chose it.
+    * ``max_bytes``: a file larger than this (a document the reader takes whole) is refused
+      with :class:`~parallelvars.errors.LimitExceededError` before anything is read.
+
+    Errors name the file (``variable``: what the reader was after; ``referrer``: the file it
+    was found through). A missing file is
+    :class:`~parallelvars.errors.CheckpointNotFoundError`; a file that is not regular is
+    :class:`~parallelvars.errors.NotACheckpointError` when named,
+    :class:`~parallelvars.errors.CorruptCheckpointError` when found.
+    """
+    root = None if within is None else checkpoint_root(within)
+    _stat_input(path, root, within, referrer, variable, what)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:  # gone since
+        raise CheckpointNotFoundError(f"no such {what}", file=path, variable=variable) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # swapped since the check
+            raise _not_regular(path, _kind_of(st.st_mode), within, referrer, variable)
+        if root is not None:
+            real = _opened_path(fd, path)
+            if not _inside(root, real):
+                raise _outside(path, root, real, referrer, variable)
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise LimitExceededError(
+                f"the {what} is too large",
+                file=path,
+                variable=variable,
+                expected=f"<= {max_bytes} bytes",
+                found=f"{st.st_size} bytes",
+            )
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_input_file(path: str, *, buffering: int = -1, **rule: Any) -> IO[bytes]:
+    """:func:`open_input` as a binary file object (``rule``: its keyword arguments)."""
+    fd = open_input(path, **rule)
+    try:
+        return os.fdopen(fd, "rb", buffering=buffering)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_input(path: str, **rule: Any) -> os.stat_result:
+    """Check ``path`` against :func:`open_input`'s rule without keeping it open (for a reader
+    that then opens it by name, such as h5py); its ``fstat``."""
+    fd = open_input(path, **rule)
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+def read_input(path: str, *, max_bytes: int, what: str, **rule: Any) -> bytes:
+    """The whole of a small file (an index, a state file) under :func:`open_input`'s rule, at
+    most ``max_bytes`` (:class:`~parallelvars.errors.LimitExceededError` beyond, before
+    reading; a file that grows meanwhile is read to ``max_bytes + 1`` and refused too)."""
+    fd = open_input(path, max_bytes=max_bytes, what=what, **rule)
+    try:
+        chunks = []
+        left = max_bytes + 1
+        step = os.fstat(fd).st_size + 1  # one read of what is there (no larger buffer)
+        while left > 0:
+            chunk = os.read(fd, min(left, step))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+            step = 1 << 20  # it grew meanwhile
+    finally:
+        os.close(fd)
+    raw = b"".join(chunks)
+    if len(raw) > max_bytes:
+        raise LimitExceededError(
+            f"the {what} is too large",
+            file=path,
+            variable=rule.get("variable"),
+            expected=f"<= {max_bytes} bytes",
+            found=f"more than {max_bytes} bytes",
+        )
+    return raw
 
 
 def write_error(exc: BaseException, file: str) -> BaseException:

@@ -108,6 +108,10 @@ def write_sample(fmt: str, directory: str, *, string_variable: bool = False) -> 
     from parallelvars.formats import write_checkpoint
 
     target = os.path.join(directory, f"sample-{fmt}{_SUFFIX.get(fmt, '')}")
+    if fmt == "tf":  # always a fresh prefix: written over itself, a TF checkpoint takes the
+        for f in os.listdir(directory):  # other data file count (a new set of file names)
+            if f.startswith(os.path.basename(target) + "."):
+                os.unlink(os.path.join(directory, f))
     with H5Reader(native) as reader:
         return write_checkpoint(target, dict(reader.items()), format=fmt)
 

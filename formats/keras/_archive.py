@@ -6,11 +6,13 @@ the layout of :mod:`._weights`) and optionally ``assets/``. Reading opens the we
 as the ``keras`` format does a ``.weights.h5`` file: a member stored uncompressed (as Keras
 writes it) is read in place through a window onto the archive, a compressed one is inflated
 into an anonymous temporary file first. The member's CRC-32 from the zip directory is checked
-when the archive is opened; sizes and offsets are checked against the file before anything
-is read or allocated.
+when the archive is opened; every member is checked by the one zip policy
+(:mod:`parallelvars.formats._zip`: no duplicate or overlapping entries, bounded expansion,
+sizes and offsets inside the file) before anything is read or allocated.
 
 Writing needs the model's own archive as a template (``like=``): its ``config.json``,
-``metadata.json`` and assets are copied as they are and its weights replaced, so
+``metadata.json`` and assets are copied as they are (under the same zip policy as any input,
+each member's CRC-32 checked as it is copied) and its weights replaced, so
 ``keras.saving.load_model`` loads the result. The weights must fit the template's structure
 exactly (the same datasets, shapes and dtypes); anything else is refused before a byte is
 written, never turned into an archive Keras cannot load.
@@ -30,18 +32,24 @@ from typing import IO, Any, cast
 
 import h5py
 
-from parallelvars._fileio import atomic_path
-from parallelvars.checkpoint import _h5policy
-from parallelvars.checkpoint._h5policy import MAX_COMPRESSION
+from parallelvars._fileio import atomic_path, open_input, open_input_file
 from parallelvars.errors import (
     CorruptCheckpointError,
     InvalidArgumentError,
     InvalidEntryError,
     NotACheckpointError,
+    ParallelVarsError,
     TruncatedFileError,
 )
 from parallelvars.formats._h5 import H5_ERRORS
 from parallelvars.formats._view import CheckpointView, Entry
+from parallelvars.formats._zip import (
+    ZIP_ERRORS,
+    check_members,
+    copy_members,
+    open_zip,
+    zip_errors,
+)
 from parallelvars.formats.keras._layout import (
     KERAS_LAYOUT,
     LEGACY_LAYOUT,
@@ -59,7 +67,6 @@ __all__ = [
 WEIGHTS_MEMBER = "model.weights.h5"
 CONFIG_MEMBER = "config.json"
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
-_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError)
 _BLOCK = 1 << 20
 
 
@@ -68,9 +75,9 @@ def is_keras_archive(path: str, head: bytes = b"") -> bool:
     if os.path.isdir(path) or not (head or _head(path)).startswith(b"PK"):
         return False
     try:
-        with zipfile.ZipFile(path) as zf:
+        with open_input_file(path) as f, zipfile.ZipFile(f) as zf:
             names = set(zf.namelist())
-    except _ZIP_ERRORS:
+    except (*ZIP_ERRORS, ParallelVarsError):
         return False
     return WEIGHTS_MEMBER in names and CONFIG_MEMBER in names
 
@@ -82,11 +89,15 @@ def is_zip(path: str) -> bool:
 
 def _head(path: str) -> bytes:
     try:
-        _h5policy.check_regular_file(path)
-        with open(path, "rb") as f:
-            return f.read(4)
-    except (OSError, ValueError):
+        fd = open_input(path)  # never a FIFO or a device
+    except (OSError, ParallelVarsError):
         return b""
+    try:
+        return os.pread(fd, 4, 0)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
 
 
 class _Window(io.RawIOBase):
@@ -132,36 +143,44 @@ class _Window(io.RawIOBase):
         super().close()
 
 
+def _archive(path: str) -> tuple[IO[bytes], zipfile.ZipFile, list[zipfile.ZipInfo]]:
+    """The archive ``path`` (a file the user named) opened, and its members checked by the
+    one zip policy (:func:`parallelvars.formats._zip.check_members`)."""
+    f = open_input_file(path)
+    try:
+        size = os.fstat(f.fileno()).st_size
+        zf = open_zip(f, path, expected="a Keras .keras archive")
+        try:
+            with zip_errors("damaged zip archive", path):
+                infos = check_members(zf, path, size)
+        except BaseException:
+            zf.close()
+            raise
+    except BaseException:
+        f.close()
+        raise
+    return f, zf, infos
+
+
 def _weights_file(path: str) -> tuple[IO[bytes], int]:
     """The weights member of the archive ``path`` as a seekable binary file, and its size."""
-    size = _h5policy.check_regular_file(path).st_size
     where = f"{path}/{WEIGHTS_MEMBER}"
+    f, zf, infos = _archive(path)
+    keep = False
     try:
-        zf = zipfile.ZipFile(path)
-    except _ZIP_ERRORS as exc:
-        raise NotACheckpointError(
-            f"not a zip archive ({exc})", file=path, expected="a Keras .keras archive"
-        ) from None
-    with zf:
-        try:
-            info = zf.getinfo(WEIGHTS_MEMBER)
-        except KeyError:
+        size = os.fstat(f.fileno()).st_size
+        info = next((i for i in infos if i.filename == WEIGHTS_MEMBER), None)
+        if info is None:
             raise NotACheckpointError(
                 "a zip archive without model weights",
                 file=path,
                 expected=f"a member {WEIGHTS_MEMBER!r} (a Keras 3 .keras archive)",
-                found=", ".join(zf.namelist()[:5]) or "no members",
-            ) from None
-        if info.flag_bits & 0x1:
-            raise NotACheckpointError("the weights member is encrypted", file=where)
+                found=", ".join(i.filename for i in infos[:5]) or "no members",
+            )
         if info.compress_type == zipfile.ZIP_STORED:
-            f = open(path, "rb")  # noqa: SIM115 - owned by the window, closed with the view
-            try:
-                start = _stored_data_start(f, info, size, where)
-                window = _Window(f, start, info.file_size)
-            except BaseException:
-                f.close()
-                raise
+            start = _stored_data_start(f, info, size, where)
+            window = _Window(f, start, info.file_size)  # owns f from here: closed with the view
+            keep = True
             try:
                 _check_crc(window, info, where)
             except BaseException:
@@ -169,27 +188,19 @@ def _weights_file(path: str) -> tuple[IO[bytes], int]:
                 raise
             window.seek(0)
             return cast(IO[bytes], window), info.file_size  # h5py reads it as a binary file
-        if info.file_size > max(info.compress_size, 1) * MAX_COMPRESSION:
-            raise CorruptCheckpointError(
-                "the weights member claims to expand more than deflate can",
-                file=where,
-                expected=f"<= {MAX_COMPRESSION} times its {info.compress_size} compressed bytes",
-                found=f"{info.file_size} bytes",
-            )
         out = tempfile.TemporaryFile()  # noqa: SIM115 - closed with the view
         try:
-            with zf.open(info) as member:  # stops at file_size; checks the CRC at the end
-                shutil.copyfileobj(member, out, _BLOCK)
+            with zip_errors("the weights member cannot be inflated", where), zf.open(info) as m:
+                shutil.copyfileobj(m, out, _BLOCK)  # stops at file_size; checks the CRC at the end
             out.seek(0)
-        except _ZIP_ERRORS as exc:
-            out.close()
-            raise CorruptCheckpointError(
-                f"the weights member cannot be inflated ({exc})", file=where
-            ) from None
         except BaseException:
             out.close()
             raise
         return out, info.file_size
+    finally:
+        zf.close()
+        if not keep:
+            f.close()
 
 
 def _stored_data_start(f: IO[bytes], info: zipfile.ZipInfo, size: int, where: str) -> int:
@@ -312,15 +323,23 @@ def write_keras_archive(
         meta[KERAS_LAYOUT] = layout  # the template's groups and their attributes
     with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(p)) or None) as tmpdir:
         weights = write_keras(os.path.join(tmpdir, WEIGHTS_MEMBER), entries, metadata=meta)
-        with (
-            atomic_path(p) as tmp,
-            zipfile.ZipFile(template) as zin,
-            zipfile.ZipFile(tmp, "w") as zout,
-        ):
-            for info in zin.infolist():  # the template's members in its order, weights replaced
-                if info.filename == WEIGHTS_MEMBER:
-                    zout.write(weights, WEIGHTS_MEMBER, compress_type=zipfile.ZIP_STORED)
-                    continue
-                with zin.open(info) as src, zout.open(info, "w") as dst:
-                    shutil.copyfileobj(src, dst, _BLOCK)
+        # The template is as hostile as any input: its members are checked by the zip policy
+        # (no duplicate or overlapping entries, the expansion bounded) and each is read to its
+        # end (its CRC-32 checked) as it is copied.
+        f, zin, infos = _archive(template)
+        try:
+            with atomic_path(p) as tmp, zipfile.ZipFile(tmp, "w") as zout:
+                copy_members(  # the template's members in its order, the weights replaced
+                    zin,
+                    infos,
+                    zout,
+                    template,
+                    replace=lambda info: info.filename == WEIGHTS_MEMBER,
+                    replaced=lambda z, info: z.write(
+                        weights, WEIGHTS_MEMBER, compress_type=zipfile.ZIP_STORED
+                    ),
+                )
+        finally:
+            zin.close()
+            f.close()
     return p

@@ -73,8 +73,9 @@ __all__ = [
 def sniff(path: str, head: bytes) -> bool:
     """True for a safetensors file, a safetensors index, or a folder holding one."""
     if os.path.isdir(path):
-        return _find_index(path) is not None or os.path.isfile(
-            os.path.join(path, "model.safetensors")
+        single = os.path.join(path, "model.safetensors")  # (a FIFO there: opening says so)
+        return _find_index(path) is not None or (
+            os.path.lexists(single) and not os.path.isdir(single)
         )
     if path.endswith(".index.json"):
         return b'"weight_map"' in head and (
@@ -92,6 +93,18 @@ def sniff(path: str, head: bytes) -> bool:
     return head[8:].lstrip(b" \t\r\n").startswith(b"{")
 
 
+def outputs(path: str) -> list[str]:
+    """The files a write at ``path`` replaces: the file and the index of a set of its name."""
+    p = (
+        os.path.join(path, "model.safetensors")
+        if os.path.isdir(path) or path.endswith("/")
+        else path
+    )
+    if p.endswith(".index.json"):
+        p = p[: -len(".index.json")]
+    return [p, f"{p}.index.json"]
+
+
 FORMAT = FormatSpec(
     name="safetensors",
     description="safetensors file or Hugging Face shard set (model.safetensors.index.json)",
@@ -103,4 +116,5 @@ FORMAT = FormatSpec(
         "names": "key style: dotted (default), slash or tf",
         "max_shard_size": "split into Hugging Face shards of at most this size (e.g. 5GB)",
     },
+    outputs=outputs,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from parallelvars._fileio import load_json
+from parallelvars._fileio import load_json, read_input
 from parallelvars.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -28,17 +28,10 @@ def _find_index(path: str) -> str | None:
     return None
 
 
-def _read_index(index: str) -> tuple[dict[str, Any], dict[str, str]]:
-    size = os.path.getsize(index)
-    if size > MAX_HEADER_SIZE:
-        raise CorruptCheckpointError(
-            "index file too large",
-            file=index,
-            expected=f"<= {MAX_HEADER_SIZE} bytes",
-            found=f"{size} bytes",
-        )
-    with open(index, "rb") as f:
-        raw = f.read(MAX_HEADER_SIZE + 1)
+def _read_index(index: str, *, within: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The index's metadata and weight map; ``within``: the folder it was found in (None: the
+    user named it), for the rule of every file a reader opens."""
+    raw = read_input(index, max_bytes=MAX_HEADER_SIZE, what="shard index", within=within)
     doc = load_json(
         raw,
         file=index,

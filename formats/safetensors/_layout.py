@@ -11,3 +11,7 @@ META_KEY = "parallelvars"
 #: (of its canonical description, see _header_crc) then each tensor's bytes', in name order.
 CRC_KEY = "parallelvars_crc32c"
 DEFAULT_NAMES = "dotted"
+#: Shard-set index ``metadata`` key of our shards' checksums: shard file name -> the header
+#: CRC-32C of its ``CRC_KEY`` record (8 hex digits), which covers every tensor's CRC; a reader
+#: refuses a shard that is not the one the index was written with.
+SHARDS_KEY = "parallelvars_shards"

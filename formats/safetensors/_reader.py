@@ -8,9 +8,10 @@ from typing import IO, Any
 
 import numpy as np
 
-from parallelvars._fileio import load_json
+from parallelvars._fileio import load_json, open_input_file
 from parallelvars.errors import (
     CheckpointNotFoundError,
+    ChecksumMismatchError,
     ClosedCheckpointError,
     CorruptCheckpointError,
     TruncatedFileError,
@@ -22,27 +23,44 @@ from parallelvars.formats._store import ByteStore, read_exact_into
 from parallelvars.formats._view import CheckpointView
 from parallelvars.formats.safetensors._header import read_header
 from parallelvars.formats.safetensors._index import _find_index, _read_index
-from parallelvars.formats.safetensors._layout import CRC_KEY, DEFAULT_NAMES, META_KEY
+from parallelvars.formats.safetensors._layout import CRC_KEY, DEFAULT_NAMES, META_KEY, SHARDS_KEY
 
 
 class _Store(ByteStore):
     """The tensors of one safetensors file or of a shard set."""
 
-    def __init__(self, file: str, shard_files: list[str]) -> None:
+    def __init__(self, file: str, shard_files: list[str], *, within: str | None = None) -> None:
+        """Open ``shard_files`` (of the index ``file``, or the one file ``file``); ``within``:
+        the folder they were found in (None: the user named the file)."""
         self.file = file
         self._files = shard_files
+        self.paths = list(shard_files)
         self._handles: dict[int, IO[bytes]] = {}
         self._lock = threading.Lock()
         self._tensors: dict[str, tuple[int, np.dtype, tuple[int, ...], int]] = {}
         self._crcs: dict[str, int] = {}
         self.shard_metadata: list[dict[str, str]] = []
         self.shard_checked: list[bool] = []
+        self.shard_crcs: list[str | None] = []  # each header's CRC-32C, from its record
         try:
             for idx, shard in enumerate(shard_files):
-                f = open(shard, "rb")  # noqa: SIM115 - held open for lazy reads, closed by close()
+                try:  # held open for lazy reads, closed by close()
+                    f = open_input_file(
+                        shard, within=within, referrer=None if shard == file else file
+                    )
+                except CheckpointNotFoundError:
+                    if shard == file:
+                        raise
+                    raise TruncatedFileError(
+                        "a shard listed in the index is missing",
+                        file=file,
+                        variable=os.path.basename(shard),
+                    ) from None
                 self._handles[idx] = f
                 meta, tensors, start = read_header(f, shard)
-                self.shard_checked.append(meta.pop(CRC_KEY, None) is not None)
+                record = meta.pop(CRC_KEY, None)
+                self.shard_checked.append(record is not None)
+                self.shard_crcs.append(record[:8] if isinstance(record, str) else None)
                 self.shard_metadata.append(meta)
                 for name, (dtype, shape, begin, _end, crc) in tensors.items():
                     if name in self._tensors:
@@ -110,11 +128,14 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
     """
     p = os.fspath(path)
     index = _find_index(p)
+    # Files found in a folder (the index of a folder, every shard) are held to the rule of
+    # every file a reader opens: regular files, no symbolic link out of the folder.
+    found_in = p if os.path.isdir(p) else None
     if index is None:
-        single = os.path.join(p, "model.safetensors") if os.path.isdir(p) else p
-        if not os.path.isfile(single):
+        single = os.path.join(p, "model.safetensors") if found_in is not None else p
+        if not os.path.lexists(single):
             raise CheckpointNotFoundError("no safetensors file or index found", file=p)
-        store = _Store(single, [single])
+        store = _Store(single, [single], within=found_in)
         meta = dict(store.shard_metadata[0])
         try:
             info = _parse_info(meta.pop(META_KEY, None), single)
@@ -123,15 +144,10 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
             raise
         file = single
     else:
-        index_meta, weight_map = _read_index(index)
-        folder = os.path.dirname(index)
+        index_meta, weight_map = _read_index(index, within=found_in)
+        folder = os.path.dirname(index) or os.curdir
         shards = sorted(set(weight_map.values()))
-        missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
-        if missing:
-            raise TruncatedFileError(
-                "a shard listed in the index is missing", file=index, variable=missing[0]
-            )
-        store = _Store(index, [os.path.join(folder, s) for s in shards])
+        store = _Store(index, [os.path.join(folder, s) for s in shards], within=folder)
         try:
             raw_info = index_meta.get(META_KEY)
             if isinstance(raw_info, dict) and raw_info.get("checksums"):
@@ -143,6 +159,19 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
                             variable=CRC_KEY,
                             expected=f"a {CRC_KEY!r} metadata item",
                             found="none",
+                        )
+            written = index_meta.get(SHARDS_KEY)
+            if written is not None:  # each shard must be the one the index was written with
+                for shard, crc in zip(shards, store.shard_crcs, strict=True):
+                    want = written.get(shard) if isinstance(written, dict) else None
+                    if want != crc:
+                        raise ChecksumMismatchError(
+                            "the shard is not the one its index was written with",
+                            file=os.path.join(folder, shard),
+                            variable=SHARDS_KEY,
+                            expected=f"header crc32c {want}",
+                            found=f"header crc32c {crc}",
+                            hint=f"listed by {index}",
                         )
             listed = set(weight_map)
             stored_keys = store.keys()
@@ -177,7 +206,7 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
             meta.update(m)
         meta.pop(META_KEY, None)
         for k, v in index_meta.items():
-            if k not in ("total_size", META_KEY, CRC_KEY):
+            if k not in ("total_size", META_KEY, CRC_KEY, SHARDS_KEY):
                 meta.setdefault(k, v if isinstance(v, str) else dumps(jsonable(v)))
         try:
             info = _parse_info(index_meta.get(META_KEY), index)
@@ -188,7 +217,9 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
     try:
         style = check_names(names or (info or {}).get("names") or DEFAULT_NAMES)
         entries = build_entries(store, info, names=style)
-        return StoreView(store, entries, format="safetensors", path=file, metadata=meta, info=info)
+        view = StoreView(store, entries, format="safetensors", path=file, metadata=meta, info=info)
+        view.files = list(dict.fromkeys([file, *store.paths]))  # the index first, then shards
+        return view
     except BaseException:
         store.close()
         raise

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import secrets
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +30,7 @@ from parallelvars.formats.safetensors._layout import (
     DEFAULT_NAMES,
     MAX_HEADER_SIZE,
     META_KEY,
+    SHARDS_KEY,
 )
 
 
@@ -75,9 +79,10 @@ def _header_bytes(
     return raw
 
 
-def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]) -> None:
-    """Write one file. The header carries the tensors' CRC-32Cs, known only once they are
-    streamed: it is written with fixed-width placeholders first and rewritten in place."""
+def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]) -> str:
+    """Write one file; return its header's CRC-32C (8 hex digits). The header carries the
+    tensors' CRC-32Cs, known only once they are streamed: it is written with fixed-width
+    placeholders first and rewritten in place."""
     stored = [(t, *_storage(t, path)) for t in tensors]
     stored.sort(key=lambda s: (-_DTYPES[s[1]].itemsize, s[0].key))
     described: dict[str, tuple[str, list[int], list[int]]] = {}
@@ -115,6 +120,7 @@ def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]
         with open(tmp, "r+b") as f:
             f.seek(8)
             f.write(final)
+    return _header_crc(metadata, described, crcs)
 
 
 def _str_metadata(metadata: Mapping[str, Any]) -> dict[str, str]:
@@ -173,24 +179,66 @@ def write_safetensors(
             size = 0
         shards[-1].append(t)
         size += t.nbytes
-    if len(shards) == 1 and not force_index:
-        meta[META_KEY] = dumps(info)
-        _write_one(p, planned, meta)
-        return p
     folder = os.path.dirname(os.path.abspath(p))
     stem = os.path.basename(p)
     stem = stem[: -len(".safetensors")] if stem.endswith(".safetensors") else stem
+    index_path = f"{os.path.join(folder, os.path.basename(p))}.index.json"
+    if len(shards) == 1 and not force_index:
+        meta[META_KEY] = dumps(info)
+        _write_one(p, planned, meta)
+        # The file is the output at p now: a set of that name is the previous one (a folder's
+        # readers take the index first, so it goes first; then its shards).
+        _remove_previous(folder, stem, index_path, keep=set())
+        return p
+    # All or nothing (docs/formats.md, "Outputs"): the shards are written under names no file
+    # of the folder has, each whole under its final name before the index; the index, written
+    # last with each shard's checksum, is the commit; then the previous set's files go. A
+    # kill at any step leaves the previous set (index and shards untouched) or the new one.
+    shard_names = _fresh_names(folder, stem, len(shards))
     weight_map: dict[str, str] = {}
-    for i, tensors in enumerate(shards, 1):
-        name = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
-        _write_one(os.path.join(folder, name), tensors, meta)
+    checks: dict[str, str] = {}
+    for name, tensors in zip(shard_names, shards, strict=True):
+        checks[name] = _write_one(os.path.join(folder, name), tensors, meta)
         weight_map.update((t.key, name) for t in tensors)
     index_meta: dict[str, Any] = {"total_size": sum(t.nbytes for t in planned), META_KEY: info}
+    index_meta[SHARDS_KEY] = checks
     weight_map = dict(sorted(weight_map.items()))
     index_meta[CRC_KEY] = _index_crc(index_meta, weight_map)
     index = {"metadata": index_meta, "weight_map": weight_map}
-    index_path = f"{os.path.join(folder, os.path.basename(p))}.index.json"
     with atomic_path(index_path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         json.dump(index, f, indent=2, ensure_ascii=False)
         f.write("\n")
+    _remove_previous(folder, stem, None, keep=set(shard_names), single=p)
     return index_path
+
+
+def _shard_name(stem: str, i: int, n: int, tag: str = "") -> str:
+    return f"{stem}-{i:05d}-of-{n:05d}{tag}.safetensors"
+
+
+def _fresh_names(folder: str, stem: str, n: int) -> list[str]:
+    """Hugging Face's shard names when none of them is in the folder (a new set), else the
+    same names with a tag no file of the folder has: a new set never replaces a file the
+    previous one's index names."""
+    names = [_shard_name(stem, i, n) for i in range(1, n + 1)]
+    while any(os.path.lexists(os.path.join(folder, name)) for name in names):
+        tag = f"-{secrets.token_hex(4)}"
+        names = [_shard_name(stem, i, n, tag) for i in range(1, n + 1)]
+    return names
+
+
+def _remove_previous(
+    folder: str, stem: str, index: str | None, *, keep: set[str], single: str | None = None
+) -> None:
+    """After a commit: the previous output of this name goes (the index ``index`` of a set,
+    the single file ``single``, and every shard of a set of this stem not in ``keep``)."""
+    shard = re.compile(re.escape(stem) + r"-\d{5}-of-\d{5}(-[0-9a-f]{8})?\.safetensors")
+    doomed = [path for path in (index, single) if path is not None and os.path.lexists(path)]
+    doomed += [
+        os.path.join(folder, name)
+        for name in sorted(os.listdir(folder))
+        if shard.fullmatch(name) and name not in keep
+    ]
+    for path in doomed:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)

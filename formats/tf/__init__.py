@@ -20,9 +20,11 @@ Example:
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
-from parallelvars.errors import ForeignReferenceError
+from parallelvars._fileio import open_input
+from parallelvars.errors import ForeignReferenceError, ParallelVarsError
 
 from .._registry import FormatSpec
 from ._bundle import BundleReader, BundleWriter
@@ -49,18 +51,31 @@ __all__ = [
 ]
 
 _MAGIC_BYTES = TABLE_MAGIC.to_bytes(8, "little")
+_DATA_NAME = re.compile(r"\.data-\d{5,}-of-\d{5,}")
 
 
-def _is_index(path: str) -> bool:
+def _is_index(path: str, within: str | None) -> bool:
+    """Whether ``path`` ends like an index; read only under the rule of every file a reader
+    opens (``within``: the folder it was found in; a FIFO or a link out is no index here)."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            if f.tell() < 48:
-                return False
-            f.seek(-8, os.SEEK_END)
-            return f.read(8) == _MAGIC_BYTES
+        fd = open_input(path, within=within)
+    except (OSError, ParallelVarsError):
+        return False
+    try:
+        size = os.fstat(fd).st_size
+        return size >= 48 and os.pread(fd, 8, size - 8) == _MAGIC_BYTES
     except OSError:
         return False
+    finally:
+        os.close(fd)
+
+
+def _odd(path: str) -> bool:
+    """Whether ``path`` is there but neither a regular file nor a folder (a FIFO, a device) or
+    a symbolic link: not opened while sniffing; opening it says what it is."""
+    return os.path.islink(path) or (
+        os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path)
+    )
 
 
 def sniff(path: str, head: bytes = b"") -> bool:
@@ -71,17 +86,24 @@ def sniff(path: str, head: bytes = b"") -> bool:
             names = os.listdir(path)
             if STATE_FILENAME in names:
                 try:
-                    if _is_index(resolve_prefix(path) + ".index"):
+                    if _is_index(resolve_prefix(path) + ".index", path):
                         return True
                 except ForeignReferenceError:
                     return True  # a TensorFlow directory; opening says why it is refused
                 except (ValueError, OSError):
                     pass
-            return any(n.endswith(".index") and _is_index(os.path.join(path, n)) for n in names)
+            return any(
+                n.endswith(".index")
+                and (_is_index(os.path.join(path, n), path) or _odd(os.path.join(path, n)))
+                for n in names
+            )
+        folder = os.path.dirname(path) or os.curdir
         if os.path.isfile(path):
             prefix = resolve_prefix(path)
-            return prefix != path and _is_index(prefix + ".index")
-        return _is_index(path + ".index")
+            index = prefix + ".index"
+            return prefix != path and _is_index(index, None if index == path else folder)
+        index = path + ".index"  # (a folder there too: opening the prefix says what it is)
+        return _is_index(index, folder) or _odd(index) or os.path.isdir(index)
     except OSError:
         return False
 
@@ -95,6 +117,25 @@ def open_tf(path: str | os.PathLike[str], **options: Any) -> TfCheckpointView:
     directory is refused); see :class:`TfCheckpointView`.
     """
     return TfCheckpointView(path, **options)
+
+
+def outputs(path: str) -> list[str]:
+    """The files a write at ``path`` replaces: the prefix's index and data shards (a folder
+    gets a new prefix: nothing)."""
+    if os.path.isdir(path):
+        return []
+    prefix = path[: -len(".index")] if path.endswith(".index") else path
+    folder, base = os.path.split(prefix)
+    try:
+        names = os.listdir(folder or os.curdir)
+    except OSError:
+        names = []
+    shards = [
+        os.path.join(folder, n)
+        for n in names
+        if _DATA_NAME.fullmatch(n[len(base) :] if n.startswith(base) else "")
+    ]
+    return [prefix + ".index", *shards]
 
 
 FORMAT = FormatSpec(
@@ -113,4 +154,5 @@ FORMAT = FormatSpec(
         "naming": "write: 'object' (tf.train.Checkpoint keys + object graph) or 'name' (TF1 Saver)",
         "update_state": "write: make it the latest in the directory's 'checkpoint' file (true)",
     },
+    outputs=outputs,
 )

@@ -12,23 +12,33 @@ a reader never sees a half-written bundle.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import re
 import sys
 import threading
 import uuid
 from collections.abc import Sequence
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 
-from parallelvars._fileio import write_error
+from parallelvars._fileio import (
+    MAX_JSON_BYTES,
+    atomic_path,
+    open_input_file,
+    read_input,
+    write_error,
+)
 from parallelvars.errors import (
+    CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
     FormatVersionError,
     InvalidEntryError,
     NotACheckpointError,
+    ParallelVarsError,
     TruncatedFileError,
     UnsupportedDtypeError,
 )
@@ -52,6 +62,9 @@ from ._strings import StringChecksumError, decode_strings, encode_strings
 __all__ = ["BundleReader", "BundleWriter", "data_filename", "slice_region", "slice_shape"]
 
 _BIG = 1
+#: The largest index a reader takes (read whole): about two million tensors' entries, as the
+#: largest JSON document a reader parses (``parallelvars._fileio.MAX_JSON_BYTES``).
+MAX_INDEX_BYTES = MAX_JSON_BYTES
 _HAS_PREADV = hasattr(os, "preadv")
 _PRODUCER = 1  # TensorFlow's kTensorBundleVersion
 _MIN_CONSUMER = 0
@@ -176,18 +189,32 @@ class BundleReader:
         verify: whether reads check the stored checksums.
     """
 
-    def __init__(self, prefix: str, *, verify: bool = True) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        *,
+        verify: bool = True,
+        folder: str | None = None,
+        index_named: bool = False,
+    ) -> None:
         self.prefix = prefix
         self.index_path = prefix + ".index"
         self.verify = verify
+        # The checkpoint's folder: the index (unless the user named it) and the data shards
+        # are files found there, opened under the rule of every file a reader opens.
+        self.folder = folder if folder is not None else os.path.dirname(prefix) or os.curdir
         self._files: dict[int, BinaryIO] = {}
         self._shard_sizes: dict[int, int] = {}
         self._lock = threading.Lock()
         self._seek_lock = threading.Lock()
         try:
-            with open(self.index_path, "rb") as f:
-                data = f.read()
-        except (FileNotFoundError, NotADirectoryError):
+            data = read_input(
+                self.index_path,
+                max_bytes=MAX_INDEX_BYTES,
+                what="checkpoint index",
+                within=None if index_named else self.folder,
+            )
+        except (CheckpointNotFoundError, NotADirectoryError):
             raise NotACheckpointError(
                 "no TensorFlow checkpoint index", file=self.index_path
             ) from None
@@ -219,7 +246,11 @@ class BundleReader:
                 ) from None
         self.slice_keys: set[bytes] = set()
         self.unsupported: dict[bytes, str] = {}
-        self._validate()
+        try:
+            self._validate()  # (opens the data shards: closed again if it fails)
+        except BaseException:
+            self.close()
+            raise
 
     # --- validation at open -------------------------------------------------------------------
 
@@ -357,14 +388,9 @@ class BundleReader:
     def _shard_size(self, shard_id: int, key: bytes) -> int:
         size = self._shard_sizes.get(shard_id)
         if size is None:
-            path = self.shard_path(shard_id)
-            try:
-                size = os.stat(path).st_size
-            except FileNotFoundError:
-                raise CorruptCheckpointError(
-                    "data shard is missing", file=path, variable=_display(key)
-                ) from None
-            self._shard_sizes[shard_id] = size
+            size = self._shard_sizes[shard_id] = os.fstat(
+                self._file(shard_id, key).fileno()
+            ).st_size
         return size
 
     # --- reading ------------------------------------------------------------------------------
@@ -466,13 +492,19 @@ class BundleReader:
                 f = self._files.get(shard_id)
                 if f is None:
                     path = self.shard_path(shard_id)
-                    try:
-                        f = open(path, "rb", buffering=0)  # noqa: SIM115 - kept open until close()
-                    except FileNotFoundError:
+                    try:  # kept open until close(); a found file: not a FIFO, no link out
+                        opened = open_input_file(
+                            path,
+                            buffering=0,
+                            within=self.folder,
+                            referrer=self.index_path,
+                            variable=_display(key),
+                        )
+                    except CheckpointNotFoundError:
                         raise CorruptCheckpointError(
                             "data shard is missing", file=path, variable=_display(key)
                         ) from None
-                    self._files[shard_id] = f
+                    f = self._files[shard_id] = cast(BinaryIO, opened)
         return f
 
     def _pread(self, shard_id: int, offset: int, flat: np.ndarray, key: bytes) -> None:
@@ -543,10 +575,15 @@ class BundleWriter:
         self.prefix = prefix
         self.big_endian = big_endian
         self._swap = big_endian != (sys.byteorder == "big")
-        self.data_path = data_filename(prefix, 0, 1)
         self.index_path = prefix + ".index"
         parent = os.path.dirname(os.path.abspath(prefix))
         os.makedirs(parent, exist_ok=True)
+        # All or nothing over a checkpoint at the same prefix: TensorFlow names the data files
+        # after their count, so the new one takes the other count (one file, or two with the
+        # second empty) and never replaces a file the old index names; the index's rename is
+        # the commit, and the old data files go after it.
+        self.num_shards = 2 if _shard_count(self.index_path) == 1 else 1
+        self.data_path = data_filename(prefix, 0, self.num_shards)
         tag = uuid.uuid4().hex
         self._tmp_data = f"{self.data_path}.tempstate{tag}"
         self._tmp_index = f"{self.index_path}.tempstate{tag}"
@@ -639,19 +676,28 @@ class BundleWriter:
         self._f.close()
         self._f = None
         table = TableBuilder()
-        table.add(
-            b"", encode_header(BundleHeader(1, int(self.big_endian), _PRODUCER, _MIN_CONSUMER))
-        )
+        header = BundleHeader(self.num_shards, int(self.big_endian), _PRODUCER, _MIN_CONSUMER)
+        table.add(b"", encode_header(header))
         for key in sorted(self.entries):
             table.add(key, encode_entry(self.entries[key]))
         with open(self._tmp_index, "wb") as f:
             f.write(table.finish())
             f.flush()
             os.fsync(f.fileno())
-        os.replace(self._tmp_data, self.data_path)
-        os.replace(self._tmp_index, self.index_path)
+        for shard in range(1, self.num_shards):  # the empty second data file of a pair
+            with atomic_path(data_filename(self.prefix, shard, self.num_shards)) as tmp:
+                open(tmp, "xb").close()
+        os.replace(self._tmp_data, self.data_path)  # a name the old index does not use
+        _fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
+        os.replace(self._tmp_index, self.index_path)  # the commit
         _fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
         self._done = True
+        folder, base = os.path.split(self.prefix)
+        for name in os.listdir(folder or os.curdir):  # the old checkpoint's data files
+            m = _DATA_SUFFIX.fullmatch(name[len(base) :]) if name.startswith(base) else None
+            if m is not None and int(m.group(1)) != self.num_shards:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(folder, name))
 
     def abort(self) -> None:
         """Drop everything written so far."""
@@ -685,6 +731,22 @@ class BundleWriter:
                 mapped = write_error(failure, self.prefix)
                 if mapped is not failure:
                     raise mapped from failure
+
+
+_DATA_SUFFIX = re.compile(r"\.data-\d{5}-of-(\d{5})")
+
+
+def _shard_count(index: str) -> int | None:
+    """The data file count the index at ``index`` names, or None (no index, or not one we can
+    read: nothing it names needs keeping)."""
+    try:
+        data = read_input(index, max_bytes=MAX_INDEX_BYTES, what="checkpoint index")
+        first = next(iter(TableReader(data, file=index)), None)
+        if first is None or first[0] != b"":
+            return None
+        return decode_header(first[1]).num_shards
+    except (OSError, ParallelVarsError, DecodeError, ValueError):
+        return None
 
 
 def _string_elements(value: np.ndarray, key: bytes, file: str) -> list[bytes]:

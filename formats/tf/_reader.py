@@ -64,6 +64,21 @@ def _inside(directory: str, candidate: str) -> bool:
     return os.path.commonpath([base, os.path.realpath(candidate)]) == base
 
 
+def _is_text(text: str) -> bool:
+    """Whether ``text`` is valid Unicode (no lone surrogate, no undecodable byte escaped)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _present(index: str) -> bool:
+    """Whether an index is there: anything but a folder (a FIFO or a link out is refused when
+    it is opened, with the reason, rather than taken for no index)."""
+    return os.path.lexists(index) and not os.path.isdir(index)
+
+
 def resolve_prefix(path: str, *, follow_state_outside: bool = False) -> str:
     """The checkpoint prefix that ``path`` names.
 
@@ -82,9 +97,9 @@ def resolve_prefix(path: str, *, follow_state_outside: bool = False) -> str:
         if state is not None and state.model_checkpoint_path:
             p = state.model_checkpoint_path
             cand = p if os.path.isabs(p) else os.path.join(path, p)
-            if not os.path.isfile(cand + ".index") and os.path.isabs(p):
+            if not _present(cand + ".index") and os.path.isabs(p):
                 moved = os.path.join(path, os.path.basename(p))  # the directory was moved
-                if os.path.isfile(moved + ".index"):
+                if _present(moved + ".index"):
                     cand = moved
             if not follow_state_outside and not _inside(path, cand + ".index"):
                 raise ForeignReferenceError(
@@ -94,7 +109,7 @@ def resolve_prefix(path: str, *, follow_state_outside: bool = False) -> str:
                     found=repr(p),
                     hint="pass follow_state_outside=True (CLI: --follow-state-outside) to follow it",
                 )
-            if not os.path.isfile(cand + ".index"):
+            if not _present(cand + ".index"):
                 raise NotACheckpointError(
                     "the checkpoint state file names a checkpoint that does not exist",
                     file=os.path.join(path, STATE_FILENAME),
@@ -105,7 +120,7 @@ def resolve_prefix(path: str, *, follow_state_outside: bool = False) -> str:
         names = sorted(
             f[: -len(".index")]
             for f in os.listdir(path)
-            if f.endswith(".index") and os.path.isfile(os.path.join(path, f))
+            if f.endswith(".index") and _present(os.path.join(path, f))
         )
         if len(names) == 1:
             return os.path.join(path, names[0])
@@ -276,7 +291,29 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
             )
         self.source = os.fspath(path)
         self.path = resolve_prefix(self.source, follow_state_outside=follow_state_outside)
-        self._bundle = BundleReader(self.path, verify=verify)
+        # The checkpoint's folder, which its files found by name may not leave (symbolic
+        # links out are refused): the directory named, else the prefix's own.
+        folder = (
+            self.source
+            if os.path.isdir(self.source) and _inside(self.source, self.path + ".index")
+            else os.path.dirname(self.path) or os.curdir
+        )
+        self._bundle = BundleReader(
+            self.path,
+            verify=verify,
+            folder=folder,
+            index_named=self.source == self.path + ".index",
+        )
+        state = os.path.join(self.source, STATE_FILENAME)
+        self.files = [
+            *([state] if os.path.isdir(self.source) and os.path.lexists(state) else []),
+            self._bundle.index_path,
+            *(
+                self._bundle.shard_path(i)
+                for i in range(self._bundle.header.num_shards)
+                if os.path.lexists(self._bundle.shard_path(i))
+            ),
+        ]
         self._parallel_kind = parallel_kind
         self._assemble = assemble_slices
         self._skip = skip_unsupported
@@ -315,6 +352,15 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
     def _build(self) -> None:
         b = self._bundle
         keys = {key_str(k): k for k in b.entries if k not in b.slice_keys}
+        for text, k in keys.items():
+            if text.encode("utf-8", "surrogateescape") != k or not _is_text(text):
+                # TensorFlow's Python reader refuses such a key too (it decodes keys as UTF-8)
+                raise self._corrupt(
+                    "a tensor key is not UTF-8 text",
+                    variable=k.decode("utf-8", "backslashreplace"),
+                    expected="UTF-8 text",
+                    found=ascii(k[:80]),
+                )
         full_names: dict[str, str] = {}
         if GRAPH_KEY in keys:
             try:

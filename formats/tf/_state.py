@@ -15,6 +15,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from parallelvars._fileio import atomic_path, read_input
 from parallelvars.errors import CorruptCheckpointError
 
 __all__ = [
@@ -27,6 +28,8 @@ __all__ = [
 ]
 
 STATE_FILENAME = "checkpoint"
+#: The largest state file a reader takes (TensorFlow's list some hundred paths at most).
+MAX_STATE_BYTES = 1 << 20
 
 _FIELD = re.compile(
     r"""\s*([A-Za-z_][A-Za-z0-9_]*)\s*:\s*("(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*'|[^\s"']+)\s*"""
@@ -103,14 +106,19 @@ def read_state(directory: str) -> CheckpointState | None:
     """Parse ``<directory>/checkpoint``; None when there is none.
 
     Raises:
-        CorruptCheckpointError: the file is not a ``CheckpointState`` in text format.
+        CorruptCheckpointError: the file is not a ``CheckpointState`` in text format, not a
+            regular file (a FIFO), larger than :data:`MAX_STATE_BYTES`
+            (:class:`~parallelvars.errors.LimitExceededError`), or a symbolic link out of the
+            directory (:class:`~parallelvars.errors.ForeignReferenceError`).
     """
     path = os.path.join(directory, STATE_FILENAME)
-    try:
-        with open(path, "rb") as f:
-            text = f.read(1 << 20).decode("utf-8", "surrogateescape")
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return None
+    if not os.path.lexists(path) or os.path.isdir(path):
+        return None  # (a folder of that name is no state file either, as before)
+    # A file found in the directory: a regular file, no link out of it, at most MAX_STATE_BYTES.
+    raw = read_input(
+        path, max_bytes=MAX_STATE_BYTES, what="checkpoint state file", within=directory
+    )
+    text = raw.decode("utf-8", "surrogateescape")
     state = CheckpointState()
     for lineno, line in enumerate(text.splitlines(), 1):
         stripped = line.strip()
@@ -142,7 +150,8 @@ def write_state(directory: str, prefix: str) -> str:
     """Make ``prefix`` the latest checkpoint of ``directory``, as ``tf.train.Checkpoint.save`` does.
 
     Writes ``model_checkpoint_path`` and a single ``all_model_checkpoint_paths`` (relative to the
-    directory when the prefix is inside it), through a temporary file renamed into place.
+    directory when the prefix is inside it), through a temporary file renamed into place
+    (:func:`~parallelvars._fileio.atomic_path`).
     Returns the state file's path.
     """
     directory = directory or "."
@@ -150,10 +159,6 @@ def write_state(directory: str, prefix: str) -> str:
     name = os.path.abspath(prefix) if rel.startswith(os.pardir) else rel
     text = f'model_checkpoint_path: "{c_escape(name)}"\nall_model_checkpoint_paths: "{c_escape(name)}"\n'
     path = os.path.join(directory, STATE_FILENAME)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="ascii", newline="\n") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp, open(tmp, "x", encoding="ascii", newline="\n") as f:
+        f.write(text)  # (a fresh temporary name: never a file or link someone left there)
     return path

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 
+from parallelvars._fileio import open_input
 from parallelvars.checkpoint._h5policy import HDF5_SIGNATURE
 from parallelvars.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
 
@@ -39,12 +39,15 @@ def foreign_kind(path: str) -> str | None:
     if _TF_FILE.search(path) or (not os.path.exists(path) and os.path.exists(path + ".index")):
         return "tf"
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # opening a FIFO would block
-            return None
-        with open(path, "rb") as f:
-            head = f.read(9)
+        fd = open_input(path)  # never a FIFO (opening one blocks), a device or a socket
+    except (OSError, CheckpointError):
+        return None
+    try:
+        head = os.pread(fd, 9, 0)
     except OSError:
         return None
+    finally:
+        os.close(fd)
     lower = path.lower()
     if lower.endswith((".safetensors", ".safetensors.index.json")) or head[8:9] == b"{":
         return "safetensors"

@@ -14,7 +14,9 @@ native reader, the Keras readers, the CLI) goes through this module, which refus
   links a multi-process checkpoint writes to its own ``<file>.parts/`` folder: a relative name
   ``<file name>.parts/<part>`` without ``..``, whose target is a regular file (not a symlink,
   FIFO or device) inside that folder; the part is opened by the reader, not by HDF5;
-* files that are not regular files (a FIFO would block the open forever);
+* files that are not regular files (a FIFO would block the open forever), and parts that are
+  symbolic links out of their folder (the rule of every file a reader opens,
+  :func:`parallelvars._fileio.open_input`);
 * group paths deeper than :data:`MAX_DEPTH` levels.
 
 Every refusal is a :class:`~parallelvars.errors.CorruptCheckpointError` naming the file, the
@@ -31,7 +33,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from parallelvars.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+from parallelvars._fileio import check_input
+from parallelvars.errors import CorruptCheckpointError
 
 __all__ = [
     "H5_ERRORS",
@@ -93,33 +96,11 @@ def _refuse(
     return CorruptCheckpointError(what, file=file, variable=name, found=found, hint=hint)
 
 
-def check_regular_file(
-    path: str, *, file: str | None = None, follow: bool = True
-) -> os.stat_result:
-    """``os.stat`` (``os.lstat`` unless ``follow``) of ``path``, refusing anything but a regular file.
-
-    A FIFO, a device or a socket is refused before anything opens it (opening a FIFO blocks).
-    """
-    try:
-        st = os.stat(path) if follow else os.lstat(path)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(file=path) from None
-    if not stat.S_ISREG(st.st_mode):
-        kind = (
-            "a directory"
-            if stat.S_ISDIR(st.st_mode)
-            else (
-                "a symbolic link"
-                if stat.S_ISLNK(st.st_mode)
-                else "a FIFO"
-                if stat.S_ISFIFO(st.st_mode)
-                else "a device or socket"
-            )
-        )
-        if file is None:
-            raise NotACheckpointError(f"is {kind}, not a regular file", file=path)
-        raise _refuse("a linked file is not a regular file", file, path, kind)
-    return st
+def check_regular_file(path: str) -> os.stat_result:
+    """The ``fstat`` of ``path``, a file the user named, refusing anything but a regular file
+    (the rule of every file a reader opens, :func:`parallelvars._fileio.open_input`): a FIFO,
+    a device or a socket is refused before anything opens it (opening a FIFO blocks)."""
+    return check_input(path)
 
 
 def _link(loc: Any, name: bytes) -> tuple[int, Any]:
@@ -303,8 +284,9 @@ def part_file(file: str, link: tuple[bytes, bytes], name: str) -> str:
     """The validated path of a multi-process checkpoint's part reached by external link ``link``.
 
     The link's file name must be ``<file name>.parts/<part>`` (relative, no ``..`` or ``.``
-    component, nothing else), and the part a regular file (not a symlink) in a real folder
-    ``<file>.parts`` next to ``file``. Anything else is refused.
+    component, nothing else), and the part a regular file in a real folder ``<file>.parts``
+    next to ``file`` (a symbolic link only to another file of that folder). Anything else is
+    refused.
     """
     target = os.fsdecode(link[0])
     base = os.path.basename(file) + PARTS_SUFFIX
@@ -348,7 +330,7 @@ def part_file(file: str, link: tuple[bytes, bytes], name: str) -> str:
             "the parts folder is not a folder", file, name, f"{folder} is not a real folder"
         )
     path = os.path.join(folder, parts[1])
-    check_regular_file(path, file=file, follow=False)
+    check_input(path, within=folder, referrer=file, variable=name)
     if os.path.dirname(os.path.realpath(path)) != os.path.realpath(folder):
         raise _refuse("an external link leaves the parts folder", file, name, path)
     return path

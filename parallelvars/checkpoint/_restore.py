@@ -29,6 +29,7 @@ parallel_device_saving); the other components are then reported unmatched by the
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from collections.abc import Callable, Iterable
@@ -39,6 +40,7 @@ import numpy as np
 from parallelvars import _aggregate
 from parallelvars._dtypes import dtype_name
 from parallelvars._fileio import byte_view
+from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint.entry import Entry
 from parallelvars.checkpoint.h5io.layout import STAGE_LIMIT, STAGE_MIN_COMPONENTS
 from parallelvars.checkpoint.h5io.stored import StoredVariable
@@ -49,13 +51,24 @@ from parallelvars.checkpoint.registry import (
     get_saveable,
     register_saveable,
 )
-from parallelvars.errors import DtypeMismatchError, ShapeMismatchError
+from parallelvars.errors import (
+    CheckpointError,
+    ConcurrentWriteError,
+    DtypeMismatchError,
+    ShapeMismatchError,
+)
 from parallelvars.variables import ParallelVariable, ShardedVariable
 
 if TYPE_CHECKING:
     from parallelvars.checkpoint.h5io.read import H5Reader, IndexTable
 
-__all__ = ["DirectRestore", "ParallelVariableSaveable", "plan_direct", "read_logical_into"]
+__all__ = [
+    "DirectRestore",
+    "ParallelVariableSaveable",
+    "commit_plans",
+    "plan_direct",
+    "read_logical_into",
+]
 
 
 def _reader(stored: Entry, cast: bool) -> Callable[[int, np.ndarray], None]:
@@ -217,6 +230,53 @@ class ParallelVariableSaveable(Saveable):
 
 _SAVEABLE = ParallelVariableSaveable()
 register_saveable(ParallelVariable, _SAVEABLE)
+
+
+def _tracked(plan: Callable[[], None], path: str, done: list[str]) -> None:
+    plan()
+    done.append(path)  # (list.append is atomic: the plans run on several threads)
+
+
+def commit_plans(
+    plans: list[Callable[[], None]],
+    paths: list[str],
+    sizes: list[int],
+    *,
+    file: str,
+    written: list[str],
+) -> None:
+    """Run a restore's copies (``plans``, of the variables at ``paths``), every byte of which
+    was verified by the restore's first pass and is checked again as it lands
+    (``StoredVariable.read_component_into``); ``written``: the variables already copied from
+    verified memory (the bulk path).
+
+    A failure now means the file changed after it was verified (rewritten or cut by another
+    process): nothing unchecked lands, but the restore is no longer all or nothing, so the
+    error is a :class:`~parallelvars.errors.ConcurrentWriteError` naming the variables
+    already written, never a silent partial restore.
+    """
+    done: list[str] = []
+    calls = list(map(functools.partial, itertools.repeat(_tracked), plans, paths))
+    try:
+        run_partitioned([functools.partial(c, done) for c in calls], sizes)
+    except CheckpointError as exc:
+        written = [*written, *done]
+        shown = ", ".join(written[:10]) + (
+            f", ... ({len(written)} in all)" if len(written) > 10 else ""
+        )
+        raise ConcurrentWriteError(
+            f"the file changed after it was verified ({exc.what})",
+            file=file,
+            variable=exc.variable,
+            expected=exc.expected,
+            found=exc.found,
+            hint=(
+                f"variables already restored: {shown}; the one named may be restored in part"
+                if written
+                else "no variable was written but the one named, maybe in part"
+            )
+            + "; restore again once the file is no longer being written",
+        ) from exc
 
 
 class DirectRestore:

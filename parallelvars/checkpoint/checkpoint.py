@@ -38,7 +38,7 @@ from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint import _restore  # noqa: F401 - registers the variable saveable
 from parallelvars.checkpoint._foreign import with_foreign_hint
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX  # noqa: F401 - <file>.parts/: a multi-process save's files
-from parallelvars.checkpoint._restore import plan_direct
+from parallelvars.checkpoint._restore import commit_plans, plan_direct
 from parallelvars.checkpoint._skeleton import SkeletonCache
 from parallelvars.checkpoint._sources import by_live_names, open_source, reasons_of
 from parallelvars.checkpoint.h5io import write_h5
@@ -665,9 +665,14 @@ class _Session:
 
         def commit() -> None:
             try:
+                written = []
                 if direct is not None:
                     direct.commit()
-                run_partitioned(plans, sizes)
+                    written = [taken_items[k][2] for k in direct.taken]
+                # (a file changed since it was verified: ConcurrentWriteError naming these)
+                commit_plans(
+                    plans, [v.path for v in staged], sizes, file=self.path, written=written
+                )
             finally:
                 reader.unstage()
                 if direct is not None:

@@ -279,13 +279,24 @@ def check_entry(
     variable: str | None = None,
 ) -> None:
     """Raise ``error`` naming ``file``, the variable (``variable``, default the entry's path),
-    expected and found when ``entry``'s layout is not one of the documented ones (see
+    expected and found when ``entry``'s name is not valid Unicode text (a lone surrogate, which
+    no format can store) or its layout is not one of the documented ones (see
     :func:`layout_problem`).
 
     Writers and the formats' plans raise :class:`~parallelvars.errors.InvalidEntryError` (the
     entry handed to them is wrong); readers pass
     :class:`~parallelvars.errors.CorruptCheckpointError` (the file is).
     """
+    try:  # every format stores names as UTF-8: a lone surrogate is no name
+        entry.path.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise error(
+            "the name is not valid Unicode text",
+            file=file,
+            variable=entry.path if variable is None else variable,
+            expected="text without lone surrogates",
+            found=f"{exc.object[exc.start : exc.end]!a} at position {exc.start}",
+        ) from None
     shape = tuple(map(int, entry.shape))
     problem = layout_problem(entry.kind, shape, int(entry.num_components), entry.attrs or {})
     if problem is not None:

@@ -74,6 +74,7 @@ from typing import Any
 import crc32c as _crc32c
 import numpy as np
 
+from parallelvars._fileio import read_input, stat_input
 from parallelvars._threads import submit_or_run
 from parallelvars.checkpoint.checkpoint import PARTS_SUFFIX, Checkpoint, collective_rank
 from parallelvars.checkpoint.h5io import atomic_write
@@ -132,15 +133,14 @@ def _committed(directory: str, name: str) -> tuple[dict[int, tuple[str, float]],
         if n is None:
             continue
         path = os.path.join(directory, f)
-        try:
-            info = os.stat(path)
-        except FileNotFoundError:
+        try:  # the rule of every file a reader opens: a regular file, no symbolic link out
+            info = stat_input(path, within=directory)
+        except FileNotFoundError:  # (CheckpointNotFoundError too)
             vanished = vanished or not os.path.lexists(path)  # present: a dangling link, not ours
             continue
-        except OSError:
+        except (OSError, CheckpointError):  # not a regular file, or a link out: not ours
             continue
-        if stat.S_ISREG(info.st_mode):
-            out[n] = (f, info.st_mtime)
+        out[n] = (f, info.st_mtime)
     return out, vanished
 
 
@@ -161,23 +161,11 @@ def _read_state(directory: str) -> dict[str, Any] | None:
     checkpoint files are the truth, the state file only a record of them.
     """
     path = os.path.join(directory, STATE_FILE)
-    try:
-        fd = os.open(
-            path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-        )
-    except OSError:
-        return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > STATE_MAX_BYTES:
-            return None
-        with os.fdopen(os.dup(fd), "rb") as fh:
-            raw = fh.read(STATE_MAX_BYTES + 1)
+    try:  # the rule of every file a reader opens: never a FIFO, no link out, size capped
+        raw = read_input(path, max_bytes=STATE_MAX_BYTES, what="state file", within=directory)
         state = json.loads(raw.decode("utf-8"))
-    except (OSError, ValueError, RecursionError):
+    except (OSError, ValueError, RecursionError):  # (our refusals are ValueErrors)
         return None
-    finally:
-        os.close(fd)
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         return None
     version = state.get("version")

@@ -687,6 +687,22 @@ def is_native_checkpoint(path: str | os.PathLike[str]) -> bool:
         return False
 
 
+#: Bytes read per system call when a component's checksum is taken as it is read (1 MiB: the
+#: chunk is still in the CPU's cache when its CRC-32C runs).
+CHECK_CHUNK = 1 << 20
+
+
+#: The most bytes of larger components a restore keeps in memory between verifying them and
+#: copying them into the variables (docs/checkpoints.md, "A restore lands only checked
+#: bytes"); 0 by default. Kept, a file rewritten after its verification cannot change the
+#: restore; but the memory is fresh, and its page faults made a restore of 400 MB with the
+#: pages evicted 1.1-2.5x slower on the 2-core test machine (huge pages stalled on compaction,
+#: 4 KiB pages cost a fault each). Not kept, a component is read again when it is copied,
+#: into a reused buffer, and checked there before it lands (a change is then a
+#: ConcurrentWriteError naming the variables already restored).
+RESTORE_KEEP_LIMIT = 0
+
+
 class H5Reader(Mapping[str, StoredVariable]):
     """A checkpoint file in the native layout, opened read-only: a Mapping path -> variable.
 
@@ -720,6 +736,11 @@ class H5Reader(Mapping[str, StoredVariable]):
         # Small components read ahead in a few large reads (see stage()): the start of each
         # staged span, its end, and its bytes.
         self._staged: tuple[list[int], list[int], list[np.ndarray]] | None = None
+        # A restore's larger components, read and verified once and kept until they are copied
+        # (file offset -> bytes), and the bytes it may still keep (see stage()).
+        self._kept: dict[int, np.ndarray] = {}
+        self._slots: dict[int, tuple[int, int]] = {}  # offset -> (place in the arena, bytes)
+        self._arena: np.ndarray | None = None
         if not os.path.exists(self.path):
             raise CheckpointNotFoundError("no such checkpoint file", file=self.path)
         if os.path.isdir(self.path):
@@ -940,13 +961,19 @@ class H5Reader(Mapping[str, StoredVariable]):
                     self._raw_fd = fd
         return self._raw_fd
 
-    def _read_fully(self, view: memoryview, offset: int, variable: str | None = None) -> None:
+    def _read_fully(
+        self, view: memoryview, offset: int, variable: str | None = None, *, crc: bool = False
+    ) -> int:
         """Fill ``view`` with the file's bytes from ``offset`` on (a file that ends first, cut
         by someone else since it was opened, is a :class:`TruncatedFileError` naming
-        ``variable``, the component read, when given)."""
+        ``variable``, the component read, when given). With ``crc``, the bytes are read in
+        chunks of ``CHECK_CHUNK`` and their CRC-32C is taken as each chunk arrives, while it is
+        in the CPU's cache, and returned (else 0)."""
         end, fd = offset + len(view), self._fd()
+        step = CHECK_CHUNK if crc else len(view)
+        value = 0
         while len(view):
-            n = os.preadv(fd, [view], offset)
+            n = os.preadv(fd, [view[:step]], offset)
             if n <= 0:
                 raise TruncatedFileError(
                     "file ends inside the data",
@@ -955,9 +982,58 @@ class H5Reader(Mapping[str, StoredVariable]):
                     expected=f"{end} bytes",
                     found=f"{self.file_size} bytes",
                 )
+            if crc:
+                value = _crc32c.crc32c(view[:n], value)
             view, offset = view[n:], offset + n
+        return value
 
     def stage(self, variables: Iterable[StoredVariable]) -> set[tuple[str, int]]:
+        """Prepare a restore of ``variables``: read their small components now
+        (:meth:`_stage_small`, whose verified components are returned), and set aside the
+        memory the larger ones are kept in between their verification and their copy.
+
+        The components whose place the index gives and that are not staged get a slot of one
+        buffer (one allocation, so the kernel can back it with huge pages: fresh small
+        buffers cost a page fault per 4 KiB), first ones first, at most
+        ``RESTORE_KEEP_LIMIT`` bytes; :meth:`StoredVariable.verify` reads each into its slot,
+        verifies it there and keeps it, and the copy into the variable takes those bytes.
+        """
+        variables = list(variables)
+        verified = self._stage_small(variables)
+        slots: dict[int, tuple[int, int]] = {}
+        total = 0
+        for var in variables:
+            if var.dtype.kind == "O" or var._index_offsets is None:
+                continue
+            for i in range(var.num_components):
+                nbytes = var.component_nbytes(i)
+                if nbytes == 0 or total + nbytes > RESTORE_KEEP_LIMIT:
+                    continue
+                loc = var._location(i)
+                if loc is None or self._staged_bytes(loc[0], nbytes) is not None:
+                    continue
+                slots[loc[0]] = (total, nbytes)
+                total += nbytes
+        with self._lock:
+            self._kept = {}
+            self._slots = slots
+            self._arena = np.empty(total, np.uint8) if total else None
+        return verified
+
+    def _slot(self, offset: int, nbytes: int) -> np.ndarray | None:
+        """The memory set aside for the component at ``offset`` (:meth:`stage`), or None."""
+        slot = self._slots.get(offset)
+        arena = self._arena
+        if slot is None or arena is None or slot[1] != nbytes:
+            return None
+        return arena[slot[0] : slot[0] + nbytes]
+
+    def _keep(self, offset: int, data: np.ndarray) -> None:
+        """Keep ``data``, the verified bytes at ``offset``, for the copy."""
+        with self._lock:
+            self._kept[offset] = data
+
+    def _stage_small(self, variables: list[StoredVariable]) -> set[tuple[str, int]]:
         """Read the small components of ``variables`` now, with a few large reads.
 
         A restore of many small variables would otherwise pay two system calls per component
@@ -1082,11 +1158,17 @@ class H5Reader(Mapping[str, StoredVariable]):
         return buf, at, bad
 
     def unstage(self) -> None:
-        """Drop what :meth:`stage` read."""
+        """Drop what :meth:`stage` read, and what the verification kept."""
         self._staged = None
+        with self._lock:
+            self._kept, self._slots, self._arena = {}, {}, None
 
     def _staged_bytes(self, offset: int, nbytes: int) -> np.ndarray | None:
-        """The staged bytes ``[offset, offset + nbytes)`` of the file, when staged."""
+        """The staged bytes ``[offset, offset + nbytes)`` of the file, when staged (or kept
+        by a restore's verification)."""
+        kept = self._kept.get(offset)
+        if kept is not None and kept.size == nbytes:
+            return kept
         staged = self._staged
         if staged is None:
             return None

@@ -24,6 +24,7 @@ from parallelvars.checkpoint.h5io.layout import _H5_ERRORS, _MAX_COMPRESSION
 from parallelvars.checkpoint.registry import component_name
 from parallelvars.errors import (
     ChecksumMismatchError,
+    ConcurrentWriteError,
     CorruptCheckpointError,
     DtypeMismatchError,
     ShapeMismatchError,
@@ -431,7 +432,8 @@ class StoredVariable(Entry):
         """
         if self._pread_ok(i):
             try:
-                self._check_streamed(i)
+                if not self._verify_kept(i):
+                    self._check_streamed(i)
             except ChecksumMismatchError:
                 if i not in self._from_index:
                     raise
@@ -593,6 +595,28 @@ class StoredVariable(Entry):
         loc = self._location(i)
         return loc is not None and loc[1] > 0
 
+    def _verify_kept(self, i: int) -> bool:
+        """During a restore (``H5Reader.stage``), read component ``i`` into the memory set
+        aside for it, verify it there and keep it for the copy; whether it had memory."""
+        loc = self._location(i)
+        assert loc is not None
+        offset, size = loc
+        reader = self._reader
+        slot = reader._slot(offset, size * self.dtype.itemsize)
+        if slot is None:
+            return False
+        if slot.size > 1 << 20 and hasattr(os, "posix_fadvise"):  # start reading it all ahead
+            os.posix_fadvise(reader._fd(), offset, slot.size, os.POSIX_FADV_WILLNEED)
+        found = reader._read_fully(
+            memoryview(slot),  # type: ignore[arg-type]
+            offset,
+            f"{self.path}/{component_name(i)}",
+            crc=True,
+        )
+        self._compare(i, found)
+        reader._keep(offset, slot)
+        return True
+
     def _check_streamed(self, i: int) -> None:
         loc = self._location(i)
         assert loc is not None
@@ -642,39 +666,79 @@ class StoredVariable(Entry):
                 hint="pass allow_cast=True to convert",
             )
 
+        # Every byte that lands in ``out`` is checked against the checksum, even when the
+        # component was verified before (a restore verifies everything before it writes): a
+        # file rewritten in between must not land unchecked bytes (see _check_landed).
         def copy(data: np.ndarray) -> None:
-            if verify and i not in self._verified:
-                self._check(i, data)
+            if verify:
+                self._check_landed(i, checksum(data))
             if out.dtype == data.dtype:
                 np.copyto(out, data)
             else:
                 out[...] = data.astype(out.dtype)
 
-        if out.dtype == self.dtype and out.flags.c_contiguous and self._pread_ok(i):
-            # Straight from the file into ``out``, then its checksum there: no extra copy.
+        direct = out.dtype == self.dtype and out.flags.c_contiguous and self._pread_ok(i)
+        if direct and verify and i in self._verified:
+            # Verified before (a restore's first pass): its bytes land only from the verified
+            # copy kept in memory, or read again into a buffer and checked there first.
             loc = self._location(i)
             assert loc is not None
-            self._pread_into(i, out, loc[0])
-            if verify and i not in self._verified:
-                try:
+            kept = self._reader._staged_bytes(loc[0], byte_view(out).size)
+            if kept is not None:
+                np.copyto(byte_view(out), kept)
+                return
+            direct = False
+        if direct:
+            # Straight from the file into ``out`` (a fresh array, not a live variable: nothing
+            # verified it yet), checksummed chunk by chunk as it arrives.
+            loc = self._location(i)
+            assert loc is not None
+            found = self._pread_into(i, out, loc[0], crc=verify)
+            if not verify:
+                return
+            try:
+                if found is not None:
+                    self._check_landed(i, found)
+                elif i not in self._verified:  # staged, without an index checksum
                     self._check(i, out)
-                except ChecksumMismatchError:
-                    if i not in self._from_index:
-                        raise
-                    self._with_bytes(i, copy)  # the index may be stale: HDF5's location
+            except ChecksumMismatchError:
+                if i not in self._from_index:
+                    raise
+                self._with_bytes(i, copy)  # the index may be stale: HDF5's location
             return
         self._with_bytes(i, copy)
 
-    def _pread_into(self, i: int, out: np.ndarray, offset: int) -> None:
+    def _check_landed(self, i: int, found: int) -> None:
+        """Check the CRC-32C ``found`` of component ``i``'s bytes as they were copied. When the
+        component was verified before (by this restore's first pass), a mismatch means the
+        file changed since: :class:`~parallelvars.errors.ConcurrentWriteError`."""
+        try:
+            self._compare(i, found)
+        except ChecksumMismatchError as exc:
+            if i not in self._verified:
+                raise
+            raise ConcurrentWriteError(
+                "its bytes read again do not match the checksum verified before",
+                file=self._reader.path,
+                variable=f"{self.path}/{component_name(i)}",
+                expected=exc.expected,
+                found=exc.found,
+                hint="another process is writing it; nothing unchecked was copied",
+            ) from None
+
+    def _pread_into(self, i: int, out: np.ndarray, offset: int, *, crc: bool = False) -> int | None:
+        """Read component ``i`` into ``out``: its bytes' CRC-32C taken as they arrive when
+        ``crc``; None when they came from the verified read-ahead (:meth:`H5Reader.stage`)."""
         flat = byte_view(out)
         staged = self._reader._staged_bytes(offset, flat.size)
         if staged is not None:  # read with its neighbours already (see H5Reader.stage)
             np.copyto(flat, staged)
-            return
-        self._reader._read_fully(
+            return None
+        return self._reader._read_fully(
             memoryview(flat),  # type: ignore[arg-type]
             offset,
             f"{self.path}/{component_name(i)}",
+            crc=crc,
         )
 
     def component(self, i: int) -> np.ndarray:
