@@ -20,6 +20,8 @@ import pytest
 import parallelvars as pv
 from parallelvars.checkpoint import checkpoint as checkpoint_module
 from parallelvars.checkpoint import h5io, manager
+from parallelvars.checkpoint import snapshot as snapshot_module
+from parallelvars.checkpoint.graph import build_object_graph
 from parallelvars.errors import (
     CheckpointLockedError,
     ConcurrentWriteError,
@@ -92,7 +94,7 @@ class Writer:
 
 def test_async_snapshots_under_a_writer_thread_are_consistent_or_refused(tmp_path, monkeypatch):
     ckpt, variables = make_model(40)
-    where = {id(obj): p for _, obj, p in checkpoint_module.build_object_graph(ckpt).variables()}
+    where = {id(obj): p for _, obj, p in build_object_graph(ckpt).variables()}
     taken: list[dict[str, list[np.ndarray]]] = []
 
     def keep(path, records, **kwargs):  # the snapshot as the writer receives it
@@ -144,7 +146,7 @@ def assert_one_moment_values(per_variable: list[list[np.ndarray]]) -> None:
 
 
 def assert_one_moment(path: str, ckpt, variables) -> None:
-    where = {id(obj): p for _, obj, p in checkpoint_module.build_object_graph(ckpt).variables()}
+    where = {id(obj): p for _, obj, p in build_object_graph(ckpt).variables()}
     with h5io.H5Reader(path) as r:
         per_variable = []
         for v in variables:
@@ -156,7 +158,7 @@ def assert_one_moment(path: str, ckpt, variables) -> None:
 def test_snapshot_copies_again_when_a_write_lands_between_the_passes(tmp_path, monkeypatch):
     ckpt, variables = make_model(2)
     set_all(variables, 1)
-    real = checkpoint_module._unchanged
+    real = snapshot_module._unchanged
     calls = [0]
 
     def racing(live, copied):
@@ -165,7 +167,7 @@ def test_snapshot_copies_again_when_a_write_lands_between_the_passes(tmp_path, m
             set_all(variables, 2)  # a writer thread lands after the copy, before the check
         return real(live, copied)
 
-    monkeypatch.setattr(checkpoint_module, "_unchanged", racing)
+    monkeypatch.setattr(snapshot_module, "_unchanged", racing)
     write = ckpt._prepare_write(copy=True)
     set_all(variables, 3)  # after the snapshot: not in the file
     monkeypatch.undo()
@@ -176,7 +178,7 @@ def test_snapshot_copies_again_when_a_write_lands_between_the_passes(tmp_path, m
 def test_snapshot_refused_when_writes_never_stop(tmp_path, monkeypatch):
     ckpt, variables = make_model(2)
     k = [0]
-    real = checkpoint_module._unchanged
+    real = snapshot_module._unchanged
 
     def always_racing(live, copied):
         k[0] += 1
@@ -185,7 +187,7 @@ def test_snapshot_refused_when_writes_never_stop(tmp_path, monkeypatch):
 
     with pv.CheckpointManager(ckpt, tmp_path) as mgr:
         mgr.save()
-        monkeypatch.setattr(checkpoint_module, "_unchanged", always_racing)
+        monkeypatch.setattr(snapshot_module, "_unchanged", always_racing)
         with pytest.raises(ConcurrentWriteError, match="non-blocking save"):
             mgr.save(blocking=False)
         monkeypatch.undo()

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import parallelvars as pv
-from parallelvars.checkpoint.checkpoint import build_object_graph
+from parallelvars.checkpoint.graph import build_object_graph
 from parallelvars.cli import main as cli_main
 from parallelvars.formats import ArrayEntry, write_checkpoint
 from parallelvars.strategy._values import PerReplica, regroup
@@ -329,9 +329,9 @@ def test_save_and_restore_pause_the_collector_and_resume_it(tmp_path):
         seen.append(gc.isenabled())
         return original(self, *args, **kwargs)
 
-    from parallelvars.checkpoint import checkpoint as _checkpoint
+    from parallelvars.checkpoint import matching as _matching
 
-    direct = _checkpoint.plan_direct  # the planner of the common case, in bulk
+    direct = _matching.plan_direct  # the planner of the common case, in bulk
 
     def spy_direct(*args: Any) -> Any:
         seen.append(gc.isenabled())
@@ -342,7 +342,7 @@ def test_save_and_restore_pause_the_collector_and_resume_it(tmp_path):
     assert gc.isenabled()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(type(saveable), "plan_restore", spy)
-        mp.setattr(_checkpoint, "plan_direct", spy_direct)
+        mp.setattr(_matching, "plan_direct", spy_direct)
         ckpt.restore(path).assert_consumed()
     assert seen and not any(seen)  # off while planning the restore
     assert gc.isenabled()
@@ -363,7 +363,7 @@ def test_save_and_restore_pause_the_collector_and_resume_it(tmp_path):
 def test_overlapping_pauses_in_threads_resume_the_collector_once():
     import gc
 
-    from parallelvars.checkpoint.checkpoint import _gc_paused
+    from parallelvars.checkpoint._gcpause import _gc_paused
 
     inside, release = threading.Event(), threading.Event()
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import parallelvars as pv
 from parallelvars.checkpoint import H5Reader, _skeleton
-from parallelvars.checkpoint.checkpoint import _gc_paused
+from parallelvars.checkpoint._gcpause import _gc_paused
 from parallelvars.checkpoint.h5io import write_h5
 from parallelvars.errors import CheckpointWriteError
 

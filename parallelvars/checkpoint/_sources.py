@@ -252,7 +252,7 @@ def by_live_names(source: H5Reader | ViewSource, root: Any) -> H5Reader | ViewSo
     view = source.view
     if source.format != "tf" or (getattr(view, "metadata", None) or {}).get("tf_naming") != "name":
         return source
-    from parallelvars.checkpoint.checkpoint import build_object_graph, escape_name
+    from parallelvars.checkpoint.graph import build_object_graph, escape_name
     from parallelvars.formats.tf._tf1 import TF1_NON_SLOTS, tf1_slots
     from parallelvars.optimizers import Optimizer
 
