@@ -42,6 +42,7 @@ from parallelvars.checkpoint.graph import (  # noqa: F401 - the graph's names, a
     unescape_name,
 )
 from parallelvars.checkpoint.h5io import write_h5
+from parallelvars.checkpoint.h5io.collective import write_collective
 from parallelvars.checkpoint.h5io.write import RecordList
 from parallelvars.checkpoint.matching import RestoreSession
 from parallelvars.checkpoint.registry import SaveRecord
@@ -49,6 +50,7 @@ from parallelvars.checkpoint.snapshot import Snapshot, SnapshotPlan, take_snapsh
 from parallelvars.checkpoint.status import CheckpointLoadStatus
 from parallelvars.devices import ParallelDevice
 from parallelvars.errors import CheckpointNotFoundError, InvalidArgumentError, NotACheckpointError
+from parallelvars.strategy._cluster import cluster_strategy
 from parallelvars.tracking import Trackable
 
 __all__ = [
@@ -63,35 +65,27 @@ __all__ = [
     "unescape_name",
 ]
 
-# A multi-process strategy registers itself here: each process then writes its own components
-# and the processes commit one logical checkpoint together, through the writer the strategy's
-# ``checkpoint_writer()`` hands out (under MPI: h5io.collective.write_collective). Held for the
-# process's life: a dropped strategy must not turn the next save into every rank writing the
-# same file.
-_PROCESS_STRATEGY: list[Any] = []
-
-
-def use_process_strategy(strategy: Any) -> None:
-    """Write checkpoints through ``strategy.checkpoint_writer()`` (``None``: the plain
-    single-file writer). ``strategy.cluster_rank`` is this process's rank; rank 0 keeps the
-    books (a ``CheckpointManager``'s state, lock and deletions)."""
-    _PROCESS_STRATEGY[:] = [] if strategy is None else [strategy]
-
-
-def _process_strategy() -> Any:
-    return _PROCESS_STRATEGY[0] if _PROCESS_STRATEGY else None
-
 
 def _checkpoint_writer() -> Callable[..., str]:
-    """``writer(path, records, *, object_graph, metadata, skeletons)`` for this process's saves."""
-    strategy = _process_strategy()
-    writer = None if strategy is None else strategy.checkpoint_writer()
-    return writer or write_h5
+    """``writer(path, records, *, object_graph, metadata, skeletons)`` for this process's saves:
+    under a multi-process strategy (:mod:`parallelvars.strategy._cluster`), every rank writes
+    its part of one logical checkpoint through the strategy's communicator
+    (:func:`~parallelvars.checkpoint.h5io.collective.write_collective`); else the plain
+    single-file writer."""
+    strategy = cluster_strategy()
+    if strategy is None:
+        return write_h5
+    comm, local, everyone = strategy.comm, strategy.parameter_devices, strategy.worker_devices
+
+    def write(path: str, records: Sequence[SaveRecord], **options: Any) -> str:
+        return write_collective(comm, path, records, local, everyone, **options)
+
+    return write
 
 
 def collective_rank() -> int | None:
     """This process's rank when checkpoints are written collectively (MPI), else None."""
-    strategy = _process_strategy()
+    strategy = cluster_strategy()
     return None if strategy is None else int(strategy.cluster_rank)
 
 

@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 
 from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint._restore import DirectRestore, plan_direct
-from parallelvars.checkpoint._sources import by_live_names, open_source, reasons_of
 from parallelvars.checkpoint.graph import (
     checked_graph_nodes,
     graph_from_paths,
@@ -33,6 +32,7 @@ from parallelvars.checkpoint.graph import (
     slot_relations,
 )
 from parallelvars.checkpoint.registry import get_saveable
+from parallelvars.checkpoint.sources import Source, SourceEntry, open_source
 from parallelvars.errors import CheckpointError, RestoreMismatchError
 from parallelvars.tracking import Trackable, children_of
 
@@ -45,18 +45,20 @@ class RestoreSession:
     def __init__(self, path: str, allow_cast: bool, root: Any = None) -> None:
         self.path = path
         self.allow_cast = allow_cast
-        # Our HDF5 layout, or a view of another format we read (see _sources); a name-based
+        # Our HDF5 layout, or a plug-in's source of another format (see sources); a name-based
         # TensorFlow checkpoint seen through the live names of ``root``'s objects.
         self._reader: Any = open_source(path)
-        if root is not None:
+        for_root = None if root is None else getattr(self._reader, "for_root", None)
+        if for_root is not None:
             try:
-                self._reader = by_live_names(self._reader, root)
+                self._reader = for_root(root)
             except BaseException:
                 self._reader.close()
                 raise
         self._names = self._reader if hasattr(self._reader, "over") else None
         # Saved path -> why no live object can take it (reported by the load status).
-        self.reasons: dict[str, str] = reasons_of(self._reader)
+        unrestorable = getattr(self._reader, "unrestorable", None)
+        self.reasons: dict[str, str] = {} if unrestorable is None else dict(unrestorable())
         graph = self._reader.object_graph
         if graph is None:
             self.nodes = graph_from_paths(self._reader, slot_relations(self._reader))
@@ -73,7 +75,7 @@ class RestoreSession:
         # Each node's saved path, once the graph is dropped (see release()).
         self._paths: list[str | None] | None = None
 
-    def reader(self) -> Any:
+    def reader(self) -> Source:
         if self._reader is None:
             source = open_source(self.path)
             self._reader = source if self._names is None else self._names.over(source)
@@ -180,7 +182,8 @@ class RestoreSession:
         """The checking half of :meth:`plan`: each matched variable's stored entry and rule
         (``plan.steps``, or ``plan.direct`` for those restored in bulk), every checksum
         verified. Raising leaves nothing staged."""
-        reader = plan.reader = self.reader()
+        reader: Any = self.reader()  # (a Source; the native reader also has a table)
+        plan.reader = reader
         nodes, matched = self.nodes, plan.matched
         checks, check_sizes = [], []
         # The variables matched: (node id, live object, saved path), in matched order.
@@ -373,7 +376,7 @@ class RestoreStep(NamedTuple):
     it, and the rule that writes one into the other (its saveable's ``plan_restore``; see
     :mod:`parallelvars.checkpoint._restore` for the rules of parallel variables)."""
 
-    stored: Any  # an entry of the source (Entry, with verify and read_component_into)
+    stored: SourceEntry
     target: Any
     rule: Callable[[], None]
 
