@@ -28,7 +28,6 @@ import numpy as np
 
 from parallelvars.checkpoint import _restore  # noqa: F401 - registers the variable saveable
 from parallelvars.checkpoint._foreign import with_foreign_hint
-from parallelvars.checkpoint._gcpause import _gc_paused
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX  # noqa: F401 - <file>.parts/: a multi-process save's files
 from parallelvars.checkpoint._skeleton import SkeletonCache
 from parallelvars.checkpoint.graph import (  # noqa: F401 - the graph's names, as before
@@ -183,10 +182,7 @@ class Checkpoint(Trackable):
 
     def write(self, path: str | os.PathLike[str]) -> str:
         """Write a checkpoint to exactly ``path`` (atomically); returns ``path``."""
-        # One pause for the gather and the write: resumed in between, the collector would walk
-        # everything the gather made (all of it young) once more before the write.
-        with _gc_paused():
-            return self._prepare_write()(path)
+        return self._prepare_write()(path)
 
     def _prepare_write(self, *, copy: bool = False) -> Callable[[str | os.PathLike[str]], str]:
         """Gather what a write saves now; the returned callable writes it to a path.
@@ -197,22 +193,20 @@ class Checkpoint(Trackable):
         the copies are made by the callable, in the thread that writes). Without, components
         are views written as they are.
         """
-        with _gc_paused():
-            records, object_graph, metadata = self._gather(False)
-            snapshot = self._snapshot(records) if copy else None
+        records, object_graph, metadata = self._gather(False)
+        snapshot = self._snapshot(records) if copy else None
 
         writer = _checkpoint_writer()  # every rank writes its part under MPI
 
         def write(path: str | os.PathLike[str]) -> str:
             try:
-                with _gc_paused():  # a few objects per variable, all alive until the write ends
-                    return writer(
-                        os.fspath(path),
-                        records if snapshot is None else snapshot.records(),
-                        object_graph=object_graph,
-                        metadata=metadata,
-                        skeletons=self._pv_skeletons,
-                    )
+                return writer(
+                    os.fspath(path),
+                    records if snapshot is None else snapshot.records(),
+                    object_graph=object_graph,
+                    metadata=metadata,
+                    skeletons=self._pv_skeletons,
+                )
             finally:
                 if snapshot is not None:
                     snapshot.release()
@@ -299,15 +293,14 @@ class Checkpoint(Trackable):
         p = os.fspath(path)
         if not os.path.exists(p) and os.path.exists(p + ".h5"):
             p += ".h5"
-        with _gc_paused():
-            try:
-                session = RestoreSession(p, allow_cast, self)
-            except (NotACheckpointError, CheckpointNotFoundError) as exc:
-                raise with_foreign_hint(exc, p) from None
-            try:
-                session.restore_into(0, self)
-            finally:
-                session.release()
+        try:
+            session = RestoreSession(p, allow_cast, self)
+        except (NotACheckpointError, CheckpointNotFoundError) as exc:
+            raise with_foreign_hint(exc, p) from None
+        try:
+            session.restore_into(0, self)
+        finally:
+            session.release()
         return CheckpointLoadStatus(session, self)
 
     read = restore

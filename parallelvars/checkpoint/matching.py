@@ -84,10 +84,6 @@ class RestoreSession:
     def release(self) -> None:
         """Close the file once nothing waits for a live object (no note is pending); the saved
         graph is then dropped too, keeping only each node's path for the load status.
-
-        (Dropped here, while the restore still pauses the cyclic collector: its nodes, a few
-        containers per saved object, are otherwise all alive and young when the collector
-        resumes, and its first collection walks every one of them.)
         """
         if self.pending != 0:
             return

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from parallelvars.checkpoint._gcpause import _gc_paused
 from parallelvars.checkpoint.graph import build_object_graph
 from parallelvars.checkpoint.matching import RestoreSession
 from parallelvars.errors import RestoreMismatchError
@@ -22,22 +21,18 @@ class CheckpointLoadStatus:
         self._root = root
 
     def _unmatched_live(self) -> list[str]:
-        with _gc_paused():
-            graph = build_object_graph(self._root)
-            matched = {id(o) for o in self._session.matched.values()}
-            return [path for _, obj, path in graph.variables() if id(obj) not in matched]
+        graph = build_object_graph(self._root)
+        matched = {id(o) for o in self._session.matched.values()}
+        return [path for _, obj, path in graph.variables() if id(obj) not in matched]
 
     @property
     def unrestored_paths(self) -> list[str]:
         """Saved values not restored so far, sorted: no live object matched them yet (a slot
         waiting for its optimizer to create it, a name another model does not have), and the
         components 1.. of an independent variable read into a plain one."""
-        with _gc_paused():
-            missing = [
-                p
-                for i, p in self._session.variable_nodes().items()
-                if i not in self._session.restored
-            ]
+        missing = [
+            p for i, p in self._session.variable_nodes().items() if i not in self._session.restored
+        ]
         return sorted(missing + self._session.unmatched_parts)
 
     @property
