@@ -53,7 +53,8 @@ from parallelvars.errors import DtypeMismatchError, ShapeMismatchError
 from parallelvars.variables import ParallelVariable, ShardedVariable
 
 if TYPE_CHECKING:
-    from parallelvars.checkpoint.h5io.read import H5Reader, IndexTable
+    from parallelvars.checkpoint.h5io.index_table import IndexTable
+    from parallelvars.checkpoint.h5io.read import H5Reader
 
 __all__ = ["DirectRestore", "ParallelVariableSaveable", "plan_direct", "read_logical_into"]
 
