@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import parallelvars as pv
+from parallelvars.checkpoint import _state as state_module
 from parallelvars.checkpoint import checkpoint as checkpoint_module
 from parallelvars.checkpoint import h5io, manager
 from parallelvars.checkpoint import snapshot as snapshot_module
@@ -367,7 +368,7 @@ def test_state_write_failing_takes_the_save_back_then_recovers(tmp_path, monkeyp
         set_all(variables, k)
         mgr.save()
     set_all(variables, 3)
-    monkeypatch.setattr(manager, "atomic_write", no_space)
+    monkeypatch.setattr(state_module, "atomic_write", no_space)
     with pytest.raises(OSError) as info:
         mgr.save()
     assert info.value.errno == errno.ENOSPC
@@ -395,7 +396,7 @@ def test_fresh_manager_after_a_failed_state_write(tmp_path, monkeypatch):
     set_all(variables, 1)
     mgr.save()
     # The new file cannot be taken back either: it stays committed, and is adopted.
-    monkeypatch.setattr(manager, "atomic_write", no_space)
+    monkeypatch.setattr(state_module, "atomic_write", no_space)
     real_unlink = os.unlink
 
     def stuck_unlink(path, *args, **kwargs):
@@ -412,7 +413,7 @@ def test_fresh_manager_after_a_failed_state_write(tmp_path, monkeypatch):
     assert int(ckpt.save_counter) == 2
     assert json.loads((tmp_path / manager.STATE_FILE).read_text())["latest"] == "ckpt-1.h5"  # stale
     mgr.close()
-    monkeypatch.setattr(manager, "atomic_write", no_space)
+    monkeypatch.setattr(state_module, "atomic_write", no_space)
     with pv.CheckpointManager(
         make_model(2)[0], tmp_path, max_to_keep=2
     ) as fresh:  # opens while full
@@ -871,13 +872,13 @@ def test_a_checkpoint_deleted_by_hand_costs_readers_one_more_look(tmp_path, monk
             writer.save()
     os.unlink(tmp_path / "ckpt-3.h5")
     reads = [0]
-    real_read_state = manager._read_state
+    real_read_state = state_module._read_state
 
     def counted(directory: str):
         reads[0] += 1
         return real_read_state(directory)
 
-    monkeypatch.setattr(manager, "_read_state", counted)
+    monkeypatch.setattr(state_module, "_read_state", counted)
     assert pv.latest_checkpoint(tmp_path, "ckpt") == str(tmp_path / "ckpt-2.h5")
     assert reads[0] == 2
     reader_ckpt, reader_vars = make_model(2)

@@ -6,6 +6,7 @@ from parallelvars.checkpoint.entry import ArrayEntry, Entry
 from parallelvars.checkpoint.h5io import H5Reader, StoredVariable, write_h5
 from parallelvars.checkpoint.manager import CheckpointManager, latest_checkpoint
 from parallelvars.checkpoint.registry import Saveable, SaveRecord, get_saveable, register_saveable
+from parallelvars.checkpoint.retention import EveryNSeconds, KeepAll, LatestN, RetentionPolicy
 from parallelvars.checkpoint.status import CheckpointLoadStatus
 
 __all__ = [
@@ -14,7 +15,11 @@ __all__ = [
     "CheckpointLoadStatus",
     "CheckpointManager",
     "Entry",
+    "EveryNSeconds",
     "H5Reader",
+    "KeepAll",
+    "LatestN",
+    "RetentionPolicy",
     "SaveRecord",
     "Saveable",
     "StoredVariable",
