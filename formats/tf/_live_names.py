@@ -17,7 +17,7 @@ from parallelvars.checkpoint.graph import build_object_graph, escape_name
 from parallelvars.errors import MissingVariableError
 from parallelvars.optimizers import Adagrad, Adam, Momentum, Optimizer, RMSProp
 
-from .._source import StagedEntry, ViewSource, reasons_of
+from .._staged import StagedEntry, reasons_of
 from ._tf1 import TF1_NON_SLOTS, tf1_slots
 
 __all__ = ["NamedSource", "by_live_names"]
@@ -34,7 +34,7 @@ class NamedSource(Mapping[str, StagedEntry]):
 
     def __init__(
         self,
-        source: ViewSource,
+        source: Any,  # a ViewSource of formats._source
         renames: dict[str, str],
         slots: dict[str, tuple[str, str]],
         reasons: dict[str, str],
@@ -49,7 +49,7 @@ class NamedSource(Mapping[str, StagedEntry]):
         self._moved = set(renames.values())
         self._paths = [*renames, *(k for k in source if k not in self._moved)]
 
-    def over(self, source: ViewSource) -> NamedSource:
+    def over(self, source: Any) -> NamedSource:
         """The same mapping over ``source`` (the file opened again)."""
         return NamedSource(source, self.renames, self.slots, self.reasons)
 
@@ -97,7 +97,7 @@ def _tf1_kind(opt: Any) -> str | None:
     return kinds.get(type(opt))
 
 
-def by_live_names(source: ViewSource, root: Any) -> ViewSource | NamedSource:
+def by_live_names(source: Any, root: Any) -> Any:
     """``source`` seen through the live objects of ``root`` when it is a name-based TensorFlow
     checkpoint, else ``source`` itself.
 

@@ -66,7 +66,7 @@ def foreign_hint(path: str) -> str | None:
     if name is not None:
         return f"{_LABELS[name]} that does not open as one: 'parallelvars verify {path}' says why"
     if os.path.isdir(path):
-        from parallelvars.checkpoint.manager import latest_checkpoint
+        from parallelvars.checkpoint._state import latest_checkpoint
 
         try:
             latest = latest_checkpoint(path)

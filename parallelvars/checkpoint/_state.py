@@ -20,7 +20,7 @@ from typing import Any
 
 import crc32c as _crc32c
 
-from parallelvars.checkpoint.h5io import atomic_write
+from parallelvars.checkpoint.h5io.write import atomic_write
 
 __all__ = ["STATE_FILE", "STATE_VERSION", "latest_checkpoint"]
 
