@@ -222,7 +222,7 @@ def training_structure(view: CheckpointView, rows: list[dict[str, Any]]) -> dict
     optimizer state a TF1 name-based checkpoint holds (``tf1_slots``, ``tf1_counters``: mapped
     by variable name at restore), and what no restore can map, with the reason
     (``not_mappable``)."""
-    from parallelvars.checkpoint._sources import reasons_of
+    from parallelvars.formats._source import reasons_of
     from parallelvars.formats.tf._tf1 import name_based_state
 
     graph = getattr(view, "object_graph", None)

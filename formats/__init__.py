@@ -37,6 +37,8 @@ Example:
 
 from __future__ import annotations
 
+from parallelvars.checkpoint.sources import register_source_plugin
+
 from ._convert import convert, format_for_path
 from ._names import NAME_STYLES, component_key, from_key, parse_component_key, part_key, to_key
 from ._registry import (
@@ -48,7 +50,12 @@ from ._registry import (
     write_checkpoint,
 )
 from ._reshard import reshard, split_offsets
+from ._source import SOURCES as _SOURCES
 from ._view import KINDS, ArrayEntry, CheckpointView, DictView, Entry, logical_value
+
+# Restores of these formats through the core (also declared as the ``parallelvars.sources``
+# entry point, so that a restore works without this import).
+register_source_plugin(_SOURCES)
 
 __all__ = [
     "FORMAT_NAMES",

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from parallelvars.checkpoint.checkpoint import (
+from parallelvars.checkpoint.graph import (
     GRAPH_VERSION,
     checked_graph_nodes,
     graph_from_paths,

@@ -46,7 +46,7 @@ Example:
 
 from __future__ import annotations
 
-from parallelvars.checkpoint.checkpoint import escape_name, unescape_name
+from parallelvars.checkpoint.graph import escape_name, unescape_name
 from parallelvars.checkpoint.registry import (
     COMPONENT_PREFIX,
     component_name,

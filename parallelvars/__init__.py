@@ -97,7 +97,7 @@ _LAZY: dict[str, str] = {
     "MultiWorkerMirroredStrategy": "parallelvars.strategy._mpi",
 }  # fmt: skip
 
-__version__ = "0.1.0"
+from parallelvars._version import __version__  # noqa: E402 - one number, in _version.py
 
 # Run from a source checkout, parallelvars.formats and parallelvars.cli live beside this folder.
 _source_tree.install(__path__[0])

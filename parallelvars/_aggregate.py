@@ -35,9 +35,9 @@ the target's rule, or a refusal naming the variable.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -45,8 +45,33 @@ from parallelvars import _geometry
 from parallelvars.enums import Aggregation
 from parallelvars.errors import CheckpointError, DeviceCountError, InvalidEntryError
 
-if TYPE_CHECKING:
-    from parallelvars.checkpoint.entry import Entry
+
+class Entry(Protocol):
+    """What the rules read of a saved variable (a
+    :class:`~parallelvars.checkpoint.entry.Entry`, which sits above this module and calls it)."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def dtype(self) -> np.dtype: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def num_components(self) -> int: ...
+
+    @property
+    def attrs(self) -> Mapping[str, Any]: ...
+
+    def component(self, i: int) -> np.ndarray: ...
+
+    def read_component_into(self, i: int, out: np.ndarray) -> None: ...
+
 
 __all__ = [
     "RESTORE_RULES",

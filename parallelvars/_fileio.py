@@ -432,17 +432,25 @@ def read_input(path: str, *, max_bytes: int, what: str, **rule: Any) -> bytes:
     return raw
 
 
+def _errno_of(exc: BaseException | None) -> int | None:
+    """The errno of ``exc``, or of the ``OSError`` it was raised from or while handling. Only
+    the exceptions' ``errno`` counts: an error that carries none (h5py's own, whose message
+    may quote the C library's) is not taken for a failed write by its text."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return int(exc.errno)
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def write_error(exc: BaseException, file: str) -> BaseException:
     """``exc`` as :class:`~parallelvars.errors.CheckpointWriteError` naming ``file`` when it is
     a failed write (disk full, file too large, quota, I/O error), else ``exc`` itself."""
     if not isinstance(exc, OSError) or isinstance(exc, ParallelVarsError):
         return exc
-    code = exc.errno
-    if code is None:  # h5py reports the C library's errno inside its message
-        text = str(exc)
-        code = next(
-            (c for c in _WRITE_ERRNOS if os.strerror(c) in text or f"errno = {c}," in text), None
-        )
+    code = _errno_of(exc)
     if code is None or code not in _WRITE_ERRNOS:
         return exc
     err = CheckpointWriteError(

@@ -10,8 +10,8 @@ import h5py
 import numpy as np
 
 from parallelvars.checkpoint.h5io.attributes import _write_json
+from parallelvars.checkpoint.h5io.columns import _columns_parts
 from parallelvars.checkpoint.h5io.layout import COLUMNS_DATASET, DOCUMENTS_ATTR, INDEX_DATASET
-from parallelvars.checkpoint.h5io.write import _columns_parts
 
 
 def documents(path: str) -> list[str]:

@@ -28,9 +28,8 @@ from test_mpi_skeleton import save_all
 import parallelvars as pv
 from parallelvars.checkpoint import H5Reader
 from parallelvars.checkpoint._skeleton import SkeletonCache
+from parallelvars.checkpoint.h5io.columns import _columns_parts, _columns_table
 from parallelvars.checkpoint.h5io.layout import COLUMNS_DATASET, INDEX_DATASET
-from parallelvars.checkpoint.h5io.read import _columns_table
-from parallelvars.checkpoint.h5io.write import _columns_parts
 from parallelvars.cli import main
 from parallelvars.errors import (
     ChecksumMismatchError,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from formats_testlib import KERAS, TORCH, assert_same_view, h5_structure, same_bits, torch_expected
 
-from parallelvars.checkpoint.checkpoint import graph_from_paths
+from parallelvars.checkpoint.graph import graph_from_paths
 from parallelvars.errors import CorruptCheckpointError, NotACheckpointError, TruncatedFileError
 from parallelvars.formats import ArrayEntry, DictView, detect_format, open_checkpoint
 from parallelvars.formats.hdf5 import open_hdf5, write_hdf5

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import parallelvars as pv
-from parallelvars.checkpoint.checkpoint import build_object_graph
+from parallelvars.checkpoint.graph import build_object_graph
 from parallelvars.checkpoint.h5io import H5Reader
 from parallelvars.checkpoint.registry import component_name
 

@@ -385,10 +385,17 @@ def test_permission_errors_keep_their_type(tmp_path: Path) -> None:
     from parallelvars._fileio import write_error
 
     assert write_error(err, "x") is err
-    assert isinstance(
-        write_error(OSError("Can't write data (errno = 28, error message = 'No space')"), "x"),
-        CheckpointWriteError,
-    )
+    # errno comes from the exception (or the OSError it was raised from), never its text
+    text_only = OSError("Can't write data (errno = 28, error message = 'No space')")
+    assert write_error(text_only, "x") is text_only
+    try:
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as cause:
+            raise OSError("Can't write data") from cause
+    except OSError as chained:
+        mapped = write_error(chained, "x")
+    assert isinstance(mapped, CheckpointWriteError) and mapped.errno == errno.ENOSPC
 
 
 # ------------------------------------------------------------------------------ object graph

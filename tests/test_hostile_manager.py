@@ -18,8 +18,11 @@ import numpy as np
 import pytest
 
 import parallelvars as pv
+from parallelvars.checkpoint import _state as state_module
 from parallelvars.checkpoint import checkpoint as checkpoint_module
 from parallelvars.checkpoint import h5io, manager
+from parallelvars.checkpoint import snapshot as snapshot_module
+from parallelvars.checkpoint.graph import build_object_graph
 from parallelvars.errors import (
     CheckpointLockedError,
     ConcurrentWriteError,
@@ -92,7 +95,7 @@ class Writer:
 
 def test_async_snapshots_under_a_writer_thread_are_consistent_or_refused(tmp_path, monkeypatch):
     ckpt, variables = make_model(40)
-    where = {id(obj): p for _, obj, p in checkpoint_module.build_object_graph(ckpt).variables()}
+    where = {id(obj): p for _, obj, p in build_object_graph(ckpt).variables()}
     taken: list[dict[str, list[np.ndarray]]] = []
 
     def keep(path, records, **kwargs):  # the snapshot as the writer receives it
@@ -144,7 +147,7 @@ def assert_one_moment_values(per_variable: list[list[np.ndarray]]) -> None:
 
 
 def assert_one_moment(path: str, ckpt, variables) -> None:
-    where = {id(obj): p for _, obj, p in checkpoint_module.build_object_graph(ckpt).variables()}
+    where = {id(obj): p for _, obj, p in build_object_graph(ckpt).variables()}
     with h5io.H5Reader(path) as r:
         per_variable = []
         for v in variables:
@@ -156,7 +159,7 @@ def assert_one_moment(path: str, ckpt, variables) -> None:
 def test_snapshot_copies_again_when_a_write_lands_between_the_passes(tmp_path, monkeypatch):
     ckpt, variables = make_model(2)
     set_all(variables, 1)
-    real = checkpoint_module._unchanged
+    real = snapshot_module._unchanged
     calls = [0]
 
     def racing(live, copied):
@@ -165,7 +168,7 @@ def test_snapshot_copies_again_when_a_write_lands_between_the_passes(tmp_path, m
             set_all(variables, 2)  # a writer thread lands after the copy, before the check
         return real(live, copied)
 
-    monkeypatch.setattr(checkpoint_module, "_unchanged", racing)
+    monkeypatch.setattr(snapshot_module, "_unchanged", racing)
     write = ckpt._prepare_write(copy=True)
     set_all(variables, 3)  # after the snapshot: not in the file
     monkeypatch.undo()
@@ -176,7 +179,7 @@ def test_snapshot_copies_again_when_a_write_lands_between_the_passes(tmp_path, m
 def test_snapshot_refused_when_writes_never_stop(tmp_path, monkeypatch):
     ckpt, variables = make_model(2)
     k = [0]
-    real = checkpoint_module._unchanged
+    real = snapshot_module._unchanged
 
     def always_racing(live, copied):
         k[0] += 1
@@ -185,7 +188,7 @@ def test_snapshot_refused_when_writes_never_stop(tmp_path, monkeypatch):
 
     with pv.CheckpointManager(ckpt, tmp_path) as mgr:
         mgr.save()
-        monkeypatch.setattr(checkpoint_module, "_unchanged", always_racing)
+        monkeypatch.setattr(snapshot_module, "_unchanged", always_racing)
         with pytest.raises(ConcurrentWriteError, match="non-blocking save"):
             mgr.save(blocking=False)
         monkeypatch.undo()
@@ -365,7 +368,7 @@ def test_state_write_failing_takes_the_save_back_then_recovers(tmp_path, monkeyp
         set_all(variables, k)
         mgr.save()
     set_all(variables, 3)
-    monkeypatch.setattr(manager, "atomic_write", no_space)
+    monkeypatch.setattr(state_module, "atomic_write", no_space)
     with pytest.raises(OSError) as info:
         mgr.save()
     assert info.value.errno == errno.ENOSPC
@@ -393,7 +396,7 @@ def test_fresh_manager_after_a_failed_state_write(tmp_path, monkeypatch):
     set_all(variables, 1)
     mgr.save()
     # The new file cannot be taken back either: it stays committed, and is adopted.
-    monkeypatch.setattr(manager, "atomic_write", no_space)
+    monkeypatch.setattr(state_module, "atomic_write", no_space)
     real_unlink = os.unlink
 
     def stuck_unlink(path, *args, **kwargs):
@@ -410,7 +413,7 @@ def test_fresh_manager_after_a_failed_state_write(tmp_path, monkeypatch):
     assert int(ckpt.save_counter) == 2
     assert json.loads((tmp_path / manager.STATE_FILE).read_text())["latest"] == "ckpt-1.h5"  # stale
     mgr.close()
-    monkeypatch.setattr(manager, "atomic_write", no_space)
+    monkeypatch.setattr(state_module, "atomic_write", no_space)
     with pv.CheckpointManager(
         make_model(2)[0], tmp_path, max_to_keep=2
     ) as fresh:  # opens while full
@@ -869,13 +872,13 @@ def test_a_checkpoint_deleted_by_hand_costs_readers_one_more_look(tmp_path, monk
             writer.save()
     os.unlink(tmp_path / "ckpt-3.h5")
     reads = [0]
-    real_read_state = manager._read_state
+    real_read_state = state_module._read_state
 
     def counted(directory: str):
         reads[0] += 1
         return real_read_state(directory)
 
-    monkeypatch.setattr(manager, "_read_state", counted)
+    monkeypatch.setattr(state_module, "_read_state", counted)
     assert pv.latest_checkpoint(tmp_path, "ckpt") == str(tmp_path / "ckpt-2.h5")
     assert reads[0] == 2
     reader_ckpt, reader_vars = make_model(2)

@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import parallelvars as pv
-from parallelvars.checkpoint import checkpoint as checkpoint_module
 from parallelvars.checkpoint import h5io
-from parallelvars.checkpoint.checkpoint import _snapshot, _SnapshotPlan
+from parallelvars.checkpoint import snapshot as snapshot_module
 from parallelvars.checkpoint.registry import SaveRecord
+from parallelvars.checkpoint.snapshot import SnapshotPlan, take_snapshot
 from parallelvars.errors import ConcurrentWriteError
 
 CREATED = 1_700_000_000.0
@@ -49,7 +49,7 @@ def stored(path: str) -> dict[str, list[np.ndarray]]:
         }
 
 
-def plan_of(ckpt) -> _SnapshotPlan:
+def plan_of(ckpt) -> SnapshotPlan:
     records = ckpt._gather(False)[0]
     ckpt._snapshot(records)
     return ckpt._pv_snapshot_plan[1]
@@ -75,7 +75,7 @@ def test_spans_leave_wide_gaps_out_and_stay_small():
     ckpt.model.big = big
     plan = plan_of(ckpt)
     spans = [(live.size, members) for live, _, members in plan.spans]
-    assert all(n <= checkpoint_module._SPAN_MAX or len(m) == 1 for n, m in spans)
+    assert all(n <= snapshot_module._SPAN_MAX or len(m) == 1 for n, m in spans)
     (i,) = [i for i, c in enumerate(plan.flat) if c is big.components[0]]
     assert [i] in [m for _, m in spans]  # larger than a span: a span of its own
     nbytes = lambda vs: sum(c.nbytes for v in vs for c in v.components)  # noqa: E731
@@ -87,7 +87,7 @@ def test_spans_leave_wide_gaps_out_and_stay_small():
 def write_before_each_comparison(monkeypatch, write) -> list[int]:
     """Run ``write(k)`` (k = 1, 2, ...) before each comparison of the snapshot: another thread
     writing after the copy and before its check, as it were. Returns the count, updated."""
-    real = checkpoint_module._unchanged
+    real = snapshot_module._unchanged
     calls = [0]
 
     def racing(live, copied):
@@ -95,7 +95,7 @@ def write_before_each_comparison(monkeypatch, write) -> list[int]:
         write(calls[0])
         return real(live, copied)
 
-    monkeypatch.setattr(checkpoint_module, "_unchanged", racing)
+    monkeypatch.setattr(snapshot_module, "_unchanged", racing)
     return calls
 
 
@@ -269,7 +269,7 @@ def test_snapshot_of_records_that_are_not_a_record_list(tmp_path):
         SaveRecord(kind="single", components=[base[0:10]], shape=(10,), path="a"),
         SaveRecord(kind="single", components=[base[20:30]], shape=(10,), path="b"),
     ]
-    copied = _snapshot(records).records()
+    copied = take_snapshot(records).records()
     base[:] = -1
     assert [r.path for r in copied] == ["a", "b"]
     assert copied[0].components[0].tolist() == list(range(10))
@@ -312,7 +312,7 @@ def test_snapshot_copies_any_views_of_a_buffer(case):
         for i, v in enumerate(views)
     ]
     want = [v.tobytes() for v in views]
-    copied = _snapshot(records).records()
+    copied = take_snapshot(records).records()
     base[:] = 0
     for r, v, w in zip(copied, views, want, strict=True):
         (c,) = r.components
@@ -378,7 +378,7 @@ def test_copies_are_kept_after_a_failed_write_and_a_refused_snapshot(tmp_path, m
 
 def test_copies_larger_than_the_limit_are_freed_after_their_write(tmp_path, monkeypatch):
     ckpt, _saved, _unsaved = interleaved(10)
-    monkeypatch.setattr(checkpoint_module, "SNAPSHOT_KEEP_BYTES", 0)
+    monkeypatch.setattr(snapshot_module, "SNAPSHOT_KEEP_BYTES", 0)
     ckpt._prepare_write(copy=True)(str(tmp_path / "c.h5"))
     assert kept_copies(ckpt) is None
     monkeypatch.undo()

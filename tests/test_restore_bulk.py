@@ -19,7 +19,7 @@ import parallelvars as pv
 from parallelvars import errors
 from parallelvars._dtypes import as_dtype
 from parallelvars.checkpoint import _restore
-from parallelvars.checkpoint import checkpoint as _checkpoint
+from parallelvars.checkpoint import matching as _matching
 from parallelvars.checkpoint.h5io import H5Reader
 
 KINDS = ("single", "mirrored", "on_read_sum", "on_read_mean", "independent")
@@ -39,7 +39,7 @@ def _general_only(monkeypatch: pytest.MonkeyPatch) -> None:
     def none_taken(table, lives, paths):
         return None, list(range(len(lives)))
 
-    monkeypatch.setattr(_checkpoint, "plan_direct", none_taken)
+    monkeypatch.setattr(_matching, "plan_direct", none_taken)
 
 
 def _scope(kind: str, devices: int) -> contextlib.AbstractContextManager[object]:
@@ -168,14 +168,14 @@ def test_the_common_case_is_read_in_bulk(tmp_path: pathlib.Path, monkeypatch) ->
     path = pv.Checkpoint(model=src).write(tmp_path / "c.h5")
     dst = _model(specs, seed=4)
     made = []
-    real = _checkpoint.plan_direct
+    real = _matching.plan_direct
 
     def spy(table, lives, paths):
         direct, rest = real(table, lives, paths)
         made.append((direct, rest))
         return direct, rest
 
-    monkeypatch.setattr(_checkpoint, "plan_direct", spy)
+    monkeypatch.setattr(_matching, "plan_direct", spy)
     pv.Checkpoint(model=dst).restore(path).assert_consumed()
     assert _state(dst) == _state(src)
     ((direct, rest),) = made
@@ -191,7 +191,7 @@ def test_fewer_components_than_the_minimum_go_the_general_way(
     specs = [("mirrored", 2, "float32", (4,)), ("single", 1, "float64", (3,))]
     src = _model(specs, seed=5)
     path = pv.Checkpoint(model=src).write(tmp_path / "c.h5")
-    real = _checkpoint.plan_direct
+    real = _matching.plan_direct
     made = []
 
     def spy(table, lives, paths):
@@ -199,7 +199,7 @@ def test_fewer_components_than_the_minimum_go_the_general_way(
         made.append((direct, rest))
         return direct, rest
 
-    monkeypatch.setattr(_checkpoint, "plan_direct", spy)
+    monkeypatch.setattr(_matching, "plan_direct", spy)
     components = 2 + 1 + 1  # and save_counter's
     for minimum, bulk in ((components + 1, False), (components, True)):
         monkeypatch.setattr(_restore, "DIRECT_MIN_COMPONENTS", minimum)
@@ -235,14 +235,14 @@ def test_sharded_and_byte_string_variables_go_the_general_way(tmp_path, monkeypa
         }
         assert general == {"model/table", "model/words"}
     taken = []
-    real = _checkpoint.plan_direct
+    real = _matching.plan_direct
 
     def spy(table, lives, paths):
         direct, rest = real(table, lives, paths)
         taken.append(sorted(paths[k] for k in rest))
         return direct, rest
 
-    monkeypatch.setattr(_checkpoint, "plan_direct", spy)
+    monkeypatch.setattr(_matching, "plan_direct", spy)
     pv.Checkpoint(model=dst).restore(path).assert_consumed()
     assert taken == [["model/table", "model/words"]]
     assert _state(dst) == _state(src)

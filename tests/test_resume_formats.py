@@ -198,7 +198,7 @@ def test_a_malformed_carried_graph_is_corruption(tmp_path: Path) -> None:
 
 
 def test_a_slot_whose_variable_is_not_saved_keeps_its_path() -> None:
-    from parallelvars.checkpoint.checkpoint import graph_from_paths
+    from parallelvars.checkpoint.graph import graph_from_paths
 
     nodes = graph_from_paths(["opt/iter", "opt/slots/gone/m"], {"opt/slots/gone/m": ("gone", "m")})
     assert not any(n["slots"] for n in nodes)
@@ -206,7 +206,7 @@ def test_a_slot_whose_variable_is_not_saved_keeps_its_path() -> None:
 
 
 def test_graph_from_paths_puts_slots_on_the_optimizer() -> None:
-    from parallelvars.checkpoint.checkpoint import graph_from_paths
+    from parallelvars.checkpoint.graph import graph_from_paths
 
     nodes = graph_from_paths(
         ["m/w", "opt/iter", "opt/slots/m/w/m"], {"opt/slots/m/w/m": ("m/w", "m")}

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 import parallelvars as pv
 from parallelvars.checkpoint import H5Reader, _skeleton
-from parallelvars.checkpoint.checkpoint import _gc_paused
 from parallelvars.checkpoint.h5io import write_h5
 from parallelvars.errors import CheckpointWriteError
 
@@ -54,8 +53,7 @@ def change_values(m: pv.Module, k: int) -> None:
 
 def plain_write(ckpt: pv.Checkpoint, path: str) -> str:
     """The same checkpoint written by HDF5 alone (no skeleton)."""
-    with _gc_paused():
-        records, graph, metadata = ckpt._gather(False)
+    records, graph, metadata = ckpt._gather(False)
     return write_h5(path, records, object_graph=graph, metadata=metadata)
 
 
@@ -522,8 +520,7 @@ def test_the_writer_hands_back_the_checksums_its_index_records(tmp_path) -> None
     m = make_model()
     ckpt = pv.Checkpoint(m=m)
     cache = _skeleton.SkeletonCache()
-    with _gc_paused():
-        records, graph, metadata = ckpt._gather(False)
+    records, graph, metadata = ckpt._gather(False)
     for k in range(3):  # by HDF5 (and captured), then from the skeleton
         change_values(m, k)
         found: dict[str, list[int]] = {}

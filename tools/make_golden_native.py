@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 
 import parallelvars as pv
-from parallelvars.checkpoint.checkpoint import build_object_graph
+from parallelvars.checkpoint.graph import build_object_graph
 
 SINGLE_DEVICES = 3
 MPI_RANKS = 2

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallelvars.checkpoint.checkpoint import escape_name, unescape_name
+from parallelvars.checkpoint.graph import escape_name, unescape_name
 from parallelvars.checkpoint.registry import COMPONENT_PREFIX, component_name, extra_component_index
 
 from .._names import ATTRIBUTES, OPTIMIZER_SLOT, SLOTS, VARIABLE_VALUE

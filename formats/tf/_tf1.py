@@ -19,7 +19,7 @@ RMSProp         ``V/RMSProp``, ``_1``, ``_2`` (``centered``)    ``rms``, ``mg``,
 Adam's non-slot variables are ``beta1_power`` and ``beta2_power`` (float32, ``beta^t`` for the
 next step ``t``, as ours). An optimizer given another name, or a second optimizer of the same
 name in the graph (its slots continue the numbering), is not recognised: its keys stay as they
-are. Nothing here knows the live model; :mod:`parallelvars.checkpoint._sources` maps these keys
+are. Nothing here knows the live model; :mod:`._live_names` maps these keys
 onto it at restore time.
 """
 

@@ -1,9 +1,9 @@
 """A coarse look at what a path holds, and hints for a restore that cannot read it.
 
-``Checkpoint.restore`` reads our HDF5 layout and, through :mod:`parallelvars.formats`, every
-other format we read (``_sources``). :func:`foreign_kind` decides, from names and first bytes
-only, whether a path is worth handing to the format detection (so a restore of a native file
-never imports the adapters). When nothing can read the path (a manager's directory, an HDF5
+``Checkpoint.restore`` reads our HDF5 layout and, through source plug-ins
+(:mod:`parallelvars.checkpoint.sources`), every other format we read. :func:`foreign_kind`
+decides, from names and first bytes only, whether a path is worth handing to the plug-ins (so a
+restore of a native file never loads them). When nothing can read the path (a manager's directory, an HDF5
 file of another writer, a damaged file of another format), the error says what the path
 seems to be and what to do.
 """
@@ -17,7 +17,10 @@ from parallelvars._fileio import open_input
 from parallelvars.checkpoint._h5policy import HDF5_SIGNATURE
 from parallelvars.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
 
-__all__ = ["foreign_hint", "foreign_kind", "with_foreign_hint"]
+__all__ = ["PLUGIN_MISSING", "foreign_hint", "foreign_kind", "with_foreign_hint"]
+
+#: What a restore of another format says when no source plug-in is installed.
+PLUGIN_MISSING = "no reader of this format is installed"
 
 _LABELS = {
     "tf": "a TensorFlow checkpoint",
@@ -66,7 +69,7 @@ def foreign_hint(path: str) -> str | None:
     if name is not None:
         return f"{_LABELS[name]} that does not open as one: 'parallelvars verify {path}' says why"
     if os.path.isdir(path):
-        from parallelvars.checkpoint.manager import latest_checkpoint
+        from parallelvars.checkpoint._state import latest_checkpoint
 
         try:
             latest = latest_checkpoint(path)
@@ -86,7 +89,7 @@ def with_foreign_hint(exc: CheckpointError, path: str) -> CheckpointError:
     if not isinstance(exc, NotACheckpointError | CheckpointNotFoundError):
         return exc
     hint = foreign_hint(path)
-    if hint is None or hint in str(exc):
+    if hint is None or hint in str(exc) or PLUGIN_MISSING in str(exc):
         return exc
     return type(exc)(
         exc.what,

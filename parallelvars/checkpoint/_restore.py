@@ -60,7 +60,8 @@ from parallelvars.errors import (
 from parallelvars.variables import ParallelVariable, ShardedVariable
 
 if TYPE_CHECKING:
-    from parallelvars.checkpoint.h5io.read import H5Reader, IndexTable
+    from parallelvars.checkpoint.h5io.index_table import IndexTable
+    from parallelvars.checkpoint.h5io.read import H5Reader
 
 __all__ = [
     "DirectRestore",
@@ -284,15 +285,18 @@ class DirectRestore:
 
     :func:`plan_direct` picks them, :meth:`read` reads and verifies every component they take
     (:meth:`H5Reader.read_bulk`) and :meth:`commit` copies each into its live buffer: per
-    component, one memoryview made at planning and one copy; no plan object per variable.
+    component, one byte view made for the copy and one copy; no plan object per variable.
+    (The targets are the live arrays, which the cyclic collector does not track; a memoryview
+    per component held from planning to commit would be, and at many variables its
+    collections would cost more than the copies.)
     """
 
     __slots__ = ("at", "buffer", "nbytes", "rows", "taken", "targets")
 
-    def __init__(self, taken: list[int], rows: list[int], targets: list[memoryview]) -> None:
+    def __init__(self, taken: list[int], rows: list[int], targets: list[np.ndarray]) -> None:
         self.taken = taken  # the position of each variable taken in the list planned
         self.rows = rows  # its row of the index table
-        self.targets = targets  # each component's live bytes, variable by variable
+        self.targets = targets  # each live component (contiguous, writable), variable by variable
         self.buffer: np.ndarray | None = None
         self.at: list[int] = []
         self.nbytes: list[int] = []
@@ -330,7 +334,7 @@ class DirectRestore:
             return
         whole = memoryview(self.buffer)  # type: ignore[arg-type]
         for target, at, n in zip(self.targets, self.at, self.nbytes, strict=True):
-            target[:] = whole[at : at + n]
+            _bytes_of(target)[:] = whole[at : at + n]
         self.release()
 
     def release(self) -> None:
@@ -338,23 +342,28 @@ class DirectRestore:
         self.buffer, self.targets = None, []
 
 
-def _byte_views(components: Iterable[Any]) -> list[memoryview] | None:
-    """A writable flat byte view of each array; None when one is not contiguous or not
-    writable."""
+def _writable_bytes(components: Iterable[Any]) -> bool:
+    """Whether every array gives a writable flat byte view through the buffer protocol (each
+    view is dropped as soon as it is checked)."""
     try:
-        views = list(map(_CAST_BYTES, map(_MEMORYVIEW, components)))
+        return not any(map(_READONLY, map(_CAST_BYTES, map(_MEMORYVIEW, components))))
     except (TypeError, ValueError):
-        return None
-    return None if any(map(_READONLY, views)) else views
+        return False
 
 
-def _raw_byte_views(components: Iterable[np.ndarray]) -> list[memoryview] | None:
-    """:func:`_byte_views` through a uint8 view, for dtypes the buffer protocol cannot
-    export (bfloat16 and the other extension dtypes)."""
-    arrays = list(components)
-    if not all(a.flags.c_contiguous and a.flags.writeable for a in arrays):
-        return None
-    return [memoryview(byte_view(a)) for a in arrays]  # type: ignore[arg-type]
+def _raw_writable(components: Iterable[np.ndarray]) -> bool:
+    """:func:`_writable_bytes` for dtypes the buffer protocol cannot export (bfloat16 and the
+    other extension dtypes), which are written through a uint8 view."""
+    return all(a.flags.c_contiguous and a.flags.writeable for a in components)
+
+
+def _bytes_of(a: np.ndarray) -> memoryview:
+    """A writable flat byte view of a contiguous array (:func:`_writable_bytes` or
+    :func:`_raw_writable` said it has one)."""
+    try:
+        return memoryview(a).cast("B")  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return memoryview(byte_view(a))  # type: ignore[arg-type]
 
 
 _MEMORYVIEW: Callable[[Any], memoryview] = memoryview
@@ -426,15 +435,14 @@ def plan_direct(
     if sum(itertools.compress(sizes, ok)) > STAGE_LIMIT:  # the first ones, to the limit
         ok = ((np.cumsum(np.where(ok, sizes, 0)) <= STAGE_LIMIT) & np.array(ok, bool)).tolist()
     keep = list(itertools.compress(range(len(cand)), ok))
-    views = _byte_views(itertools.chain.from_iterable(map(comps.__getitem__, keep)))
-    if views is None:  # a buffer not contiguous or not writable: find it, variable by variable
+    views = list(itertools.chain.from_iterable(map(comps.__getitem__, keep)))
+    if not _writable_bytes(views):  # one not contiguous or not writable: find it, one by one
         views = []
         for k in list(keep):
-            mine = _byte_views(comps[k]) or _raw_byte_views(comps[k])
-            if mine is None:
-                keep.remove(k)
+            if _writable_bytes(comps[k]) or _raw_writable(comps[k]):
+                views.extend(comps[k])
             else:
-                views.extend(mine)
+                keep.remove(k)
     if len(views) < DIRECT_MIN_COMPONENTS:
         # A few components save a few system calls in bulk, but their reads run serially
         # before the general path's threads start: with the file's pages not in memory, a

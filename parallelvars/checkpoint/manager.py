@@ -54,33 +54,40 @@ Example:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import errno
-import json
 import os
-import re
 import shutil
-import stat
 import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
 from typing import Any
 
-import crc32c as _crc32c
 import numpy as np
 
-from parallelvars._fileio import read_input, stat_input
-from parallelvars._threads import submit_or_run
+from parallelvars.checkpoint._lock import LOCK_FILE, _DirectoryLock, _pid_alive
+from parallelvars.checkpoint._save_queue import SaveQueue
+from parallelvars.checkpoint._state import (  # noqa: F401 - the state's names, as before
+    _TEMP_RE,
+    STATE_FILE,
+    STATE_VERSION,
+    SUFFIX,
+    _comparable,
+    _fsync_directory,
+    _number_of,
+    _read_state,
+    _reconcile,
+    _Record,
+    _scan,
+    _state_checksum,
+    _state_document,
+    _write_state_file,
+    latest_checkpoint,
+)
 from parallelvars.checkpoint.checkpoint import PARTS_SUFFIX, Checkpoint, collective_rank
-from parallelvars.checkpoint.h5io import atomic_write
+from parallelvars.checkpoint.retention import RetentionPolicy, policy_from_arguments, retain
 from parallelvars.errors import (
     CheckpointError,
-    CheckpointLockedError,
     InvalidArgumentError,
     InvalidArgumentTypeError,
     ReadOnlyDirectoryError,
@@ -88,348 +95,8 @@ from parallelvars.errors import (
 
 __all__ = ["CheckpointManager", "latest_checkpoint", "STATE_FILE", "LOCK_FILE"]
 
-STATE_FILE = "checkpoint.json"
-LOCK_FILE = ".checkpoint.lock"
-STATE_FORMAT = "parallelvars-checkpoint-state"
-STATE_VERSION = 2  # 2 adds "crc32c"; version 1 files (no checksum) are still read
-STATE_MAX_BYTES = 64 << 20  # a larger state file is not ours: the files are scanned instead
-_READ_ONLY_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
-SUFFIX = ".h5"
-# The temporary names of _fileio.temp_path_for: ".<final name>.tmp-<pid>-<hex>".
-_TEMP_RE = re.compile(r"^\.(?P<base>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]+$")
-
-
-@dataclass
-class _Record:
-    file: str  # relative to the directory
-    number: int
-    time: float
-
-
-def _number_of(filename: str, name: str) -> int | None:
-    prefix = f"{name}-"
-    if not (filename.startswith(prefix) and filename.endswith(SUFFIX)):
-        return None
-    digits = filename[len(prefix) : -len(SUFFIX)]
-    return int(digits) if digits.isdigit() else None
-
-
-def _committed(directory: str, name: str) -> tuple[dict[int, tuple[str, float]], bool]:
-    """Checkpoint files under their final names: number -> (file name, mtime); and whether a
-    file listed was gone when looked at.
-
-    A listing is a snapshot: retention in another thread or process may delete a listed file
-    before it is looked at, after committing a newer one the listing does not show. A caller
-    seeing ``True`` lists again (:func:`_scan`) rather than conclude from a stale listing.
-    """
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return {}, False
-    out = {}
-    vanished = False
-    for f in names:
-        n = _number_of(f, name)
-        if n is None:
-            continue
-        path = os.path.join(directory, f)
-        try:  # the rule of every file a reader opens: a regular file, no symbolic link out
-            info = stat_input(path, within=directory)
-        except FileNotFoundError:  # (CheckpointNotFoundError too)
-            vanished = vanished or not os.path.lexists(path)  # present: a dangling link, not ours
-            continue
-        except (OSError, CheckpointError):  # not a regular file, or a link out: not ours
-            continue
-        out[n] = (f, info.st_mtime)
-    return out, vanished
-
-
-def _state_checksum(state: dict[str, Any]) -> str:
-    """CRC-32C (8 hex digits) of the state's canonical JSON, its ``crc32c`` field left out."""
-    body = {k: v for k, v in state.items() if k != "crc32c"}
-    canonical = json.dumps(
-        body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
-    )
-    return f"{_crc32c.crc32c(canonical.encode('ascii')):08x}"
-
-
-def _read_state(directory: str) -> dict[str, Any] | None:
-    """The parsed state file, or None when missing, unreadable or not trusted.
-
-    Not trusted: not a regular file, too large, not our format, or (version 2) a checksum
-    that does not match its content. The caller then scans the directory: the committed
-    checkpoint files are the truth, the state file only a record of them.
-    """
-    path = os.path.join(directory, STATE_FILE)
-    try:  # the rule of every file a reader opens: never a FIFO, no link out, size capped
-        raw = read_input(path, max_bytes=STATE_MAX_BYTES, what="state file", within=directory)
-        state = json.loads(raw.decode("utf-8"))
-    except (OSError, ValueError, RecursionError):  # (our refusals are ValueErrors)
-        return None
-    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-        return None
-    version = state.get("version")
-    if version == 1 and "crc32c" not in state:
-        return state  # written before state files had a checksum
-    if version != STATE_VERSION:
-        return None
-    try:
-        if state.get("crc32c") != _state_checksum(state):
-            return None
-    except (TypeError, ValueError):
-        return None
-    return state
-
-
-def _records(raw: Any) -> list[_Record]:
-    out = []
-    for item in raw if isinstance(raw, list) else []:
-        try:
-            out.append(
-                _Record(
-                    file=str(item["file"]), number=int(item["number"]), time=float(item["time"])
-                )
-            )
-        except (KeyError, TypeError, ValueError, OverflowError):
-            continue
-    return out
-
-
-def _reconcile(
-    directory: str, name: str, state: dict[str, Any] | None
-) -> tuple[list[_Record], list[_Record], float | None]:
-    """Managed and preserved records from the state, checked against the files on disk.
-
-    Listed files that are gone are dropped. Committed files the state does not know and that
-    are newer than its latest (a crash after the rename, before the state update; or a
-    directory without state) are adopted, oldest first. One listing: a reader racing with
-    retention uses :func:`_scan`.
-    """
-    managed, preserved, last_preserved, _, _ = _reconcile_listing(directory, name, state)
-    return managed, preserved, last_preserved
-
-
-def _reconcile_listing(
-    directory: str, name: str, state: dict[str, Any] | None
-) -> tuple[list[_Record], list[_Record], float | None, bool, bool]:
-    """:func:`_reconcile`, then whether a file listed vanished before it was looked at, and
-    whether a checkpoint the state lists is not in the listing (a save, then its retention,
-    between the reading of the state and the listing; or a file deleted by hand)."""
-    on_disk, vanished = _committed(directory, name)
-    missing = False
-    if state is not None and state.get("checkpoint_name", name) == name:
-        listed = _records(state.get("checkpoints"))
-        managed = [r for r in listed if r.number in on_disk and on_disk[r.number][0] == r.file]
-        missing = len(managed) < len(listed)
-        preserved = [
-            r
-            for r in _records(state.get("preserved"))
-            if r.number in on_disk and on_disk[r.number][0] == r.file
-        ]
-        last = state.get("last_preserved_time")
-        last_preserved = float(last) if isinstance(last, (int, float)) else None
-        latest = _number_of(str(state.get("latest") or ""), name)
-    else:
-        managed, preserved, last_preserved, latest = [], [], None, None
-    known = {r.number for r in managed} | {r.number for r in preserved}
-    floor = latest if latest is not None else max((r.number for r in managed), default=-1)
-    for n in sorted(on_disk):
-        if n not in known and n > floor:
-            managed.append(_Record(file=on_disk[n][0], number=n, time=on_disk[n][1]))
-    return managed, preserved, last_preserved, vanished, missing
-
-
-# A reader lists the directory again while it finds its listing or its state stale; each
-# time, a save was committed in between (retention deletes only after a commit), so a few
-# attempts suffice; the bound only stops a reader beside a deleter gone wild.
-_SCAN_ATTEMPTS = 1000
-
-
-def _scan(
-    directory: str, name: str
-) -> tuple[dict[str, Any] | None, list[_Record], list[_Record], float | None]:
-    """The state and :func:`_reconcile`'s records, from a listing and a state that agree.
-
-    Lock-free readers race with the retention of a manager saving in another thread or
-    process. The state is read before each listing, so the listing is never older than the
-    state. When a listed file vanished before it was looked at (retention after a newer
-    commit), both are taken again. When the state lists a checkpoint the listing lacks, the
-    state is read again: unchanged, no save came between (retention deletes only what the
-    state it just wrote no longer lists: the file was deleted otherwise) and the listing
-    stands; changed, both are taken again. A committed checkpoint is therefore never missed,
-    and a file already gone when it was looked at is never reported.
-    """
-    for _ in range(_SCAN_ATTEMPTS):
-        state = _read_state(directory)
-        managed, preserved, last_preserved, vanished, missing = _reconcile_listing(
-            directory, name, state
-        )
-        if not vanished and (not missing or _read_state(directory) == state):
-            break
-    return state, managed, preserved, last_preserved
-
-
-def latest_checkpoint(
-    directory: str | os.PathLike[str], checkpoint_name: str | None = None
-) -> str | None:
-    """The newest committed checkpoint in ``directory``, or None; takes no lock.
-
-    Safe to call while a manager is saving into the directory, from any process: it returns
-    a file that is complete, because checkpoints appear under their names only when whole.
-
-    Args:
-        directory: a directory written by :class:`CheckpointManager`.
-        checkpoint_name: the checkpoints' name prefix; by default the state file's, or, with
-            no state file, that of the highest-numbered ``<name>-<n>.h5`` present.
-    """
-    d = os.fspath(directory)
-    name = checkpoint_name
-    if name is None:
-        state = _read_state(d)
-        if state is not None and isinstance(state.get("checkpoint_name"), str):
-            name = state["checkpoint_name"]
-    if name is None:
-        best: tuple[int, str] | None = None
-        try:
-            names = os.listdir(d)
-        except FileNotFoundError:
-            return None
-        for f in names:
-            m = re.fullmatch(r"(.+)-(\d+)" + re.escape(SUFFIX), f)
-            if m and not f.startswith(".") and (best is None or int(m.group(2)) > best[0]):
-                best = (int(m.group(2)), m.group(1))
-        if best is None:
-            return None
-        name = best[1]
-    managed = _scan(d, name)[1]
-    if not managed:
-        return None
-    return os.path.join(d, managed[-1].file)
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class _DirectoryLock:
-    """An exclusive, non-blocking lock on ``<directory>/.checkpoint.lock``.
-
-    ``fcntl.flock`` belongs to the open file, so the operating system drops it when the
-    process dies (even by SIGKILL): a crashed run never leaves the directory locked. The file
-    itself stays; it holds the owner's process id for the error message.
-    """
-
-    def __init__(self, directory: str) -> None:
-        self.path = os.path.join(directory, LOCK_FILE)
-        self._fd: int | None = None
-
-    def acquire(self) -> bool:
-        """Take the lock; False when the directory cannot be written (read-only use).
-
-        The file is opened without following a symbolic link and without truncating, and
-        written only once it is known to be a regular file of its own (one link): a lock
-        file planted as a link to another file is refused, that file left untouched.
-        """
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-        try:
-            fd = os.open(self.path, flags, 0o644)
-        except OSError as exc:
-            if exc.errno in _READ_ONLY_ERRNOS:
-                return False
-            if exc.errno == errno.ELOOP or os.path.islink(self.path):
-                raise self._refused("a symbolic link") from None
-            raise
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise self._refused("not a regular file")
-            if info.st_nlink != 1:
-                raise self._refused(f"a file with {info.st_nlink} links")
-            if not _try_lock(fd):
-                try:
-                    holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
-                except OSError:
-                    holder = "unknown"
-                raise CheckpointLockedError(
-                    "the checkpoint directory is in use by another CheckpointManager",
-                    file=os.path.dirname(self.path),
-                    expected="no other manager",
-                    found=f"process {holder} holds {LOCK_FILE}",
-                    hint="close the other manager, or read with parallelvars.latest_checkpoint(), which takes no lock",
-                )
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
-        return True
-
-    def _refused(self, found: str) -> CheckpointLockedError:
-        return CheckpointLockedError(
-            "refusing to use the lock file",
-            file=self.path,
-            expected="a regular file",
-            found=found,
-            hint="remove it; the manager creates its own",
-        )
-
-    def release(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            _unlock(fd)
-            os.close(fd)
-
-
-try:
-    import fcntl
-
-    def _try_lock(fd: int) -> bool:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        return True
-
-    def _unlock(fd: int) -> None:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-
-except ImportError:  # Windows: a byte-range lock, also released when the process dies
-    import msvcrt
-
-    def _try_lock(fd: int) -> bool:
-        try:
-            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)  # type: ignore[attr-defined]
-        except OSError:
-            return False
-        return True
-
-    def _unlock(fd: int) -> None:
-        os.lseek(fd, 0, os.SEEK_SET)
-        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)  # type: ignore[attr-defined]
-
-
-def _comparable(state: dict[str, Any]) -> dict[str, Any]:
-    """A state as read, in the shape :meth:`CheckpointManager._state` builds (to compare)."""
-    out = {k: v for k, v in state.items() if k != "crc32c"}
-    out["version"] = STATE_VERSION
-    return out
-
-
-def _fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# The manager's parts, one module each: the state file (_state), the directory lock (_lock),
+# the retention policy (retention) and the queue of non-blocking saves (_save_queue).
 
 
 class CheckpointManager:
@@ -456,6 +123,10 @@ class CheckpointManager:
             that writes it (an evaluator following a training run). A directory this process
             cannot write is opened that way by itself. ``save()`` then raises
             :class:`~parallelvars.errors.ReadOnlyDirectoryError`.
+        retention: a :class:`~parallelvars.checkpoint.retention.RetentionPolicy` instead of
+            ``max_to_keep`` and ``keep_checkpoint_every_n_hours`` (which are
+            ``LatestN(max_to_keep) | EveryNSeconds(hours * 3600)``), e.g.
+            ``retention=LatestN(3) | EveryNSeconds(600)``; give either, not both.
 
     Raises:
         CheckpointLockedError: another live manager holds the directory.
@@ -474,6 +145,7 @@ class CheckpointManager:
         *,
         async_save: bool = False,
         read_only: bool = False,
+        retention: RetentionPolicy | None = None,
     ) -> None:
         if not isinstance(checkpoint, Checkpoint):
             raise InvalidArgumentTypeError(
@@ -481,6 +153,16 @@ class CheckpointManager:
             )
         if max_to_keep is not None and max_to_keep < 1:
             raise InvalidArgumentError(f"max_to_keep must be at least 1 or None, got {max_to_keep}")
+        if retention is not None and not isinstance(retention, RetentionPolicy):
+            raise InvalidArgumentTypeError(
+                f"retention must be a RetentionPolicy, not {type(retention).__name__}"
+            )
+        if retention is not None and (max_to_keep != 5 or keep_checkpoint_every_n_hours):
+            raise InvalidArgumentError(
+                "give retention= or max_to_keep= / keep_checkpoint_every_n_hours=, not both "
+                f"(found retention={retention!r}, max_to_keep={max_to_keep!r}, "
+                f"keep_checkpoint_every_n_hours={keep_checkpoint_every_n_hours!r})"
+            )
         if checkpoint_interval is not None:
             if step_counter is None:
                 raise InvalidArgumentError("checkpoint_interval needs a step_counter")
@@ -497,8 +179,9 @@ class CheckpointManager:
             raise InvalidArgumentError(f"invalid checkpoint_name {checkpoint_name!r}")
         self._checkpoint = checkpoint
         self._directory = os.path.abspath(os.fspath(directory))
-        self._max_to_keep = max_to_keep
-        self._keep_hours = keep_checkpoint_every_n_hours
+        self._retention = retention or policy_from_arguments(
+            max_to_keep, keep_checkpoint_every_n_hours
+        )
         self._name = checkpoint_name
         self._step_counter = step_counter
         self._interval = checkpoint_interval
@@ -506,11 +189,8 @@ class CheckpointManager:
         self._async_default = async_save
         self._last_step: int | None = None
         self._mutex = threading.Lock()
-        # Non-blocking saves: one worker, so at most one write is in flight and they run in
-        # order; the future holds the write's outcome until wait() hands it to the caller.
-        self._executor: ThreadPoolExecutor | None = None
-        self._future: Future[None] | None = None
-        self._pending: str | None = None
+        # Non-blocking saves: at most one write in flight, in order.
+        self._queue = SaveQueue(self._report_at_exit)
 
         if not read_only:
             os.makedirs(self._directory, exist_ok=True)
@@ -532,15 +212,12 @@ class CheckpointManager:
             state, self._managed, self._preserved, self._last_preserved = _scan(
                 self._directory, self._name
             )
-            if (
-                state is None
-                and self._max_to_keep is not None
-                and len(self._managed) > self._max_to_keep
-            ):
+            if state is None:
                 # Without a trusted record of what the policy let go, nothing found is deleted:
-                # what is beyond the max_to_keep window is kept for good, like a preserved one.
-                extra = self._managed[: -self._max_to_keep]
-                self._managed = self._managed[-self._max_to_keep :]
+                # what the policy no longer lists is kept for good, like a preserved one.
+                kept = retain(self._retention, self._managed, self._last_preserved)
+                extra = kept.preserved + kept.deleted
+                self._managed = kept.listed
                 self._preserved = sorted(self._preserved + extra, key=lambda r: r.number)
             if self._locked and (
                 state is None
@@ -682,44 +359,24 @@ class CheckpointManager:
         if blocking:
             job()
         else:
-            # concurrent.futures joins its worker threads when the main thread ends, before
-            # the atexit hooks that tear h5py down, so a pending save completes and commits;
-            # _report_at_exit prints what failed. From then on (a save from an atexit hook)
-            # submit_or_run writes in this thread.
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="checkpoint-save"
-                )
-            self._pending = path
-            _PENDING.add(self)
-            self._future = submit_or_run(self._executor, job)
+            self._queue.submit(path, job)  # (a failure at exit: _report_at_exit)
         if step is not None:
             self._last_step = step
         return path
 
-    def _report_at_exit(self) -> None:
-        """At interpreter exit: finish a save in flight; print its error, nobody else will."""
-        future, self._future = self._future, None
-        err = None if future is None else future.exception()  # waits for it
-        if err is not None:
-            last = self.latest_checkpoint
-            print(
-                f"parallelvars: the non-blocking save to {self._pending} failed at exit and was not "
-                f"committed: {type(err).__name__}: {err}; the last good checkpoint is {last or 'none'}",
-                file=sys.stderr,
-                flush=True,
-            )
+    def _report_at_exit(self, pending: str | None, err: BaseException) -> None:
+        """At interpreter exit, a save in flight failed: print its error, nobody else will."""
+        last = self.latest_checkpoint
+        print(
+            f"parallelvars: the non-blocking save to {pending} failed at exit and was not "
+            f"committed: {type(err).__name__}: {err}; the last good checkpoint is {last or 'none'}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def wait(self) -> None:
         """Wait for a non-blocking save in flight; raise its error, if it had one."""
-        future = self._future
-        if future is not None:
-            futures.wait([future])  # an interrupt here leaves the save to the next wait()
-            self._future = None
-        _PENDING.discard(self)
-        err = None if future is None else future.exception()
-        if err is not None:
-            raise err
+        self._queue.wait()
 
     sync = wait
 
@@ -734,20 +391,11 @@ class CheckpointManager:
         one would; the state file is rebuilt by the next save or manager.
         """
         with self._mutex:
-            managed = [r for r in self._managed if r.file != record.file]
+            listed = [r for r in self._managed if r.file != record.file]
             preserved = [r for r in self._preserved if r.file != record.file]
-            managed.append(record)
-            last_preserved = self._last_preserved
-            doomed: list[_Record] = []
-            while self._max_to_keep is not None and len(managed) > self._max_to_keep:
-                old = managed.pop(0)
-                if self._keep_hours is not None and (
-                    last_preserved is None or old.time - last_preserved >= self._keep_hours * 3600.0
-                ):
-                    preserved.append(old)
-                    last_preserved = old.time
-                else:
-                    doomed.append(old)
+            kept = retain(self._retention, [*listed, record], self._last_preserved)
+            managed, last_preserved, doomed = kept.listed, kept.last_preserved, kept.deleted
+            preserved += kept.preserved
             if self._bookkeeper:
                 try:
                     self._write_state(managed, preserved, last_preserved)
@@ -795,28 +443,12 @@ class CheckpointManager:
     def _state(
         self, managed: list[_Record], preserved: list[_Record], last_preserved: float | None
     ) -> dict[str, Any]:
-        return {
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            "checkpoint_name": self._name,
-            "latest": managed[-1].file if managed else None,
-            "checkpoints": [asdict(r) for r in managed],
-            "preserved": [asdict(r) for r in preserved],
-            "last_preserved_time": last_preserved,
-        }
+        return _state_document(self._name, managed, preserved, last_preserved)
 
     def _write_state(
         self, managed: list[_Record], preserved: list[_Record], last_preserved: float | None
     ) -> None:
-        state = self._state(managed, preserved, last_preserved)
-        state["crc32c"] = _state_checksum(state)
-        text = json.dumps(state, indent=2, allow_nan=False) + "\n"
-
-        def write(tmp: str) -> None:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(text)
-
-        atomic_write(os.path.join(self._directory, STATE_FILE), write)
+        _write_state_file(self._directory, self._state(managed, preserved, last_preserved))
 
     def _remove_temporaries(self) -> None:
         """Delete temporaries of our checkpoints and state left by processes that died."""
@@ -897,9 +529,7 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._checkpoint._drop_snapshot_copies()
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+            self._queue.shutdown()
             if self._locked:
                 self._lock.release()
 
@@ -911,18 +541,3 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"<CheckpointManager {self._directory!r} checkpoints={len(self._managed)}>"
-
-
-# Managers with a non-blocking save started and not yet waited for. concurrent.futures joins
-# the save threads when the main thread ends, before the atexit hooks run; this hook, registered
-# after h5py was imported and so run before h5py's own (atexit is last in, first out), reports
-# their errors.
-_PENDING: set[CheckpointManager] = set()
-
-
-@atexit.register
-def _finish_pending_saves() -> None:
-    for mgr in list(_PENDING):
-        _PENDING.discard(mgr)
-        with contextlib.suppress(Exception):
-            mgr._report_at_exit()

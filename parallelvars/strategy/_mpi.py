@@ -34,9 +34,10 @@ Initial values are broadcast from rank 0 when a variable is created, so the repl
 identical; each step then applies the same reduced gradients everywhere, keeping them
 bit-identical.
 
-Checkpoints: :meth:`MultiWorkerMirroredStrategy.checkpoint_writer` hands ``Checkpoint`` the
-collective layout writer, :func:`parallelvars.checkpoint.h5io.collective.write_collective`:
-every rank writes its own components to its own HDF5 file, in parallel, and rank 0 commits the
+Checkpoints: the strategy registers itself as the process's cluster strategy
+(:mod:`parallelvars.strategy._cluster`), and ``Checkpoint`` then writes through the collective
+layout writer, :func:`parallelvars.checkpoint.h5io.collective.write_collective`, over its
+communicator: every rank writes its own components to its own HDF5 file, in parallel, and rank 0 commits the
 index file at the path ``save()`` returns, whose components are external links into the rank
 files. Repeated saves of one structure write both kinds of file from the checkpoint's cached
 skeletons.
@@ -65,6 +66,7 @@ from parallelvars.errors import (
 )
 from parallelvars.strategy import _context
 from parallelvars.strategy._base import ReplicaContext, Strategy, _is_variable
+from parallelvars.strategy._cluster import set_cluster_strategy
 from parallelvars.strategy._collectives import MPICollectives
 from parallelvars.strategy._reduce import _is_sparse, _mean_of, reduce_values
 from parallelvars.strategy._values import Mirrored, PerReplica, _map_structure, _needs_walk
@@ -196,9 +198,8 @@ class MultiWorkerMirroredStrategy(MPICollectives, Strategy):
         self._global_devices = ParallelDevice(self._size)
         if abort_on_error:
             install_abort_on_error()
-        from parallelvars.checkpoint import checkpoint as _ckpt
-
-        _ckpt.use_process_strategy(self)
+        # Checkpoints are then written by every process together (see _cluster).
+        set_cluster_strategy(self)
 
     # ------------------------------------------------------------------ topology
     @property
@@ -452,30 +453,3 @@ class MultiWorkerMirroredStrategy(MPICollectives, Strategy):
     def barrier(self) -> None:
         """Wait for every process."""
         self._comm.Barrier()
-
-    # ------------------------------------------------------------------ checkpoints
-    def checkpoint_writer(self) -> Callable[..., str]:
-        """How this process writes a checkpoint: collectively, every rank its own part."""
-        return self._write_checkpoint
-
-    def _write_checkpoint(
-        self,
-        path: str,
-        records: Sequence[Any],
-        *,
-        object_graph: Any = None,
-        metadata: Any = None,
-        skeletons: Any = None,
-    ) -> str:
-        from parallelvars.checkpoint.h5io.collective import write_collective
-
-        return write_collective(
-            self._comm,
-            path,
-            records,
-            self.parameter_devices,
-            self.worker_devices,
-            object_graph=object_graph,
-            metadata=metadata,
-            skeletons=skeletons,
-        )

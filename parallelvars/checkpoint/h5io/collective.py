@@ -17,8 +17,8 @@ A plain ``h5py.File(path)`` sees every component through the links, and
 :class:`~parallelvars.checkpoint.h5io.read.H5Reader` reads and verifies them, with any number
 of processes or none.
 
-A multi-process strategy hands ``Checkpoint`` this writer through its ``checkpoint_writer()``;
-the communicator is duck-typed (``Get_rank``, ``Get_size``, ``gather``, ``bcast``: mpi4py's
+``Checkpoint`` writes through this writer under a multi-process strategy (see
+:mod:`parallelvars.strategy._cluster`), over its communicator; the communicator is duck-typed (``Get_rank``, ``Get_size``, ``gather``, ``bcast``: mpi4py's
 ``Comm``), so nothing here imports MPI or the strategy.
 """
 

@@ -45,7 +45,7 @@ _H5_ERRORS = H5_ERRORS
 
 
 def _library_version() -> str:
-    from parallelvars import __version__
+    from parallelvars._version import __version__
 
     return __version__
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import crc32c as _crc32c
 import h5py
@@ -34,7 +34,31 @@ from parallelvars.errors import (
 
 if TYPE_CHECKING:
     from parallelvars.checkpoint.h5io._global_heap import GlobalHeapCheck
-    from parallelvars.checkpoint.h5io.read import H5Reader
+
+
+class OpenFile(Protocol):
+    """What a :class:`StoredVariable` reads through: the open file of its
+    :class:`~parallelvars.checkpoint.h5io.read.H5Reader` (which holds the variables, so this
+    module names only the protocol)."""
+
+    path: str
+    file_size: int
+
+    def _open_dataset(self, path: str, dtype: np.dtype) -> Any: ...
+
+    def _holds(self, dsid: Any) -> bool: ...
+
+    def _h5(self) -> h5py.File: ...
+
+    def _buffer(self, nbytes: int) -> np.ndarray: ...
+
+    def _chunk(self, nbytes: int) -> np.ndarray: ...
+
+    def _fd(self) -> int: ...
+
+    def _read_fully(self, view: memoryview, offset: int, variable: str | None = None) -> None: ...
+
+    def _staged_bytes(self, offset: int, nbytes: int) -> np.ndarray | None: ...
 
 
 # dtype name -> dtype, for the first names met (an index names one per variable, mostly the
@@ -111,7 +135,7 @@ class StoredVariable(Entry):
     """One variable of a checkpoint file: an :class:`~parallelvars.checkpoint.entry.Entry`
     whose components are read from the file and verified against their checksums."""
 
-    def __init__(self, reader: H5Reader, path: str, meta: Mapping[str, Any]) -> None:
+    def __init__(self, reader: OpenFile, path: str, meta: Mapping[str, Any]) -> None:
         self._reader = reader
         self.path = path
         file = reader.path
@@ -155,7 +179,7 @@ class StoredVariable(Entry):
         self._from_index: set[int] = set()
 
     @classmethod
-    def from_group(cls, reader: H5Reader, path: str, group: h5py.Group) -> StoredVariable:
+    def from_group(cls, reader: OpenFile, path: str, group: h5py.Group) -> StoredVariable:
         """Build from group attributes (files without an index)."""
         attrs = {k: _decode(v) for k, v in group.attrs.items()}
         meta = {k: attrs.pop(k) for k in ("kind", "dtype", "shape", "num_components") if k in attrs}

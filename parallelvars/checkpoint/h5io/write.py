@@ -29,12 +29,11 @@ from parallelvars.checkpoint.h5io.attributes import (
     _set_attr,
     _write_json,
 )
+from parallelvars.checkpoint.h5io.columns import _columns_parts
 from parallelvars.checkpoint.h5io.layout import (
     _H5_ERRORS,
     _INDEX_ONLY_ATTRS,
     COLUMNS_DATASET,
-    COLUMNS_ROW_ATTRS,
-    COLUMNS_VERSION,
     DOCUMENTS_ATTR,
     FORMAT_VERSION,
     GRAPH_DATASET,
@@ -480,59 +479,6 @@ def _index_template(index: Mapping[str, Any]) -> str:
         crcs = ", ".join(["%d"] * len(meta["crc32c"]))
         parts.append(f'{json.dumps(path).replace("%", "%%")}: {body[:-1]}, "crc32c": [{crcs}]}}')
     return "{" + ", ".join(parts) + "}"
-
-
-def _columns_parts(index: Mapping[str, Any]) -> tuple[str, str]:
-    """The columns document of ``index`` (docs/FORMAT.md) without its checksums: the text
-    before them and after them (``head + ", ".join(map(str, crcs)) + tail`` is the document).
-
-    Distinct layouts (kind, dtype, number of dimensions and of components, the attributes but
-    the per-row ones, each a ``null`` where it stands) are listed once and referenced by
-    number; the paths, the per-row attributes, dimensions, data offsets and checksums are flat
-    lists, the last three of every row's values in turn (a row's count is its layout's).
-    """
-    ids: dict[tuple[Any, ...], int] = {}
-    layouts: list[dict[str, Any]] = []
-    rows: list[int] = []
-    row_attrs: dict[str, list[Any]] = {k: [] for k in COLUMNS_ROW_ATTRS}
-    columns = list(row_attrs.items())
-    dims: list[int] = []
-    offsets: list[int | None] = []
-    for meta in index.values():
-        attrs = meta["attrs"]
-        fixed = dict(attrs)
-        for key, column in columns:
-            column.append(fixed.get(key))
-            if key in fixed:
-                fixed[key] = None
-        shape = meta["shape"]
-        layout = (meta["kind"], meta["dtype"], len(shape), meta["num_components"], repr(fixed))
-        number = ids.get(layout)
-        if number is None:
-            number = ids[layout] = len(layouts)
-            kind, dtype, ndim, count, _ = layout
-            layouts.append(
-                {
-                    "kind": kind,
-                    "dtype": dtype,
-                    "ndim": ndim,
-                    "num_components": count,
-                    "attrs": fixed,
-                }
-            )
-        rows.append(number)
-        dims.extend(shape)
-        offsets.extend(meta["offsets"])
-    doc = {
-        "version": COLUMNS_VERSION,
-        "layouts": layouts,
-        "paths": list(index),
-        "layout": rows,
-        "row_attrs": row_attrs,
-        "shapes": dims,
-        "offsets": offsets,
-    }
-    return json.dumps(doc)[:-1] + ', "crc32c": [', "]}"
 
 
 def _capture(

@@ -1,0 +1,398 @@
+"""The columns document of a native file (docs/FORMAT.md): the index in columns, written by
+:func:`_columns_parts` and parsed into an
+:class:`~parallelvars.checkpoint.h5io.index_table.IndexTable` and its entries
+(:func:`_columns_table`), every field checked against what the writer writes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import itertools
+import json
+import operator
+from collections.abc import Iterator, Mapping
+from typing import Any, cast
+
+import numpy as np
+
+from parallelvars._fileio import value_types
+from parallelvars.checkpoint.entry import AGGREGATIONS, MAX_COMPONENTS, layout_problem
+from parallelvars.checkpoint.h5io.index_table import _NONE, IndexTable, _assemble
+from parallelvars.checkpoint.h5io.layout import COLUMNS_DATASET, COLUMNS_ROW_ATTRS, COLUMNS_VERSION
+from parallelvars.checkpoint.h5io.stored import _dtype_named
+from parallelvars.errors import CorruptCheckpointError, UnsupportedDtypeError
+
+__all__ = ["ColumnEntries"]
+
+
+def _columns_parts(index: Mapping[str, Any]) -> tuple[str, str]:
+    """The columns document of ``index`` (docs/FORMAT.md) without its checksums: the text
+    before them and after them (``head + ", ".join(map(str, crcs)) + tail`` is the document).
+
+    Distinct layouts (kind, dtype, number of dimensions and of components, the attributes but
+    the per-row ones, each a ``null`` where it stands) are listed once and referenced by
+    number; the paths, the per-row attributes, dimensions, data offsets and checksums are flat
+    lists, the last three of every row's values in turn (a row's count is its layout's).
+    """
+    ids: dict[tuple[Any, ...], int] = {}
+    layouts: list[dict[str, Any]] = []
+    rows: list[int] = []
+    row_attrs: dict[str, list[Any]] = {k: [] for k in COLUMNS_ROW_ATTRS}
+    columns = list(row_attrs.items())
+    dims: list[int] = []
+    offsets: list[int | None] = []
+    for meta in index.values():
+        attrs = meta["attrs"]
+        fixed = dict(attrs)
+        for key, column in columns:
+            column.append(fixed.get(key))
+            if key in fixed:
+                fixed[key] = None
+        shape = meta["shape"]
+        layout = (meta["kind"], meta["dtype"], len(shape), meta["num_components"], repr(fixed))
+        number = ids.get(layout)
+        if number is None:
+            number = ids[layout] = len(layouts)
+            kind, dtype, ndim, count, _ = layout
+            layouts.append(
+                {
+                    "kind": kind,
+                    "dtype": dtype,
+                    "ndim": ndim,
+                    "num_components": count,
+                    "attrs": fixed,
+                }
+            )
+        rows.append(number)
+        dims.extend(shape)
+        offsets.extend(meta["offsets"])
+    doc = {
+        "version": COLUMNS_VERSION,
+        "layouts": layouts,
+        "paths": list(index),
+        "layout": rows,
+        "row_attrs": row_attrs,
+        "shapes": dims,
+        "offsets": offsets,
+    }
+    return json.dumps(doc)[:-1] + ', "crc32c": [', "]}"
+
+
+def _malformed(
+    file: str, field: str, expected: Any, found: Any, variable: str | None = None
+) -> CorruptCheckpointError:
+    """The error of a columns document whose ``field`` is not what our writer writes."""
+    where = f"{COLUMNS_DATASET}: {field}"
+    return CorruptCheckpointError(
+        f"the columns document's {field!r} is malformed",
+        file=file,
+        variable=where if variable is None else f"{variable} ({where})",
+        expected=expected,
+        found=found,
+    )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _int_column(
+    values: Any,
+    field: str,
+    low: int,
+    high: int,
+    file: str,
+    *,
+    nulls: bool = False,
+    owners: tuple[list[int], list[str]] | None = None,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """A flat JSON list of integers in ``[low, high)`` (with ``nulls``, also null: -1 there,
+    and where they are not, a mask) as an int64 array; else the columns' error, naming the
+    variable of the first bad value when ``owners`` (each row's first position in the list,
+    then the end, and the rows' paths) are given."""
+    if not isinstance(values, list):
+        raise _malformed(file, field, "a list", type(values).__name__)
+
+    def bad(expected: str, at: int) -> CorruptCheckpointError:
+        variable = None
+        if owners is not None:
+            variable = owners[1][bisect.bisect_right(owners[0], at) - 1]
+        return _malformed(file, field, expected, _short(values[at]), variable)
+
+    types = value_types(values)
+    allowed = {int, _NONE} if nulls else {int}
+    if types - allowed:
+        at = next(k for k, v in enumerate(values) if type(v) not in allowed)
+        raise bad("integers or null" if nulls else "integers", at)
+    located = None
+    ints = values
+    if _NONE in types:
+        located = np.fromiter(map(operator.is_not, values, itertools.repeat(None)), bool)
+        ints = [-1 if v is None else v for v in values]
+    try:
+        arr = np.array(ints, np.int64)
+        placed = arr if located is None else arr[located]
+        inside = not placed.size or (int(placed.min()) >= low and int(placed.max()) < high)
+    except OverflowError:  # past 64 bits
+        inside = False
+    if not inside:
+        at = next(k for k, v in enumerate(values) if v is not None and not low <= v < high)
+        raise bad(f"integers in [{low}, {high})", at)
+    return arr, located
+
+
+_ABSENT = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two decoded JSON values are the same JSON (``True`` is not ``1``, ``1`` is not
+    ``1.0``, and mappings keep their order)."""
+    if a is _ABSENT or b is _ABSENT:
+        return a is b
+    return json.dumps(a) == json.dumps(b)
+
+
+class ColumnEntries(Mapping[str, dict[str, Any]]):
+    """The index's entries made from a columns document, one when it is asked for: each equal
+    to the entry the index holds for that path (see docs/FORMAT.md)."""
+
+    def __init__(
+        self,
+        doc: dict[str, Any],
+        rows: dict[str, int],
+        dim_first: list[int],
+        comp_first: list[int],
+    ) -> None:
+        self._doc = doc
+        self._rows = rows
+        self._dim_first = dim_first
+        self._comp_first = comp_first
+
+    def __getitem__(self, path: str) -> dict[str, Any]:
+        row = self._rows[path]
+        doc = self._doc
+        layout = doc["layouts"][doc["layout"][row]]
+        d, c = self._dim_first[row], self._comp_first[row]
+        n = layout["num_components"]
+        row_attrs = doc["row_attrs"]
+        return {
+            "kind": layout["kind"],
+            "dtype": layout["dtype"],
+            "shape": doc["shapes"][d : d + layout["ndim"]],
+            "num_components": n,
+            "attrs": {
+                k: row_attrs[k][row] if v is None else copy.deepcopy(v)
+                for k, v in layout["attrs"].items()
+            },
+            "offsets": doc["offsets"][c : c + n],
+            "crc32c": doc["crc32c"][c : c + n],
+        }
+
+    def __contains__(self, path: object) -> bool:
+        return path in self._rows
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._doc["paths"])
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+# The row attributes a reader needs per layout (the table checks them once per layout).
+_LAYOUT_ONLY_ATTRS = frozenset({"aggregation", "devices"})
+
+
+def _shape_tuples(
+    values: list[int], dims: np.ndarray, ndims: np.ndarray, dim_first: np.ndarray
+) -> list[tuple[int, ...]]:
+    """Each row's shape as a tuple, from every row's dimensions in turn (``values``, also as
+    ``dims``), each row's number of them and where each row's start."""
+    rows = ndims.size
+    if not rows:
+        return []
+    low, high = int(ndims.min()), int(ndims.max())
+    if low == high:  # one number of dimensions (the common case): tuples made in C
+        return list(zip(*[iter(values)] * low, strict=True)) if low else [()] * rows
+    # Rows sorted by their number of dimensions: each group's tuples made in C, then put back
+    # in row order.
+    order = np.argsort(ndims, kind="stable")
+    counts = ndims[order]
+    starts = dim_first[:-1][order]
+    base = np.repeat(starts - (np.cumsum(counts) - counts), counts)
+    flat = dims[base + np.arange(int(counts.sum()), dtype=np.int64)].tolist()
+    grouped: list[tuple[int, ...]] = []
+    at = 0
+    for k, n in zip(*np.unique(counts, return_counts=True), strict=True):
+        k, n = int(k), int(n)
+        grouped.extend(zip(*[iter(flat[at : at + k * n])] * k, strict=True) if k else [()] * n)
+        at += k * n
+    where = np.empty(rows, np.int64)
+    where[order] = np.arange(rows, dtype=np.int64)
+    return list(map(grouped.__getitem__, where.tolist()))
+
+
+def _columns_table(doc: Any, file: str) -> tuple[IndexTable | None, ColumnEntries] | None:
+    """The index as an :class:`IndexTable` and its entries, from a columns document.
+
+    None for a document of a later version (the index is read instead). The table is None
+    when a layout is not in the form the bulk path takes (as :func:`_index_table` decides
+    for the index): every entry then goes the general way, with the general path's errors.
+
+    Raises:
+        CorruptCheckpointError: the document is not what our writer writes: a field missing or
+            of another type, lists of the wrong lengths, an integer out of range, an unknown
+            layout number, a path twice; naming the field, expected and found.
+    """
+    if not isinstance(doc, dict):
+        raise _malformed(file, "document", "a mapping", type(doc).__name__)
+    version = doc.get("version")
+    if type(version) is not int:
+        raise _malformed(file, "version", "an integer", _short(version))
+    if version > COLUMNS_VERSION:
+        return None
+    if version != COLUMNS_VERSION:
+        raise _malformed(file, "version", COLUMNS_VERSION, version)
+    for field, want in (
+        ("layouts", list),
+        ("paths", list),
+        ("layout", list),
+        ("row_attrs", dict),
+        ("shapes", list),
+        ("offsets", list),
+        ("crc32c", list),
+    ):
+        if not isinstance(doc.get(field), want):
+            found = "missing" if field not in doc else type(doc[field]).__name__
+            raise _malformed(file, field, f"a {want.__name__}", found)
+    row_attrs: dict[str, Any] = doc["row_attrs"]
+    # The layouts: few, each checked on its own.
+    kind_of, dname_of, ndim_of, count_of, agg_of = [], [], [], [], []
+    places: dict[str, list[int]] = {}  # the layouts that take each row attribute from the row
+    canonical = True
+    for k, layout in enumerate(doc["layouts"]):
+        field = f"layouts[{k}]"
+        if not isinstance(layout, dict):
+            raise _malformed(file, field, "a mapping", type(layout).__name__)
+        checks: tuple[tuple[str, type, int], ...] = (
+            ("kind", str, 0),
+            ("dtype", str, 0),
+            ("ndim", int, 65),
+            ("num_components", int, MAX_COMPONENTS + 1),
+            ("attrs", dict, 0),
+        )
+        for key, typ, high in checks:
+            got: Any = layout.get(key)
+            if type(got) is not typ:
+                raise _malformed(file, f"{field}.{key}", typ.__name__, _short(got))
+            if high and not 0 <= cast(int, got) < high:
+                raise _malformed(file, f"{field}.{key}", f"0 to {high - 1}", got)
+        attrs = layout["attrs"]
+        for key, value in attrs.items():
+            if value is None:
+                places.setdefault(key, []).append(k)
+            if value is None and (key not in row_attrs or key in _LAYOUT_ONLY_ATTRS):
+                raise _malformed(
+                    file, f"{field}.attrs.{key}", "a value (or a row attribute's place)", None
+                )
+        kind, n = layout["kind"], layout["num_components"]
+        kind_of.append(kind)
+        dname_of.append(layout["dtype"])
+        ndim_of.append(layout["ndim"])
+        count_of.append(n)
+        agg = attrs.get("aggregation")
+        agg_of.append(agg)
+        devices = attrs.get("devices")
+        if (
+            (kind != "sharded" and layout_problem(kind, (), n, {}) is not None)
+            or not (agg is None or (isinstance(agg, str) and agg.lower() in AGGREGATIONS))
+            or not (
+                devices is None
+                or (
+                    isinstance(devices, list)
+                    and len(devices) == n
+                    and all(isinstance(d, str) for d in devices)
+                )
+            )
+        ):
+            canonical = False
+    # The rows.
+    paths: list[Any] = doc["paths"]
+    rows = len(paths)
+    if value_types(paths) - {str}:
+        wrong = next(p for p in paths if not isinstance(p, str))
+        raise _malformed(file, "paths", "strings", _short(wrong))
+    row_of = dict(zip(paths, range(rows), strict=True))
+    if len(row_of) != rows:
+        twice = next(p for p, r in zip(paths, range(rows), strict=True) if row_of[p] != r)
+        raise _malformed(file, "paths", "each path once", f"{twice!r} twice")
+    if rows and not kind_of:
+        raise _malformed(file, "layouts", "the layouts the rows name", "none")
+    if len(doc["layout"]) != rows:
+        raise _malformed(file, "layout", f"{rows} layout numbers", len(doc["layout"]))
+    ids, _ = _int_column(doc["layout"], "layout", 0, max(len(kind_of), 1), file)
+    ndims = np.array(ndim_of, np.int64)[ids] if rows else np.zeros(0, np.int64)
+    counts_arr = np.array(count_of, np.int64)[ids] if rows else np.zeros(0, np.int64)
+    for key, values in row_attrs.items():
+        field = f"row_attrs.{key}"
+        if key in _LAYOUT_ONLY_ATTRS:
+            raise _malformed(file, field, "an attribute of the layout", "a row attribute")
+        if not isinstance(values, list) or len(values) != rows:
+            size = len(values) if isinstance(values, list) else type(values).__name__
+            raise _malformed(file, field, f"a list of {rows} values", size)
+        has = np.zeros(len(kind_of), bool)
+        has[places.get(key, [])] = True
+        given = np.fromiter(map(operator.is_not, values, itertools.repeat(None)), bool, rows)
+        wrong = np.flatnonzero(given != has[ids]) if rows else ids
+        if wrong.size:
+            r = int(wrong[0])
+            expected = "a value (its layout takes it from the row)" if has[ids[r]] else "null"
+            raise _malformed(file, field, expected, _short(values[r]), paths[r])
+    dim_first = np.zeros(rows + 1, np.int64)
+    np.cumsum(ndims, out=dim_first[1:])
+    first = np.zeros(rows + 1, np.int64)
+    np.cumsum(counts_arr, out=first[1:])
+    for field, total in (("shapes", int(dim_first[-1])), ("offsets", int(first[-1]))):
+        if len(doc[field]) != total:
+            raise _malformed(file, field, f"{total} values (as the layouts give)", len(doc[field]))
+    if len(doc["crc32c"]) != int(first[-1]):
+        raise _malformed(
+            file, "crc32c", f"{int(first[-1])} values (as the layouts give)", len(doc["crc32c"])
+        )
+    dim_list, first_list = dim_first.tolist(), first.tolist()
+    dims, _ = _int_column(doc["shapes"], "shapes", 0, 1 << 62, file, owners=(dim_list, paths))
+    offsets, located = _int_column(
+        doc["offsets"], "offsets", 0, 1 << 62, file, nulls=True, owners=(first_list, paths)
+    )
+    crcs, _ = _int_column(doc["crc32c"], "crc32c", 0, 1 << 32, file, owners=(first_list, paths))
+    entries = ColumnEntries(doc, row_of, dim_list, first_list)
+    if not canonical:
+        return None, entries
+    try:
+        dtype_of = {name: _dtype_named(name) for name in set(dname_of) if name != "bytes"}
+    except UnsupportedDtypeError:
+        return None, entries  # the general path names the entry
+    dtype_of["bytes"] = np.dtype(object)
+    lid: list[int] = doc["layout"]
+    kinds = list(map(kind_of.__getitem__, lid))
+    aggregations = list(map(agg_of.__getitem__, lid))
+    lowered = {agg: str(agg).lower() for agg in set(agg_of)}
+    shapes = _shape_tuples(doc["shapes"], dims, ndims, dim_first)
+    table = _assemble(
+        list(paths),
+        kinds,
+        list(map(dname_of.__getitem__, lid)),
+        dtype_of,
+        shapes,
+        ndims,
+        dims,
+        counts_arr.tolist(),
+        aggregations,
+        lowered,
+        offsets,
+        located,
+        crcs,
+        row_of,
+    )
+    return table, entries  # (None: a size past 2**62 bytes, which the general path names)
