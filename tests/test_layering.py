@@ -41,8 +41,12 @@ LAYERS: list[tuple[str, list[str]]] = [
         ],
     ),
     (
-        # One layer while variables and strategy import each other (ALLOWED_CYCLES); variables
-        # below strategy once that cycle is gone.
+        "modes: the mode, creator and update-device stacks, and write routing",
+        ["parallelvars._modes", "parallelvars._write_plan"],
+    ),
+    (
+        # One layer while devices import the strategy's values and make variables
+        # (ParallelDevice.pack); variables import no strategy module.
         "distribution: devices, variables, strategies",
         [
             "parallelvars.devices",
@@ -84,18 +88,9 @@ LAYERS: list[tuple[str, list[str]]] = [
 # Import cycles that remain outside the checkpoint package, each a set of modules that may form
 # one strongly connected component (or part of one); to be emptied, not grown:
 ALLOWED_CYCLES: list[frozenset[str]] = [
-    # variables <-> strategy: variables needs the strategy's context and write routing at
-    # import; the optimizer/strategy layering work moves what variables need below them.
-    frozenset(
-        {
-            "parallelvars.devices",
-            "parallelvars.variables",
-            "parallelvars.strategy._base",
-            "parallelvars.strategy._context",
-            "parallelvars.strategy._reduce",
-            "parallelvars.strategy._write_plan",
-        }
-    ),
+    # devices <-> variables: ParallelDevice.pack(values, name=...) makes a variable, and a
+    # variable holds its ParallelDevice.
+    frozenset({"parallelvars.devices", "parallelvars.variables"}),
     # Keras adapters: a TYPE_CHECKING import of the store by its integrity check, and the
     # archive reader opening the weights reader inside a function.
     frozenset({"parallelvars.formats.keras._integrity", "parallelvars.formats.keras._store"}),

@@ -20,7 +20,6 @@ from typing import Any
 import crc32c as _crc32c
 
 from parallelvars._fileio import read_input, stat_input
-
 from parallelvars.checkpoint.h5io.write import atomic_write
 from parallelvars.errors import CheckpointError
 
