@@ -22,6 +22,7 @@ A step (``apply_gradients``) in a replica context goes through ``merge_call`` to
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import operator
 from collections.abc import Callable, Iterable, Sequence
@@ -61,6 +62,20 @@ _dtype_of = operator.attrgetter("dtype")
 _base_of = operator.attrgetter("base")
 _NDARRAY_ONLY = {np.ndarray}
 _NONE_TYPE = type(None)
+
+
+def _takes_an_argument(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` can be called with one positional argument (a learning-rate schedule of
+    the step), rather than with none (TensorFlow's callable learning rate)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: assume a schedule
+        return True
+    try:
+        sig.bind(0)
+    except TypeError:
+        return False
+    return True
 
 
 def _dense_checked(arr: np.ndarray, var: Any, shape: tuple[int, ...]) -> np.ndarray:
@@ -383,16 +398,23 @@ class Optimizer(Module):
 
     Args:
         learning_rate: a float, or a callable of the step (the number of steps already applied,
-            0 on the first) returning one.
+            0 on the first) returning one; a callable of no argument (TensorFlow's callable
+            hyperparameter) is called at every step.
         name: the optimizer's name (used to name slot variables).
     """
 
     _sparse_as_dense: ClassVar[bool] = False
 
-    def __init__(self, learning_rate: float | Callable[[int], float], name: str) -> None:
+    def __init__(
+        self, learning_rate: float | Callable[[int], float] | Callable[[], float], name: str
+    ) -> None:
         if not callable(learning_rate):
             learning_rate = float(learning_rate)
-        self._pv_learning_rate = learning_rate
+        elif not _takes_an_argument(learning_rate):
+            # TensorFlow's callable hyperparameters take no argument: call it every step.
+            schedule: Any = learning_rate
+            learning_rate = lambda step: schedule()  # noqa: E731
+        self._pv_learning_rate: float | Callable[[int], float] = learning_rate  # type: ignore[assignment]
         self._pv_name = name
         self._pv_token = next(_tokens)
         self._pv_slots: dict[str, dict[int, tuple[Any, Any]]] = {}
@@ -827,6 +849,13 @@ class Optimizer(Module):
         """The step count and any other state shared by all variables (e.g. beta powers)."""
         return [getattr(self, n) for n in self._pv_non_slot_names]
 
+    @property
+    def variables(self) -> list[ParallelVariable]:
+        """Every variable of the optimizer's state: the non-slot ones, then every slot (by slot
+        name, then in the order the variables were first trained), as TensorFlow's
+        ``Optimizer.variables()`` lists them."""
+        return [*self.non_slot_variables, *(slot for _, _, slot in self._checkpoint_slots())]
+
     # ------------------------------------------------------------------ checkpoint hooks
     def _checkpoint_slots(self) -> list[tuple[Any, str, Any]]:
         return [
@@ -1206,7 +1235,7 @@ class Optimizer(Module):
                 return
             raise GradientError(
                 f"optimizer {self._pv_name!r}: no gradients provided for any variable",
-                hint="every gradient was None",
+                hint="every gradient was None, or no (gradient, variable) pair was given",
             )
         var_list = list(map(_second, pairs))
         # A training loop hands the same variables every step: check them and their slots once.
