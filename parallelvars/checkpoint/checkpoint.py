@@ -55,7 +55,15 @@ from parallelvars.errors import (
     NotACheckpointError,
     RestoreMismatchError,
 )
-from parallelvars.tracking import Trackable, _as_node, children_of, node_children, same_children
+from parallelvars.tracking import (
+    Trackable,
+    _as_node,
+    _wrap,
+    children_of,
+    is_trackable,
+    node_children,
+    same_children,
+)
 
 __all__ = [
     "Checkpoint",
@@ -1287,6 +1295,16 @@ class Checkpoint(Trackable):
         if name in roots:
             return roots[name]
         raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A trackable attached after construction is a root like the constructor's, and one
+        # attached after restore() receives its saved value (deferred restoration), as on a Module.
+        if name.startswith("_") or name == "save_counter" or not is_trackable(value):
+            object.__setattr__(self, name, value)
+            return
+        value = _wrap(value)
+        self._roots[name] = value
+        self._maybe_restore_child(name, value)
 
     def _trackable_children(self) -> dict[str, Any]:
         return {**self._roots, "save_counter": self.save_counter}
