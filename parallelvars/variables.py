@@ -17,7 +17,9 @@ Kinds (``v.kind``):
 * ``on_read``: ``Synchronization.ON_READ`` with an aggregation (SUM / MEAN /
   ONLY_FIRST_REPLICA); each replica writes and reads its own component, every read outside
   the replica functions gives the aggregate.
-* ``independent``: made in :func:`independent_buffers`; each component holds its own value.
+* ``independent``: made in :func:`independent_buffers`; each component holds its own value,
+  and outside replica functions operations on it run per component (a parallel value, as on
+  the seed's parallel device; see :class:`_IndependentVariable`).
 * ``sharded``: :class:`ShardedVariable`, made with ``shard_axis=k``; the components are slices
   of one logical value, and the proxy wraps the full value.
 
