@@ -1326,3 +1326,6 @@ def test_item8_parallel_variable_arithmetic() -> None:
     assert [o.tolist() for o in device.unpack(-v[:1] + device.pack([1.0, 2.0]))] == [[0.0], [-1.0]]
     with pytest.raises(DistributedValueError, match="different sizes"):
         v + pv.PerReplica([1.0, 2.0, 3.0])
+    with pytest.raises(DistributedValueError, match="one value per device, not one array"):
+        np.asarray(v * 2)  # as a parallel tensor has no one numpy value
+    assert isinstance(v * 2, pv.ParallelValue) and isinstance(v * 2, pv.PerReplica)

@@ -105,6 +105,14 @@ class ParallelValue(PerReplica):
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         return each_part(func, args, kwargs)
 
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        # Without this numpy would read the value as a sequence through the per-element
+        # indexing above; a parallel value has no one array, as a parallel tensor has none.
+        raise DistributedValueError(
+            f"a ParallelValue of {len(self._values)} elements is one value per device, not one "
+            "array (take its elements with ParallelDevice.unpack(value) or value.values)"
+        )
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name.startswith("_pv_"):
             raise AttributeError(name)
