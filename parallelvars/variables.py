@@ -502,13 +502,21 @@ class ParallelVariable(wrapt.ObjectProxy):
         stacked = self._self_stacked
         if self._self_kind == "on_read" and self._self_aggregation is Aggregation.SUM:
             n = self.global_num_components
-            if n > 1:
+            if n > 1 and not self._process_part_written_by_its_replica():
                 # A write of the total: each replica's part receives its share (TensorFlow's
                 # SyncOnRead SUM assign in cross-replica context divides by the replica count);
                 # a process of a multi-process strategy writes the shares of its components.
                 shares = _shares(np.broadcast_to(arr, self.__wrapped__.shape), n, stacked.dtype)
                 arr = shares[list(self.component_indices)] if n != stacked.shape[0] else shares
         _write_array(stacked, op, arr)
+
+    def _process_part_written_by_its_replica(self) -> bool:
+        """Whether this is one process's part of a variable spread over processes, written from
+        a replica function (its replica's own part, not a share of a total)."""
+        if self._self_global is None:
+            return False
+        ctx = _context.current_mode().replica_context
+        return ctx is not None and not ctx.strategy._is_default
 
     def _write_per_replica(self, op: str, value: PerReplica, where: Route) -> None:
         """Write element ``i`` of a per-replica value into component ``i``: the write of a
