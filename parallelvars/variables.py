@@ -152,20 +152,19 @@ def _fitting_value(value: Any, shape: tuple[int, ...], name: str) -> np.ndarray:
     return arr
 
 
-def _shares(total: np.ndarray, n: int, dtype: np.dtype) -> np.ndarray:
-    """``total`` split into ``n`` parts that add up to it, as an ``(n, *shape)`` array.
+def _shares(total: np.ndarray, n: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """``total`` (of a shape that broadcasts to ``shape``) split into ``n`` parts that add up
+    to it: an array that broadcasts to ``(n, *shape)``.
 
     Floating point: ``total / n`` in each part (TensorFlow's split of an on-read SUM variable's
     assigned value). Integers: ``total // n`` in each part and the remainder spread one unit at
     a time over the first parts, so that the total stays exact where a division would drop it.
     """
-    dtype = np.dtype(dtype)
-    if dtype.kind in "iub":
-        whole, rest = np.divmod(np.asarray(total, dtype=np.int64), n)
-        ranks = np.arange(n).reshape((n,) + (1,) * whole.ndim)
-        return (whole[None] + (ranks < rest[None])).astype(dtype)
-    part = np.divide(np.asarray(total, dtype=dtype), n).astype(dtype, copy=False)
-    return np.broadcast_to(part, (n, *part.shape))
+    if dtype.kind not in "iub":
+        return np.divide(np.asarray(total, dtype=dtype), n).astype(dtype, copy=False)
+    whole, rest = np.divmod(np.broadcast_to(np.asarray(total, dtype=np.int64), shape), n)
+    ranks = np.arange(n).reshape((n,) + (1,) * whole.ndim)
+    return (whole[None] + (ranks < rest[None])).astype(dtype)
 
 
 def _write_array(target: np.ndarray, op: str, arr: np.ndarray) -> None:
@@ -506,8 +505,10 @@ class ParallelVariable(wrapt.ObjectProxy):
                 # A write of the total: each replica's part receives its share (TensorFlow's
                 # SyncOnRead SUM assign in cross-replica context divides by the replica count);
                 # a process of a multi-process strategy writes the shares of its components.
-                shares = _shares(np.broadcast_to(arr, self.__wrapped__.shape), n, stacked.dtype)
-                arr = shares[list(self.component_indices)] if n != stacked.shape[0] else shares
+                shares = _shares(arr, n, stacked.dtype, self.__wrapped__.shape)
+                if n != stacked.shape[0] and shares.ndim > arr.ndim:  # a process's own shares
+                    shares = shares[list(self.component_indices)]
+                arr = shares
         _write_array(stacked, op, arr)
 
     def _process_part_written_by_its_replica(self) -> bool:
