@@ -9,6 +9,8 @@ in the same run and in turns:
   per variable (what the step costs without reducing anything);
 * **loop**: the per-component loop a user would write without the library: sum the replicas'
   gradients of a variable, then update each replica's copy with numpy;
+* **apply**: the same in-run step written ``opt.apply(grads, variables)`` (two lists, no pair
+  per variable);
 * **buffers**: the in-run step with the replicas' gradients already in
   ``opt.gradient_buffers(variables)`` views (written in place by the gradient code), so
   ``apply_gradients`` skips the gathering copy;
@@ -82,6 +84,21 @@ def make_run(
 
     def replica_step(grads: list[np.ndarray]) -> None:
         opt.apply_gradients(zip(grads, vs, strict=True))
+
+    arg = pv.PerReplica(per_replica)
+    return lambda: strategy.run(replica_step, args=(arg,))
+
+
+def make_apply(
+    strategy: pv.MirroredStrategy,
+    sizes: list[int],
+    per_replica: list[list[np.ndarray]],
+    rng: np.random.Generator,
+) -> Callable[[], object]:
+    vs, opt = _model(strategy, sizes, rng)
+
+    def replica_step(grads: list[np.ndarray]) -> None:
+        opt.apply(grads, vs)
 
     arg = pv.PerReplica(per_replica)
     return lambda: strategy.run(replica_step, args=(arg,))
@@ -174,6 +191,7 @@ def run_model(label: str, n_vars: int, size: int, replicas: int, steps: int) -> 
     fns: dict[str, Callable[[], object]] = {
         "core": make_core(strategy, sizes, reduced, rng),
         "run": make_run(strategy, sizes, per_replica, rng),
+        "apply": make_apply(strategy, sizes, per_replica, rng),
         "buffers": make_buffers(strategy, sizes, per_replica, rng),
         "loop": make_loop(sizes, per_replica, rng),
     }
@@ -193,6 +211,8 @@ def _model_json(r: dict[str, object]) -> dict[str, object]:
     t: dict[str, float] = r["times"]  # type: ignore[assignment]
     ratios = {
         "run_over_core": t["run"] / t["core"],
+        "apply_over_core": t["apply"] / t["core"],
+        "run_over_apply": t["run"] / t["apply"],
         "buffers_over_core": t["buffers"] / t["core"],
         "loop_over_run": t["loop"] / t["run"],
         "loop_over_buffers": t["loop"] / t["buffers"],
@@ -217,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         f"float32 Adam inside strategy.run, {args.replicas} replicas with their own gradients, best of {args.steps}"
     )
     header = (
-        f"{'model':<6}{'vars':>6}{'params':>12}{'core ms':>10}{'run ms':>10}{'bufs ms':>10}{'loop ms':>10}"
-        f"{'tf ms':>10}{'run/core':>10}{'bufs/core':>11}{'loop/run':>10}"
+        f"{'model':<6}{'vars':>6}{'params':>12}{'core ms':>10}{'run ms':>10}{'apply ms':>10}"
+        f"{'bufs ms':>10}{'loop ms':>10}{'tf ms':>10}{'run/core':>10}{'apply/core':>11}"
+        f"{'bufs/core':>11}{'loop/run':>10}"
     )
     print(header)
     print("-" * len(header))
@@ -230,13 +251,15 @@ def main(argv: list[str] | None = None) -> int:
         tf_ms = f"{1e3 * t['tf_function']:.1f}" if "tf_function" in t else "skipped"
         print(
             f"{label:<6}{n_vars:>6}{n_vars * size:>12,}{1e3 * t['core']:>10.1f}{1e3 * t['run']:>10.1f}"
-            f"{1e3 * t['buffers']:>10.1f}{1e3 * t['loop']:>10.1f}{tf_ms:>10}"
-            f"{t['run'] / t['core']:>9.2f}x{t['buffers'] / t['core']:>10.2f}x{t['loop'] / t['run']:>9.1f}x"
+            f"{1e3 * t['apply']:>10.1f}{1e3 * t['buffers']:>10.1f}{1e3 * t['loop']:>10.1f}{tf_ms:>10}"
+            f"{t['run'] / t['core']:>9.2f}x{t['apply'] / t['core']:>10.2f}x"
+            f"{t['buffers'] / t['core']:>10.2f}x{t['loop'] / t['run']:>9.1f}x"
         )
-    print("core: distributed_apply of reduced gradients; run: apply_gradients in strategy.run with")
+    print("core: distributed_apply of reduced gradients; run: apply_gradients(zip(...)) in")
     print(
-        "per-replica gradients; bufs: the same with gradient_buffers views; loop: per-component numpy"
+        "strategy.run with per-replica gradients; apply: the same as opt.apply(grads, variables);"
     )
+    print("bufs: the same with gradient_buffers views; loop: per-component numpy")
     print("targets: A run/core <= 1.35x; B run/core <= 1.5x and loop/run >= 10x")
     write_json(args, "train_step", figures)
     return 0

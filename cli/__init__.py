@@ -144,11 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = Output(json_mode=args.json, quiet=args.quiet)
         args.out = out
         debug = debug or args.debug
-        from ._common import READ_OPTIONS  # here, so that --version loads no format code
+        from ._common import read_options  # here, so that --version loads no format code
 
-        READ_OPTIONS.clear()
-        if args.follow_state_outside:
-            READ_OPTIONS["follow_state_outside"] = True
+        args.read_options = read_options(args)
         return int(args._run(args))
     except _ParserExit as exc:
         return exc.code

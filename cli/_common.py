@@ -35,7 +35,7 @@ __all__ = [
     "destination_path",
     "format_bytes",
     "open_view",
-    "READ_OPTIONS",
+    "read_options",
     "reader_options",
     "output_format",
     "size_arg",
@@ -95,21 +95,24 @@ def add_format_option(
     )
 
 
-#: Reader options the command line gives every command (``--follow-state-outside``); set by
-#: ``main`` for each command.
-READ_OPTIONS: dict[str, Any] = {}
+def read_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The reader options the command line gives every command (``--follow-state-outside``),
+    from one command's parsed arguments; ``main`` hands them to the command as
+    ``args.read_options``."""
+    return {"follow_state_outside": True} if getattr(args, "follow_state_outside", False) else {}
 
 
-def reader_options(fmt: str) -> dict[str, Any]:
-    """The options of :data:`READ_OPTIONS` that the reader of format ``fmt`` takes."""
+def reader_options(options: Mapping[str, Any], fmt: str) -> dict[str, Any]:
+    """The reader ``options`` (see :func:`read_options`) that the reader of format ``fmt`` takes."""
     known = get_format(fmt).options
-    return {k: v for k, v in READ_OPTIONS.items() if k in known}
+    return {k: v for k, v in options.items() if k in known}
 
 
-def open_view(path: str, fmt: str | None) -> CheckpointView:
-    """Open ``path`` as a checkpoint view (format detected unless ``fmt``)."""
+def open_view(path: str, fmt: str | None, options: Mapping[str, Any]) -> CheckpointView:
+    """Open ``path`` as a checkpoint view (format detected unless ``fmt``), with the command's
+    reader ``options`` (``args.read_options``)."""
     name = fmt or detect_format(path)
-    return open_checkpoint(path, format=name, **reader_options(name))
+    return open_checkpoint(path, format=name, **reader_options(options, name))
 
 
 def output_format(path: str, explicit: str | None, fallback: str | None) -> str:

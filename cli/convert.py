@@ -110,11 +110,13 @@ def same_file(a: str, b: str) -> bool:
         return False
 
 
-def _not_carried(source: str, src_format: str, dst_format: str) -> list[str]:
+def _not_carried(
+    source: str, src_format: str, dst_format: str, options: Mapping[str, Any]
+) -> list[str]:
     """What the destination format cannot carry of the source, one line each (empty: all)."""
     if dst_format != "tf":
         return []
-    with open_view(source, src_format) as view:
+    with open_view(source, src_format, options) as view:
         graph = getattr(view, "object_graph", None)
     shared = shared_objects(graph) if isinstance(graph, Mapping) else 0
     if not shared:
@@ -146,13 +148,13 @@ def run(args: argparse.Namespace) -> int:
             names=args.names,
             max_shard_size=args.max_shard_size,
             progress=bar.set,
-            read_options=reader_options(src_format),
+            read_options=reader_options(args.read_options, src_format),
             like=args.like,
         )
-    notes = _not_carried(args.source, src_format, dst_format)
+    notes = _not_carried(args.source, src_format, dst_format, args.read_options)
     for note in notes:
         out.note(note)
-    with open_view(written, dst_format) as view:
+    with open_view(written, dst_format, args.read_options) as view:
         count = len(view)
         total = sum(int(view[k].nbytes) for k in view)
         dst_format = view.format

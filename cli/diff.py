@@ -226,7 +226,10 @@ def _side(path: str, view: CheckpointView) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     out: Output = args.out
-    with open_view(args.a, None) as va, open_view(args.b, None) as vb:
+    with (
+        open_view(args.a, None, args.read_options) as va,
+        open_view(args.b, None, args.read_options) as vb,
+    ):
         keys_a, keys_b = set(va), set(vb)
         missing = sorted(keys_a - keys_b, key=natural_key)
         extra = sorted(keys_b - keys_a, key=natural_key)

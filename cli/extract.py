@@ -109,7 +109,7 @@ def _save(path: str, value: np.ndarray) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out: Output = args.out
-    with open_view(args.checkpoint, args.from_format) as view:
+    with open_view(args.checkpoint, args.from_format, args.read_options) as view:
         if args.name not in view:
             close = difflib.get_close_matches(args.name, list(view), n=3)
             raise MissingVariableError(

@@ -280,7 +280,7 @@ def _mapping_text(structure: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     out: Output = args.out
-    with open_view(args.checkpoint, args.from_format) as view:
+    with open_view(args.checkpoint, args.from_format, args.read_options) as view:
         rows = collect(view, out)
         fmt, metadata = view.format, dict(view.metadata)
         structure = training_structure(view, rows)

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     out: Output = args.out
     if same_file(args.source, args.destination):
         raise UsageError(f"{args.destination}: is the same file as SRC; write somewhere else")
-    with open_view(args.source, args.from_format) as view:
+    with open_view(args.source, args.from_format, args.read_options) as view:
         before = sorted({int(view[k].num_components) for k in view})
         entries = formats.reshard(view, args.devices)
         destination, fmt = destination_path(

@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         if fmt == "hdf5":
             result = _verify_native(path)
         else:
-            with open_view(path, fmt) as view:
+            with open_view(path, fmt, args.read_options) as view:
                 result = _verify_view(view, out)
     except (CorruptCheckpointError, NotACheckpointError) as exc:
         # A file whose format is known (from --from, its bytes or its suffix) but that does not

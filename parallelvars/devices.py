@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from parallelvars._values import ParallelValue, PerReplica
 from parallelvars.errors import DistributedValueError
 
 __all__ = ["ParallelDevice", "canonical_device"]
@@ -81,8 +82,6 @@ class ParallelDevice(Sequence[str]):
         Raises:
             DistributedValueError: not one value per component device.
         """
-        from parallelvars.strategy._values import ParallelValue
-
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
             raise DistributedValueError(
                 f"pack() takes one value per device of {self!r} (a list or tuple), found "
@@ -102,8 +101,6 @@ class ParallelDevice(Sequence[str]):
         (the parallel device's ``device_ids``)."""
         import numpy as np
 
-        from parallelvars.strategy._values import ParallelValue
-
         return ParallelValue([np.int64(i) for i in range(len(self._components))])
 
     def unpack(self, value: Any) -> list[Any]:
@@ -114,8 +111,6 @@ class ParallelDevice(Sequence[str]):
         Raises:
             DistributedValueError: ``value`` is not per-device, or is placed on other devices.
         """
-        from parallelvars.strategy._values import PerReplica
-
         if isinstance(value, PerReplica):
             parts = list(value.values)
         elif hasattr(value, "_self_components") and hasattr(value, "devices"):

@@ -1,5 +1,7 @@
 """Parallel variables: a ``wrapt.ObjectProxy`` over the primary component of a stacked buffer.
 
+One module over 900 lines on purpose: the proxy and its overridden dunders belong together.
+
 A :class:`ParallelVariable` holds all its components in one ``(n, *shape)`` numpy buffer;
 component ``i`` is the view ``stacked[i]`` and the proxy wraps ``stacked[0]`` (the primary), so
 ``np.asarray(v)``, ``v.shape``, ``v + 1`` and ``v[2:]`` behave like the primary array. Inside a
@@ -44,7 +46,7 @@ Overridden dunders and why (everything else is forwarded to the wrapped array by
   mirrored variable, not only the primary that wrapt would update. ``+=`` and ``-=`` are
   ``assign_add`` / ``assign_sub``. Where every write goes (this replica's component, merged
   across replicas, every component, the full value) is decided in one place:
-  :func:`parallelvars.strategy._write_plan.route`.
+  :func:`parallelvars._write_plan.route`.
 * ``fill``, ``sort``, ``partition``, ``put``: array methods that write in place; same reason.
 * ``__hash__``: by identity (an array is unhashable; a variable is a key in optimizer state).
   Like any numpy array, ``==`` compares element-wise.
@@ -67,10 +69,12 @@ from typing import Any, ClassVar
 import numpy as np
 import wrapt
 
-from parallelvars import _storage
+from parallelvars import _modes, _storage, _write_plan
 from parallelvars._aggregate import aggregate_parts
 from parallelvars._dtypes import as_dtype, is_extension_dtype
 from parallelvars._geometry import shard_offsets, shard_sizes, shard_slices
+from parallelvars._values import PARALLEL_OPERATORS, PerReplica, each_part, part_attribute
+from parallelvars._write_plan import Route
 from parallelvars.devices import ParallelDevice
 from parallelvars.enums import Aggregation, Synchronization
 from parallelvars.errors import (
@@ -82,14 +86,6 @@ from parallelvars.errors import (
     UnsupportedDtypeError,
     UnsupportedOperationError,
 )
-from parallelvars.strategy import _context, _write_plan
-from parallelvars.strategy._values import (
-    PARALLEL_OPERATORS,
-    PerReplica,
-    each_part,
-    part_attribute,
-)
-from parallelvars.strategy._write_plan import Route
 
 # The routes as module constants: a class attribute of an Enum costs a lookup on every write.
 _OWN, _MERGE, _EVERY, _FULL = Route.OWN, Route.MERGE, Route.EVERY, Route.FULL
@@ -106,7 +102,7 @@ __all__ = [
     "shard_sizes",
 ]
 
-variable_creator_scope = _context.variable_creator_scope
+variable_creator_scope = _modes.variable_creator_scope
 
 _name_counter = itertools.count()
 _name_lock = threading.Lock()
@@ -341,7 +337,7 @@ class ParallelVariable(wrapt.ObjectProxy):
         ``Variable.distribute_strategy``)."""
         ref = self._self_strategy
         strategy = ref() if ref is not None else None
-        return strategy if strategy is not None else _context._get_default_mode().strategy
+        return strategy if strategy is not None else _modes.default_strategy()
 
     @property
     def placement(self) -> _storage.Placement | None:
@@ -356,7 +352,7 @@ class ParallelVariable(wrapt.ObjectProxy):
 
     def _replica_index(self) -> int | None:
         """This thread's component index inside a replica function of our devices, else None."""
-        ctx = _context.current_mode().replica_context
+        ctx = _modes.replica_context()
         if ctx is None or ctx.strategy._is_default:
             return None
         n = ctx.num_replicas_in_sync
@@ -398,12 +394,11 @@ class ParallelVariable(wrapt.ObjectProxy):
             DistributedValueError: the variable has no component on ``device``.
         """
         from parallelvars.devices import canonical_device
-        from parallelvars.strategy._base import get_update_device
 
         comps = self._self_components
         devices = self._self_device.components
         if device is None:
-            current = get_update_device()
+            current = _modes.get_update_device()
             if isinstance(current, str) and current in devices and len(devices) == len(comps):
                 return comps[devices.index(current)]
             return self._local()
@@ -457,7 +452,7 @@ class ParallelVariable(wrapt.ObjectProxy):
         return self if read_value else None
 
     def _write(self, op: str, value: Any) -> ParallelVariable:
-        """A value write, where :func:`~parallelvars.strategy._write_plan.route` sends it."""
+        """A value write, where :func:`~parallelvars._write_plan.route` sends it."""
         value = _unwrap(value)
         where, i = _write_plan.route(self)
         if isinstance(value, PerReplica):
@@ -466,7 +461,7 @@ class ParallelVariable(wrapt.ObjectProxy):
             assert i is not None
             _write_array(self._self_components[i], op, self._check_value_shape(value))
         elif where is _MERGE:
-            ctx = _context.current_mode().replica_context
+            ctx = _modes.replica_context()
             assert ctx is not None
             ctx._write_variable(self, op, value)
         else:
@@ -475,7 +470,7 @@ class ParallelVariable(wrapt.ObjectProxy):
 
     def _change(self, where: Route, i: int | None, change: Callable[[np.ndarray], object]) -> None:
         """An in-place change ``change(array)`` on the route ``where, i`` that
-        :func:`~parallelvars.strategy._write_plan.route` gave, other than ``EVERY``: the callers
+        :func:`~parallelvars._write_plan.route` gave, other than ``EVERY``: the callers
         change every component themselves, in one call over the stacked buffer where they can
         (and without a call per component where they cannot: the common case stays cheap)."""
         if where is _OWN:
@@ -516,7 +511,7 @@ class ParallelVariable(wrapt.ObjectProxy):
         a replica function (its replica's own part, not a share of a total)."""
         if self._self_global is None:
             return False
-        ctx = _context.current_mode().replica_context
+        ctx = _modes.replica_context()
         return ctx is not None and not ctx.strategy._is_default
 
     def _write_per_replica(self, op: str, value: PerReplica, where: Route) -> None:
@@ -1271,7 +1266,7 @@ def Variable(
         aggregation=aggregation,
         shard_axis=shard_axis,
     )
-    creators = _context.creator_stack()
+    creators = _modes.creator_stack()
 
     def call(index: int, **kw: Any) -> Any:
         if index < 0:
@@ -1304,8 +1299,9 @@ def _wrap_components(
     var = _make_distributed_variable(device, initial_value=first, name=name, kind=kind)
     for comp, a in zip(var.components[1:], arrays[1:], strict=True):
         comp[...] = a
-    strategy = _context.get_strategy()
-    if not strategy._is_default and strategy.devices == device:
+    mode = _modes.innermost()  # None: outside every strategy
+    strategy = None if mode is None else mode.strategy
+    if strategy is not None and not strategy._is_default and strategy.devices == device:
         strategy._register(var)  # so that run() maps its components back to it
     return var
 
@@ -1336,8 +1332,13 @@ def ReplicatedVariable(
             f"variable {name!r}: ReplicatedVariable needs at least one value"
         )
     if devices is None:
-        strategy = _context.get_strategy()
-        same = not strategy._is_default and len(strategy.devices) == len(values)
+        mode = _modes.innermost()  # None: outside every strategy
+        strategy: Any = None if mode is None else mode.strategy
+        same = (
+            strategy is not None
+            and not strategy._is_default
+            and len(strategy.devices) == len(values)
+        )
         pdev = strategy.devices if same else ParallelDevice(len(values))
     else:
         pdev = devices if isinstance(devices, ParallelDevice) else ParallelDevice(devices)

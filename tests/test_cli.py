@@ -381,3 +381,31 @@ def test_version_after_a_subcommand_is_still_an_error(capsys) -> None:
     from parallelvars.cli import main
 
     assert main(["inspect", "--version"]) == 2
+
+
+def test_reader_options_belong_to_their_command(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --follow-state-outside is one command's option: a main() without it, called in the same
+    # process (here in the middle of the first command, after it parsed its arguments and
+    # before it opened its file), neither gets it nor takes it from the first.
+    import fuzz_readers
+
+    from parallelvars.cli import _common
+
+    directory = fuzz_readers.CRAFTED["tf-state-dotdot"](str(tmp_path))
+    detect = _common.detect_format
+    nested: list[int] = []
+
+    def detect_then_run_another(path: str) -> str:
+        if not nested:
+            nested.append(-1)
+            nested[0] = main(["inspect", directory])
+        return detect(path)
+
+    monkeypatch.setattr(_common, "detect_format", detect_then_run_another)
+    assert main(["inspect", "--follow-state-outside", directory]) == 0
+    assert nested == [EXIT_USAGE]
+    assert "--follow-state-outside" in capsys.readouterr().err
+    assert main(["inspect", directory]) == EXIT_USAGE
+    assert main(["inspect", "--follow-state-outside", directory]) == 0

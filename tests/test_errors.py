@@ -293,7 +293,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     # __array_interface__ / __array_struct__ on AttributeError.
     ("parallelvars/__init__.py", "AttributeError", "__getattr__"): "attribute protocol",
     ("parallelvars/strategy/__init__.py", "AttributeError", "__getattr__"): "attribute protocol",
-    ("parallelvars/strategy/_values.py", "AttributeError", "__getattr__"): "attribute protocol",
+    ("parallelvars/_values.py", "AttributeError", "__getattr__"): "attribute protocol",
     (
         "parallelvars/variables.py",
         "AttributeError",
@@ -312,6 +312,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ): "attribute protocol",
     # An abstract method a subclass must override: a bug in the subclass, not bad input.
     ("parallelvars/optimizers/_base.py", "NotImplementedError", "_kernel"): "abstract method",
+    ("parallelvars/optimizers/_slots.py", "NotImplementedError", "_info"): "abstract method",
     # A missing optional dependency (mpi4py): ImportError is what callers and the CLI test for.
     ("parallelvars/strategy/_mpi.py", "ImportError", "_import_mpi"): "optional dependency",
     # Our own invariants, unreachable from any input: HDF5 broke its contract, a header we

@@ -59,7 +59,7 @@ def _assert_same(a: list[Any], b: list[Any]) -> None:
 
 def _lines(opt: opts.Optimizer) -> Any:
     """The fused path's cache of the one variable list ``opt`` has stepped."""
-    ((_, lines),) = opt._pv_lines.values()
+    ((_, lines),) = opt._pv_transport.lines.values()
     return lines
 
 
@@ -184,10 +184,10 @@ def test_steady_steps_reuse_the_plan_and_buffers() -> None:
         opt.apply_gradients(zip(grads, vs, strict=True))
 
     strategy.run(step, args=(pv.PerReplica(_grads(rng, 2, np.float32)),))
-    plans, lines = dict(opt._pv_fused), dict(opt._pv_lines)
+    plans, lines = dict(opt._pv_transport.plans), dict(opt._pv_transport.lines)
     strategy.run(step, args=(pv.PerReplica(_grads(rng, 2, np.float32)),))
-    assert opt._pv_fused == plans and len(lines) == 1
-    assert all(opt._pv_lines[k] is lines[k] for k in lines)
+    assert opt._pv_transport.plans == plans and len(lines) == 1
+    assert all(opt._pv_transport.lines[k] is lines[k] for k in lines)
 
 
 def test_gradient_buffers_are_summed_without_packing() -> None:
@@ -324,21 +324,55 @@ def test_a_gradient_in_a_variables_memory_is_read_before_the_step_writes() -> No
     _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
 
 
-def test_zip_of_two_lists_is_read_without_its_pairs() -> None:
-    from parallelvars.optimizers._base import _zipped_lists
+@pytest.mark.parametrize("devices", [1, 3])
+def test_apply_of_two_lists_is_apply_gradients_of_their_pairs(devices: int) -> None:
+    # Same bits, None gradients skipped, the lists left as they were; each replica's lists,
+    # or one list of variables every replica shares.
+    strategy = pv.MirroredStrategy(devices)
+    vs, opt = _model(strategy, np.float32, lambda: opts.Adam(0.01))
+    ref_vs, ref_opt = _model(strategy, np.float32, lambda: opts.Adam(0.01))
+    rng = np.random.default_rng(5)
 
-    g, v = [1, 2, 3], ("a", "b", "c")
-    z = zip(g, v, strict=True)
-    got = _zipped_lists(z)
-    assert got is not None and got[0] is g and got[1] is v
-    assert list(z) == []  # left exhausted, as iterating it would leave it
-    partly = zip(g, v, strict=False)
-    next(partly)
-    assert _zipped_lists(partly) is None and list(partly) == [(2, "b"), (3, "c")]
-    assert _zipped_lists(zip(g, v[:2], strict=False)) is None  # zip's own shortest-length answer
-    assert _zipped_lists(zip((x for x in g), v, strict=False)) is None
-    assert _zipped_lists(zip(g, v, g, strict=False)) is None
-    assert _zipped_lists([(1, "a")]) is None
+    def step(grads: list[Any], k: int) -> None:
+        mine: list[Any] = list(grads)
+        if k:
+            mine[1] = None
+        given = (list(mine), vs if k < 2 else tuple(vs))
+        opt.apply(*given)
+        assert all(a is b for a, b in zip(given[0], mine, strict=True))
+
+    def ref_step(grads: list[Any], k: int) -> None:
+        mine: list[Any] = list(grads)
+        if k:
+            mine[1] = None
+        ref_opt.apply_gradients(zip(mine, ref_vs, strict=True))
+
+    for k in range(3):
+        per_replica = pv.PerReplica(_grads(rng, devices, np.float32))
+        strategy.run(step, args=(per_replica, k))
+        strategy.run(ref_step, args=(per_replica, k))
+    assert int(opt.iterations.read_value()) == 3
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+    with pytest.raises(GradientError, match="one gradient per variable"):
+        strategy.run(lambda: opt.apply([np.ones(s, np.float32) for s in SHAPES[:2]], vs))
+    with strategy.scope(), pytest.raises(ContextError, match="apply\\(\\) was called"):
+        opt.apply([np.ones(s, np.float32) for s in SHAPES], vs)
+
+
+def test_a_partly_iterated_zip_applies_its_remaining_pairs() -> None:
+    strategy = pv.MirroredStrategy(2)
+    vs, opt = _model(strategy, np.float32, lambda: opts.SGD(1.0))
+    before = [v.read_value().copy() for v in vs]
+    ones = [np.ones(s, np.float32) for s in SHAPES]
+
+    def step() -> None:
+        pairs = zip(ones, vs, strict=True)
+        next(pairs)
+        opt.apply_gradients(pairs)
+
+    strategy.run(step)
+    for i, (b, v) in enumerate(zip(before, vs, strict=True)):
+        np.testing.assert_array_equal(v.read_value(), b if i == 0 else b - np.float32(2.0))
 
 
 def test_zip_steps_keep_the_semantics_of_their_pairs() -> None:

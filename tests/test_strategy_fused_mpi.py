@@ -70,7 +70,7 @@ s = pv.MultiWorkerMirroredStrategy()
 rank = s.cluster_rank
 for buffers in (False, True):
     state, opt = train(s, buffers, pv.PerReplica(list(range(s.num_replicas_in_sync))))
-    assert opt._pv_lines, "the fused path was not taken"
+    assert opt._pv_transport.lines, "the fused path was not taken"
     np.savez(f"{sys.argv[1]}/rank{rank}-{int(buffers)}.npz", **state)
 """
 )

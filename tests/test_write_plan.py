@@ -13,12 +13,8 @@ import numpy as np
 import pytest
 
 import parallelvars as pv
-from parallelvars.errors import (
-    ReplicaError,
-    ShapeMismatchError,
-    UnsupportedOperationError,
-)
-from parallelvars.strategy._write_plan import Route, route
+from parallelvars._write_plan import Route, route
+from parallelvars.errors import ReplicaError, ShapeMismatchError, UnsupportedOperationError
 
 N = 3
 

@@ -10,7 +10,6 @@ runs one thread per replica. Reductions and broadcasts go through ``_reduce_to``
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import re
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -18,6 +17,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from parallelvars import _modes
 from parallelvars._geometry import shard_index
 from parallelvars.devices import ParallelDevice, canonical_device
 from parallelvars.enums import Aggregation, ReduceOp
@@ -27,7 +27,6 @@ from parallelvars.errors import (
     DistributedValueError,
     ReplicaError,
 )
-from parallelvars.strategy import _context
 from parallelvars.strategy._reduce import device_key, reduce_values
 from parallelvars.strategy._values import (
     Mirrored,
@@ -48,24 +47,27 @@ __all__ = [
     "increment_var",
 ]
 
-_UPDATE_DEVICE: contextvars.ContextVar[Any] = contextvars.ContextVar(
-    "parallelvars_update_device", default=None
-)
+# The update-device stack lives below variables (which read it); re-exported here, its public home.
+get_update_device = _modes.get_update_device
+UpdateContext = _modes.UpdateContext
+_default_mode: _modes.Mode[Strategy, ReplicaContext] | None = None
 
 
-def get_update_device() -> Any:
-    """The device (or devices) being updated inside ``update()`` / ``update_non_slot()``, else None."""
-    return _UPDATE_DEVICE.get()
+def _get_default_mode() -> _modes.Mode[Strategy, ReplicaContext]:
+    global _default_mode
+    if _default_mode is None:
+        strategy = _DefaultStrategy()
+        _default_mode = _modes.Mode(strategy, strategy._default_replica_context)
+    return _default_mode
 
 
-@contextlib.contextmanager
-def UpdateContext(device: Any) -> Iterator[None]:
-    """Mark the code inside as updating ``device`` (see :func:`get_update_device`)."""
-    token = _UPDATE_DEVICE.set(device)
-    try:
-        yield
-    finally:
-        _UPDATE_DEVICE.reset(token)
+_modes.set_default_strategy(lambda: _get_default_mode().strategy)
+
+
+def current_mode() -> _modes.Mode[Strategy, ReplicaContext]:
+    """The innermost mode of this thread (the default replica context when none was pushed)."""
+    stack = _modes._MODES.get()
+    return stack[-1] if stack else _get_default_mode()
 
 
 def _is_variable(x: Any) -> bool:
@@ -76,7 +78,7 @@ def _is_variable(x: Any) -> bool:
 
 def _creators_below(creator: Any) -> bool:
     """Whether creator scopes entered before ``creator``'s run below it in the chain."""
-    stack = _context.creator_stack()
+    stack = _modes.creator_stack()
     for i, c in enumerate(stack):
         if c == creator:
             return i > 0
@@ -90,7 +92,7 @@ def _short(value: Any) -> str:
 
 
 def _top_default_replica_context() -> ReplicaContext:
-    ctx = _context._get_default_mode().replica_context
+    ctx = _get_default_mode().replica_context
     assert ctx is not None
     return ctx
 
@@ -195,7 +197,7 @@ class ReplicaContext:
         return (self.strategy.devices.components[self.replica_id_in_sync_group],)
 
     def _check_current(self) -> None:
-        mode = _context.current_mode()
+        mode = current_mode()
         if mode.replica_context is not self:
             where = (
                 "cross-replica context"
@@ -217,7 +219,7 @@ class ReplicaContext:
         the cross-replica mode.
         """
         self._check_current()
-        with _context.push_mode(_context.Mode(self.strategy, None)):
+        with _modes.push_mode(_modes.Mode(self.strategy, None)):
             result = fn(self.strategy, *args, **(kwargs or {}))
         try:
             return select_replica(0, result, 1)
@@ -314,15 +316,15 @@ class Strategy:
         Re-entering the scope of the strategy already current is a no-op; entering another
         strategy's scope inside one raises :class:`~parallelvars.errors.ContextError`.
         """
-        mode = _context.current_mode()
+        mode = current_mode()
         if mode.strategy is self:
             yield self
             return
         if not mode.strategy._is_default:
             raise ContextError(self._mixing_message("enter the scope of", mode.strategy))
         with (
-            _context.push_mode(_context.Mode(self, None)),
-            _context.variable_creator_scope(self._variable_creator),
+            _modes.push_mode(_modes.Mode(self, None)),
+            _modes.variable_creator_scope(self._variable_creator),
         ):
             yield self
 
@@ -342,7 +344,7 @@ class Strategy:
         model-building pattern of TensorFlow's MirroredStrategy).
         """
         kwargs.setdefault("device", self._devices)
-        ctx = _context.current_mode().replica_context
+        ctx = current_mode().replica_context
         if ctx is not None and ctx.strategy is self and self.num_replicas_in_sync > 1:
             return ctx.merge_call(_create_once, args=(_Creation(next_creator, kwargs),))
         return self._create(next_creator, kwargs)
@@ -362,7 +364,7 @@ class Strategy:
         return var
 
     def _check_creation_context(self, name: Any) -> None:
-        ctx = _context.current_mode().replica_context
+        ctx = current_mode().replica_context
         if ctx is not None and ctx.strategy is self and self.num_replicas_in_sync > 1:
             raise ContextError(
                 f"variable {name!r}: cannot create a variable inside a replica function of "
@@ -398,7 +400,7 @@ class Strategy:
         Args:
             colocate_with: a variable, or devices as returned by :meth:`non_slot_devices`.
         """
-        mode = _context.current_mode()
+        mode = current_mode()
         if mode.strategy is not self:
             raise ContextError(
                 f"colocate_vars_with() of {self!r} needs its scope (current strategy: "
@@ -420,7 +422,7 @@ class Strategy:
             kwargs.setdefault("device", target)
             return next_creator(**kwargs)  # the strategy's creator, further down, registers it
 
-        with _context.variable_creator_scope(creator):
+        with _modes.variable_creator_scope(creator):
             yield
 
     def non_slot_devices(self, var_list: Sequence[Any]) -> Any:
@@ -430,7 +432,7 @@ class Strategy:
 
     # ------------------------------------------------------------------ running replicas
     def _check_can_run(self) -> None:
-        mode = _context.current_mode()
+        mode = current_mode()
         ctx = mode.replica_context
         if ctx is not None and ctx is not _top_default_replica_context():
             raise ContextError(
@@ -470,12 +472,12 @@ class Strategy:
         ctx = ReplicaContext(self, 0)
         a = select_replica(0, args)
         kw = select_replica(0, kwargs)
-        with self.scope(), _context.push_mode(_context.Mode(self, ctx)):
+        with self.scope(), _modes.push_mode(_modes.Mode(self, ctx)):
             return fn(*a, **kw)
 
     # ------------------------------------------------------------------ cross-replica API
     def _require_cross_replica(self, method: str) -> None:
-        mode = _context.current_mode()
+        mode = current_mode()
         ctx = mode.replica_context
         if ctx is not None and ctx is not _top_default_replica_context():
             raise CrossReplicaOnlyError(
@@ -866,14 +868,14 @@ class _DefaultStrategy(Strategy):
         """The default strategy's scope: variables made inside are plain ones, and a variable
         made there by another strategy (whose scope was entered inside) is refused, as in
         TensorFlow."""
-        mode = _context.current_mode()
+        mode = current_mode()
         if not mode.strategy._is_default:
             raise ContextError(self._mixing_message("enter the scope of", mode.strategy))
-        with _context.variable_creator_scope(self._variable_creator):
+        with _modes.variable_creator_scope(self._variable_creator):
             yield self
 
     def _variable_creator(self, next_creator: Any, **kwargs: Any) -> Any:
-        current = _context.get_strategy()
+        current = current_mode().strategy
         if not current._is_default:
             raise ContextError(
                 f"variable {kwargs.get('name')!r} created by {current!r} inside the scope of "
@@ -917,8 +919,9 @@ def increment_var(var: Any, amount: Any = 1) -> None:
     def merge_fn(strategy: Strategy, v: Any) -> None:
         strategy.update(v, add)
 
-    ctx = _context.get_replica_context()
+    mode = current_mode()
+    ctx = mode.replica_context
     if ctx is None:
-        merge_fn(_context.get_strategy(), var)
+        merge_fn(mode.strategy, var)
     else:
         ctx.merge_call(merge_fn, args=(var,))

@@ -1,22 +1,20 @@
-"""The per-thread mode stack: which strategy is current, and replica or cross-replica context.
+"""Which strategy is current, and replica or cross-replica context: the public functions.
 
 Execution starts in the default replica context of the default strategy. A strategy's
 ``scope()`` pushes a cross-replica mode; ``Strategy.run`` pushes a replica mode in each replica
-thread. The stack lives in a :class:`contextvars.ContextVar`, so every thread starts with an
-empty stack, and a replica thread started with ``contextvars.copy_context().run`` inherits its
-parent's (the replica runner relies on that).
+thread. The stacks themselves live below variables, in :mod:`parallelvars._modes`; this module
+reads them with the default strategy in force where no mode was pushed
+(:func:`parallelvars.strategy._base.current_mode`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from parallelvars.strategy._base import ReplicaContext, Strategy
+# The stacks (the strategies that enter and leave modes by hand read _MODES and _CREATORS).
+from parallelvars._modes import _CREATORS as _CREATORS
+from parallelvars._modes import _MODES as _MODES
+from parallelvars._modes import Mode, creator_stack, push_mode, variable_creator_scope
+from parallelvars.strategy._base import ReplicaContext, Strategy, current_mode
+from parallelvars.strategy._base import _get_default_mode as _get_default_mode
 
 __all__ = [
     "Mode",
@@ -30,49 +28,6 @@ __all__ = [
     "variable_creator_scope",
     "creator_stack",
 ]
-
-
-@dataclass(frozen=True)
-class Mode:
-    """One entry of the mode stack."""
-
-    strategy: Strategy
-    replica_context: ReplicaContext | None  # None: cross-replica context
-
-
-_MODES: contextvars.ContextVar[tuple[Mode, ...]] = contextvars.ContextVar(
-    "parallelvars_modes", default=()
-)
-_CREATORS: contextvars.ContextVar[tuple[Callable[..., Any], ...]] = contextvars.ContextVar(
-    "parallelvars_creators", default=()
-)
-_default_mode: Mode | None = None
-
-
-def _get_default_mode() -> Mode:
-    global _default_mode
-    if _default_mode is None:
-        from parallelvars.strategy._base import _DefaultStrategy
-
-        strategy = _DefaultStrategy()
-        _default_mode = Mode(strategy, strategy._default_replica_context)
-    return _default_mode
-
-
-def current_mode() -> Mode:
-    """The innermost mode of this thread (the default replica context when none was pushed)."""
-    stack = _MODES.get()
-    return stack[-1] if stack else _get_default_mode()
-
-
-@contextlib.contextmanager
-def push_mode(mode: Mode) -> Iterator[Mode]:
-    """Enter ``mode`` for the duration of the ``with`` block."""
-    token = _MODES.set((*_MODES.get(), mode))
-    try:
-        yield mode
-    finally:
-        _MODES.reset(token)
 
 
 def get_strategy() -> Strategy:
@@ -101,20 +56,3 @@ def get_cross_replica_context() -> Strategy | None:
 
 def in_cross_replica_context() -> bool:
     return current_mode().replica_context is None
-
-
-@contextlib.contextmanager
-def variable_creator_scope(creator: Callable[..., Any]) -> Iterator[None]:
-    """Install ``creator(next_creator, **kwargs)`` around ``pv.Variable(...)`` calls.
-
-    Creators nest: the innermost runs first and calls ``next_creator(**kwargs)`` to delegate.
-    """
-    token = _CREATORS.set((*_CREATORS.get(), creator))
-    try:
-        yield
-    finally:
-        _CREATORS.reset(token)
-
-
-def creator_stack() -> tuple[Callable[..., Any], ...]:
-    return _CREATORS.get()

@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars._write_plan import merge_reduction
 from parallelvars.devices import ParallelDevice
 from parallelvars.enums import Aggregation, ReduceOp
 from parallelvars.errors import ContextError, DistributedValueError, ReplicaError
 from parallelvars.strategy import _context
 from parallelvars.strategy._base import ReplicaContext, Strategy, _short
 from parallelvars.strategy._values import PerReplica, _needs_walk, regroup, split_per_replica
-from parallelvars.strategy._write_plan import merge_reduction
 
 __all__ = ["MirroredStrategy"]
 

@@ -56,6 +56,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from parallelvars._write_plan import merge_reduction
 from parallelvars.devices import ParallelDevice
 from parallelvars.enums import Aggregation, ReduceOp, Synchronization
 from parallelvars.errors import (
@@ -67,7 +68,6 @@ from parallelvars.strategy._base import ReplicaContext, Strategy, _is_variable
 from parallelvars.strategy._collectives import MPICollectives
 from parallelvars.strategy._reduce import _is_sparse, _mean_of, reduce_values
 from parallelvars.strategy._values import Mirrored, PerReplica, _map_structure, _needs_walk
-from parallelvars.strategy._write_plan import merge_reduction
 
 __all__ = ["MultiWorkerMirroredStrategy", "install_abort_on_error"]
 

@@ -44,9 +44,9 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from parallelvars import _modes
 from parallelvars.enums import Aggregation, ReduceOp
 from parallelvars.errors import ContextError
-from parallelvars.strategy import _context
 
 __all__ = ["Route", "merge_reduction", "route"]
 
@@ -67,7 +67,7 @@ def route(var: Any) -> tuple[Route, int | None]:
     kind = var._self_kind
     if kind == "sharded":
         return _FULL
-    ctx = _context.current_mode().replica_context
+    ctx = _modes.replica_context()
     if ctx is None or ctx.strategy._is_default:
         # Outside replica functions: the common case, decided without more lookups.
         return _LOGICAL if kind == "on_read" else _EVERY

@@ -1,0 +1,636 @@
+"""The fused-gradient transport: every replica's dense gradients into the update core, unreduced.
+
+Inside ``strategy.run`` each replica calls ``apply_gradients``; ``merge_call`` hands the
+optimizer one :class:`ReplicaGradients` per replica. Reducing them variable by variable
+(``batch_reduce``) would cost a Python call and an array per variable; instead, the gradients
+that qualify are handed to the update core as :class:`FusedLines`, and the core adds the
+replicas block by block, in device order, right before its kernel uses each block (see
+:mod:`parallelvars.update_core`): the same bits as the per-variable sum, without a pass of its
+own over memory.
+
+A gradient qualifies when its variable is a float16/32/64 variable with an arena placement
+(the optimizer's ``_info`` says so) and every replica gave a plain array of the variable's dtype
+and shape, not all the same object. Its replicas' arrays reach the core in one of three forms:
+
+* as they are, gathered block by block inside the update (:func:`update_core.apply_gathered`),
+  unless an array may share memory with what the step writes (:func:`_may_alias`);
+* as the user's :class:`GradientBuffers` (written in place by the gradient code);
+* packed into flat buffers laid out like the arena (:func:`update_core.pack_lines`), all-reduced
+  in one call per dtype where the strategy spans several processes.
+
+Everything else goes back to the optimizer as ``(gradient, variable)`` pairs merged across
+replicas, for the per-variable reduce. :class:`FusedTransport` is the interface: the optimizer
+asks it to :meth:`~FusedTransport.split` a step, to :meth:`~FusedTransport.apply` the fused
+part, and to :meth:`~FusedTransport.apply_dense` reduced gradients of arena variables. A
+training loop hands the same variables every step; the transport keeps, per variable list, what
+it learned (which positions are candidates, their runs and layout, packing targets), so a
+steady step is checked with a few C-level passes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from parallelvars import update_core
+from parallelvars.errors import ContextError, GradientError
+from parallelvars.strategy import _context
+
+__all__ = ["FusedLines", "FusedTransport", "GradientBuffers", "ReplicaGradients"]
+
+# Plans and caches kept per variable list; a loop over more lists than this keeps the newest.
+PLAN_CACHE = 8
+# Gradients that are views of memory numpy does not own (a torch tensor's, a variable's
+# interface) whose addresses the fused path checks against the step's buffers; more, and the
+# step packs them first instead (a packed copy cannot change under the update).
+_ADDRESS_CHECKS = 256
+
+_first = operator.itemgetter(0)
+_second = operator.itemgetter(1)
+_shape_of = operator.attrgetter("shape")
+_dtype_of = operator.attrgetter("dtype")
+_base_of = operator.attrgetter("base")
+_NDARRAY_ONLY = {np.ndarray}
+
+Info = tuple[tuple[int, ...], np.dtype, bool]
+
+
+class Owner(Protocol):
+    """What the transport asks of its optimizer."""
+
+    def _info(self, var: Any) -> Info:
+        """``(shape, dtype, on the fast path)`` of a variable it trains (raises otherwise)."""
+        ...
+
+    def _create_slots(self, var_list: Sequence[Any]) -> None:
+        """Make the slots ``var_list`` lacks."""
+        ...
+
+    def _plan(self, fast_vars: list[Any]) -> list[update_core.Run]:
+        """The update core's runs of ``fast_vars`` (arena variables) and their slots."""
+        ...
+
+
+def _may_alias(
+    plan: update_core.GatherPlan, owner_ids: frozenset[int], grads: Sequence[Sequence[Any]]
+) -> bool:
+    """Whether a gradient array may share memory with a variable or slot the step writes.
+
+    The gathered step reads gradients while it writes: such a gradient would be read changed.
+    An array owning its memory (``base`` None), or a view of another array that owns its
+    memory and is not one of the step's buffers, cannot; the few others (views of a torch
+    tensor, of a variable through ``np.asarray``) have their addresses checked, or, when
+    there are many, the answer is yes and the step packs them first.
+    """
+    unknown: list[Any] = []
+    for gs in grads:
+        if all(map(operator.is_, map(_base_of, gs), itertools.repeat(None))):
+            continue  # every array owns its memory: the common case, one C-level pass
+        bases = list(map(_base_of, gs))
+        odd = {
+            id(b)
+            for b in dict(zip(map(id, bases), bases, strict=True)).values()
+            if b is not None
+            and (type(b) is not np.ndarray or b.base is not None or id(b) in owner_ids)
+        }
+        if odd:
+            unknown.extend(g for g in gs if g.base is not None and id(g.base) in odd)
+            if len(unknown) > _ADDRESS_CHECKS:
+                return True
+    return bool(unknown) and update_core.overlaps(plan, unknown)
+
+
+class ReplicaGradients:
+    """One replica's gradients and variables, handed to ``merge_call`` as one value.
+
+    ``merge_call`` groups the replicas' arguments element by element; wrapped, the pairs of a
+    step cross the rendezvous as one object per replica and the optimizer reads them itself,
+    as parallel sequences ``grads`` and ``variables`` (read, never changed) or as ``pairs``.
+    Either form is made from the other on first use.
+    """
+
+    __slots__ = ("_grads", "_pairs", "_variables")
+
+    def __init__(
+        self,
+        grads: Sequence[Any] | None = None,
+        variables: Sequence[Any] | None = None,
+        pairs: list[tuple[Any, Any]] | None = None,
+    ) -> None:
+        self._grads = grads
+        self._variables = variables
+        self._pairs = pairs
+
+    @property
+    def grads(self) -> Sequence[Any]:
+        if self._grads is None:
+            self._grads = list(map(_first, self.pairs))
+        return self._grads
+
+    @property
+    def variables(self) -> Sequence[Any]:
+        if self._variables is None:
+            self._variables = list(map(_second, self.pairs))
+        return self._variables
+
+    @property
+    def pairs(self) -> list[tuple[Any, Any]]:
+        if self._pairs is None:
+            assert self._grads is not None and self._variables is not None
+            self._pairs = list(zip(self._grads, self._variables, strict=True))
+        return self._pairs
+
+    def without_none(self) -> ReplicaGradients:
+        """These gradients less the ``None`` ones (itself when there is none)."""
+        if type(None) not in set(map(type, self.grads)):
+            return self
+        return ReplicaGradients(pairs=[(g, v) for g, v in self.pairs if g is not None])
+
+
+def _same_variables(parts: Sequence[ReplicaGradients], known: tuple[Any, ...]) -> bool:
+    """Whether every replica's variables are ``known``, in order (one identity pass per list;
+    replicas that hand in the same list object, as a shared ``variables`` list does, share
+    it)."""
+    checked: list[Any] = []
+    for p in parts:
+        vs = p.variables
+        if any(vs is c for c in checked):
+            continue
+        if len(vs) != len(known) or not all(map(operator.is_, vs, known)):
+            return False
+        checked.append(vs)
+    return True
+
+
+class _FusedPlan:
+    """The fused path of one variable list: which positions may take it, and their checks."""
+
+    __slots__ = ("candidates", "dtypes", "pick", "shapes")
+
+    def __init__(
+        self, candidates: tuple[int, ...], dtypes: list[np.dtype], shapes: list[tuple[int, ...]]
+    ) -> None:
+        self.candidates = candidates
+        self.dtypes = dtypes
+        self.shapes = shapes
+        self.pick: Callable[[Sequence[Any]], Any] = (
+            operator.itemgetter(*candidates)
+            if len(candidates) > 1
+            else (lambda seq: [seq[i] for i in candidates])
+        )
+
+
+class FusedLines:
+    """Fused variables of a step, their runs, and the local gradient buffers to sum."""
+
+    __slots__ = ("arrays", "gather", "layout", "parts", "runs", "variables")
+
+    def __init__(
+        self,
+        variables: list[Any],
+        runs: list[update_core.Run],
+        layout: update_core.GradLayout,
+        parts: list[dict[np.dtype, np.ndarray]],
+        gather: update_core.GatherPlan | None = None,
+        arrays: list[Any] | None = None,
+    ) -> None:
+        self.variables = variables
+        self.runs = runs
+        self.layout = layout
+        self.parts = parts
+        # Instead of parts: each replica's gradient arrays, gathered block by block.
+        self.gather = gather
+        self.arrays = arrays
+
+
+class _LinesCache:
+    """What the fused path keeps per variable list: runs, their layout, packing targets."""
+
+    __slots__ = ("_gather", "dtypes", "key", "layout", "runs", "staging")
+
+    def __init__(self, key: tuple[int, ...], runs: list[update_core.Run], replicas: int) -> None:
+        self.key = key
+        self.runs = runs
+        self.layout = update_core.layout_lines(runs)
+        # Packing targets, made on first use (gathered steps and gradient buffers need none).
+        self.staging: list[dict[np.dtype, np.ndarray] | None] = [None] * replicas
+        self._gather: tuple[update_core.GatherPlan, frozenset[int]] | None = None
+        # The variables' dtypes, by position (the gradients a gather reads must have them).
+        self.dtypes: list[np.dtype] = []
+
+    def gather(self) -> tuple[update_core.GatherPlan, frozenset[int]]:
+        """The gather plan and the ids of the buffers the step writes, made on first use."""
+        if self._gather is None:
+            plan = update_core.plan_gather(self.runs)
+            owners = {id(r.arena.buffer) for r in self.runs}
+            owners.update(id(s.base) for r in self.runs for s in r.slot_slabs)
+            self._gather = (plan, frozenset(owners))
+        return self._gather
+
+    def packed(self, replica: int) -> dict[np.dtype, np.ndarray]:
+        target = self.staging[replica]
+        if target is None:
+            target = self.staging[replica] = self.layout.buffers()
+        return target
+
+
+class BufferPairs(list[tuple[Any, Any]]):
+    """The list :meth:`GradientBuffers.grads_and_vars` returns: a plain list of pairs that also
+    says which buffers' views it holds, as long as it holds them (see :meth:`intact`)."""
+
+    __slots__ = ("owner", "replica")
+
+    def __init__(self, pairs: list[tuple[Any, Any]], owner: GradientBuffers, replica: int) -> None:
+        super().__init__(pairs)
+        self.owner = owner
+        self.replica = replica
+
+    def intact(self) -> bool:
+        """Whether the list still holds exactly the pairs it was made with (nobody changed it)."""
+        made = self.owner._pairs[self.replica]
+        return len(self) == len(made) and all(map(operator.is_, self, made))
+
+    def replica_gradients(self) -> ReplicaGradients:
+        """The step's gradients: the buffers' views and variables, read without listing pairs."""
+        bufs, r = self.owner, self.replica
+        return ReplicaGradients(bufs._views[r], bufs.variables, self)
+
+
+class GradientBuffers:
+    """Flat gradient buffers laid out like the variables, one per local replica.
+
+    Made by :meth:`Optimizer.gradient_buffers`. Each replica's buffer holds the gradients of
+    every variable of the list back to back in the variables' own memory layout (one flat
+    array per dtype), and :meth:`views` gives one writable array per variable, of the
+    variable's shape, into that buffer. Code that writes its gradients into the views
+    (``torch.from_numpy(view)``, ``np.matmul(..., out=view)``, ``view[...] = g``) and passes
+    the views themselves to :meth:`Optimizer.apply_gradients` skips the packing copy: the
+    replicas' buffers are summed and consumed by the update as they are.
+
+    The buffers keep their contents between steps (nothing zeroes them); call :meth:`zero`
+    where gradients are accumulated.
+    """
+
+    def __init__(
+        self, variables: Sequence[Any], layout: update_core.GradLayout, replicas: int
+    ) -> None:
+        self.variables: tuple[Any, ...] = tuple(variables)
+        self._layout = layout
+        self._buffers = [layout.buffers() for _ in range(replicas)]
+        self._views: list[list[np.ndarray]] = []
+        for bufs in self._buffers:
+            views = []
+            for pos, var in enumerate(self.variables):
+                dt, start, size = layout.views[pos]
+                views.append(bufs[dt][start : start + size].reshape(tuple(var.shape)))
+            self._views.append(views)
+        # What grads_and_vars() hands out, made once: the same pairs every step.
+        self._pairs = [list(zip(views, self.variables, strict=True)) for views in self._views]
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def _index(self, replica: int | None) -> int:
+        if replica is None:
+            ctx = _context.current_mode().replica_context
+            if ctx is None:
+                raise ContextError(
+                    "GradientBuffers.views() without a replica number is called in a replica "
+                    "function (inside strategy.run); pass replica= elsewhere"
+                )
+            count = ctx.strategy._local_replica_count()
+            if count != len(self._buffers):
+                raise ContextError(
+                    f"these gradient buffers were made for {len(self._buffers)} replica(s), but this "
+                    f"replica function runs under {ctx.strategy!r} with {count}: make them in its scope"
+                )
+            replica = ctx.replica_id_in_sync_group if count > 1 else 0
+        if not 0 <= replica < len(self._buffers):
+            raise ContextError(
+                f"no gradient buffer for replica {replica} (expected 0 <= replica < {len(self._buffers)})"
+            )
+        return replica
+
+    def views(self, replica: int | None = None) -> list[np.ndarray]:
+        """One writable gradient array per variable, in order: the current replica's by default.
+
+        A new list each call (of the same arrays), so that changing the list changes nothing
+        that ``apply_gradients`` relies on.
+        """
+        return list(self._views[self._index(replica)])
+
+    def grads_and_vars(self, replica: int | None = None) -> list[tuple[np.ndarray, Any]]:
+        """``list(zip(views(replica), variables))``, ready for :meth:`Optimizer.apply_gradients`
+        (which, handed this list unchanged, knows it holds the views without reading it)."""
+        r = self._index(replica)
+        return BufferPairs(self._pairs[r], self, r)
+
+    def buffers(self, replica: int | None = None) -> dict[np.dtype, np.ndarray]:
+        """The flat buffers (one per dtype) behind :meth:`views`."""
+        return self._buffers[self._index(replica)]
+
+    def zero(self) -> None:
+        """Set every replica's gradients to zero."""
+        for bufs in self._buffers:
+            for b in bufs.values():
+                b.fill(0)
+
+    def __repr__(self) -> str:
+        return (
+            f"<GradientBuffers of {len(self.variables)} variables x {len(self._buffers)} replicas>"
+        )
+
+
+class FusedTransport:
+    """The fused path of one optimizer: which gradients take it, and in what form.
+
+    Args:
+        owner: the optimizer (see :class:`Owner`).
+    """
+
+    def __init__(self, owner: Owner) -> None:
+        self._owner = owner
+        # Per variable list (all, then the fused subset), keyed by the variables' ids and
+        # checked by identity: the candidate positions, and the runs with their layout.
+        self.plans: dict[tuple[int, ...], tuple[tuple[Any, ...], _FusedPlan]] = {}
+        self.lines: dict[tuple[int, ...], tuple[tuple[Any, ...], _LinesCache]] = {}
+        self.gradient_buffers: dict[tuple[int, ...], GradientBuffers] = {}
+        # The gather plans of apply_dense, per runs object.
+        self._dense: dict[int, _LinesCache] = {}
+        # The last variable list whose every gradient took the fused path, with its plans.
+        self._steady: tuple[tuple[Any, ...], tuple[int, ...], _FusedPlan, _LinesCache] | None = None
+
+    # ------------------------------------------------------------------ gradient buffers
+    def buffers_for(self, var_list: list[Any], replicas: int) -> GradientBuffers:
+        """The gradient buffers of ``var_list`` (made once per list; see
+        :meth:`Optimizer.gradient_buffers`)."""
+        key = tuple(map(id, var_list))
+        found = self.gradient_buffers.get(key)
+        if found is not None and all(map(operator.is_, found.variables, var_list)):
+            return found
+        if len(set(key)) != len(key):
+            raise GradientError("a variable appears twice in the gradient buffers' list")
+        for v in var_list:
+            if not self._owner._info(v)[2]:
+                raise GradientError(
+                    "gradient buffers hold float16/32/64 variables with an arena placement",
+                    variable=v.name,
+                    expected="a mirrored or single-device float variable",
+                    found=f"{type(v).__name__} of {v.dtype}",
+                )
+        self._owner._create_slots(var_list)
+        runs = self._owner._plan(var_list)
+        layout = update_core.layout_lines(runs)
+        bufs = GradientBuffers(var_list, layout, replicas)
+        self.gradient_buffers[key] = bufs
+        return bufs
+
+    # ------------------------------------------------------------------ splitting a step
+    def steady(self, strategy: Any, parts: Sequence[ReplicaGradients]) -> FusedLines | None:
+        """The whole step on the fused path, when it hands the variables of the last step
+        that was (a training loop): one identity pass per replica over the variables finds the
+        plan, and the gradients are checked with a few C-level passes. Else None."""
+        order = strategy._fused_sum_order() if hasattr(strategy, "_fused_sum_order") else None
+        steady = self._steady
+        if (
+            order is None
+            or len(parts) != len(order)
+            or not getattr(strategy, "fusion", True)
+            or steady is None
+            or not _same_variables(parts, steady[0])
+        ):
+            return None
+        known, known_key, known_plan, known_lines = steady
+        user = self.gradient_buffers.get(known_key) if self.gradient_buffers else None
+        if (
+            user is not None
+            and len(user) == len(parts) == strategy.num_replicas_in_sync  # one process
+            and all(p.grads is user._views[r] for r, p in enumerate(parts))
+        ):
+            # Every replica handed in its gradient buffers' own views (grads_and_vars()
+            # unchanged): of the variables' dtypes and shapes by construction, summed as
+            # the buffers they are.
+            bufs = [user._buffers[r] for r in order]
+            return FusedLines(list(known), known_lines.runs, known_lines.layout, bufs)
+        if len(known_plan.candidates) == len(known) and all(
+            len(p.grads) == len(known) for p in parts
+        ):
+            # (A None gradient is not an array: it fails the check and takes the general path.)
+            listed = [p.grads for p in parts]
+            fused, listed = self._positions(known_plan, parts, len(known), listed)
+            if len(fused) == len(known):
+                return self._pack(known, fused, listed, parts, order, strategy, known_lines)
+        return None
+
+    def split(
+        self, strategy: Any, parts: Sequence[ReplicaGradients]
+    ) -> tuple[list[tuple[Any, Any]], FusedLines | None]:
+        """The step's gradients (no ``None`` among them) as the pairs that take the per-variable
+        path, merged across replicas, and the fused rest (None when there is none)."""
+        order = strategy._fused_sum_order() if hasattr(strategy, "_fused_sum_order") else None
+        fusable = (
+            order is not None and len(parts) == len(order) and getattr(strategy, "fusion", True)
+        )
+        var_list = list(parts[0].variables)
+        key = tuple(map(id, var_list))
+        if not fusable or any(tuple(map(id, p.variables)) != key for p in parts[1:]):
+            merged = (
+                strategy._merge_args([p.pairs for p in parts])
+                if hasattr(strategy, "_merge_args")
+                else parts[0].pairs
+            )
+            return merged, None
+        assert order is not None
+        plan = self._plan_of(key, var_list)
+        fused, picked = self._positions(plan, parts, len(var_list))
+        if not fused:
+            return strategy._merge_args([p.pairs for p in parts]), None
+        lines = self._pack(
+            var_list, fused, picked if fused == plan.candidates else None, parts, order, strategy
+        )
+        if len(fused) == len(var_list):
+            # The next step with these variables starts from here.
+            self._steady = (tuple(var_list), key, plan, self.lines[key][1])
+            return [], lines
+        keep = set(fused)
+        others = [i for i in range(len(var_list)) if i not in keep]
+        return strategy._merge_args([[p.pairs[i] for i in others] for p in parts]), lines
+
+    def _plan_of(self, key: tuple[int, ...], var_list: list[Any]) -> _FusedPlan:
+        cached = self.plans.get(key)
+        if cached is not None and all(map(operator.is_, cached[0], var_list)):
+            return cached[1]
+        info_of = self._owner._info
+        candidates: list[int] = []
+        # A repeated variable is the per-variable path's error to raise.
+        for i, v in enumerate(var_list if len(set(key)) == len(key) else ()):
+            try:
+                info = info_of(v)
+            except GradientError:  # raised again, in its place, by the per-variable path
+                continue
+            if info[2]:
+                candidates.append(i)
+        plan = _FusedPlan(
+            tuple(candidates),
+            [info_of(var_list[i])[1] for i in candidates],
+            [info_of(var_list[i])[0] for i in candidates],
+        )
+        if len(self.plans) >= PLAN_CACHE:
+            self.plans.pop(next(iter(self.plans)))
+        self.plans[key] = (tuple(var_list), plan)
+        return plan
+
+    @staticmethod
+    def _positions(
+        plan: _FusedPlan,
+        parts: Sequence[ReplicaGradients],
+        count: int,
+        listed: list[Any] | None = None,
+    ) -> tuple[tuple[int, ...], list[Any]]:
+        """The positions whose gradients take the fused path this step, and each replica's
+        gradients at the candidate positions.
+
+        A gradient qualifies when every replica gave a plain array of the variable's dtype and
+        shape and not every replica gave the same object (one shared value keeps the meaning
+        ``batch_reduce`` gives it). The common case is checked with C-level passes.
+        ``listed``: each replica's gradients, already listed (every position a candidate).
+        """
+        cand = plan.candidates
+        if not cand:
+            return (), []
+        if listed is not None:
+            picked = listed  # every position a candidate, each replica's gradients listed
+        elif len(cand) == count:
+            picked = [p.grads for p in parts]
+        else:
+            picked = [plan.pick(p.grads) for p in parts]
+        if all(
+            set(map(type, g)) == _NDARRAY_ONLY
+            and list(map(_dtype_of, g)) == plan.dtypes
+            and all(map(operator.eq, map(_shape_of, g), plan.shapes))
+            for g in picked
+        ) and (len(parts) == 1 or not any(map(operator.is_, picked[0], picked[1]))):
+            return cand, picked
+        out = []
+        for k, pos in enumerate(cand):
+            gs = [g[k] for g in picked]
+            if all(
+                type(g) is np.ndarray and g.dtype == plan.dtypes[k] and g.shape == plan.shapes[k]
+                for g in gs
+            ) and not (len(gs) > 1 and all(g is gs[0] for g in gs)):
+                out.append(pos)
+        return tuple(out), picked
+
+    def _pack(
+        self,
+        var_list: Sequence[Any],
+        fused: tuple[int, ...],
+        picked: list[Any] | None,
+        parts: Sequence[ReplicaGradients],
+        order: tuple[int, ...],
+        strategy: Any,
+        lines: _LinesCache | None = None,
+    ) -> FusedLines:
+        """Each local replica's fused gradients, in summing order: as they are (gathered block
+        by block inside the update), as the user's gradient buffers, or packed into flat
+        buffers (reduced across processes where the strategy spans several). ``picked``: each
+        replica's gradients at the fused positions, when already listed; ``lines``: the cache
+        of the fused variables, when known (a steady step)."""
+        fvars = list(var_list) if len(fused) == len(var_list) else [var_list[i] for i in fused]
+        if lines is None:
+            fkey = tuple(map(id, fvars))
+            cached = self.lines.get(fkey)
+            if cached is None or not all(map(operator.is_, cached[0], fvars)):
+                self._owner._create_slots(fvars)
+                if len(self.lines) >= PLAN_CACHE:
+                    self.lines.pop(next(iter(self.lines)))
+                cached = (tuple(fvars), _LinesCache(fkey, self._owner._plan(fvars), len(parts)))
+                self.lines[fkey] = cached
+            lines = cached[1]
+        runs, layout = lines.runs, lines.layout
+        pick = (
+            (lambda seq: seq)
+            if len(fused) == len(var_list)
+            else (lambda seq: [seq[i] for i in fused])
+        )
+        grads = [picked[r] if picked is not None else pick(parts[r].grads) for r in order]
+        cross_process = len(parts) == 1 and strategy.num_replicas_in_sync > 1
+        if not cross_process:
+            user = self.gradient_buffers.get(lines.key) if self.gradient_buffers else None
+            if (
+                user is not None
+                and all(map(operator.is_, user.variables, fvars))
+                and len(user) == len(parts)
+                and all(
+                    all(map(operator.is_, g, user._views[r]))
+                    for g, r in zip(grads, order, strict=True)
+                )
+            ):
+                # Written in place: the buffers are the packed gradients already.
+                bufs = [user._buffers[r] for r in order]
+                return FusedLines(fvars, runs, layout, bufs)
+            plan, owner_ids = lines.gather()
+            if not _may_alias(plan, owner_ids, grads):
+                return FusedLines(fvars, runs, layout, [], plan, grads)
+        bufs = []
+        for r, g in zip(order, grads, strict=True):
+            target = lines.packed(r)
+            update_core.pack_lines(runs, layout, g, target)
+            bufs.append(target)
+        if cross_process:
+            # The other replicas are other processes: one all-reduce per dtype buffer, in a
+            # fixed dtype order so that every process makes the same calls.
+            bufs = [{dt: strategy._allreduce_flat(bufs[0][dt]) for dt in layout.sizes}]
+        return FusedLines(fvars, runs, layout, bufs)
+
+    # ------------------------------------------------------------------ applying
+    @staticmethod
+    def apply(
+        fused: FusedLines,
+        kernel: update_core.Kernel,
+        hp: Any,
+        scratch: Callable[[np.dtype], update_core.UpdateScratch],
+    ) -> None:
+        """Update the fused variables: the replicas' gradients are summed inside the core."""
+        if fused.gather is not None:
+            assert fused.arrays is not None
+            update_core.apply_gathered(fused.gather, fused.arrays, kernel, hp, scratch)
+            return
+        update_core.apply_lines(fused.runs, fused.layout, fused.parts, kernel, hp, scratch)
+
+    def apply_dense(
+        self,
+        fast_vars: list[Any],
+        fast_grads: list[Any],
+        kernel: update_core.Kernel,
+        hp: Any,
+        scratch: Callable[[np.dtype], update_core.UpdateScratch],
+    ) -> None:
+        """Update arena variables from one reduced dense gradient each: gathered into cache
+        block by block where the gradients have the variables' dtypes and cannot alias what
+        the step writes, else staged run by run."""
+        runs = self._owner._plan(fast_vars)
+        lines = self._dense_lines(fast_vars, runs)
+        if list(map(_dtype_of, fast_grads)) == lines.dtypes:
+            plan, owner_ids = lines.gather()
+            if not _may_alias(plan, owner_ids, [fast_grads]):
+                # No staging line: each block's gradients are gathered into cache.
+                update_core.apply_gathered(plan, [fast_grads], kernel, hp, scratch)
+                return
+        update_core.apply_runs(runs, fast_grads, kernel, hp, scratch)
+
+    def _dense_lines(self, fast_vars: list[Any], runs: list[update_core.Run]) -> _LinesCache:
+        """The gather plan of ``runs`` (those of ``fast_vars``), made once per plan."""
+        found = self._dense.get(id(runs))
+        if found is not None and found.runs is runs:
+            return found
+        lines = _LinesCache((), runs, 0)
+        lines.dtypes = [self._owner._info(v)[1] for v in fast_vars]
+        if len(self._dense) >= PLAN_CACHE:
+            self._dense.pop(next(iter(self._dense)))
+        self._dense[id(runs)] = lines
+        return lines
