@@ -25,6 +25,7 @@ __all__ = [
     "Mode",
     "UpdateContext",
     "creator_stack",
+    "default_strategy",
     "get_update_device",
     "innermost",
     "push_mode",
@@ -53,6 +54,24 @@ _CREATORS: contextvars.ContextVar[tuple[Callable[..., Any], ...]] = contextvars.
 _UPDATE_DEVICE: contextvars.ContextVar[Any] = contextvars.ContextVar(
     "parallelvars_update_device", default=None
 )
+
+
+# The function giving the default strategy: the strategy layer installs it when it is imported
+# (importing parallelvars imports it), so this module need not know strategies.
+_default_strategy: Callable[[], Any] | None = None
+
+
+def set_default_strategy(get: Callable[[], Any]) -> None:
+    """Install ``get()`` as the source of :func:`default_strategy` (the strategy layer's)."""
+    global _default_strategy
+    _default_strategy = get
+
+
+def default_strategy() -> Any:
+    """The strategy in force outside every scope, as the strategy layer defines it."""
+    get = _default_strategy
+    assert get is not None, "importing parallelvars installs the default strategy"
+    return get()
 
 
 def innermost() -> Mode[Any, Any] | None:

@@ -27,10 +27,10 @@ otherwise                                                 single,         ``EVER
 
 * ``OWN``: this replica's component only.
 * ``MERGE``: the replicas' writes are merged by the variable's aggregation
-  (:func:`merge_reduction`) and the result applied once, as a cross-replica write.
-* ``LOGICAL``: once, as a write of the whole variable: an on-read SUM variable keeps its total
-  in the primary (an assign zeroes the other components), other aggregations write every
-  component.
+  (:func:`merge_reduction`; with NONE the threaded strategy takes the one value every replica
+  wrote) and the result applied once, as a cross-replica write.
+* ``LOGICAL``: once, as a write of the whole variable: each part of an on-read SUM variable
+  receives its share of the total, other aggregations write every component.
 * ``EVERY``: every component alike.
 * ``FULL``: the full value, of which the shards are views.
 
@@ -96,7 +96,8 @@ def merge_reduction(var: Any, op: str, strategy: Any) -> ReduceOp | None:
     replica's value, or None for the first replica's value (``ONLY_FIRST_REPLICA``).
 
     Raises:
-        ContextError: the variable's aggregation is NONE: nothing says how to merge.
+        ContextError: the variable's aggregation is NONE: nothing says how to merge (the
+            threaded strategy handles NONE before asking, see ``_merge_same_write``).
     """
     agg = var.aggregation
     if agg is Aggregation.NONE:

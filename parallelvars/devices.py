@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from parallelvars._values import ParallelValue, PerReplica
 from parallelvars.errors import DistributedValueError
 
 __all__ = ["ParallelDevice", "canonical_device"]
@@ -73,14 +74,14 @@ class ParallelDevice(Sequence[str]):
             values: one value per component device, in order.
             name: when given, the values become the components of a new independent-buffers
                 variable of that name on this device (each component keeps its own value);
-                otherwise the result is a :class:`~parallelvars.PerReplica`, which
-                ``strategy.run`` hands out one value per replica.
+                otherwise the result is a :class:`~parallelvars.strategy.ParallelValue` (a
+                :class:`~parallelvars.PerReplica` on which every operation applies to each
+                element, as on the seed's parallel tensor), which ``strategy.run`` hands out
+                one value per replica.
 
         Raises:
             DistributedValueError: not one value per component device.
         """
-        from parallelvars.strategy._values import PerReplica
-
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
             raise DistributedValueError(
                 f"pack() takes one value per device of {self!r} (a list or tuple), found "
@@ -88,11 +89,19 @@ class ParallelDevice(Sequence[str]):
             )
         self._check_count("pack", len(values))
         if name is None:
-            return PerReplica(list(values))
+            return ParallelValue(list(values))
         from parallelvars.variables import _wrap_components
 
         kind = "independent" if len(self._components) > 1 else "single"
         return _wrap_components(name, values, self, kind)
+
+    @property
+    def device_ids(self) -> Any:
+        """Each component device's index, as a parallel value: ``unpack`` gives ``[0, 1, ...]``
+        (the parallel device's ``device_ids``)."""
+        import numpy as np
+
+        return ParallelValue([np.int64(i) for i in range(len(self._components))])
 
     def unpack(self, value: Any) -> list[Any]:
         """The per-device parts of ``value``, one per component device (the parallel-device
@@ -102,8 +111,6 @@ class ParallelDevice(Sequence[str]):
         Raises:
             DistributedValueError: ``value`` is not per-device, or is placed on other devices.
         """
-        from parallelvars.strategy._values import PerReplica
-
         if isinstance(value, PerReplica):
             parts = list(value.values)
         elif hasattr(value, "_self_components") and hasattr(value, "devices"):

@@ -19,7 +19,9 @@ Kinds (``v.kind``):
 * ``on_read``: ``Synchronization.ON_READ`` with an aggregation (SUM / MEAN /
   ONLY_FIRST_REPLICA); each replica writes and reads its own component, every read outside
   the replica functions gives the aggregate.
-* ``independent``: made in :func:`independent_buffers`; each component holds its own value.
+* ``independent``: made in :func:`independent_buffers`; each component holds its own value,
+  and outside replica functions operations on it run per component (a parallel value, as on
+  the seed's parallel device; see :class:`_IndependentVariable`).
 * ``sharded``: :class:`ShardedVariable`, made with ``shard_axis=k``; the components are slices
   of one logical value, and the proxy wraps the full value.
 
@@ -71,6 +73,7 @@ from parallelvars import _modes, _storage, _write_plan
 from parallelvars._aggregate import aggregate_parts
 from parallelvars._dtypes import as_dtype, is_extension_dtype
 from parallelvars._geometry import shard_offsets, shard_sizes, shard_slices
+from parallelvars._values import PARALLEL_OPERATORS, PerReplica, each_part, part_attribute
 from parallelvars._write_plan import Route
 from parallelvars.devices import ParallelDevice
 from parallelvars.enums import Aggregation, Synchronization
@@ -145,6 +148,21 @@ def _fitting_value(value: Any, shape: tuple[int, ...], name: str) -> np.ndarray:
     return arr
 
 
+def _shares(total: np.ndarray, n: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """``total`` (of a shape that broadcasts to ``shape``) split into ``n`` parts that add up
+    to it: an array that broadcasts to ``(n, *shape)``.
+
+    Floating point: ``total / n`` in each part (TensorFlow's split of an on-read SUM variable's
+    assigned value). Integers: ``total // n`` in each part and the remainder spread one unit at
+    a time over the first parts, so that the total stays exact where a division would drop it.
+    """
+    if dtype.kind not in "iub":
+        return np.divide(np.asarray(total, dtype=dtype), n).astype(dtype, copy=False)
+    whole, rest = np.divmod(np.broadcast_to(np.asarray(total, dtype=np.int64), shape), n)
+    ranks = np.arange(n).reshape((n,) + (1,) * whole.ndim)
+    return (whole[None] + (ranks < rest[None])).astype(dtype)
+
+
 def _write_array(target: np.ndarray, op: str, arr: np.ndarray) -> None:
     """Apply ``op`` (``assign`` / ``assign_add`` / ``assign_sub``) of ``arr`` to ``target`` in
     place: a component, the stacked buffer (every component) or a sharded variable's full value."""
@@ -210,6 +228,8 @@ class ParallelVariable(wrapt.ObjectProxy):
 
     # (global index, global count) of the one component a multi-process strategy keeps here.
     _self_global: tuple[int, int] | None = None
+    # The strategy that placed this variable (a weak reference; see distribute_strategy).
+    _self_strategy: Callable[[], Any] | None = None
     # A restore converts saved values of another dtype without allow_cast when they convert
     # exactly (an optimizer's non-slot counters: float32 beta powers into float64 ones).
     _self_exact_cast: bool = False
@@ -311,11 +331,25 @@ class ParallelVariable(wrapt.ObjectProxy):
         return self._self_trainable
 
     @property
+    def distribute_strategy(self) -> Any:
+        """The strategy whose scope (or replica function) made this variable; the default
+        strategy for a variable made outside every strategy (TensorFlow's
+        ``Variable.distribute_strategy``)."""
+        ref = self._self_strategy
+        strategy = ref() if ref is not None else None
+        return strategy if strategy is not None else _modes.default_strategy()
+
+    @property
     def placement(self) -> _storage.Placement | None:
         """Where the stacked buffer lives in its arena (for the update core)."""
         return self._self_placement
 
     # ------------------------------------------------------------------ reading
+    def _pv_parts(self) -> tuple[Any, ...] | None:
+        """The parts this variable contributes to a per-component computation here, if it is a
+        parallel value here (independent buffers outside replica functions); else None."""
+        return None
+
     def _replica_index(self) -> int | None:
         """This thread's component index inside a replica function of our devices, else None."""
         ctx = _modes.replica_context()
@@ -391,21 +425,39 @@ class ParallelVariable(wrapt.ObjectProxy):
         return aggregate_parts(np.array(comps[0], copy=True), comps[1:], len(comps), agg)
 
     # ------------------------------------------------------------------ writing
-    def assign(self, value: Any) -> ParallelVariable:
-        """Set the value; on a mirrored variable every component receives it."""
-        return self._write("assign", value)
+    def assign(
+        self, value: Any, use_locking: Any = None, name: Any = None, read_value: bool = True
+    ) -> ParallelVariable | None:
+        """Set the value; on a mirrored variable every component receives it.
 
-    def assign_add(self, delta: Any) -> ParallelVariable:
-        return self._write("assign_add", delta)
+        ``use_locking`` and ``name`` are TensorFlow's arguments, accepted and ignored (writes
+        are in place, there is no graph). Returns the variable, whose reads then give the new
+        value (TensorFlow 2's lazily read result), or ``None`` with ``read_value=False``.
+        """
+        self._write("assign", value)
+        return self if read_value else None
 
-    def assign_sub(self, delta: Any) -> ParallelVariable:
-        return self._write("assign_sub", delta)
+    def assign_add(
+        self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True
+    ) -> ParallelVariable | None:
+        """Add ``delta`` (arguments and result as :meth:`assign`)."""
+        self._write("assign_add", delta)
+        return self if read_value else None
+
+    def assign_sub(
+        self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True
+    ) -> ParallelVariable | None:
+        """Subtract ``delta`` (arguments and result as :meth:`assign`)."""
+        self._write("assign_sub", delta)
+        return self if read_value else None
 
     def _write(self, op: str, value: Any) -> ParallelVariable:
         """A value write, where :func:`~parallelvars._write_plan.route` sends it."""
         value = _unwrap(value)
         where, i = _write_plan.route(self)
-        if where is _OWN:
+        if isinstance(value, PerReplica):
+            self._write_per_replica(op, value, where)
+        elif where is _OWN:
             assert i is not None
             _write_array(self._self_components[i], op, self._check_value_shape(value))
         elif where is _MERGE:
@@ -442,23 +494,52 @@ class ParallelVariable(wrapt.ObjectProxy):
         """Apply ``op`` in cross-replica terms: the write the whole variable sees once."""
         arr = self._check_value_shape(value)
         stacked = self._self_stacked
-        if (
-            self._self_kind == "on_read"
-            and len(self._self_components) > 1
-            and self._self_aggregation is Aggregation.SUM
-        ):
-            # Keep the total exact for every dtype: it lives in the primary.
-            if op == "assign":
-                stacked[1:] = 0
-            _write_array(self._self_components[0], op, arr)
-            return
+        if self._self_kind == "on_read" and self._self_aggregation is Aggregation.SUM:
+            n = self.global_num_components
+            if n > 1 and not self._process_part_written_by_its_replica():
+                # A write of the total: each replica's part receives its share (TensorFlow's
+                # SyncOnRead SUM assign in cross-replica context divides by the replica count);
+                # a process of a multi-process strategy writes the shares of its components.
+                shares = _shares(arr, n, stacked.dtype, self.__wrapped__.shape)
+                if n != stacked.shape[0] and shares.ndim > arr.ndim:  # a process's own shares
+                    shares = shares[list(self.component_indices)]
+                arr = shares
         _write_array(stacked, op, arr)
+
+    def _process_part_written_by_its_replica(self) -> bool:
+        """Whether this is one process's part of a variable spread over processes, written from
+        a replica function (its replica's own part, not a share of a total)."""
+        if self._self_global is None:
+            return False
+        ctx = _modes.replica_context()
+        return ctx is not None and not ctx.strategy._is_default
+
+    def _write_per_replica(self, op: str, value: PerReplica, where: Route) -> None:
+        """Write element ``i`` of a per-replica value into component ``i``: the write of a
+        parallel value into a variable whose components hold their own values (independent
+        buffers, on-read parts), outside the replica functions."""
+        comps = self._self_components
+        if self._self_kind not in ("independent", "on_read") or where is _OWN or where is _MERGE:
+            raise DistributedValueError(
+                f"variable {self._self_name!r} ({self._self_kind}): cannot {op}() a "
+                f"{type(value).__name__} here; only the components of an independent-buffers "
+                "or on-read variable take one value each, outside replica functions (reduce "
+                "the per-replica value first, or write inside strategy.run)"
+            )
+        if len(value) != len(comps):
+            raise DistributedValueError(
+                f"variable {self._self_name!r}: {op}() of a {type(value).__name__} with "
+                f"{len(value)} values into {len(comps)} components (expected {len(comps)}, "
+                f"found {len(value)})"
+            )
+        for comp, part in zip(comps, value.values, strict=True):
+            _write_array(comp, op, self._check_value_shape(_unwrap(part)))
 
     def _inplace(self, name: str, other: Any) -> ParallelVariable:
         if name == "add":
-            return self.assign_add(other)
+            return self._write("assign_add", other)
         if name == "sub":
-            return self.assign_sub(other)
+            return self._write("assign_sub", other)
         other = _unwrap(other)
         if not np.isscalar(other):  # an in-place result keeps the variable's shape
             self._check_value_shape(other)
@@ -673,7 +754,11 @@ class ParallelVariable(wrapt.ObjectProxy):
             f"<{self._repr_name or type(self).__name__} {self._self_name!r} kind={self._self_kind} shape={shape} "
             f"dtype={self.__wrapped__.dtype} devices={list(self._self_device.components)}"
         )
-        if self.__wrapped__.size <= 8:
+        if self.__wrapped__.size <= 8 and not (
+            self._self_kind == "on_read"
+            and self._self_aggregation is Aggregation.NONE
+            and self._replica_index() is None
+        ):  # an on-read variable without an aggregation has no value here, only its parts
             text += f" value={np.array2string(np.asarray(self._local()), separator=', ')}"
         return text + ">"
 
@@ -780,6 +865,66 @@ class _OnReadVariable(ParallelVariable):
         return super().__getattr__(name)
 
 
+class _IndependentVariable(ParallelVariable):
+    """An independent-buffers variable of several components: outside the replica functions of
+    its devices it is a parallel value, as a variable on the seed's parallel device is.
+
+    Arithmetic, comparisons, indexing, numpy ufuncs and functions, and array methods apply to
+    every component and give a :class:`~parallelvars.strategy.ParallelValue` of the results,
+    one per component (``ParallelDevice.unpack`` takes it, and it computes on the same way);
+    other operands that are parallel values on as many devices contribute their element ``i``.
+    Conversions to one array (``np.asarray``, ``float``, ``bool``, ``repr``) read component 0,
+    the value the seed saves under the plain key. Inside a replica function each replica reads
+    its own component.
+    """
+
+    _repr_name = "ParallelVariable"
+
+    def _parallel(self) -> bool:
+        return self._replica_index() is None
+
+    def _pv_parts(self) -> tuple[Any, ...] | None:
+        return self._self_components if self._replica_index() is None else None
+
+    def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        if kwargs.get("out") is not None or not self._parallel():
+            return super().__array_ufunc__(ufunc, method, *inputs, **kwargs)
+        return each_part(getattr(ufunc, method), inputs, kwargs)
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        if func in _MUTATING_FUNCTIONS or not self._parallel():
+            return super().__array_function__(func, types, args, kwargs)
+        return each_part(func, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _VALUE_FREE or name.startswith("_self_") or name in _NOT_FORWARDED:
+            return super().__getattr__(name)
+        if not self._parallel():
+            return super().__getattr__(name)
+        return part_attribute(self, name, getattr(self.__wrapped__, name))
+
+
+def _make_parallel_ops() -> None:
+    """The operators of :class:`_IndependentVariable`: per component outside replica functions."""
+
+    def wrap(name: str, per_part: Callable[..., Any]) -> None:
+        base = getattr(ParallelVariable, name)
+
+        def method(self: _IndependentVariable, *other: Any) -> Any:
+            if not self._parallel():
+                return base(self, *other)
+            return per_part(self, *other)
+
+        method.__name__ = name
+        setattr(_IndependentVariable, name, method)
+
+    for name, per_part in PARALLEL_OPERATORS.items():
+        wrap(name, per_part)
+
+
+_make_parallel_ops()
+
+
 class _VariableRef:
     """Hashable, identity-compared handle of a variable (``v.ref()``)."""
 
@@ -850,17 +995,27 @@ class ComponentVariable(np.ndarray):
         _write_array(base, op, _fitting_value(_unwrap(value), base.shape, self._pv_name))
         return self
 
-    def assign(self, value: Any) -> ComponentVariable:
-        """Set this component's value."""
-        return self._write("assign", value)
+    def assign(
+        self, value: Any, use_locking: Any = None, name: Any = None, read_value: bool = True
+    ) -> ComponentVariable | None:
+        """Set this component's value (``use_locking``, ``name``: TensorFlow's, ignored;
+        ``read_value=False`` returns ``None``)."""
+        self._write("assign", value)
+        return self if read_value else None
 
-    def assign_add(self, delta: Any) -> ComponentVariable:
-        """Add ``delta`` to this component."""
-        return self._write("assign_add", delta)
+    def assign_add(
+        self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True
+    ) -> ComponentVariable | None:
+        """Add ``delta`` to this component (arguments as :meth:`assign`)."""
+        self._write("assign_add", delta)
+        return self if read_value else None
 
-    def assign_sub(self, delta: Any) -> ComponentVariable:
-        """Subtract ``delta`` from this component."""
-        return self._write("assign_sub", delta)
+    def assign_sub(
+        self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True
+    ) -> ComponentVariable | None:
+        """Subtract ``delta`` from this component (arguments as :meth:`assign`)."""
+        self._write("assign_sub", delta)
+        return self if read_value else None
 
     def read_value(self) -> np.ndarray:
         """A plain copy of this component's value."""
@@ -879,7 +1034,8 @@ class ComponentVariable(np.ndarray):
 def component_variable(var: ParallelVariable, i: int) -> ComponentVariable:
     """Component ``i`` of ``var`` as a :class:`ComponentVariable` view."""
     view = var.components[i].view(ComponentVariable)
-    view._pv_name = var.name
+    # The names of TensorFlow's per-device variables: the variable's, then "<name>/replica_i".
+    view._pv_name = var.name if i == 0 else f"{var.name}/replica_{i}"
     view._pv_device = var.devices[i]
     return view
 
@@ -995,9 +1151,12 @@ def _check_shard_axis(name: str, shard_axis: Any, ndim: int) -> int:
     return axis
 
 
-def _base_creator(**kwargs: Any) -> ParallelVariable:
+def _base_creator(**kwargs: Any) -> ParallelVariable | ComponentVariable:
     """The creator at the bottom of the stack: a variable on ``device`` (a creator above set
-    it), else a single-device variable."""
+    it), else a single-device variable; for a strategy's per-device call, the component."""
+    component_of = kwargs.pop("_component_of", None)
+    if component_of is not None:  # a strategy's per-device call (see Strategy._create)
+        return component_variable(*component_of)
     device = kwargs.pop("device", None)
     return _make_distributed_variable(ParallelDevice(1) if device is None else device, **kwargs)
 
@@ -1009,15 +1168,20 @@ def _make_distributed_variable(
     name: str | None = None,
     trainable: bool | None = None,
     dtype: Any = None,
-    synchronization: Synchronization | str = Synchronization.AUTO,
-    aggregation: Aggregation | str = Aggregation.NONE,
+    synchronization: Synchronization | str | None = Synchronization.AUTO,
+    aggregation: Aggregation | str | None = Aggregation.NONE,
     shard_axis: int | None = None,
     kind: str | None = None,
 ) -> ParallelVariable:
     """Make a variable of the kind the arguments ask for, on ``device``."""
     name = _unique_name(name)
-    sync = Synchronization.parse(synchronization)
-    agg = Aggregation.parse(aggregation)
+    try:  # None: the default, as TensorFlow takes it
+        sync = Synchronization.parse(
+            Synchronization.AUTO if synchronization is None else synchronization
+        )
+        agg = Aggregation.parse(Aggregation.NONE if aggregation is None else aggregation)
+    except DistributedValueError as e:
+        raise DistributedValueError(f"variable {name!r}: {e}") from None
     arr = _initial_array(initial_value, dtype, name)
     n = len(device)
     if shard_axis is not None:
@@ -1043,18 +1207,19 @@ def _make_distributed_variable(
             kind = "on_read"
         else:
             kind = "mirrored"
-    if kind == "on_read" and agg is Aggregation.NONE:
-        raise DistributedValueError(
-            f"variable {name!r}: an ON_READ variable needs an aggregation "
-            "(Aggregation.SUM, MEAN or ONLY_FIRST_REPLICA) to be read across replicas"
-        )
     if sync is Synchronization.AUTO and kind != "single":
         sync = Synchronization.ON_WRITE
     stacked, placement = _storage.allocate(n, arr.shape, arr.dtype)
-    stacked[...] = arr
-    if kind == "on_read" and agg is Aggregation.SUM and n > 1:
-        stacked[1:] = 0  # the initial total is the initial value, not n times it
-    cls = _OnReadVariable if kind == "on_read" and n > 1 else ParallelVariable
+    stacked[...] = arr  # every component, on-read SUM parts too (their total is n times it)
+    cls = (
+        ParallelVariable
+        if n == 1
+        else _OnReadVariable
+        if kind == "on_read"
+        else _IndependentVariable
+        if kind == "independent"
+        else ParallelVariable
+    )
     return cls(
         stacked,
         device=device,
@@ -1073,8 +1238,8 @@ def Variable(
     *,
     trainable: bool | None = None,
     dtype: Any = None,
-    synchronization: Synchronization | str = Synchronization.AUTO,
-    aggregation: Aggregation | str = Aggregation.NONE,
+    synchronization: Synchronization | str | None = Synchronization.AUTO,
+    aggregation: Aggregation | str | None = Aggregation.NONE,
     shard_axis: int | None = None,
 ) -> ParallelVariable:
     """Create a variable; the current creator scopes (a strategy's scope) decide its kind.
@@ -1103,12 +1268,13 @@ def Variable(
     )
     creators = _modes.creator_stack()
 
-    def call(index: int, **kw: Any) -> ParallelVariable:
+    def call(index: int, **kw: Any) -> Any:
         if index < 0:
             return _base_creator(**kw)
         return creators[index](lambda **k: call(index - 1, **k), **kw)
 
-    return call(len(creators) - 1, **kwargs)
+    var: ParallelVariable = call(len(creators) - 1, **kwargs)
+    return var
 
 
 def _wrap_components(

@@ -293,6 +293,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     # __array_interface__ / __array_struct__ on AttributeError.
     ("parallelvars/__init__.py", "AttributeError", "__getattr__"): "attribute protocol",
     ("parallelvars/strategy/__init__.py", "AttributeError", "__getattr__"): "attribute protocol",
+    ("parallelvars/_values.py", "AttributeError", "__getattr__"): "attribute protocol",
     (
         "parallelvars/variables.py",
         "AttributeError",

@@ -41,12 +41,13 @@ LAYERS: list[tuple[str, list[str]]] = [
         ],
     ),
     (
-        "modes: the mode, creator and update-device stacks, and write routing",
-        ["parallelvars._modes", "parallelvars._write_plan"],
+        "modes and values: the mode, creator and update-device stacks, write routing, and the "
+        "per-replica values variables take",
+        ["parallelvars._modes", "parallelvars._write_plan", "parallelvars._values"],
     ),
     (
-        # One layer while devices import the strategy's values and make variables
-        # (ParallelDevice.pack); variables import no strategy module.
+        # One layer while devices make variables (ParallelDevice.pack(name=...)); neither
+        # imports a strategy module (tests/test_packaging.py).
         "distribution: devices, variables, strategies",
         [
             "parallelvars.devices",

@@ -57,6 +57,27 @@ def test_core_never_imports_formats_or_cli() -> None:
     assert not offenders, offenders
 
 
+# The layers below strategies (docs/ARCHITECTURE-training.md): they read the mode stacks of
+# _modes and the values of _values, never a strategy module, in any form of import.
+_BELOW_STRATEGY = ("_values.py", "_modes.py", "_write_plan.py", "devices.py", "variables.py")
+
+
+def test_variables_and_the_layers_below_import_no_strategy_module() -> None:
+    offenders = []
+    for name in _BELOW_STRATEGY:
+        py = ROOT / "parallelvars" / name
+        for node in ast.walk(ast.parse(py.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            for n in names:
+                if n == "parallelvars.strategy" or n.startswith("parallelvars.strategy."):
+                    offenders.append(f"parallelvars/{name}:{node.lineno} imports {n}")
+    assert not offenders, offenders
+
+
 def test_a_native_restore_does_not_load_the_formats(tmp_path: pathlib.Path) -> None:
     import subprocess
 

@@ -17,6 +17,7 @@ TOP_LEVEL = [
     "OneDeviceStrategy",
     "MultiWorkerMirroredStrategy",
     "PerReplica",
+    "ParallelValue",
     "get_replica_context",
     "get_cross_replica_context",
     "has_strategy",

@@ -38,7 +38,7 @@ def _state(model: dict[str, pv.ParallelVariable], opt: pv.optimizers.Adam) -> di
     for name, v in model.items():
         for slot in opt.get_slot_names():
             out[f"{name}/{slot}"] = [np.array(c) for c in opt.get_slot(v, slot).components]
-    for i, var in enumerate(opt.variables):
+    for i, var in enumerate(opt.non_slot_variables):
         out[f"non_slot/{i}"] = [np.array(c) for c in var.components]
     return out
 

@@ -431,13 +431,20 @@ def test_strategy_threads_stop_when_the_strategy_is_dropped() -> None:
 
 
 # ---------------------------------------------------------------------------- writes in replica context
-def test_write_to_mirrored_variable_without_aggregation_is_an_error() -> None:
+def test_write_to_mirrored_variable_without_aggregation_takes_one_value() -> None:
+    # TensorFlow 2 writes each replica's copy: equal writes keep the copies equal, once each.
     strategy = pv.MirroredStrategy(2)
     with strategy.scope():
         w = pv.Variable(1.0, name="w_none")
-    with pytest.raises(ContextError, match=r"w_none.*needs an aggregation"):
-        run_with_deadline(strategy, lambda: w.assign_add(1.0))
-    assert [float(c) for c in w.components] == [1.0, 1.0]
+    run_with_deadline(strategy, lambda: w.assign_add(1.0))
+    assert [float(c) for c in w.components] == [2.0, 2.0]
+    # Different values would leave the copies different: refused, nothing written.
+    with pytest.raises(ReplicaError, match=r"w_none.*aggregation NONE.*different values"):
+        run_with_deadline(
+            strategy,
+            lambda: w.assign(np.float32(pv.get_replica_context().replica_id_in_sync_group)),
+        )
+    assert [float(c) for c in w.components] == [2.0, 2.0]
 
 
 @pytest.mark.parametrize(
@@ -452,8 +459,20 @@ def test_assign_add_merges_across_replicas(aggregation: pv.Aggregation, expected
     strategy = pv.MirroredStrategy(4)
     with strategy.scope():
         w = pv.Variable(5.0, name="w", aggregation=aggregation)
-    run_with_deadline(strategy, lambda: w.assign_add(1.0))
+    run_with_deadline(strategy, lambda: w.assign_add(np.float32(1.0)))  # each replica's own
     assert [float(c) for c in w.components] == [expected] * 4
+
+
+def test_sum_of_one_shared_value_is_refused() -> None:
+    # One object from every replica under SUM: TensorFlow refuses to sum it (ValueError).
+    strategy = pv.MirroredStrategy(4)
+    with strategy.scope():
+        w = pv.Variable(5.0, name="w_sum", aggregation=pv.Aggregation.SUM)
+    with pytest.raises(DistributedValueError, match=r"w_sum.*same value 1\.0.*cannot be summed"):
+        run_with_deadline(strategy, lambda: w.assign_add(1.0))
+    assert [float(c) for c in w.components] == [5.0] * 4
+    run_with_deadline(strategy, lambda: w.assign_add(0.0))  # zero from each sums to zero
+    assert [float(c) for c in w.components] == [5.0] * 4
 
 
 @pytest.mark.parametrize(

@@ -32,10 +32,17 @@ def test_reduce_sum_and_mean() -> None:
     np.testing.assert_array_equal(s.reduce(pv.ReduceOp.SUM, x), [6.0, 6.0])
     np.testing.assert_array_equal(s.reduce("mean", x), [1.5, 1.5])
     assert s.reduce(pv.ReduceOp.SUM, x).dtype == np.float32
-    # A plain value is already one cross-replica value; a Mirrored one counts once per copy.
-    assert float(s.reduce(pv.ReduceOp.SUM, 2.0)) == 2.0
+    # A plain value is one value every replica holds: its MEAN is itself, a SUM over four
+    # replicas is refused as in TensorFlow (but zero sums to zero); a Mirrored one counts
+    # once per copy.
     assert float(s.reduce(pv.ReduceOp.MEAN, 2.0)) == 2.0
-    np.testing.assert_array_equal(s.reduce(pv.ReduceOp.SUM, np.ones((3, 2)), axis=0), [3.0, 3.0])
+    np.testing.assert_array_equal(s.reduce(pv.ReduceOp.MEAN, np.ones((3, 2)), axis=0), [1.0, 1.0])
+    with pytest.raises(DistributedValueError, match=r"not per-replica.*SUM over 4 replicas"):
+        s.reduce(pv.ReduceOp.SUM, 2.0)
+    with pytest.raises(DistributedValueError, match=r"not per-replica"):
+        s.reduce(pv.ReduceOp.SUM, np.ones((3, 2)), axis=0)
+    assert float(s.reduce(pv.ReduceOp.SUM, 0.0)) == 0.0
+    assert float(pv.MirroredStrategy(1).reduce(pv.ReduceOp.SUM, 2.0)) == 2.0
     assert float(s.reduce(pv.ReduceOp.SUM, s.broadcast(2.0))) == 8.0
 
 
@@ -257,7 +264,7 @@ def test_increment_var_once_per_step() -> None:
 
 
 CROSS_REPLICA_ONLY = {
-    "reduce": lambda s: s.reduce(pv.ReduceOp.SUM, 1.0),
+    "reduce": lambda s: s.reduce(pv.ReduceOp.MEAN, 1.0),
     "batch_reduce": lambda s: s.batch_reduce(pv.ReduceOp.SUM, []),
     "broadcast": lambda s: s.broadcast(1.0),
     "update": lambda s: s.update(np.zeros(1), lambda c: None),

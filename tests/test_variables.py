@@ -204,14 +204,24 @@ def test_on_read_aggregation(strategy, aggregation, expected_read) -> None:
 def test_on_read_sum_cross_replica_writes_keep_exact_total(strategy) -> None:
     with strategy.scope():
         n = pv.Variable(np.int64(5), synchronization="on_read", aggregation="sum")
-    assert n.read_value() == 5  # the initial value once, not once per replica
+    # Every replica holds the initial value, as in TensorFlow: the total is 4 times it.
+    assert n.read_value() == 20 and [int(c) for c in n.components] == [5] * 4
     n.assign_add(3)
     n += 2
-    assert n.read_value() == 10
+    assert n.read_value() == 25
+    # A cross-replica write of the total splits it over the replicas (TensorFlow divides by
+    # their number); integers exactly, the remainder one unit at a time from the first.
     n.assign(7)
-    assert n.read_value() == 7 and [int(c) for c in n.components] == [7, 0, 0, 0]
+    assert n.read_value() == 7 and [int(c) for c in n.components] == [2, 2, 2, 1]
     n *= 3
-    assert n.read_value() == 21
+    assert n.read_value() == 21 and [int(c) for c in n.components] == [6, 5, 5, 5]
+    n.assign(-7)
+    assert n.read_value() == -7 and [int(c) for c in n.components] == [-1, -2, -2, -2]
+    with strategy.scope():
+        f = pv.Variable(np.zeros(2, np.float32), synchronization="on_read", aggregation="sum")
+    f.assign([6.0, 2.0])
+    assert [c.tolist() for c in f.components] == [[1.5, 0.5]] * 4
+    assert f.read_value().tolist() == [6.0, 2.0]
 
 
 def _on_read_parts(strategy, aggregation, parts, dtype=np.int64) -> pv.ParallelVariable:
@@ -330,9 +340,16 @@ def test_on_read_reads_follow_the_aggregation(aggregation, parts) -> None:
     assert seen == parts  # each replica its own part
 
 
-def test_on_read_needs_an_aggregation(strategy) -> None:
-    with strategy.scope(), pytest.raises(ValueError, match="aggregation"):
-        pv.Variable(0.0, synchronization="on_read")
+def test_on_read_without_an_aggregation_has_parts_only(strategy) -> None:
+    # TensorFlow makes it; it has no value in cross-replica context, only its parts.
+    with strategy.scope():
+        v = pv.Variable(0.0, name="parts", synchronization="on_read")
+    assert v.kind == "on_read" and v.aggregation is pv.Aggregation.NONE and not v.trainable
+    assert "parts" in repr(v) and "value=" not in repr(v)
+    with pytest.raises(pv.errors.ContextError, match=r"'parts'.*aggregation NONE has no value"):
+        float(v)
+    seen = strategy.run(lambda: float(v.assign_add(1.0)))
+    assert seen.values == (1.0,) * 4
 
 
 def test_independent_buffers() -> None:
@@ -503,5 +520,5 @@ def test_constructor_errors_in_a_strategy_are_ours(strategy) -> None:
             pv.Variable(np.ones(8), shard_axis=5)
         with pytest.raises(pv.ParallelVarsError, match="ON_READ"):
             pv.Variable(np.ones(8), synchronization="on_read", shard_axis=0, aggregation="sum")
-        with pytest.raises(pv.ParallelVarsError, match="aggregation"):
-            pv.Variable(np.ones(8), synchronization="on_read")
+        with pytest.raises(pv.ParallelVarsError, match="Aggregation: 'most'"):
+            pv.Variable(np.ones(8), synchronization="on_read", aggregation="most")

@@ -14,7 +14,7 @@ import pytest
 
 import parallelvars as pv
 from parallelvars._write_plan import Route, route
-from parallelvars.errors import ContextError, ShapeMismatchError, UnsupportedOperationError
+from parallelvars.errors import ReplicaError, ShapeMismatchError, UnsupportedOperationError
 
 N = 3
 
@@ -90,14 +90,23 @@ def test_every_way_of_writing_a_mirrored_variable_in_a_replica_function_merges(h
 
 
 @pytest.mark.parametrize("how", sorted(WRITES))
-def test_every_way_of_writing_needs_an_aggregation_to_merge(how: str) -> None:
+def test_every_way_of_writing_without_an_aggregation_takes_one_value(how: str) -> None:
+    # Aggregation NONE (TensorFlow 2 writes each replica's own copy): the replicas' equal
+    # writes are applied once; different ones are refused and nothing is written.
     strategy = pv.MirroredStrategy(N)
     with strategy.scope():
         v = pv.Variable(np.ones(4), name="w_none")
-    with pytest.raises(ContextError, match=r"w_none.*needs an aggregation"):
-        strategy.run(lambda: WRITES[how](v))
+    strategy.run(lambda: WRITES[how](v))
     for comp in v.components:
-        assert comp.tolist() == [1.0] * 4
+        assert comp.tolist() == [2.0] * 4, how
+
+    def differently() -> None:
+        v.assign(np.full(4, pv.get_replica_context().replica_id_in_sync_group, np.float64))
+
+    with pytest.raises(ReplicaError, match=r"w_none.*aggregation NONE.*different values"):
+        strategy.run(differently)
+    for comp in v.components:
+        assert comp.tolist() == [2.0] * 4, how
 
 
 # Ways of writing that change the variable from its own value, whatever it reads as.

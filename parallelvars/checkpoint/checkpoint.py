@@ -50,7 +50,7 @@ from parallelvars.checkpoint.status import CheckpointLoadStatus
 from parallelvars.devices import ParallelDevice
 from parallelvars.errors import CheckpointNotFoundError, InvalidArgumentError, NotACheckpointError
 from parallelvars.strategy._cluster import cluster_strategy
-from parallelvars.tracking import Trackable
+from parallelvars.tracking import Trackable, _wrap, is_trackable
 
 __all__ = [
     "Checkpoint",
@@ -166,6 +166,16 @@ class Checkpoint(Trackable):
         if name in roots:
             return roots[name]
         raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A trackable attached after construction is a root like the constructor's, and one
+        # attached after restore() receives its saved value (deferred restoration), as on a Module.
+        if name.startswith("_") or name == "save_counter" or not is_trackable(value):
+            object.__setattr__(self, name, value)
+            return
+        value = _wrap(value)
+        self._roots[name] = value
+        self._maybe_restore_child(name, value)
 
     def _trackable_children(self) -> dict[str, Any]:
         return {**self._roots, "save_counter": self.save_counter}

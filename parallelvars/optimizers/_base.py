@@ -23,6 +23,7 @@ through the same steps.
 
 from __future__ import annotations
 
+import inspect
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from types import SimpleNamespace
@@ -61,6 +62,20 @@ _dtype_of = operator.attrgetter("dtype")
 _NDARRAY_ONLY = {np.ndarray}
 
 
+def _takes_an_argument(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` can be called with one positional argument (a learning-rate schedule of
+    the step), rather than with none (TensorFlow's callable learning rate)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: assume a schedule
+        return True
+    try:
+        sig.bind(0)
+    except TypeError:
+        return False
+    return True
+
+
 def _dense_checked(arr: np.ndarray, var: Any, shape: tuple[int, ...]) -> np.ndarray:
     """``arr`` when it can be the dense gradient of ``var`` (its shape, a numeric dtype)."""
     # The dtype first: a string or an object is a TypeError (as in TensorFlow), not a shape error.
@@ -97,17 +112,24 @@ class Optimizer(OptimizerState):
 
     Args:
         learning_rate: a float, or a callable of the step (the number of steps already applied,
-            0 on the first) returning one.
+            0 on the first) returning one; a callable of no argument (TensorFlow's callable
+            hyperparameter) is called at every step.
         name: the optimizer's name (used to name slot variables).
     """
 
     _sparse_as_dense: ClassVar[bool] = False
 
-    def __init__(self, learning_rate: float | Callable[[int], float], name: str) -> None:
+    def __init__(
+        self, learning_rate: float | Callable[[int], float] | Callable[[], float], name: str
+    ) -> None:
         super().__init__(name)
         if not callable(learning_rate):
             learning_rate = float(learning_rate)
-        self._pv_learning_rate = learning_rate
+        elif not _takes_an_argument(learning_rate):
+            # TensorFlow's callable hyperparameters take no argument: call it every step.
+            schedule: Any = learning_rate
+            learning_rate = lambda step: schedule()  # noqa: E731
+        self._pv_learning_rate: float | Callable[[int], float] = learning_rate  # type: ignore[assignment]
         self._pv_plans: dict[tuple[int, ...], tuple[tuple[Any, ...], list[update_core.Run]]] = {}
         self._pv_scratch: dict[np.dtype, update_core.UpdateScratch] = {}
         self._pv_info: dict[int, tuple[Any, tuple[tuple[int, ...], np.dtype, bool]]] = {}
@@ -484,7 +506,7 @@ class Optimizer(OptimizerState):
                 return
             raise GradientError(
                 f"optimizer {self._pv_name!r}: no gradients provided for any variable",
-                hint="every gradient was None",
+                hint="every gradient was None, or no (gradient, variable) pair was given",
             )
         var_list = list(map(_second, pairs))
         # A training loop hands the same variables every step: check them and their slots once.

@@ -123,6 +123,13 @@ class OptimizerState(Module):
         """The step count and any other state shared by all variables (e.g. beta powers)."""
         return [getattr(self, n) for n in self._pv_non_slot_names]
 
+    @property
+    def variables(self) -> list[ParallelVariable]:
+        """Every variable of the optimizer's state: the non-slot ones, then every slot (by slot
+        name, then in the order the variables were first trained), as TensorFlow's
+        ``Optimizer.variables()`` lists them."""
+        return [*self.non_slot_variables, *(slot for _, _, slot in self._checkpoint_slots())]
+
     # ------------------------------------------------------------------ checkpoint hooks
     def _checkpoint_slots(self) -> list[tuple[Any, str, Any]]:
         return [

@@ -28,7 +28,7 @@ from parallelvars.strategy._input import DistributedDataset, split_batch
 from parallelvars.strategy._loss import compute_average_loss, scale_regularization_loss
 from parallelvars.strategy._mirrored import MirroredStrategy
 from parallelvars.strategy._reduce import add_n_by_device
-from parallelvars.strategy._values import Mirrored, PerReplica
+from parallelvars.strategy._values import Mirrored, ParallelValue, PerReplica
 
 
 def __getattr__(name: str) -> object:
@@ -47,6 +47,7 @@ __all__ = [
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
+    "ParallelValue",
     "PerReplica",
     "ReplicaContext",
     "Strategy",

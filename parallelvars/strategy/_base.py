@@ -10,6 +10,7 @@ runs one thread per replica. Reductions and broadcasts go through ``_reduce_to``
 from __future__ import annotations
 
 import contextlib
+import re
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast
@@ -20,13 +21,19 @@ from parallelvars import _modes
 from parallelvars._geometry import shard_index
 from parallelvars.devices import ParallelDevice, canonical_device
 from parallelvars.enums import Aggregation, ReduceOp
-from parallelvars.errors import ContextError, CrossReplicaOnlyError, DistributedValueError
+from parallelvars.errors import (
+    ContextError,
+    CrossReplicaOnlyError,
+    DistributedValueError,
+    ReplicaError,
+)
 from parallelvars.strategy._reduce import device_key, reduce_values
 from parallelvars.strategy._values import (
     Mirrored,
     PerReplica,
     _needs_walk,
     local_results,
+    map_leaves,
     regroup,
     select_replica,
 )
@@ -54,6 +61,9 @@ def _get_default_mode() -> _modes.Mode[Strategy, ReplicaContext]:
     return _default_mode
 
 
+_modes.set_default_strategy(lambda: _get_default_mode().strategy)
+
+
 def current_mode() -> _modes.Mode[Strategy, ReplicaContext]:
     """The innermost mode of this thread (the default replica context when none was pushed)."""
     stack = _modes._MODES.get()
@@ -64,6 +74,21 @@ def _is_variable(x: Any) -> bool:
     from parallelvars.variables import ParallelVariable
 
     return isinstance(x, ParallelVariable)
+
+
+def _creators_below(creator: Any) -> bool:
+    """Whether creator scopes entered before ``creator``'s run below it in the chain."""
+    stack = _modes.creator_stack()
+    for i, c in enumerate(stack):
+        if c == creator:
+            return i > 0
+    return False
+
+
+def _short(value: Any) -> str:
+    """A value for an error message: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _top_default_replica_context() -> ReplicaContext:
@@ -82,11 +107,72 @@ class _Creation:
         self.kwargs = kwargs
 
 
+def _canonical_name(name: Any) -> str:
+    """A variable name without the ``_<digits>`` that makes names unique (``dense_1/kernel``
+    is ``dense/kernel``): replicas that build the same model may number their layers apart."""
+    if name is None:
+        return "Variable"
+    return "/".join(re.sub(r"_\d+$", "", part) for part in str(name).split("/"))
+
+
+def _creation_signature(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What must be the same when every replica creates "the same" variable."""
+    from parallelvars._dtypes import as_dtype
+    from parallelvars.enums import Synchronization
+
+    def norm(key: str, value: Any) -> Any:
+        try:
+            if key == "synchronization":
+                return Synchronization.parse(value)
+            if key == "aggregation":
+                return Aggregation.parse(value)
+            if key == "dtype":
+                return None if value is None else as_dtype(value)
+        except Exception:
+            return repr(value)
+        return value
+
+    sig = {k: norm(k, v) for k, v in kwargs.items() if k not in ("initial_value", "name")}
+    sig["name"] = _canonical_name(kwargs.get("name"))
+    initial: Any = kwargs.get("initial_value")
+    if not callable(initial):
+        shape = getattr(initial, "shape", None)  # a variable's, without reading its value
+        sig["shape"] = tuple(shape) if shape is not None else np.shape(np.asarray(initial))
+    return sig
+
+
 def _create_once(strategy: Strategy, request: Any) -> Any:
     """The merge function behind variable creation in a replica function: the first replica's
-    arguments make the one variable every replica receives."""
-    first = request.values[0] if isinstance(request, PerReplica) else request
-    return strategy._register(first.next_creator(**first.kwargs))
+    arguments make the one variable every replica receives.
+
+    Every replica must ask for the same variable (TensorFlow's shared variable creator matches
+    them by name): the same name up to the ``_<digits>`` of unique names, and the same shape,
+    dtype, synchronization, aggregation, trainability and sharding. Initial values may differ
+    (the first replica's is used).
+
+    Raises:
+        ReplicaError: a replica asked for another variable than the first replica.
+    """
+    if not isinstance(request, PerReplica):
+        return strategy._create(request.next_creator, request.kwargs)
+    first = request.values[0]
+    expected = _creation_signature(first.kwargs)
+    for i, other in enumerate(request.values[1:], start=1):
+        found = _creation_signature(other.kwargs)
+        if found != expected:
+            what = sorted(
+                k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k)
+            )
+            raise ReplicaError(
+                f"replicas 0 and {i} of {strategy!r} created different variables at the same "
+                f"point: replica 0 {first.kwargs.get('name')!r}, replica {i} "
+                f"{other.kwargs.get('name')!r} differ in {', '.join(what)} (expected "
+                + ", ".join(f"{k}={expected.get(k)!r}" for k in what)
+                + ", found "
+                + ", ".join(f"{k}={found.get(k)!r}" for k in what)
+                + "); every replica must create the same variables in the same order"
+            )
+    return strategy._create(first.next_creator, first.kwargs)
 
 
 class ReplicaContext:
@@ -139,6 +225,28 @@ class ReplicaContext:
             return select_replica(0, result, 1)
         except ValueError as e:
             raise DistributedValueError(f"merge_call result: {e}") from None
+
+    def all_reduce(self, op: ReduceOp | str, value: Any) -> Any:
+        """Reduce ``value`` across the replicas and give every replica the result
+        (TensorFlow 2's ``ReplicaContext.all_reduce``).
+
+        Each replica contributes its own ``value`` (an array, a number, or a list, tuple or
+        dict of them: the result has that structure); ``SUM`` adds them in device order,
+        ``MEAN`` divides by the number of replicas. Every replica must call it.
+        """
+
+        def merge(strategy: Strategy, v: Any) -> Any:
+            count = strategy._local_replica_count()
+
+            def each(x: Any) -> Any:
+                # One object that every replica handed in is still one contribution each.
+                part = x if isinstance(x, PerReplica) else PerReplica([x] * count)
+                total = strategy.reduce(op, part)
+                return Mirrored([np.array(total, copy=True) for _ in range(count)])  # a copy each
+
+            return map_leaves(each, v)
+
+        return self.merge_call(merge, args=(value,))
 
     def _write_variable(self, var: Any, op: str, value: Any) -> Any:
         """Apply a write to a mirrored variable from this replica (``op``: assign / assign_add / assign_sub).
@@ -223,8 +331,8 @@ class Strategy:
     def _mixing_message(self, action: str, current: Strategy) -> str:
         same = " (another instance with the same devices)" if repr(current) == repr(self) else ""
         return (
-            f"cannot {action} {self!r} inside the scope of {current!r}{same}: "
-            "strategies do not nest"
+            f"cannot {action} {self!r} inside the scope of {current!r}{same}: mixing "
+            "different Strategy objects (strategies do not nest)"
         )
 
     def _variable_creator(self, next_creator: Any, **kwargs: Any) -> Any:
@@ -239,7 +347,21 @@ class Strategy:
         ctx = current_mode().replica_context
         if ctx is not None and ctx.strategy is self and self.num_replicas_in_sync > 1:
             return ctx.merge_call(_create_once, args=(_Creation(next_creator, kwargs),))
-        return self._register(next_creator(**kwargs))
+        return self._create(next_creator, kwargs)
+
+    def _create(self, next_creator: Any, kwargs: dict[str, Any]) -> Any:
+        """Make the variable down the creator chain, then show the creators below this
+        strategy's one call per further device, as TensorFlow's mirrored creator calls them
+        once per device: with the name ``<name>/replica_<i>``, ``next_creator`` there returns
+        component ``i`` (a :class:`~parallelvars.ComponentVariable`). The variable made first
+        is the one returned."""
+        var = self._register(next_creator(**kwargs))
+        comps = getattr(var, "components", None)
+        if comps is None or len(comps) < 2 or not _creators_below(self._variable_creator):
+            return var
+        for i in range(1, len(comps)):
+            next_creator(**{**kwargs, "name": f"{var.name}/replica_{i}", "_component_of": (var, i)})
+        return var
 
     def _check_creation_context(self, name: Any) -> None:
         ctx = current_mode().replica_context
@@ -251,9 +373,9 @@ class Strategy:
             )
 
     def _register(self, var: Any) -> Any:
-        comps = getattr(var, "components", ())
-        if comps:
-            self._owners[id(comps[0])] = var
+        if _is_variable(var):
+            self._owners[id(var.components[0])] = var
+            var._self_strategy = weakref.ref(self)  # var.distribute_strategy
         return var
 
     def _owner_of(self, values: Sequence[Any]) -> Any:
@@ -397,8 +519,12 @@ class Strategy:
                 replica's value), as the seeds' ``reduce(aggregation, value, destinations)``.
             value: a :class:`PerReplica` (for example the result of :meth:`run`), a
                 :class:`Mirrored` value (one copy per device, each counted), a variable (its
-                components), or a plain value, which is already one cross-replica value and
-                comes back unchanged (reduced along ``axis`` if given).
+                components), or a list, tuple or dict of them (the result has the same
+                structure, each element reduced on its own, as TensorFlow 2's ``reduce``). A
+                plain value is one cross-replica value, the same for every replica: ``MEAN``
+                and ``ONLY_FIRST_REPLICA`` give it back (``MEAN`` along ``axis`` if given);
+                ``SUM`` over several replicas is refused, as in TensorFlow (summing one value
+                "from every replica" is not defined), except a scalar zero.
             axis: also reduce along this axis of each replica's value. ``MEAN`` then gives
                 the mean over all elements of all replicas along the axis, which differs from
                 the mean of per-replica means when replicas hold uneven batches. A variable,
@@ -410,7 +536,13 @@ class Strategy:
                 an error.
 
         Returns:
-            A numpy array. Summation is deterministic: per device, then in device order.
+            A numpy array (or the structure of ``value`` holding one per element). Summation
+            is deterministic: per device, then in device order. The ``MEAN`` of integers is a
+            true division, in float64.
+
+        Raises:
+            DistributedValueError: a plain value summed over several replicas, or a
+                per-replica value with the wrong number of values.
         """
         self._require_cross_replica("reduce")
         if axis is not None and not isinstance(axis, (int, np.integer)):
@@ -422,6 +554,19 @@ class Strategy:
         if destinations is not None:
             self._check_destinations(destinations)
         rop = self._parse_reduce_op(op)
+        if isinstance(value, (list, tuple, dict)):
+            return map_leaves(lambda v: self._reduce_one(op, rop, v, axis), value)
+        return self._reduce_one(op, rop, value, axis)
+
+    # Whether a plain (not per-replica) value handed to reduce() is one value that every
+    # replica holds (threads of one process), rather than this process's part of a value
+    # spread over processes (the multi-process strategy).
+    _plain_is_shared = True
+
+    def _reduce_one(self, op: Any, rop: ReduceOp | None, value: Any, axis: int | None) -> Any:
+        """reduce() of one value (not a structure)."""
+        if self._plain_is_shared and not isinstance(value, PerReplica) and not _is_variable(value):
+            return self._reduce_shared(op, rop, value, axis)
         values, devices = self._values_of(value, "reduce")
         if rop is None:  # Aggregation.ONLY_FIRST_REPLICA
             if type(self)._reduce_to is not Strategy._reduce_to:
@@ -434,6 +579,23 @@ class Strategy:
                 return np.sum(np.asarray(first), axis=int(axis))
             return np.array(first.read_value() if _is_variable(first) else first, copy=True)
         return self._reduce_to(rop, values, devices, axis)
+
+    def _reduce_shared(self, op: Any, rop: ReduceOp | None, value: Any, axis: int | None) -> Any:
+        """reduce() of a plain value: one value that every replica holds (see :meth:`reduce`)."""
+        arr = np.asarray(value.read_value() if _is_variable(value) else value)
+        if rop is ReduceOp.SUM and self.num_replicas_in_sync > 1:
+            if arr.ndim == 0 and arr.dtype.kind in "biufc" and arr == 0:
+                return np.array(arr, copy=True)  # zero from every replica sums to zero
+            raise DistributedValueError(
+                f"reduce() of {self!r}: a value that is not per-replica ({_short(value)}) cannot "
+                f"be reduced with {op} over {self.num_replicas_in_sync} replicas (expected a "
+                "PerReplica value, e.g. the result of run(); MEAN or ONLY_FIRST_REPLICA "
+                "give a shared value back)"
+            )
+        if axis is None:
+            return np.array(arr, copy=True)
+        mean = ReduceOp.MEAN if rop is ReduceOp.MEAN else ReduceOp.SUM
+        return reduce_values(mean, [arr], self.worker_devices[:1], int(axis))
 
     @staticmethod
     def _parse_reduce_op(op: Any) -> ReduceOp | None:
@@ -494,6 +656,22 @@ class Strategy:
                 raise DistributedValueError(
                     f"batch_reduce() takes (value, destination) pairs, found {type(pair).__name__}"
                 )
+        if self._plain_is_shared:
+            shared = [
+                i
+                for i, (v, _) in enumerate(pairs)
+                if not isinstance(v, PerReplica) and not _is_variable(v)
+            ]
+            if shared:  # plain values follow reduce()'s rule, the others are reduced together
+                out: list[Any] = [None] * len(pairs)
+                for i in shared:
+                    out[i] = self._reduce_shared(op, rop, pairs[i][0], None)
+                rest = [i for i in range(len(pairs)) if out[i] is None]
+                if rest:
+                    reduced = self.batch_reduce(rop, [pairs[i] for i in rest])
+                    for i, r in zip(rest, reduced, strict=True):
+                        out[i] = r
+                return out
         parts = [self._values_of(v, "batch_reduce") for v, _ in pairs]
         return self._batch_reduce_to(rop, [p[0] for p in parts], [p[1] for p in parts])
 
@@ -555,8 +733,11 @@ class Strategy:
 
         ``component`` is a :class:`~parallelvars.ComponentVariable`: a numpy view of the
         component's buffer that also has ``assign`` / ``assign_add`` / ``assign_sub`` /
-        ``read_value`` (the per-device variable TensorFlow hands ``fn``), so both
-        ``component -= lr * g`` and ``component.assign_sub(lr * g)`` write this component.
+        ``read_value`` (the per-device variable TensorFlow hands ``fn``, named ``<name>`` on
+        the first device and ``<name>/replica_<i>`` on the others), so both
+        ``component -= lr * g`` and ``component.assign_sub(lr * g)`` write this component. A
+        variable with one component is handed to ``fn`` itself, as TensorFlow's one-device
+        strategies do.
         Arguments are unwrapped per component: a :class:`PerReplica` gives its element ``i``, a
         variable on the same devices its component ``i``, and for a sharded ``var`` an array of
         the full shape its shard. Each call runs inside an :func:`UpdateContext` for the
@@ -574,6 +755,13 @@ class Strategy:
 
         comps = var.components
         devices = var.devices
+        if len(comps) == 1 and var.kind != "sharded":
+            # One device: fn gets the variable itself, as from TensorFlow's one-device
+            # strategies (there is no per-device variable to hand out).
+            a = [self._unwrap_for(var, 0, x) for x in args]
+            kw = {k: self._unwrap_for(var, 0, x) for k, x in kwargs.items()}
+            with UpdateContext(devices[0]):
+                return fn(var, *a, **kw)
         results = []
         for i, (comp, dev) in enumerate(zip(comps, devices, strict=False)):
             a = [self._unwrap_for(var, i, x) for x in args]
@@ -677,10 +865,24 @@ class _DefaultStrategy(Strategy):
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[Strategy]:
+        """The default strategy's scope: variables made inside are plain ones, and a variable
+        made there by another strategy (whose scope was entered inside) is refused, as in
+        TensorFlow."""
         mode = current_mode()
         if not mode.strategy._is_default:
             raise ContextError(self._mixing_message("enter the scope of", mode.strategy))
-        yield self
+        with _modes.variable_creator_scope(self._variable_creator):
+            yield self
+
+    def _variable_creator(self, next_creator: Any, **kwargs: Any) -> Any:
+        current = current_mode().strategy
+        if not current._is_default:
+            raise ContextError(
+                f"variable {kwargs.get('name')!r} created by {current!r} inside the scope of "
+                f"{self!r} entered before it: mixing different Strategy objects (create it "
+                f"outside the default strategy's scope, or in {current!r}'s scope alone)"
+            )
+        return next_creator(**kwargs)
 
     @contextlib.contextmanager
     def colocate_vars_with(self, colocate_with: Any) -> Iterator[None]:

@@ -21,12 +21,14 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from parallelvars._write_plan import merge_reduction
 from parallelvars.devices import ParallelDevice
-from parallelvars.enums import ReduceOp
-from parallelvars.errors import ContextError, ReplicaError
+from parallelvars.enums import Aggregation, ReduceOp
+from parallelvars.errors import ContextError, DistributedValueError, ReplicaError
 from parallelvars.strategy import _context
-from parallelvars.strategy._base import ReplicaContext, Strategy
+from parallelvars.strategy._base import ReplicaContext, Strategy, _short
 from parallelvars.strategy._values import PerReplica, _needs_walk, regroup, split_per_replica
 
 __all__ = ["MirroredStrategy"]
@@ -183,23 +185,81 @@ class _MirroredReplicaContext(ReplicaContext):
         return self._step.merge(self.replica_id_in_sync_group, fn, tuple(args), dict(kwargs or {}))
 
     def _write_variable(self, var: Any, op: str, value: Any) -> Any:
-        """Merge the replicas' writes to ``var`` by its aggregation, then apply the result once."""
-        merge_reduction(var, op, self.strategy)  # refused before the rendezvous, in every replica
+        """Merge the replicas' writes to ``var`` by its aggregation, then apply the result once.
+
+        Aggregation NONE: the replicas must write one value (TensorFlow writes each replica's
+        own copy, so equal writes keep the copies equal); it is written once.
+        """
+        if var.aggregation is Aggregation.NONE:
+            return self.merge_call(_merge_same_write, args=(var, op, value))
         return self.merge_call(_merge_write, args=(var, op, value))
 
 
 def _merge_write(strategy: Strategy, var: Any, op: str, value: Any) -> None:
     rop = merge_reduction(var, op, strategy)
+    per_replica = isinstance(value, PerReplica)
     if rop is None:  # the first replica's value
-        merged = value.values[0] if isinstance(value, PerReplica) else value
-    elif isinstance(value, PerReplica):
-        merged = strategy.reduce(rop, value)
+        merged = value.values[0] if per_replica else value
+    elif per_replica:
+        if rop is ReduceOp.MEAN and var.dtype.kind not in "fcV":
+            # The mean of equal integers is the integer; of different ones, in general not one
+            # (TensorFlow refuses every per-replica write then).
+            merged = _same_value(
+                strategy,
+                var,
+                op,
+                value,
+                "an integer variable with aggregation MEAN",
+                "use a float variable",
+            )
+        else:
+            merged = strategy.reduce(rop, value)
     elif rop is ReduceOp.SUM:
-        # Every replica wrote the same object: the sum is n times it.
-        merged = strategy.reduce(rop, PerReplica([value] * strategy.num_replicas_in_sync))
+        arr = np.asarray(value)
+        if not (arr.ndim == 0 and arr.dtype.kind in "biufc" and arr == 0):
+            raise DistributedValueError(
+                f"variable {var.name!r} (aggregation SUM): every replica of {strategy!r} wrote "
+                f"the same value {_short(value)}, which cannot be summed over the replicas, as in "
+                f"TensorFlow (expected each replica's own value; for one shared value use "
+                "aggregation MEAN or ONLY_FIRST_REPLICA, or write it in cross-replica context)"
+            )
+        merged = value  # zero from every replica sums to zero
     else:
         merged = value  # the mean of n equal writes
     var._apply_write(op, merged)
+
+
+def _merge_same_write(strategy: Strategy, var: Any, op: str, value: Any) -> None:
+    if isinstance(value, PerReplica):
+        value = _same_value(
+            strategy,
+            var,
+            op,
+            value,
+            "aggregation NONE",
+            "create the variable with aggregation SUM, MEAN or ONLY_FIRST_REPLICA",
+        )
+    var._apply_write(op, value)
+
+
+def _same_value(
+    strategy: Strategy, var: Any, op: str, value: PerReplica, what: str, hint: str
+) -> Any:
+    """The one value every replica wrote, for a variable that cannot combine different ones.
+
+    Raises:
+        ReplicaError: two replicas wrote different values.
+    """
+    first = np.asarray(value.values[0])
+    for i, other in enumerate(value.values[1:], start=1):
+        if not np.array_equal(first, np.asarray(other), equal_nan=first.dtype.kind in "fc"):
+            raise ReplicaError(
+                f"variable {var.name!r} ({what}): replicas 0 and {i} of {strategy!r} called "
+                f"{op}() with different values (expected one value from every replica, found "
+                f"{_short(value.values[0])} and {_short(other)}); to combine different values "
+                f"{hint}, or write it in cross-replica context"
+            )
+    return value.values[0]
 
 
 def _replica_body(
@@ -294,27 +354,52 @@ class MirroredStrategy(Strategy):
 
     def __init__(self, devices: int | Sequence[str] | ParallelDevice | None = None) -> None:
         super().__init__(1 if devices is None else devices)
-        self._pool: _ReplicaPool | None = None
-        self._run_lock = threading.Lock()
+        # The replica threads of run(), and of runs nested in a merge_call function (one pool
+        # and lock per level of nesting: the replicas of the run outside are parked meanwhile).
+        self._pools: list[_ReplicaPool] = []
+        self._run_locks = [threading.Lock()]
 
-    def _get_pool(self) -> _ReplicaPool:
-        if self._pool is None:
-            self._pool = _ReplicaPool(self.num_replicas_in_sync, f"parallelvars-{id(self):x}")
-            weakref.finalize(self, self._pool.shutdown)
-        return self._pool
+    def _get_pool(self, depth: int = 0) -> _ReplicaPool:
+        while len(self._pools) <= depth:
+            level = len(self._pools)
+            pool = _ReplicaPool(
+                self.num_replicas_in_sync,
+                f"parallelvars-{id(self):x}" + (f"-nested{level}" if level else ""),
+            )
+            self._pools.append(pool)
+            weakref.finalize(self, pool.shutdown)
+        while len(self._run_locks) <= depth:
+            self._run_locks.append(threading.Lock())
+        return self._pools[depth]
+
+    def _run_depth(self) -> int:
+        """0 for a run from outside the replica threads; ``d + 1`` for a run from a merge_call
+        function running in a replica thread of the run at depth ``d``.
+
+        Raises:
+            ContextError: called from a replica thread in a replica context (the runs of
+                replica functions do not nest; a merge_call function may run them).
+        """
+        ident = threading.get_ident()
+        for depth, pool in enumerate(self._pools):
+            if ident in pool.idents:
+                if _context.current_mode().replica_context is not None:
+                    raise ContextError(
+                        f"run() of {self!r} called from one of its own replica functions: "
+                        "runs do not nest; call it from a merge_call function "
+                        "(cross-replica context) or outside run()"
+                    )
+                return depth + 1
+        return 0
 
     def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         n = self.num_replicas_in_sync
         if n == 1:
             return super()._run(fn, args, kwargs)
-        pool = self._get_pool()
-        if threading.get_ident() in pool.idents:
-            raise ContextError(
-                f"run() of {self!r} called from one of its own replica threads (inside a "
-                "merge_call function?): runs do not nest"
-            )
+        depth = self._run_depth()
+        pool = self._get_pool(depth)
         split = _needs_walk(args)
-        with self._run_lock:
+        with self._run_locks[depth]:
             step = _Step(self, pool.parks)
             # Copy the caller's context inside our scope (entered here without the generator
             # machinery of scope(); _check_can_run has ruled out another strategy's scope), so

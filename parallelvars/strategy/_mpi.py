@@ -185,6 +185,9 @@ class MultiWorkerMirroredStrategy(MPICollectives, Strategy):
         strategy.reduce(pv.ReduceOp.SUM, total)                    # 3.0 on every rank
     """
 
+    # A plain value handed to reduce() is this process's part (run() returns it so).
+    _plain_is_shared = False
+
     def __init__(
         self, comm: Any = None, *, fusion: bool = True, abort_on_error: bool = True
     ) -> None:
@@ -241,7 +244,7 @@ class MultiWorkerMirroredStrategy(MPICollectives, Strategy):
             )
         kwargs.pop("shard_axis", None)
         if kwargs.get("kind") is None:
-            sync = Synchronization.parse(kwargs.get("synchronization", Synchronization.AUTO))
+            sync = Synchronization.parse(kwargs.get("synchronization") or Synchronization.AUTO)
             kwargs["kind"] = "on_read" if sync is Synchronization.ON_READ else "mirrored"
         var = _make_distributed_variable(device, **kwargs)
         # This process holds component `rank` of a variable with one component per process:
@@ -250,9 +253,8 @@ class MultiWorkerMirroredStrategy(MPICollectives, Strategy):
         if var.kind == "mirrored":
             for comp in var.components:
                 self._bcast_inplace(comp)
-        elif var.kind == "on_read" and var.aggregation is Aggregation.SUM and self._rank != 0:
-            for comp in var.components:
-                comp[...] = 0  # the initial total is the initial value, not size times it
+        # An on-read variable: every rank's part starts at the initial value (a SUM's total is
+        # size times it), as every replica's does under MirroredStrategy and in TensorFlow.
         return self._register(var)
 
     def _variable_creator(self, next_creator: Any, **kwargs: Any) -> Any:

@@ -68,8 +68,13 @@ def _is_sparse(value: Any) -> bool:
 
 
 def _mean_of(total: np.ndarray, count: int) -> np.ndarray:
+    """The mean of ``count`` values that add up to ``total``.
+
+    Integers (and booleans) are divided truly, into float64, as TensorFlow's ``reduce(MEAN)``
+    divides (``truediv``): the mean of 0 and 1 is 0.5, not 0. Floats keep their dtype.
+    """
     if total.dtype.kind in "iub":
-        return total // count
+        return np.true_divide(total, count)
     return np.divide(total, count).astype(total.dtype, copy=False)
 
 
@@ -79,7 +84,7 @@ def reduce_values(
     """Reduce one value per device (``values[i]`` on ``devices[i]``) with ``op``.
 
     Args:
-        op: ``SUM`` or ``MEAN``.
+        op: ``SUM`` or ``MEAN`` (of integers: float64, a true division).
         values: the per-device values.
         devices: the device of each value.
         axis: also reduce along this axis of each value; ``MEAN`` then divides by the total

@@ -9,51 +9,22 @@ that object, the components of one variable become that variable, anything else 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+# The value classes live below variables (parallelvars._values); their names stay public here.
+from parallelvars._values import ParallelValue, PerReplica, _is_namedtuple, each_part
 from parallelvars.errors import DistributedValueError
 
-__all__ = ["PerReplica", "Mirrored", "select_replica", "regroup", "local_results"]
-
-
-class PerReplica:
-    """A value that differs per replica: element ``i`` belongs to replica ``i``.
-
-    Args:
-        values: one value per replica, in replica order.
-
-    Example:
-        >>> import parallelvars as pv
-        >>> x = pv.PerReplica([1.0, 2.0])
-        >>> x.values, len(x)
-        ((1.0, 2.0), 2)
-    """
-
-    __slots__ = ("_values",)
-
-    def __init__(self, values: Sequence[Any]) -> None:
-        values = tuple(values)
-        if not values:
-            raise DistributedValueError(f"a {type(self).__name__} needs at least one value")
-        self._values = values
-
-    @property
-    def values(self) -> tuple[Any, ...]:
-        """The per-replica values, in replica order."""
-        return self._values
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __getitem__(self, i: int) -> Any:
-        return self._values[i]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._values)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({list(self._values)!r})"
+__all__ = [
+    "PerReplica",
+    "Mirrored",
+    "ParallelValue",
+    "each_part",
+    "select_replica",
+    "regroup",
+    "local_results",
+]
 
 
 class Mirrored(PerReplica):
@@ -64,10 +35,6 @@ class Mirrored(PerReplica):
     """
 
     __slots__ = ()
-
-
-def _is_namedtuple(x: Any) -> bool:
-    return isinstance(x, tuple) and hasattr(x, "_fields")
 
 
 def _needs_walk(x: Any) -> bool:
@@ -91,6 +58,20 @@ def _map_structure(fn: Callable[[Any], Any], x: Any) -> Any:
     if isinstance(x, dict):
         return type(x)((k, _map_structure(fn, v)) for k, v in x.items())
     return x
+
+
+def map_leaves(fn: Callable[[Any], Any], x: Any) -> Any:
+    """``fn`` of every leaf of ``x``, in the structure of ``x``: lists, tuples (named tuples too)
+    and dicts are walked; anything else, a per-replica value included, is a leaf."""
+    if isinstance(x, PerReplica):
+        return fn(x)
+    if _is_namedtuple(x):
+        return type(x)(*(map_leaves(fn, i) for i in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(map_leaves(fn, i) for i in x)
+    if isinstance(x, dict):
+        return type(x)((k, map_leaves(fn, v)) for k, v in x.items())
+    return fn(x)
 
 
 def select_replica(replica_id: int, structure: Any, num_replicas: int | None = None) -> Any:
@@ -163,13 +144,45 @@ def regroup(values: Sequence[Any], owner_of: Callable[[Sequence[Any]], Any] | No
         if owner is not None:
             return owner
     kind = type(first)
-    if all(type(v) is kind for v in values):
-        if isinstance(first, (list, tuple)) and all(len(v) == len(first) for v in values):
-            items = [regroup([v[j] for v in values], owner_of) for j in range(len(first))]
-            return kind(*items) if _is_namedtuple(first) else kind(items)
-        if isinstance(first, dict) and all(v.keys() == first.keys() for v in values):
+    if isinstance(first, (list, tuple, dict)):
+        _check_same_structure(values)
+        if isinstance(first, dict):
             return kind((k, regroup([v[k] for v in values], owner_of)) for k in first)
+        items = [regroup([v[j] for v in values], owner_of) for j in range(len(first))]
+        return kind(*items) if _is_namedtuple(first) else kind(items)
     return PerReplica(values)
+
+
+def _check_same_structure(values: Sequence[Any]) -> None:
+    """Replicas that return (or pass to ``merge_call``) a list, tuple or dict must all give one
+    of the same type and length (keys): TensorFlow's regroup asserts it too.
+
+    Raises:
+        ReplicaError: a replica's structure differs from replica 0's.
+    """
+    from parallelvars.errors import ReplicaError
+
+    first = values[0]
+    kind = type(first)
+    for i, v in enumerate(values[1:], start=1):
+        if type(v) is not kind:
+            found = f"a {type(v).__name__}"
+        elif isinstance(first, dict) and v.keys() != first.keys():
+            found = f"keys {sorted(map(str, v))}"
+        elif not isinstance(first, dict) and len(v) != len(first):
+            found = f"{len(v)} elements"
+        else:
+            continue
+        expected = (
+            f"keys {sorted(map(str, first))}"
+            if isinstance(first, dict)
+            else f"{len(first)} elements"
+        )
+        raise ReplicaError(
+            f"replica {i} gave a value of another structure than replica 0, which gave a "
+            f"{kind.__name__} (expected {expected}, found {found}); the replicas' values are "
+            "grouped element by element, so every replica must give the same structure"
+        )
 
 
 def local_results(value: Any) -> tuple[Any, ...]:
