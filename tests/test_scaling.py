@@ -331,8 +331,11 @@ def test_save_and_restore_leave_the_collector_alone(tmp_path):
     saveable = pv.checkpoint.registry.get_saveable(model.layers[0].kernel)
     original = type(saveable).plan_restore
 
+    frozen: list[int] = []
+
     def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
         seen.append(gc.isenabled())
+        frozen.append(gc.get_freeze_count())
         return original(self, *args, **kwargs)
 
     from parallelvars.checkpoint import matching as _matching
@@ -341,6 +344,7 @@ def test_save_and_restore_leave_the_collector_alone(tmp_path):
 
     def spy_direct(*args: Any) -> Any:
         seen.append(gc.isenabled())
+        frozen.append(gc.get_freeze_count())
         return direct(*args)
 
     assert gc.isenabled()
@@ -350,6 +354,9 @@ def test_save_and_restore_leave_the_collector_alone(tmp_path):
         mp.setattr(_matching, "plan_direct", spy_direct)
         ckpt.restore(path).assert_consumed()
     assert seen and all(seen)  # on while planning the restore
+    # The objects older than the restore are not walked by its collections, and given back after.
+    assert frozen and all(frozen)
+    assert gc.get_freeze_count() == 0
 
     writing, release = threading.Event(), threading.Event()
     real = pv.checkpoint.checkpoint.write_h5
@@ -379,3 +386,38 @@ def test_save_and_restore_leave_the_collector_alone(tmp_path):
         assert not gc.isenabled()  # a collector the caller turned off stays off
     finally:
         gc.enable()
+
+
+def test_a_restore_leaves_the_programs_own_frozen_objects_frozen(tmp_path):
+    # A program that froze its objects (e.g. before forking workers) keeps them frozen: the
+    # restore neither freezes more nor unfreezes theirs, in one thread or overlapping in several.
+    import gc
+
+    with pv.MirroredStrategy(2).scope():
+        v = pv.Variable(np.arange(3, dtype=np.float32), name="v")
+    ckpt = pv.Checkpoint(v=v)
+    path = ckpt.write(str(tmp_path / "a.h5"))
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        ckpt.restore(path).assert_consumed()
+        assert gc.get_freeze_count() == before
+    finally:
+        gc.unfreeze()
+
+    errors: list[BaseException] = []
+
+    def restore() -> None:
+        try:
+            for _ in range(5):
+                ckpt.restore(path).assert_consumed()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=restore) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    assert gc.get_freeze_count() == 0  # given back once, after the last

@@ -28,6 +28,7 @@ import numpy as np
 
 from parallelvars.checkpoint import _restore  # noqa: F401 - registers the variable saveable
 from parallelvars.checkpoint._foreign import with_foreign_hint
+from parallelvars.checkpoint._gcfreeze import older_objects_frozen
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX  # noqa: F401 - <file>.parts/: a multi-process save's files
 from parallelvars.checkpoint._skeleton import SkeletonCache
 from parallelvars.checkpoint.graph import (  # noqa: F401 - the graph's names, as before
@@ -303,14 +304,15 @@ class Checkpoint(Trackable):
         p = os.fspath(path)
         if not os.path.exists(p) and os.path.exists(p + ".h5"):
             p += ".h5"
-        try:
-            session = RestoreSession(p, allow_cast, self)
-        except (NotACheckpointError, CheckpointNotFoundError) as exc:
-            raise with_foreign_hint(exc, p) from None
-        try:
-            session.restore_into(0, self)
-        finally:
-            session.release()
+        with older_objects_frozen():  # the collector runs, walking only what the restore makes
+            try:
+                session = RestoreSession(p, allow_cast, self)
+            except (NotACheckpointError, CheckpointNotFoundError) as exc:
+                raise with_foreign_hint(exc, p) from None
+            try:
+                session.restore_into(0, self)
+            finally:
+                session.release()
         return CheckpointLoadStatus(session, self)
 
     read = restore

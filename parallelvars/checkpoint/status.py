@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from parallelvars.checkpoint._gcfreeze import older_objects_frozen
 from parallelvars.checkpoint.graph import build_object_graph
 from parallelvars.checkpoint.matching import RestoreSession
 from parallelvars.errors import RestoreMismatchError
@@ -21,9 +22,10 @@ class CheckpointLoadStatus:
         self._root = root
 
     def _unmatched_live(self) -> list[str]:
-        graph = build_object_graph(self._root)
-        matched = {id(o) for o in self._session.matched.values()}
-        return [path for _, obj, path in graph.variables() if id(obj) not in matched]
+        with older_objects_frozen():  # a graph of the live objects: a few per variable
+            graph = build_object_graph(self._root)
+            matched = {id(o) for o in self._session.matched.values()}
+            return [path for _, obj, path in graph.variables() if id(obj) not in matched]
 
     @property
     def unrestored_paths(self) -> list[str]:
