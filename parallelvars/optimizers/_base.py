@@ -274,8 +274,9 @@ class Optimizer(OptimizerState):
         update core reads each local replica's gradients as they are, block by block (or the
         user's :class:`GradientBuffers`, or, over several processes, flat buffers all-reduced
         in one call per dtype), and adds the local replicas in device order as it updates.
-        Every other gradient (sparse, another dtype, one object shared by every replica,
-        sharded or bfloat16 variables) goes through ``batch_reduce``, in the same step.
+        One array object that every replica gives is a term once per replica, on either path.
+        Every other gradient (sparse, another dtype, sharded or bfloat16 variables) goes
+        through ``batch_reduce``, in the same step.
         """
         parts: Sequence[ReplicaGradients] = (
             grads.values if isinstance(grads, PerReplica) else (grads,)
