@@ -506,3 +506,108 @@ def test_a_shared_gradient_in_a_variables_memory_is_read_before_the_step_writes(
         strategy.run(ref_step, args=(copied,))
     assert _lines(opt).staging != [None] * 2  # packed first
     _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+
+
+def _widened_compute(
+    opt: opts.Optimizer, var2d: np.ndarray, slots2d: list[np.ndarray], g: np.ndarray, hp: Any
+) -> None:
+    # The per-variable arithmetic of bfloat16 / float8 variables before the fused step took
+    # them: the whole variable and its slots widened to float32, updated, rounded back once.
+    from parallelvars import update_core
+
+    f32 = np.dtype(np.float32)
+    v32 = var2d.astype(f32)
+    s32 = [s.astype(f32) for s in slots2d]
+    update_core.apply_blocked(opt._kernel, v32, s32, g.astype(f32), hp, opt._scratch(f32))
+    var2d[...] = v32.astype(var2d.dtype)
+    for s, w in zip(slots2d, s32, strict=True):
+        s[...] = w.astype(s.dtype)
+
+
+def _narrow_dtypes() -> list[Any]:
+    import ml_dtypes
+
+    return [
+        np.float16,
+        ml_dtypes.bfloat16,
+        ml_dtypes.float8_e4m3fn,
+        ml_dtypes.float8_e5m2,
+    ]
+
+
+# Narrow floats overflow and underflow (Adam's epsilon is 0 in float16): inf and nan bits are
+# compared like the others.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("shapes", [SHAPES, LARGE], ids=["packed", "direct"])
+@pytest.mark.parametrize("dtype", _narrow_dtypes(), ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize(
+    "make_opt",
+    [lambda: opts.Adam(0.01), lambda: opts.Momentum(0.1, 0.9)],
+    ids=["adam", "momentum"],
+)
+@pytest.mark.parametrize(
+    "devices", [1, 3, ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]], ids=["1", "3", "unordered"]
+)
+def test_narrow_float_variables_on_the_fused_path_keep_the_per_variable_bits(
+    dtype: Any, devices: Any, shapes: Any, make_opt: Callable[[], opts.Optimizer]
+) -> None:
+    # bfloat16 / float8 variables: the replicas' gradients are summed in the variable's dtype
+    # in device order (add_n's bits), the update is computed in float32 and rounded once into
+    # the variable and its slots: the bits of the per-variable arithmetic as it was (widen
+    # the whole variable, update, round). float16 keeps its own float16 arithmetic.
+    strategy = pv.MirroredStrategy(devices)
+    n = strategy.num_replicas_in_sync
+    vs, opt = _model(strategy, dtype, make_opt, shapes=shapes)
+    ref_vs, ref_opt = _model(strategy, dtype, make_opt, shapes=shapes)
+    # The reference takes the per-variable path with the arithmetic of before.
+    ref_opt._info = lambda v: (*opts.Optimizer._info(ref_opt, v)[:2], False)  # type: ignore[method-assign]
+    if np.dtype(dtype) != np.dtype(np.float16):
+        ref_opt._compute = (  # type: ignore[method-assign]
+            lambda v, s, g, hp: _widened_compute(ref_opt, v, s, g, hp)
+        )
+    rng = np.random.default_rng(14)
+    for _ in range(3):
+        per_replica = _grads(rng, n, dtype, shapes)
+
+        def step(grads: list[np.ndarray]) -> None:
+            opt.apply_gradients(zip(grads, vs, strict=True))
+
+        strategy.run(step, args=(pv.PerReplica(per_replica),))
+        reduced = [
+            add_n_by_device([(strategy.worker_devices[r], per_replica[r][i]) for r in range(n)])
+            for i in range(len(shapes))
+        ]
+        with strategy.scope():
+            ref_opt.distributed_apply(strategy, list(zip(reduced, ref_vs, strict=True)))
+    lines = _lines(opt)
+    assert lines.staging == [None] * n and lines._gather is not None
+    assert (opt._pv_transport._steady is not None) == (() not in shapes)
+    assert all(np.dtype(s.dtype) == np.dtype(dtype) for _, _, s in opt._checkpoint_slots())
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+
+
+@pytest.mark.parametrize("dtype", _narrow_dtypes()[1:2], ids=["bfloat16"])
+def test_narrow_float_gradient_buffers(dtype: Any) -> None:
+    # Gradient buffers of bfloat16 variables: written through a uint16 view (what torch's
+    # from_numpy accepts), summed on the fused path with the bits of plain arrays.
+    strategy = pv.MirroredStrategy(2)
+    vs, opt = _model(strategy, dtype, lambda: opts.Adam(0.01))
+    ref_vs, ref_opt = _model(strategy, dtype, lambda: opts.Adam(0.01))
+    with strategy.scope():
+        bufs = opt.gradient_buffers(vs)
+    assert all(b.dtype == np.dtype(dtype) for b in bufs.buffers(0).values())
+    rng = np.random.default_rng(15)
+    for _ in range(2):
+        per_replica = _grads(rng, 2, dtype)
+
+        def step(grads: list[np.ndarray]) -> None:
+            for view, g in zip(bufs.views(), grads, strict=True):
+                view.view(np.uint16)[...] = np.asarray(g).view(np.uint16)
+            opt.apply_gradients(bufs.grads_and_vars())
+
+        def ref_step(grads: list[np.ndarray]) -> None:
+            ref_opt.apply_gradients(zip(grads, ref_vs, strict=True))
+
+        strategy.run(step, args=(pv.PerReplica(per_replica),))
+        strategy.run(ref_step, args=(pv.PerReplica(per_replica),))
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))

@@ -8,7 +8,8 @@ replicas block by block, in device order, right before its kernel uses each bloc
 :mod:`parallelvars.update_core`): the same bits as the per-variable sum, without a pass of its
 own over memory.
 
-A gradient qualifies when its variable is a float16/32/64 variable with an arena placement
+A gradient qualifies when its variable is a float variable (float16/32/64, bfloat16,
+float8) with an arena placement
 (the optimizer's ``_info`` says so) and every replica gave a plain array of the variable's dtype
 and shape (one array object that several replicas gave is a term of the sum once per replica
 that gave it, as the per-variable sum counts it). Its replicas' arrays reach the core in one of
@@ -379,7 +380,7 @@ class FusedTransport:
         for v in var_list:
             if not self._owner._info(v)[2]:
                 raise GradientError(
-                    "gradient buffers hold float16/32/64 variables with an arena placement",
+                    "gradient buffers hold float variables with an arena placement",
                     variable=v.name,
                     expected="a mirrored or single-device float variable",
                     found=f"{type(v).__name__} of {v.dtype}",
