@@ -127,6 +127,16 @@ class UpdateScratch:
         self._shape = (0, 0)
         self.wide = None if self.dtype in FAST_DTYPES else UpdateScratch(np.float32, count)
         self._widened: list[np.ndarray] = []
+        self._adds = np.empty((2, 0), np.float32)
+        self.add_wide = self.dtype.name == "bfloat16"
+
+    def add_lines(self, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Two float32 arrays of ``shape`` (of one line), apart from :meth:`widened`'s: where
+        :func:`_add` widens its operands."""
+        size = int(np.prod(shape))
+        if self._adds.shape[1] < size:
+            self._adds = np.empty((2, size), np.float32)
+        return self._adds[0, :size].reshape(shape), self._adds[1, :size].reshape(shape)
 
     def widened(self, k: int, rows: int, width: int) -> np.ndarray:
         """A float32 ``(rows, width)`` array ``k``, apart from the others and from ``wide``'s."""
@@ -195,9 +205,9 @@ def apply_blocked(
         c1 = min(total, c0 + width)
         if addends:
             g = scratch.sum_line(c1 - c0)
-            np.add(grad[:, c0:c1], addends[0][:, c0:c1], out=g)
+            _add(grad[:, c0:c1], addends[0][:, c0:c1], g, scratch)
             for a in addends[1:]:
-                np.add(g, a[:, c0:c1], out=g)
+                _add(g, a[:, c0:c1], g, scratch)
             _apply_block(kernel, var, slots, g, hp, scratch, once, c0, c1)
             continue
         _apply_block(kernel, var, slots, grad[:, c0:c1], hp, scratch, once, c0, c1)
@@ -232,6 +242,25 @@ def _apply_block(
     kernel(var[:, c0:c1], tuple(s[:, c0:c1] for s in slots), g, hp, tmp, gtmp)
 
 
+def _add(a: np.ndarray, b: np.ndarray, out: np.ndarray, scratch: UpdateScratch) -> None:
+    """``out = a + b`` in ``out``'s dtype. bfloat16 adds as its own addition does (both
+    widened exactly, added in float32, rounded once), with numpy's fast float32 loops and
+    casts instead of ml_dtypes' slower ufunc; float8's own addition does not round that way
+    at its range's edges, and keeps its ufunc."""
+    if not scratch.add_wide:
+        np.add(a, b, out=out)
+        return
+    x, y = scratch.add_lines(out.shape)
+    np.copyto(x, a, casting="unsafe")
+    np.copyto(y, b, casting="unsafe")
+    np.add(x, y, out=x)
+    if np.isnan(x.sum()):
+        # Which NaN a sum of two NaNs keeps differs between loops: the narrow ufunc decides.
+        np.add(a, b, out=out)
+        return
+    np.copyto(out, x, casting="unsafe")
+
+
 def _apply_block_wide(
     kernel: Kernel,
     var: np.ndarray,
@@ -262,9 +291,11 @@ def _apply_block_wide(
     np.copyto(wg, g, casting="unsafe")
     tmp, gtmp = scratch.wide.take(rows, w)
     kernel(v, tuple(wide_slots), wg, hp, tmp, gtmp)
-    np.copyto(var[:, c0:c1], v, casting="unsafe")
-    for s, ws in zip(slots, wide_slots, strict=True):
-        np.copyto(s[:, c0:c1], ws, casting="unsafe")
+    # Rounded once per computed row; equal rows are then copied in the narrow dtype.
+    for a, wa in ((var, v), *zip(slots, wide_slots, strict=True)):
+        np.copyto(a[:rows, c0:c1], wa, casting="unsafe")
+        if once:
+            np.copyto(a[1:, c0:c1], a[:1, c0:c1])
 
 
 @dataclass
@@ -646,9 +677,9 @@ def apply_gathered(
             g = _gathered(pick(first), dt, sc.gather_line(w, 0))
             if rest:
                 total = sc.sum_line(w)
-                np.add(g, _gathered(pick(rest[0]), dt, sc.gather_line(w, 1)), out=total[0])
+                _add(g, _gathered(pick(rest[0]), dt, sc.gather_line(w, 1)), total[0], sc)
                 for ext in rest[1:]:
-                    np.add(total[0], _gathered(pick(ext), dt, sc.gather_line(w, 1)), out=total[0])
+                    _add(total[0], _gathered(pick(ext), dt, sc.gather_line(w, 1)), total[0], sc)
                 g = total
             _apply_block(
                 kernel, run.var_slab, run.slot_slabs, g.reshape(1, w), hp, sc, once, c0, c1
