@@ -181,6 +181,29 @@ def _rows_train_step(d: dict[str, Any]) -> list[list[str]]:
                 _x(r["buffers_over_core"]),
             )
         )
+        if "shared_s" in t:
+            rows.append(
+                _row(
+                    "train step",
+                    "one gradient object every replica hands in vs per-replica arrays, "
+                    f"float32 mirrored ({size})",
+                    _ms(t["shared_s"]),
+                    _ms(t["run_s"]),
+                    _x(r["shared_over_run"]),
+                    _target(tg.get("shared_over_run")),
+                )
+            )
+        if "bf16_s" in t:
+            rows.append(
+                _row(
+                    "train step",
+                    f"bfloat16 variables and gradients vs float32, both in strategy.run ({size})",
+                    _ms(t["bf16_s"]),
+                    _ms(t["run_s"]),
+                    _x(r["bf16_over_run"]),
+                    _target(tg.get("bf16_over_run")),
+                )
+            )
         rows.append(
             _row(
                 "train step",

@@ -98,8 +98,10 @@ Kernel = Callable[
 
 
 def block_width(rows: int, dtype: np.dtype) -> int:
-    """Columns per block for ``rows`` rows of ``dtype``: a multiple of 64, at least 1024."""
-    width = BLOCK_BYTES // max(1, rows * dtype.itemsize)
+    """Columns per block for ``rows`` rows of ``dtype``: a multiple of 64, at least 1024 (a
+    dtype computed in float32, see :class:`UpdateScratch`, counts as float32)."""
+    itemsize = dtype.itemsize if dtype in FAST_DTYPES else max(4, dtype.itemsize)
+    width = BLOCK_BYTES // max(1, rows * itemsize)
     return max(_MIN_BLOCK, width // 64 * 64)
 
 
@@ -109,6 +111,10 @@ class UpdateScratch:
 
     Grows (reallocates) only when asked for more rows or columns than it holds, so a training
     loop allocates nothing after its first step.
+
+    A dtype numpy has no fast loops for (bfloat16, float8: not in :data:`FAST_DTYPES`) is
+    computed in float32: ``wide`` is then the float32 scratch its kernels run in, and
+    :meth:`widened` the float32 copies of a block's variable, slots and gradient.
     """
 
     def __init__(self, dtype: Any, count: int = 2) -> None:
@@ -119,6 +125,29 @@ class UpdateScratch:
         self._sum = np.empty((1, 0), self.dtype)
         self._gather = np.empty((2, 0), self.dtype)
         self._shape = (0, 0)
+        self.wide = None if self.dtype in FAST_DTYPES else UpdateScratch(np.float32, count)
+        self._widened: list[np.ndarray] = []
+        self._adds = np.empty((2, 0), np.float32)
+        self.add_wide = self.dtype.name == "bfloat16"
+
+    def add_lines(self, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Two float32 arrays of ``shape`` (of one line), apart from :meth:`widened`'s: where
+        :func:`_add` widens its operands."""
+        size = int(np.prod(shape))
+        if self._adds.shape[1] < size:
+            self._adds = np.empty((2, size), np.float32)
+        return self._adds[0, :size].reshape(shape), self._adds[1, :size].reshape(shape)
+
+    def widened(self, k: int, rows: int, width: int) -> np.ndarray:
+        """A float32 ``(rows, width)`` array ``k``, apart from the others and from ``wide``'s."""
+        while len(self._widened) <= k:
+            self._widened.append(np.empty((0, 0), np.float32))
+        a = self._widened[k]
+        if a.shape[0] < rows or a.shape[1] < width:
+            a = self._widened[k] = np.empty(
+                (max(rows, a.shape[0]), max(width, a.shape[1])), np.float32
+            )
+        return a[:rows, :width]
 
     def sum_line(self, width: int) -> np.ndarray:
         """A ``(1, width)`` line apart from :meth:`take`'s: where replicas' gradients are summed."""
@@ -176,9 +205,9 @@ def apply_blocked(
         c1 = min(total, c0 + width)
         if addends:
             g = scratch.sum_line(c1 - c0)
-            np.add(grad[:, c0:c1], addends[0][:, c0:c1], out=g)
+            _add(grad[:, c0:c1], addends[0][:, c0:c1], g, scratch)
             for a in addends[1:]:
-                np.add(g, a[:, c0:c1], out=g)
+                _add(g, a[:, c0:c1], g, scratch)
             _apply_block(kernel, var, slots, g, hp, scratch, once, c0, c1)
             continue
         _apply_block(kernel, var, slots, grad[:, c0:c1], hp, scratch, once, c0, c1)
@@ -196,6 +225,9 @@ def _apply_block(
     c1: int,
 ) -> None:
     """The kernel over columns ``[c0, c1)``; ``g`` is that block of the gradient."""
+    if scratch.wide is not None:
+        _apply_block_wide(kernel, var, slots, g, hp, scratch, once, c0, c1)
+        return
     rows = var.shape[0]
     if once:
         tmp, gtmp = scratch.take(1, c1 - c0)
@@ -208,6 +240,62 @@ def _apply_block(
         return
     tmp, gtmp = scratch.take(rows, c1 - c0)
     kernel(var[:, c0:c1], tuple(s[:, c0:c1] for s in slots), g, hp, tmp, gtmp)
+
+
+def _add(a: np.ndarray, b: np.ndarray, out: np.ndarray, scratch: UpdateScratch) -> None:
+    """``out = a + b`` in ``out``'s dtype. bfloat16 adds as its own addition does (both
+    widened exactly, added in float32, rounded once), with numpy's fast float32 loops and
+    casts instead of ml_dtypes' slower ufunc; float8's own addition does not round that way
+    at its range's edges, and keeps its ufunc."""
+    if not scratch.add_wide:
+        np.add(a, b, out=out)
+        return
+    x, y = scratch.add_lines(out.shape)
+    np.copyto(x, a, casting="unsafe")
+    np.copyto(y, b, casting="unsafe")
+    np.add(x, y, out=x)
+    if np.isnan(x.sum()):
+        # Which NaN a sum of two NaNs keeps differs between loops: the narrow ufunc decides.
+        np.add(a, b, out=out)
+        return
+    np.copyto(out, x, casting="unsafe")
+
+
+def _apply_block_wide(
+    kernel: Kernel,
+    var: np.ndarray,
+    slots: Sequence[np.ndarray],
+    g: np.ndarray,
+    hp: Any,
+    scratch: UpdateScratch,
+    once: bool,
+    c0: int,
+    c1: int,
+) -> None:
+    """:func:`_apply_block` for a dtype computed in float32 (bfloat16, float8): the block's
+    variable, slots and gradient are widened exactly to float32, updated there, and the
+    variable and slots rounded once back into their dtype (to every row: equal rows give equal
+    results). Elementwise, so the bits do not depend on the block: those of widening a whole
+    variable, as the per-variable path does."""
+    assert scratch.wide is not None
+    rows = 1 if once else var.shape[0]
+    w = c1 - c0
+    v = scratch.widened(0, rows, w)
+    np.copyto(v, var[:rows, c0:c1], casting="unsafe")
+    wide_slots = []
+    for k, s in enumerate(slots):
+        ws = scratch.widened(k + 1, rows, w)
+        np.copyto(ws, s[:rows, c0:c1], casting="unsafe")
+        wide_slots.append(ws)
+    wg = scratch.widened(len(slots) + 1, g.shape[0], w)
+    np.copyto(wg, g, casting="unsafe")
+    tmp, gtmp = scratch.wide.take(rows, w)
+    kernel(v, tuple(wide_slots), wg, hp, tmp, gtmp)
+    # Rounded once per computed row; equal rows are then copied in the narrow dtype.
+    for a, wa in ((var, v), *zip(slots, wide_slots, strict=True)):
+        np.copyto(a[:rows, c0:c1], wa, casting="unsafe")
+        if once:
+            np.copyto(a[1:, c0:c1], a[:1, c0:c1])
 
 
 @dataclass
@@ -589,9 +677,9 @@ def apply_gathered(
             g = _gathered(pick(first), dt, sc.gather_line(w, 0))
             if rest:
                 total = sc.sum_line(w)
-                np.add(g, _gathered(pick(rest[0]), dt, sc.gather_line(w, 1)), out=total[0])
+                _add(g, _gathered(pick(rest[0]), dt, sc.gather_line(w, 1)), total[0], sc)
                 for ext in rest[1:]:
-                    np.add(total[0], _gathered(pick(ext), dt, sc.gather_line(w, 1)), out=total[0])
+                    _add(total[0], _gathered(pick(ext), dt, sc.gather_line(w, 1)), total[0], sc)
                 g = total
             _apply_block(
                 kernel, run.var_slab, run.slot_slabs, g.reshape(1, w), hp, sc, once, c0, c1

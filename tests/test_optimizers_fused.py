@@ -415,3 +415,199 @@ def test_reduced_gradients_in_a_variables_memory_are_read_before_the_step_writes
             ref = [grads[0], np.array(ref_vs[0][:10]), grads[2]]
             ref_opt.distributed_apply(strategy, zip(ref, ref_vs, strict=True))
     _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+
+
+@pytest.mark.parametrize("shapes", [SHAPES, LARGE], ids=["packed", "direct"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    "devices", [2, 4, ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]], ids=["2", "4", "unordered"]
+)
+def test_one_array_object_from_every_replica_is_summed_once_per_replica_on_the_fused_path(
+    dtype: Any, devices: Any, shapes: Any
+) -> None:
+    # The README's pv.PerReplica([g] * n): the same objects in every replica, and (second
+    # case) some positions shared by two replicas only. The fused sum counts each replica's
+    # term, in device order: the bits of the per-variable path, which sums [g] * n.
+    strategy = pv.MirroredStrategy(devices)
+    n = strategy.num_replicas_in_sync
+    vs, opt = _model(strategy, dtype, lambda: opts.Adam(0.01), shapes=shapes)
+    ref_vs, ref_opt = _model(strategy, dtype, lambda: opts.Adam(0.01), shapes=shapes)
+    rng = np.random.default_rng(11)
+    for k in range(3):
+        if k < 2:
+            one = _grads(rng, 1, dtype, shapes)[0]
+            per_replica = [one] * n
+        else:  # replicas 0 and 1 share an object at even positions only
+            per_replica = _grads(rng, n, dtype, shapes)
+            per_replica[1] = [
+                g0 if i % 2 == 0 else g1
+                for i, (g0, g1) in enumerate(zip(per_replica[0], per_replica[1], strict=True))
+            ]
+
+        def step(grads: list[np.ndarray]) -> None:
+            opt.apply_gradients(zip(grads, vs, strict=True))
+
+        strategy.run(step, args=(pv.PerReplica(per_replica),))
+        reduced = [
+            add_n_by_device([(strategy.worker_devices[r], per_replica[r][i]) for r in range(n)])
+            for i in range(len(shapes))
+        ]
+        with strategy.scope():
+            ref_opt.distributed_apply(strategy, list(zip(reduced, ref_vs, strict=True)))
+    # The steps took the fused path, reading the arrays as they are, and (every gradient an
+    # array: a shape () gradient here is a numpy scalar, which the per-variable path sums)
+    # the loop is a steady one.
+    lines = _lines(opt)
+    assert lines.staging == [None] * n and lines._gather is not None
+    assert (opt._pv_transport._steady is not None) == (() not in shapes)
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+
+
+def test_a_shared_gradient_object_matches_the_per_variable_path() -> None:
+    # The same steps with fusion off (every gradient through batch_reduce): the same bits.
+    def run(fusion: bool) -> list[Any]:
+        strategy = pv.MirroredStrategy(3)
+        if not fusion:
+            strategy.fusion = False  # type: ignore[attr-defined]
+        vs, opt = _model(strategy, np.float32, lambda: opts.Adam(0.01), shapes=SHAPES[:3])
+        rng = np.random.default_rng(12)
+        for _ in range(3):
+            one = _grads(rng, 1, np.float32, SHAPES[:3])[0]
+
+            def step(grads: list[np.ndarray]) -> None:
+                opt.apply_gradients(zip(grads, vs, strict=True))
+
+            strategy.run(step, args=(pv.PerReplica([one] * 3),))
+        assert (opt._pv_transport._steady is not None) == fusion
+        return _state(vs, opt)
+
+    _assert_same(run(True), run(False))
+
+
+def test_a_shared_gradient_in_a_variables_memory_is_read_before_the_step_writes() -> None:
+    # Every replica hands the same view of a's memory as b's gradient; a is updated first.
+    strategy = pv.MirroredStrategy(2)
+    shapes = [(20000,), (10,), (3,)]
+    vs, opt = _model(strategy, np.float32, lambda: opts.SGD(1.0), shapes=shapes)
+    ref_vs, ref_opt = _model(strategy, np.float32, lambda: opts.SGD(1.0), shapes=shapes)
+    rng = np.random.default_rng(13)
+    grads = _grads(rng, 1, np.float32, shapes)[0]
+    view = np.asarray(vs[0].components[0])[:10]
+    for _ in range(2):
+
+        def step() -> None:
+            opt.apply_gradients(zip([grads[0], view, grads[2]], vs, strict=True))
+
+        def ref_step(copied: np.ndarray) -> None:
+            ref_opt.apply_gradients(zip([grads[0], copied, grads[2]], ref_vs, strict=True))
+
+        copied = np.array(np.asarray(ref_vs[0].components[0])[:10])
+        strategy.run(step)
+        strategy.run(ref_step, args=(copied,))
+    assert _lines(opt).staging != [None] * 2  # packed first
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+
+
+def _widened_compute(
+    opt: opts.Optimizer, var2d: np.ndarray, slots2d: list[np.ndarray], g: np.ndarray, hp: Any
+) -> None:
+    # The per-variable arithmetic of bfloat16 / float8 variables before the fused step took
+    # them: the whole variable and its slots widened to float32, updated, rounded back once.
+    from parallelvars import update_core
+
+    f32 = np.dtype(np.float32)
+    v32 = var2d.astype(f32)
+    s32 = [s.astype(f32) for s in slots2d]
+    update_core.apply_blocked(opt._kernel, v32, s32, g.astype(f32), hp, opt._scratch(f32))
+    var2d[...] = v32.astype(var2d.dtype)
+    for s, w in zip(slots2d, s32, strict=True):
+        s[...] = w.astype(s.dtype)
+
+
+def _narrow_dtypes() -> list[Any]:
+    import ml_dtypes
+
+    return [
+        np.float16,
+        ml_dtypes.bfloat16,
+        ml_dtypes.float8_e4m3fn,
+        ml_dtypes.float8_e5m2,
+    ]
+
+
+# Narrow floats overflow and underflow (Adam's epsilon is 0 in float16): inf and nan bits are
+# compared like the others.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("shapes", [SHAPES, LARGE], ids=["packed", "direct"])
+@pytest.mark.parametrize("dtype", _narrow_dtypes(), ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize(
+    "make_opt",
+    [lambda: opts.Adam(0.01), lambda: opts.Momentum(0.1, 0.9)],
+    ids=["adam", "momentum"],
+)
+@pytest.mark.parametrize(
+    "devices", [1, 3, ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]], ids=["1", "3", "unordered"]
+)
+def test_narrow_float_variables_on_the_fused_path_keep_the_per_variable_bits(
+    dtype: Any, devices: Any, shapes: Any, make_opt: Callable[[], opts.Optimizer]
+) -> None:
+    # bfloat16 / float8 variables: the replicas' gradients are summed in the variable's dtype
+    # in device order (add_n's bits), the update is computed in float32 and rounded once into
+    # the variable and its slots: the bits of the per-variable arithmetic as it was (widen
+    # the whole variable, update, round). float16 keeps its own float16 arithmetic.
+    strategy = pv.MirroredStrategy(devices)
+    n = strategy.num_replicas_in_sync
+    vs, opt = _model(strategy, dtype, make_opt, shapes=shapes)
+    ref_vs, ref_opt = _model(strategy, dtype, make_opt, shapes=shapes)
+    # The reference takes the per-variable path with the arithmetic of before.
+    ref_opt._info = lambda v: (*opts.Optimizer._info(ref_opt, v)[:2], False)  # type: ignore[method-assign]
+    if np.dtype(dtype) != np.dtype(np.float16):
+        ref_opt._compute = (  # type: ignore[method-assign]
+            lambda v, s, g, hp: _widened_compute(ref_opt, v, s, g, hp)
+        )
+    rng = np.random.default_rng(14)
+    for _ in range(3):
+        per_replica = _grads(rng, n, dtype, shapes)
+
+        def step(grads: list[np.ndarray]) -> None:
+            opt.apply_gradients(zip(grads, vs, strict=True))
+
+        strategy.run(step, args=(pv.PerReplica(per_replica),))
+        reduced = [
+            add_n_by_device([(strategy.worker_devices[r], per_replica[r][i]) for r in range(n)])
+            for i in range(len(shapes))
+        ]
+        with strategy.scope():
+            ref_opt.distributed_apply(strategy, list(zip(reduced, ref_vs, strict=True)))
+    lines = _lines(opt)
+    assert lines.staging == [None] * n and lines._gather is not None
+    assert (opt._pv_transport._steady is not None) == (() not in shapes)
+    assert all(np.dtype(s.dtype) == np.dtype(dtype) for _, _, s in opt._checkpoint_slots())
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+
+
+@pytest.mark.parametrize("dtype", _narrow_dtypes()[1:2], ids=["bfloat16"])
+def test_narrow_float_gradient_buffers(dtype: Any) -> None:
+    # Gradient buffers of bfloat16 variables: written through a uint16 view (what torch's
+    # from_numpy accepts), summed on the fused path with the bits of plain arrays.
+    strategy = pv.MirroredStrategy(2)
+    vs, opt = _model(strategy, dtype, lambda: opts.Adam(0.01))
+    ref_vs, ref_opt = _model(strategy, dtype, lambda: opts.Adam(0.01))
+    with strategy.scope():
+        bufs = opt.gradient_buffers(vs)
+    assert all(b.dtype == np.dtype(dtype) for b in bufs.buffers(0).values())
+    rng = np.random.default_rng(15)
+    for _ in range(2):
+        per_replica = _grads(rng, 2, dtype)
+
+        def step(grads: list[np.ndarray]) -> None:
+            for view, g in zip(bufs.views(), grads, strict=True):
+                view.view(np.uint16)[...] = np.asarray(g).view(np.uint16)
+            opt.apply_gradients(bufs.grads_and_vars())
+
+        def ref_step(grads: list[np.ndarray]) -> None:
+            ref_opt.apply_gradients(zip(grads, ref_vs, strict=True))
+
+        strategy.run(step, args=(pv.PerReplica(per_replica),))
+        strategy.run(ref_step, args=(pv.PerReplica(per_replica),))
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))

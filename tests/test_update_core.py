@@ -131,3 +131,34 @@ def test_pack_lines_refuses_to_cast() -> None:
     layout = update_core.layout_lines(runs)
     with pytest.raises(TypeError):
         update_core.pack_lines(runs, layout, [np.ones(3), np.ones(4)], layout.buffers())
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # overflow to inf, on both sides
+def test_bfloat16_sums_in_float32_have_the_bits_of_its_own_addition() -> None:
+    # Every bfloat16 value (infinities, NaNs, subnormals included) against random partners:
+    # widened, added in float32 and rounded once is ml_dtypes' own addition, bit for bit.
+    import ml_dtypes
+
+    from parallelvars.update_core import UpdateScratch, _add
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    a = np.arange(1 << 16, dtype=np.uint16).view(bf16).reshape(1, -1)
+    sc = UpdateScratch(bf16)
+    assert sc.add_wide
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        b = rng.integers(0, 1 << 16, a.shape, dtype=np.uint16).view(bf16)
+        want = np.add(a, b)
+        got = np.empty_like(a)
+        _add(a, b, got, sc)
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    # NaN plus NaN (which one's sign and payload survives differs between loops), every size
+    # around numpy's vector widths.
+    nans = np.array([0x7FC0, 0xFFC0, 0x7F81, 0xFF81, 0x7FFF, 0xFFFF, 0x7F80, 0xFF80], np.uint16)
+    for n in range(1, 40):
+        for _ in range(10):
+            x = rng.choice(nans, (1, n)).view(bf16)
+            y = rng.choice(nans, (1, n)).view(bf16)
+            got = np.empty_like(x)
+            _add(x, y, got, sc)
+            assert np.array_equal(got.view(np.uint16), np.add(x, y).view(np.uint16))

@@ -282,8 +282,8 @@ class Optimizer(OptimizerState):
         gives the same buffers.
 
         Raises:
-            GradientError: a variable that is not a float16/32/64 variable with an arena
-                placement (sharded, bfloat16, ...): give those gradients as plain arrays.
+            GradientError: a variable that is not a float variable with an arena
+                placement (a sharded one): give those gradients as plain arrays.
         """
         replicas = _context.current_mode().strategy._local_replica_count()
         return self._pv_transport.buffers_for(list(var_list), replicas)
@@ -291,13 +291,14 @@ class Optimizer(OptimizerState):
     def _merged_apply(self, strategy: Any, grads: Any, global_step: Any) -> None:
         """The target of ``apply_gradients``' merge_call: the step, with the fused path.
 
-        Dense gradients of a float16/32/64 variable with an arena placement, of the variable's
+        Dense gradients of a float variable (any width) with an arena placement, of the variable's
         dtype and shape, take the fused path (see :mod:`parallelvars.optimizers._fused`): the
         update core reads each local replica's gradients as they are, block by block (or the
         user's :class:`GradientBuffers`, or, over several processes, flat buffers all-reduced
         in one call per dtype), and adds the local replicas in device order as it updates.
-        Every other gradient (sparse, another dtype, one object shared by every replica,
-        sharded or bfloat16 variables) goes through ``batch_reduce``, in the same step.
+        One array object that every replica gives is a term once per replica, on either path.
+        Every other gradient (sparse, another dtype, sharded or bfloat16 variables) goes
+        through ``batch_reduce``, in the same step.
         """
         parts: Sequence[ReplicaGradients] = (
             grads.values if isinstance(grads, PerReplica) else (grads,)
@@ -425,9 +426,7 @@ class Optimizer(OptimizerState):
                 found=dtype,
             )
         fast = (
-            not isinstance(var, ShardedVariable)
-            and var.placement is not None
-            and dtype in update_core.FAST_DTYPES
+            not isinstance(var, ShardedVariable) and var.placement is not None and _is_float(dtype)
         )
         info = (tuple(var.shape), dtype, fast)
         self._pv_info[id(var)] = (var, info)
@@ -647,19 +646,11 @@ class Optimizer(OptimizerState):
     def _compute(
         self, var2d: np.ndarray, slots2d: list[np.ndarray], g: np.ndarray, hp: Any
     ) -> None:
+        # The gradient is rounded to the variable's dtype first, on every path; bfloat16 and
+        # float8 are then computed in float32 block by block (see update_core.UpdateScratch).
         dt = var2d.dtype
-        if dt in update_core.FAST_DTYPES:
-            line = g.astype(dt, copy=False) if g.dtype != dt else g
-            update_core.apply_blocked(self._kernel, var2d, slots2d, line, hp, self._scratch(dt))
-            return
-        # numpy has no fast loops for bfloat16 / float8: compute in float32, store back.
-        f32 = np.dtype(np.float32)
-        v32 = var2d.astype(f32)
-        s32 = [s.astype(f32) for s in slots2d]
-        update_core.apply_blocked(self._kernel, v32, s32, g.astype(f32), hp, self._scratch(f32))
-        var2d[...] = v32.astype(dt)
-        for s, s_ in zip(slots2d, s32, strict=True):
-            s[...] = s_.astype(dt)
+        line = g.astype(dt, copy=False) if g.dtype != dt else g
+        update_core.apply_blocked(self._kernel, var2d, slots2d, line, hp, self._scratch(dt))
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._pv_name!r}>"

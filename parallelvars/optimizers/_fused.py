@@ -8,9 +8,12 @@ replicas block by block, in device order, right before its kernel uses each bloc
 :mod:`parallelvars.update_core`): the same bits as the per-variable sum, without a pass of its
 own over memory.
 
-A gradient qualifies when its variable is a float16/32/64 variable with an arena placement
+A gradient qualifies when its variable is a float variable (float16/32/64, bfloat16,
+float8) with an arena placement
 (the optimizer's ``_info`` says so) and every replica gave a plain array of the variable's dtype
-and shape, not all the same object. Its replicas' arrays reach the core in one of three forms:
+and shape (one array object that several replicas gave is a term of the sum once per replica
+that gave it, as the per-variable sum counts it). Its replicas' arrays reach the core in one of
+three forms:
 
 * as they are, gathered block by block inside the update (:func:`update_core.apply_gathered`),
   unless an array may share memory with what the step writes (:func:`_may_alias`);
@@ -377,7 +380,7 @@ class FusedTransport:
         for v in var_list:
             if not self._owner._info(v)[2]:
                 raise GradientError(
-                    "gradient buffers hold float16/32/64 variables with an arena placement",
+                    "gradient buffers hold float variables with an arena placement",
                     variable=v.name,
                     expected="a mirrored or single-device float variable",
                     found=f"{type(v).__name__} of {v.dtype}",
@@ -495,8 +498,10 @@ class FusedTransport:
         gradients at the candidate positions.
 
         A gradient qualifies when every replica gave a plain array of the variable's dtype and
-        shape and not every replica gave the same object (one shared value keeps the meaning
-        ``batch_reduce`` gives it). The common case is checked with C-level passes.
+        shape. One array object that several replicas (or all) gave is read once per replica
+        that gave it: a term of the sum each time, the per-variable path's meaning (it sums a
+        value every replica gave once per replica, in device order). The common case is
+        checked with C-level passes.
         ``listed``: each replica's gradients, already listed (every position a candidate).
         """
         cand = plan.candidates
@@ -513,7 +518,7 @@ class FusedTransport:
             and list(map(_dtype_of, g)) == plan.dtypes
             and all(map(operator.eq, map(_shape_of, g), plan.shapes))
             for g in picked
-        ) and (len(parts) == 1 or not any(map(operator.is_, picked[0], picked[1]))):
+        ):
             return cand, picked
         out = []
         for k, pos in enumerate(cand):
@@ -521,7 +526,7 @@ class FusedTransport:
             if all(
                 type(g) is np.ndarray and g.dtype == plan.dtypes[k] and g.shape == plan.shapes[k]
                 for g in gs
-            ) and not (len(gs) > 1 and all(g is gs[0] for g in gs)):
+            ):
                 out.append(pos)
         return tuple(out), picked
 
