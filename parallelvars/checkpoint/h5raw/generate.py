@@ -1,0 +1,525 @@
+"""The native layout's HDF5 metadata, generated from the structure without libhdf5.
+
+:class:`FilePlan` takes a checkpoint's structure (its variables, root attributes and the
+names of its JSON documents) and lays out a complete HDF5 file (``libver="latest"``: superblock
+version 3, version-2 object headers with checksums) deterministically:
+
+* the superblock, at 0;
+* every object header: the root group, the groups on the way to each variable, each
+  variable's group (its attributes, links to its component datasets and, when sharded, to the
+  virtual ``value``), each component dataset (contiguous, allocated, never filled), the
+  ``_parallelvars`` group and its documents (fixed-length strings with a ``crc32c``
+  attribute); every group keeps its links in its header (compact storage, the group info
+  message's phase change raised past 8 links) and its attributes too (the attribute phase
+  change raised past 8 attributes, as the writer asks libhdf5 to), a header too long for one
+  chunk continues in chunks of at most 4 KiB;
+* the global heap collections of the variable-length strings (one heap object per string
+  element, as libhdf5 writes them) and of the virtual datasets' mappings;
+* the data: every component at an 8-byte aligned offset, in the variables' order, then the
+  documents.
+
+What h5py and the HDF5 tools see is what the libhdf5 writer (``h5io/write.py``) makes of the same
+structure: the same groups, datasets, attributes, types, shapes and values. Components whose
+bytes the caller found equal may share one dataset (``Variable.shared``): the other names are
+hard links to it (its header then counts its links).
+
+The plan is made in two steps, because the documents (the index) record the components'
+offsets: ``FilePlan(...)`` lays out everything but the documents' data and gives
+:attr:`FilePlan.offsets`; :meth:`FilePlan.metadata` then takes the documents' capacities and
+the header values of this save (``created``, the documents' checksums...) and returns the
+metadata pieces to write and the documents' offsets. What it cannot express (bytes variables,
+dtypes without an HDF5 type of ours, an attribute message over 64 KiB) raises
+:class:`~.messages.Unsupported` when the plan is made: the caller writes that file through
+libhdf5.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from parallelvars._dtypes import dtype_name, is_extension_dtype
+from parallelvars._geometry import shard_bounds
+from parallelvars.checkpoint.h5raw import header as hdr
+from parallelvars.checkpoint.h5raw import messages as msg
+from parallelvars.checkpoint.h5raw.global_heap import build_collections
+from parallelvars.checkpoint.h5raw.lookup3 import lookup3, lookup3_many
+from parallelvars.checkpoint.h5raw.virtual import mapping
+
+__all__ = ["FilePlan", "Metadata", "Variable"]
+
+SUPERBLOCK_SIZE = 48
+_CHUNK = 4096  # the most bytes of messages in one object header chunk we write
+_MAX_MESSAGE = 0xFFFF
+_COMPACT_ATTRS = 8  # HDF5's default attribute phase change: 8 in the header ...
+_WIDE_ATTRS = 32  # ... the writer's for groups of more (see h5io/write.py)
+_DEFAULT_LINKS = 8  # HDF5's default link phase change (8 compact, 6 dense)
+# Kept in the index only (h5io/layout.py: _INDEX_ONLY_ATTRS).
+_INDEX_ONLY = frozenset({"name", "synchronization", "trainable"})
+
+
+@dataclass
+class Variable:
+    """One variable of the structure: what the index records of it (``attrs`` as the index
+    has them, the index-only ones included), and ``shared``: for each component, the component
+    whose dataset it is (itself, or an earlier one of the same shape whose bytes are equal)."""
+
+    path: str
+    kind: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    num_components: int
+    attrs: Mapping[str, Any]
+    shared: Sequence[int] | None = None
+
+
+@dataclass
+class Metadata:
+    """A generated file's metadata: the byte ``pieces`` ``(offset, bytes)`` to write (the
+    component data and the documents go between them), the file's size, and each document's
+    data offset."""
+
+    pieces: list[tuple[int, bytes]]
+    file_size: int
+    documents: dict[str, int]
+
+
+# ----------------------------------------------------------------------------- attributes
+@dataclass
+class _Attr:
+    """An attribute as the generator writes it: name, datatype and dataspace bodies, and its
+    data (fixed bytes) or its strings (variable-length: one heap object each)."""
+
+    name: str
+    dtype: bytes
+    space: bytes
+    data: bytes = b""
+    strings: list[bytes] | None = None
+
+    def size(self) -> int:
+        n = 16 * len(self.strings) if self.strings is not None else len(self.data)
+        return msg.attribute_data_offset(self.name, self.dtype, self.space) + n
+
+
+_VLEN_UTF8 = msg.datatype(msg.VlenString(utf8=True))
+_INT64 = msg.datatype(np.dtype("<i8"))
+_FLOAT64 = msg.datatype(np.dtype("<f8"))
+
+
+def encode_attribute(name: str, value: Any) -> _Attr:
+    """An attribute as h5py writes ``value`` once the layout writer has converted it
+    (``h5io/attributes.py``: ``_attr_value`` / ``_root_attr_value``)."""
+    if isinstance(value, str):
+        return _Attr(name, _VLEN_UTF8, msg.dataspace(()), strings=[value.encode("utf-8")])
+    if isinstance(value, np.bytes_ | bytes):
+        raw = bytes(value)
+        if not raw:
+            raise msg.Unsupported(f"attribute {name!r}: an empty fixed-length string")
+        return _Attr(name, msg.datatype(msg.FixedString(len(raw))), msg.dataspace(()), raw)
+    if isinstance(value, bool | np.bool_):
+        return _Attr(name, msg.datatype(np.dtype(bool)), msg.dataspace(()), bytes((bool(value),)))
+    if isinstance(value, np.int64):
+        return _Attr(name, _INT64, msg.dataspace(()), value.astype("<i8").tobytes())
+    if isinstance(value, np.float64):
+        return _Attr(name, _FLOAT64, msg.dataspace(()), value.astype("<f8").tobytes())
+    arr = np.asarray(value)
+    if arr.dtype.kind == "O":
+        if not all(isinstance(v, str) for v in arr.reshape(-1).tolist()):
+            raise msg.Unsupported(f"attribute {name!r}: objects that are not strings")
+        strings = [v.encode("utf-8") for v in arr.reshape(-1).tolist()]
+        return _Attr(name, _VLEN_UTF8, msg.dataspace(arr.shape), strings=strings)
+    if arr.dtype.kind == "S":
+        if arr.dtype.itemsize == 0:
+            raise msg.Unsupported(f"attribute {name!r}: empty fixed-length strings")
+        return _Attr(
+            name,
+            msg.datatype(msg.FixedString(arr.dtype.itemsize)),
+            msg.dataspace(arr.shape),
+            np.ascontiguousarray(arr).tobytes(),
+        )
+    if arr.dtype.kind in "biuf":
+        dt = arr.dtype
+        return _Attr(name, msg.datatype(dt), msg.dataspace(arr.shape), arr.tobytes())
+    raise msg.Unsupported(f"attribute {name!r} of type {type(value).__name__}")
+
+
+def _storage_type(dt: np.dtype) -> bytes:
+    """The HDF5 type of a component of dtype ``dt`` (``h5io/layout.py``: ``_storage_dtype``)."""
+    if dt.kind == "O":
+        raise msg.Unsupported("byte-string variables (their values live in the global heap)")
+    if is_extension_dtype(dt):
+        return msg.datatype(msg.Opaque(dt.itemsize, f"NUMPY:|V{dt.itemsize}"))
+    return msg.datatype(dt.newbyteorder("<") if dt.byteorder == ">" else dt)
+
+
+# ----------------------------------------------------------------------------- objects
+@dataclass
+class _Dataset:
+    dtype: bytes
+    shape: tuple[int, ...]
+    fill: bytes
+    nbytes: int = 0  # contiguous data (its offset is assigned with the data)
+    mapping: bytes | None = None  # a virtual dataset's mapping (a heap object)
+    document: str | None = None  # a metadata document: its data comes last
+    attrs: list[_Attr] = field(default_factory=list)
+    links: int = 1  # hard links to it
+    offset: int = -1  # data offset (-1: none)
+    address: int = -1
+    heap_ref: tuple[int, int] = (0, 0)
+
+
+@dataclass
+class _Group:
+    attrs: list[_Attr] = field(default_factory=list)
+    links: list[tuple[bytes, Any]] = field(default_factory=list)  # (name, _Group | _Dataset)
+    children: dict[str, _Group] = field(default_factory=dict)
+    address: int = -1
+
+
+class FilePlan:
+    """The layout of one native file (see the module docstring)."""
+
+    def __init__(
+        self,
+        variables: Sequence[Variable],
+        *,
+        root_attrs: Mapping[str, Any],
+        documents: Sequence[str] = (),
+        align: int = 8,
+    ) -> None:
+        self._root = _Group()
+        self._root.attrs = [encode_attribute(k, v) for k, v in root_attrs.items()]
+        self._root_values = {a.name: i for i, a in enumerate(self._root.attrs)}
+        self._datasets: list[_Dataset] = []
+        self._documents: dict[str, _Dataset] = {}
+        self._doc_groups: dict[str, _Group] = {}
+        # the offsets of each variable's components, in order (None: no data)
+        self.offsets: dict[str, list[int | None]] = {}
+        self._components: list[tuple[str, list[_Dataset]]] = []
+        for var in variables:
+            self._add_variable(var)
+        for name in documents:
+            path = name.split("/")
+            group = self._group_of(path[:-1])
+            ds = _Dataset(msg.datatype(msg.FixedString(1)), (), msg.FILL_LATE_IFSET, document=name)
+            ds.attrs = [encode_attribute("crc32c", np.int64(0))]
+            group.links.append((path[-1].encode("utf-8"), ds))
+            self._documents[name] = ds
+            self._datasets.append(ds)
+        self._layout(align)
+
+    # ------------------------------------------------------------------ structure
+    def _group_of(self, parts: Sequence[str]) -> _Group:
+        group = self._root
+        for part in parts:
+            child = group.children.get(part)
+            if child is None:
+                child = group.children[part] = _Group()
+                group.links.append((part.encode("utf-8"), child))
+            group = child
+        return group
+
+    def _add_variable(self, var: Variable) -> None:
+        dt = np.dtype(var.dtype)
+        storage = _storage_type(dt)
+        shape = tuple(int(d) for d in var.shape)
+        n = int(var.num_components)
+        group = self._group_of(var.path.split("/"))
+        if group.attrs:
+            raise ValueError(f"{var.path!r} is written twice")
+        values: dict[str, Any] = {
+            "kind": var.kind,
+            "dtype": dtype_name(dt),
+            "shape": np.asarray(shape, np.int64) if shape else np.zeros(0, np.int64),
+            "num_components": np.int64(n),
+        }
+        from parallelvars.checkpoint.h5io.attributes import _attr_value
+
+        for key, value in dict(var.attrs).items():
+            if value is None or key in values or key in _INDEX_ONLY:
+                continue
+            values[key] = _attr_value(value)
+        group.attrs = [encode_attribute(k, v) for k, v in values.items()]
+        if var.kind == "sharded" and n:
+            axis = int(var.attrs["shard_axis"])
+            bounds = shard_bounds(var.attrs["shard_offsets"], shape[axis])
+            shapes = [
+                tuple(bounds[i + 1] - bounds[i] if k == axis else d for k, d in enumerate(shape))
+                for i in range(n)
+            ]
+        else:
+            shapes = [shape] * n
+        shared = list(var.shared) if var.shared is not None else list(range(n))
+        made: list[_Dataset] = []
+        offsets: list[_Dataset] = []
+        for i in range(n):
+            j = shared[i]
+            if j == i:
+                nbytes = math.prod(shapes[i]) * dt.itemsize
+                ds = _Dataset(storage, shapes[i], msg.FILL_EARLY_NEVER, nbytes=nbytes)
+                self._datasets.append(ds)
+            else:
+                if not 0 <= j < i or shared[j] != j or shapes[j] != shapes[i]:
+                    raise ValueError(
+                        f"{var.path!r}: component {i} cannot share component {j}'s dataset"
+                    )
+                ds = made[j]
+                ds.links += 1
+            made.append(ds)
+            offsets.append(ds)
+            group.links.append((_component_name(i).encode(), ds))
+        if var.kind == "sharded" and n:
+            sources = [f"/{var.path}/{_component_name(i)}" for i in range(n)]
+            vds = _Dataset(
+                storage,
+                shape,
+                msg.FILL_INCREMENTAL_IFSET,
+                mapping=mapping(sources, shape, axis, bounds),
+            )
+            self._datasets.append(vds)
+            group.links.append((b"value", vds))
+        self._components.append((var.path, offsets))
+
+    # ------------------------------------------------------------------ layout
+    def _layout(self, align: int) -> None:
+        # 1. every header's size (addresses and offsets have fixed widths)
+        groups: list[_Group] = []
+        stack = [self._root]
+        while stack:
+            g = stack.pop()
+            groups.append(g)
+            stack.extend(reversed(list(g.children.values())))
+        self._groups = groups
+        at = SUPERBLOCK_SIZE
+        for g in groups:
+            g.address = at
+            at += len(self._encode_group(g)[0])
+        for ds in self._datasets:
+            ds.address = at
+            at += len(self._encode_dataset(ds)[0])
+        # 2. the global heap: every string of every attribute, then the mappings
+        strings: list[bytes] = []
+        owners: list[tuple[_Attr, int]] = []
+        for obj in [*groups, *self._datasets]:
+            for a in obj.attrs:
+                if a.strings is not None:
+                    owners.append((a, len(strings)))
+                    strings.extend(a.strings)
+        maps = [ds for ds in self._datasets if ds.mapping is not None]
+        objects = strings + [ds.mapping or b"" for ds in maps]
+        lengths = np.fromiter(map(len, objects), np.int64, len(objects))
+        heap, addrs, index = build_collections(b"".join(objects), lengths, at)
+        self._heap = (at, heap.tobytes())
+        self._refs = (lengths, addrs, index)
+        self._owners = owners
+        for k, ds in enumerate(maps):
+            ds.heap_ref = (int(addrs[len(strings) + k]), int(index[len(strings) + k]))
+        at += heap.size
+        self.metadata_size = at
+        # 3. the data
+        data = at
+        for path, comps in self._components:
+            offs: list[int | None] = []
+            for ds in comps:
+                if ds.offset < 0 and ds.nbytes:
+                    data = -(-data // align) * align
+                    ds.offset = data
+                    data += ds.nbytes
+                offs.append(ds.offset if ds.offset >= 0 else None)
+            self.offsets[path] = offs
+        self.data_end = data
+
+    # ------------------------------------------------------------------ encoding
+    def _attr_message(self, a: _Attr) -> bytes:
+        data = a.data if a.strings is None else self._string_refs(a)
+        body = msg.attribute(a.name, a.dtype, a.space, data)
+        if len(body) > _MAX_MESSAGE:
+            raise msg.Unsupported(f"attribute {a.name!r} of {len(body)} bytes (64 KiB at most)")
+        return body
+
+    def _string_refs(self, a: _Attr) -> bytes:
+        refs = getattr(self, "_refs", None)
+        assert a.strings is not None
+        if refs is None:
+            return bytes(16 * len(a.strings))
+        lengths, addrs, index = refs
+        first = self._ref_start[id(a)]
+        out = bytearray()
+        for k in range(len(a.strings)):
+            out += int(lengths[first + k]).to_bytes(4, "little")
+            out += int(addrs[first + k]).to_bytes(8, "little")
+            out += int(index[first + k]).to_bytes(4, "little")
+        return bytes(out)
+
+    def _encode_group(self, g: _Group) -> tuple[bytes, list[tuple[int, int]]]:
+        messages: list[tuple[int, int, bytes]] = []
+        nlinks = len(g.links)
+        phase = None if nlinks <= _DEFAULT_LINKS else (nlinks, max(nlinks - 2, 0))
+        messages.append((hdr.LINK_INFO, 0, msg.link_info()))
+        messages.append((hdr.GROUP_INFO, 1, msg.group_info(phase)))
+        if g.attrs:
+            messages.append((hdr.ATTRIBUTE_INFO, 4, msg.attribute_info()))
+        messages += [(hdr.ATTRIBUTE, 0, self._attr_message(a)) for a in g.attrs]
+        messages += [(hdr.LINK, 0, msg.hard_link(name, max(t.address, 0))) for name, t in g.links]
+        attr_phase = (
+            None
+            if len(g.attrs) <= _COMPACT_ATTRS
+            else (max(_WIDE_ATTRS, len(g.attrs)), max(_WIDE_ATTRS, len(g.attrs)) - 2)
+        )
+        return _encode_chunked(messages, attr_phase, g.address)
+
+    def _encode_dataset(self, ds: _Dataset) -> tuple[bytes, list[tuple[int, int]]]:
+        messages: list[tuple[int, int, bytes]] = [
+            (hdr.DATASPACE, 0, msg.dataspace(ds.shape)),
+            (hdr.DATATYPE, 1, ds.dtype),
+            (hdr.FILL_VALUE, 1, ds.fill),
+        ]
+        if ds.mapping is not None:
+            messages.append((hdr.LAYOUT, 0, msg.virtual_layout(*ds.heap_ref)))
+        elif ds.document is not None:
+            capacity = self._capacities.get(ds.document, 1) if hasattr(self, "_capacities") else 1
+            messages[1] = (hdr.DATATYPE, 1, msg.datatype(msg.FixedString(capacity)))
+            messages.append((hdr.LAYOUT, 0, msg.contiguous_layout(max(ds.offset, 0), capacity)))
+        elif ds.nbytes:
+            messages.append((hdr.LAYOUT, 1, msg.contiguous_layout(max(ds.offset, 0), ds.nbytes)))
+        else:
+            messages.append((hdr.LAYOUT, 0, msg.contiguous_layout(msg.UNDEF, 0)))
+        if ds.links > 1:
+            messages.append((hdr.REFCOUNT, 0, msg.refcount(ds.links)))
+        if ds.attrs:
+            messages.append((hdr.ATTRIBUTE_INFO, 4, msg.attribute_info()))
+            messages += [(hdr.ATTRIBUTE, 0, self._attr_message(a)) for a in ds.attrs]
+        return _encode_chunked(messages, None, ds.address)
+
+    def metadata(
+        self,
+        capacities: Mapping[str, int] | None = None,
+        values: Mapping[str, Any] | None = None,
+        document_checksums: Mapping[str, int] | None = None,
+    ) -> Metadata:
+        """The file's metadata with the documents' ``capacities`` (bytes), the root
+        attributes ``values`` (those given at construction, of the same types) and the
+        documents' ``crc32c`` attributes."""
+        self._capacities = dict(capacities or {})
+        for name, value in dict(values or {}).items():
+            i = self._root_values[name]
+            new = encode_attribute(name, value)
+            old = self._root.attrs[i]
+            if (new.dtype, new.space, new.size()) != (old.dtype, old.space, old.size()):
+                raise ValueError(f"root attribute {name!r} changed its type")
+            if new.strings != old.strings:
+                raise ValueError(f"root attribute {name!r}: a string changed")
+            self._root.attrs[i] = new
+        at = self.data_end
+        documents: dict[str, int] = {}
+        for name, ds in self._documents.items():
+            ds.offset = at
+            documents[name] = at
+            at += self._capacities.get(name, 1)
+            crc = int((document_checksums or {}).get(name, 0))
+            ds.attrs = [encode_attribute("crc32c", np.int64(crc))]
+        file_size = max(at, self.metadata_size)
+        self._ref_start = {id(a): first for a, first in self._owners}
+        pieces: list[tuple[int, bytes, list[tuple[int, int]]]] = [
+            (0, _superblock(file_size, self._root.address), [])
+        ]
+        for g in self._groups:
+            pieces.append((g.address, *self._encode_group(g)))
+        for ds in self._datasets:
+            pieces.append((ds.address, *self._encode_dataset(ds)))
+        pieces.append((*self._heap, []))
+        return Metadata(_with_checksums(pieces), file_size, documents)
+
+
+def _component_name(i: int) -> str:
+    return "primary" if i == 0 else f"parallel_component_{i}"
+
+
+def _superblock(eof: int, root: int) -> bytes:
+    """Superblock version 3: 8-byte addresses and lengths, no extension, closed."""
+    body = (
+        b"\x89HDF\r\n\x1a\n\x03\x08\x08\x00"
+        + (0).to_bytes(8, "little")
+        + msg.UNDEF.to_bytes(8, "little")
+        + eof.to_bytes(8, "little")
+        + root.to_bytes(8, "little")
+    )
+    return body + lookup3(body).to_bytes(4, "little")
+
+
+_PENDING = b"\x00\x00\x00\x00"  # a checksum still to compute (see _with_checksums)
+
+
+def _encode_chunked(
+    messages: list[tuple[int, int, bytes]], phase: tuple[int, int] | None, address: int
+) -> tuple[bytes, list[tuple[int, int]]]:
+    """A version-2 object header at ``address`` holding ``messages``: one chunk, or for a
+    long header chunk 0 with continuation messages to further chunks (each at most
+    ``_CHUNK`` bytes of messages) laid right after it, and each chunk's (start, checksum
+    offset) in the header. Checksums are left zero: every chunk's is computed at the end, for
+    all headers at once."""
+    bodies = [hdr.message_head(t, len(b), f) + b for t, f, b in messages]
+    total = sum(map(len, bodies))
+    if total <= _CHUNK:
+        head = hdr.prefix_v2(total, phase_change=phase)
+        return head + b"".join(bodies) + _PENDING, [(0, len(head) + total)]
+    # group the messages into chunks; chunk 0 holds the continuation messages
+    chunks: list[list[bytes]] = [[]]
+    size = 0
+    for b in bodies:
+        if size + len(b) > _CHUNK and chunks[-1]:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(b)
+        size += len(b)
+    cont = 4 + 16  # a continuation message with its head
+    first = chunks[0]
+    rest = chunks[1:]
+    # chunk 0: its own messages plus one continuation message per further chunk
+    size0 = sum(map(len, first)) + cont * len(rest)
+    head = hdr.prefix_v2(size0, phase_change=phase)
+    at = address + len(head) + size0 + 4
+    conts = []
+    tails = []
+    spans = [(0, len(head) + size0)]
+    for chunk in rest:
+        length = 4 + sum(map(len, chunk)) + 4  # signature, messages, checksum
+        conts.append(
+            hdr.message_head(hdr.CONTINUATION, 16)
+            + at.to_bytes(8, "little")
+            + length.to_bytes(8, "little")
+        )
+        tails.append(hdr.CONTINUATION_SIGNATURE + b"".join(chunk) + _PENDING)
+        spans.append((at - address, at - address + length - 4))
+        at += length
+    data = head + b"".join(first) + b"".join(conts) + _PENDING + b"".join(tails)
+    return data, spans
+
+
+def _with_checksums(
+    pieces: list[tuple[int, bytes, list[tuple[int, int]]]],
+) -> list[tuple[int, bytes]]:
+    """The pieces ``(offset, bytes, chunks)`` with every object header chunk's checksum
+    computed (all chunks at once, vectorised)."""
+    spans: list[tuple[int, int]] = []
+    base = 0
+    for _off, data, chunks in pieces:
+        spans += [(base + start, base + end) for start, end in chunks]
+        base += len(data)
+    image = np.frombuffer(b"".join(d for _, d, _ in pieces), np.uint8).copy()
+    sums = lookup3_many(image, spans)
+    at = np.array([e for _, e in spans], np.int64)[:, None] + np.arange(4)
+    image[at.reshape(-1)] = sums.astype("<u4").view(np.uint8)
+    if all(a[0] + len(a[1]) == b[0] for a, b in itertools.pairwise(pieces)):
+        return [(pieces[0][0], image.tobytes())]  # one contiguous piece
+    out = []
+    base = 0
+    for off, data, _ in pieces:
+        out.append((off, image[base : base + len(data)].tobytes()))
+        base += len(data)
+    return out
