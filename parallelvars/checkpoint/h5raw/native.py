@@ -154,7 +154,7 @@ def _write_components(
     between them are the file's zeros, left by ``ftruncate``)."""
     placed = sorted(
         {
-            (off, id(c)): (off, c)
+            off: (off, c)
             for e, cs in zip(items, comps, strict=True)
             for off, c in zip(plan.offsets[e.path], cs, strict=True)
             if off is not None and c.nbytes
