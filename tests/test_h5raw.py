@@ -110,7 +110,8 @@ def test_global_heap_collections_round_trip() -> None:
     parsed: dict[int, dict[int, bytes]] = {}
     for i, o in enumerate(objects):
         a = int(addrs[i])
-        parsed.setdefault(a, parse_collection(src, a, 8))
+        if a not in parsed:
+            parsed[a] = parse_collection(src, a, 8)
         assert parsed[a][int(index[i])] == o
     assert len(parsed) == 3
 
@@ -167,7 +168,9 @@ def structures(draw: st.DrawFn) -> list[SaveRecord]:
         attrs["aggregation"] = "sum" if kind == "on_read" else "none"
         if kind == "sharded":
             axis = draw(st.integers(0, len(shape) - 1))
-            cuts = sorted(draw(st.lists(st.integers(0, shape[axis]), min_size=n - 1, max_size=n - 1)))
+            cuts = sorted(
+                draw(st.lists(st.integers(0, shape[axis]), min_size=n - 1, max_size=n - 1))
+            )
             attrs["shard_axis"] = axis
             attrs["shard_offsets"] = [0, *cuts]
             bounds = [0, *cuts, shape[axis]]
@@ -300,7 +303,12 @@ def check_same(tmp_path, records: list[SaveRecord], share: bool) -> None:
         assert list(ra) == list(rb)
         for name in ra:
             va, vb = ra[name], rb[name]
-            assert (va.kind, va.dtype, va.shape, va.attrs) == (vb.kind, vb.dtype, vb.shape, vb.attrs)
+            assert (va.kind, va.dtype, va.shape, va.attrs) == (
+                vb.kind,
+                vb.dtype,
+                vb.shape,
+                vb.attrs,
+            )
             assert va.stored_checksums == vb.stored_checksums
             for i in range(va.num_components):
                 assert va.component(i).tobytes() == vb.component(i).tobytes()
@@ -327,7 +335,9 @@ def test_mirrored_components_stored_once_are_hard_links(tmp_path) -> None:
 
 def test_wide_groups_continue_in_chunks_and_read_the_same(tmp_path) -> None:
     records = [
-        SaveRecord("single", [np.full(3, k, np.int32)], (3,), {"devices": ["cpu:0"]}, path=f"m/v{k}")
+        SaveRecord(
+            "single", [np.full(3, k, np.int32)], (3,), {"devices": ["cpu:0"]}, path=f"m/v{k}"
+        )
         for k in range(700)
     ]
     a, b = both(tmp_path, records)
@@ -345,9 +355,7 @@ def test_what_the_generator_cannot_express_is_said(tmp_path) -> None:
     with pytest.raises(Unsupported, match="byte-string"):
         write_native(str(tmp_path / "t.h5"), [text])
     with pytest.raises(Unsupported, match="dtype"):
-        FilePlan(
-            [Variable("x", "single", np.dtype("M8[s]"), (1,), 1, {})], root_attrs={}
-        )
+        FilePlan([Variable("x", "single", np.dtype("M8[s]"), (1,), 1, {})], root_attrs={})
 
 
 @pytest.mark.skipif(shutil.which("h5dump") is None, reason="the HDF5 tools are not installed")
@@ -368,10 +376,8 @@ def test_the_hdf5_tools_read_generated_files(tmp_path) -> None:
     dump = subprocess.run(["h5dump", gen], capture_output=True, text=True, check=True).stdout
     assert 'VIRTUAL DATASET "value"' in dump or 'DATASET "value"' in dump
     assert "(2,0): 1, 1" in dump and 'ATTRIBUTE "shard_offsets"' in dump
-    assert 'DATATYPE  H5T_OPAQUE' in dump
-    listing = subprocess.run(
-        ["h5ls", "-r", gen], capture_output=True, text=True, check=True
-    ).stdout
+    assert "DATATYPE  H5T_OPAQUE" in dump
+    listing = subprocess.run(["h5ls", "-r", gen], capture_output=True, text=True, check=True).stdout
     assert "/model/e/value           Dataset {3, 2}" in listing
     assert "/model/h/primary         Dataset, same as /model/h/parallel_component_1" in listing or (
         "/model/h/parallel_component_1 Dataset, same as /model/h/primary" in listing

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,6 +149,59 @@ def encode_attribute(name: str, value: Any) -> _Attr:
     raise msg.Unsupported(f"attribute {name!r} of type {type(value).__name__}")
 
 
+_ROW_STRING = "slot_of"  # the one group attribute that differs between most variables
+
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` as a hashable key (lists and dicts as tuples, arrays by dtype and bytes)."""
+    if type(value) is dict:  # the common case first: scalars and lists of strings
+        out = []
+        for k, v in value.items():
+            t = type(v)
+            if t in _SCALARS:
+                out.append((k, t, v))
+            elif t is list and all(type(x) is str for x in v):
+                out.append((k, "strs", *v))
+            else:
+                out.append((k, _frozen(v)))
+        return tuple(out)
+    if isinstance(value, dict):
+        return tuple((k, _frozen(v)) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return (type(value).__name__, *map(_frozen, value))
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.dtype.str, value.shape, value.tobytes())
+    return (type(value).__name__, value)
+
+
+def _signature(
+    kind: str, dt: np.dtype, shape: tuple[int, ...], n: int, attrs: dict[str, Any]
+) -> _Signature:
+    """The attributes a variable's group gets (``h5io/write.py``: ``_write_group``)."""
+    from parallelvars.checkpoint.h5io.attributes import _attr_value
+
+    values: dict[str, Any] = {
+        "kind": kind,
+        "dtype": dtype_name(dt),
+        "shape": np.zeros(len(shape), np.int64),
+        "num_components": np.int64(n),
+    }
+    for key, value in attrs.items():
+        if value is None or key in values or key in _INDEX_ONLY:
+            continue
+        values[key] = _attr_value(value)
+    names = list(values)
+    return _Signature(
+        [encode_attribute(k, v) for k, v in values.items()],
+        names.index("shape"),
+        names.index(_ROW_STRING) if _ROW_STRING in values else None,
+        len(shape),
+    )
+
+
 def _storage_type(dt: np.dtype) -> bytes:
     """The HDF5 type of a component of dtype ``dt`` (``h5io/layout.py``: ``_storage_dtype``)."""
     if dt.kind == "O":
@@ -179,6 +233,45 @@ class _Group:
     links: list[tuple[bytes, Any]] = field(default_factory=list)  # (name, _Group | _Dataset)
     children: dict[str, _Group] = field(default_factory=dict)
     address: int = -1
+    # A variable's group: its signature (what its header has in common with other variables'),
+    # its shape and its per-row string (``slot_of``); its attributes are made only when the
+    # group is written the general way (it has child groups too).
+    sig: _Signature | None = None
+    shape: tuple[int, ...] = ()
+    row_string: bytes | None = None
+    first_string: int = -1  # its first string's number among the heap objects
+
+
+@dataclass
+class _Signature:
+    """What the variables of one layout share: their attributes but the shape and the row
+    string, in order (``row_at``: the row string's attribute, ``shape_at``: the shape's)."""
+
+    attrs: list[_Attr]
+    shape_at: int
+    row_at: int | None
+    ndim: int
+    template: tuple[bytes, list[tuple[int, int]], list[tuple[int, int]]] | None = None
+
+    def materialize(self, shape: tuple[int, ...], row: bytes | None) -> list[_Attr]:
+        out = list(self.attrs)
+        a = out[self.shape_at]
+        out[self.shape_at] = _Attr(
+            a.name, a.dtype, a.space, np.asarray(shape, "<i8").tobytes() if shape else b""
+        )
+        if self.row_at is not None:
+            b = out[self.row_at]
+            out[self.row_at] = _Attr(b.name, b.dtype, b.space, strings=[row or b""])
+        return out
+
+    def strings(self, row: bytes | None) -> list[bytes]:
+        out: list[bytes] = []
+        for k, a in enumerate(self.attrs):
+            if k == self.row_at:
+                out.append(row or b"")
+            elif a.strings is not None:
+                out.extend(a.strings)
+        return out
 
 
 class FilePlan:
@@ -201,6 +294,11 @@ class FilePlan:
         # the offsets of each variable's components, in order (None: no data)
         self.offsets: dict[str, list[int | None]] = {}
         self._components: list[tuple[str, list[_Dataset]]] = []
+        self._signatures: dict[Any, _Signature] = {}
+        self._dataset_templates: dict[
+            Any, tuple[bytes, list[tuple[int, int]], list[tuple[int, int]]]
+        ] = {}
+        self._fill: int | None = None  # encoding a template: the byte every field is made of
         for var in variables:
             self._add_variable(var)
         for name in documents:
@@ -230,21 +328,27 @@ class FilePlan:
         shape = tuple(int(d) for d in var.shape)
         n = int(var.num_components)
         group = self._group_of(var.path.split("/"))
-        if group.attrs:
+        if group.attrs or group.sig is not None:
             raise ValueError(f"{var.path!r} is written twice")
-        values: dict[str, Any] = {
-            "kind": var.kind,
-            "dtype": dtype_name(dt),
-            "shape": np.asarray(shape, np.int64) if shape else np.zeros(0, np.int64),
-            "num_components": np.int64(n),
-        }
-        from parallelvars.checkpoint.h5io.attributes import _attr_value
-
-        for key, value in dict(var.attrs).items():
-            if value is None or key in values or key in _INDEX_ONLY:
-                continue
-            values[key] = _attr_value(value)
-        group.attrs = [encode_attribute(k, v) for k, v in values.items()]
+        attrs = dict(var.attrs)
+        row = attrs.get(_ROW_STRING)
+        if row is not None and not isinstance(row, str):
+            raise msg.Unsupported(f"attribute {_ROW_STRING!r} that is not a string")
+        key = (
+            var.kind,
+            dt,
+            len(shape),
+            n,
+            None if var.shared is None else tuple(var.shared),
+            row is None,
+            _frozen({k: v for k, v in attrs.items() if k != _ROW_STRING}),
+        )
+        sig = self._signatures.get(key)
+        if sig is None:
+            sig = self._signatures[key] = _signature(var.kind, dt, shape, n, attrs)
+        group.sig = sig
+        group.shape = shape
+        group.row_string = None if row is None else row.encode("utf-8")
         if var.kind == "sharded" and n:
             axis = int(var.attrs["shard_axis"])
             bounds = shard_bounds(var.attrs["shard_offsets"], shape[axis])
@@ -297,14 +401,21 @@ class FilePlan:
         self._groups = groups
         at = SUPERBLOCK_SIZE
         for g in groups:
+            if g.sig is not None and g.children:  # a variable that is also a parent
+                g.attrs = g.sig.materialize(g.shape, g.row_string)
+                g.sig = None
             g.address = at
-            at += len(self._encode_group(g)[0])
+            at += len(self._group_template(g)[0] if g.sig is not None else self._encode_group(g)[0])
         for ds in self._datasets:
             ds.address = at
-            at += len(self._encode_dataset(ds)[0])
+            at += len(self._dataset_bytes(ds)[0])
         # 2. the global heap: every string of every attribute, then the mappings
         strings: list[bytes] = []
         owners: list[tuple[_Attr, int]] = []
+        for g in groups:
+            if g.sig is not None:
+                g.first_string = len(strings)
+                strings += g.sig.strings(g.row_string)
         for obj in [*groups, *self._datasets]:
             for a in obj.attrs:
                 if a.strings is not None:
@@ -315,7 +426,11 @@ class FilePlan:
         lengths = np.fromiter(map(len, objects), np.int64, len(objects))
         heap, addrs, index = build_collections(b"".join(objects), lengths, at)
         self._heap = (at, heap.tobytes())
-        self._refs = (lengths, addrs, index)
+        refs = np.zeros((len(objects), 16), np.uint8)
+        refs[:, 0:4] = lengths.astype("<u4").view(np.uint8).reshape(-1, 4)
+        refs[:, 4:12] = addrs.astype("<u8").view(np.uint8).reshape(-1, 8)
+        refs[:, 12:16] = index.astype("<u4").view(np.uint8).reshape(-1, 4)
+        self._refs = refs.tobytes()
         self._owners = owners
         for k, ds in enumerate(maps):
             ds.heap_ref = (int(addrs[len(strings) + k]), int(index[len(strings) + k]))
@@ -343,18 +458,78 @@ class FilePlan:
         return body
 
     def _string_refs(self, a: _Attr) -> bytes:
-        refs = getattr(self, "_refs", None)
         assert a.strings is not None
-        if refs is None:
-            return bytes(16 * len(a.strings))
-        lengths, addrs, index = refs
+        refs: bytes | None = getattr(self, "_refs", None)
+        if self._fill is not None or refs is None:
+            return bytes((self._fill or 0,)) * (16 * len(a.strings))
         first = self._ref_start[id(a)]
-        out = bytearray()
-        for k in range(len(a.strings)):
-            out += int(lengths[first + k]).to_bytes(4, "little")
-            out += int(addrs[first + k]).to_bytes(8, "little")
-            out += int(index[first + k]).to_bytes(4, "little")
-        return bytes(out)
+        return refs[16 * first : 16 * (first + len(a.strings))]
+
+    # ------------------------------------------------------------------ templates
+    def _group_template(
+        self, g: _Group
+    ) -> tuple[bytes, list[tuple[int, int]], list[tuple[int, int]]]:
+        """A variable group's header with its fields (shape, string references, link
+        addresses) zero, its chunks, and where the fields are: found by encoding it with
+        every field's bytes 0x00 and then 0xFF (once per signature)."""
+        sig = g.sig
+        assert sig is not None
+        if sig.template is None:
+            made = []
+            for fill in (0x00, 0xFF):
+                self._fill = fill
+                try:
+                    attrs = sig.materialize((), b"")
+                    a = attrs[sig.shape_at]
+                    attrs[sig.shape_at] = _Attr(
+                        a.name, a.dtype, a.space, bytes((fill,)) * (8 * sig.ndim)
+                    )
+                    made.append(self._encode_group(_Group(attrs=attrs, links=g.links)))
+                finally:
+                    self._fill = None
+            sig.template = (made[0][0], made[0][1], _runs(made[0][0], made[1][0]))
+        return sig.template
+
+    def _variable_group(self, g: _Group) -> bytes:
+        """A variable group's header: its signature's template with its fields put in."""
+        sig = g.sig
+        assert sig is not None and sig.template is not None
+        data, _chunks, runs = sig.template
+        refs = self._refs
+        first = 16 * g.first_string
+        parts = []
+        at = first
+        for k, a in enumerate(sig.attrs):
+            if k == sig.shape_at:
+                parts.append(struct.pack(f"<{len(g.shape)}q", *g.shape))
+            elif a.strings is not None:
+                parts.append(refs[at : at + 16 * len(a.strings)])
+                at += 16 * len(a.strings)
+        parts.append(struct.pack(f"<{len(g.links)}Q", *[t.address for _, t in g.links]))
+        return _put(data, runs, b"".join(parts))
+
+    def _dataset_bytes(self, ds: _Dataset) -> tuple[bytes, list[tuple[int, int]]]:
+        """A dataset's header: a component's from the template of its kind, others encoded."""
+        if ds.mapping is not None or ds.document is not None or ds.attrs:
+            return self._encode_dataset(ds)
+        key = (ds.dtype, len(ds.shape), ds.nbytes > 0, ds.links, ds.fill)
+        tmpl = self._dataset_templates.get(key)
+        if tmpl is None:
+            made = []
+            for fill in (0, (1 << 64) - 1):
+                proto = _Dataset(ds.dtype, (fill,) * len(ds.shape), ds.fill, links=ds.links)
+                proto.nbytes, proto.offset = (fill or 1, fill) if ds.nbytes else (0, -1)
+                made.append(self._encode_dataset(proto, size=fill if ds.nbytes else None))
+            tmpl = (made[0][0], made[0][1], _runs(made[0][0], made[1][0]))
+            self._dataset_templates[key] = tmpl
+        data, chunks, runs = tmpl
+        if not runs:
+            return data, chunks
+        dims = struct.pack(f"<{len(ds.shape)}Q", *ds.shape)
+        fields = (
+            dims + dims + (struct.pack("<QQ", max(ds.offset, 0), ds.nbytes) if ds.nbytes else b"")
+        )
+        return _put(data, runs, fields), chunks
 
     def _encode_group(self, g: _Group) -> tuple[bytes, list[tuple[int, int]]]:
         messages: list[tuple[int, int, bytes]] = []
@@ -365,7 +540,17 @@ class FilePlan:
         if g.attrs:
             messages.append((hdr.ATTRIBUTE_INFO, 4, msg.attribute_info()))
         messages += [(hdr.ATTRIBUTE, 0, self._attr_message(a)) for a in g.attrs]
-        messages += [(hdr.LINK, 0, msg.hard_link(name, max(t.address, 0))) for name, t in g.links]
+        fill = self._fill
+        messages += [
+            (
+                hdr.LINK,
+                0,
+                msg.hard_link(
+                    name, max(t.address, 0) if fill is None else fill * 0x0101010101010101
+                ),
+            )
+            for name, t in g.links
+        ]
         attr_phase = (
             None
             if len(g.attrs) <= _COMPACT_ATTRS
@@ -373,7 +558,9 @@ class FilePlan:
         )
         return _encode_chunked(messages, attr_phase, g.address)
 
-    def _encode_dataset(self, ds: _Dataset) -> tuple[bytes, list[tuple[int, int]]]:
+    def _encode_dataset(
+        self, ds: _Dataset, *, size: int | None = None
+    ) -> tuple[bytes, list[tuple[int, int]]]:
         messages: list[tuple[int, int, bytes]] = [
             (hdr.DATASPACE, 0, msg.dataspace(ds.shape)),
             (hdr.DATATYPE, 1, ds.dtype),
@@ -386,7 +573,8 @@ class FilePlan:
             messages[1] = (hdr.DATATYPE, 1, msg.datatype(msg.FixedString(capacity)))
             messages.append((hdr.LAYOUT, 0, msg.contiguous_layout(max(ds.offset, 0), capacity)))
         elif ds.nbytes:
-            messages.append((hdr.LAYOUT, 1, msg.contiguous_layout(max(ds.offset, 0), ds.nbytes)))
+            nbytes = ds.nbytes if size is None else size
+            messages.append((hdr.LAYOUT, 1, msg.contiguous_layout(max(ds.offset, 0), nbytes)))
         else:
             messages.append((hdr.LAYOUT, 0, msg.contiguous_layout(msg.UNDEF, 0)))
         if ds.links > 1:
@@ -429,11 +617,35 @@ class FilePlan:
             (0, _superblock(file_size, self._root.address), [])
         ]
         for g in self._groups:
-            pieces.append((g.address, *self._encode_group(g)))
+            if g.sig is not None:
+                pieces.append((g.address, self._variable_group(g), self._group_template(g)[1]))
+            else:
+                pieces.append((g.address, *self._encode_group(g)))
         for ds in self._datasets:
-            pieces.append((ds.address, *self._encode_dataset(ds)))
+            pieces.append((ds.address, *self._dataset_bytes(ds)))
         pieces.append((*self._heap, []))
         return Metadata(_with_checksums(pieces), file_size, documents)
+
+
+def _runs(zeros: bytes, ones: bytes) -> list[tuple[int, int]]:
+    """The (start, length) of every run of bytes that differ between two encodings."""
+    a = np.frombuffer(zeros, np.uint8)
+    b = np.frombuffer(ones, np.uint8)
+    assert a.size == b.size
+    diff = np.concatenate(([False], a != b, [False]))
+    edges = np.flatnonzero(diff[1:] != diff[:-1])
+    return [(int(s), int(e - s)) for s, e in zip(edges[0::2], edges[1::2], strict=True)]
+
+
+def _put(template: bytes, runs: list[tuple[int, int]], fields: bytes) -> bytes:
+    """``template`` with ``fields`` laid into its runs, in order."""
+    out = bytearray(template)
+    at = 0
+    for start, length in runs:
+        out[start : start + length] = fields[at : at + length]
+        at += length
+    assert at == len(fields), (at, len(fields))
+    return bytes(out)
 
 
 def _component_name(i: int) -> str:

@@ -217,9 +217,27 @@ def lookup3_many(image: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndar
     """The lookup3 (initial value 0) of ``image[start:end]`` for every span, computed for all
     spans together (a uint32 array).
 
-    The spans are sorted by length, longest first, so the rows still mixing at any block are a
-    leading slice and each lookup3 round is a handful of numpy operations over all of them.
+    Spans of similar lengths (within a factor of two) are hashed together: sorted by length,
+    longest first, so the rows still mixing at any block are a leading slice and each lookup3
+    round is a handful of numpy operations over all of them.
     """
+    n = len(spans)
+    out = np.empty(n, np.uint32)
+    if n == 0:
+        return out
+    bounds = np.asarray(spans, np.int64).reshape(n, 2)
+    blocks = (bounds[:, 1] - bounds[:, 0] + 11) // 12
+    bucket = np.zeros(n, np.int64)
+    np.log2(np.maximum(blocks, 1), out=(scale := np.zeros(n)))
+    bucket = np.ceil(scale).astype(np.int64)
+    for b in np.unique(bucket).tolist():
+        rows = np.flatnonzero(bucket == b)
+        out[rows] = _lookup3_spans(image, bounds[rows])
+    return out
+
+
+def _lookup3_spans(image: np.ndarray, spans: np.ndarray) -> np.ndarray:
+    """:func:`lookup3_many` of spans of any lengths, all mixed together."""
     n = len(spans)
     out = np.empty(n, np.uint32)
     if n == 0:
