@@ -158,7 +158,7 @@ _SCALARS = (str, int, float, bool, type(None))
 def _frozen(value: Any) -> Any:
     """``value`` as a hashable key (lists and dicts as tuples, arrays by dtype and bytes)."""
     if type(value) is dict:  # the common case first: scalars and lists of strings
-        out = []
+        out: list[tuple[Any, ...]] = []
         for k, v in value.items():
             t = type(v)
             if t in _SCALARS:
@@ -204,6 +204,16 @@ def _signature(
 
 def _storage_type(dt: np.dtype) -> bytes:
     """The HDF5 type of a component of dtype ``dt`` (``h5io/layout.py``: ``_storage_dtype``)."""
+    known = _STORAGE.get(dt)
+    if known is None:
+        known = _STORAGE[dt] = _storage_type_of(dt)
+    return known
+
+
+_STORAGE: dict[np.dtype, bytes] = {}
+
+
+def _storage_type_of(dt: np.dtype) -> bytes:
     if dt.kind == "O":
         raise msg.Unsupported("byte-string variables (their values live in the global heap)")
     if is_extension_dtype(dt):
@@ -408,7 +418,7 @@ class FilePlan:
             at += len(self._group_template(g)[0] if g.sig is not None else self._encode_group(g)[0])
         for ds in self._datasets:
             ds.address = at
-            at += len(self._dataset_bytes(ds)[0])
+            at += self._dataset_size(ds)
         # 2. the global heap: every string of every attribute, then the mappings
         strings: list[bytes] = []
         owners: list[tuple[_Attr, int]] = []
@@ -416,7 +426,8 @@ class FilePlan:
             if g.sig is not None:
                 g.first_string = len(strings)
                 strings += g.sig.strings(g.row_string)
-        for obj in [*groups, *self._datasets]:
+        holders: list[_Group | _Dataset] = [*groups, *self._datasets]
+        for obj in holders:
             for a in obj.attrs:
                 if a.strings is not None:
                     owners.append((a, len(strings)))
@@ -507,6 +518,13 @@ class FilePlan:
                 at += 16 * len(a.strings)
         parts.append(struct.pack(f"<{len(g.links)}Q", *[t.address for _, t in g.links]))
         return _put(data, runs, b"".join(parts))
+
+    def _dataset_size(self, ds: _Dataset) -> int:
+        if ds.mapping is not None or ds.document is not None or ds.attrs:
+            return len(self._encode_dataset(ds)[0])
+        key = (ds.dtype, len(ds.shape), ds.nbytes > 0, ds.links, ds.fill)
+        tmpl = self._dataset_templates.get(key)
+        return len(tmpl[0]) if tmpl is not None else len(self._dataset_bytes(ds)[0])
 
     def _dataset_bytes(self, ds: _Dataset) -> tuple[bytes, list[tuple[int, int]]]:
         """A dataset's header: a component's from the template of its kind, others encoded."""

@@ -227,9 +227,7 @@ def lookup3_many(image: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndar
         return out
     bounds = np.asarray(spans, np.int64).reshape(n, 2)
     blocks = (bounds[:, 1] - bounds[:, 0] + 11) // 12
-    bucket = np.zeros(n, np.int64)
-    np.log2(np.maximum(blocks, 1), out=(scale := np.zeros(n)))
-    bucket = np.ceil(scale).astype(np.int64)
+    bucket = np.ceil(np.log2(np.maximum(blocks, 1))).astype(np.int64)
     for b in np.unique(bucket).tolist():
         rows = np.flatnonzero(bucket == b)
         out[rows] = _lookup3_spans(image, bounds[rows])
@@ -251,8 +249,8 @@ def _lookup3_spans(image: np.ndarray, spans: np.ndarray) -> np.ndarray:
     data = np.zeros((n, blocks * 12), np.uint8)
     # Every span's bytes into its (zero-padded) row: one gather per run of equal lengths.
     flat = np.asarray(image, np.uint8).reshape(-1)
-    bounds = [0, *(np.flatnonzero(np.diff(lens)) + 1).tolist(), n]
-    for lo, hi in itertools.pairwise(bounds):
+    runs = [0, *(np.flatnonzero(np.diff(lens)) + 1).tolist(), n]
+    for lo, hi in itertools.pairwise(runs):
         size = int(lens[lo])
         if size:
             windows = np.lib.stride_tricks.sliding_window_view(flat, size)

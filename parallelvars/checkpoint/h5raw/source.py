@@ -79,7 +79,9 @@ class ImageSource(Source):
     """Bytes in memory (a file's image)."""
 
     def __init__(self, image: bytes | bytearray | memoryview | np.ndarray) -> None:
-        self.image = memoryview(image).cast("B") if not isinstance(image, bytes) else image
+        self.image: bytes | memoryview = (
+            image if isinstance(image, bytes) else memoryview(image).cast("B")  # type: ignore[arg-type]
+        )
         self.size = len(self.image)
 
     def _read(self, offset: int, n: int) -> bytes:
