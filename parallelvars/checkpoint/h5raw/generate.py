@@ -10,9 +10,9 @@ version 3, version-2 object headers with checksums) deterministically:
   virtual ``value``), each component dataset (contiguous, allocated, never filled), the
   ``_parallelvars`` group and its documents (fixed-length strings with a ``crc32c``
   attribute); every group keeps its links in its header (compact storage, the group info
-  message's phase change raised past 8 links) and its attributes too (the attribute phase
-  change raised past 8 attributes, as the writer asks libhdf5 to), a header too long for one
-  chunk continues in chunks of at most 4 KiB;
+  message's phase change raised past 8 links, at most :data:`MAX_COMPACT_LINKS`) and its
+  attributes too (the attribute phase change raised past 8 attributes, as the writer asks
+  libhdf5 to), a header too long for one chunk continues in chunks of at most 4 KiB;
 * the global heap collections of the variable-length strings (one heap object per string
   element, as libhdf5 writes them) and of the virtual datasets' mappings;
 * the data: every component at an 8-byte aligned offset, in the variables' order, then the
@@ -28,9 +28,16 @@ offsets: ``FilePlan(...)`` lays out everything but the documents' data and gives
 :attr:`FilePlan.offsets`; :meth:`FilePlan.metadata` then takes the documents' capacities and
 the header values of this save (``created``, the documents' checksums...) and returns the
 metadata pieces to write and the documents' offsets. What it cannot express (bytes variables,
-dtypes without an HDF5 type of ours, an attribute message over 64 KiB) raises
-:class:`~.messages.Unsupported` when the plan is made: the caller writes that file through
-libhdf5.
+dtypes without an HDF5 type of ours, a group of more than :data:`MAX_COMPACT_LINKS` links,
+an attribute message over 64 KiB) raises :class:`~.messages.Unsupported` when the plan is
+made: the caller writes that file through libhdf5.
+
+Variable groups and component datasets are written from templates, one per layout (kind,
+dtype, rank, components, attributes but the shape and ``slot_of``): the template is encoded
+twice, with every per-variable field (shape, string references, link addresses, dimensions,
+data offsets) made of 0x00 and then of 0xFF bytes, which finds the fields; each variable is
+the template with its fields put in. Every chunk's checksum is then computed for all headers
+at once (:func:`~.lookup3.lookup3_many`).
 """
 
 from __future__ import annotations
@@ -60,6 +67,10 @@ _MAX_MESSAGE = 0xFFFF
 _COMPACT_ATTRS = 8  # HDF5's default attribute phase change: 8 in the header ...
 _WIDE_ATTRS = 32  # ... the writer's for groups of more (see h5io/write.py)
 _DEFAULT_LINKS = 8  # HDF5's default link phase change (8 compact, 6 dense)
+# The most links a generated group keeps in its header: HDF5 finds a name among compact links
+# by scanning them, so opening each of n children costs n^2 (10,000 children: 10.8 s where
+# libhdf5's dense storage takes 1.8 s); up to this many it costs milliseconds.
+MAX_COMPACT_LINKS = 1024
 # Kept in the index only (h5io/layout.py: _INDEX_ONLY_ATTRS).
 _INDEX_ONLY = frozenset({"name", "synchronization", "trainable"})
 
@@ -552,6 +563,12 @@ class FilePlan:
     def _encode_group(self, g: _Group) -> tuple[bytes, list[tuple[int, int]]]:
         messages: list[tuple[int, int, bytes]] = []
         nlinks = len(g.links)
+        if nlinks > MAX_COMPACT_LINKS:
+            raise msg.Unsupported(
+                f"a group of {nlinks} links: kept in its header, each name lookup would scan "
+                f"them all (opening every child is quadratic); more than {MAX_COMPACT_LINKS} "
+                "need dense storage (a fractal heap and a B-tree), which is not generated"
+            )
         phase = None if nlinks <= _DEFAULT_LINKS else (nlinks, max(nlinks - 2, 0))
         messages.append((hdr.LINK_INFO, 0, msg.link_info()))
         messages.append((hdr.GROUP_INFO, 1, msg.group_info(phase)))
