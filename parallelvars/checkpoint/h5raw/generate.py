@@ -58,6 +58,7 @@ from parallelvars.checkpoint.h5raw import messages as msg
 from parallelvars.checkpoint.h5raw.global_heap import build_collections
 from parallelvars.checkpoint.h5raw.lookup3 import lookup3, lookup3_many
 from parallelvars.checkpoint.h5raw.virtual import mapping
+from parallelvars.errors import InvalidArgumentError, InvalidEntryError
 
 __all__ = ["FilePlan", "Metadata", "Variable"]
 
@@ -350,7 +351,7 @@ class FilePlan:
         n = int(var.num_components)
         group = self._group_of(var.path.split("/"))
         if group.attrs or group.sig is not None:
-            raise ValueError(f"{var.path!r} is written twice")
+            raise InvalidEntryError("is written twice", variable=var.path)
         attrs = dict(var.attrs)
         row = attrs.get(_ROW_STRING)
         if row is not None and not isinstance(row, str):
@@ -390,8 +391,11 @@ class FilePlan:
                 self._datasets.append(ds)
             else:
                 if not 0 <= j < i or shared[j] != j or shapes[j] != shapes[i]:
-                    raise ValueError(
-                        f"{var.path!r}: component {i} cannot share component {j}'s dataset"
+                    raise InvalidEntryError(
+                        f"component {i} cannot share another component's dataset",
+                        variable=var.path,
+                        expected="an earlier component of the same shape that is stored",
+                        found=f"component {j}",
                     )
                 ds = made[j]
                 ds.links += 1
@@ -634,9 +638,13 @@ class FilePlan:
             new = encode_attribute(name, value)
             old = self._root.attrs[i]
             if (new.dtype, new.space, new.size()) != (old.dtype, old.space, old.size()):
-                raise ValueError(f"root attribute {name!r} changed its type")
+                raise InvalidArgumentError(
+                    "a root attribute changed its type", expected=old.dtype.hex(), found=name
+                )
             if new.strings != old.strings:
-                raise ValueError(f"root attribute {name!r}: a string changed")
+                raise InvalidArgumentError(
+                    "a root attribute's string changed", expected=old.strings, found=name
+                )
             self._root.attrs[i] = new
         at = self.data_end
         documents: dict[str, int] = {}

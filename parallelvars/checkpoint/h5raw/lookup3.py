@@ -91,8 +91,7 @@ def prefix_state(data: bytes, length: int) -> tuple[int, int, int]:
     """The state (a, b, c) after mixing the first ``len(data) // 12`` blocks of any input of
     ``length`` bytes that starts with ``data`` (those blocks must not be its last)."""
     blocks = len(data) // 12
-    if blocks and 12 * blocks >= length:
-        raise ValueError("a prefix state cannot include the last block")
+    assert not blocks or 12 * blocks < length, "a prefix state cannot include the last block"
     a = b = c = (0xDEADBEEF + length) & _MASK
     words = struct.unpack_from(f"<{3 * blocks}I", data) if blocks else ()
     for j in range(0, 3 * blocks, 3):
@@ -184,8 +183,7 @@ def lookup3_rows(
         start = 0
         init = (0xDEADBEEF + length) & _MASK
         state = (init, init, init)
-    if start % 12 or not 0 <= start < length:
-        raise ValueError(f"a prefix state must end on a block before the last: {start}")
+    assert start % 12 == 0 and 0 <= start < length, "a prefix ends on a block before the last"
     blocks = -(-(length - start) // 12)
     batch = min(n, _BATCH)
     data = np.zeros((batch, blocks * 12), np.uint8)

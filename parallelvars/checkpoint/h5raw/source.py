@@ -9,6 +9,7 @@ the variable (:meth:`Refused.error`).
 
 from __future__ import annotations
 
+import abc
 import os
 from typing import Any
 
@@ -37,7 +38,7 @@ class Refused(Exception):
         )
 
 
-class Source:
+class Source(abc.ABC):
     """Bytes ``[0, size)`` to parse; :meth:`read` refuses any range outside them."""
 
     size: int
@@ -60,8 +61,9 @@ class Source:
         """Up to ``n`` bytes at ``offset`` (fewer at the end of the source)."""
         return self.read(offset, max(0, min(n, self.size - offset)), what)
 
+    @abc.abstractmethod
     def _read(self, offset: int, n: int) -> bytes:
-        raise NotImplementedError
+        """The bytes at ``offset`` (fewer at the end of the source)."""
 
 
 class FileSource(Source):
