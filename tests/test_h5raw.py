@@ -385,3 +385,23 @@ def test_the_hdf5_tools_read_generated_files(tmp_path) -> None:
     assert "/model/h/primary         Dataset, same as /model/h/parallel_component_1" in listing or (
         "/model/h/parallel_component_1 Dataset, same as /model/h/primary" in listing
     )
+
+
+def test_header_values_change_without_a_new_plan() -> None:
+    """A repeated save re-uses its plan: the root values of the same types are put in, and
+    anything that would move bytes is refused."""
+    v = [Variable("x", "single", np.dtype(np.float32), (2,), 1, {})]
+    plan = FilePlan(v, root_attrs={"created": np.float64(1.0), "note": "a"}, documents=["d"])
+    first = plan.metadata({"d": 8}, values={"created": np.float64(2.0)})
+    again = plan.metadata({"d": 8}, values={"created": np.float64(2.0)})
+    assert first == again
+    other = plan.metadata({"d": 8}, values={"created": np.float64(3.0)})
+    assert other.file_size == first.file_size and other.pieces != first.pieces
+    from parallelvars.errors import InvalidEntryError
+
+    with pytest.raises(InvalidEntryError, match="another HDF5 type"):
+        plan.metadata({"d": 8}, values={"created": np.int64(3)})
+    with pytest.raises(InvalidEntryError, match="string differs"):
+        plan.metadata({"d": 8}, values={"note": "b"})
+    with pytest.raises(InvalidEntryError, match="written twice"):
+        FilePlan(v + v, root_attrs={})

@@ -58,7 +58,7 @@ from parallelvars.checkpoint.h5raw import messages as msg
 from parallelvars.checkpoint.h5raw.global_heap import build_collections
 from parallelvars.checkpoint.h5raw.lookup3 import lookup3, lookup3_many
 from parallelvars.checkpoint.h5raw.virtual import mapping
-from parallelvars.errors import InvalidArgumentError, InvalidEntryError
+from parallelvars.errors import InvalidEntryError
 
 __all__ = ["FilePlan", "Metadata", "Variable"]
 
@@ -638,12 +638,14 @@ class FilePlan:
             new = encode_attribute(name, value)
             old = self._root.attrs[i]
             if (new.dtype, new.space, new.size()) != (old.dtype, old.space, old.size()):
-                raise InvalidArgumentError(
-                    "a root attribute changed its type", expected=old.dtype.hex(), found=name
+                raise InvalidEntryError(
+                    "a root attribute's value has another HDF5 type or size than the plan's",
+                    variable=name,
                 )
             if new.strings != old.strings:
-                raise InvalidArgumentError(
-                    "a root attribute's string changed", expected=old.strings, found=name
+                raise InvalidEntryError(
+                    "a root attribute's string differs from the plan's (its heap object is laid out)",
+                    variable=name,
                 )
             self._root.attrs[i] = new
         at = self.data_end
