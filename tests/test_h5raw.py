@@ -405,3 +405,51 @@ def test_header_values_change_without_a_new_plan() -> None:
         plan.metadata({"d": 8}, values={"note": "b"})
     with pytest.raises(InvalidEntryError, match="written twice"):
         FilePlan(v + v, root_attrs={})
+
+
+def test_index_files_with_external_links_read_as_libhdf5_writes_them(tmp_path) -> None:
+    from parallelvars.checkpoint.h5io import ComponentLink, LinkedVariable, write_h5_index
+    from parallelvars.checkpoint.h5raw.native import write_native_index
+
+    parts = [f"ckpt.h5.parts/rank-{r:05d}-of-00002.h5" for r in range(2)]
+    variables = [
+        LinkedVariable(
+            path,
+            "mirrored",
+            np.float32,
+            (3,),
+            {"devices": ["cpu:0", "cpu:1"], "aggregation": "none"},
+            [ComponentLink(parts[r], f"/{path}/primary", 7 + r) for r in range(2)],
+        )
+        for path in ("m/w", "m/b", "opt/slots/m/w/m")
+    ]
+    import time
+
+    real = time.time
+    try:
+        time.time = lambda: CREATED  # type: ignore[assignment]
+        a = write_h5_index(str(tmp_path / "lib.h5"), variables, metadata={"processes": 2})
+    finally:
+        time.time = real  # type: ignore[assignment]
+    b = write_native_index(
+        str(tmp_path / "gen.h5"), variables, metadata={"processes": 2}, created=CREATED
+    )
+
+    def links(path: str) -> dict[str, tuple[str, str]]:
+        out = {}
+        with h5py.File(path, "r") as f:
+
+            def visit(name: str, link: object) -> None:
+                if isinstance(link, h5py.ExternalLink):
+                    out[name] = (link.filename, link.path)
+
+            f.visititems_links(visit)
+        return out
+
+    assert links(a) == links(b) and len(links(b)) == 6
+    with h5py.File(a, "r") as fa, h5py.File(b, "r") as fb:
+        for name in ("/", "m/w", "m/b", "opt/slots/m/w/m"):
+            assert {k: repr(v) for k, v in fa[name].attrs.items() if k != "crc32c"} == {
+                k: repr(v) for k, v in fb[name].attrs.items() if k != "crc32c"
+            }
+        assert bytes(fa["_parallelvars/index"][()]) == bytes(fb["_parallelvars/index"][()])

@@ -89,6 +89,9 @@ class Variable:
     num_components: int
     attrs: Mapping[str, Any]
     shared: Sequence[int] | None = None
+    # Components that live in other files (a multi-process checkpoint's index file): each
+    # component's (file, dataset path), written as an HDF5 external link.
+    external: Sequence[tuple[str, str]] | None = None
 
 
 @dataclass
@@ -250,6 +253,15 @@ class _Dataset:
 
 
 @dataclass
+class _External:
+    """An external link's target."""
+
+    file: bytes
+    path: bytes
+    address: int = -1
+
+
+@dataclass
 class _Group:
     attrs: list[_Attr] = field(default_factory=list)
     links: list[tuple[bytes, Any]] = field(default_factory=list)  # (name, _Group | _Dataset)
@@ -380,6 +392,19 @@ class FilePlan:
             ]
         else:
             shapes = [shape] * n
+        if var.external is not None:
+            if len(var.external) != n:
+                raise InvalidEntryError(
+                    "external links", variable=var.path, expected=n, found=len(var.external)
+                )
+            for i, (file, dataset) in enumerate(var.external):
+                target = _External(file.encode("utf-8"), dataset.encode("utf-8"))
+                group.links.append((_component_name(i).encode(), target))
+            group.attrs = group.sig.materialize(shape, group.row_string)  # links vary: no template
+            group.sig = None
+            self._components.append((var.path, []))
+            self.offsets[var.path] = [None] * n
+            return
         shared = list(var.shared) if var.shared is not None else list(range(n))
         made: list[_Dataset] = []
         offsets: list[_Dataset] = []
@@ -465,6 +490,8 @@ class FilePlan:
         # 3. the data
         data = at
         for path, comps in self._components:
+            if not comps and path in self.offsets:  # external components: no data here
+                continue
             offs: list[int | None] = []
             for ds in comps:
                 if ds.offset < 0 and ds.nbytes:
@@ -584,7 +611,9 @@ class FilePlan:
             (
                 hdr.LINK,
                 0,
-                msg.hard_link(
+                msg.external_link(name, t.file, t.path)
+                if isinstance(t, _External)
+                else msg.hard_link(
                     name, max(t.address, 0) if fill is None else fill * 0x0101010101010101
                 ),
             )

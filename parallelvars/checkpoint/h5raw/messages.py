@@ -35,6 +35,7 @@ __all__ = [
     "contiguous_layout",
     "dataspace",
     "datatype",
+    "external_link",
     "fill_value",
     "group_info",
     "hard_link",
@@ -206,6 +207,17 @@ def hard_link(name: bytes, address: int) -> bytes:
     n = len(name)
     code = 0 if n < 1 << 8 else 1 if n < 1 << 16 else 2
     return bytes((1, code)) + n.to_bytes(1 << code, "little") + name + address.to_bytes(8, "little")
+
+
+def external_link(name: bytes, file: bytes, path: bytes) -> bytes:
+    """A version-1 link message: an external link named ``name`` to ``path`` in ``file``
+    (link type 64; its value: a version-0 flags byte, the file and the object path, each
+    NUL-terminated)."""
+    n = len(name)
+    code = 0 if n < 1 << 8 else 1 if n < 1 << 16 else 2
+    value = b"\x00" + file + b"\x00" + path + b"\x00"
+    head = bytes((1, code | 0x08, 64)) + n.to_bytes(1 << code, "little") + name
+    return head + len(value).to_bytes(2, "little") + value
 
 
 def link_info(heap: int = UNDEF, names: int = UNDEF) -> bytes:

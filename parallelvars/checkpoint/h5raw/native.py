@@ -37,7 +37,7 @@ from parallelvars.checkpoint.h5io.layout import (
 from parallelvars.checkpoint.h5io.write import _columns_parts
 from parallelvars.checkpoint.h5raw.generate import FilePlan, Variable
 
-__all__ = ["write_native"]
+__all__ = ["write_native", "write_native_index"]
 
 
 def _shared(components: Sequence[np.ndarray], crcs: list[int]) -> list[int]:
@@ -176,3 +176,79 @@ def _write_components(
             end = off + c.nbytes
             k += 1
         pwritev_all(fd, buffers, start, end - start)
+
+
+def write_native_index(
+    path: str | os.PathLike[str],
+    variables: Iterable[Any],
+    *,
+    object_graph: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    created: float | None = None,
+) -> str:
+    """The index file of a multi-process checkpoint (``h5io.write.write_h5_index``'s
+    content: each component an external link, no columns), through the generator; the
+    ``variables`` are ``LinkedVariable`` records."""
+    p = os.fspath(path)
+    items = list(variables)
+    documents = [INDEX_DATASET] + ([GRAPH_DATASET] if object_graph is not None else [])
+    root: dict[str, Any] = {
+        "parallelvars_format": np.int64(FORMAT_VERSION),
+        "parallelvars_version": _root_attr_value(_library_version()),
+        "created": np.float64(time.time() if created is None else created),
+    }
+    for key, value in dict(metadata or {}).items():
+        if value is not None:
+            root[key] = _root_attr_value(value)
+    root[DOCUMENTS_ATTR] = np.array([d.encode() for d in documents])
+    plan_vars = []
+    index: dict[str, Any] = {}
+    for v in items:
+        _validate_path(v.path)
+        n = len(v.components)
+        links = [(c.file, c.dataset) for c in v.components]
+        dt = np.dtype(v.dtype)
+        plan_vars.append(
+            Variable(v.path, v.kind, dt, tuple(v.shape), n, dict(v.attrs), None, links)
+        )
+        meta: dict[str, Any] = {
+            "kind": v.kind,
+            "dtype": dtype_name(dt),
+            "shape": [int(d) for d in v.shape],
+            "num_components": n,
+        }
+        meta["attrs"] = {
+            k: _decode(_attr_value(val))
+            for k, val in dict(v.attrs).items()
+            if val is not None and k not in meta
+        }
+        meta["offsets"] = [None] * n
+        meta["crc32c"] = [int(c.crc32c) for c in v.components]
+        index[v.path] = meta
+    plan = FilePlan(plan_vars, root_attrs=root, documents=documents)
+    flat = [c for m in index.values() for c in m["crc32c"]]
+    text = json.dumps(index)
+    digits = ", ".join(map(str, flat))
+    separators = 2 * max(len(flat) - 1, 0)
+    docs = {
+        INDEX_DATASET: text.encode().ljust(
+            index_capacity(len(text) - (len(digits) - separators), len(flat)), b" "
+        )
+    }
+    if object_graph is not None:
+        docs[GRAPH_DATASET] = json.dumps(object_graph).encode()
+    out = plan.metadata(
+        {k: len(d) for k, d in docs.items()},
+        document_checksums={k: _crc32c.crc32c(d) for k, d in docs.items()},
+    )
+    with atomic_path(p) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            os.ftruncate(fd, out.file_size)
+            for offset, data in out.pieces:
+                pwrite_all(fd, memoryview(data), offset)
+            for name, data in docs.items():
+                pwrite_all(fd, memoryview(data), out.documents[name])
+        finally:
+            os.close(fd)
+    return p
