@@ -42,9 +42,7 @@ at once (:func:`~.lookup3.lookup3_many`).
 
 from __future__ import annotations
 
-import itertools
 import math
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +55,7 @@ from parallelvars.checkpoint.h5raw import header as hdr
 from parallelvars.checkpoint.h5raw import messages as msg
 from parallelvars.checkpoint.h5raw.global_heap import build_collections
 from parallelvars.checkpoint.h5raw.lookup3 import lookup3, lookup3_many
+from parallelvars.checkpoint.h5raw.templates import Template, place, runs
 from parallelvars.checkpoint.h5raw.virtual import mapping
 from parallelvars.errors import InvalidEntryError
 
@@ -285,7 +284,7 @@ class _Signature:
     shape_at: int
     row_at: int | None
     ndim: int
-    template: tuple[bytes, list[tuple[int, int]], list[tuple[int, int]]] | None = None
+    template: Template | None = None
 
     def materialize(self, shape: tuple[int, ...], row: bytes | None) -> list[_Attr]:
         out = list(self.attrs)
@@ -329,9 +328,7 @@ class FilePlan:
         self.offsets: dict[str, list[int | None]] = {}
         self._components: list[tuple[str, list[_Dataset]]] = []
         self._signatures: dict[Any, _Signature] = {}
-        self._dataset_templates: dict[
-            Any, tuple[bytes, list[tuple[int, int]], list[tuple[int, int]]]
-        ] = {}
+        self._dataset_templates: dict[Any, Template] = {}
         self._fill: int | None = None  # encoding a template: the byte every field is made of
         for var in variables:
             self._add_variable(var)
@@ -455,7 +452,9 @@ class FilePlan:
                 g.attrs = g.sig.materialize(g.shape, g.row_string)
                 g.sig = None
             g.address = at
-            at += len(self._group_template(g)[0] if g.sig is not None else self._encode_group(g)[0])
+            at += (
+                self._group_template(g).size if g.sig is not None else len(self._encode_group(g)[0])
+            )
         for ds in self._datasets:
             ds.address = at
             at += self._dataset_size(ds)
@@ -482,6 +481,7 @@ class FilePlan:
         refs[:, 4:12] = addrs.astype("<u8").view(np.uint8).reshape(-1, 8)
         refs[:, 12:16] = index.astype("<u4").view(np.uint8).reshape(-1, 4)
         self._refs = refs.tobytes()
+        self._ref_rows = refs
         self._owners = owners
         for k, ds in enumerate(maps):
             ds.heap_ref = (int(addrs[len(strings) + k]), int(index[len(strings) + k]))
@@ -519,12 +519,10 @@ class FilePlan:
         return refs[16 * first : 16 * (first + len(a.strings))]
 
     # ------------------------------------------------------------------ templates
-    def _group_template(
-        self, g: _Group
-    ) -> tuple[bytes, list[tuple[int, int]], list[tuple[int, int]]]:
-        """A variable group's header with its fields (shape, string references, link
-        addresses) zero, its chunks, and where the fields are: found by encoding it with
-        every field's bytes 0x00 and then 0xFF (once per signature)."""
+    def _group_template(self, g: _Group) -> Template:
+        """A variable group's header with its fields (string references and the shape, in
+        attribute order, then the link addresses) zero: found by encoding it with every
+        field's bytes 0x00 and then 0xFF (once per signature)."""
         sig = g.sig
         assert sig is not None
         if sig.template is None:
@@ -540,39 +538,44 @@ class FilePlan:
                     made.append(self._encode_group(_Group(attrs=attrs, links=g.links)))
                 finally:
                     self._fill = None
-            sig.template = (made[0][0], made[0][1], _runs(made[0][0], made[1][0]))
+            sig.template = Template(made[0][0], made[0][1], runs(made[0][0], made[1][0]))
         return sig.template
 
-    def _variable_group(self, g: _Group) -> bytes:
-        """A variable group's header: its signature's template with its fields put in."""
-        sig = g.sig
-        assert sig is not None and sig.template is not None
-        data, _chunks, runs = sig.template
-        refs = self._refs
-        first = 16 * g.first_string
-        parts = []
-        at = first
-        for k, a in enumerate(sig.attrs):
-            if k == sig.shape_at:
-                parts.append(struct.pack(f"<{len(g.shape)}q", *g.shape))
-            elif a.strings is not None:
-                parts.append(refs[at : at + 16 * len(a.strings)])
-                at += 16 * len(a.strings)
-        parts.append(struct.pack(f"<{len(g.links)}Q", *[t.address for _, t in g.links]))
-        return _put(data, runs, b"".join(parts))
+    def _place_groups(self, image: np.ndarray, groups: list[_Group]) -> None:
+        """The headers of variable groups of one signature, written into ``image``: the
+        template's rows with every group's fields put in column-wise."""
+        sig = groups[0].sig
+        assert sig is not None
+        tmpl = self._group_template(groups[0])
+        count = len(groups)
+        per = [len(a.strings or ()) if k != sig.shape_at else 0 for k, a in enumerate(sig.attrs)]
+        before = sum(per[: sig.shape_at])  # string references before the shape
+        first = np.fromiter((g.first_string for g in groups), np.int64, count)
+        refs = self._ref_rows[first[:, None] + np.arange(sum(per))].reshape(count, -1)
+        shapes = np.array([g.shape for g in groups], "<i8").reshape(count, sig.ndim)
+        nlinks = len(groups[0].links)
+        links = np.array([[t.address for _, t in g.links] for g in groups], "<u8")
+        fields = np.hstack(
+            (
+                refs[:, : 16 * before],
+                shapes.view(np.uint8).reshape(count, -1),
+                refs[:, 16 * before :],
+                links.reshape(count, nlinks).view(np.uint8).reshape(count, -1),
+            )
+        )
+        addresses = np.fromiter((g.address for g in groups), np.int64, count)
+        place(image, addresses, tmpl.rows(fields))
 
-    def _dataset_size(self, ds: _Dataset) -> int:
+    @staticmethod
+    def _dataset_key(ds: _Dataset) -> tuple[Any, ...] | None:
+        """The template a dataset's header is made from (None: it is encoded on its own)."""
         if ds.mapping is not None or ds.document is not None or ds.attrs:
-            return len(self._encode_dataset(ds)[0])
-        key = (ds.dtype, len(ds.shape), ds.nbytes > 0, ds.links, ds.fill)
-        tmpl = self._dataset_templates.get(key)
-        return len(tmpl[0]) if tmpl is not None else len(self._dataset_bytes(ds)[0])
+            return None
+        return (ds.dtype, len(ds.shape), ds.nbytes > 0, ds.links, ds.fill)
 
-    def _dataset_bytes(self, ds: _Dataset) -> tuple[bytes, list[tuple[int, int]]]:
-        """A dataset's header: a component's from the template of its kind, others encoded."""
-        if ds.mapping is not None or ds.document is not None or ds.attrs:
-            return self._encode_dataset(ds)
-        key = (ds.dtype, len(ds.shape), ds.nbytes > 0, ds.links, ds.fill)
+    def _dataset_template(self, key: tuple[Any, ...], ds: _Dataset) -> Template:
+        """A component dataset's header with its fields (dimensions, maximum dimensions and,
+        when it has data, its offset and size) zero (once per key)."""
         tmpl = self._dataset_templates.get(key)
         if tmpl is None:
             made = []
@@ -580,16 +583,29 @@ class FilePlan:
                 proto = _Dataset(ds.dtype, (fill,) * len(ds.shape), ds.fill, links=ds.links)
                 proto.nbytes, proto.offset = (fill or 1, fill) if ds.nbytes else (0, -1)
                 made.append(self._encode_dataset(proto, size=fill if ds.nbytes else None))
-            tmpl = (made[0][0], made[0][1], _runs(made[0][0], made[1][0]))
+            tmpl = Template(made[0][0], made[0][1], runs(made[0][0], made[1][0]))
             self._dataset_templates[key] = tmpl
-        data, chunks, runs = tmpl
-        if not runs:
-            return data, chunks
-        dims = struct.pack(f"<{len(ds.shape)}Q", *ds.shape)
-        fields = (
-            dims + dims + (struct.pack("<QQ", max(ds.offset, 0), ds.nbytes) if ds.nbytes else b"")
-        )
-        return _put(data, runs, fields), chunks
+        return tmpl
+
+    def _dataset_size(self, ds: _Dataset) -> int:
+        key = self._dataset_key(ds)
+        if key is None:
+            return len(self._encode_dataset(ds)[0])
+        return self._dataset_template(key, ds).size
+
+    def _place_datasets(
+        self, image: np.ndarray, key: tuple[Any, ...], sets: list[_Dataset]
+    ) -> None:
+        """The headers of component datasets of one template, written into ``image``."""
+        tmpl = self._dataset_template(key, sets[0])
+        count = len(sets)
+        dims = np.array([ds.shape for ds in sets], "<u8").reshape(count, key[1])
+        columns = [dims, dims]
+        if key[2]:  # stored data: its offset and size
+            columns.append(np.array([(max(ds.offset, 0), ds.nbytes) for ds in sets], "<u8"))
+        fields = np.hstack(columns).astype("<u8").view(np.uint8).reshape(count, -1)
+        addresses = np.fromiter((ds.address for ds in sets), np.int64, count)
+        place(image, addresses, tmpl.rows(fields))
 
     def _encode_group(self, g: _Group) -> tuple[bytes, list[tuple[int, int]]]:
         messages: list[tuple[int, int, bytes]] = []
@@ -687,39 +703,39 @@ class FilePlan:
             ds.attrs = [encode_attribute("crc32c", np.int64(crc))]
         file_size = max(at, self.metadata_size)
         self._ref_start = {id(a): first for a, first in self._owners}
-        pieces: list[tuple[int, bytes, list[tuple[int, int]]]] = [
-            (0, _superblock(file_size, self._root.address), [])
-        ]
+        # The metadata is one image: the superblock, the headers and the heap, laid one after
+        # another from 0. Headers made from templates are written a layout at a time; the
+        # others are encoded one by one and their chunks' checksums computed together.
+        image = np.zeros(self.metadata_size, np.uint8)
+        spans: list[tuple[int, int]] = []
+
+        def put(at: int, data: bytes, chunks: list[tuple[int, int]]) -> None:
+            image[at : at + len(data)] = np.frombuffer(data, np.uint8)
+            spans.extend((at + start, at + end) for start, end in chunks)
+
+        put(0, _superblock(file_size, self._root.address), [])
+        by_signature: dict[int, list[_Group]] = {}
         for g in self._groups:
             if g.sig is not None:
-                pieces.append((g.address, self._variable_group(g), self._group_template(g)[1]))
+                by_signature.setdefault(id(g.sig), []).append(g)
             else:
-                pieces.append((g.address, *self._encode_group(g)))
+                put(g.address, *self._encode_group(g))
+        for groups in by_signature.values():
+            self._place_groups(image, groups)
+        by_key: dict[tuple[Any, ...], list[_Dataset]] = {}
         for ds in self._datasets:
-            pieces.append((ds.address, *self._dataset_bytes(ds)))
-        pieces.append((*self._heap, []))
-        return Metadata(_with_checksums(pieces), file_size, documents)
-
-
-def _runs(zeros: bytes, ones: bytes) -> list[tuple[int, int]]:
-    """The (start, length) of every run of bytes that differ between two encodings."""
-    a = np.frombuffer(zeros, np.uint8)
-    b = np.frombuffer(ones, np.uint8)
-    assert a.size == b.size
-    diff = np.concatenate(([False], a != b, [False]))
-    edges = np.flatnonzero(diff[1:] != diff[:-1])
-    return [(int(s), int(e - s)) for s, e in zip(edges[0::2], edges[1::2], strict=True)]
-
-
-def _put(template: bytes, runs: list[tuple[int, int]], fields: bytes) -> bytes:
-    """``template`` with ``fields`` laid into its runs, in order."""
-    out = bytearray(template)
-    at = 0
-    for start, length in runs:
-        out[start : start + length] = fields[at : at + length]
-        at += length
-    assert at == len(fields), (at, len(fields))
-    return bytes(out)
+            key = self._dataset_key(ds)
+            if key is None:
+                put(ds.address, *self._encode_dataset(ds))
+            else:
+                by_key.setdefault(key, []).append(ds)
+        for key, sets in by_key.items():
+            self._place_datasets(image, key, sets)
+        put(*self._heap, [])
+        sums = lookup3_many(image, spans)
+        at = np.array([e for _, e in spans], np.int64).reshape(-1, 1) + np.arange(4)
+        image[at.reshape(-1)] = sums.astype("<u4").view(np.uint8)
+        return Metadata([(0, image.tobytes())], file_size, documents)
 
 
 def _component_name(i: int) -> str:
@@ -785,27 +801,3 @@ def _encode_chunked(
         at += length
     data = head + b"".join(first) + b"".join(conts) + _PENDING + b"".join(tails)
     return data, spans
-
-
-def _with_checksums(
-    pieces: list[tuple[int, bytes, list[tuple[int, int]]]],
-) -> list[tuple[int, bytes]]:
-    """The pieces ``(offset, bytes, chunks)`` with every object header chunk's checksum
-    computed (all chunks at once, vectorised)."""
-    spans: list[tuple[int, int]] = []
-    base = 0
-    for _off, data, chunks in pieces:
-        spans += [(base + start, base + end) for start, end in chunks]
-        base += len(data)
-    image = np.frombuffer(b"".join(d for _, d, _ in pieces), np.uint8).copy()
-    sums = lookup3_many(image, spans)
-    at = np.array([e for _, e in spans], np.int64)[:, None] + np.arange(4)
-    image[at.reshape(-1)] = sums.astype("<u4").view(np.uint8)
-    if all(a[0] + len(a[1]) == b[0] for a, b in itertools.pairwise(pieces)):
-        return [(pieces[0][0], image.tobytes())]  # one contiguous piece
-    out = []
-    base = 0
-    for off, data, _ in pieces:
-        out.append((off, image[base : base + len(data)].tobytes()))
-        base += len(data)
-    return out
