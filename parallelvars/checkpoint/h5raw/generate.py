@@ -372,7 +372,8 @@ class FilePlan:
             n,
             None if var.shared is None else tuple(var.shared),
             row is None,
-            _frozen({k: v for k, v in attrs.items() if k != _ROW_STRING}),
+            # what the group's header does not hold (the index-only attributes) is not in the key
+            _frozen({k: v for k, v in attrs.items() if k != _ROW_STRING and k not in _INDEX_ONLY}),
         )
         sig = self._signatures.get(key)
         if sig is None:

@@ -42,6 +42,21 @@ class Template:
     chunks: list[tuple[int, int]]
     fields: list[tuple[int, int]]
 
+    _states: list[tuple[int, tuple[int, int, int] | None]] | None = None
+
+    def _prefixes(self) -> list[tuple[int, tuple[int, int, int] | None]]:
+        """Per chunk: its bytes before its first field (whole blocks), every row's, and the
+        lookup3 state after them (mixed once per template)."""
+        if self._states is None:
+            self._states = []
+            for start, end in self.chunks:
+                length = end - start
+                first = min((s for s, _ in self.fields if start <= s < end), default=end) - start
+                prefix = min(first, length - 1) // 12 * 12
+                state = prefix_state(self.data[start : start + prefix], length) if prefix else None
+                self._states.append((prefix if prefix else 0, state))
+        return self._states
+
     @property
     def size(self) -> int:
         return len(self.data)
@@ -62,13 +77,8 @@ class Template:
         for start, length in self.fields:
             out[:, start : start + length] = fields[:, at : at + length]
             at += length
-        for start, end in self.chunks:
-            length = end - start
-            # the chunk's bytes before its first field are every row's: mixed once
-            first = min((s for s, _ in self.fields if start <= s < end), default=end) - start
-            prefix = min(first, length - 1) // 12 * 12
-            state = prefix_state(self.data[start : start + prefix], length) if prefix else None
-            sums = lookup3_rows(out[:, start:end], length, start=prefix, state=state)
+        for (start, end), (prefix, state) in zip(self.chunks, self._prefixes(), strict=True):
+            sums = lookup3_rows(out[:, start:end], end - start, start=prefix, state=state)
             out[:, end : end + 4] = sums.astype("<u4").view(np.uint8).reshape(count, 4)
         return out
 
