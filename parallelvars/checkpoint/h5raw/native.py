@@ -97,15 +97,20 @@ def write_native(
     root[DOCUMENTS_ATTR] = np.array([d.encode() for d in documents])
     plan = FilePlan(variables, root_attrs=root, documents=documents)
     index: dict[str, Any] = {}
+    names: dict[np.dtype, str] = {}
+    decoded: dict[Any, Any] = {}  # attribute values recur across variables: converted once
     for e, v, cc in zip(items, variables, crcs, strict=True):
+        name = names.get(v.dtype)
+        if name is None:
+            name = names[v.dtype] = dtype_name(v.dtype)
         meta: dict[str, Any] = {
             "kind": e.kind,
-            "dtype": dtype_name(v.dtype),
+            "dtype": name,
             "shape": [int(d) for d in e.shape],
             "num_components": v.num_components,
         }
         meta["attrs"] = {
-            k: _decode(_attr_value(val))
+            k: _index_value(val, decoded)
             for k, val in dict(e.attrs).items()
             if val is not None and k not in meta
         }
@@ -145,6 +150,23 @@ def write_native(
         finally:
             os.close(fd)
     return p
+
+
+def _index_value(value: Any, seen: dict[Any, Any]) -> Any:
+    """An attribute's value as the index records it (``_decode(_attr_value(value))``), looked
+    up in ``seen`` for strings, integers, booleans and lists of strings (a list: a fresh
+    copy). Floats are converted each time (``-0.0 == 0.0`` would share one key)."""
+    t = type(value)
+    if t in (str, int, bool):
+        key: Any = (t, value)
+    elif t is list and all(type(x) is str for x in value):
+        key = ("strs", *value)
+    else:
+        return _decode(_attr_value(value))
+    out = seen.get(key, seen)
+    if out is seen:
+        out = seen[key] = _decode(_attr_value(value))
+    return list(out) if isinstance(out, list) else out
 
 
 def _write_components(
