@@ -12,6 +12,7 @@ One module per concept:
   HDF5 reads a variable-length value (:class:`~.global_heap.GlobalHeapCheck`);
 * :mod:`.fractal_heap`: where a fractal heap direct block lies (dense link storage);
 * :mod:`.virtual`: a virtual dataset's mapping;
+* :mod:`.templates`: object headers of one layout made from a template, many at once;
 * :mod:`.generate`: a native file's metadata generated from its structure
   (:class:`~.generate.FilePlan`);
 * :mod:`.native`: whole native files (and multi-process index files) written through the

@@ -36,8 +36,10 @@ Variable groups and component datasets are written from templates, one per layou
 dtype, rank, components, attributes but the shape and ``slot_of``): the template is encoded
 twice, with every per-variable field (shape, string references, link addresses, dimensions,
 data offsets) made of 0x00 and then of 0xFF bytes, which finds the fields; each variable is
-the template with its fields put in. Every chunk's checksum is then computed for all headers
-at once (:func:`~.lookup3.lookup3_many`).
+the template with its fields put in. The headers of one layout are made together, as one
+array (:class:`~.templates.Template`: fields laid in column-wise, checksums computed for all
+rows at once); the other headers' chunks are checksummed together
+(:func:`~.lookup3.lookup3_many`).
 """
 
 from __future__ import annotations
@@ -734,8 +736,8 @@ class FilePlan:
             self._place_datasets(image, key, sets)
         put(*self._heap, [])
         sums = lookup3_many(image, spans)
-        at = np.array([e for _, e in spans], np.int64).reshape(-1, 1) + np.arange(4)
-        image[at.reshape(-1)] = sums.astype("<u4").view(np.uint8)
+        where = np.array([e for _, e in spans], np.int64).reshape(-1, 1) + np.arange(4)
+        image[where.reshape(-1)] = sums.astype("<u4").view(np.uint8)
         return Metadata([(0, image.tobytes())], file_size, documents)
 
 
