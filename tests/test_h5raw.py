@@ -350,6 +350,28 @@ def test_wide_groups_continue_in_chunks_and_read_the_same(tmp_path) -> None:
     assert len(h.chunks) > 1 and sum(m.type == hdr.LINK for m in h.messages) == 700
 
 
+def test_variable_groups_with_long_headers_continue_in_chunks(tmp_path) -> None:
+    devices = [f"cpu:{i}" for i in range(300)]  # 4.8 KiB of string references
+    records = [
+        SaveRecord(
+            "mirrored",
+            [np.full(3, k, np.float32)] * 2,
+            (3,),
+            {"devices": devices, "note": "x" * 5000},
+            path=f"m/w{k}",
+        )
+        for k in range(3)
+    ]
+    a, b = both(tmp_path, records)
+    assert walk(a) == walk(b)
+    with h5py.File(b, "r") as f:
+        address = h5py.h5o.get_info(f["m/w1"].id).addr
+    with open(b, "rb") as fh:
+        raw = fh.read()
+    h = hdr.read_object_header(ImageSource(raw), address, checksums=True)
+    assert len(h.chunks) > 1
+
+
 def test_what_the_generator_cannot_express_is_said(tmp_path) -> None:
     text = SaveRecord("single", [np.array([b"a"], dtype=object)], (1,), {}, path="t")
     with pytest.raises(Unsupported, match="byte-string"):

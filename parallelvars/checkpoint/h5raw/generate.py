@@ -451,7 +451,9 @@ class FilePlan:
         self._groups = groups
         at = SUPERBLOCK_SIZE
         for g in groups:
-            if g.sig is not None and g.children:  # a variable that is also a parent
+            # a variable that is also a parent, or whose header continues in further chunks
+            # (their continuation messages hold addresses): encoded on its own
+            if g.sig is not None and (g.children or len(self._group_template(g).chunks) > 1):
                 g.attrs = g.sig.materialize(g.shape, g.row_string)
                 g.sig = None
             g.address = at
