@@ -70,7 +70,34 @@ def write_native(
 ) -> str:
     """Write ``entries`` (with ``components``: arrays in memory) to ``path`` in the native
     layout, through the generator; returns ``path``. Raises ``Unsupported`` (from
-    :mod:`.messages`) for what the generator cannot express."""
+    :mod:`.messages`) for what the generator cannot express.
+
+    The cyclic garbage collector is paused meanwhile, as for every save (the plan and the
+    index hold a few objects per variable, all alive until the end: each full collection would
+    walk them all, half the generation's time at 20,000 variables)."""
+    # imported here: the checkpoint module imports the writers
+    from parallelvars.checkpoint.checkpoint import _gc_paused
+
+    with _gc_paused():
+        return _write_native(
+            path,
+            entries,
+            object_graph=object_graph,
+            metadata=metadata,
+            share_equal=share_equal,
+            created=created,
+        )
+
+
+def _write_native(
+    path: str | os.PathLike[str],
+    entries: Iterable[Any],
+    *,
+    object_graph: Mapping[str, Any] | None,
+    metadata: Mapping[str, Any] | None,
+    share_equal: bool,
+    created: float | None,
+) -> str:
     p = os.fspath(path)
     items = list(entries.values()) if isinstance(entries, Mapping) else list(entries)
     comps = [[np.ascontiguousarray(c) for c in e.components] for e in items]
