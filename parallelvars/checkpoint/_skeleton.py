@@ -23,7 +23,6 @@ import math
 import operator
 import os
 import re
-import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +32,8 @@ import crc32c as _crc32c
 import numpy as np
 
 from parallelvars._fileio import IOV_MAX, pwrite_all, pwritev_all
+from parallelvars.checkpoint.h5raw.header import v2_prefix
+from parallelvars.checkpoint.h5raw.lookup3 import lookup3
 
 __all__ = [
     "Patch",
@@ -43,7 +44,6 @@ __all__ = [
     "sentinel",
 ]
 
-_MASK = 0xFFFFFFFF
 # Component data smaller than this is copied into the skeleton image and written with it;
 # larger components are written straight from their buffers.
 INLINE_BYTES = 64 << 10
@@ -51,90 +51,25 @@ INLINE_BYTES = 64 << 10
 MAX_IMAGE_BYTES = 256 << 20
 
 
-def _rot(x: int, k: int) -> int:
-    return ((x << k) | (x >> (32 - k))) & _MASK
-
-
-def lookup3(data: bytes | memoryview, initval: int = 0) -> int:
-    """Bob Jenkins' lookup3 ``hashlittle`` of ``data``: HDF5's metadata checksum
-    (``H5_checksum_lookup3``)."""
-    n = len(data)
-    a = b = c = (0xDEADBEEF + n + initval) & _MASK
-    k = bytes(data)
-    pos = 0
-    while n - pos > 12:
-        x, y, z = struct.unpack_from("<III", k, pos)
-        a = (a + x) & _MASK
-        b = (b + y) & _MASK
-        c = (c + z) & _MASK
-        a = (a - c) & _MASK
-        a ^= _rot(c, 4)
-        c = (c + b) & _MASK
-        b = (b - a) & _MASK
-        b ^= _rot(a, 6)
-        a = (a + c) & _MASK
-        c = (c - b) & _MASK
-        c ^= _rot(b, 8)
-        b = (b + a) & _MASK
-        a = (a - c) & _MASK
-        a ^= _rot(c, 16)
-        c = (c + b) & _MASK
-        b = (b - a) & _MASK
-        b ^= _rot(a, 19)
-        a = (a + c) & _MASK
-        c = (c - b) & _MASK
-        c ^= _rot(b, 4)
-        b = (b + a) & _MASK
-        pos += 12
-    rest = n - pos
-    if rest == 0:
-        return c
-    tail = k[pos:] + b"\x00" * (12 - rest)
-    x, y, z = struct.unpack("<III", tail)
-    a = (a + x) & _MASK
-    b = (b + y) & _MASK
-    c = (c + z) & _MASK
-    c ^= b
-    c = (c - _rot(b, 14)) & _MASK
-    a ^= c
-    a = (a - _rot(c, 11)) & _MASK
-    b ^= a
-    b = (b - _rot(a, 25)) & _MASK
-    c ^= b
-    c = (c - _rot(b, 16)) & _MASK
-    a ^= c
-    a = (a - _rot(c, 4)) & _MASK
-    b ^= a
-    b = (b - _rot(a, 14)) & _MASK
-    c ^= b
-    c = (c - _rot(b, 24)) & _MASK
-    return c
-
-
 def header_chunk(image: bytes | memoryview, pos: int) -> tuple[int, int] | None:
     """The (start, checksum offset) of the version-2 object header chunk 0 holding ``pos``.
 
-    The nearest ``OHDR`` signature before ``pos`` is parsed (version, flags, the optional
-    times and attribute-storage fields, the chunk size) and accepted only when ``pos`` lies in
-    its chunk and the chunk's stored lookup3 checksum is reproduced; else None.
+    The nearest ``OHDR`` signature before ``pos`` is parsed (:func:`~.h5raw.header.v2_prefix`)
+    and accepted only when ``pos`` lies in its chunk and the chunk's stored lookup3 checksum is
+    reproduced; else None.
     """
     buf = bytes(image[max(0, pos - (1 << 16)) : pos])
     base = max(0, pos - (1 << 16))
     at = buf.rfind(b"OHDR")
     while at >= 0:
         start = base + at
-        head = bytes(image[start : start + 32])
-        if len(head) >= 7 and head[4] == 2:
-            flags = head[5]
-            p = 6 + (16 if flags & 0x20 else 0) + (4 if flags & 0x10 else 0)
-            width = 1 << (flags & 0x03)
-            if p + width <= len(head):
-                size = int.from_bytes(head[p : p + width], "little")
-                end = start + p + width + size  # the checksum's offset
-                if start < pos < end and end + 4 <= len(image):
-                    stored = int.from_bytes(bytes(image[end : end + 4]), "little")
-                    if lookup3(image[start:end]) == stored:
-                        return start, end
+        prefix = v2_prefix(image[start : start + 32])
+        if prefix is not None:
+            end = start + prefix[1] + prefix[2]  # the checksum's offset
+            if start < pos < end and end + 4 <= len(image):
+                stored = int.from_bytes(bytes(image[end : end + 4]), "little")
+                if lookup3(image[start:end]) == stored:
+                    return start, end
         at = buf.rfind(b"OHDR", 0, at)
     return None
 

@@ -28,7 +28,6 @@ import bisect
 import itertools
 import os
 import re
-import struct
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,91 +38,11 @@ import numpy as np
 
 from parallelvars._fileio import pwrite_all
 from parallelvars.checkpoint._skeleton import MAX_IMAGE_BYTES
+from parallelvars.checkpoint.h5raw.fractal_heap import direct_block_extent
+from parallelvars.checkpoint.h5raw.header import continuation_candidates, v2_prefix
+from parallelvars.checkpoint.h5raw.lookup3 import lookup3_many
 
 __all__ = ["IndexSkeleton", "NoSkeleton", "capture", "link_sentinel", "lookup3_many"]
-
-_U32 = np.uint32
-
-
-def _rot(x: np.ndarray, k: int) -> np.ndarray:
-    return (x << _U32(k)) | (x >> _U32(32 - k))
-
-
-def lookup3_many(image: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndarray:
-    """Bob Jenkins' lookup3 ``hashlittle`` (HDF5's metadata checksum, initial value 0) of
-    ``image[start:end]`` for every span, computed for all spans together (uint32 array).
-
-    The spans are sorted by length, longest first, so the rows still mixing at any block are a
-    leading slice and each lookup3 round is a handful of numpy operations over all of them.
-    """
-    n = len(spans)
-    out = np.empty(n, np.uint32)
-    if n == 0:
-        return out
-    lengths = np.array([e - s for s, e in spans], np.int64)
-    order = np.argsort(-lengths, kind="stable")
-    lens = lengths[order]
-    blocks = max(1, int(-(-int(lens[0]) // 12)))
-    data = np.zeros((n, blocks * 12), np.uint8)
-    for row, i in enumerate(order.tolist()):
-        s, e = spans[i]
-        data[row, : e - s] = image[s:e]
-    words = data.view("<u4").reshape(n, blocks, 3).astype(np.uint32)
-    a = ((0xDEADBEEF + lens) & 0xFFFFFFFF).astype(np.uint32)
-    b = a.copy()
-    c = a.copy()
-    with np.errstate(over="ignore"):
-        for j in range(blocks):
-            rest = lens - 12 * j
-            mixing = int(np.count_nonzero(rest > 12))  # a leading slice: lens is descending
-            last = int(np.count_nonzero(rest > 0))
-            if mixing:
-                x, y, z = a[:mixing], b[:mixing], c[:mixing]
-                x += words[:mixing, j, 0]
-                y += words[:mixing, j, 1]
-                z += words[:mixing, j, 2]
-                x -= z
-                x ^= _rot(z, 4)
-                z += y
-                y -= x
-                y ^= _rot(x, 6)
-                x += z
-                z -= y
-                z ^= _rot(y, 8)
-                y += x
-                x -= z
-                x ^= _rot(z, 16)
-                z += y
-                y -= x
-                y ^= _rot(x, 19)
-                x += z
-                z -= y
-                z ^= _rot(y, 4)
-                y += x
-            if last > mixing:  # the rows whose last (zero-padded) block is block j
-                sl = slice(mixing, last)
-                x, y, z = a[sl], b[sl], c[sl]
-                x += words[sl, j, 0]
-                y += words[sl, j, 1]
-                z += words[sl, j, 2]
-                z ^= y
-                z -= _rot(y, 14)
-                x ^= z
-                x -= _rot(z, 11)
-                y ^= x
-                y -= _rot(x, 25)
-                z ^= y
-                z -= _rot(y, 16)
-                x ^= z
-                x -= _rot(z, 4)
-                y ^= x
-                y -= _rot(x, 14)
-                z ^= y
-                z -= _rot(y, 24)
-            if last == 0:
-                break
-    out[order] = c
-    return out
 
 
 def link_sentinel(length: int) -> bytes:
@@ -165,7 +84,7 @@ def _header_chunk(
     if nearest < 0:
         return None
     if nearest == fhdb:
-        block = _direct_block(image, fhdb)
+        block = direct_block_extent(image, fhdb)
         if block is None:
             return None
         start, end, cpos = block
@@ -178,62 +97,14 @@ def _header_chunk(
             return None
         start, end = ochk, ochk + length - 4
     else:
-        head = image[ohdr : ohdr + 32]
-        if len(head) < 7 or head[4] != 2:
-            return None
-        flags = head[5]
-        p = 6 + (16 if flags & 0x20 else 0) + (4 if flags & 0x10 else 0)
-        width = 1 << (flags & 0x03)
-        if p + width > len(head):
+        prefix = v2_prefix(image[ohdr : ohdr + 32])
+        if prefix is None:
             return None
         start = ohdr
-        end = ohdr + p + width + int.from_bytes(head[p : p + width], "little")
+        end = ohdr + prefix[1] + prefix[2]
     if start < pos and end_of <= end and end + 4 <= len(image):
         return start, end, end
     return None
-
-
-def _direct_block(image: bytes, at: int) -> tuple[int, int, int] | None:
-    """(start, end, checksum offset) of the fractal heap direct block at ``at``, from its heap
-    header (``FRHP``: 8-byte addresses and lengths, no filters, checksummed direct blocks)."""
-    if image[at + 4 : at + 5] != b"\x00":
-        return None
-    heap = int.from_bytes(image[at + 5 : at + 13], "little")
-    hdr = image[heap : heap + 146]
-    if len(hdr) < 146 or hdr[:5] != b"FRHP\x00" or hdr[7:9] != b"\x00\x00" or not hdr[9] & 2:
-        return None
-    width = int.from_bytes(hdr[110:112], "little")
-    first = int.from_bytes(hdr[112:120], "little")
-    bits = int.from_bytes(hdr[128:130], "little")
-    off_size = (bits + 7) // 8
-    if not (width and first and 0 < off_size <= 8):
-        return None
-    offset = int.from_bytes(image[at + 13 : at + 13 + off_size], "little")
-    # The doubling table: rows 0 and 1 of blocks of the first size, then each row's twice
-    # the last's, ``width`` blocks a row.
-    row = offset // (width * first)
-    size = first if row == 0 else first << (row.bit_length() - 1)
-    cpos = at + 13 + off_size
-    if cpos + 4 > at + size or at + size > len(image):
-        return None
-    return at, at + size, cpos
-
-
-def _continuations(image: bytes) -> dict[int, int]:
-    """``{address: length}`` of the continuation chunks (``OCHK``) of the file, from the
-    continuation messages that point at them (type 0x10 of 16 bytes: an 8-byte address and an
-    8-byte length, after a 4-byte message head, or 6 with creation order). A wrong guess is
-    harmless: every chunk's checksum is checked before it is used."""
-    found: dict[int, int] = {}
-    for match in re.finditer(rb"\x10\x10\x00", image):
-        for head in (4, 6):
-            at = match.start() + head
-            address, length = (
-                struct.unpack_from("<QQ", image, at) if at + 16 <= len(image) else (0, 0)
-            )
-            if image[address : address + 4] == b"OCHK" and 8 < length <= len(image) - address:
-                found.setdefault(address, length)
-    return found
 
 
 def _checksum(image: np.ndarray, chunks: Sequence[tuple[int, int, int]]) -> None:
@@ -330,7 +201,7 @@ def capture(
             return None
         value_at[name] = (at, np.asarray(value).dtype)
     signatures = _signatures(image)
-    continuations = _continuations(image) if signatures[b"OCHK"] else {}
+    continuations = continuation_candidates(image) if signatures[b"OCHK"] else {}
     chunk_of: dict[tuple[int, int, int], int] = {}
     spot_chunk: list[int] = []
     for pos, length in spots + [(at, dt.itemsize) for at, dt in value_at.values()]:

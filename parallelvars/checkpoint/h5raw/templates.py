@@ -1,0 +1,98 @@
+"""Object headers made from templates, many rows at once.
+
+Headers of one layout (a variable's group or a component's dataset: same messages, same
+sizes) differ only in a few fixed-width fields (a shape, string references, link addresses,
+dimensions, a data offset). A :class:`Template` is such a header encoded with every field
+zero, where the fields lie (found by encoding it a second time with every field's bytes 0xFF:
+:func:`runs`) and its chunks. :meth:`Template.rows` makes the headers of all the objects of
+the layout as one ``(objects, bytes)`` array: the template repeated, the fields laid in
+column-wise and every chunk's checksum computed for all rows together
+(:func:`~.lookup3.lookup3_rows`, the chunk's bytes before its first field mixed once:
+:func:`~.lookup3.prefix_state`). :func:`place` copies the rows to their addresses in the
+file's metadata image.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from parallelvars.checkpoint.h5raw.lookup3 import lookup3_rows, prefix_state
+
+__all__ = ["Template", "place", "runs"]
+
+
+def runs(zeros: bytes, ones: bytes) -> list[tuple[int, int]]:
+    """The (start, length) of every run of bytes that differ between two encodings."""
+    a = np.frombuffer(zeros, np.uint8)
+    b = np.frombuffer(ones, np.uint8)
+    assert a.size == b.size
+    diff = np.concatenate(([False], a != b, [False]))
+    edges = np.flatnonzero(diff[1:] != diff[:-1])
+    return [(int(s), int(e - s)) for s, e in zip(edges[0::2], edges[1::2], strict=True)]
+
+
+@dataclass
+class Template:
+    """A header with its fields zero (``data``), its chunks ``(start, checksum offset)`` and
+    its fields' runs ``(start, length)``, in the order the fields are given."""
+
+    data: bytes
+    chunks: list[tuple[int, int]]
+    fields: list[tuple[int, int]]
+
+    _states: list[tuple[int, tuple[int, int, int] | None]] | None = None
+
+    def _prefixes(self) -> list[tuple[int, tuple[int, int, int] | None]]:
+        """Per chunk: its bytes before its first field (whole blocks), every row's, and the
+        lookup3 state after them (mixed once per template)."""
+        if self._states is None:
+            self._states = []
+            for start, end in self.chunks:
+                length = end - start
+                first = min((s for s, _ in self.fields if start <= s < end), default=end) - start
+                prefix = min(first, length - 1) // 12 * 12
+                state = prefix_state(self.data[start : start + prefix], length) if prefix else None
+                self._states.append((prefix if prefix else 0, state))
+        return self._states
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+    @property
+    def width(self) -> int:
+        """The bytes of fields in one row."""
+        return sum(n for _, n in self.fields)
+
+    def rows(self, fields: np.ndarray) -> np.ndarray:
+        """The headers with ``fields`` (a ``(rows, width)`` uint8 array, each row's fields
+        in order) laid into the template, their chunks' checksums computed."""
+        count = fields.shape[0]
+        assert fields.shape == (count, self.width), (fields.shape, self.width)
+        out = np.empty((count, self.size), np.uint8)
+        out[:] = np.frombuffer(self.data, np.uint8)
+        at = 0
+        for start, length in self.fields:
+            out[:, start : start + length] = fields[:, at : at + length]
+            at += length
+        for (start, end), (prefix, state) in zip(self.chunks, self._prefixes(), strict=True):
+            sums = lookup3_rows(out[:, start:end], end - start, start=prefix, state=state)
+            out[:, end : end + 4] = sums.astype("<u4").view(np.uint8).reshape(count, 4)
+        return out
+
+
+def place(image: np.ndarray, addresses: np.ndarray, rows: np.ndarray) -> None:
+    """Copy each row of ``rows`` to ``image`` at its address: rows laid one after another
+    (the usual case: the variables of a group, the components of the variables) in one copy
+    per run."""
+    count, size = rows.shape
+    if count == 0:
+        return
+    breaks = np.flatnonzero(np.diff(addresses) != size) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [count]))
+    for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+        a = int(addresses[s])
+        image[a : a + (e - s) * size] = rows[s:e].reshape(-1)
