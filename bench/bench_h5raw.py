@@ -7,8 +7,8 @@ model's parameters are. Per size, best of ``--repeat`` rounds, all timed in the 
 so they see the same load:
 
 * ``generate``: the metadata alone (``FilePlan`` + ``metadata``: superblock, every object
-  header with its checksums, the global heap), from the variables' structure, with the cyclic
-  garbage collector paused as every save (and ``write_native``) runs it;
+  header with its checksums, the global heap), from the variables' structure (the cyclic
+  garbage collector running, as in every save);
 * ``write_native``: a whole file through the generator (index, columns, checksums of every
   component, metadata, gathered data writes, fsync, atomic rename);
 * ``safetensors``: ``safetensors.numpy.save_file`` of the same 2N tensors + fsync;
@@ -35,7 +35,6 @@ try:
 except ImportError:
     safetensors = None  # type: ignore[assignment]
 
-from parallelvars.checkpoint.checkpoint import _gc_paused
 from parallelvars.checkpoint.h5io import write_h5
 from parallelvars.checkpoint.h5io.layout import COLUMNS_DATASET, GRAPH_DATASET, INDEX_DATASET
 from parallelvars.checkpoint.h5raw.generate import FilePlan, Variable
@@ -94,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             size = 0
             for r in range(args.repeat):
                 t = time.perf_counter()
-                with _gc_paused():
-                    size = generate(recs)
+                size = generate(recs)
                 times = {"generate": time.perf_counter() - t}
                 t = time.perf_counter()
                 write_native(os.path.join(d, f"gen-{r}.h5"), recs, object_graph={"nodes": []})

@@ -57,6 +57,20 @@ LAYERS: list[tuple[str, list[str]]] = [
         ],
     ),
     (
+        "HDF5 bytes: lookup3, the bounded object-header parser, message bodies, the global heap",
+        [
+            "parallelvars.checkpoint.h5raw",
+            "parallelvars.checkpoint.h5raw.lookup3",
+            "parallelvars.checkpoint.h5raw.source",
+            "parallelvars.checkpoint.h5raw.header",
+            "parallelvars.checkpoint.h5raw.messages",
+            "parallelvars.checkpoint.h5raw.global_heap",
+            "parallelvars.checkpoint.h5raw.fractal_heap",
+            "parallelvars.checkpoint.h5raw.templates",
+            "parallelvars.checkpoint.h5raw.virtual",
+        ],
+    ),
+    (
         "the saved-entry model: entries, the saveable registry, file policy, retention",
         [
             "parallelvars.checkpoint.entry",
@@ -69,8 +83,13 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("tracking: the object graph's containers", ["parallelvars.tracking"]),
     ("optimizers", ["parallelvars.optimizers", "parallelvars.optimizers.*"]),
     (
-        "the native layout's bytes",
-        ["parallelvars.checkpoint.h5io", "parallelvars.checkpoint.h5io.*"],
+        "the native layout's bytes (h5io, and the file generator of h5raw)",
+        [
+            "parallelvars.checkpoint.h5io",
+            "parallelvars.checkpoint.h5io.*",
+            "parallelvars.checkpoint.h5raw.generate",
+            "parallelvars.checkpoint.h5raw.native",
+        ],
     ),
     (
         "checkpoints: graph, restore planner, sources, Checkpoint, manager",
