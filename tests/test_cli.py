@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -17,8 +16,7 @@ import pytest
 from _cli_support import write_sample
 
 from parallelvars import errors
-from parallelvars.cli import COMMANDS, main
-from parallelvars.cli._common import size_arg
+from parallelvars.cli import COMMANDS, build_parser, main
 from parallelvars.cli._errors import EXIT_INTERNAL, EXIT_USAGE, UsageError, classify
 from parallelvars.cli._output import Output
 from parallelvars.errors import InvalidArgumentError
@@ -218,18 +216,21 @@ def test_error_output_is_folded_onto_one_line() -> None:
 )  # fmt: skip
 def test_parse_size(text: str, size: int) -> None:
     assert parse_size(text) == size
-    assert size_arg(text) == size
+    args = build_parser().parse_args(
+        ["convert", "a.h5", "b.safetensors", f"--max-shard-size={text}"]
+    )
+    assert args.max_shard_size == size
 
 
 @pytest.mark.parametrize(
     "text",
     ["", "GB", "5XB", "5 G", "-1MB", "0", "0.1B", "1.2.3MB", "1e", "inf", "nan", "1e400", "5 G B"],
 )
-def test_parse_size_rejects(text: str) -> None:
+def test_parse_size_rejects(text: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(InvalidArgumentError, match="size"):
         parse_size(text)
-    with pytest.raises(argparse.ArgumentTypeError, match="size"):
-        size_arg(text)
+    assert main(["convert", "a.h5", "b.safetensors", f"--max-shard-size={text}"]) == EXIT_USAGE
+    assert "error: argument --max-shard-size: " in capsys.readouterr().err
 
 
 def test_parse_size_takes_positive_ints_only() -> None:

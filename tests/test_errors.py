@@ -130,8 +130,7 @@ def _reshard(tmp: Path) -> None:
 
 
 def _write_entries(tmp: Path, name: str) -> None:
-    from parallelvars.formats import open_checkpoint
-    from parallelvars.formats._registry import write_checkpoint
+    from parallelvars.formats import open_checkpoint, write_checkpoint
 
     _, path = _checkpoint_file(tmp)
     with open_checkpoint(path) as view:

@@ -94,7 +94,7 @@ def test_components_logical_writes_each_kinds_logical_value(saved, tmp_path, com
 
 
 def test_tf_checkpoint_keeps_the_aggregate_under_variable_value(saved, tmp_path) -> None:
-    from parallelvars.formats.tf._bundle import BundleReader
+    from parallelvars.formats.tf import BundleReader
 
     prefix = formats.convert(saved, tmp_path / "tf" / "ckpt-1", to_format="tf")
     bundle = BundleReader(prefix)

@@ -473,3 +473,15 @@ def test_a_fifo_given_to_the_cli_is_refused_without_blocking(tmp_path: Path, com
     assert proc.returncode == 2, proc.stderr
     assert "FIFO" in proc.stderr and "pipe.safetensors" in proc.stderr
     assert not (tmp_path / "out.h5").exists()
+
+
+@pytest.mark.parametrize(
+    ("value", "integer", "index"),
+    [(3, True, True), (0, True, True), (-1, True, False), (np.int64(5), True, True),
+     (np.uint8(0), True, True), (np.int32(-2), True, False), (True, False, False),
+     (np.bool_(True), False, False), (2.0, False, False), ("1", False, False), (None, False, False)],
+)  # fmt: skip
+def test_integer_checks_on_decoded_values(value: object, integer: bool, index: bool) -> None:
+    from parallelvars._ints import is_index, is_int
+
+    assert (is_int(value), is_index(value)) == (integer, index)

@@ -568,3 +568,39 @@ def test_keras_variable_length_strings_must_be_contiguous(tmp_path):
     )
     out = run("open", path, "keras")
     assert "REFUSED CorruptCheckpointError" in out and "chunked or filtered" in out, out
+
+
+# h5py raising a lookup or arithmetic error on a damaged file becomes our error in every HDF5
+# reader (the native reader's own copy of the tuple once lacked IndexError and ArithmeticError).
+@pytest.mark.parametrize("exc", [IndexError("index"), ZeroDivisionError("div"), OverflowError("o")])
+def test_h5py_lookup_and_arithmetic_errors_become_ours_in_every_reader(tmp_path, monkeypatch, exc):
+    from parallelvars import formats
+
+    native = tmp_path / "native.h5"
+    with pv.MirroredStrategy(2).scope():
+        v = pv.Variable(np.arange(4, dtype=np.float32), name="v")
+    pv.Checkpoint(v=v).write(str(native))
+    foreign = tmp_path / "foreign.h5"
+    with h5py.File(foreign, "w") as f:
+        f["a"] = np.zeros(3, np.float32)
+
+    def damaged(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(h5py, "File", damaged)
+    with pytest.raises(CorruptCheckpointError):
+        H5Reader(str(native))
+    with pytest.raises(CorruptCheckpointError):
+        formats.open_checkpoint(str(foreign), format="hdf5")
+
+
+def test_the_hdf5_sniffer_takes_damage_as_not_ours(tmp_path: Path) -> None:
+    from parallelvars.formats import hdf5
+
+    path = tmp_path / "x.h5"
+    with h5py.File(path, "w") as f:
+        f["a"] = np.zeros(3)
+    raw = path.read_bytes()
+    assert hdf5.sniff(str(path), raw[:64]) is False  # HDF5, but not our root attribute
+    path.write_bytes(raw[:200])  # truncated
+    assert hdf5.sniff(str(path), raw[:64]) is False

@@ -112,7 +112,7 @@ def test_a_lone_surrogate_in_the_native_index_is_refused_at_open(tmp_path: Path)
 
 
 def test_a_tf_key_that_is_not_utf8_is_refused_at_open(tmp_path: Path) -> None:
-    from parallelvars.formats.tf._bundle import BundleWriter
+    from parallelvars.formats.tf import BundleWriter
 
     with BundleWriter(str(tmp_path / "ckpt")) as w:
         w.add(b"a\xff/.ATTRIBUTES/VARIABLE_VALUE", np.ones(2, np.float32))

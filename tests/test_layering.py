@@ -111,10 +111,6 @@ ALLOWED_CYCLES: list[frozenset[str]] = [
     # devices <-> variables: ParallelDevice.pack(values, name=...) makes a variable, and a
     # variable holds its ParallelDevice.
     frozenset({"parallelvars.devices", "parallelvars.variables"}),
-    # Keras adapters: a TYPE_CHECKING import of the store by its integrity check, and the
-    # archive reader opening the weights reader inside a function.
-    frozenset({"parallelvars.formats.keras._integrity", "parallelvars.formats.keras._store"}),
-    frozenset({"parallelvars.formats.keras._archive", "parallelvars.formats.keras._weights"}),
 ]
 
 

@@ -417,3 +417,55 @@ def test_any_index_structure_repeats_byte_for_byte(
         assert Path(path).read_bytes() == Path(plain).read_bytes()
         if k:
             assert isinstance(cache._skeleton, _index_skeleton.IndexSkeleton)
+
+
+class _OneProcess:
+    """mpi4py's Comm for a one-process world, the calls the collective writer makes."""
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Get_size(self) -> int:
+        return 1
+
+    def gather(self, value: object, root: int = 0) -> list[object]:
+        return [value]
+
+    def bcast(self, value: object, root: int = 0) -> object:
+        return value
+
+
+def test_the_collective_writer_lives_with_the_layout(tmp_path: Path) -> None:
+    """One layout writer in checkpoint/: the multi-process save is h5io.collective, built on
+    write_h5 and write_h5_index, and needs neither MPI nor the MPI strategy."""
+    import subprocess
+    import sys
+
+    from parallelvars.checkpoint.h5io import H5Reader
+    from parallelvars.checkpoint.h5io.collective import parts_dir_for, write_collective
+    from parallelvars.checkpoint.registry import SaveRecord
+
+    devices = ["cpu:0", "cpu:1"]
+    comps = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones((2, 3), np.float32)]
+    records = [
+        SaveRecord("mirrored", comps, (2, 3), {"devices": devices}, path="m/w"),
+        SaveRecord("single", [np.array(4, np.int64)], (), {"devices": ["cpu:0"]}, path="step"),
+    ]
+    path = str(tmp_path / "ckpt.h5")
+    stale = Path(parts_dir_for(path)) / "rank-00000-of-00003.h5"
+    stale.parent.mkdir()
+    stale.write_bytes(b"an earlier save with three processes")
+    assert write_collective(_OneProcess(), path, records, devices, devices) == path
+    assert sorted(p.name for p in stale.parent.iterdir()) == ["rank-00000-of-00001.h5"]
+    with H5Reader(path) as reader:
+        assert reader.metadata["processes"] == 1
+        w = reader["m/w"]
+        assert w.num_components == 2
+        assert np.array_equal(w.component(0), comps[0]) and np.array_equal(w.component(1), comps[1])
+        assert int(reader["step"].component(0)) == 4
+    code = (
+        "import sys, parallelvars.checkpoint.h5io.collective\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('mpi4py', 'parallelvars.strategy._mpi', 'parallelvars.strategy._coll'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

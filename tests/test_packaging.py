@@ -57,7 +57,7 @@ def test_core_never_imports_formats_or_cli() -> None:
     assert not offenders, offenders
 
 
-# The layers below strategies (docs/ARCHITECTURE-training.md): they read the mode stacks of
+# The layers below strategies (docs/ARCHITECTURE.md): they read the mode stacks of
 # _modes and the values of _values, never a strategy module, in any form of import.
 _BELOW_STRATEGY = ("_values.py", "_modes.py", "_write_plan.py", "devices.py", "variables.py")
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parallelvars.formats.tf import _crc, _ordered_code
-from parallelvars.formats.tf._bundle import BundleReader, BundleWriter
+from parallelvars.formats.tf import BundleReader, BundleWriter, _crc, _ordered_code
 from parallelvars.formats.tf._keys import escape_local_name, parse_key, unescape_local_name
 from parallelvars.formats.tf._proto import (
     BundleEntry,

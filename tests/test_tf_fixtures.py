@@ -22,7 +22,6 @@ from parallelvars.formats import (
     write_checkpoint,
 )
 from parallelvars.formats.tf import FORMAT, BundleReader, TfCheckpointView, sniff
-from parallelvars.formats.tf._bundle import BundleReader as _Reader
 from parallelvars.formats.tf._sstable import TableReader
 
 DATA = Path(__file__).parent / "data" / "tf"
@@ -225,7 +224,7 @@ def _in_memory(view) -> DictView:
 
 
 def _checkpoint_keys(prefix: str) -> set[bytes]:
-    with _Reader(prefix) as r:
+    with BundleReader(prefix) as r:
         return {k for k in r.entries if k not in r.slice_keys}
 
 
@@ -290,13 +289,13 @@ def test_state_file_with_an_absolute_path_of_a_moved_directory(tmp_path: Path) -
 
 def test_opening_reads_no_tensor_until_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     reads: list[bytes] = []
-    original = _Reader._pread
+    original = BundleReader._pread
 
     def counting(self, shard_id, offset, flat, key):  # type: ignore[no-untyped-def]
         reads.append(key)
         return original(self, shard_id, offset, flat, key)
 
-    monkeypatch.setattr(_Reader, "_pread", counting)
+    monkeypatch.setattr(BundleReader, "_pread", counting)
     with open_checkpoint(DATA / "plain") as view:
         assert reads == [GRAPH.encode()]  # the object graph only
         entry: Entry = view["net/kernel"]

@@ -57,21 +57,21 @@ tensors are refused.
 ``model.weights.h5`` inside and writes an archive from a template (``like=``), keeping its
 ``config.json`` and ``metadata.json`` (:mod:`._archive`).
 
-Modules: ``_layout`` (our reserved names), ``_archive`` (``.keras`` archives), ``_store`` (datasets as a lazy tensor store),
+Modules: ``_layout`` (our reserved names), ``_archive`` (``.keras`` archives and the ``keras`` entry points), ``_store`` (datasets as a lazy tensor store),
 ``_integrity`` (dataset and structure checksums), ``_read`` (opening either layout),
-``_write`` (shared writing helpers), ``_weights`` (Keras 3) and ``_legacy`` (legacy Keras).
+``_write`` (shared writing helpers), ``_weights`` (Keras 3 ``.weights.h5``) and ``_legacy`` (legacy Keras).
 """
 
 from __future__ import annotations
 
 from parallelvars.formats._registry import FormatSpec
+from parallelvars.formats.keras._archive import open_keras, sniff_keras, write_keras
 from parallelvars.formats.keras._layout import RESERVED
 from parallelvars.formats.keras._legacy import (
     open_keras_legacy,
     sniff_keras_legacy,
     write_keras_legacy,
 )
-from parallelvars.formats.keras._weights import open_keras, sniff_keras, write_keras
 
 __all__ = [
     "FORMATS",

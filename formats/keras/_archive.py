@@ -16,6 +16,10 @@ each member's CRC-32 checked as it is copied) and its weights replaced, so
 ``keras.saving.load_model`` loads the result. The weights must fit the template's structure
 exactly (the same datasets, shapes and dtypes); anything else is refused before a byte is
 written, never turned into an archive Keras cannot load.
+
+The ``keras`` format's entry points (:func:`open_keras`, :func:`write_keras`,
+:func:`sniff_keras`) are here: a ``.keras`` archive or a ``.weights.h5`` file, the latter
+handed to :mod:`._weights`.
 """
 
 from __future__ import annotations
@@ -55,12 +59,21 @@ from parallelvars.formats.keras._layout import (
     LEGACY_LAYOUT,
     RESERVED,
 )
+from parallelvars.formats.keras._weights import (
+    _keras3_keys,
+    open_weights,
+    sniff_weights,
+    write_weights,
+)
 
 __all__ = [
     "WEIGHTS_MEMBER",
     "is_keras_archive",
     "is_zip",
+    "open_keras",
     "open_keras_archive",
+    "sniff_keras",
+    "write_keras",
     "write_keras_archive",
 ]
 
@@ -243,8 +256,6 @@ def _check_crc(window: _Window, info: zipfile.ZipInfo, where: str) -> None:
 
 def open_keras_archive(path: str | os.PathLike[str]) -> CheckpointView:
     """Open the weights of a Keras 3 ``.keras`` archive (entry paths as in ``.weights.h5``)."""
-    from parallelvars.formats.keras._weights import open_keras
-
     p = os.fspath(path)
     fobj, size = _weights_file(p)
     try:
@@ -254,7 +265,7 @@ def open_keras_archive(path: str | os.PathLike[str]) -> CheckpointView:
             raise CorruptCheckpointError(
                 f"h5py cannot open the weights ({exc})", file=f"{p}/{WEIGHTS_MEMBER}"
             ) from None
-        view = open_keras(f"{p}/{WEIGHTS_MEMBER}", h5=h5, size=size, owned=fobj)
+        view = open_weights(f"{p}/{WEIGHTS_MEMBER}", h5=h5, size=size, owned=fobj)
     except BaseException:
         fobj.close()
         raise
@@ -283,8 +294,6 @@ def write_keras_archive(
         InvalidArgumentError: no template.
         InvalidEntryError: the weights do not fit the template's structure.
     """
-    from parallelvars.formats.keras._weights import _keras3_keys, write_keras
-
     p = os.fspath(path)
     if like is None:
         raise InvalidArgumentError(
@@ -322,7 +331,7 @@ def write_keras_archive(
     if layout is not None:
         meta[KERAS_LAYOUT] = layout  # the template's groups and their attributes
     with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(p)) or None) as tmpdir:
-        weights = write_keras(os.path.join(tmpdir, WEIGHTS_MEMBER), entries, metadata=meta)
+        weights = write_weights(os.path.join(tmpdir, WEIGHTS_MEMBER), entries, metadata=meta)
         # The template is as hostile as any input: its members are checked by the zip policy
         # (no duplicate or overlapping entries, the expansion bounded) and each is read to its
         # end (its CRC-32 checked) as it is copied.
@@ -343,3 +352,65 @@ def write_keras_archive(
             zin.close()
             f.close()
     return p
+
+
+def open_keras(
+    path: str | os.PathLike[str],
+    *,
+    h5: h5py.File | None = None,
+    size: int | None = None,
+    owned: IO[bytes] | None = None,
+) -> CheckpointView:
+    """Open a Keras 3 ``.weights.h5`` file or ``.keras`` archive lazily (entry paths:
+    ``layers/<name>/vars/<i>``).
+
+    Files we wrote carry CRC-32Cs (per dataset and of the structure), checked on read; a file
+    from Keras has none and is read as it is. ``h5``, ``size`` and ``owned``: the weights of a
+    ``.keras`` archive already open.
+    """
+    p = os.fspath(path)
+    if h5 is None and is_zip(p):  # a .keras archive: the weights inside
+        return open_keras_archive(p)
+    return open_weights(p, h5=h5, size=size, owned=owned)
+
+
+def write_keras(
+    path: str | os.PathLike[str],
+    entries: Mapping[str, Entry],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    like: str | os.PathLike[str] | None = None,
+) -> str:
+    """Write ``entries`` as a Keras 3 ``.weights.h5`` file (or ``.keras`` archive), one tensor
+    at a time.
+
+    Args:
+        path: the output file; a name ending in ``.keras`` writes an archive (needs ``like``).
+        entries: the entries (a view of a Keras file keeps its exact layout).
+        metadata: file metadata (default: the source view's); ``keras_weights_layout`` gives
+            the groups' attributes. The weights of a legacy Keras file (``keras_legacy_layout``)
+            go where Keras 3 looks for them (``layers/<class>/vars/<i>``), which needs the
+            model config of a full-model file; a mapping that cannot be made is a ValueError.
+        like: for a ``.keras`` archive, the model's own archive: its configuration is kept and
+            its weights replaced.
+
+    Returns:
+        The file written.
+    """
+    p = os.fspath(path)
+    if p.lower().endswith(".keras"):
+        return write_keras_archive(p, entries, like=like, metadata=metadata)
+    if like is not None:
+        raise InvalidArgumentError(
+            f"{p}: like= applies to .keras archives (a template's config kept, its weights "
+            "replaced); a .weights.h5 file holds the weights only"
+        )
+    return write_weights(p, entries, metadata=metadata)
+
+
+def sniff_keras(path: str, head: bytes) -> bool:
+    """True for an HDF5 file with Keras 3 ``vars`` groups and no legacy attributes, or a
+    ``.keras`` archive."""
+    if head.startswith(b"PK"):
+        return is_keras_archive(path, head)
+    return sniff_weights(path, head)

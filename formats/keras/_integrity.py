@@ -5,7 +5,8 @@ everything the reader takes from the file besides tensor bytes.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import crc32c as _crc32c
 import h5py
@@ -18,8 +19,18 @@ from parallelvars.errors import (
 from parallelvars.formats._json import jsonable
 from parallelvars.formats.keras._layout import CRC_ATTR, STRUCTURE_ATTR
 
-if TYPE_CHECKING:
-    from parallelvars.formats.keras._store import _H5Store
+
+class _Datasets(Protocol):
+    """What the structure checksum reads of a store: its keys, each key's stored dtype and shape,
+    and each dataset's recorded CRC-32C (``_store._H5Store`` is one; this module sits below it).
+    """
+
+    @property
+    def crcs(self) -> Mapping[str, int | None]: ...
+
+    def keys(self) -> Sequence[str]: ...
+
+    def stored(self, key: str) -> tuple[np.dtype, tuple[int, ...]]: ...
 
 
 def _dataset_crc(ds: h5py.Dataset, file: str, key: str) -> int | None:
@@ -38,7 +49,7 @@ def _dataset_crc(ds: h5py.Dataset, file: str, key: str) -> int | None:
     return int(value)
 
 
-def _structure_crc(store: _H5Store, layout: Any, info: Any) -> int:
+def _structure_crc(store: _Datasets, layout: Any, info: Any) -> int:
     """CRC-32C of a canonical description of what the reader takes from the file's structure."""
     keys = store.keys()
     doc = {
@@ -52,7 +63,7 @@ def _structure_crc(store: _H5Store, layout: Any, info: Any) -> int:
     return int(_crc32c.crc32c(text.encode("ascii")))
 
 
-def _verify_structure(h5: h5py.File, file: str, store: _H5Store, layout: Any, info: Any) -> None:
+def _verify_structure(h5: h5py.File, file: str, store: _Datasets, layout: Any, info: Any) -> None:
     raw = h5.attrs.get(STRUCTURE_ATTR)
     if raw is None:
         if isinstance(info, dict) and info.get("checksums"):

@@ -1,4 +1,6 @@
-"""Keras 3 ``.weights.h5`` (``keras``): scan, open, write and detection."""
+"""Keras 3 ``.weights.h5`` files: scan, open, write and detection (``.keras`` archives, which
+hold one, and the ``keras`` format's entry points are in :mod:`._archive`, above this module).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ from parallelvars.checkpoint import _h5policy
 from parallelvars.checkpoint.registry import component_name
 from parallelvars.errors import (
     CorruptCheckpointError,
-    InvalidArgumentError,
     InvalidEntryError,
     NotACheckpointError,
 )
@@ -25,12 +26,6 @@ from parallelvars.formats._h5 import (
 from parallelvars.formats._json import dumps, jsonable
 from parallelvars.formats._plan import plan_tensors
 from parallelvars.formats._view import CheckpointView, Entry
-from parallelvars.formats.keras._archive import (
-    is_keras_archive,
-    is_zip,
-    open_keras_archive,
-    write_keras_archive,
-)
 from parallelvars.formats.keras._layout import (
     _OWN_ROOT_ATTRS,
     KERAS_LAYOUT,
@@ -96,25 +91,21 @@ def _scan_keras(h5: h5py.File, p: str) -> tuple[dict[str, h5py.Dataset], dict[st
     return {k: datasets[k] for k in keys}, groups
 
 
-def open_keras(
+def open_weights(
     path: str | os.PathLike[str],
     *,
     h5: h5py.File | None = None,
     size: int | None = None,
     owned: IO[bytes] | None = None,
 ) -> CheckpointView:
-    """Open a Keras 3 ``.weights.h5`` file or ``.keras`` archive lazily (entry paths:
-    ``layers/<name>/vars/<i>``).
+    """Open a Keras 3 ``.weights.h5`` file lazily (entry paths: ``layers/<name>/vars/<i>``).
 
     Files we wrote carry CRC-32Cs (per dataset and of the structure), checked on read; a file
     from Keras has none and is read as it is. ``h5``, ``size`` and ``owned``: the weights of a
-    ``.keras`` archive already open (see :mod:`._archive`).
+    ``.keras`` archive already open (see :mod:`._archive`, which also opens archives by name).
     """
-    p = os.fspath(path)
-    if h5 is None and is_zip(p):  # a .keras archive: the weights inside
-        return open_keras_archive(p)
     return _open(
-        p,
+        os.fspath(path),
         "keras",
         "Keras weights",
         _scan_keras,
@@ -245,37 +236,19 @@ def _keras3_from_legacy(
     return keys, groups
 
 
-def write_keras(
+def write_weights(
     path: str | os.PathLike[str],
     entries: Mapping[str, Entry],
     *,
     metadata: Mapping[str, Any] | None = None,
-    like: str | os.PathLike[str] | None = None,
 ) -> str:
-    """Write ``entries`` as a Keras 3 ``.weights.h5`` file (or ``.keras`` archive), one tensor
-    at a time.
-
-    Args:
-        path: the output file; a name ending in ``.keras`` writes an archive (needs ``like``).
-        entries: the entries (a view of a Keras file keeps its exact layout).
-        metadata: file metadata (default: the source view's); ``keras_weights_layout`` gives
-            the groups' attributes. The weights of a legacy Keras file (``keras_legacy_layout``)
-            go where Keras 3 looks for them (``layers/<class>/vars/<i>``), which needs the
-            model config of a full-model file; a mapping that cannot be made is a ValueError.
-        like: for a ``.keras`` archive, the model's own archive: its configuration is kept and
-            its weights replaced (see :mod:`._archive`).
+    """Write ``entries`` as a Keras 3 ``.weights.h5`` file, one tensor at a time (see
+    :func:`._archive.write_keras` for the arguments; a ``.keras`` archive goes there).
 
     Returns:
         The file written.
     """
     p = os.fspath(path)
-    if p.lower().endswith(".keras"):
-        return write_keras_archive(p, entries, like=like, metadata=metadata)
-    if like is not None:
-        raise InvalidArgumentError(
-            f"{p}: like= applies to .keras archives (a template's config kept, its weights "
-            "replaced); a .weights.h5 file holds the weights only"
-        )
     if metadata is None:
         metadata = getattr(entries, "metadata", None) or {}
     layout = _layout(metadata, KERAS_LAYOUT) or {}
@@ -330,9 +303,6 @@ def _has_vars_group(h5: h5py.File) -> bool:
     )
 
 
-def sniff_keras(path: str, head: bytes) -> bool:
-    """True for an HDF5 file with Keras 3 ``vars`` groups and no legacy attributes, or a
-    ``.keras`` archive."""
-    if head.startswith(b"PK"):
-        return is_keras_archive(path, head)
+def sniff_weights(path: str, head: bytes) -> bool:
+    """True for an HDF5 file with Keras 3 ``vars`` groups and no legacy attributes."""
     return _sniff_with(path, head, _has_vars_group)
