@@ -104,6 +104,20 @@ from parallelvars._version import __version__  # noqa: E402 - one number, in _ve
 _source_tree.install(__path__[0])
 
 
+def _make_variable(name: str, values: Any, device: Any, kind: str) -> Any:
+    """``ParallelDevice.pack(values, name=...)``: a variable whose components are ``values``."""
+    from parallelvars.variables import _wrap_components
+
+    return _wrap_components(name, values, device, kind)
+
+
+# Devices sit below variables (a variable holds its ParallelDevice), so this layer, which sees
+# both, hands pack(name=...) its constructor. devices imports no numpy: this stays light.
+from parallelvars import devices as _devices  # noqa: E402
+
+_devices.set_variable_constructor(_make_variable)
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:

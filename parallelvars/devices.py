@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from parallelvars._values import ParallelValue, PerReplica
 from parallelvars.errors import DistributedValueError
 
 __all__ = ["ParallelDevice", "canonical_device"]
+
+# What ``pack(values, name=...)`` calls to make a variable: (name, values, device, kind) -> the
+# variable. Variables sit above devices (a variable holds its ParallelDevice), so the layer that
+# sees both hands the constructor down: parallelvars/__init__.py sets it when the package is
+# imported, before any module of the package can be.
+VariableConstructor = Callable[[str, Sequence[Any], "ParallelDevice", str], Any]
+_make_variable: VariableConstructor | None = None
+
+
+def set_variable_constructor(make: VariableConstructor) -> None:
+    """Hand ``ParallelDevice.pack(name=...)`` the function that makes a variable (done once,
+    by the package's ``__init__``)."""
+    global _make_variable
+    _make_variable = make
 
 
 def canonical_device(name: str) -> str:
@@ -90,10 +104,12 @@ class ParallelDevice(Sequence[str]):
         self._check_count("pack", len(values))
         if name is None:
             return ParallelValue(list(values))
-        from parallelvars.variables import _wrap_components
-
+        if _make_variable is None:  # only while parallelvars/__init__.py itself runs
+            raise DistributedValueError(
+                f"pack(name={name!r}) on {self!r} before the parallelvars package was imported"
+            )
         kind = "independent" if len(self._components) > 1 else "single"
-        return _wrap_components(name, values, self, kind)
+        return _make_variable(name, values, self, kind)
 
     @property
     def device_ids(self) -> Any:
