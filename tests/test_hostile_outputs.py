@@ -133,6 +133,51 @@ def test_writers_refuse_a_lone_surrogate_name_as_our_error(tmp_path: Path, fmt: 
     assert not [p for p in tmp_path.iterdir()]
 
 
+@pytest.mark.parametrize("where", ["attribute", "list", "dict", "slot"])
+@pytest.mark.parametrize("how", ["write", "save", "manager"])
+def test_native_saves_refuse_a_lone_surrogate_name_before_writing(
+    tmp_path: Path, where: str, how: str
+) -> None:
+    import parallelvars as pv
+    from parallelvars.errors import InvalidEntryError
+
+    w = pv.Variable(np.ones(2, np.float32), name="w")
+    model = pv.Module()
+    model.ok = pv.Variable(np.zeros(2, np.float32), name="ok")  # names before the bad one too
+    if where == "attribute":
+        setattr(model, LONE, w)
+    elif where == "list":
+        model.layers = pv.TrackedList([w])
+        model.layers.append(pv.Module())
+        setattr(model.layers[1], LONE, pv.Variable(np.ones(1, np.float32)))
+    elif where == "dict":
+        model.table = pv.TrackedDict({LONE: w})
+    else:  # an optimizer slot named with a lone surrogate
+
+        class Slots(pv.Module):
+            def _checkpoint_slots(self) -> list[Any]:
+                return [(w, LONE, self.m)]
+
+        model.w = w
+        model.opt = Slots()
+        model.opt.m = pv.Variable(np.zeros(2, np.float32))
+        # (the same slot variable is also reached as an attribute: the slot entry names it)
+    ckpt = pv.Checkpoint(model=model)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    with pytest.raises(InvalidEntryError, match="not valid Unicode") as info:
+        if how == "write":
+            ckpt.write(str(folder / "c.h5"))
+        elif how == "save":
+            ckpt.save(str(folder / "c"))
+        else:
+            pv.CheckpointManager(ckpt, str(folder / "m"), max_to_keep=2).save()
+    str(info.value).encode("utf-8")  # the message itself prints
+    assert info.value.variable is not None and "\\ud800" in ascii(info.value.variable)
+    assert not [p for p in folder.rglob("*.h5*")]
+    assert int(ckpt.save_counter) == 0
+
+
 # ------------------------------------------------------------------- all-or-nothing outputs
 # A write is killed (os._exit, as SIGKILL: no cleanup runs) at each of its steps that changes
 # the folder (a rename or an unlink: the files before are temporaries or new names), in a

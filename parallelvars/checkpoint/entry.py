@@ -271,6 +271,30 @@ def layout_problem(
     return None
 
 
+def check_name_text(
+    name: str,
+    file: str | None = None,
+    *,
+    error: type[CheckpointError] = InvalidEntryError,
+    variable: str | None = None,
+) -> None:
+    """Raise ``error`` naming ``file``, the variable (``variable``, default ``name``), expected
+    and found when ``name`` is not valid Unicode text: every format stores names as UTF-8, and
+    a lone surrogate has no UTF-8 form (the reference libraries refuse it)."""
+    if name.isascii():
+        return
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise error(
+            "the name is not valid Unicode text",
+            file=file,
+            variable=name if variable is None else variable,
+            expected="text without lone surrogates",
+            found=f"{exc.object[exc.start : exc.end]!a} at position {exc.start}",
+        ) from None
+
+
 def check_entry(
     entry: Entry,
     file: str | None = None,
@@ -287,16 +311,7 @@ def check_entry(
     entry handed to them is wrong); readers pass
     :class:`~parallelvars.errors.CorruptCheckpointError` (the file is).
     """
-    try:  # every format stores names as UTF-8: a lone surrogate is no name
-        entry.path.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise error(
-            "the name is not valid Unicode text",
-            file=file,
-            variable=entry.path if variable is None else variable,
-            expected="text without lone surrogates",
-            found=f"{exc.object[exc.start : exc.end]!a} at position {exc.start}",
-        ) from None
+    check_name_text(entry.path, file=file, error=error, variable=variable)
     shape = tuple(map(int, entry.shape))
     problem = layout_problem(entry.kind, shape, int(entry.num_components), entry.attrs or {})
     if problem is not None:

@@ -26,6 +26,7 @@ from typing import Any
 
 from parallelvars._fileio import value_types
 from parallelvars._ints import is_index
+from parallelvars.checkpoint.entry import check_name_text
 from parallelvars.checkpoint.registry import Saveable, get_saveable
 from parallelvars.checkpoint.registry import generation as registry_generation
 from parallelvars.errors import CorruptCheckpointError
@@ -181,6 +182,8 @@ def build_object_graph(root: Any) -> ObjectGraph:
         for name, value in found.items():
             child = _as_node(value)
             child_id = ids.get(id(child))
+            if not name.isascii():  # refused before anything is written, as by every writer
+                check_name_text(name, variable=prefix + escape_name(name))
             if child_id is None:
                 child_id = add(child, prefix + escape_name(name))
                 if child_id not in leaves:
@@ -195,6 +198,8 @@ def build_object_graph(root: Any) -> ObjectGraph:
             var_id = ids.get(id(var))
             if var_id is None or slot_var is None:
                 continue  # a slot of a variable that is not saved is not saved either
+            if not slot_name.isascii():
+                check_name_text(slot_name, variable=f"{graph.path_of(var_id)} (slot {slot_name!a})")
             slot_id = ids.get(id(slot_var))
             if slot_id is None:
                 path = f"{graph.path_of(node_id)}/slots/{graph.path_of(var_id)}/{escape_name(slot_name)}"
