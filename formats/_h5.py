@@ -107,11 +107,13 @@ def attr_to_python(value: Any) -> Any:
     return value
 
 
-def read_split_attr(group: h5py.Group, name: str) -> list[str]:
-    """Read a Keras string-list attribute that may be split into ``name0``, ``name1``, ...
+def read_split_attr(group: h5py.Group, name: str, file: str) -> list[str]:
+    """Read a Keras list-of-names attribute that may be split into ``name0``, ``name1``, ...
 
     Keras splits an attribute bigger than the 64 KB HDF5 object-header limit into numbered
-    parts; this concatenates them.
+    parts; this concatenates them. Each is a layer's or weight's name: one that is not UTF-8
+    text is refused (:class:`~parallelvars.errors.CorruptCheckpointError` naming ``file``), as
+    every reader refuses such a name.
     """
     if name in group.attrs:
         parts = [group.attrs[name]]
@@ -129,5 +131,17 @@ def read_split_attr(group: h5py.Group, name: str) -> list[str]:
         for v in values:
             if not isinstance(v, str):  # an empty list is stored as an empty float64 array
                 continue
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")  # (attr_to_python kept undecodable bytes as surrogates)
+                except UnicodeEncodeError:
+                    raw = v.encode("utf-8", "surrogateescape")
+                    raise CorruptCheckpointError(
+                        f"a name in the attribute {name!r} is not UTF-8 text",
+                        file=file,
+                        variable=group.name,
+                        found=repr(raw),
+                        hint="names must be valid Unicode text in every format",
+                    ) from None
             out.append(v)
     return out

@@ -604,3 +604,63 @@ def test_the_hdf5_sniffer_takes_damage_as_not_ours(tmp_path: Path) -> None:
     assert hdf5.sniff(str(path), raw[:64]) is False  # HDF5, but not our root attribute
     path.write_bytes(raw[:200])  # truncated
     assert hdf5.sniff(str(path), raw[:64]) is False
+
+
+# ------------------------------------------------------------ names that are not UTF-8 text
+
+
+def _non_utf8_named(tmp_path: Path, kind: str) -> str:
+    """An HDF5 file without our index whose reader reaches a name that is not UTF-8 text."""
+    from parallelvars.checkpoint.h5io.layout import DOCUMENTS_ATTR, META_GROUP
+
+    if kind == "native":  # ours, without its index (as files of the first layout versions)
+        path = str(tmp_path / "n.h5")
+        pv.Checkpoint(w=pv.Variable(np.ones(2, np.float32), name="w")).write(path)
+        with h5py.File(path, "r+") as f:
+            del f[META_GROUP]
+            del f.attrs[DOCUMENTS_ATTR]
+            f.copy(f["w"], f["/"], name=b"v\xff")
+        return path
+    if kind == "keras":  # Keras 3 weights: layers/<name>/vars/<n>
+        path = str(tmp_path / "m.weights.h5")
+        with h5py.File(path, "w") as f:
+            f.create_group("layers").create_group(b"d\xff").create_group("vars").create_dataset(
+                "0", data=np.ones(2, np.float32)
+            )
+        return path
+    path = str(tmp_path / f"{kind}.h5")  # legacy Keras: names listed in attributes
+    with h5py.File(path, "w") as f:
+        f.attrs["keras_version"] = np.bytes_(b"2.4.0")
+        layer = b"d\xff" if kind == "legacy-layer" else b"d"
+        f.attrs["layer_names"] = np.array([layer])
+        group = f.create_group(layer)
+        group.attrs["weight_names"] = np.array([b"k\xfe" if kind == "legacy-weight" else b"d/k"])
+        group.create_group("d").create_dataset("k", data=np.ones(2, np.float32))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["native", "keras", "legacy-layer", "legacy-weight"])
+def test_a_name_that_is_not_utf8_is_refused_at_open_in_every_reader(
+    tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from parallelvars import formats
+    from parallelvars.cli import main
+
+    path = _non_utf8_named(tmp_path, kind)
+    with pytest.raises(CorruptCheckpointError, match="not UTF-8 text") as info:
+        formats.open_checkpoint(path)
+    assert info.value.file == path
+    with pytest.raises(CorruptCheckpointError, match="not UTF-8 text"):
+        pv.Checkpoint(w=pv.Variable(np.zeros(2, np.float32), name="w")).restore(path)
+    out = str(tmp_path / "out.safetensors")
+    for argv, code in (
+        (["inspect", path], 2),
+        (["verify", path], 1),
+        (["convert", path, out], 2),
+    ):
+        capsys.readouterr()
+        assert main(argv) == code
+        said = capsys.readouterr()
+        assert f"{path}: " in said.out + said.err and "not UTF-8 text" in said.out + said.err
+        assert "UnicodeDecodeError" not in said.out + said.err
+    assert not os.path.exists(out)

@@ -65,12 +65,12 @@ def _scan_legacy(h5: h5py.File, p: str) -> tuple[dict[str, h5py.Dataset], dict[s
             expected="attribute layer_names",
             found=f"attributes {sorted(root.attrs)}",
         )
-    layer_names = read_split_attr(root, "layer_names")
+    layer_names = read_split_attr(root, "layer_names", p)
     datasets: dict[str, h5py.Dataset] = {}
     layers: dict[str, list[str]] = {}
 
     def add(group: h5py.Group, prefix: str) -> list[str]:
-        names = read_split_attr(group, "weight_names")
+        names = read_split_attr(group, "weight_names", p)
         for w in names:
             ds = _h5policy.get(group, w, p)
             if not isinstance(ds, h5py.Dataset):

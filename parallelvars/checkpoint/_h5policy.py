@@ -336,6 +336,27 @@ def part_file(file: str, link: tuple[bytes, bytes], name: str) -> str:
     return path
 
 
+def member_names(group: h5py.Group, file: str, path: str) -> list[str]:
+    """The names of ``group``'s members (``path``: the group's, for the error), refusing one
+    that is not UTF-8 text as the file's error, not as h5py's ``UnicodeDecodeError``: every
+    name we read becomes a variable's path, and every format stores those as UTF-8."""
+    names = []
+    for raw in group.id:  # (bytes: h5py's high-level iteration decodes, and raises)
+        try:
+            names.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise _refuse(
+                "an object's name is not UTF-8 text",
+                file,
+                f"{path}/{raw.decode('utf-8', 'backslashreplace')}"
+                if path
+                else raw.decode("utf-8", "backslashreplace"),
+                f"{raw[exc.start : exc.end]!r} at byte {exc.start} of {raw!r}",
+                hint="names must be valid Unicode text in every format",
+            ) from None
+    return names
+
+
 def walk(
     group: h5py.Group, file: str, *, own_virtual: str | None = None, skip_links: bool = False
 ) -> Iterator[tuple[str, h5py.Group | h5py.Dataset]]:
@@ -348,7 +369,9 @@ def walk(
     detection), links are passed over instead of refused.
     """
     seen = {group.id}
-    stack: list[tuple[str, h5py.Group, int, Iterator[str]]] = [("", group, 0, iter(list(group)))]
+    stack: list[tuple[str, h5py.Group, int, Iterator[str]]] = [
+        ("", group, 0, iter(member_names(group, file, "")))
+    ]
     while stack:
         prefix, grp, depth, names = stack[-1]
         name = next(names, None)
@@ -390,4 +413,4 @@ def walk(
                     "the group path is too deep", file, path, f"more than {MAX_DEPTH} levels"
                 )
             yield path, obj
-            stack.append((f"{path}/", obj, depth + 1, iter(list(obj))))
+            stack.append((f"{path}/", obj, depth + 1, iter(member_names(obj, file, path))))
