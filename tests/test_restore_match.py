@@ -119,3 +119,31 @@ def test_list_and_dict_children_skip_what_is_not_trackable() -> None:
     assert list(mapping._trackable_children()) == ["x", "1"]
     assert list(TrackedList([1, 2])._trackable_children()) == []
     assert children_of(TrackedList([])) == {}
+
+
+@pytest.mark.parametrize("change", ["append", "replace", "none"])
+def test_the_load_status_sees_the_live_objects_as_they_are_now(tmp_path, change) -> None:
+    # The status reuses the checkpoint's graph of the live objects while it is unchanged: a
+    # variable added or replaced after the save (or after an earlier assertion) is seen.
+    model = pv.Module()
+    model.layers = TrackedList([pv.Variable(np.ones(2, np.float32), name="a")])
+    ckpt = pv.Checkpoint(model=model)
+    path = ckpt.write(str(tmp_path / "c.h5"))
+    status = ckpt.restore(path).assert_consumed()
+    assert status.unmatched_live_paths == []
+    if change == "append":
+        model.layers.append(pv.Variable(np.ones(3, np.float32), name="b"))
+    elif change == "replace":
+        model.layers[0] = pv.Variable(np.ones(2, np.float32), name="a2")
+    if change == "none":
+        status.assert_existing_objects_matched()
+    else:
+        with pytest.raises(errors.RestoreMismatchError, match="live variables have no value"):
+            status.assert_existing_objects_matched()
+        assert status.unmatched_live_paths == [
+            "model/layers/1" if change == "append" else "model/layers/0"
+        ]
+    # the save that follows writes the live objects as they are now
+    ckpt.write(path)
+    again = pv.Checkpoint(model=model).restore(path)
+    again.assert_consumed()

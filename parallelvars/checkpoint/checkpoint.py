@@ -159,6 +159,9 @@ class Checkpoint(Trackable):
         # The last save's object graph, records and graph document, saved again while the graph
         # is unchanged (see _gather).
         self._pv_save_memo: tuple[ObjectGraph, RecordList, dict[str, Any]] | None = None
+        # A graph of the live objects a load status built (see _live_graph), taken by the next
+        # save while it is unchanged.
+        self._pv_live_graph: ObjectGraph | None = None
         # How a non-blocking save copies those records (see take_snapshot).
         self._pv_snapshot_plan: tuple[Sequence[SaveRecord], SnapshotPlan] | None = None
 
@@ -238,7 +241,9 @@ class Checkpoint(Trackable):
         memo = self._pv_save_memo
         if memo is None or not memo[0].unchanged():
             self._pv_snapshot_plan = None  # the old records' buffers are not kept alive by it
-            memo = self._pv_save_memo = self._gather_new()
+            self._pv_save_memo = None
+            memo = self._pv_save_memo = self._gather_new(self._live_graph())
+        self._pv_live_graph = None  # (the memo holds the graph now)
         _, records, object_graph = memo
         if copy:
             return self._snapshot(records).records(), object_graph, self._metadata()
@@ -257,9 +262,26 @@ class Checkpoint(Trackable):
         next one allocates them again. A manager calls this when it closes."""
         self._pv_snapshot_plan = None
 
-    def _gather_new(self) -> tuple[ObjectGraph, RecordList, dict[str, Any]]:
-        """A new object graph and records (see :meth:`_gather`)."""
-        graph = build_object_graph(self)
+    def _live_graph(self) -> ObjectGraph:
+        """The object graph of the live objects now.
+
+        The last save's graph while it is :meth:`~ObjectGraph.unchanged` (an identity
+        comparison per child instead of a walk that makes a few containers per object), else a
+        new one, kept for the next save (a load status builds one for
+        ``assert_consumed()``; the save that follows a restore then reuses it).
+        """
+        for graph in (
+            None if self._pv_save_memo is None else self._pv_save_memo[0],
+            self._pv_live_graph,
+        ):
+            if graph is not None and graph.unchanged():
+                return graph
+        self._pv_live_graph = None
+        graph = self._pv_live_graph = build_object_graph(self)
+        return graph
+
+    def _gather_new(self, graph: ObjectGraph) -> tuple[ObjectGraph, RecordList, dict[str, Any]]:
+        """The records of the object graph ``graph`` (see :meth:`_gather`)."""
         records = RecordList()
         node_ids = []
         for node_id, obj, var_path, saveable in graph.saveables():

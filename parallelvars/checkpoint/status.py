@@ -22,8 +22,9 @@ class CheckpointLoadStatus:
         self._root = root
 
     def _unmatched_live(self) -> list[str]:
+        live_graph = getattr(self._root, "_live_graph", None)  # (a Checkpoint keeps its own)
         with older_objects_frozen():  # a graph of the live objects: a few per variable
-            graph = build_object_graph(self._root)
+            graph = build_object_graph(self._root) if live_graph is None else live_graph()
             matched = {id(o) for o in self._session.matched.values()}
             return [path for _, obj, path in graph.variables() if id(obj) not in matched]
 
