@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import functools
 import pathlib
 from collections.abc import Iterable
 
@@ -154,7 +155,10 @@ def imports(name: str, path: pathlib.Path, known: dict[str, pathlib.Path]) -> di
     return out
 
 
+@functools.cache
 def graph() -> dict[str, dict[str, int]]:
+    """The import graph of the tree as it is on disk (read once per test session: every test
+    here only reads it)."""
     known = modules()
     return {name: imports(name, path, known) for name, path in known.items()}
 

@@ -11,7 +11,7 @@ import pytest
 import parallelvars as pv
 from parallelvars import optimizers as opts
 from parallelvars.errors import ContextError, GradientError
-from parallelvars.strategy._reduce import add_n_by_device
+from parallelvars.strategy import add_n_by_device
 
 SHAPES = [(37, 5), (3,), (1,), (), (129,), (8, 8, 3), (1001,)]
 # Large enough on average that the replicas' arrays are added without packing.

@@ -9,6 +9,7 @@ import json
 import pathlib
 
 import h5py
+import ml_dtypes
 import numpy as np
 import pytest
 from _columns_support import write_columns
@@ -17,7 +18,6 @@ from hypothesis import strategies as st
 
 import parallelvars as pv
 from parallelvars import errors
-from parallelvars._dtypes import as_dtype
 from parallelvars.checkpoint import _restore
 from parallelvars.checkpoint import matching as _matching
 from parallelvars.checkpoint.h5io import H5Reader
@@ -52,7 +52,7 @@ def _scope(kind: str, devices: int) -> contextlib.AbstractContextManager[object]
 
 def _variable(kind: str, devices: int, dtype: str, shape: tuple[int, ...], seed: int):
     rng = np.random.default_rng(seed)
-    value = (rng.standard_normal(shape) * 50).astype(as_dtype(dtype))
+    value = (rng.standard_normal(shape) * 50).astype(np.dtype(getattr(ml_dtypes, dtype, dtype)))
     options: dict[str, object] = {}
     if kind.startswith("on_read"):
         options = {"synchronization": "on_read", "aggregation": kind.split("_")[-1]}
