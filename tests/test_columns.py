@@ -221,9 +221,21 @@ def indexes(draw: st.DrawFn) -> dict[str, Any]:
     return index
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# The default run tries 30 indexes; the sweep (-m slow) 300.
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(indexes())
 def test_any_index_makes_columns_that_give_it_back(index: dict[str, Any]) -> None:
+    _columns_give_the_index_back(index)
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(indexes())
+def test_any_index_makes_columns_that_give_it_back_sweep(index: dict[str, Any]) -> None:
+    _columns_give_the_index_back(index)
+
+
+def _columns_give_the_index_back(index: dict[str, Any]) -> None:
     doc = json.loads(columns_text(index))
     table, entries = _columns_table(doc, "f.h5")  # type: ignore[misc]
     assert list(entries) == list(index)

@@ -25,11 +25,22 @@ from parallelvars.errors import ChecksumMismatchError, CorruptCheckpointError, T
 FORMATS = fuzz_readers.available_formats()
 
 
+# Each random campaign runs a quick share of its cases in the default run and all of them in
+# the sweep (-m slow, as CI runs it).
+SWEEP = [pytest.param(False, id="quick"), pytest.param(True, id="sweep", marks=pytest.mark.slow)]
+QUICK_SHARE = 3  # the default run tries a third of the cases
+
+
+def cases(n: int, sweep: bool) -> int:
+    return n if sweep else n // QUICK_SHARE
+
+
+@pytest.mark.parametrize("sweep", SWEEP)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_damage_never_crashes_hangs_or_overallocates(fmt, tmp_path, worker):
+def test_damage_never_crashes_hangs_or_overallocates(fmt, sweep, tmp_path, worker):
     """The part every reader meets already: at worst an exception, never a dead process."""
     sizes = fuzz_readers.sample_sizes(fuzz_readers.write_sample(fmt, str(tmp_path)))
-    mutations = list(fuzz_readers.random_mutations(sizes, DEFAULT_CASES, seed=8))
+    mutations = list(fuzz_readers.random_mutations(sizes, cases(DEFAULT_CASES, sweep), seed=8))
     counts, failures = fuzz_readers.run_campaign(fmt, str(tmp_path), mutations, worker=worker)
     report(fmt, counts, failures)
     assert counts["crash"] == counts["hang"] == counts["alloc"] == 0, failures
@@ -51,10 +62,12 @@ def report(fmt: str, counts, failures) -> None:
         print(f"  {what}: {detail}")
 
 
+@pytest.mark.parametrize("sweep", SWEEP)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_random_flips_and_truncations_are_detected_or_harmless(fmt, tmp_path, worker):
+def test_random_flips_and_truncations_are_detected_or_harmless(fmt, sweep, tmp_path, worker):
     sizes = fuzz_readers.sample_sizes(fuzz_readers.write_sample(fmt, str(tmp_path)))
-    mutations = list(fuzz_readers.random_mutations(sizes, CASES.get(fmt, DEFAULT_CASES), seed=7))
+    n = cases(CASES.get(fmt, DEFAULT_CASES), sweep)
+    mutations = list(fuzz_readers.random_mutations(sizes, n, seed=7))
     counts, failures = fuzz_readers.run_campaign(fmt, str(tmp_path), mutations, worker=worker)
     report(fmt, counts, failures)
     assert failures == []
@@ -77,10 +90,11 @@ def test_every_truncation_of_the_head_and_tail(fmt, tmp_path, worker):
     assert counts["detected"] >= len(mutations) - 2
 
 
-def test_string_tensors_in_the_global_heap(tmp_path, worker):
+@pytest.mark.parametrize("sweep", SWEEP)
+def test_string_tensors_in_the_global_heap(sweep, tmp_path, worker):
     """Byte-string variables live in HDF5's unchecksummed global heap; our CRC covers them."""
     size = os.path.getsize(fuzz_readers.write_sample("hdf5", str(tmp_path), string_variable=True))
-    mutations = list(fuzz_readers.random_mutations(size, 60, seed=11))
+    mutations = list(fuzz_readers.random_mutations(size, cases(60, sweep), seed=11))
     counts, failures = fuzz_readers.run_campaign(
         "hdf5", str(tmp_path), mutations, worker=worker, string_variable=True
     )

@@ -238,11 +238,14 @@ EXIT_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize(
+    "runs", [pytest.param(1, id="once"), pytest.param(3, id="repeated", marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("mode", ["exit", "raise", "fail"])
-def test_exit_with_a_save_in_flight(tmp_path, mode):
+def test_exit_with_a_save_in_flight(tmp_path, mode, runs):
     script = tmp_path / "run.py"
     script.write_text(EXIT_SCRIPT)
-    for run in range(3):
+    for run in range(runs):  # (the race of exit and the writer: once by default, -m slow 3x)
         d = tmp_path / f"ckpts-{run}"
         proc = subprocess.run(
             [sys.executable, str(script), str(d), mode],
