@@ -65,6 +65,8 @@ BENCHMARKS = (
     Benchmark("mpi", "bench_mpi.py", ("--size-mb", "20")),
     Benchmark("mpi_checkpoint", "bench_mpi_checkpoint.py", ("--procs", "2")),  # --full: 4 too
     Benchmark("scaling", "bench_scaling.py", ("--counts", "500", "5000")),  # --full: 50,000 too
+    # The command line against safetensors (--full: 50,000 variables too)
+    Benchmark("paths_commands", "bench_paths.py", ("--sizes", "5000"), ("--commands",)),
 )
 
 COLUMNS = ("area", "measurement", "ours", "baseline", "ratio", "target", "met")
@@ -503,6 +505,27 @@ def _rows_scaling(d: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _rows_paths_commands(d: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for size in d["commands"]:
+        label = f"{size['variables']:,} vars x 2{' + Adam' if size['adam'] else ''}"
+        for command, r in size["commands"].items():
+            rss = r["targets"]["peak_rss"]
+            rows.append(
+                _row(
+                    "commands",
+                    f"{command} vs safetensors ({label}; {r['per_variable_us']:.0f} us/entry, "
+                    f"peak RSS {r['peak_rss'] / MB:.0f} MB, bound {rss['value'] / MB:.0f} MB: "
+                    f"{'met' if rss['met'] else 'not met'})",
+                    _s(r["seconds"]),
+                    _s(r["baseline_seconds"]),
+                    _x(r["ratio"]),
+                    _target(r["targets"]["ratio"]),
+                )
+            )
+    return rows
+
+
 ROWS = {
     "update": _rows_update,
     "train_step": _rows_train_step,
@@ -515,6 +538,7 @@ ROWS = {
     "mpi": _rows_mpi,
     "mpi_checkpoint": _rows_mpi_checkpoint,
     "scaling": _rows_scaling,
+    "paths_commands": _rows_paths_commands,
 }
 
 

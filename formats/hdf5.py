@@ -53,6 +53,11 @@ class HDF5View(CheckpointView):
     def __len__(self) -> int:
         return len(self.reader)
 
+    def differing_components(self, paths: list[str]) -> dict[str, list[int]]:
+        """The components that differ from component 0, for the variables at ``paths`` that
+        the reader compares in bulk (:meth:`H5Reader.differing_components`)."""
+        return self.reader.differing_components(paths)
+
     def verify_all(self) -> list[str]:
         """Check every component against its stored checksum; the problems found."""
         return self.reader.verify_all()

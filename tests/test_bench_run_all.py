@@ -346,3 +346,39 @@ def test_peers_run_with_their_mode_in_quick_and_full_runs(monkeypatch, tmp_path)
     quick, full_cmd = seen
     assert "--peers" in quick and "--peers" in full_cmd
     assert quick[quick.index("--sizes") + 1] == "5k,50k" and "--sizes" not in full_cmd
+
+
+def test_command_rows_show_each_command_against_safetensors_with_memory():
+    def command(seconds: float, base: float, rss: int, bound: int) -> dict:
+        ratio = seconds / base
+        return {
+            "seconds": seconds,
+            "baseline_seconds": base,
+            "ratio": ratio,
+            "per_variable_us": seconds / 5000 * 1e6,
+            "peak_rss": rss,
+            "targets": {
+                "ratio": _t("<=", 3.0, ratio <= 3.0),
+                "peak_rss": _t("<=", bound, rss <= bound),
+            },
+        }
+
+    mb = 1 << 20
+    data = {
+        "commands": [
+            {
+                "variables": 5000,
+                "adam": True,
+                "commands": {
+                    "inspect --json": command(0.5, 0.25, 100 * mb, 256 * mb),
+                    "verify": command(2.0, 0.25, 300 * mb, 256 * mb),
+                },
+            }
+        ]
+    }
+    rows = _rows(run_all.build_table({"paths_commands": {"status": "ok", "data": data}}))
+    assert len(rows) == 2
+    inspect, verify = rows
+    assert "inspect --json" in inspect[1] and "5,000 vars x 2 + Adam" in inspect[1]
+    assert inspect[4:] == ["2.00x", "<= 3x", "yes"]
+    assert "bound 256 MB: not met" in verify[1] and verify[4:] == ["8.00x", "<= 3x", "no"]

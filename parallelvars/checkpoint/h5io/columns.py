@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import bisect
-import copy
 import itertools
 import json
 import operator
@@ -24,6 +23,17 @@ from parallelvars.checkpoint.h5io.stored import _dtype_named
 from parallelvars.errors import CorruptCheckpointError, UnsupportedDtypeError
 
 __all__ = ["ColumnEntries"]
+
+
+def _copied(value: Any) -> Any:
+    """A copy of a decoded JSON value (``copy.deepcopy``'s result, without its memo: strings,
+    numbers, booleans and None are shared, lists and objects made anew)."""
+    t = type(value)
+    if t is list:
+        return list(map(_copied, value))
+    if t is dict:
+        return {k: _copied(v) for k, v in value.items()}
+    return value
 
 
 def _columns_parts(index: Mapping[str, Any]) -> tuple[str, str]:
@@ -183,7 +193,7 @@ class ColumnEntries(Mapping[str, dict[str, Any]]):
             "shape": doc["shapes"][d : d + layout["ndim"]],
             "num_components": n,
             "attrs": {
-                k: row_attrs[k][row] if v is None else copy.deepcopy(v)
+                k: row_attrs[k][row] if v is None else _copied(v)
                 for k, v in layout["attrs"].items()
             },
             "offsets": doc["offsets"][c : c + n],

@@ -96,7 +96,8 @@ class IndexTable:
         """Whether the components the index places are each in their own bytes.
 
         A component placed past the end of the file is refused (the first in path order, as
-        :meth:`StoredVariable._location` would name it). Offsets that overlap are no error:
+        :meth:`StoredVariable._location` would name it). Names of one dataset (the same
+        offset, size and checksum: hard links) are one place. Offsets that overlap are no error:
         an index whose offsets went stale (a file rewritten by another HDF5 tool) is read the
         general way, each component from where HDF5 places it when its indexed bytes do not
         match its checksum; False then.
@@ -123,6 +124,15 @@ class IndexTable:
         if placed.size < 2:
             return True
         order = placed[np.argsort(offsets[placed], kind="stable")]
+        # Names of one dataset (components stored once, hard links): the same offset, size
+        # and checksum; each such place counts once.
+        same = (
+            (offsets[order[1:]] == offsets[order[:-1]])
+            & (nbytes[order[1:]] == nbytes[order[:-1]])
+            & (self.crcs[order[1:]] == self.crcs[order[:-1]])
+        )
+        if same.any():
+            order = order[np.concatenate(([True], ~same))]
         starts = offsets[order]
         ends = np.maximum.accumulate(starts + nbytes[order])
         return not bool((starts[1:] < ends[:-1]).any())

@@ -48,6 +48,8 @@ class OpenFile(Protocol):
 
     def _holds(self, dsid: Any) -> bool: ...
 
+    def _reached(self, name: str) -> bool: ...
+
     def _h5(self) -> h5py.File: ...
 
     def _buffer(self, nbytes: int) -> np.ndarray: ...
@@ -289,6 +291,19 @@ class StoredVariable(Entry):
         for compressed datasets).
         """
         if i in self._storage_ok:
+            return
+        if (
+            self.dtype.kind != "O"
+            and self._location(i) is not None
+            and i in self._from_index
+            and self._reader._reached(f"{self.path}/{component_name(i)}")
+        ):
+            # The index places it and its name is reached by hard links only (the restore
+            # path's rule plus the indirection policy's, no dataset opened): ``_location``
+            # refused an offset whose bytes pass the end of the file, so nothing larger than
+            # the file is allocated for it, and its bytes are checked against the index's
+            # checksum as they are read. A mismatch drops the index's place
+            # (``_with_bytes``), and the dataset is then checked here like any other.
             return
         dsid = self._dataset(i)
         needed = math.prod(self._shapes[i]) * (

@@ -37,7 +37,7 @@ from parallelvars.checkpoint.h5io.layout import (
 from parallelvars.checkpoint.h5io.write import _columns_parts
 from parallelvars.checkpoint.h5raw.generate import FilePlan, Variable
 
-__all__ = ["write_native", "write_native_index"]
+__all__ = ["index_documents", "write_native", "write_native_index"]
 
 
 def _shared(components: Sequence[np.ndarray], crcs: list[int]) -> list[int]:
@@ -140,21 +140,7 @@ def _write_native(
         meta["offsets"] = plan.offsets[e.path]
         meta["crc32c"] = cc
         index[e.path] = meta
-    flat = [c for m in index.values() for c in m["crc32c"]]
-    text = json.dumps(index)
-    digits = ", ".join(map(str, flat))
-    separators = 2 * max(len(flat) - 1, 0)
-    docs = {
-        INDEX_DATASET: text.encode().ljust(
-            index_capacity(len(text) - (len(digits) - separators), len(flat)), b" "
-        )
-    }
-    head, tail = _columns_parts(index)
-    docs[COLUMNS_DATASET] = (
-        (head + digits + tail)
-        .encode()
-        .ljust(index_capacity(len(head) + len(tail) + separators, len(flat)), b" ")
-    )
+    docs = index_documents(index)
     if object_graph is not None:
         docs[GRAPH_DATASET] = json.dumps(object_graph).encode()
     meta_out = plan.metadata(
@@ -173,6 +159,27 @@ def _write_native(
         finally:
             os.close(fd)
     return p
+
+
+def index_documents(index: Mapping[str, Any]) -> dict[str, bytes]:
+    """The index and columns documents of a file with ``index``, as ``write_native`` writes
+    them (each padded to its capacity); what ``verify`` regenerates and compares."""
+    flat = [c for m in index.values() for c in m["crc32c"]]
+    text = json.dumps(index)
+    digits = ", ".join(map(str, flat))
+    separators = 2 * max(len(flat) - 1, 0)
+    docs = {
+        INDEX_DATASET: text.encode().ljust(
+            index_capacity(len(text) - (len(digits) - separators), len(flat)), b" "
+        )
+    }
+    head, tail = _columns_parts(index)
+    docs[COLUMNS_DATASET] = (
+        (head + digits + tail)
+        .encode()
+        .ljust(index_capacity(len(head) + len(tail) + separators, len(flat)), b" ")
+    )
+    return docs
 
 
 def _index_value(value: Any, seen: dict[Any, Any]) -> Any:

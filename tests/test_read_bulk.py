@@ -1,0 +1,261 @@
+"""The readers in bulk: components read where the index places them (no dataset opened one by
+one), inspect's comparison of mirrored components in bulk, and verify of a file the generator
+wrote by regenerating its metadata (docs/FORMAT.md, "How the commands read").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import h5py
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_corruption import _h5py_everything
+from test_h5raw import _SETTINGS, both, structures
+
+from parallelvars.checkpoint.h5io import H5Reader, StoredVariable
+from parallelvars.checkpoint.h5io import read as h5read
+from parallelvars.checkpoint.h5io.regenerated import sound_as_generated
+from parallelvars.checkpoint.h5raw.native import write_native
+from parallelvars.checkpoint.registry import SaveRecord
+from parallelvars.cli import main
+
+
+def generated(tmp_path, *, share: bool = True, differ: bool = False, n: int = 6) -> str:
+    """A generated file: ``n`` mirrored variables of 2 components (the last one's components
+    differ when ``differ``), an on-read, an int8 single and a sharded one."""
+    records = []
+    for k in range(n):
+        w = np.arange(40, dtype=np.float32) + k
+        other = w + 1 if differ and k == n - 1 else w.copy()
+        records.append(
+            SaveRecord("mirrored", [w, other], (40,), {"devices": ["a", "b"]}, path=f"m/v{k}")
+        )
+    records.append(
+        SaveRecord(
+            "on_read",
+            [np.ones(3, np.float16), np.zeros(3, np.float16)],
+            (3,),
+            {"devices": ["a", "b"], "aggregation": "sum"},
+            path="m/r",
+        )
+    )
+    records.append(SaveRecord("single", [np.arange(5, dtype=np.int8)], (5,), {}, path="m/s"))
+    full = np.arange(12, dtype=np.float32).reshape(6, 2)
+    records.append(
+        SaveRecord(
+            "sharded",
+            [full[:4], full[4:]],
+            (6, 2),
+            {"devices": ["a", "b"], "shard_axis": 0, "shard_offsets": [0, 4]},
+            path="m/e",
+        )
+    )
+    path = str(tmp_path / "gen.h5")
+    return write_native(path, records, object_graph={"version": 1}, share_equal=share)
+
+
+def no_dataset_walk(monkeypatch) -> None:
+    """Make the object-by-object verify fail loudly: the fast path must not need it."""
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the object-by-object path ran")
+
+    monkeypatch.setattr(StoredVariable, "verify_through_h5", refuse)
+    monkeypatch.setattr(StoredVariable, "verify_group", refuse)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_verify_of_a_generated_file_regenerates_it_and_walks_no_object(
+    tmp_path, monkeypatch, share
+):
+    path = generated(tmp_path, share=share)
+    no_dataset_walk(monkeypatch)
+    with H5Reader(path) as r:
+        assert sound_as_generated(r)
+        assert r.verify_all() == []
+
+
+def test_a_file_written_through_libhdf5_takes_the_object_by_object_path(tmp_path):
+    import parallelvars as pv
+
+    path = pv.Checkpoint(w=pv.Variable(np.arange(4, dtype=np.float32), name="w")).write(
+        tmp_path / "lib.h5"
+    )
+    with H5Reader(path) as r:
+        assert not sound_as_generated(r)
+        assert r.verify_all() == []
+
+
+@settings(max_examples=6, **_SETTINGS)  # type: ignore[arg-type]
+@given(records=structures(), share=st.booleans())
+def test_every_generated_structure_verifies_by_regeneration(tmp_path, records, share):
+    """Every kind, dtype (bfloat16, float8, bool, ints), shape (0-d, empty), 1-6 components,
+    slots, shared components: the file regenerates byte for byte; its libhdf5 twin does not
+    (and still verifies, object by object)."""
+    a, b = both(tmp_path, records, share_equal=share)
+    with H5Reader(b) as rb, H5Reader(a) as ra:
+        assert sound_as_generated(rb)
+        assert not sound_as_generated(ra)
+        assert ra.verify_all() == []
+
+
+def test_a_damaged_data_byte_falls_back_and_is_named(tmp_path, monkeypatch):
+    path = generated(tmp_path)
+    with H5Reader(path) as r:
+        offset = int(r.table.offsets[0])
+    with open(path, "r+b") as f:
+        f.seek(offset + 3)
+        byte = f.read(1)[0]
+        f.seek(offset + 3)
+        f.write(bytes([byte ^ 1]))
+    with H5Reader(path) as r:
+        assert not sound_as_generated(r)
+        problems = r.verify_all()
+    assert problems and "crc32c" in problems[0] and "m/v0" in problems[0]
+
+
+def _flips(tmp_path, positions) -> tuple[int, int]:
+    """Each flip: the fast verify refuses it, or h5py reads exactly the clean file."""
+    path = generated(tmp_path, n=3)
+    clean = _h5py_everything(path)
+    with open(path, "rb") as f:
+        raw = f.read()
+    damaged = str(tmp_path / "damaged.h5")
+    vouched = refused = 0
+    failures = []
+    for pos, bit in positions(len(raw)):
+        data = bytearray(raw)
+        data[pos] ^= 1 << bit
+        with open(damaged, "wb") as f:
+            f.write(bytes(data))
+        try:
+            with H5Reader(damaged) as r:
+                ok = sound_as_generated(r)
+        except Exception:
+            ok = False
+        if not ok:
+            refused += 1
+            continue
+        vouched += 1
+        try:
+            seen = _h5py_everything(damaged)
+        except Exception as exc:
+            failures.append(f"bit {bit} of byte {pos}: vouched for, h5py fails: {exc!r}")
+            continue
+        if seen != clean:
+            failures.append(f"bit {bit} of byte {pos}: vouched for, h5py reads other values")
+    assert not failures, "\n".join(failures)
+    return vouched, refused
+
+
+def test_the_fast_verify_vouches_only_for_what_h5py_reads_identically(tmp_path):
+    """A seeded sample of single-bit flips over the whole generated file."""
+    rng = np.random.default_rng(26)
+
+    def positions(size: int):
+        for pos in rng.choice(size, size=min(size, 120), replace=False):
+            yield int(pos), int(rng.integers(8))
+
+    _vouched, refused = _flips(tmp_path, positions)
+    assert refused > 0
+
+
+@pytest.mark.slow  # every byte of a generated file through the fast verify and h5py
+def test_the_fast_verify_vouches_only_for_what_h5py_reads_identically_every_byte(tmp_path):
+    rng = np.random.default_rng(27)
+
+    def positions(size: int):
+        for pos in range(size):
+            yield pos, int(rng.integers(8))
+
+    _flips(tmp_path, positions)
+
+
+def test_inspect_compares_mirrored_components_in_bulk(tmp_path, monkeypatch, capsys):
+    """Equal and differing components, shared ones (hard links) included, without reading
+    any component one by one; a damaged one is marked, by the general path."""
+    path = generated(tmp_path, differ=True)
+    with H5Reader(path) as r:
+        found = r.differing_components([f"m/v{k}" for k in range(6)])
+    assert found == {**{f"m/v{k}": [] for k in range(5)}, "m/v5": [1]}
+
+    calls = []
+    real = StoredVariable.component
+    monkeypatch.setattr(
+        StoredVariable, "component", lambda self, i: calls.append(self.path) or real(self, i)
+    )
+    assert main(["--json", "inspect", path]) == 0
+    rows = {r["path"]: r for r in json.loads(capsys.readouterr().out)["variables"]}
+    assert [rows[f"m/v{k}"]["equal"] for k in range(6)] == [True] * 5 + [False]
+    assert rows["m/v5"]["differing"] == [1]
+    assert calls == []  # every mirrored variable compared in bulk
+
+    with H5Reader(path) as r:
+        slot = int(r.table.first[r.table.rows["m/v5"]]) + 1
+        offset = int(r.table.offsets[slot])
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\xff\xff")
+    assert main(["--json", "inspect", path]) == 1
+    rows = {r["path"]: r for r in json.loads(capsys.readouterr().out)["variables"]}
+    assert "crc32c" in rows["m/v5"]["damaged"]
+    assert calls == ["m/v5", "m/v5"]  # the damaged one alone, the general way
+
+
+def test_components_are_read_without_opening_datasets(tmp_path, monkeypatch):
+    """value(), component() and extract read by offset; hard-linked names read the shared
+    bytes."""
+    path = generated(tmp_path)
+    opened = []
+    real = h5read.H5Reader._open_dataset
+    monkeypatch.setattr(
+        h5read.H5Reader,
+        "_open_dataset",
+        lambda self, p, dt: opened.append(p) or real(self, p, dt),
+    )
+    with H5Reader(path) as r:
+        np.testing.assert_array_equal(r["m/v2"].component(1), np.arange(40, dtype=np.float32) + 2)
+        np.testing.assert_array_equal(r["m/v2"].value(), np.arange(40, dtype=np.float32) + 2)
+        np.testing.assert_array_equal(
+            r["m/e"].value(), np.arange(12, dtype=np.float32).reshape(6, 2)
+        )
+    out = tmp_path / "x.npy"
+    assert main(["extract", path, "m/v3", "-o", str(out), "--component", "1"]) == 0
+    np.testing.assert_array_equal(np.load(out), np.arange(40, dtype=np.float32) + 3)
+    assert opened == []
+    with h5py.File(path, "r") as f:  # (the names are hard links to one dataset)
+        g = f["m/v3"]
+        assert g["primary"].id.get_offset() == g["parallel_component_1"].id.get_offset()
+
+
+def test_a_component_name_turned_external_link_is_refused_by_the_bulk_paths(tmp_path, capsys):
+    """The index still places the component, but its name now leads out of the file."""
+    path = generated(tmp_path)
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as f:
+        f["x"] = np.zeros(40, np.float32)
+    with h5py.File(path, "r+") as f:
+        del f["m/v1/parallel_component_1"]
+        f["m/v1/parallel_component_1"] = h5py.ExternalLink(str(other), "/x")
+    with H5Reader(path) as r:
+        assert "m/v1" not in r.differing_components(["m/v1"])
+        with pytest.raises(Exception, match="external link"):
+            r["m/v1"].component(1)
+    assert main(["--json", "inspect", path]) == 1
+    assert "external link" in capsys.readouterr().out
+
+
+def test_many_names_are_checked_by_one_walk_of_the_links(tmp_path, monkeypatch):
+    """Past LINK_CHECKS names, the reader lists the file's links once (same answers)."""
+    monkeypatch.setattr(h5read, "LINK_CHECKS", 2)
+    path = generated(tmp_path)
+    with H5Reader(path) as r:
+        values = [r[f"m/v{k}"].component(1).tobytes() for k in range(6)]
+        assert r._hard_names is not None
+        assert not r._reached("m/v0/nothing")
+    assert values == [(np.arange(40, dtype=np.float32) + k).tobytes() for k in range(6)]
+    assert os.path.exists(path)
