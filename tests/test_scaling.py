@@ -24,7 +24,6 @@ import parallelvars as pv
 from parallelvars.checkpoint.graph import build_object_graph
 from parallelvars.cli import main as cli_main
 from parallelvars.formats import ArrayEntry, write_checkpoint
-from parallelvars.strategy._values import PerReplica, regroup
 
 N = 150
 GROWTH = 4.6  # the most lines 4N may cost over N (4.0 is linear; a quadratic term gives ~16)
@@ -164,7 +163,7 @@ def test_deferred_restore_as_layers_are_appended_is_linear(tmp_path):
 def test_first_and_steady_steps_inside_run_are_linear():
     def first(k: int) -> Callable[[], Any]:
         strategy, model, opt, grads = _model(k)
-        per_replica = PerReplica([grads, [g * 2 for g in grads]])
+        per_replica = pv.PerReplica([grads, [g * 2 for g in grads]])
         variables = model.variables
 
         def step() -> None:  # the first step creates the slots and the update plan
@@ -217,9 +216,15 @@ def test_object_graph_and_tracking_are_linear():
 
 
 def test_run_result_regrouping_is_linear():
+    # strategy.run regroups what the replicas return (a list of k (value, dict) pairs each)
     def make(k: int) -> Callable[[], Any]:
+        strategy = pv.MirroredStrategy(4)
         values = [[(np.float32(i), {"x": i * r}) for i in range(k)] for r in range(4)]
-        return lambda: regroup(values)
+
+        def step() -> Any:
+            return values[pv.get_replica_context().replica_id_in_sync_group]
+
+        return lambda: strategy.run(step)
 
     assert_linear(make)
 
