@@ -185,6 +185,34 @@ def main() -> None:
         out["listing"] = np.asarray(sorted(os.listdir(directory)))
         out.update(m.state(model, opt))
         manager.close()
+    elif scenario.startswith("sharded_train"):  # sharded_train-<optimizer>
+        model, opt = m.train_sharded(strategy, steps=3, seed=rank, optimizer=scenario[14:])
+        with strategy.scope():
+            out.update(m.sharded_state(strategy, model, opt))
+        out["local_e"] = np.asarray(model.e)  # reads give the local shard
+        out["local_e_shape"] = np.asarray(model.e.shape)
+        f_slots = [s for v, _, s in opt._checkpoint_slots() if v is model.f]
+        out["local_f_slot"] = np.array(f_slots[0].components[0])
+    elif scenario == "sharded_collectives":
+        # The MPI calls of one step with the tables' full values given: per dtype one
+        # reduce-scatter (dense sharded), one all-gather of sparse rows, one all-reduce (mirrored).
+        model, opt = m.train_sharded(strategy, steps=1, seed=rank)
+        full = m.full_values(strategy, model)
+        counts: dict[str, int] = {}
+        comm = strategy._comm
+
+        class Counting:
+            def __getattr__(self, name: str) -> object:
+                counts[name] = counts.get(name, 0) + 1
+                return getattr(comm, name)
+
+        strategy._comm = Counting()
+        strategy.run(
+            m.sharded_step,
+            args=(model, opt, full, m.sharded_batches(1, strategy.num_replicas_in_sync)),
+        )
+        strategy._comm = comm
+        out["calls"] = np.asarray(sorted(f"{k}={v}" for k, v in counts.items()))
     elif scenario == "repeat":
         repeat(strategy, out_dir, out)
     elif scenario == "restore_exact":
