@@ -154,6 +154,15 @@ def train_sharded(
     return model, opt
 
 
+def train_more(strategy: Any, model: ShardedModel, opt: Any, step: int) -> None:
+    """Step ``step`` of :func:`train_sharded`'s loop, on a model made elsewhere."""
+    full = full_values(strategy, model)
+    strategy.run(
+        sharded_step,
+        args=(model, opt, full, sharded_batches(step, strategy.num_replicas_in_sync)),
+    )
+
+
 def sharded_state(strategy: Any, model: ShardedModel, opt: Any) -> dict[str, np.ndarray]:
     """Full values of every variable and slot (gathered under MPI) and the step count."""
     out = {}

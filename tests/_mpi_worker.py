@@ -189,10 +189,32 @@ def main() -> None:
         model, opt = m.train_sharded(strategy, steps=3, seed=rank, optimizer=scenario[14:])
         with strategy.scope():
             out.update(m.sharded_state(strategy, model, opt))
-        out["local_e"] = np.asarray(model.e)  # reads give the local shard
+        out["local_e"] = np.array(model.e)  # reads give the local shard
         out["local_e_shape"] = np.asarray(model.e.shape)
         f_slots = [s for v, _, s in opt._checkpoint_slots() if v is model.f]
         out["local_f_slot"] = np.array(f_slots[0].components[0])
+    elif scenario == "sharded_save":
+        model, opt = m.train_sharded(strategy, steps=2, seed=rank)
+        path = pv.Checkpoint(model=model, optimizer=opt).save(os.path.join(out_dir, "ckpt", "run"))
+        with strategy.scope():
+            out.update(m.sharded_state(strategy, model, opt))
+        out["path"] = np.asarray(path)
+    elif scenario == "sharded_restore":
+        # Another process count than the save's: rank r gets the re-split shard r and its slots.
+        with strategy.scope():
+            model = m.ShardedModel(seed=300 + rank)
+            opt = pv.optimizers.Adagrad(0.1)
+        status = pv.Checkpoint(model=model, optimizer=opt).restore(sys.argv[3])
+        with strategy.scope():
+            opt.build(model.trainable())
+        status.assert_consumed()
+        with strategy.scope():
+            out.update(m.sharded_state(strategy, model, opt))
+        out["local_e"] = np.array(model.e)
+        # One more step trains on from the restored state (checked against one process).
+        m.train_more(strategy, model, opt, step=2)
+        with strategy.scope():
+            out.update({f"next/{k}": v for k, v in m.sharded_state(strategy, model, opt).items()})
     elif scenario == "sharded_collectives":
         # The MPI calls of one step with the tables' full values given: per dtype one
         # reduce-scatter (dense sharded), one all-gather of sparse rows, one all-reduce (mirrored).

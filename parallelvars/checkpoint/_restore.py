@@ -57,7 +57,7 @@ from parallelvars.errors import (
     DtypeMismatchError,
     ShapeMismatchError,
 )
-from parallelvars.variables import ParallelVariable, ShardedVariable
+from parallelvars.variables import ParallelVariable, RankShardedVariable, ShardedVariable
 
 if TYPE_CHECKING:
     from parallelvars.checkpoint.h5io.index_table import IndexTable
@@ -140,14 +140,15 @@ class ParallelVariableSaveable(Saveable):
         return SaveRecord(
             kind=obj.kind,
             components=obj.components,
-            shape=tuple(obj.__wrapped__.shape),
+            # a process's shard of a variable sharded across processes: the whole shape
+            shape=tuple(getattr(obj, "full_shape", obj.__wrapped__.shape)),
             attrs=attrs,
         )
 
     def plan_restore(
         self, obj: ParallelVariable, stored: Entry, *, file: str, path: str, allow_cast: bool
     ) -> Callable[[], None]:
-        shape = tuple(obj.__wrapped__.shape)
+        shape = tuple(getattr(obj, "full_shape", obj.__wrapped__.shape))
         if tuple(stored.shape) != shape:
             raise ShapeMismatchError(
                 "shape mismatch",
@@ -196,6 +197,14 @@ class ParallelVariableSaveable(Saveable):
                 f"{path}/{component_name(i)}" for i in range(1, n)
             ]
             return first_component
+        if isinstance(obj, RankShardedVariable):
+            # This process's rows of the logical value: only the saved shards holding them.
+            _aggregate.spread_plan(stored, "sharded", None, m, file=file, variable=path)
+            local, axis = obj.__wrapped__, obj.shard_axis
+            rows = obj.local_slice()[axis]
+            return lambda: _aggregate.read_region_into(
+                stored, local, axis, rows.start, rows.stop, file=file, read=read
+            )
         if isinstance(obj, ShardedVariable):
             # "resplit" (or a refusal): the full value, read straight into the shards' rows
             _aggregate.spread_plan(stored, "sharded", None, m, file=file, variable=path)
