@@ -249,6 +249,17 @@ def read_logical_into(
     aggregate_parts(out, rest(), n, rule.value)
 
 
+def region_components(entry: Entry, axis: int, lo: int, hi: int) -> tuple[int, ...] | None:
+    """The components :func:`read_region_into` reads for rows ``lo:hi`` along ``axis``; None
+    when it reads the whole logical value."""
+    if entry.kind != "sharded" or int(entry.attrs["shard_axis"]) != axis:
+        return None
+    length = int(entry.shape[axis])
+    return tuple(
+        j for j, _, _ in _geometry.overlapping_shards(entry.attrs["shard_offsets"], length, lo, hi)
+    )
+
+
 def read_region_into(
     entry: Entry,
     out: np.ndarray,

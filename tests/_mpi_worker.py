@@ -215,6 +215,18 @@ def main() -> None:
         m.train_more(strategy, model, opt, step=2)
         with strategy.scope():
             out.update({f"next/{k}": v for k, v in m.sharded_state(strategy, model, opt).items()})
+    elif scenario == "sharded_restore_refused":
+        # A restore that one rank cannot serve raises on every rank; no variable changes.
+        with strategy.scope():
+            model = m.ShardedModel(seed=300 + rank)
+        before = {v.name: np.array(v.components[0]) for v in model.trainable()}
+        try:
+            pv.Checkpoint(model=model).restore(sys.argv[3])
+        except pv.errors.CheckpointError as exc:
+            out["error"] = np.asarray(f"{type(exc).__name__}: {exc}")
+        out["unchanged"] = np.asarray(
+            all(np.array_equal(before[v.name], v.components[0]) for v in model.trainable())
+        )
     elif scenario == "sharded_collectives":
         # The MPI calls of one step with the tables' full values given: per dtype one
         # reduce-scatter (dense sharded), one all-gather of sparse rows, one all-reduce (mirrored).

@@ -141,3 +141,16 @@ def test_reshard_reads_a_multi_process_sharded_checkpoint(tmp_path: Path) -> Non
         e = view["model/e"]
         assert e.kind == "sharded" and e.num_components == 3
         assert_bit_equal({"e": np.concatenate([e.component(i) for i in range(3)])}, saved[0], ["e"])
+
+
+def test_a_restore_one_rank_cannot_serve_raises_on_every_rank(tmp_path: Path) -> None:
+    launch(2, "sharded_save", str(tmp_path))
+    path = str(load(tmp_path, "sharded_save", 2)[0]["path"])
+    # Damage shard 1 of e: only rank 1 of a 2-process restore reads it.
+    with h5py.File(Path(path + ".parts") / "rank-00001-of-00002.h5", "r+") as f:
+        f["model/e/primary"][0, 0] += 1
+    launch(2, "sharded_restore_refused", str(tmp_path), path)
+    ranks = load(tmp_path, "sharded_restore_refused", 2)
+    assert "ChecksumMismatchError" in str(ranks[1]["error"]) and "model/e" in str(ranks[1]["error"])
+    assert "nothing was restored" in str(ranks[0]["error"]) and "rank 1" in str(ranks[0]["error"])
+    assert all(bool(r["unchanged"]) for r in ranks)

@@ -202,9 +202,17 @@ class ParallelVariableSaveable(Saveable):
             _aggregate.spread_plan(stored, "sharded", None, m, file=file, variable=path)
             local, axis = obj.__wrapped__, obj.shard_axis
             rows = obj.local_slice()[axis]
-            return lambda: _aggregate.read_region_into(
-                stored, local, axis, rows.start, rows.stop, file=file, read=read
+
+            def region() -> None:
+                _aggregate.read_region_into(
+                    stored, local, axis, rows.start, rows.stop, file=file, read=read
+                )
+
+            # Only these components are verified before the restore writes (matching._check).
+            region.needed = _aggregate.region_components(  # type: ignore[attr-defined]
+                stored, axis, rows.start, rows.stop
             )
+            return region
         if isinstance(obj, ShardedVariable):
             # "resplit" (or a refusal): the full value, read straight into the shards' rows
             _aggregate.spread_plan(stored, "sharded", None, m, file=file, variable=path)

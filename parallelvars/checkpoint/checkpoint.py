@@ -49,7 +49,12 @@ from parallelvars.checkpoint.registry import SaveRecord
 from parallelvars.checkpoint.snapshot import Snapshot, SnapshotPlan, take_snapshot
 from parallelvars.checkpoint.status import CheckpointLoadStatus
 from parallelvars.devices import ParallelDevice
-from parallelvars.errors import CheckpointNotFoundError, InvalidArgumentError, NotACheckpointError
+from parallelvars.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    NotACheckpointError,
+)
 from parallelvars.strategy._cluster import cluster_strategy
 from parallelvars.tracking import Trackable, _wrap, is_trackable
 
@@ -87,6 +92,28 @@ def collective_rank() -> int | None:
     """This process's rank when checkpoints are written collectively (MPI), else None."""
     strategy = cluster_strategy()
     return None if strategy is None else int(strategy.cluster_rank)
+
+
+def _restore_agreement(path: str) -> Callable[[BaseException | None], None] | None:
+    """Under a multi-process strategy, ``agree(error)`` for a restore: every process reports
+    whether its plan (matching, shapes, checksums of what it reads) succeeded, before any
+    writes; every process raises when one failed. None in one process."""
+    strategy = cluster_strategy()
+    if strategy is None or int(strategy.num_replicas_in_sync) <= 1:
+        return None
+    comm, rank = strategy.comm, int(strategy.cluster_rank)
+
+    def agree(error: BaseException | None) -> None:
+        mine = None if error is None else f"rank {rank}: {type(error).__name__}: {error}"
+        failed = [e for e in comm.allgather(mine) if e is not None]
+        if failed and error is None:
+            raise CheckpointError(
+                "the restore cannot give every process its values; nothing was restored",
+                file=path,
+                found="; ".join(failed),
+            )
+
+    return agree
 
 
 class SaveCount:
@@ -310,7 +337,7 @@ class Checkpoint(Trackable):
             except (NotACheckpointError, CheckpointNotFoundError) as exc:
                 raise with_foreign_hint(exc, p) from None
             try:
-                session.restore_into(0, self)
+                session.restore_into(0, self, _restore_agreement(p))
             finally:
                 session.release()
         return CheckpointLoadStatus(session, self)
