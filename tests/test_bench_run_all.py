@@ -346,3 +346,21 @@ def test_peers_run_with_their_mode_in_quick_and_full_runs(monkeypatch, tmp_path)
     quick, full_cmd = seen
     assert "--peers" in quick and "--peers" in full_cmd
     assert quick[quick.index("--sizes") + 1] == "5k,50k" and "--sizes" not in full_cmd
+
+
+def test_mpi_sharded_rows_say_whether_their_targets_are_met() -> None:
+    figures = {
+        "step_2": {
+            "procs": 2,
+            "table_bytes": 64e6,
+            "sent": {"sharded": 32e6, "mirrored": 64e6},
+            "times": {"sharded": 0.1, "mirrored": 0.2},
+        },
+        "save_3": {"procs": 3, "save_s": 0.5, "one_process_s": 0.25},
+        "restore_3_to_2": {"procs": 2, "reads": [[45e6, 32e6], [44e6, 32e6]], "worst": 1.41},
+    }
+    rows = run_all._rows_mpi_sharded(figures)
+    assert [r[0] for r in rows] == ["mpi sharded"] * 4
+    assert rows[0][-2:] == ["<= 0.6x", "yes"]
+    assert rows[-1][-2:] == ["<= 1.2x + metadata", "no"]
+    assert run_all._rows_mpi_sharded({"error": "boom"})[0][-1] == "no"

@@ -202,16 +202,35 @@ class ParallelVariableSaveable(Saveable):
             _aggregate.spread_plan(stored, "sharded", None, m, file=file, variable=path)
             local, axis = obj.__wrapped__, obj.shard_axis
             rows = obj.local_slice()[axis]
+            needed = _aggregate.region_components(stored, axis, rows.start, rows.stop)
+            if needed is None:  # not sharded along this axis: the logical value, verified
+
+                def logical_rows() -> None:
+                    _aggregate.read_region_into(
+                        stored, local, axis, rows.start, rows.stop, file=file, read=read
+                    )
+
+                return logical_rows
+            # The saved shards holding these rows, read (and verified) once, now: the check
+            # verifies nothing more of this variable (``needed``: no other component), and
+            # the restore copies from them.
+            held: dict[int, np.ndarray] = {}
+            for j in needed:
+                held[j] = np.empty(stored.component_shape(j), local.dtype)
+                read(j, held[j])
 
             def region() -> None:
                 _aggregate.read_region_into(
-                    stored, local, axis, rows.start, rows.stop, file=file, read=read
+                    stored,
+                    local,
+                    axis,
+                    rows.start,
+                    rows.stop,
+                    file=file,
+                    read=lambda j, out: np.copyto(out, held[j]),
                 )
 
-            # Only these components are verified before the restore writes (matching._check).
-            region.needed = _aggregate.region_components(  # type: ignore[attr-defined]
-                stored, axis, rows.start, rows.stop
-            )
+            region.needed = ()  # type: ignore[attr-defined]
             return region
         if isinstance(obj, ShardedVariable):
             # "resplit" (or a refusal): the full value, read straight into the shards' rows
