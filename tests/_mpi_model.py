@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 import parallelvars as pv
+from parallelvars._dtypes import as_dtype
 
 BATCH = 6
 
@@ -175,3 +176,38 @@ def sharded_state(strategy: Any, model: ShardedModel, opt: Any) -> dict[str, np.
     out["iterations"] = np.array(opt.iterations.components[0])
     # bfloat16 as its bits: an npz file keeps no extension dtype
     return {k: v.view(np.uint16) if v.dtype.kind == "V" else v for k, v in out.items()}
+
+
+# (dtype name, shape, shard axis) of the dtype sweep of sharded variables over processes
+SWEEP = [
+    ("float16", (7, 3), 0),
+    ("bfloat16", (5,), 0),
+    ("float8_e4m3fn", (4, 6), 1),
+    ("int32", (9, 2), 0),
+    ("bool", (3, 5), 1),
+    ("bytes", (6,), 0),
+]
+
+
+def sweep_values(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape, _ in SWEEP:
+        if name == "bytes":
+            out[name] = np.array([b"x" * int(k) for k in rng.integers(0, 9, size=shape)], object)
+        elif name == "bool":
+            out[name] = rng.integers(0, 2, size=shape).astype(bool)
+        elif name == "int32":
+            out[name] = rng.integers(-1000, 1000, size=shape).astype(np.int32)
+        else:
+            out[name] = rng.normal(size=shape).astype(as_dtype(name))
+    return out
+
+
+def bits(a: Any) -> np.ndarray:
+    """An array as comparable bits that npz keeps (extension dtypes as unsigned ints, byte
+    strings as fixed-width ones)."""
+    a = np.asarray(a)
+    if a.dtype.kind == "O":
+        return a.astype(f"S{max((len(x) for x in a.flat), default=0) + 1}")
+    return a.view(f"u{a.dtype.itemsize}") if a.dtype.kind == "V" else a

@@ -227,6 +227,19 @@ def main() -> None:
         out["unchanged"] = np.asarray(
             all(np.array_equal(before[v.name], v.components[0]) for v in model.trainable())
         )
+    elif scenario == "sharded_dtypes":
+        # Every dtype: scattered from rank 0, gathered back, saved by every rank.
+        values = m.sweep_values(seed=rank)
+        with strategy.scope():
+            sweep = pv.Module()
+            for name, _, axis in m.SWEEP:
+                setattr(sweep, name, pv.Variable(values[name], name=name, shard_axis=axis))
+            for name, _, _ in m.SWEEP:
+                out[f"full/{name}"] = m.bits(strategy.gather(getattr(sweep, name)))
+                out[f"local/{name}"] = m.bits(getattr(sweep, name))
+        out["path"] = np.asarray(
+            pv.Checkpoint(sweep=sweep).save(os.path.join(out_dir, "sweep", "run"))
+        )
     elif scenario == "sharded_collectives":
         # The MPI calls of one step with the tables' full values given: per dtype one
         # reduce-scatter (dense sharded), one all-gather of sparse rows, one all-reduce (mirrored).

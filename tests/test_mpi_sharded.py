@@ -20,6 +20,7 @@ import _mpi_model as model_code
 from test_mpi import assert_bit_equal, launch, load
 
 import parallelvars as pv
+from parallelvars._dtypes import as_dtype
 from parallelvars.checkpoint.h5io import H5Reader
 
 # Real MPI runs (2-4 processes each); CI runs them (.ci/run, -m slow).
@@ -154,3 +155,28 @@ def test_a_restore_one_rank_cannot_serve_raises_on_every_rank(tmp_path: Path) ->
     assert "ChecksumMismatchError" in str(ranks[1]["error"]) and "model/e" in str(ranks[1]["error"])
     assert "nothing was restored" in str(ranks[0]["error"]) and "rank 1" in str(ranks[0]["error"])
     assert all(bool(r["unchanged"]) for r in ranks)
+
+
+def test_every_dtype_is_scattered_gathered_saved_and_restored(tmp_path: Path) -> None:
+    launch(3, "sharded_dtypes", str(tmp_path))
+    ranks = load(tmp_path, "sharded_dtypes", 3)
+    expected = model_code.sweep_values(seed=0)  # rank 0's initial values
+    for r, got in enumerate(ranks):
+        for name, shape, axis in model_code.SWEEP:
+            full = model_code.bits(expected[name])
+            np.testing.assert_array_equal(got[f"full/{name}"], full)
+            part = np.array_split(np.arange(shape[axis]), 3)[r]
+            np.testing.assert_array_equal(got[f"local/{name}"], np.take(full, part, axis=axis))
+    # One process without MPI restores every dtype's full value from the rank files.
+    sweep = pv.Module()
+    for name, shape, _ in model_code.SWEEP:
+        zeros = np.full(shape, b"", object) if name == "bytes" else np.zeros(shape, as_dtype(name))
+        setattr(sweep, name, pv.Variable(zeros, name=name))
+    path = str(ranks[0]["path"])
+    pv.Checkpoint(sweep=sweep).restore(path).assert_consumed()
+    for name, _, _ in model_code.SWEEP:
+        np.testing.assert_array_equal(
+            model_code.bits(getattr(sweep, name)), model_code.bits(expected[name])
+        )
+    with H5Reader(path) as reader:
+        assert reader.verify_all() == []

@@ -610,9 +610,14 @@ class StoredVariable(Entry):
                 variable=f"{self.path}/value",
                 found=str(exc),
             ) from None
-        if stitched.shape != self.shape or not np.array_equal(
-            byte_view(np.ascontiguousarray(stitched)), byte_view(self.value())
-        ):
+        value = self.value()
+        if value.dtype.kind == "O":  # byte strings: compared as the bytes objects they are
+            same = stitched.shape == value.shape and bool(np.array_equal(stitched, value))
+        else:
+            same = stitched.shape == self.shape and np.array_equal(
+                byte_view(np.ascontiguousarray(stitched)), byte_view(value)
+            )
+        if not same:
             raise CorruptCheckpointError(
                 "the stitched 'value' dataset differs from the shards",
                 file=self._reader.path,
