@@ -64,6 +64,7 @@ from parallelvars.enums import Aggregation, ReduceOp, Synchronization
 from parallelvars.errors import (
     ContextError,
     DistributedValueError,
+    GradientError,
 )
 from parallelvars.strategy import _context
 from parallelvars.strategy._base import ReplicaContext, Strategy, _is_variable
@@ -183,6 +184,14 @@ def _rows_of_shard(total: Any, var: Any) -> Any:
     where = var.local_slice()
     axis = var.shard_axis
     idx, vals = np.asarray(total.indices), np.asarray(total.values)
+    rows = var.full_shape[0]
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= rows):  # (on every rank alike)
+        raise GradientError(
+            "sparse gradient index out of range",
+            variable=var.name,
+            expected=f"0 <= index < {rows}",
+            found=f"{int(idx.min())}..{int(idx.max())}",
+        )
     if axis == 0:
         lo, hi = where[0].start, where[0].stop
         keep = (idx >= lo) & (idx < hi)
