@@ -180,3 +180,19 @@ def test_every_dtype_is_scattered_gathered_saved_and_restored(tmp_path: Path) ->
         )
     with H5Reader(path) as reader:
         assert reader.verify_all() == []
+
+
+def test_a_damaged_shard_read_in_pieces_is_caught_on_every_rank(tmp_path: Path) -> None:
+    launch(3, "sharded_save", str(tmp_path))
+    path = str(load(tmp_path, "sharded_save", 3)[0]["path"])
+    # Saved shard 1 of e (rows 4:7) is read in two pieces by a 2-process restore (rows 4 of
+    # rank 0, rows 5:7 of rank 1): neither piece has a checksum of its own, their combination
+    # must match the shard's.
+    with h5py.File(Path(path + ".parts") / "rank-00001-of-00003.h5", "r+") as f:
+        f["model/e/primary"][2, 0] += 1
+    launch(2, "sharded_restore_refused", str(tmp_path), path)
+    ranks = load(tmp_path, "sharded_restore_refused", 2)
+    for got in ranks:
+        assert "ChecksumMismatchError" in str(got["error"]), got["error"]
+        assert "model/e/parallel_component_1" in str(got["error"])
+        assert bool(got["unchanged"])

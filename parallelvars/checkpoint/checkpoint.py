@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from parallelvars.checkpoint import _restore  # noqa: F401 - registers the variable saveable
+from parallelvars.checkpoint import _restore  # (also registers the variable saveable)
 from parallelvars.checkpoint._foreign import with_foreign_hint
 from parallelvars.checkpoint._gcfreeze import older_objects_frozen
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX  # noqa: F401 - <file>.parts/: a multi-process save's files
@@ -94,24 +94,29 @@ def collective_rank() -> int | None:
     return None if strategy is None else int(strategy.cluster_rank)
 
 
-def _restore_agreement(path: str) -> Callable[[BaseException | None], None] | None:
-    """Under a multi-process strategy, ``agree(error)`` for a restore: every process reports
-    whether its plan (matching, shapes, checksums of what it reads) succeeded, before any
-    writes; every process raises when one failed. None in one process."""
+def _restore_agreement(path: str) -> Callable[[BaseException | None, list[Any]], None] | None:
+    """Under a multi-process strategy, ``agree(error, pieces)`` for a restore: every process
+    reports whether its plan (matching, shapes, checksums of what it reads) succeeded and the
+    pieces of saved shards it read in part, before any writes (one allgather); every process
+    raises when one failed, or when the pieces of a shard do not add up to its checksum
+    (every process checks all pieces, so all reach the same verdict). None in one process."""
     strategy = cluster_strategy()
     if strategy is None or int(strategy.num_replicas_in_sync) <= 1:
         return None
     comm, rank = strategy.comm, int(strategy.cluster_rank)
 
-    def agree(error: BaseException | None) -> None:
+    def agree(error: BaseException | None, pieces: list[Any]) -> None:
         mine = None if error is None else f"rank {rank}: {type(error).__name__}: {error}"
-        failed = [e for e in comm.allgather(mine) if e is not None]
+        everyone = comm.allgather((mine, [tuple(p) for p in pieces]))
+        failed = [e for e, _ in everyone if e is not None]
         if failed and error is None:
             raise CheckpointError(
                 "the restore cannot give every process its values; nothing was restored",
                 file=path,
                 found="; ".join(failed),
             )
+        if error is None:
+            _restore.verify_pieces([_restore.Piece(*p) for _, ps in everyone for p in ps], path)
 
     return agree
 

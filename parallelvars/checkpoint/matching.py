@@ -107,24 +107,30 @@ class RestoreSession:
         self,
         node_id: int,
         obj: Any,
-        agree: Callable[[BaseException | None], None] | None = None,
+        agree: Callable[[BaseException | None, list[Any]], None] | None = None,
     ) -> None:
         """Match the saved subgraph at ``node_id`` with ``obj`` and restore it, all or nothing.
 
-        ``agree(error)`` (a multi-process restore) is called on every process once its plan is
-        made or failed, before anything is written; it raises when any process failed, so a
-        restore that cannot serve every process changes no variable anywhere.
+        ``agree(error, pieces)`` (a multi-process restore) is called on every process once its
+        plan is made or failed, before anything is written, with the pieces of saved
+        components this process read in part (their checksums are verified together); it
+        raises when any process failed, so a restore that cannot serve every process changes
+        no variable anywhere.
         """
-        if agree is None:
-            self.plan(node_id, obj).apply()
-            return
         try:
             plan = self.plan(node_id, obj)
         except BaseException as exc:
-            agree(exc)  # tell the others (and raise this error here)
+            if agree is not None:
+                agree(exc, [])  # tell the others (and raise this error here)
             raise
+        pieces = [p for step in plan.steps for p in getattr(step.rule, "pieces", ())]
         try:
-            agree(None)
+            if agree is not None:
+                agree(None, pieces)
+            elif pieces:  # (one process: no other reads complete them; refused there)
+                from parallelvars.checkpoint._restore import verify_pieces
+
+                verify_pieces(pieces, self.path)
         except BaseException:
             plan.discard()
             raise
