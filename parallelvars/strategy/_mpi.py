@@ -34,6 +34,16 @@ Initial values are broadcast from rank 0 when a variable is created, so the repl
 identical; each step then applies the same reduced gradients everywhere, keeping them
 bit-identical.
 
+Sharded variables. ``shard_axis=k`` makes a
+:class:`~parallelvars.variables.RankShardedVariable`: rank ``r`` holds shard ``r`` of rank 0's
+initial value (one ``Scatterv``; the ``numpy.array_split`` geometry of one process), reads give
+that shard, and :meth:`MultiWorkerMirroredStrategy.gather` is the explicit collective for the
+full value. ``batch_reduce`` (so ``apply_gradients``) reduce-scatters the dense gradients of
+sharded variables (one ``Alltoallv`` per dtype: each rank receives every rank's rows of its own
+shard and adds them in rank order, half the traffic of the all-reduce) and all-gathers sparse
+``IndexedSlices`` (one ``Allgatherv`` per dtype after one gather of the row counts; rank order,
+as one process concatenates its replicas' slices). The update and the slots stay local.
+
 Checkpoints: the strategy registers itself as the process's cluster strategy
 (:mod:`parallelvars.strategy._cluster`), and ``Checkpoint`` then writes through the collective
 layout writer, :func:`parallelvars.checkpoint.h5io.collective.write_collective`, over its
