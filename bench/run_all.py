@@ -422,6 +422,63 @@ def _rows_mpi(d: dict[str, Any]) -> list[list[str]]:
                 _x(run["ratios"]["per_variable_over_fused"]),
             )
         )
+    return rows + _rows_mpi_sharded(d.get("sharded") or {})
+
+
+def _rows_mpi_sharded(d: dict[str, Any]) -> list[list[str]]:
+    """The sharded-variable rows of bench_mpi.py (absent in older figures)."""
+    area = "mpi sharded"
+    if "error" in d:
+        return [_row(area, f"failed: {d['error']}", NONE, NONE, NONE, (NONE, "no"))]
+    rows = []
+    for key in sorted(k for k in d if k.startswith("step_")):
+        run = d[key]
+        mb = f"{run['table_bytes'] / 1e6:.0f} MB table, {run['procs']} processes"
+        sent, times = run["sent"], run["times"]
+        ratio = sent["sharded"] / sent["mirrored"]
+        rows.append(
+            _row(
+                area,
+                f"bytes sent per rank, reduce-scatter vs all-reduce ({mb})",
+                f"{sent['sharded'] / 1e6:.1f} MB",
+                f"{sent['mirrored'] / 1e6:.1f} MB",
+                _x(ratio),
+                ("<= 0.6x", "yes" if ratio <= 0.6 else "no"),
+            )
+        )
+        rows.append(
+            _row(
+                area,
+                f"SGD step, sharded vs mirrored table ({mb})",
+                _ms(times["sharded"]),
+                _ms(times["mirrored"]),
+                _x(times["mirrored"] / times["sharded"]),
+            )
+        )
+    if "save_3" in d:
+        save = d["save_3"]
+        rows.append(
+            _row(
+                area,
+                "save of a sharded table, 3 processes vs one process saving the same bytes",
+                _s(save["save_s"]),
+                _s(save["one_process_s"]),
+                _x(save["one_process_s"] / save["save_s"]),
+            )
+        )
+    if "restore_3_to_2" in d:
+        worst = d["restore_3_to_2"]["worst"]
+        reads = d["restore_3_to_2"]["reads"]
+        rows.append(
+            _row(
+                area,
+                "restore 3 -> 2 processes, bytes read per rank vs its share (rchar)",
+                f"{max(r for r, _ in reads) / 1e6:.1f} MB",
+                f"{max(s for _, s in reads) / 1e6:.1f} MB",
+                _x(worst),
+                ("<= 1.2x + metadata", "yes" if worst <= 1.2 else "no"),
+            )
+        )
     return rows
 
 

@@ -70,6 +70,8 @@ class Entry(Protocol):
 
     def component(self, i: int) -> np.ndarray: ...
 
+    def component_shape(self, i: int) -> tuple[int, ...]: ...
+
     def read_component_into(self, i: int, out: np.ndarray) -> None: ...
 
 
@@ -245,6 +247,55 @@ def read_logical_into(
             yield scratch
 
     aggregate_parts(out, rest(), n, rule.value)
+
+
+def region_components(entry: Entry, axis: int, lo: int, hi: int) -> tuple[int, ...] | None:
+    """The components :func:`read_region_into` reads for rows ``lo:hi`` along ``axis``; None
+    when it reads the whole logical value."""
+    if entry.kind != "sharded" or int(entry.attrs["shard_axis"]) != axis:
+        return None
+    length = int(entry.shape[axis])
+    return tuple(
+        j for j, _, _ in _geometry.overlapping_shards(entry.attrs["shard_offsets"], length, lo, hi)
+    )
+
+
+def read_region_into(
+    entry: Entry,
+    out: np.ndarray,
+    axis: int,
+    lo: int,
+    hi: int,
+    *,
+    file: str | None = None,
+    read: Callable[[int, np.ndarray], None] | None = None,
+) -> None:
+    """Read rows ``lo:hi`` along ``axis`` of the logical value of ``entry`` into ``out`` (a
+    process's shard of a variable sharded across processes).
+
+    A sharded entry split along ``axis`` reads only the saved shards holding those rows: a
+    shard inside the rows straight into ``out``, one that overlaps them partly whole into a
+    scratch buffer (each component is read whole, so its checksum is verified) and then its
+    overlap copied. Any other entry: its logical value, then the rows.
+    """
+    read = read or entry.read_component_into
+    shape = tuple(int(d) for d in entry.shape)
+    if entry.kind == "sharded" and int(entry.attrs["shard_axis"]) == axis:
+        offsets = entry.attrs["shard_offsets"]
+        bounds = _geometry.shard_bounds(offsets, shape[axis])
+        for j, a, b in _geometry.overlapping_shards(offsets, shape[axis], lo, hi):
+            target = out[_geometry.shard_index(out.ndim, axis, a - lo, b - lo)]
+            start, stop = bounds[j], bounds[j + 1]
+            if (a, b) == (start, stop):
+                read(j, target)
+                continue
+            scratch = np.empty(entry.component_shape(j), out.dtype)
+            read(j, scratch)
+            target[...] = scratch[_geometry.shard_index(out.ndim, axis, a - start, b - start)]
+        return
+    full = np.empty(shape, out.dtype)
+    read_logical_into(entry, full, file=file, read=read)
+    out[...] = full[_geometry.shard_index(out.ndim, axis, lo, hi)]
 
 
 def logical_value(entry: Entry) -> np.ndarray:

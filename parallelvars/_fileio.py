@@ -468,6 +468,41 @@ def byte_view(arr: np.ndarray) -> np.ndarray:
     return arr.reshape(-1).view(np.uint8)
 
 
+def _gf2_times(mat: list[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def checksum_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32C of ``A + B`` from ``crc1`` of ``A``, ``crc2`` of ``B`` and ``len2`` (B's
+    length in bytes), without the bytes (zlib's ``crc32_combine``, for the Castagnoli
+    polynomial): pieces of one component checksummed by several readers verify it whole."""
+    if len2 <= 0:
+        return crc1
+    odd = [0x82F63B78] + [1 << k for k in range(31)]  # the operator for one zero bit
+    even = [_gf2_times(odd, v) for v in odd]  # two zero bits
+    odd = [_gf2_times(even, v) for v in even]  # four zero bits
+    while True:  # apply len2 zero bytes to crc1, squaring the operator as we go
+        even = [_gf2_times(odd, v) for v in odd]
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = [_gf2_times(even, v) for v in even]
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
 def checksum(arr: np.ndarray) -> int:
     """CRC-32C of an array's C-order bytes; for byte strings, of each length (u64 LE) and bytes."""
     if arr.dtype.kind == "O":

@@ -72,7 +72,7 @@ import wrapt
 from parallelvars import _modes, _storage, _write_plan
 from parallelvars._aggregate import aggregate_parts
 from parallelvars._dtypes import as_dtype, is_extension_dtype
-from parallelvars._geometry import shard_offsets, shard_sizes, shard_slices
+from parallelvars._geometry import shard_index, shard_offsets, shard_sizes, shard_slices
 from parallelvars._values import PARALLEL_OPERATORS, PerReplica, each_part, part_attribute
 from parallelvars._write_plan import Route
 from parallelvars.devices import ParallelDevice
@@ -1109,6 +1109,105 @@ class ShardedVariable(ParallelVariable):
         _write_array(self.__wrapped__, op, self._check_value_shape(value))
 
 
+class RankShardedVariable(ShardedVariable):
+    """One process's shard of a variable sharded across the processes of a multi-process
+    strategy (``shard_axis=k`` under :class:`~parallelvars.MultiWorkerMirroredStrategy`).
+
+    The whole variable has one shard per process, split as one process splits it
+    (``numpy.array_split``); process ``r`` holds shard ``r`` only, and the proxy wraps that
+    shard: reads (``read_value()``, ``np.asarray``, arithmetic) give the local shard, and
+    ``shape`` is the shard's. :attr:`full_shape`, :attr:`shard_offsets` and
+    :attr:`shard_sizes` describe the whole variable. Its full value is never gathered by a read:
+    ``strategy.gather(var)`` is the explicit collective. A cross-replica ``assign`` takes the
+    full value (each process keeps its rows) or the shard.
+    """
+
+    _repr_name = "ShardedVariable"
+
+    def __init__(
+        self,
+        local: np.ndarray,
+        *,
+        device: ParallelDevice,
+        name: str,
+        shard_axis: int,
+        full_shape: tuple[int, ...],
+        index: int,
+        count: int,
+        trainable: bool,
+        aggregation: Aggregation = Aggregation.NONE,
+    ) -> None:
+        axis = _check_shard_axis(name, shard_axis, len(full_shape))
+        offsets = shard_offsets(full_shape[axis], count)
+        expected = shard_index(
+            len(full_shape), axis, 0, shard_sizes(full_shape[axis], count)[index]
+        )
+        if local.shape != np.empty(full_shape, np.bool_)[expected].shape:
+            raise DistributedValueError(
+                f"variable {name!r}: shard {index} of {count} of shape {full_shape} along axis "
+                f"{axis} (expected a shard of {np.empty(full_shape, np.bool_)[expected].shape}, "
+                f"found {local.shape})"
+            )
+        wrapt.ObjectProxy.__init__(self, local)
+        self._self_stacked = None
+        self._self_components = (local,)
+        self._self_device = device
+        self._self_name = name
+        self._self_kind = "sharded"
+        self._self_synchronization = Synchronization.ON_WRITE
+        self._self_aggregation = aggregation
+        self._self_trainable = bool(trainable)
+        self._self_placement = None
+        self._self_shard_axis = axis
+        self._self_shard_offsets = tuple(offsets)
+        self._self_full_shape = tuple(int(d) for d in full_shape)
+        self._self_global = (int(index), int(count))
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The shape of the whole variable, across processes."""
+        return self._self_full_shape
+
+    @property
+    def shard_sizes(self) -> tuple[int, ...]:
+        return tuple(
+            shard_sizes(self._self_full_shape[self._self_shard_axis], len(self._self_shard_offsets))
+        )
+
+    def _index(self) -> int:
+        placed = self._self_global
+        assert placed is not None  # set at construction
+        return placed[0]
+
+    def local_slice(self) -> tuple[slice, ...]:
+        """Where the local shard sits in the full value."""
+        index = self._index()
+        lo = self._self_shard_offsets[index]
+        return shard_index(
+            len(self._self_full_shape), self._self_shard_axis, lo, lo + self.shard_sizes[index]
+        )
+
+    def like(self, local: np.ndarray, name: str, trainable: bool = False) -> RankShardedVariable:
+        """A variable of the same geometry (an optimizer slot) holding ``local``."""
+        index, count = self._index(), len(self._self_shard_offsets)
+        return RankShardedVariable(
+            local,
+            device=self._self_device,
+            name=name,
+            shard_axis=self._self_shard_axis,
+            full_shape=self._self_full_shape,
+            index=index,
+            count=count,
+            trainable=trainable,
+        )
+
+    def _check_value_shape(self, value: Any) -> np.ndarray:
+        arr = np.asarray(_unwrap(value))
+        if arr.shape == self._self_full_shape and arr.shape != self.__wrapped__.shape:
+            arr = arr[self.local_slice()]
+        return _fitting_value(arr, self.__wrapped__.shape, self._self_name)
+
+
 # ---------------------------------------------------------------------------- creation
 def _initial_array(initial_value: Any, dtype: Any, name: str) -> np.ndarray:
     if callable(initial_value) and not isinstance(initial_value, (np.ndarray, ParallelVariable)):
@@ -1229,6 +1328,55 @@ def _make_distributed_variable(
         aggregation=agg,
         trainable=trainable,
         placement=placement,
+    )
+
+
+def _make_rank_sharded(
+    device: ParallelDevice,
+    index: int,
+    count: int,
+    scatter: Callable[[np.ndarray, int, str], np.ndarray],
+    *,
+    initial_value: Any,
+    name: str | None = None,
+    trainable: bool | None = None,
+    dtype: Any = None,
+    synchronization: Synchronization | str | None = Synchronization.AUTO,
+    aggregation: Aggregation | str | None = Aggregation.NONE,
+    shard_axis: int,
+    kind: str | None = None,
+) -> RankShardedVariable:
+    """Process ``index`` of ``count``'s shard of a variable sharded across processes.
+
+    ``scatter(full, axis, name)`` turns this process's initial value into its shard of the
+    value every process agrees on (a multi-process strategy scatters rank 0's).
+    """
+    name = _unique_name(name)
+    try:
+        sync = Synchronization.parse(
+            Synchronization.AUTO if synchronization is None else synchronization
+        )
+        agg = Aggregation.parse(Aggregation.NONE if aggregation is None else aggregation)
+    except DistributedValueError as e:
+        raise DistributedValueError(f"variable {name!r}: {e}") from None
+    if sync is Synchronization.ON_READ or kind not in (None, "sharded"):
+        raise DistributedValueError(
+            f"variable {name!r}: a sharded variable cannot be "
+            f"{'ON_READ' if sync is Synchronization.ON_READ else kind}"
+        )
+    arr = _initial_array(initial_value, dtype, name)
+    axis = _check_shard_axis(name, shard_axis, arr.ndim)
+    local = np.ascontiguousarray(scatter(arr, axis, name))
+    return RankShardedVariable(
+        local,
+        device=device,
+        name=name,
+        shard_axis=axis,
+        full_shape=tuple(arr.shape),
+        index=index,
+        count=count,
+        trainable=True if trainable is None else trainable,
+        aggregation=agg,
     )
 
 

@@ -185,6 +185,81 @@ def main() -> None:
         out["listing"] = np.asarray(sorted(os.listdir(directory)))
         out.update(m.state(model, opt))
         manager.close()
+    elif scenario.startswith("sharded_train"):  # sharded_train-<optimizer>
+        model, opt = m.train_sharded(strategy, steps=3, seed=rank, optimizer=scenario[14:])
+        with strategy.scope():
+            out.update(m.sharded_state(strategy, model, opt))
+        out["local_e"] = np.array(model.e)  # reads give the local shard
+        out["local_e_shape"] = np.asarray(model.e.shape)
+        f_slots = [s for v, _, s in opt._checkpoint_slots() if v is model.f]
+        out["local_f_slot"] = np.array(f_slots[0].components[0])
+    elif scenario == "sharded_save":
+        model, opt = m.train_sharded(strategy, steps=2, seed=rank)
+        path = pv.Checkpoint(model=model, optimizer=opt).save(os.path.join(out_dir, "ckpt", "run"))
+        with strategy.scope():
+            out.update(m.sharded_state(strategy, model, opt))
+        out["path"] = np.asarray(path)
+    elif scenario == "sharded_restore":
+        # Another process count than the save's: rank r gets the re-split shard r and its slots.
+        with strategy.scope():
+            model = m.ShardedModel(seed=300 + rank)
+            opt = pv.optimizers.Adagrad(0.1)
+        status = pv.Checkpoint(model=model, optimizer=opt).restore(sys.argv[3])
+        with strategy.scope():
+            opt.build(model.trainable())
+        status.assert_consumed()
+        with strategy.scope():
+            out.update(m.sharded_state(strategy, model, opt))
+        out["local_e"] = np.array(model.e)
+        # One more step trains on from the restored state (checked against one process).
+        m.train_more(strategy, model, opt, step=2)
+        with strategy.scope():
+            out.update({f"next/{k}": v for k, v in m.sharded_state(strategy, model, opt).items()})
+    elif scenario == "sharded_restore_refused":
+        # A restore that one rank cannot serve raises on every rank; no variable changes.
+        with strategy.scope():
+            model = m.ShardedModel(seed=300 + rank)
+        before = {v.name: np.array(v.components[0]) for v in model.trainable()}
+        try:
+            pv.Checkpoint(model=model).restore(sys.argv[3])
+        except pv.errors.CheckpointError as exc:
+            out["error"] = np.asarray(f"{type(exc).__name__}: {exc}")
+        out["unchanged"] = np.asarray(
+            all(np.array_equal(before[v.name], v.components[0]) for v in model.trainable())
+        )
+    elif scenario == "sharded_dtypes":
+        # Every dtype: scattered from rank 0, gathered back, saved by every rank.
+        values = m.sweep_values(seed=rank)
+        with strategy.scope():
+            sweep = pv.Module()
+            for name, _, axis in m.SWEEP:
+                setattr(sweep, name, pv.Variable(values[name], name=name, shard_axis=axis))
+            for name, _, _ in m.SWEEP:
+                out[f"full/{name}"] = m.bits(strategy.gather(getattr(sweep, name)))
+                out[f"local/{name}"] = m.bits(getattr(sweep, name))
+        out["path"] = np.asarray(
+            pv.Checkpoint(sweep=sweep).save(os.path.join(out_dir, "sweep", "run"))
+        )
+    elif scenario == "sharded_collectives":
+        # The MPI calls of one step with the tables' full values given: per dtype one
+        # reduce-scatter (dense sharded), one all-gather of sparse rows, one all-reduce (mirrored).
+        model, opt = m.train_sharded(strategy, steps=1, seed=rank)
+        full = m.full_values(strategy, model)
+        counts: dict[str, int] = {}
+        comm = strategy._comm
+
+        class Counting:
+            def __getattr__(self, name: str) -> object:
+                counts[name] = counts.get(name, 0) + 1
+                return getattr(comm, name)
+
+        strategy._comm = Counting()
+        strategy.run(
+            m.sharded_step,
+            args=(model, opt, full, m.sharded_batches(1, strategy.num_replicas_in_sync)),
+        )
+        strategy._comm = comm
+        out["calls"] = np.asarray(sorted(f"{k}={v}" for k, v in counts.items()))
     elif scenario == "repeat":
         repeat(strategy, out_dir, out)
     elif scenario == "restore_exact":

@@ -382,3 +382,21 @@ def test_command_rows_show_each_command_against_safetensors_with_memory():
     assert "inspect --json" in inspect[1] and "5,000 vars x 2 + Adam" in inspect[1]
     assert inspect[4:] == ["2.00x", "<= 3x", "yes"]
     assert "bound 256 MB: not met" in verify[1] and verify[4:] == ["8.00x", "<= 3x", "no"]
+
+
+def test_mpi_sharded_rows_say_whether_their_targets_are_met() -> None:
+    figures = {
+        "step_2": {
+            "procs": 2,
+            "table_bytes": 64e6,
+            "sent": {"sharded": 32e6, "mirrored": 64e6},
+            "times": {"sharded": 0.1, "mirrored": 0.2},
+        },
+        "save_3": {"procs": 3, "save_s": 0.5, "one_process_s": 0.25},
+        "restore_3_to_2": {"procs": 2, "reads": [[45e6, 32e6], [44e6, 32e6]], "worst": 1.41},
+    }
+    rows = run_all._rows_mpi_sharded(figures)
+    assert [r[0] for r in rows] == ["mpi sharded"] * 4
+    assert rows[0][-2:] == ["<= 0.6x", "yes"]
+    assert rows[-1][-2:] == ["<= 1.2x + metadata", "no"]
+    assert run_all._rows_mpi_sharded({"error": "boom"})[0][-1] == "no"

@@ -627,3 +627,13 @@ def test_string_variable_checksums_are_recorded(tmp_path) -> None:
         assert len(json.loads(f["_parallelvars/index"][()])["s"]["crc32c"]) == 1
     with H5Reader(path) as r:
         assert r.verify_all() == []
+
+
+def test_verify_compares_the_stitched_value_of_sharded_byte_strings(tmp_path) -> None:
+    from parallelvars.checkpoint.h5io import H5Reader
+
+    with pv.MirroredStrategy(3).scope():
+        v = pv.Variable(np.array([b"a", b"bb", b"", b"ccc", b"d"], object), name="b", shard_axis=0)
+    path = pv.Checkpoint(b=v).save(str(tmp_path / "bytes"))
+    with H5Reader(path) as reader:
+        assert reader.verify_all() == []

@@ -88,3 +88,14 @@ def test_atomic_path_leaves_the_old_file_on_failure(tmp_path) -> None:
             f.write(b"new, half")
         raise ValueError("interrupted")
     assert target.read_bytes() == b"old" and os.listdir(target.parent) == ["c.bin"]
+
+
+def test_checksum_combine_joins_the_checksums_of_pieces() -> None:
+    import crc32c
+
+    from parallelvars._fileio import checksum_combine
+
+    rng = np.random.default_rng(0)
+    for n1, n2 in [(0, 5), (5, 0), (1, 1), (100, 7), (1000, 12345), (3, 1 << 20)]:
+        a, b = rng.bytes(n1), rng.bytes(n2)
+        assert checksum_combine(crc32c.crc32c(a), crc32c.crc32c(b), n2) == crc32c.crc32c(a + b)

@@ -679,3 +679,50 @@ def test_a_name_that_is_not_utf8_is_refused_at_open_in_every_reader(
         assert f"{path}: " in said.out + said.err and "not UTF-8 text" in said.out + said.err
         assert "UnicodeDecodeError" not in said.out + said.err
     assert not os.path.exists(out)
+
+
+def _index_with_value(tmp_path, sources):
+    """An index-like file whose ``s/value`` is virtual over ``sources`` ((file, dataset) each)."""
+    layout = h5py.VirtualLayout(shape=(2 * len(sources), 2), dtype=np.float32)
+    for i, (name, dataset) in enumerate(sources):
+        layout[2 * i : 2 * i + 2] = h5py.VirtualSource(name, dataset, shape=(2, 2))
+    path = tmp_path / "x.h5"
+    with h5py.File(path, "w") as f:
+        f.create_group("s").create_virtual_dataset("value", layout)
+    return str(path)
+
+
+def test_a_stitched_value_over_the_own_parts_is_allowed_and_its_sources_checked(tmp_path):
+    """A multi-process index's sharded ``value`` reads shards from its own parts, each a plain
+    dataset; a source elsewhere, or a source that is itself virtual, is refused."""
+    from parallelvars.checkpoint import _h5policy
+
+    parts = tmp_path / "x.h5.parts"
+    parts.mkdir()
+    for r in range(2):
+        with h5py.File(parts / f"rank-{r:05d}-of-00002.h5", "w") as f:
+            f["s/primary"] = np.full((2, 2), r, np.float32)
+    good = _index_with_value(
+        tmp_path, [(f"x.h5.parts/rank-{r:05d}-of-00002.h5", "/s/primary") for r in range(2)]
+    )
+    with h5py.File(good, "r") as f:
+        _h5policy.check_dataset(f["s/value"].id, good, "s/value", own_virtual=True)
+        with pytest.raises(CorruptCheckpointError, match="virtual dataset"):
+            _h5policy.check_dataset(f["s/value"].id, good, "s/value")  # not where allowed
+    # A part whose dataset is virtual again (onto a file outside): refused, nothing read.
+    with h5py.File(parts / "rank-00001-of-00002.h5", "a") as f:
+        inner = h5py.VirtualLayout(shape=(2, 2), dtype=np.float32)
+        inner[...] = h5py.VirtualSource(str(tmp_path / "secret.h5"), "/x", shape=(2, 2))
+        f["s"].create_virtual_dataset("nested", inner)
+    nested = _index_with_value(
+        tmp_path,
+        [
+            ("x.h5.parts/rank-00000-of-00002.h5", "/s/primary"),
+            ("x.h5.parts/rank-00001-of-00002.h5", "/s/nested"),
+        ],
+    )
+    with h5py.File(nested, "r") as f, pytest.raises(CorruptCheckpointError, match="virtual"):
+        _h5policy.check_dataset(f["s/value"].id, nested, "s/value", own_virtual=True)
+    outside = _index_with_value(tmp_path, [("other.h5", "/s/primary")] * 2)
+    with h5py.File(outside, "r") as f, pytest.raises(CorruptCheckpointError, match="parts folder"):
+        _h5policy.check_dataset(f["s/value"].id, outside, "s/value", own_virtual=True)

@@ -89,10 +89,11 @@ def run_ranks(size: int, fn: Callable[[ThreadComm], object]) -> list[object]:
 
 
 def records(rank: int, size: int, k: int, extra: bool = False, bump: float = 0) -> list[SaveRecord]:
-    """What rank ``rank`` saves at save ``k``: per-replica variables of its device and, like a
+    """What rank ``rank`` saves at save ``k``: per-replica variables of its device (mirrored
+    ones equal on every rank, as training keeps them; on-read parts of its own) and, like a
     checkpoint's counter, one value (saved by rank 0 only)."""
     dev = [f"cpu:{rank}"]
-    w = np.arange(12, dtype=np.float32).reshape(3, 4) * (k + rank) + np.float32(bump)
+    w = np.arange(12, dtype=np.float32).reshape(3, 4) * (k + 1) + np.float32(bump)
     recs = [
         SaveRecord("mirrored", [w], (3, 4), {"devices": dev, "aggregation": "mean"}, path="m/w"),
         SaveRecord(
@@ -146,18 +147,28 @@ def files_of(path: str) -> dict[str, bytes]:
 
 def assert_readable(path: str, size: int, k: int, extra: bool = False) -> None:
     """Plain h5py sees every component through the links; our reader verifies them all."""
+    rank_files = [
+        f"{os.path.basename(path)}.parts/rank-{r:05d}-of-{size:05d}.h5" for r in range(size)
+    ]
     with h5py.File(path, "r") as f:
         grp = f["m/w"]
         assert int(grp.attrs["num_components"]) == size
+        # A mirrored variable is written once in the job: every component links to that copy
+        # (the larger m/big went to rank 0, so the small m/w to rank 1).
+        holder = rank_files[1 if size > 1 else 0]
         for r in range(size):
             name = "primary" if r == 0 else f"parallel_component_{r}"
             link = grp.get(name, getlink=True)
             assert isinstance(link, h5py.ExternalLink)
-            assert link.filename == f"{os.path.basename(path)}.parts/rank-{r:05d}-of-{size:05d}.h5"
-            expected = np.arange(12, dtype=np.float32).reshape(3, 4) * (k + r)
+            assert link.filename == holder
+            expected = np.arange(12, dtype=np.float32).reshape(3, 4) * (k + 1)
             np.testing.assert_array_equal(grp[name][()], expected)
         assert int(f.attrs["save_counter"]) == k and int(f.attrs["step"]) == 100 * k
         assert ("m/new" in f) == extra
+    for r, name in enumerate(rank_files):
+        with h5py.File(os.path.join(os.path.dirname(path), name), "r") as part:
+            assert ("m/w" in part) == (name == holder)
+            assert ("m/big" in part) == (r == 0)
     with H5Reader(path) as reader:
         assert reader.verify_all() == []
         assert int(reader["count"].component(0)) == k

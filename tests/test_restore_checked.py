@@ -99,3 +99,24 @@ def test_an_unchanged_file_restores_after_the_second_check(tmp_path: Path) -> No
     ckpt.restore(a)
     for i, v in enumerate(live):
         assert np.array_equal(np.asarray(v), np.full(N, 1.0 + i, np.float32))
+
+
+def test_pieces_of_a_shard_verify_only_when_they_cover_it_and_their_checksums_join() -> None:
+    import crc32c
+
+    from parallelvars.checkpoint._restore import Piece, verify_pieces
+    from parallelvars.errors import ChecksumMismatchError, CorruptCheckpointError
+
+    data = bytes(range(200))
+    whole = crc32c.crc32c(data)
+
+    def piece(a: int, b: int, expected: int = whole) -> Piece:
+        return Piece("v", 1, a, b - a, crc32c.crc32c(data[a:b]), len(data), expected)
+
+    verify_pieces([piece(120, 200), piece(0, 50), piece(50, 120)], "f.h5")  # any order
+    with pytest.raises(ChecksumMismatchError, match="v/parallel_component_1"):
+        verify_pieces([piece(0, 50, whole ^ 1), piece(50, 200, whole ^ 1)], "f.h5")
+    with pytest.raises(CorruptCheckpointError, match="do not cover"):
+        verify_pieces([piece(0, 50), piece(60, 200)], "f.h5")  # a gap
+    with pytest.raises(CorruptCheckpointError, match="do not cover"):
+        verify_pieces([piece(0, 50)], "f.h5")  # the rest read by no one

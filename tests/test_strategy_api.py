@@ -465,3 +465,17 @@ def test_global_mean_matches_numpy(rows: list[int]) -> None:
     s = pv.MirroredStrategy(len(rows))
     got = s.reduce(pv.ReduceOp.MEAN, pv.PerReplica(parts), axis=0)
     np.testing.assert_allclose(got, np.concatenate(parts).mean(axis=0))
+
+
+def test_gather_gives_full_values_in_cross_replica_context() -> None:
+    strategy = pv.MirroredStrategy(3)
+    with strategy.scope():
+        table = pv.Variable(np.arange(20.0).reshape(10, 2), name="table", shard_axis=0)
+        mirrored = pv.Variable(np.ones(2), name="mirrored")
+    np.testing.assert_array_equal(strategy.gather(table), np.arange(20.0).reshape(10, 2))
+    per = strategy.run(lambda: np.full((1, 2), pv.get_replica_context().replica_id_in_sync_group))
+    np.testing.assert_array_equal(strategy.gather(per, axis=0)[:, 0], [0, 1, 2])
+    np.testing.assert_array_equal(strategy.gather(per, axis=1)[0], [0, 0, 1, 1, 2, 2])
+    assert strategy.gather(mirrored).shape == (6,)  # one copy per replica, side by side
+    with pytest.raises(CrossReplicaOnlyError):
+        strategy.run(lambda: strategy.gather(table))

@@ -9,7 +9,9 @@ native reader, the Keras readers, the CLI) goes through this module, which refus
 
 * external storage, on any dataset;
 * virtual datasets, except our own sharded ``value`` whose sources are all in the same file
-  (source file name ``"."``);
+  (source file name ``"."``) or, in a multi-process checkpoint's index file, all in its own
+  parts (each named as its external links are, see below; each source dataset a plain
+  dataset of that part, itself checked by this policy);
 * soft, external and user-defined links, checked *before* HDF5 follows them, except the external
   links a multi-process checkpoint writes to its own ``<file>.parts/`` folder: a relative name
   ``<file name>.parts/<part>`` without ``..``, whose target is a regular file (not a symlink,
@@ -193,13 +195,15 @@ def check_dataset(
         )
     if layout == h5py.h5d.VIRTUAL:
         foreign = sorted({s for s in sources if s != "."})
-        if not own_virtual or foreign:
+        if not own_virtual:
             raise _refuse(
                 "the dataset is a virtual dataset",
                 file,
                 name,
                 f"sources in {foreign[:3]!r}" if foreign else "a virtual layout",
             )
+        if foreign:
+            _check_part_sources(dcpl, file, name)
     if dtype is not None:
         check_stored_type(dsid, dtype, file, name, dcpl=dcpl)
 
@@ -355,6 +359,53 @@ def member_names(group: h5py.Group, file: str, path: str) -> list[str]:
                 hint="names must be valid Unicode text in every format",
             ) from None
     return names
+
+
+def _check_part_sources(dcpl: Any, file: str, name: str) -> None:
+    """A virtual dataset's sources: each a plain dataset (no virtual layout, no external
+    storage, reached through no link) of a part of ``file``'s own parts folder."""
+    try:
+        pairs = sorted(
+            {
+                (dcpl.get_virtual_filename(i), dcpl.get_virtual_dsetname(i))
+                for i in range(dcpl.get_virtual_count())
+            }
+        )
+    except H5_ERRORS as exc:
+        raise CorruptCheckpointError(
+            "cannot read the virtual dataset's sources", file=file, variable=name, found=str(exc)
+        ) from None
+    for source, dataset in pairs:
+        if source == ".":
+            raise _refuse(
+                "the virtual dataset mixes sources in its own file and in parts",
+                file,
+                name,
+                f"sources in '.' and in parts (dataset {dataset!r})",
+            )
+        try:
+            part = part_file(file, (source.encode(), dataset.encode()), name)
+        except CorruptCheckpointError:
+            raise _refuse(
+                "the dataset is a virtual dataset with a source out of the checkpoint's own "
+                "parts folder",
+                file,
+                name,
+                f"sources in {source!r}, expected {os.path.basename(file)}{PARTS_SUFFIX}/<part>",
+            ) from None
+        try:
+            with h5py.File(part, "r") as f:
+                check_path(f.id, dataset.lstrip("/"), part)
+                check_dataset(f[dataset].id, part, dataset)
+        except CorruptCheckpointError:
+            raise
+        except (*H5_ERRORS, KeyError) as exc:
+            raise CorruptCheckpointError(
+                "a source of the virtual dataset cannot be opened",
+                file=file,
+                variable=name,
+                found=f"{source}:{dataset}: {exc}",
+            ) from None
 
 
 def walk(

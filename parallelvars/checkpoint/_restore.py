@@ -33,13 +33,14 @@ import functools
 import itertools
 import operator
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from parallelvars import _aggregate
 from parallelvars._dtypes import dtype_name
-from parallelvars._fileio import byte_view
+from parallelvars._fileio import byte_view, checksum, checksum_combine
+from parallelvars._geometry import shard_bounds
 from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint.entry import Entry
 from parallelvars.checkpoint.h5io.layout import STAGE_LIMIT, STAGE_MIN_COMPONENTS
@@ -53,11 +54,13 @@ from parallelvars.checkpoint.registry import (
 )
 from parallelvars.errors import (
     CheckpointError,
+    ChecksumMismatchError,
     ConcurrentWriteError,
+    CorruptCheckpointError,
     DtypeMismatchError,
     ShapeMismatchError,
 )
-from parallelvars.variables import ParallelVariable, ShardedVariable
+from parallelvars.variables import ParallelVariable, RankShardedVariable, ShardedVariable
 
 if TYPE_CHECKING:
     from parallelvars.checkpoint.h5io.index_table import IndexTable
@@ -140,14 +143,15 @@ class ParallelVariableSaveable(Saveable):
         return SaveRecord(
             kind=obj.kind,
             components=obj.components,
-            shape=tuple(obj.__wrapped__.shape),
+            # a process's shard of a variable sharded across processes: the whole shape
+            shape=tuple(getattr(obj, "full_shape", obj.__wrapped__.shape)),
             attrs=attrs,
         )
 
     def plan_restore(
         self, obj: ParallelVariable, stored: Entry, *, file: str, path: str, allow_cast: bool
     ) -> Callable[[], None]:
-        shape = tuple(obj.__wrapped__.shape)
+        shape = tuple(getattr(obj, "full_shape", obj.__wrapped__.shape))
         if tuple(stored.shape) != shape:
             raise ShapeMismatchError(
                 "shape mismatch",
@@ -196,6 +200,43 @@ class ParallelVariableSaveable(Saveable):
                 f"{path}/{component_name(i)}" for i in range(1, n)
             ]
             return first_component
+        if isinstance(obj, RankShardedVariable):
+            # This process's rows of the logical value: only the saved shards holding them.
+            _aggregate.spread_plan(stored, "sharded", None, m, file=file, variable=path)
+            local, axis = obj.__wrapped__, obj.shard_axis
+            rows = obj.local_slice()[axis]
+            needed = _aggregate.region_components(stored, axis, rows.start, rows.stop)
+            if needed is None:  # not sharded along this axis: the logical value, verified
+
+                def logical_rows() -> None:
+                    _aggregate.read_region_into(
+                        stored, local, axis, rows.start, rows.stop, file=file, read=read
+                    )
+
+                return logical_rows
+            if axis == 0 and isinstance(stored, StoredVariable) and stored.dtype.kind != "O":
+                return _rows_with_pieces(stored, local, rows.start, rows.stop, needed, path)
+            # The saved shards holding these rows, read (and verified) once, now: the check
+            # verifies nothing more of this variable (``needed``: no other component), and
+            # the restore copies from them.
+            held: dict[int, np.ndarray] = {}
+            for j in needed:
+                held[j] = np.empty(stored.component_shape(j), local.dtype)
+                read(j, held[j])
+
+            def region() -> None:
+                _aggregate.read_region_into(
+                    stored,
+                    local,
+                    axis,
+                    rows.start,
+                    rows.stop,
+                    file=file,
+                    read=lambda j, out: np.copyto(out, held[j]),
+                )
+
+            region.needed = ()  # type: ignore[attr-defined]
+            return region
         if isinstance(obj, ShardedVariable):
             # "resplit" (or a refusal): the full value, read straight into the shards' rows
             _aggregate.spread_plan(stored, "sharded", None, m, file=file, variable=path)
@@ -227,6 +268,119 @@ class ParallelVariableSaveable(Saveable):
                 c[...] = 0
 
         return logical
+
+
+class Piece(NamedTuple):
+    """Bytes ``start : start + nbytes`` of saved component ``component`` of ``path`` that one
+    process read, with their CRC-32C, and the whole component's size and stored checksum."""
+
+    path: str
+    component: int
+    start: int
+    nbytes: int
+    crc32c: int
+    total: int
+    expected: int | None
+
+
+def _rows_with_pieces(
+    stored: StoredVariable,
+    local: np.ndarray,
+    lo: int,
+    hi: int,
+    needed: tuple[int, ...],
+    path: str,
+) -> Callable[[], None]:
+    """Rows ``lo:hi`` (axis 0) of a saved sharded variable for a process's shard, reading only
+    those rows' bytes.
+
+    A saved shard inside the rows is read whole and verified against its checksum. Of a shard
+    that the rows cover partly only the rows are read (an HDF5 hyperslab), and their CRC-32C
+    is kept as a :class:`Piece`: the processes that restore the other rows of that shard read
+    the rest, and the restore's agreement (``Checkpoint.restore`` under a multi-process
+    strategy) combines every process's pieces into the shard's checksum before anything is
+    written (:func:`verify_pieces`). Every byte is thus read once in the job and verified.
+    """
+    offsets = stored.attrs["shard_offsets"]
+    bounds = shard_bounds(offsets, int(stored.shape[0]))
+    held: list[tuple[int, int, np.ndarray]] = []
+    pieces: list[Piece] = []
+    expected = stored.stored_checksums
+    for j in needed:
+        start, stop = bounds[j], bounds[j + 1]
+        a, b = max(lo, start), min(hi, stop)
+        if (a, b) == (start, stop):
+            whole = np.empty(stored.component_shape(j), stored.dtype)
+            stored.read_component_into(j, whole)  # verified
+            held.append((a, b, whole))
+            continue
+        part = stored.read_rows(j, a - start, b - start)
+        row_bytes = part.nbytes // max(b - a, 1)
+        pieces.append(
+            Piece(
+                path,
+                j,
+                (a - start) * row_bytes,
+                part.nbytes,
+                checksum(part),
+                stored.component_nbytes(j),
+                expected[j],
+            )
+        )
+        held.append((a, b, part))
+
+    def rows() -> None:
+        for a, b, data in held:
+            local[a - lo : b - lo] = data
+
+    rows.needed = ()  # type: ignore[attr-defined]
+    rows.pieces = pieces  # type: ignore[attr-defined]
+    return rows
+
+
+def verify_pieces(pieces: Iterable[Piece], file: str) -> None:
+    """Check that the pieces every process read of each partly read component cover it
+    exactly and that their CRC-32Cs combine into its stored checksum.
+
+    Raises:
+        ChecksumMismatchError: a component whose pieces' checksum differs from the stored one.
+        CorruptCheckpointError: pieces that do not cover their component exactly once.
+    """
+    by_component: dict[tuple[str, int], list[Piece]] = {}
+    for p in pieces:
+        by_component.setdefault((p.path, p.component), []).append(p)
+    for (path, index), parts in sorted(by_component.items()):
+        parts.sort(key=operator.attrgetter("start"))
+        name = f"{path}/{component_name(index)}"
+        at, crc = 0, 0
+        for p in parts:
+            if p.start != at:
+                raise CorruptCheckpointError(
+                    "the processes' reads do not cover the saved shard",
+                    file=file,
+                    variable=name,
+                    expected=f"bytes from {at}",
+                    found=f"bytes from {p.start}",
+                )
+            crc = p.crc32c if at == 0 else checksum_combine(crc, p.crc32c, p.nbytes)
+            at += p.nbytes
+        total, stored = parts[0].total, parts[0].expected
+        if at != total:
+            raise CorruptCheckpointError(
+                "the processes' reads do not cover the saved shard",
+                file=file,
+                variable=name,
+                expected=f"{total} bytes",
+                found=f"{at} bytes",
+            )
+        if stored is not None and crc != stored:
+            raise ChecksumMismatchError(
+                "checksum mismatch: the stored bytes are damaged",
+                file=file,
+                variable=name,
+                expected=f"crc32c {stored:#010x}",
+                found=f"crc32c {crc:#010x}",
+            )
 
 
 _SAVEABLE = ParallelVariableSaveable()

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from parallelvars.checkpoint import _restore  # noqa: F401 - registers the variable saveable
+from parallelvars.checkpoint import _restore  # (also registers the variable saveable)
 from parallelvars.checkpoint._foreign import with_foreign_hint
 from parallelvars.checkpoint._gcfreeze import older_objects_frozen
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX  # noqa: F401 - <file>.parts/: a multi-process save's files
@@ -49,7 +49,12 @@ from parallelvars.checkpoint.registry import SaveRecord
 from parallelvars.checkpoint.snapshot import Snapshot, SnapshotPlan, take_snapshot
 from parallelvars.checkpoint.status import CheckpointLoadStatus
 from parallelvars.devices import ParallelDevice
-from parallelvars.errors import CheckpointNotFoundError, InvalidArgumentError, NotACheckpointError
+from parallelvars.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    NotACheckpointError,
+)
 from parallelvars.strategy._cluster import cluster_strategy
 from parallelvars.tracking import Trackable, _wrap, is_trackable
 
@@ -87,6 +92,33 @@ def collective_rank() -> int | None:
     """This process's rank when checkpoints are written collectively (MPI), else None."""
     strategy = cluster_strategy()
     return None if strategy is None else int(strategy.cluster_rank)
+
+
+def _restore_agreement(path: str) -> Callable[[BaseException | None, list[Any]], None] | None:
+    """Under a multi-process strategy, ``agree(error, pieces)`` for a restore: every process
+    reports whether its plan (matching, shapes, checksums of what it reads) succeeded and the
+    pieces of saved shards it read in part, before any writes (one allgather); every process
+    raises when one failed, or when the pieces of a shard do not add up to its checksum
+    (every process checks all pieces, so all reach the same verdict). None in one process."""
+    strategy = cluster_strategy()
+    if strategy is None or int(strategy.num_replicas_in_sync) <= 1:
+        return None
+    comm, rank = strategy.comm, int(strategy.cluster_rank)
+
+    def agree(error: BaseException | None, pieces: list[Any]) -> None:
+        mine = None if error is None else f"rank {rank}: {type(error).__name__}: {error}"
+        everyone = comm.allgather((mine, [tuple(p) for p in pieces]))
+        failed = [e for e, _ in everyone if e is not None]
+        if failed and error is None:
+            raise CheckpointError(
+                "the restore cannot give every process its values; nothing was restored",
+                file=path,
+                found="; ".join(failed),
+            )
+        if error is None:
+            _restore.verify_pieces([_restore.Piece(*p) for _, ps in everyone for p in ps], path)
+
+    return agree
 
 
 class SaveCount:
@@ -332,7 +364,7 @@ class Checkpoint(Trackable):
             except (NotACheckpointError, CheckpointNotFoundError) as exc:
                 raise with_foreign_hint(exc, p) from None
             try:
-                session.restore_into(0, self)
+                session.restore_into(0, self, _restore_agreement(p))
             finally:
                 session.release()
         return CheckpointLoadStatus(session, self)

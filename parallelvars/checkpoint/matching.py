@@ -103,9 +103,38 @@ class RestoreSession:
         has = map(operator.is_not, paths, itertools.repeat(None))
         return dict(itertools.compress(enumerate(paths), has))
 
-    def restore_into(self, node_id: int, obj: Any) -> None:
-        """Match the saved subgraph at ``node_id`` with ``obj`` and restore it, all or nothing."""
-        self.plan(node_id, obj).apply()
+    def restore_into(
+        self,
+        node_id: int,
+        obj: Any,
+        agree: Callable[[BaseException | None, list[Any]], None] | None = None,
+    ) -> None:
+        """Match the saved subgraph at ``node_id`` with ``obj`` and restore it, all or nothing.
+
+        ``agree(error, pieces)`` (a multi-process restore) is called on every process once its
+        plan is made or failed, before anything is written, with the pieces of saved
+        components this process read in part (their checksums are verified together); it
+        raises when any process failed, so a restore that cannot serve every process changes
+        no variable anywhere.
+        """
+        try:
+            plan = self.plan(node_id, obj)
+        except BaseException as exc:
+            if agree is not None:
+                agree(exc, [])  # tell the others (and raise this error here)
+            raise
+        pieces = [p for step in plan.steps for p in getattr(step.rule, "pieces", ())]
+        try:
+            if agree is not None:
+                agree(None, pieces)
+            elif pieces:  # (one process: no other reads complete them; refused there)
+                from parallelvars.checkpoint._restore import verify_pieces
+
+                verify_pieces(pieces, self.path)
+        except BaseException:
+            plan.discard()
+            raise
+        plan.apply()
 
     def plan(self, node_id: int, obj: Any) -> RestorePlan:
         """Match the saved subgraph at ``node_id`` with ``obj`` and check everything (shapes,
@@ -221,11 +250,17 @@ class RestoreSession:
         try:
             if plan.direct is not None:
                 plan_each([taken_items[k] for k in plan.direct.read(reader)])
+            # A rule that reads some components only (a process's shard of a variable sharded
+            # across processes: the saved shards overlapping it) names them in ``needed``:
+            # only those are verified, read ahead or not (the others are not this process's).
+            needs = [getattr(step.rule, "needed", None) for step in plan.steps]
             staged = [step.stored for step in plan.steps]
-            verified = reader.stage(staged)
-            for stored in staged:
+            verified = reader.stage(
+                [st for st, need in zip(staged, needs, strict=True) if need is None]
+            )
+            for stored, need in zip(staged, needs, strict=True):
                 size = 0
-                for i in range(stored.num_components):
+                for i in range(stored.num_components) if need is None else need:
                     nbytes = stored.component_nbytes(i)
                     size += nbytes
                     if (stored.path, i) not in verified:

@@ -380,7 +380,10 @@ class Optimizer(OptimizerState):
             if isinstance(g, IndexedSlices):
                 out[i] = sum_indexed_slices([g] * n) if from_replicas and n > 1 else g
             elif per_replica and parts and isinstance(parts[0], IndexedSlices):
-                out[i] = sum_indexed_slices(list(parts))
+                if getattr(strategy, "_reduces_sparse", False):  # gathered across processes
+                    dense.append(i)
+                else:
+                    out[i] = sum_indexed_slices(list(parts))
             elif batch_reduce is None or not (per_replica or (from_replicas and n > 1)):
                 out[i] = g
             else:

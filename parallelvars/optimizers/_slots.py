@@ -26,7 +26,12 @@ from parallelvars._storage import Arena, Placement
 from parallelvars.errors import GradientError
 from parallelvars.strategy import _context
 from parallelvars.tracking import Module
-from parallelvars.variables import ParallelVariable, ShardedVariable, _make_distributed_variable
+from parallelvars.variables import (
+    ParallelVariable,
+    RankShardedVariable,
+    ShardedVariable,
+    _make_distributed_variable,
+)
 
 __all__ = ["OptimizerState"]
 
@@ -293,6 +298,8 @@ class OptimizerState(Module):
     def _make_slot(self, var: Any, slot_name: str, init: float) -> ParallelVariable:
         name = f"{var.name}/{slot_name}"
         shape = tuple(var.shape)
+        if isinstance(var, RankShardedVariable):  # this process's shard, sharded like var
+            return var.like(np.full(shape, init, var.dtype), name)
         if isinstance(var, ShardedVariable):
             return ShardedVariable(
                 np.full(shape, init, var.dtype),

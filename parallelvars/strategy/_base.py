@@ -723,6 +723,27 @@ class Strategy:
             devices = ParallelDevice(destinations).components
         return self._broadcast_to(value, devices)
 
+    def gather(self, value: Any, axis: int = 0) -> np.ndarray:
+        """The full value of a distributed value, in cross-replica context (TensorFlow's
+        ``Strategy.gather``).
+
+        A sharded variable gives its full value (``axis`` is not used); a per-replica value
+        (or a variable's components) gives the replicas' parts concatenated along ``axis`` in
+        replica order; a plain value is one value already and comes back as a copy. Under a
+        multi-process strategy this is a collective (every process calls it): the one explicit
+        way to see a sharded variable's full value there, whose reads give the local shard.
+        """
+        self._require_cross_replica("gather")
+        if getattr(value, "kind", None) == "sharded" and _is_variable(value):
+            return np.array(value.read_value(), copy=True)
+        if isinstance(value, PerReplica) or _is_variable(value):
+            parts = value.values if isinstance(value, PerReplica) else value.components
+            arrays = [np.asarray(p.read_value() if _is_variable(p) else p) for p in parts]
+            if arrays[0].ndim == 0:
+                raise DistributedValueError("gather() needs values with at least one axis")
+            return np.concatenate(arrays, axis=int(axis))
+        return np.array(value, copy=True)
+
     def _broadcast_to(self, value: Any, devices: Sequence[str]) -> Mirrored:
         """Make one copy of ``value`` per device; the hook a multi-process strategy overrides."""
         src = np.asarray(value.read_value() if _is_variable(value) else value)

@@ -8,10 +8,12 @@ they are bit-identical on every process and from run to run; see :mod:`._mpi` fo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from parallelvars._geometry import shard_slices
 from parallelvars.errors import DistributedValueError
 
 
@@ -102,3 +104,191 @@ class MPICollectives:
         for r in range(1, rows.shape[0]):
             np.add(total, rows[r], out=total, casting="unsafe")
         return total
+
+    # ------------------------------------------------------------------ sharded variables
+    def _displacements(self, counts: Sequence[int]) -> list[int]:
+        out, at = [], 0
+        for c in counts:
+            out.append(at)
+            at += c
+        return out
+
+    def _scatter_shards(self, full: np.ndarray, axis: int, offsets: Sequence[int]) -> np.ndarray:
+        """This rank's shard (``offsets`` along ``axis``) of rank 0's ``full`` (one Scatterv).
+
+        Every rank passes its own ``full`` of one shape and dtype (checked); only rank 0's
+        bytes travel, shard ``j`` to rank ``j``.
+        """
+        slices = shard_slices(full.shape, axis, offsets)
+        if self._size == 1:
+            return np.array(full[slices[0]], copy=True, order="C")
+        spec = self._comm.bcast((full.shape, full.dtype.str), root=0)
+        if (full.shape, full.dtype.str) != spec:
+            raise DistributedValueError(
+                f"sharded initial value on rank {self._rank}: every rank must pass a value of "
+                f"one shape and dtype (expected {spec} as on rank 0, found "
+                f"{(full.shape, full.dtype.str)})"
+            )
+        local = np.empty(full[slices[self._rank]].shape, full.dtype)
+        if full.dtype.kind == "O":
+            local[...] = self._comm.scatter(
+                [full[sl] for sl in slices] if self._rank == 0 else None, root=0
+            )
+            return local
+        counts = [full[sl].nbytes for sl in slices]
+        send = None
+        if self._rank == 0:
+            send = np.empty(full.nbytes, np.uint8)
+            at = 0
+            for sl, n in zip(slices, counts, strict=True):
+                piece = full[sl]
+                np.copyto(send[at : at + n].view(full.dtype).reshape(piece.shape), piece)
+                at += n
+        byte = self._MPI.BYTE
+        self._comm.Scatterv(
+            [send, (counts, self._displacements(counts)), byte] if send is not None else None,
+            [_bytes_of(local), byte],
+            root=0,
+        )
+        return local
+
+    def _reduce_scatter_shards(
+        self, items: Sequence[tuple[np.ndarray, int, Sequence[int]]]
+    ) -> list[np.ndarray]:
+        """Rank ``r``'s shard of the sum over ranks of each full-shape array, in one collective.
+
+        ``items``: ``(array, shard axis, shard offsets)``, every array of one dtype, the same
+        list (shapes, order) on every rank. Shard ``j`` of every array is packed for rank ``j``;
+        one ``Alltoallv`` hands each rank every rank's copy of its shards, which it adds in rank
+        order (the order a one-process sum of the replicas uses), so the result is
+        bit-identical to slicing the rank-ordered all-reduce, with half of its traffic: each
+        rank sends ``(size - 1) / size`` of its buffer once.
+        """
+        size, rank = self._size, self._rank
+        slices = [shard_slices(a.shape, axis, offs) for a, axis, offs in items]
+        if size == 1:
+            return [
+                np.array(a[sl[0]], copy=True) for (a, _, _), sl in zip(items, slices, strict=True)
+            ]
+        dtype = items[0][0].dtype
+        if dtype.kind == "O":
+            raise DistributedValueError(
+                f"cannot reduce byte strings across processes (found dtype {dtype})"
+            )
+        shapes = [[a[s].shape for s in sl] for (a, _, _), sl in zip(items, slices, strict=True)]
+        sizes = [[int(np.prod(sh)) for sh in row] for row in shapes]
+        counts = [sum(row[j] for row in sizes) for j in range(size)]
+        send = np.empty(sum(counts), dtype)
+        at = 0
+        for j in range(size):
+            for (a, _, _), sl, sz, sh in zip(items, slices, sizes, shapes, strict=True):
+                np.copyto(send[at : at + sz[j]].reshape(sh[j]), a[sl[j]])
+                at += sz[j]
+        mine = counts[rank]
+        recv = np.empty((size, mine), dtype)
+        item = dtype.itemsize
+        byte = self._MPI.BYTE
+        send_counts = [c * item for c in counts]
+        recv_counts = [mine * item] * size
+        self._comm.Alltoallv(
+            [_bytes_of(send), (send_counts, self._displacements(send_counts)), byte],
+            [_bytes_of(recv), (recv_counts, self._displacements(recv_counts)), byte],
+        )
+        total = self._sum_rows(recv)
+        out, at = [], 0
+        for sz, sh in zip(sizes, shapes, strict=True):
+            out.append(total[at : at + sz[rank]].reshape(sh[rank]))
+            at += sz[rank]
+        return out
+
+    def _allgather_along(self, local: np.ndarray, axis: int) -> np.ndarray:
+        """Every rank's ``local`` concatenated along ``axis`` in rank order (one Allgatherv
+        after a gather of the shapes): the other axes and the dtype must agree."""
+        arr = np.ascontiguousarray(np.moveaxis(np.asarray(local), axis, 0))
+        if self._size == 1:
+            return np.moveaxis(arr.copy(), 0, axis)
+        specs = self._comm.allgather((arr.shape, arr.dtype.str))
+        if any((s[0][1:], s[1]) != (arr.shape[1:], arr.dtype.str) for s in specs):
+            raise DistributedValueError(
+                f"gather on rank {self._rank}: every rank's value must agree except along axis "
+                f"{axis} (found shapes and dtypes {specs})"
+            )
+        rows = [s[0][0] for s in specs]
+        out = np.empty((sum(rows), *arr.shape[1:]), arr.dtype)
+        if arr.dtype.kind == "O":
+            parts = self._comm.allgather(arr)
+            np.concatenate(parts, axis=0, out=out)
+        else:
+            row_bytes = int(np.prod(arr.shape[1:], dtype=np.int64)) * arr.dtype.itemsize
+            counts = [r * row_bytes for r in rows]
+            byte = self._MPI.BYTE
+            self._comm.Allgatherv(
+                [_bytes_of(arr), byte],
+                [_bytes_of(out), (counts, self._displacements(counts)), byte],
+            )
+        return np.moveaxis(out, 0, axis)
+
+    def _allgather_sparse(
+        self, items: Sequence[tuple[np.ndarray, np.ndarray]]
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Every rank's ``(indices, values)`` of each sparse gradient, concatenated in rank
+        order: one all-gather of the row counts, then one ``Allgatherv`` per dtype of values
+        (each rank's indices, as int64, ahead of its values). ``items`` is the same list
+        (row shapes, dtypes, order) on every rank."""
+        if self._size == 1:
+            return [(np.asarray(i, np.int64), np.asarray(v)) for i, v in items]
+        size = self._size
+        nnz = self._allgather_rows(np.array([len(i) for i, _ in items], np.int64))  # (size, k)
+        out: list[Any] = [None] * len(items)
+        groups: dict[np.dtype, list[int]] = {}
+        for k, (_, v) in enumerate(items):
+            groups.setdefault(np.asarray(v).dtype, []).append(k)
+        byte = self._MPI.BYTE
+        for dtype in sorted(groups, key=lambda dt: dt.str):
+            ks = groups[dtype]
+            if dtype.kind == "O":
+                raise DistributedValueError(
+                    f"cannot gather byte-string gradients across processes (found dtype {dtype})"
+                )
+            rows = [int(np.prod(np.asarray(items[k][1]).shape[1:], dtype=np.int64)) for k in ks]
+
+            # rank r's part: its indices (int64) then its values, item by item
+            per_row = [8 + row * dtype.itemsize for row in rows]
+            counts = [
+                sum(int(nnz[r, k]) * b for k, b in zip(ks, per_row, strict=True))
+                for r in range(size)
+            ]
+            send = np.empty(counts[self._rank], np.uint8)
+            at = 0
+            for k in ks:
+                idx = np.ascontiguousarray(items[k][0], np.int64)
+                send[at : at + idx.nbytes] = _bytes_of(idx)
+                at += idx.nbytes
+            for k in ks:
+                val = np.ascontiguousarray(items[k][1])
+                send[at : at + val.nbytes] = _bytes_of(val)
+                at += val.nbytes
+            recv = np.empty(sum(counts), np.uint8)
+            self._comm.Allgatherv([send, byte], [recv, (counts, self._displacements(counts)), byte])
+            per_rank: list[list[tuple[np.ndarray, np.ndarray]]] = []
+            at = 0
+            for r in range(size):
+                idxs = []
+                for k in ks:
+                    n = int(nnz[r, k])
+                    idxs.append(recv[at : at + 8 * n].view(np.int64))
+                    at += 8 * n
+                mine = []
+                for k, row, idx in zip(ks, rows, idxs, strict=True):
+                    n = int(nnz[r, k])
+                    shape = (n, *np.asarray(items[k][1]).shape[1:])
+                    nb = n * row * dtype.itemsize
+                    mine.append((idx, recv[at : at + nb].view(dtype).reshape(shape)))
+                    at += nb
+                per_rank.append(mine)
+            for pos, k in enumerate(ks):
+                out[k] = (
+                    np.concatenate([per_rank[r][pos][0] for r in range(size)]),
+                    np.concatenate([per_rank[r][pos][1] for r in range(size)]),
+                )
+        return out

@@ -34,6 +34,16 @@ Initial values are broadcast from rank 0 when a variable is created, so the repl
 identical; each step then applies the same reduced gradients everywhere, keeping them
 bit-identical.
 
+Sharded variables. ``shard_axis=k`` makes a
+:class:`~parallelvars.variables.RankShardedVariable`: rank ``r`` holds shard ``r`` of rank 0's
+initial value (one ``Scatterv``; the ``numpy.array_split`` geometry of one process), reads give
+that shard, and :meth:`MultiWorkerMirroredStrategy.gather` is the explicit collective for the
+full value. ``batch_reduce`` (so ``apply_gradients``) reduce-scatters the dense gradients of
+sharded variables (one ``Alltoallv`` per dtype: each rank receives every rank's rows of its own
+shard and adds them in rank order, half the traffic of the all-reduce) and all-gathers sparse
+``IndexedSlices`` (one ``Allgatherv`` per dtype after one gather of the row counts; rank order,
+as one process concatenates its replicas' slices). The update and the slots stay local.
+
 Checkpoints: the strategy registers itself as the process's cluster strategy
 (:mod:`parallelvars.strategy._cluster`), and ``Checkpoint`` then writes through the collective
 layout writer, :func:`parallelvars.checkpoint.h5io.collective.write_collective`, over its
@@ -52,17 +62,19 @@ from __future__ import annotations
 import contextlib
 import sys
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast
 
 import numpy as np
 
+from parallelvars._geometry import shard_offsets
 from parallelvars._write_plan import merge_reduction
 from parallelvars.devices import ParallelDevice
 from parallelvars.enums import Aggregation, ReduceOp, Synchronization
 from parallelvars.errors import (
     ContextError,
     DistributedValueError,
+    GradientError,
 )
 from parallelvars.strategy import _context
 from parallelvars.strategy._base import ReplicaContext, Strategy, _is_variable
@@ -161,6 +173,43 @@ def _merge_write(strategy: MultiWorkerMirroredStrategy, var: Any, op: str, value
     var._apply_write(op, merged)
 
 
+def _rank_sharded(x: Any) -> bool:
+    """One process's shard of a variable sharded across processes."""
+    return getattr(x, "_self_kind", None) == "sharded" and hasattr(x, "full_shape")
+
+
+def _local_part(value: Any) -> Any:
+    return value.values[0] if isinstance(value, PerReplica) and len(value) else value
+
+
+def _rows_of_shard(total: Any, var: Any) -> Any:
+    """The rows of a sparse sum that fall in ``var``'s local shard, indexed within it.
+
+    Repeated indices are summed first (in occurrence order, as the update of one process sums
+    them), so each kept row is bit for bit the one-process row.
+    """
+    dedup = getattr(total, "deduplicate", None)
+    if dedup is not None:
+        total = dedup()
+    where = var.local_slice()
+    axis = var.shard_axis
+    idx, vals = np.asarray(total.indices), np.asarray(total.values)
+    rows = var.full_shape[0]
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= rows):  # (on every rank alike)
+        raise GradientError(
+            "sparse gradient index out of range",
+            variable=var.name,
+            expected=f"0 <= index < {rows}",
+            found=f"{int(idx.min())}..{int(idx.max())}",
+        )
+    if axis == 0:
+        lo, hi = where[0].start, where[0].stop
+        keep = (idx >= lo) & (idx < hi)
+        return type(total)(vals[keep], idx[keep] - lo, tuple(var.shape))
+    columns = (slice(None), *where[1:])  # the values' axis k is the variable's
+    return type(total)(vals[columns], idx, tuple(var.shape))
+
+
 # ----------------------------------------------------------------------------- strategy
 class MultiWorkerMirroredStrategy(MPICollectives, Strategy):
     """Synchronous data parallelism with one process per replica, over MPI.
@@ -234,14 +283,16 @@ class MultiWorkerMirroredStrategy(MPICollectives, Strategy):
 
     # ------------------------------------------------------------------ variables
     def _make_local(self, device: ParallelDevice, **kwargs: Any) -> Any:
-        from parallelvars.variables import _make_distributed_variable
+        from parallelvars.variables import _make_distributed_variable, _make_rank_sharded
 
         self._check_creation_context(kwargs.get("name"))
-        if kwargs.get("shard_axis") is not None:
-            raise DistributedValueError(
-                f"variable {kwargs.get('name')!r}: sharded variables are not supported by "
-                f"{type(self).__name__} (expected shard_axis=None, found {kwargs['shard_axis']})"
-            )
+        if kwargs.get("shard_axis") is not None and self._size > 1:
+            # Rank r holds shard r of rank 0's initial value (one Scatterv), no other row.
+            def scatter(full: np.ndarray, axis: int, name: str) -> np.ndarray:
+                return self._scatter_shards(full, axis, shard_offsets(full.shape[axis], self._size))
+
+            shard = _make_rank_sharded(device, self._rank, self._size, scatter, **kwargs)
+            return self._register(shard)
         kwargs.pop("shard_axis", None)
         if kwargs.get("kind") is None:
             sync = Synchronization.parse(kwargs.get("synchronization") or Synchronization.AUTO)
@@ -317,11 +368,8 @@ class MultiWorkerMirroredStrategy(MPICollectives, Strategy):
                 return type(x)(wrap(i) for i in x)
             if isinstance(x, dict):
                 return type(x)((k, wrap(v)) for k, v in x.items())
-            if _is_sparse(x):
-                raise DistributedValueError(
-                    f"{type(self).__name__} does not gather sparse values across processes yet "
-                    f"(found {type(x).__name__}); pass the dense gradient instead"
-                )
+            if _is_sparse(x):  # this replica's sparse value (batch_reduce gathers them)
+                return PerReplica([x])
             owner = self._owned_component(x)
             if owner is not None:
                 return owner
@@ -435,6 +483,105 @@ class MultiWorkerMirroredStrategy(MPICollectives, Strategy):
                 out[i] = total[offset : offset + n].reshape(a.shape)
                 offset += n
         return out
+
+    # The optimizers hand sparse gradients of a step to batch_reduce too: this strategy
+    # gathers them across processes there (a one-process strategy sums them itself).
+    _reduces_sparse = True
+
+    def batch_reduce(
+        self, op: ReduceOp | str, value_destination_pairs: Iterable[tuple[Any, Any]]
+    ) -> list[Any]:
+        """:meth:`Strategy.batch_reduce`, with the values that cross processes in their own way.
+
+        * a dense value whose destination is a sharded variable: a **reduce-scatter**, each
+          rank receives only its shard's sum (added in rank order, as the one-process sum);
+          one ``Alltoallv`` per dtype;
+        * a sparse value (``IndexedSlices``): an all-gather of every rank's indices and values,
+          concatenated in rank order (the one-process sum of the replicas' slices); one
+          ``Allgatherv`` per dtype after a gather of the row counts. For a sharded destination
+          the rows are summed per index and only this rank's rows are kept, indexed within
+          its shard.
+
+        Every other value takes the rank-ordered all-reduce of the base class. Every rank must
+        pass the same pairs (shapes, dtypes, destinations) in the same order.
+        """
+        pairs = list(value_destination_pairs)
+        special = [
+            i
+            for i, p in enumerate(pairs)
+            if isinstance(p, tuple)
+            and len(p) == 2
+            and (_rank_sharded(p[1]) or _is_sparse(_local_part(p[0])))
+        ]
+        rest = [i for i in range(len(pairs)) if i not in set(special)]
+        out: list[Any] = [None] * len(pairs)
+        reduced = super().batch_reduce(op, [pairs[i] for i in rest])  # checks op and pairs
+        for i, r in zip(rest, reduced, strict=True):
+            out[i] = r
+        if not special:
+            return out
+        rop = self._parse_reduce_op(op)
+        sparse: list[tuple[int, Any, bool]] = []
+        dense: dict[np.dtype, list[tuple[int, np.ndarray, Any]]] = {}
+        for i in special:
+            value, dest = pairs[i]
+            parts, devices = self._values_of(value, "batch_reduce")
+            local = parts[0]
+            if _is_sparse(local):
+                sparse.append((i, local, devices is not None))
+                continue
+            arr = np.asarray(local.read_value() if _is_variable(local) else local)
+            if devices is None:  # one cross-replica value already: this rank's rows of it
+                out[i] = np.array(arr[dest.local_slice()], copy=True)
+                continue
+            if arr.shape != dest.full_shape:
+                raise DistributedValueError(
+                    f"batch_reduce(): the value for sharded variable {dest.name!r} has another "
+                    f"shape (expected the full shape {dest.full_shape}, found {arr.shape})"
+                )
+            dense.setdefault(arr.dtype, []).append((i, arr, dest))
+        if sparse:
+            crossing = [(i, s) for i, s, across in sparse if across]
+            gathered = self._allgather_sparse([(s.indices, s.values) for _, s in crossing])
+            totals = {i: s for i, s, across in sparse if not across}  # already one value
+            for (i, s), (idx, vals) in zip(crossing, gathered, strict=True):
+                if rop is ReduceOp.MEAN:
+                    vals = _mean_of(vals, self._size)
+                dest = pairs[i][1]
+                totals[i] = type(s)(
+                    vals, idx, dest.full_shape if _rank_sharded(dest) else s.dense_shape
+                )
+            for i, total in totals.items():
+                dest = pairs[i][1]
+                out[i] = _rows_of_shard(total, dest) if _rank_sharded(dest) else total
+        for dtype in sorted(dense, key=lambda dt: dt.str):
+            items = dense[dtype]
+            shards = self._reduce_scatter_shards(
+                [(arr, dest.shard_axis, dest.shard_offsets) for _, arr, dest in items]
+            )
+            for (i, _, _), shard in zip(items, shards, strict=True):
+                out[i] = _mean_of(shard, self._size) if rop is ReduceOp.MEAN else shard
+        return out
+
+    def gather(self, value: Any, axis: int = 0) -> np.ndarray:
+        """The full value across processes, in cross-replica context (a collective: every
+        process calls it with its part).
+
+        A sharded variable gives its full value (every rank's shard put together along the
+        shard axis; ``axis`` is not used); a per-replica value, or a plain array that is this
+        process's part, gives every rank's part concatenated along ``axis`` in rank order; a
+        mirrored variable, every rank's component so. Reads of a sharded variable never
+        gather: they give the local shard.
+        """
+        self._require_cross_replica("gather")
+        if _rank_sharded(value):
+            return self._allgather_along(np.asarray(value.components[0]), value.shard_axis)
+        parts, _ = self._values_of(value, "gather")
+        local = parts[0]
+        arr = np.asarray(local.read_value() if _is_variable(local) else local)
+        if arr.ndim == 0:
+            raise DistributedValueError("gather() needs values with at least one axis")
+        return self._allgather_along(arr, int(axis) % arr.ndim)
 
     def _broadcast_to(self, value: Any, devices: Sequence[str]) -> Mirrored:
         """Rank 0's value, one copy for this process's replica."""

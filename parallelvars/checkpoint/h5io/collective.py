@@ -41,7 +41,7 @@ from parallelvars.checkpoint.h5io.write import (
     write_h5,
     write_h5_index,
 )
-from parallelvars.checkpoint.registry import component_name
+from parallelvars.checkpoint.registry import SaveRecord, component_name
 from parallelvars.errors import CheckpointError
 
 __all__ = ["parts_dir_for", "write_collective"]
@@ -63,6 +63,48 @@ def _is_distributed(record: Any, local_devices: Sequence[str]) -> bool:
         and record.num_components == len(local_devices)
         and list(record.attrs.get("devices", ())) == list(local_devices)
     )
+
+
+def _is_rank_shard(record: Any, local_devices: Sequence[str], size: int) -> bool:
+    """A record of this process's shard of a variable sharded across the processes: the whole
+    variable's shape and offsets, one component (this rank's shard)."""
+    return (
+        record.kind == "sharded"
+        and record.num_components == 1
+        and size > 1
+        and len(record.attrs.get("shard_offsets", ())) == size
+        and list(record.attrs.get("devices", ())) == list(local_devices)
+    )
+
+
+def _shard_record(record: Any) -> SaveRecord:
+    """What a rank file holds of a rank-sharded record: the shard, as a one-device variable at
+    the variable's path (the index file links its component ``r`` there)."""
+    attrs = {k: v for k, v in record.attrs.items() if k not in ("shard_axis", "shard_offsets")}
+    shard = record.components[0]
+    out = SaveRecord(kind="single", components=(shard,), shape=tuple(shard.shape), attrs=attrs)
+    out.path = record.path
+    return out
+
+
+def _mirrored_owners(
+    records: Sequence[Any], local_devices: Sequence[str], size: int
+) -> dict[str, int]:
+    """The rank that writes each mirrored record's (identical) component, for the whole job.
+
+    Largest first, each to the rank with the fewest bytes so far (ties: the lowest rank), so
+    the ranks share the writing; the same answer on every rank (the records are the same).
+    """
+    mirrored = [r for r in records if r.kind == "mirrored" and _is_distributed(r, local_devices)]
+    if size <= 1:
+        return {}
+    load = [0] * size
+    owners: dict[str, int] = {}
+    for rec in sorted(mirrored, key=lambda r: (-int(r.nbytes), r.path)):
+        owner = min(range(size), key=lambda k: (load[k], k))
+        owners[rec.path] = owner
+        load[owner] += int(rec.nbytes)
+    return owners
 
 
 def write_collective(
@@ -101,7 +143,16 @@ def write_collective(
     staged = os.path.join(parts, _STAGED)
     rel_parts = os.path.basename(parts)
     part_name = f"rank-{rank:05d}-of-{size:05d}.h5"
-    mine = [r for r in records if rank == 0 or _is_distributed(r, local_devices)]
+    owners = _mirrored_owners(records, local_devices, size)
+    mine: list[Any] = []
+    for r in records:
+        if _is_rank_shard(r, local_devices, size):
+            mine.append(_shard_record(r))  # every rank its own shard
+        elif r.path in owners:
+            if owners[r.path] == rank:  # written once in the job; the others link to it
+                mine.append(r)
+        elif rank == 0 or _is_distributed(r, local_devices):
+            mine.append(r)
     error: str | None = None
     crcs: dict[str, list[int]] = {}
     try:
@@ -213,20 +264,26 @@ def _write_index(
     part = [f"{rel_parts}/rank-{r:05d}-of-{size:05d}.h5" for r in range(size)]
     names = [component_name(j) for j in range(max((r.num_components for r in records), default=0))]
     everyone = list(range(size))
+    owners = _mirrored_owners(records, local_devices, size)
     variables = []
     for rec in records:
         local_n = rec.num_components
-        if _is_distributed(rec, local_devices):
+        sources = everyone[:1]  # the rank whose file holds each component of `ranks`
+        if _is_rank_shard(rec, local_devices, size):
+            ranks = sources = everyone
+            attrs = dict(rec.attrs, devices=list(global_devices))
+        elif _is_distributed(rec, local_devices):
             ranks = everyone
+            sources = [owners[rec.path]] * size if rec.path in owners else everyone
             attrs = dict(rec.attrs, devices=list(global_devices))
         else:
             ranks = everyone[:1]
             attrs = dict(rec.attrs)
         links = []
-        for r in ranks:
-            crcs = rank_crcs[r][rec.path]
+        for _, src in zip(ranks, sources, strict=True):
+            crcs = rank_crcs[src][rec.path]
             links += [
-                ComponentLink(part[r], f"/{rec.path}/{names[j]}", crcs[j]) for j in range(local_n)
+                ComponentLink(part[src], f"/{rec.path}/{names[j]}", crcs[j]) for j in range(local_n)
             ]
         variables.append(
             LinkedVariable(rec.path, rec.kind, rec.dtype, tuple(rec.shape), attrs, links)

@@ -17,7 +17,7 @@ import numpy as np
 
 from parallelvars._dtypes import dtype_name
 from parallelvars._fileio import DataWriter, Scratch, atomic_path, checksum
-from parallelvars._geometry import shard_slices
+from parallelvars._geometry import shard_shapes, shard_slices
 from parallelvars.checkpoint import _skeleton
 from parallelvars.checkpoint._skeleton import SkeletonCache
 from parallelvars.checkpoint.entry import Entry
@@ -734,7 +734,8 @@ def _index_structure(
     """The links' shared folder and what an index file's bytes depend on besides it, the
     component checksums and the header values (None when its links share no folder)."""
     prefix = _link_prefix(items)
-    if prefix is None:
+    if prefix is None or any(v.kind == "sharded" for v in items):
+        # (a sharded variable's stitched value names the parts outside the links: HDF5 writes)
         return "", None
     n = len(prefix)
     records = [
@@ -790,6 +791,21 @@ def _write_index_file(
                     link.dataset.encode(),
                     lcpl=lcpl,
                     lapl=lapl,
+                )
+            if var.kind == "sharded" and n:
+                # The stitched value, as a one-process file has, over the parts' shards.
+                axis = int(var.attrs["shard_axis"])
+                storage = _storage_dtype(np.dtype(var.dtype))
+                layout = h5py.VirtualLayout(shape=shape, dtype=storage)
+                offsets = var.attrs["shard_offsets"]
+                slices = shard_slices(shape, axis, offsets)
+                cshapes = shard_shapes(shape, axis, offsets)
+                for index_, link, cshape in zip(slices, var.components, cshapes, strict=True):
+                    layout[index_] = h5py.VirtualSource(link.file, link.dataset, shape=cshape)
+                vdcpl = layout._get_dcpl(file)
+                vdcpl.set_obj_track_times(False)
+                h5py.h5d.create(
+                    grp.id, b"value", _file_type(storage), h5py.h5s.create_simple(shape), dcpl=vdcpl
                 )
             index[var.path] = meta
         template = _index_template(index) if values else None
