@@ -93,7 +93,8 @@ class IndexTable:
         self.row_nbytes = row_nbytes  # bytes of all of a row's components
 
     def check_placement(self, file: str, file_size: int) -> bool:
-        """Whether the components the index places are each in their own bytes.
+        """Whether the components the index places are each in their own bytes (components
+        at one offset with one size are one dataset, stored once).
 
         A component placed past the end of the file is refused (the first in path order, as
         :meth:`StoredVariable._location` would name it). Offsets that overlap are no error:
@@ -123,8 +124,12 @@ class IndexTable:
         if placed.size < 2:
             return True
         order = placed[np.argsort(offsets[placed], kind="stable")]
-        starts = offsets[order]
-        ends = np.maximum.accumulate(starts + nbytes[order])
+        starts, sizes = offsets[order], nbytes[order]
+        # Components stored once (docs/FORMAT-writer.md: the other names are hard links to one
+        # dataset) have the same offset and size: one extent, not an overlap.
+        one = np.concatenate(([True], (starts[1:] != starts[:-1]) | (sizes[1:] != sizes[:-1])))
+        starts, sizes = starts[one], sizes[one]
+        ends = np.maximum.accumulate(starts + sizes)
         return not bool((starts[1:] < ends[:-1]).any())
 
     def component_slots(self, rows: np.ndarray) -> np.ndarray:

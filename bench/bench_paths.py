@@ -1,0 +1,324 @@
+"""Every path a user walks, against its peer on the same tensors, each case in a fresh process.
+
+Save rows (``--save``):
+
+* ``first``: the first ``Checkpoint.write`` in a fresh process of N variables (default 5,000
+  and 50,000) mirrored on 2 devices (100 float32 parameters each), with and without Adam
+  slots, against ``safetensors.numpy.save_file`` + fsync of the same tensors in the same
+  process; then a repeated write. Two structures: ``layered`` (``model/layers/<k>/w<j>``, 100
+  variables a group, as a model's parameters are) and ``flat`` (one list of N variables: a
+  group of N links).
+* ``mirrored``: a model of 2,000 variables x 2,500 float32 parameters with Adam, on 4 devices
+  against 1 device: file size (target <= 1.05x) and save time (target <= 1.2x).
+* ``training``: 10,000 variables x 2,500 parameters x 2 devices with Adam (``--big``: also
+  20,000 x 2,500 x 4): first and repeated save, a non-blocking ``CheckpointManager.save``
+  (the call and the whole save), restore, against a raw ``tofile`` + fsync and ``readinto`` of
+  the same bytes (every component of every variable and slot); peak RSS (``ru_maxrss``) after
+  building the model and after the saves.
+
+Prints per-variable costs and ratios measured in the same process.
+
+    python bench/bench_paths.py [--save first,mirrored,training] [--sizes 5000,50000]
+                                [--big] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+SAVE_CASES = ("first", "mirrored", "training")
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _model(count: int, size: int, devices: int, adam: bool, layered: bool) -> tuple[Any, Any]:
+    """A checkpoint of ``count`` mirrored float32 variables of ``size`` parameters (and, with
+    ``adam``, both slots of each after one step), and its variables."""
+    import parallelvars as pv
+
+    rng = np.random.default_rng(count)
+    strategy = pv.MirroredStrategy(devices)
+    with strategy.scope():
+        model = pv.Module()
+        values = [rng.standard_normal(size).astype(np.float32) for _ in range(count)]
+        if layered:
+            model.layers = []
+            for k in range(0, count, 100):
+                layer = pv.Module()
+                for j, v in enumerate(values[k : k + 100]):
+                    setattr(layer, f"w{j}", pv.Variable(v, name=f"w{j}"))
+                model.layers.append(layer)
+            variables = [getattr(layer, f"w{j}") for layer in model.layers for j in range(100)]
+            variables = variables[:count]
+        else:
+            model.vars = [pv.Variable(v, name=f"v{i}") for i, v in enumerate(values)]
+            variables = list(model.vars)
+        opt = pv.optimizers.Adam(1e-3) if adam else None
+    if opt is not None:
+        grads = pv.PerReplica([[np.ones(size, np.float32) for _ in variables]] * devices)
+        strategy.run(lambda g: opt.apply_gradients(zip(g, variables, strict=True)), args=(grads,))
+        return pv.Checkpoint(model=model, opt=opt), variables
+    return pv.Checkpoint(model=model), variables
+
+
+def _tensors(ckpt: Any) -> dict[str, np.ndarray]:
+    """Every component of every saved variable, as safetensors would be given them."""
+    records, _, _ = ckpt._gather(False)
+    return {
+        f"{r.path}/{i}": np.ascontiguousarray(c).reshape(c.shape or (1,))
+        for r in records
+        for i, c in enumerate(r.components)
+    }
+
+
+# ----------------------------------------------------------------------------- save rows
+def worker_first(count: int, adam: bool, layered: bool, folder: str) -> dict[str, Any]:
+    from safetensors.numpy import save_file
+
+    ckpt, _ = _model(count, 100, 2, adam, layered)
+    gc.collect()
+    t = time.perf_counter()
+    ckpt.write(os.path.join(folder, "first.h5"))
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    ckpt.write(os.path.join(folder, "again.h5"))
+    again = time.perf_counter() - t
+    tensors = _tensors(ckpt)
+    st = os.path.join(folder, "o.safetensors")
+    t = time.perf_counter()
+    save_file(tensors, st)
+    _fsync(st)
+    safetensors = time.perf_counter() - t
+    entries = len(ckpt._gather(False)[0])
+    return {
+        "variables": count,
+        "entries": entries,
+        "first_s": first,
+        "repeated_s": again,
+        "safetensors_s": safetensors,
+        "ratio_first": first / safetensors,
+        "ratio_repeated": again / safetensors,
+        "file_mb": os.path.getsize(os.path.join(folder, "first.h5")) / 2**20,
+        "safetensors_mb": os.path.getsize(st) / 2**20,
+        "rss_mb": _rss_mb(),
+    }
+
+
+def worker_mirrored(count: int, size: int, folder: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for devices in (1, 4):
+        ckpt, _ = _model(count, size, devices, True, True)
+        best = float("inf")
+        for k in range(3):
+            path = os.path.join(folder, f"d{devices}-{k}.h5")
+            gc.collect()
+            t = time.perf_counter()
+            ckpt.write(path)
+            best = min(best, time.perf_counter() - t)
+        out[f"save_{devices}_s"] = best
+        out[f"file_{devices}_mb"] = os.path.getsize(path) / 2**20
+        del ckpt
+    out["ratio_size"] = out["file_4_mb"] / out["file_1_mb"]
+    out["ratio_save"] = out["save_4_s"] / out["save_1_s"]
+    return out
+
+
+def worker_training(count: int, size: int, devices: int, folder: str) -> dict[str, Any]:
+    import parallelvars as pv
+
+    ckpt, variables = _model(count, size, devices, True, True)
+    gc.collect()
+    built = _rss_mb()
+    tensors = _tensors(ckpt)
+    nbytes = sum(t.nbytes for t in tensors.values())
+    largest = max(t.nbytes for t in tensors.values())
+    out: dict[str, Any] = {
+        "variables": count,
+        "entries": len(ckpt._gather(False)[0]),
+        "bytes": nbytes,
+        "largest_component": largest,
+        "rss_built_mb": built,
+    }
+    raw = os.path.join(folder, "raw.bin")
+    t = time.perf_counter()
+    with open(raw, "wb") as fh:
+        for a in tensors.values():
+            a.tofile(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    out["raw_write_s"] = time.perf_counter() - t
+    buf = np.empty(nbytes, np.uint8)
+    t = time.perf_counter()
+    with open(raw, "rb", buffering=0) as fh:
+        fh.readinto(memoryview(buf))
+    out["raw_read_s"] = time.perf_counter() - t
+    del buf, tensors
+    os.unlink(raw)
+    gc.collect()
+    for name in ("first", "repeated"):
+        t = time.perf_counter()
+        path = ckpt.write(os.path.join(folder, f"{name}.h5"))
+        out[f"{name}_s"] = time.perf_counter() - t
+        out[f"rss_after_{name}_mb"] = _rss_mb()
+    out["file_mb"] = os.path.getsize(path) / 2**20
+    with pv.CheckpointManager(ckpt, os.path.join(folder, "mgr"), max_to_keep=1) as mgr:
+        before = _rss_mb()
+        t = time.perf_counter()
+        mgr.save(blocking=False)
+        out["nonblocking_call_s"] = time.perf_counter() - t
+        mgr.wait()
+        out["nonblocking_whole_s"] = time.perf_counter() - t
+        out["nonblocking_extra_mb"] = _rss_mb() - before
+    for v in variables[:3]:
+        v.assign(np.zeros(size, np.float32))
+    t = time.perf_counter()
+    ckpt.restore(path).assert_consumed()
+    out["restore_s"] = time.perf_counter() - t
+    out["rss_peak_mb"] = _rss_mb()
+    for k in ("first", "repeated", "nonblocking_whole"):
+        out[f"ratio_{k}"] = out[f"{k}_s"] / out["raw_write_s"]
+    out["ratio_restore"] = out["restore_s"] / out["raw_read_s"]
+    return out
+
+
+def _run_worker(args: list[str]) -> dict[str, Any]:
+    folder = tempfile.mkdtemp(prefix="pv_paths_")
+    try:
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", *args, folder]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode:
+            return {"error": done.stderr.strip().splitlines()[-1:] or ["failed"]}
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def save_first(sizes: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for count in sizes:
+        for layered in (True, False):
+            for adam in (False, True):
+                label = f"{count} {'layered' if layered else 'flat'}{' +Adam' if adam else ''}"
+                r = _run_worker(["first", str(count), str(int(adam)), str(int(layered))])
+                out[label] = r
+                if "error" in r:
+                    print(f"  {label}: failed: {r['error']}", flush=True)
+                    continue
+                n = r["entries"]
+                print(
+                    f"  {label:26s} first {r['first_s']:7.3f} s ({1e6 * r['first_s'] / n:6.1f} "
+                    f"us/entry)  repeated {r['repeated_s']:7.3f} s  safetensors "
+                    f"{r['safetensors_s']:6.3f} s  first/st {r['ratio_first']:5.2f} "
+                    f"(target <= 1.5)  repeated/st {r['ratio_repeated']:5.2f}  "
+                    f"file {r['file_mb']:.1f} MB vs {r['safetensors_mb']:.1f} MB",
+                    flush=True,
+                )
+    return out
+
+
+def save_mirrored() -> dict[str, Any]:
+    r = _run_worker(["mirrored", "2000", "2500"])
+    if "error" not in r:
+        print(
+            f"  4 devices vs 1: file {r['file_4_mb']:.1f} / {r['file_1_mb']:.1f} MB = "
+            f"{r['ratio_size']:.3f}x (target <= 1.05)  save {r['save_4_s']:.3f} / "
+            f"{r['save_1_s']:.3f} s = {r['ratio_save']:.2f}x (target <= 1.2)",
+            flush=True,
+        )
+    else:
+        print(f"  mirrored: failed: {r['error']}")
+    return r
+
+
+def save_training(big: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    cases = [(10000, 2500, 2)] + ([(20000, 2500, 4)] if big else [])
+    for count, size, devices in cases:
+        label = f"{count} x {size} x {devices} +Adam"
+        r = _run_worker(["training", str(count), str(size), str(devices)])
+        out[label] = r
+        if "error" in r:
+            print(f"  {label}: failed: {r['error']}")
+            continue
+        mb = r["bytes"] / 2**20
+        print(f"  {label}: {mb:.0f} MB of components, file {r['file_mb']:.0f} MB", flush=True)
+        print(
+            f"    raw tofile+fsync {r['raw_write_s']:.3f} s, readinto {r['raw_read_s']:.3f} s",
+        )
+        for k in ("first", "repeated", "nonblocking_whole"):
+            print(
+                f"    {k:18s} {r[f'{k}_s']:7.3f} s  ({1e6 * r[f'{k}_s'] / r['entries']:.1f} "
+                f"us/entry)  raw/ours rate {1 / r[f'ratio_{k}']:.2f} (target >= 0.7)"
+            )
+        print(f"    nonblocking call   {r['nonblocking_call_s']:7.3f} s")
+        print(f"    restore            {r['restore_s']:7.3f} s  ours/raw {r['ratio_restore']:.2f}")
+        print(
+            f"    RSS: built {r['rss_built_mb']:.0f} MB, peak {r['rss_peak_mb']:.0f} MB, "
+            f"non-blocking extra {r['nonblocking_extra_mb']:.0f} MB (snapshot "
+            f"{mb:.0f} MB), largest component {r['largest_component'] / 2**20:.2f} MB",
+            flush=True,
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--worker":
+        kind, *rest = argv[1:]
+        folder = rest.pop()
+        if kind == "first":
+            r = worker_first(int(rest[0]), bool(int(rest[1])), bool(int(rest[2])), folder)
+        elif kind == "mirrored":
+            r = worker_mirrored(int(rest[0]), int(rest[1]), folder)
+        else:
+            r = worker_training(int(rest[0]), int(rest[1]), int(rest[2]), folder)
+        print(json.dumps(r))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--save", default=",".join(SAVE_CASES), help="save cases to run")
+    parser.add_argument("--sizes", default="5000,50000")
+    parser.add_argument("--big", action="store_true", help="also 20,000 x 2,500 x 4 devices")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    print(f"load: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    result: dict[str, Any] = {"load": os.getloadavg()}
+    cases = [c for c in args.save.split(",") if c]
+    if "first" in cases:
+        print("first save in a fresh process (2 devices, 100 float32 params a variable):")
+        result["first"] = save_first([int(s) for s in args.sizes.split(",")])
+    if "mirrored" in cases:
+        print("mirrored model, 2,000 x 2,500 float32 with Adam, 4 devices vs 1:")
+        result["mirrored"] = save_mirrored()
+    if "training" in cases:
+        print("training size:")
+        result["training"] = save_training(args.big)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
