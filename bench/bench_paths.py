@@ -19,7 +19,7 @@ Save rows (``--save``):
 Prints per-variable costs and ratios measured in the same process.
 
     python bench/bench_paths.py [--save first,mirrored,training] [--sizes 5000,50000]
-                                [--big] [--json PATH]
+                                [--structures layered,flat] [--big] [--json PATH]
 """
 
 from __future__ import annotations
@@ -215,10 +215,10 @@ def _run_worker(args: list[str]) -> dict[str, Any]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def save_first(sizes: list[int]) -> dict[str, Any]:
+def save_first(sizes: list[int], structures: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for count in sizes:
-        for layered in (True, False):
+        for layered in [s == "layered" for s in structures]:
             for adam in (False, True):
                 label = f"{count} {'layered' if layered else 'flat'}{' +Adam' if adam else ''}"
                 r = _run_worker(["first", str(count), str(int(adam)), str(int(layered))])
@@ -299,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--save", default=",".join(SAVE_CASES), help="save cases to run")
     parser.add_argument("--sizes", default="5000,50000")
+    parser.add_argument(
+        "--structures", default="layered,flat", help="layered (100 a group), flat (one list)"
+    )
     parser.add_argument("--big", action="store_true", help="also 20,000 x 2,500 x 4 devices")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -307,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in args.save.split(",") if c]
     if "first" in cases:
         print("first save in a fresh process (2 devices, 100 float32 params a variable):")
-        result["first"] = save_first([int(s) for s in args.sizes.split(",")])
+        result["first"] = save_first(
+            [int(s) for s in args.sizes.split(",")], args.structures.split(",")
+        )
     if "mirrored" in cases:
         print("mirrored model, 2,000 x 2,500 float32 with Adam, 4 devices vs 1:")
         result["mirrored"] = save_mirrored()

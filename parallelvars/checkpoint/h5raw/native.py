@@ -600,8 +600,13 @@ def _documents(prep: Prepared, flat: Sequence[int]) -> dict[str, bytes]:
     if prep.graph is not None:
         docs[GRAPH_DATASET] = prep.graph
     for name, data in docs.items():
-        if len(data) != prep.capacities[name]:
-            raise RuntimeError(f"document {name} outgrew its capacity")  # structure keyed
+        if len(data) != prep.capacities[name]:  # (the structure's key holds what sizes them)
+            raise InvalidEntryError(
+                "a document does not fit the room its structure gives it",
+                variable=name,
+                expected=f"{prep.capacities[name]} bytes",
+                found=f"{len(data)} bytes",
+            )
     return docs
 
 
