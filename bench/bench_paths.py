@@ -1,293 +1,335 @@
-"""Benchmark: every path a user walks, against safetensors on the same tensors.
+"""Every path a user walks, against its peer on the same tensors, each case in a fresh process.
 
-``--commands``: the command line on a native checkpoint written by ``Checkpoint.write``
-(variables of ~100 float32 parameters on 2 mirrored devices, in groups of 100; ``--adam``
-adds Adam's ``m`` and ``v`` slots, three entries per variable), each command run in its own
-child process (its time and its peak resident memory, ``VmHWM``, are its own):
+Save rows (``--save``):
 
-============================================  ===============================================
-ours                                          safetensors baseline (same tensors, same disk)
-============================================  ===============================================
-``inspect --json``                            ``load_file``
-``verify`` (the saved file)                   ``load_file``
-``verify`` (the same content, generated)      ``load_file``
-``diff A.h5 A.safetensors``                   ``load_file``
-``extract A.h5 NAME`` (one variable)          ``load_file``
-``convert A.h5 o.safetensors`` / ``.npz`` /   ``load_file`` + ``save_file`` + fsync
-``--to tf``, ``convert A.safetensors b.h5``,
-``reshard --devices 3``
-============================================  ===============================================
+* ``first``: the first ``Checkpoint.write`` in a fresh process of N variables (default 5,000
+  and 50,000) mirrored on 2 devices (100 float32 parameters each), with and without Adam
+  slots, against ``safetensors.numpy.save_file`` + fsync of the same tensors in the same
+  process; then a repeated write. Two structures: ``layered`` (``model/layers/<k>/w<j>``, 100
+  variables a group, as a model's parameters are) and ``flat`` (one list of N variables: a
+  group of N links).
+* ``mirrored``: a model of 2,000 variables x 2,500 float32 parameters with Adam, on 4 devices
+  against 1 device: file size (target <= 1.05x) and save time (target <= 1.2x).
+* ``training``: 10,000 variables x 2,500 parameters x 2 devices with Adam (``--big``: also
+  20,000 x 2,500 x 4): first and repeated save, a non-blocking ``CheckpointManager.save``
+  (the call and the whole save), restore, against a raw ``tofile`` + fsync and ``readinto`` of
+  the same bytes (every component of every variable and slot); peak RSS (``ru_maxrss``) after
+  building the model and after the saves.
 
-Each row prints the time, the baseline's, their ratio (target <= 3x), the time per variable,
-and the peak RSS against the bound ``largest component + 256 MB``. Times are the command's own
-(``parallelvars.cli.main`` called in the child once its imports are done; the baseline the same
-way), so interpreter start-up and imports count for neither.
+Prints per-variable costs and ratios measured in the same process. The command-line rows
+(inspect, verify, diff, extract, convert, reshard against safetensors) are
+``bench/bench_paths_commands.py``; ``--commands`` here runs that script with the other options.
 
-Usage::
-
-    python bench/bench_paths.py --commands                       # 5,000 and 50,000 variables
-    python bench/bench_paths.py --commands --sizes 5000 --adam both --json paths.json
+    python bench/bench_paths.py [--save first,mirrored,training] [--sizes 5000,50000]
+                                [--structures layered,flat] [--big] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import resource
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-MB = 1 << 20
-PARAMS = 100  # float32 parameters per variable
-DEVICES = 2
-RSS_OVERHEAD = 256 * MB
-TARGET = 3.0
+import numpy as np
+
+SAVE_CASES = ("first", "mirrored", "training")
 
 
-def _peak_rss() -> int:
-    """This process's peak resident set (``VmHWM``) in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-# ---------------------------------------------------------------------------------- child side
-def _child(op: str, args: list[str]) -> None:
-    """Run one operation, print ``{"seconds": ..., "peak_rss": ...}``."""
-    if op == "cli":
-        import importlib
-
-        from parallelvars.cli import main
-
-        # Imports are not the command's cost (nor the baseline's): done before the clock.
-        for module in (
-            "parallelvars.formats",
-            "parallelvars.formats.hdf5",
-            "parallelvars.formats.npz",
-            "parallelvars.formats.safetensors",
-            "parallelvars.formats.tf",
-            "parallelvars.cli.inspect",
-            "parallelvars.cli.verify",
-            "parallelvars.cli.diff",
-            "parallelvars.cli.extract",
-            "parallelvars.cli.convert",
-            "parallelvars.cli.reshard",
-        ):
-            importlib.import_module(module)
-
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        saved = os.dup(1)
-        t0 = time.perf_counter()
-        os.dup2(devnull, 1)
-        try:
-            code = main(args)
-        finally:
-            sys.stdout.flush()
-            os.dup2(saved, 1)
-        seconds = time.perf_counter() - t0
-        if code not in (0, 1):  # 1: diff found differences (components vs logical names)
-            raise SystemExit(f"command failed ({code}): {args}")
-    elif op == "load":
-        from safetensors.numpy import load_file
-
-        t0 = time.perf_counter()
-        tensors = load_file(args[0])
-        seconds = time.perf_counter() - t0
-        del tensors
-    elif op == "load_save":
-        from safetensors.numpy import load_file, save_file
-
-        t0 = time.perf_counter()
-        tensors = load_file(args[0])
-        save_file(tensors, args[1])
-        fd = os.open(args[1], os.O_RDONLY)
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
         os.fsync(fd)
+    finally:
         os.close(fd)
-        seconds = time.perf_counter() - t0
-    else:
-        raise SystemExit(f"unknown op {op}")
-    print(json.dumps({"seconds": seconds, "peak_rss": _peak_rss()}))
 
 
-def _run(op: str, *args: str) -> dict[str, Any]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--child", op, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"{op} {args}: {proc.stderr[-2000:]}")
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
-
-
-# ---------------------------------------------------------------------------------- the files
-def _model(n: int, adam: bool) -> Any:
-    import numpy as np
-
+def _model(count: int, size: int, devices: int, adam: bool, layered: bool) -> tuple[Any, Any]:
+    """A checkpoint of ``count`` mirrored float32 variables of ``size`` parameters (and, with
+    ``adam``, both slots of each after one step), and its variables."""
     import parallelvars as pv
 
-    rng = np.random.default_rng(0)
-    m = pv.Module()
-    with pv.MirroredStrategy(DEVICES).scope():
-        blocks = []
-        for b in range((n + 99) // 100):
-            blocks.append(
-                [
-                    pv.Variable(rng.standard_normal(PARAMS).astype(np.float32), name=f"w{k}")
-                    for k in range(min(100, n - 100 * b))
-                ]
-            )
-        m.blocks = blocks
-        opt = None
-        if adam:
-            opt = pv.optimizers.Adam(1e-3)
-            opt.build([v for block in blocks for v in block])
-    return pv.Checkpoint(model=m, optimizer=opt) if adam else pv.Checkpoint(model=m)
+    rng = np.random.default_rng(count)
+    strategy = pv.MirroredStrategy(devices)
+    with strategy.scope():
+        model = pv.Module()
+        values = [rng.standard_normal(size).astype(np.float32) for _ in range(count)]
+        if layered:
+            model.layers = []
+            for k in range(0, count, 100):
+                layer = pv.Module()
+                for j, v in enumerate(values[k : k + 100]):
+                    setattr(layer, f"w{j}", pv.Variable(v, name=f"w{j}"))
+                model.layers.append(layer)
+            variables = [getattr(layer, f"w{j}") for layer in model.layers for j in range(100)]
+            variables = variables[:count]
+        else:
+            model.vars = [pv.Variable(v, name=f"v{i}") for i, v in enumerate(values)]
+            variables = list(model.vars)
+        opt = pv.optimizers.Adam(1e-3) if adam else None
+    if opt is not None:
+        grads = pv.PerReplica([[np.ones(size, np.float32) for _ in variables]] * devices)
+        strategy.run(lambda g: opt.apply_gradients(zip(g, variables, strict=True)), args=(grads,))
+        return pv.Checkpoint(model=model, opt=opt), variables
+    return pv.Checkpoint(model=model), variables
 
 
-def _files(folder: str, n: int, adam: bool) -> dict[str, str]:
-    """The checkpoint as ``Checkpoint.write`` saves it, the same content written by the
-    generator, and the same tensors as safetensors (every component under its own name)."""
-    from parallelvars.checkpoint.h5io import H5Reader
-    from parallelvars.checkpoint.h5raw.native import write_native
-    from parallelvars.formats import convert
-
-    tag = f"{n}{'_adam' if adam else ''}"
-    saved = os.path.join(folder, f"a{tag}.h5")
-    _model(n, adam).write(saved)
-    safet = os.path.join(folder, f"a{tag}.safetensors")
-    convert(saved, safet)
-    generated = os.path.join(folder, f"g{tag}.h5")
-    with H5Reader(saved) as r:
-        records = [_Record(r[k]) for k in r]
-        try:
-            write_native(generated, records, object_graph=r.object_graph, metadata=r.metadata)
-        except Exception as exc:  # what the generator cannot express (reported, not hidden)
-            print(f"  (generated copy not written: {exc})", file=sys.stderr)
-            generated = ""
-    return {"saved": saved, "safetensors": safet, "generated": generated}
-
-
-class _Record:
-    """A stored variable's layout and components, for ``write_native``."""
-
-    def __init__(self, stored: Any) -> None:
-        self.path, self.kind, self.shape = stored.path, stored.kind, stored.shape
-        self.dtype, self.attrs = stored.dtype, stored.attrs
-        self.components = [stored.component(i) for i in range(stored.num_components)]
-
-
-# ---------------------------------------------------------------------------------- commands
-def commands(folder: str, n: int, adam: bool) -> dict[str, Any]:
-    """Every command row at one size; figures and ratios."""
-    t0 = time.perf_counter()
-    files = _files(folder, n, adam)
-    print(f"  files written in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    h5, st, gen = files["saved"], files["safetensors"], files["generated"]
-    out = os.path.join(folder, "out")
-    os.makedirs(out, exist_ok=True)
-    name = "model/blocks/0/0"
-    read = _run("load", st)
-    write = _run("load_save", st, os.path.join(out, "copy.safetensors"))
-    rows: list[tuple[str, list[str], dict[str, Any]]] = [
-        ("inspect --json", ["--json", "inspect", h5], read),
-        ("verify", ["verify", h5], read),
-    ]
-    if gen:
-        rows.append(("verify (generated file)", ["verify", gen], read))
-    rows += [
-        ("diff a.h5 a.safetensors", ["diff", h5, st], read),
-        ("extract (one variable)", ["extract", h5, name, "-o", os.path.join(out, "x.npy")], read),
-        ("convert -> safetensors", ["convert", h5, os.path.join(out, "o.safetensors")], write),
-        ("convert -> npz", ["convert", h5, os.path.join(out, "o.npz")], write),
-        (
-            "convert -> tf",
-            ["convert", h5, os.path.join(out, "tf", "ckpt"), "--to", "tf", "--parents"],
-            write,
-        ),
-        ("convert safetensors -> hdf5", ["convert", st, os.path.join(out, "back.h5")], write),
-        (
-            "reshard --devices 3",
-            ["reshard", "--devices", "3", h5, os.path.join(out, "r3.h5")],
-            write,
-        ),
-    ]
-    entries = n * (3 if adam else 1)
-    largest = PARAMS * 4
-    results = {}
-    for label, argv, base in rows:
-        ours = _run("cli", *argv)
-        ratio = ours["seconds"] / base["seconds"]
-        results[label] = {
-            "seconds": ours["seconds"],
-            "baseline_seconds": base["seconds"],
-            "ratio": ratio,
-            "per_variable_us": ours["seconds"] / entries * 1e6,
-            "peak_rss": ours["peak_rss"],
-            "baseline_peak_rss": base["peak_rss"],
-            "targets": {
-                "ratio": {"op": "<=", "value": TARGET, "met": ratio <= TARGET},
-                "peak_rss": {
-                    "op": "<=",
-                    "value": largest + RSS_OVERHEAD,
-                    "met": ours["peak_rss"] <= largest + RSS_OVERHEAD,
-                },
-            },
-        }
-        print(
-            f"  {label:32s} {ours['seconds']:8.2f} s  vs {base['seconds']:6.2f} s  "
-            f"{ratio:6.2f}x  {results[label]['per_variable_us']:7.1f} us/entry  "
-            f"RSS {ours['peak_rss'] / MB:6.0f} MB (bound {(largest + RSS_OVERHEAD) / MB:.0f} MB)",
-            flush=True,
-        )
+def _tensors(ckpt: Any) -> dict[str, np.ndarray]:
+    """Every component of every saved variable, as safetensors would be given them."""
+    records, _, _ = ckpt._gather(False)
     return {
-        "variables": n,
-        "adam": adam,
-        "entries": entries,
-        "components": entries * DEVICES,
-        "file_bytes": os.path.getsize(h5),
-        "commands": results,
+        f"{r.path}/{i}": np.ascontiguousarray(c).reshape(c.shape or (1,))
+        for r in records
+        for i, c in enumerate(r.components)
     }
 
 
-def main() -> None:
-    if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        _child(sys.argv[2], sys.argv[3:])
-        return
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--commands", action="store_true", help="the command-line rows")
-    p.add_argument("--sizes", default="5000,50000", help="variable counts, comma-separated")
-    p.add_argument("--adam", choices=("without", "with", "both"), default="both")
-    p.add_argument("--json", help="also write the figures here")
-    p.add_argument("--dir", help="where to write the files (default: a temporary folder)")
-    args = p.parse_args()
-    if not args.commands:
-        p.error("say which rows to run: --commands")
-    load = os.getloadavg()
-    print(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    modes = {"without": [False], "with": [True], "both": [False, True]}[args.adam]
-    figures: dict[str, Any] = {"load_average": list(load), "commands": []}
-    with tempfile.TemporaryDirectory(dir=args.dir) as folder:
-        for n in (int(s) for s in args.sizes.split(",")):
-            for adam in modes:
-                print(f"{n:,} variables x {DEVICES} components{' + Adam slots' if adam else ''}:")
-                sub = os.path.join(folder, f"{n}{adam}")
-                os.makedirs(sub)
-                figures["commands"].append(commands(sub, n, adam))
-                subprocess.run(["rm", "-rf", sub], check=False)
-    figures["load_average_end"] = list(os.getloadavg())
+# ----------------------------------------------------------------------------- save rows
+def worker_first(count: int, adam: bool, layered: bool, folder: str) -> dict[str, Any]:
+    from safetensors.numpy import save_file
+
+    ckpt, _ = _model(count, 100, 2, adam, layered)
+    gc.collect()
+    t = time.perf_counter()
+    ckpt.write(os.path.join(folder, "first.h5"))
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    ckpt.write(os.path.join(folder, "again.h5"))
+    again = time.perf_counter() - t
+    tensors = _tensors(ckpt)
+    st = os.path.join(folder, "o.safetensors")
+    t = time.perf_counter()
+    save_file(tensors, st)
+    _fsync(st)
+    safetensors = time.perf_counter() - t
+    entries = len(ckpt._gather(False)[0])
+    return {
+        "variables": count,
+        "entries": entries,
+        "first_s": first,
+        "repeated_s": again,
+        "safetensors_s": safetensors,
+        "ratio_first": first / safetensors,
+        "ratio_repeated": again / safetensors,
+        "file_mb": os.path.getsize(os.path.join(folder, "first.h5")) / 2**20,
+        "safetensors_mb": os.path.getsize(st) / 2**20,
+        "rss_mb": _rss_mb(),
+    }
+
+
+def worker_mirrored(count: int, size: int, folder: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for devices in (1, 4):
+        ckpt, _ = _model(count, size, devices, True, True)
+        best = float("inf")
+        for k in range(3):
+            path = os.path.join(folder, f"d{devices}-{k}.h5")
+            gc.collect()
+            t = time.perf_counter()
+            ckpt.write(path)
+            best = min(best, time.perf_counter() - t)
+        out[f"save_{devices}_s"] = best
+        out[f"file_{devices}_mb"] = os.path.getsize(path) / 2**20
+        del ckpt
+    out["ratio_size"] = out["file_4_mb"] / out["file_1_mb"]
+    out["ratio_save"] = out["save_4_s"] / out["save_1_s"]
+    return out
+
+
+def worker_training(count: int, size: int, devices: int, folder: str) -> dict[str, Any]:
+    import parallelvars as pv
+
+    ckpt, variables = _model(count, size, devices, True, True)
+    gc.collect()
+    built = _rss_mb()
+    tensors = _tensors(ckpt)
+    nbytes = sum(t.nbytes for t in tensors.values())
+    largest = max(t.nbytes for t in tensors.values())
+    out: dict[str, Any] = {
+        "variables": count,
+        "entries": len(ckpt._gather(False)[0]),
+        "bytes": nbytes,
+        "largest_component": largest,
+        "rss_built_mb": built,
+    }
+    raw = os.path.join(folder, "raw.bin")
+    t = time.perf_counter()
+    with open(raw, "wb") as fh:
+        for a in tensors.values():
+            a.tofile(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    out["raw_write_s"] = time.perf_counter() - t
+    buf = np.empty(nbytes, np.uint8)
+    t = time.perf_counter()
+    with open(raw, "rb", buffering=0) as fh:
+        fh.readinto(memoryview(buf))
+    out["raw_read_s"] = time.perf_counter() - t
+    del buf, tensors
+    os.unlink(raw)
+    gc.collect()
+    for name in ("first", "repeated"):
+        t = time.perf_counter()
+        path = ckpt.write(os.path.join(folder, f"{name}.h5"))
+        out[f"{name}_s"] = time.perf_counter() - t
+        out[f"rss_after_{name}_mb"] = _rss_mb()
+    out["file_mb"] = os.path.getsize(path) / 2**20
+    with pv.CheckpointManager(ckpt, os.path.join(folder, "mgr"), max_to_keep=1) as mgr:
+        before = _rss_mb()
+        t = time.perf_counter()
+        mgr.save(blocking=False)
+        out["nonblocking_call_s"] = time.perf_counter() - t
+        mgr.wait()
+        out["nonblocking_whole_s"] = time.perf_counter() - t
+        out["nonblocking_extra_mb"] = _rss_mb() - before
+    for v in variables[:3]:
+        v.assign(np.zeros(size, np.float32))
+    t = time.perf_counter()
+    ckpt.restore(path).assert_consumed()
+    out["restore_s"] = time.perf_counter() - t
+    out["rss_peak_mb"] = _rss_mb()
+    for k in ("first", "repeated", "nonblocking_whole"):
+        out[f"ratio_{k}"] = out[f"{k}_s"] / out["raw_write_s"]
+    out["ratio_restore"] = out["restore_s"] / out["raw_read_s"]
+    return out
+
+
+def _run_worker(args: list[str]) -> dict[str, Any]:
+    folder = tempfile.mkdtemp(prefix="pv_paths_")
+    try:
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", *args, folder]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode:
+            return {"error": done.stderr.strip().splitlines()[-1:] or ["failed"]}
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def save_first(sizes: list[int], structures: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for count in sizes:
+        for layered in [s == "layered" for s in structures]:
+            for adam in (False, True):
+                label = f"{count} {'layered' if layered else 'flat'}{' +Adam' if adam else ''}"
+                r = _run_worker(["first", str(count), str(int(adam)), str(int(layered))])
+                out[label] = r
+                if "error" in r:
+                    print(f"  {label}: failed: {r['error']}", flush=True)
+                    continue
+                n = r["entries"]
+                print(
+                    f"  {label:26s} first {r['first_s']:7.3f} s ({1e6 * r['first_s'] / n:6.1f} "
+                    f"us/entry)  repeated {r['repeated_s']:7.3f} s  safetensors "
+                    f"{r['safetensors_s']:6.3f} s  first/st {r['ratio_first']:5.2f} "
+                    f"(target <= 1.5)  repeated/st {r['ratio_repeated']:5.2f}  "
+                    f"file {r['file_mb']:.1f} MB vs {r['safetensors_mb']:.1f} MB",
+                    flush=True,
+                )
+    return out
+
+
+def save_mirrored() -> dict[str, Any]:
+    r = _run_worker(["mirrored", "2000", "2500"])
+    if "error" not in r:
+        print(
+            f"  4 devices vs 1: file {r['file_4_mb']:.1f} / {r['file_1_mb']:.1f} MB = "
+            f"{r['ratio_size']:.3f}x (target <= 1.05)  save {r['save_4_s']:.3f} / "
+            f"{r['save_1_s']:.3f} s = {r['ratio_save']:.2f}x (target <= 1.2)",
+            flush=True,
+        )
+    else:
+        print(f"  mirrored: failed: {r['error']}")
+    return r
+
+
+def save_training(big: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    cases = [(10000, 2500, 2)] + ([(20000, 2500, 4)] if big else [])
+    for count, size, devices in cases:
+        label = f"{count} x {size} x {devices} +Adam"
+        r = _run_worker(["training", str(count), str(size), str(devices)])
+        out[label] = r
+        if "error" in r:
+            print(f"  {label}: failed: {r['error']}")
+            continue
+        mb = r["bytes"] / 2**20
+        print(f"  {label}: {mb:.0f} MB of components, file {r['file_mb']:.0f} MB", flush=True)
+        print(
+            f"    raw tofile+fsync {r['raw_write_s']:.3f} s, readinto {r['raw_read_s']:.3f} s",
+        )
+        for k in ("first", "repeated", "nonblocking_whole"):
+            print(
+                f"    {k:18s} {r[f'{k}_s']:7.3f} s  ({1e6 * r[f'{k}_s'] / r['entries']:.1f} "
+                f"us/entry)  raw/ours rate {1 / r[f'ratio_{k}']:.2f} (target >= 0.7)"
+            )
+        print(f"    nonblocking call   {r['nonblocking_call_s']:7.3f} s")
+        print(f"    restore            {r['restore_s']:7.3f} s  ours/raw {r['ratio_restore']:.2f}")
+        print(
+            f"    RSS: built {r['rss_built_mb']:.0f} MB, peak {r['rss_peak_mb']:.0f} MB, "
+            f"non-blocking extra {r['nonblocking_extra_mb']:.0f} MB (snapshot "
+            f"{mb:.0f} MB), largest component {r['largest_component'] / 2**20:.2f} MB",
+            flush=True,
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--commands" in argv:
+        here = os.path.dirname(os.path.abspath(__file__))
+        cmd = [sys.executable, os.path.join(here, "bench_paths_commands.py"), *argv]
+        return subprocess.run(cmd, check=False).returncode
+    if argv and argv[0] == "--worker":
+        kind, *rest = argv[1:]
+        folder = rest.pop()
+        if kind == "first":
+            r = worker_first(int(rest[0]), bool(int(rest[1])), bool(int(rest[2])), folder)
+        elif kind == "mirrored":
+            r = worker_mirrored(int(rest[0]), int(rest[1]), folder)
+        else:
+            r = worker_training(int(rest[0]), int(rest[1]), int(rest[2]), folder)
+        print(json.dumps(r))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--save", default=",".join(SAVE_CASES), help="save cases to run")
+    parser.add_argument("--sizes", default="5000,50000")
+    parser.add_argument(
+        "--structures", default="layered,flat", help="layered (100 a group), flat (one list)"
+    )
+    parser.add_argument("--big", action="store_true", help="also 20,000 x 2,500 x 4 devices")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    print(f"load: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    result: dict[str, Any] = {"load": os.getloadavg()}
+    cases = [c for c in args.save.split(",") if c]
+    if "first" in cases:
+        print("first save in a fresh process (2 devices, 100 float32 params a variable):")
+        result["first"] = save_first(
+            [int(s) for s in args.sizes.split(",")], args.structures.split(",")
+        )
+    if "mirrored" in cases:
+        print("mirrored model, 2,000 x 2,500 float32 with Adam, 4 devices vs 1:")
+        result["mirrored"] = save_mirrored()
+    if "training" in cases:
+        print("training size:")
+        result["training"] = save_training(args.big)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

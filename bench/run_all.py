@@ -66,7 +66,9 @@ BENCHMARKS = (
     Benchmark("mpi_checkpoint", "bench_mpi_checkpoint.py", ("--procs", "2")),  # --full: 4 too
     Benchmark("scaling", "bench_scaling.py", ("--counts", "500", "5000")),  # --full: 50,000 too
     # The command line against safetensors (--full: 50,000 variables too)
-    Benchmark("paths_commands", "bench_paths.py", ("--sizes", "5000"), ("--commands",)),
+    Benchmark("paths_commands", "bench_paths_commands.py", ("--sizes", "5000"), ("--commands",)),
+    # --full: 50,000 variables and the flat lists (libhdf5) too
+    Benchmark("paths_save", "bench_paths.py", ("--sizes", "5000", "--structures", "layered")),
 )
 
 COLUMNS = ("area", "measurement", "ours", "baseline", "ratio", "target", "met")
@@ -580,6 +582,76 @@ def _rows_paths_commands(d: dict[str, Any]) -> list[list[str]]:
                     _target(r["targets"]["ratio"]),
                 )
             )
+
+
+def _rows_paths_save(d: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for label, r in d.get("first", {}).items():
+        if "error" in r:
+            rows.append(_row("paths save", f"first save ({label}): failed", NONE, NONE, NONE))
+            continue
+        rows.append(
+            _row(
+                "paths save",
+                f"first Checkpoint.write in a fresh process vs safetensors save_file + fsync "
+                f"({label}, {r['entries']:,} entries, "
+                f"{1e6 * r['first_s'] / r['entries']:.0f} us/entry)",
+                _s(r["first_s"]),
+                _s(r["safetensors_s"]),
+                _x(r["ratio_first"]),
+                ("<= 1.5x", "yes" if r["ratio_first"] <= 1.5 else "no"),
+            )
+        )
+    m = d.get("mirrored")
+    if m and "error" not in m:
+        rows.append(
+            _row(
+                "paths save",
+                "4-device mirrored model's file vs the 1-device one (2,000 x 2,500, Adam)",
+                f"{m['file_4_mb']:.1f} MB",
+                f"{m['file_1_mb']:.1f} MB",
+                _x(m["ratio_size"]),
+                ("<= 1.05x", "yes" if m["ratio_size"] <= 1.05 else "no"),
+            )
+        )
+        rows.append(
+            _row(
+                "paths save",
+                "4-device mirrored model's save vs the 1-device one",
+                _s(m["save_4_s"]),
+                _s(m["save_1_s"]),
+                _x(m["ratio_save"]),
+                ("<= 1.2x", "yes" if m["ratio_save"] <= 1.2 else "no"),
+            )
+        )
+    for label, r in d.get("training", {}).items():
+        if "error" in r:
+            continue
+        for k, text in (
+            ("first", "first save"),
+            ("repeated", "repeated save"),
+            ("nonblocking_whole", "non-blocking save, whole"),
+        ):
+            rate = 1 / r[f"ratio_{k}"]
+            rows.append(
+                _row(
+                    "paths save",
+                    f"{text} vs raw tofile + fsync of the same bytes ({label}), rate ratio",
+                    _s(r[f"{k}_s"]),
+                    _s(r["raw_write_s"]),
+                    _x(rate),
+                    (">= 0.7x", "yes" if rate >= 0.7 else "no"),
+                )
+            )
+        rows.append(
+            _row(
+                "paths save",
+                f"restore vs raw readinto of the same bytes ({label})",
+                _s(r["restore_s"]),
+                _s(r["raw_read_s"]),
+                _x(r["ratio_restore"]),
+            )
+        )
     return rows
 
 
@@ -596,6 +668,7 @@ ROWS = {
     "mpi_checkpoint": _rows_mpi_checkpoint,
     "scaling": _rows_scaling,
     "paths_commands": _rows_paths_commands,
+    "paths_save": _rows_paths_save,
 }
 
 

@@ -3,7 +3,8 @@
 
 Reading opens an :class:`~parallelvars.checkpoint.h5io.H5Reader` (which validates the file and
 verifies each component's checksum as it is read); writing calls
-:func:`~parallelvars.checkpoint.h5io.write_h5`, which streams one component at a time and
+:func:`~parallelvars.checkpoint.h5raw.native.save_native` (the generated layout; entries read
+from another file are streamed one component at a time), which
 replaces the target atomically. The layout itself is documented in that module. Paths are our
 slash paths as they are; there is no ``names=`` option.
 """
@@ -17,7 +18,8 @@ from typing import Any
 import h5py
 
 from parallelvars.checkpoint.entry import check_entry
-from parallelvars.checkpoint.h5io import H5Reader, write_h5
+from parallelvars.checkpoint.h5io import H5Reader
+from parallelvars.checkpoint.h5raw.native import save_native
 from parallelvars.errors import InvalidEntryError
 
 from ._graph import object_graph_for
@@ -106,7 +108,7 @@ def write_hdf5(
             )
         values.append(entry)
     meta = carried_metadata(metadata)
-    return write_h5(p, values, object_graph=object_graph, metadata=meta)
+    return save_native(p, values, object_graph=object_graph, metadata=meta)
 
 
 def sniff(path: str, head: bytes) -> bool:

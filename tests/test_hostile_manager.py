@@ -102,7 +102,7 @@ def test_async_snapshots_under_a_writer_thread_are_consistent_or_refused(tmp_pat
         taken.append({r.path: list(r.components) for r in records})
         return path
 
-    monkeypatch.setattr(checkpoint_module, "write_h5", keep)
+    monkeypatch.setattr(checkpoint_module, "save_native", keep)
     refused = 0
     with Writer(variables):
         for _ in range(300):
@@ -207,7 +207,7 @@ EXIT_SCRIPT = textwrap.dedent(
     import sys, time
     import numpy as np
     import parallelvars as pv
-    from parallelvars.checkpoint.h5io import write
+    from parallelvars.checkpoint.h5raw import native
     from parallelvars.checkpoint._skeleton import SkeletonCache
 
     directory, mode = sys.argv[1], sys.argv[2]
@@ -218,7 +218,7 @@ EXIT_SCRIPT = textwrap.dedent(
     mgr = pv.CheckpointManager(ckpt, directory)
     w.assign(np.ones((256, 64), np.float32)); step.assign(1)
     mgr.save()
-    real = write._checked
+    real = native._check_components
 
     def slow(*args):
         time.sleep(0.05)  # the write is still running when the main thread ends
@@ -226,8 +226,8 @@ EXIT_SCRIPT = textwrap.dedent(
             raise OSError(28, "No space left on device")
         return real(*args)
 
-    write._checked = slow
-    SkeletonCache.get = lambda self, key: None  # through HDF5, which calls _checked
+    native._check_components = slow
+    SkeletonCache.get = lambda self, key: None  # prepared anew, which checks each entry
     w.assign(np.full((256, 64), 2, np.float32)); step.assign(2)
     mgr.save(blocking=False)
     w.assign(np.full((256, 64), 3, np.float32)); step.assign(3)  # after the snapshot

@@ -16,6 +16,7 @@ import parallelvars as pv
 from parallelvars.checkpoint import h5io, manager
 from parallelvars.checkpoint._skeleton import SkeletonCache
 from parallelvars.checkpoint.h5io import write as h5write
+from parallelvars.checkpoint.h5raw import native
 from parallelvars.errors import CheckpointLockedError, ParallelVarsError
 
 
@@ -373,7 +374,7 @@ class Boom(OSError):
 
 
 def failing_write_entry(monkeypatch, after: int) -> None:
-    real = h5write._checked
+    real = native._check_components
     count = [0]
 
     def write_entry(*args):
@@ -382,8 +383,8 @@ def failing_write_entry(monkeypatch, after: int) -> None:
             raise Boom(28, "No space left on device")
         return real(*args)
 
-    monkeypatch.setattr(h5write, "_checked", write_entry)
-    # Every save through HDF5 (a repeated save would be written from its cached skeleton).
+    monkeypatch.setattr(native, "_check_components", write_entry)
+    # Every save prepared anew (a repeated save would be written from its cached metadata).
     monkeypatch.setattr(SkeletonCache, "get", lambda self, key: None)
 
 
@@ -473,7 +474,7 @@ def test_async_save_writes_the_values_at_the_call(tmp_path):
 def test_async_save_racing_with_training_thread(tmp_path, monkeypatch):
     """Values change in another thread while the background write runs; the file has the call's."""
     ckpt, w, e, step = make()
-    real = h5write._checked
+    real = native._check_components
     writing = threading.Event()
     proceed = threading.Event()
 
@@ -482,7 +483,7 @@ def test_async_save_racing_with_training_thread(tmp_path, monkeypatch):
         proceed.wait(10)
         return real(*args)
 
-    monkeypatch.setattr(h5write, "_checked", slow_write_entry)
+    monkeypatch.setattr(native, "_check_components", slow_write_entry)
     stop = threading.Event()
 
     def train():
@@ -541,7 +542,7 @@ def test_async_error_reaches_the_next_call(tmp_path, monkeypatch):
 
 
 def test_at_most_one_write_in_flight(tmp_path, monkeypatch):
-    real = h5io.write_h5
+    real = native.save_native
     active = [0]
     peak = [0]
     lock = threading.Lock()
@@ -557,7 +558,7 @@ def test_at_most_one_write_in_flight(tmp_path, monkeypatch):
             with lock:
                 active[0] -= 1
 
-    monkeypatch.setattr("parallelvars.checkpoint.checkpoint.write_h5", counting_write_h5)
+    monkeypatch.setattr("parallelvars.checkpoint.checkpoint.save_native", counting_write_h5)
     ckpt, w, e, step = make()
     with pv.CheckpointManager(ckpt, tmp_path, max_to_keep=None, async_save=True) as mgr:
         for k in range(6):

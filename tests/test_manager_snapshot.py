@@ -240,7 +240,7 @@ def test_a_non_blocking_save_writes_the_file_of_a_blocking_save(
 ):
     ckpt, saved, _unsaved = interleaved(30)
     ckpt.model.strided = strided_model()
-    cache = ckpt._pv_skeletons
+    cache = ckpt._pv_plans
     real_get, found = cache.get, []
     monkeypatch.setattr(cache, "get", lambda key: found.append(real_get(key)) or found[-1])
     with pv.CheckpointManager(ckpt, tmp_path / "async", max_to_keep=None) as mgr:
@@ -253,7 +253,7 @@ def test_a_non_blocking_save_writes_the_file_of_a_blocking_save(
         for v in saved:
             v.assign(np.zeros(5, np.float32))  # while the save is in flight: not in its file
         mgr.wait()
-    # The copies keep their records' structure: the second save is written from the skeleton.
+    # The copies keep their records' structure: the second save reuses the cached metadata.
     assert (found[-1] is not None) == repeated
     for j, v in enumerate(saved):
         v.assign(np.full(5, j + 0.5, np.float32))

@@ -41,9 +41,9 @@ from parallelvars.checkpoint.graph import (  # noqa: F401 - the graph's names, a
     slot_relations,
     unescape_name,
 )
-from parallelvars.checkpoint.h5io import write_h5
 from parallelvars.checkpoint.h5io.collective import write_collective
 from parallelvars.checkpoint.h5io.write import RecordList
+from parallelvars.checkpoint.h5raw.native import save_native
 from parallelvars.checkpoint.matching import RestoreSession
 from parallelvars.checkpoint.registry import SaveRecord
 from parallelvars.checkpoint.snapshot import Snapshot, SnapshotPlan, take_snapshot
@@ -71,15 +71,20 @@ __all__ = [
 ]
 
 
-def _checkpoint_writer() -> Callable[..., str]:
+def _checkpoint_writer(plans: SkeletonCache | None = None) -> Callable[..., str]:
     """``writer(path, records, *, object_graph, metadata, skeletons)`` for this process's saves:
     under a multi-process strategy (:mod:`parallelvars.strategy._cluster`), every rank writes
     its part of one logical checkpoint through the strategy's communicator
-    (:func:`~parallelvars.checkpoint.h5io.collective.write_collective`); else the plain
-    single-file writer."""
+    (:func:`~parallelvars.checkpoint.h5io.collective.write_collective`); else the single-file
+    writer (:func:`~parallelvars.checkpoint.h5raw.native.save_native`: the generated layout,
+    the structure's metadata cached in ``plans`` for the next save)."""
     strategy = cluster_strategy()
     if strategy is None:
-        return write_h5
+
+        def write_one(path: str, records: Sequence[SaveRecord], **options: Any) -> str:
+            return save_native(path, records, cache=plans, **options)
+
+        return write_one
     comm, local, everyone = strategy.comm, strategy.parameter_devices, strategy.worker_devices
 
     def write(path: str, records: Sequence[SaveRecord], **options: Any) -> str:
@@ -188,6 +193,9 @@ class Checkpoint(Trackable):
         # The skeleton of the structure saved last: a repeated save of it is written from the
         # cached bytes instead of by HDF5 (see checkpoint._skeleton).
         self._pv_skeletons = SkeletonCache()
+        # The generated metadata of the structure saved last by a single process (see
+        # h5raw/native.py: Prepared): a repeated save puts the new values in it.
+        self._pv_plans = SkeletonCache()
         # The last save's object graph, records and graph document, saved again while the graph
         # is unchanged (see _gather).
         self._pv_save_memo: tuple[ObjectGraph, RecordList, dict[str, Any]] | None = None
@@ -242,7 +250,7 @@ class Checkpoint(Trackable):
         records, object_graph, metadata = self._gather(False)
         snapshot = self._snapshot(records) if copy else None
 
-        writer = _checkpoint_writer()  # every rank writes its part under MPI
+        writer = _checkpoint_writer(self._pv_plans)  # every rank writes its part under MPI
 
         def write(path: str | os.PathLike[str]) -> str:
             try:

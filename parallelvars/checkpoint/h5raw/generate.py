@@ -683,21 +683,7 @@ class FilePlan:
         attributes ``values`` (those given at construction, of the same types) and the
         documents' ``crc32c`` attributes."""
         self._capacities = dict(capacities or {})
-        for name, value in dict(values or {}).items():
-            i = self._root_values[name]
-            new = encode_attribute(name, value)
-            old = self._root.attrs[i]
-            if (new.dtype, new.space, new.size()) != (old.dtype, old.space, old.size()):
-                raise InvalidEntryError(
-                    "a root attribute's value has another HDF5 type or size than the plan's",
-                    variable=name,
-                )
-            if new.strings != old.strings:
-                raise InvalidEntryError(
-                    "a root attribute's string differs from the plan's (its heap object is laid out)",
-                    variable=name,
-                )
-            self._root.attrs[i] = new
+        self._set_root_values(values)
         at = self.data_end
         documents: dict[str, int] = {}
         for name, ds in self._documents.items():
@@ -741,6 +727,46 @@ class FilePlan:
         where = np.array([e for _, e in spans], np.int64).reshape(-1, 1) + np.arange(4)
         image[where.reshape(-1)] = sums.astype("<u4").view(np.uint8)
         return Metadata([(0, image.tobytes())], file_size, documents)
+
+    def _set_root_values(self, values: Mapping[str, Any] | None) -> None:
+        for name, value in dict(values or {}).items():
+            i = self._root_values[name]
+            new = encode_attribute(name, value)
+            old = self._root.attrs[i]
+            if (new.dtype, new.space, new.size()) != (old.dtype, old.space, old.size()):
+                raise InvalidEntryError(
+                    "a root attribute's value has another HDF5 type or size than the plan's",
+                    variable=name,
+                )
+            if new.strings != old.strings:
+                raise InvalidEntryError(
+                    "a root attribute's string differs from the plan's (its heap object is laid out)",
+                    variable=name,
+                )
+            self._root.attrs[i] = new
+
+    def refresh(
+        self, values: Mapping[str, Any], document_checksums: Mapping[str, int]
+    ) -> list[tuple[int, bytes]]:
+        """After :meth:`metadata`: the headers a later save of the same structure changes,
+        as ``(offset, bytes)`` pieces with their checksums: the root group's (the root
+        attribute ``values``, of the plan's types and strings) and each document's (its
+        ``crc32c`` attribute). Everything else in the image :meth:`metadata` returned stays."""
+        self._set_root_values(values)
+        objects: list[tuple[int, tuple[bytes, list[tuple[int, int]]]]] = [
+            (self._root.address, self._encode_group(self._root))
+        ]
+        for name, ds in self._documents.items():
+            crc = int(document_checksums.get(name, 0))
+            ds.attrs = [encode_attribute("crc32c", np.int64(crc))]
+            objects.append((ds.address, self._encode_dataset(ds)))
+        out = []
+        for address, (data, chunks) in objects:
+            buf = bytearray(data)
+            for start, end in chunks:
+                buf[end : end + 4] = lookup3(bytes(buf[start:end])).to_bytes(4, "little")
+            out.append((address, bytes(buf)))
+        return out
 
 
 def _component_name(i: int) -> str:

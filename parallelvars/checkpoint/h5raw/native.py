@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -36,12 +37,20 @@ from parallelvars.checkpoint.h5io.layout import (
 )
 from parallelvars.checkpoint.h5io.write import _columns_parts
 from parallelvars.checkpoint.h5raw.generate import FilePlan, Variable
+from parallelvars.checkpoint.h5raw.messages import Unsupported
+from parallelvars.errors import InvalidEntryError
 
-__all__ = ["index_documents", "write_native", "write_native_index"]
+__all__ = ["Prepared", "index_documents", "save_native", "write_native", "write_native_index"]
 
 
 def _shared(components: Sequence[np.ndarray], crcs: list[int]) -> list[int]:
     """For each component, the first earlier one with the same shape and bytes (or itself)."""
+    first = components[0]
+    if all(c == crcs[0] for c in crcs) and all(c.shape == first.shape for c in components):
+        # the common case (a mirrored variable): every component equal to the first
+        b0 = byte_view(first)
+        if all(np.array_equal(b0, byte_view(c)) for c in components[1:]):
+            return [0] * len(components)
     out: list[int] = []
     for i, c in enumerate(components):
         j = next(
@@ -304,3 +313,442 @@ def write_native_index(
         finally:
             os.close(fd)
     return p
+
+
+# ----------------------------------------------------------------------------- the save path
+class Prepared:
+    """What a repeated save of one structure reuses (kept in a checkpoint's cache under
+    ``key``): the plan, its generated metadata image, the index document as a template with a
+    ``%d`` for every checksum, the columns document around its checksums, and the object graph
+    document. Only the checksums, the root header values and the documents' checksum
+    attributes change between two saves of a structure."""
+
+    def __init__(
+        self,
+        key: Any,
+        plan: FilePlan,
+        image: bytes,
+        file_size: int,
+        documents: dict[str, int],
+        template: str,
+        capacities: dict[str, int],
+        columns: tuple[str, str],
+        graph: bytes | None,
+    ) -> None:
+        self.key = key
+        self.plan = plan
+        self.image = image
+        self.file_size = file_size
+        self.documents = documents
+        self.template = template
+        self.capacities = capacities
+        self.columns = columns
+        self.graph = graph
+        self.lock = threading.Lock()  # the plan's root and document headers are re-encoded
+
+
+class Unexpressed:
+    """A cache marker: the generator cannot express the structure ``key`` (it is written through
+    libhdf5; see :func:`save_native`)."""
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+
+
+def _contiguous(c: Any) -> np.ndarray:
+    """``c`` as a C-contiguous array (a 0-d one stays 0-d: ``np.ascontiguousarray`` makes it 1-d)."""
+    a = np.asarray(c)
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def _expected_shapes(e: Any) -> list[tuple[int, ...]]:
+    shape = tuple(int(d) for d in e.shape)
+    n = int(e.num_components)
+    if e.kind != "sharded" or not n:
+        return [shape] * n
+    from parallelvars._geometry import shard_bounds
+
+    axis = int(e.attrs["shard_axis"])
+    bounds = shard_bounds(e.attrs["shard_offsets"], shape[axis])
+    return [
+        tuple(bounds[i + 1] - bounds[i] if k == axis else d for k, d in enumerate(shape))
+        for i in range(n)
+    ]
+
+
+def _check_components(e: Any, comps: Sequence[np.ndarray], file: str) -> None:
+    """The components of an entry are of its dtype and of the shapes its layout gives."""
+    from parallelvars.errors import DtypeMismatchError, ShapeMismatchError
+
+    dt = np.dtype(e.dtype)
+    for i, (c, want) in enumerate(zip(comps, _expected_shapes(e), strict=True)):
+        if c.shape != want:
+            raise ShapeMismatchError(
+                "component has the wrong shape",
+                file=file,
+                variable=f"{e.path}[{i}]",
+                expected=want,
+                found=c.shape,
+            )
+        if c.dtype != dt:
+            raise DtypeMismatchError(
+                "component has the wrong dtype",
+                file=file,
+                variable=f"{e.path}[{i}]",
+                expected=dt,
+                found=c.dtype,
+            )
+
+
+def _root_values(
+    metadata: Mapping[str, Any] | None, created: float | None = None
+) -> dict[str, Any]:
+    """The root attributes of a save, in the order the writer sets them."""
+    root: dict[str, Any] = {
+        "parallelvars_format": np.int64(FORMAT_VERSION),
+        "parallelvars_version": _root_attr_value(_library_version()),
+        "created": np.float64(time.time() if created is None else created),
+    }
+    for key, value in dict(metadata or {}).items():
+        if value is not None:
+            root[key] = _root_attr_value(value)
+    return root
+
+
+def _changing(root: Mapping[str, Any]) -> dict[str, Any]:
+    """The root values a repeated save of one structure may change: ``created`` and the
+    metadata's numbers (``save_counter``, ``step``)."""
+    return {
+        k: v
+        for k, v in root.items()
+        if k not in ("parallelvars_format", DOCUMENTS_ATTR) and isinstance(v, np.int64 | np.float64)
+    }
+
+
+def save_native(
+    path: str | os.PathLike[str],
+    entries: Iterable[Any] | Mapping[str, Any],
+    *,
+    object_graph: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    cache: Any = None,
+    skeletons: Any = None,
+    checksums: dict[str, list[int]] | None = None,
+    share_equal: bool = True,
+) -> str:
+    """Write a checkpoint file of the native layout at ``path`` through the generator: every
+    single-process save (``Checkpoint.write/save``, the manager) and every conversion into
+    HDF5 comes here. Returns ``path``.
+
+    Entries whose components are arrays in memory (save records, array entries) are
+    checksummed first; with ``share_equal``, components of a variable (not sharded) whose
+    bytes are equal are stored once, the other names hard links to the first one's dataset.
+    The metadata comes from the generator, or, for a structure written before with the same
+    ``cache`` (a :class:`~parallelvars.checkpoint._skeleton.SkeletonCache`), from the cached
+    :class:`Prepared` with the changing values put in; the component bytes are written in
+    gathered ``pwritev`` calls from the arrays themselves (no copy), then checksummed again (a
+    buffer another thread changed meanwhile fails the save). Entries read from other files are
+    streamed through one reused buffer per component, checksummed as they are written.
+
+    What the generator cannot express (``bytes`` variables, a group of more than
+    :data:`~.generate.MAX_COMPACT_LINKS` links, an attribute message over 64 KiB...) is written
+    by ``h5io.write.write_h5`` through libhdf5, with its skeleton cache ``skeletons``.
+    """
+    from parallelvars.checkpoint.h5io.write import RecordList, _structure_key, write_h5
+
+    p = os.fspath(path)
+    if isinstance(entries, RecordList):  # (keeps its structure key from save to save)
+        items: list[Any] = entries
+    else:
+        items = list(entries.values()) if isinstance(entries, Mapping) else list(entries)
+    in_memory = all(hasattr(e, "components") for e in items)
+    skey = _structure_key(items, object_graph, metadata) if in_memory else None
+    if cache is not None and skey is not None and cache.get(("unexpressed", skey)) is not None:
+        return write_h5(
+            p,
+            items,
+            object_graph=object_graph,
+            metadata=metadata,
+            skeletons=skeletons,
+            checksums=checksums,
+        )
+    try:
+        if in_memory:
+            _save_arrays(p, items, object_graph, metadata, cache, skey, checksums, share_equal)
+        else:
+            _save_streamed(p, items, object_graph, metadata, checksums)
+    except Unsupported:
+        if cache is not None and skey is not None:
+            cache.put(Unexpressed(("unexpressed", skey)))
+        return write_h5(
+            p,
+            items,
+            object_graph=object_graph,
+            metadata=metadata,
+            skeletons=skeletons,
+            checksums=checksums,
+        )
+    return p
+
+
+def _plan_for(
+    items: Sequence[Any],
+    shared: Sequence[Sequence[int] | None],
+    object_graph: Mapping[str, Any] | None,
+    root: Mapping[str, Any],
+    file: str,
+) -> tuple[FilePlan, list[str]]:
+    seen: set[str] = set()
+    variables = []
+    for e, sh in zip(items, shared, strict=True):
+        _validate_path(e.path)
+        if e.path in seen:
+            raise InvalidEntryError("is written twice", file=file, variable=e.path)
+        seen.add(e.path)
+        variables.append(
+            Variable(
+                e.path,
+                e.kind,
+                np.dtype(e.dtype),
+                tuple(int(d) for d in e.shape),
+                int(e.num_components),
+                dict(e.attrs),
+                sh,
+            )
+        )
+    documents = [INDEX_DATASET, COLUMNS_DATASET]
+    if object_graph is not None:
+        documents.append(GRAPH_DATASET)
+    root = dict(root)
+    root[DOCUMENTS_ATTR] = np.array([d.encode() for d in documents])
+    return FilePlan(variables, root_attrs=root, documents=documents), documents
+
+
+def _index_of(items: Sequence[Any], plan: FilePlan, crcs: Sequence[Sequence[int]]) -> dict:
+    index: dict[str, Any] = {}
+    names: dict[np.dtype, str] = {}
+    decoded: dict[Any, Any] = {}
+    for e, cc in zip(items, crcs, strict=True):
+        dt = np.dtype(e.dtype)
+        name = names.get(dt)
+        if name is None:
+            name = names[dt] = dtype_name(dt)
+        meta: dict[str, Any] = {
+            "kind": e.kind,
+            "dtype": name,
+            "shape": [int(d) for d in e.shape],
+            "num_components": int(e.num_components),
+        }
+        meta["attrs"] = {
+            k: _index_value(val, decoded)
+            for k, val in dict(e.attrs).items()
+            if val is not None and k not in meta
+        }
+        meta["offsets"] = plan.offsets[e.path]
+        meta["crc32c"] = list(cc)
+        index[e.path] = meta
+    return index
+
+
+def _prepare(
+    key: Any,
+    items: Sequence[Any],
+    shared: Sequence[Sequence[int] | None],
+    crcs: Sequence[Sequence[int]],
+    object_graph: Mapping[str, Any] | None,
+    root: Mapping[str, Any],
+    file: str,
+) -> tuple[Prepared, dict[str, Any]]:
+    """A structure's plan, metadata image and document templates; and its first index."""
+    from parallelvars.checkpoint.h5io.write import _index_template
+
+    plan, _ = _plan_for(items, shared, object_graph, root, file)
+    index = _index_of(items, plan, crcs)
+    flat = [c for m in index.values() for c in m["crc32c"]]
+    text = json.dumps(index)
+    digits = ", ".join(map(str, flat))
+    separators = 2 * max(len(flat) - 1, 0)
+    head, tail = _columns_parts(index)
+    capacities = {
+        INDEX_DATASET: index_capacity(len(text) - (len(digits) - separators), len(flat)),
+        COLUMNS_DATASET: index_capacity(len(head) + len(tail) + separators, len(flat)),
+    }
+    graph = None
+    if object_graph is not None:
+        graph = json.dumps(object_graph).encode()
+        capacities[GRAPH_DATASET] = len(graph)
+    meta = plan.metadata(capacities)
+    (at, image), *rest = meta.pieces
+    assert at == 0 and not rest
+    prep = Prepared(
+        key,
+        plan,
+        image,
+        meta.file_size,
+        meta.documents,
+        _index_template(index),
+        capacities,
+        (head, tail),
+        graph,
+    )
+    return prep, index
+
+
+def _documents(prep: Prepared, flat: Sequence[int]) -> dict[str, bytes]:
+    head, tail = prep.columns
+    docs = {
+        INDEX_DATASET: (prep.template % tuple(flat))
+        .encode()
+        .ljust(prep.capacities[INDEX_DATASET], b" "),
+        COLUMNS_DATASET: (head + ", ".join(map(str, flat)) + tail)
+        .encode()
+        .ljust(prep.capacities[COLUMNS_DATASET], b" "),
+    }
+    if prep.graph is not None:
+        docs[GRAPH_DATASET] = prep.graph
+    for name, data in docs.items():
+        if len(data) != prep.capacities[name]:  # (the structure's key holds what sizes them)
+            raise InvalidEntryError(
+                "a document does not fit the room its structure gives it",
+                variable=name,
+                expected=f"{prep.capacities[name]} bytes",
+                found=f"{len(data)} bytes",
+            )
+    return docs
+
+
+def _save_arrays(
+    p: str,
+    items: list[Any],
+    object_graph: Mapping[str, Any] | None,
+    metadata: Mapping[str, Any] | None,
+    cache: Any,
+    skey: Any,
+    checksums: dict[str, list[int]] | None,
+    share_equal: bool,
+) -> None:
+    from parallelvars.errors import ConcurrentWriteError
+
+    comps = [[_contiguous(c) for c in e.components] for e in items]
+    for e, cs in zip(items, comps, strict=True):
+        _check_components(e, cs, p)
+    crcs = [[checksum(c) for c in cs] for cs in comps]
+    shared = [
+        _shared(cs, cc) if share_equal and e.kind != "sharded" and len(cs) > 1 else None
+        for e, cs, cc in zip(items, comps, crcs, strict=True)
+    ]
+    pattern = tuple(None if s is None or s == list(range(len(s))) else tuple(s) for s in shared)
+    shared = [None if pat is None else s for s, pat in zip(shared, pattern, strict=True)]
+    key = None if skey is None else (skey, pattern)
+    root = _root_values(metadata)
+    prep = None if cache is None or key is None else cache.get(key)
+    if not isinstance(prep, Prepared):
+        prep, _ = _prepare(key, items, shared, crcs, object_graph, root, p)
+        if cache is not None and key is not None:
+            cache.put(prep)
+    flat = [c for cc in crcs for c in cc]
+    docs = _documents(prep, flat)
+    with prep.lock:
+        refresh = prep.plan.refresh(
+            _changing(root), {k: _crc32c.crc32c(v) for k, v in docs.items()}
+        )
+    with atomic_path(p) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            os.ftruncate(fd, prep.file_size)
+            pwrite_all(fd, memoryview(prep.image), 0)
+            for offset, data in refresh:
+                pwrite_all(fd, memoryview(data), offset)
+            _write_components(fd, prep.plan, items, comps)
+            for name, data in docs.items():
+                pwrite_all(fd, memoryview(data), prep.documents[name])
+        finally:
+            os.close(fd)
+        # a buffer another thread wrote to while it was saved fails the save
+        for e, cs, cc, sh in zip(items, comps, crcs, shared, strict=True):
+            for i, (c, crc) in enumerate(zip(cs, cc, strict=True)):
+                # (a component stored as another's dataset was not written: its bytes are not
+                # in the file, the first one's are, checked here)
+                if c.nbytes and (sh is None or sh[i] == i) and checksum(c) != crc:
+                    raise ConcurrentWriteError(
+                        "changed while it was being saved",
+                        file=p,
+                        variable=f"{e.path}[{i}]",
+                        hint="write from a single thread, or save with blocking=False, which "
+                        "snapshots",
+                    )
+    if checksums is not None:
+        checksums.update((e.path, list(cc)) for e, cc in zip(items, crcs, strict=True))
+
+
+def _save_streamed(
+    p: str,
+    items: list[Any],
+    object_graph: Mapping[str, Any] | None,
+    metadata: Mapping[str, Any] | None,
+    checksums: dict[str, list[int]] | None,
+) -> None:
+    """Entries read from another file: each component read into one reused buffer and
+    written at its offset, checksummed on the way; the metadata last (its documents'
+    checksums are known then)."""
+    from parallelvars._fileio import DataWriter, Scratch
+
+    root = _root_values(metadata)
+    plan, _ = _plan_for(items, [None] * len(items), object_graph, root, p)
+    crcs: list[list[int]] = []
+    with atomic_path(p) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        os.close(fd)
+        writer, scratch, ok = DataWriter(tmp, p), Scratch(), False
+        try:
+            for e in items:
+                dt = np.dtype(e.dtype)
+                cc = []
+                for i, (off, want) in enumerate(
+                    zip(plan.offsets[e.path], _expected_shapes(e), strict=True)
+                ):
+                    if tuple(int(d) for d in e.component_shape(i)) != want:
+                        from parallelvars.errors import ShapeMismatchError
+
+                        raise ShapeMismatchError(
+                            "component has the wrong shape",
+                            file=p,
+                            variable=f"{e.path}[{i}]",
+                            expected=want,
+                            found=tuple(e.component_shape(i)),
+                        )
+                    arr = scratch.array(dt, want)
+                    e.read_component_into(i, arr)
+                    cc.append(writer.write(arr, off) if off is not None else checksum(arr))
+                    del arr
+                crcs.append(cc)
+            index = _index_of(items, plan, crcs)
+            flat = [c for m in index.values() for c in m["crc32c"]]
+            text = json.dumps(index)
+            digits = ", ".join(map(str, flat))
+            separators = 2 * max(len(flat) - 1, 0)
+            head, tail = _columns_parts(index)
+            docs = {
+                INDEX_DATASET: text.encode().ljust(
+                    index_capacity(len(text) - (len(digits) - separators), len(flat)), b" "
+                ),
+                COLUMNS_DATASET: (head + digits + tail)
+                .encode()
+                .ljust(index_capacity(len(head) + len(tail) + separators, len(flat)), b" "),
+            }
+            if object_graph is not None:
+                docs[GRAPH_DATASET] = json.dumps(object_graph).encode()
+            meta = plan.metadata(
+                {k: len(v) for k, v in docs.items()},
+                document_checksums={k: _crc32c.crc32c(v) for k, v in docs.items()},
+            )
+            os.ftruncate(writer.fd, meta.file_size)
+            for offset, data in meta.pieces:
+                pwrite_all(writer.fd, memoryview(data), offset)
+            for name, data in docs.items():
+                pwrite_all(writer.fd, memoryview(data), meta.documents[name])
+            ok = True
+        finally:
+            writer.close(raise_errors=ok)
+    if checksums is not None:
+        checksums.update((e.path, list(cc)) for e, cc in zip(items, crcs, strict=True))

@@ -1,0 +1,171 @@
+"""The single-process save path through the generator (``h5raw/native.py``: ``save_native``):
+every kind and dtype, first and repeated saves, mirrored components stored once, conversions
+into HDF5; h5py (and the libhdf5 writer's file of the same content) as the oracle."""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import ml_dtypes
+import numpy as np
+import pytest
+
+import parallelvars as pv
+from parallelvars.checkpoint import H5Reader
+from parallelvars.checkpoint.h5io import write_h5
+from parallelvars.checkpoint.h5raw import native
+from parallelvars.formats import convert
+
+
+def every_name(f: h5py.File) -> dict[str, object]:
+    """What h5py reads under every link name (components stored once appear under each)."""
+    seen: dict[str, object] = {}
+
+    def walk(group: h5py.Group, prefix: str) -> None:
+        for key in group:
+            obj = group[key]
+            attrs = {k: repr(v) for k, v in obj.attrs.items()}
+            name = prefix + key
+            if isinstance(obj, h5py.Dataset):
+                if not name.startswith("_parallelvars"):
+                    value = np.asarray(obj[()])
+                    raw = value.tobytes() if value.dtype.kind != "O" else repr(value.tolist())
+                    seen[name] = (attrs, obj.dtype.str, obj.shape, obj.is_virtual, raw)
+            else:
+                seen[name] = attrs
+                walk(obj, name + "/")
+
+    seen["/"] = {k: repr(v) for k, v in f.attrs.items() if k != "created"}
+    walk(f, "")
+    return seen
+
+
+def assert_h5py_reads_the_same(ours: str, ckpt: pv.Checkpoint, tmp_path) -> None:
+    records, graph, metadata = ckpt._gather(False)
+    theirs = write_h5(str(tmp_path / "libhdf5.h5"), records, object_graph=graph, metadata=metadata)
+    with h5py.File(ours, "r") as fa, h5py.File(theirs, "r") as fb:
+        wa, wb = every_name(fa), every_name(fb)
+        ia, ib = (json.loads(bytes(f["_parallelvars/index"][()])) for f in (fa, fb))
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert wa[key] == wb[key], key
+    for meta in (*ia.values(), *ib.values()):
+        del meta["offsets"]
+    assert ia == ib
+
+
+def model(dtype) -> pv.Module:
+    m = pv.Module()
+    value = np.arange(12).reshape(3, 4).astype(dtype)
+    with pv.MirroredStrategy(3).scope():
+        m.mirrored = pv.Variable(value, name="mirrored")
+        m.on_read = pv.Variable(value, name="r", synchronization="on_read", aggregation="sum")
+        m.sharded = pv.Variable(value, name="s", shard_axis=0)
+        m.scalar = pv.Variable(np.asarray(7).astype(dtype), name="scalar")
+        m.empty = pv.Variable(np.zeros((0, 2), dtype), name="empty")
+    m.single = pv.Variable(value[0], name="single")
+    return m
+
+
+DTYPES = [
+    np.float32,
+    np.float64,
+    np.float16,
+    ml_dtypes.bfloat16,
+    ml_dtypes.float8_e4m3fn,
+    np.int8,
+    np.int64,
+    np.uint16,
+    np.bool_,
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_every_kind_and_dtype_first_and_repeated(tmp_path, dtype) -> None:
+    m = model(dtype)
+    ckpt = pv.Checkpoint(model=m)
+    first = ckpt.write(tmp_path / "first.h5")
+    assert isinstance(ckpt._pv_plans._skeleton, native.Prepared)
+    assert_h5py_reads_the_same(first, ckpt, tmp_path)
+    m.on_read.components[1][...] = np.ones((3, 4), dtype)  # components that differ
+    again = ckpt.write(tmp_path / "again.h5")
+    assert_h5py_reads_the_same(again, ckpt, tmp_path)
+    with H5Reader(again) as r:
+        assert r.verify_all() == []
+        np.testing.assert_array_equal(r["model/on_read"].component(1), np.ones((3, 4), dtype))
+    back = model(dtype)
+    pv.Checkpoint(model=back).restore(again).assert_consumed()
+    for name in ("mirrored", "on_read", "sharded", "scalar", "empty", "single"):
+        for a, b in zip(getattr(back, name).components, getattr(m, name).components, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_mirrored_components_are_stored_once(tmp_path) -> None:
+    m = pv.Module()
+    with pv.MirroredStrategy(4).scope():
+        m.w = pv.Variable(np.arange(1000, dtype=np.float32), name="w")
+        m.r = pv.Variable(np.zeros(1000, np.float32), name="r", synchronization="on_read")
+    m.r.components[2][0] = 1.0  # component 2 differs: written apart; 1 and 3 share 0's
+    path = pv.Checkpoint(model=m).write(tmp_path / "c.h5")
+    with h5py.File(path, "r") as f:
+        w = [
+            f[f"model/w/{n}"] for n in ("primary", *(f"parallel_component_{i}" for i in (1, 2, 3)))
+        ]
+        assert len({d.id.get_offset() for d in w}) == 1
+        assert all(d.id == w[0].id for d in w)  # one dataset, four names
+        for d in w:
+            np.testing.assert_array_equal(d[()], np.arange(1000, dtype=np.float32))
+        r = [
+            f[f"model/r/{n}"] for n in ("primary", *(f"parallel_component_{i}" for i in (1, 2, 3)))
+        ]
+        offsets = [d.id.get_offset() for d in r]
+        assert offsets[0] == offsets[1] == offsets[3] != offsets[2]
+        assert r[2][0] == 1.0 and r[3][0] == 0.0
+        index = json.loads(bytes(f["_parallelvars/index"][()]))
+    assert index["model/w"]["offsets"] == [index["model/w"]["offsets"][0]] * 4
+    with H5Reader(path) as reader:
+        assert reader.table is not None  # the bulk reader takes shared offsets as one dataset
+        assert reader.verify_all() == []
+    back = pv.Module()
+    with pv.MirroredStrategy(4).scope():
+        back.w = pv.Variable(np.zeros(1000, np.float32), name="w")
+        back.r = pv.Variable(np.zeros(1000, np.float32), name="r", synchronization="on_read")
+    pv.Checkpoint(model=back).restore(path).assert_consumed()
+    assert back.r.components[2][0] == 1.0 and back.r.components[3][0] == 0.0
+    np.testing.assert_array_equal(back.w.components[3], np.arange(1000, dtype=np.float32))
+
+
+def test_byte_strings_take_libhdf5_and_read_back(tmp_path) -> None:
+    ckpt = pv.Checkpoint(s=pv.Variable(np.array([b"ab", b"c"], dtype=object), name="s"))
+    for name in ("a.h5", "b.h5"):
+        path = ckpt.write(tmp_path / name)
+        with H5Reader(path) as r:
+            assert r.verify_all() == [] and r["s"].value().tolist() == [b"ab", b"c"]
+    assert isinstance(ckpt._pv_plans._skeleton, native.Unexpressed)
+
+
+def test_a_list_of_more_than_1024_variables_is_written(tmp_path) -> None:
+    m = pv.Module()
+    m.vs = [pv.Variable(np.full(2, i, np.float32), name=f"v{i}") for i in range(1030)]
+    path = pv.Checkpoint(model=m).write(tmp_path / "c.h5")  # (libhdf5: dense link storage)
+    with H5Reader(path) as r:
+        assert r.verify_all() == [] and r["model/vs/1029"].value()[0] == 1029
+
+
+def test_conversion_into_hdf5_is_generated_and_streamed(tmp_path) -> None:
+    from safetensors.numpy import save_file
+
+    tensors = {
+        "a": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "b/c": np.ones(4, ml_dtypes.bfloat16),
+        "z": np.zeros((0,), np.int32),
+    }
+    save_file(tensors, str(tmp_path / "o.safetensors"))
+    out = convert(str(tmp_path / "o.safetensors"), str(tmp_path / "o.h5"))
+    with H5Reader(str(out)) as r:
+        assert r.verify_all() == []
+        for name, value in tensors.items():
+            np.testing.assert_array_equal(r[name].value(), value)
+    with h5py.File(out, "r") as f:
+        np.testing.assert_array_equal(f["a/primary"][()], tensors["a"])
