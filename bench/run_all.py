@@ -582,6 +582,7 @@ def _rows_paths_commands(d: dict[str, Any]) -> list[list[str]]:
                     _target(r["targets"]["ratio"]),
                 )
             )
+    return rows
 
 
 def _rows_paths_save(d: dict[str, Any]) -> list[list[str]]:

@@ -125,6 +125,15 @@ def _exactly_representable(stored: Any, dtype: np.dtype) -> bool:
     return True
 
 
+def _logical_shape(obj: ParallelVariable) -> tuple[int, ...]:
+    """The whole variable's shape: a process's shard of a variable sharded across processes
+    knows it; any other variable's is its buffer's (no attribute lookup through the proxy,
+    which would read an on-read variable's value)."""
+    if isinstance(obj, RankShardedVariable):
+        return tuple(obj.full_shape)
+    return tuple(obj.__wrapped__.shape)
+
+
 class ParallelVariableSaveable(Saveable):
     """Saves ``primary`` and ``parallel_component_1..N-1``; restores by the table above."""
 
@@ -144,14 +153,14 @@ class ParallelVariableSaveable(Saveable):
             kind=obj.kind,
             components=obj.components,
             # a process's shard of a variable sharded across processes: the whole shape
-            shape=tuple(getattr(obj, "full_shape", obj.__wrapped__.shape)),
+            shape=_logical_shape(obj),
             attrs=attrs,
         )
 
     def plan_restore(
         self, obj: ParallelVariable, stored: Entry, *, file: str, path: str, allow_cast: bool
     ) -> Callable[[], None]:
-        shape = tuple(getattr(obj, "full_shape", obj.__wrapped__.shape))
+        shape = _logical_shape(obj)
         if tuple(stored.shape) != shape:
             raise ShapeMismatchError(
                 "shape mismatch",
