@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import crc32c as _crc32c
 import numpy as np
@@ -358,7 +358,7 @@ def _crc(c: np.ndarray) -> int:
     """``checksum(c)`` without making a view where the array exports its buffer itself."""
     if c.dtype.kind != "O":
         try:
-            return int(_crc32c.crc32c(c))
+            return int(_crc32c.crc32c(cast(Any, c)))
         except (ValueError, TypeError, BufferError):  # (extension dtypes: no buffer format)
             pass
     return checksum(c)
@@ -368,7 +368,7 @@ def _raw(c: np.ndarray) -> Any:
     """A C-contiguous array's bytes as a flat byte buffer ``pwritev`` takes (only arrays with
     data are written)."""
     try:
-        return memoryview(c).cast("B")
+        return memoryview(cast(Any, c)).cast("B")
     except (ValueError, TypeError, BufferError):
         return byte_view(c)
 
