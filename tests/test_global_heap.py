@@ -252,7 +252,6 @@ def test_groups_of_many_attributes_keep_them_in_their_header_and_are_checked(tmp
 def test_attributes_in_dense_storage_are_checked_for_presence_only(tmp_path, monkeypatch):
     # Files written before groups kept more than 8 attributes in their header still pass.
     from parallelvars.checkpoint.h5io import write as write_module
-
     from parallelvars.checkpoint.h5raw import messages, native
 
     def libhdf5_only(*args, **kwargs):
