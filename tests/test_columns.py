@@ -106,7 +106,7 @@ def test_repeated_saves_from_the_skeleton_have_the_columns(tmp_path: Path, fixed
         m.w.assign(np.full((3, 4), k, np.float32))
         m.big.assign(np.full(40_000, k, np.float32))
         path = ckpt.save(tmp_path / "run")
-        assert ckpt._pv_skeletons._skeleton is not None
+        assert ckpt._pv_plans._skeleton is not None  # from the cached generated metadata
         assert_columns_are_the_index(path)
         with H5Reader(path) as r:
             np.testing.assert_array_equal(r["model/big"].component(1), np.full(40_000, k))

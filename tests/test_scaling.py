@@ -364,7 +364,7 @@ def test_save_and_restore_leave_the_collector_alone(tmp_path):
     assert gc.get_freeze_count() == 0
 
     writing, release = threading.Event(), threading.Event()
-    real = pv.checkpoint.checkpoint.write_h5
+    real = pv.checkpoint.checkpoint.save_native
 
     def slow_write(*args: Any, **kwargs: Any) -> str:
         writing.set()
@@ -372,7 +372,7 @@ def test_save_and_restore_leave_the_collector_alone(tmp_path):
         return real(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pv.checkpoint.checkpoint, "write_h5", slow_write)
+        mp.setattr(pv.checkpoint.checkpoint, "save_native", slow_write)
         with pv.CheckpointManager(ckpt, str(tmp_path / "d")) as mgr:
             mgr.save(blocking=False)
             assert writing.wait(10)

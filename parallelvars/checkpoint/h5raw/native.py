@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import crc32c as _crc32c
 import numpy as np
@@ -48,8 +48,13 @@ def _shared(components: Sequence[np.ndarray], crcs: list[int]) -> list[int]:
     first = components[0]
     if all(c == crcs[0] for c in crcs) and all(c.shape == first.shape for c in components):
         # the common case (a mirrored variable): every component equal to the first
-        b0 = byte_view(first)
-        if all(np.array_equal(b0, byte_view(c)) for c in components[1:]):
+        if first.nbytes <= 1 << 16:  # small: comparing copies costs less than numpy's call
+            b0 = first.tobytes()
+            same = all(c.tobytes() == b0 for c in components[1:])
+        else:
+            v0 = byte_view(first)
+            same = all(np.array_equal(v0, byte_view(c)) for c in components[1:])
+        if same:
             return [0] * len(components)
     out: list[int] = []
     for i, c in enumerate(components):
@@ -212,20 +217,21 @@ def _write_components(
     fd: int, plan: FilePlan, items: list[Any], comps: list[list[np.ndarray]]
 ) -> None:
     """Every component with data at its offset, in gathered writes of neighbours (the gaps
-    between them are the file's zeros, left by ``ftruncate``)."""
-    placed = sorted(
-        {
-            off: (off, c)
-            for e, cs in zip(items, comps, strict=True)
-            for off, c in zip(plan.offsets[e.path], cs, strict=True)
-            if off is not None and c.nbytes
-        }.values(),
-        key=lambda t: t[0],
-    )
+    between them are the file's zeros, left by ``ftruncate``). The plan lays the stored
+    components out in order: a component at an offset not past the last one's is stored as
+    another's dataset (not written again)."""
+    placed: list[tuple[int, np.ndarray]] = []
+    last = -1
+    offsets = plan.offsets
+    for e, cs in zip(items, comps, strict=True):
+        for off, c in zip(offsets[e.path], cs, strict=True):
+            if off is not None and off > last and c.nbytes:
+                placed.append((off, c))
+                last = off
     k = 0
     while k < len(placed):
         start = placed[k][0]
-        buffers: list[np.ndarray] = []
+        buffers: list[Any] = []
         end = start
         while k < len(placed) and len(buffers) < IOV_MAX - 1:
             off, c = placed[k]
@@ -233,7 +239,7 @@ def _write_components(
                 if off - end > 64:
                     break
                 buffers.append(np.zeros(off - end, np.uint8))
-            buffers.append(byte_view(c))
+            buffers.append(_raw(c))
             end = off + c.nbytes
             k += 1
         pwritev_all(fd, buffers, start, end - start)
@@ -353,6 +359,25 @@ class Unexpressed:
 
     def __init__(self, key: Any) -> None:
         self.key = key
+
+
+def _crc(c: np.ndarray) -> int:
+    """``checksum(c)`` without making a view where the array exports its buffer itself."""
+    if c.dtype.kind != "O":
+        try:
+            return int(_crc32c.crc32c(cast(Any, c)))
+        except (ValueError, TypeError, BufferError):  # (extension dtypes: no buffer format)
+            pass
+    return checksum(c)
+
+
+def _raw(c: np.ndarray) -> Any:
+    """A C-contiguous array's bytes as a flat byte buffer ``pwritev`` takes (only arrays with
+    data are written)."""
+    try:
+        return memoryview(cast(Any, c)).cast("B")
+    except (ValueError, TypeError, BufferError):
+        return byte_view(c)
 
 
 def _contiguous(c: Any) -> np.ndarray:
@@ -630,9 +655,7 @@ def _save_arrays(
     from parallelvars.errors import ConcurrentWriteError
 
     comps = [[_contiguous(c) for c in e.components] for e in items]
-    for e, cs in zip(items, comps, strict=True):
-        _check_components(e, cs, p)
-    crcs = [[checksum(c) for c in cs] for cs in comps]
+    crcs = [[_crc(c) for c in cs] for cs in comps]
     shared = [
         _shared(cs, cc) if share_equal and e.kind != "sharded" and len(cs) > 1 else None
         for e, cs, cc in zip(items, comps, crcs, strict=True)
@@ -643,6 +666,9 @@ def _save_arrays(
     root = _root_values(metadata)
     prep = None if cache is None or key is None else cache.get(key)
     if not isinstance(prep, Prepared):
+        # (a cached structure's key holds every component's shape and dtype: checked once)
+        for e, cs in zip(items, comps, strict=True):
+            _check_components(e, cs, p)
         prep, _ = _prepare(key, items, shared, crcs, object_graph, root, p)
         if cache is not None and key is not None:
             cache.put(prep)
@@ -669,7 +695,7 @@ def _save_arrays(
             for i, (c, crc) in enumerate(zip(cs, cc, strict=True)):
                 # (a component stored as another's dataset was not written: its bytes are not
                 # in the file, the first one's are, checked here)
-                if c.nbytes and (sh is None or sh[i] == i) and checksum(c) != crc:
+                if c.nbytes and (sh is None or sh[i] == i) and _crc(c) != crc:
                     raise ConcurrentWriteError(
                         "changed while it was being saved",
                         file=p,
