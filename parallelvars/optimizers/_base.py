@@ -282,8 +282,8 @@ class Optimizer(OptimizerState):
         gives the same buffers.
 
         Raises:
-            GradientError: a variable that is not a float variable with an arena
-                placement (a sharded one): give those gradients as plain arrays.
+            GradientError: a variable the update core does not run over (a sharded variable
+                whose full array is not contiguous): give those gradients as plain arrays.
         """
         replicas = _context.current_mode().strategy._local_replica_count()
         return self._pv_transport.buffers_for(list(var_list), replicas)
@@ -297,7 +297,7 @@ class Optimizer(OptimizerState):
         user's :class:`GradientBuffers`, or, over several processes, flat buffers all-reduced
         in one call per dtype), and adds the local replicas in device order as it updates.
         One array object that every replica gives is a term once per replica, on either path.
-        Every other gradient (sparse, another dtype, sharded or bfloat16 variables) goes
+        Every other gradient (sparse, of another dtype or shape) goes
         through ``batch_reduce``, in the same step.
         """
         parts: Sequence[ReplicaGradients] = (
@@ -425,8 +425,10 @@ class Optimizer(OptimizerState):
                 expected="a float dtype",
                 found=dtype,
             )
-        fast = (
-            not isinstance(var, ShardedVariable) and var.placement is not None and _is_float(dtype)
+        # Arena variables (sharded ones too: their full value is an arena row), and sharded
+        # ones made around a contiguous array of their own (see update_core.flat_run).
+        fast = var.placement is not None or (
+            isinstance(var, ShardedVariable) and var.__wrapped__.flags.c_contiguous
         )
         info = (tuple(var.shape), dtype, fast)
         self._pv_info[id(var)] = (var, info)
@@ -607,16 +609,27 @@ class Optimizer(OptimizerState):
             [
                 (i, v.placement, self._pv_replicate_mirrored and v.kind in ("mirrored", "single"))
                 for i, v in enumerate(fast_vars)
+                if v.placement is not None
             ],
             lambda arena: [self._slot_arena(arena, n) for n in names],
         )
+        # Sharded variables made around an array of their own: that array, with their slots'.
+        for i, v in enumerate(fast_vars):
+            if v.placement is None:
+                slots = [self.get_slot(v, n) for n in names]
+                runs.append(
+                    update_core.flat_run(
+                        i, v.__wrapped__, [s.__wrapped__ for s in slots if s is not None]
+                    )
+                )
         if len(self._pv_plans) >= PLAN_CACHE:
             self._pv_plans.pop(next(iter(self._pv_plans)))
         self._pv_plans[key] = (tuple(fast_vars), runs)
         return runs
 
     def _update_one(self, var: Any, g: Any, hp: Any) -> None:
-        """The per-variable path: sharded variables, exotic float dtypes, sparse rows."""
+        """The per-variable path: sparse rows, and variables the update core cannot run over
+        (a sharded variable whose full array is not contiguous)."""
         names = [n for n, _ in self._slot_specs()]
         slots = [self.get_slot(var, n) for n in names]
 

@@ -9,8 +9,8 @@ replicas block by block, in device order, right before its kernel uses each bloc
 own over memory.
 
 A gradient qualifies when its variable is a float variable (float16/32/64, bfloat16,
-float8) with an arena placement
-(the optimizer's ``_info`` says so) and every replica gave a plain array of the variable's dtype
+float8) with an arena placement or a sharded one (its full array is a one-row run: see
+:func:`update_core.flat_run`; the optimizer's ``_info`` says so) and every replica gave a plain array of the variable's dtype
 and shape (one array object that several replicas gave is a term of the sum once per replica
 that gave it, as the per-variable sum counts it). Its replicas' arrays reach the core in one of
 three forms:
@@ -91,6 +91,8 @@ def _may_alias(
     """
     unknown: list[Any] = []
     for gs in grads:
+        if not owner_ids.isdisjoint(map(id, gs)):
+            return True  # the very array a variable is held in (a sharded variable's)
         if all(map(operator.is_, map(_base_of, gs), itertools.repeat(None))):
             continue  # every array owns its memory: the common case, one C-level pass
         bases = list(map(_base_of, gs))
@@ -229,9 +231,7 @@ class _LinesCache:
         """The gather plan and the ids of the buffers the step writes, made on first use."""
         if self._gather is None:
             plan = update_core.plan_gather(self.runs)
-            owners = {id(r.arena.buffer) for r in self.runs}
-            owners.update(id(s.base) for r in self.runs for s in r.slot_slabs)
-            self._gather = (plan, frozenset(owners))
+            self._gather = (plan, update_core.buffer_ids(self.runs))
         return self._gather
 
     def packed(self, replica: int) -> dict[np.dtype, np.ndarray]:
@@ -380,9 +380,9 @@ class FusedTransport:
         for v in var_list:
             if not self._owner._info(v)[2]:
                 raise GradientError(
-                    "gradient buffers hold float variables with an arena placement",
+                    "gradient buffers hold float variables the update core runs over",
                     variable=v.name,
-                    expected="a mirrored or single-device float variable",
+                    expected="a float variable with an arena placement or a contiguous full value",
                     found=f"{type(v).__name__} of {v.dtype}",
                 )
         self._owner._create_slots(var_list)

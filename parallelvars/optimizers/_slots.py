@@ -293,7 +293,9 @@ class OptimizerState(Module):
     def _make_slot(self, var: Any, slot_name: str, init: float) -> ParallelVariable:
         name = f"{var.name}/{slot_name}"
         shape = tuple(var.shape)
-        if isinstance(var, ShardedVariable):
+        pl = var.placement
+        if isinstance(var, ShardedVariable) and pl is None:
+            # A sharded variable made around an array of its own: so is its slot.
             return ShardedVariable(
                 np.full(shape, init, var.dtype),
                 device=var.device,
@@ -301,7 +303,6 @@ class OptimizerState(Module):
                 shard_axis=var.shard_axis,
                 trainable=False,
             )
-        pl = var.placement
         if pl is None:  # pragma: no cover - float variables always get an arena
             raise GradientError("variable has no arena placement", variable=var.name)
         shadow = self._slot_arena(pl.arena, slot_name)
@@ -309,6 +310,16 @@ class OptimizerState(Module):
         # positive accumulator there, never 0 / 0.
         end = shadow.end_of(pl.offset, pl.size)
         shadow.buffer[:, pl.offset : end] = init
+        if isinstance(var, ShardedVariable):
+            # Sharded like the variable, its full value at the same columns of the shadow.
+            return ShardedVariable(
+                shadow.view(pl.offset, shape)[0],
+                device=var.device,
+                name=name,
+                shard_axis=var.shard_axis,
+                trainable=False,
+                placement=Placement(shadow, pl.offset, pl.size),
+            )
         return ParallelVariable(
             shadow.view(pl.offset, shape),
             device=var.device,
