@@ -761,3 +761,116 @@ def test_sharded_variables_around_arrays_of_their_own_keep_the_per_variable_bits
     assert opt._pv_transport._steady is not None and ref_opt._pv_transport._steady is None
     assert any(isinstance(r.arena, update_core.FlatArena) for r in _lines(opt).runs)
     _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+
+
+SPARSE_SHAPES = [(9, 4), (6,), (5, 2, 3), (7, 4), (1, 4)]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize(
+    "dtype", [np.float32, np.float64, *_narrow_dtypes()[:2]], ids=lambda d: np.dtype(d).name
+)
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda: opts.SGD(0.1),
+        lambda: opts.Momentum(0.1, 0.9),
+        lambda: opts.Adagrad(0.1),
+        lambda: opts.RMSProp(0.01),
+        lambda: opts.Adam(0.01),
+    ],
+    ids=["sgd", "momentum", "adagrad", "rmsprop", "adam"],
+)
+@pytest.mark.parametrize(
+    "devices", [1, 3, ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]], ids=["1", "3", "unordered"]
+)
+@pytest.mark.parametrize("sharded", [False, True], ids=["mirrored", "sharded"])
+def test_sparse_gradients_applied_together_keep_the_per_variable_bits(
+    dtype: Any, devices: Any, make_opt: Callable[[], opts.Optimizer], sharded: bool
+) -> None:
+    # Every variable's IndexedSlices deduplicated and applied a group at a time (one arena and
+    # row width): the bits of the per-variable path, which deduplicates and updates each
+    # variable on its own. Repeated indices within and across replicas, variables without any
+    # (their values, -0.0 included, taken as they are), empty gradients, a dense neighbour.
+    strategy = pv.MirroredStrategy(devices)
+    n = strategy.num_replicas_in_sync
+
+    def model() -> tuple[list[Any], opts.Optimizer]:
+        rng = np.random.default_rng(3)
+        with strategy.scope():
+            vs = [
+                pv.Variable(
+                    rng.normal(size=s).astype(dtype),
+                    name=f"v{i}",
+                    shard_axis=0 if sharded and i % 2 == 0 else None,
+                )
+                for i, s in enumerate(SPARSE_SHAPES)
+            ]
+            return vs, make_opt()
+
+    vs, opt = model()
+    ref_vs, ref_opt = model()
+    ref_opt._info = lambda v: (*opts.Optimizer._info(ref_opt, v)[:2], False)  # type: ignore[method-assign]
+    rng = np.random.default_rng(18)
+
+    def grads_of(r: int) -> list[Any]:
+        out: list[Any] = []
+        for i, s in enumerate(SPARSE_SHAPES):
+            if i == 3:  # a dense gradient next to the sparse ones
+                out.append(rng.normal(size=s).astype(dtype))
+                continue
+            k = [3, 0, 2, 1, 1][i] if i != 1 else r + 1
+            # Variable 2 repeats rows within each replica; variable 0 across replicas only.
+            idx = (
+                rng.integers(0, s[0], k) if i != 0 else np.array([(r + j) % s[0] for j in range(k)])
+            )
+            vals = (rng.normal(size=(k, *s[1:])) * 10.0 ** (r - 1)).astype(dtype)
+            if i == 4:
+                vals[...] = -0.0
+            out.append(pv.IndexedSlices(vals, idx, s))
+        return out
+
+    for _ in range(3):
+        per_replica = [grads_of(r) for r in range(n)]
+
+        def step(grads: list[Any], o: opts.Optimizer, vars_: list[Any]) -> None:
+            o.apply_gradients(zip(grads, vars_, strict=True))
+
+        strategy.run(step, args=(pv.PerReplica(per_replica), opt, vs))
+        strategy.run(step, args=(pv.PerReplica(per_replica), ref_opt, ref_vs))
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+
+
+def test_sparse_rows_match_deduplicate() -> None:
+    from parallelvars.optimizers._sparse import sparse_rows
+
+    rng = np.random.default_rng(19)
+    grads = [
+        pv.IndexedSlices(rng.normal(size=(5, 2)).astype(np.float32), [3, 1, 3, 0, 1]),
+        pv.IndexedSlices(np.array([[-0.0, 1.0], [2.0, -0.0]], np.float32), [2, 0]),
+        pv.IndexedSlices(np.zeros((0, 2), np.float32), np.zeros(0, np.int64)),
+    ]
+    rows = sparse_rows(grads, [4, 3, 2], 2)
+    for k, g in enumerate(grads):
+        want = g.deduplicate()
+        np.testing.assert_array_equal(rows.index[rows.var == k], want.indices)
+        assert np.array_equal(_bits(rows.values[rows.var == k]), _bits(want.values))
+    starts = np.array([0, 8, 14])
+    assert rows.columns(starts, 2).tolist()[:4] == [0, 1, 2, 3]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("dtype", [np.float32, *_narrow_dtypes()[1:2]], ids=["float32", "bf16"])
+def test_adding_in_occurrence_order_is_add_at(dtype: Any) -> None:
+    from parallelvars.optimizers._sparse import _add_in_occurrence_order
+
+    rng = np.random.default_rng(20)
+    rows = rng.integers(0, 7, 200)
+    values = (rng.normal(size=(200, 3)) * 10.0 ** rng.integers(-4, 5, (200, 1))).astype(dtype)
+    values[5] = np.nan
+    values[9, 1] = -0.0
+    want = np.zeros((7, 3), dtype)
+    np.add.at(want, rows, values)
+    got = np.zeros((7, 3), dtype)
+    _add_in_occurrence_order(got, rows, values)
+    assert np.array_equal(_bits(got), _bits(want))

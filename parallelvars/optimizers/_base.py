@@ -24,6 +24,7 @@ through the same steps.
 from __future__ import annotations
 
 import inspect
+import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from types import SimpleNamespace
@@ -594,7 +595,7 @@ class Optimizer(OptimizerState):
                 or tuple(g.values.shape[1:]) != shape[1:]
             ):
                 continue
-            width = int(np.prod(shape[1:], dtype=np.int64))
+            width = math.prod(shape[1:])
             groups.setdefault((id(v.placement.arena), width), []).append(i)
         out = []
         for (_, width), positions in groups.items():

@@ -103,11 +103,16 @@ class IndexedSlices:
 def sum_indexed_slices(parts: Sequence[IndexedSlices]) -> IndexedSlices:
     """The sum of sparse gradients: their rows side by side (duplicates add up later)."""
     shapes = {p.dense_shape for p in parts if p.dense_shape is not None}
-    return IndexedSlices(
-        np.concatenate([p.values for p in parts]),
-        np.concatenate([p.indices for p in parts]),
-        next(iter(shapes)) if len(shapes) == 1 else None,
-    )
+    values = np.concatenate([p.values for p in parts])
+    if len(shapes) > 1 or values.ndim == 0:
+        return IndexedSlices(values, np.concatenate([p.indices for p in parts]), None)
+    # Each part was checked when it was made: so is their concatenation (one dense shape,
+    # 1-D int64 indices, a row of values per index).
+    out = IndexedSlices.__new__(IndexedSlices)
+    out.values = values
+    out.indices = np.concatenate([p.indices for p in parts])
+    out.dense_shape = next(iter(shapes)) if shapes else None
+    return out
 
 
 class SparseRows:
@@ -162,12 +167,27 @@ def sparse_rows(grads: Sequence[IndexedSlices], rows: Sequence[int], width: int)
     summed = np.zeros((unique.shape[0], width), dtype)
     if repeated.any():
         take = repeated[var_of]
-        np.add.at(summed, inverse[take], values[take])  # in occurrence order: deterministic
         keep = ~take
         summed[inverse[keep]] = values[keep]
+        _add_in_occurrence_order(summed, inverse[take], values[take])
     else:
         summed[inverse] = values
     return SparseRows(uvar, unique - base[uvar], summed)
+
+
+def _add_in_occurrence_order(out: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
+    """``np.add.at(out, rows, values)``, the same bits, in as many vectorised adds as a row
+    repeats at most: round ``j`` adds every row's ``j``-th value (its occurrences in order), so
+    each row is summed left to right from its value in ``out``, as ``np.add.at`` sums it."""
+    if not rows.size:
+        return
+    order = np.argsort(rows, kind="stable")
+    ranked = rows[order]
+    first = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
+    rank = np.arange(ranked.shape[0]) - np.repeat(first, np.diff(np.r_[first, ranked.shape[0]]))
+    for j in range(int(rank.max()) + 1):
+        at = order[rank == j]
+        out[rows[at]] += values[at]
 
 
 def _squares(t: Any) -> float:
