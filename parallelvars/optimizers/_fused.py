@@ -41,7 +41,9 @@ import numpy as np
 
 from parallelvars import update_core
 from parallelvars.errors import ContextError, GradientError
+from parallelvars.optimizers._sparse import IndexedSlices
 from parallelvars.strategy import _context
+from parallelvars.strategy._values import PerReplica
 
 __all__ = ["FusedLines", "FusedTransport", "GradientBuffers", "ReplicaGradients"]
 
@@ -107,6 +109,31 @@ def _may_alias(
             if len(unknown) > _ADDRESS_CHECKS:
                 return True
     return bool(unknown) and update_core.overlaps(plan, unknown)
+
+
+def _merged(
+    strategy: Any, parts: Sequence[ReplicaGradients], positions: Sequence[int]
+) -> list[tuple[Any, Any]]:
+    """The pairs at ``positions``, merged across the local replicas as ``merge_call`` would
+    merge them. Sparse gradients (every replica an :class:`IndexedSlices`) are merged here
+    directly, one ``PerReplica`` (or the one object all gave) each, without the generic walk;
+    the rest by the strategy (which, over several processes, has its own rules)."""
+    if len(parts) < 2 or len(parts) != strategy.num_replicas_in_sync:
+        return strategy._merge_args([[p.pairs[i] for i in positions] for p in parts])
+    grads = [p.grads for p in parts]
+    sparse = [i for i in positions if all(type(g[i]) is IndexedSlices for g in grads)]
+    if not sparse:
+        return strategy._merge_args([[p.pairs[i] for i in positions] for p in parts])
+    taken = set(sparse)
+    rest = [i for i in positions if i not in taken]
+    merged = strategy._merge_args([[p.pairs[i] for i in rest] for p in parts]) if rest else []
+    variables = parts[0].variables
+    out: dict[int, tuple[Any, Any]] = dict(zip(rest, merged, strict=True))
+    for i in sparse:
+        gs = [g[i] for g in grads]
+        first = gs[0]
+        out[i] = (first if all(g is first for g in gs) else PerReplica(gs), variables[i])
+    return [out[i] for i in positions]
 
 
 class ReplicaGradients:
@@ -451,7 +478,7 @@ class FusedTransport:
         plan = self._plan_of(key, var_list)
         fused, picked = self._positions(plan, parts, len(var_list))
         if not fused:
-            return strategy._merge_args([p.pairs for p in parts]), None
+            return _merged(strategy, parts, range(len(var_list))), None
         lines = self._pack(
             var_list, fused, picked if fused == plan.candidates else None, parts, order, strategy
         )
@@ -461,7 +488,7 @@ class FusedTransport:
             return [], lines
         keep = set(fused)
         others = [i for i in range(len(var_list)) if i not in keep]
-        return strategy._merge_args([[p.pairs[i] for i in others] for p in parts]), lines
+        return _merged(strategy, parts, others), lines
 
     def _plan_of(self, key: tuple[int, ...], var_list: list[Any]) -> _FusedPlan:
         cached = self.plans.get(key)
