@@ -19,6 +19,10 @@ in the same run and in turns:
   summed, so it must cost what ``run`` costs;
 * **bf16**: the in-run step of bfloat16 variables with bfloat16 gradients (Adam computed in
   float32 per block, rounded once into the variable and its slots);
+* **sharded**: the in-run step of float32 variables sharded along axis 0 (10 x 50 each for
+  model B, 500 x 100 for model A), per-replica gradients of the full shape;
+* **sparse**: the in-run step with one ``IndexedSlices`` of 4 rows per variable per replica, on
+  variables of those 2-D shapes (its dense counterpart is ``run``: as many parameters);
 * **tf**: ``tf.distribute.MirroredStrategy`` on 4 logical CPU devices doing the same step, when
   TensorFlow is importable (an optional anchor, skipped otherwise).
 
@@ -28,8 +32,9 @@ in the same run and in turns:
 
 Targets: in-run <= 1.35x the core alone for model A (200 vars, 10M params) and <= 1.5x for
 model B (2,000 vars, 1M params); the shared-gradient step <= 1.5x the in-run step with
-per-replica arrays, for both, and the bfloat16 step <= 1.5x the float32 in-run step. (The core itself is only ~9-10x the per-component loop on
-model B, so the loop is reported, not a target.)
+per-replica arrays, for both, and the bfloat16 and sharded steps <= 1.5x the float32 in-run
+step; the sparse step <= 2x the dense in-run step. (The core itself is only ~9-10x the
+per-component loop on model B, so the loop is reported, not a target.)
 """
 
 from __future__ import annotations
@@ -56,13 +61,18 @@ import parallelvars as pv
 
 def _model(
     strategy: pv.MirroredStrategy,
-    sizes: list[int],
+    sizes: list[int] | list[tuple[int, ...]],
     rng: np.random.Generator,
     dtype: object = np.float32,
+    shard_axis: int | None = None,
 ) -> tuple[list[pv.ParallelVariable], pv.optimizers.Optimizer]:
     with strategy.scope():
         vs = [
-            pv.Variable(rng.standard_normal(s, dtype=np.float32).astype(dtype), name=f"v{i}")
+            pv.Variable(
+                rng.standard_normal(s, dtype=np.float32).astype(dtype),
+                name=f"v{i}",
+                shard_axis=shard_axis,
+            )
             for i, s in enumerate(sizes)
         ]
         opt = pv.optimizers.Adam(LR, B1, B2, EPS)
@@ -87,11 +97,12 @@ def make_core(
 
 def make_run(
     strategy: pv.MirroredStrategy,
-    sizes: list[int],
+    sizes: list[int] | list[tuple[int, ...]],
     per_replica: list[list[np.ndarray]],
     rng: np.random.Generator,
+    shard_axis: int | None = None,
 ) -> Callable[[], object]:
-    vs, opt = _model(strategy, sizes, rng, per_replica[0][0].dtype)
+    vs, opt = _model(strategy, sizes, rng, per_replica[0][0].dtype, shard_axis)
 
     def replica_step(grads: list[np.ndarray]) -> None:
         opt.apply_gradients(zip(grads, vs, strict=True))
@@ -132,6 +143,43 @@ def make_buffers(
         opt.apply_gradients(bufs.grads_and_vars())
 
     return lambda: strategy.run(replica_step)
+
+
+def shape_2d(size: int) -> tuple[int, int]:
+    """The 2-D shape the sharded and sparse rows give a variable of ``size`` parameters:
+    10 x 50 (model B), 500 x 100 (model A)."""
+    rows = 10 if size < 10_000 else size // 100
+    if size % rows:
+        raise ValueError(f"no 2-D shape of {rows} rows for {size} parameters")
+    return rows, size // rows
+
+
+def make_sparse(
+    strategy: pv.MirroredStrategy,
+    shapes: list[tuple[int, int]],
+    rows: int,
+    rng: np.random.Generator,
+) -> Callable[[], object]:
+    """The in-run step with an ``IndexedSlices`` of ``rows`` rows per variable per replica."""
+    replicas = strategy.num_replicas_in_sync
+    vs, opt = _model(strategy, shapes, rng)
+    per_replica = [
+        [
+            pv.IndexedSlices(
+                rng.standard_normal((rows, s[1]), dtype=np.float32),
+                rng.integers(0, s[0], rows),
+                s,
+            )
+            for s in shapes
+        ]
+        for _ in range(replicas)
+    ]
+
+    def replica_step(grads: list[pv.IndexedSlices]) -> None:
+        opt.apply_gradients(zip(grads, vs, strict=True))
+
+    arg = pv.PerReplica(per_replica)
+    return lambda: strategy.run(replica_step, args=(arg,))
 
 
 def make_loop(
@@ -208,6 +256,14 @@ def run_model(label: str, n_vars: int, size: int, replicas: int, steps: int) -> 
         "bf16": make_run(
             strategy, sizes, [[g.astype(ml_dtypes.bfloat16) for g in p] for p in per_replica], rng
         ),
+        "sharded": make_run(
+            strategy,
+            [shape_2d(size)] * n_vars,
+            [[g.reshape(shape_2d(size)) for g in p] for p in per_replica],
+            rng,
+            shard_axis=0,
+        ),
+        "sparse": make_sparse(strategy, [shape_2d(size)] * n_vars, SPARSE_ROWS, rng),
         "loop": make_loop(sizes, per_replica, rng),
     }
     fns.update(make_tf(sizes, per_replica))
@@ -215,17 +271,24 @@ def run_model(label: str, n_vars: int, size: int, replicas: int, steps: int) -> 
     return {"label": label, "vars": n_vars, "params": n_vars * size, "times": t}
 
 
+# Rows of each variable one replica's sparse gradient holds.
+SPARSE_ROWS = 4
+
 # The targets of the issue, per model: (ratio, comparison, bound).
 TARGETS = {
     "A": [
         ("run_over_core", "<=", 1.35),
         ("shared_over_run", "<=", 1.5),
         ("bf16_over_run", "<=", 1.5),
+        ("sharded_over_run", "<=", 1.5),
+        ("sparse_over_run", "<=", 2.0),
     ],
     "B": [
         ("run_over_core", "<=", 1.5),
         ("shared_over_run", "<=", 1.5),
         ("bf16_over_run", "<=", 1.5),
+        ("sharded_over_run", "<=", 1.5),
+        ("sparse_over_run", "<=", 2.0),
     ],
 }
 
@@ -243,6 +306,10 @@ def _model_json(r: dict[str, object]) -> dict[str, object]:
         "loop_over_shared": t["loop"] / t["shared"],
         "bf16_over_run": t["bf16"] / t["run"],
         "loop_over_bf16": t["loop"] / t["bf16"],
+        "sharded_over_run": t["sharded"] / t["run"],
+        "loop_over_sharded": t["loop"] / t["sharded"],
+        "sparse_over_run": t["sparse"] / t["run"],
+        "loop_over_sparse": t["loop"] / t["sparse"],
     }
     for k in ("tf_eager", "tf_function"):
         if k in t:
@@ -267,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{'model':<6}{'vars':>6}{'params':>12}{'core ms':>10}{'run ms':>10}{'apply ms':>10}"
         f"{'bufs ms':>10}{'loop ms':>10}{'tf ms':>10}{'run/core':>10}{'apply/core':>11}"
         f"{'bufs/core':>11}{'loop/run':>10}{'shared ms':>11}{'shared/run':>11}"
-        f"{'bf16 ms':>9}{'bf16/run':>10}"
+        f"{'bf16 ms':>9}{'bf16/run':>10}{'shard ms':>10}{'shard/run':>10}"
+        f"{'sparse ms':>10}{'sparse/run':>11}"
     )
     print(header)
     print("-" * len(header))
@@ -284,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{t['buffers'] / t['core']:>10.2f}x{t['loop'] / t['run']:>9.1f}x"
             f"{1e3 * t['shared']:>11.1f}{t['shared'] / t['run']:>10.2f}x"
             f"{1e3 * t['bf16']:>9.1f}{t['bf16'] / t['run']:>9.2f}x"
+            f"{1e3 * t['sharded']:>10.1f}{t['sharded'] / t['run']:>9.2f}x"
+            f"{1e3 * t['sparse']:>10.1f}{t['sparse'] / t['run']:>10.2f}x"
         )
     print("core: distributed_apply of reduced gradients; run: apply_gradients(zip(...)) in")
     print(
@@ -291,8 +361,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("bufs: the same with gradient_buffers views; loop: per-component numpy;")
     print("shared: the in-run step with one gradient list that every replica hands in;")
-    print("bf16: the in-run step of bfloat16 variables and gradients")
-    print("targets: A run/core <= 1.35x; B run/core <= 1.5x; shared/run, bf16/run <= 1.5x")
+    print("bf16: the in-run step of bfloat16 variables and gradients;")
+    print("shard: the in-run step of float32 variables sharded along axis 0 (10 x 50, 500 x 100);")
+    print(
+        f"sparse: the in-run step with IndexedSlices of {SPARSE_ROWS} rows per variable per replica"
+    )
+    print("  on the same 2-D variables (run: the dense step of as many parameters)")
+    print("targets: A run/core <= 1.35x; B run/core <= 1.5x; shared/run, bf16/run, shard/run")
+    print("  <= 1.5x; sparse/run <= 2x")
     write_json(args, "train_step", figures)
     return 0
 

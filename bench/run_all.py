@@ -208,6 +208,30 @@ def _rows_train_step(d: dict[str, Any]) -> list[list[str]]:
                     _target(tg.get("bf16_over_run")),
                 )
             )
+        if "sharded_s" in t:
+            rows.append(
+                _row(
+                    "train step",
+                    "float32 variables sharded along axis 0 vs mirrored, both in strategy.run "
+                    f"({size})",
+                    _ms(t["sharded_s"]),
+                    _ms(t["run_s"]),
+                    _x(r["sharded_over_run"]),
+                    _target(tg.get("sharded_over_run")),
+                )
+            )
+        if "sparse_s" in t:
+            rows.append(
+                _row(
+                    "train step",
+                    "IndexedSlices, 4 rows per variable per replica, vs the dense step, both "
+                    f"in strategy.run ({size})",
+                    _ms(t["sparse_s"]),
+                    _ms(t["run_s"]),
+                    _x(r["sparse_over_run"]),
+                    _target(tg.get("sparse_over_run")),
+                )
+            )
         rows.append(
             _row(
                 "train step",

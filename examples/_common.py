@@ -18,16 +18,16 @@ def make_data(n: int = 2048, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def make_params(seed: int = 0) -> list[pv.ParallelVariable]:
-    """w1, b1, w2, b2 as variables (mirrored when created in a strategy scope)."""
+def make_params(seed: int = 0, dtype: object = np.float32) -> list[pv.ParallelVariable]:
+    """w1, b1, w2, b2 as variables of ``dtype`` (mirrored when created in a strategy scope)."""
     rng = np.random.default_rng(seed)
     return [
         pv.Variable(
-            rng.normal(0, 1 / np.sqrt(FEATURES), (FEATURES, HIDDEN)).astype(np.float32), name="w1"
+            rng.normal(0, 1 / np.sqrt(FEATURES), (FEATURES, HIDDEN)).astype(dtype), name="w1"
         ),
-        pv.Variable(np.zeros(HIDDEN, np.float32), name="b1"),
-        pv.Variable(rng.normal(0, 1 / np.sqrt(HIDDEN), (HIDDEN, 1)).astype(np.float32), name="w2"),
-        pv.Variable(np.zeros(1, np.float32), name="b2"),
+        pv.Variable(np.zeros(HIDDEN, dtype), name="b1"),
+        pv.Variable(rng.normal(0, 1 / np.sqrt(HIDDEN), (HIDDEN, 1)).astype(dtype), name="w2"),
+        pv.Variable(np.zeros(1, dtype), name="b2"),
     ]
 
 
@@ -38,6 +38,7 @@ def train(
     batch: int = 128,
     lr: float = 0.01,
     gradient_buffers: bool = False,
+    dtype: object = np.float32,
 ) -> tuple[float, float]:
     """Train with ``grad_fn(params_as_arrays, x, y, global_batch) -> (loss, grads)`` per replica.
 
@@ -46,12 +47,13 @@ def train(
     With ``gradient_buffers``, ``grad_fn(params, x, y, global_batch, out) -> loss`` writes the
     gradients into ``out``, this replica's views of the optimizer's gradient buffers
     (``opt.gradient_buffers``), and ``apply_gradients`` takes them without a packing copy.
+    ``dtype``: the parameters' dtype (their gradients have it too).
     Returns the mean loss of the first and of the last ten steps.
     """
     x, y = make_data()
     strategy = pv.MirroredStrategy(devices)
     with strategy.scope():
-        params = make_params()
+        params = make_params(dtype=dtype)
         opt = pv.optimizers.Adam(learning_rate=lr)
         buffers = opt.gradient_buffers(params) if gradient_buffers else None
 

@@ -30,9 +30,12 @@ replica row receives, so numpy broadcasts it). This module decides which memory 
   added block by block, left to right in device order, right before the kernel uses the
   block, so the reduction makes no pass of its own over memory and gives the bits of the
   per-variable ``add_n`` sum.
-* **Fallback.** Sharded variables (no stacked buffer), variables without an arena placement and
-  float dtypes numpy has no fast loops for (bfloat16, float8: computed in float32 and cast back)
-  take a per-variable path through the same kernel, so both paths share one formula.
+* **Sharded variables.** Their shards are views of one full array (see
+  :class:`parallelvars.variables.ShardedVariable`), and so are their slots'; :func:`flat_run`
+  makes that array a one-row run (:class:`FlatArena`), so each replica's shard is updated from
+  its slice of the reduced gradient in the same blocks, with the same calls, as arena rows.
+* **Narrow floats.** Float dtypes numpy has no fast loops for (bfloat16, float8) are computed in
+  float32 block by block and rounded once (see :class:`UpdateScratch`), on every path.
 
 When every row is computed, each row goes through the same correctly rounded ufuncs (add,
 multiply, divide, sqrt, maximum) with the same operands, so replicas that start equal stay
@@ -62,6 +65,8 @@ __all__ = [
     "apply_gathered",
     "apply_lines",
     "apply_runs",
+    "FlatArena",
+    "flat_run",
     "overlaps",
     "layout_lines",
     "pack_lines",
@@ -381,6 +386,62 @@ def plan_runs(
                 )
             )
     return runs
+
+
+class FlatArena:
+    """One C-contiguous array seen as a one-row arena: ``buffer`` is its ``(1, size)`` view.
+
+    Where a sharded variable's update reads and writes: its shards are views of this array, so
+    a run over it updates every shard (each from its slice of the gradient) in one pass of
+    blocks, as a run over arena rows does.
+    """
+
+    n = 1
+
+    def __init__(self, array: np.ndarray) -> None:
+        flat = array.reshape(1, -1)
+        if flat.size and not np.shares_memory(flat, array):
+            raise InvalidArgumentError(
+                "the array is not contiguous; a flat view of it does not exist"
+            )
+        self.array = array
+        self.buffer = flat
+        self.dtype = array.dtype
+
+    def end_of(self, offset: int, size: int) -> int:
+        return offset + size
+
+
+def flat_run(position: int, array: np.ndarray, slot_arrays: Sequence[np.ndarray]) -> Run:
+    """The run of one variable held as one full array (a sharded variable) and its slots, each
+    a full array of the same shape (see :class:`FlatArena`)."""
+    arena = FlatArena(array)
+    size = arena.buffer.shape[1]
+    member = [(position, 0, size)]
+    return Run(
+        arena=arena,  # type: ignore[arg-type]
+        lo=0,
+        hi=size,
+        members=member,
+        var_slab=arena.buffer,
+        slot_slabs=tuple(FlatArena(s).buffer for s in slot_arrays),
+        grad_line=np.zeros((1, size), arena.dtype),
+        replicate=False,
+        segments=_segments(member),
+    )
+
+
+def buffer_ids(runs: Sequence[Run]) -> frozenset[int]:
+    """The ids of every array object that holds memory a step over ``runs`` writes: the arenas'
+    and slot arenas' buffers and the arrays they are views of."""
+    ids: set[int] = set()
+    for run in runs:
+        for a in (run.arena.buffer, *run.slot_slabs):
+            held: np.ndarray | None = a
+            while held is not None:
+                ids.add(id(held))
+                held = held.base
+    return frozenset(ids)
 
 
 def _segments(members: list[tuple[int, int, int]]) -> list[tuple[int, int, list[int]]]:

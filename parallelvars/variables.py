@@ -1047,6 +1047,10 @@ class ShardedVariable(ParallelVariable):
     ``offsets[i] : offsets[i] + sizes[i]`` along the axis (uneven splits: 10 rows over 4 devices
     are 3, 3, 2, 2). Writes through the variable reach the shards because the shards are views
     of the value.
+
+    ``placement``: where ``full`` lives when it is the one row of an arena (see
+    :mod:`parallelvars._storage`): the update core then runs over it, and over its slots at the
+    same columns of their shadow arenas, in the same blocks as other arena variables.
     """
 
     def __init__(
@@ -1058,6 +1062,7 @@ class ShardedVariable(ParallelVariable):
         shard_axis: int,
         trainable: bool,
         aggregation: Aggregation = Aggregation.NONE,
+        placement: _storage.Placement | None = None,
     ) -> None:
         ndim = full.ndim
         axis = _check_shard_axis(name, shard_axis, ndim)
@@ -1073,7 +1078,7 @@ class ShardedVariable(ParallelVariable):
         self._self_synchronization = Synchronization.ON_WRITE
         self._self_aggregation = aggregation
         self._self_trainable = bool(trainable)
-        self._self_placement = None
+        self._self_placement = placement
         self._self_shard_axis = axis
         self._self_shard_offsets = tuple(offsets)
 
@@ -1290,7 +1295,10 @@ def _make_distributed_variable(
     if shard_axis is not None and n > 1:
         if sync is Synchronization.ON_READ:
             raise DistributedValueError(f"variable {name!r}: a sharded variable cannot be ON_READ")
-        full = np.array(arr, copy=True, order="C")
+        # The full value is the one row of an arena, where the update core finds it.
+        one_row, placement = _storage.allocate(1, arr.shape, arr.dtype)
+        full = one_row[0]
+        full[...] = arr
         return ShardedVariable(
             full,
             device=device,
@@ -1298,6 +1306,7 @@ def _make_distributed_variable(
             shard_axis=int(shard_axis),
             trainable=trainable,
             aggregation=agg,
+            placement=placement,
         )
     if kind is None:
         if n == 1:

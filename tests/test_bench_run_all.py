@@ -213,6 +213,29 @@ def test_train_step_rows():
     assert any(b.name == "train_step" for b in run_all.BENCHMARKS)
 
 
+def test_train_step_rows_of_sharded_and_sparse_steps():
+    times = {"run_s": 0.010, "core_s": 0.008, "buffers_s": 0.009, "loop_s": 0.1}
+    times.update(sharded_s=0.012, sparse_s=0.025)
+    ratios = {
+        "run_over_core": 1.25,
+        "buffers_over_core": 1.1,
+        "loop_over_run": 10.0,
+        "sharded_over_run": 1.2,
+        "sparse_over_run": 2.5,
+    }
+    targets = {
+        "sharded_over_run": _t("<=", 1.5, True),
+        "sparse_over_run": _t("<=", 2.0, False),
+    }
+    model = {"vars": 2000, "params": 20000, "times": times, "ratios": ratios, "targets": targets}
+    data = {"params": {"replicas": 4}, "models": {"B": model}}
+    rows = _rows(run_all.build_table({"train_step": {"status": "ok", "data": data}}))
+    sharded = [r for r in rows if "sharded" in r[1]]
+    sparse = [r for r in rows if "IndexedSlices" in r[1]]
+    assert sharded[0][2:] == ["12.0 ms", "10.0 ms", "1.20x", "<= 1.5x", "yes"]
+    assert sparse[0][2:] == ["25.0 ms", "10.0 ms", "2.50x", "<= 2x", "no"]
+
+
 def _scaling(peer: bool = True) -> dict:
     def run(count: int, unit: float) -> dict:
         times = {op: unit * count for op in ("step", "gather", "save", "restore", "step_first")}

@@ -37,7 +37,12 @@ def test_numpy_gradients_example_learns() -> None:
 
 
 @pytest.mark.parametrize(
-    ("script", "module"), [("torch_gradients.py", "torch"), ("jax_gradients.py", "jax")]
+    ("script", "module"),
+    [
+        ("torch_gradients.py", "torch"),
+        ("torch_bfloat16.py", "torch"),
+        ("jax_gradients.py", "jax"),
+    ],
 )
 def test_framework_gradient_examples(script: str, module: str) -> None:
     proc = _run(script, "--steps", "60")

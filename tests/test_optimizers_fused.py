@@ -10,8 +10,10 @@ import pytest
 
 import parallelvars as pv
 from parallelvars import optimizers as opts
+from parallelvars import update_core
 from parallelvars.errors import ContextError, GradientError
 from parallelvars.strategy import add_n_by_device
+from parallelvars.variables import ShardedVariable
 
 SHAPES = [(37, 5), (3,), (1,), (), (129,), (8, 8, 3), (1001,)]
 # Large enough on average that the replicas' arrays are added without packing.
@@ -258,8 +260,17 @@ def test_gradient_buffers_errors() -> None:
         e = pv.Variable(np.ones((4, 2), np.float32), name="e", shard_axis=0)
         opt = opts.SGD(0.1)
         bufs = opt.gradient_buffers([w])
-        with pytest.raises(GradientError, match="arena"):
-            opt.gradient_buffers([w, e])
+        # A sharded variable's full value is a run of its own; one in Fortran order is not.
+        assert len(opt.gradient_buffers([w, e]).views(0)) == 2
+        f = ShardedVariable(
+            np.asfortranarray(np.ones((4, 2), np.float32)),
+            device=e.device,
+            name="f",
+            shard_axis=0,
+            trainable=True,
+        )
+        with pytest.raises(GradientError, match="runs over"):
+            opt.gradient_buffers([w, f])
         with pytest.raises(GradientError, match="twice"):
             opt.gradient_buffers([w, w])
         with pytest.raises(ContextError, match="replica function"):
@@ -611,3 +622,255 @@ def test_narrow_float_gradient_buffers(dtype: Any) -> None:
         strategy.run(step, args=(pv.PerReplica(per_replica),))
         strategy.run(ref_step, args=(pv.PerReplica(per_replica),))
     _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+
+
+def _sharded_model(
+    strategy: pv.Strategy, dtype: Any, make_opt: Callable[[], opts.Optimizer], shapes: Any
+) -> tuple[list[Any], opts.Optimizer]:
+    # Every variable of at least one dimension sharded along axis 0, next to mirrored ones.
+    rng = np.random.default_rng(0)
+    with strategy.scope():
+        vs = [
+            pv.Variable(
+                rng.normal(size=s).astype(dtype),
+                name=f"v{i}",
+                shard_axis=0 if len(s) and i % 3 != 1 else None,
+            )
+            for i, s in enumerate(shapes)
+        ]
+        opt = make_opt()
+    return vs, opt
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("shapes", [SHAPES, LARGE], ids=["packed", "direct"])
+@pytest.mark.parametrize(
+    "dtype", [np.float32, np.float64, *_narrow_dtypes()[:2]], ids=lambda d: np.dtype(d).name
+)
+@pytest.mark.parametrize(
+    "make_opt",
+    [lambda: opts.Adam(0.01), lambda: opts.Momentum(0.1, 0.9)],
+    ids=["adam", "momentum"],
+)
+@pytest.mark.parametrize(
+    "devices", [2, 3, ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]], ids=["2", "3", "unordered"]
+)
+@pytest.mark.parametrize("buffers", [False, True], ids=["arrays", "buffers"])
+def test_sharded_variables_on_the_fused_path_keep_the_per_variable_bits(
+    dtype: Any, devices: Any, shapes: Any, make_opt: Callable[[], opts.Optimizer], buffers: bool
+) -> None:
+    # A sharded variable's shards are views of its full value: the fused step runs over that
+    # value (and its slots') as one row, each shard updated from its slice of the device-order
+    # sum, with the bits of the per-variable path (reduce, then update the full value).
+    strategy = pv.MirroredStrategy(devices)
+    n = strategy.num_replicas_in_sync
+    vs, opt = _sharded_model(strategy, dtype, make_opt, shapes)
+    ref_vs, ref_opt = _sharded_model(strategy, dtype, make_opt, shapes)
+    assert all(
+        (v.kind == "sharded") == (len(s) > 0 and i % 3 != 1)
+        for i, (v, s) in enumerate(zip(vs, shapes, strict=True))
+    )
+    ref_opt._info = lambda v: (*opts.Optimizer._info(ref_opt, v)[:2], False)  # type: ignore[method-assign]
+    if np.dtype(dtype) == np.dtype(_narrow_dtypes()[1]):
+        ref_opt._compute = (  # type: ignore[method-assign]
+            lambda v, s, g, hp: _widened_compute(ref_opt, v, s, g, hp)
+        )
+    bufs = None
+    if buffers:
+        with strategy.scope():
+            bufs = opt.gradient_buffers(vs)
+    rng = np.random.default_rng(16)
+    for _ in range(3):
+        per_replica = _grads(rng, n, dtype, shapes)
+
+        def step(grads: list[np.ndarray]) -> None:
+            if bufs is None:
+                opt.apply_gradients(zip(grads, vs, strict=True))
+                return
+            for view, g in zip(bufs.views(), grads, strict=True):
+                view[...] = g
+            opt.apply_gradients(bufs.grads_and_vars())
+
+        strategy.run(step, args=(pv.PerReplica(per_replica),))
+        reduced = [
+            add_n_by_device([(strategy.worker_devices[r], per_replica[r][i]) for r in range(n)])
+            for i in range(len(shapes))
+        ]
+        with strategy.scope():
+            ref_opt.distributed_apply(strategy, list(zip(reduced, ref_vs, strict=True)))
+    # Every gradient took the fused path (but a scalar's, a numpy scalar, not an array).
+    assert (opt._pv_transport._steady is not None) == (buffers or () not in shapes)
+    for v, rv in zip(vs, ref_vs, strict=True):
+        assert np.array_equal(_bits(v.read_value()), _bits(rv.read_value())), v.name
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+
+
+def test_sharded_variables_values_as_gradients_are_read_before_the_step_writes() -> None:
+    strategy = pv.MirroredStrategy(2)
+    a0 = np.arange(8, dtype=np.float32).reshape(4, 2)
+    b0 = a0 * np.float32(10.0)
+    with strategy.scope():
+        a = pv.Variable(a0, name="a", shard_axis=0)
+        b = pv.Variable(b0, name="b", shard_axis=0)
+        opt = opts.SGD(1.0)
+    # Each variable's gradient is the other's value: the array its shards are views of, then
+    # a view of it. Each replica gives it, so the gradient is twice the other's old value.
+    for ga, gb in ((b.__wrapped__, a.__wrapped__), (np.asarray(b), np.asarray(a))):
+        a.assign(a0)
+        b.assign(b0)
+
+        def step(ga: np.ndarray = ga, gb: np.ndarray = gb) -> None:
+            opt.apply_gradients([(ga, a), (gb, b)])
+
+        strategy.run(step)
+        np.testing.assert_array_equal(a.read_value(), a0 - b0 - b0)
+        np.testing.assert_array_equal(b.read_value(), b0 - a0 - a0)
+        assert opt._pv_transport._steady is not None
+
+
+def test_sharded_variables_around_arrays_of_their_own_keep_the_per_variable_bits() -> None:
+    # A sharded variable made around an array of its own (no arena row) is a run of its own.
+    strategy = pv.MirroredStrategy(3)
+    rng = np.random.default_rng(17)
+    init = [rng.normal(size=s).astype(np.float32) for s in ((6, 4), (9,), (3, 2, 2))]
+
+    def model() -> tuple[list[Any], opts.Optimizer]:
+        with strategy.scope():
+            dev = pv.Variable(np.ones(2, np.float32), name="d").device
+            vs = [
+                ShardedVariable(a.copy(), device=dev, name=f"s{i}", shard_axis=0, trainable=True)
+                for i, a in enumerate(init)
+            ]
+            return vs, opts.Adam(0.01)
+
+    vs, opt = model()
+    ref_vs, ref_opt = model()
+    assert all(v.placement is None for v in vs)
+    ref_opt._info = lambda v: (*opts.Optimizer._info(ref_opt, v)[:2], False)  # type: ignore[method-assign]
+    for _ in range(3):
+        per_replica = _grads(rng, 3, np.float32, [a.shape for a in init])
+
+        def step(grads: list[np.ndarray]) -> None:
+            opt.apply_gradients(zip(grads, vs, strict=True))
+
+        def ref_step(grads: list[np.ndarray]) -> None:
+            ref_opt.apply_gradients(zip(grads, ref_vs, strict=True))
+
+        strategy.run(step, args=(pv.PerReplica(per_replica),))
+        strategy.run(ref_step, args=(pv.PerReplica(per_replica),))
+    assert opt._pv_transport._steady is not None and ref_opt._pv_transport._steady is None
+    assert any(isinstance(r.arena, update_core.FlatArena) for r in _lines(opt).runs)
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+
+
+SPARSE_SHAPES = [(9, 4), (6,), (5, 2, 3), (7, 4), (1, 4)]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize(
+    "dtype", [np.float32, np.float64, *_narrow_dtypes()[:2]], ids=lambda d: np.dtype(d).name
+)
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda: opts.SGD(0.1),
+        lambda: opts.Momentum(0.1, 0.9),
+        lambda: opts.Adagrad(0.1),
+        lambda: opts.RMSProp(0.01),
+        lambda: opts.Adam(0.01),
+    ],
+    ids=["sgd", "momentum", "adagrad", "rmsprop", "adam"],
+)
+@pytest.mark.parametrize(
+    "devices", [1, 3, ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]], ids=["1", "3", "unordered"]
+)
+@pytest.mark.parametrize("sharded", [False, True], ids=["mirrored", "sharded"])
+def test_sparse_gradients_applied_together_keep_the_per_variable_bits(
+    dtype: Any, devices: Any, make_opt: Callable[[], opts.Optimizer], sharded: bool
+) -> None:
+    # Every variable's IndexedSlices deduplicated and applied a group at a time (one arena and
+    # row width): the bits of the per-variable path, which deduplicates and updates each
+    # variable on its own. Repeated indices within and across replicas, variables without any
+    # (their values, -0.0 included, taken as they are), empty gradients, a dense neighbour.
+    strategy = pv.MirroredStrategy(devices)
+    n = strategy.num_replicas_in_sync
+
+    def model() -> tuple[list[Any], opts.Optimizer]:
+        rng = np.random.default_rng(3)
+        with strategy.scope():
+            vs = [
+                pv.Variable(
+                    rng.normal(size=s).astype(dtype),
+                    name=f"v{i}",
+                    shard_axis=0 if sharded and i % 2 == 0 else None,
+                )
+                for i, s in enumerate(SPARSE_SHAPES)
+            ]
+            return vs, make_opt()
+
+    vs, opt = model()
+    ref_vs, ref_opt = model()
+    ref_opt._info = lambda v: (*opts.Optimizer._info(ref_opt, v)[:2], False)  # type: ignore[method-assign]
+    rng = np.random.default_rng(18)
+
+    def grads_of(r: int) -> list[Any]:
+        out: list[Any] = []
+        for i, s in enumerate(SPARSE_SHAPES):
+            if i == 3:  # a dense gradient next to the sparse ones
+                out.append(rng.normal(size=s).astype(dtype))
+                continue
+            k = [3, 0, 2, 1, 1][i] if i != 1 else r + 1
+            # Variable 2 repeats rows within each replica; variable 0 across replicas only.
+            idx = (
+                rng.integers(0, s[0], k) if i != 0 else np.array([(r + j) % s[0] for j in range(k)])
+            )
+            vals = (rng.normal(size=(k, *s[1:])) * 10.0 ** (r - 1)).astype(dtype)
+            if i == 4:
+                vals[...] = -0.0
+            out.append(pv.IndexedSlices(vals, idx, s))
+        return out
+
+    for _ in range(3):
+        per_replica = [grads_of(r) for r in range(n)]
+
+        def step(grads: list[Any], o: opts.Optimizer, vars_: list[Any]) -> None:
+            o.apply_gradients(zip(grads, vars_, strict=True))
+
+        strategy.run(step, args=(pv.PerReplica(per_replica), opt, vs))
+        strategy.run(step, args=(pv.PerReplica(per_replica), ref_opt, ref_vs))
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+
+
+def test_sparse_rows_match_deduplicate() -> None:
+    from parallelvars.optimizers._sparse import sparse_rows
+
+    rng = np.random.default_rng(19)
+    grads = [
+        pv.IndexedSlices(rng.normal(size=(5, 2)).astype(np.float32), [3, 1, 3, 0, 1]),
+        pv.IndexedSlices(np.array([[-0.0, 1.0], [2.0, -0.0]], np.float32), [2, 0]),
+        pv.IndexedSlices(np.zeros((0, 2), np.float32), np.zeros(0, np.int64)),
+    ]
+    rows = sparse_rows(grads, [4, 3, 2], 2)
+    for k, g in enumerate(grads):
+        want = g.deduplicate()
+        np.testing.assert_array_equal(rows.index[rows.var == k], want.indices)
+        assert np.array_equal(_bits(rows.values[rows.var == k]), _bits(want.values))
+    starts = np.array([0, 8, 14])
+    assert rows.columns(starts, 2).tolist()[:4] == [0, 1, 2, 3]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("dtype", [np.float32, *_narrow_dtypes()[1:2]], ids=["float32", "bf16"])
+def test_adding_in_occurrence_order_is_add_at(dtype: Any) -> None:
+    from parallelvars.optimizers._sparse import _add_in_occurrence_order
+
+    rng = np.random.default_rng(20)
+    rows = rng.integers(0, 7, 200)
+    values = (rng.normal(size=(200, 3)) * 10.0 ** rng.integers(-4, 5, (200, 1))).astype(dtype)
+    values[5] = np.nan
+    values[9, 1] = -0.0
+    want = np.zeros((7, 3), dtype)
+    np.add.at(want, rows, values)
+    got = np.zeros((7, 3), dtype)
+    _add_in_occurrence_order(got, rows, values)
+    assert np.array_equal(_bits(got), _bits(want))

@@ -24,6 +24,7 @@ through the same steps.
 from __future__ import annotations
 
 import inspect
+import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from types import SimpleNamespace
@@ -43,7 +44,12 @@ from parallelvars.optimizers._fused import (
     ReplicaGradients,
 )
 from parallelvars.optimizers._slots import OptimizerState
-from parallelvars.optimizers._sparse import IndexedSlices, sum_indexed_slices
+from parallelvars.optimizers._sparse import (
+    IndexedSlices,
+    SparseRows,
+    sparse_rows,
+    sum_indexed_slices,
+)
 from parallelvars.strategy import _context
 from parallelvars.strategy._values import PerReplica
 from parallelvars.variables import ParallelVariable, ShardedVariable
@@ -282,8 +288,8 @@ class Optimizer(OptimizerState):
         gives the same buffers.
 
         Raises:
-            GradientError: a variable that is not a float variable with an arena
-                placement (a sharded one): give those gradients as plain arrays.
+            GradientError: a variable the update core does not run over (a sharded variable
+                whose full array is not contiguous): give those gradients as plain arrays.
         """
         replicas = _context.current_mode().strategy._local_replica_count()
         return self._pv_transport.buffers_for(list(var_list), replicas)
@@ -297,7 +303,7 @@ class Optimizer(OptimizerState):
         user's :class:`GradientBuffers`, or, over several processes, flat buffers all-reduced
         in one call per dtype), and adds the local replicas in device order as it updates.
         One array object that every replica gives is a term once per replica, on either path.
-        Every other gradient (sparse, another dtype, sharded or bfloat16 variables) goes
+        Every other gradient (sparse, of another dtype or shape) goes
         through ``batch_reduce``, in the same step.
         """
         parts: Sequence[ReplicaGradients] = (
@@ -428,8 +434,10 @@ class Optimizer(OptimizerState):
                 expected="a float dtype",
                 found=dtype,
             )
-        fast = (
-            not isinstance(var, ShardedVariable) and var.placement is not None and _is_float(dtype)
+        # Arena variables (sharded ones too: their full value is an arena row), and sharded
+        # ones made around a contiguous array of their own (see update_core.flat_run).
+        fast = var.placement is not None or (
+            isinstance(var, ShardedVariable) and var.__wrapped__.flags.c_contiguous
         )
         info = (tuple(var.shape), dtype, fast)
         self._pv_info[id(var)] = (var, info)
@@ -525,6 +533,8 @@ class Optimizer(OptimizerState):
                 "a variable appears twice in one step", variable=getattr(dup, "name", None)
             )
         reduced = self._reduce(strategy, pairs, from_replicas)
+        # Sparse gradients of arena variables: checked, deduplicated and applied together.
+        rows = None if _INDEXED_SLICES_FREE(reduced) else self._sparse_groups(var_list, reduced)
         shapes = self._pv_shapes.get(key) if steady else None
         if (
             shapes is not None
@@ -534,7 +544,11 @@ class Optimizer(OptimizerState):
         ):
             grads = reduced  # the steady state: plain arrays of the known shapes
         else:
-            grads = [self._check(g, v) for g, v in zip(reduced, var_list, strict=True)]
+            taken = {i for group in rows for i in group[0]} if rows else set()
+            grads = [
+                g if i in taken else self._check(g, v)
+                for i, (g, v) in enumerate(zip(reduced, var_list, strict=True))
+            ]
         if not steady:
             self._create_slots(var_list)
             if len(self._pv_known) >= PLAN_CACHE:
@@ -549,8 +563,92 @@ class Optimizer(OptimizerState):
         hp = self._hyper(int(self.iterations.read_value()))
         if fused is not None:
             self._pv_transport.apply(fused, self._kernel, hp, self._scratch)
-        self._update(var_list, grads, hp)
+        if rows:
+            taken = {i for group in rows for i in group[0]}
+            rest = [i for i in range(len(var_list)) if i not in taken]
+            if rest:
+                self._update([var_list[i] for i in rest], [grads[i] for i in rest], hp)
+            for group in rows:
+                self._apply_rows(var_list, *group, hp)
+        else:
+            self._update(var_list, grads, hp)
         self._step_done(strategy, global_step)
+
+    def _sparse_groups(
+        self, var_list: list[Any], reduced: list[Any]
+    ) -> list[tuple[list[int], SparseRows, int]]:
+        """The sparse gradients of arena variables of the variables' own dtype, deduplicated a
+        group at a time (one group per arena and row width): ``(positions, rows, width)``.
+
+        A gradient that fails a check stays out (the per-variable check raises its error);
+        one whose indices leave the variable has its error raised here, before any update.
+        """
+        info = self._info
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, (g, v) in enumerate(zip(reduced, var_list, strict=True)):
+            if type(g) is not IndexedSlices:
+                continue
+            shape, dt, fast = info(v)
+            if (
+                not fast
+                or v.placement is None
+                or not shape
+                or g.values.dtype != dt
+                or (g.dense_shape is not None and g.dense_shape != shape)
+                or tuple(g.values.shape[1:]) != shape[1:]
+            ):
+                continue
+            width = math.prod(shape[1:])
+            groups.setdefault((id(v.placement.arena), width), []).append(i)
+        out = []
+        for (_, width), positions in groups.items():
+            grads = [reduced[i] for i in positions]
+            counts = [g.indices.shape[0] for g in grads]
+            index = np.concatenate([g.indices for g in grads])
+            bound = np.repeat(
+                np.array([info(var_list[i])[0][0] for i in positions], np.int64), counts
+            )
+            if index.size and ((index < 0).any() or (index >= bound).any()):
+                for i in positions:
+                    self._check(reduced[i], var_list[i])  # raises for the first one out
+            out.append(
+                (
+                    positions,
+                    sparse_rows(grads, [info(var_list[i])[0][0] for i in positions], width),
+                    width,
+                )
+            )
+        return out
+
+    def _apply_rows(
+        self, var_list: list[Any], positions: list[int], rows: SparseRows, width: int, hp: Any
+    ) -> None:
+        """Update the variables at ``positions`` (of one arena) from their deduplicated sparse
+        rows: made dense and run through the update core where the formula touches every row
+        (``_sparse_as_dense``), else their touched rows, gathered from the variable and slot
+        arenas, updated in one blocked pass and written back (the TF 1.x sparse formulas)."""
+        fvars = [var_list[i] for i in positions]
+        if self._sparse_as_dense:
+            runs = self._plan(fvars)
+            layout = update_core.layout_lines(runs)
+            starts = np.array([layout.views[k][1] for k in range(len(fvars))], np.int64)
+            buf = layout.buffers()
+            flat = buf[np.dtype(fvars[0].dtype)]
+            cols = rows.columns(starts, width)
+            flat[cols] += rows.values.reshape(-1)  # zero plus each row, as to_dense gives it
+            update_core.apply_lines(runs, layout, [buf], self._kernel, hp, self._scratch)
+            return
+        arena = fvars[0].placement.arena
+        starts = np.array([v.placement.offset for v in fvars], np.int64)
+        cols = rows.columns(starts, width)
+        names = [n for n, _ in self._slot_specs()]
+        slot_bufs = [self._slot_arena(arena, n).buffer for n in names]
+        rows_v = arena.buffer[:, cols]
+        rows_s = [b[:, cols] for b in slot_bufs]
+        self._compute(rows_v, rows_s, rows.values.reshape(1, -1), hp)
+        arena.buffer[:, cols] = rows_v
+        for b, rs in zip(slot_bufs, rows_s, strict=True):
+            b[:, cols] = rs
 
     def _step_done(self, strategy: Any, global_step: Any) -> None:
         update_non_slot = getattr(strategy, "update_non_slot", None)
@@ -610,16 +708,27 @@ class Optimizer(OptimizerState):
             [
                 (i, v.placement, self._pv_replicate_mirrored and v.kind in ("mirrored", "single"))
                 for i, v in enumerate(fast_vars)
+                if v.placement is not None
             ],
             lambda arena: [self._slot_arena(arena, n) for n in names],
         )
+        # Sharded variables made around an array of their own: that array, with their slots'.
+        for i, v in enumerate(fast_vars):
+            if v.placement is None:
+                slots = [self.get_slot(v, n) for n in names]
+                runs.append(
+                    update_core.flat_run(
+                        i, v.__wrapped__, [s.__wrapped__ for s in slots if s is not None]
+                    )
+                )
         if len(self._pv_plans) >= PLAN_CACHE:
             self._pv_plans.pop(next(iter(self._pv_plans)))
         self._pv_plans[key] = (tuple(fast_vars), runs)
         return runs
 
     def _update_one(self, var: Any, g: Any, hp: Any) -> None:
-        """The per-variable path: sharded variables, exotic float dtypes, sparse rows."""
+        """The per-variable path: sparse rows, and variables the update core cannot run over
+        (a sharded variable whose full array is not contiguous)."""
         names = [n for n, _ in self._slot_specs()]
         slots = [self.get_slot(var, n) for n in names]
 

@@ -9,8 +9,8 @@ replicas block by block, in device order, right before its kernel uses each bloc
 own over memory.
 
 A gradient qualifies when its variable is a float variable (float16/32/64, bfloat16,
-float8) with an arena placement
-(the optimizer's ``_info`` says so) and every replica gave a plain array of the variable's dtype
+float8) with an arena placement or a sharded one (its full array is a one-row run: see
+:func:`update_core.flat_run`; the optimizer's ``_info`` says so) and every replica gave a plain array of the variable's dtype
 and shape (one array object that several replicas gave is a term of the sum once per replica
 that gave it, as the per-variable sum counts it). Its replicas' arrays reach the core in one of
 three forms:
@@ -41,7 +41,9 @@ import numpy as np
 
 from parallelvars import update_core
 from parallelvars.errors import ContextError, GradientError
+from parallelvars.optimizers._sparse import IndexedSlices
 from parallelvars.strategy import _context
+from parallelvars.strategy._values import PerReplica
 
 __all__ = ["FusedLines", "FusedTransport", "GradientBuffers", "ReplicaGradients"]
 
@@ -91,6 +93,8 @@ def _may_alias(
     """
     unknown: list[Any] = []
     for gs in grads:
+        if not owner_ids.isdisjoint(map(id, gs)):
+            return True  # the very array a variable is held in (a sharded variable's)
         if all(map(operator.is_, map(_base_of, gs), itertools.repeat(None))):
             continue  # every array owns its memory: the common case, one C-level pass
         bases = list(map(_base_of, gs))
@@ -105,6 +109,31 @@ def _may_alias(
             if len(unknown) > _ADDRESS_CHECKS:
                 return True
     return bool(unknown) and update_core.overlaps(plan, unknown)
+
+
+def _merged(
+    strategy: Any, parts: Sequence[ReplicaGradients], positions: Sequence[int]
+) -> list[tuple[Any, Any]]:
+    """The pairs at ``positions``, merged across the local replicas as ``merge_call`` would
+    merge them. Sparse gradients (every replica an :class:`IndexedSlices`) are merged here
+    directly, one ``PerReplica`` (or the one object all gave) each, without the generic walk;
+    the rest by the strategy (which, over several processes, has its own rules)."""
+    if len(parts) < 2 or len(parts) != strategy.num_replicas_in_sync:
+        return strategy._merge_args([[p.pairs[i] for i in positions] for p in parts])
+    grads = [p.grads for p in parts]
+    sparse = [i for i in positions if all(type(g[i]) is IndexedSlices for g in grads)]
+    if not sparse:
+        return strategy._merge_args([[p.pairs[i] for i in positions] for p in parts])
+    taken = set(sparse)
+    rest = [i for i in positions if i not in taken]
+    merged = strategy._merge_args([[p.pairs[i] for i in rest] for p in parts]) if rest else []
+    variables = parts[0].variables
+    out: dict[int, tuple[Any, Any]] = dict(zip(rest, merged, strict=True))
+    for i in sparse:
+        gs = [g[i] for g in grads]
+        first = gs[0]
+        out[i] = (first if all(g is first for g in gs) else PerReplica(gs), variables[i])
+    return [out[i] for i in positions]
 
 
 class ReplicaGradients:
@@ -229,9 +258,7 @@ class _LinesCache:
         """The gather plan and the ids of the buffers the step writes, made on first use."""
         if self._gather is None:
             plan = update_core.plan_gather(self.runs)
-            owners = {id(r.arena.buffer) for r in self.runs}
-            owners.update(id(s.base) for r in self.runs for s in r.slot_slabs)
-            self._gather = (plan, frozenset(owners))
+            self._gather = (plan, update_core.buffer_ids(self.runs))
         return self._gather
 
     def packed(self, replica: int) -> dict[np.dtype, np.ndarray]:
@@ -380,9 +407,9 @@ class FusedTransport:
         for v in var_list:
             if not self._owner._info(v)[2]:
                 raise GradientError(
-                    "gradient buffers hold float variables with an arena placement",
+                    "gradient buffers hold float variables the update core runs over",
                     variable=v.name,
-                    expected="a mirrored or single-device float variable",
+                    expected="a float variable with an arena placement or a contiguous full value",
                     found=f"{type(v).__name__} of {v.dtype}",
                 )
         self._owner._create_slots(var_list)
@@ -451,7 +478,7 @@ class FusedTransport:
         plan = self._plan_of(key, var_list)
         fused, picked = self._positions(plan, parts, len(var_list))
         if not fused:
-            return strategy._merge_args([p.pairs for p in parts]), None
+            return _merged(strategy, parts, range(len(var_list))), None
         lines = self._pack(
             var_list, fused, picked if fused == plan.candidates else None, parts, order, strategy
         )
@@ -461,7 +488,7 @@ class FusedTransport:
             return [], lines
         keep = set(fused)
         others = [i for i in range(len(var_list)) if i not in keep]
-        return strategy._merge_args([[p.pairs[i] for i in others] for p in parts]), lines
+        return _merged(strategy, parts, others), lines
 
     def _plan_of(self, key: tuple[int, ...], var_list: list[Any]) -> _FusedPlan:
         cached = self.plans.get(key)

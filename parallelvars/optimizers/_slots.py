@@ -300,7 +300,9 @@ class OptimizerState(Module):
         shape = tuple(var.shape)
         if isinstance(var, RankShardedVariable):  # this process's shard, sharded like var
             return var.like(np.full(shape, init, var.dtype), name)
-        if isinstance(var, ShardedVariable):
+        pl = var.placement
+        if isinstance(var, ShardedVariable) and pl is None:
+            # A sharded variable made around an array of its own: so is its slot.
             return ShardedVariable(
                 np.full(shape, init, var.dtype),
                 device=var.device,
@@ -308,7 +310,6 @@ class OptimizerState(Module):
                 shard_axis=var.shard_axis,
                 trainable=False,
             )
-        pl = var.placement
         if pl is None:  # pragma: no cover - float variables always get an arena
             raise GradientError("variable has no arena placement", variable=var.name)
         shadow = self._slot_arena(pl.arena, slot_name)
@@ -316,6 +317,16 @@ class OptimizerState(Module):
         # positive accumulator there, never 0 / 0.
         end = shadow.end_of(pl.offset, pl.size)
         shadow.buffer[:, pl.offset : end] = init
+        if isinstance(var, ShardedVariable):
+            # Sharded like the variable, its full value at the same columns of the shadow.
+            return ShardedVariable(
+                shadow.view(pl.offset, shape)[0],
+                device=var.device,
+                name=name,
+                shard_axis=var.shard_axis,
+                trainable=False,
+                placement=Placement(shadow, pl.offset, pl.size),
+            )
         return ParallelVariable(
             shadow.view(pl.offset, shape),
             device=var.device,
