@@ -9,6 +9,7 @@ from typing import Any
 
 from parallelvars import formats
 from parallelvars.formats._graph import shared_objects
+from parallelvars.formats._select import describe_left_out
 
 from ._common import (
     add_destination_options,
@@ -34,6 +35,11 @@ which is what a non-parallel reader expects. --components primary is the older n
 logical, with the same meaning. A variable of independent buffers has no single value:
 --components logical refuses it, as extract does.
 
+--model-only leaves out the optimizer's state (its slots, step count and beta powers) and the
+checkpoint's bookkeeping (save_counter, step), which a library that loads a model strictly
+(torch load_state_dict(strict=True), Keras load_weights, transformers from_pretrained) refuses;
+--only and --exclude select paths by glob pattern. A note says what was left out and why.
+
 A Keras .keras archive holds the model's architecture besides its weights: writing one takes
 the model's own archive as a template (--like TEMPLATE.keras), whose config.json and
 metadata.json are kept and whose weights are replaced. Weights that do not fit the template
@@ -45,6 +51,8 @@ Sizes take decimal (KB, MB, GB) or binary (KiB, MiB, GiB) units: 5GB = 5*10^9 by
 examples:
   parallelvars convert run.h5 model.safetensors
   parallelvars convert run.h5 model.safetensors --components logical --max-shard-size 5GB
+  parallelvars convert run.h5 model.safetensors --components logical --model-only --names dotted
+  parallelvars convert run.h5 enc.npz --only 'model/encoder' --exclude '*/bias'
   parallelvars convert ckpt-3 run.h5 --from tf
   parallelvars convert model.weights.h5 weights.npz --to npz
   parallelvars convert model.keras run.h5
@@ -89,6 +97,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="TEMPLATE",
         help="for a .keras DST: the model's own .keras archive, whose config is kept and whose "
         "weights are replaced",
+    )
+    parser.add_argument(
+        "--only",
+        metavar="PATTERN",
+        action="append",
+        help="keep only the paths matching this glob pattern (repeatable; 'model' also keeps "
+        "what lies under model/)",
+    )
+    parser.add_argument(
+        "--exclude",
+        metavar="PATTERN",
+        action="append",
+        help="leave out the paths matching this glob pattern (repeatable)",
+    )
+    parser.add_argument(
+        "--model-only",
+        action="store_true",
+        help="leave out optimizer state (slots, step counts, beta powers) and the checkpoint's "
+        "bookkeeping (save_counter, step): what torch, Keras and transformers load strictly",
     )
     parser.add_argument(
         "--names",
@@ -138,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if same_file(args.source, destination):
         raise UsageError(f"{destination}: is the same file as SRC; write somewhere else")
+    left_out: dict[str, str] = {}
     with out.progress(None, "convert") as bar:
         written = formats.convert(
             args.source,
@@ -150,8 +178,13 @@ def run(args: argparse.Namespace) -> int:
             progress=bar.set,
             read_options=reader_options(args.read_options, src_format),
             like=args.like,
+            only=args.only,
+            exclude=args.exclude,
+            model_only=args.model_only,
+            on_left_out=left_out.update,
         )
-    notes = _not_carried(args.source, src_format, dst_format, args.read_options)
+    notes = describe_left_out(left_out)
+    notes += _not_carried(args.source, src_format, dst_format, args.read_options)
     for note in notes:
         out.note(note)
     with open_view(written, dst_format, args.read_options) as view:
@@ -168,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         "num_variables": count,
         "bytes": total,
         "notes": notes,
+        "left_out": sorted(left_out),
     }
     out.emit(
         data,

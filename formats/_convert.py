@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,6 +15,7 @@ from parallelvars.errors import InvalidArgumentError
 from ._names import check_names
 from ._registry import format_for_suffix, get_format, open_checkpoint, write_checkpoint
 from ._reshard import reshard
+from ._select import select_entries
 from ._view import DictView, Entry
 
 __all__ = ["convert", "format_for_path"]
@@ -87,6 +88,10 @@ def convert(
     devices: int | None = None,
     read_options: Mapping[str, Any] | None = None,
     like: str | os.PathLike[str] | None = None,
+    only: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    model_only: bool = False,
+    on_left_out: Callable[[Mapping[str, str]], Any] | None = None,
 ) -> str:
     """Convert the checkpoint ``src`` into ``dst``, one tensor in memory at a time.
 
@@ -111,6 +116,14 @@ def convert(
         like: for a Keras ``.keras`` archive, the model's own archive: its configuration is
             kept and its weights replaced; weights that do not fit it are refused
             (InvalidEntryError).
+        only: glob patterns of the paths to keep (``"model/*"``; a pattern naming a path
+            also keeps what lies under it: ``"model"``); default: every path.
+        exclude: glob patterns of the paths to leave out.
+        model_only: leave out optimizer state (slots, step counts, beta powers) and the
+            checkpoint's bookkeeping (``save_counter``, a root ``step``): what a library that
+            loads a model strictly expects (see :mod:`parallelvars.formats._select`).
+        on_left_out: called once with ``{path: reason}`` of every path the selection left out
+            (nothing is called when it left out nothing).
 
     Returns:
         The path written (the index file of a shard set).
@@ -157,6 +170,13 @@ def convert(
         if devices is not None:
             source = reshard(view, devices)
         entries: dict[str, Entry] = dict(source.items())
+        if only or exclude or model_only:
+            kept, left = select_entries(
+                DictView.derived(view, entries), only=only, exclude=exclude, model_only=model_only
+            )
+            entries = {k: entries[k] for k in kept}
+            if left and on_left_out is not None:
+                on_left_out(left)
         if components in ("logical", "primary"):
             for key, e in entries.items():
                 if not has_logical_value(e):  # as `extract` refuses it

@@ -1,0 +1,143 @@
+"""What an export carries: path patterns and the model-only selection of ``convert``.
+
+A checkpoint holds more than a model: the optimizer's state (slots such as Adam's ``m`` and
+``v``, its step count and beta powers) and the checkpoint's own bookkeeping (``save_counter``,
+a root ``step``). A library that loads a model strictly (torch ``load_state_dict(strict=True)``,
+Keras ``load_weights``, ``transformers`` ``from_pretrained``) refuses every key it does not
+know, so an export for it keeps the model's tensors only.
+
+Which entries are optimizer state is read from what the file says, not guessed from names
+where it can be helped:
+
+* an entry with a ``slot_of`` attribute is an optimizer slot;
+* in a carried object graph, a node with slot relations is an optimizer: every variable under
+  its path is the optimizer's (its counters too);
+* without a graph (a file another library wrote): the subtree of a root child named
+  ``optimizer`` (our convention and Keras's and TensorFlow's), TensorFlow 1.x's root
+  ``beta1_power``/``beta2_power``/``global_step``;
+* the checkpoint's bookkeeping: the root ``save_counter`` and a scalar root ``step``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from parallelvars.errors import InvalidArgumentError
+
+__all__ = ["BOOKKEEPING", "describe_left_out", "optimizer_paths", "select_entries"]
+
+# Root entries that count saves or steps rather than hold a model's weights.
+BOOKKEEPING = frozenset({"save_counter", "step", "global_step"})
+# Root entries TensorFlow 1.x optimizers keep outside any scope (Adam's beta powers).
+_TF1_NON_SLOTS = frozenset({"beta1_power", "beta2_power"})
+_OPTIMIZER_ROOTS = ("optimizer",)
+
+
+def _graph_optimizer_prefixes(graph: Any) -> list[str]:
+    """The path prefixes of the optimizers of a native object graph (nodes with slots)."""
+    if not isinstance(graph, Mapping) or not isinstance(graph.get("nodes"), list):
+        return []
+    nodes = graph["nodes"]
+    # Each node's first path from the root (breadth-first, as the graph was built).
+    paths: dict[int, str] = {0: ""}
+    queue = [0]
+    while queue:
+        nid = queue.pop(0)
+        try:
+            children = nodes[nid].get("children") or []
+        except (IndexError, AttributeError, TypeError):
+            continue
+        for pair in children:
+            try:
+                name, child = pair
+            except (TypeError, ValueError):
+                continue
+            if isinstance(child, int) and child not in paths:
+                paths[child] = f"{paths[nid]}/{name}" if paths[nid] else str(name)
+                queue.append(child)
+    prefixes = []
+    for nid, node in enumerate(nodes):
+        if isinstance(node, Mapping) and node.get("slots") and nid in paths and paths[nid]:
+            prefixes.append(paths[nid])
+    return prefixes
+
+
+def optimizer_paths(entries: Mapping[str, Any]) -> dict[str, str]:
+    """``key -> why it is not a model weight`` for every optimizer or bookkeeping entry."""
+    graph = getattr(entries, "object_graph", None)
+    prefixes = _graph_optimizer_prefixes(graph) or list(_OPTIMIZER_ROOTS)
+    out: dict[str, str] = {}
+    for key, entry in entries.items():
+        attrs = getattr(entry, "attrs", None) or {}
+        under = any(key == p or key.startswith(p + "/") for p in prefixes)
+        if key in BOOKKEEPING:
+            out[key] = "checkpoint bookkeeping"
+        elif "slot_of" in attrs or under or key in _TF1_NON_SLOTS:
+            out[key] = "optimizer state"
+    return out
+
+
+def _matches(key: str, patterns: Iterable[str]) -> bool:
+    """Whether ``key`` matches a glob pattern, or lies under a path a pattern matches."""
+    return any(fnmatch.fnmatchcase(key, p) or fnmatch.fnmatchcase(key, p + "/*") for p in patterns)
+
+
+def select_entries(
+    entries: Mapping[str, Any],
+    *,
+    only: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    model_only: bool = False,
+) -> tuple[list[str], dict[str, str]]:
+    """The keys an export keeps, in order, and ``key -> reason`` for each it leaves out.
+
+    Args:
+        entries: the source view.
+        only: glob patterns (``model/*``, ``model/dense``: a pattern also selects what lies
+            under a path it matches); when given, only matching keys are kept.
+        exclude: glob patterns of keys to leave out.
+        model_only: leave out optimizer state and the checkpoint's bookkeeping.
+
+    Raises:
+        InvalidArgumentError: a pattern is empty, or the selection keeps nothing.
+    """
+    for pattern in [*(only or ()), *(exclude or ())]:
+        if not isinstance(pattern, str) or not pattern:
+            raise InvalidArgumentError(
+                f"a path pattern must be a non-empty string, got {pattern!r}"
+            )
+    left: dict[str, str] = {}
+    extra = optimizer_paths(entries) if model_only else {}
+    kept = []
+    for key in entries:
+        if key in extra:
+            left[key] = extra[key]
+        elif only and not _matches(key, only):
+            left[key] = "not selected by --only"
+        elif exclude and _matches(key, exclude):
+            left[key] = "excluded by --exclude"
+        else:
+            kept.append(key)
+    if not kept and len(entries):
+        path = getattr(entries, "path", "<memory>")
+        raise InvalidArgumentError(
+            f"{path}: the selection leaves no variable to write "
+            f"(only={list(only or [])}, exclude={list(exclude or [])}, model_only={model_only})"
+        )
+    return kept, left
+
+
+def describe_left_out(left: Mapping[str, str], limit: int = 6) -> list[str]:
+    """One note line per reason: how many entries it left out and the first few keys."""
+    by_reason: dict[str, list[str]] = {}
+    for key, reason in left.items():
+        by_reason.setdefault(reason, []).append(key)
+    lines = []
+    for reason, keys in by_reason.items():
+        shown = ", ".join(keys[:limit]) + (", ..." if len(keys) > limit else "")
+        lines.append(
+            f"left out {len(keys)} entr{'y' if len(keys) == 1 else 'ies'} ({reason}): {shown}"
+        )
+    return lines

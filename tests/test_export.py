@@ -1,0 +1,143 @@
+"""Export for a target library: what ``convert`` selects (``only``/``exclude``/``model_only``)
+and what each writer produces for a model trained here (4 devices, Adam)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import parallelvars as pv
+from parallelvars import formats
+from parallelvars.cli import main
+from parallelvars.errors import InvalidArgumentError
+from parallelvars.formats._select import select_entries
+
+MODEL_KEYS = ["model/dense/bias", "model/dense/kernel"]
+
+
+@pytest.fixture(autouse=True)
+def _no_debug_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PARALLELVARS_DEBUG", raising=False)
+
+
+def trained(devices: int = 4) -> tuple[pv.Checkpoint, pv.Module, pv.optimizers.Adam]:
+    """A dense layer trained two Adam steps on ``devices`` devices."""
+    with pv.MirroredStrategy(devices).scope() as strategy:
+        model = pv.Module()
+        model.dense = pv.Module()
+        model.dense.kernel = pv.Variable(
+            np.arange(6, dtype=np.float32).reshape(3, 2), name="dense/kernel"
+        )
+        model.dense.bias = pv.Variable(np.zeros(2, np.float32), name="dense/bias")
+        opt = pv.optimizers.Adam(0.1)
+    grads = [np.full((3, 2), 0.5, np.float32), np.array([1.0, -2.0], np.float32)]
+    for _ in range(2):
+        opt.distributed_apply(
+            strategy, list(zip(grads, (model.dense.kernel, model.dense.bias), strict=True))
+        )
+    return pv.Checkpoint(model=model, optimizer=opt), model, opt
+
+
+@pytest.fixture
+def run_h5(tmp_path: pathlib.Path) -> str:
+    ckpt, _, _ = trained()
+    ckpt.save_counter.assign(3)
+    return ckpt.write(tmp_path / "run.h5")
+
+
+def test_model_only_leaves_out_optimizer_state_and_bookkeeping(
+    run_h5: str, tmp_path: pathlib.Path
+) -> None:
+    left: dict[str, str] = {}
+    out = formats.convert(
+        run_h5,
+        tmp_path / "m.safetensors",
+        components="logical",
+        names="dotted",
+        model_only=True,
+        on_left_out=left.update,
+    )
+    tensors = load_file(out)
+    assert sorted(tensors) == ["model.dense.bias", "model.dense.kernel"]  # was: + save_counter, ...
+    assert left["save_counter"] == "checkpoint bookkeeping"
+    assert left["optimizer/iterations"] == "optimizer state"
+    assert left["optimizer/slots/model/dense/kernel/m"] == "optimizer state"
+    assert len(left) == 8
+    _, model, _ = trained()
+    np.testing.assert_array_equal(tensors["model.dense.kernel"], model.dense.kernel.components[0])
+
+
+def test_only_and_exclude_select_by_pattern(run_h5: str, tmp_path: pathlib.Path) -> None:
+    out = formats.convert(run_h5, tmp_path / "a.npz", only=["model"], exclude=["*/bias"])
+    with formats.open_checkpoint(out) as view:
+        assert list(view) == ["model/dense/kernel"]
+    out = formats.convert(run_h5, tmp_path / "b.npz", only=["optimizer/slots/*/m"])
+    with formats.open_checkpoint(out) as view:
+        assert sorted(view) == [
+            "optimizer/slots/model/dense/bias/m",
+            "optimizer/slots/model/dense/kernel/m",
+        ]
+    with pytest.raises(InvalidArgumentError, match="leaves no variable"):
+        formats.convert(run_h5, tmp_path / "c.npz", only=["nothing/*"])
+    with pytest.raises(InvalidArgumentError, match="non-empty"):
+        formats.convert(run_h5, tmp_path / "d.npz", exclude=[""])
+
+
+def test_a_model_only_export_restores_with_every_assertion(
+    run_h5: str, tmp_path: pathlib.Path
+) -> None:
+    """Back into a fresh model: nothing unrestored, nothing unmatched (no save_counter saved)."""
+    out = formats.convert(run_h5, tmp_path / "m.npz", components="logical", model_only=True)
+    _, model, _ = trained(2)
+    for v in (model.dense.kernel, model.dense.bias):
+        v.assign(np.zeros(v.shape, np.float32))
+    status = pv.Checkpoint(model=model).restore(out)
+    status.assert_consumed().assert_existing_objects_matched()
+    _, expected, _ = trained()
+    np.testing.assert_array_equal(
+        model.dense.kernel.components[1], expected.dense.kernel.components[0]
+    )
+
+
+def test_without_a_graph_the_optimizer_subtree_is_still_recognised(tmp_path: pathlib.Path) -> None:
+    """A file another library wrote: its ``optimizer/`` subtree and TF1's root beta powers."""
+    entries = {
+        k: formats.ArrayEntry(k, [np.ones(2, np.float32)])
+        for k in ("dense/kernel", "optimizer/vars/0", "beta1_power", "global_step")
+    }
+    kept, left = select_entries(formats.DictView(entries), model_only=True)
+    assert kept == ["dense/kernel"]
+    assert set(left) == {"optimizer/vars/0", "beta1_power", "global_step"}
+
+
+def test_cli_model_only_notes_what_it_left_out(
+    run_h5: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dst = tmp_path / "m.safetensors"
+    rc = main(
+        [
+            "convert",
+            run_h5,
+            str(dst),
+            "--components",
+            "logical",
+            "--model-only",
+            "--names",
+            "dotted",
+        ]
+    )
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "note: left out 7 entries (optimizer state)" in err
+    assert "note: left out 1 entry (checkpoint bookkeeping): save_counter" in err
+    assert sorted(load_file(dst)) == ["model.dense.bias", "model.dense.kernel"]
+    rc = main(["--json", "convert", run_h5, str(tmp_path / "x.npz"), "--exclude", "optimizer"])
+    assert rc == 0
+
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["num_variables"] == 3  # the model and save_counter
+    assert len(doc["left_out"]) == 7
