@@ -141,3 +141,24 @@ def test_cli_model_only_notes_what_it_left_out(
     doc = json.loads(capsys.readouterr().out)
     assert doc["num_variables"] == 3  # the model and save_counter
     assert len(doc["left_out"]) == 7
+
+
+def test_tf_export_keeps_adam_beta_powers_in_float32_as_tensorflow_does(
+    run_h5: str, tmp_path: pathlib.Path
+) -> None:
+    """TF 1.x ``AdamOptimizer`` refuses a float64 beta power ("expected dtype float does not
+    equal original dtype double"); ours are float64 and were written so."""
+    prefix = formats.convert(run_h5, tmp_path / "tf" / "ckpt-1", to_format="tf")
+    _, _, opt = trained()
+    with formats.open_checkpoint(prefix) as view:
+        for name in ("beta1_power", "beta2_power"):
+            entry = view[f"optimizer/{name}"]
+            assert entry.dtype == np.float32  # was: float64
+            expected = np.float32(getattr(opt, name).read_value())
+            assert all(c == expected for c in (entry.component(i) for i in range(4)))
+        assert view["optimizer/iterations"].dtype == np.int64
+        assert view["model/dense/kernel"].dtype == np.float32
+    # back into our float64 counters: the float32 value, exactly, with every assertion
+    ckpt2, _, opt2 = trained()
+    ckpt2.restore(prefix).assert_consumed()
+    assert opt2.beta1_power.read_value() == np.float64(np.float32(opt.beta1_power.read_value()))
