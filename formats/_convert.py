@@ -18,7 +18,7 @@ from ._reshard import reshard
 from ._select import select_entries
 from ._view import DictView, Entry
 
-__all__ = ["convert", "format_for_path"]
+__all__ = ["convert", "exported", "format_for_path"]
 
 # Attributes that describe how a value is spread over devices; a primary-only copy drops them.
 _PARALLEL_ATTRS = frozenset(
@@ -62,6 +62,46 @@ class _PrimaryEntry(ForwardingEntry):
 
     def value(self) -> np.ndarray:
         return self.component(0)
+
+
+def exported(
+    view: Mapping[str, Entry],
+    *,
+    components: str = "all",
+    only: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    model_only: bool = False,
+    on_left_out: Callable[[Mapping[str, str]], Any] | None = None,
+    file: str | None = None,
+) -> Mapping[str, Entry]:
+    """``view`` as an export writes it: the selected entries (see :func:`select_entries`), each
+    its logical value with ``components="logical"``; the view itself when nothing changes.
+    What :func:`convert` and :func:`~parallelvars.formats.write_checkpoint` write."""
+    if components not in ("all", "logical", "primary"):
+        raise InvalidArgumentError(
+            f"components must be 'all' or 'logical' ('primary'), got {components!r}"
+        )
+    if not (only or exclude or model_only) and components == "all":
+        return view
+    where = file if file is not None else str(getattr(view, "path", "<memory>"))
+    entries: dict[str, Entry] = dict(view.items())
+    if only or exclude or model_only:
+        kept, left = select_entries(view, only=only, exclude=exclude, model_only=model_only)
+        entries = {k: entries[k] for k in kept}
+        if left and on_left_out is not None:
+            on_left_out(left)
+    if components in ("logical", "primary"):
+        for key, e in entries.items():
+            if not has_logical_value(e):  # as `extract` refuses it
+                raise no_value_error(
+                    e,
+                    file=where,
+                    variable=key,
+                    hint="keep them with components='all' (--components all), or extract one "
+                    "with 'parallelvars extract --component'",
+                )
+        entries = {k: _PrimaryEntry(e) for k, e in entries.items()}
+    return DictView.derived(view, entries)
 
 
 class _Progress:
@@ -132,10 +172,8 @@ def convert(
         >>> convert("run.h5", "model.safetensors", components="logical")  # doctest: +SKIP
         'model.safetensors'
     """
-    if components not in ("all", "logical", "primary"):
-        raise InvalidArgumentError(
-            f"components must be 'all' or 'logical' ('primary'), got {components!r}"
-        )
+    if components not in ("all", "logical", "primary"):  # before the source is opened
+        exported({}, components=components)
     if names is not None:
         check_names(names)
     target = to_format or format_for_path(dst)
@@ -169,25 +207,17 @@ def convert(
         source: Mapping[str, Entry] = view
         if devices is not None:
             source = reshard(view, devices)
-        entries: dict[str, Entry] = dict(source.items())
-        if only or exclude or model_only:
-            kept, left = select_entries(
-                DictView.derived(view, entries), only=only, exclude=exclude, model_only=model_only
-            )
-            entries = {k: entries[k] for k in kept}
-            if left and on_left_out is not None:
-                on_left_out(left)
-        if components in ("logical", "primary"):
-            for key, e in entries.items():
-                if not has_logical_value(e):  # as `extract` refuses it
-                    raise no_value_error(
-                        e,
-                        file=os.fspath(src),
-                        variable=key,
-                        hint="keep them with components='all' (--components all), or extract one "
-                        "with 'parallelvars extract --component'",
-                    )
-            entries = {k: _PrimaryEntry(e) for k, e in entries.items()}
+        entries = dict(
+            exported(
+                DictView.derived(view, dict(source.items())),
+                components=components,
+                only=only,
+                exclude=exclude,
+                model_only=model_only,
+                on_left_out=on_left_out,
+                file=os.fspath(src),
+            ).items()
+        )
         if progress is not None:
             total = sum(int(e.nbytes) for e in entries.values())
             counter = _Progress(progress, total)

@@ -162,3 +162,21 @@ def test_tf_export_keeps_adam_beta_powers_in_float32_as_tensorflow_does(
     ckpt2, _, opt2 = trained()
     ckpt2.restore(prefix).assert_consumed()
     assert opt2.beta1_power.read_value() == np.float64(np.float32(opt.beta1_power.read_value()))
+
+
+def test_write_checkpoint_takes_the_export_options_for_every_format(
+    run_h5: str, tmp_path: pathlib.Path
+) -> None:
+    """Was: ``components=`` a raw TypeError from the Keras writer."""
+    with formats.open_checkpoint(run_h5) as view:
+        for name in ("m.weights.h5", "m.safetensors", "m.npz", "m.h5"):
+            out = formats.write_checkpoint(
+                tmp_path / name, view, components="logical", model_only=True
+            )
+            with formats.open_checkpoint(out) as written:
+                assert len(written) == 2, name
+                assert all(written[k].num_components == 1 for k in written)
+        with pytest.raises(InvalidArgumentError, match=r"m\.weights\.h5.*'keras'.*'bogus'"):
+            formats.write_checkpoint(tmp_path / "m.weights.h5", view, bogus=1)
+        with pytest.raises(InvalidArgumentError, match="components must be"):
+            formats.write_checkpoint(tmp_path / "m.npz", view, components="some")
