@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 import parallelvars as pv
 from parallelvars import formats
 from parallelvars.cli import main
-from parallelvars.errors import InvalidArgumentError
+from parallelvars.errors import CheckpointWriteError, InvalidArgumentError
 from parallelvars.formats._select import select_entries
 
 MODEL_KEYS = ["model/dense/bias", "model/dense/kernel"]
@@ -180,3 +180,55 @@ def test_write_checkpoint_takes_the_export_options_for_every_format(
             formats.write_checkpoint(tmp_path / "m.weights.h5", view, bogus=1)
         with pytest.raises(InvalidArgumentError, match="components must be"):
             formats.write_checkpoint(tmp_path / "m.npz", view, components="some")
+
+
+# --- symmetry of Checkpoint.write / restore ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["x.safetensors", "x.npz", "x.keras", "x.weights.h5", "ckpt-1.index", "x.pt"]
+)
+def test_write_refuses_another_formats_suffix(tmp_path: pathlib.Path, name: str) -> None:
+    """Was: an HDF5 file under that name (safetensors then failed "header too large")."""
+    ckpt, _, _ = trained(2)
+    with pytest.raises(InvalidArgumentError, match=rf"{name.replace('.', '[.]')}: .*convert"):
+        ckpt.write(tmp_path / name)
+    assert not list(tmp_path.iterdir())
+    assert ckpt.write(tmp_path / "x.h5").endswith("x.h5")
+
+
+def test_a_folder_that_cannot_be_made_is_our_error_naming_the_path(tmp_path: pathlib.Path) -> None:
+    """Was: a builtin FileNotFoundError naming the folder."""
+    (tmp_path / "file").write_bytes(b"x")
+    ckpt, _, _ = trained(2)
+    target = tmp_path / "file" / "sub" / "x.h5"
+    with pytest.raises(CheckpointWriteError, match=r"file/sub/x\.h5: cannot make the folder"):
+        ckpt.write(target)
+    with pytest.raises(CheckpointWriteError, match=r"file/sub/x-1\.h5"):
+        ckpt.save(tmp_path / "file" / "sub" / "x")
+    assert int(ckpt.save_counter) == 0  # the failed save took its count back
+
+
+@pytest.mark.parametrize("shard", [None, "20B"])
+def test_restore_reads_a_hugging_face_folder(
+    run_h5: str, tmp_path: pathlib.Path, shard: str | None
+) -> None:
+    """A folder of model.safetensors or of a shard set (config.json beside it), as the docs
+    say; was: NotACheckpointError "is a directory"."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "gpt2"}')
+    formats.convert(
+        run_h5,
+        folder,
+        to_format="safetensors",
+        components="logical",
+        model_only=True,
+        max_shard_size=shard,
+    )
+    _, model, _ = trained(2)
+    for v in (model.dense.kernel, model.dense.bias):
+        v.assign(np.zeros(v.shape, np.float32))
+    pv.Checkpoint(model=model).restore(folder).assert_consumed()
+    _, expected, _ = trained()
+    np.testing.assert_array_equal(model.dense.bias.components[1], expected.dense.bias.components[0])

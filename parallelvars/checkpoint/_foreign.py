@@ -38,7 +38,15 @@ def foreign_kind(path: str) -> str | None:
             names = os.listdir(path)
         except OSError:
             return None
-        return "tf" if "checkpoint" in names or any(n.endswith(".index") for n in names) else None
+        if "checkpoint" in names or any(n.endswith(".index") for n in names):
+            return "tf"
+        # A Hugging Face model folder: model.safetensors, or a shard set's index (with
+        # config.json and the rest beside it), as the safetensors format opens a folder.
+        if "model.safetensors" in names or any(
+            n.endswith(".safetensors.index.json") for n in names
+        ):
+            return "safetensors"
+        return None
     if _TF_FILE.search(path) or (not os.path.exists(path) and os.path.exists(path + ".index")):
         return "tf"
     try:
