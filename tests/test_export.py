@@ -232,3 +232,12 @@ def test_restore_reads_a_hugging_face_folder(
     pv.Checkpoint(model=model).restore(folder).assert_consumed()
     _, expected, _ = trained()
     np.testing.assert_array_equal(model.dense.bias.components[1], expected.dense.bias.components[0])
+
+
+def test_the_package_exports_only_its_public_names() -> None:
+    """Was: ``pv.Any``, ``pv.TYPE_CHECKING`` and ``pv.importlib`` beside the API."""
+    public = {n for n in dir(pv) if not n.startswith("_")}
+    assert not {"Any", "TYPE_CHECKING", "importlib"} & public
+    assert public - set(pv.__all__) <= {"checkpoint", "errors", "optimizers", "formats"} | {
+        n for n in public if isinstance(getattr(pv, n), type(pv))
+    }
