@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parallelvars._fileio import open_input
+from parallelvars.checkpoint._foreign import TORCH_PICKLE_HINT, is_torch_pickle
 from parallelvars.errors import CheckpointNotFoundError, InvalidArgumentError, NotACheckpointError
 
 from ._view import CheckpointView, Entry
@@ -137,6 +138,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         found="a directory with no checkpoint files in it"
         if os.path.isdir(p)
         else f"first bytes {head[:8]!r}",
+        hint=TORCH_PICKLE_HINT if head.startswith(b"PK") and is_torch_pickle(p) else None,
     )
 
 

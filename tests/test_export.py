@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 import parallelvars as pv
 from parallelvars import formats
 from parallelvars.cli import main
-from parallelvars.errors import CheckpointWriteError, InvalidArgumentError
+from parallelvars.errors import CheckpointWriteError, InvalidArgumentError, NotACheckpointError
 from parallelvars.formats._select import select_entries
 
 MODEL_KEYS = ["model/dense/bias", "model/dense/kernel"]
@@ -241,3 +241,17 @@ def test_the_package_exports_only_its_public_names() -> None:
     assert public - set(pv.__all__) <= {"checkpoint", "errors", "optimizers", "formats"} | {
         n for n in public if isinstance(getattr(pv, n), type(pv))
     }
+
+
+def test_a_torch_pickle_is_named_and_never_loaded(capsys: pytest.CaptureFixture[str]) -> None:
+    """tests/data/torch/state_dict.pt (torch.save 2.13); was: "not a checkpoint of any known
+    format" with no hint."""
+    path = str(pathlib.Path(__file__).parent / "data" / "torch" / "state_dict.pt")
+    with pytest.raises(
+        NotACheckpointError, match=r"state_dict\.pt: .*PyTorch pickle.*never loaded"
+    ):
+        pv.Checkpoint(w=pv.Variable(np.ones(2))).restore(path)
+    with pytest.raises(NotACheckpointError, match=r"PyTorch pickle.*safetensors\.torch\.save_file"):
+        formats.open_checkpoint(path)
+    assert main(["inspect", path]) != 0
+    assert "PyTorch pickle" in capsys.readouterr().err
