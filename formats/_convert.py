@@ -6,102 +6,22 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
-from parallelvars._aggregate import has_logical_value, no_value_error, rule_for
-from parallelvars.checkpoint.entry import CountingEntry, ForwardingEntry
+from parallelvars.checkpoint.entry import CountingEntry
 from parallelvars.errors import InvalidArgumentError
 
 from ._names import check_names
 from ._registry import format_for_suffix, get_format, open_checkpoint, write_checkpoint
 from ._reshard import reshard
-from ._select import select_entries
+from ._select import exported
 from ._view import DictView, Entry
 
-__all__ = ["convert", "exported", "format_for_path"]
-
-# Attributes that describe how a value is spread over devices; a primary-only copy drops them.
-_PARALLEL_ATTRS = frozenset(
-    {"devices", "shard_axis", "shard_offsets", "aggregation", "synchronization"}
-)
+__all__ = ["convert", "format_for_path"]
 
 
 def format_for_path(path: str | os.PathLike[str]) -> str | None:
     """The format an output file name implies (the longest matching suffix wins, so
     ``model.weights.h5`` is ``keras`` and ``run.h5`` is ``hdf5``), or None."""
     return format_for_suffix(path)
-
-
-class _PrimaryEntry(ForwardingEntry):
-    """A single-component copy of an entry: its logical value (the primary of a mirrored
-    variable, the aggregate of an on-read one, the stitched shards of a sharded one)."""
-
-    def __init__(self, source: Entry) -> None:
-        super().__init__(source)
-        self.kind = "single"
-        self.num_components = 1
-        self.attrs = {k: v for k, v in self.attrs.items() if k not in _PARALLEL_ATTRS}
-        self._primary = source.kind != "sharded" and (
-            source.num_components == 1 or rule_for(source.kind, source.attrs).value == "primary"
-        )
-
-    def component_shape(self, i: int) -> tuple[int, ...]:
-        self._check_index(i)
-        return self.shape
-
-    def component(self, i: int) -> np.ndarray:
-        self._check_index(i)
-        return self.source.component(0) if self._primary else self.source.value()
-
-    def read_component_into(self, i: int, out: np.ndarray) -> None:
-        self._check_index(i)
-        if self._primary:
-            self.source.read_component_into(0, out)
-        else:
-            out[...] = self.source.value()
-
-    def value(self) -> np.ndarray:
-        return self.component(0)
-
-
-def exported(
-    view: Mapping[str, Entry],
-    *,
-    components: str = "all",
-    only: Sequence[str] | None = None,
-    exclude: Sequence[str] | None = None,
-    model_only: bool = False,
-    on_left_out: Callable[[Mapping[str, str]], Any] | None = None,
-    file: str | None = None,
-) -> Mapping[str, Entry]:
-    """``view`` as an export writes it: the selected entries (see :func:`select_entries`), each
-    its logical value with ``components="logical"``; the view itself when nothing changes.
-    What :func:`convert` and :func:`~parallelvars.formats.write_checkpoint` write."""
-    if components not in ("all", "logical", "primary"):
-        raise InvalidArgumentError(
-            f"components must be 'all' or 'logical' ('primary'), got {components!r}"
-        )
-    if not (only or exclude or model_only) and components == "all":
-        return view
-    where = file if file is not None else str(getattr(view, "path", "<memory>"))
-    entries: dict[str, Entry] = dict(view.items())
-    if only or exclude or model_only:
-        kept, left = select_entries(view, only=only, exclude=exclude, model_only=model_only)
-        entries = {k: entries[k] for k in kept}
-        if left and on_left_out is not None:
-            on_left_out(left)
-    if components in ("logical", "primary"):
-        for key, e in entries.items():
-            if not has_logical_value(e):  # as `extract` refuses it
-                raise no_value_error(
-                    e,
-                    file=where,
-                    variable=key,
-                    hint="keep them with components='all' (--components all), or extract one "
-                    "with 'parallelvars extract --component'",
-                )
-        entries = {k: _PrimaryEntry(e) for k, e in entries.items()}
-    return DictView.derived(view, entries)
 
 
 class _Progress:

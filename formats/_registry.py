@@ -176,7 +176,7 @@ def write_checkpoint(
     export = {k: options.pop(k) for k in _EXPORT_OPTIONS if k in options}
     _check_options(spec, p, options)
     if export:
-        from ._convert import exported
+        from ._select import exported
 
         entries = exported(entries, **export)
     return spec.write(p, entries, **options)

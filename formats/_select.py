@@ -21,12 +21,23 @@ where it can be helped:
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
+from parallelvars._aggregate import has_logical_value, no_value_error, rule_for
+from parallelvars.checkpoint.entry import ForwardingEntry
 from parallelvars.errors import InvalidArgumentError
 
-__all__ = ["BOOKKEEPING", "describe_left_out", "optimizer_paths", "select_entries"]
+from ._view import DictView, Entry
+
+__all__ = ["BOOKKEEPING", "describe_left_out", "exported", "optimizer_paths", "select_entries"]
+
+# Attributes that describe how a value is spread over devices; a logical copy drops them.
+_PARALLEL_ATTRS = frozenset(
+    {"devices", "shard_axis", "shard_offsets", "aggregation", "synchronization"}
+)
 
 # Root entries that count saves or steps rather than hold a model's weights.
 BOOKKEEPING = frozenset({"save_counter", "step", "global_step"})
@@ -141,3 +152,75 @@ def describe_left_out(left: Mapping[str, str], limit: int = 6) -> list[str]:
             f"left out {len(keys)} entr{'y' if len(keys) == 1 else 'ies'} ({reason}): {shown}"
         )
     return lines
+
+
+class _PrimaryEntry(ForwardingEntry):
+    """A single-component copy of an entry: its logical value (the primary of a mirrored
+    variable, the aggregate of an on-read one, the stitched shards of a sharded one)."""
+
+    def __init__(self, source: Entry) -> None:
+        super().__init__(source)
+        self.kind = "single"
+        self.num_components = 1
+        self.attrs = {k: v for k, v in self.attrs.items() if k not in _PARALLEL_ATTRS}
+        self._primary = source.kind != "sharded" and (
+            source.num_components == 1 or rule_for(source.kind, source.attrs).value == "primary"
+        )
+
+    def component_shape(self, i: int) -> tuple[int, ...]:
+        self._check_index(i)
+        return self.shape
+
+    def component(self, i: int) -> np.ndarray:
+        self._check_index(i)
+        return self.source.component(0) if self._primary else self.source.value()
+
+    def read_component_into(self, i: int, out: np.ndarray) -> None:
+        self._check_index(i)
+        if self._primary:
+            self.source.read_component_into(0, out)
+        else:
+            out[...] = self.source.value()
+
+    def value(self) -> np.ndarray:
+        return self.component(0)
+
+
+def exported(
+    view: Mapping[str, Entry],
+    *,
+    components: str = "all",
+    only: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    model_only: bool = False,
+    on_left_out: Callable[[Mapping[str, str]], Any] | None = None,
+    file: str | None = None,
+) -> Mapping[str, Entry]:
+    """``view`` as an export writes it: the selected entries (see :func:`select_entries`), each
+    its logical value with ``components="logical"``; the view itself when nothing changes.
+    What :func:`convert` and :func:`~parallelvars.formats.write_checkpoint` write."""
+    if components not in ("all", "logical", "primary"):
+        raise InvalidArgumentError(
+            f"components must be 'all' or 'logical' ('primary'), got {components!r}"
+        )
+    if not (only or exclude or model_only) and components == "all":
+        return view
+    where = file if file is not None else str(getattr(view, "path", "<memory>"))
+    entries: dict[str, Entry] = dict(view.items())
+    if only or exclude or model_only:
+        kept, left = select_entries(view, only=only, exclude=exclude, model_only=model_only)
+        entries = {k: entries[k] for k in kept}
+        if left and on_left_out is not None:
+            on_left_out(left)
+    if components in ("logical", "primary"):
+        for key, e in entries.items():
+            if not has_logical_value(e):  # as `extract` refuses it
+                raise no_value_error(
+                    e,
+                    file=where,
+                    variable=key,
+                    hint="keep them with components='all' (--components all), or extract one "
+                    "with 'parallelvars extract --component'",
+                )
+        entries = {k: _PrimaryEntry(e) for k, e in entries.items()}
+    return DictView.derived(view, entries)
