@@ -118,6 +118,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "bookkeeping (save_counter, step): what torch, Keras and transformers load strictly",
     )
     parser.add_argument(
+        "--root",
+        metavar="PATH",
+        help="export the subtree at PATH as the whole model: model/dense/kernel goes out as "
+        "dense/kernel (dense.kernel with --names dotted, a torch state_dict's key)",
+    )
+    parser.add_argument(
         "--names",
         choices=formats.NAME_STYLES,
         help="key style for formats with flat keys (safetensors, npz): slash keeps our paths "
@@ -181,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
             only=args.only,
             exclude=args.exclude,
             model_only=args.model_only,
+            root=args.root,
             on_left_out=left_out.update,
         )
     notes = describe_left_out(left_out)

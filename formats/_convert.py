@@ -51,6 +51,7 @@ def convert(
     only: Sequence[str] | None = None,
     exclude: Sequence[str] | None = None,
     model_only: bool = False,
+    root: str | None = None,
     on_left_out: Callable[[Mapping[str, str]], Any] | None = None,
 ) -> str:
     """Convert the checkpoint ``src`` into ``dst``, one tensor in memory at a time.
@@ -82,6 +83,9 @@ def convert(
         model_only: leave out optimizer state (slots, step counts, beta powers) and the
             checkpoint's bookkeeping (``save_counter``, a root ``step``): what a library that
             loads a model strictly expects (see :mod:`parallelvars.formats._select`).
+        root: export the subtree at this path as the whole (``"model"``: ``model/dense/kernel``
+            goes out as ``dense/kernel``, ``dense.kernel`` in the dotted style of a torch
+            ``state_dict``); everything outside it is left out.
         on_left_out: called once with ``{path: reason}`` of every path the selection left out
             (nothing is called when it left out nothing).
 
@@ -134,6 +138,7 @@ def convert(
                 only=only,
                 exclude=exclude,
                 model_only=model_only,
+                root=root,
                 on_left_out=on_left_out,
                 file=os.fspath(src),
             ).items()

@@ -159,8 +159,8 @@ def write_checkpoint(
 ) -> str:
     """Write ``entries`` to ``path`` in ``format`` (by default, from the suffix).
 
-    Every format takes ``components`` (``"all"`` or ``"logical"``), ``only``, ``exclude`` and
-    ``model_only`` (the selection of :func:`~parallelvars.formats.convert`); the rest of
+    Every format takes ``components`` (``"all"`` or ``"logical"``), ``only``, ``exclude``,
+    ``model_only`` and ``root`` (the selection of :func:`~parallelvars.formats.convert`); the rest of
     ``options`` are the format's own (:attr:`FormatSpec.options`). An option the format's
     writer does not take is an InvalidArgumentError.
     """
@@ -183,7 +183,7 @@ def write_checkpoint(
 
 
 # Options of every format's write: what goes out (see formats._convert.exported).
-_EXPORT_OPTIONS = ("components", "only", "exclude", "model_only", "on_left_out")
+_EXPORT_OPTIONS = ("components", "only", "exclude", "model_only", "root", "on_left_out")
 
 
 def _check_options(spec: FormatSpec, path: str, options: Mapping[str, Any]) -> None:
@@ -199,7 +199,7 @@ def _check_options(spec: FormatSpec, path: str, options: Mapping[str, Any]) -> N
     if unknown:
         raise InvalidArgumentError(
             f"{path}: format {spec.name!r} takes no option {', '.join(map(repr, unknown))}; "
-            f"it takes {', '.join(map(repr, [*_EXPORT_OPTIONS[:4], *takes]))}"
+            f"it takes {', '.join(map(repr, [*_EXPORT_OPTIONS[:5], *takes]))}"
         )
 
 

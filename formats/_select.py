@@ -193,25 +193,41 @@ def exported(
     only: Sequence[str] | None = None,
     exclude: Sequence[str] | None = None,
     model_only: bool = False,
+    root: str | None = None,
     on_left_out: Callable[[Mapping[str, str]], Any] | None = None,
     file: str | None = None,
 ) -> Mapping[str, Entry]:
     """``view`` as an export writes it: the selected entries (see :func:`select_entries`), each
     its logical value with ``components="logical"``; the view itself when nothing changes.
-    What :func:`convert` and :func:`~parallelvars.formats.write_checkpoint` write."""
+    What :func:`convert` and :func:`~parallelvars.formats.write_checkpoint` write.
+
+    ``root`` (a path such as ``"model"``) exports that subtree as the whole: its entries under
+    their paths below it (``model/dense/kernel`` as ``dense/kernel``, which the dotted style
+    writes ``dense.kernel``, a torch module's own ``state_dict`` key), everything else left out.
+    """
     if components not in ("all", "logical", "primary"):
         raise InvalidArgumentError(
             f"components must be 'all' or 'logical' ('primary'), got {components!r}"
         )
-    if not (only or exclude or model_only) and components == "all":
+    if not (only or exclude or model_only or root) and components == "all":
         return view
     where = file if file is not None else str(getattr(view, "path", "<memory>"))
     entries: dict[str, Entry] = dict(view.items())
     if only or exclude or model_only:
         kept, left = select_entries(view, only=only, exclude=exclude, model_only=model_only)
         entries = {k: entries[k] for k in kept}
-        if left and on_left_out is not None:
-            on_left_out(left)
+    else:
+        left = {}
+    if root:
+        prefix = root.strip("/") + "/"
+        if prefix == "/":
+            raise InvalidArgumentError("root must name a path, such as 'model'")
+        left.update((k, "outside --root") for k in entries if not k.startswith(prefix))
+        entries = {k[len(prefix) :]: e for k, e in entries.items() if k.startswith(prefix)}
+        if not entries:
+            raise InvalidArgumentError(f"{where}: nothing lies under the root {root!r}")
+    if left and on_left_out is not None:
+        on_left_out(left)
     if components in ("logical", "primary"):
         for key, e in entries.items():
             if not has_logical_value(e):  # as `extract` refuses it

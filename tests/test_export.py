@@ -255,3 +255,18 @@ def test_a_torch_pickle_is_named_and_never_loaded(capsys: pytest.CaptureFixture[
         formats.open_checkpoint(path)
     assert main(["inspect", path]) != 0
     assert "PyTorch pickle" in capsys.readouterr().err
+
+
+def test_root_exports_a_subtree_under_a_torch_modules_own_keys(
+    run_h5: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dst = tmp_path / "net.safetensors"
+    argv = ["convert", run_h5, str(dst), "--components", "logical", "--model-only"]
+    assert main([*argv, "--root", "model", "--names", "dotted"]) == 0
+    assert sorted(load_file(dst)) == ["dense.bias", "dense.kernel"]
+    assert "note:" in capsys.readouterr().err
+    with pytest.raises(InvalidArgumentError, match="nothing lies under the root 'nope'"):
+        formats.convert(run_h5, tmp_path / "x.npz", root="nope")
+    left: dict[str, str] = {}
+    formats.convert(run_h5, tmp_path / "y.npz", root="model", on_left_out=left.update)
+    assert left["save_counter"] == left["optimizer/iterations"] == "outside --root"
