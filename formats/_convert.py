@@ -141,6 +141,7 @@ def convert(
                 root=root,
                 on_left_out=on_left_out,
                 file=os.fspath(src),
+                target=target,
             ).items()
         )
         if progress is not None:

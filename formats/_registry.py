@@ -178,7 +178,7 @@ def write_checkpoint(
     if export:
         from ._select import exported
 
-        entries = exported(entries, **export)
+        entries = exported(entries, target=spec.name, **export)
     return spec.write(p, entries, **options)
 
 

@@ -101,6 +101,7 @@ def select_entries(
     only: Sequence[str] | None = None,
     exclude: Sequence[str] | None = None,
     model_only: bool = False,
+    target: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The keys an export keeps, in order, and ``key -> reason`` for each it leaves out.
 
@@ -109,7 +110,11 @@ def select_entries(
         only: glob patterns (``model/*``, ``model/dense``: a pattern also selects what lies
             under a path it matches); when given, only matching keys are kept.
         exclude: glob patterns of keys to leave out.
-        model_only: leave out optimizer state and the checkpoint's bookkeeping.
+        model_only: leave out optimizer state and the checkpoint's bookkeeping, less what
+            the ``target`` format's library has a place for: a TensorFlow checkpoint keeps the
+            root ``save_counter``, which ``tf.train.Checkpoint`` has and whose
+            ``assert_consumed`` counts.
+        target: the format written (see ``model_only``).
 
     Raises:
         InvalidArgumentError: a pattern is empty, or the selection keeps nothing.
@@ -121,6 +126,8 @@ def select_entries(
             )
     left: dict[str, str] = {}
     extra = optimizer_paths(entries) if model_only else {}
+    if target == "tf":
+        extra.pop("save_counter", None)
     kept = []
     for key in entries:
         if key in extra:
@@ -196,6 +203,7 @@ def exported(
     root: str | None = None,
     on_left_out: Callable[[Mapping[str, str]], Any] | None = None,
     file: str | None = None,
+    target: str | None = None,
 ) -> Mapping[str, Entry]:
     """``view`` as an export writes it: the selected entries (see :func:`select_entries`), each
     its logical value with ``components="logical"``; the view itself when nothing changes.
@@ -214,7 +222,9 @@ def exported(
     where = file if file is not None else str(getattr(view, "path", "<memory>"))
     entries: dict[str, Entry] = dict(view.items())
     if only or exclude or model_only:
-        kept, left = select_entries(view, only=only, exclude=exclude, model_only=model_only)
+        kept, left = select_entries(
+            view, only=only, exclude=exclude, model_only=model_only, target=target
+        )
         entries = {k: entries[k] for k in kept}
     else:
         left = {}

@@ -158,6 +158,14 @@ def test_tf_export_keeps_adam_beta_powers_in_float32_as_tensorflow_does(
             assert all(c == expected for c in (entry.component(i) for i in range(4)))
         assert view["optimizer/iterations"].dtype == np.int64
         assert view["model/dense/kernel"].dtype == np.float32
+    # a model-only export for TensorFlow keeps save_counter: tf.train.Checkpoint counts it
+    left: dict[str, str] = {}
+    model_only = formats.convert(
+        run_h5, tmp_path / "m" / "ckpt-1", to_format="tf", model_only=True, on_left_out=left.update
+    )
+    with formats.open_checkpoint(model_only) as view:
+        assert sorted(view) == [*MODEL_KEYS, "save_counter"]
+    assert "save_counter" not in left and len(left) == 7
     # back into our float64 counters: the float32 value, exactly, with every assertion
     ckpt2, _, opt2 = trained()
     ckpt2.restore(prefix).assert_consumed()
