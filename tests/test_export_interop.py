@@ -7,6 +7,7 @@ Keras, the CPU build of PyTorch and transformers and runs this file.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pathlib
@@ -22,6 +23,15 @@ from parallelvars import formats
 from parallelvars.cli import main
 
 DATA = pathlib.Path(__file__).parent / "data"
+
+
+def need(module: str) -> Any:
+    """``module``, or a skip when it is not installed; a failure under
+    ``PARALLELVARS_INTEROP_REQUIRED=1`` (CI's interop step), so a broken install cannot pass."""
+    if os.environ.get("PARALLELVARS_INTEROP_REQUIRED") == "1":
+        return importlib.import_module(module)
+    return pytest.importorskip(module)
+
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
@@ -70,8 +80,8 @@ def export(run_h5: str, dst: pathlib.Path, *extra: str) -> None:
 
 
 def test_torch_loads_our_export_strictly(tmp_path: pathlib.Path) -> None:
-    torch = pytest.importorskip("torch")
-    storch = pytest.importorskip("safetensors.torch")
+    torch = need("torch")
+    storch = need("safetensors.torch")
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
     start = tmp_path / "start.safetensors"
@@ -122,7 +132,7 @@ def keras_model(keras: Any) -> Any:
 
 @pytest.fixture
 def keras_trained(tmp_path: pathlib.Path) -> tuple[Any, str, dict[str, Any]]:
-    keras = pytest.importorskip("keras")
+    keras = need("keras")
     strategy, roots, flat = ours_from(DATA / "keras" / "model.weights.h5")
     opt = train(strategy, flat, TRAINABLE)
     run_h5 = pv.Checkpoint(**roots, optimizer=opt).write(tmp_path / "run.h5")
@@ -171,8 +181,8 @@ def test_keras_loads_our_legacy_h5(keras_trained: Any, tmp_path: pathlib.Path) -
 
 
 def test_transformers_loads_our_gpt2_folder(tmp_path: pathlib.Path) -> None:
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("torch")
+    transformers = need("transformers")
+    need("torch")
     config = transformers.GPT2Config(
         vocab_size=32, n_positions=16, n_embd=8, n_layer=1, n_head=2, tie_word_embeddings=True
     )
@@ -200,7 +210,7 @@ def test_transformers_loads_our_gpt2_folder(tmp_path: pathlib.Path) -> None:
 
 
 def test_tensorflow_restores_our_export_with_assert_consumed(tmp_path: pathlib.Path) -> None:
-    tf = pytest.importorskip("tensorflow")
+    tf = need("tensorflow")
     with pv.MirroredStrategy(4).scope() as strategy:
         kernel = pv.Variable(np.ones((3, 2), np.float32), name="dense/kernel")
         bias = pv.Variable(np.zeros(2, np.float32), name="dense/bias")
