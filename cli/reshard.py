@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
             written = formats.write_checkpoint(destination, wrapped, format=fmt)
         count = len(entries)
         src_format = view.format
+        # A single variable stays on one device whatever M is: say how many moved.
+        spread = sum(1 for k in entries if int(entries[k].num_components) > 1)
     data = {
         "source": args.source,
         "source_format": src_format,
@@ -80,10 +82,17 @@ def run(args: argparse.Namespace) -> int:
         "devices": args.devices,
         "source_components": before,
         "num_variables": count,
+        "num_on_devices": spread,
     }
+    placed = (
+        f"{args.devices} device{'s' if args.devices != 1 else ''}"
+        if spread == count or args.devices == 1
+        else f"{spread} of them on {args.devices} device{'s' if args.devices != 1 else ''}, "
+        f"{count - spread} single, as saved"
+    )
     out.emit(
         data,
-        f"wrote {written} ({fmt}, {count} variable{'s' if count != 1 else ''}, "
-        f"{args.devices} device{'s' if args.devices != 1 else ''}) from {args.source} ({src_format})",
+        f"wrote {written} ({fmt}, {count} variable{'s' if count != 1 else ''}, {placed}) "
+        f"from {args.source} ({src_format})",
     )
     return 0

@@ -278,3 +278,11 @@ def test_root_exports_a_subtree_under_a_torch_modules_own_keys(
     left: dict[str, str] = {}
     formats.convert(run_h5, tmp_path / "y.npz", root="model", on_left_out=left.update)
     assert left["save_counter"] == left["optimizer/iterations"] == "outside --root"
+
+
+def test_reshard_says_which_variables_stay_single(
+    run_h5: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Was: "4 devices" while every single variable stays single."""
+    assert main(["reshard", run_h5, str(tmp_path / "r.h5"), "--devices", "2"]) == 0
+    assert "10 variables, 9 of them on 2 devices, 1 single, as saved" in capsys.readouterr().out
