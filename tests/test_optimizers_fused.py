@@ -636,3 +636,12 @@ def test_a_restore_after_gradient_buffers_makes_the_counters_at_once(tmp_path: P
     status.assert_consumed()
     assert opt2.iterations is not None and int(opt2.iterations.read_value()) == 2
     assert float(opt2.beta1_power.read_value()) == float(opt.beta1_power.read_value())
+
+
+def test_gradient_buffers_outside_the_scope_says_so_at_once() -> None:
+    """Was: 1-replica buffers, failing at the first step without a hint."""
+    with pv.MirroredStrategy(4).scope():
+        w = pv.Variable(np.ones((3, 2), np.float32), name="w")
+        opt = pv.optimizers.Adam(0.1)
+    with pytest.raises(ContextError, match=r"outside any strategy's scope.*'w' on 4 devices"):
+        opt.gradient_buffers([w])
