@@ -65,6 +65,8 @@ Info = tuple[tuple[int, ...], np.dtype, bool]
 class Owner(Protocol):
     """What the transport asks of its optimizer."""
 
+    _pv_name: str  # named in the transport's errors
+
     def _info(self, var: Any) -> Info:
         """``(shape, dtype, on the fast path)`` of a variable it trains (raises otherwise)."""
         ...
