@@ -43,7 +43,8 @@ checkpoint's bookkeeping (save_counter, step), which a library that loads a mode
 A Keras .keras archive holds the model's architecture besides its weights: writing one takes
 the model's own archive as a template (--like TEMPLATE.keras), whose config.json and
 metadata.json are kept and whose weights are replaced. Weights that do not fit the template
-(other layers, shapes or dtypes) are refused.
+(other layers, shapes or dtypes) are refused. A legacy Keras file (--to keras-legacy) lists
+its layers in the model's order, which Keras 3 weights do not record: --like MODEL.keras gives it.
 
 Sizes take decimal (KB, MB, GB) or binary (KiB, MiB, GiB) units: 5GB = 5*10^9 bytes,
 100KiB = 102400 bytes.
@@ -96,7 +97,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--like",
         metavar="TEMPLATE",
         help="for a .keras DST: the model's own .keras archive, whose config is kept and whose "
-        "weights are replaced",
+        "weights are replaced; for --to keras-legacy: the model's .keras archive, whose config "
+        "gives the layers' order",
     )
     parser.add_argument(
         "--only",
