@@ -135,3 +135,18 @@ def test_a_config_without_layers_is_our_error(tmp_path: pathlib.Path) -> None:
     template = archive(tmp_path / "model.keras", json.dumps({"class_name": "Sequential"}))
     with pytest.raises(InvalidArgumentError, match=r"model\.keras.*no layers"):
         formats.convert(WEIGHTS, tmp_path / "x.h5", to_format="keras-legacy", like=template)
+
+
+def test_a_legacy_file_goes_into_a_keras_archive_as_into_a_weights_file(
+    tmp_path: pathlib.Path,
+) -> None:
+    template = archive(tmp_path / "model.keras", config(*MODEL))
+    weights = formats.convert(LEGACY, tmp_path / "w.weights.h5")
+    out = formats.convert(LEGACY, tmp_path / "out.keras", like=template)  # was: refused
+    with formats.open_checkpoint(weights) as a, formats.open_checkpoint(out) as b:
+        assert list(a) == list(b)
+        for key in a:
+            np.testing.assert_array_equal(a[key].value(), b[key].value(), err_msg=key)
+    with zipfile.ZipFile(out) as z, h5py.File(z.open("model.weights.h5"), "r") as h5:
+        assert _text(h5["layers/dense/vars"].attrs["name"]) == "hidden"  # Keras 3's own names
+        assert h5["layers/batch_normalization/vars/3"].shape == (8,)

@@ -61,7 +61,7 @@ from parallelvars.formats.keras._layout import (
     RESERVED,
 )
 from parallelvars.formats.keras._weights import (
-    _keras3_keys,
+    keras3_mapping,
     open_weights,
     sniff_weights,
     write_weights,
@@ -351,7 +351,8 @@ def write_keras_archive(
     with open_keras_archive(template) as source:
         want = _structure(source)
         layout = source.metadata.get(KERAS_LAYOUT)
-    keys = _keras3_keys(entries, p)
+    meta = dict(metadata if metadata is not None else getattr(entries, "metadata", None) or {})
+    keys, _ = keras3_mapping(entries, meta, p)  # a legacy file's layers under Keras 3's names
     got = {keys[k]: (str(e.dtype), tuple(int(s) for s in e.shape)) for k, e in entries.items()}
     missing = sorted(set(want) - set(got))
     extra = sorted(set(got) - set(want))
@@ -373,12 +374,13 @@ def write_keras_archive(
             expected=f"the {len(want)} weights of {template}",
             found="; ".join(problems),
         )
-    meta = dict(metadata if metadata is not None else getattr(entries, "metadata", None) or {})
     meta.pop(LEGACY_LAYOUT, None)
     if layout is not None:
         meta[KERAS_LAYOUT] = layout  # the template's groups and their attributes
     with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(p)) or None) as tmpdir:
-        weights = write_weights(os.path.join(tmpdir, WEIGHTS_MEMBER), entries, metadata=meta)
+        weights = write_weights(
+            os.path.join(tmpdir, WEIGHTS_MEMBER), entries, metadata=meta, keys=keys
+        )
         # The template is as hostile as any input: its members are checked by the zip policy
         # (no duplicate or overlapping entries, the expansion bounded) and each is read to its
         # end (its CRC-32 checked) as it is copied.
