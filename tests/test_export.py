@@ -286,3 +286,17 @@ def test_reshard_says_which_variables_stay_single(
     """Was: "4 devices" while every single variable stays single."""
     assert main(["reshard", run_h5, str(tmp_path / "r.h5"), "--devices", "2"]) == 0
     assert "10 variables, 9 of them on 2 devices, 1 single, as saved" in capsys.readouterr().out
+
+
+def test_verify_says_one_cause_once_and_keeps_distinct_causes_apart() -> None:
+    from parallelvars.cli.verify import collapse_repeats
+
+    link = "f.h5: variable '{}': an external link is outside (found link to '{}'); copy both"
+    problems = [link.format(f"v{i}", f"p{i}.h5") for i in range(5)]
+    problems.insert(2, "f.h5: variable 'w': checksum does not match")
+    got = collapse_repeats(problems)
+    assert got == [
+        link.format("v0", "p0.h5") + " (the same for 4 more: v1, v2, v3, ...)",
+        "f.h5: variable 'w': checksum does not match",
+    ]
+    assert collapse_repeats(["a", "a", "b"]) == ["a (found 2 times)", "b"]
