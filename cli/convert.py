@@ -18,6 +18,7 @@ from ._common import (
     format_bytes,
     open_view,
     reader_options,
+    remove_made,
     size_arg,
 )
 from ._errors import UsageError
@@ -163,19 +164,16 @@ def _not_carried(
     ]
 
 
-def run(args: argparse.Namespace) -> int:
-    out: Output = args.out
-    if same_file(args.source, args.destination):
-        raise UsageError(f"{args.destination}: is the same file as SRC; write somewhere else")
-    src_format = args.from_format or formats.detect_format(args.source)
-    destination, dst_format = destination_path(
-        args.destination, args.to_format, parents=args.parents
-    )
-    if same_file(args.source, destination):
-        raise UsageError(f"{destination}: is the same file as SRC; write somewhere else")
-    left_out: dict[str, str] = {}
+def _convert(
+    args: argparse.Namespace,
+    out: Output,
+    destination: str,
+    src_format: str,
+    dst_format: str,
+    left_out: dict[str, str],
+) -> str:
     with out.progress(None, "convert") as bar:
-        written = formats.convert(
+        return formats.convert(
             args.source,
             destination,
             from_format=src_format,
@@ -192,6 +190,25 @@ def run(args: argparse.Namespace) -> int:
             root=args.root,
             on_left_out=left_out.update,
         )
+
+
+def run(args: argparse.Namespace) -> int:
+    out: Output = args.out
+    if same_file(args.source, args.destination):
+        raise UsageError(f"{args.destination}: is the same file as SRC; write somewhere else")
+    src_format = args.from_format or formats.detect_format(args.source)
+    made: list[str] = []
+    destination, dst_format = destination_path(
+        args.destination, args.to_format, parents=args.parents, made=made
+    )
+    left_out: dict[str, str] = {}
+    try:
+        if same_file(args.source, destination):
+            raise UsageError(f"{destination}: is the same file as SRC; write somewhere else")
+        written = _convert(args, out, destination, src_format, dst_format, left_out)
+    except BaseException:  # an error or Ctrl-C: no folder --parents made stays behind
+        remove_made(made)
+        raise
     notes = describe_left_out(left_out)
     notes += _not_carried(args.source, src_format, dst_format, args.read_options)
     for note in notes:

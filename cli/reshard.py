@@ -15,6 +15,7 @@ from ._common import (
     output_format,
     positive_int,
     progress_entries,
+    remove_made,
 )
 from ._errors import UsageError
 from ._output import Output
@@ -62,14 +63,20 @@ def run(args: argparse.Namespace) -> int:
     with open_view(args.source, args.from_format, args.read_options) as view:
         before = sorted({int(view[k].num_components) for k in view})
         entries = formats.reshard(view, args.devices)
+        made: list[str] = []
         destination, fmt = destination_path(
             args.destination,
             args.to_format or output_format(args.destination, None, view.format),
             parents=args.parents,
+            made=made,
         )
         wrapped, bar = progress_entries(out, entries, "reshard")
-        with bar:
-            written = formats.write_checkpoint(destination, wrapped, format=fmt)
+        try:
+            with bar:
+                written = formats.write_checkpoint(destination, wrapped, format=fmt)
+        except BaseException:  # an error or Ctrl-C: no folder --parents made stays behind
+            remove_made(made)
+            raise
         count = len(entries)
         src_format = view.format
         # A single variable stays on one device whatever M is: say how many moved.

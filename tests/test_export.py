@@ -300,3 +300,30 @@ def test_verify_says_one_cause_once_and_keeps_distinct_causes_apart() -> None:
         "f.h5: variable 'w': checksum does not match",
     ]
     assert collapse_repeats(["a", "a", "b"]) == ["a (found 2 times)", "b"]
+
+
+@pytest.mark.parametrize("command", ["convert", "reshard"])
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, InvalidArgumentError])
+def test_a_failed_or_interrupted_write_takes_back_the_folders_parents_made(
+    run_h5: str,
+    tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
+    stop: type[BaseException],
+) -> None:
+    calls = []
+
+    def interrupted(*args: object, **kwargs: object) -> str:
+        calls.append(args)
+        raise stop("stopped")
+
+    monkeypatch.setattr(
+        formats, "convert" if command == "convert" else "write_checkpoint", interrupted
+    )
+    (tmp_path / "kept").mkdir()
+    dst = tmp_path / "kept" / "new" / "deeper" / "out.safetensors"
+    extra = ["--devices", "2"] if command == "reshard" else []
+    assert main([command, run_h5, str(dst), *extra, "--parents"]) != 0
+    assert (tmp_path / "kept").is_dir()  # there before: stays
+    assert calls  # the write was reached (the folders made) and stopped
+    assert not (tmp_path / "kept" / "new").exists()  # was: kept/new/deeper left behind
