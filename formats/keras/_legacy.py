@@ -25,8 +25,10 @@ from parallelvars.formats._h5 import (
 from parallelvars.formats._json import dumps, jsonable
 from parallelvars.formats._plan import plan_tensors
 from parallelvars.formats._view import CheckpointView, Entry
+from parallelvars.formats.keras._archive import keras_layer_order
 from parallelvars.formats.keras._layout import (
     _OWN_ROOT_ATTRS,
+    _SUFFIX_RE,
     KERAS_LAYOUT,
     LEGACY_LAYOUT,
     RESERVED,
@@ -49,7 +51,6 @@ from parallelvars.formats.keras._write import (
     _write_info,
 )
 
-_SUFFIX_RE = re.compile(r":\d+$")
 # A Keras 3 layer group: layers/<snake-case class>[_<n>]/vars, <n> counting layers of a class.
 _KERAS3_GROUP_RE = re.compile(r"^(?:.*/)?layers/([A-Za-z0-9_]+?)(?:_(\d+))?/vars$")
 
@@ -267,9 +268,6 @@ def write_keras_legacy(
     keras3 = _layout(metadata, KERAS_LAYOUT)
     order = None
     if like is not None:
-        # _archive imports this module (through _weights): a call-time import avoids the cycle
-        from parallelvars.formats.keras._archive import keras_layer_order
-
         order, template_layout = keras_layer_order(like)
         keras3 = _layout({KERAS_LAYOUT: template_layout}, KERAS_LAYOUT) or keras3
     root_name, layer_names, layers, optimizer, layout = _legacy_plan(

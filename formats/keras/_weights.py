@@ -28,11 +28,11 @@ from parallelvars.formats._plan import plan_tensors
 from parallelvars.formats._view import CheckpointView, Entry
 from parallelvars.formats.keras._layout import (
     _OWN_ROOT_ATTRS,
+    _SUFFIX_RE,
     KERAS_LAYOUT,
     LEGACY_LAYOUT,
     RESERVED,
 )
-from parallelvars.formats.keras._legacy import _SUFFIX_RE
 from parallelvars.formats.keras._read import _is_legacy, _open, _reserved, _sniff_with
 from parallelvars.formats.keras._write import (
     _check_dtypes,
