@@ -149,7 +149,9 @@ def is_folder_destination(path: str) -> bool:
     return path.endswith(("/", os.sep)) or os.path.isdir(path)
 
 
-def destination_path(path: str, fmt: str | None, *, parents: bool = False) -> tuple[str, str]:
+def destination_path(
+    path: str, fmt: str | None, *, parents: bool = False, made: list[str] | None = None
+) -> tuple[str, str]:
     """Where a command writes, and in which format: the one rule for every output argument.
 
     * A destination ending in ``/`` or naming an existing directory is a folder: the output
@@ -157,7 +159,9 @@ def destination_path(path: str, fmt: str | None, *, parents: bool = False) -> tu
       come from ``--to`` (or the command's fallback, passed as ``fmt``).
     * Otherwise it is a file (or a TF prefix) and its format is ``fmt`` or its suffix.
     * The folder the output goes into must exist, unless ``parents`` (``--parents``) asks to
-      create it; nothing is ever created silently.
+      create it; nothing is ever created silently. The folders it creates are appended to
+      ``made`` (deepest first), for :func:`remove_made` to take back when the write fails or
+      is interrupted.
 
     Returns ``(path to hand to the writer, format name)``.
     """
@@ -177,8 +181,26 @@ def destination_path(path: str, fmt: str | None, *, parents: bool = False) -> tu
             raise UsageError(f"{folder}: is not a folder")
         if not parents:
             raise UsageError(f"{folder}: no such folder; create it, or pass --parents to create it")
+        missing = []
+        up = os.path.abspath(folder)
+        while not os.path.lexists(up):
+            missing.append(up)
+            up = os.path.dirname(up)
         os.makedirs(folder, exist_ok=True)
+        if made is not None:
+            made.extend(missing)
     return target, fmt
+
+
+def remove_made(made: list[str]) -> None:
+    """Take back the folders :func:`destination_path` created (deepest first), each only while
+    it is still empty: a failed or interrupted write leaves no folder it made behind, and
+    never removes anything else."""
+    for folder in made:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return  # not empty (or gone): it and the folders above it stay
 
 
 _DIGITS = re.compile(r"(\d+)")

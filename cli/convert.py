@@ -9,6 +9,7 @@ from typing import Any
 
 from parallelvars import formats
 from parallelvars.formats._graph import shared_objects
+from parallelvars.formats._select import describe_left_out
 
 from ._common import (
     add_destination_options,
@@ -17,6 +18,7 @@ from ._common import (
     format_bytes,
     open_view,
     reader_options,
+    remove_made,
     size_arg,
 )
 from ._errors import UsageError
@@ -34,10 +36,16 @@ which is what a non-parallel reader expects. --components primary is the older n
 logical, with the same meaning. A variable of independent buffers has no single value:
 --components logical refuses it, as extract does.
 
+--model-only leaves out the optimizer's state (its slots, step count and beta powers) and the
+checkpoint's bookkeeping (save_counter, step), which a library that loads a model strictly
+(torch load_state_dict(strict=True), Keras load_weights, transformers from_pretrained) refuses;
+--only and --exclude select paths by glob pattern. A note says what was left out and why.
+
 A Keras .keras archive holds the model's architecture besides its weights: writing one takes
 the model's own archive as a template (--like TEMPLATE.keras), whose config.json and
 metadata.json are kept and whose weights are replaced. Weights that do not fit the template
-(other layers, shapes or dtypes) are refused.
+(other layers, shapes or dtypes) are refused. A legacy Keras file (--to keras-legacy) lists
+its layers in the model's order, which Keras 3 weights do not record: --like MODEL.keras gives it.
 
 Sizes take decimal (KB, MB, GB) or binary (KiB, MiB, GiB) units: 5GB = 5*10^9 bytes,
 100KiB = 102400 bytes.
@@ -45,6 +53,8 @@ Sizes take decimal (KB, MB, GB) or binary (KiB, MiB, GiB) units: 5GB = 5*10^9 by
 examples:
   parallelvars convert run.h5 model.safetensors
   parallelvars convert run.h5 model.safetensors --components logical --max-shard-size 5GB
+  parallelvars convert run.h5 model.safetensors --components logical --model-only --names dotted
+  parallelvars convert run.h5 enc.npz --only 'model/encoder' --exclude '*/bias'
   parallelvars convert ckpt-3 run.h5 --from tf
   parallelvars convert model.weights.h5 weights.npz --to npz
   parallelvars convert model.keras run.h5
@@ -88,7 +98,33 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--like",
         metavar="TEMPLATE",
         help="for a .keras DST: the model's own .keras archive, whose config is kept and whose "
-        "weights are replaced",
+        "weights are replaced; for --to keras-legacy: the model's .keras archive, whose config "
+        "gives the layers' order",
+    )
+    parser.add_argument(
+        "--only",
+        metavar="PATTERN",
+        action="append",
+        help="keep only the paths matching this glob pattern (repeatable; 'model' also keeps "
+        "what lies under model/)",
+    )
+    parser.add_argument(
+        "--exclude",
+        metavar="PATTERN",
+        action="append",
+        help="leave out the paths matching this glob pattern (repeatable)",
+    )
+    parser.add_argument(
+        "--model-only",
+        action="store_true",
+        help="leave out optimizer state (slots, step counts, beta powers) and the checkpoint's "
+        "bookkeeping (save_counter, step): what torch, Keras and transformers load strictly",
+    )
+    parser.add_argument(
+        "--root",
+        metavar="PATH",
+        help="export the subtree at PATH as the whole model: model/dense/kernel goes out as "
+        "dense/kernel (dense.kernel with --names dotted, a torch state_dict's key)",
     )
     parser.add_argument(
         "--names",
@@ -128,18 +164,16 @@ def _not_carried(
     ]
 
 
-def run(args: argparse.Namespace) -> int:
-    out: Output = args.out
-    if same_file(args.source, args.destination):
-        raise UsageError(f"{args.destination}: is the same file as SRC; write somewhere else")
-    src_format = args.from_format or formats.detect_format(args.source)
-    destination, dst_format = destination_path(
-        args.destination, args.to_format, parents=args.parents
-    )
-    if same_file(args.source, destination):
-        raise UsageError(f"{destination}: is the same file as SRC; write somewhere else")
+def _convert(
+    args: argparse.Namespace,
+    out: Output,
+    destination: str,
+    src_format: str,
+    dst_format: str,
+    left_out: dict[str, str],
+) -> str:
     with out.progress(None, "convert") as bar:
-        written = formats.convert(
+        return formats.convert(
             args.source,
             destination,
             from_format=src_format,
@@ -150,8 +184,33 @@ def run(args: argparse.Namespace) -> int:
             progress=bar.set,
             read_options=reader_options(args.read_options, src_format),
             like=args.like,
+            only=args.only,
+            exclude=args.exclude,
+            model_only=args.model_only,
+            root=args.root,
+            on_left_out=left_out.update,
         )
-    notes = _not_carried(args.source, src_format, dst_format, args.read_options)
+
+
+def run(args: argparse.Namespace) -> int:
+    out: Output = args.out
+    if same_file(args.source, args.destination):
+        raise UsageError(f"{args.destination}: is the same file as SRC; write somewhere else")
+    src_format = args.from_format or formats.detect_format(args.source)
+    made: list[str] = []
+    destination, dst_format = destination_path(
+        args.destination, args.to_format, parents=args.parents, made=made
+    )
+    left_out: dict[str, str] = {}
+    try:
+        if same_file(args.source, destination):
+            raise UsageError(f"{destination}: is the same file as SRC; write somewhere else")
+        written = _convert(args, out, destination, src_format, dst_format, left_out)
+    except BaseException:  # an error or Ctrl-C: no folder --parents made stays behind
+        remove_made(made)
+        raise
+    notes = describe_left_out(left_out)
+    notes += _not_carried(args.source, src_format, dst_format, args.read_options)
     for note in notes:
         out.note(note)
     with open_view(written, dst_format, args.read_options) as view:
@@ -168,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
         "num_variables": count,
         "bytes": total,
         "notes": notes,
+        "left_out": sorted(left_out),
     }
     out.emit(
         data,

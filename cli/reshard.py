@@ -15,6 +15,7 @@ from ._common import (
     output_format,
     positive_int,
     progress_entries,
+    remove_made,
 )
 from ._errors import UsageError
 from ._output import Output
@@ -62,16 +63,24 @@ def run(args: argparse.Namespace) -> int:
     with open_view(args.source, args.from_format, args.read_options) as view:
         before = sorted({int(view[k].num_components) for k in view})
         entries = formats.reshard(view, args.devices)
+        made: list[str] = []
         destination, fmt = destination_path(
             args.destination,
             args.to_format or output_format(args.destination, None, view.format),
             parents=args.parents,
+            made=made,
         )
         wrapped, bar = progress_entries(out, entries, "reshard")
-        with bar:
-            written = formats.write_checkpoint(destination, wrapped, format=fmt)
+        try:
+            with bar:
+                written = formats.write_checkpoint(destination, wrapped, format=fmt)
+        except BaseException:  # an error or Ctrl-C: no folder --parents made stays behind
+            remove_made(made)
+            raise
         count = len(entries)
         src_format = view.format
+        # A single variable stays on one device whatever M is: say how many moved.
+        spread = sum(1 for k in entries if int(entries[k].num_components) > 1)
     data = {
         "source": args.source,
         "source_format": src_format,
@@ -80,10 +89,17 @@ def run(args: argparse.Namespace) -> int:
         "devices": args.devices,
         "source_components": before,
         "num_variables": count,
+        "num_on_devices": spread,
     }
+    placed = (
+        f"{args.devices} device{'s' if args.devices != 1 else ''}"
+        if spread == count or args.devices == 1
+        else f"{spread} of them on {args.devices} device{'s' if args.devices != 1 else ''}, "
+        f"{count - spread} single, as saved"
+    )
     out.emit(
         data,
-        f"wrote {written} ({fmt}, {count} variable{'s' if count != 1 else ''}, "
-        f"{args.devices} device{'s' if args.devices != 1 else ''}) from {args.source} ({src_format})",
+        f"wrote {written} ({fmt}, {count} variable{'s' if count != 1 else ''}, {placed}) "
+        f"from {args.source} ({src_format})",
     )
     return 0

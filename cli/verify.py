@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -136,6 +137,32 @@ def _verify_native(path: str) -> tuple[list[str], dict[str, int]]:
     return problems, stats
 
 
+_VARIABLE_RE = re.compile(r"variable '([^']*)'")
+_FOUND_RE = re.compile(r"\(found [^()]*\)")
+
+
+def collapse_repeats(problems: list[str]) -> list[str]:
+    """One line per cause: problems that differ only in the variable they name (and what was
+    found there) are one line, the first, with the others' names after it. A cause met by every
+    component (a multi-process checkpoint copied without its ``.parts/`` folder) is one line,
+    not one per component; distinct causes stay apart, in the order first found."""
+    groups: dict[str, list[str]] = {}
+    for p in problems:
+        key = _FOUND_RE.sub("", _VARIABLE_RE.sub("", p, count=1), count=1)
+        groups.setdefault(key, []).append(p)
+    lines = []
+    for same in groups.values():
+        first = same[0]
+        if len(same) > 1:
+            names = [m.group(1) for m in map(_VARIABLE_RE.search, same[1:]) if m]
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            first += f" (the same for {len(same) - 1} more: {shown})" if names else ""
+            if not names:
+                first += f" (found {len(same)} times)"
+        lines.append(first)
+    return lines
+
+
 def _format_of(path: str, explicit: str | None) -> str:
     if explicit:
         return explicit
@@ -167,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         # open as one is damaged: a finding (1) whatever the format, not a usage error (2).
         result = [str(exc)], {"num_variables": 0, "num_components": 0, "bytes": 0}
     problems, stats = result
+    problems = collapse_repeats(problems)
     data = {"path": path, "format": fmt, "ok": not problems, "problems": problems, **stats}
 
     def human() -> str:

@@ -3,64 +3,25 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
-from parallelvars._aggregate import has_logical_value, no_value_error, rule_for
-from parallelvars.checkpoint.entry import CountingEntry, ForwardingEntry
+from parallelvars.checkpoint.entry import CountingEntry
 from parallelvars.errors import InvalidArgumentError
 
 from ._names import check_names
 from ._registry import format_for_suffix, get_format, open_checkpoint, write_checkpoint
 from ._reshard import reshard
+from ._select import exported
 from ._view import DictView, Entry
 
 __all__ = ["convert", "format_for_path"]
-
-# Attributes that describe how a value is spread over devices; a primary-only copy drops them.
-_PARALLEL_ATTRS = frozenset(
-    {"devices", "shard_axis", "shard_offsets", "aggregation", "synchronization"}
-)
 
 
 def format_for_path(path: str | os.PathLike[str]) -> str | None:
     """The format an output file name implies (the longest matching suffix wins, so
     ``model.weights.h5`` is ``keras`` and ``run.h5`` is ``hdf5``), or None."""
     return format_for_suffix(path)
-
-
-class _PrimaryEntry(ForwardingEntry):
-    """A single-component copy of an entry: its logical value (the primary of a mirrored
-    variable, the aggregate of an on-read one, the stitched shards of a sharded one)."""
-
-    def __init__(self, source: Entry) -> None:
-        super().__init__(source)
-        self.kind = "single"
-        self.num_components = 1
-        self.attrs = {k: v for k, v in self.attrs.items() if k not in _PARALLEL_ATTRS}
-        self._primary = source.kind != "sharded" and (
-            source.num_components == 1 or rule_for(source.kind, source.attrs).value == "primary"
-        )
-
-    def component_shape(self, i: int) -> tuple[int, ...]:
-        self._check_index(i)
-        return self.shape
-
-    def component(self, i: int) -> np.ndarray:
-        self._check_index(i)
-        return self.source.component(0) if self._primary else self.source.value()
-
-    def read_component_into(self, i: int, out: np.ndarray) -> None:
-        self._check_index(i)
-        if self._primary:
-            self.source.read_component_into(0, out)
-        else:
-            out[...] = self.source.value()
-
-    def value(self) -> np.ndarray:
-        return self.component(0)
 
 
 class _Progress:
@@ -87,6 +48,11 @@ def convert(
     devices: int | None = None,
     read_options: Mapping[str, Any] | None = None,
     like: str | os.PathLike[str] | None = None,
+    only: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    model_only: bool = False,
+    root: str | None = None,
+    on_left_out: Callable[[Mapping[str, str]], Any] | None = None,
 ) -> str:
     """Convert the checkpoint ``src`` into ``dst``, one tensor in memory at a time.
 
@@ -111,6 +77,17 @@ def convert(
         like: for a Keras ``.keras`` archive, the model's own archive: its configuration is
             kept and its weights replaced; weights that do not fit it are refused
             (InvalidEntryError).
+        only: glob patterns of the paths to keep (``"model/*"``; a pattern naming a path
+            also keeps what lies under it: ``"model"``); default: every path.
+        exclude: glob patterns of the paths to leave out.
+        model_only: leave out optimizer state (slots, step counts, beta powers) and the
+            checkpoint's bookkeeping (``save_counter``, a root ``step``): what a library that
+            loads a model strictly expects (see :mod:`parallelvars.formats._select`).
+        root: export the subtree at this path as the whole (``"model"``: ``model/dense/kernel``
+            goes out as ``dense/kernel``, ``dense.kernel`` in the dotted style of a torch
+            ``state_dict``); everything outside it is left out.
+        on_left_out: called once with ``{path: reason}`` of every path the selection left out
+            (nothing is called when it left out nothing).
 
     Returns:
         The path written (the index file of a shard set).
@@ -119,10 +96,8 @@ def convert(
         >>> convert("run.h5", "model.safetensors", components="logical")  # doctest: +SKIP
         'model.safetensors'
     """
-    if components not in ("all", "logical", "primary"):
-        raise InvalidArgumentError(
-            f"components must be 'all' or 'logical' ('primary'), got {components!r}"
-        )
+    if components not in ("all", "logical", "primary"):  # before the source is opened
+        exported({}, components=components)
     if names is not None:
         check_names(names)
     target = to_format or format_for_path(dst)
@@ -156,18 +131,19 @@ def convert(
         source: Mapping[str, Entry] = view
         if devices is not None:
             source = reshard(view, devices)
-        entries: dict[str, Entry] = dict(source.items())
-        if components in ("logical", "primary"):
-            for key, e in entries.items():
-                if not has_logical_value(e):  # as `extract` refuses it
-                    raise no_value_error(
-                        e,
-                        file=os.fspath(src),
-                        variable=key,
-                        hint="keep them with components='all' (--components all), or extract one "
-                        "with 'parallelvars extract --component'",
-                    )
-            entries = {k: _PrimaryEntry(e) for k, e in entries.items()}
+        entries = dict(
+            exported(
+                DictView.derived(view, dict(source.items())),
+                components=components,
+                only=only,
+                exclude=exclude,
+                model_only=model_only,
+                root=root,
+                on_left_out=on_left_out,
+                file=os.fspath(src),
+                target=target,
+            ).items()
+        )
         if progress is not None:
             total = sum(int(e.nbytes) for e in entries.values())
             counter = _Progress(progress, total)

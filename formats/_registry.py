@@ -7,12 +7,14 @@ format is first needed, so ``import parallelvars.formats`` stays cheap.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from parallelvars._fileio import open_input
+from parallelvars.checkpoint._foreign import TORCH_PICKLE_HINT, is_torch_pickle
 from parallelvars.errors import CheckpointNotFoundError, InvalidArgumentError, NotACheckpointError
 
 from ._view import CheckpointView, Entry
@@ -136,6 +138,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         found="a directory with no checkpoint files in it"
         if os.path.isdir(p)
         else f"first bytes {head[:8]!r}",
+        hint=TORCH_PICKLE_HINT if head.startswith(b"PK") and is_torch_pickle(p) else None,
     )
 
 
@@ -154,7 +157,13 @@ def write_checkpoint(
     format: str | None = None,
     **options: Any,
 ) -> str:
-    """Write ``entries`` to ``path`` in ``format`` (by default, from the suffix)."""
+    """Write ``entries`` to ``path`` in ``format`` (by default, from the suffix).
+
+    Every format takes ``components`` (``"all"`` or ``"logical"``), ``only``, ``exclude``,
+    ``model_only`` and ``root`` (the selection of :func:`~parallelvars.formats.convert`); the rest of
+    ``options`` are the format's own (:attr:`FormatSpec.options`). An option the format's
+    writer does not take is an InvalidArgumentError.
+    """
     p = os.fspath(path)
     if format is None:
         format = format_for_suffix(p)
@@ -164,7 +173,34 @@ def write_checkpoint(
             )
     spec = get_format(format)
     check_destination(entries, p, spec)
+    export = {k: options.pop(k) for k in _EXPORT_OPTIONS if k in options}
+    _check_options(spec, p, options)
+    if export:
+        from ._select import exported
+
+        entries = exported(entries, target=spec.name, **export)
     return spec.write(p, entries, **options)
+
+
+# Options of every format's write: what goes out (see formats._convert.exported).
+_EXPORT_OPTIONS = ("components", "only", "exclude", "model_only", "root", "on_left_out")
+
+
+def _check_options(spec: FormatSpec, path: str, options: Mapping[str, Any]) -> None:
+    """Refuse an option ``spec``'s writer does not take, naming the ones it does."""
+    try:
+        params = inspect.signature(spec.write).parameters
+    except (TypeError, ValueError):  # pragma: no cover - our writers are plain functions
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    takes = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        raise InvalidArgumentError(
+            f"{path}: format {spec.name!r} takes no option {', '.join(map(repr, unknown))}; "
+            f"it takes {', '.join(map(repr, [*_EXPORT_OPTIONS[:5], *takes]))}"
+        )
 
 
 def _same(a: str, b: str) -> bool:

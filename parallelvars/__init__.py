@@ -9,13 +9,14 @@ Example:
     4
 """
 
-import importlib
-import importlib.util
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import importlib.util as _importlib_util
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
 from parallelvars import _source_tree
 
-if TYPE_CHECKING:  # the public names, imported on first use (see __getattr__)
+if _TYPE_CHECKING:  # the public names, imported on first use (see __getattr__)
     from parallelvars import errors, optimizers
     from parallelvars.checkpoint import (
         Checkpoint,
@@ -104,7 +105,7 @@ from parallelvars._version import __version__  # noqa: E402 - one number, in _ve
 _source_tree.install(__path__[0])
 
 
-def _make_variable(name: str, values: Any, device: Any, kind: str) -> Any:
+def _make_variable(name: str, values: _Any, device: _Any, kind: str) -> _Any:
     """``ParallelDevice.pack(values, name=...)``: a variable whose components are ``values``."""
     from parallelvars.variables import _wrap_components
 
@@ -118,16 +119,19 @@ from parallelvars import devices as _devices  # noqa: E402
 _devices.set_variable_constructor(_make_variable)
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     module = _LAZY.get(name)
     if module is None:
         # A submodule (pv.checkpoint, pv.strategy ...) is an attribute once imported, as when
         # this package imported everything eagerly.
-        if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        if (
+            not name.startswith("__")
+            and _importlib_util.find_spec(f"{__name__}.{name}") is not None
+        ):
             module = f"{__name__}.{name}"
         else:
             raise AttributeError(f"module 'parallelvars' has no attribute {name!r}")
-    loaded = importlib.import_module(module)
+    loaded = _importlib.import_module(module)
     value = loaded if module == f"{__name__}.{name}" else getattr(loaded, name)
     globals()[name] = value
     return value

@@ -556,6 +556,27 @@ def temp_path_for(path: str) -> str:
     return os.path.join(directory, f".{base}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
 
 
+def make_folder(directory: str, path: str) -> None:
+    """Make ``directory`` (and its parents) for a write at ``path``: a folder that cannot be
+    made (no permission, a file in the way, a read-only or virtual file system) is a
+    :class:`~parallelvars.errors.CheckpointWriteError` naming ``path``, never a builtin
+    ``OSError``."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        code = _errno_of(exc)
+        err = CheckpointWriteError(
+            "cannot make the folder to write into",
+            file=path,
+            expected=f"a writable folder {directory}",
+            found=os.strerror(code) if code is not None else str(exc),
+        )
+        if code is not None:
+            err.errno, err.strerror = code, os.strerror(code)
+        err.filename = path
+        raise err from None
+
+
 @contextlib.contextmanager
 def atomic_path(path: str) -> Iterator[str]:
     """Yield a temporary path next to ``path``; on success fsync it and rename it onto ``path``.
@@ -567,7 +588,7 @@ def atomic_path(path: str) -> Iterator[str]:
     the rename.
     """
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
+    make_folder(directory, path)
     tmp = temp_path_for(path)
     try:
         yield tmp

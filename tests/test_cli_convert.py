@@ -84,7 +84,7 @@ def test_convert_primary_sharded_by_size(
     assert doc == {
         "source": run_h5, "source_format": "hdf5", "destination": str(index),
         "format": "safetensors", "components": "primary", "max_shard_size": 100,
-        "num_variables": 7, "bytes": 118, "notes": [],
+        "num_variables": 7, "bytes": 118, "notes": [], "left_out": [],
     }  # fmt: skip
     weight_map = json.loads(index.read_text())["weight_map"]
     shards = sorted(set(weight_map.values()))
@@ -219,7 +219,7 @@ def test_reshard_onto_three_devices(
     assert main(["reshard", run_h5, dst, "--devices", "3"]) == 0
     assert (
         capsys.readouterr().out
-        == f"wrote {dst} (hdf5, 7 variables, 3 devices) from {run_h5} (hdf5)\n"
+        == f"wrote {dst} (hdf5, 7 variables, 5 of them on 3 devices, 2 single, as saved) from {run_h5} (hdf5)\n"
     )
     with open_checkpoint(dst) as view:
         assert {k: view[k].num_components for k in view} == {
@@ -243,7 +243,7 @@ def test_reshard_json_and_another_format(
     assert main(["reshard", run_h5, dst, "--devices", "1", "--json"]) == 0
     assert _json(capsys) == {
         "source": run_h5, "source_format": "hdf5", "destination": dst, "format": "safetensors",
-        "devices": 1, "source_components": [1, 2], "num_variables": 7,
+        "devices": 1, "source_components": [1, 2], "num_variables": 7, "num_on_devices": 0,
     }  # fmt: skip
     assert main(["diff", run_h5, dst, "--logical", "--json"]) == 0
     assert _json(capsys)["equal"] is True

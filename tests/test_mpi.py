@@ -375,7 +375,9 @@ def test_saving_again_with_fewer_processes_leaves_no_stale_rank_files(tmp_path: 
         assert reader.verify_all() == []
 
 
-def test_checkpoint_copied_without_its_parts_folder_says_what_is_missing(tmp_path: Path) -> None:
+def test_checkpoint_copied_without_its_parts_folder_says_what_is_missing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     launch(2, "save", str(tmp_path))
     path = str(load(tmp_path, "save", 2)[0]["path"])
     alone = tmp_path / "copied.h5"
@@ -387,8 +389,14 @@ def test_checkpoint_copied_without_its_parts_folder_says_what_is_missing(tmp_pat
             reader[key].component(0)
     message = str(info.value)
     assert ".parts/" in message and "parallelvars convert" in message
-    # What the message proposes works where the folder is: a standalone file.
+    # verify says it once, not once per component
     from parallelvars.cli import main
+
+    capsys.readouterr()
+    assert main(["verify", str(alone)]) == 1
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("problem:")]
+    assert len(lines) == 1 and ".parts/" in lines[0], lines  # was: one line per component
+    # What the message proposes works where the folder is: a standalone file.
 
     standalone = tmp_path / "standalone.h5"
     assert main(["convert", path, str(standalone)]) == 0

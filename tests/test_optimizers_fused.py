@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -874,3 +875,36 @@ def test_adding_in_occurrence_order_is_add_at(dtype: Any) -> None:
     got = np.zeros((7, 3), dtype)
     _add_in_occurrence_order(got, rows, values)
     assert np.array_equal(_bits(got), _bits(want))
+
+
+def test_a_restore_after_gradient_buffers_makes_the_counters_at_once(tmp_path: Path) -> None:
+    """``gradient_buffers()`` makes the slots before the restore; the file's counters are
+    made and restored all the same (was: ``iterations`` None and ``assert_consumed`` failing
+    on them until the first step)."""
+
+    def make() -> tuple[Any, Any, Any]:
+        with pv.MirroredStrategy(4).scope() as strategy:
+            w = pv.Variable(np.ones((3, 2), np.float32), name="w")
+            opt = pv.optimizers.Adam(0.1)
+        return strategy, w, opt
+
+    strategy, w, opt = make()
+    opt.distributed_apply(strategy, [(np.ones((3, 2), np.float32), w)])
+    opt.distributed_apply(strategy, [(np.ones((3, 2), np.float32), w)])
+    path = pv.Checkpoint(model={"w": w}, optimizer=opt).write(tmp_path / "a.h5")
+    strategy, w2, opt2 = make()
+    with strategy.scope():
+        opt2.gradient_buffers([w2])
+    status = pv.Checkpoint(model={"w": w2}, optimizer=opt2).restore(path)
+    status.assert_consumed()
+    assert opt2.iterations is not None and int(opt2.iterations.read_value()) == 2
+    assert float(opt2.beta1_power.read_value()) == float(opt.beta1_power.read_value())
+
+
+def test_gradient_buffers_outside_the_scope_says_so_at_once() -> None:
+    """Was: 1-replica buffers, failing at the first step without a hint."""
+    with pv.MirroredStrategy(4).scope():
+        w = pv.Variable(np.ones((3, 2), np.float32), name="w")
+        opt = pv.optimizers.Adam(0.1)
+    with pytest.raises(ContextError, match=r"outside any strategy's scope.*'w' on 4 devices"):
+        opt.gradient_buffers([w])

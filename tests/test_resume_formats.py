@@ -178,8 +178,8 @@ def test_a_file_without_metadata_restores_its_values_and_reports_the_rest(tmp_pa
         np.testing.assert_array_equal(c, w)
     assert status.restored_paths == ["model/w"]
     assert status.unrestored_paths == ["extra/thing"]
-    # the optimizer has no variables yet; the file has no save counter
-    assert status.unmatched_live_paths == ["model/b", "save_counter"]
+    # the optimizer has no variables yet; the file's missing save counter is not counted
+    assert status.unmatched_live_paths == ["model/b"]
     with pytest.raises(errors.RestoreMismatchError, match="extra/thing"):
         status.assert_consumed()
     with pytest.raises(errors.RestoreMismatchError, match="model/b"):
@@ -326,3 +326,25 @@ def test_a_conversion_says_what_the_target_cannot_carry(
     fresh, w = tied()
     pv.Checkpoint(model=fresh).restore(str(tmp_path / "tf" / "c")).assert_consumed()
     assert w.components[1].tolist() == [0.0, 1.0]
+
+
+def test_the_checkpoints_own_counter_never_counts_against_a_foreign_restore(
+    tmp_path: Path,
+) -> None:
+    """A file another library wrote has no ``save_counter``: as TensorFlow does for a
+    name-based restore, the live counter is optionally restored (kept, never reported)."""
+    path = tmp_path / "other.safetensors"
+    w = np.linspace(0, 1, 6, dtype=np.float32).reshape(3, 2)
+    _plain_safetensors(path, {"model.w": w, "model.b": np.ones(2, np.float32)})
+    model, _ = _model()
+    ckpt = pv.Checkpoint(model=model)
+    ckpt.save_counter.assign(7)
+    status = ckpt.restore(str(path))
+    assert status.unmatched_live_paths == []  # was: ["save_counter"]
+    status.assert_consumed().assert_existing_objects_matched()
+    assert int(ckpt.save_counter) == 7
+    # a file of ours that has the counter still counts it: restored, so matched
+    native = ckpt.write(tmp_path / "native.h5")
+    ckpt.save_counter.assign(0)
+    assert "save_counter" in ckpt.restore(native).assert_consumed().restored_paths
+    assert int(ckpt.save_counter) == 7

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -199,6 +200,24 @@ def test_slices_must_cover_the_tensor_without_overlap(tmp_path: Path) -> None:
     entries[b"w"] = BundleEntry(1, (4, 2), slices=(spec_a, ((1, 3), (0, None))))
     with pytest.raises(CorruptCheckpointError, match="missing"):
         BundleReader(make_bundle(tmp_path / "e", entries, [part * 2]))
+
+
+def test_a_slice_is_named_by_its_tensor_and_extent_not_its_encoded_key(tmp_path: Path) -> None:
+    part = np.arange(4, dtype=np.float32).tobytes()
+    spec_a, spec_b = ((0, 2), (0, None)), ((2, 2), (0, None))
+    emb = b"model/emb/.ATTRIBUTES/VARIABLE_VALUE"
+    bad = f32_entry(part, (2, 2), offset=16)
+    entries: dict[bytes, BundleEntry | bytes] = {
+        emb: BundleEntry(1, (4, 2), slices=(spec_a, spec_b)),
+        encode_slice_key(emb, spec_a): f32_entry(part, (2, 2)),
+        encode_slice_key(emb, spec_b): dataclasses.replace(bad, crc32c=bad.crc32c ^ 1),
+    }
+    prefix = make_bundle(tmp_path / "c", entries, [part * 2])
+    with open_checkpoint(prefix) as view, pytest.raises(ChecksumMismatchError) as info:
+        view["model/emb"].value()
+    message = str(info.value)
+    assert "model/emb/.ATTRIBUTES/VARIABLE_VALUE (slice 2,2:-)" in message, message
+    assert "\\x00" not in message and "\x00" not in message  # was: the ordered-code key
 
 
 @pytest.mark.parametrize(

@@ -99,5 +99,6 @@ FORMATS = (
         sniff=sniff_keras_legacy,
         open=open_keras_legacy,
         write=write_keras_legacy,
+        options={"like": "the model's .keras archive (its config gives the layers' order)"},
     ),
 )

@@ -25,6 +25,7 @@ handed to :mod:`._weights`.
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import struct
@@ -60,7 +61,7 @@ from parallelvars.formats.keras._layout import (
     RESERVED,
 )
 from parallelvars.formats.keras._weights import (
-    _keras3_keys,
+    keras3_mapping,
     open_weights,
     sniff_weights,
     write_weights,
@@ -273,6 +274,52 @@ def open_keras_archive(path: str | os.PathLike[str]) -> CheckpointView:
     return view
 
 
+def keras_layer_order(path: str | os.PathLike[str]) -> tuple[list[str], str | None]:
+    """The names of the model's layers in the model's order, from the ``config.json`` of the
+    ``.keras`` archive ``path``, and the layout of its weights (``keras_weights_layout``: each
+    ``vars`` group's layer name). A legacy Keras file lists layers in this order."""
+    p = os.fspath(path)
+    f, zf, infos = _archive(p)
+    try:
+        info = next((i for i in infos if i.filename == CONFIG_MEMBER), None)
+        if info is None:
+            raise NotACheckpointError(
+                "a zip archive without a model config",
+                file=p,
+                expected=f"a member {CONFIG_MEMBER!r} (a Keras 3 .keras archive)",
+                found=f"members {sorted(i.filename for i in infos)[:5]}",
+            )
+        with zip_errors("damaged zip archive", p, CONFIG_MEMBER):
+            raw = zf.read(info)  # its expansion bounded by check_members
+    finally:
+        zf.close()
+        f.close()
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise CorruptCheckpointError(
+            "config.json is not JSON", file=f"{p}/{CONFIG_MEMBER}"
+        ) from None
+    cfg = doc.get("config") if isinstance(doc, dict) else None
+    layers = cfg.get("layers") if isinstance(cfg, dict) else None
+    if not isinstance(layers, list):
+        raise InvalidArgumentError(
+            f"{p}: the model config lists no layers (config.json: config.layers); cannot "
+            "tell the model's layer order"
+        )
+    names = []
+    for layer in layers:
+        lcfg = layer.get("config") if isinstance(layer, dict) else None
+        name = lcfg.get("name") if isinstance(lcfg, dict) else None
+        if not isinstance(name, str) and isinstance(layer, dict):
+            name = layer.get("name")
+        if isinstance(name, str):
+            names.append(name)
+    with open_keras_archive(p) as source:
+        layout = source.metadata.get(KERAS_LAYOUT)
+    return names, layout if isinstance(layout, str) else None
+
+
 def _structure(view: Mapping[str, Entry]) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {
         k: (str(e.dtype), tuple(int(s) for s in e.shape))
@@ -304,7 +351,8 @@ def write_keras_archive(
     with open_keras_archive(template) as source:
         want = _structure(source)
         layout = source.metadata.get(KERAS_LAYOUT)
-    keys = _keras3_keys(entries, p)
+    meta = dict(metadata if metadata is not None else getattr(entries, "metadata", None) or {})
+    keys, _ = keras3_mapping(entries, meta, p)  # a legacy file's layers under Keras 3's names
     got = {keys[k]: (str(e.dtype), tuple(int(s) for s in e.shape)) for k, e in entries.items()}
     missing = sorted(set(want) - set(got))
     extra = sorted(set(got) - set(want))
@@ -326,12 +374,13 @@ def write_keras_archive(
             expected=f"the {len(want)} weights of {template}",
             found="; ".join(problems),
         )
-    meta = dict(metadata if metadata is not None else getattr(entries, "metadata", None) or {})
     meta.pop(LEGACY_LAYOUT, None)
     if layout is not None:
         meta[KERAS_LAYOUT] = layout  # the template's groups and their attributes
     with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(p)) or None) as tmpdir:
-        weights = write_weights(os.path.join(tmpdir, WEIGHTS_MEMBER), entries, metadata=meta)
+        weights = write_weights(
+            os.path.join(tmpdir, WEIGHTS_MEMBER), entries, metadata=meta, keys=keys
+        )
         # The template is as hostile as any input: its members are checked by the zip policy
         # (no duplicate or overlapping entries, the expansion bounded) and each is read to its
         # end (its CRC-32 checked) as it is copied.

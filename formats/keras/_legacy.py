@@ -14,6 +14,7 @@ from parallelvars.checkpoint import _h5policy
 from parallelvars.checkpoint.registry import component_name
 from parallelvars.errors import (
     CorruptCheckpointError,
+    InvalidArgumentError,
     InvalidEntryError,
     NotACheckpointError,
 )
@@ -24,8 +25,10 @@ from parallelvars.formats._h5 import (
 from parallelvars.formats._json import dumps, jsonable
 from parallelvars.formats._plan import plan_tensors
 from parallelvars.formats._view import CheckpointView, Entry
+from parallelvars.formats.keras._archive import keras_layer_order
 from parallelvars.formats.keras._layout import (
     _OWN_ROOT_ATTRS,
+    _SUFFIX_RE,
     KERAS_LAYOUT,
     LEGACY_LAYOUT,
     RESERVED,
@@ -48,7 +51,19 @@ from parallelvars.formats.keras._write import (
     _write_info,
 )
 
-_SUFFIX_RE = re.compile(r":\d+$")
+# A Keras 3 layer group: layers/<snake-case class>[_<n>]/vars, <n> counting layers of a class.
+_KERAS3_GROUP_RE = re.compile(r"^(?:.*/)?layers/([A-Za-z0-9_]+?)(?:_(\d+))?/vars$")
+
+
+def _group_rank(parent: str) -> tuple[str, int, str]:
+    """Keras 3 groups of one class in the model's order (dense, dense_1, ..., dense_10), which
+    their names' alphabetical order is not; other groups keep their order among themselves."""
+    m = _KERAS3_GROUP_RE.match(parent)
+    if m is None:
+        return ("", 0, "")
+    return (m.group(1), int(m.group(2) or 0), parent)
+
+
 # Any version but "1" tells Keras' legacy loader that no Keras 1 conversion is needed.
 _GENERIC_KERAS_VERSION = "3.0.0"
 
@@ -131,12 +146,22 @@ def open_keras_legacy(path: str | os.PathLike[str]) -> CheckpointView:
 
 
 def _legacy_plan(
-    entries: Mapping[str, Entry], layout: dict[str, Any] | None, keras3: dict[str, Any] | None
+    entries: Mapping[str, Entry],
+    layout: dict[str, Any] | None,
+    keras3: dict[str, Any] | None,
+    order: list[str] | None = None,
+    file: str = "",
 ) -> tuple[
     str, list[str], dict[str, list[tuple[str, str]]], list[tuple[str, str]] | None, dict[str, Any]
 ]:
     """(root, layer_names, layer -> [(weight name, path)], optimizer weights, layout) for the
-    legacy writer: the recorded layout when it matches the entries, else one made from paths."""
+    legacy writer: the recorded layout when it matches the entries, else one made from paths,
+    its layers in ``order`` (the model's layer names in the model's order, from a template).
+
+    Keras' legacy loader matches layers by position, so ``layer_names`` must be in the model's
+    order. Keras 3 groups (``layers/<class>[_<n>]/vars``) of more than one class carry no such
+    order, and without a template they are refused rather than written in an order that
+    loads the wrong weights or fails in Keras."""
     paths = set(entries)
     if layout:
         layers = {
@@ -174,6 +199,16 @@ def _legacy_plan(
             parent = parent[: -len("vars")].rstrip("/")
         return parent.rpartition("/")[2] or "model"
 
+    if order is None:
+        classes = {m.group(1) for m in map(_KERAS3_GROUP_RE.match, groups) if m}
+        if len(classes) > 1:
+            raise InvalidArgumentError(
+                f"{file}: Keras 3 weights of {len(classes)} layer classes "
+                f"({', '.join(sorted(classes)[:4])}) do not say the model's layer order, which "
+                "Keras' legacy loader matches by; pass the model's .keras archive as a template "
+                "(like=MODEL.keras, --like)"
+            )
+        groups = dict(sorted(groups.items(), key=lambda kv: _group_rank(kv[0])))
     wanted = {parent: layer_name(parent) for parent in groups if parent}
     counts: dict[str, int] = {}
     for name in wanted.values():
@@ -189,6 +224,18 @@ def _legacy_plan(
             name = parent.replace("/", "_")
         layers[name] = weights
         layer_names.append(name)
+    if order is not None:
+        rank = {name: i for i, name in enumerate(order)}
+        unplaced = [n for n in layer_names if n not in rank]
+        if unplaced:
+            raise InvalidEntryError(
+                "layers not in the template's model config",
+                file=file,
+                variable=unplaced[0],
+                expected=f"layers of the template ({', '.join(order[:6])})",
+                found=f"{', '.join(unplaced[:6])}",
+            )
+        layer_names.sort(key=rank.__getitem__)
     generic = {"file_attrs": {"keras_version": _GENERIC_KERAS_VERSION}}
     return "", layer_names, layers, None, generic
 
@@ -198,6 +245,7 @@ def write_keras_legacy(
     entries: Mapping[str, Entry],
     *,
     metadata: Mapping[str, Any] | None = None,
+    like: str | os.PathLike[str] | None = None,
 ) -> str:
     """Write ``entries`` as a legacy Keras HDF5 weights file, one tensor at a time.
 
@@ -207,6 +255,9 @@ def write_keras_legacy(
             ``model_weights/`` and the model config of a full-model file).
         metadata: file metadata (default: the source view's); ``keras_legacy_layout`` gives
             the layout.
+        like: the model's ``.keras`` archive: its config gives the layers' order (Keras'
+            legacy loader matches layers by position) and its weights the layers' names.
+            Needed for Keras 3 weights of more than one layer class.
 
     Returns:
         The file written.
@@ -214,8 +265,13 @@ def write_keras_legacy(
     p = os.fspath(path)
     if metadata is None:
         metadata = getattr(entries, "metadata", None) or {}
+    keras3 = _layout(metadata, KERAS_LAYOUT)
+    order = None
+    if like is not None:
+        order, template_layout = keras_layer_order(like)
+        keras3 = _layout({KERAS_LAYOUT: template_layout}, KERAS_LAYOUT) or keras3
     root_name, layer_names, layers, optimizer, layout = _legacy_plan(
-        entries, _layout(metadata, LEGACY_LAYOUT), _layout(metadata, KERAS_LAYOUT)
+        entries, _layout(metadata, LEGACY_LAYOUT), keras3, order, p
     )
     planned, info = plan_tensors(
         entries,

@@ -28,11 +28,11 @@ from parallelvars.formats._plan import plan_tensors
 from parallelvars.formats._view import CheckpointView, Entry
 from parallelvars.formats.keras._layout import (
     _OWN_ROOT_ATTRS,
+    _SUFFIX_RE,
     KERAS_LAYOUT,
     LEGACY_LAYOUT,
     RESERVED,
 )
-from parallelvars.formats.keras._legacy import _SUFFIX_RE
 from parallelvars.formats.keras._read import _is_legacy, _open, _reserved, _sniff_with
 from parallelvars.formats.keras._write import (
     _check_dtypes,
@@ -236,14 +236,31 @@ def _keras3_from_legacy(
     return keys, groups
 
 
+def keras3_mapping(
+    entries: Mapping[str, Entry], metadata: Mapping[str, Any], file: str
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """(entry path -> Keras 3 key, layout) for ``entries``: a legacy Keras file's weights get
+    Keras 3's own names for its layers (from its model config), other entries the generic
+    mapping (``layers/.../vars/<i>`` kept, other paths numbered in their parent's ``vars``)."""
+    layout = _layout(metadata, KERAS_LAYOUT) or {}
+    legacy = None if layout else _layout(metadata, LEGACY_LAYOUT)
+    mapped = _keras3_from_legacy(entries, legacy, file) if legacy else None
+    if mapped is not None:  # a legacy Keras file: Keras 3's own names for its layers
+        keys, groups = mapped
+        return keys, {"groups": groups}
+    return _keras3_keys(entries, file), layout
+
+
 def write_weights(
     path: str | os.PathLike[str],
     entries: Mapping[str, Entry],
     *,
     metadata: Mapping[str, Any] | None = None,
+    keys: Mapping[str, str] | None = None,
 ) -> str:
     """Write ``entries`` as a Keras 3 ``.weights.h5`` file, one tensor at a time (see
     :func:`._archive.write_keras` for the arguments; a ``.keras`` archive goes there).
+    ``keys``: the Keras 3 key of each entry, already mapped (:func:`keras3_mapping`).
 
     Returns:
         The file written.
@@ -251,14 +268,10 @@ def write_weights(
     p = os.fspath(path)
     if metadata is None:
         metadata = getattr(entries, "metadata", None) or {}
-    layout = _layout(metadata, KERAS_LAYOUT) or {}
-    legacy = None if layout else _layout(metadata, LEGACY_LAYOUT)
-    mapped = _keras3_from_legacy(entries, legacy, p) if legacy else None
-    if mapped is not None:  # a legacy Keras file: Keras 3's own names for its layers
-        keys, groups = mapped
-        layout = {"groups": groups}
+    if keys is None:
+        keys, layout = keras3_mapping(entries, metadata, p)
     else:
-        keys = _keras3_keys(entries, p)
+        layout = _layout(metadata, KERAS_LAYOUT) or {}
     planned, info = plan_tensors(
         entries,
         names="slash",

@@ -45,7 +45,7 @@ from parallelvars.errors import (
 
 from ._crc import crc32c, mask, unmask
 from ._dtypes import DT_STRING, byteswap_inplace, numpy_dtype, tf_dtype, tf_type_name
-from ._ordered_code import encode_slice_key
+from ._ordered_code import decode_slice_key, encode_slice_key
 from ._proto import (
     BundleEntry,
     BundleHeader,
@@ -80,7 +80,23 @@ def key_str(key: bytes) -> str:
     return key.decode("utf-8", "surrogateescape")
 
 
+def spec_text(spec: SliceSpec) -> str:
+    """A slice's extent as TensorFlow writes slice specs: ``start,length`` per axis, ``-`` for
+    a whole axis."""
+    return ":".join("-" if length is None else f"{start},{length}" for start, length in spec)
+
+
 def _display(key: bytes) -> str:
+    """A bundle key as a person reads it: a slice's key (ordered-code bytes) as its tensor's
+    name and the slice's extent (``start,length`` per axis, ``-`` for a whole axis, as
+    TensorFlow writes slice specs), any other key as text."""
+    if key[:1] == b"\x00":
+        try:
+            name, spec = decode_slice_key(key)
+        except DecodeError:
+            pass
+        else:
+            return f"{name.decode('utf-8', 'backslashreplace')} (slice {spec_text(spec)})"
     return key.decode("utf-8", "backslashreplace")
 
 

@@ -41,7 +41,7 @@ from parallelvars.errors import (
 )
 
 from .._view import KINDS, DictView, Entry
-from ._bundle import BundleReader, key_str
+from ._bundle import BundleReader, key_str, spec_text
 from ._dtypes import DT_NAMES, DT_STRING
 from ._graph import TrackableObject, decode_graph
 from ._keys import ATTRIBUTES, GRAPH_KEY, METADATA_KEY, PART_ZERO, parse_key
@@ -621,14 +621,10 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
                 "the metadata's shards do not match the saved slices",
                 variable=path,
                 expected=[f"{s},{n}" for s, n in wanted],
-                found=[_spec(s) for s in e.slices] or "an unpartitioned tensor",
+                found=[spec_text(s) for s in e.slices] or "an unpartitioned tensor",
             )
         parts = [
             encode_slice_key(key, by_extent[(o, end - o)]) if end > o else None
             for o, end in zip(offsets, ends, strict=True)
         ]
         return axis, offsets, parts
-
-
-def _spec(spec: SliceSpec) -> str:
-    return ":".join("-" if length is None else f"{start},{length}" for start, length in spec)

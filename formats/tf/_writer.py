@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from parallelvars._geometry import shard_bounds
-from parallelvars.checkpoint.entry import check_entry
+from parallelvars.checkpoint.entry import ForwardingEntry, check_entry
 from parallelvars.checkpoint.registry import COMPONENT_PREFIX
 from parallelvars.errors import (
     DtypeMismatchError,
@@ -125,6 +125,38 @@ def _plan(path: str, entry: Entry, index_path: str) -> _Var:
         var.slices = _shard_specs(path, entry, index_path)
         var.expressed |= {"shard_axis", "shard_offsets"}
     return var
+
+
+# Non-slot variables TensorFlow's optimizers keep in float32 (the dtype of the variables they
+# train; TF 1.x ``AdamOptimizer`` refuses any other on restore): ours are float64.
+_FLOAT32_COUNTERS = frozenset({"beta1_power", "beta2_power"})
+
+
+class _Float32Entry(ForwardingEntry):
+    """A float64 entry written as the float32 TensorFlow keeps it (rounded to nearest)."""
+
+    def __init__(self, source: Entry) -> None:
+        super().__init__(source)
+        self.dtype = np.dtype(np.float32)
+
+    def component(self, i: int) -> np.ndarray:
+        return np.asarray(self.source.component(i), np.float32)
+
+    def read_component_into(self, i: int, out: np.ndarray) -> None:
+        out[...] = self.source.component(i)
+
+    def value(self) -> np.ndarray:
+        return np.asarray(self.source.value(), np.float32)
+
+
+def _as_tf_stores(path: str, entry: Entry) -> Entry:
+    """``entry`` in the dtype TensorFlow's optimizers read back: Adam's beta powers (a float64
+    scalar named ``beta1_power``/``beta2_power``) as float32; every other entry as it is. A
+    restore into our float64 counters takes the float32 value exactly."""
+    name = path.rsplit("/", 1)[-1]
+    if name in _FLOAT32_COUNTERS and np.dtype(entry.dtype) == np.float64 and not entry.shape:
+        return _Float32Entry(entry)
+    return entry
 
 
 def _shard_specs(path: str, entry: Entry, index_path: str) -> list[SliceSpec]:
@@ -382,7 +414,7 @@ def write_bundle(
         metadata = {k: v for k, v in source_meta.items() if not str(k).startswith("tf_")}
     index_path = prefix + ".index"
 
-    plans = [_plan(p, e, index_path) for p, e in entries.items()]
+    plans = [_plan(p, _as_tf_stores(p, e), index_path) for p, e in entries.items()]
     with BundleWriter(prefix) as w:
         if naming == "object":
             root, slot_nodes = _build_tree(plans, index_path)

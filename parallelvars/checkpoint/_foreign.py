@@ -12,12 +12,20 @@ from __future__ import annotations
 
 import os
 import re
+import zipfile
 
 from parallelvars._fileio import open_input
 from parallelvars.checkpoint._h5policy import HDF5_SIGNATURE
 from parallelvars.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
 
-__all__ = ["PLUGIN_MISSING", "foreign_hint", "foreign_kind", "with_foreign_hint"]
+__all__ = [
+    "PLUGIN_MISSING",
+    "TORCH_PICKLE_HINT",
+    "foreign_hint",
+    "foreign_kind",
+    "is_torch_pickle",
+    "with_foreign_hint",
+]
 
 #: What a restore of another format says when no source plug-in is installed.
 PLUGIN_MISSING = "no reader of this format is installed"
@@ -29,6 +37,12 @@ _LABELS = {
     "keras": "a Keras file",
     "hdf5": "an HDF5 file of another writer: neither our layout nor a Keras weight file",
 }
+#: What a restore or the CLI says of a ``torch.save`` file.
+TORCH_PICKLE_HINT = (
+    "a PyTorch pickle archive (torch.save): pickles are never loaded (unpickling runs code); "
+    "save the state_dict with safetensors.torch.save_file(model.state_dict(), "
+    "'model.safetensors') and read that"
+)
 _TF_FILE = re.compile(r"\.(index|data-\d+-of-\d+)$")
 
 
@@ -38,7 +52,15 @@ def foreign_kind(path: str) -> str | None:
             names = os.listdir(path)
         except OSError:
             return None
-        return "tf" if "checkpoint" in names or any(n.endswith(".index") for n in names) else None
+        if "checkpoint" in names or any(n.endswith(".index") for n in names):
+            return "tf"
+        # A Hugging Face model folder: model.safetensors, or a shard set's index (with
+        # config.json and the rest beside it), as the safetensors format opens a folder.
+        if "model.safetensors" in names or any(
+            n.endswith(".safetensors.index.json") for n in names
+        ):
+            return "safetensors"
+        return None
     if _TF_FILE.search(path) or (not os.path.exists(path) and os.path.exists(path + ".index")):
         return "tf"
     try:
@@ -61,8 +83,24 @@ def foreign_kind(path: str) -> str | None:
     return None
 
 
+def is_torch_pickle(path: str) -> bool:
+    """Whether ``path`` is a zip archive as ``torch.save`` writes it (a ``data.pkl`` member in
+    its one top folder). Only the zip's central directory is read; nothing is unpickled."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                return False
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()[:10_000]
+    except (OSError, zipfile.BadZipFile, ValueError, RuntimeError):
+        return False
+    return any(n == "data.pkl" or n.endswith("/data.pkl") for n in names)
+
+
 def foreign_hint(path: str) -> str | None:
     """Why a restore could not read ``path`` and what to do, or None if unknown."""
+    if os.path.isfile(path) and is_torch_pickle(path):
+        return TORCH_PICKLE_HINT
     name = foreign_kind(path)
     if name == "hdf5":
         return _LABELS[name]

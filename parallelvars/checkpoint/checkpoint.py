@@ -126,6 +126,33 @@ def _restore_agreement(path: str) -> Callable[[BaseException | None, list[Any]],
     return agree
 
 
+# Suffixes of the formats a checkpoint is converted to, never written by Checkpoint.write.
+FOREIGN_SUFFIXES = (
+    (".weights.h5", "keras"),
+    (".keras", "keras"),
+    (".safetensors", "safetensors"),
+    (".safetensors.index.json", "safetensors"),
+    (".npz", "npz"),
+    (".index", "tf"),
+    (".pt", "torch"),
+    (".pth", "torch"),
+    (".bin", "torch"),
+)
+
+
+def check_native_name(path: str) -> None:
+    """Refuse a native write under a name another format's readers expect (an HDF5 file named
+    ``x.safetensors`` fails in safetensors with "header too large")."""
+    lowered = path.lower()
+    for suffix, fmt in FOREIGN_SUFFIXES:
+        if lowered.endswith(suffix):
+            raise InvalidArgumentError(
+                f"{path}: Checkpoint.write writes our HDF5 layout, and {suffix} names the {fmt} "
+                "format; write a .h5 file and convert it (parallelvars convert, "
+                "parallelvars.formats.convert(..., model_only=True) for a model's export)"
+            )
+
+
 class SaveCount:
     """One save's step of a checkpoint's ``save_counter``: incremented when made, taken back
     by :meth:`undo`, or by leaving a ``with`` block on an error, when the save fails.
@@ -235,7 +262,14 @@ class Checkpoint(Trackable):
         return meta
 
     def write(self, path: str | os.PathLike[str]) -> str:
-        """Write a checkpoint to exactly ``path`` (atomically); returns ``path``."""
+        """Write a checkpoint to exactly ``path`` (atomically); returns ``path``.
+
+        The file is always our HDF5 layout. A name whose suffix is another format's
+        (``.safetensors``, ``.npz``, ``.keras``, ``.weights.h5``, ``.index``, ``.pt``) is refused
+        (InvalidArgumentError), never an HDF5 file under that name: write ``.h5`` and convert it
+        (``parallelvars convert``, :func:`parallelvars.formats.convert`).
+        """
+        check_native_name(os.fspath(path))
         return self._prepare_write()(path)
 
     def _prepare_write(self, *, copy: bool = False) -> Callable[[str | os.PathLike[str]], str]:

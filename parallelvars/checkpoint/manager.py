@@ -65,6 +65,7 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars._fileio import make_folder
 from parallelvars.checkpoint._lock import LOCK_FILE, _DirectoryLock, _pid_alive
 from parallelvars.checkpoint._save_queue import SaveQueue
 from parallelvars.checkpoint._state import (  # noqa: F401 - the state's names, as before
@@ -193,7 +194,7 @@ class CheckpointManager:
         self._queue = SaveQueue(self._report_at_exit)
 
         if not read_only:
-            os.makedirs(self._directory, exist_ok=True)
+            make_folder(self._directory, self._directory)
         # Under a multi-process strategy every process has a manager and takes part in each
         # save; rank 0 alone holds the directory lock, writes the state and deletes old files.
         rank = collective_rank()

@@ -21,11 +21,22 @@ class CheckpointLoadStatus:
         self._session = session
         self._root = root
 
+    def _optional(self) -> set[int]:
+        """Live bookkeeping a file without it does not count against: the checkpoint's own
+        ``save_counter`` when the saved file has none (a file another library wrote, or one
+        exported model-only). As TensorFlow's checkpoint does for a name-based restore, the
+        counter is then optionally restored: it keeps its value and no assertion names it."""
+        counter = getattr(self._root, "save_counter", None)
+        if counter is None or "save_counter" in self._session.variable_nodes().values():
+            return set()
+        return {id(counter)}
+
     def _unmatched_live(self) -> list[str]:
         live_graph = getattr(self._root, "_live_graph", None)  # (a Checkpoint keeps its own)
         with older_objects_frozen():  # a graph of the live objects: a few per variable
             graph = build_object_graph(self._root) if live_graph is None else live_graph()
             matched = {id(o) for o in self._session.matched.values()}
+            matched |= self._optional()
             return [path for _, obj, path in graph.variables() if id(obj) not in matched]
 
     @property

@@ -290,6 +290,8 @@ class Optimizer(OptimizerState):
         Raises:
             GradientError: a variable the update core does not run over (a sharded variable
                 whose full array is not contiguous): give those gradients as plain arrays.
+            ContextError: the first call for variables on several devices made outside the
+                strategy's scope (its buffers would have one replica's part).
         """
         replicas = _context.current_mode().strategy._local_replica_count()
         return self._pv_transport.buffers_for(list(var_list), replicas)

@@ -67,6 +67,8 @@ Info = tuple[tuple[int, ...], np.dtype, bool]
 class Owner(Protocol):
     """What the transport asks of its optimizer."""
 
+    _pv_name: str  # named in the transport's errors
+
     def _info(self, var: Any) -> Info:
         """``(shape, dtype, on the fast path)`` of a variable it trains (raises otherwise)."""
         ...
@@ -404,6 +406,15 @@ class FusedTransport:
             return found
         if len(set(key)) != len(key):
             raise GradientError("a variable appears twice in the gradient buffers' list")
+        spread = next((v for v in var_list if len(getattr(v, "components", ())) > 1), None)
+        if replicas == 1 and spread is not None:
+            # One replica's buffers for a variable on several devices fail at the first step,
+            # far from here: say so now.
+            raise ContextError(
+                f"optimizer {self._owner._pv_name!r}: gradient_buffers() was called outside any "
+                f"strategy's scope, for {spread.name!r} on {len(spread.components)} devices; "
+                "call it inside strategy.scope(), where the buffers get one part per replica"
+            )
         for v in var_list:
             if not self._owner._info(v)[2]:
                 raise GradientError(

@@ -274,6 +274,13 @@ class OptimizerState(Module):
             except GradientError:
                 continue  # not a variable this optimizer trains: its slots stay unmatched
             var_list.append(var)
+        if not var_list and children and self.iterations is None:
+            # Slots made before the restore (``gradient_buffers()``): the counters are made
+            # now all the same, for the variables those slots belong to.
+            for var, _, _ in self._checkpoint_slots():
+                if id(var) not in seen:
+                    seen.add(id(var))
+                    var_list.append(var)
         if not var_list:
             return {}, {}, None
         made_slots = self._stage_slots(var_list)  # every slot of each: a variable's set is whole
