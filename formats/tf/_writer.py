@@ -140,7 +140,7 @@ class _Float32Entry(ForwardingEntry):
         self.dtype = np.dtype(np.float32)
         # The exact value, for our reader (TensorFlow never reads the metadata tensor): a
         # round trip through TF resumes bit-identically. JSON floats round-trip float64 exactly.
-        self.attrs[FLOAT64_VALUE] = float(np.asarray(source.value(), np.float64))
+        self.attrs = {**self.attrs, FLOAT64_VALUE: float(np.asarray(source.value(), np.float64))}
 
     def component(self, i: int) -> np.ndarray:
         return np.asarray(self.source.component(i), np.float32)
