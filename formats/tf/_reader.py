@@ -31,6 +31,7 @@ import numpy as np
 from parallelvars._fileio import load_json
 from parallelvars._geometry import offsets_problem, shard_bounds
 from parallelvars._ints import is_int
+from parallelvars.checkpoint.entry import ArrayEntry
 from parallelvars.errors import (
     CorruptCheckpointError,
     ForeignReferenceError,
@@ -421,7 +422,7 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
                 path, comps, keys, full_names, slots.get(path), meta_vars.get(path)
             )
             if entry is not None:
-                self._entries[path] = entry
+                self._entries[path] = _exact_counter(entry)
 
     def _is_regular(self, comps: dict[int, str], keys: dict[str, bytes]) -> bool:
         if len(comps) == 1:
@@ -628,3 +629,30 @@ class TfCheckpointView(DictView):  # the Mapping over ._entries comes from DictV
             for o, end in zip(offsets, ends, strict=True)
         ]
         return axis, offsets, parts
+
+
+#: The metadata attribute holding the exact float64 value of a counter our writer stored in
+#: float32 (Adam's beta powers, as TensorFlow keeps them).
+FLOAT64_VALUE = "float64_value"
+
+
+def _exact_counter(entry: Entry) -> Entry:
+    """A float64 counter our writer stored as the float32 TensorFlow keeps (Adam's beta powers)
+    back as the exact float64 it recorded, when the float32 still is that value rounded (a file
+    TensorFlow saved again keeps its own float32); any other entry as it is."""
+    exact = entry.attrs.get(FLOAT64_VALUE) if entry.attrs else None
+    if exact is None:
+        return entry
+    attrs = {k: v for k, v in entry.attrs.items() if k != FLOAT64_VALUE}
+    if (
+        isinstance(exact, float)
+        and entry.dtype == np.float32
+        and tuple(entry.shape) == ()
+        and entry.kind in ("single", "mirrored")
+    ):
+        n = entry.num_components
+        if all(np.float32(exact) == np.asarray(entry.component(i)) for i in range(n)):
+            exact64 = [np.array(exact, np.float64) for _ in range(n)]
+            return ArrayEntry(entry.path, exact64, kind=entry.kind, attrs=attrs)
+    entry.attrs = attrs
+    return entry

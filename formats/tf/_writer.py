@@ -63,7 +63,7 @@ from ._keys import (
     escape_local_name,
 )
 from ._proto import SliceSpec
-from ._reader import METADATA_FORMAT, METADATA_VERSION, infer_sharding
+from ._reader import FLOAT64_VALUE, METADATA_FORMAT, METADATA_VERSION, infer_sharding
 from ._state import write_state
 
 __all__ = ["write_bundle"]
@@ -138,6 +138,9 @@ class _Float32Entry(ForwardingEntry):
     def __init__(self, source: Entry) -> None:
         super().__init__(source)
         self.dtype = np.dtype(np.float32)
+        # The exact value, for our reader (TensorFlow never reads the metadata tensor): a
+        # round trip through TF resumes bit-identically. JSON floats round-trip float64 exactly.
+        self.attrs = {**self.attrs, FLOAT64_VALUE: float(np.asarray(source.value(), np.float64))}
 
     def component(self, i: int) -> np.ndarray:
         return np.asarray(self.source.component(i), np.float32)
