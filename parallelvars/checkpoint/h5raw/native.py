@@ -123,14 +123,7 @@ def _write_native(
     documents = [INDEX_DATASET, COLUMNS_DATASET]
     if object_graph is not None:
         documents.append(GRAPH_DATASET)
-    root: dict[str, Any] = {
-        "parallelvars_format": np.int64(FORMAT_VERSION),
-        "parallelvars_version": _root_attr_value(_library_version()),
-        "created": np.float64(time.time() if created is None else created),
-    }
-    for key, value in dict(metadata or {}).items():
-        if value is not None:
-            root[key] = _root_attr_value(value)
+    root = _root_values(metadata, created)
     root[DOCUMENTS_ATTR] = np.array([d.encode() for d in documents])
     plan = FilePlan(variables, root_attrs=root, documents=documents)
     index: dict[str, Any] = {}
@@ -175,9 +168,10 @@ def _write_native(
     return p
 
 
-def index_documents(index: Mapping[str, Any]) -> dict[str, bytes]:
-    """The index and columns documents of a file with ``index``, as ``write_native`` writes
-    them (each padded to its capacity); what ``verify`` regenerates and compares."""
+def index_documents(index: Mapping[str, Any], *, columns: bool = True) -> dict[str, bytes]:
+    """The index and (unless ``columns`` is false: a multi-process index file has none) the
+    columns documents of a file with ``index``, as the writers write them (each padded to its
+    capacity); what ``verify`` regenerates and compares."""
     flat = [c for m in index.values() for c in m["crc32c"]]
     text = json.dumps(index)
     digits = ", ".join(map(str, flat))
@@ -187,6 +181,8 @@ def index_documents(index: Mapping[str, Any]) -> dict[str, bytes]:
             index_capacity(len(text) - (len(digits) - separators), len(flat)), b" "
         )
     }
+    if not columns:
+        return docs
     head, tail = _columns_parts(index)
     docs[COLUMNS_DATASET] = (
         (head + digits + tail)
@@ -259,14 +255,7 @@ def write_native_index(
     p = os.fspath(path)
     items = list(variables)
     documents = [INDEX_DATASET] + ([GRAPH_DATASET] if object_graph is not None else [])
-    root: dict[str, Any] = {
-        "parallelvars_format": np.int64(FORMAT_VERSION),
-        "parallelvars_version": _root_attr_value(_library_version()),
-        "created": np.float64(time.time() if created is None else created),
-    }
-    for key, value in dict(metadata or {}).items():
-        if value is not None:
-            root[key] = _root_attr_value(value)
+    root = _root_values(metadata, created)
     root[DOCUMENTS_ATTR] = np.array([d.encode() for d in documents])
     plan_vars = []
     index: dict[str, Any] = {}
@@ -293,15 +282,7 @@ def write_native_index(
         meta["crc32c"] = [int(c.crc32c) for c in v.components]
         index[v.path] = meta
     plan = FilePlan(plan_vars, root_attrs=root, documents=documents)
-    flat = [c for m in index.values() for c in m["crc32c"]]
-    text = json.dumps(index)
-    digits = ", ".join(map(str, flat))
-    separators = 2 * max(len(flat) - 1, 0)
-    docs = {
-        INDEX_DATASET: text.encode().ljust(
-            index_capacity(len(text) - (len(digits) - separators), len(flat)), b" "
-        )
-    }
+    docs = index_documents(index, columns=False)
     if object_graph is not None:
         docs[GRAPH_DATASET] = json.dumps(object_graph).encode()
     out = plan.metadata(
@@ -749,19 +730,7 @@ def _save_streamed(
                     del arr
                 crcs.append(cc)
             index = _index_of(items, plan, crcs)
-            flat = [c for m in index.values() for c in m["crc32c"]]
-            text = json.dumps(index)
-            digits = ", ".join(map(str, flat))
-            separators = 2 * max(len(flat) - 1, 0)
-            head, tail = _columns_parts(index)
-            docs = {
-                INDEX_DATASET: text.encode().ljust(
-                    index_capacity(len(text) - (len(digits) - separators), len(flat)), b" "
-                ),
-                COLUMNS_DATASET: (head + digits + tail)
-                .encode()
-                .ljust(index_capacity(len(head) + len(tail) + separators, len(flat)), b" "),
-            }
+            docs = index_documents(index)
             if object_graph is not None:
                 docs[GRAPH_DATASET] = json.dumps(object_graph).encode()
             meta = plan.metadata(
