@@ -1069,9 +1069,24 @@ class ShardedVariable(ParallelVariable):
         n = len(device)
         offsets = shard_offsets(full.shape[axis], n)
         comps = [full[index] for index in shard_slices(full.shape, axis, offsets)]
-        wrapt.ObjectProxy.__init__(self, full)
+        self._init_sharded(full, comps, device, name, aggregation, trainable, placement)
+        self._self_shard_axis = axis
+        self._self_shard_offsets = tuple(offsets)
+
+    def _init_sharded(
+        self,
+        wrapped: np.ndarray,
+        components: Sequence[np.ndarray],
+        device: ParallelDevice,
+        name: str,
+        aggregation: Aggregation,
+        trainable: bool,
+        placement: _storage.Placement | None,
+    ) -> None:
+        """The proxy state every sharded variable has (one process's or across processes)."""
+        wrapt.ObjectProxy.__init__(self, wrapped)
         self._self_stacked: Any = None
-        self._self_components = tuple(comps)
+        self._self_components = tuple(components)
         self._self_device = device
         self._self_name = name
         self._self_kind = "sharded"
@@ -1079,8 +1094,6 @@ class ShardedVariable(ParallelVariable):
         self._self_aggregation = aggregation
         self._self_trainable = bool(trainable)
         self._self_placement = placement
-        self._self_shard_axis = axis
-        self._self_shard_offsets = tuple(offsets)
 
     @property
     def shard_axis(self) -> int:
@@ -1144,25 +1157,14 @@ class RankShardedVariable(ShardedVariable):
     ) -> None:
         axis = _check_shard_axis(name, shard_axis, len(full_shape))
         offsets = shard_offsets(full_shape[axis], count)
-        expected = shard_index(
-            len(full_shape), axis, 0, shard_sizes(full_shape[axis], count)[index]
-        )
-        if local.shape != np.empty(full_shape, np.bool_)[expected].shape:
+        expected = list(full_shape)
+        expected[axis] = shard_sizes(full_shape[axis], count)[index]
+        if local.shape != tuple(expected):
             raise DistributedValueError(
                 f"variable {name!r}: shard {index} of {count} of shape {full_shape} along axis "
-                f"{axis} (expected a shard of {np.empty(full_shape, np.bool_)[expected].shape}, "
-                f"found {local.shape})"
+                f"{axis} (expected a shard of {tuple(expected)}, found {local.shape})"
             )
-        wrapt.ObjectProxy.__init__(self, local)
-        self._self_stacked = None
-        self._self_components = (local,)
-        self._self_device = device
-        self._self_name = name
-        self._self_kind = "sharded"
-        self._self_synchronization = Synchronization.ON_WRITE
-        self._self_aggregation = aggregation
-        self._self_trainable = bool(trainable)
-        self._self_placement = None
+        self._init_sharded(local, (local,), device, name, aggregation, trainable, None)
         self._self_shard_axis = axis
         self._self_shard_offsets = tuple(offsets)
         self._self_full_shape = tuple(int(d) for d in full_shape)
