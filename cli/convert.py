@@ -56,6 +56,7 @@ examples:
   parallelvars convert run.h5 model.safetensors --components logical --model-only --names dotted
   parallelvars convert run.h5 enc.npz --only 'model/encoder' --exclude '*/bias'
   parallelvars convert ckpt-3 run.h5 --from tf
+  parallelvars convert run.h5 tf1/model.ckpt --to tf --names tf1 --components logical
   parallelvars convert model.weights.h5 weights.npz --to npz
   parallelvars convert model.keras run.h5
   parallelvars convert run.h5 trained.keras --like model.keras
@@ -128,10 +129,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--names",
-        choices=formats.NAME_STYLES,
+        choices=(*formats.NAME_STYLES, "tf1"),
         help="key style for formats with flat keys (safetensors, npz): slash keeps our paths "
         "(model/dense/kernel), dotted is PyTorch's (model.dense.kernel), tf is TensorFlow's "
-        "object keys; default: the format's own",
+        "object keys; for --to tf: tf (object-based, tf.train.Checkpoint), slash (each "
+        "variable under its path) or tf1 (tf.compat.v1.train.Saver's names: each variable "
+        "under its name, Adam's slots as V/Adam, V/Adam_1, beta1_power; with --components "
+        "logical); default: the format's own",
     )
     return parser
 

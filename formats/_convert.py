@@ -67,8 +67,10 @@ def convert(
             variable's aggregate, a sharded variable's full value); ``"primary"`` is the older
             name of ``"logical"``. A variable with no single value (independent buffers, on-read
             with aggregation ``none``) is refused (InvalidEntryError).
-        names: key style for formats with flat keys (``"slash"``, ``"dotted"``, ``"tf"``);
-            default: the format's own.
+        names: key style for formats with flat keys (``"slash"``, ``"dotted"``, ``"tf"``)
+            and for a TensorFlow checkpoint (``"tf"``: object-based, ``"slash"``: each
+            variable under its path, ``"tf1"``: the names ``tf.compat.v1.train.Saver`` and
+            TF 1.x's optimizers use); default: the format's own.
         max_shard_size: split safetensors output into shards of at most this size.
         progress: called as ``progress(bytes_done, bytes_total)`` after each tensor is read.
         devices: reshard onto this many devices first (see :func:`reshard`).
@@ -98,8 +100,6 @@ def convert(
     """
     if components not in ("all", "logical", "primary"):  # before the source is opened
         exported({}, components=components)
-    if names is not None:
-        check_names(names)
     target = to_format or format_for_path(dst)
     if target is None:
         raise InvalidArgumentError(
@@ -108,10 +108,12 @@ def convert(
     spec = get_format(target)
     options: dict[str, Any] = {}
     if names is not None:
+        if spec.name != "tf":  # before the source is opened; TensorFlow's writer has its own
+            check_names(names)
         if "names" not in spec.options:
             raise InvalidArgumentError(
                 f"format {target!r} has no key style; names= applies to formats "
-                "with flat keys (safetensors, npz)"
+                "with flat keys (safetensors, npz) and TensorFlow checkpoints"
             )
         options["names"] = names
     if max_shard_size is not None:

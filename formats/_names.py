@@ -27,6 +27,9 @@ Rules:
   slot (an entry with ``attrs["slot_of"]`` and ``attrs["slot_name"]``) gets TF's
   ``<variable>/.OPTIMIZER_SLOT/<optimizer>/<slot>`` key. A key without ``.ATTRIBUTES`` (a TF1
   name-based checkpoint, ``dense/kernel``) maps to itself.
+* ``tf1`` is the key a ``tf.compat.v1.train.Saver`` gives a variable (its name, ``V/Adam``
+  for a slot, ``beta1_power``): only the TensorFlow writer takes it, since a slot's key
+  depends on the optimizer's other slots (:mod:`parallelvars.formats.tf._tf1`).
 * Extra components (``i >= 1``) of a parallel variable are stored next to the primary under
   ``<primary key>/parallel_component_<i>`` (``slash``, ``dotted``) or TF's historical
   ``<path>/.ATTRIBUTES/parallel_component_<i>`` (``tf``). A plain consumer finds the primary
@@ -78,6 +81,12 @@ SLOTS = "slots"
 
 def check_names(names: str) -> str:
     """``names`` when it is a known style; ``ValueError`` otherwise."""
+    if names == "tf1":
+        raise InvalidArgumentError(
+            "names='tf1' are the keys of a TensorFlow 1.x Saver, whose optimizer slots are named "
+            "by the whole checkpoint's layout: only a TensorFlow checkpoint (format 'tf') "
+            "is written with them"
+        )
     if names not in NAME_STYLES:
         raise InvalidArgumentError(
             f"unknown name style {names!r} (expected one of {', '.join(NAME_STYLES)})"

@@ -222,3 +222,50 @@ def test_tensorflow_restores_our_export_with_assert_consumed(tmp_path: pathlib.P
     tf.train.Checkpoint(model=tf_model).restore(str(prefix)).assert_consumed()
     np.testing.assert_array_equal(tf_model.kernel.numpy(), value(kernel))
     np.testing.assert_array_equal(tf_model.bias.numpy(), value(bias))
+
+
+def test_tensorflow1_saver_and_adam_continue_our_training(tmp_path: pathlib.Path) -> None:
+    """TF 1.x graph mode: a Saver restores every variable, Adam slot and beta power of our
+    export (``--names tf1``), and one more AdamOptimizer step there is the step we take here."""
+    tf = need("tensorflow")
+    v1 = tf.compat.v1
+    rng = np.random.default_rng(3)
+    start = {"dense/kernel": rng.standard_normal((3, 2)), "dense/bias": rng.standard_normal(2)}
+    with pv.MirroredStrategy(4).scope() as strategy:
+        flat = {k: pv.Variable(v.astype(np.float32), name=k) for k, v in start.items()}
+    opt = train(strategy, flat, sorted(flat), steps=3)
+    model = {"kernel": flat["dense/kernel"], "bias": flat["dense/bias"]}
+    run_h5 = pv.Checkpoint(model=model, optimizer=opt).write(tmp_path / "run.h5")
+    prefix = tmp_path / "tf1" / "model.ckpt"
+    argv = ["convert", run_h5, str(prefix), "--to", "tf", "--names", "tf1", "--parents"]
+    assert main([*argv, "--components", "logical"]) == 0
+    grads = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in start.items()}
+    graph = tf.Graph()
+    with graph.as_default():
+        tf_vars = {
+            k: v1.get_variable(
+                k, shape=v.shape, dtype=tf.float32, initializer=v1.zeros_initializer()
+            )
+            for k, v in start.items()
+        }
+        adam = v1.train.AdamOptimizer(0.05)  # our Adam's defaults: beta 0.9, 0.999, eps 1e-8
+        step = adam.apply_gradients([(tf.constant(grads[k]), tf_vars[k]) for k in sorted(start)])
+        saver = v1.train.Saver()  # every global variable: the model, its slots, beta powers
+        slots = {(k, s): adam.get_slot(tf_vars[k], s) for k in start for s in ("m", "v")}
+        powers = adam._get_beta_accumulators()
+        with v1.Session(graph=graph) as sess:
+            saver.restore(sess, str(prefix))  # was: object-based names only, no TF1 slot names
+            for k in start:
+                np.testing.assert_array_equal(sess.run(tf_vars[k]), value(flat[k]), err_msg=k)
+                for s in ("m", "v"):
+                    ours = value(opt.get_slot(flat[k], s))
+                    np.testing.assert_array_equal(sess.run(slots[k, s]), ours, err_msg=(k, s))
+            b1, b2 = sess.run(powers)
+            assert b1.dtype == np.float32 and b2.dtype == np.float32
+            assert b1 == np.float32(0.9**4) and b2 == np.float32(0.999**4)  # beta^t, next t=4
+            sess.run(step)
+            after = {k: sess.run(tf_vars[k]) for k in start}
+    opt.distributed_apply(strategy, [(grads[k], flat[k]) for k in sorted(start)])
+    for k in start:
+        np.testing.assert_allclose(after[k], value(flat[k]), rtol=1e-6, atol=1e-7, err_msg=k)
+        assert not np.array_equal(after[k], start[k].astype(np.float32))

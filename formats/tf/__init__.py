@@ -151,7 +151,9 @@ FORMAT = FormatSpec(
         "assemble_slices": "read: partitioned tensors as single entries, not sharded (false)",
         "skip_unsupported": "read: leave out DT_VARIANT/DT_RESOURCE tensors instead of failing",
         "follow_state_outside": "read: follow a state file naming a checkpoint outside its directory (false)",
-        "naming": "write: 'object' (tf.train.Checkpoint keys + object graph) or 'name' (TF1 Saver)",
+        "names": "write: 'tf' (tf.train.Checkpoint's object keys + graph), 'slash' (each "
+        "variable under its path) or 'tf1' (tf.compat.v1.train.Saver's names and TF1 slot names)",
+        "naming": "write: the older spelling of names: 'object' ('tf') or 'name' ('slash')",
         "update_state": "write: make it the latest in the directory's 'checkpoint' file (true)",
     },
     outputs=outputs,

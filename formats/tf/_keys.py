@@ -20,7 +20,9 @@ TensorFlow key                                        our path, component
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from parallelvars.checkpoint.graph import escape_name, unescape_name
 from parallelvars.checkpoint.registry import COMPONENT_PREFIX, component_name, extra_component_index
@@ -39,6 +41,7 @@ __all__ = [
     "component_attribute",
     "ParsedKey",
     "parse_key",
+    "slot_owner",
     "slot_path",
 ]
 
@@ -75,6 +78,18 @@ class ParsedKey:
 def slot_path(optimizer: str, variable: str, slot_name: str) -> str:
     """Our path of a slot variable: ``<optimizer>/slots/<variable>/<slot name>``."""
     return f"{optimizer}/{SLOTS}/{variable}/{slot_name}"
+
+
+def slot_owner(path: str, attrs: Mapping[str, Any]) -> str | None:
+    """The optimizer's path when the entry at ``path`` with ``attrs`` is a slot
+    (``attrs`` ``slot_of``/``slot_name`` and ``path`` is their :func:`slot_path`), else None."""
+    slot_of, slot_name = attrs.get("slot_of"), attrs.get("slot_name")
+    if not (isinstance(slot_of, str) and isinstance(slot_name, str) and slot_of and slot_name):
+        return None
+    suffix = f"/{SLOTS}/{slot_of}/{slot_name}"
+    if "/" in slot_name or not path.endswith(suffix) or len(path) <= len(suffix):
+        return None
+    return path[: -len(suffix)]
 
 
 def _join(names: list[str]) -> str:

@@ -15,8 +15,11 @@ What TensorFlow's keys cannot say (a kind other than the one a reader infers, at
 ``devices`` or ``aggregation``) goes into one JSON string tensor under
 ``_PARALLELVARS_METADATA``, written only when some entry needs it.
 
-Name-based naming (``naming="name"``) saves each entry under its path, as
-``tf.compat.v1.train.Saver`` does, with no object graph.
+Name-based naming (``names="slash"``, or ``naming="name"``) saves each entry under its path,
+with no object graph. TF1 naming (``names="tf1"``) saves each entry under the key a
+``tf.compat.v1.train.Saver`` gives it, so that TF 1.x's optimizers find their state: a variable
+under its name, ``V/Adam``, ``V/Adam_1`` for Adam's slots of ``V``, ``beta1_power`` ...
+(:func:`._tf1.tf1_keys`, the inverse of the reader's mapping).
 """
 
 from __future__ import annotations
@@ -57,14 +60,15 @@ from ._keys import (
     GRAPH_KEY,
     METADATA_KEY,
     OPTIMIZER_SLOT,
-    SLOTS,
     VARIABLE_VALUE,
     component_attribute,
     escape_local_name,
+    slot_owner,
 )
 from ._proto import SliceSpec
 from ._reader import FLOAT64_VALUE, METADATA_FORMAT, METADATA_VERSION, infer_sharding
 from ._state import write_state
+from ._tf1 import tf1_keys
 
 __all__ = ["write_bundle"]
 
@@ -238,18 +242,10 @@ def _build_tree(plans: list[_Var], index_path: str) -> tuple[_Node, list[_Node]]
         e = var.entry
         names = _names(var.path, index_path)
         attrs = e.attrs
-        slot_of, slot_name = attrs.get("slot_of"), attrs.get("slot_name")
-        suffix = f"/{SLOTS}/{slot_of}/{slot_name}"
-        if (
-            isinstance(slot_of, str)
-            and isinstance(slot_name, str)
-            and slot_of
-            and slot_name
-            and "/" not in slot_name
-            and var.path.endswith(suffix)
-            and len(var.path) > len(suffix)
-        ):
-            opt_names = _names(var.path[: -len(suffix)], index_path)
+        owner = slot_owner(var.path, attrs)
+        if owner is not None:
+            slot_of, slot_name = str(attrs["slot_of"]), str(attrs["slot_name"])
+            opt_names = _names(owner, index_path)
             var_names = _names(slot_of, index_path)
             original, optimizer = node_at(var_names), node_at(opt_names)
             target = _Node()
@@ -348,6 +344,9 @@ def _graph_bytes(order: list[_Node]) -> bytes:
     return encode_graph(protos)
 
 
+# The writer's naming by key style (``names=``).
+_NAMING = {"tf": "object", "slash": "name", "tf1": "tf1"}
+
 # The component number of an on-read entry's aggregate in the attribute lists (-1: slices).
 _AGG = -2
 
@@ -381,6 +380,7 @@ def write_bundle(
     path: str | os.PathLike[str],
     entries: Mapping[str, Entry],
     *,
+    names: str | None = None,
     naming: str | None = None,
     metadata: Mapping[str, Any] | None = None,
     update_state: bool = True,
@@ -392,9 +392,15 @@ def write_bundle(
             ``dir/ckpt-1.data-00000-of-00001``); a trailing ``.index`` is dropped; an existing
             directory gets the next ``ckpt-N``.
         entries: any ``Mapping[str, Entry]`` (a view of another checkpoint, in-memory entries).
-        naming: ``"object"`` (``tf.train.Checkpoint`` keys and object graph) or ``"name"``
-            (keys are the paths, as ``tf.compat.v1.train.Saver`` writes). By default ``"name"``
-            when ``entries`` is a view of a name-based TensorFlow checkpoint, else ``"object"``.
+        names: the key style: ``"tf"`` (``tf.train.Checkpoint``'s object-based keys and
+            object graph), ``"slash"`` (name-based: each entry under its path, no object
+            graph) or ``"tf1"`` (name-based, under the keys ``tf.compat.v1.train.Saver`` and
+            TF 1.x's optimizers use: each variable under its ``name``, ``V/Adam``,
+            ``V/Adam_1``, ``beta1_power``, ...; one tensor per variable, so write
+            ``components="logical"``). By default ``"slash"`` when ``entries`` is a view of a
+            name-based TensorFlow checkpoint, else ``"tf"``.
+        naming: the older spelling of ``names``: ``"object"`` is ``"tf"``, ``"name"`` is
+            ``"slash"``.
         metadata: file-level metadata kept in the metadata key when it is written (by default
             the source view's own, less its ``tf_*`` keys).
         update_state: make this checkpoint the latest in the directory's ``checkpoint`` file.
@@ -409,15 +415,32 @@ def write_bundle(
     elif prefix.endswith(".index"):
         prefix = prefix[: -len(".index")]
     source_meta = dict(getattr(entries, "metadata", None) or {})
+    if names is not None:
+        if naming is not None:
+            raise InvalidArgumentError("pass names= or its older spelling naming=, not both")
+        naming = _NAMING.get(names)
+        if naming is None:
+            raise InvalidArgumentError(
+                f"{prefix}: a TensorFlow checkpoint takes names='tf', 'slash' or 'tf1', "
+                f"not {names!r}"
+            )
     if naming is None:
         naming = "name" if source_meta.get("tf_naming") == "name" else "object"
-    if naming not in ("object", "name"):
-        raise InvalidArgumentError(f"naming must be 'object' or 'name', not {naming!r}")
+    if naming not in ("object", "name", "tf1"):
+        raise InvalidArgumentError(
+            f"naming must be 'object' or 'name' (or names='tf1'), not {naming!r}"
+        )
     if metadata is None:
         metadata = {k: v for k, v in source_meta.items() if not str(k).startswith("tf_")}
     index_path = prefix + ".index"
 
     plans = [_plan(p, _as_tf_stores(p, e), index_path) for p, e in entries.items()]
+    keys = {var.path: var.path for var in plans}
+    if naming == "tf1":
+        keys = tf1_keys({var.path: var.entry for var in plans}, index_path)
+        for var in plans:  # what the key says, the metadata record need not
+            if keys[var.path] != var.path and slot_owner(var.path, var.entry.attrs) is not None:
+                var.expressed |= {"slot_of", "slot_name"}
     with BundleWriter(prefix) as w:
         if naming == "object":
             root, slot_nodes = _build_tree(plans, index_path)
@@ -431,14 +454,16 @@ def write_bundle(
                 e = var.entry
                 if var.slices is None and e.num_components != 1:
                     raise InvalidEntryError(
-                        "a name-based checkpoint holds one tensor per variable",
+                        "a name-based checkpoint holds one tensor per variable "
+                        "(components='logical' writes one)",
                         file=index_path,
                         variable=var.path,
                         expected="1 component",
                         found=f"{e.num_components} ({e.kind})",
                     )
-                _write_var(w, var, var.path, -1 if var.slices is not None else 0, index_path)
-        records = {var.path: rec for var in plans if (rec := _extra(var)) is not None}
+                key = keys[var.path]
+                _write_var(w, var, key, -1 if var.slices is not None else 0, index_path)
+        records = {keys[var.path]: rec for var in plans if (rec := _extra(var)) is not None}
         if naming == "object":
             w.add(GRAPH_KEY.encode(), graph)
         if records:
