@@ -9,6 +9,7 @@ stderr. Progress bars appear only when stderr is a terminal and ``--quiet`` is n
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
@@ -20,17 +21,27 @@ class Progress:
     """A byte or item counter that draws a tqdm bar on stderr, or does nothing.
 
     Use it as a context manager; :meth:`advance` adds to the count and :meth:`set` jumps to an
-    absolute position (for library callbacks that report ``(done, total)``).
+    absolute position (for library callbacks that report ``(done, total)``). A bar whose total
+    is not known yet (``make``) is drawn at the first :meth:`set` that gives one: never a
+    counter without a bar, such as ``0.00B [00:00, ?B/s]``, while the total is worked out.
     """
 
-    def __init__(self, bar: Any = None) -> None:
+    def __init__(self, bar: Any = None, make: Callable[[int | None], Any] | None = None) -> None:
         self._bar = bar
+        self._make = make
+
+    def _start(self, total: int | None) -> None:
+        if self._bar is None and self._make is not None:
+            self._bar, self._make = self._make(total), None
 
     def advance(self, n: int = 1) -> None:
+        self._start(None)
         if self._bar is not None:
             self._bar.update(n)
 
     def set(self, done: int, total: int | None = None) -> None:
+        if total is not None:
+            self._start(total)
         if self._bar is None:
             return
         if total is not None and self._bar.total != total:
@@ -38,6 +49,7 @@ class Progress:
         self._bar.update(done - self._bar.n)
 
     def close(self) -> None:
+        self._make = None
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -109,23 +121,49 @@ class Output:
             return False
 
     def progress(self, total: int | None, desc: str, *, unit: str = "B") -> Progress:
-        """A progress bar over ``total`` units, drawn only on a terminal."""
+        """A progress bar over ``total`` units, drawn only on a terminal. With ``total`` None
+        the bar is drawn once :meth:`Progress.set` gives the total.
+
+        On a terminal narrower than :data:`NARROW` columns the bar leaves out the time and
+        rate, so that the percentage and the bar itself still fit.
+        """
         if not self.show_progress:
             return Progress()
-        from tqdm import tqdm  # imported only when a bar is drawn
+        stderr = self.stderr
 
-        return Progress(
-            tqdm(
+        def make(total: int | None) -> Any:
+            from tqdm import tqdm  # imported only when a bar is drawn
+
+            narrow = _columns(stderr) < NARROW
+            return tqdm(
                 total=total,
                 desc=desc,
                 unit=unit,
                 unit_scale=unit == "B",
                 unit_divisor=1024,
-                file=self.stderr,
+                file=stderr,
                 leave=False,
                 dynamic_ncols=True,
+                bar_format=_NARROW_BAR if narrow and total is not None else None,
             )
-        )
+
+        return Progress(make(total)) if total is not None else Progress(make=make)
+
+
+#: Terminals narrower than this get a bar without time and rate (:meth:`Output.progress`).
+NARROW = 60
+_NARROW_BAR = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt}"
+
+
+def _columns(stream: Any) -> int:
+    """The width of the terminal ``stream`` is, or ``NARROW`` when it cannot be told."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        try:
+            return int(os.environ.get("COLUMNS", NARROW))
+        except ValueError:
+            return NARROW
 
 
 def counted(n: int, word: str) -> str:

@@ -72,7 +72,8 @@ def convert(
             variable under its path, ``"tf1"``: the names ``tf.compat.v1.train.Saver`` and
             TF 1.x's optimizers use); default: the format's own.
         max_shard_size: split safetensors output into shards of at most this size.
-        progress: called as ``progress(bytes_done, bytes_total)`` after each tensor is read.
+        progress: called as ``progress(bytes_done, bytes_total)``: once with 0 when the total
+            (the bytes of the entries to write) is known, then after each tensor is read.
         devices: reshard onto this many devices first (see :func:`reshard`).
         read_options: options for the source format's reader (``follow_state_outside=True``
             for a TensorFlow directory whose state file names a checkpoint elsewhere, ...).
@@ -150,6 +151,7 @@ def convert(
             total = sum(int(e.nbytes) for e in entries.values())
             counter = _Progress(progress, total)
             entries = {k: CountingEntry(e, counter.add) for k, e in entries.items()}
+            progress(0, total)  # the total, before the first tensor is read
         result = write_checkpoint(
             os.fspath(dst), DictView.derived(view, entries), format=target, **options
         )

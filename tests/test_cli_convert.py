@@ -209,6 +209,37 @@ def test_progress_bar_on_a_terminal(
     assert capsys.readouterr().out.startswith("wrote ")
 
 
+@pytest.mark.parametrize("columns", [120, 40])
+def test_convert_bar_has_its_total_from_the_start(
+    columns: int, run_h5: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """The bar knows the bytes to write before the first tensor is read: a percentage and a
+    bar, never a bare counter (``0.00B [00:00, ?B/s]``); a narrow terminal still gets both."""
+    stderr = _Terminal()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.setenv("COLUMNS", str(columns))  # a StringIO has no terminal to ask
+    assert main(["convert", run_h5, str(tmp_path / "out.safetensors")]) == 0
+    drawn = stderr.getvalue()
+    total = sum(int(e.nbytes) for e in _numeric_entries().values())
+    assert drawn.startswith("\rconvert:   0%|")  # its first drawing: 0 of the total
+    assert f"/{total}" in drawn.replace(".00", "")  # e.g. 0/544 (unit-scaled under 1 KiB)
+    assert "B [" not in drawn  # the bare counter's "0.00B [00:00, ?B/s]"
+    assert ("B/s" in drawn) == (columns >= 60)  # narrow: no time and rate, room for the bar
+    assert capsys.readouterr().out.startswith("wrote ")
+
+
+def test_convert_draws_nothing_when_stderr_is_not_a_terminal(
+    run_h5: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    stderr = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    assert main(["convert", run_h5, str(tmp_path / "out.safetensors")]) == 0
+    assert stderr.getvalue() == ""
+    assert capsys.readouterr().out.startswith("wrote ")
+
+
 # --- reshard -------------------------------------------------------------------------------------
 
 

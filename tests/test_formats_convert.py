@@ -145,6 +145,7 @@ def test_progress_reports_bytes(tmp_path) -> None:
     assert calls and all(t == total for _, t in calls)
     dones = [d for d, _ in calls]
     assert dones == sorted(dones) and dones[-1] == total
+    assert calls[0] == (0, total)  # the total comes before the first tensor is read
 
 
 def test_names_option(tmp_path) -> None:
