@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars._fileio import make_folder
 from parallelvars.checkpoint.entry import CountingEntry
 from parallelvars.errors import InvalidArgumentError
 from parallelvars.formats import (
@@ -33,6 +34,7 @@ __all__ = [
     "metadata_text",
     "natural_key",
     "destination_path",
+    "note_made",
     "format_bytes",
     "open_view",
     "read_options",
@@ -136,12 +138,9 @@ _FOLDER_FILES = {
 
 
 def add_destination_options(parser: argparse.ArgumentParser) -> None:
-    """``--parents``: let a command create its destination's missing folders."""
-    parser.add_argument(
-        "--parents",
-        action="store_true",
-        help="create DST's missing folders (default: a missing folder is an error)",
-    )
+    """``--parents``: accepted as before; a command always makes its destination's missing
+    folders (:func:`destination_path`)."""
+    parser.add_argument("--parents", action="store_true", help=argparse.SUPPRESS)
 
 
 def is_folder_destination(path: str) -> bool:
@@ -150,7 +149,7 @@ def is_folder_destination(path: str) -> bool:
 
 
 def destination_path(
-    path: str, fmt: str | None, *, parents: bool = False, made: list[str] | None = None
+    path: str, fmt: str | None, *, made: list[str] | None = None
 ) -> tuple[str, str]:
     """Where a command writes, and in which format: the one rule for every output argument.
 
@@ -158,10 +157,10 @@ def destination_path(
       goes inside it under the format's usual name (``_FOLDER_FILES``); the format must then
       come from ``--to`` (or the command's fallback, passed as ``fmt``).
     * Otherwise it is a file (or a TF prefix) and its format is ``fmt`` or its suffix.
-    * The folder the output goes into must exist, unless ``parents`` (``--parents``) asks to
-      create it; nothing is ever created silently. The folders it creates are appended to
-      ``made`` (deepest first), for :func:`remove_made` to take back when the write fails or
-      is interrupted.
+    * The folders the output goes into are made when missing, the library's rule
+      (:func:`parallelvars._fileio.make_folder`); the ones made are appended to ``made``
+      (deepest first), for the command to say so and for :func:`remove_made` to take back
+      when the write fails or is interrupted.
 
     Returns ``(path to hand to the writer, format name)``.
     """
@@ -179,28 +178,16 @@ def destination_path(
     if not os.path.isdir(folder):
         if os.path.lexists(folder):
             raise UsageError(f"{folder}: is not a folder")
-        if not parents:
-            raise UsageError(f"{folder}: no such folder; create it, or pass --parents to create it")
-        missing = []
-        up = os.path.abspath(folder)
-        while not os.path.lexists(up):
-            missing.append(up)
-            up = os.path.dirname(up)
-        os.makedirs(folder, exist_ok=True)
+        missing = make_folder(folder, target)
         if made is not None:
             made.extend(missing)
     return target, fmt
 
 
-def remove_made(made: list[str]) -> None:
-    """Take back the folders :func:`destination_path` created (deepest first), each only while
-    it is still empty: a failed or interrupted write leaves no folder it made behind, and
-    never removes anything else."""
-    for folder in made:
-        try:
-            os.rmdir(folder)
-        except OSError:
-            return  # not empty (or gone): it and the folders above it stay
+def note_made(out: Output, made: list[str]) -> None:
+    """Say which folders :func:`destination_path` made (the topmost: the rest lie inside)."""
+    if made:
+        out.note(f"made the folder {made[-1]}")
 
 
 _DIGITS = re.compile(r"(\d+)")

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from parallelvars import formats
+from parallelvars._fileio import remove_made
 from parallelvars.formats._graph import shared_objects
 from parallelvars.formats._select import describe_left_out
 
@@ -16,9 +17,9 @@ from ._common import (
     add_format_option,
     destination_path,
     format_bytes,
+    note_made,
     open_view,
     reader_options,
-    remove_made,
     size_arg,
 )
 from ._errors import UsageError
@@ -60,7 +61,10 @@ examples:
   parallelvars convert model.weights.h5 weights.npz --to npz
   parallelvars convert model.keras run.h5
   parallelvars convert run.h5 trained.keras --like model.keras
-  parallelvars convert run.h5 shards/ --to safetensors --max-shard-size 5GB --parents"""
+  parallelvars convert run.h5 shards/ --to safetensors --max-shard-size 5GB
+
+DST's missing folders are made, as a library save makes them (a note names them); a write that
+fails or is interrupted takes them back."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -202,17 +206,16 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.destination}: is the same file as SRC; write somewhere else")
     src_format = args.from_format or formats.detect_format(args.source)
     made: list[str] = []
-    destination, dst_format = destination_path(
-        args.destination, args.to_format, parents=args.parents, made=made
-    )
+    destination, dst_format = destination_path(args.destination, args.to_format, made=made)
     left_out: dict[str, str] = {}
     try:
         if same_file(args.source, destination):
             raise UsageError(f"{destination}: is the same file as SRC; write somewhere else")
         written = _convert(args, out, destination, src_format, dst_format, left_out)
-    except BaseException:  # an error or Ctrl-C: no folder --parents made stays behind
+    except BaseException:  # an error or Ctrl-C: no folder it made stays behind
         remove_made(made)
         raise
+    note_made(out, made)
     notes = describe_left_out(left_out)
     notes += _not_carried(args.source, src_format, dst_format, args.read_options)
     for note in notes:

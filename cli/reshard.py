@@ -6,16 +6,17 @@ import argparse
 from typing import Any
 
 from parallelvars import formats
+from parallelvars._fileio import remove_made
 
 from ._common import (
     add_destination_options,
     add_format_option,
     destination_path,
+    note_made,
     open_view,
     output_format,
     positive_int,
     progress_entries,
-    remove_made,
 )
 from ._errors import UsageError
 from ._output import Output
@@ -67,16 +68,16 @@ def run(args: argparse.Namespace) -> int:
         destination, fmt = destination_path(
             args.destination,
             args.to_format or output_format(args.destination, None, view.format),
-            parents=args.parents,
             made=made,
         )
         wrapped, bar = progress_entries(out, entries, "reshard")
         try:
             with bar:
                 written = formats.write_checkpoint(destination, wrapped, format=fmt)
-        except BaseException:  # an error or Ctrl-C: no folder --parents made stays behind
+        except BaseException:  # an error or Ctrl-C: no folder it made stays behind
             remove_made(made)
             raise
+        note_made(out, made)
         count = len(entries)
         src_format = view.format
         # A single variable stays on one device whatever M is: say how many moved.

@@ -47,9 +47,11 @@ __all__ = [
     "checksum",
     "json_depth",
     "load_json",
+    "make_folder",
     "open_input",
     "open_input_file",
     "read_input",
+    "remove_made",
     "stat_input",
     "pwrite_all",
     "pwritev_all",
@@ -556,11 +558,23 @@ def temp_path_for(path: str) -> str:
     return os.path.join(directory, f".{base}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
 
 
-def make_folder(directory: str, path: str) -> None:
-    """Make ``directory`` (and its parents) for a write at ``path``: a folder that cannot be
-    made (no permission, a file in the way, a read-only or virtual file system) is a
+def make_folder(directory: str, path: str) -> list[str]:
+    """Make ``directory`` (and its parents) for a write at ``path``; returns the folders it
+    made, deepest first, for :func:`remove_made`.
+
+    The one folder rule of the library and the command line: a write makes the folders its
+    output goes into (as TensorFlow's savers do: ``save("ckpts/run")`` makes ``ckpts/``), and
+    a write that fails or is interrupted takes back the folders it made. A folder that cannot
+    be made (no permission, a file in the way, a read-only or virtual file system) is a
     :class:`~parallelvars.errors.CheckpointWriteError` naming ``path``, never a builtin
     ``OSError``."""
+    missing: list[str] = []
+    up = os.path.abspath(directory)
+    while not os.path.lexists(up) and os.path.dirname(up) != up:
+        missing.append(up)
+        up = os.path.dirname(up)
+    if not missing:
+        return []
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as exc:
@@ -575,6 +589,18 @@ def make_folder(directory: str, path: str) -> None:
             err.errno, err.strerror = code, os.strerror(code)
         err.filename = path
         raise err from None
+    return missing
+
+
+def remove_made(made: list[str]) -> None:
+    """Take back the folders :func:`make_folder` made (deepest first), each only while it is
+    still empty: a failed or interrupted write leaves no folder it made behind, and never
+    removes anything else."""
+    for folder in made:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return  # not empty (or gone): it and the folders above it stay
 
 
 @contextlib.contextmanager
@@ -584,11 +610,11 @@ def atomic_path(path: str) -> Iterator[str]:
     A reader (or a crash) sees either the old file or the complete new one, never a torn one;
     a failed write removes the temporary and leaves ``path`` as it was (a full disk or a file
     over a size limit is raised as :class:`~parallelvars.errors.CheckpointWriteError`). The directory is made
-    if missing (like TensorFlow: ``save("ckpts/run")`` creates ``ckpts/``) and fsynced after
-    the rename.
+    if missing (:func:`make_folder`'s rule: like TensorFlow, ``save("ckpts/run")`` creates
+    ``ckpts/``, and a failed write takes back the folders it made) and fsynced after the rename.
     """
     directory = os.path.dirname(os.path.abspath(path))
-    make_folder(directory, path)
+    made = make_folder(directory, path)
     tmp = temp_path_for(path)
     try:
         yield tmp
@@ -597,6 +623,7 @@ def atomic_path(path: str) -> Iterator[str]:
     except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        remove_made(made)
         mapped = write_error(exc, path)
         if mapped is not exc:
             raise mapped from exc

@@ -317,11 +317,8 @@ def test_reshard_missing_source(tmp_path: pathlib.Path, capsys: pytest.CaptureFi
 def test_convert_into_a_new_folder_with_shards(run_h5, tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
     args = ["convert", run_h5, "shards/", "--to", "safetensors", "--max-shard-size", "40B"]
-    assert main(args) == 2  # the folder does not exist and --parents was not given
-    err = capsys.readouterr().err
-    assert "shards" in err and "--parents" in err and ".tmp" not in err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.h5"]
-    assert main([*args, "--parents"]) == 0
+    assert main(args) == 0  # the folder is made, as a library save makes it
+    assert capsys.readouterr().err == f"note: made the folder {tmp_path / 'shards'}\n"
     names = sorted(p.name for p in (tmp_path / "shards").iterdir())
     assert "model.safetensors.index.json" in names
     shards = [n for n in names if n != "model.safetensors.index.json"]
@@ -336,7 +333,7 @@ def test_convert_into_a_new_folder_with_shards(run_h5, tmp_path, monkeypatch, ca
 
 def test_convert_into_a_new_folder_without_shards(run_h5, tmp_path, capsys) -> None:
     dst = tmp_path / "out" / "deeper"
-    assert main(["convert", run_h5, f"{dst}/", "--to", "safetensors", "--parents"]) == 0
+    assert main(["convert", run_h5, f"{dst}/", "--to", "safetensors"]) == 0
     assert sorted(p.name for p in dst.iterdir()) == ["model.safetensors"]
     assert main(["convert", run_h5, str(dst), "--to", "npz"]) == 0  # an existing folder
     assert sorted(p.name for p in dst.iterdir()) == ["model.npz", "model.safetensors"]
@@ -347,18 +344,32 @@ def test_folder_destination_needs_a_format(run_h5, tmp_path, capsys) -> None:
     assert "--to FORMAT" in capsys.readouterr().err
 
 
-def test_missing_parent_folder_is_an_error(run_h5, tmp_path, capsys) -> None:
-    dst = tmp_path / "nope" / "model.safetensors"
-    assert main(["convert", run_h5, str(dst)]) == 2
-    err = capsys.readouterr().err
-    assert "no such folder" in err and str(tmp_path / "nope") in err
-    assert not (tmp_path / "nope").exists()
-    assert main(["convert", run_h5, str(dst), "--parents"]) == 0
+@pytest.mark.parametrize("command", ["convert", "reshard"])
+@pytest.mark.parametrize("parents", [[], ["--parents"]])
+def test_missing_folders_are_made_and_said(
+    command: str, parents: list[str], run_h5: str, tmp_path: pathlib.Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """The library's rule (a write makes its folders): --parents, once needed, changes nothing."""
+    dst = tmp_path / "nope" / "deeper" / "model.safetensors"
+    extra = ["--devices", "2"] if command == "reshard" else []
+    assert main([command, run_h5, str(dst), *extra, *parents]) == 0  # was: 2, "no such folder"
     assert dst.is_file()
+    assert capsys.readouterr().err == f"note: made the folder {tmp_path / 'nope'}\n"
+    assert main([command, run_h5, str(dst), *extra, "--json"]) == 0  # made before: no note
+    assert capsys.readouterr().err == ""
+
+
+def test_a_file_in_the_way_of_a_folder_is_an_error(run_h5, tmp_path, capsys) -> None:
+    (tmp_path / "file").write_text("")
+    assert main(["convert", run_h5, str(tmp_path / "file" / "sub" / "m.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("parallelvars: error: ") and str(tmp_path / "file") in err
+    assert (tmp_path / "file").is_file()
 
 
 def test_reshard_into_a_folder(run_h5, tmp_path, capsys) -> None:
-    assert main(["reshard", run_h5, f"{tmp_path}/re/", "--devices", "1", "--parents"]) == 0
+    assert main(["reshard", run_h5, f"{tmp_path}/re/", "--devices", "1"]) == 0
     assert sorted(p.name for p in (tmp_path / "re").iterdir()) == ["model.h5"]
 
 

@@ -231,6 +231,49 @@ def test_a_folder_that_cannot_be_made_is_our_error_naming_the_path(tmp_path: pat
     assert int(ckpt.save_counter) == 0  # the failed save took its count back
 
 
+class _Stops(formats.ArrayEntry):
+    """An entry whose data cannot be read: the write stops after it made its folders."""
+
+    def component(self, i: int) -> np.ndarray:
+        raise KeyboardInterrupt
+
+    def read_component_into(self, i: int, out: np.ndarray) -> None:
+        raise KeyboardInterrupt
+
+    def value(self) -> np.ndarray:
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize(
+    ("name", "fmt"),
+    [("x.h5", None), ("x.safetensors", None), ("x.npz", None), ("x.weights.h5", None),
+     ("ckpt", "tf")],
+)  # fmt: skip
+def test_every_writer_makes_its_folders_and_takes_them_back_when_stopped(
+    tmp_path: pathlib.Path, name: str, fmt: str | None
+) -> None:
+    """One folder rule for the library (and the command line, tests/test_cli_convert.py): a
+    write makes the folders it goes into; one that fails or is interrupted takes them back."""
+    ok = formats.DictView([formats.ArrayEntry("layers/dense/vars/0", [np.ones(2, np.float32)])])
+    made = tmp_path / "a" / "b" / name
+    formats.write_checkpoint(made, ok, format=fmt)
+    assert (tmp_path / "a" / "b").is_dir()
+    stops = formats.DictView([_Stops("layers/dense/vars/0", [np.ones(2, np.float32)])])
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        formats.write_checkpoint(tmp_path / "kept" / "c" / "d" / name, stops, format=fmt)
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == []  # was: c/d left behind
+    with pytest.raises(KeyboardInterrupt):  # a folder holding something stays as it is
+        formats.write_checkpoint(made, stops, format=fmt)
+    assert (tmp_path / "a" / "b").is_dir()
+
+
+def test_checkpoint_write_makes_its_folders(tmp_path: pathlib.Path) -> None:
+    ckpt, _, _ = trained(2)
+    assert pathlib.Path(ckpt.write(tmp_path / "new" / "deeper" / "x.h5")).is_file()
+    assert pathlib.Path(ckpt.save(tmp_path / "other" / "x")).name == "x-1.h5"
+
+
 @pytest.mark.parametrize("shard", [None, "20B"])
 def test_restore_reads_a_hugging_face_folder(
     run_h5: str, tmp_path: pathlib.Path, shard: str | None
@@ -318,7 +361,7 @@ def test_verify_says_one_cause_once_and_keeps_distinct_causes_apart() -> None:
 
 @pytest.mark.parametrize("command", ["convert", "reshard"])
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, InvalidArgumentError])
-def test_a_failed_or_interrupted_write_takes_back_the_folders_parents_made(
+def test_a_failed_or_interrupted_write_takes_back_the_folders_it_made(
     run_h5: str,
     tmp_path: pathlib.Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -337,7 +380,7 @@ def test_a_failed_or_interrupted_write_takes_back_the_folders_parents_made(
     (tmp_path / "kept").mkdir()
     dst = tmp_path / "kept" / "new" / "deeper" / "out.safetensors"
     extra = ["--devices", "2"] if command == "reshard" else []
-    assert main([command, run_h5, str(dst), *extra, "--parents"]) != 0
+    assert main([command, run_h5, str(dst), *extra]) != 0
     assert (tmp_path / "kept").is_dir()  # there before: stays
     assert calls  # the write was reached (the folders made) and stopped
     assert not (tmp_path / "kept" / "new").exists()  # was: kept/new/deeper left behind

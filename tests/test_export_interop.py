@@ -215,7 +215,7 @@ def test_tensorflow_restores_our_export_with_assert_consumed(tmp_path: pathlib.P
     opt = train(strategy, {"kernel": kernel, "bias": bias}, ["kernel", "bias"])
     run_h5 = pv.Checkpoint(model=model, optimizer=opt).write(tmp_path / "run.h5")
     prefix = tmp_path / "tf" / "ckpt-1"
-    export(run_h5, prefix, "--to", "tf", "--parents")
+    export(run_h5, prefix, "--to", "tf")  # tf/ is made
     tf_model = tf.Module()
     tf_model.kernel = tf.Variable(np.zeros((3, 2), np.float32))
     tf_model.bias = tf.Variable(np.zeros(2, np.float32))
@@ -237,7 +237,7 @@ def test_tensorflow1_saver_and_adam_continue_our_training(tmp_path: pathlib.Path
     model = {"kernel": flat["dense/kernel"], "bias": flat["dense/bias"]}
     run_h5 = pv.Checkpoint(model=model, optimizer=opt).write(tmp_path / "run.h5")
     prefix = tmp_path / "tf1" / "model.ckpt"
-    argv = ["convert", run_h5, str(prefix), "--to", "tf", "--names", "tf1", "--parents"]
+    argv = ["convert", run_h5, str(prefix), "--to", "tf", "--names", "tf1"]
     assert main([*argv, "--components", "logical"]) == 0
     grads = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in start.items()}
     graph = tf.Graph()

@@ -56,7 +56,7 @@ def test_tf1_names_and_a_restore_back_into_ours(
     run_h5, flat, _ = _trained(tmp_path, opt)
     prefix = str(tmp_path / "tf1" / "model.ckpt")
     argv = ["convert", run_h5, prefix, "--to", "tf", "--names", "tf1", "--components", "logical"]
-    assert main([*argv, "--parents"]) == 0
+    assert main(argv) == 0
     keys = _keys(prefix)
     free = flat["free"].name
     variables = ["dense/kernel", "dense/bias", free]

@@ -27,8 +27,10 @@ import numpy as np
 from parallelvars._fileio import (
     MAX_JSON_BYTES,
     atomic_path,
+    make_folder,
     open_input_file,
     read_input,
+    remove_made,
     write_error,
 )
 from parallelvars.errors import (
@@ -593,7 +595,7 @@ class BundleWriter:
         self._swap = big_endian != (sys.byteorder == "big")
         self.index_path = prefix + ".index"
         parent = os.path.dirname(os.path.abspath(prefix))
-        os.makedirs(parent, exist_ok=True)
+        self._made = make_folder(parent, self.index_path)  # taken back by abort()
         # All or nothing over a checkpoint at the same prefix: TensorFlow names the data files
         # after their count, so the new one takes the other count (one file, or two with the
         # second empty) and never replaces a file the old index names; the index's rename is
@@ -723,6 +725,7 @@ class BundleWriter:
         for p in (self._tmp_data, self._tmp_index):
             if os.path.exists(p):
                 os.remove(p)
+        remove_made(self._made)
 
     def __enter__(self) -> BundleWriter:
         return self
