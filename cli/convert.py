@@ -11,6 +11,7 @@ from parallelvars import formats
 from parallelvars._fileio import remove_made
 from parallelvars.formats._graph import shared_objects
 from parallelvars.formats._select import describe_left_out
+from parallelvars.formats.safetensors._hf import HF_FILES
 
 from ._common import (
     add_destination_options,
@@ -48,6 +49,12 @@ metadata.json are kept and whose weights are replaced. Weights that do not fit t
 (other layers, shapes or dtypes) are refused. A legacy Keras file (--to keras-legacy) lists
 its layers in the model's order, which Keras 3 weights do not record: --like MODEL.keras gives it.
 
+A Hugging Face folder (DST a folder, or model.safetensors, with --to safetensors) gets the small
+files transformers needs beside the weights (config.json, generation_config.json, the tokenizer
+and processor files; nothing else, each a regular file of at most 64 MiB): from SRC's folder when
+SRC is one, else from --like MODEL_FOLDER (the folder the trained model came from). A file of
+that name already in DST's folder is kept.
+
 Sizes take decimal (KB, MB, GB) or binary (KiB, MiB, GiB) units: 5GB = 5*10^9 bytes,
 100KiB = 102400 bytes.
 
@@ -61,6 +68,8 @@ examples:
   parallelvars convert model.weights.h5 weights.npz --to npz
   parallelvars convert model.keras run.h5
   parallelvars convert run.h5 trained.keras --like model.keras
+  parallelvars convert run.h5 exported/ --to safetensors --components logical --model-only \
+      --names dotted --like gpt2-folder/
   parallelvars convert run.h5 shards/ --to safetensors --max-shard-size 5GB
 
 DST's missing folders are made, as a library save makes them (a note names them); a write that
@@ -104,7 +113,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="TEMPLATE",
         help="for a .keras DST: the model's own .keras archive, whose config is kept and whose "
         "weights are replaced; for --to keras-legacy: the model's .keras archive, whose config "
-        "gives the layers' order",
+        "gives the layers' order; for a Hugging Face folder DST (safetensors): the model's own "
+        "folder, whose config.json, tokenizer and processor files are carried",
     )
     parser.add_argument(
         "--only",
@@ -208,6 +218,8 @@ def run(args: argparse.Namespace) -> int:
     made: list[str] = []
     destination, dst_format = destination_path(args.destination, args.to_format, made=made)
     left_out: dict[str, str] = {}
+    folder = os.path.dirname(os.path.abspath(destination))
+    there = {n for n in HF_FILES if os.path.lexists(os.path.join(folder, n))}
     try:
         if same_file(args.source, destination):
             raise UsageError(f"{destination}: is the same file as SRC; write somewhere else")
@@ -216,6 +228,9 @@ def run(args: argparse.Namespace) -> int:
         remove_made(made)
         raise
     note_made(out, made)
+    carried = [n for n in HF_FILES if n not in there and os.path.lexists(os.path.join(folder, n))]
+    if carried:
+        out.note(f"carried the Hugging Face model's {', '.join(carried)} into {folder}")
     notes = describe_left_out(left_out)
     notes += _not_carried(args.source, src_format, dst_format, args.read_options)
     for note in notes:
@@ -235,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
         "bytes": total,
         "notes": notes,
         "left_out": sorted(left_out),
+        "carried": carried,
     }
     out.emit(
         data,

@@ -79,7 +79,10 @@ def convert(
             for a TensorFlow directory whose state file names a checkpoint elsewhere, ...).
         like: for a Keras ``.keras`` archive, the model's own archive: its configuration is
             kept and its weights replaced; weights that do not fit it are refused
-            (InvalidEntryError).
+            (InvalidEntryError). For safetensors into a Hugging Face folder, the model's own
+            folder, whose ``config.json``, tokenizer and processor files are carried (from a
+            Hugging Face source folder they are carried without it); see
+            :mod:`parallelvars.formats.safetensors._hf`.
         only: glob patterns of the paths to keep (``"model/*"``; a pattern naming a path
             also keeps what lies under it: ``"model"``); default: every path.
         exclude: glob patterns of the paths to leave out.
@@ -126,7 +129,8 @@ def convert(
     if like is not None:
         if "like" not in spec.options:
             raise InvalidArgumentError(
-                f"format {target!r} takes no template; like= applies to Keras .keras archives"
+                f"format {target!r} takes no template; like= applies to Keras .keras archives, "
+                "legacy Keras files and Hugging Face folders (safetensors)"
             )
         options["like"] = os.fspath(like)
     view = open_checkpoint(src, format=from_format, **dict(read_options or {}))

@@ -84,7 +84,7 @@ def test_convert_primary_sharded_by_size(
     assert doc == {
         "source": run_h5, "source_format": "hdf5", "destination": str(index),
         "format": "safetensors", "components": "primary", "max_shard_size": 100,
-        "num_variables": 7, "bytes": 118, "notes": [], "left_out": [],
+        "num_variables": 7, "bytes": 118, "notes": [], "left_out": [], "carried": [],
     }  # fmt: skip
     weight_map = json.loads(index.read_text())["weight_map"]
     shards = sorted(set(weight_map.values()))

@@ -189,10 +189,8 @@ def test_transformers_loads_our_gpt2_folder(tmp_path: pathlib.Path) -> None:
     float_keys = sorted(k for k in flat if flat[k].dtype == np.float32)
     opt = train(strategy, flat, float_keys)
     run_h5 = pv.Checkpoint(**roots, optimizer=opt).write(tmp_path / "run.h5")
-    folder = tmp_path / "exported"
-    folder.mkdir()
-    (folder / "config.json").write_text((start / "config.json").read_text())
-    export(run_h5, folder, "--to", "safetensors", "--names", "dotted")
+    folder = tmp_path / "exported"  # made by the export, config.json carried from --like
+    export(run_h5, folder / "model.safetensors", "--names", "dotted", "--like", str(start))
     model, info = transformers.GPT2LMHeadModel.from_pretrained(folder, output_loading_info=True)
     assert not info["unexpected_keys"]  # was: 276 of them (counters, slots)
     assert set(info["missing_keys"]) <= {"lm_head.weight"}  # tied to wte, never saved
@@ -200,7 +198,13 @@ def test_transformers_loads_our_gpt2_folder(tmp_path: pathlib.Path) -> None:
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     for key in float_keys:
         np.testing.assert_array_equal(state[key.replace("/", ".")], value(flat[key]), err_msg=key)
-    assert json.loads((folder / "config.json").read_text())["n_embd"] == 8
+    assert (folder / "config.json").read_bytes() == (start / "config.json").read_bytes()
+    assert json.loads((folder / "generation_config.json").read_text())  # carried as well
+    again = tmp_path / "again"  # a Hugging Face folder converted: its files go along by itself
+    assert main(["convert", str(folder), f"{again}/", "--to", "safetensors"]) == 0
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(again)
+    for key, tensor in reloaded.state_dict().items():
+        np.testing.assert_array_equal(tensor.detach().numpy(), state[key], err_msg=key)
 
 
 # --- TensorFlow ----------------------------------------------------------------------------------

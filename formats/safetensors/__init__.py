@@ -115,6 +115,8 @@ FORMAT = FormatSpec(
     options={
         "names": "key style: dotted (default), slash or tf",
         "max_shard_size": "split into Hugging Face shards of at most this size (e.g. 5GB)",
+        "like": "write: a Hugging Face model folder whose config.json, tokenizer and processor "
+        "files go beside the weights (default: the source's folder, when it is one)",
     },
     outputs=outputs,
 )

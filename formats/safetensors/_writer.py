@@ -14,6 +14,7 @@ from typing import Any
 from parallelvars._fileio import DataWriter, Scratch, atomic_path
 from parallelvars.errors import (
     CorruptCheckpointError,
+    InvalidArgumentError,
     InvalidEntryError,
     UnsupportedDtypeError,
 )
@@ -24,6 +25,7 @@ from parallelvars.formats._sizes import parse_size
 from parallelvars.formats._store import little_endian
 from parallelvars.formats._view import Entry
 from parallelvars.formats.safetensors._dtypes import _DTYPES, _st_name
+from parallelvars.formats.safetensors._hf import hf_files_for, is_hf_output
 from parallelvars.formats.safetensors._integrity import _crc_record, _header_crc, _index_crc
 from parallelvars.formats.safetensors._layout import (
     CRC_KEY,
@@ -137,6 +139,7 @@ def write_safetensors(
     names: str = DEFAULT_NAMES,
     max_shard_size: int | str | None = None,
     metadata: Mapping[str, Any] | None = None,
+    like: str | os.PathLike[str] | None = None,
 ) -> str:
     """Write ``entries`` as safetensors, streaming one tensor at a time.
 
@@ -149,6 +152,11 @@ def write_safetensors(
         max_shard_size: largest shard in bytes (or ``"500MB"``, ``"2GiB"``); a tensor larger
             than this gets a shard of its own.
         metadata: file metadata (default: the source view's), stored as strings.
+        like: a Hugging Face model folder whose ``config.json``, tokenizer and processor
+            files go into the output's folder (:mod:`._hf`); by default the folder of
+            ``entries`` when they are a view of one. Only an output under Hugging Face's names
+            (a folder, ``model.safetensors``, or its shard set) gets them; ``like=`` with
+            another is an InvalidArgumentError.
 
     Returns:
         The file written, or the index file of a shard set.
@@ -161,6 +169,13 @@ def write_safetensors(
         force_index = True
     else:
         force_index = False
+    if like is not None and not is_hf_output(p):
+        raise InvalidArgumentError(
+            f"{p}: like= carries a Hugging Face folder's files into a Hugging Face folder; "
+            "write to a folder (model.safetensors inside) or to model.safetensors"
+        )
+    # Read (and checked) before any weight is written: a refusal leaves the folder as it was.
+    carried = hf_files_for(entries, like) if is_hf_output(p) else None
     if metadata is None:
         metadata = getattr(entries, "metadata", None) or {}
     planned, info = plan_tensors(
@@ -189,6 +204,8 @@ def write_safetensors(
         # The file is the output at p now: a set of that name is the previous one (a folder's
         # readers take the index first, so it goes first; then its shards).
         _remove_previous(folder, stem, index_path, keep=set())
+        if carried is not None:
+            carried.write(folder)
         return p
     # All or nothing (docs/formats.md, "Outputs"): the shards are written under names no file
     # of the folder has, each whole under its final name before the index; the index, written
@@ -209,6 +226,8 @@ def write_safetensors(
         json.dump(index, f, indent=2, ensure_ascii=False)
         f.write("\n")
     _remove_previous(folder, stem, None, keep=set(shard_names), single=p)
+    if carried is not None:
+        carried.write(folder)
     return index_path
 
 
