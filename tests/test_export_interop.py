@@ -1,13 +1,13 @@
 """Real clients load our exports strictly: a model read from the library's own file, trained
 here (4 devices, Adam), exported for the library and loaded back by it, values compared.
 
-Each test is skipped when its library is not installed; `.ci/run`'s interop step installs
-Keras, the CPU build of PyTorch and transformers and runs this file.
+Each test is skipped when its library is not installed (tests/_interop.py); `.ci/run`'s interop
+step installs Keras, the CPU build of PyTorch, transformers and TensorFlow and runs this file,
+where a missing library fails.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import pathlib
@@ -18,19 +18,13 @@ import pytest
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
+from _interop import need
+
 import parallelvars as pv
 from parallelvars import formats
 from parallelvars.cli import main
 
 DATA = pathlib.Path(__file__).parent / "data"
-
-
-def need(module: str) -> Any:
-    """``module``, or a skip when it is not installed; a failure under
-    ``PARALLELVARS_INTEROP_REQUIRED=1`` (CI's interop step), so a broken install cannot pass."""
-    if os.environ.get("PARALLELVARS_INTEROP_REQUIRED") == "1":
-        return importlib.import_module(module)
-    return pytest.importorskip(module)
 
 
 pytestmark = pytest.mark.filterwarnings(

@@ -1,7 +1,8 @@
 """Real Keras loads the `.weights.h5` files we write (Keras 3, any backend; torch here).
 
-Skipped when Keras is not installed; `.ci/run` installs Keras with the CPU build of PyTorch as
-its backend and runs this file.
+Skipped when Keras is not installed (tests/_interop.py); `.ci/run`'s interop step installs
+Keras with the CPU build of PyTorch as its backend and runs this file, where a missing Keras
+fails.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import pathlib
 
 import numpy as np
 import pytest
+from _interop import need
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
-keras = pytest.importorskip("keras")
+keras = need("keras")  # a skip, but a failure in CI's interop step (tests/_interop.py)
 
 from parallelvars import formats  # noqa: E402
 
