@@ -42,6 +42,7 @@ import numpy as np
 from parallelvars import update_core
 from parallelvars.errors import ContextError, GradientError
 from parallelvars.optimizers._sparse import IndexedSlices
+from parallelvars.optimizers._sparse_step import SparseBatch, SparseSteps
 from parallelvars.strategy import _context
 from parallelvars.strategy._values import PerReplica
 
@@ -60,6 +61,7 @@ _shape_of = operator.attrgetter("shape")
 _dtype_of = operator.attrgetter("dtype")
 _base_of = operator.attrgetter("base")
 _NDARRAY_ONLY = {np.ndarray}
+_SLICES_ONLY = {IndexedSlices}
 
 Info = tuple[tuple[int, ...], np.dtype, bool]
 
@@ -203,12 +205,18 @@ def _same_variables(parts: Sequence[ReplicaGradients], known: tuple[Any, ...]) -
 class _FusedPlan:
     """The fused path of one variable list: which positions may take it, and their checks."""
 
-    __slots__ = ("candidates", "dtypes", "pick", "shapes")
+    __slots__ = ("candidates", "dtypes", "pick", "shapes", "sparse")
 
     def __init__(
-        self, candidates: tuple[int, ...], dtypes: list[np.dtype], shapes: list[tuple[int, ...]]
+        self,
+        candidates: tuple[int, ...],
+        dtypes: list[np.dtype],
+        shapes: list[tuple[int, ...]],
+        sparse: tuple[int, ...] = (),
     ) -> None:
         self.candidates = candidates
+        # The positions whose sparse gradients may take the vectorised sparse route.
+        self.sparse = sparse
         self.dtypes = dtypes
         self.shapes = shapes
         self.pick: Callable[[Sequence[Any]], Any] = (
@@ -393,6 +401,8 @@ class FusedTransport:
         self.gradient_buffers: dict[tuple[int, ...], GradientBuffers] = {}
         # The gather plans of apply_dense, per runs object.
         self._dense: dict[int, _LinesCache] = {}
+        # Sparse gradients of arena variables, every replica's at once.
+        self.sparse = SparseSteps(owner)  # type: ignore[arg-type]
         # The last variable list whose every gradient took the fused path, with its plans.
         self._steady: tuple[tuple[Any, ...], tuple[int, ...], _FusedPlan, _LinesCache] | None = None
 
@@ -469,9 +479,10 @@ class FusedTransport:
 
     def split(
         self, strategy: Any, parts: Sequence[ReplicaGradients]
-    ) -> tuple[list[tuple[Any, Any]], FusedLines | None]:
+    ) -> tuple[list[tuple[Any, Any]], FusedLines | None, SparseBatch | None]:
         """The step's gradients (no ``None`` among them) as the pairs that take the per-variable
-        path, merged across replicas, and the fused rest (None when there is none)."""
+        path, merged across replicas, the fused dense rest and the sparse gradients of arena
+        variables, checked and deduplicated (each None when there is none)."""
         order = strategy._fused_sum_order() if hasattr(strategy, "_fused_sum_order") else None
         fusable = (
             order is not None and len(parts) == len(order) and getattr(strategy, "fusion", True)
@@ -484,22 +495,64 @@ class FusedTransport:
                 if hasattr(strategy, "_merge_args")
                 else parts[0].pairs
             )
-            return merged, None
+            return merged, None, None
         assert order is not None
         plan = self._plan_of(key, var_list)
         fused, picked = self._positions(plan, parts, len(var_list))
-        if not fused:
-            return _merged(strategy, parts, range(len(var_list))), None
-        lines = self._pack(
-            var_list, fused, picked if fused == plan.candidates else None, parts, order, strategy
-        )
-        if len(fused) == len(var_list):
-            # The next step with these variables starts from here.
-            self._steady = (tuple(var_list), key, plan, self.lines[key][1])
-            return [], lines
-        keep = set(fused)
+        sparse = self._sparse_of(strategy, plan, parts, var_list, fused)
+        if not fused and sparse is None:
+            return _merged(strategy, parts, range(len(var_list))), None, None
+        lines = None
+        if fused:
+            lines = self._pack(
+                var_list,
+                fused,
+                picked if fused == plan.candidates else None,
+                parts,
+                order,
+                strategy,
+            )
+            if len(fused) == len(var_list):
+                # The next step with these variables starts from here.
+                self._steady = (tuple(var_list), key, plan, self.lines[key][1])
+                return [], lines, None
+        keep = {*fused, *(sparse.positions if sparse is not None else ())}
         others = [i for i in range(len(var_list)) if i not in keep]
-        return _merged(strategy, parts, others), lines
+        return (_merged(strategy, parts, others) if others else []), lines, sparse
+
+    def _sparse_of(
+        self,
+        strategy: Any,
+        plan: _FusedPlan,
+        parts: Sequence[ReplicaGradients],
+        var_list: list[Any],
+        fused: tuple[int, ...],
+    ) -> SparseBatch | None:
+        """The positions where every local replica gave an :class:`IndexedSlices` for an
+        arena variable, checked and deduplicated together (see :mod:`._sparse_step`); None when
+        there is none. Over several processes the strategy gathers sparse gradients itself."""
+        cand = plan.sparse
+        if not cand or len(parts) != strategy.num_replicas_in_sync:
+            return None
+        if fused:
+            done = set(fused)
+            cand = tuple(i for i in cand if i not in done)
+        if len(cand) == len(var_list):
+            slices = [p.grads for p in parts]
+        elif not cand:
+            return None
+        else:
+            pick = operator.itemgetter(*cand)
+            slices = [pick(p.grads) if len(cand) > 1 else (p.grads[cand[0]],) for p in parts]
+        if not all(set(map(type, s)) == _SLICES_ONLY for s in slices):
+            keep = [k for k in range(len(cand)) if all(type(s[k]) is IndexedSlices for s in slices)]
+            if not keep:
+                return None
+            cand = tuple(cand[k] for k in keep)
+            slices = [[s[k] for k in keep] for s in slices]
+        variables = list(var_list) if len(cand) == len(var_list) else [var_list[i] for i in cand]
+        batch = self.sparse.prepare(variables, cand, slices)
+        return batch if batch else None
 
     def _plan_of(self, key: tuple[int, ...], var_list: list[Any]) -> _FusedPlan:
         cached = self.plans.get(key)
@@ -519,6 +572,7 @@ class FusedTransport:
             tuple(candidates),
             [info_of(var_list[i])[1] for i in candidates],
             [info_of(var_list[i])[0] for i in candidates],
+            tuple(i for i in candidates if self.sparse.capable(var_list[i])),
         )
         if len(self.plans) >= PLAN_CACHE:
             self.plans.pop(next(iter(self.plans)))
@@ -551,13 +605,16 @@ class FusedTransport:
             picked = [p.grads for p in parts]
         else:
             picked = [plan.pick(p.grads) for p in parts]
+        types = [set(map(type, g)) for g in picked]
         if all(
-            set(map(type, g)) == _NDARRAY_ONLY
+            t == _NDARRAY_ONLY
             and list(map(_dtype_of, g)) == plan.dtypes
             and all(map(operator.eq, map(_shape_of, g), plan.shapes))
-            for g in picked
+            for t, g in zip(types, picked, strict=True)
         ):
             return cand, picked
+        if any(np.ndarray not in t for t in types):
+            return (), picked  # a replica gave no array at all (sparse gradients, say)
         out = []
         for k, pos in enumerate(cand):
             gs = [g[k] for g in picked]
