@@ -23,6 +23,9 @@ in the same run and in turns:
   same parameters, in the core's cache-sized blocks (each replica's gradient added to the sum:
   both operands widened, added, rounded; the variable, both slots and the sum widened; the
   variable and slots rounded back): ``(run + conversions) / run`` is the floor of bf16/run;
+* **bf16_f32g**: bfloat16 variables with float32 gradients (mixed precision: the replicas'
+  gradients summed in float32 and the sum cast once to bfloat16, as the per-variable path
+  does it);
 * **run2d**: the in-run step of float32 mirrored variables of 2-D shapes (8 x 64 each for
   model B, 500 x 100 for model A) with per-replica arrays: the dense step of the variables the
   sharded and sparse steps train;
@@ -30,6 +33,9 @@ in the same run and in turns:
   gradients of the full shape;
 * **sparse**: the in-run step with one ``IndexedSlices`` of 4 rows per variable per replica, on
   those 2-D variables, against run2d (their dense step);
+* **pervar**: the in-run step with the fused path off (``strategy.fusion = False``): every
+  gradient reduced by ``batch_reduce`` one variable at a time, what a gradient the fused
+  routes do not take costs;
 * **tf**: ``tf.distribute.MirroredStrategy`` on 4 logical CPU devices doing the same step, when
   TensorFlow is importable (an optional anchor, skipped otherwise).
 
@@ -111,8 +117,10 @@ def make_run(
     per_replica: list[list[np.ndarray]],
     rng: np.random.Generator,
     shard_axis: int | None = None,
+    var_dtype: object = None,
 ) -> Callable[[], object]:
-    vs, opt = _model(strategy, sizes, rng, per_replica[0][0].dtype, shard_axis)
+    dtype = per_replica[0][0].dtype if var_dtype is None else var_dtype
+    vs, opt = _model(strategy, sizes, rng, dtype, shard_axis)
 
     def replica_step(grads: list[np.ndarray]) -> None:
         opt.apply_gradients(zip(grads, vs, strict=True))
@@ -292,6 +300,9 @@ def run_model(label: str, n_vars: int, size: int, replicas: int, steps: int) -> 
     ]
     reduced = [sum(g[j] for g in per_replica[1:]) + per_replica[0][j] for j in range(n_vars)]
     strategy = pv.MirroredStrategy(replicas)
+    # The same strategy with the fused path off: every gradient reduced per variable.
+    per_variable = pv.MirroredStrategy(replicas)
+    per_variable.fusion = False  # type: ignore[attr-defined]
     per_replica_2d = [[g.reshape(shapes[0]) for g in p] for p in per_replica]
     fns: dict[str, Callable[[], object]] = {
         "core": make_core(strategy, sizes, reduced, rng),
@@ -303,10 +314,12 @@ def run_model(label: str, n_vars: int, size: int, replicas: int, steps: int) -> 
             strategy, sizes, [[g.astype(ml_dtypes.bfloat16) for g in p] for p in per_replica], rng
         ),
         "bf16_floor": make_bf16_floor(n_vars * size, replicas, rng),
+        "bf16_f32g": make_run(strategy, sizes, per_replica, rng, var_dtype=ml_dtypes.bfloat16),
         "run2d": make_run(strategy, shapes, per_replica_2d, rng),
         "sharded": make_run(strategy, shapes, per_replica_2d, rng, shard_axis=0),
         "sparse": make_sparse(strategy, shapes, SPARSE_ROWS, rng),
         "loop": make_loop(sizes, per_replica, rng),
+        "pervar": make_run(per_variable, sizes, per_replica, rng),
     }
     fns.update(make_tf(sizes, per_replica))
     t = _time_interleaved(fns, steps)
@@ -349,12 +362,15 @@ def _model_json(r: dict[str, object]) -> dict[str, object]:
         "bf16_over_run": t["bf16"] / t["run"],
         "loop_over_bf16": t["loop"] / t["bf16"],
         "bf16_floor_over_run": (t["run"] + t["bf16_floor"]) / t["run"],
+        "bf16_f32g_over_run": t["bf16_f32g"] / t["run"],
+        "loop_over_bf16_f32g": t["loop"] / t["bf16_f32g"],
         "run2d_over_run": t["run2d"] / t["run"],
         "sharded_over_run": t["sharded"] / t["run"],
         "sharded_over_run2d": t["sharded"] / t["run2d"],
         "loop_over_sharded": t["loop"] / t["sharded"],
         "sparse_over_run2d": t["sparse"] / t["run2d"],
         "loop_over_sparse": t["loop"] / t["sparse"],
+        "pervar_over_run": t["pervar"] / t["run"],
     }
     for k in ("tf_eager", "tf_function"):
         if k in t:
@@ -378,6 +394,7 @@ ROWS = [
     ("shared", "one gradient list every replica hands in", "run"),
     ("bf16", "bfloat16 variables and gradients", "run"),
     ("bf16_floor", "bfloat16 <-> float32 conversions alone (floor: run + these)", "run"),
+    ("bf16_f32g", "bfloat16 variables, float32 gradients (summed in float32, cast once)", "run"),
     ("run2d", "float32 mirrored, 2-D variables (8 x 64 / 500 x 100), per-replica arrays", "run"),
     ("sharded", "those 2-D variables sharded along axis 0", "run"),
     (
@@ -386,6 +403,7 @@ ROWS = [
         "run2d",
     ),
     ("loop", "per-component numpy loop", "run"),
+    ("pervar", "run with the fused path off (every gradient reduced per variable)", "run"),
     ("tf_function", "tf.distribute.MirroredStrategy in tf.function", "run"),
 ]
 

@@ -219,6 +219,17 @@ def _rows_train_step(d: dict[str, Any]) -> list[list[str]]:
                     _x(r["bf16_floor_over_run"]),
                 )
             )
+        if "bf16_f32g_s" in t:
+            rows.append(
+                _row(
+                    "train step",
+                    "bfloat16 variables with float32 gradients vs float32, both in strategy.run "
+                    f"({size})",
+                    _ms(t["bf16_f32g_s"]),
+                    _ms(t["run_s"]),
+                    _x(r["bf16_f32g_over_run"]),
+                )
+            )
         if "sharded_s" in t:
             rows.append(
                 _row(

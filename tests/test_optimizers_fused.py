@@ -466,12 +466,11 @@ def test_one_array_object_from_every_replica_is_summed_once_per_replica_on_the_f
         ]
         with strategy.scope():
             ref_opt.distributed_apply(strategy, list(zip(reduced, ref_vs, strict=True)))
-    # The steps took the fused path, reading the arrays as they are, and (every gradient an
-    # array: a shape () gradient here is a numpy scalar, which the per-variable path sums)
-    # the loop is a steady one.
+    # The steps took the fused path, reading the arrays as they are (a shape () gradient
+    # here is a numpy scalar: a 0-d array of its own), and the loop is a steady one.
     lines = _lines(opt)
     assert lines.staging == [None] * n and lines._gather is not None
-    assert (opt._pv_transport._steady is not None) == (() not in shapes)
+    assert opt._pv_transport._steady is not None
     _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
 
 
@@ -593,7 +592,7 @@ def test_narrow_float_variables_on_the_fused_path_keep_the_per_variable_bits(
             ref_opt.distributed_apply(strategy, list(zip(reduced, ref_vs, strict=True)))
     lines = _lines(opt)
     assert lines.staging == [None] * n and lines._gather is not None
-    assert (opt._pv_transport._steady is not None) == (() not in shapes)
+    assert opt._pv_transport._steady is not None  # numpy scalars too, as 0-d arrays
     assert all(np.dtype(s.dtype) == np.dtype(dtype) for _, _, s in opt._checkpoint_slots())
     _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
 
@@ -699,8 +698,8 @@ def test_sharded_variables_on_the_fused_path_keep_the_per_variable_bits(
         ]
         with strategy.scope():
             ref_opt.distributed_apply(strategy, list(zip(reduced, ref_vs, strict=True)))
-    # Every gradient took the fused path (but a scalar's, a numpy scalar, not an array).
-    assert (opt._pv_transport._steady is not None) == (buffers or () not in shapes)
+    # Every gradient took the fused path (a scalar's, a numpy scalar, as a 0-d array).
+    assert opt._pv_transport._steady is not None
     for v, rv in zip(vs, ref_vs, strict=True):
         assert np.array_equal(_bits(v.read_value()), _bits(rv.read_value())), v.name
     _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
@@ -1021,3 +1020,64 @@ def test_gradient_buffers_outside_the_scope_says_so_at_once() -> None:
         opt = pv.optimizers.Adam(0.1)
     with pytest.raises(ContextError, match=r"outside any strategy's scope.*'w' on 4 devices"):
         opt.gradient_buffers([w])
+
+
+def _cast_cases() -> list[tuple[Any, Any]]:
+    import ml_dtypes
+
+    bf16 = ml_dtypes.bfloat16
+    return [
+        (np.float32, np.float64),
+        (np.float32, bf16),
+        (np.float32, np.int16),
+        (bf16, np.float32),
+        (np.float16, np.float32),
+        (np.float64, np.float32),
+    ]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize(
+    "var_dtype, grad_dtype",
+    _cast_cases(),
+    ids=lambda d: np.dtype(d).name,
+)
+@pytest.mark.parametrize(
+    "make_opt", [lambda: opts.Adam(0.01), lambda: opts.Momentum(0.1, 0.9)], ids=["adam", "momentum"]
+)
+@pytest.mark.parametrize(
+    "devices", [1, 3, ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]], ids=["1", "3", "unordered"]
+)
+def test_gradients_of_another_dtype_are_summed_in_it_and_cast_once(
+    var_dtype: Any, grad_dtype: Any, make_opt: Callable[[], opts.Optimizer], devices: Any
+) -> None:
+    # Gradients of another dtype than their variables (a float32 gradient of a bfloat16
+    # variable, as mixed precision hands them in) are summed in their own dtype in device order
+    # and cast once, over all of them: the bits of the per-variable path (add_n in the
+    # gradients' dtype, then the update's cast). Next to them, gradients of the variables' own
+    # dtype (fused as they are) and a shared object of another dtype; a steady loop.
+    strategy = pv.MirroredStrategy(devices)
+    n = strategy.num_replicas_in_sync
+    vs, opt = _model(strategy, var_dtype, make_opt)
+    ref_vs, ref_opt = _model(strategy, var_dtype, make_opt)
+    ref_opt._info = lambda v: (*opts.Optimizer._info(ref_opt, v)[:2], False)  # type: ignore[method-assign]
+    rng = np.random.default_rng(23)
+    for _ in range(3):
+        scales = [1e-3, 1.0, 1e3, 7.0]
+        per_replica = [
+            [
+                (
+                    rng.normal(size=s) * scales[r % 4] * (100 if grad_dtype == np.int16 else 1)
+                ).astype(var_dtype if i % 3 == 0 else grad_dtype)
+                for i, s in enumerate(SHAPES)
+            ]
+            for r in range(n)
+        ]
+        for r in range(1, n):
+            per_replica[r][1] = per_replica[0][1]  # one object every replica hands in
+        strategy.run(_step, args=(pv.PerReplica(per_replica), opt, vs))
+        strategy.run(_step, args=(pv.PerReplica(per_replica), ref_opt, ref_vs))
+        _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+    # Every gradient took a fused route: the cast positions are known for the steady loop.
+    ((_, plan),) = opt._pv_transport.plans.values()
+    assert plan.mixed is not None and len(plan.mixed[2]) == len(SHAPES) - 3

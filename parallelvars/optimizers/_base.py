@@ -310,9 +310,9 @@ class Optimizer(OptimizerState):
             raise GradientError("apply_gradients: merge_call arguments of another kind")
         transport = self._pv_transport
         # A training loop: the variables of the last step, every gradient on the fused path.
-        fused = transport.steady(strategy, parts)
-        if fused is not None:
-            self._distributed_apply(strategy, [], global_step, True, fused)
+        steady = transport.steady(strategy, parts)
+        if steady is not None:
+            self._distributed_apply(strategy, [], global_step, True, [steady])
             return
         parts = [p.without_none() for p in parts]  # as each replica would have before merging
         rest, fused, sparse = transport.split(strategy, parts)
@@ -492,7 +492,7 @@ class Optimizer(OptimizerState):
         grads_and_vars: list[tuple[Any, Any]],
         global_step: Any = None,
         from_replicas: bool = False,
-        fused: FusedLines | None = None,
+        fused: Sequence[FusedLines] = (),
         sparse: SparseBatch | None = None,
     ) -> None:
         """The cross-replica step; the target of ``merge_call`` (``from_replicas`` then).
@@ -501,24 +501,25 @@ class Optimizer(OptimizerState):
         The per-variable bookkeeping of a step is done with C-level passes (``map``,
         ``itemgetter``) once the variable list is known, so that thousands of small variables
         cost little more than their arithmetic. ``fused``: more variables of the step, whose
-        gradients are flat buffers (see :meth:`_merged_apply`); ``sparse``: more, whose
+        gradients are flat buffers or arrays summed inside the update (see
+        :meth:`_merged_apply`); ``sparse``: more, whose
         sparse gradients are checked and deduplicated already.
         """
         pairs = grads_and_vars
         transport = self._pv_transport
         if not pairs:
-            if fused is not None or sparse is not None:
+            if fused or sparse is not None:
                 self._create_non_slots(
                     strategy,
                     [
-                        *(fused.variables if fused is not None else ()),
+                        *(v for f in fused for v in f.variables),
                         *(sparse.variables if sparse is not None else ()),
                     ],
                 )
                 assert self.iterations is not None
                 hp = self._hyper(int(self.iterations.read_value()))
-                if fused is not None:
-                    transport.apply(fused, self._kernel, hp, self._scratch)
+                for f in fused:
+                    transport.apply(f, self._kernel, hp, self._scratch)
                 if sparse is not None:
                     transport.sparse.apply(sparse, hp)
                 self._step_done(strategy, global_step)
@@ -568,15 +569,15 @@ class Optimizer(OptimizerState):
         self._create_non_slots(
             strategy,
             [
-                *(fused.variables if fused is not None else ()),
+                *(v for f in fused for v in f.variables),
                 *(sparse.variables if sparse is not None else ()),
                 *var_list,
             ],
         )
         assert self.iterations is not None
         hp = self._hyper(int(self.iterations.read_value()))
-        if fused is not None:
-            transport.apply(fused, self._kernel, hp, self._scratch)
+        for f in fused:
+            transport.apply(f, self._kernel, hp, self._scratch)
         if sparse is not None:
             transport.sparse.apply(sparse, hp)
         if rows:
