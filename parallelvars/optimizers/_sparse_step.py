@@ -165,19 +165,19 @@ def dedupe_rows(
 def _window(buffer: np.ndarray, width: int) -> np.ndarray:
     """A writable view of a C-contiguous ``(rows, n)`` buffer (or ``(n,)``) as
     ``(rows, n - width + 1, width)`` (``(n - width + 1, width)``): row ``p`` is elements
-    ``[p, p + width)``. Rows overlap: written only at keys of distinct rows."""
+    ``[p, p + width)``. Rows overlap: written only at keys of distinct rows. (Made over the
+    buffer's bits as unsigned integers: ``as_strided`` cannot name every dtype, float8's.)"""
     item = buffer.itemsize
+    raw = buffer.view(np.dtype(f"u{item}"))
     if buffer.ndim == 1:
-        return np.lib.stride_tricks.as_strided(
-            buffer, (buffer.shape[0] - width + 1, width), (item, item), writeable=True
-        )
-    assert buffer.strides[1] == item
-    return np.lib.stride_tricks.as_strided(
-        buffer,
-        (buffer.shape[0], buffer.shape[1] - width + 1, width),
-        (buffer.strides[0], item, item),
-        writeable=True,
-    )
+        shape: tuple[int, ...] = (buffer.shape[0] - width + 1, width)
+        strides: tuple[int, ...] = (item, item)
+    else:
+        assert buffer.strides[1] == item
+        shape = (buffer.shape[0], buffer.shape[1] - width + 1, width)
+        strides = (buffer.strides[0], item, item)
+    window = np.lib.stride_tricks.as_strided(raw, shape, strides, writeable=True)
+    return window.view(buffer.dtype)
 
 
 class _Group:
