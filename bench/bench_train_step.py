@@ -20,9 +20,10 @@ in the same run and in turns:
 * **bf16**: the in-run step of bfloat16 variables with bfloat16 gradients (Adam computed in
   float32 per block, rounded once into the variable and its slots);
 * **bf16 floor**: the bfloat16 <-> float32 conversions that arithmetic needs, alone, over the
-  same parameters, in the core's cache-sized blocks (each replica's gradient added to the sum:
-  both operands widened, added, rounded; the variable, both slots and the sum widened; the
-  variable and slots rounded back): ``(run + conversions) / run`` is the floor of bf16/run;
+  same parameters, in the core's cache-sized blocks (each replica's gradient widened and added,
+  the running sum rounded to bfloat16 after each addition; the variable and both slots widened
+  and rounded back): ``(run + conversions) / run`` is the floor of bf16/run (the float32 step's
+  work plus these passes, less what bfloat16's halved memory traffic saves);
 * **bf16_f32g**: bfloat16 variables with float32 gradients (mixed precision: the replicas'
   gradients summed in float32 and the sum cast once to bfloat16, as the per-variable path
   does it);
@@ -178,30 +179,37 @@ def shape_2d(label: str, size: int) -> tuple[int, int]:
 
 def make_bf16_floor(n_params: int, replicas: int, rng: np.random.Generator) -> Callable[[], object]:
     """The bfloat16 <-> float32 conversions of the bfloat16 Adam step alone (see the module's
-    docstring), over ``n_params`` parameters in the update core's blocks; no other arithmetic
-    except the float32 additions of the replicas' sum."""
+    docstring), over ``n_params`` parameters in the update core's blocks, done the cheapest way
+    known here: each replica's gradient widened and added in float32, the running sum rounded
+    to bfloat16's precision on its bits after each addition (as the step sums); the variable and
+    both slots widened, and rounded back with the float32 -> bfloat16 cast. No Adam arithmetic."""
     bf16 = np.dtype(ml_dtypes.bfloat16)
     width = update_core.block_width(1, bf16)
     var, m, v = (rng.standard_normal(n_params, dtype=np.float32).astype(bf16) for _ in range(3))
     grads = [rng.standard_normal(n_params, dtype=np.float32).astype(bf16) for _ in range(replicas)]
-    total = np.empty(n_params, bf16)
     wide = [np.empty(width, np.float32) for _ in range(5)]
+    bits = np.empty(width, np.uint32)
 
     def step() -> None:
         for c0 in range(0, n_params, width):
             c1 = min(n_params, c0 + width)
             w = [a[: c1 - c0] for a in wide]
-            out = total[c0:c1]
+            t = bits[: c1 - c0]
+            u = w[0].view(np.uint32)
             np.copyto(w[0], grads[0][c0:c1], casting="unsafe")
             for g in grads[1:]:
                 np.copyto(w[1], g[c0:c1], casting="unsafe")
                 np.add(w[0], w[1], out=w[0])
-                np.copyto(out, w[0], casting="unsafe")
-                np.copyto(w[0], out, casting="unsafe")
+                np.right_shift(u, 16, out=t)  # round to nearest even, on the bits
+                np.bitwise_and(t, 1, out=t)
+                np.add(t, 0x7FFF, out=t)
+                np.add(u, t, out=u)
+                np.bitwise_and(u, 0xFFFF0000, out=u)
+            np.isnan(w[0].sum())
             for k, a in enumerate((var, m, v)):
-                np.copyto(w[k + 1], a[c0:c1], casting="unsafe")
+                np.copyto(w[k + 2], a[c0:c1], casting="unsafe")
             for k, a in enumerate((var, m, v)):
-                np.copyto(a[c0:c1], w[k + 1], casting="unsafe")
+                np.copyto(a[c0:c1], w[k + 2], casting="unsafe")
 
     return step
 
@@ -408,8 +416,19 @@ ROWS = [
 ]
 
 
+def _settle_allocator() -> None:
+    """Put glibc's malloc in the state a long-running process reaches: freeing one mapped
+    block of 4 MiB raises its dynamic mmap threshold to that size, so later temporaries of up
+    to 4 MiB (the per-component loop's, ~200 KB each in model A) come from the heap instead of
+    fresh zeroed pages. Otherwise whether the loop pays page faults depends on what the
+    contenders before it happened to free (a 1.8x or a 9x loop in two runs of one version)."""
+    block = np.ones(4 << 20, np.uint8)
+    del block
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(__doc__, argv, steps=9)
+    _settle_allocator()
     models = [(label, n, 512 if label == "B" else size) for label, n, size in models_of(args)]
     print(
         f"Adam inside strategy.run, {args.replicas} replicas with their own gradients, "

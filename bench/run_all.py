@@ -254,6 +254,17 @@ def _rows_train_step(d: dict[str, Any]) -> list[list[str]]:
                     _target(tg.get("sparse_over_run2d")),
                 )
             )
+        if "pervar_s" in t:
+            rows.append(
+                _row(
+                    "train step",
+                    "the step with the fused path off (every gradient reduced per variable) vs "
+                    f"on ({size})",
+                    _ms(t["pervar_s"]),
+                    _ms(t["run_s"]),
+                    _x(r["pervar_over_run"]),
+                )
+            )
         for key, what in (
             ("shared", "one gradient object every replica hands in"),
             ("bf16", "bfloat16 variables"),

@@ -6,8 +6,11 @@ A step (``apply_gradients``) in a replica context goes through ``merge_call`` to
 1. **drop None**: gradients that are ``None`` are dropped;
 2. **reduce**: the rest are summed across replicas. Dense gradients of arena variables take the
    fused path (:mod:`parallelvars.optimizers._fused`): they are not reduced here but added
-   replica by replica inside the update core's blocks, in device order; everything else goes
-   through ``strategy.batch_reduce``, one value per variable (:meth:`Optimizer._reduce`);
+   replica by replica inside the update core's blocks, in device order (those of another
+   dtype summed in their dtype and cast once per dtype); sparse ones of arena variables are
+   deduplicated and applied a group at a time (:mod:`parallelvars.optimizers._sparse_step`);
+   everything else goes through ``strategy.batch_reduce``, one value per variable
+   (:meth:`Optimizer._reduce`);
 3. **slots**: slots are created next to their variables, unless :meth:`Optimizer.build` or a
    restore made them before (:mod:`parallelvars.optimizers._slots`);
 4. **update**: every variable is updated by the update core: variables sharing an arena in a few
@@ -300,8 +303,9 @@ class Optimizer(OptimizerState):
         user's :class:`GradientBuffers`, or, over several processes, flat buffers all-reduced
         in one call per dtype), and adds the local replicas in device order as it updates.
         One array object that every replica gives is a term once per replica, on either path.
-        Every other gradient (sparse, of another dtype or shape) goes
-        through ``batch_reduce``, in the same step.
+        Dense gradients of another dtype are summed in it and cast once per dtype; sparse
+        gradients of arena variables take the vectorised sparse route. The rest (see
+        docs/training.md) goes through ``batch_reduce``, in the same step.
         """
         parts: Sequence[ReplicaGradients] = (
             grads.values if isinstance(grads, PerReplica) else (grads,)

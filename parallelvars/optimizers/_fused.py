@@ -21,8 +21,11 @@ three forms:
 * packed into flat buffers laid out like the arena (:func:`update_core.pack_lines`), all-reduced
   in one call per dtype where the strategy spans several processes.
 
-Everything else goes back to the optimizer as ``(gradient, variable)`` pairs merged across
-replicas, for the per-variable reduce. :class:`FusedTransport` is the interface: the optimizer
+Arrays of a candidate's shape and of one other numeric dtype in every replica are summed in
+that dtype and cast once per dtype (:meth:`FusedTransport._pack_cast`); sparse gradients of
+arena variables go to :mod:`parallelvars.optimizers._sparse_step`. Everything else goes back
+to the optimizer as ``(gradient, variable)`` pairs merged across replicas, for the
+per-variable reduce. :class:`FusedTransport` is the interface: the optimizer
 asks it to :meth:`~FusedTransport.split` a step, to :meth:`~FusedTransport.apply` the fused
 part, and to :meth:`~FusedTransport.apply_dense` reduced gradients of arena variables. A
 training loop hands the same variables every step; the transport keeps, per variable list, what
