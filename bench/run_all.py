@@ -208,6 +208,28 @@ def _rows_train_step(d: dict[str, Any]) -> list[list[str]]:
                     _target(tg.get("bf16_over_run")),
                 )
             )
+        if "bf16_floor_s" in t:
+            rows.append(
+                _row(
+                    "train step",
+                    "floor of the bfloat16 step: the float32 step plus the bfloat16 <-> float32 "
+                    f"conversions alone, vs the float32 step ({size})",
+                    _ms(t["run_s"] + t["bf16_floor_s"]),
+                    _ms(t["run_s"]),
+                    _x(r["bf16_floor_over_run"]),
+                )
+            )
+        if "bf16_f32g_s" in t:
+            rows.append(
+                _row(
+                    "train step",
+                    "bfloat16 variables with float32 gradients vs float32, both in strategy.run "
+                    f"({size})",
+                    _ms(t["bf16_f32g_s"]),
+                    _ms(t["run_s"]),
+                    _x(r["bf16_f32g_over_run"]),
+                )
+            )
         if "sharded_s" in t:
             rows.append(
                 _row(
@@ -220,18 +242,45 @@ def _rows_train_step(d: dict[str, Any]) -> list[list[str]]:
                     _target(tg.get("sharded_over_run")),
                 )
             )
-        if "sparse_s" in t:
+        if "sparse_s" in t and "run2d_s" in t:
             rows.append(
                 _row(
                     "train step",
-                    "IndexedSlices, 4 rows per variable per replica, vs the dense step, both "
-                    f"in strategy.run ({size})",
+                    "IndexedSlices, 4 rows per variable per replica, vs the dense step of the "
+                    f"same 2-D variables, both in strategy.run ({size})",
                     _ms(t["sparse_s"]),
-                    _ms(t["run_s"]),
-                    _x(r["sparse_over_run"]),
-                    _target(tg.get("sparse_over_run")),
+                    _ms(t["run2d_s"]),
+                    _x(r["sparse_over_run2d"]),
+                    _target(tg.get("sparse_over_run2d")),
                 )
             )
+        if "pervar_s" in t:
+            rows.append(
+                _row(
+                    "train step",
+                    "the step with the fused path off (every gradient reduced per variable) vs "
+                    f"on ({size})",
+                    _ms(t["pervar_s"]),
+                    _ms(t["run_s"]),
+                    _x(r["pervar_over_run"]),
+                )
+            )
+        for key, what in (
+            ("shared", "one gradient object every replica hands in"),
+            ("bf16", "bfloat16 variables"),
+            ("sharded", "sharded variables"),
+            ("sparse", "IndexedSlices"),
+        ):
+            if f"{key}_s" in t and f"loop_over_{key}" in r:
+                rows.append(
+                    _row(
+                        "train step",
+                        f"{what}: speed-up over the per-component loop ({size})",
+                        _ms(t[f"{key}_s"]),
+                        _ms(t["loop_s"]),
+                        _x(r[f"loop_over_{key}"]),
+                    )
+                )
         rows.append(
             _row(
                 "train step",

@@ -44,8 +44,9 @@ bit-identical either way.
 
 from __future__ import annotations
 
+import functools
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,16 +133,20 @@ class UpdateScratch:
         self._shape = (0, 0)
         self.wide = None if self.dtype in FAST_DTYPES else UpdateScratch(np.float32, count)
         self._widened: list[np.ndarray] = []
-        self._adds = np.empty((2, 0), np.float32)
+        self._adds = np.empty((3, 0), np.float32)
         self.add_wide = self.dtype.name == "bfloat16"
 
-    def add_lines(self, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-        """Two float32 arrays of ``shape`` (of one line), apart from :meth:`widened`'s: where
-        :func:`_add` widens its operands."""
+    def add_lines(self, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Two float32 arrays of ``shape`` (of one line) and a uint32 one, apart from
+        :meth:`widened`'s: where :func:`_sum` adds in float32."""
         size = int(np.prod(shape))
         if self._adds.shape[1] < size:
-            self._adds = np.empty((2, size), np.float32)
-        return self._adds[0, :size].reshape(shape), self._adds[1, :size].reshape(shape)
+            self._adds = np.empty((3, size), np.float32)
+        return (
+            self._adds[0, :size].reshape(shape),
+            self._adds[1, :size].reshape(shape),
+            self._adds[2, :size].view(np.uint32).reshape(shape),
+        )
 
     def widened(self, k: int, rows: int, width: int) -> np.ndarray:
         """A float32 ``(rows, width)`` array ``k``, apart from the others and from ``wide``'s."""
@@ -209,10 +214,12 @@ def apply_blocked(
     for c0 in range(0, total, width):
         c1 = min(total, c0 + width)
         if addends:
-            g = scratch.sum_line(c1 - c0)
-            _add(grad[:, c0:c1], addends[0][:, c0:c1], g, scratch)
-            for a in addends[1:]:
-                _add(g, a[:, c0:c1], g, scratch)
+            g = _sum(
+                grad[:, c0:c1],
+                functools.partial(_columns, addends, c0, c1),
+                scratch.sum_line(c1 - c0),
+                scratch,
+            )
             _apply_block(kernel, var, slots, g, hp, scratch, once, c0, c1)
             continue
         _apply_block(kernel, var, slots, grad[:, c0:c1], hp, scratch, once, c0, c1)
@@ -247,23 +254,64 @@ def _apply_block(
     kernel(var[:, c0:c1], tuple(s[:, c0:c1] for s in slots), g, hp, tmp, gtmp)
 
 
-def _add(a: np.ndarray, b: np.ndarray, out: np.ndarray, scratch: UpdateScratch) -> None:
-    """``out = a + b`` in ``out``'s dtype. bfloat16 adds as its own addition does (both
-    widened exactly, added in float32, rounded once), with numpy's fast float32 loops and
-    casts instead of ml_dtypes' slower ufunc; float8's own addition does not round that way
-    at its range's edges, and keeps its ufunc."""
-    if not scratch.add_wide:
-        np.add(a, b, out=out)
-        return
-    x, y = scratch.add_lines(out.shape)
-    np.copyto(x, a, casting="unsafe")
-    np.copyto(y, b, casting="unsafe")
-    np.add(x, y, out=x)
-    if np.isnan(x.sum()):
+def _sum(
+    first: np.ndarray,
+    more: Callable[[], Iterable[np.ndarray]],
+    out: np.ndarray,
+    scratch: UpdateScratch,
+) -> np.ndarray:
+    """``((first + m0) + m1) + ...`` (``more()`` gives the ``m``), each addition rounded to
+    ``out``'s dtype, as ``add_n`` adds: the sum, in ``out`` or, for bfloat16, in a float32
+    line of the scratch that holds it exactly (what :func:`_apply_block_wide` widens it to).
+
+    bfloat16 adds as its own addition does (both operands widened exactly, added in float32,
+    rounded once to nearest even), with numpy's fast float32 loops: the running sum stays in
+    float32, rounded to bfloat16's precision after each addition by integer arithmetic on its
+    bits (the rounding of the float32 -> bfloat16 cast, without its slower loop and the
+    widening back). float8's own addition does not round that way at its range's edges, and
+    keeps its ufunc."""
+    if scratch.add_wide:
+        x, y, bits = scratch.add_lines(out.shape)
+        np.copyto(x, first, casting="unsafe")
+        for m in more():
+            np.copyto(y, m, casting="unsafe")
+            np.add(x, y, out=x)
+            _round_to_bfloat16(x, bits)
+        if not np.isnan(x.sum()):
+            return x
         # Which NaN a sum of two NaNs keeps differs between loops: the narrow ufunc decides.
-        np.add(a, b, out=out)
-        return
-    np.copyto(out, x, casting="unsafe")
+    it = iter(more())
+    np.add(first, next(it), out=out)
+    for m in it:
+        np.add(out, m, out=out)
+    return out
+
+
+def _columns(lines: Sequence[np.ndarray], c0: int, c1: int) -> Iterator[np.ndarray]:
+    """Columns ``[c0, c1)`` of each ``(1, n)`` line."""
+    return (a[:, c0:c1] for a in lines)
+
+
+def _gathered_each(
+    parts: Sequence[Sequence[np.ndarray]],
+    pick: Callable[[Sequence[np.ndarray]], tuple[Any, ...]],
+    dtype: np.dtype,
+    line: np.ndarray,
+) -> Iterator[np.ndarray]:
+    """Each part's arrays ``pick`` names, joined in turn (into ``line``: one at a time)."""
+    return (_gathered(pick(p), dtype, line) for p in parts)
+
+
+def _round_to_bfloat16(x: np.ndarray, bits: np.ndarray) -> None:
+    """Round float32 ``x`` in place to the nearest bfloat16 value (ties to even), as the
+    float32 -> bfloat16 cast rounds finite and infinite values (NaN is the caller's).
+    ``bits``: a uint32 scratch of ``x``'s shape."""
+    u = x.view(np.uint32)
+    np.right_shift(u, 16, out=bits)
+    np.bitwise_and(bits, 1, out=bits)
+    np.add(bits, 0x7FFF, out=bits)
+    np.add(u, bits, out=u)
+    np.bitwise_and(u, 0xFFFF0000, out=u)
 
 
 def _apply_block_wide(
@@ -292,8 +340,11 @@ def _apply_block_wide(
         ws = scratch.widened(k + 1, rows, w)
         np.copyto(ws, s[:rows, c0:c1], casting="unsafe")
         wide_slots.append(ws)
-    wg = scratch.widened(len(slots) + 1, g.shape[0], w)
-    np.copyto(wg, g, casting="unsafe")
+    if g.dtype == np.float32:
+        wg = g  # a sum of replicas' gradients, widened already (see _sum)
+    else:
+        wg = scratch.widened(len(slots) + 1, g.shape[0], w)
+        np.copyto(wg, g, casting="unsafe")
     tmp, gtmp = scratch.wide.take(rows, w)
     kernel(v, tuple(wide_slots), wg, hp, tmp, gtmp)
     # Rounded once per computed row; equal rows are then copied in the narrow dtype.
@@ -737,11 +788,12 @@ def apply_gathered(
             w = c1 - c0
             g = _gathered(pick(first), dt, sc.gather_line(w, 0))
             if rest:
-                total = sc.sum_line(w)
-                _add(g, _gathered(pick(rest[0]), dt, sc.gather_line(w, 1)), total[0], sc)
-                for ext in rest[1:]:
-                    _add(total[0], _gathered(pick(ext), dt, sc.gather_line(w, 1)), total[0], sc)
-                g = total
+                g = _sum(
+                    g,
+                    functools.partial(_gathered_each, rest, pick, dt, sc.gather_line(w, 1)),
+                    sc.sum_line(w)[0],
+                    sc,
+                )
             _apply_block(
                 kernel, run.var_slab, run.slot_slabs, g.reshape(1, w), hp, sc, once, c0, c1
             )

@@ -215,17 +215,21 @@ def test_train_step_rows():
 
 def test_train_step_rows_of_sharded_and_sparse_steps():
     times = {"run_s": 0.010, "core_s": 0.008, "buffers_s": 0.009, "loop_s": 0.1}
-    times.update(sharded_s=0.012, sparse_s=0.025)
+    times.update(sharded_s=0.012, sparse_s=0.025, run2d_s=0.0125, bf16_s=0.02, bf16_floor_s=0.01)
     ratios = {
         "run_over_core": 1.25,
         "buffers_over_core": 1.1,
         "loop_over_run": 10.0,
         "sharded_over_run": 1.2,
-        "sparse_over_run": 2.5,
+        "sparse_over_run2d": 2.0,
+        "bf16_over_run": 2.0,
+        "bf16_floor_over_run": 2.0,
+        "loop_over_sparse": 4.0,
     }
     targets = {
         "sharded_over_run": _t("<=", 1.5, True),
-        "sparse_over_run": _t("<=", 2.0, False),
+        "sparse_over_run2d": _t("<=", 2.0, True),
+        "bf16_over_run": _t("<=", 1.5, False),
     }
     model = {"vars": 2000, "params": 20000, "times": times, "ratios": ratios, "targets": targets}
     data = {"params": {"replicas": 4}, "models": {"B": model}}
@@ -233,7 +237,11 @@ def test_train_step_rows_of_sharded_and_sparse_steps():
     sharded = [r for r in rows if "sharded" in r[1]]
     sparse = [r for r in rows if "IndexedSlices" in r[1]]
     assert sharded[0][2:] == ["12.0 ms", "10.0 ms", "1.20x", "<= 1.5x", "yes"]
-    assert sparse[0][2:] == ["25.0 ms", "10.0 ms", "2.50x", "<= 2x", "no"]
+    # The sparse step against the dense step of the same 2-D variables, not the 1-D one.
+    assert sparse[0][2:] == ["25.0 ms", "12.5 ms", "2.00x", "<= 2x", "yes"]
+    assert sparse[1][2:] == ["25.0 ms", "100.0 ms", "4.00x", "—", "n/a"] and "loop" in sparse[1][1]
+    floor = [r for r in rows if "floor" in r[1]]
+    assert floor[0][2:] == ["20.0 ms", "10.0 ms", "2.00x", "—", "n/a"]
 
 
 def _scaling(peer: bool = True) -> dict:

@@ -466,12 +466,11 @@ def test_one_array_object_from_every_replica_is_summed_once_per_replica_on_the_f
         ]
         with strategy.scope():
             ref_opt.distributed_apply(strategy, list(zip(reduced, ref_vs, strict=True)))
-    # The steps took the fused path, reading the arrays as they are, and (every gradient an
-    # array: a shape () gradient here is a numpy scalar, which the per-variable path sums)
-    # the loop is a steady one.
+    # The steps took the fused path, reading the arrays as they are (a shape () gradient
+    # here is a numpy scalar: a 0-d array of its own), and the loop is a steady one.
     lines = _lines(opt)
     assert lines.staging == [None] * n and lines._gather is not None
-    assert (opt._pv_transport._steady is not None) == (() not in shapes)
+    assert opt._pv_transport._steady is not None
     _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
 
 
@@ -593,7 +592,7 @@ def test_narrow_float_variables_on_the_fused_path_keep_the_per_variable_bits(
             ref_opt.distributed_apply(strategy, list(zip(reduced, ref_vs, strict=True)))
     lines = _lines(opt)
     assert lines.staging == [None] * n and lines._gather is not None
-    assert (opt._pv_transport._steady is not None) == (() not in shapes)
+    assert opt._pv_transport._steady is not None  # numpy scalars too, as 0-d arrays
     assert all(np.dtype(s.dtype) == np.dtype(dtype) for _, _, s in opt._checkpoint_slots())
     _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
 
@@ -699,8 +698,8 @@ def test_sharded_variables_on_the_fused_path_keep_the_per_variable_bits(
         ]
         with strategy.scope():
             ref_opt.distributed_apply(strategy, list(zip(reduced, ref_vs, strict=True)))
-    # Every gradient took the fused path (but a scalar's, a numpy scalar, not an array).
-    assert (opt._pv_transport._steady is not None) == (buffers or () not in shapes)
+    # Every gradient took the fused path (a scalar's, a numpy scalar, as a 0-d array).
+    assert opt._pv_transport._steady is not None
     for v, rv in zip(vs, ref_vs, strict=True):
         assert np.array_equal(_bits(v.read_value()), _bits(rv.read_value())), v.name
     _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
@@ -842,39 +841,152 @@ def test_sparse_gradients_applied_together_keep_the_per_variable_bits(
     _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
 
 
-def test_sparse_rows_match_deduplicate() -> None:
-    from parallelvars.optimizers._sparse import sparse_rows
+def _sparse_pair(
+    strategy: pv.Strategy, make_opt: Callable[[], opts.Optimizer], dtype: Any = np.float32
+) -> tuple[list[Any], opts.Optimizer, list[Any], opts.Optimizer]:
+    """Two equal models of SPARSE_SHAPES; the second's optimizer takes the per-variable path."""
 
-    rng = np.random.default_rng(19)
-    grads = [
-        pv.IndexedSlices(rng.normal(size=(5, 2)).astype(np.float32), [3, 1, 3, 0, 1]),
-        pv.IndexedSlices(np.array([[-0.0, 1.0], [2.0, -0.0]], np.float32), [2, 0]),
-        pv.IndexedSlices(np.zeros((0, 2), np.float32), np.zeros(0, np.int64)),
+    def model() -> tuple[list[Any], opts.Optimizer]:
+        rng = np.random.default_rng(3)
+        with strategy.scope():
+            vs = [
+                pv.Variable(rng.normal(size=s).astype(dtype), name=f"v{i}")
+                for i, s in enumerate(SPARSE_SHAPES)
+            ]
+            return vs, make_opt()
+
+    vs, opt = model()
+    ref_vs, ref_opt = model()
+    ref_opt._info = lambda v: (*opts.Optimizer._info(ref_opt, v)[:2], False)  # type: ignore[method-assign]
+    return vs, opt, ref_vs, ref_opt
+
+
+def _step(grads: list[Any], o: opts.Optimizer, vars_: list[Any]) -> None:
+    o.apply_gradients(zip(grads, vars_, strict=True))
+
+
+@pytest.mark.parametrize(
+    "make_opt", [lambda: opts.Adam(0.01), lambda: opts.Momentum(0.1, 0.9)], ids=["adam", "momentum"]
+)
+def test_sparse_steps_of_changing_sizes_shared_objects_and_odd_slices(
+    make_opt: Callable[[], opts.Optimizer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A steady loop whose slices change size from step to step (the kept offsets are remade),
+    # one IndexedSlices object every replica hands in (a term once per replica), slices
+    # without a dense shape, and a slice of another dtype (its group keeps the per-variable
+    # path): the bits of the per-variable path every step.
+    from parallelvars.optimizers import _base
+
+    strategy = pv.MirroredStrategy(3)
+    vs, opt, ref_vs, ref_opt = _sparse_pair(strategy, make_opt)
+    rng = np.random.default_rng(21)
+    for step in range(4):
+        per_replica: list[list[Any]] = [[] for _ in range(3)]
+        for i, s in enumerate(SPARSE_SHAPES):
+            shared = i == 1 and step % 2 == 0
+            for r in range(3):
+                if shared and r:
+                    per_replica[r].append(per_replica[0][i])
+                    continue
+                k = int(rng.integers(0, 5))
+                dt = np.float64 if (i == 3 and step == 3) else np.float32
+                per_replica[r].append(
+                    pv.IndexedSlices(
+                        rng.normal(size=(k, *s[1:])).astype(dt),
+                        rng.integers(0, s[0], k),
+                        None if i == 2 else s,
+                    )
+                )
+        if step == 2:
+            # Every slice of arena variables takes the sparse route: no per-variable sum.
+            def no_sum(parts: Any) -> Any:
+                raise AssertionError("summed per variable")
+
+            monkeypatch.setattr(_base, "sum_indexed_slices", no_sum)
+        strategy.run(_step, args=(pv.PerReplica(per_replica), opt, vs))
+        monkeypatch.undo()
+        strategy.run(_step, args=(pv.PerReplica(per_replica), ref_opt, ref_vs))
+        _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+        if step == 2:  # one variable list: its groups made once
+            assert len(opt._pv_transport.sparse._groups) == 1
+
+
+@pytest.mark.parametrize("bad", ["index", "negative", "shape"])
+def test_a_bad_sparse_gradient_raises_before_any_update(bad: str) -> None:
+    strategy = pv.MirroredStrategy(2)
+    vs, opt, _, _ = _sparse_pair(strategy, lambda: opts.Adam(0.01))
+    good = [
+        [pv.IndexedSlices(np.ones((1, *s[1:]), np.float32), [0], s) for s in SPARSE_SHAPES]
+        for _ in range(2)
     ]
-    rows = sparse_rows(grads, [4, 3, 2], 2)
-    for k, g in enumerate(grads):
-        want = g.deduplicate()
-        np.testing.assert_array_equal(rows.index[rows.var == k], want.indices)
-        assert np.array_equal(_bits(rows.values[rows.var == k]), _bits(want.values))
-    starts = np.array([0, 8, 14])
-    assert rows.columns(starts, 2).tolist()[:4] == [0, 1, 2, 3]
+    strategy.run(_step, args=(pv.PerReplica(good), opt, vs))
+    before = [np.array(c) for x in _state(vs, opt) for c in x.components]
+    s = SPARSE_SHAPES[2]
+    wrong = {
+        "index": pv.IndexedSlices(np.ones((1, *s[1:]), np.float32), [s[0]], s),
+        "negative": pv.IndexedSlices(np.ones((1, *s[1:]), np.float32), [-1], s),
+        "shape": pv.IndexedSlices(np.ones((1, 6), np.float32), [0], (s[0], 6)),
+    }[bad]
+    grads = [list(good[0]), list(good[1])]
+    grads[1][2] = wrong
+    with pytest.raises(GradientError, match="range" if bad != "shape" else "shape") as err:
+        strategy.run(_step, args=(pv.PerReplica(grads), opt, vs))
+    assert "v2" in str(err.value)
+    after = [np.array(c) for x in _state(vs, opt) for c in x.components]
+    for x, y in zip(before, after, strict=True):
+        assert np.array_equal(x, y)
+
+
+def _dedupe_per_variable(
+    grads: list[pv.IndexedSlices], rows: list[int], width: int, **kw: Any
+) -> dict[tuple[int, int], np.ndarray]:
+    """``dedupe_rows`` over several variables laid end to end: ``{(variable, row): summed}``."""
+    from parallelvars.optimizers._sparse_step import dedupe_rows
+
+    base = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
+    counts = np.array([g.indices.shape[0] for g in grads])
+    var_of = np.repeat(np.arange(len(grads)), counts)
+    keys = base[var_of] + np.concatenate([g.indices for g in grads])
+    values = np.concatenate([g.values.reshape(-1, width) for g in grads])
+    unique, summed = dedupe_rows(keys, var_of, counts, values, **kw)
+    assert len(set(unique.tolist())) == unique.shape[0]
+    out = {}
+    for key, row in zip(unique.tolist(), summed, strict=True):
+        k = int(np.searchsorted(base, key, side="right") - 1)
+        out[(k, key - int(base[k]))] = row
+    return out
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("dtype", [np.float32, *_narrow_dtypes()[1:2]], ids=["float32", "bf16"])
-def test_adding_in_occurrence_order_is_add_at(dtype: Any) -> None:
-    from parallelvars.optimizers._sparse import _add_in_occurrence_order
-
-    rng = np.random.default_rng(20)
-    rows = rng.integers(0, 7, 200)
-    values = (rng.normal(size=(200, 3)) * 10.0 ** rng.integers(-4, 5, (200, 1))).astype(dtype)
-    values[5] = np.nan
-    values[9, 1] = -0.0
-    want = np.zeros((7, 3), dtype)
-    np.add.at(want, rows, values)
-    got = np.zeros((7, 3), dtype)
-    _add_in_occurrence_order(got, rows, values)
-    assert np.array_equal(_bits(got), _bits(want))
+@pytest.mark.parametrize(
+    "dtype", [np.float32, np.float16, *_narrow_dtypes()[1:2]], ids=["float32", "float16", "bf16"]
+)
+def test_dedupe_rows_is_deduplicate_per_variable(dtype: Any) -> None:
+    # Variables with and without repeated rows (their -0.0 kept as it is), an empty one, a
+    # row repeated many times (several rounds), a NaN: each variable's rows are those of
+    # IndexedSlices.deduplicate, and, made dense, those of to_dense.
+    rng = np.random.default_rng(19)
+    big = rng.integers(0, 3, 40)
+    grads = [
+        pv.IndexedSlices(rng.normal(size=(5, 2)).astype(dtype), [3, 1, 3, 0, 1]),
+        pv.IndexedSlices(np.array([[-0.0, 1.0], [2.0, -0.0]], dtype), [2, 0]),
+        pv.IndexedSlices(np.zeros((0, 2), dtype), np.zeros(0, np.int64)),
+        pv.IndexedSlices(
+            (rng.normal(size=(40, 2)) * 10.0 ** rng.integers(-4, 5, (40, 1))).astype(dtype), big
+        ),
+        pv.IndexedSlices(np.array([[np.nan, -0.0], [1.0, -0.0], [-0.0, -0.0]], dtype), [1, 1, 0]),
+    ]
+    rows = [4, 3, 2, 3, 2]
+    got = _dedupe_per_variable(grads, rows, 2)
+    dense = _dedupe_per_variable(grads, rows, 2, all_from_zero=True)
+    assert len(got) == sum(np.unique(g.indices).shape[0] for g in grads)
+    for k, g in enumerate(grads):
+        want = g.deduplicate()
+        for i, row in zip(want.indices.tolist(), want.values, strict=True):
+            assert np.array_equal(_bits(got[(k, i)]), _bits(row)), (k, i)
+        made = g.to_dense((rows[k], 2))
+        for i in want.indices.tolist():
+            assert np.array_equal(_bits(dense[(k, i)]), _bits(made[i])), (k, i)
 
 
 def test_a_restore_after_gradient_buffers_makes_the_counters_at_once(tmp_path: Path) -> None:
@@ -908,3 +1020,64 @@ def test_gradient_buffers_outside_the_scope_says_so_at_once() -> None:
         opt = pv.optimizers.Adam(0.1)
     with pytest.raises(ContextError, match=r"outside any strategy's scope.*'w' on 4 devices"):
         opt.gradient_buffers([w])
+
+
+def _cast_cases() -> list[tuple[Any, Any]]:
+    import ml_dtypes
+
+    bf16 = ml_dtypes.bfloat16
+    return [
+        (np.float32, np.float64),
+        (np.float32, bf16),
+        (np.float32, np.int16),
+        (bf16, np.float32),
+        (np.float16, np.float32),
+        (np.float64, np.float32),
+    ]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize(
+    "var_dtype, grad_dtype",
+    _cast_cases(),
+    ids=lambda d: np.dtype(d).name,
+)
+@pytest.mark.parametrize(
+    "make_opt", [lambda: opts.Adam(0.01), lambda: opts.Momentum(0.1, 0.9)], ids=["adam", "momentum"]
+)
+@pytest.mark.parametrize(
+    "devices", [1, 3, ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]], ids=["1", "3", "unordered"]
+)
+def test_gradients_of_another_dtype_are_summed_in_it_and_cast_once(
+    var_dtype: Any, grad_dtype: Any, make_opt: Callable[[], opts.Optimizer], devices: Any
+) -> None:
+    # Gradients of another dtype than their variables (a float32 gradient of a bfloat16
+    # variable, as mixed precision hands them in) are summed in their own dtype in device order
+    # and cast once, over all of them: the bits of the per-variable path (add_n in the
+    # gradients' dtype, then the update's cast). Next to them, gradients of the variables' own
+    # dtype (fused as they are) and a shared object of another dtype; a steady loop.
+    strategy = pv.MirroredStrategy(devices)
+    n = strategy.num_replicas_in_sync
+    vs, opt = _model(strategy, var_dtype, make_opt)
+    ref_vs, ref_opt = _model(strategy, var_dtype, make_opt)
+    ref_opt._info = lambda v: (*opts.Optimizer._info(ref_opt, v)[:2], False)  # type: ignore[method-assign]
+    rng = np.random.default_rng(23)
+    for _ in range(3):
+        scales = [1e-3, 1.0, 1e3, 7.0]
+        per_replica = [
+            [
+                (
+                    rng.normal(size=s) * scales[r % 4] * (100 if grad_dtype == np.int16 else 1)
+                ).astype(var_dtype if i % 3 == 0 else grad_dtype)
+                for i, s in enumerate(SHAPES)
+            ]
+            for r in range(n)
+        ]
+        for r in range(1, n):
+            per_replica[r][1] = per_replica[0][1]  # one object every replica hands in
+        strategy.run(_step, args=(pv.PerReplica(per_replica), opt, vs))
+        strategy.run(_step, args=(pv.PerReplica(per_replica), ref_opt, ref_vs))
+        _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+    # Every gradient took a fused route: the cast positions are known for the steady loop.
+    ((_, plan),) = opt._pv_transport.plans.values()
+    assert plan.mixed is not None and len(plan.mixed[2]) == len(SHAPES) - 3

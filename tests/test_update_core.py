@@ -139,7 +139,11 @@ def test_bfloat16_sums_in_float32_have_the_bits_of_its_own_addition() -> None:
     # widened, added in float32 and rounded once is ml_dtypes' own addition, bit for bit.
     import ml_dtypes
 
-    from parallelvars.update_core import UpdateScratch, _add
+    from parallelvars.update_core import UpdateScratch, _sum
+
+    def _add(x: np.ndarray, y: np.ndarray, out: np.ndarray, sc: UpdateScratch) -> None:
+        total = _sum(x, lambda: [y], out, sc)
+        out[...] = total  # a float32 sum holds a bfloat16 value exactly
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
     a = np.arange(1 << 16, dtype=np.uint16).view(bf16).reshape(1, -1)
@@ -162,3 +166,10 @@ def test_bfloat16_sums_in_float32_have_the_bits_of_its_own_addition() -> None:
             got = np.empty_like(x)
             _add(x, y, got, sc)
             assert np.array_equal(got.view(np.uint16), np.add(x, y).view(np.uint16))
+    # Sums of several terms, every value first, as add_n adds them (each addition rounded).
+    for _ in range(4):
+        more = [rng.integers(0, 1 << 16, a.shape, dtype=np.uint16).view(bf16) for _ in range(3)]
+        want = np.add(np.add(np.add(a, more[0]), more[1]), more[2])
+        out = np.empty_like(a)
+        got = np.asarray(_sum(a, lambda more=more: more, out, sc)).astype(bf16)
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))

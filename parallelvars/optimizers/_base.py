@@ -6,8 +6,11 @@ A step (``apply_gradients``) in a replica context goes through ``merge_call`` to
 1. **drop None**: gradients that are ``None`` are dropped;
 2. **reduce**: the rest are summed across replicas. Dense gradients of arena variables take the
    fused path (:mod:`parallelvars.optimizers._fused`): they are not reduced here but added
-   replica by replica inside the update core's blocks, in device order; everything else goes
-   through ``strategy.batch_reduce``, one value per variable (:meth:`Optimizer._reduce`);
+   replica by replica inside the update core's blocks, in device order (those of another
+   dtype summed in their dtype and cast once per dtype); sparse ones of arena variables are
+   deduplicated and applied a group at a time (:mod:`parallelvars.optimizers._sparse_step`);
+   everything else goes through ``strategy.batch_reduce``, one value per variable
+   (:meth:`Optimizer._reduce`);
 3. **slots**: slots are created next to their variables, unless :meth:`Optimizer.build` or a
    restore made them before (:mod:`parallelvars.optimizers._slots`);
 4. **update**: every variable is updated by the update core: variables sharing an arena in a few
@@ -24,7 +27,6 @@ through the same steps.
 from __future__ import annotations
 
 import inspect
-import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from types import SimpleNamespace
@@ -44,12 +46,8 @@ from parallelvars.optimizers._fused import (
     ReplicaGradients,
 )
 from parallelvars.optimizers._slots import OptimizerState
-from parallelvars.optimizers._sparse import (
-    IndexedSlices,
-    SparseRows,
-    sparse_rows,
-    sum_indexed_slices,
-)
+from parallelvars.optimizers._sparse import IndexedSlices, sum_indexed_slices
+from parallelvars.optimizers._sparse_step import SparseBatch
 from parallelvars.strategy import _context
 from parallelvars.strategy._values import PerReplica
 from parallelvars.variables import ParallelVariable, ShardedVariable
@@ -305,8 +303,9 @@ class Optimizer(OptimizerState):
         user's :class:`GradientBuffers`, or, over several processes, flat buffers all-reduced
         in one call per dtype), and adds the local replicas in device order as it updates.
         One array object that every replica gives is a term once per replica, on either path.
-        Every other gradient (sparse, of another dtype or shape) goes
-        through ``batch_reduce``, in the same step.
+        Dense gradients of another dtype are summed in it and cast once per dtype; sparse
+        gradients of arena variables take the vectorised sparse route. The rest (see
+        docs/training.md) goes through ``batch_reduce``, in the same step.
         """
         parts: Sequence[ReplicaGradients] = (
             grads.values if isinstance(grads, PerReplica) else (grads,)
@@ -315,13 +314,13 @@ class Optimizer(OptimizerState):
             raise GradientError("apply_gradients: merge_call arguments of another kind")
         transport = self._pv_transport
         # A training loop: the variables of the last step, every gradient on the fused path.
-        fused = transport.steady(strategy, parts)
-        if fused is not None:
-            self._distributed_apply(strategy, [], global_step, True, fused)
+        steady = transport.steady(strategy, parts)
+        if steady is not None:
+            self._distributed_apply(strategy, [], global_step, True, [steady])
             return
         parts = [p.without_none() for p in parts]  # as each replica would have before merging
-        rest, fused = transport.split(strategy, parts)
-        self._distributed_apply(strategy, rest, global_step, True, fused)
+        rest, fused, sparse = transport.split(strategy, parts)
+        self._distributed_apply(strategy, rest, global_step, True, fused, sparse)
 
     def distributed_apply(
         self, strategy: Any, grads_and_vars: Iterable[tuple[Any, Any]], global_step: Any = None
@@ -391,7 +390,7 @@ class Optimizer(OptimizerState):
                 if getattr(strategy, "_reduces_sparse", False):  # gathered across processes
                     dense.append(i)
                 else:
-                    out[i] = sum_indexed_slices(list(parts))
+                    out[i] = sum_indexed_slices(list(parts), getattr(pairs[i][1], "name", None))
             elif batch_reduce is None or not (per_replica or (from_replicas and n > 1)):
                 out[i] = g
             else:
@@ -497,7 +496,8 @@ class Optimizer(OptimizerState):
         grads_and_vars: list[tuple[Any, Any]],
         global_step: Any = None,
         from_replicas: bool = False,
-        fused: FusedLines | None = None,
+        fused: Sequence[FusedLines] = (),
+        sparse: SparseBatch | None = None,
     ) -> None:
         """The cross-replica step; the target of ``merge_call`` (``from_replicas`` then).
 
@@ -505,15 +505,27 @@ class Optimizer(OptimizerState):
         The per-variable bookkeeping of a step is done with C-level passes (``map``,
         ``itemgetter``) once the variable list is known, so that thousands of small variables
         cost little more than their arithmetic. ``fused``: more variables of the step, whose
-        gradients are flat buffers (see :meth:`_merged_apply`).
+        gradients are flat buffers or arrays summed inside the update (see
+        :meth:`_merged_apply`); ``sparse``: more, whose
+        sparse gradients are checked and deduplicated already.
         """
         pairs = grads_and_vars
+        transport = self._pv_transport
         if not pairs:
-            if fused is not None:
-                self._create_non_slots(strategy, fused.variables)
+            if fused or sparse is not None:
+                self._create_non_slots(
+                    strategy,
+                    [
+                        *(v for f in fused for v in f.variables),
+                        *(sparse.variables if sparse is not None else ()),
+                    ],
+                )
                 assert self.iterations is not None
                 hp = self._hyper(int(self.iterations.read_value()))
-                self._pv_transport.apply(fused, self._kernel, hp, self._scratch)
+                for f in fused:
+                    transport.apply(f, self._kernel, hp, self._scratch)
+                if sparse is not None:
+                    transport.sparse.apply(sparse, hp)
                 self._step_done(strategy, global_step)
                 return
             raise GradientError(
@@ -536,7 +548,7 @@ class Optimizer(OptimizerState):
             )
         reduced = self._reduce(strategy, pairs, from_replicas)
         # Sparse gradients of arena variables: checked, deduplicated and applied together.
-        rows = None if _INDEXED_SLICES_FREE(reduced) else self._sparse_groups(var_list, reduced)
+        rows = None if _INDEXED_SLICES_FREE(reduced) else self._sparse_batch(var_list, reduced)
         shapes = self._pv_shapes.get(key) if steady else None
         if (
             shapes is not None
@@ -546,7 +558,7 @@ class Optimizer(OptimizerState):
         ):
             grads = reduced  # the steady state: plain arrays of the known shapes
         else:
-            taken = {i for group in rows for i in group[0]} if rows else set()
+            taken = set(rows.positions) if rows else set()
             grads = [
                 g if i in taken else self._check(g, v)
                 for i, (g, v) in enumerate(zip(reduced, var_list, strict=True))
@@ -559,98 +571,48 @@ class Optimizer(OptimizerState):
             self._pv_known[key] = tuple(var_list)
             self._pv_shapes[key] = [self._info(v)[0] for v in var_list]
         self._create_non_slots(
-            strategy, var_list if fused is None else [*fused.variables, *var_list]
+            strategy,
+            [
+                *(v for f in fused for v in f.variables),
+                *(sparse.variables if sparse is not None else ()),
+                *var_list,
+            ],
         )
         assert self.iterations is not None
         hp = self._hyper(int(self.iterations.read_value()))
-        if fused is not None:
-            self._pv_transport.apply(fused, self._kernel, hp, self._scratch)
+        for f in fused:
+            transport.apply(f, self._kernel, hp, self._scratch)
+        if sparse is not None:
+            transport.sparse.apply(sparse, hp)
         if rows:
-            taken = {i for group in rows for i in group[0]}
+            taken = set(rows.positions)
             rest = [i for i in range(len(var_list)) if i not in taken]
             if rest:
                 self._update([var_list[i] for i in rest], [grads[i] for i in rest], hp)
-            for group in rows:
-                self._apply_rows(var_list, *group, hp)
+            transport.sparse.apply(rows, hp)
         else:
             self._update(var_list, grads, hp)
         self._step_done(strategy, global_step)
 
-    def _sparse_groups(
-        self, var_list: list[Any], reduced: list[Any]
-    ) -> list[tuple[list[int], SparseRows, int]]:
-        """The sparse gradients of arena variables of the variables' own dtype, deduplicated a
-        group at a time (one group per arena and row width): ``(positions, rows, width)``.
+    def _sparse_batch(self, var_list: list[Any], reduced: list[Any]) -> SparseBatch | None:
+        """The reduced sparse gradients of arena variables, checked and deduplicated a group at
+        a time (see :mod:`parallelvars.optimizers._sparse_step`); None when there is none.
 
-        A gradient that fails a check stays out (the per-variable check raises its error);
-        one whose indices leave the variable has its error raised here, before any update.
+        A gradient that fails a check stays out with its group (the per-variable check raises
+        its error, before any update).
         """
-        info = self._info
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, (g, v) in enumerate(zip(reduced, var_list, strict=True)):
-            if type(g) is not IndexedSlices:
-                continue
-            shape, dt, fast = info(v)
-            if (
-                not fast
-                or v.placement is None
-                or not shape
-                or g.values.dtype != dt
-                or (g.dense_shape is not None and g.dense_shape != shape)
-                or tuple(g.values.shape[1:]) != shape[1:]
-            ):
-                continue
-            width = math.prod(shape[1:])
-            groups.setdefault((id(v.placement.arena), width), []).append(i)
-        out = []
-        for (_, width), positions in groups.items():
-            grads = [reduced[i] for i in positions]
-            counts = [g.indices.shape[0] for g in grads]
-            index = np.concatenate([g.indices for g in grads])
-            bound = np.repeat(
-                np.array([info(var_list[i])[0][0] for i in positions], np.int64), counts
-            )
-            if index.size and ((index < 0).any() or (index >= bound).any()):
-                for i in positions:
-                    self._check(reduced[i], var_list[i])  # raises for the first one out
-            out.append(
-                (
-                    positions,
-                    sparse_rows(grads, [info(var_list[i])[0][0] for i in positions], width),
-                    width,
-                )
-            )
-        return out
-
-    def _apply_rows(
-        self, var_list: list[Any], positions: list[int], rows: SparseRows, width: int, hp: Any
-    ) -> None:
-        """Update the variables at ``positions`` (of one arena) from their deduplicated sparse
-        rows: made dense and run through the update core where the formula touches every row
-        (``_sparse_as_dense``), else their touched rows, gathered from the variable and slot
-        arenas, updated in one blocked pass and written back (the TF 1.x sparse formulas)."""
-        fvars = [var_list[i] for i in positions]
-        if self._sparse_as_dense:
-            runs = self._plan(fvars)
-            layout = update_core.layout_lines(runs)
-            starts = np.array([layout.views[k][1] for k in range(len(fvars))], np.int64)
-            buf = layout.buffers()
-            flat = buf[np.dtype(fvars[0].dtype)]
-            cols = rows.columns(starts, width)
-            flat[cols] += rows.values.reshape(-1)  # zero plus each row, as to_dense gives it
-            update_core.apply_lines(runs, layout, [buf], self._kernel, hp, self._scratch)
-            return
-        arena = fvars[0].placement.arena
-        starts = np.array([v.placement.offset for v in fvars], np.int64)
-        cols = rows.columns(starts, width)
-        names = [n for n, _ in self._slot_specs()]
-        slot_bufs = [self._slot_arena(arena, n).buffer for n in names]
-        rows_v = arena.buffer[:, cols]
-        rows_s = [b[:, cols] for b in slot_bufs]
-        self._compute(rows_v, rows_s, rows.values.reshape(1, -1), hp)
-        arena.buffer[:, cols] = rows_v
-        for b, rs in zip(slot_bufs, rows_s, strict=True):
-            b[:, cols] = rs
+        sparse = self._pv_transport.sparse
+        positions = [
+            i
+            for i, (g, v) in enumerate(zip(reduced, var_list, strict=True))
+            if type(g) is IndexedSlices and sparse.capable(v)
+        ]
+        if not positions:
+            return None
+        batch = sparse.prepare(
+            [var_list[i] for i in positions], positions, [[reduced[i] for i in positions]]
+        )
+        return batch if batch else None
 
     def _step_done(self, strategy: Any, global_step: Any) -> None:
         update_non_slot = getattr(strategy, "update_non_slot", None)

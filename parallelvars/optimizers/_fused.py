@@ -21,8 +21,11 @@ three forms:
 * packed into flat buffers laid out like the arena (:func:`update_core.pack_lines`), all-reduced
   in one call per dtype where the strategy spans several processes.
 
-Everything else goes back to the optimizer as ``(gradient, variable)`` pairs merged across
-replicas, for the per-variable reduce. :class:`FusedTransport` is the interface: the optimizer
+Arrays of a candidate's shape and of one other numeric dtype in every replica are summed in
+that dtype and cast once per dtype (:meth:`FusedTransport._pack_cast`); sparse gradients of
+arena variables go to :mod:`parallelvars.optimizers._sparse_step`. Everything else goes back
+to the optimizer as ``(gradient, variable)`` pairs merged across replicas, for the
+per-variable reduce. :class:`FusedTransport` is the interface: the optimizer
 asks it to :meth:`~FusedTransport.split` a step, to :meth:`~FusedTransport.apply` the fused
 part, and to :meth:`~FusedTransport.apply_dense` reduced gradients of arena variables. A
 training loop hands the same variables every step; the transport keeps, per variable list, what
@@ -42,6 +45,7 @@ import numpy as np
 from parallelvars import update_core
 from parallelvars.errors import ContextError, GradientError
 from parallelvars.optimizers._sparse import IndexedSlices
+from parallelvars.optimizers._sparse_step import SparseBatch, SparseSteps
 from parallelvars.strategy import _context
 from parallelvars.strategy._values import PerReplica
 
@@ -60,8 +64,25 @@ _shape_of = operator.attrgetter("shape")
 _dtype_of = operator.attrgetter("dtype")
 _base_of = operator.attrgetter("base")
 _NDARRAY_ONLY = {np.ndarray}
+_SLICES_ONLY = {IndexedSlices}
 
 Info = tuple[tuple[int, ...], np.dtype, bool]
+
+
+def _castable(found: np.dtype, wanted: np.dtype) -> bool:
+    """Whether a gradient of dtype ``found`` takes the cast route to a variable of ``wanted``:
+    a number that casts as the update casts it (``same_kind``)."""
+    numeric = found.kind in "fiu" or found.name.startswith(("bfloat", "float"))
+    return numeric and bool(np.can_cast(found, wanted, "same_kind"))
+
+
+def _at(plan: _FusedPlan, picked: list[Any], positions: tuple[int, ...]) -> list[Any]:
+    """Each replica's gradients (``picked``: at the plan's candidates) at ``positions``."""
+    if positions == plan.candidates:
+        return picked
+    where = {pos: k for k, pos in enumerate(plan.candidates)}
+    ks = [where[pos] for pos in positions]
+    return [[g[k] for k in ks] for g in picked]
 
 
 class Owner(Protocol):
@@ -203,12 +224,21 @@ def _same_variables(parts: Sequence[ReplicaGradients], known: tuple[Any, ...]) -
 class _FusedPlan:
     """The fused path of one variable list: which positions may take it, and their checks."""
 
-    __slots__ = ("candidates", "dtypes", "pick", "shapes")
+    __slots__ = ("candidates", "dtypes", "mixed", "pick", "shapes", "sparse")
 
     def __init__(
-        self, candidates: tuple[int, ...], dtypes: list[np.dtype], shapes: list[tuple[int, ...]]
+        self,
+        candidates: tuple[int, ...],
+        dtypes: list[np.dtype],
+        shapes: list[tuple[int, ...]],
+        sparse: tuple[int, ...] = (),
     ) -> None:
         self.candidates = candidates
+        # The positions whose sparse gradients may take the vectorised sparse route.
+        self.sparse = sparse
+        # The last step whose candidates were all arrays of their variables' shapes, some of
+        # another dtype: those dtypes, and the positions fused as they are and cast.
+        self.mixed: tuple[list[np.dtype], tuple[int, ...], tuple[int, ...]] | None = None
         self.dtypes = dtypes
         self.shapes = shapes
         self.pick: Callable[[Sequence[Any]], Any] = (
@@ -244,7 +274,7 @@ class FusedLines:
 class _LinesCache:
     """What the fused path keeps per variable list: runs, their layout, packing targets."""
 
-    __slots__ = ("_gather", "dtypes", "key", "layout", "runs", "staging")
+    __slots__ = ("_cast", "_gather", "dtypes", "key", "layout", "runs", "staging")
 
     def __init__(self, key: tuple[int, ...], runs: list[update_core.Run], replicas: int) -> None:
         self.key = key
@@ -253,6 +283,8 @@ class _LinesCache:
         # Packing targets, made on first use (gathered steps and gradient buffers need none).
         self.staging: list[dict[np.dtype, np.ndarray] | None] = [None] * replicas
         self._gather: tuple[update_core.GatherPlan, frozenset[int]] | None = None
+        # Per gradient dtype: the cast route's buffers (see cast_buffers).
+        self._cast: dict[np.dtype, Any] = {}
         # The variables' dtypes, by position (the gradients a gather reads must have them).
         self.dtypes: list[np.dtype] = []
 
@@ -262,6 +294,23 @@ class _LinesCache:
             plan = update_core.plan_gather(self.runs)
             self._gather = (plan, update_core.buffer_ids(self.runs))
         return self._gather
+
+    def cast_buffers(
+        self, dtype: np.dtype, replicas: int
+    ) -> tuple[list[dict[np.dtype, np.ndarray]], dict[np.dtype, np.ndarray], dict[Any, Any]]:
+        """Buffers of the layout for gradients of ``dtype`` (another than the variables'):
+        one per replica and their sum, in ``dtype``, and the sum cast to the variables'
+        dtypes; made on first use, zero in the padding."""
+        found = self._cast.get(dtype)
+        if found is None or len(found[0]) != replicas:
+            sizes = self.layout.sizes
+            found = (
+                [{vdt: np.zeros(n, dtype) for vdt, n in sizes.items()} for _ in range(replicas)],
+                {vdt: np.zeros(n, dtype) for vdt, n in sizes.items()},
+                self.layout.buffers(),
+            )
+            self._cast[dtype] = found
+        return found
 
     def packed(self, replica: int) -> dict[np.dtype, np.ndarray]:
         target = self.staging[replica]
@@ -393,6 +442,8 @@ class FusedTransport:
         self.gradient_buffers: dict[tuple[int, ...], GradientBuffers] = {}
         # The gather plans of apply_dense, per runs object.
         self._dense: dict[int, _LinesCache] = {}
+        # Sparse gradients of arena variables, every replica's at once.
+        self.sparse = SparseSteps(owner)  # type: ignore[arg-type]
         # The last variable list whose every gradient took the fused path, with its plans.
         self._steady: tuple[tuple[Any, ...], tuple[int, ...], _FusedPlan, _LinesCache] | None = None
 
@@ -462,16 +513,18 @@ class FusedTransport:
         ):
             # (A None gradient is not an array: it fails the check and takes the general path.)
             listed = [p.grads for p in parts]
-            fused, listed = self._positions(known_plan, parts, len(known), listed)
+            fused, listed, _ = self._positions(known_plan, parts, len(known), listed)
             if len(fused) == len(known):
                 return self._pack(known, fused, listed, parts, order, strategy, known_lines)
         return None
 
     def split(
         self, strategy: Any, parts: Sequence[ReplicaGradients]
-    ) -> tuple[list[tuple[Any, Any]], FusedLines | None]:
+    ) -> tuple[list[tuple[Any, Any]], list[FusedLines], SparseBatch | None]:
         """The step's gradients (no ``None`` among them) as the pairs that take the per-variable
-        path, merged across replicas, and the fused rest (None when there is none)."""
+        path, merged across replicas, the fused dense rest (gradients of the variables' dtypes,
+        then those cast, one :class:`FusedLines` per gradient dtype) and the sparse gradients
+        of arena variables, checked and deduplicated (None when there is none)."""
         order = strategy._fused_sum_order() if hasattr(strategy, "_fused_sum_order") else None
         fusable = (
             order is not None and len(parts) == len(order) and getattr(strategy, "fusion", True)
@@ -484,22 +537,63 @@ class FusedTransport:
                 if hasattr(strategy, "_merge_args")
                 else parts[0].pairs
             )
-            return merged, None
+            return merged, [], None
         assert order is not None
         plan = self._plan_of(key, var_list)
-        fused, picked = self._positions(plan, parts, len(var_list))
-        if not fused:
-            return _merged(strategy, parts, range(len(var_list))), None
-        lines = self._pack(
-            var_list, fused, picked if fused == plan.candidates else None, parts, order, strategy
-        )
-        if len(fused) == len(var_list):
-            # The next step with these variables starts from here.
-            self._steady = (tuple(var_list), key, plan, self.lines[key][1])
-            return [], lines
-        keep = set(fused)
+        fused, picked, cast = self._positions(plan, parts, len(var_list))
+        if cast and len(parts) != strategy.num_replicas_in_sync:
+            cast = ()  # over several processes: the strategy reduces them
+        sparse = self._sparse_of(strategy, plan, parts, var_list, fused)
+        if not fused and not cast and sparse is None:
+            return _merged(strategy, parts, range(len(var_list))), [], None
+        lines = []
+        if fused:
+            lines.append(
+                self._pack(var_list, fused, _at(plan, picked, fused), parts, order, strategy)
+            )
+            if len(fused) == len(var_list):
+                # The next step with these variables starts from here.
+                self._steady = (tuple(var_list), key, plan, self.lines[key][1])
+                return [], lines, None
+        if cast:
+            lines.extend(self._pack_cast(var_list, cast, _at(plan, picked, cast), order))
+        keep = {*fused, *cast, *(sparse.positions if sparse is not None else ())}
         others = [i for i in range(len(var_list)) if i not in keep]
-        return _merged(strategy, parts, others), lines
+        return (_merged(strategy, parts, others) if others else []), lines, sparse
+
+    def _sparse_of(
+        self,
+        strategy: Any,
+        plan: _FusedPlan,
+        parts: Sequence[ReplicaGradients],
+        var_list: list[Any],
+        fused: tuple[int, ...],
+    ) -> SparseBatch | None:
+        """The positions where every local replica gave an :class:`IndexedSlices` for an
+        arena variable, checked and deduplicated together (see :mod:`._sparse_step`); None when
+        there is none. Over several processes the strategy gathers sparse gradients itself."""
+        cand = plan.sparse
+        if not cand or len(parts) != strategy.num_replicas_in_sync:
+            return None
+        if fused:
+            done = set(fused)
+            cand = tuple(i for i in cand if i not in done)
+        if len(cand) == len(var_list):
+            slices = [p.grads for p in parts]
+        elif not cand:
+            return None
+        else:
+            pick = operator.itemgetter(*cand)
+            slices = [pick(p.grads) if len(cand) > 1 else (p.grads[cand[0]],) for p in parts]
+        if not all(set(map(type, s)) == _SLICES_ONLY for s in slices):
+            keep = [k for k in range(len(cand)) if all(type(s[k]) is IndexedSlices for s in slices)]
+            if not keep:
+                return None
+            cand = tuple(cand[k] for k in keep)
+            slices = [[s[k] for k in keep] for s in slices]
+        variables = list(var_list) if len(cand) == len(var_list) else [var_list[i] for i in cand]
+        batch = self.sparse.prepare(variables, cand, slices)
+        return batch if batch else None
 
     def _plan_of(self, key: tuple[int, ...], var_list: list[Any]) -> _FusedPlan:
         cached = self.plans.get(key)
@@ -519,6 +613,7 @@ class FusedTransport:
             tuple(candidates),
             [info_of(var_list[i])[1] for i in candidates],
             [info_of(var_list[i])[0] for i in candidates],
+            tuple(i for i in candidates if self.sparse.capable(var_list[i])),
         )
         if len(self.plans) >= PLAN_CACHE:
             self.plans.pop(next(iter(self.plans)))
@@ -531,42 +626,110 @@ class FusedTransport:
         parts: Sequence[ReplicaGradients],
         count: int,
         listed: list[Any] | None = None,
-    ) -> tuple[tuple[int, ...], list[Any]]:
-        """The positions whose gradients take the fused path this step, and each replica's
-        gradients at the candidate positions.
+    ) -> tuple[tuple[int, ...], list[Any], tuple[int, ...]]:
+        """The positions whose gradients take the fused path this step, each replica's
+        gradients at the candidate positions, and the positions whose gradients are summed in
+        their own dtype and cast once (see :meth:`_pack_cast`).
 
         A gradient qualifies when every replica gave a plain array of the variable's dtype and
         shape. One array object that several replicas (or all) gave is read once per replica
         that gave it: a term of the sum each time, the per-variable path's meaning (it sums a
-        value every replica gave once per replica, in device order). The common case is
-        checked with C-level passes.
+        value every replica gave once per replica, in device order). Arrays of the variable's
+        shape and of one other numeric dtype in every replica (one that casts to the
+        variable's dtype as the update casts) are cast positions. The common cases are checked
+        with C-level passes.
         ``listed``: each replica's gradients, already listed (every position a candidate).
         """
         cand = plan.candidates
         if not cand:
-            return (), []
+            return (), [], ()
         if listed is not None:
             picked = listed  # every position a candidate, each replica's gradients listed
         elif len(cand) == count:
             picked = [p.grads for p in parts]
         else:
             picked = [plan.pick(p.grads) for p in parts]
-        if all(
-            set(map(type, g)) == _NDARRAY_ONLY
-            and list(map(_dtype_of, g)) == plan.dtypes
-            and all(map(operator.eq, map(_shape_of, g), plan.shapes))
-            for g in picked
+        types = [set(map(type, g)) for g in picked]
+        if any(issubclass(c, np.generic) for t in types for c in t):
+            # numpy scalars (what np.sum returns, say): 0-d arrays of their own, as the
+            # per-variable sum reads them.
+            picked = [
+                [np.asarray(x) if isinstance(x, np.generic) else x for x in g]
+                if any(issubclass(c, np.generic) for c in t)
+                else g
+                for g, t in zip(picked, types, strict=True)
+            ]
+            types = [set(map(type, g)) for g in picked]
+        if all(t == _NDARRAY_ONLY for t in types) and all(
+            all(map(operator.eq, map(_shape_of, g), plan.shapes)) for g in picked
         ):
-            return cand, picked
+            dtypes = [list(map(_dtype_of, g)) for g in picked]
+            if all(d == plan.dtypes for d in dtypes):
+                return cand, picked, ()
+            if plan.mixed is not None and all(d == plan.mixed[0] for d in dtypes):
+                return plan.mixed[1], picked, plan.mixed[2]  # a loop of cast gradients
+        if any(np.ndarray not in t for t in types):
+            return (), picked, ()  # a replica gave no array at all (sparse gradients, say)
         out = []
+        cast = []
         for k, pos in enumerate(cand):
             gs = [g[k] for g in picked]
-            if all(
-                type(g) is np.ndarray and g.dtype == plan.dtypes[k] and g.shape == plan.shapes[k]
-                for g in gs
-            ):
+            if not all(type(g) is np.ndarray and g.shape == plan.shapes[k] for g in gs):
+                continue
+            dt = gs[0].dtype
+            if any(g.dtype != dt for g in gs[1:]):
+                continue
+            if dt == plan.dtypes[k]:
                 out.append(pos)
-        return tuple(out), picked
+            elif _castable(dt, plan.dtypes[k]):
+                cast.append(pos)
+        if cast and len(out) + len(cast) == len(cand):
+            plan.mixed = (list(map(_dtype_of, picked[0])), tuple(out), tuple(cast))
+        return tuple(out), picked, tuple(cast)
+
+    def _lines_of(self, fvars: list[Any], replicas: int) -> _LinesCache:
+        """The cache of the fused variables ``fvars``: their runs and layout, made once."""
+        fkey = tuple(map(id, fvars))
+        cached = self.lines.get(fkey)
+        if cached is None or not all(map(operator.is_, cached[0], fvars)):
+            self._owner._create_slots(fvars)
+            if len(self.lines) >= PLAN_CACHE:
+                self.lines.pop(next(iter(self.lines)))
+            cached = (tuple(fvars), _LinesCache(fkey, self._owner._plan(fvars), replicas))
+            self.lines[fkey] = cached
+        return cached[1]
+
+    def _pack_cast(
+        self,
+        var_list: Sequence[Any],
+        cast: tuple[int, ...],
+        chosen: list[Any],
+        order: tuple[int, ...],
+    ) -> list[FusedLines]:
+        """The gradients at ``cast`` (arrays of another dtype than their variables'), with the
+        per-variable meaning (the replicas summed in the gradients' dtype in device order, as
+        ``add_n`` sums them, then cast to the variable's dtype as the update casts), done once
+        per dtype over all of them: each replica's gradients packed into flat buffers of their
+        dtype laid out like the arena, added buffer by buffer, the sum cast in one call.
+        ``chosen``: each local replica's gradients at ``cast``."""
+        by_dtype: dict[np.dtype, list[int]] = {}
+        for k, g in enumerate(chosen[0]):
+            by_dtype.setdefault(g.dtype, []).append(k)
+        out = []
+        for dt, ks in by_dtype.items():
+            cvars = [var_list[cast[k]] for k in ks]
+            lines = self._lines_of(cvars, len(chosen))
+            staging, total, final = lines.cast_buffers(dt, len(order))
+            for r, target in zip(order, staging, strict=True):
+                g = chosen[r]
+                update_core.pack_lines(lines.runs, lines.layout, [g[k] for k in ks], target)
+            for vdt, t in total.items():
+                np.copyto(t, staging[0][vdt])
+                for more in staging[1:]:
+                    np.add(t, more[vdt], out=t, casting="unsafe")
+                np.copyto(final[vdt], t, casting="same_kind")
+            out.append(FusedLines(cvars, lines.runs, lines.layout, [final]))
+        return out
 
     def _pack(
         self,
@@ -585,15 +748,7 @@ class FusedTransport:
         of the fused variables, when known (a steady step)."""
         fvars = list(var_list) if len(fused) == len(var_list) else [var_list[i] for i in fused]
         if lines is None:
-            fkey = tuple(map(id, fvars))
-            cached = self.lines.get(fkey)
-            if cached is None or not all(map(operator.is_, cached[0], fvars)):
-                self._owner._create_slots(fvars)
-                if len(self.lines) >= PLAN_CACHE:
-                    self.lines.pop(next(iter(self.lines)))
-                cached = (tuple(fvars), _LinesCache(fkey, self._owner._plan(fvars), len(parts)))
-                self.lines[fkey] = cached
-            lines = cached[1]
+            lines = self._lines_of(fvars, len(parts))
         runs, layout = lines.runs, lines.layout
         pick = (
             (lambda seq: seq)

@@ -12,10 +12,8 @@ from parallelvars.errors import GradientError
 
 __all__ = [
     "IndexedSlices",
-    "SparseRows",
     "clip_by_global_norm",
     "global_norm",
-    "sparse_rows",
     "sum_indexed_slices",
 ]
 
@@ -100,8 +98,23 @@ class IndexedSlices:
         )
 
 
-def sum_indexed_slices(parts: Sequence[IndexedSlices]) -> IndexedSlices:
-    """The sum of sparse gradients: their rows side by side (duplicates add up later)."""
+def sum_indexed_slices(
+    parts: Sequence[IndexedSlices], variable: str | None = None
+) -> IndexedSlices:
+    """The sum of sparse gradients: their rows side by side (duplicates add up later).
+
+    Raises:
+        GradientError: the parts' rows have different shapes (``variable`` named).
+    """
+    rows = {p.values.shape[1:] for p in parts}
+    if len(rows) > 1:
+        first, *_ = (p.values.shape[1:] for p in parts)
+        raise GradientError(
+            "sparse gradients of the replicas have rows of different shapes",
+            variable=variable,
+            expected=first,
+            found=sorted(rows - {first}),
+        )
     shapes = {p.dense_shape for p in parts if p.dense_shape is not None}
     values = np.concatenate([p.values for p in parts])
     if len(shapes) > 1 or values.ndim == 0:
@@ -113,81 +126,6 @@ def sum_indexed_slices(parts: Sequence[IndexedSlices]) -> IndexedSlices:
     out.indices = np.concatenate([p.indices for p in parts])
     out.dense_shape = next(iter(shapes)) if shapes else None
     return out
-
-
-class SparseRows:
-    """The deduplicated rows of the sparse gradients of several variables, in one array.
-
-    Made by :func:`sparse_rows`. Variable ``k`` of the list (``rows[k]`` rows of ``width``
-    elements each) has its touched rows at ``index[var == k]``, with the summed values
-    ``values[var == k]``: exactly what :meth:`IndexedSlices.deduplicate` gives each variable on
-    its own, sorted by row.
-    """
-
-    __slots__ = ("index", "values", "var")
-
-    def __init__(self, var: np.ndarray, index: np.ndarray, values: np.ndarray) -> None:
-        self.var = var
-        self.index = index
-        self.values = values
-
-    def columns(self, starts: np.ndarray, width: int) -> np.ndarray:
-        """The flat element positions of every touched row, variable ``k`` starting at
-        ``starts[k]`` (its rows back to back, ``width`` elements each), row after row."""
-        first = starts[self.var] + self.index * width
-        return (first[:, None] + np.arange(width, dtype=np.int64)).reshape(-1)
-
-
-def sparse_rows(grads: Sequence[IndexedSlices], rows: Sequence[int], width: int) -> SparseRows:
-    """Deduplicate the sparse gradients of several variables at once: a few numpy calls in all.
-
-    ``grads[k]`` is variable ``k``'s gradient (replicas' rows side by side, as
-    :func:`sum_indexed_slices` gives them; indices already checked in ``[0, rows[k])``), all
-    of one values dtype, rows of ``width`` elements. The bits are those of
-    :meth:`IndexedSlices.deduplicate` per variable: a variable without a repeated index keeps
-    its values as they are; one with a repeated index has each of its rows summed from zero
-    in occurrence order.
-    """
-    counts = np.fromiter((g.indices.shape[0] for g in grads), np.int64, len(grads))
-    var_of = np.repeat(np.arange(len(grads), dtype=np.int64), counts)
-    base = np.zeros(len(grads) + 1, np.int64)
-    np.cumsum(np.asarray(rows, np.int64), out=base[1:])
-    index = np.concatenate([g.indices for g in grads]) if grads else np.zeros(0, np.int64)
-    dtype = grads[0].values.dtype if grads else np.dtype(np.float32)
-    values = (
-        np.concatenate([g.values.reshape(-1, width) for g in grads])
-        if grads
-        else np.zeros((0, width), dtype)
-    )
-    keys = base[var_of] + index
-    unique, inverse = np.unique(keys, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    uvar = np.searchsorted(base, unique, side="right") - 1
-    repeated = np.bincount(uvar, minlength=len(grads)) < counts
-    summed = np.zeros((unique.shape[0], width), dtype)
-    if repeated.any():
-        take = repeated[var_of]
-        keep = ~take
-        summed[inverse[keep]] = values[keep]
-        _add_in_occurrence_order(summed, inverse[take], values[take])
-    else:
-        summed[inverse] = values
-    return SparseRows(uvar, unique - base[uvar], summed)
-
-
-def _add_in_occurrence_order(out: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
-    """``np.add.at(out, rows, values)``, the same bits, in as many vectorised adds as a row
-    repeats at most: round ``j`` adds every row's ``j``-th value (its occurrences in order), so
-    each row is summed left to right from its value in ``out``, as ``np.add.at`` sums it."""
-    if not rows.size:
-        return
-    order = np.argsort(rows, kind="stable")
-    ranked = rows[order]
-    first = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
-    rank = np.arange(ranked.shape[0]) - np.repeat(first, np.diff(np.r_[first, ranked.shape[0]]))
-    for j in range(int(rank.max()) + 1):
-        at = order[rank == j]
-        out[rows[at]] += values[at]
 
 
 def _squares(t: Any) -> float:
