@@ -46,7 +46,8 @@ __all__ = ["Prepared", "index_documents", "save_native", "write_native", "write_
 def _shared(components: Sequence[np.ndarray], crcs: list[int]) -> list[int]:
     """For each component, the first earlier one with the same shape and bytes (or itself)."""
     first = components[0]
-    if all(c == crcs[0] for c in crcs) and all(c.shape == first.shape for c in components):
+    shape = first.shape
+    if crcs.count(crcs[0]) == len(crcs) and all(c.shape == shape for c in components):
         # the common case (a mirrored variable): every component equal to the first
         if first.nbytes <= 1 << 16:  # small: comparing copies costs less than numpy's call
             b0 = first.tobytes()
@@ -386,6 +387,10 @@ def _check_components(e: Any, comps: Sequence[np.ndarray], file: str) -> None:
     """The components of an entry are of its dtype and of the shapes its layout gives."""
     from parallelvars.errors import DtypeMismatchError, ShapeMismatchError
 
+    if e.kind != "sharded" and len(comps) == e.num_components:  # every component: the shape
+        shape, dt = tuple(map(int, e.shape)), e.dtype
+        if all(c.shape == shape and c.dtype == dt for c in comps):
+            return
     dt = np.dtype(e.dtype)
     for i, (c, want) in enumerate(zip(comps, _expected_shapes(e), strict=True)):
         if c.shape != want:
@@ -460,15 +465,48 @@ def save_native(
     :data:`~.generate.MAX_COMPACT_LINKS` links, an attribute message over 64 KiB...) is written
     by ``h5io.write.write_h5`` through libhdf5, with its skeleton cache ``skeletons``.
     """
-    from parallelvars.checkpoint.h5io.write import RecordList, _structure_key, write_h5
+    from parallelvars.checkpoint.h5io.write import RecordList
 
     p = os.fspath(path)
     if isinstance(entries, RecordList):  # (keeps its structure key from save to save)
         items: list[Any] = entries
     else:
         items = list(entries.values()) if isinstance(entries, Mapping) else list(entries)
+    return _save_native(p, items, object_graph, metadata, cache, skeletons, checksums, share_equal)
+
+
+def _plan_key(
+    items: Sequence[Any], object_graph: Mapping[str, Any] | None, metadata: Mapping[str, Any] | None
+) -> Any:
+    """The key a structure's cached plan is found by: for a ``RecordList``, its structure
+    token (records with the same token have the same structure) with what else the file's
+    bytes depend on; else :func:`~parallelvars.checkpoint.h5io.write._structure_key`."""
+    from parallelvars.checkpoint.h5io.write import RecordList, _structure_key
+
+    if isinstance(items, RecordList):
+        meta = tuple(
+            (k, type(v).__name__ if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+            for k, v in dict(metadata or {}).items()
+            if v is not None
+        )
+        return (_library_version(), meta, items.token, object_graph)
+    return _structure_key(items, object_graph, metadata)
+
+
+def _save_native(
+    p: str,
+    items: list[Any],
+    object_graph: Mapping[str, Any] | None,
+    metadata: Mapping[str, Any] | None,
+    cache: Any,
+    skeletons: Any,
+    checksums: dict[str, list[int]] | None,
+    share_equal: bool,
+) -> str:
+    from parallelvars.checkpoint.h5io.write import write_h5
+
     in_memory = all(hasattr(e, "components") for e in items)
-    skey = _structure_key(items, object_graph, metadata) if in_memory else None
+    skey = _plan_key(items, object_graph, metadata) if in_memory and cache is not None else None
     if cache is not None and skey is not None and cache.get(("unexpressed", skey)) is not None:
         return write_h5(
             p,
@@ -507,18 +545,20 @@ def _plan_for(
     seen: set[str] = set()
     variables = []
     for e, sh in zip(items, shared, strict=True):
-        _validate_path(e.path)
-        if e.path in seen:
-            raise InvalidEntryError("is written twice", file=file, variable=e.path)
-        seen.add(e.path)
+        path = e.path
+        if path in seen:
+            raise InvalidEntryError("is written twice", file=file, variable=path)
+        _validate_path(path)
+        seen.add(path)
+        dt = e.dtype
         variables.append(
             Variable(
-                e.path,
+                path,
                 e.kind,
-                np.dtype(e.dtype),
-                tuple(int(d) for d in e.shape),
+                dt if isinstance(dt, np.dtype) else np.dtype(dt),
+                tuple(map(int, e.shape)),
                 int(e.num_components),
-                dict(e.attrs),
+                e.attrs,  # (read, not kept: the plan copies what it keeps)
                 sh,
             )
         )
@@ -530,30 +570,60 @@ def _plan_for(
     return FilePlan(variables, root_attrs=root, documents=documents), documents
 
 
-def _index_of(items: Sequence[Any], plan: FilePlan, crcs: Sequence[Sequence[int]]) -> dict:
+def _index_of(
+    items: Sequence[Any], plan: FilePlan, crcs: Sequence[Sequence[int]] | None
+) -> dict[str, Any]:
+    """The index of ``items`` as the plan lays them out; with ``crcs`` None, each record's
+    checksums are its ``crc_mark`` (for ``marked_template``)."""
+    from parallelvars.checkpoint.h5io.write import crc_mark
+
     index: dict[str, Any] = {}
     names: dict[np.dtype, str] = {}
     decoded: dict[Any, Any] = {}
-    for e, cc in zip(items, crcs, strict=True):
-        dt = np.dtype(e.dtype)
+    marks: dict[int, str] = {}
+    offsets = plan.offsets
+    for k, e in enumerate(items):
+        dt = e.dtype
         name = names.get(dt)
         if name is None:
-            name = names[dt] = dtype_name(dt)
-        meta: dict[str, Any] = {
+            name = names[dt] = dtype_name(np.dtype(dt))
+        n = int(e.num_components)
+        attrs: dict[str, Any] = {}
+        for key, val in e.attrs.items():
+            if val is None or key in _META_KEYS:
+                continue
+            t = type(val)
+            if t is str or t is int or t is bool:
+                vkey: Any = (t, val)
+            elif t is list and all(type(x) is str for x in val):
+                vkey = ("strs", *val)
+            else:
+                attrs[key] = _decode(_attr_value(val))
+                continue
+            out = decoded.get(vkey, decoded)
+            if out is decoded:
+                out = decoded[vkey] = _decode(_attr_value(val))
+            attrs[key] = list(out) if type(out) is list else out
+        if crcs is None:
+            mark = marks.get(n)
+            if mark is None:
+                mark = marks[n] = crc_mark(n)
+            crc: Any = mark
+        else:
+            crc = list(crcs[k])
+        index[e.path] = {
             "kind": e.kind,
             "dtype": name,
-            "shape": [int(d) for d in e.shape],
-            "num_components": int(e.num_components),
+            "shape": list(map(int, e.shape)),
+            "num_components": n,
+            "attrs": attrs,
+            "offsets": offsets[e.path],
+            "crc32c": crc,
         }
-        meta["attrs"] = {
-            k: _index_value(val, decoded)
-            for k, val in dict(e.attrs).items()
-            if val is not None and k not in meta
-        }
-        meta["offsets"] = plan.offsets[e.path]
-        meta["crc32c"] = list(cc)
-        index[e.path] = meta
     return index
+
+
+_META_KEYS = frozenset({"kind", "dtype", "shape", "num_components"})
 
 
 def _prepare(
@@ -566,12 +636,16 @@ def _prepare(
     file: str,
 ) -> tuple[Prepared, dict[str, Any]]:
     """A structure's plan, metadata image and document templates; and its first index."""
-    from parallelvars.checkpoint.h5io.write import _index_template
+    from parallelvars.checkpoint.h5io.write import _index_template, marked_template
 
     plan, _ = _plan_for(items, shared, object_graph, root, file)
-    index = _index_of(items, plan, crcs)
-    flat = [c for m in index.values() for c in m["crc32c"]]
-    text = json.dumps(index)
+    flat = [c for cc in crcs for c in cc]
+    index = _index_of(items, plan, None)
+    template = marked_template(index)
+    if template is None:  # (a value with a mark's text: made record by record)
+        index = _index_of(items, plan, crcs)
+        template = _index_template(index)
+    text = template % tuple(flat)  # (json.dumps of the index with its checksums)
     digits = ", ".join(map(str, flat))
     separators = 2 * max(len(flat) - 1, 0)
     head, tail = _columns_parts(index)
@@ -592,7 +666,7 @@ def _prepare(
         image,
         meta.file_size,
         meta.documents,
-        _index_template(index),
+        template,
         capacities,
         (head, tail),
         graph,
