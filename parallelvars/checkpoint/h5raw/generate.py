@@ -384,6 +384,9 @@ class _Layout:
         self.strings = sig.strings_around_row()
         self.template: Template | None = None
         self.groups: list[_Group] = []  # the groups made from the template, in file order
+        # the template numbers of a variable's component datasets: [without data, with data]
+        # (a layout that is not sharded: every component has the variable's shape)
+        self.ds_keys: list[list[int] | None] = [None, None]
 
 
 class FilePlan:
@@ -488,21 +491,23 @@ class FilePlan:
         row = attrs.get(_ROW_STRING)
         if row is not None and not isinstance(row, str):
             raise msg.Unsupported(f"attribute {_ROW_STRING!r} that is not a string")
-        group = self._by_path.get(path)
+        by_path = self._by_path
+        group = by_path.get(path)
         if group is None:
             parent_path, _, name = path.rpartition("/")
-            parent = self._by_path.get(parent_path) or self._group_of(parent_path)
-            group = self._by_path[path] = _Group()
+            parent = by_path.get(parent_path) or self._group_of(parent_path)
+            group = by_path[path] = _Group()
             parent.links.append((name.encode("utf-8"), group))
             parent.children.append(group)
         elif group.attrs or group.layout is not None:
             raise InvalidEntryError("is written twice", variable=path)
+        shared = var.shared
         key = (
             var.kind,
             dt,
             len(shape),
             var.num_components,
-            None if var.shared is None else tuple(var.shared),
+            None if shared is None else tuple(shared),
             row is None,
             # what the group's header does not hold (the index-only attributes) is not in the key
             _attrs_key(attrs),
@@ -558,16 +563,25 @@ class FilePlan:
             self._add_special(vds)
         else:
             nbytes = math.prod(shape) * layout.itemsize
-            for links in layout.links:
-                self._add_component(layout, shape, nbytes, links)
+            keys = layout.ds_keys[nbytes > 0]
+            if keys is None:
+                keys = layout.ds_keys[nbytes > 0] = [
+                    self._component_key(layout, len(shape), nbytes, links) for links in layout.links
+                ]
+            self._ds_key += keys
+            count = len(keys)
+            self._ds_shape += [shape] * count
+            self._ds_nbytes += [nbytes] * count
         self._rows.append((path, layout, first, layout.n))
+
+    def _component_key(self, layout: _Layout, ndim: int, nbytes: int, links: int) -> int:
+        """The template number of a component dataset."""
+        return self._key_number((layout.storage, ndim, nbytes > 0, links, msg.FILL_EARLY_NEVER))
 
     def _add_component(
         self, layout: _Layout, shape: tuple[int, ...], nbytes: int, links: int
     ) -> None:
-        self._ds_key.append(
-            self._key_number((layout.storage, len(shape), nbytes > 0, links, msg.FILL_EARLY_NEVER))
-        )
+        self._ds_key.append(self._component_key(layout, len(shape), nbytes, links))
         self._ds_shape.append(shape)
         self._ds_nbytes.append(nbytes)
 
