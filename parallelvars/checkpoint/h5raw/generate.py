@@ -106,7 +106,7 @@ class Metadata:
     component data and the documents go between them), the file's size, and each document's
     data offset."""
 
-    pieces: list[tuple[int, bytes]]
+    pieces: list[tuple[int, bytes | memoryview]]  # (the image's own bytes, not copied)
     file_size: int
     documents: dict[str, int]
 
@@ -689,7 +689,7 @@ class FilePlan:
         objects = strings + [ds.mapping or b"" for ds in maps]
         lengths = np.fromiter(map(len, objects), np.int64, len(objects))
         heap, addrs, index = build_collections(b"".join(objects), lengths, at)
-        self._heap = (at, heap.tobytes())
+        self._heap = (at, heap)
         refs = np.zeros((len(objects), 16), np.uint8)
         refs[:, 0:4] = lengths.astype("<u4").view(np.uint8).reshape(-1, 4)
         refs[:, 4:12] = addrs.astype("<u8").view(np.uint8).reshape(-1, 8)
@@ -951,11 +951,12 @@ class FilePlan:
                     self._place_datasets(image, number, rows)
         for ds in self._special.values():
             put(ds.address, *self._encode_dataset(ds))
-        put(*self._heap, [])
+        at, heap = self._heap
+        image[at : at + heap.size] = heap
         sums = lookup3_many(image, spans)
         where = np.array([e for _, e in spans], np.int64).reshape(-1, 1) + np.arange(4)
         image[where.reshape(-1)] = sums.astype("<u4").view(np.uint8)
-        return Metadata([(0, image.tobytes())], file_size, documents)
+        return Metadata([(0, image.data)], file_size, documents)
 
     def _set_root_values(self, values: Mapping[str, Any] | None) -> None:
         for name, value in dict(values or {}).items():

@@ -315,7 +315,7 @@ class Prepared:
         self,
         key: Any,
         plan: FilePlan,
-        image: bytes,
+        image: bytes | memoryview,
         file_size: int,
         documents: dict[str, int],
         template: str,
@@ -634,8 +634,8 @@ def _prepare(
     object_graph: Mapping[str, Any] | None,
     root: Mapping[str, Any],
     file: str,
-) -> tuple[Prepared, dict[str, Any]]:
-    """A structure's plan, metadata image and document templates; and its first index."""
+) -> Prepared:
+    """A structure's plan, metadata image and document templates."""
     from parallelvars.checkpoint.h5io.write import _index_template, marked_template
 
     plan, _ = _plan_for(items, shared, object_graph, root, file)
@@ -645,12 +645,14 @@ def _prepare(
     if template is None:  # (a value with a mark's text: made record by record)
         index = _index_of(items, plan, crcs)
         template = _index_template(index)
-    text = template % tuple(flat)  # (json.dumps of the index with its checksums)
-    digits = ", ".join(map(str, flat))
+    # the index without its checksums' digits: each "%%" of the template is one "%", each
+    # "%d" one checksum
+    bare = len(template) - template.count("%%") - 2 * len(flat)
     separators = 2 * max(len(flat) - 1, 0)
     head, tail = _columns_parts(index)
+    del index  # (its objects: about a kilobyte per record, not kept while the image is made)
     capacities = {
-        INDEX_DATASET: index_capacity(len(text) - (len(digits) - separators), len(flat)),
+        INDEX_DATASET: index_capacity(bare, len(flat)),
         COLUMNS_DATASET: index_capacity(len(head) + len(tail) + separators, len(flat)),
     }
     graph = None
@@ -660,7 +662,7 @@ def _prepare(
     meta = plan.metadata(capacities)
     (at, image), *rest = meta.pieces
     assert at == 0 and not rest
-    prep = Prepared(
+    return Prepared(
         key,
         plan,
         image,
@@ -671,7 +673,6 @@ def _prepare(
         (head, tail),
         graph,
     )
-    return prep, index
 
 
 def _documents(prep: Prepared, flat: Sequence[int]) -> dict[str, bytes]:
@@ -724,7 +725,7 @@ def _save_arrays(
         # (a cached structure's key holds every component's shape and dtype: checked once)
         for e, cs in zip(items, comps, strict=True):
             _check_components(e, cs, p)
-        prep, _ = _prepare(key, items, shared, crcs, object_graph, root, p)
+        prep = _prepare(key, items, shared, crcs, object_graph, root, p)
         if cache is not None and key is not None:
             cache.put(prep)
     flat = [c for cc in crcs for c in cc]
