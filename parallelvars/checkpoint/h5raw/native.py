@@ -698,6 +698,59 @@ def _documents(prep: Prepared, flat: Sequence[int]) -> dict[str, bytes]:
     return docs
 
 
+def _checksummed(
+    items: Sequence[Any], share_equal: bool
+) -> tuple[list[list[np.ndarray]], list[list[int]], list[list[int] | None], tuple[Any, ...]]:
+    """Each entry's components (C-contiguous), their checksums, which components share
+    a dataset (:func:`_shared`; None: each its own) and the sharing pattern of every entry.
+
+    A component whose bytes equal the first component's (a mirrored variable's, the common
+    case) takes the first one's checksum: comparing the bytes is needed to share them anyway,
+    and the checksum of equal bytes is the same."""
+    comps: list[list[np.ndarray]] = []
+    crcs: list[list[int]] = []
+    shared: list[list[int] | None] = []
+    pattern: list[Any] = []
+    for e in items:
+        cs = [_contiguous(c) for c in e.components]
+        comps.append(cs)
+        n = len(cs)
+        if n < 2 or not share_equal or e.kind == "sharded":
+            crcs.append([_crc(c) for c in cs])
+            shared.append(None)
+            pattern.append(None)
+            continue
+        first = cs[0]
+        shape, dt, size = first.shape, first.dtype, first.nbytes
+        raw = first.tobytes() if size <= 1 << 16 else None
+        crc0 = _crc(first)
+        cc = [crc0]
+        same = True
+        for c in cs[1:]:
+            if same and c.shape == shape and c.dtype == dt and _equal(first, c, raw):
+                cc.append(crc0)
+            else:
+                same = False
+                cc.append(_crc(c))
+        crcs.append(cc)
+        if same:
+            sh: list[int] | None = [0] * n
+        else:
+            sh = _shared(cs, cc)
+            if sh == list(range(n)):
+                sh = None
+        shared.append(sh)
+        pattern.append(None if sh is None else tuple(sh))
+    return comps, crcs, shared, tuple(pattern)
+
+
+def _equal(first: np.ndarray, c: np.ndarray, raw: bytes | None) -> bool:
+    """Whether ``c``'s bytes are ``first``'s (``raw``: ``first.tobytes()`` when small)."""
+    if raw is not None:
+        return c.tobytes() == raw
+    return bool(np.array_equal(byte_view(first), byte_view(c)))
+
+
 def _save_arrays(
     p: str,
     items: list[Any],
@@ -710,14 +763,7 @@ def _save_arrays(
 ) -> None:
     from parallelvars.errors import ConcurrentWriteError
 
-    comps = [[_contiguous(c) for c in e.components] for e in items]
-    crcs = [[_crc(c) for c in cs] for cs in comps]
-    shared = [
-        _shared(cs, cc) if share_equal and e.kind != "sharded" and len(cs) > 1 else None
-        for e, cs, cc in zip(items, comps, crcs, strict=True)
-    ]
-    pattern = tuple(None if s is None or s == list(range(len(s))) else tuple(s) for s in shared)
-    shared = [None if pat is None else s for s, pat in zip(shared, pattern, strict=True)]
+    comps, crcs, shared, pattern = _checksummed(items, share_equal)
     key = None if skey is None else (skey, pattern)
     root = _root_values(metadata)
     prep = None if cache is None or key is None else cache.get(key)
