@@ -26,6 +26,7 @@ from parallelvars._dtypes import dtype_name
 from parallelvars._fileio import IOV_MAX, atomic_path, byte_view, checksum, pwrite_all, pwritev_all
 from parallelvars.checkpoint._skeleton import index_capacity
 from parallelvars.checkpoint.h5io.attributes import _attr_value, _decode, _root_attr_value
+from parallelvars.checkpoint.h5io.columns import _copied
 from parallelvars.checkpoint.h5io.layout import (
     COLUMNS_DATASET,
     DOCUMENTS_ATTR,
@@ -592,18 +593,27 @@ def _index_of(
         for key, val in e.attrs.items():
             if val is None or key in _META_KEYS:
                 continue
+            # what the file's attribute decodes to is the value itself for these (strings
+            # that are not "json:" text, booleans, floats, integers of int64)
             t = type(val)
-            if t is str or t is int or t is bool:
-                vkey: Any = (t, val)
-            elif t is list and all(type(x) is str for x in val):
-                vkey = ("strs", *val)
-            else:
-                attrs[key] = _decode(_attr_value(val))
+            if (
+                (t is str and not val.startswith("json:"))
+                or t is bool
+                or t is float
+                or (t is int and -(1 << 63) <= val < 1 << 63)
+            ):
+                attrs[key] = val
                 continue
-            out = decoded.get(vkey, decoded)
+            if t is list and all(type(x) is str and not x.startswith("json:") for x in val):
+                attrs[key] = list(val)
+                continue
+            vkey = _frozen_value(val)
+            out = decoded.get(vkey, decoded) if vkey is not None else decoded
             if out is decoded:
-                out = decoded[vkey] = _decode(_attr_value(val))
-            attrs[key] = list(out) if type(out) is list else out
+                out = _decode(_attr_value(val))
+                if vkey is not None:
+                    decoded[vkey] = out
+            attrs[key] = _copied(out)
         if crcs is None:
             mark = marks.get(n)
             if mark is None:
@@ -624,6 +634,16 @@ def _index_of(
 
 
 _META_KEYS = frozenset({"kind", "dtype", "shape", "num_components"})
+
+
+def _frozen_value(value: Any) -> Any:
+    """A key for an attribute value whose decoded form is worth keeping (None: none)."""
+    t = type(value)
+    if t is str:
+        return (t, value)
+    if t is list and all(type(x) is str for x in value):
+        return ("strs", *value)
+    return None
 
 
 def _prepare(
