@@ -803,7 +803,10 @@ class FilePlan:
 
     def _place_plain(self, image: np.ndarray, tmpl: Template, groups: list[_Group]) -> None:
         count = len(groups)
-        links = np.array([[self._address(t) for _, t in g.links] for g in groups], "<u8")
+        ds = self._ds_address.tolist()
+        links = np.array(
+            [[t.address if type(t) is _Group else ds[t] for _, t in g.links] for g in groups], "<u8"
+        )
         fields = links.reshape(count, -1).view(np.uint8).reshape(count, -1)
         addresses = np.fromiter((g.address for g in groups), np.int64, count)
         place(image, addresses, tmpl.rows(fields))
