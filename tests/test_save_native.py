@@ -199,13 +199,23 @@ def test_attributes_equal_but_for_the_sign_of_zero_get_their_own_layout(tmp_path
     from parallelvars.checkpoint.registry import SaveRecord
 
     records = [
-        SaveRecord("single", [np.zeros(2, np.float32)], (2,), {"scale": s}, path=f"v{k}")
+        SaveRecord(
+            "single",
+            [np.zeros(2, np.float32)],
+            (2,),
+            {"scale": s, "scales": [s, 1.5], "more": {"a": [np.float64(s)]}},
+            path=f"v{k}",
+        )
         for k, s in enumerate((0.0, -0.0, 0.0))
     ]
     path = native.save_native(tmp_path / "c.h5", records)
     with h5py.File(path, "r") as f:
         signs = [np.copysign(1.0, f[f"v{k}"].attrs["scale"]) for k in range(3)]
+        lists = [f[f"v{k}"].attrs["scales"] for k in range(3)]
+        nested = [f[f"v{k}"].attrs["more"] for k in range(3)]
     assert signs == [1.0, -1.0, 1.0]
+    assert lists == ["json:[0.0, 1.5]", "json:[-0.0, 1.5]", "json:[0.0, 1.5]"]
+    assert nested == ['json:{"a": [0.0]}', 'json:{"a": [-0.0]}', 'json:{"a": [0.0]}']
 
 
 def test_a_value_with_the_checksums_mark_text_keeps_the_index_exact(tmp_path) -> None:

@@ -173,28 +173,17 @@ def encode_attribute(name: str, value: Any) -> _Attr:
 _ROW_STRING = "slot_of"  # the one group attribute that differs between most variables
 
 
-_SCALARS = (str, int, float, bool, type(None))
-
-
 def _frozen(value: Any) -> Any:
-    """``value`` as a hashable key (lists and dicts as tuples, arrays by dtype and bytes)."""
-    if type(value) is dict:  # the common case first: scalars and lists of strings
-        out: list[tuple[Any, ...]] = []
-        for k, v in value.items():
-            t = type(v)
-            if t in _SCALARS:
-                out.append((k, t, v))
-            elif t is list and all(type(x) is str for x in v):
-                out.append((k, "strs", *v))
-            else:
-                out.append((k, _frozen(v)))
-        return tuple(out)
+    """``value`` as a hashable key (lists and dicts as tuples, arrays by dtype and bytes,
+    floats by their exact bits: ``-0.0 == 0.0``)."""
     if isinstance(value, dict):
         return tuple((k, _frozen(v)) for k, v in value.items())
     if isinstance(value, list | tuple):
         return (type(value).__name__, *map(_frozen, value))
     if isinstance(value, np.ndarray):
         return ("ndarray", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, float | np.floating):
+        return (type(value).__name__, float(value).hex())
     return (type(value).__name__, value)
 
 
@@ -203,21 +192,27 @@ _NOT_IN_KEY = _INDEX_ONLY | {_ROW_STRING}
 
 def _attrs_key(attrs: Mapping[str, Any]) -> tuple[Any, ...]:
     """What a variable group's header holds of its attributes (all but the index-only ones
-    and the row string), as a hashable key: ``_frozen`` of them, floats by their exact bits
-    (``-0.0 == 0.0`` would share one layout)."""
+    and the row string), as a hashable key (:func:`_frozen` but for the common values:
+    strings, booleans, integers, None, floats by their exact bits, lists of strings)."""
     out: list[tuple[Any, ...]] = []
+    append = out.append
     for k, v in attrs.items():
         if k in _NOT_IN_KEY:
             continue
         t = type(v)
-        if t is float:
-            out.append((k, t, v.hex()))
-        elif t in _SCALARS:
-            out.append((k, t, v))
-        elif t is list and all(type(x) is str for x in v):
-            out.append((k, "strs", *v))
+        if t is str or t is bool or t is int or v is None:
+            append((k, t, v))
+        elif t is float:
+            append((k, t, v.hex()))
+        elif t is list:
+            try:
+                "".join(v)  # (only strings join)
+            except TypeError:
+                append((k, _frozen(v)))
+            else:
+                append((k, "strs", *v))
         else:
-            out.append((k, _frozen(v)))
+            append((k, _frozen(v)))
     return tuple(out)
 
 
