@@ -908,6 +908,7 @@ class FilePlan:
         """The file's metadata with the documents' ``capacities`` (bytes), the root
         attributes ``values`` (those given at construction, of the same types) and the
         documents' ``crc32c`` attributes."""
+        assert self._groups is not None, "the plan was released: its image was made already"
         self._capacities = dict(capacities or {})
         self._set_root_values(values)
         at = self.data_end
@@ -955,6 +956,29 @@ class FilePlan:
         where = np.array([e for _, e in spans], np.int64).reshape(-1, 1) + np.arange(4)
         image[where.reshape(-1)] = sums.astype("<u4").view(np.uint8)
         return Metadata([(0, image.data)], file_size, documents)
+
+    def release(self) -> None:
+        """After :meth:`metadata`: drop what only making the image needed (the groups, the
+        layouts, the dataset columns, the heap), keeping :attr:`offsets` and what
+        :meth:`refresh` re-encodes (the root group, the documents). A plan kept for repeated
+        saves then holds tens of bytes per variable instead of its whole structure."""
+        documents = set(self._documents.values())
+        self._special = {k: ds for k, ds in self._special.items() if k in documents}
+        root_links = [t for _, t in self._root.links if isinstance(t, int)]
+        if root_links:  # (a root linking to datasets: their addresses stay)
+            keep = max(root_links) + 1
+            self._ds_address = self._ds_address[:keep].copy()
+        else:
+            self._ds_address = np.zeros(0, np.int64)
+        for g in self._root.children:
+            g.links, g.children, g.attrs = [], [], []  # (only its address is read)
+        self._root.children = []
+        for name in ("_by_path", "_groups", "_layouts", "_plain", "_individual", "_rows"):
+            setattr(self, name, None)
+        self._ds_key, self._ds_shape, self._ds_nbytes = [], [], []
+        self._ds_offset = np.zeros(0, np.int64)
+        self._ref_rows = np.zeros((0, 16), np.uint8)
+        self._heap = (0, np.zeros(0, np.uint8))
 
     def _set_root_values(self, values: Mapping[str, Any] | None) -> None:
         for name, value in dict(values or {}).items():

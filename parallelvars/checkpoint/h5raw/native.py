@@ -680,6 +680,7 @@ def _prepare(
         graph = json.dumps(object_graph).encode()
         capacities[GRAPH_DATASET] = len(graph)
     meta = plan.metadata(capacities)
+    plan.release()  # (kept for the repeated saves: its offsets and the headers they change)
     (at, image), *rest = meta.pieces
     assert at == 0 and not rest
     return Prepared(
