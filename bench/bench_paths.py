@@ -192,18 +192,21 @@ def worker_mirrored(count: int, size: int, folder: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for devices in (1, 4):
         ckpt, _ = _model(count, size, devices, True, True)
-        best = float("inf")
-        for k in range(3):
+        best = cpu = float("inf")
+        for k in range(5):  # (best of 5: the shared disk's fsync varies from call to call)
             path = os.path.join(folder, f"d{devices}-{k}.h5")
             gc.collect()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             ckpt.write(path)
             best = min(best, time.perf_counter() - t)
+            cpu = min(cpu, time.process_time() - c)
         out[f"save_{devices}_s"] = best
+        out[f"cpu_{devices}_s"] = cpu
         out[f"file_{devices}_mb"] = os.path.getsize(path) / 2**20
         del ckpt
     out["ratio_size"] = out["file_4_mb"] / out["file_1_mb"]
     out["ratio_save"] = out["save_4_s"] / out["save_1_s"]
+    out["ratio_cpu"] = out["cpu_4_s"] / out["cpu_1_s"]
     return out
 
 
@@ -315,7 +318,8 @@ def save_mirrored() -> dict[str, Any]:
         print(
             f"  4 devices vs 1: file {r['file_4_mb']:.1f} / {r['file_1_mb']:.1f} MB = "
             f"{r['ratio_size']:.3f}x (target <= 1.05)  save {r['save_4_s']:.3f} / "
-            f"{r['save_1_s']:.3f} s = {r['ratio_save']:.2f}x (target <= 1.2)",
+            f"{r['save_1_s']:.3f} s = {r['ratio_save']:.2f}x (target <= 1.2); CPU time "
+            f"{r['cpu_4_s']:.3f} / {r['cpu_1_s']:.3f} s = {r['ratio_cpu']:.2f}x",
             flush=True,
         )
     else:
