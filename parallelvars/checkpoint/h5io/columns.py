@@ -200,6 +200,19 @@ class ColumnEntries(Mapping[str, dict[str, Any]]):
             "crc32c": doc["crc32c"][c : c + n],
         }
 
+    def attrs_of(self, row: int, *, shared: bool = False) -> dict[str, Any]:
+        """Row ``row``'s attributes (as ``self[path]["attrs"]``, without the rest of the
+        entry). With ``shared``, values that are lists are the document's own (to read, not
+        to change), not copies."""
+        doc = self._doc
+        row_attrs = doc["row_attrs"]
+        layout_attrs = doc["layouts"][doc["layout"][row]]["attrs"]
+        if shared:
+            return {k: row_attrs[k][row] if v is None else v for k, v in layout_attrs.items()}
+        return {
+            k: row_attrs[k][row] if v is None else _copied(v) for k, v in layout_attrs.items()
+        }
+
     def __contains__(self, path: object) -> bool:
         return path in self._rows
 

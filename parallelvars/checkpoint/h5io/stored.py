@@ -18,7 +18,7 @@ from parallelvars._dtypes import as_dtype, dtype_name
 from parallelvars._fileio import byte_view, checksum
 from parallelvars._geometry import shard_shapes
 from parallelvars.checkpoint import _h5policy
-from parallelvars.checkpoint.entry import Entry, check_entry
+from parallelvars.checkpoint.entry import Entry, check_entry, check_name_text
 from parallelvars.checkpoint.h5io.attributes import _decode
 from parallelvars.checkpoint.h5io.layout import _H5_ERRORS, _MAX_COMPRESSION
 from parallelvars.checkpoint.registry import component_name
@@ -185,6 +185,41 @@ class StoredVariable(Entry):
         self._datasets: dict[int, Any] = {}
         self._locations: dict[int, tuple[int, int] | None] = {}
         self._from_index: set[int] = set()
+
+    @classmethod
+    def from_row(
+        cls,
+        reader: OpenFile,
+        path: str,
+        kind: str,
+        dtype: np.dtype,
+        shape: tuple[int, ...],
+        attrs: dict[str, Any],
+        offsets: list[int | None],
+        crcs: list[int],
+    ) -> StoredVariable:
+        """A variable of a row of the index's table (not sharded, not byte strings), whose
+        fields the table validated at open (kind, number of components, aggregation, devices,
+        dimensions, offsets and checksums in range, one offset and checksum per component):
+        made without parsing and checking them again; its name is checked as any other's."""
+        check_name_text(path, reader.path, error=CorruptCheckpointError)
+        self = cls.__new__(cls)
+        self._reader = reader
+        self.path = path
+        self.kind = kind
+        self.dtype = dtype
+        self.shape = shape
+        self.num_components = len(crcs)
+        self.attrs = attrs
+        self._index_offsets = offsets
+        self._crcs = list(crcs)
+        self._shapes = [shape] * len(crcs)
+        self._verified = set()
+        self._storage_ok = set()
+        self._datasets = {}
+        self._locations = {}
+        self._from_index = set()
+        return self
 
     @classmethod
     def from_group(cls, reader: OpenFile, path: str, group: h5py.Group) -> StoredVariable:
