@@ -74,10 +74,10 @@ class Output:
 
     def emit(self, data: Mapping[str, Any], human: str | Callable[[], str]) -> None:
         """Print a command's result: ``data`` as JSON, or the human text."""
-        if self.json_mode:
-            text = json_document(data)
-        else:
+        if not self.json_mode:
             text = human() if callable(human) else human
+        else:
+            text = json_document(data)
         if text:
             self.stdout.write(text if text.endswith("\n") else text + "\n")
         self.stdout.flush()

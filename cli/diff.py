@@ -102,7 +102,9 @@ def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
         return False
     if a.nbytes <= 1 << 20:
         return a.tobytes() == b.tobytes()
-    return bool(np.array_equal(byte_view(np.ascontiguousarray(a)), byte_view(np.ascontiguousarray(b))))
+    return bool(
+        np.array_equal(byte_view(np.ascontiguousarray(a)), byte_view(np.ascontiguousarray(b)))
+    )
 
 
 def compare_arrays(a: np.ndarray, b: np.ndarray, *, rtol: float, atol: float) -> dict[str, Any]:

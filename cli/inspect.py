@@ -218,7 +218,8 @@ def collect(view: CheckpointView, out: Output) -> list[dict[str, Any]]:
     for key in sorted(view, key=natural_key):
         known = summary.get(key) if summary is not None else None
         if known is not None:
-            rows.append(_summary_row(key, *known, names))
+            kind, dtype, shape, n, nbytes, attrs = known
+            rows.append(_summary_row(key, kind, dtype, shape, n, nbytes, attrs, names))
             continue
         try:
             entry = view[key]

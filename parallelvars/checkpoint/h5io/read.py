@@ -744,7 +744,10 @@ class H5Reader(Mapping[str, StoredVariable]):
                         if offsets[si] == offsets[s0]:
                             continue  # one dataset under both names (stored once)
                         # Checksums that differ: bytes that differ; equal ones: compared.
-                        if crcs[si] != crcs[s0] or whole[places[k + i] : places[k + i] + size] != primary:
+                        if (
+                            crcs[si] != crcs[s0]
+                            or whole[places[k + i] : places[k + i] + size] != primary
+                        ):
                             differing.append(i)
                     out[table.names[row]] = differing
                 k += n
@@ -782,7 +785,8 @@ class H5Reader(Mapping[str, StoredVariable]):
                 k += 1
                 continue
             # The next run of taken rows, at most BULK_BYTES (a larger row alone).
-            batch, total = [], 0
+            batch: list[int] = []
+            total = 0
             while k + len(batch) < len(paths):
                 row = rows[k + len(batch)]
                 if row not in taken or (batch and total + table.row_nbytes[row] > BULK_BYTES):
@@ -802,10 +806,13 @@ class H5Reader(Mapping[str, StoredVariable]):
                 else:
                     dtype, shape = table.dtypes[row], table.shapes[row]
                     size = int(table.nbytes[slots[j]])
-                    yield table.names[row], [
-                        buf[places[j + i] : places[j + i] + size].view(dtype).reshape(shape)
-                        for i in range(n)
-                    ]
+                    yield (
+                        table.names[row],
+                        [
+                            buf[places[j + i] : places[j + i] + size].view(dtype).reshape(shape)
+                            for i in range(n)
+                        ],
+                    )
                 j += n
             k += len(batch)
             del buf
@@ -870,9 +877,16 @@ class H5Reader(Mapping[str, StoredVariable]):
         first, end = int(table.first[row]), int(table.first[row + 1])
         offsets: list[int | None] = table.offsets[first:end].tolist()
         if not table.located[first:end].all():
-            offsets = [o if o >= 0 else None for o in offsets]
+            offsets = [None if o is None or o < 0 else o for o in offsets]
         return StoredVariable.from_row(
-            self, key, kind, dtype, table.shapes[row], attrs, offsets, table.crcs[first:end].tolist()
+            self,
+            key,
+            kind,
+            dtype,
+            table.shapes[row],
+            attrs,
+            offsets,
+            table.crcs[first:end].tolist(),
         )
 
     def __iter__(self) -> Iterator[str]:
