@@ -181,7 +181,7 @@ def _convert(
             components=args.components,
             names=args.names,
             max_shard_size=args.max_shard_size,
-            progress=bar.set,
+            progress=bar.set if out.show_progress else None,  # (no bar: nothing to count)
             read_options=reader_options(args.read_options, src_format),
             like=args.like,
             only=args.only,
@@ -215,7 +215,12 @@ def run(args: argparse.Namespace) -> int:
         out.note(note)
     with open_view(written, dst_format, args.read_options) as view:
         count = len(view)
-        total = sum(int(view[k].nbytes) for k in view)
+        summaries = getattr(view, "summaries", None)  # (a native file: from its index)
+        summary = summaries() if summaries is not None else None
+        if summary is not None and len(summary) == count:
+            total = sum(s[4] for s in summary.values())
+        else:
+            total = sum(int(view[k].nbytes) for k in view)
         dst_format = view.format
     data = {
         "source": args.source,

@@ -25,6 +25,13 @@ def jsonable(value: Any) -> Any:
     non-finite floats the strings ``"nan"``, ``"inf"`` and ``"-inf"`` (strict JSON has no
     spelling for them); paths their text; anything else ``str(value)``.
     """
+    t = type(value)
+    if t is str or t is int or t is bool or value is None:  # the common leaves, at once
+        return value
+    if t is dict or t is list:  # (plain containers: no ABC check)
+        if t is list:
+            return [jsonable(v) for v in value]
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, Mapping):
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):

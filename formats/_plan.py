@@ -4,6 +4,7 @@ tensors (keys, dtypes, shapes, sources) and the parallel info that describes the
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -36,17 +37,18 @@ class PlannedTensor:
     entry: Entry
     component: int | None
 
-    @property
+    # (Each asked for several times per tensor by a writer: worked out once.)
+    @functools.cached_property
     def dtype(self) -> np.dtype:
         return np.dtype(self.entry.dtype)
 
-    @property
+    @functools.cached_property
     def shape(self) -> tuple[int, ...]:
         if self.component is None:
             return tuple(int(s) for s in self.entry.shape)
         return tuple(int(s) for s in self.entry.component_shape(self.component))
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 

@@ -30,6 +30,9 @@ def _copied(value: Any) -> Any:
     numbers, booleans and None are shared, lists and objects made anew)."""
     t = type(value)
     if t is list:
+        types = set(map(type, value))
+        if list not in types and dict not in types:  # (of strings and numbers: shared)
+            return list(value)
         return list(map(_copied, value))
     if t is dict:
         return {k: _copied(v) for k, v in value.items()}
