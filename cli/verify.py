@@ -126,8 +126,7 @@ def _verify_view(view: CheckpointView, out: Output) -> tuple[list[str], dict[str
 def _verify_native(path: str) -> tuple[list[str], dict[str, int]]:
     """Problems found by the native reader's own ``verify_all`` (index fields at open, then
     every checksum and every group and dataset read through HDF5)."""
-    with H5Reader(path) as reader:
-        reader.keep_entries = False  # (each variable is checked once)
+    with H5Reader(path, keep_entries=False) as reader:  # (each variable is checked once)
         problems = [str(p) for p in reader.verify_all()]
         summary = reader.summaries()  # (from the index's table: no entry made per variable)
         if summary is not None:

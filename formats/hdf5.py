@@ -44,7 +44,11 @@ class HDF5View(CheckpointView):
         self.format = "hdf5"
         self.path = reader.path
         self.metadata = dict(reader.metadata)
-        self.object_graph = reader.object_graph
+
+    @property
+    def object_graph(self) -> dict[str, Any] | None:
+        """The stored object graph, or None (read from the file when asked for)."""
+        return self.reader.object_graph
 
     def __getitem__(self, key: str) -> Entry:
         return self.reader[key]
@@ -84,9 +88,7 @@ def open_hdf5(path: str | os.PathLike[str]) -> HDF5View:
     The view's entries are made when asked for and not kept by the reader (a view is walked
     once, by a converter or a command: its memory stays that of the index, whatever the
     number of variables)."""
-    reader = H5Reader(path)
-    reader.keep_entries = False
-    return HDF5View(reader)
+    return HDF5View(H5Reader(path, keep_entries=False))
 
 
 def write_hdf5(

@@ -75,6 +75,10 @@ def _batches(rows: list[int], sizes: list[int], limit: int) -> Iterator[list[int
         yield batch
 
 
+# The object graph of a reader that does not keep it (see H5Reader.keep_entries).
+_NOT_KEPT = object()
+
+
 def is_native_checkpoint(path: str | os.PathLike[str]) -> bool:
     """True when ``path`` is an HDF5 file with our root attribute (any version)."""
     p = os.fspath(path)
@@ -118,7 +122,9 @@ class H5Reader(Mapping[str, StoredVariable]):
         TruncatedFileError / CorruptCheckpointError: damaged file.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, map_file: bool = False) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, map_file: bool = False, keep_entries: bool = True
+    ) -> None:
         self.path = os.fspath(path)
         self._file: h5py.File | None = None
         self._raw_fd: int | None = None
@@ -137,10 +143,12 @@ class H5Reader(Mapping[str, StoredVariable]):
         self._empty_shared_ambiguous = False
         self._link_checks = 0
         #: Whether a variable made from the index's table when first asked for is kept (the
-        #: same object every time: a restore verifies, then copies); a reader that walks every
-        #: variable once (the commands, the format views) does not keep them, so its memory
-        #: does not grow with the number of variables.
-        self.keep_entries = True
+        #: same object every time: a restore verifies, then copies), and the decoded object
+        #: graph; a reader that walks every variable once (the commands, the format views)
+        #: keeps neither (the graph is checked at open and decoded again when asked for), so
+        #: its memory stays that of the index's table, whatever the number of variables.
+        self.keep_entries = keep_entries
+        self._graph: Any = None
         # The index's entries (path -> decoded entry) and, when they are all in our writers'
         # form, the same as arrays; a StoredVariable is made when a path is first asked for.
         self._metas: Mapping[str, Any] = {}
@@ -246,15 +254,31 @@ class H5Reader(Mapping[str, StoredVariable]):
                     for name in sorted(groups)
                 }
                 self._names = list(self._variables)
-            self.object_graph: dict[str, Any] | None = _read_json(
-                f, GRAPH_DATASET, self.path, required=GRAPH_DATASET in required
-            )
+            graph = _read_json(f, GRAPH_DATASET, self.path, required=GRAPH_DATASET in required)
+            self._graph = graph if graph is None or self.keep_entries else _NOT_KEPT
         except (CorruptCheckpointError, UnsupportedDtypeError):
             raise
         except (*_H5_ERRORS, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
             raise CorruptCheckpointError(
                 "damaged file structure", file=self.path, found=str(exc)
             ) from None
+
+    @property
+    def object_graph(self) -> dict[str, Any] | None:
+        """The stored object graph (None: the file has none)."""
+        graph = self._graph
+        if graph is _NOT_KEPT:  # checked at open, not kept (keep_entries False): read again
+            try:
+                graph = _read_json(self._h5(), GRAPH_DATASET, self.path, required=True)
+            except (*_H5_ERRORS, json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise CorruptCheckpointError(
+                    "damaged file structure", file=self.path, found=str(exc)
+                ) from None
+        return graph  # type: ignore[no-any-return]
+
+    @object_graph.setter
+    def object_graph(self, graph: dict[str, Any] | None) -> None:
+        self._graph = graph
 
     def _open_index(self, metas: dict[str, Any]) -> None:
         """Take the index: in bulk (:class:`IndexTable`) when every entry is in our writers'
