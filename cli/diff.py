@@ -179,12 +179,13 @@ def compare_entries(
     logical: bool = False,
     progress: Progress | None = None,
     components_a: list[np.ndarray] | None = None,
+    components_b: list[np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """Structural differences and per-component value differences of two entries.
 
     With ``logical``, only the logical values (and their dtype and shape) are compared, not
-    how they are spread over devices. ``components_a``: ``ea``'s components, read already
-    (in bulk, checksums verified).
+    how they are spread over devices. ``components_a``/``components_b``: ``ea``'s/``eb``'s
+    components, read already (in bulk, checksums verified).
     """
     differences: list[str] = []
     if ea.dtype != eb.dtype:
@@ -220,7 +221,7 @@ def compare_entries(
         compared = "components"
         for i in range(ea.num_components):
             ca = ea.component(i) if components_a is None else components_a[i]
-            cb = eb.component(i)
+            cb = eb.component(i) if components_b is None else components_b[i]
             advance(ea, i)
             advance(eb, i)
             components.append({"component": i, **compare_arrays(ca, cb, rtol=rtol, atol=atol)})
@@ -273,11 +274,13 @@ def run(args: argparse.Namespace) -> int:
         )
         # A's components read in bulk where its view can (a native file: by offset, in file
         # order, checksums verified), else entry by entry; B's entry by entry.
-        bulk = getattr(va, "bulk_components", None)
-        read_a = bulk(common) if bulk is not None else ((k, None) for k in common)
+        bulk_a = getattr(va, "bulk_components", None)
+        bulk_b = getattr(vb, "bulk_components", None)
+        read_a = bulk_a(common) if bulk_a is not None else ((k, None) for k in common)
+        read_b = bulk_b(common) if bulk_b is not None else ((k, None) for k in common)
         results = []
         with out.progress(total, "compare") as bar:
-            for key, components_a in read_a:
+            for (key, components_a), (_, components_b) in zip(read_a, read_b, strict=True):
                 results.append(
                     compare_entries(
                         va[key],
@@ -287,6 +290,7 @@ def run(args: argparse.Namespace) -> int:
                         logical=args.logical,
                         progress=bar,
                         components_a=components_a,
+                        components_b=components_b,
                     )
                 )
         side_a, side_b = _side(args.a, va), _side(args.b, vb)

@@ -274,7 +274,7 @@ class H5Reader(Mapping[str, StoredVariable]):
                 raise CorruptCheckpointError(
                     "damaged file structure", file=self.path, found=str(exc)
                 ) from None
-        return graph  # type: ignore[no-any-return]
+        return graph
 
     @object_graph.setter
     def object_graph(self, graph: dict[str, Any] | None) -> None:
@@ -866,8 +866,7 @@ class H5Reader(Mapping[str, StoredVariable]):
         var = self._variables.get(key)
         if var is not None:
             return var
-        meta = self._metas.get(key)
-        if meta is None:
+        if key not in self._metas:
             from parallelvars.errors import MissingVariableError
 
             raise MissingVariableError(
@@ -877,7 +876,7 @@ class H5Reader(Mapping[str, StoredVariable]):
         # or, for a reader that does not keep them (keep_entries False), each time.
         var = self._from_table(key)
         if var is None:
-            var = StoredVariable(self, key, meta)
+            var = StoredVariable(self, key, self._metas[key])
         if not self.keep_entries:
             return var
         return self._variables.setdefault(key, var)
