@@ -164,8 +164,9 @@ def _not_carried(
     ]
 
 
-# Formats whose files read back as exactly the entries written to them.
-_ROUND_TRIP = frozenset({"hdf5", "safetensors", "npz"})
+# Formats whose files read back as exactly the entries written to them (every kind, dtype
+# and selection: tests/test_commands_bulk.py).
+_ROUND_TRIP = frozenset({"hdf5", "safetensors", "npz", "tf"})
 
 
 def _convert(
