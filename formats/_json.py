@@ -14,7 +14,6 @@ import numpy as np
 
 from parallelvars._dtypes import dtype_name
 
-
 # Values that are JSON as they are (a float may be NaN or infinite: not one of them).
 _LEAVES = frozenset({str, int, bool, type(None)})
 
