@@ -211,9 +211,13 @@ def compare_entries(
     same_layout = (
         ea.kind == eb.kind
         and ea.num_components == eb.num_components
-        and all(
-            tuple(ea.component_shape(i)) == tuple(eb.component_shape(i))
-            for i in range(ea.num_components)
+        and (
+            tuple(ea.shape) == tuple(eb.shape)  # (every component has the variable's shape)
+            if ea.kind != "sharded"
+            else all(
+                tuple(ea.component_shape(i)) == tuple(eb.component_shape(i))
+                for i in range(ea.num_components)
+            )
         )
     )
     has_logical = has_logical_value(ea) and has_logical_value(eb)

@@ -331,6 +331,7 @@ class StoreView(DictView):  # the Mapping over ._entries comes from DictView
                 read_many is None
                 or not isinstance(entry, StoredEntry)
                 or entry.layout != "components"
+                or entry.kind == "sharded"
                 or is_string_dtype(entry.dtype)
             ):
                 entry = None
@@ -347,10 +348,9 @@ class StoreView(DictView):  # the Mapping over ._entries comes from DictView
         keys: list[str] = []
         sizes: list[int] = []
         for _, entry in batch:
-            if entry is not None:
-                for i in range(entry.num_components):
-                    keys.append(entry.keys[i])  # type: ignore[attr-defined]
-                    sizes.append(entry.component_nbytes(i))
+            if entry is not None:  # (not sharded: each component has the entry's shape)
+                keys.extend(entry.keys[: entry.num_components])  # type: ignore[attr-defined]
+                sizes.extend([entry.nbytes // entry.num_components] * entry.num_components)
         got = self._store.read_many(keys, sizes) if keys else []  # type: ignore[attr-defined]
         k = 0
         for path, entry in batch:
@@ -363,11 +363,8 @@ class StoreView(DictView):  # the Mapping over ._entries comes from DictView
             if any(p is None for p in parts):
                 yield path, None
                 continue
-            dtype = entry.dtype
-            yield (
-                path,
-                [p.view(dtype).reshape(entry.component_shape(i)) for i, p in enumerate(parts)],
-            )
+            dtype, shape = entry.dtype, entry.shape
+            yield path, [p.view(dtype).reshape(shape) for p in parts]
 
     def close(self) -> None:
         self._store.close()

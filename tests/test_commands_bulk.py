@@ -288,3 +288,24 @@ def test_a_converted_file_reads_back_as_the_entries_written(tmp_path, fmt, compo
             assert sum(int(view[p].nbytes) for p in view) == sum(
                 int(e.nbytes) for e in got.values()
             )
+
+
+def test_the_commands_on_a_multi_process_index_file(tmp_path, capsys):
+    """A checkpoint saved by several processes (an index file whose components are external
+    links into its parts): the table's rows are the entries' rows, the bulk paths leave the
+    linked components to the general path, and every command reads it as before."""
+    from test_mpi_skeleton import save_all
+
+    (path,) = set(save_all(tmp_path, 2, 3, [None, None]))
+    assert _table_rows(path) == _entry_rows(path)
+    with H5Reader(path, keep_entries=False) as r:
+        assert all(parts is None for _, parts in r.bulk_components(list(r)))
+    assert main(["verify", path]) == 0
+    capsys.readouterr()
+    assert main(["--json", "diff", path, path]) == 0
+    assert json.loads(capsys.readouterr().out)["equal"]
+    for out in ("o.safetensors", "o.h5", "o.npz"):
+        assert main(["convert", path, str(tmp_path / out)]) == 0
+        assert main(["diff", path, str(tmp_path / out)]) in (0, 1)
+    assert main(["diff", path, str(tmp_path / "o.h5")]) == 0
+    capsys.readouterr()
