@@ -253,6 +253,22 @@ def compare_entries(
     }
 
 
+class _Listed(Entry):
+    """A variable as its view's index lists it (kind, dtype, shape, components, attributes),
+    made without an entry of its own; a read asks the view for the entry then."""
+
+    def __init__(self, view: CheckpointView, path: str, summary: tuple[Any, ...]) -> None:
+        self._view = view
+        self.path = path
+        self.kind, self.dtype, self.shape, self.num_components, _, self.attrs = summary
+
+    def component(self, i: int) -> np.ndarray:
+        return self._view[self.path].component(i)
+
+    def value(self) -> np.ndarray:
+        return self._view[self.path].value()
+
+
 def _fmt_num(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.6g}"
 
@@ -282,12 +298,17 @@ def run(args: argparse.Namespace) -> int:
         bulk_b = getattr(vb, "bulk_components", None)
         read_a = bulk_a(common) if bulk_a is not None else ((k, None) for k in common)
         read_b = bulk_b(common) if bulk_b is not None else ((k, None) for k in common)
+        # A's variables as its index lists them, where it can (no entry made for those whose
+        # components were read in bulk).
+        summaries = getattr(va, "summaries", None)
+        listed = summaries() if summaries is not None else None
         results = []
         with out.progress(total, "compare") as bar:
             for (key, components_a), (_, components_b) in zip(read_a, read_b, strict=True):
+                summary = None if listed is None or components_a is None else listed.get(key)
                 results.append(
                     compare_entries(
-                        va[key],
+                        va[key] if summary is None else _Listed(va, key, summary),
                         vb[key],
                         rtol=args.rtol,
                         atol=args.atol,
