@@ -212,7 +212,12 @@ class ColumnEntries(Mapping[str, dict[str, Any]]):
         layout_attrs = doc["layouts"][doc["layout"][row]]["attrs"]
         if shared:
             return {k: row_attrs[k][row] if v is None else v for k, v in layout_attrs.items()}
-        return {k: row_attrs[k][row] if v is None else _copied(v) for k, v in layout_attrs.items()}
+        return {
+            k: row_attrs[k][row]
+            if v is None
+            else (_copied(v) if type(v) is list or type(v) is dict else v)
+            for k, v in layout_attrs.items()
+        }
 
     def __contains__(self, path: object) -> bool:
         return path in self._rows

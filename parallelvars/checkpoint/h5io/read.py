@@ -897,9 +897,9 @@ class H5Reader(Mapping[str, StoredVariable]):
             if isinstance(metas, ColumnEntries)
             else _copied(metas[key]["attrs"])
         )
-        first, end = int(table.first[row]), int(table.first[row + 1])
+        first, end = table.first[row : row + 2].tolist()
         offsets: list[int | None] = table.offsets[first:end].tolist()
-        if not table.located[first:end].all():
+        if -1 in offsets:  # (a component the index does not place)
             offsets = [None if o is None or o < 0 else o for o in offsets]
         return StoredVariable.from_row(
             self,
