@@ -658,7 +658,7 @@ class H5Reader(Mapping[str, StoredVariable]):
                 continue
             at = offset - starts[k]
             if _crc32c.crc32c(bufs[k][at : at + nbytes]) == owner._crcs[i]:  # type: ignore[index, arg-type]
-                owner._verified.add(i)
+                owner._verified[i] = None
                 verified.add((owner.path, i))
         return verified
 
