@@ -220,7 +220,9 @@ def compare_entries(
             )
         )
     )
-    has_logical = has_logical_value(ea) and has_logical_value(eb)
+    # (Whether both have one logical value matters only when the layouts differ or with
+    # --logical: not asked otherwise.)
+    has_logical = (not same_layout or logical) and has_logical_value(ea) and has_logical_value(eb)
     if same_layout and not (logical and has_logical):
         compared = "components"
         for i in range(ea.num_components):
@@ -313,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
                         rtol=args.rtol,
                         atol=args.atol,
                         logical=args.logical,
-                        progress=bar,
+                        progress=bar if total is not None else None,
                         components_a=components_a,
                         components_b=components_b,
                     )
