@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TextIO
 
 __all__ = ["Output", "Progress", "counted"]
@@ -74,10 +74,19 @@ class Output:
 
     def emit(self, data: Mapping[str, Any], human: str | Callable[[], str]) -> None:
         """Print a command's result: ``data`` as JSON, or the human text."""
-        if not self.json_mode:
-            text = human() if callable(human) else human
-        else:
-            text = json_document(data)
+        if self.json_mode:
+            # Written as it is encoded, a few thousand lines at a time: a listing of 100,000
+            # variables is never held as one text.
+            batch: list[str] = []
+            for line in json_lines(data):
+                batch.append(line)
+                if len(batch) >= 4096:
+                    self.stdout.write("\n".join(batch) + "\n")
+                    batch = []
+            self.stdout.write("\n".join(batch) + "\n")
+            self.stdout.flush()
+            return
+        text = human() if callable(human) else human
         if text:
             self.stdout.write(text if text.endswith("\n") else text + "\n")
         self.stdout.flush()
@@ -142,27 +151,30 @@ def _compact(value: Any) -> str:
         return _ENCODE(jsonable(value))
 
 
-def json_document(data: Mapping[str, Any]) -> str:
-    """A command's result as one JSON document: one top-level field a line, and a list field
-    one item a line (``variables``: one variable a line, so a listing of 100,000 variables is
-    100,000 lines that ``grep`` and ``jq`` both take). Each line is encoded by json's C encoder:
-    a document of that size costs tens of milliseconds, not seconds."""
-    lines = ["{"]
+def json_lines(data: Mapping[str, Any]) -> Iterator[str]:
+    """A command's result as one JSON document, line by line: one top-level field a line, and
+    a list field one item a line (``variables``: one variable a line, so a listing of 100,000
+    variables is 100,000 lines that ``grep`` and ``jq`` both take). Each line is encoded by
+    json's C encoder: a document of that size costs tens of milliseconds, not seconds."""
+    yield "{"
     items = list(data.items())
     for k, (key, value) in enumerate(items):
         head = f"  {_ENCODE(str(key))}: "
         tail = "," if k + 1 < len(items) else ""
         if isinstance(value, list) and value:
-            lines.append(head + "[")
+            yield head + "["
             last = len(value) - 1
-            lines.extend(
-                f"    {_compact(item)}{',' if j < last else ''}" for j, item in enumerate(value)
-            )
-            lines.append(f"  ]{tail}")
+            for j, item in enumerate(value):
+                yield f"    {_compact(item)}{',' if j < last else ''}"
+            yield f"  ]{tail}"
         else:
-            lines.append(f"{head}{_compact(value)}{tail}")
-    lines.append("}")
-    return "\n".join(lines)
+            yield f"{head}{_compact(value)}{tail}"
+    yield "}"
+
+
+def json_document(data: Mapping[str, Any]) -> str:
+    """:func:`json_lines` as one text."""
+    return "\n".join(json_lines(data))
 
 
 def counted(n: int, word: str) -> str:

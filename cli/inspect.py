@@ -199,7 +199,7 @@ def _summary_row(
         "shape": list(shape),
         "components": n,
         "bytes": nbytes,
-        "attrs": dict(attrs),
+        "attrs": attrs,  # (a dict of its own: see H5Reader.summaries)
     }
 
 

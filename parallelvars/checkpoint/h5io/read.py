@@ -427,7 +427,8 @@ class H5Reader(Mapping[str, StoredVariable]):
         self,
     ) -> dict[str, tuple[str, np.dtype, tuple[int, ...], int, int, dict[str, Any]]] | None:
         """Every variable's kind, dtype, shape, number of components, bytes and attributes
-        (the attributes' list values shared with the index: read them, do not change them),
+        (a dict of each variable's own, its list values shared with the index: read them, do
+        not change them),
         from the index's table, validated at open: no
         :class:`~parallelvars.checkpoint.h5io.stored.StoredVariable` made for a variable that
         does not have one yet. None for a file read entry by entry (no table)."""
@@ -461,9 +462,11 @@ class H5Reader(Mapping[str, StoredVariable]):
                 continue
             if kind == "sharded" or dtype.kind == "O":  # (made at open: shards' own sizes)
                 var = made.get(name) or self[name]
-                out[name] = (kind, dtype, shape, n, var.nbytes, var.attrs)
+                out[name] = (kind, dtype, shape, n, var.nbytes, dict(var.attrs))
                 continue
-            attrs = attrs_of(row, shared=True) if attrs_of is not None else metas[name]["attrs"]
+            attrs = (
+                attrs_of(row, shared=True) if attrs_of is not None else dict(metas[name]["attrs"])
+            )
             out[name] = (kind, dtype, shape, n, nbytes, attrs)
         return out
 
