@@ -642,11 +642,15 @@ def _rows_paths_commands(d: dict[str, Any]) -> list[list[str]]:
     for size in d["commands"]:
         label = f"{size['variables']:,} vars x 2{' + Adam' if size['adam'] else ''}"
         for command, r in size["commands"].items():
+            if "failed" in r:
+                rows.append(_row("commands", f"{command} ({label}): failed", "—", "—", "—"))
+                continue
             rss = r["targets"]["peak_rss"]
+            cpu = f"cpu {r['cpu_ratio']:.2f}x, " if "cpu_ratio" in r else ""
             rows.append(
                 _row(
                     "commands",
-                    f"{command} vs safetensors ({label}; {r['per_variable_us']:.0f} us/entry, "
+                    f"{command} vs safetensors ({label}; {cpu}{r['per_variable_us']:.0f} us/entry, "
                     f"peak RSS {r['peak_rss'] / MB:.0f} MB, bound {rss['value'] / MB:.0f} MB: "
                     f"{'met' if rss['met'] else 'not met'})",
                     _s(r["seconds"]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -199,13 +200,15 @@ def natural_key(path: str) -> tuple[tuple[tuple[int, int | str], ...], ...]:
     The one ordering of every listing the commands print (inspect, diff, verify): path segment
     by segment, runs of digits compared as numbers, everything else as text.
     """
+    return tuple(map(_segment_key, path.split("/")))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _segment_key(segment: str) -> tuple[tuple[int, int | str], ...]:
+    """One segment's part of :func:`natural_key` (segments repeat across the paths of a
+    checkpoint, ``model``, ``layers``, ``kernel``: each is split once, in a bounded cache)."""
     return tuple(
-        tuple(
-            (0, int(part)) if part.isdigit() else (1, part)
-            for part in _DIGITS.split(segment)
-            if part
-        )
-        for segment in path.split("/")
+        (0, int(part)) if part.isdigit() else (1, part) for part in _DIGITS.split(segment) if part
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TextIO
 
 __all__ = ["Output", "Progress", "counted"]
@@ -87,12 +87,18 @@ class Output:
     def emit(self, data: Mapping[str, Any], human: str | Callable[[], str]) -> None:
         """Print a command's result: ``data`` as JSON, or the human text."""
         if self.json_mode:
-            # Imported here: `parallelvars --version` must not load the formats.
-            from parallelvars.formats._json import jsonable
-
-            text = json.dumps(jsonable(data), indent=2, allow_nan=False)
-        else:
-            text = human() if callable(human) else human
+            # Written as it is encoded, a few thousand lines at a time: a listing of 100,000
+            # variables is never held as one text.
+            batch: list[str] = []
+            for line in json_lines(data):
+                batch.append(line)
+                if len(batch) >= 4096:
+                    self.stdout.write("\n".join(batch) + "\n")
+                    batch = []
+            self.stdout.write("\n".join(batch) + "\n")
+            self.stdout.flush()
+            return
+        text = human() if callable(human) else human
         if text:
             self.stdout.write(text if text.endswith("\n") else text + "\n")
         self.stdout.flush()
@@ -164,6 +170,49 @@ def _columns(stream: Any) -> int:
             return int(os.environ.get("COLUMNS", NARROW))
         except ValueError:
             return NARROW
+
+
+# One encoder for every document: json's C encoder (it is used when there is no ``indent``).
+_ENCODE = json.JSONEncoder(allow_nan=False).encode
+
+
+def _compact(value: Any) -> str:
+    """``value`` as compact, strict JSON: as it is when it is plain JSON data already (the
+    common case, encoded in C), else made so first by ``formats._json.jsonable`` (numpy
+    values, bytes, non-finite floats), which gives the same text for plain data."""
+    try:
+        return _ENCODE(value)
+    except (TypeError, ValueError):  # not plain JSON data (or NaN/inf): made so, then encoded
+        # Imported here: `parallelvars --version` must not load the formats.
+        from parallelvars.formats._json import jsonable
+
+        return _ENCODE(jsonable(value))
+
+
+def json_lines(data: Mapping[str, Any]) -> Iterator[str]:
+    """A command's result as one JSON document, line by line: one top-level field a line, and
+    a list field one item a line (``variables``: one variable a line, so a listing of 100,000
+    variables is 100,000 lines that ``grep`` and ``jq`` both take). Each line is encoded by
+    json's C encoder: a document of that size costs tens of milliseconds, not seconds."""
+    yield "{"
+    items = list(data.items())
+    for k, (key, value) in enumerate(items):
+        head = f"  {_ENCODE(str(key))}: "
+        tail = "," if k + 1 < len(items) else ""
+        if isinstance(value, list) and value:
+            yield head + "["
+            last = len(value) - 1
+            for j, item in enumerate(value):
+                yield f"    {_compact(item)}{',' if j < last else ''}"
+            yield f"  ]{tail}"
+        else:
+            yield f"{head}{_compact(value)}{tail}"
+    yield "}"
+
+
+def json_document(data: Mapping[str, Any]) -> str:
+    """:func:`json_lines` as one text."""
+    return "\n".join(json_lines(data))
 
 
 def counted(n: int, word: str) -> str:

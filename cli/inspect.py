@@ -178,13 +178,51 @@ def render_tree(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _summary_row(
+    path: str,
+    kind: str,
+    dtype: np.dtype,
+    shape: tuple[int, ...],
+    n: int,
+    nbytes: int,
+    attrs: Mapping[str, Any],
+    names: dict[np.dtype, str],
+) -> dict[str, Any]:
+    """:func:`_row` from a reader's summary of the entry (``names``: dtype names met so far)."""
+    name = names.get(dtype)
+    if name is None:
+        name = names[dtype] = dtype_name(dtype)
+    return {
+        "path": path,
+        "kind": kind,
+        "dtype": name,
+        "shape": list(shape),
+        "components": n,
+        "bytes": nbytes,
+        "attrs": attrs,  # (a dict of its own: see H5Reader.summaries)
+    }
+
+
 def collect(view: CheckpointView, out: Output) -> list[dict[str, Any]]:
-    """One row per variable, sorted by path; mirrored variables get ``equal``/``differing``."""
-    entries = []
-    rows = []
+    """One row per variable, sorted by path; mirrored variables get ``equal``/``differing``.
+
+    A native file's rows come from its index's table (no entry made per variable) and its
+    mirrored components are compared in bulk (read by offset, checksums verified); any other
+    view's, and any entry the bulk path leaves out, entry by entry, component by component.
+    """
+    summaries = getattr(view, "summaries", None)
+    summary = summaries() if summaries is not None else None
+    names: dict[np.dtype, str] = {}
+    rows: list[dict[str, Any]] = []
+    entries: dict[str, Entry] = {}
     for key in sorted(view, key=natural_key):
+        known = summary.get(key) if summary is not None else None
+        if known is not None:
+            kind, dtype, shape, n, nbytes, attrs = known
+            rows.append(_summary_row(key, kind, dtype, shape, n, nbytes, attrs, names))
+            continue
         try:
-            entries.append(view[key])
+            entry = view[key]
         except ParallelVarsError as exc:  # shown in the tree, marked, with the others
             rows.append(
                 {
@@ -198,28 +236,33 @@ def collect(view: CheckpointView, out: Output) -> list[dict[str, Any]]:
                     "damaged": str(exc),
                 }
             )
-    mirrored = [e for e in entries if e.kind == "mirrored" and e.num_components > 1]
-    # A native file's components compared in bulk (read by offset, checksums verified); the
-    # others (and any the bulk path leaves out) component by component.
+            continue
+        entries[key] = entry
+        rows.append(_row(entry))
+    mirrored = [r for r in rows if r["kind"] == "mirrored" and r["components"] > 1]
     bulk = getattr(view, "differing_components", None)
-    known: dict[str, list[int]] = bulk([e.path for e in mirrored]) if bulk is not None else {}
-    with out.progress(sum(e.nbytes for e in mirrored), "compare components") as bar:
-        for entry in entries:
-            row = _row(entry)
-            if entry.kind == "mirrored":
-                try:
-                    if entry.path in known:
-                        differing = known[entry.path]
-                        bar.advance(entry.nbytes)
-                    else:
-                        differing = components_equal(entry, bar) if entry.num_components > 1 else []
-                except ParallelVarsError as exc:
-                    row["damaged"] = str(exc)
+    known_differing: dict[str, list[int]] = (
+        bulk([r["path"] for r in mirrored]) if bulk is not None else {}
+    )
+    with out.progress(sum(r["bytes"] for r in mirrored), "compare components") as bar:
+        for row in rows:
+            if row["kind"] != "mirrored" or "damaged" in row:
+                continue
+            path = row["path"]
+            try:
+                if path in known_differing:
+                    differing = known_differing[path]
+                    bar.advance(row["bytes"])
+                elif row["components"] > 1:
+                    entry = entries.get(path) or view[path]
+                    differing = components_equal(entry, bar)
                 else:
-                    row["equal"] = not differing
-                    row["differing"] = differing
-            rows.append(row)
-    rows.sort(key=lambda r: natural_key(str(r["path"])))
+                    differing = []
+            except ParallelVarsError as exc:
+                row["damaged"] = str(exc)
+            else:
+                row["equal"] = not differing
+                row["differing"] = differing
     return rows
 
 

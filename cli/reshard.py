@@ -62,7 +62,12 @@ def run(args: argparse.Namespace) -> int:
     if same_file(args.source, args.destination):
         raise UsageError(f"{args.destination}: is the same file as SRC; write somewhere else")
     with open_view(args.source, args.from_format, args.read_options) as view:
-        before = sorted({int(view[k].num_components) for k in view})
+        summaries = getattr(view, "summaries", None)  # (a native file: from its index)
+        summary = summaries() if summaries is not None else None
+        if summary is not None and len(summary) == len(view):
+            before = sorted({s[3] for s in summary.values()})
+        else:
+            before = sorted({int(view[k].num_components) for k in view})
         entries = formats.reshard(view, args.devices)
         made: list[str] = []
         destination, fmt = destination_path(

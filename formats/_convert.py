@@ -53,6 +53,7 @@ def convert(
     model_only: bool = False,
     root: str | None = None,
     on_left_out: Callable[[Mapping[str, str]], Any] | None = None,
+    on_written: Callable[[Mapping[str, Entry]], Any] | None = None,
 ) -> str:
     """Convert the checkpoint ``src`` into ``dst``, one tensor in memory at a time.
 
@@ -94,6 +95,8 @@ def convert(
             ``state_dict``); everything outside it is left out.
         on_left_out: called once with ``{path: reason}`` of every path the selection left out
             (nothing is called when it left out nothing).
+        on_written: called once the output is written, with the entries handed to the writer
+            (what a caller reports of the output without opening it again).
 
     Returns:
         The path written (the index file of a shard set).
@@ -161,6 +164,8 @@ def convert(
         )
         if progress is not None and counter.done < counter.total:
             progress(counter.total, counter.total)  # writers may skip reads (empty tensors)
+        if on_written is not None:
+            on_written(entries)
         return result
     finally:
         view.close()

@@ -34,8 +34,23 @@ def tensor_dtype_name(dtype: np.dtype) -> str:
     return dtype_name(dtype)
 
 
+# The dtypes of the names met (a file names a few, once per variable); bounded.
+_NAMED: dict[str, np.dtype] = {}
+
+
 def dtype_from_name(name: Any, *, file: str | None = None, variable: str | None = None) -> np.dtype:
     """The numpy dtype named ``name`` by :func:`tensor_dtype_name`; UnsupportedDtypeError otherwise."""
+    if type(name) is str:
+        known = _NAMED.get(name)
+        if known is None:
+            known = _dtype_from_name(name, file=file, variable=variable)
+            if len(_NAMED) < 256:
+                _NAMED[name] = known
+        return known
+    return _dtype_from_name(name, file=file, variable=variable)
+
+
+def _dtype_from_name(name: Any, *, file: str | None, variable: str | None) -> np.dtype:
     if name == "bytes":
         return np.dtype(object)
     if isinstance(name, str) and name in EXTENSION_DTYPES:

@@ -37,7 +37,7 @@ shapes from the file's header and reads bytes only when a component is asked for
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -291,6 +291,10 @@ def _entry_from_record(store: TensorStore, path: str, rec: Any, present: set[str
     return entry
 
 
+# The most component bytes StoreView.bulk_components reads at once.
+_BULK_BYTES = 32 << 20
+
+
 class StoreView(DictView):  # the Mapping over ._entries comes from DictView
     """A :class:`CheckpointView` over a dict of entries backed by a :class:`TensorStore`."""
 
@@ -311,6 +315,56 @@ class StoreView(DictView):  # the Mapping over ._entries comes from DictView
         self.metadata = dict(metadata)
         # The native object graph the parallel info carries, checked (see ._graph).
         self.object_graph = graph_from_info(info, path)
+
+    def bulk_components(self, paths: Sequence[str]) -> Iterator[tuple[str, list[Any] | None]]:
+        """Each of ``paths`` with its components read in bulk (:meth:`ByteStore.read_many`:
+        a few large reads, every checksum the file carries checked), at most 32 MiB at a time;
+        None for an entry read the general way (``self[path]``): another layout, strings, a
+        store that is not byte ranges, or bytes that do not check."""
+        store = self._store
+        read_many = getattr(store, "read_many", None)
+        batch: list[tuple[str, Entry | None]] = []
+        size = 0
+        for path in paths:
+            entry = self._entries.get(path)
+            if (
+                read_many is None
+                or not isinstance(entry, StoredEntry)
+                or entry.layout != "components"
+                or entry.kind == "sharded"
+                or is_string_dtype(entry.dtype)
+            ):
+                entry = None
+            batch.append((path, entry))
+            size += 0 if entry is None else entry.nbytes
+            if size >= _BULK_BYTES:
+                yield from self._read_batch(batch)
+                batch, size = [], 0
+        yield from self._read_batch(batch)
+
+    def _read_batch(
+        self, batch: list[tuple[str, Entry | None]]
+    ) -> Iterator[tuple[str, list[Any] | None]]:
+        keys: list[str] = []
+        sizes: list[int] = []
+        for _, entry in batch:
+            if entry is not None:  # (not sharded: each component has the entry's shape)
+                keys.extend(entry.keys[: entry.num_components])  # type: ignore[attr-defined]
+                sizes.extend([entry.nbytes // entry.num_components] * entry.num_components)
+        got = self._store.read_many(keys, sizes) if keys else []  # type: ignore[attr-defined]
+        k = 0
+        for path, entry in batch:
+            if entry is None:
+                yield path, None
+                continue
+            n = entry.num_components
+            parts = got[k : k + n]
+            k += n
+            if any(p is None for p in parts):
+                yield path, None
+                continue
+            dtype, shape = entry.dtype, entry.shape
+            yield path, [p.view(dtype).reshape(shape) for p in parts]
 
     def close(self) -> None:
         self._store.close()

@@ -14,6 +14,9 @@ import numpy as np
 
 from parallelvars._dtypes import dtype_name
 
+# Values that are JSON as they are (a float may be NaN or infinite: not one of them).
+_LEAVES = frozenset({str, int, bool, type(None)})
+
 
 def jsonable(value: Any) -> Any:
     """``value`` as plain, strict JSON data: the one converter of every metadata writer and of
@@ -25,6 +28,16 @@ def jsonable(value: Any) -> Any:
     non-finite floats the strings ``"nan"``, ``"inf"`` and ``"-inf"`` (strict JSON has no
     spelling for them); paths their text; anything else ``str(value)``.
     """
+    t = type(value)
+    if t is str or t is int or t is bool or value is None:  # the common leaves, at once
+        return value
+    if t is dict or t is list:  # (plain containers: no ABC check, text and ints kept as they are)
+        if t is list:
+            return [v if type(v) in _LEAVES else jsonable(v) for v in value]
+        return {
+            (k if type(k) is str else str(k)): (v if type(v) in _LEAVES else jsonable(v))
+            for k, v in value.items()
+        }
     if isinstance(value, Mapping):
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):

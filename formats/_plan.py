@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,20 +35,18 @@ class PlannedTensor:
     key: str
     entry: Entry
     component: int | None
+    # (Each asked for several times per tensor by a writer: worked out once, when planned.)
+    dtype: np.dtype = field(init=False, repr=False, compare=False)
+    shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    nbytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def dtype(self) -> np.dtype:
-        return np.dtype(self.entry.dtype)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
+    def __post_init__(self) -> None:
+        self.dtype = np.dtype(self.entry.dtype)
         if self.component is None:
-            return tuple(int(s) for s in self.entry.shape)
-        return tuple(int(s) for s in self.entry.component_shape(self.component))
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+            self.shape = tuple(int(s) for s in self.entry.shape)
+        else:
+            self.shape = tuple(int(s) for s in self.entry.component_shape(self.component))
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
 
     def read(self) -> np.ndarray:
         """The tensor's value, as a C-contiguous array the caller owns."""

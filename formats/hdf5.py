@@ -44,7 +44,11 @@ class HDF5View(CheckpointView):
         self.format = "hdf5"
         self.path = reader.path
         self.metadata = dict(reader.metadata)
-        self.object_graph = reader.object_graph
+
+    @property
+    def object_graph(self) -> dict[str, Any] | None:
+        """The stored object graph, or None (read from the file when asked for)."""
+        return self.reader.object_graph
 
     def __getitem__(self, key: str) -> Entry:
         return self.reader[key]
@@ -54,6 +58,16 @@ class HDF5View(CheckpointView):
 
     def __len__(self) -> int:
         return len(self.reader)
+
+    def summaries(self) -> dict[str, tuple[str, Any, tuple[int, ...], int, int, Any]] | None:
+        """Each variable's kind, dtype, shape, components, bytes and attributes from the
+        file's index, without an entry made per variable (:meth:`H5Reader.summaries`)."""
+        return self.reader.summaries()
+
+    def bulk_components(self, paths: list[str]) -> Iterator[tuple[str, list[Any] | None]]:
+        """Each of ``paths`` with its components read in bulk, checksums verified (None: read
+        that one the general way, ``self[path]``; :meth:`H5Reader.bulk_components`)."""
+        return self.reader.bulk_components(paths)
 
     def differing_components(self, paths: list[str]) -> dict[str, list[int]]:
         """The components that differ from component 0, for the variables at ``paths`` that
@@ -69,8 +83,12 @@ class HDF5View(CheckpointView):
 
 
 def open_hdf5(path: str | os.PathLike[str]) -> HDF5View:
-    """Open a checkpoint file of our HDF5 layout (lazily; checksums verified on read)."""
-    return HDF5View(H5Reader(path))
+    """Open a checkpoint file of our HDF5 layout (lazily; checksums verified on read).
+
+    The view's entries are made when asked for and not kept by the reader (a view is walked
+    once, by a converter or a command: its memory stays that of the index, whatever the
+    number of variables)."""
+    return HDF5View(H5Reader(path, keep_entries=False))
 
 
 def write_hdf5(

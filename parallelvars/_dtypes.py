@@ -53,11 +53,26 @@ def as_dtype(value: Any) -> np.dtype:
     return dt
 
 
+# The names of the dtypes met (a checkpoint has a few, asked for once per variable); bounded.
+_NAMES: dict[np.dtype, str] = {}
+
+
 def dtype_name(dtype: Any) -> str:
     """The canonical name of a dtype as stored in checkpoints (``"float32"``, ``"bfloat16"``)."""
+    if type(dtype) is not str:  # (a name is looked up as the dtype it names)
+        try:
+            known = _NAMES.get(dtype)
+        except TypeError:  # an unhashable dtype specification
+            known = None
+        if known is not None:
+            return known
     dt = np.dtype(dtype)
     if dt in _BY_TYPE:
-        return _BY_TYPE[dt]
-    if dt.kind == "O":
-        return "bytes"
-    return dt.newbyteorder("=").name if dt.byteorder not in ("=", "|") else dt.name
+        name = _BY_TYPE[dt]
+    elif dt.kind == "O":
+        name = "bytes"
+    else:
+        name = dt.newbyteorder("=").name if dt.byteorder not in ("=", "|") else dt.name
+    if isinstance(dtype, np.dtype) and len(_NAMES) < 256:
+        _NAMES[dtype] = name
+    return name

@@ -33,9 +33,20 @@ _SUB_BYTE = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 _NAME_OF = {dtype: name for name, dtype in _DTYPES.items()}
 
 
+# The answers of _st_name by (dtype, scalar type): a writer asks once per tensor; bounded.
+_ST_NAMES: dict[tuple[np.dtype, type], str | None] = {}
+
+
 def _st_name(dtype: np.dtype) -> str | None:
     dtype = np.dtype(dtype)
+    key = (dtype, dtype.type)
+    if key in _ST_NAMES:
+        return _ST_NAMES[key]
+    found = None
     for candidate, name in _NAME_OF.items():
         if candidate == dtype and candidate.type is dtype.type:
-            return name
-    return None
+            found = name
+            break
+    if len(_ST_NAMES) < 256:
+        _ST_NAMES[key] = found
+    return found

@@ -84,6 +84,11 @@ class _Store(ByteStore):
     def _expected_crc(self, key: str) -> int | None:
         return self._crcs.get(key)
 
+    def _place(self, key: str) -> tuple[int, int] | None:
+        idx, _, _, start = self._tensors[key]
+        f = self._handles.get(idx)
+        return None if f is None else (f.fileno(), start)
+
     def shard_of(self, key: str) -> str:
         return self._files[self._tensors[key][0]]
 

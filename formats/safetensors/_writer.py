@@ -63,11 +63,12 @@ def _storage(t: PlannedTensor, file: str) -> tuple[str, tuple[int, ...]]:
 def _header_bytes(
     metadata: dict[str, str],
     described: dict[str, tuple[str, list[int], list[int]]],
-    crcs: dict[str, str],
+    record: str,
     path: str,
 ) -> bytes:
+    """The header of a file of the ``described`` tensors with our checksum ``record``."""
     meta = dict(metadata)
-    meta[CRC_KEY] = _crc_record(_header_crc(metadata, described, crcs), crcs)
+    meta[CRC_KEY] = record
     header: dict[str, Any] = {"__metadata__": meta}
     for name, (dtype, shape, offsets) in described.items():
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": offsets}
@@ -93,7 +94,13 @@ def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]
         described[t.key] = (st, list(shape), [offset, offset + t.nbytes])
         offset += t.nbytes
     crcs = {t.key: "00000000" for t, _st, _shape in stored}
-    raw = _header_bytes(metadata, described, crcs, path)
+    # The header with a placeholder record of the final one's length (every CRC is 8 hex
+    # digits): the final record, known once the tensors are written, takes its place.
+    placeholder = "0" * (8 * (len(crcs) + 1))
+    raw = _header_bytes(metadata, described, placeholder, path)
+    # (Its one place: a string's quotes are escaped, so `"key":"` is the key's own.)
+    at = raw.index(f"{json.dumps(CRC_KEY)}:{json.dumps(placeholder)}".encode())
+    at += len(json.dumps(CRC_KEY)) + 2
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
@@ -116,13 +123,14 @@ def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]
             ok = True
         finally:
             writer.close(raise_errors=ok)
-        final = _header_bytes(metadata, described, crcs, path)
-        if len(final) != len(raw):  # cannot happen: every CRC is 8 hex digits
+        header_crc = _header_crc(metadata, described, crcs)
+        record = _crc_record(header_crc, crcs).encode("ascii")
+        if len(record) != len(placeholder):  # cannot happen: every CRC is 8 hex digits
             raise AssertionError(f"{path}: the safetensors header changed length")
         with open(tmp, "r+b") as f:
-            f.seek(8)
-            f.write(final)
-    return _header_crc(metadata, described, crcs)
+            f.seek(8 + at)
+            f.write(record)
+    return header_crc
 
 
 def _str_metadata(metadata: Mapping[str, Any]) -> dict[str, str]:

@@ -30,6 +30,9 @@ def _copied(value: Any) -> Any:
     numbers, booleans and None are shared, lists and objects made anew)."""
     t = type(value)
     if t is list:
+        types = set(map(type, value))
+        if list not in types and dict not in types:  # (of strings and numbers: shared)
+            return list(value)
         return list(map(_copied, value))
     if t is dict:
         return {k: _copied(v) for k, v in value.items()}
@@ -198,6 +201,22 @@ class ColumnEntries(Mapping[str, dict[str, Any]]):
             },
             "offsets": doc["offsets"][c : c + n],
             "crc32c": doc["crc32c"][c : c + n],
+        }
+
+    def attrs_of(self, row: int, *, shared: bool = False) -> dict[str, Any]:
+        """Row ``row``'s attributes (as ``self[path]["attrs"]``, without the rest of the
+        entry). With ``shared``, values that are lists are the document's own (to read, not
+        to change), not copies."""
+        doc = self._doc
+        row_attrs = doc["row_attrs"]
+        layout_attrs = doc["layouts"][doc["layout"][row]]["attrs"]
+        if shared:
+            return {k: row_attrs[k][row] if v is None else v for k, v in layout_attrs.items()}
+        return {
+            k: row_attrs[k][row]
+            if v is None
+            else (_copied(v) if type(v) is list or type(v) is dict else v)
+            for k, v in layout_attrs.items()
         }
 
     def __contains__(self, path: object) -> bool:

@@ -21,7 +21,14 @@ import numpy as np
 from parallelvars.checkpoint import _h5policy
 from parallelvars.checkpoint.h5io._global_heap import GlobalHeapCheck
 from parallelvars.checkpoint.h5io.attributes import _decode, _read_json
-from parallelvars.checkpoint.h5io.columns import _ABSENT, _columns_table, _same, _short
+from parallelvars.checkpoint.h5io.columns import (
+    _ABSENT,
+    ColumnEntries,
+    _columns_table,
+    _copied,
+    _same,
+    _short,
+)
 from parallelvars.checkpoint.h5io.index_table import IndexTable, _index_table
 from parallelvars.checkpoint.h5io.layout import (
     _H5_ERRORS,
@@ -68,6 +75,10 @@ def _batches(rows: list[int], sizes: list[int], limit: int) -> Iterator[list[int
         yield batch
 
 
+# The object graph of a reader that does not keep it (see H5Reader.keep_entries).
+_NOT_KEPT = object()
+
+
 def is_native_checkpoint(path: str | os.PathLike[str]) -> bool:
     """True when ``path`` is an HDF5 file with our root attribute (any version)."""
     p = os.fspath(path)
@@ -111,7 +122,9 @@ class H5Reader(Mapping[str, StoredVariable]):
         TruncatedFileError / CorruptCheckpointError: damaged file.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, map_file: bool = False) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, map_file: bool = False, keep_entries: bool = True
+    ) -> None:
         self.path = os.fspath(path)
         self._file: h5py.File | None = None
         self._raw_fd: int | None = None
@@ -129,6 +142,13 @@ class H5Reader(Mapping[str, StoredVariable]):
         # Whether the file has empty components whose sharing verify must guess (regenerated.py)
         self._empty_shared_ambiguous = False
         self._link_checks = 0
+        #: Whether a variable made from the index's table when first asked for is kept (the
+        #: same object every time: a restore verifies, then copies), and the decoded object
+        #: graph; a reader that walks every variable once (the commands, the format views)
+        #: keeps neither (the graph is checked at open and decoded again when asked for), so
+        #: its memory stays that of the index's table, whatever the number of variables.
+        self.keep_entries = keep_entries
+        self._graph: Any = None
         # The index's entries (path -> decoded entry) and, when they are all in our writers'
         # form, the same as arrays; a StoredVariable is made when a path is first asked for.
         self._metas: Mapping[str, Any] = {}
@@ -234,15 +254,31 @@ class H5Reader(Mapping[str, StoredVariable]):
                     for name in sorted(groups)
                 }
                 self._names = list(self._variables)
-            self.object_graph: dict[str, Any] | None = _read_json(
-                f, GRAPH_DATASET, self.path, required=GRAPH_DATASET in required
-            )
+            graph = _read_json(f, GRAPH_DATASET, self.path, required=GRAPH_DATASET in required)
+            self._graph = graph if graph is None or self.keep_entries else _NOT_KEPT
         except (CorruptCheckpointError, UnsupportedDtypeError):
             raise
         except (*_H5_ERRORS, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
             raise CorruptCheckpointError(
                 "damaged file structure", file=self.path, found=str(exc)
             ) from None
+
+    @property
+    def object_graph(self) -> dict[str, Any] | None:
+        """The stored object graph (None: the file has none)."""
+        graph = self._graph
+        if graph is _NOT_KEPT:  # checked at open, not kept (keep_entries False): read again
+            try:
+                graph = _read_json(self._h5(), GRAPH_DATASET, self.path, required=True)
+            except (*_H5_ERRORS, json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise CorruptCheckpointError(
+                    "damaged file structure", file=self.path, found=str(exc)
+                ) from None
+        return graph
+
+    @object_graph.setter
+    def object_graph(self, graph: dict[str, Any] | None) -> None:
+        self._graph = graph
 
     def _open_index(self, metas: dict[str, Any]) -> None:
         """Take the index: in bulk (:class:`IndexTable`) when every entry is in our writers'
@@ -335,19 +371,8 @@ class H5Reader(Mapping[str, StoredVariable]):
         self._link_checks += 1
         f = self._h5()
         if self._link_checks > LINK_CHECKS:
-            names: set[bytes] = set()
-            add, kind = names.add, h5py.h5l.TYPE_HARD
-
-            def visit(link: bytes, info: Any) -> None:
-                if info.type == kind:
-                    add(link)
-
-            try:
-                f.id.links.visit(visit, info=True)
-            except _H5_ERRORS:
-                return False
-            self._hard_names = names
-            return name.encode() in names
+            listed = self._hard_link_names()
+            return listed is not None and name.encode() in listed
         path = f"/{name}"
         if _h5policy.check_path(f.id, path, self.path, checked=self._checked_groups) is not None:
             return False
@@ -355,6 +380,95 @@ class H5Reader(Mapping[str, StoredVariable]):
             return bool(f.id.links.exists(path.encode()))
         except _H5_ERRORS:
             return False
+
+    def _hard_link_names(self) -> set[bytes] | None:
+        """Every name of the file reached from the root by hard links only (HDF5's link walk,
+        which follows hard links only), listed once; None when HDF5 cannot list them."""
+        if self._hard_names is not None:
+            return self._hard_names
+        names: set[bytes] = set()
+        add, kind = names.add, h5py.h5l.TYPE_HARD
+
+        def visit(link: bytes, info: Any) -> None:
+            if info.type == kind:
+                add(link)
+
+        try:
+            self._h5().id.links.visit(visit, info=True)
+        except _H5_ERRORS:
+            return None
+        self._hard_names = names
+        return names
+
+    def _all_reached(self, paths: list[str], counts: list[int]) -> list[bool]:
+        """For each variable (``paths[k]`` of ``counts[k]`` components): whether every
+        component's name is reached by hard links only (:meth:`_reached`, for many at once:
+        past :data:`LINK_CHECKS` names, every link of the file is listed once and each name
+        looked up there). A link out of the file on the way is False here (the general path,
+        which opens the dataset, names it)."""
+        if sum(counts) <= LINK_CHECKS:
+            out = []
+            for path, n in zip(paths, counts, strict=True):
+                try:
+                    out.append(all(self._reached(f"{path}/{component_name(i)}") for i in range(n)))
+                except CorruptCheckpointError:
+                    out.append(False)
+            return out
+        hard = self._hard_link_names()
+        if hard is None:
+            return [False] * len(paths)
+        suffixes = [f"/{component_name(i)}".encode() for i in range(max(counts, default=0))]
+        return [
+            all(path.encode() + suffixes[i] in hard for i in range(n))
+            for path, n in zip(paths, counts, strict=True)
+        ]
+
+    def summaries(
+        self,
+    ) -> dict[str, tuple[str, np.dtype, tuple[int, ...], int, int, dict[str, Any]]] | None:
+        """Every variable's kind, dtype, shape, number of components, bytes and attributes
+        (a dict of each variable's own, its list values shared with the index: read them, do
+        not change them),
+        from the index's table, validated at open: no
+        :class:`~parallelvars.checkpoint.h5io.stored.StoredVariable` made for a variable that
+        does not have one yet. None for a file read entry by entry (no table)."""
+        table = self.table
+        if table is None:
+            return None
+        metas = self._metas
+        attrs_of = metas.attrs_of if isinstance(metas, ColumnEntries) else None
+        # A name that is not Unicode text is left out: made as an entry, it names the error.
+        unnamable: set[str] = set()
+        if not "".join(table.names).isascii():
+            for name in table.names:
+                try:
+                    name.encode("utf-8")
+                except UnicodeEncodeError:
+                    unnamable.add(name)
+        out = {}
+        made = self._variables
+        for row, (name, kind, dtype, shape, n, nbytes) in enumerate(
+            zip(
+                table.names,
+                table.kinds,
+                table.dtypes,
+                table.shapes,
+                table.counts,
+                table.row_nbytes,
+                strict=True,
+            )
+        ):
+            if name in unnamable:
+                continue
+            if kind == "sharded" or dtype.kind == "O":  # (made at open: shards' own sizes)
+                var = made.get(name) or self[name]
+                out[name] = (kind, dtype, shape, n, var.nbytes, dict(var.attrs))
+                continue
+            attrs = (
+                attrs_of(row, shared=True) if attrs_of is not None else dict(metas[name]["attrs"])
+            )
+            out[name] = (kind, dtype, shape, n, nbytes, attrs)
+        return out
 
     def _holds(self, dsid: Any) -> bool:
         """Whether a dataset lives in this file (not behind an external link: those are read
@@ -547,7 +661,7 @@ class H5Reader(Mapping[str, StoredVariable]):
                 continue
             at = offset - starts[k]
             if _crc32c.crc32c(bufs[k][at : at + nbytes]) == owner._crcs[i]:  # type: ignore[index, arg-type]
-                owner._verified.add(i)
+                owner._verified[i] = None
                 verified.add((owner.path, i))
         return verified
 
@@ -628,39 +742,107 @@ class H5Reader(Mapping[str, StoredVariable]):
         table = self.table
         if table is None:
             return {}
-        rows: list[int] = []
-        for path in paths:
-            row = table.rows.get(path)
-            if row is None or not table.direct[row]:
-                continue
-            try:
-                reached = all(
-                    self._reached(f"{path}/{component_name(i)}") for i in range(table.counts[row])
-                )
-            except CorruptCheckpointError:
-                continue  # a link out of the file: the general path names it
-            if reached:
-                rows.append(row)
+        candidates = [
+            row for row in map(table.rows.get, paths) if row is not None and table.direct[row]
+        ]
+        reached = self._all_reached(
+            [table.names[row] for row in candidates], [table.counts[row] for row in candidates]
+        )
+        rows = [row for row, ok in zip(candidates, reached, strict=True) if ok]
         out: dict[str, list[int]] = {}
+        offsets, crcs = table.offsets, table.crcs
         for batch in _batches(rows, table.row_nbytes, BULK_BYTES):
             slots = table.component_slots(np.array(batch, np.int64))
             buf, at, bad = self.read_bulk(slots)
             whole = memoryview(buf)  # type: ignore[arg-type]
             broken = {table._row_of(int(slots[k])) for k in bad}
+            places = at.tolist()
+            slot_list = slots.tolist()
             k = 0
             for row in batch:
                 n = table.counts[row]
-                size = int(table.nbytes[slots[k]])
                 if row not in broken:
-                    first = int(at[k])
+                    size = int(table.nbytes[slot_list[k]])
+                    first = places[k]
                     primary = whole[first : first + size]
-                    out[table.names[row]] = [
-                        i
-                        for i in range(1, n)
-                        if whole[int(at[k + i]) : int(at[k + i]) + size] != primary
-                    ]
+                    differing = []
+                    for i in range(1, n):
+                        s0, si = slot_list[k], slot_list[k + i]
+                        if offsets[si] == offsets[s0]:
+                            continue  # one dataset under both names (stored once)
+                        # Checksums that differ: bytes that differ; equal ones: compared.
+                        if (
+                            crcs[si] != crcs[s0]
+                            or whole[places[k + i] : places[k + i] + size] != primary
+                        ):
+                            differing.append(i)
+                    out[table.names[row]] = differing
                 k += n
         return out
+
+    def bulk_components(
+        self, paths: Iterable[str]
+    ) -> Iterator[tuple[str, list[np.ndarray] | None]]:
+        """Each of ``paths`` in turn with its components, read in bulk: the restore path's rule
+        (:meth:`read_bulk`: rows of :attr:`table` whose components the index places, read in
+        file order in a few large reads and each checked against its checksum; every name
+        reached by hard links only), at most :data:`BULK_BYTES` bytes read at a time.
+
+        The arrays are read-only views of the batch's buffer (it is freed when they are).
+        None for a variable the bulk path does not take (another layout, a name reached
+        otherwise, bytes that do not match their checksum): the caller reads it the general
+        way (:meth:`__getitem__`), which names any damage.
+        """
+        table = self.table
+        paths = list(paths)
+        if table is None:
+            for path in paths:
+                yield path, None
+            return
+        rows = [table.rows.get(path) for path in paths]
+        candidates = [r for r in rows if r is not None and table.direct[r]]
+        reached = self._all_reached(
+            [table.names[r] for r in candidates], [table.counts[r] for r in candidates]
+        )
+        taken = {r for r, ok in zip(candidates, reached, strict=True) if ok}
+        k = 0
+        while k < len(paths):
+            if rows[k] not in taken:
+                yield paths[k], None
+                k += 1
+                continue
+            # The next run of taken rows, at most BULK_BYTES (a larger row alone).
+            batch: list[int] = []
+            total = 0
+            while k + len(batch) < len(paths):
+                row = rows[k + len(batch)]
+                if row not in taken or (batch and total + table.row_nbytes[row] > BULK_BYTES):
+                    break
+                batch.append(row)
+                total += table.row_nbytes[row]
+            slots = table.component_slots(np.array(batch, np.int64))
+            buf, at, bad = self.read_bulk(slots)
+            buf.flags.writeable = False
+            broken = {table._row_of(int(slots[j])) for j in bad}
+            places = at.tolist()
+            j = 0
+            for row in batch:
+                n = table.counts[row]
+                if row in broken:
+                    yield table.names[row], None
+                else:
+                    dtype, shape = table.dtypes[row], table.shapes[row]
+                    size = int(table.nbytes[slots[j]])
+                    yield (
+                        table.names[row],
+                        [
+                            buf[places[j + i] : places[j + i] + size].view(dtype).reshape(shape)
+                            for i in range(n)
+                        ],
+                    )
+                j += n
+            k += len(batch)
+            del buf
 
     def unstage(self) -> None:
         """Drop what :meth:`stage` read, and what the verification kept."""
@@ -687,15 +869,51 @@ class H5Reader(Mapping[str, StoredVariable]):
         var = self._variables.get(key)
         if var is not None:
             return var
-        meta = self._metas.get(key)
-        if meta is None:
+        if key not in self._metas:
             from parallelvars.errors import MissingVariableError
 
             raise MissingVariableError(
                 "no such variable in the checkpoint", file=self.path, variable=key
             )
-        # A row of the table, validated at open: made now, once (whichever thread is first).
-        return self._variables.setdefault(key, StoredVariable(self, key, meta))
+        # A row of the table, validated at open: made now, once (whichever thread is first),
+        # or, for a reader that does not keep them (keep_entries False), each time.
+        var = self._from_table(key)
+        if var is None:
+            var = StoredVariable(self, key, self._metas[key])
+        if not self.keep_entries:
+            return var
+        return self._variables.setdefault(key, var)
+
+    def _from_table(self, key: str) -> StoredVariable | None:
+        """The variable at ``key`` made from its row of :attr:`table` (None: not a row the
+        table holds whole: sharded, byte strings, or no table)."""
+        table = self.table
+        row = table.rows.get(key) if table is not None else None
+        if table is None or row is None:
+            return None
+        kind, dtype = table.kinds[row], table.dtypes[row]
+        if kind == "sharded" or dtype.kind == "O":
+            return None
+        metas = self._metas
+        attrs = (
+            metas.attrs_of(row)
+            if isinstance(metas, ColumnEntries)
+            else _copied(metas[key]["attrs"])
+        )
+        first, end = table.first[row : row + 2].tolist()
+        offsets: list[int | None] = table.offsets[first:end].tolist()
+        if -1 in offsets:  # (a component the index does not place)
+            offsets = [None if o is None or o < 0 else o for o in offsets]
+        return StoredVariable.from_row(
+            self,
+            key,
+            kind,
+            dtype,
+            table.shapes[row],
+            attrs,
+            offsets,
+            table.crcs[first:end].tolist(),
+        )
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)

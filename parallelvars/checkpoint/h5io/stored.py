@@ -18,7 +18,7 @@ from parallelvars._dtypes import as_dtype, dtype_name
 from parallelvars._fileio import byte_view, checksum
 from parallelvars._geometry import shard_shapes
 from parallelvars.checkpoint import _h5policy
-from parallelvars.checkpoint.entry import Entry, check_entry
+from parallelvars.checkpoint.entry import Entry, check_entry, check_name_text
 from parallelvars.checkpoint.h5io.attributes import _decode
 from parallelvars.checkpoint.h5io.layout import _H5_ERRORS, _MAX_COMPRESSION
 from parallelvars.checkpoint.registry import component_name
@@ -180,11 +180,49 @@ class StoredVariable(Entry):
                     found=dname,
                 ) from None
         self._shapes: list[tuple[int, ...]] = self._validated_layout()
-        self._verified: set[int] = set()
-        self._storage_ok: set[int] = set()
+        # The components verified, whose storage was checked, placed by the index: dicts used
+        # as sets (an empty dict is a third of an empty set's size, and a reader may hold
+        # 100,000 variables).
+        self._verified: dict[int, None] = {}
+        self._storage_ok: dict[int, None] = {}
         self._datasets: dict[int, Any] = {}
         self._locations: dict[int, tuple[int, int] | None] = {}
-        self._from_index: set[int] = set()
+        self._from_index: dict[int, None] = {}
+
+    @classmethod
+    def from_row(
+        cls,
+        reader: OpenFile,
+        path: str,
+        kind: str,
+        dtype: np.dtype,
+        shape: tuple[int, ...],
+        attrs: dict[str, Any],
+        offsets: list[int | None],
+        crcs: list[int],
+    ) -> StoredVariable:
+        """A variable of a row of the index's table (not sharded, not byte strings), whose
+        fields the table validated at open (kind, number of components, aggregation, devices,
+        dimensions, offsets and checksums in range, one offset and checksum per component):
+        made without parsing and checking them again; its name is checked as any other's."""
+        check_name_text(path, reader.path, error=CorruptCheckpointError)
+        self = cls.__new__(cls)
+        self._reader = reader
+        self.path = path
+        self.kind = kind
+        self.dtype = dtype
+        self.shape = shape
+        self.num_components = len(crcs)
+        self.attrs = attrs
+        self._index_offsets = offsets
+        self._crcs = list(crcs)
+        self._shapes = [shape] * len(crcs)
+        self._verified = {}
+        self._storage_ok = {}
+        self._datasets = {}
+        self._locations = {}
+        self._from_index = {}
+        return self
 
     @classmethod
     def from_group(cls, reader: OpenFile, path: str, group: h5py.Group) -> StoredVariable:
@@ -331,7 +369,7 @@ class StoredVariable(Entry):
                     expected=f"{needed} bytes{' (uncompressed)' if filtered else ''}",
                     found=f"{stored} bytes stored, file of {held} bytes",
                 )
-        self._storage_ok.add(i)
+        self._storage_ok[i] = None
 
     def _location(self, i: int) -> tuple[int, int] | None:
         """(file offset, element count) of a contiguous, unfiltered component, else None."""
@@ -351,7 +389,7 @@ class StoredVariable(Entry):
                     found=f"{self._reader.file_size} bytes",
                 )
             self._locations[i] = (indexed, size)
-            self._from_index.add(i)
+            self._from_index[i] = None
             return self._locations[i]
         return self._location_from_h5(i)
 
@@ -411,7 +449,7 @@ class StoredVariable(Entry):
                 raise
             # The index's offset may be stale (a file rewritten by another HDF5 tool): ask
             # HDF5 where the dataset is, and check again there.
-            self._from_index.discard(i)
+            self._from_index.pop(i, None)
             indexed = self._locations.pop(i)
             if self._location_from_h5(i) == indexed:
                 raise
@@ -509,7 +547,7 @@ class StoredVariable(Entry):
                 self._with_bytes(i, lambda data: self._check(i, data))  # the index may be stale
         else:
             self._with_bytes(i, lambda data: self._check(i, data))
-        self._verified.add(i)
+        self._verified[i] = None
 
     def verify_group(self, heap: GlobalHeapCheck | None = None) -> None:
         """The variable's group opens through HDF5 and its attributes agree with the index.
