@@ -55,6 +55,9 @@ LAYERS: list[tuple[str, list[str]]] = [
         # Variables import no strategy module (tests/test_packaging.py).
         "distribution: variables, strategies",
         [
+            "parallelvars._proxy",
+            "parallelvars._sharded",
+            "parallelvars._creation",
             "parallelvars.variables",
             "parallelvars.strategy",
             "parallelvars.strategy.*",
