@@ -107,7 +107,7 @@ _source_tree.install(__path__[0])
 
 def _make_variable(name: str, values: _Any, device: _Any, kind: str) -> _Any:
     """``ParallelDevice.pack(values, name=...)``: a variable whose components are ``values``."""
-    from parallelvars.variables import _wrap_components
+    from parallelvars._creation import _wrap_components
 
     return _wrap_components(name, values, device, kind)
 

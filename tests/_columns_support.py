@@ -9,9 +9,9 @@ from typing import Any
 import h5py
 import numpy as np
 
-from parallelvars.checkpoint.h5io.attributes import _write_json
-from parallelvars.checkpoint.h5io.columns import _columns_parts
 from parallelvars.checkpoint.h5io.layout import COLUMNS_DATASET, DOCUMENTS_ATTR, INDEX_DATASET
+from parallelvars.testing import columns_parts as _columns_parts
+from parallelvars.testing import write_json as _write_json
 
 
 def documents(path: str) -> list[str]:

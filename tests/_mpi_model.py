@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 import parallelvars as pv
-from parallelvars._dtypes import as_dtype
+from parallelvars.testing import as_dtype
 
 BATCH = 6
 

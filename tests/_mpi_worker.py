@@ -77,7 +77,7 @@ def repeat(strategy: pv.MultiWorkerMirroredStrategy, out_dir: str, out: dict) ->
     def step(k: int) -> None:
         strategy.run(m.replica_step, args=(model, opt, m.batches(k, n)))
 
-    from parallelvars.checkpoint.h5io.collective import _INDEX_SKELETONS
+    from parallelvars.testing import INDEX_SKELETONS as _INDEX_SKELETONS
 
     def skeletons() -> list[int]:
         cache = ckpt._pv_skeletons

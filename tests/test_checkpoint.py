@@ -569,8 +569,8 @@ def test_a_buffer_changing_during_save_fails_the_save(tmp_path, monkeypatch) -> 
 
     The file would otherwise hold a mix of the old and new values under a matching checksum.
     """
-    from parallelvars import _fileio
     from parallelvars.checkpoint import h5io
+    from parallelvars.testing import fileio as _fileio
 
     buf = np.zeros(3 * _fileio.DataWriter.CHUNK // 4, np.float32)  # three chunks of bytes
     real = _fileio.pwrite_all

@@ -17,11 +17,9 @@ from _cli_support import write_sample
 
 from parallelvars import errors
 from parallelvars.cli import COMMANDS, build_parser, main
-from parallelvars.cli._errors import EXIT_INTERNAL, EXIT_USAGE, UsageError, classify
-from parallelvars.cli._output import Output
+from parallelvars.cli.testing import EXIT_INTERNAL, EXIT_USAGE, Output, UsageError, classify
 from parallelvars.errors import InvalidArgumentError
-from parallelvars.formats._json import jsonable
-from parallelvars.formats._sizes import parse_size
+from parallelvars.formats.testing import jsonable, parse_size
 
 
 @pytest.fixture(autouse=True)
@@ -392,7 +390,7 @@ def test_reader_options_belong_to_their_command(
     # before it opened its file), neither gets it nor takes it from the first.
     import fuzz_readers
 
-    from parallelvars.cli import _common
+    from parallelvars.cli.testing import cli_common as _common
 
     directory = fuzz_readers.CRAFTED["tf-state-dotdot"](str(tmp_path))
     detect = _common.detect_format

@@ -685,7 +685,7 @@ def test_golden_extract_bfloat16_and_float8_bits(
 
 # ---------------------------------------------------------------------------- small rules
 def test_listings_are_in_natural_order(tmp_path, capsys) -> None:
-    from parallelvars.cli._common import natural_key
+    from parallelvars.cli.testing import natural_key
 
     keys = [f"layers/dense/vars/{i}" for i in (10, 2, 0, 1, 11)] + [
         "layers/dense_10/x",
@@ -711,7 +711,7 @@ def test_listings_are_in_natural_order(tmp_path, capsys) -> None:
 
 
 def test_inspect_shows_created_as_iso_8601(sample: str, capsys) -> None:
-    from parallelvars.cli._common import metadata_text
+    from parallelvars.cli.testing import metadata_text
 
     assert metadata_text("created", 0) == "1970-01-01T00:00:00+00:00"
     assert metadata_text("created", "not a time") == "not a time"

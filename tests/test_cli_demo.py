@@ -10,7 +10,7 @@ from safetensors.numpy import load_file
 
 from parallelvars import formats
 from parallelvars.cli import main
-from parallelvars.cli._mlp import MLP, loss_and_grads, make_blobs
+from parallelvars.cli.testing import MLP, loss_and_grads, make_blobs
 
 
 def test_demo_end_to_end(tmp_path, capsys) -> None:

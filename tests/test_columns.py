@@ -27,8 +27,6 @@ from test_mpi_skeleton import save_all
 
 import parallelvars as pv
 from parallelvars.checkpoint import H5Reader
-from parallelvars.checkpoint._skeleton import SkeletonCache
-from parallelvars.checkpoint.h5io.columns import _columns_parts, _columns_table
 from parallelvars.checkpoint.h5io.layout import COLUMNS_DATASET, INDEX_DATASET
 from parallelvars.cli import main
 from parallelvars.errors import (
@@ -36,6 +34,9 @@ from parallelvars.errors import (
     CorruptCheckpointError,
     ParallelVarsError,
 )
+from parallelvars.testing import SkeletonCache
+from parallelvars.testing import columns_parts as _columns_parts
+from parallelvars.testing import columns_table as _columns_table
 
 GOLDEN = Path(__file__).parent / "data" / "native" / "v1"
 

@@ -209,7 +209,7 @@ def rewrite_index(path: str, change) -> None:
     """Edit the index as a hostile writer would: the document stays well-formed, its own
     checksum recomputed, so only the reader's validation stands between it and a restore."""
     from parallelvars.checkpoint.h5io import INDEX_DATASET
-    from parallelvars.checkpoint.h5io.attributes import _write_json
+    from parallelvars.testing import write_json as _write_json
 
     with h5py.File(path, "r+") as f:
         index = json.loads(bytes(f[INDEX_DATASET][()]).decode())

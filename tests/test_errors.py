@@ -293,13 +293,13 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("parallelvars/strategy/__init__.py", "AttributeError", "__getattr__"): "attribute protocol",
     ("parallelvars/_values.py", "AttributeError", "__getattr__"): "attribute protocol",
     (
-        "parallelvars/variables.py",
+        "parallelvars/_proxy.py",
         "AttributeError",
         "_interface_array",
     ): "numpy falls back to __array__",
-    ("parallelvars/variables.py", "AttributeError", "__getattr__"): "attribute protocol",
+    ("parallelvars/_proxy.py", "AttributeError", "__getattr__"): "attribute protocol",
     (
-        "parallelvars/variables.py",
+        "parallelvars/_sharded.py",
         "AttributeError",
         "stacked",
     ): "property: hasattr(v, 'stacked') is False",

@@ -14,7 +14,7 @@ import parallelvars as pv
 from parallelvars import formats
 from parallelvars.cli import main
 from parallelvars.errors import CheckpointWriteError, InvalidArgumentError, NotACheckpointError
-from parallelvars.formats._select import select_entries
+from parallelvars.formats.testing import select_entries
 
 MODEL_KEYS = ["model/dense/bias", "model/dense/kernel"]
 
@@ -148,7 +148,7 @@ def test_tf_export_keeps_adam_beta_powers_in_float32_as_tensorflow_does(
 ) -> None:
     """TF 1.x ``AdamOptimizer`` refuses a float64 beta power ("expected dtype float does not
     equal original dtype double"); ours are float64 and were written so."""
-    from parallelvars.formats.tf._bundle import BundleReader
+    from parallelvars.formats.tf import BundleReader
 
     prefix = formats.convert(run_h5, tmp_path / "tf" / "ckpt-1", to_format="tf")
     _, _, opt = trained()

@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 from parallelvars import errors, formats
 from parallelvars.cli import main
-from parallelvars.formats.safetensors import _hf
+from parallelvars.formats.testing import hf_folder as _hf
 
 CONFIG = b'{"model_type": "gpt2", "n_embd": 8}\n'
 

@@ -90,7 +90,7 @@ def test_tf1_names_and_a_restore_back_into_ours(
 
 
 def test_adam_beta_powers_are_float32_under_tf1_names(tmp_path: Path) -> None:
-    from parallelvars.formats.tf._bundle import BundleReader
+    from parallelvars.formats.tf import BundleReader
 
     run_h5, _, _ = _trained(tmp_path, pv.optimizers.Adam(0.1))
     prefix = formats.convert(

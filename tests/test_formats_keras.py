@@ -17,7 +17,6 @@ from parallelvars.errors import (
     UnsupportedDtypeError,
 )
 from parallelvars.formats import ArrayEntry, DictView, detect_format
-from parallelvars.formats._h5 import attr_to_python
 from parallelvars.formats.keras import (
     RESERVED,
     open_keras,
@@ -25,7 +24,7 @@ from parallelvars.formats.keras import (
     write_keras,
     write_keras_legacy,
 )
-from parallelvars.formats.keras import _write as keras_write
+from parallelvars.formats.testing import attr_to_python, keras_write
 
 # model order -> dataset of model.weights.h5 (Keras names list items by snake_case class)
 KERAS3_PATHS = [

@@ -82,7 +82,7 @@ def test_tf_round_trip_with_dots(segments: list[str]) -> None:
 # One definition of component names serves our HDF5 layout, the flat key styles and TF keys.
 def test_component_names_are_one_definition() -> None:
     from parallelvars.checkpoint.registry import component_index, component_name
-    from parallelvars.formats.tf._keys import component_attribute, parse_key
+    from parallelvars.formats.testing import component_attribute, parse_key
 
     assert [component_name(i) for i in range(3)] == [
         "primary", "parallel_component_1", "parallel_component_2"

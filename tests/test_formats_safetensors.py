@@ -161,7 +161,7 @@ def test_sharded_output_follows_hugging_face_convention(tmp_path) -> None:
     ("size", "expected"), [(100, 100), ("1KB", 1000), ("2KiB", 2048), ("1.5MB", 1_500_000)]
 )
 def test_max_shard_size_units(tmp_path, size, expected) -> None:
-    from parallelvars.formats._sizes import parse_size
+    from parallelvars.formats.testing import parse_size
 
     assert parse_size(size) == expected
 

@@ -18,8 +18,8 @@ from test_corruption import sample_model
 
 import parallelvars as pv
 from parallelvars.checkpoint.h5io import H5Reader
-from parallelvars.checkpoint.h5io.stored import _held_value
 from parallelvars.checkpoint.h5raw.global_heap import GlobalHeapCheck
+from parallelvars.testing import held_value as _held_value
 
 
 def collection(raw: bytes) -> tuple[int, list[tuple[int, int, int]]]:

@@ -24,7 +24,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallelvars._fileio import MAX_JSON_DEPTH, json_depth, load_json
 from parallelvars.errors import (
     CheckpointWriteError,
     CorruptCheckpointError,
@@ -34,7 +33,8 @@ from parallelvars.errors import (
     TruncatedFileError,
 )
 from parallelvars.formats import ArrayEntry, open_checkpoint, write_checkpoint
-from parallelvars.formats.tf import _bundle
+from parallelvars.formats.testing import tf_bundle as _bundle
+from parallelvars.testing import MAX_JSON_DEPTH, json_depth, load_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -382,7 +382,7 @@ def test_disk_full_is_a_write_error_and_keeps_the_old_file(
 
 def test_permission_errors_keep_their_type(tmp_path: Path) -> None:
     err = PermissionError(errno.EACCES, "Permission denied")
-    from parallelvars._fileio import write_error
+    from parallelvars.testing import write_error
 
     assert write_error(err, "x") is err
     # errno comes from the exception (or the OSError it was raised from), never its text
@@ -482,6 +482,6 @@ def test_a_fifo_given_to_the_cli_is_refused_without_blocking(tmp_path: Path, com
      (np.bool_(True), False, False), (2.0, False, False), ("1", False, False), (None, False, False)],
 )  # fmt: skip
 def test_integer_checks_on_decoded_values(value: object, integer: bool, index: bool) -> None:
-    from parallelvars._ints import is_index, is_int
+    from parallelvars.testing import is_index, is_int
 
     assert (is_int(value), is_index(value)) == (integer, index)

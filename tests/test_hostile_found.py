@@ -289,7 +289,7 @@ def test_a_managed_directory_never_takes_a_checkpoint_linked_from_outside(tmp_pa
 
 
 def test_a_multi_process_part_may_link_only_inside_its_folder(tmp_path: Path) -> None:
-    from parallelvars.checkpoint import _h5policy
+    from parallelvars.testing import h5policy as _h5policy
 
     parts = tmp_path / "a.h5.parts"
     parts.mkdir()
@@ -309,7 +309,7 @@ def test_a_multi_process_part_may_link_only_inside_its_folder(tmp_path: Path) ->
 
 
 def test_the_rule_named_versus_found(tmp_path: Path) -> None:
-    from parallelvars._fileio import open_input
+    from parallelvars.testing import open_input
 
     real = tmp_path / "real.bin"
     real.write_bytes(b"abc")
@@ -332,7 +332,7 @@ def test_the_rule_named_versus_found(tmp_path: Path) -> None:
 def test_a_hugging_face_cache_snapshot_opens_where_it_lies(tmp_path: Path) -> None:
     """huggingface_hub's cache: snapshots/<revision>/ files link into the repository's
     blobs/; the repository folder is the checkpoint's folder."""
-    from parallelvars._fileio import checkpoint_root
+    from parallelvars.testing import checkpoint_root
 
     repo = tmp_path / "hub" / "models--org--name"
     snap = repo / "snapshots" / "0123abcd"

@@ -23,11 +23,11 @@ import pytest
 from _columns_support import strip_columns, write_columns
 
 import parallelvars as pv
-from parallelvars.checkpoint import _h5policy
 from parallelvars.checkpoint.h5io import INDEX_DATASET, H5Reader
-from parallelvars.checkpoint.h5io.attributes import _write_json
 from parallelvars.checkpoint.h5io.layout import COLUMNS_DATASET
 from parallelvars.errors import CorruptCheckpointError
+from parallelvars.testing import h5policy as _h5policy
+from parallelvars.testing import write_json as _write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = b"TOP-SECRET-BYTES"  # 16 bytes: 4 float32
@@ -695,7 +695,7 @@ def _index_with_value(tmp_path, sources):
 def test_a_stitched_value_over_the_own_parts_is_allowed_and_its_sources_checked(tmp_path):
     """A multi-process index's sharded ``value`` reads shards from its own parts, each a plain
     dataset; a source elsewhere, or a source that is itself virtual, is refused."""
-    from parallelvars.checkpoint import _h5policy
+    from parallelvars.testing import h5policy as _h5policy
 
     parts = tmp_path / "x.h5.parts"
     parts.mkdir()

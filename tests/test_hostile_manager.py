@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 import parallelvars as pv
-from parallelvars.checkpoint import _state as state_module
 from parallelvars.checkpoint import checkpoint as checkpoint_module
 from parallelvars.checkpoint import h5io, manager
 from parallelvars.checkpoint import snapshot as snapshot_module
@@ -29,6 +28,7 @@ from parallelvars.errors import (
     ParallelVarsError,
     ReadOnlyDirectoryError,
 )
+from parallelvars.testing import manager_state as state_module
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

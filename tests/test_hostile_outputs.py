@@ -97,7 +97,7 @@ def test_a_lone_surrogate_in_the_native_index_is_refused_at_open(tmp_path: Path)
 
     import parallelvars as pv
     from parallelvars.checkpoint.h5io import INDEX_DATASET, H5Reader
-    from parallelvars.checkpoint.h5io.attributes import _write_json
+    from parallelvars.testing import write_json as _write_json
 
     path = tmp_path / "n.h5"
     pv.Checkpoint(w=pv.Variable(np.arange(4, dtype=np.float32), name="w")).write(str(path))

@@ -28,7 +28,7 @@ from parallelvars.errors import (
     LimitExceededError,
     NotACheckpointError,
 )
-from parallelvars.formats import _zip
+from parallelvars.formats.testing import zip_policy as _zip
 
 ROOT = Path(__file__).resolve().parent.parent
 WEIGHTS = KERAS / "model.weights.h5"

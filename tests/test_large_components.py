@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import parallelvars as pv
-from parallelvars import _threads
 from parallelvars.errors import ChecksumMismatchError
+from parallelvars.testing import threads as _threads
 
 # Larger than the streamed check's 8 MiB reads and the writer's 1 MiB chunks, so both loops
 # run more than once, with a partial last chunk.

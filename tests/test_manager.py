@@ -14,10 +14,10 @@ import pytest
 
 import parallelvars as pv
 from parallelvars.checkpoint import h5io, manager
-from parallelvars.checkpoint._skeleton import SkeletonCache
 from parallelvars.checkpoint.h5io import write as h5write
 from parallelvars.checkpoint.h5raw import native
 from parallelvars.errors import CheckpointLockedError, ParallelVarsError
+from parallelvars.testing import SkeletonCache
 
 
 def make(num_devices: int = 2):

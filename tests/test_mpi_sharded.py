@@ -20,8 +20,8 @@ import _mpi_model as model_code
 from test_mpi import assert_bit_equal, launch, load
 
 import parallelvars as pv
-from parallelvars._dtypes import as_dtype
 from parallelvars.checkpoint.h5io import H5Reader
+from parallelvars.testing import as_dtype
 
 # Real MPI runs (2-4 processes each); CI runs them (.ci/run, -m slow).
 pytestmark = pytest.mark.slow

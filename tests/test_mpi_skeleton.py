@@ -21,12 +21,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from parallelvars.checkpoint import H5Reader
-from parallelvars.checkpoint._skeleton import SkeletonCache, lookup3
-from parallelvars.checkpoint.h5io import _index_skeleton, collective
+from parallelvars.checkpoint.h5io import collective
 from parallelvars.checkpoint.h5io.collective import write_collective
 from parallelvars.checkpoint.h5io.write import ComponentLink, LinkedVariable, write_h5_index
 from parallelvars.checkpoint.registry import SaveRecord
 from parallelvars.errors import CheckpointError
+from parallelvars.testing import SkeletonCache, lookup3
+from parallelvars.testing import index_skeleton as _index_skeleton
 
 CREATED = 1_700_000_000.5
 

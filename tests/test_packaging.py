@@ -59,7 +59,16 @@ def test_core_never_imports_formats_or_cli() -> None:
 
 # The layers below strategies (docs/ARCHITECTURE.md): they read the mode stacks of
 # _modes and the values of _values, never a strategy module, in any form of import.
-_BELOW_STRATEGY = ("_values.py", "_modes.py", "_write_plan.py", "devices.py", "variables.py")
+_BELOW_STRATEGY = (
+    "_values.py",
+    "_modes.py",
+    "_write_plan.py",
+    "devices.py",
+    "variables.py",
+    "_proxy.py",
+    "_sharded.py",
+    "_creation.py",
+)
 
 
 def test_variables_and_the_layers_below_import_no_strategy_module() -> None:

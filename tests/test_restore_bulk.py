@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 import parallelvars as pv
 from parallelvars import errors
-from parallelvars.checkpoint import _restore
 from parallelvars.checkpoint import matching as _matching
 from parallelvars.checkpoint.h5io import H5Reader
+from parallelvars.testing import restore_rules as _restore
 
 KINDS = ("single", "mirrored", "on_read_sum", "on_read_mean", "independent")
 DTYPES = ("float32", "float64", "int32", "int8", "bool", "float16", "bfloat16")

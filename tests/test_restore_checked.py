@@ -104,8 +104,8 @@ def test_an_unchanged_file_restores_after_the_second_check(tmp_path: Path) -> No
 def test_pieces_of_a_shard_verify_only_when_they_cover_it_and_their_checksums_join() -> None:
     import crc32c
 
-    from parallelvars.checkpoint._restore import Piece, verify_pieces
     from parallelvars.errors import ChecksumMismatchError, CorruptCheckpointError
+    from parallelvars.testing import Piece, verify_pieces
 
     data = bytes(range(200))
     whole = crc32c.crc32c(data)

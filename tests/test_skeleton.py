@@ -20,10 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import parallelvars as pv
-from parallelvars.checkpoint import H5Reader, _skeleton
+from parallelvars.checkpoint import H5Reader
 from parallelvars.checkpoint.h5io import write_h5
 from parallelvars.checkpoint.h5raw import native
 from parallelvars.errors import CheckpointWriteError
+from parallelvars.testing import h5_skeleton as _skeleton
 
 CREATED = 1_700_000_000.25
 

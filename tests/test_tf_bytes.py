@@ -5,25 +5,29 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parallelvars.formats.tf import BundleReader, BundleWriter, _crc, _ordered_code
-from parallelvars.formats.tf._keys import escape_local_name, parse_key, unescape_local_name
-from parallelvars.formats.tf._proto import (
+from parallelvars.formats.testing import (
+    BLOCK_SIZE,
     BundleEntry,
     BundleHeader,
-    decode_entry,
-    decode_header,
-    encode_entry,
-    encode_header,
-)
-from parallelvars.formats.tf._sstable import (
-    BLOCK_SIZE,
     TableBuilder,
     TableReader,
+    c_escape,
+    c_unescape,
+    decode_entry,
+    decode_header,
+    decode_strings,
+    encode_entry,
+    encode_header,
+    encode_strings,
+    escape_local_name,
     find_short_successor,
     find_shortest_separator,
+    parse_key,
+    unescape_local_name,
 )
-from parallelvars.formats.tf._state import c_escape, c_unescape
-from parallelvars.formats.tf._strings import decode_strings, encode_strings
+from parallelvars.formats.testing import tf_crc as _crc
+from parallelvars.formats.testing import tf_ordered_code as _ordered_code
+from parallelvars.formats.tf import BundleReader, BundleWriter
 
 WORKED_INDEX = bytes.fromhex(
     # data block: header entry and "x"

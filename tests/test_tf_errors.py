@@ -20,11 +20,18 @@ from parallelvars.errors import (
     UnsupportedDtypeError,
 )
 from parallelvars.formats import open_checkpoint
+from parallelvars.formats.testing import (
+    BundleEntry,
+    BundleHeader,
+    TableBuilder,
+    TableReader,
+    crc32c,
+    encode_entry,
+    encode_header,
+    encode_slice_key,
+    mask,
+)
 from parallelvars.formats.tf import BundleReader, BundleWriter, TfCheckpointView
-from parallelvars.formats.tf._crc import crc32c, mask
-from parallelvars.formats.tf._ordered_code import encode_slice_key
-from parallelvars.formats.tf._proto import BundleEntry, BundleHeader, encode_entry, encode_header
-from parallelvars.formats.tf._sstable import TableBuilder, TableReader
 
 DATA = Path(__file__).parent / "data" / "tf"
 KERNEL = "net/kernel/.ATTRIBUTES/VARIABLE_VALUE"

@@ -21,8 +21,8 @@ from parallelvars.formats import (
     open_checkpoint,
     write_checkpoint,
 )
+from parallelvars.formats.testing import TableReader
 from parallelvars.formats.tf import FORMAT, BundleReader, TfCheckpointView, sniff
-from parallelvars.formats.tf._sstable import TableReader
 
 DATA = Path(__file__).parent / "data" / "tf"
 FOLDERS = {

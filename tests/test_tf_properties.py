@@ -14,9 +14,8 @@ from hypothesis import strategies as st
 
 from parallelvars.errors import ParallelVarsError
 from parallelvars.formats import ArrayEntry, DictView, open_checkpoint, write_checkpoint
+from parallelvars.formats.testing import TableBuilder, TableReader, crc32c, mask
 from parallelvars.formats.tf import TfCheckpointView
-from parallelvars.formats.tf._crc import crc32c, mask
-from parallelvars.formats.tf._sstable import TableBuilder, TableReader
 
 DATA = Path(__file__).parent / "data" / "tf"
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

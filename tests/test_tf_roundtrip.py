@@ -12,8 +12,8 @@ import pytest
 
 from parallelvars.errors import DtypeMismatchError, InvalidEntryError, UnsupportedDtypeError
 from parallelvars.formats import ArrayEntry, DictView, open_checkpoint, write_checkpoint
+from parallelvars.formats.testing import decode_graph
 from parallelvars.formats.tf import METADATA_KEY, BundleReader, BundleWriter, TfCheckpointView
-from parallelvars.formats.tf._graph import decode_graph
 
 GRAPH = b"_CHECKPOINTABLE_OBJECT_GRAPH"
 

@@ -204,7 +204,7 @@ class Checkpoint(Trackable):
     """
 
     def __init__(self, **roots: Any) -> None:
-        from parallelvars.variables import _make_distributed_variable
+        from parallelvars._creation import _make_distributed_variable
 
         if "save_counter" in roots:
             raise InvalidArgumentError(

@@ -36,7 +36,8 @@ import numpy as np
 
 from parallelvars import update_core
 from parallelvars.enums import ReduceOp
-from parallelvars.errors import ContextError, GradientError, GradientTypeError
+from parallelvars.errors import ContextError, GradientError
+from parallelvars.optimizers._checks import _is_float, check_gradient
 from parallelvars.optimizers._fused import (
     PLAN_CACHE,
     BufferPairs,
@@ -53,10 +54,6 @@ from parallelvars.strategy._values import PerReplica
 from parallelvars.variables import ParallelVariable, ShardedVariable
 
 __all__ = ["GradientBuffers", "Optimizer"]
-
-
-def _is_float(dtype: np.dtype) -> bool:
-    return dtype.kind == "f" or dtype.name.startswith(("bfloat", "float"))
 
 
 _first = operator.itemgetter(0)
@@ -78,20 +75,6 @@ def _takes_an_argument(fn: Callable[..., Any]) -> bool:
     except TypeError:
         return False
     return True
-
-
-def _dense_checked(arr: np.ndarray, var: Any, shape: tuple[int, ...]) -> np.ndarray:
-    """``arr`` when it can be the dense gradient of ``var`` (its shape, a numeric dtype)."""
-    # The dtype first: a string or an object is a TypeError (as in TensorFlow), not a shape error.
-    if arr.dtype.kind not in "fiu" and not _is_float(arr.dtype):
-        raise GradientTypeError(
-            "gradient is not numeric", variable=var.name, expected="a float array", found=arr.dtype
-        )
-    if arr.shape != shape:
-        raise GradientError(
-            "gradient of another shape", variable=var.name, expected=shape, found=arr.shape
-        )
-    return arr
 
 
 def _INDEXED_SLICES_FREE(grads: list[Any]) -> bool:
@@ -445,50 +428,7 @@ class Optimizer(OptimizerState):
         return info
 
     def _check(self, g: Any, var: Any) -> Any:
-        shape = self._info(var)[0]
-        if type(g) is np.ndarray:  # the common case, kept cheap
-            return _dense_checked(g, var, shape)
-        # A reduced gradient may come back wrapped (a mirrored value): its primary is the value.
-        if not isinstance(g, IndexedSlices) and isinstance(
-            getattr(g, "values", None), (tuple, list)
-        ):
-            g = g.values[0]
-        if isinstance(g, IndexedSlices):
-            if not shape:
-                raise GradientError(
-                    "a scalar variable cannot take a sparse gradient", variable=var.name
-                )
-            if g.dense_shape is not None and g.dense_shape != shape:
-                raise GradientError(
-                    "sparse gradient for another shape",
-                    variable=var.name,
-                    expected=shape,
-                    found=g.dense_shape,
-                )
-            if tuple(g.values.shape[1:]) != shape[1:]:
-                raise GradientError(
-                    "sparse gradient rows have another shape",
-                    variable=var.name,
-                    expected=shape[1:],
-                    found=tuple(g.values.shape[1:]),
-                )
-            if g.indices.size and (g.indices.min() < 0 or g.indices.max() >= shape[0]):
-                raise GradientError(
-                    "sparse gradient index out of range",
-                    variable=var.name,
-                    expected=f"0 <= index < {shape[0]}",
-                    found=f"{int(g.indices.min())}..{int(g.indices.max())}",
-                )
-            g = g.deduplicate()
-            if self._sparse_as_dense:
-                return g.to_dense(shape)
-            return g
-        arr = (
-            g
-            if type(g) is np.ndarray
-            else np.asarray(g.read_value() if isinstance(g, ParallelVariable) else g)
-        )
-        return _dense_checked(arr, var, shape)
+        return check_gradient(g, var, self._info(var)[0], self._sparse_as_dense)
 
     def _distributed_apply(
         self,

@@ -22,16 +22,12 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars._creation import _make_distributed_variable
 from parallelvars._storage import Arena, Placement
 from parallelvars.errors import GradientError
 from parallelvars.strategy import _context
 from parallelvars.tracking import Module
-from parallelvars.variables import (
-    ParallelVariable,
-    RankShardedVariable,
-    ShardedVariable,
-    _make_distributed_variable,
-)
+from parallelvars.variables import ParallelVariable, RankShardedVariable, ShardedVariable
 
 __all__ = ["OptimizerState"]
 

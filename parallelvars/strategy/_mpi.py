@@ -283,7 +283,7 @@ class MultiWorkerMirroredStrategy(MPICollectives, Strategy):
 
     # ------------------------------------------------------------------ variables
     def _make_local(self, device: ParallelDevice, **kwargs: Any) -> Any:
-        from parallelvars.variables import _make_distributed_variable, _make_rank_sharded
+        from parallelvars._creation import _make_distributed_variable, _make_rank_sharded
 
         self._check_creation_context(kwargs.get("name"))
         if kwargs.get("shard_axis") is not None and self._size > 1:

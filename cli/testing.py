@@ -1,0 +1,33 @@
+"""Test support for the command line: the pieces tests check without running ``main``.
+
+As with ``numpy.testing``, this module is for tests, not for programs; its names follow the
+internals they come from and may change with them (``tools/count_private_imports.py`` counts
+the tests that import private modules instead).
+
+What it offers: the error table (:func:`classify`, :class:`UsageError`, :data:`EXIT_USAGE`,
+:data:`EXIT_INTERNAL`), the output sink (:class:`Output`), :mod:`cli_common` (shared helpers,
+:func:`natural_key`, :func:`metadata_text`) and the demo's model (:class:`MLP`,
+:func:`loss_and_grads`, :func:`make_blobs`).
+"""
+
+from __future__ import annotations
+
+from parallelvars.cli import _common as cli_common
+from parallelvars.cli._common import metadata_text, natural_key
+from parallelvars.cli._errors import EXIT_INTERNAL, EXIT_USAGE, UsageError, classify
+from parallelvars.cli._mlp import MLP, loss_and_grads, make_blobs
+from parallelvars.cli._output import Output
+
+__all__ = [
+    "EXIT_INTERNAL",
+    "EXIT_USAGE",
+    "MLP",
+    "Output",
+    "UsageError",
+    "classify",
+    "cli_common",
+    "loss_and_grads",
+    "make_blobs",
+    "metadata_text",
+    "natural_key",
+]

@@ -1,0 +1,80 @@
+"""What an optimizer accepts as a gradient: checked against its variable before any update."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from parallelvars.errors import GradientError, GradientTypeError
+from parallelvars.optimizers._sparse import IndexedSlices
+from parallelvars.variables import ParallelVariable
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    return dtype.kind == "f" or dtype.name.startswith(("bfloat", "float"))
+
+
+def _dense_checked(arr: np.ndarray, var: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """``arr`` when it can be the dense gradient of ``var`` (its shape, a numeric dtype)."""
+    # The dtype first: a string or an object is a TypeError (as in TensorFlow), not a shape error.
+    if arr.dtype.kind not in "fiu" and not _is_float(arr.dtype):
+        raise GradientTypeError(
+            "gradient is not numeric", variable=var.name, expected="a float array", found=arr.dtype
+        )
+    if arr.shape != shape:
+        raise GradientError(
+            "gradient of another shape", variable=var.name, expected=shape, found=arr.shape
+        )
+    return arr
+
+
+def check_gradient(g: Any, var: Any, shape: tuple[int, ...], sparse_as_dense: bool) -> Any:
+    """``g`` as the gradient the update applies to ``var`` of ``shape``: a checked dense array,
+    or deduplicated sparse rows (made dense when ``sparse_as_dense``).
+
+    Raises:
+        GradientTypeError: the gradient is not numeric.
+        GradientError: its shape, sparse rows or indices do not fit the variable.
+    """
+    if type(g) is np.ndarray:  # the common case, kept cheap
+        return _dense_checked(g, var, shape)
+    # A reduced gradient may come back wrapped (a mirrored value): its primary is the value.
+    if not isinstance(g, IndexedSlices) and isinstance(getattr(g, "values", None), (tuple, list)):
+        g = g.values[0]
+    if isinstance(g, IndexedSlices):
+        if not shape:
+            raise GradientError(
+                "a scalar variable cannot take a sparse gradient", variable=var.name
+            )
+        if g.dense_shape is not None and g.dense_shape != shape:
+            raise GradientError(
+                "sparse gradient for another shape",
+                variable=var.name,
+                expected=shape,
+                found=g.dense_shape,
+            )
+        if tuple(g.values.shape[1:]) != shape[1:]:
+            raise GradientError(
+                "sparse gradient rows have another shape",
+                variable=var.name,
+                expected=shape[1:],
+                found=tuple(g.values.shape[1:]),
+            )
+        if g.indices.size and (g.indices.min() < 0 or g.indices.max() >= shape[0]):
+            raise GradientError(
+                "sparse gradient index out of range",
+                variable=var.name,
+                expected=f"0 <= index < {shape[0]}",
+                found=f"{int(g.indices.min())}..{int(g.indices.max())}",
+            )
+        g = g.deduplicate()
+        if sparse_as_dense:
+            return g.to_dense(shape)
+        return g
+    arr = (
+        g
+        if type(g) is np.ndarray
+        else np.asarray(g.read_value() if isinstance(g, ParallelVariable) else g)
+    )
+    return _dense_checked(arr, var, shape)

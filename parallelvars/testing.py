@@ -1,0 +1,77 @@
+"""Test support for the core: what a test needs to craft hostile files and check internals.
+
+As with ``numpy.testing``, this module is for tests, not for programs: it is imported by no
+part of the library, and its names follow the internals they come from, so they may change
+with them. It exists so that tests reach the private pieces through one documented seam
+rather than each test importing private modules; a test that can check a behaviour through
+the public API should (``tools/count_private_imports.py`` counts the tests that do not).
+
+What it offers:
+
+* **Crafting checkpoint files**: :func:`write_json` (a JSON attribute the way the native
+  writer stores it), :func:`columns_parts` / :func:`columns_table` (the columns document and
+  its table), :func:`held_value` (a value held in the global heap), :data:`INDEX_SKELETONS`,
+  :class:`SkeletonCache` and :func:`lookup3` (the writer's reusable file skeletons),
+  :mod:`index_skeleton`, :mod:`h5_skeleton`, :mod:`h5policy` (the HDF5 file policy),
+  :mod:`manager_state` (the manager's state file).
+* **Restore internals**: :mod:`restore_rules` (``DIRECT_MIN_COMPONENTS`` and the rules),
+  :class:`Piece` and :func:`verify_pieces`.
+* **Foundation helpers**: :mod:`fileio` and its JSON bounds (:data:`MAX_JSON_DEPTH`,
+  :func:`json_depth`, :func:`load_json`), :func:`open_input`, :func:`checkpoint_root`,
+  :func:`write_error`; :mod:`threads`; :func:`as_dtype`; :func:`is_int` / :func:`is_index`.
+"""
+
+from __future__ import annotations
+
+from parallelvars import _fileio as fileio
+from parallelvars import _threads as threads
+from parallelvars._dtypes import as_dtype
+from parallelvars._fileio import (
+    MAX_JSON_DEPTH,
+    checkpoint_root,
+    json_depth,
+    load_json,
+    open_input,
+    write_error,
+)
+from parallelvars._ints import is_index, is_int
+from parallelvars.checkpoint import _h5policy as h5policy
+from parallelvars.checkpoint import _restore as restore_rules
+from parallelvars.checkpoint import _skeleton as h5_skeleton
+from parallelvars.checkpoint import _state as manager_state
+from parallelvars.checkpoint._restore import Piece, verify_pieces
+from parallelvars.checkpoint._skeleton import SkeletonCache, lookup3
+from parallelvars.checkpoint.h5io import _index_skeleton as index_skeleton
+from parallelvars.checkpoint.h5io.attributes import _write_json as write_json
+from parallelvars.checkpoint.h5io.collective import _INDEX_SKELETONS as INDEX_SKELETONS
+from parallelvars.checkpoint.h5io.columns import _columns_parts as columns_parts
+from parallelvars.checkpoint.h5io.columns import _columns_table as columns_table
+from parallelvars.checkpoint.h5io.stored import _held_value as held_value
+
+__all__ = [
+    "INDEX_SKELETONS",
+    "MAX_JSON_DEPTH",
+    "Piece",
+    "SkeletonCache",
+    "as_dtype",
+    "checkpoint_root",
+    "columns_parts",
+    "columns_table",
+    "fileio",
+    "h5_skeleton",
+    "h5policy",
+    "held_value",
+    "index_skeleton",
+    "is_index",
+    "is_int",
+    "json_depth",
+    "load_json",
+    "lookup3",
+    "manager_state",
+    "open_input",
+    "restore_rules",
+    "threads",
+    "verify_pieces",
+    "write_error",
+    "write_json",
+]
