@@ -25,6 +25,7 @@ What it offers:
 
 from __future__ import annotations
 
+from parallelvars.formats import _info as info_views
 from parallelvars.formats import _zip as zip_policy
 from parallelvars.formats._h5 import attr_to_python
 from parallelvars.formats._json import jsonable
@@ -63,6 +64,7 @@ from parallelvars.formats.tf._state import c_escape, c_unescape
 from parallelvars.formats.tf._strings import decode_strings, encode_strings
 
 __all__ = [
+    "info_views",
     "BLOCK_SIZE",
     "BundleEntry",
     "BundleHeader",

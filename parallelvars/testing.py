@@ -10,7 +10,8 @@ What it offers:
 
 * **Crafting checkpoint files**: :func:`write_json` (a JSON attribute the way the native
   writer stores it), :func:`columns_parts` / :func:`columns_table` (the columns document and
-  its table), :func:`held_value` (a value held in the global heap), :data:`INDEX_SKELETONS`,
+  its table), :func:`index_template` / :data:`crc_mark` (the index text with a mark for each
+  record's checksums), :func:`held_value` (a value held in the global heap), :data:`INDEX_SKELETONS`,
   :class:`SkeletonCache` and :func:`lookup3` (the writer's reusable file skeletons),
   :mod:`index_skeleton`, :mod:`h5_skeleton`, :mod:`h5policy` (the HDF5 file policy),
   :mod:`manager_state` (the manager's state file).
@@ -47,8 +48,12 @@ from parallelvars.checkpoint.h5io.collective import _INDEX_SKELETONS as INDEX_SK
 from parallelvars.checkpoint.h5io.columns import _columns_parts as columns_parts
 from parallelvars.checkpoint.h5io.columns import _columns_table as columns_table
 from parallelvars.checkpoint.h5io.stored import _held_value as held_value
+from parallelvars.checkpoint.h5io.write import _index_template as index_template
+from parallelvars.checkpoint.h5io.write import crc_mark
 
 __all__ = [
+    "crc_mark",
+    "index_template",
     "INDEX_SKELETONS",
     "MAX_JSON_DEPTH",
     "Piece",

@@ -21,11 +21,12 @@ from test_h5raw import _SETTINGS, both, structures
 from parallelvars.checkpoint.h5io import H5Reader
 from parallelvars.checkpoint.registry import SaveRecord
 from parallelvars.cli import main
-from parallelvars.cli._output import Output, json_document
 from parallelvars.cli.diff import compare_arrays
-from parallelvars.cli.inspect import _row, collect
+from parallelvars.cli.inspect import collect
+from parallelvars.cli.testing import Output, json_document
+from parallelvars.cli.testing import inspect_row as _row
 from parallelvars.formats import convert, open_checkpoint
-from parallelvars.formats._json import jsonable
+from parallelvars.formats.testing import jsonable
 
 
 def _records() -> list[SaveRecord]:
@@ -193,8 +194,8 @@ def test_diff_in_bulk_finds_what_the_entry_by_entry_diff_finds(tmp_path, capsys,
     out = {}
     for bulk in (True, False):
         if not bulk:
-            import parallelvars.formats._info as _info
             import parallelvars.formats.hdf5 as fh
+            from parallelvars.formats.testing import info_views as _info
 
             monkeypatch.delattr(fh.HDF5View, "bulk_components")
             monkeypatch.delattr(_info.StoreView, "bulk_components")

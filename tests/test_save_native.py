@@ -221,8 +221,9 @@ def test_attributes_equal_but_for_the_sign_of_zero_get_their_own_layout(tmp_path
 def test_a_value_with_the_checksums_mark_text_keeps_the_index_exact(tmp_path) -> None:
     """The index template stands a mark for each record's checksums; a value of the same
     text makes it record by record, and the index is still json.dumps of the index."""
-    from parallelvars.checkpoint.h5io.write import _index_template, crc_mark
     from parallelvars.checkpoint.registry import SaveRecord
+    from parallelvars.testing import crc_mark
+    from parallelvars.testing import index_template as _index_template
 
     records = [
         SaveRecord(
