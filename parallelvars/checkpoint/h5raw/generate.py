@@ -57,6 +57,7 @@ from parallelvars.checkpoint.h5raw import header as hdr
 from parallelvars.checkpoint.h5raw import messages as msg
 from parallelvars.checkpoint.h5raw.global_heap import build_collections
 from parallelvars.checkpoint.h5raw.lookup3 import lookup3, lookup3_many
+from parallelvars.checkpoint.h5raw.symbol_table import SYMBOL_TABLE, SymbolTable
 from parallelvars.checkpoint.h5raw.templates import Template, place, runs
 from parallelvars.checkpoint.h5raw.virtual import mapping
 from parallelvars.errors import InvalidEntryError
@@ -275,6 +276,10 @@ class _Group:
     shape: tuple[int, ...] = ()
     row_string: bytes | None = None
     first_string: int = -1  # its first string's number among the heap objects
+    # A group of more than MAX_COMPACT_LINKS links: its symbol table, laid right after its
+    # header (see symbol_table.py)
+    table: SymbolTable | None = None
+    table_at: int = -1
 
 
 @dataclass
@@ -451,15 +456,24 @@ class FilePlan:
         self._groups = groups
         at = SUPERBLOCK_SIZE
         for g in groups:
-            # a variable that is also a parent, or whose header continues in further chunks
-            # (their continuation messages hold addresses): encoded on its own
-            if g.sig is not None and (g.children or len(self._group_template(g).chunks) > 1):
+            # a variable that is also a parent, or of many links (a symbol table), or whose
+            # header continues in further chunks (their continuation messages hold
+            # addresses): encoded on its own
+            wide = len(g.links) > MAX_COMPACT_LINKS
+            if g.sig is not None and (
+                g.children or wide or len(self._group_template(g).chunks) > 1
+            ):
                 g.attrs = g.sig.materialize(g.shape, g.row_string)
                 g.sig = None
             g.address = at
+            if wide:
+                g.table = SymbolTable([name for name, _ in g.links])
             at += (
                 self._group_template(g).size if g.sig is not None else len(self._encode_group(g)[0])
             )
+            if g.table is not None:
+                g.table_at = at
+                at += g.table.size
         for ds in self._datasets:
             ds.address = at
             at += self._dataset_size(ds)
@@ -616,11 +630,7 @@ class FilePlan:
         messages: list[tuple[int, int, bytes]] = []
         nlinks = len(g.links)
         if nlinks > MAX_COMPACT_LINKS:
-            raise msg.Unsupported(
-                f"a group of {nlinks} links: kept in its header, each name lookup would scan "
-                f"them all (opening every child is quadratic); more than {MAX_COMPACT_LINKS} "
-                "need dense storage (a fractal heap and a B-tree), which is not generated"
-            )
+            return self._encode_wide_group(g)
         phase = None if nlinks <= _DEFAULT_LINKS else (nlinks, max(nlinks - 2, 0))
         messages.append((hdr.LINK_INFO, 0, msg.link_info()))
         messages.append((hdr.GROUP_INFO, 1, msg.group_info(phase)))
@@ -640,6 +650,26 @@ class FilePlan:
             )
             for name, t in g.links
         ]
+        attr_phase = (
+            None
+            if len(g.attrs) <= _COMPACT_ATTRS
+            else (max(_WIDE_ATTRS, len(g.attrs)), max(_WIDE_ATTRS, len(g.attrs)) - 2)
+        )
+        return _encode_chunked(messages, attr_phase, g.address)
+
+    def _encode_wide_group(self, g: _Group) -> tuple[bytes, list[tuple[int, int]]]:
+        """A group of more than :data:`MAX_COMPACT_LINKS` links: its header holds a symbol
+        table message (the links are in the symbol table laid after it) and its attributes."""
+        if any(isinstance(t, _External) for _, t in g.links):
+            raise msg.Unsupported(
+                f"a group of {len(g.links)} links with external links (a symbol table holds "
+                "hard links only)"
+            )
+        table = g.table if g.table is not None else SymbolTable([n for n, _ in g.links])
+        messages = [(SYMBOL_TABLE, 0, table.message(max(g.table_at, 0)))]
+        if g.attrs:
+            messages.append((hdr.ATTRIBUTE_INFO, 4, msg.attribute_info()))
+        messages += [(hdr.ATTRIBUTE, 0, self._attr_message(a)) for a in g.attrs]
         attr_phase = (
             None
             if len(g.attrs) <= _COMPACT_ATTRS
@@ -711,6 +741,8 @@ class FilePlan:
                 by_signature.setdefault(id(g.sig), []).append(g)
             else:
                 put(g.address, *self._encode_group(g))
+            if g.table is not None:
+                put(g.table_at, g.table.encode(g.table_at, [t.address for _, t in g.links]), [])
         for groups in by_signature.values():
             self._place_groups(image, groups)
         by_key: dict[tuple[Any, ...], list[_Dataset]] = {}
