@@ -627,6 +627,30 @@ def _rows_paths_save(d: dict[str, Any]) -> list[list[str]]:
                 ("<= 1.5x", "yes" if r["ratio_first"] <= 1.5 else "no"),
             )
         )
+        if "walk_s" in r:
+            rows.append(
+                _row(
+                    "paths save",
+                    f"floor of a first save in Python: graph walk + records vs safetensors "
+                    f"({label}, {1e6 * r['walk_s'] / r['entries']:.0f} us/entry)",
+                    _s(r["walk_s"]),
+                    _s(r["safetensors_s"]),
+                    _x(r["ratio_walk"]),
+                )
+            )
+            rows.append(
+                _row(
+                    "paths save",
+                    f"first save's peak RSS above the model's ({label})",
+                    f"{r['first_extra_mb']:.0f} MB",
+                    NONE,
+                    NONE,
+                    (
+                        "<= 256 MB + largest",
+                        "yes" if r["first_extra_mb"] <= 256 + 1 else "no",
+                    ),
+                )
+            )
     m = d.get("mirrored")
     if m and "error" not in m:
         rows.append(
@@ -677,6 +701,33 @@ def _rows_paths_save(d: dict[str, Any]) -> list[list[str]]:
                 _x(r["ratio_restore"]),
             )
         )
+        if "first_extra_mb" in r:
+            largest = r["largest_component"] / 2**20
+            snap = r["bytes"] / 2**20
+            rows.append(
+                _row(
+                    "paths save",
+                    f"first save's peak RSS above the model's ({label})",
+                    f"{r['first_extra_mb']:.0f} MB",
+                    f"{256 + largest:.0f} MB",
+                    NONE,
+                    (
+                        "<= 256 MB + largest",
+                        "yes" if r["first_extra_mb"] <= 256 + largest else "no",
+                    ),
+                )
+            )
+            rows.append(
+                _row(
+                    "paths save",
+                    f"non-blocking save's peak RSS above the model's vs the bytes it snapshots "
+                    f"({label})",
+                    f"{r['nonblocking_extra_mb']:.0f} MB",
+                    f"{snap:.0f} MB",
+                    _x(r["nonblocking_extra_mb"] / snap),
+                    ("<= 1x", "yes" if r["nonblocking_extra_mb"] <= snap else "no"),
+                )
+            )
     return rows
 
 

@@ -169,3 +169,95 @@ def test_conversion_into_hdf5_is_generated_and_streamed(tmp_path) -> None:
             np.testing.assert_array_equal(r[name].value(), value)
     with h5py.File(out, "r") as f:
         np.testing.assert_array_equal(f["a/primary"][()], tensors["a"])
+
+
+def test_slots_groups_from_templates_read_as_libhdf5_writes_them(tmp_path) -> None:
+    """A model with optimizer slots: the slots' groups (no attributes, links ``m``/``v``) and
+    the variable groups of each layout are written from templates."""
+    m = pv.Module()
+    with pv.MirroredStrategy(2).scope():
+        m.layers = [pv.Module() for _ in range(3)]
+        for k, layer in enumerate(m.layers):
+            layer.w = pv.Variable(np.full((2, 3), k, np.float32), name="w")
+            layer.b = pv.Variable(np.zeros(3, ml_dtypes.bfloat16), name="b")
+            layer.s = pv.Variable(np.arange(6.0).reshape(3, 2), name="s", shard_axis=0)
+        opt = pv.optimizers.Adam(1e-3)
+    variables = [v for layer in m.layers for v in (layer.w, layer.b, layer.s)]
+    grads = [[np.ones(v.shape, v.dtype) for v in variables]] * 2
+    pv.MirroredStrategy(2).run(
+        lambda g: opt.apply_gradients(zip(g, variables, strict=True)),
+        args=(pv.PerReplica(grads),),
+    )
+    ckpt = pv.Checkpoint(model=m, opt=opt)
+    path = ckpt.write(tmp_path / "c.h5")
+    assert_h5py_reads_the_same(path, ckpt, tmp_path)
+    with H5Reader(path) as r:
+        assert r.verify_all() == []
+
+
+def test_attributes_equal_but_for_the_sign_of_zero_get_their_own_layout(tmp_path) -> None:
+    from parallelvars.checkpoint.registry import SaveRecord
+
+    records = [
+        SaveRecord(
+            "single",
+            [np.zeros(2, np.float32)],
+            (2,),
+            {"scale": s, "scales": [s, 1.5], "more": {"a": [np.float64(s)]}},
+            path=f"v{k}",
+        )
+        for k, s in enumerate((0.0, -0.0, 0.0))
+    ]
+    path = native.save_native(tmp_path / "c.h5", records)
+    with h5py.File(path, "r") as f:
+        signs = [np.copysign(1.0, f[f"v{k}"].attrs["scale"]) for k in range(3)]
+        lists = [f[f"v{k}"].attrs["scales"] for k in range(3)]
+        nested = [f[f"v{k}"].attrs["more"] for k in range(3)]
+    assert signs == [1.0, -1.0, 1.0]
+    assert lists == ["json:[0.0, 1.5]", "json:[-0.0, 1.5]", "json:[0.0, 1.5]"]
+    assert nested == ['json:{"a": [0.0]}', 'json:{"a": [-0.0]}', 'json:{"a": [0.0]}']
+
+
+def test_a_value_with_the_checksums_mark_text_keeps_the_index_exact(tmp_path) -> None:
+    """The index template stands a mark for each record's checksums; a value of the same
+    text makes it record by record, and the index is still json.dumps of the index."""
+    from parallelvars.checkpoint.h5io.write import _index_template, crc_mark
+    from parallelvars.checkpoint.registry import SaveRecord
+
+    records = [
+        SaveRecord(
+            "mirrored",
+            [np.full(2, k, np.float32)] * 2,
+            (2,),
+            {"note": crc_mark(2), "pct": "100%d"},
+            path=f"v{k}",
+        )
+        for k in range(2)
+    ]
+    path = native.save_native(tmp_path / "c.h5", records)
+    with H5Reader(path) as r:
+        assert r.verify_all() == []
+        assert r["v1"].attrs["note"] == crc_mark(2) and r["v1"].attrs["pct"] == "100%d"
+    with h5py.File(path, "r") as f:
+        text = bytes(f["_parallelvars/index"][()]).rstrip(b" ").decode()
+    index = json.loads(text)
+    assert text == json.dumps(index)
+    crcs = tuple(c for meta in index.values() for c in meta["crc32c"])
+    assert _index_template(index) % crcs == text
+
+
+def test_a_repeated_structure_is_found_by_its_records_token(tmp_path) -> None:
+    m = model(np.float32)
+    ckpt = pv.Checkpoint(model=m)
+    ckpt.write(tmp_path / "a.h5")
+    prep = ckpt._pv_plans._skeleton
+    assert isinstance(prep, native.Prepared)
+    records = ckpt._gather(False)[0]
+    assert records._key is None  # (the first save built no key of every record)
+    ckpt.write(tmp_path / "b.h5")
+    assert ckpt._pv_plans._skeleton is prep  # the same plan
+    m.extra = pv.Variable(np.zeros(3, np.float32), name="extra")  # a new structure
+    ckpt.write(tmp_path / "c.h5")
+    assert ckpt._pv_plans._skeleton is not prep
+    with H5Reader(tmp_path / "c.h5") as r:
+        assert "model/extra" in r and r.verify_all() == []

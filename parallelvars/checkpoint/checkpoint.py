@@ -82,7 +82,8 @@ def _checkpoint_writer(plans: SkeletonCache | None = None) -> Callable[..., str]
     if strategy is None:
 
         def write_one(path: str, records: Sequence[SaveRecord], **options: Any) -> str:
-            return save_native(path, records, cache=plans, **options)
+            with older_objects_frozen():  # a first save's plan: a few containers per variable
+                return save_native(path, records, cache=plans, **options)
 
         return write_one
     comm, local, everyone = strategy.comm, strategy.parameter_devices, strategy.worker_devices
@@ -316,7 +317,8 @@ class Checkpoint(Trackable):
         if memo is None or not memo[0].unchanged():
             self._pv_snapshot_plan = None  # the old records' buffers are not kept alive by it
             self._pv_save_memo = None
-            memo = self._pv_save_memo = self._gather_new(self._live_graph())
+            with older_objects_frozen():  # a graph and records: a few containers per variable
+                memo = self._pv_save_memo = self._gather_new(self._live_graph())
         self._pv_live_graph = None  # (the memo holds the graph now)
         _, records, object_graph = memo
         if copy:

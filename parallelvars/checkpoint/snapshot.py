@@ -205,8 +205,8 @@ class Snapshot:
     def records(self) -> RecordList:
         """Records like the live ones (shared attributes) holding the copies.
 
-        They have the live records' structure: a ``RecordList``'s key holds for them too, so a
-        repeated save is written from its skeleton. Made once per set of buffers: copies kept
+        They have the live records' structure: they share a ``RecordList``'s structure token
+        (and its key, once made), so a repeated save is written from its cached plan. Made once per set of buffers: copies kept
         from an earlier save come with their records (the same objects, so the writer's
         per-record work is not done again either).
         """
@@ -219,8 +219,7 @@ class Snapshot:
             next(singles) if n < 0 else np.ndarray(c.shape, c.dtype, spans[n], off)
             for c, n, off in zip(plan.flat, plan.span_of, plan.offsets, strict=True)
         ]
-        key = records.structure() if isinstance(records, RecordList) else None
-        out = RecordList(key=key)
+        out = RecordList(like=records if isinstance(records, RecordList) else None)
         starts = plan.starts
         for n, r in enumerate(records):
             copy = SaveRecord.__new__(SaveRecord)

@@ -64,12 +64,17 @@ _INDEX_ONLY_ATTRS = frozenset({"name", "synchronization", "trainable"})
 
 
 def _validate_path(path: str) -> None:
-    parts = path.split("/")
+    # (no part empty or "."; said with string searches, as a save checks every path)
     if (
         not path
-        or path.startswith("/")
-        or any(p in ("", ".") for p in parts)
-        or parts[0] == META_GROUP
+        or path[0] == "/"
+        or path[-1] == "/"
+        or "//" in path
+        or path == "."
+        or path.startswith("./")
+        or path.endswith("/.")
+        or "/./" in path
+        or path.partition("/")[0] == META_GROUP
     ):
         raise InvalidEntryError("invalid variable path for the HDF5 layout", variable=path)
 

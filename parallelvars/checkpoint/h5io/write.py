@@ -382,13 +382,19 @@ class RecordList(list):
     components' values may, they are read at every write.
     """
 
-    __slots__ = ("_flat", "_key", "_starts")
+    __slots__ = ("_flat", "_key", "_like", "_starts", "token")
 
-    def __init__(self, records: Iterable[Any] = (), *, key: Any = None) -> None:
+    def __init__(self, records: Iterable[Any] = (), *, like: RecordList | None = None) -> None:
+        """``like``: records of the same structure (a snapshot's copies are like the live
+        records): their key and token are these records' too."""
         super().__init__(records)
-        self._key = key
+        self._key: Any = None
+        self._like = like
         self._flat: tuple[list[np.ndarray], list[int]] | None = None
         self._starts: list[int] | None = None
+        # Stands for the records' structure: records with the same token have the same
+        # structure, so a writer's cache can tell a repeated structure without its key.
+        self.token: object = object() if like is None else like.token
 
     def starts(self) -> list[int]:
         """The number of each record's first component in write order (then the total)."""
@@ -399,7 +405,7 @@ class RecordList(list):
     def structure(self) -> Any:
         """The records' part of :func:`_structure_key` (None: not all are arrays in memory)."""
         if self._key is None:
-            self._key = _records_key(self)
+            self._key = _records_key(self) if self._like is None else self._like.structure()
         return self._key
 
     def components(self) -> list[np.ndarray]:
@@ -469,9 +475,48 @@ def _structure_key(
     return (_library_version(), meta, object_graph, records)
 
 
+_CRC_MARK = "\ue000parallelvars-crc32c:{}\ue000"  # stands for a record's checksums
+
+
 def _index_template(index: Mapping[str, Any]) -> str:
     """The index document with a ``%d`` for every checksum: ``template % crcs`` is
-    ``json.dumps(index)`` (the checksums are each record's last field)."""
+    ``json.dumps(index)`` (the checksums are each record's last field).
+
+    Made with one ``json.dumps`` of the index, each record's checksums replaced by a mark
+    (:func:`crc_mark`) then by ``%d``s; a mark found more often than records have it (a value
+    of the same text) makes the template record by record instead."""
+    marked: dict[str, Any] = {}
+    for path, meta in index.items():
+        rest = dict(meta)
+        rest["crc32c"] = crc_mark(len(rest.pop("crc32c")))
+        marked[path] = rest
+    template = marked_template(marked)
+    return _index_template_by_record(index) if template is None else template
+
+
+def crc_mark(n: int) -> str:
+    """What stands for a record's ``n`` checksums in an index made for :func:`marked_template`."""
+    return _CRC_MARK.format(n)
+
+
+def marked_template(marked: Mapping[str, Any]) -> str | None:
+    """The template of :func:`_index_template` from an index whose records' last field,
+    ``crc32c``, is its :func:`crc_mark`; None when a mark's text is found elsewhere too."""
+    counts: dict[str, int] = {}
+    for meta in marked.values():
+        mark = meta["crc32c"]
+        counts[mark] = counts.get(mark, 0) + 1
+    text = json.dumps(marked).replace("%", "%%")
+    for mark, count in counts.items():
+        quoted = json.dumps(mark)
+        if text.count(quoted) != count:
+            return None
+        n = int(mark.strip("\ue000").rpartition(":")[2])
+        text = text.replace(quoted, "[" + ", ".join(["%d"] * n) + "]")
+    return text
+
+
+def _index_template_by_record(index: Mapping[str, Any]) -> str:
     parts = []
     for path, meta in index.items():
         rest = {k: v for k, v in meta.items() if k != "crc32c"}

@@ -32,14 +32,19 @@ dtypes without an HDF5 type of ours, a group of more than :data:`MAX_COMPACT_LIN
 an attribute message over 64 KiB) raises :class:`~.messages.Unsupported` when the plan is
 made: the caller writes that file through libhdf5.
 
-Variable groups and component datasets are written from templates, one per layout (kind,
-dtype, rank, components, attributes but the shape and ``slot_of``): the template is encoded
-twice, with every per-variable field (shape, string references, link addresses, dimensions,
-data offsets) made of 0x00 and then of 0xFF bytes, which finds the fields; each variable is
-the template with its fields put in. The headers of one layout are made together, as one
-array (:class:`~.templates.Template`: fields laid in column-wise, checksums computed for all
-rows at once); the other headers' chunks are checksummed together
-(:func:`~.lookup3.lookup3_many`).
+The plan is kept column-wise, so that a file of many variables costs a few Python operations
+per variable and numpy work per layout: component datasets are rows of dataset columns (template
+number, shape, bytes; addresses and data offsets computed for all rows at once), and variable
+groups are rows of their layout (kind, dtype, rank, components, shared components, attributes
+but the shape and ``slot_of``: its attributes are encoded once per layout). Variable groups,
+component datasets and groups without attributes whose links have the same names (a variable's
+slots' group) are written from templates: a template is encoded twice, with every per-object
+field (shape, string references, link addresses, dimensions, data offsets) made of 0x00 and then
+of 0xFF bytes, which finds the fields; the headers of one template are made together, as one
+array (:class:`~.templates.Template`: fields laid in column-wise, checksums computed for all rows
+at once). The other headers are encoded one by one (``_encode_group``: where a group's link
+storage is chosen; ``encode_attribute``: where an attribute's encoding is) and their chunks'
+checksums computed together (:func:`~.lookup3.lookup3_many`).
 """
 
 from __future__ import annotations
@@ -102,7 +107,7 @@ class Metadata:
     component data and the documents go between them), the file's size, and each document's
     data offset."""
 
-    pieces: list[tuple[int, bytes]]
+    pieces: list[tuple[int, bytes | memoryview]]  # (the image's own bytes, not copied)
     file_size: int
     documents: dict[str, int]
 
@@ -169,29 +174,47 @@ def encode_attribute(name: str, value: Any) -> _Attr:
 _ROW_STRING = "slot_of"  # the one group attribute that differs between most variables
 
 
-_SCALARS = (str, int, float, bool, type(None))
-
-
 def _frozen(value: Any) -> Any:
-    """``value`` as a hashable key (lists and dicts as tuples, arrays by dtype and bytes)."""
-    if type(value) is dict:  # the common case first: scalars and lists of strings
-        out: list[tuple[Any, ...]] = []
-        for k, v in value.items():
-            t = type(v)
-            if t in _SCALARS:
-                out.append((k, t, v))
-            elif t is list and all(type(x) is str for x in v):
-                out.append((k, "strs", *v))
-            else:
-                out.append((k, _frozen(v)))
-        return tuple(out)
+    """``value`` as a hashable key (lists and dicts as tuples, arrays by dtype and bytes,
+    floats by their exact bits: ``-0.0 == 0.0``)."""
     if isinstance(value, dict):
         return tuple((k, _frozen(v)) for k, v in value.items())
     if isinstance(value, list | tuple):
         return (type(value).__name__, *map(_frozen, value))
     if isinstance(value, np.ndarray):
         return ("ndarray", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, float | np.floating):
+        return (type(value).__name__, float(value).hex())
     return (type(value).__name__, value)
+
+
+_NOT_IN_KEY = _INDEX_ONLY | {_ROW_STRING}
+
+
+def _attrs_key(attrs: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a variable group's header holds of its attributes (all but the index-only ones
+    and the row string), as a hashable key (:func:`_frozen` but for the common values:
+    strings, booleans, integers, None, floats by their exact bits, lists of strings)."""
+    out: list[tuple[Any, ...]] = []
+    append = out.append
+    for k, v in attrs.items():
+        if k in _NOT_IN_KEY:
+            continue
+        t = type(v)
+        if t is str or t is bool or t is int or v is None:
+            append((k, t, v))
+        elif t is float:
+            append((k, t, v.hex()))
+        elif t is list:
+            try:
+                "".join(v)  # (only strings join)
+            except TypeError:
+                append((k, _frozen(v)))
+            else:
+                append((k, "strs", *v))
+        else:
+            append((k, _frozen(v)))
+    return tuple(out)
 
 
 def _signature(
@@ -241,6 +264,9 @@ def _storage_type_of(dt: np.dtype) -> bytes:
 # ----------------------------------------------------------------------------- objects
 @dataclass
 class _Dataset:
+    """A dataset encoded on its own (a virtual ``value``, a document); component datasets are
+    rows of the plan's dataset columns instead (see :class:`FilePlan`)."""
+
     dtype: bytes
     shape: tuple[int, ...]
     fill: bytes
@@ -263,23 +289,43 @@ class _External:
     address: int = -1
 
 
-@dataclass
 class _Group:
-    attrs: list[_Attr] = field(default_factory=list)
-    links: list[tuple[bytes, Any]] = field(default_factory=list)  # (name, _Group | _Dataset)
-    children: dict[str, _Group] = field(default_factory=dict)
-    address: int = -1
-    # A variable's group: its signature (what its header has in common with other variables'),
-    # its shape and its per-row string (``slot_of``); its attributes are made only when the
-    # group is written the general way (it has child groups too).
-    sig: _Signature | None = None
-    shape: tuple[int, ...] = ()
-    row_string: bytes | None = None
-    first_string: int = -1  # its first string's number among the heap objects
-    # A group of more than MAX_COMPACT_LINKS links: its symbol table, laid right after its
-    # header (see symbol_table.py)
-    table: SymbolTable | None = None
-    table_at: int = -1
+    """A group of the file. Its links' targets are groups, external links, or component or
+    special datasets by number (the plan's dataset columns). A variable's group made from its
+    layout's template keeps only ``layout``, ``shape``, ``row`` and ``first_ds`` (its first
+    dataset's number): its component links are made from the layout only when the group is
+    encoded on its own (it has child groups too), at ``comp_at`` among its links."""
+
+    __slots__ = (
+        "address",
+        "attrs",
+        "children",
+        "comp_at",
+        "first_ds",
+        "first_string",
+        "layout",
+        "links",
+        "row",
+        "shape",
+        "table",
+        "table_at",
+    )
+
+    def __init__(self) -> None:
+        self.attrs: list[_Attr] = []
+        self.links: list[tuple[bytes, Any]] = []  # (name, _Group | _External | dataset number)
+        self.children: list[_Group] = []
+        self.address = -1
+        self.layout: _Layout | None = None
+        self.shape: tuple[int, ...] = ()
+        self.row: bytes | None = None
+        self.first_ds = -1
+        self.comp_at = 0
+        self.first_string = -1  # its first string's number among the heap objects
+        # a group of more than MAX_COMPACT_LINKS links: its symbol table, laid right after
+        # its header (symbol_table.py)
+        self.table: SymbolTable | None = None
+        self.table_at = -1
 
 
 @dataclass
@@ -291,7 +337,6 @@ class _Signature:
     shape_at: int
     row_at: int | None
     ndim: int
-    template: Template | None = None
 
     def materialize(self, shape: tuple[int, ...], row: bytes | None) -> list[_Attr]:
         out = list(self.attrs)
@@ -304,18 +349,56 @@ class _Signature:
             out[self.row_at] = _Attr(b.name, b.dtype, b.space, strings=[row or b""])
         return out
 
-    def strings(self, row: bytes | None) -> list[bytes]:
-        out: list[bytes] = []
+    def strings_around_row(self) -> tuple[list[bytes], list[bytes]]:
+        """The strings of the attributes before the row string's and after it (all of them
+        before it when there is none)."""
+        before: list[bytes] = []
+        after: list[bytes] = []
         for k, a in enumerate(self.attrs):
-            if k == self.row_at:
-                out.append(row or b"")
-            elif a.strings is not None:
-                out.extend(a.strings)
-        return out
+            if a.strings is not None and k != self.row_at:
+                (before if self.row_at is None or k < self.row_at else after).extend(a.strings)
+        return before, after
+
+
+class _Layout:
+    """What the variables of one signature share: their group's attributes (``sig``), their
+    component datasets' type, which component each name's dataset is (``shared``), and where
+    each link of their group points among their datasets (``link_ds``: offsets from the
+    variable's first dataset; a sharded variable's ``value`` comes after its components)."""
+
+    def __init__(self, kind: str, dt: np.dtype, n: int, shared: list[int], sig: _Signature):
+        self.sig = sig
+        self.kind = kind
+        self.itemsize = dt.itemsize
+        self.storage = _storage_type(dt)
+        self.n = n
+        self.shared = shared
+        self.stored = [i for i in range(n) if shared[i] == i]
+        where = {c: k for k, c in enumerate(self.stored)}
+        self.comp_ds = [where[shared[i]] for i in range(n)]  # each name's dataset
+        self.links = [shared.count(c) for c in self.stored]  # each stored dataset's links
+        self.sharded = kind == "sharded" and n > 0
+        self.names = [_component_name(i).encode() for i in range(n)]
+        self.link_ds = list(self.comp_ds)
+        if self.sharded:
+            self.names.append(b"value")
+            self.link_ds.append(len(self.stored))
+        self.strings = sig.strings_around_row()
+        self.template: Template | None = None
+        self.groups: list[_Group] = []  # the groups made from the template, in file order
+        # the template numbers of a variable's component datasets: [without data, with data]
+        # (a layout that is not sharded: every component has the variable's shape)
+        self.ds_keys: list[list[int] | None] = [None, None]
 
 
 class FilePlan:
-    """The layout of one native file (see the module docstring)."""
+    """The layout of one native file (see the module docstring).
+
+    The structure is kept column-wise: every component dataset is a row of the dataset
+    columns (its template, shape, bytes; its address and data offset are computed for all
+    rows at once), and every variable group made from its layout's template is a row of that
+    layout (shape, first string, first dataset). Python objects are made per group and per
+    variable only for what the file needs on its own."""
 
     def __init__(
         self,
@@ -328,173 +411,299 @@ class FilePlan:
         self._root = _Group()
         self._root.attrs = [encode_attribute(k, v) for k, v in root_attrs.items()]
         self._root_values = {a.name: i for i, a in enumerate(self._root.attrs)}
-        self._datasets: list[_Dataset] = []
-        self._documents: dict[str, _Dataset] = {}
-        self._doc_groups: dict[str, _Group] = {}
-        # the offsets of each variable's components, in order (None: no data)
-        self.offsets: dict[str, list[int | None]] = {}
-        self._components: list[tuple[str, list[_Dataset]]] = []
-        self._signatures: dict[Any, _Signature] = {}
-        self._dataset_templates: dict[Any, Template] = {}
+        self._by_path: dict[str, _Group] = {"": self._root}
+        # the dataset columns: per dataset, its template's number (-1: encoded on its own,
+        # see _special), shape and bytes of data
+        self._ds_key: list[int] = []
+        self._ds_shape: list[tuple[int, ...]] = []
+        self._ds_nbytes: list[int] = []
+        self._special: dict[int, _Dataset] = {}
+        self._keys: dict[tuple[Any, ...], int] = {}  # a dataset template's key -> its number
+        self._key_list: list[tuple[Any, ...]] = []
+        self._dataset_templates: dict[int, Template] = {}
+        self._layouts: dict[Any, _Layout] = {}
+        self._documents: dict[str, int] = {}  # a document -> its dataset number
+        # per variable, in order: its path, layout (None: external links), first dataset
+        self._rows: list[tuple[str, _Layout | None, int, int]] = []
         self._fill: int | None = None  # encoding a template: the byte every field is made of
+        self._ds_address: np.ndarray = np.zeros(0, np.int64)
         for var in variables:
             self._add_variable(var)
         for name in documents:
             path = name.split("/")
-            group = self._group_of(path[:-1])
+            group = self._group_of("/".join(path[:-1]))
             ds = _Dataset(msg.datatype(msg.FixedString(1)), (), msg.FILL_LATE_IFSET, document=name)
             ds.attrs = [encode_attribute("crc32c", np.int64(0))]
-            group.links.append((path[-1].encode("utf-8"), ds))
-            self._documents[name] = ds
-            self._datasets.append(ds)
+            number = self._add_special(ds)
+            group.links.append((path[-1].encode("utf-8"), number))
+            self._documents[name] = number
         self._layout(align)
 
     # ------------------------------------------------------------------ structure
-    def _group_of(self, parts: Sequence[str]) -> _Group:
-        group = self._root
-        for part in parts:
-            child = group.children.get(part)
-            if child is None:
-                child = group.children[part] = _Group()
-                group.links.append((part.encode("utf-8"), child))
-            group = child
+    def _group_of(self, path: str) -> _Group:
+        """The group at ``path`` ("": the root), made with the groups on the way to it."""
+        group = self._by_path.get(path)
+        if group is not None:
+            return group
+        parent_path, _, name = path.rpartition("/")
+        parent = self._group_of(parent_path)
+        group = self._by_path[path] = _Group()
+        parent.links.append((name.encode("utf-8"), group))
+        parent.children.append(group)
         return group
 
-    def _add_variable(self, var: Variable) -> None:
-        dt = np.dtype(var.dtype)
-        storage = _storage_type(dt)
-        shape = tuple(int(d) for d in var.shape)
+    def _add_special(self, ds: _Dataset) -> int:
+        number = len(self._ds_key)
+        self._ds_key.append(-1)
+        self._ds_shape.append(ds.shape)
+        self._ds_nbytes.append(0)
+        self._special[number] = ds
+        return number
+
+    def _key_number(self, key: tuple[Any, ...]) -> int:
+        number = self._keys.get(key)
+        if number is None:
+            number = self._keys[key] = len(self._key_list)
+            self._key_list.append(key)
+        return number
+
+    def _make_layout(
+        self, key: Any, var: Variable, dt: np.dtype, shape: tuple[int, ...]
+    ) -> _Layout:
         n = int(var.num_components)
-        group = self._group_of(var.path.split("/"))
-        if group.attrs or group.sig is not None:
-            raise InvalidEntryError("is written twice", variable=var.path)
-        attrs = dict(var.attrs)
+        shared = list(var.shared) if var.shared is not None else list(range(n))
+        for i, j in enumerate(shared):
+            if j != i and (not 0 <= j < i or shared[j] != j):
+                raise InvalidEntryError(
+                    f"component {i} cannot share another component's dataset",
+                    variable=var.path,
+                    expected="an earlier component of the same shape that is stored",
+                    found=f"component {j}",
+                )
+        sig = _signature(var.kind, dt, shape, n, dict(var.attrs))
+        layout = _Layout(var.kind, dt, n, shared, sig)
+        self._layouts[key] = layout
+        return layout
+
+    def _add_variable(self, var: Variable) -> None:
+        path = var.path
+        dt = var.dtype if isinstance(var.dtype, np.dtype) else np.dtype(var.dtype)
+        shape = tuple(map(int, var.shape))
+        attrs = var.attrs
         row = attrs.get(_ROW_STRING)
         if row is not None and not isinstance(row, str):
             raise msg.Unsupported(f"attribute {_ROW_STRING!r} that is not a string")
+        by_path = self._by_path
+        group = by_path.get(path)
+        if group is None:
+            parent_path, _, name = path.rpartition("/")
+            parent = by_path.get(parent_path) or self._group_of(parent_path)
+            group = by_path[path] = _Group()
+            parent.links.append((name.encode("utf-8"), group))
+            parent.children.append(group)
+        elif group.attrs or group.layout is not None:
+            raise InvalidEntryError("is written twice", variable=path)
+        shared = var.shared
         key = (
             var.kind,
             dt,
             len(shape),
-            n,
-            None if var.shared is None else tuple(var.shared),
+            var.num_components,
+            None if shared is None else tuple(shared),
             row is None,
             # what the group's header does not hold (the index-only attributes) is not in the key
-            _frozen({k: v for k, v in attrs.items() if k != _ROW_STRING and k not in _INDEX_ONLY}),
+            _attrs_key(attrs),
         )
-        sig = self._signatures.get(key)
-        if sig is None:
-            sig = self._signatures[key] = _signature(var.kind, dt, shape, n, attrs)
-        group.sig = sig
-        group.shape = shape
-        group.row_string = None if row is None else row.encode("utf-8")
-        if var.kind == "sharded" and n:
-            axis = int(var.attrs["shard_axis"])
-            bounds = shard_bounds(var.attrs["shard_offsets"], shape[axis])
-            shapes = [
-                tuple(bounds[i + 1] - bounds[i] if k == axis else d for k, d in enumerate(shape))
-                for i in range(n)
-            ]
-        else:
-            shapes = [shape] * n
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._make_layout(key, var, dt, shape)
+        row_bytes = None if row is None else row.encode("utf-8")
+        first = len(self._ds_key)
         if var.external is not None:
+            n = layout.n
             if len(var.external) != n:
                 raise InvalidEntryError(
-                    "external links", variable=var.path, expected=n, found=len(var.external)
+                    "external links", variable=path, expected=n, found=len(var.external)
                 )
             for i, (file, dataset) in enumerate(var.external):
                 target = _External(file.encode("utf-8"), dataset.encode("utf-8"))
                 group.links.append((_component_name(i).encode(), target))
-            group.attrs = group.sig.materialize(shape, group.row_string)  # links vary: no template
-            group.sig = None
-            self._components.append((var.path, []))
-            self.offsets[var.path] = [None] * n
+            group.attrs = layout.sig.materialize(shape, row_bytes)  # links vary: no template
+            self._rows.append((path, None, first, n))
             return
-        shared = list(var.shared) if var.shared is not None else list(range(n))
-        made: list[_Dataset] = []
-        offsets: list[_Dataset] = []
-        for i in range(n):
-            j = shared[i]
-            if j == i:
-                nbytes = math.prod(shapes[i]) * dt.itemsize
-                ds = _Dataset(storage, shapes[i], msg.FILL_EARLY_NEVER, nbytes=nbytes)
-                self._datasets.append(ds)
-            else:
-                if not 0 <= j < i or shared[j] != j or shapes[j] != shapes[i]:
+        group.layout = layout
+        group.shape = shape
+        group.row = row_bytes
+        group.first_ds = first
+        group.comp_at = len(group.links)
+        layout.groups.append(group)
+        if layout.sharded:
+            axis = int(attrs["shard_axis"])
+            bounds = shard_bounds(attrs["shard_offsets"], shape[axis])
+            shapes = [
+                tuple(bounds[i + 1] - bounds[i] if k == axis else d for k, d in enumerate(shape))
+                for i in range(layout.n)
+            ]
+            for i, j in enumerate(layout.shared):
+                if shapes[j] != shapes[i]:
                     raise InvalidEntryError(
                         f"component {i} cannot share another component's dataset",
-                        variable=var.path,
+                        variable=path,
                         expected="an earlier component of the same shape that is stored",
                         found=f"component {j}",
                     )
-                ds = made[j]
-                ds.links += 1
-            made.append(ds)
-            offsets.append(ds)
-            group.links.append((_component_name(i).encode(), ds))
-        if var.kind == "sharded" and n:
-            sources = [f"/{var.path}/{_component_name(i)}" for i in range(n)]
+            for c, links in zip(layout.stored, layout.links, strict=True):
+                nbytes = math.prod(shapes[c]) * layout.itemsize
+                self._add_component(layout, shapes[c], nbytes, links)
+            sources = [f"/{path}/{_component_name(i)}" for i in range(layout.n)]
             vds = _Dataset(
-                storage,
+                layout.storage,
                 shape,
                 msg.FILL_INCREMENTAL_IFSET,
                 mapping=mapping(sources, shape, axis, bounds),
             )
-            self._datasets.append(vds)
-            group.links.append((b"value", vds))
-        self._components.append((var.path, offsets))
+            self._add_special(vds)
+        else:
+            nbytes = math.prod(shape) * layout.itemsize
+            keys = layout.ds_keys[nbytes > 0]
+            if keys is None:
+                keys = layout.ds_keys[nbytes > 0] = [
+                    self._component_key(layout, len(shape), nbytes, links) for links in layout.links
+                ]
+            self._ds_key += keys
+            count = len(keys)
+            self._ds_shape += [shape] * count
+            self._ds_nbytes += [nbytes] * count
+        self._rows.append((path, layout, first, layout.n))
+
+    def _component_key(self, layout: _Layout, ndim: int, nbytes: int, links: int) -> int:
+        """The template number of a component dataset."""
+        return self._key_number((layout.storage, ndim, nbytes > 0, links, msg.FILL_EARLY_NEVER))
+
+    def _add_component(
+        self, layout: _Layout, shape: tuple[int, ...], nbytes: int, links: int
+    ) -> None:
+        self._ds_key.append(self._component_key(layout, len(shape), nbytes, links))
+        self._ds_shape.append(shape)
+        self._ds_nbytes.append(nbytes)
+
+    def _expand(self, g: _Group) -> None:
+        """Make ``g`` a group encoded on its own: its attributes and component links made
+        from its layout."""
+        layout = g.layout
+        assert layout is not None
+        g.attrs = layout.sig.materialize(g.shape, g.row)
+        g.links[g.comp_at : g.comp_at] = [
+            (name, g.first_ds + d) for name, d in zip(layout.names, layout.link_ds, strict=True)
+        ]
+        g.layout = None
 
     # ------------------------------------------------------------------ layout
     def _layout(self, align: int) -> None:
-        # 1. every header's size (addresses and offsets have fixed widths)
+        # 1. the groups in file order (depth first, each before its children); a variable that
+        # is also a parent, or whose header continues in further chunks (their continuation
+        # messages hold addresses), is encoded on its own
         groups: list[_Group] = []
         stack = [self._root]
         while stack:
             g = stack.pop()
             groups.append(g)
-            stack.extend(reversed(list(g.children.values())))
-        self._groups = groups
-        at = SUPERBLOCK_SIZE
-        for g in groups:
-            # a variable that is also a parent, or of many links (a symbol table), or whose
-            # header continues in further chunks (their continuation messages hold
-            # addresses): encoded on its own
-            wide = len(g.links) > MAX_COMPACT_LINKS
-            if g.sig is not None and (
-                g.children or wide or len(self._group_template(g).chunks) > 1
+            if g.children:
+                stack.extend(reversed(g.children))
+            # a variable that is also a parent, or of more links than a header keeps (a
+            # symbol table): encoded on its own
+            if g.layout is not None and (
+                g.children or len(g.layout.names) + len(g.links) > MAX_COMPACT_LINKS
             ):
-                g.attrs = g.sig.materialize(g.shape, g.row_string)
-                g.sig = None
-            g.address = at
-            if wide:
-                g.table = SymbolTable([name for name, _ in g.links])
-            at += (
-                self._group_template(g).size if g.sig is not None else len(self._encode_group(g)[0])
-            )
-            if g.table is not None:
-                g.table_at = at
-                at += g.table.size
-        for ds in self._datasets:
-            ds.address = at
-            at += self._dataset_size(ds)
-        # 2. the global heap: every string of every attribute, then the mappings
-        strings: list[bytes] = []
-        owners: list[tuple[_Attr, int]] = []
+                self._expand(g)
+        self._groups = groups
+        for layout in self._layouts.values():
+            if layout.groups and len(self._group_template(layout).chunks) > 1:
+                for g in layout.groups:
+                    if g.layout is not None:
+                        self._expand(g)
+            layout.groups = [g for g in layout.groups if g.layout is not None]
+        # groups without attributes whose links have the same names (the groups of a
+        # variable's slots...) are made from one template
+        plain: dict[tuple[bytes, ...], list[_Group]] = {}
         for g in groups:
-            if g.sig is not None:
+            if g.layout is None and len(g.links) > MAX_COMPACT_LINKS:
+                g.table = SymbolTable([name for name, _ in g.links])
+            if (
+                g.layout is None
+                and not g.attrs
+                and g is not self._root
+                and g.links
+                and g.table is None
+                and not any(isinstance(t, _External) for _, t in g.links)
+            ):
+                plain.setdefault(tuple(name for name, _ in g.links), []).append(g)
+        self._plain: list[tuple[Template, list[_Group]]] = []
+        templated: set[int] = set()
+        for members in plain.values():
+            if len(members) < 2:
+                continue
+            tmpl = self._plain_template(members[0])
+            if len(tmpl.chunks) > 1:
+                continue
+            self._plain.append((tmpl, members))
+            templated.update(map(id, members))
+        self._individual = [g for g in groups if g.layout is None and id(g) not in templated]
+        sizes = np.zeros(len(groups), np.int64)
+        plain_of = {id(g): tmpl.size for tmpl, members in self._plain for g in members}
+        for k, g in enumerate(groups):
+            if g.layout is not None:
+                made = g.layout.template
+                assert made is not None
+                sizes[k] = made.size
+            else:
+                size = plain_of.get(id(g))
+                sizes[k] = size if size is not None else len(self._encode_group(g)[0])
+                if g.table is not None:  # the header, then its symbol table
+                    g.table_at = int(sizes[k])
+                    sizes[k] += g.table.size
+        starts = SUPERBLOCK_SIZE + np.cumsum(sizes) - sizes
+        at = SUPERBLOCK_SIZE + int(sizes.sum())
+        for g, a in zip(groups, starts.tolist(), strict=True):
+            g.address = a
+            if g.table is not None:
+                g.table_at += a
+        # 2. the datasets, in order
+        keys = np.asarray(self._ds_key, np.int64)
+        key_sizes = np.array(
+            [self._dataset_template(k).size for k in range(len(self._key_list))] + [0], np.int64
+        )
+        ds_sizes = key_sizes[keys]  # (-1: the special datasets, sized below)
+        for number, ds in self._special.items():
+            ds_sizes[number] = len(self._encode_dataset(ds)[0])
+        ds_address = at + np.cumsum(ds_sizes) - ds_sizes
+        at += int(ds_sizes.sum())
+        self._ds_address = ds_address
+        for number, ds in self._special.items():
+            ds.address = int(ds_address[number])
+        # 3. the global heap: every string of every attribute, then the mappings
+        strings: list[bytes] = []
+        for g in groups:
+            lay = g.layout
+            if lay is not None:
                 g.first_string = len(strings)
-                strings += g.sig.strings(g.row_string)
-        holders: list[_Group | _Dataset] = [*groups, *self._datasets]
+                before, after = lay.strings
+                strings += before
+                if lay.sig.row_at is not None:
+                    strings.append(g.row or b"")
+                    strings += after
+        owners: list[tuple[_Attr, int]] = []
+        holders: list[_Group | _Dataset] = [*self._individual, *self._special.values()]
         for obj in holders:
             for a in obj.attrs:
                 if a.strings is not None:
                     owners.append((a, len(strings)))
                     strings.extend(a.strings)
-        maps = [ds for ds in self._datasets if ds.mapping is not None]
+        maps = [ds for ds in self._special.values() if ds.mapping is not None]
         objects = strings + [ds.mapping or b"" for ds in maps]
         lengths = np.fromiter(map(len, objects), np.int64, len(objects))
         heap, addrs, index = build_collections(b"".join(objects), lengths, at)
-        self._heap = (at, heap.tobytes())
+        self._heap = (at, heap)
         refs = np.zeros((len(objects), 16), np.uint8)
         refs[:, 0:4] = lengths.astype("<u4").view(np.uint8).reshape(-1, 4)
         refs[:, 4:12] = addrs.astype("<u8").view(np.uint8).reshape(-1, 8)
@@ -506,20 +715,22 @@ class FilePlan:
             ds.heap_ref = (int(addrs[len(strings) + k]), int(index[len(strings) + k]))
         at += heap.size
         self.metadata_size = at
-        # 3. the data
-        data = at
-        for path, comps in self._components:
-            if not comps and path in self.offsets:  # external components: no data here
-                continue
-            offs: list[int | None] = []
-            for ds in comps:
-                if ds.offset < 0 and ds.nbytes:
-                    data = -(-data // align) * align
-                    ds.offset = data
-                    data += ds.nbytes
-                offs.append(ds.offset if ds.offset >= 0 else None)
-            self.offsets[path] = offs
-        self.data_end = data
+        # 4. the data: each stored component with bytes at an aligned offset, in order
+        nbytes = np.asarray(self._ds_nbytes, np.int64)
+        room = -(-nbytes // align) * align
+        first = -(-at // align) * align
+        ds_offset = np.where(nbytes > 0, first + np.cumsum(room) - room, -1)
+        self._ds_offset = ds_offset
+        stored = np.flatnonzero(nbytes)
+        self.data_end = int(ds_offset[stored[-1]] + nbytes[stored[-1]]) if stored.size else at
+        # each variable's components' offsets (None: no data)
+        offs: list[int | None] = [None if o < 0 else o for o in ds_offset.tolist()]
+        self.offsets: dict[str, list[int | None]] = {}
+        for path, row_layout, start, n in self._rows:
+            if row_layout is None:
+                self.offsets[path] = [None] * n
+            else:
+                self.offsets[path] = [offs[start + d] for d in row_layout.comp_ds]
 
     # ------------------------------------------------------------------ encoding
     def _attr_message(self, a: _Attr) -> bytes:
@@ -537,15 +748,21 @@ class FilePlan:
         first = self._ref_start[id(a)]
         return refs[16 * first : 16 * (first + len(a.strings))]
 
+    def _address(self, target: Any) -> int:
+        """A link target's address (a group or a dataset by number)."""
+        if isinstance(target, int):
+            return int(self._ds_address[target]) if target < len(self._ds_address) else 0
+        return max(target.address, 0)
+
     # ------------------------------------------------------------------ templates
-    def _group_template(self, g: _Group) -> Template:
+    def _group_template(self, layout: _Layout) -> Template:
         """A variable group's header with its fields (string references and the shape, in
         attribute order, then the link addresses) zero: found by encoding it with every
-        field's bytes 0x00 and then 0xFF (once per signature)."""
-        sig = g.sig
-        assert sig is not None
-        if sig.template is None:
+        field's bytes 0x00 and then 0xFF (once per layout)."""
+        sig = layout.sig
+        if layout.template is None:
             made = []
+            links = [(name, 0) for name in layout.names]
             for fill in (0x00, 0xFF):
                 self._fill = fill
                 try:
@@ -554,81 +771,95 @@ class FilePlan:
                     attrs[sig.shape_at] = _Attr(
                         a.name, a.dtype, a.space, bytes((fill,)) * (8 * sig.ndim)
                     )
-                    made.append(self._encode_group(_Group(attrs=attrs, links=g.links)))
+                    g = _Group()
+                    g.attrs, g.links = attrs, links
+                    made.append(self._encode_group(g))
                 finally:
                     self._fill = None
-            sig.template = Template(made[0][0], made[0][1], runs(made[0][0], made[1][0]))
-        return sig.template
+            layout.template = Template(made[0][0], made[0][1], runs(made[0][0], made[1][0]))
+        return layout.template
 
-    def _place_groups(self, image: np.ndarray, groups: list[_Group]) -> None:
-        """The headers of variable groups of one signature, written into ``image``: the
+    def _plain_template(self, g: _Group) -> Template:
+        """A group without attributes: its header with the link addresses zero."""
+        made = []
+        for fill in (0x00, 0xFF):
+            self._fill = fill
+            try:
+                made.append(self._encode_group(g))
+            finally:
+                self._fill = None
+        return Template(made[0][0], made[0][1], runs(made[0][0], made[1][0]))
+
+    def _place_groups(self, image: np.ndarray, layout: _Layout) -> None:
+        """The headers of the variable groups of one layout, written into ``image``: the
         template's rows with every group's fields put in column-wise."""
-        sig = groups[0].sig
-        assert sig is not None
-        tmpl = self._group_template(groups[0])
+        groups = layout.groups
+        sig = layout.sig
+        tmpl = self._group_template(layout)
         count = len(groups)
         per = [len(a.strings or ()) if k != sig.shape_at else 0 for k, a in enumerate(sig.attrs)]
         before = sum(per[: sig.shape_at])  # string references before the shape
         first = np.fromiter((g.first_string for g in groups), np.int64, count)
         refs = self._ref_rows[first[:, None] + np.arange(sum(per))].reshape(count, -1)
         shapes = np.array([g.shape for g in groups], "<i8").reshape(count, sig.ndim)
-        nlinks = len(groups[0].links)
-        links = np.array([[t.address for _, t in g.links] for g in groups], "<u8")
+        first_ds = np.fromiter((g.first_ds for g in groups), np.int64, count)
+        links = self._ds_address[first_ds[:, None] + np.asarray(layout.link_ds, np.int64)]
         fields = np.hstack(
             (
                 refs[:, : 16 * before],
                 shapes.view(np.uint8).reshape(count, -1),
                 refs[:, 16 * before :],
-                links.reshape(count, nlinks).view(np.uint8).reshape(count, -1),
+                links.astype("<u8").reshape(count, -1).view(np.uint8).reshape(count, -1),
             )
         )
         addresses = np.fromiter((g.address for g in groups), np.int64, count)
         place(image, addresses, tmpl.rows(fields))
 
-    @staticmethod
-    def _dataset_key(ds: _Dataset) -> tuple[Any, ...] | None:
-        """The template a dataset's header is made from (None: it is encoded on its own)."""
-        if ds.mapping is not None or ds.document is not None or ds.attrs:
-            return None
-        return (ds.dtype, len(ds.shape), ds.nbytes > 0, ds.links, ds.fill)
+    def _place_plain(self, image: np.ndarray, tmpl: Template, groups: list[_Group]) -> None:
+        count = len(groups)
+        ds = self._ds_address.tolist()
+        links = np.array(
+            [[t.address if type(t) is _Group else ds[t] for _, t in g.links] for g in groups], "<u8"
+        )
+        fields = links.reshape(count, -1).view(np.uint8).reshape(count, -1)
+        addresses = np.fromiter((g.address for g in groups), np.int64, count)
+        place(image, addresses, tmpl.rows(fields))
 
-    def _dataset_template(self, key: tuple[Any, ...], ds: _Dataset) -> Template:
+    def _dataset_template(self, number: int) -> Template:
         """A component dataset's header with its fields (dimensions, maximum dimensions and,
         when it has data, its offset and size) zero (once per key)."""
-        tmpl = self._dataset_templates.get(key)
+        tmpl = self._dataset_templates.get(number)
         if tmpl is None:
+            storage, ndim, has_data, links, fill_flags = self._key_list[number]
             made = []
             for fill in (0, (1 << 64) - 1):
-                proto = _Dataset(ds.dtype, (fill,) * len(ds.shape), ds.fill, links=ds.links)
-                proto.nbytes, proto.offset = (fill or 1, fill) if ds.nbytes else (0, -1)
-                made.append(self._encode_dataset(proto, size=fill if ds.nbytes else None))
+                proto = _Dataset(storage, (fill,) * ndim, fill_flags, links=links)
+                proto.nbytes, proto.offset = (fill or 1, fill) if has_data else (0, -1)
+                made.append(self._encode_dataset(proto, size=fill if has_data else None))
             tmpl = Template(made[0][0], made[0][1], runs(made[0][0], made[1][0]))
-            self._dataset_templates[key] = tmpl
+            self._dataset_templates[number] = tmpl
         return tmpl
 
-    def _dataset_size(self, ds: _Dataset) -> int:
-        key = self._dataset_key(ds)
-        if key is None:
-            return len(self._encode_dataset(ds)[0])
-        return self._dataset_template(key, ds).size
-
-    def _place_datasets(
-        self, image: np.ndarray, key: tuple[Any, ...], sets: list[_Dataset]
-    ) -> None:
-        """The headers of component datasets of one template, written into ``image``."""
-        tmpl = self._dataset_template(key, sets[0])
-        count = len(sets)
-        dims = np.array([ds.shape for ds in sets], "<u8").reshape(count, key[1])
+    def _place_datasets(self, image: np.ndarray, number: int, rows: np.ndarray) -> None:
+        """The headers of the component datasets ``rows`` of one template, written into
+        ``image``."""
+        tmpl = self._dataset_template(number)
+        ndim = self._key_list[number][1]
+        count = rows.size
+        shapes = self._ds_shape
+        dims = np.array([shapes[i] for i in rows.tolist()], "<u8").reshape(count, ndim)
         columns = [dims, dims]
-        if key[2]:  # stored data: its offset and size
-            columns.append(np.array([(max(ds.offset, 0), ds.nbytes) for ds in sets], "<u8"))
+        if self._key_list[number][2]:  # stored data: its offset and size
+            columns.append(np.maximum(self._ds_offset[rows], 0).reshape(count, 1))
+            columns.append(np.asarray(self._ds_nbytes, np.int64)[rows].reshape(count, 1))
         fields = np.hstack(columns).astype("<u8").view(np.uint8).reshape(count, -1)
-        addresses = np.fromiter((ds.address for ds in sets), np.int64, count)
-        place(image, addresses, tmpl.rows(fields))
+        place(image, self._ds_address[rows], tmpl.rows(fields))
 
     def _encode_group(self, g: _Group) -> tuple[bytes, list[tuple[int, int]]]:
         messages: list[tuple[int, int, bytes]] = []
         nlinks = len(g.links)
+        # Where a group's link storage is chosen: compact (in its header) up to
+        # MAX_COMPACT_LINKS links.
         if nlinks > MAX_COMPACT_LINKS:
             return self._encode_wide_group(g)
         phase = None if nlinks <= _DEFAULT_LINKS else (nlinks, max(nlinks - 2, 0))
@@ -645,7 +876,7 @@ class FilePlan:
                 msg.external_link(name, t.file, t.path)
                 if isinstance(t, _External)
                 else msg.hard_link(
-                    name, max(t.address, 0) if fill is None else fill * 0x0101010101010101
+                    name, self._address(t) if fill is None else fill * 0x0101010101010101
                 ),
             )
             for name, t in g.links
@@ -712,11 +943,13 @@ class FilePlan:
         """The file's metadata with the documents' ``capacities`` (bytes), the root
         attributes ``values`` (those given at construction, of the same types) and the
         documents' ``crc32c`` attributes."""
+        assert self._groups is not None, "the plan was released: its image was made already"
         self._capacities = dict(capacities or {})
         self._set_root_values(values)
         at = self.data_end
         documents: dict[str, int] = {}
-        for name, ds in self._documents.items():
+        for name, number in self._documents.items():
+            ds = self._special[number]
             ds.offset = at
             documents[name] = at
             at += self._capacities.get(name, 1)
@@ -725,7 +958,7 @@ class FilePlan:
         file_size = max(at, self.metadata_size)
         self._ref_start = {id(a): first for a, first in self._owners}
         # The metadata is one image: the superblock, the headers and the heap, laid one after
-        # another from 0. Headers made from templates are written a layout at a time; the
+        # another from 0. Headers made from templates are written a template at a time; the
         # others are encoded one by one and their chunks' checksums computed together.
         image = np.zeros(self.metadata_size, np.uint8)
         spans: list[tuple[int, int]] = []
@@ -735,30 +968,55 @@ class FilePlan:
             spans.extend((at + start, at + end) for start, end in chunks)
 
         put(0, _superblock(file_size, self._root.address), [])
-        by_signature: dict[int, list[_Group]] = {}
-        for g in self._groups:
-            if g.sig is not None:
-                by_signature.setdefault(id(g.sig), []).append(g)
-            else:
-                put(g.address, *self._encode_group(g))
+        for g in self._individual:
+            put(g.address, *self._encode_group(g))
             if g.table is not None:
-                put(g.table_at, g.table.encode(g.table_at, [t.address for _, t in g.links]), [])
-        for groups in by_signature.values():
-            self._place_groups(image, groups)
-        by_key: dict[tuple[Any, ...], list[_Dataset]] = {}
-        for ds in self._datasets:
-            key = self._dataset_key(ds)
-            if key is None:
-                put(ds.address, *self._encode_dataset(ds))
-            else:
-                by_key.setdefault(key, []).append(ds)
-        for key, sets in by_key.items():
-            self._place_datasets(image, key, sets)
-        put(*self._heap, [])
+                addresses = [self._address(t) for _, t in g.links]
+                put(g.table_at, g.table.encode(g.table_at, addresses), [])
+        for layout in self._layouts.values():
+            if layout.groups:
+                self._place_groups(image, layout)
+        for tmpl, groups in self._plain:
+            self._place_plain(image, tmpl, groups)
+        keys = np.asarray(self._ds_key, np.int64)
+        if keys.size:
+            order = np.argsort(keys, kind="stable")
+            bounds = np.searchsorted(keys[order], np.arange(len(self._key_list) + 1))
+            for number in range(len(self._key_list)):
+                rows = order[bounds[number] : bounds[number + 1]]
+                if rows.size:
+                    self._place_datasets(image, number, rows)
+        for ds in self._special.values():
+            put(ds.address, *self._encode_dataset(ds))
+        at, heap = self._heap
+        image[at : at + heap.size] = heap
         sums = lookup3_many(image, spans)
         where = np.array([e for _, e in spans], np.int64).reshape(-1, 1) + np.arange(4)
         image[where.reshape(-1)] = sums.astype("<u4").view(np.uint8)
-        return Metadata([(0, image.tobytes())], file_size, documents)
+        return Metadata([(0, image.data)], file_size, documents)
+
+    def release(self) -> None:
+        """After :meth:`metadata`: drop what only making the image needed (the groups, the
+        layouts, the dataset columns, the heap), keeping :attr:`offsets` and what
+        :meth:`refresh` re-encodes (the root group, the documents). A plan kept for repeated
+        saves then holds tens of bytes per variable instead of its whole structure."""
+        documents = set(self._documents.values())
+        self._special = {k: ds for k, ds in self._special.items() if k in documents}
+        root_links = [t for _, t in self._root.links if isinstance(t, int)]
+        if root_links:  # (a root linking to datasets: their addresses stay)
+            keep = max(root_links) + 1
+            self._ds_address = self._ds_address[:keep].copy()
+        else:
+            self._ds_address = np.zeros(0, np.int64)
+        for g in self._root.children:
+            g.links, g.children, g.attrs = [], [], []  # (only its address is read)
+        self._root.children = []
+        for name in ("_by_path", "_groups", "_layouts", "_plain", "_individual", "_rows"):
+            setattr(self, name, None)
+        self._ds_key, self._ds_shape, self._ds_nbytes = [], [], []
+        self._ds_offset = np.zeros(0, np.int64)
+        self._ref_rows = np.zeros((0, 16), np.uint8)
+        self._heap = (0, np.zeros(0, np.uint8))
 
     def _set_root_values(self, values: Mapping[str, Any] | None) -> None:
         for name, value in dict(values or {}).items():
@@ -788,7 +1046,8 @@ class FilePlan:
         objects: list[tuple[int, tuple[bytes, list[tuple[int, int]]]]] = [
             (self._root.address, self._encode_group(self._root))
         ]
-        for name, ds in self._documents.items():
+        for name, number in self._documents.items():
+            ds = self._special[number]
             crc = int(document_checksums.get(name, 0))
             ds.attrs = [encode_attribute("crc32c", np.int64(crc))]
             objects.append((ds.address, self._encode_dataset(ds)))

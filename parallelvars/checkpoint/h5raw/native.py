@@ -26,6 +26,7 @@ from parallelvars._dtypes import dtype_name
 from parallelvars._fileio import IOV_MAX, atomic_path, byte_view, checksum, pwrite_all, pwritev_all
 from parallelvars.checkpoint._skeleton import index_capacity
 from parallelvars.checkpoint.h5io.attributes import _attr_value, _decode, _root_attr_value
+from parallelvars.checkpoint.h5io.columns import _copied
 from parallelvars.checkpoint.h5io.layout import (
     COLUMNS_DATASET,
     DOCUMENTS_ATTR,
@@ -46,7 +47,8 @@ __all__ = ["Prepared", "index_documents", "save_native", "write_native", "write_
 def _shared(components: Sequence[np.ndarray], crcs: list[int]) -> list[int]:
     """For each component, the first earlier one with the same shape and bytes (or itself)."""
     first = components[0]
-    if all(c == crcs[0] for c in crcs) and all(c.shape == first.shape for c in components):
+    shape = first.shape
+    if crcs.count(crcs[0]) == len(crcs) and all(c.shape == shape for c in components):
         # the common case (a mirrored variable): every component equal to the first
         if first.nbytes <= 1 << 16:  # small: comparing copies costs less than numpy's call
             b0 = first.tobytes()
@@ -314,7 +316,7 @@ class Prepared:
         self,
         key: Any,
         plan: FilePlan,
-        image: bytes,
+        image: bytes | memoryview,
         file_size: int,
         documents: dict[str, int],
         template: str,
@@ -386,6 +388,10 @@ def _check_components(e: Any, comps: Sequence[np.ndarray], file: str) -> None:
     """The components of an entry are of its dtype and of the shapes its layout gives."""
     from parallelvars.errors import DtypeMismatchError, ShapeMismatchError
 
+    if e.kind != "sharded" and len(comps) == e.num_components:  # every component: the shape
+        shape, dt = tuple(map(int, e.shape)), e.dtype
+        if all(c.shape == shape and c.dtype == dt for c in comps):
+            return
     dt = np.dtype(e.dtype)
     for i, (c, want) in enumerate(zip(comps, _expected_shapes(e), strict=True)):
         if c.shape != want:
@@ -460,15 +466,48 @@ def save_native(
     :data:`~.generate.MAX_COMPACT_LINKS` links, an attribute message over 64 KiB...) is written
     by ``h5io.write.write_h5`` through libhdf5, with its skeleton cache ``skeletons``.
     """
-    from parallelvars.checkpoint.h5io.write import RecordList, _structure_key, write_h5
+    from parallelvars.checkpoint.h5io.write import RecordList
 
     p = os.fspath(path)
     if isinstance(entries, RecordList):  # (keeps its structure key from save to save)
         items: list[Any] = entries
     else:
         items = list(entries.values()) if isinstance(entries, Mapping) else list(entries)
+    return _save_native(p, items, object_graph, metadata, cache, skeletons, checksums, share_equal)
+
+
+def _plan_key(
+    items: Sequence[Any], object_graph: Mapping[str, Any] | None, metadata: Mapping[str, Any] | None
+) -> Any:
+    """The key a structure's cached plan is found by: for a ``RecordList``, its structure
+    token (records with the same token have the same structure) with what else the file's
+    bytes depend on; else :func:`~parallelvars.checkpoint.h5io.write._structure_key`."""
+    from parallelvars.checkpoint.h5io.write import RecordList, _structure_key
+
+    if isinstance(items, RecordList):
+        meta = tuple(
+            (k, type(v).__name__ if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+            for k, v in dict(metadata or {}).items()
+            if v is not None
+        )
+        return (_library_version(), meta, items.token, object_graph)
+    return _structure_key(items, object_graph, metadata)
+
+
+def _save_native(
+    p: str,
+    items: list[Any],
+    object_graph: Mapping[str, Any] | None,
+    metadata: Mapping[str, Any] | None,
+    cache: Any,
+    skeletons: Any,
+    checksums: dict[str, list[int]] | None,
+    share_equal: bool,
+) -> str:
+    from parallelvars.checkpoint.h5io.write import write_h5
+
     in_memory = all(hasattr(e, "components") for e in items)
-    skey = _structure_key(items, object_graph, metadata) if in_memory else None
+    skey = _plan_key(items, object_graph, metadata) if in_memory and cache is not None else None
     if cache is not None and skey is not None and cache.get(("unexpressed", skey)) is not None:
         return write_h5(
             p,
@@ -507,18 +546,20 @@ def _plan_for(
     seen: set[str] = set()
     variables = []
     for e, sh in zip(items, shared, strict=True):
-        _validate_path(e.path)
-        if e.path in seen:
-            raise InvalidEntryError("is written twice", file=file, variable=e.path)
-        seen.add(e.path)
+        path = e.path
+        if path in seen:
+            raise InvalidEntryError("is written twice", file=file, variable=path)
+        _validate_path(path)
+        seen.add(path)
+        dt = e.dtype
         variables.append(
             Variable(
-                e.path,
+                path,
                 e.kind,
-                np.dtype(e.dtype),
-                tuple(int(d) for d in e.shape),
+                dt if isinstance(dt, np.dtype) else np.dtype(dt),
+                tuple(map(int, e.shape)),
                 int(e.num_components),
-                dict(e.attrs),
+                e.attrs,  # (read, not kept: the plan copies what it keeps)
                 sh,
             )
         )
@@ -530,30 +571,79 @@ def _plan_for(
     return FilePlan(variables, root_attrs=root, documents=documents), documents
 
 
-def _index_of(items: Sequence[Any], plan: FilePlan, crcs: Sequence[Sequence[int]]) -> dict:
+def _index_of(
+    items: Sequence[Any], plan: FilePlan, crcs: Sequence[Sequence[int]] | None
+) -> dict[str, Any]:
+    """The index of ``items`` as the plan lays them out; with ``crcs`` None, each record's
+    checksums are its ``crc_mark`` (for ``marked_template``)."""
+    from parallelvars.checkpoint.h5io.write import crc_mark
+
     index: dict[str, Any] = {}
     names: dict[np.dtype, str] = {}
     decoded: dict[Any, Any] = {}
-    for e, cc in zip(items, crcs, strict=True):
-        dt = np.dtype(e.dtype)
+    marks: dict[int, str] = {}
+    offsets = plan.offsets
+    for k, e in enumerate(items):
+        dt = e.dtype
         name = names.get(dt)
         if name is None:
-            name = names[dt] = dtype_name(dt)
-        meta: dict[str, Any] = {
+            name = names[dt] = dtype_name(np.dtype(dt))
+        n = int(e.num_components)
+        attrs: dict[str, Any] = {}
+        for key, val in e.attrs.items():
+            if val is None or key in _META_KEYS:
+                continue
+            # what the file's attribute decodes to is the value itself for these (strings
+            # that are not "json:" text, booleans, floats, integers of int64)
+            t = type(val)
+            if (
+                (t is str and not val.startswith("json:"))
+                or t is bool
+                or t is float
+                or (t is int and -(1 << 63) <= val < 1 << 63)
+            ):
+                attrs[key] = val
+                continue
+            if t is list and all(type(x) is str and not x.startswith("json:") for x in val):
+                attrs[key] = list(val)
+                continue
+            vkey = _frozen_value(val)
+            out = decoded.get(vkey, decoded) if vkey is not None else decoded
+            if out is decoded:
+                out = _decode(_attr_value(val))
+                if vkey is not None:
+                    decoded[vkey] = out
+            attrs[key] = _copied(out)
+        if crcs is None:
+            mark = marks.get(n)
+            if mark is None:
+                mark = marks[n] = crc_mark(n)
+            crc: Any = mark
+        else:
+            crc = list(crcs[k])
+        index[e.path] = {
             "kind": e.kind,
             "dtype": name,
-            "shape": [int(d) for d in e.shape],
-            "num_components": int(e.num_components),
+            "shape": list(map(int, e.shape)),
+            "num_components": n,
+            "attrs": attrs,
+            "offsets": offsets[e.path],
+            "crc32c": crc,
         }
-        meta["attrs"] = {
-            k: _index_value(val, decoded)
-            for k, val in dict(e.attrs).items()
-            if val is not None and k not in meta
-        }
-        meta["offsets"] = plan.offsets[e.path]
-        meta["crc32c"] = list(cc)
-        index[e.path] = meta
     return index
+
+
+_META_KEYS = frozenset({"kind", "dtype", "shape", "num_components"})
+
+
+def _frozen_value(value: Any) -> Any:
+    """A key for an attribute value whose decoded form is worth keeping (None: none)."""
+    t = type(value)
+    if t is str:
+        return (t, value)
+    if t is list and all(type(x) is str for x in value):
+        return ("strs", *value)
+    return None
 
 
 def _prepare(
@@ -564,19 +654,25 @@ def _prepare(
     object_graph: Mapping[str, Any] | None,
     root: Mapping[str, Any],
     file: str,
-) -> tuple[Prepared, dict[str, Any]]:
-    """A structure's plan, metadata image and document templates; and its first index."""
-    from parallelvars.checkpoint.h5io.write import _index_template
+) -> Prepared:
+    """A structure's plan, metadata image and document templates."""
+    from parallelvars.checkpoint.h5io.write import _index_template, marked_template
 
     plan, _ = _plan_for(items, shared, object_graph, root, file)
-    index = _index_of(items, plan, crcs)
-    flat = [c for m in index.values() for c in m["crc32c"]]
-    text = json.dumps(index)
-    digits = ", ".join(map(str, flat))
+    flat = [c for cc in crcs for c in cc]
+    index = _index_of(items, plan, None)
+    template = marked_template(index)
+    if template is None:  # (a value with a mark's text: made record by record)
+        index = _index_of(items, plan, crcs)
+        template = _index_template(index)
+    # the index without its checksums' digits: each "%%" of the template is one "%", each
+    # "%d" one checksum
+    bare = len(template) - template.count("%%") - 2 * len(flat)
     separators = 2 * max(len(flat) - 1, 0)
     head, tail = _columns_parts(index)
+    del index  # (its objects: about a kilobyte per record, not kept while the image is made)
     capacities = {
-        INDEX_DATASET: index_capacity(len(text) - (len(digits) - separators), len(flat)),
+        INDEX_DATASET: index_capacity(bare, len(flat)),
         COLUMNS_DATASET: index_capacity(len(head) + len(tail) + separators, len(flat)),
     }
     graph = None
@@ -584,20 +680,20 @@ def _prepare(
         graph = json.dumps(object_graph).encode()
         capacities[GRAPH_DATASET] = len(graph)
     meta = plan.metadata(capacities)
+    plan.release()  # (kept for the repeated saves: its offsets and the headers they change)
     (at, image), *rest = meta.pieces
     assert at == 0 and not rest
-    prep = Prepared(
+    return Prepared(
         key,
         plan,
         image,
         meta.file_size,
         meta.documents,
-        _index_template(index),
+        template,
         capacities,
         (head, tail),
         graph,
     )
-    return prep, index
 
 
 def _documents(prep: Prepared, flat: Sequence[int]) -> dict[str, bytes]:
@@ -623,6 +719,59 @@ def _documents(prep: Prepared, flat: Sequence[int]) -> dict[str, bytes]:
     return docs
 
 
+def _checksummed(
+    items: Sequence[Any], share_equal: bool
+) -> tuple[list[list[np.ndarray]], list[list[int]], list[list[int] | None], tuple[Any, ...]]:
+    """Each entry's components (C-contiguous), their checksums, which components share
+    a dataset (:func:`_shared`; None: each its own) and the sharing pattern of every entry.
+
+    A component whose bytes equal the first component's (a mirrored variable's, the common
+    case) takes the first one's checksum: comparing the bytes is needed to share them anyway,
+    and the checksum of equal bytes is the same."""
+    comps: list[list[np.ndarray]] = []
+    crcs: list[list[int]] = []
+    shared: list[list[int] | None] = []
+    pattern: list[Any] = []
+    for e in items:
+        cs = [_contiguous(c) for c in e.components]
+        comps.append(cs)
+        n = len(cs)
+        if n < 2 or not share_equal or e.kind == "sharded":
+            crcs.append([_crc(c) for c in cs])
+            shared.append(None)
+            pattern.append(None)
+            continue
+        first = cs[0]
+        shape, dt, size = first.shape, first.dtype, first.nbytes
+        raw = first.tobytes() if size <= 1 << 16 else None
+        crc0 = _crc(first)
+        cc = [crc0]
+        same = True
+        for c in cs[1:]:
+            if same and c.shape == shape and c.dtype == dt and _equal(first, c, raw):
+                cc.append(crc0)
+            else:
+                same = False
+                cc.append(_crc(c))
+        crcs.append(cc)
+        if same:
+            sh: list[int] | None = [0] * n
+        else:
+            sh = _shared(cs, cc)
+            if sh == list(range(n)):
+                sh = None
+        shared.append(sh)
+        pattern.append(None if sh is None else tuple(sh))
+    return comps, crcs, shared, tuple(pattern)
+
+
+def _equal(first: np.ndarray, c: np.ndarray, raw: bytes | None) -> bool:
+    """Whether ``c``'s bytes are ``first``'s (``raw``: ``first.tobytes()`` when small)."""
+    if raw is not None:
+        return c.tobytes() == raw
+    return bool(np.array_equal(byte_view(first), byte_view(c)))
+
+
 def _save_arrays(
     p: str,
     items: list[Any],
@@ -635,14 +784,7 @@ def _save_arrays(
 ) -> None:
     from parallelvars.errors import ConcurrentWriteError
 
-    comps = [[_contiguous(c) for c in e.components] for e in items]
-    crcs = [[_crc(c) for c in cs] for cs in comps]
-    shared = [
-        _shared(cs, cc) if share_equal and e.kind != "sharded" and len(cs) > 1 else None
-        for e, cs, cc in zip(items, comps, crcs, strict=True)
-    ]
-    pattern = tuple(None if s is None or s == list(range(len(s))) else tuple(s) for s in shared)
-    shared = [None if pat is None else s for s, pat in zip(shared, pattern, strict=True)]
+    comps, crcs, shared, pattern = _checksummed(items, share_equal)
     key = None if skey is None else (skey, pattern)
     root = _root_values(metadata)
     prep = None if cache is None or key is None else cache.get(key)
@@ -650,7 +792,7 @@ def _save_arrays(
         # (a cached structure's key holds every component's shape and dtype: checked once)
         for e, cs in zip(items, comps, strict=True):
             _check_components(e, cs, p)
-        prep, _ = _prepare(key, items, shared, crcs, object_graph, root, p)
+        prep = _prepare(key, items, shared, crcs, object_graph, root, p)
         if cache is not None and key is not None:
             cache.put(prep)
     flat = [c for cc in crcs for c in cc]
