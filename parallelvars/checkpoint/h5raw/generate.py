@@ -10,7 +10,8 @@ version 3, version-2 object headers with checksums) deterministically:
   virtual ``value``), each component dataset (contiguous, allocated, never filled), the
   ``_parallelvars`` group and its documents (fixed-length strings with a ``crc32c``
   attribute); every group keeps its links in its header (compact storage, the group info
-  message's phase change raised past 8 links, at most :data:`MAX_COMPACT_LINKS`) and its
+  message's phase change raised past 8 links, at most :data:`MAX_COMPACT_LINKS`; a group of
+  more keeps them in a symbol table laid right after its header, :mod:`.symbol_table`) and its
   attributes too (the attribute phase change raised past 8 attributes, as the writer asks
   libhdf5 to), a header too long for one chunk continues in chunks of at most 4 KiB;
 * the global heap collections of the variable-length strings (one heap object per string
@@ -28,8 +29,8 @@ offsets: ``FilePlan(...)`` lays out everything but the documents' data and gives
 :attr:`FilePlan.offsets`; :meth:`FilePlan.metadata` then takes the documents' capacities and
 the header values of this save (``created``, the documents' checksums...) and returns the
 metadata pieces to write and the documents' offsets. What it cannot express (bytes variables,
-dtypes without an HDF5 type of ours, a group of more than :data:`MAX_COMPACT_LINKS` links,
-an attribute message over 64 KiB) raises :class:`~.messages.Unsupported` when the plan is
+dtypes without an HDF5 type of ours, a group of more than :data:`MAX_COMPACT_LINKS` links
+of which some are external, an attribute message over 64 KiB) raises :class:`~.messages.Unsupported` when the plan is
 made: the caller writes that file through libhdf5.
 
 The plan is kept column-wise, so that a file of many variables costs a few Python operations
