@@ -29,6 +29,7 @@ from parallelvars.checkpoint.h5raw.symbol_table import (
     read_symbol_table,
 )
 from parallelvars.checkpoint.registry import SaveRecord
+from parallelvars.errors import InvalidEntryError
 
 WIDE = MAX_COMPACT_LINKS + 1
 
@@ -116,7 +117,7 @@ def test_the_layout_is_a_function_of_the_names() -> None:
     assert a.encode(64, addresses) == b.encode(64, list(reversed(addresses)))
     links = read_symbol_table(ImageSource(b"\0" * 64 + a.encode(64, addresses)), a.message(64), "g")
     assert links == sorted(zip(names, addresses, strict=True))
-    with pytest.raises(ValueError, match="two links"):
+    with pytest.raises(InvalidEntryError, match="two links"):
         SymbolTable([b"a", b"b", b"a"])
 
 

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from parallelvars.checkpoint.h5raw.source import Refused, Source
+from parallelvars.errors import InvalidEntryError
 
 __all__ = [
     "LEAF_K",
@@ -80,12 +81,14 @@ class SymbolTable:
     def __init__(self, names: Sequence[bytes]) -> None:
         n = len(names)
         if n == 0:
-            raise ValueError("a symbol table needs at least one link")
+            raise InvalidEntryError("a symbol table needs links", expected="at least 1", found=0)
         self.order = sorted(range(n), key=names.__getitem__)
         sorted_names = [names[i] for i in self.order]
         for a, b in itertools.pairwise(sorted_names):
             if a == b:
-                raise ValueError(f"two links named {a!r}")
+                raise InvalidEntryError(
+                    "a group has two links of one name", variable=a.decode("utf-8", "replace")
+                )
         # the heap: the empty string at 0, then each name NUL-terminated, padded to 8
         lengths = np.fromiter((len(s) for s in sorted_names), np.int64, n)
         slots = (lengths + 1 + 7) & ~7
