@@ -376,9 +376,15 @@ def test_what_the_generator_cannot_express_is_said(tmp_path) -> None:
     text = SaveRecord("single", [np.array([b"a"], dtype=object)], (1,), {}, path="t")
     with pytest.raises(Unsupported, match="byte-string"):
         write_native(str(tmp_path / "t.h5"), [text])
-    many = [Variable(f"g/v{k}", "single", np.dtype(np.float32), (1,), 1, {}) for k in range(1025)]
-    with pytest.raises(Unsupported, match="dense storage"):
-        FilePlan(many, root_attrs={})
+    # a group of more than MAX_COMPACT_LINKS links is a symbol table: hard links only
+    many = [
+        Variable(f"g/v{k}", "single", np.dtype(np.float32), (1,), 1, {}, None, [("p.h5", "/x")])
+        for k in range(1)
+    ]
+    many[0].num_components = 1025
+    many[0].external = [("p.h5", f"/x{k}") for k in range(1025)]
+    with pytest.raises(Unsupported, match="external links"):
+        FilePlan(many, root_attrs={}).metadata()
     with pytest.raises(Unsupported, match="dtype"):
         FilePlan([Variable("x", "single", np.dtype("M8[s]"), (1,), 1, {})], root_attrs={})
 

@@ -11,6 +11,8 @@ One module per concept:
 * :mod:`.global_heap`: global heap collections, built for a generated file and checked before
   HDF5 reads a variable-length value (:class:`~.global_heap.GlobalHeapCheck`);
 * :mod:`.fractal_heap`: where a fractal heap direct block lies (dense link storage);
+* :mod:`.symbol_table`: symbol tables (local heap, v1 B-tree, symbol table nodes): how a
+  generated group of more than 1,024 links keeps them, and their bounded reader;
 * :mod:`.virtual`: a virtual dataset's mapping;
 * :mod:`.templates`: object headers of one layout made from a template, many at once;
 * :mod:`.generate`: a native file's metadata generated from its structure

@@ -10,7 +10,8 @@ version 3, version-2 object headers with checksums) deterministically:
   virtual ``value``), each component dataset (contiguous, allocated, never filled), the
   ``_parallelvars`` group and its documents (fixed-length strings with a ``crc32c``
   attribute); every group keeps its links in its header (compact storage, the group info
-  message's phase change raised past 8 links, at most :data:`MAX_COMPACT_LINKS`) and its
+  message's phase change raised past 8 links, at most :data:`MAX_COMPACT_LINKS`; a group of
+  more keeps them in a symbol table laid right after its header, :mod:`.symbol_table`) and its
   attributes too (the attribute phase change raised past 8 attributes, as the writer asks
   libhdf5 to), a header too long for one chunk continues in chunks of at most 4 KiB;
 * the global heap collections of the variable-length strings (one heap object per string
@@ -28,8 +29,8 @@ offsets: ``FilePlan(...)`` lays out everything but the documents' data and gives
 :attr:`FilePlan.offsets`; :meth:`FilePlan.metadata` then takes the documents' capacities and
 the header values of this save (``created``, the documents' checksums...) and returns the
 metadata pieces to write and the documents' offsets. What it cannot express (bytes variables,
-dtypes without an HDF5 type of ours, a group of more than :data:`MAX_COMPACT_LINKS` links,
-an attribute message over 64 KiB) raises :class:`~.messages.Unsupported` when the plan is
+dtypes without an HDF5 type of ours, a group of more than :data:`MAX_COMPACT_LINKS` links
+of which some are external, an attribute message over 64 KiB) raises :class:`~.messages.Unsupported` when the plan is
 made: the caller writes that file through libhdf5.
 
 The plan is kept column-wise, so that a file of many variables costs a few Python operations
@@ -62,6 +63,7 @@ from parallelvars.checkpoint.h5raw import header as hdr
 from parallelvars.checkpoint.h5raw import messages as msg
 from parallelvars.checkpoint.h5raw.global_heap import build_collections
 from parallelvars.checkpoint.h5raw.lookup3 import lookup3, lookup3_many
+from parallelvars.checkpoint.h5raw.symbol_table import SYMBOL_TABLE, SymbolTable
 from parallelvars.checkpoint.h5raw.templates import Template, place, runs
 from parallelvars.checkpoint.h5raw.virtual import mapping
 from parallelvars.errors import InvalidEntryError
@@ -306,6 +308,8 @@ class _Group:
         "links",
         "row",
         "shape",
+        "table",
+        "table_at",
     )
 
     def __init__(self) -> None:
@@ -319,6 +323,10 @@ class _Group:
         self.first_ds = -1
         self.comp_at = 0
         self.first_string = -1  # its first string's number among the heap objects
+        # a group of more than MAX_COMPACT_LINKS links: its symbol table, laid right after
+        # its header (symbol_table.py)
+        self.table: SymbolTable | None = None
+        self.table_at = -1
 
 
 @dataclass
@@ -603,8 +611,12 @@ class FilePlan:
             groups.append(g)
             if g.children:
                 stack.extend(reversed(g.children))
-                if g.layout is not None:
-                    self._expand(g)
+            # a variable that is also a parent, or of more links than a header keeps (a
+            # symbol table): encoded on its own
+            if g.layout is not None and (
+                g.children or len(g.layout.names) + len(g.links) > MAX_COMPACT_LINKS
+            ):
+                self._expand(g)
         self._groups = groups
         for layout in self._layouts.values():
             if layout.groups and len(self._group_template(layout).chunks) > 1:
@@ -616,11 +628,14 @@ class FilePlan:
         # variable's slots...) are made from one template
         plain: dict[tuple[bytes, ...], list[_Group]] = {}
         for g in groups:
+            if g.layout is None and len(g.links) > MAX_COMPACT_LINKS:
+                g.table = SymbolTable([name for name, _ in g.links])
             if (
                 g.layout is None
                 and not g.attrs
                 and g is not self._root
                 and g.links
+                and g.table is None
                 and not any(isinstance(t, _External) for _, t in g.links)
             ):
                 plain.setdefault(tuple(name for name, _ in g.links), []).append(g)
@@ -645,10 +660,15 @@ class FilePlan:
             else:
                 size = plain_of.get(id(g))
                 sizes[k] = size if size is not None else len(self._encode_group(g)[0])
+                if g.table is not None:  # the header, then its symbol table
+                    g.table_at = int(sizes[k])
+                    sizes[k] += g.table.size
         starts = SUPERBLOCK_SIZE + np.cumsum(sizes) - sizes
         at = SUPERBLOCK_SIZE + int(sizes.sum())
         for g, a in zip(groups, starts.tolist(), strict=True):
             g.address = a
+            if g.table is not None:
+                g.table_at += a
         # 2. the datasets, in order
         keys = np.asarray(self._ds_key, np.int64)
         key_sizes = np.array(
@@ -842,11 +862,7 @@ class FilePlan:
         # Where a group's link storage is chosen: compact (in its header) up to
         # MAX_COMPACT_LINKS links.
         if nlinks > MAX_COMPACT_LINKS:
-            raise msg.Unsupported(
-                f"a group of {nlinks} links: kept in its header, each name lookup would scan "
-                f"them all (opening every child is quadratic); more than {MAX_COMPACT_LINKS} "
-                "need dense storage (a fractal heap and a B-tree), which is not generated"
-            )
+            return self._encode_wide_group(g)
         phase = None if nlinks <= _DEFAULT_LINKS else (nlinks, max(nlinks - 2, 0))
         messages.append((hdr.LINK_INFO, 0, msg.link_info()))
         messages.append((hdr.GROUP_INFO, 1, msg.group_info(phase)))
@@ -866,6 +882,26 @@ class FilePlan:
             )
             for name, t in g.links
         ]
+        attr_phase = (
+            None
+            if len(g.attrs) <= _COMPACT_ATTRS
+            else (max(_WIDE_ATTRS, len(g.attrs)), max(_WIDE_ATTRS, len(g.attrs)) - 2)
+        )
+        return _encode_chunked(messages, attr_phase, g.address)
+
+    def _encode_wide_group(self, g: _Group) -> tuple[bytes, list[tuple[int, int]]]:
+        """A group of more than :data:`MAX_COMPACT_LINKS` links: its header holds a symbol
+        table message (the links are in the symbol table laid after it) and its attributes."""
+        if any(isinstance(t, _External) for _, t in g.links):
+            raise msg.Unsupported(
+                f"a group of {len(g.links)} links with external links (a symbol table holds "
+                "hard links only)"
+            )
+        table = g.table if g.table is not None else SymbolTable([n for n, _ in g.links])
+        messages = [(SYMBOL_TABLE, 0, table.message(max(g.table_at, 0)))]
+        if g.attrs:
+            messages.append((hdr.ATTRIBUTE_INFO, 4, msg.attribute_info()))
+        messages += [(hdr.ATTRIBUTE, 0, self._attr_message(a)) for a in g.attrs]
         attr_phase = (
             None
             if len(g.attrs) <= _COMPACT_ATTRS
@@ -935,6 +971,9 @@ class FilePlan:
         put(0, _superblock(file_size, self._root.address), [])
         for g in self._individual:
             put(g.address, *self._encode_group(g))
+            if g.table is not None:
+                addresses = [self._address(t) for _, t in g.links]
+                put(g.table_at, g.table.encode(g.table_at, addresses), [])
         for layout in self._layouts.values():
             if layout.groups:
                 self._place_groups(image, layout)

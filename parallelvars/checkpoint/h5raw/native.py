@@ -462,8 +462,8 @@ def save_native(
     buffer another thread changed meanwhile fails the save). Entries read from other files are
     streamed through one reused buffer per component, checksummed as they are written.
 
-    What the generator cannot express (``bytes`` variables, a group of more than
-    :data:`~.generate.MAX_COMPACT_LINKS` links, an attribute message over 64 KiB...) is written
+    What the generator cannot express (``bytes`` variables, an attribute message over 64 KiB,
+    a group of more than :data:`~.generate.MAX_COMPACT_LINKS` external links...) is written
     by ``h5io.write.write_h5`` through libhdf5, with its skeleton cache ``skeletons``.
     """
     from parallelvars.checkpoint.h5io.write import RecordList
