@@ -194,13 +194,16 @@ def _new_group(f: h5py.File, path: str, *, wide: bool = False) -> h5py.Group:
 _LCPL: dict[str, Any] = {}
 
 
-def _checked(entry: Entry, i: int, cshape: tuple[int, ...], dt: np.dtype, file: str) -> np.ndarray:
-    arr = np.asarray(entry.component(i))
+def check_component(
+    arr: np.ndarray, path: str, i: int, cshape: tuple[int, ...], dt: np.dtype, file: str
+) -> None:
+    """Component ``i`` of the variable at ``path`` has the shape and dtype its layout gives:
+    every writer of the native layout checks a component here before writing it."""
     if arr.shape != cshape:
         raise ShapeMismatchError(
             "component has the wrong shape",
             file=file,
-            variable=f"{entry.path}[{i}]",
+            variable=f"{path}[{i}]",
             expected=cshape,
             found=arr.shape,
         )
@@ -208,10 +211,15 @@ def _checked(entry: Entry, i: int, cshape: tuple[int, ...], dt: np.dtype, file: 
         raise DtypeMismatchError(
             "component has the wrong dtype",
             file=file,
-            variable=f"{entry.path}[{i}]",
+            variable=f"{path}[{i}]",
             expected=dt,
             found=arr.dtype,
         )
+
+
+def _checked(entry: Entry, i: int, cshape: tuple[int, ...], dt: np.dtype, file: str) -> np.ndarray:
+    arr = np.asarray(entry.component(i))
+    check_component(arr, entry.path, i, cshape, dt, file)
     return arr
 
 

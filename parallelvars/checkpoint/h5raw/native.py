@@ -36,7 +36,7 @@ from parallelvars.checkpoint.h5io.layout import (
     _library_version,
     _validate_path,
 )
-from parallelvars.checkpoint.h5io.write import _columns_parts
+from parallelvars.checkpoint.h5io.write import _columns_parts, check_component
 from parallelvars.checkpoint.h5raw.generate import FilePlan, Variable
 from parallelvars.checkpoint.h5raw.messages import Unsupported
 from parallelvars.errors import InvalidEntryError
@@ -386,30 +386,13 @@ def _expected_shapes(e: Any) -> list[tuple[int, ...]]:
 
 def _check_components(e: Any, comps: Sequence[np.ndarray], file: str) -> None:
     """The components of an entry are of its dtype and of the shapes its layout gives."""
-    from parallelvars.errors import DtypeMismatchError, ShapeMismatchError
-
     if e.kind != "sharded" and len(comps) == e.num_components:  # every component: the shape
         shape, dt = tuple(map(int, e.shape)), e.dtype
         if all(c.shape == shape and c.dtype == dt for c in comps):
             return
     dt = np.dtype(e.dtype)
     for i, (c, want) in enumerate(zip(comps, _expected_shapes(e), strict=True)):
-        if c.shape != want:
-            raise ShapeMismatchError(
-                "component has the wrong shape",
-                file=file,
-                variable=f"{e.path}[{i}]",
-                expected=want,
-                found=c.shape,
-            )
-        if c.dtype != dt:
-            raise DtypeMismatchError(
-                "component has the wrong dtype",
-                file=file,
-                variable=f"{e.path}[{i}]",
-                expected=dt,
-                found=c.dtype,
-            )
+        check_component(c, e.path, i, want, dt, file)
 
 
 def _root_values(
