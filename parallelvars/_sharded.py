@@ -7,6 +7,7 @@ multi-process strategy. Re-exported by :mod:`parallelvars.variables`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +15,13 @@ import numpy as np
 import wrapt
 
 from parallelvars import _storage
-from parallelvars._geometry import shard_index, shard_offsets, shard_sizes, shard_slices
+from parallelvars._geometry import (
+    shard_bounds,
+    shard_index,
+    shard_offsets,
+    shard_sizes,
+    shard_slices,
+)
 from parallelvars._proxy import ParallelVariable, _fitting_value, _unwrap, _write_array
 from parallelvars.devices import ParallelDevice
 from parallelvars.enums import Aggregation, Synchronization
@@ -160,9 +167,10 @@ class RankShardedVariable(ShardedVariable):
 
     @property
     def shard_sizes(self) -> tuple[int, ...]:
-        return tuple(
-            shard_sizes(self._self_full_shape[self._self_shard_axis], len(self._self_shard_offsets))
+        bounds = shard_bounds(
+            self._self_shard_offsets, self._self_full_shape[self._self_shard_axis]
         )
+        return tuple(hi - lo for lo, hi in itertools.pairwise(bounds))
 
     def _index(self) -> int:
         placed = self._self_global

@@ -723,9 +723,13 @@ class FusedTransport:
             for r, target in zip(order, staging, strict=True):
                 g = chosen[r]
                 update_core.pack_lines(lines.runs, lines.layout, [g[k] for k in ks], target)
+            first, *rest = staging
             for vdt, t in total.items():
-                np.copyto(t, staging[0][vdt])
-                for more in staging[1:]:
+                if not rest:  # one replica: its gradients are the sum
+                    np.copyto(final[vdt], first[vdt], casting="same_kind")
+                    continue
+                np.add(first[vdt], rest[0][vdt], out=t, casting="unsafe")
+                for more in rest[1:]:
                     np.add(t, more[vdt], out=t, casting="unsafe")
                 np.copyto(final[vdt], t, casting="same_kind")
             out.append(FusedLines(cvars, lines.runs, lines.layout, [final]))
