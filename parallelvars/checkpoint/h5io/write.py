@@ -465,6 +465,16 @@ def _flat_components(items: Sequence[Any]) -> list[np.ndarray] | None:
         return None
 
 
+def metadata_key(metadata: Mapping[str, Any] | None) -> tuple[Any, ...]:
+    """What a file's bytes depend on in its metadata: each name, with the type of a number
+    (its value is a header value, rewritten in place) and any other value as it is."""
+    return tuple(
+        (k, type(v).__name__ if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+        for k, v in dict(metadata or {}).items()
+        if v is not None
+    )
+
+
 def _structure_key(
     items: Sequence[Any], object_graph: Mapping[str, Any] | None, metadata: Mapping[str, Any] | None
 ) -> Any:
@@ -475,11 +485,7 @@ def _structure_key(
     records = items.structure() if isinstance(items, RecordList) else _records_key(items)
     if records is None:
         return None
-    meta = tuple(
-        (k, type(v).__name__ if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
-        for k, v in dict(metadata or {}).items()
-        if v is not None
-    )
+    meta = metadata_key(metadata)
     return (_library_version(), meta, object_graph, records)
 
 
@@ -802,11 +808,7 @@ def _index_structure(
         )
         for v in items
     ]
-    meta = tuple(
-        (k, type(v).__name__ if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
-        for k, v in dict(metadata or {}).items()
-        if v is not None
-    )
+    meta = metadata_key(metadata)
     return prefix, (_library_version(), len(prefix.encode()), meta, object_graph, records)
 
 

@@ -1056,7 +1056,7 @@ class FilePlan:
         for address, (data, chunks) in objects:
             buf = bytearray(data)
             for start, end in chunks:
-                buf[end : end + 4] = lookup3(bytes(buf[start:end])).to_bytes(4, "little")
+                buf[end : end + 4] = lookup3(buf[start:end]).to_bytes(4, "little")
             out.append((address, bytes(buf)))
         return out
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from parallelvars._dtypes import dtype_name
 from parallelvars._fileio import IOV_MAX, atomic_path, byte_view, checksum, pwrite_all, pwritev_all
+from parallelvars._geometry import shard_shapes
 from parallelvars.checkpoint._skeleton import index_capacity
 from parallelvars.checkpoint.h5io.attributes import _attr_value, _decode, _root_attr_value
 from parallelvars.checkpoint.h5io.columns import _copied
@@ -36,7 +37,7 @@ from parallelvars.checkpoint.h5io.layout import (
     _library_version,
     _validate_path,
 )
-from parallelvars.checkpoint.h5io.write import _columns_parts, check_component
+from parallelvars.checkpoint.h5io.write import _columns_parts, check_component, metadata_key
 from parallelvars.checkpoint.h5raw.generate import FilePlan, Variable
 from parallelvars.checkpoint.h5raw.messages import Unsupported
 from parallelvars.errors import InvalidEntryError
@@ -374,14 +375,7 @@ def _expected_shapes(e: Any) -> list[tuple[int, ...]]:
     n = int(e.num_components)
     if e.kind != "sharded" or not n:
         return [shape] * n
-    from parallelvars._geometry import shard_bounds
-
-    axis = int(e.attrs["shard_axis"])
-    bounds = shard_bounds(e.attrs["shard_offsets"], shape[axis])
-    return [
-        tuple(bounds[i + 1] - bounds[i] if k == axis else d for k, d in enumerate(shape))
-        for i in range(n)
-    ]
+    return shard_shapes(shape, int(e.attrs["shard_axis"]), e.attrs["shard_offsets"])
 
 
 def _check_components(e: Any, comps: Sequence[np.ndarray], file: str) -> None:
@@ -468,12 +462,7 @@ def _plan_key(
     from parallelvars.checkpoint.h5io.write import RecordList, _structure_key
 
     if isinstance(items, RecordList):
-        meta = tuple(
-            (k, type(v).__name__ if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
-            for k, v in dict(metadata or {}).items()
-            if v is not None
-        )
-        return (_library_version(), meta, items.token, object_graph)
+        return (_library_version(), metadata_key(metadata), items.token, object_graph)
     return _structure_key(items, object_graph, metadata)
 
 
