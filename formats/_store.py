@@ -235,7 +235,10 @@ def _pread_fully(fd: int, buf: memoryview, offset: int) -> int:
     """Fill ``buf`` from ``fd`` at ``offset``; the bytes read (fewer: the file ended)."""
     done = 0
     while done < len(buf):
-        n = os.preadv(fd, [buf[done:]], offset + done)
+        try:
+            n = os.preadv(fd, [buf[done:]], offset + done)
+        except OSError:  # the ranges not filled come back as None, and their reader says why
+            break
         if n <= 0:
             break
         done += n

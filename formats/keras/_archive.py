@@ -25,7 +25,6 @@ handed to :mod:`._weights`.
 from __future__ import annotations
 
 import io
-import json
 import os
 import shutil
 import struct
@@ -37,7 +36,7 @@ from typing import IO, Any, cast
 
 import h5py
 
-from parallelvars._fileio import atomic_path, open_input, open_input_file
+from parallelvars._fileio import atomic_path, load_json, open_input, open_input_file
 from parallelvars.errors import (
     CorruptCheckpointError,
     InvalidArgumentError,
@@ -294,12 +293,7 @@ def keras_layer_order(path: str | os.PathLike[str]) -> tuple[list[str], str | No
     finally:
         zf.close()
         f.close()
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise CorruptCheckpointError(
-            "config.json is not JSON", file=f"{p}/{CONFIG_MEMBER}"
-        ) from None
+    doc = load_json(raw, file=f"{p}/{CONFIG_MEMBER}", what="Keras model config")
     cfg = doc.get("config") if isinstance(doc, dict) else None
     layers = cfg.get("layers") if isinstance(cfg, dict) else None
     if not isinstance(layers, list):
