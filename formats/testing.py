@@ -19,7 +19,7 @@ What it offers:
   :func:`c_unescape`), string tensors (:func:`encode_strings`, :func:`decode_strings`), the
   object graph (:func:`decode_graph`), and :mod:`tf_bundle`.
 * **Other formats' internals**: :mod:`zip_policy` (the zip member bounds), :mod:`keras_write`,
-  :mod:`hf_folder` (Hugging Face folders), :func:`attr_to_python` (HDF5 attributes).
+  :func:`keras_layer_order`, :mod:`hf_folder` (Hugging Face folders), :func:`attr_to_python` (HDF5 attributes).
 * **Helpers**: :func:`jsonable`, :func:`parse_size`, :func:`select_entries`.
 """
 
@@ -32,6 +32,7 @@ from parallelvars.formats._json import jsonable
 from parallelvars.formats._select import select_entries
 from parallelvars.formats._sizes import parse_size
 from parallelvars.formats.keras import _write as keras_write
+from parallelvars.formats.keras._archive import keras_layer_order
 from parallelvars.formats.safetensors import _hf as hf_folder
 from parallelvars.formats.tf import _bundle as tf_bundle
 from parallelvars.formats.tf import _crc as tf_crc
@@ -88,6 +89,7 @@ __all__ = [
     "find_shortest_separator",
     "hf_folder",
     "jsonable",
+    "keras_layer_order",
     "keras_write",
     "mask",
     "parse_key",

@@ -240,3 +240,28 @@ def test_mutated_archives_raise_only_documented_errors(
         assert res["outcome"] not in ("undocumented", "crash", "hang", "alloc"), res
 
     prop()
+
+
+@pytest.mark.parametrize(
+    ("config", "error"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, errors.LimitExceededError),  # nesting past the cap
+        (b'{"config": ', errors.CorruptCheckpointError),  # not JSON
+        (b"\xff\xfe{}", errors.CorruptCheckpointError),  # not UTF-8
+    ],
+)
+def test_a_template_config_is_read_within_the_json_caps(
+    tmp_path: Path, config: bytes, error: type[Exception]
+) -> None:
+    """The layer order read from a ``--like`` template's config.json goes through the same
+    size, depth and encoding checks as every JSON document we read."""
+    from parallelvars.formats.testing import keras_layer_order
+
+    template = tmp_path / "t.keras"
+    with zipfile.ZipFile(template, "w") as zf:
+        zf.writestr("config.json", config)
+        zf.writestr("metadata.json", b"{}")
+        zf.write(KERAS / "model.weights.h5", "model.weights.h5")
+    with pytest.raises(error) as e:
+        keras_layer_order(template)
+    assert "config.json" in str(e.value)
