@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars._spans import BULK_BYTES
 from parallelvars.checkpoint.entry import layout_problem
 from parallelvars.errors import (
     CorruptCheckpointError,
@@ -291,10 +292,6 @@ def _entry_from_record(store: TensorStore, path: str, rec: Any, present: set[str
     return entry
 
 
-# The most component bytes StoreView.bulk_components reads at once.
-_BULK_BYTES = 32 << 20
-
-
 class StoreView(DictView):  # the Mapping over ._entries comes from DictView
     """A :class:`CheckpointView` over a dict of entries backed by a :class:`TensorStore`."""
 
@@ -318,7 +315,7 @@ class StoreView(DictView):  # the Mapping over ._entries comes from DictView
 
     def bulk_components(self, paths: Sequence[str]) -> Iterator[tuple[str, list[Any] | None]]:
         """Each of ``paths`` with its components read in bulk (:meth:`ByteStore.read_many`:
-        a few large reads, every checksum the file carries checked), at most 32 MiB at a time;
+        a few large reads, every checksum the file carries checked), at most ``BULK_BYTES`` at a time;
         None for an entry read the general way (``self[path]``): another layout, strings, a
         store that is not byte ranges, or bytes that do not check."""
         store = self._store
@@ -337,7 +334,7 @@ class StoreView(DictView):  # the Mapping over ._entries comes from DictView
                 entry = None
             batch.append((path, entry))
             size += 0 if entry is None else entry.nbytes
-            if size >= _BULK_BYTES:
+            if size >= BULK_BYTES:
                 yield from self._read_batch(batch)
                 batch, size = [], 0
         yield from self._read_batch(batch)

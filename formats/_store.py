@@ -14,6 +14,7 @@ from typing import IO, Any
 import crc32c as _crc32c
 import numpy as np
 
+from parallelvars._spans import coalesce
 from parallelvars.errors import (
     ChecksumMismatchError,
     TruncatedFileError,
@@ -86,9 +87,8 @@ class ByteStore(TensorStore):
 
     def read_many(self, keys: Sequence[str], sizes: Sequence[int]) -> list[np.ndarray | None]:
         """The bytes of the tensors ``keys`` (``sizes[k]`` bytes each, as the store holds
-        them), read together: the ranges of each file in offset order, neighbours less than
-        64 KiB apart in one ``pread`` (without gaps when they would double what is read), each
-        tensor checked against its stored checksum. An entry is None for a tensor the store
+        them), read together (:func:`parallelvars._spans.coalesce`: the ranges of each file in
+        offset order, near neighbours in one ``pread``), each tensor checked against its stored checksum. An entry is None for a tensor the store
         does not place (:meth:`_place`), that the file does not hold whole, or whose bytes do
         not match their checksum: the caller reads that one through :meth:`read_into`, which
         names the damage. The arrays are read-only views of one buffer."""
@@ -104,35 +104,30 @@ class ByteStore(TensorStore):
                 out[k] = np.empty(0, np.uint8)
         if not placed:
             return out
-        placed.sort()
-        total = sum(p[2] for p in placed)
-        spans: list[list[int]] = []  # [fd, start, end, first index in placed]
-        for gap in (_BULK_GAP, 0):
-            spans = []
-            for j, (fd, offset, size, _) in enumerate(placed):
-                last = spans[-1] if spans else None
-                if last is not None and last[0] == fd and offset - last[2] <= gap:  # or overlaps
-                    last[2] = max(last[2], offset + size)
-                else:
-                    spans.append([fd, offset, offset + size, j])
-            if sum(e - b for _, b, e, _ in spans) <= 2 * total + (1 << 20):
-                break
-        buf = np.empty(sum(e - b for _, b, e, _ in spans), np.uint8)
+        fds, offsets, nbytes, index = (np.array(col, np.int64) for col in zip(*placed, strict=True))
+        spans = coalesce(offsets, nbytes, keys=fds)
+        span_fds = np.empty(spans.starts.size, np.int64)
+        span_fds[spans.span_of] = fds[spans.order]
+        buf = np.empty(spans.total, np.uint8)
         view = memoryview(buf)  # type: ignore[arg-type]
-        at = 0
-        bases = []
-        for fd, start, end, _ in spans:
-            got = _pread_fully(fd, view[at : at + end - start], start)
-            bases.append((at, start, at + got))
-            at += end - start
+        filled = []  # where each span's bytes end in buf (earlier: the file ended first)
+        for fd, start, size, base in zip(
+            span_fds.tolist(),
+            spans.starts.tolist(),
+            spans.sizes.tolist(),
+            spans.bases.tolist(),
+            strict=True,
+        ):
+            filled.append(base + _pread_fully(fd, view[base : base + size], start))
         buf.flags.writeable = False
-        s = 0
-        for fd, offset, size, k in placed:
-            while s + 1 < len(spans) and (spans[s + 1][0], spans[s + 1][1]) <= (fd, offset):
-                s += 1
-            base, start, filled = bases[s]
-            pos = base + offset - start
-            if pos + size > filled:
+        for k, size, pos, s in zip(
+            index[spans.order].tolist(),
+            nbytes[spans.order].tolist(),
+            spans.at.tolist(),
+            spans.span_of.tolist(),
+            strict=True,
+        ):
+            if pos + size > filled[s]:
                 continue  # the file ends first: read_into names it
             data = buf[pos : pos + size]
             expected = self._expected_crc(keys[k])
@@ -225,10 +220,6 @@ class ByteStore(TensorStore):
             flat[o0 * run : o1 * run] = block.reshape(o1 - o0, stride)[
                 :, start * inner : start * inner + run
             ].reshape(-1)
-
-
-# Neighbouring tensors less than this apart are read in one pread by read_many.
-_BULK_GAP = 64 << 10
 
 
 def _pread_fully(fd: int, buf: memoryview, offset: int) -> int:

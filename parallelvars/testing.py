@@ -19,7 +19,8 @@ What it offers:
   :class:`Piece` and :func:`verify_pieces`.
 * **Foundation helpers**: :mod:`fileio` and its JSON bounds (:data:`MAX_JSON_DEPTH`,
   :func:`json_depth`, :func:`load_json`), :func:`open_input`, :func:`checkpoint_root`,
-  :func:`write_error`; :mod:`threads`; :func:`as_dtype`; :func:`is_int` / :func:`is_index`.
+  :func:`write_error`; :mod:`threads`; :func:`as_dtype`; :func:`is_int` / :func:`is_index`;
+  :func:`coalesce` (how bulk reads merge byte ranges into spans).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from parallelvars._fileio import (
     write_error,
 )
 from parallelvars._ints import is_index, is_int
+from parallelvars._spans import coalesce
 from parallelvars.checkpoint import _h5policy as h5policy
 from parallelvars.checkpoint import _restore as restore_rules
 from parallelvars.checkpoint import _skeleton as h5_skeleton
@@ -60,6 +62,7 @@ __all__ = [
     "SkeletonCache",
     "as_dtype",
     "checkpoint_root",
+    "coalesce",
     "columns_parts",
     "columns_table",
     "fileio",

@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "parallelvars._dtypes",
             "parallelvars._threads",
             "parallelvars._fileio",
+            "parallelvars._spans",
             "parallelvars._geometry",
             "parallelvars._storage",
             "parallelvars._source_tree",

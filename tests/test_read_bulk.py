@@ -17,6 +17,7 @@ from test_corruption import _h5py_everything
 from test_h5raw import _SETTINGS, both, structures
 
 from parallelvars.checkpoint.h5io import H5Reader, StoredVariable
+from parallelvars.checkpoint.h5io import bulk as h5bulk
 from parallelvars.checkpoint.h5io import read as h5read
 from parallelvars.checkpoint.h5io.regenerated import sound_as_generated
 from parallelvars.checkpoint.h5raw.native import write_native
@@ -263,7 +264,7 @@ def test_a_component_name_turned_external_link_is_refused_by_the_bulk_paths(tmp_
 
 def test_many_names_are_checked_by_one_walk_of_the_links(tmp_path, monkeypatch):
     """Past LINK_CHECKS names, the reader lists the file's links once (same answers)."""
-    monkeypatch.setattr(h5read, "LINK_CHECKS", 2)
+    monkeypatch.setattr(h5bulk, "LINK_CHECKS", 2)
     path = generated(tmp_path)
     with H5Reader(path) as r:
         values = [r[f"m/v{k}"].component(1).tobytes() for k in range(6)]

@@ -31,7 +31,8 @@ restore reads its small components ahead in a few large reads (``H5Reader.stage`
 Modules: ``layout`` (format constants, kinds and aggregations, limits, path validation,
 storage dtypes), ``attributes`` (attribute and JSON-document encoding and decoding), ``write``
 (:func:`write_h5`, :func:`write_h5_index`), ``stored`` (:class:`StoredVariable`, one variable
-of a file), ``read`` (:class:`H5Reader`, :func:`is_native_checkpoint`) and ``collective``
+of a file), ``read`` (:class:`H5Reader`, :func:`is_native_checkpoint`), ``bulk`` (the reader's
+commands' side: summaries, bulk component reads, ``verify_all``), ``collective``
 (:func:`~parallelvars.checkpoint.h5io.collective.write_collective`, the multi-process writer
 built on ``write_h5`` and ``write_h5_index``) and ``_index_skeleton`` (the index file's
 skeleton: the values that change between two index files of one structure, patched).

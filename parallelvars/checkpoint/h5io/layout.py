@@ -10,6 +10,7 @@ import h5py
 import numpy as np
 
 from parallelvars._dtypes import is_extension_dtype
+from parallelvars._spans import BULK_GAP
 from parallelvars.checkpoint import entry as _entry
 from parallelvars.checkpoint._h5policy import H5_ERRORS, MAX_COMPRESSION
 from parallelvars.checkpoint._h5policy import HDF5_SIGNATURE as HDF5_SIGNATURE
@@ -37,7 +38,7 @@ _MAX_COMPONENTS = _entry.MAX_COMPONENTS
 # read, at most STAGE_LIMIT bytes in all.
 STAGE_COMPONENT = 64 << 10
 STAGE_MIN_COMPONENTS = 512
-STAGE_GAP = 64 << 10
+STAGE_GAP = BULK_GAP  # (every bulk reader's gap: parallelvars._spans)
 STAGE_LIMIT = 256 << 20
 # The HDF5 constants every reader shares, under the names the h5io modules use.
 _MAX_COMPRESSION = MAX_COMPRESSION

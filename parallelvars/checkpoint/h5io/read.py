@@ -19,16 +19,9 @@ import h5py
 import numpy as np
 
 from parallelvars.checkpoint import _h5policy
-from parallelvars.checkpoint.h5io._global_heap import GlobalHeapCheck
 from parallelvars.checkpoint.h5io.attributes import _decode, _read_json
-from parallelvars.checkpoint.h5io.columns import (
-    _ABSENT,
-    ColumnEntries,
-    _columns_table,
-    _copied,
-    _same,
-    _short,
-)
+from parallelvars.checkpoint.h5io.bulk import BulkReads
+from parallelvars.checkpoint.h5io.columns import ColumnEntries, _columns_table, _copied
 from parallelvars.checkpoint.h5io.index_table import IndexTable, _index_table
 from parallelvars.checkpoint.h5io.layout import (
     _H5_ERRORS,
@@ -45,7 +38,6 @@ from parallelvars.checkpoint.h5io.layout import (
     STAGE_MIN_COMPONENTS,
 )
 from parallelvars.checkpoint.h5io.stored import StoredVariable
-from parallelvars.checkpoint.registry import component_name
 from parallelvars.errors import (
     CheckpointNotFoundError,
     ClosedCheckpointError,
@@ -55,25 +47,6 @@ from parallelvars.errors import (
     TruncatedFileError,
     UnsupportedDtypeError,
 )
-
-#: The most component bytes a bulk read (:meth:`H5Reader.differing_components`) holds at once.
-BULK_BYTES = 32 << 20
-
-
-def _batches(rows: list[int], sizes: list[int], limit: int) -> Iterator[list[int]]:
-    """``rows`` in runs of at most ``limit`` bytes (``sizes[row]`` each; a larger row alone)."""
-    batch: list[int] = []
-    total = 0
-    for row in rows:
-        size = sizes[row]
-        if batch and total + size > limit:
-            yield batch
-            batch, total = [], 0
-        batch.append(row)
-        total += size
-    if batch:
-        yield batch
-
 
 # The object graph of a reader that does not keep it (see H5Reader.keep_entries).
 _NOT_KEPT = object()
@@ -89,11 +62,6 @@ def is_native_checkpoint(path: str | os.PathLike[str]) -> bool:
             return "parallelvars_format" in f.attrs
     except _H5_ERRORS:
         return False
-
-
-#: Components a reader checks name by name (:meth:`H5Reader._reached`) before it lists every
-#: link of the file once instead (about 10 us a link, a few times less than one lookup).
-LINK_CHECKS = 256
 
 
 #: Bytes read per system call when a component's checksum is taken as it is read (1 MiB: the
@@ -112,7 +80,7 @@ CHECK_CHUNK = 1 << 20
 RESTORE_KEEP_LIMIT = 0
 
 
-class H5Reader(Mapping[str, StoredVariable]):
+class H5Reader(BulkReads, Mapping[str, StoredVariable]):
     """A checkpoint file in the native layout, opened read-only: a Mapping path -> variable.
 
     Raises:
@@ -137,8 +105,7 @@ class H5Reader(Mapping[str, StoredVariable]):
         # Parts of a multi-process checkpoint (reached by external link), opened by us.
         self._parts: dict[str, h5py.File] = {}
         self._checked_groups: set[str] = set()
-        # The names reached by hard links only (see _reached), once listed.
-        self._hard_names: set[bytes] | None = None
+        self._hard_names: set[bytes] | None = None  # (see BulkReads._reached)
         # Whether the file has empty components whose sharing verify must guess (regenerated.py)
         self._empty_shared_ambiguous = False
         self._link_checks = 0
@@ -353,122 +320,6 @@ class H5Reader(Mapping[str, StoredVariable]):
                         found=f"{part_path}: {exc}",
                     ) from None
         return _h5policy.open_dataset(part.id, os.fsdecode(link[1]), part_path, dtype=dtype)
-
-    def _reached(self, name: str) -> bool:
-        """Whether the object ``name`` (a component's path) exists and is reached from the
-        root by hard links only: the indirection policy's rule (``_h5policy.check_path``)
-        for a component read where the index places it, without opening its dataset.
-
-        A link out of the file on the way raises as when the dataset is opened; a name that is
-        missing, or reached some other way (an external link into the checkpoint's parts),
-        is False: the caller opens it the general way. The first names are checked one by
-        one; past :data:`LINK_CHECKS`, every link of the file is listed once (HDF5's link
-        walk, which follows hard links only) and each name looked up there.
-        """
-        hard = self._hard_names
-        if hard is not None:
-            return name.encode() in hard
-        self._link_checks += 1
-        f = self._h5()
-        if self._link_checks > LINK_CHECKS:
-            listed = self._hard_link_names()
-            return listed is not None and name.encode() in listed
-        path = f"/{name}"
-        if _h5policy.check_path(f.id, path, self.path, checked=self._checked_groups) is not None:
-            return False
-        try:
-            return bool(f.id.links.exists(path.encode()))
-        except _H5_ERRORS:
-            return False
-
-    def _hard_link_names(self) -> set[bytes] | None:
-        """Every name of the file reached from the root by hard links only (HDF5's link walk,
-        which follows hard links only), listed once; None when HDF5 cannot list them."""
-        if self._hard_names is not None:
-            return self._hard_names
-        names: set[bytes] = set()
-        add, kind = names.add, h5py.h5l.TYPE_HARD
-
-        def visit(link: bytes, info: Any) -> None:
-            if info.type == kind:
-                add(link)
-
-        try:
-            self._h5().id.links.visit(visit, info=True)
-        except _H5_ERRORS:
-            return None
-        self._hard_names = names
-        return names
-
-    def _all_reached(self, paths: list[str], counts: list[int]) -> list[bool]:
-        """For each variable (``paths[k]`` of ``counts[k]`` components): whether every
-        component's name is reached by hard links only (:meth:`_reached`, for many at once:
-        past :data:`LINK_CHECKS` names, every link of the file is listed once and each name
-        looked up there). A link out of the file on the way is False here (the general path,
-        which opens the dataset, names it)."""
-        if sum(counts) <= LINK_CHECKS:
-            out = []
-            for path, n in zip(paths, counts, strict=True):
-                try:
-                    out.append(all(self._reached(f"{path}/{component_name(i)}") for i in range(n)))
-                except CorruptCheckpointError:
-                    out.append(False)
-            return out
-        hard = self._hard_link_names()
-        if hard is None:
-            return [False] * len(paths)
-        suffixes = [f"/{component_name(i)}".encode() for i in range(max(counts, default=0))]
-        return [
-            all(path.encode() + suffixes[i] in hard for i in range(n))
-            for path, n in zip(paths, counts, strict=True)
-        ]
-
-    def summaries(
-        self,
-    ) -> dict[str, tuple[str, np.dtype, tuple[int, ...], int, int, dict[str, Any]]] | None:
-        """Every variable's kind, dtype, shape, number of components, bytes and attributes
-        (a dict of each variable's own, its list values shared with the index: read them, do
-        not change them),
-        from the index's table, validated at open: no
-        :class:`~parallelvars.checkpoint.h5io.stored.StoredVariable` made for a variable that
-        does not have one yet. None for a file read entry by entry (no table)."""
-        table = self.table
-        if table is None:
-            return None
-        metas = self._metas
-        attrs_of = metas.attrs_of if isinstance(metas, ColumnEntries) else None
-        # A name that is not Unicode text is left out: made as an entry, it names the error.
-        unnamable: set[str] = set()
-        if not "".join(table.names).isascii():
-            for name in table.names:
-                try:
-                    name.encode("utf-8")
-                except UnicodeEncodeError:
-                    unnamable.add(name)
-        out = {}
-        made = self._variables
-        for row, (name, kind, dtype, shape, n, nbytes) in enumerate(
-            zip(
-                table.names,
-                table.kinds,
-                table.dtypes,
-                table.shapes,
-                table.counts,
-                table.row_nbytes,
-                strict=True,
-            )
-        ):
-            if name in unnamable:
-                continue
-            if kind == "sharded" or dtype.kind == "O":  # (made at open: shards' own sizes)
-                var = made.get(name) or self[name]
-                out[name] = (kind, dtype, shape, n, var.nbytes, dict(var.attrs))
-                continue
-            attrs = (
-                attrs_of(row, shared=True) if attrs_of is not None else dict(metas[name]["attrs"])
-            )
-            out[name] = (kind, dtype, shape, n, nbytes, attrs)
-        return out
 
     def _holds(self, dsid: Any) -> bool:
         """Whether a dataset lives in this file (not behind an external link: those are read
@@ -727,123 +578,6 @@ class H5Reader(Mapping[str, StoredVariable]):
         at[order] = at_sorted
         return buf, at, bad
 
-    def differing_components(self, paths: Iterable[str]) -> dict[str, list[int]]:
-        """For each variable at ``paths`` that the bulk path reads, the components whose bytes
-        differ from component 0 (empty: all equal, bit for bit).
-
-        The restore path's rule, in bulk: rows of :attr:`table` whose components the index
-        places (:meth:`read_bulk`: read in file order in a few large reads, each checked
-        against its checksum), every component's name reached by hard links only
-        (:meth:`_reached`), at most :data:`BULK_BYTES` bytes held at a time. A variable
-        missing from the result (another layout, a name reached otherwise, bytes that do not
-        match their checksum) is for the caller to read component by component, which names
-        any damage as before.
-        """
-        table = self.table
-        if table is None:
-            return {}
-        candidates = [
-            row for row in map(table.rows.get, paths) if row is not None and table.direct[row]
-        ]
-        reached = self._all_reached(
-            [table.names[row] for row in candidates], [table.counts[row] for row in candidates]
-        )
-        rows = [row for row, ok in zip(candidates, reached, strict=True) if ok]
-        out: dict[str, list[int]] = {}
-        offsets, crcs = table.offsets, table.crcs
-        for batch in _batches(rows, table.row_nbytes, BULK_BYTES):
-            slots = table.component_slots(np.array(batch, np.int64))
-            buf, at, bad = self.read_bulk(slots)
-            whole = memoryview(buf)  # type: ignore[arg-type]
-            broken = {table._row_of(int(slots[k])) for k in bad}
-            places = at.tolist()
-            slot_list = slots.tolist()
-            k = 0
-            for row in batch:
-                n = table.counts[row]
-                if row not in broken:
-                    size = int(table.nbytes[slot_list[k]])
-                    first = places[k]
-                    primary = whole[first : first + size]
-                    differing = []
-                    for i in range(1, n):
-                        s0, si = slot_list[k], slot_list[k + i]
-                        if offsets[si] == offsets[s0]:
-                            continue  # one dataset under both names (stored once)
-                        # Checksums that differ: bytes that differ; equal ones: compared.
-                        if (
-                            crcs[si] != crcs[s0]
-                            or whole[places[k + i] : places[k + i] + size] != primary
-                        ):
-                            differing.append(i)
-                    out[table.names[row]] = differing
-                k += n
-        return out
-
-    def bulk_components(
-        self, paths: Iterable[str]
-    ) -> Iterator[tuple[str, list[np.ndarray] | None]]:
-        """Each of ``paths`` in turn with its components, read in bulk: the restore path's rule
-        (:meth:`read_bulk`: rows of :attr:`table` whose components the index places, read in
-        file order in a few large reads and each checked against its checksum; every name
-        reached by hard links only), at most :data:`BULK_BYTES` bytes read at a time.
-
-        The arrays are read-only views of the batch's buffer (it is freed when they are).
-        None for a variable the bulk path does not take (another layout, a name reached
-        otherwise, bytes that do not match their checksum): the caller reads it the general
-        way (:meth:`__getitem__`), which names any damage.
-        """
-        table = self.table
-        paths = list(paths)
-        if table is None:
-            for path in paths:
-                yield path, None
-            return
-        rows = [table.rows.get(path) for path in paths]
-        candidates = [r for r in rows if r is not None and table.direct[r]]
-        reached = self._all_reached(
-            [table.names[r] for r in candidates], [table.counts[r] for r in candidates]
-        )
-        taken = {r for r, ok in zip(candidates, reached, strict=True) if ok}
-        k = 0
-        while k < len(paths):
-            if rows[k] not in taken:
-                yield paths[k], None
-                k += 1
-                continue
-            # The next run of taken rows, at most BULK_BYTES (a larger row alone).
-            batch: list[int] = []
-            total = 0
-            while k + len(batch) < len(paths):
-                row = rows[k + len(batch)]
-                if row not in taken or (batch and total + table.row_nbytes[row] > BULK_BYTES):
-                    break
-                batch.append(row)
-                total += table.row_nbytes[row]
-            slots = table.component_slots(np.array(batch, np.int64))
-            buf, at, bad = self.read_bulk(slots)
-            buf.flags.writeable = False
-            broken = {table._row_of(int(slots[j])) for j in bad}
-            places = at.tolist()
-            j = 0
-            for row in batch:
-                n = table.counts[row]
-                if row in broken:
-                    yield table.names[row], None
-                else:
-                    dtype, shape = table.dtypes[row], table.shapes[row]
-                    size = int(table.nbytes[slots[j]])
-                    yield (
-                        table.names[row],
-                        [
-                            buf[places[j + i] : places[j + i] + size].view(dtype).reshape(shape)
-                            for i in range(n)
-                        ],
-                    )
-                j += n
-            k += len(batch)
-            del buf
-
     def unstage(self) -> None:
         """Drop what :meth:`stage` read, and what the verification kept."""
         self._staged = None
@@ -923,104 +657,6 @@ class H5Reader(Mapping[str, StoredVariable]):
 
     def __contains__(self, key: object) -> bool:
         return key in self._variables or key in self._metas
-
-    def verify_all(self) -> list[str]:
-        """Check every variable; the problems found (empty when sound).
-
-        Every component's bytes against its checksum, and the file's structure as any HDF5
-        reader sees it: each variable's group and attributes (equal to the index; the global
-        heap objects of variable-length values validated by our own parser first), each
-        component dataset read through HDF5 (its bytes again against the checksum) and a
-        sharded variable's ``value`` (equal to its shards), so a file that h5py or ``extract``
-        cannot read never passes.
-        """
-        if self._columns:
-            # A file the generator wrote: its metadata regenerated from its index and compared
-            # byte for byte, every checksum in bulk (nothing left for the walk below to find).
-            from parallelvars.checkpoint.h5io.regenerated import sound_as_generated
-
-            if sound_as_generated(self):
-                return []
-        problems = self._columns_problems() if self._columns else []
-        sizes = self._h5().id.get_create_plist().get_sizes()
-        heap = GlobalHeapCheck(self._fd(), self.file_size, self.path, *map(int, sizes))
-        for var in self.values():
-            try:
-                var.verify_group(heap)
-            except CorruptCheckpointError as exc:
-                problems.append(str(exc))
-                continue
-            sound = True
-            for i in range(var.num_components):
-                try:
-                    var.verify(i)
-                    var.verify_through_h5(i)
-                except CorruptCheckpointError as exc:
-                    problems.append(str(exc))
-                    sound = False
-            if sound and var.kind == "sharded":
-                try:
-                    var.verify_stitched_value(heap)
-                except CorruptCheckpointError as exc:
-                    problems.append(str(exc))
-        return problems
-
-    def _columns_problems(self) -> list[str]:
-        """Where the columns document (which the reader took) and the index disagree: each
-        variable and field whose values differ, or the index's own damage."""
-        try:
-            index = _read_json(self._h5(), INDEX_DATASET, self.path, required=True)
-        except (CorruptCheckpointError, *_H5_ERRORS) as exc:
-            return [str(exc)]
-        if not isinstance(index, dict):
-            return [f"{self.path}: the index is not a mapping ({type(index).__name__})"]
-        problems = []
-        columns = self._metas
-
-        def differ(variable: str, field: str, said: Any, says: Any) -> None:
-            problems.append(
-                str(
-                    CorruptCheckpointError(
-                        f"the columns and the index disagree on {field!r}",
-                        file=self.path,
-                        variable=variable,
-                        expected=f"the index's {_short(said)}",
-                        found=f"the columns' {_short(says)}",
-                    )
-                )
-            )
-
-        if list(index) != list(columns):
-            extra = [p for p in columns if p not in index]
-            missing = [p for p in index if p not in columns]
-            for path in missing:
-                differ(path, "paths", "listed", "not listed")
-            for path in extra:
-                differ(path, "paths", "not listed", "listed")
-            if not extra and not missing:
-                differ(COLUMNS_DATASET, "paths", "its order", "another order")
-        for path, said in index.items():
-            if path not in columns:
-                continue
-            says = columns[path]
-            if _same(said, says):
-                continue
-            if not isinstance(said, dict):
-                differ(path, "entry", said, says)
-                continue
-            for field in dict.fromkeys([*said, *says]):
-                mine, theirs = said.get(field, _ABSENT), says.get(field, _ABSENT)
-                if field == "attrs" and isinstance(mine, dict) and isinstance(theirs, dict):
-                    for key in dict.fromkeys([*mine, *theirs]):
-                        if not _same(mine.get(key, _ABSENT), theirs.get(key, _ABSENT)):
-                            differ(path, f"attrs.{key}", mine.get(key), theirs.get(key))
-                    if list(mine) != list(theirs):
-                        differ(path, "attrs (order)", list(mine), list(theirs))
-                elif not _same(mine, theirs):
-                    differ(path, field, mine, theirs)
-            if list(said) != list(says):
-                differ(path, "entry (order)", list(said), list(says))
-        return problems
 
     def close(self) -> None:
         # Drop the dataset ids first: those reached through external links keep their own
