@@ -49,9 +49,9 @@ from parallelvars.checkpoint.h5io.attributes import _write_json as write_json
 from parallelvars.checkpoint.h5io.collective import _INDEX_SKELETONS as INDEX_SKELETONS
 from parallelvars.checkpoint.h5io.columns import _columns_parts as columns_parts
 from parallelvars.checkpoint.h5io.columns import _columns_table as columns_table
+from parallelvars.checkpoint.h5io.records import _index_template as index_template
+from parallelvars.checkpoint.h5io.records import crc_mark
 from parallelvars.checkpoint.h5io.stored import _held_value as held_value
-from parallelvars.checkpoint.h5io.write import _index_template as index_template
-from parallelvars.checkpoint.h5io.write import crc_mark
 
 __all__ = [
     "crc_mark",

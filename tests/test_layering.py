@@ -96,6 +96,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         [
             "parallelvars.checkpoint.h5io",
             "parallelvars.checkpoint.h5io.*",
+            "parallelvars.checkpoint.h5raw.objects",
             "parallelvars.checkpoint.h5raw.generate",
             "parallelvars.checkpoint.h5raw.native",
         ],

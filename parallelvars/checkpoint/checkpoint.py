@@ -42,7 +42,7 @@ from parallelvars.checkpoint.graph import (  # noqa: F401 - the graph's names, a
     unescape_name,
 )
 from parallelvars.checkpoint.h5io.collective import write_collective
-from parallelvars.checkpoint.h5io.write import RecordList
+from parallelvars.checkpoint.h5io.records import RecordList
 from parallelvars.checkpoint.h5raw.native import save_native
 from parallelvars.checkpoint.matching import RestoreSession
 from parallelvars.checkpoint.registry import SaveRecord

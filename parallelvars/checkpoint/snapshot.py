@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from parallelvars._fileio import byte_view
-from parallelvars.checkpoint.h5io.write import RecordList
+from parallelvars.checkpoint.h5io.records import RecordList
 from parallelvars.checkpoint.registry import SaveRecord
 from parallelvars.errors import ConcurrentWriteError
 

@@ -5,7 +5,6 @@ file whose components are external links into per-process part files).
 from __future__ import annotations
 
 import bisect
-import itertools
 import json
 import os
 import time
@@ -42,6 +41,16 @@ from parallelvars.checkpoint.h5io.layout import (
     _storage_dtype,
     _validate_path,
 )
+from parallelvars.checkpoint.h5io.records import RecordList as RecordList
+from parallelvars.checkpoint.h5io.records import (
+    _component_starts,
+    _flat_components,
+    _index_template,
+    _structure_key,
+)
+from parallelvars.checkpoint.h5io.records import crc_mark as crc_mark
+from parallelvars.checkpoint.h5io.records import marked_template as marked_template
+from parallelvars.checkpoint.h5io.records import metadata_key as metadata_key
 from parallelvars.checkpoint.registry import component_name
 from parallelvars.errors import (
     DtypeMismatchError,
@@ -378,166 +387,6 @@ def _header_values(metadata: Mapping[str, Any] | None, *, columns: bool = False)
     if columns:
         values[_COLUMNS_CRC] = np.int64(0)
     return values
-
-
-class RecordList(list):
-    """Save records that keep what writing their structure again needs, made on first use:
-    their part of the structure key and the flat list of their components.
-
-    A checkpoint hands the same records to every save while its object graph is unchanged
-    (``Checkpoint._gather``), so a repeated save does this per-record work once per
-    structure. The records must not change once written (what is kept would be stale); their
-    components' values may, they are read at every write.
-    """
-
-    __slots__ = ("_flat", "_key", "_like", "_starts", "token")
-
-    def __init__(self, records: Iterable[Any] = (), *, like: RecordList | None = None) -> None:
-        """``like``: records of the same structure (a snapshot's copies are like the live
-        records): their key and token are these records' too."""
-        super().__init__(records)
-        self._key: Any = None
-        self._like = like
-        self._flat: tuple[list[np.ndarray], list[int]] | None = None
-        self._starts: list[int] | None = None
-        # Stands for the records' structure: records with the same token have the same
-        # structure, so a writer's cache can tell a repeated structure without its key.
-        self.token: object = object() if like is None else like.token
-
-    def starts(self) -> list[int]:
-        """The number of each record's first component in write order (then the total)."""
-        if self._starts is None:
-            self._starts = list(itertools.accumulate((len(r.components) for r in self), initial=0))
-        return self._starts
-
-    def structure(self) -> Any:
-        """The records' part of :func:`_structure_key` (None: not all are arrays in memory)."""
-        if self._key is None:
-            self._key = _records_key(self) if self._like is None else self._like.structure()
-        return self._key
-
-    def components(self) -> list[np.ndarray]:
-        """Every record's components in write order, C-contiguous (strided ones copied now)."""
-        if self._flat is None:
-            comps = [c for r in self for c in r.components]
-            self._flat = (comps, [i for i, c in enumerate(comps) if not c.flags.c_contiguous])
-        comps, strided = self._flat
-        if not strided:
-            return comps
-        out = list(comps)
-        for i in strided:
-            out[i] = np.ascontiguousarray(out[i])
-        return out
-
-
-def _component_starts(items: Sequence[Any]) -> list[int]:
-    """The number of each entry's first component in write order (then the total)."""
-    if isinstance(items, RecordList):
-        return items.starts()
-    return list(itertools.accumulate((len(e.components) for e in items), initial=0))
-
-
-def _records_key(items: Sequence[Any]) -> Any:
-    """Each entry's path, kind, shape, attributes and components' dtypes and shapes (None for
-    entries that are not arrays in memory)."""
-    try:
-        return tuple(
-            (
-                e.path,
-                e.kind,
-                tuple(e.shape),
-                dict(e.attrs),
-                tuple((c.dtype, c.shape) for c in e.components),
-            )
-            for e in items
-        )
-    except AttributeError:
-        return None
-
-
-def _flat_components(items: Sequence[Any]) -> list[np.ndarray] | None:
-    """Every entry's components in write order, C-contiguous (None: not arrays in memory)."""
-    if isinstance(items, RecordList):
-        return items.components()
-    try:
-        return [np.ascontiguousarray(c) for e in items for c in e.components]
-    except AttributeError:
-        return None
-
-
-def metadata_key(metadata: Mapping[str, Any] | None) -> tuple[Any, ...]:
-    """What a file's bytes depend on in its metadata: each name, with the type of a number
-    (its value is a header value, rewritten in place) and any other value as it is."""
-    return tuple(
-        (k, type(v).__name__ if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
-        for k, v in dict(metadata or {}).items()
-        if v is not None
-    )
-
-
-def _structure_key(
-    items: Sequence[Any], object_graph: Mapping[str, Any] | None, metadata: Mapping[str, Any] | None
-) -> Any:
-    """What a file's bytes depend on besides the component values and the header values: the
-    library version, the metadata's names and types, the object graph and each entry's path,
-    kind, shape, attributes and components' dtypes and shapes. None for entries that are not
-    arrays in memory (they are never written from a skeleton)."""
-    records = items.structure() if isinstance(items, RecordList) else _records_key(items)
-    if records is None:
-        return None
-    meta = metadata_key(metadata)
-    return (_library_version(), meta, object_graph, records)
-
-
-_CRC_MARK = "\ue000parallelvars-crc32c:{}\ue000"  # stands for a record's checksums
-
-
-def _index_template(index: Mapping[str, Any]) -> str:
-    """The index document with a ``%d`` for every checksum: ``template % crcs`` is
-    ``json.dumps(index)`` (the checksums are each record's last field).
-
-    Made with one ``json.dumps`` of the index, each record's checksums replaced by a mark
-    (:func:`crc_mark`) then by ``%d``s; a mark found more often than records have it (a value
-    of the same text) makes the template record by record instead."""
-    marked: dict[str, Any] = {}
-    for path, meta in index.items():
-        rest = dict(meta)
-        rest["crc32c"] = crc_mark(len(rest.pop("crc32c")))
-        marked[path] = rest
-    template = marked_template(marked)
-    return _index_template_by_record(index) if template is None else template
-
-
-def crc_mark(n: int) -> str:
-    """What stands for a record's ``n`` checksums in an index made for :func:`marked_template`."""
-    return _CRC_MARK.format(n)
-
-
-def marked_template(marked: Mapping[str, Any]) -> str | None:
-    """The template of :func:`_index_template` from an index whose records' last field,
-    ``crc32c``, is its :func:`crc_mark`; None when a mark's text is found elsewhere too."""
-    counts: dict[str, int] = {}
-    for meta in marked.values():
-        mark = meta["crc32c"]
-        counts[mark] = counts.get(mark, 0) + 1
-    text = json.dumps(marked).replace("%", "%%")
-    for mark, count in counts.items():
-        quoted = json.dumps(mark)
-        if text.count(quoted) != count:
-            return None
-        n = int(mark.strip("\ue000").rpartition(":")[2])
-        text = text.replace(quoted, "[" + ", ".join(["%d"] * n) + "]")
-    return text
-
-
-def _index_template_by_record(index: Mapping[str, Any]) -> str:
-    parts = []
-    for path, meta in index.items():
-        rest = {k: v for k, v in meta.items() if k != "crc32c"}
-        body = json.dumps(rest).replace("%", "%%")
-        crcs = ", ".join(["%d"] * len(meta["crc32c"]))
-        parts.append(f'{json.dumps(path).replace("%", "%%")}: {body[:-1]}, "crc32c": [{crcs}]}}')
-    return "{" + ", ".join(parts) + "}"
 
 
 def _capture(

@@ -15,6 +15,8 @@ One module per concept:
   generated group of more than 1,024 links keeps them, and their bounded reader;
 * :mod:`.virtual`: a virtual dataset's mapping;
 * :mod:`.templates`: object headers of one layout made from a template, many at once;
+* :mod:`.objects`: a generated file's groups, datasets and attributes before they are laid
+  out, and the layouts variable groups share;
 * :mod:`.generate`: a native file's metadata generated from its structure
   (:class:`~.generate.FilePlan`);
 * :mod:`.native`: whole native files (and multi-process index files) written through the

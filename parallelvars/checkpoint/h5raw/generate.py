@@ -52,26 +52,36 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from parallelvars._dtypes import dtype_name, is_extension_dtype
 from parallelvars._geometry import shard_bounds
 from parallelvars.checkpoint.h5raw import header as hdr
 from parallelvars.checkpoint.h5raw import messages as msg
 from parallelvars.checkpoint.h5raw.global_heap import build_collections
+from parallelvars.checkpoint.h5raw.header import SUPERBLOCK_SIZE
+from parallelvars.checkpoint.h5raw.header import encode_chunked as _encode_chunked
 from parallelvars.checkpoint.h5raw.lookup3 import lookup3, lookup3_many
+from parallelvars.checkpoint.h5raw.messages import superblock as _superblock
+from parallelvars.checkpoint.h5raw.objects import ROW_STRING as _ROW_STRING
+from parallelvars.checkpoint.h5raw.objects import Attr as _Attr
+from parallelvars.checkpoint.h5raw.objects import Dataset as _Dataset
+from parallelvars.checkpoint.h5raw.objects import External as _External
+from parallelvars.checkpoint.h5raw.objects import Group as _Group
+from parallelvars.checkpoint.h5raw.objects import Layout as _Layout
+from parallelvars.checkpoint.h5raw.objects import attrs_key as _attrs_key
+from parallelvars.checkpoint.h5raw.objects import encode_attribute
+from parallelvars.checkpoint.h5raw.objects import signature as _signature
 from parallelvars.checkpoint.h5raw.symbol_table import SYMBOL_TABLE, SymbolTable
 from parallelvars.checkpoint.h5raw.templates import Template, place, runs
 from parallelvars.checkpoint.h5raw.virtual import mapping
+from parallelvars.checkpoint.registry import component_name as _component_name
 from parallelvars.errors import InvalidEntryError
 
-__all__ = ["FilePlan", "Metadata", "Variable"]
+__all__ = ["MAX_COMPACT_LINKS", "FilePlan", "Metadata", "Variable", "encode_attribute"]
 
-SUPERBLOCK_SIZE = 48
-_CHUNK = 4096  # the most bytes of messages in one object header chunk we write
 _MAX_MESSAGE = 0xFFFF
 _COMPACT_ATTRS = 8  # HDF5's default attribute phase change: 8 in the header ...
 _WIDE_ATTRS = 32  # ... the writer's for groups of more (see h5io/write.py)
@@ -80,8 +90,6 @@ _DEFAULT_LINKS = 8  # HDF5's default link phase change (8 compact, 6 dense)
 # by scanning them, so opening each of n children costs n^2 (10,000 children: 10.8 s where
 # libhdf5's dense storage takes 1.8 s); up to this many it costs milliseconds.
 MAX_COMPACT_LINKS = 1024
-# Kept in the index only (h5io/layout.py: _INDEX_ONLY_ATTRS).
-_INDEX_ONLY = frozenset({"name", "synchronization", "trainable"})
 
 
 @dataclass
@@ -111,285 +119,6 @@ class Metadata:
     pieces: list[tuple[int, bytes | memoryview]]  # (the image's own bytes, not copied)
     file_size: int
     documents: dict[str, int]
-
-
-# ----------------------------------------------------------------------------- attributes
-@dataclass
-class _Attr:
-    """An attribute as the generator writes it: name, datatype and dataspace bodies, and its
-    data (fixed bytes) or its strings (variable-length: one heap object each)."""
-
-    name: str
-    dtype: bytes
-    space: bytes
-    data: bytes = b""
-    strings: list[bytes] | None = None
-
-    def size(self) -> int:
-        n = 16 * len(self.strings) if self.strings is not None else len(self.data)
-        return msg.attribute_data_offset(self.name, self.dtype, self.space) + n
-
-
-_VLEN_UTF8 = msg.datatype(msg.VlenString(utf8=True))
-_INT64 = msg.datatype(np.dtype("<i8"))
-_FLOAT64 = msg.datatype(np.dtype("<f8"))
-
-
-def encode_attribute(name: str, value: Any) -> _Attr:
-    """An attribute as h5py writes ``value`` once the layout writer has converted it
-    (``h5io/attributes.py``: ``_attr_value`` / ``_root_attr_value``)."""
-    if isinstance(value, str):
-        return _Attr(name, _VLEN_UTF8, msg.dataspace(()), strings=[value.encode("utf-8")])
-    if isinstance(value, np.bytes_ | bytes):
-        raw = bytes(value)
-        if not raw:
-            raise msg.Unsupported(f"attribute {name!r}: an empty fixed-length string")
-        return _Attr(name, msg.datatype(msg.FixedString(len(raw))), msg.dataspace(()), raw)
-    if isinstance(value, bool | np.bool_):
-        return _Attr(name, msg.datatype(np.dtype(bool)), msg.dataspace(()), bytes((bool(value),)))
-    if isinstance(value, np.int64):
-        return _Attr(name, _INT64, msg.dataspace(()), value.astype("<i8").tobytes())
-    if isinstance(value, np.float64):
-        return _Attr(name, _FLOAT64, msg.dataspace(()), value.astype("<f8").tobytes())
-    arr = np.asarray(value)
-    if arr.dtype.kind == "O":
-        if not all(isinstance(v, str) for v in arr.reshape(-1).tolist()):
-            raise msg.Unsupported(f"attribute {name!r}: objects that are not strings")
-        strings = [v.encode("utf-8") for v in arr.reshape(-1).tolist()]
-        return _Attr(name, _VLEN_UTF8, msg.dataspace(arr.shape), strings=strings)
-    if arr.dtype.kind == "S":
-        if arr.dtype.itemsize == 0:
-            raise msg.Unsupported(f"attribute {name!r}: empty fixed-length strings")
-        return _Attr(
-            name,
-            msg.datatype(msg.FixedString(arr.dtype.itemsize)),
-            msg.dataspace(arr.shape),
-            np.ascontiguousarray(arr).tobytes(),
-        )
-    if arr.dtype.kind in "biuf":
-        dt = arr.dtype
-        return _Attr(name, msg.datatype(dt), msg.dataspace(arr.shape), arr.tobytes())
-    raise msg.Unsupported(f"attribute {name!r} of type {type(value).__name__}")
-
-
-_ROW_STRING = "slot_of"  # the one group attribute that differs between most variables
-
-
-def _frozen(value: Any) -> Any:
-    """``value`` as a hashable key (lists and dicts as tuples, arrays by dtype and bytes,
-    floats by their exact bits: ``-0.0 == 0.0``)."""
-    if isinstance(value, dict):
-        return tuple((k, _frozen(v)) for k, v in value.items())
-    if isinstance(value, list | tuple):
-        return (type(value).__name__, *map(_frozen, value))
-    if isinstance(value, np.ndarray):
-        return ("ndarray", value.dtype.str, value.shape, value.tobytes())
-    if isinstance(value, float | np.floating):
-        return (type(value).__name__, float(value).hex())
-    return (type(value).__name__, value)
-
-
-_NOT_IN_KEY = _INDEX_ONLY | {_ROW_STRING}
-
-
-def _attrs_key(attrs: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What a variable group's header holds of its attributes (all but the index-only ones
-    and the row string), as a hashable key (:func:`_frozen` but for the common values:
-    strings, booleans, integers, None, floats by their exact bits, lists of strings)."""
-    out: list[tuple[Any, ...]] = []
-    append = out.append
-    for k, v in attrs.items():
-        if k in _NOT_IN_KEY:
-            continue
-        t = type(v)
-        if t is str or t is bool or t is int or v is None:
-            append((k, t, v))
-        elif t is float:
-            append((k, t, v.hex()))
-        elif t is list:
-            try:
-                "".join(v)  # (only strings join)
-            except TypeError:
-                append((k, _frozen(v)))
-            else:
-                append((k, "strs", *v))
-        else:
-            append((k, _frozen(v)))
-    return tuple(out)
-
-
-def _signature(
-    kind: str, dt: np.dtype, shape: tuple[int, ...], n: int, attrs: dict[str, Any]
-) -> _Signature:
-    """The attributes a variable's group gets (``h5io/write.py``: ``_write_group``)."""
-    from parallelvars.checkpoint.h5io.attributes import _attr_value
-
-    values: dict[str, Any] = {
-        "kind": kind,
-        "dtype": dtype_name(dt),
-        "shape": np.zeros(len(shape), np.int64),
-        "num_components": np.int64(n),
-    }
-    for key, value in attrs.items():
-        if value is None or key in values or key in _INDEX_ONLY:
-            continue
-        values[key] = _attr_value(value)
-    names = list(values)
-    return _Signature(
-        [encode_attribute(k, v) for k, v in values.items()],
-        names.index("shape"),
-        names.index(_ROW_STRING) if _ROW_STRING in values else None,
-        len(shape),
-    )
-
-
-def _storage_type(dt: np.dtype) -> bytes:
-    """The HDF5 type of a component of dtype ``dt`` (``h5io/layout.py``: ``_storage_dtype``)."""
-    known = _STORAGE.get(dt)
-    if known is None:
-        known = _STORAGE[dt] = _storage_type_of(dt)
-    return known
-
-
-_STORAGE: dict[np.dtype, bytes] = {}
-
-
-def _storage_type_of(dt: np.dtype) -> bytes:
-    if dt.kind == "O":
-        raise msg.Unsupported("byte-string variables (their values live in the global heap)")
-    if is_extension_dtype(dt):
-        return msg.datatype(msg.Opaque(dt.itemsize, f"NUMPY:|V{dt.itemsize}"))
-    return msg.datatype(dt.newbyteorder("<") if dt.byteorder == ">" else dt)
-
-
-# ----------------------------------------------------------------------------- objects
-@dataclass
-class _Dataset:
-    """A dataset encoded on its own (a virtual ``value``, a document); component datasets are
-    rows of the plan's dataset columns instead (see :class:`FilePlan`)."""
-
-    dtype: bytes
-    shape: tuple[int, ...]
-    fill: bytes
-    nbytes: int = 0  # contiguous data (its offset is assigned with the data)
-    mapping: bytes | None = None  # a virtual dataset's mapping (a heap object)
-    document: str | None = None  # a metadata document: its data comes last
-    attrs: list[_Attr] = field(default_factory=list)
-    links: int = 1  # hard links to it
-    offset: int = -1  # data offset (-1: none)
-    address: int = -1
-    heap_ref: tuple[int, int] = (0, 0)
-
-
-@dataclass
-class _External:
-    """An external link's target."""
-
-    file: bytes
-    path: bytes
-    address: int = -1
-
-
-class _Group:
-    """A group of the file. Its links' targets are groups, external links, or component or
-    special datasets by number (the plan's dataset columns). A variable's group made from its
-    layout's template keeps only ``layout``, ``shape``, ``row`` and ``first_ds`` (its first
-    dataset's number): its component links are made from the layout only when the group is
-    encoded on its own (it has child groups too), at ``comp_at`` among its links."""
-
-    __slots__ = (
-        "address",
-        "attrs",
-        "children",
-        "comp_at",
-        "first_ds",
-        "first_string",
-        "layout",
-        "links",
-        "row",
-        "shape",
-        "table",
-        "table_at",
-    )
-
-    def __init__(self) -> None:
-        self.attrs: list[_Attr] = []
-        self.links: list[tuple[bytes, Any]] = []  # (name, _Group | _External | dataset number)
-        self.children: list[_Group] = []
-        self.address = -1
-        self.layout: _Layout | None = None
-        self.shape: tuple[int, ...] = ()
-        self.row: bytes | None = None
-        self.first_ds = -1
-        self.comp_at = 0
-        self.first_string = -1  # its first string's number among the heap objects
-        # a group of more than MAX_COMPACT_LINKS links: its symbol table, laid right after
-        # its header (symbol_table.py)
-        self.table: SymbolTable | None = None
-        self.table_at = -1
-
-
-@dataclass
-class _Signature:
-    """What the variables of one layout share: their attributes but the shape and the row
-    string, in order (``row_at``: the row string's attribute, ``shape_at``: the shape's)."""
-
-    attrs: list[_Attr]
-    shape_at: int
-    row_at: int | None
-    ndim: int
-
-    def materialize(self, shape: tuple[int, ...], row: bytes | None) -> list[_Attr]:
-        out = list(self.attrs)
-        a = out[self.shape_at]
-        out[self.shape_at] = _Attr(
-            a.name, a.dtype, a.space, np.asarray(shape, "<i8").tobytes() if shape else b""
-        )
-        if self.row_at is not None:
-            b = out[self.row_at]
-            out[self.row_at] = _Attr(b.name, b.dtype, b.space, strings=[row or b""])
-        return out
-
-    def strings_around_row(self) -> tuple[list[bytes], list[bytes]]:
-        """The strings of the attributes before the row string's and after it (all of them
-        before it when there is none)."""
-        before: list[bytes] = []
-        after: list[bytes] = []
-        for k, a in enumerate(self.attrs):
-            if a.strings is not None and k != self.row_at:
-                (before if self.row_at is None or k < self.row_at else after).extend(a.strings)
-        return before, after
-
-
-class _Layout:
-    """What the variables of one signature share: their group's attributes (``sig``), their
-    component datasets' type, which component each name's dataset is (``shared``), and where
-    each link of their group points among their datasets (``link_ds``: offsets from the
-    variable's first dataset; a sharded variable's ``value`` comes after its components)."""
-
-    def __init__(self, kind: str, dt: np.dtype, n: int, shared: list[int], sig: _Signature):
-        self.sig = sig
-        self.kind = kind
-        self.itemsize = dt.itemsize
-        self.storage = _storage_type(dt)
-        self.n = n
-        self.shared = shared
-        self.stored = [i for i in range(n) if shared[i] == i]
-        where = {c: k for k, c in enumerate(self.stored)}
-        self.comp_ds = [where[shared[i]] for i in range(n)]  # each name's dataset
-        self.links = [shared.count(c) for c in self.stored]  # each stored dataset's links
-        self.sharded = kind == "sharded" and n > 0
-        self.names = [_component_name(i).encode() for i in range(n)]
-        self.link_ds = list(self.comp_ds)
-        if self.sharded:
-            self.names.append(b"value")
-            self.link_ds.append(len(self.stored))
-        self.strings = sig.strings_around_row()
-        self.template: Template | None = None
-        self.groups: list[_Group] = []  # the groups made from the template, in file order
-        # the template numbers of a variable's component datasets: [without data, with data]
-        # (a layout that is not sharded: every component has the variable's shape)
-        self.ds_keys: list[list[int] | None] = [None, None]
 
 
 class FilePlan:
@@ -1059,68 +788,3 @@ class FilePlan:
                 buf[end : end + 4] = lookup3(buf[start:end]).to_bytes(4, "little")
             out.append((address, bytes(buf)))
         return out
-
-
-def _component_name(i: int) -> str:
-    return "primary" if i == 0 else f"parallel_component_{i}"
-
-
-def _superblock(eof: int, root: int) -> bytes:
-    """Superblock version 3: 8-byte addresses and lengths, no extension, closed."""
-    body = (
-        b"\x89HDF\r\n\x1a\n\x03\x08\x08\x00"
-        + (0).to_bytes(8, "little")
-        + msg.UNDEF.to_bytes(8, "little")
-        + eof.to_bytes(8, "little")
-        + root.to_bytes(8, "little")
-    )
-    return body + lookup3(body).to_bytes(4, "little")
-
-
-_PENDING = b"\x00\x00\x00\x00"  # a checksum still to compute (see _with_checksums)
-
-
-def _encode_chunked(
-    messages: list[tuple[int, int, bytes]], phase: tuple[int, int] | None, address: int
-) -> tuple[bytes, list[tuple[int, int]]]:
-    """A version-2 object header at ``address`` holding ``messages``: one chunk, or for a
-    long header chunk 0 with continuation messages to further chunks (each at most
-    ``_CHUNK`` bytes of messages) laid right after it, and each chunk's (start, checksum
-    offset) in the header. Checksums are left zero: every chunk's is computed at the end, for
-    all headers at once."""
-    bodies = [hdr.message_head(t, len(b), f) + b for t, f, b in messages]
-    total = sum(map(len, bodies))
-    if total <= _CHUNK:
-        head = hdr.prefix_v2(total, phase_change=phase)
-        return head + b"".join(bodies) + _PENDING, [(0, len(head) + total)]
-    # group the messages into chunks; chunk 0 holds the continuation messages
-    chunks: list[list[bytes]] = [[]]
-    size = 0
-    for b in bodies:
-        if size + len(b) > _CHUNK and chunks[-1]:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(b)
-        size += len(b)
-    cont = 4 + 16  # a continuation message with its head
-    first = chunks[0]
-    rest = chunks[1:]
-    # chunk 0: its own messages plus one continuation message per further chunk
-    size0 = sum(map(len, first)) + cont * len(rest)
-    head = hdr.prefix_v2(size0, phase_change=phase)
-    at = address + len(head) + size0 + 4
-    conts = []
-    tails = []
-    spans = [(0, len(head) + size0)]
-    for chunk in rest:
-        length = 4 + sum(map(len, chunk)) + 4  # signature, messages, checksum
-        conts.append(
-            hdr.message_head(hdr.CONTINUATION, 16)
-            + at.to_bytes(8, "little")
-            + length.to_bytes(8, "little")
-        )
-        tails.append(hdr.CONTINUATION_SIGNATURE + b"".join(chunk) + _PENDING)
-        spans.append((at - address, at - address + length - 4))
-        at += length
-    data = head + b"".join(first) + b"".join(conts) + _PENDING + b"".join(tails)
-    return data, spans

@@ -1,5 +1,6 @@
 """HDF5 object headers: the one bounded parser (versions 1 and 2, continuation chunks) and the
-encoder of version-2 headers.
+encoder of version-2 headers (:func:`encode_chunked`: a header of any length, continued in
+chunks of at most :data:`CHUNK` bytes).
 
 An object header is a list of messages (type, flags, body) spread over chunks. Version 2
 (``libver="latest"``) starts with ``OHDR``, version, flags, the optional times and attribute
@@ -39,9 +40,11 @@ __all__ = [
     "LINK_INFO",
     "NIL",
     "REFCOUNT",
+    "SUPERBLOCK_SIZE",
     "Chunk",
     "Message",
     "ObjectHeader",
+    "encode_chunked",
     "encode_v2",
     "read_object_header",
     "v2_prefix",
@@ -310,3 +313,52 @@ def continuation_candidates(image: bytes) -> dict[int, int]:
             if image[address : address + 4] == b"OCHK" and 8 < length <= len(image) - address:
                 found.setdefault(address, length)
     return found
+
+
+SUPERBLOCK_SIZE = 48  # the superblock the generator writes (version 3)
+CHUNK = 4096  # the most bytes of messages in one object header chunk the generator writes
+_PENDING = b"\x00\x00\x00\x00"  # a checksum still to compute (computed for all headers at once)
+
+
+def encode_chunked(
+    messages: list[tuple[int, int, bytes]], phase: tuple[int, int] | None, address: int
+) -> tuple[bytes, list[tuple[int, int]]]:
+    """A version-2 object header at ``address`` holding ``messages``: one chunk, or for a
+    long header chunk 0 with continuation messages to further chunks (each at most
+    ``CHUNK`` bytes of messages) laid right after it, and each chunk's (start, checksum
+    offset) in the header. Checksums are left zero: every chunk's is computed at the end, for
+    all headers at once."""
+    bodies = [message_head(t, len(b), f) + b for t, f, b in messages]
+    total = sum(map(len, bodies))
+    if total <= CHUNK:
+        head = prefix_v2(total, phase_change=phase)
+        return head + b"".join(bodies) + _PENDING, [(0, len(head) + total)]
+    # group the messages into chunks; chunk 0 holds the continuation messages
+    chunks: list[list[bytes]] = [[]]
+    size = 0
+    for b in bodies:
+        if size + len(b) > CHUNK and chunks[-1]:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(b)
+        size += len(b)
+    cont = 4 + 16  # a continuation message with its head
+    first = chunks[0]
+    rest = chunks[1:]
+    # chunk 0: its own messages plus one continuation message per further chunk
+    size0 = sum(map(len, first)) + cont * len(rest)
+    head = prefix_v2(size0, phase_change=phase)
+    at = address + len(head) + size0 + 4
+    conts = []
+    tails = []
+    spans = [(0, len(head) + size0)]
+    for chunk in rest:
+        length = 4 + sum(map(len, chunk)) + 4  # signature, messages, checksum
+        conts.append(
+            message_head(CONTINUATION, 16) + at.to_bytes(8, "little") + length.to_bytes(8, "little")
+        )
+        tails.append(CONTINUATION_SIGNATURE + b"".join(chunk) + _PENDING)
+        spans.append((at - address, at - address + length - 4))
+        at += length
+    data = head + b"".join(first) + b"".join(conts) + _PENDING + b"".join(tails)
+    return data, spans

@@ -6,7 +6,8 @@ object, byte for byte where a choice exists (the tests compare them with libhdf5
 compound ``{r, i}``, opaque types, fixed-length and variable-length strings), dataspaces
 (scalar or simple, with their maximum dimensions), attribute messages (version 3), link
 messages (hard links), link info, group info, attribute info, fill value, data layout
-(contiguous or virtual) and object reference count messages.
+(contiguous or virtual) and object reference count messages; and :func:`superblock`, the
+version-3 superblock a generated file starts with.
 
 One choice differs from libhdf5 2.0: booleans and complex numbers are encoded with datatype
 message version 3 (what HDF5 1.8-1.14 write and read), not version 5, so files stay readable
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars.checkpoint.h5raw.lookup3 import lookup3
 from parallelvars.checkpoint.h5raw.source import Refused
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "hard_link",
     "link_info",
     "refcount",
+    "superblock",
     "virtual_layout",
 ]
 
@@ -264,3 +267,15 @@ def contiguous_layout(address: int, size: int) -> bytes:
 def virtual_layout(collection: int, index: int) -> bytes:
     """A version-4 virtual data layout message: the global heap object of its mapping."""
     return b"\x04\x03" + collection.to_bytes(8, "little") + _u32(index)
+
+
+def superblock(eof: int, root: int) -> bytes:
+    """Superblock version 3: 8-byte addresses and lengths, no extension, closed."""
+    body = (
+        b"\x89HDF\r\n\x1a\n\x03\x08\x08\x00"
+        + (0).to_bytes(8, "little")
+        + UNDEF.to_bytes(8, "little")
+        + eof.to_bytes(8, "little")
+        + root.to_bytes(8, "little")
+    )
+    return body + lookup3(body).to_bytes(4, "little")
