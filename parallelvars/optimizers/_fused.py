@@ -44,6 +44,7 @@ import numpy as np
 
 from parallelvars import update_core
 from parallelvars.errors import ContextError, GradientError
+from parallelvars.optimizers._checks import castable
 from parallelvars.optimizers._sparse import IndexedSlices
 from parallelvars.optimizers._sparse_step import SparseBatch, SparseSteps
 from parallelvars.strategy import _context
@@ -67,13 +68,6 @@ _NDARRAY_ONLY = {np.ndarray}
 _SLICES_ONLY = {IndexedSlices}
 
 Info = tuple[tuple[int, ...], np.dtype, bool]
-
-
-def _castable(found: np.dtype, wanted: np.dtype) -> bool:
-    """Whether a gradient of dtype ``found`` takes the cast route to a variable of ``wanted``:
-    a number that casts as the update casts it (``same_kind``)."""
-    numeric = found.kind in "fiu" or found.name.startswith(("bfloat", "float"))
-    return numeric and bool(np.can_cast(found, wanted, "same_kind"))
 
 
 def _at(plan: _FusedPlan, picked: list[Any], positions: tuple[int, ...]) -> list[Any]:
@@ -681,7 +675,7 @@ class FusedTransport:
                 continue
             if dt == plan.dtypes[k]:
                 out.append(pos)
-            elif _castable(dt, plan.dtypes[k]):
+            elif castable(dt, plan.dtypes[k]):
                 cast.append(pos)
         if cast and len(out) + len(cast) == len(cand):
             plan.mixed = (list(map(_dtype_of, picked[0])), tuple(out), tuple(cast))
