@@ -83,6 +83,23 @@ def _base_creator(**kwargs: Any) -> ParallelVariable | ComponentVariable:
     return _make_distributed_variable(ParallelDevice(1) if device is None else device, **kwargs)
 
 
+def _policies(
+    name: str,
+    synchronization: Synchronization | str | None,
+    aggregation: Aggregation | str | None,
+) -> tuple[Synchronization, Aggregation]:
+    """The variable ``name``'s synchronization and aggregation, parsed (``None``: the default,
+    as TensorFlow takes it); a value neither names is an error that names the variable."""
+    try:
+        sync = Synchronization.parse(
+            Synchronization.AUTO if synchronization is None else synchronization
+        )
+        agg = Aggregation.parse(Aggregation.NONE if aggregation is None else aggregation)
+    except DistributedValueError as e:
+        raise DistributedValueError(f"variable {name!r}: {e}") from None
+    return sync, agg
+
+
 def _make_distributed_variable(
     device: ParallelDevice,
     *,
@@ -97,13 +114,7 @@ def _make_distributed_variable(
 ) -> ParallelVariable:
     """Make a variable of the kind the arguments ask for, on ``device``."""
     name = _unique_name(name)
-    try:  # None: the default, as TensorFlow takes it
-        sync = Synchronization.parse(
-            Synchronization.AUTO if synchronization is None else synchronization
-        )
-        agg = Aggregation.parse(Aggregation.NONE if aggregation is None else aggregation)
-    except DistributedValueError as e:
-        raise DistributedValueError(f"variable {name!r}: {e}") from None
+    sync, agg = _policies(name, synchronization, aggregation)
     arr = _initial_array(initial_value, dtype, name)
     n = len(device)
     if shard_axis is not None:
@@ -179,13 +190,7 @@ def _make_rank_sharded(
     value every process agrees on (a multi-process strategy scatters rank 0's).
     """
     name = _unique_name(name)
-    try:
-        sync = Synchronization.parse(
-            Synchronization.AUTO if synchronization is None else synchronization
-        )
-        agg = Aggregation.parse(Aggregation.NONE if aggregation is None else aggregation)
-    except DistributedValueError as e:
-        raise DistributedValueError(f"variable {name!r}: {e}") from None
+    sync, agg = _policies(name, synchronization, aggregation)
     if sync is Synchronization.ON_READ or kind not in (None, "sharded"):
         raise DistributedValueError(
             f"variable {name!r}: a sharded variable cannot be "

@@ -45,6 +45,7 @@ bit-identical either way.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -83,6 +84,10 @@ FAST_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 # (variable, m, v and two scratch), ~640 KiB: well inside a 1-2 MiB L2 cache.
 BLOCK_BYTES = 128 << 10
 _MIN_BLOCK = 1024
+# The bytes per element a block of a dtype computed in float32 is sized by (see block_width).
+_NARROW_ITEMSIZE = 2
+# Scratch views an UpdateScratch keeps (see UpdateScratch._views); more, and it starts over.
+_VIEW_CACHE = 64
 
 Kernel = Callable[
     [
@@ -104,9 +109,14 @@ Kernel = Callable[
 
 
 def block_width(rows: int, dtype: np.dtype) -> int:
-    """Columns per block for ``rows`` rows of ``dtype``: a multiple of 64, at least 1024 (a
-    dtype computed in float32, see :class:`UpdateScratch`, counts as float32)."""
-    itemsize = dtype.itemsize if dtype in FAST_DTYPES else max(4, dtype.itemsize)
+    """Columns per block for ``rows`` rows of ``dtype``: a multiple of 64, at least 1024.
+
+    A dtype computed in float32 (see :class:`UpdateScratch`) gets blocks twice as wide as
+    float32's: each of its blocks costs about twice as many calls (the widening, the rounding
+    of every addition of a replica's gradient, the rounding back), a fixed cost per block
+    that wider blocks spread over more parameters (``bench/bench_train_step.py``'s bf16 rows:
+    200 variables of 50,000, two blocks each before, one now)."""
+    itemsize = dtype.itemsize if dtype in FAST_DTYPES else _NARROW_ITEMSIZE
     width = BLOCK_BYTES // max(1, rows * itemsize)
     return max(_MIN_BLOCK, width // 64 * 64)
 
@@ -135,17 +145,38 @@ class UpdateScratch:
         self._widened: list[np.ndarray] = []
         self._adds = np.empty((3, 0), np.float32)
         self.add_wide = self.dtype.name == "bfloat16"
+        # Views handed out before, by request: a step asks for the same few shapes block after
+        # block, and making a view costs as much as a ufunc call on a block's line.
+        self._views: dict[tuple[Any, ...], Any] = {}
 
-    def add_lines(self, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Two float32 arrays of ``shape`` (of one line) and a uint32 one, apart from
-        :meth:`widened`'s: where :func:`_sum` adds in float32."""
-        size = int(np.prod(shape))
+    def _remembered(self, key: tuple[Any, ...], views: Any) -> Any:
+        if len(self._views) >= _VIEW_CACHE:
+            self._views.clear()
+        self._views[key] = views
+        return views
+
+    def add_lines(
+        self, shape: tuple[int, ...]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Two float32 arrays ``x``, ``y`` of ``shape`` (of one line) and a uint32 one, apart
+        from :meth:`widened`'s, and ``x``'s bits as uint32: where :func:`_sum` adds in
+        float32."""
+        key = ("add", shape)
+        found = self._views.get(key)
+        if found is not None:
+            return found
+        size = math.prod(shape)
         if self._adds.shape[1] < size:
             self._adds = np.empty((3, size), np.float32)
-        return (
-            self._adds[0, :size].reshape(shape),
-            self._adds[1, :size].reshape(shape),
-            self._adds[2, :size].view(np.uint32).reshape(shape),
+            self._views.clear()
+        return self._remembered(
+            key,
+            (
+                self._adds[0, :size].reshape(shape),
+                self._adds[1, :size].reshape(shape),
+                self._adds[2, :size].view(np.uint32).reshape(shape),
+                self._adds[0, :size].view(np.uint32).reshape(shape),
+            ),
         )
 
     def widened(self, k: int, rows: int, width: int) -> np.ndarray:
@@ -157,7 +188,17 @@ class UpdateScratch:
             a = self._widened[k] = np.empty(
                 (max(rows, a.shape[0]), max(width, a.shape[1])), np.float32
             )
+            self._views.clear()
         return a[:rows, :width]
+
+    def widened_all(self, count: int, rows: int, width: int) -> tuple[np.ndarray, ...]:
+        """:meth:`widened` ``0 .. count - 1``, as one tuple."""
+        key = ("widened", count, rows, width)
+        found = self._views.get(key)
+        if found is not None:
+            return found
+        views = tuple(self.widened(k, rows, width) for k in range(count))
+        return self._remembered(key, views)
 
     def sum_line(self, width: int) -> np.ndarray:
         """A ``(1, width)`` line apart from :meth:`take`'s: where replicas' gradients are summed."""
@@ -174,15 +215,23 @@ class UpdateScratch:
 
     def take(self, rows: int, width: int) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
         """Views ``(tmp, gtmp)`` of shapes ``(rows, width)`` and ``(1, width)``."""
+        key = ("take", rows, width)
+        found = self._views.get(key)
+        if found is not None:
+            return found
         r0, w0 = self._shape
         if rows > r0 or width > w0:
             r0, w0 = max(rows, r0), max(width, w0)
             self._rows = [np.empty((r0, w0), self.dtype) for _ in range(self.count)]
             self._line = [np.empty((1, w0), self.dtype) for _ in range(self.count)]
             self._shape = (r0, w0)
-        return (
-            tuple(t[:rows, :width] for t in self._rows),
-            tuple(t[:, :width] for t in self._line),
+            self._views.clear()
+        return self._remembered(
+            key,
+            (
+                tuple(t[:rows, :width] for t in self._rows),
+                tuple(t[:, :width] for t in self._line),
+            ),
         )
 
 
@@ -271,13 +320,16 @@ def _sum(
     widening back). float8's own addition does not round that way at its range's edges, and
     keeps its ufunc."""
     if scratch.add_wide:
-        x, y, bits = scratch.add_lines(out.shape)
+        x, y, bits, xbits = scratch.add_lines(out.shape)
         np.copyto(x, first, casting="unsafe")
         for m in more():
             np.copyto(y, m, casting="unsafe")
             np.add(x, y, out=x)
-            _round_to_bfloat16(x, bits)
-        if not np.isnan(x.sum()):
+            _round_to_bfloat16(xbits, bits)
+        # The minimum is NaN exactly when the line holds one (a vectorised pass, cheaper
+        # than a sum's), and only NaN differs from itself.
+        low = np.minimum.reduce(x, axis=None)
+        if low == low:
             return x
         # Which NaN a sum of two NaNs keeps differs between loops: the narrow ufunc decides.
     it = iter(more())
@@ -302,11 +354,10 @@ def _gathered_each(
     return (_gathered(pick(p), dtype, line) for p in parts)
 
 
-def _round_to_bfloat16(x: np.ndarray, bits: np.ndarray) -> None:
-    """Round float32 ``x`` in place to the nearest bfloat16 value (ties to even), as the
-    float32 -> bfloat16 cast rounds finite and infinite values (NaN is the caller's).
-    ``bits``: a uint32 scratch of ``x``'s shape."""
-    u = x.view(np.uint32)
+def _round_to_bfloat16(u: np.ndarray, bits: np.ndarray) -> None:
+    """Round float32 values, given as their bits ``u`` (uint32), in place to the nearest
+    bfloat16 value (ties to even), as the float32 -> bfloat16 cast rounds finite and infinite
+    values (NaN is the caller's). ``bits``: a uint32 scratch of ``u``'s shape."""
     np.right_shift(u, 16, out=bits)
     np.bitwise_and(bits, 1, out=bits)
     np.add(bits, 0x7FFF, out=bits)
@@ -333,24 +384,23 @@ def _apply_block_wide(
     assert scratch.wide is not None
     rows = 1 if once else var.shape[0]
     w = c1 - c0
-    v = scratch.widened(0, rows, w)
-    np.copyto(v, var[:rows, c0:c1], casting="unsafe")
-    wide_slots = []
-    for k, s in enumerate(slots):
-        ws = scratch.widened(k + 1, rows, w)
-        np.copyto(ws, s[:rows, c0:c1], casting="unsafe")
-        wide_slots.append(ws)
+    n = len(slots) + 1
+    wide = scratch.widened_all(n, rows, w)
+    blocks = [var[:rows, c0:c1], *(s[:rows, c0:c1] for s in slots)]
+    for wa, a in zip(wide, blocks, strict=True):
+        np.copyto(wa, a, casting="unsafe")
     if g.dtype == np.float32:
         wg = g  # a sum of replicas' gradients, widened already (see _sum)
     else:
-        wg = scratch.widened(len(slots) + 1, g.shape[0], w)
+        wg = scratch.widened(n, g.shape[0], w)
         np.copyto(wg, g, casting="unsafe")
     tmp, gtmp = scratch.wide.take(rows, w)
-    kernel(v, tuple(wide_slots), wg, hp, tmp, gtmp)
+    kernel(wide[0], wide[1:], wg, hp, tmp, gtmp)
     # Rounded once per computed row; equal rows are then copied in the narrow dtype.
-    for a, wa in ((var, v), *zip(slots, wide_slots, strict=True)):
-        np.copyto(a[:rows, c0:c1], wa, casting="unsafe")
-        if once:
+    for a, wa in zip(blocks, wide, strict=True):
+        np.copyto(a, wa, casting="unsafe")
+    if once:
+        for a in (var, *slots):
             np.copyto(a[1:, c0:c1], a[:1, c0:c1])
 
 

@@ -62,10 +62,11 @@ def test_sharded_and_sparse_training_equals_mirrored_in_one_process(
 def test_one_collective_per_dtype_per_step(tmp_path: Path) -> None:
     launch(2, "sharded_collectives", str(tmp_path))
     for got in load(tmp_path, "sharded_collectives", 2):
-        # float32, float64 and bfloat16 sharded tables: one reduce-scatter each; float32 and float64
-        # sparse gradients: one all-gather each, after one gather of the row counts; the
-        # small mirrored vector: one all-gather.
-        assert sorted(got["calls"]) == ["Allgather=2", "Allgatherv=2", "Alltoallv=3"]
+        # float32, float64 and bfloat16 sharded tables: one reduce-scatter each; the sparse
+        # gradients: one all-gather of their rows each, after one gather of the row counts,
+        # the mirrored table's (float32) on the fused route and the sharded one's (float64,
+        # rows kept per shard) in batch_reduce; the small mirrored vector: one all-gather.
+        assert sorted(got["calls"]) == ["Allgather=3", "Allgatherv=2", "Alltoallv=3"]
 
 
 def _restored_reference(path: str, n: int) -> dict[str, np.ndarray]:

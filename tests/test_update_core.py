@@ -70,10 +70,41 @@ def test_scratch_is_reused() -> None:
     assert tmp3[0].shape == (8, 10)
 
 
+def test_scratch_views_kept_per_shape_follow_the_buffers_when_they_grow() -> None:
+    import ml_dtypes
+
+    s = update_core.UpdateScratch(np.dtype(ml_dtypes.bfloat16))
+    small = s.take(1, 10)
+    assert s.take(1, 10) is small  # kept: the same views, not made again
+    lines = s.add_lines((1, 10))
+    assert s.add_lines((1, 10)) is lines
+    assert np.shares_memory(lines[3], lines[0]) and lines[3].dtype == np.uint32
+    wide = s.widened_all(3, 1, 10)
+    assert s.widened_all(3, 1, 10) is wide
+    # Larger requests reallocate: what is handed out for the small shapes again is a view of
+    # the new buffers, apart from the old ones (nothing stale is kept).
+    big = s.take(4, 5000)
+    again = s.take(1, 10)
+    assert again is not small and np.shares_memory(again[0][0], big[0][0])
+    assert not np.shares_memory(again[0][0], small[0][0])
+    s.add_lines((1, 5000))
+    assert not np.shares_memory(s.add_lines((1, 10))[0], lines[0])
+    s.widened(1, 2, 5000)
+    fresh = s.widened_all(3, 1, 10)
+    assert np.shares_memory(fresh[0], wide[0]) and not np.shares_memory(fresh[1], wide[1])
+    # Three views of the same size stay apart.
+    assert not any(np.shares_memory(fresh[i], fresh[j]) for i in range(3) for j in range(i))
+
+
 def test_block_width_keeps_blocks_cache_sized() -> None:
     w = update_core.block_width(4, np.dtype(np.float32))
     assert w % 64 == 0 and 4 * w * 4 <= update_core.BLOCK_BYTES
     assert update_core.block_width(10**6, np.dtype(np.float64)) == 1024
+    # A dtype computed in float32: blocks twice float32's width (see block_width).
+    import ml_dtypes
+
+    wide = update_core.block_width(1, np.dtype(ml_dtypes.bfloat16))
+    assert wide == 2 * update_core.block_width(1, np.dtype(np.float32))
 
 
 def test_row_view_is_a_view() -> None:

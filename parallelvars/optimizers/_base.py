@@ -451,27 +451,46 @@ class Optimizer(OptimizerState):
         """
         pairs = grads_and_vars
         transport = self._pv_transport
-        if not pairs:
-            if fused or sparse is not None:
-                self._create_non_slots(
-                    strategy,
-                    [
-                        *(v for f in fused for v in f.variables),
-                        *(sparse.variables if sparse is not None else ()),
-                    ],
-                )
-                assert self.iterations is not None
-                hp = self._hyper(int(self.iterations.read_value()))
-                for f in fused:
-                    transport.apply(f, self._kernel, hp, self._scratch)
-                if sparse is not None:
-                    transport.sparse.apply(sparse, hp)
-                self._step_done(strategy, global_step)
-                return
+        if not pairs and not fused and sparse is None:
             raise GradientError(
                 f"optimizer {self._pv_name!r}: no gradients provided for any variable",
                 hint="every gradient was None, or no (gradient, variable) pair was given",
             )
+        var_list: list[Any] = []
+        dense: tuple[list[Any], list[Any]] = ([], [])
+        rows: SparseBatch | None = None
+        if pairs:
+            var_list, dense, rows = self._checked(strategy, pairs, from_replicas)
+        self._create_non_slots(
+            strategy,
+            [
+                *(v for f in fused for v in f.variables),
+                *(sparse.variables if sparse is not None else ()),
+                *var_list,
+            ],
+        )
+        assert self.iterations is not None
+        hp = self._hyper(int(self.iterations.read_value()))
+        for f in fused:
+            transport.apply(f, self._kernel, hp, self._scratch)
+        if sparse is not None:
+            transport.sparse.apply(sparse, hp)
+        if dense[0]:
+            self._update(*dense, hp)
+        if rows:
+            transport.sparse.apply(rows, hp)
+        self._step_done(strategy, global_step)
+
+    def _checked(
+        self, strategy: Any, pairs: list[tuple[Any, Any]], from_replicas: bool
+    ) -> tuple[list[Any], tuple[list[Any], list[Any]], SparseBatch | None]:
+        """The step's variables; those the update takes one reduced and checked gradient each
+        of, with their gradients; and the sparse gradients of arena variables, checked and
+        deduplicated together (None when there is none). Makes the slots a new list lacks.
+
+        Raises:
+            GradientError: a variable appears twice, or a gradient does not fit its variable.
+        """
         var_list = list(map(_second, pairs))
         # A training loop hands the same variables every step: check them and their slots once.
         key = tuple(map(id, var_list))
@@ -496,13 +515,16 @@ class Optimizer(OptimizerState):
             and all(dt.kind in "fiu" for dt in set(map(_dtype_of, reduced)))
             and list(map(_shape_of, reduced)) == shapes
         ):
-            grads = reduced  # the steady state: plain arrays of the known shapes
+            dense = (var_list, reduced)  # the steady state: plain arrays of the known shapes
+        elif rows:
+            taken = set(rows.positions)
+            rest = [i for i in range(len(var_list)) if i not in taken]
+            dense = (
+                [var_list[i] for i in rest],
+                [self._check(reduced[i], var_list[i]) for i in rest],
+            )
         else:
-            taken = set(rows.positions) if rows else set()
-            grads = [
-                g if i in taken else self._check(g, v)
-                for i, (g, v) in enumerate(zip(reduced, var_list, strict=True))
-            ]
+            dense = (var_list, list(map(self._check, reduced, var_list)))
         if not steady:
             self._create_slots(var_list)
             if len(self._pv_known) >= PLAN_CACHE:
@@ -510,29 +532,7 @@ class Optimizer(OptimizerState):
                 self._pv_known.pop(next(iter(self._pv_known)))
             self._pv_known[key] = tuple(var_list)
             self._pv_shapes[key] = [self._info(v)[0] for v in var_list]
-        self._create_non_slots(
-            strategy,
-            [
-                *(v for f in fused for v in f.variables),
-                *(sparse.variables if sparse is not None else ()),
-                *var_list,
-            ],
-        )
-        assert self.iterations is not None
-        hp = self._hyper(int(self.iterations.read_value()))
-        for f in fused:
-            transport.apply(f, self._kernel, hp, self._scratch)
-        if sparse is not None:
-            transport.sparse.apply(sparse, hp)
-        if rows:
-            taken = set(rows.positions)
-            rest = [i for i in range(len(var_list)) if i not in taken]
-            if rest:
-                self._update([var_list[i] for i in rest], [grads[i] for i in rest], hp)
-            transport.sparse.apply(rows, hp)
-        else:
-            self._update(var_list, grads, hp)
-        self._step_done(strategy, global_step)
+        return var_list, dense, rows
 
     def _sparse_batch(self, var_list: list[Any], reduced: list[Any]) -> SparseBatch | None:
         """The reduced sparse gradients of arena variables, checked and deduplicated a group at

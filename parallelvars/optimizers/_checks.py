@@ -15,10 +15,21 @@ def _is_float(dtype: np.dtype) -> bool:
     return dtype.kind == "f" or dtype.name.startswith(("bfloat", "float"))
 
 
+def is_numeric(dtype: np.dtype) -> bool:
+    """Whether a gradient of ``dtype`` is a number (an int or a float of any width)."""
+    return dtype.kind in "fiu" or _is_float(dtype)
+
+
+def castable(found: np.dtype, wanted: np.dtype) -> bool:
+    """Whether a dense gradient of dtype ``found`` (another than its variable's) is one the
+    update casts to the variable's dtype ``wanted``: a number that casts ``same_kind``."""
+    return is_numeric(found) and bool(np.can_cast(found, wanted, "same_kind"))
+
+
 def _dense_checked(arr: np.ndarray, var: Any, shape: tuple[int, ...]) -> np.ndarray:
     """``arr`` when it can be the dense gradient of ``var`` (its shape, a numeric dtype)."""
     # The dtype first: a string or an object is a TypeError (as in TensorFlow), not a shape error.
-    if arr.dtype.kind not in "fiu" and not _is_float(arr.dtype):
+    if not is_numeric(arr.dtype):
         raise GradientTypeError(
             "gradient is not numeric", variable=var.name, expected="a float array", found=arr.dtype
         )

@@ -44,6 +44,7 @@ import numpy as np
 
 from parallelvars import update_core
 from parallelvars.errors import ContextError, GradientError
+from parallelvars.optimizers._checks import castable
 from parallelvars.optimizers._sparse import IndexedSlices
 from parallelvars.optimizers._sparse_step import SparseBatch, SparseSteps
 from parallelvars.strategy import _context
@@ -69,11 +70,14 @@ _SLICES_ONLY = {IndexedSlices}
 Info = tuple[tuple[int, ...], np.dtype, bool]
 
 
-def _castable(found: np.dtype, wanted: np.dtype) -> bool:
-    """Whether a gradient of dtype ``found`` takes the cast route to a variable of ``wanted``:
-    a number that casts as the update casts it (``same_kind``)."""
-    numeric = found.kind in "fiu" or found.name.startswith(("bfloat", "float"))
-    return numeric and bool(np.can_cast(found, wanted, "same_kind"))
+def _cross_process(strategy: Any, parts: Sequence[Any]) -> bool:
+    """Whether the step's other replicas are other processes (one local replica of several
+    in sync, a strategy that all-reduces flat buffers)."""
+    return (
+        len(parts) == 1
+        and strategy.num_replicas_in_sync > 1
+        and hasattr(strategy, "_allreduce_flat")
+    )
 
 
 def _at(plan: _FusedPlan, picked: list[Any], positions: tuple[int, ...]) -> list[Any]:
@@ -541,8 +545,12 @@ class FusedTransport:
         assert order is not None
         plan = self._plan_of(key, var_list)
         fused, picked, cast = self._positions(plan, parts, len(var_list))
-        if cast and len(parts) != strategy.num_replicas_in_sync:
-            cast = ()  # over several processes: the strategy reduces them
+        if (
+            cast
+            and len(parts) != strategy.num_replicas_in_sync
+            and not _cross_process(strategy, parts)
+        ):
+            cast = ()  # replicas that share a device: their sum is grouped per device
         sparse = self._sparse_of(strategy, plan, parts, var_list, fused)
         if not fused and not cast and sparse is None:
             return _merged(strategy, parts, range(len(var_list))), [], None
@@ -556,7 +564,9 @@ class FusedTransport:
                 self._steady = (tuple(var_list), key, plan, self.lines[key][1])
                 return [], lines, None
         if cast:
-            lines.extend(self._pack_cast(var_list, cast, _at(plan, picked, cast), order))
+            lines.extend(
+                self._pack_cast(var_list, cast, _at(plan, picked, cast), order, strategy, parts)
+            )
         keep = {*fused, *cast, *(sparse.positions if sparse is not None else ())}
         others = [i for i in range(len(var_list)) if i not in keep]
         return (_merged(strategy, parts, others) if others else []), lines, sparse
@@ -571,9 +581,13 @@ class FusedTransport:
     ) -> SparseBatch | None:
         """The positions where every local replica gave an :class:`IndexedSlices` for an
         arena variable, checked and deduplicated together (see :mod:`._sparse_step`); None when
-        there is none. Over several processes the strategy gathers sparse gradients itself."""
+        there is none. Over several processes every process's slices are gathered first, in
+        rank order, with one collective per values dtype for all of them (the strategy's
+        ``_allgather_sparse``, what its ``batch_reduce`` gathers them with one variable list
+        at a time): the slices the per-variable path would deduplicate, so the same bits."""
         cand = plan.sparse
-        if not cand or len(parts) != strategy.num_replicas_in_sync:
+        cross = _cross_process(strategy, parts) and hasattr(strategy, "_allgather_sparse")
+        if not cand or (len(parts) != strategy.num_replicas_in_sync and not cross):
             return None
         if fused:
             done = set(fused)
@@ -592,8 +606,43 @@ class FusedTransport:
             cand = tuple(cand[k] for k in keep)
             slices = [[s[k] for k in keep] for s in slices]
         variables = list(var_list) if len(cand) == len(var_list) else [var_list[i] for i in cand]
+        if cross:
+            variables, cand, slices = self._gathered(strategy, plan, variables, cand, slices[0])
+            if not cand:
+                return None
         batch = self.sparse.prepare(variables, cand, slices)
         return batch if batch else None
+
+    def _gathered(
+        self,
+        strategy: Any,
+        plan: _FusedPlan,
+        variables: list[Any],
+        cand: tuple[int, ...],
+        local: Sequence[IndexedSlices],
+    ) -> tuple[list[Any], tuple[int, ...], list[Sequence[Any]]]:
+        """This process's sparse gradients at ``cand`` (of ``variables``) and every other
+        process's, gathered in rank order as one list of slices per variable (those whose
+        values have the variable's dtype: the others keep the per-variable path)."""
+        dtypes = dict(zip(plan.candidates, plan.dtypes, strict=True))
+        keep = [k for k, s in enumerate(local) if s.values.dtype == dtypes[cand[k]]]
+        if len(keep) != len(cand):
+            variables = [variables[k] for k in keep]
+            cand = tuple(cand[k] for k in keep)
+            local = [local[k] for k in keep]
+        if not cand:
+            return variables, cand, []
+        got = strategy._allgather_sparse([(s.indices, s.values) for s in local])
+        return (
+            variables,
+            cand,
+            [
+                [
+                    IndexedSlices(values, indices, s.dense_shape)
+                    for s, (indices, values) in zip(local, got, strict=True)
+                ]
+            ],
+        )
 
     def _plan_of(self, key: tuple[int, ...], var_list: list[Any]) -> _FusedPlan:
         cached = self.plans.get(key)
@@ -681,7 +730,7 @@ class FusedTransport:
                 continue
             if dt == plan.dtypes[k]:
                 out.append(pos)
-            elif _castable(dt, plan.dtypes[k]):
+            elif castable(dt, plan.dtypes[k]):
                 cast.append(pos)
         if cast and len(out) + len(cast) == len(cand):
             plan.mixed = (list(map(_dtype_of, picked[0])), tuple(out), tuple(cast))
@@ -705,18 +754,25 @@ class FusedTransport:
         cast: tuple[int, ...],
         chosen: list[Any],
         order: tuple[int, ...],
+        strategy: Any,
+        parts: Sequence[ReplicaGradients],
     ) -> list[FusedLines]:
         """The gradients at ``cast`` (arrays of another dtype than their variables'), with the
         per-variable meaning (the replicas summed in the gradients' dtype in device order, as
         ``add_n`` sums them, then cast to the variable's dtype as the update casts), done once
         per dtype over all of them: each replica's gradients packed into flat buffers of their
-        dtype laid out like the arena, added buffer by buffer, the sum cast in one call.
-        ``chosen``: each local replica's gradients at ``cast``."""
+        dtype laid out like the arena, added buffer by buffer, the sum cast in one call. Over
+        several processes the one local buffer of each dtype is all-reduced in rank order
+        (``_allreduce_flat``: elementwise the sum ``batch_reduce`` makes of the same gradients)
+        before the cast. ``chosen``: each local replica's gradients at ``cast``."""
         by_dtype: dict[np.dtype, list[int]] = {}
         for k, g in enumerate(chosen[0]):
             by_dtype.setdefault(g.dtype, []).append(k)
+        cross = _cross_process(strategy, parts)
         out = []
-        for dt, ks in by_dtype.items():
+        # In a fixed dtype order: over several processes every process makes the same calls.
+        for dt in sorted(by_dtype, key=lambda d: d.str):
+            ks = by_dtype[dt]
             cvars = [var_list[cast[k]] for k in ks]
             lines = self._lines_of(cvars, len(chosen))
             staging, total, final = lines.cast_buffers(dt, len(order))
@@ -725,6 +781,10 @@ class FusedTransport:
                 update_core.pack_lines(lines.runs, lines.layout, [g[k] for k in ks], target)
             first, *rest = staging
             for vdt, t in total.items():
+                if cross:
+                    summed = strategy._allreduce_flat(first[vdt])
+                    np.copyto(final[vdt], summed, casting="same_kind")
+                    continue
                 if not rest:  # one replica: its gradients are the sum
                     np.copyto(final[vdt], first[vdt], casting="same_kind")
                     continue

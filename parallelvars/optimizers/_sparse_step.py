@@ -201,6 +201,7 @@ class _Group:
         "var_of",
         "variables",
         "width",
+        "windows",
     )
 
     def __init__(self, variables: list[Any], members: list[int], width: int, owner: Owner) -> None:
@@ -228,6 +229,22 @@ class _Group:
         self.counts: np.ndarray | None = None
         self.var_of = self.start_of = self.totals = np.zeros(0, np.int64)
         self.bound_of = np.zeros(0, np.uint64)
+        # The strided windows the step reads and writes rows through (see _window), made on
+        # first use: the variable and slot arenas', or the dense gradient line's. The buffers
+        # behind them are fixed for the group's life (an arena never reallocates).
+        self.windows: list[np.ndarray] | None = None
+
+    def targets(self, owner: Owner) -> list[np.ndarray]:
+        """The windows of the buffers the group's rows go to (see :attr:`windows`)."""
+        if self.windows is None:
+            if self.dense is not None:
+                self.windows = [_window(self.dense[2][self.dtype], self.width)]
+            else:
+                names = [n for n, _ in owner._slot_specs()]
+                arena = self.arena
+                buffers = [arena.buffer, *(owner._slot_arena(arena, n).buffer for n in names)]
+                self.windows = [_window(b, self.width) for b in buffers]
+        return self.windows
 
     def picked(self, grads: Sequence[Any]) -> Sequence[Any]:
         if self.pick is None:
@@ -359,7 +376,7 @@ class SparseSteps:
                 # As to_dense makes it: each row (zero plus the sum) into a zeroed line.
                 runs, layout, bufs = group.dense
                 flat = bufs[group.dtype]
-                window = _window(flat, group.width)
+                (window,) = group.targets(owner)
                 window[keys] = summed
                 update_core.apply_lines(runs, layout, [bufs], owner._kernel, hp, owner._scratch)
                 if keys.shape[0] * group.width * 8 > flat.shape[0]:
@@ -367,10 +384,7 @@ class SparseSteps:
                 else:
                     window[keys] = 0
                 continue
-            arena = group.arena
-            names = [n for n, _ in owner._slot_specs()]
-            targets = [arena.buffer, *(owner._slot_arena(arena, n).buffer for n in names)]
-            windows = [_window(t, group.width) for t in targets]
+            windows = group.targets(owner)
             rows = [w[:, keys].reshape(w.shape[0], -1) for w in windows]
             owner._compute(rows[0], rows[1:], summed.reshape(1, -1), hp)
             for w, r in zip(windows, rows, strict=True):

@@ -1,0 +1,69 @@
+"""Cast and sparse gradients under a real ``mpiexec``: the cross-process fused routes.
+
+Each process packs its gradients of another dtype than their variables' into one flat buffer
+per gradient dtype and all-reduces it in rank order before the one cast, and gathers its
+sparse gradients with one collective per values dtype for all of them; the results must be
+bit-identical to the per-variable path (``strategy.fusion = False``: ``batch_reduce`` one
+variable list at a time) on every rank, and to ``MirroredStrategy(N)`` in one process.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mpi4py", reason="the MPI tests need the [mpi] extra (mpi4py and mpich)")
+
+import _mpi_fused_worker as worker
+from test_mpi import LAUNCH_TIMEOUT, _mpiexec, assert_bit_equal
+
+import parallelvars as pv
+
+# Real MPI runs (2-3 processes each); CI runs them (.ci/run, -m slow).
+pytestmark = pytest.mark.slow
+
+
+def _launch(n: int, out: Path, optimizer: str) -> list[dict[str, np.ndarray]]:
+    proc = subprocess.run(
+        [_mpiexec(), "-n", str(n), sys.executable, worker.__file__, str(out), optimizer],
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT,
+        env={
+            **__import__("os").environ,
+            "MPIR_CVAR_CH4_OFI_ENABLE_PROGRESS_THREAD": "0",
+            "MPIR_CVAR_POLLS_BEFORE_YIELD": "100",
+        },
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"mpiexec -n {n} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    ranks = []
+    for r in range(n):
+        with np.load(out / f"fused-rank{r}.npz") as f:
+            ranks.append({k: f[k] for k in f.files})
+    return ranks
+
+
+@pytest.mark.parametrize(("n", "optimizer"), [(2, "adam"), (3, "momentum")])
+def test_cast_and_sparse_gradients_fused_across_processes(
+    tmp_path: Path, n: int, optimizer: str
+) -> None:
+    ranks = _launch(n, tmp_path, optimizer)
+    model, opt = worker.train(pv.MirroredStrategy(n), optimizer, seed=0)
+    expected = worker.state(model, opt)
+    slots = 2 if optimizer == "adam" else 1
+    assert len(expected) == 6 * (1 + slots) + 1
+    for got in ranks:
+        # The fused routes took every gradient: batch_reduce was never called.
+        assert int(got["fused_batch_reduces"]) == 0
+        assert int(got["pervar_batch_reduces"]) == worker.STEPS
+        assert_bit_equal(got, expected, expected)  # as one process sums its replicas
+        pervar = {k: got[f"pervar/{k}"] for k in expected}
+        assert_bit_equal(pervar, expected, expected)  # and as the per-variable path
+    # The test can fail: one replica more gives other sums.
+    other, other_opt = worker.train(pv.MirroredStrategy(n + 1), optimizer, seed=0)
+    assert not np.array_equal(worker.state(other, other_opt)["e"], expected["e"])
