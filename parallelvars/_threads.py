@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from parallelvars.errors import InvalidArgumentError
 
-__all__ = ["run_partitioned", "submit_or_run", "thread_count"]
+__all__ = ["run_in_order", "run_partitioned", "submit_or_run", "thread_count"]
 
 _T = TypeVar("_T")
 
@@ -139,3 +139,37 @@ def run_partitioned(calls: Sequence[Callable[[], object]], weights: Sequence[int
             error = failed
     if error is not None:
         raise error
+
+
+def run_in_order(calls: Sequence[Callable[[], object]]) -> None:
+    """Run every call once, each thread taking the next call not yet taken, in order (reads
+    of a file in file order stay close together); raise the error of the earliest failed
+    call once every thread has stopped (a thread stops at its first error, the others at
+    the next call they would take)."""
+    threads = min(thread_count(), len(calls))
+    if threads < 2 or getattr(_in_worker, "active", False):
+        for call in calls:
+            call()
+        return
+    taken = iter(range(len(calls)))  # (next() on it is atomic: the threads share it)
+    errors: dict[int, BaseException] = {}
+
+    def work(worker: bool) -> None:
+        if worker:
+            _in_worker.active = True
+        for k in taken:
+            if errors:
+                return
+            try:
+                calls[k]()
+            except BaseException as exc:
+                errors[k] = exc
+                return
+
+    pool = _executor(threads - 1)
+    futures = [submit_or_run(pool, work, True) for _ in range(threads - 1)]
+    work(False)
+    for fut in futures:  # wait for every thread before returning or raising
+        fut.exception()
+    if errors:
+        raise errors[min(errors)]

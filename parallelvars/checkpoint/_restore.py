@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -43,7 +43,7 @@ from parallelvars._fileio import byte_view, checksum, checksum_combine
 from parallelvars._geometry import shard_bounds
 from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint.entry import Entry
-from parallelvars.checkpoint.h5io.layout import STAGE_LIMIT, STAGE_MIN_COMPONENTS
+from parallelvars.checkpoint.h5io import read as _read
 from parallelvars.checkpoint.h5io.stored import StoredVariable
 from parallelvars.checkpoint.registry import (
     Saveable,
@@ -258,8 +258,12 @@ class ParallelVariableSaveable(Saveable):
         if spread.how == "componentwise":
 
             def componentwise() -> None:
-                for i, c in zip(indices, comps, strict=True):
-                    read(i, c)
+                same = _same_bytes(stored, indices)  # (every location known by now)
+                for i, c, first in zip(indices, comps, same, strict=True):
+                    if first is None:
+                        read(i, c)
+                    else:  # the bytes of an earlier component (one dataset): checked there
+                        np.copyto(c, comps[first])
 
             return componentwise
 
@@ -277,6 +281,25 @@ class ParallelVariableSaveable(Saveable):
                 c[...] = 0
 
         return logical
+
+
+def _same_bytes(stored: Entry, indices: Sequence[int]) -> list[int | None]:
+    """For each of ``indices`` (saved components), the position in ``indices`` of an earlier
+    one whose bytes it is (the same dataset: a mirrored variable's components stored once,
+    with the same checksum), else None: those are copied from it instead of read again."""
+    out: list[int | None] = [None] * len(indices)
+    if not isinstance(stored, StoredVariable) or stored._index_offsets is None:
+        return out
+    crcs = stored.stored_checksums
+    seen: dict[tuple[int, int, int | None], int] = {}
+    for k, i in enumerate(indices):
+        loc = stored._location(i)
+        if loc is None or loc[1] == 0:
+            continue
+        out[k] = seen.setdefault((*loc, crcs[i]), k)
+        if out[k] == k:
+            out[k] = None
+    return out
 
 
 class Piece(NamedTuple):
@@ -474,6 +497,7 @@ class DirectRestore:
         rows = np.array(self.rows, np.int64)
         slots = table.component_slots(rows)
         buffer, at, bad = reader.read_bulk(slots)
+        reader.hold(buffer.nbytes)
         nbytes = table.nbytes[slots]
         failed: list[int] = []
         if bad:
@@ -492,17 +516,54 @@ class DirectRestore:
         return failed
 
     def commit(self) -> None:
-        """Copy every verified component into its live buffer."""
+        """Copy every verified component into its live buffer, spread over the cores.
+
+        Components copied from the same bytes (a mirrored variable's, stored once) are copied
+        together, a :data:`COPY_CHUNK` of the source into each of them in turn, so the source
+        is read from memory once, while it is in the CPU's cache; a smaller component is one
+        copy.
+        """
         if self.buffer is None:
             return
-        whole = memoryview(self.buffer)  # type: ignore[arg-type]
+        buffer = self.buffer
+        calls: list[Callable[[], None]] = []
+        weights: list[int] = []
+        group: list[np.ndarray] = []
+        last = (-1, -1)
         for target, at, n in zip(self.targets, self.at, self.nbytes, strict=True):
-            _bytes_of(target)[:] = whole[at : at + n]
+            if (at, n) != last and group:
+                calls.append(functools.partial(_copy_into, buffer[last[0] : sum(last)], group))
+                weights.append(last[1] * len(group))
+                group = []
+            last = (at, n)
+            group.append(target)
+        if group:
+            calls.append(functools.partial(_copy_into, buffer[last[0] : sum(last)], group))
+            weights.append(last[1] * len(group))
+        run_partitioned(calls, weights)
         self.release()
 
     def release(self) -> None:
         """Drop the bytes read (committed, or the restore failed)."""
         self.buffer, self.targets = None, []
+
+
+#: The bytes of the source copied into each of the targets in turn (:func:`_copy_into`).
+COPY_CHUNK = 256 << 10
+
+
+def _copy_into(source: np.ndarray, targets: list[np.ndarray]) -> None:
+    """Copy ``source`` (bytes) into every one of ``targets`` (contiguous arrays of its size),
+    a :data:`COPY_CHUNK` at a time into each, so the source stays in the CPU's cache."""
+    views = list(map(byte_view, targets))
+    if len(views) == 1 or source.size <= COPY_CHUNK:
+        for view in views:
+            np.copyto(view, source)
+        return
+    for lo in range(0, source.size, COPY_CHUNK):
+        piece = source[lo : lo + COPY_CHUNK]
+        for view in views:
+            np.copyto(view[lo : lo + COPY_CHUNK], piece)
 
 
 def _writable_bytes(components: Iterable[Any]) -> bool:
@@ -516,17 +577,8 @@ def _writable_bytes(components: Iterable[Any]) -> bool:
 
 def _raw_writable(components: Iterable[np.ndarray]) -> bool:
     """:func:`_writable_bytes` for dtypes the buffer protocol cannot export (bfloat16 and the
-    other extension dtypes), which are written through a uint8 view."""
+    other extension dtypes), which are written through a uint8 view (``byte_view``)."""
     return all(a.flags.c_contiguous and a.flags.writeable for a in components)
-
-
-def _bytes_of(a: np.ndarray) -> memoryview:
-    """A writable flat byte view of a contiguous array (:func:`_writable_bytes` or
-    :func:`_raw_writable` said it has one)."""
-    try:
-        return memoryview(a).cast("B")  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return memoryview(byte_view(a))  # type: ignore[arg-type]
 
 
 _MEMORYVIEW: Callable[[Any], memoryview] = memoryview
@@ -535,7 +587,9 @@ _READONLY = operator.attrgetter("readonly")
 
 
 #: The fewest components the bulk path takes; below, every variable goes the general way.
-DIRECT_MIN_COMPONENTS = STAGE_MIN_COMPONENTS
+#: (Its reads are spread over the restore's threads in file order, so it is the faster path
+#: at any count.)
+DIRECT_MIN_COMPONENTS = 1
 
 
 def plan_direct(
@@ -549,7 +603,8 @@ def plan_direct(
     component by component with nothing to check but the bytes: a (not sharded) parallel
     variable of this process whose file entry has its kind, dtype, shape, number of components
     and, on-read, aggregation, and whose components the index places (a direct row of
-    ``table``), up to ``STAGE_LIMIT`` bytes in all, into contiguous writable buffers; and at
+    ``table``), up to ``RESTORE_KEEP_LIMIT`` stored bytes in all (a dataset stored once under
+    several names counted once), into contiguous writable buffers; and at
     least ``DIRECT_MIN_COMPONENTS`` such components, else none is taken. Decided column by column (C loops over the variables' own fields, never through the
     proxy); everything else (another saveable, a cast, a re-shard, an aggregate, a refusal, a
     multi-process variable) goes the general way, unchanged.
@@ -557,7 +612,7 @@ def plan_direct(
     count = len(lives)
     missing = len(table.names)  # (a row past the last: not in the file)
     rows = list(map(table.rows.get, paths, itertools.repeat(missing)))
-    direct = [*table.direct, False]
+    direct = [*_placed_rows(table), False]
     types = list(map(type, lives))
     plain = {  # per type: a variable that our saveable restores component by component
         cls: issubclass(cls, ParallelVariable)
@@ -594,9 +649,12 @@ def plan_direct(
         for k, (kind, row) in enumerate(zip(kinds, rows, strict=True)):
             if kind == "on_read" and ok[k]:
                 ok[k] = lowered[aggregations[row]] == cand[k]._self_aggregation.value
-    sizes = list(map(table.row_nbytes.__getitem__, rows))
-    if sum(itertools.compress(sizes, ok)) > STAGE_LIMIT:  # the first ones, to the limit
-        ok = ((np.cumsum(np.where(ok, sizes, 0)) <= STAGE_LIMIT) & np.array(ok, bool)).tolist()
+    # What the bulk read holds: each row's stored bytes (a dataset stored once under several
+    # names counted once), the first rows first, to what a restore may hold.
+    limit = _read.RESTORE_KEEP_LIMIT
+    sizes = _stored_nbytes(table, rows)
+    if sum(itertools.compress(sizes, ok)) > limit:
+        ok = ((np.cumsum(np.where(ok, sizes, 0)) <= limit) & np.array(ok, bool)).tolist()
     keep = list(itertools.compress(range(len(cand)), ok))
     views = list(itertools.chain.from_iterable(map(comps.__getitem__, keep)))
     if not _writable_bytes(views):  # one not contiguous or not writable: find it, one by one
@@ -607,16 +665,44 @@ def plan_direct(
             else:
                 keep.remove(k)
     if len(views) < DIRECT_MIN_COMPONENTS:
-        # A few components save a few system calls in bulk, but their reads run serially
-        # before the general path's threads start: with the file's pages not in memory, a
-        # restore of mostly large variables took 1.5x as long (as the read-ahead's own
-        # threshold, H5Reader.stage).
         return None, list(range(count))
     taken = list(map(pick.__getitem__, keep))
     rest = sorted(set(range(count)).difference(taken))
     if not taken:
         return None, rest
     return DirectRestore(taken, list(map(rows.__getitem__, keep)), views), rest
+
+
+def _placed_rows(table: IndexTable) -> list[bool]:
+    """Per row of ``table``: whether the index places each of its components, every one with
+    bytes (the rows the bulk read can take, whatever their size; sharded and byte-string
+    variables are never placed)."""
+    if not table.names:
+        return []
+    placed = (table.located & (table.nbytes > 0)).astype(np.int64)
+    counts = np.diff(table.first)
+    return (np.add.reduceat(placed, table.first[:-1]) == counts).tolist()
+
+
+def _stored_nbytes(table: IndexTable, rows: list[int]) -> list[int]:
+    """The bytes each of ``rows`` has in the file: a component whose offset is its
+    predecessor's in the row (a mirrored variable's components stored once) is not counted
+    again."""
+    if not rows:
+        return []
+    index = np.array(rows, np.int64)
+    first, last = table.first[index], table.first[index + 1]
+    counts = last - first
+    slots = table.component_slots(index)
+    offsets = table.offsets[slots]
+    again = np.zeros(slots.size, bool)
+    again[1:] = offsets[1:] == offsets[:-1]
+    heads = np.zeros(len(rows), np.int64)
+    np.cumsum(counts[:-1], out=heads[1:])
+    again[heads] = False
+    repeated = np.add.reduceat(again, heads) if slots.size else np.zeros(len(rows), np.int64)
+    sizes = np.array(list(map(table.row_nbytes.__getitem__, rows)), np.int64)
+    return (sizes // np.maximum(counts, 1) * (counts - repeated)).tolist()
 
 
 def _agree(saved: list[Any], live: list[Any]) -> list[bool] | None:

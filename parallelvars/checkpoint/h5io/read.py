@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import os
 import threading
@@ -18,6 +19,7 @@ import crc32c as _crc32c
 import h5py
 import numpy as np
 
+from parallelvars._threads import run_in_order
 from parallelvars.checkpoint import _h5policy
 from parallelvars.checkpoint.h5io.attributes import _decode, _read_json
 from parallelvars.checkpoint.h5io.bulk import BulkReads
@@ -69,15 +71,21 @@ def is_native_checkpoint(path: str | os.PathLike[str]) -> bool:
 CHECK_CHUNK = 1 << 20
 
 
-#: The most bytes of larger components a restore keeps in memory between verifying them and
+#: The most bytes a restore holds in memory between checking them against their checksums and
 #: copying them into the variables (docs/checkpoints.md, "A restore lands only checked
-#: bytes"); 0 by default. Kept, a file rewritten after its verification cannot change the
-#: restore; but the memory is fresh, and its page faults made a restore of 400 MB with the
-#: pages evicted 1.1-2.5x slower on the 2-core test machine (huge pages stalled on compaction,
-#: 4 KiB pages cost a fault each). Not kept, a component is read again when it is copied,
-#: into a reused buffer, and checked there before it lands (a change is then a
-#: ConcurrentWriteError naming the variables already restored).
-RESTORE_KEEP_LIMIT = 0
+#: bytes"): the bulk path's buffer, the small components' read-ahead and the larger
+#: components kept, each stored dataset counted once (the components of a mirrored variable
+#: stored once are held once, and copied from there into every live component). Within it a
+#: restore reads every byte once and is all or nothing whatever happens to the file after its
+#: checks; past it, the rest is verified in a first pass and read again when it is copied,
+#: checked there before it lands (a file changed in between is then a ConcurrentWriteError
+#: naming the variables already restored). 0: nothing held, every component read twice.
+RESTORE_KEEP_LIMIT = 1 << 30
+
+#: The bytes of one task of a bulk read (:meth:`H5Reader.read_bulk`): whole components read
+#: with one pread and checksummed while they are in the CPU's cache, the tasks taken in file
+#: order by the restore's threads.
+BULK_PIECE = 4 << 20
 
 
 class H5Reader(BulkReads, Mapping[str, StoredVariable]):
@@ -127,10 +135,18 @@ class H5Reader(BulkReads, Mapping[str, StoredVariable]):
         # staged span, its end, and its bytes.
         self._staged: tuple[list[int], list[int], list[np.ndarray]] | None = None
         # A restore's larger components, read and verified once and kept until they are copied
-        # (file offset -> bytes), and the bytes it may still keep (see stage()).
-        self._kept: dict[int, np.ndarray] = {}
+        # (file offset -> bytes and their CRC-32C), the memory set aside for them (see
+        # stage()), and the components read through HDF5 kept the same way ((path, component)
+        # -> value).
+        self._kept: dict[int, tuple[np.ndarray, int]] = {}
         self._slots: dict[int, tuple[int, int]] = {}  # offset -> (place in the arena, bytes)
         self._arena: np.ndarray | None = None
+        self._kept_values: dict[tuple[str, int], np.ndarray] = {}
+        self._crcs_seen: dict[int, tuple[int, int]] = {}  # offset -> (bytes, CRC-32C)
+        # The bytes a restore holds now (the bulk path's buffer, the read-ahead, the kept
+        # components), against RESTORE_KEEP_LIMIT.
+        self._held = 0
+        self._restoring = False  # between stage() and unstage()
         if not os.path.exists(self.path):
             raise CheckpointNotFoundError("no such checkpoint file", file=self.path)
         if os.path.isdir(self.path):
@@ -410,13 +426,16 @@ class H5Reader(BulkReads, Mapping[str, StoredVariable]):
         memory the larger ones are kept in between their verification and their copy.
 
         The components whose place the index gives and that are not staged get a slot of one
-        buffer (one allocation, so the kernel can back it with huge pages: fresh small
-        buffers cost a page fault per 4 KiB), first ones first, at most
-        ``RESTORE_KEEP_LIMIT`` bytes; :meth:`StoredVariable.verify` reads each into its slot,
-        verifies it there and keeps it, and the copy into the variable takes those bytes.
+        buffer (one allocation), first ones first, each stored dataset once (the names of a
+        dataset stored once share its slot), within what ``RESTORE_KEEP_LIMIT`` leaves after
+        the bytes this restore holds already (:meth:`hold`: the bulk path's);
+        :meth:`StoredVariable.verify` reads each into its slot, verifies it there and keeps
+        it, and the copy into the variable takes those bytes. Past the limit, a component is
+        read again when it is copied and checked before it lands.
         """
         variables = list(variables)
         verified = self._stage_small(variables)
+        left = RESTORE_KEEP_LIMIT - self._held
         slots: dict[int, tuple[int, int]] = {}
         total = 0
         for var in variables:
@@ -424,10 +443,12 @@ class H5Reader(BulkReads, Mapping[str, StoredVariable]):
                 continue
             for i in range(var.num_components):
                 nbytes = var.component_nbytes(i)
-                if nbytes == 0 or total + nbytes > RESTORE_KEEP_LIMIT:
+                if nbytes == 0 or total + nbytes > left:
                     continue
                 loc = var._location(i)
-                if loc is None or self._staged_bytes(loc[0], nbytes) is not None:
+                if loc is None or loc[0] in slots:
+                    continue
+                if self._staged_bytes(loc[0], nbytes) is not None:
                     continue
                 slots[loc[0]] = (total, nbytes)
                 total += nbytes
@@ -435,7 +456,14 @@ class H5Reader(BulkReads, Mapping[str, StoredVariable]):
             self._kept = {}
             self._slots = slots
             self._arena = np.empty(total, np.uint8) if total else None
+            self._held += total
+            self._restoring = True
         return verified
+
+    def hold(self, nbytes: int) -> None:
+        """Count ``nbytes`` more bytes held by this restore (against ``RESTORE_KEEP_LIMIT``)."""
+        with self._lock:
+            self._held += nbytes
 
     def _slot(self, offset: int, nbytes: int) -> np.ndarray | None:
         """The memory set aside for the component at ``offset`` (:meth:`stage`), or None."""
@@ -445,10 +473,42 @@ class H5Reader(BulkReads, Mapping[str, StoredVariable]):
             return None
         return arena[slot[0] : slot[0] + nbytes]
 
-    def _keep(self, offset: int, data: np.ndarray) -> None:
-        """Keep ``data``, the verified bytes at ``offset``, for the copy."""
+    def _keep(self, offset: int, data: np.ndarray, crc: int) -> None:
+        """Keep ``data``, the verified bytes at ``offset`` (their CRC-32C ``crc``), for the
+        copy."""
         with self._lock:
-            self._kept[offset] = data
+            self._kept[offset] = (data, crc)
+
+    def _kept_crc(self, offset: int, nbytes: int) -> int | None:
+        """The CRC-32C of the ``nbytes`` bytes at ``offset`` when this restore read them
+        already (another name of the same dataset: kept, or checked as they streamed past),
+        else None."""
+        kept = self._kept.get(offset)
+        if kept is not None and kept[0].size == nbytes:
+            return kept[1]
+        seen = self._crcs_seen.get(offset)
+        return seen[1] if seen is not None and seen[0] == nbytes else None
+
+    def _note_crc(self, offset: int, nbytes: int, crc: int) -> None:
+        """During a restore, remember the CRC-32C of the ``nbytes`` bytes at ``offset``, read
+        and not kept (:meth:`_kept_crc`)."""
+        if self._restoring:
+            self._crcs_seen[offset] = (nbytes, crc)
+
+    def _keep_value(self, key: tuple[str, int], value: np.ndarray) -> None:
+        """Keep ``value``, a component read through HDF5 and verified, for the copy, when the
+        restore may still hold its bytes (:meth:`stage`)."""
+        if not self._restoring:
+            return  # a verify, a command: nothing is kept
+        size = sum(map(len, value.reshape(-1))) if value.dtype.kind == "O" else value.nbytes
+        with self._lock:
+            if self._held + size <= RESTORE_KEEP_LIMIT:
+                self._kept_values[key] = value
+                self._held += size
+
+    def _kept_value(self, key: tuple[str, int]) -> np.ndarray | None:
+        """The value :meth:`_keep_value` kept for ``key``, or None."""
+        return self._kept_values.get(key)
 
     def _stage_small(self, variables: list[StoredVariable]) -> set[tuple[str, int]]:
         """Read the small components of ``variables`` now, with a few large reads.
@@ -470,13 +530,14 @@ class H5Reader(BulkReads, Mapping[str, StoredVariable]):
         """
         ranges: list[tuple[int, int, StoredVariable | None, int]] = []
         total = 0
+        limit = min(STAGE_LIMIT, RESTORE_KEEP_LIMIT - self._held)
         for var in variables:
             if var.dtype.kind == "O" or var._index_offsets is None:
                 continue
             crcs = var._crcs  # from the index; None: each dataset's attribute (checked later)
             for i in range(var.num_components):
                 nbytes = var.component_nbytes(i)
-                if 0 < nbytes < STAGE_COMPONENT and total + nbytes <= STAGE_LIMIT:
+                if 0 < nbytes < STAGE_COMPONENT and total + nbytes <= limit:
                     loc = var._location(i)  # checked against the file's size
                     if loc is not None and i in var._from_index:
                         checked = var if crcs is not None and crcs[i] is not None else None
@@ -502,6 +563,7 @@ class H5Reader(BulkReads, Mapping[str, StoredVariable]):
             self._read_fully(memoryview(buf), start)  # type: ignore[arg-type]
             bufs.append(buf)
         self._staged = (starts, ends, bufs)
+        self.hold(sum(end - start for start, end in zip(starts, ends, strict=True)))
         # Every staged component against its checksum, span by span (ranges are in file order).
         verified: set[tuple[str, int]] = set()
         k = 0
@@ -517,15 +579,20 @@ class H5Reader(BulkReads, Mapping[str, StoredVariable]):
         return verified
 
     def read_bulk(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
-        """Read the components at ``slots`` of :attr:`table` (direct rows' components, at most
-        ``STAGE_LIMIT`` bytes together) into one buffer and verify each against its checksum.
+        """Read the components at ``slots`` of :attr:`table` (direct rows' components) into
+        one buffer and verify each against its checksum.
 
-        The components are read in file order in a few large reads (neighbours less than
-        ``STAGE_GAP`` apart share one; the gaps are HDF5's object headers), then each one's
-        crc32c is computed over its own bytes in the buffer. Returns the buffer, where each
-        slot's bytes start in it, and the positions in ``slots`` of the components whose bytes
-        do not match (the caller reads those the general way: a stale offset, or the error
-        naming the damage).
+        The components are placed in file order, neighbours less than ``STAGE_GAP`` apart in
+        one span of the buffer (the gaps are HDF5's object headers); the kernel is asked to
+        read every span ahead at once, and the restore's threads take tasks of about
+        :data:`BULK_PIECE` bytes of whole components in file order, each read with one pread
+        (a larger component in chunks of ``CHECK_CHUNK``) and checksummed while it is in the
+        CPU's cache. The names of a dataset stored once (a mirrored variable's components)
+        sit side by side in file order: their bytes are read and checksummed once, and each
+        name still answers for its own indexed checksum. Returns the buffer, where each
+        slot's bytes start in it, and the positions in ``slots`` of the components whose
+        bytes do not match (the caller reads those the general way: a stale offset, or the
+        error naming the damage).
         """
         table = self.table
         assert table is not None
@@ -549,47 +616,66 @@ class H5Reader(BulkReads, Mapping[str, StoredVariable]):
         np.cumsum(spans[:-1], out=bases[1:])
         buf = np.empty(int(spans.sum()), np.uint8)
         fd = self._fd()
-        spans_list = list(zip(span_starts.tolist(), spans.tolist(), bases.tolist(), strict=True))
-        if len(spans_list) > 1 and hasattr(os, "posix_fadvise"):  # the disk reads them in parallel
-            for start, size, _ in spans_list:
+        if hasattr(os, "posix_fadvise"):  # every span asked for at once: the disk reads ahead
+            for start, size in zip(span_starts.tolist(), spans.tolist(), strict=True):
                 os.posix_fadvise(fd, start, size, os.POSIX_FADV_WILLNEED)
-        whole = memoryview(buf)  # type: ignore[arg-type]
-        for start, size, base in spans_list:
-            self._read_fully(whole[base : base + size], start)
         span_of = np.cumsum(new) - 1
         at_sorted = starts - span_starts[span_of] + bases[span_of]
-        crc = _crc32c.crc32c
-        bad = []
-        # Names of one dataset (components stored once) sit side by side in file order: their
-        # shared bytes are checksummed once.
-        last, value = (-1, -1), 0
-        for k, p, n, c in zip(
-            order.tolist(),
-            at_sorted.tolist(),
-            sizes.tolist(),
-            table.crcs[slots][order].tolist(),
-            strict=True,
-        ):
-            if (p, n) != last:
-                last, value = (p, n), crc(whole[p : p + n])
-            if value != c:
-                bad.append(k)
+        # Tasks: the components whose start falls in one BULK_PIECE window of their span.
+        window = (
+            span_of * (int(spans.max(initial=0)) // BULK_PIECE + 1)
+            + (starts - span_starts[span_of]) // BULK_PIECE
+        )
+        cuts = np.flatnonzero(np.diff(window)) + 1
+        firsts = np.concatenate(([0], cuts)).tolist()
+        lasts = np.concatenate((cuts, [starts.size])).tolist()
+        places, lengths = at_sorted.tolist(), sizes.tolist()
+        file_starts, file_ends = starts.tolist(), ends.tolist()
+        found = [0] * starts.size
+        whole = memoryview(buf)  # type: ignore[arg-type]
+        crc, read = _crc32c.crc32c, self._read_fully
+
+        def task(lo: int, hi: int) -> None:
+            first, end = file_starts[lo], file_ends[hi - 1]
+            place = places[lo]
+            if hi - lo == 1 or (file_starts[hi - 1] == first and lengths[hi - 1] == end - first):
+                # one component (maybe under several names): checksummed chunk by chunk
+                value = read(whole[place : place + end - first], first, crc=True)
+                for k in range(lo, hi):
+                    found[k] = (
+                        value
+                        if lengths[k] == end - first
+                        else crc(whole[places[k] : places[k] + lengths[k]])
+                    )
+                return
+            read(whole[place : place + end - first], first)
+            last, value = (-1, -1), 0
+            for k in range(lo, hi):
+                p, n = places[k], lengths[k]
+                if (p, n) != last:
+                    last, value = (p, n), crc(whole[p : p + n])
+                found[k] = value
+
+        run_in_order(list(map(functools.partial(functools.partial, task), firsts, lasts)))
+        bad = order[np.flatnonzero(np.array(found, np.int64) != table.crcs[slots][order])]
         at = np.empty_like(at_sorted)
         at[order] = at_sorted
-        return buf, at, bad
+        return buf, at, sorted(bad.tolist())
 
     def unstage(self) -> None:
         """Drop what :meth:`stage` read, and what the verification kept."""
         self._staged = None
         with self._lock:
             self._kept, self._slots, self._arena = {}, {}, None
+            self._kept_values, self._held, self._restoring = {}, 0, False
+            self._crcs_seen = {}
 
     def _staged_bytes(self, offset: int, nbytes: int) -> np.ndarray | None:
         """The staged bytes ``[offset, offset + nbytes)`` of the file, when staged (or kept
         by a restore's verification)."""
         kept = self._kept.get(offset)
-        if kept is not None and kept.size == nbytes:
-            return kept
+        if kept is not None and kept[0].size == nbytes:
+            return kept[0]
         staged = self._staged
         if staged is None:
             return None

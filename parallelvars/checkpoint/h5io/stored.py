@@ -4,6 +4,7 @@ component reads straight into the destination buffer, and checksum verification.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -66,7 +67,15 @@ class OpenFile(Protocol):
 
     def _slot(self, offset: int, nbytes: int) -> np.ndarray | None: ...
 
-    def _keep(self, offset: int, data: np.ndarray) -> None: ...
+    def _keep(self, offset: int, data: np.ndarray, crc: int) -> None: ...
+
+    def _kept_crc(self, offset: int, nbytes: int) -> int | None: ...
+
+    def _note_crc(self, offset: int, nbytes: int, crc: int) -> None: ...
+
+    def _keep_value(self, key: tuple[str, int], value: np.ndarray) -> None: ...
+
+    def _kept_value(self, key: tuple[str, int]) -> np.ndarray | None: ...
 
 
 # dtype name -> dtype, for the first names met (an index names one per variable, mostly the
@@ -458,7 +467,8 @@ class StoredVariable(Entry):
     def _with_located_bytes(self, i: int, fn: Callable[[np.ndarray], Any]) -> Any:
         loc = self._location(i)
         if loc is None:
-            return fn(self._read_h5(i))
+            kept = self._reader._kept_value((self.path, i))  # verified by this restore
+            return fn(self._read_h5(i) if kept is None else kept)
         offset, size = loc
         if size == 0:
             return fn(np.empty(self._shapes[i], self.dtype))
@@ -546,8 +556,15 @@ class StoredVariable(Entry):
                     raise
                 self._with_bytes(i, lambda data: self._check(i, data))  # the index may be stale
         else:
-            self._with_bytes(i, lambda data: self._check(i, data))
+            self._with_bytes(i, functools.partial(self._check_and_keep, i))
         self._verified[i] = None
+
+    def _check_and_keep(self, i: int, data: np.ndarray) -> None:
+        """Check component ``i`` read through HDF5 (``data``, a fresh array) and, during a
+        restore, keep it for the copy (:meth:`H5Reader._keep_value`)."""
+        self._check(i, data)
+        if self._location(i) is None:  # (else ``data`` is a reused buffer's)
+            self._reader._keep_value((self.path, i), data)
 
     def verify_group(self, heap: GlobalHeapCheck | None = None) -> None:
         """The variable's group opens through HDF5 and its attributes agree with the index.
@@ -714,7 +731,12 @@ class StoredVariable(Entry):
         assert loc is not None
         offset, size = loc
         reader = self._reader
-        slot = reader._slot(offset, size * self.dtype.itemsize)
+        nbytes = size * self.dtype.itemsize
+        done = reader._kept_crc(offset, nbytes)
+        if done is not None:  # another name of the same dataset (stored once) read it
+            self._compare(i, done)
+            return True
+        slot = reader._slot(offset, nbytes)
         if slot is None:
             return False
         if slot.size > 1 << 20 and hasattr(os, "posix_fadvise"):  # start reading it all ahead
@@ -725,8 +747,8 @@ class StoredVariable(Entry):
             f"{self.path}/{component_name(i)}",
             crc=True,
         )
+        reader._keep(offset, slot, found)
         self._compare(i, found)
-        reader._keep(offset, slot)
         return True
 
     def _check_streamed(self, i: int) -> None:
@@ -740,6 +762,7 @@ class StoredVariable(Entry):
             return
         if remaining > 1 << 20 and hasattr(os, "posix_fadvise"):  # start reading it all ahead
             os.posix_fadvise(self._reader._fd(), offset, remaining, os.POSIX_FADV_WILLNEED)
+        start, nbytes = offset, remaining
         buf = self._reader._chunk(remaining)
         crc = 0
         while remaining:
@@ -754,6 +777,7 @@ class StoredVariable(Entry):
             crc = _crc32c.crc32c(memoryview(buf)[:n], crc)  # type: ignore[arg-type]
             offset += n
             remaining -= n
+        self._reader._note_crc(start, nbytes, crc)  # (the other names of this dataset)
         self._compare(i, crc)
 
     def read_component_into(
