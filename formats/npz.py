@@ -35,6 +35,7 @@ other files are read as UTF-8 ``bytes``.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import struct
@@ -643,13 +644,31 @@ def _to_npy(array: np.ndarray, path: str, variable: str) -> np.ndarray:
     return array
 
 
+def _npy_header(array: np.ndarray) -> bytes:
+    """numpy's own .npy header for ``array``, made once per dtype, shape and order (a
+    checkpoint's tensors share a few: numpy's header code is most of a small member's cost)."""
+    fortran = bool(array.flags.f_contiguous and not array.flags.c_contiguous)
+    key = (array.dtype, array.shape, fortran)
+    header = _NPY_HEADERS.get(key)
+    if header is None:
+        out = io.BytesIO()
+        data = np.lib.format.header_data_from_array_1_0(array)
+        try:
+            np.lib.format.write_array_header_1_0(out, data)
+        except ValueError:  # a header over 64 KiB needs format 2.0
+            np.lib.format.write_array_header_2_0(out, data)
+        header = out.getvalue()
+        if len(_NPY_HEADERS) < 4096:  # (bounded: many distinct shapes make each one's own)
+            _NPY_HEADERS[key] = header
+    return header
+
+
+_NPY_HEADERS: dict[tuple[np.dtype, tuple[int, ...], bool], bytes] = {}
+
+
 def _write_npy(f: IO[bytes], array: np.ndarray) -> None:
     """Write ``array`` as .npy: numpy's own header, then the bytes in one write (no copy)."""
-    header = np.lib.format.header_data_from_array_1_0(array)
-    try:
-        np.lib.format.write_array_header_1_0(f, header)
-    except ValueError:  # a header over 64 KiB needs format 2.0
-        np.lib.format.write_array_header_2_0(f, header)
+    f.write(_npy_header(array))
     if array.size:
         write_array(f, array)
 

@@ -58,13 +58,19 @@ class Spans:
 
 
 def coalesce(
-    offsets: np.ndarray, nbytes: np.ndarray, keys: np.ndarray | None = None, gap: int = BULK_GAP
+    offsets: np.ndarray,
+    nbytes: np.ndarray,
+    keys: np.ndarray | None = None,
+    gap: int = BULK_GAP,
+    *,
+    tight: bool = True,
 ) -> Spans:
     """The spans that read the ranges ``[offsets[k], offsets[k] + nbytes[k])`` (of the file
     ``keys[k]``, when several files are read: a span never crosses files).
 
-    Overlapping or repeated ranges share their bytes. With ``gap``, the spans are at most twice
-    the ranges' bytes plus 1 MiB; past that they are merged without gaps.
+    Overlapping or repeated ranges share their bytes. With ``tight``, the spans are at most
+    twice the ranges' bytes plus 1 MiB (past that they are merged without gaps); without, every
+    gap under ``gap`` is read (at most ``gap`` bytes per range).
     """
     offsets = np.asarray(offsets, np.int64)
     nbytes = np.asarray(nbytes, np.int64)
@@ -98,7 +104,7 @@ def coalesce(
         span_starts = starts[heads]
         span_ends = ends[np.append(heads[1:], n) - 1]
         spans = span_ends - span_starts
-        if int(spans.sum()) <= 2 * total + (1 << 20):
+        if not tight or int(spans.sum()) <= 2 * total + (1 << 20):
             break
     bases = np.zeros(spans.size, np.int64)
     np.cumsum(spans[:-1], out=bases[1:])

@@ -77,6 +77,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "parallelvars.checkpoint.h5raw.templates",
             "parallelvars.checkpoint.h5raw.virtual",
             "parallelvars.checkpoint.h5raw.symbol_table",
+            "parallelvars.checkpoint.h5raw.links",
         ],
     ),
     (

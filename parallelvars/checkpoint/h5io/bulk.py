@@ -21,6 +21,8 @@ from parallelvars.checkpoint.h5io._global_heap import GlobalHeapCheck
 from parallelvars.checkpoint.h5io.attributes import _read_json
 from parallelvars.checkpoint.h5io.columns import _ABSENT, ColumnEntries, _same, _short
 from parallelvars.checkpoint.h5io.layout import _H5_ERRORS, COLUMNS_DATASET, INDEX_DATASET
+from parallelvars.checkpoint.h5raw.links import hard_names
+from parallelvars.checkpoint.h5raw.source import Refused, WindowSource
 from parallelvars.checkpoint.registry import component_name
 from parallelvars.errors import CorruptCheckpointError
 
@@ -91,10 +93,28 @@ class BulkReads:
             return False
 
     def _hard_link_names(self) -> set[bytes] | None:
-        """Every name of the file reached from the root by hard links only (HDF5's link walk,
-        which follows hard links only), listed once; None when HDF5 cannot list them."""
+        """The names of the file reached from the root by hard links only, listed once; None
+        when they cannot be listed.
+
+        With a table, the names of its components, found by our own walk of the groups on
+        their way (:func:`~parallelvars.checkpoint.h5raw.links.hard_names`: no component's
+        header read, each group's checked as HDF5 would); any other name is not listed (the
+        caller opens it the general way). A file that walk does not read (not written the
+        way our writers write), or without a table: every name, by HDF5's link walk."""
         if self._hard_names is not None:
             return self._hard_names
+        table = self.table
+        if table is not None:
+            wanted = {
+                f"{name}/{component_name(i)}".encode()
+                for name, n in zip(table.names, table.counts, strict=True)
+                for i in range(n)
+            }
+            try:
+                self._hard_names = hard_names(WindowSource(self._fd(), self.file_size), wanted)
+                return self._hard_names
+            except Refused:
+                pass
         names: set[bytes] = set()
         add, kind = names.add, h5py.h5l.TYPE_HARD
 

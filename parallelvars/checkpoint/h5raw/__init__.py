@@ -13,6 +13,8 @@ One module per concept:
 * :mod:`.fractal_heap`: where a fractal heap direct block lies (dense link storage);
 * :mod:`.symbol_table`: symbol tables (local heap, v1 B-tree, symbol table nodes): how a
   generated group of more than 1,024 links keeps them, and their bounded reader;
+* :mod:`.links`: which names are reached from the root by hard links only, by a bounded walk
+  of the groups on their way (the commands' check before reading components in bulk);
 * :mod:`.virtual`: a virtual dataset's mapping;
 * :mod:`.templates`: object headers of one layout made from a template, many at once;
 * :mod:`.objects`: a generated file's groups, datasets and attributes before they are laid

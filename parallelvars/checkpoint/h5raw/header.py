@@ -142,11 +142,14 @@ def read_object_header(
     sizeof_size: int = 8,
     checksums: bool = False,
     max_chunks: int = DEFAULT_MAX_CHUNKS,
+    keep: frozenset[int] | None = None,
 ) -> ObjectHeader:
     """The object header at ``address`` of ``source``, every chunk and message, bounded.
 
     With ``checksums``, each version-2 chunk's lookup3 checksum must be the one stored (HDF5
     checks them when it loads a header; a caller that reads before HDF5 does asks for it).
+    With ``keep``, only the messages of those types are listed (every message is still walked
+    and bounded, and every continuation followed).
     """
     where = f"the object header at {address}"
     head = source.read_upto(address, 512, where)
@@ -205,11 +208,15 @@ def read_object_header(
                     )
             header.chunks.append(Chunk(start, end))
             body_start = length if start == address else 4
-            _messages(header, data, start, body_start, end - start, mhead, pending, sizeof_addr)
+            _messages(
+                header, data, start, body_start, end - start, mhead, pending, sizeof_addr, 8, keep
+            )
         else:
             data = source.read(start, end - start, what)
             header.chunks.append(Chunk(start, end))
-            _messages(header, data, start, 0, end - start, mhead, pending, sizeof_addr, sizeof_size)
+            _messages(
+                header, data, start, 0, end - start, mhead, pending, sizeof_addr, sizeof_size, keep
+            )
     if header.version == 1 and len(header.messages) > count:
         del header.messages[count:]  # (a version-1 header counts its messages)
     return header
@@ -225,15 +232,15 @@ def _messages(
     pending: list[tuple[int, int]],
     sizeof_addr: int,
     sizeof_size: int = 8,
+    keep: frozenset[int] | None = None,
 ) -> None:
     """Append the messages of one chunk (``data`` starts at file offset ``base``; its messages
-    lie in ``[p, end)``); queue the chunks its continuation messages name."""
+    lie in ``[p, end)``; with ``keep``, those of these types only); queue the chunks its
+    continuation messages name."""
     v2 = header.version == 2
+    unpack = _V2_MESSAGE.unpack_from if v2 else _V1_MESSAGE.unpack_from
     while p + mhead <= end:
-        if v2:
-            mtype, size, flags = _V2_MESSAGE.unpack_from(data, p)
-        else:
-            mtype, size, flags = _V1_MESSAGE.unpack_from(data, p)
+        mtype, size, flags = unpack(data, p)
         body_at = p + mhead
         if body_at + size > end:
             raise Refused(
@@ -241,6 +248,9 @@ def _messages(
                 f"at most {end - body_at} bytes",
                 f"{size} bytes",
             )
+        if keep is not None and mtype not in keep and mtype != CONTINUATION:
+            p = body_at + (size if v2 else (size + 7) & ~7)
+            continue
         body = data[body_at : body_at + size]
         header.messages.append(Message(mtype, flags, base + body_at, body))
         if mtype == CONTINUATION:

@@ -17,7 +17,7 @@ import numpy as np
 
 from parallelvars.errors import CorruptCheckpointError
 
-__all__ = ["FileSource", "ImageSource", "Refused", "Source"]
+__all__ = ["FileSource", "ImageSource", "Refused", "Source", "WindowSource"]
 
 
 class Refused(Exception):
@@ -57,6 +57,10 @@ class Source(abc.ABC):
             raise Refused(f"{what} lies outside the file", f"{n} bytes", f"{len(data)} bytes")
         return data
 
+    def read_into(self, buf: memoryview, offset: int, what: str) -> None:
+        """Fill ``buf`` with the bytes at ``offset``; :class:`Refused` as :meth:`read`."""
+        buf[:] = self.read(offset, len(buf), what)
+
     def read_upto(self, offset: int, n: int, what: str) -> bytes:
         """Up to ``n`` bytes at ``offset`` (fewer at the end of the source)."""
         return self.read(offset, max(0, min(n, self.size - offset)), what)
@@ -75,6 +79,38 @@ class FileSource(Source):
 
     def _read(self, offset: int, n: int) -> bytes:
         return os.pread(self.fd, n, offset)
+
+    def read_into(self, buf: memoryview, offset: int, what: str) -> None:
+        n = len(buf)
+        if offset < 0 or offset + n > self.size:
+            self.read(offset, n, what)  # (refused, naming what)
+        done = 0
+        while done < n:
+            got = os.preadv(self.fd, [buf[done:]], offset + done)
+            if got <= 0:
+                raise Refused(f"{what} lies outside the file", f"{n} bytes", f"{done} bytes")
+            done += got
+
+
+class WindowSource(FileSource):
+    """An open file read through one window of ``window`` bytes: reads of neighbouring
+    structures (the object headers a walk reads in file order) cost one ``pread`` a window,
+    and the memory held is one window, whatever the file's size."""
+
+    def __init__(self, fd: int, size: int, window: int = 1 << 20) -> None:
+        super().__init__(fd, size)
+        self.window = window
+        self._start = 0
+        self._data = b""
+
+    def _read(self, offset: int, n: int) -> bytes:
+        at = offset - self._start
+        if at >= 0 and at + n <= len(self._data):
+            return self._data[at : at + n]
+        if n >= self.window:
+            return os.pread(self.fd, n, offset)
+        self._start, self._data = offset, os.pread(self.fd, self.window, offset)
+        return self._data[:n]
 
 
 class ImageSource(Source):

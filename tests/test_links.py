@@ -1,0 +1,137 @@
+"""Our own walk of the groups on the way to the components (``h5raw/links.py``) answers what
+libhdf5's link walk answers: which names are reached from the root by hard links only; what it
+does not read (dense link storage, a damaged header) it refuses, and the reader then asks
+libhdf5 (docs/FORMAT.md, "How the commands read")."""
+
+from __future__ import annotations
+
+import os
+
+import h5py
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from test_h5raw import _SETTINGS, both, structures
+
+from parallelvars.checkpoint.h5io import H5Reader
+from parallelvars.checkpoint.h5raw.links import hard_names
+from parallelvars.checkpoint.h5raw.native import write_native
+from parallelvars.checkpoint.h5raw.source import FileSource, Refused, WindowSource
+from parallelvars.checkpoint.registry import SaveRecord, component_name
+
+
+def _libhdf5_hard_names(path: str) -> set[bytes]:
+    names: set[bytes] = set()
+    with h5py.File(path, "r") as f:
+
+        def visit(link: bytes, info) -> None:
+            if info.type == h5py.h5l.TYPE_HARD:
+                names.add(link)
+
+        f.id.links.visit(visit, info=True)
+    return names
+
+
+def _wanted(path: str) -> set[bytes]:
+    with H5Reader(path) as r:
+        return {
+            f"{name}/{component_name(i)}".encode()
+            for name in r
+            for i in range(r[name].num_components)
+        } | {b"nothing/here", f"{next(iter(r), 'x')}/missing".encode()}
+
+
+def _walk(path: str, wanted: set[bytes], window: bool = True) -> set[bytes]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        return hard_names(WindowSource(fd, size) if window else FileSource(fd, size), wanted)
+    finally:
+        os.close(fd)
+
+
+@settings(max_examples=8, **_SETTINGS)
+@given(records=structures())
+def test_the_walk_finds_what_libhdf5_finds(tmp_path_factory, records) -> None:
+    tmp = tmp_path_factory.mktemp("links")
+    for path in both(tmp, records):  # the libhdf5 writer's file and the generator's
+        wanted = _wanted(path)
+        expected = wanted & _libhdf5_hard_names(path)
+        assert _walk(path, wanted) == expected
+        assert _walk(path, wanted, window=False) == expected
+
+
+def _records(n: int) -> list[SaveRecord]:
+    return [
+        SaveRecord(
+            "mirrored",
+            [np.arange(4, dtype=np.float32) + k] * 2,
+            (4,),
+            {"devices": ["a", "b"]},
+            path=f"m/g{k % 3}/v{k}",
+        )
+        for k in range(n)
+    ]
+
+
+def test_links_that_are_not_hard_and_groups_met_twice_are_not_reached(tmp_path) -> None:
+    path = write_native(str(tmp_path / "g.h5"), _records(9), object_graph={"version": 1})
+    with h5py.File(path, "a", libver="latest") as f:
+        del f["m/g0/v0/parallel_component_1"]
+        f["m/g0/v0/parallel_component_1"] = h5py.SoftLink("/m/g0/v0/primary")
+        del f["m/g1/v1/parallel_component_1"]
+        f["m/g1/v1/parallel_component_1"] = h5py.ExternalLink("other.h5", "/x")
+        f["m/g2/again"] = f["m/g1"]  # (a second name of one group: walked once)
+    wanted = {
+        f"m/g{k % 3}/v{k}/{component_name(i)}".encode() for k in range(9) for i in range(2)
+    } | {b"m/g2/again/v4/primary"}
+    got = _walk(path, wanted)
+    assert got == wanted & _libhdf5_hard_names(path) - {b"m/g2/again/v4/primary"}
+    assert b"m/g0/v0/primary" in got
+    assert b"m/g0/v0/parallel_component_1" not in got
+    assert b"m/g1/v1/parallel_component_1" not in got
+
+
+def test_a_damaged_group_header_and_dense_links_are_refused(tmp_path) -> None:
+    path = write_native(str(tmp_path / "g.h5"), _records(6), object_graph={"version": 1})
+    wanted = {f"m/g{k % 3}/v{k}/primary".encode() for k in range(6)}
+    with h5py.File(path, "r") as f:
+        group = h5py.h5o.get_info(f["m/g1/v1"].id).addr
+    damaged = str(tmp_path / "d.h5")
+    with open(path, "rb") as fh:
+        raw = bytearray(fh.read())
+    raw[group + 12] ^= 0x40
+    with open(damaged, "wb") as fh:
+        fh.write(raw)
+    with pytest.raises(Refused, match="checksum"):
+        _walk(damaged, wanted)
+    # A group of libhdf5's dense storage (a fractal heap): not ours to walk.
+    dense = str(tmp_path / "dense.h5")
+    with h5py.File(dense, "w", libver="latest") as f:
+        for k in range(20):
+            f[f"m/g/v{k}/primary"] = np.zeros(2)
+    with pytest.raises(Refused, match="dense"):
+        _walk(dense, {f"m/g/v{k}/primary".encode() for k in range(20)})
+
+
+def test_the_reader_takes_libhdf5s_walk_where_ours_refuses(tmp_path, monkeypatch) -> None:
+    """The reader's bulk reads agree whichever walk answers."""
+    from parallelvars.checkpoint.h5io import bulk
+
+    path = write_native(str(tmp_path / "g.h5"), _records(30), object_graph={"version": 1})
+    monkeypatch.setattr(bulk, "LINK_CHECKS", 2)
+    with H5Reader(path) as r:
+        ours = dict(r.bulk_components(list(r)))
+        assert r._hard_names is not None and len(r._hard_names) == 60
+
+    def refuse(*args, **kwargs):
+        raise Refused("not walked here")
+
+    monkeypatch.setattr(bulk, "hard_names", refuse)
+    with H5Reader(path) as r:
+        theirs = dict(r.bulk_components(list(r)))
+        assert len(r._hard_names) > 60  # (libhdf5's list: every name, groups too)
+    assert ours.keys() == theirs.keys()
+    for key, parts in ours.items():
+        assert parts is not None and theirs[key] is not None
+        assert [p.tobytes() for p in parts] == [p.tobytes() for p in theirs[key]]
