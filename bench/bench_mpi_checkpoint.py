@@ -1,7 +1,7 @@
 """Multi-process checkpoint saves (``MultiWorkerMirroredStrategy``): the first save of a
-structure, a repeated save (rank files and index file written from their cached skeletons),
-a save with no skeleton (every file written by HDF5), and a one-process save of the same model
-under ``MirroredStrategy(n)`` (first and repeated), all in one run.
+structure, a repeated save (rank files and index file written with their cached generated
+metadata), a save with no cache (every file's metadata generated anew), and a one-process save
+of the same model under ``MirroredStrategy(n)`` (first and repeated), all in one run.
 
     python bench/bench_mpi_checkpoint.py                  # 5,000 variables, 20 MB, 2 and 4 processes
     python bench/bench_mpi_checkpoint.py --vars 5000 --params 5e6 --procs 2 --rounds 5
@@ -13,7 +13,7 @@ tensors, 20 MB), one replica per process: the logical checkpoint holds ``n`` com
 each. Every save writes a new file (``Checkpoint.write`` to ``<kind>-<k>.h5``, names of one length
 as a ``CheckpointManager``'s are between powers of ten), so every index file's links name a
 new rank-file folder; the files of a save are deleted before the next, untimed. The contenders take turns in
-each round (first, repeated, no skeleton); the best of ``--rounds`` is printed with the
+each round (first, repeated, no cache); the best of ``--rounds`` is printed with the
 ratios. Wall time on rank 0 from a barrier to ``save()`` returning (it returns on every rank
 once the index is committed). The one-process saves run in the launching process, on the
 same disk, after the MPI run.
@@ -64,7 +64,7 @@ def touch(model: object, k: int) -> None:
 
 def timed_saves(save: object, rounds: int) -> dict[str, list[float]]:
     """``save(kind)`` (which returns its seconds) for each kind, in turns, ``rounds`` times."""
-    times: dict[str, list[float]] = {"first": [], "repeated": [], "no_skeleton": []}
+    times: dict[str, list[float]] = {"first": [], "repeated": [], "no_cache": []}
     for _ in range(rounds):
         for kind in times:
             times[kind].append(save(kind))  # type: ignore[operator]
@@ -72,22 +72,22 @@ def timed_saves(save: object, rounds: int) -> dict[str, list[float]]:
 
 
 def saver(ckpt: object, directory: str, barrier: object, rank: int) -> object:
-    """``save(kind) -> seconds``: a save with an empty skeleton cache (``first``), with the
+    """``save(kind) -> seconds``: a save with an empty plan cache (``first``), with the
     cache of the previous repeated save (``repeated``; an untimed save primes it) or with none
-    (``no_skeleton``), each to a new file name of one length (``<kind>-<k>.h5``)."""
-    from parallelvars.checkpoint._skeleton import SkeletonCache
+    (``no_cache``), each to a new file name of one length (``<kind>-<k>.h5``)."""
+    from parallelvars.checkpoint.h5io.records import PlanCache
 
-    cache = SkeletonCache()
+    cache = PlanCache()
     state = {"k": 1000}
 
     def sync() -> None:
         if barrier is not None:
             barrier()  # type: ignore[operator]
 
-    def one(kind: str, skeletons: SkeletonCache | None) -> tuple[str, float]:
+    def one(kind: str, plans: PlanCache | None) -> tuple[str, float]:
         state["k"] += 1
         touch(ckpt.model, state["k"])  # type: ignore[attr-defined]
-        ckpt._pv_skeletons = skeletons  # type: ignore[attr-defined]
+        ckpt._pv_plans = plans  # type: ignore[attr-defined]
         sync()
         t0 = time.perf_counter()
         path = ckpt.write(os.path.join(directory, f"{kind}-{state['k']}.h5"))  # type: ignore[attr-defined]
@@ -104,8 +104,8 @@ def saver(ckpt: object, directory: str, barrier: object, rank: int) -> object:
     def save(kind: str) -> float:
         if kind == "repeated" and state["k"] == 1000:
             remove(one("prime", cache)[0])
-        skeletons = {"first": SkeletonCache(), "repeated": cache, "no_skeleton": None}[kind]
-        path, elapsed = one(kind, skeletons)
+        plans = {"first": PlanCache(), "repeated": cache, "no_cache": None}[kind]
+        path, elapsed = one(kind, plans)
         remove(path)
         return elapsed
 
@@ -115,7 +115,7 @@ def saver(ckpt: object, directory: str, barrier: object, rank: int) -> object:
 def worker(args: argparse.Namespace) -> None:
     import parallelvars as pv
     from parallelvars.checkpoint import H5Reader
-    from parallelvars.checkpoint._skeleton import SkeletonCache
+    from parallelvars.checkpoint.h5io.records import PlanCache
 
     strategy = pv.MultiWorkerMirroredStrategy()
     comm, rank, n = strategy.comm, strategy.cluster_rank, strategy.num_replicas_in_sync
@@ -124,7 +124,7 @@ def worker(args: argparse.Namespace) -> None:
     try:
         times = timed_saves(saver(ckpt, directory, comm.Barrier, rank), args.rounds)
         # Save twice more and check the committed files: every component through the links.
-        ckpt._pv_skeletons = SkeletonCache()  # type: ignore[attr-defined]
+        ckpt._pv_plans = PlanCache()  # type: ignore[attr-defined]
         ckpt.write(os.path.join(directory, "check-1.h5"))  # type: ignore[attr-defined]
         touch(ckpt.model, 10_000)  # type: ignore[attr-defined]
         path = ckpt.write(os.path.join(directory, "check-2.h5"))  # type: ignore[attr-defined]
@@ -160,18 +160,18 @@ def report(n: int, mpi: dict[str, list[float]], one: dict[str, list[float]]) -> 
     o = {k: min(v) for k, v in one.items()}
     ratios = {
         "mpi_first_over_repeated": m["first"] / m["repeated"],
-        "mpi_no_skeleton_over_repeated": m["no_skeleton"] / m["repeated"],
+        "mpi_no_cache_over_repeated": m["no_cache"] / m["repeated"],
         "mpi_repeated_over_one_process_repeated": m["repeated"] / o["repeated"],
         "mpi_first_over_one_process_first": m["first"] / o["first"],
     }
     print(
         f"procs={n}: MPI first {m['first'] * 1e3:.0f} ms, repeated {m['repeated'] * 1e3:.0f} ms, "
-        f"no skeleton {m['no_skeleton'] * 1e3:.0f} ms | one process (MirroredStrategy({n})) "
+        f"no cache {m['no_cache'] * 1e3:.0f} ms | one process (MirroredStrategy({n})) "
         f"first {o['first'] * 1e3:.0f} ms, repeated {o['repeated'] * 1e3:.0f} ms"
     )
     print(
         f"  ratios: MPI first/repeated {ratios['mpi_first_over_repeated']:.2f}x, "
-        f"no-skeleton/repeated {ratios['mpi_no_skeleton_over_repeated']:.2f}x, "
+        f"no-cache/repeated {ratios['mpi_no_cache_over_repeated']:.2f}x, "
         f"MPI repeated / one-process repeated {ratios['mpi_repeated_over_one_process_repeated']:.2f}x, "
         f"MPI first / one-process first {ratios['mpi_first_over_one_process_first']:.2f}x"
     )

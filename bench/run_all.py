@@ -573,10 +573,11 @@ def _rows_mpi_checkpoint(d: dict[str, Any]) -> list[list[str]]:
         rows.append(
             _row(
                 area,
-                f"repeated save (skeletons) vs every file by HDF5 ({procs} processes, {size})",
+                f"repeated save (cached plans) vs every file generated anew ({procs} processes, "
+                f"{size})",
                 _s(mpi["repeated"]),
-                _s(mpi["no_skeleton"]),
-                _x(mpi["no_skeleton"] / mpi["repeated"]),
+                _s(mpi["no_cache"]),
+                _x(mpi["no_cache"] / mpi["repeated"]),
             )
         )
         rows.append(

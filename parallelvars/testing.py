@@ -11,9 +11,9 @@ What it offers:
 * **Crafting checkpoint files**: :func:`write_json` (a JSON attribute the way the native
   writer stores it), :func:`columns_parts` / :func:`columns_table` (the columns document and
   its table), :func:`index_template` / :data:`crc_mark` (the index text with a mark for each
-  record's checksums), :func:`held_value` (a value held in the global heap), :data:`INDEX_SKELETONS`,
-  :class:`SkeletonCache` and :func:`lookup3` (the writer's reusable file skeletons),
-  :mod:`index_skeleton`, :mod:`h5_skeleton`, :mod:`h5policy` (the HDF5 file policy),
+  record's checksums), :func:`held_value` (a value held in the global heap),
+  :class:`PlanCache` (a checkpoint's cache of the generated metadata of its last structure),
+  :func:`lookup3` (HDF5's metadata checksum), :mod:`h5policy` (the HDF5 file policy),
   :mod:`manager_state` (the manager's state file).
 * **Restore internals**: :mod:`restore_rules` (``DIRECT_MIN_COMPONENTS`` and the rules),
   :class:`Piece` and :func:`verify_pieces`.
@@ -40,36 +40,30 @@ from parallelvars._ints import is_index, is_int
 from parallelvars._spans import coalesce
 from parallelvars.checkpoint import _h5policy as h5policy
 from parallelvars.checkpoint import _restore as restore_rules
-from parallelvars.checkpoint import _skeleton as h5_skeleton
 from parallelvars.checkpoint import _state as manager_state
 from parallelvars.checkpoint._restore import Piece, verify_pieces
-from parallelvars.checkpoint._skeleton import SkeletonCache, lookup3
-from parallelvars.checkpoint.h5io import _index_skeleton as index_skeleton
 from parallelvars.checkpoint.h5io.attributes import _write_json as write_json
-from parallelvars.checkpoint.h5io.collective import _INDEX_SKELETONS as INDEX_SKELETONS
 from parallelvars.checkpoint.h5io.columns import _columns_parts as columns_parts
 from parallelvars.checkpoint.h5io.columns import _columns_table as columns_table
+from parallelvars.checkpoint.h5io.records import PlanCache, crc_mark
 from parallelvars.checkpoint.h5io.records import _index_template as index_template
-from parallelvars.checkpoint.h5io.records import crc_mark
 from parallelvars.checkpoint.h5io.stored import _held_value as held_value
+from parallelvars.checkpoint.h5raw.lookup3 import lookup3
 
 __all__ = [
     "crc_mark",
     "index_template",
-    "INDEX_SKELETONS",
     "MAX_JSON_DEPTH",
     "Piece",
-    "SkeletonCache",
+    "PlanCache",
     "as_dtype",
     "checkpoint_root",
     "coalesce",
     "columns_parts",
     "columns_table",
     "fileio",
-    "h5_skeleton",
     "h5policy",
     "held_value",
-    "index_skeleton",
     "is_index",
     "is_int",
     "json_depth",

@@ -56,8 +56,9 @@ def collectives(strategy: pv.MultiWorkerMirroredStrategy, out: dict[str, np.ndar
 
 
 def repeat(strategy: pv.MultiWorkerMirroredStrategy, out_dir: str, out: dict) -> None:
-    """Repeated saves (from the skeletons) beside plain ones of the same content, a structure
-    change, and a save that fails in rank 1; every save at one fixed ``created`` time."""
+    """Repeated saves (with the cached plans) beside saves of the same content without any
+    cache, a structure change, and a save that fails in rank 1; every save at one fixed
+    ``created`` time."""
     import time
 
     from parallelvars.checkpoint.h5io import collective
@@ -69,46 +70,42 @@ def repeat(strategy: pv.MultiWorkerMirroredStrategy, out_dir: str, out: dict) ->
 
     def both(k: int) -> str:
         path = ckpt.write(os.path.join(out_dir, "skel", f"ckpt-{k}.h5"))
-        cache, ckpt._pv_skeletons = ckpt._pv_skeletons, None
-        ckpt.write(os.path.join(out_dir, "plain", f"ckpt-{k}.h5"))  # HDF5 writes all of it
-        ckpt._pv_skeletons = cache
+        cache, ckpt._pv_plans = ckpt._pv_plans, None
+        ckpt.write(os.path.join(out_dir, "plain", f"ckpt-{k}.h5"))  # generated anew
+        ckpt._pv_plans = cache
         return path
 
     def step(k: int) -> None:
         strategy.run(m.replica_step, args=(model, opt, m.batches(k, n)))
 
-    from parallelvars.testing import INDEX_SKELETONS as _INDEX_SKELETONS
-
-    def skeletons() -> list[int]:
-        cache = ckpt._pv_skeletons
-        index = _INDEX_SKELETONS[cache]._skeleton if rank == 0 else None
-        return [id(cache._skeleton), id(index)]
+    def plans() -> list[int]:
+        return [id(ckpt._pv_plans.held)]
 
     for k in (1, 2, 3):
         step(k)
         both(k)
-        out[f"skeletons_{k}"] = np.asarray(skeletons())
+        out[f"plans_{k}"] = np.asarray(plans())
     with strategy.scope():  # a new variable: a new structure
         model.extra = pv.Variable(np.full(3, 2.0 + rank, np.float32), name="extra")
     both(4)
-    out["skeleton_kept"] = np.asarray(ckpt._pv_skeletons._skeleton is not None)
-    if rank == 0:  # the index file's skeleton, beside the rank file's
-        index = collective._INDEX_SKELETONS[ckpt._pv_skeletons]._skeleton
-        out["index_skeleton"] = np.asarray(type(index).__name__)
-    real = collective.write_h5
+    out["plan_kept"] = np.asarray(type(ckpt._pv_plans.held).__name__)
+    if rank == 0:  # the index file's plan, beside the rank file's
+        index = collective.index_cache(ckpt._pv_plans).held
+        out["index_plan"] = np.asarray(type(index).__name__)
+    real = collective.save_native
 
     def failing(path: str, *args: object, **kwargs: object) -> str:
         if rank == 1:
             raise OSError(28, "No space left on device")
         return real(path, *args, **kwargs)  # type: ignore[arg-type]
 
-    collective.write_h5 = failing  # type: ignore[assignment]
+    collective.save_native = failing  # type: ignore[assignment]
     step(5)
     try:
         ckpt.write(os.path.join(out_dir, "skel", "ckpt-5.h5"))
     except pv.ParallelVarsError as exc:
         out["failed"] = np.asarray(str(exc))
-    collective.write_h5 = real
+    collective.save_native = real
     step(6)
     out["path"] = np.asarray(both(6))
     for name in ("w", "b", "c", "extra"):
@@ -171,14 +168,14 @@ def main() -> None:
             manager.save(blocking=False)
         except ValueError as exc:
             out["async_refused"] = np.asarray("multi-process" in str(exc))
-        # The manager's saves (ckpt-1 .. ckpt-3, one structure) went through the skeletons.
+        # The manager's saves (ckpt-1 .. ckpt-3, one structure) kept their generated plans.
         from parallelvars.checkpoint.h5io import collective
 
-        skeletons = manager._checkpoint._pv_skeletons
-        out["rank_skeleton"] = np.asarray(skeletons._skeleton is not None)
+        plans = manager._checkpoint._pv_plans
+        out["rank_plan"] = np.asarray(type(plans.held).__name__)
         if rank == 0:
-            index = collective._INDEX_SKELETONS[skeletons]._skeleton
-            out["index_skeleton"] = np.asarray(type(index).__name__)
+            index = collective.index_cache(plans).held
+            out["index_plan"] = np.asarray(type(index).__name__)
         strategy.barrier()
         out["latest"] = np.asarray(manager.latest_checkpoint)
         out["kept"] = np.asarray(manager.checkpoints)

@@ -159,8 +159,8 @@ def test_a_benchmark_without_figures_is_one_row_saying_why(name, result, words):
 
 def test_mpi_checkpoint_rows() -> None:
     best = {
-        "mpi": {"first": 6.0, "repeated": 0.25, "no_skeleton": 5.0},
-        "one_process": {"first": 2.0, "repeated": 0.1, "no_skeleton": 2.0},
+        "mpi": {"first": 6.0, "repeated": 0.25, "no_cache": 5.0},
+        "one_process": {"first": 2.0, "repeated": 0.1, "no_cache": 2.0},
     }
     data = {
         "params": {"vars": 5000, "params": 5e6},

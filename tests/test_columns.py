@@ -23,7 +23,7 @@ from _columns_support import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_mpi_skeleton import save_all
+from test_mpi_files import save_all
 
 import parallelvars as pv
 from parallelvars.checkpoint import H5Reader
@@ -34,7 +34,7 @@ from parallelvars.errors import (
     CorruptCheckpointError,
     ParallelVarsError,
 )
-from parallelvars.testing import SkeletonCache
+from parallelvars.testing import PlanCache
 from parallelvars.testing import columns_parts as _columns_parts
 from parallelvars.testing import columns_table as _columns_table
 
@@ -107,7 +107,7 @@ def test_repeated_saves_from_the_skeleton_have_the_columns(tmp_path: Path, fixed
         m.w.assign(np.full((3, 4), k, np.float32))
         m.big.assign(np.full(40_000, k, np.float32))
         path = ckpt.save(tmp_path / "run")
-        assert ckpt._pv_plans._skeleton is not None  # from the cached generated metadata
+        assert ckpt._pv_plans.held is not None  # from the cached generated metadata
         assert_columns_are_the_index(path)
         with H5Reader(path) as r:
             np.testing.assert_array_equal(r["model/big"].component(1), np.full(40_000, k))
@@ -125,7 +125,7 @@ def test_manager_saves_blocking_or_not_have_the_columns(tmp_path: Path) -> None:
 
 
 def test_rank_files_have_the_columns_the_index_file_has_none(tmp_path: Path) -> None:
-    caches: list[SkeletonCache | None] = [SkeletonCache(), SkeletonCache()]
+    caches: list[PlanCache | None] = [PlanCache(), PlanCache()]
     for k in (1, 2):
         (path,) = set(save_all(tmp_path, 2, k, caches))
         parts = sorted(Path(str(path) + ".parts").glob("rank-*.h5"))

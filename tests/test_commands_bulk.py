@@ -295,7 +295,7 @@ def test_the_commands_on_a_multi_process_index_file(tmp_path, capsys):
     """A checkpoint saved by several processes (an index file whose components are external
     links into its parts): the table's rows are the entries' rows, the bulk paths leave the
     linked components to the general path, and every command reads it as before."""
-    from test_mpi_skeleton import save_all
+    from test_mpi_files import save_all
 
     (path,) = set(save_all(tmp_path, 2, 3, [None, None]))
     assert _table_rows(path) == _entry_rows(path)

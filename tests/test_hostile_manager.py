@@ -208,7 +208,7 @@ EXIT_SCRIPT = textwrap.dedent(
     import numpy as np
     import parallelvars as pv
     from parallelvars.checkpoint.h5raw import native
-    from parallelvars.checkpoint._skeleton import SkeletonCache
+    from parallelvars.testing import PlanCache
 
     directory, mode = sys.argv[1], sys.argv[2]
     with pv.MirroredStrategy(2).scope():
@@ -227,7 +227,7 @@ EXIT_SCRIPT = textwrap.dedent(
         return real(*args)
 
     native._check_components = slow
-    SkeletonCache.get = lambda self, key: None  # prepared anew, which checks each entry
+    PlanCache.get = lambda self, key: None  # prepared anew, which checks each entry
     w.assign(np.full((256, 64), 2, np.float32)); step.assign(2)
     mgr.save(blocking=False)
     w.assign(np.full((256, 64), 3, np.float32)); step.assign(3)  # after the snapshot

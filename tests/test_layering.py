@@ -86,7 +86,6 @@ LAYERS: list[tuple[str, list[str]]] = [
             "parallelvars.checkpoint.entry",
             "parallelvars.checkpoint.registry",
             "parallelvars.checkpoint._h5policy",
-            "parallelvars.checkpoint._skeleton",
             "parallelvars.checkpoint.retention",
         ],
     ),

@@ -17,7 +17,7 @@ from parallelvars.checkpoint import h5io, manager
 from parallelvars.checkpoint.h5io import write as h5write
 from parallelvars.checkpoint.h5raw import native
 from parallelvars.errors import CheckpointLockedError, ParallelVarsError
-from parallelvars.testing import SkeletonCache
+from parallelvars.testing import PlanCache
 
 
 def make(num_devices: int = 2):
@@ -385,7 +385,7 @@ def failing_write_entry(monkeypatch, after: int) -> None:
 
     monkeypatch.setattr(native, "_check_components", write_entry)
     # Every save prepared anew (a repeated save would be written from its cached metadata).
-    monkeypatch.setattr(SkeletonCache, "get", lambda self, key: None)
+    monkeypatch.setattr(PlanCache, "get", lambda self, key: None)
 
 
 def test_failed_save_raises_and_leaves_everything_intact(tmp_path, monkeypatch):

@@ -341,10 +341,10 @@ def test_checkpoint_manager_across_processes(tmp_path: Path) -> None:
     results = load(tmp_path, "manager", 2)
     for r in results:
         assert bool(r["async_refused"])
-        assert bool(r["rank_skeleton"])  # repeated saves from the checkpoint's skeleton
+        assert str(r["rank_plan"]) == "Prepared"  # the rank file's generated metadata, kept
         assert [os.path.basename(str(k)) for k in r["kept"]] == ["ckpt-2.h5", "ckpt-3.h5"]
         assert os.path.basename(str(r["latest"])) == "ckpt-3.h5"
-    assert str(results[0]["index_skeleton"]) == "IndexSkeleton"  # and the index file's
+    assert str(results[0]["index_plan"]) == "Prepared"  # and the index file's
     listing = [str(x) for x in results[0]["listing"]]
     # The first checkpoint and its per-rank files are gone; no temporaries are left behind.
     assert "ckpt-1.h5" not in listing and "ckpt-1.h5.parts" not in listing

@@ -1,6 +1,6 @@
 """Repeated checkpoint saves under a real ``mpiexec``: the rank files and the index file are
-written from their skeletons, byte for byte the files HDF5 writes, and restore exactly onto 1,
-2 and 4 processes (the thread-rank checks of the same are in ``test_mpi_skeleton.py``)."""
+written with their cached generated metadata, byte for byte the files a save without any cache
+generates, and restore exactly onto 1, 2 and 4 processes (the thread-rank checks of the same are in ``test_mpi_files.py``)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def files_of(path: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_repeated_saves_are_the_files_hdf5_writes_and_restore_exactly(
+def test_repeated_saves_are_the_files_a_fresh_save_writes_and_restore_exactly(
     tmp_path: Path, n: int
 ) -> None:
     launch(n, "repeat", str(tmp_path))
@@ -38,10 +38,10 @@ def test_repeated_saves_are_the_files_hdf5_writes_and_restore_exactly(
     skel, plain = tmp_path / "skel", tmp_path / "plain"
     for k in (1, 2, 3, 4, 6):  # 4: a new variable; 6: after the failed save
         assert files_of(skel / f"ckpt-{k}.h5") == files_of(plain / f"ckpt-{k}.h5"), k
-    assert all(bool(r["skeleton_kept"]) for r in ranks)
-    assert str(ranks[0]["index_skeleton"]) == "IndexSkeleton"
-    for r in ranks:  # saves 2 and 3 were written from save 1's skeletons, not rebuilt
-        assert r["skeletons_1"].tolist() == r["skeletons_2"].tolist() == r["skeletons_3"].tolist()
+    assert all(str(r["plan_kept"]) == "Prepared" for r in ranks)
+    assert str(ranks[0]["index_plan"]) == "Prepared"
+    for r in ranks:  # saves 2 and 3 were written with save 1's rank-file plans, not made again
+        assert r["plans_1"].tolist() == r["plans_2"].tolist() == r["plans_3"].tolist()
     # Rank 1 failed save 5: every rank raised, nothing was committed, ckpt-4 is intact.
     assert all("rank 1" in str(r["failed"]) for r in ranks)
     assert not (skel / "ckpt-5.h5").exists()

@@ -86,7 +86,7 @@ def test_every_kind_and_dtype_first_and_repeated(tmp_path, dtype) -> None:
     m = model(dtype)
     ckpt = pv.Checkpoint(model=m)
     first = ckpt.write(tmp_path / "first.h5")
-    assert isinstance(ckpt._pv_plans._skeleton, native.Prepared)
+    assert isinstance(ckpt._pv_plans.held, native.Prepared)
     assert_h5py_reads_the_same(first, ckpt, tmp_path)
     m.on_read.components[1][...] = np.ones((3, 4), dtype)  # components that differ
     again = ckpt.write(tmp_path / "again.h5")
@@ -142,7 +142,7 @@ def test_byte_strings_take_libhdf5_and_read_back(tmp_path) -> None:
         path = ckpt.write(tmp_path / name)
         with H5Reader(path) as r:
             assert r.verify_all() == [] and r["s"].value().tolist() == [b"ab", b"c"]
-    assert isinstance(ckpt._pv_plans._skeleton, native.Unexpressed)
+    assert isinstance(ckpt._pv_plans.held, native.Unexpressed)
 
 
 def test_a_list_of_more_than_1024_variables_is_written(tmp_path) -> None:
@@ -251,14 +251,14 @@ def test_a_repeated_structure_is_found_by_its_records_token(tmp_path) -> None:
     m = model(np.float32)
     ckpt = pv.Checkpoint(model=m)
     ckpt.write(tmp_path / "a.h5")
-    prep = ckpt._pv_plans._skeleton
+    prep = ckpt._pv_plans.held
     assert isinstance(prep, native.Prepared)
     records = ckpt._gather(False)[0]
     assert records._key is None  # (the first save built no key of every record)
     ckpt.write(tmp_path / "b.h5")
-    assert ckpt._pv_plans._skeleton is prep  # the same plan
+    assert ckpt._pv_plans.held is prep  # the same plan
     m.extra = pv.Variable(np.zeros(3, np.float32), name="extra")  # a new structure
     ckpt.write(tmp_path / "c.h5")
-    assert ckpt._pv_plans._skeleton is not prep
+    assert ckpt._pv_plans.held is not prep
     with H5Reader(tmp_path / "c.h5") as r:
         assert "model/extra" in r and r.verify_all() == []

@@ -187,7 +187,7 @@ def test_a_wide_list_is_generated_cached_and_verified_by_regeneration(tmp_path, 
     m.vs = [pv.Variable(np.full(2, i, np.float32), name=f"v{i}") for i in range(WIDE + 5)]
     ckpt = pv.Checkpoint(model=m)
     first = ckpt.write(tmp_path / "a.h5")
-    assert isinstance(ckpt._pv_plans._skeleton, native.Prepared)
+    assert isinstance(ckpt._pv_plans.held, native.Prepared)
     m.vs[3].assign(np.full(2, -1, np.float32))
     again = ckpt.write(tmp_path / "b.h5")
     calls: list[bool] = []

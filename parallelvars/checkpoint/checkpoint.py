@@ -30,7 +30,6 @@ from parallelvars.checkpoint import _restore  # (also registers the variable sav
 from parallelvars.checkpoint._foreign import with_foreign_hint
 from parallelvars.checkpoint._gcfreeze import older_objects_frozen
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX  # noqa: F401 - <file>.parts/: a multi-process save's files
-from parallelvars.checkpoint._skeleton import SkeletonCache
 from parallelvars.checkpoint.graph import (  # noqa: F401 - the graph's names, as before
     GRAPH_VERSION,
     ObjectGraph,
@@ -42,7 +41,7 @@ from parallelvars.checkpoint.graph import (  # noqa: F401 - the graph's names, a
     unescape_name,
 )
 from parallelvars.checkpoint.h5io.collective import write_collective
-from parallelvars.checkpoint.h5io.records import RecordList
+from parallelvars.checkpoint.h5io.records import PlanCache, RecordList
 from parallelvars.checkpoint.h5raw.native import save_native
 from parallelvars.checkpoint.matching import RestoreSession
 from parallelvars.checkpoint.registry import SaveRecord
@@ -71,11 +70,12 @@ __all__ = [
 ]
 
 
-def _checkpoint_writer(plans: SkeletonCache | None = None) -> Callable[..., str]:
-    """``writer(path, records, *, object_graph, metadata, skeletons)`` for this process's saves:
+def _checkpoint_writer(plans: PlanCache | None = None) -> Callable[..., str]:
+    """``writer(path, records, *, object_graph, metadata)`` for this process's saves:
     under a multi-process strategy (:mod:`parallelvars.strategy._cluster`), every rank writes
     its part of one logical checkpoint through the strategy's communicator
-    (:func:`~parallelvars.checkpoint.h5io.collective.write_collective`); else the single-file
+    (:func:`~parallelvars.checkpoint.h5io.collective.write_collective`, the rank files' and
+    the index file's generated metadata cached with ``plans``); else the single-file
     writer (:func:`~parallelvars.checkpoint.h5raw.native.save_native`: the generated layout,
     the structure's metadata cached in ``plans`` for the next save)."""
     strategy = cluster_strategy()
@@ -89,7 +89,7 @@ def _checkpoint_writer(plans: SkeletonCache | None = None) -> Callable[..., str]
     comm, local, everyone = strategy.comm, strategy.parameter_devices, strategy.worker_devices
 
     def write(path: str, records: Sequence[SaveRecord], **options: Any) -> str:
-        return write_collective(comm, path, records, local, everyone, **options)
+        return write_collective(comm, path, records, local, everyone, cache=plans, **options)
 
     return write
 
@@ -218,12 +218,10 @@ class Checkpoint(Trackable):
         self.save_counter = _make_distributed_variable(
             ParallelDevice(1), initial_value=np.int64(0), name="save_counter", trainable=False
         )
-        # The skeleton of the structure saved last: a repeated save of it is written from the
-        # cached bytes instead of by HDF5 (see checkpoint._skeleton).
-        self._pv_skeletons = SkeletonCache()
-        # The generated metadata of the structure saved last by a single process (see
-        # h5raw/native.py: Prepared): a repeated save puts the new values in it.
-        self._pv_plans = SkeletonCache()
+        # The generated metadata of the structure saved last (see h5raw/native.py: Prepared;
+        # under MPI, of this rank's file, and on rank 0 of the index file too): a repeated
+        # save puts the new values in it.
+        self._pv_plans = PlanCache()
         # The last save's object graph, records and graph document, saved again while the graph
         # is unchanged (see _gather).
         self._pv_save_memo: tuple[ObjectGraph, RecordList, dict[str, Any]] | None = None
@@ -294,7 +292,6 @@ class Checkpoint(Trackable):
                     records if snapshot is None else snapshot.records(),
                     object_graph=object_graph,
                     metadata=metadata,
-                    skeletons=self._pv_skeletons,
                 )
             finally:
                 if snapshot is not None:

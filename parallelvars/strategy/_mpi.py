@@ -52,8 +52,8 @@ Checkpoints: the strategy registers itself as the process's cluster strategy
 layout writer, :func:`parallelvars.checkpoint.h5io.collective.write_collective`, over its
 communicator: every rank writes its own components to its own HDF5 file, in parallel, and rank 0 commits the
 index file at the path ``save()`` returns, whose components are external links into the rank
-files. Repeated saves of one structure write both kinds of file from the checkpoint's cached
-skeletons.
+files. Both kinds of file are generated (``h5raw/native.py``), and repeated saves of one
+structure reuse the checkpoint's cached generated metadata.
 
 Failure. Creating the strategy installs a ``sys.excepthook`` that prints an uncaught exception
 with the rank and calls ``MPI.COMM_WORLD.Abort(1)``, so a rank that raises ends the whole job

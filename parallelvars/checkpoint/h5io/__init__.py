@@ -15,9 +15,10 @@ The layout (documented with an ``h5dump``-style example in ``docs/FORMAT.md``):
   variable (attributes, checksums, data offsets) as JSON in ``/_parallelvars/index``, padded
   with spaces to a capacity fixed by the structure.
 
-No object records times, so the same content gives the same bytes: a repeated save of one
-structure is written from the first save's bytes (``checkpoint._skeleton``), and so is a
-repeated multi-process index file (``_index_skeleton``).
+No object records times, so the same content gives the same bytes. Saves are written by the
+generator (``h5raw/native.py``: the metadata made from the structure, cached for a repeated
+save of it); the libhdf5 writer here is the reference its files are compared with, and writes
+what the generator cannot express.
 
 bfloat16 and the float8 family are stored as HDF5 opaque types of their size, with the
 ``dtype`` group attribute naming them (the convention Keras uses); strings as variable-length
@@ -34,8 +35,8 @@ storage dtypes), ``attributes`` (attribute and JSON-document encoding and decodi
 of a file), ``read`` (:class:`H5Reader`, :func:`is_native_checkpoint`), ``bulk`` (the reader's
 commands' side: summaries, bulk component reads, ``verify_all``), ``collective``
 (:func:`~parallelvars.checkpoint.h5io.collective.write_collective`, the multi-process writer
-built on ``write_h5`` and ``write_h5_index``) and ``_index_skeleton`` (the index file's
-skeleton: the values that change between two index files of one structure, patched).
+built on the generator's ``save_native`` and ``write_native_index``), ``records`` (a save's
+records, the structure key, the index template, the plan cache).
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
 """The multi-process layout writer: one logical checkpoint written by every process together.
 
 Every rank writes the components it holds to its own file ``<path>.parts/rank-<r>-of-<n>.h5``
-with :func:`~parallelvars.checkpoint.h5io.write.write_h5`, in parallel; rank 0 then writes the
-index file at ``path`` with :func:`~parallelvars.checkpoint.h5io.write.write_h5_index`: the
-groups and attributes of our layout with component datasets as external links into the rank
-files, the per-component checksums, the object graph and the document list.
+with :func:`~parallelvars.checkpoint.h5raw.native.save_native` (the generated layout, as a
+one-process save), in parallel; rank 0 then writes the index file at ``path`` with
+:func:`~parallelvars.checkpoint.h5raw.native.write_native_index`: the groups and attributes of
+our layout with component datasets as external links into the rank files, the per-component
+checksums, the object graph and the document list. Both writers keep the generated metadata
+of the structure in a cache, so a repeated save writes the bytes and the few values that
+change.
 
 Nothing of the last good checkpoint is replaced before every rank has written its file: the
 ranks write into ``<path>.parts/.staged/`` and rank 0 writes the index there too; once all
@@ -34,17 +37,13 @@ from typing import Any
 
 from parallelvars._fileio import _fsync_path
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX
-from parallelvars.checkpoint._skeleton import SkeletonCache
-from parallelvars.checkpoint.h5io.write import (
-    ComponentLink,
-    LinkedVariable,
-    write_h5,
-    write_h5_index,
-)
+from parallelvars.checkpoint.h5io.records import PlanCache
+from parallelvars.checkpoint.h5io.write import ComponentLink, LinkedVariable
+from parallelvars.checkpoint.h5raw.native import save_native, write_native_index
 from parallelvars.checkpoint.registry import SaveRecord, component_name
 from parallelvars.errors import CheckpointError
 
-__all__ = ["parts_dir_for", "write_collective"]
+__all__ = ["index_cache", "parts_dir_for", "write_collective"]
 
 _RANK_FILE = re.compile(r"rank-\d{5}-of-\d{5}\.h5")
 # Where a save's files wait, inside the parts folder, until every rank has written its own.
@@ -116,7 +115,7 @@ def write_collective(
     *,
     object_graph: Any = None,
     metadata: Any = None,
-    skeletons: SkeletonCache | None = None,
+    cache: PlanCache | None = None,
 ) -> str:
     """Write one logical checkpoint from every rank of ``comm``; returns ``path`` on every rank.
 
@@ -129,10 +128,9 @@ def write_collective(
     are written, the index last, so ``path`` exists only for a complete checkpoint and a failed
     save leaves the last good one, at this path too.
 
-    With ``skeletons`` (the checkpoint's cache), repeated saves of one structure are written
-    from cached bytes, byte for byte what HDF5 writes: each rank's file through ``write_h5``'s
-    skeleton, and rank 0's index file through ``write_h5_index``'s, kept in a second cache
-    that lives as long as ``skeletons``.
+    With ``cache`` (the checkpoint's), repeated saves of one structure reuse its generated
+    metadata: each rank's file through ``save_native``'s plan, and rank 0's index file through
+    ``write_native_index``'s, kept in a second cache that lives as long as ``cache``.
 
     Raises:
         CheckpointError: on every rank, when any rank failed to write its part.
@@ -157,11 +155,11 @@ def write_collective(
     crcs: dict[str, list[int]] = {}
     try:
         os.makedirs(staged, exist_ok=True)
-        write_h5(
+        save_native(
             os.path.join(staged, part_name),
             mine,
             metadata=metadata,
-            skeletons=skeletons,
+            cache=cache,
             checksums=crcs,  # as the rank file's index records them
         )
     except Exception as exc:  # reported to every rank below, so no rank waits forever
@@ -186,7 +184,7 @@ def write_collective(
                     size,
                     object_graph,
                     metadata,
-                    None if skeletons is None else _index_skeletons(skeletons),
+                    None if cache is None else index_cache(cache),
                 )
                 _commit(path, parts, staged, index, size)
             except Exception as exc:
@@ -205,18 +203,16 @@ def write_collective(
     return path
 
 
-# The index files' skeleton cache of each checkpoint's cache (rank 0 writes both files).
-_INDEX_SKELETONS: weakref.WeakKeyDictionary[SkeletonCache, SkeletonCache] = (
-    weakref.WeakKeyDictionary()
-)
+# The index files' plan cache of each checkpoint's cache (rank 0 writes both files).
+_INDEX_PLANS: weakref.WeakKeyDictionary[PlanCache, PlanCache] = weakref.WeakKeyDictionary()
 
 
-def _index_skeletons(skeletons: SkeletonCache) -> SkeletonCache:
-    """The cache of the index files of the checkpoint whose rank files use ``skeletons``."""
-    cache = _INDEX_SKELETONS.get(skeletons)
-    if cache is None:
-        cache = _INDEX_SKELETONS[skeletons] = SkeletonCache()
-    return cache
+def index_cache(cache: PlanCache) -> PlanCache:
+    """The cache of the index files of the checkpoint whose rank files use ``cache``."""
+    out = _INDEX_PLANS.get(cache)
+    if out is None:
+        out = _INDEX_PLANS[cache] = PlanCache()
+    return out
 
 
 def _commit(path: str, parts: str, staged: str, index: str, size: int) -> None:
@@ -253,9 +249,9 @@ def _write_index(
     size: int,
     object_graph: Any,
     metadata: Any,
-    skeletons: SkeletonCache | None = None,
+    cache: PlanCache | None = None,
 ) -> None:
-    """Rank 0: the index file, through the layout's one writer (``write_h5_index``).
+    """Rank 0: the index file, through the generator (``write_native_index``).
 
     A per-replica record gets one component per rank (rank ``r``'s components follow rank
     ``r - 1``'s) and the global device list; any other record is rank 0's.
@@ -288,10 +284,10 @@ def _write_index(
         variables.append(
             LinkedVariable(rec.path, rec.kind, rec.dtype, tuple(rec.shape), attrs, links)
         )
-    write_h5_index(
+    write_native_index(
         path,
         variables,
         object_graph=object_graph,
         metadata=dict(metadata or {}, processes=size),
-        skeletons=skeletons,
+        cache=cache,
     )

@@ -6,13 +6,18 @@
 * :func:`_structure_key` and :func:`metadata_key`: what a file's bytes depend on besides the
   component values and the header values (a writer's cache key);
 * :func:`_index_template`, :func:`crc_mark` and :func:`marked_template`: the index document
-  with a ``%d`` for every checksum, so a repeated save formats it instead of dumping it.
+  with a ``%d`` for every checksum, so a repeated save formats it instead of dumping it, and
+  :func:`index_capacity`, the room a document of a structure gets;
+* :class:`PlanCache`: what a checkpoint keeps of the structure it saved last (the generated
+  metadata of ``h5raw/native.py``), found again by the structure's key.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -20,7 +25,14 @@ import numpy as np
 
 from parallelvars.checkpoint.h5io.layout import _library_version
 
-__all__ = ["RecordList", "crc_mark", "marked_template", "metadata_key"]
+__all__ = [
+    "PlanCache",
+    "RecordList",
+    "crc_mark",
+    "index_capacity",
+    "marked_template",
+    "metadata_key",
+]
 
 
 class RecordList(list):
@@ -124,7 +136,7 @@ def _structure_key(
     """What a file's bytes depend on besides the component values and the header values: the
     library version, the metadata's names and types, the object graph and each entry's path,
     kind, shape, attributes and components' dtypes and shapes. None for entries that are not
-    arrays in memory (they are never written from a skeleton)."""
+    arrays in memory (their structure is never cached)."""
     records = items.structure() if isinstance(items, RecordList) else _records_key(items)
     if records is None:
         return None
@@ -181,3 +193,44 @@ def _index_template_by_record(index: Mapping[str, Any]) -> str:
         crcs = ", ".join(["%d"] * len(meta["crc32c"]))
         parts.append(f'{json.dumps(path).replace("%", "%%")}: {body[:-1]}, "crc32c": [{crcs}]}}')
     return "{" + ", ".join(parts) + "}"
+
+
+def index_capacity(length: int, checksums: int) -> int:
+    """Room for a document of ``length`` bytes besides its ``checksums`` (each written in at
+    most 10 digits), rounded up to 64 bytes: every save of a structure fits the same room, so
+    its metadata bytes depend on the structure alone."""
+    return int(math.ceil((length + 10 * checksums + 64) / 64) * 64)
+
+
+class PlanCache:
+    """What a checkpoint keeps of the structure it saved last: one object with a ``key``
+    attribute (a writer's prepared metadata, or a marker that the generator cannot express the
+    structure), handed back while a save's structure has that key."""
+
+    def __init__(self) -> None:
+        self._held: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def held(self) -> Any:
+        """The object held (None: nothing yet)."""
+        return self._held
+
+    def get(self, key: Any) -> Any:
+        """The held object when ``key`` (the structure) is its key, else None."""
+        with self._lock:
+            held = self._held
+        if held is None:
+            return None
+        try:
+            same = bool(held.key == key)
+        except (ValueError, TypeError):  # attributes that do not compare (arrays): a new one
+            same = False
+        return held if same else None
+
+    def put(self, held: Any) -> None:
+        with self._lock:
+            self._held = held
+
+    def clear(self) -> None:
+        self.put(None)

@@ -4,12 +4,11 @@ file whose components are external links into per-process part files).
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import h5py
 import numpy as np
@@ -17,10 +16,7 @@ import numpy as np
 from parallelvars._dtypes import dtype_name
 from parallelvars._fileio import DataWriter, Scratch, atomic_path, checksum
 from parallelvars._geometry import shard_shapes, shard_slices
-from parallelvars.checkpoint import _skeleton
-from parallelvars.checkpoint._skeleton import SkeletonCache
 from parallelvars.checkpoint.entry import Entry
-from parallelvars.checkpoint.h5io import _index_skeleton
 from parallelvars.checkpoint.h5io.attributes import (
     _attr_value,
     _decode,
@@ -42,13 +38,8 @@ from parallelvars.checkpoint.h5io.layout import (
     _validate_path,
 )
 from parallelvars.checkpoint.h5io.records import RecordList as RecordList
-from parallelvars.checkpoint.h5io.records import (
-    _component_starts,
-    _flat_components,
-    _index_template,
-    _structure_key,
-)
 from parallelvars.checkpoint.h5io.records import crc_mark as crc_mark
+from parallelvars.checkpoint.h5io.records import index_capacity
 from parallelvars.checkpoint.h5io.records import marked_template as marked_template
 from parallelvars.checkpoint.h5io.records import metadata_key as metadata_key
 from parallelvars.checkpoint.registry import component_name
@@ -275,23 +266,21 @@ def write_h5(
     *,
     object_graph: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
-    skeletons: SkeletonCache | None = None,
     checksums: dict[str, list[int]] | None = None,
 ) -> str:
-    """Write entries (neutral-view entries or save records) to ``path`` in the native layout.
+    """Write entries (neutral-view entries or save records) to ``path`` in the native layout,
+    through libhdf5.
+
+    The generator (``h5raw/native.py``: ``save_native``) writes every save; this writer is
+    the reference the generated files are compared with (what h5py reads of both is the
+    same), and writes what the generator cannot express (``save_native`` says what).
 
     One pass over the entries and one HDF5 session on a temporary file: for each entry HDF5
     creates the group, attributes and datasets with their storage allocated up front, and the
     component bytes are written straight to that storage with ``pwrite``, one component at a
     time, from the entries (for live variables, from their buffers; for other files, through
-    one reused buffer), checksummed as they go. The disk writes start while later entries are
-    still being prepared. Last come the index and the object graph. The file appears under
-    ``path`` only once complete and flushed to disk.
-
-    With ``skeletons`` (a checkpoint's cache), a save of the structure the cache holds is
-    written from the cached skeleton: the first save's bytes with the new component data,
-    index and header values (see ``_skeleton``); byte for byte what HDF5 writes. Any other
-    save is written by HDF5 and its skeleton cached.
+    one reused buffer), checksummed as they go. Last come the index and the object graph. The
+    file appears under ``path`` only once complete and flushed to disk.
 
     ``checksums``, when given, receives each entry's component checksums by path, as the
     file's index records them (a multi-process save gathers them for its index file).
@@ -304,34 +293,11 @@ def write_h5(
         items: Sequence[Any] = entries
     else:
         items = list(entries.values()) if isinstance(entries, Mapping) else list(entries)
-    key = _structure_key(items, object_graph, metadata) if skeletons is not None else None
-    if key is not None and skeletons is not None:
-        cached = skeletons.get(key)
-        comps = None if cached is None else _flat_components(items)
-        if cached is not None and comps is not None and cached.fits(comps):
-            flat: list[int] = []
-            atomic_write(
-                p,
-                lambda tmp: flat.extend(
-                    _write_from_skeleton(tmp, p, cached, items, comps, metadata)
-                ),
-            )
-            if checksums is not None:
-                starts = _component_starts(items)
-                for n, e in enumerate(items):
-                    checksums[e.path] = flat[starts[n] : starts[n + 1]]
-            return p
-    captured: list[_skeleton.Skeleton | None] = []
-
     written: dict[str, Any] = {}
 
     def write(tmp: str) -> None:
         index: dict[str, Any] = {}
-        # With a skeleton to capture, the header values that change between saves are written
-        # as random sentinels first (to find them in the file), then patched to their values.
-        values = _header_values(metadata, columns=True) if key is not None else {}
-        sentinels = {name: _skeleton.sentinel(np.asarray(v).dtype) for name, v in values.items()}
-        with _new_file(tmp, metadata, sentinels) as f:
+        with _new_file(tmp, metadata) as f:
             dcpl = _early_dcpl()
             writer, scratch, ok = _DataWriter(tmp, p), Scratch(), False
             try:
@@ -342,173 +308,30 @@ def write_h5(
                 ok = True
             finally:
                 writer.close(raise_errors=ok)
-            template = _index_template(index) if key is not None else None
-            where, columns = _finish_metadata(
-                f,
-                index,
-                object_graph,
-                crc_sentinel=sentinels.get(_INDEX_CRC),
-                template=template,
-                columns=True,
-                columns_sentinel=sentinels.get(_COLUMNS_CRC),
-            )
-        if key is not None:
-            captured.append(
-                _capture(tmp, key, items, index, where, columns, template, values, sentinels)
-            )
+            _finish_metadata(f, index, object_graph, columns=True)
         if checksums is not None:
             written.update(index)
 
     atomic_write(p, write)
-    if skeletons is not None and key is not None:
-        skeletons.put(captured[0] if captured else None)
     if checksums is not None:
         checksums.update((path, list(meta["crc32c"])) for path, meta in written.items())
     return p
 
 
-# The header value names a skeleton patches: the root attributes that change between saves,
-# and the index and columns documents' checksums.
-_INDEX_CRC = "/_parallelvars/index:crc32c"
-_COLUMNS_CRC = "/_parallelvars/columns:crc32c"
-
-
-def _header_values(metadata: Mapping[str, Any] | None, *, columns: bool = False) -> dict[str, Any]:
-    """The root attribute values of a save that live in its object header and change between
-    saves: ``created`` and every integer or float of the metadata (``save_counter``,
-    ``step``), by name (the index checksum, and with ``columns`` the columns', are added once
-    known)."""
-    values: dict[str, Any] = {"created": np.float64(time.time())}
-    for key, value in dict(metadata or {}).items():
-        stored = None if value is None else _root_attr_value(value)
-        if isinstance(stored, (np.int64, np.float64)):
-            values[key] = stored
-    values[_INDEX_CRC] = np.int64(0)
-    if columns:
-        values[_COLUMNS_CRC] = np.int64(0)
-    return values
-
-
-def _capture(
-    tmp: str,
-    key: Any,
-    items: Sequence[Any],
-    index: Mapping[str, Any],
-    where: tuple[int, int, int],
-    columns: ColumnsPlace | None,
-    template: str | None,
-    values: dict[str, Any],
-    sentinels: dict[str, Any],
-) -> _skeleton.Skeleton | None:
-    """Cache the skeleton of the file HDF5 wrote at ``tmp`` and put the real header values in
-    it (patched in place, or through HDF5 when the file cannot be a skeleton)."""
-    offset, capacity, crc = where
-    values[_INDEX_CRC] = np.int64(crc)
-    if columns is not None:
-        values[_COLUMNS_CRC] = np.int64(columns.crc)
-    offsets, nbytes = [], []
-    for e in items:
-        meta = index[e.path]
-        for i, c in enumerate(e.components):
-            offsets.append(meta["offsets"][i] or 0)
-            nbytes.append(c.nbytes)
-    skel = None
-    objects = any(c.dtype.kind == "O" for e in items for c in e.components)
-    if (
-        template is not None
-        and not objects
-        and template % tuple(c for m in index.values() for c in m["crc32c"]) == json.dumps(index)
-    ):
-        skel = _skeleton.capture(
-            tmp,
-            key,
-            offsets,
-            nbytes,
-            offset,
-            capacity,
-            sentinels,
-            columns=None if columns is None else (columns.offset, columns.capacity),
-        )
-        if skel is not None and not (
-            skel.set_template(template)
-            and (columns is None or skel.set_columns(columns.head, columns.tail))
-        ):
-            skel = None
-    if skel is not None:
-        fd = os.open(tmp, os.O_WRONLY)
-        try:
-            skel.patch_file(fd, values)
-        finally:
-            os.close(fd)
-        return skel
-    with h5py.File(tmp, "r+") as f:
-        for name, value in values.items():
-            if name == _INDEX_CRC:
-                f[INDEX_DATASET].attrs.modify("crc32c", value)
-            elif name == _COLUMNS_CRC:
-                f[COLUMNS_DATASET].attrs.modify("crc32c", value)
-            else:
-                f.attrs.modify(name, value)
-    return None
-
-
-def _write_from_skeleton(
-    tmp: str,
-    file: str,
-    skel: _skeleton.Skeleton,
-    items: Sequence[Any],
-    comps: Sequence[np.ndarray],
-    metadata: Mapping[str, Any] | None,
-) -> list[int]:
-    """Write a save of the skeleton's structure to ``tmp``: the skeleton's bytes, the component
-    data (``comps``: every entry's components, C-contiguous) at its datasets' offsets, the
-    index, and the header values patched. Returns the components' checksums in write order."""
-    values = _header_values(metadata, columns=skel.columns_capacity > 0)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    os.close(fd)
-    writer, ok = _DataWriter(tmp, file), False
-    starts: list[int] = []  # the first component number of each entry, once a name is needed
-
-    def check(arr: np.ndarray, crc: int, i: int) -> None:
-        if not starts:
-            starts.extend(_component_starts(items))
-        j = bisect.bisect_right(starts, i) - 1
-        writer.check_unchanged(arr, crc, f"{items[j].path}[{i - starts[j]}]")
-
-    try:
-        os.ftruncate(writer.fd, skel.file_size)
-        crcs = skel.write(
-            writer.fd,
-            comps,
-            values,
-            write=writer.write,
-            check=check,
-            index_crc=_INDEX_CRC,
-            columns_crc=_COLUMNS_CRC,
-        )
-        ok = True
-    finally:
-        writer.close(raise_errors=ok)
-    return crcs
-
-
-def _new_file(
-    tmp: str, metadata: Mapping[str, Any] | None, values: Mapping[str, Any] | None = None
-) -> h5py.File:
-    """A new file of our layout with its root attributes (``values`` overrides some).
+def _new_file(tmp: str, metadata: Mapping[str, Any] | None) -> h5py.File:
+    """A new file of our layout with its root attributes.
 
     libver "latest": superblock v3 and v2 object headers, B-trees and heaps, which all carry
     checksums, so a damaged metadata byte is an error rather than a wrong value. No object
     records times, so the same content makes the same bytes.
     """
-    values = values or {}
     f = h5py.File(tmp, "w", libver="latest")
     f.attrs["parallelvars_format"] = np.int64(FORMAT_VERSION)  # few: the high-level API is fine
     f.attrs["parallelvars_version"] = _root_attr_value(_library_version())
-    f.attrs["created"] = values.get("created", np.float64(time.time()))
+    f.attrs["created"] = np.float64(time.time())
     for key, value in dict(metadata or {}).items():
         if value is not None:
-            f.attrs[key] = values.get(key, _root_attr_value(value))
+            f.attrs[key] = _root_attr_value(value)
     return f
 
 
@@ -538,9 +361,9 @@ def write_h5_index(
     *,
     object_graph: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
-    skeletons: SkeletonCache | None = None,
 ) -> str:
-    """Write the index file of a checkpoint whose component bytes live in other files.
+    """Write, through libhdf5, the index file of a checkpoint whose component bytes live in
+    other files.
 
     The same layout as :func:`write_h5` (root attributes, one group per variable with its
     attributes, the checksummed fixed-length index and object graph, the document list, the
@@ -548,117 +371,17 @@ def write_h5_index(
     ``component.file:component.dataset`` and its checksum taken from the link record. The
     file appears under ``path`` only once complete and flushed to disk.
 
-    With ``skeletons`` (a cache kept for the index files of one checkpoint), a save of the
-    structure the cache holds is written from the cached bytes of the first: the links' folder
-    (the part of every ``component.file`` up to its last ``/``, one for all links, of the same
-    length), the index's checksums and the header values put in, the header checksums
-    recomputed (see ``_index_skeleton``); byte for byte what HDF5 writes. Any other save is
-    written by HDF5 and its skeleton cached.
+    The generator (``h5raw/native.py``: ``write_native_index``) writes every index file but
+    one whose variable has more components than a generated group keeps links in its header:
+    HDF5's dense link storage, which this writer makes, is what holds that many external
+    links. This writer is also the reference the generated files are compared with.
 
     Returns:
         ``path``.
     """
     p = os.fspath(path)
     items = list(variables)
-    prefix, key = (
-        ("", None) if skeletons is None else _index_structure(items, object_graph, metadata)
-    )
-    cached = None if key is None or skeletons is None else skeletons.get(key)
-    if isinstance(cached, _index_skeleton.IndexSkeleton):
-        skel = cached
-
-        def repeat(tmp: str) -> None:
-            crcs = [int(c.crc32c) for v in items for c in v.components]
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            try:
-                skel.write(fd, prefix.encode(), crcs, _header_values(metadata), _INDEX_CRC)
-            finally:
-                os.close(fd)
-
-        return atomic_write(p, repeat)
-    if cached is not None:  # a structure known to have no skeleton: HDF5 writes it
-        return atomic_write(
-            p,
-            lambda tmp: _write_index_file(tmp, p, items, object_graph, metadata, {}, "", ""),
-        )
-    captured: list[Any] = []
-
-    def write(tmp: str) -> None:
-        if key is None:
-            _write_index_file(tmp, p, items, object_graph, metadata, {}, prefix, prefix)
-            return
-        values = _header_values(metadata)
-        sentinels = {name: _skeleton.sentinel(np.asarray(v).dtype) for name, v in values.items()}
-        stand_in = _index_skeleton.link_sentinel(len(prefix.encode()))
-        index, (offset, capacity, crc), template = _write_index_file(
-            tmp, p, items, object_graph, metadata, sentinels, prefix, stand_in.decode()
-        )
-        crcs = [c for m in index.values() for c in m["crc32c"]]
-        skel = None
-        if (
-            template is not None
-            and template % tuple(crcs) == json.dumps(index)
-            and len(template) + 8 * len(crcs) <= capacity  # any checksums fit
-        ):
-            links = sum(len(v.components) for v in items) if prefix else 0
-            skel = _index_skeleton.capture(
-                tmp, key, stand_in, links, sentinels, (offset, capacity, template)
-            )
-        if skel is None:  # the file gets its real values through HDF5; so will later saves
-            _write_index_file(tmp, p, items, object_graph, metadata, {}, prefix, prefix)
-            captured.append(_index_skeleton.NoSkeleton(key))
-            return
-        values[_INDEX_CRC] = np.int64(crc)
-        fd = os.open(tmp, os.O_WRONLY)
-        try:
-            skel.write(fd, prefix.encode(), crcs, values, _INDEX_CRC)
-        finally:
-            os.close(fd)
-        captured.append(skel)
-
-    atomic_write(p, write)
-    if skeletons is not None:
-        # (the cache compares keys only, whatever it holds)
-        skeletons.put(cast(Any, captured[0] if captured else None))
-    return p
-
-
-def _link_prefix(items: Sequence[LinkedVariable]) -> str | None:
-    """The folder part (up to the last ``/``) shared by every link's file, or None."""
-    first = next((c.file for v in items for c in v.components), "")
-    prefix = first[: first.rfind("/") + 1]
-    for v in items:
-        for c in v.components:
-            if not c.file.startswith(prefix) or "/" in c.file[len(prefix) :]:
-                return None
-    return prefix
-
-
-def _index_structure(
-    items: Sequence[LinkedVariable],
-    object_graph: Mapping[str, Any] | None,
-    metadata: Mapping[str, Any] | None,
-) -> tuple[str, Any]:
-    """The links' shared folder and what an index file's bytes depend on besides it, the
-    component checksums and the header values (None when its links share no folder)."""
-    prefix = _link_prefix(items)
-    if prefix is None or any(v.kind == "sharded" for v in items):
-        # (a sharded variable's stitched value names the parts outside the links: HDF5 writes)
-        return "", None
-    n = len(prefix)
-    records = [
-        (
-            v.path,
-            v.kind,
-            np.dtype(v.dtype),
-            tuple(v.shape),
-            dict(v.attrs),
-            [(c.file[n:], c.dataset) for c in v.components],
-        )
-        for v in items
-    ]
-    meta = metadata_key(metadata)
-    return prefix, (_library_version(), len(prefix.encode()), meta, object_graph, records)
+    return atomic_write(p, lambda tmp: _write_index_file(tmp, p, items, object_graph, metadata))
 
 
 def _write_index_file(
@@ -667,15 +390,10 @@ def _write_index_file(
     items: Sequence[LinkedVariable],
     object_graph: Mapping[str, Any] | None,
     metadata: Mapping[str, Any] | None,
-    values: Mapping[str, Any],
-    prefix: str,
-    stand_in: str,
-) -> tuple[dict[str, Any], tuple[int, int, int], str | None]:
-    """The index file written by HDF5 at ``tmp`` (``values`` override header values, and
-    ``stand_in`` replaces every link's folder ``prefix``); returns the index, where its
-    document lies (offset, capacity, checksum) and its template (None without ``values``)."""
+) -> None:
+    """The index file written by HDF5 at ``tmp``."""
     index: dict[str, Any] = {}
-    with _new_file(tmp, metadata, values) as f:
+    with _new_file(tmp, metadata) as f:
         for var in items:
             if var.path in index:
                 raise InvalidEntryError("is written twice", file=file, variable=var.path)
@@ -688,10 +406,9 @@ def _write_index_file(
             meta["crc32c"] = [int(c.crc32c) for c in var.components]
             links, lcpl, lapl = grp.id.links, grp._lcpl, grp._lapl
             for i, link in enumerate(var.components):
-                target = stand_in + link.file[len(prefix) :]
                 links.create_external(
                     component_name(i).encode(),
-                    target.encode(),
+                    link.file.encode(),
                     link.dataset.encode(),
                     lcpl=lcpl,
                     lapl=lapl,
@@ -712,22 +429,7 @@ def _write_index_file(
                     grp.id, b"value", _file_type(storage), h5py.h5s.create_simple(shape), dcpl=vdcpl
                 )
             index[var.path] = meta
-        template = _index_template(index) if values else None
-        where, _ = _finish_metadata(
-            f, index, object_graph, crc_sentinel=values.get(_INDEX_CRC), template=template
-        )
-    return index, where, template
-
-
-class ColumnsPlace(NamedTuple):
-    """Where a file's columns document lies (data offset, capacity), its checksum, and its
-    text before and after the checksums (see :func:`_columns_parts`)."""
-
-    offset: int
-    capacity: int
-    crc: int
-    head: str
-    tail: str
+        _finish_metadata(f, index, object_graph)
 
 
 def _finish_metadata(
@@ -735,18 +437,13 @@ def _finish_metadata(
     index: dict[str, Any],
     object_graph: Any,
     *,
-    crc_sentinel: Any = None,
-    template: str | None = None,
     columns: bool = False,
-    columns_sentinel: Any = None,
-) -> tuple[tuple[int, int, int], ColumnsPlace | None]:
+) -> None:
     """Record the index (with every component's checksum), with ``columns`` the columns
     document (the same, column by column), and the object graph.
 
     Each document is padded with spaces to a capacity that any later one of the same structure
-    fits in (only checksums change, and each has at most 10 digits). Returns the index's data
-    offset, its capacity and its checksum (the attribute holds ``crc_sentinel`` when given),
-    and where the columns are (their attribute holds ``columns_sentinel`` when given).
+    fits in (only checksums change, and each has at most 10 digits).
     """
     text = json.dumps(index)
     # The capacity depends on the structure alone (not on the checksums' digits), so every save
@@ -754,19 +451,13 @@ def _finish_metadata(
     crcs = [c for m in index.values() for c in m["crc32c"]]
     digits = ", ".join(map(str, crcs))  # (the columns' checksum list)
     separators = 2 * max(len(crcs) - 1, 0)
-    capacity = _skeleton.index_capacity(len(text) - (len(digits) - separators), len(crcs))
-    ds, crc = _write_json(f, INDEX_DATASET, text=text, capacity=capacity, crc_value=crc_sentinel)
-    offset = ds.id.get_offset()
+    capacity = index_capacity(len(text) - (len(digits) - separators), len(crcs))
+    _write_json(f, INDEX_DATASET, text=text, capacity=capacity)
     documents = [INDEX_DATASET]
-    place = None
     if columns:
         head, tail = _columns_parts(index)
-        room = _skeleton.index_capacity(len(head) + len(tail) + separators, len(crcs))
-        cds, ccrc = _write_json(
-            f, COLUMNS_DATASET, text=head + digits + tail, capacity=room, crc_value=columns_sentinel
-        )
-        coffset = cds.id.get_offset()
-        place = ColumnsPlace(-1 if coffset is None else int(coffset), room, ccrc, head, tail)
+        room = index_capacity(len(head) + len(tail) + separators, len(crcs))
+        _write_json(f, COLUMNS_DATASET, text=head + digits + tail, capacity=room)
         documents.append(COLUMNS_DATASET)
     if object_graph is not None:
         _write_json(f, GRAPH_DATASET, object_graph)
@@ -774,4 +465,3 @@ def _finish_metadata(
     # Which documents exist, in the checksummed root header: h5py's get() answers None for a
     # link it cannot follow, so a damaged link would otherwise look like "no graph".
     f.attrs[DOCUMENTS_ATTR] = np.array([d.encode() for d in documents])
-    return ((-1 if offset is None else int(offset)), capacity, crc), place

@@ -258,6 +258,18 @@ class FilePlan:
             for i, (file, dataset) in enumerate(var.external):
                 target = _External(file.encode("utf-8"), dataset.encode("utf-8"))
                 group.links.append((_component_name(i).encode(), target))
+            if layout.sharded:  # the stitched value, over the shards in the other files
+                axis = int(attrs["shard_axis"])
+                bounds = shard_bounds(attrs["shard_offsets"], shape[axis])
+                sources = [dataset for _, dataset in var.external]
+                files = [file for file, _ in var.external]
+                vds = _Dataset(
+                    layout.storage,
+                    shape,
+                    msg.FILL_INCREMENTAL_IFSET,
+                    mapping=mapping(sources, shape, axis, bounds, files=files),
+                )
+                group.links.append((b"value", self._add_special(vds)))
             group.attrs = layout.sig.materialize(shape, row_bytes)  # links vary: no template
             self._rows.append((path, None, first, n))
             return

@@ -25,7 +25,6 @@ import numpy as np
 from parallelvars._dtypes import dtype_name
 from parallelvars._fileio import IOV_MAX, atomic_path, byte_view, checksum, pwrite_all, pwritev_all
 from parallelvars._geometry import shard_shapes
-from parallelvars.checkpoint._skeleton import index_capacity
 from parallelvars.checkpoint.h5io.attributes import _attr_value, _decode, _root_attr_value
 from parallelvars.checkpoint.h5io.columns import _copied
 from parallelvars.checkpoint.h5io.layout import (
@@ -37,7 +36,16 @@ from parallelvars.checkpoint.h5io.layout import (
     _library_version,
     _validate_path,
 )
-from parallelvars.checkpoint.h5io.write import _columns_parts, check_component, metadata_key
+from parallelvars.checkpoint.h5io.records import (
+    RecordList,
+    _index_template,
+    _structure_key,
+    crc_mark,
+    index_capacity,
+    marked_template,
+    metadata_key,
+)
+from parallelvars.checkpoint.h5io.write import _columns_parts, check_component
 from parallelvars.checkpoint.h5raw.generate import FilePlan, Variable
 from parallelvars.checkpoint.h5raw.messages import Unsupported
 from parallelvars.errors import InvalidEntryError
@@ -251,14 +259,87 @@ def write_native_index(
     object_graph: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
     created: float | None = None,
+    cache: Any = None,
 ) -> str:
-    """The index file of a multi-process checkpoint (``h5io.write.write_h5_index``'s
-    content: each component an external link, no columns), through the generator; the
-    ``variables`` are ``LinkedVariable`` records."""
+    """The index file of a multi-process checkpoint (each component an external link into a
+    rank file, no columns; the ``variables`` are ``h5io.write.LinkedVariable`` records),
+    through the generator; returns ``path``.
+
+    With ``cache`` (a :class:`~parallelvars.checkpoint.h5io.records.PlanCache`), a later save
+    of the same structure (the same variables, links, object graph and metadata names) reuses
+    the generated metadata and the index template: only the checksums, the root header values
+    and the document's checksum change. A structure the generator cannot express (a variable
+    with more than :data:`~.generate.MAX_COMPACT_LINKS` components: a group keeps that many
+    external links only in HDF5's dense storage) is written by ``h5io.write.write_h5_index``
+    through libhdf5."""
+    from parallelvars.checkpoint.h5io.write import write_h5_index
+
     p = os.fspath(path)
     items = list(variables)
-    documents = [INDEX_DATASET] + ([GRAPH_DATASET] if object_graph is not None else [])
+    key = None if cache is None else _index_key(items, object_graph, metadata)
+    prep = None if key is None else cache.get(key)
+    if isinstance(prep, Unexpressed):
+        return write_h5_index(p, items, object_graph=object_graph, metadata=metadata)
     root = _root_values(metadata, created)
+    if not isinstance(prep, Prepared):
+        try:
+            prep = _prepare_index(key, items, object_graph, root)
+        except Unsupported:
+            if cache is not None:
+                cache.put(Unexpressed(key))
+            return write_h5_index(p, items, object_graph=object_graph, metadata=metadata)
+        if cache is not None:
+            cache.put(prep)
+    flat = tuple(int(c.crc32c) for v in items for c in v.components)
+    docs = {INDEX_DATASET: (prep.template % flat).encode()}
+    if prep.graph is not None:
+        docs[GRAPH_DATASET] = prep.graph
+    docs = _fitted(prep, docs)
+    with prep.lock:
+        refresh = prep.plan.refresh(
+            _changing(root), {k: _crc32c.crc32c(v) for k, v in docs.items()}
+        )
+    with atomic_path(p) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            os.ftruncate(fd, prep.file_size)
+            pwrite_all(fd, memoryview(prep.image), 0)
+            for offset, data in refresh:
+                pwrite_all(fd, memoryview(data), offset)
+            for name, data in docs.items():
+                pwrite_all(fd, memoryview(data), prep.documents[name])
+        finally:
+            os.close(fd)
+    return p
+
+
+def _index_key(
+    items: Sequence[Any], object_graph: Mapping[str, Any] | None, metadata: Mapping[str, Any] | None
+) -> Any:
+    """What an index file's bytes depend on besides the checksums and the header values."""
+    records = tuple(
+        (
+            v.path,
+            v.kind,
+            np.dtype(v.dtype),
+            tuple(map(int, v.shape)),
+            dict(v.attrs),
+            tuple((c.file, c.dataset) for c in v.components),
+        )
+        for v in items
+    )
+    return ("index", _library_version(), metadata_key(metadata), object_graph, records)
+
+
+def _prepare_index(
+    key: Any,
+    items: Sequence[Any],
+    object_graph: Mapping[str, Any] | None,
+    root: Mapping[str, Any],
+) -> Prepared:
+    """An index file's plan, metadata image and index template."""
+    documents = [INDEX_DATASET] + ([GRAPH_DATASET] if object_graph is not None else [])
+    root = dict(root)
     root[DOCUMENTS_ATTR] = np.array([d.encode() for d in documents])
     plan_vars = []
     index: dict[str, Any] = {}
@@ -282,27 +363,36 @@ def write_native_index(
             if val is not None and k not in meta
         }
         meta["offsets"] = [None] * n
-        meta["crc32c"] = [int(c.crc32c) for c in v.components]
+        meta["crc32c"] = crc_mark(n)
         index[v.path] = meta
     plan = FilePlan(plan_vars, root_attrs=root, documents=documents)
-    docs = index_documents(index, columns=False)
+    template = marked_template(index)
+    if template is None:  # (a value with a mark's text: made record by record)
+        for v in items:
+            index[v.path]["crc32c"] = [int(c.crc32c) for c in v.components]
+        template = _index_template(index)
+    checksums = sum(len(v.components) for v in items)
+    bare = len(template) - template.count("%%") - 2 * checksums
+    capacities = {INDEX_DATASET: index_capacity(bare, checksums)}
+    graph = None
     if object_graph is not None:
-        docs[GRAPH_DATASET] = json.dumps(object_graph).encode()
-    out = plan.metadata(
-        {k: len(d) for k, d in docs.items()},
-        document_checksums={k: _crc32c.crc32c(d) for k, d in docs.items()},
+        graph = json.dumps(object_graph).encode()
+        capacities[GRAPH_DATASET] = len(graph)
+    meta_out = plan.metadata(capacities)
+    plan.release()
+    (at, image), *rest = meta_out.pieces
+    assert at == 0 and not rest
+    return Prepared(
+        key,
+        plan,
+        image,
+        meta_out.file_size,
+        meta_out.documents,
+        template,
+        capacities,
+        ("", ""),
+        graph,
     )
-    with atomic_path(p) as tmp:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        try:
-            os.ftruncate(fd, out.file_size)
-            for offset, data in out.pieces:
-                pwrite_all(fd, memoryview(data), offset)
-            for name, data in docs.items():
-                pwrite_all(fd, memoryview(data), out.documents[name])
-        finally:
-            os.close(fd)
-    return p
 
 
 # ----------------------------------------------------------------------------- the save path
@@ -421,7 +511,6 @@ def save_native(
     object_graph: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
     cache: Any = None,
-    skeletons: Any = None,
     checksums: dict[str, list[int]] | None = None,
     share_equal: bool = True,
 ) -> str:
@@ -433,7 +522,7 @@ def save_native(
     checksummed first; with ``share_equal``, components of a variable (not sharded) whose
     bytes are equal are stored once, the other names hard links to the first one's dataset.
     The metadata comes from the generator, or, for a structure written before with the same
-    ``cache`` (a :class:`~parallelvars.checkpoint._skeleton.SkeletonCache`), from the cached
+    ``cache`` (a :class:`~parallelvars.checkpoint.h5io.records.PlanCache`), from the cached
     :class:`Prepared` with the changing values put in; the component bytes are written in
     gathered ``pwritev`` calls from the arrays themselves (no copy), then checksummed again (a
     buffer another thread changed meanwhile fails the save). Entries read from other files are
@@ -441,16 +530,15 @@ def save_native(
 
     What the generator cannot express (``bytes`` variables, an attribute message over 64 KiB,
     a group of more than :data:`~.generate.MAX_COMPACT_LINKS` external links...) is written
-    by ``h5io.write.write_h5`` through libhdf5, with its skeleton cache ``skeletons``.
+    by ``h5io.write.write_h5`` through libhdf5 (the cache then remembers that the structure
+    takes that path).
     """
-    from parallelvars.checkpoint.h5io.write import RecordList
-
     p = os.fspath(path)
     if isinstance(entries, RecordList):  # (keeps its structure key from save to save)
         items: list[Any] = entries
     else:
         items = list(entries.values()) if isinstance(entries, Mapping) else list(entries)
-    return _save_native(p, items, object_graph, metadata, cache, skeletons, checksums, share_equal)
+    return _save_native(p, items, object_graph, metadata, cache, checksums, share_equal)
 
 
 def _plan_key(
@@ -458,9 +546,7 @@ def _plan_key(
 ) -> Any:
     """The key a structure's cached plan is found by: for a ``RecordList``, its structure
     token (records with the same token have the same structure) with what else the file's
-    bytes depend on; else :func:`~parallelvars.checkpoint.h5io.write._structure_key`."""
-    from parallelvars.checkpoint.h5io.write import RecordList, _structure_key
-
+    bytes depend on; else :func:`~parallelvars.checkpoint.h5io.records._structure_key`."""
     if isinstance(items, RecordList):
         return (_library_version(), metadata_key(metadata), items.token, object_graph)
     return _structure_key(items, object_graph, metadata)
@@ -472,7 +558,6 @@ def _save_native(
     object_graph: Mapping[str, Any] | None,
     metadata: Mapping[str, Any] | None,
     cache: Any,
-    skeletons: Any,
     checksums: dict[str, list[int]] | None,
     share_equal: bool,
 ) -> str:
@@ -486,7 +571,6 @@ def _save_native(
             items,
             object_graph=object_graph,
             metadata=metadata,
-            skeletons=skeletons,
             checksums=checksums,
         )
     try:
@@ -502,7 +586,6 @@ def _save_native(
             items,
             object_graph=object_graph,
             metadata=metadata,
-            skeletons=skeletons,
             checksums=checksums,
         )
     return p
@@ -548,8 +631,6 @@ def _index_of(
 ) -> dict[str, Any]:
     """The index of ``items`` as the plan lays them out; with ``crcs`` None, each record's
     checksums are its ``crc_mark`` (for ``marked_template``)."""
-    from parallelvars.checkpoint.h5io.write import crc_mark
-
     index: dict[str, Any] = {}
     names: dict[np.dtype, str] = {}
     decoded: dict[Any, Any] = {}
@@ -628,8 +709,6 @@ def _prepare(
     file: str,
 ) -> Prepared:
     """A structure's plan, metadata image and document templates."""
-    from parallelvars.checkpoint.h5io.write import _index_template, marked_template
-
     plan, _ = _plan_for(items, shared, object_graph, root, file)
     flat = [c for cc in crcs for c in cc]
     index = _index_of(items, plan, None)
@@ -680,15 +759,24 @@ def _documents(prep: Prepared, flat: Sequence[int]) -> dict[str, bytes]:
     }
     if prep.graph is not None:
         docs[GRAPH_DATASET] = prep.graph
+    return _fitted(prep, docs)
+
+
+def _fitted(prep: Prepared, docs: dict[str, bytes]) -> dict[str, bytes]:
+    """The documents padded with spaces to their capacities (checked: the structure's key
+    holds what sizes them)."""
+    out = {}
     for name, data in docs.items():
-        if len(data) != prep.capacities[name]:  # (the structure's key holds what sizes them)
+        room = prep.capacities[name]
+        if len(data) > room:
             raise InvalidEntryError(
                 "a document does not fit the room its structure gives it",
                 variable=name,
-                expected=f"{prep.capacities[name]} bytes",
+                expected=f"{room} bytes",
                 found=f"{len(data)} bytes",
             )
-    return docs
+        out[name] = data.ljust(room, b" ")
+    return out
 
 
 def _checksummed(

@@ -48,15 +48,21 @@ def _hyperslab_v3(start: Sequence[int], block: Sequence[int]) -> bytes:
 
 
 def mapping(
-    sources: Sequence[str], shape: Sequence[int], axis: int, bounds: Sequence[int]
+    sources: Sequence[str],
+    shape: Sequence[int],
+    axis: int,
+    bounds: Sequence[int],
+    *,
+    files: Sequence[str] | None = None,
 ) -> bytes:
     """The mapping of a virtual dataset of ``shape`` made of the datasets ``sources`` (absolute
-    paths in the same file), source ``i`` holding rows ``bounds[i]:bounds[i + 1]`` of
-    ``axis``."""
+    paths in the same file, or with ``files`` in those files: names as the links to them
+    have them), source ``i`` holding rows ``bounds[i]:bounds[i + 1]`` of ``axis``."""
     out = [struct.pack("<BQ", 0, len(sources))]
     for i, name in enumerate(sources):
         lo, hi = int(bounds[i]), int(bounds[i + 1])
-        out.append(b".\x00" + name.encode("utf-8") + b"\x00" + _ALL)
+        file = b"." if files is None else files[i].encode("utf-8")
+        out.append(file + b"\x00" + name.encode("utf-8") + b"\x00" + _ALL)
         if hi <= lo or 0 in [d for k, d in enumerate(shape) if k != axis]:
             out.append(_NONE)
         else:

@@ -1,8 +1,6 @@
 """Repeated saves written from a structure's cached metadata are the files a first save of the
 same content writes (the generator, ``h5raw/native.py``), and what h5py reads of them is what it
-reads of the file libhdf5 writes; the libhdf5 writer's own skeleton (``checkpoint/_skeleton.py``,
-kept for the multi-process save and for what the generator cannot express) repeats byte for
-byte what HDF5 writes."""
+reads of the file libhdf5 writes."""
 
 from __future__ import annotations
 
@@ -24,7 +22,7 @@ from parallelvars.checkpoint import H5Reader
 from parallelvars.checkpoint.h5io import write_h5
 from parallelvars.checkpoint.h5raw import native
 from parallelvars.errors import CheckpointWriteError
-from parallelvars.testing import h5_skeleton as _skeleton
+from parallelvars.testing import PlanCache, fileio, lookup3
 
 CREATED = 1_700_000_000.25
 
@@ -64,7 +62,7 @@ def plain_write(ckpt: pv.Checkpoint, path: str) -> str:
 
 
 def h5py_write(ckpt: pv.Checkpoint, path: str) -> str:
-    """The same checkpoint written by HDF5 alone (no skeleton)."""
+    """The same checkpoint written by libhdf5 (the reference writer)."""
     records, graph, metadata = ckpt._gather(False)
     return write_h5(path, records, object_graph=graph, metadata=metadata)
 
@@ -131,10 +129,10 @@ def read(path: str) -> bytes:
 
 def test_lookup3_matches_the_reference_vectors() -> None:
     # Bob Jenkins' lookup3.c driver: hashlittle("", 0, 0) and the "Four score" vectors.
-    assert _skeleton.lookup3(b"", 0) == 0xDEADBEEF
+    assert lookup3(b"", 0) == 0xDEADBEEF
     text = b"Four score and seven years ago"
-    assert _skeleton.lookup3(text, 0) == 0x17770551
-    assert _skeleton.lookup3(text, 1) == 0xCD628161
+    assert lookup3(text, 0) == 0x17770551
+    assert lookup3(text, 1) == 0xCD628161
 
 
 def test_repeated_save_is_the_file_hdf5_writes(tmp_path, fixed_clock) -> None:
@@ -142,7 +140,7 @@ def test_repeated_save_is_the_file_hdf5_writes(tmp_path, fixed_clock) -> None:
     step = pv.Variable(np.int64(0), name="step")
     ckpt = pv.Checkpoint(model=m, step=step)
     first = ckpt.save(tmp_path / "run")  # generated; its metadata cached
-    assert isinstance(ckpt._pv_plans._skeleton, native.Prepared)
+    assert isinstance(ckpt._pv_plans.held, native.Prepared)
     for k in (2, 3):
         change_values(m, k)
         step.assign(k * 10)
@@ -182,13 +180,13 @@ def test_first_save_is_the_plain_file(tmp_path, fixed_clock) -> None:
 
 
 @pytest.mark.parametrize("change", ["add", "shape", "dtype", "reorder", "attrs"])
-def test_a_changed_structure_rebuilds_the_skeleton(tmp_path, fixed_clock, change) -> None:
+def test_a_changed_structure_makes_a_new_plan(tmp_path, fixed_clock, change) -> None:
     m = pv.Module()
     m.a = pv.Variable(np.ones(4, np.float32), name="a")
     m.b = pv.Variable(np.arange(3, dtype=np.int32), name="b")
     ckpt = pv.Checkpoint(model=m)
     ckpt.write(tmp_path / "one.h5")
-    before = ckpt._pv_plans._skeleton
+    before = ckpt._pv_plans.held
     if change == "add":
         m.c = pv.Variable(np.zeros(2, np.float64), name="c")
     elif change == "shape":
@@ -200,7 +198,7 @@ def test_a_changed_structure_rebuilds_the_skeleton(tmp_path, fixed_clock, change
     else:
         m.a = pv.Variable(np.ones(4, np.float32), name="renamed", trainable=False)
     path = ckpt.write(tmp_path / "two.h5")
-    assert ckpt._pv_plans._skeleton is not before
+    assert ckpt._pv_plans.held is not before
     plain = plain_write(ckpt, str(tmp_path / "plain.h5"))
     with open(path, "rb") as fa, open(plain, "rb") as fb:
         assert fa.read() == fb.read()
@@ -229,7 +227,7 @@ def test_a_failed_repeated_save_leaves_the_last_good_file(tmp_path, monkeypatch)
     assert read(path) == good
     assert sorted(os.listdir(tmp_path)) == ["c.h5"]  # no temporary left behind
     monkeypatch.undo()
-    ckpt.write(path)  # the skeleton is still sound
+    ckpt.write(path)  # the cached plan is still sound
     with H5Reader(path) as r:
         assert r.verify_all() == [] and r["model/a"].value()[0] == 7
 
@@ -237,8 +235,7 @@ def test_a_failed_repeated_save_leaves_the_last_good_file(tmp_path, monkeypatch)
 def test_byte_strings_are_written_by_hdf5_every_time(tmp_path) -> None:
     ckpt = pv.Checkpoint(s=pv.Variable(np.array([b"ab", b"c"], dtype=object), name="s"))
     ckpt.write(tmp_path / "a.h5")
-    assert ckpt._pv_skeletons._skeleton is None
-    assert isinstance(ckpt._pv_plans._skeleton, native.Unexpressed)  # (the generator cannot)
+    assert isinstance(ckpt._pv_plans.held, native.Unexpressed)  # (the generator cannot)
     path = ckpt.write(tmp_path / "b.h5")
     with H5Reader(path) as r:
         assert r.verify_all() == [] and r["s"].value().tolist() == [b"ab", b"c"]
@@ -289,17 +286,8 @@ def test_any_structure_repeats_byte_for_byte(tmp_path_factory, fixed_clock, spec
 
 
 def test_a_key_that_does_not_compare_is_a_miss() -> None:
-    cache = _skeleton.SkeletonCache()
-    skel = _skeleton.Skeleton(
-        key=("v", {"a": np.arange(3)}),
-        file_size=0,
-        pieces=[],
-        offsets=np.zeros(0, np.int64),
-        nbytes=np.zeros(0, np.int64),
-        inline=np.zeros(0, bool),
-        index_offset=0,
-        index_capacity=0,
-    )
+    cache = PlanCache()
+    skel = native.Unexpressed(("v", {"a": np.arange(3)}))
     cache.put(skel)
     assert cache.get(("v", {"a": np.arange(3)})) is None  # arrays: no truth value, no reuse
     assert cache.get(skel.key) is skel
@@ -307,18 +295,18 @@ def test_a_key_that_does_not_compare_is_a_miss() -> None:
     assert cache.get(skel.key) is None
 
 
-def test_manager_saves_blocking_or_not_reuse_the_skeleton(tmp_path, fixed_clock) -> None:
+def test_manager_saves_blocking_or_not_reuse_the_plan(tmp_path, fixed_clock) -> None:
     m = make_model()
     ckpt = pv.Checkpoint(model=m)
     with pv.CheckpointManager(ckpt, tmp_path / "run", max_to_keep=None) as mgr:
         mgr.save()
-        first = ckpt._pv_plans._skeleton
+        first = ckpt._pv_plans.held
         assert isinstance(first, native.Prepared)
         for k, blocking in ((2, False), (3, True), (4, False)):
             change_values(m, k)
             path = mgr.save(blocking=blocking)
             mgr.wait()
-            assert ckpt._pv_plans._skeleton is first  # the same structure: reused
+            assert ckpt._pv_plans.held is first  # the same structure: reused
             plain = plain_write(ckpt, str(tmp_path / f"plain-{k}.h5"))
             assert read(path) == read(plain)
     fresh = make_model()
@@ -545,7 +533,7 @@ def test_a_short_gathered_write_is_resumed(tmp_path, monkeypatch) -> None:
     path = tmp_path / "f.bin"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT)
     try:
-        _skeleton.pwritev_all(fd, bufs, 4, sum(b.nbytes for b in bufs))
+        fileio.pwritev_all(fd, bufs, 4, sum(b.nbytes for b in bufs))
     finally:
         os.close(fd)
     assert read(str(path)) == b"\0" * 4 + b"".join(b.tobytes() for b in bufs)
@@ -555,20 +543,20 @@ def test_the_writer_hands_back_the_checksums_its_index_records(tmp_path) -> None
     # A multi-process save gathers every rank's checksums from the writer for its index file.
     m = make_model()
     ckpt = pv.Checkpoint(m=m)
-    cache = _skeleton.SkeletonCache()
+    cache = PlanCache()
     records, graph, metadata = ckpt._gather(False)
-    for k in range(3):  # by HDF5 (and captured), then from the skeleton
+    for k in range(3):  # a plan made by the first, used by the others
         change_values(m, k)
         found: dict[str, list[int]] = {}
-        path = write_h5(
+        path = native.save_native(
             tmp_path / f"c{k}.h5",
             records,
             object_graph=graph,
             metadata=metadata,
-            skeletons=cache,
+            cache=cache,
             checksums=found,
         )
-        assert cache._skeleton is not None  # captured by the first: the others used it
+        assert isinstance(cache.held, native.Prepared)
         with h5py.File(path, "r") as f:
             index = json.loads(bytes(f["_parallelvars/index"][()]))
         assert found == {p: meta["crc32c"] for p, meta in index.items()}
