@@ -71,6 +71,7 @@ from parallelvars.checkpoint.h5raw.objects import Dataset as _Dataset
 from parallelvars.checkpoint.h5raw.objects import External as _External
 from parallelvars.checkpoint.h5raw.objects import Group as _Group
 from parallelvars.checkpoint.h5raw.objects import Layout as _Layout
+from parallelvars.checkpoint.h5raw.objects import adopt as _adopt
 from parallelvars.checkpoint.h5raw.objects import attrs_key as _attrs_key
 from parallelvars.checkpoint.h5raw.objects import encode_attribute
 from parallelvars.checkpoint.h5raw.objects import signature as _signature
@@ -187,8 +188,7 @@ class FilePlan:
         parent_path, _, name = path.rpartition("/")
         parent = self._group_of(parent_path)
         group = self._by_path[path] = _Group()
-        parent.links.append((name.encode("utf-8"), group))
-        parent.children.append(group)
+        _adopt(parent, name.encode("utf-8"), group)
         return group
 
     def _add_special(self, ds: _Dataset) -> int:
@@ -243,14 +243,8 @@ class FilePlan:
         if row is not None and not isinstance(row, str):
             raise msg.Unsupported(f"attribute {_ROW_STRING!r} that is not a string")
         by_path = self._by_path
-        group = by_path.get(path)
-        if group is None:
-            parent_path, _, name = path.rpartition("/")
-            parent = by_path.get(parent_path) or self._group_of(parent_path)
-            group = by_path[path] = _Group()
-            parent.links.append((name.encode("utf-8"), group))
-            parent.children.append(group)
-        elif group.attrs or group.layout is not None:
+        group = by_path.get(path)  # (made already as the parent of an earlier variable)
+        if group is not None and (group.attrs or group.layout is not None):
             raise InvalidEntryError("is written twice", variable=path)
         key = (
             var.kind,
@@ -268,6 +262,8 @@ class FilePlan:
         row_bytes = None if row is None else row.encode("utf-8")
         first = len(self._ds_key)
         if external is not None:
+            if group is None:
+                group = self._group_of(path)
             n = layout.n
             if len(external) != n:
                 raise InvalidEntryError(
@@ -279,11 +275,17 @@ class FilePlan:
             group.attrs = layout.sig.materialize(shape, row_bytes)  # links vary: no template
             self._rows.append((path, None, first, n))
             return
-        group.layout = layout
-        group.shape = shape
-        group.row = row_bytes
-        group.first_ds = first
-        group.comp_at = len(group.links)
+        if group is None:  # (the common case: a group without lists of its own)
+            parent_path, _, name = path.rpartition("/")
+            parent = by_path.get(parent_path) or self._group_of(parent_path)
+            group = by_path[path] = _Group.leaf(layout, shape, row_bytes, first)
+            _adopt(parent, name.encode("utf-8"), group)
+        else:
+            group.layout = layout
+            group.shape = shape
+            group.row = row_bytes
+            group.first_ds = first
+            group.comp_at = len(group.links)
         layout.groups.append(group)
         if layout.sharded:
             axis = int(attrs["shard_axis"])
@@ -341,6 +343,7 @@ class FilePlan:
         layout = g.layout
         assert layout is not None
         g.attrs = layout.sig.materialize(g.shape, g.row)
+        g.links = list(g.links)  # (a leaf group's are shared: see Group.leaf)
         g.links[g.comp_at : g.comp_at] = [
             (name, g.first_ds + d) for name, d in zip(layout.names, layout.link_ds, strict=True)
         ]

@@ -28,7 +28,7 @@ from parallelvars._geometry import shard_shapes
 from parallelvars.checkpoint._gcfreeze import freeze_made_so_far
 from parallelvars.checkpoint._skeleton import index_capacity
 from parallelvars.checkpoint.h5io.attributes import _attr_value, _decode, _root_attr_value
-from parallelvars.checkpoint.h5io.columns import _copied
+from parallelvars.checkpoint.h5io.columns import _copied, record_documents
 from parallelvars.checkpoint.h5io.layout import (
     COLUMNS_DATASET,
     DOCUMENTS_ATTR,
@@ -640,16 +640,20 @@ def _prepare(
     plan = _plan_for(items, shared, object_graph, root, file)
     freeze_made_so_far()  # (the plan's objects live until the image is made)
     count = sum(map(len, crcs))
-    index = _index_of(items, plan, None)
-    template = marked_template(index)
-    if template is None:  # (a value with a mark's text: made record by record)
-        index = _index_of(items, plan, crcs)
-        template = _index_template_by_record(index)
+    parts = record_documents(items, plan.offsets)
+    if parts is not None:
+        template, head, tail = parts
+    else:  # (an attribute key that is not a string: through the index's objects)
+        index = _index_of(items, plan, None)
+        template = marked_template(index)
+        if template is None:  # (a value with a mark's text: made record by record)
+            index = _index_of(items, plan, crcs)
+            template = _index_template_by_record(index)
+        head, tail = _columns_parts(index)
+        del index
     # the index without its checksums' digits: each "%%" of the template is one "%", each
     # "%d" one checksum
     bare = len(template) - template.count("%%") - 2 * count
-    head, tail = _columns_parts(index)
-    del index  # (its objects: about a kilobyte per record, not kept while the image is made)
     capacities = document_capacities(bare, (head, tail), count)
     graph = None
     if object_graph is not None:
