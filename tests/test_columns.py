@@ -428,3 +428,86 @@ def test_a_checksum_changed_in_the_columns_fails_the_restore(small: str) -> None
     with pytest.raises(ParallelVarsError, match="checksum"):
         pv.Checkpoint(model=m).restore(small)
     np.testing.assert_array_equal(m.w.components[0], np.zeros((3, 4)))  # all or nothing
+
+
+# ----------------------------------------------------------------------------- from records
+_ATTR_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(1 << 63), (1 << 63) - 1),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([-0.0, 0.0, np.float32(1.5), np.int64(-3), np.bool_(True)]),
+    st.text(max_size=8),
+    st.sampled_from(["json:{}", "json:[1, 2]", "json:nope", "%d", "%s%%", "\x00", '"', "\ue000"]),
+    st.lists(st.text(max_size=4), max_size=3),
+    st.lists(st.sampled_from(["a", "json:1", "%"]), max_size=3),
+    st.lists(st.integers(-5, 5), max_size=3),
+    st.lists(st.one_of(st.booleans(), st.floats(allow_nan=False), st.text(max_size=2)), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+_ATTR_KEYS = st.one_of(
+    st.sampled_from(["name", "slot_of", "slot_name", "devices", "kind", "shape", "aggregation"]),
+    st.text(max_size=5),
+)
+
+
+@st.composite
+def _records(draw: Any) -> list[Any]:
+    from types import SimpleNamespace
+
+    count = draw(st.integers(0, 6))
+    paths = draw(
+        st.lists(st.text(min_size=1, max_size=6), min_size=count, max_size=count, unique=True)
+    )
+    out = []
+    for path in paths:
+        n = draw(st.integers(0, 4))
+        out.append(
+            SimpleNamespace(
+                path=path,
+                kind=draw(st.sampled_from(["mirrored", "on_read", "sharded", "single", "k%\x00"])),
+                dtype=np.dtype(
+                    draw(st.sampled_from(["<f4", "|b1", "<i8", "|u1", ml_dtypes.bfloat16]))
+                ),
+                shape=tuple(draw(st.lists(st.integers(0, 9), max_size=3))),
+                num_components=n,
+                attrs=draw(st.dictionaries(_ATTR_KEYS, _ATTR_VALUES, max_size=5)),
+                offsets=draw(
+                    st.lists(st.one_of(st.none(), st.integers(0, 1 << 40)), min_size=n, max_size=n)
+                ),
+                crcs=draw(st.lists(st.integers(0, (1 << 32) - 1), min_size=n, max_size=n)),
+            )
+        )
+    return out
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_records())
+def test_documents_from_records_are_the_index_and_its_columns(records: list[Any]) -> None:
+    """A first save writes the index and the columns from each record's fields' texts
+    (columns.record_documents), without the index's objects: the same text as json.dumps of
+    the index the writer records, and as the columns document made from that index."""
+    from types import SimpleNamespace
+
+    from parallelvars.checkpoint.h5io.columns import record_documents
+    from parallelvars.checkpoint.h5raw.native import _index_of
+
+    offsets = {r.path: list(r.offsets) for r in records}
+    made = record_documents(records, offsets)
+    assert made is not None
+    template, head, tail = made
+    crcs = [r.crcs for r in records]
+    index = _index_of(records, SimpleNamespace(offsets=offsets), crcs)
+    assert template % tuple(c for cc in crcs for c in cc) == json.dumps(index)
+    assert (head, tail) == _columns_parts(index)
+
+
+def test_documents_from_records_leave_keys_that_are_not_strings_to_the_index() -> None:
+    from types import SimpleNamespace
+
+    from parallelvars.checkpoint.h5io.columns import record_documents
+
+    rec = SimpleNamespace(
+        path="a", kind="single", dtype=np.dtype("<f4"), shape=(), num_components=1, attrs={1: "x"}
+    )
+    assert record_documents([rec], {"a": [None]}) is None

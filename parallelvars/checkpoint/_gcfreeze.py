@@ -22,7 +22,7 @@ import gc
 import threading
 from collections.abc import Iterator
 
-__all__ = ["older_objects_frozen"]
+__all__ = ["freeze_made_so_far", "older_objects_frozen"]
 
 _lock = threading.Lock()
 _depth = 0  # restores inside, all threads
@@ -47,3 +47,14 @@ def older_objects_frozen() -> Iterator[None]:
             if _depth == 0 and _ours:
                 gc.unfreeze()
                 _ours = False
+
+
+def freeze_made_so_far() -> None:
+    """Inside :func:`older_objects_frozen` (and only where it froze the objects itself): freeze
+    the objects made since too. For a long operation that keeps what it made until it ends (a
+    first save's records, plan and index: a few containers per variable), so that the
+    collections its later steps trigger do not walk them again and again; they are given back
+    to the collector with the others when the outermost block ends."""
+    with _lock:
+        if _depth > 0 and _ours:
+            gc.freeze()

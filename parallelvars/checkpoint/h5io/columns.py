@@ -10,7 +10,7 @@ import bisect
 import itertools
 import json
 import operator
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -90,6 +90,140 @@ def _columns_parts(index: Mapping[str, Any]) -> tuple[str, str]:
         "offsets": offsets,
     }
     return json.dumps(doc)[:-1] + ', "crc32c": [', "]}"
+
+
+_ENCODE = json.encoder.encode_basestring_ascii  # (how json.dumps writes a string)
+_META_KEYS = frozenset({"kind", "dtype", "shape", "num_components"})
+
+
+def record_documents(
+    records: Sequence[Any], offsets: Mapping[str, Sequence[int | None]]
+) -> tuple[str, str, str] | None:
+    """The index document of ``records`` (entries with ``path``, ``kind``, ``dtype``,
+    ``shape``, ``num_components``, ``attrs``) whose components lie at ``offsets`` (by path),
+    as a template with a ``%d`` for each checksum, and its columns document's parts (see
+    :func:`_columns_parts`): the texts of ``json.dumps(index) % ...`` and
+    ``_columns_parts(index)`` for the index a writer records of them, made from each field's
+    JSON text without building the index (no dictionary or list per record). The texts of
+    values that recur (dtype names, attribute keys, strings and lists of strings...) are
+    made once. None for a record whose attributes have a key that is not a string (the
+    caller builds the index instead)."""
+    from parallelvars._dtypes import dtype_name
+    from parallelvars.checkpoint.h5io.attributes import _attr_value, _decode
+
+    enc = _ENCODE
+    dtypes: dict[Any, str] = {}
+    keys: dict[str, str] = {}
+    texts: dict[Any, str] = {}  # a value's key -> its text (strings and lists of strings)
+    marks: dict[int, str] = {}
+    layouts: dict[tuple[Any, ...], int] = {}
+    layout_texts: list[str] = []
+    index: list[str] = []
+    paths: list[str] = []
+    rows: list[int] = []
+    row_keys = COLUMNS_ROW_ATTRS
+    row_columns: list[list[str]] = [[] for _ in row_keys]
+    shapes: list[str] = []
+    places: list[str] = []
+    for e in records:
+        path = enc(e.path)
+        dt = e.dtype
+        dtype = dtypes.get(dt)
+        if dtype is None:
+            dtype = dtypes[dt] = enc(dtype_name(np.dtype(dt)))
+        kind = enc(e.kind)
+        n = int(e.num_components)
+        shape = ", ".join([str(int(d)) for d in e.shape])
+        attrs: list[str] = []
+        fixed: list[str] = []
+        row_values = ["null"] * len(row_keys)
+        for key, val in e.attrs.items():
+            if val is None or key in _META_KEYS:
+                continue
+            if type(key) is not str:
+                return None
+            t = type(val)
+            # what the file's attribute decodes to is the value itself for these (strings
+            # that are not "json:" text, booleans, integers of int64)
+            if t is str and not val.startswith("json:"):
+                text = texts.get(val)
+                if text is None:
+                    text = texts[val] = enc(val)
+            elif t is bool:
+                text = "true" if val else "false"
+            elif t is int and -(1 << 63) <= val < 1 << 63:
+                text = int.__repr__(val)
+            elif t is list and all(type(x) is str and not x.startswith("json:") for x in val):
+                text = "[" + ", ".join(map(enc, val)) + "]"
+            else:
+                vkey = _value_key(val)
+                text = texts.get(vkey) if vkey is not None else None
+                if text is None:
+                    text = json.dumps(_decode(_attr_value(val)))
+                    if vkey is not None:
+                        texts[vkey] = text
+            name = keys.get(key)
+            if name is None:
+                name = keys[key] = enc(key)
+            item = name + ": " + text
+            attrs.append(item)
+            if key in row_keys:
+                row_values[row_keys.index(key)] = text
+                fixed.append(name + ": null")
+            else:
+                fixed.append(item)
+        place = ", ".join(["null" if o is None else str(o) for o in offsets[e.path]])
+        mark = marks.get(n)
+        if mark is None:
+            mark = marks[n] = ", ".join(["%d"] * n)
+        body = (
+            f'{path}: {{"kind": {kind}, "dtype": {dtype}, "shape": [{shape}], '
+            f'"num_components": {n}, "attrs": {{{", ".join(attrs)}}}, "offsets": [{place}], '
+            '"crc32c": ['
+        )
+        if "%" in body:  # (the template's text: each "%" of the document doubled)
+            body = body.replace("%", "%%")
+        index.append(f"{body}{mark}]}}")
+        ndim = len(e.shape)
+        fixed_text = ", ".join(fixed)
+        layout = (kind, dtype, ndim, n, fixed_text)
+        number = layouts.get(layout)
+        if number is None:
+            number = layouts[layout] = len(layout_texts)
+            layout_texts.append(
+                f'{{"kind": {kind}, "dtype": {dtype}, "ndim": {ndim}, "num_components": {n}, '
+                f'"attrs": {{{fixed_text}}}}}'
+            )
+        paths.append(path)
+        rows.append(number)
+        for column, value in zip(row_columns, row_values, strict=True):
+            column.append(value)
+        if shape:
+            shapes.append(shape)
+        if place:
+            places.append(place)
+    template = "{" + ", ".join(index) + "}"  # (one copy of the records' texts)
+    del index
+    row_attrs = ", ".join(
+        f"{enc(k)}: [{', '.join(c)}]" for k, c in zip(row_keys, row_columns, strict=True)
+    )
+    head = (
+        f'{{"version": {COLUMNS_VERSION}, "layouts": [{", ".join(layout_texts)}], '
+        f'"paths": [{", ".join(paths)}], "layout": [{", ".join(map(str, rows))}], '
+        f'"row_attrs": {{{row_attrs}}}, "shapes": [{", ".join(shapes)}], '
+        f'"offsets": [{", ".join(places)}], "crc32c": ['
+    )
+    return template, head, "]}"
+
+
+def _value_key(value: Any) -> Any:
+    """A key for an attribute value whose text is worth keeping (None: none)."""
+    t = type(value)
+    if t is str:
+        return (t, value)
+    if t is list and all(type(x) is str for x in value):
+        return ("strs", *value)
+    return None
 
 
 def _malformed(

@@ -63,12 +63,17 @@ def sound_as_generated(reader: H5Reader) -> bool:
     """Whether ``reader``'s file is exactly what the generator writes for its own index, with
     every component's bytes matching its checksum (see the module docstring). False says
     only that this check does not vouch for the file: the general path decides."""
+    from parallelvars.checkpoint._gcfreeze import older_objects_frozen
+
     try:
         if not _headers_first(reader):
             return False
-        parts = _regenerate(reader, share_empty=True)
-        if parts is None and reader._empty_shared_ambiguous:
-            parts = _regenerate(reader, share_empty=False)
+        # (the index and the plan: a few containers per variable, alive until the end; the
+        # collector does not walk the objects that existed before again and again meanwhile)
+        with older_objects_frozen():
+            parts = _regenerate(reader, share_empty=True)
+            if parts is None and reader._empty_shared_ambiguous:
+                parts = _regenerate(reader, share_empty=False)
         return parts is not None and _components_sound(reader, parts)
     except (ParallelVarsError, *_H5_ERRORS, ValueError, TypeError, KeyError, OverflowError):
         return False

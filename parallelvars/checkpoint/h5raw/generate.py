@@ -71,6 +71,7 @@ from parallelvars.checkpoint.h5raw.objects import Dataset as _Dataset
 from parallelvars.checkpoint.h5raw.objects import External as _External
 from parallelvars.checkpoint.h5raw.objects import Group as _Group
 from parallelvars.checkpoint.h5raw.objects import Layout as _Layout
+from parallelvars.checkpoint.h5raw.objects import adopt as _adopt
 from parallelvars.checkpoint.h5raw.objects import attrs_key as _attrs_key
 from parallelvars.checkpoint.h5raw.objects import encode_attribute
 from parallelvars.checkpoint.h5raw.objects import signature as _signature
@@ -137,7 +138,11 @@ class FilePlan:
         root_attrs: Mapping[str, Any],
         documents: Sequence[str] = (),
         align: int = 8,
+        shared: Sequence[Sequence[int] | None] | None = None,
     ) -> None:
+        """``variables``: :class:`Variable` records, or any entries with their fields but
+        ``shared`` and ``external`` (a save's records, passed as they are: no object is made
+        per variable to hold them) with each one's ``shared`` given in ``shared``."""
         self._root = _Group()
         self._root.attrs = [encode_attribute(k, v) for k, v in root_attrs.items()]
         self._root_values = {a.name: i for i, a in enumerate(self._root.attrs)}
@@ -157,8 +162,13 @@ class FilePlan:
         self._rows: list[tuple[str, _Layout | None, int, int]] = []
         self._fill: int | None = None  # encoding a template: the byte every field is made of
         self._ds_address: np.ndarray = np.zeros(0, np.int64)
-        for var in variables:
-            self._add_variable(var)
+        add = self._add_variable
+        if shared is None:
+            for var in variables:
+                add(var, var.shared, var.external)
+        else:
+            for var, sh in zip(variables, shared, strict=True):
+                add(var, sh, None)
         for name in documents:
             path = name.split("/")
             group = self._group_of("/".join(path[:-1]))
@@ -178,8 +188,7 @@ class FilePlan:
         parent_path, _, name = path.rpartition("/")
         parent = self._group_of(parent_path)
         group = self._by_path[path] = _Group()
-        parent.links.append((name.encode("utf-8"), group))
-        parent.children.append(group)
+        _adopt(parent, name.encode("utf-8"), group)
         return group
 
     def _add_special(self, ds: _Dataset) -> int:
@@ -198,10 +207,15 @@ class FilePlan:
         return number
 
     def _make_layout(
-        self, key: Any, var: Variable, dt: np.dtype, shape: tuple[int, ...]
+        self,
+        key: Any,
+        var: Variable,
+        dt: np.dtype,
+        shape: tuple[int, ...],
+        var_shared: Sequence[int] | None,
     ) -> _Layout:
         n = int(var.num_components)
-        shared = list(var.shared) if var.shared is not None else list(range(n))
+        shared = list(var_shared) if var_shared is not None else list(range(n))
         for i, j in enumerate(shared):
             if j != i and (not 0 <= j < i or shared[j] != j):
                 raise InvalidEntryError(
@@ -215,7 +229,12 @@ class FilePlan:
         self._layouts[key] = layout
         return layout
 
-    def _add_variable(self, var: Variable) -> None:
+    def _add_variable(
+        self,
+        var: Variable,
+        shared: Sequence[int] | None,
+        external: Sequence[tuple[str, str]] | None,
+    ) -> None:
         path = var.path
         dt = var.dtype if isinstance(var.dtype, np.dtype) else np.dtype(var.dtype)
         shape = tuple(map(int, var.shape))
@@ -224,16 +243,9 @@ class FilePlan:
         if row is not None and not isinstance(row, str):
             raise msg.Unsupported(f"attribute {_ROW_STRING!r} that is not a string")
         by_path = self._by_path
-        group = by_path.get(path)
-        if group is None:
-            parent_path, _, name = path.rpartition("/")
-            parent = by_path.get(parent_path) or self._group_of(parent_path)
-            group = by_path[path] = _Group()
-            parent.links.append((name.encode("utf-8"), group))
-            parent.children.append(group)
-        elif group.attrs or group.layout is not None:
+        group = by_path.get(path)  # (made already as the parent of an earlier variable)
+        if group is not None and (group.attrs or group.layout is not None):
             raise InvalidEntryError("is written twice", variable=path)
-        shared = var.shared
         key = (
             var.kind,
             dt,
@@ -246,16 +258,18 @@ class FilePlan:
         )
         layout = self._layouts.get(key)
         if layout is None:
-            layout = self._make_layout(key, var, dt, shape)
+            layout = self._make_layout(key, var, dt, shape, shared)
         row_bytes = None if row is None else row.encode("utf-8")
         first = len(self._ds_key)
-        if var.external is not None:
+        if external is not None:
+            if group is None:
+                group = self._group_of(path)
             n = layout.n
-            if len(var.external) != n:
+            if len(external) != n:
                 raise InvalidEntryError(
-                    "external links", variable=path, expected=n, found=len(var.external)
+                    "external links", variable=path, expected=n, found=len(external)
                 )
-            for i, (file, dataset) in enumerate(var.external):
+            for i, (file, dataset) in enumerate(external):
                 target = _External(file.encode("utf-8"), dataset.encode("utf-8"))
                 group.links.append((_component_name(i).encode(), target))
             if layout.sharded:  # the stitched value, over the shards in the other files
@@ -273,11 +287,17 @@ class FilePlan:
             group.attrs = layout.sig.materialize(shape, row_bytes)  # links vary: no template
             self._rows.append((path, None, first, n))
             return
-        group.layout = layout
-        group.shape = shape
-        group.row = row_bytes
-        group.first_ds = first
-        group.comp_at = len(group.links)
+        if group is None:  # (the common case: a group without lists of its own)
+            parent_path, _, name = path.rpartition("/")
+            parent = by_path.get(parent_path) or self._group_of(parent_path)
+            group = by_path[path] = _Group.leaf(layout, shape, row_bytes, first)
+            _adopt(parent, name.encode("utf-8"), group)
+        else:
+            group.layout = layout
+            group.shape = shape
+            group.row = row_bytes
+            group.first_ds = first
+            group.comp_at = len(group.links)
         layout.groups.append(group)
         if layout.sharded:
             axis = int(attrs["shard_axis"])
@@ -335,6 +355,7 @@ class FilePlan:
         layout = g.layout
         assert layout is not None
         g.attrs = layout.sig.materialize(g.shape, g.row)
+        g.links = list(g.links)  # (a leaf group's are shared: see Group.leaf)
         g.links[g.comp_at : g.comp_at] = [
             (name, g.first_ds + d) for name, d in zip(layout.names, layout.link_ds, strict=True)
         ]

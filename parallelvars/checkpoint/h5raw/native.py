@@ -25,8 +25,9 @@ import numpy as np
 from parallelvars._dtypes import dtype_name
 from parallelvars._fileio import IOV_MAX, atomic_path, byte_view, checksum, pwrite_all, pwritev_all
 from parallelvars._geometry import shard_shapes
+from parallelvars.checkpoint._gcfreeze import freeze_made_so_far
 from parallelvars.checkpoint.h5io.attributes import _attr_value, _decode, _root_attr_value
-from parallelvars.checkpoint.h5io.columns import _copied
+from parallelvars.checkpoint.h5io.columns import _copied, record_documents
 from parallelvars.checkpoint.h5io.layout import (
     COLUMNS_DATASET,
     DOCUMENTS_ATTR,
@@ -39,6 +40,7 @@ from parallelvars.checkpoint.h5io.layout import (
 from parallelvars.checkpoint.h5io.records import (
     RecordList,
     _index_template,
+    _index_template_by_record,
     _structure_key,
     crc_mark,
     index_capacity,
@@ -186,21 +188,35 @@ def index_documents(index: Mapping[str, Any], *, columns: bool = True) -> dict[s
     flat = [c for m in index.values() for c in m["crc32c"]]
     text = json.dumps(index)
     digits = ", ".join(map(str, flat))
-    separators = 2 * max(len(flat) - 1, 0)
-    docs = {
-        INDEX_DATASET: text.encode().ljust(
-            index_capacity(len(text) - (len(digits) - separators), len(flat)), b" "
-        )
-    }
-    if not columns:
-        return docs
-    head, tail = _columns_parts(index)
-    docs[COLUMNS_DATASET] = (
-        (head + digits + tail)
-        .encode()
-        .ljust(index_capacity(len(head) + len(tail) + separators, len(flat)), b" ")
-    )
+    parts = _columns_parts(index) if columns else None
+    # (the index's length without its checksums' digits: its separators stay)
+    room = document_capacities(len(text) - len(digits) + _separators(len(flat)), parts, len(flat))
+    docs = {INDEX_DATASET: text.encode().ljust(room[INDEX_DATASET], b" ")}
+    if parts is not None:
+        head, tail = parts
+        docs[COLUMNS_DATASET] = (head + digits + tail).encode().ljust(room[COLUMNS_DATASET], b" ")
     return docs
+
+
+def _separators(checksums: int) -> int:
+    """The length of the ``", "`` between ``checksums`` checksums in a flat list."""
+    return 2 * max(checksums - 1, 0)
+
+
+def document_capacities(
+    index_bare: int, columns: tuple[str, str] | None, checksums: int
+) -> dict[str, int]:
+    """The room each writer gives the index document (``index_bare``: its length without
+    its ``checksums`` checksums' digits) and, with the columns document's ``columns`` parts
+    (the text before and after its checksums), the columns document: a function of the
+    structure alone, so every save of a structure has the same bytes outside the data."""
+    room = {INDEX_DATASET: index_capacity(index_bare, checksums)}
+    if columns is not None:
+        head, tail = columns
+        room[COLUMNS_DATASET] = index_capacity(
+            len(head) + len(tail) + _separators(checksums), checksums
+        )
+    return room
 
 
 def _index_value(value: Any, seen: dict[Any, Any]) -> Any:
@@ -597,33 +613,25 @@ def _plan_for(
     object_graph: Mapping[str, Any] | None,
     root: Mapping[str, Any],
     file: str,
-) -> tuple[FilePlan, list[str]]:
-    seen: set[str] = set()
-    variables = []
-    for e, sh in zip(items, shared, strict=True):
-        path = e.path
-        if path in seen:
-            raise InvalidEntryError("is written twice", file=file, variable=path)
+) -> FilePlan:
+    """The plan of a save of ``items`` (records, or entries read from other files), each
+    path checked; the records go to the plan as they are (no object made per entry)."""
+    paths = [e.path for e in items]
+    for path in paths:
         _validate_path(path)
-        seen.add(path)
-        dt = e.dtype
-        variables.append(
-            Variable(
-                path,
-                e.kind,
-                dt if isinstance(dt, np.dtype) else np.dtype(dt),
-                tuple(map(int, e.shape)),
-                int(e.num_components),
-                e.attrs,  # (read, not kept: the plan copies what it keeps)
-                sh,
-            )
-        )
+    if len(set(paths)) != len(paths):
+        seen: set[str] = set()
+        for path in paths:
+            if path in seen:
+                raise InvalidEntryError("is written twice", file=file, variable=path)
+            seen.add(path)
+    del paths
     documents = [INDEX_DATASET, COLUMNS_DATASET]
     if object_graph is not None:
         documents.append(GRAPH_DATASET)
     root = dict(root)
     root[DOCUMENTS_ATTR] = np.array([d.encode() for d in documents])
-    return FilePlan(variables, root_attrs=root, documents=documents), documents
+    return FilePlan(items, root_attrs=root, documents=documents, shared=shared)
 
 
 def _index_of(
@@ -709,23 +717,24 @@ def _prepare(
     file: str,
 ) -> Prepared:
     """A structure's plan, metadata image and document templates."""
-    plan, _ = _plan_for(items, shared, object_graph, root, file)
-    flat = [c for cc in crcs for c in cc]
-    index = _index_of(items, plan, None)
-    template = marked_template(index)
-    if template is None:  # (a value with a mark's text: made record by record)
-        index = _index_of(items, plan, crcs)
-        template = _index_template(index)
+    plan = _plan_for(items, shared, object_graph, root, file)
+    freeze_made_so_far()  # (the plan's objects live until the image is made)
+    count = sum(map(len, crcs))
+    parts = record_documents(items, plan.offsets)
+    if parts is not None:
+        template, head, tail = parts
+    else:  # (an attribute key that is not a string: through the index's objects)
+        index = _index_of(items, plan, None)
+        template = marked_template(index)
+        if template is None:  # (a value with a mark's text: made record by record)
+            index = _index_of(items, plan, crcs)
+            template = _index_template_by_record(index)
+        head, tail = _columns_parts(index)
+        del index
     # the index without its checksums' digits: each "%%" of the template is one "%", each
     # "%d" one checksum
-    bare = len(template) - template.count("%%") - 2 * len(flat)
-    separators = 2 * max(len(flat) - 1, 0)
-    head, tail = _columns_parts(index)
-    del index  # (its objects: about a kilobyte per record, not kept while the image is made)
-    capacities = {
-        INDEX_DATASET: index_capacity(bare, len(flat)),
-        COLUMNS_DATASET: index_capacity(len(head) + len(tail) + separators, len(flat)),
-    }
+    bare = len(template) - template.count("%%") - 2 * count
+    capacities = document_capacities(bare, (head, tail), count)
     graph = None
     if object_graph is not None:
         graph = json.dumps(object_graph).encode()
@@ -903,7 +912,7 @@ def _save_streamed(
     from parallelvars._fileio import DataWriter, Scratch
 
     root = _root_values(metadata)
-    plan, _ = _plan_for(items, [None] * len(items), object_graph, root, p)
+    plan = _plan_for(items, [None] * len(items), object_graph, root, p)
     crcs: list[list[int]] = []
     with atomic_path(p) as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)

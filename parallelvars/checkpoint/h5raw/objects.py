@@ -258,6 +258,33 @@ class Group:
         self.table: SymbolTable | None = None
         self.table_at = -1
 
+    @classmethod
+    def leaf(
+        cls, layout: Layout, shape: tuple[int, ...], row: bytes | None, first_ds: int
+    ) -> Group:
+        """A variable's group made from its layout's template: without lists of its own (a
+        save makes one per variable; most never hold links, children or attributes of their
+        own): :func:`adopt` and :meth:`expand_links` give it lists when it needs them."""
+        g = cls.__new__(cls)
+        g.attrs = g.links = g.children = _NOTHING  # type: ignore[assignment]
+        g.address = g.first_string = g.table_at = -1
+        g.layout, g.shape, g.row, g.first_ds = layout, shape, row, first_ds
+        g.comp_at = 0
+        g.table = None
+        return g
+
+
+_NOTHING: tuple[()] = ()  # (the links, children and attributes of a leaf group: none)
+
+
+def adopt(parent: Group, name: bytes, child: Group) -> None:
+    """Link ``child`` into ``parent`` under ``name`` (a leaf variable group that becomes a
+    parent gets lists of its own first)."""
+    if parent.links is _NOTHING:
+        parent.links, parent.children = [], []
+    parent.links.append((name, child))
+    parent.children.append(child)
+
 
 @dataclass
 class Signature:
