@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from parallelvars._fileio import byte_view
+from parallelvars._fileio import byte_view, same_bytes
 from parallelvars.checkpoint.h5io.write import RecordList
 from parallelvars.checkpoint.registry import SaveRecord
 from parallelvars.errors import ConcurrentWriteError
@@ -20,7 +20,6 @@ from parallelvars.errors import ConcurrentWriteError
 __all__ = ["SNAPSHOT_ATTEMPTS", "SNAPSHOT_KEEP_BYTES", "Snapshot", "SnapshotPlan", "take_snapshot"]
 
 SNAPSHOT_ATTEMPTS = 4
-_COMPARE_CHUNK = 4 << 20  # bytes compared at a time: bounded temporary memory
 # Two components of one base buffer are copied in one span when at most this many bytes lie
 # between them (padding, variables this checkpoint does not save): a span is one copy and one
 # comparison, and copying a few KiB more costs less than another span does. Wider gaps (an
@@ -43,11 +42,7 @@ def _unchanged(live: np.ndarray, copied: np.ndarray) -> bool:
     """Whether ``live`` still holds exactly the bytes of ``copied`` (NaNs included)."""
     if live.dtype.kind == "O" or not live.flags.c_contiguous:
         return bool(np.array_equal(live, copied))
-    a, b = byte_view(live), byte_view(copied)
-    for start in range(0, a.size, _COMPARE_CHUNK):
-        if not np.array_equal(a[start : start + _COMPARE_CHUNK], b[start : start + _COMPARE_CHUNK]):
-            return False
-    return True
+    return same_bytes(live, copied)
 
 
 def _address(a: np.ndarray) -> int:
