@@ -52,9 +52,11 @@ __all__ = [
     "open_input_file",
     "read_input",
     "remove_made",
+    "same_bytes",
     "stat_input",
     "pwrite_all",
     "pwritev_all",
+    "start_writeback",
     "temp_path_for",
     "write_error",
 ]
@@ -480,6 +482,50 @@ def _gf2_times(mat: list[int], vec: int) -> int:
     return out
 
 
+def _memcmp() -> Callable[..., int] | None:
+    """libc's ``memcmp``, or None where ctypes cannot find it."""
+    try:
+        lib = ctypes.CDLL(None) if sys.platform != "win32" else ctypes.cdll.msvcrt
+        fn = lib.memcmp
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MEMCMP = _memcmp()
+# Arrays up to this many bytes are compared as copies (``tobytes``): a copy of a few KiB costs
+# less than finding the arrays' addresses; larger ones by ``memcmp`` (no copy, no temporary).
+_COPY_COMPARE_BYTES = 1 << 16
+_COMPARE_CHUNK = 4 << 20  # without memcmp: bytes compared at a time
+
+
+def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether the arrays hold the same bytes in C order (NaNs included: bits, not values).
+
+    Shapes and dtypes are the caller's to compare. Small arrays are compared as copies; large
+    C-contiguous ones in place with ``memcmp`` (releases the GIL; several times faster than
+    ``np.array_equal``, which also allocates a boolean array of their size). The one byte
+    comparison of the writers and the snapshot of a non-blocking save."""
+    n = a.nbytes
+    if n != b.nbytes:
+        return False
+    if a.dtype.kind == "O" or b.dtype.kind == "O":  # (compares the objects, not pointers)
+        return a.shape == b.shape and bool(np.array_equal(a, b))
+    if n <= _COPY_COMPARE_BYTES:
+        return a.tobytes() == b.tobytes()
+    if not (a.flags.c_contiguous and b.flags.c_contiguous):
+        a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    if _MEMCMP is not None:
+        return _MEMCMP(a.__array_interface__["data"][0], b.__array_interface__["data"][0], n) == 0
+    x, y = byte_view(a), byte_view(b)
+    return all(
+        np.array_equal(x[k : k + _COMPARE_CHUNK], y[k : k + _COMPARE_CHUNK])
+        for k in range(0, n, _COMPARE_CHUNK)
+    )
+
+
 def checksum_combine(crc1: int, crc2: int, len2: int) -> int:
     """The CRC-32C of ``A + B`` from ``crc1`` of ``A``, ``crc2`` of ``B`` and ``len2`` (B's
     length in bytes), without the bytes (zlib's ``crc32_combine``, for the Castagnoli
@@ -686,6 +732,18 @@ def _sync_file_range() -> Callable[..., int] | None:
 
 _SYNC_FILE_RANGE = _sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2  # start writing the dirty pages; do not wait
+#: Bytes written between two :func:`start_writeback` hints of a writer.
+WRITEBACK_STEP = 8 << 20
+
+
+def start_writeback(fd: int, offset: int, size: int) -> None:
+    """Ask the kernel to start writing ``size`` bytes of ``fd`` from ``offset`` to disk now
+    (Linux's ``sync_file_range``; elsewhere nothing), so the disk works while a save goes on
+    and its final ``fsync`` has little left to wait for. Only a hint (it may block while the
+    disk's queue is full, so writers call it off the saving thread where they can): the
+    ``fsync`` guarantees durability either way."""
+    if _SYNC_FILE_RANGE is not None and size > 0:
+        _SYNC_FILE_RANGE(fd, offset, size, _SYNC_FILE_RANGE_WRITE)
 
 
 class DataWriter:
@@ -710,7 +768,7 @@ class DataWriter:
     """
 
     CHUNK = 1 << 20
-    WRITEBACK_STEP = 8 << 20
+    WRITEBACK_STEP = WRITEBACK_STEP
     ASYNC_CHECK = 256 << 10  # smaller buffers are checked inline: cheaper than a hand-off
 
     def __init__(self, path: str, file: str) -> None:
@@ -757,10 +815,7 @@ class DataWriter:
 
     def _start_writeback(self) -> None:
         if self._lo >= 0:
-            assert _SYNC_FILE_RANGE is not None
-            self._submit(
-                _SYNC_FILE_RANGE, self.fd, self._lo, self._hi - self._lo, _SYNC_FILE_RANGE_WRITE
-            )
+            self._submit(start_writeback, self.fd, self._lo, self._hi - self._lo)
             self._lo = self._hi = -1
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> None:

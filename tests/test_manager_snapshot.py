@@ -59,13 +59,18 @@ def test_saved_variables_of_an_arena_are_copied_as_a_few_spans():
     ckpt, saved, unsaved = interleaved(50)
     plan = plan_of(ckpt)
     assert not plan.singles[:-1]  # only save_counter's own arena may be alone
-    # One span per arena row (2 devices), save_counter's own: not one per component.
-    assert len(plan.spans) <= 3 < 2 * len(saved)
-    # The unsaved variables between the saved ones are copied with them, in the spans.
+    # One span for the arena's row 0 (the replicas of row 1 are not copied: compared), and
+    # save_counter's own: not one per component.
+    assert len(plan.spans) <= 2 < len(saved)
+    assert len(plan.runs) == 1 and not plan.lone  # row 1 against row 0: one comparison
+    # The unsaved variables between the saved ones are copied with them, in the spans, and
+    # compared with them in the run.
     spans = [(s[0].__array_interface__["data"][0], s[0].nbytes) for s in plan.spans if s[0].size]
-    for c in (c for v in unsaved[:-1] for c in v.components):  # the last one is after them
-        address = c.__array_interface__["data"][0]
-        assert any(lo <= address < lo + n for lo, n in spans)
+    runs = [(r[0].__array_interface__["data"][0], r[0].nbytes) for r in plan.runs]
+    for v in unsaved[:-1]:  # (the last one is after them)
+        address = [c.__array_interface__["data"][0] for c in v.components]
+        assert any(lo <= address[0] < lo + n for lo, n in spans)
+        assert any(lo <= address[1] < lo + n for lo, n in runs)
 
 
 def test_spans_leave_wide_gaps_out_and_stay_small():
@@ -78,7 +83,7 @@ def test_spans_leave_wide_gaps_out_and_stay_small():
     assert all(n <= snapshot_module._SPAN_MAX or len(m) == 1 for n, m in spans)
     (i,) = [i for i, c in enumerate(plan.flat) if c is big.components[0]]
     assert [i] in [m for _, m in spans]  # larger than a span: a span of its own
-    nbytes = lambda vs: sum(c.nbytes for v in vs for c in v.components)  # noqa: E731
+    nbytes = lambda vs: sum(v.components[0].nbytes for v in vs)  # noqa: E731  (row 0's)
     copied = sum(n for n, _ in spans)
     # The saved bytes and the unsaved variables between them: not the rows' unused ends.
     assert nbytes([*saved, big]) <= copied <= nbytes([*saved, *unsaved, big]) + 8
@@ -384,3 +389,99 @@ def test_copies_larger_than_the_limit_are_freed_after_their_write(tmp_path, monk
     monkeypatch.undo()
     ckpt._prepare_write(copy=True)(str(tmp_path / "d.h5"))
     assert kept_copies(ckpt) is not None
+
+
+# ------------------------------------------------------------------ replicas: compared, not copied
+def test_a_mirrored_snapshot_copies_each_variable_once(tmp_path, fixed_clock):
+    ckpt, saved, _unsaved = interleaved(30)
+    ckpt.model.strided = strided_model()  # shards (copied) and one-off arrays beside them
+    records = ckpt._gather(False)[0]
+    plan = SnapshotPlan(records)
+    copied = take_snapshot(records, plan).records()
+    for r in copied:
+        if r.kind == "mirrored" and r.components[0].size:  # each replica: the first's copy
+            assert all(c is r.components[0] for c in r.components)
+    shards = [c for r in records if r.kind == "sharded" for c in r.components]
+    firsts = sum(r.components[0].nbytes for r in records if r.kind != "sharded")
+    assert plan.nbytes <= firsts + sum(c.nbytes for c in shards) + 8 * 4096  # (gaps)
+    for v in saved:
+        v.assign(np.zeros(5, np.float32))  # after the snapshot: not in its file
+    from parallelvars.checkpoint.h5raw.native import save_native
+
+    snap_file = save_native(str(tmp_path / "snap.h5"), copied)
+    for j, v in enumerate(saved):
+        v.assign(np.full(5, 2.0 * j, np.float32))
+    live_file = save_native(str(tmp_path / "live.h5"), records)
+    assert dump(snap_file) == dump(live_file)
+
+
+def test_divergent_replicas_are_copied_apart_and_saved_apart(tmp_path):
+    with pv.MirroredStrategy(3).scope():
+        m = pv.Module()
+        m.w = [pv.Variable(np.full(4, i, np.float32), name=f"w{i}") for i in range(6)]
+        m.r = pv.Variable(np.zeros(4, np.float32), name="r", synchronization="on_read")
+    m.r.components[2][:] = 5.0  # an on-read variable whose replicas differ
+    ckpt = pv.Checkpoint(model=m)
+    records = ckpt._gather(False)[0]
+    plan = SnapshotPlan(records)
+    (n,) = [n for n, r in enumerate(records) if r.path == "model/r"]
+    assert plan.primary[plan.starts[n] + 2] == plan.starts[n]  # (shared, until seen unequal)
+    copied = take_snapshot(records, plan).records()
+    assert plan.divergent == {n}  # made again, once: its replicas are copied from now on
+    assert plan.primary[plan.starts[n] + 2] == plan.starts[n] + 2
+    m.r.components[2][:] = 7.0  # after the snapshot
+    assert [c.tolist() for c in copied[n].components] == [[0.0] * 4, [0.0] * 4, [5.0] * 4]
+    for r in copied:
+        if r.path != "model/r":
+            assert all(c is r.components[0] for c in r.components)
+    path = ckpt._prepare_write(copy=True)(str(tmp_path / "c.h5"))
+    found = stored(path)
+    assert [c.tolist() for c in found["model/r"]] == [[0.0] * 4, [0.0] * 4, [7.0] * 4]
+    assert [c.tolist() for c in found["model/w/3"]] == [[3.0] * 4] * 3
+
+
+def test_a_replica_written_between_its_two_comparisons_is_copied_again(tmp_path, monkeypatch):
+    """A replica unlike its first only in the second comparison is a write, not a divergent
+    variable: the attempt is made again, and the snapshot holds one moment."""
+    ckpt, saved, _unsaved = interleaved(20)
+    records = ckpt._gather(False)[0]
+    plan = SnapshotPlan(records)
+    real = SnapshotPlan.replicas_differing
+    passes = [0]
+
+    def racing(self):
+        passes[0] += 1
+        if passes[0] == 2:  # between the two passes: a mirrored update, replica by replica
+            saved[4].components[1][:] = -4.0  # only row 1 so far
+            out = real(self)
+            saved[4].components[0][:] = -4.0  # then row 0
+            return out
+        return real(self)
+
+    monkeypatch.setattr(SnapshotPlan, "replicas_differing", racing)
+    copied = take_snapshot(records, plan).records()
+    monkeypatch.undo()
+    assert passes[0] == 4 and not plan.divergent  # an attempt again, the plan kept
+    (r,) = [r for r in copied if r.path == "model/saved/4"]
+    assert [c.tolist() for c in r.components] == [[-4.0] * 5] * 2
+
+
+def test_a_replica_that_keeps_changing_refuses_the_save(monkeypatch):
+    ckpt, saved, _unsaved = interleaved(10)
+    records = ckpt._gather(False)[0]
+    plan = SnapshotPlan(records)
+    real = SnapshotPlan.replicas_differing
+    calls = [0]
+
+    def racing(self):
+        calls[0] += 1
+        if calls[0] % 2 == 0:  # every second pass sees row 1 written, row 0 not yet
+            saved[2].components[1][:] = calls[0]
+            out = real(self)
+            saved[2].components[0][:] = calls[0]
+            return out
+        return real(self)
+
+    monkeypatch.setattr(SnapshotPlan, "replicas_differing", racing)
+    with pytest.raises(ConcurrentWriteError, match="model/saved/2"):
+        take_snapshot(records, plan)

@@ -262,3 +262,139 @@ def test_a_repeated_structure_is_found_by_its_records_token(tmp_path) -> None:
     assert ckpt._pv_plans.held is not prep
     with H5Reader(tmp_path / "c.h5") as r:
         assert "model/extra" in r and r.verify_all() == []
+
+
+# ------------------------------------------------------------- the byte path: sharing, writes
+def _bits(dtype: np.dtype, n: int, seed: int) -> np.ndarray:
+    """``n`` values of ``dtype`` from random bits (NaNs of several payloads, both zeros)."""
+    raw = np.random.default_rng(seed).integers(0, 256, n * dtype.itemsize, dtype=np.uint8)
+    if dtype.kind == "b":
+        raw &= 1
+    return raw.view(dtype)
+
+
+@pytest.mark.parametrize("size", [1, 3000, 40_000])  # bytes compared as copies, and in place
+@pytest.mark.parametrize(
+    "dtype",
+    [np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, np.int8, np.bool_],
+    ids=lambda d: np.dtype(d).name,
+)
+def test_replicas_share_exactly_when_their_bytes_are_equal(tmp_path, dtype, size) -> None:
+    from parallelvars.checkpoint.registry import SaveRecord
+
+    dt = np.dtype(dtype)
+    base = _bits(dt, size, size)
+    flipped = base.copy()
+    flipped.view(np.uint8)[-1] ^= 1  # one bit apart (a NaN's payload, the sign of a zero...)
+    if dt.kind == "b":
+        flipped = ~base
+    cases = {
+        "all": [base, base.copy(), base.copy()],  # one dataset, three names
+        "last": [base, base.copy(), flipped],  # the third apart
+        "middle": [base, flipped, base.copy()],  # 0 and 2 share, 1 apart
+    }
+    want = {"all": [0, 0, 0], "last": [0, 0, 2], "middle": [0, 1, 0]}
+    for writer in ("write_native", "save_native"):  # (one mechanism for both)
+        records = [
+            SaveRecord(kind="mirrored", components=cs, shape=cs[0].shape, path=k)
+            for k, cs in cases.items()
+        ]
+        if writer == "write_native":
+            path = native.write_native(tmp_path / f"{writer}.h5", records, share_equal=True)
+        else:
+            path = native.save_native(tmp_path / f"{writer}.h5", records)
+        with h5py.File(path, "r") as f:
+            index = json.loads(bytes(f["_parallelvars/index"][()]))
+            for name, comps in cases.items():
+                offsets = index[name]["offsets"]
+                assert [offsets.index(o) for o in offsets] == want[name], (writer, name)
+                for i, c in enumerate(comps):
+                    ds = f[f"{name}/{'primary' if i == 0 else f'parallel_component_{i}'}"]
+                    assert ds[()].tobytes() == c.tobytes(), (writer, name, i)
+        with H5Reader(path) as r:
+            assert r.verify_all() == []
+
+
+def test_same_bytes_compares_bits_in_place_at_every_size() -> None:
+    from parallelvars._fileio import same_bytes
+
+    for n in (0, 1, 1 << 14, 1 << 16, (1 << 16) + 1, 3 << 20):
+        a = _bits(np.dtype(np.float32), n, n)
+        assert same_bytes(a, a.copy())
+        if n:
+            b = a.copy()
+            b.view(np.uint8)[n * 2] ^= 0x80  # one bit, in the middle
+            assert not same_bytes(a, b)
+            assert not same_bytes(a, a[:-1].copy())  # sizes differ
+    nan = np.array([np.nan, 0.0], np.float32)
+    assert same_bytes(nan, nan.copy())  # bits: a NaN equals itself
+    assert not same_bytes(np.array([0.0], np.float32), np.array([-0.0], np.float32))
+    grid = np.arange(200_000, dtype=np.float32).reshape(400, 500)
+    assert same_bytes(grid[:, ::2], np.ascontiguousarray(grid[:, ::2]))  # strided: C order
+    assert not same_bytes(grid[:, ::2], np.ascontiguousarray(grid[:, 1::2]))
+    strings = np.array([b"ab", b"c"], dtype=object)
+    assert same_bytes(strings, np.array([b"ab", b"c"], dtype=object))  # objects, not pointers
+    assert not same_bytes(strings, np.array([b"ab", b"d"], dtype=object))
+
+
+def _many(n: int) -> tuple[pv.Checkpoint, pv.Module]:
+    m = pv.Module()
+    with pv.MirroredStrategy(2).scope():
+        m.vs = [pv.Variable(np.full(3000, i, np.float32), name=f"v{i}") for i in range(n)]
+    return pv.Checkpoint(model=m), m
+
+
+@pytest.mark.parametrize("where", ["data", "metadata"])
+def test_a_first_save_failing_while_its_bytes_go_out_keeps_the_last_good_file(
+    tmp_path, monkeypatch, where
+) -> None:
+    """A first save writes its component bytes on a helper thread while it makes the metadata:
+    a full disk in the helper, or an interrupt in the saving thread meanwhile, leaves the last
+    good file and no temporary, and the next save writes a sound file."""
+    import errno
+    import os
+    import threading
+
+    from parallelvars.checkpoint.h5raw import generate
+    from parallelvars.errors import CheckpointWriteError
+
+    ckpt, m = _many(300)
+    path = str(tmp_path / "c.h5")
+    ckpt.write(path)
+    with open(path, "rb") as fh:
+        good = fh.read()
+    m.vs[0].assign(np.full(3000, -1, np.float32))
+    m.vs2 = [pv.Variable(np.ones(10, np.float32), name="x")]  # a new structure: a first save
+    writers: list[str] = []
+    if where == "data":
+        real = native.pwritev_all
+
+        def full_disk(fd: int, buffers: list, offset: int, size: int) -> None:
+            writers.append(threading.current_thread().name)
+            real(fd, buffers[:1], offset, buffers[0].nbytes)  # a torn write, then a full disk
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(native, "pwritev_all", full_disk)
+        expected: type[BaseException] = CheckpointWriteError
+    else:
+        real_metadata = generate.FilePlan.metadata
+
+        def interrupted(self, *args, **kwargs):  # the data write is under way meanwhile
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(generate.FilePlan, "metadata", interrupted)
+        expected = KeyboardInterrupt
+    with pytest.raises(expected):
+        ckpt.write(path)
+    with open(path, "rb") as fh:
+        assert fh.read() == good
+    assert sorted(os.listdir(tmp_path)) == ["c.h5"]  # no temporary left behind
+    if where == "data" and native.thread_count() > 1:
+        assert writers and all(w != threading.current_thread().name for w in writers)
+    monkeypatch.undo()
+    if where == "metadata":
+        assert generate.FilePlan.metadata is real_metadata
+    ckpt.write(path)
+    with H5Reader(path) as r:
+        assert r.verify_all() == []
+        assert r["model/vs/0"].component(1)[0] == -1 and r["model/vs/299"].value()[0] == 299

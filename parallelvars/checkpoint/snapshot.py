@@ -1,18 +1,21 @@
 """The non-blocking save's snapshot: copies of every component that held together at one
 moment (:func:`take_snapshot`), made by a plan of spans computed once per structure
 (:class:`SnapshotPlan`), so training may change the variables while the copies are written.
+A replica equal to its variable's first component (a mirrored variable's, the common case)
+is not copied: it is compared with the first, and shares its copy, as the file stores it once.
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
 import itertools
 import threading
 from collections.abc import Sequence
 
 import numpy as np
 
-from parallelvars._fileio import byte_view
+from parallelvars._fileio import byte_view, same_bytes
 from parallelvars.checkpoint.h5io.records import RecordList
 from parallelvars.checkpoint.registry import SaveRecord
 from parallelvars.errors import ConcurrentWriteError
@@ -20,7 +23,6 @@ from parallelvars.errors import ConcurrentWriteError
 __all__ = ["SNAPSHOT_ATTEMPTS", "SNAPSHOT_KEEP_BYTES", "Snapshot", "SnapshotPlan", "take_snapshot"]
 
 SNAPSHOT_ATTEMPTS = 4
-_COMPARE_CHUNK = 4 << 20  # bytes compared at a time: bounded temporary memory
 # Two components of one base buffer are copied in one span when at most this many bytes lie
 # between them (padding, variables this checkpoint does not save): a span is one copy and one
 # comparison, and copying a few KiB more costs less than another span does. Wider gaps (an
@@ -37,21 +39,26 @@ _SPAN_ALIGN = 64  # a span's copy keeps its address modulo this: copies aligned 
 # background write costs what a blocking save of the live variables costs, and the copy faults
 # in no new pages. Larger snapshots are freed when their write ends.
 SNAPSHOT_KEEP_BYTES = 1 << 30
+# Replicas are compared with their first components by runs of their base buffers (an arena
+# row against row 0) of at most this many bytes: a comparison allocates nothing, so a run may
+# be long; a run that differs is compared again replica by replica.
+_RUN_MAX = 8 << 20
 
 
 def _unchanged(live: np.ndarray, copied: np.ndarray) -> bool:
     """Whether ``live`` still holds exactly the bytes of ``copied`` (NaNs included)."""
     if live.dtype.kind == "O" or not live.flags.c_contiguous:
         return bool(np.array_equal(live, copied))
-    a, b = byte_view(live), byte_view(copied)
-    for start in range(0, a.size, _COMPARE_CHUNK):
-        if not np.array_equal(a[start : start + _COMPARE_CHUNK], b[start : start + _COMPARE_CHUNK]):
-            return False
-    return True
+    return same_bytes(live, copied)
 
 
 def _address(a: np.ndarray) -> int:
-    return int(a.__array_interface__["data"][0])
+    """Where ``a``'s bytes start (a ctypes view of a writable array: several times cheaper
+    than ``__array_interface__``, which builds a dictionary; that for the others)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(a))  # type: ignore[arg-type]
+    except (TypeError, ValueError, BufferError):
+        return int(a.__array_interface__["data"][0])
 
 
 def _root(a: np.ndarray) -> np.ndarray:
@@ -59,6 +66,13 @@ def _root(a: np.ndarray) -> np.ndarray:
     while isinstance(a.base, np.ndarray):
         a = a.base
     return a
+
+
+def _plain(c: object) -> bool:
+    """An array a span or a run can hold: C-contiguous bytes (not objects), not empty."""
+    return (
+        isinstance(c, np.ndarray) and c.dtype.kind != "O" and c.flags.c_contiguous and c.nbytes > 0
+    )
 
 
 class SnapshotPlan:
@@ -73,84 +87,151 @@ class SnapshotPlan:
     ``_SPAN_MAX`` bytes unless one component is larger). Every other component (strided shards, object
     arrays, empty ones, buffers whose base is not a C-contiguous array) is copied by itself.
 
+    The components 1.. of a variable that is not sharded, of its first component's shape and
+    dtype, are *replicas*: not copied, but compared with the first component (twice, around
+    nothing else: see :func:`take_snapshot`) and given its copy, so a mirrored model's
+    snapshot holds each variable once, as its file does. Replicas are compared by runs of their
+    base buffers (an arena row against row 0: one ``memcmp`` for many variables). The variables
+    (numbers of records) in ``divergent`` were found with replicas unlike their first
+    component (an on-read variable's, say): theirs are copied like any component.
+
     Attributes:
         flat: every record's components in write order.
+        primary: per component, the component whose copy it shares (itself: its own copy).
         spans: ``(live, address, components)``: a flat uint8 view of a span of a live base
             buffer, its address, and the numbers of the components in it.
-        span_of: per component, the number of its span (-1: copied by itself).
+        span_of: per component, the number of its span (-1: copied by itself, or a replica).
         offsets: per component of a span, where it starts in the span.
         singles: the numbers of the components copied by themselves.
+        runs: ``(replicas, firsts, members)``: flat uint8 views of a run of live replicas and of
+            the first components' bytes at the same distance, and the replicas' numbers.
+        lone: the replicas compared one by one (in no run).
         starts: the number of each record's first component (then the total).
+        nbytes: the bytes a snapshot copies.
     """
 
     __slots__ = (
         "_kept",
+        "_layout",
         "_lock",
+        "divergent",
         "flat",
+        "lone",
         "nbytes",
         "offsets",
+        "primary",
+        "runs",
         "singles",
         "span_of",
         "spans",
         "starts",
     )
 
-    def __init__(self, records: Sequence[SaveRecord]) -> None:
+    def __init__(self, records: Sequence[SaveRecord], divergent: frozenset[int] = frozenset()):
+        self.divergent = divergent
         self.flat: list[np.ndarray] = [c for r in records for c in r.components]
         self.starts = list(itertools.accumulate((len(r.components) for r in records), initial=0))
-        self.span_of = [-1] * len(self.flat)
-        self.offsets = [0] * len(self.flat)
-        self.singles: list[int] = []
-        roots: dict[int, tuple[np.ndarray, int, list[tuple[int, int, int]]]] = {}
-        for i, c in enumerate(self.flat):
-            if (
-                not isinstance(c, np.ndarray)
-                or c.dtype.kind == "O"
-                or not c.flags.c_contiguous
-                or c.nbytes == 0
+        flat = self.flat
+        plain = [_plain(c) for c in flat]
+        self.primary = primary = list(range(len(flat)))
+        for n, r in enumerate(records):
+            start, end = self.starts[n], self.starts[n + 1]
+            if end - start < 2 or r.kind == "sharded" or n in divergent or not plain[start]:
+                continue
+            shape, dt = flat[start].shape, flat[start].dtype
+            if all(
+                plain[i] and flat[i].shape == shape and flat[i].dtype == dt
+                for i in range(start + 1, end)
             ):
+                primary[start + 1 : end] = [start] * (end - start - 1)
+        self.span_of = [-1] * len(flat)
+        self.offsets = [0] * len(flat)
+        self.singles: list[int] = []
+        self.lone: list[int] = []
+        roots: dict[int, tuple[np.ndarray, int, list[tuple[int, int, int]]]] = {}
+        pairs: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
+        where: list[tuple[int, int] | None] = [None] * len(flat)  # (root's id, address)
+        for i, c in enumerate(flat):
+            j = primary[i]
+            if not plain[i]:
                 self.singles.append(i)
                 continue
             root = _root(c)
             group = roots.get(id(root))
             if group is None:
                 if root.dtype.kind == "O" or not root.flags.c_contiguous:
-                    self.singles.append(i)
+                    (self.lone if j != i else self.singles).append(i)
                     continue
                 group = roots[id(root)] = (root, _address(root), [])
             addr = _address(c)
             if not group[1] <= addr <= addr + c.nbytes <= group[1] + root.nbytes:
-                self.singles.append(i)  # not inside its base's bytes: never seen, but no span
+                # (not inside its base's bytes: never seen, but neither a span nor a run)
+                (self.lone if j != i else self.singles).append(i)
                 continue
-            group[2].append((addr, addr + c.nbytes, i))
+            if j == i:
+                group[2].append((addr, addr + c.nbytes, i))
+                where[i] = (id(root), addr)
+                continue
+            first = where[j]
+            if first is None:  # (its first is copied by itself: compared one by one)
+                self.lone.append(i)
+                continue
+            pairs.setdefault((id(root), first[0], addr - first[1]), []).append(
+                (addr, addr + c.nbytes, i)
+            )
         self.spans: list[tuple[np.ndarray, int, list[int]]] = []
         for root, base, members in roots.values():
-            members.sort()
             whole = byte_view(root)
-            run: list[tuple[int, int, int]] = []
-            hi = 0
-            for m in [*members, None]:
-                if run and (m is None or m[0] - hi > _SPAN_GAP or m[1] - run[0][0] > _SPAN_MAX):
-                    lo = run[0][0]
-                    for addr, _, i in run:
-                        self.span_of[i], self.offsets[i] = len(self.spans), addr - lo
-                    self.spans.append((whole[lo - base : hi - base], lo, [e[2] for e in run]))
-                    run = []
-                if m is not None:
-                    hi = max(hi, m[1]) if run else m[1]
-                    run.append(m)
+            for lo, hi, run in _runs(members, _SPAN_MAX):
+                for addr, _, i in run:
+                    self.span_of[i], self.offsets[i] = len(self.spans), addr - lo
+                self.spans.append((whole[lo - base : hi - base], lo, [e[2] for e in run]))
+        self.runs: list[tuple[np.ndarray, np.ndarray, list[int]]] = []
+        for (root_id, first_id, delta), members in pairs.items():
+            root, base, _ = roots[root_id]
+            first_root, first_base, _ = roots[first_id]
+            whole, first_whole = byte_view(root), byte_view(first_root)
+            for lo, hi, run in _runs(members, _RUN_MAX):
+                self.runs.append(
+                    (
+                        whole[lo - base : hi - base],
+                        first_whole[lo - delta - first_base : hi - delta - first_base],
+                        [e[2] for e in run],
+                    )
+                )
         self.nbytes = sum(live.size for live, _, _ in self.spans) + sum(
             self.flat[i].nbytes for i in self.singles
         )
         self._kept: _Copies | None = None
-        self._lock = threading.Lock()
+        self._layout = object()  # (copies are for this layout only: see share_less)
+        if not hasattr(self, "_lock"):
+            self._lock = threading.Lock()
+
+    def replicas_differing(self) -> list[int]:
+        """The replicas whose bytes differ from their first components' now (live both)."""
+        flat, primary = self.flat, self.primary
+        out = []
+        for live, first, members in self.runs:
+            if not _unchanged(live, first):  # (a gap between them may differ: each checked)
+                out += [i for i in members if not _unchanged(flat[i], flat[primary[i]])]
+        out += [i for i in self.lone if not _unchanged(flat[i], flat[self.primary[i]])]
+        return out
+
+    def record_of(self, i: int) -> int:
+        """The number of the record of component ``i``."""
+        return bisect.bisect_right(self.starts, i) - 1
+
+    def share_less(self, records: Sequence[SaveRecord], divergent: set[int]) -> None:
+        """Make the plan again with the replicas of the records ``divergent`` copied (see
+        :func:`take_snapshot`); copies of the old layout are no longer kept or taken back."""
+        self.__init__(records, self.divergent | divergent)  # type: ignore[misc]
 
     def take(self) -> _Copies:
         """The copies of the last snapshot whose write has ended (kept by :meth:`give_back`),
         or new buffers (none kept, or they are in use by a write still running)."""
         with self._lock:
             kept, self._kept = self._kept, None
-        if kept is not None:
+        if kept is not None and kept.plan is self._layout:
             return kept
         spans = []
         for live, address, _members in self.spans:
@@ -161,12 +242,12 @@ class SnapshotPlan:
         for i in self.singles:
             c = np.asarray(self.flat[i])
             singles.append(np.empty(c.shape, c.dtype))
-        return _Copies(spans, singles)
+        return _Copies(spans, singles, self._layout)
 
     def give_back(self, copies: _Copies) -> None:
         """Keep ``copies`` (their write has ended) for the next snapshot, when the structure's
         copies take at most ``SNAPSHOT_KEEP_BYTES``."""
-        if self.nbytes <= SNAPSHOT_KEEP_BYTES:
+        if self.nbytes <= SNAPSHOT_KEEP_BYTES and copies.plan is self._layout:
             with self._lock:
                 self._kept = copies
 
@@ -176,7 +257,27 @@ class SnapshotPlan:
         return np.ndarray(c.shape, c.dtype, span, self.offsets[i])
 
     def path_of(self, records: Sequence[SaveRecord], i: int) -> str:
-        return records[bisect.bisect_right(self.starts, i) - 1].path
+        return records[self.record_of(i)].path
+
+
+def _runs(
+    members: list[tuple[int, int, int]], most: int
+) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+    """``(lo, hi, members)``: the ``(start, end, number)`` ranges of one base buffer sorted and
+    grouped into runs: a gap wider than ``_SPAN_GAP``, or a run past ``most`` bytes, starts the
+    next (a range larger than ``most`` is a run of its own)."""
+    members.sort()
+    out: list[tuple[int, int, list[tuple[int, int, int]]]] = []
+    run: list[tuple[int, int, int]] = []
+    hi = 0
+    for m in [*members, None]:
+        if run and (m is None or m[0] - hi > _SPAN_GAP or m[1] - run[0][0] > most):
+            out.append((run[0][0], hi, run))
+            run = []
+        if m is not None:
+            hi = max(hi, m[1]) if run else m[1]
+            run.append(m)
+    return out
 
 
 class _Copies:
@@ -184,11 +285,12 @@ class _Copies:
     component copied by itself) and the records made over them, once (the same buffers give
     the same records)."""
 
-    __slots__ = ("records", "singles", "spans")
+    __slots__ = ("plan", "records", "singles", "spans")
 
-    def __init__(self, spans: list[np.ndarray], singles: list[np.ndarray]) -> None:
+    def __init__(self, spans: list[np.ndarray], singles: list[np.ndarray], plan: object) -> None:
         self.spans = spans
         self.singles = singles
+        self.plan = plan  # the layout they are for
         self.records: RecordList | None = None
 
 
@@ -197,10 +299,19 @@ class Snapshot:
     that hold them (left to the thread that writes them: the calling thread only copies), and
     :meth:`release` hands the buffers back to the plan once the write has ended."""
 
-    __slots__ = ("_copies", "_plan", "_records")
+    __slots__ = ("_copies", "_layout", "_plan", "_records")
 
     def __init__(self, records: Sequence[SaveRecord], plan: SnapshotPlan, copies: _Copies) -> None:
         self._records, self._plan, self._copies = records, plan, copies
+        # (the layout of these copies, kept should the plan be made again meanwhile)
+        self._layout = (
+            plan.flat,
+            plan.span_of,
+            plan.offsets,
+            plan.primary,
+            plan.singles,
+            plan.starts,
+        )
 
     def records(self) -> RecordList:
         """Records like the live ones (shared attributes) holding the copies.
@@ -213,14 +324,18 @@ class Snapshot:
         made = self._copies.records
         if made is not None:
             return made
-        plan, spans, records = self._plan, self._copies.spans, self._records
-        singles = iter(self._copies.singles)
-        copies = [
-            next(singles) if n < 0 else np.ndarray(c.shape, c.dtype, spans[n], off)
-            for c, n, off in zip(plan.flat, plan.span_of, plan.offsets, strict=True)
-        ]
+        spans, records = self._copies.spans, self._records
+        flat, span_of, offsets, primary, single_ids, starts = self._layout
+        singles_at = dict(zip(single_ids, self._copies.singles, strict=True))
+        copies: list[np.ndarray] = []
+        for i, (c, n, off, j) in enumerate(zip(flat, span_of, offsets, primary, strict=True)):
+            if j != i:  # a replica: its first component's copy (the same array)
+                copies.append(copies[j])
+            elif n < 0:
+                copies.append(singles_at[i])
+            else:
+                copies.append(np.ndarray(c.shape, c.dtype, spans[n], off))
         out = RecordList(like=records if isinstance(records, RecordList) else None)
-        starts = plan.starts
         for n, r in enumerate(records):
             copy = SaveRecord.__new__(SaveRecord)
             copy.__dict__.update(r.__dict__)  # what is not a component is the live record's
@@ -246,6 +361,16 @@ def take_snapshot(records: Sequence[SaveRecord], plan: SnapshotPlan | None = Non
     Bytes are compared, so a writer that changes a buffer and puts back exactly the bytes it
     replaced, both between that buffer's copy and its comparison, goes unseen.
 
+    Replicas (see :class:`SnapshotPlan`) are not copied: after the copies, every replica is
+    compared with its live first component twice, then the first components with their copies.
+    The firsts held their copied bytes from their copies to their comparisons, so both replica
+    comparisons saw those bytes; each replica held them from its first comparison to its second,
+    and every interval contains the moment between the two passes. A replica found unlike its
+    first in the first pass (a divergent variable, not a change: its bytes are saved apart in
+    the file too) takes its variable out of the sharing for good (the plan is made again, not
+    an attempt); one found unlike it only in the second is a change, and the attempt is made
+    again.
+
     Components are copied and compared by span of their base buffers (``plan``, made here
     when not given): a span that differs is compared again component by component, since its
     bytes between the components (padding, variables not saved) may change; only a change of
@@ -256,23 +381,30 @@ def take_snapshot(records: Sequence[SaveRecord], plan: SnapshotPlan | None = Non
     """
     if plan is None:
         plan = SnapshotPlan(records)
-    flat = plan.flat
     changed = ""
     copies = plan.take()
-    spans, singles = copies.spans, copies.singles
-    for _ in range(SNAPSHOT_ATTEMPTS):
+    attempts = 0
+    while attempts < SNAPSHOT_ATTEMPTS:
+        flat, spans, singles = plan.flat, copies.spans, copies.singles
         for (live, _, _), span in zip(plan.spans, spans, strict=True):
             np.copyto(span, live)
         for i, single in zip(plan.singles, singles, strict=True):
             np.copyto(single, flat[i])
-        changed = ""
-        for (live, _, members), span in zip(plan.spans, spans, strict=True):
-            if _unchanged(live, span):
-                continue
-            i = next((i for i in members if not _unchanged(flat[i], plan.copy_of(span, i))), -1)
-            if i >= 0:
-                changed = plan.path_of(records, i)
-                break
+        differ = plan.replicas_differing()
+        if differ:
+            plan.share_less(records, {plan.record_of(i) for i in differ})
+            copies = plan.take()  # (the layout changed: new buffers)
+            continue
+        differ = plan.replicas_differing()
+        changed = plan.path_of(records, differ[0]) if differ else ""
+        if not changed:
+            for (live, _, members), span in zip(plan.spans, spans, strict=True):
+                if _unchanged(live, span):
+                    continue
+                i = next((i for i in members if not _unchanged(flat[i], plan.copy_of(span, i))), -1)
+                if i >= 0:
+                    changed = plan.path_of(records, i)
+                    break
         if not changed:
             i = next(
                 (
@@ -285,6 +417,7 @@ def take_snapshot(records: Sequence[SaveRecord], plan: SnapshotPlan | None = Non
             changed = plan.path_of(records, i) if i >= 0 else ""
         if not changed:
             return Snapshot(records, plan, copies)
+        attempts += 1
     plan.give_back(copies)
     raise ConcurrentWriteError(
         "changed while a non-blocking save copied the variables",

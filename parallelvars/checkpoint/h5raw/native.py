@@ -16,15 +16,28 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
 import crc32c as _crc32c
 import numpy as np
 
 from parallelvars._dtypes import dtype_name
-from parallelvars._fileio import IOV_MAX, atomic_path, byte_view, checksum, pwrite_all, pwritev_all
+from parallelvars._fileio import (
+    IOV_MAX,
+    WRITEBACK_STEP,
+    atomic_path,
+    byte_view,
+    checksum,
+    pwrite_all,
+    pwritev_all,
+    same_bytes,
+    start_writeback,
+)
 from parallelvars._geometry import shard_shapes
+from parallelvars._threads import submit_or_run, thread_count
 from parallelvars.checkpoint._gcfreeze import freeze_made_so_far
 from parallelvars.checkpoint.h5io.attributes import _attr_value, _decode, _root_attr_value
 from parallelvars.checkpoint.h5io.columns import _copied, record_documents
@@ -56,19 +69,9 @@ __all__ = ["Prepared", "index_documents", "save_native", "write_native", "write_
 
 
 def _shared(components: Sequence[np.ndarray], crcs: list[int]) -> list[int]:
-    """For each component, the first earlier one with the same shape and bytes (or itself)."""
-    first = components[0]
-    shape = first.shape
-    if crcs.count(crcs[0]) == len(crcs) and all(c.shape == shape for c in components):
-        # the common case (a mirrored variable): every component equal to the first
-        if first.nbytes <= 1 << 16:  # small: comparing copies costs less than numpy's call
-            b0 = first.tobytes()
-            same = all(c.tobytes() == b0 for c in components[1:])
-        else:
-            v0 = byte_view(first)
-            same = all(np.array_equal(v0, byte_view(c)) for c in components[1:])
-        if same:
-            return [0] * len(components)
+    """For each component, the first earlier one with the same checksum, shape and bytes (or
+    itself): which components of a variable whose components are not all equal (see
+    :func:`_checksummed`, which finds the common case of all equal first) share a dataset."""
     out: list[int] = []
     for i, c in enumerate(components):
         j = next(
@@ -78,7 +81,8 @@ def _shared(components: Sequence[np.ndarray], crcs: list[int]) -> list[int]:
                 if out[k] == k
                 and crcs[k] == crcs[i]
                 and components[k].shape == c.shape
-                and np.array_equal(byte_view(components[k]), byte_view(c))
+                and components[k].dtype == c.dtype
+                and same_bytes(components[k], c)
             ),
             i,
         )
@@ -123,12 +127,10 @@ def _write_native(
 ) -> str:
     p = os.fspath(path)
     items = list(entries.values()) if isinstance(entries, Mapping) else list(entries)
-    comps = [[np.ascontiguousarray(c) for c in e.components] for e in items]
-    crcs = [[checksum(c) for c in cs] for cs in comps]
+    comps, crcs, shares, _ = _checksummed(items, share_equal)
     variables = []
-    for e, cs, cc in zip(items, comps, crcs, strict=True):
+    for e, cs, shared in zip(items, comps, shares, strict=True):
         _validate_path(e.path)
-        shared = _shared(cs, cc) if share_equal and e.kind != "sharded" else None
         dt = cs[0].dtype if cs else np.dtype(e.dtype)
         variables.append(
             Variable(e.path, e.kind, dt, tuple(e.shape), len(cs), dict(e.attrs), shared)
@@ -239,10 +241,18 @@ def _index_value(value: Any, seen: dict[Any, Any]) -> Any:
 def _write_components(
     fd: int, plan: FilePlan, items: list[Any], comps: list[list[np.ndarray]]
 ) -> None:
-    """Every component with data at its offset, in gathered writes of neighbours (the gaps
-    between them are the file's zeros, left by ``ftruncate``). The plan lays the stored
-    components out in order: a component at an offset not past the last one's is stored as
-    another's dataset (not written again)."""
+    """Every component with data at its offset (see :func:`_batches`)."""
+    _write_batches(fd, _batches(plan, items, comps))
+
+
+def _batches(
+    plan: FilePlan, items: list[Any], comps: list[list[np.ndarray]]
+) -> list[tuple[int, list[Any], int]]:
+    """The gathered writes ``(offset, buffers, size)`` of every component with data, in file
+    order: neighbours (at most :data:`IOV_MAX` buffers) in one write, each buffer the array's
+    own bytes (no copy; the gaps between them are the file's zeros, left by ``ftruncate``).
+    The plan lays the stored components out in order: a component at an offset not past the
+    last one's is stored as another's dataset (not written again)."""
     placed: list[tuple[int, np.ndarray]] = []
     last = -1
     offsets = plan.offsets
@@ -251,6 +261,7 @@ def _write_components(
             if off is not None and off > last and c.nbytes:
                 placed.append((off, c))
                 last = off
+    out: list[tuple[int, list[Any], int]] = []
     k = 0
     while k < len(placed):
         start = placed[k][0]
@@ -265,7 +276,54 @@ def _write_components(
             buffers.append(_raw(c))
             end = off + c.nbytes
             k += 1
-        pwritev_all(fd, buffers, start, end - start)
+        out.append((start, buffers, end - start))
+    return out
+
+
+def _write_batches(fd: int, batches: Sequence[tuple[int, list[Any], int]]) -> None:
+    """Write :func:`_batches`' gathered writes, asking the kernel every ``WRITEBACK_STEP``
+    bytes to start writing them to disk (:func:`~parallelvars._fileio.start_writeback`): the
+    disk works while the save goes on, instead of all at its ``fsync``."""
+    lo = hi = -1
+    for start, buffers, size in batches:
+        pwritev_all(fd, buffers, start, size)
+        if lo < 0:
+            lo = start
+        hi = start + size
+        if hi - lo >= WRITEBACK_STEP:
+            start_writeback(fd, lo, hi - lo)
+            lo = -1
+    if lo >= 0:
+        start_writeback(fd, lo, hi - lo)
+
+
+class _DataWrite:
+    """A save's component bytes (:func:`_batches`) being written on a helper thread while the
+    saving thread makes the rest of the file (its metadata, the documents): the writes
+    release the GIL, so the two overlap. With one core (:func:`~parallelvars._threads.thread_count`)
+    they are written at once, in the calling thread. :meth:`wait` waits for the writes and
+    raises their error; :meth:`join` only waits (before the descriptor closes, whatever
+    happened)."""
+
+    def __init__(self, fd: int, batches: list[tuple[int, list[Any], int]]) -> None:
+        self._future: Future[None] | None = None
+        if thread_count() < 2 or not batches:
+            _write_batches(fd, batches)
+            return
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parallelvars-save")
+        try:
+            self._future = submit_or_run(pool, _write_batches, fd, batches)
+        finally:
+            pool.shutdown(wait=False)  # (its one worker ends with the writes)
+
+    def join(self) -> None:
+        if self._future is not None:
+            futures.wait([self._future])
+
+    def wait(self) -> None:
+        self.join()
+        if self._future is not None:
+            self._future.result()
 
 
 def write_native_index(
@@ -715,9 +773,14 @@ def _prepare(
     object_graph: Mapping[str, Any] | None,
     root: Mapping[str, Any],
     file: str,
+    laid_out: Callable[[FilePlan], None] | None = None,
 ) -> Prepared:
-    """A structure's plan, metadata image and document templates."""
+    """A structure's plan, metadata image and document templates; ``laid_out(plan)`` is
+    called as soon as the plan gives the components' offsets (a save starts writing their
+    bytes then, while the rest is made)."""
     plan = _plan_for(items, shared, object_graph, root, file)
+    if laid_out is not None:
+        laid_out(plan)
     freeze_made_so_far()  # (the plan's objects live until the image is made)
     count = sum(map(len, crcs))
     parts = record_documents(items, plan.offsets)
@@ -811,34 +874,37 @@ def _checksummed(
             pattern.append(None)
             continue
         first = cs[0]
-        shape, dt, size = first.shape, first.dtype, first.nbytes
-        raw = first.tobytes() if size <= 1 << 16 else None
+        shape, dt = first.shape, first.dtype
         crc0 = _crc(first)
-        cc = [crc0]
         same = True
-        for c in cs[1:]:
-            if same and c.shape == shape and c.dtype == dt and _equal(first, c, raw):
-                cc.append(crc0)
-            else:
-                same = False
-                cc.append(_crc(c))
-        crcs.append(cc)
-        if same:
-            sh: list[int] | None = [0] * n
+        if first.nbytes <= 1 << 16:  # (small: one copy of the first, compared with each)
+            raw = first.tobytes()
+            for c in cs[1:]:
+                if c is not first and not (
+                    c.shape == shape and c.dtype == dt and c.tobytes() == raw
+                ):
+                    same = False
+                    break
         else:
-            sh = _shared(cs, cc)
-            if sh == list(range(n)):
-                sh = None
+            for c in cs[1:]:
+                if c is not first and not (
+                    c.shape == shape and c.dtype == dt and same_bytes(first, c)
+                ):
+                    same = False
+                    break
+        if same:
+            crcs.append([crc0] * n)
+            shared.append([0] * n)
+            pattern.append((0,) * n)
+            continue
+        cc = [crc0] + [_crc(c) for c in cs[1:]]
+        crcs.append(cc)
+        sh: list[int] | None = _shared(cs, cc)
+        if sh == list(range(n)):
+            sh = None
         shared.append(sh)
         pattern.append(None if sh is None else tuple(sh))
     return comps, crcs, shared, tuple(pattern)
-
-
-def _equal(first: np.ndarray, c: np.ndarray, raw: bytes | None) -> bool:
-    """Whether ``c``'s bytes are ``first``'s (``raw``: ``first.tobytes()`` when small)."""
-    if raw is not None:
-        return c.tobytes() == raw
-    return bool(np.array_equal(byte_view(first), byte_view(c)))
 
 
 def _save_arrays(
@@ -857,30 +923,42 @@ def _save_arrays(
     key = None if skey is None else (skey, pattern)
     root = _root_values(metadata)
     prep = None if cache is None or key is None else cache.get(key)
-    if not isinstance(prep, Prepared):
-        # (a cached structure's key holds every component's shape and dtype: checked once)
-        for e, cs in zip(items, comps, strict=True):
-            _check_components(e, cs, p)
-        prep = _prepare(key, items, shared, crcs, object_graph, root, p)
-        if cache is not None and key is not None:
-            cache.put(prep)
     flat = [c for cc in crcs for c in cc]
-    docs = _documents(prep, flat)
-    with prep.lock:
-        refresh = prep.plan.refresh(
-            _changing(root), {k: _crc32c.crc32c(v) for k, v in docs.items()}
-        )
     with atomic_path(p) as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        data: _DataWrite | None = None
         try:
-            os.ftruncate(fd, prep.file_size)
+            if isinstance(prep, Prepared):
+                data = _DataWrite(fd, _batches(prep.plan, items, comps))
+            else:
+                # (a cached structure's key holds every component's shape and dtype: checked
+                # once)
+                for e, cs in zip(items, comps, strict=True):
+                    _check_components(e, cs, p)
+
+                def laid_out(plan: FilePlan) -> None:
+                    nonlocal data  # the bytes go out while the metadata is made
+                    data = _DataWrite(fd, _batches(plan, items, comps))
+
+                prep = _prepare(key, items, shared, crcs, object_graph, root, p, laid_out)
+                if cache is not None and key is not None:
+                    cache.put(prep)
+            docs = _documents(prep, flat)
+            with prep.lock:
+                refresh = prep.plan.refresh(
+                    _changing(root), {k: _crc32c.crc32c(v) for k, v in docs.items()}
+                )
             pwrite_all(fd, memoryview(prep.image), 0)
-            for offset, data in refresh:
-                pwrite_all(fd, memoryview(data), offset)
-            _write_components(fd, prep.plan, items, comps)
-            for name, data in docs.items():
-                pwrite_all(fd, memoryview(data), prep.documents[name])
+            for offset, piece in refresh:
+                pwrite_all(fd, memoryview(piece), offset)
+            for name, piece in docs.items():
+                pwrite_all(fd, memoryview(piece), prep.documents[name])
+            assert data is not None
+            data.wait()
+            os.ftruncate(fd, prep.file_size)  # (only ever extends: everything lies below)
         finally:
+            if data is not None:
+                data.join()  # (after an error too: no write is left running at the close)
             os.close(fd)
         # a buffer another thread wrote to while it was saved fails the save
         for e, cs, cc, sh in zip(items, comps, crcs, shared, strict=True):
