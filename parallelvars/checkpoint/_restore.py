@@ -516,30 +516,34 @@ class DirectRestore:
         return failed
 
     def commit(self) -> None:
-        """Copy every verified component into its live buffer, spread over the cores.
+        """Copy every verified component into its live buffer.
 
-        Components copied from the same bytes (a mirrored variable's, stored once) are copied
-        together, a :data:`COPY_CHUNK` of the source into each of them in turn, so the source
-        is read from memory once, while it is in the CPU's cache; a smaller component is one
-        copy.
+        A component under :data:`COPY_CHUNK` bytes is copied here, one slice assignment each;
+        the larger ones are spread over the cores, and the components copied from the same
+        bytes (a mirrored variable's, stored once) are copied together, a ``COPY_CHUNK`` of
+        the source into each of them in turn, so the source is read from memory once, while it
+        is in the CPU's cache.
         """
         if self.buffer is None:
             return
         buffer = self.buffer
+        whole = memoryview(buffer)  # type: ignore[arg-type]
+        targets, ats, sizes = self.targets, self.at, self.nbytes
         calls: list[Callable[[], None]] = []
         weights: list[int] = []
-        group: list[np.ndarray] = []
-        last = (-1, -1)
-        for target, at, n in zip(self.targets, self.at, self.nbytes, strict=True):
-            if (at, n) != last and group:
-                calls.append(functools.partial(_copy_into, buffer[last[0] : sum(last)], group))
-                weights.append(last[1] * len(group))
-                group = []
-            last = (at, n)
-            group.append(target)
-        if group:
-            calls.append(functools.partial(_copy_into, buffer[last[0] : sum(last)], group))
-            weights.append(last[1] * len(group))
+        k, count = 0, len(targets)
+        while k < count:
+            at, n = ats[k], sizes[k]
+            if n < COPY_CHUNK:
+                _bytes_of(targets[k])[:] = whole[at : at + n]
+                k += 1
+                continue
+            j = k + 1
+            while j < count and ats[j] == at and sizes[j] == n:
+                j += 1
+            calls.append(functools.partial(_copy_into, buffer[at : at + n], targets[k:j]))
+            weights.append(n * (j - k))
+            k = j
         run_partitioned(calls, weights)
         self.release()
 
@@ -579,6 +583,15 @@ def _raw_writable(components: Iterable[np.ndarray]) -> bool:
     """:func:`_writable_bytes` for dtypes the buffer protocol cannot export (bfloat16 and the
     other extension dtypes), which are written through a uint8 view (``byte_view``)."""
     return all(a.flags.c_contiguous and a.flags.writeable for a in components)
+
+
+def _bytes_of(a: np.ndarray) -> memoryview:
+    """A writable flat byte view of a contiguous array (:func:`_writable_bytes` or
+    :func:`_raw_writable` said it has one)."""
+    try:
+        return memoryview(a).cast("B")  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return memoryview(byte_view(a))  # type: ignore[arg-type]
 
 
 _MEMORYVIEW: Callable[[Any], memoryview] = memoryview

@@ -518,7 +518,8 @@ class H5Reader(BulkReads, Mapping[str, StoredVariable]):
         (fewer save little, and one thread reading them from a cold disk can cost more than the
         restore's threads reading them in place), components under ``STAGE_COMPONENT`` bytes whose
         offsets the index gives are sorted by offset and read in spans (neighbours less than
-        ``STAGE_GAP`` apart share one read), at most ``STAGE_LIMIT`` bytes in all; copies then
+        ``STAGE_GAP`` apart share one read), at most ``STAGE_LIMIT`` bytes in all (and what
+        ``RESTORE_KEEP_LIMIT`` leaves of the bytes the restore holds); copies then
         work from memory, on the bytes that were read once. Released by :meth:`unstage`.
 
         The staged components whose checksums the index gives are verified here, in one pass
