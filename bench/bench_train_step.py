@@ -43,6 +43,7 @@ in the same run and in turns:
     python bench/bench_train_step.py                        # model A and B, 4 replicas
     python bench/bench_train_step.py --scale 0.05 --steps 3 # a quick check
     python bench/bench_train_step.py --json step.json       # also write the figures as JSON
+    python bench/bench_train_step.py --timer cpu            # CPU time: a loaded machine
 
 Models: A = 200 variables x 50,000 parameters, B = 2,000 x 512 (the sizes of issue 28; the
 update core's own benchmark keeps 2,000 x 500). Targets: in-run <= 1.35x the core alone for
@@ -65,6 +66,7 @@ from bench_update import (
     B2,
     EPS,
     LR,
+    TIMERS,
     _time_interleaved,
     check_targets,
     models_of,
@@ -299,7 +301,14 @@ def make_tf(
     return {"tf_eager": lambda: strategy.run(replica_step, args=(grads,)), "tf_function": graph}
 
 
-def run_model(label: str, n_vars: int, size: int, replicas: int, steps: int) -> dict[str, object]:
+def run_model(
+    label: str,
+    n_vars: int,
+    size: int,
+    replicas: int,
+    steps: int,
+    timer: Callable[[], float] = time.perf_counter,
+) -> dict[str, object]:
     rng = np.random.default_rng(0)
     sizes = [size] * n_vars
     shapes = [shape_2d(label, size)] * n_vars
@@ -330,7 +339,7 @@ def run_model(label: str, n_vars: int, size: int, replicas: int, steps: int) -> 
         "pervar": make_run(per_variable, sizes, per_replica, rng),
     }
     fns.update(make_tf(sizes, per_replica))
-    t = _time_interleaved(fns, steps)
+    t = _time_interleaved(fns, steps, timer)
     return {"label": label, "vars": n_vars, "params": n_vars * size, "times": t}
 
 
@@ -432,12 +441,12 @@ def main(argv: list[str] | None = None) -> int:
     models = [(label, n, 512 if label == "B" else size) for label, n, size in models_of(args)]
     print(
         f"Adam inside strategy.run, {args.replicas} replicas with their own gradients, "
-        f"best of {args.steps}, steps taken in turns"
+        f"best of {args.steps}, steps taken in turns ({args.timer} time)"
     )
     figures: dict[str, object] = {}
     for label, n_vars, size in models:
         started = time.strftime("%H:%M:%S")
-        r = run_model(label, n_vars, size, args.replicas, args.steps)
+        r = run_model(label, n_vars, size, args.replicas, args.steps, TIMERS[args.timer])
         figures[label] = _model_json(r)
         t: dict[str, float] = r["times"]  # type: ignore[assignment]
         print(f"\nmodel {label}: {n_vars:,} variables x {size:,} parameters (started {started})")

@@ -9,6 +9,7 @@ variable list at a time) on every rank, and to ``MirroredStrategy(N)`` in one pr
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +35,7 @@ def _launch(n: int, out: Path, optimizer: str) -> list[dict[str, np.ndarray]]:
         text=True,
         timeout=LAUNCH_TIMEOUT,
         env={
-            **__import__("os").environ,
+            **os.environ,
             "MPIR_CVAR_CH4_OFI_ENABLE_PROGRESS_THREAD": "0",
             "MPIR_CVAR_POLLS_BEFORE_YIELD": "100",
         },

@@ -23,7 +23,9 @@ three forms:
 
 Arrays of a candidate's shape and of one other numeric dtype in every replica are summed in
 that dtype and cast once per dtype (:meth:`FusedTransport._pack_cast`); sparse gradients of
-arena variables go to :mod:`parallelvars.optimizers._sparse_step`. Everything else goes back
+arena variables go to :mod:`parallelvars.optimizers._sparse_step`. Over several processes
+both cross them in one collective per dtype for all of them (an all-reduce of the cast
+buffers, a gather of the sparse slices) before the same steps. Everything else goes back
 to the optimizer as ``(gradient, variable)`` pairs merged across replicas, for the
 per-variable reduce. :class:`FusedTransport` is the interface: the optimizer
 asks it to :meth:`~FusedTransport.split` a step, to :meth:`~FusedTransport.apply` the fused
@@ -550,7 +552,7 @@ class FusedTransport:
             and len(parts) != strategy.num_replicas_in_sync
             and not _cross_process(strategy, parts)
         ):
-            cast = ()  # replicas that share a device: their sum is grouped per device
+            cast = ()  # neither every replica here nor one process's: the per-variable reduce
         sparse = self._sparse_of(strategy, plan, parts, var_list, fused)
         if not fused and not cast and sparse is None:
             return _merged(strategy, parts, range(len(var_list))), [], None
