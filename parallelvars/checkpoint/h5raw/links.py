@@ -21,7 +21,7 @@ is read once (a group reached twice is walked under its first name only), and at
 from __future__ import annotations
 
 import struct
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 import numpy as np
 
@@ -295,16 +295,25 @@ def _group(path: bytes) -> str:
 
 
 def hard_names(
-    source: Source, wanted: Collection[bytes], *, max_groups: int | None = None
+    source: Source,
+    wanted: Collection[bytes],
+    *,
+    parents: Iterable[bytes] | None = None,
+    max_groups: int | None = None,
 ) -> set[bytes]:
     """Those of ``wanted`` (object paths without the leading ``/``) reached from the root by
     hard links only; only the groups on their way are read.
 
     :class:`Refused` for what this walk does not read (see the module docstring): the caller
-    asks libhdf5 instead. ``max_groups``: the most groups read (default: one per wanted name,
-    plus what their paths add)."""
+    asks libhdf5 instead. ``parents``: the names' parent groups, when the caller knows them
+    (fewer than the names: each is split once). ``max_groups``: the most groups read (default:
+    one per group on the names' paths, and the root)."""
     groups: set[bytes] = set()
-    for name in wanted:
+    for name in wanted if parents is None else parents:
+        if parents is not None:  # (a parent is itself a group on the way)
+            if name in groups:
+                continue
+            groups.add(name)
         cut = name.rfind(b"/")
         while cut > 0 and name[:cut] not in groups:
             groups.add(name[:cut])
