@@ -135,3 +135,14 @@ def test_the_reader_takes_libhdf5s_walk_where_ours_refuses(tmp_path, monkeypatch
     for key, parts in ours.items():
         assert parts is not None and theirs[key] is not None
         assert [p.tobytes() for p in parts] == [p.tobytes() for p in theirs[key]]
+
+
+@pytest.mark.parametrize("bound", ["_MAX_CHUNK", "_BATCH_BYTES"])
+def test_headers_past_the_walks_bounds_are_refused(tmp_path, monkeypatch, bound) -> None:
+    from parallelvars.checkpoint.h5raw import links
+
+    path = write_native(str(tmp_path / "g.h5"), _records(6), object_graph={"version": 1})
+    monkeypatch.setattr(links, bound, 16)
+    with pytest.raises(Refused, match="first chunk") as caught:
+        _walk(path, {f"m/g{k % 3}/v{k}/primary".encode() for k in range(6)})
+    assert caught.value.expected == "at most 16 bytes"

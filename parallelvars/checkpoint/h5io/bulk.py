@@ -105,15 +105,21 @@ class BulkReads:
             return self._hard_names
         table = self.table
         if table is not None:
-            wanted = {
-                f"{name}/{component_name(i)}".encode()
-                for name, n in zip(table.names, table.counts, strict=True)
-                for i in range(n)
-            }
             try:
-                self._hard_names = hard_names(WindowSource(self._fd(), self.file_size), wanted)
+                parents = [name.encode() for name in table.names]
+                suffixes = [
+                    f"/{component_name(i)}".encode() for i in range(max(table.counts, default=0))
+                ]
+                wanted = {
+                    parent + suffixes[i]
+                    for parent, n in zip(parents, table.counts, strict=True)
+                    for i in range(n)
+                }
+                self._hard_names = hard_names(
+                    WindowSource(self._fd(), self.file_size), wanted, parents=parents
+                )
                 return self._hard_names
-            except Refused:
+            except (Refused, UnicodeEncodeError):  # (a name that is not text: HDF5's walk)
                 pass
         names: set[bytes] = set()
         add, kind = names.add, h5py.h5l.TYPE_HARD

@@ -21,7 +21,7 @@ is read once (a group reached twice is walked under its first name only), and at
 from __future__ import annotations
 
 import struct
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 import numpy as np
 
@@ -40,7 +40,10 @@ _KEEP = frozenset((hdr.LINK, hdr.LINK_INFO, SYMBOL_TABLE))  # (the messages a wa
 _WALKED = np.array([hdr.LINK, hdr.LINK_INFO, SYMBOL_TABLE, hdr.CONTINUATION])
 _FIRST = 1024  # bytes of each header read first (its prefix: at most 6 + 16 + 4 + 8; most whole)
 _MAX_CHUNK = 1 << 20  # the largest first chunk walked here (ours are at most 4 KiB)
-_BATCH = 8192  # groups read together (their headers' bytes held at once)
+_BATCH = 8192
+_BATCH_BYTES = (
+    64 << 20
+)  # the most header bytes read for one batch of groups  # groups read together (their headers' bytes held at once)
 # Headers less than this apart are read together, the bytes between them too (a variable's
 # group and its datasets' headers lie side by side): at most _BATCH times this in gaps.
 _HEADER_GAP = 4096
@@ -173,6 +176,8 @@ def _group_links(
         extent = length + size0 + 4  # (the chunk and its checksum)
         if int(size0.max()) > _MAX_CHUNK:
             raise Refused("an object header's first chunk", f"at most {_MAX_CHUNK} bytes", "more")
+        if int(extent.sum()) > _BATCH_BYTES:  # (ours: at most 4 KiB a chunk)
+            raise Refused("object headers' first chunks", f"at most {_BATCH_BYTES} bytes", "more")
         if int((addr[fast] + extent).max()) > source.size:
             raise Refused("an object header runs past the end of the file", source.size, "more")
         # Headers whose chunk the first read holds are taken from it; the others read again.
@@ -290,16 +295,25 @@ def _group(path: bytes) -> str:
 
 
 def hard_names(
-    source: Source, wanted: Collection[bytes], *, max_groups: int | None = None
+    source: Source,
+    wanted: Collection[bytes],
+    *,
+    parents: Iterable[bytes] | None = None,
+    max_groups: int | None = None,
 ) -> set[bytes]:
     """Those of ``wanted`` (object paths without the leading ``/``) reached from the root by
     hard links only; only the groups on their way are read.
 
     :class:`Refused` for what this walk does not read (see the module docstring): the caller
-    asks libhdf5 instead. ``max_groups``: the most groups read (default: one per wanted name,
-    plus what their paths add)."""
+    asks libhdf5 instead. ``parents``: the names' parent groups, when the caller knows them
+    (fewer than the names: each is split once). ``max_groups``: the most groups read (default:
+    one per group on the names' paths, and the root)."""
     groups: set[bytes] = set()
-    for name in wanted:
+    for name in wanted if parents is None else parents:
+        if parents is not None:  # (a parent is itself a group on the way)
+            if name in groups:
+                continue
+            groups.add(name)
         cut = name.rfind(b"/")
         while cut > 0 and name[:cut] not in groups:
             groups.add(name[:cut])
