@@ -19,6 +19,7 @@ import crc32c as _crc32c
 import h5py
 import numpy as np
 
+from parallelvars._spans import coalesce
 from parallelvars._threads import run_in_order
 from parallelvars.checkpoint import _h5policy
 from parallelvars.checkpoint.h5io.attributes import _decode, _read_json
@@ -599,29 +600,16 @@ class H5Reader(BulkReads, Mapping[str, StoredVariable]):
         assert table is not None
         offsets = table.offsets[slots]
         nbytes = table.nbytes[slots]
-        order = np.argsort(offsets, kind="stable")
+        spans_of = coalesce(offsets, nbytes, gap=STAGE_GAP)
+        order, span_starts, spans = spans_of.order, spans_of.starts, spans_of.sizes
+        span_of, at_sorted = spans_of.span_of, spans_of.at
         starts, sizes = offsets[order], nbytes[order]
         ends = np.maximum.accumulate(starts + sizes)
-        total = int(sizes.sum())
-        for gap in (STAGE_GAP, 0):  # without gaps when they would double what is read
-            new = np.empty(starts.size, bool)
-            new[:1] = True
-            new[1:] = starts[1:] - ends[:-1] > gap
-            heads = np.flatnonzero(new)
-            span_starts = starts[heads]
-            span_ends = ends[np.append(heads[1:], starts.size) - 1]
-            spans = span_ends - span_starts
-            if int(spans.sum()) <= 2 * total + (1 << 20):
-                break
-        bases = np.zeros(spans.size, np.int64)
-        np.cumsum(spans[:-1], out=bases[1:])
-        buf = np.empty(int(spans.sum()), np.uint8)
+        buf = np.empty(spans_of.total, np.uint8)
         fd = self._fd()
         if hasattr(os, "posix_fadvise"):  # every span asked for at once: the disk reads ahead
             for start, size in zip(span_starts.tolist(), spans.tolist(), strict=True):
                 os.posix_fadvise(fd, start, size, os.POSIX_FADV_WILLNEED)
-        span_of = np.cumsum(new) - 1
-        at_sorted = starts - span_starts[span_of] + bases[span_of]
         # Tasks: the components whose start falls in one BULK_PIECE window of their span.
         window = (
             span_of * (int(spans.max(initial=0)) // BULK_PIECE + 1)
