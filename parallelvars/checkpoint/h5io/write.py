@@ -400,8 +400,9 @@ class RecordList(list):
         self._like = like
         self._flat: tuple[list[np.ndarray], list[int]] | None = None
         self._starts: list[int] | None = None
-        # What the writer keeps to compare the records' replicas by runs of their buffers
-        # (h5raw.native._replica_plan): None, then False after a first save, then the plan.
+        # The plan the writer compares the records' replicas by (runs of their buffers: set by
+        # the checkpoint's writer, read by h5raw.native): None, False after a first save, then
+        # the plan.
         self.replicas: Any = None
         # Stands for the records' structure: records with the same token have the same
         # structure, so a writer's cache can tell a repeated structure without its key.

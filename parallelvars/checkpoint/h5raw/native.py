@@ -833,23 +833,13 @@ def _checksummed(
 
 
 def _replica_plan(items: Sequence[Any]) -> Any:
-    """For records saved before (a ``RecordList`` from its second save on), the runs of their
-    replicas' base buffers (a :class:`~parallelvars.checkpoint.snapshot.SnapshotPlan`, the
-    non-blocking save's): a mirrored model's replicas are then compared with their first
-    components by one ``memcmp`` per run of an arena row, not one by one. Made once per
-    records; None for a first save (making it costs more than comparing one by one once) and
-    for other entries."""
-    from parallelvars.checkpoint.h5io.write import RecordList
-    from parallelvars.checkpoint.snapshot import SnapshotPlan
-
-    if not isinstance(items, RecordList):
-        return None
-    if items.replicas is None:
-        items.replicas = False
-        return None
-    if items.replicas is False:
-        items.replicas = SnapshotPlan(items)
-    return items.replicas
+    """The plan of runs the replicas of ``items`` are compared by, when the records carry one
+    (``RecordList.replicas``: a :class:`~parallelvars.checkpoint.snapshot.SnapshotPlan`, set
+    by the checkpoint's writer from a structure's second save on): a mirrored model's
+    replicas are then compared with their first components by one ``memcmp`` per run of an
+    arena row, not one by one. None: compared one by one."""
+    plan = getattr(items, "replicas", None)
+    return None if plan is None or plan is False else plan
 
 
 def _save_arrays(
