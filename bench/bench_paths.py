@@ -11,11 +11,15 @@ Save rows (``--save``):
 * ``mirrored``: a model of 2,000 variables x 2,500 float32 parameters with Adam, on 4 devices
   against 1 device: file size (target <= 1.05x) and save time (target <= 1.2x).
 * ``training``: 10,000 variables x 2,500 parameters x 2 devices with Adam (``--big``: also
-  20,000 x 2,500 x 4): first and repeated save, a non-blocking ``CheckpointManager.save``
-  (the call and the whole save), restore, against a raw ``tofile`` + fsync and ``readinto`` of
-  the same bytes (every component of every variable and slot); the resident set after
-  building the model and each save's peak above it (``/proc/self/statm`` sampled in a thread
-  around the call: ``ru_maxrss`` is a lifetime peak and says nothing about one call).
+  20,000 x 2,500 x 4): first and repeated save, a first and a second non-blocking
+  ``CheckpointManager.save`` (the call and the whole save), restore, against a raw ``tofile``
+  + fsync and ``readinto`` of the same bytes. Two write rates: per live byte (raw writes every
+  component of every variable and slot) and per stored byte (raw writes the bytes the file
+  holds: mirrored replicas once). The stored-byte rate is the one the target means: it
+  compares the same disk work, while the live-byte rate credits a mirrored model's smaller
+  file as speed. The resident set after building the model and each save's peak above it
+  (``/proc/self/statm`` sampled in a thread around the call: ``ru_maxrss`` is a lifetime
+  peak and says nothing about one call).
 
 ``first`` also measures the floor a save cannot go under in Python, walking the objects for the
 graph and the records (as the first save does), and the first save's peak RSS above the
@@ -228,8 +232,21 @@ def worker_mirrored(count: int, size: int, folder: str) -> dict[str, Any]:
     return out
 
 
+def _raw_write(arrays: list[np.ndarray], path: str) -> tuple[float, float]:
+    """Seconds (wall, and CPU of this process) to ``tofile`` the arrays one after another and
+    fsync the file."""
+    t, c = time.perf_counter(), time.process_time()
+    with open(path, "wb") as fh:
+        for a in arrays:
+            a.tofile(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return time.perf_counter() - t, time.process_time() - c
+
+
 def worker_training(count: int, size: int, devices: int, folder: str) -> dict[str, Any]:
     import parallelvars as pv
+    from parallelvars._fileio import same_bytes
 
     ckpt, variables = _model(count, size, devices, True, True)
     gc.collect()
@@ -237,53 +254,70 @@ def worker_training(count: int, size: int, devices: int, folder: str) -> dict[st
     tensors = _tensors(ckpt)
     nbytes = sum(t.nbytes for t in tensors.values())
     largest = max(t.nbytes for t in tensors.values())
+    # The bytes the file stores: a replica equal to its variable's first component is stored
+    # once (its other names are links), as the writer does.
+    stored: list[np.ndarray] = []
+    for r in ckpt._gather(False)[0]:
+        cs = [tensors[f"{r.path}/{i}"] for i in range(len(r.components))]
+        stored += [cs[0]] + [c for c in cs[1:] if r.kind == "sharded" or not same_bytes(c, cs[0])]
     out: dict[str, Any] = {
         "variables": count,
         "entries": len(ckpt._gather(False)[0]),
         "bytes": nbytes,
+        "stored_bytes": sum(a.nbytes for a in stored),
         "largest_component": largest,
         "rss_built_mb": built,
+        "load_before": os.getloadavg()[0],
     }
     raw = os.path.join(folder, "raw.bin")
-    t = time.perf_counter()
-    with open(raw, "wb") as fh:
-        for a in tensors.values():
-            a.tofile(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    out["raw_write_s"] = time.perf_counter() - t
+    out["raw_write_s"], out["raw_write_cpu_s"] = _raw_write(list(tensors.values()), raw)
     buf = np.empty(nbytes, np.uint8)
     t = time.perf_counter()
     with open(raw, "rb", buffering=0) as fh:
         fh.readinto(memoryview(buf))
     out["raw_read_s"] = time.perf_counter() - t
-    del buf, tensors
+    del buf
     os.unlink(raw)
+    out["raw_stored_s"], out["raw_stored_cpu_s"] = _raw_write(stored, raw)  # what the file holds
+    os.unlink(raw)
+    del tensors, stored
     gc.collect()
     for name in ("first", "repeated"):
         with RssPeak() as mem:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             path = ckpt.write(os.path.join(folder, f"{name}.h5"))
             out[f"{name}_s"] = time.perf_counter() - t
+            out[f"{name}_cpu_s"] = time.process_time() - c
         out[f"{name}_extra_mb"] = mem.extra_mb  # the save's peak above the model's
         out[f"rss_after_{name}_mb"] = _rss_mb()
     out["file_mb"] = os.path.getsize(path) / 2**20
     with pv.CheckpointManager(ckpt, os.path.join(folder, "mgr"), max_to_keep=1) as mgr:
-        with RssPeak() as mem:
-            t = time.perf_counter()
-            mgr.save(blocking=False)
-            out["nonblocking_call_s"] = time.perf_counter() - t
-            mgr.wait()
-            out["nonblocking_whole_s"] = time.perf_counter() - t
-        out["nonblocking_extra_mb"] = mem.extra_mb
+        for name in ("nonblocking", "nonblocking_again"):
+            with RssPeak() as mem:
+                t, c = time.perf_counter(), time.process_time()
+                mgr.save(blocking=False)
+                out[f"{name}_call_s"] = time.perf_counter() - t
+                mgr.wait()
+                out[f"{name}_whole_s"] = time.perf_counter() - t
+                out[f"{name}_whole_cpu_s"] = time.process_time() - c
+            out[f"{name}_extra_mb"] = mem.extra_mb
     for v in variables[:3]:
         v.assign(np.zeros(size, np.float32))
     t = time.perf_counter()
     ckpt.restore(path).assert_consumed()
     out["restore_s"] = time.perf_counter() - t
+    # the raw baselines again, after the saves: the shared disk's rate drifts
+    raw_again = [a for r in ckpt._gather(False)[0] for a in r.components]
+    out["raw_write_after_s"], _ = _raw_write(raw_again, raw)
+    os.unlink(raw)
     out["rss_peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    for k in ("first", "repeated", "nonblocking_whole"):
+    out["load_after"] = os.getloadavg()[0]
+    # Rates against raw: per live byte (raw writes every component; the file holds mirrored
+    # replicas once, so this favours us by up to the replica count) and per stored byte
+    # (raw writes exactly the bytes the file holds: the disk's work for the same file).
+    for k in ("first", "repeated", "nonblocking_whole", "nonblocking_again_whole"):
         out[f"ratio_{k}"] = out[f"{k}_s"] / out["raw_write_s"]
+        out[f"stored_ratio_{k}"] = out[f"{k}_s"] / out["raw_stored_s"]
     out["ratio_restore"] = out["restore_s"] / out["raw_read_s"]
     return out
 
@@ -370,24 +404,38 @@ def save_training(big: bool) -> dict[str, Any]:
         if "error" in r:
             print(f"  {label}: failed: {r['error']}")
             continue
-        mb = r["bytes"] / 2**20
-        print(f"  {label}: {mb:.0f} MB of components, file {r['file_mb']:.0f} MB", flush=True)
+        mb, stored_mb = r["bytes"] / 2**20, r["stored_bytes"] / 2**20
         print(
-            f"    raw tofile+fsync {r['raw_write_s']:.3f} s, readinto {r['raw_read_s']:.3f} s",
+            f"  {label}: {mb:.0f} MB of components ({stored_mb:.0f} MB stored: replicas once), "
+            f"file {r['file_mb']:.0f} MB; load {r['load_before']:.2f} -> {r['load_after']:.2f}",
+            flush=True,
         )
-        for k in ("first", "repeated", "nonblocking_whole"):
+        print(
+            f"    raw tofile+fsync: every live byte {r['raw_write_s']:.3f} s, CPU "
+            f"{r['raw_write_cpu_s']:.3f} s (again after the saves {r['raw_write_after_s']:.3f} "
+            f"s), the stored bytes {r['raw_stored_s']:.3f} s, CPU {r['raw_stored_cpu_s']:.3f} "
+            f"s; readinto {r['raw_read_s']:.3f} s",
+        )
+        for k in ("first", "repeated", "nonblocking_whole", "nonblocking_again_whole"):
+            cpu = r.get(f"{k}_cpu_s")
             print(
-                f"    {k:18s} {r[f'{k}_s']:7.3f} s  ({1e6 * r[f'{k}_s'] / r['entries']:.1f} "
-                f"us/entry)  raw/ours rate {1 / r[f'ratio_{k}']:.2f} (target >= 0.7)"
+                f"    {k:24s} {r[f'{k}_s']:7.3f} s  ({1e6 * r[f'{k}_s'] / r['entries']:.1f} "
+                f"us/entry{f', CPU {cpu:.3f} s' if cpu is not None else ''})  rate vs raw: "
+                f"per live byte {1 / r[f'ratio_{k}']:.2f}, per stored byte "
+                f"{1 / r[f'stored_ratio_{k}']:.2f} (target >= 0.7)"
             )
-        print(f"    nonblocking call   {r['nonblocking_call_s']:7.3f} s")
+        print(
+            f"    nonblocking call   {r['nonblocking_call_s']:7.3f} s, again "
+            f"{r['nonblocking_again_call_s']:.3f} s"
+        )
         print(f"    restore            {r['restore_s']:7.3f} s  ours/raw {r['ratio_restore']:.2f}")
         print(
             f"    RSS: built {r['rss_built_mb']:.0f} MB, process peak {r['rss_peak_mb']:.0f} MB; "
             f"peak above the model's: first save {r['first_extra_mb']:.0f} MB, repeated "
             f"{r['repeated_extra_mb']:.0f} MB (target <= 256 MB + largest component "
             f"{r['largest_component'] / 2**20:.2f} MB), non-blocking "
-            f"{r['nonblocking_extra_mb']:.0f} MB (target <= the {mb:.0f} MB it snapshots)",
+            f"{r['nonblocking_extra_mb']:.0f} MB, again {r['nonblocking_again_extra_mb']:.0f} MB "
+            f"(target <= the {mb:.0f} MB it snapshots)",
             flush=True,
         )
     return out

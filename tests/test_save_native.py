@@ -316,7 +316,9 @@ def test_replicas_share_exactly_when_their_bytes_are_equal(tmp_path, dtype, size
 
 
 def test_same_bytes_compares_bits_in_place_at_every_size() -> None:
-    from parallelvars._fileio import same_bytes
+    from parallelvars.testing import fileio
+
+    same_bytes = fileio.same_bytes
 
     for n in (0, 1, 1 << 14, 1 << 16, (1 << 16) + 1, 3 << 20):
         a = _bits(np.dtype(np.float32), n, n)
@@ -398,3 +400,37 @@ def test_a_first_save_failing_while_its_bytes_go_out_keeps_the_last_good_file(
     with H5Reader(path) as r:
         assert r.verify_all() == []
         assert r["model/vs/0"].component(1)[0] == -1 and r["model/vs/299"].value()[0] == 299
+
+
+def test_repeated_saves_compare_replicas_by_runs_and_see_divergence(tmp_path) -> None:
+    """From a structure's second save on, the replicas of its records are compared by runs of
+    their arena rows (the snapshot plan's); a replica that diverges later is still found and
+    saved apart, and its variable is compared one by one from then on."""
+    m = pv.Module()
+    with pv.MirroredStrategy(3).scope():
+        m.vs = [pv.Variable(np.full(3000, i, np.float32), name=f"v{i}") for i in range(40)]
+    ckpt = pv.Checkpoint(model=m)
+    ckpt.write(tmp_path / "a.h5")
+    ckpt.write(tmp_path / "b.h5")
+    records = ckpt._gather(False)[0]
+    plan = records.replicas
+    assert plan is not None and plan is not False and len(plan.runs) <= 2 and not plan.divergent
+    m.vs[7].components[2][5] = -1.0  # one replica diverges
+    path = ckpt.write(tmp_path / "c.h5")
+    assert records.replicas is plan
+    (n,) = [n for n, r in enumerate(records) if r.path == "model/vs/7"]
+    assert plan.divergent == {n}
+    with h5py.File(path, "r") as f:
+        index = json.loads(bytes(f["_parallelvars/index"][()]))
+        offsets = index["model/vs/7"]["offsets"]
+        assert offsets[0] == offsets[1] != offsets[2]
+        assert f["model/vs/7/parallel_component_2"][5] == -1.0
+        assert f["model/vs/7/primary"][5] == 7.0
+        assert len(set(index["model/vs/8"]["offsets"])) == 1
+    m.vs[7].components[2][5] = 7.0  # equal again: stored once again (compared one by one)
+    path = ckpt.write(tmp_path / "d.h5")
+    with h5py.File(path, "r") as f:
+        index = json.loads(bytes(f["_parallelvars/index"][()]))
+        assert len(set(index["model/vs/7"]["offsets"])) == 1
+    with H5Reader(path) as r:
+        assert r.verify_all() == []

@@ -82,6 +82,7 @@ def _checkpoint_writer(plans: PlanCache | None = None) -> Callable[..., str]:
     if strategy is None:
 
         def write_one(path: str, records: Sequence[SaveRecord], **options: Any) -> str:
+            _plan_replicas(records)
             with older_objects_frozen():  # a first save's plan: a few containers per variable
                 return save_native(path, records, cache=plans, **options)
 
@@ -92,6 +93,17 @@ def _checkpoint_writer(plans: PlanCache | None = None) -> Callable[..., str]:
         return write_collective(comm, path, records, local, everyone, cache=plans, **options)
 
     return write
+
+
+def _plan_replicas(records: Sequence[SaveRecord]) -> None:
+    """From the second save of a ``RecordList`` on, give it the plan of runs its replicas are
+    compared by (:class:`SnapshotPlan`, read by the writer: ``h5raw.native._replica_plan``);
+    a first save compares them one by one (making the plan costs more, once)."""
+    if isinstance(records, RecordList):
+        if records.replicas is None:
+            records.replicas = False
+        elif records.replicas is False:
+            records.replicas = SnapshotPlan(records)
 
 
 def collective_rank() -> int | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import itertools
 import threading
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from parallelvars._fileio import byte_view, same_bytes
+from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint.h5io.records import RecordList
 from parallelvars.checkpoint.registry import SaveRecord
 from parallelvars.errors import ConcurrentWriteError
@@ -210,9 +212,22 @@ class SnapshotPlan:
     def replicas_differing(self) -> list[int]:
         """The replicas whose bytes differ from their first components' now (live both)."""
         flat, primary = self.flat, self.primary
+        same = [True] * len(self.runs)
+
+        def compare(k: int, live: np.ndarray, first: np.ndarray) -> None:
+            same[k] = _unchanged(live, first)
+
+        # (memcmp releases the GIL: long runs are compared on several cores)
+        run_partitioned(
+            [
+                functools.partial(compare, k, live, first)
+                for k, (live, first, _) in enumerate(self.runs)
+            ],
+            [live.size for live, _, _ in self.runs],
+        )
         out = []
-        for live, first, members in self.runs:
-            if not _unchanged(live, first):  # (a gap between them may differ: each checked)
+        for (_, _, members), equal in zip(self.runs, same, strict=True):
+            if not equal:  # (a gap between them may differ: each checked)
                 out += [i for i in members if not _unchanged(flat[i], flat[primary[i]])]
         out += [i for i in self.lone if not _unchanged(flat[i], flat[self.primary[i]])]
         return out

@@ -45,7 +45,7 @@ class RecordList(list):
     components' values may, they are read at every write.
     """
 
-    __slots__ = ("_flat", "_key", "_like", "_starts", "token")
+    __slots__ = ("_flat", "_key", "_like", "_starts", "replicas", "token")
 
     def __init__(self, records: Iterable[Any] = (), *, like: RecordList | None = None) -> None:
         """``like``: records of the same structure (a snapshot's copies are like the live
@@ -55,6 +55,10 @@ class RecordList(list):
         self._like = like
         self._flat: tuple[list[np.ndarray], list[int]] | None = None
         self._starts: list[int] | None = None
+        # The plan the writer compares the records' replicas by (runs of their buffers: set by
+        # the checkpoint's writer, read by h5raw.native): None, False after a first save, then
+        # the plan.
+        self.replicas: Any = None
         # Stands for the records' structure: records with the same token have the same
         # structure, so a writer's cache can tell a repeated structure without its key.
         self.token: object = object() if like is None else like.token

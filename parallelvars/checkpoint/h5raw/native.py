@@ -4,7 +4,9 @@ the columns and the object graph, checksums), for callers and tests that write a
 from entries whose components are arrays in memory.
 
 The metadata is generated in one piece and written with one ``pwrite``; the component bytes go
-out in gathered writes (``pwritev``) in file order; then the documents. With
+out in gathered writes (``pwritev``) in file order, on a helper thread from the moment the plan
+gives their offsets (a first save makes the rest of its metadata meanwhile), the disk asked to
+start on them every 8 MiB; then the documents. With
 ``share_equal``, a component whose bytes equal an earlier component of the same variable (same
 shape) is not written again: its name is a hard link to that component's dataset, and the
 index records the same offset for both.
@@ -598,8 +600,9 @@ def save_native(
     The metadata comes from the generator, or, for a structure written before with the same
     ``cache`` (a :class:`~parallelvars.checkpoint.h5io.records.PlanCache`), from the cached
     :class:`Prepared` with the changing values put in; the component bytes are written in
-    gathered ``pwritev`` calls from the arrays themselves (no copy), then checksummed again (a
-    buffer another thread changed meanwhile fails the save). Entries read from other files are
+    gathered ``pwritev`` calls from the arrays themselves (no copy; on a helper thread, from
+    the moment the plan gives their offsets, while the metadata and documents are made), then
+    checksummed again (a buffer another thread changed meanwhile fails the save). Entries read from other files are
     streamed through one reused buffer per component, checksummed as they are written.
 
     What the generator cannot express (``bytes`` variables, an attribute message over 64 KiB,
@@ -864,7 +867,26 @@ def _checksummed(
     crcs: list[list[int]] = []
     shared: list[list[int] | None] = []
     pattern: list[Any] = []
-    for e in items:
+    plan = _replica_plan(items) if share_equal else None
+    equal: Callable[[int], bool] = lambda n: False  # noqa: E731
+    if plan is not None:
+        differ = {plan.record_of(i) for i in plan.replicas_differing()}
+        if differ:  # (divergent from now on: compared one by one, not in the runs)
+            plan.share_less(items, differ)
+        starts, primary = plan.starts, plan.primary
+        equal = lambda n: (  # noqa: E731
+            n not in differ
+            and starts[n + 1] - starts[n] > 1
+            and primary[starts[n] + 1] != starts[n] + 1
+        )
+    for k, e in enumerate(items):
+        if equal(k):  # replicas of the first, all equal to it: compared by their runs
+            cs = list(e.components)
+            comps.append(cs)
+            crcs.append([_crc(cs[0])] * len(cs))
+            shared.append([0] * len(cs))
+            pattern.append((0,) * len(cs))
+            continue
         cs = [_contiguous(c) for c in e.components]
         comps.append(cs)
         n = len(cs)
@@ -905,6 +927,16 @@ def _checksummed(
         shared.append(sh)
         pattern.append(None if sh is None else tuple(sh))
     return comps, crcs, shared, tuple(pattern)
+
+
+def _replica_plan(items: Sequence[Any]) -> Any:
+    """The plan of runs the replicas of ``items`` are compared by, when the records carry one
+    (``RecordList.replicas``: a :class:`~parallelvars.checkpoint.snapshot.SnapshotPlan`, set
+    by the checkpoint's writer from a structure's second save on): a mirrored model's
+    replicas are then compared with their first components by one ``memcmp`` per run of an
+    arena row, not one by one. None: compared one by one."""
+    plan = getattr(items, "replicas", None)
+    return None if plan is None or plan is False else plan
 
 
 def _save_arrays(
