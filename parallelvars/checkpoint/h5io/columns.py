@@ -146,9 +146,12 @@ def record_documents(
             # what the file's attribute decodes to is the value itself for these (strings
             # that are not "json:" text, booleans, integers of int64)
             if t is str and not val.startswith("json:"):
-                text = texts.get(val)
-                if text is None:
-                    text = texts[val] = enc(val)
+                if key in row_keys:  # (a name, a slot's variable: one per record, not kept)
+                    text = enc(val)
+                else:
+                    text = texts.get(val)
+                    if text is None:
+                        text = texts[val] = enc(val)
             elif t is bool:
                 text = "true" if val else "false"
             elif t is int and -(1 << 63) <= val < 1 << 63:
