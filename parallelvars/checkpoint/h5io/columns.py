@@ -149,9 +149,8 @@ def record_documents(
                 if key in row_keys:  # (a name, a slot's variable: one per record, not kept)
                     text = enc(val)
                 else:
-                    text = texts.get(val)
-                    if text is None:
-                        text = texts[val] = enc(val)
+                    known = texts.get(val)
+                    text = known if known is not None else texts.setdefault(val, enc(val))
             elif t is bool:
                 text = "true" if val else "false"
             elif t is int and -(1 << 63) <= val < 1 << 63:
@@ -160,8 +159,10 @@ def record_documents(
                 text = "[" + ", ".join(map(enc, val)) + "]"
             else:
                 vkey = _value_key(val)
-                text = texts.get(vkey) if vkey is not None else None
-                if text is None:
+                known = texts.get(vkey) if vkey is not None else None
+                if known is not None:
+                    text = known
+                else:
                     text = json.dumps(_decode(_attr_value(val)))
                     if vkey is not None:
                         texts[vkey] = text

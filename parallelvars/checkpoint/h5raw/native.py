@@ -666,10 +666,11 @@ def _prepare(
         template, head, tail = parts
     else:  # (an attribute key that is not a string: through the index's objects)
         index = _index_of(items, plan, None)
-        template = marked_template(index)
-        if template is None:  # (a value with a mark's text: made record by record)
+        marked = marked_template(index)
+        if marked is None:  # (a value with a mark's text: made record by record)
             index = _index_of(items, plan, crcs)
-            template = _index_template_by_record(index)
+            marked = _index_template_by_record(index)
+        template = marked
         head, tail = _columns_parts(index)
         del index
     # the index without its checksums' digits: each "%%" of the template is one "%", each
