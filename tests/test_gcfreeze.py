@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import gc
 
-from parallelvars.checkpoint._gcfreeze import freeze_made_so_far, older_objects_frozen
+from parallelvars.testing import gcfreeze
+
+freeze_made_so_far = gcfreeze.freeze_made_so_far
+older_objects_frozen = gcfreeze.older_objects_frozen
 
 
 def test_what_a_save_made_so_far_is_frozen_inside_and_given_back_after() -> None:

@@ -85,6 +85,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "parallelvars.checkpoint.registry",
             "parallelvars.checkpoint._h5policy",
             "parallelvars.checkpoint._skeleton",
+            "parallelvars.checkpoint._gcfreeze",
             "parallelvars.checkpoint.retention",
         ],
     ),
