@@ -11,12 +11,14 @@ What it offers:
 * **Crafting checkpoint files**: :func:`write_json` (a JSON attribute the way the native
   writer stores it), :func:`columns_parts` / :func:`columns_table` (the columns document and
   its table), :func:`index_template` / :data:`crc_mark` (the index text with a mark for each
-  record's checksums), :func:`held_value` (a value held in the global heap),
+  record's checksums), :func:`index_of` (the index a save records of its records),
+  :func:`held_value` (a value held in the global heap),
   :class:`PlanCache` (a checkpoint's cache of the generated metadata of its last structure),
   :func:`lookup3` (HDF5's metadata checksum), :mod:`h5policy` (the HDF5 file policy),
   :mod:`manager_state` (the manager's state file).
 * **Restore internals**: :mod:`restore_rules` (``DIRECT_MIN_COMPONENTS`` and the rules),
-  :class:`Piece` and :func:`verify_pieces`.
+  :class:`Piece` and :func:`verify_pieces`; :mod:`gcfreeze` (the collector's permanent
+  generation during a long save or restore).
 * **Foundation helpers**: :mod:`fileio` and its JSON bounds (:data:`MAX_JSON_DEPTH`,
   :func:`json_depth`, :func:`load_json`), :func:`open_input`, :func:`checkpoint_root`,
   :func:`write_error`; :mod:`threads`; :func:`as_dtype`; :func:`is_int` / :func:`is_index`;
@@ -38,6 +40,7 @@ from parallelvars._fileio import (
 )
 from parallelvars._ints import is_index, is_int
 from parallelvars._spans import coalesce
+from parallelvars.checkpoint import _gcfreeze as gcfreeze
 from parallelvars.checkpoint import _h5policy as h5policy
 from parallelvars.checkpoint import _restore as restore_rules
 from parallelvars.checkpoint import _state as manager_state
@@ -49,6 +52,7 @@ from parallelvars.checkpoint.h5io.records import PlanCache, crc_mark
 from parallelvars.checkpoint.h5io.records import _index_template as index_template
 from parallelvars.checkpoint.h5io.stored import _held_value as held_value
 from parallelvars.checkpoint.h5raw.lookup3 import lookup3
+from parallelvars.checkpoint.h5raw.native import _index_of as index_of
 
 __all__ = [
     "crc_mark",
@@ -62,8 +66,10 @@ __all__ = [
     "columns_parts",
     "columns_table",
     "fileio",
+    "gcfreeze",
     "h5policy",
     "held_value",
+    "index_of",
     "is_index",
     "is_int",
     "json_depth",

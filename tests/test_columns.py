@@ -490,7 +490,7 @@ def test_documents_from_records_are_the_index_and_its_columns(records: list[Any]
     from types import SimpleNamespace
 
     from parallelvars.checkpoint.h5io.columns import record_documents
-    from parallelvars.checkpoint.h5raw.native import _index_of
+    from parallelvars.testing import index_of as _index_of
 
     offsets = {r.path: list(r.offsets) for r in records}
     made = record_documents(records, offsets)

@@ -150,7 +150,9 @@ def structures(draw: st.DrawFn) -> list[SaveRecord]:
     for k in range(count):
         depth = draw(st.integers(1, 3))
         parts = [draw(st.sampled_from(NAMES)) for _ in range(depth)]
-        path = "/".join(parts) + f"/v{k}"
+        # (some variables are groups on the way to others: a variable's group that is also a
+        # parent, made before its children or after them)
+        path = "/".join(parts) + ("" if draw(st.integers(0, 3)) == 0 else f"/v{k}")
         if path in paths:
             continue
         paths.add(path)

@@ -86,6 +86,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "parallelvars.checkpoint.entry",
             "parallelvars.checkpoint.registry",
             "parallelvars.checkpoint._h5policy",
+            "parallelvars.checkpoint._gcfreeze",
             "parallelvars.checkpoint.retention",
         ],
     ),

@@ -146,9 +146,11 @@ def record_documents(
             # what the file's attribute decodes to is the value itself for these (strings
             # that are not "json:" text, booleans, integers of int64)
             if t is str and not val.startswith("json:"):
-                text = texts.get(val)
-                if text is None:
-                    text = texts[val] = enc(val)
+                if key in row_keys:  # (a name, a slot's variable: one per record, not kept)
+                    text = enc(val)
+                else:
+                    known = texts.get(val)
+                    text = known if known is not None else texts.setdefault(val, enc(val))
             elif t is bool:
                 text = "true" if val else "false"
             elif t is int and -(1 << 63) <= val < 1 << 63:
@@ -157,8 +159,10 @@ def record_documents(
                 text = "[" + ", ".join(map(enc, val)) + "]"
             else:
                 vkey = _value_key(val)
-                text = texts.get(vkey) if vkey is not None else None
-                if text is None:
+                known = texts.get(vkey) if vkey is not None else None
+                if known is not None:
+                    text = known
+                else:
                     text = json.dumps(_decode(_attr_value(val)))
                     if vkey is not None:
                         texts[vkey] = text

@@ -412,19 +412,25 @@ class FilePlan:
             self._plain.append((tmpl, members))
             templated.update(map(id, members))
         self._individual = [g for g in groups if g.layout is None and id(g) not in templated]
-        sizes = np.zeros(len(groups), np.int64)
         plain_of = {id(g): tmpl.size for tmpl, members in self._plain for g in members}
-        for k, g in enumerate(groups):
-            if g.layout is not None:
-                made = g.layout.template
+        size_of: list[int] = []  # (each group's header and table: a list, then one array)
+        add_size = size_of.append
+        for g in groups:
+            lay = g.layout
+            if lay is not None:
+                made = lay.template
                 assert made is not None
-                sizes[k] = made.size
+                add_size(made.size)
             else:
                 size = plain_of.get(id(g))
-                sizes[k] = size if size is not None else len(self._encode_group(g)[0])
+                if size is None:
+                    size = len(self._encode_group(g)[0])
                 if g.table is not None:  # the header, then its symbol table
-                    g.table_at = int(sizes[k])
-                    sizes[k] += g.table.size
+                    g.table_at = size
+                    size += g.table.size
+                add_size(size)
+        sizes = np.array(size_of, np.int64)
+        del size_of
         starts = SUPERBLOCK_SIZE + np.cumsum(sizes) - sizes
         at = SUPERBLOCK_SIZE + int(sizes.sum())
         for g, a in zip(groups, starts.tolist(), strict=True):
@@ -489,11 +495,25 @@ class FilePlan:
         # each variable's components' offsets (None: no data)
         offs: list[int | None] = [None if o < 0 else o for o in ds_offset.tolist()]
         self.offsets: dict[str, list[int | None]] = {}
+        # (a layout's components each of its own dataset, in order: a slice; all one dataset,
+        # a mirrored variable's stored once: one offset repeated)
+        ways: dict[int, int] = {}
         for path, row_layout, start, n in self._rows:
             if row_layout is None:
                 self.offsets[path] = [None] * n
+                continue
+            comp_ds = row_layout.comp_ds
+            way = ways.get(id(row_layout))
+            if way is None:
+                way = ways[id(row_layout)] = (
+                    0 if comp_ds == list(range(n)) else 1 if not any(comp_ds) else 2
+                )
+            if way == 0:
+                self.offsets[path] = offs[start : start + n]
+            elif way == 1:
+                self.offsets[path] = [offs[start]] * n
             else:
-                self.offsets[path] = [offs[start + d] for d in row_layout.comp_ds]
+                self.offsets[path] = [offs[start + d] for d in comp_ds]
 
     # ------------------------------------------------------------------ encoding
     def _attr_message(self, a: _Attr) -> bytes:

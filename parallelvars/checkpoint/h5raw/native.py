@@ -202,6 +202,27 @@ def index_documents(index: Mapping[str, Any], *, columns: bool = True) -> dict[s
     return docs
 
 
+def _record_index_documents(
+    items: Sequence[Any], plan: FilePlan, crcs: Sequence[Sequence[int]]
+) -> dict[str, bytes]:
+    """:func:`index_documents` of the index of ``items`` as ``plan`` lays them out, with their
+    checksums ``crcs``, made from the records' texts (``columns.record_documents``) rather
+    than from the index's objects where it can."""
+    parts = record_documents(items, plan.offsets)
+    if parts is None:
+        return index_documents(_index_of(items, plan, crcs))
+    template, head, tail = parts
+    flat = tuple(c for cc in crcs for c in cc)
+    room = document_capacities(
+        len(template) - template.count("%%") - 2 * len(flat), parts[1:], len(flat)
+    )
+    digits = ", ".join(map(str, flat))
+    return {
+        INDEX_DATASET: (template % flat).encode().ljust(room[INDEX_DATASET], b" "),
+        COLUMNS_DATASET: (head + digits + tail).encode().ljust(room[COLUMNS_DATASET], b" "),
+    }
+
+
 def _separators(checksums: int) -> int:
     """The length of the ``", "`` between ``checksums`` checksums in a flat list."""
     return 2 * max(checksums - 1, 0)
@@ -791,10 +812,11 @@ def _prepare(
         template, head, tail = parts
     else:  # (an attribute key that is not a string: through the index's objects)
         index = _index_of(items, plan, None)
-        template = marked_template(index)
-        if template is None:  # (a value with a mark's text: made record by record)
+        marked = marked_template(index)
+        if marked is None:  # (a value with a mark's text: made record by record)
             index = _index_of(items, plan, crcs)
-            template = _index_template_by_record(index)
+            marked = _index_template_by_record(index)
+        template = marked
         head, tail = _columns_parts(index)
         del index
     # the index without its checksums' digits: each "%%" of the template is one "%", each
@@ -1050,8 +1072,7 @@ def _save_streamed(
                     cc.append(writer.write(arr, off) if off is not None else checksum(arr))
                     del arr
                 crcs.append(cc)
-            index = _index_of(items, plan, crcs)
-            docs = index_documents(index)
+            docs = _record_index_documents(items, plan, crcs)
             if object_graph is not None:
                 docs[GRAPH_DATASET] = json.dumps(object_graph).encode()
             meta = plan.metadata(
