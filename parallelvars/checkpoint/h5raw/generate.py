@@ -275,8 +275,8 @@ class FilePlan:
             if layout.sharded:  # the stitched value, over the shards in the other files
                 axis = int(attrs["shard_axis"])
                 bounds = shard_bounds(attrs["shard_offsets"], shape[axis])
-                sources = [dataset for _, dataset in var.external]
-                files = [file for file, _ in var.external]
+                sources = [dataset for _, dataset in external]
+                files = [file for file, _ in external]
                 vds = _Dataset(
                     layout.storage,
                     shape,
