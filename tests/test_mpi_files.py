@@ -549,7 +549,9 @@ def test_any_index_structure_reads_as_its_twin(
     rng = np.random.default_rng(seed)
     cache = PlanCache()
     first: object = None
-    for k in range(3):  # the same structure again: its plan reused, new checksums and values
+    # the same structure again: its plan reused, with new checksums and values, and links into
+    # another folder of the same length (another checkpoint's parts)
+    for k, name in enumerate((folder, folder[::-1], folder.upper())):
         variables = [
             LinkedVariable(
                 f"m/v{j}",
@@ -558,7 +560,7 @@ def test_any_index_structure_reads_as_its_twin(
                 shape,
                 attrs,
                 [
-                    ComponentLink(f"{folder}.parts/r{i}.h5", f"/m/v{j}/c", int(rng.integers(2**32)))
+                    ComponentLink(f"{name}.parts/r{i}.h5", f"/m/v{j}/c", int(rng.integers(2**32)))
                     for i in range(n)
                 ],
             )

@@ -108,6 +108,9 @@ class Variable:
     # Components that live in other files (a multi-process checkpoint's index file): each
     # component's (file, dataset path), written as an HDF5 external link.
     external: Sequence[tuple[str, str]] | None = None
+    # A byte-string variable's values: each component's elements in C order (each one a
+    # global heap object, the component dataset's data their references).
+    strings: Sequence[Sequence[bytes]] | None = None
 
 
 @dataclass
@@ -156,6 +159,10 @@ class FilePlan:
         # per variable, in order: its path, layout (None: external links), first dataset
         self._rows: list[tuple[str, _Layout | None, int, int]] = []
         self._fill: int | None = None  # encoding a template: the byte every field is made of
+        # byte-string components: (dataset number, its elements) and, once laid out, the
+        # (data offset, references) of each
+        self._vlen: list[tuple[int, Sequence[bytes]]] = []
+        self._vlen_data: list[tuple[int, bytes]] = []
         self._ds_address: np.ndarray = np.zeros(0, np.int64)
         for var in variables:
             self._add_variable(var)
@@ -316,11 +323,29 @@ class FilePlan:
             count = len(keys)
             self._ds_shape += [shape] * count
             self._ds_nbytes += [nbytes] * count
+        if layout.vlen:
+            if var.strings is None or len(var.strings) != layout.n:
+                raise InvalidEntryError(
+                    "a byte-string variable's values",
+                    variable=path,
+                    expected=f"the elements of {layout.n} components",
+                    found=None if var.strings is None else len(var.strings),
+                )
+            for k, c in enumerate(layout.stored):
+                elements = var.strings[c]
+                if len(elements) * 16 != self._ds_nbytes[first + k]:
+                    raise InvalidEntryError(
+                        "a byte-string component's elements",
+                        variable=f"{path}[{c}]",
+                        expected=self._ds_nbytes[first + k] // 16,
+                        found=len(elements),
+                    )
+                self._vlen.append((first + k, elements))
         self._rows.append((path, layout, first, layout.n))
 
     def _component_key(self, layout: _Layout, ndim: int, nbytes: int, links: int) -> int:
         """The template number of a component dataset."""
-        return self._key_number((layout.storage, ndim, nbytes > 0, links, msg.FILL_EARLY_NEVER))
+        return self._key_number((layout.storage, ndim, nbytes > 0, links, layout.fill))
 
     def _add_component(
         self, layout: _Layout, shape: tuple[int, ...], nbytes: int, links: int
@@ -441,6 +466,10 @@ class FilePlan:
                 if a.strings is not None:
                     owners.append((a, len(strings)))
                     strings.extend(a.strings)
+        vlen_at = []  # each byte-string component's first element among the heap objects
+        for _, elements in self._vlen:
+            vlen_at.append(len(strings))
+            strings.extend(elements)
         maps = [ds for ds in self._special.values() if ds.mapping is not None]
         objects = strings + [ds.mapping or b"" for ds in maps]
         lengths = np.fromiter(map(len, objects), np.int64, len(objects))
@@ -469,10 +498,18 @@ class FilePlan:
         offs: list[int | None] = [None if o < 0 else o for o in ds_offset.tolist()]
         self.offsets: dict[str, list[int | None]] = {}
         for path, row_layout, start, n in self._rows:
-            if row_layout is None:
+            # external links, and byte strings (read through HDF5: no offset in the index, as
+            # the libhdf5 writer's)
+            if row_layout is None or row_layout.vlen:
                 self.offsets[path] = [None] * n
             else:
                 self.offsets[path] = [offs[start + d] for d in row_layout.comp_ds]
+        self._vlen_data = [
+            (int(ds_offset[number]), refs[at : at + len(elements)].tobytes())
+            for (number, elements), at in zip(self._vlen, vlen_at, strict=True)
+            if elements
+        ]
+        self._vlen = []
 
     # ------------------------------------------------------------------ encoding
     def _attr_message(self, a: _Attr) -> bytes:
@@ -735,7 +772,21 @@ class FilePlan:
         sums = lookup3_many(image, spans)
         where = np.array([e for _, e in spans], np.int64).reshape(-1, 1) + np.arange(4)
         image[where.reshape(-1)] = sums.astype("<u4").view(np.uint8)
-        return Metadata([(0, image.data)], file_size, documents)
+        self.checksum_spans = spans  # (each header chunk encoded on its own: start, checksum)
+        return Metadata([(0, image.data), *self._vlen_data], file_size, documents)
+
+    def relink(self, old: bytes, new: bytes) -> int:
+        """Give every external link whose file starts with ``old`` the folder ``new`` instead
+        (of the same length: the layout stays); the next :meth:`metadata` encodes them so.
+        Returns how many links changed."""
+        assert len(old) == len(new) and self._groups is not None
+        count = 0
+        for g in self._groups:
+            for _, target in g.links:
+                if isinstance(target, _External) and target.file.startswith(old):
+                    target.file = new + target.file[len(old) :]
+                    count += 1
+        return count
 
     def release(self) -> None:
         """After :meth:`metadata`: drop what only making the image needed (the groups, the

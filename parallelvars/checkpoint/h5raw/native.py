@@ -47,8 +47,9 @@ from parallelvars.checkpoint.h5io.records import (
 )
 from parallelvars.checkpoint.h5io.write import _columns_parts, check_component
 from parallelvars.checkpoint.h5raw.generate import FilePlan, Variable
+from parallelvars.checkpoint.h5raw.lookup3 import lookup3_many
 from parallelvars.checkpoint.h5raw.messages import Unsupported
-from parallelvars.errors import InvalidEntryError
+from parallelvars.errors import InvalidEntryError, UnsupportedDtypeError
 
 __all__ = ["Prepared", "index_documents", "save_native", "write_native", "write_native_index"]
 
@@ -126,10 +127,20 @@ def _write_native(
     variables = []
     for e, cs, cc in zip(items, comps, crcs, strict=True):
         _validate_path(e.path)
-        shared = _shared(cs, cc) if share_equal and e.kind != "sharded" else None
         dt = cs[0].dtype if cs else np.dtype(e.dtype)
+        vlen = dt.kind == "O"  # (byte strings: each component its own heap objects)
+        shared = _shared(cs, cc) if share_equal and e.kind != "sharded" and not vlen else None
         variables.append(
-            Variable(e.path, e.kind, dt, tuple(e.shape), len(cs), dict(e.attrs), shared)
+            Variable(
+                e.path,
+                e.kind,
+                dt,
+                tuple(e.shape),
+                len(cs),
+                dict(e.attrs),
+                shared,
+                strings=_strings_of(e, p) if vlen else None,
+            )
         )
     documents = [INDEX_DATASET, COLUMNS_DATASET]
     if object_graph is not None:
@@ -169,9 +180,11 @@ def _write_native(
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
             os.ftruncate(fd, meta_out.file_size)
-            for offset, data in meta_out.pieces:
-                pwrite_all(fd, memoryview(data), offset)
+            (at, image), *data_pieces = meta_out.pieces
+            pwrite_all(fd, memoryview(image), at)
             _write_components(fd, plan, items, comps)
+            for offset, data in data_pieces:  # (after: the gathered writes fill small gaps)
+                pwrite_all(fd, memoryview(data), offset)
             for name, data in docs.items():
                 pwrite_all(fd, memoryview(data), meta_out.documents[name])
         finally:
@@ -268,7 +281,11 @@ def write_native_index(
     With ``cache`` (a :class:`~parallelvars.checkpoint.h5io.records.PlanCache`), a later save
     of the same structure (the same variables, links, object graph and metadata names) reuses
     the generated metadata and the index template: only the checksums, the root header values
-    and the document's checksum change. A structure the generator cannot express (a variable
+    and the document's checksum change. The folder every link's file is in (``ckpt-7.h5.parts/``:
+    it names the checkpoint) is not part of the structure: a save to another path of the same
+    length puts its folder into the cached image (each link's bytes, and the checksums of the
+    header chunks holding them), so a ``CheckpointManager``'s numbered saves reuse one plan.
+    A structure the generator cannot express (a variable
     with more than :data:`~.generate.MAX_COMPACT_LINKS` components: a group keeps that many
     external links only in HDF5's dense storage) is written by ``h5io.write.write_h5_index``
     through libhdf5."""
@@ -276,20 +293,29 @@ def write_native_index(
 
     p = os.fspath(path)
     items = list(variables)
-    key = None if cache is None else _index_key(items, object_graph, metadata)
+    folder = _link_folder(items)
+    key = None if cache is None else _index_key(items, object_graph, metadata, folder)
     prep = None if key is None else cache.get(key)
     if isinstance(prep, Unexpressed):
         return write_h5_index(p, items, object_graph=object_graph, metadata=metadata)
     root = _root_values(metadata, created)
     if not isinstance(prep, Prepared):
         try:
-            prep = _prepare_index(key, items, object_graph, root)
+            prep = _prepare_index(key, items, object_graph, root, folder)
         except Unsupported:
             if cache is not None:
                 cache.put(Unexpressed(key))
             return write_h5_index(p, items, object_graph=object_graph, metadata=metadata)
         if cache is not None:
             cache.put(prep)
+    image: Any = prep.image
+    if folder is not None and folder.encode() != prep.folder:
+        image = _relinked(prep, folder.encode())
+        if image is None:  # (no folder to put in: this save's own plan)
+            prep = _prepare_index(key, items, object_graph, root, None)
+            image = prep.image
+            if cache is not None:
+                cache.put(prep)
     flat = tuple(int(c.crc32c) for v in items for c in v.components)
     docs = {INDEX_DATASET: (prep.template % flat).encode()}
     if prep.graph is not None:
@@ -303,7 +329,7 @@ def write_native_index(
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
             os.ftruncate(fd, prep.file_size)
-            pwrite_all(fd, memoryview(prep.image), 0)
+            pwrite_all(fd, memoryview(image), 0)
             for offset, data in refresh:
                 pwrite_all(fd, memoryview(data), offset)
             for name, data in docs.items():
@@ -313,10 +339,32 @@ def write_native_index(
     return p
 
 
+def _link_folder(items: Sequence[Any]) -> str | None:
+    """The folder (up to the last ``/``) every link's file is in, when it can be put into a
+    cached image: None without one, or with a sharded variable (its value's mapping names
+    the files too)."""
+    if any(v.kind == "sharded" for v in items):
+        return None
+    first = next((c.file for v in items for c in v.components), None)
+    if first is None:
+        return None
+    folder = first[: first.rfind("/") + 1]
+    for v in items:
+        for c in v.components:
+            if not c.file.startswith(folder) or "/" in c.file[len(folder) :]:
+                return None
+    return folder
+
+
 def _index_key(
-    items: Sequence[Any], object_graph: Mapping[str, Any] | None, metadata: Mapping[str, Any] | None
+    items: Sequence[Any],
+    object_graph: Mapping[str, Any] | None,
+    metadata: Mapping[str, Any] | None,
+    folder: str | None,
 ) -> Any:
-    """What an index file's bytes depend on besides the checksums and the header values."""
+    """What an index file's bytes depend on besides the checksums, the header values and the
+    links' ``folder`` (only its length)."""
+    cut = 0 if folder is None else len(folder)
     records = tuple(
         (
             v.path,
@@ -324,11 +372,74 @@ def _index_key(
             np.dtype(v.dtype),
             tuple(map(int, v.shape)),
             dict(v.attrs),
-            tuple((c.file, c.dataset) for c in v.components),
+            tuple((c.file[cut:], c.dataset) for c in v.components),
         )
         for v in items
     )
-    return ("index", _library_version(), metadata_key(metadata), object_graph, records)
+    size = None if folder is None else len(folder.encode())
+    return ("index", _library_version(), metadata_key(metadata), object_graph, size, records)
+
+
+def _relinked(prep: Prepared, folder: bytes) -> np.ndarray | None:
+    """The cached index image with the links' folder ``folder`` (of the cached one's length):
+    its bytes put in and the checksums of the header chunks holding them recomputed. None
+    when the cached plan cannot tell where they are."""
+    with prep.lock:
+        if prep.relinker is None:
+            prep.relinker = _relinker(prep) or False
+            prep.plan.release()
+    if prep.relinker is False:
+        return None
+    runs, spans = prep.relinker
+    image = np.array(np.frombuffer(prep.image, np.uint8))
+    width = len(folder)
+    image[(runs[:, None] + np.arange(width)).reshape(-1)] = np.tile(
+        np.frombuffer(folder, np.uint8), runs.size
+    )
+    sums = lookup3_many(image, [(int(s), int(e)) for s, e in spans])
+    image[(spans[:, 1:2] + np.arange(4)).reshape(-1)] = sums.astype("<u4").view(np.uint8)
+    return image
+
+
+def _relinker(prep: Prepared) -> tuple[np.ndarray, np.ndarray] | None:
+    """Where the links' folder lies in the cached image (each link's first byte) and the
+    header chunks holding them (start, checksum offset): found by encoding the metadata again
+    with every byte of the folder changed and comparing, then checked (each place holds the
+    whole folder, inside a checksummed chunk)."""
+    old, plan = prep.folder, prep.plan
+    if not old:
+        return None
+    stand_in = bytes(b ^ 1 for b in old)
+    plan.refresh(prep.first, {})  # (the root values of the cached image, not the last save's)
+    count = plan.relink(old, stand_in)
+    try:
+        again = plan.metadata(prep.capacities)
+    finally:
+        plan.relink(stand_in, old)
+    a = np.frombuffer(prep.image, np.uint8)
+    b = np.frombuffer(again.pieces[0][1], np.uint8)
+    spans = np.asarray(plan.checksum_spans, np.int64).reshape(-1, 2)
+    if a.size != b.size or not spans.size:
+        return None
+    diff = np.flatnonzero(a != b)
+    sums = np.zeros(a.size + 4, bool)
+    sums[(spans[:, 1:2] + np.arange(4)).reshape(-1)] = True
+    places = diff[~sums[diff]]
+    width = len(old)
+    if places.size != count * width:
+        return None
+    runs = places.reshape(count, width)
+    if not (
+        np.array_equal(runs - runs[:, :1], np.broadcast_to(np.arange(width), runs.shape))
+        and np.array_equal(a[runs], np.broadcast_to(np.frombuffer(old, np.uint8), runs.shape))
+    ):
+        return None
+    order = np.argsort(spans[:, 0])
+    starts, ends = spans[order, 0], spans[order, 1]
+    which = np.searchsorted(starts, runs[:, 0], "right") - 1
+    if (which < 0).any() or (runs[:, -1] >= ends[np.maximum(which, 0)]).any():
+        return None  # (a link outside a checksummed chunk: not what the generator writes)
+    return runs[:, 0].copy(), spans[order][np.unique(which)]
 
 
 def _prepare_index(
@@ -336,8 +447,10 @@ def _prepare_index(
     items: Sequence[Any],
     object_graph: Mapping[str, Any] | None,
     root: Mapping[str, Any],
+    folder: str | None,
 ) -> Prepared:
-    """An index file's plan, metadata image and index template."""
+    """An index file's plan, metadata image and index template (with the links' ``folder``,
+    the plan is kept whole until a save to another folder asks where the folder lies)."""
     documents = [INDEX_DATASET] + ([GRAPH_DATASET] if object_graph is not None else [])
     root = dict(root)
     root[DOCUMENTS_ATTR] = np.array([d.encode() for d in documents])
@@ -379,10 +492,11 @@ def _prepare_index(
         graph = json.dumps(object_graph).encode()
         capacities[GRAPH_DATASET] = len(graph)
     meta_out = plan.metadata(capacities)
-    plan.release()
+    if folder is None:
+        plan.release()
     (at, image), *rest = meta_out.pieces
     assert at == 0 and not rest
-    return Prepared(
+    prep = Prepared(
         key,
         plan,
         image,
@@ -393,15 +507,20 @@ def _prepare_index(
         ("", ""),
         graph,
     )
+    prep.folder = None if folder is None else folder.encode()
+    prep.first = _changing(root)  # (the root values its image holds)
+    return prep
 
 
 # ----------------------------------------------------------------------------- the save path
 class Prepared:
     """What a repeated save of one structure reuses (kept in a checkpoint's cache under
     ``key``): the plan, its generated metadata image, the index document as a template with a
-    ``%d`` for every checksum, the columns document around its checksums, and the object graph
-    document. Only the checksums, the root header values and the documents' checksum
-    attributes change between two saves of a structure."""
+    ``%d`` for every checksum, the columns document around its checksums, the object graph
+    document, and the data the plan lays itself (``data``: the byte-string components' heap
+    references; their values are part of the structure's key). Only the checksums, the root
+    header values and the documents' checksum attributes change between two saves of a
+    structure."""
 
     def __init__(
         self,
@@ -414,8 +533,14 @@ class Prepared:
         capacities: dict[str, int],
         columns: tuple[str, str],
         graph: bytes | None,
+        data: Sequence[tuple[int, bytes | memoryview]] = (),
     ) -> None:
         self.key = key
+        self.data = list(data)
+        # an index file's: the folder its links name, and where it lies (see _relinked)
+        self.folder: bytes | None = None
+        self.relinker: Any = None
+        self.first: dict[str, Any] = {}
         self.plan = plan
         self.image = image
         self.file_size = file_size
@@ -606,16 +731,17 @@ def _plan_for(
             raise InvalidEntryError("is written twice", file=file, variable=path)
         _validate_path(path)
         seen.add(path)
-        dt = e.dtype
+        dt = e.dtype if isinstance(e.dtype, np.dtype) else np.dtype(e.dtype)
         variables.append(
             Variable(
                 path,
                 e.kind,
-                dt if isinstance(dt, np.dtype) else np.dtype(dt),
+                dt,
                 tuple(map(int, e.shape)),
                 int(e.num_components),
                 e.attrs,  # (read, not kept: the plan copies what it keeps)
                 sh,
+                strings=_strings_of(e, file) if dt.kind == "O" else None,
             )
         )
     documents = [INDEX_DATASET, COLUMNS_DATASET]
@@ -624,6 +750,28 @@ def _plan_for(
     root = dict(root)
     root[DOCUMENTS_ATTR] = np.array([d.encode() for d in documents])
     return FilePlan(variables, root_attrs=root, documents=documents), documents
+
+
+def _strings_of(e: Any, file: str) -> list[list[bytes]]:
+    """A byte-string entry's elements, component by component (in C order). An entry read from
+    another file is not planned here: its values are not known before it is read.
+
+    HDF5's variable-length strings end at a NUL byte (libhdf5 refuses to write one inside a
+    string, and a reader would stop there): an element holding one is refused."""
+    comps = getattr(e, "components", None)
+    if comps is None:
+        raise Unsupported(f"{e.path!r}: byte strings read from another file")
+    out = [[bytes(x) for x in np.asarray(c).reshape(-1).tolist()] for c in comps]
+    for i, elements in enumerate(out):
+        if any(b"\x00" in x for x in elements):
+            raise UnsupportedDtypeError(
+                "a byte string holding a NUL byte cannot be an HDF5 variable-length string",
+                file=file,
+                variable=f"{e.path}[{i}]",
+                expected="byte strings without NUL bytes",
+                found=next(x for x in elements if b"\x00" in x)[:32],
+            )
+    return out
 
 
 def _index_of(
@@ -733,7 +881,7 @@ def _prepare(
     meta = plan.metadata(capacities)
     plan.release()  # (kept for the repeated saves: its offsets and the headers they change)
     (at, image), *rest = meta.pieces
-    assert at == 0 and not rest
+    assert at == 0
     return Prepared(
         key,
         plan,
@@ -744,6 +892,7 @@ def _prepare(
         capacities,
         (head, tail),
         graph,
+        rest,
     )
 
 
@@ -796,6 +945,14 @@ def _checksummed(
         cs = [_contiguous(c) for c in e.components]
         comps.append(cs)
         n = len(cs)
+        if cs and cs[0].dtype.kind == "O":
+            # byte strings: their values lay out the global heap, so they are part of what a
+            # cached plan is found by (each component stored: none shares another's heap
+            # objects)
+            crcs.append([_crc(c) for c in cs])
+            shared.append(None)
+            pattern.append(("bytes", *(tuple(map(bytes, c.reshape(-1).tolist())) for c in cs)))
+            continue
         if n < 2 or not share_equal or e.kind == "sharded":
             crcs.append([_crc(c) for c in cs])
             shared.append(None)
@@ -869,6 +1026,8 @@ def _save_arrays(
             for offset, data in refresh:
                 pwrite_all(fd, memoryview(data), offset)
             _write_components(fd, prep.plan, items, comps)
+            for offset, piece in prep.data:  # (after: the gathered writes fill small gaps)
+                pwrite_all(fd, memoryview(piece), offset)
             for name, data in docs.items():
                 pwrite_all(fd, memoryview(data), prep.documents[name])
         finally:
