@@ -439,7 +439,7 @@ def test_header_values_change_without_a_new_plan() -> None:
 
 def test_index_files_with_external_links_read_as_libhdf5_writes_them(tmp_path) -> None:
     from parallelvars.checkpoint.h5io import ComponentLink, LinkedVariable, write_h5_index
-    from parallelvars.checkpoint.h5raw.native import write_native_index
+    from parallelvars.checkpoint.h5raw.index_file import write_native_index
 
     parts = [f"ckpt.h5.parts/rank-{r:05d}-of-00002.h5" for r in range(2)]
     variables = [
