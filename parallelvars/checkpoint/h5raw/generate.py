@@ -15,9 +15,11 @@ version 3, version-2 object headers with checksums) deterministically:
   attributes too (the attribute phase change raised past 8 attributes, as the writer asks
   libhdf5 to), a header too long for one chunk continues in chunks of at most 4 KiB;
 * the global heap collections of the variable-length strings (one heap object per string
-  element, as libhdf5 writes them) and of the virtual datasets' mappings;
-* the data: every component at an 8-byte aligned offset, in the variables' order, then the
-  documents.
+  element, as libhdf5 writes them: the attributes' and then the byte-string variables'
+  elements, ``Variable.strings``) and of the virtual datasets' mappings;
+* the data: every component at an 8-byte aligned offset, in the variables' order (a
+  byte-string component's data are its elements' heap references, which the plan lays
+  itself: :attr:`Metadata.pieces` after the first), then the documents.
 
 What h5py and the HDF5 tools see is what the libhdf5 writer (``h5io/write.py``) makes of the same
 structure: the same groups, datasets, attributes, types, shapes and values. Components whose
@@ -28,10 +30,11 @@ The plan is made in two steps, because the documents (the index) record the comp
 offsets: ``FilePlan(...)`` lays out everything but the documents' data and gives
 :attr:`FilePlan.offsets`; :meth:`FilePlan.metadata` then takes the documents' capacities and
 the header values of this save (``created``, the documents' checksums...) and returns the
-metadata pieces to write and the documents' offsets. What it cannot express (bytes variables,
-dtypes without an HDF5 type of ours, a group of more than :data:`MAX_COMPACT_LINKS` links
-of which some are external, an attribute message over 64 KiB) raises :class:`~.messages.Unsupported` when the plan is
-made: the caller writes that file through libhdf5.
+metadata pieces to write and the documents' offsets. What it cannot express (dtypes without
+an HDF5 type of ours, a group of more than :data:`MAX_COMPACT_LINKS` links of which some are
+external, an attribute message over 64 KiB: dense attribute storage) raises
+:class:`~.messages.Unsupported` when the plan is made: the caller writes that file through
+libhdf5.
 
 The plan is kept column-wise, so that a file of many variables costs a few Python operations
 per variable and numpy work per layout: component datasets are rows of dataset columns (template

@@ -405,10 +405,10 @@ def save_native(
     buffer another thread changed meanwhile fails the save). Entries read from other files are
     streamed through one reused buffer per component, checksummed as they are written.
 
-    What the generator cannot express (``bytes`` variables, an attribute message over 64 KiB,
-    a group of more than :data:`~.generate.MAX_COMPACT_LINKS` external links...) is written
-    by ``h5io.write.write_h5`` through libhdf5 (the cache then remembers that the structure
-    takes that path).
+    What the generator cannot express (an attribute message over 64 KiB, byte strings read
+    from another file, dtypes without an HDF5 type of ours) is written by
+    ``h5io.write.write_h5`` through libhdf5 (the cache then remembers that the structure takes
+    that path).
     """
     p = os.fspath(path)
     if isinstance(entries, RecordList):  # (keeps its structure key from save to save)
