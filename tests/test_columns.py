@@ -115,7 +115,6 @@ def test_repeated_saves_from_the_skeleton_have_the_columns(tmp_path: Path, fixed
 
 def test_manager_saves_blocking_or_not_have_the_columns(tmp_path: Path) -> None:
     m, opt = every_kind()
-    m.text = None  # (byte strings are never written from a skeleton)
     ckpt = pv.Checkpoint(model=m, opt=opt)
     with pv.CheckpointManager(ckpt, tmp_path / "run", max_to_keep=None) as mgr:
         for blocking in (True, False, False, True):

@@ -375,8 +375,10 @@ def test_variable_groups_with_long_headers_continue_in_chunks(tmp_path) -> None:
 
 
 def test_what_the_generator_cannot_express_is_said(tmp_path) -> None:
-    text = SaveRecord("single", [np.array([b"a"], dtype=object)], (1,), {}, path="t")
-    with pytest.raises(Unsupported, match="byte-string"):
+    # an attribute message over 64 KiB (5,000 strings: a 16-byte heap reference each)
+    wide = {"devices": [f"d{i}" for i in range(5000)]}
+    text = SaveRecord("single", [np.zeros(1, np.float32)], (1,), wide, path="t")
+    with pytest.raises(Unsupported, match="64 KiB"):
         write_native(str(tmp_path / "t.h5"), [text])
     # a group of more than MAX_COMPACT_LINKS links is a symbol table: hard links only
     many = [
@@ -439,7 +441,7 @@ def test_header_values_change_without_a_new_plan() -> None:
 
 def test_index_files_with_external_links_read_as_libhdf5_writes_them(tmp_path) -> None:
     from parallelvars.checkpoint.h5io import ComponentLink, LinkedVariable, write_h5_index
-    from parallelvars.checkpoint.h5raw.native import write_native_index
+    from parallelvars.checkpoint.h5raw.index_file import write_native_index
 
     parts = [f"ckpt.h5.parts/rank-{r:05d}-of-00002.h5" for r in range(2)]
     variables = [

@@ -100,6 +100,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "parallelvars.checkpoint.h5raw.objects",
             "parallelvars.checkpoint.h5raw.generate",
             "parallelvars.checkpoint.h5raw.native",
+            "parallelvars.checkpoint.h5raw.index_file",
         ],
     ),
     (

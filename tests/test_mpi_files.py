@@ -29,6 +29,7 @@ from test_save_native import every_name
 from parallelvars.checkpoint import H5Reader
 from parallelvars.checkpoint.h5io import collective
 from parallelvars.checkpoint.h5io.collective import index_cache, write_collective
+from parallelvars.checkpoint.h5io.records import RecordList
 from parallelvars.checkpoint.h5io.write import (
     ComponentLink,
     LinkedVariable,
@@ -36,7 +37,7 @@ from parallelvars.checkpoint.h5io.write import (
     write_h5_index,
 )
 from parallelvars.checkpoint.h5raw import native
-from parallelvars.checkpoint.h5raw.native import write_native_index
+from parallelvars.checkpoint.h5raw.index_file import write_native_index
 from parallelvars.checkpoint.registry import SaveRecord
 from parallelvars.errors import CheckpointError
 from parallelvars.testing import PlanCache, as_dtype
@@ -257,6 +258,41 @@ def test_collective_saves_read_as_their_libhdf5_twins(
         else:  # the rank files' plans of the first save, not made again
             assert all(a is b for a, b in zip(plans, first, strict=True))
     assert_readable(str(tmp_path / "a" / "ckpt-1.h5"), size, 1)  # earlier saves are untouched
+
+
+def test_a_checkpoints_records_find_their_rank_plans_by_token(
+    tmp_path: Path, fixed_clock: None
+) -> None:
+    # A checkpoint hands the same records to every save of an unchanged structure: each rank
+    # file's plan is found by their token, and the files are those of a save without cache.
+    size = 3
+    kept = [RecordList(records(r, size, 1)) for r in range(size)]
+    caches: list[PlanCache | None] = [PlanCache() for _ in range(size)]
+    devices = [f"cpu:{r}" for r in range(size)]
+    (tmp_path / "fresh").mkdir()
+    plans = []
+    for k in (1, 2, 3):
+        for r in range(size):  # new values in the same records
+            kept[r][0].components[0][...] = k
+        for d, cache in ((tmp_path, caches), (tmp_path / "fresh", [None] * size)):
+
+            def save(
+                comm: ThreadComm, d: Path = d, cache: list[PlanCache | None] = cache, k: int = k
+            ) -> str:
+                r = comm.Get_rank()
+                return write_collective(
+                    comm, str(d / f"ckpt-{k}.h5"), kept[r], [f"cpu:{r}"], devices, cache=cache[r]
+                )
+
+            assert len(set(run_ranks(size, save))) == 1
+        assert files_of(str(tmp_path / f"ckpt-{k}.h5")) == files_of(
+            str(tmp_path / "fresh" / f"ckpt-{k}.h5")
+        )
+        plans.append([c.held for c in caches if c is not None])
+        with H5Reader(str(tmp_path / f"ckpt-{k}.h5")) as reader:
+            assert reader.verify_all() == []
+            assert float(reader["m/w"].component(2)[0, 0]) == k
+    assert all(a is b for a, b in zip(plans[0], plans[2], strict=True))
 
 
 def test_saves_to_one_path_reuse_the_index_plan(tmp_path: Path, fixed_clock: None) -> None:
@@ -549,7 +585,9 @@ def test_any_index_structure_reads_as_its_twin(
     rng = np.random.default_rng(seed)
     cache = PlanCache()
     first: object = None
-    for k in range(3):  # the same structure again: its plan reused, new checksums and values
+    # the same structure again: its plan reused, with new checksums and values, and links into
+    # another folder of the same length (another checkpoint's parts)
+    for k, name in enumerate((folder, folder[::-1], folder.upper())):
         variables = [
             LinkedVariable(
                 f"m/v{j}",
@@ -558,7 +596,7 @@ def test_any_index_structure_reads_as_its_twin(
                 shape,
                 attrs,
                 [
-                    ComponentLink(f"{folder}.parts/r{i}.h5", f"/m/v{j}/c", int(rng.integers(2**32)))
+                    ComponentLink(f"{name}.parts/r{i}.h5", f"/m/v{j}/c", int(rng.integers(2**32)))
                     for i in range(n)
                 ],
             )

@@ -3,7 +3,7 @@
 Every rank writes the components it holds to its own file ``<path>.parts/rank-<r>-of-<n>.h5``
 with :func:`~parallelvars.checkpoint.h5raw.native.save_native` (the generated layout, as a
 one-process save), in parallel; rank 0 then writes the index file at ``path`` with
-:func:`~parallelvars.checkpoint.h5raw.native.write_native_index`: the groups and attributes of
+:func:`~parallelvars.checkpoint.h5raw.index_file.write_native_index`: the groups and attributes of
 our layout with component datasets as external links into the rank files, the per-component
 checksums, the object graph and the document list. Both writers keep the generated metadata
 of the structure in a cache, so a repeated save writes the bytes and the few values that
@@ -37,9 +37,10 @@ from typing import Any
 
 from parallelvars._fileio import _fsync_path
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX
-from parallelvars.checkpoint.h5io.records import PlanCache
+from parallelvars.checkpoint.h5io.records import PlanCache, RecordList
 from parallelvars.checkpoint.h5io.write import ComponentLink, LinkedVariable
-from parallelvars.checkpoint.h5raw.native import save_native, write_native_index
+from parallelvars.checkpoint.h5raw.index_file import write_native_index
+from parallelvars.checkpoint.h5raw.native import save_native
 from parallelvars.checkpoint.registry import SaveRecord, component_name
 from parallelvars.errors import CheckpointError
 
@@ -151,6 +152,11 @@ def write_collective(
                 mine.append(r)
         elif rank == 0 or _is_distributed(r, local_devices):
             mine.append(r)
+    if isinstance(records, RecordList):
+        # What this rank writes follows from the records (and this process's rank, size and
+        # devices, fixed for them): the rank file's structure is the records' (their token),
+        # so a repeated save finds its plan without a key made of every record.
+        mine = RecordList(mine, like=records)
     error: str | None = None
     crcs: dict[str, list[int]] = {}
     try:

@@ -154,7 +154,7 @@ def _regenerate(reader: H5Reader, *, share_empty: bool) -> list[tuple[int, int, 
     variables = []
     for name, meta in index.items():
         if meta["dtype"] == "bytes":
-            return None  # (values in the global heap: the generator does not write them)
+            return None  # (values in the global heap, not in the index: the general path)
         offsets = meta["offsets"]
         n = int(meta["num_components"])
         shared = [offsets.index(o) if o is not None else i for i, o in enumerate(offsets)]

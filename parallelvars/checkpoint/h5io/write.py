@@ -371,7 +371,7 @@ def write_h5_index(
     ``component.file:component.dataset`` and its checksum taken from the link record. The
     file appears under ``path`` only once complete and flushed to disk.
 
-    The generator (``h5raw/native.py``: ``write_native_index``) writes every index file but
+    The generator (``h5raw/index_file.py``: ``write_native_index``) writes every index file but
     one whose variable has more components than a generated group keeps links in its header:
     HDF5's dense link storage, which this writer makes, is what holds that many external
     links. This writer is also the reference the generated files are compared with.

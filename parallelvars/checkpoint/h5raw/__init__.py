@@ -21,6 +21,7 @@ One module per concept:
   out, and the layouts variable groups share;
 * :mod:`.generate`: a native file's metadata generated from its structure
   (:class:`~.generate.FilePlan`);
-* :mod:`.native`: whole native files (and multi-process index files) written through the
-  generator.
+* :mod:`.native`: whole native files written through the generator, and the plans a
+  repeated save reuses;
+* :mod:`.index_file`: a multi-process checkpoint's index file written through the generator.
 """

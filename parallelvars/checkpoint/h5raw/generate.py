@@ -15,9 +15,11 @@ version 3, version-2 object headers with checksums) deterministically:
   attributes too (the attribute phase change raised past 8 attributes, as the writer asks
   libhdf5 to), a header too long for one chunk continues in chunks of at most 4 KiB;
 * the global heap collections of the variable-length strings (one heap object per string
-  element, as libhdf5 writes them) and of the virtual datasets' mappings;
-* the data: every component at an 8-byte aligned offset, in the variables' order, then the
-  documents.
+  element, as libhdf5 writes them: the attributes' and then the byte-string variables'
+  elements, ``Variable.strings``) and of the virtual datasets' mappings;
+* the data: every component at an 8-byte aligned offset, in the variables' order (a
+  byte-string component's data are its elements' heap references, which the plan lays
+  itself: :attr:`Metadata.pieces` after the first), then the documents.
 
 What h5py and the HDF5 tools see is what the libhdf5 writer (``h5io/write.py``) makes of the same
 structure: the same groups, datasets, attributes, types, shapes and values. Components whose
@@ -28,10 +30,11 @@ The plan is made in two steps, because the documents (the index) record the comp
 offsets: ``FilePlan(...)`` lays out everything but the documents' data and gives
 :attr:`FilePlan.offsets`; :meth:`FilePlan.metadata` then takes the documents' capacities and
 the header values of this save (``created``, the documents' checksums...) and returns the
-metadata pieces to write and the documents' offsets. What it cannot express (bytes variables,
-dtypes without an HDF5 type of ours, a group of more than :data:`MAX_COMPACT_LINKS` links
-of which some are external, an attribute message over 64 KiB) raises :class:`~.messages.Unsupported` when the plan is
-made: the caller writes that file through libhdf5.
+metadata pieces to write and the documents' offsets. What it cannot express (dtypes without
+an HDF5 type of ours, a group of more than :data:`MAX_COMPACT_LINKS` links of which some are
+external, an attribute message over 64 KiB: dense attribute storage) raises
+:class:`~.messages.Unsupported` when the plan is made: the caller writes that file through
+libhdf5.
 
 The plan is kept column-wise, so that a file of many variables costs a few Python operations
 per variable and numpy work per layout: component datasets are rows of dataset columns (template
@@ -109,6 +112,9 @@ class Variable:
     # Components that live in other files (a multi-process checkpoint's index file): each
     # component's (file, dataset path), written as an HDF5 external link.
     external: Sequence[tuple[str, str]] | None = None
+    # A byte-string variable's values: each component's elements in C order (each one a
+    # global heap object, the component dataset's data their references).
+    strings: Sequence[Sequence[bytes]] | None = None
 
 
 @dataclass
@@ -161,14 +167,18 @@ class FilePlan:
         # per variable, in order: its path, layout (None: external links), first dataset
         self._rows: list[tuple[str, _Layout | None, int, int]] = []
         self._fill: int | None = None  # encoding a template: the byte every field is made of
+        # byte-string components: (dataset number, its elements) and, once laid out, the
+        # (data offset, references) of each
+        self._vlen: list[tuple[int, Sequence[bytes]]] = []
+        self._vlen_data: list[tuple[int, bytes]] = []
         self._ds_address: np.ndarray = np.zeros(0, np.int64)
         add = self._add_variable
         if shared is None:
             for var in variables:
-                add(var, var.shared, var.external)
+                add(var, var.shared, var.external, var.strings)
         else:
             for var, sh in zip(variables, shared, strict=True):
-                add(var, sh, None)
+                add(var, sh, None, None)
         for name in documents:
             path = name.split("/")
             group = self._group_of("/".join(path[:-1]))
@@ -234,6 +244,7 @@ class FilePlan:
         var: Variable,
         shared: Sequence[int] | None,
         external: Sequence[tuple[str, str]] | None,
+        strings: Sequence[Sequence[bytes]] | None,
     ) -> None:
         path = var.path
         dt = var.dtype if isinstance(var.dtype, np.dtype) else np.dtype(var.dtype)
@@ -336,11 +347,29 @@ class FilePlan:
             count = len(keys)
             self._ds_shape += [shape] * count
             self._ds_nbytes += [nbytes] * count
+        if layout.vlen:
+            if strings is None or len(strings) != layout.n:
+                raise InvalidEntryError(
+                    "a byte-string variable's values",
+                    variable=path,
+                    expected=f"the elements of {layout.n} components",
+                    found=None if strings is None else len(strings),
+                )
+            for k, c in enumerate(layout.stored):
+                elements = strings[c]
+                if len(elements) * 16 != self._ds_nbytes[first + k]:
+                    raise InvalidEntryError(
+                        "a byte-string component's elements",
+                        variable=f"{path}[{c}]",
+                        expected=self._ds_nbytes[first + k] // 16,
+                        found=len(elements),
+                    )
+                self._vlen.append((first + k, elements))
         self._rows.append((path, layout, first, layout.n))
 
     def _component_key(self, layout: _Layout, ndim: int, nbytes: int, links: int) -> int:
         """The template number of a component dataset."""
-        return self._key_number((layout.storage, ndim, nbytes > 0, links, msg.FILL_EARLY_NEVER))
+        return self._key_number((layout.storage, ndim, nbytes > 0, links, layout.fill))
 
     def _add_component(
         self, layout: _Layout, shape: tuple[int, ...], nbytes: int, links: int
@@ -468,6 +497,10 @@ class FilePlan:
                 if a.strings is not None:
                     owners.append((a, len(strings)))
                     strings.extend(a.strings)
+        vlen_at = []  # each byte-string component's first element among the heap objects
+        for _, elements in self._vlen:
+            vlen_at.append(len(strings))
+            strings.extend(elements)
         maps = [ds for ds in self._special.values() if ds.mapping is not None]
         objects = strings + [ds.mapping or b"" for ds in maps]
         lengths = np.fromiter(map(len, objects), np.int64, len(objects))
@@ -499,7 +532,9 @@ class FilePlan:
         # a mirrored variable's stored once: one offset repeated)
         ways: dict[int, int] = {}
         for path, row_layout, start, n in self._rows:
-            if row_layout is None:
+            # external links, and byte strings (read through HDF5: no offset in the index, as
+            # the libhdf5 writer's)
+            if row_layout is None or row_layout.vlen:
                 self.offsets[path] = [None] * n
                 continue
             comp_ds = row_layout.comp_ds
@@ -514,6 +549,12 @@ class FilePlan:
                 self.offsets[path] = [offs[start]] * n
             else:
                 self.offsets[path] = [offs[start + d] for d in comp_ds]
+        self._vlen_data = [
+            (int(ds_offset[number]), refs[at : at + len(elements)].tobytes())
+            for (number, elements), at in zip(self._vlen, vlen_at, strict=True)
+            if elements
+        ]
+        self._vlen = []
 
     # ------------------------------------------------------------------ encoding
     def _attr_message(self, a: _Attr) -> bytes:
@@ -776,7 +817,21 @@ class FilePlan:
         sums = lookup3_many(image, spans)
         where = np.array([e for _, e in spans], np.int64).reshape(-1, 1) + np.arange(4)
         image[where.reshape(-1)] = sums.astype("<u4").view(np.uint8)
-        return Metadata([(0, image.data)], file_size, documents)
+        self.checksum_spans = spans  # (each header chunk encoded on its own: start, checksum)
+        return Metadata([(0, image.data), *self._vlen_data], file_size, documents)
+
+    def relink(self, old: bytes, new: bytes) -> int:
+        """Give every external link whose file starts with ``old`` the folder ``new`` instead
+        (of the same length: the layout stays); the next :meth:`metadata` encodes them so.
+        Returns how many links changed."""
+        assert len(old) == len(new) and self._groups is not None
+        count = 0
+        for g in self._groups:
+            for _, target in g.links:
+                if isinstance(target, _External) and target.file.startswith(old):
+                    target.file = new + target.file[len(old) :]
+                    count += 1
+        return count
 
     def release(self) -> None:
         """After :meth:`metadata`: drop what only making the image needed (the groups, the

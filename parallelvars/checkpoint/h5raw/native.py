@@ -54,7 +54,6 @@ from parallelvars.checkpoint.h5io.layout import (
 )
 from parallelvars.checkpoint.h5io.records import (
     RecordList,
-    _index_template,
     _index_template_by_record,
     _structure_key,
     crc_mark,
@@ -65,9 +64,9 @@ from parallelvars.checkpoint.h5io.records import (
 from parallelvars.checkpoint.h5io.write import _columns_parts, check_component
 from parallelvars.checkpoint.h5raw.generate import FilePlan, Variable
 from parallelvars.checkpoint.h5raw.messages import Unsupported
-from parallelvars.errors import InvalidEntryError
+from parallelvars.errors import InvalidEntryError, UnsupportedDtypeError
 
-__all__ = ["Prepared", "index_documents", "save_native", "write_native", "write_native_index"]
+__all__ = ["Prepared", "index_documents", "save_native", "write_native"]
 
 
 def _shared(components: Sequence[np.ndarray], crcs: list[int]) -> list[int]:
@@ -134,8 +133,20 @@ def _write_native(
     for e, cs, shared in zip(items, comps, shares, strict=True):
         _validate_path(e.path)
         dt = cs[0].dtype if cs else np.dtype(e.dtype)
+        vlen = dt.kind == "O"  # (byte strings: each component its own heap objects)
+        if vlen:
+            shared = None
         variables.append(
-            Variable(e.path, e.kind, dt, tuple(e.shape), len(cs), dict(e.attrs), shared)
+            Variable(
+                e.path,
+                e.kind,
+                dt,
+                tuple(e.shape),
+                len(cs),
+                dict(e.attrs),
+                shared,
+                strings=_strings_of(e, p) if vlen else None,
+            )
         )
     documents = [INDEX_DATASET, COLUMNS_DATASET]
     if object_graph is not None:
@@ -175,9 +186,11 @@ def _write_native(
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
             os.ftruncate(fd, meta_out.file_size)
-            for offset, data in meta_out.pieces:
-                pwrite_all(fd, memoryview(data), offset)
+            (at, image), *data_pieces = meta_out.pieces
+            pwrite_all(fd, memoryview(image), at)
             _write_components(fd, plan, items, comps)
+            for offset, data in data_pieces:  # (after: the gathered writes fill small gaps)
+                pwrite_all(fd, memoryview(data), offset)
             for name, data in docs.items():
                 pwrite_all(fd, memoryview(data), meta_out.documents[name])
         finally:
@@ -349,156 +362,15 @@ class _DataWrite:
             self._future.result()
 
 
-def write_native_index(
-    path: str | os.PathLike[str],
-    variables: Iterable[Any],
-    *,
-    object_graph: Mapping[str, Any] | None = None,
-    metadata: Mapping[str, Any] | None = None,
-    created: float | None = None,
-    cache: Any = None,
-) -> str:
-    """The index file of a multi-process checkpoint (each component an external link into a
-    rank file, no columns; the ``variables`` are ``h5io.write.LinkedVariable`` records),
-    through the generator; returns ``path``.
-
-    With ``cache`` (a :class:`~parallelvars.checkpoint.h5io.records.PlanCache`), a later save
-    of the same structure (the same variables, links, object graph and metadata names) reuses
-    the generated metadata and the index template: only the checksums, the root header values
-    and the document's checksum change. A structure the generator cannot express (a variable
-    with more than :data:`~.generate.MAX_COMPACT_LINKS` components: a group keeps that many
-    external links only in HDF5's dense storage) is written by ``h5io.write.write_h5_index``
-    through libhdf5."""
-    from parallelvars.checkpoint.h5io.write import write_h5_index
-
-    p = os.fspath(path)
-    items = list(variables)
-    key = None if cache is None else _index_key(items, object_graph, metadata)
-    prep = None if key is None else cache.get(key)
-    if isinstance(prep, Unexpressed):
-        return write_h5_index(p, items, object_graph=object_graph, metadata=metadata)
-    root = _root_values(metadata, created)
-    if not isinstance(prep, Prepared):
-        try:
-            prep = _prepare_index(key, items, object_graph, root)
-        except Unsupported:
-            if cache is not None:
-                cache.put(Unexpressed(key))
-            return write_h5_index(p, items, object_graph=object_graph, metadata=metadata)
-        if cache is not None:
-            cache.put(prep)
-    flat = tuple(int(c.crc32c) for v in items for c in v.components)
-    docs = {INDEX_DATASET: (prep.template % flat).encode()}
-    if prep.graph is not None:
-        docs[GRAPH_DATASET] = prep.graph
-    docs = _fitted(prep, docs)
-    with prep.lock:
-        refresh = prep.plan.refresh(
-            _changing(root), {k: _crc32c.crc32c(v) for k, v in docs.items()}
-        )
-    with atomic_path(p) as tmp:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        try:
-            os.ftruncate(fd, prep.file_size)
-            pwrite_all(fd, memoryview(prep.image), 0)
-            for offset, data in refresh:
-                pwrite_all(fd, memoryview(data), offset)
-            for name, data in docs.items():
-                pwrite_all(fd, memoryview(data), prep.documents[name])
-        finally:
-            os.close(fd)
-    return p
-
-
-def _index_key(
-    items: Sequence[Any], object_graph: Mapping[str, Any] | None, metadata: Mapping[str, Any] | None
-) -> Any:
-    """What an index file's bytes depend on besides the checksums and the header values."""
-    records = tuple(
-        (
-            v.path,
-            v.kind,
-            np.dtype(v.dtype),
-            tuple(map(int, v.shape)),
-            dict(v.attrs),
-            tuple((c.file, c.dataset) for c in v.components),
-        )
-        for v in items
-    )
-    return ("index", _library_version(), metadata_key(metadata), object_graph, records)
-
-
-def _prepare_index(
-    key: Any,
-    items: Sequence[Any],
-    object_graph: Mapping[str, Any] | None,
-    root: Mapping[str, Any],
-) -> Prepared:
-    """An index file's plan, metadata image and index template."""
-    documents = [INDEX_DATASET] + ([GRAPH_DATASET] if object_graph is not None else [])
-    root = dict(root)
-    root[DOCUMENTS_ATTR] = np.array([d.encode() for d in documents])
-    plan_vars = []
-    index: dict[str, Any] = {}
-    for v in items:
-        _validate_path(v.path)
-        n = len(v.components)
-        links = [(c.file, c.dataset) for c in v.components]
-        dt = np.dtype(v.dtype)
-        plan_vars.append(
-            Variable(v.path, v.kind, dt, tuple(v.shape), n, dict(v.attrs), None, links)
-        )
-        meta: dict[str, Any] = {
-            "kind": v.kind,
-            "dtype": dtype_name(dt),
-            "shape": [int(d) for d in v.shape],
-            "num_components": n,
-        }
-        meta["attrs"] = {
-            k: _decode(_attr_value(val))
-            for k, val in dict(v.attrs).items()
-            if val is not None and k not in meta
-        }
-        meta["offsets"] = [None] * n
-        meta["crc32c"] = crc_mark(n)
-        index[v.path] = meta
-    plan = FilePlan(plan_vars, root_attrs=root, documents=documents)
-    template = marked_template(index)
-    if template is None:  # (a value with a mark's text: made record by record)
-        for v in items:
-            index[v.path]["crc32c"] = [int(c.crc32c) for c in v.components]
-        template = _index_template(index)
-    checksums = sum(len(v.components) for v in items)
-    bare = len(template) - template.count("%%") - 2 * checksums
-    capacities = {INDEX_DATASET: index_capacity(bare, checksums)}
-    graph = None
-    if object_graph is not None:
-        graph = json.dumps(object_graph).encode()
-        capacities[GRAPH_DATASET] = len(graph)
-    meta_out = plan.metadata(capacities)
-    plan.release()
-    (at, image), *rest = meta_out.pieces
-    assert at == 0 and not rest
-    return Prepared(
-        key,
-        plan,
-        image,
-        meta_out.file_size,
-        meta_out.documents,
-        template,
-        capacities,
-        ("", ""),
-        graph,
-    )
-
-
 # ----------------------------------------------------------------------------- the save path
 class Prepared:
     """What a repeated save of one structure reuses (kept in a checkpoint's cache under
     ``key``): the plan, its generated metadata image, the index document as a template with a
-    ``%d`` for every checksum, the columns document around its checksums, and the object graph
-    document. Only the checksums, the root header values and the documents' checksum
-    attributes change between two saves of a structure."""
+    ``%d`` for every checksum, the columns document around its checksums, the object graph
+    document, and the data the plan lays itself (``data``: the byte-string components' heap
+    references; their values are part of the structure's key). Only the checksums, the root
+    header values and the documents' checksum attributes change between two saves of a
+    structure."""
 
     def __init__(
         self,
@@ -511,8 +383,14 @@ class Prepared:
         capacities: dict[str, int],
         columns: tuple[str, str],
         graph: bytes | None,
+        data: Sequence[tuple[int, bytes | memoryview]] = (),
     ) -> None:
         self.key = key
+        self.data = list(data)
+        # an index file's: the folder its links name, and where it lies (see _relinked)
+        self.folder: bytes | None = None
+        self.relinker: Any = None
+        self.first: dict[str, Any] = {}
         self.plan = plan
         self.image = image
         self.file_size = file_size
@@ -626,10 +504,10 @@ def save_native(
     checksummed again (a buffer another thread changed meanwhile fails the save). Entries read from other files are
     streamed through one reused buffer per component, checksummed as they are written.
 
-    What the generator cannot express (``bytes`` variables, an attribute message over 64 KiB,
-    a group of more than :data:`~.generate.MAX_COMPACT_LINKS` external links...) is written
-    by ``h5io.write.write_h5`` through libhdf5 (the cache then remembers that the structure
-    takes that path).
+    What the generator cannot express (an attribute message over 64 KiB, byte strings read
+    from another file, dtypes without an HDF5 type of ours) is written by
+    ``h5io.write.write_h5`` through libhdf5 (the cache then remembers that the structure takes
+    that path).
     """
     p = os.fspath(path)
     if isinstance(entries, RecordList):  # (keeps its structure key from save to save)
@@ -713,7 +591,45 @@ def _plan_for(
         documents.append(GRAPH_DATASET)
     root = dict(root)
     root[DOCUMENTS_ATTR] = np.array([d.encode() for d in documents])
+    if any(e.dtype.kind == "O" for e in items):
+        # byte strings: their elements are part of the plan (each a global heap object)
+        variables = [
+            Variable(
+                e.path,
+                e.kind,
+                e.dtype,
+                tuple(map(int, e.shape)),
+                int(e.num_components),
+                e.attrs,  # (read, not kept: the plan copies what it keeps)
+                sh,
+                strings=_strings_of(e, file) if e.dtype.kind == "O" else None,
+            )
+            for e, sh in zip(items, shared, strict=True)
+        ]
+        return FilePlan(variables, root_attrs=root, documents=documents)
     return FilePlan(items, root_attrs=root, documents=documents, shared=shared)
+
+
+def _strings_of(e: Any, file: str) -> list[list[bytes]]:
+    """A byte-string entry's elements, component by component (in C order). An entry read from
+    another file is not planned here: its values are not known before it is read.
+
+    HDF5's variable-length strings end at a NUL byte (libhdf5 refuses to write one inside a
+    string, and a reader would stop there): an element holding one is refused."""
+    comps = getattr(e, "components", None)
+    if comps is None:
+        raise Unsupported(f"{e.path!r}: byte strings read from another file")
+    out = [[bytes(x) for x in np.asarray(c).reshape(-1).tolist()] for c in comps]
+    for i, elements in enumerate(out):
+        if any(b"\x00" in x for x in elements):
+            raise UnsupportedDtypeError(
+                "a byte string holding a NUL byte cannot be an HDF5 variable-length string",
+                file=file,
+                variable=f"{e.path}[{i}]",
+                expected="byte strings without NUL bytes",
+                found=next(x for x in elements if b"\x00" in x)[:32],
+            )
+    return out
 
 
 def _index_of(
@@ -830,7 +746,7 @@ def _prepare(
     meta = plan.metadata(capacities)
     plan.release()  # (kept for the repeated saves: its offsets and the headers they change)
     (at, image), *rest = meta.pieces
-    assert at == 0 and not rest
+    assert at == 0
     return Prepared(
         key,
         plan,
@@ -841,6 +757,7 @@ def _prepare(
         capacities,
         (head, tail),
         graph,
+        rest,
     )
 
 
@@ -912,6 +829,14 @@ def _checksummed(
         cs = [_contiguous(c) for c in e.components]
         comps.append(cs)
         n = len(cs)
+        if cs and cs[0].dtype.kind == "O":
+            # byte strings: their values lay out the global heap, so they are part of what a
+            # cached plan is found by (each component stored: none shares another's heap
+            # objects)
+            crcs.append([_crc(c) for c in cs])
+            shared.append(None)
+            pattern.append(("bytes", *(tuple(map(bytes, c.reshape(-1).tolist())) for c in cs)))
+            continue
         if n < 2 or not share_equal or e.kind == "sharded":
             crcs.append([_crc(c) for c in cs])
             shared.append(None)
@@ -1005,10 +930,14 @@ def _save_arrays(
             pwrite_all(fd, memoryview(prep.image), 0)
             for offset, piece in refresh:
                 pwrite_all(fd, memoryview(piece), offset)
-            for name, piece in docs.items():
-                pwrite_all(fd, memoryview(piece), prep.documents[name])
             assert data is not None
             data.wait()
+            # after the components: their gathered writes fill gaps of up to 64 bytes with
+            # zeros, and a heap collection or a document may lie in one
+            for offset, held in prep.data:
+                pwrite_all(fd, memoryview(held), offset)
+            for name, piece in docs.items():
+                pwrite_all(fd, memoryview(piece), prep.documents[name])
             os.ftruncate(fd, prep.file_size)  # (only ever extends: everything lies below)
         finally:
             if data is not None:

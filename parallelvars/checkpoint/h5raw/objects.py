@@ -185,8 +185,8 @@ _STORAGE: dict[np.dtype, bytes] = {}
 
 
 def _storage_type_of(dt: np.dtype) -> bytes:
-    if dt.kind == "O":
-        raise msg.Unsupported("byte-string variables (their values live in the global heap)")
+    if dt.kind == "O":  # byte strings: h5py's variable-length ASCII strings
+        return msg.datatype(msg.VlenString(utf8=False))
     if is_extension_dtype(dt):
         return msg.datatype(msg.Opaque(dt.itemsize, f"NUMPY:|V{dt.itemsize}"))
     return msg.datatype(dt.newbyteorder("<") if dt.byteorder == ">" else dt)
@@ -327,7 +327,11 @@ class Layout:
     def __init__(self, kind: str, dt: np.dtype, n: int, shared: list[int], sig: Signature):
         self.sig = sig
         self.kind = kind
-        self.itemsize = dt.itemsize
+        # byte strings: each element a global heap object, the dataset's data their 16-byte
+        # references (length, collection address, index), as libhdf5 stores them
+        self.vlen = dt.kind == "O"
+        self.itemsize = 16 if self.vlen else dt.itemsize
+        self.fill = msg.FILL_LATE_ON_ALLOC if self.vlen else msg.FILL_EARLY_NEVER
         self.storage = storage_type(dt)
         self.n = n
         self.shared = shared
