@@ -12,6 +12,13 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Hypothesis's too_slow health check fails a test whose inputs take over a second to generate:
+# a timing assertion, which on a loaded machine (several suites sharing two cores) fails tests
+# that are correct. Tests that set their own suppress_health_check list keep theirs.
+settings.register_profile("parallelvars", suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("parallelvars")
 
 
 @pytest.fixture

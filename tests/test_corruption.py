@@ -29,7 +29,7 @@ FORMATS = fuzz_readers.available_formats()
 # Each random campaign runs a quick share of its cases in the default run and all of them in
 # the sweep (-m slow, as CI runs it).
 SWEEP = [pytest.param(False, id="quick"), pytest.param(True, id="sweep", marks=pytest.mark.slow)]
-QUICK_SHARE = 3  # the default run tries a third of the cases
+QUICK_SHARE = 6  # the default run tries a sixth of the cases
 
 
 def cases(n: int, sweep: bool) -> int:

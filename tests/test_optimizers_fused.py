@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _sample import Args, pairwise
 
 import parallelvars as pv
 from parallelvars import optimizers as opts
@@ -70,12 +71,13 @@ def _state(vs: list[Any], opt: opts.Optimizer) -> list[Any]:
     return [*vs, *sorted((s for _, _, s in opt._checkpoint_slots()), key=lambda s: s.name)]
 
 
-@pytest.mark.parametrize("shapes", [SHAPES, LARGE], ids=["packed", "direct"])
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize(
-    "devices",
-    [1, 2, 3, 4, ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]],
-    ids=["1", "2", "3", "4", "unordered"],
+    "devices, dtype, shapes",
+    pairwise(
+        {"1": 1, "2": 2, "3": 3, "4": 4, "unordered": ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]},
+        {"float32": np.float32, "float64": np.float64},
+        {"packed": SHAPES, "direct": LARGE},
+    ),
 )
 def test_fused_sum_is_bit_identical_to_the_per_variable_sum(
     dtype: Any, devices: Any, shapes: Any
@@ -429,10 +431,13 @@ def test_reduced_gradients_in_a_variables_memory_are_read_before_the_step_writes
     _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
 
 
-@pytest.mark.parametrize("shapes", [SHAPES, LARGE], ids=["packed", "direct"])
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize(
-    "devices", [2, 4, ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]], ids=["2", "4", "unordered"]
+    "devices, dtype, shapes",
+    pairwise(
+        {"2": 2, "4": 4, "unordered": ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]},
+        {"float32": np.float32, "float64": np.float64},
+        {"packed": SHAPES, "direct": LARGE},
+    ),
 )
 def test_one_array_object_from_every_replica_is_summed_once_per_replica_on_the_fused_path(
     dtype: Any, devices: Any, shapes: Any
@@ -549,15 +554,14 @@ def _narrow_dtypes() -> list[Any]:
 # Narrow floats overflow and underflow (Adam's epsilon is 0 in float16): inf and nan bits are
 # compared like the others.
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("shapes", [SHAPES, LARGE], ids=["packed", "direct"])
-@pytest.mark.parametrize("dtype", _narrow_dtypes(), ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize(
-    "make_opt",
-    [lambda: opts.Adam(0.01), lambda: opts.Momentum(0.1, 0.9)],
-    ids=["adam", "momentum"],
-)
-@pytest.mark.parametrize(
-    "devices", [1, 3, ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]], ids=["1", "3", "unordered"]
+    "devices, make_opt, dtype, shapes",
+    pairwise(
+        {"1": 1, "3": 3, "unordered": ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]},
+        {"adam": lambda: opts.Adam(0.01), "momentum": lambda: opts.Momentum(0.1, 0.9)},
+        {np.dtype(d).name: d for d in _narrow_dtypes()},
+        {"packed": SHAPES, "direct": LARGE},
+    ),
 )
 def test_narrow_float_variables_on_the_fused_path_keep_the_per_variable_bits(
     dtype: Any, devices: Any, shapes: Any, make_opt: Callable[[], opts.Optimizer]
@@ -643,19 +647,16 @@ def _sharded_model(
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("shapes", [SHAPES, LARGE], ids=["packed", "direct"])
 @pytest.mark.parametrize(
-    "dtype", [np.float32, np.float64, *_narrow_dtypes()[:2]], ids=lambda d: np.dtype(d).name
+    "buffers, devices, make_opt, dtype, shapes",
+    pairwise(
+        {"arrays": False, "buffers": True},
+        {"2": 2, "3": 3, "unordered": ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]},
+        {"adam": lambda: opts.Adam(0.01), "momentum": lambda: opts.Momentum(0.1, 0.9)},
+        {np.dtype(d).name: d for d in [np.float32, np.float64, *_narrow_dtypes()[:2]]},
+        {"packed": SHAPES, "direct": LARGE},
+    ),
 )
-@pytest.mark.parametrize(
-    "make_opt",
-    [lambda: opts.Adam(0.01), lambda: opts.Momentum(0.1, 0.9)],
-    ids=["adam", "momentum"],
-)
-@pytest.mark.parametrize(
-    "devices", [2, 3, ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]], ids=["2", "3", "unordered"]
-)
-@pytest.mark.parametrize("buffers", [False, True], ids=["arrays", "buffers"])
 def test_sharded_variables_on_the_fused_path_keep_the_per_variable_bits(
     dtype: Any, devices: Any, shapes: Any, make_opt: Callable[[], opts.Optimizer], buffers: bool
 ) -> None:
@@ -768,23 +769,20 @@ SPARSE_SHAPES = [(9, 4), (6,), (5, 2, 3), (7, 4), (1, 4)]
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize(
-    "dtype", [np.float32, np.float64, *_narrow_dtypes()[:2]], ids=lambda d: np.dtype(d).name
+    "sharded, devices, make_opt, dtype",
+    pairwise(
+        {"mirrored": False, "sharded": True},
+        {"1": 1, "3": 3, "unordered": ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]},
+        {
+            "sgd": lambda: opts.SGD(0.1),
+            "momentum": lambda: opts.Momentum(0.1, 0.9),
+            "adagrad": lambda: opts.Adagrad(0.1),
+            "rmsprop": lambda: opts.RMSProp(0.01),
+            "adam": lambda: opts.Adam(0.01),
+        },
+        {np.dtype(d).name: d for d in [np.float32, np.float64, *_narrow_dtypes()[:2]]},
+    ),
 )
-@pytest.mark.parametrize(
-    "make_opt",
-    [
-        lambda: opts.SGD(0.1),
-        lambda: opts.Momentum(0.1, 0.9),
-        lambda: opts.Adagrad(0.1),
-        lambda: opts.RMSProp(0.01),
-        lambda: opts.Adam(0.01),
-    ],
-    ids=["sgd", "momentum", "adagrad", "rmsprop", "adam"],
-)
-@pytest.mark.parametrize(
-    "devices", [1, 3, ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]], ids=["1", "3", "unordered"]
-)
-@pytest.mark.parametrize("sharded", [False, True], ids=["mirrored", "sharded"])
 def test_sparse_gradients_applied_together_keep_the_per_variable_bits(
     dtype: Any, devices: Any, make_opt: Callable[[], opts.Optimizer], sharded: bool
 ) -> None:
@@ -1038,15 +1036,12 @@ def _cast_cases() -> list[tuple[Any, Any]]:
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize(
-    "var_dtype, grad_dtype",
-    _cast_cases(),
-    ids=lambda d: np.dtype(d).name,
-)
-@pytest.mark.parametrize(
-    "make_opt", [lambda: opts.Adam(0.01), lambda: opts.Momentum(0.1, 0.9)], ids=["adam", "momentum"]
-)
-@pytest.mark.parametrize(
-    "devices", [1, 3, ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]], ids=["1", "3", "unordered"]
+    "devices, make_opt, var_dtype, grad_dtype",
+    pairwise(
+        {"1": 1, "3": 3, "unordered": ["cpu:2", "cpu:0", "cpu:10", "cpu:1"]},
+        {"adam": lambda: opts.Adam(0.01), "momentum": lambda: opts.Momentum(0.1, 0.9)},
+        {f"{np.dtype(v).name}-{np.dtype(g).name}": Args((v, g)) for v, g in _cast_cases()},
+    ),
 )
 def test_gradients_of_another_dtype_are_summed_in_it_and_cast_once(
     var_dtype: Any, grad_dtype: Any, make_opt: Callable[[], opts.Optimizer], devices: Any

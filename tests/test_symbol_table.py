@@ -55,9 +55,17 @@ def _table_of(path: str, group: str) -> tuple[bytes, int]:
     return m.body, address
 
 
+# Each wide layout costs seconds (two files of 1,025 variables walked through h5py): the default
+# run reads a wide nested group and a two-level B-tree; CI's slow step (-m slow) adds the wide
+# root group and the variable whose group holds the wide list.
 @pytest.mark.parametrize(
     "layout",
-    ["root", "nested", "parent-variable", "two-levels"],
+    [
+        pytest.param("root", marks=pytest.mark.slow),
+        "nested",
+        pytest.param("parent-variable", marks=pytest.mark.slow),
+        "two-levels",
+    ],
 )
 def test_wide_groups_read_as_libhdf5_writes_them(tmp_path, layout) -> None:
     if layout == "root":
@@ -224,8 +232,15 @@ def _wide_sample(directory: str) -> str:
     return ckpt.write(os.path.join(directory, "wide.h5"))
 
 
+# Even the quick campaign reads a 1,025-variable file three times under allocation tracking
+# (15 CPU-seconds): both campaigns run in CI's slow step (-m slow); the default run keeps the
+# crafted damages of test_our_reader_refuses_damaged_tables.
 @pytest.mark.parametrize(
-    "count", [pytest.param(2, id="quick"), pytest.param(60, id="sweep", marks=pytest.mark.slow)]
+    "count",
+    [
+        pytest.param(2, id="quick", marks=pytest.mark.slow),
+        pytest.param(60, id="sweep", marks=pytest.mark.slow),
+    ],
 )
 def test_damaged_symbol_tables_are_detected_or_harmless(tmp_path, count) -> None:
     """Flips inside the symbol table block (heap, B-tree and symbol table nodes) of a generated
