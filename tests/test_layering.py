@@ -99,6 +99,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "parallelvars.checkpoint.h5io.*",
             "parallelvars.checkpoint.h5raw.objects",
             "parallelvars.checkpoint.h5raw.generate",
+            "parallelvars.checkpoint.h5raw.component_bytes",
             "parallelvars.checkpoint.h5raw.native",
             "parallelvars.checkpoint.h5raw.index_file",
         ],

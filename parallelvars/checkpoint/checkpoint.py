@@ -97,7 +97,7 @@ def _checkpoint_writer(plans: PlanCache | None = None) -> Callable[..., str]:
 
 def _plan_replicas(records: Sequence[SaveRecord]) -> None:
     """From the second save of a ``RecordList`` on, give it the plan of runs its replicas are
-    compared by (:class:`SnapshotPlan`, read by the writer: ``h5raw.native._replica_plan``);
+    compared by (:class:`SnapshotPlan`, read by the writer: ``h5raw.component_bytes._replica_plan``);
     a first save compares them one by one (making the plan costs more, once)."""
     if isinstance(records, RecordList):
         if records.replicas is None:
