@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import parallelvars as pv
 from parallelvars.checkpoint import H5Reader
 from parallelvars.checkpoint.h5io import write_h5
-from parallelvars.checkpoint.h5raw import native
+from parallelvars.checkpoint.h5raw import component_bytes, native
 from parallelvars.errors import CheckpointWriteError
 from parallelvars.testing import PlanCache, fileio, lookup3
 
@@ -222,7 +222,7 @@ def test_a_failed_repeated_save_leaves_the_last_good_file(tmp_path, monkeypatch)
         os.pwrite(fd, bytes(buffers[0][:10]), offset)  # a torn write, then the disk is full
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(native, "pwritev_all", full_disk)
+    monkeypatch.setattr(component_bytes, "pwritev_all", full_disk)
     with pytest.raises(CheckpointWriteError):
         ckpt.write(path)
     assert read(path) == good
@@ -498,13 +498,13 @@ def test_a_buffer_changed_during_the_gathered_write_fails_the_save(tmp_path, mon
     ckpt = pv.Checkpoint(model=m)
     path = ckpt.write(tmp_path / "c.h5")
     good = read(path)
-    real = native.pwritev_all
+    real = component_bytes.pwritev_all
 
     def racing(fd: int, buffers: list, offset: int, size: int) -> None:
         real(fd, buffers, offset, size)
         m.vs[3].assign(np.full(3, -1, np.float32))  # another thread, as it were
 
-    monkeypatch.setattr(native, "pwritev_all", racing)
+    monkeypatch.setattr(component_bytes, "pwritev_all", racing)
     with pytest.raises(pv.errors.ConcurrentWriteError, match="model/vs/3"):
         ckpt.write(path)
     assert read(path) == good

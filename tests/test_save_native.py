@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import parallelvars as pv
 from parallelvars.checkpoint import H5Reader
 from parallelvars.checkpoint.h5io import write_h5
-from parallelvars.checkpoint.h5raw import native
+from parallelvars.checkpoint.h5raw import component_bytes, native
 from parallelvars.formats import convert
 
 
@@ -440,14 +440,14 @@ def test_a_first_save_failing_while_its_bytes_go_out_keeps_the_last_good_file(
     m.vs2 = [pv.Variable(np.ones(10, np.float32), name="x")]  # a new structure: a first save
     writers: list[str] = []
     if where == "data":
-        real = native.pwritev_all
+        real = component_bytes.pwritev_all
 
         def full_disk(fd: int, buffers: list, offset: int, size: int) -> None:
             writers.append(threading.current_thread().name)
             real(fd, buffers[:1], offset, buffers[0].nbytes)  # a torn write, then a full disk
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-        monkeypatch.setattr(native, "pwritev_all", full_disk)
+        monkeypatch.setattr(component_bytes, "pwritev_all", full_disk)
         expected: type[BaseException] = CheckpointWriteError
     else:
         real_metadata = generate.FilePlan.metadata
