@@ -462,7 +462,7 @@ def test_a_first_save_failing_while_its_bytes_go_out_keeps_the_last_good_file(
     with open(path, "rb") as fh:
         assert fh.read() == good
     assert sorted(os.listdir(tmp_path)) == ["c.h5"]  # no temporary left behind
-    if where == "data" and native.thread_count() > 1:
+    if where == "data" and component_bytes.thread_count() > 1:
         assert writers and all(w != threading.current_thread().name for w in writers)
     monkeypatch.undo()
     if where == "metadata":
