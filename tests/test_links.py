@@ -146,3 +146,117 @@ def test_headers_past_the_walks_bounds_are_refused(tmp_path, monkeypatch, bound)
     with pytest.raises(Refused, match="first chunk") as caught:
         _walk(path, {f"m/g{k % 3}/v{k}/primary".encode() for k in range(6)})
     assert caught.value.expected == "at most 16 bytes"
+
+
+def _group_chunk(raw: bytearray, addr: int) -> tuple[int, int]:
+    """Where a version-2 object header's first chunk ends (its checksum follows), and where
+    its size field is."""
+    assert raw[addr : addr + 5] == b"OHDR\x02"
+    flags = raw[addr + 5]
+    p = addr + 6 + (16 if flags & 0x20 else 0) + (4 if flags & 0x10 else 0)
+    width = 1 << (flags & 0x03)
+    size0 = int.from_bytes(raw[p : p + width], "little")
+    return p + width + size0, p
+
+
+def _mended(raw: bytearray, addr: int) -> None:
+    """The first chunk's checksum made right again after an edit."""
+    from parallelvars.testing import lookup3
+
+    end, _ = _group_chunk(raw, addr)
+    raw[end : end + 4] = lookup3(bytes(raw[addr:end])).to_bytes(4, "little")
+
+
+def _twin(tmp_path, edit) -> tuple[str, set[bytes]]:
+    """A file of variables ``m/g/qqqqq{0,1,2}`` whose group ``m/g`` header ``edit`` changes
+    (its checksum then mended)."""
+    records = [
+        SaveRecord("single", [np.arange(4, dtype=np.float32)], (4,), {}, path=f"m/g/qqqqq{k}")
+        for k in range(3)
+    ]
+    path = write_native(str(tmp_path / "g.h5"), records, object_graph={"version": 1})
+    with h5py.File(path, "r") as f:
+        addr = h5py.h5o.get_info(f["m/g"].id).addr
+    with open(path, "rb") as fh:
+        raw = bytearray(fh.read())
+    edit(raw, addr)
+    _mended(raw, addr)
+    out = str(tmp_path / "edited.h5")
+    with open(out, "wb") as fh:
+        fh.write(raw)
+    return out, {f"m/g/qqqqq{k}/primary".encode() for k in range(3)}
+
+
+def _rename(new: bytes):
+    def edit(raw: bytearray, addr: int) -> None:
+        end, _ = _group_chunk(raw, addr)
+        at = raw.find(b"qqqqq1", addr, end)
+        assert at > 0
+        raw[at : at + 6] = new
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "new, match",
+    [(b"qq/qq1", "name"), (b"qq\x00qq1", "name"), (b"qqqqq0", "twice")],
+    ids=["slash", "nul", "duplicate"],
+)
+def test_link_names_libhdf5_would_read_otherwise_are_refused(tmp_path, new, match) -> None:
+    """A name with a ``/`` or NUL (libhdf5 would split or cut it) or listed twice in one group
+    (libhdf5 takes the first) is refused, so the reader asks libhdf5 instead."""
+    path, wanted = _twin(tmp_path, _rename(new[:6]))
+    with pytest.raises(Refused, match=match):
+        _walk(path, wanted)
+    with pytest.raises(Refused, match=match):
+        _walk(path, wanted, window=False)
+
+
+def test_link_messages_without_their_link_info_are_refused(tmp_path) -> None:
+    """libhdf5 reads a group's link messages only under a link info message: without it, the
+    walk refuses the group rather than answer what libhdf5 would not."""
+    from parallelvars.checkpoint.h5raw import header as hdr
+
+    def drop_info(raw: bytearray, addr: int) -> None:
+        end, p = _group_chunk(raw, addr)
+        flags = raw[addr + 5]
+        pos = p + (1 << (flags & 0x03))
+        mhead = 6 if flags & 0x04 else 4
+        while pos + mhead <= end:
+            mtype, msize = raw[pos], int.from_bytes(raw[pos + 1 : pos + 3], "little")
+            if mtype == hdr.LINK_INFO:
+                raw[pos] = 0  # a NIL message in its place
+                return
+            pos += mhead + msize
+        raise AssertionError("no link info message")
+
+    path, wanted = _twin(tmp_path, drop_info)
+    with pytest.raises(Refused, match="its links"):
+        _walk(path, wanted)
+
+
+def test_a_first_chunk_size_past_int64_is_refused_not_a_numpy_error(tmp_path) -> None:
+    def huge(raw: bytearray, addr: int) -> None:
+        _, p = _group_chunk(raw, addr)
+        raw[addr + 5] |= 0x03  # an 8-byte size field: shift the chunk? no: only the size
+        width = 8
+        raw[p : p + width] = (1 << 63 | 100).to_bytes(8, "little")
+
+    records = [
+        SaveRecord("single", [np.arange(4, dtype=np.float32)], (4,), {}, path=f"m/g/v{k}")
+        for k in range(3)
+    ]
+    path = write_native(str(tmp_path / "g.h5"), records, object_graph={"version": 1})
+    with h5py.File(path, "r") as f:
+        addr = h5py.h5o.get_info(f["m/g"].id).addr
+    with open(path, "rb") as fh:
+        raw = bytearray(fh.read())
+    flags = raw[addr + 5]
+    p = addr + 6 + (16 if flags & 0x20 else 0) + (4 if flags & 0x10 else 0)
+    width = 1 << (flags & 0x03)
+    raw[p : p + width] = b"\xff" * width  # the largest size the field holds
+    out = str(tmp_path / "huge.h5")
+    with open(out, "wb") as fh:
+        fh.write(raw)
+    with pytest.raises(Refused):
+        _walk(out, {f"m/g/v{k}/primary".encode() for k in range(3)})

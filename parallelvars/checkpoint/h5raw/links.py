@@ -40,10 +40,8 @@ _KEEP = frozenset((hdr.LINK, hdr.LINK_INFO, SYMBOL_TABLE))  # (the messages a wa
 _WALKED = np.array([hdr.LINK, hdr.LINK_INFO, SYMBOL_TABLE, hdr.CONTINUATION])
 _FIRST = 1024  # bytes of each header read first (its prefix: at most 6 + 16 + 4 + 8; most whole)
 _MAX_CHUNK = 1 << 20  # the largest first chunk walked here (ours are at most 4 KiB)
-_BATCH = 8192
-_BATCH_BYTES = (
-    64 << 20
-)  # the most header bytes read for one batch of groups  # groups read together (their headers' bytes held at once)
+_BATCH = 8192  # groups read together (their headers' bytes held at once)
+_BATCH_BYTES = 64 << 20  # the most header bytes read for one batch of groups
 # Headers less than this apart are read together, the bytes between them too (a variable's
 # group and its datasets' headers lie side by side): at most _BATCH times this in gaps.
 _HEADER_GAP = 4096
@@ -68,11 +66,15 @@ def _links(source: Source, header: hdr.ObjectHeader, where: str) -> list[tuple[b
     """The links ``(name, type, address)`` of the group whose header is ``header`` (address
     -1 for a link that is not hard)."""
     out: list[tuple[bytes, int, int]] = []
+    types = {m.type for m in header.messages}
+    _one_storage(hdr.LINK in types, hdr.LINK_INFO in types, SYMBOL_TABLE in types, where)
     for m in header.messages:
         if m.type == hdr.LINK:
             out.append(_link(m.body, where))
         elif m.type == hdr.LINK_INFO:
             body = m.body
+            if body[:1] != b"\x00":
+                raise Refused(f"{where}: a link info message", "version 0", body[:1].hex())
             flags = body[1] if len(body) > 1 else 0
             at = 2 + (8 if flags & 1 else 0)
             if len(body) < at + 8:
@@ -84,11 +86,42 @@ def _links(source: Source, header: hdr.ObjectHeader, where: str) -> list[tuple[b
     return out
 
 
+def _one_storage(links: bool, info: bool, table: bool, where: str) -> None:
+    """A group keeps its links one way, as libhdf5 looks them up: link messages under a link
+    info message, or a symbol table alone; any other mix is refused (libhdf5 would find some
+    of the names another way, or not at all)."""
+    if (links and not info) or (table and (links or info)):
+        raise Refused(
+            f"{where}: its links",
+            "link messages with a link info message, or a symbol table alone",
+            "another mix",
+        )
+
+
+def _check_names(groups: list[int], names: list[bytes], where: list[bytes]) -> None:
+    """Refuse a link name libhdf5 would not take as one name (a ``/`` or NUL in it, or
+    ``.``), and a name a group lists twice (libhdf5 finds the first one, which may be a link
+    that is not hard)."""
+    for k, name in zip(groups, names, strict=True):
+        if b"/" in name or b"\x00" in name or name == b".":
+            raise Refused(f"{_group(where[k])}: a link's name", "one name", repr(name))
+    if len(set(zip(groups, names, strict=True))) != len(names):
+        seen: set[tuple[int, bytes]] = set()
+        for pair in zip(groups, names, strict=True):
+            if pair in seen:
+                raise Refused(
+                    f"{_group(where[pair[0]])}: a link's name listed twice", "once", "twice"
+                )
+            seen.add(pair)
+
+
 def _link(body: bytes, where: str) -> tuple[bytes, int, int]:
     """One link message's name, type and (hard links) address."""
     if len(body) < 3 or body[0] != 1:
         raise Refused(f"{where}: a link message", "version 1", body[:1].hex())
     flags = body[1]
+    if flags & 0xE0:
+        raise Refused(f"{where}: a link message's flags", "bits 0-4", hex(flags))
     p = 2
     kind = _HARD
     if flags & 0x08:
@@ -150,6 +183,9 @@ def _group_links(
     groups: list[int] = []
     names: list[bytes] = []
     targets: list[int] = []
+    # the links that are not hard (soft, external): their names checked with the others'
+    every_group: list[int] = []
+    every_name: list[bytes] = []
     if n == 0:
         return groups, names, targets
     addr = np.array(addresses, np.int64)
@@ -174,7 +210,7 @@ def _group_links(
         size0 = _gather(head, at[fast] + p[fast], width[fast]).astype(np.int64)
         length = p[fast] + width[fast]
         extent = length + size0 + 4  # (the chunk and its checksum)
-        if int(size0.max()) > _MAX_CHUNK:
+        if int(size0.max()) > _MAX_CHUNK or int(size0.min()) < 0:
             raise Refused("an object header's first chunk", f"at most {_MAX_CHUNK} bytes", "more")
         if int(extent.sum()) > _BATCH_BYTES:  # (ours: at most 4 KiB a chunk)
             raise Refused("object headers' first chunks", f"at most {_BATCH_BYTES} bytes", "more")
@@ -229,8 +265,29 @@ def _group_links(
             f_types = np.concatenate(found_types)
             f_at = np.concatenate(found_at)
             f_size = np.concatenate(found_size)
-            # Link info: the links in the header (no fractal heap address), or the walk stops.
+
+            # One way of keeping links per group (see _one_storage).
+            def rows_with(t: int) -> np.ndarray:
+                has = np.zeros(fast.size, bool)
+                has[f_rows[f_types == t]] = True
+                return has
+
+            has_link, has_info = rows_with(hdr.LINK), rows_with(hdr.LINK_INFO)
+            has_table = rows_with(SYMBOL_TABLE)
+            # (a header with a continuation is read whole below, and checked there)
+            whole = ~rows_with(hdr.CONTINUATION)
+            mixed = np.flatnonzero(
+                whole & ((has_link & ~has_info) | (has_table & (has_link | has_info)))
+            )
+            if mixed.size:
+                k = int(fast[mixed[0]])
+                _one_storage(True, False, False, _group(where[k]))
+            # Link info: version 0, the links in the header (no fractal heap address), or the
+            # walk stops.
             info = np.flatnonzero(f_types == hdr.LINK_INFO)
+            if np.any(buf[f_at[info]] != 0):
+                k = int(fast[f_rows[info][np.flatnonzero(buf[f_at[info]] != 0)[0]]])
+                raise Refused(f"{_group(where[k])}: a link info message", "version 0", "another")
             if info.size:
                 heap_at = f_at[info] + 2 + np.where(buf[f_at[info] + 1] & 1, 8, 0)
                 if np.any(heap_at + 8 > f_at[info] + f_size[info]) or np.any(
@@ -247,7 +304,7 @@ def _group_links(
             # The usual link message (version 1, no link type: hard, no creation order) as
             # arrays; any other one through _link.
             lflags = buf[l_at + 1].astype(np.int64)
-            plain = (buf[l_at] == 1) & ((lflags & 0x0C) == 0) & (l_size >= 3)
+            plain = (buf[l_at] == 1) & ((lflags & 0xEC) == 0) & (l_size >= 3)
             name_at = l_at + 2 + np.where(lflags & 0x10, 1, 0)
             lwidth = np.left_shift(1, lflags & 0x03)
             plain &= name_at + lwidth <= l_at + l_size
@@ -278,6 +335,9 @@ def _group_links(
                         groups.append(k)
                         names.append(name)
                         targets.append(address)
+                    else:
+                        every_group.append(k)
+                        every_name.append(name)
             slow.extend(sorted(alone))
     for k in slow:
         header = hdr.read_object_header(source, addresses[k], keep=_KEEP, checksums=True)
@@ -286,6 +346,10 @@ def _group_links(
                 groups.append(k)
                 names.append(name)
                 targets.append(address)
+            else:
+                every_group.append(k)
+                every_name.append(name)
+    _check_names(groups + every_group, names + every_name, where)
     return groups, names, targets
 
 
