@@ -696,20 +696,23 @@ def _iov_max() -> int:
 IOV_MAX = min(_iov_max(), 1024)
 
 
-def pwritev_all(fd: int, buffers: Sequence[np.ndarray], offset: int, size: int) -> None:
-    """Write C-contiguous arrays' bytes one after another from ``offset`` (``size`` bytes in
-    all, at most :data:`IOV_MAX` buffers): one gathered write, a short one resumed."""
-    done = os.pwritev(fd, buffers, offset) if _PWRITEV else 0  # type: ignore[arg-type]
+def pwritev_all(fd: int, buffers: Sequence[Any], offset: int, size: int) -> None:
+    """Write the bytes of C-contiguous buffers (arrays or memoryviews) one after another from
+    ``offset`` (``size`` bytes in all, at most :data:`IOV_MAX` buffers): one gathered write, a
+    short one resumed (Linux writes at most about 2 GiB in one call; a network file system may
+    write less)."""
+    done = os.pwritev(fd, buffers, offset) if _PWRITEV else 0
     if done == size:
         return
     at = offset
     for buf in buffers:  # a short write (or no pwritev): the rest buffer by buffer
-        data = byte_view(buf)
-        n = data.size
+        # (an array through its bytes: a bfloat16 array has no buffer format of its own)
+        data = memoryview(byte_view(buf) if isinstance(buf, np.ndarray) else buf).cast("B")
+        n = data.nbytes
         if done >= n:
             done -= n
         else:
-            pwrite_all(fd, memoryview(data[done:]), at + done)  # type: ignore[arg-type]
+            pwrite_all(fd, data[done:], at + done)
             done = 0
         at += n
 

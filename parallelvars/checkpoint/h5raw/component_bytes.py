@@ -57,12 +57,19 @@ def _write_components(
     _write_batches(fd, _batches(plan, items, comps))
 
 
+#: The most bytes one gathered write takes (Linux writes at most about 2 GiB in one call; a
+#: larger component is written alone, its short writes resumed by ``pwritev_all``).
+_GATHER_BYTES = 1 << 30
+
+
 def _batches(
     plan: FilePlan, items: list[Any], comps: list[list[np.ndarray]]
 ) -> list[tuple[int, list[Any], int]]:
     """The gathered writes ``(offset, buffers, size)`` of every component with data, in file
-    order: neighbours (at most :data:`IOV_MAX` buffers) in one write, each buffer the array's
-    own bytes (no copy; the gaps between them are the file's zeros, left by ``ftruncate``).
+    order: neighbours (at most :data:`IOV_MAX` buffers and :data:`_GATHER_BYTES` bytes) in one
+    write, each buffer the array's own bytes (no copy). A gap of up to 64 bytes between two
+    neighbours is written as zeros in the same write (so anything else placed in such a gap is
+    written after these); a wider one ends the write, and is left as a hole.
     The plan lays the stored components out in order: a component at an offset not past the
     last one's is stored as another's dataset (not written again)."""
     placed: list[tuple[int, np.ndarray]] = []
@@ -81,6 +88,8 @@ def _batches(
         end = start
         while k < len(placed) and len(buffers) < IOV_MAX - 1:
             off, c = placed[k]
+            if buffers and off + c.nbytes - start > _GATHER_BYTES:
+                break
             if off != end:
                 if off - end > 64:
                     break
