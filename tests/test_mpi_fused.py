@@ -68,3 +68,44 @@ def test_cast_and_sparse_gradients_fused_across_processes(
     # The test can fail: one replica more gives other sums.
     other, other_opt = worker.train(pv.MirroredStrategy(n + 1), optimizer, seed=0)
     assert not np.array_equal(worker.state(other, other_opt)["e"], expected["e"])
+
+
+_RANK_SHARDED = """
+import sys, numpy as np, parallelvars as pv
+dt = np.dtype(sys.argv[1])
+s = pv.MultiWorkerMirroredStrategy()
+s.fusion = sys.argv[2] == "fused"
+with s.scope():
+    v = pv.Variable(np.ones((1, 4), np.float32), name="v", shard_axis=0)  # one rank's shard empty
+    w = pv.Variable(np.ones((4,), np.float32), name="w")
+    opt = pv.optimizers.SGD(0.1)
+def f(g):
+    opt.apply_gradients([(g[0], v), (g[1], w)])
+for _ in range(2):
+    s.run(f, args=(pv.PerReplica([[np.full((1, 4), 0.5, dt), np.ones(4, np.float32)]] * 2),))
+np.save(sys.argv[3] + f"-{s.cluster_rank}.npy", np.concatenate([np.ravel(v), np.ravel(w)]))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_variables_sharded_across_processes_take_one_route_on_every_rank(
+    tmp_path: Path, dtype: str
+) -> None:
+    """A variable sharded across processes holds another shard on each rank (here one rank's
+    is empty): its gradient must take the same route on every rank, or the ranks call
+    different collectives and hang."""
+    script = tmp_path / "rank_sharded.py"
+    script.write_text(_RANK_SHARDED)
+    results = {}
+    for mode in ("fused", "pervar"):
+        proc = subprocess.run(
+            [_mpiexec(), "-n", "2", sys.executable, str(script), dtype, mode, str(tmp_path / mode)],
+            capture_output=True,
+            text=True,
+            timeout=LAUNCH_TIMEOUT,
+            env={**os.environ, "MPIR_CVAR_CH4_OFI_ENABLE_PROGRESS_THREAD": "0"},
+        )
+        assert proc.returncode == 0, proc.stderr
+        results[mode] = [np.load(tmp_path / f"{mode}-{r}.npy") for r in range(2)]
+    for fused, pervar in zip(results["fused"], results["pervar"], strict=True):
+        assert fused.tobytes() == pervar.tobytes()

@@ -51,6 +51,7 @@ from parallelvars.optimizers._sparse import IndexedSlices
 from parallelvars.optimizers._sparse_step import SparseBatch, SparseSteps
 from parallelvars.strategy import _context
 from parallelvars.strategy._values import PerReplica
+from parallelvars.variables import RankShardedVariable
 
 __all__ = ["FusedLines", "FusedTransport", "GradientBuffers", "ReplicaGradients"]
 
@@ -654,6 +655,11 @@ class FusedTransport:
         candidates: list[int] = []
         # A repeated variable is the per-variable path's error to raise.
         for i, v in enumerate(var_list if len(set(key)) == len(key) else ()):
+            if isinstance(v, RankShardedVariable):
+                # Sharded across processes: each rank holds another shard (some may be empty),
+                # so whether a gradient fits would differ from rank to rank and the ranks would
+                # call different collectives. The per-variable path reduces them alike.
+                continue
             try:
                 info = info_of(v)
             except GradientError:  # raised again, in its place, by the per-variable path
