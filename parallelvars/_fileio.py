@@ -707,7 +707,7 @@ def pwritev_all(fd: int, buffers: Sequence[Any], offset: int, size: int) -> None
     at = offset
     for buf in buffers:  # a short write (or no pwritev): the rest buffer by buffer
         # (an array through its bytes: a bfloat16 array has no buffer format of its own)
-        data = memoryview(byte_view(buf) if isinstance(buf, np.ndarray) else buf).cast("B")
+        data = memoryview(byte_view(buf) if isinstance(buf, np.ndarray) else buf).cast("B")  # type: ignore[arg-type]
         n = data.nbytes
         if done >= n:
             done -= n

@@ -98,8 +98,9 @@ def _checkpoint_writer(plans: PlanCache | None = None) -> Callable[..., str]:
 def _plan_replicas(records: Sequence[SaveRecord]) -> None:
     """From the second save of a ``RecordList`` on, give it the plan of runs its replicas are
     compared by (:class:`SnapshotPlan`, read by the writer: ``h5raw.component_bytes._replica_plan``);
-    a first save compares them one by one (making the plan costs more, once)."""
-    if isinstance(records, RecordList):
+    a first save compares them one by one (making the plan costs more, once). A snapshot's
+    copies get none: their replicas are their first component's copy."""
+    if isinstance(records, RecordList) and not records.copied:
         if records.replicas is None:
             records.replicas = False
         elif records.replicas is False:

@@ -14,14 +14,11 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
-
-import numpy as np
 
 from parallelvars.checkpoint.h5io.layout import _library_version
 
@@ -37,7 +34,7 @@ __all__ = [
 
 class RecordList(list):
     """Save records that keep what writing their structure again needs, made on first use:
-    their part of the structure key and the flat list of their components.
+    their part of the structure key (and the writer's plan of their replicas).
 
     A checkpoint hands the same records to every save while its object graph is unchanged
     (``Checkpoint._gather``), so a repeated save does this per-record work once per
@@ -45,7 +42,7 @@ class RecordList(list):
     components' values may, they are read at every write.
     """
 
-    __slots__ = ("_flat", "_key", "_like", "_starts", "replicas", "token")
+    __slots__ = ("_key", "_like", "replicas", "token")
 
     def __init__(self, records: Iterable[Any] = (), *, like: RecordList | None = None) -> None:
         """``like``: records of the same structure (a snapshot's copies are like the live
@@ -53,47 +50,25 @@ class RecordList(list):
         super().__init__(records)
         self._key: Any = None
         self._like = like
-        self._flat: tuple[list[np.ndarray], list[int]] | None = None
-        self._starts: list[int] | None = None
         # The plan the writer compares the records' replicas by (runs of their buffers: set by
-        # the checkpoint's writer, read by h5raw.native): None, False after a first save, then
+        # the checkpoint's writer, read by h5raw.component_bytes): None, False after a first save, then
         # the plan.
         self.replicas: Any = None
         # Stands for the records' structure: records with the same token have the same
         # structure, so a writer's cache can tell a repeated structure without its key.
         self.token: object = object() if like is None else like.token
 
-    def starts(self) -> list[int]:
-        """The number of each record's first component in write order (then the total)."""
-        if self._starts is None:
-            self._starts = list(itertools.accumulate((len(r.components) for r in self), initial=0))
-        return self._starts
+    @property
+    def copied(self) -> bool:
+        """Whether these records are copies made like other records (a non-blocking save's
+        snapshot: each replica there is its first component's copy, nothing to compare)."""
+        return self._like is not None
 
     def structure(self) -> Any:
         """The records' part of :func:`_structure_key` (None: not all are arrays in memory)."""
         if self._key is None:
             self._key = _records_key(self) if self._like is None else self._like.structure()
         return self._key
-
-    def components(self) -> list[np.ndarray]:
-        """Every record's components in write order, C-contiguous (strided ones copied now)."""
-        if self._flat is None:
-            comps = [c for r in self for c in r.components]
-            self._flat = (comps, [i for i, c in enumerate(comps) if not c.flags.c_contiguous])
-        comps, strided = self._flat
-        if not strided:
-            return comps
-        out = list(comps)
-        for i in strided:
-            out[i] = np.ascontiguousarray(out[i])
-        return out
-
-
-def _component_starts(items: Sequence[Any]) -> list[int]:
-    """The number of each entry's first component in write order (then the total)."""
-    if isinstance(items, RecordList):
-        return items.starts()
-    return list(itertools.accumulate((len(e.components) for e in items), initial=0))
 
 
 def _records_key(items: Sequence[Any]) -> Any:
@@ -110,16 +85,6 @@ def _records_key(items: Sequence[Any]) -> Any:
             )
             for e in items
         )
-    except AttributeError:
-        return None
-
-
-def _flat_components(items: Sequence[Any]) -> list[np.ndarray] | None:
-    """Every entry's components in write order, C-contiguous (None: not arrays in memory)."""
-    if isinstance(items, RecordList):
-        return items.components()
-    try:
-        return [np.ascontiguousarray(c) for e in items for c in e.components]
     except AttributeError:
         return None
 
