@@ -27,7 +27,7 @@ flat buffer laid out like the variables' arena (or takes it as it is from
 ``Optimizer.gradient_buffers``) and reduces it with one rank-ordered all-reduce per dtype per
 step (``_allreduce_flat``); the update core consumes the reduced buffer directly. Gradients of
 another dtype than their variables' are packed and all-reduced the same way, one buffer per
-gradient dtype, and cast once; sparse gradients of arena variables are gathered with one
+pair of gradient and variable dtype, and cast once; sparse gradients of arena variables are gathered with one
 ``_allgather_sparse`` for all of them (see :mod:`parallelvars.optimizers._fused`).
 ``batch_reduce`` likewise packs every gradient of one dtype into one buffer and runs one
 collective per dtype instead of one per variable (``fusion=False`` turns both off, for the
