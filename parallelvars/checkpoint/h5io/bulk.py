@@ -51,6 +51,7 @@ class BulkReads:
     _checked_groups: set[str]
     # The names reached by hard links only (see _reached), once listed.
     _hard_names: set[bytes] | None = None
+    _unlisted = False  # (the names could not be listed: not tried again for every name)
     _link_checks = 0
 
     if TYPE_CHECKING:
@@ -101,7 +102,7 @@ class BulkReads:
         header read, each group's checked as HDF5 would); any other name is not listed (the
         caller opens it the general way). A file that walk does not read (not written the
         way our writers write), or without a table: every name, by HDF5's link walk."""
-        if self._hard_names is not None:
+        if self._hard_names is not None or self._unlisted:
             return self._hard_names
         table = self.table
         if table is not None:
@@ -131,6 +132,7 @@ class BulkReads:
         try:
             self._h5().id.links.visit(visit, info=True)
         except _H5_ERRORS:
+            self._unlisted = True  # (each name is then opened the general way, which names it)
             return None
         self._hard_names = names
         return names
