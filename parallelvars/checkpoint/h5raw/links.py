@@ -184,8 +184,18 @@ def _group_links(
     names: list[bytes] = []
     targets: list[int] = []
     # the links that are not hard (soft, external): their names checked with the others'
-    every_group: list[int] = []
-    every_name: list[bytes] = []
+    other_groups: list[int] = []
+    other_names: list[bytes] = []
+
+    def take(k: int, name: bytes, kind: int, address: int) -> None:
+        if kind == _HARD:
+            groups.append(k)
+            names.append(name)
+            targets.append(address)
+        else:
+            other_groups.append(k)
+            other_names.append(name)
+
     if n == 0:
         return groups, names, targets
     addr = np.array(addresses, np.int64)
@@ -331,25 +341,13 @@ def _group_links(
                 k = int(fast[r])
                 if k not in alone:
                     name, kind, address = _link(data[b : b + m], _group(where[k]))
-                    if kind == _HARD:
-                        groups.append(k)
-                        names.append(name)
-                        targets.append(address)
-                    else:
-                        every_group.append(k)
-                        every_name.append(name)
+                    take(k, name, kind, address)
             slow.extend(sorted(alone))
     for k in slow:
         header = hdr.read_object_header(source, addresses[k], keep=_KEEP, checksums=True)
         for name, kind, address in _links(source, header, _group(where[k])):
-            if kind == _HARD:
-                groups.append(k)
-                names.append(name)
-                targets.append(address)
-            else:
-                every_group.append(k)
-                every_name.append(name)
-    _check_names(groups + every_group, names + every_name, where)
+            take(k, name, kind, address)
+    _check_names(groups + other_groups, names + other_names, where)
     return groups, names, targets
 
 
