@@ -33,7 +33,7 @@ from parallelvars._fileio import (
 from parallelvars._geometry import shard_shapes
 from parallelvars.checkpoint._gcfreeze import freeze_made_so_far
 from parallelvars.checkpoint.h5io.attributes import _attr_value, _decode, _root_attr_value
-from parallelvars.checkpoint.h5io.columns import _copied, record_documents
+from parallelvars.checkpoint.h5io.columns import _META_KEYS, _copied, _value_key, record_documents
 from parallelvars.checkpoint.h5io.layout import (
     COLUMNS_DATASET,
     DOCUMENTS_ATTR,
@@ -529,7 +529,7 @@ def _index_of(
             if t is list and all(type(x) is str and not x.startswith("json:") for x in val):
                 attrs[key] = list(val)
                 continue
-            vkey = _frozen_value(val)
+            vkey = _value_key(val)
             out = decoded.get(vkey, decoded) if vkey is not None else decoded
             if out is decoded:
                 out = _decode(_attr_value(val))
@@ -553,19 +553,6 @@ def _index_of(
             "crc32c": crc,
         }
     return index
-
-
-_META_KEYS = frozenset({"kind", "dtype", "shape", "num_components"})
-
-
-def _frozen_value(value: Any) -> Any:
-    """A key for an attribute value whose decoded form is worth keeping (None: none)."""
-    t = type(value)
-    if t is str:
-        return (t, value)
-    if t is list and all(type(x) is str for x in value):
-        return ("strs", *value)
-    return None
 
 
 def _prepare(
