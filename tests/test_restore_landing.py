@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -271,3 +272,46 @@ def test_the_manager_restore_and_a_foreign_format_land_what_was_checked(
     live = _model("mirrored", "bfloat16", "large", 0)
     pv.Checkpoint(model=live).restore(st_a)
     assert [v.numpy().tobytes() for v in live.vs] == [v.numpy().tobytes() for v in saved.vs]
+
+
+@pytest.mark.parametrize("limit", [None, 0])
+def test_two_names_of_one_dataset_verified_at_once_are_read_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: int | None
+) -> None:
+    """Two threads verifying two names of one stored-once dataset at the same time (a
+    mirrored variable's components): one reads it (into its slot, or streamed past the limit),
+    the other waits for that read and takes its checksum."""
+    if limit is not None:
+        monkeypatch.setattr(read_module, "RESTORE_KEEP_LIMIT", limit)
+    a, _, _ = _saved_pair(tmp_path, "mirrored", "float32", "large")
+    with H5Reader(a) as reader:
+        var = reader["model/vs/0"]
+        loc = var._location(0)
+        assert loc is not None and loc == var._location(1)  # one dataset, two names
+        offset, size = loc
+        nbytes = size * var.dtype.itemsize
+        reader.stage([var])
+        preadv = os.preadv
+        read: list[int] = []
+        # Each read of the dataset waits (at most 0.5 s) for a second one to start meanwhile.
+        both = threading.Barrier(2, timeout=0.5)
+
+        def counted(fd: int, buffers: Any, at: int) -> int:
+            if offset <= at < offset + nbytes:
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    both.wait()
+                n = preadv(fd, buffers, at)
+                read.append(n)
+                return n
+            return preadv(fd, buffers, at)
+
+        monkeypatch.setattr(os, "preadv", counted)
+        threads = [threading.Thread(target=var.verify, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        monkeypatch.undo()
+        assert sum(read) == nbytes  # read once, not once per name
+        assert 0 in var._verified and 1 in var._verified
+        reader.unstage()

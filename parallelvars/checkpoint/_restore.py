@@ -44,6 +44,7 @@ from parallelvars._geometry import shard_bounds
 from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint.entry import Entry
 from parallelvars.checkpoint.h5io import read as _read
+from parallelvars.checkpoint.h5io import staging
 from parallelvars.checkpoint.h5io.stored import StoredVariable
 from parallelvars.checkpoint.registry import (
     Saveable,
@@ -496,7 +497,7 @@ class DirectRestore:
         assert table is not None
         rows = np.array(self.rows, np.int64)
         slots = table.component_slots(rows)
-        buffer, at, bad = reader.read_bulk(slots)
+        buffer, at, bad = reader.read_bulk(slots, staged=True)
         reader.hold(buffer.nbytes)
         nbytes = table.nbytes[slots]
         failed: list[int] = []
@@ -548,8 +549,10 @@ class DirectRestore:
         self.release()
 
     def release(self) -> None:
-        """Drop the bytes read (committed, or the restore failed)."""
-        self.buffer, self.targets = None, []
+        """Drop the bytes read (committed, or the restore failed): their staging memory is
+        given back for the next restore."""
+        buffer, self.buffer, self.targets = self.buffer, None, []
+        staging.give(buffer)
 
 
 #: The bytes of the source copied into each of the targets in turn (:func:`_copy_into`).

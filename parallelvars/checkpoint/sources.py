@@ -29,6 +29,7 @@ import numpy as np
 
 from parallelvars.checkpoint._foreign import PLUGIN_MISSING, foreign_kind
 from parallelvars.checkpoint.h5io import H5Reader
+from parallelvars.checkpoint.h5io import read as _h5read
 from parallelvars.errors import NotACheckpointError
 
 __all__ = [
@@ -192,7 +193,7 @@ def open_source(path: str) -> Source:
         if source is not None:
             return source
     try:
-        return H5Reader(path, map_file=True)
+        return H5Reader(path, read_ahead=_h5read.RESTORE_READ_AHEAD)
     except NotACheckpointError:
         source = (
             _open_plugged(path, kind) if kind == "hdf5" else None

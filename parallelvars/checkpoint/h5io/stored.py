@@ -8,6 +8,7 @@ import functools
 import math
 import os
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 import crc32c as _crc32c
@@ -70,6 +71,8 @@ class OpenFile(Protocol):
     def _keep(self, offset: int, data: np.ndarray, crc: int) -> None: ...
 
     def _kept_crc(self, offset: int, nbytes: int) -> int | None: ...
+
+    def _reading(self, offset: int) -> AbstractContextManager[object]: ...
 
     def _note_crc(self, offset: int, nbytes: int, crc: int) -> None: ...
 
@@ -548,9 +551,14 @@ class StoredVariable(Entry):
         more memory than one chunk.
         """
         if self._pread_ok(i):
+            loc = self._location(i)
+            assert loc is not None
             try:
-                if not self._verify_kept(i):
-                    self._check_streamed(i)
+                # (another name of the same dataset, verified on another thread meanwhile,
+                # waits here for that read and takes its checksum: the bytes are read once)
+                with self._reader._reading(loc[0]):
+                    if not self._verify_kept(i):
+                        self._check_streamed(i)
             except ChecksumMismatchError:
                 if i not in self._from_index:
                     raise

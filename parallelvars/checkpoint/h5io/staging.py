@@ -1,0 +1,120 @@
+"""Staging memory: where a restore's bytes wait between their check and their copy.
+
+A verified restore reads the file's bytes into memory of its own, checks them against their
+checksums, and copies them into the variables only once every check passed (all or nothing).
+Fresh memory is not free: the kernel zeroes each page and takes a page fault the first time it
+is written, and gives it back page by page when it is freed. For 100 MB that is 12 to 25 ms
+on an idle machine and up to 70 ms under load: a quarter of a restore whose bytes come from
+the disk at 1 GB/s, and more than its checksums cost.
+
+So the buffers a restore staged its bytes into are kept for the next restore (already
+faulted in, reused as they are), in one pool per process:
+
+- a restore takes the smallest kept buffer that holds what it needs (:func:`take`); when none
+  does, the kept ones are freed first and a new one is made, so a restore never holds more
+  memory than it would without the pool (the pool never raises the peak, it keeps it);
+- at most :data:`KEEP_BYTES` are kept in all (a larger buffer is freed when it is given back);
+- kept buffers are freed once no restore took one for :data:`IDLE_SECONDS` (a timer thread),
+  by :func:`release`, and in a child process after ``fork``.
+
+The memory this costs: after a restore, what it staged (at most ``RESTORE_KEEP_LIMIT`` plus
+the gaps its large reads take, see docs/checkpoints.md) stays allocated for
+``IDLE_SECONDS`` more; a restore of the same checkpoint within that time takes no new memory.
+Only code that copies out of these buffers before it gives them back uses them: no array
+handed to a caller is ever a view of one.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+__all__ = ["IDLE_SECONDS", "KEEP_BYTES", "give", "kept_bytes", "release", "take"]
+
+#: The most bytes kept between restores (a buffer given back past it is freed).
+KEEP_BYTES = 1 << 31
+
+#: Seconds after the last restore's buffers came back before the kept ones are freed.
+IDLE_SECONDS = 10.0
+
+# Sizes are rounded up to this (a huge page), so a checkpoint saved again, a little larger or
+# smaller, still fits the buffer kept from its last restore.
+_ROUND = 2 << 20
+
+_lock = threading.Lock()
+_kept: list[np.ndarray] = []  # buffers not in use, each a whole allocation
+_timer: threading.Timer | None = None
+_generation = 0  # (a timer started before the last give() frees nothing)
+
+
+def take(nbytes: int) -> np.ndarray:
+    """``nbytes`` bytes of staging memory (uint8, contiguous): a view of a kept buffer when one
+    is large enough, else of a new one. Give the buffer back with :func:`give` once nothing
+    refers to its bytes any more (or drop it: it is then freed as any array)."""
+    with _lock:
+        fits = [k for k, buf in enumerate(_kept) if buf.size >= nbytes]
+        if fits:
+            best = min(fits, key=lambda k: _kept[k].size)
+            return _kept.pop(best)[:nbytes]
+        _kept.clear()  # too small for this restore: freed before it allocates (the peak)
+    return np.empty(-(-max(nbytes, 1) // _ROUND) * _ROUND, np.uint8)[:nbytes]
+
+
+def give(buf: np.ndarray | None) -> None:
+    """Give back a buffer :func:`take` returned (a view of it is enough; None: nothing), to be
+    kept for the next restore within :data:`KEEP_BYTES`. Its bytes must not be used after."""
+    global _timer, _generation
+    if buf is None:
+        return
+    whole = buf if buf.base is None else buf.base
+    if not isinstance(whole, np.ndarray) or whole.dtype != np.uint8 or whole.ndim != 1:
+        return  # (not one of ours)
+    with _lock:
+        if any(kept is whole for kept in _kept):
+            return
+        if sum(kept.size for kept in _kept) + whole.size > KEEP_BYTES or IDLE_SECONDS <= 0:
+            return
+        _kept.append(whole)
+        _generation += 1
+        if _timer is not None:
+            _timer.cancel()
+        _timer = threading.Timer(IDLE_SECONDS, _expire, (_generation,))
+        _timer.daemon = True
+        _timer.start()
+
+
+def _expire(generation: int) -> None:
+    global _timer
+    with _lock:
+        if generation == _generation:
+            _kept.clear()
+            _timer = None
+
+
+def release() -> None:
+    """Free every kept buffer now."""
+    global _timer
+    with _lock:
+        _kept.clear()
+        if _timer is not None:
+            _timer.cancel()
+            _timer = None
+
+
+def kept_bytes() -> int:
+    """The bytes kept now, between restores."""
+    with _lock:
+        return sum(buf.size for buf in _kept)
+
+
+def _after_fork() -> None:
+    global _lock, _timer
+    _lock = threading.Lock()  # (another thread may have held it at the fork)
+    _kept.clear()
+    _timer = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)

@@ -1,0 +1,137 @@
+"""The staging memory a restore's checked bytes wait in (parallelvars.checkpoint.h5io.staging):
+kept faulted in from one restore to the next, within a size and an idle time, never raising a
+restore's peak, never seen by the variables."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import parallelvars as pv
+from parallelvars.checkpoint import sources
+from parallelvars.checkpoint.h5io import H5Reader, staging
+from parallelvars.checkpoint.h5io import read as read_module
+
+
+@pytest.fixture(autouse=True)
+def _empty_pool() -> Any:
+    staging.release()
+    yield
+    staging.release()
+
+
+def _whole(buf: np.ndarray) -> np.ndarray:
+    return buf if buf.base is None else buf.base
+
+
+def test_a_buffer_given_back_is_taken_again_by_the_next_restore() -> None:
+    first = staging.take(3 << 20)
+    assert first.size == 3 << 20 and first.dtype == np.uint8
+    staging.give(first)
+    assert staging.kept_bytes() >= 3 << 20
+    again = staging.take(1 << 20)  # smaller: the kept buffer serves it
+    assert _whole(again) is _whole(first) and again.size == 1 << 20
+    assert staging.kept_bytes() == 0  # taken: not kept while in use
+    staging.give(again)
+    staging.give(again)  # (given twice: kept once)
+    assert staging.kept_bytes() == _whole(first).size
+
+
+def test_a_larger_need_frees_the_kept_buffers_before_it_allocates() -> None:
+    """The pool never raises a restore's peak: buffers too small for it are freed first."""
+    small = staging.take(1 << 20)
+    staging.give(small)
+    big = staging.take(64 << 20)
+    assert staging.kept_bytes() == 0
+    assert _whole(big) is not _whole(small)
+    staging.give(big)
+    assert staging.kept_bytes() == _whole(big).size
+
+
+def test_kept_within_the_size_bound_and_freed_when_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(staging, "KEEP_BYTES", 4 << 20)
+    staging.give(staging.take(8 << 20))  # past the bound: freed
+    assert staging.kept_bytes() == 0
+    monkeypatch.setattr(staging, "IDLE_SECONDS", 0.05)
+    staging.give(staging.take(2 << 20))
+    assert staging.kept_bytes() > 0
+    deadline = time.monotonic() + 30
+    while staging.kept_bytes() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert staging.kept_bytes() == 0
+    monkeypatch.setattr(staging, "IDLE_SECONDS", 0)  # 0: nothing kept
+    staging.give(staging.take(2 << 20))
+    assert staging.kept_bytes() == 0
+
+
+def test_foreign_arrays_are_not_kept() -> None:
+    staging.give(np.zeros(1 << 20, np.float32))
+    staging.give(np.zeros((4, 1 << 18), np.uint8))
+    assert staging.kept_bytes() == 0
+
+
+def _model(seed: int, n: int = 1 << 16, dtype: Any = np.float32) -> pv.Module:
+    m = pv.Module()
+    with pv.MirroredStrategy(2).scope():
+        m.vs = [pv.Variable(np.arange(n, dtype=dtype) + seed + k, name=f"v{k}") for k in range(3)]
+    return m
+
+
+@pytest.mark.parametrize("path_taken", ["bulk", "general"])
+def test_restores_reuse_their_staging_and_the_variables_never_share_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path_taken: str
+) -> None:
+    """A restore leaves its staging buffers in the pool and the next one takes them; the
+    restored values are copies (writing over the pool's memory changes no variable). The
+    bulk path's buffer and the general path's slots (here: a cast) are both staging."""
+    dtype = np.float32 if path_taken == "bulk" else np.float64
+    cast = path_taken == "general"
+    path = tmp_path / "a.h5"
+    pv.Checkpoint(model=_model(1)).write(path)
+    live = _model(0, dtype=dtype)
+    pv.Checkpoint(model=live).restore(path, allow_cast=cast).assert_consumed()
+    kept = list(staging._kept)
+    assert kept and staging.kept_bytes() >= 3 * (1 << 18)  # three datasets, stored once
+    taken: list[np.ndarray] = []
+    take = staging.take
+    monkeypatch.setattr(staging, "take", lambda n: taken.append(take(n)) or taken[-1])
+    other = _model(0, dtype=dtype)
+    pv.Checkpoint(model=other).restore(path, allow_cast=cast).assert_consumed()
+    assert taken and all(any(_whole(t) is k for k in kept) for t in taken)
+    expected = [[c.astype(dtype) for c in v.components] for v in _model(1).vs]
+    for buf in staging._kept:
+        buf[:] = 0xFF
+    for model in (live, other):
+        for v, want in zip(model.vs, expected, strict=True):
+            for c, w in zip(v.components, want, strict=True):
+                np.testing.assert_array_equal(c, w)
+
+
+def test_a_restore_asks_for_the_file_ahead_and_a_command_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restore's reader asks the kernel for the file's tail (the index, the columns) and its
+    first RESTORE_READ_AHEAD bytes before it opens the file; a reader opened for a command
+    asks for nothing up front."""
+    path = tmp_path / "a.h5"
+    pv.Checkpoint(model=_model(1, 1 << 20)).write(path)
+    size = os.path.getsize(path)
+    monkeypatch.setattr(read_module, "RESTORE_READ_AHEAD", 1 << 20)
+    asked: list[tuple[int, int]] = []
+    fadvise = os.posix_fadvise
+
+    def record(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            asked.append((offset, length))
+        fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    H5Reader(path).close()
+    assert asked == []
+    sources.open_source(str(path)).close()
+    assert asked == [(size - (1 << 20), 1 << 20), (0, 1 << 20)]
