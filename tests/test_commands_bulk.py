@@ -309,3 +309,36 @@ def test_the_commands_on_a_multi_process_index_file(tmp_path, capsys):
         assert main(["diff", path, str(tmp_path / out)]) in (0, 1)
     assert main(["diff", path, str(tmp_path / "o.h5")]) == 0
     capsys.readouterr()
+
+
+def test_one_rule_for_a_bulk_readable_row_whatever_the_component_size(tmp_path, monkeypatch):
+    """A row is read in bulk by the commands (``bulk_components``, ``differing_components``)
+    and by a restore under one definition (``IndexTable.direct``: every component placed,
+    with bytes, any size); the commands also keep each batch within BULK_BYTES, so a variable
+    larger than that is read the general way."""
+    import parallelvars as pv
+    from parallelvars.checkpoint.h5io import bulk as bulk_module
+
+    m = pv.Module()
+    with pv.MirroredStrategy(2).scope():
+        m.small = pv.Variable(np.arange(8, dtype=np.float32))
+        m.large = pv.Variable(np.arange(1 << 16, dtype=np.float32))  # 256 KiB components
+    path = pv.Checkpoint(model=m).write(tmp_path / "c.h5")
+    with H5Reader(path) as r:
+        table = r.table
+        assert table is not None
+        assert [table.direct[table.rows[k]] for k in ("model/small", "model/large")] == [
+            True,
+            True,
+        ]
+        got = dict(r.bulk_components(["model/small", "model/large"]))
+        assert got["model/large"] is not None
+        assert [p.tobytes() for p in got["model/large"]] == [
+            c.tobytes() for c in m.large.components
+        ]
+        assert r.differing_components(["model/small", "model/large"]) == {
+            "model/small": [],
+            "model/large": [],
+        }
+        monkeypatch.setattr(bulk_module, "BULK_BYTES", 1 << 18)  # the large row: 512 KiB
+        assert dict(r.bulk_components(["model/large"]))["model/large"] is None

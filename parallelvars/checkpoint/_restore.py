@@ -628,7 +628,7 @@ def plan_direct(
     count = len(lives)
     missing = len(table.names)  # (a row past the last: not in the file)
     rows = list(map(table.rows.get, paths, itertools.repeat(missing)))
-    direct = [*_placed_rows(table), False]
+    direct = [*table.direct, False]
     types = list(map(type, lives))
     plain = {  # per type: a variable that our saveable restores component by component
         cls: issubclass(cls, ParallelVariable)
@@ -687,17 +687,6 @@ def plan_direct(
     if not taken:
         return None, rest
     return DirectRestore(taken, list(map(rows.__getitem__, keep)), views), rest
-
-
-def _placed_rows(table: IndexTable) -> list[bool]:
-    """Per row of ``table``: whether the index places each of its components, every one with
-    bytes (the rows the bulk read can take, whatever their size; sharded and byte-string
-    variables are never placed)."""
-    if not table.names:
-        return []
-    placed = (table.located & (table.nbytes > 0)).astype(np.int64)
-    counts = np.diff(table.first)
-    return (np.add.reduceat(placed, table.first[:-1]) == counts).tolist()
 
 
 def _stored_nbytes(table: IndexTable, rows: list[int]) -> list[int]:

@@ -162,6 +162,14 @@ class BulkReads:
             for path, n in zip(paths, counts, strict=True)
         ]
 
+    def _in_bulk(self, row: int) -> bool:
+        """Whether the commands read the row ``row`` of :attr:`table` in bulk: a row the bulk
+        read takes (``table.direct``, the restore's rule too) whose bytes fit one batch of
+        :data:`BULK_BYTES` (a larger variable is read the general way, a chunk at a time, so a
+        command's memory stays bounded whatever a variable's size)."""
+        table = self.table
+        return table is not None and table.direct[row] and table.row_nbytes[row] <= BULK_BYTES
+
     def summaries(
         self,
     ) -> dict[str, tuple[str, np.dtype, tuple[int, ...], int, int, dict[str, Any]]] | None:
@@ -225,7 +233,7 @@ class BulkReads:
         if table is None:
             return {}
         candidates = [
-            row for row in map(table.rows.get, paths) if row is not None and table.direct[row]
+            row for row in map(table.rows.get, paths) if row is not None and self._in_bulk(row)
         ]
         reached = self._all_reached(
             [table.names[row] for row in candidates], [table.counts[row] for row in candidates]
@@ -282,7 +290,7 @@ class BulkReads:
                 yield path, None
             return
         rows = [table.rows.get(path) for path in paths]
-        candidates = [r for r in rows if r is not None and table.direct[r]]
+        candidates = [r for r in rows if r is not None and self._in_bulk(r)]
         reached = self._all_reached(
             [table.names[r] for r in candidates], [table.counts[r] for r in candidates]
         )

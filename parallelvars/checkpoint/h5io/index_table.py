@@ -14,7 +14,6 @@ import numpy as np
 
 from parallelvars._fileio import value_types
 from parallelvars.checkpoint.entry import AGGREGATIONS, layout_problem
-from parallelvars.checkpoint.h5io.layout import STAGE_COMPONENT
 from parallelvars.checkpoint.h5io.stored import _dtype_named
 from parallelvars.checkpoint.registry import component_name
 from parallelvars.errors import TruncatedFileError, UnsupportedDtypeError
@@ -32,10 +31,11 @@ class IndexTable:
 
     A row holds a variable's kind, dtype, shape, number of components and on-read aggregation;
     the component slots ``first[row]:first[row + 1]`` hold each component's data offset in the
-    file, size in bytes and checksum. ``direct[row]`` says whether a restore may read the row's
-    components in bulk (see :meth:`H5Reader.read_bulk`): every component non-empty, smaller
-    than ``STAGE_COMPONENT``, at an offset and with a checksum the index gives, in a dtype of
-    fixed size, not sharded. Rows are plain lists of values the decoded index already holds
+    file, size in bytes and checksum. ``direct[row]`` says whether the row's components can be
+    read in bulk (:meth:`H5Reader.read_bulk`, for a restore and for the commands alike): every
+    component non-empty, at an offset and with a checksum the index gives, in a dtype of
+    fixed size, not sharded, whatever its size (a bulk read holds a large one alone). Rows
+    are plain lists of values the decoded index already holds
     (strings, dtypes, ints) and a few numpy arrays: no object per variable.
     """
 
@@ -314,8 +314,8 @@ def _assemble(
         )
         has &= ~np.repeat(general, counts_arr)
         nbytes[~has] = 0  # a shard's size is not the variable's: not read from the table
-    small = (nbytes > 0) & (nbytes < STAGE_COMPONENT) & has
-    per_row = np.add.reduceat(small.astype(np.int64), first[:-1]) if rows else counts_arr
+    placed = (nbytes > 0) & has
+    per_row = np.add.reduceat(placed.astype(np.int64), first[:-1]) if rows else counts_arr
     return IndexTable(
         names,
         kinds,
