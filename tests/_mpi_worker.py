@@ -112,6 +112,77 @@ def repeat(strategy: pv.MultiWorkerMirroredStrategy, out_dir: str, out: dict) ->
         out[name] = np.array(getattr(model, name).components[0])
 
 
+LANDED = ("w", "b", "c", "big")
+
+
+def landing_model(seed: int) -> pv.Module:
+    """The small variables of ``m.Model`` and a mirrored one of 256 KiB components."""
+    model = m.Model(seed=seed)
+    model.big = pv.Variable(np.arange(1 << 16, dtype=np.float32) + seed, name="big")
+    return model
+
+
+def landing_restore(
+    strategy: pv.MultiWorkerMirroredStrategy, path: str, how: str, other: str, out: dict
+) -> None:
+    """Restore ``path`` while rank 0 changes the rank files (see main); every rank records
+    its values, the error it raised, and whether its variables are as they were."""
+    import shutil
+
+    from parallelvars.checkpoint import matching
+    from parallelvars.checkpoint.h5io import H5Reader
+
+    rank = strategy.cluster_rank
+    with strategy.scope():
+        model = landing_model(500 + rank)
+    before = {name: np.array(getattr(model, name).components[0]) for name in LANDED}
+    parts = sorted(os.listdir(path + ".parts"))
+    change, when = how.split("-")
+
+    def changed() -> None:
+        if rank != 0:
+            return
+        for name in parts:
+            mine = os.path.join(path + ".parts", name)
+            if change == "rewritten":  # in place, as another process writing it would
+                with (
+                    open(os.path.join(other + ".parts", name), "rb") as src,
+                    open(mine, "r+b") as dst,
+                ):
+                    shutil.copyfileobj(src, dst)
+            else:
+                os.truncate(mine, os.path.getsize(mine) // 3)
+
+    done: list[int] = []
+    if when == "after":
+        apply = matching.RestorePlan.apply
+
+        def after_the_checks(self: object) -> None:
+            if not done:
+                done.append(1)
+                changed()
+                strategy.barrier()  # every rank copies after the change
+            apply(self)  # type: ignore[arg-type]
+
+        matching.RestorePlan.apply = after_the_checks  # type: ignore[method-assign]
+    else:
+        stage = H5Reader.stage
+
+        def before_the_reads(self: H5Reader, *args: object) -> object:
+            if not done:
+                done.append(1)
+                changed()
+            return stage(self, *args)  # type: ignore[arg-type]
+
+        H5Reader.stage = before_the_reads  # type: ignore[method-assign, assignment]
+    try:
+        pv.Checkpoint(model=model).restore(path).expect_partial()
+    except pv.errors.CheckpointError as exc:
+        out["error"] = np.asarray(f"{type(exc).__name__}: {exc}")
+    out.update({name: np.array(getattr(model, name).components[0]) for name in LANDED})
+    out["unchanged"] = np.asarray(all(np.array_equal(before[name], out[name]) for name in LANDED))
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     strategy = pv.MultiWorkerMirroredStrategy()
@@ -266,6 +337,20 @@ def main() -> None:
         pv.Checkpoint(model=model).restore(sys.argv[3]).expect_partial()
         for name in ("w", "b", "c", "extra"):
             out[name] = np.array(getattr(model, name).components[0])
+    elif scenario == "landing_save":  # argv[3]: the seed of the values
+        seed = int(sys.argv[3])
+        with strategy.scope():
+            model = landing_model(seed)
+        path = pv.Checkpoint(model=model).save(os.path.join(out_dir, "ckpt", "run"))
+        out["path"] = np.asarray(path)
+        out.update({name: np.array(getattr(model, name).components[0]) for name in LANDED})
+    elif scenario == "landing_restore":
+        # argv[3]: the checkpoint; argv[4]: what rank 0 does to its rank files ("rewritten"
+        # or "truncated") and when ("after": once every check of the restore passed on every
+        # rank; "before": before its components are read); argv[5]: a checkpoint of the same
+        # layout with other values (what "rewritten" copies in).
+        path, how, other = sys.argv[3], sys.argv[4], sys.argv[5]
+        landing_restore(strategy, path, how, other, out)
     elif scenario == "raise":
         if rank == 1:
             raise ValueError("boom on purpose in rank 1")

@@ -403,3 +403,32 @@ def test_checkpoint_copied_without_its_parts_folder_says_what_is_missing(
     (tmp_path / "far").mkdir()
     shutil.copy(standalone, tmp_path / "far" / "standalone.h5")
     assert main(["verify", str(tmp_path / "far" / "standalone.h5")]) == 0
+
+
+def test_a_restore_lands_what_every_rank_checked_or_nothing_anywhere(tmp_path: Path) -> None:
+    """The read-once landing across processes: two ranks restore a checkpoint whose rank
+    files rank 0 rewrites (another save's bytes) or cuts. Once every check passed on every
+    rank, the change lands nothing: each rank copies the bytes it checked. Before the
+    components are read, it is an error on every rank (the others' checks passed: the
+    restore's agreement tells them), and no rank changes a variable."""
+    launch(2, "landing_save", str(tmp_path / "a"), "1")
+    launch(2, "landing_save", str(tmp_path / "b"), "2")
+    saved = load(tmp_path / "a", "landing_save", 2)[0]
+    path_a = Path(str(saved["path"]))
+    path_b = str(load(tmp_path / "b", "landing_save", 2)[0]["path"])
+    for how in ("rewritten-after", "truncated-after", "rewritten-before", "truncated-before"):
+        run = tmp_path / how
+        run.mkdir()
+        path = run / path_a.name
+        shutil.copyfile(path_a, path)
+        shutil.copytree(f"{path_a}.parts", f"{path}.parts")
+        launch(2, "landing_restore", str(run), str(path), how, path_b)
+        for rank, got in enumerate(load(run, "landing_restore", 2)):
+            if how.endswith("after"):
+                assert "error" not in got, (how, rank, got.get("error"))
+                for name in ("w", "b", "c", "big"):
+                    np.testing.assert_array_equal(got[name], saved[name], err_msg=f"{how}:{rank}")
+            else:
+                assert "error" in got, (how, rank)
+                assert "ConcurrentWriteError" not in str(got["error"]), (how, rank)
+                assert bool(got["unchanged"]), (how, rank, str(got["error"]))
