@@ -47,7 +47,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -532,15 +532,17 @@ def flat_run(position: int, array: np.ndarray, slot_arrays: Sequence[np.ndarray]
     )
 
 
-def buffer_ids(runs: Sequence[Run]) -> frozenset[int]:
+def buffer_ids(runs: Sequence[Run], sizes: Collection[int] | None = None) -> frozenset[int]:
     """The ids of every array object that holds memory a step over ``runs`` writes: the arenas'
-    and slot arenas' buffers and the arrays they are views of."""
+    and slot arenas' buffers and the arrays they are views of; with ``sizes``, only those of
+    one of these numbers of elements (the only ones an array of a variable's shape can be)."""
     ids: set[int] = set()
     for run in runs:
         for a in (run.arena.buffer, *run.slot_slabs):
             held: np.ndarray | None = a
             while held is not None:
-                ids.add(id(held))
+                if sizes is None or getattr(held, "size", None) in sizes:
+                    ids.add(id(held))
                 held = held.base
     return frozenset(ids)
 

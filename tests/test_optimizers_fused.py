@@ -416,6 +416,61 @@ def test_zip_steps_keep_the_semantics_of_their_pairs() -> None:
         strategy.run(strict_step)
 
 
+def test_a_zip_of_two_sequences_is_read_as_its_sequences() -> None:
+    from parallelvars.optimizers._fused import unzipped
+
+    grads, variables = [1, 2, 3], (4, 5, 6, 7)
+    pairs = zip(grads, variables, strict=False)
+    g, v = unzipped(pairs)  # type: ignore[misc]
+    assert g is grads and list(v) == [4, 5, 6] and list(pairs) == []  # left exhausted
+    pairs = zip(grads, variables[:3], strict=True)
+    next(pairs)
+    assert unzipped(pairs) == ([2, 3], (5, 6)) and list(pairs) == []
+    done = zip(grads, variables, strict=False)
+    list(done)
+    assert unzipped(done) == ([], ())
+    # Iterating these raises, or may read otherwise: the caller iterates them itself.
+    strict = zip(grads, variables, strict=True)
+    assert unzipped(strict) is None
+    with pytest.raises(ValueError, match="longer"):
+        list(strict)
+
+    class Listed(list[int]):
+        pass
+
+    others = [
+        zip(Listed(grads), grads, strict=False),
+        zip(iter(range(3)), grads, strict=False),
+        zip(grads, grads, grads, strict=False),
+    ]
+    assert all(unzipped(p) is None for p in others)
+    assert unzipped(list(zip(grads, grads, strict=True))) is None
+
+
+def test_the_array_a_sharded_variable_is_made_around_is_read_before_the_step_writes() -> None:
+    # Each variable's gradient is the very array the other one is made around (an array owning
+    # its memory, of the variable's size): read before the step writes it, as a copy would be.
+    strategy = pv.MirroredStrategy(2)
+    a0 = np.arange(8, dtype=np.float32).reshape(4, 2)
+    b0 = a0 * np.float32(10.0)
+    with strategy.scope():
+        dev = pv.Variable(np.ones(2, np.float32), name="d").device
+        a, b = (
+            ShardedVariable(x.copy(), device=dev, name=n, shard_axis=0, trainable=True)
+            for x, n in ((a0, "a"), (b0, "b"))
+        )
+        opt = opts.SGD(1.0)
+    assert a.__wrapped__.base is None and a.placement is None
+
+    def step() -> None:
+        opt.apply_gradients([(b.__wrapped__, a), (a.__wrapped__, b)])
+
+    strategy.run(step)
+    np.testing.assert_array_equal(a.read_value(), a0 - b0 - b0)
+    np.testing.assert_array_equal(b.read_value(), b0 - a0 - a0)
+    assert opt._pv_transport._steady is not None
+
+
 def test_reduced_gradients_in_a_variables_memory_are_read_before_the_step_writes() -> None:
     # The same through distributed_apply (one reduced gradient per variable, no replicas).
     strategy = pv.MirroredStrategy(2)

@@ -45,6 +45,7 @@ from parallelvars.optimizers._fused import (
     FusedTransport,
     GradientBuffers,
     ReplicaGradients,
+    unzipped,
 )
 from parallelvars.optimizers._slots import OptimizerState
 from parallelvars.optimizers._sparse import IndexedSlices, sum_indexed_slices
@@ -199,15 +200,21 @@ class Optimizer(OptimizerState):
         if type(grads_and_vars) is BufferPairs and grads_and_vars.intact():
             mine = grads_and_vars.replica_gradients()  # gradient buffers' views, as they are
         else:
-            # Two lists, no pair kept: iterating a zip hands out one reused tuple.
-            grads: list[Any] = []
-            variables: list[Any] = []
-            add_grad, add_var = grads.append, variables.append
-            for g, v in grads_and_vars:
-                if g is not None:
-                    add_grad(g)
-                    add_var(v)
-            mine = ReplicaGradients(grads, variables)
+            # zip(grads, variables) of two lists: the lists themselves, sliced (no Python step
+            # per variable) unless a gradient is None.
+            lists = unzipped(grads_and_vars)
+            if lists is not None and type(None) not in set(map(type, lists[0])):
+                mine = ReplicaGradients(*lists)
+            else:
+                # Two lists, no pair kept: iterating a zip hands out one reused tuple.
+                grads: list[Any] = []
+                variables: list[Any] = []
+                add_grad, add_var = grads.append, variables.append
+                for g, v in grads_and_vars if lists is None else zip(*lists, strict=True):
+                    if g is not None:
+                        add_grad(g)
+                        add_var(v)
+                mine = ReplicaGradients(grads, variables)
         self._apply_in_replica("apply_gradients", mine, global_step)
 
     def apply(
@@ -461,14 +468,15 @@ class Optimizer(OptimizerState):
         rows: SparseBatch | None = None
         if pairs:
             var_list, dense, rows = self._checked(strategy, pairs, from_replicas)
-        self._create_non_slots(
-            strategy,
-            [
-                *(v for f in fused for v in f.variables),
-                *(sparse.variables if sparse is not None else ()),
-                *var_list,
-            ],
-        )
+        if self.iterations is None:  # the first step: the counters, on the variables' devices
+            self._create_non_slots(
+                strategy,
+                [
+                    *(v for f in fused for v in f.variables),
+                    *(sparse.variables if sparse is not None else ()),
+                    *var_list,
+                ],
+            )
         assert self.iterations is not None
         hp = self._hyper(int(self.iterations.read_value()))
         for f in fused:
