@@ -625,6 +625,42 @@ def test_narrow_float_variables_on_the_fused_path_keep_the_per_variable_bits(
     # in device order (add_n's bits), the update is computed in float32 and rounded once into
     # the variable and its slots: the bits of the per-variable arithmetic as it was (widen
     # the whole variable, update, round). float16 keeps its own float16 arithmetic.
+    _check_narrow_against_per_variable(dtype, devices, shapes, make_opt)
+
+
+# Mirrored variables of one, two and three blocks of a 16-bit dtype (65,536 columns: see
+# update_core.block_width), each read in place and summed block by block.
+BLOCKS_16 = [(70001,), (140003,), (300, 230), (17,)]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize(
+    "devices, make_opt, dtype",
+    [
+        (3, lambda: opts.Adam(0.01), "bfloat16"),
+        (["cpu:2", "cpu:0", "cpu:10", "cpu:1"], lambda: opts.Momentum(0.1, 0.9), "bfloat16"),
+        (["cpu:2", "cpu:0", "cpu:10", "cpu:1"], lambda: opts.Adam(0.01), "float16"),
+        (2, lambda: opts.Momentum(0.1, 0.9), "float16"),
+    ],
+    ids=[
+        "bfloat16-3-adam",
+        "bfloat16-unordered-momentum",
+        "float16-unordered-adam",
+        "float16-2-momentum",
+    ],
+)
+def test_narrow_float_variables_of_several_blocks_keep_the_per_variable_bits(
+    dtype: str, devices: Any, make_opt: Callable[[], opts.Optimizer]
+) -> None:
+    narrow = np.dtype({"bfloat16": _narrow_dtypes()[1], "float16": np.float16}[dtype])
+    width = update_core.block_width(1, narrow)
+    assert [int(np.prod(s)) // width for s in BLOCKS_16[:3]] == [1, 2, 1]  # 2, 3 and 2 blocks
+    _check_narrow_against_per_variable(narrow, devices, BLOCKS_16, make_opt)
+
+
+def _check_narrow_against_per_variable(
+    dtype: Any, devices: Any, shapes: Any, make_opt: Callable[[], opts.Optimizer]
+) -> None:
     strategy = pv.MirroredStrategy(devices)
     n = strategy.num_replicas_in_sync
     vs, opt = _model(strategy, dtype, make_opt, shapes=shapes)
