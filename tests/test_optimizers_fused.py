@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,57 @@ def test_mixed_steps_match_the_per_variable_path() -> None:
     # Dense float32 (fused), sparse, float64 gradients of a float32 variable, one object that
     # every replica gives, and per-replica arrays that are equal: the same bits either way.
     _assert_same(_mixed_run(True), _mixed_run(False))
+
+
+def _objects_run(fusion: bool, torch: Any) -> tuple[list[Any], int]:
+    # Gradients that are not numpy arrays (nor lists, which merge_call regroups as
+    # structures): torch tensors (float64 and float32; memoryviews of arrays where torch is
+    # not installed), array.array, a Python float and int for scalars, numpy scalars, and one
+    # object every replica hands in.
+    strategy = pv.MirroredStrategy(["cpu:2", "cpu:0", "cpu:10"])
+    if not fusion:
+        strategy.fusion = False  # type: ignore[attr-defined]
+    shapes = [(3, 4), (5,), (), (), (6,), (2,)]
+    vs, opt = _model(strategy, np.float32, lambda: opts.Adam(0.01), seed=3, shapes=shapes)
+    reduces = [0]
+    batch_reduce = strategy.batch_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        reduces[0] += 1
+        return batch_reduce(*args, **kwargs)
+
+    strategy.batch_reduce = counted  # type: ignore[method-assign]
+    rng = np.random.default_rng(9)
+    wrap = torch.from_numpy if torch is not None else memoryview
+    shared = wrap(np.array([1.5, -2.0], np.float32))
+
+    def grads(r: int) -> list[Any]:
+        return [
+            wrap(rng.normal(size=(3, 4)) * 10.0 ** (r - 1)),
+            array.array("d", rng.normal(size=5)),
+            float(rng.normal()),
+            int(rng.integers(-9, 9)),
+            wrap(rng.normal(size=6).astype(np.float32)),
+            shared,
+        ]
+
+    for _ in range(3):
+        per_replica = [grads(r) for r in range(3)]
+
+        def step(gs: list[Any]) -> None:
+            opt.apply_gradients(zip(gs, vs, strict=True))
+
+        strategy.run(step, args=(pv.PerReplica(per_replica),))
+    return _state(vs, opt), reduces[0]
+
+
+@pytest.mark.parametrize("with_torch", [True, False], ids=["torch", "memoryview"])
+def test_gradients_that_are_not_arrays_take_the_fused_path_with_its_bits(with_torch: bool) -> None:
+    torch = pytest.importorskip("torch") if with_torch else None
+    fused, reduced = _objects_run(True, torch)
+    ref, ref_reduced = _objects_run(False, torch)
+    assert reduced == 0 and ref_reduced == 3  # read with np.asarray, then fused or cast
+    _assert_same(fused, ref)
 
 
 def test_sharded_and_bfloat16_variables_next_to_fused_ones() -> None:

@@ -69,6 +69,7 @@ _dtype_of = operator.attrgetter("dtype")
 _base_of = operator.attrgetter("base")
 _NDARRAY_ONLY = {np.ndarray}
 _SLICES_ONLY = {IndexedSlices}
+_ARRAYS_OR_SLICES = {np.ndarray, IndexedSlices}
 
 Info = tuple[tuple[int, ...], np.dtype, bool]
 
@@ -77,6 +78,19 @@ def _cross_process(strategy: Any, parts: Sequence[Any]) -> bool:
     """Whether the step's other replicas are other processes (one local replica of several
     in sync: the strategy's ``_allreduce_flat`` then sums flat buffers across them)."""
     return len(parts) == 1 and strategy.num_replicas_in_sync > 1
+
+
+def _read_as_array(x: Any) -> Any:
+    """``x`` as the per-variable sum reads it (``np.asarray``); arrays and sparse gradients
+    as they are, and so are lists, tuples and dicts (structures to ``merge_call``, which the
+    per-variable path regroups element by element) and objects numpy cannot read (the
+    per-variable path reports them)."""
+    if type(x) is np.ndarray or isinstance(x, (IndexedSlices, list, tuple, dict)):
+        return x
+    try:
+        return np.asarray(x)
+    except Exception:  # raised again, as the per-variable path's error
+        return x
 
 
 def _distinct(lists: Sequence[Sequence[Any]]) -> list[Sequence[Any]]:
@@ -764,13 +778,12 @@ class FusedTransport:
         # A list object several replicas hand in (the same gradients for all) is checked once.
         distinct = _distinct(picked)
         types = [set(map(type, g)) for g in distinct]
-        if any(issubclass(c, np.generic) for t in types for c in t):
-            # numpy scalars (what np.sum returns, say): 0-d arrays of their own, as the
-            # per-variable sum reads them.
+        if not all(t <= _ARRAYS_OR_SLICES for t in types):
+            # Other objects (numpy scalars, what np.sum returns; Python numbers and lists;
+            # torch or jax tensors): read with np.asarray, as the per-variable sum (add_n)
+            # reads each, then fused like any array (of another dtype: the cast route).
             converted = {
-                id(g): [np.asarray(x) if isinstance(x, np.generic) else x for x in g]
-                if any(issubclass(c, np.generic) for c in t)
-                else g
+                id(g): g if t <= _ARRAYS_OR_SLICES else list(map(_read_as_array, g))
                 for g, t in zip(distinct, types, strict=True)
             }
             picked = [converted[id(g)] for g in picked]
