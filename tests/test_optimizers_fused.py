@@ -212,6 +212,49 @@ def test_gradients_that_are_not_arrays_take_the_fused_path_with_its_bits(with_to
     _assert_same(fused, ref)
 
 
+@pytest.mark.parametrize("fusion", [True, False], ids=["fused", "per-variable"])
+def test_replicas_that_disagree_about_a_gradients_form_sum_it_dense(fusion: bool) -> None:
+    # One replica's gradient of w is an IndexedSlices (a repeated row), the others' arrays; the
+    # replicas before and after it in device order too. The sparse one is made dense and the
+    # values summed in device order, as add_n sums a dense mix; the other variable is fused.
+    strategy = pv.MirroredStrategy(["cpu:2", "cpu:0", "cpu:1"])
+    if not fusion:
+        strategy.fusion = False  # type: ignore[attr-defined]
+    shapes = [(4, 3), (5,)]
+    vs, opt = _model(strategy, np.float32, lambda: opts.Adam(0.01), shapes=shapes)
+    ref_vs, ref_opt = _model(strategy, np.float32, lambda: opts.Adam(0.01), shapes=shapes)
+    rng = np.random.default_rng(21)
+    for sparse_replica in (0, 1, 2):
+        per_replica = _grads(rng, 3, np.float32, shapes)
+        rows = pv.IndexedSlices(per_replica[sparse_replica][0][:2] * 3, np.array([3, 3]), (4, 3))
+        given = [list(g) for g in per_replica]
+        given[sparse_replica][0] = rows
+
+        def step(grads: list[Any]) -> None:
+            opt.apply_gradients(zip(grads, vs, strict=True))
+
+        strategy.run(step, args=(pv.PerReplica(given),))
+        dense = [list(g) for g in per_replica]
+        dense[sparse_replica][0] = rows.to_dense((4, 3))
+        reduced = [
+            add_n_by_device([(strategy.worker_devices[r], dense[r][i]) for r in range(3)])
+            for i in range(2)
+        ]
+        with strategy.scope():
+            ref_opt.distributed_apply(strategy, list(zip(reduced, ref_vs, strict=True)))
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+    bad = pv.IndexedSlices(np.ones((1, 3), np.float32), np.array([4]), (4, 3))
+
+    def bad_step() -> None:
+        r = pv.get_replica_context().replica_id_in_sync_group
+        opt.apply_gradients([(bad if r == 1 else np.ones((4, 3), np.float32), vs[0])])
+
+    before = vs[0].read_value().copy()
+    with pytest.raises(GradientError, match="index out of range"):
+        strategy.run(bad_step)
+    np.testing.assert_array_equal(vs[0].read_value(), before)
+
+
 def test_sharded_and_bfloat16_variables_next_to_fused_ones() -> None:
     import ml_dtypes
 

@@ -368,6 +368,7 @@ class Optimizer(OptimizerState):
             return grads  # already one value per variable: nothing to sum
         out: list[Any] = [None] * len(pairs)
         dense: list[int] = []
+        mixed: dict[int, PerReplica] = {}
         for i, (g, _) in enumerate(pairs):
             if type(g) is np.ndarray and plain_ok:  # the common case, kept cheap
                 out[i] = g
@@ -376,11 +377,28 @@ class Optimizer(OptimizerState):
             per_replica = not isinstance(g, IndexedSlices) and isinstance(parts, (tuple, list))
             if isinstance(g, IndexedSlices):
                 out[i] = sum_indexed_slices([g] * n) if from_replicas and n > 1 else g
-            elif per_replica and parts and isinstance(parts[0], IndexedSlices):
+            elif (
+                per_replica
+                and parts
+                and isinstance(parts[0], IndexedSlices)
+                and all(isinstance(p, IndexedSlices) for p in parts)
+            ):
                 if getattr(strategy, "_reduces_sparse", False):  # gathered across processes
                     dense.append(i)
                 else:
                     out[i] = sum_indexed_slices(list(parts), getattr(pairs[i][1], "name", None))
+            elif per_replica and parts and any(isinstance(p, IndexedSlices) for p in parts):
+                # The replicas disagree about the form (some sparse, some dense): the sparse
+                # ones, checked, are made dense and all are summed as dense values, as
+                # TensorFlow's add_n makes such a mix dense.
+                var = pairs[i][1]
+                shape = self._info(var)[0]
+                made = [
+                    check_gradient(p, var, shape, True) if type(p) is IndexedSlices else p
+                    for p in parts
+                ]
+                mixed[i] = PerReplica(made)
+                dense.append(i)
             elif batch_reduce is None or not (per_replica or (from_replicas and n > 1)):
                 out[i] = g
             else:
@@ -389,7 +407,7 @@ class Optimizer(OptimizerState):
             local = len(getattr(strategy, "worker_devices", ())) or 1
             values = []
             for i in dense:
-                g = pairs[i][0]
+                g = mixed.get(i, pairs[i][0])
                 if from_replicas and n > 1 and not isinstance(g, PerReplica):
                     # The same object from every replica (merge_call keeps it one value): each
                     # replica gave it, so it is summed once per replica, in device order, exactly
