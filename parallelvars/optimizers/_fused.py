@@ -93,6 +93,13 @@ def _read_as_array(x: Any) -> Any:
         return x
 
 
+def _items(seq: Sequence[Any], positions: Sequence[int]) -> list[Any]:
+    """``[seq[i] for i in positions]``, with one C-level call."""
+    if len(positions) == 1:
+        return [seq[positions[0]]]
+    return list(operator.itemgetter(*positions)(seq))
+
+
 def _distinct(lists: Sequence[Sequence[Any]]) -> list[Sequence[Any]]:
     """``lists`` less repeats of one list object (replicas handing in the same list)."""
     out: list[Sequence[Any]] = []
@@ -106,9 +113,13 @@ def _at(plan: _FusedPlan, picked: list[Any], positions: tuple[int, ...]) -> list
     """Each replica's gradients (``picked``: at the plan's candidates) at ``positions``."""
     if positions == plan.candidates:
         return picked
-    where = {pos: k for k, pos in enumerate(plan.candidates)}
-    ks = [where[pos] for pos in positions]
-    return [[g[k] for k in ks] for g in picked]
+    if plan.where is None:
+        plan.where = {pos: k for k, pos in enumerate(plan.candidates)}
+    ks = list(map(plan.where.__getitem__, positions))
+    if len(ks) == 1:
+        return [[g[ks[0]]] for g in picked]
+    pick = operator.itemgetter(*ks)
+    return [list(pick(g)) for g in picked]
 
 
 class Owner(Protocol):
@@ -176,6 +187,13 @@ def _may_alias(owners: _Owners, grads: Sequence[Sequence[Any]]) -> bool:
     return bool(unknown) and update_core.overlaps(owners.plan, unknown)
 
 
+def _pairs_at(part: ReplicaGradients, positions: Sequence[int]) -> list[tuple[Any, Any]]:
+    """One replica's ``(gradient, variable)`` pairs at ``positions`` (a pair made for each of
+    those only: a step with a few odd gradients among thousands pairs up those few)."""
+    grads, variables = part.grads, part.variables
+    return [(grads[i], variables[i]) for i in positions]
+
+
 def _merged(
     strategy: Any, parts: Sequence[ReplicaGradients], positions: Sequence[int]
 ) -> list[tuple[Any, Any]]:
@@ -184,14 +202,14 @@ def _merged(
     directly, one ``PerReplica`` (or the one object all gave) each, without the generic walk;
     the rest by the strategy (which, over several processes, has its own rules)."""
     if len(parts) < 2 or len(parts) != strategy.num_replicas_in_sync:
-        return strategy._merge_args([[p.pairs[i] for i in positions] for p in parts])
+        return strategy._merge_args([_pairs_at(p, positions) for p in parts])
     grads = [p.grads for p in parts]
     sparse = [i for i in positions if all(type(g[i]) is IndexedSlices for g in grads)]
     if not sparse:
-        return strategy._merge_args([[p.pairs[i] for i in positions] for p in parts])
+        return strategy._merge_args([_pairs_at(p, positions) for p in parts])
     taken = set(sparse)
     rest = [i for i in positions if i not in taken]
-    merged = strategy._merge_args([[p.pairs[i] for i in rest] for p in parts]) if rest else []
+    merged = strategy._merge_args([_pairs_at(p, rest) for p in parts]) if rest else []
     variables = parts[0].variables
     out: dict[int, tuple[Any, Any]] = dict(zip(rest, merged, strict=True))
     for i in sparse:
@@ -306,7 +324,7 @@ def _same_variables(parts: Sequence[ReplicaGradients], known: tuple[Any, ...]) -
 class _FusedPlan:
     """The fused path of one variable list: which positions may take it, and their checks."""
 
-    __slots__ = ("candidates", "dtypes", "mixed", "pick", "shapes", "sparse")
+    __slots__ = ("candidates", "dtypes", "mixed", "pick", "shapes", "sparse", "where")
 
     def __init__(
         self,
@@ -323,6 +341,8 @@ class _FusedPlan:
         self.mixed: tuple[list[np.dtype], tuple[int, ...], tuple[int, ...]] | None = None
         self.dtypes = dtypes
         self.shapes = shapes
+        # Each candidate position's index among the candidates, made on first use.
+        self.where: dict[int, int] | None = None
         self.pick: Callable[[Sequence[Any]], Any] = (
             operator.itemgetter(*candidates)
             if len(candidates) > 1
@@ -640,7 +660,7 @@ class FusedTransport:
                 self._pack_cast(var_list, cast, _at(plan, picked, cast), order, strategy, parts)
             )
         keep = {*fused, *cast, *(sparse.positions if sparse is not None else ())}
-        others = [i for i in range(len(var_list)) if i not in keep]
+        others = sorted(set(range(len(var_list))).difference(keep))
         return (_merged(strategy, parts, others) if others else []), lines, sparse
 
     def _sparse_of(
@@ -799,19 +819,32 @@ class FusedTransport:
                 return plan.mixed[1], picked, plan.mixed[2]  # a loop of cast gradients
         if any(np.ndarray not in t for t in types):
             return (), picked, ()  # a replica gave no array at all (sparse gradients, say)
-        out = []
-        cast = []
-        for k, pos in enumerate(cand):
-            gs = [g[k] for g in picked]
-            if not all(type(g) is np.ndarray and g.shape == plan.shapes[k] for g in gs):
+        # Position by position, with C-level passes per list of gradients (a step with one odd
+        # gradient among thousands costs that gradient, not a Python step per position):
+        # whether every replica gave an array of the variable's shape, all of one dtype.
+        yes = itertools.repeat(True)
+        fits: list[bool] | None = None
+        first_dtypes: list[Any] = []
+        for g in distinct:
+            arrays = map(operator.is_, map(type, g), itertools.repeat(np.ndarray))
+            shapes = map(getattr, g, itertools.repeat("shape"), itertools.repeat(None))
+            shaped = map(operator.is_, map(operator.eq, shapes, plan.shapes), yes)
+            mine = list(map(operator.and_, arrays, shaped))
+            dts = list(map(getattr, g, itertools.repeat("dtype"), itertools.repeat(None)))
+            if fits is None:
+                fits, first_dtypes = mine, dts
                 continue
-            dt = gs[0].dtype
-            if any(g.dtype != dt for g in gs[1:]):
-                continue
-            if dt == plan.dtypes[k]:
-                out.append(pos)
-            elif castable(dt, plan.dtypes[k]):
-                cast.append(pos)
+            same = map(operator.is_, map(operator.eq, dts, first_dtypes), yes)
+            fits = list(map(operator.and_, map(operator.and_, fits, mine), same))
+        assert fits is not None
+        own = list(map(operator.is_, map(operator.eq, first_dtypes, plan.dtypes), yes))
+        out = list(itertools.compress(cand, map(operator.and_, fits, own)))
+        other = map(operator.and_, fits, map(operator.not_, own))
+        cast = [
+            cand[k]
+            for k in itertools.compress(range(len(cand)), other)
+            if castable(first_dtypes[k], plan.dtypes[k])
+        ]
         if cast and len(out) + len(cast) == len(cand):
             plan.mixed = (list(map(_dtype_of, picked[0])), tuple(out), tuple(cast))
         return tuple(out), picked, tuple(cast)
@@ -890,7 +923,7 @@ class FusedTransport:
         buffers (reduced across processes where the strategy spans several). ``picked``: each
         replica's gradients at the fused positions, when already listed; ``lines``: the cache
         of the fused variables, when known (a steady step)."""
-        fvars = list(var_list) if len(fused) == len(var_list) else [var_list[i] for i in fused]
+        fvars = list(var_list) if len(fused) == len(var_list) else _items(var_list, fused)
         if lines is None:
             lines = self._lines_of(fvars, len(parts))
         runs, layout = lines.runs, lines.layout
