@@ -12,7 +12,8 @@ A gradient qualifies when its variable is a float variable (float16/32/64, bfloa
 float8) with an arena placement or a sharded one (its full array is a one-row run: see
 :func:`update_core.flat_run`; the optimizer's ``_info`` says so) and every replica gave a plain array of the variable's dtype
 and shape (one array object that several replicas gave is a term of the sum once per replica
-that gave it, as the per-variable sum counts it). Its replicas' arrays reach the core in one of
+that gave it, as the per-variable sum counts it; an object that is not an array, a torch
+tensor or a Python number say, is read with ``np.asarray`` first, as that sum reads it). Its replicas' arrays reach the core in one of
 three forms:
 
 * as they are, gathered block by block inside the update (:func:`update_core.apply_gathered`),
