@@ -47,7 +47,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,8 +80,14 @@ __all__ = [
 # Dtypes numpy has native loops for; everything else floating is computed in float32.
 FAST_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
-# Bytes of one (rows, width) block of one operand. Adam touches five such blocks per step
-# (variable, m, v and two scratch), ~640 KiB: well inside a 1-2 MiB L2 cache.
+# Bytes of one (rows, width) block of one float32 or float64 operand (see block_width). A
+# float32 Adam block touches five such blocks (variable, m, v and two scratch, 640 KiB) and,
+# in the in-run step, a line of the replicas' gradients and their sum (~900 KiB in all):
+# inside a 1-2 MiB L2 cache. A dtype computed in float32 (bfloat16, float8; float16 blocks
+# are sized by its own 2 bytes) has blocks of twice float32's width: its variable, m and v
+# are 128 KiB each again, but their float32 copies, the float32 scratch and the float32
+# lines of the gradients' sum are 256 KiB each, ~2.5-3 MiB in all, past L2 and inside L3;
+# halving the calls per parameter outweighs that (block_width; bench_train_step's bf16 rows).
 BLOCK_BYTES = 128 << 10
 _MIN_BLOCK = 1024
 # The bytes per element a block of a dtype computed in float32 is sized by (see block_width).
@@ -532,15 +538,17 @@ def flat_run(position: int, array: np.ndarray, slot_arrays: Sequence[np.ndarray]
     )
 
 
-def buffer_ids(runs: Sequence[Run]) -> frozenset[int]:
+def buffer_ids(runs: Sequence[Run], sizes: Collection[int] | None = None) -> frozenset[int]:
     """The ids of every array object that holds memory a step over ``runs`` writes: the arenas'
-    and slot arenas' buffers and the arrays they are views of."""
+    and slot arenas' buffers and the arrays they are views of; with ``sizes``, only those of
+    one of these numbers of elements (the only ones an array of a variable's shape can be)."""
     ids: set[int] = set()
     for run in runs:
         for a in (run.arena.buffer, *run.slot_slabs):
             held: np.ndarray | None = a
             while held is not None:
-                ids.add(id(held))
+                if sizes is None or getattr(held, "size", None) in sizes:
+                    ids.add(id(held))
                 held = held.base
     return frozenset(ids)
 

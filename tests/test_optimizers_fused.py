@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,100 @@ def test_mixed_steps_match_the_per_variable_path() -> None:
     # Dense float32 (fused), sparse, float64 gradients of a float32 variable, one object that
     # every replica gives, and per-replica arrays that are equal: the same bits either way.
     _assert_same(_mixed_run(True), _mixed_run(False))
+
+
+def _objects_run(fusion: bool, torch: Any) -> tuple[list[Any], int]:
+    # Gradients that are not numpy arrays (nor lists, which merge_call regroups as
+    # structures): torch tensors (float64 and float32; memoryviews of arrays where torch is
+    # not installed), array.array, a Python float and int for scalars, numpy scalars, and one
+    # object every replica hands in.
+    strategy = pv.MirroredStrategy(["cpu:2", "cpu:0", "cpu:10"])
+    if not fusion:
+        strategy.fusion = False  # type: ignore[attr-defined]
+    shapes = [(3, 4), (5,), (), (), (6,), (2,)]
+    vs, opt = _model(strategy, np.float32, lambda: opts.Adam(0.01), seed=3, shapes=shapes)
+    reduces = [0]
+    batch_reduce = strategy.batch_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        reduces[0] += 1
+        return batch_reduce(*args, **kwargs)
+
+    strategy.batch_reduce = counted  # type: ignore[method-assign]
+    rng = np.random.default_rng(9)
+    wrap = torch.from_numpy if torch is not None else memoryview
+    shared = wrap(np.array([1.5, -2.0], np.float32))
+
+    def grads(r: int) -> list[Any]:
+        return [
+            wrap(rng.normal(size=(3, 4)) * 10.0 ** (r - 1)),
+            array.array("d", rng.normal(size=5)),
+            float(rng.normal()),
+            int(rng.integers(-9, 9)),
+            wrap(rng.normal(size=6).astype(np.float32)),
+            shared,
+        ]
+
+    for _ in range(3):
+        per_replica = [grads(r) for r in range(3)]
+
+        def step(gs: list[Any]) -> None:
+            opt.apply_gradients(zip(gs, vs, strict=True))
+
+        strategy.run(step, args=(pv.PerReplica(per_replica),))
+    return _state(vs, opt), reduces[0]
+
+
+@pytest.mark.parametrize("with_torch", [True, False], ids=["torch", "memoryview"])
+def test_gradients_that_are_not_arrays_take_the_fused_path_with_its_bits(with_torch: bool) -> None:
+    torch = pytest.importorskip("torch") if with_torch else None
+    fused, reduced = _objects_run(True, torch)
+    ref, ref_reduced = _objects_run(False, torch)
+    assert reduced == 0 and ref_reduced == 3  # read with np.asarray, then fused or cast
+    _assert_same(fused, ref)
+
+
+@pytest.mark.parametrize("fusion", [True, False], ids=["fused", "per-variable"])
+def test_replicas_that_disagree_about_a_gradients_form_sum_it_dense(fusion: bool) -> None:
+    # One replica's gradient of w is an IndexedSlices (a repeated row), the others' arrays; the
+    # replicas before and after it in device order too. The sparse one is made dense and the
+    # values summed in device order, as add_n sums a dense mix; the other variable is fused.
+    strategy = pv.MirroredStrategy(["cpu:2", "cpu:0", "cpu:1"])
+    if not fusion:
+        strategy.fusion = False  # type: ignore[attr-defined]
+    shapes = [(4, 3), (5,)]
+    vs, opt = _model(strategy, np.float32, lambda: opts.Adam(0.01), shapes=shapes)
+    ref_vs, ref_opt = _model(strategy, np.float32, lambda: opts.Adam(0.01), shapes=shapes)
+    rng = np.random.default_rng(21)
+    for sparse_replica in (0, 1, 2):
+        per_replica = _grads(rng, 3, np.float32, shapes)
+        rows = pv.IndexedSlices(per_replica[sparse_replica][0][:2] * 3, np.array([3, 3]), (4, 3))
+        given = [list(g) for g in per_replica]
+        given[sparse_replica][0] = rows
+
+        def step(grads: list[Any]) -> None:
+            opt.apply_gradients(zip(grads, vs, strict=True))
+
+        strategy.run(step, args=(pv.PerReplica(given),))
+        dense = [list(g) for g in per_replica]
+        dense[sparse_replica][0] = rows.to_dense((4, 3))
+        reduced = [
+            add_n_by_device([(strategy.worker_devices[r], dense[r][i]) for r in range(3)])
+            for i in range(2)
+        ]
+        with strategy.scope():
+            ref_opt.distributed_apply(strategy, list(zip(reduced, ref_vs, strict=True)))
+    _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+    bad = pv.IndexedSlices(np.ones((1, 3), np.float32), np.array([4]), (4, 3))
+
+    def bad_step() -> None:
+        r = pv.get_replica_context().replica_id_in_sync_group
+        opt.apply_gradients([(bad if r == 1 else np.ones((4, 3), np.float32), vs[0])])
+
+    before = vs[0].read_value().copy()
+    with pytest.raises(GradientError, match="index out of range"):
+        strategy.run(bad_step)
+    np.testing.assert_array_equal(vs[0].read_value(), before)
 
 
 def test_sharded_and_bfloat16_variables_next_to_fused_ones() -> None:
@@ -416,6 +511,61 @@ def test_zip_steps_keep_the_semantics_of_their_pairs() -> None:
         strategy.run(strict_step)
 
 
+def test_a_zip_of_two_sequences_is_read_as_its_sequences() -> None:
+    from parallelvars.optimizers._fused import unzipped
+
+    grads, variables = [1, 2, 3], (4, 5, 6, 7)
+    pairs = zip(grads, variables, strict=False)
+    g, v = unzipped(pairs)  # type: ignore[misc]
+    assert g is grads and list(v) == [4, 5, 6] and list(pairs) == []  # left exhausted
+    pairs = zip(grads, variables[:3], strict=True)
+    next(pairs)
+    assert unzipped(pairs) == ([2, 3], (5, 6)) and list(pairs) == []
+    done = zip(grads, variables, strict=False)
+    list(done)
+    assert unzipped(done) == ([], ())
+    # Iterating these raises, or may read otherwise: the caller iterates them itself.
+    strict = zip(grads, variables, strict=True)
+    assert unzipped(strict) is None
+    with pytest.raises(ValueError, match="longer"):
+        list(strict)
+
+    class Listed(list[int]):
+        pass
+
+    others = [
+        zip(Listed(grads), grads, strict=False),
+        zip(iter(range(3)), grads, strict=False),
+        zip(grads, grads, grads, strict=False),
+    ]
+    assert all(unzipped(p) is None for p in others)
+    assert unzipped(list(zip(grads, grads, strict=True))) is None
+
+
+def test_the_array_a_sharded_variable_is_made_around_is_read_before_the_step_writes() -> None:
+    # Each variable's gradient is the very array the other one is made around (an array owning
+    # its memory, of the variable's size): read before the step writes it, as a copy would be.
+    strategy = pv.MirroredStrategy(2)
+    a0 = np.arange(8, dtype=np.float32).reshape(4, 2)
+    b0 = a0 * np.float32(10.0)
+    with strategy.scope():
+        dev = pv.Variable(np.ones(2, np.float32), name="d").device
+        a, b = (
+            ShardedVariable(x.copy(), device=dev, name=n, shard_axis=0, trainable=True)
+            for x, n in ((a0, "a"), (b0, "b"))
+        )
+        opt = opts.SGD(1.0)
+    assert a.__wrapped__.base is None and a.placement is None
+
+    def step() -> None:
+        opt.apply_gradients([(b.__wrapped__, a), (a.__wrapped__, b)])
+
+    strategy.run(step)
+    np.testing.assert_array_equal(a.read_value(), a0 - b0 - b0)
+    np.testing.assert_array_equal(b.read_value(), b0 - a0 - a0)
+    assert opt._pv_transport._steady is not None
+
+
 def test_reduced_gradients_in_a_variables_memory_are_read_before_the_step_writes() -> None:
     # The same through distributed_apply (one reduced gradient per variable, no replicas).
     strategy = pv.MirroredStrategy(2)
@@ -570,6 +720,42 @@ def test_narrow_float_variables_on_the_fused_path_keep_the_per_variable_bits(
     # in device order (add_n's bits), the update is computed in float32 and rounded once into
     # the variable and its slots: the bits of the per-variable arithmetic as it was (widen
     # the whole variable, update, round). float16 keeps its own float16 arithmetic.
+    _check_narrow_against_per_variable(dtype, devices, shapes, make_opt)
+
+
+# Mirrored variables of one, two and three blocks of a 16-bit dtype (65,536 columns: see
+# update_core.block_width), each read in place and summed block by block.
+BLOCKS_16 = [(70001,), (140003,), (300, 230), (17,)]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize(
+    "devices, make_opt, dtype",
+    [
+        (3, lambda: opts.Adam(0.01), "bfloat16"),
+        (["cpu:2", "cpu:0", "cpu:10", "cpu:1"], lambda: opts.Momentum(0.1, 0.9), "bfloat16"),
+        (["cpu:2", "cpu:0", "cpu:10", "cpu:1"], lambda: opts.Adam(0.01), "float16"),
+        (2, lambda: opts.Momentum(0.1, 0.9), "float16"),
+    ],
+    ids=[
+        "bfloat16-3-adam",
+        "bfloat16-unordered-momentum",
+        "float16-unordered-adam",
+        "float16-2-momentum",
+    ],
+)
+def test_narrow_float_variables_of_several_blocks_keep_the_per_variable_bits(
+    dtype: str, devices: Any, make_opt: Callable[[], opts.Optimizer]
+) -> None:
+    narrow = np.dtype({"bfloat16": _narrow_dtypes()[1], "float16": np.float16}[dtype])
+    width = update_core.block_width(1, narrow)
+    assert [int(np.prod(s)) // width for s in BLOCKS_16[:3]] == [1, 2, 1]  # 2, 3 and 2 blocks
+    _check_narrow_against_per_variable(narrow, devices, BLOCKS_16, make_opt)
+
+
+def _check_narrow_against_per_variable(
+    dtype: Any, devices: Any, shapes: Any, make_opt: Callable[[], opts.Optimizer]
+) -> None:
     strategy = pv.MirroredStrategy(devices)
     n = strategy.num_replicas_in_sync
     vs, opt = _model(strategy, dtype, make_opt, shapes=shapes)

@@ -45,6 +45,7 @@ from parallelvars.optimizers._fused import (
     FusedTransport,
     GradientBuffers,
     ReplicaGradients,
+    unzipped,
 )
 from parallelvars.optimizers._slots import OptimizerState
 from parallelvars.optimizers._sparse import IndexedSlices, sum_indexed_slices
@@ -199,15 +200,21 @@ class Optimizer(OptimizerState):
         if type(grads_and_vars) is BufferPairs and grads_and_vars.intact():
             mine = grads_and_vars.replica_gradients()  # gradient buffers' views, as they are
         else:
-            # Two lists, no pair kept: iterating a zip hands out one reused tuple.
-            grads: list[Any] = []
-            variables: list[Any] = []
-            add_grad, add_var = grads.append, variables.append
-            for g, v in grads_and_vars:
-                if g is not None:
-                    add_grad(g)
-                    add_var(v)
-            mine = ReplicaGradients(grads, variables)
+            # zip(grads, variables) of two lists: the lists themselves, sliced (no Python step
+            # per variable) unless a gradient is None.
+            lists = unzipped(grads_and_vars)
+            if lists is not None and type(None) not in set(map(type, lists[0])):
+                mine = ReplicaGradients(*lists)
+            else:
+                # Two lists, no pair kept: iterating a zip hands out one reused tuple.
+                grads: list[Any] = []
+                variables: list[Any] = []
+                add_grad, add_var = grads.append, variables.append
+                for g, v in grads_and_vars if lists is None else zip(*lists, strict=True):
+                    if g is not None:
+                        add_grad(g)
+                        add_var(v)
+                mine = ReplicaGradients(grads, variables)
         self._apply_in_replica("apply_gradients", mine, global_step)
 
     def apply(
@@ -361,6 +368,7 @@ class Optimizer(OptimizerState):
             return grads  # already one value per variable: nothing to sum
         out: list[Any] = [None] * len(pairs)
         dense: list[int] = []
+        mixed: dict[int, PerReplica] = {}
         for i, (g, _) in enumerate(pairs):
             if type(g) is np.ndarray and plain_ok:  # the common case, kept cheap
                 out[i] = g
@@ -369,11 +377,28 @@ class Optimizer(OptimizerState):
             per_replica = not isinstance(g, IndexedSlices) and isinstance(parts, (tuple, list))
             if isinstance(g, IndexedSlices):
                 out[i] = sum_indexed_slices([g] * n) if from_replicas and n > 1 else g
-            elif per_replica and parts and isinstance(parts[0], IndexedSlices):
+            elif (
+                per_replica
+                and parts
+                and isinstance(parts[0], IndexedSlices)
+                and all(isinstance(p, IndexedSlices) for p in parts)
+            ):
                 if getattr(strategy, "_reduces_sparse", False):  # gathered across processes
                     dense.append(i)
                 else:
                     out[i] = sum_indexed_slices(list(parts), getattr(pairs[i][1], "name", None))
+            elif per_replica and parts and any(isinstance(p, IndexedSlices) for p in parts):
+                # The replicas disagree about the form (some sparse, some dense): the sparse
+                # ones, checked, are made dense and all are summed as dense values, as
+                # TensorFlow's add_n makes such a mix dense.
+                var = pairs[i][1]
+                shape = self._info(var)[0]
+                made = [
+                    check_gradient(p, var, shape, True) if type(p) is IndexedSlices else p
+                    for p in parts
+                ]
+                mixed[i] = PerReplica(made)
+                dense.append(i)
             elif batch_reduce is None or not (per_replica or (from_replicas and n > 1)):
                 out[i] = g
             else:
@@ -382,7 +407,7 @@ class Optimizer(OptimizerState):
             local = len(getattr(strategy, "worker_devices", ())) or 1
             values = []
             for i in dense:
-                g = pairs[i][0]
+                g = mixed.get(i, pairs[i][0])
                 if from_replicas and n > 1 and not isinstance(g, PerReplica):
                     # The same object from every replica (merge_call keeps it one value): each
                     # replica gave it, so it is summed once per replica, in device order, exactly
@@ -461,14 +486,15 @@ class Optimizer(OptimizerState):
         rows: SparseBatch | None = None
         if pairs:
             var_list, dense, rows = self._checked(strategy, pairs, from_replicas)
-        self._create_non_slots(
-            strategy,
-            [
-                *(v for f in fused for v in f.variables),
-                *(sparse.variables if sparse is not None else ()),
-                *var_list,
-            ],
-        )
+        if self.iterations is None:  # the first step: the counters, on the variables' devices
+            self._create_non_slots(
+                strategy,
+                [
+                    *(v for f in fused for v in f.variables),
+                    *(sparse.variables if sparse is not None else ()),
+                    *var_list,
+                ],
+            )
         assert self.iterations is not None
         hp = self._hyper(int(self.iterations.read_value()))
         for f in fused:

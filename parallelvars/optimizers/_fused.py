@@ -12,7 +12,8 @@ A gradient qualifies when its variable is a float variable (float16/32/64, bfloa
 float8) with an arena placement or a sharded one (its full array is a one-row run: see
 :func:`update_core.flat_run`; the optimizer's ``_info`` says so) and every replica gave a plain array of the variable's dtype
 and shape (one array object that several replicas gave is a term of the sum once per replica
-that gave it, as the per-variable sum counts it). Its replicas' arrays reach the core in one of
+that gave it, as the per-variable sum counts it; an object that is not an array, a torch
+tensor or a Python number say, is read with ``np.asarray`` first, as that sum reads it). Its replicas' arrays reach the core in one of
 three forms:
 
 * as they are, gathered block by block inside the update (:func:`update_core.apply_gathered`),
@@ -69,27 +70,57 @@ _dtype_of = operator.attrgetter("dtype")
 _base_of = operator.attrgetter("base")
 _NDARRAY_ONLY = {np.ndarray}
 _SLICES_ONLY = {IndexedSlices}
+_ARRAYS_OR_SLICES = {np.ndarray, IndexedSlices}
 
 Info = tuple[tuple[int, ...], np.dtype, bool]
 
 
 def _cross_process(strategy: Any, parts: Sequence[Any]) -> bool:
     """Whether the step's other replicas are other processes (one local replica of several
-    in sync, a strategy that all-reduces flat buffers)."""
-    return (
-        len(parts) == 1
-        and strategy.num_replicas_in_sync > 1
-        and hasattr(strategy, "_allreduce_flat")
-    )
+    in sync: the strategy's ``_allreduce_flat`` then sums flat buffers across them)."""
+    return len(parts) == 1 and strategy.num_replicas_in_sync > 1
+
+
+def _read_as_array(x: Any) -> Any:
+    """``x`` as the per-variable sum reads it (``np.asarray``); arrays and sparse gradients
+    as they are, and so are lists, tuples and dicts (structures to ``merge_call``, which the
+    per-variable path regroups element by element) and objects numpy cannot read (the
+    per-variable path reports them)."""
+    if type(x) is np.ndarray or isinstance(x, (IndexedSlices, list, tuple, dict)):
+        return x
+    try:
+        return np.asarray(x)
+    except Exception:  # raised again, as the per-variable path's error
+        return x
+
+
+def _items(seq: Sequence[Any], positions: Sequence[int]) -> list[Any]:
+    """``[seq[i] for i in positions]``, with one C-level call."""
+    if len(positions) == 1:
+        return [seq[positions[0]]]
+    return list(operator.itemgetter(*positions)(seq))
+
+
+def _distinct(lists: Sequence[Sequence[Any]]) -> list[Sequence[Any]]:
+    """``lists`` less repeats of one list object (replicas handing in the same list)."""
+    out: list[Sequence[Any]] = []
+    for g in lists:
+        if not any(g is seen for seen in out):
+            out.append(g)
+    return out
 
 
 def _at(plan: _FusedPlan, picked: list[Any], positions: tuple[int, ...]) -> list[Any]:
     """Each replica's gradients (``picked``: at the plan's candidates) at ``positions``."""
     if positions == plan.candidates:
         return picked
-    where = {pos: k for k, pos in enumerate(plan.candidates)}
-    ks = [where[pos] for pos in positions]
-    return [[g[k] for k in ks] for g in picked]
+    if plan.where is None:
+        plan.where = {pos: k for k, pos in enumerate(plan.candidates)}
+    ks = list(map(plan.where.__getitem__, positions))
+    if len(ks) == 1:
+        return [[g[ks[0]]] for g in picked]
+    pick = operator.itemgetter(*ks)
+    return [list(pick(g)) for g in picked]
 
 
 class Owner(Protocol):
@@ -110,20 +141,36 @@ class Owner(Protocol):
         ...
 
 
-def _may_alias(
-    plan: update_core.GatherPlan, owner_ids: frozenset[int], grads: Sequence[Sequence[Any]]
-) -> bool:
+class _Owners:
+    """What a gathered step over some runs writes, as :func:`_may_alias` checks gradients
+    against it: the gather plan, the ids of every array holding that memory, and those of
+    them that an array of one of the variables' shapes can be (of a variable's size: the
+    array a sharded variable is made around, say; usually none, and then the gradients' ids
+    are not looked at)."""
+
+    __slots__ = ("ids", "plan", "whole")
+
+    def __init__(self, runs: Sequence[update_core.Run]) -> None:
+        self.plan = update_core.plan_gather(runs)
+        self.ids = update_core.buffer_ids(runs)
+        sizes = {size for run in runs for _, _, size in run.members}
+        self.whole = update_core.buffer_ids(runs, sizes)
+
+
+def _may_alias(owners: _Owners, grads: Sequence[Sequence[Any]]) -> bool:
     """Whether a gradient array may share memory with a variable or slot the step writes.
 
     The gathered step reads gradients while it writes: such a gradient would be read changed.
     An array owning its memory (``base`` None), or a view of another array that owns its
     memory and is not one of the step's buffers, cannot; the few others (views of a torch
     tensor, of a variable through ``np.asarray``) have their addresses checked, or, when
-    there are many, the answer is yes and the step packs them first.
+    there are many, the answer is yes and the step packs them first. ``grads`` have their
+    variables' shapes (checked before), so only a buffer of a variable's size can be one.
     """
+    owner_ids, whole = owners.ids, owners.whole
     unknown: list[Any] = []
-    for gs in grads:
-        if not owner_ids.isdisjoint(map(id, gs)):
+    for gs in _distinct(grads):
+        if whole and not whole.isdisjoint(map(id, gs)):
             return True  # the very array a variable is held in (a sharded variable's)
         if all(map(operator.is_, map(_base_of, gs), itertools.repeat(None))):
             continue  # every array owns its memory: the common case, one C-level pass
@@ -138,7 +185,14 @@ def _may_alias(
             unknown.extend(g for g in gs if g.base is not None and id(g.base) in odd)
             if len(unknown) > _ADDRESS_CHECKS:
                 return True
-    return bool(unknown) and update_core.overlaps(plan, unknown)
+    return bool(unknown) and update_core.overlaps(owners.plan, unknown)
+
+
+def _pairs_at(part: ReplicaGradients, positions: Sequence[int]) -> list[tuple[Any, Any]]:
+    """One replica's ``(gradient, variable)`` pairs at ``positions`` (a pair made for each of
+    those only: a step with a few odd gradients among thousands pairs up those few)."""
+    grads, variables = part.grads, part.variables
+    return [(grads[i], variables[i]) for i in positions]
 
 
 def _merged(
@@ -149,14 +203,14 @@ def _merged(
     directly, one ``PerReplica`` (or the one object all gave) each, without the generic walk;
     the rest by the strategy (which, over several processes, has its own rules)."""
     if len(parts) < 2 or len(parts) != strategy.num_replicas_in_sync:
-        return strategy._merge_args([[p.pairs[i] for i in positions] for p in parts])
+        return strategy._merge_args([_pairs_at(p, positions) for p in parts])
     grads = [p.grads for p in parts]
     sparse = [i for i in positions if all(type(g[i]) is IndexedSlices for g in grads)]
     if not sparse:
-        return strategy._merge_args([[p.pairs[i] for i in positions] for p in parts])
+        return strategy._merge_args([_pairs_at(p, positions) for p in parts])
     taken = set(sparse)
     rest = [i for i in positions if i not in taken]
-    merged = strategy._merge_args([[p.pairs[i] for i in rest] for p in parts]) if rest else []
+    merged = strategy._merge_args([_pairs_at(p, rest) for p in parts]) if rest else []
     variables = parts[0].variables
     out: dict[int, tuple[Any, Any]] = dict(zip(rest, merged, strict=True))
     for i in sparse:
@@ -164,6 +218,46 @@ def _merged(
         first = gs[0]
         out[i] = (first if all(g is first for g in gs) else PerReplica(gs), variables[i])
     return [out[i] for i in positions]
+
+
+_SEQUENCE_ITERATORS: tuple[type, ...] = (type(iter([])), type(iter(())))
+
+
+def unzipped(pairs: Any) -> tuple[Sequence[Any], Sequence[Any]] | None:
+    """The gradients and the variables that ``pairs``, a ``zip`` of two lists or tuples (what
+    ``apply_gradients(zip(grads, variables))`` hands in), would hand out: those sequences,
+    or slices of them, with no pair and no Python step per variable. The zip is left exhausted, as
+    iterating it would leave it. None for any other iterable, and where iterating would
+    raise (``zip(..., strict=True)`` of unequal lengths): the caller iterates it then.
+
+    The zip and its iterators are read through their pickling state (``__reduce__``: the
+    iterators of a zip, and the sequence and position of each), which changes nothing."""
+    if type(pairs) is not zip:
+        return None
+    state: Any = pairs.__reduce__()
+    iterators: tuple[Any, ...] = state[1]
+    if len(iterators) != 2 or not all(type(it) in _SEQUENCE_ITERATORS for it in iterators):
+        return None
+    spans: list[tuple[Sequence[Any], int]] = []
+    for it in iterators:
+        # (iter, (sequence,), position); (iter, ((),)) once exhausted
+        it_state: Any = it.__reduce__()
+        seq = it_state[1][0]
+        if type(seq) not in (list, tuple):
+            return None  # a subclass may index otherwise than its iterator reads it
+        spans.append((seq, it_state[2] if len(it_state) > 2 else len(seq)))
+    (grads, g0), (variables, v0) = spans
+    n = min(len(grads) - g0, len(variables) - v0)
+    if len(state) > 2 and state[2] and len(grads) - g0 != len(variables) - v0:
+        return None  # strict and unequal: zip raises its own error
+    for it, (seq, _) in zip(iterators, spans, strict=True):
+        it.__setstate__(len(seq))
+    # A whole sequence is handed on as it is (read, never changed, as apply() hands its
+    # lists): replicas that zip one list of variables then share it (checked once a step).
+    return (
+        grads if g0 == 0 and n == len(grads) else grads[g0 : g0 + n],
+        variables if v0 == 0 and n == len(variables) else variables[v0 : v0 + n],
+    )
 
 
 class ReplicaGradients:
@@ -231,7 +325,7 @@ def _same_variables(parts: Sequence[ReplicaGradients], known: tuple[Any, ...]) -
 class _FusedPlan:
     """The fused path of one variable list: which positions may take it, and their checks."""
 
-    __slots__ = ("candidates", "dtypes", "mixed", "pick", "shapes", "sparse")
+    __slots__ = ("candidates", "dtypes", "mixed", "pick", "shapes", "sparse", "where")
 
     def __init__(
         self,
@@ -248,6 +342,8 @@ class _FusedPlan:
         self.mixed: tuple[list[np.dtype], tuple[int, ...], tuple[int, ...]] | None = None
         self.dtypes = dtypes
         self.shapes = shapes
+        # Each candidate position's index among the candidates, made on first use.
+        self.where: dict[int, int] | None = None
         self.pick: Callable[[Sequence[Any]], Any] = (
             operator.itemgetter(*candidates)
             if len(candidates) > 1
@@ -289,17 +385,16 @@ class _LinesCache:
         self.layout = update_core.layout_lines(runs)
         # Packing targets, made on first use (gathered steps and gradient buffers need none).
         self.staging: list[dict[np.dtype, np.ndarray] | None] = [None] * replicas
-        self._gather: tuple[update_core.GatherPlan, frozenset[int]] | None = None
+        self._gather: _Owners | None = None
         # Per gradient dtype: the cast route's buffers (see cast_buffers).
         self._cast: dict[np.dtype, Any] = {}
         # The variables' dtypes, by position (the gradients a gather reads must have them).
         self.dtypes: list[np.dtype] = []
 
-    def gather(self) -> tuple[update_core.GatherPlan, frozenset[int]]:
-        """The gather plan and the ids of the buffers the step writes, made on first use."""
+    def gather(self) -> _Owners:
+        """The gather plan and the buffers the step writes, made on first use."""
         if self._gather is None:
-            plan = update_core.plan_gather(self.runs)
-            self._gather = (plan, update_core.buffer_ids(self.runs))
+            self._gather = _Owners(self.runs)
         return self._gather
 
     def cast_buffers(
@@ -493,7 +588,7 @@ class FusedTransport:
         """The whole step on the fused path, when it hands the variables of the last step
         that was (a training loop): one identity pass per replica over the variables finds the
         plan, and the gradients are checked with a few C-level passes. Else None."""
-        order = strategy._fused_sum_order() if hasattr(strategy, "_fused_sum_order") else None
+        order = strategy._fused_sum_order()
         steady = self._steady
         if (
             order is None
@@ -532,19 +627,14 @@ class FusedTransport:
         path, merged across replicas, the fused dense rest (gradients of the variables' dtypes,
         then those cast, one :class:`FusedLines` per gradient dtype) and the sparse gradients
         of arena variables, checked and deduplicated (None when there is none)."""
-        order = strategy._fused_sum_order() if hasattr(strategy, "_fused_sum_order") else None
+        order = strategy._fused_sum_order()
         fusable = (
             order is not None and len(parts) == len(order) and getattr(strategy, "fusion", True)
         )
         var_list = list(parts[0].variables)
         key = tuple(map(id, var_list))
         if not fusable or any(tuple(map(id, p.variables)) != key for p in parts[1:]):
-            merged = (
-                strategy._merge_args([p.pairs for p in parts])
-                if hasattr(strategy, "_merge_args")
-                else parts[0].pairs
-            )
-            return merged, [], None
+            return strategy._merge_args([p.pairs for p in parts]), [], None
         assert order is not None
         plan = self._plan_of(key, var_list)
         fused, picked, cast = self._positions(plan, parts, len(var_list))
@@ -571,7 +661,7 @@ class FusedTransport:
                 self._pack_cast(var_list, cast, _at(plan, picked, cast), order, strategy, parts)
             )
         keep = {*fused, *cast, *(sparse.positions if sparse is not None else ())}
-        others = [i for i in range(len(var_list)) if i not in keep]
+        others = sorted(set(range(len(var_list))).difference(keep))
         return (_merged(strategy, parts, others) if others else []), lines, sparse
 
     def _sparse_of(
@@ -706,40 +796,56 @@ class FusedTransport:
             picked = [p.grads for p in parts]
         else:
             picked = [plan.pick(p.grads) for p in parts]
-        types = [set(map(type, g)) for g in picked]
-        if any(issubclass(c, np.generic) for t in types for c in t):
-            # numpy scalars (what np.sum returns, say): 0-d arrays of their own, as the
-            # per-variable sum reads them.
-            picked = [
-                [np.asarray(x) if isinstance(x, np.generic) else x for x in g]
-                if any(issubclass(c, np.generic) for c in t)
-                else g
-                for g, t in zip(picked, types, strict=True)
-            ]
-            types = [set(map(type, g)) for g in picked]
+        # A list object several replicas hand in (the same gradients for all) is checked once.
+        distinct = _distinct(picked)
+        types = [set(map(type, g)) for g in distinct]
+        if not all(t <= _ARRAYS_OR_SLICES for t in types):
+            # Other objects (numpy scalars, what np.sum returns; Python numbers and lists;
+            # torch or jax tensors): read with np.asarray, as the per-variable sum (add_n)
+            # reads each, then fused like any array (of another dtype: the cast route).
+            converted = {
+                id(g): g if t <= _ARRAYS_OR_SLICES else list(map(_read_as_array, g))
+                for g, t in zip(distinct, types, strict=True)
+            }
+            picked = [converted[id(g)] for g in picked]
+            distinct = _distinct(picked)
+            types = [set(map(type, g)) for g in distinct]
         if all(t == _NDARRAY_ONLY for t in types) and all(
-            all(map(operator.eq, map(_shape_of, g), plan.shapes)) for g in picked
+            list(map(_shape_of, g)) == plan.shapes for g in distinct
         ):
-            dtypes = [list(map(_dtype_of, g)) for g in picked]
+            dtypes = [list(map(_dtype_of, g)) for g in distinct]
             if all(d == plan.dtypes for d in dtypes):
                 return cand, picked, ()
             if plan.mixed is not None and all(d == plan.mixed[0] for d in dtypes):
                 return plan.mixed[1], picked, plan.mixed[2]  # a loop of cast gradients
         if any(np.ndarray not in t for t in types):
             return (), picked, ()  # a replica gave no array at all (sparse gradients, say)
-        out = []
-        cast = []
-        for k, pos in enumerate(cand):
-            gs = [g[k] for g in picked]
-            if not all(type(g) is np.ndarray and g.shape == plan.shapes[k] for g in gs):
+        # Position by position, with C-level passes per list of gradients (a step with one odd
+        # gradient among thousands costs that gradient, not a Python step per position):
+        # whether every replica gave an array of the variable's shape, all of one dtype.
+        yes = itertools.repeat(True)
+        fits: list[bool] | None = None
+        first_dtypes: list[Any] = []
+        for g in distinct:
+            arrays = map(operator.is_, map(type, g), itertools.repeat(np.ndarray))
+            shapes = map(getattr, g, itertools.repeat("shape"), itertools.repeat(None))
+            shaped = map(operator.is_, map(operator.eq, shapes, plan.shapes), yes)
+            mine = list(map(operator.and_, arrays, shaped))
+            dts = list(map(getattr, g, itertools.repeat("dtype"), itertools.repeat(None)))
+            if fits is None:
+                fits, first_dtypes = mine, dts
                 continue
-            dt = gs[0].dtype
-            if any(g.dtype != dt for g in gs[1:]):
-                continue
-            if dt == plan.dtypes[k]:
-                out.append(pos)
-            elif castable(dt, plan.dtypes[k]):
-                cast.append(pos)
+            same = map(operator.is_, map(operator.eq, dts, first_dtypes), yes)
+            fits = list(map(operator.and_, map(operator.and_, fits, mine), same))
+        assert fits is not None
+        own = list(map(operator.is_, map(operator.eq, first_dtypes, plan.dtypes), yes))
+        out = list(itertools.compress(cand, map(operator.and_, fits, own)))
+        other = map(operator.and_, fits, map(operator.not_, own))
+        cast = [
+            cand[k]
+            for k in itertools.compress(range(len(cand)), other)
+            if castable(first_dtypes[k], plan.dtypes[k])
+        ]
         if cast and len(out) + len(cast) == len(cand):
             plan.mixed = (list(map(_dtype_of, picked[0])), tuple(out), tuple(cast))
         return tuple(out), picked, tuple(cast)
@@ -818,7 +924,7 @@ class FusedTransport:
         buffers (reduced across processes where the strategy spans several). ``picked``: each
         replica's gradients at the fused positions, when already listed; ``lines``: the cache
         of the fused variables, when known (a steady step)."""
-        fvars = list(var_list) if len(fused) == len(var_list) else [var_list[i] for i in fused]
+        fvars = list(var_list) if len(fused) == len(var_list) else _items(var_list, fused)
         if lines is None:
             lines = self._lines_of(fvars, len(parts))
         runs, layout = lines.runs, lines.layout
@@ -828,7 +934,7 @@ class FusedTransport:
             else (lambda seq: [seq[i] for i in fused])
         )
         grads = [picked[r] if picked is not None else pick(parts[r].grads) for r in order]
-        cross_process = len(parts) == 1 and strategy.num_replicas_in_sync > 1
+        cross_process = _cross_process(strategy, parts)
         if not cross_process:
             user = self.gradient_buffers.get(lines.key) if self.gradient_buffers else None
             if (
@@ -843,9 +949,9 @@ class FusedTransport:
                 # Written in place: the buffers are the packed gradients already.
                 bufs = [user._buffers[r] for r in order]
                 return FusedLines(fvars, runs, layout, bufs)
-            plan, owner_ids = lines.gather()
-            if not _may_alias(plan, owner_ids, grads):
-                return FusedLines(fvars, runs, layout, [], plan, grads)
+            owners = lines.gather()
+            if not _may_alias(owners, grads):
+                return FusedLines(fvars, runs, layout, [], owners.plan, grads)
         bufs = []
         for r, g in zip(order, grads, strict=True):
             target = lines.packed(r)
@@ -886,10 +992,10 @@ class FusedTransport:
         runs = self._owner._plan(fast_vars)
         lines = self._dense_lines(fast_vars, runs)
         if list(map(_dtype_of, fast_grads)) == lines.dtypes:
-            plan, owner_ids = lines.gather()
-            if not _may_alias(plan, owner_ids, [fast_grads]):
+            owners = lines.gather()
+            if not _may_alias(owners, [fast_grads]):
                 # No staging line: each block's gradients are gathered into cache.
-                update_core.apply_gathered(plan, [fast_grads], kernel, hp, scratch)
+                update_core.apply_gathered(owners.plan, [fast_grads], kernel, hp, scratch)
                 return
         update_core.apply_runs(runs, fast_grads, kernel, hp, scratch)
 

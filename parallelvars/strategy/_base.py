@@ -209,6 +209,8 @@ class Strategy:
         # id(component 0) -> variable, to map the components returned by replicas back to
         # their variable (checked component by component, so a reused id cannot mislead).
         self._owners: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        # The device list the fused sum order was worked out for, and that order.
+        self._pv_sum_order: tuple[tuple[str, ...], tuple[int, ...] | None] | None = None
 
     # ------------------------------------------------------------------ devices
     @property
@@ -611,11 +613,20 @@ class Strategy:
 
     def _fused_sum_order(self) -> tuple[int, ...] | None:
         """The local replicas in the order a SUM adds them (device order, as ``add_n_by_device``
-        does), or ``None`` where two replicas share a device (their sum is grouped per device)."""
-        devices = [canonical_device(d) for d in self.worker_devices]
-        if len(set(devices)) != len(devices):
-            return None
-        return tuple(sorted(range(len(devices)), key=lambda i: device_key(devices[i])))
+        does), or ``None`` where two replicas share a device (their sum is grouped per device).
+        Worked out once per device list (every step asks)."""
+        given = self.worker_devices
+        known = self._pv_sum_order
+        if known is not None and known[0] == given:
+            return known[1]
+        devices = [canonical_device(d) for d in given]
+        order = (
+            None
+            if len(set(devices)) != len(devices)
+            else tuple(sorted(range(len(devices)), key=lambda i: device_key(devices[i])))
+        )
+        self._pv_sum_order = (given, order)
+        return order
 
     def _allreduce_flat(self, buffer: np.ndarray) -> np.ndarray:
         """The SUM of ``buffer`` over processes (rank order); one process: the buffer itself."""
