@@ -52,6 +52,7 @@ class BulkReads:
     # The names reached by hard links only (see _reached), once listed.
     _hard_names: set[bytes] | None = None
     _unlisted = False  # (the names could not be listed: not tried again for every name)
+    _all_listed = False  # (every component name of the table is reached by hard links)
     _link_checks = 0
 
     if TYPE_CHECKING:
@@ -119,6 +120,8 @@ class BulkReads:
                 self._hard_names = hard_names(
                     WindowSource(self._fd(), self.file_size), wanted, parents=parents
                 )
+                # (every component of the table reached: nothing left to look up one by one)
+                self._all_listed = len(self._hard_names) == len(wanted)
                 return self._hard_names
             except (Refused, UnicodeEncodeError):  # (a name that is not text: HDF5's walk)
                 pass
@@ -154,6 +157,8 @@ class BulkReads:
         hard = self._hard_link_names()
         if hard is None:
             return [False] * len(paths)
+        if self._all_listed:  # (``paths`` are rows of the table, whose names are all reached)
+            return [True] * len(paths)
         suffixes = [f"/{component_name(i)}".encode() for i in range(max(counts, default=0))]
         return [
             all(path.encode() + suffixes[i] in hard for i in range(n))
