@@ -266,6 +266,9 @@ def collect(view: CheckpointView, out: Output) -> list[dict[str, Any]]:
     return rows
 
 
+_UNSAID = object()
+
+
 def training_structure(view: CheckpointView, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """What the file says of the training run beyond values: whose object graph it carries
     (``"parallelvars"``, ``"tensorflow"`` or None: a restore then matches by path), its
@@ -276,18 +279,17 @@ def training_structure(view: CheckpointView, rows: list[dict[str, Any]]) -> dict
     from parallelvars.formats._source import reasons_of
     from parallelvars.formats.tf._tf1 import name_based_state
 
-    graph = getattr(view, "object_graph", None)
+    known = getattr(view, "graph_kind", _UNSAID)  # (a native view: known from its open)
+    if known is _UNSAID:
+        graph = getattr(view, "object_graph", None)
+        known = None if graph is None else "parallelvars" if isinstance(graph, Mapping) else "other"
     paths = {r["path"] for r in rows}
     slots = [r for r in rows if isinstance(r["attrs"].get("slot_of"), str)]
     tf1, counters = name_based_state(view)
     not_mappable = {k: s.reason for k, s in tf1.items() if s.slot_name is None}
     not_mappable.update(reasons_of(view))
     return {
-        "object_graph": "parallelvars"
-        if isinstance(graph, Mapping)
-        else "tensorflow"
-        if graph is not None
-        else None,
+        "object_graph": "tensorflow" if known == "other" else known,
         "slots": len(slots),
         "slots_without_variable": [r["path"] for r in slots if r["attrs"]["slot_of"] not in paths],
         "tf1_slots": sum(s.slot_name is not None for s in tf1.values()),

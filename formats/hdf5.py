@@ -50,6 +50,12 @@ class HDF5View(CheckpointView):
         """The stored object graph, or None (read from the file when asked for)."""
         return self.reader.object_graph
 
+    @property
+    def graph_kind(self) -> str | None:
+        """What :attr:`object_graph` is, known from the open without decoding it again:
+        "parallelvars" (a mapping), "other", or None (no graph)."""
+        return self.reader.graph_kind
+
     def __getitem__(self, key: str) -> Entry:
         return self.reader[key]
 

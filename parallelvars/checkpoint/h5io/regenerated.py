@@ -298,13 +298,20 @@ def _column_documents(reader: H5Reader) -> dict[str, _Document] | None:
     from parallelvars.checkpoint.h5raw.native import document_capacities
 
     table = reader.table
-    doc: dict[str, Any] = reader._metas._doc
-    if list(doc)[-1:] != ["crc32c"]:
+    metas: ColumnEntries = reader._metas
+    doc: dict[str, Any] = metas._doc
+    if list(doc)[-2:] != ["offsets", "crc32c"] or metas.offsets is None:
         return None
     dumps = json.dumps
     flat = table.crcs.tolist()
     digits = ", ".join(map(str, flat))
-    head = dumps({k: v for k, v in doc.items() if k != "crc32c"})[:-1] + ', "crc32c": ['
+    offsets = ["null" if o < 0 else str(o) for o in metas.offsets.tolist()]
+    head = (
+        dumps({k: v for k, v in doc.items() if k not in ("offsets", "crc32c")})[:-1]
+        + ', "offsets": ['
+        + ", ".join(offsets)
+        + '], "crc32c": ['
+    )
     tail = "]}"
     # Each layout's row format: a "%s" for each per-row field (the path, the shape, the row
     # attributes in the layout's order, the offsets, the checksums), the rest its own text.
@@ -337,7 +344,6 @@ def _column_documents(reader: H5Reader) -> dict[str, _Document] | None:
     paths = _texts(doc["paths"])
     first = table.first.tolist()
     shapes = table.shapes
-    offsets = ["null" if o is None else str(o) for o in doc["offsets"]]
     crcs = list(map(str, flat))
     lid: list[int] = doc["layout"]
     pieces = ["{"]
