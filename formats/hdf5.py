@@ -70,6 +70,11 @@ class HDF5View(CheckpointView):
         file's index, without an entry made per variable (:meth:`H5Reader.summaries`)."""
         return self.reader.summaries()
 
+    def summary(self, key: str) -> tuple[str, Any, tuple[int, ...], int, int, Any] | None:
+        """One variable's entry of :meth:`summaries`, made when asked for
+        (:meth:`H5Reader.summary`)."""
+        return self.reader.summary(key)
+
     def bulk_components(self, paths: list[str]) -> Iterator[tuple[str, list[Any] | None]]:
         """Each of ``paths`` with its components read in bulk, checksums verified (None: read
         that one the general way, ``self[path]``; :meth:`H5Reader.bulk_components`)."""
