@@ -34,6 +34,7 @@ Usage::
 
     python bench/bench_paths_commands.py --commands                       # 5,000 and 50,000 variables
     python bench/bench_paths_commands.py --commands --sizes 5000 --adam both --json paths.json
+    python bench/bench_paths_commands.py --commands --only inspect,verify,diff,extract
 """
 
 from __future__ import annotations
@@ -234,8 +235,9 @@ class _Record:
 
 
 # ---------------------------------------------------------------------------------- commands
-def commands(folder: str, n: int, adam: bool) -> dict[str, Any]:
-    """Every command row at one size; figures and ratios."""
+def commands(folder: str, n: int, adam: bool, only: list[str] | None = None) -> dict[str, Any]:
+    """Every command row at one size (``only``: the rows whose label starts with one of
+    these); figures and ratios."""
     t0 = time.perf_counter()
     files = _files(folder, n, adam)
     print(f"  files written in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -287,6 +289,8 @@ def commands(folder: str, n: int, adam: bool) -> dict[str, Any]:
     largest = PARAMS * 4
     results = {}
     for label, argv, base in rows:
+        if only and not any(label.startswith(prefix) for prefix in only):
+            continue
         try:
             ours = _run("cli", *argv)
         except SystemExit as exc:  # reported, and the other rows still run
@@ -340,6 +344,11 @@ def main() -> None:
     p.add_argument("--commands", action="store_true", help="the command-line rows")
     p.add_argument("--sizes", default="5000,50000", help="variable counts, comma-separated")
     p.add_argument("--adam", choices=("without", "with", "both"), default="both")
+    p.add_argument(
+        "--only",
+        help="run only the rows whose label starts with one of these, comma-separated "
+        "(e.g. inspect,verify,diff,extract)",
+    )
     p.add_argument("--json", help="also write the figures here")
     p.add_argument("--dir", help="where to write the files (default: a temporary folder)")
     args = p.parse_args()
@@ -355,7 +364,8 @@ def main() -> None:
                 print(f"{n:,} variables x {DEVICES} components{' + Adam slots' if adam else ''}:")
                 sub = os.path.join(folder, f"{n}{adam}")
                 os.makedirs(sub)
-                figures["commands"].append(commands(sub, n, adam))
+                only = args.only.split(",") if args.only else None
+                figures["commands"].append(commands(sub, n, adam, only))
                 subprocess.run(["rm", "-rf", sub], check=False)
     figures["load_average_end"] = list(os.getloadavg())
     if args.json:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
 __all__ = ["Output", "Progress", "counted"]
@@ -192,14 +192,15 @@ def _compact(value: Any) -> str:
 def json_lines(data: Mapping[str, Any]) -> Iterator[str]:
     """A command's result as one JSON document, line by line: one top-level field a line, and
     a list field one item a line (``variables``: one variable a line, so a listing of 100,000
-    variables is 100,000 lines that ``grep`` and ``jq`` both take). Each line is encoded by
+    variables is 100,000 lines that ``grep`` and ``jq`` both take; a sequence that makes its
+    items when they are read is read one item at a time). Each line is encoded by
     json's C encoder: a document of that size costs tens of milliseconds, not seconds."""
     yield "{"
     items = list(data.items())
     for k, (key, value) in enumerate(items):
         head = f"  {_ENCODE(str(key))}: "
         tail = "," if k + 1 < len(items) else ""
-        if isinstance(value, list) and value:
+        if isinstance(value, list | Sequence) and not isinstance(value, str | bytes) and value:
             yield head + "["
             last = len(value) - 1
             for j, item in enumerate(value):

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -210,63 +210,139 @@ def collect(view: CheckpointView, out: Output) -> list[dict[str, Any]]:
     mirrored components are compared in bulk (read by offset, checksums verified); any other
     view's, and any entry the bulk path leaves out, entry by entry, component by component.
     """
-    summaries = getattr(view, "summaries", None)
-    summary = summaries() if summaries is not None else None
-    names: dict[np.dtype, str] = {}
-    rows: list[dict[str, Any]] = []
-    entries: dict[str, Entry] = {}
-    for key in sorted(view, key=natural_key):
-        known = summary.get(key) if summary is not None else None
+    return list(Rows(view, out))
+
+
+class Rows(Sequence[dict[str, Any]]):
+    """:func:`collect`'s rows, each made when it is read (a native file's from its index's
+    table): what is kept of every variable is its path and, for a mirrored one whose
+    components differ or could not be read, what was found. The components are compared once,
+    when the rows are made ready."""
+
+    def __init__(self, view: CheckpointView, out: Output) -> None:
+        self._view = view
+        self.keys = sorted(view, key=natural_key)
+        summary = getattr(view, "summary", None)
+        if summary is None:
+            summaries = getattr(view, "summaries", None)
+            listed = summaries() if summaries is not None else None
+            summary = listed.get if listed is not None else None
+        self._summary = summary
+        self._names: dict[np.dtype, str] = {}
+        # Rows made from entries (a view without a table): kept, as the view keeps its entries.
+        self._made: dict[str, dict[str, Any]] = {}
+        self._differing: dict[str, list[int]] = {}  # (only those that differ)
+        self._damaged: dict[str, str] = {}
+        self._compare(out)
+
+    def _base(self, key: str) -> dict[str, Any]:
+        made = self._made.get(key)
+        if made is not None:
+            return dict(made)
+        known = self._summary(key) if self._summary is not None else None
         if known is not None:
             kind, dtype, shape, n, nbytes, attrs = known
-            rows.append(_summary_row(key, kind, dtype, shape, n, nbytes, attrs, names))
-            continue
+            return _summary_row(key, kind, dtype, shape, n, nbytes, attrs, self._names)
         try:
-            entry = view[key]
+            entry = self._view[key]
         except ParallelVarsError as exc:  # shown in the tree, marked, with the others
-            rows.append(
-                {
-                    "path": key,
-                    "kind": "?",
-                    "dtype": "?",
-                    "shape": [],
-                    "components": 0,
-                    "bytes": 0,
-                    "attrs": {},
-                    "damaged": str(exc),
-                }
-            )
-            continue
-        entries[key] = entry
-        rows.append(_row(entry))
-    mirrored = [r for r in rows if r["kind"] == "mirrored" and r["components"] > 1]
-    bulk = getattr(view, "differing_components", None)
-    known_differing: dict[str, list[int]] = (
-        bulk([r["path"] for r in mirrored]) if bulk is not None else {}
-    )
-    with out.progress(sum(r["bytes"] for r in mirrored), "compare components") as bar:
-        for row in rows:
-            if row["kind"] != "mirrored" or "damaged" in row:
-                continue
-            path = row["path"]
-            try:
-                if path in known_differing:
-                    differing = known_differing[path]
-                    bar.advance(row["bytes"])
-                elif row["components"] > 1:
-                    entry = entries.get(path) or view[path]
-                    differing = components_equal(entry, bar)
+            row = {
+                "path": key,
+                "kind": "?",
+                "dtype": "?",
+                "shape": [],
+                "components": 0,
+                "bytes": 0,
+                "attrs": {},
+                "damaged": str(exc),
+            }
+        else:
+            row = _row(entry)
+        if self._summary is None:
+            self._made[key] = row
+            return dict(row)
+        return row
+
+    def _facts(self, key: str) -> tuple[str, int, int, bool]:
+        """The kind, number of components, bytes of ``key`` and whether its entry could not
+        be made (from the view's summary: no row made)."""
+        known = self._summary(key) if self._summary is not None else None
+        if known is not None:
+            return known[0], known[3], known[4], False
+        row = self._base(key)
+        return row["kind"], row["components"], row["bytes"], "damaged" in row
+
+    def totals(self) -> tuple[int, int, list[dict[str, Any]]]:
+        """The bytes and components of every variable, and the rows of the damaged ones."""
+        nbytes = components = 0
+        damaged = []
+        for key in self.keys:
+            _, n, size, broken = self._facts(key)
+            nbytes += size
+            components += n
+            if broken or key in self._damaged:
+                damaged.append(self.row(key))
+        return nbytes, components, damaged
+
+    def _compare(self, out: Output) -> None:
+        """Compare every mirrored variable's components (in bulk where the view can)."""
+        mirrored = []
+        total = 0
+        for key in self.keys:
+            kind, n, size, broken = self._facts(key)
+            if kind == "mirrored" and n > 1 and not broken:
+                mirrored.append(key)
+                total += size
+        bulk = getattr(self._view, "differing_components", None)
+        known = bulk(mirrored) if bulk is not None else {}
+        with out.progress(total, "compare components") as bar:
+            for key in mirrored:
+                try:
+                    differing = known.get(key)
+                    if differing is None:
+                        differing = components_equal(self._view[key], bar)
+                    else:
+                        bar.advance(self._facts(key)[2])
+                except ParallelVarsError as exc:
+                    self._damaged[key] = str(exc)
                 else:
-                    differing = []
-            except ParallelVarsError as exc:
-                row["damaged"] = str(exc)
-            else:
-                row["equal"] = not differing
-                row["differing"] = differing
-    return rows
+                    if differing:
+                        self._differing[key] = differing
+        self._mirrored = set(mirrored)
+
+    def row(self, key: str) -> dict[str, Any]:
+        """The row of the variable ``key``."""
+        row = self._base(key)
+        if key in self._damaged:
+            row["damaged"] = self._damaged[key]
+        elif key in self._mirrored:
+            differing = self._differing.get(key, [])
+            row["equal"] = not differing
+            row["differing"] = differing
+        return row
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @overload
+    def __getitem__(self, k: int) -> dict[str, Any]: ...
+
+    @overload
+    def __getitem__(self, k: slice) -> list[dict[str, Any]]: ...
+
+    def __getitem__(self, k: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
+        if isinstance(k, slice):
+            return [self.row(key) for key in self.keys[k]]
+        return self.row(self.keys[k])
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return map(self.row, self.keys)
 
 
-def training_structure(view: CheckpointView, rows: list[dict[str, Any]]) -> dict[str, Any]:
+_UNSAID = object()
+
+
+def training_structure(view: CheckpointView, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """What the file says of the training run beyond values: whose object graph it carries
     (``"parallelvars"``, ``"tensorflow"`` or None: a restore then matches by path), its
     optimizer slots, the slots whose variable is not in the file (they restore nowhere), the
@@ -276,20 +352,24 @@ def training_structure(view: CheckpointView, rows: list[dict[str, Any]]) -> dict
     from parallelvars.formats._source import reasons_of
     from parallelvars.formats.tf._tf1 import name_based_state
 
-    graph = getattr(view, "object_graph", None)
-    paths = {r["path"] for r in rows}
-    slots = [r for r in rows if isinstance(r["attrs"].get("slot_of"), str)]
+    known = getattr(view, "graph_kind", _UNSAID)  # (a native view: known from its open)
+    if known is _UNSAID:
+        graph = getattr(view, "object_graph", None)
+        known = None if graph is None else "parallelvars" if isinstance(graph, Mapping) else "other"
+    paths = set()
+    slots = []  # (each slot's path and its variable's: not its row)
+    for r in rows:
+        paths.add(r["path"])
+        target = r["attrs"].get("slot_of")
+        if isinstance(target, str):
+            slots.append((r["path"], target))
     tf1, counters = name_based_state(view)
     not_mappable = {k: s.reason for k, s in tf1.items() if s.slot_name is None}
     not_mappable.update(reasons_of(view))
     return {
-        "object_graph": "parallelvars"
-        if isinstance(graph, Mapping)
-        else "tensorflow"
-        if graph is not None
-        else None,
+        "object_graph": "tensorflow" if known == "other" else known,
         "slots": len(slots),
-        "slots_without_variable": [r["path"] for r in slots if r["attrs"]["slot_of"] not in paths],
+        "slots_without_variable": [path for path, target in slots if target not in paths],
         "tf1_slots": sum(s.slot_name is not None for s in tf1.values()),
         "tf1_counters": counters,
         "not_mappable": dict(sorted(not_mappable.items())),
@@ -332,11 +412,27 @@ def _mapping_text(structure: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     out: Output = args.out
     with open_view(args.checkpoint, args.from_format, args.read_options) as view:
-        rows = collect(view, out)
+        # (each row made when it is written: a listing of 100,000 variables does not hold
+        # 100,000 rows)
+        rows = Rows(view, out)
         fmt, metadata = view.format, dict(view.metadata)
         structure = training_structure(view, rows)
-    total = sum(r["bytes"] for r in rows)
-    ncomp = sum(r["components"] for r in rows)
+        total, ncomp, damaged = rows.totals()
+        return _emit(args, out, rows, fmt, metadata, structure, total, ncomp, damaged)
+
+
+def _emit(
+    args: argparse.Namespace,
+    out: Output,
+    rows: Rows,
+    fmt: str,
+    metadata: dict[str, Any],
+    structure: dict[str, Any],
+    total: int,
+    ncomp: int,
+    damaged: list[dict[str, Any]],
+) -> int:
+    """Print the listing (its rows read from the view, still open)."""
     data = {
         "path": args.checkpoint,
         "format": fmt,
@@ -360,14 +456,14 @@ def run(args: argparse.Namespace) -> int:
                 value = metadata_text(str(key), metadata[key])
                 lines.append(f"  {key}: {value if len(value) <= 72 else value[:69] + '...'}")
             lines.append("variables:")
-        lines.extend(render_tree(rows))
+        made = list(rows)
+        lines.extend(render_tree(made))
         lines.append(_structure_text(structure))
-        unequal = [r["path"] for r in rows if r.get("equal") is False]
+        unequal = [r["path"] for r in made if r.get("equal") is False]
         if unequal:
             lines.append(f"{len(unequal)} mirrored variable(s) with unequal components")
         lines.extend(f"damaged: {r['damaged']}" for r in damaged)
         return "\n".join(lines)
 
-    damaged = [r for r in rows if "damaged" in r]
     out.emit(data, human)
     return 1 if damaged else 0

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars._fileio import value_types
 from parallelvars._spans import BULK_BYTES
 from parallelvars.checkpoint.entry import layout_problem
 from parallelvars.errors import (
@@ -170,8 +171,9 @@ def build_entries(
     present = set(stored_keys)
     claimed: dict[str, str] = {}
     by_first_key: dict[str, Entry] = {}
+    checked: dict[Any, Any] = {}
     for path, rec in variables.items():
-        recorded = _entry_from_record(store, str(path), rec, present)
+        recorded = _entry_from_record(store, str(path), rec, present, checked)
         for key in recorded.keys:
             if key in claimed:
                 raise _corrupt(
@@ -211,7 +213,30 @@ def build_entries(
     return out
 
 
-def _entry_from_record(store: TensorStore, path: str, rec: Any, present: set[str]) -> StoredEntry:
+def _layout_key(kind: Any, shape: tuple[int, ...], n: int, attrs: dict[str, Any]) -> Any:
+    """What :func:`layout_problem` reads of a variable that is not sharded, as a key (None:
+    not kept: a sharded variable, or values that are not plain text)."""
+    if kind == "sharded":
+        return None
+    aggregation, devices = attrs.get("aggregation"), attrs.get("devices")
+    if aggregation is not None and type(aggregation) is not str:
+        return None
+    if devices is not None:
+        if type(devices) is not list or value_types(devices) - {str}:
+            return None
+        devices = tuple(devices)
+    return kind, n, bool(shape) and min(shape) < 0, aggregation, devices
+
+
+def _entry_from_record(
+    store: TensorStore,
+    path: str,
+    rec: Any,
+    present: set[str] | Mapping[str, Any],
+    checked: dict[Any, Any] | None = None,
+) -> StoredEntry:
+    """The entry a parallel-info record describes, every field checked (``checked``: the
+    layouts found sound so far, shared by the records of one file)."""
     file = store.file
     if not isinstance(rec, Mapping):
         raise _corrupt(file, "variable record is not an object", variable=path)
@@ -225,10 +250,14 @@ def _entry_from_record(store: TensorStore, path: str, rec: Any, present: set[str
         attrs = dict(rec.get("attrs") or {})
     except (KeyError, TypeError, ValueError) as exc:
         raise _corrupt(file, f"variable record is incomplete ({exc})", variable=path) from None
-    problem = layout_problem(kind, shape, n, attrs)  # the core's one entry validation
-    if problem is not None:
-        what, expected, found = problem
-        raise _corrupt(file, what, variable=path, expected=expected, found=found)
+    key = _layout_key(kind, shape, n, attrs) if checked is not None else None
+    if key is None or key not in checked:  # type: ignore[operator]
+        problem = layout_problem(kind, shape, n, attrs)  # the core's one entry validation
+        if problem is not None:
+            what, expected, found = problem
+            raise _corrupt(file, what, variable=path, expected=expected, found=found)
+        if key is not None and len(checked) < 4096:  # type: ignore[arg-type]
+            checked[key] = True  # type: ignore[index]
     if layout not in _LAYOUTS:
         raise _corrupt(
             file,
@@ -267,15 +296,19 @@ def _entry_from_record(store: TensorStore, path: str, rec: Any, present: set[str
         attrs=attrs,
     )
     # The stored tensors must hold exactly the bytes the record describes.
+    string = is_string_dtype(dtype)
+    stored = store.stored
     for i, key in enumerate(keys):
-        sdtype, sshape = store.stored(key)
+        sdtype, sshape = stored(key)
+        if sdtype == dtype and sshape == shape and kind != "sharded":
+            continue  # (stored as described: every layout's tensor has this shape then)
         if layout == "components":
             want = entry.component_shape(i)
         elif layout == "aggregate" and i > 0:
             want = entry.component_shape(i - 1)
         else:
             want = entry.shape
-        if is_string_dtype(dtype):
+        if string:
             ok = tuple(sshape) == tuple(want)
         else:
             ok = math.prod(sshape) * sdtype.itemsize == math.prod(want) * dtype.itemsize and (
@@ -333,7 +366,8 @@ class StoreView(DictView):  # the Mapping over ._entries comes from DictView
             ):
                 entry = None
             batch.append((path, entry))
-            size += 0 if entry is None else entry.nbytes
+            if entry is not None:  # (not sharded: every component of the entry's shape)
+                size += math.prod(entry.shape) * entry.dtype.itemsize * entry.num_components
             if size >= BULK_BYTES:
                 yield from self._read_batch(batch)
                 batch, size = [], 0
@@ -346,8 +380,9 @@ class StoreView(DictView):  # the Mapping over ._entries comes from DictView
         sizes: list[int] = []
         for _, entry in batch:
             if entry is not None:  # (not sharded: each component has the entry's shape)
-                keys.extend(entry.keys[: entry.num_components])  # type: ignore[attr-defined]
-                sizes.extend([entry.nbytes // entry.num_components] * entry.num_components)
+                n = entry.num_components
+                keys.extend(entry.keys[:n])  # type: ignore[attr-defined]
+                sizes.extend([math.prod(entry.shape) * entry.dtype.itemsize] * n)
         got = self._store.read_many(keys, sizes) if keys else []  # type: ignore[attr-defined]
         k = 0
         for path, entry in batch:

@@ -50,6 +50,12 @@ class HDF5View(CheckpointView):
         """The stored object graph, or None (read from the file when asked for)."""
         return self.reader.object_graph
 
+    @property
+    def graph_kind(self) -> str | None:
+        """What :attr:`object_graph` is, known from the open without decoding it again:
+        "parallelvars" (a mapping), "other", or None (no graph)."""
+        return self.reader.graph_kind
+
     def __getitem__(self, key: str) -> Entry:
         return self.reader[key]
 
@@ -63,6 +69,11 @@ class HDF5View(CheckpointView):
         """Each variable's kind, dtype, shape, components, bytes and attributes from the
         file's index, without an entry made per variable (:meth:`H5Reader.summaries`)."""
         return self.reader.summaries()
+
+    def summary(self, key: str) -> tuple[str, Any, tuple[int, ...], int, int, Any] | None:
+        """One variable's entry of :meth:`summaries`, made when asked for
+        (:meth:`H5Reader.summary`)."""
+        return self.reader.summary(key)
 
     def bulk_components(self, paths: list[str]) -> Iterator[tuple[str, list[Any] | None]]:
         """Each of ``paths`` with its components read in bulk, checksums verified (None: read

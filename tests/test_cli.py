@@ -161,7 +161,7 @@ def test_unexpected_exception_is_an_internal_error(
     def broken(*args: object) -> None:
         raise ZeroDivisionError("division by zero")
 
-    monkeypatch.setattr(inspect_cmd, "collect", broken)
+    monkeypatch.setattr(inspect_cmd, "Rows", broken)
     path = write_sample(tmp_path / "run.h5")
     assert main(["inspect", path]) == EXIT_INTERNAL
     line = _one_line_error(capsys.readouterr().err)

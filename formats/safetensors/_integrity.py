@@ -17,6 +17,8 @@ from parallelvars.errors import (
 )
 from parallelvars.formats.safetensors._layout import CRC_KEY, META_KEY
 
+_HEX = frozenset("0123456789abcdef")
+
 
 def _header_crc(
     metadata: Mapping[str, str],
@@ -79,7 +81,7 @@ def _verify_header(
                 )
         return None
     names = sorted(described)
-    if len(raw) != 8 * (1 + len(names)) or not all(c in "0123456789abcdef" for c in raw):
+    if len(raw) != 8 * (1 + len(names)) or not set(raw) <= _HEX:
         raise CorruptCheckpointError(
             "the checksum record is damaged",
             file=file,
@@ -88,7 +90,13 @@ def _verify_header(
             found=f"{raw[:80]!r}",
         )
     header = raw[:8]
-    tensors = {name: raw[8 * (i + 1) : 8 * (i + 2)] for i, name in enumerate(names)}
+    tensors = dict(
+        zip(
+            names,
+            map(raw.__getitem__, map(slice, range(8, len(raw), 8), range(16, len(raw) + 8, 8))),
+            strict=True,
+        )
+    )
     found = _header_crc(metadata, described, tensors)
     if found != header:
         raise ChecksumMismatchError(

@@ -52,6 +52,7 @@ class BulkReads:
     # The names reached by hard links only (see _reached), once listed.
     _hard_names: set[bytes] | None = None
     _unlisted = False  # (the names could not be listed: not tried again for every name)
+    _all_listed = False  # (every component name of the table is reached by hard links)
     _link_checks = 0
 
     if TYPE_CHECKING:
@@ -121,6 +122,8 @@ class BulkReads:
                 self._hard_names = hard_names(
                     WindowSource(self._fd(), self.file_size), wanted, parents=parents
                 )
+                # (every component of the table reached: nothing left to look up one by one)
+                self._all_listed = len(self._hard_names) == len(wanted)
                 return self._hard_names
             except (Refused, UnicodeEncodeError):  # (a name that is not text: HDF5's walk)
                 pass
@@ -156,6 +159,8 @@ class BulkReads:
         hard = self._hard_link_names()
         if hard is None:
             return [False] * len(paths)
+        if self._all_listed:  # (``paths`` are rows of the table, whose names are all reached)
+            return [True] * len(paths)
         suffixes = [f"/{component_name(i)}".encode() for i in range(max(counts, default=0))]
         return [
             all(path.encode() + suffixes[i] in hard for i in range(n))
@@ -179,43 +184,41 @@ class BulkReads:
         from the index's table, validated at open: no
         :class:`~parallelvars.checkpoint.h5io.stored.StoredVariable` made for a variable that
         does not have one yet. None for a file read entry by entry (no table)."""
-        table = self.table
-        if table is None:
+        if self.table is None:
             return None
-        metas = self._metas
-        attrs_of = metas.attrs_of if isinstance(metas, ColumnEntries) else None
-        # A name that is not Unicode text is left out: made as an entry, it names the error.
-        unnamable: set[str] = set()
-        if not "".join(table.names).isascii():
-            for name in table.names:
-                try:
-                    name.encode("utf-8")
-                except UnicodeEncodeError:
-                    unnamable.add(name)
         out = {}
-        made = self._variables
-        for row, (name, kind, dtype, shape, n, nbytes) in enumerate(
-            zip(
-                table.names,
-                table.kinds,
-                table.dtypes,
-                table.shapes,
-                table.counts,
-                table.row_nbytes,
-                strict=True,
-            )
-        ):
-            if name in unnamable:
-                continue
-            if kind == "sharded" or dtype.kind == "O":  # (made at open: shards' own sizes)
-                var = made.get(name) or self[name]
-                out[name] = (kind, dtype, shape, n, var.nbytes, dict(var.attrs))
-                continue
-            attrs = (
-                attrs_of(row, shared=True) if attrs_of is not None else dict(metas[name]["attrs"])
-            )
-            out[name] = (kind, dtype, shape, n, nbytes, attrs)
+        for name in self.table.names:
+            known = self.summary(name)
+            if known is not None:
+                out[name] = known
         return out
+
+    def summary(
+        self, name: str
+    ) -> tuple[str, np.dtype, tuple[int, ...], int, int, dict[str, Any]] | None:
+        """One variable's entry of :meth:`summaries`, made when asked for (None: no table,
+        no such variable, or a name that is not Unicode text: made as an entry, it names the
+        error)."""
+        table = self.table
+        row = None if table is None else table.rows.get(name)
+        if row is None:
+            return None
+        if not name.isascii():
+            try:
+                name.encode("utf-8")
+            except UnicodeEncodeError:
+                return None
+        kind, dtype = table.kinds[row], table.dtypes[row]
+        if kind == "sharded" or dtype.kind == "O":  # (made at open: shards' own sizes)
+            var = self._variables.get(name) or self[name]
+            return (kind, dtype, table.shapes[row], table.counts[row], var.nbytes, dict(var.attrs))
+        metas = self._metas
+        attrs = (
+            metas.attrs_of(row, shared=True)
+            if isinstance(metas, ColumnEntries)
+            else dict(metas[name]["attrs"])
+        )
+        return kind, dtype, table.shapes[row], table.counts[row], table.row_nbytes[row], attrs
 
     def differing_components(self, paths: Iterable[str]) -> dict[str, list[int]]:
         """For each variable at ``paths`` that the bulk path reads, the components whose bytes

@@ -315,11 +315,19 @@ class ColumnEntries(Mapping[str, dict[str, Any]]):
         rows: dict[str, int],
         dim_first: list[int],
         comp_first: list[int],
+        offsets: np.ndarray | None = None,
+        crcs: np.ndarray | None = None,
     ) -> None:
+        """``offsets``/``crcs``: the document's offsets (-1 for null) and checksums as
+        arrays, its lists of them then left out of ``doc`` (None there: a file's components
+        are most of a columns document's values, and as Python ints they would be most of
+        its memory)."""
         self._doc = doc
         self._rows = rows
         self._dim_first = dim_first
         self._comp_first = comp_first
+        self.offsets = offsets
+        self.crcs = crcs
 
     def __getitem__(self, path: str) -> dict[str, Any]:
         row = self._rows[path]
@@ -337,9 +345,16 @@ class ColumnEntries(Mapping[str, dict[str, Any]]):
                 k: row_attrs[k][row] if v is None else _copied(v)
                 for k, v in layout["attrs"].items()
             },
-            "offsets": doc["offsets"][c : c + n],
-            "crc32c": doc["crc32c"][c : c + n],
+            "offsets": self._offsets_of(c, n),
+            "crc32c": doc["crc32c"][c : c + n]
+            if self.crcs is None
+            else self.crcs[c : c + n].tolist(),
         }
+
+    def _offsets_of(self, c: int, n: int) -> list[int | None]:
+        if self.offsets is None:
+            return list(self._doc["offsets"][c : c + n])
+        return [None if o < 0 else o for o in self.offsets[c : c + n].tolist()]
 
     def attrs_of(self, row: int, *, shared: bool = False) -> dict[str, Any]:
         """Row ``row``'s attributes (as ``self[path]["attrs"]``, without the rest of the
@@ -533,7 +548,9 @@ def _columns_table(doc: Any, file: str) -> tuple[IndexTable | None, ColumnEntrie
         doc["offsets"], "offsets", 0, 1 << 62, file, nulls=True, owners=(first_list, paths)
     )
     crcs, _ = _int_column(doc["crc32c"], "crc32c", 0, 1 << 32, file, owners=(first_list, paths))
-    entries = ColumnEntries(doc, row_of, dim_list, first_list)
+    # (the lists' values are the arrays' now: the lists are let go)
+    doc["offsets"] = doc["crc32c"] = None
+    entries = ColumnEntries(doc, row_of, dim_list, first_list, offsets, crcs)
     if not canonical:
         return None, entries
     try:

@@ -151,6 +151,9 @@ class H5Reader(BulkReads, Mapping[str, StoredVariable]):
         #: its memory stays that of the index's table, whatever the number of variables.
         self.keep_entries = keep_entries
         self._graph: Any = None
+        #: What the stored object graph is, checked at open: "parallelvars" (a mapping),
+        #: "other" (another JSON value), or None (the file has none).
+        self.graph_kind: str | None = None
         # The index's entries (path -> decoded entry) and, when they are all in our writers'
         # form, the same as arrays; a StoredVariable is made when a path is first asked for.
         self._metas: Mapping[str, Any] = {}
@@ -243,6 +246,15 @@ class H5Reader(BulkReads, Mapping[str, StoredVariable]):
                 DOCUMENTS_ATTR, None
             )  # layout bookkeeping, not user metadata
             required = set(listed) if isinstance(listed, list) else set()
+            # The object graph first: a reader that does not keep it has let its objects go
+            # before the index's are made (its memory is then the larger of the two, not
+            # their sum).
+            graph = _read_json(f, GRAPH_DATASET, self.path, required=GRAPH_DATASET in required)
+            self.graph_kind = (
+                None if graph is None else "parallelvars" if isinstance(graph, dict) else "other"
+            )
+            self._graph = graph if graph is None or self.keep_entries else _NOT_KEPT
+            del graph
             # A file that lists its columns is opened from them: the index is not decoded.
             if COLUMNS_DATASET in required and self._open_columns(
                 _read_json(f, COLUMNS_DATASET, self.path, required=True)
@@ -267,8 +279,6 @@ class H5Reader(BulkReads, Mapping[str, StoredVariable]):
                     for name in sorted(groups)
                 }
                 self._names = list(self._variables)
-            graph = _read_json(f, GRAPH_DATASET, self.path, required=GRAPH_DATASET in required)
-            self._graph = graph if graph is None or self.keep_entries else _NOT_KEPT
         except (CorruptCheckpointError, UnsupportedDtypeError):
             raise
         except (*_H5_ERRORS, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:

@@ -26,14 +26,18 @@ which names what is wrong.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import crc32c as _crc32c
 import numpy as np
 
+from parallelvars._fileio import value_types
 from parallelvars.checkpoint.h5io.attributes import _read_json
+from parallelvars.checkpoint.h5io.columns import ColumnEntries
 from parallelvars.checkpoint.h5io.layout import (
     _H5_ERRORS,
     COLUMNS_DATASET,
@@ -58,6 +62,8 @@ CHECK_SPAN = 16 << 20
 # sizes, base address, extension address, end of file: 8 + 4 + 3 * 8 bytes).
 _ROOT_AT = 36
 
+_ENCODE = json.encoder.encode_basestring_ascii  # (how json.dumps writes a string)
+
 
 def sound_as_generated(reader: H5Reader) -> bool:
     """Whether ``reader``'s file is exactly what the generator writes for its own index, with
@@ -71,9 +77,14 @@ def sound_as_generated(reader: H5Reader) -> bool:
         # (the index and the plan: a few containers per variable, alive until the end; the
         # collector does not walk the objects that existed before again and again meanwhile)
         with older_objects_frozen():
-            parts = _regenerate(reader, share_empty=True)
+            regenerate = (
+                _regenerate_columns
+                if reader.table is not None and isinstance(reader._metas, ColumnEntries)
+                else _regenerate
+            )
+            parts = regenerate(reader, share_empty=True)
             if parts is None and reader._empty_shared_ambiguous:
-                parts = _regenerate(reader, share_empty=False)
+                parts = regenerate(reader, share_empty=False)
         return parts is not None and _components_sound(reader, parts)
     except (ParallelVarsError, *_H5_ERRORS, ValueError, TypeError, KeyError, OverflowError):
         return False
@@ -139,15 +150,10 @@ def _regenerate(reader: H5Reader, *, share_empty: bool) -> list[tuple[int, int, 
     from parallelvars.checkpoint.h5raw.native import index_documents
 
     f, path = reader._h5(), reader.path
-    root = _root_attributes(reader)
-    if root is None or DOCUMENTS_ATTR not in root:
+    listed = _documents_listed(reader)
+    if listed is None:
         return None
-    documents = [bytes(d).decode("utf-8") for d in np.asarray(root[DOCUMENTS_ATTR]).tolist()]
-    if documents[:2] != [INDEX_DATASET, COLUMNS_DATASET] or documents[2:] not in (
-        [],
-        [GRAPH_DATASET],
-    ):
-        return None
+    root, documents = listed
     index = _read_json(f, INDEX_DATASET, path, required=True)
     if not isinstance(index, dict):
         return None
@@ -176,10 +182,86 @@ def _regenerate(reader: H5Reader, *, share_empty: bool) -> list[tuple[int, int, 
     plan = FilePlan(variables, root_attrs=root, documents=documents)
     if any(plan.offsets[name] != meta["offsets"] for name, meta in index.items()):
         return None
-    docs = index_documents(index)
-    capacities = {name: len(data) for name, data in docs.items()}
+    docs = {
+        name: _Document([data.decode("ascii")], len(data))
+        for name, data in index_documents(index).items()
+    }
+    if not _compare_generated(reader, plan, documents, docs):
+        return None
+    return _components(reader, index)
+
+
+def _documents_listed(reader: H5Reader) -> tuple[dict[str, Any], list[str]] | None:
+    """The root attributes as the writer handed them to the plan and the documents they list
+    (None: not a file the generator writes)."""
+    root = _root_attributes(reader)
+    if root is None or DOCUMENTS_ATTR not in root:
+        return None
+    documents = [bytes(d).decode("utf-8") for d in np.asarray(root[DOCUMENTS_ATTR]).tolist()]
+    if documents[:2] != [INDEX_DATASET, COLUMNS_DATASET] or documents[2:] not in (
+        [],
+        [GRAPH_DATASET],
+    ):
+        return None
+    return root, documents
+
+
+class _Document:
+    """A document's expected bytes: ASCII text pieces, padded with spaces to ``capacity``
+    (made into bytes and compared with the file a few MiB at a time: never held whole)."""
+
+    __slots__ = ("capacity", "pieces")
+
+    def __init__(self, pieces: list[str], capacity: int) -> None:
+        self.pieces, self.capacity = pieces, capacity
+
+    def _chunks(self) -> Iterator[bytes]:
+        batch: list[str] = []
+        size = 0
+        for piece in self.pieces:
+            batch.append(piece)
+            size += len(piece)
+            if size >= _TEXT_CHUNK:
+                yield "".join(batch).encode("ascii")
+                batch, size = [], 0
+        if batch:
+            yield "".join(batch).encode("ascii")
+
+    def crc(self) -> int:
+        """The CRC-32C of the padded document."""
+        value, length = 0, 0
+        for chunk in self._chunks():
+            value = _crc32c.crc32c(chunk, value)
+            length += len(chunk)
+        if length > self.capacity:
+            raise ValueError("a document longer than its room")
+        return int(_crc32c.crc32c(b" " * (self.capacity - length), value))
+
+    def matches(self, fd: int, offset: int) -> bool:
+        """Whether the file holds the padded document at ``offset``."""
+        at = offset
+        for chunk in self._chunks():
+            if os.pread(fd, len(chunk), at) != chunk:
+                return False
+            at += len(chunk)
+        pad = self.capacity - (at - offset)
+        return pad >= 0 and os.pread(fd, pad, at) == b" " * pad
+
+
+#: The most bytes of a document's expected text made at once.
+_TEXT_CHUNK = 4 << 20
+
+
+def _compare_generated(
+    reader: H5Reader, plan: Any, documents: list[str], docs: dict[str, _Document]
+) -> bool:
+    """Whether the file's metadata image, documents and size are what ``plan`` makes with
+    the documents ``docs`` (the index and the columns, as the writer writes them)."""
+    f = reader._h5()
+    capacities = {name: doc.capacity for name, doc in docs.items()}
     fd, size = reader._fd(), reader.file_size
-    checksums = {name: _crc32c.crc32c(data) for name, data in docs.items()}
+    checksums = {name: doc.crc() for name, doc in docs.items()}
+    graph_size = 0
     if GRAPH_DATASET in documents:
         # The graph's size as its header says (compared below with the header made for it),
         # its bytes checked against the checksum the writer puts in that header.
@@ -192,14 +274,187 @@ def _regenerate(reader: H5Reader, *, share_empty: bool) -> list[tuple[int, int, 
     if meta_out.file_size != size or (
         GRAPH_DATASET in documents and meta_out.documents[GRAPH_DATASET] != size - graph_size
     ):
-        return None
+        return False
     for offset, data in meta_out.pieces:
         if os.pread(fd, len(data), offset) != bytes(data):
+            return False
+    return all(doc.matches(fd, meta_out.documents[name]) for name, doc in docs.items())
+
+
+def _texts(values: list[Any]) -> list[str]:
+    """Each value's JSON text (as ``json.dumps`` writes it)."""
+    if not value_types(values) - {str}:
+        return list(map(_ENCODE, values))
+    return list(map(json.dumps, values))
+
+
+def _column_documents(reader: H5Reader) -> dict[str, _Document] | None:
+    """The index and columns documents as the writer writes them for the columns the reader
+    decoded at open: the columns document encoded again (a few long lists: json's C
+    encoder), and the index made row by row from one ``%``-format per layout (its fixed
+    fields' text made once), without building the index's objects. The index then says
+    exactly what the columns say (``json.dumps`` of the entries :class:`ColumnEntries`
+    gives). None for a columns document whose checksums are not its last field."""
+    from parallelvars.checkpoint.h5raw.native import document_capacities
+
+    table = reader.table
+    metas: ColumnEntries = reader._metas
+    doc: dict[str, Any] = metas._doc
+    if list(doc)[-2:] != ["offsets", "crc32c"] or metas.offsets is None:
+        return None
+    dumps = json.dumps
+    flat = table.crcs.tolist()
+    digits = ", ".join(map(str, flat))
+    offsets = ["null" if o < 0 else str(o) for o in metas.offsets.tolist()]
+    head = (
+        dumps({k: v for k, v in doc.items() if k not in ("offsets", "crc32c")})[:-1]
+        + ', "offsets": ['
+        + ", ".join(offsets)
+        + '], "crc32c": ['
+    )
+    tail = "]}"
+    # Each layout's row format: a "%s" for each per-row field (the path, the shape, the row
+    # attributes in the layout's order, the offsets, the checksums), the rest its own text.
+    row_attrs = doc["row_attrs"]
+    formats: list[str] = []
+    keys_of: list[list[str]] = []
+    for layout in doc["layouts"]:
+        fixed = ["", ""]
+        keys = []
+        fixed[-1] += (
+            f': {{"kind": {_ENCODE(layout["kind"])}, "dtype": {_ENCODE(layout["dtype"])}, '
+            '"shape": ['
+        )
+        fixed.append(f'], "num_components": {layout["num_components"]}, "attrs": {{')
+        items = list(layout["attrs"].items())
+        for k, (key, value) in enumerate(items):
+            sep = ", " if k + 1 < len(items) else ""
+            if value is None:
+                fixed[-1] += _ENCODE(key) + ": "
+                fixed.append(sep)
+                keys.append(key)
+            else:
+                fixed[-1] += f"{_ENCODE(key)}: {dumps(value)}{sep}"
+        fixed[-1] += '}, "offsets": ['
+        fixed.append('], "crc32c": [')
+        fixed.append("]}")
+        formats.append("%s".join(part.replace("%", "%%") for part in fixed))
+        keys_of.append(keys)
+    texts = {key: _texts(values) for key, values in row_attrs.items()}
+    paths = _texts(doc["paths"])
+    first = table.first.tolist()
+    shapes = table.shapes
+    crcs = list(map(str, flat))
+    lid: list[int] = doc["layout"]
+    pieces = ["{"]
+    join = ", ".join
+    for row, layout in enumerate(lid):
+        a, b = first[row], first[row + 1]
+        values = [texts[key][row] for key in keys_of[layout]]
+        pieces.append(
+            formats[layout]
+            % (
+                paths[row],
+                join(map(str, shapes[row])),
+                *values,
+                join(offsets[a:b]),
+                join(crcs[a:b]),
+            )
+        )
+        pieces.append(", ")
+    if len(pieces) > 1:
+        pieces.pop()
+    pieces.append("}")
+    index_length = sum(map(len, pieces))
+    room = document_capacities(
+        index_length - len(digits) + 2 * max(len(flat) - 1, 0), (head, tail), len(flat)
+    )
+    return {
+        INDEX_DATASET: _Document(pieces, room[INDEX_DATASET]),
+        COLUMNS_DATASET: _Document([head, digits, tail], room[COLUMNS_DATASET]),
+    }
+
+
+def _regenerate_columns(
+    reader: H5Reader, *, share_empty: bool
+) -> list[tuple[int, int, int]] | None:
+    """:func:`_regenerate` from the columns the reader took at open (its
+    :class:`~parallelvars.checkpoint.h5io.index_table.IndexTable` and the columns' entries):
+    the index document is not decoded. The plan's variables are the table's rows, and the
+    index and columns documents the writer makes of them (from each field's text:
+    ``native._record_index_documents``) are compared with the file's bytes, so the index a
+    plain HDF5 reader sees is the one the columns describe."""
+    from parallelvars.checkpoint.h5raw.generate import FilePlan, Variable
+
+    table = reader.table
+    metas: ColumnEntries = reader._metas
+    listed = _documents_listed(reader)
+    if listed is None or any(dt.kind == "O" for dt in set(table.dtypes)):
+        return None  # (byte strings: values in the global heap, not in the index)
+    root, documents = listed
+    raw = table.offsets.tolist()  # (-1: no offset)
+    first = table.first.tolist()
+    variables = []
+    for row, (name, kind, dtype, shape, n) in enumerate(
+        zip(table.names, table.kinds, table.dtypes, table.shapes, table.counts, strict=True)
+    ):
+        offsets = raw[first[row] : first[row] + n]
+        shared = [offsets.index(o) if o >= 0 else i for i, o in enumerate(offsets)]
+        if kind != "sharded" and n > 1 and 0 in shape:
+            reader._empty_shared_ambiguous = True
+            if share_empty:
+                shared = [0] * n
+        variables.append(
+            Variable(
+                name,
+                kind,
+                dtype,
+                shape,
+                n,
+                metas.attrs_of(row),
+                None if shared == list(range(n)) else shared,
+            )
+        )
+    plan = FilePlan(variables, root_attrs=root, documents=documents)
+    placed = plan.offsets
+    for row, name in enumerate(table.names):
+        want = [None if o < 0 else o for o in raw[first[row] : first[row + 1]]]
+        if placed[name] != want:
             return None
-    for name, data in docs.items():
-        if os.pread(fd, len(data), meta_out.documents[name]) != data:
-            return None
-    return _components(reader, index)
+    del variables
+    docs = _column_documents(reader)
+    if docs is None or not _compare_generated(reader, plan, documents, docs):
+        return None
+    return _table_components(reader)
+
+
+def _table_components(reader: H5Reader) -> list[tuple[int, int, int]] | None:
+    """:func:`_components` from the reader's table (a sharded variable's shard sizes from its
+    variable, made at open)."""
+    table = reader.table
+    counts = np.asarray(table.counts, np.int64)
+    per = np.asarray(table.row_nbytes, np.int64) // np.maximum(counts, 1)
+    sizes = np.repeat(per, counts)
+    for row, kind in enumerate(table.kinds):
+        if kind == "sharded":
+            stored = reader[table.names[row]]
+            start = int(table.first[row])
+            sizes[start : start + stored.num_components] = [
+                stored.component_nbytes(i) for i in range(stored.num_components)
+            ]
+    offsets, crcs = table.offsets, table.crcs
+    skip = (offsets < 0) | (sizes == 0)
+    if bool((skip & ((sizes != 0) | (crcs != 0))).any()):
+        return None
+    keep = np.flatnonzero(~skip)
+    order = keep[np.argsort(offsets[keep], kind="stable")]
+    o, n, c = offsets[order], sizes[order], crcs[order]
+    again = np.flatnonzero(o[1:] == o[:-1]) + 1  # (names of one dataset agree on it)
+    if again.size and bool(((n[again] != n[again - 1]) | (c[again] != c[again - 1])).any()):
+        return None
+    heads = np.ones(o.size, bool)
+    heads[again] = False
+    return list(zip(o[heads].tolist(), n[heads].tolist(), c[heads].tolist(), strict=True))
 
 
 def _components(reader: H5Reader, index: dict[str, Any]) -> list[tuple[int, int, int]] | None:
