@@ -182,24 +182,33 @@ def _write_fused(
 
 
 class _DataWrite:
-    """A save's component bytes (:func:`_batches`) being written on a helper thread while the
-    saving thread makes the rest of the file (its metadata, the documents): the writes and
-    the checksums release the GIL, so the two overlap. The checksums are filled into ``crcs``
-    as the bytes are written (:func:`_write_fused`): read them after :meth:`wait`. With one
-    core (:func:`~parallelvars._threads.thread_count`) they are written at once, in the
-    calling thread. :meth:`wait` waits for the writes and raises their error; :meth:`join`
-    only waits (before the descriptor closes, whatever happened)."""
+    """A save's component bytes being written on a helper thread while the saving thread
+    makes the rest of the file (its metadata, the documents): the helper lays out the gathered
+    writes (:func:`_batches`) and writes them; the writes and the checksums release the GIL,
+    so the two overlap. The checksums are filled into ``crcs`` as the bytes are written
+    (:func:`_write_fused`): read them after :meth:`wait`. With one core
+    (:func:`~parallelvars._threads.thread_count`) they are written at once, in the calling
+    thread. :meth:`wait` waits for the writes and raises their error; :meth:`join` only waits
+    (before the descriptor closes, whatever happened)."""
 
     def __init__(
-        self, fd: int, batches: list[Batch], crcs: Checksums, file: str, items: Sequence[Any]
+        self,
+        fd: int,
+        plan: FilePlan,
+        items: list[Any],
+        comps: list[list[np.ndarray]],
+        crcs: Checksums,
+        file: str,
     ) -> None:
         self._future: Future[None] | None = None
-        if thread_count() < 2 or not batches:
-            _write_fused(fd, batches, crcs, file, items)
+        if thread_count() < 2:
+            _write_components(fd, plan, items, comps, crcs, file)
             return
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parallelvars-save")
         try:
-            self._future = submit_or_run(pool, _write_fused, fd, batches, crcs, file, items)
+            self._future = submit_or_run(
+                pool, _write_components, fd, plan, items, comps, crcs, file
+            )
         finally:
             pool.shutdown(wait=False)  # (its one worker ends with the writes)
 

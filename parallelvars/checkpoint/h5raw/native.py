@@ -54,7 +54,6 @@ from parallelvars.checkpoint.h5io.records import (
 )
 from parallelvars.checkpoint.h5io.write import _columns_parts, check_component
 from parallelvars.checkpoint.h5raw.component_bytes import (
-    _batches,
     _checksummed,
     _DataWrite,
     _write_components,
@@ -664,7 +663,7 @@ def _save_arrays(
         data: _DataWrite | None = None
         try:
             if isinstance(prep, Prepared):
-                data = _DataWrite(fd, _batches(prep.plan, items, comps), crcs, p, items)
+                data = _DataWrite(fd, prep.plan, items, comps, crcs, p)
             else:
                 # (a cached structure's key holds every component's shape and dtype: checked
                 # once)
@@ -673,7 +672,7 @@ def _save_arrays(
 
                 def laid_out(plan: FilePlan) -> None:
                     nonlocal data  # the bytes go out while the metadata is made
-                    data = _DataWrite(fd, _batches(plan, items, comps), crcs, p, items)
+                    data = _DataWrite(fd, plan, items, comps, crcs, p)
 
                 def checksums_now() -> list[list[int]]:
                     assert data is not None
