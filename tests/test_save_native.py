@@ -606,3 +606,25 @@ def test_a_component_changed_after_a_piece_of_it_was_written_fails_the_save(
     with open(path, "rb") as fh:
         assert fh.read() == good
     assert sorted(os.listdir(tmp_path)) == ["c.h5"]
+
+
+def test_repeated_saves_of_the_live_records_reuse_their_gathered_writes(tmp_path) -> None:
+    """The gathered writes of the live records are laid out once per plan and reused while the
+    records hold the same arrays (each save still reads their bytes anew); a snapshot's copies
+    are not kept by them."""
+    ckpt, m = _many(30)
+    ckpt.write(tmp_path / "a.h5")
+    prep = ckpt._pv_plans.held
+    records = ckpt._gather(False)[0]
+    assert prep.batches is not None and prep.batches[0] is records
+    laid = prep.batches[1]
+    for k in (1, 2):
+        m.vs[5].assign(np.full(3000, -k, np.float32))
+        path = ckpt.write(tmp_path / f"b{k}.h5")
+        assert ckpt._pv_plans.held is prep and prep.batches[1] is laid
+        with H5Reader(path) as r:
+            assert r.verify_all() == [] and r["model/vs/5"].value()[0] == -k
+    with pv.CheckpointManager(ckpt, tmp_path / "m", max_to_keep=1) as mgr:
+        mgr.save(blocking=False)
+        mgr.wait()
+    assert prep.batches[1] is laid  # (the copies' batches were not kept)

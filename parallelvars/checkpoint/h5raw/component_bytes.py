@@ -67,9 +67,15 @@ def _write_components(
     comps: list[list[np.ndarray]],
     crcs: Checksums,
     file: str,
-) -> None:
-    """Every component with data at its offset (see :func:`_batches`, :func:`_write_fused`)."""
-    _write_fused(fd, _batches(plan, items, comps), crcs, file, items)
+    batches: list[Batch] | None = None,
+) -> list[Batch]:
+    """Every component with data at its offset (see :func:`_batches`, :func:`_write_fused`;
+    ``batches``: laid out by an earlier save of the same plan and arrays, see
+    :func:`same_arrays`); returns the batches written."""
+    if batches is None:
+        batches = _batches(plan, items, comps)
+    _write_fused(fd, batches, crcs, file, items)
+    return batches
 
 
 #: The most bytes one gathered write takes: a batch is checksummed, written and checked again
@@ -78,8 +84,16 @@ _FUSE_BYTES = 1 << 21
 _ZEROS = bytes(64)  # (what a gap of up to 64 bytes between two components is written as)
 
 #: A gathered write: ``(offset, buffers, size, members)``, each member ``(offset, component,
-#: entry number, component number)``.
-Batch = tuple[int, list[Any], int, list[tuple[int, np.ndarray, int, int]]]
+#: entry number, component number, the buffer written: see _raw)``.
+Member = tuple[int, np.ndarray, int, int, Any]
+Batch = tuple[int, list[Any], int, list[Member]]
+
+
+def same_arrays(batches: Sequence[Batch], comps: Sequence[Sequence[np.ndarray]]) -> bool:
+    """Whether ``batches`` (laid out for the same plan) write exactly the arrays ``comps``
+    holds (the same objects: a repeated save of the same records, whose component views do
+    not change, writes through the batches of the last one)."""
+    return all(comps[k][i] is c for b in batches for _, c, k, i, _ in b[3])
 
 
 def _batches(plan: FilePlan, items: list[Any], comps: list[list[np.ndarray]]) -> list[Batch]:
@@ -91,13 +105,13 @@ def _batches(plan: FilePlan, items: list[Any], comps: list[list[np.ndarray]]) ->
     :data:`_FUSE_BYTES` is a write of its own.
     The plan lays the stored components out in order: a component at an offset not past the
     last one's is stored as another's dataset (not written again)."""
-    placed: list[tuple[int, np.ndarray, int, int]] = []
+    placed: list[Member] = []
     last = -1
     offsets = plan.offsets
     for k, (e, cs) in enumerate(zip(items, comps, strict=True)):
         for i, (off, c) in enumerate(zip(offsets[e.path], cs, strict=True)):
             if off is not None and off > last and c.nbytes:
-                placed.append((off, c, k, i))
+                placed.append((off, c, k, i, _raw(c)))
                 last = off
     out: list[Batch] = []
     k = 0
@@ -105,7 +119,7 @@ def _batches(plan: FilePlan, items: list[Any], comps: list[list[np.ndarray]]) ->
     while k < len(placed):
         start = placed[k][0]
         buffers: list[Any] = []
-        members: list[tuple[int, np.ndarray, int, int]] = []
+        members: list[Member] = []
         end = start
         while k < len(placed) and len(buffers) < limit:
             m = placed[k]
@@ -116,7 +130,7 @@ def _batches(plan: FilePlan, items: list[Any], comps: list[list[np.ndarray]]) ->
                 if off - end > 64:
                     break
                 buffers.append(_ZEROS[: off - end])
-            buffers.append(_raw(c))
+            buffers.append(m[4])
             members.append(m)
             end = off + c.nbytes
             k += 1
@@ -153,7 +167,7 @@ def _write_fused(
     crc = _crc32c.crc32c
     for start, buffers, size, members in batches:
         if size > _FUSE_BYTES:  # (one component: in pieces)
-            _, c, k, i = members[0]
+            _, c, k, i, _ = members[0]
             data = memoryview(_flat(c))
             running = 0
             for at in range(0, size, _FUSE_BYTES):
@@ -165,10 +179,11 @@ def _write_fused(
                 raise _changed(file, items, k, i)
             crcs[k][i] = running
         else:
-            before = [_crc(c) if crcs[k][i] is None else crcs[k][i] for _, c, k, i in members]
+            # (each buffer exports its bytes: checksummed as it is, no view made)
+            before = [crc(b) if crcs[k][i] is None else crcs[k][i] for _, _, k, i, b in members]
             pwritev_all(fd, buffers, start, size)
-            for (_, c, k, i), value in zip(members, before, strict=True):
-                if _crc(c) != value:
+            for (_, _, k, i, b), value in zip(members, before, strict=True):
+                if crc(b) != value:
                     raise _changed(file, items, k, i)
                 crcs[k][i] = value
         if lo < 0:
@@ -199,15 +214,17 @@ class _DataWrite:
         comps: list[list[np.ndarray]],
         crcs: Checksums,
         file: str,
+        batches: list[Batch] | None = None,
     ) -> None:
-        self._future: Future[None] | None = None
+        self._future: Future[list[Batch]] | None = None
+        self._batches: list[Batch] | None = None
         if thread_count() < 2:
-            _write_components(fd, plan, items, comps, crcs, file)
+            self._batches = _write_components(fd, plan, items, comps, crcs, file, batches)
             return
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parallelvars-save")
         try:
             self._future = submit_or_run(
-                pool, _write_components, fd, plan, items, comps, crcs, file
+                pool, _write_components, fd, plan, items, comps, crcs, file, batches
             )
         finally:
             pool.shutdown(wait=False)  # (its one worker ends with the writes)
@@ -216,10 +233,13 @@ class _DataWrite:
         if self._future is not None:
             futures.wait([self._future])
 
-    def wait(self) -> None:
+    def wait(self) -> list[Batch]:
+        """Wait for the writes, raise their error; the batches written."""
         self.join()
         if self._future is not None:
-            self._future.result()
+            self._batches = self._future.result()
+        assert self._batches is not None
+        return self._batches
 
 
 def _crc(c: np.ndarray) -> int:

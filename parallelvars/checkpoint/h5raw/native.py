@@ -57,6 +57,7 @@ from parallelvars.checkpoint.h5raw.component_bytes import (
     _checksummed,
     _DataWrite,
     _write_components,
+    same_arrays,
     settle,
 )
 from parallelvars.checkpoint.h5raw.generate import FilePlan, Variable
@@ -288,6 +289,9 @@ class Prepared:
         self.columns = columns
         self.graph = graph
         self.lock = threading.Lock()  # the plan's root and document headers are re-encoded
+        # the live records last saved with this plan and their gathered writes (reused while
+        # the records hold the same arrays: see component_bytes.same_arrays)
+        self.batches: tuple[Any, list[Any]] | None = None
 
 
 class Unexpressed:
@@ -663,7 +667,10 @@ def _save_arrays(
         data: _DataWrite | None = None
         try:
             if isinstance(prep, Prepared):
-                data = _DataWrite(fd, prep.plan, items, comps, crcs, p)
+                laid = prep.batches
+                if laid is not None and not (laid[0] is items and same_arrays(laid[1], comps)):
+                    laid = None
+                data = _DataWrite(fd, prep.plan, items, comps, crcs, p, laid and laid[1])
             else:
                 # (a cached structure's key holds every component's shape and dtype: checked
                 # once)
@@ -686,7 +693,11 @@ def _save_arrays(
             assert data is not None
             # the checksums are the writer's (each component checksummed as it was written,
             # and checked again after: a buffer another thread wrote to meanwhile fails there)
-            data.wait()
+            batches = data.wait()
+            if isinstance(items, RecordList) and not items.copied:
+                # (the live records: their component views are the same at the next save;
+                # a snapshot's copies are not kept here, their memory is the snapshot's)
+                prep.batches = (items, batches)
             done = settle(crcs, shared, comps)
             flat = [c for cc in done for c in cc]
             docs = _documents(prep, flat)
