@@ -504,3 +504,27 @@ def test_a_strided_shard_holding_a_nan_is_snapshotted(tmp_path):
     for r, c in zip(records, copied, strict=True):
         for live, kept in zip(r.components, c.components, strict=True):
             assert np.asarray(live).tobytes() == np.asarray(kept).tobytes()
+
+
+def test_one_plan_serves_the_snapshot_and_the_blocking_saves_replicas(tmp_path) -> None:
+    """The records' replicas plan (made at their second blocking save) is the one a
+    non-blocking save copies by, and the other way round; closing the manager frees the
+    copies it kept (the plan itself stays with the records)."""
+    for blocking_first in (True, False):
+        ckpt, saved, _ = interleaved(20, size=3000)
+        records = ckpt._gather(False)[0]
+        if blocking_first:
+            ckpt.write(tmp_path / "a.h5")
+            ckpt.write(tmp_path / "b.h5")
+            assert isinstance(records.replicas, SnapshotPlan)
+        with pv.CheckpointManager(ckpt, tmp_path / f"m{blocking_first}", max_to_keep=1) as mgr:
+            mgr.save(blocking=False)
+            mgr.wait()
+            plan = ckpt._pv_snapshot_plan[1]
+            assert records.replicas is plan and plan._kept is not None
+            saved[3].assign(np.full(3000, -3, np.float32))
+            path = ckpt.write(tmp_path / f"c{blocking_first}.h5")  # compared by that plan
+        assert plan._kept is None
+        back, got, _ = interleaved(20, size=3000)
+        back.restore(path).assert_consumed()
+        assert got[3].numpy()[0] == -3 and got[4].numpy()[0] == 8

@@ -535,3 +535,96 @@ def test_a_short_gathered_write_is_resumed(tmp_path, monkeypatch, dtype) -> None
     pv.Checkpoint(model=back).restore(path)
     for k in range(5):
         assert back.vs[k].numpy().tobytes() == m.vs[k].numpy().tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int8, np.bool_], ids=str)
+def test_components_are_checksummed_as_they_are_written(tmp_path, monkeypatch, dtype) -> None:
+    """The writer checksums each component in the pass that writes it (batches, and a
+    component larger than a batch in pieces): the index holds every component's checksum of
+    its bytes, first, repeated and non-blocking saves, components stored once or apart."""
+    from parallelvars.testing import fileio
+
+    monkeypatch.setattr(component_bytes, "_FUSE_BYTES", 4096)  # (pieces of a few KiB)
+    dt = np.dtype(dtype)
+    m = pv.Module()
+    with pv.MirroredStrategy(2).scope():
+        m.vs = [
+            pv.Variable(_bits(dt, n, n), name=f"v{n}")
+            for n in (1, 7, 4095 // dt.itemsize, 4096 // dt.itemsize, 9000 // dt.itemsize)
+        ]
+        m.r = pv.Variable(_bits(dt, 5000, 1), name="r", synchronization="on_read")
+        m.s = pv.Variable(_bits(dt, 6000, 2).reshape(3000, 2), name="s", shard_axis=0)
+    m.scalar = pv.Variable(np.asarray(_bits(dt, 1, 3)[0]), name="scalar")
+    m.r.components[1][...] = _bits(dt, 5000, 4)  # replicas apart
+    ckpt = pv.Checkpoint(model=m)
+    paths = [ckpt.write(tmp_path / "first.h5"), ckpt.write(tmp_path / "again.h5")]
+    for path in paths:
+        assert_h5py_reads_the_same(path, ckpt, tmp_path)
+    with pv.CheckpointManager(ckpt, tmp_path / "mgr", max_to_keep=2) as mgr:
+        for _ in range(2):
+            mgr.save(blocking=False)
+            mgr.wait()
+            paths.append(mgr.latest_checkpoint)
+    for path in paths:
+        with h5py.File(path, "r") as f:
+            index = json.loads(bytes(f["_parallelvars/index"][()]))
+        records = ckpt._gather(False)[0]
+        for r in records:
+            if r.path == "save_counter":  # (counts the saves)
+                continue
+            want = [fileio.checksum(np.ascontiguousarray(c)) for c in r.components]
+            assert index[r.path]["crc32c"] == want, (path, r.path)
+        with H5Reader(path) as r:
+            assert r.verify_all() == []
+
+
+def test_a_component_changed_after_a_piece_of_it_was_written_fails_the_save(
+    tmp_path, monkeypatch
+) -> None:
+    """A component larger than a batch is written in pieces and checksummed whole again once
+    written: a piece changed after it was written (the file holds its old bytes) fails the
+    save, and the last good file stays."""
+    monkeypatch.setattr(component_bytes, "_FUSE_BYTES", 4096)
+    m = pv.Module()
+    m.big = pv.Variable(np.arange(5000, dtype=np.float32), name="big")
+    ckpt = pv.Checkpoint(model=m)
+    path = ckpt.write(tmp_path / "c.h5")
+    with open(path, "rb") as fh:
+        good = fh.read()
+    real = component_bytes.pwritev_all
+    calls: list[int] = []
+
+    def racing(fd: int, buffers: list, offset: int, size: int) -> None:
+        real(fd, buffers, offset, size)
+        calls.append(size)
+        if len(calls) == 2:
+            m.big.components[0][0] = -1.0  # in the piece written first
+
+    monkeypatch.setattr(component_bytes, "pwritev_all", racing)
+    with pytest.raises(pv.errors.ConcurrentWriteError, match="model/big"):
+        ckpt.write(path)
+    with open(path, "rb") as fh:
+        assert fh.read() == good
+    assert sorted(os.listdir(tmp_path)) == ["c.h5"]
+
+
+def test_repeated_saves_of_the_live_records_reuse_their_gathered_writes(tmp_path) -> None:
+    """The gathered writes of the live records are laid out once per plan and reused while the
+    records hold the same arrays (each save still reads their bytes anew); a snapshot's copies
+    are not kept by them."""
+    ckpt, m = _many(30)
+    ckpt.write(tmp_path / "a.h5")
+    prep = ckpt._pv_plans.held
+    records = ckpt._gather(False)[0]
+    assert prep.batches is not None and prep.batches[0] is records
+    laid = prep.batches[1]
+    for k in (1, 2):
+        m.vs[5].assign(np.full(3000, -k, np.float32))
+        path = ckpt.write(tmp_path / f"b{k}.h5")
+        assert ckpt._pv_plans.held is prep and prep.batches[1] is laid
+        with H5Reader(path) as r:
+            assert r.verify_all() == [] and r["model/vs/5"].value()[0] == -k
+    with pv.CheckpointManager(ckpt, tmp_path / "m", max_to_keep=1) as mgr:
+        mgr.save(blocking=False)
+        mgr.wait()
+    assert prep.batches[1] is laid  # (the copies' batches were not kept)

@@ -340,12 +340,21 @@ class Checkpoint(Trackable):
         the first non-blocking save of their structure."""
         plan = self._pv_snapshot_plan
         if plan is None or plan[0] is not records:
-            plan = self._pv_snapshot_plan = (records, SnapshotPlan(records))
+            # (one plan per records: the one a blocking save compares their replicas by, if
+            # made, and from now on the blocking saves compare by this one)
+            made = getattr(records, "replicas", None)
+            if not isinstance(made, SnapshotPlan):
+                made = SnapshotPlan(records)
+                if isinstance(records, RecordList) and not records.copied:
+                    records.replicas = made
+            plan = self._pv_snapshot_plan = (records, made)
         return take_snapshot(records, plan[1])
 
     def _drop_snapshot_copies(self) -> None:
         """Free the copies kept from the last non-blocking save (``SNAPSHOT_KEEP_BYTES``); the
         next one allocates them again. A manager calls this when it closes."""
+        if self._pv_snapshot_plan is not None:
+            self._pv_snapshot_plan[1].drop_kept()  # (the records' replicas plan may be it)
         self._pv_snapshot_plan = None
 
     def _live_graph(self) -> ObjectGraph:

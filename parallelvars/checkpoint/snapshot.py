@@ -264,6 +264,11 @@ class SnapshotPlan:
             with self._lock:
                 self._kept = copies
 
+    def drop_kept(self) -> None:
+        """Free the copies kept for the next snapshot (it allocates them again)."""
+        with self._lock:
+            self._kept = None
+
     def copy_of(self, span: np.ndarray, i: int) -> np.ndarray:
         """Component ``i``'s copy in the copy of its ``span``."""
         c = self.flat[i]

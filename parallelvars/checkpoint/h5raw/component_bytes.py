@@ -2,6 +2,12 @@
 variable's replicas, compared byte for byte), their checksums, and the gathered writes that put
 them in a file (on a helper thread while the saving thread makes the metadata).
 
+Each stored byte is read from memory once where it can be: the writes go out in batches of at
+most :data:`_FUSE_BYTES`, and each batch's components are checksummed just before their
+gathered write and checked again just after it, while the batch is in the CPU cache (see
+:func:`_write_fused`): one pass over the bytes for the checksum, the write and the guard
+against another thread changing a buffer meanwhile, instead of three.
+
 :mod:`.native` plans and writes whole files; it calls these.
 """
 
@@ -26,6 +32,10 @@ from parallelvars._fileio import (
 )
 from parallelvars._threads import submit_or_run, thread_count
 from parallelvars.checkpoint.h5raw.generate import FilePlan
+from parallelvars.errors import ConcurrentWriteError
+
+#: A checksum the writer fills in (:func:`_write_fused`) as it writes the component.
+Checksums = list[list[int | None]]
 
 
 def _shared(components: Sequence[np.ndarray], crcs: list[int]) -> list[int]:
@@ -51,63 +61,131 @@ def _shared(components: Sequence[np.ndarray], crcs: list[int]) -> list[int]:
 
 
 def _write_components(
-    fd: int, plan: FilePlan, items: list[Any], comps: list[list[np.ndarray]]
-) -> None:
-    """Every component with data at its offset (see :func:`_batches`)."""
-    _write_batches(fd, _batches(plan, items, comps))
+    fd: int,
+    plan: FilePlan,
+    items: list[Any],
+    comps: list[list[np.ndarray]],
+    crcs: Checksums,
+    file: str,
+    batches: list[Batch] | None = None,
+) -> list[Batch]:
+    """Every component with data at its offset (see :func:`_batches`, :func:`_write_fused`;
+    ``batches``: laid out by an earlier save of the same plan and arrays, see
+    :func:`same_arrays`); returns the batches written."""
+    if batches is None:
+        batches = _batches(plan, items, comps)
+    _write_fused(fd, batches, crcs, file, items)
+    return batches
 
 
-#: The most bytes one gathered write takes (Linux writes at most about 2 GiB in one call; a
-#: larger component is written alone, its short writes resumed by ``pwritev_all``).
-_GATHER_BYTES = 1 << 30
+#: The most bytes one gathered write takes: a batch is checksummed, written and checked again
+#: while it is in the CPU cache (a larger component is written alone, in pieces of this size).
+_FUSE_BYTES = 1 << 21
+_ZEROS = bytes(64)  # (what a gap of up to 64 bytes between two components is written as)
+
+#: A gathered write: ``(offset, buffers, size, members)``, each member ``(offset, component,
+#: entry number, component number, the buffer written: see _raw)``.
+Member = tuple[int, np.ndarray, int, int, Any]
+Batch = tuple[int, list[Any], int, list[Member]]
 
 
-def _batches(
-    plan: FilePlan, items: list[Any], comps: list[list[np.ndarray]]
-) -> list[tuple[int, list[Any], int]]:
-    """The gathered writes ``(offset, buffers, size)`` of every component with data, in file
-    order: neighbours (at most :data:`IOV_MAX` buffers and :data:`_GATHER_BYTES` bytes) in one
-    write, each buffer the array's own bytes (no copy). A gap of up to 64 bytes between two
-    neighbours is written as zeros in the same write (so anything else placed in such a gap is
-    written after these); a wider one ends the write, and is left as a hole.
+def same_arrays(batches: Sequence[Batch], comps: Sequence[Sequence[np.ndarray]]) -> bool:
+    """Whether ``batches`` (laid out for the same plan) write exactly the arrays ``comps``
+    holds (the same objects: a repeated save of the same records, whose component views do
+    not change, writes through the batches of the last one)."""
+    return all(comps[k][i] is c for b in batches for _, c, k, i, _ in b[3])
+
+
+def _batches(plan: FilePlan, items: list[Any], comps: list[list[np.ndarray]]) -> list[Batch]:
+    """The gathered writes of every component with data, in file order: neighbours (at most
+    :data:`IOV_MAX` buffers and :data:`_FUSE_BYTES` bytes) in one write, each buffer the
+    array's own bytes (no copy). A gap of up to 64 bytes between two neighbours is written as
+    zeros in the same write (so anything else placed in such a gap is written after these); a
+    wider one ends the write, and is left as a hole. A component larger than
+    :data:`_FUSE_BYTES` is a write of its own.
     The plan lays the stored components out in order: a component at an offset not past the
     last one's is stored as another's dataset (not written again)."""
-    placed: list[tuple[int, np.ndarray]] = []
+    placed: list[Member] = []
     last = -1
     offsets = plan.offsets
-    for e, cs in zip(items, comps, strict=True):
-        for off, c in zip(offsets[e.path], cs, strict=True):
+    for k, (e, cs) in enumerate(zip(items, comps, strict=True)):
+        for i, (off, c) in enumerate(zip(offsets[e.path], cs, strict=True)):
             if off is not None and off > last and c.nbytes:
-                placed.append((off, c))
+                placed.append((off, c, k, i, _raw(c)))
                 last = off
-    out: list[tuple[int, list[Any], int]] = []
+    out: list[Batch] = []
     k = 0
+    limit = IOV_MAX - 1
     while k < len(placed):
         start = placed[k][0]
         buffers: list[Any] = []
+        members: list[Member] = []
         end = start
-        while k < len(placed) and len(buffers) < IOV_MAX - 1:
-            off, c = placed[k]
-            if buffers and off + c.nbytes - start > _GATHER_BYTES:
+        while k < len(placed) and len(buffers) < limit:
+            m = placed[k]
+            off, c = m[0], m[1]
+            if buffers and off + c.nbytes - start > _FUSE_BYTES:
                 break
             if off != end:
                 if off - end > 64:
                     break
-                buffers.append(np.zeros(off - end, np.uint8))
-            buffers.append(_raw(c))
+                buffers.append(_ZEROS[: off - end])
+            buffers.append(m[4])
+            members.append(m)
             end = off + c.nbytes
             k += 1
-        out.append((start, buffers, end - start))
+        out.append((start, buffers, end - start, members))
     return out
 
 
-def _write_batches(fd: int, batches: Sequence[tuple[int, list[Any], int]]) -> None:
-    """Write :func:`_batches`' gathered writes, asking the kernel every ``WRITEBACK_STEP``
-    bytes to start writing them to disk (:func:`~parallelvars._fileio.start_writeback`): the
-    disk works while the save goes on, instead of all at its ``fsync``."""
+def _changed(file: str, items: Sequence[Any], k: int, i: int) -> ConcurrentWriteError:
+    return ConcurrentWriteError(
+        "changed while it was being saved",
+        file=file,
+        variable=f"{items[k].path}[{i}]",
+        hint="write from a single thread, or save with blocking=False, which snapshots",
+    )
+
+
+def _write_fused(
+    fd: int, batches: Sequence[Batch], crcs: Checksums, file: str, items: Sequence[Any]
+) -> None:
+    """Write :func:`_batches`' gathered writes, each component checksummed in the same pass.
+
+    A batch's components are checksummed (unless ``crcs`` holds their checksums already),
+    written in one ``pwritev``, then checksummed again while the batch is in the CPU cache: a
+    buffer another thread changed from its first checksum to its second fails the save
+    (:class:`~parallelvars.errors.ConcurrentWriteError`: the file would hold a mix of two
+    values under a matching checksum). A component larger than a batch is checksummed and
+    written in pieces, each while it is in the cache, then checksummed whole again: a piece
+    changed after it was read shows then. The checksums found are put in ``crcs``.
+
+    Every ``WRITEBACK_STEP`` bytes the kernel is asked to start writing them to disk
+    (:func:`~parallelvars._fileio.start_writeback`): the disk works while the save goes on,
+    instead of all at its ``fsync``."""
     lo = hi = -1
-    for start, buffers, size in batches:
-        pwritev_all(fd, buffers, start, size)
+    crc = _crc32c.crc32c
+    for start, buffers, size, members in batches:
+        if size > _FUSE_BYTES:  # (one component: in pieces)
+            _, c, k, i, _ = members[0]
+            data = memoryview(_flat(c))
+            running = 0
+            for at in range(0, size, _FUSE_BYTES):
+                piece = data[at : at + _FUSE_BYTES]
+                running = crc(piece, running)
+                pwritev_all(fd, [piece], start + at, len(piece))
+            known = crcs[k][i]
+            if _crc(c) != running or (known is not None and known != running):
+                raise _changed(file, items, k, i)
+            crcs[k][i] = running
+        else:
+            # (each buffer exports its bytes: checksummed as it is, no view made)
+            before = [crc(b) if crcs[k][i] is None else crcs[k][i] for _, _, k, i, b in members]
+            pwritev_all(fd, buffers, start, size)
+            for (_, _, k, i, b), value in zip(members, before, strict=True):
+                if crc(b) != value:
+                    raise _changed(file, items, k, i)
+                crcs[k][i] = value
         if lo < 0:
             lo = start
         hi = start + size
@@ -119,21 +197,35 @@ def _write_batches(fd: int, batches: Sequence[tuple[int, list[Any], int]]) -> No
 
 
 class _DataWrite:
-    """A save's component bytes (:func:`_batches`) being written on a helper thread while the
-    saving thread makes the rest of the file (its metadata, the documents): the writes
-    release the GIL, so the two overlap. With one core (:func:`~parallelvars._threads.thread_count`)
-    they are written at once, in the calling thread. :meth:`wait` waits for the writes and
-    raises their error; :meth:`join` only waits (before the descriptor closes, whatever
-    happened)."""
+    """A save's component bytes being written on a helper thread while the saving thread
+    makes the rest of the file (its metadata, the documents): the helper lays out the gathered
+    writes (:func:`_batches`) and writes them; the writes and the checksums release the GIL,
+    so the two overlap. The checksums are filled into ``crcs`` as the bytes are written
+    (:func:`_write_fused`): read them after :meth:`wait`. With one core
+    (:func:`~parallelvars._threads.thread_count`) they are written at once, in the calling
+    thread. :meth:`wait` waits for the writes and raises their error; :meth:`join` only waits
+    (before the descriptor closes, whatever happened)."""
 
-    def __init__(self, fd: int, batches: list[tuple[int, list[Any], int]]) -> None:
-        self._future: Future[None] | None = None
-        if thread_count() < 2 or not batches:
-            _write_batches(fd, batches)
+    def __init__(
+        self,
+        fd: int,
+        plan: FilePlan,
+        items: list[Any],
+        comps: list[list[np.ndarray]],
+        crcs: Checksums,
+        file: str,
+        batches: list[Batch] | None = None,
+    ) -> None:
+        self._future: Future[list[Batch]] | None = None
+        self._batches: list[Batch] | None = None
+        if thread_count() < 2:
+            self._batches = _write_components(fd, plan, items, comps, crcs, file, batches)
             return
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parallelvars-save")
         try:
-            self._future = submit_or_run(pool, _write_batches, fd, batches)
+            self._future = submit_or_run(
+                pool, _write_components, fd, plan, items, comps, crcs, file, batches
+            )
         finally:
             pool.shutdown(wait=False)  # (its one worker ends with the writes)
 
@@ -141,10 +233,13 @@ class _DataWrite:
         if self._future is not None:
             futures.wait([self._future])
 
-    def wait(self) -> None:
+    def wait(self) -> list[Batch]:
+        """Wait for the writes, raise their error; the batches written."""
         self.join()
         if self._future is not None:
-            self._future.result()
+            self._batches = self._future.result()
+        assert self._batches is not None
+        return self._batches
 
 
 def _crc(c: np.ndarray) -> int:
@@ -158,8 +253,27 @@ def _crc(c: np.ndarray) -> int:
 
 
 def _raw(c: np.ndarray) -> Any:
-    """A C-contiguous array's bytes as a flat byte buffer ``pwritev`` takes (only arrays with
-    data are written)."""
+    """A C-contiguous array with data as a flat buffer ``pwritev`` takes: the array itself (or
+    a 1-d view of it) where its dtype exports a buffer (asked once per dtype), else a flat
+    byte view of it."""
+    exports = _EXPORTS.get(c.dtype)
+    if exports is None:
+        try:
+            memoryview(cast(Any, np.zeros(1, c.dtype)))
+            exports = True
+        except (ValueError, TypeError, BufferError):
+            exports = False
+        _EXPORTS[c.dtype] = exports
+    if not exports:
+        return byte_view(c)
+    return c if c.ndim == 1 else c.ravel()
+
+
+_EXPORTS: dict[np.dtype, bool] = {}
+
+
+def _flat(c: np.ndarray) -> Any:
+    """A C-contiguous array's bytes as a flat byte buffer (sliced into pieces)."""
     try:
         return memoryview(cast(Any, c)).cast("B")
     except (ValueError, TypeError, BufferError):
@@ -173,16 +287,19 @@ def _contiguous(c: Any) -> np.ndarray:
 
 
 def _checksummed(
-    items: Sequence[Any], share_equal: bool
-) -> tuple[list[list[np.ndarray]], list[list[int]], list[list[int] | None], tuple[Any, ...]]:
+    items: Sequence[Any], share_equal: bool, *, deferred: bool = False
+) -> tuple[list[list[np.ndarray]], Checksums, list[list[int] | None], tuple[Any, ...]]:
     """Each entry's components (C-contiguous), their checksums, which components share
     a dataset (:func:`_shared`; None: each its own) and the sharing pattern of every entry.
 
-    A component whose bytes equal the first component's (a mirrored variable's, the common
-    case) takes the first one's checksum: comparing the bytes is needed to share them anyway,
-    and the checksum of equal bytes is the same."""
+    With ``deferred``, a checksum the writer computes as it writes the component
+    (:func:`_write_fused`) is left None here: only those that decide which components share a
+    dataset are computed now; :func:`settle` fills the rest in after the write. A component
+    whose bytes equal the first component's (a mirrored variable's, the common case) takes
+    the first one's checksum: comparing the bytes is needed to share them anyway, and the
+    checksum of equal bytes is the same."""
     comps: list[list[np.ndarray]] = []
-    crcs: list[list[int]] = []
+    crcs: Checksums = []
     shared: list[list[int] | None] = []
     pattern: list[Any] = []
     plan = _replica_plan(items) if share_equal else None
@@ -197,17 +314,32 @@ def _checksummed(
             and starts[n + 1] - starts[n] > 1
             and primary[starts[n] + 1] != starts[n] + 1
         )
+    later: list[int | None] = [None]
+    runs = plan is not None
+    zeros: dict[int, tuple[int, ...]] = {}
     for k, e in enumerate(items):
-        if equal(k):  # replicas of the first, all equal to it: compared by their runs
-            cs = list(e.components)
-            comps.append(cs)
-            crcs.append([_crc(cs[0])] * len(cs))
-            shared.append([0] * len(cs))
-            pattern.append((0,) * len(cs))
+        live = e.components
+        n = len(live)
+        first = live[0] if n else None
+        if (runs and equal(k)) or (
+            # a snapshot's copies: each replica is its first component's copy
+            n > 1
+            and share_equal
+            and all(c is first for c in live)
+            and type(first) is np.ndarray
+            and first.flags.c_contiguous
+            and first.dtype.kind != "O"
+            and e.kind != "sharded"
+        ):
+            # replicas of the first, all equal to it (compared by their runs, or the same array)
+            comps.append(list(live))
+            crcs.append(later * n)
+            shared.append([0] * n)
+            z = zeros.get(n)
+            pattern.append(z if z is not None else zeros.setdefault(n, (0,) * n))
             continue
-        cs = [_contiguous(c) for c in e.components]
+        cs = [_contiguous(c) for c in live]
         comps.append(cs)
-        n = len(cs)
         if cs and cs[0].dtype.kind == "O":
             # byte strings: their values lay out the global heap, so they are part of what a
             # cached plan is found by (each component stored: none shares another's heap
@@ -217,13 +349,12 @@ def _checksummed(
             pattern.append(("bytes", *(tuple(map(bytes, c.reshape(-1).tolist())) for c in cs)))
             continue
         if n < 2 or not share_equal or e.kind == "sharded":
-            crcs.append([_crc(c) for c in cs])
+            crcs.append(later * n)
             shared.append(None)
             pattern.append(None)
             continue
         first = cs[0]
         shape, dt = first.shape, first.dtype
-        crc0 = _crc(first)
         same = True
         if first.nbytes <= 1 << 16:  # (small: one copy of the first, compared with each)
             raw = first.tobytes()
@@ -241,18 +372,35 @@ def _checksummed(
                     same = False
                     break
         if same:
-            crcs.append([crc0] * n)
+            crcs.append(later * n)
             shared.append([0] * n)
             pattern.append((0,) * n)
             continue
-        cc = [crc0] + [_crc(c) for c in cs[1:]]
+        cc: list[int | None] = [_crc(c) for c in cs]
         crcs.append(cc)
-        sh: list[int] | None = _shared(cs, cc)
+        sh: list[int] | None = _shared(cs, cast(list[int], cc))
         if sh == list(range(n)):
             sh = None
         shared.append(sh)
         pattern.append(None if sh is None else tuple(sh))
+    if not deferred:
+        settle(crcs, shared, comps)
     return comps, crcs, shared, tuple(pattern)
+
+
+def settle(
+    crcs: Checksums, shared: Sequence[Sequence[int] | None], comps: Sequence[Sequence[np.ndarray]]
+) -> list[list[int]]:
+    """Fill in the checksums :func:`_checksummed` left to the writer and it did not compute:
+    a component stored as another's dataset takes that one's, any other (not written: empty,
+    or without an offset) its own. ``crcs``, complete."""
+    for cc, sh, cs in zip(crcs, shared, comps, strict=True):
+        if None in cc:
+            for i, value in enumerate(cc):
+                if value is None:
+                    j = i if sh is None else sh[i]
+                    cc[i] = cc[j] if j != i else _crc(cs[i])
+    return cast(list[list[int]], crcs)
 
 
 def _replica_plan(items: Sequence[Any]) -> Any:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import crc32c as _crc32c
 import numpy as np
@@ -94,35 +94,46 @@ def write_native_index(
             return write_h5_index(p, items, object_graph=object_graph, metadata=metadata)
         if cache is not None:
             cache.put(prep)
-    image: Any = prep.image
-    if folder is not None and folder.encode() != prep.folder:
-        image = _relinked(prep, folder.encode())
-        if image is None:  # (no folder to put in: this save's own plan)
-            prep = _prepare_index(key, items, object_graph, root, None)
-            image = prep.image
-            if cache is not None:
-                cache.put(prep)
+    name = None if folder is None else folder.encode()
+    with atomic_path(p) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            if not _write_image(fd, prep, name, items, root):
+                # (no folder to put in the cached image: this save's own plan)
+                prep = _prepare_index(key, items, object_graph, root, None)
+                if cache is not None:
+                    cache.put(prep)
+                _write_image(fd, prep, None, items, root)
+        finally:
+            os.close(fd)
+    return p
+
+
+def _write_image(
+    fd: int, prep: Prepared, folder: bytes | None, items: Sequence[Any], root: Mapping[str, Any]
+) -> bool:
+    """Write the index file of ``prep`` with the links' ``folder`` (None: the image's own) and
+    the checksums of ``items`` to ``fd``; False (nothing written) when the cached image
+    cannot take ``folder`` (:func:`_relink`). The folder is put in and the image written
+    under the plan's lock: another save of the structure may put its own folder in."""
     flat = tuple(int(c.crc32c) for v in items for c in v.components)
     docs = {INDEX_DATASET: (prep.template % flat).encode()}
     if prep.graph is not None:
         docs[GRAPH_DATASET] = prep.graph
     docs = _fitted(prep, docs)
     with prep.lock:
+        if folder is not None and folder != prep.folder and not _relink(prep, folder):
+            return False
+        os.ftruncate(fd, prep.file_size)
         refresh = prep.plan.refresh(
             _changing(root), {k: _crc32c.crc32c(v) for k, v in docs.items()}
         )
-    with atomic_path(p) as tmp:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        try:
-            os.ftruncate(fd, prep.file_size)
-            pwrite_all(fd, memoryview(image), 0)
-            for offset, data in refresh:
-                pwrite_all(fd, memoryview(data), offset)
-            for name, data in docs.items():
-                pwrite_all(fd, memoryview(data), prep.documents[name])
-        finally:
-            os.close(fd)
-    return p
+        pwrite_all(fd, memoryview(prep.image), 0)
+    for offset, data in refresh:
+        pwrite_all(fd, memoryview(data), offset)
+    for name, data in docs.items():
+        pwrite_all(fd, memoryview(data), prep.documents[name])
+    return True
 
 
 def _link_folder(items: Sequence[Any]) -> str | None:
@@ -166,25 +177,29 @@ def _index_key(
     return ("index", _library_version(), metadata_key(metadata), object_graph, size, records)
 
 
-def _relinked(prep: Prepared, folder: bytes) -> np.ndarray | None:
-    """The cached index image with the links' folder ``folder`` (of the cached one's length):
-    its bytes put in and the checksums of the header chunks holding them recomputed. None
-    when the cached plan cannot tell where they are."""
-    with prep.lock:
-        if prep.relinker is None:
-            prep.relinker = _relinker(prep) or False
-            prep.plan.release()
+def _relink(prep: Prepared, folder: bytes) -> bool:
+    """Put the links' folder ``folder`` (of the cached one's length) into the cached index
+    image, in place: its bytes at each link, and the lookup3 checksums of the header chunks
+    holding them (nothing else of the image is copied or read). The image then names
+    ``folder`` (``prep.folder``), and a later save to it writes the image as it is. False when
+    the cached plan cannot tell where the folder lies. The caller holds ``prep.lock``."""
+    if prep.relinker is None:
+        prep.relinker = _relinker(prep) or False
+        prep.plan.release()
     if prep.relinker is False:
-        return None
+        return False
     runs, spans = prep.relinker
-    image = np.array(np.frombuffer(prep.image, np.uint8))
+    if not isinstance(prep.image, np.ndarray):  # (writable from now on)
+        prep.image = np.frombuffer(bytearray(prep.image), np.uint8)
+    image: np.ndarray = prep.image
     width = len(folder)
     image[(runs[:, None] + np.arange(width)).reshape(-1)] = np.tile(
         np.frombuffer(folder, np.uint8), runs.size
     )
-    sums = lookup3_many(image, [(int(s), int(e)) for s, e in spans])
+    sums = lookup3_many(image, cast(Any, spans))  # (an (n, 2) array: taken as it is)
     image[(spans[:, 1:2] + np.arange(4)).reshape(-1)] = sums.astype("<u4").view(np.uint8)
-    return image
+    prep.folder = folder
+    return True
 
 
 def _relinker(prep: Prepared) -> tuple[np.ndarray, np.ndarray] | None:

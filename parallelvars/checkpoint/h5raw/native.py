@@ -54,11 +54,11 @@ from parallelvars.checkpoint.h5io.records import (
 )
 from parallelvars.checkpoint.h5io.write import _columns_parts, check_component
 from parallelvars.checkpoint.h5raw.component_bytes import (
-    _batches,
     _checksummed,
-    _crc,
     _DataWrite,
     _write_components,
+    same_arrays,
+    settle,
 )
 from parallelvars.checkpoint.h5raw.generate import FilePlan, Variable
 from parallelvars.checkpoint.h5raw.messages import Unsupported
@@ -164,7 +164,7 @@ def _write_native(
             os.ftruncate(fd, meta_out.file_size)
             (at, image), *data_pieces = meta_out.pieces
             pwrite_all(fd, memoryview(image), at)
-            _write_components(fd, plan, items, comps)
+            _write_components(fd, plan, items, comps, crcs, p)
             for offset, data in data_pieces:  # (after: the gathered writes fill small gaps)
                 pwrite_all(fd, memoryview(data), offset)
             for name, data in docs.items():
@@ -280,7 +280,8 @@ class Prepared:
         self.relinker: Any = None
         self.first: dict[str, Any] = {}
         self.plan = plan
-        self.image = image
+        # (an index file's is patched in place: see index_file._relink)
+        self.image: Any = image  # bytes, a memoryview or a uint8 array
         self.file_size = file_size
         self.documents = documents
         self.template = template
@@ -288,6 +289,9 @@ class Prepared:
         self.columns = columns
         self.graph = graph
         self.lock = threading.Lock()  # the plan's root and document headers are re-encoded
+        # the live records last saved with this plan and their gathered writes (reused while
+        # the records hold the same arrays: see component_bytes.same_arrays)
+        self.batches: tuple[Any, list[Any]] | None = None
 
 
 class Unexpressed:
@@ -559,7 +563,7 @@ def _prepare(
     key: Any,
     items: Sequence[Any],
     shared: Sequence[Sequence[int] | None],
-    crcs: Sequence[Sequence[int]],
+    crcs: Callable[[], Sequence[Sequence[int]]],
     object_graph: Mapping[str, Any] | None,
     root: Mapping[str, Any],
     file: str,
@@ -567,12 +571,13 @@ def _prepare(
 ) -> Prepared:
     """A structure's plan, metadata image and document templates; ``laid_out(plan)`` is
     called as soon as the plan gives the components' offsets (a save starts writing their
-    bytes then, while the rest is made)."""
+    bytes then, while the rest is made). ``crcs()``: the components' checksums (once their
+    bytes are written), asked for only by an index that takes its template record by record."""
     plan = _plan_for(items, shared, object_graph, root, file)
     if laid_out is not None:
         laid_out(plan)
     freeze_made_so_far()  # (the plan's objects live until the image is made)
-    count = sum(map(len, crcs))
+    count = sum(len(e.components) for e in items)
     parts = record_documents(items, plan.offsets)
     if parts is not None:
         template, head, tail = parts
@@ -580,7 +585,7 @@ def _prepare(
         index = _index_of(items, plan, None)
         marked = marked_template(index)
         if marked is None:  # (a value with a mark's text: made record by record)
-            index = _index_of(items, plan, crcs)
+            index = _index_of(items, plan, crcs())
             marked = _index_template_by_record(index)
         template = marked
         head, tail = _columns_parts(index)
@@ -653,19 +658,19 @@ def _save_arrays(
     checksums: dict[str, list[int]] | None,
     share_equal: bool,
 ) -> None:
-    from parallelvars.errors import ConcurrentWriteError
-
-    comps, crcs, shared, pattern = _checksummed(items, share_equal)
+    comps, crcs, shared, pattern = _checksummed(items, share_equal, deferred=True)
     key = None if skey is None else (skey, pattern)
     root = _root_values(metadata)
     prep = None if cache is None or key is None else cache.get(key)
-    flat = [c for cc in crcs for c in cc]
     with atomic_path(p) as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         data: _DataWrite | None = None
         try:
             if isinstance(prep, Prepared):
-                data = _DataWrite(fd, _batches(prep.plan, items, comps))
+                laid = prep.batches
+                if laid is not None and not (laid[0] is items and same_arrays(laid[1], comps)):
+                    laid = None
+                data = _DataWrite(fd, prep.plan, items, comps, crcs, p, laid and laid[1])
             else:
                 # (a cached structure's key holds every component's shape and dtype: checked
                 # once)
@@ -674,21 +679,34 @@ def _save_arrays(
 
                 def laid_out(plan: FilePlan) -> None:
                     nonlocal data  # the bytes go out while the metadata is made
-                    data = _DataWrite(fd, _batches(plan, items, comps))
+                    data = _DataWrite(fd, plan, items, comps, crcs, p)
 
-                prep = _prepare(key, items, shared, crcs, object_graph, root, p, laid_out)
+                def checksums_now() -> list[list[int]]:
+                    assert data is not None
+                    data.wait()
+                    return settle(crcs, shared, comps)
+
+                prep = _prepare(key, items, shared, checksums_now, object_graph, root, p, laid_out)
                 if cache is not None and key is not None:
                     cache.put(prep)
+            pwrite_all(fd, memoryview(prep.image), 0)
+            assert data is not None
+            # the checksums are the writer's (each component checksummed as it was written,
+            # and checked again after: a buffer another thread wrote to meanwhile fails there)
+            batches = data.wait()
+            if isinstance(items, RecordList) and not items.copied:
+                # (the live records: their component views are the same at the next save;
+                # a snapshot's copies are not kept here, their memory is the snapshot's)
+                prep.batches = (items, batches)
+            done = settle(crcs, shared, comps)
+            flat = [c for cc in done for c in cc]
             docs = _documents(prep, flat)
             with prep.lock:
                 refresh = prep.plan.refresh(
                     _changing(root), {k: _crc32c.crc32c(v) for k, v in docs.items()}
                 )
-            pwrite_all(fd, memoryview(prep.image), 0)
             for offset, piece in refresh:
                 pwrite_all(fd, memoryview(piece), offset)
-            assert data is not None
-            data.wait()
             # after the components: their gathered writes fill gaps of up to 64 bytes with
             # zeros, and a heap collection or a document may lie in one
             for offset, held in prep.data:
@@ -700,21 +718,8 @@ def _save_arrays(
             if data is not None:
                 data.join()  # (after an error too: no write is left running at the close)
             os.close(fd)
-        # a buffer another thread wrote to while it was saved fails the save
-        for e, cs, cc, sh in zip(items, comps, crcs, shared, strict=True):
-            for i, (c, crc) in enumerate(zip(cs, cc, strict=True)):
-                # (a component stored as another's dataset was not written: its bytes are not
-                # in the file, the first one's are, checked here)
-                if c.nbytes and (sh is None or sh[i] == i) and _crc(c) != crc:
-                    raise ConcurrentWriteError(
-                        "changed while it was being saved",
-                        file=p,
-                        variable=f"{e.path}[{i}]",
-                        hint="write from a single thread, or save with blocking=False, which "
-                        "snapshots",
-                    )
     if checksums is not None:
-        checksums.update((e.path, list(cc)) for e, cc in zip(items, crcs, strict=True))
+        checksums.update((e.path, list(cc)) for e, cc in zip(items, done, strict=True))
 
 
 def _save_streamed(
