@@ -14,8 +14,8 @@ faulted in, reused as they are), in one pool per process:
   does, the kept ones are freed first and a new one is made, so a restore never holds more
   memory than it would without the pool (the pool never raises the peak, it keeps it);
 - at most :data:`KEEP_BYTES` are kept in all (a larger buffer is freed when it is given back);
-- kept buffers are freed once no restore took one for :data:`IDLE_SECONDS` (a timer thread),
-  by :func:`release`, and in a child process after ``fork``.
+- kept buffers are freed once no restore gave one back for :data:`IDLE_SECONDS` (one thread,
+  made once), by :func:`release`, and in a child process after ``fork``.
 
 The memory this costs: after a restore, what it staged (at most ``RESTORE_KEEP_LIMIT`` plus
 the gaps its large reads take, see docs/checkpoints.md) stays allocated for
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 
@@ -45,8 +46,14 @@ _ROUND = 2 << 20
 
 _lock = threading.Lock()
 _kept: list[np.ndarray] = []  # buffers not in use, each a whole allocation
-_timer: threading.Timer | None = None
-_generation = 0  # (a timer started before the last give() frees nothing)
+_deadline: float | None = None  # when the kept buffers are freed (None: nothing kept)
+# One thread frees them when idle, made once per process and never replaced, woken by the
+# release of a plain lock it waits on (no Python frame made and dropped per wake): a restore
+# creates and drops no object of its own here, so a program that froze its objects with
+# gc.freeze() sees none of them freed by a restore.
+_reaper: threading.Thread | None = None
+_signal = threading.Lock()
+_signal.acquire()  # (released by give() to wake the reaper)
 
 
 def take(nbytes: int) -> np.ndarray:
@@ -65,7 +72,7 @@ def take(nbytes: int) -> np.ndarray:
 def give(buf: np.ndarray | None) -> None:
     """Give back a buffer :func:`take` returned (a view of it is enough; None: nothing), to be
     kept for the next restore within :data:`KEEP_BYTES`. Its bytes must not be used after."""
-    global _timer, _generation
+    global _deadline, _reaper
     if buf is None:
         return
     whole = buf if buf.base is None else buf.base
@@ -77,30 +84,42 @@ def give(buf: np.ndarray | None) -> None:
         if sum(kept.size for kept in _kept) + whole.size > KEEP_BYTES or IDLE_SECONDS <= 0:
             return
         _kept.append(whole)
-        _generation += 1
-        if _timer is not None:
-            _timer.cancel()
-        _timer = threading.Timer(IDLE_SECONDS, _expire, (_generation,))
-        _timer.daemon = True
-        _timer.start()
+        _deadline = time.monotonic() + IDLE_SECONDS
+        if _reaper is None:
+            _reaper = threading.Thread(target=_free_when_idle, name="parallelvars-staging")
+            _reaper.daemon = True
+            _reaper.start()
+        if _signal.locked():
+            _signal.release()
 
 
-def _expire(generation: int) -> None:
-    global _timer
-    with _lock:
-        if generation == _generation:
-            _kept.clear()
-            _timer = None
+def _free_when_idle() -> None:
+    """The reaper: frees the kept buffers once :data:`IDLE_SECONDS` passed since the last
+    :func:`give`."""
+    global _deadline
+    signal, lock, now = _signal, _lock, time.monotonic
+    while True:
+        with lock:
+            deadline = _deadline
+        if deadline is None:
+            signal.acquire()
+            continue
+        left = deadline - now()
+        if left > 0:
+            signal.acquire(timeout=left)
+            continue
+        with lock:
+            if _deadline is not None and _deadline <= now():
+                _kept.clear()
+                _deadline = None
 
 
 def release() -> None:
     """Free every kept buffer now."""
-    global _timer
+    global _deadline
     with _lock:
         _kept.clear()
-        if _timer is not None:
-            _timer.cancel()
-            _timer = None
+        _deadline = None
 
 
 def kept_bytes() -> int:
@@ -110,10 +129,12 @@ def kept_bytes() -> int:
 
 
 def _after_fork() -> None:
-    global _lock, _timer
+    global _lock, _signal, _deadline, _reaper
     _lock = threading.Lock()  # (another thread may have held it at the fork)
+    _signal = threading.Lock()
+    _signal.acquire()
     _kept.clear()
-    _timer = None
+    _deadline, _reaper = None, None  # (the reaper thread is not in the child)
 
 
 if hasattr(os, "register_at_fork"):
