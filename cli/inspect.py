@@ -263,52 +263,68 @@ class Rows(Sequence[dict[str, Any]]):
             return dict(row)
         return row
 
-    def _facts(self, key: str) -> tuple[str, int, int, bool]:
-        """The kind, number of components, bytes of ``key`` and whether its entry could not
-        be made (from the view's summary: no row made)."""
+    def _facts(self, key: str) -> tuple[str, int, int, bool, Any]:
+        """The kind, number of components, bytes of ``key``, whether its entry could not be
+        made, and the variable whose slot it is (from the view's summary: no row made)."""
         known = self._summary(key) if self._summary is not None else None
         if known is not None:
-            return known[0], known[3], known[4], False
+            return known[0], known[3], known[4], False, known[5].get("slot_of")
         row = self._base(key)
-        return row["kind"], row["components"], row["bytes"], "damaged" in row
+        return (
+            row["kind"],
+            row["components"],
+            row["bytes"],
+            "damaged" in row,
+            row["attrs"].get("slot_of"),
+        )
 
     def totals(self) -> tuple[int, int, list[dict[str, Any]]]:
         """The bytes and components of every variable, and the rows of the damaged ones."""
-        nbytes = components = 0
-        damaged = []
-        for key in self.keys:
-            _, n, size, broken = self._facts(key)
-            nbytes += size
-            components += n
-            if broken or key in self._damaged:
-                damaged.append(self.row(key))
-        return nbytes, components, damaged
+        return self._bytes, self._components, [self.row(key) for key in self._broken]
 
     def _compare(self, out: Output) -> None:
-        """Compare every mirrored variable's components (in bulk where the view can)."""
-        mirrored = []
-        total = 0
+        """Note what the listing's totals and training structure need of each variable, and
+        compare every mirrored variable's components (in bulk where the view can)."""
+        mirrored: list[str] = []
+        sizes: list[int] = []
+        total = nbytes = components = 0
+        broken = []
+        #: (slot path, its variable's path) of every optimizer slot
+        self.slots: list[tuple[str, str]] = []
         for key in self.keys:
-            kind, n, size, broken = self._facts(key)
-            if kind == "mirrored" and n > 1 and not broken:
+            kind, n, size, damaged, slot_of = self._facts(key)
+            nbytes += size
+            components += n
+            if isinstance(slot_of, str):
+                self.slots.append((key, slot_of))
+            if damaged:
+                broken.append(key)
+            elif kind == "mirrored" and n > 1:
                 mirrored.append(key)
+                sizes.append(size)
                 total += size
+        self._bytes, self._components = nbytes, components
         bulk = getattr(self._view, "differing_components", None)
         known = bulk(mirrored) if bulk is not None else {}
         with out.progress(total, "compare components") as bar:
-            for key in mirrored:
+            for key, size in zip(mirrored, sizes, strict=True):
                 try:
                     differing = known.get(key)
                     if differing is None:
                         differing = components_equal(self._view[key], bar)
                     else:
-                        bar.advance(self._facts(key)[2])
+                        bar.advance(size)
                 except ParallelVarsError as exc:
                     self._damaged[key] = str(exc)
+                    broken.append(key)
                 else:
                     if differing:
                         self._differing[key] = differing
         self._mirrored = set(mirrored)
+        if broken:  # (in the listing's order)
+            place = {key: k for k, key in enumerate(self.keys)}
+            broken.sort(key=place.__getitem__)
+        self._broken = broken
 
     def row(self, key: str) -> dict[str, Any]:
         """The row of the variable ``key``."""
@@ -356,13 +372,16 @@ def training_structure(view: CheckpointView, rows: Sequence[dict[str, Any]]) -> 
     if known is _UNSAID:
         graph = getattr(view, "object_graph", None)
         known = None if graph is None else "parallelvars" if isinstance(graph, Mapping) else "other"
-    paths = set()
-    slots = []  # (each slot's path and its variable's: not its row)
-    for r in rows:
-        paths.add(r["path"])
-        target = r["attrs"].get("slot_of")
-        if isinstance(target, str):
-            slots.append((r["path"], target))
+    slots: list[tuple[str, str]]  # (each slot's path and its variable's: not its row)
+    if isinstance(rows, Rows):  # (noted as its rows were made ready: none made again)
+        paths, slots = set(rows.keys), rows.slots
+    else:
+        paths, slots = set(), []
+        for r in rows:
+            paths.add(r["path"])
+            target = r["attrs"].get("slot_of")
+            if isinstance(target, str):
+                slots.append((r["path"], target))
     tf1, counters = name_based_state(view)
     not_mappable = {k: s.reason for k, s in tf1.items() if s.slot_name is None}
     not_mappable.update(reasons_of(view))

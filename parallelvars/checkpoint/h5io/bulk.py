@@ -200,7 +200,9 @@ class BulkReads:
         no such variable, or a name that is not Unicode text: made as an entry, it names the
         error)."""
         table = self.table
-        row = None if table is None else table.rows.get(name)
+        if table is None:
+            return None
+        row = table.rows.get(name)
         if row is None:
             return None
         if not name.isascii():
