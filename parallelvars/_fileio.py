@@ -37,6 +37,7 @@ from parallelvars.errors import (
 
 __all__ = [
     "MAX_JSON_BYTES",
+    "MEMCMP",
     "MAX_JSON_DEPTH",
     "DataWriter",
     "Scratch",
@@ -495,6 +496,9 @@ def _memcmp() -> Callable[..., int] | None:
 
 
 _MEMCMP = _memcmp()
+#: libc's ``memcmp(a, b, n)`` on addresses (releases the GIL), or None where there is none:
+#: for comparing pieces of long buffers in place (see :func:`same_bytes` for whole arrays).
+MEMCMP = _MEMCMP
 # Arrays up to this many bytes are compared as copies (``tobytes``): a copy of a few KiB costs
 # less than finding the arrays' addresses; larger ones by ``memcmp`` (no copy, no temporary).
 _COPY_COMPARE_BYTES = 1 << 16

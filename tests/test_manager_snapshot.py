@@ -528,3 +528,25 @@ def test_one_plan_serves_the_snapshot_and_the_blocking_saves_replicas(tmp_path) 
         back, got, _ = interleaved(20, size=3000)
         back.restore(path).assert_consumed()
         assert got[3].numpy()[0] == -3 and got[4].numpy()[0] == 8
+
+
+def test_replica_rows_over_the_same_firsts_are_compared_together() -> None:
+    """On 4 devices the runs of rows 1-3 over the same first components are compared piece by
+    piece together: a replica differing in any row, in any piece, is found (and only it)."""
+    with pv.MirroredStrategy(4).scope():
+        vs = [pv.Variable(np.full(40_000, i, np.float32), name=f"v{i}") for i in range(12)]
+    model = pv.Module()
+    model.vs = vs
+    ckpt = pv.Checkpoint(model=model)
+    records = ckpt._gather(False)[0]
+    plan = SnapshotPlan(records)
+    assert any(len(g) == 3 for g in plan._run_groups)  # (rows 1, 2 and 3 together)
+    assert plan.replicas_differing() == []
+    vs[1].components[3][5] = -1.0  # early in the runs
+    vs[10].components[2][39_999] = -1.0  # far past the first piece
+    found = sorted(plan.replicas_differing())
+    paths = {plan.path_of(records, i) for i in found}
+    assert paths == {"model/vs/1", "model/vs/10"}
+    assert [
+        plan.flat[i] is vs[1].components[3] or plan.flat[i] is vs[10].components[2] for i in found
+    ] == [True, True]

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from parallelvars._fileio import byte_view, same_bytes
+from parallelvars._fileio import MEMCMP, byte_view, same_bytes
 from parallelvars._threads import run_partitioned
 from parallelvars.checkpoint.h5io.records import RecordList
 from parallelvars.checkpoint.registry import SaveRecord
@@ -45,6 +45,9 @@ SNAPSHOT_KEEP_BYTES = 1 << 30
 # row against row 0) of at most this many bytes: a comparison allocates nothing, so a run may
 # be long; a run that differs is compared again replica by replica.
 _RUN_MAX = 8 << 20
+# Runs over the same first components are compared this many bytes at a time (each piece of
+# the first components stays in the CPU cache while every replica row is compared with it).
+_COMPARE_PIECE = 256 << 10
 
 
 def _unchanged(live: np.ndarray, copied: np.ndarray) -> bool:
@@ -114,6 +117,7 @@ class SnapshotPlan:
         "_kept",
         "_layout",
         "_lock",
+        "_run_groups",
         "divergent",
         "flat",
         "lone",
@@ -199,6 +203,11 @@ class SnapshotPlan:
                         [e[2] for e in run],
                     )
                 )
+        # the runs over the same bytes of the first components, compared together
+        together: dict[tuple[int, int], list[int]] = {}
+        for k, (_, firsts, _) in enumerate(self.runs):
+            together.setdefault((_address(firsts), firsts.size), []).append(k)
+        self._run_groups = list(together.values())
         self.nbytes = sum(live.size for live, _, _ in self.spans) + sum(
             self.flat[i].nbytes for i in self.singles
         )
@@ -208,20 +217,35 @@ class SnapshotPlan:
             self._lock = threading.Lock()
 
     def replicas_differing(self) -> list[int]:
-        """The replicas whose bytes differ from their first components' now (live both)."""
+        """The replicas whose bytes differ from their first components' now (live both).
+
+        The runs of every replica row over the same bytes of the first components (a model on
+        4 devices: rows 1, 2 and 3 against row 0) are compared together, a piece of
+        ``_COMPARE_PIECE`` bytes at a time: each piece of the first components is read from
+        memory once and compared with every row while it is in the CPU cache."""
         flat, primary = self.flat, self.primary
         same = [True] * len(self.runs)
+        runs = self.runs
 
-        def compare(k: int, live: np.ndarray, first: np.ndarray) -> None:
-            same[k] = _unchanged(live, first)
+        def compare(group: list[int]) -> None:
+            if len(group) == 1 or MEMCMP is None:
+                for k in group:
+                    same[k] = _unchanged(runs[k][0], runs[k][1])
+                return
+            first = runs[group[0]][1]
+            size, at = first.size, _address(first)
+            rows = [(k, _address(runs[k][0])) for k in group]
+            for start in range(0, size, _COMPARE_PIECE):
+                n = min(_COMPARE_PIECE, size - start)
+                for k, row in rows:
+                    if same[k] and MEMCMP(row + start, at + start, n):
+                        same[k] = False
 
         # (memcmp releases the GIL: long runs are compared on several cores)
+        groups = self._run_groups
         run_partitioned(
-            [
-                functools.partial(compare, k, live, first)
-                for k, (live, first, _) in enumerate(self.runs)
-            ],
-            [live.size for live, _, _ in self.runs],
+            [functools.partial(compare, group) for group in groups],
+            [sum(runs[k][0].size for k in group) for group in groups],
         )
         out = []
         for (_, _, members), equal in zip(self.runs, same, strict=True):
