@@ -145,10 +145,13 @@ class FilePlan:
         documents: Sequence[str] = (),
         align: int = 8,
         shared: Sequence[Sequence[int] | None] | None = None,
+        classes: Any = None,
     ) -> None:
         """``variables``: :class:`Variable` records, or any entries with their fields but
         ``shared`` and ``external`` (a save's records, passed as they are: no object is made
-        per variable to hold them) with each one's ``shared`` given in ``shared``."""
+        per variable to hold them) with each one's ``shared`` given in ``shared``, and then
+        optionally their ``classes`` (``h5io.records.record_classes`` of them with ``shared``:
+        the layout of a class's first record is every record's of the class)."""
         self._root = _Group()
         self._root.attrs = [encode_attribute(k, v) for k, v in root_attrs.items()]
         self._root_values = {a.name: i for i, a in enumerate(self._root.attrs)}
@@ -176,9 +179,13 @@ class FilePlan:
         if shared is None:
             for var in variables:
                 add(var, var.shared, var.external, var.strings)
-        else:
+        elif classes is None:
             for var, sh in zip(variables, shared, strict=True):
                 add(var, sh, None, None)
+        else:
+            of_class: list[_Layout | None] = [None] * len(classes.first)
+            for var, sh, c in zip(variables, shared, classes.ids, strict=True):
+                of_class[c] = add(var, sh, None, None, of_class[c])
         for name in documents:
             path = name.split("/")
             group = self._group_of("/".join(path[:-1]))
@@ -245,7 +252,10 @@ class FilePlan:
         shared: Sequence[int] | None,
         external: Sequence[tuple[str, str]] | None,
         strings: Sequence[Sequence[bytes]] | None,
-    ) -> None:
+        layout: _Layout | None = None,
+    ) -> _Layout:
+        """Add ``var`` (its ``layout`` when known: that of a variable of its class); returns
+        its layout."""
         path = var.path
         dt = var.dtype if isinstance(var.dtype, np.dtype) else np.dtype(var.dtype)
         shape = tuple(map(int, var.shape))
@@ -257,19 +267,21 @@ class FilePlan:
         group = by_path.get(path)  # (made already as the parent of an earlier variable)
         if group is not None and (group.attrs or group.layout is not None):
             raise InvalidEntryError("is written twice", variable=path)
-        key = (
-            var.kind,
-            dt,
-            len(shape),
-            var.num_components,
-            None if shared is None else tuple(shared),
-            row is None,
-            # what the group's header does not hold (the index-only attributes) is not in the key
-            _attrs_key(attrs),
-        )
-        layout = self._layouts.get(key)
         if layout is None:
-            layout = self._make_layout(key, var, dt, shape, shared)
+            key = (
+                var.kind,
+                dt,
+                len(shape),
+                var.num_components,
+                None if shared is None else tuple(shared),
+                row is None,
+                # what the group's header does not hold (the index-only attributes) is not in
+                # the key
+                _attrs_key(attrs),
+            )
+            layout = self._layouts.get(key)
+            if layout is None:
+                layout = self._make_layout(key, var, dt, shape, shared)
         row_bytes = None if row is None else row.encode("utf-8")
         first = len(self._ds_key)
         if external is not None:
@@ -297,7 +309,7 @@ class FilePlan:
                 group.links.append((b"value", self._add_special(vds)))
             group.attrs = layout.sig.materialize(shape, row_bytes)  # links vary: no template
             self._rows.append((path, None, first, n))
-            return
+            return layout
         if group is None:  # (the common case: a group without lists of its own)
             parent_path, _, name = path.rpartition("/")
             parent = by_path.get(parent_path) or self._group_of(parent_path)
@@ -366,6 +378,7 @@ class FilePlan:
                     )
                 self._vlen.append((first + k, elements))
         self._rows.append((path, layout, first, layout.n))
+        return layout
 
     def _component_key(self, layout: _Layout, ndim: int, nbytes: int, links: int) -> int:
         """The template number of a component dataset."""

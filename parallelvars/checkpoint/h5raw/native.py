@@ -51,6 +51,7 @@ from parallelvars.checkpoint.h5io.records import (
     index_capacity,
     marked_template,
     metadata_key,
+    record_classes,
 )
 from parallelvars.checkpoint.h5io.write import _columns_parts, check_component
 from parallelvars.checkpoint.h5raw.component_bytes import (
@@ -317,6 +318,22 @@ def _check_components(e: Any, comps: Sequence[np.ndarray], file: str) -> None:
         check_component(c, e.path, i, want, dt, file)
 
 
+def _check_all_components(
+    items: Sequence[Any], comps: Sequence[Sequence[np.ndarray]], file: str
+) -> None:
+    """:func:`_check_components` of every entry: each component of the entry's shape and
+    dtype compared in place (the common case), any other entry checked in full."""
+    for e, cs in zip(items, comps, strict=True):
+        shape, dt = e.shape, e.dtype
+        if e.kind == "sharded" or len(cs) != e.num_components or type(shape) is not tuple:
+            _check_components(e, cs, file)
+            continue
+        for c in cs:
+            if c.shape != shape or c.dtype != dt:
+                _check_components(e, cs, file)
+                break
+
+
 def _root_values(
     metadata: Mapping[str, Any] | None, created: float | None = None
 ) -> dict[str, Any]:
@@ -436,9 +453,11 @@ def _plan_for(
     object_graph: Mapping[str, Any] | None,
     root: Mapping[str, Any],
     file: str,
+    classes: Any = None,
 ) -> FilePlan:
     """The plan of a save of ``items`` (records, or entries read from other files), each
-    path checked; the records go to the plan as they are (no object made per entry)."""
+    path checked; the records go to the plan as they are (no object made per entry), with
+    their ``classes`` (``record_classes(items, shared)``) when given."""
     paths = [e.path for e in items]
     for path in paths:
         _validate_path(path)
@@ -470,7 +489,7 @@ def _plan_for(
             for e, sh in zip(items, shared, strict=True)
         ]
         return FilePlan(variables, root_attrs=root, documents=documents)
-    return FilePlan(items, root_attrs=root, documents=documents, shared=shared)
+    return FilePlan(items, root_attrs=root, documents=documents, shared=shared, classes=classes)
 
 
 def _strings_of(e: Any, file: str) -> list[list[bytes]]:
@@ -568,12 +587,15 @@ def _prepare(
     """A structure's plan, metadata image and document templates; ``laid_out(plan)`` is
     called as soon as the plan gives the components' offsets (a save starts writing their
     bytes then, while the rest is made)."""
-    plan = _plan_for(items, shared, object_graph, root, file)
+    # (records of a class share their layout in the plan and their texts in the documents)
+    classes = record_classes(items, shared)
+    plan = _plan_for(items, shared, object_graph, root, file, classes)
     if laid_out is not None:
         laid_out(plan)
     freeze_made_so_far()  # (the plan's objects live until the image is made)
     count = sum(map(len, crcs))
-    parts = record_documents(items, plan.offsets)
+    parts = record_documents(items, plan.offsets, classes)
+    del classes
     if parts is not None:
         template, head, tail = parts
     else:  # (an attribute key that is not a string: through the index's objects)
@@ -669,8 +691,7 @@ def _save_arrays(
             else:
                 # (a cached structure's key holds every component's shape and dtype: checked
                 # once)
-                for e, cs in zip(items, comps, strict=True):
-                    _check_components(e, cs, p)
+                _check_all_components(items, comps, p)
 
                 def laid_out(plan: FilePlan) -> None:
                     nonlocal data  # the bytes go out while the metadata is made
