@@ -310,28 +310,17 @@ def _expected_shapes(e: Any) -> list[tuple[int, ...]]:
 def _check_components(e: Any, comps: Sequence[np.ndarray], file: str) -> None:
     """The components of an entry are of its dtype and of the shapes its layout gives."""
     if e.kind != "sharded" and len(comps) == e.num_components:  # every component: the shape
-        shape, dt = tuple(map(int, e.shape)), e.dtype
-        if all(c.shape == shape and c.dtype == dt for c in comps):
+        shape, dt = e.shape, e.dtype
+        if type(shape) is not tuple:
+            shape = tuple(map(int, shape))
+        for c in comps:  # (compared in place: a tuple of numpy integers equals the ints')
+            if c.shape != shape or c.dtype != dt:
+                break
+        else:
             return
     dt = np.dtype(e.dtype)
     for i, (c, want) in enumerate(zip(comps, _expected_shapes(e), strict=True)):
         check_component(c, e.path, i, want, dt, file)
-
-
-def _check_all_components(
-    items: Sequence[Any], comps: Sequence[Sequence[np.ndarray]], file: str
-) -> None:
-    """:func:`_check_components` of every entry: each component of the entry's shape and
-    dtype compared in place (the common case), any other entry checked in full."""
-    for e, cs in zip(items, comps, strict=True):
-        shape, dt = e.shape, e.dtype
-        if e.kind == "sharded" or len(cs) != e.num_components or type(shape) is not tuple:
-            _check_components(e, cs, file)
-            continue
-        for c in cs:
-            if c.shape != shape or c.dtype != dt:
-                _check_components(e, cs, file)
-                break
 
 
 def _root_values(
@@ -691,7 +680,8 @@ def _save_arrays(
             else:
                 # (a cached structure's key holds every component's shape and dtype: checked
                 # once)
-                _check_all_components(items, comps, p)
+                for e, cs in zip(items, comps, strict=True):
+                    _check_components(e, cs, p)
 
                 def laid_out(plan: FilePlan) -> None:
                     nonlocal data  # the bytes go out while the metadata is made
