@@ -374,6 +374,30 @@ def test_a_first_save_by_record_class_is_the_object_wise_file(
         assert fa.read() == fb.read()
 
 
+def test_metadata_made_in_batches_is_the_same(tmp_path, monkeypatch) -> None:
+    """The global heap's objects and the headers made from templates are made a batch at a
+    time (memory bounded by the batch); batches of a few objects give the same bytes as one
+    batch of all of them."""
+    from parallelvars.checkpoint.h5raw import global_heap, templates
+
+    records = [
+        SaveRecord(
+            "mirrored",
+            [np.full(3, k, np.float32)] * 2,
+            (3,),
+            {"name": f"w{k}", "devices": ["a", "b"], "slot_of": f"m/{k}", "slot_name": "v"},
+            path=f"g{k % 3}/w{k}",
+        )
+        for k in range(40)
+    ]
+    whole = write_native(tmp_path / "whole.h5", records, created=CREATED)
+    monkeypatch.setattr(global_heap, "_BATCH_OBJECTS", 7)
+    monkeypatch.setattr(templates, "_BATCH_ROWS", 3)
+    batched = write_native(tmp_path / "batched.h5", records, created=CREATED)
+    with open(whole, "rb") as fa, open(batched, "rb") as fb:
+        assert fa.read() == fb.read()
+
+
 def test_mirrored_components_stored_once_are_hard_links(tmp_path) -> None:
     w = np.arange(1000, dtype=np.float32)
     rec = SaveRecord(

@@ -79,7 +79,7 @@ from parallelvars.checkpoint.h5raw.objects import attrs_key as _attrs_key
 from parallelvars.checkpoint.h5raw.objects import encode_attribute
 from parallelvars.checkpoint.h5raw.objects import signature as _signature
 from parallelvars.checkpoint.h5raw.symbol_table import SYMBOL_TABLE, SymbolTable
-from parallelvars.checkpoint.h5raw.templates import Template, place, runs
+from parallelvars.checkpoint.h5raw.templates import Template, place_rows, runs
 from parallelvars.checkpoint.h5raw.virtual import mapping
 from parallelvars.checkpoint.registry import component_name as _component_name
 from parallelvars.errors import InvalidEntryError
@@ -708,7 +708,7 @@ class FilePlan:
             )
         )
         addresses = np.fromiter((g.address for g in groups), np.int64, count)
-        place(image, addresses, tmpl.rows(fields))
+        place_rows(image, addresses, tmpl, fields)
 
     def _place_plain(self, image: np.ndarray, tmpl: Template, groups: list[_Group]) -> None:
         count = len(groups)
@@ -718,7 +718,7 @@ class FilePlan:
         )
         fields = links.reshape(count, -1).view(np.uint8).reshape(count, -1)
         addresses = np.fromiter((g.address for g in groups), np.int64, count)
-        place(image, addresses, tmpl.rows(fields))
+        place_rows(image, addresses, tmpl, fields)
 
     def _dataset_template(self, number: int) -> Template:
         """A component dataset's header with its fields (dimensions, maximum dimensions and,
@@ -748,7 +748,7 @@ class FilePlan:
             columns.append(np.maximum(self._ds_offset[rows], 0).reshape(count, 1))
             columns.append(np.asarray(self._ds_nbytes, np.int64)[rows].reshape(count, 1))
         fields = np.hstack(columns).astype("<u8").view(np.uint8).reshape(count, -1)
-        place(image, self._ds_address[rows], tmpl.rows(fields))
+        place_rows(image, self._ds_address[rows], tmpl, fields)
 
     def _encode_group(self, g: _Group) -> tuple[bytes, list[tuple[int, int]]]:
         messages: list[tuple[int, int, bytes]] = []
