@@ -318,6 +318,86 @@ def check_same(tmp_path, records: list[SaveRecord], share: bool) -> None:
         assert ra.object_graph == rb.object_graph
 
 
+@st.composite
+def classed_structures(draw: st.DrawFn) -> list[SaveRecord]:
+    """Structures whose records come in classes (records alike but for their paths, shapes,
+    names and slots' variables, as a model's variables and their slots are), with names and
+    paths holding the characters a format or JSON text treats apart."""
+    base = draw(structures())
+    out: list[SaveRecord] = []
+    for k, r in enumerate(base):
+        out.append(r)
+        for j in range(draw(st.integers(0, 3))):
+            attrs = dict(r.attrs)
+            attrs["name"] = draw(st.sampled_from(["w", "50%", 'q"t', "é", f"n{j}", "json:x"]))
+            if "slot_of" in attrs or draw(st.booleans()):
+                attrs["slot_of"] = draw(st.sampled_from(["a/b", "%s", f"v{j}", "json:[1]"]))
+                attrs.setdefault("slot_name", "v")
+            shape = r.shape
+            comps = list(r.components)
+            if r.kind != "sharded" and shape and draw(st.booleans()):
+                shape = tuple(draw(st.integers(0, 3)) for _ in shape)  # (same rank)
+                comps = [_values(r.dtype, shape, 100 * k + j)] * len(comps)
+            out.append(SaveRecord(r.kind, comps, shape, attrs, path=f"{r.path}_c{j}/x%{j}"))
+    return out
+
+
+@settings(max_examples=25, **_SETTINGS)  # type: ignore[arg-type]
+@given(records=classed_structures(), share=st.booleans())
+def test_a_first_save_by_record_class_is_the_object_wise_file(
+    tmp_path_factory, monkeypatch, records, share
+) -> None:
+    """A first save plans and writes its documents by record class (``record_classes``:
+    a class's layout and texts made once); the file is byte for byte the one written from
+    one object per variable (``write_native``: ``Variable`` records and the index's
+    objects)."""
+    import time
+
+    from parallelvars.checkpoint.h5raw.native import save_native
+
+    tmp = tmp_path_factory.mktemp("classes")
+    graph = {"version": 1, "nodes": [{"children": []}]}
+    meta = {"save_counter": 2, "step": 9}
+    monkeypatch.setattr(time, "time", lambda: CREATED)
+    a = write_native(
+        str(tmp / "objects.h5"),
+        records,
+        object_graph=graph,
+        metadata=meta,
+        share_equal=share,
+        created=CREATED,
+    )
+    b = save_native(
+        str(tmp / "classes.h5"), records, object_graph=graph, metadata=meta, share_equal=share
+    )
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        assert fa.read() == fb.read()
+
+
+def test_metadata_made_in_batches_is_the_same(tmp_path, monkeypatch) -> None:
+    """The global heap's objects and the headers made from templates are made a batch at a
+    time (memory bounded by the batch); batches of a few objects give the same bytes as one
+    batch of all of them."""
+    from parallelvars.checkpoint.h5raw import global_heap, templates
+
+    records = [
+        SaveRecord(
+            "mirrored",
+            [np.full(3, k, np.float32)] * 2,
+            (3,),
+            {"name": f"w{k}", "devices": ["a", "b"], "slot_of": f"m/{k}", "slot_name": "v"},
+            path=f"g{k % 3}/w{k}",
+        )
+        for k in range(40)
+    ]
+    whole = write_native(tmp_path / "whole.h5", records, created=CREATED)
+    monkeypatch.setattr(global_heap, "_BATCH_OBJECTS", 7)
+    monkeypatch.setattr(templates, "_BATCH_ROWS", 3)
+    batched = write_native(tmp_path / "batched.h5", records, created=CREATED)
+    with open(whole, "rb") as fa, open(batched, "rb") as fb:
+        assert fa.read() == fb.read()
+
+
 def test_mirrored_components_stored_once_are_hard_links(tmp_path) -> None:
     w = np.arange(1000, dtype=np.float32)
     rec = SaveRecord(

@@ -10,7 +10,7 @@ import bisect
 import itertools
 import json
 import operator
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -97,127 +97,219 @@ _META_KEYS = frozenset({"kind", "dtype", "shape", "num_components"})
 
 
 def record_documents(
-    records: Sequence[Any], offsets: Mapping[str, Sequence[int | None]]
+    records: Sequence[Any],
+    offsets: Mapping[str, Sequence[int | None]],
+    classes: Any = None,
 ) -> tuple[str, str, str] | None:
     """The index document of ``records`` (entries with ``path``, ``kind``, ``dtype``,
     ``shape``, ``num_components``, ``attrs``) whose components lie at ``offsets`` (by path),
     as a template with a ``%d`` for each checksum, and its columns document's parts (see
     :func:`_columns_parts`): the texts of ``json.dumps(index) % ...`` and
-    ``_columns_parts(index)`` for the index a writer records of them, made from each field's
-    JSON text without building the index (no dictionary or list per record). The texts of
-    values that recur (dtype names, attribute keys, strings and lists of strings...) are
-    made once. None for a record whose attributes have a key that is not a string (the
-    caller builds the index instead)."""
+    ``_columns_parts(index)`` for the index a writer records of them, made without building
+    the index (no dictionary or list per record). None for a record whose attributes have a
+    key that is not a string (the caller builds the index instead).
+
+    The records are taken by class (``classes``: their
+    :func:`~parallelvars.checkpoint.h5io.records.record_classes`, made here when not given):
+    a class's text is made once from its first record, as a format with a place for each
+    record's path, dimensions, row strings and offsets, and each record's text is that format
+    with its values put in."""
+    from parallelvars.checkpoint.h5io.records import record_classes
+
+    if classes is None:
+        classes = record_classes(records)
+    enc = _ENCODE
+    caches: tuple[dict[Any, str], dict[str, str], dict[Any, str]] = ({}, {}, {})
+    formats: list[str] = []
+    row_places: list[tuple[int, ...]] = []  # per class: its records' row strings' columns
+    row_const: list[list[str | None]] = []  # per class: each row column's text, None: per record
+    col_layout: list[int] = []  # per class: its number in the columns' layouts
+    layouts: dict[tuple[Any, ...], int] = {}
+    layout_texts: list[str] = []
+    row_keys = COLUMNS_ROW_ATTRS
+    for k in classes.first:
+        made = _class_texts(records[k], caches)
+        if made is None:
+            return None
+        fmt, at, consts, layout, layout_text = made
+        formats.append(fmt)
+        row_places.append(at)
+        row_const.append(consts)
+        number = layouts.get(layout)
+        if number is None:
+            number = layouts[layout] = len(layout_texts)
+            layout_texts.append(layout_text)
+        col_layout.append(number)
+    ids = classes.ids
+    # each column made for all records at once
+    raw_paths = list(map(operator.attrgetter("path"), records))
+    paths = list(map(enc, raw_paths))
+    attrs = list(map(operator.attrgetter("attrs"), records))
+    shapes = list(map(operator.attrgetter("shape"), records))
+    places: list[Any] = list(map(offsets.__getitem__, raw_paths))
+    del raw_paths
+    row_columns: list[list[str]] = []
+    for r, key in enumerate(row_keys):
+        const = [consts[r] for consts in row_const]  # (None: the record's string)
+        column: list[str]
+        if None not in const:
+            column = cast(list[str], list(map(const.__getitem__, ids)))
+        elif const.count(None) == len(const):
+            column = [enc(a[key]) for a in attrs]
+        else:
+            column = [
+                enc(a[key]) if const[c] is None else cast(str, const[c])
+                for a, c in zip(attrs, ids, strict=True)
+            ]
+        row_columns.append(column)
+    del attrs
+    paths_text = ", ".join(paths)
+    row_texts = [", ".join(c) for c in row_columns]
+    flat = ", ".join(map(str, itertools.chain.from_iterable(places)))
+    if "N" in flat:  # (None: null, in both documents)
+        flat = flat.replace("None", "null")
+        places = [["null" if o is None else o for o in x] if None in x else x for x in places]
+    # the index: each record's class's format with its values; a "%" of a value doubled (the
+    # index is itself a format, of the checksums)
+    if "%" in paths_text:
+        paths = [p.replace("%", "%%") for p in paths]
+    for r, text in enumerate(row_texts):
+        if "%" in text:
+            row_columns[r] = [v.replace("%", "%%") for v in row_columns[r]]
+    pick = [_pick(at) for at in row_places]  # per class: its row strings, in its order
+    index = [
+        formats[c] % (p, *s, *pick[c](rw), *o)
+        for c, p, s, rw, o in zip(
+            ids, paths, shapes, zip(*row_columns, strict=True), places, strict=True
+        )
+    ]
+    del paths, row_columns, places
+    template = "{" + ", ".join(index) + "}"  # (one copy of the records' texts)
+    del index
+    row_attrs = ", ".join(
+        f"{enc(k)}: [{text}]" for k, text in zip(row_keys, row_texts, strict=True)
+    )
+    dims = ", ".join(map(str, map(int, itertools.chain.from_iterable(shapes))))
+    head = (
+        f'{{"version": {COLUMNS_VERSION}, "layouts": [{", ".join(layout_texts)}], '
+        f'"paths": [{paths_text}], '
+        f'"layout": [{", ".join(map(str, map(col_layout.__getitem__, ids)))}], '
+        f'"row_attrs": {{{row_attrs}}}, "shapes": [{dims}], '
+        f'"offsets": [{flat}], "crc32c": ['
+    )
+    return template, head, "]}"
+
+
+def _class_texts(
+    e: Any, caches: tuple[dict[Any, str], dict[str, str], dict[Any, str]]
+) -> tuple[str, tuple[int, ...], list[str | None], tuple[Any, ...], str] | None:
+    """The texts of the class of record ``e`` (see :func:`record_documents`): the format of
+    its records' index text (a ``%s`` for the path, a ``%d`` for each dimension, a ``%s`` for
+    each row string and each offset, a ``%%d`` for each checksum; the class's own text with
+    each ``%`` made ``%%%%``), the row columns whose strings each record gives (their numbers
+    in ``COLUMNS_ROW_ATTRS``, in the attributes' order), each row column's text when the class gives it (None: the record's
+    string), and its columns layout's key and text. None for an attribute key that is not a
+    string."""
     from parallelvars._dtypes import dtype_name
     from parallelvars.checkpoint.h5io.attributes import _attr_value, _decode
 
     enc = _ENCODE
-    dtypes: dict[Any, str] = {}
-    keys: dict[str, str] = {}
-    texts: dict[Any, str] = {}  # a value's key -> its text (strings and lists of strings)
-    marks: dict[int, str] = {}
-    layouts: dict[tuple[Any, ...], int] = {}
-    layout_texts: list[str] = []
-    index: list[str] = []
-    paths: list[str] = []
-    rows: list[int] = []
+    dtypes, keys, texts = caches
+    dt = e.dtype
+    dtype = dtypes.get(dt)
+    if dtype is None:
+        dtype = dtypes[dt] = enc(dtype_name(np.dtype(dt)))
+    kind = enc(e.kind)
+    n = int(e.num_components)
+    ndim = len(e.shape)
     row_keys = COLUMNS_ROW_ATTRS
-    row_columns: list[list[str]] = [[] for _ in row_keys]
-    shapes: list[str] = []
-    places: list[str] = []
-    for e in records:
-        path = enc(e.path)
-        dt = e.dtype
-        dtype = dtypes.get(dt)
-        if dtype is None:
-            dtype = dtypes[dt] = enc(dtype_name(np.dtype(dt)))
-        kind = enc(e.kind)
-        n = int(e.num_components)
-        shape = ", ".join([str(int(d)) for d in e.shape])
-        attrs: list[str] = []
-        fixed: list[str] = []
-        row_values = ["null"] * len(row_keys)
-        for key, val in e.attrs.items():
-            if val is None or key in _META_KEYS:
-                continue
-            if type(key) is not str:
-                return None
-            t = type(val)
-            # what the file's attribute decodes to is the value itself for these (strings
-            # that are not "json:" text, booleans, integers of int64)
-            if t is str and not val.startswith("json:"):
-                if key in row_keys:  # (a name, a slot's variable: one per record, not kept)
-                    text = enc(val)
-                else:
-                    known = texts.get(val)
-                    text = known if known is not None else texts.setdefault(val, enc(val))
-            elif t is bool:
-                text = "true" if val else "false"
-            elif t is int and -(1 << 63) <= val < 1 << 63:
-                text = int.__repr__(val)
-            elif t is list and all(type(x) is str and not x.startswith("json:") for x in val):
-                text = "[" + ", ".join(map(enc, val)) + "]"
-            else:
-                vkey = _value_key(val)
-                known = texts.get(vkey) if vkey is not None else None
-                if known is not None:
-                    text = known
-                else:
-                    text = json.dumps(_decode(_attr_value(val)))
-                    if vkey is not None:
-                        texts[vkey] = text
-            name = keys.get(key)
-            if name is None:
-                name = keys[key] = enc(key)
-            item = name + ": " + text
-            attrs.append(item)
-            if key in row_keys:
-                row_values[row_keys.index(key)] = text
+    consts: list[str | None] = ["null"] * len(row_keys)
+    places: list[int] = []
+    items: list[str] = []  # (each a piece of the format)
+    fixed: list[str] = []
+    for key, val in e.attrs.items():
+        if val is None or key in _META_KEYS:
+            continue
+        if type(key) is not str:
+            return None
+        name = keys.get(key)
+        if name is None:
+            name = keys[key] = enc(key)
+        t = type(val)
+        # what the file's attribute decodes to is the value itself for these (strings that are
+        # not "json:" text, booleans, integers of int64)
+        if t is str and not val.startswith("json:"):
+            if key in row_keys:  # (a name, a slot's variable: each record's own)
+                places.append(row_keys.index(key))
+                items.append(_doubled(name + ": ") + "%s")
+                consts[row_keys.index(key)] = None
                 fixed.append(name + ": null")
+                continue
+            known = texts.get(val)
+            text = known if known is not None else texts.setdefault(val, enc(val))
+        elif t is bool:
+            text = "true" if val else "false"
+        elif t is int and -(1 << 63) <= val < 1 << 63:
+            text = int.__repr__(val)
+        elif t is list and all(type(x) is str and not x.startswith("json:") for x in val):
+            text = "[" + ", ".join(map(enc, val)) + "]"
+        else:
+            vkey = _value_key(val)
+            known = texts.get(vkey) if vkey is not None else None
+            if known is not None:
+                text = known
             else:
-                fixed.append(item)
-        place = ", ".join(["null" if o is None else str(o) for o in offsets[e.path]])
-        mark = marks.get(n)
-        if mark is None:
-            mark = marks[n] = ", ".join(["%d"] * n)
-        body = (
-            f'{path}: {{"kind": {kind}, "dtype": {dtype}, "shape": [{shape}], '
-            f'"num_components": {n}, "attrs": {{{", ".join(attrs)}}}, "offsets": [{place}], '
-            '"crc32c": ['
-        )
-        if "%" in body:  # (the template's text: each "%" of the document doubled)
-            body = body.replace("%", "%%")
-        index.append(f"{body}{mark}]}}")
-        ndim = len(e.shape)
-        fixed_text = ", ".join(fixed)
-        layout = (kind, dtype, ndim, n, fixed_text)
-        number = layouts.get(layout)
-        if number is None:
-            number = layouts[layout] = len(layout_texts)
-            layout_texts.append(
-                f'{{"kind": {kind}, "dtype": {dtype}, "ndim": {ndim}, "num_components": {n}, '
-                f'"attrs": {{{fixed_text}}}}}'
-            )
-        paths.append(path)
-        rows.append(number)
-        for column, value in zip(row_columns, row_values, strict=True):
-            column.append(value)
-        if shape:
-            shapes.append(shape)
-        if place:
-            places.append(place)
-    template = "{" + ", ".join(index) + "}"  # (one copy of the records' texts)
-    del index
-    row_attrs = ", ".join(
-        f"{enc(k)}: [{', '.join(c)}]" for k, c in zip(row_keys, row_columns, strict=True)
+                text = json.dumps(_decode(_attr_value(val)))
+                if vkey is not None:
+                    texts[vkey] = text
+        item = name + ": " + text
+        items.append(_doubled(item))
+        if key in row_keys:
+            consts[row_keys.index(key)] = text
+            fixed.append(name + ": null")
+        else:
+            fixed.append(item)
+    dims = ", ".join(["%d"] * ndim)
+    marks = ", ".join(["%%d"] * n)
+    fmt = (
+        "%s: "
+        + _doubled(f'{{"kind": {kind}, "dtype": {dtype}, "shape": [')
+        + dims
+        + _doubled(f'], "num_components": {n}, "attrs": {{')
+        + ", ".join(items)
+        + '}, "offsets": ['
+        + ", ".join(["%s"] * n)
+        + '], "crc32c": ['
+        + marks
+        + "]}"
     )
-    head = (
-        f'{{"version": {COLUMNS_VERSION}, "layouts": [{", ".join(layout_texts)}], '
-        f'"paths": [{", ".join(paths)}], "layout": [{", ".join(map(str, rows))}], '
-        f'"row_attrs": {{{row_attrs}}}, "shapes": [{", ".join(shapes)}], '
-        f'"offsets": [{", ".join(places)}], "crc32c": ['
+    fixed_text = ", ".join(fixed)
+    layout = (kind, dtype, ndim, n, fixed_text)
+    layout_text = (
+        f'{{"kind": {kind}, "dtype": {dtype}, "ndim": {ndim}, "num_components": {n}, '
+        f'"attrs": {{{fixed_text}}}}}'
     )
-    return template, head, "]}"
+    return fmt, tuple(places), consts, layout, layout_text
+
+
+def _pick(at: tuple[int, ...]) -> Callable[[tuple[str, ...]], tuple[str, ...]]:
+    """A record's row strings (one per row column) as its class's format takes them: those of
+    the columns ``at``, in that order (its attributes' order)."""
+    if at == tuple(range(len(COLUMNS_ROW_ATTRS))):
+        return tuple
+    if not at:
+        return lambda rw: ()
+    if len(at) == 1:
+        p = at[0]
+        return lambda rw: (rw[p],)
+    get = operator.itemgetter(*at)
+    return lambda rw: cast(tuple[str, ...], get(rw))
+
+
+def _doubled(text: str) -> str:
+    """``text`` as a literal of a format whose result is itself a format (each ``%`` four
+    times: once for each of the two ``%`` operations)."""
+    return text.replace("%", "%%%%") if "%" in text else text
 
 
 def _value_key(value: Any) -> Any:

@@ -9,15 +9,20 @@
   with a ``%d`` for every checksum, so a repeated save formats it instead of dumping it, and
   :func:`index_capacity`, the room a document of a structure gets;
 * :class:`PlanCache`: what a checkpoint keeps of the structure it saved last (the generated
-  metadata of ``h5raw/native.py``), found again by the structure's key.
+  metadata of ``h5raw/native.py``), found again by the structure's key;
+* :func:`record_classes`: a first save's records sorted into classes of records that differ
+  only by their path, shape and row strings (``name``, ``slot_of``), so that the plan and the
+  documents make what a class shares once (``h5raw/generate.py``, ``h5io/columns.py``).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 from parallelvars.checkpoint.h5io.layout import _library_version
@@ -29,6 +34,7 @@ __all__ = [
     "index_capacity",
     "marked_template",
     "metadata_key",
+    "record_classes",
 ]
 
 
@@ -203,3 +209,162 @@ class PlanCache:
 
     def clear(self) -> None:
         self.put(None)
+
+
+# The attributes whose string values differ between most records (a variable's name, a slot's
+# variable): kept per record, not in a record's class (h5io/layout.py: COLUMNS_ROW_ATTRS; the
+# generator keeps ``slot_of`` per group too).
+ROW_KEYS = ("name", "slot_of")
+_PLAIN_TYPES = (str, int, bool, type(None))
+
+
+class RecordClasses:
+    """Records sorted into classes (:func:`record_classes`): ``ids[k]`` is record ``k``'s
+    class, ``first[c]`` the first record of class ``c``. The records of one class have the same
+    kind, dtype, rank, number of components, components' sharing, attribute names in order,
+    attribute types and attribute values, but the strings of :data:`ROW_KEYS` (those not
+    starting with ``"json:"``): what the plan and the documents make of one record of a class
+    holds for all of them, with its path, shape and row strings put in."""
+
+    __slots__ = ("first", "ids")
+
+    def __init__(self, ids: list[int], first: list[int]) -> None:
+        self.ids = ids
+        self.first = first
+
+
+def _frozen(value: Any) -> Any:
+    from parallelvars.checkpoint.h5raw.objects import frozen
+
+    return frozen(value)
+
+
+def _list_key(value: list[Any]) -> Any:
+    """A list's part of a class key: a list of strings as a tuple of them, any other list
+    frozen (``1`` and ``True`` compare equal but are written apart)."""
+    try:
+        "".join(value)  # (only strings join)
+    except TypeError:
+        return _frozen(value)
+    return tuple(value)
+
+
+def _getter(positions: list[int]) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """The values at ``positions``, as a tuple."""
+    if len(positions) == 1:
+        p = positions[0]
+        return lambda vals: (vals[p],)
+    return itemgetter(*positions)
+
+
+_JSON = itertools.repeat("json:")
+
+
+def _values_key(
+    names: tuple[Any, ...], types: tuple[type, ...], exact: bool = True
+) -> Callable[[tuple[Any, ...]], Any]:
+    """For attributes of ``names`` whose values have ``types``: a function of the values to
+    their part of a class key (strings, integers, booleans and None as they are; lists of
+    strings as tuples; anything else frozen, floats by their bits; the row strings only when
+    one is ``"json:"`` text). Not ``exact``: a list as a tuple of its items whatever they are
+    (a key that tells ``[1]`` from ``[True]`` only when the caller checks that a class's lists
+    hold strings only; see :func:`record_classes`)."""
+    plain: list[int] = []
+    rows: list[int] = []
+    lists: list[int] = []
+    other: list[int] = []
+    for p, (name, t) in enumerate(zip(names, types, strict=True)):
+        if name in ROW_KEYS and t is str:
+            rows.append(p)
+        elif t in _PLAIN_TYPES:
+            plain.append(p)
+        elif t is list:
+            lists.append(p)
+        else:
+            other.append(p)
+    get = _getter(plain) if plain else lambda vals: ()
+    if not rows and not lists and not other:
+        return get
+    if not exact and not other and len(rows) <= 2 and len(lists) <= 1:
+        # (the common attributes, a few operations: a variable's devices, its name and slot)
+        r0, r1 = [*rows, -1, -1][:2]
+        at = lists[0] if lists else -1
+        json = "json:"
+
+        def fast(vals: tuple[Any, ...]) -> Any:
+            listed = tuple(vals[at]) if at >= 0 else None
+            if (r0 >= 0 and vals[r0].startswith(json)) or (r1 >= 0 and vals[r1].startswith(json)):
+                return (get(vals), listed, tuple(vals[p] for p in rows))
+            return (get(vals), listed)
+
+        return fast
+    row_get = _getter(rows) if rows else None
+    list_get = _getter(lists) if lists else None
+    other_get = _getter(other) if other else None
+    starts = str.startswith
+    frozen = _frozen
+
+    def key(vals: tuple[Any, ...]) -> Any:
+        return (
+            get(vals),
+            row_get(vals)
+            if row_get is not None and any(map(starts, row_get(vals), _JSON))
+            else None,
+            None if list_get is None else tuple(map(_list_key, list_get(vals))),
+            None if other_get is None else tuple(map(frozen, other_get(vals))),
+        )
+
+    return key
+
+
+def record_classes(
+    items: Sequence[Any], shared: Sequence[Sequence[int] | None] | None = None
+) -> RecordClasses:
+    """The classes of ``items`` (entries with ``kind``, ``dtype``, ``shape``,
+    ``num_components`` and ``attrs``; with ``shared``, each one's sharing of its components'
+    datasets, part of its class): see :class:`RecordClasses`. A few Python operations per
+    record: its attributes' names, types and values as tuples, a function per combination of
+    names and types.
+
+    Lists are keyed by their items first (``tuple(value)``); when a class's first record has a
+    list of anything but strings (whose items may equal others of another type: ``1 == True``),
+    the records are sorted again with every list frozen."""
+    made = _record_classes(items, shared, False)
+    if made is None:
+        made = _record_classes(items, shared, True)
+        assert made is not None
+    return made
+
+
+def _record_classes(
+    items: Sequence[Any], shared: Sequence[Sequence[int] | None] | None, exact: bool
+) -> RecordClasses | None:
+    specs: dict[tuple[Any, Any], Callable[[tuple[Any, ...]], Any]] = {}
+    classes: dict[Any, int] = {}
+    ids: list[int] = []
+    first: list[int] = []
+    add = ids.append
+    find = classes.get
+    for k, e in enumerate(items):
+        a = e.attrs
+        vals = tuple(a.values())
+        sig = (tuple(a), tuple(map(type, vals)))
+        spec = specs.get(sig)
+        if spec is None:
+            spec = specs[sig] = _values_key(*sig, exact=exact)
+        held = None if shared is None else shared[k]
+        sh = None if held is None else tuple(held)
+        key = (e.kind, e.dtype, len(e.shape), e.num_components, sh, spec, spec(vals))
+        c = find(key)
+        if c is None:
+            if not exact and not all(_strings(v) for v in vals if type(v) is list):
+                return None  # (its lists' items are keyed by value: see record_classes)
+            c = classes[key] = len(first)
+            first.append(k)
+        add(c)
+    return RecordClasses(ids, first)
+
+
+def _strings(value: list[Any]) -> bool:
+    """False for a list of anything but strings (its class is keyed exactly)."""
+    return all(type(x) is str for x in value)

@@ -79,7 +79,7 @@ from parallelvars.checkpoint.h5raw.objects import attrs_key as _attrs_key
 from parallelvars.checkpoint.h5raw.objects import encode_attribute
 from parallelvars.checkpoint.h5raw.objects import signature as _signature
 from parallelvars.checkpoint.h5raw.symbol_table import SYMBOL_TABLE, SymbolTable
-from parallelvars.checkpoint.h5raw.templates import Template, place, runs
+from parallelvars.checkpoint.h5raw.templates import Template, place_rows, runs
 from parallelvars.checkpoint.h5raw.virtual import mapping
 from parallelvars.checkpoint.registry import component_name as _component_name
 from parallelvars.errors import InvalidEntryError
@@ -145,10 +145,13 @@ class FilePlan:
         documents: Sequence[str] = (),
         align: int = 8,
         shared: Sequence[Sequence[int] | None] | None = None,
+        classes: Any = None,
     ) -> None:
         """``variables``: :class:`Variable` records, or any entries with their fields but
         ``shared`` and ``external`` (a save's records, passed as they are: no object is made
-        per variable to hold them) with each one's ``shared`` given in ``shared``."""
+        per variable to hold them) with each one's ``shared`` given in ``shared``, and then
+        optionally their ``classes`` (``h5io.records.record_classes`` of them with ``shared``:
+        the layout of a class's first record is every record's of the class)."""
         self._root = _Group()
         self._root.attrs = [encode_attribute(k, v) for k, v in root_attrs.items()]
         self._root_values = {a.name: i for i, a in enumerate(self._root.attrs)}
@@ -176,9 +179,11 @@ class FilePlan:
         if shared is None:
             for var in variables:
                 add(var, var.shared, var.external, var.strings)
-        else:
+        elif classes is None:
             for var, sh in zip(variables, shared, strict=True):
                 add(var, sh, None, None)
+        else:
+            self._add_classes(variables, shared, classes.ids, len(classes.first))
         for name in documents:
             path = name.split("/")
             group = self._group_of("/".join(path[:-1]))
@@ -245,7 +250,10 @@ class FilePlan:
         shared: Sequence[int] | None,
         external: Sequence[tuple[str, str]] | None,
         strings: Sequence[Sequence[bytes]] | None,
-    ) -> None:
+        layout: _Layout | None = None,
+    ) -> _Layout:
+        """Add ``var`` (its ``layout`` when known: that of a variable of its class); returns
+        its layout."""
         path = var.path
         dt = var.dtype if isinstance(var.dtype, np.dtype) else np.dtype(var.dtype)
         shape = tuple(map(int, var.shape))
@@ -257,19 +265,21 @@ class FilePlan:
         group = by_path.get(path)  # (made already as the parent of an earlier variable)
         if group is not None and (group.attrs or group.layout is not None):
             raise InvalidEntryError("is written twice", variable=path)
-        key = (
-            var.kind,
-            dt,
-            len(shape),
-            var.num_components,
-            None if shared is None else tuple(shared),
-            row is None,
-            # what the group's header does not hold (the index-only attributes) is not in the key
-            _attrs_key(attrs),
-        )
-        layout = self._layouts.get(key)
         if layout is None:
-            layout = self._make_layout(key, var, dt, shape, shared)
+            key = (
+                var.kind,
+                dt,
+                len(shape),
+                var.num_components,
+                None if shared is None else tuple(shared),
+                row is None,
+                # what the group's header does not hold (the index-only attributes) is not in
+                # the key
+                _attrs_key(attrs),
+            )
+            layout = self._layouts.get(key)
+            if layout is None:
+                layout = self._make_layout(key, var, dt, shape, shared)
         row_bytes = None if row is None else row.encode("utf-8")
         first = len(self._ds_key)
         if external is not None:
@@ -297,7 +307,7 @@ class FilePlan:
                 group.links.append((b"value", self._add_special(vds)))
             group.attrs = layout.sig.materialize(shape, row_bytes)  # links vary: no template
             self._rows.append((path, None, first, n))
-            return
+            return layout
         if group is None:  # (the common case: a group without lists of its own)
             parent_path, _, name = path.rpartition("/")
             parent = by_path.get(parent_path) or self._group_of(parent_path)
@@ -366,6 +376,55 @@ class FilePlan:
                     )
                 self._vlen.append((first + k, elements))
         self._rows.append((path, layout, first, layout.n))
+        return layout
+
+    def _add_classes(
+        self,
+        variables: Sequence[Any],
+        shared: Sequence[Sequence[int] | None],
+        ids: Sequence[int],
+        count: int,
+    ) -> None:
+        """:meth:`_add_variable` of records sorted into ``count`` classes (``ids``: each
+        one's class): a class's first record is added in full (its layout made or found, its
+        row string's type checked), then every record of a class whose layout is neither
+        sharded nor of byte strings, and whose group is not made yet (as a parent), is added
+        in a few operations: its group made from the layout, its datasets' rows of the
+        layout's datasets."""
+        add = self._add_variable
+        of_class: list[_Layout | None] = [None] * count
+        by_path = self._by_path
+        leaf = _Group.leaf
+        ds_key, ds_shape, ds_nbytes = self._ds_key, self._ds_shape, self._ds_nbytes
+        rows = self._rows
+        prod = math.prod
+        for var, sh, c in zip(variables, shared, ids, strict=True):
+            layout = of_class[c]
+            path = var.path
+            if layout is None or layout.sharded or layout.vlen or path in by_path:
+                of_class[c] = add(var, sh, None, None, layout)
+                continue
+            shape = tuple(map(int, var.shape))
+            row = var.attrs.get(_ROW_STRING)  # (a string or None: its class's first record's)
+            first = len(ds_key)
+            parent_path, _, name = path.rpartition("/")
+            parent = by_path.get(parent_path) or self._group_of(parent_path)
+            group = by_path[path] = leaf(
+                layout, shape, None if row is None else row.encode("utf-8"), first
+            )
+            _adopt(parent, name.encode("utf-8"), group)
+            layout.groups.append(group)
+            nbytes = prod(shape) * layout.itemsize
+            keys = layout.ds_keys[nbytes > 0]
+            if keys is None:
+                keys = layout.ds_keys[nbytes > 0] = [
+                    self._component_key(layout, len(shape), nbytes, links) for links in layout.links
+                ]
+            ds_key += keys
+            n = len(keys)
+            ds_shape += [shape] * n
+            ds_nbytes += [nbytes] * n
+            rows.append((path, layout, first, layout.n))
 
     def _component_key(self, layout: _Layout, ndim: int, nbytes: int, links: int) -> int:
         """The template number of a component dataset."""
@@ -395,41 +454,49 @@ class FilePlan:
         # 1. the groups in file order (depth first, each before its children); a variable that
         # is also a parent, or whose header continues in further chunks (their continuation
         # messages hold addresses), is encoded on its own
-        groups: list[_Group] = []
-        stack = [self._root]
+        root = self._root
+        groups: list[_Group] = [root]
+        add_group = groups.append
+        # (a stack of the children still to visit of each group on the way: a variable's
+        # group, a leaf, is added without a visit of its own)
+        stack = [iter(root.children)]
         while stack:
-            g = stack.pop()
-            groups.append(g)
-            if g.children:
-                stack.extend(reversed(g.children))
-            # a variable that is also a parent, or of more links than a header keeps (a
-            # symbol table): encoded on its own
-            if g.layout is not None and (
-                g.children or len(g.layout.names) + len(g.links) > MAX_COMPACT_LINKS
-            ):
-                self._expand(g)
+            for g in stack[-1]:
+                add_group(g)
+                if g.children:
+                    if g.layout is not None:  # a variable that is also a parent
+                        self._expand(g)
+                    stack.append(iter(g.children))
+                    break
+            else:
+                stack.pop()
         self._groups = groups
         for layout in self._layouts.values():
-            if layout.groups and len(self._group_template(layout).chunks) > 1:
+            # a variable's group whose header continues in further chunks (their continuation
+            # messages hold addresses), or of more links than a header keeps (a symbol
+            # table): encoded on its own
+            if layout.groups and (
+                len(self._group_template(layout).chunks) > 1
+                or len(layout.names) > MAX_COMPACT_LINKS
+            ):
                 for g in layout.groups:
                     if g.layout is not None:
                         self._expand(g)
             layout.groups = [g for g in layout.groups if g.layout is not None]
         # groups without attributes whose links have the same names (the groups of a
         # variable's slots...) are made from one template
+        others = [g for g in groups if g.layout is None]  # (groups not made from a layout)
         plain: dict[tuple[bytes, ...], list[_Group]] = {}
-        for g in groups:
-            if g.layout is None and len(g.links) > MAX_COMPACT_LINKS:
+        for g in others:
+            if len(g.links) > MAX_COMPACT_LINKS:
                 g.table = SymbolTable([name for name, _ in g.links])
-            if (
-                g.layout is None
-                and not g.attrs
-                and g is not self._root
+            elif (
+                not g.attrs
+                and g is not root
                 and g.links
-                and g.table is None
                 and not any(isinstance(t, _External) for _, t in g.links)
             ):
-                plain.setdefault(tuple(name for name, _ in g.links), []).append(g)
+                plain.setdefault(tuple([name for name, _ in g.links]), []).append(g)
         self._plain: list[tuple[Template, list[_Group]]] = []
         templated: set[int] = set()
         for members in plain.values():
@@ -440,32 +507,30 @@ class FilePlan:
                 continue
             self._plain.append((tmpl, members))
             templated.update(map(id, members))
-        self._individual = [g for g in groups if g.layout is None and id(g) not in templated]
+        self._individual = [g for g in others if id(g) not in templated]
         plain_of = {id(g): tmpl.size for tmpl, members in self._plain for g in members}
-        size_of: list[int] = []  # (each group's header and table: a list, then one array)
-        add_size = size_of.append
-        for g in groups:
-            lay = g.layout
-            if lay is not None:
-                made = lay.template
-                assert made is not None
-                add_size(made.size)
-            else:
-                size = plain_of.get(id(g))
-                if size is None:
-                    size = len(self._encode_group(g)[0])
-                if g.table is not None:  # the header, then its symbol table
-                    g.table_at = size
-                    size += g.table.size
-                add_size(size)
+        # each group's header and table: a list, then one array (a layout's groups: its
+        # template's size)
+        size_of: list[int] = [-1 if g.layout is None else g.layout.size for g in groups]
+        tables: list[_Group] = []
+        for k in [k for k, size in enumerate(size_of) if size < 0]:
+            g = groups[k]
+            size = plain_of.get(id(g))
+            if size is None:
+                size = len(self._encode_group(g)[0])
+            if g.table is not None:  # the header, then its symbol table
+                g.table_at = size
+                size += g.table.size
+                tables.append(g)
+            size_of[k] = size
         sizes = np.array(size_of, np.int64)
         del size_of
         starts = SUPERBLOCK_SIZE + np.cumsum(sizes) - sizes
         at = SUPERBLOCK_SIZE + int(sizes.sum())
         for g, a in zip(groups, starts.tolist(), strict=True):
             g.address = a
-            if g.table is not None:
-                g.table_at += a
+        for g in tables:
+            g.table_at += g.address
         # 2. the datasets, in order
         keys = np.asarray(self._ds_key, np.int64)
         key_sizes = np.array(
@@ -481,15 +546,20 @@ class FilePlan:
             ds.address = int(ds_address[number])
         # 3. the global heap: every string of every attribute, then the mappings
         strings: list[bytes] = []
+        add_string = strings.append
         for g in groups:
             lay = g.layout
             if lay is not None:
                 g.first_string = len(strings)
                 before, after = lay.strings
-                strings += before
-                if lay.sig.row_at is not None:
-                    strings.append(g.row or b"")
+                if lay.sig.row_at is None:
+                    strings += before
+                elif before or after:
+                    strings += before
+                    add_string(g.row or b"")
                     strings += after
+                else:
+                    add_string(g.row or b"")
         owners: list[tuple[_Attr, int]] = []
         holders: list[_Group | _Dataset] = [*self._individual, *self._special.values()]
         for obj in holders:
@@ -601,6 +671,7 @@ class FilePlan:
                 finally:
                     self._fill = None
             layout.template = Template(made[0][0], made[0][1], runs(made[0][0], made[1][0]))
+            layout.size = layout.template.size
         return layout.template
 
     def _plain_template(self, g: _Group) -> Template:
@@ -637,7 +708,7 @@ class FilePlan:
             )
         )
         addresses = np.fromiter((g.address for g in groups), np.int64, count)
-        place(image, addresses, tmpl.rows(fields))
+        place_rows(image, addresses, tmpl, fields)
 
     def _place_plain(self, image: np.ndarray, tmpl: Template, groups: list[_Group]) -> None:
         count = len(groups)
@@ -647,7 +718,7 @@ class FilePlan:
         )
         fields = links.reshape(count, -1).view(np.uint8).reshape(count, -1)
         addresses = np.fromiter((g.address for g in groups), np.int64, count)
-        place(image, addresses, tmpl.rows(fields))
+        place_rows(image, addresses, tmpl, fields)
 
     def _dataset_template(self, number: int) -> Template:
         """A component dataset's header with its fields (dimensions, maximum dimensions and,
@@ -677,7 +748,7 @@ class FilePlan:
             columns.append(np.maximum(self._ds_offset[rows], 0).reshape(count, 1))
             columns.append(np.asarray(self._ds_nbytes, np.int64)[rows].reshape(count, 1))
         fields = np.hstack(columns).astype("<u8").view(np.uint8).reshape(count, -1)
-        place(image, self._ds_address[rows], tmpl.rows(fields))
+        place_rows(image, self._ds_address[rows], tmpl, fields)
 
     def _encode_group(self, g: _Group) -> tuple[bytes, list[tuple[int, int]]]:
         messages: list[tuple[int, int, bytes]] = []

@@ -66,6 +66,10 @@ def ragged_copy(
     out[np.repeat(dst, lengths) + within] = src[np.repeat(starts, lengths) + within]
 
 
+# The most objects whose heads and bytes are scattered at once (:func:`build_collections`).
+_BATCH_OBJECTS = 1 << 16
+
+
 def build_collections(
     data: bytes | np.ndarray, lengths: np.ndarray, base: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -100,12 +104,18 @@ def build_collections(
     # each object's place: after the head and the objects before it in its collection
     before = np.cumsum(slot) - slot
     at = local[which] + _COLLECTION_HEADER + before - before[which * per]
-    objhead = np.zeros((n, _OBJECT_HEADER), np.uint8)
-    objhead[:, 0:2] = index.astype("<u2").view(np.uint8).reshape(n, 2)
-    objhead[:, 8:16] = lengths.astype("<u8").view(np.uint8).reshape(n, 8)
-    out[(at[:, None] + np.arange(_OBJECT_HEADER)).reshape(-1)] = objhead.reshape(-1)
     src = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data
-    ragged_copy(out, at + _OBJECT_HEADER, src, np.cumsum(lengths) - lengths, lengths)
+    first = np.cumsum(lengths) - lengths  # each object's bytes in ``src``
+    # the objects' heads and bytes, a batch of objects at a time (the index arrays of a
+    # scatter take 8 bytes per byte scattered: bounded by the batch, not the heap)
+    for lo in range(0, n, _BATCH_OBJECTS):
+        hi = min(n, lo + _BATCH_OBJECTS)
+        m = hi - lo
+        objhead = np.zeros((m, _OBJECT_HEADER), np.uint8)
+        objhead[:, 0:2] = index[lo:hi].astype("<u2").view(np.uint8).reshape(m, 2)
+        objhead[:, 8:16] = lengths[lo:hi].astype("<u8").view(np.uint8).reshape(m, 8)
+        out[(at[lo:hi, None] + np.arange(_OBJECT_HEADER)).reshape(-1)] = objhead.reshape(-1)
+        ragged_copy(out, at[lo:hi] + _OBJECT_HEADER, src, first[lo:hi], lengths[lo:hi])
     # the free space of each collection: an object of index 0 (when there is room for one)
     free = size - used
     for c in np.flatnonzero(free >= _OBJECT_HEADER).tolist():

@@ -51,6 +51,7 @@ from parallelvars.checkpoint.h5io.records import (
     index_capacity,
     marked_template,
     metadata_key,
+    record_classes,
 )
 from parallelvars.checkpoint.h5io.write import _columns_parts, check_component
 from parallelvars.checkpoint.h5raw.component_bytes import (
@@ -313,8 +314,13 @@ def _expected_shapes(e: Any) -> list[tuple[int, ...]]:
 def _check_components(e: Any, comps: Sequence[np.ndarray], file: str) -> None:
     """The components of an entry are of its dtype and of the shapes its layout gives."""
     if e.kind != "sharded" and len(comps) == e.num_components:  # every component: the shape
-        shape, dt = tuple(map(int, e.shape)), e.dtype
-        if all(c.shape == shape and c.dtype == dt for c in comps):
+        shape, dt = e.shape, e.dtype
+        if type(shape) is not tuple:
+            shape = tuple(map(int, shape))
+        for c in comps:  # (compared in place: a tuple of numpy integers equals the ints')
+            if c.shape != shape or c.dtype != dt:
+                break
+        else:
             return
     dt = np.dtype(e.dtype)
     for i, (c, want) in enumerate(zip(comps, _expected_shapes(e), strict=True)):
@@ -440,9 +446,11 @@ def _plan_for(
     object_graph: Mapping[str, Any] | None,
     root: Mapping[str, Any],
     file: str,
+    classes: Any = None,
 ) -> FilePlan:
     """The plan of a save of ``items`` (records, or entries read from other files), each
-    path checked; the records go to the plan as they are (no object made per entry)."""
+    path checked; the records go to the plan as they are (no object made per entry), with
+    their ``classes`` (``record_classes(items, shared)``) when given."""
     paths = [e.path for e in items]
     for path in paths:
         _validate_path(path)
@@ -474,7 +482,7 @@ def _plan_for(
             for e, sh in zip(items, shared, strict=True)
         ]
         return FilePlan(variables, root_attrs=root, documents=documents)
-    return FilePlan(items, root_attrs=root, documents=documents, shared=shared)
+    return FilePlan(items, root_attrs=root, documents=documents, shared=shared, classes=classes)
 
 
 def _strings_of(e: Any, file: str) -> list[list[bytes]]:
@@ -573,12 +581,15 @@ def _prepare(
     called as soon as the plan gives the components' offsets (a save starts writing their
     bytes then, while the rest is made). ``crcs()``: the components' checksums (once their
     bytes are written), asked for only by an index that takes its template record by record."""
-    plan = _plan_for(items, shared, object_graph, root, file)
+    # (records of a class share their layout in the plan and their texts in the documents)
+    classes = record_classes(items, shared)
+    plan = _plan_for(items, shared, object_graph, root, file, classes)
     if laid_out is not None:
         laid_out(plan)
     freeze_made_so_far()  # (the plan's objects live until the image is made)
     count = sum(len(e.components) for e in items)
-    parts = record_documents(items, plan.offsets)
+    parts = record_documents(items, plan.offsets, classes)
+    del classes
     if parts is not None:
         template, head, tail = parts
     else:  # (an attribute key that is not a string: through the index's objects)

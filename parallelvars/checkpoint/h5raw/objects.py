@@ -347,6 +347,7 @@ class Layout:
             self.link_ds.append(len(self.stored))
         self.strings = sig.strings_around_row()
         self.template: Template | None = None
+        self.size = -1  # (the template's size, once made)
         self.groups: list[Group] = []  # the groups made from the template, in file order
         # the template numbers of a variable's component datasets: [without data, with data]
         # (a layout that is not sharded: every component has the variable's shape)

@@ -20,7 +20,11 @@ import numpy as np
 
 from parallelvars.checkpoint.h5raw.lookup3 import lookup3_rows, prefix_state
 
-__all__ = ["Template", "place", "runs"]
+__all__ = ["Template", "place", "place_rows", "runs"]
+
+# The most headers made at once by :func:`place_rows` (their rows and the checksums'
+# temporaries: bounded by the batch, not by the objects of a layout).
+_BATCH_ROWS = 1 << 14
 
 
 def runs(zeros: bytes, ones: bytes) -> list[tuple[int, int]]:
@@ -96,3 +100,13 @@ def place(image: np.ndarray, addresses: np.ndarray, rows: np.ndarray) -> None:
     for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
         a = int(addresses[s])
         image[a : a + (e - s) * size] = rows[s:e].reshape(-1)
+
+
+def place_rows(
+    image: np.ndarray, addresses: np.ndarray, template: Template, fields: np.ndarray
+) -> None:
+    """:func:`place` of ``template.rows(fields)``, :data:`_BATCH_ROWS` headers at a time."""
+    count = fields.shape[0]
+    for lo in range(0, count, _BATCH_ROWS):
+        hi = min(count, lo + _BATCH_ROWS)
+        place(image, addresses[lo:hi], template.rows(fields[lo:hi]))
