@@ -65,6 +65,8 @@ class OpenFile(Protocol):
 
     def _staged_bytes(self, offset: int, nbytes: int) -> np.ndarray | None: ...
 
+    _prefetched: dict[str, list[np.ndarray]]
+
     def _slot(self, offset: int, nbytes: int) -> np.ndarray | None: ...
 
     def _keep(self, offset: int, data: np.ndarray, crc: int) -> None: ...
@@ -802,6 +804,15 @@ class StoredVariable(Entry):
                 hint="pass allow_cast=True to convert",
             )
 
+        pre = self._reader._prefetched.get(self.path)
+        if pre is not None and verify:  # read in bulk and checked just now (H5Reader.prefetch)
+            data = pre[i]
+            if out.dtype == data.dtype:
+                np.copyto(out, data)
+            else:
+                out[...] = data.astype(out.dtype)
+            return
+
         # Every byte that lands in ``out`` is checked against the checksum, even when the
         # component was verified before (a restore verifies everything before it writes): a
         # file rewritten in between must not land unchecked bytes (see _check_landed).
@@ -878,6 +889,9 @@ class StoredVariable(Entry):
         )
 
     def component(self, i: int) -> np.ndarray:
+        pre = self._reader._prefetched.get(self.path)
+        if pre is not None:  # read in bulk, checked, its name reached (H5Reader.prefetch)
+            return np.array(pre[i])
         self._check_storage(i)
         out = np.empty(self.component_shape(i), self.dtype)
         self.read_component_into(i, out)
@@ -891,6 +905,11 @@ class StoredVariable(Entry):
         out = np.empty(self.shape, self.dtype)
         read_logical_into(self, out, file=self._reader.path)
         return out
+
+    def prefetcher(self) -> Any:
+        """The open file this variable is read from when it reads many variables' components
+        in bulk (``prefetch(paths)``, :meth:`H5Reader.prefetch`), else None."""
+        return self._reader if hasattr(self._reader, "prefetch") else None
 
     def __repr__(self) -> str:
         return (
