@@ -723,7 +723,7 @@ def write_npz(
                 INFO_MEMBER,
                 [dumps(info).encode("utf-8")],
                 zip64=False,
-                date_time=time.localtime(time.time())[:6],  # type: ignore[arg-type]
+                date_time=time.localtime(time.time())[:6],
             )
             scratch = Scratch()
             for run in read_batches(planned):
