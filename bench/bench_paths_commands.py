@@ -234,8 +234,9 @@ class _Record:
 
 
 # ---------------------------------------------------------------------------------- commands
-def commands(folder: str, n: int, adam: bool) -> dict[str, Any]:
-    """Every command row at one size; figures and ratios."""
+def commands(folder: str, n: int, adam: bool, only: list[str] | None = None) -> dict[str, Any]:
+    """Every command row at one size (or those whose label holds one of ``only``); figures
+    and ratios."""
     t0 = time.perf_counter()
     files = _files(folder, n, adam)
     print(f"  files written in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -283,6 +284,8 @@ def commands(folder: str, n: int, adam: bool) -> dict[str, Any]:
             write,
         ),
     ]
+    if only:
+        rows = [row for row in rows if any(text in row[0] for text in only)]
     entries = n * (3 if adam else 1)
     largest = PARAMS * 4
     results = {}
@@ -342,6 +345,12 @@ def main() -> None:
     p.add_argument("--adam", choices=("without", "with", "both"), default="both")
     p.add_argument("--json", help="also write the figures here")
     p.add_argument("--dir", help="where to write the files (default: a temporary folder)")
+    p.add_argument(
+        "--only",
+        action="append",
+        metavar="TEXT",
+        help="run only the rows whose label holds TEXT (repeatable: 'convert', 'reshard')",
+    )
     args = p.parse_args()
     if not args.commands:
         p.error("say which rows to run: --commands")
@@ -355,7 +364,7 @@ def main() -> None:
                 print(f"{n:,} variables x {DEVICES} components{' + Adam slots' if adam else ''}:")
                 sub = os.path.join(folder, f"{n}{adam}")
                 os.makedirs(sub)
-                figures["commands"].append(commands(sub, n, adam))
+                figures["commands"].append(commands(sub, n, adam, args.only))
                 subprocess.run(["rm", "-rf", sub], check=False)
     figures["load_average_end"] = list(os.getloadavg())
     if args.json:

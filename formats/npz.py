@@ -9,8 +9,10 @@ Python objects (``|O``, which ``np.save`` pickles) is refused with
 Tensor bytes are read on demand: straight from the file for STORED members (``np.savez``),
 through the zip stream for DEFLATED ones (``np.savez_compressed``).
 
-Writing streams each array into its own STORED member (zip64 where needed), one component at
-a time. Our files hold:
+Writing streams each array into its own STORED member (a zip64 field in each local header, as
+``zipfile`` writes them with ``force_zip64``), in runs of tensors read into one buffer whose
+members go out in a few large writes (:class:`~parallelvars.formats._zip.StoredZipWriter`: the
+bytes ``zipfile`` writes, the CRC-32 of each member taken as it is written). Our files hold:
 
 * ``<key>.npy`` per stored tensor, keys in style ``names`` (default ``"slash"``, see
   :mod:`._names`): every variable's primary under its own key, extra components under
@@ -674,7 +676,7 @@ def write_npz(
     names: str = DEFAULT_NAMES,
     metadata: Mapping[str, Any] | None = None,
 ) -> str:
-    """Write ``entries`` as an ``.npz`` (STORED members), one component at a time.
+    """Write ``entries`` as an ``.npz`` (STORED members), streamed in runs of tensors.
 
     Args:
         path: the output file.
