@@ -326,12 +326,14 @@ class StoredZipWriter:
         self.offset += len(header) + len(raw) + len(extra) + size
 
     def _queue(self, buffers: list[Any]) -> None:
+        if len(self._pending) + len(buffers) > IOV_MAX:  # (one gathered write takes IOV_MAX)
+            self.flush()
         for b in buffers:
             n = memoryview(b).nbytes
             if n:
                 self._pending.append(b)
                 self._pending_bytes += n
-        if self._pending_bytes >= _FLUSH_BYTES or len(self._pending) >= IOV_MAX - 1:
+        if self._pending_bytes >= _FLUSH_BYTES or len(self._pending) >= IOV_MAX:
             self.flush()
 
     def flush(self) -> None:
@@ -363,6 +365,7 @@ class StoredZipWriter:
 def _raw_bytes(piece: Any) -> memoryview:
     """A buffer's bytes as a flat byte view (an array of any dtype through its bytes: a
     bfloat16 array has no buffer format of its own)."""
-    if isinstance(piece, np.ndarray):
+    try:
+        return memoryview(piece).cast("B")
+    except (TypeError, ValueError, BufferError):  # (an extension dtype, or not C-contiguous)
         return memoryview(byte_view(np.ascontiguousarray(piece)))  # type: ignore[arg-type]
-    return memoryview(piece).cast("B")

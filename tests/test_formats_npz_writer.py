@@ -46,7 +46,7 @@ def _ours(path: str, members: list[tuple[str, bytes, bool]], now: tuple[int, ...
     return data
 
 
-@pytest.mark.parametrize("count", [0, 1, 5, 300])
+@pytest.mark.parametrize("count", [0, 1, 5, 300, 1500])  # (1500: past IOV_MAX buffers)
 def test_same_bytes_as_zipfile(tmp_path, monkeypatch, count) -> None:
     monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
     now = time.localtime(time.time())[:6]
