@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from test_commands_bulk import _files, _records
 
-from parallelvars import _spans
 from parallelvars.checkpoint.h5io import H5Reader
 from parallelvars.errors import ChecksumMismatchError
 from parallelvars.formats import convert, open_checkpoint, reshard, write_checkpoint
@@ -50,7 +49,7 @@ def test_runs_of_any_size_write_the_source(tmp_path, monkeypatch, fmt, limit) ->
         return prefetch(self, paths)
 
     monkeypatch.setattr(H5Reader, "prefetch", counted)
-    monkeypatch.setattr(_spans, "BULK_BYTES", limit)
+    monkeypatch.setattr("parallelvars._spans.BULK_BYTES", limit)
     out = convert(src, tmp_path / _FORMATS[fmt], to_format=fmt)
     assert any(calls) and calls[-1] == []  # read ahead, and dropped at the end
     if limit == 1:
@@ -63,7 +62,7 @@ def test_reshard_streams_through_its_rewritten_entries(tmp_path, monkeypatch, li
     """reshard's entries forward to the file's: the run is read ahead all the same, and
     h5py reads what the generator wrote."""
     src = _files(tmp_path, [r for r in _records() if r.kind not in ("independent",)])[1]
-    monkeypatch.setattr(_spans, "BULK_BYTES", limit)
+    monkeypatch.setattr("parallelvars._spans.BULK_BYTES", limit)
     with open_checkpoint(src) as view:
         out = write_checkpoint(tmp_path / "r3.h5", reshard(view, 3), format="hdf5")
         want = {k: reshard(view, 3)[k] for k in view}

@@ -1,4 +1,4 @@
-"""The npz writer's own zip records (formats._zip.StoredZipWriter) are byte for byte what
+"""The npz writer's own zip records (``zip_policy.StoredZipWriter``) are byte for byte what
 zipfile writes for the same members, and numpy and zipfile read them."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from parallelvars.formats import ArrayEntry, DictView, open_checkpoint
-from parallelvars.formats._zip import StoredZipWriter
 from parallelvars.formats.npz import INFO_MEMBER, write_npz
+from parallelvars.formats.testing import zip_policy
 
 
 def _zipfile_bytes(path: str, members: list[tuple[str, bytes, bool]]) -> bytes:
@@ -33,7 +33,7 @@ def _zipfile_bytes(path: str, members: list[tuple[str, bytes, bool]]) -> bytes:
 def _ours(path: str, members: list[tuple[str, bytes, bool]], now: tuple[int, ...]) -> bytes:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
-        zw = StoredZipWriter(fd)
+        zw = zip_policy.StoredZipWriter(fd)
         for name, data, zip64 in members:
             stamp = now if not zip64 else (1980, 1, 1, 0, 0, 0)
             zw.add(name, [data[:3], data[3:]], zip64=zip64, date_time=stamp)  # type: ignore[arg-type]

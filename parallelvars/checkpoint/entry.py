@@ -245,7 +245,11 @@ class ReadAhead:
 
     def __call__(self, entries: Iterable[Entry]) -> None:
         wanted: dict[int, dict[str, None]] = {}
+        last: Entry | None = None
         for entry in entries:
+            if entry is last:  # (a writer's tensors of one entry come together)
+                continue
+            last = entry
             base = stored_source(entry)
             get = getattr(base, "prefetcher", None)
             reader = get() if get is not None else None
@@ -360,6 +364,8 @@ def check_entry(
     entry handed to them is wrong); readers pass
     :class:`~parallelvars.errors.CorruptCheckpointError` (the file is).
     """
+    if getattr(entry, "layout_checked", False):  # checked when its file was opened
+        return
     check_name_text(entry.path, file=file, error=error, variable=variable)
     shape = tuple(map(int, entry.shape))
     problem = layout_problem(entry.kind, shape, int(entry.num_components), entry.attrs or {})

@@ -154,6 +154,11 @@ class StoredVariable(Entry):
     """One variable of a checkpoint file: an :class:`~parallelvars.checkpoint.entry.Entry`
     whose components are read from the file and verified against their checksums."""
 
+    #: Whether its name and layout were checked when it was made (``__init__`` through
+    #: ``_validated_layout``, ``from_row`` through the index's table): ``check_entry`` then
+    #: passes it without checking again (a forwarding entry, which may change them, is checked).
+    layout_checked = False
+
     def __init__(self, reader: OpenFile, path: str, meta: Mapping[str, Any]) -> None:
         self._reader = reader
         self.path = path
@@ -191,6 +196,7 @@ class StoredVariable(Entry):
                     found=dname,
                 ) from None
         self._shapes: list[tuple[int, ...]] = self._validated_layout()
+        self.layout_checked = True
         # The components verified, whose storage was checked, placed by the index: dicts used
         # as sets (an empty dict is a third of an empty set's size, and a reader may hold
         # 100,000 variables).
@@ -228,6 +234,7 @@ class StoredVariable(Entry):
         self._index_offsets = offsets
         self._crcs = list(crcs)
         self._shapes = [shape] * len(crcs)
+        self.layout_checked = True
         self._verified = {}
         self._storage_ok = {}
         self._datasets = {}
