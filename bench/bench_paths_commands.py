@@ -236,8 +236,8 @@ class _Record:
 
 # ---------------------------------------------------------------------------------- commands
 def commands(folder: str, n: int, adam: bool, only: list[str] | None = None) -> dict[str, Any]:
-    """Every command row at one size (``only``: the rows whose label starts with one of
-    these); figures and ratios."""
+    """Every command row at one size (or those whose label holds one of ``only``); figures
+    and ratios."""
     t0 = time.perf_counter()
     files = _files(folder, n, adam)
     print(f"  files written in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -285,12 +285,12 @@ def commands(folder: str, n: int, adam: bool, only: list[str] | None = None) -> 
             write,
         ),
     ]
+    if only:
+        rows = [row for row in rows if any(text in row[0] for text in only)]
     entries = n * (3 if adam else 1)
     largest = PARAMS * 4
     results = {}
     for label, argv, base in rows:
-        if only and not any(label.startswith(prefix) for prefix in only):
-            continue
         try:
             ours = _run("cli", *argv)
         except SystemExit as exc:  # reported, and the other rows still run
@@ -344,13 +344,15 @@ def main() -> None:
     p.add_argument("--commands", action="store_true", help="the command-line rows")
     p.add_argument("--sizes", default="5000,50000", help="variable counts, comma-separated")
     p.add_argument("--adam", choices=("without", "with", "both"), default="both")
-    p.add_argument(
-        "--only",
-        help="run only the rows whose label starts with one of these, comma-separated "
-        "(e.g. inspect,verify,diff,extract)",
-    )
     p.add_argument("--json", help="also write the figures here")
     p.add_argument("--dir", help="where to write the files (default: a temporary folder)")
+    p.add_argument(
+        "--only",
+        action="append",
+        metavar="TEXT",
+        help="run only the rows whose label holds TEXT (repeatable, or comma-separated: "
+        "'inspect,verify,diff,extract', 'convert')",
+    )
     args = p.parse_args()
     if not args.commands:
         p.error("say which rows to run: --commands")
@@ -364,7 +366,7 @@ def main() -> None:
                 print(f"{n:,} variables x {DEVICES} components{' + Adam slots' if adam else ''}:")
                 sub = os.path.join(folder, f"{n}{adam}")
                 os.makedirs(sub)
-                only = args.only.split(",") if args.only else None
+                only = [t for text in args.only for t in text.split(",")] if args.only else None
                 figures["commands"].append(commands(sub, n, adam, only))
                 subprocess.run(["rm", "-rf", sub], check=False)
     figures["load_average_end"] = list(os.getloadavg())

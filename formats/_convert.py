@@ -55,7 +55,7 @@ def convert(
     on_left_out: Callable[[Mapping[str, str]], Any] | None = None,
     on_written: Callable[[Mapping[str, Entry]], Any] | None = None,
 ) -> str:
-    """Convert the checkpoint ``src`` into ``dst``, one tensor in memory at a time.
+    """Convert the checkpoint ``src`` into ``dst``, streaming its tensors in bounded runs.
 
     Args:
         src: the source file or folder.

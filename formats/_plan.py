@@ -5,15 +5,16 @@ tensors (keys, dtypes, shapes, sources) and the parallel info that describes the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from parallelvars import _spans
 from parallelvars._fileio import Scratch
 from parallelvars._geometry import shard_slices
-from parallelvars.checkpoint.entry import check_entry
+from parallelvars.checkpoint.entry import ReadAhead, check_entry
 from parallelvars.errors import (
     InvalidEntryError,
     ShapeMismatchError,
@@ -190,3 +191,41 @@ def plan_tensors(
     if graph is not None:
         info["object_graph"] = jsonable(graph)
     return planned, info
+
+
+def read_batches(
+    planned: Sequence[PlannedTensor], limit: int | None = None
+) -> Iterator[list[PlannedTensor]]:
+    """``planned`` in runs of at most ``limit`` bytes (default :data:`~parallelvars._spans.BULK_BYTES`;
+    a larger tensor alone), in order, the
+    components each run reads from a file read ahead in bulk first: the variables of a native
+    file under every run (through any forwarding entry: a reshard's, a selection's) are read
+    by their reader's ``prefetch`` (the index's places in a few large reads, each checked
+    against its checksum), so a writer streaming many small tensors pays a few system calls
+    per run, not one per component. What no reader reads ahead is read when asked for, as
+    before; memory stays one run (and what a writer holds of it)."""
+    sizes = [t.nbytes for t in planned]
+    with ReadAhead() as ahead:
+        for run in _spans.batches(range(len(planned)), sizes, limit or _spans.BULK_BYTES):
+            tensors = [planned[k] for k in run]
+            ahead(t.entry for t in tensors)
+            yield tensors
+
+
+def read_run(tensors: Sequence[PlannedTensor], scratch: Scratch) -> tuple[np.ndarray, list[Any]]:
+    """The tensors of one run read into one buffer of ``scratch``, back to back in order (valid
+    until the next read with it): the buffer (uint8, their bytes in C order as each tensor's
+    dtype holds them) and each tensor's array over it; a string tensor's array is its own
+    (not in the buffer, which holds no bytes for it)."""
+    total = sum(t.nbytes for t in tensors if not is_string_dtype(t.dtype))
+    buf = scratch.array(np.dtype(np.uint8), (total,))
+    out: list[Any] = []
+    pos = 0
+    for t in tensors:
+        if is_string_dtype(t.dtype):
+            out.append(t.read())
+            continue
+        n = t.nbytes
+        out.append(t.read_into(buf[pos : pos + n].view(t.dtype).reshape(t.shape)))
+        pos += n
+    return buf, out

@@ -237,18 +237,11 @@ def _pread_fully(fd: int, buf: memoryview, offset: int) -> int:
 
 
 def little_endian(array: np.ndarray) -> np.ndarray:
-    """``array`` as C-ordered little-endian values (itself when it already is)."""
-    a = np.ascontiguousarray(array)
+    """``array`` as C-ordered little-endian values of its shape (itself when it already is)."""
+    a = array if array.flags.c_contiguous else np.array(array, order="C")
     if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and not _LITTLE):
         a = a.astype(a.dtype.newbyteorder("<"))
     return a
-
-
-def write_array(f: IO[bytes], array: np.ndarray) -> int:
-    """Write the raw C-order bytes of ``array`` to ``f`` without an extra copy; the byte count."""
-    view = little_endian(array).reshape(-1).view(np.uint8).data
-    f.write(view)
-    return view.nbytes
 
 
 _LITTLE = np.little_endian

@@ -27,12 +27,16 @@ from __future__ import annotations
 import contextlib
 import itertools
 import struct
+import sys
 import warnings
 import zipfile
 import zlib
-from collections.abc import Callable, Iterable, Iterator
-from typing import IO
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import IO, Any
 
+import numpy as np
+
+from parallelvars._fileio import IOV_MAX, byte_view, pwritev_all
 from parallelvars.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -45,6 +49,7 @@ from parallelvars.errors import (
 __all__ = [
     "MAX_DEFLATE_RATIO",
     "MAX_MEMBERS",
+    "StoredZipWriter",
     "ZIP_ERRORS",
     "check_members",
     "copy_members",
@@ -229,3 +234,138 @@ def copy_members(
                     dst.write(chunk)  # (a failed write is the writer's error, not the file's)
         finally:
             src.close()
+
+
+# The zip records a writer of STORED members makes (the layouts of APPNOTE.TXT 4.3, as
+# :mod:`zipfile` packs them).
+_LOCAL = struct.Struct("<4s2B4HL2L2H")
+_CENTRAL = struct.Struct("<4s4B4HL2L5H2L")
+_END = struct.Struct("<4s4H2LH")
+_END64 = struct.Struct("<4sQ2H2L4Q")
+_END64_LOCATOR = struct.Struct("<4sLQL")
+_ZIP64_EXTRA = struct.Struct("<HHQQ")
+_ZIP64_LIMIT = (1 << 31) - 1  # (zipfile's: past it, sizes and offsets go to zip64 fields)
+_COUNT_LIMIT = (1 << 16) - 1
+_VERSION, _VERSION64 = 20, 45
+_SYSTEM = 0 if sys.platform == "win32" else 3
+_READ_WRITE = 0o600 << 16  # a member's permissions: rw-------
+_FLUSH_BYTES = 8 << 20
+
+
+class StoredZipWriter:
+    """Writes a zip archive of STORED members into an open descriptor: each member's local
+    header and data gathered with its neighbours' into large writes (``pwritev``), the central
+    directory at :meth:`finish`.
+
+    The bytes are those :mod:`zipfile` writes for the same members (``ZipFile.open(name, "w",
+    force_zip64=...)``: local headers with a zip64 extra field when asked, zip64 fields and end
+    records past its limits, dates, versions and permissions as it sets them); a member's
+    CRC-32 is taken here, over the bytes written, with :func:`zlib.crc32` (what every zip
+    reader checks). ``fd`` is written from offset 0 and owned by the caller.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.offset = 0  # where the next member's local header goes
+        self._central: list[bytes] = []
+        self._pending: list[Any] = []
+        self._pending_bytes = 0
+        self._at = 0  # where the pending buffers go
+
+    def add(
+        self,
+        name: str,
+        pieces: Sequence[Any],
+        *,
+        zip64: bool = True,
+        date_time: tuple[int, int, int, int, int, int] = (1980, 1, 1, 0, 0, 0),
+    ) -> None:
+        """Add the member ``name`` whose bytes are ``pieces`` (buffers, written in order; they
+        must stay unchanged until the next :meth:`flush`)."""
+        views = [_raw_bytes(p) for p in pieces]
+        size = sum(v.nbytes for v in views)
+        crc = 0
+        for v in views:
+            crc = zlib.crc32(v, crc)
+        try:
+            raw, flags = name.encode("ascii"), 0
+        except UnicodeEncodeError:
+            raw, flags = name.encode("utf-8"), 0x800
+        zip64 = zip64 or size * 1.05 > _ZIP64_LIMIT
+        big = size > _ZIP64_LIMIT
+        dosdate = (date_time[0] - 1980) << 9 | date_time[1] << 5 | date_time[2]
+        dostime = date_time[3] << 11 | date_time[4] << 5 | (date_time[5] // 2)
+        # A local header with a zip64 field says so in its sizes and version (its real sizes
+        # are in the field); the directory gives a member's sizes and place in zip64 fields
+        # only past the limit, and the version the member's header needed.
+        extra = _ZIP64_EXTRA.pack(1, 16, size, size) if zip64 else b""
+        local_size = 0xFFFFFFFF if zip64 else size
+        version = _VERSION64 if zip64 else _VERSION
+        header = _LOCAL.pack(
+            b"PK\x03\x04", version, 0, flags, 0, dostime, dosdate, crc, local_size, local_size,
+            len(raw), len(extra),
+        )  # fmt: skip
+        fields = [size, size] if big else []
+        if self.offset > _ZIP64_LIMIT:
+            fields.append(self.offset)
+        central_extra = b""
+        if fields:
+            central_extra = struct.pack(f"<HH{len(fields)}Q", 1, 8 * len(fields), *fields)
+            version = _VERSION64
+        shown = 0xFFFFFFFF if big else size
+        self._central.append(
+            _CENTRAL.pack(
+                b"PK\x01\x02", version, _SYSTEM, version, 0, flags, 0, dostime, dosdate, crc,
+                shown, shown, len(raw), len(central_extra), 0, 0, 0, _READ_WRITE,
+                min(self.offset, 0xFFFFFFFF),
+            )
+            + raw
+            + central_extra
+        )  # fmt: skip
+        self._queue([header + raw + extra, *views])
+        self.offset += len(header) + len(raw) + len(extra) + size
+
+    def _queue(self, buffers: list[Any]) -> None:
+        if len(self._pending) + len(buffers) > IOV_MAX:  # (one gathered write takes IOV_MAX)
+            self.flush()
+        for b in buffers:
+            n = memoryview(b).nbytes
+            if n:
+                self._pending.append(b)
+                self._pending_bytes += n
+        if self._pending_bytes >= _FLUSH_BYTES or len(self._pending) >= IOV_MAX:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write what the added members left pending."""
+        if self._pending:
+            pwritev_all(self.fd, self._pending, self._at, self._pending_bytes)
+            self._at += self._pending_bytes
+        self._pending, self._pending_bytes = [], 0
+
+    def finish(self) -> int:
+        """Write the central directory and the end records; the archive's size."""
+        self.flush()
+        start = self.offset
+        directory = b"".join(self._central)
+        count, size = len(self._central), len(directory)
+        tail = b""
+        if count > _COUNT_LIMIT or start > _ZIP64_LIMIT or size > _ZIP64_LIMIT:
+            tail += _END64.pack(
+                b"PK\x06\x06", 44, _VERSION64, _VERSION64, 0, 0, count, count, size, start
+            )
+            tail += _END64_LOCATOR.pack(b"PK\x06\x07", 0, start + size, 1)
+            count, size, start = min(count, 0xFFFF), min(size, 0xFFFFFFFF), min(start, 0xFFFFFFFF)
+        tail += _END.pack(b"PK\x05\x06", 0, 0, count, count, size, start, 0)
+        self._queue([directory, tail])
+        self.flush()
+        return self.offset + len(directory) + len(tail)
+
+
+def _raw_bytes(piece: Any) -> memoryview:
+    """A buffer's bytes as a flat byte view (an array of any dtype through its bytes: a
+    bfloat16 array has no buffer format of its own)."""
+    try:
+        return memoryview(piece).cast("B")
+    except (TypeError, ValueError, BufferError):  # (an extension dtype, or not C-contiguous)
+        return memoryview(byte_view(np.ascontiguousarray(piece)))  # type: ignore[arg-type]

@@ -4,7 +4,7 @@
 Reading opens an :class:`~parallelvars.checkpoint.h5io.H5Reader` (which validates the file and
 verifies each component's checksum as it is read); writing calls
 :func:`~parallelvars.checkpoint.h5raw.native.save_native` (the generated layout; entries read
-from another file are streamed one component at a time), which
+from another file are streamed in runs of components read in bulk), which
 replaces the target atomically. The layout itself is documented in that module. Paths are our
 slash paths as they are; there is no ``names=`` option.
 """
@@ -109,7 +109,7 @@ def write_hdf5(
     metadata: Mapping[str, Any] | None = None,
     object_graph: Mapping[str, Any] | None = None,
 ) -> str:
-    """Write ``entries`` in our HDF5 layout, streaming one component at a time.
+    """Write ``entries`` in our HDF5 layout, streaming its components in runs.
 
     Args:
         path: the output file.

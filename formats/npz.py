@@ -9,8 +9,10 @@ Python objects (``|O``, which ``np.save`` pickles) is refused with
 Tensor bytes are read on demand: straight from the file for STORED members (``np.savez``),
 through the zip stream for DEFLATED ones (``np.savez_compressed``).
 
-Writing streams each array into its own STORED member (zip64 where needed), one component at
-a time. Our files hold:
+Writing streams each array into its own STORED member (a zip64 field in each local header, as
+``zipfile`` writes them with ``force_zip64``), in runs of tensors read into one buffer whose
+members go out in a few large writes (:class:`~parallelvars.formats._zip.StoredZipWriter`: the
+bytes ``zipfile`` writes, the CRC-32 of each member taken as it is written). Our files hold:
 
 * ``<key>.npy`` per stored tensor, keys in style ``names`` (default ``"slash"``, see
   :mod:`._names`): every variable's primary under its own key, extra components under
@@ -40,6 +42,7 @@ import math
 import os
 import struct
 import threading
+import time
 import tokenize
 import zipfile
 import zlib
@@ -65,11 +68,11 @@ from ._dtypes import dtype_from_name, is_ml_dtype, is_string_dtype
 from ._info import StoreView, build_entries
 from ._json import carried_metadata, dumps, jsonable
 from ._names import check_names
-from ._plan import plan_tensors
+from ._plan import plan_tensors, read_batches, read_run
 from ._registry import FormatSpec
-from ._store import ByteStore, read_exact_into, write_array
+from ._store import ByteStore, little_endian, read_exact_into
 from ._view import CheckpointView, Entry
-from ._zip import MAX_DEFLATE_RATIO, ZIP_ERRORS, check_members, open_zip
+from ._zip import MAX_DEFLATE_RATIO, ZIP_ERRORS, StoredZipWriter, check_members, open_zip
 
 __all__ = [
     "FORMAT",
@@ -666,13 +669,6 @@ def _npy_header(array: np.ndarray) -> bytes:
 _NPY_HEADERS: dict[tuple[np.dtype, tuple[int, ...], bool], bytes] = {}
 
 
-def _write_npy(f: IO[bytes], array: np.ndarray) -> None:
-    """Write ``array`` as .npy: numpy's own header, then the bytes in one write (no copy)."""
-    f.write(_npy_header(array))
-    if array.size:
-        write_array(f, array)
-
-
 def write_npz(
     path: str | os.PathLike[str],
     entries: Mapping[str, Entry],
@@ -680,7 +676,7 @@ def write_npz(
     names: str = DEFAULT_NAMES,
     metadata: Mapping[str, Any] | None = None,
 ) -> str:
-    """Write ``entries`` as an ``.npz`` (STORED members), one component at a time.
+    """Write ``entries`` as an ``.npz`` (STORED members), streamed in runs of tensors.
 
     Args:
         path: the output file.
@@ -717,17 +713,32 @@ def write_npz(
     # Every member, in order: a reader sees a damaged directory that lost one. The record goes
     # first, so a directory cut short loses tensors the record names, not the record.
     info["members"] = [f"{t.key}.npy" for t in planned]
-    with (
-        atomic_path(p) as tmp,
-        zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf,
-    ):
-        zf.writestr(INFO_MEMBER, dumps(info))
-        scratch = Scratch()
-        for t in planned:
-            array = _to_npy(t.read_with(scratch), p, t.entry.path)
-            with zf.open(f"{t.key}.npy", "w", force_zip64=True) as f:
-                _write_npy(f, array)
-            del array
+    with atomic_path(p) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            # The bytes zipfile writes for these members (the record as ``writestr`` stores
+            # it, each tensor as ``ZipFile.open(name, "w", force_zip64=True)``), written in
+            # runs: each run's tensors read into one buffer (the source's files read in bulk),
+            # their members' headers and bytes gathered into a few large writes.
+            zw = StoredZipWriter(fd)
+            zw.add(
+                INFO_MEMBER,
+                [dumps(info).encode("utf-8")],
+                zip64=False,
+                date_time=time.localtime(time.time())[:6],
+            )
+            scratch = Scratch()
+            for run in read_batches(planned):
+                _buf, arrays = read_run(run, scratch)
+                for t, array in zip(run, arrays, strict=True):
+                    npy = little_endian(_to_npy(array, p, t.entry.path))
+                    zw.add(
+                        f"{t.key}.npy", [_npy_header(npy), npy] if npy.size else [_npy_header(npy)]
+                    )
+                zw.flush()  # (before the buffer is read into again)
+            zw.finish()
+        finally:
+            os.close(fd)
     return p
 
 

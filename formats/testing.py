@@ -18,7 +18,8 @@ What it offers:
   :func:`component_attribute`), the state file's C escapes (:func:`c_escape`,
   :func:`c_unescape`), string tensors (:func:`encode_strings`, :func:`decode_strings`), the
   object graph (:func:`decode_graph`), and :mod:`tf_bundle`.
-* **Other formats' internals**: :mod:`zip_policy` (the zip member bounds), :mod:`keras_write`,
+* **Other formats' internals**: :mod:`zip_policy` (the zip member bounds, the writer of
+  STORED members), :mod:`keras_write`,
   :func:`keras_layer_order`, :mod:`hf_folder` (Hugging Face folders), :func:`attr_to_python` (HDF5 attributes).
 * **Helpers**: :func:`jsonable`, :func:`parse_size`, :func:`select_entries`.
 """

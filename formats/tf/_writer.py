@@ -34,8 +34,9 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars import _spans
 from parallelvars._geometry import shard_bounds
-from parallelvars.checkpoint.entry import ForwardingEntry, check_entry
+from parallelvars.checkpoint.entry import ForwardingEntry, ReadAhead, check_entry
 from parallelvars.checkpoint.registry import COMPONENT_PREFIX
 from parallelvars.errors import (
     DtypeMismatchError,
@@ -371,6 +372,18 @@ def _write_var(w: BundleWriter, var: _Var, key: str, comp: int, index_path: str)
         w.add_slice(k, e.shape, spec, _component(var, i, index_path), dtype=var.tf_type)
 
 
+def _write_vars(w: BundleWriter, todo: list[tuple[str, _Var, int]], index_path: str) -> None:
+    """Write the tensors ``todo`` in order, in runs of at most ``BULK_BYTES``: each run's
+    components read ahead in bulk from the files that hold them (:class:`ReadAhead`)."""
+    sizes = [int(var.entry.nbytes) if comp != _AGG else 0 for _, var, comp in todo]
+    with ReadAhead() as ahead:
+        for run in _spans.batches(range(len(todo)), sizes, _spans.BULK_BYTES):
+            ahead(todo[k][1].entry for k in run)
+            for k in run:
+                key, var, comp = todo[k]
+                _write_var(w, var, key, comp, index_path)
+
+
 def _default_prefix(directory: str) -> str:
     numbers = [int(m.group(1)) for f in os.listdir(directory) if (m := _CKPT_NUMBER.match(f))]
     return os.path.join(directory, f"ckpt-{max(numbers, default=0) + 1}")
@@ -445,9 +458,8 @@ def write_bundle(
         if naming == "object":
             root, slot_nodes = _build_tree(plans, index_path)
             order = _number(root, slot_nodes)
-            for node in order:
-                for _, _, key, var, comp in node.attributes:
-                    _write_var(w, var, key, comp, index_path)
+            todo = [(key, var, comp) for node in order for _, _, key, var, comp in node.attributes]
+            _write_vars(w, todo, index_path)
             graph = np.array(_graph_bytes(order), dtype=object)
         else:
             for var in plans:
@@ -461,8 +473,11 @@ def write_bundle(
                         expected="1 component",
                         found=f"{e.num_components} ({e.kind})",
                     )
-                key = keys[var.path]
-                _write_var(w, var, key, -1 if var.slices is not None else 0, index_path)
+            _write_vars(
+                w,
+                [(keys[v.path], v, -1 if v.slices is not None else 0) for v in plans],
+                index_path,
+            )
         records = {keys[var.path]: rec for var in plans if (rec := _extra(var)) is not None}
         if naming == "object":
             w.add(GRAPH_KEY.encode(), graph)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -52,6 +52,7 @@ __all__ = [
     "CountingEntry",
     "Entry",
     "ForwardingEntry",
+    "ReadAhead",
     "check_entry",
     "layout_problem",
 ]
@@ -218,6 +219,58 @@ class CountingEntry(ForwardingEntry):
         return value
 
 
+def stored_source(entry: Entry) -> Entry:
+    """The entry at the bottom of a chain of forwarding entries (a reshard's, a selection's,
+    a progress counter's ``source``): the one that reads a file."""
+    while True:
+        source = getattr(entry, "source", None)
+        if not isinstance(source, Entry):
+            return entry
+        entry = source
+
+
+class ReadAhead:
+    """Has the files a writer streams entries from read the next run's components in bulk.
+
+    A writer that streams many entries in runs calls ``ahead(entries)`` before reading a
+    run's components: the entries at the bottom of their forwarding chains
+    (:func:`stored_source`) that say which open file reads them in bulk (``prefetcher()``:
+    a native file's variables, :meth:`~parallelvars.checkpoint.h5io.read.H5Reader.prefetch`)
+    are read by that file now, a few large reads checked against their checksums, and the
+    run's reads then take those bytes; any other entry reads as before. Each call replaces
+    the previous run's bytes (the writer bounds a run); :meth:`close` drops the last."""
+
+    def __init__(self) -> None:
+        self._readers: dict[int, Any] = {}
+
+    def __call__(self, entries: Iterable[Entry]) -> None:
+        wanted: dict[int, dict[str, None]] = {}
+        last: Entry | None = None
+        for entry in entries:
+            if entry is last:  # (a writer's tensors of one entry come together)
+                continue
+            last = entry
+            base = stored_source(entry)
+            get = getattr(base, "prefetcher", None)
+            reader = get() if get is not None else None
+            if reader is not None:
+                self._readers[id(reader)] = reader
+                wanted.setdefault(id(reader), {})[base.path] = None
+        for key, reader in self._readers.items():
+            reader.prefetch(list(wanted.get(key, ())))
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.prefetch(())
+        self._readers = {}
+
+    def __enter__(self) -> ReadAhead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
@@ -311,6 +364,8 @@ def check_entry(
     entry handed to them is wrong); readers pass
     :class:`~parallelvars.errors.CorruptCheckpointError` (the file is).
     """
+    if getattr(entry, "layout_checked", False):  # checked when its file was opened
+        return
     check_name_text(entry.path, file=file, error=error, variable=variable)
     shape = tuple(map(int, entry.shape))
     problem = layout_problem(entry.kind, shape, int(entry.num_components), entry.attrs or {})

@@ -178,6 +178,9 @@ class H5Reader(BulkReads, Mapping[str, StoredVariable]):
         # components), against RESTORE_KEEP_LIMIT.
         self._held = 0
         self._restoring = False  # between stage() and unstage()
+        # The components of a converter's next batch, read in bulk and verified (prefetch()):
+        # path -> its components (read-only views of one buffer).
+        self._prefetched: dict[str, list[np.ndarray]] = {}
         if not os.path.exists(self.path):
             raise CheckpointNotFoundError("no such checkpoint file", file=self.path)
         if os.path.isdir(self.path):
@@ -706,6 +709,22 @@ class H5Reader(BulkReads, Mapping[str, StoredVariable]):
         at = np.empty_like(at_sorted)
         at[order] = at_sorted
         return buf, at, sorted(bad.tolist())
+
+    def prefetch(self, paths: Iterable[str]) -> None:
+        """Read the components of the variables at ``paths`` now, in bulk
+        (:meth:`bulk_components`: the index's places read in a few large reads, each checked
+        against its checksum, every name reached by hard links only), for the reads of those
+        variables that follow (:meth:`StoredVariable.read_component_into`,
+        :meth:`StoredVariable.component`): a converter streaming a file's tensors in batches
+        pays a few system calls per batch, not one per component. Each call replaces what the
+        previous one read (the caller bounds a batch's bytes); ``prefetch(())`` drops it. A
+        variable the bulk path does not take is read the general way when asked for."""
+        self._prefetched = {}
+        got: dict[str, list[np.ndarray]] = {}
+        for path, comps in self.bulk_components(paths):
+            if comps is not None:
+                got[path] = comps
+        self._prefetched = got
 
     def unstage(self) -> None:
         """Drop what :meth:`stage` read, and what the verification kept."""

@@ -66,6 +66,8 @@ class OpenFile(Protocol):
 
     def _staged_bytes(self, offset: int, nbytes: int) -> np.ndarray | None: ...
 
+    _prefetched: dict[str, list[np.ndarray]]
+
     def _slot(self, offset: int, nbytes: int) -> np.ndarray | None: ...
 
     def _keep(self, offset: int, data: np.ndarray, crc: int) -> None: ...
@@ -155,6 +157,11 @@ class StoredVariable(Entry):
     """One variable of a checkpoint file: an :class:`~parallelvars.checkpoint.entry.Entry`
     whose components are read from the file and verified against their checksums."""
 
+    #: Whether its name and layout were checked when it was made (``__init__`` through
+    #: ``_validated_layout``, ``from_row`` through the index's table): ``check_entry`` then
+    #: passes it without checking again (a forwarding entry, which may change them, is checked).
+    layout_checked = False
+
     def __init__(self, reader: OpenFile, path: str, meta: Mapping[str, Any]) -> None:
         self._reader = reader
         self.path = path
@@ -192,6 +199,7 @@ class StoredVariable(Entry):
                     found=dname,
                 ) from None
         self._shapes: list[tuple[int, ...]] = self._validated_layout()
+        self.layout_checked = True
         # The components verified, whose storage was checked, placed by the index: dicts used
         # as sets (an empty dict is a third of an empty set's size, and a reader may hold
         # 100,000 variables).
@@ -229,6 +237,7 @@ class StoredVariable(Entry):
         self._index_offsets = offsets
         self._crcs = list(crcs)
         self._shapes = [shape] * len(crcs)
+        self.layout_checked = True
         self._verified = {}
         self._storage_ok = {}
         self._datasets = {}
@@ -810,6 +819,15 @@ class StoredVariable(Entry):
                 hint="pass allow_cast=True to convert",
             )
 
+        pre = self._reader._prefetched.get(self.path)
+        if pre is not None and verify:  # read in bulk and checked just now (H5Reader.prefetch)
+            data = pre[i]
+            if out.dtype == data.dtype:
+                np.copyto(out, data)
+            else:
+                out[...] = data.astype(out.dtype)
+            return
+
         # Every byte that lands in ``out`` is checked against the checksum, even when the
         # component was verified before (a restore verifies everything before it writes): a
         # file rewritten in between must not land unchecked bytes (see _check_landed).
@@ -886,6 +904,9 @@ class StoredVariable(Entry):
         )
 
     def component(self, i: int) -> np.ndarray:
+        pre = self._reader._prefetched.get(self.path)
+        if pre is not None:  # read in bulk, checked, its name reached (H5Reader.prefetch)
+            return np.array(pre[i])
         self._check_storage(i)
         out = np.empty(self.component_shape(i), self.dtype)
         self.read_component_into(i, out)
@@ -899,6 +920,11 @@ class StoredVariable(Entry):
         out = np.empty(self.shape, self.dtype)
         read_logical_into(self, out, file=self._reader.path)
         return out
+
+    def prefetcher(self) -> Any:
+        """The open file this variable is read from when it reads many variables' components
+        in bulk (``prefetch(paths)``, :meth:`H5Reader.prefetch`), else None."""
+        return self._reader if hasattr(self._reader, "prefetch") else None
 
     def __repr__(self) -> str:
         return (

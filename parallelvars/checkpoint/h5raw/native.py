@@ -15,6 +15,7 @@ index records the same offset for both.
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -27,7 +28,6 @@ import numpy as np
 from parallelvars._dtypes import dtype_name
 from parallelvars._fileio import (
     atomic_path,
-    checksum,
     pwrite_all,
 )
 from parallelvars._geometry import shard_shapes
@@ -55,7 +55,9 @@ from parallelvars.checkpoint.h5io.records import (
 )
 from parallelvars.checkpoint.h5io.write import _columns_parts, check_component
 from parallelvars.checkpoint.h5raw.component_bytes import (
+    Checksums,
     _checksummed,
+    _crc,
     _DataWrite,
     _write_components,
     same_arrays,
@@ -740,40 +742,72 @@ def _save_streamed(
     metadata: Mapping[str, Any] | None,
     checksums: dict[str, list[int]] | None,
 ) -> None:
-    """Entries read from another file: each component read into one reused buffer and
-    written at its offset, checksummed on the way; the metadata last (its documents'
-    checksums are known then)."""
-    from parallelvars._fileio import DataWriter, Scratch
+    """Entries read from another file, in runs of at most ``BULK_BYTES``: each run's
+    components read (the source's files read ahead in bulk: :class:`ReadAhead`) into one
+    buffer, checksummed there, and written in gathered writes on the helper thread while the
+    next run is read (:class:`_DataWrite`, two buffers in turn); the metadata last (its
+    documents' checksums are known then)."""
+    from parallelvars import _spans
+    from parallelvars._fileio import Scratch
+    from parallelvars.checkpoint.entry import ReadAhead
+    from parallelvars.errors import ShapeMismatchError
 
     root = _root_values(metadata)
+    # Byte strings lay out the global heap, so the plan needs their values: read first
+    # (their elements are held until the file is written; the numbers stream as below).
+    items = [_Held(e, p) if np.dtype(e.dtype).kind == "O" else e for e in items]
     plan = _plan_for(items, [None] * len(items), object_graph, root, p)
+    shapes = [_expected_shapes(e) for e in items]
+    dtypes = [np.dtype(e.dtype) for e in items]
+    sizes = [
+        0 if dt.kind == "O" else sum(map(math.prod, sh)) * dt.itemsize
+        for sh, dt in zip(shapes, dtypes, strict=True)
+    ]
     crcs: list[list[int]] = []
     with atomic_path(p) as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        os.close(fd)
-        writer, scratch, ok = DataWriter(tmp, p), Scratch(), False
+        buffers = (Scratch(), Scratch())
+        pending: _DataWrite | None = None  # the previous run's writes (the other buffer's)
         try:
-            for e in items:
-                dt = np.dtype(e.dtype)
-                cc = []
-                for i, (off, want) in enumerate(
-                    zip(plan.offsets[e.path], _expected_shapes(e), strict=True)
+            with ReadAhead() as ahead:
+                for r, run in enumerate(
+                    _spans.batches(range(len(items)), sizes, _spans.BULK_BYTES)
                 ):
-                    if tuple(int(d) for d in e.component_shape(i)) != want:
-                        from parallelvars.errors import ShapeMismatchError
-
-                        raise ShapeMismatchError(
-                            "component has the wrong shape",
-                            file=p,
-                            variable=f"{e.path}[{i}]",
-                            expected=want,
-                            found=tuple(e.component_shape(i)),
-                        )
-                    arr = scratch.array(dt, want)
-                    e.read_component_into(i, arr)
-                    cc.append(writer.write(arr, off) if off is not None else checksum(arr))
-                    del arr
-                crcs.append(cc)
+                    run_items = [items[k] for k in run]
+                    ahead(run_items)
+                    buf = buffers[r % 2].array(np.dtype(np.uint8), (sum(sizes[k] for k in run),))
+                    pos = 0
+                    run_comps = []
+                    for k, e in zip(run, run_items, strict=True):
+                        dt, cc, cs = dtypes[k], [], []
+                        if isinstance(e, _Held):  # (its data are heap references: the plan's)
+                            crcs.append([_crc(c) for c in e.components])
+                            run_comps.append(e.components)
+                            continue
+                        for i, want in enumerate(shapes[k]):
+                            got = tuple(e.component_shape(i))
+                            if got != want:
+                                raise ShapeMismatchError(
+                                    "component has the wrong shape",
+                                    file=p,
+                                    variable=f"{e.path}[{i}]",
+                                    expected=want,
+                                    found=got,
+                                )
+                            n = math.prod(want) * dt.itemsize
+                            arr = buf[pos : pos + n].view(dt).reshape(want)
+                            pos += n
+                            e.read_component_into(i, arr)
+                            cc.append(_crc(arr))
+                            cs.append(arr)
+                        crcs.append(cc)
+                        run_comps.append(cs)
+                    if pending is not None:
+                        pending.wait()  # (its buffer is the next run's)
+                    run_crcs: Checksums = [list(crcs[k]) for k in run]  # (known: checked)
+                    pending = _DataWrite(fd, plan, run_items, run_comps, run_crcs, p)
+            if pending is not None:
+                pending.wait()
             docs = _record_index_documents(items, plan, crcs)
             if object_graph is not None:
                 docs[GRAPH_DATASET] = json.dumps(object_graph).encode()
@@ -781,13 +815,40 @@ def _save_streamed(
                 {k: len(v) for k, v in docs.items()},
                 document_checksums={k: _crc32c.crc32c(v) for k, v in docs.items()},
             )
-            os.ftruncate(writer.fd, meta.file_size)
+            os.ftruncate(fd, meta.file_size)
             for offset, data in meta.pieces:
-                pwrite_all(writer.fd, memoryview(data), offset)
+                pwrite_all(fd, memoryview(data), offset)
             for name, data in docs.items():
-                pwrite_all(writer.fd, memoryview(data), meta.documents[name])
-            ok = True
+                pwrite_all(fd, memoryview(data), meta.documents[name])
         finally:
-            writer.close(raise_errors=ok)
+            if pending is not None:
+                pending.join()  # (after an error too: no write is left running at the close)
+            os.close(fd)
     if checksums is not None:
         checksums.update((e.path, list(cc)) for e, cc in zip(items, crcs, strict=True))
+
+
+class _Held:
+    """A byte-string entry read from another file, its components read now: the plan lays
+    out the global heap from their elements (:func:`_strings_of`)."""
+
+    def __init__(self, entry: Any, file: str) -> None:
+        from parallelvars.errors import ShapeMismatchError
+
+        self.path, self.kind, self.dtype = entry.path, entry.kind, np.dtype(entry.dtype)
+        self.shape = tuple(int(d) for d in entry.shape)
+        self.num_components = int(entry.num_components)
+        self.attrs = entry.attrs
+        self.components = [np.asarray(entry.component(i)) for i in range(self.num_components)]
+        for i, (c, want) in enumerate(zip(self.components, _expected_shapes(entry), strict=True)):
+            if c.shape != want:
+                raise ShapeMismatchError(
+                    "component has the wrong shape",
+                    file=file,
+                    variable=f"{self.path}[{i}]",
+                    expected=want,
+                    found=c.shape,
+                )
+
+    def component_shape(self, i: int) -> tuple[int, ...]:
+        return tuple(self.components[i].shape)
