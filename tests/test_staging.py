@@ -135,3 +135,31 @@ def test_a_restore_asks_for_the_file_ahead_and_a_command_does_not(
     assert asked == []
     sources.open_source(str(path)).close()
     assert asked == [(size - (1 << 20), 1 << 20), (0, 1 << 20)]
+
+
+@pytest.mark.parametrize("path_taken", ["bulk", "general"])
+@pytest.mark.parametrize("where", ["check", "commit"])
+def test_a_failed_or_interrupted_restore_frees_its_staging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path_taken: str, where: str
+) -> None:
+    """A restore that fails or is interrupted does not give its staging memory to the pool: a
+    thread of it may still be writing there, and the next restore would take those bytes as
+    checked."""
+    from parallelvars.checkpoint import _restore, matching
+
+    dtype = np.float32 if path_taken == "bulk" else np.float64
+    cast = path_taken == "general"
+    path = tmp_path / "a.h5"
+    pv.Checkpoint(model=_model(1)).write(path)
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    # (the checks spread over threads; the copies into the variables, the same)
+    monkeypatch.setattr(matching if where == "check" else _restore, "run_partitioned", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pv.Checkpoint(model=_model(0, dtype=dtype)).restore(path, allow_cast=cast)
+    assert staging.kept_bytes() == 0
+    monkeypatch.undo()
+    pv.Checkpoint(model=_model(0, dtype=dtype)).restore(path, allow_cast=cast)
+    assert staging.kept_bytes() > 0  # (a restore that succeeds keeps it)
