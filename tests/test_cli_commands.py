@@ -760,3 +760,16 @@ def test_inspect_shows_the_tree_with_a_damaged_component_marked(tmp_path, capsys
     assert main(["inspect", str(path), "--json"]) == 1
     rows = {r["path"]: r for r in _json(capsys)["variables"]}
     assert "checksum mismatch" in rows["model/bad"]["damaged"] and "damaged" not in rows["model/ok"]
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".safetensors"])
+def test_inspect_json_of_a_checkpoint_without_variables(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], suffix: str
+) -> None:
+    """No variables is an empty list, not the repr of the empty listing."""
+    from parallelvars.formats import DictView
+
+    path = write_checkpoint(str(tmp_path / f"empty{suffix}"), DictView([]))
+    assert main(["inspect", str(path), "--json"]) == 0
+    doc = _json(capsys)
+    assert doc["num_variables"] == 0 and doc["variables"] == []
