@@ -163,3 +163,18 @@ def test_a_failed_or_interrupted_restore_frees_its_staging(
     monkeypatch.undo()
     pv.Checkpoint(model=_model(0, dtype=dtype)).restore(path, allow_cast=cast)
     assert staging.kept_bytes() > 0  # (a restore that succeeds keeps it)
+
+
+def test_a_small_need_does_not_take_the_buffer_a_larger_one_will_need() -> None:
+    """A restore takes its bulk buffer, then its staged components' one: taking the large kept
+    buffer for the small first need would make the second allocate again (the peak rising by
+    the large buffer). A kept buffer is taken only when at most twice the need."""
+    mib = 1 << 20
+    small, large = staging.take(20 * mib), staging.take(100 * mib)
+    staging.give(small)
+    staging.give(large)
+    first = staging.take(30 * mib)  # (the small kept buffer is too small: freed)
+    assert _whole(first) is not _whole(large) and _whole(first) is not _whole(small)
+    second = staging.take(90 * mib)
+    assert _whole(second) is _whole(large)
+    assert staging.kept_bytes() == 0
