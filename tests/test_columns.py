@@ -510,3 +510,25 @@ def test_documents_from_records_leave_keys_that_are_not_strings_to_the_index() -
         path="a", kind="single", dtype=np.dtype("<f4"), shape=(), num_components=1, attrs={1: "x"}
     )
     assert record_documents([rec], {"a": [None]}) is None
+
+
+def test_a_sharded_layout_without_components_names_its_variable(small: str) -> None:
+    """A sharded variable with no shard (the last row: its offsets and checksums consistent
+    with that) is refused naming the variable and the field, not by the table's arithmetic
+    failing on the empty row."""
+    doc = read_columns(small)
+    doc["layouts"].append(
+        {"kind": "sharded", "dtype": "float32", "ndim": 1, "num_components": 0}
+        | {"attrs": {"shard_axis": 0, "shard_offsets": []}}
+    )
+    doc["paths"].append("zz")
+    doc["layout"].append(len(doc["layouts"]) - 1)
+    doc["shapes"].append(4)
+    for values in doc["row_attrs"].values():
+        values.append(None)
+    write_columns(small, doc)
+    with pytest.raises(CorruptCheckpointError) as info:
+        H5Reader(small)
+    field = f"layouts[{len(doc['layouts']) - 1}].num_components"
+    assert info.value.variable == f"zz ({COLUMNS_DATASET}: {field})"
+    assert "found 0" in str(info.value)
