@@ -773,3 +773,29 @@ def test_inspect_json_of_a_checkpoint_without_variables(
     assert main(["inspect", str(path), "--json"]) == 0
     doc = _json(capsys)
     assert doc["num_variables"] == 0 and doc["variables"] == []
+
+
+def test_diff_result_rows_are_the_callers_own() -> None:
+    """Each result of variables found equal in bulk has rows of its own: changing one
+    result changes no other."""
+    from parallelvars.cli.diff import _equal_in_bulk
+
+    x = np.arange(4, dtype=np.float32)
+    described = ("single", np.dtype(np.float32), (4,), 1, {})
+    first = _equal_in_bulk("a", described, described, [x], [x.copy()])
+    second = _equal_in_bulk("b", described, described, [x], [x.copy()])
+    assert first is not None and second is not None
+    first["components"][0]["mismatched"] = 7
+    assert second["components"][0]["mismatched"] == 0
+
+
+@pytest.mark.parametrize("axis", ["x", [0], 1.5e300])
+def test_diff_of_a_shard_axis_that_is_no_integer_is_a_difference(axis) -> None:
+    """A damaged or foreign shard axis is compared as written, not raised as ValueError."""
+    from parallelvars.cli.diff import compare_entries
+
+    x = np.arange(4, dtype=np.float32)
+    ea = ArrayEntry("v", [x], attrs={"shard_axis": axis})
+    eb = ArrayEntry("v", [x], attrs={"shard_axis": 0})
+    assert compare_entries(ea, eb, rtol=0.0, atol=0.0)["equal"] is False
+    assert compare_entries(ea, ea, rtol=0.0, atol=0.0)["equal"] is True
