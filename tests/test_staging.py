@@ -5,6 +5,7 @@ restore's peak, never seen by the variables."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -178,3 +179,20 @@ def test_a_small_need_does_not_take_the_buffer_a_larger_one_will_need() -> None:
     second = staging.take(90 * mib)
     assert _whole(second) is _whole(large)
     assert staging.kept_bytes() == 0
+
+
+def test_an_idle_time_past_the_longest_wait_keeps_the_freeing_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An IDLE_SECONDS longer than a lock can wait (threading.TIMEOUT_MAX) must not end the
+    thread that frees the kept buffers: later, shorter idle times still free them."""
+    monkeypatch.setattr(staging, "IDLE_SECONDS", threading.TIMEOUT_MAX * 4)
+    staging.give(staging.take(2 << 20))
+    time.sleep(0.2)  # (the freeing thread waits on that deadline now)
+    monkeypatch.setattr(staging, "IDLE_SECONDS", 0.05)
+    staging.give(staging.take(2 << 20))
+    deadline = time.monotonic() + 10
+    while staging.kept_bytes() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert staging.kept_bytes() == 0
+    assert staging._reaper is not None and staging._reaper.is_alive()

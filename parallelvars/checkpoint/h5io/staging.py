@@ -113,8 +113,8 @@ def _free_when_idle() -> None:
             signal.acquire()
             continue
         left = deadline - now()
-        if left > 0:
-            signal.acquire(timeout=left)
+        if left > 0:  # (a wait past TIMEOUT_MAX raises OverflowError: waited in steps)
+            signal.acquire(timeout=min(left, threading.TIMEOUT_MAX))
             continue
         with lock:
             if _deadline is not None and _deadline <= now():
