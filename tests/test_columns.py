@@ -532,3 +532,24 @@ def test_a_sharded_layout_without_components_names_its_variable(small: str) -> N
     field = f"layouts[{len(doc['layouts']) - 1}].num_components"
     assert info.value.variable == f"zz ({COLUMNS_DATASET}: {field})"
     assert "found 0" in str(info.value)
+
+
+def test_a_sharded_index_entry_without_components_names_its_variable(tmp_path: Path) -> None:
+    """The same through the index (a file without columns): the general path names it."""
+    from parallelvars.checkpoint.h5io.layout import INDEX_DATASET
+    from parallelvars.testing import write_json
+
+    m = pv.Module()
+    with pv.MirroredStrategy(2).scope():
+        m.e = pv.Variable(np.arange(8, dtype=np.int64).reshape(4, 2), name="e", shard_axis=0)
+    path = pv.Checkpoint(model=m).write(tmp_path / "c.h5")
+    strip_columns(path)
+    index = read_index(path)
+    index["zz"] = {"kind": "sharded", "dtype": "float32", "shape": [4], "num_components": 0}
+    index["zz"] |= {"offsets": [], "crc32c": [], "attrs": {"shard_axis": 0, "shard_offsets": []}}
+    with h5py.File(path, "r+") as f:
+        del f[INDEX_DATASET]
+        write_json(f, INDEX_DATASET, index)
+    with pytest.raises(CorruptCheckpointError) as info:
+        H5Reader(path)
+    assert info.value.variable == "zz" and "found 0" in str(info.value)
