@@ -200,7 +200,10 @@ def json_lines(data: Mapping[str, Any]) -> Iterator[str]:
     for k, (key, value) in enumerate(items):
         head = f"  {_ENCODE(str(key))}: "
         tail = "," if k + 1 < len(items) else ""
-        if isinstance(value, list | Sequence) and not isinstance(value, str | bytes) and value:
+        if isinstance(value, list | Sequence) and not isinstance(value, str | bytes):
+            if not value:  # (an empty sequence of rows is a list too, not its repr)
+                yield f"{head}[]{tail}"
+                continue
             yield head + "["
             last = len(value) - 1
             for j, item in enumerate(value):

@@ -20,7 +20,8 @@ __all__ = ["add_parser", "run", "compare_arrays", "compare_entries"]
 _EPILOG = """\
 Two values x (from A) and y (from B) agree when |x - y| <= atol + rtol * |y| (numpy's
 isclose, with B as the reference); NaN agrees with NaN, and an infinity only with the same
-infinity. With the default tolerances of zero, values must be equal. Every component is
+infinity. With the default tolerances of zero, values must be equal (-0.0 equals 0.0; the
+bits of a NaN are not compared). Every component is
 compared, not only the primary; when the two sides hold a variable in different kinds or
 numbers of components, their logical values (what a single-device restore gives) are compared.
 With --logical only the logical values are compared, and how they are spread over devices
@@ -157,19 +158,6 @@ def compare_arrays(a: np.ndarray, b: np.ndarray, *, rtol: float, atol: float) ->
     return {"size": size, "mismatched": mismatched, "max_abs": max_abs, "max_rel": max_rel}
 
 
-def _attr(entry: Entry, key: str) -> Any:
-    value = entry.attrs.get(key)
-    if value is None:
-        return None
-    if key == "aggregation":
-        return str(value).lower()
-    if key == "shard_offsets":
-        return [int(v) for v in value]
-    if key == "shard_axis":
-        return int(value)
-    return value
-
-
 def compare_entries(
     ea: Entry,
     eb: Entry,
@@ -198,7 +186,7 @@ def compare_entries(
         if ea.num_components != eb.num_components:
             differences.append(f"components {ea.num_components} vs {eb.num_components}")
         for key in _SEMANTIC_ATTRS:
-            va, vb = _attr(ea, key), _attr(eb, key)
+            va, vb = _semantic(ea.attrs, key), _semantic(eb.attrs, key)
             if va != vb and ea.kind == eb.kind:
                 differences.append(f"{key} {va} vs {vb}")
 
@@ -256,22 +244,22 @@ def compare_entries(
 
 
 def _semantic(attrs: Any, key: str) -> Any:
-    """:func:`_attr` of an attribute mapping."""
+    """The value of attribute ``key`` in ``attrs`` as compared: an aggregation in lower case,
+    a shard axis and offsets as integers (a value that is none, from a damaged or foreign
+    file, compared as written rather than raising)."""
     value = attrs.get(key)
     if value is None:
         return None
-    if key == "aggregation":
-        return str(value).lower()
-    if key == "shard_offsets":
-        return [int(v) for v in value]
-    if key == "shard_axis":
-        return int(value)
+    try:
+        if key == "aggregation":
+            return str(value).lower()
+        if key == "shard_offsets":
+            return [int(v) for v in value]
+        if key == "shard_axis":
+            return int(value)
+    except (TypeError, ValueError, OverflowError):
+        return repr(value)
     return value
-
-
-#: A component found equal bit for bit: its row of the result (shared by every such row of
-#: one size: the results of 100,000 variables are not 200,000 dicts).
-_EQUAL_COMPONENT: dict[tuple[int, int], dict[str, Any]] = {}
 
 
 def _equal_in_bulk(
@@ -302,14 +290,10 @@ def _equal_in_bulk(
         if ca.dtype != cb.dtype or not _same_bytes(ca, cb):
             return None
     size = int(components_a[0].size) if n else 0
-    rows = []
-    for i in range(n):
-        row = _EQUAL_COMPONENT.get((i, size))
-        if row is None:
-            row = {"component": i, "size": size, "mismatched": 0, "max_abs": 0.0, "max_rel": 0.0}
-            if len(_EQUAL_COMPONENT) < 4096:
-                _EQUAL_COMPONENT[i, size] = row
-        rows.append(row)
+    rows = [
+        {"component": i, "size": size, "mismatched": 0, "max_abs": 0.0, "max_rel": 0.0}
+        for i in range(n)
+    ]
     return {
         "path": path,
         "equal": True,

@@ -215,8 +215,9 @@ def build_entries(
 
 def _layout_key(kind: Any, shape: tuple[int, ...], n: int, attrs: dict[str, Any]) -> Any:
     """What :func:`layout_problem` reads of a variable that is not sharded, as a key (None:
-    not kept: a sharded variable, or values that are not plain text)."""
-    if kind == "sharded":
+    not kept: a sharded variable, or values that are not plain text: a hostile list or object
+    is no key, and the full validation names it)."""
+    if type(kind) is not str or kind == "sharded":
         return None
     aggregation, devices = attrs.get("aggregation"), attrs.get("devices")
     if aggregation is not None and type(aggregation) is not str:

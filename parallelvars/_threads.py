@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from parallelvars.errors import InvalidArgumentError
@@ -113,7 +113,8 @@ def run_partitioned(calls: Sequence[Callable[[], object]], weights: Sequence[int
     """Run every call once, spread over threads by weight (bytes); raise the first error.
 
     The calls must be independent of each other. Every thread has finished when this returns
-    or raises, so no call is still running afterwards. When several calls fail, the error of
+    or raises, so no call is still running afterwards (an interrupt that arrives meanwhile is
+    raised once they have). When several calls fail, the error of
     the earliest range (in the order of ``calls``) is raised; a range stops at its first error.
     """
     threads = thread_count()
@@ -133,7 +134,10 @@ def run_partitioned(calls: Sequence[Callable[[], object]], weights: Sequence[int
         _run_range(calls, *ranges[0])
     except BaseException as exc:
         error = exc
-    for fut in futures:  # wait for every thread before returning or raising
+    interrupt = _wait_all(futures)  # every thread has stopped before this returns or raises
+    if interrupt is not None:
+        raise interrupt
+    for fut in futures:
         failed = fut.exception()
         if error is None and failed is not None:
             error = failed
@@ -141,11 +145,32 @@ def run_partitioned(calls: Sequence[Callable[[], object]], weights: Sequence[int
         raise error
 
 
+def _wait_all(
+    futures: Sequence[Future[Any]], stop: Callable[[], None] | None = None
+) -> BaseException | None:
+    """Wait until every one of ``futures`` is done, even when an interrupt (``KeyboardInterrupt``,
+    an error raised by a signal handler) reaches this thread while it waits: the caller frees
+    or reuses the memory the calls write into once this returns, so no call may still be
+    running then. Returns the first interrupt (the caller raises it); ``stop`` is called when
+    one arrives, to make the calls not yet started end early."""
+    interrupt: BaseException | None = None
+    while True:
+        try:
+            wait(futures)
+            return interrupt
+        except BaseException as exc:
+            if interrupt is None:
+                interrupt = exc
+                if stop is not None:
+                    stop()
+
+
 def run_in_order(calls: Sequence[Callable[[], object]]) -> None:
     """Run every call once, each thread taking the next call not yet taken, in order (reads
     of a file in file order stay close together); raise the error of the earliest failed
     call once every thread has stopped (a thread stops at its first error, the others at
-    the next call they would take)."""
+    the next call they would take; an interrupt that arrives meanwhile stops them the same
+    way and is raised once they have)."""
     threads = min(thread_count(), len(calls))
     if threads < 2 or getattr(_in_worker, "active", False):
         for call in calls:
@@ -166,10 +191,20 @@ def run_in_order(calls: Sequence[Callable[[], object]]) -> None:
                 errors[k] = exc
                 return
 
+    def stop() -> None:  # (an interrupt: the threads stop at the next call they would take)
+        errors.setdefault(len(calls), KeyboardInterrupt())
+
     pool = _executor(threads - 1)
     futures = [submit_or_run(pool, work, True) for _ in range(threads - 1)]
-    work(False)
-    for fut in futures:  # wait for every thread before returning or raising
-        fut.exception()
+    interrupt: BaseException | None = None
+    try:
+        work(False)
+    except BaseException as exc:  # (an interrupt between two calls)
+        interrupt = exc
+        stop()
+    later = _wait_all(futures, stop)  # every thread has stopped before this returns or raises
+    interrupt = interrupt if interrupt is not None else later
+    if interrupt is not None:
+        raise interrupt
     if errors:
         raise errors[min(errors)]

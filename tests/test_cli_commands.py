@@ -760,3 +760,42 @@ def test_inspect_shows_the_tree_with_a_damaged_component_marked(tmp_path, capsys
     assert main(["inspect", str(path), "--json"]) == 1
     rows = {r["path"]: r for r in _json(capsys)["variables"]}
     assert "checksum mismatch" in rows["model/bad"]["damaged"] and "damaged" not in rows["model/ok"]
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".safetensors"])
+def test_inspect_json_of_a_checkpoint_without_variables(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], suffix: str
+) -> None:
+    """No variables is an empty list, not the repr of the empty listing."""
+    from parallelvars.formats import DictView
+
+    path = write_checkpoint(str(tmp_path / f"empty{suffix}"), DictView([]))
+    assert main(["inspect", str(path), "--json"]) == 0
+    doc = _json(capsys)
+    assert doc["num_variables"] == 0 and doc["variables"] == []
+
+
+def test_diff_result_rows_are_the_callers_own() -> None:
+    """Each result of variables found equal in bulk has rows of its own: changing one
+    result changes no other."""
+    from parallelvars.cli.diff import _equal_in_bulk
+
+    x = np.arange(4, dtype=np.float32)
+    described = ("single", np.dtype(np.float32), (4,), 1, {})
+    first = _equal_in_bulk("a", described, described, [x], [x.copy()])
+    second = _equal_in_bulk("b", described, described, [x], [x.copy()])
+    assert first is not None and second is not None
+    first["components"][0]["mismatched"] = 7
+    assert second["components"][0]["mismatched"] == 0
+
+
+@pytest.mark.parametrize("axis", ["x", [0], 1.5e300])
+def test_diff_of_a_shard_axis_that_is_no_integer_is_a_difference(axis) -> None:
+    """A damaged or foreign shard axis is compared as written, not raised as ValueError."""
+    from parallelvars.cli.diff import compare_entries
+
+    x = np.arange(4, dtype=np.float32)
+    ea = ArrayEntry("v", [x], attrs={"shard_axis": axis})
+    eb = ArrayEntry("v", [x], attrs={"shard_axis": 0})
+    assert compare_entries(ea, eb, rtol=0.0, atol=0.0)["equal"] is False
+    assert compare_entries(ea, ea, rtol=0.0, atol=0.0)["equal"] is True

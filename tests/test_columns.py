@@ -510,3 +510,46 @@ def test_documents_from_records_leave_keys_that_are_not_strings_to_the_index() -
         path="a", kind="single", dtype=np.dtype("<f4"), shape=(), num_components=1, attrs={1: "x"}
     )
     assert record_documents([rec], {"a": [None]}) is None
+
+
+def test_a_sharded_layout_without_components_names_its_variable(small: str) -> None:
+    """A sharded variable with no shard (the last row: its offsets and checksums consistent
+    with that) is refused naming the variable and the field, not by the table's arithmetic
+    failing on the empty row."""
+    doc = read_columns(small)
+    doc["layouts"].append(
+        {"kind": "sharded", "dtype": "float32", "ndim": 1, "num_components": 0}
+        | {"attrs": {"shard_axis": 0, "shard_offsets": []}}
+    )
+    doc["paths"].append("zz")
+    doc["layout"].append(len(doc["layouts"]) - 1)
+    doc["shapes"].append(4)
+    for values in doc["row_attrs"].values():
+        values.append(None)
+    write_columns(small, doc)
+    with pytest.raises(CorruptCheckpointError) as info:
+        H5Reader(small)
+    field = f"layouts[{len(doc['layouts']) - 1}].num_components"
+    assert info.value.variable == f"zz ({COLUMNS_DATASET}: {field})"
+    assert "found 0" in str(info.value)
+
+
+def test_a_sharded_index_entry_without_components_names_its_variable(tmp_path: Path) -> None:
+    """The same through the index (a file without columns): the general path names it."""
+    from parallelvars.checkpoint.h5io.layout import INDEX_DATASET
+    from parallelvars.testing import write_json
+
+    m = pv.Module()
+    with pv.MirroredStrategy(2).scope():
+        m.e = pv.Variable(np.arange(8, dtype=np.int64).reshape(4, 2), name="e", shard_axis=0)
+    path = pv.Checkpoint(model=m).write(tmp_path / "c.h5")
+    strip_columns(path)
+    index = read_index(path)
+    index["zz"] = {"kind": "sharded", "dtype": "float32", "shape": [4], "num_components": 0}
+    index["zz"] |= {"offsets": [], "crc32c": [], "attrs": {"shard_axis": 0, "shard_offsets": []}}
+    with h5py.File(path, "r+") as f:
+        del f[INDEX_DATASET]
+        write_json(f, INDEX_DATASET, index)
+    with pytest.raises(CorruptCheckpointError) as info:
+        H5Reader(path)
+    assert info.value.variable == "zz" and "found 0" in str(info.value)

@@ -478,3 +478,29 @@ def test_shard_index_is_checksummed(tmp_path) -> None:
     pathlib.Path(index).write_text(json.dumps(doc))
     with pytest.raises(ChecksumMismatchError, match="index"):
         open_safetensors(index)
+
+
+@pytest.mark.parametrize("kind", [["single"], {"single": 1}, 3])
+def test_a_variable_kind_that_is_no_text_is_named_as_corrupt(tmp_path, kind) -> None:
+    """A hostile ``kind`` (a list or an object: no dict key) is refused as damage naming the
+    file and the variable, not an internal TypeError."""
+    from parallelvars.formats._info import INFO_FORMAT, INFO_VERSION
+
+    info = {
+        "format": INFO_FORMAT,
+        "version": INFO_VERSION,
+        "variables": {
+            "v": {"kind": kind, "dtype": "float32", "shape": [2], "num_components": 1}
+            | {"keys": ["v"]}
+        },
+    }
+    header = {
+        "__metadata__": {"parallelvars": json.dumps(info)},
+        "v": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+    }
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
+    with pytest.raises(CorruptCheckpointError, match=r"bad\.safetensors: variable 'v': unknown"):
+        open_safetensors(str(path)).close()

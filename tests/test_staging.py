@@ -5,6 +5,7 @@ restore's peak, never seen by the variables."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -135,3 +136,63 @@ def test_a_restore_asks_for_the_file_ahead_and_a_command_does_not(
     assert asked == []
     sources.open_source(str(path)).close()
     assert asked == [(size - (1 << 20), 1 << 20), (0, 1 << 20)]
+
+
+@pytest.mark.parametrize("path_taken", ["bulk", "general"])
+@pytest.mark.parametrize("where", ["check", "commit"])
+def test_a_failed_or_interrupted_restore_frees_its_staging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path_taken: str, where: str
+) -> None:
+    """A restore that fails or is interrupted does not give its staging memory to the pool: a
+    thread of it may still be writing there, and the next restore would take those bytes as
+    checked."""
+    from parallelvars.checkpoint import _restore, matching
+
+    dtype = np.float32 if path_taken == "bulk" else np.float64
+    cast = path_taken == "general"
+    path = tmp_path / "a.h5"
+    pv.Checkpoint(model=_model(1)).write(path)
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    # (the checks spread over threads; the copies into the variables, the same)
+    monkeypatch.setattr(matching if where == "check" else _restore, "run_partitioned", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pv.Checkpoint(model=_model(0, dtype=dtype)).restore(path, allow_cast=cast)
+    assert staging.kept_bytes() == 0
+    monkeypatch.undo()
+    pv.Checkpoint(model=_model(0, dtype=dtype)).restore(path, allow_cast=cast)
+    assert staging.kept_bytes() > 0  # (a restore that succeeds keeps it)
+
+
+def test_a_small_need_does_not_take_the_buffer_a_larger_one_will_need() -> None:
+    """A restore takes its bulk buffer, then its staged components' one: taking the large kept
+    buffer for the small first need would make the second allocate again (the peak rising by
+    the large buffer). A kept buffer is taken only when at most twice the need."""
+    mib = 1 << 20
+    small, large = staging.take(20 * mib), staging.take(100 * mib)
+    staging.give(small)
+    staging.give(large)
+    first = staging.take(30 * mib)  # (the small kept buffer is too small: freed)
+    assert _whole(first) is not _whole(large) and _whole(first) is not _whole(small)
+    second = staging.take(90 * mib)
+    assert _whole(second) is _whole(large)
+    assert staging.kept_bytes() == 0
+
+
+def test_an_idle_time_past_the_longest_wait_keeps_the_freeing_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An IDLE_SECONDS longer than a lock can wait (threading.TIMEOUT_MAX) must not end the
+    thread that frees the kept buffers: later, shorter idle times still free them."""
+    monkeypatch.setattr(staging, "IDLE_SECONDS", threading.TIMEOUT_MAX * 4)
+    staging.give(staging.take(2 << 20))
+    time.sleep(0.2)  # (the freeing thread waits on that deadline now)
+    monkeypatch.setattr(staging, "IDLE_SECONDS", 0.05)
+    staging.give(staging.take(2 << 20))
+    deadline = time.monotonic() + 10
+    while staging.kept_bytes() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert staging.kept_bytes() == 0
+    assert staging._reaper is not None and staging._reaper.is_alive()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import threading
 import time
 
@@ -165,3 +166,41 @@ def test_submit_or_run_uses_the_pool_and_runs_inline_once_it_takes_no_work() -> 
     )
     failed = _threads.submit_or_run(pool, int, "x")
     assert isinstance(failed.exception(), ValueError)
+
+
+@pytest.mark.parametrize("helper", ["run_partitioned", "run_in_order"])
+def test_an_interrupt_while_waiting_is_raised_only_once_every_thread_stopped(
+    threaded, helper
+) -> None:
+    # A worker's call still running after the helper returned would write into memory its
+    # caller has given back (a restore's staging buffers): the helper waits for it first.
+    main = threading.main_thread()
+    finished: list[int] = []
+    started = threading.Event()
+
+    def interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    def call(i: int):
+        def run() -> None:
+            if threading.current_thread() is main:
+                started.wait()  # (each thread takes one call)
+                return
+            started.set()
+            time.sleep(0.1)  # (the calling thread is waiting on this one by now)
+            signal.pthread_kill(main.ident, signal.SIGUSR1)
+            time.sleep(0.2)
+            finished.append(i)
+
+        return run
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            if helper == "run_partitioned":
+                _threads.run_partitioned([call(0), call(1)], [1, 1])
+            else:
+                _threads.run_in_order([call(0), call(1)])
+        assert finished  # the worker's call ended before the interrupt was raised
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

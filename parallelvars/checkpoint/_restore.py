@@ -548,11 +548,13 @@ class DirectRestore:
         run_partitioned(calls, weights)
         self.release()
 
-    def release(self) -> None:
-        """Drop the bytes read (committed, or the restore failed): their staging memory is
-        given back for the next restore."""
+    def release(self, recycle: bool = True) -> None:
+        """Drop the bytes read: their staging memory is given back for the next restore once
+        committed; freed when ``recycle`` is false (the restore failed or was interrupted:
+        never handed to another restore while something may still write into it)."""
         buffer, self.buffer, self.targets = self.buffer, None, []
-        staging.give(buffer)
+        if recycle:
+            staging.give(buffer)
 
 
 #: The bytes of the source copied into each of the targets in turn (:func:`_copy_into`).

@@ -31,6 +31,7 @@ from parallelvars.checkpoint.graph import (
     is_leaf,
     slot_relations,
 )
+from parallelvars.checkpoint.h5io.read import H5Reader
 from parallelvars.checkpoint.registry import get_saveable
 from parallelvars.checkpoint.sources import Source, SourceEntry, open_source
 from parallelvars.errors import CheckpointError, RestoreMismatchError
@@ -132,7 +133,7 @@ class RestoreSession:
 
                 verify_pieces(pieces, self.path)
         except BaseException:
-            plan.discard()
+            plan.discard(recycle=False)
             raise
         plan.apply()
 
@@ -269,7 +270,7 @@ class RestoreSession:
                 plan.sizes.append(size)
             run_partitioned(checks, check_sizes)
         except BaseException:
-            plan.discard()
+            plan.discard(recycle=False)
             raise
 
     def _slot_relations(self, matched: dict[int, Any]) -> list[tuple[int, int, str, int]]:
@@ -447,6 +448,7 @@ class RestorePlan:
     def apply(self) -> None:
         """Write every value, attach what was made, and leave the notes of what waits."""
         session = self.session
+        applied = False
         try:
             written: list[str] = []
             if self.direct is not None:
@@ -460,8 +462,9 @@ class RestorePlan:
                 file=session.path,
                 written=written,
             )
+            applied = True
         finally:
-            self.discard()
+            self.discard(recycle=applied)
         for done in self.attach:
             done()
         session.matched.update(self.matched)
@@ -474,12 +477,16 @@ class RestorePlan:
             opt._pv_deferred_slots()[(id(var), slot_name)] = Pending(session, slot_id)
             session.pending += 1
 
-    def discard(self) -> None:
-        """Drop what was read ahead for this plan (applied, or given up)."""
-        if self.reader is not None:
+    def discard(self, recycle: bool = True) -> None:
+        """Drop what was read ahead for this plan (applied, or given up): its staging memory
+        is kept for the next restore only when ``recycle`` (every copy out of it is done; a
+        failed or interrupted restore frees it, as a thread may still write into it)."""
+        if isinstance(self.reader, H5Reader):  # (the native reader stages into that memory)
+            self.reader.unstage(recycle)
+        elif self.reader is not None:  # (a source's unstage() takes no argument)
             self.reader.unstage()
         if self.direct is not None:
-            self.direct.release()
+            self.direct.release(recycle)
 
 
 class Pending:

@@ -608,6 +608,15 @@ def _columns_table(doc: Any, file: str) -> tuple[IndexTable | None, ColumnEntrie
     ids, _ = _int_column(doc["layout"], "layout", 0, max(len(kind_of), 1), file)
     ndims = np.array(ndim_of, np.int64)[ids] if rows else np.zeros(0, np.int64)
     counts_arr = np.array(count_of, np.int64)[ids] if rows else np.zeros(0, np.int64)
+    shardless = [
+        k
+        for k, (kind, n) in enumerate(zip(kind_of, count_of, strict=True))
+        if kind == "sharded" and n < 1
+    ]
+    if shardless and rows and np.isin(ids, shardless).any():
+        r = int(np.flatnonzero(np.isin(ids, shardless))[0])
+        field = f"layouts[{int(ids[r])}].num_components"
+        raise _malformed(file, field, "at least 1 (a sharded variable's shards)", 0, paths[r])
     for key, values in row_attrs.items():
         field = f"row_attrs.{key}"
         if key in _LAYOUT_ONLY_ATTRS:

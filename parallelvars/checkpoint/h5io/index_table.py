@@ -195,7 +195,7 @@ def _index_table(metas: dict[str, Any], file: str, file_size: int) -> IndexTable
     ):
         return None
     for kind, n in set(zip(kinds, counts, strict=True)):
-        if kind != "sharded" and layout_problem(kind, (), n, {}) is not None:
+        if n < 1 or (kind != "sharded" and layout_problem(kind, (), n, {}) is not None):
             return None  # (a sharded entry's layout is checked by its StoredVariable, at open)
     aggregations = list(map(dict.get, attrs, itertools.repeat("aggregation")))
     if value_types(aggregations) - {str, _NONE}:

@@ -726,13 +726,17 @@ class H5Reader(BulkReads, Mapping[str, StoredVariable]):
                 got[path] = comps
         self._prefetched = got
 
-    def unstage(self) -> None:
-        """Drop what :meth:`stage` read, and what the verification kept."""
+    def unstage(self, recycle: bool = True) -> None:
+        """Drop what :meth:`stage` read, and what the verification kept: its staging memory is
+        kept for the next restore, unless ``recycle`` is false (the restore failed or was
+        interrupted: the memory is then freed, never handed to another restore while something
+        may still write into it)."""
         self._staged = None
         with self._lock:
             arena = self._arena
             self._kept, self._slots, self._arena = {}, {}, None
-            staging.give(arena)  # (every copy out of it is done: see RestorePlan.apply)
+            if recycle:
+                staging.give(arena)  # (every copy out of it is done: see RestorePlan.apply)
             self._kept_values, self._held, self._restoring = {}, 0, False
             self._crcs_seen, self._reading_locks = {}, {}
 

@@ -10,9 +10,13 @@ the disk at 1 GB/s, and more than its checksums cost.
 So the buffers a restore staged its bytes into are kept for the next restore (already
 faulted in, reused as they are), in one pool per process:
 
-- a restore takes the smallest kept buffer that holds what it needs (:func:`take`); when none
-  does, the kept ones are freed first and a new one is made, so a restore never holds more
-  memory than it would without the pool (the pool never raises the peak, it keeps it);
+- a restore takes the smallest kept buffer that holds what it needs and is at most twice that
+  (:func:`take`); when none does, the kept ones too small for it are freed first and a new
+  one is made. A larger kept buffer stays for a larger need: a restore that takes a small and
+  then a large buffer (its bulk read, then its staged components) takes the large one second,
+  as the last restore did. So a restore holds at most what it would without the pool, plus
+  what its buffers are larger than its needs (each at most twice) and what stays kept for a
+  need it does not have (freed when idle, below);
 - at most :data:`KEEP_BYTES` are kept in all (a larger buffer is freed when it is given back);
 - kept buffers are freed once no restore gave one back for :data:`IDLE_SECONDS` (one thread,
   made once), by :func:`release`, and in a child process after ``fork``.
@@ -58,15 +62,19 @@ _signal.acquire()  # (released by give() to wake the reaper)
 
 def take(nbytes: int) -> np.ndarray:
     """``nbytes`` bytes of staging memory (uint8, contiguous): a view of a kept buffer when one
-    is large enough, else of a new one. Give the buffer back with :func:`give` once nothing
-    refers to its bytes any more (or drop it: it is then freed as any array)."""
+    is large enough and at most twice the need, else of a new one. Give the buffer back with
+    :func:`give` once nothing refers to its bytes any more (or drop it: it is then freed as
+    any array)."""
+    size = -(-max(nbytes, 1) // _ROUND) * _ROUND
     with _lock:
-        fits = [k for k, buf in enumerate(_kept) if buf.size >= nbytes]
+        fits = [k for k, buf in enumerate(_kept) if nbytes <= buf.size <= 2 * size]
         if fits:
             best = min(fits, key=lambda k: _kept[k].size)
             return _kept.pop(best)[:nbytes]
-        _kept.clear()  # too small for this restore: freed before it allocates (the peak)
-    return np.empty(-(-max(nbytes, 1) // _ROUND) * _ROUND, np.uint8)[:nbytes]
+        # too small for this need: freed before it allocates (the peak); a larger one is kept
+        # for a larger need
+        _kept[:] = [buf for buf in _kept if buf.size >= nbytes]
+    return np.empty(size, np.uint8)[:nbytes]
 
 
 def give(buf: np.ndarray | None) -> None:
@@ -105,8 +113,8 @@ def _free_when_idle() -> None:
             signal.acquire()
             continue
         left = deadline - now()
-        if left > 0:
-            signal.acquire(timeout=left)
+        if left > 0:  # (a wait past TIMEOUT_MAX raises OverflowError: waited in steps)
+            signal.acquire(timeout=min(left, threading.TIMEOUT_MAX))
             continue
         with lock:
             if _deadline is not None and _deadline <= now():
