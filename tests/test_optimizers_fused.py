@@ -541,6 +541,29 @@ def test_a_zip_of_two_sequences_applies_what_iterating_it_gives() -> None:
         np.testing.assert_array_equal(v.read_value(), want)
 
 
+def test_a_zip_of_one_iterator_with_itself_pairs_what_iterating_it_gives() -> None:
+    # zip(it, it), the grouper idiom, reads (gradient, variable) pairs from one interleaved
+    # sequence: each pair takes two items, it is not the sequence zipped with itself.
+    strategy = pv.MirroredStrategy(2)
+    vs, opt = _model(strategy, np.float32, lambda: opts.SGD(1.0))
+    before = [v.read_value().copy() for v in vs]
+    flat: list[Any] = []
+    for s, v in zip(SHAPES, vs, strict=True):
+        flat += [np.ones(s, np.float32), v]
+    strategy.run(lambda: opt.apply_gradients(zip(*[iter(flat)] * 2, strict=True)))
+    for b, v in zip(before, vs, strict=True):
+        np.testing.assert_array_equal(v.read_value(), b - np.float32(2.0))
+
+    # A variable as the gradient (an accumulator): zipped with itself it would pair with
+    # itself and be applied where nothing is to be changed.
+    w = pv.Variable(np.zeros(3, np.float32), name="w")
+    acc = pv.Variable(np.ones(3, np.float32), name="acc", trainable=False)
+    it = iter([acc, w])
+    opts.SGD(1.0).apply_gradients(zip(it, it, strict=False))
+    np.testing.assert_array_equal(w.read_value(), -np.ones(3, np.float32))
+    np.testing.assert_array_equal(acc.read_value(), np.ones(3, np.float32))
+
+
 def test_the_array_a_sharded_variable_is_made_around_is_read_before_the_step_writes() -> None:
     # Each variable's gradient is the very array the other one is made around (an array owning
     # its memory, of the variable's size): read before the step writes it, as a copy would be.

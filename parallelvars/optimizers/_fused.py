@@ -227,7 +227,8 @@ def unzipped(pairs: Any) -> tuple[Sequence[Any], Sequence[Any]] | None:
     """The gradients and the variables that ``pairs``, a ``zip`` of two lists or tuples (what
     ``apply_gradients(zip(grads, variables))`` hands in), would hand out: those sequences,
     or slices of them, with no pair and no Python step per variable. The zip is left exhausted, as
-    iterating it would leave it. None for any other iterable, and where iterating would
+    iterating it would leave it. None for any other iterable, for a zip of one iterator
+    with itself (``zip(it, it)``: its pairs take two items each), and where iterating would
     raise (``zip(..., strict=True)`` of unequal lengths): the caller iterates it then.
 
     The zip and its iterators are read through their pickling state (``__reduce__``: the
@@ -238,6 +239,8 @@ def unzipped(pairs: Any) -> tuple[Sequence[Any], Sequence[Any]] | None:
     iterators: tuple[Any, ...] = state[1]
     if len(iterators) != 2 or not all(type(it) in _SEQUENCE_ITERATORS for it in iterators):
         return None
+    if iterators[0] is iterators[1]:
+        return None  # zip(it, it), the grouper idiom: each step reads two from one iterator
     spans: list[tuple[Sequence[Any], int]] = []
     for it in iterators:
         # (iter, (sequence,), position); (iter, ((),)) once exhausted
