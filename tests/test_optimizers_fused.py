@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -562,6 +563,51 @@ def test_a_zip_of_one_iterator_with_itself_pairs_what_iterating_it_gives() -> No
     opts.SGD(1.0).apply_gradients(zip(it, it, strict=False))
     np.testing.assert_array_equal(w.read_value(), -np.ones(3, np.float32))
     np.testing.assert_array_equal(acc.read_value(), np.ones(3, np.float32))
+
+
+def test_a_zip_leaves_its_iterators_where_iterating_it_would() -> None:
+    # zip stops at the first iterator that runs out: the variables' iterator then stays where
+    # it stands, and a gradient read before the variables ran out is consumed. Every length,
+    # start and strictness, lists and tuples, against iterating an identical zip.
+    vs = [pv.Variable(np.zeros(2, np.float32), name=f"u{i}") for i in range(4)]
+    gs = [np.ones(2, np.float32) for _ in range(5)]
+    opt = opts.SGD(1.0)
+    cases = 0
+    for seq, ng, nv, skip_g, skip_v, strict in itertools.product(
+        (list, tuple), range(len(gs) + 1), range(len(vs) + 1), range(3), range(3), (False, True)
+    ):
+        if skip_g > ng or skip_v > nv:
+            continue
+        left: list[tuple[list[int], list[int]]] = []
+        for applied in (False, True):
+            g_seq, v_seq = seq(gs[:ng]), seq(vs[:nv])
+            g_it, v_it = iter(g_seq), iter(v_seq)
+            for _ in range(skip_g):
+                next(g_it)
+            for _ in range(skip_v):
+                next(v_it)
+            pairs = zip(g_it, v_it, strict=strict)
+            try:
+                if applied:
+                    opt.apply_gradients(pairs)
+                else:
+                    list(pairs)
+            except ValueError:  # strict and unequal; no gradient at all
+                pass
+            if isinstance(g_seq, list) and isinstance(v_seq, list):
+                g_seq.append(gs[-1])  # an exhausted iterator stays exhausted
+                v_seq.append(vs[-1])
+            left.append(([id(g) for g in g_it], [id(v) for v in v_it]))
+        assert left[0] == left[1], (seq, ng, nv, skip_g, skip_v, strict)
+        cases += 1
+    assert cases > 300
+
+    vi = iter(vs)
+    opt.apply_gradients(zip(gs[:3], vi, strict=False))
+    assert next(vi) is vs[3]
+    gi = iter(gs)
+    opt.apply_gradients(zip(gi, vs[:3], strict=False))
+    assert next(gi) is gs[4]  # zip read gs[3] before it found the variables ran out
 
 
 def test_the_array_a_sharded_variable_is_made_around_is_read_before_the_step_writes() -> None:
