@@ -256,6 +256,33 @@ def test_replicas_that_disagree_about_a_gradients_form_sum_it_dense(fusion: bool
     np.testing.assert_array_equal(vs[0].read_value(), before)
 
 
+@pytest.mark.parametrize("sparse_replica", [0, 1])
+@pytest.mark.parametrize("fusion", [True, False], ids=["fused", "per-variable"])
+def test_a_subclass_of_indexed_slices_among_dense_gradients_is_summed_dense(
+    fusion: bool, sparse_replica: int
+) -> None:
+    class Rows(pv.IndexedSlices):
+        pass
+
+    strategy = pv.MirroredStrategy(2)
+    if not fusion:
+        strategy.fusion = False  # type: ignore[attr-defined]
+    vs, opt = _model(strategy, np.float32, lambda: opts.SGD(1.0), shapes=[(4, 3)])
+    before = vs[0].read_value().copy()
+
+    def step() -> None:
+        r = pv.get_replica_context().replica_id_in_sync_group
+        g: Any = np.ones((4, 3), np.float32)
+        if r == sparse_replica:
+            g = Rows(np.ones((1, 3), np.float32), np.array([1]), (4, 3))
+        opt.apply_gradients([(g, vs[0])])
+
+    strategy.run(step)
+    want = before - np.float32(1.0)
+    want[1] -= np.float32(1.0)
+    np.testing.assert_array_equal(vs[0].read_value(), want)
+
+
 def test_sharded_and_bfloat16_variables_next_to_fused_ones() -> None:
     import ml_dtypes
 

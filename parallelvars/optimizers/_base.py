@@ -394,7 +394,7 @@ class Optimizer(OptimizerState):
                 var = pairs[i][1]
                 shape = self._info(var)[0]
                 made = [
-                    check_gradient(p, var, shape, True) if type(p) is IndexedSlices else p
+                    check_gradient(p, var, shape, True) if isinstance(p, IndexedSlices) else p
                     for p in parts
                 ]
                 mixed[i] = PerReplica(made)
