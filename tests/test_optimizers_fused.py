@@ -256,6 +256,44 @@ def test_replicas_that_disagree_about_a_gradients_form_sum_it_dense(fusion: bool
     np.testing.assert_array_equal(vs[0].read_value(), before)
 
 
+@pytest.mark.parametrize("other", ["dense", "sparse", "dense after"])
+@pytest.mark.parametrize("fusion", [True, False], ids=["fused", "per-variable"])
+def test_a_replicas_gradient_of_another_shape_is_refused_when_the_others_fit(
+    fusion: bool, other: str
+) -> None:
+    # One replica's dense gradient of w has a shape that broadcasts to w's, the other
+    # replicas' fit (arrays, or rows of w): the sum would have w's shape. Each replica's
+    # gradient is checked, as one replica's alone is, and nothing is written.
+    strategy = pv.MirroredStrategy(3)
+    if not fusion:
+        strategy.fusion = False  # type: ignore[attr-defined]
+    shapes = [(5,), (4, 3)]
+    vs, opt = _model(strategy, np.float32, lambda: opts.Adam(0.01), shapes=shapes)
+    strategy.run(
+        lambda: opt.apply_gradients(
+            [(np.ones(s, np.float32), v) for s, v in zip(shapes, vs, strict=True)]
+        )
+    )
+    odd = 2 if other == "dense after" else 0
+
+    def step() -> None:
+        r = pv.get_replica_context().replica_id_in_sync_group
+        g: Any = np.ones((4, 3), np.float32)
+        if r == odd:
+            g = np.ones((1, 3), np.float32)
+        elif other == "sparse":
+            g = pv.IndexedSlices(np.ones((1, 3), np.float32), np.array([2]), (4, 3))
+        opt.apply_gradients([(np.ones(5, np.float32), vs[0]), (g, vs[1])])
+
+    before = [np.array(c) for v in _state(vs, opt) for c in v.components]
+    with pytest.raises(GradientError, match="gradient of another shape") as raised:
+        strategy.run(step)
+    assert "(4, 3)" in str(raised.value) and "(1, 3)" in str(raised.value)
+    after = [np.array(c) for v in _state(vs, opt) for c in v.components]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+    assert int(opt.iterations.read_value()) == 1
+
+
 @pytest.mark.parametrize("sparse_replica", [0, 1])
 @pytest.mark.parametrize("fusion", [True, False], ids=["fused", "per-variable"])
 def test_a_subclass_of_indexed_slices_among_dense_gradients_is_summed_dense(
