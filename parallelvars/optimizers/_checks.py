@@ -43,11 +43,16 @@ def _dense_checked(arr: np.ndarray, var: Any, shape: tuple[int, ...]) -> np.ndar
 def check_replica_shapes(parts: Any, var: Any, shape: tuple[int, ...]) -> None:
     """Check that every dense gradient in ``parts`` (one value per local replica, before they
     are summed) has ``var``'s ``shape``: summed, one of another shape would broadcast and the
-    sum alone would be checked. Sparse parts are checked where they are made dense.
+    sum alone would be checked. Sparse parts are checked where they are made dense. A shard of
+    a variable sharded across processes takes gradients of the variable's full shape (its
+    ``full_shape``; the reduce-scatter hands each rank its shard's rows of the sum).
 
     Raises:
         GradientError: a replica's dense gradient has another shape.
     """
+    full = getattr(var, "full_shape", None)
+    if full is not None:
+        shape = tuple(full)
     for r, p in enumerate(parts):
         if type(p) is np.ndarray and p.shape == shape:
             continue  # the common case, kept cheap
