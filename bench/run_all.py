@@ -212,8 +212,9 @@ def _rows_train_step(d: dict[str, Any]) -> list[list[str]]:
             rows.append(
                 _row(
                     "train step",
-                    "floor of the bfloat16 step: the float32 step plus the bfloat16 <-> float32 "
-                    f"conversions alone, vs the float32 step ({size})",
+                    "the float32 step plus the bfloat16 <-> float32 conversions alone (their "
+                    "cost; no bound: the bfloat16 step moves half the bytes), vs the float32 "
+                    f"step ({size})",
                     _ms(t["run_s"] + t["bf16_floor_s"]),
                     _ms(t["run_s"]),
                     _x(r["bf16_floor_over_run"]),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -253,6 +254,71 @@ def test_replicas_that_disagree_about_a_gradients_form_sum_it_dense(fusion: bool
     with pytest.raises(GradientError, match="index out of range"):
         strategy.run(bad_step)
     np.testing.assert_array_equal(vs[0].read_value(), before)
+
+
+@pytest.mark.parametrize("other", ["dense", "sparse", "dense after"])
+@pytest.mark.parametrize("fusion", [True, False], ids=["fused", "per-variable"])
+def test_a_replicas_gradient_of_another_shape_is_refused_when_the_others_fit(
+    fusion: bool, other: str
+) -> None:
+    # One replica's dense gradient of w has a shape that broadcasts to w's, the other
+    # replicas' fit (arrays, or rows of w): the sum would have w's shape. Each replica's
+    # gradient is checked, as one replica's alone is, and nothing is written.
+    strategy = pv.MirroredStrategy(3)
+    if not fusion:
+        strategy.fusion = False  # type: ignore[attr-defined]
+    shapes = [(5,), (4, 3)]
+    vs, opt = _model(strategy, np.float32, lambda: opts.Adam(0.01), shapes=shapes)
+    strategy.run(
+        lambda: opt.apply_gradients(
+            [(np.ones(s, np.float32), v) for s, v in zip(shapes, vs, strict=True)]
+        )
+    )
+    odd = 2 if other == "dense after" else 0
+
+    def step() -> None:
+        r = pv.get_replica_context().replica_id_in_sync_group
+        g: Any = np.ones((4, 3), np.float32)
+        if r == odd:
+            g = np.ones((1, 3), np.float32)
+        elif other == "sparse":
+            g = pv.IndexedSlices(np.ones((1, 3), np.float32), np.array([2]), (4, 3))
+        opt.apply_gradients([(np.ones(5, np.float32), vs[0]), (g, vs[1])])
+
+    before = [np.array(c) for v in _state(vs, opt) for c in v.components]
+    with pytest.raises(GradientError, match="gradient of another shape") as raised:
+        strategy.run(step)
+    assert "(4, 3)" in str(raised.value) and "(1, 3)" in str(raised.value)
+    after = [np.array(c) for v in _state(vs, opt) for c in v.components]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+    assert int(opt.iterations.read_value()) == 1
+
+
+@pytest.mark.parametrize("sparse_replica", [0, 1])
+@pytest.mark.parametrize("fusion", [True, False], ids=["fused", "per-variable"])
+def test_a_subclass_of_indexed_slices_among_dense_gradients_is_summed_dense(
+    fusion: bool, sparse_replica: int
+) -> None:
+    class Rows(pv.IndexedSlices):
+        pass
+
+    strategy = pv.MirroredStrategy(2)
+    if not fusion:
+        strategy.fusion = False  # type: ignore[attr-defined]
+    vs, opt = _model(strategy, np.float32, lambda: opts.SGD(1.0), shapes=[(4, 3)])
+    before = vs[0].read_value().copy()
+
+    def step() -> None:
+        r = pv.get_replica_context().replica_id_in_sync_group
+        g: Any = np.ones((4, 3), np.float32)
+        if r == sparse_replica:
+            g = Rows(np.ones((1, 3), np.float32), np.array([1]), (4, 3))
+        opt.apply_gradients([(g, vs[0])])
+
+    strategy.run(step)
+    want = before - np.float32(1.0)
+    want[1] -= np.float32(1.0)
+    np.testing.assert_array_equal(vs[0].read_value(), want)
 
 
 def test_sharded_and_bfloat16_variables_next_to_fused_ones() -> None:
@@ -539,6 +605,74 @@ def test_a_zip_of_two_sequences_applies_what_iterating_it_gives() -> None:
         for _ in range(0 if i == 0 else 3):  # each step: 2 replicas x 1.0, not the doubled
             want = want - np.float32(2.0)
         np.testing.assert_array_equal(v.read_value(), want)
+
+
+def test_a_zip_of_one_iterator_with_itself_pairs_what_iterating_it_gives() -> None:
+    # zip(it, it), the grouper idiom, reads (gradient, variable) pairs from one interleaved
+    # sequence: each pair takes two items, it is not the sequence zipped with itself.
+    strategy = pv.MirroredStrategy(2)
+    vs, opt = _model(strategy, np.float32, lambda: opts.SGD(1.0))
+    before = [v.read_value().copy() for v in vs]
+    flat: list[Any] = []
+    for s, v in zip(SHAPES, vs, strict=True):
+        flat += [np.ones(s, np.float32), v]
+    strategy.run(lambda: opt.apply_gradients(zip(*[iter(flat)] * 2, strict=True)))
+    for b, v in zip(before, vs, strict=True):
+        np.testing.assert_array_equal(v.read_value(), b - np.float32(2.0))
+
+    # A variable as the gradient (an accumulator): zipped with itself it would pair with
+    # itself and be applied where nothing is to be changed.
+    w = pv.Variable(np.zeros(3, np.float32), name="w")
+    acc = pv.Variable(np.ones(3, np.float32), name="acc", trainable=False)
+    it = iter([acc, w])
+    opts.SGD(1.0).apply_gradients(zip(it, it, strict=False))
+    np.testing.assert_array_equal(w.read_value(), -np.ones(3, np.float32))
+    np.testing.assert_array_equal(acc.read_value(), np.ones(3, np.float32))
+
+
+def test_a_zip_leaves_its_iterators_where_iterating_it_would() -> None:
+    # zip stops at the first iterator that runs out: the variables' iterator then stays where
+    # it stands, and a gradient read before the variables ran out is consumed. Every length,
+    # start and strictness, lists and tuples, against iterating an identical zip.
+    vs = [pv.Variable(np.zeros(2, np.float32), name=f"u{i}") for i in range(4)]
+    gs = [np.ones(2, np.float32) for _ in range(5)]
+    opt = opts.SGD(1.0)
+    cases = 0
+    for seq, ng, nv, skip_g, skip_v, strict in itertools.product(
+        (list, tuple), range(len(gs) + 1), range(len(vs) + 1), range(3), range(3), (False, True)
+    ):
+        if skip_g > ng or skip_v > nv:
+            continue
+        left: list[tuple[list[int], list[int]]] = []
+        for applied in (False, True):
+            g_seq, v_seq = seq(gs[:ng]), seq(vs[:nv])
+            g_it, v_it = iter(g_seq), iter(v_seq)
+            for _ in range(skip_g):
+                next(g_it)
+            for _ in range(skip_v):
+                next(v_it)
+            pairs = zip(g_it, v_it, strict=strict)
+            try:
+                if applied:
+                    opt.apply_gradients(pairs)
+                else:
+                    list(pairs)
+            except ValueError:  # strict and unequal; no gradient at all
+                pass
+            if isinstance(g_seq, list) and isinstance(v_seq, list):
+                g_seq.append(gs[-1])  # an exhausted iterator stays exhausted
+                v_seq.append(vs[-1])
+            left.append(([id(g) for g in g_it], [id(v) for v in v_it]))
+        assert left[0] == left[1], (seq, ng, nv, skip_g, skip_v, strict)
+        cases += 1
+    assert cases > 300
+
+    vi = iter(vs)
+    opt.apply_gradients(zip(gs[:3], vi, strict=False))
+    assert next(vi) is vs[3]
+    gi = iter(gs)
+    opt.apply_gradients(zip(gi, vs[:3], strict=False))
+    assert next(gi) is gs[4]  # zip read gs[3] before it found the variables ran out
 
 
 def test_the_array_a_sharded_variable_is_made_around_is_read_before_the_step_writes() -> None:

@@ -37,7 +37,7 @@ import numpy as np
 from parallelvars import update_core
 from parallelvars.enums import ReduceOp
 from parallelvars.errors import ContextError, GradientError
-from parallelvars.optimizers._checks import _is_float, check_gradient
+from parallelvars.optimizers._checks import _is_float, check_gradient, check_replica_shapes
 from parallelvars.optimizers._fused import (
     PLAN_CACHE,
     BufferPairs,
@@ -393,8 +393,9 @@ class Optimizer(OptimizerState):
                 # TensorFlow's add_n makes such a mix dense.
                 var = pairs[i][1]
                 shape = self._info(var)[0]
+                check_replica_shapes(parts, var, shape)
                 made = [
-                    check_gradient(p, var, shape, True) if type(p) is IndexedSlices else p
+                    check_gradient(p, var, shape, True) if isinstance(p, IndexedSlices) else p
                     for p in parts
                 ]
                 mixed[i] = PerReplica(made)
@@ -402,6 +403,9 @@ class Optimizer(OptimizerState):
             elif batch_reduce is None or not (per_replica or (from_replicas and n > 1)):
                 out[i] = g
             else:
+                if per_replica:  # each replica's value checked: a sum would broadcast
+                    var = pairs[i][1]
+                    check_replica_shapes(parts, var, self._info(var)[0])
                 dense.append(i)
         if dense and batch_reduce is not None:
             local = len(getattr(strategy, "worker_devices", ())) or 1

@@ -40,6 +40,35 @@ def _dense_checked(arr: np.ndarray, var: Any, shape: tuple[int, ...]) -> np.ndar
     return arr
 
 
+def check_replica_shapes(parts: Any, var: Any, shape: tuple[int, ...]) -> None:
+    """Check that every dense gradient in ``parts`` (one value per local replica, before they
+    are summed) has ``var``'s ``shape``: summed, one of another shape would broadcast and the
+    sum alone would be checked. Sparse parts are checked where they are made dense. A shard of
+    a variable sharded across processes takes gradients of the variable's full shape (its
+    ``full_shape``; the reduce-scatter hands each rank its shard's rows of the sum).
+
+    Raises:
+        GradientError: a replica's dense gradient has another shape.
+    """
+    full = getattr(var, "full_shape", None)
+    if full is not None:
+        shape = tuple(full)
+    for r, p in enumerate(parts):
+        if type(p) is np.ndarray and p.shape == shape:
+            continue  # the common case, kept cheap
+        if isinstance(p, IndexedSlices):
+            continue
+        found = getattr(p, "shape", None)
+        found = np.shape(p) if found is None else tuple(found)
+        if found != shape:
+            raise GradientError(
+                f"gradient of another shape (local replica {r})",
+                variable=var.name,
+                expected=shape,
+                found=found,
+            )
+
+
 def check_gradient(g: Any, var: Any, shape: tuple[int, ...], sparse_as_dense: bool) -> Any:
     """``g`` as the gradient the update applies to ``var`` of ``shape``: a checked dense array,
     or deduplicated sparse rows (made dense when ``sparse_as_dense``).

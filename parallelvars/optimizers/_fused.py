@@ -226,9 +226,11 @@ _SEQUENCE_ITERATORS: tuple[type, ...] = (type(iter([])), type(iter(())))
 def unzipped(pairs: Any) -> tuple[Sequence[Any], Sequence[Any]] | None:
     """The gradients and the variables that ``pairs``, a ``zip`` of two lists or tuples (what
     ``apply_gradients(zip(grads, variables))`` hands in), would hand out: those sequences,
-    or slices of them, with no pair and no Python step per variable. The zip is left exhausted, as
-    iterating it would leave it. None for any other iterable, and where iterating would
-    raise (``zip(..., strict=True)`` of unequal lengths): the caller iterates it then.
+    or slices of them, with no pair and no Python step per variable. The zip and its iterators
+    are left exactly as iterating it would leave them (each iterator at the same position).
+    None for any other iterable, for a zip of one iterator with itself (``zip(it, it)``),
+    and where iterating would raise (``zip(..., strict=True)`` of unequal lengths): the
+    caller iterates it then.
 
     The zip and its iterators are read through their pickling state (``__reduce__``: the
     iterators of a zip, and the sequence and position of each), which changes nothing."""
@@ -238,6 +240,8 @@ def unzipped(pairs: Any) -> tuple[Sequence[Any], Sequence[Any]] | None:
     iterators: tuple[Any, ...] = state[1]
     if len(iterators) != 2 or not all(type(it) in _SEQUENCE_ITERATORS for it in iterators):
         return None
+    if iterators[0] is iterators[1]:
+        return None  # zip(it, it), the grouper idiom: each step reads two from one iterator
     spans: list[tuple[Sequence[Any], int]] = []
     for it in iterators:
         # (iter, (sequence,), position); (iter, ((),)) once exhausted
@@ -247,11 +251,26 @@ def unzipped(pairs: Any) -> tuple[Sequence[Any], Sequence[Any]] | None:
             return None  # a subclass may index otherwise than its iterator reads it
         spans.append((seq, it_state[2] if len(it_state) > 2 else len(seq)))
     (grads, g0), (variables, v0) = spans
-    n = min(len(grads) - g0, len(variables) - v0)
-    if len(state) > 2 and state[2] and len(grads) - g0 != len(variables) - v0:
+    g_left, v_left = len(grads) - g0, len(variables) - v0
+    n = min(g_left, v_left)
+    strict = len(state) > 2 and bool(state[2])
+    if strict and g_left != v_left:
         return None  # strict and unequal: zip raises its own error
-    for it, (seq, _) in zip(iterators, spans, strict=True):
-        it.__setstate__(len(seq))
+    # Leave each iterator where iterating the zip would: it reads the gradient, then the
+    # variable, and stops at the first iterator that runs out (that one is then exhausted,
+    # and so is the second when strict, which checks it); a gradient read before the
+    # variables ran out is consumed.
+    g_it, v_it = iterators
+    if g_left <= v_left:
+        g_it.__setstate__(len(grads))
+        next(g_it, None)
+        v_it.__setstate__(v0 + n)
+        if strict:
+            next(v_it, None)
+    else:
+        g_it.__setstate__(g0 + n + 1)
+        v_it.__setstate__(len(variables))
+        next(v_it, None)
     # A whole sequence is handed on as it is (read, never changed, as apply() hands its
     # lists): replicas that zip one list of variables then share it (checked once a step).
     return (
