@@ -408,6 +408,30 @@ def test_dict_attributes_whose_keys_are_equal_in_python_are_classes_apart(
         ]
 
 
+def test_list_attributes_holding_lists_or_dicts_are_saved(tmp_path, monkeypatch) -> None:
+    """A list attribute whose items are lists or dicts (which do not hash) is keyed frozen:
+    equal lists share a class, ``[[1]]`` and ``[[True]]`` do not, and the first save is byte
+    for byte the object-wise file."""
+    import time
+
+    from parallelvars.checkpoint.h5io.records import record_classes
+    from parallelvars.checkpoint.h5raw.native import save_native
+
+    values: list[object] = [[[1, 2], [3, 4]], [[1, 2], [3, 4]], [[True, 2], [3, 4]], [{"a": 1}]]
+    records = [
+        SaveRecord("single", [np.zeros(2, np.float32)], (2,), {"pairs": v}, path=f"v{n}")
+        for n, v in enumerate(values)
+    ]
+    assert record_classes(records).ids == [0, 0, 1, 2]
+    monkeypatch.setattr(time, "time", lambda: CREATED)
+    a = write_native(str(tmp_path / "objects.h5"), records, created=CREATED)
+    b = save_native(str(tmp_path / "classes.h5"), records)
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        assert fa.read() == fb.read()
+    with H5Reader(b) as r:
+        assert [r[f"v{n}"].attrs["pairs"] for n in range(4)] == values
+
+
 def test_metadata_made_in_batches_is_the_same(tmp_path, monkeypatch) -> None:
     """The global heap's objects and the headers made from templates are made a batch at a
     time (memory bounded by the batch); batches of a few objects give the same bytes as one
