@@ -37,8 +37,8 @@ from parallelvars.errors import (
 
 __all__ = [
     "MAX_JSON_BYTES",
-    "MEMCMP",
     "MAX_JSON_DEPTH",
+    "MEMCMP",
     "DataWriter",
     "Scratch",
     "atomic_path",

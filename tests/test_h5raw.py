@@ -333,6 +333,9 @@ def classed_structures(draw: st.DrawFn) -> list[SaveRecord]:
             if "slot_of" in attrs or draw(st.booleans()):
                 attrs["slot_of"] = draw(st.sampled_from(["a/b", "%s", f"v{j}", "json:[1]"]))
                 attrs.setdefault("slot_name", "v")
+            key = draw(st.sampled_from([None, 1, True, 1.0, "1"]))
+            if key is not None:  # (keys equal in Python, written apart: their own classes)
+                attrs["cfg"] = {key: "a"}
             shape = r.shape
             comps = list(r.components)
             if r.kind != "sharded" and shape and draw(st.booleans()):
@@ -372,6 +375,61 @@ def test_a_first_save_by_record_class_is_the_object_wise_file(
     )
     with open(a, "rb") as fa, open(b, "rb") as fb:
         assert fa.read() == fb.read()
+
+
+def test_dict_attributes_whose_keys_are_equal_in_python_are_classes_apart(
+    tmp_path, monkeypatch
+) -> None:
+    """``{1: x}``, ``{True: x}`` and ``{1.0: x}`` compare equal but are written apart: records
+    holding them are of classes apart (each record's own index text and header attribute),
+    and the first save is byte for byte the object-wise file."""
+    import time
+
+    from parallelvars.checkpoint.h5io.records import record_classes
+    from parallelvars.checkpoint.h5raw.native import save_native
+
+    keys: list[object] = [1, True, 1.0, "1"]
+    records = [
+        SaveRecord("plain", [np.zeros(2, np.float32)], (2,), {"cfg": {k: "a"}}, path=f"v{n}")
+        for n, k in enumerate(keys)
+    ]
+    assert record_classes(records).ids == [0, 1, 2, 3]
+    monkeypatch.setattr(time, "time", lambda: CREATED)
+    a = write_native(str(tmp_path / "objects.h5"), records, created=CREATED)
+    b = save_native(str(tmp_path / "classes.h5"), records)
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        assert fa.read() == fb.read()
+    with h5py.File(b, "r") as f:
+        assert [f[f"v{n}"].attrs["cfg"] for n in range(4)] == [
+            'json:{"1": "a"}',
+            'json:{"true": "a"}',
+            'json:{"1.0": "a"}',
+            'json:{"1": "a"}',
+        ]
+
+
+def test_list_attributes_holding_lists_or_dicts_are_saved(tmp_path, monkeypatch) -> None:
+    """A list attribute whose items are lists or dicts (which do not hash) is keyed frozen:
+    equal lists share a class, ``[[1]]`` and ``[[True]]`` do not, and the first save is byte
+    for byte the object-wise file."""
+    import time
+
+    from parallelvars.checkpoint.h5io.records import record_classes
+    from parallelvars.checkpoint.h5raw.native import save_native
+
+    values: list[object] = [[[1, 2], [3, 4]], [[1, 2], [3, 4]], [[True, 2], [3, 4]], [{"a": 1}]]
+    records = [
+        SaveRecord("single", [np.zeros(2, np.float32)], (2,), {"pairs": v}, path=f"v{n}")
+        for n, v in enumerate(values)
+    ]
+    assert record_classes(records).ids == [0, 0, 1, 2]
+    monkeypatch.setattr(time, "time", lambda: CREATED)
+    a = write_native(str(tmp_path / "objects.h5"), records, created=CREATED)
+    b = save_native(str(tmp_path / "classes.h5"), records)
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        assert fa.read() == fb.read()
+    with H5Reader(b) as r:
+        assert [r[f"v{n}"].attrs["pairs"] for n in range(4)] == values
 
 
 def test_metadata_made_in_batches_is_the_same(tmp_path, monkeypatch) -> None:

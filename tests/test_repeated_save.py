@@ -534,6 +534,39 @@ def test_repeated_saves_read_every_component_anew(tmp_path, fixed_clock) -> None
             assert float(r["model/scalar"].value()) == k
 
 
+def test_no_copy_of_a_strided_component_is_kept_between_saves(tmp_path) -> None:
+    """The gathered writes kept for the next save of the live records hold the records' own
+    arrays only: where a component is strided (shards along axis 1, a transposed array), its
+    contiguous copy is made anew at each save and nothing of it is kept with the plan."""
+    m = pv.Module()
+    with pv.MirroredStrategy(2).scope():
+        m.s = pv.Variable(np.ones((64, 64), np.float32), name="s", shard_axis=1)
+        m.t = pv.Variable(np.ones((64, 64), np.float32).T, name="t")
+    m.u = pv.Variable(np.ones(8, np.float32), name="u")
+    ckpt = pv.Checkpoint(model=m)
+    for k in range(2):
+        m.s.assign(np.full((64, 64), k, np.float32))
+        path = ckpt.write(tmp_path / f"c{k}.h5")
+        with H5Reader(path) as r:
+            assert r.verify_all() == []
+            np.testing.assert_array_equal(r["model/s"].value(), np.full((64, 64), k))
+        records = ckpt._gather(False)[0]
+        assert (
+            not records[[r.path for r in records].index("model/s")]
+            .components[0]
+            .flags["C_CONTIGUOUS"]
+        )
+        kept = ckpt._pv_plans.held.batches
+        members = [] if kept is None else [m for b in kept[1] for m in b[3]]
+        assert all(kept[0][k].components[i] is c for _, c, k, i, _ in members)
+    # an all-contiguous model's are kept (and reused)
+    m2 = pv.Module()
+    m2.u = pv.Variable(np.ones(8, np.float32), name="u")
+    ckpt2 = pv.Checkpoint(model=m2)
+    ckpt2.write(tmp_path / "d.h5")
+    assert ckpt2._pv_plans.held.batches is not None
+
+
 def test_a_short_gathered_write_is_resumed(tmp_path, monkeypatch) -> None:
     real = os.pwritev
 

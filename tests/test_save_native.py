@@ -608,6 +608,46 @@ def test_a_component_changed_after_a_piece_of_it_was_written_fails_the_save(
     assert sorted(os.listdir(tmp_path)) == ["c.h5"]
 
 
+@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("per_shard", [1000, 3000], ids=["batch", "pieces"])
+def test_a_variable_changed_between_the_batches_of_its_components_fails_the_save(
+    tmp_path, monkeypatch, replicas, per_shard
+) -> None:
+    """A sharded variable whose shards go out in different batches: another thread assigning
+        it after its first shard's batch was written and checked, before its last shard's, would
+        leave old and new shards in the file under matching checksums. Once its last component is
+        written, the earlier ones are checked again: the save fails, and the last good file stays
+    (shards of a batch each, and shards larger than a batch, written in pieces)."""
+    import crc32c as real_crc
+
+    monkeypatch.setattr(component_bytes, "_FUSE_BYTES", 4096)  # (each shard a batch of its own)
+    m = pv.Module()
+    with pv.MirroredStrategy(replicas).scope():
+        m.s = pv.Variable(np.zeros(per_shard * replicas, np.float32), name="s", shard_axis=0)
+    ckpt = pv.Checkpoint(model=m)
+    path = ckpt.write(tmp_path / "c.h5")
+    with open(path, "rb") as fh:
+        good = fh.read()
+    lastshard = m.s.components[-1]
+    done: list[bool] = []
+
+    class Racing:  # assigns the variable just before its last shard is first checksummed
+        @staticmethod
+        def crc32c(b, *more):
+            if not done and np.shares_memory(np.asarray(b), lastshard):
+                done.append(True)
+                m.s.assign(np.ones(per_shard * replicas, np.float32))
+            return real_crc.crc32c(b, *more)
+
+    monkeypatch.setattr(component_bytes, "_crc32c", Racing)
+    with pytest.raises(pv.errors.ConcurrentWriteError, match=r"model/s\[0\]"):
+        ckpt.write(path)
+    assert done
+    with open(path, "rb") as fh:
+        assert fh.read() == good
+    assert sorted(os.listdir(tmp_path)) == ["c.h5"]
+
+
 def test_repeated_saves_of_the_live_records_reuse_their_gathered_writes(tmp_path) -> None:
     """The gathered writes of the live records are laid out once per plan and reused while the
     records hold the same arrays (each save still reads their bytes anew); a snapshot's copies

@@ -261,14 +261,13 @@ _JSON = itertools.repeat("json:")
 
 
 def _values_key(
-    names: tuple[Any, ...], types: tuple[type, ...], exact: bool = True
+    names: tuple[Any, ...], types: tuple[type, ...]
 ) -> Callable[[tuple[Any, ...]], Any]:
     """For attributes of ``names`` whose values have ``types``: a function of the values to
     their part of a class key (strings, integers, booleans and None as they are; lists of
     strings as tuples; anything else frozen, floats by their bits; the row strings only when
-    one is ``"json:"`` text). Not ``exact``: a list as a tuple of its items whatever they are
-    (a key that tells ``[1]`` from ``[True]`` only when the caller checks that a class's lists
-    hold strings only; see :func:`record_classes`)."""
+    one is ``"json:"`` text; the common attributes, a few row strings and one list, by a
+    function of a few operations)."""
     plain: list[int] = []
     rows: list[int] = []
     lists: list[int] = []
@@ -285,14 +284,16 @@ def _values_key(
     get = _getter(plain) if plain else lambda vals: ()
     if not rows and not lists and not other:
         return get
-    if not exact and not other and len(rows) <= 2 and len(lists) <= 1:
+    if not other and len(rows) <= 2 and len(lists) <= 1:
         # (the common attributes, a few operations: a variable's devices, its name and slot)
         r0, r1 = [*rows, -1, -1][:2]
         at = lists[0] if lists else -1
         json = "json:"
 
         def fast(vals: tuple[Any, ...]) -> Any:
-            listed = tuple(vals[at]) if at >= 0 else None
+            # (a list of strings as a tuple of them, any other frozen: its items may be
+            # lists or dicts, which do not hash)
+            listed = _list_key(vals[at]) if at >= 0 else None
             if (r0 >= 0 and vals[r0].startswith(json)) or (r1 >= 0 and vals[r1].startswith(json)):
                 return (get(vals), listed, tuple(vals[p] for p in rows))
             return (get(vals), listed)
@@ -326,19 +327,8 @@ def record_classes(
     record: its attributes' names, types and values as tuples, a function per combination of
     names and types.
 
-    Lists are keyed by their items first (``tuple(value)``); when a class's first record has a
-    list of anything but strings (whose items may equal others of another type: ``1 == True``),
-    the records are sorted again with every list frozen."""
-    made = _record_classes(items, shared, False)
-    if made is None:
-        made = _record_classes(items, shared, True)
-        assert made is not None
-    return made
-
-
-def _record_classes(
-    items: Sequence[Any], shared: Sequence[Sequence[int] | None] | None, exact: bool
-) -> RecordClasses | None:
+    A list of strings is keyed as a tuple of them, any other list frozen (its items may equal
+    others of another type, ``1 == True``, or not hash: lists, dicts)."""
     specs: dict[tuple[Any, Any], Callable[[tuple[Any, ...]], Any]] = {}
     classes: dict[Any, int] = {}
     ids: list[int] = []
@@ -351,20 +341,13 @@ def _record_classes(
         sig = (tuple(a), tuple(map(type, vals)))
         spec = specs.get(sig)
         if spec is None:
-            spec = specs[sig] = _values_key(*sig, exact=exact)
+            spec = specs[sig] = _values_key(*sig)
         held = None if shared is None else shared[k]
         sh = None if held is None else tuple(held)
         key = (e.kind, e.dtype, len(e.shape), e.num_components, sh, spec, spec(vals))
         c = find(key)
         if c is None:
-            if not exact and not all(_strings(v) for v in vals if type(v) is list):
-                return None  # (its lists' items are keyed by value: see record_classes)
             c = classes[key] = len(first)
             first.append(k)
         add(c)
     return RecordClasses(ids, first)
-
-
-def _strings(value: list[Any]) -> bool:
-    """False for a list of anything but strings (its class is keyed exactly)."""
-    return all(type(x) is str for x in value)

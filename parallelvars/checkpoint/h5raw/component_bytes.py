@@ -2,11 +2,13 @@
 variable's replicas, compared byte for byte), their checksums, and the gathered writes that put
 them in a file (on a helper thread while the saving thread makes the metadata).
 
-Each stored byte is read from memory once where it can be: the writes go out in batches of at
-most :data:`_FUSE_BYTES`, and each batch's components are checksummed just before their
-gathered write and checked again just after it, while the batch is in the CPU cache (see
-:func:`_write_fused`): one pass over the bytes for the checksum, the write and the guard
-against another thread changing a buffer meanwhile, instead of three.
+The writes go out in batches of at most :data:`_FUSE_BYTES`, and each batch's components are
+checksummed just before their gathered write and checked again just after it, while the batch
+is in the CPU cache (see :func:`_write_fused`): one pass from memory over the bytes for the
+checksum, the write and the guard against another thread changing a buffer meanwhile, instead
+of three. Two cases read bytes from memory a second time: a component larger than a batch
+(written in pieces, then checksummed whole), and the earlier components of a variable whose
+components go out in several batches (checked again once its last one is written).
 
 :mod:`.native` plans and writes whole files; it calls these.
 """
@@ -158,14 +160,24 @@ def _write_fused(
     (:class:`~parallelvars.errors.ConcurrentWriteError`: the file would hold a mix of two
     values under a matching checksum). A component larger than a batch is checksummed and
     written in pieces, each while it is in the cache, then checksummed whole again: a piece
-    changed after it was read shows then. The checksums found are put in ``crcs``.
+    changed after it was read shows then. A variable whose stored components go out in
+    several batches (a sharded variable's shards, replicas that differ) has its earlier
+    components checksummed once more after its last one is written: another thread assigning
+    the variable between two of its batches would otherwise leave old and new components in
+    the file, each under a matching checksum. The guard is per variable: two variables
+    written in turn may each hold a different moment's value. The checksums found are put in
+    ``crcs``.
 
     Every ``WRITEBACK_STEP`` bytes the kernel is asked to start writing them to disk
     (:func:`~parallelvars._fileio.start_writeback`): the disk works while the save goes on,
     instead of all at its ``fsync``."""
     lo = hi = -1
     crc = _crc32c.crc32c
-    for start, buffers, size, members in batches:
+    # (a record whose stored components go out in several batches: its members in the batches
+    # written so far, checked again once its last component is written)
+    spanning: list[Member] = []
+    last = len(batches) - 1
+    for n, (start, buffers, size, members) in enumerate(batches):
         if size > _FUSE_BYTES:  # (one component: in pieces)
             _, c, k, i, _ = members[0]
             data = memoryview(_flat(c))
@@ -186,6 +198,18 @@ def _write_fused(
                 if crc(b) != value:
                     raise _changed(file, items, k, i)
                 crcs[k][i] = value
+        ends = members[-1][2]
+        goes_on = n < last and batches[n + 1][3][0][2] == ends
+        if spanning:  # (this batch begins with the rest of that record)
+            if goes_on and ends == spanning[0][2]:
+                spanning.extend(members)  # (all of them its own)
+            else:  # its last component written: its earlier ones must still hold those bytes
+                for _, _, k, i, b in spanning:
+                    if crc(b) != crcs[k][i]:
+                        raise _changed(file, items, k, i)
+                spanning = []
+        if goes_on and not spanning:
+            spanning = [m for m in members if m[2] == ends]
         if lo < 0:
             lo = start
         hi = start + size

@@ -293,7 +293,8 @@ class Prepared:
         self.graph = graph
         self.lock = threading.Lock()  # the plan's root and document headers are re-encoded
         # the live records last saved with this plan and their gathered writes (reused while
-        # the records hold the same arrays: see component_bytes.same_arrays)
+        # the records hold the same arrays: see component_bytes.same_arrays); kept only when
+        # they write the records' own arrays, no copy of a strided one
         self.batches: tuple[Any, list[Any]] | None = None
 
 
@@ -678,12 +679,14 @@ def _save_arrays(
     with atomic_path(p) as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         data: _DataWrite | None = None
+        laid_batches = None  # (the batches of the last save, reused)
         try:
             if isinstance(prep, Prepared):
                 laid = prep.batches
                 if laid is not None and not (laid[0] is items and same_arrays(laid[1], comps)):
                     laid = None
-                data = _DataWrite(fd, prep.plan, items, comps, crcs, p, laid and laid[1])
+                laid_batches = laid and laid[1]
+                data = _DataWrite(fd, prep.plan, items, comps, crcs, p, laid_batches)
             else:
                 # (a cached structure's key holds every component's shape and dtype: checked
                 # once)
@@ -709,8 +712,11 @@ def _save_arrays(
             batches = data.wait()
             if isinstance(items, RecordList) and not items.copied:
                 # (the live records: their component views are the same at the next save;
-                # a snapshot's copies are not kept here, their memory is the snapshot's)
-                prep.batches = (items, batches)
+                # a snapshot's copies are not kept here, their memory is the snapshot's; nor
+                # are batches holding a contiguous copy of a strided component, made anew at
+                # each save)
+                own = batches is laid_batches or same_arrays(batches, [e.components for e in items])
+                prep.batches = (items, batches) if own else None
             done = settle(crcs, shared, comps)
             flat = [c for cc in done for c in cc]
             docs = _documents(prep, flat)

@@ -107,9 +107,10 @@ ROW_STRING = "slot_of"  # the one group attribute that differs between most vari
 
 def frozen(value: Any) -> Any:
     """``value`` as a hashable key (lists and dicts as tuples, arrays by dtype and bytes,
-    floats by their exact bits: ``-0.0 == 0.0``)."""
+    floats by their exact bits: ``-0.0 == 0.0``; a dict's keys with their types, as its
+    values: ``{1: x}``, ``{True: x}`` and ``{1.0: x}`` are written apart)."""
     if isinstance(value, dict):
-        return tuple((k, frozen(v)) for k, v in value.items())
+        return ("dict", *((frozen(k), frozen(v)) for k, v in value.items()))
     if isinstance(value, list | tuple):
         return (type(value).__name__, *map(frozen, value))
     if isinstance(value, np.ndarray):
