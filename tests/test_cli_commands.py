@@ -778,7 +778,7 @@ def test_inspect_json_of_a_checkpoint_without_variables(
 def test_diff_result_rows_are_the_callers_own() -> None:
     """Each result of variables found equal in bulk has rows of its own: changing one
     result changes no other."""
-    from parallelvars.cli.diff import _equal_in_bulk
+    from parallelvars.cli.testing import diff_equal_in_bulk as _equal_in_bulk
 
     x = np.arange(4, dtype=np.float32)
     described = ("single", np.dtype(np.float32), (4,), 1, {})

@@ -484,11 +484,9 @@ def test_shard_index_is_checksummed(tmp_path) -> None:
 def test_a_variable_kind_that_is_no_text_is_named_as_corrupt(tmp_path, kind) -> None:
     """A hostile ``kind`` (a list or an object: no dict key) is refused as damage naming the
     file and the variable, not an internal TypeError."""
-    from parallelvars.formats._info import INFO_FORMAT, INFO_VERSION
-
-    info = {
-        "format": INFO_FORMAT,
-        "version": INFO_VERSION,
+    info = {  # (the parallel info's documented format name and version: docs/formats.md)
+        "format": "parallelvars",
+        "version": 1,
         "variables": {
             "v": {"kind": kind, "dtype": "float32", "shape": [2], "num_components": 1}
             | {"keys": ["v"]}
