@@ -194,19 +194,27 @@ def _new_group(f: h5py.File, path: str, *, wide: bool = False) -> h5py.Group:
 _LCPL: dict[str, Any] = {}
 
 
+def wrong_shape(
+    file: str, path: str, i: int, expected: tuple[int, ...], found: tuple[int, ...]
+) -> ShapeMismatchError:
+    """The error of component ``i`` of the variable at ``path`` having another shape than its
+    layout gives (every writer raises this one)."""
+    return ShapeMismatchError(
+        "component has the wrong shape",
+        file=file,
+        variable=f"{path}[{i}]",
+        expected=expected,
+        found=found,
+    )
+
+
 def check_component(
     arr: np.ndarray, path: str, i: int, cshape: tuple[int, ...], dt: np.dtype, file: str
 ) -> None:
     """Component ``i`` of the variable at ``path`` has the shape and dtype its layout gives:
     every writer of the native layout checks a component here before writing it."""
     if arr.shape != cshape:
-        raise ShapeMismatchError(
-            "component has the wrong shape",
-            file=file,
-            variable=f"{path}[{i}]",
-            expected=cshape,
-            found=arr.shape,
-        )
+        raise wrong_shape(file, path, i, cshape, arr.shape)
     if arr.dtype != dt:
         raise DtypeMismatchError(
             "component has the wrong dtype",

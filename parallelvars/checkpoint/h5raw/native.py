@@ -53,7 +53,7 @@ from parallelvars.checkpoint.h5io.records import (
     metadata_key,
     record_classes,
 )
-from parallelvars.checkpoint.h5io.write import _columns_parts, check_component
+from parallelvars.checkpoint.h5io.write import _columns_parts, check_component, wrong_shape
 from parallelvars.checkpoint.h5raw.component_bytes import (
     Checksums,
     _checksummed,
@@ -756,7 +756,6 @@ def _save_streamed(
     from parallelvars import _spans
     from parallelvars._fileio import Scratch
     from parallelvars.checkpoint.entry import ReadAhead
-    from parallelvars.errors import ShapeMismatchError
 
     root = _root_values(metadata)
     # Byte strings lay out the global heap, so the plan needs their values: read first
@@ -793,13 +792,7 @@ def _save_streamed(
                         for i, want in enumerate(shapes[k]):
                             got = tuple(e.component_shape(i))
                             if got != want:
-                                raise ShapeMismatchError(
-                                    "component has the wrong shape",
-                                    file=p,
-                                    variable=f"{e.path}[{i}]",
-                                    expected=want,
-                                    found=got,
-                                )
+                                raise wrong_shape(p, e.path, i, want, got)
                             n = math.prod(want) * dt.itemsize
                             arr = buf[pos : pos + n].view(dt).reshape(want)
                             pos += n
@@ -839,8 +832,6 @@ class _Held:
     out the global heap from their elements (:func:`_strings_of`)."""
 
     def __init__(self, entry: Any, file: str) -> None:
-        from parallelvars.errors import ShapeMismatchError
-
         self.path, self.kind, self.dtype = entry.path, entry.kind, np.dtype(entry.dtype)
         self.shape = tuple(int(d) for d in entry.shape)
         self.num_components = int(entry.num_components)
@@ -848,13 +839,7 @@ class _Held:
         self.components = [np.asarray(entry.component(i)) for i in range(self.num_components)]
         for i, (c, want) in enumerate(zip(self.components, _expected_shapes(entry), strict=True)):
             if c.shape != want:
-                raise ShapeMismatchError(
-                    "component has the wrong shape",
-                    file=file,
-                    variable=f"{self.path}[{i}]",
-                    expected=want,
-                    found=c.shape,
-                )
+                raise wrong_shape(file, self.path, i, want, c.shape)
 
     def component_shape(self, i: int) -> tuple[int, ...]:
         return tuple(self.components[i].shape)
