@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import crc32c as _crc32c
@@ -161,13 +161,8 @@ def _regenerate(reader: H5Reader, *, share_empty: bool) -> list[tuple[int, int, 
     for name, meta in index.items():
         if meta["dtype"] == "bytes":
             return None  # (values in the global heap, not in the index: the general path)
-        offsets = meta["offsets"]
         n = int(meta["num_components"])
-        shared = [offsets.index(o) if o is not None else i for i, o in enumerate(offsets)]
-        if meta["kind"] != "sharded" and n > 1 and 0 in meta["shape"]:
-            reader._empty_shared_ambiguous = True
-            if share_empty:
-                shared = [0] * n
+        shared = _sharing(reader, n, meta["offsets"], meta["kind"], meta["shape"], share_empty)
         variables.append(
             Variable(
                 name,
@@ -176,7 +171,7 @@ def _regenerate(reader: H5Reader, *, share_empty: bool) -> list[tuple[int, int, 
                 tuple(meta["shape"]),
                 n,
                 dict(meta["attrs"]),
-                None if shared == list(range(n)) else shared,
+                shared,
             )
         )
     plan = FilePlan(variables, root_attrs=root, documents=documents)
@@ -189,6 +184,26 @@ def _regenerate(reader: H5Reader, *, share_empty: bool) -> list[tuple[int, int, 
     if not _compare_generated(reader, plan, documents, docs):
         return None
     return _components(reader, index)
+
+
+def _sharing(
+    reader: H5Reader,
+    n: int,
+    offsets: list[int | None],
+    kind: str,
+    shape: Sequence[int],
+    share_empty: bool,
+) -> list[int] | None:
+    """Which component each of a variable's components shares its dataset with, as the
+    writer's plan takes it (None: none shared): the first with the same offset. Empty
+    components have no bytes to tell them apart: whether they share is ``share_empty``, and
+    the reader is told its guess was needed."""
+    shared = [offsets.index(o) if o is not None else i for i, o in enumerate(offsets)]
+    if kind != "sharded" and n > 1 and 0 in shape:
+        reader._empty_shared_ambiguous = True
+        if share_empty:
+            shared = [0] * n
+    return None if shared == list(range(n)) else shared
 
 
 def _documents_listed(reader: H5Reader) -> tuple[dict[str, Any], list[str]] | None:
@@ -403,23 +418,9 @@ def _regenerate_columns(
     for row, (name, kind, dtype, shape, n) in enumerate(
         zip(table.names, table.kinds, table.dtypes, table.shapes, table.counts, strict=True)
     ):
-        offsets = raw[first[row] : first[row] + n]
-        shared = [offsets.index(o) if o >= 0 else i for i, o in enumerate(offsets)]
-        if kind != "sharded" and n > 1 and 0 in shape:
-            reader._empty_shared_ambiguous = True
-            if share_empty:
-                shared = [0] * n
-        variables.append(
-            Variable(
-                name,
-                kind,
-                dtype,
-                shape,
-                n,
-                metas.attrs_of(row),
-                None if shared == list(range(n)) else shared,
-            )
-        )
+        offsets = [None if o < 0 else o for o in raw[first[row] : first[row] + n]]
+        shared = _sharing(reader, n, offsets, kind, shape, share_empty)
+        variables.append(Variable(name, kind, dtype, shape, n, metas.attrs_of(row), shared))
     plan = FilePlan(variables, root_attrs=root, documents=documents)
     placed = plan.offsets
     for row, name in enumerate(table.names):
