@@ -128,8 +128,9 @@ def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]
                             expected=f"{t.nbytes} bytes",
                             found=f"{array.nbytes} bytes",
                         )
-                    if little_endian(array) is not array:  # (in place: the buffer is the file's)
-                        array[...] = little_endian(array).view(array.dtype)
+                    swapped = little_endian(array)
+                    if swapped is not array:  # (in place: the buffer is the file's)
+                        array[...] = swapped.view(array.dtype)
                     crcs[t.key] = f"{_crc32c(byte_view(array)):08x}"
                 if buf.size:
                     writer.write(buf, data_start + described[run[0].key][2][0])

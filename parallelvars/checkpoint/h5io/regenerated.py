@@ -212,7 +212,12 @@ def _documents_listed(reader: H5Reader) -> tuple[dict[str, Any], list[str]] | No
     root = _root_attributes(reader)
     if root is None or DOCUMENTS_ATTR not in root:
         return None
-    documents = [bytes(d).decode("utf-8") for d in np.asarray(root[DOCUMENTS_ATTR]).tolist()]
+    listed = np.asarray(root[DOCUMENTS_ATTR]).tolist()
+    # (names as the writer lists them, or not a file it wrote: a crafted value, such as a
+    # number where a name goes, is never made into bytes)
+    if not isinstance(listed, list) or not all(type(d) is bytes and d.isascii() for d in listed):
+        return None
+    documents = [d.decode("ascii") for d in listed]
     if documents[:2] != [INDEX_DATASET, COLUMNS_DATASET] or documents[2:] not in (
         [],
         [GRAPH_DATASET],
