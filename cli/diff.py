@@ -9,7 +9,7 @@ import numpy as np
 
 from parallelvars._aggregate import has_logical_value, no_value_what
 from parallelvars._dtypes import dtype_name
-from parallelvars._fileio import byte_view
+from parallelvars._fileio import same_bytes
 from parallelvars.formats import CheckpointView, Entry
 
 from ._common import natural_key, non_negative_float, open_view, shape_str
@@ -99,13 +99,7 @@ def _comparable(dtype: np.dtype) -> bool:
 
 def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether two arrays of one dtype and shape hold the same bytes."""
-    if a.shape != b.shape:
-        return False
-    if a.nbytes <= 1 << 20:
-        return a.tobytes() == b.tobytes()
-    return bool(
-        np.array_equal(byte_view(np.ascontiguousarray(a)), byte_view(np.ascontiguousarray(b)))
-    )
+    return a.shape == b.shape and same_bytes(a, b)
 
 
 def compare_arrays(a: np.ndarray, b: np.ndarray, *, rtol: float, atol: float) -> dict[str, Any]:

@@ -495,10 +495,9 @@ def _memcmp() -> Callable[..., int] | None:
     return fn
 
 
-_MEMCMP = _memcmp()
 #: libc's ``memcmp(a, b, n)`` on addresses (releases the GIL), or None where there is none:
 #: for comparing pieces of long buffers in place (see :func:`same_bytes` for whole arrays).
-MEMCMP = _MEMCMP
+MEMCMP = _memcmp()
 # Arrays up to this many bytes are compared as copies (``tobytes``): a copy of a few KiB costs
 # less than finding the arrays' addresses; larger ones by ``memcmp`` (no copy, no temporary).
 _COPY_COMPARE_BYTES = 1 << 16
@@ -521,8 +520,8 @@ def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
         return a.tobytes() == b.tobytes()
     if not (a.flags.c_contiguous and b.flags.c_contiguous):
         a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    if _MEMCMP is not None:
-        return _MEMCMP(a.__array_interface__["data"][0], b.__array_interface__["data"][0], n) == 0
+    if MEMCMP is not None:
+        return MEMCMP(a.__array_interface__["data"][0], b.__array_interface__["data"][0], n) == 0
     x, y = byte_view(a), byte_view(b)
     return all(
         np.array_equal(x[k : k + _COMPARE_CHUNK], y[k : k + _COMPARE_CHUNK])

@@ -366,7 +366,7 @@ class _FusedPlan:
         self.pick: Callable[[Sequence[Any]], Any] = (
             operator.itemgetter(*candidates)
             if len(candidates) > 1
-            else (lambda seq: [seq[i] for i in candidates])
+            else (lambda seq: _items(seq, candidates))
         )
 
 
@@ -948,9 +948,7 @@ class FusedTransport:
             lines = self._lines_of(fvars, len(parts))
         runs, layout = lines.runs, lines.layout
         pick = (
-            (lambda seq: seq)
-            if len(fused) == len(var_list)
-            else (lambda seq: [seq[i] for i in fused])
+            (lambda seq: seq) if len(fused) == len(var_list) else (lambda seq: _items(seq, fused))
         )
         grads = [picked[r] if picked is not None else pick(parts[r].grads) for r in order]
         cross_process = _cross_process(strategy, parts)
