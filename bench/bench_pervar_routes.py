@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from bench_train_step import _model
 from bench_update import B1, B2, EPS, LR, TIMERS, _time_interleaved
 
 import parallelvars as pv
@@ -44,17 +45,7 @@ ROWS = 4
 def _variables(
     strategy: pv.MirroredStrategy, n: int, rng: np.random.Generator, shard: bool = False
 ) -> tuple[list[pv.ParallelVariable], pv.optimizers.Optimizer]:
-    with strategy.scope():
-        vs = [
-            pv.Variable(
-                rng.standard_normal(SHAPE, dtype=np.float32),
-                name=f"v{i}",
-                shard_axis=0 if shard else None,
-            )
-            for i in range(n)
-        ]
-        opt = pv.optimizers.Adam(LR, B1, B2, EPS)
-    return vs, opt
+    return _model(strategy, [SHAPE] * n, rng, shard_axis=0 if shard else None)
 
 
 def _own_arrays(
