@@ -425,6 +425,10 @@ def settle(
     or without an offset) its own. ``crcs``, complete."""
     for cc, sh, cs in zip(crcs, shared, comps, strict=True):
         if None in cc:
+            first = cc[0]
+            if first is not None and sh is not None and not any(sh):  # (replicas of the first)
+                cc[:] = [first] * len(cc)
+                continue
             for i, value in enumerate(cc):
                 if value is None:
                     j = i if sh is None else sh[i]
