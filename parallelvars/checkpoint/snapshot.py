@@ -23,7 +23,14 @@ from parallelvars.checkpoint.h5io.records import RecordList
 from parallelvars.checkpoint.registry import SaveRecord
 from parallelvars.errors import ConcurrentWriteError
 
-__all__ = ["SNAPSHOT_ATTEMPTS", "SNAPSHOT_KEEP_BYTES", "Snapshot", "SnapshotPlan", "take_snapshot"]
+__all__ = [
+    "SNAPSHOT_ATTEMPTS",
+    "SNAPSHOT_KEEP_BYTES",
+    "Snapshot",
+    "SnapshotPlan",
+    "plan_replicas",
+    "take_snapshot",
+]
 
 SNAPSHOT_ATTEMPTS = 4
 # Two components of one base buffer are copied in one span when at most this many bytes lie
@@ -310,6 +317,17 @@ class SnapshotPlan:
 
     def path_of(self, records: Sequence[SaveRecord], i: int) -> str:
         return records[self.record_of(i)].path
+
+
+def plan_replicas(records: RecordList) -> None:
+    """At each save of live ``records`` (not a snapshot's copies): from their second save on,
+    give them the plan their replicas are compared by (``RecordList.replicas``, read by the
+    writer: ``h5raw.component_bytes._replica_plan``); a first save compares them one by one
+    (making the plan costs more, once)."""
+    if records.replicas is None:
+        records.replicas = False
+    elif records.replicas is False:
+        records.replicas = SnapshotPlan(records)
 
 
 def _runs(
