@@ -669,3 +669,49 @@ def test_the_collective_writer_lives_with_the_layout(tmp_path: Path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_rank_records_get_a_replica_plan_and_still_see_divergence(
+    tmp_path: Path, fixed_clock: None
+) -> None:
+    """Repeated collective saves of the same records: from the second on, each rank's records
+    carry the plan its replicas (its local devices' components) are compared by, as a single
+    process's do; a replica that diverges later is still stored apart."""
+    size, local = 2, 2
+    devices = [f"cpu:{d}" for d in range(size * local)]
+
+    def mine(r: int) -> RecordList:
+        dev = devices[r * local : (r + 1) * local]
+        w = np.arange(3000, dtype=np.float32)
+        return RecordList(
+            [
+                SaveRecord("mirrored", [w, w.copy()], (3000,), {"devices": dev}, path="m/w"),
+                SaveRecord("single", [np.array(1, np.int64)], (), {"devices": ["cpu:0"]}, path="n"),
+            ]
+        )
+
+    kept = [mine(r) for r in range(size)]
+    caches = [PlanCache() for _ in range(size)]
+    for k in (1, 2, 3):
+        if k == 3:
+            for r in range(size):
+                kept[r][0].components[1][7] = -1.0  # the second local replica diverges
+
+        def save(comm: ThreadComm, k: int = k) -> str:
+            r = comm.Get_rank()
+            return write_collective(
+                comm,
+                str(tmp_path / f"ckpt-{k}.h5"),
+                kept[r],
+                devices[r * local : (r + 1) * local],
+                devices,
+                cache=caches[r],
+            )
+
+        assert len(set(run_ranks(size, save))) == 1
+        planned = [collective._RANK_RECORDS[c][1].replicas for c in caches]
+        assert all((p is not False and p is not None) == (k > 1) for p in planned), k
+        with H5Reader(str(tmp_path / f"ckpt-{k}.h5")) as reader:
+            assert reader.verify_all() == []
+            got = [reader["m/w"].component(i)[7] for i in range(size * local)]
+            assert got == ([7.0, -1.0] * size if k == 3 else [7.0] * (size * local)), k

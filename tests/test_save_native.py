@@ -508,6 +508,41 @@ def test_repeated_saves_compare_replicas_by_runs_and_see_divergence(tmp_path) ->
         assert r.verify_all() == []
 
 
+def test_replicas_compared_while_written_still_see_divergence(tmp_path, monkeypatch) -> None:
+    """A repeated save compares the replicas while the helper thread writes the bytes (taken
+    to be equal, as at the last save): a replica that differs by then is still found, the save
+    is made again comparing first, and the file stores it apart."""
+    from parallelvars.checkpoint.h5raw import native
+
+    m = pv.Module()
+    with pv.MirroredStrategy(2).scope():
+        m.vs = [pv.Variable(np.full(3000, i, np.float32), name=f"v{i}") for i in range(20)]
+    ckpt = pv.Checkpoint(model=m)
+    ckpt.write(tmp_path / "a.h5")
+    ckpt.write(tmp_path / "b.h5")
+    real = native._checksummed
+    calls = []
+
+    def then_diverge(items, share_equal, **kw):
+        out = real(items, share_equal, **kw)
+        calls.append(kw.get("compare", True))
+        if len(calls) == 1:  # (after the first pass took the replicas as equal)
+            m.vs[3].components[1][5] = -1.0
+        return out
+
+    monkeypatch.setattr(native, "_checksummed", then_diverge)
+    path = ckpt.write(tmp_path / "c.h5")
+    assert calls == [False, True]  # compared later, then again first
+    with h5py.File(path, "r") as f:
+        index = json.loads(bytes(f["_parallelvars/index"][()]))
+        offsets = index["model/vs/3"]["offsets"]
+        assert offsets[0] != offsets[1]
+        assert f["model/vs/3/parallel_component_1"][5] == -1.0
+        assert f["model/vs/3/primary"][5] == 3.0
+    with H5Reader(path) as r:
+        assert r.verify_all() == []
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_short_gathered_write_is_resumed(tmp_path, monkeypatch, dtype) -> None:
     """``pwritev`` may write less than asked (Linux stops at about 2 GiB a call; network file

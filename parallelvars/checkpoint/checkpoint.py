@@ -45,7 +45,7 @@ from parallelvars.checkpoint.h5io.records import PlanCache, RecordList
 from parallelvars.checkpoint.h5raw.native import save_native
 from parallelvars.checkpoint.matching import RestoreSession
 from parallelvars.checkpoint.registry import SaveRecord
-from parallelvars.checkpoint.snapshot import Snapshot, SnapshotPlan, take_snapshot
+from parallelvars.checkpoint.snapshot import Snapshot, SnapshotPlan, plan_replicas, take_snapshot
 from parallelvars.checkpoint.status import CheckpointLoadStatus
 from parallelvars.devices import ParallelDevice
 from parallelvars.errors import (
@@ -101,10 +101,7 @@ def _plan_replicas(records: Sequence[SaveRecord]) -> None:
     a first save compares them one by one (making the plan costs more, once). A snapshot's
     copies get none: their replicas are their first component's copy."""
     if isinstance(records, RecordList) and not records.copied:
-        if records.replicas is None:
-            records.replicas = False
-        elif records.replicas is False:
-            records.replicas = SnapshotPlan(records)
+        plan_replicas(records)
 
 
 def collective_rank() -> int | None:

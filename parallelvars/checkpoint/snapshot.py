@@ -18,11 +18,19 @@ import numpy as np
 
 from parallelvars._fileio import MEMCMP, byte_view, same_bytes
 from parallelvars._threads import run_partitioned
+from parallelvars.checkpoint._gcfreeze import freeze_made_so_far, older_objects_frozen
 from parallelvars.checkpoint.h5io.records import RecordList
 from parallelvars.checkpoint.registry import SaveRecord
 from parallelvars.errors import ConcurrentWriteError
 
-__all__ = ["SNAPSHOT_ATTEMPTS", "SNAPSHOT_KEEP_BYTES", "Snapshot", "SnapshotPlan", "take_snapshot"]
+__all__ = [
+    "SNAPSHOT_ATTEMPTS",
+    "SNAPSHOT_KEEP_BYTES",
+    "Snapshot",
+    "SnapshotPlan",
+    "plan_replicas",
+    "take_snapshot",
+]
 
 SNAPSHOT_ATTEMPTS = 4
 # Two components of one base buffer are copied in one span when at most this many bytes lie
@@ -132,6 +140,13 @@ class SnapshotPlan:
     )
 
     def __init__(self, records: Sequence[SaveRecord], divergent: frozenset[int] = frozenset()):
+        # (a few objects per component, kept with the structure: made with the older objects
+        # out of the collector's walks, and kept out of them with those, see Snapshot.records)
+        with older_objects_frozen():
+            self._make(records, divergent)
+            freeze_made_so_far()
+
+    def _make(self, records: Sequence[SaveRecord], divergent: frozenset[int]) -> None:
         self.divergent = divergent
         self.flat: list[np.ndarray] = [c for r in records for c in r.components]
         self.starts = list(itertools.accumulate((len(r.components) for r in records), initial=0))
@@ -261,7 +276,9 @@ class SnapshotPlan:
     def share_less(self, records: Sequence[SaveRecord], divergent: set[int]) -> None:
         """Make the plan again with the replicas of the records ``divergent`` copied (see
         :func:`take_snapshot`); copies of the old layout are no longer kept or taken back."""
-        self.__init__(records, self.divergent | divergent)  # type: ignore[misc]
+        with older_objects_frozen():
+            self._make(records, self.divergent | frozenset(divergent))
+            freeze_made_so_far()
 
     def take(self) -> _Copies:
         """The copies of the last snapshot whose write has ended (kept by :meth:`give_back`),
@@ -300,6 +317,17 @@ class SnapshotPlan:
 
     def path_of(self, records: Sequence[SaveRecord], i: int) -> str:
         return records[self.record_of(i)].path
+
+
+def plan_replicas(records: RecordList) -> None:
+    """At each save of live ``records`` (not a snapshot's copies): from their second save on,
+    give them the plan their replicas are compared by (``RecordList.replicas``, read by the
+    writer: ``h5raw.component_bytes._replica_plan``); a first save compares them one by one
+    (making the plan costs more, once)."""
+    if records.replicas is None:
+        records.replicas = False
+    elif records.replicas is False:
+        records.replicas = SnapshotPlan(records)
 
 
 def _runs(
@@ -366,6 +394,15 @@ class Snapshot:
         made = self._copies.records
         if made is not None:
             return made
+        # (a few objects per component that live as long as the copies are kept: made with
+        # the older objects out of the collector's walks, and kept out of them with those, so
+        # that they do not bring on a full collection of the whole program at the next call)
+        with older_objects_frozen():
+            out = self._copies.records = self._made()
+            freeze_made_so_far()
+        return out
+
+    def _made(self) -> RecordList:
         spans, records = self._copies.spans, self._records
         flat, span_of, offsets, primary, single_ids, starts = self._layout
         singles_at = dict(zip(single_ids, self._copies.singles, strict=True))
@@ -383,7 +420,6 @@ class Snapshot:
             copy.__dict__.update(r.__dict__)  # what is not a component is the live record's
             copy.components = copies[starts[n] : starts[n + 1]]
             out.append(copy)
-        self._copies.records = out
         return out
 
     def release(self) -> None:

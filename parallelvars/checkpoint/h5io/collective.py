@@ -156,7 +156,7 @@ def write_collective(
         # What this rank writes follows from the records (and this process's rank, size and
         # devices, fixed for them): the rank file's structure is the records' (their token),
         # so a repeated save finds its plan without a key made of every record.
-        mine = RecordList(mine, like=records)
+        mine = _rank_records(records, mine, cache)
     error: str | None = None
     crcs: dict[str, list[int]] = {}
     try:
@@ -207,6 +207,36 @@ def write_collective(
     if outcome is not None:
         raise CheckpointError("collective save failed", file=path, found=outcome)
     return path
+
+
+# Each checkpoint's (cache's) last records and this rank's records made of them.
+_RANK_RECORDS: weakref.WeakKeyDictionary[PlanCache, tuple[RecordList, RecordList]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _rank_records(records: RecordList, mine: list[Any], cache: PlanCache | None) -> RecordList:
+    """This rank's records ``mine`` of ``records`` as a ``RecordList`` like them: the one of
+    the last save when it holds the same records (a repeated save of the same live records),
+    so that from its second save on it carries the plan its replicas are compared by, as a
+    single process's records do (``snapshot.plan_replicas``: a mirrored model's replicas on
+    this rank's devices compared by runs of their arena rows, while the bytes are written)."""
+    from parallelvars.checkpoint.snapshot import plan_replicas
+
+    held = None if cache is None else _RANK_RECORDS.get(cache)
+    if (
+        held is not None
+        and held[0] is records
+        and len(held[1]) == len(mine)
+        and all(a is b for a, b in zip(held[1], mine, strict=True))
+    ):
+        out = held[1]
+    else:
+        out = RecordList(mine, like=records)
+        if cache is not None:
+            _RANK_RECORDS[cache] = (records, out)
+    plan_replicas(out)
+    return out
 
 
 # The index files' plan cache of each checkpoint's cache (rank 0 writes both files).

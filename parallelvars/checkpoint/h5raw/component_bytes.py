@@ -311,7 +311,7 @@ def _contiguous(c: Any) -> np.ndarray:
 
 
 def _checksummed(
-    items: Sequence[Any], share_equal: bool, *, deferred: bool = False
+    items: Sequence[Any], share_equal: bool, *, deferred: bool = False, compare: bool = True
 ) -> tuple[list[list[np.ndarray]], Checksums, list[list[int] | None], tuple[Any, ...]]:
     """Each entry's components (C-contiguous), their checksums, which components share
     a dataset (:func:`_shared`; None: each its own) and the sharing pattern of every entry.
@@ -321,7 +321,12 @@ def _checksummed(
     dataset are computed now; :func:`settle` fills the rest in after the write. A component
     whose bytes equal the first component's (a mirrored variable's, the common case) takes
     the first one's checksum: comparing the bytes is needed to share them anyway, and the
-    checksum of equal bytes is the same."""
+    checksum of equal bytes is the same.
+
+    Without ``compare``, the replicas the records' plan compares by runs
+    (:func:`_replica_plan`) are taken to be equal to their first components, as at the last
+    save, and not compared here: the caller compares them while the bytes are written
+    (:func:`replicas_diverged`) and saves again with ``compare`` if any differs."""
     comps: list[list[np.ndarray]] = []
     crcs: Checksums = []
     shared: list[list[int] | None] = []
@@ -329,7 +334,7 @@ def _checksummed(
     plan = _replica_plan(items) if share_equal else None
     equal: Callable[[int], bool] = lambda n: False  # noqa: E731
     if plan is not None:
-        differ = {plan.record_of(i) for i in plan.replicas_differing()}
+        differ = {plan.record_of(i) for i in plan.replicas_differing()} if compare else set()
         if differ:  # (divergent from now on: compared one by one, not in the runs)
             plan.share_less(items, differ)
         starts, primary = plan.starts, plan.primary
@@ -420,6 +425,10 @@ def settle(
     or without an offset) its own. ``crcs``, complete."""
     for cc, sh, cs in zip(crcs, shared, comps, strict=True):
         if None in cc:
+            first = cc[0]
+            if first is not None and sh is not None and not any(sh):  # (replicas of the first)
+                cc[:] = [first] * len(cc)
+                continue
             for i, value in enumerate(cc):
                 if value is None:
                     j = i if sh is None else sh[i]
@@ -435,3 +444,21 @@ def _replica_plan(items: Sequence[Any]) -> Any:
     arena row, not one by one. None: compared one by one."""
     plan = getattr(items, "replicas", None)
     return None if plan is None or plan is False else plan
+
+
+def compares_later(items: Sequence[Any], share_equal: bool) -> bool:
+    """Whether a save of ``items`` may compare their replicas while it writes the bytes
+    (:func:`_checksummed` without ``compare``): the records carry a plan of runs."""
+    return share_equal and _replica_plan(items) is not None
+
+
+def replicas_diverged(items: Sequence[Any]) -> bool:
+    """Whether a replica the records' plan compares by runs no longer holds its first
+    component's bytes (the save that took them to be equal is made again, comparing first)."""
+    plan = _replica_plan(items)
+    return plan is not None and bool(plan.replicas_differing())
+
+
+class Diverged(Exception):
+    """A save that took the replicas to be equal found one that is not (internal: the save is
+    made again, see :func:`_checksummed`)."""

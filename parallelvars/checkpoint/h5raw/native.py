@@ -56,10 +56,13 @@ from parallelvars.checkpoint.h5io.records import (
 from parallelvars.checkpoint.h5io.write import _columns_parts, check_component, wrong_shape
 from parallelvars.checkpoint.h5raw.component_bytes import (
     Checksums,
+    Diverged,
     _checksummed,
     _crc,
     _DataWrite,
     _write_components,
+    compares_later,
+    replicas_diverged,
     same_arrays,
     settle,
 )
@@ -427,7 +430,14 @@ def _save_native(
         )
     try:
         if in_memory:
-            _save_arrays(p, items, object_graph, metadata, cache, skey, checksums, share_equal)
+            try:
+                _save_arrays(
+                    p, items, object_graph, metadata, cache, skey, checksums, share_equal, False
+                )
+            except Diverged:  # (a replica unlike its first: saved again, compared first)
+                _save_arrays(
+                    p, items, object_graph, metadata, cache, skey, checksums, share_equal, True
+                )
         else:
             _save_streamed(p, items, object_graph, metadata, checksums)
     except Unsupported:
@@ -671,11 +681,24 @@ def _save_arrays(
     skey: Any,
     checksums: dict[str, list[int]] | None,
     share_equal: bool,
+    compare_first: bool,
 ) -> None:
-    comps, crcs, shared, pattern = _checksummed(items, share_equal, deferred=True)
+    """Write ``items``' file through the cached plan of their structure (or a plan made now).
+    Unless ``compare_first``, replicas the records' plan compares by runs are compared while
+    the helper thread writes the bytes (a repeated save of a mirrored model: the comparison
+    costs no time of its own), taken to be equal as at the last save; one found unlike its
+    first raises :class:`Diverged` (the caller saves again, comparing first)."""
+    later = not compare_first and compares_later(items, share_equal)
+    comps, crcs, shared, pattern = _checksummed(
+        items, share_equal, deferred=True, compare=not later
+    )
     key = None if skey is None else (skey, pattern)
     root = _root_values(metadata)
     prep = None if cache is None or key is None else cache.get(key)
+    if later and not isinstance(prep, Prepared):  # (a plan to make: compared before it)
+        if replicas_diverged(items):
+            raise Diverged
+        later = False
     with atomic_path(p) as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         data: _DataWrite | None = None
@@ -706,6 +729,8 @@ def _save_arrays(
                 if cache is not None and key is not None:
                     cache.put(prep)
             pwrite_all(fd, memoryview(prep.image), 0)
+            if later and replicas_diverged(items):  # (while the bytes are written)
+                raise Diverged
             assert data is not None
             # the checksums are the writer's (each component checksummed as it was written,
             # and checked again after: a buffer another thread wrote to meanwhile fails there)
