@@ -30,6 +30,9 @@ are listed (a kind other than ``single``, attributes, a dtype the format cannot 
 that does not map back to the path); every other stored tensor is a ``single`` variable whose
 path is ``from_key(key, names)``.
 
+That is version 1, one record per variable. Version 2 holds the same fields as columns (our
+safetensors writer writes it; :mod:`._info_columns`); :func:`build_entries` reads both.
+
 Everything here reads lazily: a :class:`TensorStore` knows the stored tensors' dtypes and
 shapes from the file's header and reads bytes only when a component is asked for.
 """
