@@ -58,9 +58,11 @@ _ABSENT = -1
 
 def _hashable(value: Any) -> Any:
     """A dictionary key that tells two JSON values apart exactly as their JSON text does
-    (``True`` is not ``1``)."""
+    (``True`` is not ``1``, ``-0.0`` is not ``0.0``)."""
     if type(value) in (list, dict):
         return json.dumps(value, separators=(",", ":"))
+    if type(value) is float:  # (-0.0 == 0.0, but they are two values)
+        return "float", repr(value)
     return type(value).__name__, value
 
 

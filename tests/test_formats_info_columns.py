@@ -73,6 +73,9 @@ def _sweep() -> DictView:
         ArrayEntry("empty", [np.zeros((0, 3), np.float64)] * 2, kind="mirrored"),
         ArrayEntry("step", [np.array(7, np.int64)]),
         ArrayEntry("u64", [np.uint64([2**63 + 1])]),
+        # Values equal in Python but not in JSON stay apart in a column's table.
+        ArrayEntry("z0", [np.float32([0])], attrs={"scale": 0.0, "flag": 1}),
+        ArrayEntry("z1", [np.float32([0])], attrs={"scale": -0.0, "flag": True}),
     ]
     # Many alike variables, the case the columns are for; attributes in one order.
     for k in range(40):
@@ -100,8 +103,9 @@ def test_the_writer_writes_columns_and_a_raw_header_checksum(tmp_path) -> None:
     assert record.startswith("raw:")
     with open_safetensors(path) as back:
         assert_same_view(back, view)
-        for key in view:  # the attributes, in each variable's own order
+        for key in view:  # the attributes, in each variable's own order and JSON values
             assert list(back[key].attrs) == list(view[key].attrs), key
+            assert json.dumps(back[key].attrs) == json.dumps(view[key].attrs), key
 
 
 def test_the_reference_library_loads_what_we_write(tmp_path) -> None:
