@@ -334,3 +334,26 @@ def test_diff_finds_one_differing_variable_in_a_batch(tmp_path, capsys) -> None:
     assert differing == ["opt/slots/v17/m"]
     row = next(r for r in doc["variables"] if r["path"] == "opt/slots/v17/m")
     assert [c["mismatched"] for c in row["components"]] == [1, 0]
+
+
+def test_detecting_a_safetensors_file_does_not_load_the_keras_adapter(tmp_path) -> None:
+    """Keras files are HDF5 files or zip archives: another file never imports that adapter
+    to be sniffed (tens of milliseconds of every command on a safetensors file)."""
+    import subprocess
+    import sys
+
+    path = write_safetensors(tmp_path / "m.safetensors", _sweep())
+    code = (
+        "import sys\n"
+        "from parallelvars.formats import detect_format\n"
+        f"print(detect_format({str(path)!r}))\n"
+        "print(sorted(m for m in sys.modules if m.startswith('parallelvars.formats.keras')))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["safetensors", "[]"]
+    # (a Keras file is still found: its adapter is imported for an HDF5 file)
+    from parallelvars.formats import detect_format
+
+    assert detect_format(DATA / "keras" / "model.weights.h5") == "keras"
+    assert detect_format(DATA / "keras" / "model_legacy.h5") == "keras-legacy"
