@@ -256,17 +256,15 @@ def _semantic(attrs: Any, key: str) -> Any:
     return value
 
 
-def _equal_in_bulk(
-    path: str,
+def _alike(
     a: tuple[Any, ...],
     b: tuple[Any, ...],
     components_a: list[np.ndarray],
     components_b: list[np.ndarray],
-) -> dict[str, Any] | None:
-    """:func:`compare_entries`' result for a variable whose two sides are described alike
-    (``a``/``b``: kind, dtype, shape, number of components and attributes, as the views list
-    them) and whose components, read in bulk, hold the same bytes, one by one; None for
-    anything else (the caller compares it the general way, with the components it has)."""
+) -> bool:
+    """Whether a variable's two sides are described alike (``a``/``b``: kind, dtype, shape,
+    number of components and attributes, as the views list them) and their components, read
+    in bulk, are of one comparable dtype and shape, so that equal bytes settle it."""
     kind, dtype, shape, n, attrs_a = a
     if (
         kind == "sharded"
@@ -275,15 +273,23 @@ def _equal_in_bulk(
         or len(components_b) != n
         or not _comparable(dtype)
     ):
-        return None
+        return False
     attrs_b = b[4]
     for key in _SEMANTIC_ATTRS:
+        va, vb = attrs_a.get(key), attrs_b.get(key)
+        if (va is None and vb is None) or (type(va) is str and type(vb) is str and va == vb):
+            continue  # (the same as written: the same as compared)
         if _semantic(attrs_a, key) != _semantic(attrs_b, key):
-            return None
+            return False
     for ca, cb in zip(components_a, components_b, strict=True):
-        if ca.dtype != cb.dtype or not _same_bytes(ca, cb):
-            return None
-    size = int(components_a[0].size) if n else 0
+        if ca.dtype != cb.dtype or ca.shape != cb.shape:
+            return False
+    return True
+
+
+def _equal_result(path: str, n: int, size: int) -> dict[str, Any]:
+    """:func:`compare_entries`' result for ``n`` components of ``size`` values, bit for bit
+    equal."""
     rows = [
         {"component": i, "size": size, "mismatched": 0, "max_abs": 0.0, "max_rel": 0.0}
         for i in range(n)
@@ -295,6 +301,39 @@ def _equal_in_bulk(
         "compared": "components",
         "components": rows,
     }
+
+
+def _equal_in_bulk(
+    path: str,
+    a: tuple[Any, ...],
+    b: tuple[Any, ...],
+    components_a: list[np.ndarray],
+    components_b: list[np.ndarray],
+) -> dict[str, Any] | None:
+    """:func:`compare_entries`' result for a variable whose two sides are described alike
+    and whose components, read in bulk, hold the same bytes, one by one; None for anything
+    else (the caller compares it the general way, with the components it has)."""
+    if not _alike(a, b, components_a, components_b):
+        return None
+    for ca, cb in zip(components_a, components_b, strict=True):
+        if not _same_bytes(ca, cb):
+            return None
+    n = len(components_a)
+    return _equal_result(path, n, int(components_a[0].size) if n else 0)
+
+
+def _all_same_bytes(parts_a: list[np.ndarray], parts_b: list[np.ndarray]) -> bool:
+    """Whether ``parts_a[k]`` and ``parts_b[k]`` (alike one by one) hold the same bytes for
+    every ``k``: one comparison of the batch (each side's bytes joined; False, for the caller
+    to compare one by one, where a part is not one contiguous buffer)."""
+    try:
+        return b"".join(parts_a) == b"".join(parts_b)  # type: ignore[arg-type]
+    except (BufferError, TypeError, ValueError):
+        return False
+
+
+# Variables whose components are compared in one batch (one join and compare of their bytes).
+_BATCH = 512
 
 
 def _described(view: CheckpointView, listed: Any, key: str) -> tuple[Any, ...]:
@@ -359,36 +398,66 @@ def run(args: argparse.Namespace) -> int:
         listed = summaries() if summaries is not None else None
         summaries_b = getattr(vb, "summaries", None)
         listed_b = summaries_b() if summaries_b is not None else None
-        results = []
+        results: list[dict[str, Any]] = []
         with out.progress(total, "compare") as bar:
+
+            def general(key: str, components_a: Any, components_b: Any) -> dict[str, Any]:
+                summary = None if listed is None or components_a is None else listed.get(key)
+                return compare_entries(
+                    va[key] if summary is None else _Listed(va, key, summary),
+                    vb[key],
+                    rtol=args.rtol,
+                    atol=args.atol,
+                    logical=args.logical,
+                    progress=bar if total is not None else None,
+                    components_a=components_a,
+                    components_b=components_b,
+                )
+
+            # Variables read in bulk on both sides and described alike wait here, in order,
+            # until a batch of them is settled by one comparison of their bytes; any
+            # difference sends the batch variable by variable.
+            pending: list[tuple[str, list[np.ndarray], list[np.ndarray]]] = []
+            parts_a: list[np.ndarray] = []
+            parts_b: list[np.ndarray] = []
+
+            def flush() -> None:
+                if pending and _all_same_bytes(parts_a, parts_b):
+                    for key, ca, _ in pending:
+                        results.append(_equal_result(key, len(ca), int(ca[0].size) if ca else 0))
+                else:
+                    for key, ca, cb in pending:
+                        same = _equal_in_bulk(
+                            key, _described(va, listed, key), _described(vb, listed_b, key), ca, cb
+                        )
+                        results.append(same if same is not None else general(key, ca, cb))
+                if total is not None:
+                    bar.advance(2 * sum(int(c.nbytes) for _, ca, _ in pending for c in ca))
+                pending.clear()
+                parts_a.clear()
+                parts_b.clear()
+
             for (key, components_a), (_, components_b) in zip(read_a, read_b, strict=True):
-                if components_a is not None and components_b is not None and not args.logical:
-                    # Both read in bulk: alike and bit for bit equal is settled here.
-                    same = _equal_in_bulk(
-                        key,
+                if (
+                    components_a is not None
+                    and components_b is not None
+                    and not args.logical
+                    and _alike(
                         _described(va, listed, key),
                         _described(vb, listed_b, key),
                         components_a,
                         components_b,
                     )
-                    if same is not None:
-                        if total is not None:
-                            bar.advance(2 * sum(int(c.nbytes) for c in components_a))
-                        results.append(same)
-                        continue
-                summary = None if listed is None or components_a is None else listed.get(key)
-                results.append(
-                    compare_entries(
-                        va[key] if summary is None else _Listed(va, key, summary),
-                        vb[key],
-                        rtol=args.rtol,
-                        atol=args.atol,
-                        logical=args.logical,
-                        progress=bar if total is not None else None,
-                        components_a=components_a,
-                        components_b=components_b,
-                    )
-                )
+                ):
+                    pending.append((key, components_a, components_b))
+                    parts_a.extend(components_a)
+                    parts_b.extend(components_b)
+                    if len(pending) >= _BATCH:
+                        flush()
+                    continue
+                flush()
+                results.append(general(key, components_a, components_b))
+            flush()
         side_a, side_b = _side(args.a, va), _side(args.b, vb)
     differing = [r for r in results if not r["equal"]]
     equal = not missing and not extra and not differing

@@ -128,6 +128,19 @@ def _verify_native(path: str) -> tuple[list[str], dict[str, int]]:
     every checksum and every group and dataset read through HDF5)."""
     with H5Reader(path, keep_entries=False) as reader:  # (each variable is checked once)
         problems = [str(p) for p in reader.verify_all()]
+        table = reader.table
+        if table is not None and all(map(str.isascii, table.names)):
+            # The counts from the index's table's columns: a summary (its attributes) made
+            # only for a variable whose bytes are not its row's (sharded: the logical value;
+            # strings), as :meth:`H5Reader.summary` gives them.
+            counts = list(table.counts)
+            sizes = list(table.row_nbytes)
+            for row, (kind, dtype) in enumerate(zip(table.kinds, table.dtypes, strict=True)):
+                if kind == "sharded" or dtype.kind == "O":
+                    known = reader.summary(table.names[row])
+                    sizes[row] = known[4] if known is not None else reader[table.names[row]].nbytes
+            stats = {"num_variables": len(counts), "num_components": sum(counts)}
+            return problems, {**stats, "bytes": sum(sizes)}
         summary = reader.summaries()  # (from the index's table: no entry made per variable)
         if summary is not None:
             counts = [s[3] for s in summary.values()]

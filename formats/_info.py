@@ -30,6 +30,9 @@ are listed (a kind other than ``single``, attributes, a dtype the format cannot 
 that does not map back to the path); every other stored tensor is a ``single`` variable whose
 path is ``from_key(key, names)``.
 
+That is version 1, one record per variable. Version 2 holds the same fields as columns (our
+safetensors writer writes it; :mod:`._info_columns`); :func:`build_entries` reads both.
+
 Everything here reads lazily: a :class:`TensorStore` knows the stored tensors' dtypes and
 shapes from the file's header and reads bytes only when a component is asked for.
 """
@@ -51,6 +54,7 @@ from parallelvars.errors import (
 
 from ._dtypes import dtype_from_name, is_string_dtype
 from ._graph import graph_from_info
+from ._info_columns import COLUMNS_VERSION, records_from_columns
 from ._names import from_key
 from ._store import TensorStore, _region_shape
 from ._view import DictView, Entry
@@ -155,25 +159,43 @@ def build_entries(
         if not isinstance(info, Mapping) or info.get("format") != INFO_FORMAT:
             raise _corrupt(file, "the parallelvars metadata is not a parallelvars document")
         version = info.get("version")
-        if not isinstance(version, int) or version > INFO_VERSION:
+        if not isinstance(version, int) or version > COLUMNS_VERSION:
             from parallelvars.errors import FormatVersionError
 
             raise FormatVersionError(
                 "the parallelvars metadata has an unknown version",
                 file=file,
-                expected=f"<= {INFO_VERSION}",
+                expected=f"<= {COLUMNS_VERSION}",
                 found=version,
             )
-        variables = info.get("variables") or {}
-        if not isinstance(variables, Mapping):
-            raise _corrupt(file, "the parallelvars metadata 'variables' is not an object")
+        if version < COLUMNS_VERSION:
+            variables = info.get("variables") or {}
+            if not isinstance(variables, Mapping):
+                raise _corrupt(file, "the parallelvars metadata 'variables' is not an object")
     stored_keys = list(store.keys())
     present = set(stored_keys)
     claimed: dict[str, str] = {}
     by_first_key: dict[str, Entry] = {}
     checked: dict[Any, Any] = {}
-    for path, rec in variables.items():
-        recorded = _entry_from_record(store, str(path), rec, present, checked)
+    if info is not None and info.get("version") == COLUMNS_VERSION:
+        if "columns" not in info:
+            raise _corrupt(
+                file,
+                "the parallelvars metadata has no columns",
+                variable="parallelvars/columns",
+                expected="a 'columns' object (version 2)",
+                found="none",
+            )
+        records: Iterator[StoredEntry] = iter(
+            _entries_from_columns(store, info["columns"], stored_keys)
+        )
+    else:
+        records = (
+            _entry_from_record(store, str(path), rec, present, checked)
+            for path, rec in variables.items()
+        )
+    for recorded in records:
+        path = recorded.path
         for key in recorded.keys:
             if key in claimed:
                 raise _corrupt(
@@ -251,28 +273,8 @@ def _entry_from_record(
         attrs = dict(rec.get("attrs") or {})
     except (KeyError, TypeError, ValueError) as exc:
         raise _corrupt(file, f"variable record is incomplete ({exc})", variable=path) from None
-    key = _layout_key(kind, shape, n, attrs) if checked is not None else None
-    if key is None or key not in checked:  # type: ignore[operator]
-        problem = layout_problem(kind, shape, n, attrs)  # the core's one entry validation
-        if problem is not None:
-            what, expected, found = problem
-            raise _corrupt(file, what, variable=path, expected=expected, found=found)
-        if key is not None and len(checked) < 4096:  # type: ignore[arg-type]
-            checked[key] = True  # type: ignore[index]
-    if layout not in _LAYOUTS:
-        raise _corrupt(
-            file,
-            "variable record has a bad layout",
-            variable=path,
-            expected="|".join(_LAYOUTS),
-            found=repr(layout),
-        )
-    expected_keys = {"components": n, "logical": 1, "aggregate": n + 1}[layout]
-    if (
-        len(keys) != expected_keys
-        or (layout == "logical" and kind != "sharded")
-        or (layout == "aggregate" and kind != "on_read")
-    ):
+    expected_keys = _checked_layout(file, path, kind, shape, n, layout, attrs, checked)
+    if len(keys) != expected_keys:
         raise _corrupt(
             file,
             "variable record lists the wrong number of stored tensors",
@@ -296,10 +298,56 @@ def _entry_from_record(
         layout=layout,
         attrs=attrs,
     )
-    # The stored tensors must hold exactly the bytes the record describes.
+    _check_stored(store, entry)
+    return entry
+
+
+def _checked_layout(
+    file: str,
+    path: str,
+    kind: Any,
+    shape: tuple[int, ...],
+    n: int,
+    layout: Any,
+    attrs: dict[str, Any],
+    checked: dict[Any, Any] | None,
+) -> int:
+    """Check a variable's kind, components, attributes and layout (the core's one entry
+    validation); the number of stored tensors the layout takes."""
+    key = _layout_key(kind, shape, n, attrs) if checked is not None else None
+    if key is None or key not in checked:  # type: ignore[operator]
+        problem = layout_problem(kind, shape, n, attrs)  # the core's one entry validation
+        if problem is not None:
+            what, expected, found = problem
+            raise _corrupt(file, what, variable=path, expected=expected, found=found)
+        if key is not None and len(checked) < 4096:  # type: ignore[arg-type]
+            checked[key] = True  # type: ignore[index]
+    if layout not in _LAYOUTS:
+        raise _corrupt(
+            file,
+            "variable record has a bad layout",
+            variable=path,
+            expected="|".join(_LAYOUTS),
+            found=repr(layout),
+        )
+    expected_keys: int = {"components": n, "logical": 1, "aggregate": n + 1}[layout]
+    if (layout == "logical" and kind != "sharded") or (layout == "aggregate" and kind != "on_read"):
+        raise _corrupt(
+            file,
+            "variable record lists the wrong number of stored tensors",
+            variable=path,
+            expected=f"the layout of a {kind} variable",
+            found=repr(layout),
+        )
+    return expected_keys
+
+
+def _check_stored(store: TensorStore, entry: StoredEntry) -> None:
+    """The stored tensors of ``entry`` must hold exactly the bytes its record describes."""
+    dtype, shape, kind, layout = entry.dtype, entry.shape, entry.kind, entry.layout
     string = is_string_dtype(dtype)
     stored = store.stored
-    for i, key in enumerate(keys):
+    for i, key in enumerate(entry.keys):
         sdtype, sshape = stored(key)
         if sdtype == dtype and sshape == shape and kind != "sharded":
             continue  # (stored as described: every layout's tensor has this shape then)
@@ -317,13 +365,93 @@ def _entry_from_record(
             )
         if not ok:
             raise _corrupt(
-                file,
+                store.file,
                 f"stored tensor {key!r} does not match the variable",
-                variable=path,
+                variable=entry.path,
                 expected=f"{tuple(want)} {dtype}",
                 found=f"{tuple(sshape)} {sdtype}",
             )
-    return entry
+
+
+#: The attributes :func:`layout_problem` reads: variables alike in these and in the layout
+#: columns are checked once.
+_LAYOUT_ATTRS = ("aggregation", "devices", "shard_axis", "shard_offsets")
+
+
+def _entries_from_columns(
+    store: TensorStore, columns: Any, stored_keys: list[str]
+) -> list[StoredEntry]:
+    """The entries a version-2 (column) info describes, in its order, every field checked:
+    each distinct layout once, every stored tensor against its variable."""
+    file = store.file
+    paths, layouts, tables, flat, attrs = records_from_columns(
+        file, columns, stored_keys, _LAYOUT_ATTRS
+    )
+    kinds, dtypes, shapes, counts, layout_names = tables
+    stored = store.stored
+    groups: dict[Any, tuple[Any, np.dtype, tuple[int, ...], int, str, int]] = {}
+    checked: dict[Any, Any] = {}
+    out: list[StoredEntry] = []
+    pos = 0
+    for j, path in enumerate(paths):
+        a = attrs[j]
+        code = group = layouts[j]  # (equal codes: the same layout and watched attributes)
+        known = groups.get(group)
+        if known is None:
+            kind = kinds[code[0]]
+            dtype = dtype_from_name(dtypes[code[1]], file=file, variable=path)
+            raw_shape, n = shapes[code[2]], counts[code[3]]
+            for what, bad in (
+                ("shape", type(raw_shape) is not list or value_types(raw_shape) - {int}),
+                ("num_components", type(n) is not int),
+            ):
+                if bad:
+                    raise _corrupt(
+                        file,
+                        f"variable record is incomplete ({what} is not of integers)",
+                        variable=path,
+                        expected="a list of integers" if what == "shape" else "an integer",
+                        found=repr(raw_shape if what == "shape" else n),
+                    )
+            shape = tuple(raw_shape)
+            layout = layout_names[code[4]]
+            count = _checked_layout(file, path, kind, shape, n, layout, dict(a), checked)
+            known = groups[group] = (kind, dtype, shape, n, layout, count)
+        kind, dtype, shape, n, layout, count = known
+        as_described = (dtype, shape)
+        keys = flat[pos : pos + count]
+        pos += count
+        if len(keys) != count:
+            raise _corrupt(
+                file,
+                "variable record lists the wrong number of stored tensors",
+                variable=path,
+                expected=count,
+                found=len(keys),
+            )
+        entry = StoredEntry(
+            store,
+            path,
+            dtype=dtype,
+            shape=shape,
+            kind=kind,
+            num_components=n,
+            keys=keys,
+            layout=layout,
+            attrs=a,
+        )
+        if kind == "sharded" or any(stored(key) != as_described for key in keys):
+            _check_stored(store, entry)  # (the general check, which names what differs)
+        out.append(entry)
+    if pos != len(flat):
+        raise _corrupt(
+            file,
+            "the parallel info lists more stored tensors than its variables take",
+            variable="parallelvars/columns/keys",
+            expected=pos,
+            found=len(flat),
+        )
+    return out
 
 
 class StoreView(DictView):  # the Mapping over ._entries comes from DictView

@@ -68,6 +68,10 @@ _ADAPTER_MODULES: dict[str, str] = {
     "tf": "parallelvars.formats.tf",
 }
 FORMAT_NAMES: tuple[str, ...] = tuple(_ADAPTER_MODULES)
+#: Formats whose files are only ever HDF5 files or zip archives: detection imports their
+#: adapter (Keras: tens of milliseconds) only for a file that is one, so sniffing a
+#: safetensors file, a TF checkpoint or a folder never loads it.
+_HDF5_OR_ZIP = frozenset({"keras", "keras-legacy"})
 
 _loaded: dict[str, FormatSpec] = {}
 
@@ -113,6 +117,16 @@ def format_for_suffix(path: str | os.PathLike[str]) -> str | None:
     return best[1] if best else None
 
 
+def _hdf5_or_zip(path: str, head: bytes) -> bool:
+    """Whether the file whose first bytes are ``head`` is a zip archive or an HDF5 file (a
+    folder is neither)."""
+    if not head:
+        return False
+    from ._h5 import is_hdf5
+
+    return head.startswith(b"PK") or is_hdf5(path, head)
+
+
 def detect_format(path: str | os.PathLike[str]) -> str:
     """The format of ``path``: by magic bytes or layout first, by suffix as a fallback."""
     p = os.fspath(path)
@@ -120,6 +134,8 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     head = _head(p) if exists else b""
     candidates = list(FORMAT_NAMES)
     for name in candidates:
+        if name in _HDF5_OR_ZIP and not _hdf5_or_zip(p, head):
+            continue  # (what its sniff would say, without importing it)
         try:
             spec = get_format(name)
         except ImportError:

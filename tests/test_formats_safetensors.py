@@ -415,11 +415,19 @@ def _rewrite_header(path, header: dict, n: int) -> None:
 def test_checksums_are_metadata_that_plain_readers_ignore(tmp_path) -> None:
     path, view = _sample_file(tmp_path)
     _, header = _header(path)
-    record = header["__metadata__"]["parallelvars_crc32c"]
+    full = header["__metadata__"]["parallelvars_crc32c"]
+    assert full.startswith("raw:")  # the header's CRC covers its bytes as stored
+    record = full[len("raw:") :]
     names = sorted(k for k in header if k != "__metadata__")
     assert len(record) == 8 * (1 + len(names))  # the header's CRC, then each tensor's in name order
     with safe_open(path, framework="numpy") as f:
-        assert f.metadata()["parallelvars_crc32c"] == record
+        assert f.metadata()["parallelvars_crc32c"] == full
+    # The header CRC: CRC-32C of the JSON header as stored, the record's digits read as 0.
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        raw = f.read(n)
+    zeroed = raw.replace(record.encode(), b"0" * len(record))
+    assert int(record[:8], 16) == crc32c.crc32c(zeroed)
     tensors = load_file(path)
     assert sorted(tensors) == names
     for i, name in enumerate(names):
@@ -474,7 +482,8 @@ def test_shard_index_is_checksummed(tmp_path) -> None:
     with open_safetensors(index) as back:
         assert_same_view(back, view)
     doc = json.loads(pathlib.Path(index).read_text())
-    doc["metadata"]["parallelvars"]["variables"]["model/w"]["kind"] = "on_read"
+    columns = doc["metadata"]["parallelvars"]["columns"]
+    columns["kind"] = {"values": ["on_read"] * 9, "index": 0}
     pathlib.Path(index).write_text(json.dumps(doc))
     with pytest.raises(ChecksumMismatchError, match="index"):
         open_safetensors(index)

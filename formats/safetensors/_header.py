@@ -8,6 +8,8 @@ import math
 import os
 import struct
 from collections.abc import Callable, Mapping
+from itertools import chain
+from operator import attrgetter, itemgetter, mul
 from typing import IO, Any
 
 import numpy as np
@@ -128,7 +130,7 @@ def read_header(
     described: dict[str, tuple[str, list[int], list[int]]] = {}
     fast = _fast_entries(header, described)
     if fast is not None and _tiles_exactly(fast, size - 8 - n):
-        crcs = _verify_header(file, metadata, described)
+        crcs = _verify_header(file, metadata, described, raw)
         tensors = {
             name: (dtype, shape, b, e, None if crcs is None else crcs[name])
             for name, dtype, shape, b, e, _ in fast
@@ -235,7 +237,7 @@ def read_header(
             expected=f"{8 + n + expected} bytes",
             found=f"{size} bytes",
         )
-    crcs = _verify_header(file, metadata, described)
+    crcs = _verify_header(file, metadata, described, raw)
     tensors = {
         name: (dtype, shape, b, e, None if crcs is None else crcs[name])
         for name, dtype, shape, b, e, _ in entries
@@ -246,33 +248,40 @@ def read_header(
 def _fast_entries(
     header: Mapping[str, Any], described: dict[str, tuple[str, list[int], list[int]]]
 ) -> list[tuple[str, np.dtype, tuple[int, ...], int, int, int]] | None:
-    """The tensors of a well-formed header, checked in bulk (one pass, no per-field calls);
-    None at the first doubt, for the tensor-by-tensor checks to name the problem."""
-    out = []
-    dims: list[Any] = []
-    offs: list[Any] = []
-    dtypes = _DTYPES
-    for name, info in header.items():
-        if type(info) is not dict:
-            return None
-        shape, offsets = info.get("shape"), info.get("data_offsets")
-        dtype = dtypes.get(info.get("dtype"))  # type: ignore[arg-type]
-        if (
-            dtype is None
-            or type(shape) is not list
-            or type(offsets) is not list
-            or len(offsets) != 2
-        ):
-            return None
-        dims += shape
-        offs += offsets
-        described[name] = (info["dtype"], shape, offsets)
-        out.append((name, dtype, shape, offsets))
+    """The tensors of a well-formed header, checked in bulk (C-level maps over the tensors,
+    no Python frame per tensor); None at the first doubt, for the tensor-by-tensor checks to
+    name the problem."""
+    names = list(header)
+    infos = list(header.values())
+    if not infos:
+        return []
+    if set(map(type, infos)) != {dict}:
+        return None
+    try:
+        dtype_strs = list(map(itemgetter("dtype"), infos))
+        shapes = list(map(itemgetter("shape"), infos))
+        offsets = list(map(itemgetter("data_offsets"), infos))
+        dtypes = list(map(_DTYPES.__getitem__, dtype_strs))
+    except (KeyError, TypeError):  # (an unhashable dtype value is a TypeError)
+        return None
+    if set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list}:
+        return None
+    if set(map(len, offsets)) != {2}:
+        return None
     # Only non-negative ints (bool is not int here, as in is_index).
-    for values in (dims, offs):
+    for values in (list(chain.from_iterable(shapes)), list(chain.from_iterable(offsets))):
         if values and (not set(map(type, values)) <= {int} or min(values) < 0):
             return None
-    return [
-        (name, dtype, tuple(shape), offsets[0], offsets[1], math.prod(shape) * dtype.itemsize)
-        for name, dtype, shape, offsets in out
-    ]
+    described.update(zip(names, zip(dtype_strs, shapes, offsets, strict=True), strict=True))
+    sizes = list(map(mul, map(math.prod, shapes), map(attrgetter("itemsize"), dtypes)))
+    return list(
+        zip(
+            names,
+            dtypes,
+            map(tuple, shapes),
+            map(itemgetter(0), offsets),
+            map(itemgetter(1), offsets),
+            sizes,
+            strict=True,
+        )
+    )

@@ -1,5 +1,6 @@
-"""Our integrity record in ``__metadata__["parallelvars_crc32c"]``: the header's canonical CRC,
-the record's string form, the shard index's CRC, and their verification on opening.
+"""Our integrity record in ``__metadata__["parallelvars_crc32c"]``: the header's CRC (of its
+bytes as stored, in the ``raw:`` records our writer writes; of a canonical description in older
+files), the record's string form, the shard index's CRC, and their verification on opening.
 """
 
 from __future__ import annotations
@@ -38,8 +39,42 @@ def _header_crc(
     return f"{_crc32c.crc32c(text.encode('ascii')):08x}"
 
 
-def _crc_record(header_crc: str, crcs: Mapping[str, str]) -> str:
-    return header_crc + "".join(crcs[name] for name in sorted(crcs))
+def _crc_record(header_crc: str, crcs: Mapping[str, str], prefix: str = "") -> str:
+    return prefix + header_crc + "".join(crcs[name] for name in sorted(crcs))
+
+
+#: The prefix of a record whose header CRC covers the header's own bytes (what our writer
+#: writes): the CRC-32C of the JSON header exactly as stored, every hex digit of the record
+#: read as ``0``. A record without it (older files) covers the canonical description
+#: (:func:`_header_crc`).
+RAW_PREFIX = "raw:"
+
+
+def _record_at(raw: bytes, record: str) -> int:
+    """Where the hex digits of the ``raw:`` record ``record`` begin in the header bytes
+    ``raw``; -1 when they are not there once, written as our writer writes them."""
+    needle = f"{json.dumps(CRC_KEY)}:{json.dumps(record)}".encode("ascii")
+    at = raw.find(needle)
+    if at < 0 or raw.find(needle, at + 1) >= 0:
+        return -1
+    return at + len(json.dumps(CRC_KEY)) + 2 + len(RAW_PREFIX)
+
+
+def raw_header_crc(raw: bytes, at: int, digits: int) -> str:
+    """CRC-32C of the header bytes ``raw`` with the ``digits`` record digits at ``at`` read as
+    ``0`` (8 hex digits)."""
+    crc = _crc32c.crc32c(raw[:at])
+    crc = _crc32c.crc32c(b"0" * digits, crc)
+    return f"{_crc32c.crc32c(raw[at + digits :], crc):08x}"
+
+
+def record_header_crc(record: str) -> str:
+    """The header CRC a record carries (8 hex digits), either form."""
+    return (
+        record[len(RAW_PREFIX) : len(RAW_PREFIX) + 8]
+        if record.startswith(RAW_PREFIX)
+        else record[:8]
+    )
 
 
 def _index_crc(metadata: Mapping[str, Any], weight_map: Mapping[str, str]) -> str:
@@ -56,8 +91,10 @@ def _verify_header(
     file: str,
     metadata: Mapping[str, str],
     described: Mapping[str, tuple[str, list[int], list[int]]],
+    header: bytes = b"",
 ) -> dict[str, int] | None:
-    """Check our checksum record of a header; the tensors' CRCs, or None for a file without one.
+    """Check our checksum record of a header (``header``: its JSON bytes as stored); the
+    tensors' CRCs, or None for a file without one.
 
     A file whose parallel info says it carries checksums must have the record.
     """
@@ -81,6 +118,10 @@ def _verify_header(
                 )
         return None
     names = sorted(described)
+    record = raw
+    by_bytes = raw.startswith(RAW_PREFIX)
+    if by_bytes:
+        raw = raw[len(RAW_PREFIX) :]
     if len(raw) != 8 * (1 + len(names)) or not set(raw) <= _HEX:
         raise CorruptCheckpointError(
             "the checksum record is damaged",
@@ -89,7 +130,7 @@ def _verify_header(
             expected=f"{8 * (1 + len(names))} hex digits for {len(names)} tensors",
             found=f"{raw[:80]!r}",
         )
-    header = raw[:8]
+    stored = raw[:8]
     tensors = dict(
         zip(
             names,
@@ -97,13 +138,25 @@ def _verify_header(
             strict=True,
         )
     )
-    found = _header_crc(metadata, described, tensors)
-    if found != header:
+    if by_bytes:
+        at = _record_at(header, record)
+        if at < 0:
+            raise CorruptCheckpointError(
+                "the checksum record is not where the header's bytes hold it",
+                file=file,
+                variable=CRC_KEY,
+                expected=f"one {CRC_KEY!r} item of plain text",
+                found="none or several",
+            )
+        found = raw_header_crc(header, at, len(raw))
+    else:
+        found = _header_crc(metadata, described, tensors)
+    if found != stored:
         raise ChecksumMismatchError(
             "the safetensors header does not match its checksum",
             file=file,
             variable=CRC_KEY,
-            expected=f"crc32c {header}",
+            expected=f"crc32c {stored}",
             found=f"crc32c {found}",
         )
     return {name: int(v, 16) for name, v in tensors.items()}

@@ -23,6 +23,7 @@ from parallelvars.formats._store import ByteStore, read_exact_into
 from parallelvars.formats._view import CheckpointView
 from parallelvars.formats.safetensors._header import read_header
 from parallelvars.formats.safetensors._index import _find_index, _read_index
+from parallelvars.formats.safetensors._integrity import record_header_crc
 from parallelvars.formats.safetensors._layout import CRC_KEY, DEFAULT_NAMES, META_KEY, SHARDS_KEY
 
 
@@ -60,7 +61,9 @@ class _Store(ByteStore):
                 meta, tensors, start = read_header(f, shard)
                 record = meta.pop(CRC_KEY, None)
                 self.shard_checked.append(record is not None)
-                self.shard_crcs.append(record[:8] if isinstance(record, str) else None)
+                self.shard_crcs.append(
+                    record_header_crc(record) if isinstance(record, str) else None
+                )
                 self.shard_metadata.append(meta)
                 for name, (dtype, shape, begin, _end, crc) in tensors.items():
                     if name in self._tensors:

@@ -21,6 +21,7 @@ from parallelvars.errors import (
     UnsupportedDtypeError,
 )
 from parallelvars.formats._dtypes import is_string_dtype
+from parallelvars.formats._info_columns import to_columns
 from parallelvars.formats._json import carried_metadata, dumps, jsonable
 from parallelvars.formats._plan import PlannedTensor, plan_tensors, read_batches, read_run
 from parallelvars.formats._sizes import parse_size
@@ -28,7 +29,12 @@ from parallelvars.formats._store import little_endian
 from parallelvars.formats._view import Entry
 from parallelvars.formats.safetensors._dtypes import _DTYPES, _st_name
 from parallelvars.formats.safetensors._hf import hf_files_for, is_hf_output
-from parallelvars.formats.safetensors._integrity import _crc_record, _header_crc, _index_crc
+from parallelvars.formats.safetensors._integrity import (
+    RAW_PREFIX,
+    _crc_record,
+    _index_crc,
+    raw_header_crc,
+)
 from parallelvars.formats.safetensors._layout import (
     CRC_KEY,
     DEFAULT_NAMES,
@@ -102,11 +108,14 @@ def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]
     crcs = {t.key: "00000000" for t, _st, _shape in stored}
     # The header with a placeholder record of the final one's length (every CRC is 8 hex
     # digits): the final record, known once the tensors are written, takes its place.
-    placeholder = "0" * (8 * (len(crcs) + 1))
+    placeholder = RAW_PREFIX + "0" * (8 * (len(crcs) + 1))
     raw = _header_bytes(metadata, described, placeholder, path)
     # (Its one place: a string's quotes are escaped, so `"key":"` is the key's own.)
     at = raw.index(f"{json.dumps(CRC_KEY)}:{json.dumps(placeholder)}".encode())
     at += len(json.dumps(CRC_KEY)) + 2
+    # The header's CRC covers its bytes as written, the record's digits as the zeros they
+    # are now (_integrity.RAW_PREFIX).
+    header_crc = raw_header_crc(raw, at + len(RAW_PREFIX), len(placeholder) - len(RAW_PREFIX))
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
@@ -137,8 +146,7 @@ def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]
             ok = True
         finally:
             writer.close(raise_errors=ok)
-        header_crc = _header_crc(metadata, described, crcs)
-        record = _crc_record(header_crc, crcs).encode("ascii")
+        record = _crc_record(header_crc, crcs, RAW_PREFIX).encode("ascii")
         if len(record) != len(placeholder):  # cannot happen: every CRC is 8 hex digits
             raise AssertionError(f"{path}: the safetensors header changed length")
         with open(tmp, "r+b") as f:
@@ -204,6 +212,9 @@ def write_safetensors(
         entries, names=names, needs_record=lambda e: _st_name(e.dtype) is None, file=p
     )
     info["checksums"] = "crc32c"  # every file written carries CRC_KEY; its loss is damage
+    # The info in columns (version 2, formats/_info_columns.py): a fraction of the per-variable
+    # form's bytes, read without a record per variable.
+    info = to_columns(info, (t.key for t in planned)) or info
     for t in planned:
         _storage(t, p)  # refuse what cannot be stored before writing anything
     meta = {"format": "pt", **_str_metadata(metadata)}
