@@ -166,7 +166,11 @@ def plan_tensors(
         shape = tuple(int(s) for s in entry.shape)
         kind = entry.kind
         if kind == "sharded":
-            keys = [key_of(path, entry, 0) if key_of is not None else to_key(path, names, **slot)]
+            keys = [
+                key_of(path, entry, 0)
+                if key_of is not None
+                else to_key(path, names, component=0, **slot)
+            ]
         elif key_of is not None:
             keys = [key_of(path, entry, i) for i in range(count)]
         else:
