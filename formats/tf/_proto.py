@@ -69,6 +69,8 @@ def encode_varint(value: int) -> bytes:
     """A base-128 varint; negative values take ten bytes (64-bit two's complement)."""
     if 0 <= value <= 0x7F:
         return _ONE_BYTE[value]
+    if 0 < value <= 0x3FFF:
+        return bytes(((value & 0x7F) | 0x80, value >> 7))
     if value < 0:
         value &= _U64
     out = bytearray()

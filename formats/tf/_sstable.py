@@ -117,9 +117,13 @@ class _BlockBuilder:
             self.restarts.append(len(self.buf))
             self.counter = 0
         buf = self.buf
-        buf += encode_varint(shared)
-        buf += encode_varint(len(key) - shared)
-        buf += encode_varint(len(value))
+        unshared, size = len(key) - shared, len(value)
+        if shared <= 0x7F and unshared <= 0x7F and size <= 0x7F:  # (most entries: one byte each)
+            buf += bytes((shared, unshared, size))
+        else:
+            buf += encode_varint(shared)
+            buf += encode_varint(unshared)
+            buf += encode_varint(size)
         buf += key[shared:]
         buf += value
         self.last_key = key
