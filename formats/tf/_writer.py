@@ -51,13 +51,7 @@ from .._json import jsonable
 from .._view import Entry, aggregates
 from ._bundle import BundleWriter
 from ._dtypes import DT_STRING, tf_dtype
-from ._graph import (
-    ObjectReference,
-    SerializedTensor,
-    SlotVariableReference,
-    TrackableObject,
-    encode_graph,
-)
+from ._graph import encode_node, encode_nodes
 from ._keys import (
     ATTRIBUTES,
     GRAPH_KEY,
@@ -339,18 +333,16 @@ def _graph_bytes(order: list[_Node]) -> bytes:
             if p not in marked:
                 marked.add(p)
                 todo.add(p)
-    protos = [
-        TrackableObject(
-            children=[ObjectReference(c.id, name) for name, c in node.children.items()],
-            attributes=[SerializedTensor(a, full, key) for a, full, key, _, _ in node.attributes],
-            slot_variables=[
-                SlotVariableReference(o.id, s, t.id) for o, s, t in node.slot_variables
-            ],
-            has_checkpoint_values=node.id in marked,
+    return encode_nodes(
+        encode_node(
+            [(c.id, name) for name, c in node.children.items()],
+            [(a, full, key) for a, full, key, _, _ in node.attributes],
+            [(o.id, s, t.id) for o, s, t in node.slot_variables],
+            None,
+            node.id in marked,
         )
         for node in order
-    ]
-    return encode_graph(protos)
+    )
 
 
 # The writer's naming by key style (``names=``).
