@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from parallelvars import formats
@@ -164,14 +164,12 @@ def same_file(a: str, b: str) -> bool:
         return False
 
 
-def _not_carried(
-    source: str, src_format: str, dst_format: str, options: Mapping[str, Any]
-) -> list[str]:
-    """What the destination format cannot carry of the source, one line each (empty: all)."""
+def _not_carried(dst_format: str, written: Mapping[str, Any]) -> list[str]:
+    """What the destination format cannot carry of the source, one line each (empty: all);
+    ``written`` is the view the writer took (it keeps the source's object graph)."""
     if dst_format != "tf":
         return []
-    with open_view(source, src_format, options) as view:
-        graph = getattr(view, "object_graph", None)
+    graph = getattr(written, "object_graph", None)
     shared = shared_objects(graph) if isinstance(graph, Mapping) else 0
     if not shared:
         return []
@@ -194,7 +192,7 @@ def _convert(
     src_format: str,
     dst_format: str,
     left_out: dict[str, str],
-    written_entries: dict[str, Any] | None = None,
+    on_written: Callable[[Mapping[str, Any]], Any] | None = None,
 ) -> str:
     with out.progress(None, "convert") as bar:
         return formats.convert(
@@ -213,7 +211,7 @@ def _convert(
             model_only=args.model_only,
             root=args.root,
             on_left_out=left_out.update,
-            on_written=None if written_entries is None else written_entries.update,
+            on_written=on_written,
         )
 
 
@@ -227,22 +225,21 @@ def run(args: argparse.Namespace) -> int:
     left_out: dict[str, str] = {}
     folder = os.path.dirname(os.path.abspath(destination))
     there = {n for n in HF_FILES if os.path.lexists(os.path.join(folder, n))}
-    written_entries: dict[str, Any] = {}
+    taken: list[Mapping[str, Any]] = []  # the view the writer took (its entries, the graph)
     try:
         if same_file(args.source, destination):
             raise UsageError(f"{destination}: is the same file as SRC; write somewhere else")
-        written = _convert(
-            args, out, destination, src_format, dst_format, left_out, written_entries
-        )
+        written = _convert(args, out, destination, src_format, dst_format, left_out, taken.append)
     except BaseException:  # an error or Ctrl-C: no folder it made stays behind
         remove_made(made)
         raise
+    written_entries: Mapping[str, Any] = taken[0] if taken else {}
     note_made(out, made)
     carried = [n for n in HF_FILES if n not in there and os.path.lexists(os.path.join(folder, n))]
     if carried:
         out.note(f"carried the Hugging Face model's {', '.join(carried)} into {folder}")
     notes = describe_left_out(left_out)
-    notes += _not_carried(args.source, src_format, dst_format, args.read_options)
+    notes += _not_carried(dst_format, written_entries)
     for note in notes:
         out.note(note)
     if dst_format in _ROUND_TRIP:

@@ -95,8 +95,10 @@ def convert(
             ``state_dict``); everything outside it is left out.
         on_left_out: called once with ``{path: reason}`` of every path the selection left out
             (nothing is called when it left out nothing).
-        on_written: called once the output is written, with the entries handed to the writer
-            (what a caller reports of the output without opening it again).
+        on_written: called once the output is written, with the view handed to the writer:
+            its entries, and the source's ``object_graph`` and ``metadata`` (what a caller
+            reports of the output, or of what it could not carry, without opening a file
+            again).
 
     Returns:
         The path written (the index file of a shard set).
@@ -141,9 +143,11 @@ def convert(
         source: Mapping[str, Entry] = view
         if devices is not None:
             source = reshard(view, devices)
+        # (The source's object graph is read once, here: the views made from this one keep it.)
+        selected = DictView.derived(view, dict(source.items()))
         entries = dict(
             exported(
-                DictView.derived(view, dict(source.items())),
+                selected,
                 components=components,
                 only=only,
                 exclude=exclude,
@@ -159,13 +163,12 @@ def convert(
             counter = _Progress(progress, total)
             entries = {k: CountingEntry(e, counter.add) for k, e in entries.items()}
             progress(0, total)  # the total, before the first tensor is read
-        result = write_checkpoint(
-            os.fspath(dst), DictView.derived(view, entries), format=target, **options
-        )
+        written = DictView.derived(selected, entries)
+        result = write_checkpoint(os.fspath(dst), written, format=target, **options)
         if progress is not None and counter.done < counter.total:
             progress(counter.total, counter.total)  # writers may skip reads (empty tensors)
         if on_written is not None:
-            on_written(entries)
+            on_written(written)
         return result
     finally:
         view.close()

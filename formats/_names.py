@@ -131,6 +131,25 @@ def to_key(
     return key if component == 0 else f"{key}/{component_name(component)}"
 
 
+def component_keys(
+    path: str,
+    names: str,
+    count: int,
+    *,
+    slot_of: str | None = None,
+    slot_name: str | None = None,
+) -> list[str]:
+    """The keys of components ``0 .. count-1`` of the variable at ``path``: each
+    ``to_key(path, names, component=i, ...)``, the path's part worked out once."""
+    key = to_key(path, names, slot_of=slot_of, slot_name=slot_name)
+    if count <= 1:
+        return [key][:count]
+    if names == "tf":
+        stem = key[: -len(VARIABLE_VALUE)]
+        return [key, *(stem + component_name(i) for i in range(1, count))]
+    return [key, *(f"{key}/{component_name(i)}" for i in range(1, count))]
+
+
 def _tf_object_path(path: str, slot_of: str | None, slot_name: str | None) -> str:
     segs = _segments(path)
     if slot_of and slot_name:

@@ -24,7 +24,7 @@ from ._dtypes import is_string_dtype, tensor_dtype_name
 from ._graph import carried_graph
 from ._info import INFO_FORMAT, INFO_VERSION
 from ._json import jsonable
-from ._names import check_names, from_key, part_key, to_key
+from ._names import check_names, component_keys, from_key, part_key, to_key
 from ._view import Entry, aggregates
 
 
@@ -48,6 +48,24 @@ class PlannedTensor:
         else:
             self.shape = tuple(int(s) for s in self.entry.component_shape(self.component))
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+
+    @classmethod
+    def _of(
+        cls,
+        key: str,
+        entry: Entry,
+        component: int | None,
+        dtype: np.dtype,
+        shape: tuple[int, ...],
+    ) -> PlannedTensor:
+        """The planned tensor of ``dtype`` and ``shape`` (those of ``entry``'s component,
+        worked out once per entry by the caller): what ``__init__`` makes, without asking the
+        entry again."""
+        t = cls.__new__(cls)
+        t.key, t.entry, t.component = key, entry, component
+        t.dtype, t.shape = dtype, shape
+        t.nbytes = math.prod(shape) * dtype.itemsize
+        return t
 
     def read(self) -> np.ndarray:
         """The tensor's value, as a C-contiguous array the caller owns."""
@@ -137,31 +155,49 @@ def plan_tensors(
     planned: list[PlannedTensor] = []
     variables: dict[str, Any] = {}
     owner: dict[str, str] = {}
+    of = PlannedTensor._of
     for path, entry in entries.items():
         check_entry(entry, file)
         attrs = entry.attrs or {}
         slot = {"slot_of": attrs.get("slot_of"), "slot_name": attrs.get("slot_name")}
         slot = {k: (str(v) if v is not None else None) for k, v in slot.items()}
-
-        def key(i: int, path: str = path, entry: Entry = entry, slot: dict = slot) -> str:
-            if key_of is not None:
-                return key_of(path, entry, i)
-            return to_key(path, names, component=i, **slot)
-
-        primary = key(0)
-        if entry.kind == "sharded":
-            tensors = [PlannedTensor(primary, entry, None)]
+        count = int(entry.num_components)
+        dtype = np.dtype(entry.dtype)
+        shape = tuple(int(s) for s in entry.shape)
+        kind = entry.kind
+        if kind == "sharded":
+            keys = [
+                key_of(path, entry, 0)
+                if key_of is not None
+                else to_key(path, names, component=0, **slot)
+            ]
+        elif key_of is not None:
+            keys = [key_of(path, entry, i) for i in range(count)]
+        else:
+            keys = component_keys(path, names, count, **slot)
+        primary = keys[0]
+        if kind == "sharded":
+            tensors = [of(primary, entry, None, dtype, shape)]
             layout = "logical"
         elif aggregates(entry):
             # The aggregate under the plain key, every part (0 included) beside it.
-            tensors = [PlannedTensor(primary, entry, None)]
+            tensors = [of(primary, entry, None, dtype, shape)]
             tensors += [
-                PlannedTensor(_part_key(path, entry, i, names, slot, key_of), entry, i)
-                for i in range(entry.num_components)
+                of(
+                    _part_key(path, entry, i, names, slot, key_of),
+                    entry,
+                    i,
+                    dtype,
+                    tuple(int(s) for s in entry.component_shape(i)),
+                )
+                for i in range(count)
             ]
             layout = "aggregate"
         else:
-            tensors = [PlannedTensor(key(i), entry, i) for i in range(entry.num_components)]
+            tensors = [
+                of(keys[i], entry, i, dtype, tuple(int(s) for s in entry.component_shape(i)))
+                for i in range(count)
+            ]
             layout = "components"
         for t in tensors:
             if t.key in owner:

@@ -39,6 +39,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -60,8 +61,14 @@ def split_offsets(length: int, parts: int) -> list[int]:
     return shard_offsets(length, parts)
 
 
+@functools.lru_cache(maxsize=8)
+def _device_names(m: int) -> tuple[str, ...]:
+    return tuple(f"cpu:{i}" for i in range(m))
+
+
 def _devices(m: int) -> list[str]:
-    return [f"cpu:{i}" for i in range(m)]
+    """The device list of a variable rewritten for ``m`` devices (a list of its own)."""
+    return list(_device_names(m))
 
 
 class _Cache:

@@ -610,6 +610,11 @@ class BundleWriter:
         self.entries: dict[bytes, BundleEntry] = {}
         self._done = False
 
+    @property
+    def swaps(self) -> bool:
+        """Whether tensors are byte-swapped on their way to the data file."""
+        return self._swap
+
     def _check_key(self, key: bytes) -> None:
         if not key:
             raise InvalidEntryError("the empty key is reserved for the bundle header")
@@ -654,6 +659,41 @@ class BundleWriter:
         self._offset += size
         self.entries[key] = entry
         return entry
+
+    def add_run(
+        self, tensors: Sequence[tuple[bytes, int, tuple[int, ...], int]], data: Any
+    ) -> None:
+        """Append tensors whose bytes lie back to back in ``data`` (a C-contiguous uint8 array,
+        each tensor's elements in C order and this machine's byte order), in one write.
+
+        ``tensors`` gives each one's key, TensorFlow type number, shape and size in bytes (its
+        share of ``data``, in turn). The entries are those :meth:`add` makes of the same
+        tensors: only the write and the index's bookkeeping are gathered. Not for string
+        tensors, nor for a writer that swaps byte order.
+        """
+        assert self._f is not None, "writer already finished"
+        assert not self._swap, "add_run takes tensors in the byte order written"
+        view = memoryview(data).cast("B")
+        if sum(t[3] for t in tensors) != len(view):
+            raise AssertionError(f"add_run: {len(view)} bytes for tensors of another size")
+        keys = [t[0] for t in tensors]
+        for key in keys:
+            self._check_key(key)
+        if len(set(keys)) != len(keys):
+            seen: set[bytes] = set()
+            for key in keys:
+                if key in seen:
+                    raise InvalidEntryError(f"key {_display(key)!r} added twice")
+                seen.add(key)
+        pos, offset, entries = 0, self._offset, self.entries
+        for key, num, shape, size in tensors:
+            if num == DT_STRING:
+                raise AssertionError(f"{_display(key)!r}: add_run takes no string tensors")
+            crc = mask(crc32c(view[pos : pos + size]))
+            entries[key] = BundleEntry(num, shape, 0, offset + pos, size, crc)
+            pos += size
+        self._f.write(view)
+        self._offset = offset + pos
 
     def add_slice(
         self,

@@ -15,6 +15,7 @@ bundle needs are coded here (field numbers from TensorFlow's ``trackable_object_
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ._proto import (
@@ -33,6 +34,8 @@ __all__ = [
     "SlotVariableReference",
     "TrackableObject",
     "encode_graph",
+    "encode_node",
+    "encode_nodes",
     "decode_graph",
 ]
 
@@ -82,25 +85,57 @@ def _int_field(num: int, value: int) -> bytes:
     return field_varint(num, value) if value else b""
 
 
+def encode_node(
+    children: Iterable[tuple[int, str]],
+    attributes: Iterable[tuple[str, str, str]],
+    slot_variables: Iterable[tuple[int, str, int]] = (),
+    registered_saver: bytes | None = None,
+    has_checkpoint_values: bool | None = True,
+) -> bytes:
+    """One serialized ``TrackableObject`` (fields in number order, defaults left out), from
+    its children ``(node_id, local_name)``, attributes ``(name, full_name, checkpoint_key)``
+    and slot variables ``(original_variable_node_id, slot_name, slot_variable_node_id)``: the
+    fields of :class:`TrackableObject` as plain tuples (a writer of many nodes makes no
+    message objects)."""
+    parts = [
+        field_bytes(1, _int_field(1, node_id) + _str_field(2, local_name))
+        for node_id, local_name in children
+    ]
+    parts += [
+        field_bytes(2, _str_field(1, name) + _str_field(2, full_name) + _str_field(3, key))
+        for name, full_name, key in attributes
+    ]
+    parts += [
+        field_bytes(3, _int_field(1, original) + _str_field(2, slot_name) + _int_field(3, slot))
+        for original, slot_name, slot in slot_variables
+    ]
+    if registered_saver is not None:
+        parts.append(field_bytes(4, registered_saver))
+    if has_checkpoint_values is not None:
+        parts.append(field_bytes(5, _int_field(1, int(has_checkpoint_values))))
+    return b"".join(parts)
+
+
+def encode_nodes(nodes: Iterable[bytes]) -> bytes:
+    """A serialized ``TrackableObjectGraph`` of nodes serialized by :func:`encode_node`."""
+    return b"".join(field_bytes(1, node) for node in nodes)
+
+
 def encode_graph(nodes: list[TrackableObject]) -> bytes:
     """Serialize a ``TrackableObjectGraph`` (fields in number order, defaults left out)."""
-    out = []
-    for node in nodes:
-        parts = []
-        for ref in node.children:
-            parts.append(field_bytes(1, _int_field(1, ref.node_id) + _str_field(2, ref.local_name)))
-        for att in node.attributes:
-            body = _str_field(1, att.name) + _str_field(2, att.full_name)
-            parts.append(field_bytes(2, body + _str_field(3, att.checkpoint_key)))
-        for slot in node.slot_variables:
-            body = _int_field(1, slot.original_variable_node_id) + _str_field(2, slot.slot_name)
-            parts.append(field_bytes(3, body + _int_field(3, slot.slot_variable_node_id)))
-        if node.registered_saver is not None:
-            parts.append(field_bytes(4, node.registered_saver))
-        if node.has_checkpoint_values is not None:
-            parts.append(field_bytes(5, _int_field(1, int(node.has_checkpoint_values))))
-        out.append(field_bytes(1, b"".join(parts)))
-    return b"".join(out)
+    return encode_nodes(
+        encode_node(
+            ((ref.node_id, ref.local_name) for ref in node.children),
+            ((a.name, a.full_name, a.checkpoint_key) for a in node.attributes),
+            (
+                (s.original_variable_node_id, s.slot_name, s.slot_variable_node_id)
+                for s in node.slot_variables
+            ),
+            node.registered_saver,
+            node.has_checkpoint_values,
+        )
+        for node in nodes
+    )
 
 
 def _decode_node(data: bytes) -> TrackableObject:

@@ -19,6 +19,7 @@ Messages (field numbers from TensorFlow's ``tensor_bundle.proto``, ``tensor_shap
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -60,8 +61,16 @@ class DecodeError(ValueError):
 # --- wire level -----------------------------------------------------------------------------
 
 
+# The one-byte varints, made once (most of an index's field keys, lengths and dimensions).
+_ONE_BYTE = tuple(bytes((i,)) for i in range(0x80))
+
+
 def encode_varint(value: int) -> bytes:
     """A base-128 varint; negative values take ten bytes (64-bit two's complement)."""
+    if 0 <= value <= 0x7F:
+        return _ONE_BYTE[value]
+    if 0 < value <= 0x3FFF:
+        return bytes(((value & 0x7F) | 0x80, value >> 7))
     if value < 0:
         value &= _U64
     out = bytearray()
@@ -158,11 +167,19 @@ def expect_bytes(field: int, wire: int, value: int | bytes) -> bytes:
 
 
 def field_varint(field: int, value: int) -> bytes:
-    return encode_varint(field << 3 | VARINT) + encode_varint(value)
+    key = field << 3 | VARINT
+    return (_ONE_BYTE[key] if key <= 0x7F else encode_varint(key)) + (
+        _ONE_BYTE[value] if 0 <= value <= 0x7F else encode_varint(value)
+    )
 
 
 def field_bytes(field: int, data: bytes) -> bytes:
-    return encode_varint(field << 3 | LEN) + encode_varint(len(data)) + data
+    key, n = field << 3 | LEN, len(data)
+    return (
+        (_ONE_BYTE[key] if key <= 0x7F else encode_varint(key))
+        + (_ONE_BYTE[n] if n <= 0x7F else encode_varint(n))
+        + data
+    )
 
 
 def field_fixed32(field: int, value: int) -> bytes:
@@ -172,8 +189,12 @@ def field_fixed32(field: int, value: int) -> bytes:
 # --- TensorShapeProto / TensorSliceProto ----------------------------------------------------
 
 
+@functools.lru_cache(maxsize=4096)
 def encode_shape(shape: tuple[int, ...]) -> bytes:
-    """``TensorShapeProto`` with one ``Dim`` per dimension (a size-0 dim is an empty Dim)."""
+    """``TensorShapeProto`` with one ``Dim`` per dimension (a size-0 dim is an empty Dim).
+
+    (Cached: a checkpoint's tensors share a few shapes, and its index encodes one per tensor.)
+    """
     return b"".join(field_bytes(2, field_varint(1, d) if d else b"") for d in shape)
 
 
@@ -307,7 +328,7 @@ def encode_entry(e: BundleEntry) -> bytes:
     if e.size:
         out.append(field_varint(5, e.size))
     if e.crc32c:
-        out.append(field_fixed32(6, e.crc32c))
+        out.append(b"\x35" + (e.crc32c & 0xFFFFFFFF).to_bytes(4, "little"))  # field 6, fixed32
     out.extend(field_bytes(7, encode_slice(s)) for s in e.slices)
     return b"".join(out)
 

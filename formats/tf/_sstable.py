@@ -79,6 +79,22 @@ def find_short_successor(key: bytes) -> bytes:
     return key
 
 
+def _common_prefix(a: bytes, b: bytes) -> int:
+    """The length of the longest common prefix of ``a`` and ``b`` (slices compared in C,
+    halving the range: a few comparisons for keys that share long paths)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 class _BlockBuilder:
     def __init__(self, restart_interval: int) -> None:
         self.restart_interval = restart_interval
@@ -96,17 +112,18 @@ class _BlockBuilder:
     def add(self, key: bytes, value: bytes) -> None:
         shared = 0
         if self.counter < self.restart_interval:
-            last = self.last_key
-            n = min(len(last), len(key))
-            while shared < n and last[shared] == key[shared]:
-                shared += 1
+            shared = _common_prefix(self.last_key, key)
         else:
             self.restarts.append(len(self.buf))
             self.counter = 0
         buf = self.buf
-        buf += encode_varint(shared)
-        buf += encode_varint(len(key) - shared)
-        buf += encode_varint(len(value))
+        unshared, size = len(key) - shared, len(value)
+        if shared <= 0x7F and unshared <= 0x7F and size <= 0x7F:  # (most entries: one byte each)
+            buf += bytes((shared, unshared, size))
+        else:
+            buf += encode_varint(shared)
+            buf += encode_varint(unshared)
+            buf += encode_varint(size)
         buf += key[shared:]
         buf += value
         self.last_key = key

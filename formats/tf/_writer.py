@@ -25,6 +25,7 @@ under its name, ``V/Adam``, ``V/Adam_1`` for Adam's slots of ``V``, ``beta1_powe
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections import deque
@@ -35,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from parallelvars import _spans
+from parallelvars._fileio import Scratch
 from parallelvars._geometry import shard_bounds
 from parallelvars.checkpoint.entry import ForwardingEntry, ReadAhead, check_entry
 from parallelvars.checkpoint.registry import COMPONENT_PREFIX
@@ -49,13 +51,7 @@ from .._json import jsonable
 from .._view import Entry, aggregates
 from ._bundle import BundleWriter
 from ._dtypes import DT_STRING, tf_dtype
-from ._graph import (
-    ObjectReference,
-    SerializedTensor,
-    SlotVariableReference,
-    TrackableObject,
-    encode_graph,
-)
+from ._graph import encode_node, encode_nodes
 from ._keys import (
     ATTRIBUTES,
     GRAPH_KEY,
@@ -106,7 +102,9 @@ def _names(path: str, index_path: str) -> list[str]:
 
 
 def _esc(names: list[str]) -> str:
-    return "/".join(escape_local_name(n) for n in names)
+    # The names come from splitting a path at '/' (:func:`_names`): none holds one, so escaping
+    # the joined path's dots escapes each name (``escape_local_name``) at once.
+    return "/".join(names).replace(".", "..")
 
 
 def _plan(path: str, entry: Entry, index_path: str) -> _Var:
@@ -205,12 +203,16 @@ def _extra(var: _Var) -> dict[str, Any] | None:
 
 
 def _component(var: _Var, i: int, index_path: str) -> np.ndarray:
+    """Component ``i`` of ``var`` (``_AGG``: an on-read variable's aggregate), checked against
+    the variable's shape and dtype."""
     e = var.entry
-    value = np.asarray(e.component(i))
-    want = e.component_shape(i)
+    if i == _AGG:
+        value, want, what = np.asarray(e.value()), tuple(e.shape), "the aggregate"
+    else:
+        value, want, what = np.asarray(e.component(i)), e.component_shape(i), f"component {i}"
     if tuple(value.shape) != tuple(want):
         raise InvalidEntryError(
-            f"component {i} has another shape than its variable",
+            f"{what} has another shape than its variable",
             file=index_path,
             variable=var.path,
             expected=tuple(want),
@@ -220,7 +222,7 @@ def _component(var: _Var, i: int, index_path: str) -> np.ndarray:
         "="
     ):
         raise DtypeMismatchError(
-            f"component {i} has another dtype than its variable",
+            f"{what} has another dtype than its variable",
             file=index_path,
             variable=var.path,
             expected=np.dtype(e.dtype),
@@ -331,18 +333,16 @@ def _graph_bytes(order: list[_Node]) -> bytes:
             if p not in marked:
                 marked.add(p)
                 todo.add(p)
-    protos = [
-        TrackableObject(
-            children=[ObjectReference(c.id, name) for name, c in node.children.items()],
-            attributes=[SerializedTensor(a, full, key) for a, full, key, _, _ in node.attributes],
-            slot_variables=[
-                SlotVariableReference(o.id, s, t.id) for o, s, t in node.slot_variables
-            ],
-            has_checkpoint_values=node.id in marked,
+    return encode_nodes(
+        encode_node(
+            [(c.id, name) for name, c in node.children.items()],
+            [(a, full, key) for a, full, key, _, _ in node.attributes],
+            [(o.id, s, t.id) for o, s, t in node.slot_variables],
+            None,
+            node.id in marked,
         )
         for node in order
-    ]
-    return encode_graph(protos)
+    )
 
 
 # The writer's naming by key style (``names=``).
@@ -358,7 +358,7 @@ def _write_var(w: BundleWriter, var: _Var, key: str, comp: int, index_path: str)
         w.add(k, _component(var, comp, index_path), dtype=var.tf_type)
         return
     if comp == _AGG:
-        w.add(k, np.asarray(var.entry.value()), dtype=var.tf_type)
+        w.add(k, _component(var, _AGG, index_path), dtype=var.tf_type)
         return
     assert var.slices is not None
     e = var.entry
@@ -372,16 +372,58 @@ def _write_var(w: BundleWriter, var: _Var, key: str, comp: int, index_path: str)
         w.add_slice(k, e.shape, spec, _component(var, i, index_path), dtype=var.tf_type)
 
 
+def _gathered(var: _Var, comp: int) -> tuple[np.dtype, tuple[int, ...]] | None:
+    """The dtype and shape a component is read into when it can join a gathered write (a
+    component of numbers in this machine's byte order, as the data file stores it), else None."""
+    if comp < 0 or var.tf_type == DT_STRING:
+        return None
+    dtype = np.dtype(var.entry.dtype)
+    if not dtype.isnative or dtype.kind not in "biufcV" or dtype.hasobject:
+        return None
+    return dtype, tuple(int(d) for d in var.entry.component_shape(comp))
+
+
 def _write_vars(w: BundleWriter, todo: list[tuple[str, _Var, int]], index_path: str) -> None:
     """Write the tensors ``todo`` in order, in runs of at most ``BULK_BYTES``: each run's
-    components read ahead in bulk from the files that hold them (:class:`ReadAhead`)."""
+    components read ahead in bulk from the files that hold them (:class:`ReadAhead`), read
+    back to back into one buffer and written with one call (:meth:`BundleWriter.add_run`);
+    a string tensor, an aggregate or a sharded variable's slices go one by one, in their
+    place. The data file's bytes and the index are those of writing each tensor alone."""
     sizes = [int(var.entry.nbytes) if comp != _AGG else 0 for _, var, comp in todo]
+    scratch = Scratch()
+    gather = not w.swaps
     with ReadAhead() as ahead:
         for run in _spans.batches(range(len(todo)), sizes, _spans.BULK_BYTES):
             ahead(todo[k][1].entry for k in run)
+            layout: list[tuple[int, np.dtype, tuple[int, ...], int] | None] = []
+            total = 0
             for k in run:
+                _, var, comp = todo[k]
+                got = _gathered(var, comp) if gather else None
+                if got is None:
+                    layout.append(None)
+                    continue
+                dtype, shape = got
+                n = math.prod(shape) * dtype.itemsize
+                layout.append((total, dtype, shape, n))
+                total += n
+            buf = scratch.array(np.dtype(np.uint8), (total,))
+            pending: list[tuple[bytes, int, tuple[int, ...], int]] = []
+            start = 0  # where the pending tensors begin in buf
+            for k, place in zip(run, layout, strict=True):
                 key, var, comp = todo[k]
-                _write_var(w, var, key, comp, index_path)
+                if place is None:
+                    if pending:
+                        end = start + sum(p[3] for p in pending)
+                        w.add_run(pending, buf[start:end])
+                        pending, start = [], end
+                    _write_var(w, var, key, comp, index_path)
+                    continue
+                pos, dtype, shape, n = place
+                var.entry.read_component_into(comp, buf[pos : pos + n].view(dtype).reshape(shape))
+                pending.append((key.encode("utf-8", "surrogateescape"), var.tf_type, shape, n))
+            if pending:
+                w.add_run(pending, buf[start:total])
 
 
 def _default_prefix(directory: str) -> str:
