@@ -664,11 +664,12 @@ class H5Reader(BulkReads, Mapping[str, StoredVariable]):
         span_of, at_sorted = spans_of.span_of, spans_of.at
         starts, sizes = offsets[order], nbytes[order]
         ends = np.maximum.accumulate(starts + sizes)
-        buf = staging.take(spans_of.total) if staged else np.empty(spans_of.total, np.uint8)
         fd = self._fd()
         if hasattr(os, "posix_fadvise"):  # every span asked for at once: the disk reads ahead
             for start, size in zip(span_starts.tolist(), spans.tolist(), strict=True):
                 os.posix_fadvise(fd, start, size, os.POSIX_FADV_WILLNEED)
+        # (after the ask: new staging memory is faulted in while the disk reads)
+        buf = staging.take(spans_of.total) if staged else np.empty(spans_of.total, np.uint8)
         # Tasks: the components whose start falls in one BULK_PIECE window of their span.
         window = (
             span_of * (int(spans.max(initial=0)) // BULK_PIECE + 1)
