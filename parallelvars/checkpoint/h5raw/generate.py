@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 
 from parallelvars._geometry import shard_bounds
+from parallelvars.checkpoint._gcfreeze import freeze_made_so_far
 from parallelvars.checkpoint.h5raw import header as hdr
 from parallelvars.checkpoint.h5raw import messages as msg
 from parallelvars.checkpoint.h5raw.global_heap import build_collections
@@ -398,7 +399,9 @@ class FilePlan:
         ds_key, ds_shape, ds_nbytes = self._ds_key, self._ds_shape, self._ds_nbytes
         rows = self._rows
         prod = math.prod
-        for var, sh, c in zip(variables, shared, ids, strict=True):
+        for k, (var, sh, c) in enumerate(zip(variables, shared, ids, strict=True)):
+            if not k & 4095:
+                freeze_made_so_far()
             layout = of_class[c]
             path = var.path
             if layout is None or layout.sharded or layout.vlen or path in by_path:
@@ -471,6 +474,7 @@ class FilePlan:
             else:
                 stack.pop()
         self._groups = groups
+        freeze_made_so_far()
         for layout in self._layouts.values():
             # a variable's group whose header continues in further chunks (their continuation
             # messages hold addresses), or of more links than a header keeps (a symbol
@@ -920,6 +924,10 @@ class FilePlan:
         for g in self._root.children:
             g.links, g.children, g.attrs = [], [], []  # (only its address is read)
         self._root.children = []
+        for layout in self._layouts.values():
+            # (a layout and its groups refer to each other: emptied, the plan's objects are
+            # freed as it drops them, not left to a full collection of the cyclic collector)
+            layout.groups = []
         for name in ("_by_path", "_groups", "_layouts", "_plain", "_individual", "_rows"):
             setattr(self, name, None)
         self._ds_key, self._ds_shape, self._ds_nbytes = [], [], []
