@@ -456,6 +456,34 @@ def test_metadata_made_in_batches_is_the_same(tmp_path, monkeypatch) -> None:
         assert fa.read() == fb.read()
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.integers(1, 9),
+    gaps=st.lists(st.integers(-12, 12), min_size=0, max_size=40),
+    data=st.data(),
+)
+def test_template_rows_are_placed_at_their_addresses(size, gaps, data) -> None:
+    """Rows laid one after another, at a fixed stride with other bytes between them, or out
+    of order are each copied to their own address (a run of equal steps in one strided copy)."""
+    from parallelvars.checkpoint.h5raw.templates import place
+
+    at = [0]
+    for gap in gaps:  # (a gap repeated makes a run of equal steps)
+        at.append(at[-1] + size + gap if gap >= 0 else at[-1] + gap * size)
+    addresses = np.array(at, np.int64)
+    addresses -= addresses.min()
+    rows = data.draw(
+        st.lists(st.binary(min_size=size, max_size=size), min_size=len(at), max_size=len(at))
+    )
+    rows_array = np.frombuffer(b"".join(rows), np.uint8).reshape(len(at), size)
+    image = np.zeros(int(addresses.max()) + size + 3, np.uint8)
+    want = image.copy()
+    for a, row in zip(addresses.tolist(), rows_array, strict=True):
+        want[a : a + size] = row
+    place(image, addresses, rows_array)
+    assert image.tobytes() == want.tobytes()
+
+
 def test_mirrored_components_stored_once_are_hard_links(tmp_path) -> None:
     w = np.arange(1000, dtype=np.float32)
     rec = SaveRecord(

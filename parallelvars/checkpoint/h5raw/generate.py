@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 
 from parallelvars._geometry import shard_bounds
+from parallelvars.checkpoint._gcfreeze import freeze_made_so_far
 from parallelvars.checkpoint.h5raw import header as hdr
 from parallelvars.checkpoint.h5raw import messages as msg
 from parallelvars.checkpoint.h5raw.global_heap import build_collections
@@ -68,6 +69,7 @@ from parallelvars.checkpoint.h5raw.header import SUPERBLOCK_SIZE
 from parallelvars.checkpoint.h5raw.header import encode_chunked as _encode_chunked
 from parallelvars.checkpoint.h5raw.lookup3 import lookup3, lookup3_many
 from parallelvars.checkpoint.h5raw.messages import superblock as _superblock
+from parallelvars.checkpoint.h5raw.objects import _NOTHING as _NO_LINKS
 from parallelvars.checkpoint.h5raw.objects import ROW_STRING as _ROW_STRING
 from parallelvars.checkpoint.h5raw.objects import Attr as _Attr
 from parallelvars.checkpoint.h5raw.objects import Dataset as _Dataset
@@ -175,6 +177,7 @@ class FilePlan:
         self._vlen: list[tuple[int, Sequence[bytes]]] = []
         self._vlen_data: list[tuple[int, bytes]] = []
         self._ds_address: np.ndarray = np.zeros(0, np.int64)
+        self._linking_out: set[int] = set()  # the groups holding external links (by id)
         add = self._add_variable
         if shared is None:
             for var in variables:
@@ -293,6 +296,7 @@ class FilePlan:
             for i, (file, dataset) in enumerate(external):
                 target = _External(file.encode("utf-8"), dataset.encode("utf-8"))
                 group.links.append((_component_name(i).encode(), target))
+            self._linking_out.add(id(group))
             if layout.sharded:  # the stitched value, over the shards in the other files
                 axis = int(attrs["shard_axis"])
                 bounds = shard_bounds(attrs["shard_offsets"], shape[axis])
@@ -398,21 +402,41 @@ class FilePlan:
         ds_key, ds_shape, ds_nbytes = self._ds_key, self._ds_shape, self._ds_nbytes
         rows = self._rows
         prod = math.prod
-        for var, sh, c in zip(variables, shared, ids, strict=True):
+        # shapes recur: each one's tuple of ints made once (and shared by its records' rows)
+        shapes: dict[Any, tuple[int, ...]] = {}
+        # the records of a group come one after another: its parent's path and lists kept
+        parent_path: str | None = None
+        plinks: list[tuple[bytes, Any]] = []
+        pchildren: list[_Group] = []
+        for k, (var, sh, c) in enumerate(zip(variables, shared, ids, strict=True)):
+            if not k & 4095:
+                freeze_made_so_far()  # (the plan's objects live until its image is made)
             layout = of_class[c]
             path = var.path
             if layout is None or layout.sharded or layout.vlen or path in by_path:
                 of_class[c] = add(var, sh, None, None, layout)
+                parent_path = None  # (it may have given a leaf group lists of its own)
                 continue
-            shape = tuple(map(int, var.shape))
+            raw = var.shape
+            try:
+                shape = shapes[raw]
+            except (KeyError, TypeError):
+                shape = tuple(map(int, raw))
+                if type(raw) is tuple:
+                    shapes[raw] = shape
             row = var.attrs.get(_ROW_STRING)  # (a string or None: its class's first record's)
             first = len(ds_key)
-            parent_path, _, name = path.rpartition("/")
-            parent = by_path.get(parent_path) or self._group_of(parent_path)
+            at, _, name = path.rpartition("/")
+            if at != parent_path:
+                parent = by_path.get(at) or self._group_of(at)
+                if parent.links is _NO_LINKS:  # (a leaf variable's group becomes a parent)
+                    parent.links, parent.children = [], []
+                parent_path, plinks, pchildren = at, parent.links, parent.children
             group = by_path[path] = leaf(
                 layout, shape, None if row is None else row.encode("utf-8"), first
             )
-            _adopt(parent, name.encode("utf-8"), group)
+            plinks.append((name.encode("utf-8"), group))  # (adopt, the parent's lists at hand)
+            pchildren.append(group)
             layout.groups.append(group)
             nbytes = prod(shape) * layout.itemsize
             keys = layout.ds_keys[nbytes > 0]
@@ -471,6 +495,7 @@ class FilePlan:
             else:
                 stack.pop()
         self._groups = groups
+        freeze_made_so_far()
         for layout in self._layouts.values():
             # a variable's group whose header continues in further chunks (their continuation
             # messages hold addresses), or of more links than a header keeps (a symbol
@@ -487,15 +512,11 @@ class FilePlan:
         # variable's slots...) are made from one template
         others = [g for g in groups if g.layout is None]  # (groups not made from a layout)
         plain: dict[tuple[bytes, ...], list[_Group]] = {}
+        linking_out = self._linking_out
         for g in others:
             if len(g.links) > MAX_COMPACT_LINKS:
                 g.table = SymbolTable([name for name, _ in g.links])
-            elif (
-                not g.attrs
-                and g is not root
-                and g.links
-                and not any(isinstance(t, _External) for _, t in g.links)
-            ):
+            elif not g.attrs and g is not root and g.links and id(g) not in linking_out:
                 plain.setdefault(tuple([name for name, _ in g.links]), []).append(g)
         self._plain: list[tuple[Template, list[_Group]]] = []
         templated: set[int] = set()
@@ -920,6 +941,10 @@ class FilePlan:
         for g in self._root.children:
             g.links, g.children, g.attrs = [], [], []  # (only its address is read)
         self._root.children = []
+        for layout in self._layouts.values():
+            # (a layout and its groups refer to each other: emptied, the plan's objects are
+            # freed as it drops them, not left to a full collection of the cyclic collector)
+            layout.groups = []
         for name in ("_by_path", "_groups", "_layouts", "_plain", "_individual", "_rows"):
             setattr(self, name, None)
         self._ds_key, self._ds_shape, self._ds_nbytes = [], [], []

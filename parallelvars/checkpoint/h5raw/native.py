@@ -596,6 +596,7 @@ def _prepare(
     bytes are written), asked for only by an index that takes its template record by record."""
     # (records of a class share their layout in the plan and their texts in the documents)
     classes = record_classes(items, shared)
+    freeze_made_so_far()
     plan = _plan_for(items, shared, object_graph, root, file, classes)
     if laid_out is not None:
         laid_out(plan)

@@ -14,6 +14,7 @@ file's metadata image.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,18 +89,33 @@ class Template:
 
 
 def place(image: np.ndarray, addresses: np.ndarray, rows: np.ndarray) -> None:
-    """Copy each row of ``rows`` to ``image`` at its address: rows laid one after another
-    (the usual case: the variables of a group, the components of the variables) in one copy
-    per run."""
+    """Copy each row of ``rows`` to ``image`` at its address, one copy per run of rows whose
+    addresses step by the same amount: rows laid one after another (the variables of a group,
+    the components of the variables), and rows laid at a fixed stride with other headers
+    between them (the slot variables of a variable after its slots' group)."""
     count, size = rows.shape
     if count == 0:
         return
-    breaks = np.flatnonzero(np.diff(addresses) != size) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [count]))
-    for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
-        a = int(addresses[s])
-        image[a : a + (e - s) * size] = rows[s:e].reshape(-1)
+    if count == 1:
+        a = int(addresses[0])
+        image[a : a + size] = rows[0]
+        return
+    steps = np.diff(addresses)
+    # runs of equal steps: rows p..q (steps[p:q] equal), the rows between runs in both
+    bounds = [0, *(np.flatnonzero(steps[1:] != steps[:-1]) + 1).tolist(), count - 1]
+    at = addresses.tolist()
+    for p, q in itertools.pairwise(bounds):
+        step = at[p + 1] - at[p]
+        if step == size:
+            image[at[p] : at[p] + (q + 1 - p) * size] = rows[p : q + 1].reshape(-1)
+        elif step > size:
+            view = np.lib.stride_tricks.as_strided(
+                image[at[p] :], shape=(q + 1 - p, size), strides=(step, 1), writeable=True
+            )
+            view[:] = rows[p : q + 1]
+        else:  # (not in increasing order: one row at a time)
+            for r in range(p, q + 1):
+                image[at[r] : at[r] + size] = rows[r]
 
 
 def place_rows(
