@@ -139,6 +139,18 @@ def _logical_shape(obj: ParallelVariable) -> tuple[int, ...]:
 # ShardedVariable define them; RankShardedVariable's shape is _logical_shape's).
 _FACTS = ("name", "devices", "synchronization", "aggregation", "trainable", "kind", "components")
 _SHARD_FACTS = ("shard_axis", "shard_offsets")
+# The proxy's own dict (wrapt 2's name for it; without it, the state is read name by name).
+_SELF_DICT = "__self_dict__"
+# The proxy state those properties return.
+_STATE = (
+    "_self_name",
+    "_self_device",
+    "_self_synchronization",
+    "_self_aggregation",
+    "_self_trainable",
+    "_self_kind",
+    "_self_components",
+)
 
 
 @functools.cache
@@ -178,33 +190,37 @@ class ParallelVariableSaveable(Saveable):
         )
 
     def gather_all(self, objs: Sequence[ParallelVariable]) -> list[SaveRecord]:
-        """:meth:`gather` of each of ``objs``, read as columns: each fact of every variable
-        from the proxy's own state in one C loop (an attribute read through the proxy costs
-        its ``__getattr__`` hook), the attributes of every record as :meth:`gather` makes
-        them, in its order."""
+        """:meth:`gather` of each of ``objs``: the same records, each variable's facts read
+        from the proxy's own dict (what its properties return; a read through the proxy costs
+        its ``__getattr__`` hook, a few hundred ns), the attributes of every record as
+        :meth:`gather` makes them, in its order."""
         types = set(map(type, objs))
         if not all(map(_plain_facts, types)):
             return list(map(self.gather, objs))
-        get = object.__getattribute__  # (the proxy's own attributes, without its hook)
+        get = object.__getattribute__  # (the proxy's own state, without its hook)
+        if all(hasattr(t, _SELF_DICT) for t in types):  # (wrapt >= 2: the proxy's own dict)
+            states = list(map(get, objs, itertools.repeat(_SELF_DICT)))
+        else:
+            states = [{k: get(obj, k) for k in _STATE} for obj in objs]
         devices: dict[int, tuple[str, ...]] = {}
-        kinds, components, wrapped, attrs = [], [], [], []
-        for obj in objs:  # (one pass: each variable's state is read while it is in cache)
-            device = get(obj, "_self_device")
+        attrs = []
+        for state in states:
+            device = state["_self_device"]
             names = devices.get(id(device))
             if names is None:
                 names = devices[id(device)] = tuple(device.components)
             attrs.append(
                 {
-                    "name": get(obj, "_self_name"),
+                    "name": state["_self_name"],
                     "devices": list(names),
-                    "synchronization": get(obj, "_self_synchronization")._value_,
-                    "aggregation": get(obj, "_self_aggregation")._value_,
-                    "trainable": get(obj, "_self_trainable"),
+                    "synchronization": state["_self_synchronization"]._value_,
+                    "aggregation": state["_self_aggregation"]._value_,
+                    "trainable": state["_self_trainable"],
                 }
             )
-            kinds.append(get(obj, "_self_kind"))
-            components.append(get(obj, "_self_components"))
-            wrapped.append(get(obj, "__wrapped__"))
+        kinds = list(map(operator.itemgetter("_self_kind"), states))
+        components = list(map(operator.itemgetter("_self_components"), states))
+        wrapped = list(map(get, objs, itertools.repeat("__wrapped__")))
         if any(issubclass(t, RankShardedVariable) for t in types):
             shapes = [_logical_shape(o) for o in objs]
         else:
