@@ -12,6 +12,8 @@ leaves a note on the parent (``_pv_deferred``); the moment a child of that name 
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from itertools import repeat
@@ -198,8 +200,29 @@ def _item_names(count: int) -> list[str]:
 _LIST, _DICT, _MODULE, _OTHER = range(4)
 
 
+_PRIVATE = operator.methodcaller("startswith", "_pv_")  # a module's own attributes
+
+
+@functools.cache
+def _may_be_plain(cls: type) -> bool:
+    """Whether an instance of ``cls`` may be a list, tuple or dict to ``isinstance``: its type
+    is one, or it may say it is one through its own ``__class__`` (a proxy forwards it to the
+    object it wraps; a variable proxy wraps an array)."""
+    if issubclass(cls, _PLAIN_CONTAINERS):
+        return True
+    owner = next(k for k in cls.__mro__ if "__class__" in vars(k))
+    if owner is object:
+        return False
+    from parallelvars._proxy import ParallelVariable
+
+    return not issubclass(cls, ParallelVariable)
+
+
 def _volatile(items: Iterable[Any]) -> tuple[tuple[Any, bool], ...]:
     """``(item, is_trackable(item))`` of the plain containers among ``items``."""
+    items = list(items)
+    if not any(map(_may_be_plain, set(map(type, items)))):
+        return ()  # (asked once per type: no item is one)
     return tuple(
         (v, is_trackable(v))
         for v in items
@@ -237,7 +260,10 @@ def node_children(obj: Any) -> tuple[dict[str, Any], tuple[Any, ...]]:
     elif how == _DICT:
         volatile = _volatile(raw[1])
     elif how == _MODULE:  # (a module's _pv_ attributes are never its children)
-        volatile = _volatile(v for k, v in source.items() if not k.startswith("_pv_"))
+        if any(map(_PRIVATE, source)):
+            volatile = _volatile(v for k, v in source.items() if not k.startswith("_pv_"))
+        else:
+            volatile = _volatile(raw[1])
     else:
         volatile = ()
     snapshot = (how, obj, source, raw, tuple(children), tuple(children.values()), volatile)
@@ -377,11 +403,12 @@ class Module(Trackable):
             self._maybe_restore_child(name, value)
 
     def _trackable_children(self) -> dict[str, Any]:
-        return {
-            name: value
-            for name, value in vars(self).items()
-            if not name.startswith("_pv_") and is_trackable(value)
-        }
+        # (the attributes not named _pv_..., then those whose values are trackable: each
+        # step one C loop while every value's type has a saveable, see _trackable_only)
+        items = vars(self)
+        if any(map(_PRIVATE, items)):
+            items = {name: value for name, value in items.items() if not name.startswith("_pv_")}
+        return dict(_trackable_only(items))
 
     @property
     def variables(self) -> list[Any]:

@@ -20,6 +20,8 @@ The facade over the checkpoint package's concepts, one module each:
 
 from __future__ import annotations
 
+import itertools
+import operator
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,9 +30,10 @@ import numpy as np
 
 from parallelvars.checkpoint import _restore  # (also registers the variable saveable)
 from parallelvars.checkpoint._foreign import with_foreign_hint
-from parallelvars.checkpoint._gcfreeze import older_objects_frozen
+from parallelvars.checkpoint._gcfreeze import freeze_made_so_far, older_objects_frozen
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX  # noqa: F401 - <file>.parts/: a multi-process save's files
 from parallelvars.checkpoint.graph import (  # noqa: F401 - the graph's names, as before
+    _FREEZE_STEP,
     GRAPH_VERSION,
     ObjectGraph,
     build_object_graph,
@@ -375,12 +378,17 @@ class Checkpoint(Trackable):
     def _gather_new(self, graph: ObjectGraph) -> tuple[ObjectGraph, RecordList, dict[str, Any]]:
         """The records of the object graph ``graph`` (see :meth:`_gather`)."""
         records = RecordList()
-        node_ids = []
-        for node_id, obj, var_path, saveable in graph.saveables():
-            record = saveable.gather(obj)
-            record.path = var_path
-            records.append(record)
-            node_ids.append(node_id)
+        leaves = list(graph.saveables())
+        freeze_made_so_far()  # (the graph is kept: later collections need not walk it again)
+        # Each run of variables of one saveable gathered together (Saveable.gather_all).
+        for saveable, run in itertools.groupby(leaves, operator.itemgetter(3)):
+            objs = [obj for _, obj, _, _ in run]
+            for k in range(0, len(objs), _FREEZE_STEP):
+                records.extend(saveable.gather_all(objs[k : k + _FREEZE_STEP]))
+                freeze_made_so_far()  # (the records are kept too)
+        for record, path in zip(records, map(operator.itemgetter(2), leaves), strict=True):
+            record.path = path
+        node_ids = list(map(operator.itemgetter(0), leaves))
         by_node: dict[int, SaveRecord] | None = None
         for node in graph.nodes:
             if not node["slots"]:

@@ -19,15 +19,17 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import is_
-from typing import Any
+from itertools import repeat
+from operator import is_, is_not
+from typing import Any, cast
 
 from parallelvars._fileio import value_types
 from parallelvars._ints import is_index
+from parallelvars.checkpoint._gcfreeze import freeze_made_so_far
 from parallelvars.checkpoint.entry import check_name_text
-from parallelvars.checkpoint.registry import Saveable, get_saveable
+from parallelvars.checkpoint.registry import Saveable, get_saveable, type_saveable
 from parallelvars.checkpoint.registry import generation as registry_generation
 from parallelvars.errors import CorruptCheckpointError
 from parallelvars.tracking import Trackable, _as_node, node_children, same_children
@@ -155,7 +157,12 @@ class ObjectGraph:
 
 
 def build_object_graph(root: Any) -> ObjectGraph:
-    """Walk ``root`` breadth-first; every object once, at the first path that reaches it."""
+    """Walk ``root`` breadth-first; every object once, at the first path that reaches it.
+
+    The children of one container that are all new variables (a layer's weights, a list of
+    variables), and one optimizer's slots of saved variables, are added together
+    (:func:`_add_leaves`): their ids, names and paths as lists, no per-object call; any
+    other child is added as it is found. Both give the same nodes in the same order."""
     graph = ObjectGraph()
     graph.add(root, "")
     ids, objects, nodes, leaves, add = (
@@ -165,20 +172,37 @@ def build_object_graph(root: Any) -> ObjectGraph:
         graph._leaves,
         graph.add,
     )
+    paths = graph._paths
     snapshots = graph._snapshots
+    leaf_saveable = _leaf_types()
     queue: deque[int] = deque([0])
     trackables: list[int] = []  # the containers walked, in walk order (they may own slots)
+    freeze_at = _FREEZE_STEP
     while queue:
+        if len(nodes) >= freeze_at:
+            # (inside a save's older_objects_frozen: the nodes made so far are kept, so the
+            # collections the walk triggers need not walk them again and again)
+            freeze_made_so_far()
+            freeze_at = len(nodes) + _FREEZE_STEP
         parent = queue.popleft()
         obj = objects[parent]
         if not isinstance(obj, Trackable):
             continue  # (a root that is neither a container nor a variable: nothing in it)
         trackables.append(parent)
-        base = graph.path_of(parent)
+        base = paths[parent]
         prefix = f"{base}/" if base else ""
         children = nodes[parent]["children"]
         found, snapshot = node_children(obj)
         snapshots.append(snapshot)
+        names = list(found)
+        values = list(found.values())
+        escaped = _escaped_names(names)
+        if escaped is not None and len(names) > 1:
+            saveables = _new_leaves(leaf_saveable, ids, values)
+            if saveables is not None:
+                new = _add_leaves(graph, values, _prefixed(prefix, escaped), saveables)
+                children.extend(map(list, zip(names, new, strict=True)))
+                continue
         for name, value in found.items():
             child = _as_node(value)
             child_id = ids.get(id(child))
@@ -194,8 +218,27 @@ def build_object_graph(root: Any) -> ObjectGraph:
         triples = obj._checkpoint_slots()
         v, n, s = zip(*triples, strict=True) if triples else ((), (), ())
         graph._slot_snapshots.append((obj, v, n, s))
-        for var, slot_name, slot_var in triples:
-            var_id = ids.get(id(var))
+        if not triples:
+            continue
+        freeze_made_so_far()  # (the slot triples of a large optimizer, see above)
+        slots = nodes[node_id]["slots"]
+        var_ids = list(map(ids.get, map(id, v)))
+        if (
+            None not in var_ids
+            and all(map(is_not, s, repeat(None)))
+            and _escaped_names(n) is not None
+        ):
+            saveables = _new_leaves(leaf_saveable, ids, s)
+            if saveables is not None:
+                # every slot a new variable of a saved variable: added together
+                head = f"{paths[node_id]}/slots/"
+                suffix = {name: "/" + escape_name(name) for name in set(n)}
+                owners = [paths[i] for i in var_ids if i is not None]  # (none is None here)
+                slot_paths = list(map(str.__add__, owners, map(suffix.__getitem__, n)))
+                new = _add_leaves(graph, s, _prefixed(head, slot_paths), saveables)
+                slots.extend(map(list, zip(var_ids, n, new, strict=True)))
+                continue
+        for var_id, (_, slot_name, slot_var) in zip(var_ids, triples, strict=True):
             if var_id is None or slot_var is None:
                 continue  # a slot of a variable that is not saved is not saved either
             if not slot_name.isascii():
@@ -204,8 +247,101 @@ def build_object_graph(root: Any) -> ObjectGraph:
             if slot_id is None:
                 path = f"{graph.path_of(node_id)}/slots/{graph.path_of(var_id)}/{escape_name(slot_name)}"
                 slot_id = add(slot_var, path)
-            nodes[node_id]["slots"].append([var_id, slot_name, slot_id])
+            slots.append([var_id, slot_name, slot_id])
     return graph
+
+
+# Nodes made between two freezes of what a walk made (see freeze_made_so_far).
+_FREEZE_STEP = 8192
+
+# type -> its saveable, for the types whose instances are always leaves: a registered
+# saveable, and neither a Trackable nor a plain list, tuple or dict whatever the instance
+# (see _leaf_saveable); made again when a registration changes what is saveable.
+_LEAF_TYPES: tuple[int, dict[type, Saveable | None]] = (-1, {})
+
+
+def _leaf_types() -> dict[type, Saveable | None]:
+    global _LEAF_TYPES
+    now = registry_generation()
+    if _LEAF_TYPES[0] != now:
+        _LEAF_TYPES = (now, {})
+    return _LEAF_TYPES[1]
+
+
+def _leaf_saveable(cls: type) -> Saveable | None:
+    """The saveable of ``cls`` when every instance of it is a leaf of the graph (what
+    ``ObjectGraph.add`` and ``_as_node`` decide per object, decided once per type), else None.
+
+    ``isinstance`` answers from the type, and from an instance's ``__class__`` where the type
+    defines its own (a proxy forwards it to the object it wraps): only a type whose
+    ``__class__`` is ``object``'s, or a variable proxy (which wraps an array), has the answer
+    of its type."""
+    from parallelvars._proxy import ParallelVariable
+
+    saveable = type_saveable(cls)
+    if saveable is None or issubclass(cls, (Trackable, list, tuple, dict)):
+        return None
+    owner = next(k for k in cls.__mro__ if "__class__" in vars(k))
+    if owner is not object and not issubclass(cls, ParallelVariable):
+        return None
+    return saveable
+
+
+def _new_leaves(
+    known: dict[type, Saveable | None], ids: dict[int, int], values: Sequence[Any]
+) -> list[Saveable] | None:
+    """The saveable of each of ``values`` when all are leaves (:func:`_leaf_saveable`) not yet
+    in the graph, each once; else None (the caller adds them one by one)."""
+    types = list(map(type, values))
+    for cls in set(types):
+        if cls not in known:
+            known[cls] = _leaf_saveable(cls)
+        if known[cls] is None:
+            return None
+    keys = set(map(id, values))
+    if len(keys) != len(values) or not ids.keys().isdisjoint(keys):  # (iterates the smaller)
+        return None
+    return cast(list[Saveable], list(map(known.__getitem__, types)))  # (none is None)
+
+
+def _escaped_names(names: Sequence[Any]) -> Sequence[str] | None:
+    """``names`` escaped for paths (:func:`escape_name`) when all are ASCII strings, else None
+    (the caller checks them one by one)."""
+    try:
+        joined = "".join(names)
+    except TypeError:
+        return None
+    if not joined.isascii():
+        return None
+    if "." in joined or "/" in joined:
+        return list(map(escape_name, names))
+    return names
+
+
+def _prefixed(prefix: str, names: Sequence[str]) -> Sequence[str]:
+    return list(map(prefix.__add__, names)) if prefix else names
+
+
+def _add_leaves(
+    graph: ObjectGraph,
+    values: Sequence[Any],
+    paths: Sequence[str],
+    saveables: list[Saveable],
+) -> range:
+    """Add the leaves ``values`` (new to the graph, each once) at ``paths``: what
+    :meth:`ObjectGraph.add` does for each, for all of them at once; their node ids."""
+    start = len(graph.nodes)
+    new = range(start, start + len(values))
+    graph.ids.update(zip(map(id, values), new, strict=True))
+    graph.objects.extend(values)
+    for k in range(0, len(paths), _FREEZE_STEP):
+        graph.nodes.extend(
+            [{"children": [], "path": p, "slots": []} for p in paths[k : k + _FREEZE_STEP]]
+        )
+        freeze_made_so_far()  # (see build_object_graph)
+    graph._paths.extend(paths)
+    graph._leaves.update(zip(new, saveables, strict=True))
+    return new
 
 
 def graph_from_paths(

@@ -93,6 +93,32 @@ class SaveRecord(Entry):
     def component(self, i: int) -> np.ndarray:
         return self.components[i]
 
+    @classmethod
+    def made(
+        cls,
+        kinds: Sequence[str],
+        components: Sequence[Sequence[np.ndarray]],
+        shapes: Sequence[tuple[int, ...]],
+        attrs: Sequence[dict[str, Any]],
+    ) -> list[SaveRecord]:
+        """``[SaveRecord(kind=k, components=c, shape=s, attrs=a) ...]`` of the columns, the
+        same records without a call of the constructor each (a first save makes one per
+        variable); each one's components non-empty."""
+        new = object.__new__
+        out: list[SaveRecord] = []
+        add = out.append
+        for kind, comps, shape, attr in zip(kinds, components, shapes, attrs, strict=True):
+            r = new(cls)
+            r.kind = kind
+            r.components = comps
+            r.shape = shape
+            r.attrs = attr
+            r.path = ""
+            r.dtype = comps[0].dtype
+            r.num_components = len(comps)
+            add(r)
+        return out
+
     @property
     def tensors(self) -> dict[str, np.ndarray]:
         """The named tensors: ``primary``, ``parallel_component_1`` ..."""
@@ -105,6 +131,11 @@ class Saveable(abc.ABC):
     @abc.abstractmethod
     def gather(self, obj: Any) -> SaveRecord:
         """The record to save for ``obj`` (component arrays as views of its buffers)."""
+
+    def gather_all(self, objs: Sequence[Any]) -> list[SaveRecord]:
+        """The records of ``objs``, in order: :meth:`gather` of each (a saveable may make
+        them together, the same records)."""
+        return list(map(self.gather, objs))
 
     @abc.abstractmethod
     def plan_restore(
@@ -121,6 +152,7 @@ _registry: dict[type, Saveable] = {}
 # What get_saveable answered for each type asked about (cleared on every registration).
 _by_type: dict[type, Saveable | None] = {}
 _lock = threading.Lock()
+_UNKNOWN: Any = object()
 # Counts the registrations: what a walk of the graph found saveable holds while it is unchanged.
 _generation = 0
 
@@ -159,7 +191,14 @@ def get_saveable(obj: Any) -> Saveable | None:
     """The saveable registered for ``type(obj)`` or its nearest base class, if any."""
     if not _registry:
         return None
-    cls = type(obj)
+    found = _by_type.get(type(obj), _UNKNOWN)  # (asked once per object: answered per type)
+    return type_saveable(type(obj)) if found is _UNKNOWN else found
+
+
+def type_saveable(cls: type) -> Saveable | None:
+    """The saveable registered for ``cls`` or its nearest base class, if any."""
+    if not _registry:
+        return None
     try:
         return _by_type[cls]  # a checkpoint asks once per object: once per type is enough
     except KeyError:
