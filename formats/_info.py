@@ -440,7 +440,7 @@ def _entries_from_columns(
             layout=layout,
             attrs=a,
         )
-        if kind == "sharded" or any(stored(key) != as_described for key in keys):
+        if kind == "sharded" or list(map(stored, keys)) != [as_described] * count:
             _check_stored(store, entry)  # (the general check, which names what differs)
         out.append(entry)
     if pos != len(flat):

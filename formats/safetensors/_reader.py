@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from typing import IO, Any
 
 import numpy as np
@@ -91,6 +92,19 @@ class _Store(ByteStore):
         idx, _, _, start = self._tensors[key]
         f = self._handles.get(idx)
         return None if f is None else (f.fileno(), start)
+
+    def _places(self, keys: Sequence[str]) -> list[tuple[int, int] | None]:
+        fds = {idx: f.fileno() for idx, f in self._handles.items()}
+        tensors = self._tensors
+        out: list[tuple[int, int] | None] = []
+        for key in keys:
+            idx, _, _, start = tensors[key]
+            fd = fds.get(idx)
+            out.append(None if fd is None else (fd, start))
+        return out
+
+    def _expected_crcs(self, keys: Sequence[str]) -> list[int | None]:
+        return list(map(self._crcs.get, keys))
 
     def shard_of(self, key: str) -> str:
         return self._files[self._tensors[key][0]]
