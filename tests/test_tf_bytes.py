@@ -359,7 +359,7 @@ def test_a_gathered_run_refuses_a_key_twice_and_bytes_that_do_not_add_up(tmp_pat
     ):
         w.add_run([(b"k", 1, (2,), 8), (b"k", 1, (2,), 8)], np.concatenate([x, x]).view(np.uint8))
     assert list(tmp_path.iterdir()) == []  # nothing left behind
-    with pytest.raises(AssertionError, match="bytes"), BundleWriter(str(tmp_path / "ckpt")) as w:
+    with pytest.raises(InvalidEntryError, match="bytes"), BundleWriter(str(tmp_path / "ckpt")) as w:
         w.add_run([(b"k", 1, (2,), 8)], np.zeros(12, np.uint8))
     assert list(tmp_path.iterdir()) == []
 
