@@ -106,22 +106,3 @@ def test_non_canonical_component_names_are_not_components(name: str) -> None:
 
     assert component_index(name) is None
     assert parse_component_key(f"m/w/{name}") == (f"m/w/{name}", 0)
-
-
-@given(
-    segments=st.lists(st.text(alphabet="ab./_", min_size=1, max_size=4), min_size=1, max_size=4),
-    names=st.sampled_from(NAME_STYLES),
-    count=st.integers(0, 6),
-    slot=st.booleans(),
-)
-def test_a_variables_keys_at_once_are_each_components_key(
-    segments: list[str], names: str, count: int, slot: bool
-) -> None:
-    """``component_keys`` (the flat writers' plan: the path's part worked out once) gives
-    what ``to_key`` gives component by component, slots and escapes included."""
-    from parallelvars.formats._names import component_keys
-
-    path = "/".join(segments)
-    extra = {"slot_of": "/".join(segments[:-1]) or "v", "slot_name": segments[-1]} if slot else {}
-    expected = [to_key(path, names, component=i, **extra) for i in range(count)]
-    assert component_keys(path, names, count, **extra) == expected

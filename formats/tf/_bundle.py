@@ -675,10 +675,22 @@ class BundleWriter:
         assert not self._swap, "add_run takes tensors in the byte order written"
         view = memoryview(data).cast("B")
         if sum(t[3] for t in tensors) != len(view):
-            raise AssertionError(f"add_run: {len(view)} bytes for tensors of another size")
+            raise InvalidEntryError(
+                "a gathered run's bytes do not add up to its tensors' sizes",
+                file=self.index_path,
+                expected=f"{sum(t[3] for t in tensors)} bytes",
+                found=f"{len(view)} bytes",
+            )
         keys = [t[0] for t in tensors]
-        for key in keys:
+        for key, num, _, _ in tensors:
             self._check_key(key)
+            if num == DT_STRING:
+                raise UnsupportedDtypeError(
+                    "string tensors are written one by one, not in a gathered run",
+                    file=self.index_path,
+                    variable=_display(key),
+                    found="DT_STRING",
+                )
         if len(set(keys)) != len(keys):
             seen: set[bytes] = set()
             for key in keys:
@@ -687,8 +699,6 @@ class BundleWriter:
                 seen.add(key)
         pos, offset, entries = 0, self._offset, self.entries
         for key, num, shape, size in tensors:
-            if num == DT_STRING:
-                raise AssertionError(f"{_display(key)!r}: add_run takes no string tensors")
             crc = mask(crc32c(view[pos : pos + size]))
             entries[key] = BundleEntry(num, shape, 0, offset + pos, size, crc)
             pos += size
