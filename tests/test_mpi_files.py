@@ -677,6 +677,8 @@ def test_rank_records_get_a_replica_plan_and_still_see_divergence(
     """Repeated collective saves of the same records: from the second on, each rank's records
     carry the plan its replicas (its local devices' components) are compared by, as a single
     process's do; a replica that diverges later is still stored apart."""
+    from parallelvars.checkpoint.snapshot import plan_replicas
+
     size, local = 2, 2
     devices = [f"cpu:{d}" for d in range(size * local)]
 
@@ -706,6 +708,7 @@ def test_rank_records_get_a_replica_plan_and_still_see_divergence(
                 devices[r * local : (r + 1) * local],
                 devices,
                 cache=caches[r],
+                plan_replicas=plan_replicas,
             )
 
         assert len(set(run_ranks(size, save))) == 1

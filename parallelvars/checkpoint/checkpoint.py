@@ -93,7 +93,16 @@ def _checkpoint_writer(plans: PlanCache | None = None) -> Callable[..., str]:
     comm, local, everyone = strategy.comm, strategy.parameter_devices, strategy.worker_devices
 
     def write(path: str, records: Sequence[SaveRecord], **options: Any) -> str:
-        return write_collective(comm, path, records, local, everyone, cache=plans, **options)
+        return write_collective(
+            comm,
+            path,
+            records,
+            local,
+            everyone,
+            cache=plans,
+            plan_replicas=plan_replicas,
+            **options,
+        )
 
     return write
 

@@ -32,7 +32,7 @@ import os
 import re
 import shutil
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from parallelvars._fileio import _fsync_path
@@ -117,6 +117,7 @@ def write_collective(
     object_graph: Any = None,
     metadata: Any = None,
     cache: PlanCache | None = None,
+    plan_replicas: Callable[[RecordList], None] | None = None,
 ) -> str:
     """Write one logical checkpoint from every rank of ``comm``; returns ``path`` on every rank.
 
@@ -131,7 +132,10 @@ def write_collective(
 
     With ``cache`` (the checkpoint's), repeated saves of one structure reuse its generated
     metadata: each rank's file through ``save_native``'s plan, and rank 0's index file through
-    ``write_native_index``'s, kept in a second cache that lives as long as ``cache``.
+    ``write_native_index``'s, kept in a second cache that lives as long as ``cache``; with
+    ``plan_replicas`` too (the checkpoint's ``snapshot.plan_replicas``), each save of the same
+    records hands this rank's records, the same ``RecordList`` as at the last save, to it
+    first (from their second save on, the plan their replicas are compared by).
 
     Raises:
         CheckpointError: on every rank, when any rank failed to write its part.
@@ -157,6 +161,8 @@ def write_collective(
         # devices, fixed for them): the rank file's structure is the records' (their token),
         # so a repeated save finds its plan without a key made of every record.
         mine = _rank_records(records, mine, cache)
+        if plan_replicas is not None:
+            plan_replicas(mine)
     error: str | None = None
     crcs: dict[str, list[int]] = {}
     try:
@@ -218,11 +224,9 @@ _RANK_RECORDS: weakref.WeakKeyDictionary[PlanCache, tuple[RecordList, RecordList
 def _rank_records(records: RecordList, mine: list[Any], cache: PlanCache | None) -> RecordList:
     """This rank's records ``mine`` of ``records`` as a ``RecordList`` like them: the one of
     the last save when it holds the same records (a repeated save of the same live records),
-    so that from its second save on it carries the plan its replicas are compared by, as a
-    single process's records do (``snapshot.plan_replicas``: a mirrored model's replicas on
-    this rank's devices compared by runs of their arena rows, while the bytes are written)."""
-    from parallelvars.checkpoint.snapshot import plan_replicas
-
+    so that from its second save on it may carry the plan its replicas are compared by, as a
+    single process's records do (a mirrored model's replicas on this rank's devices compared
+    by runs of their arena rows, while the bytes are written)."""
     held = None if cache is None else _RANK_RECORDS.get(cache)
     if (
         held is not None
@@ -235,7 +239,6 @@ def _rank_records(records: RecordList, mine: list[Any], cache: PlanCache | None)
         out = RecordList(mine, like=records)
         if cache is not None:
             _RANK_RECORDS[cache] = (records, out)
-    plan_replicas(out)
     return out
 
 

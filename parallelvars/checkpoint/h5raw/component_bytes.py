@@ -242,10 +242,13 @@ class _DataWrite:
     ) -> None:
         self._future: Future[list[Batch]] | None = None
         self._batches: list[Batch] | None = None
+        self._pool: ThreadPoolExecutor | None = None
         if thread_count() < 2:
             self._batches = _write_components(fd, plan, items, comps, crcs, file, batches)
             return
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parallelvars-save")
+        pool = self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="parallelvars-save"
+        )
         try:
             self._future = submit_or_run(
                 pool, _write_components, fd, plan, items, comps, crcs, file, batches
@@ -256,6 +259,9 @@ class _DataWrite:
     def join(self) -> None:
         if self._future is not None:
             futures.wait([self._future])
+        if self._pool is not None:  # (its thread has ended too when the save returns)
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def wait(self) -> list[Batch]:
         """Wait for the writes, raise their error; the batches written."""
