@@ -484,6 +484,36 @@ def test_template_rows_are_placed_at_their_addresses(size, gaps, data) -> None:
     assert image.tobytes() == want.tobytes()
 
 
+def test_a_released_plan_is_freed_without_the_cyclic_collector() -> None:
+    """A plan's layouts and their groups refer to each other; released, the plan leaves no
+    cycle behind (a first save of 50,000 variables with slots left 150,000 objects to the next
+    full collection, seconds of a training loop's time)."""
+    import gc
+
+    from parallelvars.checkpoint.h5raw.native import _plan_for, _root_values
+
+    records = [
+        SaveRecord(
+            "mirrored",
+            [np.zeros(3, np.float32)] * 2,
+            (3,),
+            {"devices": ["a", "b"], "slot_of": f"m/{k}"},
+            path=f"g/w{k}",
+        )
+        for k in range(50)
+    ]
+
+    def plan_once() -> None:
+        plan = _plan_for(records, [None] * 50, None, _root_values(None), "f.h5")
+        plan.metadata({"_parallelvars/index": 10, "_parallelvars/columns": 10})
+        plan.release()
+
+    plan_once()  # (imports and caches made on first use)
+    gc.collect()
+    plan_once()
+    assert gc.collect() == 0
+
+
 def test_mirrored_components_stored_once_are_hard_links(tmp_path) -> None:
     w = np.arange(1000, dtype=np.float32)
     rec = SaveRecord(
