@@ -490,22 +490,22 @@ def test_a_released_plan_is_freed_without_the_cyclic_collector() -> None:
     full collection, seconds of a training loop's time)."""
     import gc
 
-    from parallelvars.checkpoint.h5raw.native import _plan_for, _root_values
-
-    records = [
-        SaveRecord(
+    variables = [
+        Variable(
+            f"g/w{k}",
             "mirrored",
-            [np.zeros(3, np.float32)] * 2,
+            np.dtype(np.float32),
             (3,),
+            2,
             {"devices": ["a", "b"], "slot_of": f"m/{k}"},
-            path=f"g/w{k}",
+            [0, 0],
         )
         for k in range(50)
     ]
 
     def plan_once() -> None:
-        plan = _plan_for(records, [None] * 50, None, _root_values(None), "f.h5")
-        plan.metadata({"_parallelvars/index": 10, "_parallelvars/columns": 10})
+        plan = FilePlan(variables, root_attrs={"created": np.float64(CREATED)}, documents=["i"])
+        plan.metadata({"i": 10})
         plan.release()
 
     plan_once()  # (imports and caches made on first use)
