@@ -484,6 +484,36 @@ def test_template_rows_are_placed_at_their_addresses(size, gaps, data) -> None:
     assert image.tobytes() == want.tobytes()
 
 
+def test_a_released_plan_is_freed_without_the_cyclic_collector() -> None:
+    """A plan's layouts and their groups refer to each other; released, the plan leaves no
+    cycle behind (a first save of 50,000 variables with slots left 150,000 objects to the next
+    full collection, seconds of a training loop's time)."""
+    import gc
+
+    variables = [
+        Variable(
+            f"g/w{k}",
+            "mirrored",
+            np.dtype(np.float32),
+            (3,),
+            2,
+            {"devices": ["a", "b"], "slot_of": f"m/{k}"},
+            [0, 0],
+        )
+        for k in range(50)
+    ]
+
+    def plan_once() -> None:
+        plan = FilePlan(variables, root_attrs={"created": np.float64(CREATED)}, documents=["i"])
+        plan.metadata({"i": 10})
+        plan.release()
+
+    plan_once()  # (imports and caches made on first use)
+    gc.collect()
+    plan_once()
+    assert gc.collect() == 0
+
+
 def test_mirrored_components_stored_once_are_hard_links(tmp_path) -> None:
     w = np.arange(1000, dtype=np.float32)
     rec = SaveRecord(

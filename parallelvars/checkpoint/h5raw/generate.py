@@ -56,7 +56,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -618,28 +618,27 @@ class FilePlan:
         self.data_end = int(ds_offset[stored[-1]] + nbytes[stored[-1]]) if stored.size else at
         # each variable's components' offsets (None: no data)
         offs: list[int | None] = [None if o < 0 else o for o in ds_offset.tolist()]
-        self.offsets: dict[str, list[int | None]] = {}
-        # (a layout's components each of its own dataset, in order: a slice; all one dataset,
-        # a mirrored variable's stored once: one offset repeated)
-        ways: dict[int, int] = {}
-        for path, row_layout, start, n in self._rows:
-            # external links, and byte strings (read through HDF5: no offset in the index, as
-            # the libhdf5 writer's)
-            if row_layout is None or row_layout.vlen:
-                self.offsets[path] = [None] * n
-                continue
-            comp_ds = row_layout.comp_ds
-            way = ways.get(id(row_layout))
-            if way is None:
-                way = ways[id(row_layout)] = (
-                    0 if comp_ds == list(range(n)) else 1 if not any(comp_ds) else 2
-                )
-            if way == 0:
-                self.offsets[path] = offs[start : start + n]
-            elif way == 1:
-                self.offsets[path] = [offs[start]] * n
-            else:
-                self.offsets[path] = [offs[start + d] for d in comp_ds]
+        # each layout's way: 0 (its components each of its own dataset, in order: a slice), 1
+        # (all one dataset, a mirrored variable's stored once: one offset repeated), 2
+        # (picked), 3 (no offsets: external links, and byte strings, read through HDF5: none in
+        # the index, as the libhdf5 writer's)
+        ways: dict[_Layout | None, int] = {None: 3}
+        for lay in self._layouts.values():
+            cd = lay.comp_ds
+            ways[lay] = (
+                3 if lay.vlen else 0 if cd == list(range(lay.n)) else 1 if not any(cd) else 2
+            )
+        self.offsets: dict[str, list[int | None]] = {
+            path: offs[start : start + n]
+            if way == 0
+            else [offs[start]] * n
+            if way == 1
+            else [None] * n
+            if way == 3
+            else [offs[start + d] for d in cast(_Layout, lay).comp_ds]
+            for path, lay, start, n in self._rows
+            for way in (ways[lay],)
+        }
         self._vlen_data = [
             (int(ds_offset[number]), refs[at : at + len(elements)].tobytes())
             for (number, elements), at in zip(self._vlen, vlen_at, strict=True)
