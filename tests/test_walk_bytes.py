@@ -171,10 +171,9 @@ def test_bulk_walk_writes_the_same_bytes_large(tmp_path, monkeypatch, fixed_cloc
 def test_bulk_walk_same_graph_and_records(monkeypatch, self_dict):
     """The graph document and every record's fields and attributes, compared as objects (a
     byte comparison could hide a difference both writers normalise)."""
-    from parallelvars.checkpoint import _restore
-
     if not self_dict:  # (a wrapt without the proxy's dict: its state read name by name)
-        monkeypatch.setattr(_restore, "_SELF_DICT", "__no_such_attribute__")
+        where = "parallelvars.checkpoint._restore._SELF_DICT"  # (the saveable's module)
+        monkeypatch.setattr(where, "__no_such_attribute__")
     ckpt = build_model(4, seed=1)
     bulk_graph, bulk_records = _graph_and_records(ckpt)
     with monkeypatch.context() as m:
