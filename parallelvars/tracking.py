@@ -12,7 +12,6 @@ leaves a note on the parent (``_pv_deferred``); the moment a child of that name 
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -203,19 +202,26 @@ _LIST, _DICT, _MODULE, _OTHER = range(4)
 _PRIVATE = operator.methodcaller("startswith", "_pv_")  # a module's own attributes
 
 
-@functools.cache
-def _may_be_plain(cls: type) -> bool:
-    """Whether an instance of ``cls`` may be a list, tuple or dict to ``isinstance``: its type
-    is one, or it may say it is one through its own ``__class__`` (a proxy forwards it to the
-    object it wraps; a variable proxy wraps an array)."""
-    if issubclass(cls, _PLAIN_CONTAINERS):
-        return True
-    owner = next(k for k in cls.__mro__ if "__class__" in vars(k))
-    if owner is object:
-        return False
-    from parallelvars._proxy import ParallelVariable
+def type_decides_isinstance(cls: type) -> bool:
+    """Whether ``isinstance(x, C)`` of every instance ``x`` of ``cls`` is ``issubclass(cls, C)``
+    for the classes the graph asks about (containers, lists, tuples, dicts): ``isinstance``
+    also asks an instance's ``__class__`` where its type defines its own (a proxy forwards it
+    to the object it wraps), except for a variable proxy, which wraps an array."""
+    known = _DECIDED.get(cls)
+    if known is None:
+        owner = next(k for k in cls.__mro__ if "__class__" in vars(k))
+        from parallelvars._proxy import ParallelVariable
 
-    return not issubclass(cls, ParallelVariable)
+        known = _DECIDED[cls] = owner is object or issubclass(cls, ParallelVariable)
+    return known
+
+
+_DECIDED: dict[type, bool] = {}
+
+
+def _may_be_plain(cls: type) -> bool:
+    """Whether an instance of ``cls`` may be a list, tuple or dict to ``isinstance``."""
+    return issubclass(cls, _PLAIN_CONTAINERS) or not type_decides_isinstance(cls)
 
 
 def _volatile(items: Iterable[Any]) -> tuple[tuple[Any, bool], ...]:

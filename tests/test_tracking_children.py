@@ -7,7 +7,7 @@ import numpy as np
 
 import parallelvars as pv
 from parallelvars.checkpoint.graph import build_object_graph
-from parallelvars.tracking import _may_be_plain
+from parallelvars.tracking import type_decides_isinstance
 
 
 def test_module_children_filter_private_and_untrackable_attributes():
@@ -39,7 +39,7 @@ def test_a_plain_list_that_becomes_trackable_changes_the_graph():
     assert not graph.unchanged()
 
 
-def test_may_be_plain_by_type():
+def test_which_types_decide_isinstance():
     class Proxy:
         @property
         def __class__(self):  # type: ignore[override]
@@ -47,6 +47,6 @@ def test_may_be_plain_by_type():
 
     with pv.MirroredStrategy(2).scope():
         v = pv.Variable(np.zeros(2, np.float32))
-    assert not _may_be_plain(type(v)) and not _may_be_plain(int)
-    assert _may_be_plain(list) and _may_be_plain(pv.tracking.TrackedDict)
-    assert _may_be_plain(Proxy) and isinstance(Proxy(), list)
+    assert type_decides_isinstance(type(v)) and type_decides_isinstance(int)
+    assert type_decides_isinstance(list) and type_decides_isinstance(pv.tracking.TrackedDict)
+    assert not type_decides_isinstance(Proxy) and isinstance(Proxy(), list)

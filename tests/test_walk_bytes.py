@@ -171,10 +171,9 @@ def test_bulk_walk_writes_the_same_bytes_large(tmp_path, monkeypatch, fixed_cloc
 def test_bulk_walk_same_graph_and_records(monkeypatch, self_dict):
     """The graph document and every record's fields and attributes, compared as objects (a
     byte comparison could hide a difference both writers normalise)."""
-    from parallelvars.checkpoint import _restore
-
     if not self_dict:  # (a wrapt without the proxy's dict: its state read name by name)
-        monkeypatch.setattr(_restore, "_SELF_DICT", "__no_such_attribute__")
+        where = "parallelvars.checkpoint._restore._SELF_DICT"  # (the saveable's module)
+        monkeypatch.setattr(where, "__no_such_attribute__")
     ckpt = build_model(4, seed=1)
     bulk_graph, bulk_records = _graph_and_records(ckpt)
     with monkeypatch.context() as m:
@@ -246,3 +245,42 @@ def test_a_non_ascii_invalid_name_is_refused_in_a_container_of_variables():
         vs = {"ok": pv.Variable(np.zeros(2)), "bad\ud800": pv.Variable(np.ones(2))}
     with pytest.raises(pv.errors.InvalidEntryError, match="not valid Unicode"):
         graph_module.build_object_graph(pv.Checkpoint(vs=vs))
+
+
+class _Box:
+    """A value of a type of its own, saved by a saveable registered in the test."""
+
+    def __init__(self, value: float) -> None:
+        self.value = np.array([value], np.float64)
+
+
+class _BoxSaveable(registry.Saveable):
+    def gather(self, obj: _Box) -> registry.SaveRecord:
+        return registry.SaveRecord(kind="single", components=[obj.value], shape=(1,))
+
+    def plan_restore(self, obj: Any, stored: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+def test_runs_of_two_saveables_keep_node_order(monkeypatch):
+    registry.register_saveable(_Box, _BoxSaveable())
+    try:
+        with pv.MirroredStrategy(2).scope():
+            mixed = [pv.Variable(np.full(2, k, np.float32)) for k in range(3)]
+        mixed[1:1] = [_Box(1.0), _Box(2.0)]
+        ckpt = pv.Checkpoint(mixed=mixed, box=_Box(3.0), tail=mixed[0])
+        bulk_graph, bulk = _graph_and_records(ckpt)
+        with monkeypatch.context() as m:
+            _object_by_object(m)
+            each_graph, each = _graph_and_records(ckpt)
+    finally:
+        registry.unregister_saveable(_Box)
+    assert bulk_graph == each_graph
+    assert [(r.path, r.kind, r.attrs) for r in bulk] == [(r.path, r.kind, r.attrs) for r in each]
+    # (``tail`` is found first, at the root; the list's item 0 refers to it)
+    assert [r.path for r in bulk] == [
+        "box",
+        "tail",
+        "save_counter",
+        *(f"mixed/{k}" for k in range(1, 5)),
+    ]

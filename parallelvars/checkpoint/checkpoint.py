@@ -21,7 +21,6 @@ The facade over the checkpoint package's concepts, one module each:
 from __future__ import annotations
 
 import itertools
-import operator
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -387,17 +386,19 @@ class Checkpoint(Trackable):
     def _gather_new(self, graph: ObjectGraph) -> tuple[ObjectGraph, RecordList, dict[str, Any]]:
         """The records of the object graph ``graph`` (see :meth:`_gather`)."""
         records = RecordList()
-        leaves = list(graph.saveables())
+        node_ids, objs, paths, saveables = graph.leaf_columns()
         freeze_made_so_far()  # (the graph is kept: later collections need not walk it again)
-        # Each run of variables of one saveable gathered together (Saveable.gather_all).
-        for saveable, run in itertools.groupby(leaves, operator.itemgetter(3)):
-            objs = [obj for _, obj, _, _ in run]
-            for k in range(0, len(objs), _FREEZE_STEP):
-                records.extend(saveable.gather_all(objs[k : k + _FREEZE_STEP]))
+        # Each run of variables of one saveable gathered together (Saveable.gather_all), in
+        # pieces between which what was made is frozen for the collector (see graph.py).
+        start = 0
+        for saveable, run in itertools.groupby(saveables):
+            stop = start + len(list(run))
+            for k in range(start, stop, _FREEZE_STEP):
+                records.extend(saveable.gather_all(objs[k : min(k + _FREEZE_STEP, stop)]))
                 freeze_made_so_far()  # (the records are kept too)
-        for record, path in zip(records, map(operator.itemgetter(2), leaves), strict=True):
+            start = stop
+        for record, path in zip(records, paths, strict=True):
             record.path = path
-        node_ids = list(map(operator.itemgetter(0), leaves))
         by_node: dict[int, SaveRecord] | None = None
         for node in graph.nodes:
             if not node["slots"]:

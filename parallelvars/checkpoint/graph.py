@@ -32,7 +32,13 @@ from parallelvars.checkpoint.entry import check_name_text
 from parallelvars.checkpoint.registry import Saveable, get_saveable, type_saveable
 from parallelvars.checkpoint.registry import generation as registry_generation
 from parallelvars.errors import CorruptCheckpointError
-from parallelvars.tracking import Trackable, _as_node, node_children, same_children
+from parallelvars.tracking import (
+    Trackable,
+    _as_node,
+    node_children,
+    same_children,
+    type_decides_isinstance,
+)
 
 __all__ = [
     "GRAPH_VERSION",
@@ -127,6 +133,16 @@ class ObjectGraph:
         objects, paths = self.objects, self._paths
         for i, saveable in self._leaves.items():
             yield i, objects[i], paths[i], saveable
+
+    def leaf_columns(self) -> tuple[list[int], list[Any], list[str], list[Saveable]]:
+        """What :meth:`saveables` yields, as four lists (node ids, objects, paths, saveables)."""
+        ids = list(self._leaves)
+        return (
+            ids,
+            list(map(self.objects.__getitem__, ids)),
+            list(map(self._paths.__getitem__, ids)),
+            list(self._leaves.values()),
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {"version": GRAPH_VERSION, "nodes": self.nodes}
@@ -272,19 +288,11 @@ def _leaf_saveable(cls: type) -> Saveable | None:
     """The saveable of ``cls`` when every instance of it is a leaf of the graph (what
     ``ObjectGraph.add`` and ``_as_node`` decide per object, decided once per type), else None.
 
-    ``isinstance`` answers from the type, and from an instance's ``__class__`` where the type
-    defines its own (a proxy forwards it to the object it wraps): only a type whose
-    ``__class__`` is ``object``'s, or a variable proxy (which wraps an array), has the answer
-    of its type."""
-    from parallelvars._proxy import ParallelVariable
-
+    Decided by the type where it decides ``isinstance`` (:func:`type_decides_isinstance`)."""
     saveable = type_saveable(cls)
     if saveable is None or issubclass(cls, (Trackable, list, tuple, dict)):
         return None
-    owner = next(k for k in cls.__mro__ if "__class__" in vars(k))
-    if owner is not object and not issubclass(cls, ParallelVariable):
-        return None
-    return saveable
+    return saveable if type_decides_isinstance(cls) else None
 
 
 def _new_leaves(
