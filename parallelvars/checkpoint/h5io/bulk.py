@@ -10,6 +10,7 @@ rule), and open nothing one by one.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, ValuesView
+from itertools import compress, repeat
 from typing import TYPE_CHECKING, Any
 
 import h5py
@@ -114,11 +115,12 @@ class BulkReads:
                 suffixes = [
                     f"/{component_name(i)}".encode() for i in range(max(table.counts, default=0))
                 ]
-                wanted = {
-                    parent + suffixes[i]
-                    for parent, n in zip(parents, table.counts, strict=True)
-                    for i in range(n)
-                }
+                # (one pass of bytes.__add__ in C per component index)
+                counts = np.asarray(table.counts)
+                wanted: set[bytes] = set()
+                for i, suffix in enumerate(suffixes):
+                    have = compress(parents, (counts > i).tolist())
+                    wanted.update(map(bytes.__add__, have, repeat(suffix)))
                 self._hard_names = hard_names(
                     WindowSource(self._fd(), self.file_size), wanted, parents=parents
                 )

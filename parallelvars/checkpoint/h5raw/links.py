@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Collection, Iterable
+from itertools import pairwise
 
 import numpy as np
 
 from parallelvars._spans import coalesce
 from parallelvars.checkpoint.h5raw import header as hdr
-from parallelvars.checkpoint.h5raw.lookup3 import lookup3, lookup3_many
+from parallelvars.checkpoint.h5raw.lookup3 import lookup3, lookup3_many, lookup3_rows
 from parallelvars.checkpoint.h5raw.source import Refused, Source
 from parallelvars.checkpoint.h5raw.symbol_table import SYMBOL_TABLE, read_symbol_table
 
@@ -37,7 +38,6 @@ _UNDEF = 0xFFFFFFFFFFFFFFFF
 _SUPERBLOCK = struct.Struct("<8sBBBBQQQQ")  # versions 2 and 3 (8-byte offsets and lengths)
 _HARD = 0
 _KEEP = frozenset((hdr.LINK, hdr.LINK_INFO, SYMBOL_TABLE))  # (the messages a walk reads)
-_WALKED = np.array([hdr.LINK, hdr.LINK_INFO, SYMBOL_TABLE, hdr.CONTINUATION])
 _FIRST = 1024  # bytes of each header read first (its prefix: at most 6 + 16 + 4 + 8; most whole)
 _MAX_CHUNK = 1 << 20  # the largest first chunk walked here (ours are at most 4 KiB)
 _BATCH = 8192  # groups read together (their headers' bytes held at once)
@@ -45,6 +45,9 @@ _BATCH_BYTES = 64 << 20  # the most header bytes read for one batch of groups
 # Headers less than this apart are read together, the bytes between them too (a variable's
 # group and its datasets' headers lie side by side): at most _BATCH times this in gaps.
 _HEADER_GAP = 4096
+# Chunks of one length hashed as rows of one array (a generated file's groups of one kind have
+# headers of one size) once at least this many share it; the rest as spans.
+_SAME_LENGTH_ROWS = 32
 
 
 def root_address(source: Source) -> int:
@@ -100,21 +103,29 @@ def _one_storage(links: bool, info: bool, table: bool, where: str) -> None:
 
 def _check_names(groups: list[int], names: list[bytes], where: list[bytes]) -> None:
     """Refuse a link name libhdf5 would not take as one name (a ``/`` or NUL in it, or
-    ``.``), and a name a group lists twice (libhdf5 finds the first one, which may be a link
-    that is not hard)."""
+    ``.``)."""
     blob = b"".join(names)  # (one scan of every name: the loop only to say which)
     if b"/" in blob or b"\x00" in blob or b"." in names:
         for k, name in zip(groups, names, strict=True):
             if b"/" in name or b"\x00" in name or name == b".":
                 raise Refused(f"{_group(where[k])}: a link's name", "one name", repr(name))
-    if len(set(zip(groups, names, strict=True))) != len(names):
-        seen: set[tuple[int, bytes]] = set()
-        for pair in zip(groups, names, strict=True):
-            if pair in seen:
-                raise Refused(
-                    f"{_group(where[pair[0]])}: a link's name listed twice", "once", "twice"
-                )
-            seen.add(pair)
+
+
+def _listed_once(fulls: list[bytes], groups: list[int], where: list[bytes]) -> set[bytes]:
+    """The set of ``fulls`` (each link's full name); :class:`Refused` for a name a group lists
+    twice (libhdf5 finds the first one, which may be a link that is not hard).
+
+    A full name is its group's path, ``/`` and the link's name (no ``/`` in it: checked
+    first), and the groups read together have distinct paths: two links share a full name
+    exactly when one group lists one name twice."""
+    unique = set(fulls)
+    if len(unique) != len(fulls):
+        seen: set[bytes] = set()
+        for k, full in zip(groups, fulls, strict=True):
+            if full in seen:
+                raise Refused(f"{_group(where[k])}: a link's name listed twice", "once", "twice")
+            seen.add(full)
+    return unique
 
 
 def _link(body: bytes, where: str) -> tuple[bytes, int, int]:
@@ -173,12 +184,43 @@ def _read_spans(
     return buf, at
 
 
+def _checksums(buf: np.ndarray, spans: np.ndarray) -> np.ndarray:
+    """The lookup3 of ``buf[start:end]`` for every span ``(start, end)`` (a uint32 array):
+    spans of one length, when many share it, as the rows of one array (:func:`lookup3_rows`,
+    a few times cheaper than spans of mixed lengths); the others by :func:`lookup3_many`, or
+    one by one when they are few."""
+    out = np.empty(len(spans), np.uint32)
+    lengths = spans[:, 1] - spans[:, 0]
+    order = np.argsort(lengths, kind="stable")
+    cuts = [0, *(np.flatnonzero(np.diff(lengths[order])) + 1).tolist(), len(order)]
+    rest = np.ones(len(spans), bool)
+    for lo, hi in pairwise(cuts):
+        if hi - lo < _SAME_LENGTH_ROWS:
+            continue
+        rows = order[lo:hi]
+        size = int(lengths[rows[0]])
+        if size:
+            windows = np.lib.stride_tricks.sliding_window_view(buf, size)
+            out[rows] = lookup3_rows(windows[spans[rows, 0]], size)
+        else:
+            out[rows] = lookup3(b"")
+        rest[rows] = False
+    others = np.flatnonzero(rest)
+    if others.size > _SAME_LENGTH_ROWS:
+        out[others] = lookup3_many(buf, spans[others])  # type: ignore[arg-type]
+    else:  # (a few: one by one, each far cheaper than a round of array operations)
+        for k, (start, end) in zip(others.tolist(), spans[others].tolist(), strict=True):
+            out[k] = lookup3(buf[start:end])
+    return out
+
+
 def _group_links(
-    source: Source, addresses: list[int], where: list[bytes]
-) -> tuple[list[int], list[bytes], list[int]]:
+    source: Source, addresses: list[int], where: list[bytes], prefixes: list[bytes]
+) -> tuple[list[bytes], list[int], set[bytes]]:
     """The hard links of the groups whose object headers are at ``addresses`` (``where``:
-    each one's path, for errors), their chunks checked against their checksums: three lists,
-    the group (its place in ``addresses``), the link's name and its object's address.
+    each one's path, for errors; ``prefixes``: what each one's links' full names start with,
+    distinct), their chunks checked against their checksums: the links' full names (their
+    group's prefix and name), their objects' addresses, and the set of those full names.
     Version-2 headers in one chunk are read and walked together, as arrays; any other header
     alone (:func:`~.header.read_object_header`)."""
     n = len(addresses)
@@ -199,7 +241,7 @@ def _group_links(
             other_names.append(name)
 
     if n == 0:
-        return groups, names, targets
+        return [], [], set()
     addr = np.array(addresses, np.int64)
     if int(addr.min()) < 0 or int(addr.max()) + 16 > source.size:
         raise Refused("an object header lies outside the file", f"below {source.size}", "past it")
@@ -238,8 +280,7 @@ def _group_links(
             buf = np.concatenate([head, more])
         spans = np.stack([base, base + length + size0], axis=1)
         failed = np.flatnonzero(
-            lookup3_many(buf, spans)  # type: ignore[arg-type]
-            != _gather(buf, base + length + size0, 4).astype(np.uint32)
+            _checksums(buf, spans) != _gather(buf, base + length + size0, 4).astype(np.uint32)
         )
         if failed.size:
             bad = int(addr[fast][failed[0]])
@@ -266,7 +307,12 @@ def _group_links(
                     "a message inside its chunk",
                     "past its end",
                 )
-            want = np.isin(mtype, _WALKED)
+            want = (
+                (mtype == hdr.LINK)
+                | (mtype == hdr.LINK_INFO)
+                | (mtype == SYMBOL_TABLE)
+                | (mtype == hdr.CONTINUATION)
+            )
             found_rows.append(rows[want])
             found_types.append(mtype[want])
             found_at.append(body[want])
@@ -350,7 +396,12 @@ def _group_links(
         for name, kind, address in _links(source, header, _group(where[k])):
             take(k, name, kind, address)
     _check_names(groups + other_groups, names + other_names, where)
-    return groups, names, targets
+    fulls = list(map(bytes.__add__, map(prefixes.__getitem__, groups), names))
+    if not other_names:
+        return fulls, targets, _listed_once(fulls, groups, where)
+    others = list(map(bytes.__add__, map(prefixes.__getitem__, other_groups), other_names))
+    _listed_once(fulls + others, groups + other_groups, where)
+    return fulls, targets, set(fulls)
 
 
 def _group(path: bytes) -> str:
@@ -372,40 +423,38 @@ def hard_names(
     asks libhdf5 instead. ``parents``: the names' parent groups, when the caller knows them
     (fewer than the names: each is split once). ``max_groups``: the most groups read (default:
     one per group on the names' paths, and the root)."""
-    groups: set[bytes] = set()
-    for name in wanted if parents is None else parents:
-        if parents is not None:  # (a parent is itself a group on the way)
-            if name in groups:
-                continue
-            groups.add(name)
-        cut = name.rfind(b"/")
-        while cut > 0 and name[:cut] not in groups:
-            groups.add(name[:cut])
-            cut = name.rfind(b"/", 0, cut)
+    names = set(wanted if parents is None else parents)
+    groups = names if parents is not None else set()
+    while names:  # (every group above a name: its path cut at each ``/`` but a leading one)
+        names = {name[:cut] for name in names if (cut := name.rfind(b"/")) > 0}
+        names -= groups
+        groups |= names
     limit = len(groups) + 1 if max_groups is None else max_groups
     found: set[bytes] = set()
     seen: set[int] = set()
-    level: list[tuple[bytes, int]] = [(b"", root_address(source))]
+    # The groups of one depth: their paths and header addresses (lists side by side).
+    paths: list[bytes] = [b""]
+    level: list[int] = [root_address(source)]
     read = 0
     while level:
         read += len(level)
         if read > limit:
             raise Refused("groups on the way to the names", f"at most {limit}", "more")
-        below: list[tuple[bytes, int]] = []
+        below_paths: list[bytes] = []
+        below: list[int] = []
         for first in range(0, len(level), _BATCH):
             part = level[first : first + _BATCH]
-            seen.update(address for _, address in part)
-            prefixes = [path + b"/" if path else b"" for path, _ in part]
-            ks, names, targets = _group_links(
-                source, [a for _, a in part], [path for path, _ in part]
-            )
-            fulls = list(map(bytes.__add__, map(prefixes.__getitem__, ks), names))
-            found.update(set(fulls).intersection(wanted))
-            on_way = groups.intersection(fulls)
+            where = paths[first : first + _BATCH]
+            seen.update(part)
+            prefixes = [path + b"/" if path else b"" for path in where]
+            fulls, targets, listed = _group_links(source, part, where, prefixes)
+            found |= listed.intersection(wanted)
+            on_way = groups.intersection(listed)
             if on_way:
                 for full, address in zip(fulls, targets, strict=True):
                     if full in on_way and address not in seen:
                         seen.add(address)
-                        below.append((full, address))
-        level = below
+                        below_paths.append(full)
+                        below.append(address)
+        paths, level = below_paths, below
     return found
