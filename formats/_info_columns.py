@@ -177,7 +177,7 @@ def _column(
             found=type(col).__name__ if type(col) is not dict else sorted(col),
         )
     values, index = col["values"], col["index"]
-    if type(index) is int and 0 <= index < len(values):
+    if type(values) is list and type(index) is int and 0 <= index < len(values):
         index = [index] * n  # (one value for every variable)
     if type(values) is not list or type(index) is not list or len(index) != n:
         raise _corrupt(

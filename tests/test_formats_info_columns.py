@@ -287,6 +287,13 @@ def _set(key, value):
         (_set("kind", {"values": ["mirrored"], "index": [0, 1]}), "outside its values", "'b'"),
         (_set("kind", {"values": ["mirrored"], "index": [0, True]}), "outside its values", "'b'"),
         (_set("kind", {"values": ["mirrored"]}), "is not a column", "columns/kind"),
+        (_set("kind", {"values": 5, "index": 0}), "malformed", "columns/kind"),
+        (_set("dtype", {"values": None, "index": 0}), "malformed", "columns/dtype"),
+        (
+            _set("attrs", {"devices": {"values": 7, "index": 0}}),
+            "malformed",
+            "columns/attrs/devices",
+        ),
         (_set("kind", {"values": ["sideways"], "index": 0}), "unknown variable kind", "'a'"),
         (_set("dtype", {"values": ["float99"], "index": 0}), "unknown dtype", "'a'"),
         (_set("shape", [[2], "1"]), "incomplete", "'b'"),
