@@ -22,6 +22,7 @@ from parallelvars.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
     FormatVersionError,
+    LimitExceededError,
     UnsupportedDtypeError,
 )
 from parallelvars.formats import ArrayEntry, DictView, open_checkpoint
@@ -375,3 +376,40 @@ def test_detecting_a_safetensors_file_does_not_load_the_keras_adapter(tmp_path) 
 
     assert detect_format(DATA / "keras" / "model.weights.h5") == "keras"
     assert detect_format(DATA / "keras" / "model_legacy.h5") == "keras-legacy"
+
+
+def test_attribute_columns_that_expand_beyond_the_document_are_refused(tmp_path) -> None:
+    """``"index": 0`` stands for one value per variable: 2,000 variables x 1,000 such columns
+    would be 2 million attributes from a 100 KB document; the reader refuses it, by name,
+    before expanding any."""
+    n, k = 2000, 1000
+    tensors = {f"t{i:05d}": np.float32([i]) for i in range(n)}
+    one = {"values": [0], "index": 0}
+    columns = {
+        "path": [f"v{i}" for i in range(n)],
+        "kind": {"values": ["single"], "index": 0},
+        "dtype": {"values": ["float32"], "index": 0},
+        "shape": {"values": [[1]], "index": 0},
+        "num_components": {"values": [1], "index": 0},
+        "layout": {"values": ["components"], "index": 0},
+        "keys": list(range(n)),
+        "attrs": {f"x{j}": one for j in range(k)},
+    }
+    info = {"format": "parallelvars", "version": 2, "names": "slash", "columns": columns}
+    path = tmp_path / "amp.safetensors"
+    save_file(tensors, str(path), metadata={"parallelvars": json.dumps(info)})
+    with pytest.raises(LimitExceededError, match="expand far beyond the document") as err:
+        open_checkpoint(path)
+    text = str(err.value)
+    assert str(path) in text and "columns/attrs" in text and "2000 variables x 1000" in text
+    # the same columns for 20 variables read, every attribute there
+    columns["path"], columns["keys"] = columns["path"][:20], list(range(20))
+    info["columns"] = columns
+    path.unlink()
+    save_file(
+        {k: tensors[k] for k in sorted(tensors)[:20]},
+        str(path),
+        metadata={"parallelvars": json.dumps(info)},
+    )
+    with open_checkpoint(path) as v:
+        assert len(v) == 20 and len(v["v19"].attrs) == k and v["v19"].attrs["x999"] == 0
