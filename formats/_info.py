@@ -64,6 +64,15 @@ INFO_VERSION = 1
 _LAYOUTS = ("components", "logical", "aggregate")
 
 
+def _json_copy(value: Any) -> Any:
+    """A copy of a parsed JSON value that shares no list or object with it."""
+    if type(value) is list:
+        return [_json_copy(v) if type(v) in (list, dict) else v for v in value]
+    if type(value) is dict:
+        return {k: _json_copy(v) if type(v) in (list, dict) else v for k, v in value.items()}
+    return value
+
+
 class StoredEntry(Entry):
     """An :class:`Entry` whose components live in a :class:`TensorStore`."""
 
@@ -79,6 +88,7 @@ class StoredEntry(Entry):
         keys: Sequence[str],
         layout: str,
         attrs: Mapping[str, Any],
+        shared_attrs: bool = False,
     ) -> None:
         self._store = store
         self.path = path
@@ -88,7 +98,23 @@ class StoredEntry(Entry):
         self.num_components = int(num_components)
         self.keys = tuple(keys)
         self.layout = layout
-        self.attrs = dict(attrs)
+        # ``shared_attrs``: the values of ``attrs`` may be other entries' too (a version-2
+        # info's tables): copied at the first use, so no entry's attributes change through
+        # another's, as with version 1's own objects per record.
+        self._shared: Mapping[str, Any] | None = attrs if shared_attrs else None
+        self._own: dict[str, Any] | None = None if shared_attrs else dict(attrs)
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        own = self._own
+        if own is None:
+            own = self._own = {k: _json_copy(v) for k, v in (self._shared or {}).items()}
+            self._shared = None
+        return own
+
+    @attrs.setter
+    def attrs(self, value: Mapping[str, Any]) -> None:
+        self._own, self._shared = dict(value), None
 
     def _source(self, i: int) -> tuple[str, tuple[int, int, int] | None]:
         self._check_index(i)
@@ -439,6 +465,7 @@ def _entries_from_columns(
             keys=keys,
             layout=layout,
             attrs=a,
+            shared_attrs=True,
         )
         if kind == "sharded" or list(map(stored, keys)) != [as_described] * count:
             _check_stored(store, entry)  # (the general check, which names what differs)

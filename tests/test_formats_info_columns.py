@@ -413,3 +413,24 @@ def test_attribute_columns_that_expand_beyond_the_document_are_refused(tmp_path)
     )
     with open_checkpoint(path) as v:
         assert len(v) == 20 and len(v["v19"].attrs) == k and v["v19"].attrs["x999"] == 0
+
+
+def test_variables_sharing_an_attribute_value_do_not_share_its_object(tmp_path) -> None:
+    """Version 2 stores a repeated value once; each variable still gets attributes of its own,
+    as version 1's records give: changing one variable's changes no other's."""
+    nested = {"values": [{"k": [1, [2]]}], "index": 0}
+    path = _columns_file(
+        tmp_path,
+        lambda c: c["attrs"].update(
+            {"devices": {"values": [["x", "y"]], "index": 0}, "extra": nested}
+        ),
+    )
+    with open_checkpoint(path) as v:
+        a, b = v["a"].attrs, v["b"].attrs
+        assert a == b == {"devices": ["x", "y"], "extra": {"k": [1, [2]]}}
+        a["devices"].append("z")
+        a["extra"]["k"][1].append(3)
+        a["new"] = 1
+        assert v["b"].attrs == {"devices": ["x", "y"], "extra": {"k": [1, [2]]}}
+        assert v["a"].attrs["devices"] == ["x", "y", "z"]  # (the entry's own, kept)
+        assert v["b"].component(1).tolist() == [3.0]
