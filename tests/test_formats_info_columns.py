@@ -434,3 +434,24 @@ def test_variables_sharing_an_attribute_value_do_not_share_its_object(tmp_path) 
         assert v["b"].attrs == {"devices": ["x", "y"], "extra": {"k": [1, [2]]}}
         assert v["a"].attrs["devices"] == ["x", "y", "z"]  # (the entry's own, kept)
         assert v["b"].component(1).tolist() == [3.0]
+
+
+def test_a_damaged_tensor_crc_digit_is_reported_as_that_tensors_mismatch(tmp_path) -> None:
+    """The header CRC reads every digit of the record as 0, the tensors' CRCs too: a changed
+    digit of one shows when that tensor is read, named, and the message does not blame the
+    bytes alone."""
+    path = write_safetensors(
+        tmp_path / "m.safetensors",
+        DictView([ArrayEntry("w", [np.float32([1, 2])]), ArrayEntry("z", [np.float32([3])])]),
+    )
+    _, _, raw = _header(path)
+    record = json.loads(raw)["__metadata__"]["parallelvars_crc32c"]
+    at = 8 + raw.index(record.encode()) + len("raw:") + 8  # the first tensor's first digit
+    data = bytearray(pathlib.Path(path).read_bytes())
+    data[at] = ord("0") if data[at] != ord("0") else ord("1")
+    pathlib.Path(path).write_bytes(bytes(data))
+    with open_safetensors(path) as v:
+        assert v["z"].component(0).tolist() == [3.0]
+        with pytest.raises(ChecksumMismatchError, match="or the checksum stored") as err:
+            v["w"].component(0)
+    assert str(path) in str(err.value) and "'w'" in str(err.value)
