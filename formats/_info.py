@@ -48,13 +48,10 @@ import numpy as np
 from parallelvars._fileio import value_types
 from parallelvars._spans import BULK_BYTES
 from parallelvars.checkpoint.entry import layout_problem
-from parallelvars.errors import (
-    CorruptCheckpointError,
-)
 
 from ._dtypes import dtype_from_name, is_string_dtype
 from ._graph import graph_from_info
-from ._info_columns import COLUMNS_VERSION, records_from_columns
+from ._info_columns import COLUMNS_VERSION, _corrupt, records_from_columns
 from ._names import from_key
 from ._store import TensorStore, _region_shape
 from ._view import DictView, Entry
@@ -156,12 +153,6 @@ class StoredEntry(Entry):
         self._store.read_into(key, buf, region)
         if target is not out:
             out[...] = target
-
-
-def _corrupt(
-    file: str, what: str, variable: str | None = None, **kw: Any
-) -> CorruptCheckpointError:
-    return CorruptCheckpointError(what, file=file, variable=variable, **kw)
 
 
 def build_entries(

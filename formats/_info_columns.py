@@ -147,7 +147,10 @@ def to_columns(info: Mapping[str, Any], tensor_names: Iterable[str]) -> dict[str
     return out
 
 
-def _corrupt(file: str, what: str, variable: str | None, **kw: Any) -> CorruptCheckpointError:
+def _corrupt(
+    file: str, what: str, variable: str | None = None, **kw: Any
+) -> CorruptCheckpointError:
+    """The error of a damaged parallel info (both versions), naming the file and variable."""
     return CorruptCheckpointError(what, file=file, variable=variable, **kw)
 
 
