@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -10,6 +11,7 @@ import numpy as np
 from parallelvars._aggregate import has_logical_value, no_value_what
 from parallelvars._dtypes import dtype_name
 from parallelvars._fileio import same_bytes
+from parallelvars._spans import BULK_BYTES
 from parallelvars.formats import CheckpointView, Entry
 
 from ._common import natural_key, non_negative_float, open_view, shape_str
@@ -303,37 +305,27 @@ def _equal_result(path: str, n: int, size: int) -> dict[str, Any]:
     }
 
 
-def _equal_in_bulk(
-    path: str,
-    a: tuple[Any, ...],
-    b: tuple[Any, ...],
-    components_a: list[np.ndarray],
-    components_b: list[np.ndarray],
-) -> dict[str, Any] | None:
-    """:func:`compare_entries`' result for a variable whose two sides are described alike
-    and whose components, read in bulk, hold the same bytes, one by one; None for anything
-    else (the caller compares it the general way, with the components it has)."""
-    if not _alike(a, b, components_a, components_b):
-        return None
-    for ca, cb in zip(components_a, components_b, strict=True):
-        if not _same_bytes(ca, cb):
-            return None
-    n = len(components_a)
-    return _equal_result(path, n, int(components_a[0].size) if n else 0)
+def _settle(
+    pending: list[tuple[str, list[np.ndarray], list[np.ndarray]]],
+    general: Callable[[str, Any, Any], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """:func:`compare_entries`' results for a batch of variables read in bulk on both sides
+    and described alike, in order: equal where every component holds the same bytes as its
+    counterpart (compared pair by pair, no copy of the batch), else compared the general way
+    (``general``), with the components read."""
+    out = []
+    for key, ca, cb in pending:
+        if all(_same_bytes(x, y) for x, y in zip(ca, cb, strict=True)):
+            out.append(_equal_result(key, len(ca), int(ca[0].size) if ca else 0))
+        else:
+            out.append(general(key, ca, cb))
+    return out
 
 
-def _all_same_bytes(parts_a: list[np.ndarray], parts_b: list[np.ndarray]) -> bool:
-    """Whether ``parts_a[k]`` and ``parts_b[k]`` (alike one by one) hold the same bytes for
-    every ``k``: one comparison of the batch (each side's bytes joined; False, for the caller
-    to compare one by one, where a part is not one contiguous buffer)."""
-    try:
-        return b"".join(parts_a) == b"".join(parts_b)  # type: ignore[arg-type]
-    except (BufferError, TypeError, ValueError):
-        return False
-
-
-# Variables whose components are compared in one batch (one join and compare of their bytes).
+# A batch of variables settled together: at most this many, and their components on both
+# sides at most ``_BATCH_BYTES`` (the bulk reader's own step; one variable past it alone).
 _BATCH = 512
+_BATCH_BYTES = BULK_BYTES
 
 
 def _described(view: CheckpointView, listed: Any, key: str) -> tuple[Any, ...]:
@@ -415,27 +407,17 @@ def run(args: argparse.Namespace) -> int:
                 )
 
             # Variables read in bulk on both sides and described alike wait here, in order,
-            # until a batch of them is settled by one comparison of their bytes; any
-            # difference sends the batch variable by variable.
+            # and are settled a batch at a time (bounded in count and in bytes).
             pending: list[tuple[str, list[np.ndarray], list[np.ndarray]]] = []
-            parts_a: list[np.ndarray] = []
-            parts_b: list[np.ndarray] = []
+            held = 0
 
             def flush() -> None:
-                if pending and _all_same_bytes(parts_a, parts_b):
-                    for key, ca, _ in pending:
-                        results.append(_equal_result(key, len(ca), int(ca[0].size) if ca else 0))
-                else:
-                    for key, ca, cb in pending:
-                        same = _equal_in_bulk(
-                            key, _described(va, listed, key), _described(vb, listed_b, key), ca, cb
-                        )
-                        results.append(same if same is not None else general(key, ca, cb))
+                nonlocal held
+                results.extend(_settle(pending, general))
                 if total is not None:
-                    bar.advance(2 * sum(int(c.nbytes) for _, ca, _ in pending for c in ca))
+                    bar.advance(held)
                 pending.clear()
-                parts_a.clear()
-                parts_b.clear()
+                held = 0
 
             for (key, components_a), (_, components_b) in zip(read_a, read_b, strict=True):
                 if (
@@ -449,9 +431,13 @@ def run(args: argparse.Namespace) -> int:
                         components_b,
                     )
                 ):
+                    size = sum(int(c.nbytes) for c in components_a) + sum(
+                        int(c.nbytes) for c in components_b
+                    )
+                    if pending and held + size > _BATCH_BYTES:
+                        flush()
                     pending.append((key, components_a, components_b))
-                    parts_a.extend(components_a)
-                    parts_b.extend(components_b)
+                    held += size
                     if len(pending) >= _BATCH:
                         flush()
                     continue

@@ -5,8 +5,8 @@ internals they come from and may change with them (``tools/count_private_imports
 the tests that import private modules instead).
 
 What it offers: the error table (:func:`classify`, :class:`UsageError`, :data:`EXIT_USAGE`,
-:data:`EXIT_INTERNAL`), the output sink (:class:`Output`, :func:`json_document`), one row of ``inspect`` (:func:`inspect_row`), ``diff``'s result for variables found equal in
-bulk (:func:`diff_equal_in_bulk`), :mod:`cli_common` (shared helpers,
+:data:`EXIT_INTERNAL`), the output sink (:class:`Output`, :func:`json_document`), one row of ``inspect`` (:func:`inspect_row`), ``diff``'s results for a batch of variables read
+in bulk (:func:`diff_settle`), :mod:`cli_common` (shared helpers,
 :func:`natural_key`, :func:`metadata_text`) and the demo's model (:class:`MLP`,
 :func:`loss_and_grads`, :func:`make_blobs`).
 """
@@ -18,7 +18,7 @@ from parallelvars.cli._common import metadata_text, natural_key
 from parallelvars.cli._errors import EXIT_INTERNAL, EXIT_USAGE, UsageError, classify
 from parallelvars.cli._mlp import MLP, loss_and_grads, make_blobs
 from parallelvars.cli._output import Output, json_document
-from parallelvars.cli.diff import _equal_in_bulk as diff_equal_in_bulk
+from parallelvars.cli.diff import _settle as diff_settle
 from parallelvars.cli.inspect import _row as inspect_row
 
 __all__ = [
@@ -28,7 +28,7 @@ __all__ = [
     "Output",
     "UsageError",
     "classify",
-    "diff_equal_in_bulk",
+    "diff_settle",
     "inspect_row",
     "json_document",
     "cli_common",

@@ -48,13 +48,10 @@ import numpy as np
 from parallelvars._fileio import value_types
 from parallelvars._spans import BULK_BYTES
 from parallelvars.checkpoint.entry import layout_problem
-from parallelvars.errors import (
-    CorruptCheckpointError,
-)
 
 from ._dtypes import dtype_from_name, is_string_dtype
 from ._graph import graph_from_info
-from ._info_columns import COLUMNS_VERSION, records_from_columns
+from ._info_columns import COLUMNS_VERSION, _corrupt, records_from_columns
 from ._names import from_key
 from ._store import TensorStore, _region_shape
 from ._view import DictView, Entry
@@ -62,6 +59,15 @@ from ._view import DictView, Entry
 INFO_FORMAT = "parallelvars"
 INFO_VERSION = 1
 _LAYOUTS = ("components", "logical", "aggregate")
+
+
+def _json_copy(value: Any) -> Any:
+    """A copy of a parsed JSON value that shares no list or object with it."""
+    if type(value) is list:
+        return [_json_copy(v) if type(v) in (list, dict) else v for v in value]
+    if type(value) is dict:
+        return {k: _json_copy(v) if type(v) in (list, dict) else v for k, v in value.items()}
+    return value
 
 
 class StoredEntry(Entry):
@@ -79,6 +85,7 @@ class StoredEntry(Entry):
         keys: Sequence[str],
         layout: str,
         attrs: Mapping[str, Any],
+        shared_attrs: bool = False,
     ) -> None:
         self._store = store
         self.path = path
@@ -88,7 +95,23 @@ class StoredEntry(Entry):
         self.num_components = int(num_components)
         self.keys = tuple(keys)
         self.layout = layout
-        self.attrs = dict(attrs)
+        # ``shared_attrs``: the values of ``attrs`` may be other entries' too (a version-2
+        # info's tables): copied at the first use, so no entry's attributes change through
+        # another's, as with version 1's own objects per record.
+        self._shared: Mapping[str, Any] | None = attrs if shared_attrs else None
+        self._own: dict[str, Any] | None = None if shared_attrs else dict(attrs)
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        own = self._own
+        if own is None:
+            own = self._own = {k: _json_copy(v) for k, v in (self._shared or {}).items()}
+            self._shared = None
+        return own
+
+    @attrs.setter
+    def attrs(self, value: Mapping[str, Any]) -> None:
+        self._own, self._shared = dict(value), None
 
     def _source(self, i: int) -> tuple[str, tuple[int, int, int] | None]:
         self._check_index(i)
@@ -130,12 +153,6 @@ class StoredEntry(Entry):
         self._store.read_into(key, buf, region)
         if target is not out:
             out[...] = target
-
-
-def _corrupt(
-    file: str, what: str, variable: str | None = None, **kw: Any
-) -> CorruptCheckpointError:
-    return CorruptCheckpointError(what, file=file, variable=variable, **kw)
 
 
 def build_entries(
@@ -439,6 +456,7 @@ def _entries_from_columns(
             keys=keys,
             layout=layout,
             attrs=a,
+            shared_attrs=True,
         )
         if kind == "sharded" or list(map(stored, keys)) != [as_described] * count:
             _check_stored(store, entry)  # (the general check, which names what differs)

@@ -48,12 +48,38 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from parallelvars._fileio import value_types
-from parallelvars.errors import CorruptCheckpointError
+from parallelvars.errors import CorruptCheckpointError, LimitExceededError
 
 COLUMNS_VERSION = 2
 #: The record fields held as columns, in the order written.
 _FIELDS = ("kind", "dtype", "shape", "num_components", "layout")
 _ABSENT = -1
+#: The attributes a reader expands, in bytes of version 1's JSON for them, may exceed neither
+#: this floor nor ``ATTRS_PER_BYTE`` times the column document's own JSON bytes: a column whose
+#: index repeats one value (``"index": 0``) stands for that value once per variable, so without
+#: a bound a small document could ask for variables x attribute names of work and memory.
+ATTRS_FLOOR = 1 << 24
+ATTRS_PER_BYTE = 16
+
+
+def _expanded_attrs(raw_attrs: dict[str, Any], n: int) -> int:
+    """The JSON bytes version 1 would spend on the attributes ``raw_attrs`` describes for
+    ``n`` variables (``"name":value,`` per present cell), counted without expanding them;
+    malformed columns count 0 here (:func:`_column` refuses them by name)."""
+    total = 0
+    for name, col in raw_attrs.items():
+        if type(col) is not dict:
+            continue  # (a plain array holds each value itself: the document's own bytes)
+        values, index = col.get("values"), col.get("index")
+        if type(values) is not list:
+            continue
+        cell = len(json.dumps(name)) + 2
+        if type(index) is int and 0 <= index < len(values):
+            total += n * (cell + len(json.dumps(values[index], separators=(",", ":"))))
+        elif type(index) is list:
+            sizes = [cell + len(json.dumps(v, separators=(",", ":"))) for v in values]
+            total += sum(sizes[c] for c in index if type(c) is int and 0 <= c < len(sizes))
+    return total
 
 
 def _hashable(value: Any) -> Any:
@@ -121,7 +147,10 @@ def to_columns(info: Mapping[str, Any], tensor_names: Iterable[str]) -> dict[str
     return out
 
 
-def _corrupt(file: str, what: str, variable: str | None, **kw: Any) -> CorruptCheckpointError:
+def _corrupt(
+    file: str, what: str, variable: str | None = None, **kw: Any
+) -> CorruptCheckpointError:
+    """The error of a damaged parallel info (both versions), naming the file and variable."""
     return CorruptCheckpointError(what, file=file, variable=variable, **kw)
 
 
@@ -177,7 +206,7 @@ def _column(
             found=type(col).__name__ if type(col) is not dict else sorted(col),
         )
     values, index = col["values"], col["index"]
-    if type(index) is int and 0 <= index < len(values):
+    if type(values) is list and type(index) is int and 0 <= index < len(values):
         index = [index] * n  # (one value for every variable)
     if type(values) is not list or type(index) is not list or len(index) != n:
         raise _corrupt(
@@ -250,6 +279,18 @@ def records_from_columns(
             f"{where}/attrs",
             found=type(raw_attrs).__name__,
         )
+    expanded = _expanded_attrs(raw_attrs, len(paths))
+    if expanded > ATTRS_FLOOR:
+        allowed = max(ATTRS_FLOOR, ATTRS_PER_BYTE * len(json.dumps(columns, separators=(",", ":"))))
+        if expanded > allowed:
+            raise LimitExceededError(
+                "the parallel info's attribute columns expand far beyond the document",
+                file=file,
+                variable=f"{where}/attrs",
+                expected=f"at most {allowed} bytes of attributes ({ATTRS_PER_BYTE} per byte "
+                f"of the columns, or {ATTRS_FLOOR})",
+                found=f"{expanded} bytes for {len(paths)} variables x {len(raw_attrs)} names",
+            )
     attr_names = list(raw_attrs)
     attr_cols = [
         _column(file, f"attrs/{name}", col, paths, optional=True) for name, col in raw_attrs.items()

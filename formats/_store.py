@@ -182,6 +182,7 @@ class ByteStore(TensorStore):
                 variable=key,
                 expected=f"{self._crc_name()} {expected:#010x}",
                 found=f"{self._crc_name()} {crc:#010x}",
+                hint="the bytes or the checksum stored for them were damaged",
             )
         self._verified_keys().add(key)
 

@@ -778,13 +778,11 @@ def test_inspect_json_of_a_checkpoint_without_variables(
 def test_diff_result_rows_are_the_callers_own() -> None:
     """Each result of variables found equal in bulk has rows of its own: changing one
     result changes no other."""
-    from parallelvars.cli.testing import diff_equal_in_bulk as _equal_in_bulk
+    from parallelvars.cli.testing import diff_settle
 
     x = np.arange(4, dtype=np.float32)
-    described = ("single", np.dtype(np.float32), (4,), 1, {})
-    first = _equal_in_bulk("a", described, described, [x], [x.copy()])
-    second = _equal_in_bulk("b", described, described, [x], [x.copy()])
-    assert first is not None and second is not None
+    first, second = diff_settle([("a", [x], [x.copy()]), ("b", [x], [x.copy()])], None)
+    assert first["equal"] and second["equal"]
     first["components"][0]["mismatched"] = 7
     assert second["components"][0]["mismatched"] == 0
 

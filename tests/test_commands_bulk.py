@@ -208,6 +208,39 @@ def test_diff_in_bulk_finds_what_the_entry_by_entry_diff_finds(tmp_path, capsys,
     assert [c["mismatched"] for c in rows["m/ne"]["components"]] == [0, 5]
 
 
+@pytest.mark.parametrize("changed", [None, 5])
+def test_diff_batches_stay_within_their_byte_bound(tmp_path, capsys, monkeypatch, changed):
+    """Variables read in bulk wait to be settled in batches bounded in bytes (both sides'
+    components), not only in count: 12 variables of 2 x 64 KiB a side under a 600 KiB bound
+    settle two at a time, with the results of an unbounded batch."""
+    from parallelvars.cli import diff
+    from parallelvars.formats import ArrayEntry, DictView
+    from parallelvars.formats.safetensors import write_safetensors
+
+    def entries(bump):
+        return [
+            ArrayEntry(
+                f"v{i}", [np.full(1 << 14, i + (i == bump), np.float32)] * 2, kind="mirrored"
+            )
+            for i in range(12)
+        ]
+
+    a, b = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
+    write_safetensors(a, DictView(entries(None)))
+    write_safetensors(b, DictView(entries(changed)))
+    main(["--json", "diff", a, b])
+    unbounded = json.loads(capsys.readouterr().out)
+    batches = []
+    settle = diff._settle
+    monkeypatch.setattr(diff, "_BATCH_BYTES", 600 << 10)
+    monkeypatch.setattr(diff, "_settle", lambda p, g: batches.append(list(p)) or settle(p, g))
+    code = main(["--json", "diff", a, b])
+    assert json.loads(capsys.readouterr().out) == unbounded
+    assert code == (0 if changed is None else 1)
+    held = [sum(int(c.nbytes) for _, ca, cb in batch for c in (*ca, *cb)) for batch in batches]
+    assert sum(map(len, batches)) == 12 and max(held) <= 600 << 10 and len(batches) == 6
+
+
 @pytest.mark.parametrize(
     "values",
     [

@@ -22,6 +22,7 @@ from parallelvars.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
     FormatVersionError,
+    LimitExceededError,
     UnsupportedDtypeError,
 )
 from parallelvars.formats import ArrayEntry, DictView, open_checkpoint
@@ -287,6 +288,13 @@ def _set(key, value):
         (_set("kind", {"values": ["mirrored"], "index": [0, 1]}), "outside its values", "'b'"),
         (_set("kind", {"values": ["mirrored"], "index": [0, True]}), "outside its values", "'b'"),
         (_set("kind", {"values": ["mirrored"]}), "is not a column", "columns/kind"),
+        (_set("kind", {"values": 5, "index": 0}), "malformed", "columns/kind"),
+        (_set("dtype", {"values": None, "index": 0}), "malformed", "columns/dtype"),
+        (
+            _set("attrs", {"devices": {"values": 7, "index": 0}}),
+            "malformed",
+            "columns/attrs/devices",
+        ),
         (_set("kind", {"values": ["sideways"], "index": 0}), "unknown variable kind", "'a'"),
         (_set("dtype", {"values": ["float99"], "index": 0}), "unknown dtype", "'a'"),
         (_set("shape", [[2], "1"]), "incomplete", "'b'"),
@@ -368,3 +376,82 @@ def test_detecting_a_safetensors_file_does_not_load_the_keras_adapter(tmp_path) 
 
     assert detect_format(DATA / "keras" / "model.weights.h5") == "keras"
     assert detect_format(DATA / "keras" / "model_legacy.h5") == "keras-legacy"
+
+
+def test_attribute_columns_that_expand_beyond_the_document_are_refused(tmp_path) -> None:
+    """``"index": 0`` stands for one value per variable: 2,000 variables x 1,000 such columns
+    would be 2 million attributes from a 100 KB document; the reader refuses it, by name,
+    before expanding any."""
+    n, k = 2000, 1000
+    tensors = {f"t{i:05d}": np.float32([i]) for i in range(n)}
+    one = {"values": [0], "index": 0}
+    columns = {
+        "path": [f"v{i}" for i in range(n)],
+        "kind": {"values": ["single"], "index": 0},
+        "dtype": {"values": ["float32"], "index": 0},
+        "shape": {"values": [[1]], "index": 0},
+        "num_components": {"values": [1], "index": 0},
+        "layout": {"values": ["components"], "index": 0},
+        "keys": list(range(n)),
+        "attrs": {f"x{j}": one for j in range(k)},
+    }
+    info = {"format": "parallelvars", "version": 2, "names": "slash", "columns": columns}
+    path = tmp_path / "amp.safetensors"
+    save_file(tensors, str(path), metadata={"parallelvars": json.dumps(info)})
+    with pytest.raises(LimitExceededError, match="expand far beyond the document") as err:
+        open_checkpoint(path)
+    text = str(err.value)
+    assert str(path) in text and "columns/attrs" in text and "2000 variables x 1000" in text
+    # the same columns for 20 variables read, every attribute there
+    columns["path"], columns["keys"] = columns["path"][:20], list(range(20))
+    info["columns"] = columns
+    path.unlink()
+    save_file(
+        {k: tensors[k] for k in sorted(tensors)[:20]},
+        str(path),
+        metadata={"parallelvars": json.dumps(info)},
+    )
+    with open_checkpoint(path) as v:
+        assert len(v) == 20 and len(v["v19"].attrs) == k and v["v19"].attrs["x999"] == 0
+
+
+def test_variables_sharing_an_attribute_value_do_not_share_its_object(tmp_path) -> None:
+    """Version 2 stores a repeated value once; each variable still gets attributes of its own,
+    as version 1's records give: changing one variable's changes no other's."""
+    nested = {"values": [{"k": [1, [2]]}], "index": 0}
+    path = _columns_file(
+        tmp_path,
+        lambda c: c["attrs"].update(
+            {"devices": {"values": [["x", "y"]], "index": 0}, "extra": nested}
+        ),
+    )
+    with open_checkpoint(path) as v:
+        a, b = v["a"].attrs, v["b"].attrs
+        assert a == b == {"devices": ["x", "y"], "extra": {"k": [1, [2]]}}
+        a["devices"].append("z")
+        a["extra"]["k"][1].append(3)
+        a["new"] = 1
+        assert v["b"].attrs == {"devices": ["x", "y"], "extra": {"k": [1, [2]]}}
+        assert v["a"].attrs["devices"] == ["x", "y", "z"]  # (the entry's own, kept)
+        assert v["b"].component(1).tolist() == [3.0]
+
+
+def test_a_damaged_tensor_crc_digit_is_reported_as_that_tensors_mismatch(tmp_path) -> None:
+    """The header CRC reads every digit of the record as 0, the tensors' CRCs too: a changed
+    digit of one shows when that tensor is read, named, and the message does not blame the
+    bytes alone."""
+    path = write_safetensors(
+        tmp_path / "m.safetensors",
+        DictView([ArrayEntry("w", [np.float32([1, 2])]), ArrayEntry("z", [np.float32([3])])]),
+    )
+    _, _, raw = _header(path)
+    record = json.loads(raw)["__metadata__"]["parallelvars_crc32c"]
+    at = 8 + raw.index(record.encode()) + len("raw:") + 8  # the first tensor's first digit
+    data = bytearray(pathlib.Path(path).read_bytes())
+    data[at] = ord("0") if data[at] != ord("0") else ord("1")
+    pathlib.Path(path).write_bytes(bytes(data))
+    with open_safetensors(path) as v:
+        assert v["z"].component(0).tolist() == [3.0]
+        with pytest.raises(ChecksumMismatchError, match="or the checksum stored") as err:
+            v["w"].component(0)
+    assert str(path) in str(err.value) and "'w'" in str(err.value)

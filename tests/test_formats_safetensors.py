@@ -317,6 +317,50 @@ def test_header_claiming_a_terabyte_allocates_nothing(tmp_path) -> None:
             "__metadata__",
         ),
         ([1, 2], b"", CorruptCheckpointError, "not a JSON object", None),
+        # begins past every bound (the fast check once turned them into a bare OverflowError)
+        (
+            {"a": {"dtype": "F32", "shape": [1], "data_offsets": [2**63, 4]}},
+            bytes(4),
+            CorruptCheckpointError,
+            "hole",
+            "a",
+        ),
+        (
+            {"a": {"dtype": "F32", "shape": [1], "data_offsets": [2**64, 4]}},
+            bytes(4),
+            CorruptCheckpointError,
+            "hole",
+            "a",
+        ),
+        # zero bytes, but no array can have the shape (numpy's ValueError at read, before)
+        (
+            {"a": {"dtype": "F32", "shape": [0, 10**30], "data_offsets": [0, 0]}},
+            b"",
+            CorruptCheckpointError,
+            "too large for any array",
+            "a",
+        ),
+        (
+            {"a": {"dtype": "F32", "shape": [0, 2**62, 4], "data_offsets": [0, 0]}},
+            b"",
+            CorruptCheckpointError,
+            "too large for any array",
+            "a",
+        ),
+        (
+            {"a": {"dtype": "F32", "shape": [0] + [2**20] * 40, "data_offsets": [0, 0]}},
+            b"",
+            CorruptCheckpointError,
+            "too large for any array",
+            "a",
+        ),
+        (
+            {"a": {"dtype": "U8", "shape": [1] * 65, "data_offsets": [0, 1]}},
+            b"\0",
+            CorruptCheckpointError,
+            "too large for any array",
+            "a",
+        ),
     ],
 )
 def test_invalid_headers(tmp_path, header, data, error, match, named) -> None:
@@ -327,6 +371,19 @@ def test_invalid_headers(tmp_path, header, data, error, match, named) -> None:
     assert isinstance(err.value, ParallelVarsError)
     if named is not None:
         assert f"variable {named!r}" in str(err.value)
+
+
+def test_empty_tensors_of_wide_shapes_read(tmp_path) -> None:
+    """A zero in the shape holds no bytes whatever the other dimensions, up to what an array
+    can have: those still open and read."""
+    header = {
+        "a": {"dtype": "F32", "shape": [0, 2**40], "data_offsets": [0, 0]},
+        "b": {"dtype": "U8", "shape": [1] * 64, "data_offsets": [0, 1]},
+    }
+    path = _write_raw(_bad(tmp_path, "wide"), json.dumps(header).encode(), b"\7")
+    with open_safetensors(path) as v:
+        assert v["a"].component(0).shape == (0, 2**40)
+        assert v["b"].component(0).reshape(-1).tolist() == [7]
 
 
 def test_invalid_json_and_duplicates(tmp_path) -> None:

@@ -75,6 +75,47 @@ def test_foreign_arrays_are_not_kept() -> None:
     staging.give(np.zeros(1 << 20, np.float32))
     staging.give(np.zeros((4, 1 << 18), np.uint8))
     assert staging.kept_bytes() == 0
+    # 1-D uint8 but not made by take(): a read-only view of bytes, another owner's memory
+    read_only = np.frombuffer(bytes(6 << 20), np.uint8)
+    staging.give(read_only)
+    staging.give(np.zeros(6 << 20, np.uint8))
+    staging.give(np.zeros(8 << 20, np.uint8)[: 6 << 20])
+    assert staging.kept_bytes() == 0
+    taken = staging.take(5 << 20)
+    assert taken.flags.writeable
+
+
+def test_a_kernel_refusing_the_page_advice_still_restores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """madvise(MADV_NOHUGEPAGE) fails with EINVAL where the kernel has no transparent huge
+    pages, and the populate call may fail too: both are preferences, so new staging memory is
+    made without them and the restore reads the right values."""
+    import errno
+    import mmap
+
+    class Refusing(mmap.mmap):
+        def madvise(self, *args: Any) -> None:
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+    def populate(address: int, size: int) -> bool:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    fake = type(mmap)("mmap")
+    fake.__dict__.update(vars(mmap))
+    fake.mmap = Refusing  # type: ignore[attr-defined]
+    monkeypatch.setattr(staging, "mmap", fake)
+    monkeypatch.setattr(staging, "_populate", populate)
+    buf = staging.take(3 << 20)
+    assert buf.size == 3 << 20 and buf.flags.writeable
+    staging.release()
+    path = tmp_path / "a.h5"
+    pv.Checkpoint(model=_model(1, 1 << 18)).write(path)
+    live = _model(0, 1 << 18)
+    pv.Checkpoint(model=live).restore(path).assert_consumed()
+    for v, want in zip(live.vs, _model(1, 1 << 18).vs, strict=True):
+        for c, w in zip(v.components, want.components, strict=True):
+            np.testing.assert_array_equal(c, w)
 
 
 def _model(seed: int, n: int = 1 << 16, dtype: Any = np.float32) -> pv.Module:

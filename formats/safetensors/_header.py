@@ -42,6 +42,20 @@ def _no_duplicates(file: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any
     return hook
 
 
+#: The most dimensions numpy's arrays take (64 since numpy 2.0, 32 before).
+_MAX_NDIM = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
+_MAX_BYTES = 2**63 - 1
+
+
+def _unholdable(shape: list[int], itemsize: int) -> bool:
+    """Whether no numpy array can have ``shape``: too many dimensions, or dimensions whose
+    product (the zero ones left out, as numpy counts) times ``itemsize`` passes ``2**63 - 1``
+    bytes. A shape with a zero holds no bytes, so the byte-size check alone lets
+    ``[0, 10**30]`` through; the reference library takes such a shape while every dimension
+    fits in 64 bits, but no reader could make the array."""
+    return len(shape) > _MAX_NDIM or math.prod(d for d in shape if d) * itemsize > _MAX_BYTES
+
+
 def _tiles_exactly(
     entries: list[tuple[str, np.dtype, tuple[int, ...], int, int, int]], data_size: int
 ) -> bool:
@@ -53,7 +67,7 @@ def _tiles_exactly(
     begins = [e[3] for e in entries]
     ends = [e[4] for e in entries]
     sizes = [e[5] for e in entries]
-    if max(ends) > data_size or max(sizes) > data_size:
+    if max(ends) > data_size or max(begins) > data_size or max(sizes) > data_size:
         return False  # also keeps every value below 2**63 for the arrays below
     b = np.array(begins, np.int64)
     e = np.array(ends, np.int64)
@@ -180,6 +194,15 @@ def read_header(
                 found=offsets,
             )
         dtype = _DTYPES[dtype_str]
+        if _unholdable(shape, dtype.itemsize):
+            raise CorruptCheckpointError(
+                "shape is too large for any array",
+                file=file,
+                variable=name,
+                expected=f"at most {_MAX_NDIM} dimensions whose product (zeros left out) "
+                f"is at most {_MAX_BYTES} bytes",
+                found=shape,
+            )
         nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
         described[name] = (dtype_str, shape, offsets)
         entries.append((name, dtype, tuple(shape), offsets[0], offsets[1], nbytes))
@@ -274,6 +297,12 @@ def _fast_entries(
             return None
     described.update(zip(names, zip(dtype_strs, shapes, offsets, strict=True), strict=True))
     sizes = list(map(mul, map(math.prod, shapes), map(attrgetter("itemsize"), dtypes)))
+    if 0 in sizes and any(  # (a nonzero size is bounded by the file's size in _tiles_exactly)
+        _unholdable(s, d.itemsize) for s, d, z in zip(shapes, dtypes, sizes, strict=True) if not z
+    ):
+        return None
+    if max(map(len, shapes)) > _MAX_NDIM:
+        return None
     return list(
         zip(
             names,

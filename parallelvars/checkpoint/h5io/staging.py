@@ -46,6 +46,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,9 @@ IDLE_SECONDS = 10.0
 _ROUND = 2 << 20
 
 _lock = threading.Lock()
+# The whole buffers take() made and that are still alive, by id: give() keeps only these (an
+# array it did not make may be read-only or another owner's memory).
+_made: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
 _kept: list[np.ndarray] = []  # buffers not in use, each a whole allocation
 _deadline: float | None = None  # when the kept buffers are freed (None: nothing kept)
 # One thread frees them when idle, made once per process and never replaced, woken by the
@@ -88,7 +92,10 @@ def take(nbytes: int) -> np.ndarray:
         # too small for this need: freed before it allocates (the peak); a larger one is kept
         # for a larger need
         _kept[:] = [buf for buf in _kept if buf.size >= nbytes]
-    return _new(size)[:nbytes]
+    whole = _new(size)
+    with _lock:
+        _made[id(whole)] = whole
+    return whole[:nbytes]
 
 
 # madvise(2) advice that faults in (writable) every page of a range in one call: Linux 5.14+.
@@ -111,10 +118,17 @@ def _new(size: int) -> np.ndarray:
         area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError:  # (out of address space: numpy raises its MemoryError)
         return np.empty(size, np.uint8)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):
-        area.madvise(mmap.MADV_NOHUGEPAGE)
+    try:  # (a preference: a kernel without transparent huge pages refuses it, EINVAL)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            area.madvise(mmap.MADV_NOHUGEPAGE)
+    except OSError:
+        pass
     buf = np.frombuffer(area, np.uint8)  # (the array keeps the mapping alive)
-    if not _populate(buf.ctypes.data, size):
+    try:
+        populated = _populate(buf.ctypes.data, size)
+    except OSError:  # (faulted in page by page below instead)
+        populated = False
+    if not populated:
         buf[::_PAGE] = 0  # (one write per page: the same faults, taken now)
     return buf
 
@@ -145,9 +159,9 @@ def give(buf: np.ndarray | None) -> None:
         return
     # (a view's base is the whole buffer; new memory's whole buffer has the mapping as base)
     whole = buf.base if isinstance(buf.base, np.ndarray) else buf
-    if whole.dtype != np.uint8 or whole.ndim != 1:
-        return  # (not one of ours)
     with _lock:
+        if _made.get(id(whole)) is not whole:
+            return  # (not one of ours: made elsewhere, maybe read-only or another's memory)
         if any(kept is whole for kept in _kept):
             return
         if sum(kept.size for kept in _kept) + whole.size > KEEP_BYTES or IDLE_SECONDS <= 0:
@@ -203,6 +217,7 @@ def _after_fork() -> None:
     _signal = threading.Lock()
     _signal.acquire()
     _kept.clear()
+    _made.clear()
     _deadline, _reaper = None, None  # (the reaper thread is not in the child)
 
 
