@@ -86,19 +86,54 @@ def test_writers_refuse_a_component_unlike_its_entry(
     assert os.listdir(tmp_path) == []  # nothing written, nothing left behind
 
 
-def test_components_as_declared_are_written_in_every_dtype(tmp_path: Path) -> None:
-    for dtype in (np.float32, ml_dtypes.bfloat16, np.float16, np.int8, np.bool_):
-        data = np.arange(3).astype(dtype)
+DTYPES = (
+    np.float32,
+    ml_dtypes.bfloat16,
+    np.float16,
+    ml_dtypes.float8_e4m3fn,
+    np.int8,
+    np.int64,
+    np.bool_,
+)
+
+
+def test_components_as_declared_are_written_in_every_dtype_and_kind(tmp_path: Path) -> None:
+    for dtype in DTYPES:
+        data = np.arange(4).astype(dtype)
+        entries = [
+            ArrayEntry("single", [data]),
+            ArrayEntry("mirrored", [data, data.copy()], kind="mirrored"),
+            ArrayEntry(
+                "sharded",
+                [data[:3], data[3:]],
+                kind="sharded",
+                shape=(4,),
+                attrs={"shard_axis": 0, "shard_offsets": [0, 3]},
+            ),
+        ]
         for fmt, ext in FORMATS:
             path = write_checkpoint(
-                tmp_path / f"{fmt}-{np.dtype(dtype).name}{ext}",
-                DictView([ArrayEntry("v", [data])]),
-                format=fmt,
+                tmp_path / f"{fmt}-{np.dtype(dtype).name}{ext}", DictView(entries), format=fmt
             )
             with open_checkpoint(path) as view:
-                got = view["v"].component(0)
-            assert got.dtype == np.dtype(dtype)
-            np.testing.assert_array_equal(got, data)
+                for name in ("single", "mirrored", "sharded"):
+                    got = view[name].value()
+                    assert got.dtype == np.dtype(dtype)
+                    np.testing.assert_array_equal(got, data)
+
+
+def test_a_shard_of_another_shape_than_its_offsets_say_is_refused(tmp_path: Path) -> None:
+    data = np.arange(4, dtype=np.float32)
+    for fmt, ext in FORMATS:
+        entry = ArrayEntry(
+            "s",
+            [data[:2], data[2:]],  # the offsets say 3 + 1
+            kind="sharded",
+            shape=(4,),
+            attrs={"shard_axis": 0, "shard_offsets": [0, 3]},
+        )
+        with pytest.raises(InvalidEntryError, match=r"'s'.*expected \(3,\), found \(2,\)"):
+            write_checkpoint(tmp_path / f"{fmt}{ext}", DictView([entry]), format=fmt)
 
 
 def test_read_component_into_checks_what_component_gives() -> None:
