@@ -362,3 +362,56 @@ def test_a_gathered_run_refuses_a_key_twice_and_bytes_that_do_not_add_up(tmp_pat
     with pytest.raises(InvalidEntryError, match="bytes"), BundleWriter(str(tmp_path / "ckpt")) as w:
         w.add_run([(b"k", 1, (2,), 8)], np.zeros(12, np.uint8))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_gathered_run_checks_each_tensor_as_add_does(tmp_path) -> None:
+    """Each tensor's size must be its shape's elements times its type's itemsize (the sum
+    alone is not enough), its type number one we write, its dimensions non-negative ints."""
+    from parallelvars.errors import InvalidEntryError, UnsupportedDtypeError
+
+    bad = [
+        # sizes add up (4 + 12 = 16) but neither tensor is 2 floats
+        ([(b"a", 1, (2,), 4), (b"b", 1, (2,), 12)], 16, InvalidEntryError, "'a'.*expected 8"),
+        ([(b"a", 1, (-2,), 0)], 0, InvalidEntryError, "non-negative integers"),
+        ([(b"a", 1, (True,), 4)], 4, InvalidEntryError, "non-negative integers"),
+        ([(b"a", 1, (2.0,), 8)], 8, InvalidEntryError, "non-negative integers"),
+        ([(b"a", 1, None, 8)], 8, InvalidEntryError, "non-negative integers"),
+        ([(b"a", 999, (2,), 8)], 8, UnsupportedDtypeError, "dtype number 999"),
+        ([(b"a", 1.0, (2,), 8)], 8, InvalidEntryError, "type number must be an integer"),
+    ]
+    for tensors, nbytes, error, message in bad:
+        with (
+            pytest.raises(error, match=message) as info,
+            BundleWriter(str(tmp_path / "ckpt")) as w,
+        ):
+            w.add_run(tensors, np.zeros(nbytes, np.uint8))
+        assert "ckpt.index" in str(info.value)
+        assert list(tmp_path.iterdir()) == []  # nothing left behind
+    # the same check in add: a forced type number whose itemsize is not the value's
+    with (
+        pytest.raises(InvalidEntryError, match="expected 8 bytes, found 16 bytes"),
+        BundleWriter(str(tmp_path / "ckpt")) as w,
+    ):
+        w.add(b"a", np.zeros(2, np.float64), dtype=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_gathered_run_takes_list_shapes_strided_data_and_swapping_writers(tmp_path) -> None:
+    x = np.arange(6, dtype=np.float32)
+    for big_endian in (False, True):
+        one, many = tmp_path / f"one{big_endian}" / "c", tmp_path / f"many{big_endian}" / "c"
+        with BundleWriter(str(one), big_endian=big_endian) as w:
+            w.add(b"a", x[:2])
+            w.add(b"b", x[2:].reshape(2, 2))
+        strided = np.zeros((24, 2), np.uint8)
+        strided[:, 0] = x.view(np.uint8)
+        with BundleWriter(str(many), big_endian=big_endian) as w:
+            w.add_run([(b"a", 1, [2], 8), (b"b", 1, [2, 2], 16)], strided[:, 0])  # not contiguous
+        for suffix in (".index", ".data-00000-of-00001"):
+            assert (
+                one.with_name("c" + suffix).read_bytes()
+                == many.with_name("c" + suffix).read_bytes()
+            )
+        with BundleReader(str(many)) as r:
+            np.testing.assert_array_equal(r.read(b"b"), x[2:].reshape(2, 2))
+            assert r.entries[b"b"].shape == (2, 2)

@@ -36,6 +36,7 @@ from parallelvars._fileio import (
 from parallelvars.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
+    ClosedCheckpointError,
     CorruptCheckpointError,
     FormatVersionError,
     InvalidEntryError,
@@ -621,6 +622,66 @@ class BundleWriter:
         if key in self.entries:
             raise InvalidEntryError(f"key {_display(key)!r} added twice")
 
+    def _open_file(self) -> BinaryIO:
+        if self._f is None:
+            raise ClosedCheckpointError(
+                "the bundle writer is already finished", file=self.index_path
+            )
+        return self._f
+
+    def _check_tensor(self, key: bytes, num: Any, shape: Any, size: int | None) -> tuple[int, ...]:
+        """Check one tensor before it is written: a new key, a TensorFlow type number this
+        module can write, dimensions that are non-negative integers and, but for strings
+        (``size`` None), ``size`` bytes being the shape's elements times the type's itemsize.
+        Returns the shape as a tuple of ints (the index encodes it; list shapes are fine)."""
+        self._check_key(key)
+        name = _display(key)
+        if isinstance(num, bool) or not isinstance(num, (int, np.integer)):
+            raise InvalidEntryError(
+                "a TensorFlow type number must be an integer",
+                file=self.index_path,
+                variable=name,
+                found=repr(num),
+            )
+        dt = numpy_dtype(int(num))
+        if dt is None:
+            raise UnsupportedDtypeError(
+                _unsupported(int(num)), file=self.index_path, variable=name, found=int(num)
+            )
+        try:
+            dims = tuple(shape)
+        except TypeError:
+            dims = None
+        if dims is None or any(
+            isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0 for d in dims
+        ):
+            raise InvalidEntryError(
+                "a tensor's dimensions must be non-negative integers",
+                file=self.index_path,
+                variable=name,
+                found=repr(shape),
+            )
+        dims = tuple(int(d) for d in dims)
+        problem = _shape_problem(dims, dt.itemsize)
+        if problem is not None:
+            raise InvalidEntryError(
+                "a tensor shape numpy cannot describe",
+                file=self.index_path,
+                variable=name,
+                found=problem,
+            )
+        if size is not None and int(num) != DT_STRING:
+            want = _nelements(dims) * dt.itemsize
+            if size != want:
+                raise InvalidEntryError(
+                    f"a {tf_type_name(int(num))} tensor of shape {dims} has another size",
+                    file=self.index_path,
+                    variable=name,
+                    expected=f"{want} bytes",
+                    found=f"{size} bytes",
+                )
+        return dims
+
     def add(self, key: bytes, value: np.ndarray, *, dtype: int | None = None) -> BundleEntry:
         """Append one tensor; ``dtype`` forces a TensorFlow type number (quantized types)."""
         self._check_key(key)
@@ -633,13 +694,16 @@ class BundleWriter:
                 variable=_display(key),
                 found=value.dtype,
             )
-        assert self._f is not None, "writer already finished"
+        f = self._open_file()
+        self._check_tensor(
+            key, num, value.shape, None if value.dtype.kind in "OSU" else value.nbytes
+        )
         if num == DT_STRING:
             data, crc = encode_strings(
                 _string_elements(value, key, self.index_path),
                 "big" if self.big_endian else "little",
             )
-            self._f.write(data)
+            f.write(data)
             size = len(data)
         else:
             arr = value
@@ -650,7 +714,7 @@ class BundleWriter:
             if self._swap:
                 flat = flat.copy()
                 byteswap_inplace(flat, arr.dtype)
-            self._f.write(flat.data)
+            f.write(flat.data)
             crc = crc32c(flat)
             size = flat.size
         entry = BundleEntry(
@@ -660,30 +724,25 @@ class BundleWriter:
         self.entries[key] = entry
         return entry
 
-    def add_run(
-        self, tensors: Sequence[tuple[bytes, int, tuple[int, ...], int]], data: Any
-    ) -> None:
-        """Append tensors whose bytes lie back to back in ``data`` (a C-contiguous uint8 array,
-        each tensor's elements in C order and this machine's byte order), in one write.
+    def add_run(self, tensors: Sequence[tuple[bytes, int, Sequence[int], int]], data: Any) -> None:
+        """Append tensors whose bytes lie back to back in ``data`` (a uint8 array or any
+        bytes-like object, each tensor's elements in C order and this machine's byte order),
+        in one write.
 
         ``tensors`` gives each one's key, TensorFlow type number, shape and size in bytes (its
-        share of ``data``, in turn). The entries are those :meth:`add` makes of the same
-        tensors: only the write and the index's bookkeeping are gathered. Not for string
-        tensors, nor for a writer that swaps byte order.
+        share of ``data``, in turn); each is checked as :meth:`add` checks it (size against
+        the shape and the type's itemsize). The entries are those :meth:`add` makes of the
+        same tensors: only the write and the index's bookkeeping are gathered. Not for string
+        tensors. A writer that swaps byte order swaps a copy of ``data``.
         """
-        assert self._f is not None, "writer already finished"
-        assert not self._swap, "add_run takes tensors in the byte order written"
-        view = memoryview(data).cast("B")
-        if sum(t[3] for t in tensors) != len(view):
-            raise InvalidEntryError(
-                "a gathered run's bytes do not add up to its tensors' sizes",
-                file=self.index_path,
-                expected=f"{sum(t[3] for t in tensors)} bytes",
-                found=f"{len(view)} bytes",
-            )
-        keys = [t[0] for t in tensors]
-        for key, num, _, _ in tensors:
-            self._check_key(key)
+        f = self._open_file()
+        if isinstance(data, np.ndarray):
+            flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        else:
+            flat = np.ascontiguousarray(np.asarray(memoryview(data))).reshape(-1).view(np.uint8)
+        shapes = []
+        for key, num, shape, size in tensors:
+            shapes.append(self._check_tensor(key, num, shape, size))
             if num == DT_STRING:
                 raise UnsupportedDtypeError(
                     "string tensors are written one by one, not in a gathered run",
@@ -691,18 +750,33 @@ class BundleWriter:
                     variable=_display(key),
                     found="DT_STRING",
                 )
+        if sum(t[3] for t in tensors) != flat.size:
+            raise InvalidEntryError(
+                "a gathered run's bytes do not add up to its tensors' sizes",
+                file=self.index_path,
+                expected=f"{sum(t[3] for t in tensors)} bytes",
+                found=f"{flat.size} bytes",
+            )
+        keys = [t[0] for t in tensors]
         if len(set(keys)) != len(keys):
             seen: set[bytes] = set()
             for key in keys:
                 if key in seen:
                     raise InvalidEntryError(f"key {_display(key)!r} added twice")
                 seen.add(key)
+        if self._swap:  # into the file's byte order, tensor by tensor
+            flat = flat.copy()
+            pos = 0
+            for _key, num, _shape, size in tensors:
+                byteswap_inplace(flat[pos : pos + size], cast(np.dtype, numpy_dtype(num)))
+                pos += size
+        view = flat.data  # (a memoryview of the bytes, C-contiguous)
         pos, offset, entries = 0, self._offset, self.entries
-        for key, num, shape, size in tensors:
+        for (key, num, _, size), shape in zip(tensors, shapes, strict=True):
             crc = mask(crc32c(view[pos : pos + size]))
             entries[key] = BundleEntry(num, shape, 0, offset + pos, size, crc)
             pos += size
-        self._f.write(view)
+        f.write(view)
         self._offset = offset + pos
 
     def add_slice(

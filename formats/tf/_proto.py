@@ -167,19 +167,11 @@ def expect_bytes(field: int, wire: int, value: int | bytes) -> bytes:
 
 
 def field_varint(field: int, value: int) -> bytes:
-    key = field << 3 | VARINT
-    return (_ONE_BYTE[key] if key <= 0x7F else encode_varint(key)) + (
-        _ONE_BYTE[value] if 0 <= value <= 0x7F else encode_varint(value)
-    )
+    return encode_varint(field << 3 | VARINT) + encode_varint(value)
 
 
 def field_bytes(field: int, data: bytes) -> bytes:
-    key, n = field << 3 | LEN, len(data)
-    return (
-        (_ONE_BYTE[key] if key <= 0x7F else encode_varint(key))
-        + (_ONE_BYTE[n] if n <= 0x7F else encode_varint(n))
-        + data
-    )
+    return encode_varint(field << 3 | LEN) + encode_varint(len(data)) + data
 
 
 def field_fixed32(field: int, value: int) -> bytes:
@@ -328,7 +320,7 @@ def encode_entry(e: BundleEntry) -> bytes:
     if e.size:
         out.append(field_varint(5, e.size))
     if e.crc32c:
-        out.append(b"\x35" + (e.crc32c & 0xFFFFFFFF).to_bytes(4, "little"))  # field 6, fixed32
+        out.append(field_fixed32(6, e.crc32c))
     out.extend(field_bytes(7, encode_slice(s)) for s in e.slices)
     return b"".join(out)
 

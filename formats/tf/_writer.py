@@ -383,6 +383,20 @@ def _gathered(var: _Var, comp: int) -> tuple[np.dtype, tuple[int, ...]] | None:
     return dtype, tuple(int(d) for d in var.entry.component_shape(comp))
 
 
+def _read_checked(var: _Var, comp: int, out: np.ndarray, index_path: str) -> None:
+    """Read component ``comp`` into ``out``; the entry refuses a component of another shape
+    or dtype than it declares (:meth:`Entry.read_component_into`): the error is raised
+    naming the checkpoint being written when the entry named no file."""
+    try:
+        var.entry.read_component_into(comp, out)
+    except (InvalidEntryError, DtypeMismatchError) as e:
+        if e.file is not None:
+            raise
+        raise type(e)(
+            e.what, file=index_path, variable=e.variable, expected=e.expected, found=e.found
+        ) from None
+
+
 def _write_vars(w: BundleWriter, todo: list[tuple[str, _Var, int]], index_path: str) -> None:
     """Write the tensors ``todo`` in order, in runs of at most ``BULK_BYTES``: each run's
     components read ahead in bulk from the files that hold them (:class:`ReadAhead`), read
@@ -420,7 +434,7 @@ def _write_vars(w: BundleWriter, todo: list[tuple[str, _Var, int]], index_path: 
                     _write_var(w, var, key, comp, index_path)
                     continue
                 pos, dtype, shape, n = place
-                var.entry.read_component_into(comp, buf[pos : pos + n].view(dtype).reshape(shape))
+                _read_checked(var, comp, buf[pos : pos + n].view(dtype).reshape(shape), index_path)
                 pending.append((key.encode("utf-8", "surrogateescape"), var.tf_type, shape, n))
             if pending:
                 w.add_run(pending, buf[start:total])

@@ -42,7 +42,12 @@ import numpy as np
 
 from parallelvars import _geometry
 from parallelvars.enums import Aggregation
-from parallelvars.errors import CheckpointError, ComponentIndexError, InvalidEntryError
+from parallelvars.errors import (
+    CheckpointError,
+    ComponentIndexError,
+    DtypeMismatchError,
+    InvalidEntryError,
+)
 
 __all__ = [
     "AGGREGATIONS",
@@ -90,8 +95,48 @@ class Entry(abc.ABC):
         """Read component ``i`` into a new array that the caller owns."""
 
     def read_component_into(self, i: int, out: np.ndarray) -> None:
-        """Read component ``i`` into ``out`` (same shape and dtype); adapters may do it in place."""
-        out[...] = self.component(i)
+        """Read component ``i`` into ``out`` and fill it entirely.
+
+        ``out`` has the component's declared shape (:meth:`component_shape`) and the entry's
+        dtype (another dtype is a cast the caller asked for); what is read must be exactly
+        the declared shape and dtype, as :meth:`component` gives it: a component
+        of another shape or dtype is refused (no broadcast, no cast), so a writer never
+        stores other bytes than the entry declares. Adapters that override this to read in
+        place must agree with :meth:`component` and write every element of ``out`` (writers
+        reuse their buffers from one tensor to the next).
+
+        Raises:
+            InvalidEntryError: the component has another shape than declared.
+            DtypeMismatchError: the component has another dtype than the entry's.
+        """
+        self._copy_checked(i, self.component(i), out)
+
+    def _copy_checked(self, i: int, data: np.ndarray, out: np.ndarray) -> None:
+        """Copy component ``i``'s ``data`` into ``out`` after checking that ``data`` has the
+        component's declared shape and the entry's dtype (byte order aside), and ``out`` the
+        same shape. An ``out`` of another dtype is the caller's cast, done here."""
+        data = np.asarray(data)
+        want = tuple(int(d) for d in self.component_shape(i))
+        for shape in (tuple(data.shape), tuple(out.shape)):
+            if shape != want:
+                raise InvalidEntryError(
+                    f"component {i} has another shape than its variable",
+                    variable=self.path,
+                    expected=want,
+                    found=shape,
+                )
+        declared = np.dtype(self.dtype)
+        if data.dtype.newbyteorder("=") != declared.newbyteorder("="):
+            raise DtypeMismatchError(
+                f"component {i} has another dtype than its variable",
+                variable=self.path,
+                expected=declared,
+                found=data.dtype,
+            )
+        if out.dtype.newbyteorder("=") == declared.newbyteorder("="):
+            np.copyto(out, data, casting="equiv")
+        else:
+            out[...] = data
 
     def component_nbytes(self, i: int) -> int:
         return math.prod(self.component_shape(i)) * self.dtype.itemsize
@@ -162,7 +207,10 @@ class ArrayEntry(Entry):
 
     def read_component_into(self, i: int, out: np.ndarray) -> None:
         self._check_index(i)
-        np.copyto(out, self._components[i])
+        if type(self).component is not ArrayEntry.component:  # a subclass reads its own way
+            super().read_component_into(i, out)
+            return
+        self._copy_checked(i, self._components[i], out)
 
     def component_array(self, i: int) -> np.ndarray:
         """Component ``i`` without a copy (do not mutate it)."""

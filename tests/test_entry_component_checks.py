@@ -1,0 +1,156 @@
+"""An entry's components must be what it declares: the writers (TensorFlow, safetensors, npz)
+refuse a component of another dtype or shape instead of casting or broadcasting it, through
+the one check in :meth:`Entry.read_component_into`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from parallelvars.checkpoint.entry import ArrayEntry, Entry
+from parallelvars.errors import DtypeMismatchError, InvalidEntryError
+from parallelvars.formats import DictView, open_checkpoint, write_checkpoint
+
+
+class Lying(Entry):
+    """A single entry declaring ``dtype`` and ``shape`` whose component is ``data``."""
+
+    def __init__(self, path: str, data: np.ndarray, dtype: Any, shape: tuple[int, ...]) -> None:
+        self.path, self._data = path, data
+        self.dtype, self.shape = np.dtype(dtype), shape
+        self.kind, self.num_components, self.attrs = "single", 1, {}
+
+    def component(self, i: int) -> np.ndarray:
+        self._check_index(i)
+        return np.array(self._data)
+
+
+FORMATS = [("tf", ""), ("safetensors", ".safetensors"), ("npz", ".npz")]
+
+CASES = {
+    # float64 1e40 declared float32 was written as inf
+    "float64 as float32": (
+        lambda: Lying("v", np.array([1e40, 0.1]), np.float32, (2,)),
+        DtypeMismatchError,
+        "expected float32, found float64",
+    ),
+    # float64 declared int32 was truncated
+    "float64 as int32": (
+        lambda: Lying("v", np.array([1.7, -2.9]), np.int32, (2,)),
+        DtypeMismatchError,
+        "expected int32, found float64",
+    ),
+    # shape (1,) declared (4,) was broadcast
+    "shape (1,) as (4,)": (
+        lambda: Lying("v", np.array([7.0], np.float32), np.float32, (4,)),
+        InvalidEntryError,
+        r"expected \(4,\), found \(1,\)",
+    ),
+    # mirrored components of mixed dtypes: cast (same_kind) or a builtin TypeError
+    "mirrored float32 + float64": (
+        lambda: ArrayEntry("v", [np.array([1.5], np.float32), np.array([2.5], np.float64)]),
+        DtypeMismatchError,
+        "component 1 has another dtype",
+    ),
+    "mirrored int32 + float64": (
+        lambda: ArrayEntry("v", [np.array([1], np.int32), np.array([1.5])], kind="mirrored"),
+        DtypeMismatchError,
+        "expected int32, found float64",
+    ),
+    # a mirrored component of shape (1,) beside (3,) was broadcast
+    "mirrored broadcast": (
+        lambda: ArrayEntry(
+            "v", [np.zeros(3, np.float32), np.array([2.5], np.float32)], kind="mirrored"
+        ),
+        InvalidEntryError,
+        r"component 1 has another shape .*expected \(3,\), found \(1,\)",
+    ),
+}
+
+
+@pytest.mark.parametrize(("fmt", "ext"), FORMATS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_writers_refuse_a_component_unlike_its_entry(
+    tmp_path: Path, fmt: str, ext: str, case: str
+) -> None:
+    make, error, message = CASES[case]
+    options = {"update_state": False} if fmt == "tf" else {}
+    with pytest.raises(error, match=message) as info:
+        write_checkpoint(tmp_path / ("ckpt" + ext), {"v": make()}, format=fmt, **options)
+    assert "'v'" in str(info.value)
+    assert os.listdir(tmp_path) == []  # nothing written, nothing left behind
+
+
+DTYPES = (
+    np.float32,
+    ml_dtypes.bfloat16,
+    np.float16,
+    ml_dtypes.float8_e4m3fn,
+    np.int8,
+    np.int64,
+    np.bool_,
+)
+
+
+def test_components_as_declared_are_written_in_every_dtype_and_kind(tmp_path: Path) -> None:
+    for dtype in DTYPES:
+        data = np.arange(4).astype(dtype)
+        entries = [
+            ArrayEntry("single", [data]),
+            ArrayEntry("mirrored", [data, data.copy()], kind="mirrored"),
+            ArrayEntry(
+                "sharded",
+                [data[:3], data[3:]],
+                kind="sharded",
+                shape=(4,),
+                attrs={"shard_axis": 0, "shard_offsets": [0, 3]},
+            ),
+        ]
+        for fmt, ext in FORMATS:
+            path = write_checkpoint(
+                tmp_path / f"{fmt}-{np.dtype(dtype).name}{ext}", DictView(entries), format=fmt
+            )
+            with open_checkpoint(path) as view:
+                for name in ("single", "mirrored", "sharded"):
+                    got = view[name].value()
+                    assert got.dtype == np.dtype(dtype)
+                    np.testing.assert_array_equal(got, data)
+
+
+def test_a_shard_of_another_shape_than_its_offsets_say_is_refused(tmp_path: Path) -> None:
+    data = np.arange(4, dtype=np.float32)
+    for fmt, ext in FORMATS:
+        entry = ArrayEntry(
+            "s",
+            [data[:2], data[2:]],  # the offsets say 3 + 1
+            kind="sharded",
+            shape=(4,),
+            attrs={"shard_axis": 0, "shard_offsets": [0, 3]},
+        )
+        with pytest.raises(InvalidEntryError, match=r"'s'.*expected \(3,\), found \(2,\)"):
+            write_checkpoint(tmp_path / f"{fmt}{ext}", DictView([entry]), format=fmt)
+
+
+def test_read_component_into_checks_what_component_gives() -> None:
+    out = np.empty(2, np.float32)
+    with pytest.raises(DtypeMismatchError, match=r"'v'.*expected float32, found float64"):
+        Lying("v", np.array([1e40, 0.1]), np.float32, (2,)).read_component_into(0, out)
+    with pytest.raises(InvalidEntryError, match=r"expected \(2,\), found \(3,\)"):
+        ArrayEntry("v", [np.zeros(2, np.float32)]).read_component_into(0, np.empty(3, np.float32))
+
+    # A subclass that changes component() is read through it, so both agree.
+    class Doubled(ArrayEntry):
+        def component(self, i: int) -> np.ndarray:
+            return super().component(i) * 2
+
+    Doubled("v", [np.ones(2, np.float32)]).read_component_into(0, out)
+    np.testing.assert_array_equal(out, [2, 2])
+    # An out of another dtype is a cast its caller asked for.
+    wide = np.empty(2, np.float64)
+    ArrayEntry("v", [np.full(2, 0.5, np.float32)]).read_component_into(0, wide)
+    np.testing.assert_array_equal(wide, [0.5, 0.5])
