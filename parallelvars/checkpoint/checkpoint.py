@@ -110,8 +110,8 @@ def _plan_replicas(records: Sequence[SaveRecord]) -> None:
     """From the second save of a ``RecordList`` on, give it the plan of runs its replicas are
     compared by (:class:`SnapshotPlan`, read by the writer: ``h5raw.component_bytes._replica_plan``);
     a first save compares them one by one (making the plan costs more, once). A snapshot's
-    copies get none: their replicas are their first component's copy."""
-    if isinstance(records, RecordList) and not records.copied:
+    copies get none (:func:`plan_replicas` decides)."""
+    if isinstance(records, RecordList):
         plan_replicas(records)
 
 
