@@ -284,3 +284,38 @@ def test_runs_of_two_saveables_keep_node_order(monkeypatch):
         "save_counter",
         *(f"mixed/{k}" for k in range(1, 5)),
     ]
+
+
+def _three_mirrored() -> list[Any]:
+    with pv.MirroredStrategy(2).scope():
+        return [pv.Variable(np.ones(3, np.float32), name=f"v{i}") for i in range(3)]
+
+
+def test_a_saveable_overriding_gather_is_gathered_by_it(tmp_path):
+    """A subclass of the built-in saveable that overrides ``gather`` gets its records from it,
+    in bulk (``gather_all``) as one by one, and a checkpoint's save calls it."""
+    from parallelvars.testing import restore_rules
+
+    calls: list[str] = []
+
+    class Frozen(restore_rules.ParallelVariableSaveable):
+        def gather(self, obj: Any) -> Any:
+            calls.append(obj.name)
+            record = super().gather(obj)
+            record.attrs["trainable"] = False
+            return record
+
+    vs = _three_mirrored()
+    records = Frozen().gather_all(vs)
+    assert calls == ["v0", "v1", "v2"]
+    assert [r.attrs["trainable"] for r in records] == [False] * 3
+    cls = type(vs[0])
+    before = registry.type_saveable(cls)
+    assert before is not None
+    calls.clear()
+    pv.register_saveable(cls, Frozen(), override=True)
+    try:
+        pv.Checkpoint(vs=vs).write(str(tmp_path / "frozen.h5"))
+    finally:
+        pv.register_saveable(cls, before, override=True)
+    assert {"v0", "v1", "v2"} <= set(calls)
