@@ -319,3 +319,18 @@ def test_a_saveable_overriding_gather_is_gathered_by_it(tmp_path):
     finally:
         pv.register_saveable(cls, before, override=True)
     assert {"v0", "v1", "v2"} <= set(calls)
+
+
+def test_a_variable_missing_its_state_fails_in_bulk_as_alone():
+    """A variable whose proxy lost a piece of the state its properties read: the bulk gather
+    raises what ``gather`` raises for it (not a bare ``KeyError`` of the state's name)."""
+    from parallelvars.testing import restore_rules
+
+    vs = _three_mirrored()
+    del object.__getattribute__(vs[1], "__self_dict__")["_self_trainable"]
+    saveable = restore_rules.ParallelVariableSaveable()
+    with pytest.raises(AttributeError, match="trainable") as alone:
+        saveable.gather(vs[1])
+    with pytest.raises(AttributeError, match="trainable") as bulk:
+        saveable.gather_all(vs)
+    assert str(bulk.value) == str(alone.value)

@@ -194,14 +194,17 @@ class ParallelVariableSaveable(Saveable):
         from the proxy's own dict (what its properties return; a read through the proxy costs
         its ``__getattr__`` hook, a few hundred ns), the attributes of every record as
         :meth:`gather` makes them, in its order. A subclass that overrides :meth:`gather`,
-        and variables whose facts are not the base classes' properties, are gathered one at a
-        time, by :meth:`gather`."""
+        variables whose facts are not the base classes' properties, and variables missing a
+        piece of that state are gathered one at a time, by :meth:`gather`."""
         types = set(map(type, objs))
         if type(self).gather is not ParallelVariableSaveable.gather or not all(
             map(_plain_facts, types)
         ):
             return list(map(self.gather, objs))
-        return self._gather_state(objs, types)
+        try:
+            return self._gather_state(objs, types)
+        except (KeyError, AttributeError):  # (a piece of the state missing: gather says what)
+            return list(map(self.gather, objs))
 
     def _gather_state(self, objs: Sequence[ParallelVariable], types: set[type]) -> list[SaveRecord]:
         """:meth:`gather_all`'s records read from the proxies' own state (their types' facts
