@@ -334,3 +334,31 @@ def test_a_variable_missing_its_state_fails_in_bulk_as_alone():
     with pytest.raises(AttributeError, match="trainable") as bulk:
         saveable.gather_all(vs)
     assert str(bulk.value) == str(alone.value)
+
+
+def test_made_records_are_the_constructors_even_without_components():
+    """``SaveRecord.made`` (the bulk gather's records) makes what the constructor makes, the
+    dtype of a record without components included."""
+    from parallelvars.checkpoint.registry import SaveRecord
+
+    columns = (
+        ["mirrored", "single"],
+        [[np.ones(2, np.float16), np.ones(2, np.float16)], []],
+        [(2,), (0,)],
+        [{"name": "a"}, {"name": "b"}],
+    )
+    made = SaveRecord.made(*columns)
+    built = [
+        SaveRecord(kind=k, components=c, shape=s, attrs=a)
+        for k, c, s, a in zip(*columns, strict=True)
+    ]
+    for m, b in zip(made, built, strict=True):
+        assert (m.kind, m.shape, m.attrs, m.path, m.dtype, m.num_components) == (
+            b.kind,
+            b.shape,
+            b.attrs,
+            b.path,
+            b.dtype,
+            b.num_components,
+        )
+        assert m.components is b.components
