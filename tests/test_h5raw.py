@@ -484,6 +484,23 @@ def test_template_rows_are_placed_at_their_addresses(size, gaps, data) -> None:
     assert image.tobytes() == want.tobytes()
 
 
+@pytest.mark.parametrize(
+    "addresses",
+    [[0, 50, 100], [0, 46, 92], [80, 90, 100], [-5, 5, 15], [-50, 0, 50], [95], [-1], [30, 10, 95]],
+)
+def test_rows_outside_the_image_are_refused_before_a_byte_is_copied(addresses) -> None:
+    """A row past the image's end or before its start raises ``ValueError`` and nothing is
+    written, in the image or past it: strided runs included (their view has no bounds)."""
+    from parallelvars.checkpoint.h5raw.templates import place
+
+    base = np.zeros(300, np.uint8)
+    image = base[100:200]
+    rows = np.full((len(addresses), 10), 7, np.uint8)
+    with pytest.raises(ValueError, match="do not fit an image of 100 bytes"):
+        place(image, np.array(addresses, np.int64), rows)
+    assert not base.any()
+
+
 def test_a_released_plan_is_freed_without_the_cyclic_collector() -> None:
     """A plan's layouts and their groups refer to each other; released, the plan leaves no
     cycle behind (a first save of 50,000 variables with slots left 150,000 objects to the next
