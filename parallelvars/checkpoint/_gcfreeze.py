@@ -32,7 +32,11 @@ import gc
 import threading
 from collections.abc import Iterator
 
-__all__ = ["freeze_made_so_far", "older_objects_frozen"]
+__all__ = ["FREEZE_STEP", "freeze_made_so_far", "older_objects_frozen"]
+
+#: Entries (graph nodes, records, plan rows: a few objects each) a long step makes between two
+#: calls of :func:`freeze_made_so_far`: every step that freezes as it goes uses this cadence.
+FREEZE_STEP = 8192
 
 _lock = threading.Lock()
 _depth = 0  # restores inside, all threads

@@ -27,7 +27,7 @@ from typing import Any, cast
 
 from parallelvars._fileio import value_types
 from parallelvars._ints import is_index
-from parallelvars.checkpoint._gcfreeze import freeze_made_so_far
+from parallelvars.checkpoint._gcfreeze import FREEZE_STEP, freeze_made_so_far
 from parallelvars.checkpoint.entry import check_name_text
 from parallelvars.checkpoint.registry import Saveable, get_saveable, type_saveable
 from parallelvars.checkpoint.registry import generation as registry_generation
@@ -193,13 +193,13 @@ def build_object_graph(root: Any) -> ObjectGraph:
     leaf_saveable = _leaf_types()
     queue: deque[int] = deque([0])
     trackables: list[int] = []  # the containers walked, in walk order (they may own slots)
-    freeze_at = _FREEZE_STEP
+    freeze_at = FREEZE_STEP
     while queue:
         if len(nodes) >= freeze_at:
             # (inside a save's older_objects_frozen: the nodes made so far are kept, so the
             # collections the walk triggers need not walk them again and again)
             freeze_made_so_far()
-            freeze_at = len(nodes) + _FREEZE_STEP
+            freeze_at = len(nodes) + FREEZE_STEP
         parent = queue.popleft()
         obj = objects[parent]
         if not isinstance(obj, Trackable):
@@ -266,9 +266,6 @@ def build_object_graph(root: Any) -> ObjectGraph:
             slots.append([var_id, slot_name, slot_id])
     return graph
 
-
-# Nodes made between two freezes of what a walk made (see freeze_made_so_far).
-_FREEZE_STEP = 8192
 
 # type -> its saveable, for the types whose instances are always leaves: a registered
 # saveable, and neither a Trackable nor a plain list, tuple or dict whatever the instance
@@ -342,9 +339,9 @@ def _add_leaves(
     new = range(start, start + len(values))
     graph.ids.update(zip(map(id, values), new, strict=True))
     graph.objects.extend(values)
-    for k in range(0, len(paths), _FREEZE_STEP):
+    for k in range(0, len(paths), FREEZE_STEP):
         graph.nodes.extend(
-            [{"children": [], "path": p, "slots": []} for p in paths[k : k + _FREEZE_STEP]]
+            [{"children": [], "path": p, "slots": []} for p in paths[k : k + FREEZE_STEP]]
         )
         freeze_made_so_far()  # (see build_object_graph)
     graph._paths.extend(paths)
