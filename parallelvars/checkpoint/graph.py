@@ -48,6 +48,7 @@ __all__ = [
     "escape_name",
     "graph_from_paths",
     "is_leaf",
+    "leaf_saveable",
     "slot_relations",
     "unescape_name",
 ]
@@ -77,7 +78,15 @@ def unescape_name(name: str) -> str:
 
 def is_leaf(obj: Any) -> bool:
     """Whether ``obj`` is a saved value (a registered saveable that is not a container)."""
-    return not isinstance(obj, Trackable) and get_saveable(obj) is not None
+    return leaf_saveable(obj) is not None
+
+
+def leaf_saveable(obj: Any) -> Saveable | None:
+    """The saveable of the graph node ``obj`` (what ``tracking._as_node`` made of a value: a
+    plain list, tuple or dict is a container by then) when it is a leaf, a saved value: no
+    :class:`Trackable`, of a registered saveable; else None. The one rule of a leaf:
+    :func:`_leaf_saveable` decides it once per type where the type decides it."""
+    return None if isinstance(obj, Trackable) else get_saveable(obj)
 
 
 @dataclass
@@ -96,8 +105,7 @@ class ObjectGraph:
         node_id = len(self.nodes)
         self.ids[id(obj)] = node_id
         self.objects.append(obj)
-        # A leaf is a saved value: no Trackable, a registered saveable (kept for the gather).
-        saveable = None if isinstance(obj, Trackable) else get_saveable(obj)
+        saveable = leaf_saveable(obj)  # (kept for the gather)
         self.nodes.append({"children": [], "path": None if saveable is None else path, "slots": []})
         self._paths.append(path or "")
         if saveable is not None:
@@ -283,7 +291,8 @@ def _leaf_types() -> dict[type, Saveable | None]:
 
 def _leaf_saveable(cls: type) -> Saveable | None:
     """The saveable of ``cls`` when every instance of it is a leaf of the graph (what
-    ``ObjectGraph.add`` and ``_as_node`` decide per object, decided once per type), else None.
+    :func:`leaf_saveable` decides per node, of what ``_as_node`` made of a value, decided once
+    per type: a plain list, tuple or dict becomes a container), else None.
 
     Decided by the type where it decides ``isinstance`` (:func:`type_decides_isinstance`)."""
     saveable = type_saveable(cls)
