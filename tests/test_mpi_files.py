@@ -671,6 +671,60 @@ def test_the_collective_writer_lives_with_the_layout(tmp_path: Path) -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_a_snapshots_copies_are_not_kept_after_a_collective_save(
+    tmp_path: Path, fixed_clock: None
+) -> None:
+    """Repeated collective saves of a non-blocking save's copies (records made ``like=`` the
+    live ones): no rank plans their replicas or keeps them, so once the caller drops them the
+    copied buffers are freed (a kept copy would hold a whole snapshot until the next save)."""
+    import gc
+    import weakref
+
+    from parallelvars.checkpoint.snapshot import plan_replicas
+
+    size, local = 2, 2
+    devices = [f"cpu:{d}" for d in range(size * local)]
+    caches = [PlanCache() for _ in range(size)]
+    live = []
+    for r in range(size):
+        w = np.arange(1000, dtype=np.float32)
+        dev = devices[r * local : (r + 1) * local]
+        live.append(
+            RecordList(
+                [SaveRecord("mirrored", [w, w.copy()], (1000,), {"devices": dev}, path="m/w")]
+            )
+        )
+    copies = []
+    for r in range(size):
+        c = live[r][0].components[0].copy()  # (a replica shares its first component's copy)
+        rec = SaveRecord("mirrored", [c, c], (1000,), dict(live[r][0].attrs), path="m/w")
+        copies.append(RecordList([rec], like=live[r]))
+    assert all(c.copied for c in copies)
+    for k in (1, 2, 3):
+
+        def save(comm: ThreadComm, k: int = k) -> str:
+            r = comm.Get_rank()
+            return write_collective(
+                comm,
+                str(tmp_path / f"ckpt-{k}.h5"),
+                copies[r],
+                devices[r * local : (r + 1) * local],
+                devices,
+                cache=caches[r],
+                plan_replicas=plan_replicas,
+            )
+
+        assert len(set(run_ranks(size, save))) == 1
+        with H5Reader(str(tmp_path / f"ckpt-{k}.h5")) as reader:
+            assert reader.verify_all() == []
+            assert reader["m/w"].component(3)[7] == 7.0
+    buffers = [weakref.ref(c[0].components[0]) for c in copies]
+    copies.clear()  # (the caller drops its copies)
+    del rec, c
+    gc.collect()
+    assert [b() for b in buffers] == [None] * size
+
+
 def test_rank_records_get_a_replica_plan_and_still_see_divergence(
     tmp_path: Path, fixed_clock: None
 ) -> None:

@@ -284,3 +284,81 @@ def test_runs_of_two_saveables_keep_node_order(monkeypatch):
         "save_counter",
         *(f"mixed/{k}" for k in range(1, 5)),
     ]
+
+
+def _three_mirrored() -> list[Any]:
+    with pv.MirroredStrategy(2).scope():
+        return [pv.Variable(np.ones(3, np.float32), name=f"v{i}") for i in range(3)]
+
+
+def test_a_saveable_overriding_gather_is_gathered_by_it(tmp_path):
+    """A subclass of the built-in saveable that overrides ``gather`` gets its records from it,
+    in bulk (``gather_all``) as one by one, and a checkpoint's save calls it."""
+    from parallelvars.testing import restore_rules
+
+    calls: list[str] = []
+
+    class Frozen(restore_rules.ParallelVariableSaveable):
+        def gather(self, obj: Any) -> Any:
+            calls.append(obj.name)
+            record = super().gather(obj)
+            record.attrs["trainable"] = False
+            return record
+
+    vs = _three_mirrored()
+    records = Frozen().gather_all(vs)
+    assert calls == ["v0", "v1", "v2"]
+    assert [r.attrs["trainable"] for r in records] == [False] * 3
+    cls = type(vs[0])
+    before = registry.type_saveable(cls)
+    assert before is not None
+    calls.clear()
+    pv.register_saveable(cls, Frozen(), override=True)
+    try:
+        pv.Checkpoint(vs=vs).write(str(tmp_path / "frozen.h5"))
+    finally:
+        pv.register_saveable(cls, before, override=True)
+    assert {"v0", "v1", "v2"} <= set(calls)
+
+
+def test_a_variable_missing_its_state_fails_in_bulk_as_alone():
+    """A variable whose proxy lost a piece of the state its properties read: the bulk gather
+    raises what ``gather`` raises for it (not a bare ``KeyError`` of the state's name)."""
+    from parallelvars.testing import restore_rules
+
+    vs = _three_mirrored()
+    del object.__getattribute__(vs[1], "__self_dict__")["_self_trainable"]
+    saveable = restore_rules.ParallelVariableSaveable()
+    with pytest.raises(AttributeError, match="trainable") as alone:
+        saveable.gather(vs[1])
+    with pytest.raises(AttributeError, match="trainable") as bulk:
+        saveable.gather_all(vs)
+    assert str(bulk.value) == str(alone.value)
+
+
+def test_made_records_are_the_constructors_even_without_components():
+    """``SaveRecord.made`` (the bulk gather's records) makes what the constructor makes, the
+    dtype of a record without components included."""
+    from parallelvars.checkpoint.registry import SaveRecord
+
+    columns = (
+        ["mirrored", "single"],
+        [[np.ones(2, np.float16), np.ones(2, np.float16)], []],
+        [(2,), (0,)],
+        [{"name": "a"}, {"name": "b"}],
+    )
+    made = SaveRecord.made(*columns)
+    built = [
+        SaveRecord(kind=k, components=c, shape=s, attrs=a)
+        for k, c, s, a in zip(*columns, strict=True)
+    ]
+    for m, b in zip(made, built, strict=True):
+        assert (m.kind, m.shape, m.attrs, m.path, m.dtype, m.num_components) == (
+            b.kind,
+            b.shape,
+            b.attrs,
+            b.path,
+            b.dtype,
+            b.num_components,
+        )
+        assert m.components is b.components

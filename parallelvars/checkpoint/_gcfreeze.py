@@ -13,6 +13,16 @@ skips walking what already existed, which it would have found alive anyway.
 A program that freezes objects itself (``gc.get_freeze_count() > 0``, e.g. before forking
 workers) is left alone: its frozen objects must stay frozen, so the restore then changes nothing.
 Overlapping restores in several threads give the objects back once, after the last one.
+
+Limits: ``gc.freeze()`` and ``gc.unfreeze()`` act on every tracked object of the process, and
+Python offers no way to freeze or give back only some of them, nor to tell who froze what.
+So (1) :func:`freeze_made_so_far` also freezes the objects other threads made since the block
+began (a training loop's cyclic garbage made during a long first save is collected only after
+the block ends, when ``gc.unfreeze()`` gives it back); and (2) when another thread calls
+``gc.freeze()`` itself inside the block, the ``gc.unfreeze()`` at its end gives back what that
+thread froze too. The freeze count cannot tell that call apart either (frozen objects that die
+leave the permanent generation, so the count also falls), so the block does not try: a program
+that freezes should do it before or after a save or restore, not during one.
 """
 
 from __future__ import annotations
@@ -22,7 +32,11 @@ import gc
 import threading
 from collections.abc import Iterator
 
-__all__ = ["freeze_made_so_far", "older_objects_frozen"]
+__all__ = ["FREEZE_STEP", "freeze_made_so_far", "older_objects_frozen"]
+
+#: Entries (graph nodes, records, plan rows: a few objects each) a long step makes between two
+#: calls of :func:`freeze_made_so_far`: every step that freezes as it goes uses this cadence.
+FREEZE_STEP = 8192
 
 _lock = threading.Lock()
 _depth = 0  # restores inside, all threads

@@ -193,10 +193,22 @@ class ParallelVariableSaveable(Saveable):
         """:meth:`gather` of each of ``objs``: the same records, each variable's facts read
         from the proxy's own dict (what its properties return; a read through the proxy costs
         its ``__getattr__`` hook, a few hundred ns), the attributes of every record as
-        :meth:`gather` makes them, in its order."""
+        :meth:`gather` makes them, in its order. A subclass that overrides :meth:`gather`,
+        variables whose facts are not the base classes' properties, and variables missing a
+        piece of that state are gathered one at a time, by :meth:`gather`."""
         types = set(map(type, objs))
-        if not all(map(_plain_facts, types)):
+        if type(self).gather is not ParallelVariableSaveable.gather or not all(
+            map(_plain_facts, types)
+        ):
             return list(map(self.gather, objs))
+        try:
+            return self._gather_state(objs, types)
+        except (KeyError, AttributeError):  # (a piece of the state missing: gather says what)
+            return list(map(self.gather, objs))
+
+    def _gather_state(self, objs: Sequence[ParallelVariable], types: set[type]) -> list[SaveRecord]:
+        """:meth:`gather_all`'s records read from the proxies' own state (their types' facts
+        are the base classes' properties)."""
         get = object.__getattribute__  # (the proxy's own state, without its hook)
         if all(hasattr(t, _SELF_DICT) for t in types):  # (wrapt >= 2: the proxy's own dict)
             states = list(map(get, objs, itertools.repeat(_SELF_DICT)))

@@ -29,10 +29,9 @@ import numpy as np
 
 from parallelvars.checkpoint import _restore  # (also registers the variable saveable)
 from parallelvars.checkpoint._foreign import with_foreign_hint
-from parallelvars.checkpoint._gcfreeze import freeze_made_so_far, older_objects_frozen
+from parallelvars.checkpoint._gcfreeze import FREEZE_STEP, freeze_made_so_far, older_objects_frozen
 from parallelvars.checkpoint._h5policy import PARTS_SUFFIX  # noqa: F401 - <file>.parts/: a multi-process save's files
 from parallelvars.checkpoint.graph import (  # noqa: F401 - the graph's names, as before
-    _FREEZE_STEP,
     GRAPH_VERSION,
     ObjectGraph,
     build_object_graph,
@@ -110,8 +109,8 @@ def _plan_replicas(records: Sequence[SaveRecord]) -> None:
     """From the second save of a ``RecordList`` on, give it the plan of runs its replicas are
     compared by (:class:`SnapshotPlan`, read by the writer: ``h5raw.component_bytes._replica_plan``);
     a first save compares them one by one (making the plan costs more, once). A snapshot's
-    copies get none: their replicas are their first component's copy."""
-    if isinstance(records, RecordList) and not records.copied:
+    copies get none (:func:`plan_replicas` decides)."""
+    if isinstance(records, RecordList):
         plan_replicas(records)
 
 
@@ -393,8 +392,8 @@ class Checkpoint(Trackable):
         start = 0
         for saveable, run in itertools.groupby(saveables):
             stop = start + len(list(run))
-            for k in range(start, stop, _FREEZE_STEP):
-                records.extend(saveable.gather_all(objs[k : min(k + _FREEZE_STEP, stop)]))
+            for k in range(start, stop, FREEZE_STEP):
+                records.extend(saveable.gather_all(objs[k : min(k + FREEZE_STEP, stop)]))
                 freeze_made_so_far()  # (the records are kept too)
             start = stop
         for record, path in zip(records, paths, strict=True):

@@ -27,7 +27,7 @@ from typing import Any, cast
 
 from parallelvars._fileio import value_types
 from parallelvars._ints import is_index
-from parallelvars.checkpoint._gcfreeze import freeze_made_so_far
+from parallelvars.checkpoint._gcfreeze import FREEZE_STEP, freeze_made_so_far
 from parallelvars.checkpoint.entry import check_name_text
 from parallelvars.checkpoint.registry import Saveable, get_saveable, type_saveable
 from parallelvars.checkpoint.registry import generation as registry_generation
@@ -48,6 +48,7 @@ __all__ = [
     "escape_name",
     "graph_from_paths",
     "is_leaf",
+    "leaf_saveable",
     "slot_relations",
     "unescape_name",
 ]
@@ -77,7 +78,15 @@ def unescape_name(name: str) -> str:
 
 def is_leaf(obj: Any) -> bool:
     """Whether ``obj`` is a saved value (a registered saveable that is not a container)."""
-    return not isinstance(obj, Trackable) and get_saveable(obj) is not None
+    return leaf_saveable(obj) is not None
+
+
+def leaf_saveable(obj: Any) -> Saveable | None:
+    """The saveable of the graph node ``obj`` (what ``tracking._as_node`` made of a value: a
+    plain list, tuple or dict is a container by then) when it is a leaf, a saved value: no
+    :class:`Trackable`, of a registered saveable; else None. The one rule of a leaf:
+    :func:`_leaf_saveable` decides it once per type where the type decides it."""
+    return None if isinstance(obj, Trackable) else get_saveable(obj)
 
 
 @dataclass
@@ -96,8 +105,7 @@ class ObjectGraph:
         node_id = len(self.nodes)
         self.ids[id(obj)] = node_id
         self.objects.append(obj)
-        # A leaf is a saved value: no Trackable, a registered saveable (kept for the gather).
-        saveable = None if isinstance(obj, Trackable) else get_saveable(obj)
+        saveable = leaf_saveable(obj)  # (kept for the gather)
         self.nodes.append({"children": [], "path": None if saveable is None else path, "slots": []})
         self._paths.append(path or "")
         if saveable is not None:
@@ -193,13 +201,13 @@ def build_object_graph(root: Any) -> ObjectGraph:
     leaf_saveable = _leaf_types()
     queue: deque[int] = deque([0])
     trackables: list[int] = []  # the containers walked, in walk order (they may own slots)
-    freeze_at = _FREEZE_STEP
+    freeze_at = FREEZE_STEP
     while queue:
         if len(nodes) >= freeze_at:
             # (inside a save's older_objects_frozen: the nodes made so far are kept, so the
             # collections the walk triggers need not walk them again and again)
             freeze_made_so_far()
-            freeze_at = len(nodes) + _FREEZE_STEP
+            freeze_at = len(nodes) + FREEZE_STEP
         parent = queue.popleft()
         obj = objects[parent]
         if not isinstance(obj, Trackable):
@@ -267,9 +275,6 @@ def build_object_graph(root: Any) -> ObjectGraph:
     return graph
 
 
-# Nodes made between two freezes of what a walk made (see freeze_made_so_far).
-_FREEZE_STEP = 8192
-
 # type -> its saveable, for the types whose instances are always leaves: a registered
 # saveable, and neither a Trackable nor a plain list, tuple or dict whatever the instance
 # (see _leaf_saveable); made again when a registration changes what is saveable.
@@ -286,7 +291,8 @@ def _leaf_types() -> dict[type, Saveable | None]:
 
 def _leaf_saveable(cls: type) -> Saveable | None:
     """The saveable of ``cls`` when every instance of it is a leaf of the graph (what
-    ``ObjectGraph.add`` and ``_as_node`` decide per object, decided once per type), else None.
+    :func:`leaf_saveable` decides per node, of what ``_as_node`` made of a value, decided once
+    per type: a plain list, tuple or dict becomes a container), else None.
 
     Decided by the type where it decides ``isinstance`` (:func:`type_decides_isinstance`)."""
     saveable = type_saveable(cls)
@@ -342,9 +348,9 @@ def _add_leaves(
     new = range(start, start + len(values))
     graph.ids.update(zip(map(id, values), new, strict=True))
     graph.objects.extend(values)
-    for k in range(0, len(paths), _FREEZE_STEP):
+    for k in range(0, len(paths), FREEZE_STEP):
         graph.nodes.extend(
-            [{"children": [], "path": p, "slots": []} for p in paths[k : k + _FREEZE_STEP]]
+            [{"children": [], "path": p, "slots": []} for p in paths[k : k + FREEZE_STEP]]
         )
         freeze_made_so_far()  # (see build_object_graph)
     graph._paths.extend(paths)

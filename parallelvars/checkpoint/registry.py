@@ -43,6 +43,8 @@ __all__ = [
 PRIMARY = "primary"
 #: Components ``i >= 1`` are ``parallel_component_<i>`` in every layout and format we write.
 COMPONENT_PREFIX = "parallel_component_"
+# A record's dtype when it has no components (the constructor's and ``SaveRecord.made``'s).
+_NO_COMPONENTS_DTYPE = np.dtype(np.float64)
 _EXTRA_COMPONENT = re.compile(r"parallel_component_([1-9][0-9]*)")
 
 
@@ -84,7 +86,7 @@ class SaveRecord(Entry):
     num_components: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.dtype = self.components[0].dtype if len(self.components) else np.dtype(np.float64)
+        self.dtype = self.components[0].dtype if len(self.components) else _NO_COMPONENTS_DTYPE
         self.num_components = len(self.components)
 
     def component_shape(self, i: int) -> tuple[int, ...]:
@@ -103,7 +105,7 @@ class SaveRecord(Entry):
     ) -> list[SaveRecord]:
         """``[SaveRecord(kind=k, components=c, shape=s, attrs=a) ...]`` of the columns, the
         same records without a call of the constructor each (a first save makes one per
-        variable); each one's components non-empty."""
+        variable)."""
         new = object.__new__
         out: list[SaveRecord] = []
         add = out.append
@@ -114,7 +116,7 @@ class SaveRecord(Entry):
             r.shape = shape
             r.attrs = attr
             r.path = ""
-            r.dtype = comps[0].dtype
+            r.dtype = comps[0].dtype if len(comps) else _NO_COMPONENTS_DTYPE
             r.num_components = len(comps)
             add(r)
         return out

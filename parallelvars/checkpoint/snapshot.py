@@ -319,11 +319,18 @@ class SnapshotPlan:
         return records[self.record_of(i)].path
 
 
-def plan_replicas(records: RecordList) -> None:
-    """At each save of live ``records`` (not a snapshot's copies): from their second save on,
-    give them the plan their replicas are compared by (``RecordList.replicas``, read by the
-    writer: ``h5raw.component_bytes._replica_plan``); a first save compares them one by one
-    (making the plan costs more, once)."""
+def plan_replicas(records: RecordList, *, chosen_from: RecordList | None = None) -> None:
+    """At each save of live ``records``: from their second save on, give them the plan their
+    replicas are compared by (``RecordList.replicas``, read by the writer:
+    ``h5raw.component_bytes._replica_plan``); a first save compares them one by one (making
+    the plan costs more, once).
+
+    A snapshot's copies get none (their replicas are their first component's copy, and a plan
+    would keep the copies alive after the write): ``records`` made ``like=`` other records
+    are copies, unless ``chosen_from`` names the records they were chosen from (a rank's share
+    of a collective save's records, always made ``like=`` them), whose flag decides then."""
+    if (records if chosen_from is None else chosen_from).copied:
+        return
     if records.replicas is None:
         records.replicas = False
     elif records.replicas is False:

@@ -117,7 +117,7 @@ def write_collective(
     object_graph: Any = None,
     metadata: Any = None,
     cache: PlanCache | None = None,
-    plan_replicas: Callable[[RecordList], None] | None = None,
+    plan_replicas: Callable[..., None] | None = None,
 ) -> str:
     """Write one logical checkpoint from every rank of ``comm``; returns ``path`` on every rank.
 
@@ -135,7 +135,8 @@ def write_collective(
     ``write_native_index``'s, kept in a second cache that lives as long as ``cache``; with
     ``plan_replicas`` too (the checkpoint's ``snapshot.plan_replicas``), each save of the same
     records hands this rank's records, the same ``RecordList`` as at the last save, to it
-    first (from their second save on, the plan their replicas are compared by).
+    first, as ``plan_replicas(mine, chosen_from=records)`` (from their second save on, the
+    plan their replicas are compared by; none for a non-blocking save's copies).
 
     Raises:
         CheckpointError: on every rank, when any rank failed to write its part.
@@ -161,8 +162,8 @@ def write_collective(
         # devices, fixed for them): the rank file's structure is the records' (their token),
         # so a repeated save finds its plan without a key made of every record.
         mine = _rank_records(records, mine, cache)
-        if plan_replicas is not None:
-            plan_replicas(mine)
+        if plan_replicas is not None:  # (none for a snapshot's copies: it decides by records)
+            plan_replicas(mine, chosen_from=records)
     error: str | None = None
     crcs: dict[str, list[int]] = {}
     try:
@@ -226,7 +227,11 @@ def _rank_records(records: RecordList, mine: list[Any], cache: PlanCache | None)
     the last save when it holds the same records (a repeated save of the same live records),
     so that from its second save on it may carry the plan its replicas are compared by, as a
     single process's records do (a mirrored model's replicas on this rank's devices compared
-    by runs of their arena rows, while the bytes are written)."""
+    by runs of their arena rows, while the bytes are written). A snapshot's copies
+    (``records.copied``: new at each save) are never kept: held here, they would stay alive
+    until the next save."""
+    if records.copied:
+        return RecordList(mine, like=records)
     held = None if cache is None else _RANK_RECORDS.get(cache)
     if (
         held is not None

@@ -61,7 +61,7 @@ from typing import Any, cast
 import numpy as np
 
 from parallelvars._geometry import shard_bounds
-from parallelvars.checkpoint._gcfreeze import freeze_made_so_far
+from parallelvars.checkpoint._gcfreeze import FREEZE_STEP, freeze_made_so_far
 from parallelvars.checkpoint.h5raw import header as hdr
 from parallelvars.checkpoint.h5raw import messages as msg
 from parallelvars.checkpoint.h5raw.global_heap import build_collections
@@ -409,7 +409,7 @@ class FilePlan:
         plinks: list[tuple[bytes, Any]] = []
         pchildren: list[_Group] = []
         for k, (var, sh, c) in enumerate(zip(variables, shared, ids, strict=True)):
-            if not k & 4095:
+            if not k % FREEZE_STEP:
                 freeze_made_so_far()  # (the plan's objects live until its image is made)
             layout = of_class[c]
             path = var.path

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from parallelvars.checkpoint.h5raw.lookup3 import lookup3_rows, prefix_state
+from parallelvars.errors import InvalidArgumentError
 
 __all__ = ["Template", "place", "place_rows", "runs"]
 
@@ -92,14 +93,21 @@ def place(image: np.ndarray, addresses: np.ndarray, rows: np.ndarray) -> None:
     """Copy each row of ``rows`` to ``image`` at its address, one copy per run of rows whose
     addresses step by the same amount: rows laid one after another (the variables of a group,
     the components of the variables), and rows laid at a fixed stride with other headers
-    between them (the slot variables of a variable after its slots' group)."""
+    between them (the slot variables of a variable after its slots' group).
+
+    Raises:
+        InvalidArgumentError: (a ``ValueError``) a row would lie outside ``image`` (before a byte is copied: the strided
+            copy does not check its view's bounds itself).
+    """
     count, size = rows.shape
     if count == 0:
         return
     if count == 1:
         a = int(addresses[0])
+        _check_inside(image, a, a, size)
         image[a : a + size] = rows[0]
         return
+    _check_inside(image, int(addresses.min()), int(addresses.max()), size)
     steps = np.diff(addresses)
     # runs of equal steps: rows p..q (steps[p:q] equal), the rows between runs in both
     bounds = [0, *(np.flatnonzero(steps[1:] != steps[:-1]) + 1).tolist(), count - 1]
@@ -116,6 +124,16 @@ def place(image: np.ndarray, addresses: np.ndarray, rows: np.ndarray) -> None:
         else:  # (not in increasing order: one row at a time)
             for r in range(p, q + 1):
                 image[at[r] : at[r] + size] = rows[r]
+
+
+def _check_inside(image: np.ndarray, lowest: int, highest: int, size: int) -> None:
+    """Raise :class:`~parallelvars.errors.InvalidArgumentError` (a ``ValueError``) unless rows
+    of ``size`` bytes at ``lowest`` .. ``highest`` lie inside ``image``."""
+    if lowest < 0 or highest + size > image.size:
+        raise InvalidArgumentError(
+            f"rows of {size} bytes at addresses {lowest}..{highest} do not fit an image of "
+            f"{image.size} bytes"
+        )
 
 
 def place_rows(
