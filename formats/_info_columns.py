@@ -54,12 +54,23 @@ COLUMNS_VERSION = 2
 #: The record fields held as columns, in the order written.
 _FIELDS = ("kind", "dtype", "shape", "num_components", "layout")
 _ABSENT = -1
-#: The attributes a reader expands, in bytes of version 1's JSON for them, may exceed neither
-#: this floor nor ``ATTRS_PER_BYTE`` times the column document's own JSON bytes: a column whose
-#: index repeats one value (``"index": 0``) stands for that value once per variable, so without
-#: a bound a small document could ask for variables x attribute names of work and memory.
-ATTRS_FLOOR = 1 << 24
-ATTRS_PER_BYTE = 16
+#: The attributes a reader expands, in bytes of version 1's JSON for them, may not exceed what a
+#: version-1 header may hold (the safetensors header limit): a column whose index repeats one
+#: value (``"index": 0``) stands for that value once per variable, so without a bound a small
+#: document could ask for variables x attribute names of work and memory. With it, version 2
+#: asks for no more than the largest version-1 record set a reader takes, and the writer keeps
+#: version 1 for a model past it (so we never write what we refuse). None: that limit.
+ATTRS_LIMIT: int | None = None
+
+
+def _attrs_limit() -> int:
+    """:data:`ATTRS_LIMIT`, or the safetensors header limit (looked up when called: the
+    safetensors package imports this module)."""
+    if ATTRS_LIMIT is not None:
+        return ATTRS_LIMIT
+    from parallelvars.formats.safetensors._layout import MAX_HEADER_SIZE
+
+    return MAX_HEADER_SIZE
 
 
 def _expanded_attrs(raw_attrs: dict[str, Any], n: int) -> int:
@@ -141,6 +152,8 @@ def to_columns(info: Mapping[str, Any], tensor_names: Iterable[str]) -> dict[str
         name: _encode([rec["attrs"].get(name, _MISSING) for rec in records], optional=True)
         for name in attr_names
     }
+    if _expanded_attrs(columns["attrs"], len(records)) > _attrs_limit():
+        return None  # (a reader would refuse the expansion: version 1 says the same)
     out = {k: v for k, v in info.items() if k != "variables"}
     out["version"] = COLUMNS_VERSION
     out["columns"] = columns
@@ -279,18 +292,15 @@ def records_from_columns(
             f"{where}/attrs",
             found=type(raw_attrs).__name__,
         )
-    expanded = _expanded_attrs(raw_attrs, len(paths))
-    if expanded > ATTRS_FLOOR:
-        allowed = max(ATTRS_FLOOR, ATTRS_PER_BYTE * len(json.dumps(columns, separators=(",", ":"))))
-        if expanded > allowed:
-            raise LimitExceededError(
-                "the parallel info's attribute columns expand far beyond the document",
-                file=file,
-                variable=f"{where}/attrs",
-                expected=f"at most {allowed} bytes of attributes ({ATTRS_PER_BYTE} per byte "
-                f"of the columns, or {ATTRS_FLOOR})",
-                found=f"{expanded} bytes for {len(paths)} variables x {len(raw_attrs)} names",
-            )
+    expanded, limit = _expanded_attrs(raw_attrs, len(paths)), _attrs_limit()
+    if expanded > limit:
+        raise LimitExceededError(
+            "the parallel info's attribute columns expand beyond what a header may hold",
+            file=file,
+            variable=f"{where}/attrs",
+            expected=f"at most {limit} bytes of attributes (as version 1's records)",
+            found=f"{expanded} bytes for {len(paths)} variables x {len(raw_attrs)} names",
+        )
     attr_names = list(raw_attrs)
     attr_cols = [
         _column(file, f"attrs/{name}", col, paths, optional=True) for name, col in raw_attrs.items()

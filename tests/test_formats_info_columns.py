@@ -156,6 +156,21 @@ def test_attributes_in_different_orders_keep_the_record_form(tmp_path) -> None:
         assert list(back["a"].attrs) == ["x", "y"] and list(back["b"].attrs) == ["y", "x"]
 
 
+def test_attributes_past_the_readers_bound_keep_the_record_form(tmp_path, monkeypatch) -> None:
+    """A model whose attributes would expand past what the reader takes (the header limit,
+    made small here) is written as version 1 records: we never write what we refuse."""
+    monkeypatch.setattr("parallelvars.formats._info_columns.ATTRS_LIMIT", 200)
+    entries = [
+        ArrayEntry(f"v{i}", [np.float32([i])], attrs={"note": "x" * 40, "k": i}) for i in range(8)
+    ]
+    path = write_safetensors(tmp_path / "m.safetensors", DictView(entries))
+    assert _info(path)["version"] == 1
+    with open_safetensors(path) as back:
+        assert back["v7"].attrs == {"note": "x" * 40, "k": 7}
+    few = write_safetensors(tmp_path / "few.safetensors", DictView(entries[:1]))
+    assert _info(few)["version"] == 2
+
+
 def test_a_shard_set_index_holds_the_columns(tmp_path) -> None:
     view = _sweep()
     index = write_safetensors(tmp_path / "set" / "model.safetensors", view, max_shard_size=64)
@@ -379,10 +394,10 @@ def test_detecting_a_safetensors_file_does_not_load_the_keras_adapter(tmp_path) 
 
 
 def test_attribute_columns_that_expand_beyond_the_document_are_refused(tmp_path) -> None:
-    """``"index": 0`` stands for one value per variable: 2,000 variables x 1,000 such columns
-    would be 2 million attributes from a 100 KB document; the reader refuses it, by name,
-    before expanding any."""
-    n, k = 2000, 1000
+    """``"index": 0`` stands for one value per variable: 2,000 variables x 8,000 such columns
+    would be 16 million attributes (over 100 MB as version 1's records) from a 240 KB document;
+    the reader refuses it, by name, before expanding any."""
+    n, k = 2000, 8000
     tensors = {f"t{i:05d}": np.float32([i]) for i in range(n)}
     one = {"values": [0], "index": 0}
     columns = {
@@ -398,10 +413,10 @@ def test_attribute_columns_that_expand_beyond_the_document_are_refused(tmp_path)
     info = {"format": "parallelvars", "version": 2, "names": "slash", "columns": columns}
     path = tmp_path / "amp.safetensors"
     save_file(tensors, str(path), metadata={"parallelvars": json.dumps(info)})
-    with pytest.raises(LimitExceededError, match="expand far beyond the document") as err:
+    with pytest.raises(LimitExceededError, match="expand beyond what a header may hold") as err:
         open_checkpoint(path)
     text = str(err.value)
-    assert str(path) in text and "columns/attrs" in text and "2000 variables x 1000" in text
+    assert str(path) in text and "columns/attrs" in text and "2000 variables x 8000" in text
     # the same columns for 20 variables read, every attribute there
     columns["path"], columns["keys"] = columns["path"][:20], list(range(20))
     info["columns"] = columns
@@ -412,7 +427,7 @@ def test_attribute_columns_that_expand_beyond_the_document_are_refused(tmp_path)
         metadata={"parallelvars": json.dumps(info)},
     )
     with open_checkpoint(path) as v:
-        assert len(v) == 20 and len(v["v19"].attrs) == k and v["v19"].attrs["x999"] == 0
+        assert len(v) == 20 and len(v["v19"].attrs) == k and v["v19"].attrs["x7999"] == 0
 
 
 def test_variables_sharing_an_attribute_value_do_not_share_its_object(tmp_path) -> None:
