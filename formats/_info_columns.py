@@ -103,22 +103,29 @@ def _hashable(value: Any) -> Any:
     return type(value).__name__, value
 
 
-def _encode(values: Sequence[Any], *, optional: bool = False) -> Any:
-    """A column of ``values`` (``optional``: ``_MISSING`` marks a variable without one): the
-    indexed form when values repeat or some are missing, else the plain array."""
+def _distinct(values: Sequence[Any]) -> tuple[list[Any], list[int]]:
+    """``values`` as ``(table, codes)``: the distinct values in first-seen order (told apart
+    as their JSON text is) and each value's position in it (``_MISSING``: ``_ABSENT``)."""
     table: dict[Any, int] = {}
     distinct: list[Any] = []
-    index: list[int] = []
+    codes: list[int] = []
     for v in values:
         if v is _MISSING:
-            index.append(_ABSENT)
+            codes.append(_ABSENT)
             continue
         k = _hashable(v)
         at = table.get(k)
         if at is None:
             at = table[k] = len(distinct)
             distinct.append(v)
-        index.append(at)
+        codes.append(at)
+    return distinct, codes
+
+
+def _encode(values: Sequence[Any], *, optional: bool = False) -> Any:
+    """A column of ``values`` (``optional``: ``_MISSING`` marks a variable without one): the
+    indexed form when values repeat or some are missing, else the plain array."""
+    distinct, index = _distinct(values)
     if not optional and 2 * len(distinct) > len(values):
         return list(values)
     if len(distinct) == 1 and _ABSENT not in index:
@@ -199,17 +206,7 @@ def _column(
                 expected=f"{n} values (one per path)",
                 found=len(col),
             )
-        table: dict[Any, int] = {}
-        distinct: list[Any] = []
-        codes = []
-        for v in col:
-            k = _hashable(v)
-            at = table.get(k)
-            if at is None:
-                at = table[k] = len(distinct)
-                distinct.append(v)
-            codes.append(at)
-        return distinct, codes
+        return _distinct(col)
     if type(col) is not dict or set(col) != {"values", "index"}:
         raise _corrupt(
             file,
