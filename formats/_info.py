@@ -130,6 +130,8 @@ class StoredEntry(Entry):
 
     def read_component_into(self, i: int, out: np.ndarray) -> None:
         key, region = self._source(i)
+        # the bytes land as they are stored: an ``out`` of another dtype would take their bits
+        self.check_out(i, out, file=self._store.file)
         self._read(key, region, out)
 
     def value(self) -> np.ndarray:

@@ -122,6 +122,7 @@ class _Broadcast(_Rewritten):
 
     def read_component_into(self, i: int, out: np.ndarray) -> None:
         self._check_index(i)
+        self.check_out(i, out)  # the values are assigned: another dtype would be cast
         out[...] = self._cache.get(self, self._compute)
 
     def value(self) -> np.ndarray:
@@ -133,6 +134,7 @@ class _TotalFirst(_Rewritten):
 
     def read_component_into(self, i: int, out: np.ndarray) -> None:
         self._check_index(i)
+        self.check_out(i, out)  # the values are assigned: another dtype would be cast
         if i == 0:
             out[...] = logical_value(self.source)
         else:
@@ -147,6 +149,7 @@ class _Resplit(_Rewritten):
 
     def read_component_into(self, i: int, out: np.ndarray) -> None:
         self._check_index(i)
+        self.check_out(i, out)  # the values are assigned: another dtype would be cast
         axis = int(self.attrs["shard_axis"])
         lo = int(self.attrs["shard_offsets"][i])
         hi = lo + self.component_shape(i)[axis]

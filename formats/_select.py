@@ -184,6 +184,7 @@ class _PrimaryEntry(ForwardingEntry):
 
     def read_component_into(self, i: int, out: np.ndarray) -> None:
         self._check_index(i)
+        self.check_out(i, out)  # the aggregate is assigned: another dtype would be cast
         if self._primary:
             self.source.read_component_into(0, out)
         else:

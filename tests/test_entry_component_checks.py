@@ -4,6 +4,7 @@ the one check in :meth:`Entry.read_component_into`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -150,7 +151,69 @@ def test_read_component_into_checks_what_component_gives() -> None:
 
     Doubled("v", [np.ones(2, np.float32)]).read_component_into(0, out)
     np.testing.assert_array_equal(out, [2, 2])
-    # An out of another dtype is a cast its caller asked for.
+    # An out of another dtype is refused, a lossless one too: a caller that means to
+    # convert reads component() and converts it.
     wide = np.empty(2, np.float64)
-    ArrayEntry("v", [np.full(2, 0.5, np.float32)]).read_component_into(0, wide)
-    np.testing.assert_array_equal(wide, [0.5, 0.5])
+    with pytest.raises(DtypeMismatchError, match=r"'v'.*expected float32, found float64"):
+        ArrayEntry("v", [np.full(2, 0.5, np.float32)]).read_component_into(0, wide)
+
+
+# What reading a float64 [1e40, -2.7] into an ``out`` of another dtype gave before it was
+# refused: inf, a truncated or overflowed integer, or (entries of a file's bytes) the bits
+# of the stored values taken as another type.
+OUT_DTYPES = (np.float32, np.int32, np.int64, np.float16, ml_dtypes.bfloat16, np.bool_)
+
+
+def _entries_from_every_reader(
+    tmp_path: Path, data: np.ndarray, stack: contextlib.ExitStack
+) -> dict[str, tuple[Entry, Any]]:
+    """``name -> (entry, file or None)``: the variable ``v`` holding ``data`` as each reader
+    and each rewriting view gives it."""
+    from parallelvars.formats import reshard
+
+    source = ArrayEntry("v", [data, data.copy()], kind="mirrored")
+    out: dict[str, tuple[Entry, Any]] = {
+        "array": (source, None),
+        "component()": (Lying("v", data, data.dtype, data.shape), None),
+        "reshard": (reshard({"v": source}, 3)["v"], None),
+        "reshard sum": (
+            reshard(
+                {"v": ArrayEntry("v", [data, data], kind="on_read", attrs={"aggregation": "sum"})},
+                3,
+            )["v"],
+            None,
+        ),
+    }
+    for fmt, ext in [*FORMATS, ("keras", ".weights.h5"), ("hdf5", ".h5")]:
+        path = write_checkpoint(tmp_path / f"c{ext}", {"v": source}, format=fmt)
+        view = stack.enter_context(open_checkpoint(path))
+        file = view.path if fmt != "tf" else view.path + ".index"
+        out[fmt] = (view["v"], file)
+    return out
+
+
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_no_reader_casts_into_an_out_of_another_dtype(tmp_path: Path, out_dtype: Any) -> None:
+    data = np.array([1e40, -2.7])
+    stack = contextlib.ExitStack()
+    with stack:
+        _check_every_reader(_entries_from_every_reader(tmp_path, data, stack), out_dtype)
+
+
+def _check_every_reader(entries: dict[str, tuple[Entry, Any]], out_dtype: Any) -> None:
+    for name, (entry, file) in entries.items():
+        for i in range(entry.num_components):
+            out = np.zeros(entry.component_shape(i), out_dtype)
+            with pytest.raises(DtypeMismatchError) as info:
+                entry.read_component_into(i, out)
+            message = str(info.value)
+            assert "'v'" in message, name
+            assert f"found {np.dtype(out_dtype).name}" in message or "dtype mismatch" in message
+            if file is not None:
+                assert str(file) in message, name
+            assert not out.any(), name  # nothing landed
+        # the entry's own dtype still reads, exactly
+        for i in range(entry.num_components):
+            out = np.empty(entry.component_shape(i), entry.dtype)
+            entry.read_component_into(i, out)
+            np.testing.assert_array_equal(out, entry.component(i))

@@ -245,6 +245,7 @@ class TfEntry(Entry):
 
     def read_component_into(self, i: int, out: np.ndarray) -> None:
         self._check_index(i)
+        self.check_out(i, out, file=self._bundle.index_path)  # no cast: Entry.read_component_into
         source = self._sources[i]
         if source is not None:
             self._bundle.read_into(source, out)

@@ -149,6 +149,7 @@ class _Float32Entry(ForwardingEntry):
         return np.asarray(self.source.component(i), np.float32)
 
     def read_component_into(self, i: int, out: np.ndarray) -> None:
+        self.check_out(i, out)  # float32, the one rounding this entry makes
         out[...] = self.source.component(i)
 
     def value(self) -> np.ndarray:

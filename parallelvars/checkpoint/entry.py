@@ -97,34 +97,67 @@ class Entry(abc.ABC):
     def read_component_into(self, i: int, out: np.ndarray) -> None:
         """Read component ``i`` into ``out`` and fill it entirely.
 
-        ``out`` has the component's declared shape (:meth:`component_shape`) and the entry's
-        dtype (another dtype is a cast the caller asked for); what is read must be exactly
-        the declared shape and dtype, as :meth:`component` gives it: a component
-        of another shape or dtype is refused (no broadcast, no cast), so a writer never
-        stores other bytes than the entry declares. Adapters that override this to read in
-        place must agree with :meth:`component` and write every element of ``out`` (writers
-        reuse their buffers from one tensor to the next).
+        ``out`` must have the component's declared shape (:meth:`component_shape`) and the
+        entry's dtype (byte order aside); what is read must be exactly the declared shape
+        and dtype, as :meth:`component` gives it: a component of another shape or dtype is
+        refused (no broadcast, no cast), so a writer never stores other bytes than the entry
+        declares. An ``out`` of another dtype is refused too, as the native reader refuses
+        it without ``allow_cast``: a float64 component read into float32 or int32 would be
+        rounded, overflowed or truncated without a word. A caller that means to convert
+        reads :meth:`component` and converts it (as a restore with ``allow_cast=True``
+        does). Adapters that override this to read in place must check ``out`` the same
+        way (:meth:`check_out`), agree with :meth:`component` and write every element of
+        ``out`` (writers reuse their buffers from one tensor to the next).
 
         Raises:
-            InvalidEntryError: the component has another shape than declared.
-            DtypeMismatchError: the component has another dtype than the entry's.
+            InvalidEntryError: the component or ``out`` has another shape than declared.
+            DtypeMismatchError: the component or ``out`` has another dtype than the entry's.
         """
         self._copy_checked(i, self.component(i), out)
 
+    def check_out(self, i: int, out: np.ndarray, *, file: str | None = None) -> None:
+        """Check that ``out`` can take component ``i`` as it is: the component's declared
+        shape and the entry's dtype (byte order aside). ``file``: the file the entry is
+        read from, named in the error.
+
+        Raises:
+            InvalidEntryError: ``out`` has another shape than the component.
+            DtypeMismatchError: ``out`` has another dtype than the entry (no cast here:
+                :meth:`read_component_into`).
+        """
+        want = tuple(int(d) for d in self.component_shape(i))
+        if tuple(out.shape) != want:
+            raise InvalidEntryError(
+                f"component {i} has another shape than its variable",
+                file=file,
+                variable=self.path,
+                expected=want,
+                found=tuple(out.shape),
+            )
+        declared = np.dtype(self.dtype)
+        if out.dtype.newbyteorder("=") != declared.newbyteorder("="):
+            raise DtypeMismatchError(
+                f"component {i} is read into another dtype than its variable's",
+                file=file,
+                variable=self.path,
+                expected=declared,
+                found=out.dtype,
+                hint="read component(i) and convert it where a cast is meant",
+            )
+
     def _copy_checked(self, i: int, data: np.ndarray, out: np.ndarray) -> None:
         """Copy component ``i``'s ``data`` into ``out`` after checking that ``data`` has the
-        component's declared shape and the entry's dtype (byte order aside), and ``out`` the
-        same shape. An ``out`` of another dtype is the caller's cast, done here."""
+        component's declared shape and the entry's dtype (byte order aside), and ``out``
+        the same (:meth:`check_out`)."""
         data = np.asarray(data)
         want = tuple(int(d) for d in self.component_shape(i))
-        for shape in (tuple(data.shape), tuple(out.shape)):
-            if shape != want:
-                raise InvalidEntryError(
-                    f"component {i} has another shape than its variable",
-                    variable=self.path,
-                    expected=want,
-                    found=shape,
-                )
+        if tuple(data.shape) != want:
+            raise InvalidEntryError(
+                f"component {i} has another shape than its variable",
+                variable=self.path,
+                expected=want,
+                found=tuple(data.shape),
+            )
         declared = np.dtype(self.dtype)
         if data.dtype.newbyteorder("=") != declared.newbyteorder("="):
             raise DtypeMismatchError(
@@ -133,10 +166,9 @@ class Entry(abc.ABC):
                 expected=declared,
                 found=data.dtype,
             )
-        if out.dtype.newbyteorder("=") == declared.newbyteorder("="):
-            np.copyto(out, data, casting="equiv")
-        else:
-            out[...] = data
+        if tuple(out.shape) != want or out.dtype.newbyteorder("=") != declared.newbyteorder("="):
+            self.check_out(i, out)  # raises, naming what differs
+        np.copyto(out, data, casting="equiv")
 
     def component_nbytes(self, i: int) -> int:
         return math.prod(self.component_shape(i)) * self.dtype.itemsize
