@@ -103,6 +103,8 @@ class CheckpointError(ParallelVarsError):
         variable: the variable (object path) concerned, when known.
         expected: what the reader or the live object expected.
         found: what was actually found.
+        hint: what to do about it, when the message says (kept so that a caller that
+            raises the error again with more context keeps it).
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class CheckpointError(ParallelVarsError):
         self.variable = variable
         self.expected = expected
         self.found = found
+        self.hint = hint
         super().__init__(
             _describe(what, file=file, variable=variable, expected=expected, found=found, hint=hint)
         )
@@ -305,6 +308,7 @@ class GradientError(ParallelVarsError, ValueError):
         self.variable = variable
         self.expected = expected
         self.found = found
+        self.hint = hint
         super().__init__(
             _describe(what, variable=variable, expected=expected, found=found, hint=hint)
         )

@@ -217,3 +217,57 @@ def _check_every_reader(entries: dict[str, tuple[Entry, Any]], out_dtype: Any) -
             out = np.empty(entry.component_shape(i), entry.dtype)
             entry.read_component_into(i, out)
             np.testing.assert_array_equal(out, entry.component(i))
+
+
+def test_the_tf_writer_names_file_variable_tensor_and_keeps_the_entrys_hint(
+    tmp_path: Path,
+) -> None:
+    """An entry's error raised again by the TF writer names the index file, the variable,
+    the tensor it was to be written as and expected versus found, with the entry's hint and
+    the entry's error as its cause, on the gathered path and the one-by-one path alike."""
+
+    class Refusing(ArrayEntry):
+        def read_component_into(self, i: int, out: np.ndarray) -> None:
+            raise InvalidEntryError(
+                f"component {i} cannot be read",
+                variable=self.path,
+                expected="bytes",
+                found="none",
+                hint="export it again",
+            )
+
+    index = str(tmp_path / "ckpt.index")
+    cases = [
+        (
+            Refusing("model/w", [np.ones(2, np.float32)]),
+            InvalidEntryError,
+            "tensor 'model/w/.ATTRIBUTES/VARIABLE_VALUE': component 0 cannot be read "
+            "(expected bytes, found none); export it again",
+        ),
+        (
+            ArrayEntry("model/w", [np.ones(2, np.float32), np.ones(2)], kind="mirrored"),
+            DtypeMismatchError,
+            "tensor 'model/w/.ATTRIBUTES/parallel_component_1': component 1 has another "
+            "dtype than its variable (expected float32, found float64)",
+        ),
+        (  # an on-read aggregate is checked whole (the one-by-one path)
+            type("OddSum", (ArrayEntry,), {"value": lambda self: np.ones(2, np.float64)})(
+                "model/w",
+                [np.ones(2, np.float32)] * 2,
+                kind="on_read",
+                attrs={"aggregation": "sum"},
+            ),
+            DtypeMismatchError,
+            "tensor 'model/w/.ATTRIBUTES/VARIABLE_VALUE': the aggregate has another dtype",
+        ),
+    ]
+    for entry, error, what in cases:
+        with pytest.raises(error) as info:
+            write_checkpoint(tmp_path / "ckpt", {"model/w": entry}, format="tf", update_state=False)
+        message = str(info.value)
+        assert message.startswith(f"{index}: variable 'model/w': {what}"), message
+        assert info.value.file == index and info.value.variable == "model/w"
+        if error is InvalidEntryError:
+            assert info.value.hint == "export it again"
+            assert isinstance(info.value.__cause__, InvalidEntryError)  # the entry's own
+        assert os.listdir(tmp_path) == []

@@ -203,9 +203,9 @@ def _extra(var: _Var) -> dict[str, Any] | None:
     return record or None
 
 
-def _component(var: _Var, i: int, index_path: str) -> np.ndarray:
+def _component(var: _Var, i: int, index_path: str, key: str) -> np.ndarray:
     """Component ``i`` of ``var`` (``_AGG``: an on-read variable's aggregate), checked against
-    the variable's shape and dtype."""
+    the variable's shape and dtype; an error names the tensor ``key`` it was to be written as."""
     e = var.entry
     if i == _AGG:
         value, want, what = np.asarray(e.value()), tuple(e.shape), "the aggregate"
@@ -213,7 +213,7 @@ def _component(var: _Var, i: int, index_path: str) -> np.ndarray:
         value, want, what = np.asarray(e.component(i)), e.component_shape(i), f"component {i}"
     if tuple(value.shape) != tuple(want):
         raise InvalidEntryError(
-            f"{what} has another shape than its variable",
+            f"{_in_tensor(key)}{what} has another shape than its variable",
             file=index_path,
             variable=var.path,
             expected=tuple(want),
@@ -223,13 +223,19 @@ def _component(var: _Var, i: int, index_path: str) -> np.ndarray:
         "="
     ):
         raise DtypeMismatchError(
-            f"{what} has another dtype than its variable",
+            f"{_in_tensor(key)}{what} has another dtype than its variable",
             file=index_path,
             variable=var.path,
             expected=np.dtype(e.dtype),
             found=value.dtype,
         )
     return value
+
+
+def _in_tensor(key: str) -> str:
+    """The tensor a component was to be written as, to begin an error's message with (after
+    the file and the variable, as the TF reader names a bundle key)."""
+    return f"tensor {key!r}: "
 
 
 def _build_tree(plans: list[_Var], index_path: str) -> tuple[_Node, list[_Node]]:
@@ -356,10 +362,10 @@ _AGG = -2
 def _write_var(w: BundleWriter, var: _Var, key: str, comp: int, index_path: str) -> None:
     k = key.encode("utf-8", "surrogateescape")
     if comp >= 0:
-        w.add(k, _component(var, comp, index_path), dtype=var.tf_type)
+        w.add(k, _component(var, comp, index_path, key), dtype=var.tf_type)
         return
     if comp == _AGG:
-        w.add(k, _component(var, _AGG, index_path), dtype=var.tf_type)
+        w.add(k, _component(var, _AGG, index_path, key), dtype=var.tf_type)
         return
     assert var.slices is not None
     e = var.entry
@@ -370,7 +376,7 @@ def _write_var(w: BundleWriter, var: _Var, key: str, comp: int, index_path: str)
     if not parts:
         w.add(k, np.empty(e.shape, e.dtype), dtype=var.tf_type)
     for i, spec in parts:
-        w.add_slice(k, e.shape, spec, _component(var, i, index_path), dtype=var.tf_type)
+        w.add_slice(k, e.shape, spec, _component(var, i, index_path, key), dtype=var.tf_type)
 
 
 def _gathered(var: _Var, comp: int) -> tuple[np.dtype, tuple[int, ...]] | None:
@@ -384,18 +390,25 @@ def _gathered(var: _Var, comp: int) -> tuple[np.dtype, tuple[int, ...]] | None:
     return dtype, tuple(int(d) for d in var.entry.component_shape(comp))
 
 
-def _read_checked(var: _Var, comp: int, out: np.ndarray, index_path: str) -> None:
+def _read_checked(var: _Var, comp: int, key: str, out: np.ndarray, index_path: str) -> None:
     """Read component ``comp`` into ``out``; the entry refuses a component of another shape
-    or dtype than it declares (:meth:`Entry.read_component_into`): the error is raised
-    naming the checkpoint being written when the entry named no file."""
+    or dtype than it declares (:meth:`Entry.read_component_into`). When the entry named no
+    file, the error is raised again naming what :func:`_component` names: the checkpoint
+    being written, the variable, the tensor ``key`` and expected versus found (its hint
+    kept, the entry's error as its cause)."""
     try:
         var.entry.read_component_into(comp, out)
     except (InvalidEntryError, DtypeMismatchError) as e:
         if e.file is not None:
             raise
         raise type(e)(
-            e.what, file=index_path, variable=e.variable, expected=e.expected, found=e.found
-        ) from None
+            _in_tensor(key) + e.what,
+            file=index_path,
+            variable=var.path,
+            expected=e.expected,
+            found=e.found,
+            hint=e.hint,
+        ) from e
 
 
 def _write_vars(w: BundleWriter, todo: list[tuple[str, _Var, int]], index_path: str) -> None:
@@ -435,7 +448,9 @@ def _write_vars(w: BundleWriter, todo: list[tuple[str, _Var, int]], index_path: 
                     _write_var(w, var, key, comp, index_path)
                     continue
                 pos, dtype, shape, n = place
-                _read_checked(var, comp, buf[pos : pos + n].view(dtype).reshape(shape), index_path)
+                _read_checked(
+                    var, comp, key, buf[pos : pos + n].view(dtype).reshape(shape), index_path
+                )
                 pending.append((key.encode("utf-8", "surrogateescape"), var.tf_type, shape, n))
             if pending:
                 w.add_run(pending, buf[start:total])
