@@ -40,6 +40,7 @@ shapes from the file's header and reads bytes only when a component is asked for
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -68,6 +69,12 @@ def _json_copy(value: Any) -> Any:
     if type(value) is dict:
         return {k: _json_copy(v) if type(v) in (list, dict) else v for k, v in value.items()}
     return value
+
+
+# Held while an entry's attributes are copied at their first use (StoredEntry.attrs): a
+# restore reads entries from several threads, and two first uses of one entry must give one
+# dict. Later uses read the copy without it.
+_FIRST_COPY = threading.Lock()
 
 
 class StoredEntry(Entry):
@@ -104,14 +111,20 @@ class StoredEntry(Entry):
     @property
     def attrs(self) -> dict[str, Any]:
         own = self._own
-        if own is None:
-            own = self._own = {k: _json_copy(v) for k, v in (self._shared or {}).items()}
-            self._shared = None
+        if own is None:  # the first use: made once, under the lock, whatever the threads
+            with _FIRST_COPY:
+                own = self._own
+                if own is None:
+                    own = {k: _json_copy(v) for k, v in (self._shared or {}).items()}
+                    self._own = own  # published whole, before the table is let go
+                    self._shared = None
         return own
 
     @attrs.setter
     def attrs(self, value: Mapping[str, Any]) -> None:
-        self._own, self._shared = dict(value), None
+        own = dict(value)
+        with _FIRST_COPY:  # not undone by a first copy under way
+            self._own, self._shared = own, None
 
     def _source(self, i: int) -> tuple[str, tuple[int, int, int] | None]:
         self._check_index(i)

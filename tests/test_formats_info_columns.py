@@ -470,3 +470,43 @@ def test_a_damaged_tensor_crc_digit_is_reported_as_that_tensors_mismatch(tmp_pat
         with pytest.raises(ChecksumMismatchError, match="or the checksum stored") as err:
             v["w"].component(0)
     assert str(path) in str(err.value) and "'w'" in str(err.value)
+
+
+def test_the_first_use_of_shared_attributes_is_one_dict_for_every_thread(tmp_path) -> None:
+    """A version-2 entry copies its shared attributes at the first use; a restore reads
+    entries from several threads. A thread that found no copy yet and is then overtaken (a
+    thread switch between reading ``_own`` and building) must get the copy the other thread
+    made, not a second one, nor an empty one made after the shared table was let go.
+
+    The switch is placed where it hurts by a subclass that holds the second thread right
+    after its first read of ``_own`` until the first thread has finished."""
+    import threading
+
+    overtaken, finished = threading.Event(), threading.Event()
+    held: list[threading.Thread] = []
+    with open_checkpoint(_columns_file(tmp_path, lambda c: None)) as view:
+        entry = view["a"]
+        assert entry._own is None  # (not copied yet: nothing read the attributes)
+
+        class Held(type(entry)):  # type: ignore[misc]
+            def __getattribute__(self, name: str) -> object:
+                value = super().__getattribute__(name)
+                if name == "_own" and held and threading.current_thread() is held[0]:
+                    held.clear()  # only the first read
+                    overtaken.set()
+                    finished.wait(10)
+                return value
+
+        entry.__class__ = Held
+        got: list[object] = []
+        second = threading.Thread(target=lambda: got.append(entry.attrs))
+        held.append(second)
+        second.start()
+        assert overtaken.wait(10)
+        first = entry.attrs  # the first thread, while the second is held
+        finished.set()
+        second.join(10)
+        want = {"devices": ["x", "y"]}
+        assert first == want
+        assert got == [want] and got[0] is first  # the second thread: the same copy
+        assert entry.attrs is first and entry.attrs == want  # and the entry keeps it
