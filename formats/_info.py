@@ -247,17 +247,19 @@ def build_entries(
         elif key in claimed or hidden(key):
             continue
         else:
-            dtype, shape = store.stored(key)
-            entry = StoredEntry(
+            dtype, shape = store.stored(key)  # a tensor the info does not list: as stored
+            entry = _stored_entry(
                 store,
                 from_key(key, names),
-                dtype=dtype,
-                shape=shape,
-                kind="single",
-                num_components=1,
-                keys=[key],
-                layout="components",
-                attrs={},
+                "single",
+                dtype,
+                shape,
+                1,
+                "components",
+                [key],
+                1,
+                {},
+                None,
             )
         if entry.path in out:
             raise _corrupt(
@@ -296,29 +298,92 @@ def _entry_from_record(
     if not isinstance(rec, Mapping):
         raise _corrupt(file, "variable record is not an object", variable=path)
     try:
-        kind = rec["kind"]
-        dtype = dtype_from_name(rec["dtype"], file=file, variable=path)
-        shape = tuple(int(s) for s in rec["shape"])
-        n = int(rec["num_components"])
-        keys = [str(k) for k in rec["keys"]]
+        kind, dtype_name, raw_shape = rec["kind"], rec["dtype"], rec["shape"]
+        n, keys = rec["num_components"], rec["keys"]
         layout = rec.get("layout", "components")
         attrs = dict(rec.get("attrs") or {})
     except (KeyError, TypeError, ValueError) as exc:
         raise _corrupt(file, f"variable record is incomplete ({exc})", variable=path) from None
-    expected_keys = _checked_layout(file, path, kind, shape, n, layout, attrs, checked)
-    if len(keys) != expected_keys:
+    if type(keys) is not list or value_types(keys) - {str}:
+        raise _corrupt(
+            file,
+            "variable record is incomplete (keys is not of strings)",
+            variable=path,
+            expected="a list of strings",
+            found=repr(keys)[:120],
+        )
+    dtype, shape, count = _described(
+        file, path, kind, dtype_name, raw_shape, n, layout, attrs, checked
+    )
+    return _stored_entry(store, path, kind, dtype, shape, n, layout, keys, count, attrs, present)
+
+
+def _described(
+    file: str,
+    path: str,
+    kind: Any,
+    dtype_name: Any,
+    raw_shape: Any,
+    n: Any,
+    layout: Any,
+    attrs: dict[str, Any],
+    checked: dict[Any, Any] | None,
+) -> tuple[np.dtype, tuple[int, ...], int]:
+    """A variable's fields as the parallel info gives them (either version), checked: its
+    dtype, its shape (a list of integers, as the number of components is an integer: ``2.5``,
+    ``"3"`` or ``true`` are refused, not converted) and its layout (:func:`_checked_layout`).
+    Returns the dtype, the shape and the number of stored tensors the layout takes."""
+    dtype = dtype_from_name(dtype_name, file=file, variable=path)
+    for what, bad in (
+        ("shape", type(raw_shape) is not list or value_types(raw_shape) - {int}),
+        ("num_components", type(n) is not int),
+    ):
+        if bad:
+            raise _corrupt(
+                file,
+                f"variable record is incomplete ({what} is not of integers)",
+                variable=path,
+                expected="a list of integers" if what == "shape" else "an integer",
+                found=repr(raw_shape if what == "shape" else n)[:120],
+            )
+    shape = tuple(raw_shape)
+    return dtype, shape, _checked_layout(file, path, kind, shape, n, layout, attrs, checked)
+
+
+def _stored_entry(
+    store: TensorStore,
+    path: str,
+    kind: str,
+    dtype: np.dtype,
+    shape: tuple[int, ...],
+    n: int,
+    layout: str,
+    keys: list[str],
+    count: int,
+    attrs: Mapping[str, Any],
+    present: set[str] | Mapping[str, Any] | None,
+    *,
+    shared_attrs: bool = False,
+) -> StoredEntry:
+    """The entry of one variable of the parallel info (either version), its layout checked
+    already (:func:`_checked_layout`, which gives ``count``, the stored tensors it takes):
+    ``keys`` must be that many, each in ``present`` (None: known to be stored, as version
+    2's positions are) and holding the bytes the variable describes (:func:`_check_stored`)."""
+    file = store.file
+    if len(keys) != count:
         raise _corrupt(
             file,
             "variable record lists the wrong number of stored tensors",
             variable=path,
-            expected=expected_keys,
+            expected=count,
             found=len(keys),
         )
-    for key in keys:
-        if key not in present:
-            raise _corrupt(
-                file, f"stored tensor {key!r} listed in the metadata is missing", variable=path
-            )
+    if present is not None:
+        for key in keys:
+            if key not in present:
+                raise _corrupt(
+                    file, f"stored tensor {key!r} listed in the metadata is missing", variable=path
+                )
     entry = StoredEntry(
         store,
         path,
@@ -329,8 +394,11 @@ def _entry_from_record(
         keys=keys,
         layout=layout,
         attrs=attrs,
+        shared_attrs=shared_attrs,
     )
-    _check_stored(store, entry)
+    described = (entry.dtype, entry.shape)
+    if kind == "sharded" or list(map(store.stored, keys)) != [described] * len(keys):
+        _check_stored(store, entry)  # (the general check, which names what differs)
     return entry
 
 
@@ -420,7 +488,6 @@ def _entries_from_columns(
         file, columns, stored_keys, _LAYOUT_ATTRS
     )
     kinds, dtypes, shapes, counts, layout_names = tables
-    stored = store.stored
     groups: dict[Any, tuple[Any, np.dtype, tuple[int, ...], int, str, int]] = {}
     checked: dict[Any, Any] = {}
     out: list[StoredEntry] = []
@@ -430,52 +497,19 @@ def _entries_from_columns(
         code = group = layouts[j]  # (equal codes: the same layout and watched attributes)
         known = groups.get(group)
         if known is None:
-            kind = kinds[code[0]]
-            dtype = dtype_from_name(dtypes[code[1]], file=file, variable=path)
-            raw_shape, n = shapes[code[2]], counts[code[3]]
-            for what, bad in (
-                ("shape", type(raw_shape) is not list or value_types(raw_shape) - {int}),
-                ("num_components", type(n) is not int),
-            ):
-                if bad:
-                    raise _corrupt(
-                        file,
-                        f"variable record is incomplete ({what} is not of integers)",
-                        variable=path,
-                        expected="a list of integers" if what == "shape" else "an integer",
-                        found=repr(raw_shape if what == "shape" else n),
-                    )
-            shape = tuple(raw_shape)
-            layout = layout_names[code[4]]
-            count = _checked_layout(file, path, kind, shape, n, layout, dict(a), checked)
+            kind, n, layout = kinds[code[0]], counts[code[3]], layout_names[code[4]]
+            dtype, shape, count = _described(
+                file, path, kind, dtypes[code[1]], shapes[code[2]], n, layout, dict(a), checked
+            )
             known = groups[group] = (kind, dtype, shape, n, layout, count)
         kind, dtype, shape, n, layout, count = known
-        as_described = (dtype, shape)
         keys = flat[pos : pos + count]
         pos += count
-        if len(keys) != count:
-            raise _corrupt(
-                file,
-                "variable record lists the wrong number of stored tensors",
-                variable=path,
-                expected=count,
-                found=len(keys),
+        out.append(
+            _stored_entry(
+                store, path, kind, dtype, shape, n, layout, keys, count, a, None, shared_attrs=True
             )
-        entry = StoredEntry(
-            store,
-            path,
-            dtype=dtype,
-            shape=shape,
-            kind=kind,
-            num_components=n,
-            keys=keys,
-            layout=layout,
-            attrs=a,
-            shared_attrs=True,
         )
-        if kind == "sharded" or list(map(stored, keys)) != [as_described] * count:
-            _check_stored(store, entry)  # (the general check, which names what differs)
-        out.append(entry)
     if pos != len(flat):
         raise _corrupt(
             file,

@@ -510,3 +510,49 @@ def test_the_first_use_of_shared_attributes_is_one_dict_for_every_thread(tmp_pat
         assert first == want
         assert got == [want] and got[0] is first  # the second thread: the same copy
         assert entry.attrs is first and entry.attrs == want  # and the entry keeps it
+
+
+def _record_file(tmp_path: pathlib.Path, **fields: object) -> pathlib.Path:
+    """A safetensors file another tool wrote (no checksum) with a version-1 parallel info of
+    one mirrored variable ``v``, ``fields`` changed in its record."""
+    record: dict[str, object] = {
+        "kind": "mirrored",
+        "dtype": "float32",
+        "shape": [2],
+        "num_components": 2,
+        "layout": "components",
+        "keys": ["v", "v/parallel_component_1"],
+        **fields,
+    }
+    info = {"format": "parallelvars", "version": 1, "names": "slash", "variables": {"v": record}}
+    path = tmp_path / "records.safetensors"
+    tensors = {"v": np.ones(2, np.float32), "v/parallel_component_1": np.ones(2, np.float32)}
+    save_file(tensors, str(path), metadata={"parallelvars": json.dumps(info)})
+    return path
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        (
+            {"shape": [2.7]},
+            r"shape is not of integers\) \(expected a list of integers, found \[2.7\]",
+        ),
+        ({"shape": ["2"]}, r"shape is not of integers"),
+        ({"shape": [True, 1]}, r"shape is not of integers"),
+        ({"num_components": 2.0}, r"num_components is not of integers"),
+        ({"num_components": "2"}, r"num_components is not of integers"),
+        ({"keys": "v"}, r"keys is not of strings"),
+        ({"keys": [0, 1]}, r"keys is not of strings"),
+    ],
+)
+def test_both_forms_of_the_info_check_a_records_fields_alike(tmp_path, fields, match) -> None:
+    """A version-1 record's shape, number of components and keys are checked as version 2's
+    columns are (one check for both): a value of another type is refused naming the file and
+    the variable, not converted (``int(2.7)`` read a shape of 2.7 as 2)."""
+    path = _record_file(tmp_path, **fields)
+    with pytest.raises(CorruptCheckpointError, match=match) as info:
+        open_checkpoint(path).close()
+    assert str(path) in str(info.value) and "'v'" in str(info.value)
+    with open_checkpoint(_record_file(tmp_path)) as view:  # the sound record reads
+        assert view["v"].kind == "mirrored" and view["v"].component(1).tolist() == [1.0, 1.0]
