@@ -13,7 +13,8 @@ fused step of the same variables in the same run, taken in turns:
   float32: ``add_n`` promotes to float64): that variable per variable, the rest fused;
 * **sparse**: an ``IndexedSlices`` of 4 rows per variable per replica, arena variables (the
   vectorised sparse route), and **sparse_cast**: the same with float64 values for float32
-  variables (a check of the sparse route fails: every variable per variable);
+  variables (once every variable per variable; the sparse route now sums them in float64 and
+  rounds once, so this row prices that rounding);
 * **own_sparse**: those sparse gradients of sharded variables made around arrays of their own
   (``ShardedVariable(array, ...)``, no arena), against **arena_sparse**, the same variables
   made by ``pv.Variable(..., shard_axis=0)``.

@@ -36,6 +36,10 @@ in the same run and in turns:
   gradients of the full shape;
 * **sparse**: the in-run step with one ``IndexedSlices`` of 4 rows per variable per replica, on
   those 2-D variables, against run2d (their dense step);
+* **sparse_cast**: the sparse step of those 2-D variables in bfloat16 with float32 slices (mixed
+  precision: the rows summed in float32 and rounded once to bfloat16), against sparse;
+* **sparse_mixed**: the same with every other variable float32 and the others bfloat16, all
+  slices float32 (a values dtype that is the variable's for some variables and not for others);
 * **pervar**: the in-run step with the fused path off (``strategy.fusion = False``): every
   gradient reduced by ``batch_reduce`` one variable at a time, what a gradient the fused
   routes do not take costs;
@@ -87,10 +91,12 @@ def _model(
     dtype: object = np.float32,
     shard_axis: int | None = None,
 ) -> tuple[list[pv.ParallelVariable], pv.optimizers.Optimizer]:
+    """The variables (``dtype``: one for all, or a list the variables take in turn) and Adam."""
+    dtypes = dtype if isinstance(dtype, list) else [dtype]
     with strategy.scope():
         vs = [
             pv.Variable(
-                rng.standard_normal(s, dtype=np.float32).astype(dtype),
+                rng.standard_normal(s, dtype=np.float32).astype(dtypes[i % len(dtypes)]),
                 name=f"v{i}",
                 shard_axis=shard_axis,
             )
@@ -223,10 +229,12 @@ def make_sparse(
     shapes: list[tuple[int, int]],
     rows: int,
     rng: np.random.Generator,
+    var_dtype: object = np.float32,
 ) -> Callable[[], object]:
-    """The in-run step with an ``IndexedSlices`` of ``rows`` rows per variable per replica."""
+    """The in-run step with an ``IndexedSlices`` of ``rows`` float32 rows per variable per
+    replica (``var_dtype``: the variables', as :func:`_model` takes it)."""
     replicas = strategy.num_replicas_in_sync
-    vs, opt = _model(strategy, shapes, rng)
+    vs, opt = _model(strategy, shapes, rng, var_dtype)
     per_replica = [
         [
             pv.IndexedSlices(
@@ -337,6 +345,10 @@ def run_model(
         "run2d": make_run(strategy, shapes, per_replica_2d, rng),
         "sharded": make_run(strategy, shapes, per_replica_2d, rng, shard_axis=0),
         "sparse": make_sparse(strategy, shapes, SPARSE_ROWS, rng),
+        "sparse_cast": make_sparse(strategy, shapes, SPARSE_ROWS, rng, ml_dtypes.bfloat16),
+        "sparse_mixed": make_sparse(
+            strategy, shapes, SPARSE_ROWS, rng, [np.float32, ml_dtypes.bfloat16]
+        ),
         "loop": make_loop(sizes, per_replica, rng),
         "pervar": make_run(per_variable, sizes, per_replica, rng),
     }
@@ -389,6 +401,8 @@ def _model_json(r: dict[str, object]) -> dict[str, object]:
         "loop_over_sharded": t["loop"] / t["sharded"],
         "sparse_over_run2d": t["sparse"] / t["run2d"],
         "loop_over_sparse": t["loop"] / t["sparse"],
+        "sparse_cast_over_sparse": t["sparse_cast"] / t["sparse"],
+        "sparse_mixed_over_sparse": t["sparse_mixed"] / t["sparse"],
         "pervar_over_run": t["pervar"] / t["run"],
     }
     for k in ("tf_eager", "tf_function"):
@@ -421,6 +435,8 @@ ROWS = [
         f"IndexedSlices, {SPARSE_ROWS} rows per variable per replica, same 2-D variables",
         "run2d",
     ),
+    ("sparse_cast", "bfloat16 variables, float32 IndexedSlices (summed, cast once)", "sparse"),
+    ("sparse_mixed", "float32 and bfloat16 variables in turn, float32 IndexedSlices", "sparse"),
     ("loop", "per-component numpy loop", "run"),
     ("pervar", "run with the fused path off (every gradient reduced per variable)", "run"),
     ("tf_function", "tf.distribute.MirroredStrategy in tf.function", "run"),

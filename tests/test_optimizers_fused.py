@@ -1228,6 +1228,152 @@ def test_sparse_steps_of_changing_sizes_shared_objects_and_odd_slices(
             assert len(opt._pv_transport.sparse._groups) == 1
 
 
+def _values_dtypes() -> dict[str, Any]:
+    return {
+        "float32": np.float32,
+        "bfloat16": _narrow_dtypes()[1],
+        "float16": np.float16,
+        "float64": np.float64,
+    }
+
+
+def _sparse_models(
+    strategy: pv.Strategy, var_dtype: Any, sharded: bool, make_opt: Callable[[], opts.Optimizer]
+) -> tuple[list[Any], opts.Optimizer, list[Any], opts.Optimizer]:
+    """Two equal models of SPARSE_SHAPES (sharded: every other variable along axis 0); the
+    second's optimizer takes the per-variable path."""
+
+    def model() -> tuple[list[Any], opts.Optimizer]:
+        rng = np.random.default_rng(3)
+        with strategy.scope():
+            vs = [
+                pv.Variable(
+                    rng.normal(size=s).astype(var_dtype),
+                    name=f"v{i}",
+                    shard_axis=0 if sharded and i % 2 == 0 else None,
+                )
+                for i, s in enumerate(SPARSE_SHAPES)
+            ]
+            return vs, make_opt()
+
+    vs, opt = model()
+    ref_vs, ref_opt = model()
+    ref_opt._info = lambda v: (*opts.Optimizer._info(ref_opt, v)[:2], False)  # type: ignore[method-assign]
+    return vs, opt, ref_vs, ref_opt
+
+
+def _slices_of(
+    rng: np.random.Generator, r: int, values_dtype: Any, dtypes: list[Any] | None = None
+) -> list[Any]:
+    """Replica ``r``'s IndexedSlices for SPARSE_SHAPES: rows repeated within a replica
+    (variable 2) and across replicas only (variable 0), -0.0 rows (variable 4), an empty slice
+    (variable 1 of replica 0 gets one row fewer than the next); ``dtypes``: each variable's
+    values dtype (default: ``values_dtype`` for all)."""
+    out: list[Any] = []
+    for i, s in enumerate(SPARSE_SHAPES):
+        k = [3, r, 4, 2, 1][i]
+        idx = rng.integers(0, s[0], k) if i != 0 else np.array([(r + j) % s[0] for j in range(k)])
+        vals = rng.normal(size=(k, *s[1:])) * 10.0 ** (r - 1)
+        if i == 4:
+            vals[...] = -0.0
+        out.append(pv.IndexedSlices(vals.astype(dtypes[i] if dtypes else values_dtype), idx, s))
+    return out
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize(
+    "var_dtype, values_dtype, sharded, make_opt, form",
+    pairwise(
+        {k: v for k, v in _values_dtypes().items() if k != "float64"},
+        _values_dtypes(),
+        {"mirrored": False, "sharded": True},
+        {
+            "sgd": lambda: opts.SGD(0.1),
+            "momentum": lambda: opts.Momentum(0.1, 0.9),
+            "adam": lambda: opts.Adam(0.01),
+        },
+        {"per-replica": "per-replica", "shared": "shared", "reduced": "reduced"},
+    ),
+)
+def test_sparse_values_of_another_dtype_take_the_sparse_route_with_the_per_variable_bits(
+    var_dtype: Any,
+    values_dtype: Any,
+    sharded: bool,
+    make_opt: Callable[[], opts.Optimizer],
+    form: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Values of another dtype than the variable's (float32 rows for bfloat16 variables, ...)
+    # are summed in their own dtype and rounded once to the variable's, as the per-variable
+    # path sums them: the same bits, a group at a time (no per-variable deduplicate). The
+    # forms: every replica its own slices, one slices object every replica hands in, one
+    # reduced gradient per variable (distributed_apply).
+    strategy = pv.MirroredStrategy(3)
+    vs, opt, ref_vs, ref_opt = _sparse_models(strategy, var_dtype, sharded, make_opt)
+    rng = np.random.default_rng(29)
+
+    def per_variable(*args: Any) -> Any:
+        raise AssertionError("deduplicated per variable")
+
+    for _ in range(3):
+        per_replica = [_slices_of(rng, r, values_dtype) for r in range(3)]
+        if form == "shared":
+            per_replica = [per_replica[0]] * 3
+        with monkeypatch.context() as m:
+            m.setattr(pv.IndexedSlices, "deduplicate", per_variable)
+            if form == "reduced":
+                with strategy.scope():
+                    opt.distributed_apply(strategy, list(zip(per_replica[0], vs, strict=True)))
+            else:
+                strategy.run(_step, args=(pv.PerReplica(per_replica), opt, vs))
+        if form == "reduced":
+            with strategy.scope():
+                ref_opt.distributed_apply(strategy, list(zip(per_replica[0], ref_vs, strict=True)))
+        else:
+            strategy.run(_step, args=(pv.PerReplica(per_replica), ref_opt, ref_vs))
+        _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize(
+    "make_opt", [lambda: opts.Adam(0.01), lambda: opts.SGD(0.1)], ids=["adam", "sgd"]
+)
+def test_values_dtypes_that_differ_from_variable_to_variable_are_grouped_by_dtype(
+    make_opt: Callable[[], opts.Optimizer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # bfloat16 variables of one arena whose gradients come in several dtypes, one per
+    # variable (a group per values dtype), and one variable whose replicas disagree (float32
+    # and float16: their rows concatenated into float32, as the per-variable sum does, and
+    # then taken with the reduced gradients): the per-variable bits, and no variable
+    # deduplicated on its own.
+    bf16 = _narrow_dtypes()[1]
+    strategy = pv.MirroredStrategy(3)
+    vs, opt, ref_vs, ref_opt = _sparse_models(strategy, bf16, False, make_opt)
+    rng = np.random.default_rng(31)
+    dtypes = [np.float32, bf16, np.float32, np.float64, np.float16]
+    calls: list[int] = []
+    deduplicate = pv.IndexedSlices.deduplicate
+
+    def counted(self: pv.IndexedSlices) -> pv.IndexedSlices:
+        calls.append(self.indices.shape[0])
+        return deduplicate(self)
+
+    for _ in range(3):
+        per_replica = [_slices_of(rng, r, None, dtypes) for r in range(3)]
+        v3 = per_replica[1][3]
+        per_replica[1][3] = pv.IndexedSlices(
+            v3.values.astype(np.float16), v3.indices, v3.dense_shape
+        )
+        with monkeypatch.context() as m:
+            m.setattr(pv.IndexedSlices, "deduplicate", counted)
+            strategy.run(_step, args=(pv.PerReplica(per_replica), opt, vs))
+        strategy.run(_step, args=(pv.PerReplica(per_replica), ref_opt, ref_vs))
+        _assert_same(_state(vs, opt), _state(ref_vs, ref_opt))
+    assert calls == []
+    groups = opt._pv_transport.sparse._groups  # in the run, and the reduced variable 3
+    assert sorted(len(g) for _, g in groups.values()) == [1, 4]  # made once
+
+
 @pytest.mark.parametrize("bad", ["index", "negative", "shape"])
 def test_a_bad_sparse_gradient_raises_before_any_update(bad: str) -> None:
     strategy = pv.MirroredStrategy(2)

@@ -17,6 +17,14 @@ visits them, and repeated keys are summed in as many vectorised adds as a key re
 are read and written through a strided *window* view of the target (row ``p`` of the window
 is the ``width`` elements starting at element ``p``), so no per-element index array is made.
 
+Slices whose values have another dtype than their variable (float32 rows for a bfloat16
+variable, say) are summed as the per-variable path sums them: side by side and deduplicated in
+their own dtype, then rounded once to the variable's (:meth:`Optimizer._compute` rounds the
+rows, ``to_dense`` the line). A group is therefore variables of one arena, row width and
+*values dtype*. A variable whose replicas' values differ in dtype is left to the per-variable
+sum, which concatenates them into their promoted dtype (its reduced rows then come back here
+as one slice, :meth:`Optimizer._sparse_batch`).
+
 A training loop hands the same variables with slices of the same sizes every step: each
 group keeps its layout, and, while the slices' sizes repeat, the keys' offsets and bounds.
 """
@@ -29,6 +37,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import ml_dtypes
 import numpy as np
 
 from parallelvars import update_core
@@ -42,6 +51,11 @@ _indices_of = operator.attrgetter("indices")
 _values_of = operator.attrgetter("values")
 _dense_shape_of = operator.attrgetter("dense_shape")
 _dtype_of = operator.attrgetter("dtype")
+
+# The values dtypes summed here when they are not the variable's own: those numpy (and
+# ml_dtypes) add as IndexedSlices.deduplicate and to_dense add them. Another one (an integer
+# gradient, float8) keeps the per-variable path unless it is the variable's dtype.
+SUMMED_IN = frozenset(np.dtype(d) for d in (np.float16, np.float32, np.float64, ml_dtypes.bfloat16))
 
 
 class Owner(Protocol):
@@ -197,6 +211,7 @@ class _Group:
         "shapes",
         "start_of",
         "starts",
+        "summed_in",
         "totals",
         "var_of",
         "variables",
@@ -204,7 +219,14 @@ class _Group:
         "windows",
     )
 
-    def __init__(self, variables: list[Any], members: list[int], width: int, owner: Owner) -> None:
+    def __init__(
+        self,
+        variables: list[Any],
+        members: list[int],
+        width: int,
+        owner: Owner,
+        summed_in: np.dtype,
+    ) -> None:
         self.variables = variables
         self.members = members
         self.pick = operator.itemgetter(*members) if len(members) > 1 else None
@@ -213,6 +235,9 @@ class _Group:
         info = [owner._info(v) for v in variables]
         self.shapes = [i[0] for i in info]
         self.dtype = info[0][1]
+        # The dtype of the group's gradient values: rows are summed in it, then rounded once
+        # to the variables' dtype when it is another.
+        self.summed_in = summed_in
         self.row_shape = self.shapes[0][1:]
         self.rows = np.array([s[0] for s in self.shapes], np.uint64)
         self.arena = variables[0].placement.arena
@@ -286,8 +311,11 @@ class SparseSteps:
 
     def __init__(self, owner: Owner) -> None:
         self._owner = owner
-        # Per variable list (ids, checked by identity): its groups.
-        self._groups: dict[tuple[int, ...], tuple[tuple[Any, ...], list[_Group]]] = {}
+        # Per variable list (ids, checked by identity) and values dtypes: its groups.
+        self._groups: dict[
+            tuple[tuple[int, ...], tuple[np.dtype | None, ...]],
+            tuple[tuple[Any, ...], list[_Group]],
+        ] = {}
 
     def capable(self, var: Any) -> bool:
         """Whether ``var``'s sparse gradients can take this route: a float arena variable of
@@ -295,8 +323,12 @@ class SparseSteps:
         shape, _, fast = self._owner._info(var)
         return fast and var.placement is not None and len(shape) >= 1 and math.prod(shape) > 0
 
-    def _groups_of(self, variables: list[Any]) -> list[_Group]:
-        key = tuple(map(id, variables))
+    def _groups_of(
+        self, variables: list[Any], summed_in: tuple[np.dtype | None, ...]
+    ) -> list[_Group]:
+        """The groups of ``variables`` whose gradient values are summed in ``summed_in`` (one
+        dtype for all, or one per variable; None: not taken here)."""
+        key = (tuple(map(id, variables)), summed_in)
         found = self._groups.get(key)
         if found is not None and all(map(operator.is_, found[0], variables)):
             groups = found[1]
@@ -305,17 +337,34 @@ class SparseSteps:
             ):
                 return groups
         self._owner._create_slots(variables)
-        by: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        by: dict[tuple[int, tuple[int, ...], np.dtype], list[int]] = {}
         for k, v in enumerate(variables):
-            by.setdefault((id(v.placement.arena), self._owner._info(v)[0][1:]), []).append(k)
+            d = summed_in[0] if len(summed_in) == 1 else summed_in[k]
+            if d is not None:
+                by.setdefault((id(v.placement.arena), self._owner._info(v)[0][1:], d), []).append(k)
         groups = [
-            _Group([variables[k] for k in members], members, math.prod(row), self._owner)
-            for (_, row), members in by.items()
+            _Group([variables[k] for k in members], members, math.prod(row), self._owner, d)
+            for (_, row, d), members in by.items()
         ]
         if len(self._groups) >= GROUP_CACHE:
             self._groups.pop(next(iter(self._groups)))
         self._groups[key] = (tuple(variables), groups)
         return groups
+
+    @staticmethod
+    def _summed_in(slices: Sequence[Sequence[Any]]) -> tuple[np.dtype | None, ...]:
+        """The dtype each variable's values are summed in: one for all when every slice's
+        values have one dtype (the usual step: one check over all), else per variable, the
+        dtype of its replicas' values, or None where they differ (the per-variable path
+        concatenates them into a promoted dtype)."""
+        dtypes = set(map(_dtype_of, map(_values_of, itertools.chain.from_iterable(slices))))
+        if len(dtypes) == 1:
+            return (next(iter(dtypes)),)
+        per_variable: list[np.dtype | None] = []
+        for parts in zip(*slices, strict=True):
+            own = set(map(_dtype_of, map(_values_of, parts)))
+            per_variable.append(next(iter(own)) if len(own) == 1 else None)
+        return tuple(per_variable)
 
     def prepare(
         self, variables: list[Any], positions: Sequence[int], slices: Sequence[Sequence[Any]]
@@ -326,14 +375,19 @@ class SparseSteps:
         positions in the step's list.
 
         A group with a slice that fails a check (another dense shape, rows of another shape,
-        values of another dtype, an index out of range) is left out whole: the per-variable
-        path raises its error, or takes it as it took it before. Nothing is written here.
+        an index out of range) is left out whole: the per-variable path raises its error, or
+        takes it as it took it before; so are the variables whose values are not summed here
+        (a dtype outside :data:`SUMMED_IN` that is not the variable's, replicas' values of
+        several dtypes). Nothing is written here.
         """
         batch = SparseBatch()
         if not variables:
             return batch
         replicas = len(slices)
-        for group in self._groups_of(variables):
+        for group in self._groups_of(variables, self._summed_in(slices)):
+            summed_in = group.summed_in
+            if summed_in != group.dtype and summed_in not in SUMMED_IN:
+                continue
             gs = list(itertools.chain.from_iterable(map(group.picked, slices)))
             if list(map(_dense_shape_of, gs)) != group.shapes * replicas and not all(
                 (s.dense_shape is None or s.dense_shape == shape)
@@ -341,9 +395,7 @@ class SparseSteps:
                 for s, shape in zip(gs, group.shapes * replicas, strict=True)
             ):
                 continue
-            vals = list(map(_values_of, gs))
-            if set(map(_dtype_of, vals)) != {group.dtype}:
-                continue
+            vals = list(map(_values_of, gs))  # (of the dtype summed_in: see _summed_in)
             idx = list(map(_indices_of, gs))
             counts = np.fromiter(map(len, idx), np.intp, len(idx))
             group.offsets(counts, replicas)
@@ -352,7 +404,7 @@ class SparseSteps:
             index = np.concatenate(idx, out=sc.get("index", (total,), np.dtype(np.int64)))
             try:
                 values = np.concatenate(
-                    vals, out=sc.get("values", (total, *group.row_shape), group.dtype)
+                    vals, out=sc.get("values", (total, *group.row_shape), summed_in)
                 ).reshape(total, group.width)
             except ValueError:  # rows of another shape than the checked dense shape says
                 continue
@@ -363,6 +415,10 @@ class SparseSteps:
             unique, summed = dedupe_rows(
                 keys, group.var_of, group.totals, values, group.dense is not None, sc
             )
+            if summed_in != group.dtype:  # the sums rounded once to the variables' dtype
+                rounded = sc.get("rounded", summed.shape, group.dtype)
+                np.copyto(rounded, summed, casting="unsafe")
+                summed = rounded
             batch.rows.append((group, unique, summed))
             batch.variables.extend(group.variables)
             batch.positions.extend(positions[k] for k in group.members)
