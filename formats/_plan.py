@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 
 from parallelvars import _spans
-from parallelvars._fileio import Scratch
+from parallelvars._fileio import Scratch, value_types
 from parallelvars._geometry import shard_slices
+from parallelvars.checkpoint._gcfreeze import FREEZE_STEP, freeze_made_so_far
 from parallelvars.checkpoint.entry import ReadAhead, check_entry
 from parallelvars.errors import (
     InvalidEntryError,
@@ -23,7 +24,7 @@ from parallelvars.errors import (
 from ._dtypes import is_string_dtype, tensor_dtype_name
 from ._graph import carried_graph
 from ._info import INFO_FORMAT, INFO_VERSION
-from ._json import jsonable
+from ._json import _LEAVES, jsonable
 from ._names import check_names, component_keys, from_key, part_key, to_key
 from ._view import Entry, aggregates
 
@@ -156,31 +157,55 @@ def plan_tensors(
     variables: dict[str, Any] = {}
     owner: dict[str, str] = {}
     of = PlannedTensor._of
-    for path, entry in entries.items():
+    # Worked out once per distinct value, not once per entry (a file names a few dtypes and
+    # shapes): a dtype's checkpoint name, a shape's tuple and list.
+    dtype_names: dict[np.dtype, str] = {}
+    shapes: dict[Any, tuple[tuple[int, ...], list[int]]] = {}
+    plain = key_of is None and names == "slash"
+    for n, (path, entry) in enumerate(entries.items(), 1):
+        if not n % FREEZE_STEP:
+            freeze_made_so_far()  # (the plan is kept until the file is written)
         check_entry(entry, file)
         attrs = entry.attrs or {}
-        slot = {"slot_of": attrs.get("slot_of"), "slot_name": attrs.get("slot_name")}
-        slot = {k: (str(v) if v is not None else None) for k, v in slot.items()}
+        slot_of, slot_name = attrs.get("slot_of"), attrs.get("slot_name")
         count = int(entry.num_components)
         dtype = np.dtype(entry.dtype)
-        shape = tuple(int(s) for s in entry.shape)
+        raw_shape = entry.shape
+        known = shapes.get(raw_shape) if type(raw_shape) is tuple else None
+        if known is None:
+            shape = tuple(int(s) for s in raw_shape)
+            known = (shape, list(shape))
+            if type(raw_shape) is tuple and len(shapes) < 4096:
+                shapes[raw_shape] = known
+        shape = known[0]
         kind = entry.kind
-        if kind == "sharded":
-            keys = [
-                key_of(path, entry, 0)
-                if key_of is not None
-                else to_key(path, names, component=0, **slot)
-            ]
-        elif key_of is not None:
-            keys = [key_of(path, entry, i) for i in range(count)]
+        if plain:  # (the slash style: the path itself, its components beside it; no slot)
+            keys = component_keys(path, names, 1 if kind == "sharded" else count)
         else:
-            keys = component_keys(path, names, count, **slot)
+            slot = {
+                "slot_of": str(slot_of) if slot_of is not None else None,
+                "slot_name": str(slot_name) if slot_name is not None else None,
+            }
+            if kind == "sharded":
+                keys = [
+                    key_of(path, entry, 0)
+                    if key_of is not None
+                    else to_key(path, names, component=0, **slot)
+                ]
+            elif key_of is not None:
+                keys = [key_of(path, entry, i) for i in range(count)]
+            else:
+                keys = component_keys(path, names, count, **slot)
         primary = keys[0]
         if kind == "sharded":
             tensors = [of(primary, entry, None, dtype, shape)]
             layout = "logical"
         elif aggregates(entry):
             # The aggregate under the plain key, every part (0 included) beside it.
+            slot = {
+                "slot_of": str(slot_of) if slot_of is not None else None,
+                "slot_name": str(slot_name) if slot_name is not None else None,
+            }
             tensors = [of(primary, entry, None, dtype, shape)]
             tensors += [
                 of(
@@ -194,10 +219,12 @@ def plan_tensors(
             ]
             layout = "aggregate"
         else:
-            tensors = [
-                of(keys[i], entry, i, dtype, tuple(int(s) for s in entry.component_shape(i)))
-                for i in range(count)
-            ]
+            tensors = []
+            for i in range(count):
+                part = entry.component_shape(i)
+                tensors.append(
+                    of(keys[i], entry, i, dtype, shape if part == shape else _ints(part))
+                )
             layout = "components"
         for t in tensors:
             if t.key in owner:
@@ -208,25 +235,53 @@ def plan_tensors(
             owner[t.key] = path
         planned.extend(tensors)
         if (
-            entry.kind != "single"
+            kind != "single"
             or attrs
-            or from_key(primary, names) != path
+            or (primary != path if plain else from_key(primary, names) != path)
             or needs_record(entry)
         ):
+            name = dtype_names.get(dtype)
+            if name is None:
+                name = dtype_names[dtype] = tensor_dtype_name(dtype)
             variables[path] = {
-                "kind": entry.kind,
-                "dtype": tensor_dtype_name(entry.dtype),
-                "shape": [int(s) for s in entry.shape],
-                "num_components": int(entry.num_components),
+                "kind": kind,
+                "dtype": name,
+                "shape": known[1],
+                "num_components": count,
                 "layout": layout,
                 "keys": [t.key for t in tensors],
-                "attrs": jsonable(dict(attrs)),
+                "attrs": _json_attrs(attrs),
             }
     info = {"format": INFO_FORMAT, "version": INFO_VERSION, "names": names, "variables": variables}
     graph = carried_graph(entries)
     if graph is not None:
         info["object_graph"] = jsonable(graph)
     return planned, info
+
+
+def _ints(shape: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in shape)
+
+
+def _json_attrs(attrs: Any) -> dict[str, Any]:
+    """``jsonable(dict(attrs))``, at once for the common attributes: text, integers, booleans
+    and None, and lists of them (a device list), copied."""
+    if type(attrs) is dict:
+        out: dict[str, Any] = {}
+        for k, v in attrs.items():
+            t = type(v)
+            if type(k) is not str:
+                break
+            if t in _LEAVES:
+                out[k] = v
+            elif t is list and value_types(v) <= _LEAVES:
+                out[k] = list(v)
+            else:
+                break
+        else:
+            return out
+    result: dict[str, Any] = jsonable(dict(attrs))
+    return result
 
 
 def read_batches(
