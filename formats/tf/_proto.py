@@ -166,12 +166,20 @@ def expect_bytes(field: int, wire: int, value: int | bytes) -> bytes:
     return value
 
 
+# The tags of fields 1 .. 15 by wire type (every field this module writes): one byte each.
+_VARINT_TAG = tuple(encode_varint(f << 3 | VARINT) for f in range(16))
+_LEN_TAG = tuple(encode_varint(f << 3 | LEN) for f in range(16))
+
+
 def field_varint(field: int, value: int) -> bytes:
-    return encode_varint(field << 3 | VARINT) + encode_varint(value)
+    tag = _VARINT_TAG[field] if 0 < field < 16 else encode_varint(field << 3 | VARINT)
+    return tag + (_ONE_BYTE[value] if 0 <= value < 0x80 else encode_varint(value))
 
 
 def field_bytes(field: int, data: bytes) -> bytes:
-    return encode_varint(field << 3 | LEN) + encode_varint(len(data)) + data
+    tag = _LEN_TAG[field] if 0 < field < 16 else encode_varint(field << 3 | LEN)
+    n = len(data)
+    return tag + (_ONE_BYTE[n] if n < 0x80 else encode_varint(n)) + data
 
 
 def field_fixed32(field: int, value: int) -> bytes:
