@@ -88,9 +88,10 @@ class _Var:
     tf_type: int
     expressed: set[str] = field(default_factory=set)
     slices: list[SliceSpec] | None = None
-    # The dtype its components are read into for a gathered write (False: none; None: not
-    # worked out yet; see _gathered).
-    gather_dtype: np.dtype | bool | None = None
+    # The dtype its components are read into for a gathered write (None: none), once
+    # ``gather_known`` (see _gathered).
+    gather_dtype: np.dtype | None = None
+    gather_known: bool = False
 
 
 def _names(path: str, index_path: str) -> list[str]:
@@ -385,15 +386,14 @@ def _gathered(var: _Var, comp: int) -> tuple[np.dtype, tuple[int, ...]] | None:
     component of numbers in this machine's byte order, as the data file stores it), else None."""
     if comp < 0 or var.tf_type == DT_STRING:
         return None
-    dtype = var.gather_dtype
-    if dtype is None:  # (worked out once per variable)
+    if not var.gather_known:  # (worked out once per variable)
         dtype = np.dtype(var.entry.dtype)
-        if not dtype.isnative or dtype.kind not in "biufcV" or dtype.hasobject:
-            dtype = False
-        var.gather_dtype = dtype
-    if dtype is False:
+        sound = dtype.isnative and dtype.kind in "biufcV" and not dtype.hasobject
+        var.gather_dtype = dtype if sound else None
+        var.gather_known = True
+    if var.gather_dtype is None:
         return None
-    return dtype, tuple(int(d) for d in var.entry.component_shape(comp))
+    return var.gather_dtype, tuple(int(d) for d in var.entry.component_shape(comp))
 
 
 def _read_checked(var: _Var, comp: int, out: np.ndarray, index_path: str) -> None:
