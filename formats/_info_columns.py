@@ -114,6 +114,11 @@ def _hashable(value: Any) -> Any:
 def _distinct(values: Sequence[Any]) -> tuple[list[Any], list[int]]:
     """``values`` as ``(table, codes)``: the distinct values in first-seen order (told apart
     as their JSON text is) and each value's position in it (``_MISSING``: ``_ABSENT``)."""
+    if value_types(values) <= _TEXT_OR_INT:
+        # (strings and ints, told apart by their own equality: no string equals an int, and
+        # no bool or float is among them; the distinct values in first-seen order, at once)
+        positions = {v: k for k, v in enumerate(dict.fromkeys(values))}
+        return list(positions), list(map(positions.__getitem__, values))
     table: dict[Any, int] = {}
     distinct: list[Any] = []
     codes: list[int] = []

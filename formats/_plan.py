@@ -21,7 +21,7 @@ from parallelvars.errors import (
     ShapeMismatchError,
 )
 
-from ._dtypes import is_string_dtype, tensor_dtype_name
+from ._dtypes import tensor_dtype_name
 from ._graph import carried_graph
 from ._info import INFO_FORMAT, INFO_VERSION
 from ._json import _LEAVES, jsonable
@@ -41,9 +41,11 @@ class PlannedTensor:
     dtype: np.dtype = field(init=False, repr=False, compare=False)
     shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
     nbytes: int = field(init=False, repr=False, compare=False)
+    string: bool = field(init=False, repr=False, compare=False)  # a string tensor
 
     def __post_init__(self) -> None:
         self.dtype = np.dtype(self.entry.dtype)
+        self.string = self.dtype.kind == "O"
         if self.component is None:
             self.shape = tuple(int(s) for s in self.entry.shape)
         else:
@@ -66,6 +68,7 @@ class PlannedTensor:
         t.key, t.entry, t.component = key, entry, component
         t.dtype, t.shape = dtype, shape
         t.nbytes = math.prod(shape) * dtype.itemsize
+        t.string = dtype.kind == "O"
         return t
 
     def read(self) -> np.ndarray:
@@ -91,7 +94,7 @@ class PlannedTensor:
         A sharded entry's shards are read straight into their place in ``out``. String
         tensors cannot live in a reused buffer: for them a new array is returned.
         """
-        if is_string_dtype(self.dtype):
+        if self.string:
             return self.read()
         entry = self.entry
         if self.component is not None:
@@ -107,7 +110,7 @@ class PlannedTensor:
 
     def read_with(self, scratch: Scratch) -> np.ndarray:
         """The tensor read into ``scratch`` (valid until the next read with it)."""
-        if is_string_dtype(self.dtype):
+        if self.string:
             return self.read()
         return self.read_into(scratch.array(self.dtype, self.shape))
 
@@ -308,12 +311,12 @@ def read_run(tensors: Sequence[PlannedTensor], scratch: Scratch) -> tuple[np.nda
     until the next read with it): the buffer (uint8, their bytes in C order as each tensor's
     dtype holds them) and each tensor's array over it; a string tensor's array is its own
     (not in the buffer, which holds no bytes for it)."""
-    total = sum(t.nbytes for t in tensors if not is_string_dtype(t.dtype))
+    total = sum(t.nbytes for t in tensors if not t.string)
     buf = scratch.array(np.dtype(np.uint8), (total,))
     out: list[Any] = []
     pos = 0
     for t in tensors:
-        if is_string_dtype(t.dtype):
+        if t.string:
             out.append(t.read())
             continue
         n = t.nbytes
