@@ -115,17 +115,17 @@ def test_a_safetensors_source_is_read_ahead_in_runs(tmp_path, monkeypatch, fmt, 
     """Out of a safetensors file, the runs a writer asks for are read in a few ``pread``
     calls (``StoreView.prefetch``, checksums checked): no tensor of the components layout
     is read one by one, and the output holds the source's values."""
-    from parallelvars.formats.safetensors._reader import _Store as SafetensorsStore
-
     src = _safetensors_source(tmp_path)
+    with open_checkpoint(src) as view:
+        store = type(view._store)  # type: ignore[attr-defined]  # (the file's byte store)
     one_by_one: list[str] = []
-    read_bytes = SafetensorsStore._read_bytes
+    read_bytes = store._read_bytes
 
     def counted(self, key, offset, buf):  # type: ignore[no-untyped-def]
         one_by_one.append(key)
         return read_bytes(self, key, offset, buf)
 
-    monkeypatch.setattr(SafetensorsStore, "_read_bytes", counted)
+    monkeypatch.setattr(store, "_read_bytes", counted)
     monkeypatch.setattr("parallelvars._spans.BULK_BYTES", limit)
     out = convert(src, tmp_path / _FORMATS[fmt], to_format=fmt)
     # (only the on-read variable's aggregate and parts, stored in the aggregate layout, and
@@ -138,7 +138,7 @@ def test_a_safetensors_source_is_read_ahead_in_runs(tmp_path, monkeypatch, fmt, 
         }
         keys = {key for k in bulk for key in view[k].keys}  # type: ignore[attr-defined]
     assert bulk and not keys & set(one_by_one)
-    monkeypatch.setattr(SafetensorsStore, "_read_bytes", read_bytes)
+    monkeypatch.setattr(store, "_read_bytes", read_bytes)
     assert _values(out, fmt) == _values(src, "safetensors")
 
 
