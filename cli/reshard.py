@@ -7,6 +7,7 @@ from typing import Any
 
 from parallelvars import formats
 from parallelvars._fileio import remove_made
+from parallelvars.checkpoint._gcfreeze import freeze_made_so_far, older_objects_frozen
 
 from ._common import (
     add_destination_options,
@@ -61,7 +62,13 @@ def run(args: argparse.Namespace) -> int:
     out: Output = args.out
     if same_file(args.source, args.destination):
         raise UsageError(f"{args.destination}: is the same file as SRC; write somewhere else")
-    with open_view(args.source, args.from_format, args.read_options) as view:
+    # (What the command keeps until the file is written, the source's index, the entries and
+    # the writer's plan, is frozen out of the collector's walks as it is made: see _gcfreeze.)
+    with (
+        older_objects_frozen(),
+        open_view(args.source, args.from_format, args.read_options) as view,
+    ):
+        freeze_made_so_far()
         summaries = getattr(view, "summaries", None)  # (a native file: from its index)
         summary = summaries() if summaries is not None else None
         if summary is not None and len(summary) == len(view):
@@ -69,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             before = sorted({int(view[k].num_components) for k in view})
         entries = formats.reshard(view, args.devices)
+        freeze_made_so_far()
         made: list[str] = []
         destination, fmt = destination_path(
             args.destination,

@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from parallelvars.checkpoint._gcfreeze import freeze_made_so_far, older_objects_frozen
 from parallelvars.checkpoint.entry import CountingEntry
 from parallelvars.errors import InvalidArgumentError
 
@@ -138,7 +139,45 @@ def convert(
                 "legacy Keras files and Hugging Face folders (safetensors)"
             )
         options["like"] = os.fspath(like)
-    view = open_checkpoint(src, format=from_format, **dict(read_options or {}))
+    with older_objects_frozen():  # (see _gcfreeze: what a conversion keeps is not walked again)
+        return _convert(
+            src,
+            dst,
+            from_format,
+            target,
+            components,
+            options,
+            progress,
+            devices,
+            dict(read_options or {}),
+            only,
+            exclude,
+            model_only,
+            root,
+            on_left_out,
+            on_written,
+        )
+
+
+def _convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    from_format: str | None,
+    target: str,
+    components: str,
+    options: dict[str, Any],
+    progress: Callable[[int, int], Any] | None,
+    devices: int | None,
+    read_options: dict[str, Any],
+    only: Sequence[str] | None,
+    exclude: Sequence[str] | None,
+    model_only: bool,
+    root: str | None,
+    on_left_out: Callable[[Mapping[str, str]], Any] | None,
+    on_written: Callable[[Mapping[str, Entry]], Any] | None,
+) -> str:
+    view = open_checkpoint(src, format=from_format, **read_options)
+    freeze_made_so_far()  # (the view's index and documents live until the end)
     try:
         source: Mapping[str, Entry] = view
         if devices is not None:
@@ -158,6 +197,7 @@ def convert(
                 target=target,
             ).items()
         )
+        freeze_made_so_far()  # (the entries, too)
         if progress is not None:
             total = sum(int(e.nbytes) for e in entries.values())
             counter = _Progress(progress, total)

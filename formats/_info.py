@@ -54,7 +54,7 @@ from ._dtypes import dtype_from_name, is_string_dtype
 from ._graph import graph_from_info
 from ._info_columns import COLUMNS_VERSION, _corrupt, records_from_columns
 from ._names import from_key
-from ._store import TensorStore, _region_shape
+from ._store import ByteStore, TensorStore, _region_shape
 from ._view import DictView, Entry
 
 INFO_FORMAT = "parallelvars"
@@ -136,12 +136,31 @@ class StoredEntry(Entry):
         start = int(self.attrs["shard_offsets"][i])
         return self.keys[0], (axis, start, start + self.component_shape(i)[axis])
 
+    #: The view whose read-ahead holds this entry's components (:meth:`StoreView.prefetch`;
+    #: set by the view, None: read one by one).
+    _view: StoreView | None = None
+
+    def prefetcher(self) -> StoreView | None:
+        """The view that reads this entry's components in bulk with others' (a writer's
+        :class:`~parallelvars.checkpoint.entry.ReadAhead`), else None."""
+        return self._view
+
     def component(self, i: int) -> np.ndarray:
         out = np.empty(self.component_shape(i), self.dtype)
         self.read_component_into(i, out)
         return out
 
     def read_component_into(self, i: int, out: np.ndarray) -> None:
+        view = self._view
+        if view is not None and view._ahead:
+            parts = view._ahead.get(self.path)
+            # (read ahead: the whole components of this entry, checked against the file's
+            # checksums; any other read, or a dtype asked to change, takes the general way)
+            if parts is not None and out.dtype == self.dtype and 0 <= i < len(parts):
+                part = parts[i]
+                if out.shape == part.shape:
+                    np.copyto(out, part)
+                    return
         key, region = self._source(i)
         # the bytes land as they are stored: an ``out`` of another dtype would take their bits
         self.check_out(i, out, file=self._store.file)
@@ -541,6 +560,29 @@ class StoreView(DictView):  # the Mapping over ._entries comes from DictView
         self.metadata = dict(metadata)
         # The native object graph the parallel info carries, checked (see ._graph).
         self.object_graph = graph_from_info(info, path)
+        # The components :meth:`prefetch` read last, by path.
+        self._ahead: dict[str, list[Any]] = {}
+        if getattr(type(store), "_place", ByteStore._place) is not ByteStore._place:
+            # (a store of plain byte ranges: its entries read ahead through this view)
+            for entry in self._entries.values():
+                if type(entry) is StoredEntry and entry._store is store:
+                    entry._view = self
+
+    def prefetch(self, paths: Sequence[str]) -> None:
+        """Read the components of the entries at ``paths`` now, in bulk
+        (:meth:`bulk_components`), for the reads of those entries that follow: a writer
+        streaming the file's tensors in runs (through
+        :class:`~parallelvars.checkpoint.entry.ReadAhead`) pays a few ``pread`` calls per run,
+        not a seek and a read per tensor. Each call replaces what the previous one read;
+        ``prefetch(())`` drops it. An entry the bulk path does not take (another layout,
+        strings, bytes that do not match their checksum) is read the general way, which
+        names any damage."""
+        self._ahead = {}
+        got: dict[str, list[Any]] = {}
+        for path, comps in self.bulk_components(list(paths)):
+            if comps is not None:
+                got[path] = comps
+        self._ahead = got
 
     def bulk_components(self, paths: Sequence[str]) -> Iterator[tuple[str, list[Any] | None]]:
         """Each of ``paths`` with its components read in bulk (:meth:`ByteStore.read_many`:

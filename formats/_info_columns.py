@@ -54,6 +54,7 @@ COLUMNS_VERSION = 2
 #: The record fields held as columns, in the order written.
 _FIELDS = ("kind", "dtype", "shape", "num_components", "layout")
 _ABSENT = -1
+_TEXT_OR_INT = frozenset({str, int})
 #: The attributes a reader expands, in bytes of version 1's JSON for them, may not exceed what a
 #: version-1 header may hold (the safetensors header limit): a column whose index repeats one
 #: value (``"index": 0``) stands for that value once per variable, so without a bound a small
@@ -96,9 +97,16 @@ def _expanded_attrs(raw_attrs: dict[str, Any], n: int) -> int:
 def _hashable(value: Any) -> Any:
     """A dictionary key that tells two JSON values apart exactly as their JSON text does
     (``True`` is not ``1``, ``-0.0`` is not ``0.0``)."""
-    if type(value) in (list, dict):
-        return json.dumps(value, separators=(",", ":"))
-    if type(value) is float:  # (-0.0 == 0.0, but they are two values)
+    t = type(value)
+    if t is str or t is int:  # (the common leaves: a string is never an int's equal)
+        return value if t is str else (int, value)
+    if t is list and value_types(value) <= _TEXT_OR_INT:
+        # (a device list, a shape: equal as tuples exactly when equal as JSON text, since no
+        # string equals an int and no bool or float is among them)
+        return list, tuple(value)
+    if t in (list, dict):
+        return dict, json.dumps(value, separators=(",", ":"))
+    if t is float:  # (-0.0 == 0.0, but they are two values)
         return "float", repr(value)
     return type(value).__name__, value
 
@@ -106,6 +114,11 @@ def _hashable(value: Any) -> Any:
 def _distinct(values: Sequence[Any]) -> tuple[list[Any], list[int]]:
     """``values`` as ``(table, codes)``: the distinct values in first-seen order (told apart
     as their JSON text is) and each value's position in it (``_MISSING``: ``_ABSENT``)."""
+    if value_types(values) <= _TEXT_OR_INT:
+        # (strings and ints, told apart by their own equality: no string equals an int, and
+        # no bool or float is among them; the distinct values in first-seen order, at once)
+        positions = {v: k for k, v in enumerate(dict.fromkeys(values))}
+        return list(positions), list(map(positions.__getitem__, values))
     table: dict[Any, int] = {}
     distinct: list[Any] = []
     codes: list[int] = []

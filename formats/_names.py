@@ -141,7 +141,8 @@ def component_keys(
 ) -> list[str]:
     """The keys of components ``0 .. count-1`` of the variable at ``path``: each
     ``to_key(path, names, component=i, ...)``, the path's part worked out once."""
-    key = to_key(path, names, slot_of=slot_of, slot_name=slot_name)
+    # (the slash style's key is the path itself: no slot or name check to make)
+    key = path if names == "slash" else to_key(path, names, slot_of=slot_of, slot_name=slot_name)
     if count <= 1:
         return [key][:count]
     if names == "tf":

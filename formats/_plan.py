@@ -12,18 +12,19 @@ from typing import Any
 import numpy as np
 
 from parallelvars import _spans
-from parallelvars._fileio import Scratch
+from parallelvars._fileio import Scratch, value_types
 from parallelvars._geometry import shard_slices
+from parallelvars.checkpoint._gcfreeze import FREEZE_STEP, freeze_made_so_far
 from parallelvars.checkpoint.entry import ReadAhead, check_entry
 from parallelvars.errors import (
     InvalidEntryError,
     ShapeMismatchError,
 )
 
-from ._dtypes import is_string_dtype, tensor_dtype_name
+from ._dtypes import tensor_dtype_name
 from ._graph import carried_graph
 from ._info import INFO_FORMAT, INFO_VERSION
-from ._json import jsonable
+from ._json import _LEAVES, jsonable
 from ._names import check_names, component_keys, from_key, part_key, to_key
 from ._view import Entry, aggregates
 
@@ -40,9 +41,11 @@ class PlannedTensor:
     dtype: np.dtype = field(init=False, repr=False, compare=False)
     shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
     nbytes: int = field(init=False, repr=False, compare=False)
+    string: bool = field(init=False, repr=False, compare=False)  # a string tensor
 
     def __post_init__(self) -> None:
         self.dtype = np.dtype(self.entry.dtype)
+        self.string = self.dtype.kind == "O"
         if self.component is None:
             self.shape = tuple(int(s) for s in self.entry.shape)
         else:
@@ -65,6 +68,7 @@ class PlannedTensor:
         t.key, t.entry, t.component = key, entry, component
         t.dtype, t.shape = dtype, shape
         t.nbytes = math.prod(shape) * dtype.itemsize
+        t.string = dtype.kind == "O"
         return t
 
     def read(self) -> np.ndarray:
@@ -90,7 +94,7 @@ class PlannedTensor:
         A sharded entry's shards are read straight into their place in ``out``. String
         tensors cannot live in a reused buffer: for them a new array is returned.
         """
-        if is_string_dtype(self.dtype):
+        if self.string:
             return self.read()
         entry = self.entry
         if self.component is not None:
@@ -106,7 +110,7 @@ class PlannedTensor:
 
     def read_with(self, scratch: Scratch) -> np.ndarray:
         """The tensor read into ``scratch`` (valid until the next read with it)."""
-        if is_string_dtype(self.dtype):
+        if self.string:
             return self.read()
         return self.read_into(scratch.array(self.dtype, self.shape))
 
@@ -156,31 +160,55 @@ def plan_tensors(
     variables: dict[str, Any] = {}
     owner: dict[str, str] = {}
     of = PlannedTensor._of
-    for path, entry in entries.items():
+    # Worked out once per distinct value, not once per entry (a file names a few dtypes and
+    # shapes): a dtype's checkpoint name, a shape's tuple and list.
+    dtype_names: dict[np.dtype, str] = {}
+    shapes: dict[Any, tuple[tuple[int, ...], list[int]]] = {}
+    plain = key_of is None and names == "slash"
+    for n, (path, entry) in enumerate(entries.items(), 1):
+        if not n % FREEZE_STEP:
+            freeze_made_so_far()  # (the plan is kept until the file is written)
         check_entry(entry, file)
         attrs = entry.attrs or {}
-        slot = {"slot_of": attrs.get("slot_of"), "slot_name": attrs.get("slot_name")}
-        slot = {k: (str(v) if v is not None else None) for k, v in slot.items()}
+        slot_of, slot_name = attrs.get("slot_of"), attrs.get("slot_name")
         count = int(entry.num_components)
         dtype = np.dtype(entry.dtype)
-        shape = tuple(int(s) for s in entry.shape)
+        raw_shape = entry.shape
+        known = shapes.get(raw_shape) if type(raw_shape) is tuple else None
+        if known is None:
+            shape = tuple(int(s) for s in raw_shape)
+            known = (shape, list(shape))
+            if type(raw_shape) is tuple and len(shapes) < 4096:
+                shapes[raw_shape] = known
+        shape = known[0]
         kind = entry.kind
-        if kind == "sharded":
-            keys = [
-                key_of(path, entry, 0)
-                if key_of is not None
-                else to_key(path, names, component=0, **slot)
-            ]
-        elif key_of is not None:
-            keys = [key_of(path, entry, i) for i in range(count)]
+        if plain:  # (the slash style: the path itself, its components beside it; no slot)
+            keys = component_keys(path, names, 1 if kind == "sharded" else count)
         else:
-            keys = component_keys(path, names, count, **slot)
+            slot = {
+                "slot_of": str(slot_of) if slot_of is not None else None,
+                "slot_name": str(slot_name) if slot_name is not None else None,
+            }
+            if kind == "sharded":
+                keys = [
+                    key_of(path, entry, 0)
+                    if key_of is not None
+                    else to_key(path, names, component=0, **slot)
+                ]
+            elif key_of is not None:
+                keys = [key_of(path, entry, i) for i in range(count)]
+            else:
+                keys = component_keys(path, names, count, **slot)
         primary = keys[0]
         if kind == "sharded":
             tensors = [of(primary, entry, None, dtype, shape)]
             layout = "logical"
         elif aggregates(entry):
             # The aggregate under the plain key, every part (0 included) beside it.
+            slot = {
+                "slot_of": str(slot_of) if slot_of is not None else None,
+                "slot_name": str(slot_name) if slot_name is not None else None,
+            }
             tensors = [of(primary, entry, None, dtype, shape)]
             tensors += [
                 of(
@@ -194,10 +222,12 @@ def plan_tensors(
             ]
             layout = "aggregate"
         else:
-            tensors = [
-                of(keys[i], entry, i, dtype, tuple(int(s) for s in entry.component_shape(i)))
-                for i in range(count)
-            ]
+            tensors = []
+            for i in range(count):
+                part = entry.component_shape(i)
+                tensors.append(
+                    of(keys[i], entry, i, dtype, shape if part == shape else _ints(part))
+                )
             layout = "components"
         for t in tensors:
             if t.key in owner:
@@ -208,25 +238,53 @@ def plan_tensors(
             owner[t.key] = path
         planned.extend(tensors)
         if (
-            entry.kind != "single"
+            kind != "single"
             or attrs
-            or from_key(primary, names) != path
+            or (primary != path if plain else from_key(primary, names) != path)
             or needs_record(entry)
         ):
+            name = dtype_names.get(dtype)
+            if name is None:
+                name = dtype_names[dtype] = tensor_dtype_name(dtype)
             variables[path] = {
-                "kind": entry.kind,
-                "dtype": tensor_dtype_name(entry.dtype),
-                "shape": [int(s) for s in entry.shape],
-                "num_components": int(entry.num_components),
+                "kind": kind,
+                "dtype": name,
+                "shape": known[1],
+                "num_components": count,
                 "layout": layout,
                 "keys": [t.key for t in tensors],
-                "attrs": jsonable(dict(attrs)),
+                "attrs": _json_attrs(attrs),
             }
     info = {"format": INFO_FORMAT, "version": INFO_VERSION, "names": names, "variables": variables}
     graph = carried_graph(entries)
     if graph is not None:
         info["object_graph"] = jsonable(graph)
     return planned, info
+
+
+def _ints(shape: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in shape)
+
+
+def _json_attrs(attrs: Any) -> dict[str, Any]:
+    """``jsonable(dict(attrs))``, at once for the common attributes: text, integers, booleans
+    and None, and lists of them (a device list), copied."""
+    if type(attrs) is dict:
+        out: dict[str, Any] = {}
+        for k, v in attrs.items():
+            t = type(v)
+            if type(k) is not str:
+                break
+            if t in _LEAVES:
+                out[k] = v
+            elif t is list and value_types(v) <= _LEAVES:
+                out[k] = list(v)
+            else:
+                break
+        else:
+            return out
+    result: dict[str, Any] = jsonable(dict(attrs))
+    return result
 
 
 def read_batches(
@@ -253,12 +311,12 @@ def read_run(tensors: Sequence[PlannedTensor], scratch: Scratch) -> tuple[np.nda
     until the next read with it): the buffer (uint8, their bytes in C order as each tensor's
     dtype holds them) and each tensor's array over it; a string tensor's array is its own
     (not in the buffer, which holds no bytes for it)."""
-    total = sum(t.nbytes for t in tensors if not is_string_dtype(t.dtype))
+    total = sum(t.nbytes for t in tensors if not t.string)
     buf = scratch.array(np.dtype(np.uint8), (total,))
     out: list[Any] = []
     pos = 0
     for t in tensors:
-        if is_string_dtype(t.dtype):
+        if t.string:
             out.append(t.read())
             continue
         n = t.nbytes

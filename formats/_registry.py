@@ -15,6 +15,7 @@ from typing import Any
 
 from parallelvars._fileio import open_input
 from parallelvars.checkpoint._foreign import TORCH_PICKLE_HINT, is_torch_pickle
+from parallelvars.checkpoint._gcfreeze import older_objects_frozen
 from parallelvars.errors import CheckpointNotFoundError, InvalidArgumentError, NotACheckpointError
 
 from ._view import CheckpointView, Entry
@@ -195,7 +196,10 @@ def write_checkpoint(
         from ._select import exported
 
         entries = exported(entries, target=spec.name, **export)
-    return spec.write(p, entries, **options)
+    # (What exists now, the source's view and entries, stays alive until the write ends: the
+    # collector need not walk it again and again while the writer makes its plan.)
+    with older_objects_frozen():
+        return spec.write(p, entries, **options)
 
 
 # Options of every format's write: what goes out (see formats._convert.exported).

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from parallelvars._aggregate import aggregation_of, logical_value, spread_plan
+from parallelvars._aggregate import Spread, aggregation_of, logical_value, spread_plan
 from parallelvars._geometry import overlapping_shards, shard_bounds, shard_index, shard_offsets
 from parallelvars.checkpoint.entry import Entry, ForwardingEntry, check_entry
 from parallelvars.errors import InvalidArgumentError
@@ -87,13 +87,23 @@ class _Cache:
 
 
 class _Rewritten(ForwardingEntry):
-    """An entry of the resharded view; components computed from the source on demand."""
+    """An entry of the resharded view; components computed from the source on demand.
 
-    def __init__(self, source: Entry, kind: str, m: int, attrs: Mapping[str, Any]) -> None:
-        super().__init__(source)
+    Its layout is valid by construction (the source's, checked by :func:`_rewrite`, spread on
+    M devices named ``cpu:0 ..``, shards split by :func:`split_offsets`): writers do not check
+    it again."""
+
+    layout_checked = True
+
+    def __init__(self, source: Entry, kind: str, m: int, attrs: dict[str, Any]) -> None:
+        # (ForwardingEntry's fields, set once: ``attrs`` is the caller's new dict, kept)
+        self.source = source
+        self.path = source.path
+        self.dtype = np.dtype(source.dtype)
+        self.shape = tuple(int(s) for s in source.shape)
         self.kind = kind
         self.num_components = m
-        self.attrs = dict(attrs)
+        self.attrs = attrs
 
     def component_shape(self, i: int) -> tuple[int, ...]:
         return Entry.component_shape(self, i)
@@ -112,7 +122,7 @@ class _Broadcast(_Rewritten):
         source: Entry,
         kind: str,
         m: int,
-        attrs: Mapping[str, Any],
+        attrs: dict[str, Any],
         compute: Callable[[], np.ndarray],
         cache: _Cache,
     ) -> None:
@@ -171,18 +181,34 @@ class _Resplit(_Rewritten):
         return logical_value(self.source)
 
 
-def _rewrite(entry: Entry, m: int, mirror_single: bool, cache: _Cache, file: str | None) -> Entry:
+def _rewrite(
+    entry: Entry,
+    m: int,
+    mirror_single: bool,
+    cache: _Cache,
+    file: str | None,
+    spreads: dict[tuple[Any, ...], Spread],
+) -> Entry:
     check_entry(entry, file)
     kind = entry.kind
-    attrs = dict(entry.attrs or {})
     if kind == "single":
         if not mirror_single:
             return entry
+        attrs = dict(entry.attrs or {})
         attrs["devices"] = _devices(m)
         return _Broadcast(entry, "mirrored", m, attrs, lambda: entry.component(0), cache)
-    if m == entry.num_components:
+    n = int(entry.num_components)
+    if m == n:
         return entry
-    spread = spread_plan(entry, kind, aggregation_of(kind, attrs), m, file=file, rewriting=True)
+    attrs = dict(entry.attrs or {})
+    # The decision depends on the kind, N and the aggregation only: made once for each (a
+    # refusal is raised for every variable it refuses, naming it).
+    aggregation = attrs.get("aggregation")
+    key = (kind, n, aggregation is None, str(aggregation).lower())
+    spread = spreads.get(key)
+    if spread is None:
+        spread = spread_plan(entry, kind, aggregation_of(kind, attrs), m, file=file, rewriting=True)
+        spreads[key] = spread
     attrs["devices"] = _devices(m)
     if spread.how == "first":
         return _TotalFirst(entry, kind, m, attrs)
@@ -214,5 +240,9 @@ def reshard(
     m = int(devices)
     cache = _Cache()
     file = getattr(view, "path", None)
-    entries = {path: _rewrite(entry, m, mirror_single, cache, file) for path, entry in view.items()}
+    spreads: dict[tuple[Any, ...], Spread] = {}
+    entries = {
+        path: _rewrite(entry, m, mirror_single, cache, file, spreads)
+        for path, entry in view.items()
+    }
     return DictView.derived(view, entries)

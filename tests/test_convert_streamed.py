@@ -102,3 +102,61 @@ def test_a_damaged_component_is_named(tmp_path, fmt) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(ChecksumMismatchError, match="m/ne"):
         convert(src, tmp_path / _FORMATS[fmt], to_format=fmt)
+
+
+def _safetensors_source(tmp_path) -> str:
+    src = _files(tmp_path, [r for r in _records() if r.path != "m/txt"])[1]
+    return convert(src, tmp_path / "s.safetensors")
+
+
+@pytest.mark.parametrize("fmt", sorted(_FORMATS))
+@pytest.mark.parametrize("limit", [1, 1 << 25])
+def test_a_safetensors_source_is_read_ahead_in_runs(tmp_path, monkeypatch, fmt, limit) -> None:
+    """Out of a safetensors file, the runs a writer asks for are read in a few ``pread``
+    calls (``StoreView.prefetch``, checksums checked): no tensor of the components layout
+    is read one by one, and the output holds the source's values."""
+    src = _safetensors_source(tmp_path)
+    with open_checkpoint(src) as view:
+        store = type(view._store)  # type: ignore[attr-defined]  # (the file's byte store)
+    one_by_one: list[str] = []
+    read_bytes = store._read_bytes
+
+    def counted(self, key, offset, buf):  # type: ignore[no-untyped-def]
+        one_by_one.append(key)
+        return read_bytes(self, key, offset, buf)
+
+    monkeypatch.setattr(store, "_read_bytes", counted)
+    monkeypatch.setattr("parallelvars._spans.BULK_BYTES", limit)
+    out = convert(src, tmp_path / _FORMATS[fmt], to_format=fmt)
+    # (only the on-read variable's aggregate and parts, stored in the aggregate layout, and
+    # the independent float8 pair's are read one by one)
+    with open_checkpoint(src) as view:
+        bulk = {
+            k
+            for k in view
+            if view[k].layout == "components" and view[k].kind != "sharded"  # type: ignore[attr-defined]
+        }
+        keys = {key for k in bulk for key in view[k].keys}  # type: ignore[attr-defined]
+    assert bulk and not keys & set(one_by_one)
+    monkeypatch.setattr(store, "_read_bytes", read_bytes)
+    assert _values(out, fmt) == _values(src, "safetensors")
+
+
+def test_a_damaged_safetensors_tensor_read_ahead_is_named(tmp_path) -> None:
+    src = _safetensors_source(tmp_path)
+    with open_checkpoint(src) as view:
+        key = view["m/ne"].keys[1]  # type: ignore[attr-defined]
+    with open(src, "rb") as f:
+        import json
+        import struct
+
+        n = struct.unpack("<Q", f.read(8))[0]
+        start = json.loads(f.read(n))[key]["data_offsets"][0]
+    with open(src, "r+b") as f:
+        f.seek(8 + n + start)
+        byte = f.read(1)
+        f.seek(8 + n + start)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ChecksumMismatchError, match=r"m\.ne/parallel_component_1"):
+        convert(src, tmp_path / "o.h5")
+    assert not (tmp_path / "o.h5").exists()

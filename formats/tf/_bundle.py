@@ -578,6 +578,9 @@ def _spec_text(spec: SliceSpec) -> str:
     return ":".join("-" if length is None else f"{start},{length}" for start, length in spec)
 
 
+_INT = frozenset({int})
+
+
 class BundleWriter:
     """Writes a single-shard bundle; tensors go to the data file in the order they are added.
 
@@ -608,6 +611,9 @@ class BundleWriter:
         self._tmp_index = f"{self.index_path}.tempstate{tag}"
         self._f: BinaryIO | None = open(self._tmp_data, "wb")  # noqa: SIM115 - closed in finish()/abort()
         self._offset = 0
+        # The (type number, shape, size) triples already found sound (exact ints only), with
+        # the shape _check_tensor returns for them: most tensors of a file share a few.
+        self._sound: dict[tuple[Any, ...], tuple[int, ...]] = {}
         self.entries: dict[bytes, BundleEntry] = {}
         self._done = False
 
@@ -635,6 +641,21 @@ class BundleWriter:
         (``size`` None), ``size`` bytes being the shape's elements times the type's itemsize.
         Returns the shape as a tuple of ints (the index encodes it; list shapes are fine)."""
         self._check_key(key)
+        known = None
+        if type(num) is int and type(shape) is tuple and set(map(type, shape)) <= _INT:
+            known = (num, shape, size)
+            dims = self._sound.get(known)
+            if dims is not None:
+                return dims
+        dims = self._checked_tensor(key, num, shape, size)
+        if known is not None and len(self._sound) < 4096:
+            self._sound[known] = dims
+        return dims
+
+    def _checked_tensor(
+        self, key: bytes, num: Any, shape: Any, size: int | None
+    ) -> tuple[int, ...]:
+        """:meth:`_check_tensor` past the key: the checks of a triple not met before."""
         name = _display(key)
         if isinstance(num, bool) or not isinstance(num, (int, np.integer)):
             raise InvalidEntryError(

@@ -19,8 +19,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ._proto import (
+    _ONE_BYTE,
     DecodeError,
     as_int32,
+    encode_varint,
     expect_bytes,
     expect_int,
     field_bytes,
@@ -81,6 +83,11 @@ def _str_field(num: int, text: str) -> bytes:
     return field_bytes(num, _enc(text)) if text else b""
 
 
+def _length(n: int) -> bytes:
+    """A length's varint (one byte below 128)."""
+    return _ONE_BYTE[n] if n < 0x80 else encode_varint(n)
+
+
 def _int_field(num: int, value: int) -> bytes:
     return field_varint(num, value) if value else b""
 
@@ -97,14 +104,22 @@ def encode_node(
     and slot variables ``(original_variable_node_id, slot_name, slot_variable_node_id)``: the
     fields of :class:`TrackableObject` as plain tuples (a writer of many nodes makes no
     message objects)."""
-    parts = [
-        field_bytes(1, _int_field(1, node_id) + _str_field(2, local_name))
-        for node_id, local_name in children
-    ]
-    parts += [
-        field_bytes(2, _str_field(1, name) + _str_field(2, full_name) + _str_field(3, key))
-        for name, full_name, key in attributes
-    ]
+    # (children and attributes, most of a large graph's fields: their tags written inline,
+    # the bytes those of _int_field and _str_field)
+    parts = []
+    for node_id, local_name in children:
+        body = _int_field(1, node_id)
+        if local_name:
+            raw = local_name.encode("utf-8", "surrogateescape")
+            body += b"\x12" + _length(len(raw)) + raw
+        parts.append(b"\x0a" + _length(len(body)) + body)
+    for name, full_name, key in attributes:
+        body = b""
+        for tag, text in ((b"\x0a", name), (b"\x12", full_name), (b"\x1a", key)):
+            if text:
+                raw = text.encode("utf-8", "surrogateescape")
+                body += tag + _length(len(raw)) + raw
+        parts.append(b"\x12" + _length(len(body)) + body)
     parts += [
         field_bytes(3, _int_field(1, original) + _str_field(2, slot_name) + _int_field(3, slot))
         for original, slot_name, slot in slot_variables

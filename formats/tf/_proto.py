@@ -166,12 +166,20 @@ def expect_bytes(field: int, wire: int, value: int | bytes) -> bytes:
     return value
 
 
+# The tags of fields 1 .. 15 by wire type (every field this module writes): one byte each.
+_VARINT_TAG = tuple(encode_varint(f << 3 | VARINT) for f in range(16))
+_LEN_TAG = tuple(encode_varint(f << 3 | LEN) for f in range(16))
+
+
 def field_varint(field: int, value: int) -> bytes:
-    return encode_varint(field << 3 | VARINT) + encode_varint(value)
+    tag = _VARINT_TAG[field] if 0 < field < 16 else encode_varint(field << 3 | VARINT)
+    return tag + (_ONE_BYTE[value] if 0 <= value < 0x80 else encode_varint(value))
 
 
 def field_bytes(field: int, data: bytes) -> bytes:
-    return encode_varint(field << 3 | LEN) + encode_varint(len(data)) + data
+    tag = _LEN_TAG[field] if 0 < field < 16 else encode_varint(field << 3 | LEN)
+    n = len(data)
+    return tag + (_ONE_BYTE[n] if n < 0x80 else encode_varint(n)) + data
 
 
 def field_fixed32(field: int, value: int) -> bytes:
@@ -308,21 +316,26 @@ class BundleEntry:
     slices: tuple[SliceSpec, ...] = ()
 
 
+@functools.lru_cache(maxsize=4096)
+def _entry_head(dtype: int, shape: tuple[int, ...]) -> bytes:
+    """Fields 1 and 2 of an entry (its dtype and shape): a file's entries share a few."""
+    head = field_varint(1, dtype) if dtype else b""
+    return head + field_bytes(2, encode_shape(shape))
+
+
 def encode_entry(e: BundleEntry) -> bytes:
-    out = []
-    if e.dtype:
-        out.append(field_varint(1, e.dtype))
-    out.append(field_bytes(2, encode_shape(e.shape)))
+    out = _entry_head(e.dtype, e.shape)
     if e.shard_id:
-        out.append(field_varint(3, e.shard_id))
+        out += field_varint(3, e.shard_id)
     if e.offset:
-        out.append(field_varint(4, e.offset))
+        out += field_varint(4, e.offset)
     if e.size:
-        out.append(field_varint(5, e.size))
+        out += field_varint(5, e.size)
     if e.crc32c:
-        out.append(field_fixed32(6, e.crc32c))
-    out.extend(field_bytes(7, encode_slice(s)) for s in e.slices)
-    return b"".join(out)
+        out += field_fixed32(6, e.crc32c)
+    if e.slices:
+        out += b"".join(field_bytes(7, encode_slice(s)) for s in e.slices)
+    return out
 
 
 def decode_entry(data: bytes) -> BundleEntry:

@@ -47,7 +47,7 @@ from parallelvars.errors import (
     UnsupportedDtypeError,
 )
 
-from .._json import jsonable
+from .._json import _LEAVES, jsonable
 from .._view import Entry, aggregates
 from ._bundle import BundleWriter
 from ._dtypes import DT_STRING, tf_dtype
@@ -88,6 +88,10 @@ class _Var:
     tf_type: int
     expressed: set[str] = field(default_factory=set)
     slices: list[SliceSpec] | None = None
+    # The dtype its components are read into for a gathered write (None: none), once
+    # ``gather_known`` (see _gathered).
+    gather_dtype: np.dtype | None = None
+    gather_known: bool = False
 
 
 def _names(path: str, index_path: str) -> list[str]:
@@ -197,7 +201,12 @@ def _extra(var: _Var) -> dict[str, Any] | None:
         record["kind"] = e.kind
         if e.kind == "sharded":  # the reader needs the split the slices cannot show
             var.expressed -= {"shard_axis", "shard_offsets"}
-    attrs = {k: jsonable(v) for k, v in e.attrs.items() if k not in var.expressed}
+    expressed = var.expressed
+    attrs = {
+        k: v if type(v) in _LEAVES else jsonable(v)
+        for k, v in e.attrs.items()
+        if k not in expressed
+    }
     if attrs:
         record["attrs"] = attrs
     return record or None
@@ -384,10 +393,14 @@ def _gathered(var: _Var, comp: int) -> tuple[np.dtype, tuple[int, ...]] | None:
     component of numbers in this machine's byte order, as the data file stores it), else None."""
     if comp < 0 or var.tf_type == DT_STRING:
         return None
-    dtype = np.dtype(var.entry.dtype)
-    if not dtype.isnative or dtype.kind not in "biufcV" or dtype.hasobject:
+    if not var.gather_known:  # (worked out once per variable)
+        dtype = np.dtype(var.entry.dtype)
+        sound = dtype.isnative and dtype.kind in "biufcV" and not dtype.hasobject
+        var.gather_dtype = dtype if sound else None
+        var.gather_known = True
+    if var.gather_dtype is None:
         return None
-    return dtype, tuple(int(d) for d in var.entry.component_shape(comp))
+    return var.gather_dtype, tuple(int(d) for d in var.entry.component_shape(comp))
 
 
 def _read_checked(var: _Var, comp: int, key: str, out: np.ndarray, index_path: str) -> None:
