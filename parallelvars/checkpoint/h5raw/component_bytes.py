@@ -352,6 +352,9 @@ def _checksummed(
     later: list[int | None] = [None]
     runs = plan is not None
     zeros: dict[int, tuple[int, ...]] = {}
+    # (one list per count of replicas of the first, shared by the entries: read, never
+    # changed, by the plan, the classes and settle)
+    firsts: dict[int, list[int]] = {}
     ndarray = np.ndarray
     small = 1 << 16
     for k, e in enumerate(items):
@@ -372,7 +375,7 @@ def _checksummed(
             # replicas of the first, all equal to it (compared by their runs, or the same array)
             comps.append(list(live))
             crcs.append(later * n)
-            shared.append([0] * n)
+            shared.append(firsts.get(n) or firsts.setdefault(n, [0] * n))
             z = zeros.get(n)
             pattern.append(z if z is not None else zeros.setdefault(n, (0,) * n))
             continue
@@ -417,7 +420,7 @@ def _checksummed(
                     break
         if same:
             crcs.append(later * n)
-            shared.append([0] * n)
+            shared.append(firsts.get(n) or firsts.setdefault(n, [0] * n))
             z = zeros.get(n)
             pattern.append(z if z is not None else zeros.setdefault(n, (0,) * n))
             continue
