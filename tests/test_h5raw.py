@@ -735,26 +735,26 @@ _PATH_PARTS = st.sampled_from(["a", "b.c", ".", "..", "", "_parallelvars", "x\ny
 @example(["."])
 @example(["a//b"])
 @example(["a/", "/a"])
+@example(["ok", "a/"])
 @example(["_parallelvars/x"])
 @example(["x", "_parallelvars"])
 @example(["_parallelvarsx/y", "a\n/b"])
 @example(["ok", ""])
 def test_paths_validated_together_refuse_what_each_one_refuses(paths: list[str]) -> None:
-    """``_validate_paths`` (every path of a save at once) refuses exactly the lists in which
-    ``_validate_path`` refuses a path, naming the first such path."""
-    from parallelvars.checkpoint.h5io.layout import _validate_path, _validate_paths
+    """``validate_paths`` (every path of a save at once) refuses exactly the lists holding a
+    path the layout refuses (empty, a part empty or ``.``, or under the reserved group),
+    naming the first such path."""
+    from parallelvars.checkpoint.h5io.layout import META_GROUP, validate_paths
     from parallelvars.errors import InvalidEntryError
 
-    first_bad = None
-    for p in paths:
-        try:
-            _validate_path(p)
-        except InvalidEntryError:
-            first_bad = p
-            break
+    def refused(path: str) -> bool:
+        parts = path.split("/")
+        return not path or any(p in ("", ".") for p in parts) or parts[0] == META_GROUP
+
+    first_bad = next((p for p in paths if refused(p)), None)
     if first_bad is None:
-        _validate_paths(paths)
+        validate_paths(paths)
     else:
         with pytest.raises(InvalidEntryError) as err:
-            _validate_paths(paths)
+            validate_paths(paths)
         assert err.value.variable == first_bad

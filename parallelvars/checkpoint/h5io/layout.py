@@ -81,7 +81,7 @@ def _validate_path(path: str) -> None:
         raise InvalidEntryError("invalid variable path for the HDF5 layout", variable=path)
 
 
-def _validate_paths(paths: Sequence[str]) -> None:
+def validate_paths(paths: Sequence[str]) -> None:
     """:func:`_validate_path` of each of ``paths``, said of all of them at once: the same
     string searches over their text joined by newlines (a path's first and last characters
     are those next to a newline), then path by path only where one finds something (or a path

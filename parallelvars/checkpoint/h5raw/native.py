@@ -43,7 +43,7 @@ from parallelvars.checkpoint.h5io.layout import (
     INDEX_DATASET,
     _library_version,
     _validate_path,
-    _validate_paths,
+    validate_paths,
 )
 from parallelvars.checkpoint.h5io.records import (
     RecordList,
@@ -470,7 +470,7 @@ def _plan_for(
     path checked; the records go to the plan as they are (no object made per entry), with
     their ``classes`` (``record_classes(items, shared)``) when given."""
     paths = list(map(_PATH, items))
-    _validate_paths(paths)
+    validate_paths(paths)
     if len(set(paths)) != len(paths):
         seen: set[str] = set()
         for path in paths:
