@@ -12,7 +12,7 @@ import h5py
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from parallelvars.checkpoint.h5io import H5Reader, write_h5
@@ -722,3 +722,39 @@ def test_index_files_with_external_links_read_as_libhdf5_writes_them(tmp_path) -
                 k: repr(v) for k, v in fb[name].attrs.items() if k != "crc32c"
             }
         assert bytes(fa["_parallelvars/index"][()]) == bytes(fb["_parallelvars/index"][()])
+
+
+_PATH_PARTS = st.sampled_from(["a", "b.c", ".", "..", "", "_parallelvars", "x\ny", "%d", "/"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(_PATH_PARTS, max_size=4).map("/".join), max_size=6))
+@example(["ok", "a/./b"])
+@example(["ok", "a/.", "b"])
+@example(["./a"])
+@example(["."])
+@example(["a//b"])
+@example(["a/", "/a"])
+@example(["ok", "a/"])
+@example(["_parallelvars/x"])
+@example(["x", "_parallelvars"])
+@example(["_parallelvarsx/y", "a\n/b"])
+@example(["ok", ""])
+def test_paths_validated_together_refuse_what_each_one_refuses(paths: list[str]) -> None:
+    """``validate_paths`` (every path of a save at once) refuses exactly the lists holding a
+    path the layout refuses (empty, a part empty or ``.``, or under the reserved group),
+    naming the first such path."""
+    from parallelvars.checkpoint.h5io.layout import META_GROUP, validate_paths
+    from parallelvars.errors import InvalidEntryError
+
+    def refused(path: str) -> bool:
+        parts = path.split("/")
+        return not path or any(p in ("", ".") for p in parts) or parts[0] == META_GROUP
+
+    first_bad = next((p for p in paths if refused(p)), None)
+    if first_bad is None:
+        validate_paths(paths)
+    else:
+        with pytest.raises(InvalidEntryError) as err:
+            validate_paths(paths)
+        assert err.value.variable == first_bad

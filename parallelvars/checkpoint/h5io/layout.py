@@ -5,6 +5,7 @@ aggregations, limits, variable-path validation and the storage dtype of each num
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import h5py
 import numpy as np
@@ -78,6 +79,32 @@ def _validate_path(path: str) -> None:
         or path.partition("/")[0] == META_GROUP
     ):
         raise InvalidEntryError("invalid variable path for the HDF5 layout", variable=path)
+
+
+def validate_paths(paths: Sequence[str]) -> None:
+    """:func:`_validate_path` of each of ``paths``, said of all of them at once: the same
+    string searches over their text joined by newlines (a path's first and last characters
+    are those next to a newline), then path by path only where one finds something (or a path
+    holds a newline itself), to name the first invalid one."""
+    text = "\n" + "\n".join(paths) + "\n"
+    if text.count("\n") == len(paths) + 1 and not any(
+        mark in text
+        for mark in (
+            "\n\n",
+            "\n/",
+            "/\n",
+            "//",
+            "\n.\n",
+            "\n./",
+            "/.\n",
+            "/./",
+            f"\n{META_GROUP}/",
+            f"\n{META_GROUP}\n",
+        )
+    ):
+        return
+    for path in paths:
+        _validate_path(path)
 
 
 def _file_size(file: str) -> int:

@@ -335,6 +335,7 @@ def record_classes(
     first: list[int] = []
     add = ids.append
     find = classes.get
+    tuples: dict[int, tuple[int, ...]] = {}  # (by the list's id: every list is alive here)
     for k, e in enumerate(items):
         a = e.attrs
         vals = tuple(a.values())
@@ -343,7 +344,12 @@ def record_classes(
         if spec is None:
             spec = specs[sig] = _values_key(*sig)
         held = None if shared is None else shared[k]
-        sh = None if held is None else tuple(held)
+        if held is None:
+            sh = None
+        else:  # (the lists of replicas of the first are shared: one tuple each)
+            sh = tuples.get(id(held))
+            if sh is None:
+                sh = tuples[id(held)] = tuple(held)
         key = (e.kind, e.dtype, len(e.shape), e.num_components, sh, spec, spec(vals))
         c = find(key)
         if c is None:

@@ -352,6 +352,11 @@ def _checksummed(
     later: list[int | None] = [None]
     runs = plan is not None
     zeros: dict[int, tuple[int, ...]] = {}
+    # (one list per count of replicas of the first, shared by the entries: read, never
+    # changed, by the plan, the classes and settle)
+    firsts: dict[int, list[int]] = {}
+    ndarray = np.ndarray
+    small = 1 << 16
     for k, e in enumerate(items):
         live = e.components
         n = len(live)
@@ -360,6 +365,7 @@ def _checksummed(
             # a snapshot's copies: each replica is its first component's copy
             n > 1
             and share_equal
+            and live[-1] is first
             and all(c is first for c in live)
             and type(first) is np.ndarray
             and first.flags.c_contiguous
@@ -369,13 +375,14 @@ def _checksummed(
             # replicas of the first, all equal to it (compared by their runs, or the same array)
             comps.append(list(live))
             crcs.append(later * n)
-            shared.append([0] * n)
+            shared.append(firsts.get(n) or firsts.setdefault(n, [0] * n))
             z = zeros.get(n)
             pattern.append(z if z is not None else zeros.setdefault(n, (0,) * n))
             continue
-        cs = [_contiguous(c) for c in live]
+        # (a C-contiguous ndarray as it is, asked without a call)
+        cs = [c if type(c) is ndarray and c.flags.c_contiguous else _contiguous(c) for c in live]
         comps.append(cs)
-        if cs and cs[0].dtype.kind == "O":
+        if n and cs[0].dtype.kind == "O":
             # byte strings: their values lay out the global heap, so they are part of what a
             # cached plan is found by (each component stored: none shares another's heap
             # objects)
@@ -391,7 +398,12 @@ def _checksummed(
         first = cs[0]
         shape, dt = first.shape, first.dtype
         same = True
-        if first.nbytes <= 1 << 16:  # (small: one copy of the first, compared with each)
+        if n == 2 and first.nbytes <= small:  # (two: the common case, compared at once)
+            c = cs[1]
+            same = c is first or (
+                c.shape == shape and c.dtype == dt and c.tobytes() == first.tobytes()
+            )
+        elif first.nbytes <= small:  # (small: one copy of the first, compared with each)
             raw = first.tobytes()
             for c in cs[1:]:
                 if c is not first and not (
@@ -408,8 +420,9 @@ def _checksummed(
                     break
         if same:
             crcs.append(later * n)
-            shared.append([0] * n)
-            pattern.append((0,) * n)
+            shared.append(firsts.get(n) or firsts.setdefault(n, [0] * n))
+            z = zeros.get(n)
+            pattern.append(z if z is not None else zeros.setdefault(n, (0,) * n))
             continue
         cc: list[int | None] = [_crc(c) for c in cs]
         crcs.append(cc)

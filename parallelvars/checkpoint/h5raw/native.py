@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import threading
 import time
@@ -42,6 +43,7 @@ from parallelvars.checkpoint.h5io.layout import (
     INDEX_DATASET,
     _library_version,
     _validate_path,
+    validate_paths,
 )
 from parallelvars.checkpoint.h5io.records import (
     RecordList,
@@ -69,6 +71,9 @@ from parallelvars.checkpoint.h5raw.component_bytes import (
 from parallelvars.checkpoint.h5raw.generate import FilePlan, Variable
 from parallelvars.checkpoint.h5raw.messages import Unsupported
 from parallelvars.errors import InvalidEntryError, UnsupportedDtypeError
+
+_PATH = operator.attrgetter("path")
+_COMPONENTS = operator.attrgetter("components")
 
 __all__ = ["Prepared", "index_documents", "save_native", "write_native"]
 
@@ -464,9 +469,8 @@ def _plan_for(
     """The plan of a save of ``items`` (records, or entries read from other files), each
     path checked; the records go to the plan as they are (no object made per entry), with
     their ``classes`` (``record_classes(items, shared)``) when given."""
-    paths = [e.path for e in items]
-    for path in paths:
-        _validate_path(path)
+    paths = list(map(_PATH, items))
+    validate_paths(paths)
     if len(set(paths)) != len(paths):
         seen: set[str] = set()
         for path in paths:
@@ -601,7 +605,7 @@ def _prepare(
     if laid_out is not None:
         laid_out(plan)
     freeze_made_so_far()  # (the plan's objects live until the image is made)
-    count = sum(len(e.components) for e in items)
+    count = sum(map(len, map(_COMPONENTS, items)))
     parts = record_documents(items, plan.offsets, classes)
     del classes
     if parts is not None:
