@@ -4,6 +4,7 @@ restore's peak, never seen by the variables."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
@@ -241,35 +242,97 @@ def test_an_idle_time_past_the_longest_wait_keeps_the_freeing_thread(
     assert staging._reaper is not None and staging._reaper.is_alive()
 
 
-def _resident(address: int) -> tuple[int, int]:
-    """The resident bytes and the bytes in transparent huge pages of the mapping that holds
-    ``address`` (from /proc/self/smaps)."""
+def _resident(address: int, size: int) -> tuple[int, int]:
+    """The resident bytes and the bytes in transparent huge pages of the mappings over
+    ``[address, address + size)`` (from /proc/self/smaps; advice given over part of a mapping
+    splits it in several)."""
     with open("/proc/self/smaps") as f:
         lines = f.read().splitlines()
     inside = False
-    rss = huge = -1
+    rss = huge = 0
     for line in lines:
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
+            inside = lo < address + size and hi > address
         elif inside and head == "Rss:":
-            rss = int(line.split()[1]) << 10
+            rss += int(line.split()[1]) << 10
         elif inside and head == "AnonHugePages:":
-            huge = int(line.split()[1]) << 10
+            huge += int(line.split()[1]) << 10
     return rss, huge
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
-def test_new_staging_memory_is_faulted_in_small_pages_before_it_is_handed_out() -> None:
-    """New staging memory arrives faulted in (one madvise, not a page fault per page while
-    the file's bytes are copied in), in small pages: a fresh huge page is one a virtual
-    machine's host may have to back again, 4 to 10 times slower per byte. (40 MiB: past
+def test_new_staging_memory_is_faulted_in_before_it_is_handed_out() -> None:
+    """New staging memory arrives faulted in (madvise, not a page fault per page while the
+    file's bytes are copied in), whichever page size the kernel gave faster. (40 MiB: past
     glibc's largest mmap threshold, so numpy's own memory would be a new, empty mapping.)"""
     buf = staging.take(40 << 20)
-    rss, huge = _resident(buf.ctypes.data)
+    rss, huge = _resident(buf.ctypes.data, buf.size)
     assert rss >= 40 << 20
-    assert huge == 0
+    assert 0 <= huge <= rss
+
+
+class _Clock:
+    """A fake ``time`` for :func:`staging._fault_in`: each populate call costs what the test
+    says, in the order it is made."""
+
+    def __init__(self, costs: list[float]) -> None:
+        self.now, self.costs, self.calls = 0.0, costs, []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def populate(self, address: int, size: int) -> bool:
+        self.calls.append((address, size))
+        self.now += self.costs[len(self.calls) - 1] if len(self.calls) <= len(self.costs) else 0
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise")
+@pytest.mark.parametrize("slow_step", [None, 3])
+def test_new_memory_takes_huge_pages_while_they_cost_less_than_small_ones(
+    monkeypatch: pytest.MonkeyPatch, slow_step: int | None
+) -> None:
+    """Two steps in small pages set the reference; then huge pages one step at a time while
+    each costs less per byte; from the first that does not, the rest in small pages at once.
+    Every byte is faulted in exactly once."""
+    import mmap
+
+    size = 24 << 20
+    area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    address = np.frombuffer(area, np.uint8).ctypes.data
+    # small steps: 2 ms per step (the second is the reference: the faster); the head; then
+    # huge steps of 0.1 ms, one of them 10 ms (slower per byte than the reference)
+    costs = [0.004, 0.002, 0.0] + [0.0001] * 20
+    if slow_step is not None:
+        costs[3 + slow_step] = 0.010
+    clock = _Clock(costs)
+    advice: list[tuple[str, int, int]] = []
+    advise = staging._advise
+
+    def record(a: Any, name: str, start: int, length: int) -> bool:
+        advice.append((name, start, length))
+        return advise(a, name, start, length)
+
+    monkeypatch.setattr(staging, "time", clock)
+    monkeypatch.setattr(staging, "_populate", clock.populate)
+    monkeypatch.setattr(staging, "_advise", record)
+    assert staging._fault_in(area, address, size)
+    spans = sorted((a - address, a - address + n) for a, n in clock.calls)
+    assert spans[0][0] == 0 and spans[-1][1] == size
+    assert all(b[0] == a[1] for a, b in itertools.pairwise(spans))  # no gap, no overlap
+    first = staging._STEP - address % staging._STEP
+    huge_from = first + 2 * staging._STEP
+    assert advice[0] == ("MADV_HUGEPAGE", huge_from, size - huge_from)
+    if slow_step is None:
+        assert len(advice) == 1  # every later step in huge pages
+        assert all(n <= staging._STEP for _, n in clock.calls)
+    else:
+        back = huge_from + (slow_step + 1) * staging._STEP
+        assert advice[1:] == [("MADV_NOHUGEPAGE", back, size - back)]
+        assert clock.calls[-1] == (address + back, size - back)  # the rest at once
+    area.close()
 
 
 def test_a_restore_asks_for_its_bulk_reads_before_it_takes_their_memory(

@@ -551,6 +551,19 @@ class H5Reader(BulkReads, Mapping[str, StoredVariable]):
         if self._restoring:
             self._crcs_seen[offset] = (nbytes, crc)
 
+    def _keep_copy(self, offset: int, data: np.ndarray, crc: int) -> None:
+        """Keep a copy of ``data``, the verified bytes at ``offset`` (their CRC-32C ``crc``)
+        read into a reused buffer, for the copy, when the restore may still hold them (a
+        component found where HDF5 places it, its indexed offset stale: no memory was set
+        aside for it there)."""
+        if not self._restoring:
+            return
+        with self._lock:
+            if offset in self._kept or self._held + data.nbytes > RESTORE_KEEP_LIMIT:
+                return
+            self._held += data.nbytes
+            self._kept[offset] = (data.reshape(-1).view(np.uint8).copy(), crc)
+
     def _keep_value(self, key: tuple[str, int], value: np.ndarray) -> None:
         """Keep ``value``, a component read through HDF5 and verified, for the copy, when the
         restore may still hold its bytes (:meth:`stage`)."""

@@ -27,15 +27,21 @@ the gaps its large reads take, see docs/checkpoints.md) stays allocated for
 Only code that copies out of these buffers before it gives them back uses them: no array
 handed to a caller is ever a view of one.
 
-New memory (the first restore in a process, or one larger than any kept buffer) is made in
-small pages and faulted in with one ``madvise(MADV_POPULATE_WRITE)`` where the system has it
+New memory (the first restore in a process, or one larger than any kept buffer) is faulted in
+before it is handed out, with ``madvise(MADV_POPULATE_WRITE)`` where the system has it
 (:func:`_new`), rather than left to fault page by page as the file's bytes are copied in: the
 caller asks the kernel to read the file ahead first, so the disk reads while the memory is
-faulted in. Small pages, not transparent huge pages: on a virtual machine whose host takes
-back the guest's free memory in huge-page blocks (free page reporting), a fresh huge page is
-one the host must back again, and 100 MB of them cost 0.8 to 1.3 s to fault in where small
-pages cost 0.1 to 0.15 s (an idle huge page is cheaper on bare metal, 30 to 45 ms; copies out
-of either run at the same speed).
+faulted in. Huge pages or small pages, whichever the kernel gives faster now, measured on the
+memory itself (:func:`_fault_in`): on a virtual machine whose host takes back the guest's free
+memory in huge-page blocks (free page reporting), a fresh huge page is one the host may have to
+back again, and then costs 4 to 10 ms per MiB (100 MB in 0.8 to 1.3 s) where small pages cost
+0.5 to 1.5 ms; a huge page the guest still holds costs 0.1 to 0.3 ms per MiB, and which of the
+two the next one is changes from second to second. So the first two huge-page-sized steps are
+faulted in small pages (their time per byte is the reference), the rest in huge pages one step
+(2 MiB) at a time for as long as each step costs less per byte than the reference; at the
+first step that does not, the rest is faulted in small pages in one call. A slow huge page
+costs at most one step (about 20 ms) more than small pages would have; copies out of either
+run at the same speed.
 """
 
 from __future__ import annotations
@@ -107,10 +113,10 @@ _madvise: Any = None  # libc's madvise, looked up once (None: not yet; False: no
 def _new(size: int) -> np.ndarray:
     """``size`` bytes of new memory (uint8, whole, writable), faulted in.
 
-    On Linux: an anonymous private mapping in small pages (``MADV_NOHUGEPAGE``), faulted in
-    with one ``madvise(MADV_POPULATE_WRITE)`` (through ctypes, which lets other threads run
-    meanwhile); a kernel without it faults the pages in one by one, here. Elsewhere: a numpy
-    array, left to fault in as it is written. (See the module's docstring for why.)
+    On Linux: an anonymous private mapping faulted in by :func:`_fault_in` (through ctypes,
+    which lets other threads run meanwhile); a kernel without ``MADV_POPULATE_WRITE`` faults
+    the pages in one by one, here, in small pages. Elsewhere: a numpy array, left to fault in
+    as it is written. (See the module's docstring for why.)
     """
     if not sys.platform.startswith("linux") or size < 2 * _PAGE:
         return np.empty(size, np.uint8)
@@ -118,19 +124,77 @@ def _new(size: int) -> np.ndarray:
         area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError:  # (out of address space: numpy raises its MemoryError)
         return np.empty(size, np.uint8)
-    try:  # (a preference: a kernel without transparent huge pages refuses it, EINVAL)
-        if hasattr(mmap, "MADV_NOHUGEPAGE"):
-            area.madvise(mmap.MADV_NOHUGEPAGE)
-    except OSError:
-        pass
+    small = _advise(area, "MADV_NOHUGEPAGE", 0, size)
     buf = np.frombuffer(area, np.uint8)  # (the array keeps the mapping alive)
     try:
-        populated = _populate(buf.ctypes.data, size)
+        populated = _fault_in(area, buf.ctypes.data, size) if small else False
+        if not populated:
+            populated = _populate(buf.ctypes.data, size)
     except OSError:  # (faulted in page by page below instead)
         populated = False
     if not populated:
+        if small is False:
+            _advise(area, "MADV_NOHUGEPAGE", 0, size)
         buf[::_PAGE] = 0  # (one write per page: the same faults, taken now)
     return buf
+
+
+#: The bytes faulted in per step of :func:`_fault_in` (one huge page on x86-64 and arm64 with
+#: 4 KiB pages): the most that a slow huge page costs before the rest falls back.
+_STEP = 2 << 20
+
+
+def _advise(area: mmap.mmap, advice: str, start: int, length: int) -> bool:
+    """``madvise`` ``advice`` (a name in :mod:`mmap`) over ``[start, start + length)`` of
+    ``area``; False when the system does not have it or refuses it (a preference: a kernel
+    without transparent huge pages refuses both huge-page advices, EINVAL)."""
+    value = getattr(mmap, advice, None)
+    if value is None:
+        return False
+    try:
+        area.madvise(value, start, length)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _fault_in(area: mmap.mmap, address: int, size: int) -> bool:
+    """Fault in the ``size`` bytes of ``area`` (a new anonymous mapping at ``address``, advised
+    into small pages) in small or huge pages, whichever the kernel gives faster now (see the
+    module's docstring); False when the system cannot fault memory in with one call (nothing
+    was faulted in then).
+
+    Steps of :data:`_STEP` bytes aligned to huge pages: the first two in small pages (the
+    faster of the two is the reference, so a thread switch during one does not set it), the
+    rest advised into huge pages and faulted in one step at a time while each costs less per
+    byte than the reference; from the first that does not, the rest in small pages at once.
+    Memory under four steps is faulted in small pages at once.
+    """
+    bounds = list(range(_STEP - address % _STEP, size, _STEP))
+    if len(bounds) < 4 or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return _populate(address, size)
+    now = time.perf_counter
+    reference = float("inf")
+    for lo, hi in ((bounds[0], bounds[1]), (bounds[1], bounds[2])):
+        start = now()
+        if not _populate(address + lo, hi - lo):
+            return _populate(address, size) if lo == bounds[0] else False
+        reference = min(reference, (now() - start) / (hi - lo))
+    if not _populate(address, bounds[0]):  # (the part before the first huge page's boundary)
+        return False
+    at = bounds[2]
+    if _advise(area, "MADV_HUGEPAGE", at, size - at):
+        for hi in [*bounds[3:], size]:
+            start = now()
+            if not _populate(address + at, hi - at):
+                break
+            slow = (now() - start) / (hi - at) > reference
+            at = hi
+            if slow:
+                break
+        if at < size:
+            _advise(area, "MADV_NOHUGEPAGE", at, size - at)
+    return at >= size or _populate(address + at, size - at)
 
 
 def _populate(address: int, size: int) -> bool:

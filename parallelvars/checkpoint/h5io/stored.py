@@ -78,6 +78,8 @@ class OpenFile(Protocol):
 
     def _note_crc(self, offset: int, nbytes: int, crc: int) -> None: ...
 
+    def _keep_copy(self, offset: int, data: np.ndarray, crc: int) -> None: ...
+
     def _keep_value(self, key: tuple[str, int], value: np.ndarray) -> None: ...
 
     def _kept_value(self, key: tuple[str, int]) -> np.ndarray | None: ...
@@ -571,17 +573,24 @@ class StoredVariable(Entry):
             except ChecksumMismatchError:
                 if i not in self._from_index:
                     raise
-                self._with_bytes(i, lambda data: self._check(i, data))  # the index may be stale
+                # the index may be stale: checked (and kept) where HDF5 places the dataset
+                self._with_bytes(i, functools.partial(self._check_and_keep, i))
         else:
             self._with_bytes(i, functools.partial(self._check_and_keep, i))
         self._verified[i] = None
 
     def _check_and_keep(self, i: int, data: np.ndarray) -> None:
-        """Check component ``i`` read through HDF5 (``data``, a fresh array) and, during a
-        restore, keep it for the copy (:meth:`H5Reader._keep_value`)."""
-        self._check(i, data)
-        if self._location(i) is None:  # (else ``data`` is a reused buffer's)
+        """Check component ``i`` and, during a restore, keep its bytes for the copy: ``data``
+        read through HDF5 (a fresh array: :meth:`H5Reader._keep_value`), or read where HDF5
+        places the dataset after the index's offset proved stale (a reused buffer: a copy,
+        :meth:`H5Reader._keep_copy`), so the copy lands the bytes checked here."""
+        found = checksum(data)
+        self._compare(i, found)
+        loc = self._location(i)
+        if loc is None:
             self._reader._keep_value((self.path, i), data)
+        elif loc[1]:
+            self._reader._keep_copy(loc[0], data, found)
 
     def verify_group(self, heap: GlobalHeapCheck | None = None) -> None:
         """The variable's group opens through HDF5 and its attributes agree with the index.
