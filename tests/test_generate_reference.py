@@ -198,3 +198,23 @@ def test_verify_compares_a_chunk_at_a_time(tmp_path, monkeypatch) -> None:
     bad.write_bytes(bytes(data))
     with H5Reader(str(bad)) as r:
         assert not sound_as_generated(r)
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_an_image_kept_in_a_file_writes_the_same_bytes(tmp_path, monkeypatch, kernel_copy) -> None:
+    """A structure of more metadata than is kept in memory keeps its image in an unnamed file
+    beside the checkpoint: the repeated save copies it (by the kernel, or a chunk at a time
+    where ``copy_file_range`` is refused), byte for byte, and leaves no file behind."""
+    import os
+
+    def refused(*args: Any) -> int:
+        raise OSError(18, "cross-device")
+
+    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", 0)
+    monkeypatch.setattr(generate, "CHUNK_BYTES", 2000)
+    if not kernel_copy:
+        monkeypatch.setattr(os, "copy_file_range", refused, raising=False)
+    _same_as_before(tmp_path, _model(60, False), True, monkeypatch)
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        f"{tag}{name}.h5" for tag in ("ref", "new") for name in ("w", "s0", "s1")
+    )

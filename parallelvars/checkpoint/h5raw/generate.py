@@ -54,6 +54,7 @@ checksums computed together (:func:`~.lookup3.lookup3_many`).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -93,6 +94,7 @@ __all__ = [
     "Chunks",
     "FilePlan",
     "Metadata",
+    "SpilledImage",
     "Variable",
     "encode_attribute",
 ]
@@ -108,9 +110,10 @@ MAX_COMPACT_LINKS = 1024
 #: The most bytes of metadata :meth:`FilePlan.chunks` makes at once (one object header of more
 #: is a chunk of its own: a header is at most a few KiB, a symbol table's group 40 bytes a link).
 CHUNK_BYTES = 4 << 20
-#: A structure whose metadata image is at most this many bytes keeps the image for its repeated
-#: saves (``h5raw/native.py``: written again as it is, its changing headers re-encoded); one of
-#: more keeps its plan instead and makes the image again at each save, a chunk at a time.
+#: A structure whose metadata image is at most this many bytes keeps the image in memory for
+#: its repeated saves (``h5raw/native.py``: written again as it is, its changing headers
+#: re-encoded); one of more keeps it in an unnamed file beside the checkpoint
+#: (:class:`SpilledImage`), written there a chunk at a time and copied by the kernel.
 KEPT_IMAGE_BYTES = 64 << 20
 
 
@@ -167,6 +170,58 @@ class Chunks:
 
     def __iter__(self) -> Iterator[tuple[int, bytes | memoryview]]:
         return self._windows
+
+
+class SpilledImage:
+    """A metadata image kept for repeated saves outside memory: written a chunk at a time into
+    an unnamed temporary file (``O_TMPFILE``: never linked, gone when closed or when the process
+    ends) in ``folder``, the checkpoint's own, and copied into each later file by the kernel
+    (``copy_file_range``; read and written a chunk at a time where that is refused)."""
+
+    def __init__(self, chunks: Chunks, size: int, folder: str) -> None:
+        import tempfile
+
+        from parallelvars._fileio import pwrite_all
+
+        self.size = size
+        self._file = tempfile.TemporaryFile(dir=folder or None)  # noqa: SIM115 (kept open)
+        try:
+            fd = self._file.fileno()
+            for at, data in chunks:
+                pwrite_all(fd, memoryview(data), at)
+        except BaseException:
+            self._file.close()
+            raise
+
+    def write_to(self, fd: int) -> None:
+        """Copy the image to ``fd`` at offset 0."""
+        from parallelvars._fileio import pwrite_all
+
+        src = self._file.fileno()
+        at = 0
+        copy = getattr(os, "copy_file_range", None)
+        while at < self.size and copy is not None:
+            try:
+                done = copy(src, fd, self.size - at, at, at)
+            except OSError:
+                break
+            if done <= 0:
+                break
+            at += done
+        while at < self.size:
+            data = os.pread(src, min(CHUNK_BYTES, self.size - at), at)
+            if not data:
+                raise OSError(f"the kept metadata image ends at {at} of {self.size} bytes")
+            pwrite_all(fd, memoryview(data), at)
+            at += len(data)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __del__(self) -> None:  # (dropped from the cache: the file goes with it)
+        file = getattr(self, "_file", None)
+        if file is not None:
+            file.close()
 
 
 class _Columns:
@@ -943,7 +998,9 @@ class FilePlan:
         file_size = max(at, self.metadata_size)
         self._ref_start = {id(a): first for a, first in self._owners}
         self._file_size = file_size
-        self.checksum_spans: list[tuple[int, int]] = []  # (each header chunk encoded on its own: start, checksum)
+        self.checksum_spans: list[
+            tuple[int, int]
+        ] = []  # (each header chunk encoded on its own: start, checksum)
         return Chunks(self._windows(), file_size, documents, list(self._vlen_data))
 
     def _windows(self) -> Iterator[tuple[int, bytes | memoryview]]:
@@ -954,7 +1011,7 @@ class FilePlan:
         the collections already made."""
         kinds = self._window_columns()
         heap_at, heap = self._heap
-        bounds = np.unique(np.append(kinds.starts, heap_at))  # (every object's start, the heap's)
+        bounds = np.append(kinds.starts, heap_at)  # (every object's start, the heap's)
         lo = 0
         while lo < heap_at:
             # the window: up to the last object start within CHUNK_BYTES (one object at least)
@@ -1009,7 +1066,7 @@ class FilePlan:
             np.fromiter((g.address for g in self._groups or ()), np.int64),
             self._ds_address,
         ]
-        cols.starts = np.unique(np.concatenate(every))
+        cols.starts = np.concatenate(every)  # (in file order: increasing)
         return cols
 
     def _window(self, cols: _Columns, lo: int, hi: int) -> memoryview:
