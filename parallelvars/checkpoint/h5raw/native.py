@@ -67,7 +67,12 @@ from parallelvars.checkpoint.h5raw.component_bytes import (
     same_arrays,
     settle,
 )
-from parallelvars.checkpoint.h5raw.generate import KEPT_IMAGE_BYTES, FilePlan, Variable
+from parallelvars.checkpoint.h5raw.generate import (
+    KEPT_IMAGE_BYTES,
+    FilePlan,
+    SpilledImage,
+    Variable,
+)
 from parallelvars.checkpoint.h5raw.messages import Unsupported
 from parallelvars.errors import InvalidEntryError, UnsupportedDtypeError
 
@@ -631,9 +636,11 @@ def _prepare(
         (at, image), *rest = meta.pieces
         assert at == 0
         file_size, places = meta.file_size, meta.documents
-    else:  # (the plan kept whole: each save makes the image again, a chunk at a time)
+    else:  # (kept in a file beside the checkpoint, written a chunk at a time as it is made)
         chunked = plan.chunks(capacities)
         file_size, places, rest = chunked.file_size, chunked.documents, chunked.data
+        image = SpilledImage(chunked, plan.metadata_size, os.path.dirname(file))
+        plan.release()
     return Prepared(
         key,
         plan,
@@ -649,16 +656,12 @@ def _prepare(
 
 
 def _write_image(fd: int, prep: Prepared) -> None:
-    """Write the metadata image of ``prep``'s structure: the image kept, or (a structure of
-    more than ``KEPT_IMAGE_BYTES`` of metadata) made again by its plan a chunk at a time, with
-    the first save's header values (the root's and the documents' headers are written again
-    after, as for a kept image)."""
-    if prep.image is not None:
+    """Write the metadata image of ``prep``'s structure: kept in memory, or (a structure of
+    more than ``KEPT_IMAGE_BYTES`` of metadata) copied from the file it was spilled to."""
+    if isinstance(prep.image, SpilledImage):
+        prep.image.write_to(fd)
+    else:
         pwrite_all(fd, memoryview(prep.image), 0)
-        return
-    with prep.lock:
-        for at, data in prep.plan.chunks(prep.capacities):
-            pwrite_all(fd, memoryview(data), at)
 
 
 def _documents(prep: Prepared, flat: Sequence[int]) -> dict[str, bytes]:
