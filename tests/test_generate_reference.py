@@ -37,6 +37,12 @@ class _RefChunks:
 class _RefPlan(ref.FilePlan):  # type: ignore[misc]
     """The earlier generator, with the chunked interface the writer calls (one chunk)."""
 
+    made = 0  # (plans made: the files were generated, not written through libhdf5)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        type(self).made += 1
+        super().__init__(*args, **kwargs)
+
     def chunks(self, *args: Any, **kwargs: Any) -> _RefChunks:
         return _RefChunks(self.metadata(*args, **kwargs))
 
@@ -74,10 +80,12 @@ def _files(tmp_path: Any, tag: str, records: list[SaveRecord], share: bool) -> l
 
 
 def _same_as_before(tmp_path: Any, records: list[SaveRecord], share: bool, mp: Any) -> None:
+    made = _RefPlan.made
     with mp.context() as m:
         m.setattr(native, "FilePlan", _RefPlan)
         m.setattr(native, "KEPT_IMAGE_BYTES", 1 << 62)
         before = _files(tmp_path, "ref", records, share)
+    assert _RefPlan.made >= made + 2  # (write_native's and the first save's)
     now = _files(tmp_path, "new", records, share)
     assert [len(b) for b in now] == [len(b) for b in before]
     for k, (x, y) in enumerate(zip(now, before, strict=True)):
@@ -218,3 +226,29 @@ def test_an_image_kept_in_a_file_writes_the_same_bytes(tmp_path, monkeypatch, ke
     assert sorted(os.listdir(tmp_path)) == sorted(
         f"{tag}{name}.h5" for tag in ("ref", "new") for name in ("w", "s0", "s1")
     )
+
+
+@pytest.mark.parametrize("kept", [0, generate.KEPT_IMAGE_BYTES])
+def test_byte_strings_write_the_bytes_written_before(tmp_path, monkeypatch, kept) -> None:
+    """Byte-string variables (their elements global heap objects, their data the references
+    the plan lays itself), 0-d and empty among them, beside numbers of every width."""
+    import ml_dtypes
+
+    records = []
+    for k, shape in enumerate([(), (0,), (3,), (2, 2)]):
+        n = 1 + k % 3
+        size = int(np.prod(shape))
+        comps = [
+            np.array([b"v%d-%d" % (k, j) * (j + 1) for j in range(size)], object).reshape(shape)
+            for _ in range(n)
+        ]
+        attrs = {"name": f"s{k}", "devices": [f"d{i}" for i in range(n)]}
+        records.append(SaveRecord("mirrored", comps, shape, attrs, path=f"strings/s{k}"))
+    for k, dt in enumerate([ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, np.int8, np.float64]):
+        value = np.arange(k + 2).astype(dt)
+        records.append(
+            SaveRecord("single", [value], value.shape, {"name": f"n{k}"}, path=f"numbers/n{k}")
+        )
+    monkeypatch.setattr(generate, "CHUNK_BYTES", 600)
+    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", kept)
+    _same_as_before(tmp_path, records, True, monkeypatch)
