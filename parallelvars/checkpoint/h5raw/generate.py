@@ -53,6 +53,7 @@ checksums computed together (:func:`~.lookup3.lookup3_many`).
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -85,7 +86,7 @@ from parallelvars.checkpoint.h5raw.symbol_table import SYMBOL_TABLE, SymbolTable
 from parallelvars.checkpoint.h5raw.templates import Template, place_rows, runs
 from parallelvars.checkpoint.h5raw.virtual import mapping
 from parallelvars.checkpoint.registry import component_name as _component_name
-from parallelvars.errors import InvalidEntryError
+from parallelvars.errors import CheckpointWriteError, InvalidEntryError
 
 __all__ = [
     "CHUNK_BYTES",
@@ -211,7 +212,14 @@ class SpilledImage:
         while at < self.size:
             data = os.pread(src, min(CHUNK_BYTES, self.size - at), at)
             if not data:
-                raise OSError(f"the kept metadata image ends at {at} of {self.size} bytes")
+                err = CheckpointWriteError(
+                    "the metadata image kept for repeated saves is cut short",
+                    expected=f"{self.size} bytes",
+                    found=f"{at} bytes",
+                    hint="the last good file at this path is unchanged",
+                )
+                err.errno, err.strerror = errno.EIO, os.strerror(errno.EIO)
+                raise err
             pwrite_all(fd, memoryview(data), at)
             at += len(data)
 
