@@ -8,8 +8,10 @@ root attributes) deterministically. :func:`sound_as_generated` makes that file a
 index the file carries (:class:`~parallelvars.checkpoint.h5raw.generate.FilePlan`, the
 writer's own code) and compares:
 
-* the whole metadata image (superblock to the end of the global heap) with the file's bytes:
-  any damaged header, link, attribute, dataspace, layout or heap byte differs;
+* the whole metadata image (superblock to the end of the global heap) with the file's bytes,
+  made and compared a chunk of at most ``CHUNK_BYTES`` (4 MiB) at a time
+  (:meth:`~parallelvars.checkpoint.h5raw.generate.FilePlan.chunks`): any damaged header,
+  link, attribute, dataspace, layout or heap byte differs;
 * the index and columns documents with the ones the writer makes of that index, and the object
   graph with the checksum its header carries;
 * the file's size;
@@ -26,6 +28,7 @@ which names what is wrong.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -295,13 +298,14 @@ def _compare_generated(
         at = size - graph_size  # (the last document: it ends the file)
         graph = os.pread(fd, graph_size, at) if at >= 0 else b""
         checksums[GRAPH_DATASET] = _crc32c.crc32c(graph)
-    meta_out = plan.metadata(capacities, document_checksums=checksums)
+    meta_out = plan.chunks(capacities, document_checksums=checksums)
     if meta_out.file_size != size or (
         GRAPH_DATASET in documents and meta_out.documents[GRAPH_DATASET] != size - graph_size
     ):
         return False
-    for offset, data in meta_out.pieces:
-        if os.pread(fd, len(data), offset) != bytes(data):
+    # (a chunk of a few MiB made and compared at a time: the image is never held whole)
+    for offset, data in itertools.chain(meta_out, meta_out.data):
+        if os.pread(fd, len(data), offset) != data:
             return False
     return all(doc.matches(fd, meta_out.documents[name]) for name, doc in docs.items())
 

@@ -53,8 +53,10 @@ checksums computed together (:func:`~.lookup3.lookup3_many`).
 
 from __future__ import annotations
 
+import errno
 import math
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -84,9 +86,19 @@ from parallelvars.checkpoint.h5raw.symbol_table import SYMBOL_TABLE, SymbolTable
 from parallelvars.checkpoint.h5raw.templates import Template, place_rows, runs
 from parallelvars.checkpoint.h5raw.virtual import mapping
 from parallelvars.checkpoint.registry import component_name as _component_name
-from parallelvars.errors import InvalidEntryError
+from parallelvars.errors import CheckpointWriteError, InvalidEntryError
 
-__all__ = ["MAX_COMPACT_LINKS", "FilePlan", "Metadata", "Variable", "encode_attribute"]
+__all__ = [
+    "CHUNK_BYTES",
+    "KEPT_IMAGE_BYTES",
+    "MAX_COMPACT_LINKS",
+    "Chunks",
+    "FilePlan",
+    "Metadata",
+    "SpilledImage",
+    "Variable",
+    "encode_attribute",
+]
 
 _MAX_MESSAGE = 0xFFFF
 _COMPACT_ATTRS = 8  # HDF5's default attribute phase change: 8 in the header ...
@@ -96,6 +108,14 @@ _DEFAULT_LINKS = 8  # HDF5's default link phase change (8 compact, 6 dense)
 # by scanning them, so opening each of n children costs n^2 (10,000 children: 10.8 s where
 # libhdf5's dense storage takes 1.8 s); up to this many it costs milliseconds.
 MAX_COMPACT_LINKS = 1024
+#: The most bytes of metadata :meth:`FilePlan.chunks` makes at once (one object header of more
+#: is a chunk of its own: a header is at most a few KiB, a symbol table's group 40 bytes a link).
+CHUNK_BYTES = 4 << 20
+#: A structure whose metadata image is at most this many bytes keeps the image in memory for
+#: its repeated saves (``h5raw/native.py``: written again as it is, its changing headers
+#: re-encoded); one of more keeps it in an unnamed file beside the checkpoint
+#: (:class:`SpilledImage`), written there a chunk at a time and copied by the kernel.
+KEPT_IMAGE_BYTES = 64 << 20
 
 
 @dataclass
@@ -128,6 +148,104 @@ class Metadata:
     pieces: list[tuple[int, bytes | memoryview]]  # (the image's own bytes, not copied)
     file_size: int
     documents: dict[str, int]
+
+
+class Chunks:
+    """A generated file's metadata a chunk at a time (:meth:`FilePlan.chunks`): iterating
+    gives the ``(offset, bytes)`` chunks of the metadata image in file order, each made when
+    reached (once: the iteration is the plan's); ``file_size``, ``documents`` (each
+    document's data offset) and ``data`` (the data the plan lays itself, ``(offset, bytes)``:
+    byte-string components' heap references) are known at once."""
+
+    def __init__(
+        self,
+        windows: Iterator[tuple[int, bytes | memoryview]],
+        file_size: int,
+        documents: dict[str, int],
+        data: list[tuple[int, bytes | memoryview]],
+    ) -> None:
+        self._windows = windows
+        self.file_size = file_size
+        self.documents = documents
+        self.data = data
+
+    def __iter__(self) -> Iterator[tuple[int, bytes | memoryview]]:
+        return self._windows
+
+
+class SpilledImage:
+    """A metadata image kept for repeated saves outside memory: written a chunk at a time into
+    an unnamed temporary file (``O_TMPFILE``: never linked, gone when closed or when the process
+    ends) in ``folder``, the checkpoint's own, and copied into each later file by the kernel
+    (``copy_file_range``; read and written a chunk at a time where that is refused)."""
+
+    def __init__(self, chunks: Chunks, size: int, folder: str) -> None:
+        import tempfile
+
+        from parallelvars._fileio import pwrite_all
+
+        self.size = size
+        self._file = tempfile.TemporaryFile(dir=folder or None)  # noqa: SIM115 (kept open)
+        try:
+            fd = self._file.fileno()
+            for at, data in chunks:
+                pwrite_all(fd, memoryview(data), at)
+        except BaseException:
+            self._file.close()
+            raise
+
+    def write_to(self, fd: int) -> None:
+        """Copy the image to ``fd`` at offset 0."""
+        from parallelvars._fileio import pwrite_all
+
+        src = self._file.fileno()
+        at = 0
+        copy = getattr(os, "copy_file_range", None)
+        while at < self.size and copy is not None:
+            try:
+                done = copy(src, fd, self.size - at, at, at)
+            except OSError:
+                break
+            if done <= 0:
+                break
+            at += done
+        while at < self.size:
+            data = os.pread(src, min(CHUNK_BYTES, self.size - at), at)
+            if not data:
+                err = CheckpointWriteError(
+                    "the metadata image kept for repeated saves is cut short",
+                    expected=f"{self.size} bytes",
+                    found=f"{at} bytes",
+                    hint="the last good file at this path is unchanged",
+                )
+                err.errno, err.strerror = errno.EIO, os.strerror(errno.EIO)
+                raise err
+            pwrite_all(fd, memoryview(data), at)
+            at += len(data)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __del__(self) -> None:  # (dropped from the cache: the file goes with it)
+        file = getattr(self, "_file", None)
+        if file is not None:
+            file.close()
+
+
+class _Columns:
+    """What :meth:`FilePlan._window` reads of the plan, made once per :meth:`FilePlan.chunks`:
+    per kind of header, the objects' addresses (increasing) and their fields' sources."""
+
+    def __init__(self) -> None:
+        self.individual: list[_Group] = []
+        self.individual_at = np.zeros(0, np.int64)
+        # per layout: (layout, addresses, first strings, shapes, first datasets)
+        self.layouts: list[tuple[_Layout, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self.plain: list[tuple[Template, np.ndarray, np.ndarray]] = []  # (template, at, links)
+        self.datasets: list[tuple[int, np.ndarray, np.ndarray]] = []  # (template, rows, at)
+        self.special: list[_Dataset] = []
+        self.special_at = np.zeros(0, np.int64)
+        self.starts = np.zeros(0, np.int64)  # every object's address
 
 
 class FilePlan:
@@ -705,19 +823,24 @@ class FilePlan:
                 self._fill = None
         return Template(made[0][0], made[0][1], runs(made[0][0], made[1][0]))
 
-    def _place_groups(self, image: np.ndarray, layout: _Layout) -> None:
-        """The headers of the variable groups of one layout, written into ``image``: the
-        template's rows with every group's fields put in column-wise."""
-        groups = layout.groups
+    def _place_groups(
+        self,
+        image: np.ndarray,
+        layout: _Layout,
+        addresses: np.ndarray,
+        first: np.ndarray,
+        shapes: np.ndarray,
+        first_ds: np.ndarray,
+    ) -> None:
+        """The headers of variable groups of one layout, written into ``image`` at
+        ``addresses``: the template's rows with every group's fields (its first string's
+        number, its shape, its first dataset's number) put in column-wise."""
         sig = layout.sig
         tmpl = self._group_template(layout)
-        count = len(groups)
+        count = addresses.size
         per = [len(a.strings or ()) if k != sig.shape_at else 0 for k, a in enumerate(sig.attrs)]
         before = sum(per[: sig.shape_at])  # string references before the shape
-        first = np.fromiter((g.first_string for g in groups), np.int64, count)
         refs = self._ref_rows[first[:, None] + np.arange(sum(per))].reshape(count, -1)
-        shapes = np.array([g.shape for g in groups], "<i8").reshape(count, sig.ndim)
-        first_ds = np.fromiter((g.first_ds for g in groups), np.int64, count)
         links = self._ds_address[first_ds[:, None] + np.asarray(layout.link_ds, np.int64)]
         fields = np.hstack(
             (
@@ -727,17 +850,6 @@ class FilePlan:
                 links.astype("<u8").reshape(count, -1).view(np.uint8).reshape(count, -1),
             )
         )
-        addresses = np.fromiter((g.address for g in groups), np.int64, count)
-        place_rows(image, addresses, tmpl, fields)
-
-    def _place_plain(self, image: np.ndarray, tmpl: Template, groups: list[_Group]) -> None:
-        count = len(groups)
-        ds = self._ds_address.tolist()
-        links = np.array(
-            [[t.address if type(t) is _Group else ds[t] for _, t in g.links] for g in groups], "<u8"
-        )
-        fields = links.reshape(count, -1).view(np.uint8).reshape(count, -1)
-        addresses = np.fromiter((g.address for g in groups), np.int64, count)
         place_rows(image, addresses, tmpl, fields)
 
     def _dataset_template(self, number: int) -> Template:
@@ -755,9 +867,11 @@ class FilePlan:
             self._dataset_templates[number] = tmpl
         return tmpl
 
-    def _place_datasets(self, image: np.ndarray, number: int, rows: np.ndarray) -> None:
+    def _place_datasets(
+        self, image: np.ndarray, number: int, rows: np.ndarray, addresses: np.ndarray
+    ) -> None:
         """The headers of the component datasets ``rows`` of one template, written into
-        ``image``."""
+        ``image`` at ``addresses``."""
         tmpl = self._dataset_template(number)
         ndim = self._key_list[number][1]
         count = rows.size
@@ -768,7 +882,7 @@ class FilePlan:
             columns.append(np.maximum(self._ds_offset[rows], 0).reshape(count, 1))
             columns.append(np.asarray(self._ds_nbytes, np.int64)[rows].reshape(count, 1))
         fields = np.hstack(columns).astype("<u8").view(np.uint8).reshape(count, -1)
-        place_rows(image, self._ds_address[rows], tmpl, fields)
+        place_rows(image, addresses, tmpl, fields)
 
     def _encode_group(self, g: _Group) -> tuple[bytes, list[tuple[int, int]]]:
         messages: list[tuple[int, int, bytes]] = []
@@ -857,7 +971,26 @@ class FilePlan:
     ) -> Metadata:
         """The file's metadata with the documents' ``capacities`` (bytes), the root
         attributes ``values`` (those given at construction, of the same types) and the
-        documents' ``crc32c`` attributes."""
+        documents' ``crc32c`` attributes, as one image (the chunks of :meth:`chunks` laid
+        one after another)."""
+        chunked = self.chunks(capacities, values, document_checksums)
+        image = np.empty(self.metadata_size, np.uint8)
+        for at, data in chunked:
+            image[at : at + len(data)] = np.frombuffer(data, np.uint8)
+        return Metadata([(0, image.data), *self._vlen_data], chunked.file_size, chunked.documents)
+
+    def chunks(
+        self,
+        capacities: Mapping[str, int] | None = None,
+        values: Mapping[str, Any] | None = None,
+        document_checksums: Mapping[str, int] | None = None,
+    ) -> Chunks:
+        """:meth:`metadata` a few MiB at a time: an iterable of ``(offset, bytes)`` pieces of
+        the metadata image, in file order, each at most :data:`CHUNK_BYTES` long (but one
+        object header larger than that, alone) and each made when the iteration reaches it,
+        so that a writer or a check holds one chunk and the plan's columns, never the whole
+        image. The file's size and the documents' offsets are known at once; the data the
+        plan lays itself (byte-string components' references) are :attr:`Chunks.data`."""
         assert self._groups is not None, "the plan was released: its image was made already"
         self._capacities = dict(capacities or {})
         self._set_root_values(values)
@@ -872,27 +1005,59 @@ class FilePlan:
             ds.attrs = [encode_attribute("crc32c", np.int64(crc))]
         file_size = max(at, self.metadata_size)
         self._ref_start = {id(a): first for a, first in self._owners}
-        # The metadata is one image: the superblock, the headers and the heap, laid one after
-        # another from 0. Headers made from templates are written a template at a time; the
-        # others are encoded one by one and their chunks' checksums computed together.
-        image = np.zeros(self.metadata_size, np.uint8)
-        spans: list[tuple[int, int]] = []
+        self._file_size = file_size
+        self.checksum_spans: list[
+            tuple[int, int]
+        ] = []  # (each header chunk encoded on its own: start, checksum)
+        return Chunks(self._windows(), file_size, documents, list(self._vlen_data))
 
-        def put(at: int, data: bytes, chunks: list[tuple[int, int]]) -> None:
-            image[at : at + len(data)] = np.frombuffer(data, np.uint8)
-            spans.extend((at + start, at + end) for start, end in chunks)
+    def _windows(self) -> Iterator[tuple[int, bytes | memoryview]]:
+        """The metadata image in windows (see :meth:`chunks`): every object header starting
+        in a window is made into that window's buffer (a window ends where an object starts),
+        the headers made from templates a slice of rows at a time, the others encoded one by
+        one and their chunks' checksums computed together; then the global heap, in slices of
+        the collections already made."""
+        kinds = self._window_columns()
+        heap_at, heap = self._heap
+        bounds = np.append(kinds.starts, heap_at)  # (every object's start, the heap's)
+        lo = 0
+        while lo < heap_at:
+            # the window: up to the last object start within CHUNK_BYTES (one object at least)
+            hi = int(bounds[np.searchsorted(bounds, lo + CHUNK_BYTES, "right") - 1])
+            if hi <= lo:
+                hi = int(bounds[np.searchsorted(bounds, lo, "right")])
+            yield lo, self._window(kinds, lo, hi)
+            lo = hi
+        view = memoryview(heap)  # type: ignore[arg-type]
+        for k in range(0, heap.size, CHUNK_BYTES):
+            yield heap_at + k, view[k : k + CHUNK_BYTES]
 
-        put(0, _superblock(file_size, self._root.address), [])
-        for g in self._individual:
-            put(g.address, *self._encode_group(g))
-            if g.table is not None:
-                addresses = [self._address(t) for _, t in g.links]
-                put(g.table_at, g.table.encode(g.table_at, addresses), [])
+    def _window_columns(self) -> _Columns:
+        """What making a window needs of the plan, as columns: each object's address, and
+        per layout, plain template and dataset template the rows' fields' sources."""
+        cols = _Columns()
+        individual = self._individual
+        cols.individual = individual
+        cols.individual_at = np.fromiter((g.address for g in individual), np.int64, len(individual))
         for layout in self._layouts.values():
-            if layout.groups:
-                self._place_groups(image, layout)
+            groups = layout.groups
+            if not groups:
+                continue
+            count = len(groups)
+            first = np.fromiter((g.first_string for g in groups), np.int64, count)
+            shapes = np.array([g.shape for g in groups], "<i8").reshape(count, layout.sig.ndim)
+            first_ds = np.fromiter((g.first_ds for g in groups), np.int64, count)
+            addresses = np.fromiter((g.address for g in groups), np.int64, count)
+            cols.layouts.append((layout, addresses, first, shapes, first_ds))
+        ds = self._ds_address.tolist()
         for tmpl, groups in self._plain:
-            self._place_plain(image, tmpl, groups)
+            count = len(groups)
+            links = np.array(
+                [[t.address if type(t) is _Group else ds[t] for _, t in g.links] for g in groups],
+                "<u8",
+            ).reshape(count, -1)
+            addresses = np.fromiter((g.address for g in groups), np.int64, count)
+            cols.plain.append((tmpl, addresses, links))
         keys = np.asarray(self._ds_key, np.int64)
         if keys.size:
             order = np.argsort(keys, kind="stable")
@@ -900,16 +1065,61 @@ class FilePlan:
             for number in range(len(self._key_list)):
                 rows = order[bounds[number] : bounds[number + 1]]
                 if rows.size:
-                    self._place_datasets(image, number, rows)
-        for ds in self._special.values():
+                    cols.datasets.append((number, rows, self._ds_address[rows]))
+        specials = sorted(self._special.values(), key=lambda d: d.address)
+        cols.special = specials
+        cols.special_at = np.array([d.address for d in specials], np.int64)
+        every = [
+            np.zeros(1, np.int64),
+            np.fromiter((g.address for g in self._groups or ()), np.int64),
+            self._ds_address,
+        ]
+        cols.starts = np.concatenate(every)  # (in file order: increasing)
+        return cols
+
+    def _window(self, cols: _Columns, lo: int, hi: int) -> memoryview:
+        """The metadata image's bytes ``lo`` to ``hi`` (both where an object starts)."""
+        image = np.zeros(hi - lo, np.uint8)
+        spans: list[tuple[int, int]] = []
+
+        def put(at: int, data: bytes, chunks: list[tuple[int, int]]) -> None:
+            image[at - lo : at - lo + len(data)] = np.frombuffer(data, np.uint8)
+            spans.extend((at - lo + start, at - lo + end) for start, end in chunks)
+
+        if lo == 0:
+            put(0, _superblock(self._file_size, self._root.address), [])
+        a, b = np.searchsorted(cols.individual_at, (lo, hi))
+        for g in cols.individual[a:b]:
+            put(g.address, *self._encode_group(g))
+            if g.table is not None:
+                targets = [self._address(t) for _, t in g.links]
+                put(g.table_at, g.table.encode(g.table_at, targets), [])
+        for layout, addresses, first, shapes, first_ds in cols.layouts:
+            if addresses[0] >= hi or addresses[-1] < lo:
+                continue
+            a, b = np.searchsorted(addresses, (lo, hi))
+            if a < b:
+                self._place_groups(
+                    image, layout, addresses[a:b] - lo, first[a:b], shapes[a:b], first_ds[a:b]
+                )
+        for tmpl, addresses, links in cols.plain:
+            a, b = np.searchsorted(addresses, (lo, hi))
+            if a < b:
+                fields = links[a:b].view(np.uint8).reshape(b - a, -1)
+                place_rows(image, addresses[a:b] - lo, tmpl, fields)
+        for number, rows, addresses in cols.datasets:
+            a, b = np.searchsorted(addresses, (lo, hi))
+            if a < b:
+                self._place_datasets(image, number, rows[a:b], addresses[a:b] - lo)
+        a, b = np.searchsorted(cols.special_at, (lo, hi))
+        for ds in cols.special[a:b]:
             put(ds.address, *self._encode_dataset(ds))
-        at, heap = self._heap
-        image[at : at + heap.size] = heap
-        sums = lookup3_many(image, spans)
-        where = np.array([e for _, e in spans], np.int64).reshape(-1, 1) + np.arange(4)
-        image[where.reshape(-1)] = sums.astype("<u4").view(np.uint8)
-        self.checksum_spans = spans  # (each header chunk encoded on its own: start, checksum)
-        return Metadata([(0, image.data), *self._vlen_data], file_size, documents)
+        if spans:
+            sums = lookup3_many(image, spans)
+            where = np.array([e for _, e in spans], np.int64).reshape(-1, 1) + np.arange(4)
+            image[where.reshape(-1)] = sums.astype("<u4").view(np.uint8)
+            self.checksum_spans.extend((lo + s, lo + e) for s, e in spans)
+        return image.data
 
     def relink(self, old: bytes, new: bytes) -> int:
         """Give every external link whose file starts with ``old`` the folder ``new`` instead

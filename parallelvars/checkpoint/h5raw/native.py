@@ -14,6 +14,7 @@ index records the same offset for both.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import operator
@@ -68,7 +69,12 @@ from parallelvars.checkpoint.h5raw.component_bytes import (
     same_arrays,
     settle,
 )
-from parallelvars.checkpoint.h5raw.generate import FilePlan, Variable
+from parallelvars.checkpoint.h5raw.generate import (
+    KEPT_IMAGE_BYTES,
+    FilePlan,
+    SpilledImage,
+    Variable,
+)
 from parallelvars.checkpoint.h5raw.messages import Unsupported
 from parallelvars.errors import InvalidEntryError, UnsupportedDtypeError
 
@@ -165,7 +171,7 @@ def _write_native(
     docs = index_documents(index)
     if object_graph is not None:
         docs[GRAPH_DATASET] = json.dumps(object_graph).encode()
-    meta_out = plan.metadata(
+    meta_out = plan.chunks(
         {k: len(v) for k, v in docs.items()},
         document_checksums={k: _crc32c.crc32c(v) for k, v in docs.items()},
     )
@@ -173,10 +179,10 @@ def _write_native(
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
             os.ftruncate(fd, meta_out.file_size)
-            (at, image), *data_pieces = meta_out.pieces
-            pwrite_all(fd, memoryview(image), at)
+            for at, chunk in meta_out:  # (each chunk written as it is made)
+                pwrite_all(fd, memoryview(chunk), at)
             _write_components(fd, plan, items, comps, crcs, p)
-            for offset, data in data_pieces:  # (after: the gathered writes fill small gaps)
+            for offset, data in meta_out.data:  # (after: the gathered writes fill small gaps)
                 pwrite_all(fd, memoryview(data), offset)
             for name, data in docs.items():
                 pwrite_all(fd, memoryview(data), meta_out.documents[name])
@@ -627,22 +633,39 @@ def _prepare(
     if object_graph is not None:
         graph = json.dumps(object_graph).encode()
         capacities[GRAPH_DATASET] = len(graph)
-    meta = plan.metadata(capacities)
-    plan.release()  # (kept for the repeated saves: its offsets and the headers they change)
-    (at, image), *rest = meta.pieces
-    assert at == 0
+    image: Any = None
+    if plan.metadata_size <= KEPT_IMAGE_BYTES:
+        meta = plan.metadata(capacities)
+        plan.release()  # (kept for the repeated saves: its offsets and the headers they change)
+        (at, image), *rest = meta.pieces
+        assert at == 0
+        file_size, places = meta.file_size, meta.documents
+    else:  # (kept in a file beside the checkpoint, written a chunk at a time as it is made)
+        chunked = plan.chunks(capacities)
+        file_size, places, rest = chunked.file_size, chunked.documents, chunked.data
+        image = SpilledImage(chunked, plan.metadata_size, os.path.dirname(file))
+        plan.release()
     return Prepared(
         key,
         plan,
         image,
-        meta.file_size,
-        meta.documents,
+        file_size,
+        places,
         template,
         capacities,
         (head, tail),
         graph,
         rest,
     )
+
+
+def _write_image(fd: int, prep: Prepared) -> None:
+    """Write the metadata image of ``prep``'s structure: kept in memory, or (a structure of
+    more than ``KEPT_IMAGE_BYTES`` of metadata) copied from the file it was spilled to."""
+    if isinstance(prep.image, SpilledImage):
+        prep.image.write_to(fd)
+    else:
+        pwrite_all(fd, memoryview(prep.image), 0)
 
 
 def _documents(prep: Prepared, flat: Sequence[int]) -> dict[str, bytes]:
@@ -733,7 +756,7 @@ def _save_arrays(
                 prep = _prepare(key, items, shared, checksums_now, object_graph, root, p, laid_out)
                 if cache is not None and key is not None:
                     cache.put(prep)
-            pwrite_all(fd, memoryview(prep.image), 0)
+            _write_image(fd, prep)
             if later and replicas_diverged(items):  # (while the bytes are written)
                 raise Diverged
             assert data is not None
@@ -840,12 +863,12 @@ def _save_streamed(
             docs = _record_index_documents(items, plan, crcs)
             if object_graph is not None:
                 docs[GRAPH_DATASET] = json.dumps(object_graph).encode()
-            meta = plan.metadata(
+            meta = plan.chunks(
                 {k: len(v) for k, v in docs.items()},
                 document_checksums={k: _crc32c.crc32c(v) for k, v in docs.items()},
             )
             os.ftruncate(fd, meta.file_size)
-            for offset, data in meta.pieces:
+            for offset, data in itertools.chain(meta, meta.data):  # (each chunk as it is made)
                 pwrite_all(fd, memoryview(data), offset)
             for name, data in docs.items():
                 pwrite_all(fd, memoryview(data), meta.documents[name])

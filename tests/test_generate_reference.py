@@ -1,0 +1,254 @@
+"""The generator's bytes against its earlier form (``generate_reference.py``), over generated
+structures: every kind, dtype (bfloat16, float8, byte strings), 0-d and empty components, 1-6
+components, layered and flat (a symbol table's) groups; the file written by ``write_native``
+and by ``save_native``'s first and repeated saves, with the image kept for the repeated save
+or made again a chunk at a time, in chunks of a few bytes (a window per object) or of many
+objects. And the chunks themselves: contiguous, bounded, the image laid one after another."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import generate_reference as ref
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_h5raw import CREATED, structures
+
+from parallelvars.checkpoint.h5io import H5Reader
+from parallelvars.checkpoint.h5io.records import PlanCache
+from parallelvars.checkpoint.h5raw import generate, native
+from parallelvars.checkpoint.h5raw.generate import FilePlan, Variable
+from parallelvars.checkpoint.registry import SaveRecord
+
+
+class _RefChunks:
+    def __init__(self, meta: Any) -> None:
+        (self._at, self._image), *self.data = meta.pieces
+        self.file_size, self.documents = meta.file_size, meta.documents
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        yield self._at, self._image
+
+
+class _RefPlan(ref.FilePlan):  # type: ignore[misc]
+    """The earlier generator, with the chunked interface the writer calls (one chunk)."""
+
+    made = 0  # (plans made: the files were generated, not written through libhdf5)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        type(self).made += 1
+        super().__init__(*args, **kwargs)
+
+    def chunks(self, *args: Any, **kwargs: Any) -> _RefChunks:
+        return _RefChunks(self.metadata(*args, **kwargs))
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
+def _files(tmp_path: Any, tag: str, records: list[SaveRecord], share: bool) -> list[bytes]:
+    """The bytes of ``write_native``'s file and of a first and a repeated ``save_native``."""
+    real = time.time
+    graph = {"version": 1, "nodes": [{"children": []}]}
+    out = []
+    try:
+        time.time = lambda: CREATED  # type: ignore[assignment]
+        a = native.write_native(
+            str(tmp_path / f"{tag}w.h5"), records, object_graph=graph, created=CREATED
+        )
+        out.append(_read(a))
+        cache = PlanCache()
+        for k, step in enumerate((3, 4)):
+            p = native.save_native(
+                str(tmp_path / f"{tag}s{k}.h5"),
+                records,
+                object_graph=graph,
+                metadata={"step": step},
+                cache=cache,
+                share_equal=share,
+            )
+            out.append(_read(p))
+    finally:
+        time.time = real  # type: ignore[assignment]
+    return out
+
+
+def _same_as_before(tmp_path: Any, records: list[SaveRecord], share: bool, mp: Any) -> None:
+    made = _RefPlan.made
+    with mp.context() as m:
+        m.setattr(native, "FilePlan", _RefPlan)
+        m.setattr(native, "KEPT_IMAGE_BYTES", 1 << 62)
+        before = _files(tmp_path, "ref", records, share)
+    assert _RefPlan.made >= made + 2  # (write_native's and the first save's)
+    now = _files(tmp_path, "new", records, share)
+    assert [len(b) for b in now] == [len(b) for b in before]
+    for k, (x, y) in enumerate(zip(now, before, strict=True)):
+        assert x == y, k
+
+
+_SETTINGS: Any = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+}
+
+
+@settings(max_examples=6, **_SETTINGS)
+@given(
+    records=structures(),
+    share=st.booleans(),
+    chunk=st.sampled_from([1, 300, generate.CHUNK_BYTES]),
+    kept=st.sampled_from([0, generate.KEPT_IMAGE_BYTES]),
+)
+def test_the_generator_writes_the_bytes_it_wrote_before(
+    tmp_path, monkeypatch, records, share, chunk, kept
+) -> None:
+    monkeypatch.setattr(generate, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", kept)
+    _same_as_before(tmp_path, records, share, monkeypatch)
+
+
+@pytest.mark.slow
+@settings(max_examples=150, **_SETTINGS)
+@given(
+    records=structures(),
+    share=st.booleans(),
+    chunk=st.sampled_from([1, 300, 5000, generate.CHUNK_BYTES]),
+    kept=st.sampled_from([0, generate.KEPT_IMAGE_BYTES]),
+)
+def test_the_generator_writes_the_bytes_it_wrote_before_soak(
+    tmp_path, monkeypatch, records, share, chunk, kept
+) -> None:
+    monkeypatch.setattr(generate, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", kept)
+    _same_as_before(tmp_path, records, share, monkeypatch)
+
+
+def _model(count: int, flat: bool) -> list[SaveRecord]:
+    """Mirrored variables (the first 20 with two slot variables each): in groups of 10, or
+    one flat group (more links than a header keeps: a symbol table)."""
+    records = []
+    for k in range(count):
+        path = f"vars/v{k}" if flat else f"layers/{k // 10}/w{k % 10}"
+        value = np.full((k % 3, 2) if k % 4 else (), k, np.float32)
+        attrs = {"name": f"w{k}", "devices": ["a", "b"]}
+        records.append(SaveRecord("mirrored", [value, value.copy()], value.shape, attrs, path=path))
+        for slot in ("m", "v") if k < 20 else ():
+            s_attrs = {**attrs, "slot_of": path, "slot_name": slot}
+            other = value + 1
+            records.append(
+                SaveRecord("on_read", [value, other], value.shape, s_attrs, path=f"opt/{slot}/{k}")
+            )
+    return records
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("chunk", [3000])
+def test_large_structures_write_the_bytes_written_before(
+    tmp_path, monkeypatch, flat, chunk
+) -> None:
+    monkeypatch.setattr(generate, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", 0)
+    _same_as_before(tmp_path, _model(1030 if flat else 100, flat), True, monkeypatch)
+
+
+def _plan(records: list[SaveRecord]) -> FilePlan:
+    variables = [
+        Variable(r.path, r.kind, r.dtype, tuple(r.shape), r.num_components, dict(r.attrs))
+        for r in records
+    ]
+    return FilePlan(variables, root_attrs={"step": np.int64(1)}, documents=["doc"])
+
+
+@pytest.mark.parametrize("chunk", [1, 5000])
+def test_chunks_are_the_image_a_few_bytes_at_a_time(monkeypatch, chunk) -> None:
+    """The chunks follow one another from 0 to the metadata's end; each is at most
+    ``CHUNK_BYTES`` long or one object alone, and they lay the image ``metadata`` gives."""
+    records = _model(1030, True) if chunk > 1 else _model(40, False)
+    whole = _plan(records).metadata({"doc": 10}, document_checksums={"doc": 7})
+    image = bytes(whole.pieces[0][1])
+    monkeypatch.setattr(generate, "CHUNK_BYTES", chunk)
+    plan = _plan(records)
+    chunks = plan.chunks({"doc": 10}, document_checksums={"doc": 7})
+    assert (chunks.file_size, chunks.documents) == (whole.file_size, whole.documents)
+    at, made = 0, []
+    cols = plan._window_columns()
+    starts = set(cols.starts.tolist())
+    heap_at = plan._heap[0]
+    for offset, data in chunks:
+        assert offset == at
+        if len(data) > chunk and offset < heap_at:  # (one object: no other starts inside)
+            assert not starts & set(range(offset + 1, offset + len(data)))
+        else:
+            assert len(data) <= max(chunk, 1)
+        made.append(bytes(data))
+        at += len(data)
+    assert at == plan.metadata_size and b"".join(made) == image
+
+
+def test_verify_compares_a_chunk_at_a_time(tmp_path, monkeypatch) -> None:
+    """``verify``'s regenerated metadata, in small chunks, still finds one damaged byte."""
+    from parallelvars.checkpoint.h5io.regenerated import sound_as_generated
+
+    monkeypatch.setattr(generate, "CHUNK_BYTES", 512)
+    path = native.save_native(str(tmp_path / "a.h5"), _model(60, False))
+    with H5Reader(path) as r:
+        assert sound_as_generated(r)
+    data = bytearray(_read(path))
+    plan_end = 4000  # (inside the object headers: the root's children)
+    data[plan_end] ^= 0x01
+    bad = tmp_path / "b.h5"
+    bad.write_bytes(bytes(data))
+    with H5Reader(str(bad)) as r:
+        assert not sound_as_generated(r)
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_an_image_kept_in_a_file_writes_the_same_bytes(tmp_path, monkeypatch, kernel_copy) -> None:
+    """A structure of more metadata than is kept in memory keeps its image in an unnamed file
+    beside the checkpoint: the repeated save copies it (by the kernel, or a chunk at a time
+    where ``copy_file_range`` is refused), byte for byte, and leaves no file behind."""
+    import os
+
+    def refused(*args: Any) -> int:
+        raise OSError(18, "cross-device")
+
+    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", 0)
+    monkeypatch.setattr(generate, "CHUNK_BYTES", 2000)
+    if not kernel_copy:
+        monkeypatch.setattr(os, "copy_file_range", refused, raising=False)
+    _same_as_before(tmp_path, _model(60, False), True, monkeypatch)
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        f"{tag}{name}.h5" for tag in ("ref", "new") for name in ("w", "s0", "s1")
+    )
+
+
+@pytest.mark.parametrize("kept", [0, generate.KEPT_IMAGE_BYTES])
+def test_byte_strings_write_the_bytes_written_before(tmp_path, monkeypatch, kept) -> None:
+    """Byte-string variables (their elements global heap objects, their data the references
+    the plan lays itself), 0-d and empty among them, beside numbers of every width."""
+    import ml_dtypes
+
+    records = []
+    for k, shape in enumerate([(), (0,), (3,), (2, 2)]):
+        n = 1 + k % 3
+        size = int(np.prod(shape))
+        comps = [
+            np.array([b"v%d-%d" % (k, j) * (j + 1) for j in range(size)], object).reshape(shape)
+            for _ in range(n)
+        ]
+        attrs = {"name": f"s{k}", "devices": [f"d{i}" for i in range(n)]}
+        records.append(SaveRecord("mirrored", comps, shape, attrs, path=f"strings/s{k}"))
+    for k, dt in enumerate([ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, np.int8, np.float64]):
+        value = np.arange(k + 2).astype(dt)
+        records.append(
+            SaveRecord("single", [value], value.shape, {"name": f"n{k}"}, path=f"numbers/n{k}")
+        )
+    monkeypatch.setattr(generate, "CHUNK_BYTES", 600)
+    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", kept)
+    _same_as_before(tmp_path, records, True, monkeypatch)
