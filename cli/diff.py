@@ -311,14 +311,52 @@ def _settle(
 ) -> list[dict[str, Any]]:
     """:func:`compare_entries`' results for a batch of variables read in bulk on both sides
     and described alike, in order: equal where every component holds the same bytes as its
-    counterpart (compared pair by pair, no copy of the batch), else compared the general way
-    (``general``), with the components read."""
+    counterpart (:func:`_same_pairs`), else compared the general way (``general``), with the
+    components read."""
     out = []
-    for key, ca, cb in pending:
-        if all(_same_bytes(x, y) for x, y in zip(ca, cb, strict=True)):
+    for (key, ca, cb), same in zip(pending, _same_pairs(pending), strict=True):
+        if same:
             out.append(_equal_result(key, len(ca), int(ca[0].size) if ca else 0))
         else:
             out.append(general(key, ca, cb))
+    return out
+
+
+# Bytes of small components joined on each side and compared at once (see _same_pairs).
+_JOIN_BYTES = 4 << 20
+
+
+def _same_pairs(pending: list[tuple[str, list[np.ndarray], list[np.ndarray]]]) -> list[bool]:
+    """For each variable of ``pending`` (its components on both sides, pair by pair of one
+    dtype and shape: :func:`_alike`), whether every pair holds the same bytes.
+
+    Runs of variables whose components are small are compared together: each side's bytes
+    joined (at most :data:`_JOIN_BYTES` a side at a time) and the two joins compared, which
+    settles them all when equal (every pair is of one size, so equal joins are equal pairs);
+    otherwise, and for larger components, pair by pair (no copy)."""
+    out: list[bool] = []
+    k, n = 0, len(pending)
+    while k < n:
+        j, held = k, 0
+        while j < n and held < _JOIN_BYTES:
+            size = sum(c.nbytes for c in pending[j][1])
+            if size > _JOIN_BYTES // 8:
+                break
+            held += size
+            j += 1
+        if j > k + 1:
+            run = pending[k:j]
+            left = b"".join([c.tobytes() for _, ca, _ in run for c in ca])
+            right = b"".join([c.tobytes() for _, _, cb in run for c in cb])
+            if left == right:
+                out.extend([True] * len(run))
+                k = j
+                continue
+        else:
+            j = k + 1
+        for _, ca, cb in pending[k:j]:
+            out.append(all(_same_bytes(x, y) for x, y in zip(ca, cb, strict=True)))
+        k = j
     return out
 
 
@@ -330,13 +368,25 @@ _BATCH_BYTES = BULK_BYTES
 
 def _described(view: CheckpointView, listed: Any, key: str) -> tuple[Any, ...]:
     """A variable's kind, dtype, shape, number of components and attributes: from the
-    view's listing (``listed``: its summaries, or None) or its entry."""
-    known = None if listed is None else listed.get(key)
+    view's listing (``listed``: a function giving one variable's summary, or None) or its
+    entry."""
+    known = None if listed is None else listed(key)
     if known is not None:
         kind, dtype, shape, n, _, attrs = known
         return kind, dtype, shape, n, attrs
     entry = view[key]
     return entry.kind, entry.dtype, entry.shape, entry.num_components, entry.attrs
+
+
+def _listing(view: CheckpointView) -> Callable[[str], Any] | None:
+    """A function giving one variable's summary from ``view``'s index (None for a variable
+    it does not list), or None for a view without one."""
+    summary = getattr(view, "summary", None)
+    if summary is not None:
+        return summary
+    summaries = getattr(view, "summaries", None)
+    listed = summaries() if summaries is not None else None
+    return None if listed is None else listed.get
 
 
 class _Listed(Entry):
@@ -421,16 +471,13 @@ def _run(args: argparse.Namespace, out: Output, spool: Spool) -> int:
         bulk_b = getattr(vb, "bulk_components", None)
         read_a = bulk_a(common) if bulk_a is not None else ((k, None) for k in common)
         read_b = bulk_b(common) if bulk_b is not None else ((k, None) for k in common)
-        # A's variables as its index lists them, where it can (no entry made for those whose
-        # components were read in bulk).
-        summaries = getattr(va, "summaries", None)
-        listed = summaries() if summaries is not None else None
-        summaries_b = getattr(vb, "summaries", None)
-        listed_b = summaries_b() if summaries_b is not None else None
+        # Each side's variables as its index lists them, where it can (no entry made for
+        # those whose components were read in bulk), one when asked for.
+        listed, listed_b = _listing(va), _listing(vb)
         with out.progress(total, "compare") as bar:
 
             def general(key: str, components_a: Any, components_b: Any) -> dict[str, Any]:
-                summary = None if listed is None or components_a is None else listed.get(key)
+                summary = None if listed is None or components_a is None else listed(key)
                 return compare_entries(
                     va[key] if summary is None else _Listed(va, key, summary),
                     vb[key],

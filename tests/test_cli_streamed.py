@@ -79,3 +79,30 @@ def test_a_spool_holds_at_most_its_bound_and_gives_back_what_was_added(monkeypat
         assert "".join(text.pieces()) == "".join(f"line {i}\n" for i in range(300))
     with Spool() as empty:
         assert json_document({"rows": empty}) == '{\n  "rows": []\n}'
+
+
+@pytest.mark.parametrize("changed", [None, 0, 3, 7, 11])
+def test_pairs_compared_in_joined_runs_are_those_compared_one_by_one(monkeypatch, changed):
+    """diff's batch of bulk-read variables is compared a run of small components at a time
+    (each side's bytes joined): the same answers as pair by pair, whichever variable differs,
+    with large, empty and 0-d components among them."""
+    from parallelvars.cli import diff
+
+    monkeypatch.setattr(diff, "_JOIN_BYTES", 4096)
+    rng = np.random.default_rng(1)
+    sizes = [3, 100, 0, 2000, 5, 1, 400, 9, 800, 64, 2, 7]
+    pending = []
+    for k, size in enumerate(sizes):
+        parts = [rng.standard_normal(size).astype(np.float32) for _ in range(2)]
+        if size == 1:
+            parts = [p.reshape(()) for p in parts]
+        other = [p.copy() for p in parts]
+        if k == changed and size:
+            other[1].reshape(-1)[0] = -other[1].reshape(-1)[0] + 1
+        pending.append((f"v{k}", parts, other))
+    want = [
+        all(x.tobytes() == y.tobytes() for x, y in zip(ca, cb, strict=True))
+        for _, ca, cb in pending
+    ]
+    assert diff._same_pairs(pending) == want
+    assert want.count(False) == (changed is not None and sizes[changed] > 0)
