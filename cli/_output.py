@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any, TextIO
 
 __all__ = ["Output", "Progress", "Spool", "counted"]
@@ -185,13 +186,38 @@ def _columns(stream: Any) -> int:
 
 
 # One encoder for every document: json's C encoder (it is used when there is no ``indent``).
-_ENCODE = json.JSONEncoder(allow_nan=False).encode
+_ENCODER = json.JSONEncoder(allow_nan=False)
+_ENCODE = _ENCODER.encode
+# The same C encoder made once, not once a value (``JSONEncoder.encode`` makes it for every
+# call: a third of a small row's cost), without the check for values that contain
+# themselves (decoded data never does; a value that did would fail here and take the path
+# above, which names it).
+_C_ENCODE = (
+    None
+    if c_make_encoder is None
+    else c_make_encoder(
+        None,
+        _ENCODER.default,
+        encode_basestring_ascii,
+        None,
+        _ENCODER.key_separator,
+        _ENCODER.item_separator,
+        False,
+        False,
+        False,
+    )
+)
 
 
 def _compact(value: Any) -> str:
     """``value`` as compact, strict JSON: as it is when it is plain JSON data already (the
     common case, encoded in C), else made so first by ``formats._json.jsonable`` (numpy
     values, bytes, non-finite floats), which gives the same text for plain data."""
+    if _C_ENCODE is not None and type(value) is dict:
+        try:
+            return "".join(_C_ENCODE(value, 0))
+        except (TypeError, ValueError, RecursionError):
+            pass  # (the general path below: the same text, or the same error)
     try:
         return _ENCODE(value)
     except (TypeError, ValueError):  # not plain JSON data (or NaN/inf): made so, then encoded
