@@ -354,7 +354,8 @@ def _group_links(
                 ):
                     raise Refused("dense link storage", "links in the header", "a heap")
             # Headers with a continuation or a symbol table: read alone (rare).
-            other = np.unique(f_rows[(f_types == hdr.CONTINUATION) | (f_types == SYMBOL_TABLE)])
+            # (a set, not np.unique: that imports numpy.ma, tens of ms, on its first call)
+            other = f_rows[(f_types == hdr.CONTINUATION) | (f_types == SYMBOL_TABLE)]
             alone = set(fast[other].tolist())
             links = np.flatnonzero(f_types == hdr.LINK)
             l_rows, l_at, l_size = f_rows[links], f_at[links], f_size[links]
