@@ -296,3 +296,17 @@ def test_a_first_chunk_size_past_the_file_is_refused(tmp_path) -> None:
         fh.write(raw)
     with pytest.raises(Refused):
         _walk(out, {f"m/g/v{k}/primary".encode() for k in range(3)})
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5])
+def test_groups_walked_a_few_at_a_time_give_the_same_answers(tmp_path, monkeypatch, batch):
+    from parallelvars.checkpoint.h5raw import links
+
+    path = write_native(str(tmp_path / "g.h5"), _records(14), object_graph={"version": 1})
+    wanted = _wanted(path)
+    parents, counts = _members_of(path)
+    whole, members = _walk(path, wanted), _members(path, parents, counts)
+    assert whole == wanted & _libhdf5_hard_names(path) and len(members) == 28
+    monkeypatch.setattr(links, "_BATCH", batch)
+    assert _walk(path, wanted) == whole
+    assert _members(path, parents, counts) == members

@@ -40,7 +40,9 @@ _HARD = 0
 _KEEP = frozenset((hdr.LINK, hdr.LINK_INFO, SYMBOL_TABLE))  # (the messages a walk reads)
 _FIRST = 1024  # bytes of each header read first (its prefix: at most 6 + 16 + 4 + 8; most whole)
 _MAX_CHUNK = 1 << 20  # the largest first chunk walked here (ours are at most 4 KiB)
-_BATCH = 8192  # groups read together (their headers' bytes held at once)
+# Groups read together: their headers' bytes (and the gaps read with them) are held at once,
+# a few tens of MB for 8192 of them; as fast at this size, with a lower peak.
+_BATCH = 2048
 _BATCH_BYTES = 64 << 20  # the most header bytes read for one batch of groups
 # Headers less than this apart are read together, the bytes between them too (a variable's
 # group and its datasets' headers lie side by side): at most _BATCH times this in gaps.
