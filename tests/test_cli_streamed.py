@@ -1,5 +1,5 @@
 """The commands' results written as they are decided: ``diff`` keeps counts, not rows (its
-rows go into a :class:`~parallelvars.cli._output.Spool`, moved to a temporary file past its
+rows go into a :class:`~parallelvars.cli.testing.Spool`, moved to a temporary file past its
 memory bound), and prints the same text and JSON as when every row was kept."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import pytest
 from test_commands_bulk import _files, _records
 
 from parallelvars.checkpoint.registry import SaveRecord
-from parallelvars.cli import _output, main
-from parallelvars.cli._output import Spool, json_document
+from parallelvars.cli import main
+from parallelvars.cli.testing import Spool, json_document
+from parallelvars.cli.testing import cli_output as _output
 
 
 def _changed() -> list[SaveRecord]:
