@@ -90,6 +90,7 @@ def _child(op: str, args: list[str]) -> None:
             "parallelvars.cli.extract",
             "parallelvars.cli.convert",
             "parallelvars.cli.reshard",
+            "parallelvars.cli.demo",  # (main's parser imports every subcommand: demo too)
         ):
             importlib.import_module(module)
 

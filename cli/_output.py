@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any, TextIO
 
-__all__ = ["Output", "Progress", "counted"]
+__all__ = ["Output", "Progress", "Spool", "counted"]
 
 
 class Progress:
@@ -84,8 +86,10 @@ class Output:
         self.stdout = stdout if stdout is not None else sys.stdout
         self.stderr = stderr if stderr is not None else sys.stderr
 
-    def emit(self, data: Mapping[str, Any], human: str | Callable[[], str]) -> None:
-        """Print a command's result: ``data`` as JSON, or the human text."""
+    def emit(self, data: Mapping[str, Any], human: str | Callable[[], str | Iterable[str]]) -> None:
+        """Print a command's result: ``data`` as JSON, or the human text (``human``: the text,
+        or a function that makes it, whole or as pieces written one after the other: a
+        :class:`Spool`'s text among them)."""
         if self.json_mode:
             # Written as it is encoded, a few thousand lines at a time: a listing of 100,000
             # variables is never held as one text.
@@ -99,8 +103,17 @@ class Output:
             self.stdout.flush()
             return
         text = human() if callable(human) else human
-        if text:
-            self.stdout.write(text if text.endswith("\n") else text + "\n")
+        if isinstance(text, str):
+            if text:
+                self.stdout.write(text if text.endswith("\n") else text + "\n")
+        else:  # (pieces: written as they come, the last line ended as a whole text's)
+            last = ""
+            for piece in text:
+                if piece:
+                    self.stdout.write(piece)
+                    last = piece
+            if last and not last.endswith("\n"):
+                self.stdout.write("\n")
         self.stdout.flush()
 
     def note(self, message: str) -> None:
@@ -173,13 +186,38 @@ def _columns(stream: Any) -> int:
 
 
 # One encoder for every document: json's C encoder (it is used when there is no ``indent``).
-_ENCODE = json.JSONEncoder(allow_nan=False).encode
+_ENCODER = json.JSONEncoder(allow_nan=False)
+_ENCODE = _ENCODER.encode
+# The same C encoder made once, not once a value (``JSONEncoder.encode`` makes it for every
+# call: a third of a small row's cost), without the check for values that contain
+# themselves (decoded data never does; a value that did would fail here and take the path
+# above, which names it).
+_C_ENCODE = (
+    None
+    if c_make_encoder is None
+    else c_make_encoder(
+        None,
+        _ENCODER.default,
+        encode_basestring_ascii,
+        None,
+        _ENCODER.key_separator,
+        _ENCODER.item_separator,
+        False,
+        False,
+        False,
+    )
+)
 
 
 def _compact(value: Any) -> str:
     """``value`` as compact, strict JSON: as it is when it is plain JSON data already (the
     common case, encoded in C), else made so first by ``formats._json.jsonable`` (numpy
     values, bytes, non-finite floats), which gives the same text for plain data."""
+    if _C_ENCODE is not None and type(value) is dict:
+        try:
+            return "".join(_C_ENCODE(value, 0))
+        except (TypeError, ValueError, RecursionError):
+            pass  # (the general path below: the same text, or the same error)
     try:
         return _ENCODE(value)
     except (TypeError, ValueError):  # not plain JSON data (or NaN/inf): made so, then encoded
@@ -187,6 +225,85 @@ def _compact(value: Any) -> str:
         from parallelvars.formats._json import jsonable
 
         return _ENCODE(jsonable(value))
+
+
+class Spool:
+    """Text a command makes as it goes (a result row at a time) and prints once it is done,
+    held in memory up to :data:`SPOOL_MEMORY` characters and in a temporary file past that: a
+    command's memory stays bounded whatever the number of rows, and its output is the same
+    as when every row was kept (nothing is printed before the command has finished, so an
+    error still prints nothing but itself).
+
+    :meth:`add` takes one row of a JSON list field (encoded at once, as :func:`json_lines`
+    would: one line each, no line break inside); :meth:`write` plain text. A spool is either
+    kind. Given as a list field's value, :func:`json_lines` prints its rows; given among
+    :meth:`Output.emit`'s human pieces, its text (:meth:`pieces`)."""
+
+    def __init__(self) -> None:
+        self._parts: list[str] = []  # (rows: each with its line break)
+        self._held = 0
+        self._file: TextIO | None = None
+        #: the rows added (:meth:`add`)
+        self.count = 0
+
+    def add(self, row: Any) -> None:
+        """Encode ``row`` (compact, strict JSON) as the next line."""
+        self.write(_compact(row) + "\n")
+        self.count += 1
+
+    def write(self, text: str) -> None:
+        """Add ``text`` as it is."""
+        self._parts.append(text)
+        self._held += len(text)
+        if self._held > SPOOL_MEMORY:
+            self._spill()
+
+    def _spill(self) -> None:
+        """Move what is held to the temporary file."""
+        if self._file is None:
+            self._file = tempfile.TemporaryFile("w+", encoding="utf-8", newline="\n")  # noqa: SIM115 (closed by close())
+        self._file.write("".join(self._parts))
+        self._parts, self._held = [], 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def lines(self) -> Iterator[str]:
+        """The rows' lines (without their line breaks), in the order they were added."""
+        if self._file is None:
+            for part in self._parts:
+                yield part[:-1]
+            return
+        self._spill()
+        self._file.seek(0)
+        for line in self._file:
+            yield line[:-1]
+
+    def pieces(self) -> Iterator[str]:
+        """The text written, in pieces (of at most a MiB from the temporary file)."""
+        if self._file is None:
+            yield from self._parts
+            return
+        self._spill()
+        self._file.seek(0)
+        while piece := self._file.read(1 << 20):
+            yield piece
+
+    def close(self) -> None:
+        self._parts, self._held = [], 0
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> Spool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+#: What a :class:`Spool` holds in memory before it moves to a temporary file (characters).
+SPOOL_MEMORY = 16 << 20
 
 
 def json_lines(data: Mapping[str, Any]) -> Iterator[str]:
@@ -200,7 +317,16 @@ def json_lines(data: Mapping[str, Any]) -> Iterator[str]:
     for k, (key, value) in enumerate(items):
         head = f"  {_ENCODE(str(key))}: "
         tail = "," if k + 1 < len(items) else ""
-        if isinstance(value, list | Sequence) and not isinstance(value, str | bytes):
+        if isinstance(value, Spool):  # (its rows encoded already, one a line)
+            if not value.count:
+                yield f"{head}[]{tail}"
+                continue
+            yield head + "["
+            last = value.count - 1
+            for j, line in enumerate(value.lines()):
+                yield f"    {line}{',' if j < last else ''}"
+            yield f"  ]{tail}"
+        elif isinstance(value, list | Sequence) and not isinstance(value, str | bytes):
             if not value:  # (an empty sequence of rows is a list too, not its repr)
                 yield f"{head}[]{tail}"
                 continue

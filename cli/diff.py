@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,7 @@ from parallelvars._spans import BULK_BYTES
 from parallelvars.formats import CheckpointView, Entry
 
 from ._common import natural_key, non_negative_float, open_view, shape_str
-from ._output import Output, Progress
+from ._output import Output, Progress, Spool
 
 __all__ = ["add_parser", "run", "compare_arrays", "compare_entries"]
 
@@ -311,14 +311,52 @@ def _settle(
 ) -> list[dict[str, Any]]:
     """:func:`compare_entries`' results for a batch of variables read in bulk on both sides
     and described alike, in order: equal where every component holds the same bytes as its
-    counterpart (compared pair by pair, no copy of the batch), else compared the general way
-    (``general``), with the components read."""
+    counterpart (:func:`_same_pairs`), else compared the general way (``general``), with the
+    components read."""
     out = []
-    for key, ca, cb in pending:
-        if all(_same_bytes(x, y) for x, y in zip(ca, cb, strict=True)):
+    for (key, ca, cb), same in zip(pending, _same_pairs(pending), strict=True):
+        if same:
             out.append(_equal_result(key, len(ca), int(ca[0].size) if ca else 0))
         else:
             out.append(general(key, ca, cb))
+    return out
+
+
+# Bytes of small components joined on each side and compared at once (see _same_pairs).
+_JOIN_BYTES = 4 << 20
+
+
+def _same_pairs(pending: list[tuple[str, list[np.ndarray], list[np.ndarray]]]) -> list[bool]:
+    """For each variable of ``pending`` (its components on both sides, pair by pair of one
+    dtype and shape: :func:`_alike`), whether every pair holds the same bytes.
+
+    Runs of variables whose components are small are compared together: each side's bytes
+    joined (at most :data:`_JOIN_BYTES` a side at a time) and the two joins compared, which
+    settles them all when equal (every pair is of one size, so equal joins are equal pairs);
+    otherwise, and for larger components, pair by pair (no copy)."""
+    out: list[bool] = []
+    k, n = 0, len(pending)
+    while k < n:
+        j, held = k, 0
+        while j < n and held < _JOIN_BYTES:
+            size = sum(c.nbytes for c in pending[j][1])
+            if size > _JOIN_BYTES // 8:
+                break
+            held += size
+            j += 1
+        if j > k + 1:
+            run = pending[k:j]
+            left = b"".join([c.tobytes() for _, ca, _ in run for c in ca])
+            right = b"".join([c.tobytes() for _, _, cb in run for c in cb])
+            if left == right:
+                out.extend([True] * len(run))
+                k = j
+                continue
+        else:
+            j = k + 1
+        for _, ca, cb in pending[k:j]:
+            out.append(all(_same_bytes(x, y) for x, y in zip(ca, cb, strict=True)))
+        k = j
     return out
 
 
@@ -330,13 +368,25 @@ _BATCH_BYTES = BULK_BYTES
 
 def _described(view: CheckpointView, listed: Any, key: str) -> tuple[Any, ...]:
     """A variable's kind, dtype, shape, number of components and attributes: from the
-    view's listing (``listed``: its summaries, or None) or its entry."""
-    known = None if listed is None else listed.get(key)
+    view's listing (``listed``: a function giving one variable's summary, or None) or its
+    entry."""
+    known = None if listed is None else listed(key)
     if known is not None:
         kind, dtype, shape, n, _, attrs = known
         return kind, dtype, shape, n, attrs
     entry = view[key]
     return entry.kind, entry.dtype, entry.shape, entry.num_components, entry.attrs
+
+
+def _listing(view: CheckpointView) -> Callable[[str], Any] | None:
+    """A function giving one variable's summary from ``view``'s index (None for a variable
+    it does not list), or None for a view without one."""
+    summary = getattr(view, "summary", None)
+    if summary is not None:
+        return summary
+    summaries = getattr(view, "summaries", None)
+    listed = summaries() if summaries is not None else None
+    return None if listed is None else listed.get
 
 
 class _Listed(Entry):
@@ -363,8 +413,44 @@ def _side(path: str, view: CheckpointView) -> dict[str, Any]:
     return {"path": path, "format": view.format, "num_variables": len(view)}
 
 
+def _result_lines(r: dict[str, Any]) -> list[str]:
+    """The human lines of one variable that differs (:func:`compare_entries`' result)."""
+    lines = [f"{r['path']}: {d}" for d in r["differences"]]
+    if r["components"] and all(c["mismatched"] == 0 for c in r["components"]):
+        lines.append(f"{r['path']}: {'logical ' if r['compared'] == 'logical' else ''}values agree")
+    for c in r["components"]:
+        if c["mismatched"] == 0:
+            continue
+        where = "logical value" if c["component"] is None else f"component {c['component']}"
+        lines.append(
+            f"{r['path']} [{where}]: {c['mismatched']} of {c['size']} values differ; "
+            f"max abs {_fmt_num(c['max_abs'])}, max rel {_fmt_num(c['max_rel'])}"
+        )
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     out: Output = args.out
+    # Each variable's result is written as it is decided (a JSON row, or a differing
+    # variable's human lines) into a spool that prints once the comparison is done; only the
+    # counts are kept, so memory is bounded by a batch, not by the number of variables.
+    with Spool() as spool:
+        return _run(args, out, spool)
+
+
+def _run(args: argparse.Namespace, out: Output, spool: Spool) -> int:
+    compared = differing = 0
+
+    def decided(result: dict[str, Any]) -> None:
+        nonlocal compared, differing
+        compared += 1
+        if not result["equal"]:
+            differing += 1
+            if not out.json_mode:
+                spool.write("".join(line + "\n" for line in _result_lines(result)))
+        if out.json_mode:
+            spool.add(result)
+
     with (
         open_view(args.a, None, args.read_options) as va,
         open_view(args.b, None, args.read_options) as vb,
@@ -373,6 +459,7 @@ def run(args: argparse.Namespace) -> int:
         missing = sorted(keys_a - keys_b, key=natural_key)
         extra = sorted(keys_b - keys_a, key=natural_key)
         common = sorted(keys_a & keys_b, key=natural_key)
+        del keys_a, keys_b
         total = (
             sum(int(va[k].nbytes) + int(vb[k].nbytes) for k in common)
             if out.show_progress
@@ -384,17 +471,13 @@ def run(args: argparse.Namespace) -> int:
         bulk_b = getattr(vb, "bulk_components", None)
         read_a = bulk_a(common) if bulk_a is not None else ((k, None) for k in common)
         read_b = bulk_b(common) if bulk_b is not None else ((k, None) for k in common)
-        # A's variables as its index lists them, where it can (no entry made for those whose
-        # components were read in bulk).
-        summaries = getattr(va, "summaries", None)
-        listed = summaries() if summaries is not None else None
-        summaries_b = getattr(vb, "summaries", None)
-        listed_b = summaries_b() if summaries_b is not None else None
-        results: list[dict[str, Any]] = []
+        # Each side's variables as its index lists them, where it can (no entry made for
+        # those whose components were read in bulk), one when asked for.
+        listed, listed_b = _listing(va), _listing(vb)
         with out.progress(total, "compare") as bar:
 
             def general(key: str, components_a: Any, components_b: Any) -> dict[str, Any]:
-                summary = None if listed is None or components_a is None else listed.get(key)
+                summary = None if listed is None or components_a is None else listed(key)
                 return compare_entries(
                     va[key] if summary is None else _Listed(va, key, summary),
                     vb[key],
@@ -413,7 +496,8 @@ def run(args: argparse.Namespace) -> int:
 
             def flush() -> None:
                 nonlocal held
-                results.extend(_settle(pending, general))
+                for result in _settle(pending, general):
+                    decided(result)
                 if total is not None:
                     bar.advance(held)
                 pending.clear()
@@ -442,10 +526,9 @@ def run(args: argparse.Namespace) -> int:
                         flush()
                     continue
                 flush()
-                results.append(general(key, components_a, components_b))
+                decided(general(key, components_a, components_b))
             flush()
         side_a, side_b = _side(args.a, va), _side(args.b, vb)
-    differing = [r for r in results if not r["equal"]]
     equal = not missing and not extra and not differing
     data = {
         "a": side_a,
@@ -456,43 +539,30 @@ def run(args: argparse.Namespace) -> int:
         "equal": equal,
         "missing": missing,
         "extra": extra,
-        "num_compared": len(results),
-        "num_differing": len(differing),
-        "variables": results,
+        "num_compared": compared,
+        "num_differing": differing,
+        "variables": spool,
     }
 
-    def human() -> str:
-        lines = [
+    def human() -> Iterator[str]:
+        head = [
             f"A: {args.a} ({side_a['format']}, {side_a['num_variables']} variables)",
             f"B: {args.b} ({side_b['format']}, {side_b['num_variables']} variables)",
         ]
-        lines += [f"missing from B: {k}" for k in missing]
-        lines += [f"extra in B: {k}" for k in extra]
-        for r in differing:
-            lines += [f"{r['path']}: {d}" for d in r["differences"]]
-            if r["components"] and all(c["mismatched"] == 0 for c in r["components"]):
-                lines.append(
-                    f"{r['path']}: {'logical ' if r['compared'] == 'logical' else ''}values agree"
-                )
-            for c in r["components"]:
-                if c["mismatched"] == 0:
-                    continue
-                where = "logical value" if c["component"] is None else f"component {c['component']}"
-                lines.append(
-                    f"{r['path']} [{where}]: {c['mismatched']} of {c['size']} values differ; "
-                    f"max abs {_fmt_num(c['max_abs'])}, max rel {_fmt_num(c['max_rel'])}"
-                )
+        head += [f"missing from B: {k}" for k in missing]
+        head += [f"extra in B: {k}" for k in extra]
+        yield "".join(line + "\n" for line in head)
+        yield from spool.pieces()  # (each differing variable's lines)
         tol = f"rtol={args.rtol:g}, atol={args.atol:g}" + (
             ", logical values" if args.logical else ""
         )
         if equal:
-            lines.append(f"no differences ({len(results)} variables compared, {tol})")
+            yield f"no differences ({compared} variables compared, {tol})\n"
         else:
-            lines.append(
+            yield (
                 f"different: {len(missing)} missing, {len(extra)} extra, "
-                f"{len(differing)} of {len(results)} common variables differ ({tol})"
+                f"{differing} of {compared} common variables differ ({tol})\n"
             )
-        return "\n".join(lines)
 
     out.emit(data, human)
     return 0 if equal else 1

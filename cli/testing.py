@@ -5,7 +5,7 @@ internals they come from and may change with them (``tools/count_private_imports
 the tests that import private modules instead).
 
 What it offers: the error table (:func:`classify`, :class:`UsageError`, :data:`EXIT_USAGE`,
-:data:`EXIT_INTERNAL`), the output sink (:class:`Output`, :func:`json_document`), one row of ``inspect`` (:func:`inspect_row`), ``diff``'s results for a batch of variables read
+:data:`EXIT_INTERNAL`), the output sink (:class:`Output`, :func:`json_document`, :class:`Spool`; :mod:`cli_output`, whose ``SPOOL_MEMORY`` a test may lower), one row of ``inspect`` (:func:`inspect_row`), ``diff``'s results for a batch of variables read
 in bulk (:func:`diff_settle`), :mod:`cli_common` (shared helpers,
 :func:`natural_key`, :func:`metadata_text`) and the demo's model (:class:`MLP`,
 :func:`loss_and_grads`, :func:`make_blobs`).
@@ -14,10 +14,11 @@ in bulk (:func:`diff_settle`), :mod:`cli_common` (shared helpers,
 from __future__ import annotations
 
 from parallelvars.cli import _common as cli_common
+from parallelvars.cli import _output as cli_output
 from parallelvars.cli._common import metadata_text, natural_key
 from parallelvars.cli._errors import EXIT_INTERNAL, EXIT_USAGE, UsageError, classify
 from parallelvars.cli._mlp import MLP, loss_and_grads, make_blobs
-from parallelvars.cli._output import Output, json_document
+from parallelvars.cli._output import Output, Spool, json_document
 from parallelvars.cli.diff import _settle as diff_settle
 from parallelvars.cli.inspect import _row as inspect_row
 
@@ -26,12 +27,14 @@ __all__ = [
     "EXIT_USAGE",
     "MLP",
     "Output",
+    "Spool",
     "UsageError",
     "classify",
     "diff_settle",
     "inspect_row",
     "json_document",
     "cli_common",
+    "cli_output",
     "loss_and_grads",
     "make_blobs",
     "metadata_text",

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from test_h5raw import _SETTINGS, both, structures
 
 from parallelvars.checkpoint.h5io import H5Reader
-from parallelvars.checkpoint.h5raw.links import hard_names
+from parallelvars.checkpoint.h5raw.links import hard_names, reached_members
 from parallelvars.checkpoint.h5raw.native import write_native
 from parallelvars.checkpoint.h5raw.source import FileSource, Refused, WindowSource
 from parallelvars.checkpoint.registry import SaveRecord, component_name
@@ -50,15 +50,53 @@ def _walk(path: str, wanted: set[bytes], window: bool = True) -> set[bytes]:
         os.close(fd)
 
 
+def _members(path: str, parents: list[bytes], counts: list[int]) -> list[bytes]:
+    """The names ``parent/component_name(i)`` that :func:`reached_members` says are reached."""
+    members = [component_name(i).encode() for i in range(max(counts, default=0))]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = reached_members(WindowSource(fd, os.fstat(fd).st_size), parents, members, counts)
+    finally:
+        os.close(fd)
+    names = [p + b"/" + members[i] for p, n in zip(parents, counts, strict=True) for i in range(n)]
+    assert got.dtype == bool and got.shape == (len(names),)
+    return [name for name, ok in zip(names, got.tolist(), strict=True) if ok]
+
+
+def _members_of(path: str) -> tuple[list[bytes], list[int]]:
+    """Every variable of ``path`` with its number of components, one more than it has for the
+    first, and a group that is not there."""
+    with H5Reader(path) as r:
+        parents = [name.encode() for name in r]
+        counts = [r[name].num_components for name in r]
+    if counts:
+        counts[0] += 1
+    return [*parents, b"nothing/here"], [*counts, 2]
+
+
 @settings(max_examples=8, **_SETTINGS)
 @given(records=structures())
 def test_the_walk_finds_what_libhdf5_finds(tmp_path_factory, records) -> None:
     tmp = tmp_path_factory.mktemp("links")
     for path in both(tmp, records):  # the libhdf5 writer's file and the generator's
         wanted = _wanted(path)
-        expected = wanted & _libhdf5_hard_names(path)
+        hard = _libhdf5_hard_names(path)
+        expected = wanted & hard
         assert _walk(path, wanted) == expected
         assert _walk(path, wanted, window=False) == expected
+        # The same walk, asked per group and member (no name made): the same answers.
+        parents, counts = _members_of(path)
+        got = _members(path, parents, counts)
+        assert (
+            len(got) == len(set(got))
+            and set(got)
+            == {
+                p + b"/" + component_name(i).encode()
+                for p, n in zip(parents, counts, strict=True)
+                for i in range(n)
+            }
+            & hard
+        )
 
 
 def _records(n: int) -> list[SaveRecord]:
@@ -90,6 +128,8 @@ def test_links_that_are_not_hard_and_groups_met_twice_are_not_reached(tmp_path) 
     assert b"m/g0/v0/primary" in got
     assert b"m/g0/v0/parallel_component_1" not in got
     assert b"m/g1/v1/parallel_component_1" not in got
+    parents = [f"m/g{k % 3}/v{k}".encode() for k in range(9)] + [b"m/g2/again/v4"]
+    assert set(_members(path, parents, [2] * 10)) == got
 
 
 def test_a_damaged_group_header_and_dense_links_are_refused(tmp_path) -> None:
@@ -122,12 +162,14 @@ def test_the_reader_takes_libhdf5s_walk_where_ours_refuses(tmp_path, monkeypatch
     monkeypatch.setattr(bulk, "LINK_CHECKS", 2)
     with H5Reader(path) as r:
         ours = dict(r.bulk_components(list(r)))
-        assert r._hard_names is not None and len(r._hard_names) == 60
+        # (ours: whether each of the table's 60 components is reached, no name kept)
+        assert r._hard_names is None and r._reached_slots is not None
+        assert r._reached_slots.size == 60 and r._reached_slots.all()
 
     def refuse(*args, **kwargs):
         raise Refused("not walked here")
 
-    monkeypatch.setattr(bulk, "hard_names", refuse)
+    monkeypatch.setattr(bulk, "reached_members", refuse)
     with H5Reader(path) as r:
         theirs = dict(r.bulk_components(list(r)))
         assert len(r._hard_names) > 60  # (libhdf5's list: every name, groups too)
@@ -254,3 +296,17 @@ def test_a_first_chunk_size_past_the_file_is_refused(tmp_path) -> None:
         fh.write(raw)
     with pytest.raises(Refused):
         _walk(out, {f"m/g/v{k}/primary".encode() for k in range(3)})
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5])
+def test_groups_walked_a_few_at_a_time_give_the_same_answers(tmp_path, monkeypatch, batch):
+    from parallelvars.checkpoint.h5raw import links
+
+    path = write_native(str(tmp_path / "g.h5"), _records(14), object_graph={"version": 1})
+    wanted = _wanted(path)
+    parents, counts = _members_of(path)
+    whole, members = _walk(path, wanted), _members(path, parents, counts)
+    assert whole == wanted & _libhdf5_hard_names(path) and len(members) == 28
+    monkeypatch.setattr(links, "_BATCH", batch)
+    assert _walk(path, wanted) == whole
+    assert _members(path, parents, counts) == members

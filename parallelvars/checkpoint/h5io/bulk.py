@@ -10,7 +10,6 @@ rule), and open nothing one by one.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, ValuesView
-from itertools import compress, repeat
 from typing import TYPE_CHECKING, Any
 
 import h5py
@@ -22,9 +21,9 @@ from parallelvars.checkpoint.h5io._global_heap import GlobalHeapCheck
 from parallelvars.checkpoint.h5io.attributes import _read_json
 from parallelvars.checkpoint.h5io.columns import _ABSENT, ColumnEntries, _same, _short
 from parallelvars.checkpoint.h5io.layout import _H5_ERRORS, COLUMNS_DATASET, INDEX_DATASET
-from parallelvars.checkpoint.h5raw.links import hard_names
+from parallelvars.checkpoint.h5raw.links import reached_members
 from parallelvars.checkpoint.h5raw.source import Refused, WindowSource
-from parallelvars.checkpoint.registry import component_name
+from parallelvars.checkpoint.registry import PRIMARY, component_name, extra_component_index
 from parallelvars.errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
@@ -50,7 +49,9 @@ class BulkReads:
     _variables: dict[str, StoredVariable]
     _columns: bool
     _checked_groups: set[str]
-    # The names reached by hard links only (see _reached), once listed.
+    # The names reached by hard links only (see _reached), once listed: whether each
+    # component of the table is (its slots), or every name HDF5's walk lists.
+    _reached_slots: np.ndarray | None = None
     _hard_names: set[bytes] | None = None
     _unlisted = False  # (the names could not be listed: not tried again for every name)
     _all_listed = False  # (every component name of the table is reached by hard links)
@@ -78,17 +79,20 @@ class BulkReads:
         A link out of the file on the way raises as when the dataset is opened; a name that is
         missing, or reached some other way (an external link into the checkpoint's parts),
         is False: the caller opens it the general way. The first names are checked one by
-        one; past :data:`LINK_CHECKS`, every link of the file is listed once (HDF5's link
-        walk, which follows hard links only) and each name looked up there.
+        one; past :data:`LINK_CHECKS`, the links on the way to every component are listed
+        once (:meth:`_list_links`) and each name looked up there.
         """
+        if self._reached_slots is not None:
+            return self._slot_reached(name)
         hard = self._hard_names
         if hard is not None:
             return name.encode() in hard
         self._link_checks += 1
         f = self._h5()
         if self._link_checks > LINK_CHECKS:
-            listed = self._hard_link_names()
-            return listed is not None and name.encode() in listed
+            if not self._list_links():
+                return False
+            return self._reached(name)
         path = f"/{name}"
         if _h5policy.check_path(f.id, path, self.path, checked=self._checked_groups) is not None:
             return False
@@ -97,36 +101,49 @@ class BulkReads:
         except _H5_ERRORS:
             return False
 
-    def _hard_link_names(self) -> set[bytes] | None:
-        """The names of the file reached from the root by hard links only, listed once; None
-        when they cannot be listed.
+    def _slot_reached(self, name: str) -> bool:
+        """:meth:`_reached` from :attr:`_reached_slots`: a name that is not one of the
+        table's components is not listed there (False: opened the general way)."""
+        table, slots = self.table, self._reached_slots
+        assert table is not None and slots is not None
+        parent, _, leaf = name.rpartition("/")
+        row = table.rows.get(parent)
+        if row is None:
+            return False
+        i = 0 if leaf == PRIMARY else extra_component_index(leaf)
+        if i is None or i >= table.counts[row]:
+            return False
+        return bool(slots[int(table.first[row]) - int(table.first[0]) + i])
 
-        With a table, the names of its components, found by our own walk of the groups on
-        their way (:func:`~parallelvars.checkpoint.h5raw.links.hard_names`: no component's
-        header read, each group's checked as HDF5 would); any other name is not listed (the
-        caller opens it the general way). A file that walk does not read (not written the
-        way our writers write), or without a table: every name, by HDF5's link walk."""
-        if self._hard_names is not None or self._unlisted:
-            return self._hard_names
+    def _list_links(self) -> bool:
+        """List once which names of the file are reached from the root by hard links only;
+        False when they cannot be listed.
+
+        With a table, whether each of its components is (:attr:`_reached_slots`), found by
+        our own walk of the groups on their way
+        (:func:`~parallelvars.checkpoint.h5raw.links.reached_members`: no component's
+        header read, each group's checked as HDF5 would, no name made per component); any
+        other name is not listed (the caller opens it the general way). A file that walk does
+        not read (not written the way our writers write), or without a table: every name,
+        by HDF5's link walk (:attr:`_hard_names`)."""
+        if self._reached_slots is not None or self._hard_names is not None:
+            return True
+        if self._unlisted:
+            return False
         table = self.table
         if table is not None:
             try:
-                parents = [name.encode() for name in table.names]
-                suffixes = [
-                    f"/{component_name(i)}".encode() for i in range(max(table.counts, default=0))
-                ]
-                # (one pass of bytes.__add__ in C per component index)
-                counts = np.asarray(table.counts)
-                wanted: set[bytes] = set()
-                for i, suffix in enumerate(suffixes):
-                    have = compress(parents, (counts > i).tolist())
-                    wanted.update(map(bytes.__add__, have, repeat(suffix)))
-                self._hard_names = hard_names(
-                    WindowSource(self._fd(), self.file_size), wanted, parents=parents
+                first = np.asarray(table.first, np.int64)
+                members = [component_name(i).encode() for i in range(max(table.counts, default=0))]
+                self._reached_slots = reached_members(
+                    WindowSource(self._fd(), self.file_size),
+                    [name.encode() for name in table.names],
+                    members,
+                    np.diff(first[: len(table.names) + 1]),
                 )
                 # (every component of the table reached: nothing left to look up one by one)
-                self._all_listed = len(self._hard_names) == len(wanted)
-                return self._hard_names
+                self._all_listed = bool(self._reached_slots.all())
+                return True
             except (Refused, UnicodeEncodeError):  # (a name that is not text: HDF5's walk)
                 pass
         names: set[bytes] = set()
@@ -140,16 +157,16 @@ class BulkReads:
             self._h5().id.links.visit(visit, info=True)
         except _H5_ERRORS:
             self._unlisted = True  # (each name is then opened the general way, which names it)
-            return None
+            return False
         self._hard_names = names
-        return names
+        return True
 
     def _all_reached(self, paths: list[str], counts: list[int]) -> list[bool]:
         """For each variable (``paths[k]`` of ``counts[k]`` components): whether every
         component's name is reached by hard links only (:meth:`_reached`, for many at once:
-        past :data:`LINK_CHECKS` names, every link of the file is listed once and each name
-        looked up there). A link out of the file on the way is False here (the general path,
-        which opens the dataset, names it)."""
+        past :data:`LINK_CHECKS` names, the links are listed once (:meth:`_list_links`) and
+        each name looked up there). A link out of the file on the way is False here (the
+        general path, which opens the dataset, names it)."""
         if sum(counts) <= LINK_CHECKS:
             out = []
             for path, n in zip(paths, counts, strict=True):
@@ -158,11 +175,20 @@ class BulkReads:
                 except CorruptCheckpointError:
                     out.append(False)
             return out
-        hard = self._hard_link_names()
-        if hard is None:
+        if not self._list_links():
             return [False] * len(paths)
         if self._all_listed:  # (``paths`` are rows of the table, whose names are all reached)
             return [True] * len(paths)
+        slots = self._reached_slots
+        table = self.table
+        if slots is not None and table is not None:
+            return [
+                (row := table.rows.get(path)) is not None
+                and n <= table.counts[row]
+                and bool(slots[(s := int(table.first[row]) - int(table.first[0])) : s + n].all())
+                for path, n in zip(paths, counts, strict=True)
+            ]
+        hard = self._hard_names or set()
         suffixes = [f"/{component_name(i)}".encode() for i in range(max(counts, default=0))]
         return [
             all(path.encode() + suffixes[i] in hard for i in range(n))

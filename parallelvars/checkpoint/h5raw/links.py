@@ -21,8 +21,8 @@ is read once (a group reached twice is walked under its first name only), and at
 from __future__ import annotations
 
 import struct
-from collections.abc import Collection, Iterable
-from itertools import pairwise
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from itertools import pairwise, repeat
 
 import numpy as np
 
@@ -32,7 +32,7 @@ from parallelvars.checkpoint.h5raw.lookup3 import lookup3, lookup3_many, lookup3
 from parallelvars.checkpoint.h5raw.source import Refused, Source
 from parallelvars.checkpoint.h5raw.symbol_table import SYMBOL_TABLE, read_symbol_table
 
-__all__ = ["hard_names", "root_address"]
+__all__ = ["hard_names", "reached_members", "root_address"]
 
 _UNDEF = 0xFFFFFFFFFFFFFFFF
 _SUPERBLOCK = struct.Struct("<8sBBBBQQQQ")  # versions 2 and 3 (8-byte offsets and lengths)
@@ -40,7 +40,9 @@ _HARD = 0
 _KEEP = frozenset((hdr.LINK, hdr.LINK_INFO, SYMBOL_TABLE))  # (the messages a walk reads)
 _FIRST = 1024  # bytes of each header read first (its prefix: at most 6 + 16 + 4 + 8; most whole)
 _MAX_CHUNK = 1 << 20  # the largest first chunk walked here (ours are at most 4 KiB)
-_BATCH = 8192  # groups read together (their headers' bytes held at once)
+# Groups read together: their headers' bytes (and the gaps read with them) are held at once,
+# a few tens of MB for 8192 of them; as fast at this size, with a lower peak.
+_BATCH = 2048
 _BATCH_BYTES = 64 << 20  # the most header bytes read for one batch of groups
 # Headers less than this apart are read together, the bytes between them too (a variable's
 # group and its datasets' headers lie side by side): at most _BATCH times this in gaps.
@@ -216,11 +218,12 @@ def _checksums(buf: np.ndarray, spans: np.ndarray) -> np.ndarray:
 
 def _group_links(
     source: Source, addresses: list[int], where: list[bytes], prefixes: list[bytes]
-) -> tuple[list[bytes], list[int], set[bytes]]:
+) -> tuple[list[int], list[bytes], list[bytes], list[int], set[bytes]]:
     """The hard links of the groups whose object headers are at ``addresses`` (``where``:
     each one's path, for errors; ``prefixes``: what each one's links' full names start with,
-    distinct), their chunks checked against their checksums: the links' full names (their
-    group's prefix and name), their objects' addresses, and the set of those full names.
+    distinct), their chunks checked against their checksums: each link's group (its index in
+    ``addresses``), name, full name (its group's prefix and name) and object's address, and
+    the set of those full names.
     Version-2 headers in one chunk are read and walked together, as arrays; any other header
     alone (:func:`~.header.read_object_header`)."""
     n = len(addresses)
@@ -241,7 +244,7 @@ def _group_links(
             other_names.append(name)
 
     if n == 0:
-        return [], [], set()
+        return [], [], [], [], set()
     addr = np.array(addresses, np.int64)
     if int(addr.min()) < 0 or int(addr.max()) + 16 > source.size:
         raise Refused("an object header lies outside the file", f"below {source.size}", "past it")
@@ -353,7 +356,8 @@ def _group_links(
                 ):
                     raise Refused("dense link storage", "links in the header", "a heap")
             # Headers with a continuation or a symbol table: read alone (rare).
-            other = np.unique(f_rows[(f_types == hdr.CONTINUATION) | (f_types == SYMBOL_TABLE)])
+            # (a set, not np.unique: that imports numpy.ma, tens of ms, on its first call)
+            other = f_rows[(f_types == hdr.CONTINUATION) | (f_types == SYMBOL_TABLE)]
             alone = set(fast[other].tolist())
             links = np.flatnonzero(f_types == hdr.LINK)
             l_rows, l_at, l_size = f_rows[links], f_at[links], f_size[links]
@@ -398,10 +402,10 @@ def _group_links(
     _check_names(groups + other_groups, names + other_names, where)
     fulls = list(map(bytes.__add__, map(prefixes.__getitem__, groups), names))
     if not other_names:
-        return fulls, targets, _listed_once(fulls, groups, where)
+        return groups, names, fulls, targets, _listed_once(fulls, groups, where)
     others = list(map(bytes.__add__, map(prefixes.__getitem__, other_groups), other_names))
     _listed_once(fulls + others, groups + other_groups, where)
-    return fulls, targets, set(fulls)
+    return groups, names, fulls, targets, set(fulls)
 
 
 def _group(path: bytes) -> str:
@@ -409,28 +413,20 @@ def _group(path: bytes) -> str:
     return f"the group /{path.decode(errors='replace')}"
 
 
-def hard_names(
-    source: Source,
-    wanted: Collection[bytes],
-    *,
-    parents: Iterable[bytes] | None = None,
-    max_groups: int | None = None,
-) -> set[bytes]:
-    """Those of ``wanted`` (object paths without the leading ``/``) reached from the root by
-    hard links only; only the groups on their way are read.
-
-    :class:`Refused` for what this walk does not read (see the module docstring): the caller
-    asks libhdf5 instead. ``parents``: the names' parent groups, when the caller knows them
-    (fewer than the names: each is split once). ``max_groups``: the most groups read (default:
-    one per group on the names' paths, and the root)."""
-    names = set(wanted if parents is None else parents)
-    groups = names if parents is not None else set()
+def _walk(
+    source: Source, groups: set[bytes], max_groups: int | None
+) -> Iterator[tuple[list[bytes], list[int], list[bytes], set[bytes]]]:
+    """The groups on the way to ``groups`` (every group above one of them, and those
+    themselves) reached from the root by hard links only, a batch at a time: the batch's
+    group paths and, of their hard links, each one's group (an index into those paths), its
+    name and the set of the links' full names. At most ``max_groups`` groups read (default:
+    as many as ``groups`` and the groups above them, and the root)."""
+    names = set(groups)
     while names:  # (every group above a name: its path cut at each ``/`` but a leading one)
         names = {name[:cut] for name in names if (cut := name.rfind(b"/")) > 0}
         names -= groups
         groups |= names
     limit = len(groups) + 1 if max_groups is None else max_groups
-    found: set[bytes] = set()
     seen: set[int] = set()
     # The groups of one depth: their paths and header addresses (lists side by side).
     paths: list[bytes] = [b""]
@@ -447,8 +443,8 @@ def hard_names(
             where = paths[first : first + _BATCH]
             seen.update(part)
             prefixes = [path + b"/" if path else b"" for path in where]
-            fulls, targets, listed = _group_links(source, part, where, prefixes)
-            found |= listed.intersection(wanted)
+            of, names_, fulls, targets, listed = _group_links(source, part, where, prefixes)
+            yield where, of, names_, listed
             on_way = groups.intersection(listed)
             if on_way:
                 for full, address in zip(fulls, targets, strict=True):
@@ -457,4 +453,62 @@ def hard_names(
                         below_paths.append(full)
                         below.append(address)
         paths, level = below_paths, below
+
+
+def hard_names(
+    source: Source,
+    wanted: Collection[bytes],
+    *,
+    parents: Iterable[bytes] | None = None,
+    max_groups: int | None = None,
+) -> set[bytes]:
+    """Those of ``wanted`` (object paths without the leading ``/``) reached from the root by
+    hard links only; only the groups on their way are read.
+
+    :class:`Refused` for what this walk does not read (see the module docstring): the caller
+    asks libhdf5 instead. ``parents``: the names' parent groups, when the caller knows them
+    (fewer than the names: each is split once). ``max_groups``: the most groups read (default:
+    one per group on the names' paths, and the root)."""
+    if parents is not None:
+        groups = set(parents)
+    else:
+        groups = {name[:cut] for name in wanted if (cut := name.rfind(b"/")) > 0}
+    found: set[bytes] = set()
+    for _where, _of, _names, listed in _walk(source, groups, max_groups):
+        found |= listed.intersection(wanted)
     return found
+
+
+def reached_members(
+    source: Source,
+    parents: Sequence[bytes],
+    members: Sequence[bytes],
+    counts: np.ndarray,
+    *,
+    max_groups: int | None = None,
+) -> np.ndarray:
+    """For each group ``parents[p]`` and each of its first ``counts[p]`` ``members`` (link
+    names), whether that name is a hard link of the group and the group is reached from the
+    root by hard links only: a bool array, the members of ``parents[0]`` first, then those of
+    ``parents[1]``, and so on (``counts.sum()`` of them).
+
+    :func:`hard_names` for the names ``parents[p] + b"/" + members[i]``, ``i < counts[p]``,
+    with none of those names made or kept: what it holds is this array and the walk's batch.
+    A group reached under two paths is walked under its first one only (the other's members
+    are then False), as in :func:`hard_names`."""
+    counts = np.asarray(counts, np.int64)
+    starts = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=starts[1:])
+    out = np.zeros(int(starts[-1]), bool)
+    row_of = {p: r for r, p in enumerate(parents)}  # (distinct paths: a table's rows)
+    index = {name: i for i, name in enumerate(members)}
+    for where, of, names, _listed in _walk(source, set(row_of), max_groups):
+        if not names:
+            continue
+        rows = np.fromiter(map(row_of.get, where, repeat(-1)), np.int64, len(where))
+        link_rows = rows[np.asarray(of, np.int64)]
+        ids = np.fromiter(map(index.get, names, repeat(-1)), np.int64, len(names))
+        keep = (link_rows >= 0) & (ids >= 0)
+        keep[keep] &= ids[keep] < counts[link_rows[keep]]
+        out[starts[link_rows[keep]] + ids[keep]] = True
+    return out
