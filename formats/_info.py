@@ -178,7 +178,11 @@ class StoredEntry(Entry):
             out[...] = self._store.read_objects(key, region)
             return
         stored_dtype, stored_shape = self._store.stored(key)
-        target = out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)
+        # The bytes land as the store gives them (native order): an ``out`` of the other byte
+        # order takes the values through a native scratch, converted, never the raw bytes.
+        native = out.dtype.newbyteorder("=")
+        fits = out.flags.c_contiguous and out.dtype.isnative
+        target = out if fits else np.empty(out.shape, native)
         sshape = _region_shape(stored_shape, region)
         if stored_dtype == target.dtype and sshape == target.shape:
             buf = target

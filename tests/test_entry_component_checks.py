@@ -271,3 +271,24 @@ def test_the_tf_writer_names_file_variable_tensor_and_keeps_the_entrys_hint(
             assert info.value.hint == "export it again"
             assert isinstance(info.value.__cause__, InvalidEntryError)  # the entry's own
         assert os.listdir(tmp_path) == []
+
+
+def test_every_reader_reads_into_an_out_of_the_other_byte_order(tmp_path: Path) -> None:
+    """An ``out`` of the entry's dtype in the other byte order takes the values, converted:
+    not the stored bytes as they are (1.0 read as 4.6e-41), and not refused by one reader
+    while the others convert."""
+    data = np.array([1.0, -2.5, 3.0e38, 7.0], np.float32)
+    stack = contextlib.ExitStack()
+    with stack:
+        entries = _entries_from_every_reader(tmp_path, data, stack)
+        assert {"array", "tf", "safetensors", "npz", "keras", "hdf5"} <= set(entries)
+        for name, (entry, _) in entries.items():
+            for i in range(entry.num_components):
+                want = entry.component(i)
+                for order in ("<", ">"):
+                    out = np.zeros(
+                        entry.component_shape(i), np.dtype(entry.dtype).newbyteorder(order)
+                    )
+                    entry.read_component_into(i, out)
+                    assert out.dtype.byteorder in (order, "="), name
+                    np.testing.assert_array_equal(out, want, err_msg=f"{name} into {order}")

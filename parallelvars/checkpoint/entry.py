@@ -117,8 +117,9 @@ class Entry(abc.ABC):
 
     def check_out(self, i: int, out: np.ndarray, *, file: str | None = None) -> None:
         """Check that ``out`` can take component ``i`` as it is: the component's declared
-        shape and the entry's dtype (byte order aside). ``file``: the file the entry is
-        read from, named in the error.
+        shape and the entry's dtype (byte order aside: every reader converts the values into
+        an ``out`` of the other byte order). ``file``: the file the entry is read from, named
+        in the error.
 
         Raises:
             InvalidEntryError: ``out`` has another shape than the component.

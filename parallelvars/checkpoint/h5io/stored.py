@@ -809,7 +809,8 @@ class StoredVariable(Entry):
     def read_component_into(
         self, i: int, out: np.ndarray, *, verify: bool = True, cast: bool = False
     ) -> None:
-        """Read component ``i`` straight into ``out`` (same shape; same dtype unless ``cast``)."""
+        """Read component ``i`` straight into ``out`` (same shape; same dtype, byte order aside,
+        unless ``cast``). An ``out`` of the other byte order takes the values converted."""
         if tuple(out.shape) != self.component_shape(i):
             raise ShapeMismatchError(
                 "shape mismatch",
@@ -818,7 +819,7 @@ class StoredVariable(Entry):
                 expected=tuple(out.shape),
                 found=self.component_shape(i),
             )
-        if out.dtype != self.dtype and not cast:
+        if out.dtype.newbyteorder("=") != self.dtype.newbyteorder("=") and not cast:
             raise DtypeMismatchError(
                 "dtype mismatch",
                 file=self._reader.path,
