@@ -292,3 +292,37 @@ def test_every_reader_reads_into_an_out_of_the_other_byte_order(tmp_path: Path) 
                     entry.read_component_into(i, out)
                     assert out.dtype.byteorder in (order, "="), name
                     np.testing.assert_array_equal(out, want, err_msg=f"{name} into {order}")
+
+
+def test_tf_float32_counters_read_their_source_through_its_checks(tmp_path: Path) -> None:
+    """Adam's float64 ``beta1_power`` is written as float32: a component of another shape
+    than the scalar it declares is refused (not broadcast into it), and a value that is not
+    a scalar is refused with our error naming the variable (not a bare TypeError)."""
+
+    class WrongComponent(ArrayEntry):
+        def component(self, i: int) -> np.ndarray:
+            return np.array([0.5])  # (1,), declared ()
+
+        def value(self) -> np.ndarray:
+            return np.array(0.5)
+
+    class WrongValue(ArrayEntry):
+        def value(self) -> np.ndarray:
+            return np.array([0.9, 0.8])
+
+    cases = [
+        (WrongComponent, r"component 0 has another shape .*expected \(\), found \(1,\)"),
+        (WrongValue, r"not a float64 scalar .*expected \(\) float64, found \(2,\) float64"),
+    ]
+    for make, message in cases:
+        entry = make("opt/beta1_power", [np.array(0.9)])
+        with pytest.raises(InvalidEntryError, match=message) as info:
+            write_checkpoint(tmp_path / "ckpt", {"opt/beta1_power": entry}, format="tf")
+        assert "'opt/beta1_power'" in str(info.value)
+        assert info.value.file == str(tmp_path / "ckpt.index")
+        assert os.listdir(tmp_path) == []
+    # as declared, it is written as float32 and read back exactly
+    good = ArrayEntry("opt/beta1_power", [np.array(0.9)])
+    path = write_checkpoint(tmp_path / "ok", {"opt/beta1_power": good}, format="tf")
+    with open_checkpoint(path) as view:
+        assert view["opt/beta1_power"].value() == np.float64(0.9)

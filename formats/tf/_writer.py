@@ -142,31 +142,47 @@ _FLOAT32_COUNTERS = frozenset({"beta1_power", "beta2_power"})
 class _Float32Entry(ForwardingEntry):
     """A float64 entry written as the float32 TensorFlow keeps it (rounded to nearest)."""
 
-    def __init__(self, source: Entry) -> None:
+    def __init__(self, source: Entry, *, file: str | None = None) -> None:
         super().__init__(source)
         self.dtype = np.dtype(np.float32)
         # The exact value, for our reader (TensorFlow never reads the metadata tensor): a
         # round trip through TF resumes bit-identically. JSON floats round-trip float64 exactly.
-        self.attrs = {**self.attrs, FLOAT64_VALUE: float(np.asarray(source.value(), np.float64))}
+        value = np.asarray(source.value())
+        if value.shape != () or value.dtype.newbyteorder("=") != np.float64:
+            raise InvalidEntryError(
+                "the value of a scalar float64 counter is not a float64 scalar",
+                file=file,
+                variable=source.path,
+                expected="() float64",
+                found=f"{value.shape} {value.dtype}",
+            )
+        self.attrs = {**self.attrs, FLOAT64_VALUE: float(value)}
+
+    def _exact(self, i: int) -> np.ndarray:
+        """Component ``i`` as the source declares it (float64), read through the source's
+        checks: a component of another shape or dtype is refused, not broadcast or cast."""
+        data = np.empty(self.source.component_shape(i), self.source.dtype)
+        self.source.read_component_into(i, data)
+        return data
 
     def component(self, i: int) -> np.ndarray:
-        return np.asarray(self.source.component(i), np.float32)
+        return self._exact(i).astype(np.float32)
 
     def read_component_into(self, i: int, out: np.ndarray) -> None:
-        self.check_out(i, out)  # float32, the one rounding this entry makes
-        out[...] = self.source.component(i)
+        self.check_out(i, out)
+        out[...] = self._exact(i)  # float32, the one rounding this entry makes
 
     def value(self) -> np.ndarray:
         return np.asarray(self.source.value(), np.float32)
 
 
-def _as_tf_stores(path: str, entry: Entry) -> Entry:
+def _as_tf_stores(path: str, entry: Entry, file: str | None = None) -> Entry:
     """``entry`` in the dtype TensorFlow's optimizers read back: Adam's beta powers (a float64
     scalar named ``beta1_power``/``beta2_power``) as float32; every other entry as it is. A
     restore into our float64 counters takes the float32 value exactly."""
     name = path.rsplit("/", 1)[-1]
     if name in _FLOAT32_COUNTERS and np.dtype(entry.dtype) == np.float64 and not entry.shape:
-        return _Float32Entry(entry)
+        return _Float32Entry(entry, file=file)
     return entry
 
 
@@ -532,7 +548,7 @@ def write_bundle(
         metadata = {k: v for k, v in source_meta.items() if not str(k).startswith("tf_")}
     index_path = prefix + ".index"
 
-    plans = [_plan(p, _as_tf_stores(p, e), index_path) for p, e in entries.items()]
+    plans = [_plan(p, _as_tf_stores(p, e, index_path), index_path) for p, e in entries.items()]
     keys = {var.path: var.path for var in plans}
     if naming == "tf1":
         keys = tf1_keys({var.path: var.entry for var in plans}, index_path)
