@@ -356,3 +356,29 @@ def test_a_restore_asks_for_its_bulk_reads_before_it_takes_their_memory(
     # (the open's read-ahead asks twice; then the bulk read's spans, then its memory)
     assert events.count("take") == 1
     assert events.index("take") > 2 and events[events.index("take") - 1] == "ask"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise")
+@pytest.mark.parametrize("small_advice", [True, False])
+def test_a_kernel_without_populate_write_is_asked_once(
+    monkeypatch: pytest.MonkeyPatch, small_advice: bool
+) -> None:
+    """Where MADV_POPULATE_WRITE fails (Linux before 5.14), new memory asks for it once and
+    then faults its pages in by writing them: not twice more over the whole buffer."""
+    calls: list[tuple[int, int]] = []
+
+    def populate(address: int, size: int) -> bool:
+        calls.append((address, size))
+        return False
+
+    advise = staging._advise
+
+    def advice(area: Any, name: str, start: int, length: int) -> bool:
+        return small_advice and advise(area, name, start, length)
+
+    monkeypatch.setattr(staging, "_populate", populate)
+    monkeypatch.setattr(staging, "_advise", advice)
+    buf = staging._new(24 << 20)
+    assert len(calls) == 1, calls
+    rss, _ = _resident(buf.ctypes.data, buf.size)
+    assert rss >= 24 << 20  # faulted in all the same

@@ -40,8 +40,9 @@ two the next one is changes from second to second. So the first two huge-page-si
 faulted in small pages (their time per byte is the reference), the rest in huge pages one step
 (2 MiB) at a time for as long as each step costs less per byte than the reference; at the
 first step that does not, the rest is faulted in small pages in one call. A slow huge page
-costs at most one step (about 20 ms) more than small pages would have; copies out of either
-run at the same speed.
+costs at most one step (2 MiB) more than small pages would have (how long that step takes is
+the kernel's: where transparent huge pages defragment on ``madvise``, one huge-page fault may
+wait for memory to be compacted); copies out of either run at the same speed.
 """
 
 from __future__ import annotations
@@ -127,14 +128,14 @@ def _new(size: int) -> np.ndarray:
     small = _advise(area, "MADV_NOHUGEPAGE", 0, size)
     buf = np.frombuffer(area, np.uint8)  # (the array keeps the mapping alive)
     try:
-        populated = _fault_in(area, buf.ctypes.data, size) if small else False
-        if not populated:
+        # (each way asks for MADV_POPULATE_WRITE once: a kernel without it is not asked again)
+        if small:
+            populated = _fault_in(area, buf.ctypes.data, size)
+        else:
             populated = _populate(buf.ctypes.data, size)
     except OSError:  # (faulted in page by page below instead)
         populated = False
     if not populated:
-        if small is False:
-            _advise(area, "MADV_NOHUGEPAGE", 0, size)
         buf[::_PAGE] = 0  # (one write per page: the same faults, taken now)
     return buf
 
@@ -161,8 +162,11 @@ def _advise(area: mmap.mmap, advice: str, start: int, length: int) -> bool:
 def _fault_in(area: mmap.mmap, address: int, size: int) -> bool:
     """Fault in the ``size`` bytes of ``area`` (a new anonymous mapping at ``address``, advised
     into small pages) in small or huge pages, whichever the kernel gives faster now (see the
-    module's docstring); False when the system cannot fault memory in with one call (nothing
-    was faulted in then).
+    module's docstring). True when every byte is faulted in; False when a call to fault in
+    failed (the system has no ``MADV_POPULATE_WRITE``, or refused it): the steps before it may
+    be faulted in then, the rest is not, and the caller faults in the rest its own way
+    (writing a page faulted in already costs no fault). The first call failing, no other is
+    made.
 
     Steps of :data:`_STEP` bytes aligned to huge pages: the first two in small pages (the
     faster of the two is the reference, so a thread switch during one does not set it), the
@@ -178,7 +182,7 @@ def _fault_in(area: mmap.mmap, address: int, size: int) -> bool:
     for lo, hi in ((bounds[0], bounds[1]), (bounds[1], bounds[2])):
         start = now()
         if not _populate(address + lo, hi - lo):
-            return _populate(address, size) if lo == bounds[0] else False
+            return False
         reference = min(reference, (now() - start) / (hi - lo))
     if not _populate(address, bounds[0]):  # (the part before the first huge page's boundary)
         return False
