@@ -132,8 +132,8 @@ def best(fn, repeat: int, before=None) -> float:
     return min(times)
 
 
-def best_interleaved(runs: dict, repeat: int) -> dict[str, float]:
-    """The best time of each of ``runs`` (name -> (fn, before or None)), taken in rounds.
+def interleaved(runs: dict, repeat: int) -> dict[str, list[float]]:
+    """The times of each of ``runs`` (name -> (fn, before or None)), round by round.
 
     Each round runs every one once, in turn, so load that comes and goes on a shared machine
     (and the disk's own slow spells) falls on all of them alike instead of on whichever was
@@ -147,7 +147,12 @@ def best_interleaved(runs: dict, repeat: int) -> dict[str, float]:
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
-    return {name: min(ts) for name, ts in times.items()}
+    return times
+
+
+def best_interleaved(runs: dict, repeat: int) -> dict[str, float]:
+    """The best time of each of ``runs``, taken in rounds (:func:`interleaved`)."""
+    return {name: min(ts) for name, ts in interleaved(runs, repeat).items()}
 
 
 def sequential_read(path: str, buf: np.ndarray) -> None:
@@ -157,14 +162,6 @@ def sequential_read(path: str, buf: np.ndarray) -> None:
     with open(path, "rb", buffering=0) as f:
         while f.readinto(view):
             pass
-
-
-def checksum_pass(path: str, repeat: int) -> float:
-    """The verification's share of the bound: one CRC-32C pass over the file's bytes, from
-    memory (read untimed; best of ``repeat``)."""
-    with open(path, "rb") as f:
-        data = f.read()
-    return best(lambda: crc32c.crc32c(data), repeat)
 
 
 def floor_buffer() -> np.ndarray:
@@ -287,6 +284,9 @@ def first_restores(path: str, args: argparse.Namespace, bound_parts) -> dict:
         "new_memory_populate_s": min(r["first"]["wall_s"] for r in runs["populate"]),
         "new_memory_huge_s": min(r["first"]["wall_s"] for r in runs["huge"]),
     }
+
+
+PAIRED_STATISTIC = "median over rounds of bound/ours, both timed in the same round"
 
 
 def paired(bounds: list[float], ours: list[float]) -> tuple[list[float], float]:
@@ -456,16 +456,28 @@ def peers_one(name: str, repeat: int, directory: str | None) -> dict:
         plan = (b"", 0, 0, [])
         cold = lambda: evict(raw, ours, st)  # noqa: E731
         buf = floor_buffer()
-        times |= best_interleaved(
+        with open(ours, "rb") as f:
+            file_bytes = f.read()  # (the checksum pass's input, read untimed)
+        # The bound's parts are timed in the same rounds as ours (see ``paired``): the floor,
+        # one checksum pass from memory, one copy from memory (the raw file read once untimed
+        # first, so it is in the page cache).
+        rounds = interleaved(
             {
                 "raw_restore_evicted": (lambda: raw_restore(raw, components), cold),
                 # the device's floor: our file's bytes in one sequential pass
                 "floor_restore_evicted": (lambda: sequential_read(ours, buf), cold),
+                "checksum_pass": (lambda: crc32c.crc32c(file_bytes), None),
+                "copy_from_memory": (
+                    lambda: raw_restore(raw, components),
+                    lambda: raw_restore(raw, components),
+                ),
                 "safetensors_restore_evicted": (lambda: safetensors.numpy.load_file(st), cold),
                 "ours_restore_evicted": (lambda: ckpt.restore(ours), cold),
             },
             repeat,
         )
+        file_bytes = b""
+        times |= {key: min(ts) for key, ts in rounds.items()}
         if torch is not None:
             as_torch = {k: torch.from_numpy(v) for k, v in named.items()}
 
@@ -476,12 +488,21 @@ def peers_one(name: str, repeat: int, directory: str | None) -> dict:
             times["torch_save"] = best(torch_save, repeat, lambda: remove(tp))
             times["torch_restore"] = best(lambda: torch.load(tp), repeat)
         file_size = os.path.getsize(ours)
-        times["checksum_pass"] = checksum_pass(ours, repeat)
     # A restore that verifies every byte before it writes any (all or nothing) reads the file
     # once from the device, checksums it, and then copies the bytes once from memory into the
     # variables: at best the floor, one CRC-32C pass and raw readinto from the page cache.
-    times["read_then_copy_bound"] = times["floor_restore_evicted"] + times["raw_restore"]
+    times["read_then_copy_bound"] = times["floor_restore_evicted"] + times["copy_from_memory"]
     times["verify_then_write_bound"] = times["read_then_copy_bound"] + times["checksum_pass"]
+    round_bounds = [
+        sum(parts)
+        for parts in zip(
+            rounds["floor_restore_evicted"],
+            rounds["checksum_pass"],
+            rounds["copy_from_memory"],
+            strict=True,
+        )
+    ]
+    round_ratios, median_ratio = paired(round_bounds, rounds["ours_restore_evicted"])
     ratios = {
         "save_vs_safetensors": times["ours_save"] / times["safetensors_save"],
         "restore_vs_safetensors": times["ours_restore"] / times["safetensors_restore"],
@@ -497,7 +518,10 @@ def peers_one(name: str, repeat: int, directory: str | None) -> dict:
         "verify_then_write_bound_vs_raw": (
             times["raw_restore_evicted"] / times["verify_then_write_bound"]
         ),
-        "restore_evicted_vs_bound": (
+        # the target's verdict: the median of each round's ours against the bound timed in
+        # that round (``paired``), as the default mode judges it; best of each beside it
+        "restore_evicted_vs_bound": median_ratio,
+        "restore_evicted_vs_bound_best_of": (
             times["verify_then_write_bound"] / times["ours_restore_evicted"]
         ),
         "restore_evicted_vs_read_then_copy": (
@@ -518,6 +542,11 @@ def peers_one(name: str, repeat: int, directory: str | None) -> dict:
             "restore": times["ours_restore"] / variables * 1e6,
         },
         "ratios": ratios,
+        "restore_evicted_vs_bound_rounds": round_ratios,
+        "statistics": {
+            "restore_evicted_vs_bound": PAIRED_STATISTIC,
+            "other ratios and times": f"best of {repeat} interleaved rounds each",
+        },
         "targets": {
             key: {"op": op, "value": value, "met": _met(ratios[key], op, value)}
             for key, op, value in PEER_TARGETS[name]
@@ -574,10 +603,12 @@ def print_peers(result: dict) -> None:
         f"{r['raw_restore_evicted_vs_floor']:.2f}; verify-then-write bound (floor + one "
         f"checksum pass {t['checksum_pass']:.3f} s + one copy from memory) "
         f"{t['verify_then_write_bound']:.3f} s, rate bound/raw "
-        f"{r['verify_then_write_bound_vs_raw']:.2f}, rate ours/bound "
-        f"{r['restore_evicted_vs_bound']:.2f}; without the checksum pass "
+        f"{r['verify_then_write_bound_vs_raw']:.2f}; without the checksum pass "
         f"{t['read_then_copy_bound']:.3f} s, rate ours/that "
-        f"{r['restore_evicted_vs_read_then_copy']:.2f}"
+        f"{r['restore_evicted_vs_read_then_copy']:.2f} (best of each); rate ours/bound "
+        f"{r['restore_evicted_vs_bound']:.2f} ({PAIRED_STATISTIC}: "
+        + ", ".join(f"{x:.2f}" for x in result["restore_evicted_vs_bound_rounds"])
+        + f"; best of each {r['restore_evicted_vs_bound_best_of']:.2f})"
     )
     for key, target in result["targets"].items():
         met = "met" if target["met"] else "NOT met"
@@ -697,7 +728,7 @@ def main() -> None:
                 timed(lambda: ckpt.restore(ours).assert_consumed(), lambda: evict(ours))
             )
         t_raw_cold, t_floor, t_cold = min(cold["raw"]), min(cold["floor"]), min(cold["ours"])
-        t_crc = min(cold["crc"])
+        t_crc, t_copy = min(cold["crc"]), min(cold["copy"])
         file_size = os.path.getsize(ours)
         round_bounds = [sum(x) for x in zip(cold["floor"], cold["crc"], cold["copy"], strict=True)]
         round_ratios, median_ratio = paired(round_bounds, cold["ours"])
@@ -720,7 +751,7 @@ def main() -> None:
     # All or nothing: every byte is read and verified before any is written, so the bytes
     # are read once from the device, checksummed, and then copied once from memory, after the
     # last read.
-    read_copy = t_floor + t_raw_restore
+    read_copy = t_floor + t_copy  # the parts' best times, from the rounds of the verdict
     bound = read_copy + t_crc
     print(
         f"restore* floor (one sequential read of the file) {t_floor:.3f} s: rate ours/floor "
@@ -785,6 +816,7 @@ def main() -> None:
                 "raw_vs_floor": t_floor / t_raw_cold,
                 "bound_vs_raw": t_raw_cold / bound,
                 "ours_vs_bound": median_ratio,
+                "ours_vs_bound_statistic": PAIRED_STATISTIC,
                 "ours_vs_bound_best_of": bound / t_cold,
                 "ours_vs_bound_rounds": round_ratios,
                 "rounds": cold,
@@ -800,6 +832,7 @@ def main() -> None:
                 "ours_vs_bound_with_new_memory": first["median_ratio"],
                 "ours_vs_bound_with_new_memory_best_of": bound_first / t_first,
                 "ours_vs_bound": bound / t_first,
+                "ours_vs_bound_statistic": "best of each (bound without new memory)",
                 "ours_vs_bound_with_new_memory_target": {
                     "op": ">=",
                     "value": BOUND_TARGET,
