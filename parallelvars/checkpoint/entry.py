@@ -126,50 +126,55 @@ class Entry(abc.ABC):
             DtypeMismatchError: ``out`` has another dtype than the entry (no cast here:
                 :meth:`read_component_into`).
         """
-        want = tuple(int(d) for d in self.component_shape(i))
-        if tuple(out.shape) != want:
-            raise InvalidEntryError(
-                f"component {i} has another shape than its variable",
-                file=file,
-                variable=self.path,
-                expected=want,
-                found=tuple(out.shape),
-            )
-        declared = np.dtype(self.dtype)
-        if out.dtype.newbyteorder("=") != declared.newbyteorder("="):
-            raise DtypeMismatchError(
-                f"component {i} is read into another dtype than its variable's",
-                file=file,
-                variable=self.path,
-                expected=declared,
-                found=out.dtype,
-                hint="read component(i) and convert it where a cast is meant",
-            )
+        self._refuse(
+            i,
+            out,
+            "is read into another dtype than its variable's",
+            file=file,
+            hint="read component(i) and convert it where a cast is meant",
+        )
 
     def _copy_checked(self, i: int, data: np.ndarray, out: np.ndarray) -> None:
         """Copy component ``i``'s ``data`` into ``out`` after checking that ``data`` has the
         component's declared shape and the entry's dtype (byte order aside), and ``out``
         the same (:meth:`check_out`)."""
         data = np.asarray(data)
+        self._refuse(i, data, "has another dtype than its variable")
+        self.check_out(i, out)
+        np.copyto(out, data, casting="equiv")
+
+    def _refuse(
+        self,
+        i: int,
+        array: np.ndarray,
+        other_dtype: str,
+        *,
+        file: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        """Raise unless ``array`` has component ``i``'s declared shape and the entry's dtype
+        (byte order aside): :class:`InvalidEntryError` for the shape, else
+        :class:`DtypeMismatchError` (``component {i} {other_dtype}``, with ``hint``), each
+        naming ``file`` (where there is one), the variable and expected versus found."""
         want = tuple(int(d) for d in self.component_shape(i))
-        if tuple(data.shape) != want:
+        if tuple(array.shape) != want:
             raise InvalidEntryError(
                 f"component {i} has another shape than its variable",
+                file=file,
                 variable=self.path,
                 expected=want,
-                found=tuple(data.shape),
+                found=tuple(array.shape),
             )
         declared = np.dtype(self.dtype)
-        if data.dtype.newbyteorder("=") != declared.newbyteorder("="):
+        if array.dtype.newbyteorder("=") != declared.newbyteorder("="):
             raise DtypeMismatchError(
-                f"component {i} has another dtype than its variable",
+                f"component {i} {other_dtype}",
+                file=file,
                 variable=self.path,
                 expected=declared,
-                found=data.dtype,
+                found=array.dtype,
+                hint=hint,
             )
-        if tuple(out.shape) != want or out.dtype.newbyteorder("=") != declared.newbyteorder("="):
-            self.check_out(i, out)  # raises, naming what differs
-        np.copyto(out, data, casting="equiv")
 
     def component_nbytes(self, i: int) -> int:
         return math.prod(self.component_shape(i)) * self.dtype.itemsize
