@@ -1,6 +1,7 @@
-"""An entry's components must be what it declares: the writers (TensorFlow, safetensors, npz)
-refuse a component of another dtype or shape instead of casting or broadcasting it, through
-the one check in :meth:`Entry.read_component_into`."""
+"""An entry's components must be what it declares: the writers (TensorFlow, safetensors, npz,
+HDF5, Keras) refuse a component of another dtype or shape instead of casting or broadcasting
+it, through the one check in :meth:`Entry.read_component_into`, naming the file written
+(:func:`~parallelvars.checkpoint.entry.naming_file`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from parallelvars.checkpoint.entry import ArrayEntry, Entry
+from parallelvars.checkpoint.entry import ArrayEntry, Entry, ForwardingEntry, naming_file
 from parallelvars.errors import DtypeMismatchError, InvalidEntryError
 from parallelvars.formats import DictView, open_checkpoint, write_checkpoint
 
@@ -32,6 +33,8 @@ class Lying(Entry):
 
 
 FORMATS = [("tf", ""), ("safetensors", ".safetensors"), ("npz", ".npz")]
+# Every writer: the refusals below name the output file in each.
+WRITERS = [*FORMATS, ("hdf5", ".h5"), ("keras", ".weights.h5")]
 
 CASES = {
     # float64 1e40 declared float32 was written as inf
@@ -74,17 +77,45 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize(("fmt", "ext"), FORMATS)
+@pytest.mark.parametrize(("fmt", "ext"), WRITERS)
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("forwarded", [False, True], ids=["entry", "forwarded"])
 def test_writers_refuse_a_component_unlike_its_entry(
-    tmp_path: Path, fmt: str, ext: str, case: str
+    tmp_path: Path, fmt: str, ext: str, case: str, forwarded: bool
 ) -> None:
     make, error, message = CASES[case]
+    entry = make()
+    if forwarded:  # (a rewriting view's entry: reads through its source)
+        entry = ForwardingEntry(entry)
     options = {"update_state": False} if fmt == "tf" else {}
+    out = tmp_path / "out"
+    out.mkdir()
     with pytest.raises(error, match=message) as info:
-        write_checkpoint(tmp_path / ("ckpt" + ext), {"v": make()}, format=fmt, **options)
-    assert "'v'" in str(info.value)
-    assert os.listdir(tmp_path) == []  # nothing written, nothing left behind
+        write_checkpoint(out / ("ckpt" + ext), {"v": entry}, format=fmt, **options)
+    text = str(info.value)
+    assert text.startswith(str(out / "ckpt")), text  # the file written, then the variable
+    assert info.value.file is not None and info.value.file.startswith(str(out / "ckpt"))
+    assert "variable 'v'" in text and info.value.variable == "v"
+    assert info.value.expected is not None and info.value.found is not None
+    assert os.listdir(out) == []  # nothing written, nothing left behind
+
+
+def test_an_error_naming_its_own_file_keeps_it() -> None:
+    with (
+        pytest.raises(DtypeMismatchError) as info,
+        naming_file("/out/ckpt.npz", prefix="tensor 't': "),
+    ):
+        raise DtypeMismatchError("x", file="/in/src.h5", variable="v", expected=1, found=2)
+    assert info.value.file == "/in/src.h5" and "tensor" not in str(info.value)
+    with (
+        pytest.raises(InvalidEntryError) as info2,
+        naming_file("/out/ckpt.npz", prefix="tensor 't': ", variable="w"),
+    ):
+        raise InvalidEntryError("bad", variable="v", expected=1, found=2, hint="do y")
+    assert str(info2.value) == (
+        "/out/ckpt.npz: variable 'w': tensor 't': bad (expected 1, found 2); do y"
+    )
+    assert isinstance(info2.value.__cause__, InvalidEntryError)
 
 
 DTYPES = (

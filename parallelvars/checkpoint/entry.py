@@ -34,8 +34,9 @@ formats' plans all use it, so a bad entry reads the same wherever it is found.
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,7 @@ from parallelvars.errors import (
     ComponentIndexError,
     DtypeMismatchError,
     InvalidEntryError,
+    ShapeMismatchError,
 )
 
 __all__ = [
@@ -60,6 +62,7 @@ __all__ = [
     "ReadAhead",
     "check_entry",
     "layout_problem",
+    "naming_file",
 ]
 
 # The documented variable kinds and on-read aggregations (the enums' values).
@@ -297,6 +300,31 @@ class CountingEntry(ForwardingEntry):
         value = self.source.value()
         self._count(math.prod(self.shape) * self.dtype.itemsize)
         return value
+
+
+@contextlib.contextmanager
+def naming_file(file: str, *, prefix: str = "", variable: str | None = None) -> Iterator[None]:
+    """Within it, an entry's refusal of a component of another shape or dtype than it
+    declares (:meth:`Entry.read_component_into`, :meth:`Entry.check_out`), raised naming no
+    file, is raised again naming ``file``, the checkpoint being written: every writer reads
+    its components in one of these, so each such error names the output file, the variable
+    and expected versus found. ``prefix`` begins the message (a writer's tensor key),
+    ``variable`` (default: the entry's path) names the variable as the writer does; the hint is
+    kept and the entry's error is the cause. An error that names a file already (the
+    file the entry is read from) goes on as it is."""
+    try:
+        yield
+    except (InvalidEntryError, DtypeMismatchError, ShapeMismatchError) as e:
+        if e.file is not None:
+            raise
+        raise type(e)(
+            prefix + e.what,
+            file=file,
+            variable=e.variable if variable is None else variable,
+            expected=e.expected,
+            found=e.found,
+            hint=e.hint,
+        ) from e
 
 
 def stored_source(entry: Entry) -> Entry:
