@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from parallelvars import _fileio as fileio
 from parallelvars import _threads as threads
-from parallelvars._dtypes import as_dtype
+from parallelvars._dtypes import as_dtype, sum_dtype
 from parallelvars._fileio import (
     MAX_JSON_DEPTH,
     checkpoint_root,
@@ -78,6 +78,7 @@ __all__ = [
     "manager_state",
     "open_input",
     "restore_rules",
+    "sum_dtype",
     "threads",
     "verify_pieces",
     "write_error",
