@@ -17,6 +17,7 @@ import pytest
 from parallelvars.checkpoint.entry import ArrayEntry, Entry, ForwardingEntry, naming_file
 from parallelvars.errors import DtypeMismatchError, InvalidEntryError
 from parallelvars.formats import DictView, open_checkpoint, write_checkpoint
+from parallelvars.formats.testing import StagedEntry
 
 
 class Lying(Entry):
@@ -220,6 +221,13 @@ def _entries_from_every_reader(
         view = stack.enter_context(open_checkpoint(path))
         file = view.path if fmt != "tf" else view.path + ".index"
         out[fmt] = (view["v"], file)
+    # A restore's view of another format's entry (it took a ``cast`` flag it ignored, and
+    # cast into any out): verified first or read when asked.
+    out["staged"] = (StagedEntry(out["npz"][0]), None)
+    verified = StagedEntry(out["safetensors"][0])
+    for i in range(verified.num_components):
+        verified.verify(i)
+    out["staged verified"] = (verified, None)
     return out
 
 
@@ -302,3 +310,30 @@ def test_the_tf_writer_names_file_variable_tensor_and_keeps_the_entrys_hint(
             assert info.value.hint == "export it again"
             assert isinstance(info.value.__cause__, InvalidEntryError)  # the entry's own
         assert os.listdir(tmp_path) == []
+
+
+def test_a_staged_entry_casts_only_when_asked(tmp_path: Path) -> None:
+    # The restore's view of another format's entry took a ``cast`` flag and ignored it,
+    # casting into any ``out``; it casts now only with ``cast=True`` (the source protocol's
+    # flag, as the native reader takes it), and never a component unlike its entry.
+    data = np.array([1.5, -2.25, 3e38], np.float32)
+    path = write_checkpoint(tmp_path / "c.npz", {"v": ArrayEntry("v", [data])}, format="npz")
+    with open_checkpoint(path) as view:
+        for verified in (False, True):
+            staged = StagedEntry(view["v"])
+            if verified:
+                staged.verify(0)
+            out = np.zeros(3, np.float64)
+            with pytest.raises(DtypeMismatchError, match="expected float32, found float64"):
+                staged.read_component_into(0, out)
+            assert not out.any()
+            staged.read_component_into(0, out, cast=True)
+            np.testing.assert_array_equal(out, data.astype(np.float64))
+            same = np.zeros(3, np.float32)
+            staged.read_component_into(0, same, cast=True)
+            np.testing.assert_array_equal(same, data)
+            with pytest.raises(InvalidEntryError, match=r"expected \(3,\), found \(2,\)"):
+                staged.read_component_into(0, np.zeros(2, np.float64), cast=True)
+    lying = StagedEntry(Lying("v", np.array([1e40, 0.1]), np.float32, (2,)))
+    with pytest.raises(DtypeMismatchError, match="expected float32, found float64"):
+        lying.read_component_into(0, np.zeros(2, np.float16), cast=True)
