@@ -38,7 +38,7 @@ from parallelvars._fileio import (
     open_input,
     write_error,
 )
-from parallelvars._ints import is_index, is_int
+from parallelvars._ints import is_index, is_int, unique_ints
 from parallelvars._spans import coalesce
 from parallelvars.checkpoint import _gcfreeze as gcfreeze
 from parallelvars.checkpoint import _h5policy as h5policy
@@ -80,6 +80,7 @@ __all__ = [
     "restore_rules",
     "sum_dtype",
     "threads",
+    "unique_ints",
     "verify_pieces",
     "write_error",
     "write_json",
