@@ -34,9 +34,8 @@ formats' plans all use it, so a bad entry reads the same wherever it is found.
 from __future__ import annotations
 
 import abc
-import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,6 +60,8 @@ __all__ = [
     "ForwardingEntry",
     "ReadAhead",
     "check_entry",
+    "COMPONENT_REFUSALS",
+    "in_file",
     "layout_problem",
     "naming_file",
 ]
@@ -302,29 +303,53 @@ class CountingEntry(ForwardingEntry):
         return value
 
 
-@contextlib.contextmanager
-def naming_file(file: str, *, prefix: str = "", variable: str | None = None) -> Iterator[None]:
-    """Within it, an entry's refusal of a component of another shape or dtype than it
-    declares (:meth:`Entry.read_component_into`, :meth:`Entry.check_out`), raised naming no
-    file, is raised again naming ``file``, the checkpoint being written: every writer reads
-    its components in one of these, so each such error names the output file, the variable
-    and expected versus found. ``prefix`` begins the message (a writer's tensor key),
-    ``variable`` (default: the entry's path) names the variable as the writer does; the hint is
-    kept and the entry's error is the cause. An error that names a file already (the
-    file the entry is read from) goes on as it is."""
-    try:
-        yield
-    except (InvalidEntryError, DtypeMismatchError, ShapeMismatchError) as e:
-        if e.file is not None:
-            raise
-        raise type(e)(
-            prefix + e.what,
-            file=file,
-            variable=e.variable if variable is None else variable,
-            expected=e.expected,
-            found=e.found,
-            hint=e.hint,
-        ) from e
+#: The errors an entry raises for a component unlike what it declares.
+COMPONENT_REFUSALS = (InvalidEntryError, DtypeMismatchError, ShapeMismatchError)
+
+
+def in_file(
+    e: CheckpointError, file: str, *, prefix: str = "", variable: str | None = None
+) -> CheckpointError | None:
+    """``e``, an entry's refusal of a component of another shape or dtype than it declares
+    (:data:`COMPONENT_REFUSALS`, raised by :meth:`Entry.read_component_into` or
+    :meth:`Entry.check_out`), as the error a writer raises: naming ``file``, the checkpoint
+    being written, then the variable (``variable``, default the entry's path), ``prefix``
+    (a writer's tensor key) before its message, expected versus found and its hint. None when
+    ``e`` names a file already (the file the entry is read from): it goes on as it is. The
+    writer raises the result ``from e`` (:class:`naming_file` does)."""
+    if e.file is not None:
+        return None
+    return type(e)(
+        prefix + e.what,
+        file=file,
+        variable=e.variable if variable is None else variable,
+        expected=e.expected,
+        found=e.found,
+        hint=e.hint,
+    )
+
+
+class naming_file:
+    """Within it, an entry's refusal of a component (:data:`COMPONENT_REFUSALS`) that names
+    no file is raised again naming ``file``, the checkpoint being written (:func:`in_file`,
+    the entry's error as the cause): every writer reads its components in one of these, or
+    calls :func:`in_file` itself where it reads tensor by tensor (a ``try`` costs nothing
+    there; entering this costs microseconds), so each such error names the output file, the
+    variable and expected versus found."""
+
+    __slots__ = ("file", "prefix", "variable")
+
+    def __init__(self, file: str, *, prefix: str = "", variable: str | None = None) -> None:
+        self.file, self.prefix, self.variable = file, prefix, variable
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, e: BaseException | None, tb: Any) -> None:
+        if isinstance(e, COMPONENT_REFUSALS):
+            named = in_file(e, self.file, prefix=self.prefix, variable=self.variable)
+            if named is not None:
+                raise named from e
 
 
 def stored_source(entry: Entry) -> Entry:
