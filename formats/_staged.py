@@ -19,7 +19,9 @@ class StagedEntry(Entry):
     """An entry of another format's view as a restore reads it.
 
     :meth:`verify` reads component ``i`` (the format's own checks run then) and keeps it;
-    :meth:`read_component_into` copies it into place and lets it go.
+    :meth:`read_component_into` copies it into place and lets it go, into an ``out`` of the
+    entry's dtype, or of another one with ``cast`` (the source protocol's flag, as the native
+    reader takes it).
     """
 
     def __init__(self, entry: Any) -> None:
@@ -57,17 +59,29 @@ class StagedEntry(Entry):
         return self._entry.component(i) if data is None else data
 
     def read_component_into(self, i: int, out: np.ndarray, *, cast: bool = False) -> None:
-        """Copy component ``i`` into ``out``: its shape, and its dtype unless ``cast`` (the
-        restore rules checked both against the entry before planning this read)."""
-        del cast  # a dtype other than the entry's reaches here only when casting is allowed
+        """Copy component ``i`` into ``out``, checked as :meth:`Entry.read_component_into`
+        checks it: the component of the declared shape and the entry's dtype, ``out`` of the
+        declared shape and, unless ``cast``, of the entry's dtype (``cast``: converted into
+        ``out``'s, as ``astype`` converts, as :class:`StoredVariable` does with it).
+
+        Raises:
+            InvalidEntryError: the component or ``out`` has another shape than declared.
+            DtypeMismatchError: the component has another dtype than the entry's, or ``out``
+                does without ``cast``.
+        """
         with self._lock:
             data = self._staged.pop(i, None)
         if data is None:
             data = self._entry.component(i)
-        if out.dtype == data.dtype:
-            np.copyto(out, data)
-        else:
-            out[...] = data.astype(out.dtype)
+        declared = self.dtype.newbyteorder("=")
+        if not cast or out.dtype.newbyteorder("=") == declared:
+            self._copy_checked(i, data, out)
+            return
+        data = np.asarray(data)
+        want = tuple(int(d) for d in self.component_shape(i))
+        if data.shape != want or data.dtype.newbyteorder("=") != declared or out.shape != want:
+            self._copy_checked(i, data, out)  # raises, naming what differs
+        np.copyto(out, data, casting="unsafe")
 
 
 _KERAS_VARIABLES = re.compile(r"^(?:(.*)/)?_variables/[0-9]+$")

@@ -54,6 +54,7 @@ import numpy as np
 from parallelvars._fileio import Scratch, atomic_path, load_json, open_input_file
 from parallelvars._geometry import shard_index
 from parallelvars._ints import is_index
+from parallelvars.checkpoint.entry import naming_file
 from parallelvars.errors import (
     ClosedCheckpointError,
     CorruptCheckpointError,
@@ -729,7 +730,8 @@ def write_npz(
             )
             scratch = Scratch()
             for run in read_batches(planned):
-                _buf, arrays = read_run(run, scratch)
+                with naming_file(p):
+                    _buf, arrays = read_run(run, scratch)
                 for t, array in zip(run, arrays, strict=True):
                     npy = little_endian(_to_npy(array, p, t.entry.path))
                     zw.add(

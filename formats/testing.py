@@ -21,7 +21,8 @@ What it offers:
 * **Other formats' internals**: :mod:`zip_policy` (the zip member bounds, the writer of
   STORED members), :mod:`keras_write`,
   :func:`keras_layer_order`, :mod:`hf_folder` (Hugging Face folders), :func:`attr_to_python` (HDF5 attributes).
-* **Helpers**: :func:`jsonable`, :func:`parse_size`, :func:`select_entries`.
+* **Helpers**: :func:`jsonable`, :func:`parse_size`, :func:`select_entries`,
+  :class:`StagedEntry` (a restore's view of another format's entry).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from parallelvars.formats._h5 import attr_to_python
 from parallelvars.formats._json import jsonable
 from parallelvars.formats._select import select_entries
 from parallelvars.formats._sizes import parse_size
+from parallelvars.formats._staged import StagedEntry
 from parallelvars.formats.keras import _write as keras_write
 from parallelvars.formats.keras._archive import keras_layer_order
 from parallelvars.formats.safetensors import _hf as hf_folder
@@ -67,6 +69,7 @@ from parallelvars.formats.tf._strings import decode_strings, encode_strings
 
 __all__ = [
     "info_views",
+    "StagedEntry",
     "BLOCK_SIZE",
     "BundleEntry",
     "BundleHeader",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import ml_dtypes
@@ -9,7 +10,14 @@ import numpy as np
 
 from parallelvars.errors import UnsupportedDtypeError
 
-__all__ = ["as_dtype", "dtype_name", "is_extension_dtype", "EXTENSION_DTYPES"]
+__all__ = [
+    "as_dtype",
+    "dtype_name",
+    "is_extension_dtype",
+    "is_float_dtype",
+    "sum_dtype",
+    "EXTENSION_DTYPES",
+]
 
 # Types numpy itself lacks; ml_dtypes provides them as real numpy dtypes.
 EXTENSION_DTYPES: dict[str, np.dtype] = {
@@ -35,11 +43,41 @@ EXTENSION_DTYPES: dict[str, np.dtype] = {
     if hasattr(ml_dtypes, name)
 }
 _BY_TYPE = {dt: name for name, dt in EXTENSION_DTYPES.items()}
+_FLOAT32 = np.dtype(np.float32)
 
 
 def is_extension_dtype(dtype: np.dtype) -> bool:
     """True for dtypes that come from ml_dtypes (bfloat16, float8, int4 ...)."""
     return np.dtype(dtype) in _BY_TYPE
+
+
+def is_float_dtype(dtype: Any) -> bool:
+    """True for floating-point dtypes: numpy's and ml_dtypes' (bfloat16, the float8 types ...)."""
+    dt = np.dtype(dtype)
+    return dt.kind == "f" or _BY_TYPE.get(dt, "").startswith(("float", "bfloat"))
+
+
+def sum_dtype(values: Iterable[Any]) -> np.dtype:
+    """The dtype in which ``values`` (arrays or dtypes) of several dtypes are added together:
+    numpy's common dtype (``np.result_type``), as ``add_n`` promotes them. Where numpy has none
+    because of an ml_dtypes float (bfloat16 with float16, a float8 type with another float8
+    type or with float16, bfloat16 with int64), that float counts as float32, which holds each
+    of its values exactly: bfloat16 with float16 are added in float32, bfloat16 with int64 in
+    float64. The sum is then rounded once to the variable's dtype, as any gradient of another
+    dtype is.
+
+    Raises:
+        TypeError: numpy's ``DTypePromotionError``, for dtypes that have no common one even so
+            (a datetime with a number, say).
+    """
+    items = list(values)
+    try:
+        return np.result_type(*items)
+    except TypeError:
+        dtypes = [v.dtype if hasattr(v, "dtype") else np.dtype(v) for v in items]
+        return np.result_type(
+            *(_FLOAT32 if d in _BY_TYPE and is_float_dtype(d) else d for d in dtypes)
+        )
 
 
 def as_dtype(value: Any) -> np.dtype:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from parallelvars import _fileio as fileio
 from parallelvars import _threads as threads
-from parallelvars._dtypes import as_dtype
+from parallelvars._dtypes import as_dtype, sum_dtype
 from parallelvars._fileio import (
     MAX_JSON_DEPTH,
     checkpoint_root,
@@ -38,7 +38,7 @@ from parallelvars._fileio import (
     open_input,
     write_error,
 )
-from parallelvars._ints import is_index, is_int
+from parallelvars._ints import is_index, is_int, unique_ints
 from parallelvars._spans import coalesce
 from parallelvars.checkpoint import _gcfreeze as gcfreeze
 from parallelvars.checkpoint import _h5policy as h5policy
@@ -78,7 +78,9 @@ __all__ = [
     "manager_state",
     "open_input",
     "restore_rules",
+    "sum_dtype",
     "threads",
+    "unique_ints",
     "verify_pieces",
     "write_error",
     "write_json",

@@ -583,15 +583,18 @@ def apply_runs(
     for run in runs:
         line = run.grad_line[0]
         for start, end, positions in run.segments:
-            # Casting to the variable's dtype here, once per parameter, not once per replica.
+            # Casting to the variable's dtype here, once per parameter, not once per replica:
+            # the gradients are checked numbers and the variables floats, so each cast rounds
+            # (to nearest even) as astype does, bfloat16 to float16 included (which numpy does
+            # not call same_kind; optimizers._checks.castable).
             if len(positions) == 1:
-                np.copyto(line[start:end], grads[positions[0]].reshape(-1), casting="same_kind")
+                np.copyto(line[start:end], grads[positions[0]].reshape(-1), casting="unsafe")
             else:  # axis=None flattens every gradient: one C call for the whole span
                 parts = operator.itemgetter(*positions)(grads)
                 try:  # gradients of the variables' dtype: numpy's quickest path, no casting
                     np.concatenate(parts, axis=None, out=line[start:end], casting="equiv")
                 except TypeError:
-                    np.concatenate(parts, axis=None, out=line[start:end], casting="same_kind")
+                    np.concatenate(parts, axis=None, out=line[start:end], casting="unsafe")
         apply_blocked(
             kernel,
             run.var_slab,

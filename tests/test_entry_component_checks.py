@@ -1,6 +1,7 @@
-"""An entry's components must be what it declares: the writers (TensorFlow, safetensors, npz)
-refuse a component of another dtype or shape instead of casting or broadcasting it, through
-the one check in :meth:`Entry.read_component_into`."""
+"""An entry's components must be what it declares: the writers (TensorFlow, safetensors, npz,
+HDF5, Keras) refuse a component of another dtype or shape instead of casting or broadcasting
+it, through the one check in :meth:`Entry.read_component_into`, naming the file written
+(:func:`~parallelvars.checkpoint.entry.naming_file`)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from parallelvars.checkpoint.entry import ArrayEntry, Entry
+from parallelvars.checkpoint.entry import ArrayEntry, Entry, ForwardingEntry, naming_file
 from parallelvars.errors import DtypeMismatchError, InvalidEntryError
 from parallelvars.formats import DictView, open_checkpoint, write_checkpoint
+from parallelvars.formats.testing import StagedEntry
 
 
 class Lying(Entry):
@@ -32,6 +34,8 @@ class Lying(Entry):
 
 
 FORMATS = [("tf", ""), ("safetensors", ".safetensors"), ("npz", ".npz")]
+# Every writer: the refusals below name the output file in each.
+WRITERS = [*FORMATS, ("hdf5", ".h5"), ("keras", ".weights.h5")]
 
 CASES = {
     # float64 1e40 declared float32 was written as inf
@@ -74,17 +78,45 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize(("fmt", "ext"), FORMATS)
+@pytest.mark.parametrize(("fmt", "ext"), WRITERS)
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("forwarded", [False, True], ids=["entry", "forwarded"])
 def test_writers_refuse_a_component_unlike_its_entry(
-    tmp_path: Path, fmt: str, ext: str, case: str
+    tmp_path: Path, fmt: str, ext: str, case: str, forwarded: bool
 ) -> None:
     make, error, message = CASES[case]
+    entry = make()
+    if forwarded:  # (a rewriting view's entry: reads through its source)
+        entry = ForwardingEntry(entry)
     options = {"update_state": False} if fmt == "tf" else {}
+    out = tmp_path / "out"
+    out.mkdir()
     with pytest.raises(error, match=message) as info:
-        write_checkpoint(tmp_path / ("ckpt" + ext), {"v": make()}, format=fmt, **options)
-    assert "'v'" in str(info.value)
-    assert os.listdir(tmp_path) == []  # nothing written, nothing left behind
+        write_checkpoint(out / ("ckpt" + ext), {"v": entry}, format=fmt, **options)
+    text = str(info.value)
+    assert text.startswith(str(out / "ckpt")), text  # the file written, then the variable
+    assert info.value.file is not None and info.value.file.startswith(str(out / "ckpt"))
+    assert "variable 'v'" in text and info.value.variable == "v"
+    assert info.value.expected is not None and info.value.found is not None
+    assert os.listdir(out) == []  # nothing written, nothing left behind
+
+
+def test_an_error_naming_its_own_file_keeps_it() -> None:
+    with (
+        pytest.raises(DtypeMismatchError) as info,
+        naming_file("/out/ckpt.npz", prefix="tensor 't': "),
+    ):
+        raise DtypeMismatchError("x", file="/in/src.h5", variable="v", expected=1, found=2)
+    assert info.value.file == "/in/src.h5" and "tensor" not in str(info.value)
+    with (
+        pytest.raises(InvalidEntryError) as info2,
+        naming_file("/out/ckpt.npz", prefix="tensor 't': ", variable="w"),
+    ):
+        raise InvalidEntryError("bad", variable="v", expected=1, found=2, hint="do y")
+    assert str(info2.value) == (
+        "/out/ckpt.npz: variable 'w': tensor 't': bad (expected 1, found 2); do y"
+    )
+    assert isinstance(info2.value.__cause__, InvalidEntryError)
 
 
 DTYPES = (
@@ -189,6 +221,13 @@ def _entries_from_every_reader(
         view = stack.enter_context(open_checkpoint(path))
         file = view.path if fmt != "tf" else view.path + ".index"
         out[fmt] = (view["v"], file)
+    # A restore's view of another format's entry (it took a ``cast`` flag it ignored, and
+    # cast into any out): verified first or read when asked.
+    out["staged"] = (StagedEntry(out["npz"][0]), None)
+    verified = StagedEntry(out["safetensors"][0])
+    for i in range(verified.num_components):
+        verified.verify(i)
+    out["staged verified"] = (verified, None)
     return out
 
 
@@ -326,3 +365,30 @@ def test_tf_float32_counters_read_their_source_through_its_checks(tmp_path: Path
     path = write_checkpoint(tmp_path / "ok", {"opt/beta1_power": good}, format="tf")
     with open_checkpoint(path) as view:
         assert view["opt/beta1_power"].value() == np.float64(0.9)
+
+
+def test_a_staged_entry_casts_only_when_asked(tmp_path: Path) -> None:
+    # The restore's view of another format's entry took a ``cast`` flag and ignored it,
+    # casting into any ``out``; it casts now only with ``cast=True`` (the source protocol's
+    # flag, as the native reader takes it), and never a component unlike its entry.
+    data = np.array([1.5, -2.25, 3e38], np.float32)
+    path = write_checkpoint(tmp_path / "c.npz", {"v": ArrayEntry("v", [data])}, format="npz")
+    with open_checkpoint(path) as view:
+        for verified in (False, True):
+            staged = StagedEntry(view["v"])
+            if verified:
+                staged.verify(0)
+            out = np.zeros(3, np.float64)
+            with pytest.raises(DtypeMismatchError, match="expected float32, found float64"):
+                staged.read_component_into(0, out)
+            assert not out.any()
+            staged.read_component_into(0, out, cast=True)
+            np.testing.assert_array_equal(out, data.astype(np.float64))
+            same = np.zeros(3, np.float32)
+            staged.read_component_into(0, same, cast=True)
+            np.testing.assert_array_equal(same, data)
+            with pytest.raises(InvalidEntryError, match=r"expected \(3,\), found \(2,\)"):
+                staged.read_component_into(0, np.zeros(2, np.float64), cast=True)
+    lying = StagedEntry(Lying("v", np.array([1e40, 0.1]), np.float32, (2,)))
+    with pytest.raises(DtypeMismatchError, match="expected float32, found float64"):
+        lying.read_component_into(0, np.zeros(2, np.float16), cast=True)

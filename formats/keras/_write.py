@@ -12,6 +12,7 @@ import h5py
 import numpy as np
 
 from parallelvars._fileio import Scratch, checksum
+from parallelvars.checkpoint.entry import naming_file
 from parallelvars.errors import (
     UnsupportedDtypeError,
 )
@@ -71,7 +72,9 @@ def _check_dtypes(planned: list[PlannedTensor], file: str) -> None:
 def _write_dataset(
     h5: h5py.File | h5py.Group, name: str, t: PlannedTensor, file: str, scratch: Scratch
 ) -> None:
-    value = _to_h5(t.read_with(scratch), file, t.entry.path)
+    with naming_file(file):
+        value = t.read_with(scratch)
+    value = _to_h5(value, file, t.entry.path)
     ds = h5.create_dataset(name, data=value)
     if is_ml_dtype(t.dtype):
         ds.attrs["dtype"] = tensor_dtype_name(t.dtype)  # a str: Keras compares it with "bfloat16"

@@ -14,6 +14,7 @@ from typing import Any
 import crc32c as _crc32c_module
 
 from parallelvars._fileio import DataWriter, Scratch, atomic_path, byte_view
+from parallelvars.checkpoint.entry import naming_file
 from parallelvars.errors import (
     CorruptCheckpointError,
     InvalidArgumentError,
@@ -127,7 +128,8 @@ def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]
         writer, scratch, ok = DataWriter(tmp, path), Scratch(), False
         try:
             for run in read_batches([t for t, _st, _shape in stored]):
-                buf, arrays = read_run(run, scratch)
+                with naming_file(path):
+                    buf, arrays = read_run(run, scratch)
                 for t, array in zip(run, arrays, strict=True):
                     if array.nbytes != t.nbytes:  # the source lied about its shape
                         raise CorruptCheckpointError(

@@ -38,7 +38,13 @@ import numpy as np
 from parallelvars import _spans
 from parallelvars._fileio import Scratch
 from parallelvars._geometry import shard_bounds
-from parallelvars.checkpoint.entry import ForwardingEntry, ReadAhead, check_entry
+from parallelvars.checkpoint.entry import (
+    COMPONENT_REFUSALS,
+    ForwardingEntry,
+    ReadAhead,
+    check_entry,
+    in_file,
+)
 from parallelvars.checkpoint.registry import COMPONENT_PREFIX
 from parallelvars.errors import (
     DtypeMismatchError,
@@ -421,23 +427,16 @@ def _gathered(var: _Var, comp: int) -> tuple[np.dtype, tuple[int, ...]] | None:
 
 def _read_checked(var: _Var, comp: int, key: str, out: np.ndarray, index_path: str) -> None:
     """Read component ``comp`` into ``out``; the entry refuses a component of another shape
-    or dtype than it declares (:meth:`Entry.read_component_into`). When the entry named no
-    file, the error is raised again naming what :func:`_component` names: the checkpoint
-    being written, the variable, the tensor ``key`` and expected versus found (its hint
-    kept, the entry's error as its cause)."""
+    or dtype than it declares (:meth:`Entry.read_component_into`), and the error names what
+    :func:`_component` names: the checkpoint being written, the variable, the tensor ``key``
+    and expected versus found (:func:`in_file`)."""
     try:
         var.entry.read_component_into(comp, out)
-    except (InvalidEntryError, DtypeMismatchError) as e:
-        if e.file is not None:
+    except COMPONENT_REFUSALS as e:
+        named = in_file(e, index_path, prefix=_in_tensor(key), variable=var.path)
+        if named is None:
             raise
-        raise type(e)(
-            _in_tensor(key) + e.what,
-            file=index_path,
-            variable=var.path,
-            expected=e.expected,
-            found=e.found,
-            hint=e.hint,
-        ) from e
+        raise named from e
 
 
 def _write_vars(w: BundleWriter, todo: list[tuple[str, _Var, int]], index_path: str) -> None:

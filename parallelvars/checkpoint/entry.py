@@ -47,6 +47,7 @@ from parallelvars.errors import (
     ComponentIndexError,
     DtypeMismatchError,
     InvalidEntryError,
+    ShapeMismatchError,
 )
 
 __all__ = [
@@ -59,7 +60,10 @@ __all__ = [
     "ForwardingEntry",
     "ReadAhead",
     "check_entry",
+    "COMPONENT_REFUSALS",
+    "in_file",
     "layout_problem",
+    "naming_file",
 ]
 
 # The documented variable kinds and on-read aggregations (the enums' values).
@@ -303,6 +307,55 @@ class CountingEntry(ForwardingEntry):
         value = self.source.value()
         self._count(math.prod(self.shape) * self.dtype.itemsize)
         return value
+
+
+#: The errors an entry raises for a component unlike what it declares.
+COMPONENT_REFUSALS = (InvalidEntryError, DtypeMismatchError, ShapeMismatchError)
+
+
+def in_file(
+    e: CheckpointError, file: str, *, prefix: str = "", variable: str | None = None
+) -> CheckpointError | None:
+    """``e``, an entry's refusal of a component of another shape or dtype than it declares
+    (:data:`COMPONENT_REFUSALS`, raised by :meth:`Entry.read_component_into` or
+    :meth:`Entry.check_out`), as the error a writer raises: naming ``file``, the checkpoint
+    being written, then the variable (``variable``, default the entry's path), ``prefix``
+    (a writer's tensor key) before its message, expected versus found and its hint. None when
+    ``e`` names a file already (the file the entry is read from): it goes on as it is. The
+    writer raises the result ``from e`` (:class:`naming_file` does)."""
+    if e.file is not None:
+        return None
+    return type(e)(
+        prefix + e.what,
+        file=file,
+        variable=e.variable if variable is None else variable,
+        expected=e.expected,
+        found=e.found,
+        hint=e.hint,
+    )
+
+
+class naming_file:
+    """Within it, an entry's refusal of a component (:data:`COMPONENT_REFUSALS`) that names
+    no file is raised again naming ``file``, the checkpoint being written (:func:`in_file`,
+    the entry's error as the cause): every writer reads its components in one of these, or
+    calls :func:`in_file` itself where it reads tensor by tensor (a ``try`` costs nothing
+    there; entering this costs microseconds), so each such error names the output file, the
+    variable and expected versus found."""
+
+    __slots__ = ("file", "prefix", "variable")
+
+    def __init__(self, file: str, *, prefix: str = "", variable: str | None = None) -> None:
+        self.file, self.prefix, self.variable = file, prefix, variable
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, e: BaseException | None, tb: Any) -> None:
+        if isinstance(e, COMPONENT_REFUSALS):
+            named = in_file(e, self.file, prefix=self.prefix, variable=self.variable)
+            if named is not None:
+                raise named from e
 
 
 def stored_source(entry: Entry) -> Entry:

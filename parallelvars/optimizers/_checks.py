@@ -6,13 +6,10 @@ from typing import Any
 
 import numpy as np
 
+from parallelvars._dtypes import is_float_dtype as _is_float
 from parallelvars.errors import GradientError, GradientTypeError
 from parallelvars.optimizers._sparse import IndexedSlices
 from parallelvars.variables import ParallelVariable
-
-
-def _is_float(dtype: np.dtype) -> bool:
-    return dtype.kind == "f" or dtype.name.startswith(("bfloat", "float"))
 
 
 def is_numeric(dtype: np.dtype) -> bool:
@@ -22,8 +19,12 @@ def is_numeric(dtype: np.dtype) -> bool:
 
 def castable(found: np.dtype, wanted: np.dtype) -> bool:
     """Whether a dense gradient of dtype ``found`` (another than its variable's) is one the
-    update casts to the variable's dtype ``wanted``: a number that casts ``same_kind``."""
-    return is_numeric(found) and bool(np.can_cast(found, wanted, "same_kind"))
+    update casts to the variable's dtype ``wanted``: a number that casts ``same_kind``, or a
+    float of any width onto a float variable (rounded to nearest even, as ``astype`` rounds:
+    numpy does not call bfloat16 to float16, or float8_e4m3fn to float16, ``same_kind``)."""
+    return is_numeric(found) and (
+        bool(np.can_cast(found, wanted, "same_kind")) or (_is_float(found) and _is_float(wanted))
+    )
 
 
 def _dense_checked(arr: np.ndarray, var: Any, shape: tuple[int, ...]) -> np.ndarray:

@@ -916,15 +916,15 @@ class FusedTransport:
             for vdt, t in total.items():
                 if cross:
                     summed = strategy._allreduce_flat(first[vdt])
-                    np.copyto(final[vdt], summed, casting="same_kind")
+                    np.copyto(final[vdt], summed, casting="unsafe")
                     continue
                 if not rest:  # one replica: its gradients are the sum
-                    np.copyto(final[vdt], first[vdt], casting="same_kind")
+                    np.copyto(final[vdt], first[vdt], casting="unsafe")
                     continue
                 np.add(first[vdt], rest[0][vdt], out=t, casting="unsafe")
                 for more in rest[1:]:
                     np.add(t, more[vdt], out=t, casting="unsafe")
-                np.copyto(final[vdt], t, casting="same_kind")
+                np.copyto(final[vdt], t, casting="unsafe")  # (castable: a rounding)
             out.append(FusedLines(cvars, lines.runs, lines.layout, [final]))
         return out
 

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from parallelvars.errors import GradientError
+from parallelvars._dtypes import sum_dtype
+from parallelvars.errors import GradientError, GradientTypeError
 
 __all__ = [
     "IndexedSlices",
@@ -101,10 +102,14 @@ class IndexedSlices:
 def sum_indexed_slices(
     parts: Sequence[IndexedSlices], variable: str | None = None
 ) -> IndexedSlices:
-    """The sum of sparse gradients: their rows side by side (duplicates add up later).
+    """The sum of sparse gradients: their rows side by side (duplicates add up later), in
+    one dtype: the parts' values', or, when they differ, the one they are added in
+    (:func:`~parallelvars._dtypes.sum_dtype`: their common dtype, float32 for bfloat16 with
+    float16 or a float8 type), the sum then rounded once to the variable's dtype by the update.
 
     Raises:
         GradientError: the parts' rows have different shapes (``variable`` named).
+        GradientTypeError: the parts' values have dtypes that do not add (``variable`` named).
     """
     rows = {p.values.shape[1:] for p in parts}
     if len(rows) > 1:
@@ -116,7 +121,21 @@ def sum_indexed_slices(
             found=sorted(rows - {first}),
         )
     shapes = {p.dense_shape for p in parts if p.dense_shape is not None}
-    values = np.concatenate([p.values for p in parts])
+    arrays = [p.values for p in parts]
+    dtypes = {a.dtype for a in arrays}
+    if len(dtypes) == 1:
+        values = np.concatenate(arrays)
+    else:
+        try:
+            dtype = sum_dtype(arrays)
+        except TypeError:
+            raise GradientTypeError(
+                "sparse gradients of the replicas have values of dtypes that do not add",
+                variable=variable,
+                expected="dtypes with a common one",
+                found=sorted(map(str, dtypes)),
+            ) from None
+        values = np.concatenate(arrays, dtype=dtype)
     if len(shapes) > 1 or values.ndim == 0:
         return IndexedSlices(values, np.concatenate([p.indices for p in parts]), None)
     # Each part was checked when it was made: so is their concatenation (one dense shape,

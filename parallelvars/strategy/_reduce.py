@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from parallelvars._dtypes import is_extension_dtype
+from parallelvars._dtypes import is_extension_dtype, sum_dtype
 from parallelvars.devices import canonical_device
 from parallelvars.enums import ReduceOp
 from parallelvars.errors import DistributedTypeError, DistributedValueError
@@ -32,7 +32,13 @@ def add_n(values: Sequence[Any]) -> np.ndarray:
     arrays = [np.asarray(v) for v in values]
     if not arrays:
         raise DistributedValueError("add_n needs at least one value")
-    dtype = np.result_type(*arrays)
+    try:
+        dtype = sum_dtype(arrays)
+    except TypeError:
+        raise DistributedTypeError(
+            "cannot add per-replica values of these dtypes (expected dtypes with a common "
+            f"one, found {sorted({str(a.dtype) for a in arrays})})"
+        ) from None
     if dtype.kind in "OSUV" and not is_extension_dtype(dtype):
         raise DistributedTypeError(
             f"cannot add non-numeric values (expected numbers, found dtype {dtype})"
@@ -130,7 +136,14 @@ def _reduce_sparse(op: ReduceOp, values: Sequence[Any], devices: Sequence[str]) 
     order = sorted(range(len(values)), key=lambda i: device_key(devices[i]))
     rows = [np.asarray(values[i].values) for i in order]
     idx = [np.asarray(values[i].indices) for i in order]
-    cat = np.concatenate(rows, axis=0)
+    try:
+        dtype = rows[0].dtype if len({r.dtype for r in rows}) == 1 else sum_dtype(rows)
+    except TypeError:
+        raise DistributedTypeError(
+            "cannot add sparse per-replica values of these dtypes (expected dtypes with a "
+            f"common one, found {sorted({str(r.dtype) for r in rows})})"
+        ) from None
+    cat = np.concatenate(rows, axis=0, dtype=dtype)
     if op is ReduceOp.MEAN:
         cat = _mean_of(cat, len(values))
     first = values[0]

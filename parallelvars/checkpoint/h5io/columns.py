@@ -16,6 +16,7 @@ from typing import Any, cast
 import numpy as np
 
 from parallelvars._fileio import value_types
+from parallelvars._ints import unique_ints
 from parallelvars.checkpoint.entry import AGGREGATIONS, MAX_COMPONENTS, layout_problem
 from parallelvars.checkpoint.h5io.index_table import _NONE, IndexTable, _assemble
 from parallelvars.checkpoint.h5io.layout import COLUMNS_DATASET, COLUMNS_ROW_ATTRS, COLUMNS_VERSION
@@ -498,7 +499,8 @@ def _shape_tuples(
     flat = dims[base + np.arange(int(counts.sum()), dtype=np.int64)].tolist()
     grouped: list[tuple[int, ...]] = []
     at = 0
-    for k, n in zip(*np.unique(counts, return_counts=True), strict=True):
+    distinct, _, times = unique_ints(counts)
+    for k, n in zip(distinct, times, strict=True):
         k, n = int(k), int(n)
         grouped.extend(zip(*[iter(flat[at : at + k * n])] * k, strict=True) if k else [()] * n)
         at += k * n

@@ -22,6 +22,7 @@ import numpy as np
 
 from parallelvars._dtypes import dtype_name
 from parallelvars._fileio import atomic_path, pwrite_all
+from parallelvars._ints import unique_ints
 from parallelvars.checkpoint.h5io.attributes import _attr_value, _decode
 from parallelvars.checkpoint.h5io.layout import (
     DOCUMENTS_ATTR,
@@ -240,7 +241,7 @@ def _relinker(prep: Prepared) -> tuple[np.ndarray, np.ndarray] | None:
     which = np.searchsorted(starts, runs[:, 0], "right") - 1
     if (which < 0).any() or (runs[:, -1] >= ends[np.maximum(which, 0)]).any():
         return None  # (a link outside a checksummed chunk: not what the generator writes)
-    return runs[:, 0].copy(), spans[order][np.unique(which)]
+    return runs[:, 0].copy(), spans[order][unique_ints(which)[0]]
 
 
 def _prepare_index(

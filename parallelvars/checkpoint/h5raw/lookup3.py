@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from parallelvars._ints import unique_ints
+
 __all__ = ["lookup3", "lookup3_many", "lookup3_rows", "prefix_state"]
 
 _MASK = 0xFFFFFFFF
@@ -226,7 +228,7 @@ def lookup3_many(image: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndar
     bounds = np.asarray(spans, np.int64).reshape(n, 2)
     blocks = (bounds[:, 1] - bounds[:, 0] + 11) // 12
     bucket = np.ceil(np.log2(np.maximum(blocks, 1))).astype(np.int64)
-    for b in np.unique(bucket).tolist():
+    for b in unique_ints(bucket)[0].tolist():
         rows = np.flatnonzero(bucket == b)
         out[rows] = _lookup3_spans(image, bounds[rows])
     return out

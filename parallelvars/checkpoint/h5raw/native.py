@@ -404,7 +404,10 @@ def save_native(
         items: list[Any] = entries
     else:
         items = list(entries.values()) if isinstance(entries, Mapping) else list(entries)
-    return _save_native(p, items, object_graph, metadata, cache, checksums, share_equal)
+    from parallelvars.checkpoint.entry import naming_file
+
+    with naming_file(p):  # (an entry's refusal of a component names the file written)
+        return _save_native(p, items, object_graph, metadata, cache, checksums, share_equal)
 
 
 def _plan_key(
