@@ -1048,7 +1048,10 @@ class FilePlan:
             shapes = np.array([g.shape for g in groups], "<i8").reshape(count, layout.sig.ndim)
             first_ds = np.fromiter((g.first_ds for g in groups), np.int64, count)
             addresses = np.fromiter((g.address for g in groups), np.int64, count)
-            cols.layouts.append((layout, addresses, first, shapes, first_ds))
+            # (a layout's groups are in the order the variables were given, not the file's:
+            # sorted by address, a window's rows are one slice)
+            o = np.argsort(addresses, kind="stable")
+            cols.layouts.append((layout, addresses[o], first[o], shapes[o], first_ds[o]))
         ds = self._ds_address.tolist()
         for tmpl, groups in self._plain:
             count = len(groups)
