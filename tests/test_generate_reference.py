@@ -333,3 +333,31 @@ def test_verify_finds_a_file_of_records_out_of_order_sound_and_a_damaged_one_not
     bad.write_bytes(bytes(data))
     with H5Reader(str(bad)) as r:
         assert not sound_as_generated(r)
+
+
+def test_an_image_kept_in_a_file_lies_in_a_relative_checkpoints_folder(
+    tmp_path, monkeypatch
+) -> None:
+    """A checkpoint named relative to the working folder spills its image into that folder
+    (the checkpoint's file system), not into the temporary files' default folder."""
+    import os
+    import tempfile
+
+    folders = []
+    real = tempfile.TemporaryFile
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        folders.append(kwargs.get("dir"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("tempfile.TemporaryFile", spy)
+    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", 0)
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    records = _model(30, False)
+    cache = PlanCache()
+    for step in (1, 2):
+        native.save_native("ckpt.h5", records, metadata={"step": step}, cache=cache)
+    assert [os.path.realpath(f) for f in folders] == [os.path.realpath(tmp_path / "run")]
+    assert os.listdir(tmp_path / "run") == ["ckpt.h5"]
+    _values_read_by_h5py(str(tmp_path / "run" / "ckpt.h5"), records)

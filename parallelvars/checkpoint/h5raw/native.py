@@ -643,7 +643,10 @@ def _prepare(
     else:  # (kept in a file beside the checkpoint, written a chunk at a time as it is made)
         chunked = plan.chunks(capacities)
         file_size, places, rest = chunked.file_size, chunked.documents, chunked.data
-        image = SpilledImage(chunked, plan.metadata_size, os.path.dirname(file))
+        # (the checkpoint's folder: a relative path's is the working folder, not the
+        # temporary files' default)
+        folder = os.path.dirname(os.path.abspath(file))
+        image = SpilledImage(chunked, plan.metadata_size, folder)
         plan.release()
     return Prepared(
         key,
