@@ -361,3 +361,47 @@ def test_an_image_kept_in_a_file_lies_in_a_relative_checkpoints_folder(
     assert [os.path.realpath(f) for f in folders] == [os.path.realpath(tmp_path / "run")]
     assert os.listdir(tmp_path / "run") == ["ckpt.h5"]
     _values_read_by_h5py(str(tmp_path / "run" / "ckpt.h5"), records)
+
+
+def test_an_image_nothing_reuses_is_written_once_and_not_spilled(tmp_path, monkeypatch) -> None:
+    """A save without a cache writes a large image straight into its file (no spilled copy
+    to copy back): the same bytes as a save whose image is kept in memory."""
+    import tempfile
+
+    monkeypatch.setattr("time.time", lambda: CREATED)
+    records = _model(60, False)
+    kept = native.save_native(str(tmp_path / "kept.h5"), records, metadata={"step": 1})
+    spilled: list[str] = []
+    real = tempfile.TemporaryFile
+    monkeypatch.setattr(
+        "tempfile.TemporaryFile", lambda *a, **k: spilled.append("spill") or real(*a, **k)
+    )
+    copy = generate.SpilledImage.write_to
+    monkeypatch.setattr(
+        generate.SpilledImage, "write_to", lambda s, fd: spilled.append("copy") or copy(s, fd)
+    )
+    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", 0)
+    monkeypatch.setattr(generate, "CHUNK_BYTES", 700)
+    path = native.save_native(str(tmp_path / "a.h5"), records, metadata={"step": 1})
+    assert spilled == []
+    assert _read(path) == _read(kept)
+    _values_read_by_h5py(path, records)
+
+
+@pytest.mark.parametrize("failure", ["full", "refused"])
+def test_a_failed_spill_leaves_the_save_whole(tmp_path, monkeypatch, failure) -> None:
+    """The spilled image's disk full (or its folder refusing a temporary file): the saves
+    write their files all the same, byte for byte, each making its image again."""
+    import errno
+
+    def unusable(*args: Any, **kwargs: Any) -> Any:
+        if failure == "refused":
+            raise OSError(errno.EACCES, "refused")
+        return open("/dev/full", "r+b", buffering=0)
+
+    monkeypatch.setattr("tempfile.TemporaryFile", unusable)
+    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", 0)
+    monkeypatch.setattr(generate, "CHUNK_BYTES", 2000)
+    records = _model(60, False)
+    _same_as_before(tmp_path, records, True, monkeypatch)
+    _values_read_by_h5py(str(tmp_path / "news1.h5"), records)

@@ -174,25 +174,49 @@ class Chunks:
 
 
 class SpilledImage:
-    """A metadata image kept for repeated saves outside memory: written a chunk at a time into
-    an unnamed temporary file (``O_TMPFILE``: never linked, gone when closed or when the process
-    ends) in ``folder``, the checkpoint's own, and copied into each later file by the kernel
-    (``copy_file_range``; read and written a chunk at a time where that is refused)."""
+    """A metadata image kept for repeated saves outside memory: an unnamed temporary file in
+    ``folder`` (the checkpoint's own; ``tempfile.TemporaryFile``: opened ``O_TMPFILE``, never
+    linked, where the folder's file system has it, else created and unlinked at once), gone
+    when the image is dropped or the process ends, and copied into each later file by the
+    kernel (``copy_file_range``; read and written a chunk at a time where that is refused).
+    Made by :meth:`write`, as the first file's metadata is written."""
 
-    def __init__(self, chunks: Chunks, size: int, folder: str) -> None:
+    def __init__(self, size: int, folder: str) -> None:
         import tempfile
 
+        self.size = size
+        self._file = tempfile.TemporaryFile(dir=folder)  # noqa: SIM115 (kept open)
+
+    @classmethod
+    def write(cls, chunks: Chunks, size: int, fd: int, folder: str | None) -> SpilledImage | None:
+        """Write the image of ``size`` bytes that ``chunks`` lay into ``fd``, a chunk at a
+        time as each is made, and (given a ``folder``) into a spilled image there too: that
+        image, or None when none was asked for or it could not be written (an ``OSError``:
+        its disk full, the folder refusing a temporary file): the file is written all the
+        same, its image made again by the next save."""
         from parallelvars._fileio import pwrite_all
 
-        self.size = size
-        self._file = tempfile.TemporaryFile(dir=folder or None)  # noqa: SIM115 (kept open)
+        spilled: SpilledImage | None = None
+        if folder is not None:
+            try:
+                spilled = cls(size, folder)
+            except OSError:
+                spilled = None
         try:
-            fd = self._file.fileno()
             for at, data in chunks:
-                pwrite_all(fd, memoryview(data), at)
+                view = memoryview(data)
+                pwrite_all(fd, view, at)
+                if spilled is not None:
+                    try:
+                        pwrite_all(spilled._file.fileno(), view, at)
+                    except OSError:
+                        spilled._file.close()
+                        spilled = None
         except BaseException:
-            self._file.close()
+            if spilled is not None:
+                spilled._file.close()
             raise
+        return spilled
 
     def write_to(self, fd: int) -> None:
         """Copy the image to ``fd`` at offset 0."""
@@ -222,9 +246,6 @@ class SpilledImage:
                 raise err
             pwrite_all(fd, memoryview(data), at)
             at += len(data)
-
-    def close(self) -> None:
-        self._file.close()
 
     def __del__(self) -> None:  # (dropped from the cache: the file goes with it)
         file = getattr(self, "_file", None)
