@@ -84,7 +84,7 @@ def _same_as_before(tmp_path: Any, records: list[SaveRecord], share: bool, mp: A
     made = _RefPlan.made
     with mp.context() as m:
         m.setattr(native, "FilePlan", _RefPlan)
-        m.setattr(native, "KEPT_IMAGE_BYTES", 1 << 62)
+        m.setattr(generate, "KEPT_IMAGE_BYTES", 1 << 62)
         before = _files(tmp_path, "ref", records, share)
     assert _RefPlan.made >= made + 2  # (write_native's and the first save's)
     now = _files(tmp_path, "new", records, share)
@@ -110,7 +110,7 @@ def test_the_generator_writes_the_bytes_it_wrote_before(
     tmp_path, monkeypatch, records, share, chunk, kept
 ) -> None:
     monkeypatch.setattr(generate, "CHUNK_BYTES", chunk)
-    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", kept)
+    monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", kept)
     _same_as_before(tmp_path, records, share, monkeypatch)
 
 
@@ -126,7 +126,7 @@ def test_the_generator_writes_the_bytes_it_wrote_before_soak(
     tmp_path, monkeypatch, records, share, chunk, kept
 ) -> None:
     monkeypatch.setattr(generate, "CHUNK_BYTES", chunk)
-    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", kept)
+    monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", kept)
     _same_as_before(tmp_path, records, share, monkeypatch)
 
 
@@ -154,7 +154,7 @@ def test_large_structures_write_the_bytes_written_before(
     tmp_path, monkeypatch, flat, chunk
 ) -> None:
     monkeypatch.setattr(generate, "CHUNK_BYTES", chunk)
-    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", 0)
+    monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", 0)
     _same_as_before(tmp_path, _model(1030 if flat else 100, flat), True, monkeypatch)
 
 
@@ -219,7 +219,7 @@ def test_an_image_kept_in_a_file_writes_the_same_bytes(tmp_path, monkeypatch, ke
     def refused(*args: Any) -> int:
         raise OSError(18, "cross-device")
 
-    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", 0)
+    monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", 0)
     monkeypatch.setattr(generate, "CHUNK_BYTES", 2000)
     if not kernel_copy:
         monkeypatch.setattr(os, "copy_file_range", refused, raising=False)
@@ -251,7 +251,7 @@ def test_byte_strings_write_the_bytes_written_before(tmp_path, monkeypatch, kept
             SaveRecord("single", [value], value.shape, {"name": f"n{k}"}, path=f"numbers/n{k}")
         )
     monkeypatch.setattr(generate, "CHUNK_BYTES", 600)
-    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", kept)
+    monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", kept)
     _same_as_before(tmp_path, records, True, monkeypatch)
 
 
@@ -285,7 +285,7 @@ def test_records_out_of_file_order_write_the_bytes_written_before(
     slot): every window holds the headers that start in it, whatever the records' order."""
     records = _interleaved(40)
     monkeypatch.setattr(generate, "CHUNK_BYTES", chunk)
-    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", kept)
+    monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", kept)
     _same_as_before(tmp_path, records, True, monkeypatch)
     for name in ("neww", "news0", "news1"):
         _values_read_by_h5py(str(tmp_path / f"{name}.h5"), records)
@@ -351,7 +351,7 @@ def test_an_image_kept_in_a_file_lies_in_a_relative_checkpoints_folder(
         return real(*args, **kwargs)
 
     monkeypatch.setattr("tempfile.TemporaryFile", spy)
-    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", 0)
+    monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", 0)
     (tmp_path / "run").mkdir()
     monkeypatch.chdir(tmp_path / "run")
     records = _model(30, False)
@@ -380,7 +380,7 @@ def test_an_image_nothing_reuses_is_written_once_and_not_spilled(tmp_path, monke
     monkeypatch.setattr(
         generate.SpilledImage, "write_to", lambda s, fd: spilled.append("copy") or copy(s, fd)
     )
-    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", 0)
+    monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", 0)
     monkeypatch.setattr(generate, "CHUNK_BYTES", 700)
     path = native.save_native(str(tmp_path / "a.h5"), records, metadata={"step": 1})
     assert spilled == []
@@ -400,8 +400,28 @@ def test_a_failed_spill_leaves_the_save_whole(tmp_path, monkeypatch, failure) ->
         return open("/dev/full", "r+b", buffering=0)
 
     monkeypatch.setattr("tempfile.TemporaryFile", unusable)
-    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", 0)
+    monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", 0)
     monkeypatch.setattr(generate, "CHUNK_BYTES", 2000)
     records = _model(60, False)
     _same_as_before(tmp_path, records, True, monkeypatch)
     _values_read_by_h5py(str(tmp_path / "news1.h5"), records)
+
+
+def test_the_kept_image_size_is_read_where_it_is_set(tmp_path, monkeypatch) -> None:
+    """``generate.KEPT_IMAGE_BYTES`` set to 0 spills every cached image (read when a save
+    uses it, not copied at import); a released plan keeps no checksum spans."""
+    import tempfile
+
+    spilled: list[Any] = []
+    real = tempfile.TemporaryFile
+    monkeypatch.setattr(
+        "tempfile.TemporaryFile", lambda *a, **k: spilled.append(k) or real(*a, **k)
+    )
+    monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", 0)
+    native.save_native(str(tmp_path / "a.h5"), _model(10, False), cache=PlanCache())
+    assert len(spilled) == 1
+    plan = _plan(_model(10, False))
+    plan.metadata({"doc": 10})
+    assert plan.checksum_spans
+    plan.release()
+    assert plan.checksum_spans == []

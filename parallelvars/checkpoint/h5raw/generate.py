@@ -1160,7 +1160,8 @@ class FilePlan:
 
     def release(self) -> None:
         """After :meth:`metadata`: drop what only making the image needed (the groups, the
-        layouts, the dataset columns, the heap), keeping :attr:`offsets` and what
+        layouts, the dataset columns, the heap, the header chunks' :attr:`checksum_spans`),
+        keeping :attr:`offsets` and what
         :meth:`refresh` re-encodes (the root group, the documents). A plan kept for repeated
         saves then holds tens of bytes per variable instead of its whole structure."""
         documents = set(self._documents.values())
@@ -1184,6 +1185,7 @@ class FilePlan:
         self._ds_offset = np.zeros(0, np.int64)
         self._ref_rows = np.zeros((0, 16), np.uint8)
         self._heap = (0, np.zeros(0, np.uint8))
+        self.checksum_spans = []  # (read after :meth:`metadata`, before the release)
 
     def _set_root_values(self, values: Mapping[str, Any] | None) -> None:
         for name, value in dict(values or {}).items():

@@ -57,6 +57,7 @@ from parallelvars.checkpoint.h5io.records import (
     record_classes,
 )
 from parallelvars.checkpoint.h5io.write import _columns_parts, check_component, wrong_shape
+from parallelvars.checkpoint.h5raw import generate
 from parallelvars.checkpoint.h5raw.component_bytes import (
     Checksums,
     Diverged,
@@ -69,12 +70,7 @@ from parallelvars.checkpoint.h5raw.component_bytes import (
     same_arrays,
     settle,
 )
-from parallelvars.checkpoint.h5raw.generate import (
-    KEPT_IMAGE_BYTES,
-    FilePlan,
-    SpilledImage,
-    Variable,
-)
+from parallelvars.checkpoint.h5raw.generate import FilePlan, SpilledImage, Variable
 from parallelvars.checkpoint.h5raw.messages import Unsupported
 from parallelvars.errors import InvalidEntryError, UnsupportedDtypeError
 
@@ -607,7 +603,7 @@ def _prepare(
     bytes then, while the rest is made). ``crcs()``: the components' checksums (once their
     bytes are written), asked for only by an index that takes its template record by record.
     The image is written into ``out`` (the file being written): one of more than
-    ``KEPT_IMAGE_BYTES`` a chunk at a time as it is made, and spilled to a file beside
+    ``generate.KEPT_IMAGE_BYTES`` a chunk at a time as it is made, and spilled to a file beside
     ``file`` only when ``keep`` (the cache will hold it; the image is None when not kept,
     or the spill failed)."""
     # (records of a class share their layout in the plan and their texts in the documents)
@@ -640,7 +636,7 @@ def _prepare(
         graph = json.dumps(object_graph).encode()
         capacities[GRAPH_DATASET] = len(graph)
     image: Any = None
-    if plan.metadata_size <= KEPT_IMAGE_BYTES:
+    if plan.metadata_size <= generate.KEPT_IMAGE_BYTES:  # (read when used: settable)
         meta = plan.metadata(capacities)
         plan.release()  # (kept for the repeated saves: its offsets and the headers they change)
         (at, image), *rest = meta.pieces
@@ -670,7 +666,7 @@ def _prepare(
 
 def _write_image(fd: int, prep: Prepared) -> None:
     """Write the metadata image of ``prep``'s structure: kept in memory, or (a structure of
-    more than ``KEPT_IMAGE_BYTES`` of metadata) copied from the file it was spilled
+    more than ``generate.KEPT_IMAGE_BYTES`` of metadata) copied from the file it was spilled
     to."""
     if isinstance(prep.image, SpilledImage):
         prep.image.write_to(fd)
