@@ -99,19 +99,37 @@ _SETTINGS: Any = {
 }
 
 
+def _writes_the_bytes_it_wrote_before(
+    tmp_path: Any,
+    mp: Any,
+    records: list[SaveRecord],
+    share: bool,
+    chunk: int,
+    kept: int,
+    order: Any,
+) -> None:
+    records = list(records)
+    order.shuffle(records)  # (records in any order, not the file's)
+    mp.setattr(generate, "CHUNK_BYTES", chunk)
+    mp.setattr(generate, "KEPT_IMAGE_BYTES", kept)
+    _same_as_before(tmp_path, records, share, mp)
+
+
+_KEPT = st.sampled_from([0, generate.KEPT_IMAGE_BYTES])
+
+
 @settings(max_examples=6, **_SETTINGS)
 @given(
     records=structures(),
     share=st.booleans(),
     chunk=st.sampled_from([1, 300, generate.CHUNK_BYTES]),
-    kept=st.sampled_from([0, generate.KEPT_IMAGE_BYTES]),
+    kept=_KEPT,
+    order=st.randoms(use_true_random=False),
 )
 def test_the_generator_writes_the_bytes_it_wrote_before(
-    tmp_path, monkeypatch, records, share, chunk, kept
+    tmp_path, monkeypatch, records, share, chunk, kept, order
 ) -> None:
-    monkeypatch.setattr(generate, "CHUNK_BYTES", chunk)
-    monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", kept)
-    _same_as_before(tmp_path, records, share, monkeypatch)
+    _writes_the_bytes_it_wrote_before(tmp_path, monkeypatch, records, share, chunk, kept, order)
 
 
 @pytest.mark.slow
@@ -120,14 +138,13 @@ def test_the_generator_writes_the_bytes_it_wrote_before(
     records=structures(),
     share=st.booleans(),
     chunk=st.sampled_from([1, 300, 5000, generate.CHUNK_BYTES]),
-    kept=st.sampled_from([0, generate.KEPT_IMAGE_BYTES]),
+    kept=_KEPT,
+    order=st.randoms(use_true_random=False),
 )
 def test_the_generator_writes_the_bytes_it_wrote_before_soak(
-    tmp_path, monkeypatch, records, share, chunk, kept
+    tmp_path, monkeypatch, records, share, chunk, kept, order
 ) -> None:
-    monkeypatch.setattr(generate, "CHUNK_BYTES", chunk)
-    monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", kept)
-    _same_as_before(tmp_path, records, share, monkeypatch)
+    _writes_the_bytes_it_wrote_before(tmp_path, monkeypatch, records, share, chunk, kept, order)
 
 
 def _model(count: int, flat: bool) -> list[SaveRecord]:
