@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import generate_reference as ref
+import h5py
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -83,7 +84,7 @@ def _same_as_before(tmp_path: Any, records: list[SaveRecord], share: bool, mp: A
     made = _RefPlan.made
     with mp.context() as m:
         m.setattr(native, "FilePlan", _RefPlan)
-        m.setattr(native, "KEPT_IMAGE_BYTES", 1 << 62)
+        m.setattr(generate, "KEPT_IMAGE_BYTES", 1 << 62)
         before = _files(tmp_path, "ref", records, share)
     assert _RefPlan.made >= made + 2  # (write_native's and the first save's)
     now = _files(tmp_path, "new", records, share)
@@ -98,19 +99,37 @@ _SETTINGS: Any = {
 }
 
 
+def _writes_the_bytes_it_wrote_before(
+    tmp_path: Any,
+    mp: Any,
+    records: list[SaveRecord],
+    share: bool,
+    chunk: int,
+    kept: int,
+    order: Any,
+) -> None:
+    records = list(records)
+    order.shuffle(records)  # (records in any order, not the file's)
+    mp.setattr(generate, "CHUNK_BYTES", chunk)
+    mp.setattr(generate, "KEPT_IMAGE_BYTES", kept)
+    _same_as_before(tmp_path, records, share, mp)
+
+
+_KEPT = st.sampled_from([0, generate.KEPT_IMAGE_BYTES])
+
+
 @settings(max_examples=6, **_SETTINGS)
 @given(
     records=structures(),
     share=st.booleans(),
     chunk=st.sampled_from([1, 300, generate.CHUNK_BYTES]),
-    kept=st.sampled_from([0, generate.KEPT_IMAGE_BYTES]),
+    kept=_KEPT,
+    order=st.randoms(use_true_random=False),
 )
 def test_the_generator_writes_the_bytes_it_wrote_before(
-    tmp_path, monkeypatch, records, share, chunk, kept
+    tmp_path, monkeypatch, records, share, chunk, kept, order
 ) -> None:
-    monkeypatch.setattr(generate, "CHUNK_BYTES", chunk)
-    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", kept)
-    _same_as_before(tmp_path, records, share, monkeypatch)
+    _writes_the_bytes_it_wrote_before(tmp_path, monkeypatch, records, share, chunk, kept, order)
 
 
 @pytest.mark.slow
@@ -119,14 +138,13 @@ def test_the_generator_writes_the_bytes_it_wrote_before(
     records=structures(),
     share=st.booleans(),
     chunk=st.sampled_from([1, 300, 5000, generate.CHUNK_BYTES]),
-    kept=st.sampled_from([0, generate.KEPT_IMAGE_BYTES]),
+    kept=_KEPT,
+    order=st.randoms(use_true_random=False),
 )
 def test_the_generator_writes_the_bytes_it_wrote_before_soak(
-    tmp_path, monkeypatch, records, share, chunk, kept
+    tmp_path, monkeypatch, records, share, chunk, kept, order
 ) -> None:
-    monkeypatch.setattr(generate, "CHUNK_BYTES", chunk)
-    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", kept)
-    _same_as_before(tmp_path, records, share, monkeypatch)
+    _writes_the_bytes_it_wrote_before(tmp_path, monkeypatch, records, share, chunk, kept, order)
 
 
 def _model(count: int, flat: bool) -> list[SaveRecord]:
@@ -153,7 +171,7 @@ def test_large_structures_write_the_bytes_written_before(
     tmp_path, monkeypatch, flat, chunk
 ) -> None:
     monkeypatch.setattr(generate, "CHUNK_BYTES", chunk)
-    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", 0)
+    monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", 0)
     _same_as_before(tmp_path, _model(1030 if flat else 100, flat), True, monkeypatch)
 
 
@@ -218,7 +236,7 @@ def test_an_image_kept_in_a_file_writes_the_same_bytes(tmp_path, monkeypatch, ke
     def refused(*args: Any) -> int:
         raise OSError(18, "cross-device")
 
-    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", 0)
+    monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", 0)
     monkeypatch.setattr(generate, "CHUNK_BYTES", 2000)
     if not kernel_copy:
         monkeypatch.setattr(os, "copy_file_range", refused, raising=False)
@@ -250,5 +268,177 @@ def test_byte_strings_write_the_bytes_written_before(tmp_path, monkeypatch, kept
             SaveRecord("single", [value], value.shape, {"name": f"n{k}"}, path=f"numbers/n{k}")
         )
     monkeypatch.setattr(generate, "CHUNK_BYTES", 600)
-    monkeypatch.setattr(native, "KEPT_IMAGE_BYTES", kept)
+    monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", kept)
     _same_as_before(tmp_path, records, True, monkeypatch)
+
+
+def _interleaved(count: int) -> list[SaveRecord]:
+    """Variables each followed by its slot (the order a model and its optimizer give them):
+    one layout whose records are not in the file's order (``model/...`` before ``opt/...``)."""
+    records = []
+    for k in range(count):
+        value = np.full((2,), k, np.float32)
+        for path, v in ((f"model/l{k}/kernel", value), (f"opt/m/l{k}/kernel", value + 1)):
+            attrs = {"name": path.replace("/", "_"), "devices": ["a", "b"]}
+            records.append(SaveRecord("mirrored", [v, v + 2], v.shape, attrs, path=path))
+    return records
+
+
+def _values_read_by_h5py(path: str, records: list[SaveRecord]) -> None:
+    with h5py.File(path, "r") as f:
+        for r in records:
+            for i, comp in enumerate(r.components):
+                name = "primary" if i == 0 else f"parallel_component_{i}"
+                got = f[f"{r.path}/{name}"][()]
+                assert got.tobytes() == np.asarray(comp).tobytes(), (r.path, i)
+
+
+@pytest.mark.parametrize("chunk", [1, 300, 2000, generate.CHUNK_BYTES])
+@pytest.mark.parametrize("kept", [0, generate.KEPT_IMAGE_BYTES])
+def test_records_out_of_file_order_write_the_bytes_written_before(
+    tmp_path, monkeypatch, chunk, kept
+) -> None:
+    """A layout's records in another order than the file's (each variable followed by its
+    slot): every window holds the headers that start in it, whatever the records' order."""
+    records = _interleaved(40)
+    monkeypatch.setattr(generate, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", kept)
+    _same_as_before(tmp_path, records, True, monkeypatch)
+    for name in ("neww", "news0", "news1"):
+        _values_read_by_h5py(str(tmp_path / f"{name}.h5"), records)
+
+
+@settings(max_examples=8, **_SETTINGS)
+@given(
+    order=st.permutations(range(2 * 12 + 8)),
+    chunk=st.sampled_from([1, 300, 2000, generate.CHUNK_BYTES]),
+)
+def test_records_in_any_order_make_the_image_the_reference_makes(monkeypatch, order, chunk) -> None:
+    """Records in any order: the chunks lay the image the earlier generator makes whole."""
+    base = _interleaved(12) + [r for r in _model(8, False) if r.path.startswith("layers/")]
+    records = [base[k] for k in order]
+    variables = [
+        Variable(r.path, r.kind, r.dtype, tuple(r.shape), r.num_components, dict(r.attrs))
+        for r in records
+    ]
+    kwargs: Any = {"root_attrs": {"step": np.int64(1)}, "documents": ["doc"]}
+    want = ref.FilePlan(variables, **kwargs).metadata({"doc": 10}, document_checksums={"doc": 7})
+    monkeypatch.setattr(generate, "CHUNK_BYTES", chunk)
+    chunks = FilePlan(variables, **kwargs).chunks({"doc": 10}, document_checksums={"doc": 7})
+    image = b"".join(bytes(data) for _, data in chunks)
+    assert image == bytes(want.pieces[0][1])
+    assert (chunks.file_size, chunks.documents) == (want.file_size, want.documents)
+
+
+def test_verify_finds_a_file_of_records_out_of_order_sound_and_a_damaged_one_not(
+    tmp_path, monkeypatch
+) -> None:
+    """``verify`` regenerates the metadata of a file whose records are not in the file's order
+    window by window: the file is sound, and one changed byte in a slot's header is found."""
+    from parallelvars.checkpoint.h5io.regenerated import sound_as_generated
+
+    monkeypatch.setattr(generate, "CHUNK_BYTES", 700)
+    records = _interleaved(60)
+    path = native.save_native(str(tmp_path / "a.h5"), records)
+    with H5Reader(path) as r:
+        assert sound_as_generated(r)
+    with h5py.File(path, "r") as f:
+        at = h5py.h5o.get_info(f["opt/m/l30/kernel"].id).addr
+    data = bytearray(_read(path))
+    data[at + 40] ^= 0x01
+    bad = tmp_path / "b.h5"
+    bad.write_bytes(bytes(data))
+    with H5Reader(str(bad)) as r:
+        assert not sound_as_generated(r)
+
+
+def test_an_image_kept_in_a_file_lies_in_a_relative_checkpoints_folder(
+    tmp_path, monkeypatch
+) -> None:
+    """A checkpoint named relative to the working folder spills its image into that folder
+    (the checkpoint's file system), not into the temporary files' default folder."""
+    import os
+    import tempfile
+
+    folders = []
+    real = tempfile.TemporaryFile
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        folders.append(kwargs.get("dir"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("tempfile.TemporaryFile", spy)
+    monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", 0)
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    records = _model(30, False)
+    cache = PlanCache()
+    for step in (1, 2):
+        native.save_native("ckpt.h5", records, metadata={"step": step}, cache=cache)
+    assert [os.path.realpath(f) for f in folders] == [os.path.realpath(tmp_path / "run")]
+    assert os.listdir(tmp_path / "run") == ["ckpt.h5"]
+    _values_read_by_h5py(str(tmp_path / "run" / "ckpt.h5"), records)
+
+
+def test_an_image_nothing_reuses_is_written_once_and_not_spilled(tmp_path, monkeypatch) -> None:
+    """A save without a cache writes a large image straight into its file (no spilled copy
+    to copy back): the same bytes as a save whose image is kept in memory."""
+    import tempfile
+
+    monkeypatch.setattr("time.time", lambda: CREATED)
+    records = _model(60, False)
+    kept = native.save_native(str(tmp_path / "kept.h5"), records, metadata={"step": 1})
+    spilled: list[str] = []
+    real = tempfile.TemporaryFile
+    monkeypatch.setattr(
+        "tempfile.TemporaryFile", lambda *a, **k: spilled.append("spill") or real(*a, **k)
+    )
+    copy = generate.SpilledImage.write_to
+    monkeypatch.setattr(
+        generate.SpilledImage, "write_to", lambda s, fd: spilled.append("copy") or copy(s, fd)
+    )
+    monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", 0)
+    monkeypatch.setattr(generate, "CHUNK_BYTES", 700)
+    path = native.save_native(str(tmp_path / "a.h5"), records, metadata={"step": 1})
+    assert spilled == []
+    assert _read(path) == _read(kept)
+    _values_read_by_h5py(path, records)
+
+
+@pytest.mark.parametrize("failure", ["full", "refused"])
+def test_a_failed_spill_leaves_the_save_whole(tmp_path, monkeypatch, failure) -> None:
+    """The spilled image's disk full (or its folder refusing a temporary file): the saves
+    write their files all the same, byte for byte, each making its image again."""
+    import errno
+
+    def unusable(*args: Any, **kwargs: Any) -> Any:
+        if failure == "refused":
+            raise OSError(errno.EACCES, "refused")
+        return open("/dev/full", "r+b", buffering=0)
+
+    monkeypatch.setattr("tempfile.TemporaryFile", unusable)
+    monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", 0)
+    monkeypatch.setattr(generate, "CHUNK_BYTES", 2000)
+    records = _model(60, False)
+    _same_as_before(tmp_path, records, True, monkeypatch)
+    _values_read_by_h5py(str(tmp_path / "news1.h5"), records)
+
+
+def test_the_kept_image_size_is_read_where_it_is_set(tmp_path, monkeypatch) -> None:
+    """``generate.KEPT_IMAGE_BYTES`` set to 0 spills every cached image (read when a save
+    uses it, not copied at import); a released plan keeps no checksum spans."""
+    import tempfile
+
+    spilled: list[Any] = []
+    real = tempfile.TemporaryFile
+    monkeypatch.setattr(
+        "tempfile.TemporaryFile", lambda *a, **k: spilled.append(k) or real(*a, **k)
+    )
+    monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", 0)
+    native.save_native(str(tmp_path / "a.h5"), _model(10, False), cache=PlanCache())
+    assert len(spilled) == 1
+    plan = _plan(_model(10, False))
+    plan.metadata({"doc": 10})
+    assert plan.checksum_spans
+    plan.release()
+    assert plan.checksum_spans == []

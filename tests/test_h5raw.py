@@ -758,3 +758,21 @@ def test_paths_validated_together_refuse_what_each_one_refuses(paths: list[str])
         with pytest.raises(InvalidEntryError) as err:
             validate_paths(paths)
         assert err.value.variable == first_bad
+
+
+@pytest.mark.parametrize("writer", ["write_native", "save_native"])
+@pytest.mark.parametrize("bad", [None, 7, b"a/b"])
+def test_a_path_that_is_no_string_is_an_invalid_entry(tmp_path, writer, bad) -> None:
+    """A record whose path is no string is refused as the per-path check refuses it (an
+    :class:`InvalidEntryError` naming it), not with the ``TypeError`` of joining the paths."""
+    from parallelvars.checkpoint.h5io.layout import validate_paths
+    from parallelvars.checkpoint.h5raw import native
+    from parallelvars.errors import InvalidEntryError
+
+    with pytest.raises(InvalidEntryError) as err:
+        validate_paths(["ok", bad])  # type: ignore[list-item]
+    assert err.value.variable == bad
+    v = np.zeros(2, np.float32)
+    record = SaveRecord("single", [v], v.shape, {"name": "x"}, path=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidEntryError):
+        getattr(native, writer)(str(tmp_path / "a.h5"), [record])

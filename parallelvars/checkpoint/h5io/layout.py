@@ -68,7 +68,8 @@ _INDEX_ONLY_ATTRS = frozenset({"name", "synchronization", "trainable"})
 def _validate_path(path: str) -> None:
     # (no part empty or "."; said with string searches, as a save checks every path)
     if (
-        not path
+        not isinstance(path, str)
+        or not path
         or path[0] == "/"
         or path[-1] == "/"
         or "//" in path
@@ -85,8 +86,11 @@ def validate_paths(paths: Sequence[str]) -> None:
     """:func:`_validate_path` of each of ``paths``, said of all of them at once: the same
     string searches over their text joined by newlines (a path's first and last characters
     are those next to a newline), then path by path only where one finds something (or a path
-    holds a newline itself), to name the first invalid one."""
-    text = "\n" + "\n".join(paths) + "\n"
+    holds a newline itself, or is no string), to name the first invalid one."""
+    try:
+        text = "\n" + "\n".join(paths) + "\n"
+    except TypeError:  # (a path that is no string: named below)
+        text = ""
     if text.count("\n") == len(paths) + 1 and not any(
         mark in text
         for mark in (

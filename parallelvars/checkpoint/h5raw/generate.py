@@ -174,25 +174,49 @@ class Chunks:
 
 
 class SpilledImage:
-    """A metadata image kept for repeated saves outside memory: written a chunk at a time into
-    an unnamed temporary file (``O_TMPFILE``: never linked, gone when closed or when the process
-    ends) in ``folder``, the checkpoint's own, and copied into each later file by the kernel
-    (``copy_file_range``; read and written a chunk at a time where that is refused)."""
+    """A metadata image kept for repeated saves outside memory: an unnamed temporary file in
+    ``folder`` (the checkpoint's own; ``tempfile.TemporaryFile``: opened ``O_TMPFILE``, never
+    linked, where the folder's file system has it, else created and unlinked at once), gone
+    when the image is dropped or the process ends, and copied into each later file by the
+    kernel (``copy_file_range``; read and written a chunk at a time where that is refused).
+    Made by :meth:`write`, as the first file's metadata is written."""
 
-    def __init__(self, chunks: Chunks, size: int, folder: str) -> None:
+    def __init__(self, size: int, folder: str) -> None:
         import tempfile
 
+        self.size = size
+        self._file = tempfile.TemporaryFile(dir=folder)  # noqa: SIM115 (kept open)
+
+    @classmethod
+    def write(cls, chunks: Chunks, size: int, fd: int, folder: str | None) -> SpilledImage | None:
+        """Write the image of ``size`` bytes that ``chunks`` lay into ``fd``, a chunk at a
+        time as each is made, and (given a ``folder``) into a spilled image there too: that
+        image, or None when none was asked for or it could not be written (an ``OSError``:
+        its disk full, the folder refusing a temporary file): the file is written all the
+        same, its image made again by the next save."""
         from parallelvars._fileio import pwrite_all
 
-        self.size = size
-        self._file = tempfile.TemporaryFile(dir=folder or None)  # noqa: SIM115 (kept open)
+        spilled: SpilledImage | None = None
+        if folder is not None:
+            try:
+                spilled = cls(size, folder)
+            except OSError:
+                spilled = None
         try:
-            fd = self._file.fileno()
             for at, data in chunks:
-                pwrite_all(fd, memoryview(data), at)
+                view = memoryview(data)
+                pwrite_all(fd, view, at)
+                if spilled is not None:
+                    try:
+                        pwrite_all(spilled._file.fileno(), view, at)
+                    except OSError:
+                        spilled._file.close()
+                        spilled = None
         except BaseException:
-            self._file.close()
+            if spilled is not None:
+                spilled._file.close()
             raise
+        return spilled
 
     def write_to(self, fd: int) -> None:
         """Copy the image to ``fd`` at offset 0."""
@@ -222,9 +246,6 @@ class SpilledImage:
                 raise err
             pwrite_all(fd, memoryview(data), at)
             at += len(data)
-
-    def close(self) -> None:
-        self._file.close()
 
     def __del__(self) -> None:  # (dropped from the cache: the file goes with it)
         file = getattr(self, "_file", None)
@@ -1048,7 +1069,10 @@ class FilePlan:
             shapes = np.array([g.shape for g in groups], "<i8").reshape(count, layout.sig.ndim)
             first_ds = np.fromiter((g.first_ds for g in groups), np.int64, count)
             addresses = np.fromiter((g.address for g in groups), np.int64, count)
-            cols.layouts.append((layout, addresses, first, shapes, first_ds))
+            # (a layout's groups are in the order the variables were given, not the file's:
+            # sorted by address, a window's rows are one slice)
+            o = np.argsort(addresses, kind="stable")
+            cols.layouts.append((layout, addresses[o], first[o], shapes[o], first_ds[o]))
         ds = self._ds_address.tolist()
         for tmpl, groups in self._plain:
             count = len(groups)
@@ -1136,7 +1160,8 @@ class FilePlan:
 
     def release(self) -> None:
         """After :meth:`metadata`: drop what only making the image needed (the groups, the
-        layouts, the dataset columns, the heap), keeping :attr:`offsets` and what
+        layouts, the dataset columns, the heap, the header chunks' :attr:`checksum_spans`),
+        keeping :attr:`offsets` and what
         :meth:`refresh` re-encodes (the root group, the documents). A plan kept for repeated
         saves then holds tens of bytes per variable instead of its whole structure."""
         documents = set(self._documents.values())
@@ -1160,6 +1185,7 @@ class FilePlan:
         self._ds_offset = np.zeros(0, np.int64)
         self._ref_rows = np.zeros((0, 16), np.uint8)
         self._heap = (0, np.zeros(0, np.uint8))
+        self.checksum_spans = []  # (read after :meth:`metadata`, before the release)
 
     def _set_root_values(self, values: Mapping[str, Any] | None) -> None:
         for name, value in dict(values or {}).items():

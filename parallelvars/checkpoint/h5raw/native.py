@@ -57,6 +57,7 @@ from parallelvars.checkpoint.h5io.records import (
     record_classes,
 )
 from parallelvars.checkpoint.h5io.write import _columns_parts, check_component, wrong_shape
+from parallelvars.checkpoint.h5raw import generate
 from parallelvars.checkpoint.h5raw.component_bytes import (
     Checksums,
     Diverged,
@@ -69,12 +70,7 @@ from parallelvars.checkpoint.h5raw.component_bytes import (
     same_arrays,
     settle,
 )
-from parallelvars.checkpoint.h5raw.generate import (
-    KEPT_IMAGE_BYTES,
-    FilePlan,
-    SpilledImage,
-    Variable,
-)
+from parallelvars.checkpoint.h5raw.generate import FilePlan, SpilledImage, Variable
 from parallelvars.checkpoint.h5raw.messages import Unsupported
 from parallelvars.errors import InvalidEntryError, UnsupportedDtypeError
 
@@ -601,12 +597,18 @@ def _prepare(
     object_graph: Mapping[str, Any] | None,
     root: Mapping[str, Any],
     file: str,
+    out: int,
+    keep: bool,
     laid_out: Callable[[FilePlan], None] | None = None,
 ) -> Prepared:
     """A structure's plan, metadata image and document templates; ``laid_out(plan)`` is
     called as soon as the plan gives the components' offsets (a save starts writing their
     bytes then, while the rest is made). ``crcs()``: the components' checksums (once their
-    bytes are written), asked for only by an index that takes its template record by record."""
+    bytes are written), asked for only by an index that takes its template record by record.
+    The image is written into ``out`` (the file being written): one of more than
+    ``generate.KEPT_IMAGE_BYTES`` a chunk at a time as it is made, and spilled to a file beside
+    ``file`` only when ``keep`` (the cache will hold it; the image is None when not kept,
+    or the spill failed)."""
     # (records of a class share their layout in the plan and their texts in the documents)
     classes = record_classes(items, shared)
     freeze_made_so_far()
@@ -637,16 +639,19 @@ def _prepare(
         graph = json.dumps(object_graph).encode()
         capacities[GRAPH_DATASET] = len(graph)
     image: Any = None
-    if plan.metadata_size <= KEPT_IMAGE_BYTES:
+    if plan.metadata_size <= generate.KEPT_IMAGE_BYTES:  # (read when used: settable)
         meta = plan.metadata(capacities)
         plan.release()  # (kept for the repeated saves: its offsets and the headers they change)
         (at, image), *rest = meta.pieces
         assert at == 0
         file_size, places = meta.file_size, meta.documents
-    else:  # (kept in a file beside the checkpoint, written a chunk at a time as it is made)
+        pwrite_all(out, memoryview(image), 0)
+    else:  # (written into the file a chunk at a time as it is made, and kept for the
+        # repeated saves in a file beside the checkpoint; None: not kept)
         chunked = plan.chunks(capacities)
         file_size, places, rest = chunked.file_size, chunked.documents, chunked.data
-        image = SpilledImage(chunked, plan.metadata_size, os.path.dirname(file))
+        folder = os.path.dirname(os.path.abspath(file)) if keep else None
+        image = SpilledImage.write(chunked, plan.metadata_size, out, folder)
         plan.release()
     return Prepared(
         key,
@@ -664,7 +669,8 @@ def _prepare(
 
 def _write_image(fd: int, prep: Prepared) -> None:
     """Write the metadata image of ``prep``'s structure: kept in memory, or (a structure of
-    more than ``KEPT_IMAGE_BYTES`` of metadata) copied from the file it was spilled to."""
+    more than ``generate.KEPT_IMAGE_BYTES`` of metadata) copied from the file it was spilled
+    to."""
     if isinstance(prep.image, SpilledImage):
         prep.image.write_to(fd)
     else:
@@ -741,7 +747,8 @@ def _save_arrays(
                     laid = None
                 laid_batches = laid and laid[1]
                 data = _DataWrite(fd, prep.plan, items, comps, crcs, p, laid_batches)
-            else:
+                _write_image(fd, prep)
+            else:  # (a plan made now: its image is written as it is made)
                 # (a cached structure's key holds every component's shape and dtype: checked
                 # once)
                 for e, cs in zip(items, comps, strict=True):
@@ -756,10 +763,15 @@ def _save_arrays(
                     data.wait()
                     return settle(crcs, shared, comps)
 
-                prep = _prepare(key, items, shared, checksums_now, object_graph, root, p, laid_out)
-                if cache is not None and key is not None:
+                keep = cache is not None and key is not None
+                prep = _prepare(
+                    key, items, shared, checksums_now, object_graph, root, p, fd, keep, laid_out
+                )
+                if prep.image is None:  # (written, not kept: made again by the next save)
+                    if keep:
+                        cache.clear()  # (the last structure's, not this one's)
+                elif keep:
                     cache.put(prep)
-            _write_image(fd, prep)
             if later and replicas_diverged(items):  # (while the bytes are written)
                 raise Diverged
             assert data is not None
