@@ -8,7 +8,8 @@ from formats_testlib import entries, same_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallelvars.errors import DeviceCountError
+from parallelvars.checkpoint.entry import MAX_COMPONENTS
+from parallelvars.errors import DeviceCountError, InvalidArgumentError
 from parallelvars.formats import ArrayEntry, DictView, Entry, logical_value, reshard, split_offsets
 
 
@@ -148,6 +149,22 @@ def test_view_properties_are_kept_and_nothing_is_read_early() -> None:
 def test_bad_device_count() -> None:
     with pytest.raises(ValueError, match="positive"):
         reshard(_view(), 0)
+
+
+@pytest.mark.parametrize("mirror_single", [False, True])
+def test_more_devices_than_a_variable_can_have_components_is_refused(
+    mirror_single: bool,
+) -> None:
+    # The rewritten entries are not checked again by the writers: M is bounded up front, so
+    # no file is written that every reader refuses.
+    v = _view(ArrayEntry("w", [np.ones(1, np.float32)] * 2, kind="mirrored"))
+    assert reshard(v, MAX_COMPONENTS)["w"].num_components == MAX_COMPONENTS
+    with pytest.raises(
+        InvalidArgumentError, match=f"at most {MAX_COMPONENTS}.*{MAX_COMPONENTS + 1}"
+    ):
+        reshard(v, MAX_COMPONENTS + 1, mirror_single=mirror_single)
+    with pytest.raises(InvalidArgumentError, match="at most"):
+        reshard(_view(), np.int64(MAX_COMPONENTS + 1))
 
 
 @given(length=st.integers(0, 50), parts=st.integers(1, 12))
