@@ -204,11 +204,13 @@ def _rewrite(
     attrs = dict(entry.attrs or {})
     # The decision depends on the kind, N and the aggregation only: made once for each (a
     # refusal is raised for every variable it refuses, naming it).
-    aggregation = attrs.get("aggregation")
-    key = (kind, n, aggregation is None, str(aggregation).lower())
+    # (keyed on exactly what spread_plan reads: an absent aggregation and an explicit None
+    # differ)
+    aggregation = aggregation_of(kind, attrs)
+    key = (kind, n, aggregation)
     spread = spreads.get(key)
     if spread is None:
-        spread = spread_plan(entry, kind, aggregation_of(kind, attrs), m, file=file, rewriting=True)
+        spread = spread_plan(entry, kind, aggregation, m, file=file, rewriting=True)
         spreads[key] = spread
     attrs["devices"] = _devices(m)
     if spread.how == "first":

@@ -86,6 +86,21 @@ def test_on_read_without_aggregation_cannot_move() -> None:
         reshard(_view(e), 1)
 
 
+@pytest.mark.parametrize("order", ["absent_first", "null_only"])
+def test_explicit_null_aggregation_is_refused_after_an_absent_one(order: str) -> None:
+    # An absent aggregation means "sum" (totals), an explicit null means "none": the spread
+    # decision is made once per aggregation, so the two must not share one decision.
+    parts = [np.ones(2, np.float32)] * 2
+    a = ArrayEntry("a", parts, kind="on_read", attrs={})
+    b = ArrayEntry("b", parts, kind="on_read", attrs={"aggregation": None})
+    entries = [a, b] if order == "absent_first" else [b]
+    v = DictView(entries, format="npz", path="/data/agg.npz")
+    with pytest.raises(DeviceCountError, match="'b'") as err:
+        reshard(v, 3)
+    assert err.value.file == "/data/agg.npz"
+    assert [c.tolist() for c in _comps(reshard(DictView([a]), 3)["a"])] == [[2, 2], [0, 0], [0, 0]]
+
+
 def test_sharded_resplit_uneven() -> None:
     full = np.arange(40).reshape(10, 4)
     e = ArrayEntry(
