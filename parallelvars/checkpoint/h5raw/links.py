@@ -468,7 +468,12 @@ def hard_names(
     :class:`Refused` for what this walk does not read (see the module docstring): the caller
     asks libhdf5 instead. ``parents``: the names' parent groups, when the caller knows them
     (fewer than the names: each is split once). ``max_groups``: the most groups read (default:
-    one per group on the names' paths, and the root)."""
+    one per group on the names' paths, and the root).
+
+    The readers call :func:`reached_members` (no name made per component); this is kept
+    beside it as the same walk asked about any names, which the tests hold to libhdf5's own
+    link walk and to the reference walk (``tests/links_reference.py``) name by name, over
+    arbitrary files: the answers :func:`reached_members` gives are this one's."""
     if parents is not None:
         groups = set(parents)
     else:
