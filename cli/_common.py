@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from parallelvars._fileio import make_folder
-from parallelvars.checkpoint.entry import CountingEntry
+from parallelvars.checkpoint.entry import MAX_COMPONENTS, CountingEntry
 from parallelvars.errors import InvalidArgumentError
 from parallelvars.formats import (
     FORMAT_NAMES,
@@ -43,6 +43,7 @@ __all__ = [
     "output_format",
     "size_arg",
     "positive_int",
+    "device_count",
     "non_negative_int",
     "non_negative_float",
     "progress_entries",
@@ -63,15 +64,18 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _number(cast: Callable[[str], Any], low: float, what: str) -> Callable[[str], Any]:
-    """An argparse type: ``cast(text)``, finite and at least ``low``, else an error naming ``what``."""
+def _number(
+    cast: Callable[[str], Any], low: float, what: str, high: float | None = None
+) -> Callable[[str], Any]:
+    """An argparse type: ``cast(text)``, finite, at least ``low`` and (when given) at most
+    ``high``, else an error naming ``what``."""
 
     def parse(text: str) -> Any:
         try:
             value = cast(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not np.isfinite(value) or value < low:
+        if not np.isfinite(value) or value < low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return value
 
@@ -80,6 +84,7 @@ def _number(cast: Callable[[str], Any], low: float, what: str) -> Callable[[str]
 
 
 positive_int = _number(int, 1, "a positive integer")
+device_count = _number(int, 1, f"a positive integer up to {MAX_COMPONENTS}", MAX_COMPONENTS)
 non_negative_int = _number(int, 0, "an integer >= 0")
 non_negative_float = _number(float, 0, "a finite number >= 0")
 

@@ -331,7 +331,8 @@ def _same_pairs(pending: list[tuple[str, list[np.ndarray], list[np.ndarray]]]) -
     dtype and shape: :func:`_alike`), whether every pair holds the same bytes.
 
     Runs of variables whose components are small are compared together: each side's bytes
-    joined (at most :data:`_JOIN_BYTES` a side at a time) and the two joins compared, which
+    joined (a run takes variables of at most an eighth of :data:`_JOIN_BYTES` a side until it
+    holds that much: at most 1.125 times it a side) and the two joins compared, which
     settles them all when equal (every pair is of one size, so equal joins are equal pairs);
     otherwise, and for larger components, pair by pair (no copy)."""
     out: list[bool] = []

@@ -8,15 +8,16 @@ from typing import Any
 from parallelvars import formats
 from parallelvars._fileio import remove_made
 from parallelvars.checkpoint._gcfreeze import freeze_made_so_far, older_objects_frozen
+from parallelvars.checkpoint.entry import MAX_COMPONENTS
 
 from ._common import (
     add_destination_options,
     add_format_option,
     destination_path,
+    device_count,
     note_made,
     open_view,
     output_format,
-    positive_int,
     progress_entries,
 )
 from ._errors import UsageError
@@ -50,7 +51,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("source", metavar="SRC", help="checkpoint to read")
     parser.add_argument("destination", metavar="DST", help="file (or prefix) to write")
     parser.add_argument(
-        "--devices", metavar="M", type=positive_int, required=True, help="number of devices (>= 1)"
+        "--devices",
+        metavar="M",
+        type=device_count,
+        required=True,
+        help=f"number of devices (1 to {MAX_COMPONENTS})",
     )
     add_format_option(parser, "--from", "format of SRC")
     add_format_option(parser, "--to", "format of DST", "by default from DST's suffix, else SRC's")

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from parallelvars import _spans
-from parallelvars._fileio import Scratch, value_types
+from parallelvars._fileio import Scratch
 from parallelvars._geometry import shard_slices
 from parallelvars.checkpoint._gcfreeze import FREEZE_STEP, freeze_made_so_far
 from parallelvars.checkpoint.entry import ReadAhead, check_entry
@@ -24,7 +24,7 @@ from parallelvars.errors import (
 from ._dtypes import tensor_dtype_name
 from ._graph import carried_graph
 from ._info import INFO_FORMAT, INFO_VERSION
-from ._json import _LEAVES, jsonable
+from ._json import jsonable
 from ._names import check_names, component_keys, from_key, part_key, to_key
 from ._view import Entry, aggregates
 
@@ -253,7 +253,7 @@ def plan_tensors(
                 "num_components": count,
                 "layout": layout,
                 "keys": [t.key for t in tensors],
-                "attrs": _json_attrs(attrs),
+                "attrs": jsonable(attrs),
             }
     info = {"format": INFO_FORMAT, "version": INFO_VERSION, "names": names, "variables": variables}
     graph = carried_graph(entries)
@@ -264,27 +264,6 @@ def plan_tensors(
 
 def _ints(shape: Any) -> tuple[int, ...]:
     return tuple(int(s) for s in shape)
-
-
-def _json_attrs(attrs: Any) -> dict[str, Any]:
-    """``jsonable(dict(attrs))``, at once for the common attributes: text, integers, booleans
-    and None, and lists of them (a device list), copied."""
-    if type(attrs) is dict:
-        out: dict[str, Any] = {}
-        for k, v in attrs.items():
-            t = type(v)
-            if type(k) is not str:
-                break
-            if t in _LEAVES:
-                out[k] = v
-            elif t is list and value_types(v) <= _LEAVES:
-                out[k] = list(v)
-            else:
-                break
-        else:
-            return out
-    result: dict[str, Any] = jsonable(dict(attrs))
-    return result
 
 
 def read_batches(

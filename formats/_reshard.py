@@ -47,7 +47,7 @@ import numpy as np
 
 from parallelvars._aggregate import Spread, aggregation_of, logical_value, spread_plan
 from parallelvars._geometry import overlapping_shards, shard_bounds, shard_index, shard_offsets
-from parallelvars.checkpoint.entry import Entry, ForwardingEntry, check_entry
+from parallelvars.checkpoint.entry import MAX_COMPONENTS, Entry, ForwardingEntry, check_entry
 from parallelvars.errors import InvalidArgumentError
 
 from ._view import CheckpointView, DictView
@@ -89,9 +89,10 @@ class _Cache:
 class _Rewritten(ForwardingEntry):
     """An entry of the resharded view; components computed from the source on demand.
 
-    Its layout is valid by construction (the source's, checked by :func:`_rewrite`, spread on
-    M devices named ``cpu:0 ..``, shards split by :func:`split_offsets`): writers do not check
-    it again."""
+    Its layout is valid by construction, so writers do not check it again: the name, kind,
+    shape, dtype and aggregation are the source's (checked by :func:`_rewrite`; the kind may
+    become ``mirrored``), M is within 1 .. ``MAX_COMPONENTS`` (checked by :func:`reshard`),
+    the ``devices`` are M names ``cpu:0 ..`` and shards are split by :func:`split_offsets`."""
 
     layout_checked = True
 
@@ -203,11 +204,13 @@ def _rewrite(
     attrs = dict(entry.attrs or {})
     # The decision depends on the kind, N and the aggregation only: made once for each (a
     # refusal is raised for every variable it refuses, naming it).
-    aggregation = attrs.get("aggregation")
-    key = (kind, n, aggregation is None, str(aggregation).lower())
+    # (keyed on exactly what spread_plan reads: an absent aggregation and an explicit None
+    # differ)
+    aggregation = aggregation_of(kind, attrs)
+    key = (kind, n, aggregation)
     spread = spreads.get(key)
     if spread is None:
-        spread = spread_plan(entry, kind, aggregation_of(kind, attrs), m, file=file, rewriting=True)
+        spread = spread_plan(entry, kind, aggregation, m, file=file, rewriting=True)
         spreads[key] = spread
     attrs["devices"] = _devices(m)
     if spread.how == "first":
@@ -225,18 +228,24 @@ def reshard(
 
     Args:
         view: any checkpoint view or mapping of entries.
-        devices: the new number of devices M (>= 1).
+        devices: the new number of devices M, 1 to ``MAX_COMPONENTS`` (65536).
         mirror_single: also turn single variables into mirrored ones on all M devices.
 
     Returns:
         A :class:`CheckpointView` with the same paths, format, file and metadata.
 
     Raises:
+        InvalidArgumentError: ``devices`` is not an integer from 1 to ``MAX_COMPONENTS``.
         DeviceCountError: an independent (or aggregation ``none`` on-read) variable was saved
             for another number of devices; the message names it.
     """
     if isinstance(devices, bool) or not isinstance(devices, (int, np.integer)) or devices < 1:
         raise InvalidArgumentError(f"devices must be a positive integer, got {devices!r}")
+    if devices > MAX_COMPONENTS:  # (no reader opens a variable of more components)
+        raise InvalidArgumentError(
+            f"devices must be at most {MAX_COMPONENTS} (the most components a variable can "
+            f"have), got {int(devices)}"
+        )
     m = int(devices)
     cache = _Cache()
     file = getattr(view, "path", None)

@@ -16,6 +16,7 @@ import pytest
 from _cli_support import write_sample
 
 from parallelvars import errors
+from parallelvars.checkpoint.entry import MAX_COMPONENTS
 from parallelvars.cli import COMMANDS, build_parser, main
 from parallelvars.cli.testing import EXIT_INTERNAL, EXIT_USAGE, Output, UsageError, classify
 from parallelvars.errors import InvalidArgumentError
@@ -111,6 +112,17 @@ def test_bad_devices_value(
         "parallelvars reshard: error: argument --devices: expected a positive integer"
     )
     assert repr(devices) in line
+
+
+def test_devices_beyond_the_components_a_variable_can_have(
+    capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path
+) -> None:
+    src, dst = tmp_path / "a.npz", tmp_path / "b.npz"
+    np.savez(src, w=np.ones(2, np.float32))
+    assert main(["reshard", str(src), str(dst), "--devices", str(MAX_COMPONENTS + 1)]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert f"up to {MAX_COMPONENTS}" in line and repr(str(MAX_COMPONENTS + 1)) in line
+    assert not dst.exists()
 
 
 # --- input errors: exit 2, one line, traceback only with --debug ---------------------------------

@@ -8,7 +8,8 @@ from formats_testlib import entries, same_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallelvars.errors import DeviceCountError
+from parallelvars.checkpoint.entry import MAX_COMPONENTS
+from parallelvars.errors import DeviceCountError, InvalidArgumentError
 from parallelvars.formats import ArrayEntry, DictView, Entry, logical_value, reshard, split_offsets
 
 
@@ -85,6 +86,21 @@ def test_on_read_without_aggregation_cannot_move() -> None:
         reshard(_view(e), 1)
 
 
+@pytest.mark.parametrize("order", ["absent_first", "null_only"])
+def test_explicit_null_aggregation_is_refused_after_an_absent_one(order: str) -> None:
+    # An absent aggregation means "sum" (totals), an explicit null means "none": the spread
+    # decision is made once per aggregation, so the two must not share one decision.
+    parts = [np.ones(2, np.float32)] * 2
+    a = ArrayEntry("a", parts, kind="on_read", attrs={})
+    b = ArrayEntry("b", parts, kind="on_read", attrs={"aggregation": None})
+    entries = [a, b] if order == "absent_first" else [b]
+    v = DictView(entries, format="npz", path="/data/agg.npz")
+    with pytest.raises(DeviceCountError, match="'b'") as err:
+        reshard(v, 3)
+    assert err.value.file == "/data/agg.npz"
+    assert [c.tolist() for c in _comps(reshard(DictView([a]), 3)["a"])] == [[2, 2], [0, 0], [0, 0]]
+
+
 def test_sharded_resplit_uneven() -> None:
     full = np.arange(40).reshape(10, 4)
     e = ArrayEntry(
@@ -148,6 +164,22 @@ def test_view_properties_are_kept_and_nothing_is_read_early() -> None:
 def test_bad_device_count() -> None:
     with pytest.raises(ValueError, match="positive"):
         reshard(_view(), 0)
+
+
+@pytest.mark.parametrize("mirror_single", [False, True])
+def test_more_devices_than_a_variable_can_have_components_is_refused(
+    mirror_single: bool,
+) -> None:
+    # The rewritten entries are not checked again by the writers: M is bounded up front, so
+    # no file is written that every reader refuses.
+    v = _view(ArrayEntry("w", [np.ones(1, np.float32)] * 2, kind="mirrored"))
+    assert reshard(v, MAX_COMPONENTS)["w"].num_components == MAX_COMPONENTS
+    with pytest.raises(
+        InvalidArgumentError, match=f"at most {MAX_COMPONENTS}.*{MAX_COMPONENTS + 1}"
+    ):
+        reshard(v, MAX_COMPONENTS + 1, mirror_single=mirror_single)
+    with pytest.raises(InvalidArgumentError, match="at most"):
+        reshard(_view(), np.int64(MAX_COMPONENTS + 1))
 
 
 @given(length=st.integers(0, 50), parts=st.integers(1, 12))

@@ -53,7 +53,7 @@ from parallelvars.errors import (
     UnsupportedDtypeError,
 )
 
-from .._json import _LEAVES, jsonable
+from .._json import jsonable
 from .._view import Entry, aggregates
 from ._bundle import BundleWriter
 from ._dtypes import DT_STRING, tf_dtype
@@ -224,11 +224,7 @@ def _extra(var: _Var) -> dict[str, Any] | None:
         if e.kind == "sharded":  # the reader needs the split the slices cannot show
             var.expressed -= {"shard_axis", "shard_offsets"}
     expressed = var.expressed
-    attrs = {
-        k: v if type(v) in _LEAVES else jsonable(v)
-        for k, v in e.attrs.items()
-        if k not in expressed
-    }
+    attrs = jsonable({k: v for k, v in e.attrs.items() if k not in expressed})
     if attrs:
         record["attrs"] = attrs
     return record or None

@@ -21,9 +21,9 @@ from parallelvars.checkpoint.h5io._global_heap import GlobalHeapCheck
 from parallelvars.checkpoint.h5io.attributes import _read_json
 from parallelvars.checkpoint.h5io.columns import _ABSENT, ColumnEntries, _same, _short
 from parallelvars.checkpoint.h5io.layout import _H5_ERRORS, COLUMNS_DATASET, INDEX_DATASET
-from parallelvars.checkpoint.h5raw.links import reached_members
+from parallelvars.checkpoint.h5raw.links import data_addresses, reached_members
 from parallelvars.checkpoint.h5raw.source import Refused, WindowSource
-from parallelvars.checkpoint.registry import PRIMARY, component_name, extra_component_index
+from parallelvars.checkpoint.registry import component_index, component_name
 from parallelvars.errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ class BulkReads:
             return self._slot_reached(name)
         hard = self._hard_names
         if hard is not None:
-            return name.encode() in hard
+            return name.encode() in hard and self._placed_by_h5(name)
         self._link_checks += 1
         f = self._h5()
         if self._link_checks > LINK_CHECKS:
@@ -97,9 +97,31 @@ class BulkReads:
         if _h5policy.check_path(f.id, path, self.path, checked=self._checked_groups) is not None:
             return False
         try:
-            return bool(f.id.links.exists(path.encode()))
+            return bool(f.id.links.exists(path.encode())) and self._placed_by_h5(name)
         except _H5_ERRORS:
             return False
+
+    def _placed_by_h5(self, name: str) -> bool:
+        """Whether the dataset ``name`` leads to (HDF5 opens it) holds its data where the
+        index places the component, when the index places it (else True: nothing to agree
+        with). A component whose link was re-pointed to another dataset is then read where
+        HDF5 reads it, and checked against its own checksum there."""
+        table = self.table
+        if table is None:
+            return True
+        parent, _, leaf = name.rpartition("/")
+        row = table.rows.get(parent)
+        i = component_index(leaf)
+        if row is None or i is None or i >= table.counts[row]:
+            return True
+        slot = int(table.first[row]) + i
+        if not table.located[slot] or not table.nbytes[slot]:
+            return True
+        try:
+            offset = h5py.h5d.open(self._h5().id, f"/{name}".encode()).get_offset()
+        except _H5_ERRORS:
+            return False
+        return offset is not None and int(offset) == int(table.offsets[slot])
 
     def _slot_reached(self, name: str) -> bool:
         """:meth:`_reached` from :attr:`_reached_slots`: a name that is not one of the
@@ -110,7 +132,7 @@ class BulkReads:
         row = table.rows.get(parent)
         if row is None:
             return False
-        i = 0 if leaf == PRIMARY else extra_component_index(leaf)
+        i = component_index(leaf)
         if i is None or i >= table.counts[row]:
             return False
         return bool(slots[int(table.first[row]) - int(table.first[0]) + i])
@@ -121,11 +143,16 @@ class BulkReads:
 
         With a table, whether each of its components is (:attr:`_reached_slots`), found by
         our own walk of the groups on their way
-        (:func:`~parallelvars.checkpoint.h5raw.links.reached_members`: no component's
-        header read, each group's checked as HDF5 would, no name made per component); any
-        other name is not listed (the caller opens it the general way). A file that walk does
-        not read (not written the way our writers write), or without a table: every name,
-        by HDF5's link walk (:attr:`_hard_names`)."""
+        (:func:`~parallelvars.checkpoint.h5raw.links.reached_members`: each group's header
+        checked as HDF5 would, no name made per component), and whether the dataset each
+        component's link leads to holds its data where the index places it
+        (:func:`~parallelvars.checkpoint.h5raw.links.data_addresses`: the datasets' headers
+        read and walked together): a link re-pointed to another dataset is not read at the
+        index's offset, but where HDF5 reads it, and checked there against its own checksum,
+        so every reader of the file reads the same bytes. Any other name is not listed (the
+        caller opens it the general way). A file that walk does not read (not written the
+        way our writers write), or without a table: every name, by HDF5's link walk
+        (:attr:`_hard_names`)."""
         if self._reached_slots is not None or self._hard_names is not None:
             return True
         if self._unlisted:
@@ -135,12 +162,22 @@ class BulkReads:
             try:
                 first = np.asarray(table.first, np.int64)
                 members = [component_name(i).encode() for i in range(max(table.counts, default=0))]
-                self._reached_slots = reached_members(
-                    WindowSource(self._fd(), self.file_size),
+                source = WindowSource(self._fd(), self.file_size)
+                lo, hi = int(first[0]), int(first[len(table.names)])
+                targets = np.full(hi - lo, -1, np.int64)
+                reached = reached_members(
+                    source,
                     [name.encode() for name in table.names],
                     members,
                     np.diff(first[: len(table.names) + 1]),
+                    targets=targets,
                 )
+                # Where the data of the dataset each reached component leads to lies; a
+                # component the index does not place, or of no bytes, has nothing to agree.
+                found = np.full(hi - lo, -1, np.int64)
+                found[reached] = data_addresses(source, targets[reached])
+                located = table.located[lo:hi] & (table.nbytes[lo:hi] > 0)
+                self._reached_slots = reached & (~located | (found == table.offsets[lo:hi]))
                 # (every component of the table reached: nothing left to look up one by one)
                 self._all_listed = bool(self._reached_slots.all())
                 return True
@@ -191,9 +228,25 @@ class BulkReads:
         hard = self._hard_names or set()
         suffixes = [f"/{component_name(i)}".encode() for i in range(max(counts, default=0))]
         return [
-            all(path.encode() + suffixes[i] in hard for i in range(n))
+            all(
+                path.encode() + suffixes[i] in hard
+                and self._placed_by_h5(f"{path}/{component_name(i)}")
+                for i in range(n)
+            )
             for path, n in zip(paths, counts, strict=True)
         ]
+
+    def placed_rows(self, rows: list[int]) -> np.ndarray:
+        """For each row of :attr:`table` (a bool array): whether every one of its components
+        is read where the index places it, its name reached by hard links only and leading
+        to the dataset whose data lies there (:meth:`_all_reached`). The bulk restore reads
+        the others the general way."""
+        table = self.table
+        assert table is not None
+        return np.array(
+            self._all_reached([table.names[r] for r in rows], [table.counts[r] for r in rows]),
+            bool,
+        )
 
     def _in_bulk(self, row: int) -> bool:
         """Whether the commands read the row ``row`` of :attr:`table` in bulk: a row the bulk

@@ -401,7 +401,17 @@ class StoredVariable(Entry):
         indexed = (
             self._index_offsets[i] if self._index_offsets and i < len(self._index_offsets) else None
         )
-        if indexed is not None and self.dtype.kind != "O":
+        if (
+            indexed is not None
+            and self.dtype.kind != "O"
+            and (
+                not math.prod(self._shapes[i])
+                or self._reader._reached(f"{self.path}/{component_name(i)}")
+            )
+        ):
+            # (the index's place, when the component's name leads there: a link re-pointed
+            # to another dataset is read where HDF5 reads it, and checked there against its
+            # own checksum, so every reader of the file reads the same bytes)
             size = math.prod(self._shapes[i])
             if indexed < 0 or indexed + size * self.dtype.itemsize > self._reader.file_size:
                 raise TruncatedFileError(
@@ -547,12 +557,23 @@ class StoredVariable(Entry):
         if expected is None:
             raise self._fail("dataset has no crc32c attribute", i)
         if found != expected:
+            # (read where the name leads, not where the index places it: say both places)
+            offsets = self._index_offsets or ()
+            indexed = offsets[i] if i < len(offsets) else None
+            loc = self._locations.get(i)
+            moved = indexed is not None and loc is not None and loc[0] != indexed
             raise ChecksumMismatchError(
                 "checksum mismatch: the stored bytes are damaged",
                 file=self._reader.path,
                 variable=f"{self.path}/{component_name(i)}",
                 expected=f"crc32c {expected:#010x}",
                 found=f"crc32c {found:#010x}",
+                hint=(
+                    f"its name leads to a dataset whose data lies at offset {loc[0]}, "
+                    f"the index places it at offset {indexed}"
+                    if moved and loc is not None
+                    else None
+                ),
             )
 
     def verify(self, i: int) -> None:

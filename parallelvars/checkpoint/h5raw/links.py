@@ -32,7 +32,7 @@ from parallelvars.checkpoint.h5raw.lookup3 import lookup3, lookup3_many, lookup3
 from parallelvars.checkpoint.h5raw.source import Refused, Source
 from parallelvars.checkpoint.h5raw.symbol_table import SYMBOL_TABLE, read_symbol_table
 
-__all__ = ["hard_names", "reached_members", "root_address"]
+__all__ = ["data_addresses", "hard_names", "reached_members", "root_address"]
 
 _UNDEF = 0xFFFFFFFFFFFFFFFF
 _SUPERBLOCK = struct.Struct("<8sBBBBQQQQ")  # versions 2 and 3 (8-byte offsets and lengths)
@@ -415,11 +415,11 @@ def _group(path: bytes) -> str:
 
 def _walk(
     source: Source, groups: set[bytes], max_groups: int | None
-) -> Iterator[tuple[list[bytes], list[int], list[bytes], set[bytes]]]:
+) -> Iterator[tuple[list[bytes], list[int], list[bytes], list[int], set[bytes]]]:
     """The groups on the way to ``groups`` (every group above one of them, and those
     themselves) reached from the root by hard links only, a batch at a time: the batch's
     group paths and, of their hard links, each one's group (an index into those paths), its
-    name and the set of the links' full names. At most ``max_groups`` groups read (default:
+    name, its object's header address and the set of the links' full names. At most ``max_groups`` groups read (default:
     as many as ``groups`` and the groups above them, and the root)."""
     names = set(groups)
     while names:  # (every group above a name: its path cut at each ``/`` but a leading one)
@@ -444,7 +444,7 @@ def _walk(
             seen.update(part)
             prefixes = [path + b"/" if path else b"" for path in where]
             of, names_, fulls, targets, listed = _group_links(source, part, where, prefixes)
-            yield where, of, names_, listed
+            yield where, of, names_, targets, listed
             on_way = groups.intersection(listed)
             if on_way:
                 for full, address in zip(fulls, targets, strict=True):
@@ -468,13 +468,18 @@ def hard_names(
     :class:`Refused` for what this walk does not read (see the module docstring): the caller
     asks libhdf5 instead. ``parents``: the names' parent groups, when the caller knows them
     (fewer than the names: each is split once). ``max_groups``: the most groups read (default:
-    one per group on the names' paths, and the root)."""
+    one per group on the names' paths, and the root).
+
+    The readers call :func:`reached_members` (no name made per component); this is kept
+    beside it as the same walk asked about any names, which the tests hold to libhdf5's own
+    link walk and to the reference walk (``tests/links_reference.py``) name by name, over
+    arbitrary files: the answers :func:`reached_members` gives are this one's."""
     if parents is not None:
         groups = set(parents)
     else:
         groups = {name[:cut] for name in wanted if (cut := name.rfind(b"/")) > 0}
     found: set[bytes] = set()
-    for _where, _of, _names, listed in _walk(source, groups, max_groups):
+    for _where, _of, _names, _targets, listed in _walk(source, groups, max_groups):
         found |= listed.intersection(wanted)
     return found
 
@@ -486,6 +491,7 @@ def reached_members(
     counts: np.ndarray,
     *,
     max_groups: int | None = None,
+    targets: np.ndarray | None = None,
 ) -> np.ndarray:
     """For each group ``parents[p]`` and each of its first ``counts[p]`` ``members`` (link
     names), whether that name is a hard link of the group and the group is reached from the
@@ -495,14 +501,15 @@ def reached_members(
     :func:`hard_names` for the names ``parents[p] + b"/" + members[i]``, ``i < counts[p]``,
     with none of those names made or kept: what it holds is this array and the walk's batch.
     A group reached under two paths is walked under its first one only (the other's members
-    are then False), as in :func:`hard_names`."""
+    are then False), as in :func:`hard_names`. ``targets`` (an int64 array of as many
+    items, when given) receives each reached member's object header address."""
     counts = np.asarray(counts, np.int64)
     starts = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=starts[1:])
     out = np.zeros(int(starts[-1]), bool)
     row_of = {p: r for r, p in enumerate(parents)}  # (distinct paths: a table's rows)
     index = {name: i for i, name in enumerate(members)}
-    for where, of, names, _listed in _walk(source, set(row_of), max_groups):
+    for where, of, names, addresses, _listed in _walk(source, set(row_of), max_groups):
         if not names:
             continue
         rows = np.fromiter(map(row_of.get, where, repeat(-1)), np.int64, len(where))
@@ -511,4 +518,101 @@ def reached_members(
         keep = (link_rows >= 0) & (ids >= 0)
         keep[keep] &= ids[keep] < counts[link_rows[keep]]
         out[starts[link_rows[keep]] + ids[keep]] = True
+        if targets is not None:
+            targets[starts[link_rows[keep]] + ids[keep]] = np.asarray(addresses, np.int64)[keep]
     return out
+
+
+def data_addresses(source: Source, addresses: np.ndarray) -> np.ndarray:
+    """The file offset of the data of each dataset whose object header is at ``addresses``
+    (an int64 array), as HDF5 would find it on opening the dataset: the address of its
+    contiguous data layout message (version 3 or 4); -1 for a dataset laid out otherwise
+    (compact, chunked, virtual) or with no data allocated.
+
+    Each header's chunks are checked against their checksums, as when HDF5 loads it.
+    Version-2 headers whose layout message lies in their first chunk, without continuation,
+    are read and walked together as arrays; any other header alone
+    (:func:`~.header.read_object_header`). :class:`Refused` for a header this walk does not
+    read: the caller then asks libhdf5."""
+    addr = np.asarray(addresses, np.int64)
+    out = np.full(addr.size, -1, np.int64)
+    if addr.size == 0:
+        return out
+    if int(addr.min()) < 0 or int(addr.max()) + 16 > source.size:
+        raise Refused("an object header lies outside the file", f"below {source.size}", "past it")
+    head, at = _read_spans(source, addr, np.minimum(_FIRST, source.size - addr))
+    ok = (
+        (head[at] == 0x4F)
+        & (head[at + 1] == 0x48)
+        & (head[at + 2] == 0x44)
+        & (head[at + 3] == 0x52)
+        & (head[at + 4] == 2)
+    )
+    flags = head[at + 5].astype(np.int64)
+    ok &= (flags & ~0x3F) == 0
+    p = 6 + np.where(flags & 0x20, 16, 0) + np.where(flags & 0x10, 4, 0)
+    width = np.left_shift(1, flags & 0x03)
+    ok &= (p + width + 8 <= np.minimum(_FIRST, source.size - addr)) & (width <= 4)
+    fast = np.flatnonzero(ok)
+    slow = set(np.flatnonzero(~ok).tolist())
+    if fast.size:
+        base = at[fast]
+        size0 = _gather(head, base + p[fast], width[fast]).astype(np.int64)
+        length = p[fast] + width[fast]
+        # (a first chunk the first read does not hold whole: read alone)
+        whole = length + size0 + 4 <= np.minimum(_FIRST, source.size - addr[fast])
+        slow.update(fast[~whole].tolist())
+        fast, base, size0, length = fast[whole], base[whole], size0[whole], length[whole]
+        f_flags = flags[fast]
+        spans = np.stack([base, base + length + size0], axis=1)
+        failed = np.flatnonzero(
+            _checksums(head, spans) != _gather(head, base + length + size0, 4).astype(np.uint32)
+        )
+        if failed.size:
+            bad = int(addr[fast][failed[0]])
+            raise Refused(
+                f"the object header at {bad} fails its checksum", "its lookup3", "another"
+            )
+        mhead = np.where(f_flags & 0x04, 6, 4)
+        pos, end = base + length, base + length + size0
+        layout_at = np.full(fast.size, -1, np.int64)
+        layout_size = np.zeros(fast.size, np.int64)
+        alone = np.zeros(fast.size, bool)
+        rows = np.arange(fast.size)
+        while rows.size:
+            rows = rows[pos[rows] + mhead[rows] <= end[rows]]
+            if not rows.size:
+                break
+            q = pos[rows]
+            mtype = head[q].astype(np.int64)
+            msize = head[q + 1].astype(np.int64) | head[q + 2].astype(np.int64) << 8
+            body = q + mhead[rows]
+            if np.any(body + msize > end[rows]):
+                k = int(rows[np.flatnonzero(body + msize > end[rows])[0]])
+                raise Refused(
+                    f"the object header at {int(addr[fast][k])}: a message runs past its chunk",
+                    "a message inside its chunk",
+                    "past its end",
+                )
+            layout = mtype == hdr.LAYOUT
+            # (a second layout message, or a continuation: the header is read alone)
+            alone[rows[(mtype == hdr.CONTINUATION) | (layout & (layout_at[rows] >= 0))]] = True
+            layout_at[rows[layout]] = body[layout]
+            layout_size[rows[layout]] = msize[layout]
+            pos[rows] = body + msize
+        slow.update(fast[alone].tolist())
+        take = ~alone & (layout_at >= 0)
+        b, s = layout_at[take], layout_size[take]
+        contiguous = (s >= 18) & ((head[b] == 3) | (head[b] == 4)) & (head[b + 1] == 1)
+        found = np.full(b.size, -1, np.int64)
+        found[contiguous] = _gather(head, b[contiguous] + 2, 8).astype(np.int64)
+        out[fast[take]] = found
+    for k in sorted(slow):
+        header = hdr.read_object_header(
+            source, int(addr[k]), keep=frozenset((hdr.LAYOUT,)), checksums=True
+        )
+        layouts = list(header.of_type(hdr.LAYOUT))
+        body = layouts[0].body if len(layouts) == 1 else b""
+        if len(body) >= 18 and body[0] in (3, 4) and body[1] == 1:
+            out[k] = int.from_bytes(body[2:10], "little")
+    return out  # (an undefined address, no data allocated, reads as -1)
