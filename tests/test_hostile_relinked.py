@@ -15,7 +15,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import parallelvars as pv
 from parallelvars import formats
 from parallelvars.checkpoint.h5io import H5Reader
 from parallelvars.checkpoint.h5raw.links import data_addresses
@@ -23,7 +22,6 @@ from parallelvars.checkpoint.h5raw.source import WindowSource
 from parallelvars.cli import main
 from parallelvars.errors import CorruptCheckpointError
 from parallelvars.formats import ArrayEntry, DictView
-from parallelvars.testing import restore_rules as _restore
 
 h5bulk = pytest.importorskip("parallelvars.checkpoint.h5io.bulk")
 
@@ -87,30 +85,6 @@ def test_a_name_linked_to_another_variables_dataset_is_refused_by_every_reader(
         captured = capsys.readouterr()
         assert "g6/v6/primary" in captured.out + captured.err, argv
     assert not os.path.exists(tmp_path / "o.safetensors")
-
-
-def test_a_relinked_component_is_refused_by_restore(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(_restore, "DIRECT_MIN_COMPONENTS", 0)  # (the bulk restore takes all)
-
-    def model(seed: int) -> pv.Module:
-        m = pv.Module()
-        with pv.MirroredStrategy(2).scope():
-            m.vars = [pv.Variable(np.full(3, seed * 100 + i, np.float32)) for i in range(5)]
-        return m
-
-    path = tmp_path / "ckpt.h5"
-    pv.Checkpoint(model=model(0)).write(path)
-    _relink(path, "model/vars/1/primary", "model/vars/2/primary")
-    live = model(1)
-    before = [c.copy() for v in live.vars for c in v.components]
-    with pytest.raises(CorruptCheckpointError, match="'model/vars/1/primary'"):
-        pv.Checkpoint(model=live).restore(path)
-    assert all(
-        np.array_equal(a, b)
-        for a, b in zip(before, [c for v in live.vars for c in v.components], strict=True)
-    )
 
 
 @settings(

@@ -576,10 +576,9 @@ class DirectRestore:
 
     def read(self, reader: H5Reader) -> list[int]:
         """Read and verify every component; the variables with a component whose bytes do
-        not match its checksum, or whose name does not lead to the dataset the index places
-        (:meth:`H5Reader.placed_rows`), are dropped from this restore and returned (their
-        positions: the general path then reads them, from where HDF5 places a dataset whose
-        indexed offset is stale, or raising the error that names the damage)."""
+        not match its checksum are dropped from this restore and returned (their positions:
+        the general path then reads them, from where HDF5 places a dataset whose indexed
+        offset is stale, or raising the error that names the damage)."""
         table = reader.table
         assert table is not None
         rows = np.array(self.rows, np.int64)
@@ -588,11 +587,10 @@ class DirectRestore:
         reader.hold(buffer.nbytes)
         nbytes = table.nbytes[slots]
         failed: list[int] = []
-        elsewhere = np.flatnonzero(~reader.placed_rows(self.rows)).tolist()
-        if bad or elsewhere:
+        if bad:
             counts = table.first[rows + 1] - table.first[rows]
             owner = np.repeat(np.arange(rows.size), counts)
-            dropped = sorted(set(owner[bad].tolist()).union(elsewhere))
+            dropped = sorted(set(owner[bad].tolist()))
             failed = [self.taken[k] for k in dropped]
             keep = ~np.isin(owner, dropped)
             kept = np.ones(rows.size, bool)

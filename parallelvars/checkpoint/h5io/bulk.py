@@ -236,18 +236,6 @@ class BulkReads:
             for path, n in zip(paths, counts, strict=True)
         ]
 
-    def placed_rows(self, rows: list[int]) -> np.ndarray:
-        """For each row of :attr:`table` (a bool array): whether every one of its components
-        is read where the index places it, its name reached by hard links only and leading
-        to the dataset whose data lies there (:meth:`_all_reached`). The bulk restore reads
-        the others the general way."""
-        table = self.table
-        assert table is not None
-        return np.array(
-            self._all_reached([table.names[r] for r in rows], [table.counts[r] for r in rows]),
-            bool,
-        )
-
     def _in_bulk(self, row: int) -> bool:
         """Whether the commands read the row ``row`` of :attr:`table` in bulk: a row the bulk
         read takes (``table.direct``, the restore's rule too) whose bytes fit one batch of
