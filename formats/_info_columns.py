@@ -44,6 +44,7 @@ each distinct layout once, before an entry is made.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -90,7 +91,12 @@ def _expanded_attrs(raw_attrs: dict[str, Any], n: int) -> int:
             total += n * (cell + len(json.dumps(values[index], separators=(",", ":"))))
         elif type(index) is list:
             sizes = [cell + len(json.dumps(v, separators=(",", ":"))) for v in values]
-            total += sum(sizes[c] for c in index if type(c) is int and 0 <= c < len(sizes))
+            if value_types(index) <= {int}:  # (each distinct code once, counted in C)
+                for c, times in Counter(index).items():
+                    if 0 <= c < len(sizes):
+                        total += sizes[c] * times
+            else:  # (bools and floats equal some ints: told apart one by one)
+                total += sum(sizes[c] for c in index if type(c) is int and 0 <= c < len(sizes))
     return total
 
 
