@@ -68,13 +68,14 @@ def _parse_header(raw: bytes, file: str) -> Any:
     objects; when the pairs they hold do not add up to the pairs of the text (a repeated
     name, or a shape no well-formed header has), the text is parsed again with a hook that
     names the repeated name."""
+    pairs = _json_pairs(raw)  # (first: its temporaries gone before the objects are made)
     header = load_json(raw, file=file, what="safetensors header", max_bytes=MAX_HEADER_SIZE)
     if type(header) is dict:
         infos = list(header.values())
         if set(map(type, infos)) <= {dict}:
             metadata = header.get("__metadata__")
             held = len(header) + sum(map(len, infos))
-            if (metadata is None or type(metadata) is dict) and held == _json_pairs(raw):
+            if (metadata is None or type(metadata) is dict) and held == pairs:
                 return header  # (every object counted: none lost a repeated name)
     return load_json(
         raw,
