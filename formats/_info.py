@@ -62,13 +62,21 @@ INFO_VERSION = 1
 _LAYOUTS = ("components", "logical", "aggregate")
 
 
+_TEXT_OR_NUMBER = frozenset({str, int, float, bool, type(None)})
+
+
 def _json_copy(value: Any) -> Any:
     """A copy of a parsed JSON value that shares no list or object with it."""
     if type(value) is list:
-        return [_json_copy(v) if type(v) in (list, dict) else v for v in value]
+        if value_types(value) <= _TEXT_OR_NUMBER:  # (a device list, offsets: a shallow copy)
+            return value[:]
+        return [_json_copy(v) if type(v) in _CONTAINERS else v for v in value]
     if type(value) is dict:
-        return {k: _json_copy(v) if type(v) in (list, dict) else v for k, v in value.items()}
+        return {k: _json_copy(v) if type(v) in _CONTAINERS else v for k, v in value.items()}
     return value
+
+
+_CONTAINERS = (list, dict)
 
 
 # Held while an entry's attributes are copied at their first use (StoredEntry.attrs): a
@@ -108,6 +116,36 @@ class StoredEntry(Entry):
         self._shared: Mapping[str, Any] | None = attrs if shared_attrs else None
         self._own: dict[str, Any] | None = None if shared_attrs else dict(attrs)
 
+    @classmethod
+    def _checked(
+        cls,
+        store: TensorStore,
+        path: str,
+        dtype: np.dtype,
+        shape: tuple[int, ...],
+        kind: str,
+        num_components: int,
+        keys: Sequence[str],
+        layout: str,
+        attrs: Mapping[str, Any],
+        shared_attrs: bool,
+    ) -> StoredEntry:
+        """An entry of fields already checked and in their own types (a numpy dtype, a tuple
+        of ints, an int), as a reader of the parallel info makes one per stored variable:
+        the same entry as the constructor's, without converting each field again."""
+        self = cls.__new__(cls)
+        self._store = store
+        self.path = path
+        self.dtype = dtype
+        self.shape = shape
+        self.kind = kind
+        self.num_components = num_components
+        self.keys = tuple(keys)
+        self.layout = layout
+        self._shared = attrs if shared_attrs else None
+        self._own = None if shared_attrs else dict(attrs)
+        return self
+
     @property
     def attrs(self) -> dict[str, Any]:
         own = self._own
@@ -115,7 +153,10 @@ class StoredEntry(Entry):
             with _FIRST_COPY:
                 own = self._own
                 if own is None:
-                    own = {k: _json_copy(v) for k, v in (self._shared or {}).items()}
+                    own = {
+                        k: _json_copy(v) if type(v) in _CONTAINERS else v
+                        for k, v in (self._shared or {}).items()
+                    }
                     self._own = own  # published whole, before the table is let go
                     self._shared = None
         return own
@@ -275,8 +316,8 @@ def build_entries(
                 store,
                 from_key(key, names),
                 "single",
-                dtype,
-                shape,
+                np.dtype(dtype),
+                tuple(map(int, shape)),
                 1,
                 "components",
                 [key],
@@ -407,17 +448,8 @@ def _stored_entry(
                 raise _corrupt(
                     file, f"stored tensor {key!r} listed in the metadata is missing", variable=path
                 )
-    entry = StoredEntry(
-        store,
-        path,
-        dtype=dtype,
-        shape=shape,
-        kind=kind,
-        num_components=n,
-        keys=keys,
-        layout=layout,
-        attrs=attrs,
-        shared_attrs=shared_attrs,
+    entry = StoredEntry._checked(
+        store, path, dtype, shape, kind, n, keys, layout, attrs, shared_attrs
     )
     described = (entry.dtype, entry.shape)
     if kind == "sharded" or list(map(store.stored, keys)) != [described] * len(keys):

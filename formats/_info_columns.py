@@ -44,6 +44,7 @@ each distinct layout once, before an entry is made.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -90,7 +91,12 @@ def _expanded_attrs(raw_attrs: dict[str, Any], n: int) -> int:
             total += n * (cell + len(json.dumps(values[index], separators=(",", ":"))))
         elif type(index) is list:
             sizes = [cell + len(json.dumps(v, separators=(",", ":"))) for v in values]
-            total += sum(sizes[c] for c in index if type(c) is int and 0 <= c < len(sizes))
+            if value_types(index) <= {int}:  # (each distinct code once, counted in C)
+                for c, times in Counter(index).items():
+                    if 0 <= c < len(sizes):
+                        total += sizes[c] * times
+            else:  # (bools and floats equal some ints: told apart one by one)
+                total += sum(sizes[c] for c in index if type(c) is int and 0 <= c < len(sizes))
     return total
 
 
@@ -315,11 +321,23 @@ def records_from_columns(
     attr_cols = [
         _column(file, f"attrs/{name}", col, paths, optional=True) for name, col in raw_attrs.items()
     ]
-    attrs: list[dict[str, Any]] = [{} for _ in paths]
-    for name, (table, code) in zip(attr_names, attr_cols, strict=True):
-        for a, c in zip(attrs, code, strict=True):
-            if c >= 0:
-                a[name] = table[c]
+    # Variables alike in every attribute code share one dict of attributes (their entries
+    # copy it at the first use: StoredEntry's shared attrs): one dict per distinct
+    # combination, made once, not one per variable.
+    attrs: list[dict[str, Any]]
+    if attr_cols:
+        combos = list(zip(*(code for _, code in attr_cols), strict=True))
+        made = {
+            combo: {
+                name: table[c]
+                for name, (table, _), c in zip(attr_names, attr_cols, combo, strict=True)
+                if c >= 0
+            }
+            for combo in dict.fromkeys(combos)
+        }
+        attrs = list(map(made.__getitem__, combos))
+    else:
+        attrs = [{} for _ in paths]
     names = sorted(tensor_names)
     flat: Any = columns.get("keys")
     if not _ints_below(flat, 0, len(names)):
@@ -341,7 +359,7 @@ def records_from_columns(
             expected="one owner",
             found="two",
         )
-    keys = [names[k] for k in flat]
+    keys = list(map(names.__getitem__, flat))
     watched = [
         code for name, (_, code) in zip(attr_names, attr_cols, strict=True) if name in group_by
     ]

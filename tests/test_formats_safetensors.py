@@ -399,6 +399,34 @@ def test_invalid_json_and_duplicates(tmp_path) -> None:
         open_safetensors(path)
 
 
+@pytest.mark.parametrize(
+    "header",
+    [
+        # a repeated field inside one tensor's info (the objects' own count hides it)
+        b'{"a": {"dtype": "U8", "dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}',
+        b'{"__metadata__": {"k": "v", "k": "w"},'
+        b' "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}',
+        # names holding colons, quotes and backslashes: only colons outside text count
+        b'{"x\\":\\"": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},'
+        b' "x\\":\\"": {"dtype": "U8", "shape": [0], "data_offsets": [1, 1]}}',
+        # a repeated name inside a nested object, where a well-formed header has none
+        b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1], "x": {"y": 1, "y": 2}}}',
+    ],
+)
+def test_duplicates_anywhere_in_the_header(tmp_path, header: bytes) -> None:
+    path = _write_raw(_bad(tmp_path, "dup"), header, b"\0")
+    with pytest.raises(CorruptCheckpointError, match="duplicate name"):
+        open_safetensors(path)
+
+
+def test_names_with_colons_quotes_and_escapes(tmp_path) -> None:
+    names = ["a:b", 'q"uote:', "back\\slash:", "\u00e9:\u00e9", "{[:]}"]
+    path = str(tmp_path / "odd.safetensors")
+    save_file({n: np.full(2, i, np.int8) for i, n in enumerate(names)}, path)
+    with open_safetensors(path) as view:
+        assert sorted(e.keys[0] for e in view.values()) == sorted(names)
+
+
 def test_empty_file_is_valid(tmp_path) -> None:
     path = _write_raw(_bad(tmp_path, "empty"), b"{}")
     with open_safetensors(path) as view:

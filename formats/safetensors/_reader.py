@@ -66,14 +66,15 @@ class _Store(ByteStore):
                     record_header_crc(record) if isinstance(record, str) else None
                 )
                 self.shard_metadata.append(meta)
-                for name, (dtype, shape, begin, _end, crc) in tensors.items():
-                    if name in self._tensors:
-                        raise CorruptCheckpointError(
-                            "tensor appears in two shards", file=shard, variable=name
-                        )
-                    self._tensors[name] = (idx, dtype, shape, start + begin)
-                    if crc is not None:
-                        self._crcs[name] = crc
+                if self._tensors and not self._tensors.keys().isdisjoint(tensors):
+                    name = next(name for name in tensors if name in self._tensors)
+                    raise CorruptCheckpointError(
+                        "tensor appears in two shards", file=shard, variable=name
+                    )
+                self._tensors.update(
+                    {name: (idx, t[0], t[1], start + t[2]) for name, t in tensors.items()}
+                )
+                self._crcs.update({name: t[4] for name, t in tensors.items() if t[4] is not None})
         except BaseException:
             self.close()
             raise
