@@ -406,7 +406,7 @@ def test_verify_passes_only_what_h5py_reads_identically(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(
     not os.environ.get("PARALLELVARS_FULL_SWEEP"),
-    reason="every byte of the file: minutes; set PARALLELVARS_FULL_SWEEP=1",
+    reason="every byte of the file: ~5.5 minutes; set PARALLELVARS_FULL_SWEEP=1 (.ci/run does)",
 )
 def test_verify_passes_only_what_h5py_reads_identically_every_byte(tmp_path):
     rng = np.random.default_rng(9)
