@@ -292,24 +292,8 @@ def _group_links(
             )
         mhead = np.where(flags[fast] & 0x04, 6, 4)
         pos, end = base + length, base + length + size0
-        rows = np.arange(fast.size)
         found_rows, found_types, found_at, found_size = [], [], [], []
-        while rows.size:
-            live = pos[rows] + mhead[rows] <= end[rows]
-            rows = rows[live]
-            if not rows.size:
-                break
-            q = pos[rows]
-            mtype = buf[q].astype(np.int64)
-            msize = buf[q + 1].astype(np.int64) | buf[q + 2].astype(np.int64) << 8
-            body = q + mhead[rows]
-            if np.any(body + msize > end[rows]):
-                k = int(rows[np.flatnonzero(body + msize > end[rows])[0]])
-                raise Refused(
-                    f"the object header at {int(addr[fast][k])}: a message runs past its chunk",
-                    "a message inside its chunk",
-                    "past its end",
-                )
+        for rows, mtype, msize, body in _message_steps(buf, pos, end, mhead, addr[fast]):
             want = (
                 (mtype == hdr.LINK)
                 | (mtype == hdr.LINK_INFO)
@@ -320,7 +304,6 @@ def _group_links(
             found_types.append(mtype[want])
             found_at.append(body[want])
             found_size.append(msize[want])
-            pos[rows] = body + msize
         if found_rows:
             f_rows = np.concatenate(found_rows)
             f_types = np.concatenate(found_types)
@@ -578,28 +561,12 @@ def data_addresses(source: Source, addresses: np.ndarray) -> np.ndarray:
         layout_at = np.full(fast.size, -1, np.int64)
         layout_size = np.zeros(fast.size, np.int64)
         alone = np.zeros(fast.size, bool)
-        rows = np.arange(fast.size)
-        while rows.size:
-            rows = rows[pos[rows] + mhead[rows] <= end[rows]]
-            if not rows.size:
-                break
-            q = pos[rows]
-            mtype = head[q].astype(np.int64)
-            msize = head[q + 1].astype(np.int64) | head[q + 2].astype(np.int64) << 8
-            body = q + mhead[rows]
-            if np.any(body + msize > end[rows]):
-                k = int(rows[np.flatnonzero(body + msize > end[rows])[0]])
-                raise Refused(
-                    f"the object header at {int(addr[fast][k])}: a message runs past its chunk",
-                    "a message inside its chunk",
-                    "past its end",
-                )
+        for rows, mtype, msize, body in _message_steps(head, pos, end, mhead, addr[fast]):
             layout = mtype == hdr.LAYOUT
             # (a second layout message, or a continuation: the header is read alone)
             alone[rows[(mtype == hdr.CONTINUATION) | (layout & (layout_at[rows] >= 0))]] = True
             layout_at[rows[layout]] = body[layout]
             layout_size[rows[layout]] = msize[layout]
-            pos[rows] = body + msize
         slow.update(fast[alone].tolist())
         take = ~alone & (layout_at >= 0)
         b, s = layout_at[take], layout_size[take]
@@ -612,7 +579,36 @@ def data_addresses(source: Source, addresses: np.ndarray) -> np.ndarray:
             source, int(addr[k]), keep=frozenset((hdr.LAYOUT,)), checksums=True
         )
         layouts = list(header.of_type(hdr.LAYOUT))
-        body = layouts[0].body if len(layouts) == 1 else b""
-        if len(body) >= 18 and body[0] in (3, 4) and body[1] == 1:
-            out[k] = int.from_bytes(body[2:10], "little")
+        message = layouts[0].body if len(layouts) == 1 else b""
+        if len(message) >= 18 and message[0] in (3, 4) and message[1] == 1:
+            out[k] = int.from_bytes(message[2:10], "little")
     return out  # (an undefined address, no data allocated, reads as -1)
+
+
+def _message_steps(
+    buf: np.ndarray, pos: np.ndarray, end: np.ndarray, mhead: np.ndarray, addr: np.ndarray
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Walk the messages of many version-2 object headers at once (row ``k``: the header at
+    ``addr[k]``, its next message at ``buf[pos[k]]``, its chunk ending at ``end[k]``, message
+    heads of ``mhead[k]`` bytes): each step yields the rows still inside their chunk with their
+    message's type, size and body offset, then moves ``pos`` past those messages. A message
+    running past its chunk is refused."""
+    rows = np.arange(pos.size)
+    while rows.size:
+        rows = rows[pos[rows] + mhead[rows] <= end[rows]]
+        if not rows.size:
+            return
+        q = pos[rows]
+        mtype = buf[q].astype(np.int64)
+        msize = buf[q + 1].astype(np.int64) | buf[q + 2].astype(np.int64) << 8
+        body = q + mhead[rows]
+        past = body + msize > end[rows]
+        if np.any(past):
+            k = int(rows[np.flatnonzero(past)[0]])
+            raise Refused(
+                f"the object header at {int(addr[k])}: a message runs past its chunk",
+                "a message inside its chunk",
+                "past its end",
+            )
+        yield rows, mtype, msize, body
+        pos[rows] = body + msize
