@@ -141,6 +141,35 @@ def test_a_write_to_a_saved_variable_in_a_span_is_copied_again(tmp_path, monkeyp
     assert [c.tolist() for c in found["model/saved/6"]] == [[12.0] * 5] * 2
 
 
+def test_spans_copied_and_checked_on_several_threads_still_catch_a_write(tmp_path, monkeypatch):
+    # A long snapshot's spans are copied and checked against the live buffers on several
+    # threads (run_partitioned): a write after a span's copy is found all the same, and the
+    # span copied again.
+    monkeypatch.setenv("PARALLELVARS_THREADS", "2")
+    monkeypatch.setattr("parallelvars._threads.MIN_PARALLEL_BYTES", 0)
+    ckpt, saved, _unsaved = interleaved(300, size=1024)  # several spans of at most 1 MiB
+    plan = plan_of(ckpt)
+    assert len(plan.spans) > 1
+    real = snapshot_module._unchanged
+    threads: set[str] = set()  # the threads that checked a span against its copy
+
+    def racing(live, copied):
+        if any(live is span[0] for span in plan.spans):
+            threads.add(threading.current_thread().name)
+            if len(threads) == 1:  # (after the first span's copy, before its check)
+                saved[7].assign(np.full(1024, -7, np.float32))
+        return real(live, copied)
+
+    monkeypatch.setattr(snapshot_module, "_unchanged", racing)
+    write_file = ckpt._prepare_write(copy=True)
+    assert len(threads) > 1  # (the parallel path was taken)
+    monkeypatch.undo()
+    saved[7].assign(np.full(1024, 99, np.float32))
+    found = stored(write_file(str(tmp_path / "c.h5")))
+    assert [c.tolist() for c in found["model/saved/7"]] == [[-7.0] * 1024] * 2
+    assert [c.tolist() for c in found["model/saved/6"]] == [[12.0] * 1024] * 2
+
+
 def test_a_saved_variable_written_during_every_copy_refuses_the_save(tmp_path, monkeypatch):
     ckpt, saved, _unsaved = interleaved(20)
     with pv.CheckpointManager(ckpt, tmp_path) as mgr:

@@ -434,6 +434,22 @@ class Snapshot:
         self._plan.give_back(self._copies)
 
 
+def _spans_unchanged(
+    live_spans: Sequence[tuple[np.ndarray, int, list[int]]],
+    copies: Sequence[np.ndarray],
+    weights: Sequence[int],
+) -> list[bool]:
+    """For each span of the live buffers, whether it still holds its copy's bytes (compared on
+    several cores for a long snapshot: :func:`run_partitioned`)."""
+    same = [True] * len(copies)
+
+    def check(k: int) -> None:
+        same[k] = _unchanged(live_spans[k][0], copies[k])
+
+    run_partitioned([functools.partial(check, k) for k in range(len(copies))], weights)
+    return same
+
+
 def take_snapshot(records: Sequence[SaveRecord], plan: SnapshotPlan | None = None) -> Snapshot:
     """Copies of every record's components that held together at one moment.
 
@@ -471,8 +487,16 @@ def take_snapshot(records: Sequence[SaveRecord], plan: SnapshotPlan | None = Non
     attempts = 0
     while attempts < SNAPSHOT_ATTEMPTS:
         flat, spans, singles = plan.flat, copies.spans, copies.singles
-        for (live, _, _), span in zip(plan.spans, spans, strict=True):
-            np.copyto(span, live)
+        # (np.copyto and memcmp release the GIL: a long snapshot is copied and checked on
+        # several cores, as the replicas are compared)
+        weights = [live.size for live, _, _ in plan.spans]
+        run_partitioned(
+            [
+                functools.partial(np.copyto, span, live)
+                for (live, _, _), span in zip(plan.spans, spans, strict=True)
+            ],
+            weights,
+        )
         for i, single in zip(plan.singles, singles, strict=True):
             np.copyto(single, flat[i])
         differ = plan.replicas_differing()
@@ -483,8 +507,9 @@ def take_snapshot(records: Sequence[SaveRecord], plan: SnapshotPlan | None = Non
         differ = plan.replicas_differing()
         changed = plan.path_of(records, differ[0]) if differ else ""
         if not changed:
-            for (live, _, members), span in zip(plan.spans, spans, strict=True):
-                if _unchanged(live, span):
+            same = _spans_unchanged(plan.spans, spans, weights)
+            for (_, _, members), span, equal in zip(plan.spans, spans, same, strict=True):
+                if equal:
                     continue
                 i = next((i for i in members if not _unchanged(flat[i], plan.copy_of(span, i))), -1)
                 if i >= 0:
