@@ -12,8 +12,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import crc32c as _crc32c_module
+import numpy as np
 
-from parallelvars._fileio import DataWriter, Scratch, atomic_path, byte_view
+from parallelvars._fileio import DataWriter, Scratch, atomic_path
 from parallelvars.checkpoint.entry import naming_file
 from parallelvars.errors import (
     CorruptCheckpointError,
@@ -73,18 +74,34 @@ def _storage(t: PlannedTensor, file: str) -> tuple[str, tuple[int, ...]]:
     return "U8", (*t.shape, t.dtype.itemsize)  # raw bytes; the dtype goes into the parallel info
 
 
+def _storages(tensors: list[PlannedTensor], file: str) -> list[tuple[str, tuple[int, ...]]]:
+    """:func:`_storage` of every tensor, in order, worked out once per distinct dtype (a file
+    names a few): the same answers, and the same refusal at the first tensor refused."""
+    known: dict[tuple[np.dtype, type], str | None] = {}  # its name; None: stored as raw bytes
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for t in tensors:
+        dtype = t.dtype
+        key = (dtype, dtype.type)
+        if key not in known:
+            _storage(t, file)  # (refuses what cannot be stored)
+            known[key] = _st_name(dtype)
+        name = known[key]
+        out.append((name, t.shape) if name is not None else ("U8", (*t.shape, dtype.itemsize)))
+    return out
+
+
 def _header_bytes(
     metadata: dict[str, str],
-    described: dict[str, tuple[str, list[int], list[int]]],
+    described: dict[str, dict[str, Any]],
     record: str,
     path: str,
 ) -> bytes:
-    """The header of a file of the ``described`` tensors with our checksum ``record``."""
+    """The header of a file of the ``described`` tensors (each its header object: dtype,
+    shape, data offsets) with our checksum ``record``."""
     meta = dict(metadata)
     meta[CRC_KEY] = record
     header: dict[str, Any] = {"__metadata__": meta}
-    for name, (dtype, shape, offsets) in described.items():
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": offsets}
+    header.update(described)
     raw = dumps(header).encode("utf-8")
     raw += b" " * (-len(raw) % 8)  # the buffer starts 8-byte aligned, as the reference writes it
     if len(raw) > MAX_HEADER_SIZE:
@@ -95,18 +112,31 @@ def _header_bytes(
     return raw
 
 
-def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]) -> str:
-    """Write one file; return its header's CRC-32C (8 hex digits). The header carries the
-    tensors' CRC-32Cs, known only once they are streamed: it is written with fixed-width
-    placeholders first and rewritten in place."""
-    stored = [(t, *_storage(t, path)) for t in tensors]
-    stored.sort(key=lambda s: (-_DTYPES[s[1]].itemsize, s[0].key))
-    described: dict[str, tuple[str, list[int], list[int]]] = {}
+def _write_one(
+    path: str,
+    tensors: list[PlannedTensor],
+    storages: list[tuple[str, tuple[int, ...]]],
+    metadata: dict[str, str],
+) -> str:
+    """Write one file of ``tensors`` (stored as ``storages``: :func:`_storages`); return its
+    header's CRC-32C (8 hex digits). The header carries the tensors' CRC-32Cs, known only once
+    they are streamed: it is written with fixed-width placeholders first and rewritten in
+    place."""
+    itemsize = {name: _DTYPES[name].itemsize for name in {st for st, _shape in storages}}
+    order = sorted(range(len(tensors)), key=lambda k: (-itemsize[storages[k][0]], tensors[k].key))
+    ordered = [tensors[k] for k in order]
+    described: dict[str, dict[str, Any]] = {}
     offset = 0
-    for t, st, shape in stored:
-        described[t.key] = (st, list(shape), [offset, offset + t.nbytes])
+    for k in order:
+        t = tensors[k]
+        st, shape = storages[k]
+        described[t.key] = {
+            "dtype": st,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
         offset += t.nbytes
-    crcs = {t.key: "00000000" for t, _st, _shape in stored}
+    crcs = dict.fromkeys(described, "00000000")
     # The header with a placeholder record of the final one's length (every CRC is 8 hex
     # digits): the final record, known once the tensors are written, takes its place.
     placeholder = RAW_PREFIX + "0" * (8 * (len(crcs) + 1))
@@ -117,6 +147,8 @@ def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]
     # The header's CRC covers its bytes as written, the record's digits as the zeros they
     # are now (_integrity.RAW_PREFIX).
     header_crc = raw_header_crc(raw, at + len(RAW_PREFIX), len(placeholder) - len(RAW_PREFIX))
+    # Whether a dtype's values are stored byte-swapped (asked once per dtype, not per tensor).
+    swapped_dtypes: dict[np.dtype, bool] = {}
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
@@ -127,24 +159,34 @@ def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]
         # and the run written at once (DataWriter: the disk asked to start every 8 MiB).
         writer, scratch, ok = DataWriter(tmp, path), Scratch(), False
         try:
-            for run in read_batches([t for t, _st, _shape in stored]):
+            for run in read_batches(ordered):
                 with naming_file(path):
                     buf, arrays = read_run(run, scratch)
+                data = memoryview(buf)  # type: ignore[arg-type]
+                pos = 0
                 for t, array in zip(run, arrays, strict=True):
-                    if array.nbytes != t.nbytes:  # the source lied about its shape
+                    n = array.nbytes
+                    if n != t.nbytes:  # the source lied about its shape
                         raise CorruptCheckpointError(
                             "component has another size than declared",
                             file=path,
                             variable=t.entry.path,
                             expected=f"{t.nbytes} bytes",
-                            found=f"{array.nbytes} bytes",
+                            found=f"{n} bytes",
                         )
-                    swapped = little_endian(array)
-                    if swapped is not array:  # (in place: the buffer is the file's)
-                        array[...] = swapped.view(array.dtype)
-                    crcs[t.key] = f"{_crc32c(byte_view(array)):08x}"
+                    dtype = array.dtype
+                    swap = swapped_dtypes.get(dtype)
+                    if swap is None:
+                        swap = swapped_dtypes[dtype] = (
+                            little_endian(np.empty((), dtype)).dtype != dtype
+                        )
+                    if swap:  # (in place: the buffer is the file's)
+                        array[...] = little_endian(array).view(dtype)
+                    # (read_run lays the tensors back to back in the buffer, in run order)
+                    crcs[t.key] = f"{_crc32c(data[pos : pos + n]):08x}"
+                    pos += n
                 if buf.size:
-                    writer.write(buf, data_start + described[run[0].key][2][0])
+                    writer.write(buf, data_start + described[run[0].key]["data_offsets"][0])
             ok = True
         finally:
             writer.close(raise_errors=ok)
@@ -217,17 +259,19 @@ def write_safetensors(
     # The info in columns (version 2, formats/_info_columns.py): a fraction of the per-variable
     # form's bytes, read without a record per variable.
     info = to_columns(info, (t.key for t in planned)) or info
-    for t in planned:
-        _storage(t, p)  # refuse what cannot be stored before writing anything
+    storages = _storages(planned, p)  # refuses what cannot be stored before writing anything
     meta = {"format": "pt", **_str_metadata(metadata)}
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     shards: list[list[PlannedTensor]] = [[]]
+    shard_storages: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
-    for t in planned:
+    for t, storage in zip(planned, storages, strict=True):
         if limit is not None and shards[-1] and size + t.nbytes > limit:
             shards.append([])
+            shard_storages.append([])
             size = 0
         shards[-1].append(t)
+        shard_storages[-1].append(storage)
         size += t.nbytes
     folder = os.path.dirname(os.path.abspath(p))
     stem = os.path.basename(p)
@@ -235,7 +279,7 @@ def write_safetensors(
     index_path = f"{os.path.join(folder, os.path.basename(p))}.index.json"
     if len(shards) == 1 and not force_index:
         meta[META_KEY] = dumps(info)
-        _write_one(p, planned, meta)
+        _write_one(p, planned, storages, meta)
         # The file is the output at p now: a set of that name is the previous one (a folder's
         # readers take the index first, so it goes first; then its shards).
         _remove_previous(folder, stem, index_path, keep=set())
@@ -249,8 +293,8 @@ def write_safetensors(
     shard_names = _fresh_names(folder, stem, len(shards))
     weight_map: dict[str, str] = {}
     checks: dict[str, str] = {}
-    for name, tensors in zip(shard_names, shards, strict=True):
-        checks[name] = _write_one(os.path.join(folder, name), tensors, meta)
+    for name, tensors, kept in zip(shard_names, shards, shard_storages, strict=True):
+        checks[name] = _write_one(os.path.join(folder, name), tensors, kept, meta)
         weight_map.update((t.key, name) for t in tensors)
     index_meta: dict[str, Any] = {"total_size": sum(t.nbytes for t in planned), META_KEY: info}
     index_meta[SHARDS_KEY] = checks
