@@ -90,19 +90,34 @@ def _storages(tensors: list[PlannedTensor], file: str) -> list[tuple[str, tuple[
     return out
 
 
+# What JSON escapes in a string (json's own table, ensure_ascii=False): a key without any of
+# these is written between quotes as it is.
+_NEEDS_ESCAPE = re.compile(r'[\x00-\x1f\\"]')
+
+
+def _json_string(text: str) -> str:
+    """``text`` as :func:`dumps` writes a string."""
+    return f'"{text}"' if _NEEDS_ESCAPE.search(text) is None else dumps(text)
+
+
 def _header_bytes(
     metadata: dict[str, str],
-    described: dict[str, dict[str, Any]],
+    described: list[str],
     record: str,
     path: str,
 ) -> bytes:
-    """The header of a file of the ``described`` tensors (each its header object: dtype,
-    shape, data offsets) with our checksum ``record``."""
+    """The header of a file of the ``described`` tensors (each its member's text,
+    ``"key":{...}``, as :func:`dumps` writes it: :func:`_described`) with our checksum
+    ``record``: the bytes :func:`dumps` makes of the whole header as one object, without
+    holding an object per tensor."""
     meta = dict(metadata)
     meta[CRC_KEY] = record
-    header: dict[str, Any] = {"__metadata__": meta}
-    header.update(described)
-    raw = dumps(header).encode("utf-8")
+    parts = ['{"__metadata__":', dumps(meta)]
+    for member in described:
+        parts.append(",")
+        parts.append(member)
+    parts.append("}")
+    raw = "".join(parts).encode("utf-8")
     raw += b" " * (-len(raw) % 8)  # the buffer starts 8-byte aligned, as the reference writes it
     if len(raw) > MAX_HEADER_SIZE:
         raise InvalidEntryError(
@@ -110,6 +125,16 @@ def _header_bytes(
             f"{MAX_HEADER_SIZE} bytes readers accept; write a shard set or fewer tensors"
         )
     return raw
+
+
+def _described(key: str, dtype: str, shape: tuple[int, ...], start: int, stop: int) -> str:
+    """A tensor's member of the header, as :func:`dumps` writes ``{key: {"dtype": dtype,
+    "shape": shape, "data_offsets": [start, stop]}}`` inside the header object."""
+    dims = ",".join([str(int(d)) for d in shape])
+    return (
+        f'{_json_string(key)}:{{"dtype":{_json_string(dtype)},"shape":[{dims}],'
+        f'"data_offsets":[{start},{stop}]}}'
+    )
 
 
 def _write_one(
@@ -125,22 +150,21 @@ def _write_one(
     itemsize = {name: _DTYPES[name].itemsize for name in {st for st, _shape in storages}}
     order = sorted(range(len(tensors)), key=lambda k: (-itemsize[storages[k][0]], tensors[k].key))
     ordered = [tensors[k] for k in order]
-    described: dict[str, dict[str, Any]] = {}
+    described: list[str] = []
+    starts: dict[str, int] = {}  # where each tensor's bytes begin in the data
     offset = 0
     for k in order:
         t = tensors[k]
         st, shape = storages[k]
-        described[t.key] = {
-            "dtype": st,
-            "shape": list(shape),
-            "data_offsets": [offset, offset + t.nbytes],
-        }
+        described.append(_described(t.key, st, shape, offset, offset + t.nbytes))
+        starts[t.key] = offset
         offset += t.nbytes
-    crcs = dict.fromkeys(described, "00000000")
+    crcs = dict.fromkeys(starts, "00000000")
     # The header with a placeholder record of the final one's length (every CRC is 8 hex
     # digits): the final record, known once the tensors are written, takes its place.
     placeholder = RAW_PREFIX + "0" * (8 * (len(crcs) + 1))
     raw = _header_bytes(metadata, described, placeholder, path)
+    del described
     # (Its one place: a string's quotes are escaped, so `"key":"` is the key's own.)
     at = raw.index(f"{json.dumps(CRC_KEY)}:{json.dumps(placeholder)}".encode())
     at += len(json.dumps(CRC_KEY)) + 2
@@ -186,7 +210,7 @@ def _write_one(
                     crcs[t.key] = f"{_crc32c(data[pos : pos + n]):08x}"
                     pos += n
                 if buf.size:
-                    writer.write(buf, data_start + described[run[0].key]["data_offsets"][0])
+                    writer.write(buf, data_start + starts[run[0].key])
             ok = True
         finally:
             writer.close(raise_errors=ok)
