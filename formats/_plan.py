@@ -25,7 +25,7 @@ from parallelvars.errors import (
 from ._dtypes import tensor_dtype_name
 from ._graph import carried_graph
 from ._info import INFO_FORMAT, INFO_VERSION
-from ._json import jsonable
+from ._json import _LEAVES, jsonable
 from ._names import check_names, component_keys, from_key, part_key, to_key
 from ._view import Entry, aggregates
 
@@ -271,13 +271,30 @@ def plan_tensors(
                 "num_components": count,
                 "layout": layout,
                 "keys": [t.key for t in tensors],
-                "attrs": jsonable(attrs),
+                "attrs": _json_attrs(attrs),
             }
     info = {"format": INFO_FORMAT, "version": INFO_VERSION, "names": names, "variables": variables}
     graph = carried_graph(entries)
     if graph is not None:
         info["object_graph"] = jsonable(graph)
     return planned, info
+
+
+def _json_attrs(attrs: Any) -> Any:
+    """``jsonable(attrs)`` for the info document: the entry's own dict when it already is
+    plain JSON (string keys; strings, ints, bools, None or plain lists of them: what
+    :func:`jsonable` would copy unchanged), so the plan holds no second copy of every
+    variable's attributes; any other through :func:`jsonable`. (The document is only read.)"""
+    if type(attrs) is dict:
+        for k, v in attrs.items():
+            t = type(v)
+            if type(k) is not str or not (
+                t in _LEAVES or (t is list and all(type(x) in _LEAVES for x in v))
+            ):
+                break
+        else:
+            return attrs
+    return jsonable(attrs)
 
 
 def _ints(shape: Any) -> tuple[int, ...]:

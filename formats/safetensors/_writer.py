@@ -8,7 +8,7 @@ import os
 import re
 import secrets
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import crc32c as _crc32c_module
@@ -102,22 +102,22 @@ def _json_string(text: str) -> str:
 
 def _header_bytes(
     metadata: dict[str, str],
-    described: list[str],
+    described: Iterable[str],
     record: str,
     path: str,
-) -> bytes:
+) -> bytearray:
     """The header of a file of the ``described`` tensors (each its member's text,
     ``"key":{...}``, as :func:`dumps` writes it: :func:`_described`) with our checksum
-    ``record``: the bytes :func:`dumps` makes of the whole header as one object, without
-    holding an object per tensor."""
+    ``record``: the bytes :func:`dumps` makes of the whole header as one object, encoded
+    member by member as they come (no object per tensor, no second copy of the text)."""
     meta = dict(metadata)
     meta[CRC_KEY] = record
-    parts = ['{"__metadata__":', dumps(meta)]
+    raw = bytearray(b'{"__metadata__":')
+    raw += dumps(meta).encode("utf-8")
     for member in described:
-        parts.append(",")
-        parts.append(member)
-    parts.append("}")
-    raw = "".join(parts).encode("utf-8")
+        raw += b","
+        raw += member.encode("utf-8")
+    raw += b"}"
     raw += b" " * (-len(raw) % 8)  # the buffer starts 8-byte aligned, as the reference writes it
     if len(raw) > MAX_HEADER_SIZE:
         raise InvalidEntryError(
@@ -150,21 +150,20 @@ def _write_one(
     itemsize = {name: _DTYPES[name].itemsize for name in {st for st, _shape in storages}}
     order = sorted(range(len(tensors)), key=lambda k: (-itemsize[storages[k][0]], tensors[k].key))
     ordered = [tensors[k] for k in order]
-    described: list[str] = []
-    starts: dict[str, int] = {}  # where each tensor's bytes begin in the data
-    offset = 0
-    for k in order:
-        t = tensors[k]
-        st, shape = storages[k]
-        described.append(_described(t.key, st, shape, offset, offset + t.nbytes))
-        starts[t.key] = offset
-        offset += t.nbytes
-    crcs = dict.fromkeys(starts, "00000000")
+    crcs = {t.key: "00000000" for t in ordered}
+
+    def described() -> Iterator[str]:  # each tensor's member of the header, in file order
+        offset = 0
+        for k in order:
+            t = tensors[k]
+            st, shape = storages[k]
+            yield _described(t.key, st, shape, offset, offset + t.nbytes)
+            offset += t.nbytes
+
     # The header with a placeholder record of the final one's length (every CRC is 8 hex
     # digits): the final record, known once the tensors are written, takes its place.
     placeholder = RAW_PREFIX + "0" * (8 * (len(crcs) + 1))
-    raw = _header_bytes(metadata, described, placeholder, path)
-    del described
+    raw = _header_bytes(metadata, described(), placeholder, path)
     # (Its one place: a string's quotes are escaped, so `"key":"` is the key's own.)
     at = raw.index(f"{json.dumps(CRC_KEY)}:{json.dumps(placeholder)}".encode())
     at += len(json.dumps(CRC_KEY)) + 2
@@ -183,6 +182,7 @@ def _write_one(
         # and the run written at once (DataWriter: the disk asked to start every 8 MiB).
         writer, scratch, ok = DataWriter(tmp, path), Scratch(), False
         try:
+            written = 0  # the data's bytes written so far: where the next run begins
             for run in read_batches(ordered):
                 with naming_file(path):
                     buf, arrays = read_run(run, scratch)
@@ -210,7 +210,8 @@ def _write_one(
                     crcs[t.key] = f"{_crc32c(data[pos : pos + n]):08x}"
                     pos += n
                 if buf.size:
-                    writer.write(buf, data_start + starts[run[0].key])
+                    writer.write(buf, data_start + written)
+                    written += buf.size
             ok = True
         finally:
             writer.close(raise_errors=ok)
