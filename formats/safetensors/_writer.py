@@ -9,7 +9,7 @@ import re
 import secrets
 import struct
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import crc32c as _crc32c_module
 import numpy as np
@@ -169,7 +169,11 @@ def _write_one(
     at += len(json.dumps(CRC_KEY)) + 2
     # The header's CRC covers its bytes as written, the record's digits as the zeros they
     # are now (_integrity.RAW_PREFIX).
-    header_crc = raw_header_crc(raw, at + len(RAW_PREFIX), len(placeholder) - len(RAW_PREFIX))
+    # (raw_header_crc only slices and checksums the buffer: a bytearray serves as bytes, and
+    # copying the header to pass it would double its memory.)
+    header_crc = raw_header_crc(
+        cast(bytes, raw), at + len(RAW_PREFIX), len(placeholder) - len(RAW_PREFIX)
+    )
     # Whether a dtype's values are stored byte-swapped (asked once per dtype, not per tensor).
     swapped_dtypes: dict[np.dtype, bool] = {}
     with atomic_path(path) as tmp:
@@ -218,9 +222,9 @@ def _write_one(
         record = _crc_record(header_crc, crcs, RAW_PREFIX).encode("ascii")
         if len(record) != len(placeholder):  # cannot happen: every CRC is 8 hex digits
             raise AssertionError(f"{path}: the safetensors header changed length")
-        with open(tmp, "r+b") as f:
-            f.seek(8 + at)
-            f.write(record)
+        with open(tmp, "r+b") as patched:
+            patched.seek(8 + at)
+            patched.write(record)
     return header_crc
 
 
