@@ -9,6 +9,7 @@ from parallelvars import formats
 from parallelvars._fileio import remove_made
 from parallelvars.checkpoint._gcfreeze import freeze_made_so_far, older_objects_frozen
 from parallelvars.checkpoint.entry import MAX_COMPONENTS
+from parallelvars.formats._reshard import source_entries
 
 from ._common import (
     add_destination_options,
@@ -74,14 +75,10 @@ def run(args: argparse.Namespace) -> int:
         open_view(args.source, args.from_format, args.read_options) as view,
     ):
         freeze_made_so_far()
-        summaries = getattr(view, "summaries", None)  # (a native file: from its index)
-        summary = summaries() if summaries is not None else None
-        if summary is not None and len(summary) == len(view):
-            before = sorted({s[3] for s in summary.values()})
-        else:
-            before = sorted({int(view[k].num_components) for k in view})
         entries = formats.reshard(view, args.devices)
         freeze_made_so_far()
+        # (each source entry's count, from the entries the rewrite holds: read once)
+        before = sorted({int(e.num_components) for e in source_entries(entries)})
         made: list[str] = []
         destination, fmt = destination_path(
             args.destination,

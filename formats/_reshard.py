@@ -52,7 +52,7 @@ from parallelvars.errors import InvalidArgumentError
 
 from ._view import CheckpointView, DictView
 
-__all__ = ["reshard", "split_offsets"]
+__all__ = ["reshard", "source_entries", "split_offsets"]
 
 
 def split_offsets(length: int, parts: int) -> list[int]:
@@ -133,7 +133,10 @@ class _Broadcast(_Rewritten):
 
     def read_component_into(self, i: int, out: np.ndarray) -> None:
         self._check_index(i)
-        self.check_out(i, out)  # the values are assigned: another dtype would be cast
+        # The values are assigned: another dtype would be cast. (Every component has the
+        # entry's shape: an ``out`` of exactly that shape and dtype needs no other check.)
+        if out.dtype != self.dtype or out.shape != self.shape:
+            self.check_out(i, out)
         out[...] = self._cache.get(self, self._compute)
 
     def value(self) -> np.ndarray:
@@ -145,7 +148,8 @@ class _TotalFirst(_Rewritten):
 
     def read_component_into(self, i: int, out: np.ndarray) -> None:
         self._check_index(i)
-        self.check_out(i, out)  # the values are assigned: another dtype would be cast
+        if out.dtype != self.dtype or out.shape != self.shape:  # (as _Broadcast checks it)
+            self.check_out(i, out)  # the values are assigned: another dtype would be cast
         if i == 0:
             out[...] = logical_value(self.source)
         else:
@@ -255,3 +259,9 @@ def reshard(
         for path, entry in view.items()
     }
     return DictView.derived(view, entries)
+
+
+def source_entries(view: Mapping[str, Entry]) -> list[Entry]:
+    """The source entries a view made by :func:`reshard` was rewritten from, in its order
+    (an entry left as it was is its own source)."""
+    return [e.source if isinstance(e, _Rewritten) else e for e in view.values()]

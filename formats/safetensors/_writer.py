@@ -8,12 +8,13 @@ import os
 import re
 import secrets
 import struct
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, cast
 
 import crc32c as _crc32c_module
+import numpy as np
 
-from parallelvars._fileio import DataWriter, Scratch, atomic_path, byte_view
+from parallelvars._fileio import DataWriter, Scratch, atomic_path
 from parallelvars.checkpoint.entry import naming_file
 from parallelvars.errors import (
     CorruptCheckpointError,
@@ -73,19 +74,50 @@ def _storage(t: PlannedTensor, file: str) -> tuple[str, tuple[int, ...]]:
     return "U8", (*t.shape, t.dtype.itemsize)  # raw bytes; the dtype goes into the parallel info
 
 
+def _storages(tensors: list[PlannedTensor], file: str) -> list[tuple[str, tuple[int, ...]]]:
+    """:func:`_storage` of every tensor, in order, worked out once per distinct dtype (a file
+    names a few): the same answers, and the same refusal at the first tensor refused."""
+    known: dict[tuple[np.dtype, type], str | None] = {}  # its name; None: stored as raw bytes
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for t in tensors:
+        dtype = t.dtype
+        key = (dtype, dtype.type)
+        if key not in known:
+            _storage(t, file)  # (refuses what cannot be stored)
+            known[key] = _st_name(dtype)
+        name = known[key]
+        out.append((name, t.shape) if name is not None else ("U8", (*t.shape, dtype.itemsize)))
+    return out
+
+
+# What JSON escapes in a string (json's own table, ensure_ascii=False): a key without any of
+# these is written between quotes as it is.
+_NEEDS_ESCAPE = re.compile(r'[\x00-\x1f\\"]')
+
+
+def _json_string(text: str) -> str:
+    """``text`` as :func:`dumps` writes a string."""
+    return f'"{text}"' if _NEEDS_ESCAPE.search(text) is None else dumps(text)
+
+
 def _header_bytes(
     metadata: dict[str, str],
-    described: dict[str, tuple[str, list[int], list[int]]],
+    described: Iterable[str],
     record: str,
     path: str,
-) -> bytes:
-    """The header of a file of the ``described`` tensors with our checksum ``record``."""
+) -> bytearray:
+    """The header of a file of the ``described`` tensors (each its member's text,
+    ``"key":{...}``, as :func:`dumps` writes it: :func:`_described`) with our checksum
+    ``record``: the bytes :func:`dumps` makes of the whole header as one object, encoded
+    member by member as they come (no object per tensor, no second copy of the text)."""
     meta = dict(metadata)
     meta[CRC_KEY] = record
-    header: dict[str, Any] = {"__metadata__": meta}
-    for name, (dtype, shape, offsets) in described.items():
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": offsets}
-    raw = dumps(header).encode("utf-8")
+    raw = bytearray(b'{"__metadata__":')
+    raw += dumps(meta).encode("utf-8")
+    for member in described:
+        raw += b","
+        raw += member.encode("utf-8")
+    raw += b"}"
     raw += b" " * (-len(raw) % 8)  # the buffer starts 8-byte aligned, as the reference writes it
     if len(raw) > MAX_HEADER_SIZE:
         raise InvalidEntryError(
@@ -95,28 +127,55 @@ def _header_bytes(
     return raw
 
 
-def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]) -> str:
-    """Write one file; return its header's CRC-32C (8 hex digits). The header carries the
-    tensors' CRC-32Cs, known only once they are streamed: it is written with fixed-width
-    placeholders first and rewritten in place."""
-    stored = [(t, *_storage(t, path)) for t in tensors]
-    stored.sort(key=lambda s: (-_DTYPES[s[1]].itemsize, s[0].key))
-    described: dict[str, tuple[str, list[int], list[int]]] = {}
-    offset = 0
-    for t, st, shape in stored:
-        described[t.key] = (st, list(shape), [offset, offset + t.nbytes])
-        offset += t.nbytes
-    crcs = {t.key: "00000000" for t, _st, _shape in stored}
+def _described(key: str, dtype: str, shape: tuple[int, ...], start: int, stop: int) -> str:
+    """A tensor's member of the header, as :func:`dumps` writes ``{key: {"dtype": dtype,
+    "shape": shape, "data_offsets": [start, stop]}}`` inside the header object."""
+    dims = ",".join([str(int(d)) for d in shape])
+    return (
+        f'{_json_string(key)}:{{"dtype":{_json_string(dtype)},"shape":[{dims}],'
+        f'"data_offsets":[{start},{stop}]}}'
+    )
+
+
+def _write_one(
+    path: str,
+    tensors: list[PlannedTensor],
+    storages: list[tuple[str, tuple[int, ...]]],
+    metadata: dict[str, str],
+) -> str:
+    """Write one file of ``tensors`` (stored as ``storages``: :func:`_storages`); return its
+    header's CRC-32C (8 hex digits). The header carries the tensors' CRC-32Cs, known only once
+    they are streamed: it is written with fixed-width placeholders first and rewritten in
+    place."""
+    itemsize = {name: _DTYPES[name].itemsize for name in {st for st, _shape in storages}}
+    order = sorted(range(len(tensors)), key=lambda k: (-itemsize[storages[k][0]], tensors[k].key))
+    ordered = [tensors[k] for k in order]
+    crcs = {t.key: "00000000" for t in ordered}
+
+    def described() -> Iterator[str]:  # each tensor's member of the header, in file order
+        offset = 0
+        for k in order:
+            t = tensors[k]
+            st, shape = storages[k]
+            yield _described(t.key, st, shape, offset, offset + t.nbytes)
+            offset += t.nbytes
+
     # The header with a placeholder record of the final one's length (every CRC is 8 hex
     # digits): the final record, known once the tensors are written, takes its place.
     placeholder = RAW_PREFIX + "0" * (8 * (len(crcs) + 1))
-    raw = _header_bytes(metadata, described, placeholder, path)
+    raw = _header_bytes(metadata, described(), placeholder, path)
     # (Its one place: a string's quotes are escaped, so `"key":"` is the key's own.)
     at = raw.index(f"{json.dumps(CRC_KEY)}:{json.dumps(placeholder)}".encode())
     at += len(json.dumps(CRC_KEY)) + 2
     # The header's CRC covers its bytes as written, the record's digits as the zeros they
     # are now (_integrity.RAW_PREFIX).
-    header_crc = raw_header_crc(raw, at + len(RAW_PREFIX), len(placeholder) - len(RAW_PREFIX))
+    # (raw_header_crc only slices and checksums the buffer: a bytearray serves as bytes, and
+    # copying the header to pass it would double its memory.)
+    header_crc = raw_header_crc(
+        cast(bytes, raw), at + len(RAW_PREFIX), len(placeholder) - len(RAW_PREFIX)
+    )
+    # Whether a dtype's values are stored byte-swapped (asked once per dtype, not per tensor).
+    swapped_dtypes: dict[np.dtype, bool] = {}
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
@@ -127,33 +186,45 @@ def _write_one(path: str, tensors: list[PlannedTensor], metadata: dict[str, str]
         # and the run written at once (DataWriter: the disk asked to start every 8 MiB).
         writer, scratch, ok = DataWriter(tmp, path), Scratch(), False
         try:
-            for run in read_batches([t for t, _st, _shape in stored]):
+            written = 0  # the data's bytes written so far: where the next run begins
+            for run in read_batches(ordered):
                 with naming_file(path):
                     buf, arrays = read_run(run, scratch)
+                data = memoryview(buf)  # type: ignore[arg-type]
+                pos = 0
                 for t, array in zip(run, arrays, strict=True):
-                    if array.nbytes != t.nbytes:  # the source lied about its shape
+                    n = array.nbytes
+                    if n != t.nbytes:  # the source lied about its shape
                         raise CorruptCheckpointError(
                             "component has another size than declared",
                             file=path,
                             variable=t.entry.path,
                             expected=f"{t.nbytes} bytes",
-                            found=f"{array.nbytes} bytes",
+                            found=f"{n} bytes",
                         )
-                    swapped = little_endian(array)
-                    if swapped is not array:  # (in place: the buffer is the file's)
-                        array[...] = swapped.view(array.dtype)
-                    crcs[t.key] = f"{_crc32c(byte_view(array)):08x}"
+                    dtype = array.dtype
+                    swap = swapped_dtypes.get(dtype)
+                    if swap is None:
+                        swap = swapped_dtypes[dtype] = (
+                            little_endian(np.empty((), dtype)).dtype != dtype
+                        )
+                    if swap:  # (in place: the buffer is the file's)
+                        array[...] = little_endian(array).view(dtype)
+                    # (read_run lays the tensors back to back in the buffer, in run order)
+                    crcs[t.key] = f"{_crc32c(data[pos : pos + n]):08x}"
+                    pos += n
                 if buf.size:
-                    writer.write(buf, data_start + described[run[0].key][2][0])
+                    writer.write(buf, data_start + written)
+                    written += buf.size
             ok = True
         finally:
             writer.close(raise_errors=ok)
         record = _crc_record(header_crc, crcs, RAW_PREFIX).encode("ascii")
         if len(record) != len(placeholder):  # cannot happen: every CRC is 8 hex digits
             raise AssertionError(f"{path}: the safetensors header changed length")
-        with open(tmp, "r+b") as f:
-            f.seek(8 + at)
-            f.write(record)
+        with open(tmp, "r+b") as patched:
+            patched.seek(8 + at)
+            patched.write(record)
     return header_crc
 
 
@@ -217,17 +288,19 @@ def write_safetensors(
     # The info in columns (version 2, formats/_info_columns.py): a fraction of the per-variable
     # form's bytes, read without a record per variable.
     info = to_columns(info, (t.key for t in planned)) or info
-    for t in planned:
-        _storage(t, p)  # refuse what cannot be stored before writing anything
+    storages = _storages(planned, p)  # refuses what cannot be stored before writing anything
     meta = {"format": "pt", **_str_metadata(metadata)}
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     shards: list[list[PlannedTensor]] = [[]]
+    shard_storages: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
-    for t in planned:
+    for t, storage in zip(planned, storages, strict=True):
         if limit is not None and shards[-1] and size + t.nbytes > limit:
             shards.append([])
+            shard_storages.append([])
             size = 0
         shards[-1].append(t)
+        shard_storages[-1].append(storage)
         size += t.nbytes
     folder = os.path.dirname(os.path.abspath(p))
     stem = os.path.basename(p)
@@ -235,7 +308,7 @@ def write_safetensors(
     index_path = f"{os.path.join(folder, os.path.basename(p))}.index.json"
     if len(shards) == 1 and not force_index:
         meta[META_KEY] = dumps(info)
-        _write_one(p, planned, meta)
+        _write_one(p, planned, storages, meta)
         # The file is the output at p now: a set of that name is the previous one (a folder's
         # readers take the index first, so it goes first; then its shards).
         _remove_previous(folder, stem, index_path, keep=set())
@@ -249,8 +322,8 @@ def write_safetensors(
     shard_names = _fresh_names(folder, stem, len(shards))
     weight_map: dict[str, str] = {}
     checks: dict[str, str] = {}
-    for name, tensors in zip(shard_names, shards, strict=True):
-        checks[name] = _write_one(os.path.join(folder, name), tensors, meta)
+    for name, tensors, kept in zip(shard_names, shards, shard_storages, strict=True):
+        checks[name] = _write_one(os.path.join(folder, name), tensors, kept, meta)
         weight_map.update((t.key, name) for t in tensors)
     index_meta: dict[str, Any] = {"total_size": sum(t.nbytes for t in planned), META_KEY: info}
     index_meta[SHARDS_KEY] = checks

@@ -98,6 +98,9 @@ class _Var:
     # ``gather_known`` (see _gathered).
     gather_dtype: np.dtype | None = None
     gather_known: bool = False
+    # Every component's shape when they all have the entry's (not sharded), once
+    # ``gather_known``; None: asked of the entry per component.
+    gather_shape: tuple[int, ...] | None = None
 
 
 def _names(path: str, index_path: str) -> list[str]:
@@ -415,10 +418,15 @@ def _gathered(var: _Var, comp: int) -> tuple[np.dtype, tuple[int, ...]] | None:
         dtype = np.dtype(var.entry.dtype)
         sound = dtype.isnative and dtype.kind in "biufcV" and not dtype.hasobject
         var.gather_dtype = dtype if sound else None
+        if var.entry.kind != "sharded":
+            var.gather_shape = tuple(int(d) for d in var.entry.shape)
         var.gather_known = True
     if var.gather_dtype is None:
         return None
-    return var.gather_dtype, tuple(int(d) for d in var.entry.component_shape(comp))
+    shape = var.gather_shape
+    if shape is None:
+        shape = tuple(int(d) for d in var.entry.component_shape(comp))
+    return var.gather_dtype, shape
 
 
 def _read_checked(var: _Var, comp: int, key: str, out: np.ndarray, index_path: str) -> None:
@@ -441,7 +449,18 @@ def _write_vars(w: BundleWriter, todo: list[tuple[str, _Var, int]], index_path: 
     back to back into one buffer and written with one call (:meth:`BundleWriter.add_run`);
     a string tensor, an aggregate or a sharded variable's slices go one by one, in their
     place. The data file's bytes and the index are those of writing each tensor alone."""
-    sizes = [int(var.entry.nbytes) if comp != _AGG else 0 for _, var, comp in todo]
+    # (each variable's bytes, as the runs are cut, asked of its entry once, not per tensor)
+    nbytes: dict[int, int] = {}
+    sizes = [
+        (
+            nbytes[id(var)]
+            if id(var) in nbytes
+            else nbytes.setdefault(id(var), int(var.entry.nbytes))
+        )
+        if comp != _AGG
+        else 0
+        for _, var, comp in todo
+    ]
     scratch = Scratch()
     gather = not w.swaps
     with ReadAhead() as ahead:
