@@ -664,7 +664,7 @@ class EntryTable(Mapping[str, Entry]):
                 n,
                 self._keys[at : at + count],
                 layout,
-                self.attrs_of(row),
+                _RowAttrs(self, row),
                 True,
             )
             entry._view = self.view
@@ -751,6 +751,31 @@ class EntryTable(Mapping[str, Entry]):
 
 
 _NO_DTYPE = np.dtype(np.uint8)
+
+
+class _RowAttrs(Mapping[str, Any]):
+    """A table row's attributes, looked up when first read (an entry whose attributes are
+    never asked for makes none)."""
+
+    __slots__ = ("_row", "_table")
+
+    def __init__(self, table: EntryTable, row: int) -> None:
+        self._table, self._row = table, row
+
+    def _attrs(self) -> Mapping[str, Any]:
+        return self._table.attrs_of(self._row)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._attrs()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._attrs())
+
+    def __len__(self) -> int:
+        return len(self._attrs())
+
+    def items(self) -> Any:
+        return self._attrs().items()
 
 
 def entry_table(
