@@ -340,9 +340,19 @@ def _equal_result(path: str, n: int, size: int) -> dict[str, Any]:
     }
 
 
+#: What a variable found equal in bulk gives where nothing but the count is kept (the human
+#: output lists only the variables that differ).
+_EQUAL: dict[str, Any] = {"equal": True}
+
+
+def _counted_equal(path: str, n: int, size: int) -> dict[str, Any]:
+    return _EQUAL
+
+
 def _settle(
     pending: list[tuple[str, list[np.ndarray], list[np.ndarray]]],
     general: Callable[[str, Any, Any], dict[str, Any]],
+    equal: Callable[[str, int, int], dict[str, Any]] = _equal_result,
 ) -> list[dict[str, Any]]:
     """:func:`compare_entries`' results for a batch of variables read in bulk on both sides
     and described alike, in order: equal where every component holds the same bytes as its
@@ -351,7 +361,7 @@ def _settle(
     out = []
     for (key, ca, cb), same in zip(pending, _same_pairs(pending), strict=True):
         if same:
-            out.append(_equal_result(key, len(ca), int(ca[0].size) if ca else 0))
+            out.append(equal(key, len(ca), int(ca[0].size) if ca else 0))
         else:
             out.append(general(key, ca, cb))
     return out
@@ -375,7 +385,8 @@ def _same_pairs(pending: list[tuple[str, list[np.ndarray], list[np.ndarray]]]) -
     while k < n:
         j, held = k, 0
         while j < n and held < _JOIN_BYTES:
-            size = sum(c.nbytes for c in pending[j][1])
+            components = pending[j][1]  # (of one dtype and shape: _alike)
+            size = len(components) * components[0].nbytes if components else 0
             if size > _JOIN_BYTES // 8:
                 break
             held += size
@@ -476,6 +487,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, out: Output, spool: Spool) -> int:
     compared = differing = 0
+    # (a variable found equal in bulk is a row of the JSON output, only a count otherwise)
+    equal_row = _equal_result if out.json_mode else _counted_equal
 
     def decided(result: dict[str, Any]) -> None:
         nonlocal compared, differing
@@ -532,7 +545,7 @@ def _run(args: argparse.Namespace, out: Output, spool: Spool) -> int:
 
             def flush() -> None:
                 nonlocal held
-                for result in _settle(pending, general):
+                for result in _settle(pending, general, equal_row):
                     decided(result)
                 if total is not None:
                     bar.advance(held)
