@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from parallelvars._fileio import value_types
@@ -277,14 +277,16 @@ class AttrRows(Sequence[dict[str, Any]]):
     def __getitem__(self, j: Any) -> Any:
         if not isinstance(j, int):
             return [self[i] for i in range(self._count)[j]]
-        if not -self._count <= j < self._count:
-            raise IndexError(j)
+        j = range(self._count)[j]  # (IndexError past either end, as a list's)
         out = {}
         for name, (table, codes) in zip(self._names, self._columns, strict=True):
             c = codes[j]
             if c >= 0:
                 out[name] = table[c]
         return out
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (self[j] for j in range(self._count))
 
     def column(self, name: str) -> list[Any]:
         """Every variable's attribute ``name`` (None where a variable has none), the values
