@@ -240,10 +240,14 @@ def compare_entries(
 
 
 def _semantic(attrs: Any, key: str) -> Any:
-    """The value of attribute ``key`` in ``attrs`` as compared: an aggregation in lower case,
-    a shard axis and offsets as integers (a value that is none, from a damaged or foreign
-    file, compared as written rather than raising)."""
-    value = attrs.get(key)
+    """The value of attribute ``key`` in ``attrs`` as compared (:func:`_semantic_value`)."""
+    return _semantic_value(key, attrs.get(key))
+
+
+def _semantic_value(key: str, value: Any) -> Any:
+    """Attribute ``key``'s ``value`` as compared: an aggregation in lower case, a shard axis
+    and offsets as integers (a value that is none, from a damaged or foreign file, compared
+    as written rather than raising)."""
     if value is None:
         return None
     try:
@@ -264,29 +268,60 @@ def _alike(
     components_a: list[np.ndarray],
     components_b: list[np.ndarray],
 ) -> bool:
-    """Whether a variable's two sides are described alike (``a``/``b``: kind, dtype, shape,
-    number of components and attributes, as the views list them) and their components, read
-    in bulk, are of one comparable dtype and shape, so that equal bytes settle it."""
-    kind, dtype, shape, n, attrs_a = a
+    """Whether a variable's two sides are described alike (``a``/``b``: its
+    :func:`_signatures`) and their components, read in bulk, are of one comparable dtype and
+    shape, so that equal bytes settle it."""
+    kind, dtype, _, n = a[:4]
     if (
         kind == "sharded"
-        or (kind, dtype, tuple(shape), n) != (b[0], b[1], tuple(b[2]), b[3])
+        or a != b
         or len(components_a) != n
         or len(components_b) != n
         or not _comparable(dtype)
     ):
         return False
-    attrs_b = b[4]
-    for key in _SEMANTIC_ATTRS:
-        va, vb = attrs_a.get(key), attrs_b.get(key)
-        if (va is None and vb is None) or (type(va) is str and type(vb) is str and va == vb):
-            continue  # (the same as written: the same as compared)
-        if _semantic(attrs_a, key) != _semantic(attrs_b, key):
-            return False
     for ca, cb in zip(components_a, components_b, strict=True):
         if ca.dtype != cb.dtype or ca.shape != cb.shape:
             return False
     return True
+
+
+def _signature(kind: Any, dtype: Any, shape: Any, n: Any, values: Any) -> tuple[Any, ...]:
+    """A variable's kind, dtype, shape, number of components and the values of its
+    attributes that change what a restore gives (:data:`_SEMANTIC_ATTRS`, as compared): two
+    variables described alike have equal signatures."""
+    return (
+        kind,
+        dtype,
+        tuple(shape),
+        n,
+        *[
+            None if v is None else _semantic_value(name, v)
+            for name, v in zip(_SEMANTIC_ATTRS, values, strict=True)
+        ],
+    )
+
+
+def _signatures(view: CheckpointView, keys: list[str]) -> list[tuple[Any, ...] | None]:
+    """:func:`_signature` of each of ``keys`` from the view's columns (``described``: no entry
+    made); None for one it does not describe so (:func:`_signature_of` then)."""
+    described = getattr(view, "described", None)
+    if described is None:
+        return [None] * len(keys)
+    return [
+        None if row is None else _signature(row[0], row[1], row[2], row[3], row[4:])
+        for row in described(keys, _SEMANTIC_ATTRS)
+    ]
+
+
+def _signature_of(view: CheckpointView, listed: Any, key: str) -> tuple[Any, ...]:
+    """:func:`_signature` of ``key`` from the view's listing or entry (:func:`_described`)."""
+    kind, dtype, shape, n, attrs = _described(view, listed, key)
+    return _signature(kind, dtype, shape, n, [attrs.get(name) for name in _SEMANTIC_ATTRS])
+
+
+# Variables described at a time (:func:`_signatures`).
+_DESCRIBE = 4096
 
 
 def _equal_result(path: str, n: int, size: int) -> dict[str, Any]:
@@ -305,9 +340,19 @@ def _equal_result(path: str, n: int, size: int) -> dict[str, Any]:
     }
 
 
+#: What a variable found equal in bulk gives where nothing but the count is kept (the human
+#: output lists only the variables that differ).
+_EQUAL: dict[str, Any] = {"equal": True}
+
+
+def _counted_equal(path: str, n: int, size: int) -> dict[str, Any]:
+    return _EQUAL
+
+
 def _settle(
     pending: list[tuple[str, list[np.ndarray], list[np.ndarray]]],
     general: Callable[[str, Any, Any], dict[str, Any]],
+    equal: Callable[[str, int, int], dict[str, Any]] = _equal_result,
 ) -> list[dict[str, Any]]:
     """:func:`compare_entries`' results for a batch of variables read in bulk on both sides
     and described alike, in order: equal where every component holds the same bytes as its
@@ -316,7 +361,7 @@ def _settle(
     out = []
     for (key, ca, cb), same in zip(pending, _same_pairs(pending), strict=True):
         if same:
-            out.append(_equal_result(key, len(ca), int(ca[0].size) if ca else 0))
+            out.append(equal(key, len(ca), int(ca[0].size) if ca else 0))
         else:
             out.append(general(key, ca, cb))
     return out
@@ -340,7 +385,8 @@ def _same_pairs(pending: list[tuple[str, list[np.ndarray], list[np.ndarray]]]) -
     while k < n:
         j, held = k, 0
         while j < n and held < _JOIN_BYTES:
-            size = sum(c.nbytes for c in pending[j][1])
+            components = pending[j][1]  # (of one dtype and shape: _alike)
+            size = len(components) * components[0].nbytes if components else 0
             if size > _JOIN_BYTES // 8:
                 break
             held += size
@@ -441,6 +487,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, out: Output, spool: Spool) -> int:
     compared = differing = 0
+    # (a variable found equal in bulk is a row of the JSON output, only a count otherwise)
+    equal_row = _equal_result if out.json_mode else _counted_equal
 
     def decided(result: dict[str, Any]) -> None:
         nonlocal compared, differing
@@ -497,28 +545,38 @@ def _run(args: argparse.Namespace, out: Output, spool: Spool) -> int:
 
             def flush() -> None:
                 nonlocal held
-                for result in _settle(pending, general):
+                for result in _settle(pending, general, equal_row):
                     decided(result)
                 if total is not None:
                     bar.advance(held)
                 pending.clear()
                 held = 0
 
-            for (key, components_a), (_, components_b) in zip(read_a, read_b, strict=True):
-                if (
-                    components_a is not None
-                    and components_b is not None
-                    and not args.logical
-                    and _alike(
-                        _described(va, listed, key),
-                        _described(vb, listed_b, key),
-                        components_a,
-                        components_b,
-                    )
+            # Each side's descriptions from its columns, the next keys' at a time (None:
+            # from its listing or entry, when its components were read in bulk).
+            sigs_a: list[tuple[Any, ...] | None] = []
+            sigs_b: list[tuple[Any, ...] | None] = []
+            described_from = -1
+            for k, ((key, components_a), (_, components_b)) in enumerate(
+                zip(read_a, read_b, strict=True)
+            ):
+                if components_a is None or components_b is None or args.logical:
+                    flush()
+                    decided(general(key, components_a, components_b))
+                    continue
+                if k - k % _DESCRIBE != described_from:
+                    described_from = k - k % _DESCRIBE
+                    ahead = common[described_from : described_from + _DESCRIBE]
+                    sigs_a, sigs_b = _signatures(va, ahead), _signatures(vb, ahead)
+                sig_a, sig_b = sigs_a[k - described_from], sigs_b[k - described_from]
+                if _alike(
+                    _signature_of(va, listed, key) if sig_a is None else sig_a,
+                    _signature_of(vb, listed_b, key) if sig_b is None else sig_b,
+                    components_a,
+                    components_b,
                 ):
-                    size = sum(int(c.nbytes) for c in components_a) + sum(
-                        int(c.nbytes) for c in components_b
-                    )
+                    # (every component of one dtype and shape on both sides: _alike)
+                    size = 2 * len(components_a) * components_a[0].nbytes if components_a else 0
                     if pending and held + size > _BATCH_BYTES:
                         flush()
                     pending.append((key, components_a, components_b))

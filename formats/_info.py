@@ -41,7 +41,9 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -52,7 +54,7 @@ from parallelvars.checkpoint.entry import layout_problem
 
 from ._dtypes import dtype_from_name, is_string_dtype
 from ._graph import graph_from_info
-from ._info_columns import COLUMNS_VERSION, _corrupt, records_from_columns
+from ._info_columns import COLUMNS_VERSION, AttrRows, _corrupt, records_from_columns
 from ._names import from_key
 from ._store import ByteStore, TensorStore, _region_shape
 from ._view import DictView, Entry
@@ -159,6 +161,8 @@ class StoredEntry(Entry):
                     }
                     self._own = own  # published whole, before the table is let go
                     self._shared = None
+                    if self._table is not None:  # (its own attributes now: kept by the view)
+                        self._table._kept[self.path] = self
         return own
 
     @attrs.setter
@@ -166,6 +170,8 @@ class StoredEntry(Entry):
         own = dict(value)
         with _FIRST_COPY:  # not undone by a first copy under way
             self._own, self._shared = own, None
+            if self._table is not None:
+                self._table._kept[self.path] = self
 
     def _source(self, i: int) -> tuple[str, tuple[int, int, int] | None]:
         self._check_index(i)
@@ -176,6 +182,10 @@ class StoredEntry(Entry):
         axis = int(self.attrs["shard_axis"])
         start = int(self.attrs["shard_offsets"][i])
         return self.keys[0], (axis, start, start + self.component_shape(i)[axis])
+
+    #: The table that made this entry (:class:`EntryTable`), which keeps it once it has
+    #: attributes of its own (changed through it, they stay changed); None: held by its view.
+    _table: EntryTable | None = None
 
     #: The view whose read-ahead holds this entry's components (:meth:`StoreView.prefetch`;
     #: set by the view, None: read one by one).
@@ -234,22 +244,9 @@ class StoredEntry(Entry):
             out[...] = target
 
 
-def build_entries(
-    store: TensorStore,
-    info: Mapping[str, Any] | None,
-    *,
-    names: str,
-    hidden: Callable[[str], bool] = lambda key: False,
-) -> dict[str, Entry]:
-    """The entries of ``store``, grouped and typed by the parallel ``info`` (may be None).
-
-    Args:
-        store: the stored tensors.
-        info: the parallel info document, or None for a plain file.
-        names: the key style used to map unlisted keys to paths.
-        hidden: keys that are not tensors of the checkpoint (skipped when unlisted).
-    """
-    file = store.file
+def _listed_variables(file: str, info: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """The records of a version-1 parallel ``info`` (empty for version 2, whose columns the
+    caller reads, and for None), the document's format and version checked."""
     variables: Mapping[str, Any] = {}
     if info is not None:
         if not isinstance(info, Mapping) or info.get("format") != INFO_FORMAT:
@@ -268,6 +265,36 @@ def build_entries(
             variables = info.get("variables") or {}
             if not isinstance(variables, Mapping):
                 raise _corrupt(file, "the parallelvars metadata 'variables' is not an object")
+    return variables
+
+
+def _no_columns(file: str) -> Exception:
+    return _corrupt(
+        file,
+        "the parallelvars metadata has no columns",
+        variable="parallelvars/columns",
+        expected="a 'columns' object (version 2)",
+        found="none",
+    )
+
+
+def build_entries(
+    store: TensorStore,
+    info: Mapping[str, Any] | None,
+    *,
+    names: str,
+    hidden: Callable[[str], bool] = lambda key: False,
+) -> dict[str, Entry]:
+    """The entries of ``store``, grouped and typed by the parallel ``info`` (may be None).
+
+    Args:
+        store: the stored tensors.
+        info: the parallel info document, or None for a plain file.
+        names: the key style used to map unlisted keys to paths.
+        hidden: keys that are not tensors of the checkpoint (skipped when unlisted).
+    """
+    file = store.file
+    variables = _listed_variables(file, info)
     stored_keys = list(store.keys())
     present = set(stored_keys)
     claimed: dict[str, str] = {}
@@ -275,13 +302,7 @@ def build_entries(
     checked: dict[Any, Any] = {}
     if info is not None and info.get("version") == COLUMNS_VERSION:
         if "columns" not in info:
-            raise _corrupt(
-                file,
-                "the parallelvars metadata has no columns",
-                variable="parallelvars/columns",
-                expected="a 'columns' object (version 2)",
-                found="none",
-            )
+            raise _no_columns(file)
         records: Iterator[StoredEntry] = iter(
             _entries_from_columns(store, info["columns"], stored_keys)
         )
@@ -576,6 +597,328 @@ def _entries_from_columns(
     return out
 
 
+#: A variable's fields as a table row of :class:`EntryTable` shares them with its group: kind,
+#: dtype, shape, number of components, layout, stored tensors taken.
+_Group = tuple[str, np.dtype, tuple[int, ...], int, str, int]
+
+
+class EntryTable(Mapping[str, Entry]):
+    """The entries of a store as columns, each :class:`StoredEntry` made when asked for.
+
+    Every field was checked when the table was built (:func:`entry_table`); a row holds its
+    path, the code of its group (the variables alike in kind, dtype, shape, components and
+    layout), where its stored tensors' names begin in one flat list, and its attributes (a
+    dict shared by the rows alike in them: each made entry copies it at its first use). An
+    entry made is the one object of its variable while someone holds it or once its
+    attributes are its own.
+    """
+
+    def __init__(
+        self,
+        store: TensorStore,
+        paths: list[str],
+        rows: list[int],
+        groups: list[_Group],
+        group_of: list[int],
+        key_at: list[int],
+        keys: list[str],
+        key_pos: np.ndarray,
+        attrs: Sequence[Mapping[str, Any]],
+    ) -> None:
+        self._store = store
+        self._paths = paths  # in the view's order
+        self._row = dict(zip(paths, rows, strict=True))
+        self._groups = groups
+        self._group_of = group_of
+        self._key_at = key_at
+        self._keys = keys
+        self._key_pos = key_pos  # each of ``keys``' position in the store's columns
+        self._attrs = attrs  # of the rows the info lists (the others have none)
+        # Entries made: while someone holds them (one object per variable), and for good
+        # once their attributes are their own (``StoredEntry.attrs``: a change stays).
+        self._made: weakref.WeakValueDictionary[str, StoredEntry] = weakref.WeakValueDictionary()
+        self._kept: dict[str, StoredEntry] = {}
+        self.view: StoreView | None = None  # (set by the view over it: its entries read ahead)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._paths)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._row
+
+    def __getitem__(self, path: str) -> Entry:
+        entry = self._made.get(path)
+        if entry is None:
+            row = self._row[path]
+            kind, dtype, shape, n, layout, count = self._groups[self._group_of[row]]
+            at = self._key_at[row]
+            entry = StoredEntry._checked(
+                self._store,
+                path,
+                dtype,
+                shape,
+                kind,
+                n,
+                self._keys[at : at + count],
+                layout,
+                _RowAttrs(self, row),
+                True,
+            )
+            entry._view = self.view
+            entry._table = self
+            self._made[path] = entry
+        return entry
+
+    def summary(self, path: str) -> tuple[str, np.dtype, tuple[int, ...], int, int, Any] | None:
+        """The variable at ``path``: kind, dtype, shape, number of components, bytes of all
+        its components and attributes (shared with other rows: read them, do not change
+        them), without an entry made; None when the table has no such variable."""
+        row = self._row.get(path)
+        if row is None:
+            return None
+        kind, dtype, shape, n, _, _ = self._groups[self._group_of[row]]
+        size = math.prod(shape) * dtype.itemsize
+        return kind, dtype, shape, n, size if kind == "sharded" else size * n, self.attrs_of(row)
+
+    def described(self, paths: Sequence[str], names: Sequence[str]) -> list[tuple[Any, ...] | None]:
+        """For each of ``paths``: ``(kind, dtype, shape, n, *values)``, ``values`` its
+        attributes ``names`` (None where it has none; shared values: read, do not change),
+        without an entry or a dict of attributes made; None for a path the table does not
+        list."""
+        columns = self._columns_of(names)
+        row_of, groups, group_of = self._row, self._groups, self._group_of
+        listed = len(self._attrs)
+        out: list[tuple[Any, ...] | None] = []
+        for path in paths:
+            row = row_of.get(path)
+            if row is None:
+                out.append(None)
+                continue
+            kind, dtype, shape, n, _, _ = groups[group_of[row]]
+            if row < listed:
+                out.append((kind, dtype, shape, n, *[col[row] for col in columns]))
+            else:
+                out.append((kind, dtype, shape, n, *[None] * len(columns)))
+        return out
+
+    def _columns_of(self, names: Sequence[str]) -> list[list[Any]]:
+        """Every listed row's attribute ``name`` for each of ``names`` (kept for the next
+        ask)."""
+        cache = self.__dict__.setdefault("_attr_columns", {})
+        out = []
+        for name in names:
+            col = cache.get(name)
+            if col is None:
+                attrs = self._attrs
+                if isinstance(attrs, AttrRows):
+                    col = attrs.column(name)
+                else:
+                    col = [a.get(name) for a in attrs]
+                cache[name] = col
+            out.append(col)
+        return out
+
+    def attrs_of(self, row: int) -> Mapping[str, Any]:
+        """Row ``row``'s attributes (its values shared with other rows: read, do not change)."""
+        return self._attrs[row] if row < len(self._attrs) else _NO_ATTRS
+
+    def bulk_rows(self, paths: Sequence[str]) -> list[tuple[int, np.dtype, tuple[int, ...], int]]:
+        """For each of ``paths``: ``(first, dtype, shape, n)`` where the variable's components
+        are its ``n`` stored tensors (the components layout, not sharded, not strings) at
+        ``positions()[first : first + n]``, each of the variable's dtype and shape; ``first``
+        is -1 for one read the general way."""
+        out: list[tuple[int, np.dtype, tuple[int, ...], int]] = []
+        row_of, groups, group_of, key_at = self._row, self._groups, self._group_of, self._key_at
+        for path in paths:
+            row = row_of.get(path)
+            if row is None:
+                out.append((-1, _NO_DTYPE, (), 0))
+                continue
+            kind, dtype, shape, n, layout, _ = groups[group_of[row]]
+            if layout != "components" or kind == "sharded" or is_string_dtype(dtype):
+                out.append((-1, _NO_DTYPE, (), 0))
+            else:
+                out.append((key_at[row], dtype, shape, n))
+        return out
+
+    def positions(self) -> np.ndarray:
+        """Each stored tensor name the rows list (flat, row by row), as its position in the
+        store."""
+        return self._key_pos
+
+
+_NO_DTYPE = np.dtype(np.uint8)
+
+
+class _RowAttrs(Mapping[str, Any]):
+    """A table row's attributes, looked up when first read (an entry whose attributes are
+    never asked for makes none)."""
+
+    __slots__ = ("_row", "_table")
+
+    def __init__(self, table: EntryTable, row: int) -> None:
+        self._table, self._row = table, row
+
+    def _attrs(self) -> Mapping[str, Any]:
+        return self._table.attrs_of(self._row)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._attrs()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._attrs())
+
+    def __len__(self) -> int:
+        return len(self._attrs())
+
+    def items(self) -> Any:
+        return self._attrs().items()
+
+
+def entry_table(
+    store: TensorStore,
+    info: Mapping[str, Any] | None,
+    *,
+    names: str,
+    hidden: Callable[[str], bool] = lambda key: False,
+) -> Mapping[str, Entry]:
+    """:func:`build_entries`' entries, every check the same, held as an :class:`EntryTable`
+    (no entry made per variable until asked for) where ``info`` is version 2 or None; a
+    version-1 info's entries are made as :func:`build_entries` makes them."""
+    file = store.file
+    if _listed_variables(file, info):
+        return build_entries(store, info, names=names, hidden=hidden)
+    stored_keys = list(store.keys())
+    count_stored = len(stored_keys)
+    position = getattr(store, "positions", None)
+    if position is None:
+        where = {key: i for i, key in enumerate(stored_keys)}
+
+        def position(keys: Sequence[str]) -> np.ndarray:
+            return np.fromiter(map(where.__getitem__, keys), np.int64, len(keys))
+
+    columns = getattr(store, "stored_columns", None)
+    if columns is None:
+        stored_pairs = list(map(store.stored, stored_keys))
+    else:
+        stored_pairs = list(zip(*columns(), strict=True))
+    paths: list[str] = []
+    groups: list[_Group] = []
+    group_of: list[int] = []
+    attrs: Sequence[Mapping[str, Any]] = []
+    flat: list[str] = []
+    counts: list[int] = []
+    if info is not None and info.get("version") == COLUMNS_VERSION:
+        if "columns" not in info:
+            raise _no_columns(file)
+        paths, layouts, tables, flat, attrs = records_from_columns(
+            file, info["columns"], stored_keys, _LAYOUT_ATTRS
+        )
+        kinds, dtypes, shapes, nums, layout_names = tables
+        code_of: dict[Any, int] = {}
+        checked: dict[Any, Any] = {}
+        for j, code in enumerate(layouts):  # (equal codes: the same layout and watched attrs)
+            g = code_of.get(code)
+            if g is None:
+                kind, n, layout = kinds[code[0]], nums[code[3]], layout_names[code[4]]
+                dtype, shape, count = _described(
+                    file, paths[j], kind, dtypes[code[1]], shapes[code[2]], n, layout,
+                    dict(attrs[j]), checked,
+                )  # fmt: skip
+                g = code_of[code] = len(groups)
+                groups.append((kind, dtype, shape, n, layout, count))
+            group_of.append(g)
+        group_counts = [g[5] for g in groups]
+        counts = list(map(group_counts.__getitem__, group_of))
+    key_at = np.zeros(len(paths) + 1, np.int64)
+    np.cumsum(counts, out=key_at[1:])
+    if int(key_at[-1]) > len(flat):  # (the first variable whose tensors run past the list)
+        j = int(np.searchsorted(key_at[1:], len(flat), side="right"))
+        raise _corrupt(
+            file,
+            "variable record lists the wrong number of stored tensors",
+            variable=paths[j],
+            expected=counts[j],
+            found=max(0, len(flat) - int(key_at[j])),
+        )
+    if int(key_at[-1]) != len(flat):
+        raise _corrupt(
+            file,
+            "the parallel info lists more stored tensors than its variables take",
+            variable="parallelvars/columns/keys",
+            expected=int(key_at[-1]),
+            found=len(flat),
+        )
+    key_pos = position(flat)
+    # Every stored tensor must hold what its variable describes: compared in bulk (each
+    # tensor against its group's dtype and shape); a sharded variable, or one whose tensors
+    # differ (the bits under another dtype, or damage), through the general check that
+    # names what differs.
+    table = EntryTable(store, paths, list(range(len(paths))), groups, group_of,
+                       key_at[:-1].tolist(), flat, key_pos, attrs)  # fmt: skip
+    expected = [[(g[1], g[2])] * g[5] for g in groups]
+    want = list(chain.from_iterable(map(expected.__getitem__, group_of)))
+    got = list(map(stored_pairs.__getitem__, key_pos.tolist()))
+    suspects = {j for j in range(len(paths)) if groups[group_of[j]][0] == "sharded"}
+    if got != want:
+        row_of_key = np.repeat(np.arange(len(paths)), counts)
+        suspects.update(
+            int(row_of_key[k]) for k, (a, b) in enumerate(zip(got, want, strict=True)) if a != b
+        )
+    for j in sorted(suspects):
+        entry = table[paths[j]]
+        assert isinstance(entry, StoredEntry)
+        _check_stored(store, entry)
+    # The view's order: each variable at its first stored tensor, and the tensors no
+    # variable lists as variables of their own, in the store's order.
+    owner = np.full(count_stored, -1, np.int64)
+    owner[key_pos] = -2
+    owner[key_pos[key_at[:-1][: len(paths)]]] = np.arange(len(paths))
+    kept = owner[owner != -2]
+    if (kept >= 0).all():
+        order = kept.tolist()
+    else:
+        single: dict[tuple[np.dtype, tuple[int, ...]], int] = {}
+        order = []
+        taken = set(paths)
+        for i in np.flatnonzero(owner != -2).tolist():
+            j = int(owner[i])
+            if j >= 0:
+                order.append(j)
+                continue
+            key = stored_keys[i]
+            if hidden(key):
+                continue
+            path = from_key(key, names)
+            if path in taken:
+                raise _corrupt(
+                    file, "two stored tensors map to the same variable path", variable=path
+                )
+            taken.add(path)
+            dtype, shape = stored_pairs[i]
+            pair = (np.dtype(dtype), tuple(map(int, shape)))
+            g = single.get(pair)
+            if g is None:
+                g = single[pair] = len(groups)
+                groups.append(("single", pair[0], pair[1], 1, "components", 1))
+            order.append(len(paths))
+            paths.append(path)
+            group_of.append(g)
+            table._key_at.append(len(flat))
+            flat.append(key)
+            key_pos = np.append(key_pos, i)
+        table._key_pos = key_pos
+    table._paths = list(map(paths.__getitem__, order))
+    table._row = dict(zip(table._paths, order, strict=True))
+    return table
+
+
+_NO_ATTRS: Mapping[str, Any] = {}
+
+
 class StoreView(DictView):  # the Mapping over ._entries comes from DictView
     """A :class:`CheckpointView` over a dict of entries backed by a :class:`TensorStore`."""
 
@@ -590,7 +933,8 @@ class StoreView(DictView):  # the Mapping over ._entries comes from DictView
         info: Mapping[str, Any] | None = None,
     ) -> None:
         self._store = store
-        self._entries = dict(entries)
+        # (an EntryTable is kept as it is: its entries are made when asked for)
+        self._entries = entries if isinstance(entries, EntryTable) else dict(entries)  # type: ignore[assignment]
         self.format = format
         self.path = path
         self.metadata = dict(metadata)
@@ -600,6 +944,9 @@ class StoreView(DictView):  # the Mapping over ._entries comes from DictView
         self._ahead: dict[str, list[Any]] = {}
         if getattr(type(store), "_place", ByteStore._place) is not ByteStore._place:
             # (a store of plain byte ranges: its entries read ahead through this view)
+            if isinstance(entries, EntryTable):
+                entries.view = self
+                return
             for entry in self._entries.values():
                 if type(entry) is StoredEntry and entry._store is store:
                     entry._view = self
@@ -626,6 +973,10 @@ class StoreView(DictView):  # the Mapping over ._entries comes from DictView
         None for an entry read the general way (``self[path]``): another layout, strings, a
         store that is not byte ranges, or bytes that do not check."""
         store = self._store
+        table = self._entries
+        if isinstance(table, EntryTable) and hasattr(store, "read_positions"):
+            yield from self._bulk_rows(table, paths)
+            return
         read_many = getattr(store, "read_many", None)
         batch: list[tuple[str, Entry | None]] = []
         size = 0
@@ -646,6 +997,65 @@ class StoreView(DictView):  # the Mapping over ._entries comes from DictView
                 yield from self._read_batch(batch)
                 batch, size = [], 0
         yield from self._read_batch(batch)
+
+    def summary(self, path: str) -> tuple[str, np.dtype, tuple[int, ...], int, int, Any] | None:
+        """The variable at ``path`` as its table lists it, without an entry made
+        (:meth:`EntryTable.summary`); None for a view whose entries are not a table."""
+        table = self._entries
+        return table.summary(path) if isinstance(table, EntryTable) else None
+
+    def described(self, paths: Sequence[str], names: Sequence[str]) -> list[tuple[Any, ...] | None]:
+        """:meth:`EntryTable.described` (each None for a view whose entries are not a
+        table)."""
+        table = self._entries
+        if isinstance(table, EntryTable):
+            return table.described(paths, names)
+        return [None] * len(paths)
+
+    def _bulk_rows(
+        self, table: EntryTable, paths: Sequence[str]
+    ) -> Iterator[tuple[str, list[Any] | None]]:
+        """:meth:`bulk_components` over the table's columns: each batch's stored tensors
+        found by position and read at once (the store's ``read_positions``)."""
+        rows = table.bulk_rows(paths)
+        start = 0
+        size = 0
+        for k, (first, dtype, shape, n) in enumerate(rows):
+            if first >= 0:
+                size += math.prod(shape) * dtype.itemsize * n
+            if size >= BULK_BYTES:
+                yield from self._read_rows(table, paths[start : k + 1], rows[start : k + 1])
+                start, size = k + 1, 0
+        yield from self._read_rows(table, paths[start:], rows[start:])
+
+    def _read_rows(
+        self,
+        table: EntryTable,
+        paths: Sequence[str],
+        rows: list[tuple[int, np.dtype, tuple[int, ...], int]],
+    ) -> Iterator[tuple[str, list[Any] | None]]:
+        firsts = np.array([r[0] for r in rows], np.int64)
+        counts = np.array([r[3] for r in rows], np.int64)
+        counts[firsts < 0] = 0
+        total = int(counts.sum())
+        buf, places, good = np.empty(0, np.uint8), [], []
+        if total:
+            heads = np.repeat(np.cumsum(counts) - counts, counts)
+            flat = np.repeat(firsts, counts) + (np.arange(total) - heads)
+            buf, at, ok = self._store.read_positions(table.positions()[flat])  # type: ignore[attr-defined]
+            places = at.tolist()
+            good = ok.tolist()
+        k = 0
+        for path, (first, dtype, shape, n) in zip(paths, rows, strict=True):
+            if first < 0:
+                yield path, None
+                continue
+            if not all(good[k : k + n]):
+                yield path, None
+            else:
+                # (each a read-only array over the batch's buffer, made in one call)
+                yield path, [np.ndarray(shape, dtype, buf, a) for a in places[k : k + n]]
+            k += n
 
     def _read_batch(
         self, batch: list[tuple[str, Entry | None]]

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from parallelvars._fileio import value_types
@@ -259,9 +259,49 @@ def _column(
     return values, index
 
 
+class AttrRows(Sequence[dict[str, Any]]):
+    """Each variable's attributes, as the ``attrs`` columns give them: ``self[j]`` is a new
+    dict of variable ``j``'s (in the columns' order, the absent left out) whose values are the
+    columns' own (shared by the variables alike in them: copy before changing one)."""
+
+    def __init__(
+        self, names: list[str], columns: list[tuple[list[Any], list[int]]], count: int
+    ) -> None:
+        self._names = names
+        self._columns = columns
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, j: Any) -> Any:
+        if not isinstance(j, int):
+            return [self[i] for i in range(self._count)[j]]
+        j = range(self._count)[j]  # (IndexError past either end, as a list's)
+        out = {}
+        for name, (table, codes) in zip(self._names, self._columns, strict=True):
+            c = codes[j]
+            if c >= 0:
+                out[name] = table[c]
+        return out
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (self[j] for j in range(self._count))
+
+    def column(self, name: str) -> list[Any]:
+        """Every variable's attribute ``name`` (None where a variable has none), the values
+        shared: read them, do not change them."""
+        for own, (table, codes) in zip(self._names, self._columns, strict=True):
+            if own == name:
+                if _ABSENT in codes:
+                    return [None if c < 0 else table[c] for c in codes]
+                return list(map(table.__getitem__, codes))
+        return [None] * self._count
+
+
 def records_from_columns(
     file: str, columns: Any, tensor_names: Iterable[str], group_by: Sequence[str] = ()
-) -> tuple[list[str], list[tuple[int, ...]], list[list[Any]], list[str], list[dict]]:
+) -> tuple[list[str], list[tuple[int, ...]], list[list[Any]], list[str], AttrRows]:
     """The columns of a version-2 info, checked and decoded.
 
     Returns:
@@ -270,7 +310,7 @@ def records_from_columns(
         field), then its codes of the attributes named in ``group_by`` that the file lists
         (equal codes: equal values; -1: absent); ``keys`` every variable's stored tensors'
         names in turn (flat: the caller splits them by layout); ``attrs[j]`` variable ``j``'s
-        attributes.
+        attributes (:class:`AttrRows`, made when asked for).
 
     Raises:
         CorruptCheckpointError: naming the file, the column or variable, expected and found.
@@ -321,23 +361,9 @@ def records_from_columns(
     attr_cols = [
         _column(file, f"attrs/{name}", col, paths, optional=True) for name, col in raw_attrs.items()
     ]
-    # Variables alike in every attribute code share one dict of attributes (their entries
-    # copy it at the first use: StoredEntry's shared attrs): one dict per distinct
-    # combination, made once, not one per variable.
-    attrs: list[dict[str, Any]]
-    if attr_cols:
-        combos = list(zip(*(code for _, code in attr_cols), strict=True))
-        made = {
-            combo: {
-                name: table[c]
-                for name, (table, _), c in zip(attr_names, attr_cols, combo, strict=True)
-                if c >= 0
-            }
-            for combo in dict.fromkeys(combos)
-        }
-        attrs = list(map(made.__getitem__, combos))
-    else:
-        attrs = [{} for _ in paths]
+    # Each variable's attributes made when asked for, from the columns (no dict per
+    # variable held).
+    attrs = AttrRows(attr_names, attr_cols, len(paths))
     names = sorted(tensor_names)
     flat: Any = columns.get("keys")
     if not _ints_below(flat, 0, len(names)):

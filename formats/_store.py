@@ -8,7 +8,7 @@ import abc
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 import crc32c as _crc32c
@@ -93,59 +93,31 @@ class ByteStore(TensorStore):
         not match their checksum: the caller reads that one through :meth:`read_into`, which
         names the damage. The arrays are read-only views of one buffer."""
         out: list[np.ndarray | None] = [None] * len(keys)
-        placed = []
-        expected_crcs = self._expected_crcs(keys)
-        for k, (where, size) in enumerate(zip(self._places(keys), sizes, strict=True)):
-            if where is None:
-                continue
-            if size > 0:
-                placed.append((where[0], where[1], size, k))
-            elif expected_crcs[k] in (None, 0):  # (an empty tensor's CRC-32C is 0)
-                out[k] = np.empty(0, np.uint8)
-        if not placed:
-            return out
-        fds, offsets, nbytes, index = (np.array(col, np.int64) for col in zip(*placed, strict=True))
-        spans = coalesce(offsets, nbytes, keys=fds)
-        span_fds = np.empty(spans.starts.size, np.int64)
-        span_fds[spans.span_of] = fds[spans.order]
-        buf = np.empty(spans.total, np.uint8)
-        view = memoryview(buf)  # type: ignore[arg-type]
-        filled = []  # where each span's bytes end in buf (earlier: the file ended first)
-        for fd, start, size, base in zip(
-            span_fds.tolist(),
-            spans.starts.tolist(),
-            spans.sizes.tolist(),
-            spans.bases.tolist(),
-            strict=True,
-        ):
-            filled.append(base + _pread_fully(fd, view[base : base + size], start))
-        buf.flags.writeable = False
-        # (CRC-32C from 0, the default: called directly, not through two methods per tensor)
+        places = self._places(keys)
+        expected = self._expected_crcs(keys)
+        fds = np.array([-1 if w is None else w[0] for w in places], np.int64)
+        offsets = np.array([0 if w is None else w[1] for w in places], np.int64)
+        crcs = np.array([-1 if c is None else c for c in expected], np.int64)
+        # (CRC-32C from 0, the default, checked in bulk; a store of another checksum checks
+        # each tensor through its own two methods)
         plain = (
             type(self)._crc_start is ByteStore._crc_start
             and type(self)._crc_update is ByteStore._crc_update
         )
-        crc32c = _crc32c.crc32c
-        for k, size, pos, s in zip(
-            index[spans.order].tolist(),
-            nbytes[spans.order].tolist(),
-            spans.at.tolist(),
-            spans.span_of.tolist(),
+
+        def check(k: int, data: np.ndarray) -> bool:
+            return self._crc_update(data, self._crc_start(keys[k])) == expected[k]
+
+        buf, at, ok = read_spans(
+            fds, offsets, np.asarray(sizes, np.int64).reshape(-1), crcs, None if plain else check
+        )
+        for k, a, n in zip(
+            np.flatnonzero(ok).tolist(),
+            at[ok].tolist(),
+            np.asarray(sizes)[ok].tolist(),
             strict=True,
         ):
-            if pos + size > filled[s]:
-                continue  # the file ends first: read_into names it
-            data = buf[pos : pos + size]
-            expected = expected_crcs[k]
-            if expected is not None:
-                got = (
-                    int(crc32c(data))  # type: ignore[arg-type]
-                    if plain
-                    else self._crc_update(data, self._crc_start(keys[k]))
-                )
-                if got != expected:
-                    continue  # damaged: read_into names it
-            out[k] = data
+            out[k] = buf[a : a + n]
         return out
 
     def _places(self, keys: Sequence[str]) -> list[tuple[int, int] | None]:
@@ -238,6 +210,70 @@ class ByteStore(TensorStore):
             flat[o0 * run : o1 * run] = block.reshape(o1 - o0, stride)[
                 :, start * inner : start * inner + run
             ].reshape(-1)
+
+
+def read_spans(
+    fds: np.ndarray,
+    offsets: np.ndarray,
+    sizes: np.ndarray,
+    crcs: np.ndarray,
+    check: Callable[[int, np.ndarray], bool] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Read byte ranges of open files together: range ``k`` is ``sizes[k]`` bytes at
+    ``offsets[k]`` of descriptor ``fds[k]`` (-1: none, not read), checked against its CRC-32C
+    ``crcs[k]`` (-1: none) or, given ``check``, by ``check(k, bytes)`` where it has one.
+
+    Each file's ranges are read in offset order, near neighbours in one ``pread``
+    (:func:`parallelvars._spans.coalesce`), into one read-only buffer. Returns ``(buf, at,
+    ok)``: range ``k``'s bytes are ``buf[at[k] : at[k] + sizes[k]]`` where ``ok[k]``; False
+    where there is no descriptor, the file ends first or the bytes do not match their
+    checksum (an empty range is ok when its CRC is none or 0, CRC-32C's value for no
+    bytes)."""
+    count = len(sizes)
+    at = np.zeros(count, np.int64)
+    ok = np.zeros(count, bool)
+    placed = fds >= 0
+    ok[placed & (sizes == 0) & ((crcs == -1) | (crcs == 0))] = True
+    index = np.flatnonzero(placed & (sizes > 0))
+    if not index.size:
+        return np.empty(0, np.uint8), at, ok
+    spans = coalesce(offsets[index], sizes[index], keys=fds[index])
+    span_fds = np.empty(spans.starts.size, np.int64)
+    span_fds[spans.span_of] = fds[index][spans.order]
+    buf = np.empty(spans.total, np.uint8)
+    view = memoryview(buf)  # type: ignore[arg-type]
+    filled = np.empty(spans.starts.size, np.int64)  # where each span's bytes end in buf
+    for s, (fd, start, size, base) in enumerate(
+        zip(
+            span_fds.tolist(),
+            spans.starts.tolist(),
+            spans.sizes.tolist(),
+            spans.bases.tolist(),
+            strict=True,
+        )
+    ):
+        filled[s] = base + _pread_fully(fd, view[base : base + size], start)
+    buf.flags.writeable = False
+    ordered = index[spans.order]
+    at[ordered] = spans.at
+    whole = spans.at + sizes[ordered] <= filled[spans.span_of]  # (else the file ended first)
+    crc32c = _crc32c.crc32c
+    for k, pos, size, want in zip(
+        ordered[whole].tolist(),
+        spans.at[whole].tolist(),
+        sizes[ordered][whole].tolist(),
+        crcs[ordered][whole].tolist(),
+        strict=True,
+    ):
+        if want >= 0:
+            data = buf[pos : pos + size]
+            if check is not None:
+                if not check(k, data):
+                    continue
+            elif crc32c(data) != want:  # type: ignore[arg-type]
+                continue
+        ok[k] = True
+    return buf, at, ok
 
 
 def _pread_fully(fd: int, buf: memoryview, offset: int) -> int:

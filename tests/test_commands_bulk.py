@@ -233,7 +233,9 @@ def test_diff_batches_stay_within_their_byte_bound(tmp_path, capsys, monkeypatch
     batches = []
     settle = diff._settle
     monkeypatch.setattr(diff, "_BATCH_BYTES", 600 << 10)
-    monkeypatch.setattr(diff, "_settle", lambda p, g: batches.append(list(p)) or settle(p, g))
+    monkeypatch.setattr(
+        diff, "_settle", lambda p, g, *more: batches.append(list(p)) or settle(p, g, *more)
+    )
     code = main(["--json", "diff", a, b])
     assert json.loads(capsys.readouterr().out) == unbounded
     assert code == (0 if changed is None else 1)

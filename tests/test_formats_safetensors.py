@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pathlib
@@ -14,6 +15,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from formats_testlib import TORCH, assert_same_view, same_bits, torch_expected
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
@@ -417,6 +420,47 @@ def test_duplicates_anywhere_in_the_header(tmp_path, header: bytes) -> None:
     path = _write_raw(_bad(tmp_path, "dup"), header, b"\0")
     with pytest.raises(CorruptCheckpointError, match="duplicate name"):
         open_safetensors(path)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    first=st.text(alphabet='\\":a', max_size=6),
+    second=st.text(alphabet='\\":a', max_size=6),
+    pad=st.integers(0, 12),
+)
+def test_repeated_names_are_found_whatever_their_escapes_and_where_the_text_splits(
+    tmp_path, first: str, second: str, pad: int
+) -> None:
+    """The pairs of a header are counted a megabyte at a time: names of quotes, colons and
+    backslash runs, a metadata value that puts a run of backslashes across the first
+    megabyte's end, a repeated name found, distinct names opened."""
+    header_module = importlib.import_module("parallelvars.formats.safetensors._header")
+    meta = json.dumps({"k": "x" * ((1 << 20) - 40 - pad) + "\\" * 20 + '"' + ":" * 3})
+    body = (
+        f'{{"__metadata__": {meta}, {json.dumps(first)}: '
+        '{"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, '
+        f'{json.dumps(second)}: {{"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}}}}'
+    ).encode()
+    path = _write_raw(str(tmp_path / f"e{pad}.safetensors"), body, b"\1\2")
+    if first == second:
+        with pytest.raises(CorruptCheckpointError, match="duplicate name"):
+            open_safetensors(path)
+        return
+    parses = []
+    real = header_module.load_json
+
+    def counted(*args, **kwargs):
+        parses.append(kwargs.get("object_pairs_hook"))
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("parallelvars.formats.safetensors._header.load_json", counted)
+        with open_safetensors(path) as view:
+            assert sorted(e.keys[0] for e in view.values()) == sorted([first, second])
+    # every pair counted exactly: parsed once, without the hook that looks for a repeat
+    assert parses == [None]
 
 
 def test_names_with_colons_quotes_and_escapes(tmp_path) -> None:

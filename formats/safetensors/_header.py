@@ -10,7 +10,7 @@ import struct
 from collections.abc import Callable, Mapping
 from itertools import chain
 from operator import attrgetter, itemgetter, mul
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from parallelvars.errors import (
     UnsupportedDtypeError,
 )
 from parallelvars.formats.safetensors._dtypes import _DTYPES, _SUB_BYTE
-from parallelvars.formats.safetensors._integrity import _verify_header
+from parallelvars.formats.safetensors._integrity import _record_crcs
 from parallelvars.formats.safetensors._layout import MAX_HEADER_SIZE
 
 
@@ -42,24 +42,45 @@ def _no_duplicates(file: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any
     return hook
 
 
-_PAIR_KEEP = bytes(range(256)).translate(None, b'":')
 _PAIR_CHUNK = 1 << 20
 
 
 def _json_pairs(raw: bytes) -> int:
     """How many name/value pairs the objects of the JSON text ``raw`` hold, duplicates
-    included, without parsing it: the colons outside strings (escapes dropped first, as
-    :func:`~parallelvars._fileio.json_depth` does). Only meaningful for valid JSON."""
-    if b"\\" in raw:
-        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
-    text = raw.translate(None, _PAIR_KEEP)
-    inside, pairs = 0, 0
-    for start in range(0, len(text), _PAIR_CHUNK):
-        arr = np.frombuffer(text, np.uint8, min(_PAIR_CHUNK, len(text) - start), start)
-        quote = arr == 34
-        outside = ((np.cumsum(quote, dtype=np.int64) + inside) & 1) == 0
-        pairs += int(np.count_nonzero(outside & ~quote))
-        inside = (inside + int(np.count_nonzero(quote))) & 1
+    included, without parsing it: the colons outside strings. A quote ends or starts a string
+    unless the run of backslashes just before it is odd (an escaped quote). Found in bulk
+    (numpy), a chunk at a time (what is carried across: the quotes' parity and the backslash
+    run at the chunk's end). Only meaningful for valid JSON."""
+    data = np.frombuffer(raw, np.uint8)
+    pairs = 0
+    inside = 0  # the real quotes so far, mod 2
+    carried = 0  # the backslashes that end the previous chunk
+    for start in range(0, data.size, _PAIR_CHUNK):
+        arr = data[start : start + _PAIR_CHUNK]
+        quotes = np.flatnonzero(arr == 34)
+        colons = np.flatnonzero(arr == 58)
+        slashes = np.flatnonzero(arr == 92)
+        if slashes.size:
+            # each backslash's run: where it begins (an index into ``slashes``)
+            begins = np.ones(slashes.size, bool)
+            begins[1:] = np.diff(slashes) != 1
+            first = np.maximum.accumulate(np.where(begins, np.arange(slashes.size), 0))
+            runs = np.arange(slashes.size) - first + 1
+            runs += np.where(slashes[first] == 0, carried, 0)  # (a run the chunk continues)
+            last = np.searchsorted(slashes, quotes) - 1  # the backslash before each quote
+            safe = np.maximum(last, 0)
+            before = (last >= 0) & (slashes[safe] == quotes - 1)
+            run_before = np.where(before, runs[safe], 0)
+            carry_next = int(runs[-1]) if slashes[-1] == arr.size - 1 else 0
+        else:
+            run_before = np.zeros(quotes.size, np.int64)
+            carry_next = 0
+        run_before = np.where(quotes == 0, carried, run_before)
+        real = quotes[(run_before & 1) == 0]
+        outside = ((np.searchsorted(real, colons) + inside) & 1) == 0
+        pairs += int(np.count_nonzero(outside))
+        inside = (inside + real.size) & 1
+        carried = carry_next
     return pairs
 
 
@@ -100,17 +121,12 @@ def _unholdable(shape: list[int], itemsize: int) -> bool:
     return len(shape) > _MAX_NDIM or math.prod(d for d in shape if d) * itemsize > _MAX_BYTES
 
 
-def _tiles_exactly(
-    entries: list[tuple[str, np.dtype, tuple[int, ...], int, int, int]], data_size: int
-) -> bool:
+def _tiles_exactly(begins: list[int], ends: list[int], sizes: list[int], data_size: int) -> bool:
     """Whether the tensors' offsets tile ``[0, data_size)`` in order with the right byte sizes,
     checked in bulk (numpy); False sends the caller to the tensor-by-tensor loop that says
     which tensor is wrong."""
-    if not entries:
+    if not begins:
         return data_size == 0
-    begins = [e[3] for e in entries]
-    ends = [e[4] for e in entries]
-    sizes = [e[5] for e in entries]
     if max(ends) > data_size or max(begins) > data_size or max(sizes) > data_size:
         return False  # also keeps every value below 2**63 for the arrays below
     b = np.array(begins, np.int64)
@@ -119,6 +135,20 @@ def _tiles_exactly(
     b, e = b[order], e[order]
     n = np.array(sizes, np.int64)[order]
     return bool(b[0] == 0 and e[-1] == data_size and (e - b == n).all() and (b[1:] == e[:-1]).all())
+
+
+class HeaderColumns(NamedTuple):
+    """The tensors of a checked safetensors header, one column per field, in file order:
+    names, numpy dtypes, shapes, ``[begin, end)`` offsets relative to the data's start
+    (int64 arrays) and each tensor's CRC-32C from our checksum record (an int64 array; None
+    for a file without one)."""
+
+    names: list[str]
+    dtypes: list[np.dtype]
+    shapes: list[tuple[int, ...]]
+    begins: np.ndarray
+    ends: np.ndarray
+    crcs: np.ndarray | None
 
 
 def read_header(
@@ -132,12 +162,34 @@ def read_header(
     Returns:
         ``(metadata, tensors, data_start)``: ``tensors`` maps each name to (numpy dtype, shape,
         begin, end, CRC-32C of its bytes or None) with offsets relative to ``data_start``, in
-        file order.
+        file order (:func:`read_header_columns` gives the same as columns).
 
     Raises:
         TruncatedFileError, CorruptCheckpointError, ChecksumMismatchError, UnsupportedDtypeError:
         see the module doc.
     """
+    metadata, cols, start = read_header_columns(f, file)
+    crcs = [None] * len(cols.names) if cols.crcs is None else cols.crcs.tolist()
+    tensors = dict(
+        zip(
+            cols.names,
+            zip(
+                cols.dtypes,
+                cols.shapes,
+                cols.begins.tolist(),
+                cols.ends.tolist(),
+                crcs,
+                strict=True,
+            ),
+            strict=True,
+        )
+    )
+    return metadata, tensors, start
+
+
+def read_header_columns(f: IO[bytes], file: str) -> tuple[dict[str, str], HeaderColumns, int]:
+    """:func:`read_header`'s checks and answer, the tensors as :class:`HeaderColumns` (no
+    object per tensor beyond its name and shape)."""
     size = os.fstat(f.fileno()).st_size
     if size < 8:
         raise TruncatedFileError(
@@ -179,16 +231,12 @@ def read_header(
             "__metadata__ must map strings to strings", file=file, variable="__metadata__"
         )
     entries: list[tuple[str, np.dtype, tuple[int, ...], int, int, int]] = []
+    fast = _fast_columns(header, size - 8 - n)
+    if fast is not None:
+        cols, describe = fast
+        crcs = _record_crcs(file, metadata, cols.names, raw, describe)
+        return metadata, cols._replace(crcs=crcs), 8 + n
     described: dict[str, tuple[str, list[int], list[int]]] = {}
-    fast = _fast_entries(header, described)
-    if fast is not None and _tiles_exactly(fast, size - 8 - n):
-        crcs = _verify_header(file, metadata, described, raw)
-        tensors = {
-            name: (dtype, shape, b, e, None if crcs is None else crcs[name])
-            for name, dtype, shape, b, e, _ in fast
-        }
-        return metadata, tensors, 8 + n
-    described.clear()
     for name, info in header.items():
         if not isinstance(info, dict):
             raise CorruptCheckpointError("tensor info is not an object", file=file, variable=name)
@@ -298,24 +346,32 @@ def read_header(
             expected=f"{8 + n + expected} bytes",
             found=f"{size} bytes",
         )
-    crcs = _verify_header(file, metadata, described, raw)
-    tensors = {
-        name: (dtype, shape, b, e, None if crcs is None else crcs[name])
-        for name, dtype, shape, b, e, _ in entries
-    }
-    return metadata, tensors, 8 + n
+    names = [e[0] for e in entries]
+    cols = HeaderColumns(
+        names,
+        [e[1] for e in entries],
+        [e[2] for e in entries],
+        np.array([e[3] for e in entries], np.int64),
+        np.array([e[4] for e in entries], np.int64),
+        _record_crcs(file, metadata, names, raw, lambda: described),
+    )
+    return metadata, cols, 8 + n
 
 
-def _fast_entries(
-    header: Mapping[str, Any], described: dict[str, tuple[str, list[int], list[int]]]
-) -> list[tuple[str, np.dtype, tuple[int, ...], int, int, int]] | None:
+def _fast_columns(
+    header: Mapping[str, Any], data_size: int
+) -> tuple[HeaderColumns, Callable[[], dict[str, tuple[str, list[int], list[int]]]]] | None:
     """The tensors of a well-formed header, checked in bulk (C-level maps over the tensors,
-    no Python frame per tensor); None at the first doubt, for the tensor-by-tensor checks to
-    name the problem."""
+    no Python frame per tensor), and a function giving each tensor's description as written
+    (for an older checksum record, :func:`_record_crcs`); None at the first doubt, for the
+    tensor-by-tensor checks to name the problem."""
     names = list(header)
     infos = list(header.values())
     if not infos:
-        return []
+        if data_size != 0:
+            return None
+        empty = np.empty(0, np.int64)
+        return HeaderColumns([], [], [], empty, empty.copy(), None), dict
     if set(map(type, infos)) != {dict}:
         return None
     try:
@@ -333,7 +389,6 @@ def _fast_entries(
     for values in (list(chain.from_iterable(shapes)), list(chain.from_iterable(offsets))):
         if values and (not set(map(type, values)) <= {int} or min(values) < 0):
             return None
-    described.update(zip(names, zip(dtype_strs, shapes, offsets, strict=True), strict=True))
     sizes = list(map(mul, map(math.prod, shapes), map(attrgetter("itemsize"), dtypes)))
     if 0 in sizes and any(  # (a nonzero size is bounded by the file's size in _tiles_exactly)
         _unholdable(s, d.itemsize) for s, d, z in zip(shapes, dtypes, sizes, strict=True) if not z
@@ -341,14 +396,18 @@ def _fast_entries(
         return None
     if max(map(len, shapes)) > _MAX_NDIM:
         return None
-    return list(
-        zip(
-            names,
-            dtypes,
-            map(tuple, shapes),
-            map(itemgetter(0), offsets),
-            map(itemgetter(1), offsets),
-            sizes,
-            strict=True,
-        )
+    begins = list(map(itemgetter(0), offsets))
+    ends = list(map(itemgetter(1), offsets))
+    if not _tiles_exactly(begins, ends, sizes, data_size):
+        return None
+    cols = HeaderColumns(
+        names,
+        dtypes,
+        list(map(tuple, shapes)),
+        np.array(begins, np.int64),
+        np.array(ends, np.int64),
+        None,
+    )
+    return cols, lambda: dict(
+        zip(names, zip(dtype_strs, shapes, offsets, strict=True), strict=True)
     )

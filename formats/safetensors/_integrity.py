@@ -6,10 +6,11 @@ files), the record's string form, the shard index's CRC, and their verification 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import crc32c as _crc32c
+import numpy as np
 
 from parallelvars._fileio import load_json
 from parallelvars.errors import (
@@ -87,14 +88,17 @@ def _index_crc(metadata: Mapping[str, Any], weight_map: Mapping[str, str]) -> st
     return f"{_crc32c.crc32c(text.encode('ascii')):08x}"
 
 
-def _verify_header(
+def _record_crcs(
     file: str,
     metadata: Mapping[str, str],
-    described: Mapping[str, tuple[str, list[int], list[int]]],
-    header: bytes = b"",
-) -> dict[str, int] | None:
-    """Check our checksum record of a header (``header``: its JSON bytes as stored); the
-    tensors' CRCs, or None for a file without one.
+    names: Sequence[str],
+    header: bytes,
+    describe: Callable[[], Mapping[str, tuple[str, list[int], list[int]]]],
+) -> np.ndarray | None:
+    """Check our checksum record of a header (``header``: its JSON bytes as stored; ``names``:
+    its tensors in file order; ``describe``: each tensor's dtype string, shape and offsets as
+    written, asked only for an older record, whose CRC covers that description); the tensors'
+    CRCs in ``names``' order (int64), or None for a file without a record.
 
     A file whose parallel info says it carries checksums must have the record.
     """
@@ -117,27 +121,20 @@ def _verify_header(
                     found="none",
                 )
         return None
-    names = sorted(described)
+    count = len(names)
     record = raw
     by_bytes = raw.startswith(RAW_PREFIX)
     if by_bytes:
         raw = raw[len(RAW_PREFIX) :]
-    if len(raw) != 8 * (1 + len(names)) or not set(raw) <= _HEX:
+    if len(raw) != 8 * (1 + count) or not set(raw) <= _HEX:
         raise CorruptCheckpointError(
             "the checksum record is damaged",
             file=file,
             variable=CRC_KEY,
-            expected=f"{8 * (1 + len(names))} hex digits for {len(names)} tensors",
+            expected=f"{8 * (1 + count)} hex digits for {count} tensors",
             found=f"{raw[:80]!r}",
         )
     stored = raw[:8]
-    tensors = dict(
-        zip(
-            names,
-            map(raw.__getitem__, map(slice, range(8, len(raw), 8), range(16, len(raw) + 8, 8))),
-            strict=True,
-        )
-    )
     if by_bytes:
         at = _record_at(header, record)
         if at < 0:
@@ -150,7 +147,9 @@ def _verify_header(
             )
         found = raw_header_crc(header, at, len(raw))
     else:
-        found = _header_crc(metadata, described, tensors)
+        ordered = sorted(names)
+        digits = [raw[8 * k : 8 * k + 8] for k in range(1, count + 1)]
+        found = _header_crc(metadata, describe(), dict(zip(ordered, digits, strict=True)))
     if found != stored:
         raise ChecksumMismatchError(
             "the safetensors header does not match its checksum",
@@ -159,4 +158,10 @@ def _verify_header(
             expected=f"crc32c {stored}",
             found=f"crc32c {found}",
         )
-    return {name: int(v, 16) for name, v in tensors.items()}
+    # Each tensor's 8 hex digits (name order) as an integer, in bulk, then in file order.
+    hexes = np.frombuffer(raw.encode("ascii"), np.uint8)[8:].reshape(count, 8).astype(np.int64)
+    values = np.where(hexes >= 97, hexes - 87, hexes - 48)
+    by_name = (values << np.arange(28, -1, -4, dtype=np.int64)).sum(axis=1, dtype=np.int64)
+    out = np.empty(count, np.int64)
+    out[sorted(range(count), key=names.__getitem__)] = by_name
+    return out

@@ -17,19 +17,21 @@ from parallelvars.errors import (
     CorruptCheckpointError,
     TruncatedFileError,
 )
-from parallelvars.formats._info import StoreView, build_entries
+from parallelvars.formats._info import StoreView, entry_table
 from parallelvars.formats._json import dumps, jsonable
 from parallelvars.formats._names import check_names
-from parallelvars.formats._store import ByteStore, read_exact_into
+from parallelvars.formats._store import ByteStore, read_exact_into, read_spans
 from parallelvars.formats._view import CheckpointView
-from parallelvars.formats.safetensors._header import read_header
+from parallelvars.formats.safetensors._header import read_header_columns
 from parallelvars.formats.safetensors._index import _find_index, _read_index
 from parallelvars.formats.safetensors._integrity import record_header_crc
 from parallelvars.formats.safetensors._layout import CRC_KEY, DEFAULT_NAMES, META_KEY, SHARDS_KEY
 
 
 class _Store(ByteStore):
-    """The tensors of one safetensors file or of a shard set."""
+    """The tensors of one safetensors file or of a shard set, held as columns (every shard's
+    tensors in turn, each in file order): names, numpy dtypes, shapes, and in int64 arrays
+    each tensor's shard, absolute byte offset, byte count and CRC-32C (-1: none)."""
 
     def __init__(self, file: str, shard_files: list[str], *, within: str | None = None) -> None:
         """Open ``shard_files`` (of the index ``file``, or the one file ``file``); ``within``:
@@ -39,8 +41,14 @@ class _Store(ByteStore):
         self.paths = list(shard_files)
         self._handles: dict[int, IO[bytes]] = {}
         self._lock = threading.Lock()
-        self._tensors: dict[str, tuple[int, np.dtype, tuple[int, ...], int]] = {}
-        self._crcs: dict[str, int] = {}
+        self._names: list[str] = []
+        self._dtypes: list[np.dtype] = []
+        self._shapes: list[tuple[int, ...]] = []
+        self._pos: dict[str, int] = {}
+        shard_cols: list[np.ndarray] = []
+        start_cols: list[np.ndarray] = []
+        size_cols: list[np.ndarray] = []
+        crc_cols: list[np.ndarray] = []
         self.shard_metadata: list[dict[str, str]] = []
         self.shard_checked: list[bool] = []
         self.shard_crcs: list[str | None] = []  # each header's CRC-32C, from its record
@@ -59,62 +67,120 @@ class _Store(ByteStore):
                         variable=os.path.basename(shard),
                     ) from None
                 self._handles[idx] = f
-                meta, tensors, start = read_header(f, shard)
+                meta, cols, start = read_header_columns(f, shard)
                 record = meta.pop(CRC_KEY, None)
                 self.shard_checked.append(record is not None)
                 self.shard_crcs.append(
                     record_header_crc(record) if isinstance(record, str) else None
                 )
                 self.shard_metadata.append(meta)
-                if self._tensors and not self._tensors.keys().isdisjoint(tensors):
-                    name = next(name for name in tensors if name in self._tensors)
+                base = len(self._names)
+                self._pos.update(zip(cols.names, range(base, base + len(cols.names)), strict=True))
+                if len(self._pos) != base + len(cols.names):
+                    seen = set(self._names)
+                    name = next(name for name in cols.names if name in seen)
                     raise CorruptCheckpointError(
                         "tensor appears in two shards", file=shard, variable=name
                     )
-                self._tensors.update(
-                    {name: (idx, t[0], t[1], start + t[2]) for name, t in tensors.items()}
+                self._names.extend(cols.names)
+                self._dtypes.extend(cols.dtypes)
+                self._shapes.extend(cols.shapes)
+                shard_cols.append(np.full(len(cols.names), idx, np.int64))
+                start_cols.append(cols.begins + start)
+                size_cols.append(cols.ends - cols.begins)
+                crc_cols.append(
+                    np.full(len(cols.names), -1, np.int64) if cols.crcs is None else cols.crcs
                 )
-                self._crcs.update({name: t[4] for name, t in tensors.items() if t[4] is not None})
         except BaseException:
             self.close()
             raise
+        empty = np.empty(0, np.int64)
+        self._shard = np.concatenate(shard_cols) if shard_cols else empty
+        self._start = np.concatenate(start_cols) if start_cols else empty
+        self._size = np.concatenate(size_cols) if size_cols else empty
+        self._crc = np.concatenate(crc_cols) if crc_cols else empty
 
     def keys(self) -> list[str]:
-        return list(self._tensors)
+        return list(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def position(self, key: str) -> int:
+        """Where tensor ``key`` is in the columns (KeyError: the store has no such tensor)."""
+        return self._pos[key]
+
+    def positions(self, keys: Sequence[str]) -> np.ndarray:
+        """:meth:`position` of each of ``keys`` (int64)."""
+        return np.fromiter(map(self._pos.__getitem__, keys), np.int64, len(keys))
 
     def stored(self, key: str) -> tuple[np.dtype, tuple[int, ...]]:
-        _, dtype, shape, _ = self._tensors[key]
-        return dtype, shape
+        i = self._pos[key]
+        return self._dtypes[i], self._shapes[i]
+
+    def stored_columns(self) -> tuple[list[np.dtype], list[tuple[int, ...]]]:
+        """Every tensor's dtype and shape, in column order (the store's own lists: read
+        them, do not change them)."""
+        return self._dtypes, self._shapes
 
     def _expected_crc(self, key: str) -> int | None:
-        return self._crcs.get(key)
+        crc = int(self._crc[self._pos[key]])
+        return None if crc < 0 else crc
 
     def _place(self, key: str) -> tuple[int, int] | None:
-        idx, _, _, start = self._tensors[key]
-        f = self._handles.get(idx)
-        return None if f is None else (f.fileno(), start)
+        i = self._pos[key]
+        f = self._handles.get(int(self._shard[i]))
+        return None if f is None else (f.fileno(), int(self._start[i]))
 
     def _places(self, keys: Sequence[str]) -> list[tuple[int, int] | None]:
         fds = {idx: f.fileno() for idx, f in self._handles.items()}
-        tensors = self._tensors
-        out: list[tuple[int, int] | None] = []
-        for key in keys:
-            idx, _, _, start = tensors[key]
-            fd = fds.get(idx)
-            out.append(None if fd is None else (fd, start))
-        return out
+        pos = self.positions(keys)
+        return [
+            None if fd is None else (fd, start)
+            for fd, start in zip(
+                map(fds.get, self._shard[pos].tolist()), self._start[pos].tolist(), strict=True
+            )
+        ]
 
     def _expected_crcs(self, keys: Sequence[str]) -> list[int | None]:
-        return list(map(self._crcs.get, keys))
+        return [None if c < 0 else c for c in self._crc[self.positions(keys)].tolist()]
+
+    def read_positions(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The bytes of the tensors at column positions ``pos``, read together
+        (:func:`read_spans`: each file's ranges in offset order, near neighbours in one
+        ``pread``) and each checked against its CRC-32C where the file carries one.
+
+        Returns ``(buf, at, ok)``: tensor ``k``'s bytes are ``buf[at[k] : at[k] + size]``
+        where ``ok[k]``; False for one the file does not hold whole, whose bytes do not
+        match their checksum, or of a closed view: the caller reads that one through
+        :meth:`read_into`, which names the damage."""
+        fds = np.full(len(self._files), -1, np.int64)
+        for idx, f in self._handles.items():
+            fds[idx] = f.fileno()
+        return read_spans(fds[self._shard[pos]], self._start[pos], self._size[pos], self._crc[pos])
+
+    def read_many(self, keys: Sequence[str], sizes: Sequence[int]) -> list[np.ndarray | None]:
+        pos = self.positions(keys)
+        if not np.array_equal(self._size[pos], np.asarray(sizes, np.int64).reshape(-1)):
+            return super().read_many(keys, sizes)  # (sizes other than the file's: as asked)
+        buf, at, ok = self.read_positions(pos)
+        out: list[np.ndarray | None] = [None] * len(keys)
+        for k, a, n in zip(
+            np.flatnonzero(ok).tolist(), at[ok].tolist(), self._size[pos][ok].tolist(), strict=True
+        ):
+            out[k] = buf[a : a + n]
+        return out
 
     def shard_of(self, key: str) -> str:
-        return self._files[self._tensors[key][0]]
+        return self._files[int(self._shard[self._pos[key]])]
 
     def _read_bytes(self, key: str, offset: int, buf: memoryview) -> None:
-        idx, _, _, start = self._tensors[key]
+        i = self._pos[key]
+        idx = int(self._shard[i])
         f = self._handles.get(idx)
         if f is None:
             raise ClosedCheckpointError("the checkpoint view is closed", file=self.file)
+        start = int(self._start[i])
         read_exact_into(f, self._lock, start + offset, buf, file=self._files[idx], key=key)
 
     def close(self) -> None:
@@ -239,7 +305,7 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
         file = index
     try:
         style = check_names(names or (info or {}).get("names") or DEFAULT_NAMES)
-        entries = build_entries(store, info, names=style)
+        entries = entry_table(store, info, names=style)
         view = StoreView(store, entries, format="safetensors", path=file, metadata=meta, info=info)
         view.files = list(dict.fromkeys([file, *store.paths]))  # the index first, then shards
         return view
