@@ -214,17 +214,19 @@ class ParallelVariableSaveable(Saveable):
             states = list(map(get, objs, itertools.repeat(_SELF_DICT)))
         else:
             states = [{k: get(obj, k) for k in _STATE} for obj in objs]
-        devices: dict[int, tuple[str, ...]] = {}
+        # (the records of one device share its list of names: read by the writers, never
+        # changed, one list less a record)
+        devices: dict[int, list[str]] = {}
         attrs = []
         for state in states:
             device = state["_self_device"]
             names = devices.get(id(device))
             if names is None:
-                names = devices[id(device)] = tuple(device.components)
+                names = devices[id(device)] = list(device.components)
             attrs.append(
                 {
                     "name": state["_self_name"],
-                    "devices": list(names),
+                    "devices": names,
                     "synchronization": state["_self_synchronization"]._value_,
                     "aggregation": state["_self_aggregation"]._value_,
                     "trainable": state["_self_trainable"],
