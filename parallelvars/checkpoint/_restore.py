@@ -238,7 +238,9 @@ class ParallelVariableSaveable(Saveable):
         if any(issubclass(t, RankShardedVariable) for t in types):
             shapes = [_logical_shape(o) for o in objs]
         else:
-            shapes = list(map(tuple, map(_SHAPE, wrapped)))
+            # (records of one shape share its tuple: numpy makes one each time it is asked)
+            known: dict[tuple[int, ...], tuple[int, ...]] = {}
+            shapes = [known.setdefault(s, s) for s in map(tuple, map(_SHAPE, wrapped))]
         if any(issubclass(t, ShardedVariable) for t in types):
             for attr, obj in zip(attrs, objs, strict=True):
                 if issubclass(type(obj), ShardedVariable):  # (isinstance asks the proxy)
