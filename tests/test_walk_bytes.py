@@ -362,3 +362,34 @@ def test_made_records_are_the_constructors_even_without_components():
             b.num_components,
         )
         assert m.components is b.components
+
+
+def test_the_walk_and_records_of_a_first_save_keep_little_per_variable():
+    """What a first save's walk and records keep for the save's life (and for the next saves
+    of the structure), measured by tracemalloc over 2,000 mirrored variables with Adam slots
+    (6,000 records): a leaf's graph node shares one empty list for its children and slots,
+    the walk's map of objects is emptied once it is done, the records of one device share
+    its list of names and those of one shape its tuple. About 910 bytes a record on CPython
+    3.11 (1,240 with a list, a tuple and a map entry each)."""
+    import tracemalloc
+
+    strategy = pv.MirroredStrategy(2)
+    with strategy.scope():
+        model = pv.Module()
+        model.vars = [pv.Variable(np.zeros(4, np.float32), name=f"v{i}") for i in range(2000)]
+        opt = pv.optimizers.Adam(1e-3)
+    grads = pv.PerReplica([[np.ones(4, np.float32) for _ in model.vars]] * 2)
+    variables = list(model.vars)
+    strategy.run(lambda g: opt.apply_gradients(zip(g, variables, strict=True)), args=(grads,))
+    ckpt = pv.Checkpoint(model=model, opt=opt)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        graph = graph_module.build_object_graph(ckpt)
+        _, records, _ = ckpt._gather_new(graph)
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(records) >= 6000
+    assert graph.ids == {}
+    assert kept / len(records) < 1050, kept / len(records)

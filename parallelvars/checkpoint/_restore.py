@@ -214,17 +214,19 @@ class ParallelVariableSaveable(Saveable):
             states = list(map(get, objs, itertools.repeat(_SELF_DICT)))
         else:
             states = [{k: get(obj, k) for k in _STATE} for obj in objs]
-        devices: dict[int, tuple[str, ...]] = {}
+        # (the records of one device share its list of names: read by the writers, never
+        # changed, one list less a record)
+        devices: dict[int, list[str]] = {}
         attrs = []
         for state in states:
             device = state["_self_device"]
             names = devices.get(id(device))
             if names is None:
-                names = devices[id(device)] = tuple(device.components)
+                names = devices[id(device)] = list(device.components)
             attrs.append(
                 {
                     "name": state["_self_name"],
-                    "devices": list(names),
+                    "devices": names,
                     "synchronization": state["_self_synchronization"]._value_,
                     "aggregation": state["_self_aggregation"]._value_,
                     "trainable": state["_self_trainable"],
@@ -236,7 +238,9 @@ class ParallelVariableSaveable(Saveable):
         if any(issubclass(t, RankShardedVariable) for t in types):
             shapes = [_logical_shape(o) for o in objs]
         else:
-            shapes = list(map(tuple, map(_SHAPE, wrapped)))
+            # (records of one shape share its tuple: numpy makes one each time it is asked)
+            known: dict[tuple[int, ...], tuple[int, ...]] = {}
+            shapes = [known.setdefault(s, s) for s in map(tuple, map(_SHAPE, wrapped))]
         if any(issubclass(t, ShardedVariable) for t in types):
             for attr, obj in zip(attrs, objs, strict=True):
                 if issubclass(type(obj), ShardedVariable):  # (isinstance asks the proxy)

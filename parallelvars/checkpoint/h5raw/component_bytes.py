@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
+from operator import is_
 from typing import Any, cast
 
 import crc32c as _crc32c
@@ -66,7 +67,7 @@ def _write_components(
     fd: int,
     plan: FilePlan,
     items: list[Any],
-    comps: list[list[np.ndarray]],
+    comps: Sequence[Sequence[np.ndarray]],
     crcs: Checksums,
     file: str,
     batches: list[Batch] | None = None,
@@ -98,7 +99,9 @@ def same_arrays(batches: Sequence[Batch], comps: Sequence[Sequence[np.ndarray]])
     return all(comps[k][i] is c for b in batches for _, c, k, i, _ in b[3])
 
 
-def _batches(plan: FilePlan, items: list[Any], comps: list[list[np.ndarray]]) -> list[Batch]:
+def _batches(
+    plan: FilePlan, items: list[Any], comps: Sequence[Sequence[np.ndarray]]
+) -> list[Batch]:
     """The gathered writes of every component with data, in file order: neighbours (at most
     :data:`IOV_MAX` buffers and :data:`_FUSE_BYTES` bytes) in one write, each buffer the
     array's own bytes (no copy). A gap of up to 64 bytes between two neighbours is written as
@@ -235,7 +238,7 @@ class _DataWrite:
         fd: int,
         plan: FilePlan,
         items: list[Any],
-        comps: list[list[np.ndarray]],
+        comps: Sequence[Sequence[np.ndarray]],
         crcs: Checksums,
         file: str,
         batches: list[Batch] | None = None,
@@ -318,7 +321,7 @@ def _contiguous(c: Any) -> np.ndarray:
 
 def _checksummed(
     items: Sequence[Any], share_equal: bool, *, deferred: bool = False, compare: bool = True
-) -> tuple[list[list[np.ndarray]], Checksums, list[list[int] | None], tuple[Any, ...]]:
+) -> tuple[list[Sequence[np.ndarray]], Checksums, list[list[int] | None], tuple[Any, ...]]:
     """Each entry's components (C-contiguous), their checksums, which components share
     a dataset (:func:`_shared`; None: each its own) and the sharing pattern of every entry.
 
@@ -333,7 +336,7 @@ def _checksummed(
     (:func:`_replica_plan`) are taken to be equal to their first components, as at the last
     save, and not compared here: the caller compares them while the bytes are written
     (:func:`replicas_diverged`) and saves again with ``compare`` if any differs."""
-    comps: list[list[np.ndarray]] = []
+    comps: list[Sequence[np.ndarray]] = []
     crcs: Checksums = []
     shared: list[list[int] | None] = []
     pattern: list[Any] = []
@@ -373,7 +376,7 @@ def _checksummed(
             and e.kind != "sharded"
         ):
             # replicas of the first, all equal to it (compared by their runs, or the same array)
-            comps.append(list(live))
+            comps.append(live if type(live) is tuple else list(live))  # (a tuple: kept as is)
             crcs.append(later * n)
             shared.append(firsts.get(n) or firsts.setdefault(n, [0] * n))
             z = zeros.get(n)
@@ -381,7 +384,9 @@ def _checksummed(
             continue
         # (a C-contiguous ndarray as it is, asked without a call)
         cs = [c if type(c) is ndarray and c.flags.c_contiguous else _contiguous(c) for c in live]
-        comps.append(cs)
+        # (a variable's own tuple of components, when each is as written: no list kept a
+        # record)
+        comps.append(live if type(live) is tuple and all(map(is_, cs, live)) else cs)
         if n and cs[0].dtype.kind == "O":
             # byte strings: their values lay out the global heap, so they are part of what a
             # cached plan is found by (each component stored: none shares another's heap
