@@ -56,6 +56,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -253,6 +254,79 @@ class SpilledImage:
             file.close()
 
 
+class _Offsets(Mapping[str, list[int | None]]):
+    """:attr:`FilePlan.offsets`: each variable's components' data offsets (None: no data), by
+    path, made when asked from the plan's columns (each variable's layout and first dataset,
+    the datasets' offsets), not held as a list per variable. Asked in the variables' order (as
+    every caller does), a path is found without a table; the first path asked out of order
+    makes one."""
+
+    def __init__(
+        self,
+        paths: list[str],
+        layouts: list[_Layout | int],
+        first: array[int],
+        ds_offset: np.ndarray,
+    ) -> None:
+        self._paths = paths
+        self._layouts = layouts
+        self._first = first
+        self._off = array("q", np.ascontiguousarray(ds_offset, np.int64).tobytes())
+        self._next = 0
+        self._index: dict[str, int] | None = None
+        # each layout's way: 0 (its components each of its own dataset, in order: a slice), 1
+        # (all one dataset, a mirrored variable's stored once: one offset repeated), 2
+        # (picked), 3 (no offsets: byte strings, read through HDF5: none in the index, as the
+        # libhdf5 writer's)
+        self._ways: dict[int, tuple[int, list[int]]] = {}
+
+    def _way(self, lay: _Layout) -> tuple[int, list[int]]:
+        way = self._ways.get(id(lay))
+        if way is None:
+            cd = lay.comp_ds
+            code = 3 if lay.vlen else 0 if cd == list(range(lay.n)) else 1 if not any(cd) else 2
+            way = self._ways[id(lay)] = (code, list(cd))
+        return way
+
+    def _row(self, path: str) -> int:
+        k = self._next
+        paths = self._paths
+        if k >= len(paths) or paths[k] != path:
+            if self._index is None:
+                self._index = {p: i for i, p in enumerate(paths)}
+            k = self._index[path]  # (KeyError: not a variable of the plan)
+        self._next = k + 1
+        return k
+
+    def __getitem__(self, path: str) -> list[int | None]:
+        k = self._row(path)
+        lay = self._layouts[k]
+        if type(lay) is int:  # (linked to other files: no offsets here)
+            return [None] * lay
+        lay = cast(_Layout, lay)
+        way, picks = self._way(lay)
+        n = lay.n
+        start = self._first[k]
+        if way == 0:
+            out: list[Any] = self._off[start : start + n].tolist()
+        elif way == 1:
+            return [None if (o := self._off[start]) < 0 else o] * n
+        elif way == 2:
+            off = self._off
+            out = [off[start + d] for d in picks]
+        else:
+            return [None] * n
+        if -1 in out:
+            return [None if o is None or o < 0 else o for o in out]
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._paths)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+
 class _Columns:
     """What :meth:`FilePlan._window` reads of the plan, made once per :meth:`FilePlan.chunks`:
     per kind of header, the objects' addresses (increasing) and their fields' sources."""
@@ -299,17 +373,20 @@ class FilePlan:
         self._by_path: dict[str, _Group] = {"": self._root}
         # the dataset columns: per dataset, its template's number (-1: encoded on its own,
         # see _special), shape and bytes of data
-        self._ds_key: list[int] = []
+        self._ds_key = array("q")
         self._ds_shape: list[tuple[int, ...]] = []
-        self._ds_nbytes: list[int] = []
+        self._ds_nbytes = array("q")
         self._special: dict[int, _Dataset] = {}
         self._keys: dict[tuple[Any, ...], int] = {}  # a dataset template's key -> its number
         self._key_list: list[tuple[Any, ...]] = []
         self._dataset_templates: dict[int, Template] = {}
         self._layouts: dict[Any, _Layout] = {}
         self._documents: dict[str, int] = {}  # a document -> its dataset number
-        # per variable, in order: its path, layout (None: external links), first dataset
-        self._rows: list[tuple[str, _Layout | None, int, int]] = []
+        # the variables' columns, in order: each one's path (the caller's string), layout (or,
+        # linked to other files, its number of components) and first dataset
+        self._paths: list[str] = []
+        self._row_layout: list[_Layout | int] = []
+        self._row_first = array("q")
         self._fill: int | None = None  # encoding a template: the byte every field is made of
         # byte-string components: (dataset number, its elements) and, once laid out, the
         # (data offset, references) of each
@@ -449,7 +526,7 @@ class FilePlan:
                 )
                 group.links.append((b"value", self._add_special(vds)))
             group.attrs = layout.sig.materialize(shape, row_bytes)  # links vary: no template
-            self._rows.append((path, None, first, n))
+            self._add_row(path, n, first)
             return layout
         if group is None:  # (the common case: a group without lists of its own)
             parent_path, _, name = path.rpartition("/")
@@ -496,10 +573,10 @@ class FilePlan:
                 keys = layout.ds_keys[nbytes > 0] = [
                     self._component_key(layout, len(shape), nbytes, links) for links in layout.links
                 ]
-            self._ds_key += keys
+            self._ds_key.extend(keys)
             count = len(keys)
             self._ds_shape += [shape] * count
-            self._ds_nbytes += [nbytes] * count
+            self._ds_nbytes.extend([nbytes] * count)
         if layout.vlen:
             if strings is None or len(strings) != layout.n:
                 raise InvalidEntryError(
@@ -518,8 +595,13 @@ class FilePlan:
                         found=len(elements),
                     )
                 self._vlen.append((first + k, elements))
-        self._rows.append((path, layout, first, layout.n))
+        self._add_row(path, layout, first)
         return layout
+
+    def _add_row(self, path: str, layout: _Layout | int, first: int) -> None:
+        self._paths.append(path)
+        self._row_layout.append(layout)
+        self._row_first.append(first)
 
     def _add_classes(
         self,
@@ -539,7 +621,11 @@ class FilePlan:
         by_path = self._by_path
         leaf = _Group.leaf
         ds_key, ds_shape, ds_nbytes = self._ds_key, self._ds_shape, self._ds_nbytes
-        rows = self._rows
+        add_path, add_layout, add_first = (
+            self._paths.append,
+            self._row_layout.append,
+            self._row_first.append,
+        )
         prod = math.prod
         # shapes recur: each one's tuple of ints made once (and shared by its records' rows)
         shapes: dict[Any, tuple[int, ...]] = {}
@@ -583,11 +669,13 @@ class FilePlan:
                 keys = layout.ds_keys[nbytes > 0] = [
                     self._component_key(layout, len(shape), nbytes, links) for links in layout.links
                 ]
-            ds_key += keys
+            ds_key.extend(keys)
             n = len(keys)
             ds_shape += [shape] * n
-            ds_nbytes += [nbytes] * n
-            rows.append((path, layout, first, layout.n))
+            ds_nbytes.extend([nbytes] * n)
+            add_path(path)
+            add_layout(layout)
+            add_first(first)
 
     def _component_key(self, layout: _Layout, ndim: int, nbytes: int, links: int) -> int:
         """The template number of a component dataset."""
@@ -740,7 +828,6 @@ class FilePlan:
         refs[:, 0:4] = lengths.astype("<u4").view(np.uint8).reshape(-1, 4)
         refs[:, 4:12] = addrs.astype("<u8").view(np.uint8).reshape(-1, 8)
         refs[:, 12:16] = index.astype("<u4").view(np.uint8).reshape(-1, 4)
-        self._refs = refs.tobytes()
         self._ref_rows = refs
         self._owners = owners
         for k, ds in enumerate(maps):
@@ -755,29 +842,10 @@ class FilePlan:
         self._ds_offset = ds_offset
         stored = np.flatnonzero(nbytes)
         self.data_end = int(ds_offset[stored[-1]] + nbytes[stored[-1]]) if stored.size else at
-        # each variable's components' offsets (None: no data)
-        offs: list[int | None] = [None if o < 0 else o for o in ds_offset.tolist()]
-        # each layout's way: 0 (its components each of its own dataset, in order: a slice), 1
-        # (all one dataset, a mirrored variable's stored once: one offset repeated), 2
-        # (picked), 3 (no offsets: external links, and byte strings, read through HDF5: none in
-        # the index, as the libhdf5 writer's)
-        ways: dict[_Layout | None, int] = {None: 3}
-        for lay in self._layouts.values():
-            cd = lay.comp_ds
-            ways[lay] = (
-                3 if lay.vlen else 0 if cd == list(range(lay.n)) else 1 if not any(cd) else 2
-            )
-        self.offsets: dict[str, list[int | None]] = {
-            path: offs[start : start + n]
-            if way == 0
-            else [offs[start]] * n
-            if way == 1
-            else [None] * n
-            if way == 3
-            else [offs[start + d] for d in cast(_Layout, lay).comp_ds]
-            for path, lay, start, n in self._rows
-            for way in (ways[lay],)
-        }
+        # each variable's components' offsets (None: no data), read from the columns when asked
+        self.offsets: Mapping[str, list[int | None]] = _Offsets(
+            self._paths, self._row_layout, self._row_first, ds_offset
+        )
         self._vlen_data = [
             (int(ds_offset[number]), refs[at : at + len(elements)].tobytes())
             for (number, elements), at in zip(self._vlen, vlen_at, strict=True)
@@ -795,11 +863,11 @@ class FilePlan:
 
     def _string_refs(self, a: _Attr) -> bytes:
         assert a.strings is not None
-        refs: bytes | None = getattr(self, "_refs", None)
+        refs: np.ndarray | None = getattr(self, "_ref_rows", None)
         if self._fill is not None or refs is None:
             return bytes((self._fill or 0,)) * (16 * len(a.strings))
         first = self._ref_start[id(a)]
-        return refs[16 * first : 16 * (first + len(a.strings))]
+        return refs[first : first + len(a.strings)].tobytes()
 
     def _address(self, target: Any) -> int:
         """A link target's address (a group or a dataset by number)."""
@@ -1179,13 +1247,29 @@ class FilePlan:
             # (a layout and its groups refer to each other: emptied, the plan's objects are
             # freed as it drops them, not left to a full collection of the cyclic collector)
             layout.groups = []
-        for name in ("_by_path", "_groups", "_layouts", "_plain", "_individual", "_rows"):
+        for name in ("_by_path", "_groups", "_layouts", "_plain", "_individual"):
             setattr(self, name, None)
-        self._ds_key, self._ds_shape, self._ds_nbytes = [], [], []
+        self._paths, self._row_layout, self._row_first = [], [], array("q")  # (the offsets')
+        self._ds_key, self._ds_shape, self._ds_nbytes = array("q"), [], array("q")
         self._ds_offset = np.zeros(0, np.int64)
-        self._ref_rows = np.zeros((0, 16), np.uint8)
+        self._keep_root_refs()
         self._heap = (0, np.zeros(0, np.uint8))
         self.checksum_spans = []  # (read after :meth:`metadata`, before the release)
+
+    def _keep_root_refs(self) -> None:
+        """Keep of the heap references only the root attributes' strings' (what
+        :meth:`refresh` encodes again)."""
+        start = getattr(self, "_ref_start", None) or {id(a): f for a, f in self._owners}
+        rows, owners, at = [], [], 0
+        for a in self._root.attrs:
+            if a.strings is not None:
+                first = start[id(a)]
+                rows.append(self._ref_rows[first : first + len(a.strings)])
+                owners.append((a, at))
+                at += len(a.strings)
+        self._ref_rows = np.concatenate(rows) if rows else np.zeros((0, 16), np.uint8)
+        self._owners = owners
+        self._ref_start = {id(a): f for a, f in owners}
 
     def _set_root_values(self, values: Mapping[str, Any] | None) -> None:
         for name, value in dict(values or {}).items():
@@ -1202,7 +1286,8 @@ class FilePlan:
                     "a root attribute's string differs from the plan's (its heap object is laid out)",
                     variable=name,
                 )
-            self._root.attrs[i] = new
+            if new.strings is None:  # (the same strings: the laid out attribute stays)
+                self._root.attrs[i] = new
 
     def refresh(
         self, values: Mapping[str, Any], document_checksums: Mapping[str, int]
