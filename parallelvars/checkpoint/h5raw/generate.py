@@ -72,7 +72,6 @@ from parallelvars.checkpoint.h5raw.header import SUPERBLOCK_SIZE
 from parallelvars.checkpoint.h5raw.header import encode_chunked as _encode_chunked
 from parallelvars.checkpoint.h5raw.lookup3 import lookup3, lookup3_many
 from parallelvars.checkpoint.h5raw.messages import superblock as _superblock
-from parallelvars.checkpoint.h5raw.objects import _NOTHING as _NO_LINKS
 from parallelvars.checkpoint.h5raw.objects import ROW_STRING as _ROW_STRING
 from parallelvars.checkpoint.h5raw.objects import Attr as _Attr
 from parallelvars.checkpoint.h5raw.objects import Dataset as _Dataset
@@ -387,6 +386,15 @@ class FilePlan:
         self._paths: list[str] = []
         self._row_layout: list[_Layout | int] = []
         self._row_first = array("q")
+        # ... and of a variable whose group is made from its layout's template (a leaf: linked
+        # from its parent as ``~row``, no object of its own), its shape and row string
+        self._row_shape: list[tuple[int, ...]] = []
+        self._row_str: list[str | None] = []
+        self._row_address: np.ndarray = np.zeros(0, np.int64)  # (-1: not a leaf)
+        # the rows whose group is made, or became a parent, after the row was linked as a leaf:
+        # ``~row`` -> its group (encoded on its own)
+        self._row_group: dict[int, _Group] = {}
+        self._group_starts: np.ndarray = np.zeros(0, np.int64)  # every group's, in file order
         self._fill: int | None = None  # encoding a template: the byte every field is made of
         # byte-string components: (dataset number, its elements) and, once laid out, the
         # (data offset, references) of each
@@ -526,20 +534,18 @@ class FilePlan:
                 )
                 group.links.append((b"value", self._add_special(vds)))
             group.attrs = layout.sig.materialize(shape, row_bytes)  # links vary: no template
-            self._add_row(path, n, first)
+            self._add_row(path, n, first, shape, None)
             return layout
-        if group is None:  # (the common case: a group without lists of its own)
+        if group is None:  # (the common case: a leaf, linked from its parent by its row)
             parent_path, _, name = path.rpartition("/")
             parent = by_path.get(parent_path) or self._group_of(parent_path)
-            group = by_path[path] = _Group.leaf(layout, shape, row_bytes, first)
-            _adopt(parent, name.encode("utf-8"), group)
-        else:
+            parent.links.append((name.encode("utf-8"), ~len(self._paths)))
+        else:  # (made already as the parent of an earlier variable: encoded on its own)
             group.layout = layout
             group.shape = shape
             group.row = row_bytes
             group.first_ds = first
             group.comp_at = len(group.links)
-        layout.groups.append(group)
         if layout.sharded:
             axis = int(attrs["shard_axis"])
             bounds = shard_bounds(attrs["shard_offsets"], shape[axis])
@@ -595,13 +601,22 @@ class FilePlan:
                         found=len(elements),
                     )
                 self._vlen.append((first + k, elements))
-        self._add_row(path, layout, first)
+        self._add_row(path, layout, first, shape, row)
         return layout
 
-    def _add_row(self, path: str, layout: _Layout | int, first: int) -> None:
+    def _add_row(
+        self,
+        path: str,
+        layout: _Layout | int,
+        first: int,
+        shape: tuple[int, ...],
+        row: str | None,
+    ) -> None:
         self._paths.append(path)
         self._row_layout.append(layout)
         self._row_first.append(first)
+        self._row_shape.append(shape)
+        self._row_str.append(row)
 
     def _add_classes(
         self,
@@ -619,20 +634,21 @@ class FilePlan:
         add = self._add_variable
         of_class: list[_Layout | None] = [None] * count
         by_path = self._by_path
-        leaf = _Group.leaf
         ds_key, ds_shape, ds_nbytes = self._ds_key, self._ds_shape, self._ds_nbytes
-        add_path, add_layout, add_first = (
-            self._paths.append,
+        paths = self._paths
+        add_path, add_layout, add_first, add_shape, add_str = (
+            paths.append,
             self._row_layout.append,
             self._row_first.append,
+            self._row_shape.append,
+            self._row_str.append,
         )
         prod = math.prod
         # shapes recur: each one's tuple of ints made once (and shared by its records' rows)
         shapes: dict[Any, tuple[int, ...]] = {}
-        # the records of a group come one after another: its parent's path and lists kept
+        # the records of a group come one after another: its parent's path and links kept
         parent_path: str | None = None
         plinks: list[tuple[bytes, Any]] = []
-        pchildren: list[_Group] = []
         for k, (var, sh, c) in enumerate(zip(variables, shared, ids, strict=True)):
             if not k % FREEZE_STEP:
                 freeze_made_so_far()  # (the plan's objects live until its image is made)
@@ -654,15 +670,8 @@ class FilePlan:
             at, _, name = path.rpartition("/")
             if at != parent_path:
                 parent = by_path.get(at) or self._group_of(at)
-                if parent.links is _NO_LINKS:  # (a leaf variable's group becomes a parent)
-                    parent.links, parent.children = [], []
-                parent_path, plinks, pchildren = at, parent.links, parent.children
-            group = by_path[path] = leaf(
-                layout, shape, None if row is None else row.encode("utf-8"), first
-            )
-            plinks.append((name.encode("utf-8"), group))  # (adopt, the parent's lists at hand)
-            pchildren.append(group)
-            layout.groups.append(group)
+                parent_path, plinks = at, parent.links
+            plinks.append((name.encode("utf-8"), ~len(paths)))  # (a leaf: by its row)
             nbytes = prod(shape) * layout.itemsize
             keys = layout.ds_keys[nbytes > 0]
             if keys is None:
@@ -676,6 +685,8 @@ class FilePlan:
             add_path(path)
             add_layout(layout)
             add_first(first)
+            add_shape(shape)
+            add_str(row)
 
     def _component_key(self, layout: _Layout, ndim: int, nbytes: int, links: int) -> int:
         """The template number of a component dataset."""
@@ -694,50 +705,113 @@ class FilePlan:
         layout = g.layout
         assert layout is not None
         g.attrs = layout.sig.materialize(g.shape, g.row)
-        g.links = list(g.links)  # (a leaf group's are shared: see Group.leaf)
+        g.links = list(g.links)
         g.links[g.comp_at : g.comp_at] = [
             (name, g.first_ds + d) for name, d in zip(layout.names, layout.link_ds, strict=True)
         ]
         g.layout = None
 
+    def _row_group_of(self, r: int, group: _Group | None = None) -> _Group:
+        """Variable ``r``'s group as an object (``group``: the one made there as the parent of
+        a later variable), encoded on its own: linked from its parent as ``~r`` still."""
+        g = _Group() if group is None else group
+        lay = self._row_layout[r]
+        assert not isinstance(lay, int)
+        row = self._row_str[r]
+        g.layout, g.shape, g.first_ds, g.comp_at = lay, self._row_shape[r], self._row_first[r], 0
+        g.row = None if row is None else row.encode("utf-8")
+        if group is None:
+            self._expand(g)
+        self._row_group[~r] = g
+        return g
+
+    def _leaves(self) -> np.ndarray:
+        """Check that no path is written twice, give the variables linked as leaves that became
+        parents (a later variable's path goes through theirs) or whose header a template cannot
+        make their own group, and return which rows are leaves (a bool per row)."""
+        paths = self._paths
+        if len(set(paths)) != len(paths):
+            seen: set[str] = set()
+            for path in paths:
+                if path in seen:
+                    raise InvalidEntryError("is written twice", variable=path)
+                seen.add(path)
+        leaf = np.ones(len(paths), bool)
+        get = self._by_path.get
+        promoted: dict[int, set[int]] = {}  # a parent (by id) -> the groups it links twice
+        parents: dict[int, _Group] = {}
+        for r, (path, lay) in enumerate(zip(paths, self._row_layout, strict=True)):
+            g = get(path)
+            if g is None:
+                continue
+            leaf[r] = False
+            if g.layout is None and type(lay) is not int:  # (a leaf made a parent after)
+                self._row_group_of(r, g)
+                parent = self._by_path[path.rpartition("/")[0]]
+                parents[id(parent)] = parent
+                promoted.setdefault(id(parent), set()).add(id(g))
+        for key, twice in promoted.items():  # (each linked where its variable was, once)
+            parent = parents[key]
+            parent.links = [(n, t) for n, t in parent.links if id(t) not in twice]
+            parent.children = [c for c in parent.children if id(c) not in twice]
+        # each row's layout's number (-1: linked to other files)
+        layouts = list(self._layouts.values())
+        number = {id(lay): k for k, lay in enumerate(layouts)}
+        lid = np.fromiter(
+            (number.get(id(lay), -1) for lay in self._row_layout), np.int64, len(paths)
+        )
+        self._row_lid = lid
+        for k in np.unique(lid[leaf]).tolist():
+            lay = layouts[k]
+            # a variable's group whose header continues in further chunks (their continuation
+            # messages hold addresses), or of more links than a header keeps (a symbol
+            # table): encoded on its own
+            if len(self._group_template(lay).chunks) > 1 or len(lay.names) > MAX_COMPACT_LINKS:
+                for r in np.flatnonzero(leaf & (lid == k)).tolist():
+                    self._row_group_of(r)
+                    leaf[r] = False
+        return leaf
+
     # ------------------------------------------------------------------ layout
     def _layout(self, align: int) -> None:
-        # 1. the groups in file order (depth first, each before its children); a variable that
-        # is also a parent, or whose header continues in further chunks (their continuation
-        # messages hold addresses), is encoded on its own
+        # 1. the groups in file order (depth first, each before its children): a variable's
+        # group made from its layout's template (a leaf) as ``~row``, every other group as an
+        # object; a variable that is also a parent, or whose header continues in further
+        # chunks (their continuation messages hold addresses), is encoded on its own
+        leaf = self._leaves()
         root = self._root
-        groups: list[_Group] = [root]
+        groups: list[_Group | int] = [root]
         add_group = groups.append
-        # (a stack of the children still to visit of each group on the way: a variable's
-        # group, a leaf, is added without a visit of its own)
-        stack = [iter(root.children)]
+        row_group = self._row_group
+        # (a stack of the links still to visit of each group on the way: a leaf is added
+        # without a visit of its own)
+        stack = [iter(root.links)]
         while stack:
-            for g in stack[-1]:
-                add_group(g)
-                if g.children:
-                    if g.layout is not None:  # a variable that is also a parent
-                        self._expand(g)
-                    stack.append(iter(g.children))
+            for _, t in stack[-1]:
+                kind = type(t)
+                if kind is int:
+                    if t >= 0:  # (a dataset)
+                        continue
+                    own = row_group.get(t)
+                    if own is None:
+                        add_group(t)
+                        continue
+                    t = own
+                elif kind is not _Group:  # (an external link)
+                    continue
+                add_group(t)
+                if t.layout is not None:  # a variable that is also a parent
+                    self._expand(t)
+                if t.links:
+                    stack.append(iter(t.links))
                     break
             else:
                 stack.pop()
         self._groups = groups
         freeze_made_so_far()
-        for layout in self._layouts.values():
-            # a variable's group whose header continues in further chunks (their continuation
-            # messages hold addresses), or of more links than a header keeps (a symbol
-            # table): encoded on its own
-            if layout.groups and (
-                len(self._group_template(layout).chunks) > 1
-                or len(layout.names) > MAX_COMPACT_LINKS
-            ):
-                for g in layout.groups:
-                    if g.layout is not None:
-                        self._expand(g)
-            layout.groups = [g for g in layout.groups if g.layout is not None]
         # groups without attributes whose links have the same names (the groups of a
         # variable's slots...) are made from one template
-        others = [g for g in groups if g.layout is None]  # (groups not made from a layout)
+        others = [g for g in groups if isinstance(g, _Group)]  # (groups not made from a layout)
         plain: dict[tuple[bytes, ...], list[_Group]] = {}
         linking_out = self._linking_out
         for g in others:
@@ -757,12 +831,21 @@ class FilePlan:
             templated.update(map(id, members))
         self._individual = [g for g in others if id(g) not in templated]
         plain_of = {id(g): tmpl.size for tmpl, members in self._plain for g in members}
-        # each group's header and table: a list, then one array (a layout's groups: its
-        # template's size)
-        size_of: list[int] = [-1 if g.layout is None else g.layout.size for g in groups]
+        # each group's header and table (a leaf: its layout's template's size)
+        code = np.fromiter((g if type(g) is int else 0 for g in groups), np.int64, len(groups))
+        leaf_at = np.flatnonzero(code < 0)  # the leaves' places in file order ...
+        leaf_rows = ~code[leaf_at]  # ... and rows
+        del code
+        lid = self._row_lid
+        layouts = list(self._layouts.values())
+        lay_size = np.array([lay.size for lay in layouts] + [0], np.int64)
+        sizes = np.zeros(len(groups), np.int64)
+        sizes[leaf_at] = lay_size[lid[leaf_rows]]
+        objects_at = np.flatnonzero(sizes == 0)
         tables: list[_Group] = []
-        for k in [k for k, size in enumerate(size_of) if size < 0]:
+        for k in objects_at.tolist():
             g = groups[k]
+            assert type(g) is _Group
             size = plain_of.get(id(g))
             if size is None:
                 size = len(self._encode_group(g)[0])
@@ -770,15 +853,22 @@ class FilePlan:
                 g.table_at = size
                 size += g.table.size
                 tables.append(g)
-            size_of[k] = size
-        sizes = np.array(size_of, np.int64)
-        del size_of
+            sizes[k] = size
         starts = SUPERBLOCK_SIZE + np.cumsum(sizes) - sizes
         at = SUPERBLOCK_SIZE + int(sizes.sum())
-        for g, a in zip(groups, starts.tolist(), strict=True):
-            g.address = a
+        del sizes
+        for k, a in zip(objects_at.tolist(), starts[objects_at].tolist(), strict=True):
+            cast(_Group, groups[k]).address = a
         for g in tables:
             g.table_at += g.address
+        row_address = np.full(len(self._paths), -1, np.int64)
+        row_address[leaf_rows] = starts[leaf_at]
+        for t, g in row_group.items():
+            row_address[~t] = g.address
+        self._row_address = row_address
+        self._group_starts = starts
+        self._leaf_rows = leaf_rows  # (in file order)
+        assert leaf_rows.size == int(np.count_nonzero(leaf))
         # 2. the datasets, in order
         keys = np.asarray(self._ds_key, np.int64)
         key_sizes = np.array(
@@ -793,21 +883,32 @@ class FilePlan:
         for number, ds in self._special.items():
             ds.address = int(ds_address[number])
         # 3. the global heap: every string of every attribute, then the mappings
+        # (each leaf's strings: its layout's before its row string, the row string, its
+        # layout's after it)
+        per = np.array(
+            [
+                len(lay.strings[0]) + len(lay.strings[1]) + (lay.sig.row_at is not None)
+                for lay in layouts
+            ]
+            + [0],
+            np.int64,
+        )
+        count = per[lid[leaf_rows]]
+        row_fs = np.full(len(self._paths), -1, np.int64)
+        row_fs[leaf_rows] = np.cumsum(count) - count
+        self._row_fs = row_fs
+        del count
         strings: list[bytes] = []
         add_string = strings.append
-        for g in groups:
-            lay = g.layout
-            if lay is not None:
-                g.first_string = len(strings)
-                before, after = lay.strings
-                if lay.sig.row_at is None:
-                    strings += before
-                elif before or after:
-                    strings += before
-                    add_string(g.row or b"")
-                    strings += after
-                else:
-                    add_string(g.row or b"")
+        row_layout, row_str = self._row_layout, self._row_str
+        for r in leaf_rows.tolist():
+            lay = cast(_Layout, row_layout[r])
+            before, after = lay.strings
+            strings += before
+            if lay.sig.row_at is not None:
+                text = row_str[r]
+                add_string(b"" if text is None else text.encode("utf-8"))
+                strings += after
         owners: list[tuple[_Attr, int]] = []
         holders: list[_Group | _Dataset] = [*self._individual, *self._special.values()]
         for obj in holders:
@@ -872,6 +973,9 @@ class FilePlan:
     def _address(self, target: Any) -> int:
         """A link target's address (a group or a dataset by number)."""
         if isinstance(target, int):
+            if target < 0:  # (a leaf, by its row)
+                ra = self._row_address
+                return max(int(ra[~target]), 0) if ~target < len(ra) else 0
             return int(self._ds_address[target]) if target < len(self._ds_address) else 0
         return max(target.address, 0)
 
@@ -1128,24 +1232,35 @@ class FilePlan:
         individual = self._individual
         cols.individual = individual
         cols.individual_at = np.fromiter((g.address for g in individual), np.int64, len(individual))
-        for layout in self._layouts.values():
-            groups = layout.groups
-            if not groups:
+        rows = self._leaf_rows  # (in file order)
+        lids = self._row_lid[rows]
+        order = np.argsort(lids, kind="stable")  # (each layout's leaves in file order)
+        layouts = list(self._layouts.values())
+        bounds = np.searchsorted(lids[order], np.arange(len(layouts) + 1))
+        shapes, row_first = self._row_shape, np.asarray(self._row_first, np.int64)
+        for k, layout in enumerate(layouts):
+            sel = rows[order[bounds[k] : bounds[k + 1]]]
+            count = sel.size
+            if not count:
                 continue
-            count = len(groups)
-            first = np.fromiter((g.first_string for g in groups), np.int64, count)
-            shapes = np.array([g.shape for g in groups], "<i8").reshape(count, layout.sig.ndim)
-            first_ds = np.fromiter((g.first_ds for g in groups), np.int64, count)
-            addresses = np.fromiter((g.address for g in groups), np.int64, count)
-            # (a layout's groups are in the order the variables were given, not the file's:
-            # sorted by address, a window's rows are one slice)
-            o = np.argsort(addresses, kind="stable")
-            cols.layouts.append((layout, addresses[o], first[o], shapes[o], first_ds[o]))
+            dims = np.array([shapes[r] for r in sel.tolist()], "<i8").reshape(
+                count, layout.sig.ndim
+            )
+            cols.layouts.append(
+                (layout, self._row_address[sel], self._row_fs[sel], dims, row_first[sel])
+            )
         ds = self._ds_address.tolist()
+        ra = self._row_address
         for tmpl, groups in self._plain:
             count = len(groups)
             links = np.array(
-                [[t.address if type(t) is _Group else ds[t] for _, t in g.links] for g in groups],
+                [
+                    [
+                        t.address if type(t) is _Group else ds[t] if t >= 0 else int(ra[~t])
+                        for _, t in g.links
+                    ]
+                    for g in groups
+                ],
                 "<u8",
             ).reshape(count, -1)
             addresses = np.fromiter((g.address for g in groups), np.int64, count)
@@ -1161,11 +1276,7 @@ class FilePlan:
         specials = sorted(self._special.values(), key=lambda d: d.address)
         cols.special = specials
         cols.special_at = np.array([d.address for d in specials], np.int64)
-        every = [
-            np.zeros(1, np.int64),
-            np.fromiter((g.address for g in self._groups or ()), np.int64),
-            self._ds_address,
-        ]
+        every = [np.zeros(1, np.int64), self._group_starts, self._ds_address]
         cols.starts = np.concatenate(every)  # (in file order: increasing)
         return cols
 
@@ -1220,6 +1331,8 @@ class FilePlan:
         assert len(old) == len(new) and self._groups is not None
         count = 0
         for g in self._groups:
+            if isinstance(g, int):  # (a leaf: links to its components only)
+                continue
             for _, target in g.links:
                 if isinstance(target, _External) and target.file.startswith(old):
                     target.file = new + target.file[len(old) :]
@@ -1235,20 +1348,21 @@ class FilePlan:
         documents = set(self._documents.values())
         self._special = {k: ds for k, ds in self._special.items() if k in documents}
         root_links = [t for _, t in self._root.links if isinstance(t, int)]
-        if root_links:  # (a root linking to datasets: their addresses stay)
-            keep = max(root_links) + 1
-            self._ds_address = self._ds_address[:keep].copy()
-        else:
-            self._ds_address = np.zeros(0, np.int64)
+        # (a root linking to datasets, or to variables' groups made from their templates:
+        # their addresses stay)
+        keep = max([t + 1 for t in root_links if t >= 0], default=0)
+        self._ds_address = self._ds_address[:keep].copy()
+        keep = max([~t + 1 for t in root_links if t < 0], default=0)
+        row_address = self._row_address[:keep].copy()
         for g in self._root.children:
             g.links, g.children, g.attrs = [], [], []  # (only its address is read)
         self._root.children = []
-        for layout in self._layouts.values():
-            # (a layout and its groups refer to each other: emptied, the plan's objects are
-            # freed as it drops them, not left to a full collection of the cyclic collector)
-            layout.groups = []
         for name in ("_by_path", "_groups", "_layouts", "_plain", "_individual"):
             setattr(self, name, None)
+        self._row_shape, self._row_str, self._row_group = [], [], {}
+        empty = np.zeros(0, np.int64)
+        self._row_fs = self._row_lid = self._leaf_rows = self._group_starts = empty
+        self._row_address = row_address
         self._paths, self._row_layout, self._row_first = [], [], array("q")  # (the offsets')
         self._ds_key, self._ds_shape, self._ds_nbytes = array("q"), [], array("q")
         self._ds_offset = np.zeros(0, np.int64)
