@@ -78,7 +78,6 @@ from parallelvars.checkpoint.h5raw.objects import Dataset as _Dataset
 from parallelvars.checkpoint.h5raw.objects import External as _External
 from parallelvars.checkpoint.h5raw.objects import Group as _Group
 from parallelvars.checkpoint.h5raw.objects import Layout as _Layout
-from parallelvars.checkpoint.h5raw.objects import adopt as _adopt
 from parallelvars.checkpoint.h5raw.objects import attrs_key as _attrs_key
 from parallelvars.checkpoint.h5raw.objects import encode_attribute
 from parallelvars.checkpoint.h5raw.objects import signature as _signature
@@ -429,8 +428,8 @@ class FilePlan:
             return group
         parent_path, _, name = path.rpartition("/")
         parent = self._group_of(parent_path)
-        group = self._by_path[path] = _Group()
-        _adopt(parent, name.encode("utf-8"), group)
+        group = self._by_path[path] = _Group.inner()
+        parent.links.append((name.encode("utf-8"), group))
         return group
 
     def _add_special(self, ds: _Dataset) -> int:
@@ -753,7 +752,7 @@ class FilePlan:
         for key, twice in promoted.items():  # (each linked where its variable was, once)
             parent = parents[key]
             parent.links = [(n, t) for n, t in parent.links if id(t) not in twice]
-            parent.children = [c for c in parent.children if id(c) not in twice]
+        self._by_path = {}  # (the groups by path: read while the variables are added only)
         # each row's layout's number (-1: linked to other files)
         layouts = list(self._layouts.values())
         number = {id(lay): k for k, lay in enumerate(layouts)}
@@ -1354,9 +1353,9 @@ class FilePlan:
         self._ds_address = self._ds_address[:keep].copy()
         keep = max([~t + 1 for t in root_links if t < 0], default=0)
         row_address = self._row_address[:keep].copy()
-        for g in self._root.children:
-            g.links, g.children, g.attrs = [], [], []  # (only its address is read)
-        self._root.children = []
+        for _, g in self._root.links:
+            if isinstance(g, _Group):
+                g.links, g.attrs = [], []  # (only its address is read)
         for name in ("_by_path", "_groups", "_layouts", "_plain", "_individual"):
             setattr(self, name, None)
         self._row_shape, self._row_str, self._row_group = [], [], {}
