@@ -39,8 +39,13 @@ libhdf5.
 The plan is kept column-wise, so that a file of many variables costs a few Python operations
 per variable and numpy work per layout: component datasets are rows of dataset columns (template
 number, shape, bytes; addresses and data offsets computed for all rows at once), and variable
-groups are rows of their layout (kind, dtype, rank, components, shared components, attributes
-but the shape and ``slot_of``: its attributes are encoded once per layout). Variable groups,
+groups are rows of the variable columns (path, layout, first dataset, shape, ``slot_of``; their
+addresses and first heap strings computed for all rows at once), linked from their parents as
+``~row``: no Python object per variable (a layout: kind, dtype, rank, components, shared
+components, attributes but the shape and ``slot_of``, its attributes encoded once). Only the
+groups on the way to the variables, and a variable's group that is also a parent or whose header
+a template cannot make, are objects. :attr:`FilePlan.offsets` reads the variable columns when
+asked (``bench/bench_generate.py`` measures the plan's memory and time per entry). Variable groups,
 component datasets and groups without attributes whose links have the same names (a variable's
 slots' group) are written from templates: a template is encoded twice, with every per-object
 field (shape, string references, link addresses, dimensions, data offsets) made of 0x00 and then
