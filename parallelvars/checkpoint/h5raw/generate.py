@@ -281,17 +281,20 @@ class _Offsets(Mapping[str, list[int | None]]):
         # (all one dataset, a mirrored variable's stored once: one offset repeated), 2
         # (picked), 3 (no offsets: byte strings, read through HDF5: none in the index, as the
         # libhdf5 writer's)
-        self._ways: dict[int, tuple[int, list[int]]] = {}
+        self._ways: dict[Any, tuple[int, int, list[int]]] = {}  # by layout (or count)
 
-    def _way(self, lay: _Layout) -> tuple[int, list[int]]:
-        way = self._ways.get(id(lay))
-        if way is None:
+    def _way(self, lay: _Layout | int) -> tuple[int, int, list[int]]:
+        way: tuple[int, int, list[int]]
+        if isinstance(lay, int):  # (linked to other files: no offsets here)
+            way = (3, lay, [])
+        else:
             cd = lay.comp_ds
             code = 3 if lay.vlen else 0 if cd == list(range(lay.n)) else 1 if not any(cd) else 2
-            way = self._ways[id(lay)] = (code, list(cd))
+            way = (code, lay.n, list(cd))
+        self._ways[lay] = way
         return way
 
-    def _row(self, path: str) -> int:
+    def __getitem__(self, path: str) -> list[int | None]:
         k = self._next
         paths = self._paths
         if k >= len(paths) or paths[k] != path:
@@ -299,28 +302,21 @@ class _Offsets(Mapping[str, list[int | None]]):
                 self._index = {p: i for i, p in enumerate(paths)}
             k = self._index[path]  # (KeyError: not a variable of the plan)
         self._next = k + 1
-        return k
-
-    def __getitem__(self, path: str) -> list[int | None]:
-        k = self._row(path)
         lay = self._layouts[k]
-        if type(lay) is int:  # (linked to other files: no offsets here)
-            return [None] * lay
-        lay = cast(_Layout, lay)
-        way, picks = self._way(lay)
-        n = lay.n
+        way = self._ways.get(lay) or self._way(lay)
+        code, n, picks = way
         start = self._first[k]
-        if way == 0:
+        if code == 0:
             out: list[Any] = self._off[start : start + n].tolist()
-        elif way == 1:
+        elif code == 1:
             return [None if (o := self._off[start]) < 0 else o] * n
-        elif way == 2:
+        elif code == 2:
             off = self._off
             out = [off[start + d] for d in picks]
         else:
             return [None] * n
         if -1 in out:
-            return [None if o is None or o < 0 else o for o in out]
+            return [None if o < 0 else o for o in out]
         return out
 
     def __iter__(self) -> Iterator[str]:
