@@ -30,11 +30,9 @@ import time
 import tracemalloc
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 
 def worker(count: int, adam: bool, layered: bool, repeat: int) -> dict[str, Any]:
-    from bench_paths import _model, _tensors
+    from bench_paths import _model, _tensors  # (run as bench/bench_generate.py)
 
     from parallelvars.checkpoint.h5io.layout import COLUMNS_DATASET, INDEX_DATASET
     from parallelvars.checkpoint.h5io.records import record_classes

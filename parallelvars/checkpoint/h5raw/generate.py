@@ -69,6 +69,7 @@ from typing import Any, cast
 import numpy as np
 
 from parallelvars._geometry import shard_bounds
+from parallelvars._ints import unique_ints
 from parallelvars.checkpoint._gcfreeze import FREEZE_STEP, freeze_made_so_far
 from parallelvars.checkpoint.h5raw import header as hdr
 from parallelvars.checkpoint.h5raw import messages as msg
@@ -761,7 +762,7 @@ class FilePlan:
             (number.get(id(lay), -1) for lay in self._row_layout), np.int64, len(paths)
         )
         self._row_lid = lid
-        for k in np.unique(lid[leaf]).tolist():
+        for k in unique_ints(lid[leaf])[0].tolist():
             lay = layouts[k]
             # a variable's group whose header continues in further chunks (their continuation
             # messages hold addresses), or of more links than a header keeps (a symbol
