@@ -442,3 +442,85 @@ def test_the_kept_image_size_is_read_where_it_is_set(tmp_path, monkeypatch) -> N
     assert plan.checksum_spans
     plan.release()
     assert plan.checksum_spans == []
+
+
+def _tree_variables() -> list[Variable]:
+    """Variables whose groups are not all leaves made from a template: at the root, one linked
+    as a leaf that later variables make a parent (``a``), one whose group was made as a parent
+    first (``c``), variables whose header needs a second chunk (an attribute of 600 integers:
+    encoded on their own), under a leaf made a parent too, and slots (a row string each)."""
+    f32 = np.dtype(np.float32)
+
+    def var(path: str, n: int = 2, **attrs: Any) -> Variable:
+        return Variable(path, "mirrored", f32, (3,), n, {"devices": ["cpu:0"] * n, **attrs})
+
+    big = {"note": list(range(600))}
+    return [
+        var("w"),
+        var("a"),
+        var("c/d"),
+        var("a/b", 1),
+        var("c"),
+        var("big/x", **big),
+        var("big/y", **big),
+        var("a/b/z", **big),
+        var("s/w/m", slot_of="w", slot_name="m"),
+        var("s/a/m", slot_of="a", slot_name="m"),
+        var("s/w/v", slot_of="w", slot_name="v"),
+        var("s/a/v", slot_of="a", slot_name="v"),
+        var("a/e"),
+    ]
+
+
+@pytest.mark.parametrize("chunk", [1, 300, generate.CHUNK_BYTES])
+def test_groups_made_apart_from_the_templates_make_the_image_the_reference_makes(
+    monkeypatch, chunk
+) -> None:
+    """Leaves made parents (before and after their children), headers of two chunks, slots,
+    a variable at the root: the image, the offsets, and after a release the refreshed root."""
+    variables = _tree_variables()
+    kwargs: Any = {"root_attrs": {"step": np.int64(1), "note": "n"}, "documents": ["doc"]}
+    want_plan = ref.FilePlan(variables, **kwargs)
+    want = want_plan.metadata({"doc": 10}, document_checksums={"doc": 7})
+    monkeypatch.setattr(generate, "CHUNK_BYTES", chunk)
+    plan = FilePlan(variables, **kwargs)
+    chunks = plan.chunks({"doc": 10}, document_checksums={"doc": 7})
+    image = b"".join(bytes(data) for _, data in chunks)
+    assert image == bytes(want.pieces[0][1])
+    assert dict(plan.offsets) == want_plan.offsets
+    plan.release()
+    got = plan.refresh({"step": np.int64(5)}, {"doc": 9})
+    assert got == want_plan.refresh({"step": np.int64(5)}, {"doc": 9})
+
+
+def test_offsets_are_found_in_any_order_and_kept_after_a_release() -> None:
+    """:attr:`FilePlan.offsets` asked in the variables' order, backwards, twice, for a path
+    it does not hold (KeyError), and after the plan is released: the reference's dict."""
+    variables = _tree_variables()
+    variables.append(Variable("e", "single", np.dtype(np.float32), (0,), 1, {}))  # (no data)
+    variables.append(Variable("m", "mirrored", np.dtype(np.float32), (2,), 3, {}, [0, 0, 0]))
+    variables.append(Variable("p", "on_read", np.dtype(np.float32), (2,), 3, {}, [0, 1, 0]))
+    kwargs: Any = {"root_attrs": {}, "documents": ["doc"]}
+    want = ref.FilePlan(variables, **kwargs).offsets
+    plan = FilePlan(variables, **kwargs)
+    offsets = plan.offsets
+    paths = [v.path for v in variables]
+    assert [offsets[p] for p in paths] == [want[p] for p in paths]
+    assert [offsets[p] for p in reversed(paths)] == [want[p] for p in reversed(paths)]
+    assert offsets["m"] == want["m"] and offsets["e"] == [None]
+    assert len(offsets) == len(want) and list(offsets) == list(want)
+    with pytest.raises(KeyError):
+        offsets["nowhere"]
+    plan.metadata({"doc": 4})
+    plan.release()
+    assert dict(plan.offsets) == want
+
+
+def test_a_path_written_twice_is_refused_leaf_or_not() -> None:
+    from parallelvars.errors import InvalidEntryError
+
+    f32 = np.dtype(np.float32)
+    for paths in (["x", "x"], ["x/y", "x", "x"], ["x", "x/y", "x"], ["x", "z", "x"]):
+        variables = [Variable(p, "single", f32, (2,), 1, {}) for p in paths]
+        with pytest.raises(InvalidEntryError, match="written twice"):
+            FilePlan(variables, root_attrs={})

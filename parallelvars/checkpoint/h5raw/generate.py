@@ -39,8 +39,13 @@ libhdf5.
 The plan is kept column-wise, so that a file of many variables costs a few Python operations
 per variable and numpy work per layout: component datasets are rows of dataset columns (template
 number, shape, bytes; addresses and data offsets computed for all rows at once), and variable
-groups are rows of their layout (kind, dtype, rank, components, shared components, attributes
-but the shape and ``slot_of``: its attributes are encoded once per layout). Variable groups,
+groups are rows of the variable columns (path, layout, first dataset, shape, ``slot_of``; their
+addresses and first heap strings computed for all rows at once), linked from their parents as
+``~row``: no Python object per variable (a layout: kind, dtype, rank, components, shared
+components, attributes but the shape and ``slot_of``, its attributes encoded once). Only the
+groups on the way to the variables, and a variable's group that is also a parent or whose header
+a template cannot make, are objects. :attr:`FilePlan.offsets` reads the variable columns when
+asked (``bench/bench_generate.py`` measures the plan's memory and time per entry). Variable groups,
 component datasets and groups without attributes whose links have the same names (a variable's
 slots' group) are written from templates: a template is encoded twice, with every per-object
 field (shape, string references, link addresses, dimensions, data offsets) made of 0x00 and then
@@ -56,6 +61,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -63,6 +69,7 @@ from typing import Any, cast
 import numpy as np
 
 from parallelvars._geometry import shard_bounds
+from parallelvars._ints import unique_ints
 from parallelvars.checkpoint._gcfreeze import FREEZE_STEP, freeze_made_so_far
 from parallelvars.checkpoint.h5raw import header as hdr
 from parallelvars.checkpoint.h5raw import messages as msg
@@ -71,14 +78,12 @@ from parallelvars.checkpoint.h5raw.header import SUPERBLOCK_SIZE
 from parallelvars.checkpoint.h5raw.header import encode_chunked as _encode_chunked
 from parallelvars.checkpoint.h5raw.lookup3 import lookup3, lookup3_many
 from parallelvars.checkpoint.h5raw.messages import superblock as _superblock
-from parallelvars.checkpoint.h5raw.objects import _NOTHING as _NO_LINKS
 from parallelvars.checkpoint.h5raw.objects import ROW_STRING as _ROW_STRING
 from parallelvars.checkpoint.h5raw.objects import Attr as _Attr
 from parallelvars.checkpoint.h5raw.objects import Dataset as _Dataset
 from parallelvars.checkpoint.h5raw.objects import External as _External
 from parallelvars.checkpoint.h5raw.objects import Group as _Group
 from parallelvars.checkpoint.h5raw.objects import Layout as _Layout
-from parallelvars.checkpoint.h5raw.objects import adopt as _adopt
 from parallelvars.checkpoint.h5raw.objects import attrs_key as _attrs_key
 from parallelvars.checkpoint.h5raw.objects import encode_attribute
 from parallelvars.checkpoint.h5raw.objects import signature as _signature
@@ -253,6 +258,75 @@ class SpilledImage:
             file.close()
 
 
+class _Offsets(Mapping[str, list[int | None]]):
+    """:attr:`FilePlan.offsets`: each variable's components' data offsets (None: no data), by
+    path, made when asked from the plan's columns (each variable's layout and first dataset,
+    the datasets' offsets), not held as a list per variable. Asked in the variables' order (as
+    every caller does), a path is found without a table; the first path asked out of order
+    makes one."""
+
+    def __init__(
+        self,
+        paths: list[str],
+        layouts: list[_Layout | int],
+        first: array[int],
+        ds_offset: np.ndarray,
+    ) -> None:
+        self._paths = paths
+        self._layouts = layouts
+        self._first = first
+        self._off = array("q", np.ascontiguousarray(ds_offset, np.int64).tobytes())
+        self._next = 0
+        self._index: dict[str, int] | None = None
+        # each layout's way: 0 (its components each of its own dataset, in order: a slice), 1
+        # (all one dataset, a mirrored variable's stored once: one offset repeated), 2
+        # (picked), 3 (no offsets: byte strings, read through HDF5: none in the index, as the
+        # libhdf5 writer's)
+        self._ways: dict[Any, tuple[int, int, list[int]]] = {}  # by layout (or count)
+
+    def _way(self, lay: _Layout | int) -> tuple[int, int, list[int]]:
+        way: tuple[int, int, list[int]]
+        if isinstance(lay, int):  # (linked to other files: no offsets here)
+            way = (3, lay, [])
+        else:
+            cd = lay.comp_ds
+            code = 3 if lay.vlen else 0 if cd == list(range(lay.n)) else 1 if not any(cd) else 2
+            way = (code, lay.n, list(cd))
+        self._ways[lay] = way
+        return way
+
+    def __getitem__(self, path: str) -> list[int | None]:
+        k = self._next
+        paths = self._paths
+        if k >= len(paths) or paths[k] != path:
+            if self._index is None:
+                self._index = {p: i for i, p in enumerate(paths)}
+            k = self._index[path]  # (KeyError: not a variable of the plan)
+        self._next = k + 1
+        lay = self._layouts[k]
+        way = self._ways.get(lay) or self._way(lay)
+        code, n, picks = way
+        start = self._first[k]
+        if code == 0:
+            out: list[Any] = self._off[start : start + n].tolist()
+        elif code == 1:
+            return [None if (o := self._off[start]) < 0 else o] * n
+        elif code == 2:
+            off = self._off
+            out = [off[start + d] for d in picks]
+        else:
+            return [None] * n
+        if -1 in out:
+            return [None if o < 0 else o for o in out]
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._paths)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+
 class _Columns:
     """What :meth:`FilePlan._window` reads of the plan, made once per :meth:`FilePlan.chunks`:
     per kind of header, the objects' addresses (increasing) and their fields' sources."""
@@ -299,17 +373,29 @@ class FilePlan:
         self._by_path: dict[str, _Group] = {"": self._root}
         # the dataset columns: per dataset, its template's number (-1: encoded on its own,
         # see _special), shape and bytes of data
-        self._ds_key: list[int] = []
+        self._ds_key = array("q")
         self._ds_shape: list[tuple[int, ...]] = []
-        self._ds_nbytes: list[int] = []
+        self._ds_nbytes = array("q")
         self._special: dict[int, _Dataset] = {}
         self._keys: dict[tuple[Any, ...], int] = {}  # a dataset template's key -> its number
         self._key_list: list[tuple[Any, ...]] = []
         self._dataset_templates: dict[int, Template] = {}
         self._layouts: dict[Any, _Layout] = {}
         self._documents: dict[str, int] = {}  # a document -> its dataset number
-        # per variable, in order: its path, layout (None: external links), first dataset
-        self._rows: list[tuple[str, _Layout | None, int, int]] = []
+        # the variables' columns, in order: each one's path (the caller's string), layout (or,
+        # linked to other files, its number of components) and first dataset
+        self._paths: list[str] = []
+        self._row_layout: list[_Layout | int] = []
+        self._row_first = array("q")
+        # ... and of a variable whose group is made from its layout's template (a leaf: linked
+        # from its parent as ``~row``, no object of its own), its shape and row string
+        self._row_shape: list[tuple[int, ...]] = []
+        self._row_str: list[str | None] = []
+        self._row_address: np.ndarray = np.zeros(0, np.int64)  # (-1: not a leaf)
+        # the rows whose group is made, or became a parent, after the row was linked as a leaf:
+        # ``~row`` -> its group (encoded on its own)
+        self._row_group: dict[int, _Group] = {}
+        self._group_starts: np.ndarray = np.zeros(0, np.int64)  # every group's, in file order
         self._fill: int | None = None  # encoding a template: the byte every field is made of
         # byte-string components: (dataset number, its elements) and, once laid out, the
         # (data offset, references) of each
@@ -344,8 +430,8 @@ class FilePlan:
             return group
         parent_path, _, name = path.rpartition("/")
         parent = self._group_of(parent_path)
-        group = self._by_path[path] = _Group()
-        _adopt(parent, name.encode("utf-8"), group)
+        group = self._by_path[path] = _Group.inner()
+        parent.links.append((name.encode("utf-8"), group))
         return group
 
     def _add_special(self, ds: _Dataset) -> int:
@@ -449,20 +535,18 @@ class FilePlan:
                 )
                 group.links.append((b"value", self._add_special(vds)))
             group.attrs = layout.sig.materialize(shape, row_bytes)  # links vary: no template
-            self._rows.append((path, None, first, n))
+            self._add_row(path, n, first, shape, None)
             return layout
-        if group is None:  # (the common case: a group without lists of its own)
+        if group is None:  # (the common case: a leaf, linked from its parent by its row)
             parent_path, _, name = path.rpartition("/")
             parent = by_path.get(parent_path) or self._group_of(parent_path)
-            group = by_path[path] = _Group.leaf(layout, shape, row_bytes, first)
-            _adopt(parent, name.encode("utf-8"), group)
-        else:
+            parent.links.append((name.encode("utf-8"), ~len(self._paths)))
+        else:  # (made already as the parent of an earlier variable: encoded on its own)
             group.layout = layout
             group.shape = shape
             group.row = row_bytes
             group.first_ds = first
             group.comp_at = len(group.links)
-        layout.groups.append(group)
         if layout.sharded:
             axis = int(attrs["shard_axis"])
             bounds = shard_bounds(attrs["shard_offsets"], shape[axis])
@@ -496,10 +580,10 @@ class FilePlan:
                 keys = layout.ds_keys[nbytes > 0] = [
                     self._component_key(layout, len(shape), nbytes, links) for links in layout.links
                 ]
-            self._ds_key += keys
+            self._ds_key.extend(keys)
             count = len(keys)
             self._ds_shape += [shape] * count
-            self._ds_nbytes += [nbytes] * count
+            self._ds_nbytes.extend([nbytes] * count)
         if layout.vlen:
             if strings is None or len(strings) != layout.n:
                 raise InvalidEntryError(
@@ -518,8 +602,22 @@ class FilePlan:
                         found=len(elements),
                     )
                 self._vlen.append((first + k, elements))
-        self._rows.append((path, layout, first, layout.n))
+        self._add_row(path, layout, first, shape, row)
         return layout
+
+    def _add_row(
+        self,
+        path: str,
+        layout: _Layout | int,
+        first: int,
+        shape: tuple[int, ...],
+        row: str | None,
+    ) -> None:
+        self._paths.append(path)
+        self._row_layout.append(layout)
+        self._row_first.append(first)
+        self._row_shape.append(shape)
+        self._row_str.append(row)
 
     def _add_classes(
         self,
@@ -537,16 +635,21 @@ class FilePlan:
         add = self._add_variable
         of_class: list[_Layout | None] = [None] * count
         by_path = self._by_path
-        leaf = _Group.leaf
         ds_key, ds_shape, ds_nbytes = self._ds_key, self._ds_shape, self._ds_nbytes
-        rows = self._rows
+        paths = self._paths
+        add_path, add_layout, add_first, add_shape, add_str = (
+            paths.append,
+            self._row_layout.append,
+            self._row_first.append,
+            self._row_shape.append,
+            self._row_str.append,
+        )
         prod = math.prod
         # shapes recur: each one's tuple of ints made once (and shared by its records' rows)
         shapes: dict[Any, tuple[int, ...]] = {}
-        # the records of a group come one after another: its parent's path and lists kept
+        # the records of a group come one after another: its parent's path and links kept
         parent_path: str | None = None
         plinks: list[tuple[bytes, Any]] = []
-        pchildren: list[_Group] = []
         for k, (var, sh, c) in enumerate(zip(variables, shared, ids, strict=True)):
             if not k % FREEZE_STEP:
                 freeze_made_so_far()  # (the plan's objects live until its image is made)
@@ -568,26 +671,23 @@ class FilePlan:
             at, _, name = path.rpartition("/")
             if at != parent_path:
                 parent = by_path.get(at) or self._group_of(at)
-                if parent.links is _NO_LINKS:  # (a leaf variable's group becomes a parent)
-                    parent.links, parent.children = [], []
-                parent_path, plinks, pchildren = at, parent.links, parent.children
-            group = by_path[path] = leaf(
-                layout, shape, None if row is None else row.encode("utf-8"), first
-            )
-            plinks.append((name.encode("utf-8"), group))  # (adopt, the parent's lists at hand)
-            pchildren.append(group)
-            layout.groups.append(group)
+                parent_path, plinks = at, parent.links
+            plinks.append((name.encode("utf-8"), ~len(paths)))  # (a leaf: by its row)
             nbytes = prod(shape) * layout.itemsize
             keys = layout.ds_keys[nbytes > 0]
             if keys is None:
                 keys = layout.ds_keys[nbytes > 0] = [
                     self._component_key(layout, len(shape), nbytes, links) for links in layout.links
                 ]
-            ds_key += keys
+            ds_key.extend(keys)
             n = len(keys)
             ds_shape += [shape] * n
-            ds_nbytes += [nbytes] * n
-            rows.append((path, layout, first, layout.n))
+            ds_nbytes.extend([nbytes] * n)
+            add_path(path)
+            add_layout(layout)
+            add_first(first)
+            add_shape(shape)
+            add_str(row)
 
     def _component_key(self, layout: _Layout, ndim: int, nbytes: int, links: int) -> int:
         """The template number of a component dataset."""
@@ -606,50 +706,113 @@ class FilePlan:
         layout = g.layout
         assert layout is not None
         g.attrs = layout.sig.materialize(g.shape, g.row)
-        g.links = list(g.links)  # (a leaf group's are shared: see Group.leaf)
+        g.links = list(g.links)
         g.links[g.comp_at : g.comp_at] = [
             (name, g.first_ds + d) for name, d in zip(layout.names, layout.link_ds, strict=True)
         ]
         g.layout = None
 
+    def _row_group_of(self, r: int, group: _Group | None = None) -> _Group:
+        """Variable ``r``'s group as an object (``group``: the one made there as the parent of
+        a later variable), encoded on its own: linked from its parent as ``~r`` still."""
+        g = _Group() if group is None else group
+        lay = self._row_layout[r]
+        assert not isinstance(lay, int)
+        row = self._row_str[r]
+        g.layout, g.shape, g.first_ds, g.comp_at = lay, self._row_shape[r], self._row_first[r], 0
+        g.row = None if row is None else row.encode("utf-8")
+        if group is None:
+            self._expand(g)
+        self._row_group[~r] = g
+        return g
+
+    def _leaves(self) -> np.ndarray:
+        """Check that no path is written twice, give the variables linked as leaves that became
+        parents (a later variable's path goes through theirs) or whose header a template cannot
+        make their own group, and return which rows are leaves (a bool per row)."""
+        paths = self._paths
+        if len(set(paths)) != len(paths):
+            seen: set[str] = set()
+            for path in paths:
+                if path in seen:
+                    raise InvalidEntryError("is written twice", variable=path)
+                seen.add(path)
+        leaf = np.ones(len(paths), bool)
+        get = self._by_path.get
+        promoted: dict[int, set[int]] = {}  # a parent (by id) -> the groups it links twice
+        parents: dict[int, _Group] = {}
+        for r, (path, lay) in enumerate(zip(paths, self._row_layout, strict=True)):
+            g = get(path)
+            if g is None:
+                continue
+            leaf[r] = False
+            if g.layout is None and type(lay) is not int:  # (a leaf made a parent after)
+                self._row_group_of(r, g)
+                parent = self._by_path[path.rpartition("/")[0]]
+                parents[id(parent)] = parent
+                promoted.setdefault(id(parent), set()).add(id(g))
+        for key, twice in promoted.items():  # (each linked where its variable was, once)
+            parent = parents[key]
+            parent.links = [(n, t) for n, t in parent.links if id(t) not in twice]
+        self._by_path = {}  # (the groups by path: read while the variables are added only)
+        # each row's layout's number (-1: linked to other files)
+        layouts = list(self._layouts.values())
+        number = {id(lay): k for k, lay in enumerate(layouts)}
+        lid = np.fromiter(
+            (number.get(id(lay), -1) for lay in self._row_layout), np.int64, len(paths)
+        )
+        self._row_lid = lid
+        for k in unique_ints(lid[leaf])[0].tolist():
+            lay = layouts[k]
+            # a variable's group whose header continues in further chunks (their continuation
+            # messages hold addresses), or of more links than a header keeps (a symbol
+            # table): encoded on its own
+            if len(self._group_template(lay).chunks) > 1 or len(lay.names) > MAX_COMPACT_LINKS:
+                for r in np.flatnonzero(leaf & (lid == k)).tolist():
+                    self._row_group_of(r)
+                    leaf[r] = False
+        return leaf
+
     # ------------------------------------------------------------------ layout
     def _layout(self, align: int) -> None:
-        # 1. the groups in file order (depth first, each before its children); a variable that
-        # is also a parent, or whose header continues in further chunks (their continuation
-        # messages hold addresses), is encoded on its own
+        # 1. the groups in file order (depth first, each before its children): a variable's
+        # group made from its layout's template (a leaf) as ``~row``, every other group as an
+        # object; a variable that is also a parent, or whose header continues in further
+        # chunks (their continuation messages hold addresses), is encoded on its own
+        leaf = self._leaves()
         root = self._root
-        groups: list[_Group] = [root]
+        groups: list[_Group | int] = [root]
         add_group = groups.append
-        # (a stack of the children still to visit of each group on the way: a variable's
-        # group, a leaf, is added without a visit of its own)
-        stack = [iter(root.children)]
+        row_group = self._row_group
+        # (a stack of the links still to visit of each group on the way: a leaf is added
+        # without a visit of its own)
+        stack = [iter(root.links)]
         while stack:
-            for g in stack[-1]:
-                add_group(g)
-                if g.children:
-                    if g.layout is not None:  # a variable that is also a parent
-                        self._expand(g)
-                    stack.append(iter(g.children))
+            for _, t in stack[-1]:
+                kind = type(t)
+                if kind is int:
+                    if t >= 0:  # (a dataset)
+                        continue
+                    own = row_group.get(t)
+                    if own is None:
+                        add_group(t)
+                        continue
+                    t = own
+                elif kind is not _Group:  # (an external link)
+                    continue
+                add_group(t)
+                if t.layout is not None:  # a variable that is also a parent
+                    self._expand(t)
+                if t.links:
+                    stack.append(iter(t.links))
                     break
             else:
                 stack.pop()
         self._groups = groups
         freeze_made_so_far()
-        for layout in self._layouts.values():
-            # a variable's group whose header continues in further chunks (their continuation
-            # messages hold addresses), or of more links than a header keeps (a symbol
-            # table): encoded on its own
-            if layout.groups and (
-                len(self._group_template(layout).chunks) > 1
-                or len(layout.names) > MAX_COMPACT_LINKS
-            ):
-                for g in layout.groups:
-                    if g.layout is not None:
-                        self._expand(g)
-            layout.groups = [g for g in layout.groups if g.layout is not None]
         # groups without attributes whose links have the same names (the groups of a
         # variable's slots...) are made from one template
-        others = [g for g in groups if g.layout is None]  # (groups not made from a layout)
+        others = [g for g in groups if isinstance(g, _Group)]  # (groups not made from a layout)
         plain: dict[tuple[bytes, ...], list[_Group]] = {}
         linking_out = self._linking_out
         for g in others:
@@ -669,12 +832,21 @@ class FilePlan:
             templated.update(map(id, members))
         self._individual = [g for g in others if id(g) not in templated]
         plain_of = {id(g): tmpl.size for tmpl, members in self._plain for g in members}
-        # each group's header and table: a list, then one array (a layout's groups: its
-        # template's size)
-        size_of: list[int] = [-1 if g.layout is None else g.layout.size for g in groups]
+        # each group's header and table (a leaf: its layout's template's size)
+        code = np.fromiter((g if type(g) is int else 0 for g in groups), np.int64, len(groups))
+        leaf_at = np.flatnonzero(code < 0)  # the leaves' places in file order ...
+        leaf_rows = ~code[leaf_at]  # ... and rows
+        del code
+        lid = self._row_lid
+        layouts = list(self._layouts.values())
+        lay_size = np.array([lay.size for lay in layouts] + [0], np.int64)
+        sizes = np.zeros(len(groups), np.int64)
+        sizes[leaf_at] = lay_size[lid[leaf_rows]]
+        objects_at = np.flatnonzero(sizes == 0)
         tables: list[_Group] = []
-        for k in [k for k, size in enumerate(size_of) if size < 0]:
+        for k in objects_at.tolist():
             g = groups[k]
+            assert type(g) is _Group
             size = plain_of.get(id(g))
             if size is None:
                 size = len(self._encode_group(g)[0])
@@ -682,15 +854,22 @@ class FilePlan:
                 g.table_at = size
                 size += g.table.size
                 tables.append(g)
-            size_of[k] = size
-        sizes = np.array(size_of, np.int64)
-        del size_of
+            sizes[k] = size
         starts = SUPERBLOCK_SIZE + np.cumsum(sizes) - sizes
         at = SUPERBLOCK_SIZE + int(sizes.sum())
-        for g, a in zip(groups, starts.tolist(), strict=True):
-            g.address = a
+        del sizes
+        for k, a in zip(objects_at.tolist(), starts[objects_at].tolist(), strict=True):
+            cast(_Group, groups[k]).address = a
         for g in tables:
             g.table_at += g.address
+        row_address = np.full(len(self._paths), -1, np.int64)
+        row_address[leaf_rows] = starts[leaf_at]
+        for t, g in row_group.items():
+            row_address[~t] = g.address
+        self._row_address = row_address
+        self._group_starts = starts
+        self._leaf_rows = leaf_rows  # (in file order)
+        assert leaf_rows.size == int(np.count_nonzero(leaf))
         # 2. the datasets, in order
         keys = np.asarray(self._ds_key, np.int64)
         key_sizes = np.array(
@@ -705,21 +884,32 @@ class FilePlan:
         for number, ds in self._special.items():
             ds.address = int(ds_address[number])
         # 3. the global heap: every string of every attribute, then the mappings
+        # (each leaf's strings: its layout's before its row string, the row string, its
+        # layout's after it)
+        per = np.array(
+            [
+                len(lay.strings[0]) + len(lay.strings[1]) + (lay.sig.row_at is not None)
+                for lay in layouts
+            ]
+            + [0],
+            np.int64,
+        )
+        count = per[lid[leaf_rows]]
+        row_fs = np.full(len(self._paths), -1, np.int64)
+        row_fs[leaf_rows] = np.cumsum(count) - count
+        self._row_fs = row_fs
+        del count
         strings: list[bytes] = []
         add_string = strings.append
-        for g in groups:
-            lay = g.layout
-            if lay is not None:
-                g.first_string = len(strings)
-                before, after = lay.strings
-                if lay.sig.row_at is None:
-                    strings += before
-                elif before or after:
-                    strings += before
-                    add_string(g.row or b"")
-                    strings += after
-                else:
-                    add_string(g.row or b"")
+        row_layout, row_str = self._row_layout, self._row_str
+        for r in leaf_rows.tolist():
+            lay = cast(_Layout, row_layout[r])
+            before, after = lay.strings
+            strings += before
+            if lay.sig.row_at is not None:
+                text = row_str[r]
+                add_string(b"" if text is None else text.encode("utf-8"))
+                strings += after
         owners: list[tuple[_Attr, int]] = []
         holders: list[_Group | _Dataset] = [*self._individual, *self._special.values()]
         for obj in holders:
@@ -740,7 +930,6 @@ class FilePlan:
         refs[:, 0:4] = lengths.astype("<u4").view(np.uint8).reshape(-1, 4)
         refs[:, 4:12] = addrs.astype("<u8").view(np.uint8).reshape(-1, 8)
         refs[:, 12:16] = index.astype("<u4").view(np.uint8).reshape(-1, 4)
-        self._refs = refs.tobytes()
         self._ref_rows = refs
         self._owners = owners
         for k, ds in enumerate(maps):
@@ -755,29 +944,10 @@ class FilePlan:
         self._ds_offset = ds_offset
         stored = np.flatnonzero(nbytes)
         self.data_end = int(ds_offset[stored[-1]] + nbytes[stored[-1]]) if stored.size else at
-        # each variable's components' offsets (None: no data)
-        offs: list[int | None] = [None if o < 0 else o for o in ds_offset.tolist()]
-        # each layout's way: 0 (its components each of its own dataset, in order: a slice), 1
-        # (all one dataset, a mirrored variable's stored once: one offset repeated), 2
-        # (picked), 3 (no offsets: external links, and byte strings, read through HDF5: none in
-        # the index, as the libhdf5 writer's)
-        ways: dict[_Layout | None, int] = {None: 3}
-        for lay in self._layouts.values():
-            cd = lay.comp_ds
-            ways[lay] = (
-                3 if lay.vlen else 0 if cd == list(range(lay.n)) else 1 if not any(cd) else 2
-            )
-        self.offsets: dict[str, list[int | None]] = {
-            path: offs[start : start + n]
-            if way == 0
-            else [offs[start]] * n
-            if way == 1
-            else [None] * n
-            if way == 3
-            else [offs[start + d] for d in cast(_Layout, lay).comp_ds]
-            for path, lay, start, n in self._rows
-            for way in (ways[lay],)
-        }
+        # each variable's components' offsets (None: no data), read from the columns when asked
+        self.offsets: Mapping[str, list[int | None]] = _Offsets(
+            self._paths, self._row_layout, self._row_first, ds_offset
+        )
         self._vlen_data = [
             (int(ds_offset[number]), refs[at : at + len(elements)].tobytes())
             for (number, elements), at in zip(self._vlen, vlen_at, strict=True)
@@ -795,15 +965,18 @@ class FilePlan:
 
     def _string_refs(self, a: _Attr) -> bytes:
         assert a.strings is not None
-        refs: bytes | None = getattr(self, "_refs", None)
+        refs: np.ndarray | None = getattr(self, "_ref_rows", None)
         if self._fill is not None or refs is None:
             return bytes((self._fill or 0,)) * (16 * len(a.strings))
         first = self._ref_start[id(a)]
-        return refs[16 * first : 16 * (first + len(a.strings))]
+        return refs[first : first + len(a.strings)].tobytes()
 
     def _address(self, target: Any) -> int:
         """A link target's address (a group or a dataset by number)."""
         if isinstance(target, int):
+            if target < 0:  # (a leaf, by its row)
+                ra = self._row_address
+                return max(int(ra[~target]), 0) if ~target < len(ra) else 0
             return int(self._ds_address[target]) if target < len(self._ds_address) else 0
         return max(target.address, 0)
 
@@ -1060,24 +1233,35 @@ class FilePlan:
         individual = self._individual
         cols.individual = individual
         cols.individual_at = np.fromiter((g.address for g in individual), np.int64, len(individual))
-        for layout in self._layouts.values():
-            groups = layout.groups
-            if not groups:
+        rows = self._leaf_rows  # (in file order)
+        lids = self._row_lid[rows]
+        order = np.argsort(lids, kind="stable")  # (each layout's leaves in file order)
+        layouts = list(self._layouts.values())
+        bounds = np.searchsorted(lids[order], np.arange(len(layouts) + 1))
+        shapes, row_first = self._row_shape, np.asarray(self._row_first, np.int64)
+        for k, layout in enumerate(layouts):
+            sel = rows[order[bounds[k] : bounds[k + 1]]]
+            count = sel.size
+            if not count:
                 continue
-            count = len(groups)
-            first = np.fromiter((g.first_string for g in groups), np.int64, count)
-            shapes = np.array([g.shape for g in groups], "<i8").reshape(count, layout.sig.ndim)
-            first_ds = np.fromiter((g.first_ds for g in groups), np.int64, count)
-            addresses = np.fromiter((g.address for g in groups), np.int64, count)
-            # (a layout's groups are in the order the variables were given, not the file's:
-            # sorted by address, a window's rows are one slice)
-            o = np.argsort(addresses, kind="stable")
-            cols.layouts.append((layout, addresses[o], first[o], shapes[o], first_ds[o]))
+            dims = np.array([shapes[r] for r in sel.tolist()], "<i8").reshape(
+                count, layout.sig.ndim
+            )
+            cols.layouts.append(
+                (layout, self._row_address[sel], self._row_fs[sel], dims, row_first[sel])
+            )
         ds = self._ds_address.tolist()
+        ra = self._row_address
         for tmpl, groups in self._plain:
             count = len(groups)
             links = np.array(
-                [[t.address if type(t) is _Group else ds[t] for _, t in g.links] for g in groups],
+                [
+                    [
+                        t.address if type(t) is _Group else ds[t] if t >= 0 else int(ra[~t])
+                        for _, t in g.links
+                    ]
+                    for g in groups
+                ],
                 "<u8",
             ).reshape(count, -1)
             addresses = np.fromiter((g.address for g in groups), np.int64, count)
@@ -1093,11 +1277,7 @@ class FilePlan:
         specials = sorted(self._special.values(), key=lambda d: d.address)
         cols.special = specials
         cols.special_at = np.array([d.address for d in specials], np.int64)
-        every = [
-            np.zeros(1, np.int64),
-            np.fromiter((g.address for g in self._groups or ()), np.int64),
-            self._ds_address,
-        ]
+        every = [np.zeros(1, np.int64), self._group_starts, self._ds_address]
         cols.starts = np.concatenate(every)  # (in file order: increasing)
         return cols
 
@@ -1152,6 +1332,8 @@ class FilePlan:
         assert len(old) == len(new) and self._groups is not None
         count = 0
         for g in self._groups:
+            if isinstance(g, int):  # (a leaf: links to its components only)
+                continue
             for _, target in g.links:
                 if isinstance(target, _External) and target.file.startswith(old):
                     target.file = new + target.file[len(old) :]
@@ -1167,25 +1349,42 @@ class FilePlan:
         documents = set(self._documents.values())
         self._special = {k: ds for k, ds in self._special.items() if k in documents}
         root_links = [t for _, t in self._root.links if isinstance(t, int)]
-        if root_links:  # (a root linking to datasets: their addresses stay)
-            keep = max(root_links) + 1
-            self._ds_address = self._ds_address[:keep].copy()
-        else:
-            self._ds_address = np.zeros(0, np.int64)
-        for g in self._root.children:
-            g.links, g.children, g.attrs = [], [], []  # (only its address is read)
-        self._root.children = []
-        for layout in self._layouts.values():
-            # (a layout and its groups refer to each other: emptied, the plan's objects are
-            # freed as it drops them, not left to a full collection of the cyclic collector)
-            layout.groups = []
-        for name in ("_by_path", "_groups", "_layouts", "_plain", "_individual", "_rows"):
+        # (a root linking to datasets, or to variables' groups made from their templates:
+        # their addresses stay)
+        keep = max([t + 1 for t in root_links if t >= 0], default=0)
+        self._ds_address = self._ds_address[:keep].copy()
+        keep = max([~t + 1 for t in root_links if t < 0], default=0)
+        row_address = self._row_address[:keep].copy()
+        for _, g in self._root.links:
+            if isinstance(g, _Group):
+                g.links, g.attrs = [], []  # (only its address is read)
+        for name in ("_by_path", "_groups", "_layouts", "_plain", "_individual"):
             setattr(self, name, None)
-        self._ds_key, self._ds_shape, self._ds_nbytes = [], [], []
+        self._row_shape, self._row_str, self._row_group = [], [], {}
+        empty = np.zeros(0, np.int64)
+        self._row_fs = self._row_lid = self._leaf_rows = self._group_starts = empty
+        self._row_address = row_address
+        self._paths, self._row_layout, self._row_first = [], [], array("q")  # (the offsets')
+        self._ds_key, self._ds_shape, self._ds_nbytes = array("q"), [], array("q")
         self._ds_offset = np.zeros(0, np.int64)
-        self._ref_rows = np.zeros((0, 16), np.uint8)
+        self._keep_root_refs()
         self._heap = (0, np.zeros(0, np.uint8))
         self.checksum_spans = []  # (read after :meth:`metadata`, before the release)
+
+    def _keep_root_refs(self) -> None:
+        """Keep of the heap references only the root attributes' strings' (what
+        :meth:`refresh` encodes again)."""
+        start = getattr(self, "_ref_start", None) or {id(a): f for a, f in self._owners}
+        rows, owners, at = [], [], 0
+        for a in self._root.attrs:
+            if a.strings is not None:
+                first = start[id(a)]
+                rows.append(self._ref_rows[first : first + len(a.strings)])
+                owners.append((a, at))
+                at += len(a.strings)
+        self._ref_rows = np.concatenate(rows) if rows else np.zeros((0, 16), np.uint8)
+        self._owners = owners
+        self._ref_start = {id(a): f for a, f in owners}
 
     def _set_root_values(self, values: Mapping[str, Any] | None) -> None:
         for name, value in dict(values or {}).items():
@@ -1202,7 +1401,8 @@ class FilePlan:
                     "a root attribute's string differs from the plan's (its heap object is laid out)",
                     variable=name,
                 )
-            self._root.attrs[i] = new
+            if new.strings is None:  # (the same strings: the laid out attribute stays)
+                self._root.attrs[i] = new
 
     def refresh(
         self, values: Mapping[str, Any], document_checksums: Mapping[str, int]

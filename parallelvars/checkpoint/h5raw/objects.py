@@ -274,6 +274,19 @@ class Group:
         g.table = None
         return g
 
+    @classmethod
+    def inner(cls) -> Group:
+        """A group on the way to variables, made by the generator (:mod:`.generate`): links
+        of its own, its attributes none (they are given, not added to) and its children
+        found through its links (``children`` is left empty)."""
+        g = cls.__new__(cls)
+        g.links = []
+        g.attrs = g.children = _NOTHING  # type: ignore[assignment]
+        g.address = g.first_string = g.table_at = g.first_ds = -1
+        g.layout, g.shape, g.row, g.table = None, (), None, None
+        g.comp_at = 0
+        return g
+
 
 _NOTHING: tuple[()] = ()  # (the links, children and attributes of a leaf group: none)
 

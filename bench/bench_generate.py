@@ -1,0 +1,135 @@
+"""The HDF5 metadata generator alone (``h5raw.generate.FilePlan``): CPU time per entry and the
+plan's memory, on a first save's own records.
+
+For N variables (default 5,000 and 50,000) mirrored on 2 devices (100 float32 parameters
+each), with and without Adam slots, ``layered`` (``model/layers/<k>/w<j>``, 100 a group) and
+``flat`` (one list of N), each case in a fresh process: the records a first save gathers, their
+sharing and classes as the save finds them, then
+
+* ``plan``: ``FilePlan(...)`` as a save makes it (records passed as they are);
+* ``image``: every window of its metadata (``FilePlan.chunks``), as a save writes it;
+
+CPU time of each (best of ``--repeat``), per entry (variable or slot), and with ``tracemalloc``
+the plan's memory once made (what it holds while the save runs) and the peak of the two steps
+above what was allocated before. Against the cost of ``safetensors.numpy.save_file`` of the same
+tensors (to memory: ``save``, no disk) measured in the same process, so that the ratio holds on
+a loaded machine.
+
+    python bench/bench_generate.py [--sizes 5000,50000] [--structures layered,flat] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import tracemalloc
+from typing import Any
+
+
+def worker(count: int, adam: bool, layered: bool, repeat: int) -> dict[str, Any]:
+    from bench_paths import _model, _tensors  # (run as bench/bench_generate.py)
+
+    from parallelvars.checkpoint.h5io.layout import COLUMNS_DATASET, INDEX_DATASET
+    from parallelvars.checkpoint.h5io.records import record_classes
+    from parallelvars.checkpoint.h5raw.component_bytes import _checksummed
+    from parallelvars.checkpoint.h5raw.generate import FilePlan
+
+    ckpt, _ = _model(count, 100, 2, adam, layered)
+    records, _, _ = ckpt._gather(False)
+    _, _, shared, _ = _checksummed(records, True)
+    classes = record_classes(records, shared)
+    root = {"parallelvars_format": 1, "created": 0.0}
+    documents = [INDEX_DATASET, COLUMNS_DATASET]
+    caps = {INDEX_DATASET: 1 << 20, COLUMNS_DATASET: 1 << 20}
+
+    def plan() -> Any:
+        return FilePlan(
+            records, root_attrs=root, documents=documents, shared=shared, classes=classes
+        )
+
+    def image(p: Any) -> int:
+        return sum(len(b) for _, b in p.chunks(caps))
+
+    best_plan = best_image = float("inf")
+    for _ in range(repeat):
+        gc.collect()
+        c = time.process_time()
+        p = plan()
+        best_plan = min(best_plan, time.process_time() - c)
+        c = time.process_time()
+        image(p)
+        best_image = min(best_image, time.process_time() - c)
+        del p
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    p = plan()
+    held = tracemalloc.get_traced_memory()[0] - base
+    image(p)
+    peak = tracemalloc.get_traced_memory()[1] - base
+    tracemalloc.stop()
+    del p
+    tensors = _tensors(ckpt)
+    from safetensors.numpy import save
+
+    best_st = float("inf")
+    for _ in range(repeat):
+        c = time.process_time()
+        save(tensors)
+        best_st = min(best_st, time.process_time() - c)
+    return {
+        "entries": len(records),
+        "plan_s": best_plan,
+        "image_s": best_image,
+        "held_mb": held / 2**20,
+        "peak_mb": peak / 2**20,
+        "st_s": best_st,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="5000,50000")
+    ap.add_argument("--structures", default="layered,flat")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        count, adam, layered, repeat = map(int, args.worker)
+        print(json.dumps(worker(count, bool(adam), bool(layered), repeat)))
+        return 0
+    print(f"load: {os.getloadavg()[0]:.2f}", flush=True)
+    for count in map(int, args.sizes.split(",")):
+        for structure in args.structures.split(","):
+            for adam in (False, True):
+                flags = [str(count), str(int(adam)), str(int(structure == "layered"))]
+                cmd = [sys.executable, os.path.abspath(__file__), "--worker", *flags]
+                done = subprocess.run(
+                    [*cmd, str(args.repeat)], capture_output=True, text=True, check=False
+                )
+                label = f"{count} {structure}{' +Adam' if adam else ''}"
+                if done.returncode:
+                    print(f"  {label}: failed: {done.stderr.strip()[-400:]}", flush=True)
+                    continue
+                r = json.loads(done.stdout.strip().splitlines()[-1])
+                n = r["entries"]
+                total = r["plan_s"] + r["image_s"]
+                print(
+                    f"  {label:22s} {n:6d} entries  plan {1e6 * r['plan_s'] / n:5.1f} + image "
+                    f"{1e6 * r['image_s'] / n:5.1f} = {1e6 * total / n:5.1f} us/entry CPU "
+                    f"(safetensors save {1e6 * r['st_s'] / n:5.1f} us/entry; gen/st "
+                    f"{total / max(r['st_s'], 1e-9):4.2f})  plan holds {r['held_mb']:6.1f} MB "
+                    f"({1e6 * r['held_mb'] * 2**20 / n / 1e6:5.0f} B/entry), peak "
+                    f"{r['peak_mb']:6.1f} MB",
+                    flush=True,
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
