@@ -508,24 +508,50 @@ def _index_pieces(reader: H5Reader) -> Iterator[str]:
 
 class _Rows(Sequence[Any]):
     """The plan's variables, one made from the reader's table (and its columns' attributes)
-    when the plan takes it: never a list of them all."""
+    when the plan takes it: never a list of them all. Which component each component shares
+    its dataset with (:func:`_sharing`, for every row at once): the first of its row at the
+    same offset; empty components of a variable that is not sharded (no offset tells them
+    apart) all the first one's with ``share_empty``, and the reader is told its guess was
+    needed. Rows of one pattern share one list of it (the plan copies what it keeps)."""
 
     def __init__(self, reader: H5Reader, share_empty: bool) -> None:
-        self._reader, self._share_empty = reader, share_empty
+        self._reader = reader
         table = reader.table
-        # The rows whose components share a place (the same offset twice in the row) or are
-        # empty (their sharing a guess): the others share nothing.
         first, offsets = table.first, table.offsets
+        rows = len(table.names)
+        counts = np.diff(first)
         slots = np.arange(offsets.size, dtype=np.int64)
-        row_of = np.repeat(np.arange(len(table.names), dtype=np.int64), np.diff(first))
+        row_of = np.repeat(np.arange(rows, dtype=np.int64), counts)
+        # Each slot's first slot of its row at its offset (a slot without one: itself).
         order = np.lexsort((slots, offsets, row_of))
         o, r = offsets[order], row_of[order]
-        again = (o[1:] == o[:-1]) & (r[1:] == r[:-1]) & (o[1:] >= 0)
-        special = np.zeros(len(table.names), bool)
-        special[r[1:][again]] = True
-        counts = np.diff(first)
-        special |= (np.asarray(table.row_nbytes, np.int64) == 0) & (counts > 1)
-        self._special = special
+        head = np.ones(o.size, bool)
+        head[1:] = ~((o[1:] == o[:-1]) & (r[1:] == r[:-1]) & (o[1:] >= 0))
+        at = np.maximum.accumulate(np.where(head, np.arange(o.size, dtype=np.int64), 0))
+        local = np.empty(o.size, np.int64)
+        local[order] = order[at] - first[r]
+        own = slots - first[row_of]
+        empty = np.fromiter(
+            (
+                k != "sharded" and 0 in shape
+                for k, shape in zip(table.kinds, table.shapes, strict=True)
+            ),
+            bool,
+            rows,
+        ) & (counts > 1)
+        if empty.any():
+            reader._empty_shared_ambiguous = True
+            if share_empty:
+                local[np.repeat(empty, counts)] = 0
+        special = np.bincount(row_of[local != own], minlength=rows) > 0
+        self._pattern = np.full(rows, -1, np.int64)
+        self._patterns: list[list[int]] = []
+        for n in np.unique(counts[special]).tolist():
+            these = np.flatnonzero(special & (counts == n))
+            grid = local[first[these][:, None] + np.arange(n, dtype=np.int64)]
+            distinct, which = np.unique(grid, axis=0, return_inverse=True)
+            self._pattern[these] = len(self._patterns) + which.reshape(-1)
+            self._patterns += distinct.tolist()
 
     def __len__(self) -> int:
         return len(self._reader.table.names)
@@ -533,24 +559,31 @@ class _Rows(Sequence[Any]):
     def __getitem__(self, row: int) -> Any:  # type: ignore[override]
         from parallelvars.checkpoint.h5raw.generate import Variable
 
-        reader = self._reader
-        table = reader.table
-        name, kind, shape, n = (
+        table = self._reader.table
+        p = int(self._pattern[row])
+        return Variable(
             table.names[row],
             table.kinds[row],
+            table.dtypes[row],
             table.shapes[row],
             table.counts[row],
+            self._reader._metas.attrs_of(row, shared=True),  # (read, not kept: the plan copies)
+            None if p < 0 else self._patterns[p],
         )
-        shared = None
-        if self._special[row]:
-            a = int(table.first[row])
-            offsets = [None if o < 0 else o for o in table.offsets[a : a + n].tolist()]
-            shared = _sharing(reader, n, offsets, kind, shape, self._share_empty)
-        attrs = reader._metas.attrs_of(row, shared=True)  # (read, not kept: the plan copies)
-        return Variable(name, kind, table.dtypes[row], shape, n, attrs, shared)
 
     def __iter__(self) -> Iterator[Any]:
-        return map(self.__getitem__, range(len(self)))
+        from parallelvars.checkpoint.h5raw.generate import Variable
+
+        table = self._reader.table
+        attrs_of = self._reader._metas.attrs_of
+        patterns = self._patterns
+        columns = (table.names, table.kinds, table.dtypes, table.shapes, table.counts)
+        for a in range(0, len(table.names), _ROWS):
+            b = a + _ROWS
+            rows = zip(*(c[a:b] for c in columns), self._pattern[a:b].tolist(), strict=True)
+            for row, (name, kind, dtype, shape, n, p) in enumerate(rows, a):
+                shared = None if p < 0 else patterns[p]
+                yield Variable(name, kind, dtype, shape, n, attrs_of(row, shared=True), shared)
 
 
 def _placed_as_indexed(plan: Any, table: Any) -> bool:
