@@ -12,7 +12,9 @@ writer's own code) and compares:
   made and compared a chunk of at most ``CHUNK_BYTES`` (4 MiB) at a time
   (:meth:`~parallelvars.checkpoint.h5raw.generate.FilePlan.chunks`): any damaged header,
   link, attribute, dataspace, layout or heap byte differs;
-* the index and columns documents with the ones the writer makes of that index, and the object
+* the index and columns documents with the ones the writer makes of that index (their text
+  made a thousand rows at a time and compared 1 MiB at a time where HDF5 places each
+  document, that place then compared with the plan's: never held whole), and the object
   graph with the checksum its header carries;
 * the file's size;
 * every component's bytes with its checksum in the index, read in large spans in file order
