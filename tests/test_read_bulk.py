@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -19,6 +20,7 @@ from test_h5raw import _SETTINGS, both, structures
 from parallelvars.checkpoint.h5io import H5Reader, StoredVariable
 from parallelvars.checkpoint.h5io import bulk as h5bulk
 from parallelvars.checkpoint.h5io import read as h5read
+from parallelvars.checkpoint.h5io.layout import COLUMNS_DATASET, INDEX_DATASET
 from parallelvars.checkpoint.h5io.regenerated import sound_as_generated
 from parallelvars.checkpoint.h5raw.native import write_native
 from parallelvars.checkpoint.registry import SaveRecord
@@ -114,6 +116,48 @@ def test_every_generated_structure_verifies_by_regeneration(tmp_path, records, s
         assert sound_as_generated(rb)
         assert not sound_as_generated(ra)
         assert ra.verify_all() == []
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_verify_makes_and_compares_its_texts_a_few_rows_at_a_time(tmp_path, monkeypatch, share):
+    """The documents' expected texts are made a few rows (and list items) at a time and
+    compared a few bytes at a time, the components checked a few at a time: batches of 1 to 3
+    still regenerate the file exactly, and one changed byte anywhere in the index or columns
+    document (its padding too) is found."""
+    rg = "parallelvars.checkpoint.h5io.regenerated"
+    path = generated(tmp_path, share=share, n=7)
+    with H5Reader(path) as r:
+        assert sound_as_generated(r)
+    with h5py.File(path, "r") as f:
+        places = {
+            name: (f[name].id.get_offset(), f[name].dtype.itemsize)
+            for name in (INDEX_DATASET, COLUMNS_DATASET)
+        }
+    raw = Path(path).read_bytes()
+    for rows, chunk, batch in ((1, 8, 1), (2, 64, 2), (3, 1, 3)):
+        monkeypatch.setattr(f"{rg}._ROWS", rows)
+        monkeypatch.setattr(f"{rg}._TEXT_CHUNK", chunk)
+        monkeypatch.setattr(f"{rg}._BATCH", batch)
+        no_dataset_walk(monkeypatch)
+        with H5Reader(path) as r:
+            assert sound_as_generated(r)
+        monkeypatch.undo()
+        for name, (at, size) in places.items():
+            doc = raw[at : at + size]
+            assert doc.endswith(b" ")  # (its room's padding)
+            for where in (at, at + size // 3, at + len(doc.rstrip()) - 1, at + size - 1):
+                bad = bytearray(raw)
+                bad[where] ^= 0x01
+                damaged = tmp_path / f"bad{rows}.h5"
+                damaged.write_bytes(bytes(bad))
+                monkeypatch.setattr(f"{rg}._ROWS", rows)
+                monkeypatch.setattr(f"{rg}._TEXT_CHUNK", 8)
+                try:
+                    with H5Reader(str(damaged)) as r:
+                        assert not sound_as_generated(r), (name, where - at)
+                except Exception as exc:  # (a damaged document may not open at all)
+                    assert "parallelvars" in type(exc).__module__, exc
+                monkeypatch.undo()
 
 
 def test_a_damaged_data_byte_falls_back_and_is_named(tmp_path, monkeypatch):

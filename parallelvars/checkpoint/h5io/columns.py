@@ -406,15 +406,16 @@ class ColumnEntries(Mapping[str, dict[str, Any]]):
         self,
         doc: dict[str, Any],
         rows: dict[str, int],
-        dim_first: list[int],
-        comp_first: list[int],
+        dim_first: np.ndarray,
+        comp_first: np.ndarray,
         offsets: np.ndarray | None = None,
         crcs: np.ndarray | None = None,
     ) -> None:
         """``offsets``/``crcs``: the document's offsets (-1 for null) and checksums as
         arrays, its lists of them then left out of ``doc`` (None there: a file's components
         are most of a columns document's values, and as Python ints they would be most of
-        its memory)."""
+        its memory). ``dim_first``/``comp_first``: where each row's dimensions and components
+        start in the document's lists, as arrays (not an int object per row)."""
         self._doc = doc
         self._rows = rows
         self._dim_first = dim_first
@@ -426,7 +427,7 @@ class ColumnEntries(Mapping[str, dict[str, Any]]):
         row = self._rows[path]
         doc = self._doc
         layout = doc["layouts"][doc["layout"][row]]
-        d, c = self._dim_first[row], self._comp_first[row]
+        d, c = int(self._dim_first[row]), int(self._comp_first[row])
         n = layout["num_components"]
         row_attrs = doc["row_attrs"]
         return {
@@ -653,7 +654,8 @@ def _columns_table(doc: Any, file: str) -> tuple[IndexTable | None, ColumnEntrie
     crcs, _ = _int_column(doc["crc32c"], "crc32c", 0, 1 << 32, file, owners=(first_list, paths))
     # (the lists' values are the arrays' now: the lists are let go)
     doc["offsets"] = doc["crc32c"] = None
-    entries = ColumnEntries(doc, row_of, dim_list, first_list, offsets, crcs)
+    del dim_list, first_list
+    entries = ColumnEntries(doc, row_of, dim_first, first, offsets, crcs)
     if not canonical:
         return None, entries
     try:

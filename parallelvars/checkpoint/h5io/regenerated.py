@@ -12,7 +12,9 @@ writer's own code) and compares:
   made and compared a chunk of at most ``CHUNK_BYTES`` (4 MiB) at a time
   (:meth:`~parallelvars.checkpoint.h5raw.generate.FilePlan.chunks`): any damaged header,
   link, attribute, dataspace, layout or heap byte differs;
-* the index and columns documents with the ones the writer makes of that index, and the object
+* the index and columns documents with the ones the writer makes of that index (their text
+  made a thousand rows at a time and compared 1 MiB at a time where HDF5 places each
+  document, that place then compared with the plan's: never held whole), and the object
   graph with the checksum its header carries;
 * the file's size;
 * every component's bytes with its checksum in the index, read in large spans in file order
@@ -32,7 +34,7 @@ import itertools
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import crc32c as _crc32c
@@ -140,10 +142,10 @@ def _root_attributes(reader: H5Reader) -> dict[str, Any] | None:
     return {name: attrs[name] for name in names}
 
 
-def _regenerate(reader: H5Reader, *, share_empty: bool) -> list[tuple[int, int, int]] | None:
+def _regenerate(reader: H5Reader, *, share_empty: bool) -> _Parts | None:
     """Regenerate the file's metadata and documents and compare them with the file; the
-    components to check, ``(offset, bytes, crc32c)`` each once in file order, or None when
-    anything differs.
+    components to check (their offsets, sizes and checksums, each place once in file order),
+    or None when anything differs.
 
     Which components share a dataset follows from the index's offsets, but for empty ones,
     which have none: a writer that stores equal components once shares them too
@@ -181,7 +183,7 @@ def _regenerate(reader: H5Reader, *, share_empty: bool) -> list[tuple[int, int, 
     if any(plan.offsets[name] != meta["offsets"] for name, meta in index.items()):
         return None
     docs = {
-        name: _Document([data.decode("ascii")], len(data))
+        name: _Document([data.decode("ascii")], _fixed_room(len(data)))
         for name, data in index_documents(index).items()
     }
     if not _compare_generated(reader, plan, documents, docs):
@@ -230,65 +232,106 @@ def _documents_listed(reader: H5Reader) -> tuple[dict[str, Any], list[str]] | No
 
 
 class _Document:
-    """A document's expected bytes: ASCII text pieces, padded with spaces to ``capacity``
-    (made into bytes and compared with the file a few MiB at a time: never held whole)."""
+    """A document's expected text: ASCII ``pieces`` (an iterable, taken once: made as they
+    are consumed, so the text is never held whole) and ``room``, the room the writer gives a
+    text of a given length."""
 
-    __slots__ = ("capacity", "pieces")
+    __slots__ = ("pieces", "room")
 
-    def __init__(self, pieces: list[str], capacity: int) -> None:
-        self.pieces, self.capacity = pieces, capacity
+    def __init__(self, pieces: Iterable[str], room: Callable[[int], int]) -> None:
+        self.pieces, self.room = pieces, room
 
-    def _chunks(self) -> Iterator[bytes]:
-        batch: list[str] = []
-        size = 0
-        for piece in self.pieces:
-            batch.append(piece)
-            size += len(piece)
-            if size >= _TEXT_CHUNK:
-                yield "".join(batch).encode("ascii")
-                batch, size = [], 0
-        if batch:
-            yield "".join(batch).encode("ascii")
 
-    def crc(self) -> int | None:
-        """The CRC-32C of the padded document (None: the text is longer than its room)."""
-        value, length = 0, 0
-        for chunk in self._chunks():
-            value = _crc32c.crc32c(chunk, value)
-            length += len(chunk)
-        if length > self.capacity:
+def _fixed_room(room: int) -> Callable[[int], int]:
+    """The room of a document made whole, padding included: ``room`` whatever its text."""
+    return lambda _length: room
+
+
+#: The most bytes of a document's expected text made and compared at once.
+_TEXT_CHUNK = 1 << 20
+
+
+def _text_found(fd: int, at: int, pieces: Iterable[str]) -> tuple[int, int] | None:
+    """Whether the file holds the text of ``pieces`` at ``at``: its length and CRC-32C, or
+    None at the first byte that differs (a few MiB made, encoded and compared at a time)."""
+    value, pos = 0, at
+    batch: list[str] = []
+    size = 0
+
+    def flush() -> bool:
+        nonlocal value, pos
+        data = "".join(batch).encode("ascii")
+        batch.clear()
+        if os.pread(fd, len(data), pos) != data:
+            return False
+        value = _crc32c.crc32c(data, value)
+        pos += len(data)
+        return True
+
+    for piece in pieces:
+        batch.append(piece)
+        size += len(piece)
+        if size >= _TEXT_CHUNK:
+            if not flush():
+                return None
+            size = 0
+    if batch and not flush():
+        return None
+    return pos - at, int(value)
+
+
+def _padding_found(fd: int, at: int, pad: int, value: int) -> int | None:
+    """Whether the file holds ``pad`` spaces at ``at``: the CRC-32C ``value`` carried over
+    them, or None."""
+    spaces = b" " * min(pad, _TEXT_CHUNK)
+    while pad > 0:
+        n = min(pad, len(spaces))
+        if os.pread(fd, n, at) != spaces[:n]:
             return None
-        return int(_crc32c.crc32c(b" " * (self.capacity - length), value))
-
-    def matches(self, fd: int, offset: int) -> bool:
-        """Whether the file holds the padded document at ``offset``."""
-        at = offset
-        for chunk in self._chunks():
-            if os.pread(fd, len(chunk), at) != chunk:
-                return False
-            at += len(chunk)
-        pad = self.capacity - (at - offset)
-        return pad >= 0 and os.pread(fd, pad, at) == b" " * pad
+        value = _crc32c.crc32c(spaces[:n], value)
+        at, pad = at + n, pad - n
+    return int(value)
 
 
-#: The most bytes of a document's expected text made at once.
-_TEXT_CHUNK = 4 << 20
+def _document_at(reader: H5Reader, name: str) -> int | None:
+    """Where the file's dataset ``name`` keeps its bytes, as HDF5 reads its layout (None:
+    none): where its expected text is compared (the plan's place for it is compared with
+    this one after)."""
+    import h5py
+
+    try:
+        offset = h5py.h5d.open(reader._h5().id, f"/{name}".encode()).get_offset()
+    except _H5_ERRORS:
+        return None
+    return None if offset is None else int(offset)
 
 
 def _compare_generated(
     reader: H5Reader, plan: Any, documents: list[str], docs: dict[str, _Document]
 ) -> bool:
     """Whether the file's metadata image, documents and size are what ``plan`` makes with
-    the documents ``docs`` (the index and the columns, as the writer writes them)."""
+    the documents ``docs`` (the index and the columns, as the writer writes them). Each
+    document's text is compared with the file where the file keeps it as it is made (its
+    length then gives its room, and its checksum the value the plan writes in its header),
+    and that place with the plan's."""
     f = reader._h5()
-    capacities = {name: doc.capacity for name, doc in docs.items()}
     fd, size = reader._fd(), reader.file_size
+    capacities: dict[str, int] = {}
     checksums: dict[str, int] = {}
+    starts: dict[str, int] = {}
     for name, doc in docs.items():
-        crc = doc.crc()
-        if crc is None:
+        at = _document_at(reader, name)
+        if at is None:
             return False
-        checksums[name] = crc
+        found = _text_found(fd, at, doc.pieces)
+        if found is None:
+            return False
+        length, value = found
+        capacity = doc.room(length)
+        crc = _padding_found(fd, at + length, capacity - length, value)
+        if crc is None or length > capacity:
+            return False
+        capacities[name], checksums[name], starts[name] = capacity, crc, at
     graph_size = 0
     if GRAPH_DATASET in documents:
         # The graph's size as its header says (compared below with the header made for it),
@@ -303,11 +346,13 @@ def _compare_generated(
         GRAPH_DATASET in documents and meta_out.documents[GRAPH_DATASET] != size - graph_size
     ):
         return False
+    if any(meta_out.documents.get(name) != at for name, at in starts.items()):
+        return False
     # (a chunk of a few MiB made and compared at a time: the image is never held whole)
     for offset, data in itertools.chain(meta_out, meta_out.data):
         if os.pread(fd, len(data), offset) != data:
             return False
-    return all(doc.matches(fd, meta_out.documents[name]) for name, doc in docs.items())
+    return True
 
 
 def _texts(values: list[Any]) -> list[str]:
@@ -317,31 +362,94 @@ def _texts(values: list[Any]) -> list[str]:
     return list(map(json.dumps, values))
 
 
+#: Rows (or list items) whose text is made at once.
+_ROWS = 1024
+
+
+def _json_pieces(value: Any) -> Iterator[str]:
+    """``json.dumps(value)`` in pieces: a long list's items (and a mapping's long lists) a
+    few thousand at a time, so that the text of a file's every path is never held whole."""
+    if type(value) is dict:
+        yield "{"
+        for k, (key, item) in enumerate(value.items()):
+            yield (", " if k else "") + json.dumps(key) + ": "
+            yield from _json_pieces(item)
+        yield "}"
+    elif type(value) is list and len(value) > _ROWS:
+        yield "["
+        for a in range(0, len(value), _ROWS):
+            yield (", " if a else "") + json.dumps(value[a : a + _ROWS])[1:-1]
+        yield "]"
+    else:
+        yield json.dumps(value)
+
+
+def _numbers(values: np.ndarray, nulls: bool = False) -> Iterator[str]:
+    """The text of a flat JSON list's items (``", "`` between them), a few thousand at a
+    time; with ``nulls``, -1 is ``null``."""
+    for a in range(0, values.size, _ROWS):
+        part = values[a : a + _ROWS].tolist()
+        text = ["null" if v < 0 else str(v) for v in part] if nulls else list(map(str, part))
+        yield (", " if a else "") + ", ".join(text)
+
+
+def _digits(values: np.ndarray) -> int:
+    """The number of decimal digits of all of ``values`` (non-negative integers) together."""
+    powers = np.array([10**k for k in range(1, 20)], np.uint64)
+    return int((np.searchsorted(powers, values.astype(np.uint64), side="right") + 1).sum())
+
+
 def _column_documents(reader: H5Reader) -> dict[str, _Document] | None:
     """The index and columns documents as the writer writes them for the columns the reader
-    decoded at open: the columns document encoded again (a few long lists: json's C
-    encoder), and the index made row by row from one ``%``-format per layout (its fixed
-    fields' text made once), without building the index's objects. The index then says
-    exactly what the columns say (``json.dumps`` of the entries :class:`ColumnEntries`
-    gives). None for a columns document whose checksums are not its last field."""
-    from parallelvars.checkpoint.h5raw.native import document_capacities
+    decoded at open, as pieces made when they are compared: the columns document encoded
+    again (its long lists a few thousand items at a time: json's C encoder), and the index
+    made a few thousand rows at a time from one ``%``-format per layout (its fixed fields'
+    text made once), without building the index's objects. The index then says exactly
+    what the columns say (``json.dumps`` of the entries :class:`ColumnEntries` gives). None
+    for a columns document whose checksums are not its last field."""
+    from parallelvars.checkpoint.h5io.records import index_capacity
 
-    table = reader.table
     metas: ColumnEntries = reader._metas
     doc: dict[str, Any] = metas._doc
     if list(doc)[-2:] != ["offsets", "crc32c"] or metas.offsets is None:
         return None
+    table = reader.table
+    count = int(table.crcs.size)
+    # Both documents get the room of their text without the checksums' digits (as
+    # native.document_capacities gives it).
+    digits = _digits(table.crcs)
+
+    def room(length: int) -> int:
+        return int(index_capacity(length - digits, count))
+
+    return {
+        INDEX_DATASET: _Document(_index_pieces(reader), room),
+        COLUMNS_DATASET: _Document(_columns_pieces(doc, metas.offsets, table.crcs), room),
+    }
+
+
+def _columns_pieces(doc: dict[str, Any], offsets: np.ndarray, crcs: np.ndarray) -> Iterator[str]:
+    """The columns document's text (``json.dumps`` of it, its offsets and checksums from
+    their arrays) in pieces."""
+    yield "{"
+    for k, (key, value) in enumerate(doc.items()):
+        if key in ("offsets", "crc32c"):
+            continue
+        yield (", " if k else "") + _ENCODE(key) + ": "
+        yield from _json_pieces(value)
+    yield ', "offsets": ['
+    yield from _numbers(offsets, nulls=True)
+    yield '], "crc32c": ['
+    yield from _numbers(crcs)
+    yield "]}"
+
+
+def _index_pieces(reader: H5Reader) -> Iterator[str]:
+    """The index document's text, a few thousand rows at a time, from the columns."""
+    table = reader.table
+    metas: ColumnEntries = reader._metas
+    doc: dict[str, Any] = metas._doc
     dumps = json.dumps
-    flat = table.crcs.tolist()
-    digits = ", ".join(map(str, flat))
-    offsets = ["null" if o < 0 else str(o) for o in metas.offsets.tolist()]
-    head = (
-        dumps({k: v for k, v in doc.items() if k not in ("offsets", "crc32c")})[:-1]
-        + ', "offsets": ['
-        + ", ".join(offsets)
-        + '], "crc32c": ['
-    )
-    tail = "]}"
     # Each layout's row format: a "%s" for each per-row field (the path, the shape, the row
     # attributes in the layout's order, the offsets, the checksums), the rest its own text.
     row_attrs = doc["row_attrs"]
@@ -369,81 +477,163 @@ def _column_documents(reader: H5Reader) -> dict[str, _Document] | None:
         fixed.append("]}")
         formats.append("%s".join(part.replace("%", "%%") for part in fixed))
         keys_of.append(keys)
-    texts = {key: _texts(values) for key, values in row_attrs.items()}
-    paths = _texts(doc["paths"])
-    first = table.first.tolist()
-    shapes = table.shapes
-    crcs = list(map(str, flat))
-    lid: list[int] = doc["layout"]
-    pieces = ["{"]
+    offsets_all, crcs_all = metas.offsets, table.crcs
+    assert offsets_all is not None  # (see _column_documents)
+    first_all, shapes, lid = table.first, table.shapes, doc["layout"]
+    paths_all: list[str] = doc["paths"]
     join = ", ".join
-    for row, layout in enumerate(lid):
-        a, b = first[row], first[row + 1]
-        values = [texts[key][row] for key in keys_of[layout]]
-        pieces.append(
-            formats[layout]
-            % (
-                paths[row],
-                join(map(str, shapes[row])),
-                *values,
-                join(offsets[a:b]),
-                join(crcs[a:b]),
+    yield "{"
+    for a in range(0, len(lid), _ROWS):
+        b = min(a + _ROWS, len(lid))
+        lo, hi = int(first_all[a]), int(first_all[b])
+        first = (first_all[a : b + 1] - lo).tolist()
+        offsets = ["null" if o < 0 else str(o) for o in offsets_all[lo:hi].tolist()]
+        crcs = list(map(str, crcs_all[lo:hi].tolist()))
+        paths = _texts(paths_all[a:b])
+        texts = {key: _texts(values[a:b]) for key, values in row_attrs.items()}
+        rows = []
+        for r, layout in enumerate(lid[a:b]):
+            s, e = first[r], first[r + 1]
+            rows.append(
+                formats[layout]
+                % (
+                    paths[r],
+                    join(map(str, shapes[a + r])),
+                    *[texts[key][r] for key in keys_of[layout]],
+                    join(offsets[s:e]),
+                    join(crcs[s:e]),
+                )
             )
+        yield (", " if a else "") + join(rows)
+    yield "}"
+
+
+class _Rows(Sequence[Any]):
+    """The plan's variables, one made from the reader's table (and its columns' attributes)
+    when the plan takes it: never a list of them all. Which component each component shares
+    its dataset with (:func:`_sharing`, for every row at once): the first of its row at the
+    same offset; empty components of a variable that is not sharded (no offset tells them
+    apart) all the first one's with ``share_empty``, and the reader is told its guess was
+    needed. Rows of one pattern share one list of it (the plan copies what it keeps)."""
+
+    def __init__(self, reader: H5Reader, share_empty: bool) -> None:
+        self._reader = reader
+        table = reader.table
+        first, offsets = table.first, table.offsets
+        rows = len(table.names)
+        counts = np.diff(first)
+        slots = np.arange(offsets.size, dtype=np.int64)
+        row_of = np.repeat(np.arange(rows, dtype=np.int64), counts)
+        # Each slot's first slot of its row at its offset (a slot without one: itself).
+        order = np.lexsort((slots, offsets, row_of))
+        o, r = offsets[order], row_of[order]
+        head = np.ones(o.size, bool)
+        head[1:] = ~((o[1:] == o[:-1]) & (r[1:] == r[:-1]) & (o[1:] >= 0))
+        at = np.maximum.accumulate(np.where(head, np.arange(o.size, dtype=np.int64), 0))
+        local = np.empty(o.size, np.int64)
+        local[order] = order[at] - first[r]
+        own = slots - first[row_of]
+        empty = np.fromiter(
+            (
+                k != "sharded" and 0 in shape
+                for k, shape in zip(table.kinds, table.shapes, strict=True)
+            ),
+            bool,
+            rows,
+        ) & (counts > 1)
+        if empty.any():
+            reader._empty_shared_ambiguous = True
+            if share_empty:
+                local[np.repeat(empty, counts)] = 0
+        special = np.bincount(row_of[local != own], minlength=rows) > 0
+        self._pattern = np.full(rows, -1, np.int64)
+        self._patterns: list[list[int]] = []
+        for n in np.unique(counts[special]).tolist():
+            these = np.flatnonzero(special & (counts == n))
+            grid = local[first[these][:, None] + np.arange(n, dtype=np.int64)]
+            distinct, which = np.unique(grid, axis=0, return_inverse=True)
+            self._pattern[these] = len(self._patterns) + which.reshape(-1)
+            self._patterns += distinct.tolist()
+
+    def __len__(self) -> int:
+        return len(self._reader.table.names)
+
+    def __getitem__(self, row: int) -> Any:  # type: ignore[override]
+        from parallelvars.checkpoint.h5raw.generate import Variable
+
+        table = self._reader.table
+        p = int(self._pattern[row])
+        return Variable(
+            table.names[row],
+            table.kinds[row],
+            table.dtypes[row],
+            table.shapes[row],
+            table.counts[row],
+            self._reader._metas.attrs_of(row, shared=True),  # (read, not kept: the plan copies)
+            None if p < 0 else self._patterns[p],
         )
-        pieces.append(", ")
-    if len(pieces) > 1:
-        pieces.pop()
-    pieces.append("}")
-    index_length = sum(map(len, pieces))
-    room = document_capacities(
-        index_length - len(digits) + 2 * max(len(flat) - 1, 0), (head, tail), len(flat)
-    )
-    return {
-        INDEX_DATASET: _Document(pieces, room[INDEX_DATASET]),
-        COLUMNS_DATASET: _Document([head, digits, tail], room[COLUMNS_DATASET]),
-    }
+
+    def __iter__(self) -> Iterator[Any]:
+        from parallelvars.checkpoint.h5raw.generate import Variable
+
+        table = self._reader.table
+        attrs_of = self._reader._metas.attrs_of
+        patterns = self._patterns
+        columns = (table.names, table.kinds, table.dtypes, table.shapes, table.counts)
+        for a in range(0, len(table.names), _ROWS):
+            b = a + _ROWS
+            rows = zip(*(c[a:b] for c in columns), self._pattern[a:b].tolist(), strict=True)
+            for row, (name, kind, dtype, shape, n, p) in enumerate(rows, a):
+                shared = None if p < 0 else patterns[p]
+                yield Variable(name, kind, dtype, shape, n, attrs_of(row, shared=True), shared)
 
 
-def _regenerate_columns(
-    reader: H5Reader, *, share_empty: bool
-) -> list[tuple[int, int, int]] | None:
+def _placed_as_indexed(plan: Any, table: Any) -> bool:
+    """Whether the plan places every component where the index says (a few thousand rows
+    compared at a time)."""
+    placed = plan.offsets
+    names, first, offsets = table.names, table.first, table.offsets
+    counts = np.diff(first)
+    for a in range(0, len(names), _ROWS):
+        b = min(a + _ROWS, len(names))
+        lists = list(map(placed.__getitem__, names[a:b]))
+        if not np.array_equal(np.fromiter(map(len, lists), np.int64, b - a), counts[a:b]):
+            return False
+        flat = [-1 if o is None else o for o in itertools.chain.from_iterable(lists)]
+        if not np.array_equal(np.array(flat, np.int64), offsets[first[a] : first[b]]):
+            return False
+    return True
+
+
+def _regenerate_columns(reader: H5Reader, *, share_empty: bool) -> _Parts | None:
     """:func:`_regenerate` from the columns the reader took at open (its
     :class:`~parallelvars.checkpoint.h5io.index_table.IndexTable` and the columns' entries):
-    the index document is not decoded. The plan's variables are the table's rows, and the
-    index and columns documents the writer makes of them (from each field's text:
-    ``native._record_index_documents``) are compared with the file's bytes, so the index a
-    plain HDF5 reader sees is the one the columns describe."""
-    from parallelvars.checkpoint.h5raw.generate import FilePlan, Variable
+    the index document is not decoded. The plan's variables are the table's rows, each made
+    as the plan takes it, and the index and columns documents the writer makes of them are
+    compared with the file's bytes as they are made, so the index a plain HDF5 reader sees
+    is the one the columns describe."""
+    from parallelvars.checkpoint.h5raw.generate import FilePlan
 
     table = reader.table
-    metas: ColumnEntries = reader._metas
     listed = _documents_listed(reader)
     if listed is None or any(dt.kind == "O" for dt in set(table.dtypes)):
         return None  # (byte strings: values in the global heap, not in the index)
     root, documents = listed
-    raw = table.offsets.tolist()  # (-1: no offset)
-    first = table.first.tolist()
-    variables = []
-    for row, (name, kind, dtype, shape, n) in enumerate(
-        zip(table.names, table.kinds, table.dtypes, table.shapes, table.counts, strict=True)
-    ):
-        offsets = [None if o < 0 else o for o in raw[first[row] : first[row] + n]]
-        shared = _sharing(reader, n, offsets, kind, shape, share_empty)
-        variables.append(Variable(name, kind, dtype, shape, n, metas.attrs_of(row), shared))
-    plan = FilePlan(variables, root_attrs=root, documents=documents)
-    placed = plan.offsets
-    for row, name in enumerate(table.names):
-        want = [None if o < 0 else o for o in raw[first[row] : first[row + 1]]]
-        if placed[name] != want:
-            return None
-    del variables
+    plan = FilePlan(_Rows(reader, share_empty), root_attrs=root, documents=documents)
+    if not _placed_as_indexed(plan, table):
+        return None
     docs = _column_documents(reader)
     if docs is None or not _compare_generated(reader, plan, documents, docs):
         return None
     return _table_components(reader)
 
 
-def _table_components(reader: H5Reader) -> list[tuple[int, int, int]] | None:
+#: The components to check: their offsets, sizes and checksums, each place once, in file
+#: order.
+_Parts = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def _table_components(reader: H5Reader) -> _Parts | None:
     """:func:`_components` from the reader's table (a sharded variable's shard sizes from its
     variable, made at open)."""
     table = reader.table
@@ -469,11 +659,11 @@ def _table_components(reader: H5Reader) -> list[tuple[int, int, int]] | None:
         return None
     heads = np.ones(o.size, bool)
     heads[again] = False
-    return list(zip(o[heads].tolist(), n[heads].tolist(), c[heads].tolist(), strict=True))
+    return o[heads], n[heads], c[heads]
 
 
-def _components(reader: H5Reader, index: dict[str, Any]) -> list[tuple[int, int, int]] | None:
-    """Every component with bytes as ``(offset, bytes, crc32c)``, each place once (a shared
+def _components(reader: H5Reader, index: dict[str, Any]) -> _Parts | None:
+    """Every component with bytes: their offsets, sizes and checksums, each place once (a shared
     dataset's names agree on their checksum), in file order; None when the index's sizes or
     checksums do not agree with one another."""
     seen: dict[int, tuple[int, int]] = {}
@@ -491,37 +681,58 @@ def _components(reader: H5Reader, index: dict[str, Any]) -> list[tuple[int, int,
                 continue
             if seen.setdefault(offset, (nbytes, crc)) != (nbytes, crc):
                 return None
-    return sorted((o, n, c) for o, (n, c) in seen.items())
+    places = sorted(seen.items())
+    return (
+        np.array([o for o, _ in places], np.int64),
+        np.array([n for _, (n, _) in places], np.int64),
+        np.array([c for _, (_, c) in places], np.int64),
+    )
 
 
-def _components_sound(reader: H5Reader, found: list[tuple[int, int, int]]) -> bool:
-    """Every component's bytes against its checksum: neighbours read together in spans of at
-    most :data:`CHECK_SPAN` bytes into one reused buffer, a larger component in chunks."""
-    parts = found
+def _components_sound(reader: H5Reader, found: _Parts) -> bool:
+    """Every component's bytes against its checksum: neighbours (in file order) read together
+    in spans of at most :data:`CHECK_SPAN` bytes into one reused buffer, a larger component
+    in chunks; a few thousand components' places taken out of the arrays at a time."""
+    offsets, sizes, crcs = found
+    if not offsets.size:
+        return True
     fd = reader._fd()
-    extent = max((o + n for o, n, _ in parts), default=0) - (parts[0][0] if parts else 0)
+    extent = int((offsets + sizes).max()) - int(offsets[0])
     buf = np.empty(max(1, min(CHECK_SPAN, extent)), np.uint8)
     view = memoryview(buf)  # type: ignore[arg-type]
     crc32c = _crc32c.crc32c
-    k = 0
-    while k < len(parts):
-        start, nbytes, crc = parts[k]
-        if nbytes > CHECK_SPAN:  # alone, in chunks
-            if reader._crc_of(view, start, nbytes) != crc:
-                return False
-            k += 1
-            continue
-        end, j = start + nbytes, k + 1
-        while j < len(parts):
-            o, n, _ = parts[j]
-            if n > CHECK_SPAN or o - end > STAGE_GAP or o + n - start > CHECK_SPAN:
-                break
-            end, j = max(end, o + n), j + 1
-        if j - k > 1 and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
-        reader._read_fully(view[: end - start], start)
-        for o, n, c in parts[k:j]:
-            if crc32c(view[o - start : o - start + n]) != c:
-                return False
-        k = j
+    for a in range(0, offsets.size, _BATCH):
+        parts = list(
+            zip(
+                offsets[a : a + _BATCH].tolist(),
+                sizes[a : a + _BATCH].tolist(),
+                crcs[a : a + _BATCH].tolist(),
+                strict=True,
+            )
+        )
+        k = 0
+        while k < len(parts):
+            start, nbytes, crc = parts[k]
+            if nbytes > CHECK_SPAN:  # alone, in chunks
+                if reader._crc_of(view, start, nbytes) != crc:
+                    return False
+                k += 1
+                continue
+            end, j = start + nbytes, k + 1
+            while j < len(parts):
+                o, n, _ = parts[j]
+                if n > CHECK_SPAN or o - end > STAGE_GAP or o + n - start > CHECK_SPAN:
+                    break
+                end, j = max(end, o + n), j + 1
+            if j - k > 1 and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+            reader._read_fully(view[: end - start], start)
+            for o, n, c in parts[k:j]:
+                if crc32c(view[o - start : o - start + n]) != c:
+                    return False
+            k = j
     return True
+
+
+#: Components whose places are taken out of the arrays at once by the checksum pass.
+_BATCH = 1 << 13
