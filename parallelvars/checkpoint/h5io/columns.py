@@ -18,7 +18,7 @@ import numpy as np
 from parallelvars._fileio import value_types
 from parallelvars._ints import unique_ints
 from parallelvars.checkpoint.entry import AGGREGATIONS, MAX_COMPONENTS, layout_problem
-from parallelvars.checkpoint.h5io.index_table import _NONE, IndexTable, _assemble
+from parallelvars.checkpoint.h5io.index_table import _NONE, IndexTable, _assemble, one_each
 from parallelvars.checkpoint.h5io.layout import COLUMNS_DATASET, COLUMNS_ROW_ATTRS, COLUMNS_VERSION
 from parallelvars.checkpoint.h5io.stored import _dtype_named
 from parallelvars.errors import CorruptCheckpointError, UnsupportedDtypeError
@@ -490,7 +490,7 @@ def _shape_tuples(
         return []
     low, high = int(ndims.min()), int(ndims.max())
     if low == high:  # one number of dimensions (the common case): tuples made in C
-        return list(zip(*[iter(values)] * low, strict=True)) if low else [()] * rows
+        return one_each(zip(*[iter(values)] * low, strict=True)) if low else [()] * rows
     # Rows sorted by their number of dimensions: each group's tuples made in C, then put back
     # in row order.
     order = np.argsort(ndims, kind="stable")
@@ -503,11 +503,32 @@ def _shape_tuples(
     distinct, _, times = unique_ints(counts)
     for k, n in zip(distinct, times, strict=True):
         k, n = int(k), int(n)
-        grouped.extend(zip(*[iter(flat[at : at + k * n])] * k, strict=True) if k else [()] * n)
+        grouped.extend(
+            one_each(zip(*[iter(flat[at : at + k * n])] * k, strict=True)) if k else [()] * n
+        )
         at += k * n
     where = np.empty(rows, np.int64)
     where[order] = np.arange(rows, dtype=np.int64)
     return list(map(grouped.__getitem__, where.tolist()))
+
+
+def _shared_strings(
+    values: list[str | None], paths: list[str], row_of: dict[str, int]
+) -> list[str | None]:
+    """A row attribute's strings (or nulls), each that is a path (a slot's variable) the
+    path's own string, equal others one string: a column of 100,000 rows then holds its
+    distinct strings once, not one decoded string per row."""
+    seen: dict[str, str] = {}
+    keep, row = seen.setdefault, row_of.get
+    out: list[str | None] = []
+    add = out.append
+    for v in values:
+        if v is None:
+            add(None)
+        else:
+            r = row(v)
+            add(keep(v, v) if r is None else paths[r])
+    return out
 
 
 def _columns_table(doc: Any, file: str) -> tuple[IndexTable | None, ColumnEntries] | None:
@@ -635,6 +656,9 @@ def _columns_table(doc: Any, file: str) -> tuple[IndexTable | None, ColumnEntrie
             r = int(wrong[0])
             expected = "a value (its layout takes it from the row)" if has[ids[r]] else "null"
             raise _malformed(file, field, expected, _short(values[r]), paths[r])
+    for key, values in row_attrs.items():
+        if not value_types(values) - {str, _NONE}:
+            row_attrs[key] = _shared_strings(values, paths, row_of)
     dim_first = np.zeros(rows + 1, np.int64)
     np.cumsum(ndims, out=dim_first[1:])
     first = np.zeros(rows + 1, np.int64)
@@ -669,7 +693,7 @@ def _columns_table(doc: Any, file: str) -> tuple[IndexTable | None, ColumnEntrie
     lowered = {agg: str(agg).lower() for agg in set(agg_of)}
     shapes = _shape_tuples(doc["shapes"], dims, ndims, dim_first)
     table = _assemble(
-        list(paths),
+        paths,  # (the document's list: not copied)
         kinds,
         list(map(dname_of.__getitem__, lid)),
         dtype_of,

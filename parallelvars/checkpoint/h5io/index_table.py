@@ -8,7 +8,8 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -23,6 +24,15 @@ __all__ = ["IndexTable"]
 # Every type a canonical index field has; anything else sends the whole file down the general
 # path (one StoredVariable per entry, made at open, as before).
 _NONE = type(None)
+_T = TypeVar("_T")
+
+
+def one_each(values: Iterable[_T]) -> list[_T]:
+    """``list(values)`` with equal values one object (the first met): a column of many rows
+    holds few distinct shapes, sizes or names, each then held once, not once per row."""
+    seen: dict[Any, Any] = {}
+    keep = seen.setdefault
+    return [keep(v, v) for v in values]
 
 
 class IndexTable:
@@ -330,6 +340,6 @@ def _assemble(
         crcs,
         has,
         (per_row == counts_arr).tolist(),
-        (row_nbytes * counts_arr).tolist(),
+        one_each((row_nbytes * counts_arr).tolist()),
         row_of,
     )
