@@ -317,3 +317,17 @@ def test_many_names_are_checked_by_one_walk_of_the_links(tmp_path, monkeypatch):
         assert r._reached("m/v0/parallel_component_1") and not r._reached("m/v99/primary")
     assert values == [(np.arange(40, dtype=np.float32) + k).tobytes() for k in range(6)]
     assert os.path.exists(path)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 1 << 15])
+def test_dataset_headers_are_walked_in_batches_with_the_same_answers(tmp_path, monkeypatch, batch):
+    """The walk of the datasets' headers (where each link's data lies) goes a batch at a
+    time (its memory bounded): every component is still found where the index places it, in
+    its own slot, whatever the batch."""
+    monkeypatch.setattr(h5bulk, "LINK_CHECKS", 2)
+    monkeypatch.setattr(h5bulk, "_HEADER_BATCH", batch)
+    path = generated(tmp_path, share=False, differ=True, n=7)
+    with H5Reader(path, keep_entries=False) as r:
+        differing = r.differing_components([f"m/v{k}" for k in range(7)])
+        assert r._reached_slots is not None and bool(r._reached_slots.all())
+    assert differing == {**{f"m/v{k}": [] for k in range(6)}, "m/v6": [1]}

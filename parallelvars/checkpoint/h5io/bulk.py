@@ -35,6 +35,8 @@ __all__ = ["BULK_BYTES", "LINK_CHECKS", "BulkReads"]
 #: Components a reader checks name by name (:meth:`BulkReads._reached`) before it lists every
 #: link of the file once instead (about 10 us a link, a few times less than one lookup).
 LINK_CHECKS = 256
+# Dataset headers walked together by :meth:`BulkReads._list_links` (a bound on its memory).
+_HEADER_BATCH = 1 << 15
 
 
 class BulkReads:
@@ -175,7 +177,16 @@ class BulkReads:
                 # Where the data of the dataset each reached component leads to lies; a
                 # component the index does not place, or of no bytes, has nothing to agree.
                 found = np.full(hi - lo, -1, np.int64)
-                found[reached] = data_addresses(source, targets[reached])
+                heads = targets[reached]
+                # (in batches: each header's first bytes are read for the walk, and those of
+                # 300,000 datasets at once would be a transient of ~100 MB)
+                found[reached] = np.concatenate(
+                    [
+                        data_addresses(source, heads[k : k + _HEADER_BATCH])
+                        for k in range(0, heads.size, _HEADER_BATCH)
+                    ]
+                    or [heads]
+                )
                 located = table.located[lo:hi] & (table.nbytes[lo:hi] > 0)
                 self._reached_slots = reached & (~located | (found == table.offsets[lo:hi]))
                 # (every component of the table reached: nothing left to look up one by one)
