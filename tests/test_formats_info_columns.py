@@ -556,3 +556,27 @@ def test_both_forms_of_the_info_check_a_records_fields_alike(tmp_path, fields, m
     assert str(path) in str(info.value) and "'v'" in str(info.value)
     with open_checkpoint(_record_file(tmp_path)) as view:  # the sound record reads
         assert view["v"].kind == "mirrored" and view["v"].component(1).tolist() == [1.0, 1.0]
+
+
+def test_summary_and_described_give_the_attributes_an_entry_changed(tmp_path) -> None:
+    """A change to an entry's attributes stays (the view keeps that entry), and the view's
+    answers without an entry made (``summary``, ``described``) give the changed values too,
+    not the stored ones; the other variables' stay as stored."""
+    import gc
+
+    def edit(columns):
+        columns["attrs"]["note"] = {"values": [[1, 2]], "index": 0}
+
+    with open_checkpoint(_columns_file(tmp_path, edit)) as view:
+        entry = view["a"]
+        entry.attrs["note"].append(3)
+        del entry
+        gc.collect()
+        assert view["a"].attrs["note"] == [1, 2, 3]
+        assert view.summary("a")[5]["note"] == [1, 2, 3]
+        assert view.summary("b")[5]["note"] == [1, 2]
+        got = view.described(["a", "b"], ["note", "devices"])
+        assert [row[4:] for row in got] == [([1, 2, 3], ["x", "y"]), ([1, 2], None)]
+        view["b"].attrs = {"note": [7]}  # (replaced whole: the same)
+        assert view.summary("b")[5] == {"note": [7]}
+        assert view.described(["b"], ["note", "devices"])[0][4:] == ([7], None)
