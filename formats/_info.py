@@ -639,6 +639,7 @@ class EntryTable(Mapping[str, Entry]):
         self._made: weakref.WeakValueDictionary[str, StoredEntry] = weakref.WeakValueDictionary()
         self._kept: dict[str, StoredEntry] = {}
         self._kept_at: dict[int, StoredEntry] = {}  # (the same, by row)
+        self._making = threading.Lock()
         self.view: StoreView | None = None  # (set by the view over it: its entries read ahead)
 
     def __len__(self) -> int:
@@ -651,27 +652,36 @@ class EntryTable(Mapping[str, Entry]):
         return key in self._row
 
     def __getitem__(self, path: str) -> Entry:
-        entry = self._made.get(path)
-        if entry is None:
-            row = self._row[path]
-            kind, dtype, shape, n, layout, count = self._groups[self._group_of[row]]
-            at = self._key_at[row]
-            entry = StoredEntry._checked(
-                self._store,
-                path,
-                dtype,
-                shape,
-                kind,
-                n,
-                self._keys[at : at + count],
-                layout,
-                _RowAttrs(self, row),
-                True,
-            )
-            entry._view = self.view
-            entry._table = self
-            self._made[path] = entry
+        entry = self._found(path)
+        if entry is not None:
+            return entry
+        row = self._row[path]  # (KeyError for a path the table does not list)
+        with self._making:  # one entry per variable, whichever threads look it up at once
+            entry = self._found(path)
+            if entry is None:
+                kind, dtype, shape, n, layout, count = self._groups[self._group_of[row]]
+                at = self._key_at[row]
+                entry = StoredEntry._checked(
+                    self._store,
+                    path,
+                    dtype,
+                    shape,
+                    kind,
+                    n,
+                    self._keys[at : at + count],
+                    layout,
+                    _RowAttrs(self, row),
+                    True,
+                )
+                entry._view = self.view
+                entry._table = self
+                self._made[path] = entry
         return entry
+
+    def _found(self, path: str) -> StoredEntry | None:
+        """The entry made for ``path``: the one kept for good, else one someone holds."""
+        entry = self._kept.get(path)
+        return self._made.get(path) if entry is None else entry
 
     def _keep(self, entry: StoredEntry) -> None:
         """Keeps ``entry``, whose attributes are now its own, for good: the table's answers

@@ -580,3 +580,54 @@ def test_summary_and_described_give_the_attributes_an_entry_changed(tmp_path) ->
         view["b"].attrs = {"note": [7]}  # (replaced whole: the same)
         assert view.summary("b")[5] == {"note": [7]}
         assert view.described(["b"], ["note", "devices"])[0][4:] == ([7], None)
+
+
+def test_two_threads_looking_up_one_variable_get_one_entry(tmp_path, monkeypatch) -> None:
+    """The view makes an entry when a variable is first looked up; two threads looking up
+    the same one at once must get the same entry (a change through one is the other's), not
+    one each with the later overwriting the earlier.
+
+    The switch is placed where it hurts: the first thread is held while it makes the entry
+    until the second has either begun making one too or waits for the first to finish."""
+    import threading
+
+    with open_checkpoint(_columns_file(tmp_path, lambda c: None)) as view:
+        table = view._entries
+        real = type(view["b"])._checked  # (bound before it is replaced)
+        first: list[threading.Thread] = []
+        making, second_came = threading.Event(), threading.Event()
+
+        def held(cls, *args):
+            if threading.current_thread() is first[0]:
+                making.set()
+                assert second_came.wait(10)
+            else:
+                second_came.set()
+            return real(*args)
+
+        class Waiting:  # the table's lock, telling when a second thread waits on it
+            def __init__(self, lock) -> None:
+                self.lock = lock
+
+            def __enter__(self):
+                if threading.current_thread() is not first[0]:
+                    second_came.set()
+                return self.lock.__enter__()
+
+            def __exit__(self, *exc):
+                return self.lock.__exit__(*exc)
+
+        monkeypatch.setattr("parallelvars.formats._info.StoredEntry._checked", classmethod(held))
+        lock = getattr(table, "_making", threading.Lock())
+        monkeypatch.setattr(table, "_making", Waiting(lock), raising=False)
+        got: dict[str, object] = {}
+        one = threading.Thread(target=lambda: got.__setitem__("first", view["a"]))
+        first.append(one)
+        one.start()
+        assert making.wait(10)  # the first thread is making the entry
+        got["second"] = view["a"]
+        one.join(10)
+        assert not one.is_alive()
+        assert got["first"] is got["second"] is view["a"]
+        got["first"].attrs["devices"].append("z")
+        assert view["a"].attrs["devices"] == ["x", "y", "z"]
