@@ -162,7 +162,7 @@ class StoredEntry(Entry):
                     self._own = own  # published whole, before the table is let go
                     self._shared = None
                     if self._table is not None:  # (its own attributes now: kept by the view)
-                        self._table._kept[self.path] = self
+                        self._table._keep(self)
         return own
 
     @attrs.setter
@@ -171,7 +171,7 @@ class StoredEntry(Entry):
         with _FIRST_COPY:  # not undone by a first copy under way
             self._own, self._shared = own, None
             if self._table is not None:
-                self._table._kept[self.path] = self
+                self._table._keep(self)
 
     def _source(self, i: int) -> tuple[str, tuple[int, int, int] | None]:
         self._check_index(i)
@@ -638,6 +638,8 @@ class EntryTable(Mapping[str, Entry]):
         # once their attributes are their own (``StoredEntry.attrs``: a change stays).
         self._made: weakref.WeakValueDictionary[str, StoredEntry] = weakref.WeakValueDictionary()
         self._kept: dict[str, StoredEntry] = {}
+        self._kept_at: dict[int, StoredEntry] = {}  # (the same, by row)
+        self._making = threading.Lock()
         self.view: StoreView | None = None  # (set by the view over it: its entries read ahead)
 
     def __len__(self) -> int:
@@ -650,32 +652,47 @@ class EntryTable(Mapping[str, Entry]):
         return key in self._row
 
     def __getitem__(self, path: str) -> Entry:
-        entry = self._made.get(path)
-        if entry is None:
-            row = self._row[path]
-            kind, dtype, shape, n, layout, count = self._groups[self._group_of[row]]
-            at = self._key_at[row]
-            entry = StoredEntry._checked(
-                self._store,
-                path,
-                dtype,
-                shape,
-                kind,
-                n,
-                self._keys[at : at + count],
-                layout,
-                _RowAttrs(self, row),
-                True,
-            )
-            entry._view = self.view
-            entry._table = self
-            self._made[path] = entry
+        entry = self._found(path)
+        if entry is not None:
+            return entry
+        row = self._row[path]  # (KeyError for a path the table does not list)
+        with self._making:  # one entry per variable, whichever threads look it up at once
+            entry = self._found(path)
+            if entry is None:
+                kind, dtype, shape, n, layout, count = self._groups[self._group_of[row]]
+                at = self._key_at[row]
+                entry = StoredEntry._checked(
+                    self._store,
+                    path,
+                    dtype,
+                    shape,
+                    kind,
+                    n,
+                    self._keys[at : at + count],
+                    layout,
+                    _RowAttrs(self, row),
+                    True,
+                )
+                entry._view = self.view
+                entry._table = self
+                self._made[path] = entry
         return entry
+
+    def _found(self, path: str) -> StoredEntry | None:
+        """The entry made for ``path``: the one kept for good, else one someone holds."""
+        entry = self._kept.get(path)
+        return self._made.get(path) if entry is None else entry
+
+    def _keep(self, entry: StoredEntry) -> None:
+        """Keeps ``entry``, whose attributes are now its own, for good: the table's answers
+        for its variable are its from now on."""
+        self._kept[entry.path] = entry
+        self._kept_at[self._row[entry.path]] = entry
 
     def summary(self, path: str) -> tuple[str, np.dtype, tuple[int, ...], int, int, Any] | None:
         """The variable at ``path``: kind, dtype, shape, number of components, bytes of all
-        its components and attributes (shared with other rows: read them, do not change
-        them), without an entry made; None when the table has no such variable."""
+        its components and attributes (:meth:`attrs_of`: read them, do not change them),
+        without an entry made; None when the table has no such variable."""
         row = self._row.get(path)
         if row is None:
             return None
@@ -689,7 +706,7 @@ class EntryTable(Mapping[str, Entry]):
         without an entry or a dict of attributes made; None for a path the table does not
         list."""
         columns = self._columns_of(names)
-        row_of, groups, group_of = self._row, self._groups, self._group_of
+        row_of, groups, group_of, kept = self._row, self._groups, self._group_of, self._kept_at
         listed = len(self._attrs)
         out: list[tuple[Any, ...] | None] = []
         for path in paths:
@@ -698,7 +715,11 @@ class EntryTable(Mapping[str, Entry]):
                 out.append(None)
                 continue
             kind, dtype, shape, n, _, _ = groups[group_of[row]]
-            if row < listed:
+            own = kept.get(row) if kept else None
+            if own is not None:  # (attributes of its own, maybe changed: the entry's)
+                attrs = own.attrs
+                out.append((kind, dtype, shape, n, *[attrs.get(name) for name in names]))
+            elif row < listed:
                 out.append((kind, dtype, shape, n, *[col[row] for col in columns]))
             else:
                 out.append((kind, dtype, shape, n, *[None] * len(columns)))
@@ -722,7 +743,11 @@ class EntryTable(Mapping[str, Entry]):
         return out
 
     def attrs_of(self, row: int) -> Mapping[str, Any]:
-        """Row ``row``'s attributes (its values shared with other rows: read, do not change)."""
+        """Row ``row``'s attributes: those of its kept entry (:meth:`_keep`, changed through
+        it maybe), else as stored (shared with other rows); read them, do not change them."""
+        kept = self._kept_at.get(row) if self._kept_at else None
+        if kept is not None:
+            return kept.attrs
         return self._attrs[row] if row < len(self._attrs) else _NO_ATTRS
 
     def bulk_rows(self, paths: Sequence[str]) -> list[tuple[int, np.dtype, tuple[int, ...], int]]:

@@ -260,9 +260,10 @@ def _column(
 
 
 class AttrRows(Sequence[dict[str, Any]]):
-    """Each variable's attributes, as the ``attrs`` columns give them: ``self[j]`` is a new
-    dict of variable ``j``'s (in the columns' order, the absent left out) whose values are the
-    columns' own (shared by the variables alike in them: copy before changing one)."""
+    """Each variable's attributes, as the ``attrs`` columns give them: ``self[j]`` is the dict
+    of variable ``j``'s (in the columns' order, the absent left out), one dict shared by the
+    variables alike in every attribute code, its values the columns' own: read it, copy
+    before changing one (as an entry does at its first use)."""
 
     def __init__(
         self, names: list[str], columns: list[tuple[list[Any], list[int]]], count: int
@@ -270,6 +271,8 @@ class AttrRows(Sequence[dict[str, Any]]):
         self._names = names
         self._columns = columns
         self._count = count
+        # One dict per distinct combination of codes (made when first asked for).
+        self._made: dict[tuple[int, ...], dict[str, Any]] = {}
 
     def __len__(self) -> int:
         return self._count
@@ -278,11 +281,15 @@ class AttrRows(Sequence[dict[str, Any]]):
         if not isinstance(j, int):
             return [self[i] for i in range(self._count)[j]]
         j = range(self._count)[j]  # (IndexError past either end, as a list's)
-        out = {}
-        for name, (table, codes) in zip(self._names, self._columns, strict=True):
-            c = codes[j]
-            if c >= 0:
-                out[name] = table[c]
+        combo = tuple([codes[j] for _, codes in self._columns])
+        out = self._made.get(combo)
+        if out is None:
+            out = {
+                name: table[c]
+                for name, (table, _), c in zip(self._names, self._columns, combo, strict=True)
+                if c >= 0
+            }
+            out = self._made.setdefault(combo, out)  # (one dict, whichever thread made it)
         return out
 
     def __iter__(self) -> Iterator[dict[str, Any]]:

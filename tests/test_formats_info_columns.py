@@ -556,3 +556,78 @@ def test_both_forms_of_the_info_check_a_records_fields_alike(tmp_path, fields, m
     assert str(path) in str(info.value) and "'v'" in str(info.value)
     with open_checkpoint(_record_file(tmp_path)) as view:  # the sound record reads
         assert view["v"].kind == "mirrored" and view["v"].component(1).tolist() == [1.0, 1.0]
+
+
+def test_summary_and_described_give_the_attributes_an_entry_changed(tmp_path) -> None:
+    """A change to an entry's attributes stays (the view keeps that entry), and the view's
+    answers without an entry made (``summary``, ``described``) give the changed values too,
+    not the stored ones; the other variables' stay as stored."""
+    import gc
+
+    def edit(columns):
+        columns["attrs"]["note"] = {"values": [[1, 2]], "index": 0}
+
+    with open_checkpoint(_columns_file(tmp_path, edit)) as view:
+        entry = view["a"]
+        entry.attrs["note"].append(3)
+        del entry
+        gc.collect()
+        assert view["a"].attrs["note"] == [1, 2, 3]
+        assert view.summary("a")[5]["note"] == [1, 2, 3]
+        assert view.summary("b")[5]["note"] == [1, 2]
+        got = view.described(["a", "b"], ["note", "devices"])
+        assert [row[4:] for row in got] == [([1, 2, 3], ["x", "y"]), ([1, 2], None)]
+        view["b"].attrs = {"note": [7]}  # (replaced whole: the same)
+        assert view.summary("b")[5] == {"note": [7]}
+        assert view.described(["b"], ["note", "devices"])[0][4:] == ([7], None)
+
+
+def test_two_threads_looking_up_one_variable_get_one_entry(tmp_path, monkeypatch) -> None:
+    """The view makes an entry when a variable is first looked up; two threads looking up
+    the same one at once must get the same entry (a change through one is the other's), not
+    one each with the later overwriting the earlier.
+
+    The switch is placed where it hurts: the first thread is held while it makes the entry
+    until the second has either begun making one too or waits for the first to finish."""
+    import threading
+
+    with open_checkpoint(_columns_file(tmp_path, lambda c: None)) as view:
+        table = view._entries
+        real = type(view["b"])._checked  # (bound before it is replaced)
+        first: list[threading.Thread] = []
+        making, second_came = threading.Event(), threading.Event()
+
+        def held(cls, *args):
+            if threading.current_thread() is first[0]:
+                making.set()
+                assert second_came.wait(10)
+            else:
+                second_came.set()
+            return real(*args)
+
+        class Waiting:  # the table's lock, telling when a second thread waits on it
+            def __init__(self, lock) -> None:
+                self.lock = lock
+
+            def __enter__(self):
+                if threading.current_thread() is not first[0]:
+                    second_came.set()
+                return self.lock.__enter__()
+
+            def __exit__(self, *exc):
+                return self.lock.__exit__(*exc)
+
+        monkeypatch.setattr("parallelvars.formats._info.StoredEntry._checked", classmethod(held))
+        lock = getattr(table, "_making", threading.Lock())
+        monkeypatch.setattr(table, "_making", Waiting(lock), raising=False)
+        got: dict[str, object] = {}
+        one = threading.Thread(target=lambda: got.__setitem__("first", view["a"]))
+        first.append(one)
+        one.start()
+        assert making.wait(10)  # the first thread is making the entry
+        got["second"] = view["a"]
+        one.join(10)
+        assert not one.is_alive()
+        assert got["first"] is got["second"] is view["a"]
+        got["first"].attrs["devices"].append("z")
+        assert view["a"].attrs["devices"] == ["x", "y", "z"]

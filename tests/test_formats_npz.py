@@ -422,3 +422,42 @@ def test_an_archive_that_lost_a_member_is_detected(tmp_path) -> None:
             dst.writestr(info, src.read(info))
     with pytest.raises(CorruptCheckpointError, match=r"step\.npy.*missing|missing.*step"):
         open_npz(cut)
+
+
+def test_variables_alike_in_every_attribute_share_one_dict_until_one_changes(tmp_path):
+    """A version-2 (column) info's variables alike in every attribute share one dict of
+    them (one per distinct combination, not one per variable); an entry copies it at its
+    first use, so a change through one entry stays its own and never reaches the other."""
+    tensors = {k: np.arange(4, dtype=np.float32) for k in ("a", "a/c1", "b", "b/c1", "c", "c/c1")}
+    columns = {
+        "path": ["a", "b", "c"],
+        "kind": {"values": ["mirrored"], "index": 0},
+        "dtype": {"values": ["float32"], "index": 0},
+        "shape": {"values": [[4]], "index": 0},
+        "num_components": {"values": [2], "index": 0},
+        "layout": {"values": ["components"], "index": 0},
+        "keys": list(range(6)),
+        "attrs": {
+            "devices": {"values": [["d0", "d1"]], "index": 0},
+            "note": {"values": [[1, 2], [9]], "index": [0, 0, 1]},
+        },
+    }
+    info = {"format": "parallelvars", "version": 2, "names": "slash", "columns": columns}
+    path = tmp_path / "alike.npz"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(INFO_MEMBER, json.dumps(info))
+        for key, value in tensors.items():
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, value)
+            z.writestr(f"{key}.npy", buf.getvalue())
+    with open_npz(path) as view:
+        a, b, c = view["a"], view["b"], view["c"]
+        assert a._own is None and b._own is None  # (nothing read their attributes yet)
+        assert a._shared is b._shared  # one dict for the two alike
+        assert c._shared is not a._shared and c._shared["note"] == [9]
+        want = {"devices": ["d0", "d1"], "note": [1, 2]}
+        a.attrs["note"].append(3)
+        assert a.attrs["note"] == [1, 2, 3]
+        assert b.attrs == want and c.attrs["note"] == [9]
+        assert view["a"].attrs["note"] == [1, 2, 3]
+        assert b.component(1).tolist() == [0.0, 1.0, 2.0, 3.0]
