@@ -753,6 +753,9 @@ class FilePlan:
                 promoted.setdefault(id(parent), set()).add(id(g))
         for key, twice in promoted.items():  # (each linked where its variable was, once)
             parent = parents[key]
+            if parent.layout is not None:  # (a variable too: its components stay where they were)
+                before = parent.links[: parent.comp_at]
+                parent.comp_at -= sum(id(t) in twice for _, t in before)
             parent.links = [(n, t) for n, t in parent.links if id(t) not in twice]
         self._by_path = {}  # (the groups by path: read while the variables are added only)
         # each row's layout's number (-1: linked to other files)
