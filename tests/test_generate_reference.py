@@ -557,3 +557,25 @@ def test_a_path_written_twice_is_refused_leaf_or_not() -> None:
         variables = [Variable(p, "single", f32, (2,), 1, {}) for p in paths]
         with pytest.raises(InvalidEntryError, match="written twice"):
             FilePlan(variables, root_attrs={})
+
+
+def test_the_offsets_kept_after_a_release_hold_no_layout() -> None:
+    """A released plan's :attr:`FilePlan.offsets` keeps per layout only its way of finding
+    offsets (a few ints), not the layout (its template, signature, dataset keys)."""
+    import gc
+
+    variables = _tree_variables()
+    variables.append(Variable("m", "mirrored", np.dtype(np.float32), (2,), 3, {}, [0, 0, 0]))
+    plan = FilePlan(variables, root_attrs={})
+    plan.metadata({})
+    plan.release()
+    seen: set[int] = set()
+    todo: list[Any] = [plan.offsets]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, type):
+            continue
+        seen.add(id(obj))
+        assert type(obj).__name__ not in ("Layout", "Template", "Signature"), type(obj)
+        todo.extend(gc.get_referents(obj))
+    assert len(seen) > len(variables)  # (the walk reached the paths)
