@@ -347,9 +347,10 @@ class FilePlan:
 
     The structure is kept column-wise: every component dataset is a row of the dataset
     columns (its template, shape, bytes; its address and data offset are computed for all
-    rows at once), and every variable group made from its layout's template is a row of that
-    layout (shape, first string, first dataset). Python objects are made per group and per
-    variable only for what the file needs on its own."""
+    rows at once), and every variable is a row of the variable columns (path, layout, first
+    dataset, shape, row string; a variable whose group is made from its layout's template is
+    linked from its parent by its row number, ``~row``). Python objects are made per group and
+    per variable only for what the file needs on its own."""
 
     def __init__(
         self,
