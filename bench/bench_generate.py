@@ -15,7 +15,8 @@ above what was allocated before. Against the cost of ``safetensors.numpy.save_fi
 tensors (to memory: ``save``, no disk) measured in the same process, so that the ratio holds on
 a loaded machine.
 
-    python bench/bench_generate.py [--sizes 5000,50000] [--structures layered,flat] [--repeat 3] [--json PATH]
+    python bench/bench_generate.py [--sizes 5000,50000] [--structures layered,flat] \\
+        [--repeat 3] [--json PATH]
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ followed in the file by each benchmark's own printed output.
 
 By default the sizes are reduced where the issue's full size would take long on a small
 machine (convert and TF read at 512 MB, MPI at 20 MB per step, scaling at 500 and 5,000
-variables, the generator at 5,000; the rest at their defaults), so the whole suite takes a few minutes on 2 cores.
+variables, the generator at 5,000; the rest at their defaults), so the whole suite takes a few
+minutes on 2 cores.
 ``--full`` runs every benchmark at its own default (the issue's) sizes. A benchmark that fails,
 times out or is skipped becomes a row saying so; the run goes on.
 
