@@ -15,7 +15,8 @@ above what was allocated before. Against the cost of ``safetensors.numpy.save_fi
 tensors (to memory: ``save``, no disk) measured in the same process, so that the ratio holds on
 a loaded machine.
 
-    python bench/bench_generate.py [--sizes 5000,50000] [--structures layered,flat] [--repeat 3]
+    python bench/bench_generate.py [--sizes 5000,50000] [--structures layered,flat] \\
+        [--repeat 3] [--json PATH]
 """
 
 from __future__ import annotations
@@ -97,13 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="5000,50000")
     ap.add_argument("--structures", default="layered,flat")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", help="also write the figures to this JSON file (run_all.py)")
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         count, adam, layered, repeat = map(int, args.worker)
         print(json.dumps(worker(count, bool(adam), bool(layered), repeat)))
         return 0
-    print(f"load: {os.getloadavg()[0]:.2f}", flush=True)
+    load = os.getloadavg()[0]
+    print(f"load: {load:.2f}", flush=True)
+    results: list[dict[str, Any]] = []
     for count in map(int, args.sizes.split(",")):
         for structure in args.structures.split(","):
             for adam in (False, True):
@@ -115,8 +119,10 @@ def main(argv: list[str] | None = None) -> int:
                 label = f"{count} {structure}{' +Adam' if adam else ''}"
                 if done.returncode:
                     print(f"  {label}: failed: {done.stderr.strip()[-400:]}", flush=True)
+                    results.append({"label": label, "failed": done.stderr.strip()[-400:]})
                     continue
                 r = json.loads(done.stdout.strip().splitlines()[-1])
+                results.append({"label": label, **r})
                 n = r["entries"]
                 total = r["plan_s"] + r["image_s"]
                 print(
@@ -128,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['peak_mb']:6.1f} MB",
                     flush=True,
                 )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"load": load, "results": results}, fh, indent=1)
     return 0
 
 

@@ -8,7 +8,8 @@ followed in the file by each benchmark's own printed output.
 
 By default the sizes are reduced where the issue's full size would take long on a small
 machine (convert and TF read at 512 MB, MPI at 20 MB per step, scaling at 500 and 5,000
-variables; the rest at their defaults), so the whole suite takes a few minutes on 2 cores.
+variables, the generator at 5,000; the rest at their defaults), so the whole suite takes a few
+minutes on 2 cores.
 ``--full`` runs every benchmark at its own default (the issue's) sizes. A benchmark that fails,
 times out or is skipped becomes a row saying so; the run goes on.
 
@@ -69,6 +70,8 @@ BENCHMARKS = (
     Benchmark("paths_commands", "bench_paths_commands.py", ("--sizes", "5000"), ("--commands",)),
     # --full: 50,000 variables and the flat lists (libhdf5) too
     Benchmark("paths_save", "bench_paths.py", ("--sizes", "5000", "--structures", "layered")),
+    # The native file's generator against safetensors' save (--full: 50,000 entries too)
+    Benchmark("generate", "bench_generate.py", ("--sizes", "5000", "--repeat", "2")),
 )
 
 COLUMNS = ("area", "measurement", "ours", "baseline", "ratio", "target", "met")
@@ -802,6 +805,28 @@ def _rows_paths_save(d: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _rows_generate(d: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for r in d["results"]:
+        if "failed" in r:
+            rows.append(_row("generate", f"plan + image ({r['label']}): failed", NONE, NONE, NONE))
+            continue
+        n = r["entries"]
+        total = r["plan_s"] + r["image_s"]
+        rows.append(
+            _row(
+                "generate",
+                f"native file's plan + image vs safetensors save, CPU time ({r['label']}, "
+                f"{n:,} entries, {1e6 * total / n:.1f} us/entry; plan holds "
+                f"{r['held_mb'] * MB / n:.0f} B/entry, peak {r['peak_mb']:.1f} MB)",
+                _s(total),
+                _s(r["st_s"]),
+                _x(total / max(r["st_s"], 1e-9)),
+            )
+        )
+    return rows
+
+
 ROWS = {
     "update": _rows_update,
     "train_step": _rows_train_step,
@@ -816,6 +841,7 @@ ROWS = {
     "scaling": _rows_scaling,
     "paths_commands": _rows_paths_commands,
     "paths_save": _rows_paths_save,
+    "generate": _rows_generate,
 }
 
 

@@ -83,17 +83,59 @@ from parallelvars.checkpoint.h5raw.objects import ROW_STRING as _ROW_STRING
 from parallelvars.checkpoint.h5raw.objects import Attr as _Attr
 from parallelvars.checkpoint.h5raw.objects import Dataset as _Dataset
 from parallelvars.checkpoint.h5raw.objects import External as _External
-from parallelvars.checkpoint.h5raw.objects import Group as _Group
-from parallelvars.checkpoint.h5raw.objects import Layout as _Layout
-from parallelvars.checkpoint.h5raw.objects import adopt as _adopt
+from parallelvars.checkpoint.h5raw.objects import Group, Layout, encode_attribute
 from parallelvars.checkpoint.h5raw.objects import attrs_key as _attrs_key
-from parallelvars.checkpoint.h5raw.objects import encode_attribute
 from parallelvars.checkpoint.h5raw.objects import signature as _signature
 from parallelvars.checkpoint.h5raw.symbol_table import SYMBOL_TABLE, SymbolTable
 from parallelvars.checkpoint.h5raw.templates import Template, place_rows, runs
 from parallelvars.checkpoint.h5raw.virtual import mapping
 from parallelvars.checkpoint.registry import component_name as _component_name
 from parallelvars.errors import InvalidEntryError
+
+
+class _Group(Group):
+    """The earlier generator's group: its child groups listed too (``children``)."""
+
+    __slots__ = ("children",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.children: list[_Group] = []
+
+    @classmethod
+    def leaf(
+        cls, layout: _Layout, shape: tuple[int, ...], row: bytes | None, first_ds: int
+    ) -> _Group:
+        """A variable's group made from its layout's template: without lists of its own
+        (:func:`_adopt` and :meth:`FilePlan._expand` give it lists when it needs them)."""
+        g = cls.__new__(cls)
+        g.attrs = g.links = g.children = _NOTHING  # type: ignore[assignment]
+        g.address = g.first_string = g.table_at = -1
+        g.layout, g.shape, g.row, g.first_ds = layout, shape, row, first_ds
+        g.comp_at = 0
+        g.table = None
+        return g
+
+
+_NOTHING: tuple[()] = ()  # (the links, children and attributes of a leaf group: none)
+
+
+def _adopt(parent: _Group, name: bytes, child: _Group) -> None:
+    """Link ``child`` into ``parent`` under ``name`` (a leaf variable group that becomes a
+    parent gets lists of its own first)."""
+    if parent.links is _NOTHING:
+        parent.links, parent.children = [], []
+    parent.links.append((name, child))
+    parent.children.append(child)
+
+
+class _Layout(Layout):
+    """The earlier generator's layout: the groups made from its template listed too."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.groups: list[_Group] = []  # the groups made from the template, in file order
+
 
 _NO_LINKS = vars(_objects)["_NOTHING"]
 
@@ -478,7 +520,7 @@ class FilePlan:
         layout = g.layout
         assert layout is not None
         g.attrs = layout.sig.materialize(g.shape, g.row)
-        g.links = list(g.links)  # (a leaf group's are shared: see Group.leaf)
+        g.links = list(g.links)  # (a leaf group's are shared: see _Group.leaf)
         g.links[g.comp_at : g.comp_at] = [
             (name, g.first_ds + d) for name, d in zip(layout.names, layout.link_ds, strict=True)
         ]

@@ -433,3 +433,20 @@ def test_mpi_sharded_rows_say_whether_their_targets_are_met() -> None:
     assert rows[0][-2:] == ["<= 0.6x", "yes"]
     assert rows[-1][-2:] == ["<= 1.2x + metadata", "no"]
     assert run_all._rows_mpi_sharded({"error": "boom"})[0][-1] == "no"
+
+
+def test_generate_rows_show_each_structure_against_safetensors():
+    ok = {"entries": 10000, "plan_s": 0.02, "image_s": 0.01, "held_mb": 1.0, "peak_mb": 3.0}
+    data = {
+        "load": 1.0,
+        "results": [
+            {"label": "5000 layered +Adam", **ok, "st_s": 0.015},
+            {"label": "5000 flat", "failed": "boom"},
+        ],
+    }
+    rows = _rows(run_all.build_table({"generate": {"status": "ok", "data": data}}))
+    assert len(rows) == 2
+    done, failed = rows
+    assert "5000 layered +Adam" in done[1] and "10,000 entries" in done[1]
+    assert "105 B/entry" in done[1] and done[4] == "2.00x"
+    assert "5000 flat" in failed[1] and "failed" in failed[1]

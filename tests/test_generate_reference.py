@@ -459,8 +459,10 @@ def _tree_variables() -> list[Variable]:
         var("w"),
         var("a"),
         var("c/d"),
+        var("c/d/x"),
         var("a/b", 1),
         var("c"),
+        var("c/y"),
         var("big/x", **big),
         var("big/y", **big),
         var("a/b/z", **big),
@@ -491,6 +493,37 @@ def test_groups_made_apart_from_the_templates_make_the_image_the_reference_makes
     plan.release()
     got = plan.refresh({"step": np.int64(5)}, {"doc": 9})
     assert got == want_plan.refresh({"step": np.int64(5)}, {"doc": 9})
+
+
+@pytest.mark.parametrize("kind", ["single", "mirrored", "sharded"])
+def test_a_parent_variable_whose_child_leaf_became_a_parent_links_its_components_in_place(
+    tmp_path, monkeypatch, kind
+) -> None:
+    """``c/a``, ``c/a/a``, ``c``, ``c/b``: ``c``'s components are linked after ``c/a`` (where
+    they were when ``c`` was added), not after ``c/b``: as Variables, and as a save's records
+    (sorted into classes)."""
+    paths = ["c/a", "c/a/a", "c", "c/b"]
+    attrs: dict[str, Any] = {"devices": ["cpu:0", "cpu:1"]}
+    if kind == "sharded":
+        attrs.update(shard_axis=0, shard_offsets=[0, 2])
+    n = 1 if kind == "single" else 2
+    f32 = np.dtype(np.float32)
+    variables = [Variable(p, kind, f32, (4,), n, dict(attrs)) for p in paths]
+    want = ref.FilePlan(variables, root_attrs={}).metadata({})
+    image = b"".join(bytes(d) for _, d in FilePlan(variables, root_attrs={}).chunks({}))
+    assert image == bytes(want.pieces[0][1])
+    size = 2 if kind == "sharded" else 4
+    records = [
+        SaveRecord(
+            kind,
+            [np.full(size, k + i, np.float32) for i in range(n)],
+            (4,),
+            dict(attrs),
+            path=p,
+        )
+        for k, p in enumerate(paths)
+    ]
+    _same_as_before(tmp_path, records, False, monkeypatch)
 
 
 def test_offsets_are_found_in_any_order_and_kept_after_a_release() -> None:
@@ -524,3 +557,25 @@ def test_a_path_written_twice_is_refused_leaf_or_not() -> None:
         variables = [Variable(p, "single", f32, (2,), 1, {}) for p in paths]
         with pytest.raises(InvalidEntryError, match="written twice"):
             FilePlan(variables, root_attrs={})
+
+
+def test_the_offsets_kept_after_a_release_hold_no_layout() -> None:
+    """A released plan's :attr:`FilePlan.offsets` keeps per layout only its way of finding
+    offsets (a few ints), not the layout (its template, signature, dataset keys)."""
+    import gc
+
+    variables = _tree_variables()
+    variables.append(Variable("m", "mirrored", np.dtype(np.float32), (2,), 3, {}, [0, 0, 0]))
+    plan = FilePlan(variables, root_attrs={})
+    plan.metadata({})
+    plan.release()
+    seen: set[int] = set()
+    todo: list[Any] = [plan.offsets]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, type):
+            continue
+        seen.add(id(obj))
+        assert type(obj).__name__ not in ("Layout", "Template", "Signature"), type(obj)
+        todo.extend(gc.get_referents(obj))
+    assert len(seen) > len(variables)  # (the walk reached the paths)

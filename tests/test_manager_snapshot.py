@@ -150,19 +150,25 @@ def test_spans_copied_and_checked_on_several_threads_still_catch_a_write(tmp_pat
     ckpt, saved, _unsaved = interleaved(300, size=1024)  # several spans of at most 1 MiB
     plan = plan_of(ckpt)
     assert len(plan.spans) > 1
+    (hold,) = [s[0] for s in plan.spans if np.shares_memory(s[0], saved[7].components[0])]
     real = snapshot_module._unchanged
     threads: set[str] = set()  # the threads that checked a span against its copy
+    written: list[str] = []
 
     def racing(live, copied):
         if any(live is span[0] for span in plan.spans):
             threads.add(threading.current_thread().name)
-            if len(threads) == 1:  # (after the first span's copy, before its check)
+            # (in the first check of the span holding saved[7]: after its copy, before the
+            # comparison, on whichever thread checks it)
+            if live is hold and not written:
+                written.append(threading.current_thread().name)
                 saved[7].assign(np.full(1024, -7, np.float32))
         return real(live, copied)
 
     monkeypatch.setattr(snapshot_module, "_unchanged", racing)
     write_file = ckpt._prepare_write(copy=True)
     assert len(threads) > 1  # (the parallel path was taken)
+    assert len(written) == 1
     monkeypatch.undo()
     saved[7].assign(np.full(1024, 99, np.float32))
     found = stored(write_file(str(tmp_path / "c.h5")))

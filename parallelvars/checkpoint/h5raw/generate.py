@@ -260,40 +260,41 @@ class SpilledImage:
 
 class _Offsets(Mapping[str, list[int | None]]):
     """:attr:`FilePlan.offsets`: each variable's components' data offsets (None: no data), by
-    path, made when asked from the plan's columns (each variable's layout and first dataset,
-    the datasets' offsets), not held as a list per variable. Asked in the variables' order (as
-    every caller does), a path is found without a table; the first path asked out of order
-    makes one."""
+    path, made when asked from the plan's columns (each variable's way number and first
+    dataset, the datasets' offsets), not held as a list per variable. Asked in the variables'
+    order (as every caller does), a path is found without a table; the first path asked out of
+    order makes one.
+
+    A way (one per layout, and per count of components linked to other files) is all that is
+    kept of a layout: ``(code, n, picks)``, code 0 (its components each of its own dataset, in
+    order: a slice), 1 (all one dataset, a mirrored variable's stored once: one offset
+    repeated), 2 (``picks``: each component's dataset), 3 (no offsets: byte strings, read
+    through HDF5, none in the index as the libhdf5 writer's; or linked to other files)."""
 
     def __init__(
         self,
         paths: list[str],
-        layouts: list[_Layout | int],
+        way_of: array[int],
+        ways: list[tuple[int, int, list[int]]],
         first: array[int],
         ds_offset: np.ndarray,
     ) -> None:
         self._paths = paths
-        self._layouts = layouts
+        self._way_of = way_of
+        self._ways = ways
         self._first = first
         self._off = array("q", np.ascontiguousarray(ds_offset, np.int64).tobytes())
         self._next = 0
         self._index: dict[str, int] | None = None
-        # each layout's way: 0 (its components each of its own dataset, in order: a slice), 1
-        # (all one dataset, a mirrored variable's stored once: one offset repeated), 2
-        # (picked), 3 (no offsets: byte strings, read through HDF5: none in the index, as the
-        # libhdf5 writer's)
-        self._ways: dict[Any, tuple[int, int, list[int]]] = {}  # by layout (or count)
 
-    def _way(self, lay: _Layout | int) -> tuple[int, int, list[int]]:
-        way: tuple[int, int, list[int]]
-        if isinstance(lay, int):  # (linked to other files: no offsets here)
-            way = (3, lay, [])
-        else:
-            cd = lay.comp_ds
-            code = 3 if lay.vlen else 0 if cd == list(range(lay.n)) else 1 if not any(cd) else 2
-            way = (code, lay.n, list(cd))
-        self._ways[lay] = way
-        return way
+    @staticmethod
+    def way(lay: _Layout | int) -> tuple[int, int, list[int]]:
+        """The way of a layout (or of a count of components linked to other files)."""
+        if isinstance(lay, int):
+            return (3, lay, [])
+        cd = lay.comp_ds
+        code = 3 if lay.vlen else 0 if cd == list(range(lay.n)) else 1 if not any(cd) else 2
+        return (code, lay.n, list(cd))
 
     def __getitem__(self, path: str) -> list[int | None]:
         k = self._next
@@ -303,9 +304,7 @@ class _Offsets(Mapping[str, list[int | None]]):
                 self._index = {p: i for i, p in enumerate(paths)}
             k = self._index[path]  # (KeyError: not a variable of the plan)
         self._next = k + 1
-        lay = self._layouts[k]
-        way = self._ways.get(lay) or self._way(lay)
-        code, n, picks = way
+        code, n, picks = self._ways[self._way_of[k]]
         start = self._first[k]
         if code == 0:
             out: list[Any] = self._off[start : start + n].tolist()
@@ -348,9 +347,10 @@ class FilePlan:
 
     The structure is kept column-wise: every component dataset is a row of the dataset
     columns (its template, shape, bytes; its address and data offset are computed for all
-    rows at once), and every variable group made from its layout's template is a row of that
-    layout (shape, first string, first dataset). Python objects are made per group and per
-    variable only for what the file needs on its own."""
+    rows at once), and every variable is a row of the variable columns (path, layout, first
+    dataset, shape, row string; a variable whose group is made from its layout's template is
+    linked from its parent by its row number, ``~row``). Python objects are made per group and
+    per variable only for what the file needs on its own."""
 
     def __init__(
         self,
@@ -753,6 +753,9 @@ class FilePlan:
                 promoted.setdefault(id(parent), set()).add(id(g))
         for key, twice in promoted.items():  # (each linked where its variable was, once)
             parent = parents[key]
+            if parent.layout is not None:  # (a variable too: its components stay where they were)
+                before = parent.links[: parent.comp_at]
+                parent.comp_at -= sum(id(t) in twice for _, t in before)
             parent.links = [(n, t) for n, t in parent.links if id(t) not in twice]
         self._by_path = {}  # (the groups by path: read while the variables are added only)
         # each row's layout's number (-1: linked to other files)
@@ -945,8 +948,21 @@ class FilePlan:
         stored = np.flatnonzero(nbytes)
         self.data_end = int(ds_offset[stored[-1]] + nbytes[stored[-1]]) if stored.size else at
         # each variable's components' offsets (None: no data), read from the columns when asked
+        # (of the layouts, only their ways are kept: see _Offsets)
+        ways = [_Offsets.way(lay) for lay in self._layouts.values()]
+        way_of = self._row_lid.copy()
+        linked = np.flatnonzero(way_of < 0)  # (linked to other files: a way per count)
+        if linked.size:
+            by_count: dict[int, int] = {}
+            for r in linked.tolist():
+                n = self._row_layout[r]
+                assert isinstance(n, int)
+                if n not in by_count:
+                    by_count[n] = len(ways)
+                    ways.append(_Offsets.way(n))
+                way_of[r] = by_count[n]
         self.offsets: Mapping[str, list[int | None]] = _Offsets(
-            self._paths, self._row_layout, self._row_first, ds_offset
+            self._paths, array("q", way_of.tobytes()), ways, self._row_first, ds_offset
         )
         self._vlen_data = [
             (int(ds_offset[number]), refs[at : at + len(elements)].tobytes())

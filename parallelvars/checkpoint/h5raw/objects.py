@@ -231,7 +231,6 @@ class Group:
     __slots__ = (
         "address",
         "attrs",
-        "children",
         "comp_at",
         "first_ds",
         "first_string",
@@ -246,7 +245,6 @@ class Group:
     def __init__(self) -> None:
         self.attrs: list[Attr] = []
         self.links: list[tuple[bytes, Any]] = []  # (name, Group | External | dataset number)
-        self.children: list[Group] = []
         self.address = -1
         self.layout: Layout | None = None
         self.shape: tuple[int, ...] = ()
@@ -260,44 +258,19 @@ class Group:
         self.table_at = -1
 
     @classmethod
-    def leaf(
-        cls, layout: Layout, shape: tuple[int, ...], row: bytes | None, first_ds: int
-    ) -> Group:
-        """A variable's group made from its layout's template: without lists of its own (a
-        save makes one per variable; most never hold links, children or attributes of their
-        own): :func:`adopt` and :meth:`expand_links` give it lists when it needs them."""
-        g = cls.__new__(cls)
-        g.attrs = g.links = g.children = _NOTHING  # type: ignore[assignment]
-        g.address = g.first_string = g.table_at = -1
-        g.layout, g.shape, g.row, g.first_ds = layout, shape, row, first_ds
-        g.comp_at = 0
-        g.table = None
-        return g
-
-    @classmethod
     def inner(cls) -> Group:
         """A group on the way to variables, made by the generator (:mod:`.generate`): links
-        of its own, its attributes none (they are given, not added to) and its children
-        found through its links (``children`` is left empty)."""
+        of its own, its attributes none (they are given, not added to)."""
         g = cls.__new__(cls)
         g.links = []
-        g.attrs = g.children = _NOTHING  # type: ignore[assignment]
+        g.attrs = _NOTHING  # type: ignore[assignment]
         g.address = g.first_string = g.table_at = g.first_ds = -1
         g.layout, g.shape, g.row, g.table = None, (), None, None
         g.comp_at = 0
         return g
 
 
-_NOTHING: tuple[()] = ()  # (the links, children and attributes of a leaf group: none)
-
-
-def adopt(parent: Group, name: bytes, child: Group) -> None:
-    """Link ``child`` into ``parent`` under ``name`` (a leaf variable group that becomes a
-    parent gets lists of its own first)."""
-    if parent.links is _NOTHING:
-        parent.links, parent.children = [], []
-    parent.links.append((name, child))
-    parent.children.append(child)
+_NOTHING: tuple[()] = ()  # (the attributes of an inner group: none)
 
 
 @dataclass
@@ -362,7 +335,6 @@ class Layout:
         self.strings = sig.strings_around_row()
         self.template: Template | None = None
         self.size = -1  # (the template's size, once made)
-        self.groups: list[Group] = []  # the groups made from the template, in file order
         # the template numbers of a variable's component datasets: [without data, with data]
         # (a layout that is not sharded: every component has the variable's shape)
         self.ds_keys: list[list[int] | None] = [None, None]
