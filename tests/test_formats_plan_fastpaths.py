@@ -1,9 +1,10 @@
 """The flat-key writers' fast paths against the general code they stand for: the header text
 of a safetensors file against ``json.dumps``, the planned keys against ``to_key`` and the info
-document's attributes against ``jsonable``."""
+document's attributes against ``jsonable``; and a source entry's attributes left as they were."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import struct
@@ -13,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from parallelvars.formats import ArrayEntry, DictView, open_checkpoint, to_key
+from parallelvars.formats import ArrayEntry, DictView, open_checkpoint, to_key, write_checkpoint
 from parallelvars.formats.safetensors import write_safetensors
 from parallelvars.formats.testing import jsonable
 
@@ -147,3 +148,21 @@ def _same(a, b) -> bool:
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return type(a) is type(b) and a == b
+
+
+# --- item: the source's attributes are left as they were ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fmt", "shards"), [("safetensors", None), ("safetensors", 8), ("npz", None)]
+)
+def test_source_attributes_are_unchanged_by_a_write(tmp_path, fmt, shards) -> None:
+    attrs = {"aggregation": "sum", "note": "x", "list": [1, 2], "slot_name": "m"}
+    kept = copy.deepcopy(attrs)
+    entry = ArrayEntry("v", [np.ones(4, np.float32)] * 2, kind="on_read", attrs=attrs)
+    views = DictView({"v": entry, "w": ArrayEntry("w", [np.ones(4, np.float32)] * 2)})
+    kwargs = {"max_shard_size": shards} if shards is not None else {}
+    write_checkpoint(tmp_path / f"model.{fmt}", views, format=fmt, **kwargs)
+    assert entry.attrs == kept
+    assert attrs == kept
+    assert type(attrs["list"]) is list and attrs["list"] == [1, 2]
