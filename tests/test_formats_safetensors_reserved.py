@@ -1,4 +1,5 @@
-"""The safetensors writer refuses a tensor key the header reserves for itself."""
+"""The safetensors writer refuses a tensor key the header reserves for itself; the flat-key
+writers refuse a dtype that is no tensor dtype naming the file and the variable."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 
 from parallelvars.cli import main
-from parallelvars.errors import InvalidEntryError
+from parallelvars.errors import InvalidEntryError, UnsupportedDtypeError
 from parallelvars.formats import ArrayEntry, DictView, convert, write_checkpoint
 from parallelvars.formats.safetensors import write_safetensors
 
@@ -51,3 +52,18 @@ def test_metadata_key_is_refused_through_convert_and_the_cli(tmp_path) -> None:
     assert dst.read_bytes() == before
     assert main(["convert", str(src), str(dst), "--names", "slash"]) != 0
     assert dst.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("fmt", "name"), [("safetensors", "s.safetensors"), ("keras", "k.weights.h5")]
+)
+def test_fixed_width_bytes_are_refused_naming_file_and_variable(tmp_path, fmt, name) -> None:
+    views = DictView({"v": ArrayEntry("v", [np.array([b"abcd"], "S4")])})
+    with pytest.raises(UnsupportedDtypeError) as err:
+        write_checkpoint(tmp_path / name, views, format=fmt)
+    e = err.value
+    assert e.file is not None and e.file.endswith(name)
+    assert e.variable == "v"
+    assert e.found == "|S4"
+    assert e.expected is not None
+    assert not (tmp_path / name).exists()
