@@ -20,6 +20,7 @@ from parallelvars.checkpoint.registry import component_name
 from parallelvars.errors import (
     InvalidEntryError,
     ShapeMismatchError,
+    UnsupportedDtypeError,
 )
 
 from ._dtypes import tensor_dtype_name
@@ -263,7 +264,16 @@ def plan_tensors(
         ):
             name = dtype_names.get(dtype)
             if name is None:
-                name = dtype_names[dtype] = tensor_dtype_name(dtype)
+                try:
+                    name = dtype_names[dtype] = tensor_dtype_name(dtype)
+                except UnsupportedDtypeError as e:
+                    raise UnsupportedDtypeError(
+                        "a variable's dtype is not a tensor dtype",
+                        file=file,
+                        variable=path,
+                        expected="numbers, bool, an ml_dtypes type or object (bytes) strings",
+                        found=str(dtype),
+                    ) from e
             variables[path] = {
                 "kind": kind,
                 "dtype": name,

@@ -289,6 +289,15 @@ def write_safetensors(
     # form's bytes, read without a record per variable.
     info = to_columns(info, (t.key for t in planned)) or info
     storages = _storages(planned, p)  # refuses what cannot be stored before writing anything
+    for t in planned:
+        if t.key == "__metadata__":  # (the header's own member: a file no reader can open)
+            raise InvalidEntryError(
+                "a tensor cannot be stored under the header's metadata key",
+                file=p,
+                variable=t.entry.path,
+                expected="a tensor key other than '__metadata__' (reserved by safetensors)",
+                found=t.key,
+            )
     meta = {"format": "pt", **_str_metadata(metadata)}
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     shards: list[list[PlannedTensor]] = [[]]

@@ -437,6 +437,19 @@ def _read_checked(var: _Var, comp: int, key: str, out: np.ndarray, index_path: s
     try:
         var.entry.read_component_into(comp, out)
     except COMPONENT_REFUSALS as e:
+        if var.entry.kind != "sharded":
+            # (``out`` has the variable's shape: a component of another shape is the one at
+            # fault, which TensorFlow's layout cannot hold beside the others; our reader would
+            # split such a checkpoint into separate variables)
+            found = tuple(int(d) for d in var.entry.component_shape(comp))
+            if found != tuple(out.shape):
+                raise InvalidEntryError(
+                    f"{_in_tensor(key)}component {comp} has another shape than its variable",
+                    file=index_path,
+                    variable=var.path,
+                    expected=tuple(out.shape),
+                    found=found,
+                ) from e
         named = in_file(e, index_path, prefix=_in_tensor(key), variable=var.path)
         if named is None:
             raise

@@ -1,0 +1,168 @@
+"""The flat-key writers' fast paths against the general code they stand for: the header text
+of a safetensors file against ``json.dumps``, the planned keys against ``to_key`` and the info
+document's attributes against ``jsonable``; and a source entry's attributes left as they were."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from parallelvars.formats import ArrayEntry, DictView, open_checkpoint, to_key, write_checkpoint
+from parallelvars.formats.safetensors import write_safetensors
+from parallelvars.formats.testing import jsonable
+
+_SETTINGS = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+def _header(path) -> bytes:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return raw[8 : 8 + n]
+
+
+def _info(path) -> dict:
+    meta = json.loads(_header(path))["__metadata__"]
+    (doc,) = [json.loads(v) for k, v in meta.items() if v.startswith("{")]
+    return doc
+
+
+# --- item: the header is json.dumps of itself ----------------------------------------------------
+
+_TEXT = st.text(
+    alphabet=st.sampled_from(
+        list('ab/.\\"\x00\x01\x08\t\n\x0c\r\x1f\x7f é€\u2028😀') + ["\ud800"][:0]
+    ),
+    min_size=1,
+    max_size=12,
+).filter(lambda s: s.strip("/") == s and "//" not in s and s != "__metadata__")
+
+_DTYPES = [np.float32, np.float16, np.int8, np.int64, np.bool_, np.uint16]
+
+
+@_SETTINGS
+@given(
+    st.dictionaries(_TEXT, st.sampled_from(_DTYPES), min_size=1, max_size=5),
+    st.sampled_from(["slash", "dotted"]),
+)
+def test_header_is_the_json_dumps_of_itself(tmp_path, variables, names) -> None:
+    views = DictView(
+        {p: ArrayEntry(p, [np.zeros((2, 1), dtype)] * 2) for p, dtype in variables.items()}
+    )
+    path = tmp_path / "h.safetensors"
+    try:
+        write_safetensors(path, views, names=names)
+    except ValueError:  # a path the key style cannot hold (two paths, one key)
+        return
+    header = _header(path)
+    text = header.rstrip(b" ")
+    want = json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)
+    assert text == want.encode("utf-8")
+    assert header == text + b" " * (-(8 + len(text)) % 8)
+
+
+# --- item: the planned keys are to_key's ---------------------------------------------------------
+
+
+def _keys(path) -> set[str]:
+    return {k for k in json.loads(_header(path)) if k != "__metadata__"}
+
+
+_PATHS = ["", "a", "a/b", "a//b", "/a", "a/", "/a/b/", "x/y.z/w", "//"]
+
+
+@pytest.mark.parametrize("names", ["slash", "dotted"])
+@pytest.mark.parametrize("count", [1, 2, 63, 64, 65])
+@pytest.mark.parametrize("path", _PATHS)
+def test_planned_keys_are_to_key_for_each_component(tmp_path, names, count, path) -> None:
+    entry = ArrayEntry(path, [np.arange(2, dtype=np.float32) + i for i in range(count)])
+    out = tmp_path / "k.safetensors"
+    try:
+        write_safetensors(out, DictView({path: entry}), names=names)
+    except ValueError as e:  # refused by the key style: the general code refuses it too
+        with pytest.raises(type(e)):
+            [to_key(path, names, component=i) for i in range(count)]
+        return
+    want = {to_key(path, names, component=i) for i in range(count)}
+    assert _keys(out) == want
+
+
+@pytest.mark.parametrize("names", ["slash", "dotted"])
+@pytest.mark.parametrize("path", _PATHS)
+def test_planned_key_of_a_sharded_entry_is_to_key(tmp_path, names, path) -> None:
+    parts = [np.arange(2, dtype=np.float32), np.arange(2, 5, dtype=np.float32)]
+    entry = ArrayEntry(
+        path, parts, kind="sharded", shape=(5,), attrs={"shard_axis": 0, "shard_offsets": [0, 2]}
+    )
+    out = tmp_path / "s.safetensors"
+    try:
+        write_safetensors(out, DictView({path: entry}), names=names)
+    except ValueError as e:
+        with pytest.raises(type(e)):
+            to_key(path, names, component=0)
+        return
+    assert _keys(out) == {to_key(path, names, component=0)}
+
+
+# --- item: the info document's attributes are jsonable's ----------------------------------------
+
+_ATTRS = [
+    {"n": np.int64(3), "f": np.float32(0.5)},
+    {"t": (1, 2, (3, "x"))},
+    {"nan": float("nan"), "inf": float("inf")},
+    {"d": {"a": {"b": [1, np.int32(2)]}}},
+    {1: "one", "two": 2},
+    {"plain": "x", "list": [1, "a", None, True]},
+]
+
+
+@pytest.mark.parametrize("attrs", _ATTRS, ids=range(len(_ATTRS)))
+@pytest.mark.parametrize("shards", [None, 8])
+def test_info_attributes_are_jsonable_of_the_entrys(tmp_path, attrs, shards) -> None:
+    views = DictView(
+        {
+            "v": ArrayEntry("v", [np.ones(4, np.float32)] * 2, attrs=attrs),
+            "w": ArrayEntry("w", [np.ones(4, np.float32)] * 2),
+        }
+    )
+    out = write_safetensors(tmp_path / "model.safetensors", views, max_shard_size=shards)
+    with open_checkpoint(out) as view:
+        got = dict(view["v"].attrs)
+    want = json.loads(json.dumps(jsonable(attrs)))
+    assert _same(got, want)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+# --- item: the source's attributes are left as they were ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fmt", "shards"), [("safetensors", None), ("safetensors", 8), ("npz", None)]
+)
+def test_source_attributes_are_unchanged_by_a_write(tmp_path, fmt, shards) -> None:
+    attrs = {"aggregation": "sum", "note": "x", "list": [1, 2], "slot_name": "m"}
+    kept = copy.deepcopy(attrs)
+    entry = ArrayEntry("v", [np.ones(4, np.float32)] * 2, kind="on_read", attrs=attrs)
+    views = DictView({"v": entry, "w": ArrayEntry("w", [np.ones(4, np.float32)] * 2)})
+    kwargs = {"max_shard_size": shards} if shards is not None else {}
+    write_checkpoint(tmp_path / f"model.{fmt}", views, format=fmt, **kwargs)
+    assert entry.attrs == kept
+    assert attrs == kept
+    assert type(attrs["list"]) is list and attrs["list"] == [1, 2]
