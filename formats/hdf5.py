@@ -19,6 +19,7 @@ import h5py
 
 from parallelvars.checkpoint.entry import check_entry
 from parallelvars.checkpoint.h5io import H5Reader
+from parallelvars.checkpoint.h5io.attributes import attribute_problem
 from parallelvars.checkpoint.h5raw.native import save_native
 from parallelvars.errors import InvalidEntryError
 
@@ -134,6 +135,12 @@ def write_hdf5(
         if entry.path != key:
             raise InvalidEntryError(
                 f"entry stored under {key!r} has another path", file=p, variable=entry.path
+            )
+        problem = attribute_problem(entry.attrs or {})
+        if problem is not None:
+            what, expected, found = problem
+            raise InvalidEntryError(
+                what, file=p, variable=entry.path, expected=expected, found=found
             )
         values.append(entry)
     meta = carried_metadata(metadata)

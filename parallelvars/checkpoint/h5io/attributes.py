@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import crc32c as _crc32c
@@ -53,6 +54,33 @@ def _attr_value(value: Any) -> Any:
     if isinstance(value, np.ndarray) and value.dtype.kind in "iuf":
         return value
     return "json:" + json.dumps(value)
+
+
+_PLAIN_ATTR_TYPES = (str, int, float, bool)
+
+
+def attribute_problem(attrs: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """``(what, expected, found)`` for the first attribute of ``attrs`` an HDF5 file of ours
+    cannot hold (a name that is not text, a value that is neither a number, text, a list of
+    numbers or of text, a numeric array nor a JSON value), else None."""
+    for name, value in attrs.items():
+        if type(name) is not str:
+            return (
+                f"attribute name {name!r} is not text",
+                "text attribute names",
+                f"a name of type {type(name).__name__}",
+            )
+        if type(value) in _PLAIN_ATTR_TYPES:
+            continue
+        try:
+            _attr_value(value)
+        except (TypeError, ValueError):
+            return (
+                f"attribute {name!r} cannot be stored",
+                "a number, text, a list of numbers or of text, a numeric array or a JSON value",
+                f"a value of type {type(value).__name__}",
+            )
+    return None
 
 
 # (dtype or "str", shape) -> (file type, memory type, dataspace), made once.
