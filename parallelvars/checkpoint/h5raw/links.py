@@ -246,20 +246,7 @@ def _group_links(
     if n == 0:
         return [], [], [], [], set()
     addr = np.array(addresses, np.int64)
-    if int(addr.min()) < 0 or int(addr.max()) + 16 > source.size:
-        raise Refused("an object header lies outside the file", f"below {source.size}", "past it")
-    head, at = _read_spans(source, addr, np.minimum(_FIRST, source.size - addr))
-    ok = (
-        (head[at] == 0x4F)
-        & (head[at + 1] == 0x48)
-        & (head[at + 2] == 0x44)
-        & (head[at + 3] == 0x52)
-    )
-    ok &= head[at + 4] == 2
-    flags = head[at + 5].astype(np.int64)
-    ok &= (flags & ~0x3F) == 0
-    p = 6 + np.where(flags & 0x20, 16, 0) + np.where(flags & 0x10, 4, 0)
-    width = np.left_shift(1, flags & 0x03)
+    head, at, ok, flags, p, width = _v2_prefixes(source, addr)
     ok &= addr + p + width + 8 <= source.size
     fast = np.flatnonzero(ok)
     slow = np.flatnonzero(~ok).tolist()
@@ -281,15 +268,7 @@ def _group_links(
             base = base.copy()
             base[longer] = more_at + head.size
             buf = np.concatenate([head, more])
-        spans = np.stack([base, base + length + size0], axis=1)
-        failed = np.flatnonzero(
-            _checksums(buf, spans) != _gather(buf, base + length + size0, 4).astype(np.uint32)
-        )
-        if failed.size:
-            bad = int(addr[fast][failed[0]])
-            raise Refused(
-                f"the object header at {bad} fails its checksum", "its lookup3", "another"
-            )
+        _check_first_chunks(buf, base, length + size0, addr[fast])
         mhead = np.where(flags[fast] & 0x04, 6, 4)
         pos, end = base + length, base + length + size0
         found_rows, found_types, found_at, found_size = [], [], [], []
@@ -521,20 +500,7 @@ def data_addresses(source: Source, addresses: np.ndarray) -> np.ndarray:
     out = np.full(addr.size, -1, np.int64)
     if addr.size == 0:
         return out
-    if int(addr.min()) < 0 or int(addr.max()) + 16 > source.size:
-        raise Refused("an object header lies outside the file", f"below {source.size}", "past it")
-    head, at = _read_spans(source, addr, np.minimum(_FIRST, source.size - addr))
-    ok = (
-        (head[at] == 0x4F)
-        & (head[at + 1] == 0x48)
-        & (head[at + 2] == 0x44)
-        & (head[at + 3] == 0x52)
-        & (head[at + 4] == 2)
-    )
-    flags = head[at + 5].astype(np.int64)
-    ok &= (flags & ~0x3F) == 0
-    p = 6 + np.where(flags & 0x20, 16, 0) + np.where(flags & 0x10, 4, 0)
-    width = np.left_shift(1, flags & 0x03)
+    head, at, ok, flags, p, width = _v2_prefixes(source, addr)
     ok &= (p + width + 8 <= np.minimum(_FIRST, source.size - addr)) & (width <= 4)
     fast = np.flatnonzero(ok)
     slow = set(np.flatnonzero(~ok).tolist())
@@ -547,15 +513,7 @@ def data_addresses(source: Source, addresses: np.ndarray) -> np.ndarray:
         slow.update(fast[~whole].tolist())
         fast, base, size0, length = fast[whole], base[whole], size0[whole], length[whole]
         f_flags = flags[fast]
-        spans = np.stack([base, base + length + size0], axis=1)
-        failed = np.flatnonzero(
-            _checksums(head, spans) != _gather(head, base + length + size0, 4).astype(np.uint32)
-        )
-        if failed.size:
-            bad = int(addr[fast][failed[0]])
-            raise Refused(
-                f"the object header at {bad} fails its checksum", "its lookup3", "another"
-            )
+        _check_first_chunks(head, base, length + size0, addr[fast])
         mhead = np.where(f_flags & 0x04, 6, 4)
         pos, end = base + length, base + length + size0
         layout_at = np.full(fast.size, -1, np.int64)
@@ -612,3 +570,41 @@ def _message_steps(
             )
         yield rows, mtype, msize, body
         pos[rows] = body + msize
+
+
+def _v2_prefixes(
+    source: Source, addr: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The first bytes of the object headers at ``addr`` read in one pass, and for each: its
+    place in them, whether it starts as a version-2 header with known flags, its flags, where
+    its first chunk's size field starts and that field's width. :class:`Refused` for an
+    address outside the file."""
+    if int(addr.min()) < 0 or int(addr.max()) + 16 > source.size:
+        raise Refused("an object header lies outside the file", f"below {source.size}", "past it")
+    head, at = _read_spans(source, addr, np.minimum(_FIRST, source.size - addr))
+    ok = (
+        (head[at] == 0x4F)
+        & (head[at + 1] == 0x48)
+        & (head[at + 2] == 0x44)
+        & (head[at + 3] == 0x52)
+        & (head[at + 4] == 2)
+    )
+    flags = head[at + 5].astype(np.int64)
+    ok &= (flags & ~0x3F) == 0
+    p = 6 + np.where(flags & 0x20, 16, 0) + np.where(flags & 0x10, 4, 0)
+    width = np.left_shift(1, flags & 0x03)
+    return head, at, ok, flags, p, width
+
+
+def _check_first_chunks(
+    buf: np.ndarray, base: np.ndarray, checked: np.ndarray, addr: np.ndarray
+) -> None:
+    """:class:`Refused` naming the first header (at ``addr``) whose first chunk, the
+    ``checked`` bytes from ``base`` in ``buf``, fails the lookup3 checksum stored after it."""
+    spans = np.stack([base, base + checked], axis=1)
+    failed = np.flatnonzero(
+        _checksums(buf, spans) != _gather(buf, base + checked, 4).astype(np.uint32)
+    )
+    if failed.size:
+        bad = int(addr[failed[0]])
+        raise Refused(f"the object header at {bad} fails its checksum", "its lookup3", "another")
