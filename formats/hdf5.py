@@ -144,6 +144,10 @@ def write_hdf5(
             )
         values.append(entry)
     meta = carried_metadata(metadata)
+    problem = attribute_problem(meta)
+    if problem is not None:
+        what, expected, found = problem
+        raise InvalidEntryError(f"metadata {what}", file=p, expected=expected, found=found)
     return save_native(p, values, object_graph=object_graph, metadata=meta)
 
 
