@@ -392,3 +392,34 @@ def test_a_staged_entry_casts_only_when_asked(tmp_path: Path) -> None:
     lying = StagedEntry(Lying("v", np.array([1e40, 0.1]), np.float32, (2,)))
     with pytest.raises(DtypeMismatchError, match="expected float32, found float64"):
         lying.read_component_into(0, np.zeros(2, np.float16), cast=True)
+
+
+@pytest.mark.parametrize(
+    "components, found",
+    [
+        (np.ones((2, 3), np.float32), r"found one array of shape \(2, 3\)"),
+        (np.ones((0, 3), np.float32), r"found one array of shape \(0, 3\)"),
+        (np.array(1.5, np.float32), r"found one array of shape \(\)"),
+        (np.float32(1.5), r"found one array of shape \(\)"),
+        ("abc", "found a str"),
+        (b"abc", "found a bytes"),
+    ],
+)
+def test_array_entry_refuses_an_array_for_its_list_of_components(
+    components: Any, found: str
+) -> None:
+    # An array given where the list of components goes raised numpy's "truth value of an
+    # array is ambiguous" ValueError (or, for a str, made one component per character).
+    with pytest.raises(InvalidEntryError, match=rf"variable 'v'.*{found}"):
+        ArrayEntry("v", components)
+
+
+def test_array_entry_takes_any_sequence_and_refuses_an_empty_one() -> None:
+    a = np.arange(3, dtype=np.float32)
+    for given in ([a, a], (a, a), iter([a, a])):
+        entry = ArrayEntry("v", given)  # type: ignore[arg-type]
+        assert entry.num_components == 2 and entry.kind == "mirrored"
+    with pytest.raises(InvalidEntryError, match="at least one component"):
+        ArrayEntry("v", [])
+    with pytest.raises(InvalidEntryError, match="at least one component"):
+        ArrayEntry("v", iter([]))  # type: ignore[arg-type]

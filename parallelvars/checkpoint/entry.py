@@ -224,10 +224,25 @@ class ArrayEntry(Entry):
         shape: Sequence[int] | None = None,
         attrs: Mapping[str, Any] | None = None,
     ) -> None:
-        if not components:
+        if isinstance(components, (np.ndarray, np.generic, str, bytes)):
+            # An array is not a list of components: taking its rows as components (or its
+            # truth value, as before) would save something else than was meant.
+            found = (
+                f"one array of shape {tuple(components.shape)}"
+                if isinstance(components, (np.ndarray, np.generic))
+                else f"a {type(components).__name__}"
+            )
+            raise InvalidEntryError(
+                "components must be a sequence of arrays, one per device",
+                variable=path,
+                expected="a list or tuple of component arrays",
+                found=found,
+                hint="wrap a single value in a list: ArrayEntry(path, [value])",
+            )
+        self._components = [np.asarray(c) for c in components]
+        if not self._components:
             raise InvalidEntryError("an entry needs at least one component", variable=path)
         self.path = path
-        self._components = [np.asarray(c) for c in components]
         self.dtype = self._components[0].dtype
         self.kind = kind or ("single" if len(self._components) == 1 else "mirrored")
         if self.kind not in KINDS:
