@@ -634,6 +634,9 @@ class FilePlan:
         layout's datasets."""
         add = self._add_variable
         of_class: list[_Layout | None] = [None] * count
+        # per class whose records take the few operations: (itemsize, its datasets' template
+        # numbers [without data, with data] once known, layout), None until its first record
+        fast: list[list[Any] | None] = [None] * count
         by_path = self._by_path
         ds_key, ds_shape, ds_nbytes = self._ds_key, self._ds_shape, self._ds_nbytes
         paths = self._paths
@@ -645,49 +648,54 @@ class FilePlan:
             self._row_str.append,
         )
         prod = math.prod
-        # shapes recur: each one's tuple of ints made once (and shared by its records' rows)
-        shapes: dict[Any, tuple[int, ...]] = {}
+        # shapes recur: each one's tuple of ints and element count made once (its tuple shared
+        # by its records' rows)
+        shapes: dict[Any, tuple[tuple[int, ...], int]] = {}
         # the records of a group come one after another: its parent's path and links kept
         parent_path: str | None = None
-        plinks: list[tuple[bytes, Any]] = []
+        plink = cast(Any, None)  # (its links' append)
         for k, (var, sh, c) in enumerate(zip(variables, shared, ids, strict=True)):
             if not k % FREEZE_STEP:
                 freeze_made_so_far()  # (the plan's objects live until its image is made)
-            layout = of_class[c]
+            f = fast[c]
             path = var.path
-            if layout is None or layout.sharded or layout.vlen or path in by_path:
-                of_class[c] = add(var, sh, None, None, layout)
+            if f is None or path in by_path:
+                layout = of_class[c] = add(var, sh, None, None, of_class[c])
+                if f is None and not (layout.sharded or layout.vlen):
+                    fast[c] = [layout.itemsize, layout.ds_keys[0], layout.ds_keys[1], layout]
                 parent_path = None  # (it may have given a leaf group lists of its own)
                 continue
             raw = var.shape
             try:
-                shape = shapes[raw]
+                shape, size = shapes[raw]
             except (KeyError, TypeError):
                 shape = tuple(map(int, raw))
+                size = prod(shape)
                 if type(raw) is tuple:
-                    shapes[raw] = shape
-            row = var.attrs.get(_ROW_STRING)  # (a string or None: its class's first record's)
-            first = len(ds_key)
+                    shapes[raw] = (shape, size)
             at, _, name = path.rpartition("/")
             if at != parent_path:
                 parent = by_path.get(at) or self._group_of(at)
-                parent_path, plinks = at, parent.links
-            plinks.append((name.encode("utf-8"), ~len(paths)))  # (a leaf: by its row)
-            nbytes = prod(shape) * layout.itemsize
-            keys = layout.ds_keys[nbytes > 0]
+                parent_path, plink = at, parent.links.append
+            row = len(paths)
+            plink((name.encode(), ~row))  # (a leaf: by its row)
+            nbytes = size * f[0]
+            keys = f[2] if nbytes else f[1]
             if keys is None:
+                layout = f[3]
                 keys = layout.ds_keys[nbytes > 0] = [
                     self._component_key(layout, len(shape), nbytes, links) for links in layout.links
                 ]
+                f[2 if nbytes else 1] = keys
+            add_first(len(ds_key))
             ds_key.extend(keys)
             n = len(keys)
             ds_shape += [shape] * n
             ds_nbytes.extend([nbytes] * n)
             add_path(path)
-            add_layout(layout)
-            add_first(first)
+            add_layout(f[3])
             add_shape(shape)
-            add_str(row)
+            add_str(var.attrs.get(_ROW_STRING))  # (a string or None: its class's first's)
 
     def _component_key(self, layout: _Layout, ndim: int, nbytes: int, links: int) -> int:
         """The template number of a component dataset."""
