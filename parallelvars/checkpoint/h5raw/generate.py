@@ -73,7 +73,7 @@ from parallelvars._ints import unique_ints
 from parallelvars.checkpoint._gcfreeze import FREEZE_STEP, freeze_made_so_far
 from parallelvars.checkpoint.h5raw import header as hdr
 from parallelvars.checkpoint.h5raw import messages as msg
-from parallelvars.checkpoint.h5raw.global_heap import build_collections
+from parallelvars.checkpoint.h5raw.global_heap import Collections
 from parallelvars.checkpoint.h5raw.header import SUPERBLOCK_SIZE
 from parallelvars.checkpoint.h5raw.header import encode_chunked as _encode_chunked
 from parallelvars.checkpoint.h5raw.lookup3 import lookup3, lookup3_many
@@ -402,6 +402,12 @@ class FilePlan:
         self._vlen: list[tuple[int, Sequence[bytes]]] = []
         self._vlen_data: list[tuple[int, bytes]] = []
         self._ds_address: np.ndarray = np.zeros(0, np.int64)
+        # the global heap: its address, its collections (laid out by _layout) and the objects'
+        # bytes joined; after release() only the root's strings' references are kept
+        self._heap_at = 0
+        self._heap: Collections | None = None
+        self._heap_data = b""
+        self._kept_refs: np.ndarray | None = None
         self._linking_out: set[int] = set()  # the groups holding external links (by id)
         add = self._add_variable
         if shared is None:
@@ -935,16 +941,16 @@ class FilePlan:
         maps = [ds for ds in self._special.values() if ds.mapping is not None]
         objects = strings + [ds.mapping or b"" for ds in maps]
         lengths = np.fromiter(map(len, objects), np.int64, len(objects))
-        heap, addrs, index = build_collections(b"".join(objects), lengths, at)
-        self._heap = (at, heap)
-        refs = np.zeros((len(objects), 16), np.uint8)
-        refs[:, 0:4] = lengths.astype("<u4").view(np.uint8).reshape(-1, 4)
-        refs[:, 4:12] = addrs.astype("<u8").view(np.uint8).reshape(-1, 8)
-        refs[:, 12:16] = index.astype("<u4").view(np.uint8).reshape(-1, 4)
-        self._ref_rows = refs
+        # (laid out now, each object's reference made when asked: the collections' bytes are
+        # made a window at a time, :meth:`_windows`, from the objects' bytes kept joined)
+        heap = Collections(lengths, at)
+        del lengths
+        self._heap_at, self._heap, self._heap_data = at, heap, b"".join(objects)
+        del objects
         self._owners = owners
         for k, ds in enumerate(maps):
-            ds.heap_ref = (int(addrs[len(strings) + k]), int(index[len(strings) + k]))
+            ref = heap.refs(np.array([len(strings) + k]))[0].tobytes()
+            ds.heap_ref = (int.from_bytes(ref[4:12], "little"), int.from_bytes(ref[12:], "little"))
         at += heap.size
         self.metadata_size = at
         # 4. the data: each stored component with bytes at an aligned offset, in order
@@ -973,7 +979,7 @@ class FilePlan:
             self._paths, array("q", way_of.tobytes()), ways, self._row_first, ds_offset
         )
         self._vlen_data = [
-            (int(ds_offset[number]), refs[at : at + len(elements)].tobytes())
+            (int(ds_offset[number]), heap.refs(np.arange(at, at + len(elements))).tobytes())
             for (number, elements), at in zip(self._vlen, vlen_at, strict=True)
             if elements
         ]
@@ -989,11 +995,19 @@ class FilePlan:
 
     def _string_refs(self, a: _Attr) -> bytes:
         assert a.strings is not None
-        refs: np.ndarray | None = getattr(self, "_ref_rows", None)
-        if self._fill is not None or refs is None:
+        if self._fill is not None or (self._heap is None and self._kept_refs is None):
             return bytes((self._fill or 0,)) * (16 * len(a.strings))
         first = self._ref_start[id(a)]
-        return refs[first : first + len(a.strings)].tobytes()
+        return self._refs(np.arange(first, first + len(a.strings))).tobytes()
+
+    def _refs(self, objects: np.ndarray) -> np.ndarray:
+        """The heap references of ``objects`` (numbers among the heap objects, any shape): of
+        the collections laid out, or after :meth:`release` of the root's strings kept."""
+        heap, kept = self._heap, self._kept_refs
+        if heap is None:
+            assert kept is not None
+            return kept[objects]
+        return heap.refs(objects)
 
     def _address(self, target: Any) -> int:
         """A link target's address (a group or a dataset by number)."""
@@ -1058,7 +1072,7 @@ class FilePlan:
         count = addresses.size
         per = [len(a.strings or ()) if k != sig.shape_at else 0 for k, a in enumerate(sig.attrs)]
         before = sum(per[: sig.shape_at])  # string references before the shape
-        refs = self._ref_rows[first[:, None] + np.arange(sum(per))].reshape(count, -1)
+        refs = self._refs(first[:, None] + np.arange(sum(per))).reshape(count, -1)
         links = self._ds_address[first_ds[:, None] + np.asarray(layout.link_ds, np.int64)]
         fields = np.hstack(
             (
@@ -1236,7 +1250,8 @@ class FilePlan:
         one and their chunks' checksums computed together; then the global heap, in slices of
         the collections already made."""
         kinds = self._window_columns()
-        heap_at, heap = self._heap
+        heap_at, heap, data = self._heap_at, self._heap, self._heap_data
+        assert heap is not None
         bounds = np.append(kinds.starts, heap_at)  # (every object's start, the heap's)
         lo = 0
         while lo < heap_at:
@@ -1246,9 +1261,17 @@ class FilePlan:
                 hi = int(bounds[np.searchsorted(bounds, lo, "right")])
             yield lo, self._window(kinds, lo, hi)
             lo = hi
-        view = memoryview(heap)  # type: ignore[arg-type]
-        for k in range(0, heap.size, CHUNK_BYTES):
-            yield heap_at + k, view[k : k + CHUNK_BYTES]
+        # the heap: collections made a few MiB at a time (one collection at least), each
+        # buffer given in pieces of at most CHUNK_BYTES
+        ends = np.cumsum(heap.sizes)
+        lo = 0
+        while lo < heap.count:
+            made = int(ends[lo - 1]) if lo else 0
+            hi = max(lo + 1, int(np.searchsorted(ends, made + CHUNK_BYTES, "right")))
+            view = memoryview(heap.image(data, lo, hi))  # type: ignore[arg-type]
+            for k in range(0, len(view), CHUNK_BYTES):
+                yield heap_at + made + k, view[k : k + CHUNK_BYTES]
+            lo = hi
 
     def _window_columns(self) -> _Columns:
         """What making a window needs of the plan, as columns: each object's address, and
@@ -1392,7 +1415,7 @@ class FilePlan:
         self._ds_key, self._ds_shape, self._ds_nbytes = array("q"), [], array("q")
         self._ds_offset = np.zeros(0, np.int64)
         self._keep_root_refs()
-        self._heap = (0, np.zeros(0, np.uint8))
+        self._heap, self._heap_data = None, b""
         self.checksum_spans = []  # (read after :meth:`metadata`, before the release)
 
     def _keep_root_refs(self) -> None:
@@ -1403,10 +1426,10 @@ class FilePlan:
         for a in self._root.attrs:
             if a.strings is not None:
                 first = start[id(a)]
-                rows.append(self._ref_rows[first : first + len(a.strings)])
+                rows.append(self._refs(np.arange(first, first + len(a.strings))))
                 owners.append((a, at))
                 at += len(a.strings)
-        self._ref_rows = np.concatenate(rows) if rows else np.zeros((0, 16), np.uint8)
+        self._kept_refs = np.concatenate(rows) if rows else np.zeros((0, 16), np.uint8)
         self._owners = owners
         self._ref_start = {id(a): f for a, f in owners}
 
