@@ -106,6 +106,7 @@ __all__ = [
 ]
 
 _MAX_MESSAGE = 0xFFFF
+_GROUP_MARK = 1 << 62  # (a plain group's link to a group: its address plus this, see _Columns)
 _COMPACT_ATTRS = 8  # HDF5's default attribute phase change: 8 in the header ...
 _WIDE_ATTRS = 32  # ... the writer's for groups of more (see h5io/write.py)
 _DEFAULT_LINKS = 8  # HDF5's default link phase change (8 compact, 6 dense)
@@ -1297,20 +1298,25 @@ class FilePlan:
             cols.layouts.append(
                 (layout, self._row_address[sel], self._row_fs[sel], dims, row_first[sel])
             )
-        ds = self._ds_address.tolist()
-        ra = self._row_address
+        ds, ra = self._ds_address, self._row_address
         for tmpl, groups in self._plain:
             count = len(groups)
-            links = np.array(
+            # each link's target: a dataset by number, a leaf by ~row (their addresses
+            # gathered at once), a group by its address (marked by _GROUP_MARK)
+            code = np.array(
                 [
-                    [
-                        t.address if type(t) is _Group else ds[t] if t >= 0 else int(ra[~t])
-                        for _, t in g.links
-                    ]
+                    t if type(t) is int else _GROUP_MARK + t.address
                     for g in groups
+                    for _, t in g.links
                 ],
-                "<u8",
-            ).reshape(count, -1)
+                np.int64,
+            )
+            leaf, group = code < 0, code >= _GROUP_MARK
+            dataset = ~(leaf | group)
+            code[leaf] = ra[~code[leaf]]
+            code[dataset] = ds[code[dataset]]
+            code[group] -= _GROUP_MARK
+            links = code.astype("<u8").reshape(count, -1)
             addresses = np.fromiter((g.address for g in groups), np.int64, count)
             cols.plain.append((tmpl, addresses, links))
         keys = np.asarray(self._ds_key, np.int64)
