@@ -753,13 +753,13 @@ class FilePlan:
                     raise InvalidEntryError("is written twice", variable=path)
                 seen.add(path)
         leaf = np.ones(len(paths), bool)
-        get = self._by_path.get
+        by_path = self._by_path
         promoted: dict[int, set[int]] = {}  # a parent (by id) -> the groups it links twice
         parents: dict[int, _Group] = {}
-        for r, (path, lay) in enumerate(zip(paths, self._row_layout, strict=True)):
-            g = get(path)
-            if g is None:
-                continue
+        row_layout = self._row_layout
+        for r in [r for r, path in enumerate(paths) if path in by_path]:
+            path, lay = paths[r], row_layout[r]
+            g = by_path[path]
             leaf[r] = False
             if g.layout is None and type(lay) is not int:  # (a leaf made a parent after)
                 self._row_group_of(r, g)
@@ -811,7 +811,7 @@ class FilePlan:
                 if kind is int:
                     if t >= 0:  # (a dataset)
                         continue
-                    own = row_group.get(t)
+                    own = row_group.get(t) if row_group else None
                     if own is None:
                         add_group(t)
                         continue
@@ -861,23 +861,24 @@ class FilePlan:
         sizes = np.zeros(len(groups), np.int64)
         sizes[leaf_at] = lay_size[lid[leaf_rows]]
         objects_at = np.flatnonzero(sizes == 0)
+        objects = cast(list[_Group], [groups[k] for k in objects_at.tolist()])
         tables: list[_Group] = []
-        for k in objects_at.tolist():
-            g = groups[k]
-            assert type(g) is _Group
-            size = plain_of.get(id(g))
-            if size is None:
-                size = len(self._encode_group(g)[0])
+        object_sizes = [plain_of.get(id(g), -1) for g in objects]
+        for k, g in enumerate(objects):
+            if object_sizes[k] >= 0:  # (made from a template: its size known)
+                continue
+            size = len(self._encode_group(g)[0])
             if g.table is not None:  # the header, then its symbol table
                 g.table_at = size
                 size += g.table.size
                 tables.append(g)
-            sizes[k] = size
+            object_sizes[k] = size
+        sizes[objects_at] = object_sizes
         starts = SUPERBLOCK_SIZE + np.cumsum(sizes) - sizes
         at = SUPERBLOCK_SIZE + int(sizes.sum())
-        del sizes
-        for k, a in zip(objects_at.tolist(), starts[objects_at].tolist(), strict=True):
-            cast(_Group, groups[k]).address = a
+        del sizes, object_sizes
+        for g, a in zip(objects, starts[objects_at].tolist(), strict=True):
+            g.address = a
         for g in tables:
             g.table_at += g.address
         row_address = np.full(len(self._paths), -1, np.int64)
