@@ -861,10 +861,10 @@ class FilePlan:
         sizes = np.zeros(len(groups), np.int64)
         sizes[leaf_at] = lay_size[lid[leaf_rows]]
         objects_at = np.flatnonzero(sizes == 0)
-        objects = cast(list[_Group], [groups[k] for k in objects_at.tolist()])
+        heads = cast(list[_Group], [groups[k] for k in objects_at.tolist()])
         tables: list[_Group] = []
-        object_sizes = [plain_of.get(id(g), -1) for g in objects]
-        for k, g in enumerate(objects):
+        object_sizes = [plain_of.get(id(g), -1) for g in heads]
+        for k, g in enumerate(heads):
             if object_sizes[k] >= 0:  # (made from a template: its size known)
                 continue
             size = len(self._encode_group(g)[0])
@@ -877,7 +877,7 @@ class FilePlan:
         starts = SUPERBLOCK_SIZE + np.cumsum(sizes) - sizes
         at = SUPERBLOCK_SIZE + int(sizes.sum())
         del sizes, object_sizes
-        for g, a in zip(objects, starts[objects_at].tolist(), strict=True):
+        for g, a in zip(heads, starts[objects_at].tolist(), strict=True):
             g.address = a
         for g in tables:
             g.table_at += g.address
