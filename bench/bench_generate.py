@@ -13,10 +13,15 @@ CPU time of each (best of ``--repeat``), per entry (variable or slot), and with 
 the plan's memory once made (what it holds while the save runs) and the peak of the two steps
 above what was allocated before. Against the cost of ``safetensors.numpy.save_file`` of the same
 tensors (to memory: ``save``, no disk) measured in the same process, so that the ratio holds on
-a loaded machine.
+a loaded machine. The plan and the image are timed as a save makes them: with the objects
+made before frozen (``older_objects_frozen``: the collector does not walk the model).
+
+With ``--baseline TREE`` (a checkout of another revision, e.g. ``git worktree add --detach
+/tmp/main main``), each case runs that tree's generator and this one's alternately
+(``--rounds`` times each, in fresh processes), and prints the best of each and their ratio.
 
     python bench/bench_generate.py [--sizes 5000,50000] [--structures layered,flat] \\
-        [--repeat 3] [--json PATH]
+        [--repeat 3] [--baseline TREE [--rounds 2]] [--json PATH]
 """
 
 from __future__ import annotations
@@ -32,9 +37,17 @@ import tracemalloc
 from typing import Any
 
 
+def _import_from(tree: str) -> None:
+    """Import ``parallelvars`` from ``tree`` rather than the installed (editable) one."""
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__name__", "")]
+    sys.path.insert(0, os.path.abspath(tree))
+
+
 def worker(count: int, adam: bool, layered: bool, repeat: int) -> dict[str, Any]:
     from bench_paths import _model, _tensors  # (run as bench/bench_generate.py)
 
+    from parallelvars.checkpoint._gcfreeze import older_objects_frozen
     from parallelvars.checkpoint.h5io.layout import COLUMNS_DATASET, INDEX_DATASET
     from parallelvars.checkpoint.h5io.records import record_classes
     from parallelvars.checkpoint.h5raw.component_bytes import _checksummed
@@ -59,13 +72,14 @@ def worker(count: int, adam: bool, layered: bool, repeat: int) -> dict[str, Any]
     best_plan = best_image = float("inf")
     for _ in range(repeat):
         gc.collect()
-        c = time.process_time()
-        p = plan()
-        best_plan = min(best_plan, time.process_time() - c)
-        c = time.process_time()
-        image(p)
-        best_image = min(best_image, time.process_time() - c)
-        del p
+        with older_objects_frozen():
+            c = time.process_time()
+            p = plan()
+            best_plan = min(best_plan, time.process_time() - c)
+            c = time.process_time()
+            image(p)
+            best_image = min(best_image, time.process_time() - c)
+            del p
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
@@ -93,15 +107,28 @@ def worker(count: int, adam: bool, layered: bool, repeat: int) -> dict[str, Any]
     }
 
 
+def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The best of several runs of one case: the least of each time (memory is the same)."""
+    best = dict(runs[0])
+    for key in ("plan_s", "image_s", "st_s"):
+        best[key] = min(r[key] for r in runs)
+    return best
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="5000,50000")
     ap.add_argument("--structures", default="layered,flat")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--baseline", help="a source tree to compare with, alternately")
+    ap.add_argument("--rounds", type=int, default=2, help="runs of each tree (--baseline)")
     ap.add_argument("--json", help="also write the figures to this JSON file (run_all.py)")
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--tree", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
+        if args.tree:
+            _import_from(args.tree)
         count, adam, layered, repeat = map(int, args.worker)
         print(json.dumps(worker(count, bool(adam), bool(layered), repeat)))
         return 0
@@ -113,18 +140,42 @@ def main(argv: list[str] | None = None) -> int:
             for adam in (False, True):
                 flags = [str(count), str(int(adam)), str(int(structure == "layered"))]
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", *flags]
-                done = subprocess.run(
-                    [*cmd, str(args.repeat)], capture_output=True, text=True, check=False
-                )
                 label = f"{count} {structure}{' +Adam' if adam else ''}"
+                trees = [None] if not args.baseline else [args.baseline, None] * args.rounds
+                runs: dict[Any, list[dict[str, Any]]] = {}
+                for tree in trees:
+                    extra = [] if tree is None else ["--tree", tree]
+                    done = subprocess.run(
+                        [*cmd, str(args.repeat), *extra],
+                        capture_output=True,
+                        text=True,
+                        check=False,
+                    )
+                    if done.returncode:
+                        break
+                    runs.setdefault(tree, []).append(
+                        json.loads(done.stdout.strip().splitlines()[-1])
+                    )
                 if done.returncode:
                     print(f"  {label}: failed: {done.stderr.strip()[-400:]}", flush=True)
                     results.append({"label": label, "failed": done.stderr.strip()[-400:]})
                     continue
-                r = json.loads(done.stdout.strip().splitlines()[-1])
-                results.append({"label": label, **r})
+                r = _best(runs[None])
                 n = r["entries"]
                 total = r["plan_s"] + r["image_s"]
+                if args.baseline:
+                    b = _best(runs[args.baseline])
+                    base = b["plan_s"] + b["image_s"]
+                    r["baseline"] = b
+                    print(
+                        f"  {label:22s} baseline plan {1e6 * b['plan_s'] / n:5.1f} + image "
+                        f"{1e6 * b['image_s'] / n:5.1f} = {1e6 * base / n:5.1f} us/entry, holds "
+                        f"{b['held_mb']:6.1f} MB, peak {b['peak_mb']:6.1f} MB; this tree / "
+                        f"baseline: CPU {total / base:4.2f}, holds "
+                        f"{r['held_mb'] / max(b['held_mb'], 1e-9):4.2f}",
+                        flush=True,
+                    )
+                results.append({"label": label, **r})
                 print(
                     f"  {label:22s} {n:6d} entries  plan {1e6 * r['plan_s'] / n:5.1f} + image "
                     f"{1e6 * r['image_s'] / n:5.1f} = {1e6 * total / n:5.1f} us/entry CPU "

@@ -197,7 +197,7 @@ def test_chunks_are_the_image_a_few_bytes_at_a_time(monkeypatch, chunk) -> None:
     at, made = 0, []
     cols = plan._window_columns()
     starts = set(cols.starts.tolist())
-    heap_at = plan._heap[0]
+    heap_at = plan._heap_at
     for offset, data in chunks:
         assert offset == at
         if len(data) > chunk and offset < heap_at:  # (one object: no other starts inside)

@@ -116,6 +116,35 @@ def test_global_heap_collections_round_trip() -> None:
     assert len(parsed) == 3
 
 
+@settings(max_examples=15, deadline=None)
+@given(
+    count=st.integers(1, 9000),
+    step=st.integers(0, 40),
+    base=st.integers(0, 1 << 20),
+    data=st.data(),
+)
+def test_global_heap_collections_made_a_range_at_a_time(count, step, base, data) -> None:
+    """Any range of collections made alone is those collections' bytes of the heap made whole,
+    and each object's reference names its collection's address and its index there."""
+    from parallelvars.checkpoint.h5raw.global_heap import Collections
+
+    lengths = [(i * step + i // 7) % 41 for i in range(count)]
+    objects = [bytes([i % 251]) * n for i, n in enumerate(lengths)]
+    joined = b"".join(objects)
+    whole, addrs, index = build_collections(joined, np.array(lengths), base)
+    heap = Collections(np.array(lengths), base)
+    lo = data.draw(st.integers(0, heap.count - 1))
+    hi = data.draw(st.integers(lo + 1, heap.count))
+    start = int(heap.starts[lo]) - base
+    part = heap.image(joined, lo, hi)
+    assert part.tobytes() == whole[start : start + part.size].tobytes()
+    rows = np.arange(len(lengths))
+    refs = heap.refs(rows)
+    assert refs[:, 0:4].copy().view("<u4").ravel().tolist() == lengths
+    assert refs[:, 4:12].copy().view("<u8").ravel().tolist() == addrs.tolist()
+    assert refs[:, 12:16].copy().view("<u4").ravel().tolist() == index.tolist()
+
+
 # ----------------------------------------------------------------------------- the oracle
 DTYPES = [
     np.dtype(np.float32),

@@ -73,7 +73,7 @@ from parallelvars._ints import unique_ints
 from parallelvars.checkpoint._gcfreeze import FREEZE_STEP, freeze_made_so_far
 from parallelvars.checkpoint.h5raw import header as hdr
 from parallelvars.checkpoint.h5raw import messages as msg
-from parallelvars.checkpoint.h5raw.global_heap import build_collections
+from parallelvars.checkpoint.h5raw.global_heap import Collections
 from parallelvars.checkpoint.h5raw.header import SUPERBLOCK_SIZE
 from parallelvars.checkpoint.h5raw.header import encode_chunked as _encode_chunked
 from parallelvars.checkpoint.h5raw.lookup3 import lookup3, lookup3_many
@@ -106,6 +106,7 @@ __all__ = [
 ]
 
 _MAX_MESSAGE = 0xFFFF
+_GROUP_MARK = 1 << 62  # (a plain group's link to a group: its address plus this, see _Columns)
 _COMPACT_ATTRS = 8  # HDF5's default attribute phase change: 8 in the header ...
 _WIDE_ATTRS = 32  # ... the writer's for groups of more (see h5io/write.py)
 _DEFAULT_LINKS = 8  # HDF5's default link phase change (8 compact, 6 dense)
@@ -402,6 +403,12 @@ class FilePlan:
         self._vlen: list[tuple[int, Sequence[bytes]]] = []
         self._vlen_data: list[tuple[int, bytes]] = []
         self._ds_address: np.ndarray = np.zeros(0, np.int64)
+        # the global heap: its address, its collections (laid out by _layout) and the objects'
+        # bytes joined; after release() only the root's strings' references are kept
+        self._heap_at = 0
+        self._heap: Collections | None = None
+        self._heap_data = b""
+        self._kept_refs: np.ndarray | None = None
         self._linking_out: set[int] = set()  # the groups holding external links (by id)
         add = self._add_variable
         if shared is None:
@@ -634,6 +641,9 @@ class FilePlan:
         layout's datasets."""
         add = self._add_variable
         of_class: list[_Layout | None] = [None] * count
+        # per class whose records take the few operations: (itemsize, its datasets' template
+        # numbers [without data, with data] once known, layout), None until its first record
+        fast: list[list[Any] | None] = [None] * count
         by_path = self._by_path
         ds_key, ds_shape, ds_nbytes = self._ds_key, self._ds_shape, self._ds_nbytes
         paths = self._paths
@@ -645,49 +655,54 @@ class FilePlan:
             self._row_str.append,
         )
         prod = math.prod
-        # shapes recur: each one's tuple of ints made once (and shared by its records' rows)
-        shapes: dict[Any, tuple[int, ...]] = {}
+        # shapes recur: each one's tuple of ints and element count made once (its tuple shared
+        # by its records' rows)
+        shapes: dict[Any, tuple[tuple[int, ...], int]] = {}
         # the records of a group come one after another: its parent's path and links kept
         parent_path: str | None = None
-        plinks: list[tuple[bytes, Any]] = []
+        plink = cast(Any, None)  # (its links' append)
         for k, (var, sh, c) in enumerate(zip(variables, shared, ids, strict=True)):
             if not k % FREEZE_STEP:
                 freeze_made_so_far()  # (the plan's objects live until its image is made)
-            layout = of_class[c]
+            f = fast[c]
             path = var.path
-            if layout is None or layout.sharded or layout.vlen or path in by_path:
-                of_class[c] = add(var, sh, None, None, layout)
+            if f is None or path in by_path:
+                layout = of_class[c] = add(var, sh, None, None, of_class[c])
+                if f is None and not (layout.sharded or layout.vlen):
+                    fast[c] = [layout.itemsize, layout.ds_keys[0], layout.ds_keys[1], layout]
                 parent_path = None  # (it may have given a leaf group lists of its own)
                 continue
             raw = var.shape
             try:
-                shape = shapes[raw]
+                shape, size = shapes[raw]
             except (KeyError, TypeError):
                 shape = tuple(map(int, raw))
+                size = prod(shape)
                 if type(raw) is tuple:
-                    shapes[raw] = shape
-            row = var.attrs.get(_ROW_STRING)  # (a string or None: its class's first record's)
-            first = len(ds_key)
+                    shapes[raw] = (shape, size)
             at, _, name = path.rpartition("/")
             if at != parent_path:
                 parent = by_path.get(at) or self._group_of(at)
-                parent_path, plinks = at, parent.links
-            plinks.append((name.encode("utf-8"), ~len(paths)))  # (a leaf: by its row)
-            nbytes = prod(shape) * layout.itemsize
-            keys = layout.ds_keys[nbytes > 0]
+                parent_path, plink = at, parent.links.append
+            row = len(paths)
+            plink((name.encode(), ~row))  # (a leaf: by its row)
+            nbytes = size * f[0]
+            keys = f[2] if nbytes else f[1]
             if keys is None:
+                layout = f[3]
                 keys = layout.ds_keys[nbytes > 0] = [
                     self._component_key(layout, len(shape), nbytes, links) for links in layout.links
                 ]
+                f[2 if nbytes else 1] = keys
+            add_first(len(ds_key))
             ds_key.extend(keys)
             n = len(keys)
             ds_shape += [shape] * n
             ds_nbytes.extend([nbytes] * n)
             add_path(path)
-            add_layout(layout)
-            add_first(first)
+            add_layout(f[3])
             add_shape(shape)
-            add_str(row)
+            add_str(var.attrs.get(_ROW_STRING))  # (a string or None: its class's first's)
 
     def _component_key(self, layout: _Layout, ndim: int, nbytes: int, links: int) -> int:
         """The template number of a component dataset."""
@@ -738,13 +753,13 @@ class FilePlan:
                     raise InvalidEntryError("is written twice", variable=path)
                 seen.add(path)
         leaf = np.ones(len(paths), bool)
-        get = self._by_path.get
+        by_path = self._by_path
         promoted: dict[int, set[int]] = {}  # a parent (by id) -> the groups it links twice
         parents: dict[int, _Group] = {}
-        for r, (path, lay) in enumerate(zip(paths, self._row_layout, strict=True)):
-            g = get(path)
-            if g is None:
-                continue
+        row_layout = self._row_layout
+        for r in [r for r, path in enumerate(paths) if path in by_path]:
+            path, lay = paths[r], row_layout[r]
+            g = by_path[path]
             leaf[r] = False
             if g.layout is None and type(lay) is not int:  # (a leaf made a parent after)
                 self._row_group_of(r, g)
@@ -796,7 +811,7 @@ class FilePlan:
                 if kind is int:
                     if t >= 0:  # (a dataset)
                         continue
-                    own = row_group.get(t)
+                    own = row_group.get(t) if row_group else None
                     if own is None:
                         add_group(t)
                         continue
@@ -846,23 +861,24 @@ class FilePlan:
         sizes = np.zeros(len(groups), np.int64)
         sizes[leaf_at] = lay_size[lid[leaf_rows]]
         objects_at = np.flatnonzero(sizes == 0)
+        heads = cast(list[_Group], [groups[k] for k in objects_at.tolist()])
         tables: list[_Group] = []
-        for k in objects_at.tolist():
-            g = groups[k]
-            assert type(g) is _Group
-            size = plain_of.get(id(g))
-            if size is None:
-                size = len(self._encode_group(g)[0])
+        object_sizes = [plain_of.get(id(g), -1) for g in heads]
+        for k, g in enumerate(heads):
+            if object_sizes[k] >= 0:  # (made from a template: its size known)
+                continue
+            size = len(self._encode_group(g)[0])
             if g.table is not None:  # the header, then its symbol table
                 g.table_at = size
                 size += g.table.size
                 tables.append(g)
-            sizes[k] = size
+            object_sizes[k] = size
+        sizes[objects_at] = object_sizes
         starts = SUPERBLOCK_SIZE + np.cumsum(sizes) - sizes
         at = SUPERBLOCK_SIZE + int(sizes.sum())
-        del sizes
-        for k, a in zip(objects_at.tolist(), starts[objects_at].tolist(), strict=True):
-            cast(_Group, groups[k]).address = a
+        del sizes, object_sizes
+        for g, a in zip(heads, starts[objects_at].tolist(), strict=True):
+            g.address = a
         for g in tables:
             g.table_at += g.address
         row_address = np.full(len(self._paths), -1, np.int64)
@@ -927,16 +943,16 @@ class FilePlan:
         maps = [ds for ds in self._special.values() if ds.mapping is not None]
         objects = strings + [ds.mapping or b"" for ds in maps]
         lengths = np.fromiter(map(len, objects), np.int64, len(objects))
-        heap, addrs, index = build_collections(b"".join(objects), lengths, at)
-        self._heap = (at, heap)
-        refs = np.zeros((len(objects), 16), np.uint8)
-        refs[:, 0:4] = lengths.astype("<u4").view(np.uint8).reshape(-1, 4)
-        refs[:, 4:12] = addrs.astype("<u8").view(np.uint8).reshape(-1, 8)
-        refs[:, 12:16] = index.astype("<u4").view(np.uint8).reshape(-1, 4)
-        self._ref_rows = refs
+        # (laid out now, each object's reference made when asked: the collections' bytes are
+        # made a window at a time, :meth:`_windows`, from the objects' bytes kept joined)
+        heap = Collections(lengths, at)
+        del lengths
+        self._heap_at, self._heap, self._heap_data = at, heap, b"".join(objects)
+        del objects
         self._owners = owners
         for k, ds in enumerate(maps):
-            ds.heap_ref = (int(addrs[len(strings) + k]), int(index[len(strings) + k]))
+            ref = heap.refs(np.array([len(strings) + k]))[0].tobytes()
+            ds.heap_ref = (int.from_bytes(ref[4:12], "little"), int.from_bytes(ref[12:], "little"))
         at += heap.size
         self.metadata_size = at
         # 4. the data: each stored component with bytes at an aligned offset, in order
@@ -965,7 +981,7 @@ class FilePlan:
             self._paths, array("q", way_of.tobytes()), ways, self._row_first, ds_offset
         )
         self._vlen_data = [
-            (int(ds_offset[number]), refs[at : at + len(elements)].tobytes())
+            (int(ds_offset[number]), heap.refs(np.arange(at, at + len(elements))).tobytes())
             for (number, elements), at in zip(self._vlen, vlen_at, strict=True)
             if elements
         ]
@@ -981,11 +997,19 @@ class FilePlan:
 
     def _string_refs(self, a: _Attr) -> bytes:
         assert a.strings is not None
-        refs: np.ndarray | None = getattr(self, "_ref_rows", None)
-        if self._fill is not None or refs is None:
+        if self._fill is not None or (self._heap is None and self._kept_refs is None):
             return bytes((self._fill or 0,)) * (16 * len(a.strings))
         first = self._ref_start[id(a)]
-        return refs[first : first + len(a.strings)].tobytes()
+        return self._refs(np.arange(first, first + len(a.strings))).tobytes()
+
+    def _refs(self, objects: np.ndarray) -> np.ndarray:
+        """The heap references of ``objects`` (numbers among the heap objects, any shape): of
+        the collections laid out, or after :meth:`release` of the root's strings kept."""
+        heap, kept = self._heap, self._kept_refs
+        if heap is None:
+            assert kept is not None
+            return kept[objects]
+        return heap.refs(objects)
 
     def _address(self, target: Any) -> int:
         """A link target's address (a group or a dataset by number)."""
@@ -1050,7 +1074,7 @@ class FilePlan:
         count = addresses.size
         per = [len(a.strings or ()) if k != sig.shape_at else 0 for k, a in enumerate(sig.attrs)]
         before = sum(per[: sig.shape_at])  # string references before the shape
-        refs = self._ref_rows[first[:, None] + np.arange(sum(per))].reshape(count, -1)
+        refs = self._refs(first[:, None] + np.arange(sum(per))).reshape(count, -1)
         links = self._ds_address[first_ds[:, None] + np.asarray(layout.link_ds, np.int64)]
         fields = np.hstack(
             (
@@ -1228,7 +1252,8 @@ class FilePlan:
         one and their chunks' checksums computed together; then the global heap, in slices of
         the collections already made."""
         kinds = self._window_columns()
-        heap_at, heap = self._heap
+        heap_at, heap, data = self._heap_at, self._heap, self._heap_data
+        assert heap is not None
         bounds = np.append(kinds.starts, heap_at)  # (every object's start, the heap's)
         lo = 0
         while lo < heap_at:
@@ -1238,9 +1263,17 @@ class FilePlan:
                 hi = int(bounds[np.searchsorted(bounds, lo, "right")])
             yield lo, self._window(kinds, lo, hi)
             lo = hi
-        view = memoryview(heap)  # type: ignore[arg-type]
-        for k in range(0, heap.size, CHUNK_BYTES):
-            yield heap_at + k, view[k : k + CHUNK_BYTES]
+        # the heap: collections made a few MiB at a time (one collection at least), each
+        # buffer given in pieces of at most CHUNK_BYTES
+        ends = np.cumsum(heap.sizes)
+        lo = 0
+        while lo < heap.count:
+            made = int(ends[lo - 1]) if lo else 0
+            hi = max(lo + 1, int(np.searchsorted(ends, made + CHUNK_BYTES, "right")))
+            view = memoryview(heap.image(data, lo, hi))  # type: ignore[arg-type]
+            for k in range(0, len(view), CHUNK_BYTES):
+                yield heap_at + made + k, view[k : k + CHUNK_BYTES]
+            lo = hi
 
     def _window_columns(self) -> _Columns:
         """What making a window needs of the plan, as columns: each object's address, and
@@ -1266,20 +1299,25 @@ class FilePlan:
             cols.layouts.append(
                 (layout, self._row_address[sel], self._row_fs[sel], dims, row_first[sel])
             )
-        ds = self._ds_address.tolist()
-        ra = self._row_address
+        ds, ra = self._ds_address, self._row_address
         for tmpl, groups in self._plain:
             count = len(groups)
-            links = np.array(
+            # each link's target: a dataset by number, a leaf by ~row (their addresses
+            # gathered at once), a group by its address (marked by _GROUP_MARK)
+            code = np.array(
                 [
-                    [
-                        t.address if type(t) is _Group else ds[t] if t >= 0 else int(ra[~t])
-                        for _, t in g.links
-                    ]
+                    t if type(t) is int else _GROUP_MARK + t.address
                     for g in groups
+                    for _, t in g.links
                 ],
-                "<u8",
-            ).reshape(count, -1)
+                np.int64,
+            )
+            leaf, group = code < 0, code >= _GROUP_MARK
+            dataset = ~(leaf | group)
+            code[leaf] = ra[~code[leaf]]
+            code[dataset] = ds[code[dataset]]
+            code[group] -= _GROUP_MARK
+            links = code.astype("<u8").reshape(count, -1)
             addresses = np.fromiter((g.address for g in groups), np.int64, count)
             cols.plain.append((tmpl, addresses, links))
         keys = np.asarray(self._ds_key, np.int64)
@@ -1384,7 +1422,7 @@ class FilePlan:
         self._ds_key, self._ds_shape, self._ds_nbytes = array("q"), [], array("q")
         self._ds_offset = np.zeros(0, np.int64)
         self._keep_root_refs()
-        self._heap = (0, np.zeros(0, np.uint8))
+        self._heap, self._heap_data = None, b""
         self.checksum_spans = []  # (read after :meth:`metadata`, before the release)
 
     def _keep_root_refs(self) -> None:
@@ -1395,10 +1433,10 @@ class FilePlan:
         for a in self._root.attrs:
             if a.strings is not None:
                 first = start[id(a)]
-                rows.append(self._ref_rows[first : first + len(a.strings)])
+                rows.append(self._refs(np.arange(first, first + len(a.strings))))
                 owners.append((a, at))
                 at += len(a.strings)
-        self._ref_rows = np.concatenate(rows) if rows else np.zeros((0, 16), np.uint8)
+        self._kept_refs = np.concatenate(rows) if rows else np.zeros((0, 16), np.uint8)
         self._owners = owners
         self._ref_start = {id(a): f for a, f in owners}
 

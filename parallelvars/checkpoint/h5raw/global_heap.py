@@ -9,7 +9,8 @@ at least 4096), then objects laid end to end, each a 16-byte head (index: 2 byte
 count: 2, reserved: 4, size: 8) and its bytes padded to 8; the free space, if any, is an object
 of index 0 whose size is the rest of the collection. A collection carries no checksum.
 
-:func:`build_collections` lays out many objects at once (numpy, no loop per object), as
+The generator's collections (:class:`Collections`) lay out many objects at once (numpy, no
+loop per object; their bytes made a range of collections at a time), as
 libhdf5 does, one object per reference: HDF5 deletes a value's heap objects when an attribute
 is rewritten in place (``attrs.modify``), so an object shared by two references would leave
 the other dangling.
@@ -39,7 +40,13 @@ from parallelvars.checkpoint.h5raw.lookup3 import lookup3
 from parallelvars.checkpoint.h5raw.messages import attribute_parts
 from parallelvars.checkpoint.h5raw.source import FileSource, Refused, Source
 
-__all__ = ["MIN_COLLECTION", "GlobalHeapCheck", "build_collections", "ragged_copy"]
+__all__ = [
+    "MIN_COLLECTION",
+    "Collections",
+    "GlobalHeapCheck",
+    "build_collections",
+    "ragged_copy",
+]
 
 MIN_COLLECTION = 4096  # H5HG_MINSIZE: HDF5 reads a collection 4096 bytes at a time at least
 _OBJECT_HEADER = 16  # index (2), reference count (2), reserved (4), size (8)
@@ -70,58 +77,103 @@ def ragged_copy(
 _BATCH_OBJECTS = 1 << 16
 
 
+class Collections:
+    """Global heap collections at file offset ``base`` holding one object per entry of
+    ``lengths``, in order: each collection holds up to 4096 objects and is at least 4096 bytes
+    long (a free-space object fills the rest). Where each object lies (its collection's
+    address and its index there: :meth:`refs`) is known from the lengths alone; the
+    collections' bytes are made a range of collections at a time (:meth:`image`), from the
+    objects' bytes concatenated, so that a file's heap is never held whole."""
+
+    def __init__(self, lengths: np.ndarray, base: int) -> None:
+        self.lengths = lengths = np.asarray(lengths, np.int64)
+        n = lengths.size
+        per = _OBJECTS_PER_COLLECTION
+        bounds = np.arange(0, n + per, per)
+        bounds[-1] = n
+        self._bounds = bounds  # each collection's first object (and the end)
+        slot = _OBJECT_HEADER + _align8(lengths)  # each object's bytes in its collection
+        self._used = (np.add.reduceat(slot, bounds[:-1]) if n else slot) + _COLLECTION_HEADER
+        self.sizes = np.maximum(_align8(self._used), MIN_COLLECTION)
+        self.starts = base + np.cumsum(self.sizes) - self.sizes  # each collection's address
+        self.size = int(self.sizes.sum())
+        # each collection's first byte among the objects' bytes concatenated
+        self._data_at = np.concatenate(([0], np.cumsum(lengths)))[bounds]
+
+    @property
+    def count(self) -> int:
+        """The number of collections."""
+        return self.sizes.size
+
+    def refs(self, rows: np.ndarray) -> np.ndarray:
+        """The 16-byte references (length, collection address, index) of the objects
+        ``rows`` (an int array of any shape): a uint8 array of that shape and 16."""
+        rows = np.asarray(rows, np.int64)
+        per = _OBJECTS_PER_COLLECTION
+        out = np.empty((*rows.shape, 16), np.uint8)
+        out[..., 0:4] = self.lengths[rows].astype("<u4")[..., None].view(np.uint8)
+        out[..., 4:12] = self.starts[rows // per].astype("<u8")[..., None].view(np.uint8)
+        out[..., 12:16] = (rows % per + 1).astype("<u4")[..., None].view(np.uint8)
+        return out
+
+    def image(self, data: bytes | np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """The bytes of collections ``lo`` to ``hi`` (uint8), laid one after another from
+        ``starts[lo]``; ``data``: every object's bytes, concatenated."""
+        src = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data
+        first, last = int(self._bounds[lo]), int(self._bounds[hi])
+        lengths = self.lengths[first:last]
+        n = lengths.size
+        per = _OBJECTS_PER_COLLECTION
+        sizes, used = self.sizes[lo:hi], self._used[lo:hi]
+        out = np.zeros(int(sizes.sum()), np.uint8)
+        if hi <= lo:
+            return out
+        local = np.cumsum(sizes) - sizes
+        count = hi - lo
+        # the collection heads
+        head = np.zeros((count, _COLLECTION_HEADER), np.uint8)
+        head[:, :5] = np.frombuffer(b"GCOL\x01", np.uint8)
+        head[:, 8:16] = sizes.astype("<u8").view(np.uint8).reshape(count, 8)
+        out[(local[:, None] + np.arange(_COLLECTION_HEADER)).reshape(-1)] = head.reshape(-1)
+        # each object's place: after the head and the objects before it in its collection
+        which = np.arange(n) // per
+        index = np.arange(n) % per + 1
+        slot = _OBJECT_HEADER + _align8(lengths)
+        before = np.cumsum(slot) - slot
+        at = local[which] + _COLLECTION_HEADER + before - before[which * per]
+        # each object's bytes in ``src``
+        starts = int(self._data_at[lo]) + np.cumsum(lengths) - lengths
+        # the objects' heads and bytes, a batch of objects at a time (the index arrays of a
+        # scatter take 8 bytes per byte scattered: bounded by the batch, not the heap)
+        for b in range(0, n, _BATCH_OBJECTS):
+            e = min(n, b + _BATCH_OBJECTS)
+            m = e - b
+            objhead = np.zeros((m, _OBJECT_HEADER), np.uint8)
+            objhead[:, 0:2] = index[b:e].astype("<u2").view(np.uint8).reshape(m, 2)
+            objhead[:, 8:16] = lengths[b:e].astype("<u8").view(np.uint8).reshape(m, 8)
+            out[(at[b:e, None] + np.arange(_OBJECT_HEADER)).reshape(-1)] = objhead.reshape(-1)
+            ragged_copy(out, at[b:e] + _OBJECT_HEADER, src, starts[b:e], lengths[b:e])
+        # the free space of each collection: an object of index 0 (when there is room for one)
+        free = sizes - used
+        for c in np.flatnonzero(free >= _OBJECT_HEADER).tolist():
+            p = int(local[c] + used[c])
+            out[p + 8 : p + 16] = np.frombuffer(int(free[c]).to_bytes(8, "little"), np.uint8)
+        return out
+
+
 def build_collections(
     data: bytes | np.ndarray, lengths: np.ndarray, base: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Global heap collections at file offset ``base`` holding one object per entry of
-    ``lengths`` (the objects' bytes are ``data``, concatenated).
-
-    Returns the collections' bytes (uint8), and each object's collection address and index
-    (its reference is ``length, address, index``). Each collection holds up to 4096 objects
-    and is at least 4096 bytes long (a free-space object fills the rest); objects keep their
-    order.
-    """
-    lengths = np.asarray(lengths, np.int64)
-    n = lengths.size
+    """:class:`Collections` of ``lengths`` at ``base``, made whole: the collections' bytes
+    (uint8), and each object's collection address and index (its reference is ``length,
+    address, index``)."""
+    heap = Collections(lengths, base)
+    n = heap.lengths.size
     if n == 0:
         return np.zeros(0, np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    objects = np.arange(n)
     per = _OBJECTS_PER_COLLECTION
-    which = np.arange(n) // per
-    index = np.arange(n) % per + 1
-    slot = _OBJECT_HEADER + _align8(lengths)  # each object's bytes in its collection
-    count = int(which[-1]) + 1
-    used = np.bincount(which, weights=slot, minlength=count).astype(np.int64)
-    used += _COLLECTION_HEADER
-    size = np.maximum(_align8(used), MIN_COLLECTION)
-    starts = base + np.concatenate(([0], np.cumsum(size)[:-1]))
-    out = np.zeros(int(size.sum()), np.uint8)
-    local = starts - base
-    # the collection heads
-    head = np.zeros((count, _COLLECTION_HEADER), np.uint8)
-    head[:, :5] = np.frombuffer(b"GCOL\x01", np.uint8)
-    head[:, 8:16] = size.astype("<u8").view(np.uint8).reshape(count, 8)
-    out[(local[:, None] + np.arange(_COLLECTION_HEADER)).reshape(-1)] = head.reshape(-1)
-    # each object's place: after the head and the objects before it in its collection
-    before = np.cumsum(slot) - slot
-    at = local[which] + _COLLECTION_HEADER + before - before[which * per]
-    src = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data
-    first = np.cumsum(lengths) - lengths  # each object's bytes in ``src``
-    # the objects' heads and bytes, a batch of objects at a time (the index arrays of a
-    # scatter take 8 bytes per byte scattered: bounded by the batch, not the heap)
-    for lo in range(0, n, _BATCH_OBJECTS):
-        hi = min(n, lo + _BATCH_OBJECTS)
-        m = hi - lo
-        objhead = np.zeros((m, _OBJECT_HEADER), np.uint8)
-        objhead[:, 0:2] = index[lo:hi].astype("<u2").view(np.uint8).reshape(m, 2)
-        objhead[:, 8:16] = lengths[lo:hi].astype("<u8").view(np.uint8).reshape(m, 8)
-        out[(at[lo:hi, None] + np.arange(_OBJECT_HEADER)).reshape(-1)] = objhead.reshape(-1)
-        ragged_copy(out, at[lo:hi] + _OBJECT_HEADER, src, first[lo:hi], lengths[lo:hi])
-    # the free space of each collection: an object of index 0 (when there is room for one)
-    free = size - used
-    for c in np.flatnonzero(free >= _OBJECT_HEADER).tolist():
-        p = int(local[c] + used[c])
-        out[p + 8 : p + 16] = np.frombuffer(int(free[c]).to_bytes(8, "little"), np.uint8)
-    return out, starts[which], index
+    return heap.image(data, 0, heap.count), heap.starts[objects // per], objects % per + 1
 
 
 class GlobalHeapCheck:

@@ -84,9 +84,29 @@ class Template:
             out[:, start : start + length] = fields[:, at : at + length]
             at += length
         for (start, end), (prefix, state) in zip(self.chunks, self._prefixes(), strict=True):
+            prefix, state = _common_prefix(out[:, start:end], prefix, state)
             sums = lookup3_rows(out[:, start:end], end - start, start=prefix, state=state)
             out[:, end : end + 4] = sums.astype("<u4").view(np.uint8).reshape(count, 4)
         return out
+
+
+def _common_prefix(
+    chunk: np.ndarray, prefix: int, state: tuple[int, int, int] | None
+) -> tuple[int, tuple[int, int, int] | None]:
+    """The whole blocks every row of ``chunk`` (a header chunk of many rows, before its
+    checksum) begins with, ``prefix`` bytes of them mixed already into ``state``: the rows'
+    lookup3 state after them, mixed once (rows of one shape differ only from their data
+    offsets on: the blocks before are the same in every row)."""
+    count, length = chunk.shape
+    if count < 2:
+        return prefix, state
+    rest = chunk[:, prefix:]
+    differs = np.flatnonzero((rest[1:] != rest[0]).any(axis=0))
+    same = prefix + (int(differs[0]) if differs.size else length - prefix)
+    common = min(same, length - 1) // 12 * 12
+    if common <= prefix:
+        return prefix, state
+    return common, prefix_state(chunk[0, :common].tobytes(), length)
 
 
 def place(image: np.ndarray, addresses: np.ndarray, rows: np.ndarray) -> None:
