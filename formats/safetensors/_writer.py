@@ -56,7 +56,7 @@ def _storage(t: PlannedTensor, file: str) -> tuple[str, tuple[int, ...]]:
         raise UnsupportedDtypeError(
             "safetensors cannot store string tensors",
             file=file,
-            variable=t.entry.path,
+            variable=t.path,
             expected="a numeric dtype",
             found="bytes",
         )
@@ -67,7 +67,7 @@ def _storage(t: PlannedTensor, file: str) -> tuple[str, tuple[int, ...]]:
         raise UnsupportedDtypeError(
             "safetensors cannot store this dtype",
             file=file,
-            variable=t.entry.path,
+            variable=t.path,
             expected="a numeric dtype",
             found=str(t.dtype),
         )
@@ -198,7 +198,7 @@ def _write_one(
                         raise CorruptCheckpointError(
                             "component has another size than declared",
                             file=path,
-                            variable=t.entry.path,
+                            variable=t.path,
                             expected=f"{t.nbytes} bytes",
                             found=f"{n} bytes",
                         )
@@ -282,7 +282,11 @@ def write_safetensors(
     if metadata is None:
         metadata = getattr(entries, "metadata", None) or {}
     planned, info = plan_tensors(
-        entries, names=names, needs_record=lambda e: _st_name(e.dtype) is None, file=p
+        entries,
+        names=names,
+        needs_record=lambda e: _st_name(e.dtype) is None,
+        file=p,
+        hold_entries=False,  # (read through read_batches only)
     )
     info["checksums"] = "crc32c"  # every file written carries CRC_KEY; its loss is damage
     # The info in columns (version 2, formats/_info_columns.py): a fraction of the per-variable
@@ -294,7 +298,7 @@ def write_safetensors(
             raise InvalidEntryError(
                 "a tensor cannot be stored under the header's metadata key",
                 file=p,
-                variable=t.entry.path,
+                variable=t.path,
                 expected="a tensor key other than '__metadata__' (reserved by safetensors)",
                 found=t.key,
             )
