@@ -12,7 +12,7 @@ from typing import Any, cast
 import numpy as np
 
 from parallelvars import _spans
-from parallelvars._fileio import Scratch
+from parallelvars._fileio import Scratch, value_types
 from parallelvars._geometry import shard_slices
 from parallelvars.checkpoint._gcfreeze import FREEZE_STEP, freeze_made_so_far
 from parallelvars.checkpoint.entry import ReadAhead, check_entry
@@ -304,8 +304,38 @@ def plan_tensors(
     info = {"format": INFO_FORMAT, "version": INFO_VERSION, "names": names, "variables": variables}
     graph = carried_graph(entries)
     if graph is not None:
-        info["object_graph"] = jsonable(graph)
+        # (the source's own graph when it is plain JSON, not a second copy of every node)
+        info["object_graph"] = graph if _plain_json(graph) else jsonable(graph)
     return planned, info
+
+
+def _plain_json(value: Any) -> bool:
+    """Whether :func:`jsonable` would give back ``value`` unchanged: plain dicts with string
+    keys and lists, down to strings, ints, bools, None and finite floats (the document is
+    only read, so it may be shared)."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        t = type(v)
+        if t is dict:
+            if value_types(v) - {str}:
+                return False
+            v = list(v.values())
+        elif t is not list:
+            if t not in _LEAVES and not (t is float and math.isfinite(v)):
+                return False
+            continue
+        kinds = value_types(v)
+        if not kinds <= _LEAVES:
+            if float in kinds and not all(math.isfinite(x) for x in v if type(x) is float):
+                return False
+            todo.extend(x for x in v if type(x) in _CONTAINERS)
+            if kinds - _LEAVES - _CONTAINERS - {float}:
+                return False
+    return True
+
+
+_CONTAINERS = frozenset({dict, list})
 
 
 def _json_attrs(attrs: Any) -> Any:

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from parallelvars.formats import ArrayEntry, DictView, open_checkpoint, to_key, write_checkpoint
@@ -142,6 +142,39 @@ def test_info_attributes_are_jsonable_of_the_entrys(tmp_path, attrs, shards) -> 
         got = dict(view["v"].attrs)
     want = json.loads(json.dumps(jsonable(attrs)))
     assert _same(got, want)
+
+
+_GRAPH_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=4)
+    | st.sampled_from([np.int64(3), np.float32(0.5), b"x\xff"]),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=3) | st.integers(0, 3), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+
+
+@given(extra=_GRAPH_VALUES)
+@example(extra=[1.5, float("nan")])
+@example(extra={"k": float("-inf")})
+@example(extra=[[1, "a"], (2, "b")])
+@example(extra={"k": [np.int64(3)]})
+@_SETTINGS
+def test_info_object_graph_is_jsonable_of_the_sources(tmp_path, extra) -> None:
+    # The carried graph goes into the info as jsonable makes it (shared where it already is
+    # plain JSON, so a value jsonable would change must still be changed).
+    graph = {"version": 1, "nodes": [{"path": None, "x": extra}, {"path": "v", "children": []}]}
+    view = DictView({"v": ArrayEntry("v", [np.ones(2, np.float32)] * 2)})
+    view.object_graph = graph  # type: ignore[attr-defined]
+    write_safetensors(tmp_path / "g.safetensors", view)
+    got = _info(tmp_path / "g.safetensors")["object_graph"]
+    assert _same(got, json.loads(json.dumps(jsonable(graph))))
 
 
 def _same(a, b) -> bool:
