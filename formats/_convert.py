@@ -164,12 +164,14 @@ class _AskedFor(CheckpointView):
     each made by the view when a writer asks for it (and wrapped by ``wrap``), none kept here
     (``makes_entries``: a writer's plan may let them go between its runs too), so a
     conversion holds no entry per variable for its whole length; with the source's format,
-    path, metadata, files and object graph."""
+    path, metadata, files and object graph; each entry's bytes are noted as it is first made
+    (:meth:`entry_nbytes`)."""
 
     makes_entries = True
 
     def __init__(self, view: CheckpointView, wrap: Callable[[Entry], Entry] | None = None):
         self._view, self._wrap = view, wrap
+        self._nbytes: dict[str, int] = {}
         self.format, self.path, self.metadata = view.format, view.path, dict(view.metadata or {})
         self.files = view.files
         graph = getattr(view, "object_graph", None)
@@ -178,7 +180,15 @@ class _AskedFor(CheckpointView):
 
     def __getitem__(self, key: str) -> Entry:
         entry = self._view[key]
+        if key not in self._nbytes:
+            self._nbytes[key] = int(entry.nbytes)
         return entry if self._wrap is None else self._wrap(entry)
+
+    def entry_nbytes(self, key: str) -> int:
+        """``self[key].nbytes``, noted when the entry was first made (a number per variable:
+        what a caller reports of the output, without making every entry again)."""
+        known = self._nbytes.get(key)
+        return known if known is not None else int(self[key].nbytes)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._view)

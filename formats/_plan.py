@@ -298,7 +298,8 @@ def plan_tensors(
                 "shape": known[1],
                 "num_components": count,
                 "layout": layout,
-                "keys": [t.key for t in tensors],
+                # (the components' keys are those the tensors took, in order: that list itself)
+                "keys": keys if layout == "components" else [t.key for t in tensors],
                 "attrs": _json_attrs(attrs),
             }
     info = {"format": INFO_FORMAT, "version": INFO_VERSION, "names": names, "variables": variables}
