@@ -246,7 +246,13 @@ def run(args: argparse.Namespace) -> int:
         # The output holds exactly the entries written (each of these formats records every
         # entry's kind, shape and components): counted from them, not by opening it again.
         count = len(written_entries)
-        total = sum(int(e.nbytes) for e in written_entries.values())
+        # (a conversion's view notes each entry's bytes as the writer asks for it: the entries
+        # are not made again to be counted)
+        sizes = getattr(written_entries, "entry_nbytes", None)
+        if sizes is not None:
+            total = sum(sizes(k) for k in written_entries)
+        else:
+            total = sum(int(e.nbytes) for e in written_entries.values())
     else:
         with open_view(written, dst_format, args.read_options) as view:
             count = len(view)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from parallelvars.checkpoint._gcfreeze import freeze_made_so_far, older_objects_frozen
@@ -14,7 +14,7 @@ from ._names import check_names
 from ._registry import format_for_suffix, get_format, open_checkpoint, write_checkpoint
 from ._reshard import reshard
 from ._select import exported
-from ._view import DictView, Entry
+from ._view import CheckpointView, DictView, Entry
 
 __all__ = ["convert", "format_for_path"]
 
@@ -159,6 +159,44 @@ def convert(
         )
 
 
+class _AskedFor(CheckpointView):
+    """A source view's entries as a conversion writes them all (no selection, no reshard):
+    each made by the view when a writer asks for it (and wrapped by ``wrap``), none kept here
+    (``makes_entries``: a writer's plan may let them go between its runs too), so a
+    conversion holds no entry per variable for its whole length; with the source's format,
+    path, metadata, files and object graph; each entry's bytes are noted as it is first made
+    (:meth:`entry_nbytes`)."""
+
+    makes_entries = True
+
+    def __init__(self, view: CheckpointView, wrap: Callable[[Entry], Entry] | None = None):
+        self._view, self._wrap = view, wrap
+        self._nbytes: dict[str, int] = {}
+        self.format, self.path, self.metadata = view.format, view.path, dict(view.metadata or {})
+        self.files = view.files
+        graph = getattr(view, "object_graph", None)
+        if graph is not None:
+            self.object_graph = graph
+
+    def __getitem__(self, key: str) -> Entry:
+        entry = self._view[key]
+        if key not in self._nbytes:
+            self._nbytes[key] = int(entry.nbytes)
+        return entry if self._wrap is None else self._wrap(entry)
+
+    def entry_nbytes(self, key: str) -> int:
+        """``self[key].nbytes``, noted when the entry was first made (a number per variable:
+        what a caller reports of the output, without making every entry again)."""
+        known = self._nbytes.get(key)
+        return known if known is not None else int(self[key].nbytes)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._view)
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+
 def _convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -179,31 +217,34 @@ def _convert(
     view = open_checkpoint(src, format=from_format, **read_options)
     freeze_made_so_far()  # (the view's index and documents live until the end)
     try:
-        source: Mapping[str, Entry] = view
-        if devices is not None:
-            source = reshard(view, devices)
         # (The source's object graph is read once, here: the views made from this one keep it.)
-        selected = DictView.derived(view, dict(source.items()))
-        entries = dict(
-            exported(
-                selected,
-                components=components,
-                only=only,
-                exclude=exclude,
-                model_only=model_only,
-                root=root,
-                on_left_out=on_left_out,
-                file=os.fspath(src),
-                target=target,
-            ).items()
+        selected: CheckpointView
+        if devices is None:
+            selected = _AskedFor(view)
+        else:
+            selected = DictView.derived(view, dict(reshard(view, devices).items()))
+        chosen = exported(
+            selected,
+            components=components,
+            only=only,
+            exclude=exclude,
+            model_only=model_only,
+            root=root,
+            on_left_out=on_left_out,
+            file=os.fspath(src),
+            target=target,
         )
+        entries: Mapping[str, Entry] = chosen if chosen is selected else dict(chosen.items())
         freeze_made_so_far()  # (the entries, too)
         if progress is not None:
             total = sum(int(e.nbytes) for e in entries.values())
             counter = _Progress(progress, total)
-            entries = {k: CountingEntry(e, counter.add) for k, e in entries.items()}
+            if isinstance(entries, _AskedFor):
+                entries = _AskedFor(view, lambda e: CountingEntry(e, counter.add))
+            else:
+                entries = {k: CountingEntry(e, counter.add) for k, e in entries.items()}
             progress(0, total)  # the total, before the first tensor is read
-        written = DictView.derived(selected, entries)
+        written = entries if isinstance(entries, _AskedFor) else DictView.derived(selected, entries)
         result = write_checkpoint(os.fspath(dst), written, format=target, **options)
         if progress is not None and counter.done < counter.total:
             progress(counter.total, counter.total)  # writers may skip reads (empty tensors)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from parallelvars import _spans
-from parallelvars._fileio import Scratch
+from parallelvars._fileio import Scratch, value_types
 from parallelvars._geometry import shard_slices
 from parallelvars.checkpoint._gcfreeze import FREEZE_STEP, freeze_made_so_far
 from parallelvars.checkpoint.entry import ReadAhead, check_entry
@@ -37,11 +37,19 @@ class PlannedTensor:
     logical value of a sharded entry, or an on-read entry's aggregate) under ``key``.
 
     (Slotted: a plan holds one per stored tensor until the file is written, 300,000 of them
-    for 50,000 variables with Adam's slots on 2 devices; no per-object dictionary.)"""
+    for 50,000 variables with Adam's slots on 2 devices; no per-object dictionary.)
+
+    A plan made with ``hold_entries=False`` from entries made when asked for (a conversion's:
+    ``makes_entries``) does not hold ``entry`` between runs: :func:`read_batches` asks
+    ``source`` for it again while the tensor's run is read, so a plan's memory is its own rows,
+    not a source entry per variable. ``path`` (the entry's) names the variable meanwhile."""
 
     key: str
     entry: Entry
     component: int | None
+    path: str = field(init=False, repr=False, compare=False)
+    # (the mapping ``entry`` is asked for again from, under ``path``; None: ``entry`` is held)
+    source: Mapping[str, Entry] | None = field(init=False, repr=False, compare=False)
     # (Each asked for several times per tensor by a writer: worked out once, when planned.)
     dtype: np.dtype = field(init=False, repr=False, compare=False)
     shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -49,6 +57,7 @@ class PlannedTensor:
     string: bool = field(init=False, repr=False, compare=False)  # a string tensor
 
     def __post_init__(self) -> None:
+        self.path, self.source = self.entry.path, None
         self.dtype = np.dtype(self.entry.dtype)
         self.string = self.dtype.kind == "O"
         if self.component is None:
@@ -71,6 +80,7 @@ class PlannedTensor:
         entry again."""
         t = cls.__new__(cls)
         t.key, t.entry, t.component = key, entry, component
+        t.path, t.source = entry.path, None
         t.dtype, t.shape = dtype, shape
         t.nbytes = math.prod(shape) * dtype.itemsize
         t.string = dtype.kind == "O"
@@ -145,6 +155,7 @@ def plan_tensors(
     needs_record: Callable[[Entry], bool] = lambda entry: False,
     file: str | None = None,
     key_of: Callable[[str, Entry, int], str] | None = None,
+    hold_entries: bool = True,
 ) -> tuple[list[PlannedTensor], dict[str, Any]]:
     """Which tensors a flat-key writer stores, under which keys, and the parallel info.
 
@@ -156,6 +167,9 @@ def plan_tensors(
         file: the file being written, for error messages.
         key_of: format hook replacing the key style: ``key_of(path, entry, i)`` is the key of
             component ``i`` (0: the primary, or the stitched value of a sharded entry).
+        hold_entries: False (a writer that reads the plan through :func:`read_batches` only):
+            when ``entries`` makes its entries when asked for (``entries.makes_entries``), the
+            plan does not hold them; each run's are asked for again while it is read.
 
     Returns:
         The planned tensors in entry order, and the parallel info document.
@@ -173,6 +187,7 @@ def plan_tensors(
     dotted = key_of is None and names == "dotted"
     # "/parallel_component_<i>" by i (entries of few components: most ask for the first few)
     suffixes = ["", *(f"/{component_name(i)}" for i in range(1, 64))]
+    let_go = not hold_entries and bool(getattr(entries, "makes_entries", False))
     for n, (path, entry) in enumerate(entries.items(), 1):
         if not n % FREEZE_STEP:
             freeze_made_so_far()  # (the plan is kept until the file is written)
@@ -255,6 +270,9 @@ def plan_tensors(
                     f"the key {t.key!r} with names={names!r}; choose another name style"
                 )
             owner[t.key] = path
+        if let_go and entry.path == path:  # (asked for again under its own path)
+            for t in tensors:
+                t.entry, t.source = _LET_GO, entries
         planned.extend(tensors)
         if (
             kind != "single"
@@ -280,14 +298,45 @@ def plan_tensors(
                 "shape": known[1],
                 "num_components": count,
                 "layout": layout,
-                "keys": [t.key for t in tensors],
+                # (the components' keys are those the tensors took, in order: that list itself)
+                "keys": keys if layout == "components" else [t.key for t in tensors],
                 "attrs": _json_attrs(attrs),
             }
     info = {"format": INFO_FORMAT, "version": INFO_VERSION, "names": names, "variables": variables}
     graph = carried_graph(entries)
     if graph is not None:
-        info["object_graph"] = jsonable(graph)
+        # (the source's own graph when it is plain JSON, not a second copy of every node)
+        info["object_graph"] = graph if _plain_json(graph) else jsonable(graph)
     return planned, info
+
+
+def _plain_json(value: Any) -> bool:
+    """Whether :func:`jsonable` would give back ``value`` unchanged: plain dicts with string
+    keys and lists, down to strings, ints, bools, None and finite floats (the document is
+    only read, so it may be shared)."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        t = type(v)
+        if t is dict:
+            if value_types(v) - {str}:
+                return False
+            v = list(v.values())
+        elif t is not list:
+            if t not in _LEAVES and not (t is float and math.isfinite(v)):
+                return False
+            continue
+        kinds = value_types(v)
+        if not kinds <= _LEAVES:
+            if float in kinds and not all(math.isfinite(x) for x in v if type(x) is float):
+                return False
+            todo.extend(x for x in v if type(x) in _CONTAINERS)
+            if kinds - _LEAVES - _CONTAINERS - {float}:
+                return False
+    return True
+
+
+_CONTAINERS = frozenset({dict, list})
 
 
 def _json_attrs(attrs: Any) -> Any:
@@ -326,8 +375,28 @@ def read_batches(
     with ReadAhead() as ahead:
         for run in _spans.batches(range(len(planned)), sizes, limit or _spans.BULK_BYTES):
             tensors = [planned[k] for k in run]
+            asked = _ask_entries(tensors)
             ahead(t.entry for t in tensors)
             yield tensors
+            for t in asked:  # (the plan holds them no longer than their run)
+                t.entry = _LET_GO
+
+
+# What a planned tensor's ``entry`` is while its plan does not hold it (see PlannedTensor).
+_LET_GO = cast(Entry, None)
+
+
+def _ask_entries(tensors: Sequence[PlannedTensor]) -> list[PlannedTensor]:
+    """Give the ``tensors`` whose plan does not hold their entries their entries again, each
+    asked for once in the run; those tensors."""
+    asked = [t for t in tensors if t.source is not None]
+    made: dict[str, Entry] = {}
+    for t in asked:
+        entry = made.get(t.path)
+        if entry is None:
+            entry = made[t.path] = t.source[t.path]  # type: ignore[index]
+        t.entry = entry
+    return asked
 
 
 def read_run(tensors: Sequence[PlannedTensor], scratch: Scratch) -> tuple[np.ndarray, list[Any]]:

@@ -696,17 +696,18 @@ def write_npz(
         names=names,
         needs_record=lambda e: is_ml_dtype(e.dtype) or is_string_dtype(e.dtype),
         file=p,
+        hold_entries=False,  # (read through read_batches only)
     )
     for t in planned:
         if t.key == INFO_MEMBER[:-4] or t.key.endswith("#dtype"):
             raise InvalidEntryError(
-                f"key {t.key!r} is reserved in .npz files", file=p, variable=t.entry.path
+                f"key {t.key!r} is reserved in .npz files", file=p, variable=t.path
             )
         if t.dtype.kind not in "biufcO" and not is_ml_dtype(t.dtype):
             raise UnsupportedDtypeError(
                 ".npz cannot store this dtype",
                 file=p,
-                variable=t.entry.path,
+                variable=t.path,
                 expected="a numeric, bool or bytes dtype",
                 found=str(t.dtype),
             )
@@ -733,7 +734,7 @@ def write_npz(
                 with naming_file(p):
                     _buf, arrays = read_run(run, scratch)
                 for t, array in zip(run, arrays, strict=True):
-                    npy = little_endian(_to_npy(array, p, t.entry.path))
+                    npy = little_endian(_to_npy(array, p, t.path))
                     zw.add(
                         f"{t.key}.npy", [_npy_header(npy), npy] if npy.size else [_npy_header(npy)]
                     )

@@ -433,3 +433,16 @@ def test_components_primary_refuses_independent_buffers_like_extract(tmp_path, c
     assert (
         main(["extract", src, "rng/state", "--component", "1", "-o", str(tmp_path / "x.npy")]) == 0
     )
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz", ".h5"])
+def test_convert_reports_the_bytes_of_every_entry(
+    run_h5: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], suffix: str
+) -> None:
+    # A whole conversion's entries are made when the writer asks for them, their bytes noted
+    # then: the report counts every entry's bytes, as the source holds them.
+    assert main(["convert", run_h5, str(tmp_path / f"out{suffix}"), "--json"]) == 0
+    doc = _json(capsys)
+    with open_checkpoint(run_h5) as view:
+        want = (len(view), sum(int(view[k].nbytes) for k in view))
+    assert (doc["num_variables"], doc["bytes"]) == want

@@ -5,13 +5,17 @@ document's attributes against ``jsonable``; and a source entry's attributes left
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
 import struct
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import ClassVar
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from parallelvars.formats import ArrayEntry, DictView, open_checkpoint, to_key, write_checkpoint
@@ -140,6 +144,39 @@ def test_info_attributes_are_jsonable_of_the_entrys(tmp_path, attrs, shards) -> 
     assert _same(got, want)
 
 
+_GRAPH_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=4)
+    | st.sampled_from([np.int64(3), np.float32(0.5), b"x\xff"]),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=3) | st.integers(0, 3), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+
+
+@given(extra=_GRAPH_VALUES)
+@example(extra=[1.5, float("nan")])
+@example(extra={"k": float("-inf")})
+@example(extra=[[1, "a"], (2, "b")])
+@example(extra={"k": [np.int64(3)]})
+@_SETTINGS
+def test_info_object_graph_is_jsonable_of_the_sources(tmp_path, extra) -> None:
+    # The carried graph goes into the info as jsonable makes it (shared where it already is
+    # plain JSON, so a value jsonable would change must still be changed).
+    graph = {"version": 1, "nodes": [{"path": None, "x": extra}, {"path": "v", "children": []}]}
+    view = DictView({"v": ArrayEntry("v", [np.ones(2, np.float32)] * 2)})
+    view.object_graph = graph  # type: ignore[attr-defined]
+    write_safetensors(tmp_path / "g.safetensors", view)
+    got = _info(tmp_path / "g.safetensors")["object_graph"]
+    assert _same(got, json.loads(json.dumps(jsonable(graph))))
+
+
 def _same(a, b) -> bool:
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
@@ -166,3 +203,69 @@ def test_source_attributes_are_unchanged_by_a_write(tmp_path, fmt, shards) -> No
     assert entry.attrs == kept
     assert attrs == kept
     assert type(attrs["list"]) is list and attrs["list"] == [1, 2]
+
+
+# --- item: a plan holds no entry of a source that makes them when asked -----------------------
+
+
+class _Counted(ArrayEntry):
+    """An entry that notes how many of its kind are alive whenever one is read."""
+
+    live: ClassVar[weakref.WeakSet[ArrayEntry]] = weakref.WeakSet()
+    most = 0
+
+    def read_component_into(self, i: int, out: np.ndarray) -> None:
+        _Counted.most = max(_Counted.most, len(_Counted.live))
+        super().read_component_into(i, out)
+
+
+class _MadeWhenAsked(Mapping[str, ArrayEntry]):
+    """A source whose entries are made each time one is asked for (as a conversion's are)."""
+
+    makes_entries = True
+    metadata: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, n: int) -> None:
+        self._paths = [f"model/w{i}" for i in range(n)]
+
+    def __getitem__(self, key: str) -> ArrayEntry:
+        k = self._paths.index(key)
+        value = np.arange(4, dtype=np.float32) + k
+        entry = _Counted(key, [value, value], kind="mirrored")
+        _Counted.live.add(entry)
+        return entry
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._paths)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
+def test_plan_lets_go_of_entries_made_when_asked(tmp_path, monkeypatch, suffix):
+    # Runs of at most 64 bytes: 4 tensors of 16 bytes, so at most 4 variables' entries are
+    # alive while one is read (the plan holds none between runs); the file is the one the
+    # same entries held in a dict give.
+    monkeypatch.setattr("parallelvars._spans.BULK_BYTES", 64)
+    source = _MadeWhenAsked(30)
+    held = {k: source[k] for k in source}
+    write_checkpoint(str(tmp_path / f"held{suffix}"), held)
+    del held
+    gc.collect()
+    _Counted.most = 0
+    write_checkpoint(str(tmp_path / f"asked{suffix}"), source)
+    assert 0 < _Counted.most <= 4
+    a, b = (
+        open_checkpoint(str(tmp_path / f"held{suffix}")),
+        open_checkpoint(str(tmp_path / f"asked{suffix}")),
+    )
+    with a, b:
+        assert list(a) == list(b)
+        for k in a:
+            assert a[k].kind == b[k].kind == "mirrored"
+            np.testing.assert_array_equal(a[k].component(1), b[k].component(1))
+    if suffix == ".safetensors":
+        assert (tmp_path / "held.safetensors").read_bytes() == (
+            tmp_path / "asked.safetensors"
+        ).read_bytes()

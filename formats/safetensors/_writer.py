@@ -9,7 +9,7 @@ import re
 import secrets
 import struct
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, cast
+from typing import Any
 
 import crc32c as _crc32c_module
 import numpy as np
@@ -35,7 +35,6 @@ from parallelvars.formats.safetensors._integrity import (
     RAW_PREFIX,
     _crc_record,
     _index_crc,
-    raw_header_crc,
 )
 from parallelvars.formats.safetensors._layout import (
     CRC_KEY,
@@ -56,7 +55,7 @@ def _storage(t: PlannedTensor, file: str) -> tuple[str, tuple[int, ...]]:
         raise UnsupportedDtypeError(
             "safetensors cannot store string tensors",
             file=file,
-            variable=t.entry.path,
+            variable=t.path,
             expected="a numeric dtype",
             found="bytes",
         )
@@ -67,7 +66,7 @@ def _storage(t: PlannedTensor, file: str) -> tuple[str, tuple[int, ...]]:
         raise UnsupportedDtypeError(
             "safetensors cannot store this dtype",
             file=file,
-            variable=t.entry.path,
+            variable=t.path,
             expected="a numeric dtype",
             found=str(t.dtype),
         )
@@ -100,31 +99,43 @@ def _json_string(text: str) -> str:
     return f'"{text}"' if _NEEDS_ESCAPE.search(text) is None else dumps(text)
 
 
-def _header_bytes(
+def _header_parts(
     metadata: dict[str, str],
     described: Iterable[str],
     record: str,
     path: str,
-) -> bytearray:
+) -> list[bytes]:
     """The header of a file of the ``described`` tensors (each its member's text,
     ``"key":{...}``, as :func:`dumps` writes it: :func:`_described`) with our checksum
-    ``record``: the bytes :func:`dumps` makes of the whole header as one object, encoded
-    member by member as they come (no object per tensor, no second copy of the text)."""
+    ``record``: the bytes :func:`dumps` makes of the whole header as one object, in pieces
+    written one after the other (the metadata object second, then the members in blocks of
+    :data:`_MEMBERS_PER_PART`): no object per tensor, no single buffer grown (and copied)
+    to the header's size, which at 300,000 tensors passes 60 MB."""
     meta = dict(metadata)
     meta[CRC_KEY] = record
-    raw = bytearray(b'{"__metadata__":')
-    raw += dumps(meta).encode("utf-8")
+    parts = [b'{"__metadata__":', dumps(meta).encode("utf-8")]
+    block: list[str] = []
     for member in described:
-        raw += b","
-        raw += member.encode("utf-8")
-    raw += b"}"
-    raw += b" " * (-len(raw) % 8)  # the buffer starts 8-byte aligned, as the reference writes it
-    if len(raw) > MAX_HEADER_SIZE:
+        block.append(member)
+        if len(block) == _MEMBERS_PER_PART:
+            parts.append(("," + ",".join(block)).encode("utf-8"))
+            block = []
+    if block:
+        parts.append(("," + ",".join(block)).encode("utf-8"))
+    size = sum(map(len, parts)) + 1
+    # (the buffer starts 8-byte aligned, as the reference writes it)
+    parts.append(b"}" + b" " * (-size % 8))
+    size += -size % 8
+    if size > MAX_HEADER_SIZE:
         raise InvalidEntryError(
-            f"{path}: the safetensors header would be {len(raw)} bytes, over the "
+            f"{path}: the safetensors header would be {size} bytes, over the "
             f"{MAX_HEADER_SIZE} bytes readers accept; write a shard set or fewer tensors"
         )
-    return raw
+    return parts
+
+
+#: Tensors' members joined into one piece of the header (a few hundred kB of text).
+_MEMBERS_PER_PART = 4096
 
 
 def _described(key: str, dtype: str, shape: tuple[int, ...], start: int, stop: int) -> str:
@@ -163,24 +174,27 @@ def _write_one(
     # The header with a placeholder record of the final one's length (every CRC is 8 hex
     # digits): the final record, known once the tensors are written, takes its place.
     placeholder = RAW_PREFIX + "0" * (8 * (len(crcs) + 1))
-    raw = _header_bytes(metadata, described(), placeholder, path)
-    # (Its one place: a string's quotes are escaped, so `"key":"` is the key's own.)
-    at = raw.index(f"{json.dumps(CRC_KEY)}:{json.dumps(placeholder)}".encode())
-    at += len(json.dumps(CRC_KEY)) + 2
+    parts = _header_parts(metadata, described(), placeholder, path)
+    size = sum(map(len, parts))
+    # (Its one place, in the metadata object, the header's second piece: a string's quotes
+    # are escaped, so `"key":"` is the key's own.)
+    at = parts[1].index(f"{json.dumps(CRC_KEY)}:{json.dumps(placeholder)}".encode())
+    at += len(parts[0]) + len(json.dumps(CRC_KEY)) + 2
     # The header's CRC covers its bytes as written, the record's digits as the zeros they
-    # are now (_integrity.RAW_PREFIX).
-    # (raw_header_crc only slices and checksums the buffer: a bytearray serves as bytes, and
-    # copying the header to pass it would double its memory.)
-    header_crc = raw_header_crc(
-        cast(bytes, raw), at + len(RAW_PREFIX), len(placeholder) - len(RAW_PREFIX)
-    )
+    # are now (_integrity.RAW_PREFIX: raw_header_crc's, taken piece by piece).
+    crc = 0
+    for part in parts:
+        crc = _crc32c_module.crc32c(part, crc)
+    header_crc = f"{crc:08x}"
     # Whether a dtype's values are stored byte-swapped (asked once per dtype, not per tensor).
     swapped_dtypes: dict[np.dtype, bool] = {}
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-        data_start = 8 + len(raw)
+            f.write(struct.pack("<Q", size))
+            for part in parts:
+                f.write(part)
+        del parts
+        data_start = 8 + size
         # The tensors' bytes in runs (read_batches: the source's files read in bulk), each
         # run read into one buffer, every tensor checksummed there while it is in the cache,
         # and the run written at once (DataWriter: the disk asked to start every 8 MiB).
@@ -198,7 +212,7 @@ def _write_one(
                         raise CorruptCheckpointError(
                             "component has another size than declared",
                             file=path,
-                            variable=t.entry.path,
+                            variable=t.path,
                             expected=f"{t.nbytes} bytes",
                             found=f"{n} bytes",
                         )
@@ -282,7 +296,11 @@ def write_safetensors(
     if metadata is None:
         metadata = getattr(entries, "metadata", None) or {}
     planned, info = plan_tensors(
-        entries, names=names, needs_record=lambda e: _st_name(e.dtype) is None, file=p
+        entries,
+        names=names,
+        needs_record=lambda e: _st_name(e.dtype) is None,
+        file=p,
+        hold_entries=False,  # (read through read_batches only)
     )
     info["checksums"] = "crc32c"  # every file written carries CRC_KEY; its loss is damage
     # The info in columns (version 2, formats/_info_columns.py): a fraction of the per-variable
@@ -294,7 +312,7 @@ def write_safetensors(
             raise InvalidEntryError(
                 "a tensor cannot be stored under the header's metadata key",
                 file=p,
-                variable=t.entry.path,
+                variable=t.path,
                 expected="a tensor key other than '__metadata__' (reserved by safetensors)",
                 found=t.key,
             )
