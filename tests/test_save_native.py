@@ -703,3 +703,23 @@ def test_repeated_saves_of_the_live_records_reuse_their_gathered_writes(tmp_path
         mgr.save(blocking=False)
         mgr.wait()
     assert prep.batches[1] is laid  # (the copies' batches were not kept)
+
+
+def test_a_repeated_save_asks_the_disk_for_its_metadata_as_it_writes_it(tmp_path, monkeypatch):
+    """A save through a cached plan writes the metadata image first and asks the disk to
+    start on it at once (while the components' writes are laid out), not at the fsync."""
+    m = pv.Module()
+    with pv.MirroredStrategy(2).scope():
+        m.vs = [pv.Variable(np.full(100, i, np.float32), name=f"v{i}") for i in range(50)]
+    ckpt = pv.Checkpoint(model=m)
+    ckpt.write(tmp_path / "a.h5")
+    asked: list[tuple[int, int]] = []
+    real = native.start_writeback
+    monkeypatch.setattr(
+        native, "start_writeback", lambda fd, at, n: asked.append((at, n)) or real(fd, at, n)
+    )
+    path = ckpt.write(tmp_path / "b.h5")
+    prep = ckpt._pv_plans.held
+    assert isinstance(prep, native.Prepared) and asked == [(0, len(prep.image))]
+    with H5Reader(path) as reader:
+        assert reader.verify_all() == []

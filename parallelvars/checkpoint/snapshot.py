@@ -8,11 +8,13 @@ is not copied: it is compared with the first, and shares its copy, as the file s
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import functools
 import itertools
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -56,6 +58,10 @@ _RUN_MAX = 8 << 20
 # Runs over the same first components are compared this many bytes at a time (each piece of
 # the first components stays in the CPU cache while every replica row is compared with it).
 _COMPARE_PIECE = 256 << 10
+# What a plan makes when first read (from the components' addresses: see SnapshotPlan).
+_PLACED = frozenset(
+    ("_run_groups", "lone", "nbytes", "offsets", "runs", "singles", "span_of", "spans")
+)
 
 
 def _unchanged(live: np.ndarray, copied: np.ndarray) -> bool:
@@ -119,12 +125,19 @@ class SnapshotPlan:
         lone: the replicas compared one by one (in no run).
         starts: the number of each record's first component (then the total).
         nbytes: the bytes a snapshot copies.
+
+    ``flat``, ``starts``, ``primary`` and ``divergent`` are made with the plan: what a save
+    needs to take the replicas as equal while it lays out the file. The rest (the spans and
+    runs, from every component's address: a few times the cost) is made when first read: by
+    the replicas' comparison, which a save makes while its bytes are written, or by a
+    snapshot.
     """
 
     __slots__ = (
         "_kept",
         "_layout",
         "_lock",
+        "_plain",
         "_run_groups",
         "divergent",
         "flat",
@@ -151,7 +164,7 @@ class SnapshotPlan:
         self.flat: list[np.ndarray] = [c for r in records for c in r.components]
         self.starts = list(itertools.accumulate((len(r.components) for r in records), initial=0))
         flat = self.flat
-        plain = [_plain(c) for c in flat]
+        self._plain = plain = [_plain(c) for c in flat]
         self.primary = primary = list(range(len(flat)))
         for n, r in enumerate(records):
             start, end = self.starts[n], self.starts[n + 1]
@@ -163,29 +176,49 @@ class SnapshotPlan:
                 for i in range(start + 1, end)
             ):
                 primary[start + 1 : end] = [start] * (end - start - 1)
-        self.span_of = [-1] * len(flat)
-        self.offsets = [0] * len(flat)
-        self.singles: list[int] = []
-        self.lone: list[int] = []
+        self._kept: _Copies | None = None
+        self._layout = object()  # (copies are for this layout only: see share_less)
+        if not hasattr(self, "_lock"):
+            self._lock = threading.Lock()
+        for name in _PLACED:  # (made again when next read)
+            with contextlib.suppress(AttributeError):
+                object.__delattr__(self, name)
+
+    def __getattr__(self, name: str) -> Any:
+        """The spans and runs (``_PLACED``), made when one is first read (see the class)."""
+        if name not in _PLACED:
+            raise AttributeError(name)
+        with older_objects_frozen():
+            self._place()
+            freeze_made_so_far()
+        return object.__getattribute__(self, name)
+
+    def _place(self) -> None:
+        # (made apart and set together: a plan read by two threads at once gets one layout)
+        flat, primary, plain = self.flat, self.primary, self._plain
+        span_of = [-1] * len(flat)
+        offsets = [0] * len(flat)
+        singles: list[int] = []
+        lone: list[int] = []
         roots: dict[int, tuple[np.ndarray, int, list[tuple[int, int, int]]]] = {}
         pairs: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
         where: list[tuple[int, int] | None] = [None] * len(flat)  # (root's id, address)
         for i, c in enumerate(flat):
             j = primary[i]
             if not plain[i]:
-                self.singles.append(i)
+                singles.append(i)
                 continue
             root = _root(c)
             group = roots.get(id(root))
             if group is None:
                 if root.dtype.kind == "O" or not root.flags.c_contiguous:
-                    (self.lone if j != i else self.singles).append(i)
+                    (lone if j != i else singles).append(i)
                     continue
                 group = roots[id(root)] = (root, _address(root), [])
             addr = _address(c)
             if not group[1] <= addr <= addr + c.nbytes <= group[1] + root.nbytes:
                 # (not inside its base's bytes: never seen, but neither a span nor a run)
-                (self.lone if j != i else self.singles).append(i)
+                (lone if j != i else singles).append(i)
                 continue
             if j == i:
                 group[2].append((addr, addr + c.nbytes, i))
@@ -193,25 +226,25 @@ class SnapshotPlan:
                 continue
             first = where[j]
             if first is None:  # (its first is copied by itself: compared one by one)
-                self.lone.append(i)
+                lone.append(i)
                 continue
             pairs.setdefault((id(root), first[0], addr - first[1]), []).append(
                 (addr, addr + c.nbytes, i)
             )
-        self.spans: list[tuple[np.ndarray, int, list[int]]] = []
+        spans: list[tuple[np.ndarray, int, list[int]]] = []
         for root, base, members in roots.values():
             whole = byte_view(root)
             for lo, hi, run in _runs(members, _SPAN_MAX):
                 for addr, _, i in run:
-                    self.span_of[i], self.offsets[i] = len(self.spans), addr - lo
-                self.spans.append((whole[lo - base : hi - base], lo, [e[2] for e in run]))
-        self.runs: list[tuple[np.ndarray, np.ndarray, list[int]]] = []
+                    span_of[i], offsets[i] = len(spans), addr - lo
+                spans.append((whole[lo - base : hi - base], lo, [e[2] for e in run]))
+        runs: list[tuple[np.ndarray, np.ndarray, list[int]]] = []
         for (root_id, first_id, delta), members in pairs.items():
             root, base, _ = roots[root_id]
             first_root, first_base, _ = roots[first_id]
             whole, first_whole = byte_view(root), byte_view(first_root)
             for lo, hi, run in _runs(members, _RUN_MAX):
-                self.runs.append(
+                runs.append(
                     (
                         whole[lo - base : hi - base],
                         first_whole[lo - delta - first_base : hi - delta - first_base],
@@ -220,16 +253,12 @@ class SnapshotPlan:
                 )
         # the runs over the same bytes of the first components, compared together
         together: dict[tuple[int, int], list[int]] = {}
-        for k, (_, firsts, _) in enumerate(self.runs):
+        for k, (_, firsts, _) in enumerate(runs):
             together.setdefault((_address(firsts), firsts.size), []).append(k)
-        self._run_groups = list(together.values())
-        self.nbytes = sum(live.size for live, _, _ in self.spans) + sum(
-            self.flat[i].nbytes for i in self.singles
-        )
-        self._kept: _Copies | None = None
-        self._layout = object()  # (copies are for this layout only: see share_less)
-        if not hasattr(self, "_lock"):
-            self._lock = threading.Lock()
+        run_groups = list(together.values())
+        nbytes = sum(live.size for live, _, _ in spans) + sum(flat[i].nbytes for i in singles)
+        self.span_of, self.offsets, self.singles, self.lone = span_of, offsets, singles, lone
+        self.spans, self.runs, self._run_groups, self.nbytes = spans, runs, run_groups, nbytes
 
     def replicas_differing(self) -> list[int]:
         """The replicas whose bytes differ from their first components' now (live both).

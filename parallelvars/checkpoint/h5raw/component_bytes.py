@@ -110,35 +110,39 @@ def _batches(
     :data:`_FUSE_BYTES` is a write of its own.
     The plan lays the stored components out in order: a component at an offset not past the
     last one's is stored as another's dataset (not written again)."""
-    placed: list[Member] = []
-    last = -1
-    offsets = plan.offsets
-    for k, (e, cs) in enumerate(zip(items, comps, strict=True)):
-        for i, (off, c) in enumerate(zip(offsets[e.path], cs, strict=True)):
-            if off is not None and off > last and c.nbytes:
-                placed.append((off, c, k, i, _raw(c)))
-                last = off
     out: list[Batch] = []
-    k = 0
+    buffers: list[Any] = []
+    members: list[Member] = []
+    start = end = last = -1
     limit = IOV_MAX - 1
-    while k < len(placed):
-        start = placed[k][0]
-        buffers: list[Any] = []
-        members: list[Member] = []
-        end = start
-        while k < len(placed) and len(buffers) < limit:
-            m = placed[k]
-            off, c = m[0], m[1]
-            if buffers and off + c.nbytes - start > _FUSE_BYTES:
-                break
-            if off != end:
-                if off - end > 64:
-                    break
+    offsets = plan.offsets
+    # (one pass over the components, each batch ended as the next component does not fit it)
+    for k, (e, cs) in enumerate(zip(items, comps, strict=True)):
+        offs = offsets[e.path]
+        if len(offs) != len(cs):
+            raise ValueError(f"{e.path}: {len(cs)} components, {len(offs)} offsets planned")
+        for i, off in enumerate(offs):
+            if off is None or off <= last:
+                continue
+            c = cs[i]
+            n = c.nbytes
+            if not n:
+                continue
+            last = off
+            if buffers and (
+                off + n - start > _FUSE_BYTES or off - end > 64 or len(buffers) >= limit
+            ):
+                out.append((start, buffers, end - start, members))
+                buffers, members = [], []
+            if not buffers:
+                start = end = off
+            elif off != end:
                 buffers.append(_ZEROS[: off - end])
-            buffers.append(m[4])
-            members.append(m)
-            end = off + c.nbytes
-            k += 1
+            raw = _raw(c)
+            buffers.append(raw)
+            members.append((off, c, k, i, raw))
+            end = off + n
+    if buffers:
         out.append((start, buffers, end - start, members))
     return out
 

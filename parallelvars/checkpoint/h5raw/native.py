@@ -31,6 +31,7 @@ from parallelvars._dtypes import dtype_name
 from parallelvars._fileio import (
     atomic_path,
     pwrite_all,
+    start_writeback,
 )
 from parallelvars._geometry import shard_shapes
 from parallelvars.checkpoint._gcfreeze import freeze_made_so_far
@@ -670,11 +671,15 @@ def _prepare(
 def _write_image(fd: int, prep: Prepared) -> None:
     """Write the metadata image of ``prep``'s structure: kept in memory, or (a structure of
     more than ``generate.KEPT_IMAGE_BYTES`` of metadata) copied from the file it was spilled
-    to."""
+    to; the disk is asked to start on it at once (it works on the image while the helper
+    thread lays out the components' writes, instead of at the ``fsync``)."""
     if isinstance(prep.image, SpilledImage):
         prep.image.write_to(fd)
+        size = prep.image.size
     else:
+        size = memoryview(prep.image).nbytes
         pwrite_all(fd, memoryview(prep.image), 0)
+    start_writeback(fd, 0, size)
 
 
 def _documents(prep: Prepared, flat: Sequence[int]) -> dict[str, bytes]:
