@@ -335,14 +335,16 @@ class H5Reader(BulkReads, Mapping[str, StoredVariable]):
         self._names = sorted(table.names)
         self._variables = {}
         general = [
-            name
-            for name, direct, kind, dtype in zip(
-                table.names, table.direct, table.kinds, table.dtypes, strict=True
+            (name, row)
+            for row, (name, direct, kind, dtype) in enumerate(
+                zip(table.names, table.direct, table.kinds, table.dtypes, strict=True)
             )
             if not direct and (kind == "sharded" or dtype.kind == "O")
         ]
-        for name in sorted(general):  # (the first bad one in path order raises, as before)
-            self._variables[name] = StoredVariable(self, name, metas[name])
+        by_row = metas.entry if isinstance(metas, ColumnEntries) else None
+        for name, row in sorted(general):  # (the first bad one in path order raises, as before)
+            meta = metas[name] if by_row is None else by_row(row)  # (no lookup by path)
+            self._variables[name] = StoredVariable(self, name, meta)
         if table.check_placement(self.path, self.file_size):
             self.table = table
 
