@@ -190,6 +190,26 @@ def test_a_reader_that_walks_every_row_makes_no_mapping_of_its_paths(tmp_path):
         assert list(r.table.rows) == r.table.names and len(r.table.rows) == len(r)
 
 
+@pytest.mark.parametrize(
+    "graph, kind",
+    [
+        ({"a": [{"b": 1}, "c"], "d": {}}, "parallelvars"),
+        ({}, "parallelvars"),
+        ([{"x": 1}, 2], "other"),
+        ("text", "other"),
+        (None, None),
+    ],
+)
+def test_what_the_graph_is_is_known_whether_the_reader_keeps_it_or_not(tmp_path, graph, kind):
+    """A reader that does not keep the object graph drops each of its objects as it is
+    decoded at open: what the graph is, and the graph itself when asked for, are the same."""
+    record = SaveRecord("single", [np.arange(3, dtype=np.float32)], (3,), {}, path="w")
+    path = write_native(str(tmp_path / "g.h5"), [record], object_graph=graph)
+    for keep in (True, False):
+        with H5Reader(path, keep_entries=keep) as r:
+            assert (r.graph_kind, r.object_graph) == (kind, graph)
+
+
 def test_a_damaged_data_byte_falls_back_and_is_named(tmp_path, monkeypatch):
     path = generated(tmp_path)
     with H5Reader(path) as r:
