@@ -122,7 +122,8 @@ def test_every_generated_structure_verifies_by_regeneration(tmp_path, records, s
 @pytest.mark.parametrize("share", [False, True])
 def test_verify_makes_and_compares_its_texts_a_few_rows_at_a_time(tmp_path, monkeypatch, share):
     """The documents' expected texts are made a few rows (and list items) at a time and
-    compared a few bytes at a time, the components checked a few at a time: batches of 1 to 3
+    compared a few bytes at a time, the components checked a few at a time and their sharing
+    found a few rows at a time: batches of 1 to 3
     still regenerate the file exactly, and one changed byte anywhere in the index or columns
     document (its padding too) is found by that comparison.
 
@@ -149,6 +150,7 @@ def test_verify_makes_and_compares_its_texts_a_few_rows_at_a_time(tmp_path, monk
         monkeypatch.setattr(f"{rg}._ROWS", rows)
         monkeypatch.setattr(f"{rg}._TEXT_CHUNK", chunk)
         monkeypatch.setattr(f"{rg}._BATCH", batch)
+        monkeypatch.setattr(f"{rg}._WINDOW", rows)  # (the sharing found a few rows at a time)
         no_dataset_walk(monkeypatch)
         with H5Reader(path) as r:
             assert sound_as_generated(r)
@@ -173,6 +175,39 @@ def test_verify_makes_and_compares_its_texts_a_few_rows_at_a_time(tmp_path, monk
                         missed.append((name, where - at))
         assert missed == [], rows
         monkeypatch.undo()
+
+
+def test_a_reader_that_walks_every_row_makes_no_mapping_of_its_paths(tmp_path):
+    """verify walks the rows in order: the path -> row mapping (8 MB at 150,000 rows) is
+    made only when a path is first looked up, and then answers as a dict would."""
+    path = generated(tmp_path, n=7)
+    with H5Reader(path, keep_entries=False) as r:
+        assert r.verify_all() == []
+        assert r.table.rows._rows is None
+        assert r.table.rows.get("m/v3") == r.table.names.index("m/v3")
+        assert r["m/v3"].component(0).tolist() == list(range(3, 43))
+        assert "m/nope" not in r and r.table.rows.get("m/nope", -1) == -1
+        assert list(r.table.rows) == r.table.names and len(r.table.rows) == len(r)
+
+
+@pytest.mark.parametrize(
+    "graph, kind",
+    [
+        ({"a": [{"b": 1}, "c"], "d": {}}, "parallelvars"),
+        ({}, "parallelvars"),
+        ([{"x": 1}, 2], "other"),
+        ("text", "other"),
+        (None, None),
+    ],
+)
+def test_what_the_graph_is_is_known_whether_the_reader_keeps_it_or_not(tmp_path, graph, kind):
+    """A reader that does not keep the object graph drops each of its objects as it is
+    decoded at open: what the graph is, and the graph itself when asked for, are the same."""
+    record = SaveRecord("single", [np.arange(3, dtype=np.float32)], (3,), {}, path="w")
+    path = write_native(str(tmp_path / "g.h5"), [record], object_graph=graph)
+    for keep in (True, False):
+        with H5Reader(path, keep_entries=keep) as r:
+            assert (r.graph_kind, r.object_graph) == (kind, graph)
 
 
 def test_a_damaged_data_byte_falls_back_and_is_named(tmp_path, monkeypatch):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import crc32c as _crc32c
@@ -169,8 +169,16 @@ def _write_json(
     return ds, crc
 
 
-def _read_json(f: h5py.File, name: str, file: str, *, required: bool = False) -> Any:
-    """Read a document written by :func:`_write_json` (or an older variable-length one)."""
+def _read_json(
+    f: h5py.File,
+    name: str,
+    file: str,
+    *,
+    required: bool = False,
+    object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
+) -> Any:
+    """Read a document written by :func:`_write_json` (or an older variable-length one);
+    ``object_pairs_hook`` as :func:`json.loads` takes it."""
     dsid = _h5policy.open_dataset(f.id, f"/{name}", file)
     if dsid is None:
         if required:
@@ -195,7 +203,13 @@ def _read_json(f: h5py.File, name: str, file: str, *, required: bool = False) ->
             expected=f"crc32c {int(stored):#010x}",
             found=f"crc32c {_crc32c.crc32c(raw):#010x}",
         )
-    return load_json(raw, file=file, variable=name, what="metadata document")
+    return load_json(
+        raw,
+        file=file,
+        variable=name,
+        what="metadata document",
+        object_pairs_hook=object_pairs_hook,
+    )
 
 
 def _check_document(ds: h5py.Dataset, file: str, name: str) -> None:

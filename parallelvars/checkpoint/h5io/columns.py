@@ -18,7 +18,13 @@ import numpy as np
 from parallelvars._fileio import value_types
 from parallelvars._ints import unique_ints
 from parallelvars.checkpoint.entry import AGGREGATIONS, MAX_COMPONENTS, layout_problem
-from parallelvars.checkpoint.h5io.index_table import _NONE, IndexTable, _assemble, one_each
+from parallelvars.checkpoint.h5io.index_table import (
+    _NONE,
+    IndexTable,
+    RowIndex,
+    _assemble,
+    one_each,
+)
 from parallelvars.checkpoint.h5io.layout import COLUMNS_DATASET, COLUMNS_ROW_ATTRS, COLUMNS_VERSION
 from parallelvars.checkpoint.h5io.stored import _dtype_named
 from parallelvars.errors import CorruptCheckpointError, UnsupportedDtypeError
@@ -405,7 +411,7 @@ class ColumnEntries(Mapping[str, dict[str, Any]]):
     def __init__(
         self,
         doc: dict[str, Any],
-        rows: dict[str, int],
+        rows: Mapping[str, int],
         dim_first: np.ndarray,
         comp_first: np.ndarray,
         offsets: np.ndarray | None = None,
@@ -424,7 +430,10 @@ class ColumnEntries(Mapping[str, dict[str, Any]]):
         self.crcs = crcs
 
     def __getitem__(self, path: str) -> dict[str, Any]:
-        row = self._rows[path]
+        return self.entry(self._rows[path])
+
+    def entry(self, row: int) -> dict[str, Any]:
+        """Row ``row``'s entry (as ``self[path]`` of its path)."""
         doc = self._doc
         layout = doc["layouts"][doc["layout"][row]]
         d, c = int(self._dim_first[row]), int(self._comp_first[row])
@@ -679,7 +688,10 @@ def _columns_table(doc: Any, file: str) -> tuple[IndexTable | None, ColumnEntrie
     # (the lists' values are the arrays' now: the lists are let go)
     doc["offsets"] = doc["crc32c"] = None
     del dim_list, first_list
-    entries = ColumnEntries(doc, row_of, dim_first, first, offsets, crcs)
+    # (each path's row looked up from here on: its mapping made when first asked for)
+    del row_of
+    index = RowIndex(paths)
+    entries = ColumnEntries(doc, index, dim_first, first, offsets, crcs)
     if not canonical:
         return None, entries
     try:
@@ -706,6 +718,6 @@ def _columns_table(doc: Any, file: str) -> tuple[IndexTable | None, ColumnEntrie
         offsets,
         located,
         crcs,
-        row_of,
+        index,
     )
     return table, entries  # (None: a size past 2**62 bytes, which the general path names)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -33,6 +33,39 @@ def one_each(values: Iterable[_T]) -> list[_T]:
     seen: dict[Any, Any] = {}
     keep = seen.setdefault
     return [keep(v, v) for v in values]
+
+
+class RowIndex(Mapping[str, int]):
+    """Each name's row, from the rows' names (each once: checked by the caller), its
+    mapping made when a name is first looked up: a reader that walks every row in order
+    (``verify``, ``inspect``) never holds one (at 150,000 rows, 8 MB of dict and ints)."""
+
+    __slots__ = ("_names", "_rows")
+
+    def __init__(self, names: list[str]) -> None:
+        self._names = names
+        self._rows: dict[str, int] | None = None
+
+    def _mapping(self) -> dict[str, int]:
+        rows = self._rows
+        if rows is None:  # (two threads may both make it: equal dicts, either kept)
+            rows = self._rows = dict(zip(self._names, range(len(self._names)), strict=True))
+        return rows
+
+    def __getitem__(self, name: str) -> int:
+        return self._mapping()[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self._mapping().get(name, default)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._mapping()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 class IndexTable:
@@ -83,11 +116,11 @@ class IndexTable:
         located: np.ndarray,
         direct: list[bool],
         row_nbytes: list[int],
-        rows: dict[str, int] | None = None,
+        rows: Mapping[str, int] | None = None,
     ) -> None:
         self.names = names
-        # (each name's row; made here unless given)
-        self.rows = dict(zip(names, range(len(names)), strict=True)) if rows is None else rows
+        # (each name's row; made when first looked up unless given)
+        self.rows = RowIndex(names) if rows is None else rows
         self.kinds = kinds
         self.dtypes = dtypes
         self.shapes = shapes
@@ -292,7 +325,7 @@ def _assemble(
     offsets: np.ndarray,
     located: np.ndarray | None,
     crcs: np.ndarray,
-    row_of: dict[str, int] | None = None,
+    row_of: Mapping[str, int] | None = None,
 ) -> IndexTable | None:
     """The :class:`IndexTable` of validated columns (every dimension, offset and checksum in
     range, every dtype name in ``dtype_of``); None when a variable's size reaches 2**62

@@ -365,6 +365,9 @@ def _texts(values: list[Any]) -> list[str]:
 #: Rows (or list items) whose text is made at once.
 _ROWS = 1024
 
+#: Rows whose components' sharing is found at once (:class:`_Rows`).
+_WINDOW = 1 << 14
+
 
 def _json_pieces(value: Any) -> Iterator[str]:
     """``json.dumps(value)`` in pieces: a long list's items (and a mapping's long lists) a
@@ -511,7 +514,7 @@ def _index_pieces(reader: H5Reader) -> Iterator[str]:
 class _Rows(Sequence[Any]):
     """The plan's variables, one made from the reader's table (and its columns' attributes)
     when the plan takes it: never a list of them all. Which component each component shares
-    its dataset with (:func:`_sharing`, for every row at once): the first of its row at the
+    its dataset with (:func:`_sharing`, a window of rows at a time): the first of its row at the
     same offset; empty components of a variable that is not sharded (no offset tells them
     apart) all the first one's with ``share_empty``, and the reader is told its guess was
     needed. Rows of one pattern share one list of it (the plan copies what it keeps)."""
@@ -519,11 +522,36 @@ class _Rows(Sequence[Any]):
     def __init__(self, reader: H5Reader, share_empty: bool) -> None:
         self._reader = reader
         table = reader.table
-        first, offsets = table.first, table.offsets
         rows = len(table.names)
+        empty = np.fromiter(
+            (
+                k != "sharded" and 0 in shape
+                for k, shape in zip(table.kinds, table.shapes, strict=True)
+            ),
+            bool,
+            rows,
+        ) & (np.diff(table.first) > 1)
+        if empty.any():
+            reader._empty_shared_ambiguous = True
+        self._pattern = np.full(rows, -1, np.int64)
+        self._patterns: list[list[int]] = []
+        number: dict[tuple[int, ...], int] = {}  # a pattern -> its place in _patterns
+        # (a window of rows at a time: the sorts' arrays are a window's, not every slot's)
+        for a in range(0, rows, _WINDOW):
+            b = min(a + _WINDOW, rows)
+            self._window(a, b, empty[a:b] if share_empty else None, number)
+
+    def _window(
+        self, a: int, b: int, empty: np.ndarray | None, number: dict[tuple[int, ...], int]
+    ) -> None:
+        """The sharing patterns of rows ``a:b`` (``empty``: those whose empty components
+        all share the first's dataset)."""
+        table = self._reader.table
+        first = table.first[a : b + 1] - table.first[a]
+        offsets = table.offsets[table.first[a] : table.first[b]]
         counts = np.diff(first)
         slots = np.arange(offsets.size, dtype=np.int64)
-        row_of = np.repeat(np.arange(rows, dtype=np.int64), counts)
+        row_of = np.repeat(np.arange(b - a, dtype=np.int64), counts)
         # Each slot's first slot of its row at its offset (a slot without one: itself).
         order = np.lexsort((slots, offsets, row_of))
         o, r = offsets[order], row_of[order]
@@ -532,28 +560,22 @@ class _Rows(Sequence[Any]):
         at = np.maximum.accumulate(np.where(head, np.arange(o.size, dtype=np.int64), 0))
         local = np.empty(o.size, np.int64)
         local[order] = order[at] - first[r]
-        own = slots - first[row_of]
-        empty = np.fromiter(
-            (
-                k != "sharded" and 0 in shape
-                for k, shape in zip(table.kinds, table.shapes, strict=True)
-            ),
-            bool,
-            rows,
-        ) & (counts > 1)
-        if empty.any():
-            reader._empty_shared_ambiguous = True
-            if share_empty:
-                local[np.repeat(empty, counts)] = 0
-        special = np.bincount(row_of[local != own], minlength=rows) > 0
-        self._pattern = np.full(rows, -1, np.int64)
-        self._patterns: list[list[int]] = []
+        del order, o, r, head, at
+        if empty is not None and empty.any():
+            local[np.repeat(empty, counts)] = 0
+        special = np.bincount(row_of[local != slots - first[row_of]], minlength=b - a) > 0
         for n in np.unique(counts[special]).tolist():
             these = np.flatnonzero(special & (counts == n))
             grid = local[first[these][:, None] + np.arange(n, dtype=np.int64)]
             distinct, which = np.unique(grid, axis=0, return_inverse=True)
-            self._pattern[these] = len(self._patterns) + which.reshape(-1)
-            self._patterns += distinct.tolist()
+            ids = []
+            for pattern in map(tuple, distinct.tolist()):
+                k = number.get(pattern)
+                if k is None:
+                    k = number[pattern] = len(self._patterns)
+                    self._patterns.append(list(pattern))
+                ids.append(k)
+            self._pattern[a + these] = np.array(ids, np.int64)[which.reshape(-1)]
 
     def __len__(self) -> int:
         return len(self._reader.table.names)
