@@ -218,7 +218,7 @@ EXIT_SCRIPT = textwrap.dedent(
     mgr = pv.CheckpointManager(ckpt, directory)
     w.assign(np.ones((256, 64), np.float32)); step.assign(1)
     mgr.save()
-    real = native._check_all_components
+    real = native._check_components
 
     def slow(*args):
         time.sleep(0.05)  # the write is still running when the main thread ends
@@ -226,7 +226,7 @@ EXIT_SCRIPT = textwrap.dedent(
             raise OSError(28, "No space left on device")
         return real(*args)
 
-    native._check_all_components = slow
+    native._check_components = slow
     PlanCache.get = lambda self, key: None  # prepared anew, which checks each entry
     w.assign(np.full((256, 64), 2, np.float32)); step.assign(2)
     mgr.save(blocking=False)

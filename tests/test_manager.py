@@ -374,17 +374,16 @@ class Boom(OSError):
 
 
 def failing_write_entry(monkeypatch, after: int) -> None:
-    real = native._check_all_components
+    real = native._check_components
     count = [0]
 
-    def write_entry(items, comps, file):
-        for _ in items:  # (entry by entry: fails at the entry after the ``after``-th)
-            count[0] += 1
-            if count[0] > after:
-                raise Boom(28, "No space left on device")
-        return real(items, comps, file)
+    def write_entry(*args):
+        count[0] += 1
+        if count[0] > after:
+            raise Boom(28, "No space left on device")
+        return real(*args)
 
-    monkeypatch.setattr(native, "_check_all_components", write_entry)
+    monkeypatch.setattr(native, "_check_components", write_entry)
     # Every save prepared anew (a repeated save would be written from its cached metadata).
     monkeypatch.setattr(PlanCache, "get", lambda self, key: None)
 
@@ -475,7 +474,7 @@ def test_async_save_writes_the_values_at_the_call(tmp_path):
 def test_async_save_racing_with_training_thread(tmp_path, monkeypatch):
     """Values change in another thread while the background write runs; the file has the call's."""
     ckpt, w, e, step = make()
-    real = native._check_all_components
+    real = native._check_components
     writing = threading.Event()
     proceed = threading.Event()
 
@@ -484,7 +483,7 @@ def test_async_save_racing_with_training_thread(tmp_path, monkeypatch):
         proceed.wait(10)
         return real(*args)
 
-    monkeypatch.setattr(native, "_check_all_components", slow_write_entry)
+    monkeypatch.setattr(native, "_check_components", slow_write_entry)
     stop = threading.Event()
 
     def train():

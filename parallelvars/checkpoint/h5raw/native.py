@@ -76,10 +76,6 @@ from parallelvars.errors import InvalidEntryError, UnsupportedDtypeError
 
 _PATH = operator.attrgetter("path")
 _COMPONENTS = operator.attrgetter("components")
-_KIND = operator.attrgetter("kind")
-_COUNT = operator.attrgetter("num_components")
-_SHAPE_OF = operator.attrgetter("shape")
-_DTYPE_OF = operator.attrgetter("dtype")
 
 __all__ = ["Prepared", "index_documents", "save_native", "write_native"]
 
@@ -326,34 +322,6 @@ def _expected_shapes(e: Any) -> list[tuple[int, ...]]:
     if e.kind != "sharded" or not n:
         return [shape] * n
     return shard_shapes(shape, int(e.attrs["shard_axis"]), e.attrs["shard_offsets"])
-
-
-def _check_all_components(
-    items: Sequence[Any], comps: Sequence[Sequence[np.ndarray]], file: str
-) -> None:
-    """:func:`_check_components` of every entry, compared a column at a time (each
-    component's shape and dtype with its entry's, in one comparison of lists) where no entry
-    is sharded; entry by entry where one is, or where a column differs (the first entry found
-    wrong names itself)."""
-    if (
-        "sharded" not in map(_KIND, items)
-        and list(map(len, comps)) == list(map(_COUNT, items))
-        and list(map(_SHAPE_OF, itertools.chain.from_iterable(comps)))
-        == list(
-            itertools.chain.from_iterable(
-                map(itertools.repeat, map(_SHAPE_OF, items), map(_COUNT, items))
-            )
-        )
-        and list(map(_DTYPE_OF, itertools.chain.from_iterable(comps)))
-        == list(
-            itertools.chain.from_iterable(
-                map(itertools.repeat, map(_DTYPE_OF, items), map(_COUNT, items))
-            )
-        )
-    ):
-        return
-    for e, cs in zip(items, comps, strict=True):
-        _check_components(e, cs, file)
 
 
 def _check_components(e: Any, comps: Sequence[np.ndarray], file: str) -> None:
@@ -783,7 +751,8 @@ def _save_arrays(
             else:  # (a plan made now: its image is written as it is made)
                 # (a cached structure's key holds every component's shape and dtype: checked
                 # once)
-                _check_all_components(items, comps, p)
+                for e, cs in zip(items, comps, strict=True):
+                    _check_components(e, cs, p)
 
                 def laid_out(plan: FilePlan) -> None:
                     nonlocal data  # the bytes go out while the metadata is made
@@ -817,7 +786,7 @@ def _save_arrays(
                 own = batches is laid_batches or same_arrays(batches, [e.components for e in items])
                 prep.batches = (items, batches) if own else None
             done = settle(crcs, shared, comps)
-            flat = list(itertools.chain.from_iterable(done))
+            flat = [c for cc in done for c in cc]
             docs = _documents(prep, flat)
             with prep.lock:
                 refresh = prep.plan.refresh(
