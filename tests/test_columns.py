@@ -501,6 +501,64 @@ def test_documents_from_records_are_the_index_and_its_columns(records: list[Any]
     assert (head, tail) == _columns_parts(index)
 
 
+@st.composite
+def _runs_of_records(draw: Any) -> list[Any]:
+    """Records of a few classes in runs (each record its prototype's with its own path,
+    dimensions, name and offsets), as a model's variables and slots are."""
+    from types import SimpleNamespace
+
+    protos = draw(_records())
+    if not protos:
+        return []
+    out = []
+    for run in range(draw(st.integers(1, 6))):
+        proto = protos[draw(st.integers(0, len(protos) - 1))]
+        for k in range(draw(st.integers(1, 9))):
+            attrs = dict(proto.attrs)
+            if type(attrs.get("name")) is str and not attrs["name"].startswith("json:"):
+                attrs["name"] = f"{attrs['name']}%{k}"
+            n = proto.num_components
+            out.append(
+                SimpleNamespace(
+                    path=f"{proto.path}/{run}/{k}",
+                    kind=proto.kind,
+                    dtype=proto.dtype,
+                    shape=tuple(d + k for d in proto.shape),
+                    num_components=n,
+                    attrs=attrs,
+                    offsets=[None if o is None else o + k for o in proto.offsets],
+                    crcs=[(c + k) % (1 << 32) for c in proto.crcs],
+                )
+            )
+    return out
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_runs_of_records(), st.sampled_from([1, 2, 3, 4096]))
+def test_documents_from_runs_of_records_are_the_index_and_its_columns(
+    records: list[Any], run: int
+) -> None:
+    """The records' texts are made a run of one class at a time (one join of the run's
+    columns, in pieces of at most ``_RUN`` records): the index and the columns are still
+    json.dumps of the index and the columns document made from it, whatever the runs and
+    the pieces."""
+    from types import SimpleNamespace
+
+    from parallelvars.checkpoint.h5io import columns
+    from parallelvars.testing import index_of as _index_of
+
+    offsets = {r.path: list(r.offsets) for r in records}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(columns, "_RUN", run)
+        made = columns.record_documents(records, offsets)
+    assert made is not None
+    template, head, tail = made
+    crcs = [r.crcs for r in records]
+    index = _index_of(records, SimpleNamespace(offsets=offsets), crcs)
+    assert template % tuple(c for cc in crcs for c in cc) == json.dumps(index)
+    assert (head, tail) == _columns_parts(index)
+
+
 def test_documents_from_records_leave_keys_that_are_not_strings_to_the_index() -> None:
     from types import SimpleNamespace
 

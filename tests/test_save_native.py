@@ -723,3 +723,30 @@ def test_a_repeated_save_asks_the_disk_for_its_metadata_as_it_writes_it(tmp_path
     assert isinstance(prep, native.Prepared) and asked == [(0, len(prep.image))]
     with H5Reader(path) as reader:
         assert reader.verify_all() == []
+
+
+@pytest.mark.parametrize(
+    ("wrong", "error"),
+    [
+        (np.zeros(3, np.float32), pv.errors.ShapeMismatchError),
+        (np.zeros((2, 2), np.float32), pv.errors.ShapeMismatchError),
+        (np.zeros(2, np.float64), pv.errors.DtypeMismatchError),
+    ],
+)
+@pytest.mark.parametrize("at", [0, 1, 5])
+def test_a_component_unlike_its_layout_names_its_variable(tmp_path, wrong, error, at) -> None:
+    """A first save compares every component's shape and dtype with its entry's: a component
+    unlike its entry's layout (among many that are right) is refused naming the variable and
+    the component, and no file is written."""
+    from parallelvars.checkpoint.registry import SaveRecord
+
+    records = [
+        SaveRecord(
+            "mirrored", [np.zeros(2, np.float32), np.zeros(2, np.float32)], (2,), path=f"v{k}"
+        )
+        for k in range(6)
+    ]
+    records[at].components[1] = wrong
+    with pytest.raises(error, match=rf"v{at}\[1\]"):
+        native.save_native(tmp_path / "c.h5", records)
+    assert not os.path.exists(tmp_path / "c.h5")

@@ -10,7 +10,8 @@ import bisect
 import itertools
 import json
 import operator
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import re
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -128,7 +129,8 @@ def record_documents(
     enc = _ENCODE
     caches: tuple[dict[Any, str], dict[str, str], dict[Any, str]] = ({}, {}, {})
     formats: list[str] = []
-    row_places: list[tuple[int, ...]] = []  # per class: its records' row strings' columns
+    # per class: its records' number of dimensions, of components and row strings' columns
+    row_places: list[tuple[int, int, tuple[int, ...]]] = []
     row_const: list[list[str | None]] = []  # per class: each row column's text, None: per record
     col_layout: list[int] = []  # per class: its number in the columns' layouts
     layouts: dict[tuple[Any, ...], int] = {}
@@ -140,7 +142,8 @@ def record_documents(
             return None
         fmt, at, consts, layout, layout_text = made
         formats.append(fmt)
-        row_places.append(at)
+        first = records[k]
+        row_places.append((len(first.shape), int(first.num_components), at))
         row_const.append(consts)
         number = layouts.get(layout)
         if number is None:
@@ -153,7 +156,7 @@ def record_documents(
     paths = list(map(enc, raw_paths))
     attrs = list(map(operator.attrgetter("attrs"), records))
     shapes = list(map(operator.attrgetter("shape"), records))
-    places: list[Any] = list(map(offsets.__getitem__, raw_paths))
+    places = list(map(offsets.__getitem__, raw_paths))
     del raw_paths
     row_columns: list[list[str]] = []
     for r, key in enumerate(row_keys):
@@ -172,37 +175,33 @@ def record_documents(
     del attrs
     paths_text = ", ".join(paths)
     row_texts = [", ".join(c) for c in row_columns]
-    flat = ", ".join(map(str, itertools.chain.from_iterable(places)))
-    if "N" in flat:  # (None: null, in both documents)
-        flat = flat.replace("None", "null")
-        places = [["null" if o is None else o for o in x] if None in x else x for x in places]
-    # the index: each record's class's format with its values; a "%" of a value doubled (the
+    # every dimension's and every offset's text, in turn (None: null, in both documents)
+    dim_texts = list(map(str, map(int, itertools.chain.from_iterable(shapes))))
+    off_texts = list(map(str, itertools.chain.from_iterable(places)))
+    del shapes, places
+    if "None" in off_texts:
+        off_texts = ["null" if o == "None" else o for o in off_texts]
+    # the index: each record's class's text with its values; a "%" of a value doubled (the
     # index is itself a format, of the checksums)
     if "%" in paths_text:
         paths = [p.replace("%", "%%") for p in paths]
     for r, text in enumerate(row_texts):
         if "%" in text:
             row_columns[r] = [v.replace("%", "%%") for v in row_columns[r]]
-    pick = [_pick(at) for at in row_places]  # per class: its row strings, in its order
-    index = [
-        formats[c] % (p, *s, *pick[c](rw), *o)
-        for c, p, s, rw, o in zip(
-            ids, paths, shapes, zip(*row_columns, strict=True), places, strict=True
-        )
-    ]
-    del paths, row_columns, places
-    template = "{" + ", ".join(index) + "}"  # (one copy of the records' texts)
-    del index
+    texts = _index_texts(
+        ids, [_literals(f) for f in formats], row_places, paths, row_columns, dim_texts, off_texts
+    )
+    template = "{" + ", ".join(texts) + "}"  # (one copy of the records' texts)
+    del texts, paths, row_columns
     row_attrs = ", ".join(
         f"{enc(k)}: [{text}]" for k, text in zip(row_keys, row_texts, strict=True)
     )
-    dims = ", ".join(map(str, map(int, itertools.chain.from_iterable(shapes))))
     head = (
         f'{{"version": {COLUMNS_VERSION}, "layouts": [{", ".join(layout_texts)}], '
         f'"paths": [{paths_text}], '
         f'"layout": [{", ".join(map(str, map(col_layout.__getitem__, ids)))}], '
-        f'"row_attrs": {{{row_attrs}}}, "shapes": [{dims}], '
-        f'"offsets": [{flat}], "crc32c": ['
+        f'"row_attrs": {{{row_attrs}}}, "shapes": [{", ".join(dim_texts)}], '
+        f'"offsets": [{", ".join(off_texts)}], "crc32c": ['
     )
     return template, head, "]}"
 
@@ -299,18 +298,78 @@ def _class_texts(
     return fmt, tuple(places), consts, layout, layout_text
 
 
-def _pick(at: tuple[int, ...]) -> Callable[[tuple[str, ...]], tuple[str, ...]]:
-    """A record's row strings (one per row column) as its class's format takes them: those of
-    the columns ``at``, in that order (its attributes' order)."""
-    if at == tuple(range(len(COLUMNS_ROW_ATTRS))):
-        return tuple
-    if not at:
-        return lambda rw: ()
-    if len(at) == 1:
-        p = at[0]
-        return lambda rw: (rw[p],)
-    get = operator.itemgetter(*at)
-    return lambda rw: cast(tuple[str, ...], get(rw))
+_PLACE = re.compile(r"%(.)", re.S)
+
+
+def _literals(fmt: str) -> list[str]:
+    """The texts of a class's format (see :func:`_class_texts`) around its places, as one
+    ``%`` operation leaves them (each ``%%`` one ``%``): ``fmt % values`` is these texts with
+    the values between them."""
+    pieces = [""]
+    at = 0
+    for m in _PLACE.finditer(fmt):
+        pieces[-1] += fmt[at : m.start()]
+        if m.group(1) == "%":
+            pieces[-1] += "%"
+        else:
+            pieces.append("")
+        at = m.end()
+    pieces[-1] += fmt[at:]
+    return pieces
+
+
+_RUN = 4096  # records a join makes at most (its list of pieces bounded)
+
+
+def _index_texts(
+    ids: Sequence[int],
+    literals: Sequence[list[str]],
+    places: Sequence[tuple[int, int, tuple[int, ...]]],
+    paths: list[str],
+    row_columns: list[list[str]],
+    dims: list[str],
+    offsets: list[str],
+) -> list[str]:
+    """The records' index texts, a run of records of one class at a time, each run's by one
+    join of its columns (no text or tuple made per record): class ``c``'s ``literals[c]``
+    with, between them, each record's path, dimensions (``dims``: every record's in turn),
+    row strings (of the row columns its ``places[c]`` names) and offsets (``offsets``, in
+    turn); ``places[c]``: the class's number of dimensions, of components and its row
+    columns. The texts joined with ``", "`` are the records' texts so joined."""
+    ids_arr = np.asarray(ids, np.int64)
+    cuts = np.flatnonzero(ids_arr[1:] != ids_arr[:-1]) + 1
+    bounds = [0, *cuts.tolist(), len(ids)]
+    texts: list[str] = []
+    d = o = 0  # (the run's first dimension and first offset)
+    for start, stop in itertools.pairwise(bounds):
+        if start == stop:
+            continue
+        c = ids[start]
+        lit = literals[c]
+        ndim, n, at = places[c]
+        assert len(lit) == 2 + ndim + len(at) + n
+        sep = lit[-1] + ", " + lit[0]
+        for a in range(start, stop, _RUN):
+            b = min(a + _RUN, stop)
+            count = b - a
+            cols: list[Any] = [paths[a:b]]
+            k = 1
+            for j in range(ndim):
+                cols += (itertools.repeat(lit[k]), dims[d + j : d + ndim * count : ndim])
+                k += 1
+            for r in at:
+                cols += (itertools.repeat(lit[k]), row_columns[r][a:b])
+                k += 1
+            for j in range(n):
+                cols += (itertools.repeat(lit[k]), offsets[o + j : o + n * count : n])
+                k += 1
+            cols.append(itertools.repeat(sep))
+            joined = "".join(itertools.chain.from_iterable(zip(*cols, strict=False)))
+            # (the last record's text ends at its class's last text, not at the separator)
+            texts.append(lit[0] + joined[: len(joined) - len(sep) + len(lit[-1])])
+            d += ndim * count
+            o += n * count
+    return texts
 
 
 def _doubled(text: str) -> str:

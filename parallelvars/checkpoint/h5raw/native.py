@@ -791,7 +791,7 @@ def _save_arrays(
                 own = batches is laid_batches or same_arrays(batches, [e.components for e in items])
                 prep.batches = (items, batches) if own else None
             done = settle(crcs, shared, comps)
-            flat = [c for cc in done for c in cc]
+            flat = list(itertools.chain.from_iterable(done))
             docs = _documents(prep, flat)
             with prep.lock:
                 refresh = prep.plan.refresh(
