@@ -123,16 +123,22 @@ def _unholdable(shape: list[int], itemsize: int) -> bool:
     return len(shape) > _MAX_NDIM or math.prod(d for d in shape if d) * itemsize > _MAX_BYTES
 
 
-def _tiles_exactly(begins: list[int], ends: list[int], sizes: list[int], data_size: int) -> bool:
-    """Whether the tensors' offsets tile ``[0, data_size)`` in order with the right byte sizes,
-    checked in bulk (numpy); False sends the caller to the tensor-by-tensor loop that says
-    which tensor is wrong."""
-    if not begins:
+def _tiles_exactly(
+    begins: list[int] | np.ndarray, ends: list[int] | np.ndarray, sizes: list[int], data_size: int
+) -> bool:
+    """Whether the tensors' offsets tile ``[0, data_size)`` in order with the right byte sizes
+    (the offsets: Python ints, or int64 arrays), checked in bulk (numpy); False sends the
+    caller to the tensor-by-tensor loop that says which tensor is wrong."""
+    if not len(begins):
         return data_size == 0
-    if max(ends) > data_size or max(begins) > data_size or max(sizes) > data_size:
+    if max(sizes) > data_size:
+        return False
+    if isinstance(begins, list) and (max(ends) > data_size or max(begins) > data_size):
         return False  # also keeps every value below 2**63 for the arrays below
-    b = np.array(begins, np.int64)
-    e = np.array(ends, np.int64)
+    b = np.asarray(begins, np.int64)
+    e = np.asarray(ends, np.int64)
+    if e.max() > data_size or b.max() > data_size:
+        return False
     order = np.argsort(b, kind="stable")
     b, e = b[order], e[order]
     n = np.array(sizes, np.int64)[order]
@@ -409,8 +415,8 @@ def _checked_columns(
     names: list[str],
     dtype_strs: list[str],
     shapes: list[tuple[int, ...]],
-    begins: list[int],
-    ends: list[int],
+    begins: list[int] | np.ndarray,
+    ends: list[int] | np.ndarray,
     data_size: int,
 ) -> HeaderColumns | None:
     """The columns of tensors whose fields are of the right types (``shapes`` and offsets
@@ -432,7 +438,7 @@ def _checked_columns(
     if not _tiles_exactly(begins, ends, sizes, data_size):
         return None
     return HeaderColumns(
-        names, dtypes, shapes, np.array(begins, np.int64), np.array(ends, np.int64), None
+        names, dtypes, shapes, np.asarray(begins, np.int64), np.asarray(ends, np.int64), None
     )
 
 
@@ -496,10 +502,12 @@ def _streamed_columns(
     if raw[0] != 0x7B or end - 1 - at < 1:  # "{", and at least one tensor
         return None
     names: list[str] = []
-    dtype_strs: list[str] = []
-    shape_texts: list[bytes] = []
-    begins: list[int] = []
-    ends: list[int] = []
+    dtype_strs: list[str] = []  # (one text per distinct dtype, shared)
+    shapes: list[tuple[int, ...]] = []  # (one tuple per distinct shape, shared)
+    begins: list[np.ndarray] = []
+    ends: list[np.ndarray] = []
+    dtype_of: dict[bytes, str] = {}
+    shape_of: dict[bytes, tuple[int, ...]] = {}
     first = True
     while at < end - 1:
         cut = raw.find(b"]},", at + _PIECE, end - 1)
@@ -526,18 +534,22 @@ def _streamed_columns(
             names.extend(map(bytes.decode, piece_names))
         except UnicodeDecodeError:
             return None
-        dtype_strs.extend(map(bytes.decode, piece_dtypes))
-        shape_texts.extend(piece_shapes)
-        begins.extend(map(int, piece_begins))
-        ends.extend(map(int, piece_ends))
+        for t in set(piece_dtypes).difference(dtype_of):
+            dtype_of[t] = t.decode()
+        for t in set(piece_shapes).difference(shape_of):
+            shape_of[t] = tuple(map(int, t.split(b","))) if t else ()
+        dtype_strs.extend(map(dtype_of.__getitem__, piece_dtypes))
+        shapes.extend(map(shape_of.__getitem__, piece_shapes))
+        # (at most 18 digits each: below 2**63)
+        begins.append(np.array(piece_begins).astype(np.int64))
+        ends.append(np.array(piece_ends).astype(np.int64))
         first = False
         at = cut
     if len(set(names)) != len(names) or "__metadata__" in names:
         return None
-    shape_of = {t: tuple(map(int, t.split(b","))) if t else () for t in set(shape_texts)}
-    shapes = list(map(shape_of.__getitem__, shape_texts))
-    del shape_texts
-    cols = _checked_columns(names, dtype_strs, shapes, begins, ends, data_size)
+    starts, stops = np.concatenate(begins), np.concatenate(ends)
+    del begins, ends
+    cols = _checked_columns(names, dtype_strs, shapes, starts, stops, data_size)
     if cols is None:
         return None
     crcs = _record_crcs(
@@ -547,7 +559,9 @@ def _streamed_columns(
         raw,
         lambda: {
             name: (d, list(s), [b, e])
-            for name, d, s, b, e in zip(names, dtype_strs, shapes, begins, ends, strict=True)
+            for name, d, s, b, e in zip(
+                names, dtype_strs, shapes, starts.tolist(), stops.tolist(), strict=True
+            )
         },
     )
     return metadata, cols._replace(crcs=crcs)
