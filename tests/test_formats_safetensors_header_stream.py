@@ -34,13 +34,19 @@ def _outcome(path: str, *, general: bool) -> Any:
 
 
 def _streamed(path: str) -> bool:
-    """Whether the streamed reading answers for the file by itself."""
-    from parallelvars.formats.safetensors import _header
+    """Whether the streamed reading answers for the file by itself (the JSON path refused)."""
 
-    with open(path, "rb") as f:
-        raw = f.read()
-    (n,) = struct.unpack("<Q", raw[:8])
-    return _header._streamed_columns(raw[8 : 8 + n], path, len(raw) - 8 - n) is not None
+    def refused(*args: Any) -> Any:
+        raise AssertionError("read the general way")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("parallelvars.formats.safetensors._header._parse_header", refused)
+        try:
+            with open(path, "rb") as f:
+                read_header(f, path)
+        except AssertionError:
+            return False
+    return True
 
 
 _NAMES = st.lists(
