@@ -301,7 +301,7 @@ def _same_signature(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
         and list(map(type, a[4:])) == list(map(type, b[4:]))
     ):
         return True
-    return _signature(*a[:4], a[4:]) == _signature(*b[:4], b[4:])
+    return _signature(a[0], a[1], a[2], a[3], a[4:]) == _signature(b[0], b[1], b[2], b[3], b[4:])
 
 
 def _signature(kind: Any, dtype: Any, shape: Any, n: Any, values: Any) -> tuple[Any, ...]:

@@ -8,7 +8,7 @@ import math
 import os
 import re
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from itertools import chain
 from operator import attrgetter, itemgetter, mul
 from typing import IO, Any, NamedTuple
@@ -114,7 +114,7 @@ _MAX_NDIM = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
 _MAX_BYTES = 2**63 - 1
 
 
-def _unholdable(shape: list[int], itemsize: int) -> bool:
+def _unholdable(shape: Sequence[int], itemsize: int) -> bool:
     """Whether no numpy array can have ``shape``: too many dimensions, or dimensions whose
     product (the zero ones left out, as numpy counts) times ``itemsize`` passes ``2**63 - 1``
     bytes. A shape with a zero holds no bytes, so the byte-size check alone lets
