@@ -269,12 +269,12 @@ def _alike(
     components_b: list[np.ndarray],
 ) -> bool:
     """Whether a variable's two sides are described alike (``a``/``b``: its
-    :func:`_signatures`) and their components, read in bulk, are of one comparable dtype and
-    shape, so that equal bytes settle it."""
+    :func:`_descriptions`, their :func:`_signature` equal) and their components, read in
+    bulk, are of one comparable dtype and shape, so that equal bytes settle it."""
     kind, dtype, _, n = a[:4]
     if (
         kind == "sharded"
-        or a != b
+        or not _same_signature(a, b)
         or len(components_a) != n
         or len(components_b) != n
         or not _comparable(dtype)
@@ -284,6 +284,24 @@ def _alike(
         if ca.dtype != cb.dtype or ca.shape != cb.shape:
             return False
     return True
+
+
+#: Attribute value types compared as they are: equal values of one of these types give
+#: equal :func:`_semantic_value` (``1`` and ``True`` are equal but of two types).
+_PLAIN = frozenset((type(None), str, int))
+
+
+def _same_signature(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two descriptions (:func:`_descriptions`) have equal :func:`_signature`:
+    equal descriptions whose attribute values are of one plain type each settle it without
+    making the signatures."""
+    if (
+        a == b
+        and _PLAIN.issuperset(map(type, a[4:]))
+        and list(map(type, a[4:])) == list(map(type, b[4:]))
+    ):
+        return True
+    return _signature(a[0], a[1], a[2], a[3], a[4:]) == _signature(b[0], b[1], b[2], b[3], b[4:])
 
 
 def _signature(kind: Any, dtype: Any, shape: Any, n: Any, values: Any) -> tuple[Any, ...]:
@@ -302,25 +320,24 @@ def _signature(kind: Any, dtype: Any, shape: Any, n: Any, values: Any) -> tuple[
     )
 
 
-def _signatures(view: CheckpointView, keys: list[str]) -> list[tuple[Any, ...] | None]:
-    """:func:`_signature` of each of ``keys`` from the view's columns (``described``: no entry
-    made); None for one it does not describe so (:func:`_signature_of` then)."""
+def _descriptions(view: CheckpointView, keys: list[str]) -> list[tuple[Any, ...] | None]:
+    """Each of ``keys``' kind, dtype, shape, number of components and the values of
+    :data:`_SEMANTIC_ATTRS` as stored, from the view's columns (``described``: no entry
+    made); None for one it does not describe so (:func:`_description_of` then)."""
     described = getattr(view, "described", None)
     if described is None:
         return [None] * len(keys)
-    return [
-        None if row is None else _signature(row[0], row[1], row[2], row[3], row[4:])
-        for row in described(keys, _SEMANTIC_ATTRS)
-    ]
+    return described(keys, _SEMANTIC_ATTRS)
 
 
-def _signature_of(view: CheckpointView, listed: Any, key: str) -> tuple[Any, ...]:
-    """:func:`_signature` of ``key`` from the view's listing or entry (:func:`_described`)."""
+def _description_of(view: CheckpointView, listed: Any, key: str) -> tuple[Any, ...]:
+    """:func:`_descriptions` of ``key`` from the view's listing or entry
+    (:func:`_described`)."""
     kind, dtype, shape, n, attrs = _described(view, listed, key)
-    return _signature(kind, dtype, shape, n, [attrs.get(name) for name in _SEMANTIC_ATTRS])
+    return (kind, dtype, shape, n, *[attrs.get(name) for name in _SEMANTIC_ATTRS])
 
 
-# Variables described at a time (:func:`_signatures`).
+# Variables described at a time (:func:`_descriptions`).
 _DESCRIBE = 4096
 
 
@@ -567,11 +584,11 @@ def _run(args: argparse.Namespace, out: Output, spool: Spool) -> int:
                 if k - k % _DESCRIBE != described_from:
                     described_from = k - k % _DESCRIBE
                     ahead = common[described_from : described_from + _DESCRIBE]
-                    sigs_a, sigs_b = _signatures(va, ahead), _signatures(vb, ahead)
+                    sigs_a, sigs_b = _descriptions(va, ahead), _descriptions(vb, ahead)
                 sig_a, sig_b = sigs_a[k - described_from], sigs_b[k - described_from]
                 if _alike(
-                    _signature_of(va, listed, key) if sig_a is None else sig_a,
-                    _signature_of(vb, listed_b, key) if sig_b is None else sig_b,
+                    _description_of(va, listed, key) if sig_a is None else sig_a,
+                    _description_of(vb, listed_b, key) if sig_b is None else sig_b,
                     components_a,
                     components_b,
                 ):

@@ -787,6 +787,35 @@ def test_diff_result_rows_are_the_callers_own() -> None:
     assert second["components"][0]["mismatched"] == 0
 
 
+_F32 = np.dtype(np.float32)
+
+
+@pytest.mark.parametrize(
+    ("values_a", "values_b", "same"),
+    [
+        (("sum", None, None), ("sum", None, None), True),
+        (("sum", None, None), ("SUM", None, None), True),  # (compared in lower case)
+        ((1, None, None), (True, None, None), False),  # "1" vs "true": equal, not alike
+        ((None, 1, None), (None, True, None), True),  # both axis 1
+        ((None, None, [0, 4]), (None, None, [0, 4]), True),
+        ((None, None, [1, 4]), (None, None, [True, 4]), True),
+        ((None, None, None), (None, 0, None), False),
+    ],
+)
+def test_diff_describes_two_sides_alike_as_their_compared_values_say(
+    values_a, values_b, same
+) -> None:
+    """Two descriptions are alike when their attributes compare equal as diff compares
+    them, whatever shortcut decides it (equal values of different types are not alike
+    where their compared forms differ)."""
+    from parallelvars.cli.testing import diff_same_signature
+
+    a = ("mirrored", _F32, (3,), 2, *values_a)
+    b = ("mirrored", _F32, (3,), 2, *values_b)
+    assert diff_same_signature(a, b) is same
+    assert diff_same_signature(b, a) is same
+
+
 @pytest.mark.parametrize("axis", ["x", [0], 1.5e300])
 def test_diff_of_a_shard_axis_that_is_no_integer_is_a_difference(axis) -> None:
     """A damaged or foreign shard axis is compared as written, not raised as ValueError."""

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from itertools import chain
 from operator import attrgetter, itemgetter, mul
 from typing import IO, Any, NamedTuple
@@ -18,6 +19,7 @@ from parallelvars._fileio import load_json
 from parallelvars._ints import is_index
 from parallelvars.errors import (
     CorruptCheckpointError,
+    ParallelVarsError,
     TruncatedFileError,
     UnsupportedDtypeError,
 )
@@ -112,7 +114,7 @@ _MAX_NDIM = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
 _MAX_BYTES = 2**63 - 1
 
 
-def _unholdable(shape: list[int], itemsize: int) -> bool:
+def _unholdable(shape: Sequence[int], itemsize: int) -> bool:
     """Whether no numpy array can have ``shape``: too many dimensions, or dimensions whose
     product (the zero ones left out, as numpy counts) times ``itemsize`` passes ``2**63 - 1``
     bytes. A shape with a zero holds no bytes, so the byte-size check alone lets
@@ -121,16 +123,22 @@ def _unholdable(shape: list[int], itemsize: int) -> bool:
     return len(shape) > _MAX_NDIM or math.prod(d for d in shape if d) * itemsize > _MAX_BYTES
 
 
-def _tiles_exactly(begins: list[int], ends: list[int], sizes: list[int], data_size: int) -> bool:
-    """Whether the tensors' offsets tile ``[0, data_size)`` in order with the right byte sizes,
-    checked in bulk (numpy); False sends the caller to the tensor-by-tensor loop that says
-    which tensor is wrong."""
-    if not begins:
+def _tiles_exactly(
+    begins: list[int] | np.ndarray, ends: list[int] | np.ndarray, sizes: list[int], data_size: int
+) -> bool:
+    """Whether the tensors' offsets tile ``[0, data_size)`` in order with the right byte sizes
+    (the offsets: Python ints, or int64 arrays), checked in bulk (numpy); False sends the
+    caller to the tensor-by-tensor loop that says which tensor is wrong."""
+    if not len(begins):
         return data_size == 0
-    if max(ends) > data_size or max(begins) > data_size or max(sizes) > data_size:
+    if max(sizes) > data_size:
+        return False
+    if isinstance(begins, list) and (max(ends) > data_size or max(begins) > data_size):
         return False  # also keeps every value below 2**63 for the arrays below
-    b = np.array(begins, np.int64)
-    e = np.array(ends, np.int64)
+    b = np.asarray(begins, np.int64)
+    e = np.asarray(ends, np.int64)
+    if e.max() > data_size or b.max() > data_size:
+        return False
     order = np.argsort(b, kind="stable")
     b, e = b[order], e[order]
     n = np.array(sizes, np.int64)[order]
@@ -215,6 +223,9 @@ def read_header_columns(f: IO[bytes], file: str) -> tuple[dict[str, str], Header
             found=f"{size} bytes",
         )
     raw = f.read(n)
+    streamed = _streamed_columns(raw, file, size - 8 - n)
+    if streamed is not None:
+        return streamed[0], streamed[1], 8 + n
     header = _parse_header(raw, file)
     if not isinstance(header, dict):
         raise CorruptCheckpointError(
@@ -378,8 +389,9 @@ def _fast_columns(
         dtype_strs = list(map(itemgetter("dtype"), infos))
         shapes = list(map(itemgetter("shape"), infos))
         offsets = list(map(itemgetter("data_offsets"), infos))
-        dtypes = list(map(_DTYPES.__getitem__, dtype_strs))
-    except (KeyError, TypeError):  # (an unhashable dtype value is a TypeError)
+    except (KeyError, TypeError):
+        return None
+    if set(map(type, dtype_strs)) != {str}:
         return None
     if set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list}:
         return None
@@ -389,25 +401,167 @@ def _fast_columns(
     for values in (list(chain.from_iterable(shapes)), list(chain.from_iterable(offsets))):
         if values and (not set(map(type, values)) <= {int} or min(values) < 0):
             return None
-    sizes = list(map(mul, map(math.prod, shapes), map(attrgetter("itemsize"), dtypes)))
+    begins = list(map(itemgetter(0), offsets))
+    ends = list(map(itemgetter(1), offsets))
+    cols = _checked_columns(names, dtype_strs, list(map(tuple, shapes)), begins, ends, data_size)
+    if cols is None:
+        return None
+    return cols, lambda: dict(
+        zip(names, zip(dtype_strs, shapes, offsets, strict=True), strict=True)
+    )
+
+
+def _checked_columns(
+    names: list[str],
+    dtype_strs: list[str],
+    shapes: list[tuple[int, ...]],
+    begins: list[int] | np.ndarray,
+    ends: list[int] | np.ndarray,
+    data_size: int,
+) -> HeaderColumns | None:
+    """The columns of tensors whose fields are of the right types (``shapes`` and offsets
+    non-negative ints), checked in bulk: known dtypes, shapes an array can have, offsets
+    that tile ``[0, data_size)`` with each tensor's byte count; None at the first doubt."""
+    try:
+        dtypes = list(map(_DTYPES.__getitem__, dtype_strs))
+    except KeyError:
+        return None
+    # (each distinct shape's element count once: a model's tensors share a few shapes)
+    counts = {s: math.prod(s) for s in set(shapes)}
+    sizes = list(map(mul, map(counts.__getitem__, shapes), map(attrgetter("itemsize"), dtypes)))
     if 0 in sizes and any(  # (a nonzero size is bounded by the file's size in _tiles_exactly)
         _unholdable(s, d.itemsize) for s, d, z in zip(shapes, dtypes, sizes, strict=True) if not z
     ):
         return None
-    if max(map(len, shapes)) > _MAX_NDIM:
+    if max(map(len, counts), default=0) > _MAX_NDIM:
         return None
-    begins = list(map(itemgetter(0), offsets))
-    ends = list(map(itemgetter(1), offsets))
     if not _tiles_exactly(begins, ends, sizes, data_size):
         return None
-    cols = HeaderColumns(
+    return HeaderColumns(
+        names, dtypes, shapes, np.asarray(begins, np.int64), np.asarray(ends, np.int64), None
+    )
+
+
+# The header as our writer and the reference implementation write it, read without a JSON
+# object per tensor (:func:`_streamed_columns`): ``{"__metadata__":{...},`` (optional, first),
+# then each tensor as ``"name":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]}``
+# separated by commas, ``}`` and the spaces that pad the header. Names without escapes or
+# control characters, integers of at most 18 digits (every one below 2**63); anything else
+# is read the general way.
+_INT = rb"(?:0|[1-9][0-9]{0,17})"
+_TENSOR = re.compile(
+    rb'(,?)"([^"\\\x00-\x1f]*)":\{"dtype":"([0-9A-Z_a-z]{1,32})","shape":\[((?:%s(?:,%s)*)?)\],'
+    rb'"data_offsets":\[(%s),(%s)\]\}' % (_INT, _INT, _INT, _INT)
+)
+#: The characters of a tensor's text that are not in its groups.
+_TENSOR_FIXED = len('"":{"dtype":"","shape":[],"data_offsets":[,]}')
+# Header bytes matched at a time (each piece's rows made into columns before the next).
+_PIECE = 1 << 20
+
+
+def _streamed_columns(
+    raw: bytes, file: str, data_size: int
+) -> tuple[dict[str, str], HeaderColumns] | None:
+    """:func:`read_header_columns`' answer for a header as writers write it, read as columns
+    a piece at a time (no object per tensor but its name and, once per distinct shape, its
+    shape), every check of the general path made: each tensor's text matched whole, names
+    unique, the metadata parsed by :func:`~parallelvars._fileio.load_json` with every name
+    checked, then :func:`_checked_columns` and the checksum record. None at the first
+    doubt: the general path reads it then, and names any problem, so both paths take and
+    refuse the same headers with the same errors."""
+    end = len(raw.rstrip(b" \t\n\r"))
+    if end < 2 or raw[end - 1] != 0x7D:  # "}"
+        return None
+    metadata: Any = {}
+    at = 1
+    if raw.startswith(b'{"__metadata__":{}'):
+        at = 18
+    elif raw.startswith(b'{"__metadata__":{"'):
+        # Its end: the first '"},"' (a quote after a comma ends any string: only there
+        # can the object end before a tensor's name); the object's text up to it parses
+        # whole or the general path reads the header.
+        at = raw.find(b'"},"', 18) + 2
+        if at < 2:
+            return None
+        try:
+            metadata = load_json(
+                raw[16:at],
+                file=file,
+                what="safetensors header",
+                max_bytes=MAX_HEADER_SIZE,
+                object_pairs_hook=_no_duplicates(file),
+            )
+        except ParallelVarsError:  # (refused the general way, with its own error)
+            return None
+        if type(metadata) is not dict or not all(type(v) is str for v in metadata.values()):
+            return None
+    if at > 1:
+        if raw[at : at + 1] != b",":
+            return None
+        at += 1
+    if raw[0] != 0x7B or end - 1 - at < 1:  # "{", and at least one tensor
+        return None
+    names: list[str] = []
+    dtype_strs: list[str] = []  # (one text per distinct dtype, shared)
+    shapes: list[tuple[int, ...]] = []  # (one tuple per distinct shape, shared)
+    begins: list[np.ndarray] = []
+    ends: list[np.ndarray] = []
+    dtype_of: dict[bytes, str] = {}
+    shape_of: dict[bytes, tuple[int, ...]] = {}
+    first = True
+    while at < end - 1:
+        cut = raw.find(b"]},", at + _PIECE, end - 1)
+        cut = end - 1 if cut < 0 else cut + 2  # (the next piece begins with its comma)
+        piece = raw[at:cut]
+        rows = _TENSOR.findall(piece)
+        if not rows:
+            return None
+        seps, piece_names, piece_dtypes, piece_shapes, piece_begins, piece_ends = zip(
+            *rows, strict=True
+        )
+        del rows
+        fixed = _TENSOR_FIXED * len(seps)
+        if (
+            fixed
+            + sum(map(len, chain(seps, piece_names, piece_dtypes, piece_shapes)))
+            + sum(map(len, chain(piece_begins, piece_ends)))
+            != len(piece)
+            or seps.count(b",") != len(seps) - first
+            or (first and seps[0])
+        ):
+            return None  # (not every byte in a tensor's text, or not comma-separated)
+        try:
+            names.extend(map(bytes.decode, piece_names))
+        except UnicodeDecodeError:
+            return None
+        for t in set(piece_dtypes).difference(dtype_of):
+            dtype_of[t] = t.decode()
+        for t in set(piece_shapes).difference(shape_of):
+            shape_of[t] = tuple(map(int, t.split(b","))) if t else ()
+        dtype_strs.extend(map(dtype_of.__getitem__, piece_dtypes))
+        shapes.extend(map(shape_of.__getitem__, piece_shapes))
+        # (at most 18 digits each: below 2**63)
+        begins.append(np.array(piece_begins).astype(np.int64))
+        ends.append(np.array(piece_ends).astype(np.int64))
+        first = False
+        at = cut
+    if len(set(names)) != len(names) or "__metadata__" in names:
+        return None
+    starts, stops = np.concatenate(begins), np.concatenate(ends)
+    del begins, ends
+    cols = _checked_columns(names, dtype_strs, shapes, starts, stops, data_size)
+    if cols is None:
+        return None
+    crcs = _record_crcs(
+        file,
+        metadata,
         names,
-        dtypes,
-        list(map(tuple, shapes)),
-        np.array(begins, np.int64),
-        np.array(ends, np.int64),
-        None,
+        raw,
+        lambda: {
+            name: (d, list(s), [b, e])
+            for name, d, s, b, e in zip(
+                names, dtype_strs, shapes, starts.tolist(), stops.tolist(), strict=True
+            )
+        },
     )
-    return cols, lambda: dict(
-        zip(names, zip(dtype_strs, shapes, offsets, strict=True), strict=True)
-    )
+    return metadata, cols._replace(crcs=crcs)

@@ -159,9 +159,14 @@ def _record_crcs(
             found=f"crc32c {found}",
         )
     # Each tensor's 8 hex digits (name order) as an integer, in bulk, then in file order.
-    hexes = np.frombuffer(raw.encode("ascii"), np.uint8)[8:].reshape(count, 8).astype(np.int64)
-    values = np.where(hexes >= 97, hexes - 87, hexes - 48)
-    by_name = (values << np.arange(28, -1, -4, dtype=np.int64)).sum(axis=1, dtype=np.int64)
+    # (a digit at a time: temporaries of a byte or an int64 per tensor, not eight int64s)
+    hexes = np.frombuffer(raw.encode("ascii"), np.uint8)[8:].reshape(count, 8)
+    by_name = np.zeros(count, np.int64)
+    for j in range(8):
+        digit = hexes[:, j] - 48
+        digit -= (digit > 9).view(np.uint8) * 39
+        by_name <<= 4
+        by_name |= digit
     out = np.empty(count, np.int64)
     out[sorted(range(count), key=names.__getitem__)] = by_name
     return out

@@ -225,7 +225,8 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
         if not os.path.lexists(single):
             raise CheckpointNotFoundError("no safetensors file or index found", file=p)
         store = _Store(single, [single], within=found_in)
-        meta = dict(store.shard_metadata[0])
+        # (the info's text taken out of the store's metadata: held once parsed, not twice)
+        meta = store.shard_metadata[0]
         try:
             info = _parse_info(meta.pop(META_KEY, None), single)
         except BaseException:
