@@ -37,11 +37,13 @@ import tracemalloc
 from typing import Any
 
 
-def _import_from(tree: str) -> None:
-    """Import ``parallelvars`` from ``tree`` rather than the installed (editable) one."""
-    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
-    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__name__", "")]
-    sys.path.insert(0, os.path.abspath(tree))
+def _env_of(tree: str | None) -> dict[str, str] | None:
+    """The environment of a child that imports ``parallelvars`` from ``tree`` (its folder first
+    on ``PYTHONPATH``, ahead of the installed editable one); None: this tree's."""
+    if tree is None:
+        return None
+    path = os.pathsep.join(p for p in (os.path.abspath(tree), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def worker(count: int, adam: bool, layered: bool, repeat: int) -> dict[str, Any]:
@@ -124,11 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="runs of each tree (--baseline)")
     ap.add_argument("--json", help="also write the figures to this JSON file (run_all.py)")
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
-    ap.add_argument("--tree", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        if args.tree:
-            _import_from(args.tree)
         count, adam, layered, repeat = map(int, args.worker)
         print(json.dumps(worker(count, bool(adam), bool(layered), repeat)))
         return 0
@@ -144,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                 trees = [None] if not args.baseline else [args.baseline, None] * args.rounds
                 runs: dict[Any, list[dict[str, Any]]] = {}
                 for tree in trees:
-                    extra = [] if tree is None else ["--tree", tree]
                     done = subprocess.run(
-                        [*cmd, str(args.repeat), *extra],
+                        [*cmd, str(args.repeat)],
+                        env=_env_of(tree),
                         capture_output=True,
                         text=True,
                         check=False,
