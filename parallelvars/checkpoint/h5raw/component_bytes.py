@@ -118,13 +118,9 @@ def _batches(
     offsets = plan.offsets
     # (one pass over the components, each batch ended as the next component does not fit it)
     for k, (e, cs) in enumerate(zip(items, comps, strict=True)):
-        offs = offsets[e.path]
-        if len(offs) != len(cs):
-            raise ValueError(f"{e.path}: {len(cs)} components, {len(offs)} offsets planned")
-        for i, off in enumerate(offs):
+        for i, (off, c) in enumerate(zip(offsets[e.path], cs, strict=True)):
             if off is None or off <= last:
                 continue
-            c = cs[i]
             n = c.nbytes
             if not n:
                 continue
