@@ -480,25 +480,34 @@ def _records(draw: Any) -> list[Any]:
     return out
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_records())
-def test_documents_from_records_are_the_index_and_its_columns(records: list[Any]) -> None:
-    """A first save writes the index and the columns from each record's fields' texts
-    (columns.record_documents), without the index's objects: the same text as json.dumps of
-    the index the writer records, and as the columns document made from that index."""
+def _check_record_documents(records: list[Any], run: int | None = None) -> None:
+    """columns.record_documents (in pieces of ``run`` records, when given) gives json.dumps of
+    the index the writer records and the columns document made from that index."""
     from types import SimpleNamespace
 
-    from parallelvars.checkpoint.h5io.columns import record_documents
+    from parallelvars.checkpoint.h5io import columns
     from parallelvars.testing import index_of as _index_of
 
     offsets = {r.path: list(r.offsets) for r in records}
-    made = record_documents(records, offsets)
+    with pytest.MonkeyPatch.context() as mp:
+        if run is not None:
+            mp.setattr(columns, "_RUN", run)
+        made = columns.record_documents(records, offsets)
     assert made is not None
     template, head, tail = made
     crcs = [r.crcs for r in records]
     index = _index_of(records, SimpleNamespace(offsets=offsets), crcs)
     assert template % tuple(c for cc in crcs for c in cc) == json.dumps(index)
     assert (head, tail) == _columns_parts(index)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_records())
+def test_documents_from_records_are_the_index_and_its_columns(records: list[Any]) -> None:
+    """A first save writes the index and the columns from each record's fields' texts
+    (columns.record_documents), without the index's objects: the same text as json.dumps of
+    the index the writer records, and as the columns document made from that index."""
+    _check_record_documents(records)
 
 
 @st.composite
@@ -542,21 +551,7 @@ def test_documents_from_runs_of_records_are_the_index_and_its_columns(
     columns, in pieces of at most ``_RUN`` records): the index and the columns are still
     json.dumps of the index and the columns document made from it, whatever the runs and
     the pieces."""
-    from types import SimpleNamespace
-
-    from parallelvars.checkpoint.h5io import columns
-    from parallelvars.testing import index_of as _index_of
-
-    offsets = {r.path: list(r.offsets) for r in records}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(columns, "_RUN", run)
-        made = columns.record_documents(records, offsets)
-    assert made is not None
-    template, head, tail = made
-    crcs = [r.crcs for r in records]
-    index = _index_of(records, SimpleNamespace(offsets=offsets), crcs)
-    assert template % tuple(c for cc in crcs for c in cc) == json.dumps(index)
-    assert (head, tail) == _columns_parts(index)
+    _check_record_documents(records, run)
 
 
 def test_documents_from_records_leave_keys_that_are_not_strings_to_the_index() -> None:
