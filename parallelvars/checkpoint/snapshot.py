@@ -194,31 +194,30 @@ class SnapshotPlan:
         return object.__getattribute__(self, name)
 
     def _place(self) -> None:
-        # (made apart and set together: a plan read by two threads at once gets one layout)
         flat, primary, plain = self.flat, self.primary, self._plain
-        span_of = [-1] * len(flat)
-        offsets = [0] * len(flat)
-        singles: list[int] = []
-        lone: list[int] = []
+        self.span_of = [-1] * len(flat)
+        self.offsets = [0] * len(flat)
+        self.singles: list[int] = []
+        self.lone: list[int] = []
         roots: dict[int, tuple[np.ndarray, int, list[tuple[int, int, int]]]] = {}
         pairs: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
         where: list[tuple[int, int] | None] = [None] * len(flat)  # (root's id, address)
         for i, c in enumerate(flat):
             j = primary[i]
             if not plain[i]:
-                singles.append(i)
+                self.singles.append(i)
                 continue
             root = _root(c)
             group = roots.get(id(root))
             if group is None:
                 if root.dtype.kind == "O" or not root.flags.c_contiguous:
-                    (lone if j != i else singles).append(i)
+                    (self.lone if j != i else self.singles).append(i)
                     continue
                 group = roots[id(root)] = (root, _address(root), [])
             addr = _address(c)
             if not group[1] <= addr <= addr + c.nbytes <= group[1] + root.nbytes:
                 # (not inside its base's bytes: never seen, but neither a span nor a run)
-                (lone if j != i else singles).append(i)
+                (self.lone if j != i else self.singles).append(i)
                 continue
             if j == i:
                 group[2].append((addr, addr + c.nbytes, i))
@@ -226,25 +225,25 @@ class SnapshotPlan:
                 continue
             first = where[j]
             if first is None:  # (its first is copied by itself: compared one by one)
-                lone.append(i)
+                self.lone.append(i)
                 continue
             pairs.setdefault((id(root), first[0], addr - first[1]), []).append(
                 (addr, addr + c.nbytes, i)
             )
-        spans: list[tuple[np.ndarray, int, list[int]]] = []
+        self.spans: list[tuple[np.ndarray, int, list[int]]] = []
         for root, base, members in roots.values():
             whole = byte_view(root)
             for lo, hi, run in _runs(members, _SPAN_MAX):
                 for addr, _, i in run:
-                    span_of[i], offsets[i] = len(spans), addr - lo
-                spans.append((whole[lo - base : hi - base], lo, [e[2] for e in run]))
-        runs: list[tuple[np.ndarray, np.ndarray, list[int]]] = []
+                    self.span_of[i], self.offsets[i] = len(self.spans), addr - lo
+                self.spans.append((whole[lo - base : hi - base], lo, [e[2] for e in run]))
+        self.runs: list[tuple[np.ndarray, np.ndarray, list[int]]] = []
         for (root_id, first_id, delta), members in pairs.items():
             root, base, _ = roots[root_id]
             first_root, first_base, _ = roots[first_id]
             whole, first_whole = byte_view(root), byte_view(first_root)
             for lo, hi, run in _runs(members, _RUN_MAX):
-                runs.append(
+                self.runs.append(
                     (
                         whole[lo - base : hi - base],
                         first_whole[lo - delta - first_base : hi - delta - first_base],
@@ -253,12 +252,12 @@ class SnapshotPlan:
                 )
         # the runs over the same bytes of the first components, compared together
         together: dict[tuple[int, int], list[int]] = {}
-        for k, (_, firsts, _) in enumerate(runs):
+        for k, (_, firsts, _) in enumerate(self.runs):
             together.setdefault((_address(firsts), firsts.size), []).append(k)
-        run_groups = list(together.values())
-        nbytes = sum(live.size for live, _, _ in spans) + sum(flat[i].nbytes for i in singles)
-        self.span_of, self.offsets, self.singles, self.lone = span_of, offsets, singles, lone
-        self.spans, self.runs, self._run_groups, self.nbytes = spans, runs, run_groups, nbytes
+        self._run_groups = list(together.values())
+        self.nbytes = sum(live.size for live, _, _ in self.spans) + sum(
+            self.flat[i].nbytes for i in self.singles
+        )
 
     def replicas_differing(self) -> list[int]:
         """The replicas whose bytes differ from their first components' now (live both).
