@@ -679,31 +679,3 @@ def test_every_kind_and_dtype_through_every_save(tmp_path, devices) -> None:
         assert _components(fresh) == values, path
         with h5io.H5Reader(path) as r:
             assert r.verify_all() == []
-
-
-def test_a_plan_reads_the_components_addresses_when_its_runs_are_first_read(monkeypatch) -> None:
-    """Making a plan reads no component's address: which replicas share their first's copy is
-    all a save needs to lay out its file. The spans and runs are made when first read (the
-    replicas' comparison, a snapshot), once, and again after the plan is made anew."""
-    with pv.MirroredStrategy(3).scope():
-        vs = [pv.Variable(np.full(3000, i, np.float32), name=f"v{i}") for i in range(8)]
-    model = pv.Module()
-    model.vs = vs
-    records = pv.Checkpoint(model=model)._gather(False)[0]
-    calls: list[int] = []
-    real = snapshot_module._address
-    monkeypatch.setattr(snapshot_module, "_address", lambda a: calls.append(1) or real(a))
-    plan = SnapshotPlan(records)
-    (n,) = [n for n, r in enumerate(records) if r.path == "model/vs/2"]
-    assert not calls and plan.primary[plan.starts[n] + 2] == plan.starts[n]
-    assert plan.replicas_differing() == []
-    made = len(calls)
-    assert made and len(plan.runs) == 2 and plan.nbytes >= 8 * 3000 * 4  # (rows 1, 2)
-    assert plan.spans and len(calls) == made  # (made once)
-    vs[2].components[1][0] = -1.0
-    plan.share_less(records, {plan.record_of(i) for i in plan.replicas_differing()})
-    assert plan.divergent == {n} and plan.primary[plan.starts[n] + 1] == plan.starts[n] + 1
-    made = len(calls)
-    copied = take_snapshot(records, plan).records()
-    assert len(calls) > made  # (the new layout's spans, made for the snapshot)
-    assert copied[n].components[1][0] == -1.0 and copied[n].components[2][0] == 2.0

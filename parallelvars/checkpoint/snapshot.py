@@ -8,13 +8,11 @@ is not copied: it is compared with the first, and shares its copy, as the file s
 from __future__ import annotations
 
 import bisect
-import contextlib
 import ctypes
 import functools
 import itertools
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -58,10 +56,6 @@ _RUN_MAX = 8 << 20
 # Runs over the same first components are compared this many bytes at a time (each piece of
 # the first components stays in the CPU cache while every replica row is compared with it).
 _COMPARE_PIECE = 256 << 10
-# What a plan makes when first read (from the components' addresses: see SnapshotPlan).
-_PLACED = frozenset(
-    ("_run_groups", "lone", "nbytes", "offsets", "runs", "singles", "span_of", "spans")
-)
 
 
 def _unchanged(live: np.ndarray, copied: np.ndarray) -> bool:
@@ -125,19 +119,12 @@ class SnapshotPlan:
         lone: the replicas compared one by one (in no run).
         starts: the number of each record's first component (then the total).
         nbytes: the bytes a snapshot copies.
-
-    ``flat``, ``starts``, ``primary`` and ``divergent`` are made with the plan: what a save
-    needs to take the replicas as equal while it lays out the file. The rest (the spans and
-    runs, from every component's address: a few times the cost) is made when first read: by
-    the replicas' comparison, which a save makes while its bytes are written, or by a
-    snapshot.
     """
 
     __slots__ = (
         "_kept",
         "_layout",
         "_lock",
-        "_plain",
         "_run_groups",
         "divergent",
         "flat",
@@ -164,7 +151,7 @@ class SnapshotPlan:
         self.flat: list[np.ndarray] = [c for r in records for c in r.components]
         self.starts = list(itertools.accumulate((len(r.components) for r in records), initial=0))
         flat = self.flat
-        self._plain = plain = [_plain(c) for c in flat]
+        plain = [_plain(c) for c in flat]
         self.primary = primary = list(range(len(flat)))
         for n, r in enumerate(records):
             start, end = self.starts[n], self.starts[n + 1]
@@ -176,25 +163,6 @@ class SnapshotPlan:
                 for i in range(start + 1, end)
             ):
                 primary[start + 1 : end] = [start] * (end - start - 1)
-        self._kept: _Copies | None = None
-        self._layout = object()  # (copies are for this layout only: see share_less)
-        if not hasattr(self, "_lock"):
-            self._lock = threading.Lock()
-        for name in _PLACED:  # (made again when next read)
-            with contextlib.suppress(AttributeError):
-                object.__delattr__(self, name)
-
-    def __getattr__(self, name: str) -> Any:
-        """The spans and runs (``_PLACED``), made when one is first read (see the class)."""
-        if name not in _PLACED:
-            raise AttributeError(name)
-        with older_objects_frozen():
-            self._place()
-            freeze_made_so_far()
-        return object.__getattribute__(self, name)
-
-    def _place(self) -> None:
-        flat, primary, plain = self.flat, self.primary, self._plain
         self.span_of = [-1] * len(flat)
         self.offsets = [0] * len(flat)
         self.singles: list[int] = []
@@ -258,6 +226,10 @@ class SnapshotPlan:
         self.nbytes = sum(live.size for live, _, _ in self.spans) + sum(
             self.flat[i].nbytes for i in self.singles
         )
+        self._kept: _Copies | None = None
+        self._layout = object()  # (copies are for this layout only: see share_less)
+        if not hasattr(self, "_lock"):
+            self._lock = threading.Lock()
 
     def replicas_differing(self) -> list[int]:
         """The replicas whose bytes differ from their first components' now (live both).
