@@ -308,11 +308,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "AttributeError",
         "__getattr__",
     ): "attribute protocol",
-    (
-        "parallelvars/checkpoint/snapshot.py",
-        "AttributeError",
-        "__getattr__",
-    ): "attribute protocol (a plan's spans and runs, made when first read)",
     # An abstract method a subclass must override: a bug in the subclass, not bad input.
     ("parallelvars/optimizers/_base.py", "NotImplementedError", "_kernel"): "abstract method",
     ("parallelvars/optimizers/_slots.py", "NotImplementedError", "_info"): "abstract method",
