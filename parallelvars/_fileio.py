@@ -152,7 +152,11 @@ def load_json(
             variable=variable,
         ) from None
     if _SURROGATE_ESCAPE.search(raw):  # (UTF-8 itself cannot hold one: only an escape can)
-        bad = _lone_surrogate(doc)
+        # (a hook may have dropped or replaced the decoded strings: then the text is decoded
+        # again as it is, to look at every key and value; only a file with such an escape
+        # pays for it)
+        plain = doc if object_pairs_hook is None else json.loads(raw.decode("utf-8"))
+        bad = _lone_surrogate(plain)
         if bad is not None:
             raise CorruptCheckpointError(
                 f"the {what} holds text that is not valid Unicode",

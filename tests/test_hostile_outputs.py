@@ -111,6 +111,41 @@ def test_a_lone_surrogate_in_the_native_index_is_refused_at_open(tmp_path: Path)
         H5Reader(str(path)).close()
 
 
+@pytest.mark.parametrize("where", ["key", "value", "nested"])
+@pytest.mark.parametrize("keep_entries", [True, False])
+def test_a_lone_surrogate_in_the_object_graph_is_refused_however_it_is_opened(
+    tmp_path: Path, where: str, keep_entries: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A reader that does not keep the object graph (the commands, the format views) decodes it
+    # dropping each JSON object: the surrogate check then saw no string, and verify passed a
+    # file that a restore refuses.
+    import json
+
+    import h5py
+
+    import parallelvars as pv
+    from parallelvars.checkpoint.h5io import H5Reader
+    from parallelvars.checkpoint.h5io.layout import GRAPH_DATASET
+    from parallelvars.testing import write_json as _write_json
+
+    path = tmp_path / "g.h5"
+    pv.Checkpoint(w=pv.Variable(np.arange(4, dtype=np.float32), name="w")).write(str(path))
+    with h5py.File(path, "r+") as f:
+        graph = json.loads(f[GRAPH_DATASET][()])
+        if where == "key":
+            graph[LONE] = 1
+        elif where == "value":
+            graph["bad"] = LONE
+        else:
+            graph["bad"] = [{"deeper": {"x": [LONE]}}]
+        del f[GRAPH_DATASET]
+        _write_json(f, GRAPH_DATASET, graph)
+    with pytest.raises(CorruptCheckpointError, match="not valid Unicode"):
+        H5Reader(str(path), keep_entries=keep_entries).close()
+    assert main(["verify", str(path)]) == 1
+    assert "not valid Unicode" in capsys.readouterr().out
+
+
 def test_a_tf_key_that_is_not_utf8_is_refused_at_open(tmp_path: Path) -> None:
     from parallelvars.formats.tf import BundleWriter
 
