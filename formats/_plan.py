@@ -306,18 +306,33 @@ def plan_tensors(
     graph = carried_graph(entries)
     if graph is not None:
         # (the source's own graph when it is plain JSON, not a second copy of every node)
-        info["object_graph"] = graph if _plain_json(graph) else jsonable(graph)
+        try:
+            info["object_graph"] = graph if _plain_json(graph) else jsonable(graph)
+        except RecursionError:  # (an in-memory graph that holds itself, or nests too deeply)
+            raise InvalidEntryError(
+                "the object graph cannot be written as JSON",
+                file=file,
+                variable="object_graph",
+                expected="a tree of dicts and lists",
+                found="one that holds itself or nests deeper than Python can follow",
+            ) from None
     return planned, info
 
 
 def _plain_json(value: Any) -> bool:
     """Whether :func:`jsonable` would give back ``value`` unchanged: plain dicts with string
     keys and lists, down to strings, ints, bools, None and finite floats (the document is
-    only read, so it may be shared)."""
+    only read, so it may be shared). A container met twice (shared, or a cycle of an
+    in-memory graph) is not plain: :func:`jsonable` decides."""
     todo = [value]
+    seen: set[int] = set()
     while todo:
         v = todo.pop()
         t = type(v)
+        if t is dict or t is list:
+            if id(v) in seen:
+                return False
+            seen.add(id(v))
         if t is dict:
             if value_types(v) - {str}:
                 return False

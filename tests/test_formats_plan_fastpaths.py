@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from parallelvars.errors import InvalidEntryError
 from parallelvars.formats import ArrayEntry, DictView, open_checkpoint, to_key, write_checkpoint
 from parallelvars.formats.safetensors import write_safetensors
 from parallelvars.formats.testing import jsonable
@@ -175,6 +176,19 @@ def test_info_object_graph_is_jsonable_of_the_sources(tmp_path, extra) -> None:
     write_safetensors(tmp_path / "g.safetensors", view)
     got = _info(tmp_path / "g.safetensors")["object_graph"]
     assert _same(got, json.loads(json.dumps(jsonable(graph))))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+def test_an_object_graph_that_holds_itself_is_refused(tmp_path, fmt) -> None:
+    # (the check of whether the graph is plain JSON went round the cycle for ever)
+    node: dict = {"path": "v", "children": []}
+    node["children"].append(node)
+    view = DictView({"v": ArrayEntry("v", [np.ones(2, np.float32)] * 2)})
+    view.object_graph = {"version": 1, "nodes": [node]}  # type: ignore[attr-defined]
+    out = tmp_path / f"g.{fmt}"
+    with pytest.raises(InvalidEntryError, match="object graph cannot be written as JSON"):
+        write_checkpoint(out, view, format=fmt)
+    assert not out.exists()
 
 
 def _same(a, b) -> bool:
