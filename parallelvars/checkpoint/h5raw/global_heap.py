@@ -73,7 +73,7 @@ def ragged_copy(
     out[np.repeat(dst, lengths) + within] = src[np.repeat(starts, lengths) + within]
 
 
-# The most objects whose heads and bytes are scattered at once (:func:`build_collections`).
+# The most objects whose heads and bytes are scattered at once (:meth:`Collections.image`).
 _BATCH_OBJECTS = 1 << 16
 
 
@@ -83,7 +83,8 @@ class Collections:
     long (a free-space object fills the rest). Where each object lies (its collection's
     address and its index there: :meth:`refs`) is known from the lengths alone; the
     collections' bytes are made a range of collections at a time (:meth:`image`), from the
-    objects' bytes concatenated, so that a file's heap is never held whole."""
+    objects' bytes concatenated (which the caller holds), so that the collections themselves
+    (heads, alignment, free space) are never held whole."""
 
     def __init__(self, lengths: np.ndarray, base: int) -> None:
         self.lengths = lengths = np.asarray(lengths, np.int64)
