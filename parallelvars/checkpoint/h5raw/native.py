@@ -672,7 +672,10 @@ def _write_image(fd: int, prep: Prepared) -> None:
     """Write the metadata image of ``prep``'s structure: kept in memory, or (a structure of
     more than ``generate.KEPT_IMAGE_BYTES`` of metadata) copied from the file it was spilled
     to; the disk is asked to start on it at once (it works on the image while the helper
-    thread lays out the components' writes, instead of at the ``fsync``)."""
+    thread lays out the components' writes, instead of at the ``fsync``). The hint is given
+    on the saving thread, unlike the components' (``DataWriter``'s helper): it is the save's
+    first write, so only other files' pages can be queued ahead of it, and at most one
+    image's pages (``KEPT_IMAGE_BYTES``, or the spilled image's) are asked for."""
     if isinstance(prep.image, SpilledImage):
         prep.image.write_to(fd)
         size = prep.image.size
