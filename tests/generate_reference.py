@@ -74,7 +74,7 @@ from parallelvars.checkpoint.h5raw.generate import (
     freeze_made_so_far,
     shard_bounds,
 )
-from parallelvars.checkpoint.h5raw.global_heap import build_collections
+from parallelvars.checkpoint.h5raw.global_heap import MIN_COLLECTION, ragged_copy
 from parallelvars.checkpoint.h5raw.header import SUPERBLOCK_SIZE
 from parallelvars.checkpoint.h5raw.header import encode_chunked as _encode_chunked
 from parallelvars.checkpoint.h5raw.lookup3 import lookup3, lookup3_many
@@ -1044,3 +1044,69 @@ class FilePlan:
                 buf[end : end + 4] = lookup3(buf[start:end]).to_bytes(4, "little")
             out.append((address, bytes(buf)))
         return out
+
+
+# ----------------------------------------------------------------------------- the global heap
+_HEAP_OBJECT_HEADER = 16  # index (2), reference count (2), reserved (4), size (8)
+_HEAP_COLLECTION_HEADER = 16  # signature, version, reserved (3), size (8)
+_HEAP_PER = 4096  # objects per collection
+_HEAP_BATCH = 1 << 16
+
+
+def _heap_align8(n: Any) -> Any:
+    return (n + 7) & ~7
+
+
+def build_collections(
+    data: bytes | np.ndarray, lengths: np.ndarray, base: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(The library's heap builder before it made collections a range at a time, kept as an
+    oracle apart from ``global_heap.Collections``.) Global heap collections at file offset ``base`` holding one object per entry of
+    ``lengths`` (the objects' bytes are ``data``, concatenated).
+
+    Returns the collections' bytes (uint8), and each object's collection address and index
+    (its reference is ``length, address, index``). Each collection holds up to 4096 objects
+    and is at least 4096 bytes long (a free-space object fills the rest); objects keep their
+    order.
+    """
+    lengths = np.asarray(lengths, np.int64)
+    n = lengths.size
+    if n == 0:
+        return np.zeros(0, np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    per = _HEAP_PER
+    which = np.arange(n) // per
+    index = np.arange(n) % per + 1
+    slot = _HEAP_OBJECT_HEADER + _heap_align8(lengths)  # each object's bytes in its collection
+    count = int(which[-1]) + 1
+    used = np.bincount(which, weights=slot, minlength=count).astype(np.int64)
+    used += _HEAP_COLLECTION_HEADER
+    size = np.maximum(_heap_align8(used), MIN_COLLECTION)
+    starts = base + np.concatenate(([0], np.cumsum(size)[:-1]))
+    out = np.zeros(int(size.sum()), np.uint8)
+    local = starts - base
+    # the collection heads
+    head = np.zeros((count, _HEAP_COLLECTION_HEADER), np.uint8)
+    head[:, :5] = np.frombuffer(b"GCOL\x01", np.uint8)
+    head[:, 8:16] = size.astype("<u8").view(np.uint8).reshape(count, 8)
+    out[(local[:, None] + np.arange(_HEAP_COLLECTION_HEADER)).reshape(-1)] = head.reshape(-1)
+    # each object's place: after the head and the objects before it in its collection
+    before = np.cumsum(slot) - slot
+    at = local[which] + _HEAP_COLLECTION_HEADER + before - before[which * per]
+    src = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data
+    first = np.cumsum(lengths) - lengths  # each object's bytes in ``src``
+    # the objects' heads and bytes, a batch of objects at a time (the index arrays of a
+    # scatter take 8 bytes per byte scattered: bounded by the batch, not the heap)
+    for lo in range(0, n, _HEAP_BATCH):
+        hi = min(n, lo + _HEAP_BATCH)
+        m = hi - lo
+        objhead = np.zeros((m, _HEAP_OBJECT_HEADER), np.uint8)
+        objhead[:, 0:2] = index[lo:hi].astype("<u2").view(np.uint8).reshape(m, 2)
+        objhead[:, 8:16] = lengths[lo:hi].astype("<u8").view(np.uint8).reshape(m, 8)
+        out[(at[lo:hi, None] + np.arange(_HEAP_OBJECT_HEADER)).reshape(-1)] = objhead.reshape(-1)
+        ragged_copy(out, at[lo:hi] + _HEAP_OBJECT_HEADER, src, first[lo:hi], lengths[lo:hi])
+    # the free space of each collection: an object of index 0 (when there is room for one)
+    free = size - used
+    for c in np.flatnonzero(free >= _HEAP_OBJECT_HEADER).tolist():
+        p = int(local[c] + used[c])
+        out[p + 8 : p + 16] = np.frombuffer(int(free[c]).to_bytes(8, "little"), np.uint8)
+    return out, starts[which], index

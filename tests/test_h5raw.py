@@ -12,13 +12,14 @@ import h5py
 import ml_dtypes
 import numpy as np
 import pytest
+from generate_reference import build_collections
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from parallelvars.checkpoint.h5io import H5Reader, write_h5
 from parallelvars.checkpoint.h5raw import header as hdr
 from parallelvars.checkpoint.h5raw.generate import FilePlan, Variable
-from parallelvars.checkpoint.h5raw.global_heap import build_collections, parse_collection
+from parallelvars.checkpoint.h5raw.global_heap import parse_collection
 from parallelvars.checkpoint.h5raw.lookup3 import lookup3, lookup3_many, lookup3_rows, prefix_state
 from parallelvars.checkpoint.h5raw.messages import Unsupported
 from parallelvars.checkpoint.h5raw.native import write_native

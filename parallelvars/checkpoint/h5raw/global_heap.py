@@ -40,13 +40,7 @@ from parallelvars.checkpoint.h5raw.lookup3 import lookup3
 from parallelvars.checkpoint.h5raw.messages import attribute_parts
 from parallelvars.checkpoint.h5raw.source import FileSource, Refused, Source
 
-__all__ = [
-    "MIN_COLLECTION",
-    "Collections",
-    "GlobalHeapCheck",
-    "build_collections",
-    "ragged_copy",
-]
+__all__ = ["MIN_COLLECTION", "Collections", "GlobalHeapCheck", "ragged_copy"]
 
 MIN_COLLECTION = 4096  # H5HG_MINSIZE: HDF5 reads a collection 4096 bytes at a time at least
 _OBJECT_HEADER = 16  # index (2), reference count (2), reserved (4), size (8)
@@ -160,21 +154,6 @@ class Collections:
             p = int(local[c] + used[c])
             out[p + 8 : p + 16] = np.frombuffer(int(free[c]).to_bytes(8, "little"), np.uint8)
         return out
-
-
-def build_collections(
-    data: bytes | np.ndarray, lengths: np.ndarray, base: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:class:`Collections` of ``lengths`` at ``base``, made whole: the collections' bytes
-    (uint8), and each object's collection address and index (its reference is ``length,
-    address, index``)."""
-    heap = Collections(lengths, base)
-    n = heap.lengths.size
-    if n == 0:
-        return np.zeros(0, np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64)
-    objects = np.arange(n)
-    per = _OBJECTS_PER_COLLECTION
-    return heap.image(data, 0, heap.count), heap.starts[objects // per], objects % per + 1
 
 
 class GlobalHeapCheck:
