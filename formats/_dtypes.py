@@ -20,17 +20,25 @@ def is_ml_dtype(dtype: np.dtype) -> bool:
     return is_extension_dtype(np.dtype(dtype))
 
 
-def tensor_dtype_name(dtype: np.dtype) -> str:
+def tensor_dtype_name(
+    dtype: np.dtype, *, file: str | None = None, variable: str | None = None
+) -> str:
     """The checkpoint name of ``dtype`` (``float32``, ``bfloat16``; ``bytes`` for strings), for
     tensor dtypes only: :func:`parallelvars._dtypes.dtype_name` after refusing records and
-    other non-tensor dtypes with UnsupportedDtypeError."""
+    other non-tensor dtypes with UnsupportedDtypeError naming ``file`` and ``variable``."""
     dtype = np.dtype(dtype)
     if not (
         is_string_dtype(dtype)
         or is_ml_dtype(dtype)
         or (dtype.kind in "biufc" and dtype.fields is None)
     ):
-        raise UnsupportedDtypeError(f"dtype {dtype} is not a tensor dtype")
+        raise UnsupportedDtypeError(
+            "a variable's dtype is not a tensor dtype",
+            file=file,
+            variable=variable,
+            expected="numbers, bool, an ml_dtypes type or object (bytes) strings",
+            found=str(dtype),
+        )
     return dtype_name(dtype)
 
 

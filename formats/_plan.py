@@ -20,7 +20,6 @@ from parallelvars.checkpoint.registry import component_name
 from parallelvars.errors import (
     InvalidEntryError,
     ShapeMismatchError,
-    UnsupportedDtypeError,
 )
 
 from ._dtypes import tensor_dtype_name
@@ -282,16 +281,7 @@ def plan_tensors(
         ):
             name = dtype_names.get(dtype)
             if name is None:
-                try:
-                    name = dtype_names[dtype] = tensor_dtype_name(dtype)
-                except UnsupportedDtypeError as e:
-                    raise UnsupportedDtypeError(
-                        "a variable's dtype is not a tensor dtype",
-                        file=file,
-                        variable=path,
-                        expected="numbers, bool, an ml_dtypes type or object (bytes) strings",
-                        found=str(dtype),
-                    ) from e
+                name = dtype_names[dtype] = tensor_dtype_name(dtype, file=file, variable=path)
             variables[path] = {
                 "kind": kind,
                 "dtype": name,

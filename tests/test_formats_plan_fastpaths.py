@@ -283,3 +283,16 @@ def test_plan_lets_go_of_entries_made_when_asked(tmp_path, monkeypatch, suffix):
         assert (tmp_path / "held.safetensors").read_bytes() == (
             tmp_path / "asked.safetensors"
         ).read_bytes()
+
+
+def test_a_record_dtype_is_refused_naming_the_file_and_the_variable(tmp_path) -> None:
+    # (tensor_dtype_name names them itself: the plan no longer re-raises its error)
+    from parallelvars.errors import UnsupportedDtypeError
+
+    view = DictView({"w": ArrayEntry("w", [np.zeros(2, dtype=[("a", "<f4")])])})
+    out = tmp_path / "r.safetensors"
+    with pytest.raises(UnsupportedDtypeError) as info:
+        write_safetensors(out, view)
+    assert info.value.file == str(out) and info.value.variable == "w"
+    assert "not a tensor dtype" in str(info.value) and "found [('a', '<f4')]" in str(info.value)
+    assert not out.exists()

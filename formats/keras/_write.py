@@ -77,7 +77,8 @@ def _write_dataset(
     value = _to_h5(value, file, t.entry.path)
     ds = h5.create_dataset(name, data=value)
     if is_ml_dtype(t.dtype):
-        ds.attrs["dtype"] = tensor_dtype_name(t.dtype)  # a str: Keras compares it with "bfloat16"
+        # (a str: Keras compares it with "bfloat16")
+        ds.attrs["dtype"] = tensor_dtype_name(t.dtype, file=file, variable=t.entry.path)
     ds.attrs[CRC_ATTR] = np.int64(checksum(value))
 
 
