@@ -21,8 +21,49 @@ from parallelvars.checkpoint.graph import (
     graph_from_paths,
     slot_relations,
 )
+from parallelvars.errors import InvalidEntryError
 
-__all__ = ["carried_graph", "graph_from_info", "object_graph_for", "shared_objects"]
+__all__ = [
+    "carried_graph",
+    "check_writable_graph",
+    "graph_from_info",
+    "object_graph_for",
+    "shared_objects",
+]
+
+
+def check_writable_graph(graph: Any, file: str | None) -> None:
+    """Refuse, before anything is written, an in-memory object graph that no JSON document can
+    hold: one that holds itself (a dict or list inside its own value; one shared by two
+    places is fine). A graph read from a file never does; one handed to a writer may.
+
+    Raises:
+        InvalidEntryError: naming ``file`` and ``object_graph``.
+    """
+    walking: set[int] = set()  # the containers whose values are being walked
+    stack: list[tuple[Any, bool]] = [(graph, False)]
+    while stack:
+        value, done = stack.pop()
+        if done:
+            walking.discard(id(value))
+            continue
+        if isinstance(value, Mapping):
+            inner: Any = value.values()
+        elif isinstance(value, (list, tuple)):
+            inner = value
+        else:
+            continue
+        if id(value) in walking:
+            raise InvalidEntryError(
+                "the object graph cannot be written as JSON",
+                file=file,
+                variable="object_graph",
+                expected="a tree of dicts and lists",
+                found="one that holds itself",
+            )
+        walking.add(id(value))
+        stack.append((value, True))
+        stack.extend((v, False) for v in inner if isinstance(v, (Mapping, list, tuple)))
 
 
 def carried_graph(entries: Mapping[str, Any]) -> dict[str, Any] | None:

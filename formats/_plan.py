@@ -23,7 +23,7 @@ from parallelvars.errors import (
 )
 
 from ._dtypes import tensor_dtype_name
-from ._graph import carried_graph
+from ._graph import carried_graph, check_writable_graph
 from ._info import INFO_FORMAT, INFO_VERSION
 from ._json import _LEAVES, jsonable
 from ._names import check_names, component_keys, from_key, part_key, to_key
@@ -296,24 +296,17 @@ def plan_tensors(
     graph = carried_graph(entries)
     if graph is not None:
         # (the source's own graph when it is plain JSON, not a second copy of every node)
-        try:
-            info["object_graph"] = graph if _plain_json(graph) else jsonable(graph)
-        except RecursionError:  # (an in-memory graph that holds itself, or nests too deeply)
-            raise InvalidEntryError(
-                "the object graph cannot be written as JSON",
-                file=file,
-                variable="object_graph",
-                expected="a tree of dicts and lists",
-                found="one that holds itself or nests deeper than Python can follow",
-            ) from None
+        check_writable_graph(graph, file)
+        info["object_graph"] = graph if _plain_json(graph) else jsonable(graph)
     return planned, info
 
 
 def _plain_json(value: Any) -> bool:
     """Whether :func:`jsonable` would give back ``value`` unchanged: plain dicts with string
     keys and lists, down to strings, ints, bools, None and finite floats (the document is
-    only read, so it may be shared). A container met twice (shared, or a cycle of an
-    in-memory graph) is not plain: :func:`jsonable` decides."""
+    only read, so it may be shared). A container met twice (shared by two places) is not
+    plain: :func:`jsonable` copies it (a graph that holds itself is refused before:
+    :func:`._graph.check_writable_graph`)."""
     todo = [value]
     seen: set[int] = set()
     while todo:

@@ -23,7 +23,7 @@ from parallelvars.checkpoint.h5io.attributes import attribute_problem
 from parallelvars.checkpoint.h5raw.native import save_native
 from parallelvars.errors import InvalidEntryError
 
-from ._graph import object_graph_for
+from ._graph import check_writable_graph, object_graph_for
 from ._h5 import H5_ERRORS, is_hdf5
 from ._json import carried_metadata
 from ._registry import FormatSpec
@@ -129,6 +129,8 @@ def write_hdf5(
         metadata = getattr(entries, "metadata", None) or {}
     if object_graph is None:
         object_graph = object_graph_for(entries)
+    if object_graph is not None:
+        check_writable_graph(object_graph, p)
     values = []
     for key, entry in entries.items():
         check_entry(entry, p)

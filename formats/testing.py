@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from parallelvars.formats import _info as info_views
 from parallelvars.formats import _zip as zip_policy
+from parallelvars.formats._graph import check_writable_graph
 from parallelvars.formats._h5 import attr_to_python
 from parallelvars.formats._json import jsonable
 from parallelvars.formats._select import select_entries
@@ -92,6 +93,7 @@ __all__ = [
     "find_short_successor",
     "find_shortest_separator",
     "hf_folder",
+    "check_writable_graph",
     "jsonable",
     "keras_layer_order",
     "keras_write",

@@ -178,17 +178,30 @@ def test_info_object_graph_is_jsonable_of_the_sources(tmp_path, extra) -> None:
     assert _same(got, json.loads(json.dumps(jsonable(graph))))
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+@pytest.mark.parametrize("fmt", ["safetensors", "npz", "hdf5"])
 def test_an_object_graph_that_holds_itself_is_refused(tmp_path, fmt) -> None:
-    # (the check of whether the graph is plain JSON went round the cycle for ever)
+    # (the check of whether the graph is plain JSON went round the cycle for ever; the HDF5
+    # writer raised json's bare ValueError)
     node: dict = {"path": "v", "children": []}
     node["children"].append(node)
     view = DictView({"v": ArrayEntry("v", [np.ones(2, np.float32)] * 2)})
     view.object_graph = {"version": 1, "nodes": [node]}  # type: ignore[attr-defined]
     out = tmp_path / f"g.{fmt}"
-    with pytest.raises(InvalidEntryError, match="object graph cannot be written as JSON"):
+    with pytest.raises(InvalidEntryError, match="object graph cannot be written as JSON") as e:
         write_checkpoint(out, view, format=fmt)
+    assert e.value.file == str(out) and e.value.variable == "object_graph"
     assert not out.exists()
+
+
+def test_an_object_graph_shared_in_two_places_is_written() -> None:
+    from parallelvars.formats.testing import check_writable_graph
+
+    shared = {"path": "v", "children": []}
+    check_writable_graph({"nodes": [shared, shared, [shared]]}, "f")  # (a DAG: fine)
+    loop: list = []
+    loop.append({"x": (1, loop)})
+    with pytest.raises(InvalidEntryError, match="holds itself"):
+        check_writable_graph({"nodes": loop}, "f")
 
 
 def _same(a, b) -> bool:
