@@ -177,6 +177,12 @@ class _AskedFor(CheckpointView):
         graph = getattr(view, "object_graph", None)
         if graph is not None:
             self.object_graph = graph
+        bulk = getattr(view, "bulk_components", None)
+        if bulk is not None and wrap is None:  # (a wrapped entry's reads are its wrapper's)
+            # Each of a list of paths with its components read in bulk, checksums checked, or
+            # None (read that one as ``self[path]``): what a writer's plan reads a run's
+            # variables with when it does not hold their entries (_plan.read_batches).
+            self.bulk_components = bulk
 
     def __getitem__(self, key: str) -> Entry:
         entry = self._view[key]

@@ -54,9 +54,12 @@ class PlannedTensor:
     shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
     nbytes: int = field(init=False, repr=False, compare=False)
     string: bool = field(init=False, repr=False, compare=False)  # a string tensor
+    # (a let-go tensor of an entry whose tensors are its components, as many as it has: their
+    # number, so a run holding them all reads them in bulk without the entry; else 0)
+    parts: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.path, self.source = self.entry.path, None
+        self.path, self.source, self.parts = self.entry.path, None, 0
         self.dtype = np.dtype(self.entry.dtype)
         self.string = self.dtype.kind == "O"
         if self.component is None:
@@ -79,7 +82,7 @@ class PlannedTensor:
         entry again."""
         t = cls.__new__(cls)
         t.key, t.entry, t.component = key, entry, component
-        t.path, t.source = entry.path, None
+        t.path, t.source, t.parts = entry.path, None, 0
         t.dtype, t.shape = dtype, shape
         t.nbytes = math.prod(shape) * dtype.itemsize
         t.string = dtype.kind == "O"
@@ -270,8 +273,9 @@ def plan_tensors(
                 )
             owner[t.key] = path
         if let_go and entry.path == path:  # (asked for again under its own path)
+            parts = count if layout == "components" and not tensors[0].string else 0
             for t in tensors:
-                t.entry, t.source = _LET_GO, entries
+                t.entry, t.source, t.parts = _LET_GO, entries, parts
         planned.extend(tensors)
         if (
             kind != "single"
@@ -367,14 +371,17 @@ def read_batches(
     file under every run (through any forwarding entry: a reshard's, a selection's) are read
     by their reader's ``prefetch`` (the index's places in a few large reads, each checked
     against its checksum), so a writer streaming many small tensors pays a few system calls
-    per run, not one per component. What no reader reads ahead is read when asked for, as
-    before; memory stays one run (and what a writer holds of it)."""
+    per run, not one per component. A let-go tensor's variable whose components are all in
+    the run is read by its source's ``bulk_components`` when it has one (the same reads and
+    checks), without the entry being made again (:func:`_fetch_entries`). What no reader
+    reads ahead is read when asked for, as before; memory stays one run (and what a writer
+    holds of it)."""
     sizes = [t.nbytes for t in planned]
     with ReadAhead() as ahead:
         for run in _spans.batches(range(len(planned)), sizes, limit or _spans.BULK_BYTES):
             tensors = [planned[k] for k in run]
-            asked = _ask_entries(tensors)
-            ahead(t.entry for t in tensors)
+            asked = _fetch_entries(tensors)
+            ahead(t.entry for t in tensors if type(t.entry) is not _Fetched)
             yield tensors
             for t in asked:  # (the plan holds them no longer than their run)
                 t.entry = _LET_GO
@@ -384,12 +391,53 @@ def read_batches(
 _LET_GO = cast(Entry, None)
 
 
-def _ask_entries(tensors: Sequence[PlannedTensor]) -> list[PlannedTensor]:
-    """Give the ``tensors`` whose plan does not hold their entries their entries again, each
-    asked for once in the run; those tensors."""
+class _Fetched:
+    """A variable's components as its source read them in bulk (checksums checked): what a
+    let-go tensor reads instead of its entry made again (see :func:`_fetch_entries`)."""
+
+    __slots__ = ("comps", "path")
+
+    def __init__(self, path: str, comps: Sequence[np.ndarray]) -> None:
+        self.path, self.comps = path, comps
+
+    def read_component_into(self, i: int, out: np.ndarray) -> None:
+        data = self.comps[i]
+        if data.shape != out.shape or data.dtype != out.dtype:
+            raise ShapeMismatchError(
+                "a component read back with another shape or dtype than the entry declares",
+                variable=self.path,
+                expected=f"{out.shape} {out.dtype}",
+                found=f"{data.shape} {data.dtype}",
+            )
+        np.copyto(out, data)
+
+
+def _fetch_entries(tensors: Sequence[PlannedTensor]) -> list[PlannedTensor]:
+    """Give the ``tensors`` whose plan does not hold their entries what they read from: the
+    components of a variable read in bulk by the source (``bulk_components``: a native file's
+    index places, read in a few large reads and checked against their checksums) when all its
+    component tensors are in the run (its bytes are the run's), else its entry asked for again,
+    once in the run (a variable the bulk path does not take, too: the general read names any
+    damage); those tensors."""
     asked = [t for t in tensors if t.source is not None]
+    bulk = getattr(asked[0].source, "bulk_components", None) if asked else None
+    if bulk is not None:
+        of_path: dict[str, list[PlannedTensor]] = {}
+        for t in asked:
+            if t.parts:
+                of_path.setdefault(t.path, []).append(t)
+        whole = [p for p, ts in of_path.items() if len(ts) == ts[0].parts]
+        if whole:
+            for path, comps in bulk(whole):
+                ts = of_path[path]
+                if comps is not None and len(comps) == len(ts):
+                    fetched = cast(Entry, _Fetched(path, comps))
+                    for t in ts:
+                        t.entry = fetched
     made: dict[str, Entry] = {}
     for t in asked:
+        if t.entry is not _LET_GO:
+            continue
         entry = made.get(t.path)
         if entry is None:
             entry = made[t.path] = t.source[t.path]  # type: ignore[index]

@@ -309,3 +309,63 @@ def test_a_record_dtype_is_refused_naming_the_file_and_the_variable(tmp_path) ->
     assert info.value.file == str(out) and info.value.variable == "w"
     assert "not a tensor dtype" in str(info.value) and "found [('a', '<f4')]" in str(info.value)
     assert not out.exists()
+
+
+# --- item: a run's variables read in bulk by a source that offers it, not made again ----------
+
+
+class _Bulk(_MadeWhenAsked):
+    """A source made when asked that also reads a list of variables' components in bulk (as
+    a conversion of a native file does): None for ``refused`` (read the general way)."""
+
+    def __init__(self, n: int, refused: str) -> None:
+        super().__init__(n)
+        self.refused = refused
+        self.asked: list[str] = []
+        self.bulk_asked: list[str] = []
+
+    def __getitem__(self, key: str) -> ArrayEntry:
+        self.asked.append(key)
+        return super().__getitem__(key)
+
+    def bulk_components(self, paths: list[str]) -> Iterator[tuple[str, list | None]]:
+        for path in paths:
+            self.bulk_asked.append(path)
+            if path == self.refused:
+                yield path, None
+            else:
+                value = np.arange(4, dtype=np.float32) + self._paths.index(path)
+                value.flags.writeable = False
+                yield path, [value, value]
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
+def test_a_runs_whole_variables_are_read_in_bulk_not_made_again(tmp_path, monkeypatch, suffix):
+    # Runs of 48 bytes: 3 tensors of 16, so every other variable's two components fall in two
+    # runs (its entry is asked for again in each: bulk reads whole variables only, so a run
+    # never holds more than its own bytes); the others are read in bulk, their entries made once
+    # (by the plan). The refused one is read through its entry. The file is the held one's.
+    monkeypatch.setattr("parallelvars._spans.BULK_BYTES", 48)
+    n = 12
+    source = _Bulk(n, refused="model/w3")
+    write_checkpoint(str(tmp_path / f"held{suffix}"), {k: source[k] for k in source})
+    source.asked.clear()
+    write_checkpoint(str(tmp_path / f"bulk{suffix}"), source)
+    once = {k for k in source if source.asked.count(k) == 1}
+    again = {k for k in source if source.asked.count(k) > 1}
+    assert once | again == set(source) and "model/w3" in again
+    assert len(again) >= 4  # (24 tensors in runs of 3: 4 variables split; and the refused)
+    assert set(source.bulk_asked) & again == {"model/w3"}
+    assert set(source.bulk_asked) >= once
+    a, b = (
+        open_checkpoint(str(tmp_path / f"held{suffix}")),
+        open_checkpoint(str(tmp_path / f"bulk{suffix}")),
+    )
+    with a, b:
+        assert list(a) == list(b)
+        for k in a:
+            np.testing.assert_array_equal(a[k].component(1), b[k].component(1))
+    if suffix == ".safetensors":
+        assert (tmp_path / "held.safetensors").read_bytes() == (
+            tmp_path / "bulk.safetensors"
+        ).read_bytes()
