@@ -299,9 +299,13 @@ def plan_tensors(
     info = {"format": INFO_FORMAT, "version": INFO_VERSION, "names": names, "variables": variables}
     graph = carried_graph(entries)
     if graph is not None:
-        # (the source's own graph when it is plain JSON, not a second copy of every node)
-        check_writable_graph(graph, file)
-        info["object_graph"] = graph if _plain_json(graph) else jsonable(graph)
+        # (the source's own graph when it is plain JSON, not a second copy of every node: a
+        # tree, no container met twice, so it cannot hold itself; any other is checked first)
+        if _plain_json(graph):
+            info["object_graph"] = graph
+        else:
+            check_writable_graph(graph, file)
+            info["object_graph"] = jsonable(graph)
     return planned, info
 
 
