@@ -54,6 +54,7 @@ from parallelvars.errors import (
 )
 
 from .._json import jsonable
+from .._plan import _json_attrs
 from .._view import Entry, aggregates
 from ._bundle import BundleWriter
 from ._dtypes import DT_STRING, tf_dtype
@@ -227,7 +228,8 @@ def _extra(var: _Var) -> dict[str, Any] | None:
         if e.kind == "sharded":  # the reader needs the split the slices cannot show
             var.expressed -= {"shard_axis", "shard_offsets"}
     expressed = var.expressed
-    attrs = jsonable({k: v for k, v in e.attrs.items() if k not in expressed})
+    # (as jsonable makes them; the filtered dict itself when it already is plain JSON)
+    attrs = _json_attrs({k: v for k, v in e.attrs.items() if k not in expressed})
     if attrs:
         record["attrs"] = attrs
     return record or None
