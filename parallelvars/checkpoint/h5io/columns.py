@@ -221,6 +221,14 @@ def index_pieces(runs: Sequence[tuple[str, int]], crcs: Sequence[int]) -> Iterat
     run's text a format of its count of checksums) with the checksums ``crcs`` in turn, a
     piece at a time: ``{``, each run's text with its checksums put in (``", "`` between
     two), ``}``."""
+    wanted = sum(count for _, count in runs)
+    if wanted != len(crcs):
+        raise InvalidEntryError(
+            "the index's template does not take the checksums given",
+            variable=INDEX_DATASET,
+            expected=f"{wanted} checksums",
+            found=len(crcs),
+        )
     yield "{"
     at = 0
     for r, (text, count) in enumerate(runs):
@@ -228,13 +236,6 @@ def index_pieces(runs: Sequence[tuple[str, int]], crcs: Sequence[int]) -> Iterat
             yield ", "
         yield text % tuple(crcs[at : at + count])
         at += count
-    if at != len(crcs):
-        raise InvalidEntryError(
-            "the index's template does not take the checksums given",
-            variable=INDEX_DATASET,
-            expected=f"{at} checksums",
-            found=len(crcs),
-        )
     yield "}"
 
 
