@@ -494,11 +494,14 @@ def _check_record_documents(records: list[Any], run: int | None = None) -> None:
             mp.setattr(columns, "_RUN", run)
         made = columns.record_documents(records, offsets)
     assert made is not None
-    template, head, tail = made
+    runs, head, tail = made
     crcs = [r.crcs for r in records]
+    flat = [c for cc in crcs for c in cc]
     index = _index_of(records, SimpleNamespace(offsets=offsets), crcs)
-    assert template % tuple(c for cc in crcs for c in cc) == json.dumps(index)
-    assert (head, tail) == _columns_parts(index)
+    text = "".join(columns.index_pieces(runs, flat))
+    assert text == json.dumps(index)
+    assert columns.index_bare_length(runs) == len(text) - sum(len(str(c)) for c in flat)
+    assert ("".join(head), tail) == _columns_parts(index)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

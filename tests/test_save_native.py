@@ -750,3 +750,53 @@ def test_a_component_unlike_its_layout_names_its_variable(tmp_path, wrong, error
     with pytest.raises(error, match=rf"v{at}\[1\]"):
         native.save_native(tmp_path / "c.h5", records)
     assert not os.path.exists(tmp_path / "c.h5")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.text(alphabet="ab%d{}", max_size=40), max_size=12),
+    st.integers(0, 70),
+    st.integers(1, 64),
+)
+def test_a_document_is_written_a_few_pieces_at_a_time(
+    tmp_path_factory, pieces: list[str], pad: int, write_bytes: int
+) -> None:
+    """A save writes each document a few pieces at a time (at most about
+    ``DOCUMENT_WRITE_BYTES`` held): the bytes written are the pieces' text padded with spaces
+    to the room, and its CRC-32C is theirs, however the pieces fall into writes."""
+    import crc32c
+
+    text = "".join(pieces).encode()
+    room = len(text) + pad
+    path = tmp_path_factory.mktemp("doc") / "doc"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(native, "DOCUMENT_WRITE_BYTES", write_bytes)
+            crc = native._write_padded(fd, "doc", 5, room, iter(pieces))
+    finally:
+        os.close(fd)
+    written = path.read_bytes()
+    assert written[5:] == text.ljust(room, b" ")
+    assert crc == crc32c.crc32c(written[5:])
+
+
+def test_a_document_longer_than_its_room_is_refused(tmp_path) -> None:
+    """A document whose text passes the room its structure gives it is refused naming the
+    document, room and length (the save fails; the last good file stays), and an index
+    template given other than its count of checksums is refused the same way."""
+    from parallelvars.checkpoint.h5io.columns import index_pieces
+    from parallelvars.errors import InvalidEntryError
+
+    fd = os.open(tmp_path / "doc", os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        with pytest.raises(InvalidEntryError, match="does not fit the room") as info:
+            native._write_padded(fd, "_parallelvars/index", 0, 4, ["ab", "cde"])
+    finally:
+        os.close(fd)
+    assert "_parallelvars/index" in str(info.value) and "4 bytes" in str(info.value)
+    runs = [('"a": {"crc32c": [%d, %d]}', 2)]
+    assert "".join(index_pieces(runs, [1, 2])) == '{"a": {"crc32c": [1, 2]}}'
+    for given_crcs in ([1], [1, 2, 3]):
+        with pytest.raises(InvalidEntryError, match="take the checksums given"):
+            "".join(index_pieces(runs, given_crcs))

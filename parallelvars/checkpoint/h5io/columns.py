@@ -26,9 +26,14 @@ from parallelvars.checkpoint.h5io.index_table import (
     _assemble,
     one_each,
 )
-from parallelvars.checkpoint.h5io.layout import COLUMNS_DATASET, COLUMNS_ROW_ATTRS, COLUMNS_VERSION
+from parallelvars.checkpoint.h5io.layout import (
+    COLUMNS_DATASET,
+    COLUMNS_ROW_ATTRS,
+    COLUMNS_VERSION,
+    INDEX_DATASET,
+)
 from parallelvars.checkpoint.h5io.stored import _dtype_named
-from parallelvars.errors import CorruptCheckpointError, UnsupportedDtypeError
+from parallelvars.errors import CorruptCheckpointError, InvalidEntryError, UnsupportedDtypeError
 
 __all__ = ["ColumnEntries"]
 
@@ -108,14 +113,18 @@ def record_documents(
     records: Sequence[Any],
     offsets: Mapping[str, Sequence[int | None]],
     classes: Any = None,
-) -> tuple[str, str, str] | None:
+) -> tuple[list[tuple[str, int]], list[str], str] | None:
     """The index document of ``records`` (entries with ``path``, ``kind``, ``dtype``,
     ``shape``, ``num_components``, ``attrs``) whose components lie at ``offsets`` (by path),
-    as a template with a ``%d`` for each checksum, and its columns document's parts (see
-    :func:`_columns_parts`): the texts of ``json.dumps(index) % ...`` and
-    ``_columns_parts(index)`` for the index a writer records of them, made without building
-    the index (no dictionary or list per record). None for a record whose attributes have a
-    key that is not a string (the caller builds the index instead).
+    as a template in runs (see :func:`index_pieces`: each run of records' text with a ``%d``
+    for each checksum, and its count of checksums), and its columns document's parts (see
+    :func:`_columns_parts`): the text before its checksums in pieces, and the text after.
+    ``"".join(index_pieces(runs, crcs))`` is ``json.dumps(index)`` and ``"".join(head)`` is
+    ``_columns_parts(index)[0]`` for the index a writer records of them, made without building
+    the index (no dictionary or list per record) and without joining the runs or the pieces
+    (a save writes them a piece at a time: the documents are never held whole besides). None
+    for a record whose attributes have a key that is not a string (the caller builds the
+    index instead).
 
     The records are taken by class (``classes``: their
     :func:`~parallelvars.checkpoint.h5io.records.record_classes`, made here when not given):
@@ -188,22 +197,67 @@ def record_documents(
     for r, text in enumerate(row_texts):
         if "%" in text:
             row_columns[r] = [v.replace("%", "%%") for v in row_columns[r]]
-    texts = _index_texts(
+    runs = _index_texts(
         ids, [_literals(f) for f in formats], row_places, paths, row_columns, dim_texts, off_texts
     )
-    template = "{" + ", ".join(texts) + "}"  # (one copy of the records' texts)
-    del texts, paths, row_columns
-    row_attrs = ", ".join(
-        f"{enc(k)}: [{text}]" for k, text in zip(row_keys, row_texts, strict=True)
-    )
-    head = (
-        f'{{"version": {COLUMNS_VERSION}, "layouts": [{", ".join(layout_texts)}], '
-        f'"paths": [{paths_text}], '
-        f'"layout": [{", ".join(map(str, map(col_layout.__getitem__, ids)))}], '
-        f'"row_attrs": {{{row_attrs}}}, "shapes": [{", ".join(dim_texts)}], '
-        f'"offsets": [{", ".join(off_texts)}], "crc32c": ['
-    )
-    return template, head, "]}"
+    del paths, row_columns
+    # (the columns' texts as pieces, each made once: never joined into one text here)
+    head = [
+        f'{{"version": {COLUMNS_VERSION}, "layouts": [{", ".join(layout_texts)}], "paths": [',
+        paths_text,
+        f'], "layout": [{", ".join(map(str, map(col_layout.__getitem__, ids)))}], "row_attrs": {{',
+    ]
+    for r, (key, text) in enumerate(zip(row_keys, row_texts, strict=True)):
+        head += (f"{', ' if r else ''}{enc(key)}: [", text, "]")
+    del row_texts
+    head += ('}, "shapes": [', ", ".join(dim_texts))
+    del dim_texts
+    head += ('], "offsets": [', ", ".join(off_texts), '], "crc32c": [')
+    return runs, head, "]}"
+
+
+def index_pieces(runs: Sequence[tuple[str, int]], crcs: Sequence[int]) -> Iterator[str]:
+    """The index document's text of the template ``runs`` (:func:`record_documents`: each
+    run's text a format of its count of checksums) with the checksums ``crcs`` in turn, a
+    piece at a time: ``{``, each run's text with its checksums put in (``", "`` between
+    two), ``}``."""
+    wanted = sum(count for _, count in runs)
+    if wanted != len(crcs):
+        raise InvalidEntryError(
+            "the index's template does not take the checksums given",
+            variable=INDEX_DATASET,
+            expected=f"{wanted} checksums",
+            found=len(crcs),
+        )
+    yield "{"
+    at = 0
+    for r, (text, count) in enumerate(runs):
+        if r:
+            yield ", "
+        yield text % tuple(crcs[at : at + count])
+        at += count
+    yield "}"
+
+
+def template_runs(template: str, count: int) -> list[tuple[str, int]]:
+    """A whole index template (``json.dumps(index)`` with a ``%d`` for each of its ``count``
+    checksums, :func:`~parallelvars.checkpoint.h5io.records.marked_template`) as the runs
+    :func:`index_pieces` takes: one run, the text between its braces."""
+    if not (template.startswith("{") and template.endswith("}")):
+        raise InvalidEntryError(
+            "an index template is not one JSON object",
+            variable=INDEX_DATASET,
+            expected="{...}",
+            found=template[:32],
+        )
+    return [(template[1:-1], count)]
+
+
+def index_bare_length(runs: Sequence[tuple[str, int]]) -> int:
+    """The length of the index document of the template ``runs`` without its checksums'
+    digits (each ``%%`` of a run one ``%``, each ``%d`` none)."""
+    texts = sum(len(text) - text.count("%%") - 2 * count for text, count in runs)
+    return texts + 2 + 2 * max(len(runs) - 1, 0)
 
 
 def _class_texts(
@@ -329,17 +383,18 @@ def _index_texts(
     row_columns: list[list[str]],
     dims: list[str],
     offsets: list[str],
-) -> list[str]:
+) -> list[tuple[str, int]]:
     """The records' index texts, a run of records of one class at a time, each run's by one
     join of its columns (no text or tuple made per record): class ``c``'s ``literals[c]``
     with, between them, each record's path, dimensions (``dims``: every record's in turn),
     row strings (of the row columns its ``places[c]`` names) and offsets (``offsets``, in
     turn); ``places[c]``: the class's number of dimensions, of components and its row
-    columns. The texts joined with ``", "`` are the records' texts so joined."""
+    columns. The texts joined with ``", "`` are the records' texts so joined; each comes
+    with its count of checksums (a ``%d`` for each)."""
     ids_arr = np.asarray(ids, np.int64)
     cuts = np.flatnonzero(ids_arr[1:] != ids_arr[:-1]) + 1
     bounds = [0, *cuts.tolist(), len(ids)]
-    texts: list[str] = []
+    texts: list[tuple[str, int]] = []
     d = o = 0  # (the run's first dimension and first offset)
     for start, stop in itertools.pairwise(bounds):
         if start == stop:
@@ -366,7 +421,7 @@ def _index_texts(
             cols.append(itertools.repeat(sep))
             joined = "".join(itertools.chain.from_iterable(zip(*cols, strict=False)))
             # (the last record's text ends at its class's last text, not at the separator)
-            texts.append(lit[0] + joined[: len(joined) - len(sep) + len(lit[-1])])
+            texts.append((lit[0] + joined[: len(joined) - len(sep) + len(lit[-1])], n * count))
             d += ndim * count
             o += n * count
     return texts

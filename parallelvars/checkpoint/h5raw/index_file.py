@@ -24,6 +24,7 @@ from parallelvars._dtypes import dtype_name
 from parallelvars._fileio import atomic_path, pwrite_all
 from parallelvars._ints import unique_ints
 from parallelvars.checkpoint.h5io.attributes import _attr_value, _decode
+from parallelvars.checkpoint.h5io.columns import index_pieces, template_runs
 from parallelvars.checkpoint.h5io.layout import (
     DOCUMENTS_ATTR,
     GRAPH_DATASET,
@@ -118,7 +119,7 @@ def _write_image(
     cannot take ``folder`` (:func:`_relink`). The folder is put in and the image written
     under the plan's lock: another save of the structure may put its own folder in."""
     flat = tuple(int(c.crc32c) for v in items for c in v.components)
-    docs = {INDEX_DATASET: (prep.template % flat).encode()}
+    docs = {INDEX_DATASET: "".join(index_pieces(prep.template, flat)).encode()}
     if prep.graph is not None:
         docs[GRAPH_DATASET] = prep.graph
     docs = _fitted(prep, docs)
@@ -304,9 +305,9 @@ def _prepare_index(
         image,
         meta_out.file_size,
         meta_out.documents,
-        template,
+        template_runs(template, checksums),
         capacities,
-        ("", ""),
+        ((), ""),
         graph,
     )
     prep.folder = None if folder is None else folder.encode()

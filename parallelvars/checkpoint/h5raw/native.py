@@ -21,7 +21,7 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import crc32c as _crc32c
@@ -36,7 +36,15 @@ from parallelvars._fileio import (
 from parallelvars._geometry import shard_shapes
 from parallelvars.checkpoint._gcfreeze import freeze_made_so_far
 from parallelvars.checkpoint.h5io.attributes import _attr_value, _decode, _root_attr_value
-from parallelvars.checkpoint.h5io.columns import _META_KEYS, _copied, _value_key, record_documents
+from parallelvars.checkpoint.h5io.columns import (
+    _META_KEYS,
+    _copied,
+    _value_key,
+    index_bare_length,
+    index_pieces,
+    record_documents,
+    template_runs,
+)
 from parallelvars.checkpoint.h5io.layout import (
     COLUMNS_DATASET,
     DOCUMENTS_ATTR,
@@ -197,7 +205,11 @@ def index_documents(index: Mapping[str, Any], *, columns: bool = True) -> dict[s
     digits = ", ".join(map(str, flat))
     parts = _columns_parts(index) if columns else None
     # (the index's length without its checksums' digits: its separators stay)
-    room = document_capacities(len(text) - len(digits) + _separators(len(flat)), parts, len(flat))
+    room = document_capacities(
+        len(text) - len(digits) + _separators(len(flat)),
+        None if parts is None else len(parts[0]) + len(parts[1]),
+        len(flat),
+    )
     docs = {INDEX_DATASET: text.encode().ljust(room[INDEX_DATASET], b" ")}
     if parts is not None:
         head, tail = parts
@@ -214,14 +226,13 @@ def _record_index_documents(
     parts = record_documents(items, plan.offsets)
     if parts is None:
         return index_documents(_index_of(items, plan, crcs))
-    template, head, tail = parts
-    flat = tuple(c for cc in crcs for c in cc)
-    room = document_capacities(
-        len(template) - template.count("%%") - 2 * len(flat), parts[1:], len(flat)
-    )
+    runs, pieces, tail = parts
+    head = "".join(pieces)
+    flat = [c for cc in crcs for c in cc]
+    room = document_capacities(index_bare_length(runs), len(head) + len(tail), len(flat))
     digits = ", ".join(map(str, flat))
     return {
-        INDEX_DATASET: (template % flat).encode().ljust(room[INDEX_DATASET], b" "),
+        INDEX_DATASET: "".join(index_pieces(runs, flat)).encode().ljust(room[INDEX_DATASET], b" "),
         COLUMNS_DATASET: (head + digits + tail).encode().ljust(room[COLUMNS_DATASET], b" "),
     }
 
@@ -232,18 +243,16 @@ def _separators(checksums: int) -> int:
 
 
 def document_capacities(
-    index_bare: int, columns: tuple[str, str] | None, checksums: int
+    index_bare: int, columns_bare: int | None, checksums: int
 ) -> dict[str, int]:
     """The room each writer gives the index document (``index_bare``: its length without
-    its ``checksums`` checksums' digits) and, with the columns document's ``columns`` parts
-    (the text before and after its checksums), the columns document: a function of the
-    structure alone, so every save of a structure has the same bytes outside the data."""
+    its ``checksums`` checksums' digits) and, with ``columns_bare`` (the length of the
+    columns document's text before and after its checksums), the columns document: a
+    function of the structure alone, so every save of a structure has the same bytes outside
+    the data."""
     room = {INDEX_DATASET: index_capacity(index_bare, checksums)}
-    if columns is not None:
-        head, tail = columns
-        room[COLUMNS_DATASET] = index_capacity(
-            len(head) + len(tail) + _separators(checksums), checksums
-        )
+    if columns_bare is not None:
+        room[COLUMNS_DATASET] = index_capacity(columns_bare + _separators(checksums), checksums)
     return room
 
 
@@ -267,8 +276,9 @@ def _index_value(value: Any, seen: dict[Any, Any]) -> Any:
 # ----------------------------------------------------------------------------- the save path
 class Prepared:
     """What a repeated save of one structure reuses (kept in a checkpoint's cache under
-    ``key``): the plan, its generated metadata image, the index document as a template with a
-    ``%d`` for every checksum, the columns document around its checksums, the object graph
+    ``key``): the plan, its generated metadata image, the index document as a template in
+    runs with a ``%d`` for every checksum (:func:`~.columns.index_pieces`), the columns
+    document around its checksums (the text before them in pieces), the object graph
     document, and the data the plan lays itself (``data``: the byte-string components' heap
     references; their values are part of the structure's key). Only the checksums, the root
     header values and the documents' checksum attributes change between two saves of a
@@ -281,9 +291,9 @@ class Prepared:
         image: bytes | memoryview,
         file_size: int,
         documents: dict[str, int],
-        template: str,
+        template: Sequence[tuple[str, int]],
         capacities: dict[str, int],
-        columns: tuple[str, str],
+        columns: tuple[Sequence[str], str],
         graph: bytes | None,
         data: Sequence[tuple[int, bytes | memoryview]] = (),
     ) -> None:
@@ -620,6 +630,7 @@ def _prepare(
     count = sum(map(len, map(_COMPONENTS, items)))
     parts = record_documents(items, plan.offsets, classes)
     del classes
+    head: Sequence[str]
     if parts is not None:
         template, head, tail = parts
     else:  # (an attribute key that is not a string: through the index's objects)
@@ -628,13 +639,13 @@ def _prepare(
         if marked is None:  # (a value with a mark's text: made record by record)
             index = _index_of(items, plan, crcs())
             marked = _index_template_by_record(index)
-        template = marked
-        head, tail = _columns_parts(index)
-        del index
-    # the index without its checksums' digits: each "%%" of the template is one "%", each
-    # "%d" one checksum
-    bare = len(template) - template.count("%%") - 2 * count
-    capacities = document_capacities(bare, (head, tail), count)
+        template = template_runs(marked, count)
+        whole, tail = _columns_parts(index)
+        head = [whole]
+        del index, marked, whole
+    capacities = document_capacities(
+        index_bare_length(template), sum(map(len, head)) + len(tail), count
+    )
     graph = None
     if object_graph is not None:
         graph = json.dumps(object_graph).encode()
@@ -685,19 +696,76 @@ def _write_image(fd: int, prep: Prepared) -> None:
     start_writeback(fd, 0, size)
 
 
-def _documents(prep: Prepared, flat: Sequence[int]) -> dict[str, bytes]:
+# The bytes of a document a save writes at once at most (about: a piece is never split).
+DOCUMENT_WRITE_BYTES = 4 << 20
+# The checksums whose digits one piece of the columns document holds.
+_DIGITS_RUN = 65536
+
+
+def _write_documents(fd: int, prep: Prepared, flat: Sequence[int]) -> dict[str, int]:
+    """Write the documents of a save of ``prep``'s structure with its components' checksums
+    ``flat`` into ``fd`` at their places, each padded with spaces to its capacity, a few MiB
+    at a time (``DOCUMENT_WRITE_BYTES``: made from the template's runs and the columns'
+    pieces, never held whole); returns each one's CRC-32C (for its header's attribute)."""
     head, tail = prep.columns
-    docs = {
-        INDEX_DATASET: (prep.template % tuple(flat))
-        .encode()
-        .ljust(prep.capacities[INDEX_DATASET], b" "),
-        COLUMNS_DATASET: (head + ", ".join(map(str, flat)) + tail)
-        .encode()
-        .ljust(prep.capacities[COLUMNS_DATASET], b" "),
+    texts: dict[str, Iterable[str | bytes]] = {
+        INDEX_DATASET: index_pieces(prep.template, flat),
+        COLUMNS_DATASET: _columns_pieces(head, flat, tail),
     }
     if prep.graph is not None:
-        docs[GRAPH_DATASET] = prep.graph
-    return _fitted(prep, docs)
+        texts[GRAPH_DATASET] = (prep.graph,)
+    return {
+        name: _write_padded(fd, name, prep.documents[name], prep.capacities[name], pieces)
+        for name, pieces in texts.items()
+    }
+
+
+def _columns_pieces(head: Sequence[str], flat: Sequence[int], tail: str) -> Iterator[str]:
+    """The columns document's text in pieces: ``head``'s, the checksums' digits a run at a
+    time (``", "`` between two), ``tail``."""
+    yield from head
+    for a in range(0, len(flat), _DIGITS_RUN):
+        digits = ", ".join(map(str, flat[a : a + _DIGITS_RUN]))
+        yield ", " + digits if a else digits
+    yield tail
+
+
+def _write_padded(fd: int, name: str, offset: int, room: int, pieces: Iterable[str | bytes]) -> int:
+    """Write the text of ``pieces`` at ``offset``, padded with spaces to ``room`` bytes (a
+    text longer is refused: the structure's key holds what sizes it), a few pieces at a time;
+    its CRC-32C."""
+    crc = 0
+    at = 0
+    held: list[bytes] = []
+    size = 0
+    ended = False
+    pieces = iter(pieces)
+    while not ended:
+        piece = next(pieces, None)
+        if piece is None:
+            ended = True
+        else:
+            data = piece if isinstance(piece, bytes) else piece.encode()
+            held.append(data)
+            size += len(data)
+            if size < DOCUMENT_WRITE_BYTES:
+                continue
+        if at + size > room:
+            raise InvalidEntryError(
+                "a document does not fit the room its structure gives it",
+                variable=name,
+                expected=f"{room} bytes",
+                found=f"at least {at + size} bytes",
+            )
+        if ended:
+            held.append(b" " * (room - at - size))
+        data = b"".join(held)
+        pwrite_all(fd, memoryview(data), offset + at)
+        crc = _crc32c.crc32c(data, crc)
+        at += len(data)
+        held.clear()
+        size = 0
+    return crc
 
 
 def _fitted(prep: Prepared, docs: dict[str, bytes]) -> dict[str, bytes]:
@@ -795,19 +863,15 @@ def _save_arrays(
                 prep.batches = (items, batches) if own else None
             done = settle(crcs, shared, comps)
             flat = list(itertools.chain.from_iterable(done))
-            docs = _documents(prep, flat)
-            with prep.lock:
-                refresh = prep.plan.refresh(
-                    _changing(root), {k: _crc32c.crc32c(v) for k, v in docs.items()}
-                )
-            for offset, piece in refresh:
-                pwrite_all(fd, memoryview(piece), offset)
             # after the components: their gathered writes fill gaps of up to 64 bytes with
             # zeros, and a heap collection or a document may lie in one
             for offset, held in prep.data:
                 pwrite_all(fd, memoryview(held), offset)
-            for name, piece in docs.items():
-                pwrite_all(fd, memoryview(piece), prep.documents[name])
+            written = _write_documents(fd, prep, flat)
+            with prep.lock:
+                refresh = prep.plan.refresh(_changing(root), written)
+            for offset, piece in refresh:
+                pwrite_all(fd, memoryview(piece), offset)
             os.ftruncate(fd, prep.file_size)  # (only ever extends: everything lies below)
         finally:
             if data is not None:
