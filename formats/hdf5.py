@@ -190,7 +190,8 @@ class _Planned:
         num_components: int,
         attrs: Mapping[str, Any],
     ) -> None:
-        self._entries, self._made = entries, None
+        self._entries = entries
+        self._made: Entry | None = None
         self.path, self.kind, self.dtype, self.shape = path, kind, dtype, shape
         self.num_components, self.attrs = num_components, attrs
 

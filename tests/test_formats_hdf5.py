@@ -161,10 +161,9 @@ def _described_entries() -> list[ArrayEntry]:
 def test_a_described_view_is_written_without_holding_its_entries(tmp_path, monkeypatch) -> None:
     # Planned from the summaries, each entry made while its run is read and let go after:
     # the file is the one the entries themselves give, at most a run's entries alive at once.
-    import parallelvars._spans as spans
     import parallelvars.checkpoint.h5raw.native as native
 
-    monkeypatch.setattr(spans, "BULK_BYTES", 1024)  # (runs of two variables)
+    monkeypatch.setattr("parallelvars._spans.BULK_BYTES", 1024)  # (runs of two variables)
     monkeypatch.setattr(native.time, "time", lambda: 1.0)  # (the same `created` in both)
     view = _Described(_described_entries())
     write_hdf5(tmp_path / "d.h5", view)
