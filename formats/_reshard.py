@@ -109,7 +109,7 @@ class _Rewritten(ForwardingEntry):
         self.source = source
         self.path = source.path
         self.dtype = np.dtype(source.dtype)
-        self.shape = tuple(int(s) for s in source.shape)
+        self.shape = tuple(map(int, source.shape))
         self.kind = kind
         self.num_components = m
         self.attrs = attrs
@@ -237,6 +237,10 @@ class ReshardedView(CheckpointView):
     checked and its spread decided when the view is made (a refusal raised then, naming it);
     the number of components of each is noted then too (:attr:`source_counts`,
     :attr:`spread_count`)."""
+
+    #: Its summaries describe variables checked when the view was made (a rewritten layout
+    #: is valid by construction, as :class:`_Rewritten`'s): a writer need not check them again.
+    summaries_checked = True
 
     def __init__(self, view: Mapping[str, Entry], m: int, mirror_single: bool) -> None:
         self._view, self._m, self._mirror_single = view, m, mirror_single

@@ -137,6 +137,8 @@ def write_hdf5(
     # no entry (nor a copy of its attributes) per variable. Any other entry is checked and
     # held as it is.
     summary = getattr(entries, "summary", None)
+    # (a view whose descriptions are checked already: its names and layouts not again)
+    checked = bool(getattr(entries, "summaries_checked", False))
     values: list[Any] = []
     for key in entries:
         known = summary(key) if summary is not None else None
@@ -151,12 +153,14 @@ def write_hdf5(
             values.append(entry)
         else:
             kind, dtype, shape, n, _, attrs = known
-            # (check_entry's checks, on the summary's fields)
-            check_name_text(key, p)
-            problem = layout_problem(kind, shape, n, attrs)
-            if problem is not None:
-                what, expected, found = problem
-                raise InvalidEntryError(what, file=p, variable=key, expected=expected, found=found)
+            if not checked:  # (check_entry's checks, on the summary's fields)
+                check_name_text(key, p)
+                problem = layout_problem(kind, shape, n, attrs)
+                if problem is not None:
+                    what, expected, found = problem
+                    raise InvalidEntryError(
+                        what, file=p, variable=key, expected=expected, found=found
+                    )
             values.append(_Planned(entries, key, kind, dtype, shape, n, attrs))
         problem = attribute_problem(attrs)
         if problem is not None:
