@@ -257,12 +257,17 @@ class ReshardedView(CheckpointView):
         self._summary = getattr(view, "summary", None)
         counts: set[int] = set()
         spread = 0
+        checked = bool(getattr(view, "summaries_checked", False))  # (as entries' layout_checked)
         for key in view:
             known = self._summary(key) if self._summary is not None else None
             if known is None:
                 source = view[key]
                 n = int(source.num_components)
                 spread += int(self._rewrite(source).num_components) > 1
+            elif checked:
+                head = _Header(key, known)
+                n = int(head.num_components)
+                spread += self._rewritten_count(head) > 1
             else:  # (the checks of _rewrite, on the description)
                 head = _Header(key, known)
                 check_name_text(key, self._file)

@@ -40,6 +40,11 @@ class HDF5View(CheckpointView):
         object_graph: the stored object graph, or None.
     """
 
+    #: Its summaries come from the index's table, validated at open (a name that is not
+    #: Unicode text has none): a writer or a reshard need not check them again, as they skip
+    #: the reader's entries (``layout_checked``).
+    summaries_checked = True
+
     def __init__(self, reader: H5Reader) -> None:
         self.reader = reader
         self.format = "hdf5"
