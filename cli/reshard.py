@@ -9,7 +9,6 @@ from parallelvars import formats
 from parallelvars._fileio import remove_made
 from parallelvars.checkpoint._gcfreeze import freeze_made_so_far, older_objects_frozen
 from parallelvars.checkpoint.entry import MAX_COMPONENTS
-from parallelvars.formats._reshard import source_entries
 
 from ._common import (
     add_destination_options,
@@ -77,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
         freeze_made_so_far()
         entries = formats.reshard(view, args.devices)
         freeze_made_so_far()
-        # (each source entry's count, from the entries the rewrite holds: read once)
-        before = sorted({int(e.num_components) for e in source_entries(entries)})
+        # (each source variable's count, noted as the rewrite checked it)
+        before = entries.source_counts
         made: list[str] = []
         destination, fmt = destination_path(
             args.destination,
@@ -96,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         count = len(entries)
         src_format = view.format
         # A single variable stays on one device whatever M is: say how many moved.
-        spread = sum(1 for k in entries if int(entries[k].num_components) > 1)
+        spread = entries.spread_count
     data = {
         "source": args.source,
         "source_format": src_format,

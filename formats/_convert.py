@@ -190,6 +190,15 @@ class _AskedFor(CheckpointView):
             self._nbytes[key] = int(entry.nbytes)
         return entry if self._wrap is None else self._wrap(entry)
 
+    def summary(self, key: str) -> tuple[str, Any, tuple[int, ...], int, int, Any] | None:
+        """The source view's summary of ``key`` (its layout, bytes and attributes, no entry
+        made; None where it has none): what the HDF5 writer plans from."""
+        get = getattr(self._view, "summary", None)
+        known = None if get is None else get(key)
+        if known is not None:
+            self._nbytes.setdefault(key, int(known[4]))
+        return known
+
     def entry_nbytes(self, key: str) -> int:
         """``self[key].nbytes``, noted when the entry was first made (a number per variable:
         what a caller reports of the output, without making every entry again)."""

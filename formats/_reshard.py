@@ -40,19 +40,27 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 from parallelvars._aggregate import Spread, aggregation_of, logical_value, spread_plan
 from parallelvars._geometry import overlapping_shards, shard_bounds, shard_index, shard_offsets
-from parallelvars.checkpoint.entry import MAX_COMPONENTS, Entry, ForwardingEntry, check_entry
-from parallelvars.errors import InvalidArgumentError
+from parallelvars.checkpoint.entry import (
+    MAX_COMPONENTS,
+    Entry,
+    ForwardingEntry,
+    check_entry,
+    check_name_text,
+    layout_problem,
+)
+from parallelvars.errors import InvalidArgumentError, InvalidEntryError
 
-from ._view import CheckpointView, DictView
+from ._view import CheckpointView
 
-__all__ = ["reshard", "source_entries", "split_offsets"]
+__all__ = ["ReshardedView", "reshard", "split_offsets"]
 
 
 def split_offsets(length: int, parts: int) -> list[int]:
@@ -101,7 +109,7 @@ class _Rewritten(ForwardingEntry):
         self.source = source
         self.path = source.path
         self.dtype = np.dtype(source.dtype)
-        self.shape = tuple(int(s) for s in source.shape)
+        self.shape = tuple(map(int, source.shape))
         self.kind = kind
         self.num_components = m
         self.attrs = attrs
@@ -187,12 +195,7 @@ class _Resplit(_Rewritten):
 
 
 def _rewrite(
-    entry: Entry,
-    m: int,
-    mirror_single: bool,
-    cache: _Cache,
-    file: str | None,
-    spreads: dict[tuple[Any, ...], Spread],
+    entry: Entry, m: int, mirror_single: bool, cache: _Cache, file: str | None, view: ReshardedView
 ) -> Entry:
     check_entry(entry, file)
     kind = entry.kind
@@ -206,16 +209,7 @@ def _rewrite(
     if m == n:
         return entry
     attrs = dict(entry.attrs or {})
-    # The decision depends on the kind, N and the aggregation only: made once for each (a
-    # refusal is raised for every variable it refuses, naming it).
-    # (keyed on exactly what spread_plan reads: an absent aggregation and an explicit None
-    # differ)
-    aggregation = aggregation_of(kind, attrs)
-    key = (kind, n, aggregation)
-    spread = spreads.get(key)
-    if spread is None:
-        spread = spread_plan(entry, kind, aggregation, m, file=file, rewriting=True)
-        spreads[key] = spread
+    spread = view._spread(entry)
     attrs["devices"] = _devices(m)
     if spread.how == "first":
         return _TotalFirst(entry, kind, m, attrs)
@@ -225,9 +219,138 @@ def _rewrite(
     return _Broadcast(entry, kind, m, attrs, lambda: logical_value(entry), cache)
 
 
+class _Header:
+    """A variable as its view's summary describes it (no entry made): what the checks and
+    :func:`~parallelvars._aggregate.spread_plan` read."""
+
+    __slots__ = ("attrs", "dtype", "kind", "num_components", "path", "shape")
+
+    def __init__(self, path: str, summary: tuple[Any, ...]) -> None:
+        self.path = path
+        self.kind, self.dtype, self.shape, self.num_components, _, self.attrs = summary
+
+
+class ReshardedView(CheckpointView):
+    """The view :func:`reshard` returns: each entry rewritten from the source's when asked for
+    and not held (a writer's plan reads the variables' :meth:`summary`, then each entry while
+    its components are written), so a reshard holds no entry per variable. Every variable is
+    checked and its spread decided when the view is made (a refusal raised then, naming it);
+    the number of components of each is noted then too (:attr:`source_counts`,
+    :attr:`spread_count`)."""
+
+    #: Its summaries describe variables checked when the view was made (a rewritten layout
+    #: is valid by construction, as :class:`_Rewritten`'s): a writer need not check them again.
+    summaries_checked = True
+
+    def __init__(self, view: Mapping[str, Entry], m: int, mirror_single: bool) -> None:
+        self._view, self._m, self._mirror_single = view, m, mirror_single
+        self._cache = _Cache()
+        self._file: str | None = getattr(view, "path", None)
+        self._spreads: dict[tuple[Any, ...], Spread] = {}
+        self.format = getattr(view, "format", "memory")
+        self.path = getattr(view, "path", "<memory>")
+        self.metadata = dict(getattr(view, "metadata", None) or {})
+        self.files = tuple(getattr(view, "files", ()))
+        graph = getattr(view, "object_graph", None)
+        if graph is not None:
+            self.object_graph = graph  # (the HDF5 writer may keep it)
+        self._summary = getattr(view, "summary", None)
+        counts: set[int] = set()
+        spread = 0
+        checked = bool(getattr(view, "summaries_checked", False))  # (as entries' layout_checked)
+        for key in view:
+            known = self._summary(key) if self._summary is not None else None
+            if known is None:
+                source = view[key]
+                n = int(source.num_components)
+                spread += int(self._rewrite(source).num_components) > 1
+            elif checked:
+                head = _Header(key, known)
+                n = int(head.num_components)
+                spread += self._rewritten_count(head) > 1
+            else:  # (the checks of _rewrite, on the description)
+                head = _Header(key, known)
+                check_name_text(key, self._file)
+                problem = layout_problem(
+                    head.kind, head.shape, int(head.num_components), head.attrs or {}
+                )
+                if problem is not None:
+                    what, expected, found = problem
+                    raise InvalidEntryError(
+                        what, file=self._file, variable=key, expected=expected, found=found
+                    )
+                n = int(head.num_components)
+                spread += self._rewritten_count(head) > 1
+            counts.add(n)
+        #: The source variables' numbers of components (each number once).
+        self.source_counts = sorted(counts)
+        #: How many variables the rewrite puts on more than one device.
+        self.spread_count = spread
+
+    def _spread(self, entry: Any) -> Spread:
+        """The decision for ``entry``'s kind, N and aggregation: made once for each (a
+        refusal is raised for every variable it refuses, naming it)."""
+        # (keyed on exactly what spread_plan reads: an absent aggregation and an explicit
+        # None differ)
+        kind, n = entry.kind, int(entry.num_components)
+        aggregation = aggregation_of(kind, entry.attrs)
+        key = (kind, n, aggregation)
+        spread = self._spreads.get(key)
+        if spread is None:
+            spread = spread_plan(entry, kind, aggregation, self._m, file=self._file, rewriting=True)
+            self._spreads[key] = spread
+        return spread
+
+    def _rewritten_count(self, head: _Header) -> int:
+        """The number of components ``head``'s variable is rewritten with (its spread
+        decided)."""
+        n = int(head.num_components)
+        if head.kind == "single":
+            return self._m if self._mirror_single else n
+        if n != self._m:
+            self._spread(head)
+        return self._m
+
+    def _rewrite(self, entry: Entry) -> Entry:
+        return _rewrite(entry, self._m, self._mirror_single, self._cache, self._file, self)
+
+    def __getitem__(self, key: str) -> Entry:
+        return self._rewrite(self._view[key])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._view)
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def summary(self, key: str) -> tuple[str, Any, tuple[int, ...], int, int, Any] | None:
+        """The rewritten variable at ``key`` as the source's summary describes it (kind,
+        dtype, shape, components, bytes, attributes; no entry made), or None where the source
+        has none (``self[key]`` then)."""
+        known = self._summary(key) if self._summary is not None else None
+        if known is None:
+            return None
+        kind, dtype, shape, n, nbytes, attrs = known
+        m = self._m
+        if kind == "single":
+            if not self._mirror_single:
+                return known
+            how, kind = "all", "mirrored"
+        elif n == m:
+            return known
+        else:
+            how = self._spread(_Header(key, known)).how
+        attrs = dict(attrs or {})
+        attrs["devices"] = _devices(m)
+        if how == "resplit":
+            attrs["shard_offsets"] = shard_offsets(int(shape[int(attrs["shard_axis"])]), m)
+            return kind, dtype, shape, m, nbytes, attrs
+        return kind, dtype, shape, m, math.prod(shape) * np.dtype(dtype).itemsize * m, attrs
+
+
 def reshard(
     view: Mapping[str, Entry], devices: int, *, mirror_single: bool = False
-) -> CheckpointView:
+) -> ReshardedView:
     """A lazy view of ``view`` rewritten for ``devices`` devices (see the module table).
 
     Args:
@@ -236,7 +359,8 @@ def reshard(
         mirror_single: also turn single variables into mirrored ones on all M devices.
 
     Returns:
-        A :class:`CheckpointView` with the same paths, format, file and metadata.
+        A :class:`CheckpointView` with the same paths, format, file and metadata; each
+        entry made when asked for (every variable checked now).
 
     Raises:
         InvalidArgumentError: ``devices`` is not an integer from 1 to ``MAX_COMPONENTS``.
@@ -250,18 +374,4 @@ def reshard(
             f"devices must be at most {MAX_COMPONENTS} (the most components a variable can "
             f"have), got {int(devices)}"
         )
-    m = int(devices)
-    cache = _Cache()
-    file = getattr(view, "path", None)
-    spreads: dict[tuple[Any, ...], Spread] = {}
-    entries = {
-        path: _rewrite(entry, m, mirror_single, cache, file, spreads)
-        for path, entry in view.items()
-    }
-    return DictView.derived(view, entries)
-
-
-def source_entries(view: Mapping[str, Entry]) -> list[Entry]:
-    """The source entries a view made by :func:`reshard` was rewritten from, in its order
-    (an entry left as it was is its own source)."""
-    return [e.source if isinstance(e, _Rewritten) else e for e in view.values()]
+    return ReshardedView(view, int(devices), mirror_single)

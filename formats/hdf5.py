@@ -17,7 +17,7 @@ from typing import Any
 
 import h5py
 
-from parallelvars.checkpoint.entry import check_entry
+from parallelvars.checkpoint.entry import check_entry, check_name_text, layout_problem
 from parallelvars.checkpoint.h5io import H5Reader
 from parallelvars.checkpoint.h5io.attributes import attribute_problem
 from parallelvars.checkpoint.h5raw.native import save_native
@@ -39,6 +39,11 @@ class HDF5View(CheckpointView):
         reader: the underlying reader (``verify_all()``, ``object_graph``).
         object_graph: the stored object graph, or None.
     """
+
+    #: Its summaries come from the index's table, validated at open (a name that is not
+    #: Unicode text has none): a writer or a reshard need not check them again, as they skip
+    #: the reader's entries (``layout_checked``).
+    summaries_checked = True
 
     def __init__(self, reader: H5Reader) -> None:
         self.reader = reader
@@ -131,26 +136,96 @@ def write_hdf5(
         object_graph = object_graph_for(entries)
     if object_graph is not None:
         check_writable_graph(object_graph, p)
-    values = []
-    for key, entry in entries.items():
-        check_entry(entry, p)
-        if entry.path != key:
-            raise InvalidEntryError(
-                f"entry stored under {key!r} has another path", file=p, variable=entry.path
-            )
-        problem = attribute_problem(entry.attrs or {})
+    # A view that describes its variables without making entries (``summary``: an index's
+    # or a parallel info's table) has each checked from that and handed to the writer as a
+    # _Planned, its entry made only while its components are read: the writer's plan holds
+    # no entry (nor a copy of its attributes) per variable. Any other entry is checked and
+    # held as it is.
+    summary = getattr(entries, "summary", None)
+    # (a view whose descriptions are checked already: its names and layouts not again)
+    checked = bool(getattr(entries, "summaries_checked", False))
+    values: list[Any] = []
+    for key in entries:
+        known = summary(key) if summary is not None else None
+        if known is None:
+            entry = entries[key]
+            check_entry(entry, p)
+            if entry.path != key:
+                raise InvalidEntryError(
+                    f"entry stored under {key!r} has another path", file=p, variable=entry.path
+                )
+            attrs = entry.attrs or {}
+            values.append(entry)
+        else:
+            kind, dtype, shape, n, _, attrs = known
+            if not checked:  # (check_entry's checks, on the summary's fields)
+                check_name_text(key, p)
+                problem = layout_problem(kind, shape, n, attrs)
+                if problem is not None:
+                    what, expected, found = problem
+                    raise InvalidEntryError(
+                        what, file=p, variable=key, expected=expected, found=found
+                    )
+            values.append(_Planned(entries, key, kind, dtype, shape, n, attrs))
+        problem = attribute_problem(attrs)
         if problem is not None:
             what, expected, found = problem
-            raise InvalidEntryError(
-                what, file=p, variable=entry.path, expected=expected, found=found
-            )
-        values.append(entry)
+            raise InvalidEntryError(what, file=p, variable=key, expected=expected, found=found)
     meta = carried_metadata(metadata)
     problem = attribute_problem(meta)
     if problem is not None:
         what, expected, found = problem
         raise InvalidEntryError(f"metadata {what}", file=p, expected=expected, found=found)
     return save_native(p, values, object_graph=object_graph, metadata=meta)
+
+
+class _Planned:
+    """A variable handed to the writer as its view's summary describes it: the layout and
+    the attributes as the view lists them (read, not copied), its components read through the
+    entry the view makes (``entries[path]``) when the writer first asks for one and let go
+    once the last is read (the writer reads them in order, a run at a time), so the writer
+    holds no entry per variable. ``source`` is that entry (for
+    :class:`~parallelvars.checkpoint.entry.ReadAhead`: the view reads the run in bulk)."""
+
+    __slots__ = ("_entries", "_made", "attrs", "dtype", "kind", "num_components", "path", "shape")
+
+    def __init__(
+        self,
+        entries: Mapping[str, Entry],
+        path: str,
+        kind: str,
+        dtype: Any,
+        shape: tuple[int, ...],
+        num_components: int,
+        attrs: Mapping[str, Any],
+    ) -> None:
+        self._entries = entries
+        self._made: Entry | None = None
+        self.path, self.kind, self.dtype, self.shape = path, kind, dtype, shape
+        self.num_components, self.attrs = num_components, attrs
+
+    @property
+    def source(self) -> Entry:
+        made = self._made
+        if made is None:
+            made = self._made = self._entries[self.path]
+        return made
+
+    def component_shape(self, i: int) -> tuple[int, ...]:
+        return tuple(self.source.component_shape(i))
+
+    def _last(self, i: int) -> Entry:
+        """The entry to read component ``i`` from; let go after it when ``i`` is the last."""
+        entry = self.source
+        if i >= self.num_components - 1:
+            self._made = None
+        return entry
+
+    def component(self, i: int) -> Any:
+        return self._last(i).component(i)
+
+    def read_component_into(self, i: int, out: Any) -> None:
+        self._last(i).read_component_into(i, out)
 
 
 def sniff(path: str, head: bytes) -> bool:

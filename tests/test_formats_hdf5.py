@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pathlib
+import sys
+import weakref
+from collections.abc import Mapping
 
 import h5py
 import ml_dtypes
@@ -10,8 +13,14 @@ import numpy as np
 import pytest
 from formats_testlib import KERAS, TORCH, assert_same_view, h5_structure, same_bits, torch_expected
 
+from parallelvars.checkpoint.entry import ForwardingEntry
 from parallelvars.checkpoint.graph import graph_from_paths
-from parallelvars.errors import CorruptCheckpointError, NotACheckpointError, TruncatedFileError
+from parallelvars.errors import (
+    CorruptCheckpointError,
+    InvalidEntryError,
+    NotACheckpointError,
+    TruncatedFileError,
+)
 from parallelvars.formats import ArrayEntry, DictView, detect_format, open_checkpoint
 from parallelvars.formats.hdf5 import open_hdf5, write_hdf5
 from parallelvars.formats.safetensors import open_safetensors
@@ -113,3 +122,106 @@ def test_truncated_hdf5_file(tmp_path) -> None:
     with pytest.raises((TruncatedFileError, CorruptCheckpointError)) as err, open_hdf5(cut) as v:
         v["w"].value()
     assert str(cut) in str(err.value)
+
+
+class _Described(DictView):
+    """A view that describes each variable (``summary``, as a file's index does) and makes a
+    new entry at each ask (as a file's view does), noting the most it had alive at once."""
+
+    def __init__(self, entries: list[ArrayEntry], summaries: dict | None = None) -> None:
+        super().__init__(entries)
+        self._summaries = summaries or {}
+        self.alive: weakref.WeakSet = weakref.WeakSet()
+        self.most = 0
+
+    def __getitem__(self, key: str) -> ForwardingEntry:
+        entry = ForwardingEntry(self._entries[key])
+        self.alive.add(entry)
+        self.most = max(self.most, len(self.alive))
+        return entry
+
+    def summary(self, key: str) -> tuple:
+        if key in self._summaries:
+            return self._summaries[key]
+        e = self._entries[key]
+        return (e.kind, e.dtype, tuple(e.shape), e.num_components, e.nbytes, e.attrs)
+
+
+def _described_entries() -> list[ArrayEntry]:
+    rng = np.random.default_rng(3)
+    out = []
+    for k in range(40):
+        comps = [rng.standard_normal(64).astype(np.float32)] * 2
+        out.append(ArrayEntry(f"m/v{k}", comps, kind="mirrored", shape=(64,),
+                              attrs={"devices": ["gpu:0", "gpu:1"], "slot_name": "m"}))  # fmt: skip
+    out.append(ArrayEntry("m/s", [np.array([b"ab", b"c"], dtype=object)], shape=(2,)))
+    return out
+
+
+def test_a_described_view_is_written_without_holding_its_entries(tmp_path, monkeypatch) -> None:
+    # Planned from the summaries, each entry made while its run is read and let go after:
+    # the file is the one the entries themselves give, at most a run's entries alive at once.
+    import parallelvars.checkpoint.h5raw.native as native
+
+    monkeypatch.setattr("parallelvars._spans.BULK_BYTES", 1024)  # (runs of two variables)
+    monkeypatch.setattr(native.time, "time", lambda: 1.0)  # (the same `created` in both)
+    view = _Described(_described_entries())
+    write_hdf5(tmp_path / "d.h5", view)
+    write_hdf5(tmp_path / "e.h5", DictView(_described_entries()))
+    assert (tmp_path / "d.h5").read_bytes() == (tmp_path / "e.h5").read_bytes()
+    assert view.most <= 4, view.most
+
+
+@pytest.mark.parametrize(
+    ("summary", "what"),
+    [
+        (("mirrored", np.dtype(np.float32), (64,), 3, 0, {"devices": ["a", "b"]}), "devices"),
+        (("nonsense", np.dtype(np.float32), (64,), 2, 0, {}), "unknown variable kind"),
+        (("mirrored", np.dtype(np.float32), (64,), 2, 0, {"bad": object()}), "cannot be stored"),
+    ],
+)
+def test_a_described_variable_is_refused_as_its_entry_is(tmp_path, summary, what) -> None:
+    # The summary's layout and attributes take the checks the entry's take: the same error.
+    bad = ArrayEntry("m/v0", [np.zeros(64, np.float32)] * summary[3], shape=(64,),
+                     attrs=summary[5])  # fmt: skip
+    bad.kind = summary[0]
+    with pytest.raises(InvalidEntryError) as want:
+        write_hdf5(tmp_path / "out.h5", DictView([bad]))
+    with pytest.raises(InvalidEntryError) as got:
+        write_hdf5(tmp_path / "out.h5", _Described(_described_entries(), {"m/v0": summary}))
+    assert str(got.value) == str(want.value)
+    assert what in str(got.value)
+    assert not (tmp_path / "out.h5").exists()
+
+
+class _Node(Mapping):
+    """A mapping that is not a dict (json does not encode it itself)."""
+
+    def __init__(self) -> None:
+        self.items_: dict = {}
+
+    def __getitem__(self, key):
+        return self.items_[key]
+
+    def __iter__(self):
+        return iter(self.items_)
+
+    def __len__(self) -> int:
+        return len(self.items_)
+
+
+def test_the_graph_check_sees_every_cycle_and_passes_every_tree() -> None:
+    from parallelvars.formats.testing import check_writable_graph
+
+    node = _Node()
+    node.items_["self"] = [1, node]  # (a cycle through a mapping json does not encode)
+    with pytest.raises(InvalidEntryError, match="holds itself"):
+        check_writable_graph({"nodes": [node]}, "f")
+    keyed: dict = {(1, 2): None}  # (a key json cannot write, then a cycle)
+    keyed["v"] = [keyed]
+    with pytest.raises(InvalidEntryError, match="holds itself"):
+        check_writable_graph({"nodes": [keyed]}, "f")
+    deep: list = []
+    for _ in range(sys.getrecursionlimit() * 2):  # (deeper than json's encoder goes)
+        deep = [deep]
+    check_writable_graph({"nodes": deep, "odd": {1.5: {2}, "x": float("nan")}}, "f")

@@ -211,3 +211,42 @@ def test_resharded_values_follow_the_table(view: DictView, m: int) -> None:
             assert all(same_bits(a, b) for a, b in zip(comps, want, strict=True))
         else:  # mirrored, only_first_replica
             assert all(same_bits(c, src.component(0)) for c in comps)
+
+
+class _Described(DictView):
+    """Entries described by ``summary`` (as a file's index describes them)."""
+
+    def summary(self, key: str) -> tuple:
+        e = self[key]
+        return (e.kind, e.dtype, tuple(e.shape), e.num_components, e.nbytes, e.attrs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    view=entries(kinds=("single", "mirrored", "on_read", "sharded")),
+    m=st.integers(1, 4),
+    mirror_single=st.booleans(),
+)
+def test_a_resharded_variable_is_described_as_its_entry_is(
+    view: DictView, m: int, mirror_single: bool
+) -> None:
+    # (what the HDF5 writer plans from, without making the rewritten entries)
+    source = _Described(dict(view.items()))
+    resharded = reshard(source, m, mirror_single=mirror_single)
+    counts = set()
+    for path in resharded:
+        e = resharded[path]
+        want = (e.kind, e.dtype, tuple(e.shape), e.num_components, e.nbytes, e.attrs)
+        assert resharded.summary(path) == want, path
+        counts.add(source[path].num_components)
+    assert resharded.source_counts == sorted(counts)
+    assert resharded.spread_count == sum(resharded[k].num_components > 1 for k in resharded)
+
+
+def test_a_resharded_view_holds_no_entry() -> None:
+    # Each entry is rewritten when asked for; the view keeps none of them.
+    v = _view(ArrayEntry("w", [np.ones(3)] * 2, kind="mirrored"))
+    r = reshard(v, 3)
+    first = r["w"]
+    assert r["w"] is not first
+    assert not any(isinstance(x, Entry) for x in vars(r).values())
