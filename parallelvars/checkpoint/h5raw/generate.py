@@ -64,6 +64,7 @@ import os
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, cast
 
 import numpy as np
@@ -325,6 +326,14 @@ class _Offsets(Mapping[str, list[int | None]]):
 
     def __len__(self) -> int:
         return len(self._paths)
+
+
+def _dims(shapes: list[tuple[int, ...]], ndim: int, dtype: type) -> np.ndarray:
+    """Shapes of ``ndim`` dimensions each as a ``(len(shapes), ndim)`` array (read as one run
+    of ints: a few times faster than numpy's conversion of a list of tuples)."""
+    count = len(shapes)
+    flat = np.fromiter(chain.from_iterable(shapes), dtype, count * ndim)
+    return flat.reshape(count, ndim)
 
 
 class _Columns:
@@ -661,7 +670,8 @@ class FilePlan:
         add = self._add_variable
         of_class: list[_Layout | None] = [None] * count
         # per class whose records take the few operations: (itemsize, its datasets' template
-        # numbers [without data, with data] once known, layout), None until its first record
+        # numbers [without data, with data] once known, layout, its number), None until its
+        # first record
         fast: list[list[Any] | None] = [None] * count
         by_path = self._by_path
         ds_key, ds_shape, ds_nbytes = self._ds_key, self._ds_shape, self._ds_nbytes
@@ -689,7 +699,13 @@ class FilePlan:
             if f is None or path in by_path:
                 layout = of_class[c] = add(var, sh, None, None, of_class[c])
                 if f is None and not (layout.sharded or layout.vlen):
-                    fast[c] = [layout.itemsize, layout.ds_keys[0], layout.ds_keys[1], layout]
+                    fast[c] = [
+                        layout.itemsize,
+                        layout.ds_keys[0],
+                        layout.ds_keys[1],
+                        layout,
+                        layout.number,
+                    ]
                 parent_path = None  # (it may have given a leaf group lists of its own)
                 continue
             raw = var.shape
@@ -720,7 +736,7 @@ class FilePlan:
             ds_nbytes.extend([nbytes] * n)
             add_path(path)
             add_layout(f[3])
-            add_lid(f[3].number)
+            add_lid(f[4])
             add_shape(shape)
             add_str(var.attrs.get(_ROW_STRING))  # (a string or None: its class's first's)
 
@@ -1138,7 +1154,7 @@ class FilePlan:
         ndim = self._key_list[number][1]
         count = rows.size
         shapes = self._ds_shape
-        dims = np.array([shapes[i] for i in rows.tolist()], "<u8").reshape(count, ndim)
+        dims = _dims([shapes[i] for i in rows.tolist()], ndim, np.uint64)
         columns = [dims, dims]
         if self._key_list[number][2]:  # stored data: its offset and size
             columns.append(np.maximum(self._ds_offset[rows], 0).reshape(count, 1))
@@ -1322,9 +1338,7 @@ class FilePlan:
             count = sel.size
             if not count:
                 continue
-            dims = np.array([shapes[r] for r in sel.tolist()], "<i8").reshape(
-                count, layout.sig.ndim
-            )
+            dims = _dims([shapes[r] for r in sel.tolist()], layout.sig.ndim, np.int64)
             cols.layouts.append(
                 (layout, self._row_address[sel], self._row_fs[sel], dims, row_first[sel])
             )
