@@ -332,7 +332,7 @@ def _dims(shapes: list[tuple[int, ...]], ndim: int, dtype: type) -> np.ndarray:
     """Shapes of ``ndim`` dimensions each as a ``(len(shapes), ndim)`` array (read as one run
     of ints: a few times faster than numpy's conversion of a list of tuples)."""
     count = len(shapes)
-    flat = np.fromiter(chain.from_iterable(shapes), dtype, count * ndim)
+    flat: np.ndarray = np.fromiter(chain.from_iterable(shapes), dtype, count * ndim)
     return flat.reshape(count, ndim)
 
 
@@ -843,7 +843,7 @@ class FilePlan:
         stack = [iter(root.links)]
         while stack:
             for link in stack[-1]:
-                t = link if type(link) is int else link[1]
+                t: Any = link if type(link) is int else link[1]
                 kind = type(t)
                 if kind is int:
                     if t >= 0:  # (a dataset)
