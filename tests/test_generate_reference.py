@@ -23,6 +23,7 @@ from parallelvars.checkpoint.h5io import H5Reader
 from parallelvars.checkpoint.h5io.records import PlanCache
 from parallelvars.checkpoint.h5raw import generate, native
 from parallelvars.checkpoint.h5raw.generate import FilePlan, Variable
+from parallelvars.checkpoint.h5raw.global_heap import ObjectBytes
 from parallelvars.checkpoint.registry import SaveRecord
 
 
@@ -167,10 +168,14 @@ def _model(count: int, flat: bool) -> list[SaveRecord]:
 
 @pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("chunk", [3000])
+@pytest.mark.parametrize("join", [1 << 15, 7], ids=["joined", "spilled"])
 def test_large_structures_write_the_bytes_written_before(
-    tmp_path, monkeypatch, flat, chunk
+    tmp_path, monkeypatch, flat, chunk, join
 ) -> None:
+    """(``join``: the heap objects' bytes joined at once, or a few at a time as a large
+    file's are)"""
     monkeypatch.setattr(generate, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(ObjectBytes, "JOIN_BATCH", join)
     monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", 0)
     _same_as_before(tmp_path, _model(1030 if flat else 100, flat), True, monkeypatch)
 

@@ -146,6 +146,33 @@ def test_global_heap_collections_made_a_range_at_a_time(count, step, base, data)
     assert refs[:, 12:16].copy().view("<u4").ravel().tolist() == index.tolist()
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    batches=st.lists(st.lists(st.binary(max_size=9), max_size=12), max_size=6),
+    batch=st.integers(1, 5),
+)
+def test_heap_objects_joined_a_batch_at_a_time_are_the_objects_joined(batches, batch) -> None:
+    """Objects added in any runs and spilled every ``JOIN_BATCH`` (as the generator adds a
+    variable's strings, then spills) give each object's length and their bytes joined, in
+    order, and count the objects gathered so far."""
+    from parallelvars.checkpoint.h5raw.global_heap import ObjectBytes
+
+    objects = ObjectBytes()
+    objects.JOIN_BATCH = batch
+    pending, gathered = objects.pending, []
+    for run in batches:
+        assert len(objects) == len(gathered)
+        pending += run
+        gathered += run
+        if len(pending) >= objects.JOIN_BATCH:
+            objects.spill()
+    lengths, data = objects.joined()
+    assert lengths.dtype == np.int64
+    assert lengths.tolist() == [len(b) for b in gathered]
+    assert data == b"".join(gathered)
+    assert len(objects) == 0 and objects.joined()[1] == b""
+
+
 # ----------------------------------------------------------------------------- the oracle
 DTYPES = [
     np.dtype(np.float32),

@@ -64,6 +64,7 @@ import os
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, cast
 
 import numpy as np
@@ -73,7 +74,7 @@ from parallelvars._ints import unique_ints
 from parallelvars.checkpoint._gcfreeze import FREEZE_STEP, freeze_made_so_far
 from parallelvars.checkpoint.h5raw import header as hdr
 from parallelvars.checkpoint.h5raw import messages as msg
-from parallelvars.checkpoint.h5raw.global_heap import Collections
+from parallelvars.checkpoint.h5raw.global_heap import Collections, ObjectBytes
 from parallelvars.checkpoint.h5raw.header import SUPERBLOCK_SIZE
 from parallelvars.checkpoint.h5raw.header import encode_chunked as _encode_chunked
 from parallelvars.checkpoint.h5raw.lookup3 import lookup3, lookup3_many
@@ -327,6 +328,14 @@ class _Offsets(Mapping[str, list[int | None]]):
         return len(self._paths)
 
 
+def _dims(shapes: list[tuple[int, ...]], ndim: int, dtype: type) -> np.ndarray:
+    """Shapes of ``ndim`` dimensions each as a ``(len(shapes), ndim)`` array (read as one run
+    of ints: a few times faster than numpy's conversion of a list of tuples)."""
+    count = len(shapes)
+    flat: np.ndarray = np.fromiter(chain.from_iterable(shapes), dtype, count * ndim)
+    return flat.reshape(count, ndim)
+
+
 class _Columns:
     """What :meth:`FilePlan._window` reads of the plan, made once per :meth:`FilePlan.chunks`:
     per kind of header, the objects' addresses (increasing) and their fields' sources."""
@@ -387,6 +396,7 @@ class FilePlan:
         # linked to other files, its number of components) and first dataset
         self._paths: list[str] = []
         self._row_layout: list[_Layout | int] = []
+        self._row_number = array("q")  # (its layout's number; -1: linked to other files)
         self._row_first = array("q")
         # ... and of a variable whose group is made from its layout's template (a leaf: linked
         # from its parent as ``~row``, no object of its own), its shape and row string
@@ -441,6 +451,22 @@ class FilePlan:
         parent.links.append((name.encode("utf-8"), group))
         return group
 
+    def _named(self, links: list[Any]) -> list[tuple[bytes, Any]]:
+        """A group's ``links`` as ``(name, target)``: a leaf's link is held as its row alone
+        (``~row``: its name is the last part of its path), every other one as the pair."""
+        paths = self._paths
+        return [
+            (paths[~k].rpartition("/")[2].encode("utf-8"), k) if type(k) is int else k
+            for k in links
+        ]
+
+    def _names(self, links: list[Any]) -> tuple[str | bytes, ...]:
+        """What tells a group's ``links``' names apart from another's (see :meth:`_named`): a
+        leaf's name as its path's string, every other one as its bytes (groups whose links
+        are named the same but linked otherwise are only told apart)."""
+        paths = self._paths
+        return tuple([paths[~k].rpartition("/")[2] if type(k) is int else k[0] for k in links])
+
     def _add_special(self, ds: _Dataset) -> int:
         number = len(self._ds_key)
         self._ds_key.append(-1)
@@ -476,6 +502,7 @@ class FilePlan:
                 )
         sig = _signature(var.kind, dt, shape, n, dict(var.attrs))
         layout = _Layout(var.kind, dt, n, shared, sig)
+        layout.number = len(self._layouts)
         self._layouts[key] = layout
         return layout
 
@@ -545,9 +572,9 @@ class FilePlan:
             self._add_row(path, n, first, shape, None)
             return layout
         if group is None:  # (the common case: a leaf, linked from its parent by its row)
-            parent_path, _, name = path.rpartition("/")
+            parent_path = path.rpartition("/")[0]
             parent = by_path.get(parent_path) or self._group_of(parent_path)
-            parent.links.append((name.encode("utf-8"), ~len(self._paths)))
+            parent.links.append(~len(self._paths))  # (a leaf: its row alone, see _named)
         else:  # (made already as the parent of an earlier variable: encoded on its own)
             group.layout = layout
             group.shape = shape
@@ -622,6 +649,7 @@ class FilePlan:
     ) -> None:
         self._paths.append(path)
         self._row_layout.append(layout)
+        self._row_number.append(-1 if isinstance(layout, int) else layout.number)
         self._row_first.append(first)
         self._row_shape.append(shape)
         self._row_str.append(row)
@@ -642,14 +670,16 @@ class FilePlan:
         add = self._add_variable
         of_class: list[_Layout | None] = [None] * count
         # per class whose records take the few operations: (itemsize, its datasets' template
-        # numbers [without data, with data] once known, layout), None until its first record
+        # numbers [without data, with data] once known, layout, its number), None until its
+        # first record
         fast: list[list[Any] | None] = [None] * count
         by_path = self._by_path
         ds_key, ds_shape, ds_nbytes = self._ds_key, self._ds_shape, self._ds_nbytes
         paths = self._paths
-        add_path, add_layout, add_first, add_shape, add_str = (
+        add_path, add_layout, add_lid, add_first, add_shape, add_str = (
             paths.append,
             self._row_layout.append,
+            self._row_number.append,
             self._row_first.append,
             self._row_shape.append,
             self._row_str.append,
@@ -669,7 +699,13 @@ class FilePlan:
             if f is None or path in by_path:
                 layout = of_class[c] = add(var, sh, None, None, of_class[c])
                 if f is None and not (layout.sharded or layout.vlen):
-                    fast[c] = [layout.itemsize, layout.ds_keys[0], layout.ds_keys[1], layout]
+                    fast[c] = [
+                        layout.itemsize,
+                        layout.ds_keys[0],
+                        layout.ds_keys[1],
+                        layout,
+                        layout.number,
+                    ]
                 parent_path = None  # (it may have given a leaf group lists of its own)
                 continue
             raw = var.shape
@@ -680,12 +716,11 @@ class FilePlan:
                 size = prod(shape)
                 if type(raw) is tuple:
                     shapes[raw] = (shape, size)
-            at, _, name = path.rpartition("/")
+            at = path.rpartition("/")[0]
             if at != parent_path:
                 parent = by_path.get(at) or self._group_of(at)
                 parent_path, plink = at, parent.links.append
-            row = len(paths)
-            plink((name.encode(), ~row))  # (a leaf: by its row)
+            plink(~len(paths))  # (a leaf: its row alone)
             nbytes = size * f[0]
             keys = f[2] if nbytes else f[1]
             if keys is None:
@@ -701,6 +736,7 @@ class FilePlan:
             ds_nbytes.extend([nbytes] * n)
             add_path(path)
             add_layout(f[3])
+            add_lid(f[4])
             add_shape(shape)
             add_str(var.attrs.get(_ROW_STRING))  # (a string or None: its class's first's)
 
@@ -746,7 +782,9 @@ class FilePlan:
         parents (a later variable's path goes through theirs) or whose header a template cannot
         make their own group, and return which rows are leaves (a bool per row)."""
         paths = self._paths
-        if len(set(paths)) != len(paths):
+        unique = set(paths)
+        made = unique.intersection(self._by_path)  # (variables whose path is a group's too)
+        if len(unique) != len(paths):
             seen: set[str] = set()
             for path in paths:
                 if path in seen:
@@ -757,7 +795,8 @@ class FilePlan:
         promoted: dict[int, set[int]] = {}  # a parent (by id) -> the groups it links twice
         parents: dict[int, _Group] = {}
         row_layout = self._row_layout
-        for r in [r for r, path in enumerate(paths) if path in by_path]:
+        del unique
+        for r in [r for r, path in enumerate(paths) if path in made] if made else []:
             path, lay = paths[r], row_layout[r]
             g = by_path[path]
             leaf[r] = False
@@ -770,16 +809,13 @@ class FilePlan:
             parent = parents[key]
             if parent.layout is not None:  # (a variable too: its components stay where they were)
                 before = parent.links[: parent.comp_at]
-                parent.comp_at -= sum(id(t) in twice for _, t in before)
-            parent.links = [(n, t) for n, t in parent.links if id(t) not in twice]
+                parent.comp_at -= sum(type(k) is not int and id(k[1]) in twice for k in before)
+            parent.links = [k for k in parent.links if type(k) is int or id(k[1]) not in twice]
         self._by_path = {}  # (the groups by path: read while the variables are added only)
         # each row's layout's number (-1: linked to other files)
         layouts = list(self._layouts.values())
-        number = {id(lay): k for k, lay in enumerate(layouts)}
-        lid = np.fromiter(
-            (number.get(id(lay), -1) for lay in self._row_layout), np.int64, len(paths)
-        )
-        self._row_lid = lid
+        self._row_lid = lid = np.frombuffer(self._row_number, np.int64).copy()
+        self._row_number = array("q")
         for k in unique_ints(lid[leaf])[0].tolist():
             lay = layouts[k]
             # a variable's group whose header continues in further chunks (their continuation
@@ -806,7 +842,8 @@ class FilePlan:
         # without a visit of its own)
         stack = [iter(root.links)]
         while stack:
-            for _, t in stack[-1]:
+            for link in stack[-1]:
+                t: Any = link if type(link) is int else link[1]
                 kind = type(t)
                 if kind is int:
                     if t >= 0:  # (a dataset)
@@ -831,13 +868,13 @@ class FilePlan:
         # groups without attributes whose links have the same names (the groups of a
         # variable's slots...) are made from one template
         others = [g for g in groups if isinstance(g, _Group)]  # (groups not made from a layout)
-        plain: dict[tuple[bytes, ...], list[_Group]] = {}
+        plain: dict[tuple[str | bytes, ...], list[_Group]] = {}
         linking_out = self._linking_out
         for g in others:
             if len(g.links) > MAX_COMPACT_LINKS:
-                g.table = SymbolTable([name for name, _ in g.links])
+                g.table = SymbolTable([name for name, _ in self._named(g.links)])
             elif not g.attrs and g is not root and g.links and id(g) not in linking_out:
-                plain.setdefault(tuple([name for name, _ in g.links]), []).append(g)
+                plain.setdefault(self._names(g.links), []).append(g)
         self._plain: list[tuple[Template, list[_Group]]] = []
         templated: set[int] = set()
         for members in plain.values():
@@ -918,8 +955,9 @@ class FilePlan:
         row_fs[leaf_rows] = np.cumsum(count) - count
         self._row_fs = row_fs
         del count
-        strings: list[bytes] = []
-        add_string = strings.append
+        objects = ObjectBytes()
+        strings = objects.pending  # (joined a batch at a time)
+        add_string, full = strings.append, objects.JOIN_BATCH
         row_layout, row_str = self._row_layout, self._row_str
         for r in leaf_rows.tolist():
             lay = cast(_Layout, row_layout[r])
@@ -929,29 +967,35 @@ class FilePlan:
                 text = row_str[r]
                 add_string(b"" if text is None else text.encode("utf-8"))
                 strings += after
+            if len(strings) >= full:
+                objects.spill()
         owners: list[tuple[_Attr, int]] = []
         holders: list[_Group | _Dataset] = [*self._individual, *self._special.values()]
         for obj in holders:
             for a in obj.attrs:
                 if a.strings is not None:
-                    owners.append((a, len(strings)))
+                    owners.append((a, len(objects)))
                     strings.extend(a.strings)
+                    if len(strings) >= full:
+                        objects.spill()
         vlen_at = []  # each byte-string component's first element among the heap objects
         for _, elements in self._vlen:
-            vlen_at.append(len(strings))
+            vlen_at.append(len(objects))
             strings.extend(elements)
+            objects.spill()
         maps = [ds for ds in self._special.values() if ds.mapping is not None]
-        objects = strings + [ds.mapping or b"" for ds in maps]
-        lengths = np.fromiter(map(len, objects), np.int64, len(objects))
+        first_map = len(objects)
+        strings.extend(ds.mapping or b"" for ds in maps)
+        lengths, data = objects.joined()
         # (laid out now, each object's reference made when asked: the collections' bytes are
         # made a window at a time, :meth:`_windows`, from the objects' bytes kept joined)
         heap = Collections(lengths, at)
         del lengths
-        self._heap_at, self._heap, self._heap_data = at, heap, b"".join(objects)
-        del objects
+        self._heap_at, self._heap, self._heap_data = at, heap, data
+        del objects, strings, data
         self._owners = owners
         for k, ds in enumerate(maps):
-            ref = heap.refs(np.array([len(strings) + k]))[0].tobytes()
+            ref = heap.refs(np.array([first_map + k]))[0].tobytes()
             ds.heap_ref = (int.from_bytes(ref[4:12], "little"), int.from_bytes(ref[12:], "little"))
         at += heap.size
         self.metadata_size = at
@@ -1110,7 +1154,7 @@ class FilePlan:
         ndim = self._key_list[number][1]
         count = rows.size
         shapes = self._ds_shape
-        dims = np.array([shapes[i] for i in rows.tolist()], "<u8").reshape(count, ndim)
+        dims = _dims([shapes[i] for i in rows.tolist()], ndim, np.uint64)
         columns = [dims, dims]
         if self._key_list[number][2]:  # stored data: its offset and size
             columns.append(np.maximum(self._ds_offset[rows], 0).reshape(count, 1))
@@ -1142,7 +1186,7 @@ class FilePlan:
                     name, self._address(t) if fill is None else fill * 0x0101010101010101
                 ),
             )
-            for name, t in g.links
+            for name, t in self._named(g.links)
         ]
         attr_phase = (
             None
@@ -1154,12 +1198,13 @@ class FilePlan:
     def _encode_wide_group(self, g: _Group) -> tuple[bytes, list[tuple[int, int]]]:
         """A group of more than :data:`MAX_COMPACT_LINKS` links: its header holds a symbol
         table message (the links are in the symbol table laid after it) and its attributes."""
-        if any(isinstance(t, _External) for _, t in g.links):
+        links = self._named(g.links)
+        if any(isinstance(t, _External) for _, t in links):
             raise msg.Unsupported(
                 f"a group of {len(g.links)} links with external links (a symbol table holds "
                 "hard links only)"
             )
-        table = g.table if g.table is not None else SymbolTable([n for n, _ in g.links])
+        table = g.table if g.table is not None else SymbolTable([n for n, _ in links])
         messages = [(SYMBOL_TABLE, 0, table.message(max(g.table_at, 0)))]
         if g.attrs:
             messages.append((hdr.ATTRIBUTE_INFO, 4, msg.attribute_info()))
@@ -1293,9 +1338,7 @@ class FilePlan:
             count = sel.size
             if not count:
                 continue
-            dims = np.array([shapes[r] for r in sel.tolist()], "<i8").reshape(
-                count, layout.sig.ndim
-            )
+            dims = _dims([shapes[r] for r in sel.tolist()], layout.sig.ndim, np.int64)
             cols.layouts.append(
                 (layout, self._row_address[sel], self._row_fs[sel], dims, row_first[sel])
             )
@@ -1306,9 +1349,13 @@ class FilePlan:
             # gathered at once), a group by its address (marked by _GROUP_MARK)
             code = np.array(
                 [
-                    t if type(t) is int else _GROUP_MARK + t.address
+                    k
+                    if type(k) is int
+                    else t
+                    if type(t := k[1]) is int
+                    else _GROUP_MARK + t.address
                     for g in groups
-                    for _, t in g.links
+                    for k in g.links
                 ],
                 np.int64,
             )
@@ -1350,7 +1397,7 @@ class FilePlan:
         for g in cols.individual[a:b]:
             put(g.address, *self._encode_group(g))
             if g.table is not None:
-                targets = [self._address(t) for _, t in g.links]
+                targets = [self._address(t if type(t) is int else t[1]) for t in g.links]
                 put(g.table_at, g.table.encode(g.table_at, targets), [])
         for layout, addresses, first, shapes, first_ds in cols.layouts:
             if addresses[0] >= hi or addresses[-1] < lo:
@@ -1388,7 +1435,7 @@ class FilePlan:
         for g in self._groups:
             if isinstance(g, int):  # (a leaf: links to its components only)
                 continue
-            for _, target in g.links:
+            for _, target in self._named(g.links):
                 if isinstance(target, _External) and target.file.startswith(old):
                     target.file = new + target.file[len(old) :]
                     count += 1
@@ -1401,6 +1448,7 @@ class FilePlan:
         :meth:`refresh` re-encodes (the root group, the documents). A plan kept for repeated
         saves then holds tens of bytes per variable instead of its whole structure."""
         documents = set(self._documents.values())
+        self._root.links = self._named(self._root.links)  # (its leaves' names: of the paths)
         self._special = {k: ds for k, ds in self._special.items() if k in documents}
         root_links = [t for _, t in self._root.links if isinstance(t, int)]
         # (a root linking to datasets, or to variables' groups made from their templates:

@@ -40,7 +40,7 @@ from parallelvars.checkpoint.h5raw.lookup3 import lookup3
 from parallelvars.checkpoint.h5raw.messages import attribute_parts
 from parallelvars.checkpoint.h5raw.source import FileSource, Refused, Source
 
-__all__ = ["MIN_COLLECTION", "Collections", "GlobalHeapCheck", "ragged_copy"]
+__all__ = ["MIN_COLLECTION", "Collections", "GlobalHeapCheck", "ObjectBytes", "ragged_copy"]
 
 MIN_COLLECTION = 4096  # H5HG_MINSIZE: HDF5 reads a collection 4096 bytes at a time at least
 _OBJECT_HEADER = 16  # index (2), reference count (2), reserved (4), size (8)
@@ -69,6 +69,41 @@ def ragged_copy(
 
 # The most objects whose heads and bytes are scattered at once (:meth:`Collections.image`).
 _BATCH_OBJECTS = 1 << 16
+
+
+class ObjectBytes:
+    """The heap objects' bytes gathered in order (added to :attr:`pending`), joined a batch
+    of :data:`JOIN_BATCH` at a time (:meth:`spill`): ``bytes.join`` of a list holds a buffer
+    view per item (80 bytes each, ten times the bytes of the strings a variable's attributes
+    hold), so the objects of a large file are never joined at once."""
+
+    JOIN_BATCH = 1 << 15
+
+    def __init__(self) -> None:
+        self.pending: list[bytes] = []  # (appended to by the caller, kept the same list)
+        self._lengths: list[np.ndarray] = []
+        self._data: list[bytes] = []
+        self._spilled = 0
+
+    def __len__(self) -> int:
+        """The number of objects gathered."""
+        return self._spilled + len(self.pending)
+
+    def spill(self) -> None:
+        """Join the pending objects (then none is pending)."""
+        pending = self.pending
+        if pending:
+            self._lengths.append(np.fromiter(map(len, pending), np.int64, len(pending)))
+            self._data.append(b"".join(pending))
+            self._spilled += len(pending)
+            pending.clear()
+
+    def joined(self) -> tuple[np.ndarray, bytes]:
+        """Every object's length and their bytes joined (then none is gathered)."""
+        self.spill()
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
+        data, self._lengths, self._data, self._spilled = b"".join(self._data), [], [], 0
+        return lengths, data
 
 
 class Collections:

@@ -244,7 +244,9 @@ class Group:
 
     def __init__(self) -> None:
         self.attrs: list[Attr] = []
-        self.links: list[tuple[bytes, Any]] = []  # (name, Group | External | dataset number)
+        # (name, Group | External | dataset number), or a variable's group made from its
+        # layout's template (a leaf) as its row alone, ``~row`` (its name is its path's last part)
+        self.links: list[Any] = []
         self.address = -1
         self.layout: Layout | None = None
         self.shape: tuple[int, ...] = ()
@@ -335,6 +337,7 @@ class Layout:
         self.strings = sig.strings_around_row()
         self.template: Template | None = None
         self.size = -1  # (the template's size, once made)
+        self.number = -1  # (its number among the plan's layouts, in the order they are made)
         # the template numbers of a variable's component datasets: [without data, with data]
         # (a layout that is not sharded: every component has the variable's shape)
         self.ds_keys: list[list[int] | None] = [None, None]
