@@ -969,8 +969,8 @@ def take_graph(info: dict[str, Any] | None, file: str) -> str | None:
         text = graph_text(info, file)
     except CorruptCheckpointError:
         return None
-    if text is not None:
-        del info["object_graph"]  # type: ignore[index]  # (not None: graph_text found one)
+    if text is not None and info is not None:  # (info is not None: graph_text found one)
+        del info["object_graph"]
     return text
 
 
