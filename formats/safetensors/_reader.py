@@ -17,7 +17,7 @@ from parallelvars.errors import (
     CorruptCheckpointError,
     TruncatedFileError,
 )
-from parallelvars.formats._info import StoreView, entry_table
+from parallelvars.formats._info import StoreView, entry_table, take_graph
 from parallelvars.formats._json import dumps, jsonable
 from parallelvars.formats._names import check_names
 from parallelvars.formats._store import ByteStore, read_exact_into, read_spans
@@ -193,8 +193,10 @@ def _parse_info(raw: Any, file: str) -> dict[str, Any] | None:
     if raw is None:
         return None
     if isinstance(raw, str):
+        # (the text is held once while it is parsed, as these bytes: not also as the str)
+        data, raw = raw.encode("utf-8", "surrogatepass"), None
         raw = load_json(
-            raw.encode("utf-8", "surrogatepass"),
+            data,
             file=file,
             variable=META_KEY,
             what="parallelvars metadata",
@@ -306,8 +308,11 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
         file = index
     try:
         style = check_names(names or (info or {}).get("names") or DEFAULT_NAMES)
+        graph = take_graph(info, file)  # (its objects let go before the entries are built)
         entries = entry_table(store, info, names=style)
-        view = StoreView(store, entries, format="safetensors", path=file, metadata=meta, info=info)
+        view = StoreView(
+            store, entries, format="safetensors", path=file, metadata=meta, info=info, graph=graph
+        )
         view.files = list(dict.fromkeys([file, *store.paths]))  # the index first, then shards
         return view
     except BaseException:
