@@ -489,31 +489,6 @@ def test_list_attributes_holding_lists_or_dicts_are_saved(tmp_path, monkeypatch)
         assert [r[f"v{n}"].attrs["pairs"] for n in range(4)] == values
 
 
-def test_list_attributes_made_at_each_read_are_keyed_by_their_values() -> None:
-    """A list attribute's class key is made once per list (the records of one device share
-    theirs), found by the list's identity: entries whose ``attrs`` are made anew at each read
-    (an entry read from another file), each list dropped after its record is classed, still
-    fall into classes by their lists' values (a list's id is not taken for another's while
-    the classes are made)."""
-    from types import SimpleNamespace
-
-    from parallelvars.checkpoint.h5io.records import record_classes
-
-    class Fresh(SimpleNamespace):
-        @property
-        def attrs(self) -> dict[str, object]:
-            return {"name": "w", "devices": [*self.devices]}  # (a list made anew)
-
-    pool = [(f"d{k}", f"e{k}") for k in range(7)]
-    devices = [pool[(k * k + 3 * k) % 7] for k in range(300)]
-    records = [
-        Fresh(kind="mirrored", dtype=np.dtype("<f4"), shape=(2,), num_components=2, devices=d)
-        for d in devices
-    ]
-    first: dict[tuple[str, str], int] = {}
-    assert record_classes(records).ids == [first.setdefault(d, len(first)) for d in devices]
-
-
 def test_metadata_made_in_batches_is_the_same(tmp_path, monkeypatch) -> None:
     """The global heap's objects and the headers made from templates are made a batch at a
     time (memory bounded by the batch); batches of a few objects give the same bytes as one

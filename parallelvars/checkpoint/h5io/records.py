@@ -289,21 +289,11 @@ def _values_key(
         r0, r1 = [*rows, -1, -1][:2]
         at = lists[0] if lists else -1
         json = "json:"
-        # each list's key by the list's id, the list held with it (its id is not reused
-        # while the classes are made): the records of one device share their list of
-        # device names, keyed once
-        keyed: dict[int, tuple[list[Any], Any]] = {}
 
         def fast(vals: tuple[Any, ...]) -> Any:
             # (a list of strings as a tuple of them, any other frozen: its items may be
             # lists or dicts, which do not hash)
-            listed = None
-            if at >= 0:
-                held = vals[at]
-                known = keyed.get(id(held))
-                if known is None:
-                    known = keyed[id(held)] = (held, _list_key(held))
-                listed = known[1]
+            listed = _list_key(vals[at]) if at >= 0 else None
             if (r0 >= 0 and vals[r0].startswith(json)) or (r1 >= 0 and vals[r1].startswith(json)):
                 return (get(vals), listed, tuple(vals[p] for p in rows))
             return (get(vals), listed)
