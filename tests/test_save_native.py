@@ -783,8 +783,8 @@ def test_a_document_is_written_a_few_pieces_at_a_time(
 
 def test_a_document_longer_than_its_room_is_refused(tmp_path) -> None:
     """A document whose text passes the room its structure gives it is refused naming the
-    document, room and length (the save fails; the last good file stays), and an index
-    template given other than its count of checksums is refused the same way."""
+    document, room and length, and an index template given other than its count of checksums
+    is refused the same way."""
     from parallelvars.checkpoint.h5io.columns import index_pieces
     from parallelvars.errors import InvalidEntryError
 
@@ -800,3 +800,62 @@ def test_a_document_longer_than_its_room_is_refused(tmp_path) -> None:
     for given_crcs in ([1], [1, 2, 3]):
         with pytest.raises(InvalidEntryError, match="take the checksums given"):
             "".join(index_pieces(runs, given_crcs))
+
+
+def test_documents_written_in_small_pieces_are_the_documents(tmp_path, monkeypatch) -> None:
+    """A save whose documents are made and written in many small pieces (the checksums'
+    digits a few at a time, a few bytes a write) writes the same documents as one made in
+    large ones, every checksum apart: the pieces' separators and the CRC chained over them."""
+    from parallelvars.checkpoint.h5io.layout import COLUMNS_DATASET, INDEX_DATASET
+    from parallelvars.cli import main
+
+    def save(name: str) -> dict[str, bytes]:
+        strategy = pv.MirroredStrategy(3)
+        with strategy.scope():
+            module = pv.Module()
+            module.ws = [pv.Variable(np.full(4, i, np.float32), name=f"w%{i}") for i in range(7)]
+        path = str(tmp_path / name)
+        pv.Checkpoint(m=module).write(path)
+        with h5py.File(path, "r") as f:
+            docs = {d: bytes(f[d][()]) for d in (INDEX_DATASET, COLUMNS_DATASET)}
+        assert main(["verify", path]) == 0
+        return docs
+
+    whole = save("whole.h5")
+    monkeypatch.setattr(native, "_DIGITS_RUN", 2)
+    monkeypatch.setattr(native, "DOCUMENT_WRITE_BYTES", 5)
+    pieces = save("pieces.h5")
+    assert pieces == whole
+    crcs = json.loads(whole[COLUMNS_DATASET])["crc32c"]
+    assert len(crcs) == 22 and all(0 <= c < 1 << 32 for c in crcs)  # (7 x 3 and the counter)
+
+
+def test_an_attribute_name_that_is_not_text_is_refused(tmp_path) -> None:
+    """A saveable whose record has an attribute named by something other than text is refused
+    with our error naming the file and the variable (an HDF5 attribute's name is text), and
+    the last good file stays."""
+    from parallelvars.checkpoint.registry import Saveable, SaveRecord, register_saveable
+    from parallelvars.errors import InvalidEntryError
+
+    class Box:
+        def __init__(self, attrs: dict) -> None:
+            self.v = np.zeros(3, np.float32)
+            self.attrs = attrs
+
+    class Saved(Saveable):
+        def gather(self, obj):
+            return SaveRecord("single", [obj.v], obj.v.shape, obj.attrs)
+
+        def plan_restore(self, *args, **kwargs):
+            return lambda: None
+
+    register_saveable(Box, Saved())
+    path = tmp_path / "c.h5"
+    box = Box({"name": "b"})
+    pv.Checkpoint(b=box).write(str(path))
+    good = path.read_bytes()
+    box.attrs = {"name": "b", 7: "x"}
+    with pytest.raises(InvalidEntryError, match="attribute name 7 is not text") as info:
+        pv.Checkpoint(b=box).write(str(path))
+    assert str(path) in str(info.value) and "b" in str(info.value)
+    assert path.read_bytes() == good

@@ -26,6 +26,7 @@ from operator import itemgetter
 from typing import Any
 
 from parallelvars.checkpoint.h5io.layout import _library_version
+from parallelvars.errors import InvalidEntryError
 
 __all__ = [
     "PlanCache",
@@ -319,7 +320,9 @@ def _values_key(
 
 
 def record_classes(
-    items: Sequence[Any], shared: Sequence[Sequence[int] | None] | None = None
+    items: Sequence[Any],
+    shared: Sequence[Sequence[int] | None] | None = None,
+    file: str | None = None,
 ) -> RecordClasses:
     """The classes of ``items`` (entries with ``kind``, ``dtype``, ``shape``,
     ``num_components`` and ``attrs``; with ``shared``, each one's sharing of its components'
@@ -328,7 +331,11 @@ def record_classes(
     names and types.
 
     A list of strings is keyed as a tuple of them, any other list frozen (its items may equal
-    others of another type, ``1 == True``, or not hash: lists, dicts)."""
+    others of another type, ``1 == True``, or not hash: lists, dicts).
+
+    Raises:
+        InvalidEntryError: an attribute name that is not text (an HDF5 attribute's name is),
+            naming ``file`` and the variable."""
     specs: dict[tuple[Any, Any], Callable[[tuple[Any, ...]], Any]] = {}
     classes: dict[Any, int] = {}
     ids: list[int] = []
@@ -342,6 +349,15 @@ def record_classes(
         sig = (tuple(a), tuple(map(type, vals)))
         spec = specs.get(sig)
         if spec is None:
+            for name in sig[0]:  # (once per combination of names and types)
+                if type(name) is not str:
+                    raise InvalidEntryError(
+                        f"attribute name {name!r} is not text",
+                        file=file,
+                        variable=e.path,
+                        expected="text attribute names",
+                        found=f"a name of type {type(name).__name__}",
+                    )
             spec = specs[sig] = _values_key(*sig)
         held = None if shared is None else shared[k]
         if held is None:

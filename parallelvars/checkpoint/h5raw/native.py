@@ -43,7 +43,6 @@ from parallelvars.checkpoint.h5io.columns import (
     index_bare_length,
     index_pieces,
     record_documents,
-    template_runs,
 )
 from parallelvars.checkpoint.h5io.layout import (
     COLUMNS_DATASET,
@@ -57,11 +56,9 @@ from parallelvars.checkpoint.h5io.layout import (
 )
 from parallelvars.checkpoint.h5io.records import (
     RecordList,
-    _index_template_by_record,
     _structure_key,
     crc_mark,
     index_capacity,
-    marked_template,
     metadata_key,
     record_classes,
 )
@@ -604,7 +601,6 @@ def _prepare(
     key: Any,
     items: Sequence[Any],
     shared: Sequence[Sequence[int] | None],
-    crcs: Callable[[], Sequence[Sequence[int]]],
     object_graph: Mapping[str, Any] | None,
     root: Mapping[str, Any],
     file: str,
@@ -614,14 +610,12 @@ def _prepare(
 ) -> Prepared:
     """A structure's plan, metadata image and document templates; ``laid_out(plan)`` is
     called as soon as the plan gives the components' offsets (a save starts writing their
-    bytes then, while the rest is made). ``crcs()``: the components' checksums (once their
-    bytes are written), asked for only by an index that takes its template record by record.
-    The image is written into ``out`` (the file being written): one of more than
+    bytes then, while the rest is made). The image is written into ``out`` (the file being written): one of more than
     ``generate.KEPT_IMAGE_BYTES`` a chunk at a time as it is made, and spilled to a file beside
     ``file`` only when ``keep`` (the cache will hold it; the image is None when not kept,
     or the spill failed)."""
     # (records of a class share their layout in the plan and their texts in the documents)
-    classes = record_classes(items, shared)
+    classes = record_classes(items, shared, file)
     freeze_made_so_far()
     plan = _plan_for(items, shared, object_graph, root, file, classes)
     if laid_out is not None:
@@ -630,19 +624,9 @@ def _prepare(
     count = sum(map(len, map(_COMPONENTS, items)))
     parts = record_documents(items, plan.offsets, classes)
     del classes
-    head: Sequence[str]
-    if parts is not None:
-        template, head, tail = parts
-    else:  # (an attribute key that is not a string: through the index's objects)
-        index = _index_of(items, plan, None)
-        marked = marked_template(index)
-        if marked is None:  # (a value with a mark's text: made record by record)
-            index = _index_of(items, plan, crcs())
-            marked = _index_template_by_record(index)
-        template = template_runs(marked, count)
-        whole, tail = _columns_parts(index)
-        head = [whole]
-        del index, marked, whole
+    # (None only for an attribute name that is not text, which record_classes refused)
+    assert parts is not None
+    template, head, tail = parts
     capacities = document_capacities(
         index_bare_length(template), sum(map(len, head)) + len(tail), count
     )
@@ -834,15 +818,8 @@ def _save_arrays(
                     nonlocal data  # the bytes go out while the metadata is made
                     data = _DataWrite(fd, plan, items, comps, crcs, p)
 
-                def checksums_now() -> list[list[int]]:
-                    assert data is not None
-                    data.wait()
-                    return settle(crcs, shared, comps)
-
                 keep = cache is not None and key is not None
-                prep = _prepare(
-                    key, items, shared, checksums_now, object_graph, root, p, fd, keep, laid_out
-                )
+                prep = _prepare(key, items, shared, object_graph, root, p, fd, keep, laid_out)
                 if prep.image is None:  # (written, not kept: made again by the next save)
                     if keep:
                         cache.clear()  # (the last structure's, not this one's)
