@@ -557,15 +557,17 @@ def test_documents_from_runs_of_records_are_the_index_and_its_columns(
     _check_record_documents(records, run)
 
 
-def test_documents_from_records_leave_keys_that_are_not_strings_to_the_index() -> None:
+def test_documents_from_records_refuse_attribute_names_that_are_not_text() -> None:
     from types import SimpleNamespace
 
     from parallelvars.checkpoint.h5io.columns import record_documents
+    from parallelvars.errors import InvalidEntryError
 
     rec = SimpleNamespace(
         path="a", kind="single", dtype=np.dtype("<f4"), shape=(), num_components=1, attrs={1: "x"}
     )
-    assert record_documents([rec], {"a": [None]}) is None
+    with pytest.raises(InvalidEntryError, match="attribute name 1 is not text"):
+        record_documents([rec], {"a": [None]})
 
 
 def test_a_sharded_layout_without_components_names_its_variable(small: str) -> None:

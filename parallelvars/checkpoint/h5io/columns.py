@@ -122,8 +122,9 @@ def record_documents(
     ``"".join(index_pieces(runs, crcs))`` is ``json.dumps(index)`` and ``"".join(head)`` is
     ``_columns_parts(index)[0]`` for the index a writer records of them, made without building
     the index (no dictionary or list per record) and without joining the runs or the pieces
-    (a save writes them a piece at a time: the documents are never held whole besides). None
-    for a record whose attributes have a key that is not a string (the caller builds the
+    (a save writes them a piece at a time: the documents are never held whole besides). An
+    attribute name that is not text is refused by ``record_classes`` (``InvalidEntryError``);
+    None only for ``classes`` made otherwise, holding such a record (the caller builds the
     index instead).
 
     The records are taken by class (``classes``: their
