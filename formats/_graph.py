@@ -39,9 +39,10 @@ def check_writable_graph(graph: Any, file: str | None) -> None:
     places is fine). A graph read from a file never does; one handed to a writer may.
 
     The graph is encoded once by json's C encoder, which refuses a container inside its own
-    value (and counts what it cannot encode as null: those are each writer's to refuse), a
+    value (and counts a value it cannot encode as null: those are each writer's to refuse), a
     tenth of the walk's cost at 50,000 variables; only a graph it does not encode (a cycle,
-    nesting deeper than the recursion limit, a mapping that fails) is walked to tell which.
+    nesting deeper than the recursion limit, a key json cannot write, a mapping that fails)
+    is walked to tell which.
 
     Raises:
         InvalidEntryError: naming ``file`` and ``object_graph``.
@@ -83,8 +84,9 @@ def _as_dict(value: Any) -> Any:
     return dict(value) if isinstance(value, Mapping) else None
 
 
-# (every key json cannot write is skipped: only the values hold containers)
-_CHECKER = json.JSONEncoder(skipkeys=True, check_circular=True, default=_as_dict)
+# (a key json cannot write is an error, not skipped: skipping it would skip its value, which
+# may hold a cycle; the walk then tells)
+_CHECKER = json.JSONEncoder(skipkeys=False, check_circular=True, default=_as_dict)
 
 
 def carried_graph(entries: Mapping[str, Any]) -> dict[str, Any] | None:

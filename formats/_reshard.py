@@ -58,7 +58,7 @@ from parallelvars.checkpoint.entry import (
 )
 from parallelvars.errors import InvalidArgumentError, InvalidEntryError
 
-from ._view import CheckpointView
+from ._view import CheckpointView, checked_summary
 
 __all__ = ["ReshardedView", "reshard", "split_offsets"]
 
@@ -260,6 +260,8 @@ class ReshardedView(CheckpointView):
         checked = bool(getattr(view, "summaries_checked", False))  # (as entries' layout_checked)
         for key in view:
             known = self._summary(key) if self._summary is not None else None
+            if known is not None:
+                known = checked_summary(known, self._file, key)
             if known is None:
                 source = view[key]
                 n = int(source.num_components)
@@ -330,7 +332,7 @@ class ReshardedView(CheckpointView):
         known = self._summary(key) if self._summary is not None else None
         if known is None:
             return None
-        kind, dtype, shape, n, nbytes, attrs = known
+        kind, dtype, shape, n, nbytes, attrs = checked_summary(known, self._file, key)
         m = self._m
         if kind == "single":
             if not self._mirror_single:

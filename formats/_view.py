@@ -18,8 +18,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from parallelvars._aggregate import logical_value, rule_for
 from parallelvars.checkpoint.entry import KINDS, ArrayEntry, Entry
+from parallelvars.errors import InvalidEntryError
 
 __all__ = [
     "KINDS",
@@ -125,3 +128,55 @@ def aggregates(entry: Entry) -> bool:
     aggregate under the plain key (what a plain consumer and TensorFlow read) and every part
     under ``parallel_component_<i>``."""
     return entry.num_components > 1 and rule_for(entry.kind, entry.attrs).value in ("sum", "mean")
+
+
+def checked_summary(known: Any, file: str | None, key: str) -> tuple[Any, ...]:
+    """A view's ``summary(key)`` as the writers read it: a tuple of kind, dtype, shape,
+    number of components, bytes and attributes (anything else refused naming the view's
+    variable: a view's ``summary`` is trusted for its layout only until its entry is made,
+    see :func:`summary_mismatch`)."""
+    if type(known) is not tuple or len(known) != 6:
+        raise InvalidEntryError(
+            "the view's summary of the variable is not a description",
+            file=file,
+            variable=key,
+            expected="(kind, dtype, shape, components, bytes, attributes)",
+            found=f"a {type(known).__name__}",
+        )
+    return known
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bool(np.array_equal(a, b))
+        )
+    if type(a) is not type(b):  # (1 and True, 1 and 1.0 are written apart)
+        return False
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(map(_same_value, a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    return bool(a == b) or (a != a and b != b)  # (NaN as NaN)
+
+
+def summary_mismatch(
+    entry: Entry, kind: str, dtype: Any, shape: Any, n: int, attrs: Any
+) -> tuple[str, Any, Any] | None:
+    """The first field in which ``entry`` differs from the summary a writer planned it by:
+    ``(field, the summary's, the entry's)``, or None."""
+    if entry.kind != kind:
+        return "kind", kind, entry.kind
+    if np.dtype(entry.dtype) != np.dtype(dtype):
+        return "dtype", np.dtype(dtype), np.dtype(entry.dtype)
+    if tuple(map(int, entry.shape)) != tuple(map(int, shape)):
+        return "shape", tuple(map(int, shape)), tuple(map(int, entry.shape))
+    if int(entry.num_components) != int(n):
+        return "number of components", int(n), int(entry.num_components)
+    if not _same_value(dict(entry.attrs or {}), dict(attrs or {})):
+        return "attributes", dict(attrs or {}), dict(entry.attrs or {})
+    return None

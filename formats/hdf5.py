@@ -27,7 +27,7 @@ from ._graph import check_writable_graph, object_graph_for
 from ._h5 import H5_ERRORS, is_hdf5
 from ._json import carried_metadata
 from ._registry import FormatSpec
-from ._view import CheckpointView, Entry
+from ._view import CheckpointView, Entry, checked_summary, summary_mismatch
 
 __all__ = ["FORMAT", "HDF5View", "open_hdf5", "write_hdf5"]
 
@@ -157,7 +157,7 @@ def write_hdf5(
             attrs = entry.attrs or {}
             values.append(entry)
         else:
-            kind, dtype, shape, n, _, attrs = known
+            kind, dtype, shape, n, _, attrs = checked_summary(known, p, key)
             if not checked:  # (check_entry's checks, on the summary's fields)
                 check_name_text(key, p)
                 problem = layout_problem(kind, shape, n, attrs)
@@ -166,7 +166,7 @@ def write_hdf5(
                     raise InvalidEntryError(
                         what, file=p, variable=key, expected=expected, found=found
                     )
-            values.append(_Planned(entries, key, kind, dtype, shape, n, attrs))
+            values.append(_Planned(entries, key, kind, dtype, shape, n, attrs, p))
         problem = attribute_problem(attrs)
         if problem is not None:
             what, expected, found = problem
@@ -185,9 +185,21 @@ class _Planned:
     entry the view makes (``entries[path]``) when the writer first asks for one and let go
     once the last is read (the writer reads them in order, a run at a time), so the writer
     holds no entry per variable. ``source`` is that entry (for
-    :class:`~parallelvars.checkpoint.entry.ReadAhead`: the view reads the run in bulk)."""
+    :class:`~parallelvars.checkpoint.entry.ReadAhead`: the view reads the run in bulk),
+    checked against the summary when made (a view whose summary and entry disagree is
+    refused, naming the file and the variable, before any of its bytes is written)."""
 
-    __slots__ = ("_entries", "_made", "attrs", "dtype", "kind", "num_components", "path", "shape")
+    __slots__ = (
+        "_entries",
+        "_file",
+        "_made",
+        "attrs",
+        "dtype",
+        "kind",
+        "num_components",
+        "path",
+        "shape",
+    )
 
     def __init__(
         self,
@@ -198,8 +210,10 @@ class _Planned:
         shape: tuple[int, ...],
         num_components: int,
         attrs: Mapping[str, Any],
+        file: str,
     ) -> None:
         self._entries = entries
+        self._file = file
         self._made: Entry | None = None
         self.path, self.kind, self.dtype, self.shape = path, kind, dtype, shape
         self.num_components, self.attrs = num_components, attrs
@@ -208,7 +222,20 @@ class _Planned:
     def source(self) -> Entry:
         made = self._made
         if made is None:
-            made = self._made = self._entries[self.path]
+            made = self._entries[self.path]
+            differs = summary_mismatch(
+                made, self.kind, self.dtype, self.shape, self.num_components, self.attrs
+            )
+            if differs is not None:
+                field, summarized, found = differs
+                raise InvalidEntryError(
+                    f"the view's entry differs from its summary in its {field}",
+                    file=self._file,
+                    variable=self.path,
+                    expected=f"{summarized!r} (the summary's)",
+                    found=f"{found!r} (the entry's)",
+                )
+            self._made = made
         return made
 
     def component_shape(self, i: int) -> tuple[int, ...]:

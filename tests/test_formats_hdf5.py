@@ -6,6 +6,7 @@ import pathlib
 import sys
 import weakref
 from collections.abc import Mapping
+from typing import Any
 
 import h5py
 import ml_dtypes
@@ -221,7 +222,73 @@ def test_the_graph_check_sees_every_cycle_and_passes_every_tree() -> None:
     keyed["v"] = [keyed]
     with pytest.raises(InvalidEntryError, match="holds itself"):
         check_writable_graph({"nodes": [keyed]}, "f")
+    under: list = []
+    under.append(under)
+    for key in ((1, 2), b"k", object()):  # (a cycle under a key json cannot write)
+        with pytest.raises(InvalidEntryError, match="holds itself"):
+            check_writable_graph({"version": 1, key: under}, "f")
     deep: list = []
     for _ in range(sys.getrecursionlimit() * 2):  # (deeper than json's encoder goes)
         deep = [deep]
     check_writable_graph({"nodes": deep, "odd": {1.5: {2}, "x": float("nan")}}, "f")
+
+
+class _Lying(DictView):
+    """A view whose ``summary`` says something its entry is not."""
+
+    def __init__(self, entries: Any, lie: dict[int, Any]) -> None:
+        super().__init__(entries)
+        self.lie = lie
+
+    def summary(self, key: str) -> Any:
+        if self.lie is None:
+            return f"{key}: a float tensor"  # (a method of the same name, not a summary)
+        told = ["on_read", np.dtype(np.float64), (4,), 2, 64, {"aggregation": "sum"}]
+        for i, v in self.lie.items():
+            told[i] = v
+        return tuple(told)
+
+
+@pytest.mark.parametrize(
+    ("lie", "field"),
+    [
+        ({3: 1}, "number of components"),
+        ({3: 3}, "number of components"),
+        ({0: "mirrored"}, "kind"),
+        ({5: {"aggregation": "mean"}}, "attributes"),
+        ({1: np.dtype(np.float32)}, "dtype"),
+        ({2: (2, 2)}, "shape"),
+    ],
+)
+def test_a_view_whose_summary_and_entry_differ_is_refused(tmp_path, lie, field) -> None:
+    """The writer plans a view's variables from its summary but refuses one whose entry is
+    not what the summary said (a component dropped, a kind or an aggregation changed
+    silently, otherwise), naming the file and the variable; the last good file stays."""
+    from parallelvars.formats import reshard
+
+    entry = ArrayEntry(
+        "w",
+        [np.arange(4, dtype=np.float64), np.arange(4, dtype=np.float64) + 1],
+        kind="on_read",
+        attrs={"aggregation": "sum"},
+    )
+    path = tmp_path / "w.h5"
+    write_hdf5(path, _Lying({"w": entry}, {}))
+    good = path.read_bytes()
+    # (resharded, the lie shows in the rewritten variable's first field that differs)
+    for view, said in (
+        (_Lying({"w": entry}, lie), field),
+        (reshard(_Lying({"w": entry}, lie), 2), ""),
+    ):
+        with pytest.raises(InvalidEntryError, match=f"differs from its summary in its {said}"):
+            write_hdf5(path, view)
+        assert path.read_bytes() == good
+
+
+def test_a_summary_that_is_not_a_description_is_refused(tmp_path) -> None:
+    from parallelvars.formats import reshard
+
+    view = _Lying({"w": ArrayEntry("w", [np.ones(3, np.float32)] * 2, kind="mirrored")}, None)
+    for write in (lambda: write_hdf5(tmp_path / "d.h5", view), lambda: reshard(view, 3)):
+        with pytest.raises(InvalidEntryError, match="summary of the variable is not a description"):
+            write()
