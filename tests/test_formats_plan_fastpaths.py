@@ -11,7 +11,7 @@ import math
 import struct
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -269,6 +269,24 @@ class _MadeWhenAsked(Mapping[str, ArrayEntry]):
         return len(self._paths)
 
 
+def _assert_same_files(tmp_path: Any, suffix: str, name: str, kind: str | None = None) -> None:
+    """The file ``name`` + ``suffix`` holds what ``held`` + ``suffix`` holds (a safetensors
+    file byte for byte), each variable of ``kind`` when given."""
+    a, b = (
+        open_checkpoint(str(tmp_path / f"held{suffix}")),
+        open_checkpoint(str(tmp_path / f"{name}{suffix}")),
+    )
+    with a, b:
+        assert list(a) == list(b)
+        for k in a:
+            if kind is not None:
+                assert a[k].kind == b[k].kind == kind
+            np.testing.assert_array_equal(a[k].component(1), b[k].component(1))
+    if suffix == ".safetensors":
+        held = (tmp_path / "held.safetensors").read_bytes()
+        assert held == (tmp_path / f"{name}.safetensors").read_bytes()
+
+
 @pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
 def test_plan_lets_go_of_entries_made_when_asked(tmp_path, monkeypatch, suffix):
     # Runs of at most 64 bytes: 4 tensors of 16 bytes, so at most 4 variables' entries are
@@ -283,19 +301,7 @@ def test_plan_lets_go_of_entries_made_when_asked(tmp_path, monkeypatch, suffix):
     _Counted.most = 0
     write_checkpoint(str(tmp_path / f"asked{suffix}"), source)
     assert 0 < _Counted.most <= 4
-    a, b = (
-        open_checkpoint(str(tmp_path / f"held{suffix}")),
-        open_checkpoint(str(tmp_path / f"asked{suffix}")),
-    )
-    with a, b:
-        assert list(a) == list(b)
-        for k in a:
-            assert a[k].kind == b[k].kind == "mirrored"
-            np.testing.assert_array_equal(a[k].component(1), b[k].component(1))
-    if suffix == ".safetensors":
-        assert (tmp_path / "held.safetensors").read_bytes() == (
-            tmp_path / "asked.safetensors"
-        ).read_bytes()
+    _assert_same_files(tmp_path, suffix, "asked", kind="mirrored")
 
 
 def test_a_record_dtype_is_refused_naming_the_file_and_the_variable(tmp_path) -> None:
@@ -357,15 +363,4 @@ def test_a_runs_whole_variables_are_read_in_bulk_not_made_again(tmp_path, monkey
     assert len(again) >= 4  # (24 tensors in runs of 3: 4 variables split; and the refused)
     assert set(source.bulk_asked) & again == {"model/w3"}
     assert set(source.bulk_asked) >= once
-    a, b = (
-        open_checkpoint(str(tmp_path / f"held{suffix}")),
-        open_checkpoint(str(tmp_path / f"bulk{suffix}")),
-    )
-    with a, b:
-        assert list(a) == list(b)
-        for k in a:
-            np.testing.assert_array_equal(a[k].component(1), b[k].component(1))
-    if suffix == ".safetensors":
-        assert (tmp_path / "held.safetensors").read_bytes() == (
-            tmp_path / "bulk.safetensors"
-        ).read_bytes()
+    _assert_same_files(tmp_path, suffix, "bulk")
