@@ -14,7 +14,7 @@ from ._names import check_names
 from ._registry import format_for_suffix, get_format, open_checkpoint, write_checkpoint
 from ._reshard import reshard
 from ._select import exported
-from ._view import CheckpointView, DictView, Entry
+from ._view import CheckpointView, DictView, Entry, checked_summary
 
 __all__ = ["convert", "format_for_path"]
 
@@ -196,6 +196,7 @@ class _AskedFor(CheckpointView):
         get = getattr(self._view, "summary", None)
         known = None if get is None else get(key)
         if known is not None:
+            known = checked_summary(known, getattr(self._view, "path", None), key)
             self._nbytes.setdefault(key, int(known[4]))
         return known
 

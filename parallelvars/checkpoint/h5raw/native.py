@@ -610,10 +610,10 @@ def _prepare(
 ) -> Prepared:
     """A structure's plan, metadata image and document templates; ``laid_out(plan)`` is
     called as soon as the plan gives the components' offsets (a save starts writing their
-    bytes then, while the rest is made). The image is written into ``out`` (the file being written): one of more than
-    ``generate.KEPT_IMAGE_BYTES`` a chunk at a time as it is made, and spilled to a file beside
-    ``file`` only when ``keep`` (the cache will hold it; the image is None when not kept,
-    or the spill failed)."""
+    bytes then, while the rest is made). The image is written into ``out`` (the file being
+    written): one of more than ``generate.KEPT_IMAGE_BYTES`` a chunk at a time as it is made,
+    and spilled to a file beside ``file`` only when ``keep`` (the cache will hold it; the
+    image is None when not kept, or the spill failed)."""
     # (records of a class share their layout in the plan and their texts in the documents)
     classes = record_classes(items, shared, file)
     freeze_made_so_far()
