@@ -911,6 +911,7 @@ def entry_table(
         single: dict[tuple[np.dtype, tuple[int, ...]], int] = {}
         order = []
         taken = set(paths)
+        extra: list[int] = []  # (the stored positions of the tensors made variables here)
         for i in np.flatnonzero(owner != -2).tolist():
             j = int(owner[i])
             if j >= 0:
@@ -936,8 +937,10 @@ def entry_table(
             group_of.append(g)
             table._key_at.append(len(flat))
             flat.append(key)
-            key_pos = np.append(key_pos, i)
-        table._key_pos = key_pos
+            extra.append(i)
+        # (joined once: appending to the array for each tensor copied it each time, a
+        # million-tensor header's open went quadratic)
+        table._key_pos = np.concatenate([key_pos, np.asarray(extra, key_pos.dtype)])
     table._paths = list(map(paths.__getitem__, order))
     table._row = dict(zip(table._paths, order, strict=True))
     return table
