@@ -22,6 +22,7 @@ import numpy as np
 
 from parallelvars._aggregate import logical_value, rule_for
 from parallelvars.checkpoint.entry import KINDS, ArrayEntry, Entry
+from parallelvars.checkpoint.h5raw.objects import frozen
 from parallelvars.errors import InvalidEntryError
 
 __all__ = [
@@ -31,7 +32,9 @@ __all__ = [
     "CheckpointView",
     "DictView",
     "aggregates",
+    "checked_summary",
     "logical_value",
+    "summary_mismatch",
 ]
 
 
@@ -146,24 +149,6 @@ def checked_summary(known: Any, file: str | None, key: str) -> tuple[Any, ...]:
     return known
 
 
-def _same_value(a: Any, b: Any) -> bool:
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return (
-            isinstance(a, np.ndarray)
-            and isinstance(b, np.ndarray)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and bool(np.array_equal(a, b))
-        )
-    if type(a) is not type(b):  # (1 and True, 1 and 1.0 are written apart)
-        return False
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(map(_same_value, a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
-    return bool(a == b) or (a != a and b != b)  # (NaN as NaN)
-
-
 def summary_mismatch(
     entry: Entry, kind: str, dtype: Any, shape: Any, n: int, attrs: Any
 ) -> tuple[str, Any, Any] | None:
@@ -177,6 +162,9 @@ def summary_mismatch(
         return "shape", tuple(map(int, shape)), tuple(map(int, entry.shape))
     if int(entry.num_components) != int(n):
         return "number of components", int(n), int(entry.num_components)
-    if not _same_value(dict(entry.attrs or {}), dict(attrs or {})):
-        return "attributes", dict(attrs or {}), dict(entry.attrs or {})
+    # (each value as the writer's class keys take it: types apart, floats by their bits,
+    # arrays by dtype and bytes; the names in any order)
+    mine, told = dict(entry.attrs or {}), dict(attrs or {})
+    if {k: frozen(v) for k, v in mine.items()} != {k: frozen(v) for k, v in told.items()}:
+        return "attributes", told, mine
     return None
