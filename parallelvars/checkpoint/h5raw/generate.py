@@ -956,19 +956,9 @@ class FilePlan:
         self._row_fs = row_fs
         del count
         objects = ObjectBytes()
+        self._leaf_strings(objects, layouts, per[:-1], leaf_rows)
         strings = objects.pending  # (joined a batch at a time)
-        add_string, full = strings.append, objects.JOIN_BATCH
-        row_layout, row_str = self._row_layout, self._row_str
-        for r in leaf_rows.tolist():
-            lay = cast(_Layout, row_layout[r])
-            before, after = lay.strings
-            strings += before
-            if lay.sig.row_at is not None:
-                text = row_str[r]
-                add_string(b"" if text is None else text.encode("utf-8"))
-                strings += after
-            if len(strings) >= full:
-                objects.spill()
+        full = objects.JOIN_BATCH
         owners: list[tuple[_Attr, int]] = []
         holders: list[_Group | _Dataset] = [*self._individual, *self._special.values()]
         for obj in holders:
@@ -1030,6 +1020,57 @@ class FilePlan:
             if elements
         ]
         self._vlen = []
+
+    def _leaf_strings(
+        self, objects: ObjectBytes, layouts: list[_Layout], per: np.ndarray, leaf_rows: np.ndarray
+    ) -> None:
+        """Add the heap strings of the leaves ``leaf_rows`` (in file order) to ``objects``:
+        each leaf's its layout's before its row string, the row string, its layout's after it
+        (all before it when it has none; ``per``: how many, per layout), a batch of leaves at
+        a time: a batch's bytes joined from each layout's strings joined once and the leaves'
+        row strings, their lengths laid from each layout's in numpy."""
+        has_row = [lay.sig.row_at is not None for lay in layouts]
+        before = [b"".join(lay.strings[0]) for lay in layouts]
+        after = [b"".join(lay.strings[1]) for lay in layouts]
+        # each layout's strings' lengths one after another (its row string's as 0: put in per
+        # leaf), where each layout's start, and where its row string is among them (-1: none)
+        flat = np.array(
+            [
+                n
+                for lay, row in zip(layouts, has_row, strict=True)
+                for n in [*map(len, lay.strings[0]), *([0, *map(len, lay.strings[1])] * row)]
+            ],
+            np.int64,
+        )
+        lay_first = np.cumsum(per) - per
+        row_pos = np.array(
+            [len(lay.strings[0]) if row else -1 for lay, row in zip(layouts, has_row, strict=True)]
+            + [-1],
+            np.int64,
+        )
+        row_str, lid = self._row_str, self._row_lid
+        step = max(1, objects.JOIN_BATCH // 3)  # (three pieces a leaf joined)
+        for lo in range(0, leaf_rows.size, step):
+            rows = leaf_rows[lo : lo + step]
+            lids = lid[rows]
+            lid_list = lids.tolist()
+            texts = [
+                (b"" if (t := row_str[r]) is None else t.encode("utf-8")) if has_row[k] else b""
+                for r, k in zip(rows.tolist(), lid_list, strict=True)
+            ]
+            parts: list[bytes] = [b""] * (3 * len(texts))
+            parts[0::3] = map(before.__getitem__, lid_list)
+            parts[1::3] = texts
+            parts[2::3] = map(after.__getitem__, lid_list)
+            count = per[lids]
+            starts = np.cumsum(count) - count
+            within = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(starts, count)
+            lengths = flat[np.repeat(lay_first[lids], count) + within]
+            pos = row_pos[lids]
+            row = pos >= 0
+            text_lengths = np.fromiter(map(len, texts), np.int64, len(texts))
+            lengths[(starts + pos)[row]] = text_lengths[row]
+            objects.add_joined(lengths, b"".join(parts))
 
     # ------------------------------------------------------------------ encoding
     def _attr_message(self, a: _Attr) -> bytes:

@@ -98,6 +98,15 @@ class ObjectBytes:
             self._spilled += len(pending)
             pending.clear()
 
+    def add_joined(self, lengths: np.ndarray, data: bytes) -> None:
+        """Objects joined already, after those gathered: each one's length (int64) and their
+        bytes (``sum(lengths)`` of them)."""
+        assert int(lengths.sum()) == len(data)
+        self.spill()
+        self._lengths.append(lengths)
+        self._data.append(data)
+        self._spilled += lengths.size
+
     def joined(self) -> tuple[np.ndarray, bytes]:
         """Every object's length and their bytes joined (then none is gathered)."""
         self.spill()
