@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import errno
 import math
+import operator
 import os
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
@@ -326,6 +327,15 @@ class _Offsets(Mapping[str, list[int | None]]):
 
     def __len__(self) -> int:
         return len(self._paths)
+
+
+def _leaves_only(links: list[Any]) -> bool:
+    """Whether a group's ``links`` (at least one) are all leaves (``~row``, see
+    :meth:`FilePlan._named`)."""
+    return type(links[0]) is int and _JUST_INT.issuperset(map(type, links)) and max(links) < 0
+
+
+_JUST_INT = frozenset({int})
 
 
 def _dims(shapes: list[tuple[int, ...]], ndim: int, dtype: type) -> np.ndarray:
@@ -669,10 +679,10 @@ class FilePlan:
         layout's datasets."""
         add = self._add_variable
         of_class: list[_Layout | None] = [None] * count
-        # per class whose records take the few operations: (itemsize, its datasets' template
-        # numbers [without data, with data] once known, layout, its number), None until its
-        # first record
-        fast: list[list[Any] | None] = [None] * count
+        # per class whose records take the few operations: its layout, the layout's number and
+        # per shape (as the records give it) the columns a record of it adds (see _columns),
+        # None until its first record
+        fast: list[tuple[_Layout, int, dict[Any, Any]] | None] = [None] * count
         by_path = self._by_path
         ds_key, ds_shape, ds_nbytes = self._ds_key, self._ds_shape, self._ds_nbytes
         paths = self._paths
@@ -684,10 +694,6 @@ class FilePlan:
             self._row_shape.append,
             self._row_str.append,
         )
-        prod = math.prod
-        # shapes recur: each one's tuple of ints and element count made once (its tuple shared
-        # by its records' rows)
-        shapes: dict[Any, tuple[tuple[int, ...], int]] = {}
         # the records of a group come one after another: its parent's path and links kept
         parent_path: str | None = None
         plink = cast(Any, None)  # (its links' append)
@@ -699,46 +705,47 @@ class FilePlan:
             if f is None or path in by_path:
                 layout = of_class[c] = add(var, sh, None, None, of_class[c])
                 if f is None and not (layout.sharded or layout.vlen):
-                    fast[c] = [
-                        layout.itemsize,
-                        layout.ds_keys[0],
-                        layout.ds_keys[1],
-                        layout,
-                        layout.number,
-                    ]
+                    fast[c] = (layout, layout.number, {})
                 parent_path = None  # (it may have given a leaf group lists of its own)
                 continue
+            layout, number, of_shape = f
             raw = var.shape
             try:
-                shape, size = shapes[raw]
+                shape, keys, shapes, nbytes = of_shape[raw]
             except (KeyError, TypeError):
-                shape = tuple(map(int, raw))
-                size = prod(shape)
+                shape, keys, shapes, nbytes = made = self._columns(layout, raw)
                 if type(raw) is tuple:
-                    shapes[raw] = (shape, size)
+                    of_shape[raw] = made
             at = path.rpartition("/")[0]
             if at != parent_path:
                 parent = by_path.get(at) or self._group_of(at)
                 parent_path, plink = at, parent.links.append
             plink(~len(paths))  # (a leaf: its row alone)
-            nbytes = size * f[0]
-            keys = f[2] if nbytes else f[1]
-            if keys is None:
-                layout = f[3]
-                keys = layout.ds_keys[nbytes > 0] = [
-                    self._component_key(layout, len(shape), nbytes, links) for links in layout.links
-                ]
-                f[2 if nbytes else 1] = keys
             add_first(len(ds_key))
             ds_key.extend(keys)
-            n = len(keys)
-            ds_shape += [shape] * n
-            ds_nbytes.extend([nbytes] * n)
+            ds_shape += shapes
+            ds_nbytes.extend(nbytes)
             add_path(path)
-            add_layout(f[3])
-            add_lid(f[4])
+            add_layout(layout)
+            add_lid(number)
             add_shape(shape)
             add_str(var.attrs.get(_ROW_STRING))  # (a string or None: its class's first's)
+
+    def _columns(
+        self, layout: _Layout, raw: Any
+    ) -> tuple[tuple[int, ...], array[int], list[tuple[int, ...]], array[int]]:
+        """What a record of ``layout`` (neither sharded nor of byte strings) and of shape
+        ``raw`` adds to the columns: its shape, and its datasets' template numbers, shapes and
+        bytes of data (its datasets' template numbers made when first asked)."""
+        shape = tuple(map(int, raw))
+        nbytes = math.prod(shape) * layout.itemsize
+        keys = layout.ds_keys[nbytes > 0]
+        if keys is None:
+            keys = layout.ds_keys[nbytes > 0] = [
+                self._component_key(layout, len(shape), nbytes, links) for links in layout.links
+            ]
+        n = len(keys)
+        return shape, array("q", keys), [shape] * n, array("q", [nbytes] * n)
 
     def _component_key(self, layout: _Layout, ndim: int, nbytes: int, links: int) -> int:
         """The template number of a component dataset."""
@@ -835,11 +842,15 @@ class FilePlan:
         # chunks (their continuation messages hold addresses), is encoded on its own
         leaf = self._leaves()
         root = self._root
-        groups: list[_Group | int] = [root]
-        add_group = groups.append
+        # the groups made as objects, in file order, and each one's place among all the
+        # groups; the leaves, in file order
+        objects: list[_Group] = [root]
+        places = [0]
+        leaves: list[int] = []
+        add_leaf = leaves.append
         row_group = self._row_group
         # (a stack of the links still to visit of each group on the way: a leaf is added
-        # without a visit of its own)
+        # without a visit of its own, the links of a group that links to leaves only at once)
         stack = [iter(root.links)]
         while stack:
             for link in stack[-1]:
@@ -850,60 +861,71 @@ class FilePlan:
                         continue
                     own = row_group.get(t) if row_group else None
                     if own is None:
-                        add_group(t)
+                        add_leaf(t)
                         continue
                     t = own
                 elif kind is not _Group:  # (an external link)
                     continue
-                add_group(t)
+                places.append(len(objects) + len(leaves))
+                objects.append(t)
                 if t.layout is not None:  # a variable that is also a parent
                     self._expand(t)
-                if t.links:
-                    stack.append(iter(t.links))
-                    break
+                links = t.links
+                if not links:
+                    continue
+                if not row_group and _leaves_only(links):
+                    leaves += links
+                    continue
+                stack.append(iter(links))
+                break
             else:
                 stack.pop()
-        self._groups = groups
+        self._groups = objects
         freeze_made_so_far()
         # groups without attributes whose links have the same names (the groups of a
-        # variable's slots...) are made from one template
-        others = [g for g in groups if isinstance(g, _Group)]  # (groups not made from a layout)
-        plain: dict[tuple[str | bytes, ...], list[_Group]] = {}
+        # variable's slots...) are made from one template (by their numbers among the objects)
+        plain: dict[tuple[str | bytes, ...], list[int]] = {}
         linking_out = self._linking_out
-        for g in others:
-            if len(g.links) > MAX_COMPACT_LINKS:
-                g.table = SymbolTable([name for name, _ in self._named(g.links)])
-            elif not g.attrs and g is not root and g.links and id(g) not in linking_out:
-                plain.setdefault(self._names(g.links), []).append(g)
-        self._plain: list[tuple[Template, list[_Group]]] = []
-        templated: set[int] = set()
+        leaf_name = [path.rpartition("/")[2] for path in self._paths].__getitem__
+        for k, g in enumerate(objects):
+            links = g.links
+            if len(links) > MAX_COMPACT_LINKS:
+                g.table = SymbolTable([name for name, _ in self._named(links)])
+            elif not g.attrs and g is not root and links and id(g) not in linking_out:
+                names = (
+                    tuple(map(leaf_name, map(operator.invert, links)))
+                    if _leaves_only(links)
+                    else self._names(links)
+                )
+                plain.setdefault(names, []).append(k)
+        del leaf_name
+        templated: list[tuple[Template, list[int]]] = []
+        object_sizes = np.full(len(objects), -1, np.int64)  # (-1: encoded on its own)
         for members in plain.values():
             if len(members) < 2:
                 continue
-            tmpl = self._plain_template(members[0])
+            tmpl = self._plain_template(objects[members[0]])
             if len(tmpl.chunks) > 1:
                 continue
-            self._plain.append((tmpl, members))
-            templated.update(map(id, members))
-        self._individual = [g for g in others if id(g) not in templated]
-        plain_of = {id(g): tmpl.size for tmpl, members in self._plain for g in members}
+            templated.append((tmpl, members))
+            object_sizes[members] = tmpl.size
+        own = np.flatnonzero(object_sizes < 0).tolist()
+        self._individual = [objects[k] for k in own]
         # each group's header and table (a leaf: its layout's template's size)
-        code = np.fromiter((g if type(g) is int else 0 for g in groups), np.int64, len(groups))
-        leaf_at = np.flatnonzero(code < 0)  # the leaves' places in file order ...
-        leaf_rows = ~code[leaf_at]  # ... and rows
-        del code
+        objects_at = np.array(places, np.int64)
+        is_leaf = np.ones(len(objects) + len(leaves), bool)
+        is_leaf[objects_at] = False
+        leaf_at = np.flatnonzero(is_leaf)  # the leaves' places in file order ...
+        leaf_rows = ~np.array(leaves, np.int64)  # ... and rows
+        del places, leaves, is_leaf
         lid = self._row_lid
         layouts = list(self._layouts.values())
         lay_size = np.array([lay.size for lay in layouts] + [0], np.int64)
-        sizes = np.zeros(len(groups), np.int64)
+        sizes = np.zeros(len(objects) + leaf_rows.size, np.int64)
         sizes[leaf_at] = lay_size[lid[leaf_rows]]
-        objects_at = np.flatnonzero(sizes == 0)
-        heads = cast(list[_Group], [groups[k] for k in objects_at.tolist()])
         tables: list[_Group] = []
-        object_sizes = [plain_of.get(id(g), -1) for g in heads]
-        for k, g in enumerate(heads):
-            if object_sizes[k] >= 0:  # (made from a template: its size known)
-                continue
+        for k in own:
+            g = objects[k]
             size = len(self._encode_group(g)[0])
             if g.table is not None:  # the header, then its symbol table
                 g.table_at = size
@@ -914,10 +936,16 @@ class FilePlan:
         starts = SUPERBLOCK_SIZE + np.cumsum(sizes) - sizes
         at = SUPERBLOCK_SIZE + int(sizes.sum())
         del sizes, object_sizes
-        for g, a in zip(heads, starts[objects_at].tolist(), strict=True):
+        object_address = starts[objects_at]
+        for g, a in zip(objects, object_address.tolist(), strict=True):
             g.address = a
         for g in tables:
             g.table_at += g.address
+        # (per template: the groups and their addresses)
+        self._plain: list[tuple[Template, list[_Group], np.ndarray]] = [
+            (tmpl, [objects[k] for k in members], object_address[members])
+            for tmpl, members in templated
+        ]
         row_address = np.full(len(self._paths), -1, np.int64)
         row_address[leaf_rows] = starts[leaf_at]
         for t, g in row_group.items():
@@ -1384,8 +1412,13 @@ class FilePlan:
                 (layout, self._row_address[sel], self._row_fs[sel], dims, row_first[sel])
             )
         ds, ra = self._ds_address, self._row_address
-        for tmpl, groups in self._plain:
+        for tmpl, groups, addresses in self._plain:
             count = len(groups)
+            width = len(groups[0].links)
+            if _leaves_only(groups[0].links):  # (then every group's: their names are the same)
+                rows = np.fromiter(chain.from_iterable(g.links for g in groups), np.int64)
+                cols.plain.append((tmpl, addresses, ra[~rows].astype("<u8").reshape(count, width)))
+                continue
             # each link's target: a dataset by number, a leaf by ~row (their addresses
             # gathered at once), a group by its address (marked by _GROUP_MARK)
             code = np.array(
@@ -1406,7 +1439,6 @@ class FilePlan:
             code[dataset] = ds[code[dataset]]
             code[group] -= _GROUP_MARK
             links = code.astype("<u8").reshape(count, -1)
-            addresses = np.fromiter((g.address for g in groups), np.int64, count)
             cols.plain.append((tmpl, addresses, links))
         keys = np.asarray(self._ds_key, np.int64)
         if keys.size:
@@ -1473,9 +1505,7 @@ class FilePlan:
         Returns how many links changed."""
         assert len(old) == len(new) and self._groups is not None
         count = 0
-        for g in self._groups:
-            if isinstance(g, int):  # (a leaf: links to its components only)
-                continue
+        for g in self._groups:  # (the groups made as objects: a leaf links to components only)
             for _, target in self._named(g.links):
                 if isinstance(target, _External) and target.file.startswith(old):
                     target.file = new + target.file[len(old) :]
