@@ -842,9 +842,9 @@ class FilePlan:
         # chunks (their continuation messages hold addresses), is encoded on its own
         leaf = self._leaves()
         root = self._root
-        # the groups made as objects, in file order, and each one's place among all the
-        # groups; the leaves, in file order
-        objects: list[_Group] = [root]
+        # the groups made as objects (``made``), in file order, and each one's place among
+        # all the groups; the leaves, in file order
+        made: list[_Group] = [root]
         places = [0]
         leaves: list[int] = []
         add_leaf = leaves.append
@@ -866,8 +866,8 @@ class FilePlan:
                     t = own
                 elif kind is not _Group:  # (an external link)
                     continue
-                places.append(len(objects) + len(leaves))
-                objects.append(t)
+                places.append(len(made) + len(leaves))
+                made.append(t)
                 if t.layout is not None:  # a variable that is also a parent
                     self._expand(t)
                 links = t.links
@@ -880,14 +880,14 @@ class FilePlan:
                 break
             else:
                 stack.pop()
-        self._groups = objects
+        self._groups = made
         freeze_made_so_far()
         # groups without attributes whose links have the same names (the groups of a
-        # variable's slots...) are made from one template (by their numbers among the objects)
+        # variable's slots...) are made from one template (by their numbers in ``made``)
         plain: dict[tuple[str | bytes, ...], list[int]] = {}
         linking_out = self._linking_out
         leaf_name = [path.rpartition("/")[2] for path in self._paths].__getitem__
-        for k, g in enumerate(objects):
+        for k, g in enumerate(made):
             links = g.links
             if len(links) > MAX_COMPACT_LINKS:
                 g.table = SymbolTable([name for name, _ in self._named(links)])
@@ -900,20 +900,20 @@ class FilePlan:
                 plain.setdefault(names, []).append(k)
         del leaf_name
         templated: list[tuple[Template, list[int]]] = []
-        object_sizes = np.full(len(objects), -1, np.int64)  # (-1: encoded on its own)
+        object_sizes = np.full(len(made), -1, np.int64)  # (-1: encoded on its own)
         for members in plain.values():
             if len(members) < 2:
                 continue
-            tmpl = self._plain_template(objects[members[0]])
+            tmpl = self._plain_template(made[members[0]])
             if len(tmpl.chunks) > 1:
                 continue
             templated.append((tmpl, members))
             object_sizes[members] = tmpl.size
-        own = np.flatnonzero(object_sizes < 0).tolist()
-        self._individual = [objects[k] for k in own]
+        apart = np.flatnonzero(object_sizes < 0).tolist()  # (encoded on their own)
+        self._individual = [made[k] for k in apart]
         # each group's header and table (a leaf: its layout's template's size)
         objects_at = np.array(places, np.int64)
-        is_leaf = np.ones(len(objects) + len(leaves), bool)
+        is_leaf = np.ones(len(made) + len(leaves), bool)
         is_leaf[objects_at] = False
         leaf_at = np.flatnonzero(is_leaf)  # the leaves' places in file order ...
         leaf_rows = ~np.array(leaves, np.int64)  # ... and rows
@@ -921,11 +921,11 @@ class FilePlan:
         lid = self._row_lid
         layouts = list(self._layouts.values())
         lay_size = np.array([lay.size for lay in layouts] + [0], np.int64)
-        sizes = np.zeros(len(objects) + leaf_rows.size, np.int64)
+        sizes = np.zeros(len(made) + leaf_rows.size, np.int64)
         sizes[leaf_at] = lay_size[lid[leaf_rows]]
         tables: list[_Group] = []
-        for k in own:
-            g = objects[k]
+        for k in apart:
+            g = made[k]
             size = len(self._encode_group(g)[0])
             if g.table is not None:  # the header, then its symbol table
                 g.table_at = size
@@ -937,13 +937,13 @@ class FilePlan:
         at = SUPERBLOCK_SIZE + int(sizes.sum())
         del sizes, object_sizes
         object_address = starts[objects_at]
-        for g, a in zip(objects, object_address.tolist(), strict=True):
+        for g, a in zip(made, object_address.tolist(), strict=True):
             g.address = a
         for g in tables:
             g.table_at += g.address
         # (per template: the groups and their addresses)
         self._plain: list[tuple[Template, list[_Group], np.ndarray]] = [
-            (tmpl, [objects[k] for k in members], object_address[members])
+            (tmpl, [made[k] for k in members], object_address[members])
             for tmpl, members in templated
         ]
         row_address = np.full(len(self._paths), -1, np.int64)
