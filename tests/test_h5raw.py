@@ -173,6 +173,28 @@ def test_heap_objects_joined_a_batch_at_a_time_are_the_objects_joined(batches, b
     assert len(objects) == 0 and objects.joined()[1] == b""
 
 
+@given(
+    runs=st.lists(st.tuples(st.booleans(), st.lists(st.binary(max_size=9), max_size=8)), max_size=6)
+)
+def test_heap_objects_joined_already_come_after_those_gathered(runs) -> None:
+    """Objects added joined already (``add_joined``: their lengths and bytes, as the generator
+    adds a batch of leaves' strings) between objects gathered one by one keep their order."""
+    from parallelvars.checkpoint.h5raw.global_heap import ObjectBytes
+
+    objects = ObjectBytes()
+    gathered: list[bytes] = []
+    for joined, run in runs:
+        if joined:
+            objects.add_joined(np.array([len(b) for b in run], np.int64), b"".join(run))
+        else:
+            objects.pending += run
+        gathered += run
+        assert len(objects) == len(gathered)
+    lengths, data = objects.joined()
+    assert lengths.tolist() == [len(b) for b in gathered]
+    assert data == b"".join(gathered)
+
+
 # ----------------------------------------------------------------------------- the oracle
 DTYPES = [
     np.dtype(np.float32),
