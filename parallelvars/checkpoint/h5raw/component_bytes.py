@@ -15,7 +15,9 @@ components go out in several batches (checked again once its last one is written
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+import operator
+from collections.abc import Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from operator import is_
@@ -319,6 +321,18 @@ def _contiguous(c: Any) -> np.ndarray:
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
+_COMPONENTS = operator.attrgetter("components")
+_KIND = operator.attrgetter("kind")
+_C_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_NBYTES = operator.attrgetter("nbytes")
+_BYTES = np.ndarray.tobytes
+#: Components of at most this many bytes are compared as copies (``tobytes``), larger ones in
+#: place (``same_bytes``).
+_SMALL = 1 << 16
+
+
 def _checksummed(
     items: Sequence[Any], share_equal: bool, *, deferred: bool = False, compare: bool = True
 ) -> tuple[list[Sequence[np.ndarray]], Checksums, list[list[int] | None], tuple[Any, ...]]:
@@ -335,110 +349,156 @@ def _checksummed(
     Without ``compare``, the replicas the records' plan compares by runs
     (:func:`_replica_plan`) are taken to be equal to their first components, as at the last
     save, and not compared here: the caller compares them while the bytes are written
-    (:func:`replicas_diverged`) and saves again with ``compare`` if any differs."""
-    comps: list[Sequence[np.ndarray]] = []
-    crcs: Checksums = []
-    shared: list[list[int] | None] = []
-    pattern: list[Any] = []
+    (:func:`replicas_diverged`) and saves again with ``compare`` if any differs.
+
+    The entries are sorted out all at once (:func:`_sorted_out`: a few operations per
+    component, none per entry); only the others are looked at one by one (:func:`_entry`)."""
     plan = _replica_plan(items) if share_equal else None
-    equal: Callable[[int], bool] = lambda n: False  # noqa: E731
+    lives = list(map(_COMPONENTS, items))
+    given: list[int] = []
     if plan is not None:
         differ = {plan.record_of(i) for i in plan.replicas_differing()} if compare else set()
         if differ:  # (divergent from now on: compared one by one, not in the runs)
             plan.share_less(items, differ)
         starts, primary = plan.starts, plan.primary
-        equal = lambda n: (  # noqa: E731
-            n not in differ
+        given = [
+            n
+            for n in range(len(items))
+            if n not in differ
             and starts[n + 1] - starts[n] > 1
             and primary[starts[n] + 1] != starts[n] + 1
-        )
+        ]
+    codes = _sorted_out(items, lives, share_equal, given)
     later: list[int | None] = [None]
-    runs = plan is not None
-    zeros: dict[int, tuple[int, ...]] = {}
     # (one list per count of replicas of the first, shared by the entries: read, never
-    # changed, by the plan, the classes and settle)
-    firsts: dict[int, list[int]] = {}
-    ndarray = np.ndarray
-    small = 1 << 16
-    for k, e in enumerate(items):
-        live = e.components
-        n = len(live)
-        first = live[0] if n else None
-        if (runs and equal(k)) or (
-            # a snapshot's copies: each replica is its first component's copy
-            n > 1
-            and share_equal
-            and live[-1] is first
-            and all(c is first for c in live)
-            and type(first) is np.ndarray
-            and first.flags.c_contiguous
-            and first.dtype.kind != "O"
-            and e.kind != "sharded"
-        ):
-            # replicas of the first, all equal to it (compared by their runs, or the same array)
-            comps.append(live if type(live) is tuple else list(live))  # (a tuple: kept as is)
-            crcs.append(later * n)
-            shared.append(firsts.get(n) or firsts.setdefault(n, [0] * n))
-            z = zeros.get(n)
-            pattern.append(z if z is not None else zeros.setdefault(n, (0,) * n))
-            continue
-        # (a C-contiguous ndarray as it is, asked without a call)
-        cs = [c if type(c) is ndarray and c.flags.c_contiguous else _contiguous(c) for c in live]
-        # (a variable's own tuple of components, when each is as written: no list kept a
-        # record)
-        comps.append(live if type(live) is tuple and all(map(is_, cs, live)) else cs)
-        if n and cs[0].dtype.kind == "O":
-            # byte strings: their values lay out the global heap, so they are part of what a
-            # cached plan is found by (each component stored: none shares another's heap
-            # objects)
-            crcs.append([_crc(c) for c in cs])
-            shared.append(None)
-            pattern.append(("bytes", *(tuple(map(bytes, c.reshape(-1).tolist())) for c in cs)))
-            continue
-        if n < 2 or not share_equal or e.kind == "sharded":
-            crcs.append(later * n)
-            shared.append(None)
-            pattern.append(None)
-            continue
-        first = cs[0]
-        shape, dt = first.shape, first.dtype
-        same = True
-        if n == 2 and first.nbytes <= small:  # (two: the common case, compared at once)
-            c = cs[1]
-            same = c is first or (
-                c.shape == shape and c.dtype == dt and c.tobytes() == first.tobytes()
-            )
-        elif first.nbytes <= small:  # (small: one copy of the first, compared with each)
-            raw = first.tobytes()
-            for c in cs[1:]:
-                if c is not first and not (
-                    c.shape == shape and c.dtype == dt and c.tobytes() == raw
-                ):
-                    same = False
-                    break
-        else:
-            for c in cs[1:]:
-                if c is not first and not (
-                    c.shape == shape and c.dtype == dt and same_bytes(first, c)
-                ):
-                    same = False
-                    break
-        if same:
-            crcs.append(later * n)
-            shared.append(firsts.get(n) or firsts.setdefault(n, [0] * n))
-            z = zeros.get(n)
-            pattern.append(z if z is not None else zeros.setdefault(n, (0,) * n))
-            continue
-        cc: list[int | None] = [_crc(c) for c in cs]
-        crcs.append(cc)
-        sh: list[int] | None = _shared(cs, cast(list[int], cc))
-        if sh == list(range(n)):
-            sh = None
-        shared.append(sh)
-        pattern.append(None if sh is None else tuple(sh))
+    # changed, by the plan, the classes and settle; and one pattern per count)
+    firsts = {n: [0] * n for n in set(codes) if n > 0}
+    zeros = {n: (0,) * n for n in firsts}
+    crcs: Checksums = list(map(operator.mul, itertools.repeat(later), map(len, lives)))
+    shared: list[list[int] | None] = list(map(firsts.get, codes))
+    pattern: list[Any] = list(map(zeros.get, codes))
+    # (a variable's own tuple of components, as they are written: no list kept a record)
+    comps: list[Sequence[np.ndarray]] = (
+        lives
+        if all(type(live) is tuple for live in lives)
+        else [live if type(live) is tuple else list(live) for live in lives]
+    )
+    for k in itertools.compress(itertools.count(), map(operator.lt, codes, itertools.repeat(0))):
+        comps[k], crcs[k], shared[k], pattern[k] = _entry(
+            items[k], lives[k], share_equal, firsts, zeros
+        )
     if not deferred:
         settle(crcs, shared, comps)
     return comps, crcs, shared, tuple(pattern)
+
+
+def _sorted_out(
+    items: Sequence[Any], lives: list[Sequence[Any]], share_equal: bool, given: list[int]
+) -> list[int]:
+    """What each entry's components are, in one pass of a few operations an entry: ``n``
+    (the number of its components, at least 2): replicas of its first (the entries ``given``,
+    which the records' plan compares by runs; or C-contiguous arrays of one shape, dtype and
+    bytes, each of at most ``_SMALL`` bytes, of a variable not sharded, with
+    ``share_equal``); 0: each its own (C-contiguous arrays, not byte strings, of an entry of
+    one component, of a sharded variable or without ``share_equal``); -1: looked at alone
+    (:func:`_entry`: anything else, replicas that differ too)."""
+    codes = [-1] * len(lives)
+    for k in given:
+        codes[k] = len(lives[k])
+    ndarray = np.ndarray
+    small = _SMALL
+    for k, live in enumerate(lives):
+        n = len(live)
+        if not n:
+            continue
+        first = live[0]
+        if type(first) is not ndarray or not first.flags.c_contiguous or codes[k] >= 0:
+            continue
+        dt = first.dtype
+        if dt.kind == "O":
+            continue
+        if n == 1:
+            codes[k] = 0
+        elif not share_equal or items[k].kind == "sharded":
+            if all(
+                type(c) is ndarray and c.flags.c_contiguous and c.dtype.kind != "O" for c in live
+            ):
+                codes[k] = 0
+        elif first.nbytes <= small:
+            shape = first.shape
+            if n == 2:  # (the common case: a few operations)
+                c = live[1]
+                if (
+                    type(c) is ndarray
+                    and c.flags.c_contiguous
+                    and c.shape == shape
+                    and c.dtype == dt
+                    and c.tobytes() == first.tobytes()
+                ):
+                    codes[k] = 2
+                continue
+            raw = first.tobytes()
+            for c in live[1:]:
+                if not (
+                    type(c) is ndarray
+                    and c.flags.c_contiguous
+                    and c.shape == shape
+                    and c.dtype == dt
+                    and c.tobytes() == raw
+                ):
+                    break
+            else:
+                codes[k] = n
+    return codes
+
+
+def _entry(
+    e: Any,
+    live: Sequence[Any],
+    share_equal: bool,
+    firsts: dict[int, list[int]],
+    zeros: dict[int, tuple[int, ...]],
+) -> tuple[Sequence[np.ndarray], list[int | None], list[int] | None, Any]:
+    """One entry of :func:`_checksummed` that :func:`_sorted_out` did not sort out: its
+    components (C-contiguous), their checksums, their sharing and its part of the pattern."""
+    n = len(live)
+    # (a C-contiguous ndarray as it is, asked without a call)
+    cs = [c if type(c) is np.ndarray and c.flags.c_contiguous else _contiguous(c) for c in live]
+    # (a variable's own tuple of components, when each is as written: no list kept a record)
+    comps = live if type(live) is tuple and all(map(is_, cs, live)) else cs
+    if n and cs[0].dtype.kind == "O":
+        # byte strings: their values lay out the global heap, so they are part of what a
+        # cached plan is found by (each component stored: none shares another's heap objects)
+        crcs: list[int | None] = [_crc(c) for c in cs]
+        return (
+            comps,
+            crcs,
+            None,
+            ("bytes", *(tuple(map(bytes, c.reshape(-1).tolist())) for c in cs)),
+        )
+    if n < 2 or not share_equal or e.kind == "sharded":
+        return comps, [None] * n, None, None
+    first = cs[0]
+    shape, dt = first.shape, first.dtype
+    same = True
+    if first.nbytes <= _SMALL:  # (small: one copy of the first, compared with each)
+        raw = first.tobytes()
+        for c in cs[1:]:
+            if c is not first and not (c.shape == shape and c.dtype == dt and c.tobytes() == raw):
+                same = False
+                break
+    else:
+        for c in cs[1:]:
+            if c is not first and not (c.shape == shape and c.dtype == dt and same_bytes(first, c)):
+                same = False
+                break
+    if same:
+        return comps, [None] * n, firsts.setdefault(n, [0] * n), zeros.setdefault(n, (0,) * n)
+    crcs = [_crc(c) for c in cs]
+    sh: list[int] | None = _shared(cs, cast(list[int], crcs))
+    if sh == list(range(n)):
+        sh = None
+    return comps, crcs, sh, None if sh is None else tuple(sh)
 
 
 def settle(
