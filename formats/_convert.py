@@ -177,6 +177,8 @@ class _AskedFor(CheckpointView):
         graph = getattr(view, "object_graph", None)
         if graph is not None:
             self.object_graph = graph
+        if wrap is None:  # (a wrapped entry is its wrapper's, not the summary's)
+            self.summaries_match_entries = bool(getattr(view, "summaries_match_entries", False))
         bulk = getattr(view, "bulk_components", None)
         if bulk is not None and wrap is None:  # (a wrapped entry's reads are its wrapper's)
             # Each of a list of paths with its components read in bulk, checksums checked, or

@@ -13,7 +13,7 @@ converted file finds every slot through its optimizer.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from parallelvars.checkpoint.graph import (
@@ -111,10 +111,40 @@ def object_graph_for(entries: Mapping[str, Any]) -> dict[str, Any] | None:
     graph = carried_graph(entries)
     if graph is not None:
         return graph
-    slots = slot_relations(entries)
+    summary = getattr(entries, "summary", None)
+    if summary is not None and getattr(entries, "summaries_match_entries", False):
+        slots = slot_relations(_Summarized(entries, summary))
+    else:
+        slots = slot_relations(entries)
     if not slots:
         return None
     return {"version": GRAPH_VERSION, "nodes": graph_from_paths(entries, slots)}
+
+
+class _Summarized(Mapping[str, Any]):
+    """A view's variables as :func:`slot_relations` reads them: each one's attributes from
+    the view's summary (a view whose summaries and entries cannot differ), no entry made;
+    its entry where it has none."""
+
+    def __init__(self, entries: Mapping[str, Any], summary: Any) -> None:
+        self._entries, self._summary = entries, summary
+
+    def __getitem__(self, path: str) -> Any:
+        known = self._summary(path)
+        return self._entries[path] if known is None else _Attrs(known[5])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class _Attrs:
+    __slots__ = ("attrs",)
+
+    def __init__(self, attrs: Any) -> None:
+        self.attrs = attrs
 
 
 def graph_from_info(info: Mapping[str, Any] | None, file: str) -> dict[str, Any] | None:

@@ -980,6 +980,9 @@ def take_graph(info: dict[str, Any] | None, file: str) -> str | None:
 class StoreView(DictView):  # the Mapping over ._entries comes from DictView
     """A :class:`CheckpointView` over a dict of entries backed by a :class:`TensorStore`."""
 
+    #: Its summaries and entries are made from its table's rows (:meth:`summary`).
+    summaries_match_entries = True
+
     def __init__(
         self,
         store: TensorStore,

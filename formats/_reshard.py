@@ -255,6 +255,8 @@ class ReshardedView(CheckpointView):
         if graph is not None:
             self.object_graph = graph  # (the HDF5 writer may keep it)
         self._summary = getattr(view, "summary", None)
+        # (a source's entries and summaries that cannot differ are rewritten by one rule)
+        self.summaries_match_entries = bool(getattr(view, "summaries_match_entries", False))
         counts: set[int] = set()
         spread = 0
         checked = bool(getattr(view, "summaries_checked", False))  # (as entries' layout_checked)

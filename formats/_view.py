@@ -54,6 +54,12 @@ class CheckpointView(Mapping[str, Entry]):
     path: str = "<memory>"
     metadata: Mapping[str, Any] = {}
     _files: tuple[str, ...] | None = None
+    #: True for a view whose ``summary`` and entries are made from one description of each
+    #: variable (an index's or a table's row), so that they cannot differ: a writer planned by
+    #: its summaries reads its entries' components without comparing each entry with its
+    #: summary first (:func:`summary_mismatch`; reading a stored entry's attributes would
+    #: make a copy of them, kept with the entry).
+    summaries_match_entries: bool = False
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -137,7 +143,8 @@ def checked_summary(known: Any, file: str | None, key: str) -> tuple[Any, ...]:
     """A view's ``summary(key)`` as the writers read it: a tuple of kind, dtype, shape,
     number of components, bytes and attributes (anything else refused naming the view's
     variable: a view's ``summary`` is trusted for its layout only until its entry is made,
-    see :func:`summary_mismatch`)."""
+    see :func:`summary_mismatch`, unless the view makes both from one description:
+    :attr:`CheckpointView.summaries_match_entries`)."""
     if type(known) is not tuple or len(known) != 6:
         raise InvalidEntryError(
             "the view's summary of the variable is not a description",
@@ -164,7 +171,23 @@ def summary_mismatch(
         return "number of components", int(n), int(entry.num_components)
     # (each value as the writer's class keys take it: types apart, floats by their bits,
     # arrays by dtype and bytes; the names in any order)
-    mine, told = dict(entry.attrs or {}), dict(attrs or {})
-    if {k: frozen(v) for k, v in mine.items()} != {k: frozen(v) for k, v in told.items()}:
-        return "attributes", told, mine
+    mine, told = entry.attrs or {}, attrs or {}
+    if len(mine) != len(told) or not all(
+        k in told and _same_value(v, told[k]) for k, v in mine.items()
+    ):
+        return "attributes", dict(told), dict(mine)
     return None
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """``frozen(a) == frozen(b)``, without making either key for the values every variable
+    has (text, integers, booleans, None, lists of them: compared as they are)."""
+    if a is b:
+        return True
+    t = type(a)
+    if t is type(b):
+        if t is str or t is int or t is bool:
+            return bool(a == b)
+        if t is list:
+            return len(a) == len(b) and all(map(_same_value, a, b))
+    return bool(frozen(a) == frozen(b))

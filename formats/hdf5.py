@@ -44,6 +44,8 @@ class HDF5View(CheckpointView):
     #: Unicode text has none): a writer or a reshard need not check them again, as they skip
     #: the reader's entries (``layout_checked``).
     summaries_checked = True
+    #: Its entries are made from the same rows of the index (:meth:`H5Reader.summary`).
+    summaries_match_entries = True
 
     def __init__(self, reader: H5Reader) -> None:
         self.reader = reader
@@ -144,6 +146,8 @@ def write_hdf5(
     summary = getattr(entries, "summary", None)
     # (a view whose descriptions are checked already: its names and layouts not again)
     checked = bool(getattr(entries, "summaries_checked", False))
+    # (a view whose entries are made from its summaries: not compared with them)
+    matched = bool(getattr(entries, "summaries_match_entries", False))
     values: list[Any] = []
     for key in entries:
         known = summary(key) if summary is not None else None
@@ -166,7 +170,7 @@ def write_hdf5(
                     raise InvalidEntryError(
                         what, file=p, variable=key, expected=expected, found=found
                     )
-            values.append(_Planned(entries, key, kind, dtype, shape, n, attrs, p))
+            values.append(_Planned(entries, key, kind, dtype, shape, n, attrs, p, matched))
         problem = attribute_problem(attrs)
         if problem is not None:
             what, expected, found = problem
@@ -187,12 +191,15 @@ class _Planned:
     holds no entry per variable. ``source`` is that entry (for
     :class:`~parallelvars.checkpoint.entry.ReadAhead`: the view reads the run in bulk),
     checked against the summary when made (a view whose summary and entry disagree is
-    refused, naming the file and the variable, before any of its bytes is written)."""
+    refused, naming the file and the variable, before any of its bytes is written), unless
+    ``matched``: the view makes both from one description
+    (:attr:`~._view.CheckpointView.summaries_match_entries`)."""
 
     __slots__ = (
         "_entries",
         "_file",
         "_made",
+        "_matched",
         "attrs",
         "dtype",
         "kind",
@@ -211,9 +218,11 @@ class _Planned:
         num_components: int,
         attrs: Mapping[str, Any],
         file: str,
+        matched: bool = False,
     ) -> None:
         self._entries = entries
         self._file = file
+        self._matched = matched
         self._made: Entry | None = None
         self.path, self.kind, self.dtype, self.shape = path, kind, dtype, shape
         self.num_components, self.attrs = num_components, attrs
@@ -223,8 +232,12 @@ class _Planned:
         made = self._made
         if made is None:
             made = self._entries[self.path]
-            differs = summary_mismatch(
-                made, self.kind, self.dtype, self.shape, self.num_components, self.attrs
+            differs = (
+                None
+                if self._matched
+                else summary_mismatch(
+                    made, self.kind, self.dtype, self.shape, self.num_components, self.attrs
+                )
             )
             if differs is not None:
                 field, summarized, found = differs

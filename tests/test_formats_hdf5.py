@@ -22,7 +22,13 @@ from parallelvars.errors import (
     NotACheckpointError,
     TruncatedFileError,
 )
-from parallelvars.formats import ArrayEntry, DictView, detect_format, open_checkpoint
+from parallelvars.formats import (
+    ArrayEntry,
+    DictView,
+    detect_format,
+    open_checkpoint,
+    write_checkpoint,
+)
 from parallelvars.formats.hdf5 import open_hdf5, write_hdf5
 from parallelvars.formats.safetensors import open_safetensors
 
@@ -283,6 +289,65 @@ def test_a_view_whose_summary_and_entry_differ_is_refused(tmp_path, lie, field) 
         with pytest.raises(InvalidEntryError, match=f"differs from its summary in its {said}"):
             write_hdf5(path, view)
         assert path.read_bytes() == good
+
+
+_NAN = float("nan")
+
+
+@pytest.mark.parametrize(
+    ("mine", "told", "differs"),
+    [
+        (1, True, True),  # (types apart, though equal as numbers)
+        (1, 1.0, True),
+        (0.0, -0.0, True),  # (floats by their bits)
+        (_NAN, float("nan"), False),
+        (["a"], ("a",), True),
+        (["a"], ["a", "b"], True),
+        ([1, "x"], [True, "x"], True),
+        ([["a", 1]], [["a", 1]], False),
+        (np.arange(2), np.arange(2).astype(np.int32), True),
+        (np.arange(2), np.arange(2), False),
+        ({"k": [1]}, {"k": [1]}, False),
+        (None, "None", True),
+    ],
+)
+def test_an_attribute_value_that_differs_from_the_summary_is_refused(
+    tmp_path, mine, told, differs
+) -> None:
+    """A planned variable's attributes are compared with its entry's value by value as the
+    writer keys them: types apart, floats by their bits, arrays by dtype and bytes (equal
+    values held in other objects pass)."""
+    entry = ArrayEntry(
+        "w",
+        [np.arange(4, dtype=np.float64), np.arange(4, dtype=np.float64) + 1],
+        kind="on_read",
+        attrs={"aggregation": "sum", "x": mine},
+    )
+    view = _Lying({"w": entry}, {5: {"aggregation": "sum", "x": told}})
+    if differs:
+        with pytest.raises(InvalidEntryError, match="differs from its summary in its attributes"):
+            write_hdf5(tmp_path / "w.h5", view)
+    else:
+        write_hdf5(tmp_path / "w.h5", view)
+
+
+def test_a_conversion_from_a_table_keeps_no_entry(tmp_path) -> None:
+    """Out of a view whose summaries and entries come from one table (a safetensors file's
+    parallel info), the writer plans from the summaries and reads each entry's components
+    without reading its attributes: no entry gets attributes of its own, which its table
+    would keep until the view is closed."""
+    entries = [
+        ArrayEntry(f"v{i}", [np.full(3, i, np.float32)] * 2, kind="mirrored") for i in range(5)
+    ]
+    src = tmp_path / "s.safetensors"
+    write_checkpoint(src, DictView(entries))
+    with open_checkpoint(src) as view:
+        write_hdf5(tmp_path / "o.h5", view)
+        assert not view._entries._kept  # type: ignore[attr-defined]
+    with open_hdf5(tmp_path / "o.h5") as back:
+        assert [back[f"v{i}"].component(1).tolist() for i in range(5)] == [
+            [i] * 3 for i in range(5)
+        ]
 
 
 def test_a_summary_that_is_not_a_description_is_refused(tmp_path) -> None:

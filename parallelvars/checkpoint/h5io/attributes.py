@@ -72,6 +72,8 @@ def attribute_problem(attrs: Mapping[str, Any]) -> tuple[str, str, str] | None:
             )
         if type(value) in _PLAIN_ATTR_TYPES:
             continue
+        if type(value) is list and all(type(v) is str for v in value):  # (text: stored as is)
+            continue
         try:
             _attr_value(value)
         except (TypeError, ValueError):
