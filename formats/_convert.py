@@ -169,14 +169,19 @@ class _AskedFor(CheckpointView):
 
     makes_entries = True
 
-    def __init__(self, view: CheckpointView, wrap: Callable[[Entry], Entry] | None = None):
+    def __init__(
+        self,
+        view: CheckpointView,
+        wrap: Callable[[Entry], Entry] | None = None,
+        hold_graph: bool = False,
+    ):
         self._view, self._wrap = view, wrap
+        # (held only where it is read after the source is closed: the command line reports a
+        # TensorFlow output's graph then; any other writer lets it go once it is written)
+        self._graph = getattr(view, "object_graph", None) if hold_graph else None
         self._nbytes: dict[str, int] = {}
         self.format, self.path, self.metadata = view.format, view.path, dict(view.metadata or {})
         self.files = view.files
-        graph = getattr(view, "object_graph", None)
-        if graph is not None:
-            self.object_graph = graph
         if wrap is None:  # (a wrapped entry is its wrapper's, not the summary's)
             self.summaries_match_entries = bool(getattr(view, "summaries_match_entries", False))
         bulk = getattr(view, "bulk_components", None)
@@ -185,6 +190,15 @@ class _AskedFor(CheckpointView):
             # None (read that one as ``self[path]``): what a writer's plan reads a run's
             # variables with when it does not hold their entries (_plan.read_batches).
             self.bulk_components = bulk
+
+    @property
+    def object_graph(self) -> Any:
+        """The source view's object graph, asked for when read (held here only with
+        ``hold_graph``: a writer lets it go once it is written, 77 MB of objects at 50,000
+        variables with Adam's slots)."""
+        if self._graph is not None:
+            return self._graph
+        return getattr(self._view, "object_graph", None)
 
     def __getitem__(self, key: str) -> Entry:
         entry = self._view[key]
@@ -238,7 +252,7 @@ def _convert(
         # (The source's object graph is read once, here: the views made from this one keep it.)
         selected: CheckpointView
         if devices is None:
-            selected = _AskedFor(view)
+            selected = _AskedFor(view, hold_graph=target == "tf")
         else:
             selected = DictView.derived(view, dict(reshard(view, devices).items()))
         chosen = exported(
@@ -258,7 +272,9 @@ def _convert(
             total = sum(int(e.nbytes) for e in entries.values())
             counter = _Progress(progress, total)
             if isinstance(entries, _AskedFor):
-                entries = _AskedFor(view, lambda e: CountingEntry(e, counter.add))
+                entries = _AskedFor(
+                    view, lambda e: CountingEntry(e, counter.add), hold_graph=target == "tf"
+                )
             else:
                 entries = {k: CountingEntry(e, counter.add) for k, e in entries.items()}
             progress(0, total)  # the total, before the first tensor is read

@@ -267,7 +267,10 @@ class StoredZipWriter:
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.offset = 0  # where the next member's local header goes
-        self._central: list[bytes] = []
+        # (every member's directory record back to back, as written at the end: one buffer,
+        # not an object per member)
+        self._central = bytearray()
+        self._count = 0
         self._pending: list[Any] = []
         self._pending_bytes = 0
         self._at = 0  # where the pending buffers go
@@ -313,7 +316,8 @@ class StoredZipWriter:
             central_extra = struct.pack(f"<HH{len(fields)}Q", 1, 8 * len(fields), *fields)
             version = _VERSION64
         shown = 0xFFFFFFFF if big else size
-        self._central.append(
+        self._count += 1
+        self._central += (
             _CENTRAL.pack(
                 b"PK\x01\x02", version, _SYSTEM, version, 0, flags, 0, dostime, dosdate, crc,
                 shown, shown, len(raw), len(central_extra), 0, 0, 0, _READ_WRITE,
@@ -347,8 +351,8 @@ class StoredZipWriter:
         """Write the central directory and the end records; the archive's size."""
         self.flush()
         start = self.offset
-        directory = b"".join(self._central)
-        count, size = len(self._central), len(directory)
+        directory = self._central
+        count, size = self._count, len(directory)
         tail = b""
         if count > _COUNT_LIMIT or start > _ZIP64_LIMIT or size > _ZIP64_LIMIT:
             tail += _END64.pack(

@@ -729,6 +729,8 @@ def write_npz(
                 zip64=False,
                 date_time=time.localtime(time.time())[:6],
             )
+            zw.flush()
+            del info  # (the record, its graph and member list: written, not held any longer)
             scratch = Scratch()
             for run in read_batches(planned):
                 with naming_file(p):

@@ -157,7 +157,8 @@ def _write_one(
     """Write one file of ``tensors`` (stored as ``storages``: :func:`_storages`); return its
     header's CRC-32C (8 hex digits). The header carries the tensors' CRC-32Cs, known only once
     they are streamed: it is written with fixed-width placeholders first and rewritten in
-    place."""
+    place. The parallel info's text (``metadata[META_KEY]``) is taken out of ``metadata``
+    once the header is made (it is held no longer than that)."""
     itemsize = {name: _DTYPES[name].itemsize for name in {st for st, _shape in storages}}
     order = sorted(range(len(tensors)), key=lambda k: (-itemsize[storages[k][0]], tensors[k].key))
     ordered = [tensors[k] for k in order]
@@ -175,6 +176,9 @@ def _write_one(
     # digits): the final record, known once the tensors are written, takes its place.
     placeholder = RAW_PREFIX + "0" * (8 * (len(crcs) + 1))
     parts = _header_parts(metadata, described(), placeholder, path)
+    # (The parallel info's text, the largest of the metadata, is in the parts now: the file's
+    # one copy of it is let go, the caller's too, before the tensors are read.)
+    metadata.pop(META_KEY, None)
     size = sum(map(len, parts))
     # (Its one place, in the metadata object, the header's second piece: a string's quotes
     # are escaped, so `"key":"` is the key's own.)
@@ -335,6 +339,7 @@ def write_safetensors(
     index_path = f"{os.path.join(folder, os.path.basename(p))}.index.json"
     if len(shards) == 1 and not force_index:
         meta[META_KEY] = dumps(info)
+        del info  # (its objects, the object graph's among them: the header holds its text)
         _write_one(p, planned, storages, meta)
         # The file is the output at p now: a set of that name is the previous one (a folder's
         # readers take the index first, so it goes first; then its shards).
