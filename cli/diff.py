@@ -12,6 +12,7 @@ from parallelvars._aggregate import has_logical_value, no_value_what
 from parallelvars._dtypes import dtype_name
 from parallelvars._fileio import same_bytes
 from parallelvars._spans import BULK_BYTES
+from parallelvars.checkpoint._gcfreeze import freeze_made_so_far, older_objects_frozen
 from parallelvars.formats import CheckpointView, Entry
 
 from ._common import natural_key, non_negative_float, open_view, shape_str
@@ -498,7 +499,9 @@ def run(args: argparse.Namespace) -> int:
     # Each variable's result is written as it is decided (a JSON row, or a differing
     # variable's human lines) into a spool that prints once the comparison is done; only the
     # counts are kept, so memory is bounded by a batch, not by the number of variables.
-    with Spool() as spool:
+    # (What the command keeps until it ends, each side's index, is frozen out of the
+    # collector's walks as it is made: see _gcfreeze.)
+    with Spool() as spool, older_objects_frozen():
         return _run(args, out, spool)
 
 
@@ -517,94 +520,94 @@ def _run(args: argparse.Namespace, out: Output, spool: Spool) -> int:
         if out.json_mode:
             spool.add(result)
 
-    with (
-        open_view(args.a, None, args.read_options) as va,
-        open_view(args.b, None, args.read_options) as vb,
-    ):
-        keys_a, keys_b = set(va), set(vb)
-        missing = sorted(keys_a - keys_b, key=natural_key)
-        extra = sorted(keys_b - keys_a, key=natural_key)
-        common = sorted(keys_a & keys_b, key=natural_key)
-        del keys_a, keys_b
-        total = (
-            sum(int(va[k].nbytes) + int(vb[k].nbytes) for k in common)
-            if out.show_progress
-            else None
-        )
-        # A's components read in bulk where its view can (a native file: by offset, in file
-        # order, checksums verified), else entry by entry; B's entry by entry.
-        bulk_a = getattr(va, "bulk_components", None)
-        bulk_b = getattr(vb, "bulk_components", None)
-        read_a = bulk_a(common) if bulk_a is not None else ((k, None) for k in common)
-        read_b = bulk_b(common) if bulk_b is not None else ((k, None) for k in common)
-        # Each side's variables as its index lists them, where it can (no entry made for
-        # those whose components were read in bulk), one when asked for.
-        listed, listed_b = _listing(va), _listing(vb)
-        with out.progress(total, "compare") as bar:
+    with open_view(args.a, None, args.read_options) as va:
+        freeze_made_so_far()
+        with open_view(args.b, None, args.read_options) as vb:
+            freeze_made_so_far()
+            keys_a, keys_b = set(va), set(vb)
+            missing = sorted(keys_a - keys_b, key=natural_key)
+            extra = sorted(keys_b - keys_a, key=natural_key)
+            common = sorted(keys_a & keys_b, key=natural_key)
+            del keys_a, keys_b
+            total = (
+                sum(int(va[k].nbytes) + int(vb[k].nbytes) for k in common)
+                if out.show_progress
+                else None
+            )
+            # A's components read in bulk where its view can (a native file: by offset, in file
+            # order, checksums verified), else entry by entry; B's entry by entry.
+            bulk_a = getattr(va, "bulk_components", None)
+            bulk_b = getattr(vb, "bulk_components", None)
+            read_a = bulk_a(common) if bulk_a is not None else ((k, None) for k in common)
+            read_b = bulk_b(common) if bulk_b is not None else ((k, None) for k in common)
+            # Each side's variables as its index lists them, where it can (no entry made for
+            # those whose components were read in bulk), one when asked for.
+            listed, listed_b = _listing(va), _listing(vb)
+            with out.progress(total, "compare") as bar:
 
-            def general(key: str, components_a: Any, components_b: Any) -> dict[str, Any]:
-                summary = None if listed is None or components_a is None else listed(key)
-                return compare_entries(
-                    va[key] if summary is None else _Listed(va, key, summary),
-                    vb[key],
-                    rtol=args.rtol,
-                    atol=args.atol,
-                    logical=args.logical,
-                    progress=bar if total is not None else None,
-                    components_a=components_a,
-                    components_b=components_b,
-                )
+                def general(key: str, components_a: Any, components_b: Any) -> dict[str, Any]:
+                    summary = None if listed is None or components_a is None else listed(key)
+                    return compare_entries(
+                        va[key] if summary is None else _Listed(va, key, summary),
+                        vb[key],
+                        rtol=args.rtol,
+                        atol=args.atol,
+                        logical=args.logical,
+                        progress=bar if total is not None else None,
+                        components_a=components_a,
+                        components_b=components_b,
+                    )
 
-            # Variables read in bulk on both sides and described alike wait here, in order,
-            # and are settled a batch at a time (bounded in count and in bytes).
-            pending: list[tuple[str, list[np.ndarray], list[np.ndarray]]] = []
-            held = 0
-
-            def flush() -> None:
-                nonlocal held
-                for result in _settle(pending, general, equal_row):
-                    decided(result)
-                if total is not None:
-                    bar.advance(held)
-                pending.clear()
+                # Variables read in bulk on both sides and described alike wait here, in order,
+                # and are settled a batch at a time (bounded in count and in bytes).
+                pending: list[tuple[str, list[np.ndarray], list[np.ndarray]]] = []
                 held = 0
 
-            # Each side's descriptions from its columns, the next keys' at a time (None:
-            # from its listing or entry, when its components were read in bulk).
-            sigs_a: list[tuple[Any, ...] | None] = []
-            sigs_b: list[tuple[Any, ...] | None] = []
-            described_from = -1
-            for k, ((key, components_a), (_, components_b)) in enumerate(
-                zip(read_a, read_b, strict=True)
-            ):
-                if components_a is None or components_b is None or args.logical:
+                def flush() -> None:
+                    nonlocal held
+                    for result in _settle(pending, general, equal_row):
+                        decided(result)
+                    if total is not None:
+                        bar.advance(held)
+                    pending.clear()
+                    held = 0
+
+                # Each side's descriptions from its columns, the next keys' at a time (None:
+                # from its listing or entry, when its components were read in bulk).
+                sigs_a: list[tuple[Any, ...] | None] = []
+                sigs_b: list[tuple[Any, ...] | None] = []
+                described_from = -1
+                for k, ((key, components_a), (_, components_b)) in enumerate(
+                    zip(read_a, read_b, strict=True)
+                ):
+                    if components_a is None or components_b is None or args.logical:
+                        flush()
+                        decided(general(key, components_a, components_b))
+                        continue
+                    if k - k % _DESCRIBE != described_from:
+                        described_from = k - k % _DESCRIBE
+                        ahead = common[described_from : described_from + _DESCRIBE]
+                        sigs_a, sigs_b = _descriptions(va, ahead), _descriptions(vb, ahead)
+                    sig_a, sig_b = sigs_a[k - described_from], sigs_b[k - described_from]
+                    if _alike(
+                        _description_of(va, listed, key) if sig_a is None else sig_a,
+                        _description_of(vb, listed_b, key) if sig_b is None else sig_b,
+                        components_a,
+                        components_b,
+                    ):
+                        # (every component of one dtype and shape on both sides: _alike)
+                        size = 2 * len(components_a) * components_a[0].nbytes if components_a else 0
+                        if pending and held + size > _BATCH_BYTES:
+                            flush()
+                        pending.append((key, components_a, components_b))
+                        held += size
+                        if len(pending) >= _BATCH:
+                            flush()
+                        continue
                     flush()
                     decided(general(key, components_a, components_b))
-                    continue
-                if k - k % _DESCRIBE != described_from:
-                    described_from = k - k % _DESCRIBE
-                    ahead = common[described_from : described_from + _DESCRIBE]
-                    sigs_a, sigs_b = _descriptions(va, ahead), _descriptions(vb, ahead)
-                sig_a, sig_b = sigs_a[k - described_from], sigs_b[k - described_from]
-                if _alike(
-                    _description_of(va, listed, key) if sig_a is None else sig_a,
-                    _description_of(vb, listed_b, key) if sig_b is None else sig_b,
-                    components_a,
-                    components_b,
-                ):
-                    # (every component of one dtype and shape on both sides: _alike)
-                    size = 2 * len(components_a) * components_a[0].nbytes if components_a else 0
-                    if pending and held + size > _BATCH_BYTES:
-                        flush()
-                    pending.append((key, components_a, components_b))
-                    held += size
-                    if len(pending) >= _BATCH:
-                        flush()
-                    continue
                 flush()
-                decided(general(key, components_a, components_b))
-            flush()
-        side_a, side_b = _side(args.a, va), _side(args.b, vb)
+            side_a, side_b = _side(args.a, va), _side(args.b, vb)
     equal = not missing and not extra and not differing
     data = {
         "a": side_a,

@@ -977,6 +977,10 @@ def take_graph(info: dict[str, Any] | None, file: str) -> str | None:
     return text
 
 
+#: Paths whose table rows :meth:`StoreView.bulk_components` looks up at a time.
+_ROWS = 4096
+
+
 class StoreView(DictView):  # the Mapping over ._entries comes from DictView
     """A :class:`CheckpointView` over a dict of entries backed by a :class:`TensorStore`."""
 
@@ -1087,17 +1091,21 @@ class StoreView(DictView):  # the Mapping over ._entries comes from DictView
         self, table: EntryTable, paths: Sequence[str]
     ) -> Iterator[tuple[str, list[Any] | None]]:
         """:meth:`bulk_components` over the table's columns: each batch's stored tensors
-        found by position and read at once (the store's ``read_positions``)."""
-        rows = table.bulk_rows(paths)
-        start = 0
-        size = 0
-        for k, (first, dtype, shape, n) in enumerate(rows):
-            if first >= 0:
-                size += math.prod(shape) * dtype.itemsize * n
-            if size >= BULK_BYTES:
-                yield from self._read_rows(table, paths[start : k + 1], rows[start : k + 1])
-                start, size = k + 1, 0
-        yield from self._read_rows(table, paths[start:], rows[start:])
+        found by position and read at once (the store's ``read_positions``); the rows
+        looked up :data:`_ROWS` paths at a time (a batch ends at the end of each), so that
+        what is held for them stays bounded whatever the number of paths."""
+        for at in range(0, len(paths), _ROWS):
+            chunk = paths[at : at + _ROWS]
+            rows = table.bulk_rows(chunk)
+            start = 0
+            size = 0
+            for k, (first, dtype, shape, n) in enumerate(rows):
+                if first >= 0:
+                    size += math.prod(shape) * dtype.itemsize * n
+                if size >= BULK_BYTES:
+                    yield from self._read_rows(table, chunk[start : k + 1], rows[start : k + 1])
+                    start, size = k + 1, 0
+            yield from self._read_rows(table, chunk[start:], rows[start:])
 
     def _read_rows(
         self,

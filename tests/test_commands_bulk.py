@@ -26,7 +26,7 @@ from parallelvars.cli.inspect import collect
 from parallelvars.cli.testing import Output, json_document
 from parallelvars.cli.testing import inspect_row as _row
 from parallelvars.formats import convert, open_checkpoint
-from parallelvars.formats.testing import jsonable
+from parallelvars.formats.testing import info_views, jsonable
 
 
 def _records() -> list[SaveRecord]:
@@ -377,3 +377,29 @@ def test_one_rule_for_a_bulk_readable_row_whatever_the_component_size(tmp_path, 
         }
         monkeypatch.setattr(bulk_module, "BULK_BYTES", 1 << 18)  # the large row: 512 KiB
         assert dict(r.bulk_components(["model/large"]))["model/large"] is None
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_safetensors_bulk_components_the_same_whatever_the_rows_looked_up_at_a_time(
+    tmp_path, monkeypatch, rows
+):
+    """A safetensors view looks its table's rows up a chunk of paths at a time (a batch ends
+    at each chunk's end): every path comes back once, in order, with the same components as
+    when every row is looked up at once, a path the table does not list included."""
+    _, h5 = _files(tmp_path, [r for r in _records() if r.path != "m/txt"])
+    st_path = str(tmp_path / "a.safetensors")
+    convert(h5, st_path)
+    with open_checkpoint(st_path) as view:
+        keys = [*list(view), "no/such", *list(view)[:2]]
+        whole = [
+            (k, None if c is None else [x.tobytes() for x in c])
+            for k, c in view.bulk_components(keys)
+        ]
+        monkeypatch.setattr(info_views, "_ROWS", rows)
+        chunked = [
+            (k, None if c is None else [x.tobytes() for x in c])
+            for k, c in view.bulk_components(keys)
+        ]
+    assert [k for k, _ in whole] == keys
+    assert chunked == whole
+    assert sum(c is not None for _, c in whole) > 3

@@ -10,6 +10,7 @@ from typing import IO, Any
 import numpy as np
 
 from parallelvars._fileio import load_json, open_input_file
+from parallelvars.checkpoint._gcfreeze import freeze_made_so_far
 from parallelvars.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
@@ -227,6 +228,9 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
         if not os.path.lexists(single):
             raise CheckpointNotFoundError("no safetensors file or index found", file=p)
         store = _Store(single, [single], within=found_in)
+        # (the columns, kept for the view's life, out of the collector's walks while the info
+        # is parsed, inside a command that freezes what it keeps: see _gcfreeze)
+        freeze_made_so_far()
         # (the info's text taken out of the store's metadata: held once parsed, not twice)
         meta = store.shard_metadata[0]
         try:
@@ -309,6 +313,7 @@ def open_safetensors(path: str | os.PathLike[str], *, names: str | None = None) 
     try:
         style = check_names(names or (info or {}).get("names") or DEFAULT_NAMES)
         graph = take_graph(info, file)  # (its objects let go before the entries are built)
+        freeze_made_so_far()
         entries = entry_table(store, info, names=style)
         view = StoreView(
             store, entries, format="safetensors", path=file, metadata=meta, info=info, graph=graph
