@@ -859,3 +859,35 @@ def test_an_attribute_name_that_is_not_text_is_refused(tmp_path) -> None:
         pv.Checkpoint(b=box).write(str(path))
     assert str(path) in str(info.value) and "b" in str(info.value)
     assert path.read_bytes() == good
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_first_save_makes_the_index_text_after_its_metadata_image(
+    tmp_path, monkeypatch, kept
+) -> None:
+    """A first save sizes the index document's room by its length (known before its text)
+    and makes the text only once the metadata image is written and the plan let go of what
+    made it (kept in memory or written a chunk at a time): the image and the index's text
+    are never held together. The file is the one made otherwise (it verifies)."""
+    from parallelvars.checkpoint.h5io import columns
+    from parallelvars.checkpoint.h5raw import generate
+    from parallelvars.cli import main
+
+    events: list[str] = []
+    release, runs = generate.FilePlan.release, columns.RecordDocuments.index_runs
+    monkeypatch.setattr(
+        generate.FilePlan, "release", lambda plan: (events.append("release"), release(plan))[1]
+    )
+    monkeypatch.setattr(
+        columns.RecordDocuments, "index_runs", lambda d: (events.append("index"), runs(d))[1]
+    )
+    if not kept:
+        monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", 0)
+    strategy = pv.MirroredStrategy(2)
+    with strategy.scope():
+        module = pv.Module()
+        module.ws = [pv.Variable(np.full(3, i, np.float32), name=f"w{i}") for i in range(9)]
+    path = str(tmp_path / "first.h5")
+    pv.Checkpoint(m=module).write(path)
+    assert events == ["release", "index"]
+    assert main(["verify", path]) == 0

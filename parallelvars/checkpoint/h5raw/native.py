@@ -40,7 +40,6 @@ from parallelvars.checkpoint.h5io.columns import (
     _META_KEYS,
     _copied,
     _value_key,
-    index_bare_length,
     index_pieces,
     record_documents,
 )
@@ -220,17 +219,17 @@ def _record_index_documents(
     """:func:`index_documents` of the index of ``items`` as ``plan`` lays them out, with their
     checksums ``crcs``, made from the records' texts (``columns.record_documents``) rather
     than from the index's objects where it can."""
-    parts = record_documents(items, plan.offsets)
-    if parts is None:
+    docs = record_documents(items, plan.offsets)
+    if docs is None:
         return index_documents(_index_of(items, plan, crcs))
-    runs, pieces, tail = parts
-    head = "".join(pieces)
+    head = "".join(docs.head)
     flat = [c for cc in crcs for c in cc]
-    room = document_capacities(index_bare_length(runs), len(head) + len(tail), len(flat))
+    room = document_capacities(docs.index_bare, len(head) + len(docs.tail), len(flat))
     digits = ", ".join(map(str, flat))
+    index = "".join(index_pieces(docs.index_runs(), flat))
     return {
-        INDEX_DATASET: "".join(index_pieces(runs, flat)).encode().ljust(room[INDEX_DATASET], b" "),
-        COLUMNS_DATASET: (head + digits + tail).encode().ljust(room[COLUMNS_DATASET], b" "),
+        INDEX_DATASET: index.encode().ljust(room[INDEX_DATASET], b" "),
+        COLUMNS_DATASET: (head + digits + docs.tail).encode().ljust(room[COLUMNS_DATASET], b" "),
     }
 
 
@@ -622,14 +621,14 @@ def _prepare(
         laid_out(plan)
     freeze_made_so_far()  # (the plan's objects live until the image is made)
     count = sum(map(len, map(_COMPONENTS, items)))
-    parts = record_documents(items, plan.offsets, classes)
+    # (the index's text is made once the image is written and let go: its length sizes the
+    # image's room for it)
+    docs = record_documents(items, plan.offsets, classes)
     del classes
     # (None only for an attribute name that is not text, which record_classes refused)
-    assert parts is not None
-    template, head, tail = parts
-    capacities = document_capacities(
-        index_bare_length(template), sum(map(len, head)) + len(tail), count
-    )
+    assert docs is not None
+    head, tail = docs.head, docs.tail
+    capacities = document_capacities(docs.index_bare, sum(map(len, head)) + len(tail), count)
     graph = None
     if object_graph is not None:
         graph = json.dumps(object_graph).encode()
@@ -655,7 +654,7 @@ def _prepare(
         image,
         file_size,
         places,
-        template,
+        docs.index_runs(),
         capacities,
         (head, tail),
         graph,
