@@ -236,12 +236,8 @@ def record_documents(
     # the index's length: each record's class's text without its values, the values (the
     # columns' values but the row strings a record's class gives), the separators
     bare = 2 + 2 * max(count - 1, 0) + sum(map(operator.mul, per_class, class_bare))
-    for r in range(len(row_keys)):
-        bare -= sum(
-            times * len(consts[r])
-            for times, consts in zip(per_class, row_const, strict=True)
-            if consts[r] is not None
-        )
+    for times, consts in zip(per_class, row_const, strict=True):
+        bare -= times * sum(len(text) for text in consts if text is not None)
     paths: list[str] = []
     numbers: list[str] = []
     rows: list[list[str]] = [[] for _ in row_keys]
