@@ -859,3 +859,89 @@ def test_an_attribute_name_that_is_not_text_is_refused(tmp_path) -> None:
         pv.Checkpoint(b=box).write(str(path))
     assert str(path) in str(info.value) and "b" in str(info.value)
     assert path.read_bytes() == good
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_first_save_makes_the_index_text_after_its_metadata_image(
+    tmp_path, monkeypatch, kept
+) -> None:
+    """A first save sizes the index document's room by its length (known before its text)
+    and makes the text only once the metadata image is written and the plan let go of what
+    made it (kept in memory or written a chunk at a time): the image and the index's text
+    are never held together. The file is the one made otherwise (it verifies)."""
+    from parallelvars.checkpoint.h5io import columns
+    from parallelvars.checkpoint.h5raw import generate
+    from parallelvars.cli import main
+
+    events: list[str] = []
+    release, runs = generate.FilePlan.release, columns.RecordDocuments.index_runs
+    monkeypatch.setattr(
+        generate.FilePlan, "release", lambda plan: (events.append("release"), release(plan))[1]
+    )
+    monkeypatch.setattr(
+        columns.RecordDocuments, "index_runs", lambda d: (events.append("index"), runs(d))[1]
+    )
+    if not kept:
+        monkeypatch.setattr(generate, "KEPT_IMAGE_BYTES", 0)
+    strategy = pv.MirroredStrategy(2)
+    with strategy.scope():
+        module = pv.Module()
+        module.ws = [pv.Variable(np.full(3, i, np.float32), name=f"w{i}") for i in range(9)]
+    path = str(tmp_path / "first.h5")
+    pv.Checkpoint(m=module).write(path)
+    assert events == ["release", "index"]
+    assert main(["verify", path]) == 0
+
+
+def test_a_conversion_into_hdf5_writes_its_documents_in_pieces_and_fails_cleanly(
+    tmp_path, monkeypatch
+) -> None:
+    """A conversion into HDF5 (entries streamed from another file) writes its metadata first
+    and its documents last a few bytes at a time (``_write_documents``: never made whole),
+    their checksums put into their headers after: the file is the one made in large pieces
+    and verifies. A full disk while the documents go out leaves the last good file and no
+    temporary."""
+    import errno
+
+    from safetensors.numpy import save_file
+
+    from parallelvars.checkpoint.h5io.layout import COLUMNS_DATASET, INDEX_DATASET
+    from parallelvars.cli import main
+    from parallelvars.errors import CheckpointWriteError
+
+    tensors = {f"l{i}/w%{i}": np.full(3, i, np.float32) for i in range(9)}
+    tensors["s"] = np.arange(4, dtype=np.int64)
+    src = str(tmp_path / "o.safetensors")
+    save_file(tensors, src)
+    whole = str(convert(src, str(tmp_path / "whole.h5")))
+    from parallelvars.checkpoint.h5io import columns
+
+    monkeypatch.setattr(native, "DOCUMENT_WRITE_BYTES", 5)
+    monkeypatch.setattr(columns, "_RUN", 1)
+    writes: list[int] = []
+    real = native.pwrite_all
+
+    def counted(fd: int, data: memoryview, offset: int) -> None:
+        writes.append(len(data))
+        real(fd, data, offset)
+
+    monkeypatch.setattr(native, "pwrite_all", counted)
+    pieces = str(convert(src, str(tmp_path / "pieces.h5")))
+    with h5py.File(whole, "r") as a, h5py.File(pieces, "r") as b:
+        for d in (INDEX_DATASET, COLUMNS_DATASET):
+            assert bytes(a[d][()]) == bytes(b[d][()])
+            assert a[d].attrs["crc32c"] == b[d].attrs["crc32c"] != 0
+    assert len(writes) > 50  # (the documents: a record's text or a few bytes a write)
+    assert main(["verify", pieces]) == 0
+    with open(pieces, "rb") as fh:
+        good = fh.read()
+
+    def full_disk(*args: object) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(native, "_write_padded", full_disk)
+    with pytest.raises((CheckpointWriteError, OSError)):
+        convert(src, pieces)
+    with open(pieces, "rb") as fh:
+        assert fh.read() == good
+    assert sorted(os.listdir(tmp_path)) == ["o.safetensors", "pieces.h5", "whole.h5"]

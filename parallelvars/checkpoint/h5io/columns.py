@@ -109,20 +109,85 @@ _ENCODE = json.encoder.encode_basestring_ascii  # (how json.dumps writes a strin
 _META_KEYS = frozenset({"kind", "dtype", "shape", "num_components"})
 
 
+class RecordDocuments:
+    """The documents of records (:func:`record_documents`) in two steps: the columns
+    document's text around its checksums (``head``, in pieces, and ``tail``: see
+    :func:`_columns_parts`) and the index document's length without its checksums' digits
+    (``index_bare``: :func:`index_bare_length` of its runs) at once, the index's text when
+    :meth:`index_runs` is asked. A first save sizes its documents' rooms in the metadata by
+    the lengths and makes the index's text once the metadata is written and let go: the two
+    are never held together."""
+
+    def __init__(
+        self,
+        records: Sequence[Any],
+        ids: Sequence[int],
+        literals: list[list[str]],
+        places: list[tuple[int, int, tuple[int, ...]]],
+        consts: list[list[str | None]],
+        blocks: list[tuple[int, int, str, str]],
+        head: list[str],
+        index_bare: int,
+    ) -> None:
+        self._records = records
+        self._ids = ids
+        self._literals = literals
+        self._places = places
+        self._consts = consts
+        self._blocks = blocks
+        self.head = head
+        self.tail = "]}"
+        self.index_bare = index_bare
+
+    def index_runs(self) -> list[tuple[str, int]]:
+        """The index document as a template in runs (see :func:`index_pieces`), made now a
+        block of at most ``_RUN`` records at a time: the records' paths and row strings
+        encoded again, their dimensions' and offsets' texts those of the columns document
+        (split, not made again)."""
+        runs: list[tuple[str, int]] = []
+        ids = self._ids
+        for a, b, dims, offsets in self._blocks:
+            block = self._records[a:b]
+            block_ids = ids[a:b]
+            paths = list(map(_ENCODE, map(_PATH, block)))
+            attrs = list(map(_ATTRS, block))
+            rows = [
+                _row_strings(attrs, block_ids, key, [c[r] for c in self._consts])
+                for r, key in enumerate(COLUMNS_ROW_ATTRS)
+            ]
+            # (the index is itself a format, of the checksums: a "%" of a value doubled)
+            for column in (paths, *rows):
+                if "%" in "".join(column):
+                    column[:] = [v.replace("%", "%%") for v in column]
+            runs += _index_texts(
+                block_ids,
+                self._literals,
+                self._places,
+                paths,
+                rows,
+                dims.split(", ") if dims else [],
+                offsets.split(", ") if offsets else [],
+            )
+        return runs
+
+
+_PATH = operator.attrgetter("path")
+_ATTRS = operator.attrgetter("attrs")
+_SHAPE = operator.attrgetter("shape")
+
+
 def record_documents(
     records: Sequence[Any],
     offsets: Mapping[str, Sequence[int | None]],
     classes: Any = None,
-) -> tuple[list[tuple[str, int]], list[str], str] | None:
-    """The index document of ``records`` (entries with ``path``, ``kind``, ``dtype``,
-    ``shape``, ``num_components``, ``attrs``) whose components lie at ``offsets`` (by path),
-    as a template in runs (see :func:`index_pieces`: each run of records' text with a ``%d``
-    for each checksum, and its count of checksums), and its columns document's parts (see
-    :func:`_columns_parts`): the text before its checksums in pieces, and the text after.
-    ``"".join(index_pieces(runs, crcs))`` is ``json.dumps(index)`` and ``"".join(head)`` is
-    ``_columns_parts(index)[0]`` for the index a writer records of them, made without building
-    the index (no dictionary or list per record) and without joining the runs or the pieces
-    (a save writes them a piece at a time: the documents are never held whole besides). An
+) -> RecordDocuments | None:
+    """The documents of ``records`` (entries with ``path``, ``kind``, ``dtype``, ``shape``,
+    ``num_components``, ``attrs``) whose components lie at ``offsets`` (by path), as
+    :class:`RecordDocuments`: ``"".join(index_pieces(d.index_runs(), crcs))`` is
+    ``json.dumps(index)`` and ``"".join(d.head) + ... + d.tail`` the columns document
+    (:func:`_columns_parts`) of the index a writer records of them, made without building the
+    index (no dictionary or list per record) and without joining the runs or the pieces (a
+    save writes them a piece at a time: the documents are never held whole besides). An
     attribute name that is not text is refused by ``record_classes`` (``InvalidEntryError``);
     None only for ``classes`` made otherwise, holding such a record (the caller builds the
     index instead).
@@ -131,18 +196,21 @@ def record_documents(
     :func:`~parallelvars.checkpoint.h5io.records.record_classes`, made here when not given):
     a class's text is made once from its first record, as a format with a place for each
     record's path, dimensions, row strings and offsets, and each record's text is that format
-    with its values put in."""
+    with its values put in. The columns' texts are made a block of at most ``_RUN`` records at
+    a time (each block's texts pieces of the document: no list of a text per record is held
+    for all records at once)."""
     from parallelvars.checkpoint.h5io.records import record_classes
 
     if classes is None:
         classes = record_classes(records)
     enc = _ENCODE
     caches: tuple[dict[Any, str], dict[str, str], dict[Any, str]] = ({}, {}, {})
-    formats: list[str] = []
+    literals: list[list[str]] = []
     # per class: its records' number of dimensions, of components and row strings' columns
     row_places: list[tuple[int, int, tuple[int, ...]]] = []
     row_const: list[list[str | None]] = []  # per class: each row column's text, None: per record
     col_layout: list[int] = []  # per class: its number in the columns' layouts
+    class_bare: list[int] = []  # per class: the length of its text without its values
     layouts: dict[tuple[Any, ...], int] = {}
     layout_texts: list[str] = []
     row_keys = COLUMNS_ROW_ATTRS
@@ -151,9 +219,11 @@ def record_documents(
         if made is None:
             return None
         fmt, at, consts, layout, layout_text = made
-        formats.append(fmt)
         first = records[k]
-        row_places.append((len(first.shape), int(first.num_components), at))
+        n = int(first.num_components)
+        literals.append(_literals(fmt))
+        class_bare.append(index_bare_length([("".join(literals[-1]), n)]) - 2)
+        row_places.append((len(first.shape), n, at))
         row_const.append(consts)
         number = layouts.get(layout)
         if number is None:
@@ -161,60 +231,83 @@ def record_documents(
             layout_texts.append(layout_text)
         col_layout.append(number)
     ids = classes.ids
-    # each column made for all records at once
-    raw_paths = list(map(operator.attrgetter("path"), records))
-    paths = list(map(enc, raw_paths))
-    attrs = list(map(operator.attrgetter("attrs"), records))
-    shapes = list(map(operator.attrgetter("shape"), records))
-    places = list(map(offsets.__getitem__, raw_paths))
-    del raw_paths
-    row_columns: list[list[str]] = []
-    for r, key in enumerate(row_keys):
-        const = [consts[r] for consts in row_const]  # (None: the record's string)
-        column: list[str]
-        if None not in const:
-            column = cast(list[str], list(map(const.__getitem__, ids)))
-        elif const.count(None) == len(const):
-            column = [enc(a[key]) for a in attrs]
-        else:
-            column = [
-                enc(a[key]) if const[c] is None else cast(str, const[c])
-                for a, c in zip(attrs, ids, strict=True)
-            ]
-        row_columns.append(column)
-    del attrs
-    paths_text = ", ".join(paths)
-    row_texts = [", ".join(c) for c in row_columns]
-    # every dimension's and every offset's text, in turn (None: null, in both documents)
-    dim_texts = list(map(str, map(int, itertools.chain.from_iterable(shapes))))
-    off_texts = list(map(str, itertools.chain.from_iterable(places)))
-    del shapes, places
-    if "None" in off_texts:
-        off_texts = ["null" if o == "None" else o for o in off_texts]
-    # the index: each record's class's text with its values; a "%" of a value doubled (the
-    # index is itself a format, of the checksums)
-    if "%" in paths_text:
-        paths = [p.replace("%", "%%") for p in paths]
-    for r, text in enumerate(row_texts):
-        if "%" in text:
-            row_columns[r] = [v.replace("%", "%%") for v in row_columns[r]]
-    runs = _index_texts(
-        ids, [_literals(f) for f in formats], row_places, paths, row_columns, dim_texts, off_texts
-    )
-    del paths, row_columns
+    count = len(records)
+    per_class = np.bincount(np.asarray(ids, np.int64), minlength=len(literals)).tolist()
+    # the index's length: each record's class's text without its values, the values (the
+    # columns' values but the row strings a record's class gives), the separators
+    bare = 2 + 2 * max(count - 1, 0) + sum(map(operator.mul, per_class, class_bare))
+    for times, consts in zip(per_class, row_const, strict=True):
+        bare -= times * sum(len(text) for text in consts if text is not None)
+    paths: list[str] = []
+    numbers: list[str] = []
+    rows: list[list[str]] = [[] for _ in row_keys]
+    dims: list[str] = []
+    places: list[str] = []
+    blocks: list[tuple[int, int, str, str]] = []
+    for a in range(0, count, _RUN):
+        b = min(a + _RUN, count)
+        block = records[a:b]
+        block_ids = ids[a:b]
+        raw = list(map(_PATH, block))
+        texts = [", ".join(map(enc, raw))]
+        numbers.append(", ".join(map(str, map(col_layout.__getitem__, block_ids))))
+        attrs = list(map(_ATTRS, block))
+        for r, key in enumerate(row_keys):
+            column = _row_strings(attrs, block_ids, key, [c[r] for c in row_const])
+            texts.append(", ".join(column))
+            rows[r].append(texts[-1])
+        paths.append(texts[0])
+        bare += sum(map(len, texts)) - 2 * (b - a - 1) * len(texts)
+        # every dimension's and every offset's text, in turn (None: null, in both documents)
+        dim_text = ", ".join(map(str, map(int, itertools.chain.from_iterable(map(_SHAPE, block)))))
+        off_text = ", ".join(map(str, itertools.chain.from_iterable(map(offsets.__getitem__, raw))))
+        if "None" in off_text:
+            off_text = off_text.replace("None", "null")
+        for text in (dim_text, off_text):
+            bare += len(text) - 2 * text.count(", ")
+        dims.append(dim_text)
+        places.append(off_text)
+        blocks.append((a, b, dim_text, off_text))
     # (the columns' texts as pieces, each made once: never joined into one text here)
     head = [
         f'{{"version": {COLUMNS_VERSION}, "layouts": [{", ".join(layout_texts)}], "paths": [',
-        paths_text,
-        f'], "layout": [{", ".join(map(str, map(col_layout.__getitem__, ids)))}], "row_attrs": {{',
+        *_listed(paths),
+        '], "layout": [',
+        *_listed(numbers),
+        '], "row_attrs": {',
     ]
-    for r, (key, text) in enumerate(zip(row_keys, row_texts, strict=True)):
-        head += (f"{', ' if r else ''}{enc(key)}: [", text, "]")
-    del row_texts
-    head += ('}, "shapes": [', ", ".join(dim_texts))
-    del dim_texts
-    head += ('], "offsets": [', ", ".join(off_texts), '], "crc32c": [')
-    return runs, head, "]}"
+    for r, key in enumerate(row_keys):
+        head += (f"{', ' if r else ''}{enc(key)}: [", *_listed(rows[r]), "]")
+    head += ('}, "shapes": [', *_listed(dims), '], "offsets": [', *_listed(places))
+    head.append('], "crc32c": [')
+    return RecordDocuments(records, ids, literals, row_places, row_const, blocks, head, bare)
+
+
+def _row_strings(
+    attrs: Sequence[Mapping[str, Any]], ids: Sequence[int], key: str, const: list[str | None]
+) -> list[str]:
+    """A row column's texts for records with ``attrs`` of classes ``ids``: each class's own
+    (``const``, by class), or (None there) each record's string."""
+    if None not in const:
+        return cast(list[str], list(map(const.__getitem__, ids)))
+    if const.count(None) == len(const):
+        return [_ENCODE(a[key]) for a in attrs]
+    return [
+        _ENCODE(a[key]) if const[c] is None else cast(str, const[c])
+        for a, c in zip(attrs, ids, strict=True)
+    ]
+
+
+def _listed(texts: Sequence[str]) -> list[str]:
+    """A JSON list's items' texts, given in blocks (each its items joined), as pieces: a
+    ``", "`` between two blocks (an empty block: none)."""
+    out: list[str] = []
+    for text in texts:
+        if text:
+            if out:
+                out.append(", ")
+            out.append(text)
+    return out
 
 
 def index_pieces(runs: Sequence[tuple[str, int]], crcs: Sequence[int]) -> Iterator[str]:
@@ -373,7 +466,7 @@ def _literals(fmt: str) -> list[str]:
     return pieces
 
 
-_RUN = 4096  # records a join makes at most (its list of pieces bounded)
+_RUN = 4096  # records a block of the documents' texts holds at most (see record_documents)
 
 
 def _index_texts(
@@ -385,46 +478,44 @@ def _index_texts(
     dims: list[str],
     offsets: list[str],
 ) -> list[tuple[str, int]]:
-    """The records' index texts, a run of records of one class at a time, each run's by one
-    join of its columns (no text or tuple made per record): class ``c``'s ``literals[c]``
-    with, between them, each record's path, dimensions (``dims``: every record's in turn),
-    row strings (of the row columns its ``places[c]`` names) and offsets (``offsets``, in
-    turn); ``places[c]``: the class's number of dimensions, of components and its row
-    columns. The texts joined with ``", "`` are the records' texts so joined; each comes
-    with its count of checksums (a ``%d`` for each)."""
+    """The index texts of a block of records, a run of records of one class at a time, each
+    run's by one join of its columns (no text or tuple made per record): class ``c``'s
+    ``literals[c]`` with, between them, each record's path, dimensions (``dims``: every
+    record's in turn), row strings (of the row columns its ``places[c]`` names) and offsets
+    (``offsets``, in turn); ``places[c]``: the class's number of dimensions, of components
+    and its row columns. The texts joined with ``", "`` are the records' texts so joined;
+    each comes with its count of checksums (a ``%d`` for each)."""
     ids_arr = np.asarray(ids, np.int64)
     cuts = np.flatnonzero(ids_arr[1:] != ids_arr[:-1]) + 1
     bounds = [0, *cuts.tolist(), len(ids)]
     texts: list[tuple[str, int]] = []
     d = o = 0  # (the run's first dimension and first offset)
-    for start, stop in itertools.pairwise(bounds):
-        if start == stop:
+    for a, b in itertools.pairwise(bounds):
+        if a == b:
             continue
-        c = ids[start]
+        c = ids[a]
         lit = literals[c]
         ndim, n, at = places[c]
         assert len(lit) == 2 + ndim + len(at) + n
         sep = lit[-1] + ", " + lit[0]
-        for a in range(start, stop, _RUN):
-            b = min(a + _RUN, stop)
-            count = b - a
-            cols: list[Any] = [paths[a:b]]
-            k = 1
-            for j in range(ndim):
-                cols += (itertools.repeat(lit[k]), dims[d + j : d + ndim * count : ndim])
-                k += 1
-            for r in at:
-                cols += (itertools.repeat(lit[k]), row_columns[r][a:b])
-                k += 1
-            for j in range(n):
-                cols += (itertools.repeat(lit[k]), offsets[o + j : o + n * count : n])
-                k += 1
-            cols.append(itertools.repeat(sep))
-            joined = "".join(itertools.chain.from_iterable(zip(*cols, strict=False)))
-            # (the last record's text ends at its class's last text, not at the separator)
-            texts.append((lit[0] + joined[: len(joined) - len(sep) + len(lit[-1])], n * count))
-            d += ndim * count
-            o += n * count
+        count = b - a
+        cols: list[Any] = [paths[a:b]]
+        k = 1
+        for j in range(ndim):
+            cols += (itertools.repeat(lit[k]), dims[d + j : d + ndim * count : ndim])
+            k += 1
+        for r in at:
+            cols += (itertools.repeat(lit[k]), row_columns[r][a:b])
+            k += 1
+        for j in range(n):
+            cols += (itertools.repeat(lit[k]), offsets[o + j : o + n * count : n])
+            k += 1
+        cols.append(itertools.repeat(sep))
+        joined = "".join(itertools.chain.from_iterable(zip(*cols, strict=False)))
+        # (the last record's text ends at its class's last text, not at the separator)
+        texts.append((lit[0] + joined[: len(joined) - len(sep) + len(lit[-1])], n * count))
+        d += ndim * count
+        o += n * count
     return texts
 
 

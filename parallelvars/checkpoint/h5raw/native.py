@@ -40,7 +40,6 @@ from parallelvars.checkpoint.h5io.columns import (
     _META_KEYS,
     _copied,
     _value_key,
-    index_bare_length,
     index_pieces,
     record_documents,
 )
@@ -81,7 +80,6 @@ from parallelvars.checkpoint.h5raw.messages import Unsupported
 from parallelvars.errors import InvalidEntryError, UnsupportedDtypeError
 
 _PATH = operator.attrgetter("path")
-_COMPONENTS = operator.attrgetter("components")
 
 __all__ = ["Prepared", "index_documents", "save_native", "write_native"]
 
@@ -212,26 +210,6 @@ def index_documents(index: Mapping[str, Any], *, columns: bool = True) -> dict[s
         head, tail = parts
         docs[COLUMNS_DATASET] = (head + digits + tail).encode().ljust(room[COLUMNS_DATASET], b" ")
     return docs
-
-
-def _record_index_documents(
-    items: Sequence[Any], plan: FilePlan, crcs: Sequence[Sequence[int]]
-) -> dict[str, bytes]:
-    """:func:`index_documents` of the index of ``items`` as ``plan`` lays them out, with their
-    checksums ``crcs``, made from the records' texts (``columns.record_documents``) rather
-    than from the index's objects where it can."""
-    parts = record_documents(items, plan.offsets)
-    if parts is None:
-        return index_documents(_index_of(items, plan, crcs))
-    runs, pieces, tail = parts
-    head = "".join(pieces)
-    flat = [c for cc in crcs for c in cc]
-    room = document_capacities(index_bare_length(runs), len(head) + len(tail), len(flat))
-    digits = ", ".join(map(str, flat))
-    return {
-        INDEX_DATASET: "".join(index_pieces(runs, flat)).encode().ljust(room[INDEX_DATASET], b" "),
-        COLUMNS_DATASET: (head + digits + tail).encode().ljust(room[COLUMNS_DATASET], b" "),
-    }
 
 
 def _separators(checksums: int) -> int:
@@ -611,9 +589,11 @@ def _prepare(
     """A structure's plan, metadata image and document templates; ``laid_out(plan)`` is
     called as soon as the plan gives the components' offsets (a save starts writing their
     bytes then, while the rest is made). The image is written into ``out`` (the file being
-    written): one of more than ``generate.KEPT_IMAGE_BYTES`` a chunk at a time as it is made,
-    and spilled to a file beside ``file`` only when ``keep`` (the cache will hold it; the
-    image is None when not kept, or the spill failed)."""
+    written): kept in memory when ``keep`` (the cache will hold it) and of at most
+    ``generate.KEPT_IMAGE_BYTES``, else a chunk at a time as it is made, and spilled to a file
+    beside ``file`` only when ``keep`` (the image is None when not kept, or the spill
+    failed). The documents' checksums in their headers are 0 until the save puts them in
+    (``FilePlan.refresh``), after the documents are written (:func:`_write_documents`)."""
     # (records of a class share their layout in the plan and their texts in the documents)
     classes = record_classes(items, shared, file)
     freeze_made_so_far()
@@ -621,21 +601,21 @@ def _prepare(
     if laid_out is not None:
         laid_out(plan)
     freeze_made_so_far()  # (the plan's objects live until the image is made)
-    count = sum(map(len, map(_COMPONENTS, items)))
-    parts = record_documents(items, plan.offsets, classes)
+    count = sum(int(e.num_components) for e in items)
+    # (the index's text is made once the image is written and let go: its length sizes the
+    # image's room for it)
+    docs = record_documents(items, plan.offsets, classes)
     del classes
     # (None only for an attribute name that is not text, which record_classes refused)
-    assert parts is not None
-    template, head, tail = parts
-    capacities = document_capacities(
-        index_bare_length(template), sum(map(len, head)) + len(tail), count
-    )
+    assert docs is not None
+    head, tail = docs.head, docs.tail
+    capacities = document_capacities(docs.index_bare, sum(map(len, head)) + len(tail), count)
     graph = None
     if object_graph is not None:
         graph = json.dumps(object_graph).encode()
         capacities[GRAPH_DATASET] = len(graph)
     image: Any = None
-    if plan.metadata_size <= generate.KEPT_IMAGE_BYTES:  # (read when used: settable)
+    if keep and plan.metadata_size <= generate.KEPT_IMAGE_BYTES:  # (read when used: settable)
         meta = plan.metadata(capacities)
         plan.release()  # (kept for the repeated saves: its offsets and the headers they change)
         (at, image), *rest = meta.pieces
@@ -655,7 +635,7 @@ def _prepare(
         image,
         file_size,
         places,
-        template,
+        docs.index_runs(),
         capacities,
         (head, tail),
         graph,
@@ -868,8 +848,10 @@ def _save_streamed(
     """Entries read from another file, in runs of at most ``BULK_BYTES``: each run's
     components read (the source's files read ahead in bulk: :class:`ReadAhead`) into one
     buffer, checksummed there, and written in gathered writes on the helper thread while the
-    next run is read (:class:`_DataWrite`, two buffers in turn); the metadata last (its
-    documents' checksums are known then)."""
+    next run is read (:class:`_DataWrite`, two buffers in turn). The metadata is made and
+    written first, as a first save's (:func:`_prepare`: the plan let go of what made it before
+    the components are read), and the documents last, a few MiB at a time
+    (:func:`_write_documents`), their checksums then put into their headers."""
     from parallelvars import _spans
     from parallelvars._fileio import Scratch
     from parallelvars.checkpoint.entry import ReadAhead
@@ -878,7 +860,6 @@ def _save_streamed(
     # Byte strings lay out the global heap, so the plan needs their values: read first
     # (their elements are held until the file is written; the numbers stream as below).
     items = [_Held(e, p) if np.dtype(e.dtype).kind == "O" else e for e in items]
-    plan = _plan_for(items, [None] * len(items), object_graph, root, p)
     shapes = [_expected_shapes(e) for e in items]
     dtypes = [np.dtype(e.dtype) for e in items]
     sizes = [
@@ -891,6 +872,9 @@ def _save_streamed(
         buffers = (Scratch(), Scratch())
         pending: _DataWrite | None = None  # the previous run's writes (the other buffer's)
         try:
+            # (the metadata first, as a first save's: the documents' checksums put in last)
+            prep = _prepare(None, items, [None] * len(items), object_graph, root, p, fd, False)
+            plan = prep.plan
             with ReadAhead() as ahead:
                 for r, run in enumerate(
                     _spans.batches(range(len(items)), sizes, _spans.BULK_BYTES)
@@ -924,18 +908,13 @@ def _save_streamed(
                     pending = _DataWrite(fd, plan, run_items, run_comps, run_crcs, p)
             if pending is not None:
                 pending.wait()
-            docs = _record_index_documents(items, plan, crcs)
-            if object_graph is not None:
-                docs[GRAPH_DATASET] = json.dumps(object_graph).encode()
-            meta = plan.chunks(
-                {k: len(v) for k, v in docs.items()},
-                document_checksums={k: _crc32c.crc32c(v) for k, v in docs.items()},
-            )
-            os.ftruncate(fd, meta.file_size)
-            for offset, data in itertools.chain(meta, meta.data):  # (each chunk as it is made)
-                pwrite_all(fd, memoryview(data), offset)
-            for name, data in docs.items():
-                pwrite_all(fd, memoryview(data), meta.documents[name])
+            # (after the components, as a save's: their gathered writes fill small gaps)
+            for offset, held in prep.data:
+                pwrite_all(fd, memoryview(held), offset)
+            written = _write_documents(fd, prep, list(itertools.chain.from_iterable(crcs)))
+            for offset, piece in plan.refresh(_changing(root), written):
+                pwrite_all(fd, memoryview(piece), offset)
+            os.ftruncate(fd, prep.file_size)  # (only ever extends: everything lies below)
         finally:
             if pending is not None:
                 pending.join()  # (after an error too: no write is left running at the close)
