@@ -337,6 +337,35 @@ def _extra(var: _Var) -> dict[str, Any] | None:
     return record or None
 
 
+# The metadata document's JSON: keys sorted, no spaces (``json.dumps(doc, sort_keys=True,
+# separators=(",", ":"))``, the same text whether a document is encoded whole or in parts).
+_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":")).encode
+
+
+def _record_texts(plans: list[_Var], keys: Mapping[str, str]) -> dict[str, str]:
+    """Each variable's metadata record (:func:`_extra`) as its JSON text, by key; equal texts
+    kept once (most variables of a checkpoint have the same few records: a text per
+    variable, not a dict of its attributes)."""
+    texts: dict[str, str] = {}
+    out = {}
+    for var in plans:
+        record = _extra(var)
+        if record is not None:
+            text = _JSON(record)
+            out[keys[var.path]] = texts.setdefault(text, text)
+    return out
+
+
+def _metadata_doc(records: Mapping[str, str], metadata: Mapping[str, Any]) -> bytes:
+    """The metadata document (format, version, the records by key, the file's metadata) as
+    UTF-8 JSON text: the text of encoding it whole, put together from the records' texts."""
+    head = (
+        f'{{"format":{_JSON(METADATA_FORMAT)},"metadata":{_JSON(jsonable(metadata))},"variables":{{'
+    )
+    body = ",".join(f"{_JSON(key)}:{text}" for key, text in sorted(records.items()))
+    return f'{head}{body}}},"version":{_JSON(METADATA_VERSION)}}}'.encode()
+
+
 def _component(var: _Var, i: int, index_path: str, key: str) -> np.ndarray:
     """Component ``i`` of ``var`` (``_AGG``: an on-read variable's aggregate), checked against
     the variable's shape and dtype; an error names the tensor ``key`` it was to be written as."""
@@ -774,18 +803,11 @@ def write_bundle(
                 entries,
                 index_path,
             )
-        records = {keys[var.path]: rec for var in plans if (rec := _extra(var)) is not None}
+        records = _record_texts(plans, keys)
         if naming == "object":
             w.add(GRAPH_KEY.encode(), graph)
         if records:
-            doc = {
-                "format": METADATA_FORMAT,
-                "version": METADATA_VERSION,
-                "variables": records,
-                "metadata": jsonable(metadata),
-            }
-            text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
-            w.add(METADATA_KEY.encode(), np.array(text.encode("utf-8"), dtype=object))
+            w.add(METADATA_KEY.encode(), np.array(_metadata_doc(records, metadata), dtype=object))
     if update_state:
         write_state(os.path.dirname(prefix), prefix)
     return prefix
