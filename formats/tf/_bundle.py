@@ -58,6 +58,7 @@ from ._proto import (
     decode_header,
     encode_entry,
     encode_header,
+    encode_stored,
 )
 from ._sstable import TableBuilder, TableReader
 from ._strings import StringChecksumError, decode_strings, encode_strings
@@ -614,7 +615,11 @@ class BundleWriter:
         # The (type number, shape, size) triples already found sound (exact ints only), with
         # the shape _check_tensor returns for them: most tensors of a file share a few.
         self._sound: dict[tuple[Any, ...], tuple[int, ...]] = {}
-        self.entries: dict[bytes, BundleEntry] = {}
+        # The index to write, by key: each tensor stored whole as its entry's encoded bytes
+        # (a few dozen bytes per tensor, not an object), a partitioned tensor's entry (the
+        # list of its slices, which grows as they are added) as a BundleEntry.
+        self._stored: dict[bytes, bytes] = {}
+        self._sliced: dict[bytes, BundleEntry] = {}
         self._done = False
 
     @property
@@ -625,7 +630,7 @@ class BundleWriter:
     def _check_key(self, key: bytes) -> None:
         if not key:
             raise InvalidEntryError("the empty key is reserved for the bundle header")
-        if key in self.entries:
+        if key in self._stored or key in self._sliced:
             raise InvalidEntryError(f"key {_display(key)!r} added twice")
 
     def _open_file(self) -> BinaryIO:
@@ -742,7 +747,9 @@ class BundleWriter:
             num, tuple(int(d) for d in value.shape), 0, self._offset, size, mask(crc)
         )
         self._offset += size
-        self.entries[key] = entry
+        self._stored[key] = encode_stored(
+            entry.dtype, entry.shape, entry.offset, size, entry.crc32c
+        )
         return entry
 
     def add_run(self, tensors: Sequence[tuple[bytes, int, Sequence[int], int]], data: Any) -> None:
@@ -792,10 +799,10 @@ class BundleWriter:
                 byteswap_inplace(flat[pos : pos + size], cast(np.dtype, numpy_dtype(num)))
                 pos += size
         view = flat.data  # (a memoryview of the bytes, C-contiguous)
-        pos, offset, entries = 0, self._offset, self.entries
+        pos, offset, stored = 0, self._offset, self._stored
         for (key, num, _, size), shape in zip(tensors, shapes, strict=True):
             crc = mask(crc32c(view[pos : pos + size]))
-            entries[key] = BundleEntry(num, shape, 0, offset + pos, size, crc)
+            stored[key] = encode_stored(num, shape, offset + pos, size, crc)
             pos += size
         f.write(view)
         self._offset = offset + pos
@@ -821,14 +828,19 @@ class BundleWriter:
                 f"{_display(key)}: slice {_spec_text(spec)} has shape {value.shape}, expected {want}"
             )
         slice_entry = self.add(encode_slice_key(key, spec), value, dtype=dtype)
-        full = self.entries.get(key)
-        if full is None:
+        full = self._sliced.get(key)
+        if full is None and key not in self._stored:
             full = BundleEntry(slice_entry.dtype, full_shape)
-        elif not full.slices or full.dtype != slice_entry.dtype or full.shape != full_shape:
+        elif (
+            full is None
+            or not full.slices
+            or full.dtype != slice_entry.dtype
+            or full.shape != full_shape
+        ):
             raise InvalidEntryError(
                 f"{_display(key)}: slice does not match the tensor's earlier slices"
             )
-        self.entries[key] = BundleEntry(full.dtype, full.shape, slices=(*full.slices, spec))
+        self._sliced[key] = BundleEntry(full.dtype, full.shape, slices=(*full.slices, spec))
         return slice_entry
 
     def finish(self) -> None:
@@ -841,8 +853,10 @@ class BundleWriter:
         table = TableBuilder()
         header = BundleHeader(self.num_shards, int(self.big_endian), _PRODUCER, _MIN_CONSUMER)
         table.add(b"", encode_header(header))
-        for key in sorted(self.entries):
-            table.add(key, encode_entry(self.entries[key]))
+        stored, sliced = self._stored, self._sliced
+        for key in sorted(stored.keys() | sliced.keys() if sliced else stored):
+            value = stored.get(key)
+            table.add(key, value if value is not None else encode_entry(sliced[key]))
         with open(self._tmp_index, "wb") as f:
             f.write(table.finish())
             f.flush()

@@ -94,7 +94,7 @@ def _int_field(num: int, value: int) -> bytes:
 
 def encode_node(
     children: Iterable[tuple[int, str]],
-    attributes: Iterable[tuple[str, str, str]],
+    attributes: Iterable[tuple[str, str, str | bytes]],
     slot_variables: Iterable[tuple[int, str, int]] = (),
     registered_saver: bytes | None = None,
     has_checkpoint_values: bool | None = True,
@@ -103,7 +103,7 @@ def encode_node(
     its children ``(node_id, local_name)``, attributes ``(name, full_name, checkpoint_key)``
     and slot variables ``(original_variable_node_id, slot_name, slot_variable_node_id)``: the
     fields of :class:`TrackableObject` as plain tuples (a writer of many nodes makes no
-    message objects)."""
+    message objects; a checkpoint key may come as its UTF-8 bytes already)."""
     # (children and attributes, most of a large graph's fields: their tags written inline,
     # the bytes those of _int_field and _str_field)
     parts = []
@@ -117,7 +117,7 @@ def encode_node(
         body = b""
         for tag, text in ((b"\x0a", name), (b"\x12", full_name), (b"\x1a", key)):
             if text:
-                raw = text.encode("utf-8", "surrogateescape")
+                raw = text if type(text) is bytes else text.encode("utf-8", "surrogateescape")  # type: ignore[union-attr]
                 body += tag + _length(len(raw)) + raw
         parts.append(b"\x12" + _length(len(body)) + body)
     parts += [

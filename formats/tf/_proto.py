@@ -40,6 +40,7 @@ __all__ = [
     "encode_header",
     "decode_header",
     "encode_entry",
+    "encode_stored",
     "decode_entry",
     "encode_shape",
     "decode_shape",
@@ -323,7 +324,22 @@ def _entry_head(dtype: int, shape: tuple[int, ...]) -> bytes:
     return head + field_bytes(2, encode_shape(shape))
 
 
+def encode_stored(dtype: int, shape: tuple[int, ...], offset: int, size: int, crc: int) -> bytes:
+    """``encode_entry`` of a tensor stored whole in shard 0: what a writer keeps per tensor
+    until the index is written (bytes, not a :class:`BundleEntry`)."""
+    out = _entry_head(dtype, shape)
+    if offset:
+        out += b"\x20" + encode_varint(offset)  # (field 4, a varint)
+    if size:
+        out += b"\x28" + encode_varint(size)  # (field 5, a varint)
+    if crc:
+        out += b"\x35" + (crc & 0xFFFFFFFF).to_bytes(4, "little")  # (field 6, fixed32)
+    return out
+
+
 def encode_entry(e: BundleEntry) -> bytes:
+    if not e.shard_id and not e.slices:
+        return encode_stored(e.dtype, e.shape, e.offset, e.size, e.crc32c)
     out = _entry_head(e.dtype, e.shape)
     if e.shard_id:
         out += field_varint(3, e.shard_id)

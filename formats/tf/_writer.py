@@ -31,11 +31,12 @@ import re
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from parallelvars import _spans
+from parallelvars._aggregate import rule_for
 from parallelvars._fileio import Scratch
 from parallelvars._geometry import shard_bounds
 from parallelvars.checkpoint.entry import (
@@ -43,7 +44,9 @@ from parallelvars.checkpoint.entry import (
     ForwardingEntry,
     ReadAhead,
     check_entry,
+    check_name_text,
     in_file,
+    layout_problem,
 )
 from parallelvars.checkpoint.registry import COMPONENT_PREFIX
 from parallelvars.errors import (
@@ -55,7 +58,7 @@ from parallelvars.errors import (
 
 from .._json import jsonable
 from .._plan import _json_attrs
-from .._view import Entry, aggregates
+from .._view import Entry, aggregates, checked_summary, summary_mismatch
 from ._bundle import BundleWriter
 from ._dtypes import DT_STRING, tf_dtype
 from ._graph import encode_node, encode_nodes
@@ -79,29 +82,76 @@ __all__ = ["write_bundle"]
 _CKPT_NUMBER = re.compile(r"^ckpt-(\d+)\.index$")
 
 
-@dataclass
+# One tensor to write: (attribute name, full name, checkpoint key as UTF-8 bytes, variable,
+# component index, or -1 for slices, _AGG for an on-read aggregate)
+_Tensor = tuple[str, str, bytes, "_Var", int]
+
+
+@dataclass(slots=True)
 class _Node:
     children: dict[str, _Node] = field(default_factory=dict)
-    # (attribute name, full name, checkpoint key, variable, component index or -1 for slices)
-    attributes: list[tuple[str, str, str, _Var, int]] = field(default_factory=list)
+    attributes: list[_Tensor] = field(default_factory=list)
     slot_variables: list[tuple[_Node, str, _Node]] = field(default_factory=list)
     id: int = -1
 
 
-@dataclass
 class _Var:
-    path: str
-    entry: Entry
-    tf_type: int
-    expressed: set[str] = field(default_factory=set)
-    slices: list[SliceSpec] | None = None
-    # The dtype its components are read into for a gathered write (None: none), once
-    # ``gather_known`` (see _gathered).
-    gather_dtype: np.dtype | None = None
-    gather_known: bool = False
-    # Every component's shape when they all have the entry's (not sharded), once
-    # ``gather_known``; None: asked of the entry per component.
-    gather_shape: tuple[int, ...] | None = None
+    """One variable to write: its layout, attributes and TensorFlow type, from its entry or
+    from its view's summary (``summary`` True). A summarized variable holds no entry: while
+    the run that writes its tensors is read, its components are the view's bulk read of them
+    (``fetched``) or its entry made again (``entry``, checked against the summary), and both
+    are let go after the run; so a conversion holds no entry per variable for its length.
+
+    (Slotted: a write holds one per variable, 150,000 for 50,000 variables with Adam's slots.)
+    """
+
+    __slots__ = (
+        "agg",
+        "attrs",
+        "dtype",
+        "entry",
+        "expressed",
+        "fetched",
+        "gather_dtype",
+        "kind",
+        "nbytes",
+        "num_components",
+        "path",
+        "shape",
+        "slices",
+        "summary",
+        "tf_type",
+    )
+
+    def __init__(
+        self,
+        path: str,
+        entry: Entry | None,
+        tf_type: int,
+        layout: tuple[str, np.dtype, tuple[int, ...], int, int, Any],
+    ) -> None:
+        self.path, self.entry, self.tf_type = path, entry, tf_type
+        kind, dtype, shape, n, nbytes, attrs = layout
+        self.kind, self.dtype, self.shape, self.num_components = kind, dtype, shape, n
+        self.nbytes, self.attrs = nbytes, attrs
+        self.summary = entry is None
+        self.expressed: frozenset[str] | set[str] = _NONE_EXPRESSED
+        self.slices: list[SliceSpec] | None = None
+        self.fetched: list[np.ndarray] | None = None
+        self.agg = entry is not None and aggregates(entry)
+        # The dtype its components are read into for a gathered write: numbers in this
+        # machine's byte order, as the data files store them (None: none).
+        sound = dtype.isnative and dtype.kind in "biufcV" and not dtype.hasobject
+        self.gather_dtype: np.dtype | None = dtype if sound else None
+
+    def express(self, names: frozenset[str]) -> None:
+        """Note attributes the keys or the tensors say (left out of the metadata record)."""
+        self.expressed = self.expressed | names
+
+
+_NONE_EXPRESSED: frozenset[str] = frozenset()
+_SLOT_ATTRS = frozenset({"slot_of", "slot_name"})
+_SHARD_ATTRS = frozenset({"shard_axis", "shard_offsets"})
 
 
 def _names(path: str, index_path: str) -> list[str]:
@@ -121,27 +171,81 @@ def _esc(names: list[str]) -> str:
     return "/".join(names).replace(".", "..")
 
 
-def _plan(path: str, entry: Entry, index_path: str) -> _Var:
-    check_entry(entry, index_path, variable=path)
-    hint = entry.attrs.get("tf_dtype")
-    num = tf_dtype(entry.dtype, hint if isinstance(hint, str) else None)
+def _plan(path: str, entry: Entry | None, known: Any, index_path: str) -> _Var:
+    """The plan of the variable at ``path``: from ``entry``, or (``entry`` None) from its
+    view's summary ``known``, checked as ``check_entry`` checks an entry."""
+    if entry is not None:
+        check_entry(entry, index_path, variable=path)
+        layout = (
+            entry.kind,
+            np.dtype(entry.dtype),
+            tuple(int(d) for d in entry.shape),
+            int(entry.num_components),
+            int(entry.nbytes),
+            entry.attrs or {},
+        )
+    else:
+        kind, dtype, shape, n, nbytes, attrs = known
+        layout = (kind, np.dtype(dtype), tuple(map(int, shape)), int(n), int(nbytes), attrs or {})
+    attrs = layout[5]
+    hint = attrs.get("tf_dtype")
+    num = tf_dtype(layout[1], hint if isinstance(hint, str) else None)
     if num is None:
         raise UnsupportedDtypeError(
             "TensorFlow checkpoints cannot hold this dtype",
             file=index_path,
             variable=path,
-            found=entry.dtype,
+            found=layout[1],
         )
-    var = _Var(path, entry, num)
+    var = _Var(path, entry, num, layout)
     if isinstance(hint, str) and num != DT_STRING and hint.startswith("DT_Q"):
-        var.expressed.add("tf_dtype")
-    name = entry.attrs.get("name")
+        var.express(frozenset({"tf_dtype"}))
+    name = attrs.get("name")
     if isinstance(name, str) and name:
-        var.expressed.add("name")
-    if entry.kind == "sharded":
+        var.express(_NAME_ATTR)
+    if var.kind == "sharded":
+        assert entry is not None  # (a sharded variable is planned from its entry)
         var.slices = _shard_specs(path, entry, index_path)
-        var.expressed |= {"shard_axis", "shard_offsets"}
+        var.express(_SHARD_ATTRS)
     return var
+
+
+_NAME_ATTR = frozenset({"name"})
+
+
+def _summarized(
+    entries: Mapping[str, Entry], path: str, summary: Any, checked: bool, index_path: str
+) -> Any:
+    """The view's summary of ``path`` when the variable can be written from it without its
+    entry held (a variable of numbers in this machine's byte order whose tensors are its
+    components), its name and layout checked as ``check_entry`` checks them; else None (the
+    variable is planned from its entry: a sharded one's slices, an on-read aggregate, a
+    string tensor, a counter written as float32 need it)."""
+    known = summary(path)
+    if known is None:
+        return None
+    kind, dtype, shape, n, _, attrs = checked_summary(known, index_path, path)
+    dtype = np.dtype(dtype)
+    if (
+        kind == "sharded"
+        or not (dtype.isnative and dtype.kind in "biufcV" and not dtype.hasobject)
+        or (int(n) > 1 and rule_for(kind, attrs or {}).value in ("sum", "mean"))
+        or (
+            path.rsplit("/", 1)[-1] in _FLOAT32_COUNTERS
+            and dtype == np.float64
+            and not tuple(shape)
+        )
+    ):
+        return None
+    if not checked:
+        check_name_text(path, file=index_path)
+        problem = layout_problem(kind, tuple(map(int, shape)), int(n), attrs or {})
+        if problem is not None:
+            what, expected, found = problem
+            raise InvalidEntryError(
+                what, file=index_path, variable=path, expected=expected, found=found
+            )
+    return known
 
 
 # Non-slot variables TensorFlow's optimizers keep in float32 (the dtype of the variables they
@@ -212,33 +316,60 @@ def _shard_specs(path: str, entry: Entry, index_path: str) -> list[SliceSpec]:
 
 def _extra(var: _Var) -> dict[str, Any] | None:
     """The metadata record of ``var``: what a reader could not infer from the tensors."""
-    e = var.entry
-    n = e.num_components
+    n = var.num_components
     if var.slices is not None:
-        shape = tuple(int(d) for d in e.shape)
-        axis = int(e.attrs["shard_axis"])
-        inferred = infer_sharding(var.slices, shape)
+        axis = int(var.attrs["shard_axis"])
+        inferred = infer_sharding(var.slices, var.shape)
         empty = any(spec[axis][1] == 0 for spec in var.slices)
         kind_read = "sharded" if inferred == (axis, list(range(n))) and not empty else "single"
     else:
         kind_read = "single" if n == 1 else "mirrored"
     record: dict[str, Any] = {}
-    if e.kind != kind_read:
-        record["kind"] = e.kind
-        if e.kind == "sharded":  # the reader needs the split the slices cannot show
-            var.expressed -= {"shard_axis", "shard_offsets"}
+    if var.kind != kind_read:
+        record["kind"] = var.kind
+        if var.kind == "sharded":  # the reader needs the split the slices cannot show
+            var.expressed = var.expressed - _SHARD_ATTRS
     expressed = var.expressed
     # (as jsonable makes them; the filtered dict itself when it already is plain JSON)
-    attrs = _json_attrs({k: v for k, v in e.attrs.items() if k not in expressed})
+    attrs = _json_attrs({k: v for k, v in var.attrs.items() if k not in expressed})
     if attrs:
         record["attrs"] = attrs
     return record or None
 
 
+# The metadata document's JSON: keys sorted, no spaces (``json.dumps(doc, sort_keys=True,
+# separators=(",", ":"))``, the same text whether a document is encoded whole or in parts).
+_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":")).encode
+
+
+def _record_texts(plans: list[_Var], keys: Mapping[str, str]) -> dict[str, str]:
+    """Each variable's metadata record (:func:`_extra`) as its JSON text, by key; equal texts
+    kept once (most variables of a checkpoint have the same few records: a text per
+    variable, not a dict of its attributes)."""
+    texts: dict[str, str] = {}
+    out = {}
+    for var in plans:
+        record = _extra(var)
+        if record is not None:
+            text = _JSON(record)
+            out[keys[var.path]] = texts.setdefault(text, text)
+    return out
+
+
+def _metadata_doc(records: Mapping[str, str], metadata: Mapping[str, Any]) -> bytes:
+    """The metadata document (format, version, the records by key, the file's metadata) as
+    UTF-8 JSON text: the text of encoding it whole, put together from the records' texts."""
+    head = (
+        f'{{"format":{_JSON(METADATA_FORMAT)},"metadata":{_JSON(jsonable(metadata))},"variables":{{'
+    )
+    body = ",".join(f"{_JSON(key)}:{text}" for key, text in sorted(records.items()))
+    return f'{head}{body}}},"version":{_JSON(METADATA_VERSION)}}}'.encode()
+
+
 def _component(var: _Var, i: int, index_path: str, key: str) -> np.ndarray:
     """Component ``i`` of ``var`` (``_AGG``: an on-read variable's aggregate), checked against
     the variable's shape and dtype; an error names the tensor ``key`` it was to be written as."""
-    e = var.entry
+    e = _made(var)
     if i == _AGG:
         value, want, what = np.asarray(e.value()), tuple(e.shape), "the aggregate"
     else:
@@ -264,6 +395,12 @@ def _component(var: _Var, i: int, index_path: str, key: str) -> np.ndarray:
     return value
 
 
+def _made(var: _Var) -> Entry:
+    """The entry of ``var``: held, or made for the run being written (see :func:`_fetch`)."""
+    assert var.entry is not None, "a summarized variable's entry is made for its run"
+    return var.entry
+
+
 def _in_tensor(key: str) -> str:
     """The tensor a component was to be written as, to begin an error's message with (after
     the file and the variable, as the TF reader names a bundle key)."""
@@ -281,9 +418,8 @@ def _build_tree(plans: list[_Var], index_path: str) -> tuple[_Node, list[_Node]]
         return node
 
     for var in plans:
-        e = var.entry
         names = _names(var.path, index_path)
-        attrs = e.attrs
+        attrs = var.attrs
         owner = slot_owner(var.path, attrs)
         if owner is not None:
             slot_of, slot_name = str(attrs["slot_of"]), str(attrs["slot_name"])
@@ -294,13 +430,13 @@ def _build_tree(plans: list[_Var], index_path: str) -> tuple[_Node, list[_Node]]
             optimizer.slot_variables.append((original, slot_name, target))
             slot_nodes.append(target)
             prefix = f"{_esc(var_names)}/{OPTIMIZER_SLOT}/{_esc(opt_names)}/{escape_local_name(slot_name)}"
-            var.expressed |= {"slot_of", "slot_name"}
+            var.express(_SLOT_ATTRS)
             attribute = VARIABLE_VALUE
         elif (
             len(names) >= 3
             and names[-2] == ATTRIBUTES
-            and e.num_components == 1
-            and e.kind != "sharded"
+            and var.num_components == 1
+            and var.kind != "sharded"
         ):
             target = node_at(names[:-2])
             prefix = _esc(names[:-2])
@@ -311,35 +447,48 @@ def _build_tree(plans: list[_Var], index_path: str) -> tuple[_Node, list[_Node]]
             attribute = VARIABLE_VALUE
         name = attrs.get("name")
         full_name = name if isinstance(name, str) else ""
+        head = f"{prefix}/{ATTRIBUTES}/".encode("utf-8", "surrogateescape")
+        new: list[_Tensor]
         if var.slices is not None:
-            new = [(attribute, full_name, f"{prefix}/{ATTRIBUTES}/{attribute}", var, -1)]
+            new = [(attribute, full_name, head + _utf8(attribute), var, -1)]
         elif attribute != VARIABLE_VALUE:
-            new = [(attribute, full_name, f"{prefix}/{ATTRIBUTES}/{attribute}", var, 0)]
-        elif aggregates(e):
+            new = [(attribute, full_name, head + _utf8(attribute), var, 0)]
+        elif var.agg:
             # VARIABLE_VALUE holds what TensorFlow reads a SyncOnRead variable as: the
             # aggregate; every part (0 included) goes under parallel_component_<i>.
-            new = [
-                (VARIABLE_VALUE, full_name, f"{prefix}/{ATTRIBUTES}/{VARIABLE_VALUE}", var, _AGG)
-            ]
+            new = [(VARIABLE_VALUE, full_name, head + _VALUE_UTF8, var, _AGG)]
             new += [
-                (a, "", f"{prefix}/{ATTRIBUTES}/{a}", var, i)
-                for i, a in ((i, f"{COMPONENT_PREFIX}{i}") for i in range(e.num_components))
+                (a, "", head + _utf8(a), var, i)
+                for i, a in ((i, f"{COMPONENT_PREFIX}{i}") for i in range(var.num_components))
             ]
         else:
             new = [
-                (a, full_name if i == 0 else "", f"{prefix}/{ATTRIBUTES}/{a}", var, i)
-                for i, a in ((i, component_attribute(i)) for i in range(e.num_components))
+                (a, full_name if i == 0 else "", head + _utf8(a), var, i)
+                for i, a in ((i, component_attribute(i)) for i in range(var.num_components))
             ]
-        taken = {a[0] for a in target.attributes}
-        for a in new:
-            if a[0] in taken:
-                raise InvalidEntryError(
-                    f"two variables would be saved under the same key {a[2]!r}",
-                    file=index_path,
-                    variable=var.path,
-                )
+        if target.attributes:
+            taken = {a[0] for a in target.attributes}
+            for a in new:
+                if a[0] in taken:
+                    raise InvalidEntryError(
+                        f"two variables would be saved under the same key {_text(a[2])!r}",
+                        file=index_path,
+                        variable=var.path,
+                    )
         target.attributes.extend(new)
     return root, slot_nodes
+
+
+_VALUE_UTF8 = VARIABLE_VALUE.encode()
+
+
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogateescape")
+
+
+def _text(key: bytes) -> str:
+    """A key as the text it was made from (its undecodable bytes kept as surrogates)."""
+    return key.decode("utf-8", "surrogateescape")
 
 
 def _number(root: _Node, slot_nodes: list[_Node]) -> list[_Node]:
@@ -391,113 +540,143 @@ _NAMING = {"tf": "object", "slash": "name", "tf1": "tf1"}
 _AGG = -2
 
 
-def _write_var(w: BundleWriter, var: _Var, key: str, comp: int, index_path: str) -> None:
-    k = key.encode("utf-8", "surrogateescape")
-    if comp >= 0:
-        w.add(k, _component(var, comp, index_path, key), dtype=var.tf_type)
-        return
-    if comp == _AGG:
-        w.add(k, _component(var, _AGG, index_path, key), dtype=var.tf_type)
+def _write_var(w: BundleWriter, var: _Var, key: bytes, comp: int, index_path: str) -> None:
+    text = _text(key)
+    if comp >= 0 or comp == _AGG:
+        w.add(key, _component(var, comp, index_path, text), dtype=var.tf_type)
         return
     assert var.slices is not None
-    e = var.entry
+    e = _made(var)
     axis = int(e.attrs["shard_axis"])
     # An empty shard has no slice (two of them could not have distinct keys); the metadata key
     # records the split then. With no non-empty shard the value itself is empty.
     parts = [(i, spec) for i, spec in enumerate(var.slices) if spec[axis][1] != 0]
     if not parts:
-        w.add(k, np.empty(e.shape, e.dtype), dtype=var.tf_type)
+        w.add(key, np.empty(e.shape, e.dtype), dtype=var.tf_type)
     for i, spec in parts:
-        w.add_slice(k, e.shape, spec, _component(var, i, index_path, key), dtype=var.tf_type)
+        w.add_slice(key, e.shape, spec, _component(var, i, index_path, text), dtype=var.tf_type)
 
 
-def _gathered(var: _Var, comp: int) -> tuple[np.dtype, tuple[int, ...]] | None:
-    """The dtype and shape a component is read into when it can join a gathered write (a
-    component of numbers in this machine's byte order, as the data file stores it), else None."""
-    if comp < 0 or var.tf_type == DT_STRING:
-        return None
-    if not var.gather_known:  # (worked out once per variable)
-        dtype = np.dtype(var.entry.dtype)
-        sound = dtype.isnative and dtype.kind in "biufcV" and not dtype.hasobject
-        var.gather_dtype = dtype if sound else None
-        if var.entry.kind != "sharded":
-            var.gather_shape = tuple(int(d) for d in var.entry.shape)
-        var.gather_known = True
-    if var.gather_dtype is None:
-        return None
-    shape = var.gather_shape
-    if shape is None:
-        shape = tuple(int(d) for d in var.entry.component_shape(comp))
-    return var.gather_dtype, shape
-
-
-def _read_checked(var: _Var, comp: int, key: str, out: np.ndarray, index_path: str) -> None:
-    """Read component ``comp`` into ``out``; the entry refuses a component of another shape
-    or dtype than it declares (:meth:`Entry.read_component_into`), and the error names what
+def _read_checked(var: _Var, comp: int, key: bytes, out: np.ndarray, index_path: str) -> None:
+    """Read component ``comp`` into ``out`` (the variable's shape and dtype): from its view's
+    bulk read of it, or through its entry, which refuses a component of another shape or
+    dtype than it declares (:meth:`Entry.read_component_into`); the error names what
     :func:`_component` names: the checkpoint being written, the variable, the tensor ``key``
     and expected versus found (:func:`in_file`)."""
+    fetched = var.fetched
+    if fetched is not None:
+        data = fetched[comp]
+        if data.shape != out.shape or data.dtype != out.dtype:
+            raise InvalidEntryError(
+                f"{_in_tensor(_text(key))}component {comp} was read with another shape or "
+                "dtype than its variable",
+                file=index_path,
+                variable=var.path,
+                expected=f"{out.shape} {out.dtype}",
+                found=f"{data.shape} {data.dtype}",
+            )
+        np.copyto(out, data)
+        return
+    entry = _made(var)
     try:
-        var.entry.read_component_into(comp, out)
+        entry.read_component_into(comp, out)
     except COMPONENT_REFUSALS as e:
-        if var.entry.kind != "sharded":
+        if entry.kind != "sharded":
             # (``out`` has the variable's shape: a component of another shape is the one at
             # fault, which TensorFlow's layout cannot hold beside the others; our reader would
             # split such a checkpoint into separate variables)
-            found = tuple(int(d) for d in var.entry.component_shape(comp))
+            found = tuple(int(d) for d in entry.component_shape(comp))
             if found != tuple(out.shape):
                 raise InvalidEntryError(
-                    f"{_in_tensor(key)}component {comp} has another shape than its variable",
+                    f"{_in_tensor(_text(key))}component {comp} has another shape than its variable",
                     file=index_path,
                     variable=var.path,
                     expected=tuple(out.shape),
                     found=found,
                 ) from e
-        named = in_file(e, index_path, prefix=_in_tensor(key), variable=var.path)
+        named = in_file(e, index_path, prefix=_in_tensor(_text(key)), variable=var.path)
         if named is None:
             raise
         raise named from e
 
 
-def _write_vars(w: BundleWriter, todo: list[tuple[str, _Var, int]], index_path: str) -> None:
+def _fetch(
+    tensors: list[_Tensor], entries: Mapping[str, Entry], bulk: Any, index_path: str
+) -> list[_Var]:
+    """Give the summarized variables of one run what their tensors are read from: their
+    components as the view reads them in bulk (``bulk_components``: a native file's index
+    places, read in a few large reads and checked against their checksums) when all of a
+    variable's tensors are in the run, else its entry made again (a variable the bulk read
+    does not take, too: the general read names any damage), checked against the summary it
+    was planned by; those variables, to be let go after the run."""
+    count: dict[int, int] = {}
+    taken: dict[int, _Var] = {}
+    for t in tensors:
+        var = t[3]
+        if var.summary:
+            taken[id(var)] = var
+            count[id(var)] = count.get(id(var), 0) + 1
+    if bulk is not None:
+        whole = {v.path: v for k, v in taken.items() if count[k] == v.num_components}
+        if whole:
+            for path, comps in bulk(list(whole)):
+                var = whole[path]
+                if comps is not None and len(comps) == var.num_components:
+                    var.fetched = list(comps)
+    for var in taken.values():
+        if var.fetched is None:
+            made = entries[var.path]
+            differs = summary_mismatch(
+                made, var.kind, var.dtype, var.shape, var.num_components, var.attrs
+            )
+            if differs is not None:
+                field_name, summarized, found = differs
+                raise InvalidEntryError(
+                    f"the view's entry differs from its summary in its {field_name}",
+                    file=index_path,
+                    variable=var.path,
+                    expected=f"{summarized!r} (the summary's)",
+                    found=f"{found!r} (the entry's)",
+                )
+            var.entry = made
+    return list(taken.values())
+
+
+def _write_vars(
+    w: BundleWriter, todo: list[_Tensor], entries: Mapping[str, Entry], index_path: str
+) -> None:
     """Write the tensors ``todo`` in order, in runs of at most ``BULK_BYTES``: each run's
-    components read ahead in bulk from the files that hold them (:class:`ReadAhead`), read
-    back to back into one buffer and written with one call (:meth:`BundleWriter.add_run`);
-    a string tensor, an aggregate or a sharded variable's slices go one by one, in their
-    place. The data file's bytes and the index are those of writing each tensor alone."""
-    # (each variable's bytes, as the runs are cut, asked of its entry once, not per tensor)
-    nbytes: dict[int, int] = {}
-    sizes = [
-        (
-            nbytes[id(var)]
-            if id(var) in nbytes
-            else nbytes.setdefault(id(var), int(var.entry.nbytes))
-        )
-        if comp != _AGG
-        else 0
-        for _, var, comp in todo
-    ]
+    components read ahead in bulk from the files that hold them (its summarized variables'
+    by :func:`_fetch`, the entries' by :class:`ReadAhead`), read back to back into one
+    buffer and written with one call (:meth:`BundleWriter.add_run`); a string tensor, an
+    aggregate or a sharded variable's slices go one by one, in their place. The data file's
+    bytes and the index are those of writing each tensor alone."""
+    # (each variable's bytes, as the runs are cut: the whole variable's per tensor)
+    sizes = [t[3].nbytes if t[4] != _AGG else 0 for t in todo]
     scratch = Scratch()
     gather = not w.swaps
+    # (a swapping writer writes each tensor alone, from its entry)
+    bulk = getattr(entries, "bulk_components", None) if gather else None
     with ReadAhead() as ahead:
         for run in _spans.batches(range(len(todo)), sizes, _spans.BULK_BYTES):
-            ahead(todo[k][1].entry for k in run)
-            layout: list[tuple[int, np.dtype, tuple[int, ...], int] | None] = []
+            tensors = [todo[k] for k in run]
+            asked = _fetch(tensors, entries, bulk, index_path)
+            ahead(t[3].entry for t in tensors if t[3].entry is not None)
+            layout: list[tuple[int, int] | None] = []
             total = 0
-            for k in run:
-                _, var, comp = todo[k]
-                got = _gathered(var, comp) if gather else None
-                if got is None:
+            for t in tensors:
+                var, comp = t[3], t[4]
+                if not gather or comp < 0 or var.gather_dtype is None or var.tf_type == DT_STRING:
                     layout.append(None)
                     continue
-                dtype, shape = got
-                n = math.prod(shape) * dtype.itemsize
-                layout.append((total, dtype, shape, n))
+                n = math.prod(var.shape) * var.gather_dtype.itemsize
+                layout.append((total, n))
                 total += n
             buf = scratch.array(np.dtype(np.uint8), (total,))
             pending: list[tuple[bytes, int, tuple[int, ...], int]] = []
             start = 0  # where the pending tensors begin in buf
-            for k, place in zip(run, layout, strict=True):
-                key, var, comp = todo[k]
+            for t, place in zip(tensors, layout, strict=True):
+                key, var, comp = t[2], t[3], t[4]
                 if place is None:
                     if pending:
                         end = start + sum(p[3] for p in pending)
@@ -505,13 +684,16 @@ def _write_vars(w: BundleWriter, todo: list[tuple[str, _Var, int]], index_path: 
                         pending, start = [], end
                     _write_var(w, var, key, comp, index_path)
                     continue
-                pos, dtype, shape, n = place
+                pos, n = place
+                dtype = cast(np.dtype, var.gather_dtype)
                 _read_checked(
-                    var, comp, key, buf[pos : pos + n].view(dtype).reshape(shape), index_path
+                    var, comp, key, buf[pos : pos + n].view(dtype).reshape(var.shape), index_path
                 )
-                pending.append((key.encode("utf-8", "surrogateescape"), var.tf_type, shape, n))
+                pending.append((key, var.tf_type, var.shape, n))
             if pending:
                 w.add_run(pending, buf[start:total])
+            for var in asked:  # (held no longer than their run)
+                var.entry = var.fetched = None
 
 
 def _default_prefix(directory: str) -> str:
@@ -577,49 +759,55 @@ def write_bundle(
         metadata = {k: v for k, v in source_meta.items() if not str(k).startswith("tf_")}
     index_path = prefix + ".index"
 
-    plans = [_plan(p, _as_tf_stores(p, e, index_path), index_path) for p, e in entries.items()]
+    # A view that describes its variables without making entries (``summary``: an index's
+    # table) has most planned from that, their entries made only while their run is written
+    # (see _Var); TF1 names are worked out from the entries themselves.
+    summary = getattr(entries, "summary", None) if naming != "tf1" else None
+    checked = bool(getattr(entries, "summaries_checked", False))
+    plans = []
+    for p in entries:
+        known = None
+        if summary is not None:
+            known = _summarized(entries, p, summary, checked, index_path)
+        entry = None if known is not None else _as_tf_stores(p, entries[p], index_path)
+        plans.append(_plan(p, entry, known, index_path))
     keys = {var.path: var.path for var in plans}
     if naming == "tf1":
-        keys = tf1_keys({var.path: var.entry for var in plans}, index_path)
+        keys = tf1_keys({var.path: _made(var) for var in plans}, index_path)
         for var in plans:  # what the key says, the metadata record need not
-            if keys[var.path] != var.path and slot_owner(var.path, var.entry.attrs) is not None:
-                var.expressed |= {"slot_of", "slot_name"}
+            if keys[var.path] != var.path and slot_owner(var.path, var.attrs) is not None:
+                var.express(_SLOT_ATTRS)
     with BundleWriter(prefix) as w:
         if naming == "object":
             root, slot_nodes = _build_tree(plans, index_path)
             order = _number(root, slot_nodes)
-            todo = [(key, var, comp) for node in order for _, _, key, var, comp in node.attributes]
-            _write_vars(w, todo, index_path)
+            _write_vars(w, [t for node in order for t in node.attributes], entries, index_path)
             graph = np.array(_graph_bytes(order), dtype=object)
         else:
             for var in plans:
-                e = var.entry
-                if var.slices is None and e.num_components != 1:
+                if var.slices is None and var.num_components != 1:
                     raise InvalidEntryError(
                         "a name-based checkpoint holds one tensor per variable "
                         "(components='logical' writes one)",
                         file=index_path,
                         variable=var.path,
                         expected="1 component",
-                        found=f"{e.num_components} ({e.kind})",
+                        found=f"{var.num_components} ({var.kind})",
                     )
             _write_vars(
                 w,
-                [(keys[v.path], v, -1 if v.slices is not None else 0) for v in plans],
+                [
+                    ("", "", _utf8(keys[v.path]), v, -1 if v.slices is not None else 0)
+                    for v in plans
+                ],
+                entries,
                 index_path,
             )
-        records = {keys[var.path]: rec for var in plans if (rec := _extra(var)) is not None}
+        records = _record_texts(plans, keys)
         if naming == "object":
             w.add(GRAPH_KEY.encode(), graph)
         if records:
-            doc = {
-                "format": METADATA_FORMAT,
-                "version": METADATA_VERSION,
-                "variables": records,
-                "metadata": jsonable(metadata),
-            }
-            text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
-            w.add(METADATA_KEY.encode(), np.array(text.encode("utf-8"), dtype=object))
+            w.add(METADATA_KEY.encode(), np.array(_metadata_doc(records, metadata), dtype=object))
     if update_state:
         write_state(os.path.dirname(prefix), prefix)
     return prefix
