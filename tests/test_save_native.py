@@ -867,8 +867,8 @@ def test_a_first_save_makes_the_index_text_after_its_metadata_image(
 ) -> None:
     """A first save sizes the index document's room by its length (known before its text)
     and makes the text only once the metadata image is written and the plan let go of what
-    made it (kept in memory or written a chunk at a time): the image and the index's text
-    are never held together. The file is the one made otherwise (it verifies)."""
+    made it (kept in memory or written a chunk at a time): the plan's objects and the
+    index's text are never held together. The file is the one made otherwise (it verifies)."""
     from parallelvars.checkpoint.h5io import columns
     from parallelvars.checkpoint.h5raw import generate
     from parallelvars.cli import main

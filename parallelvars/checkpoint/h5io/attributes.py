@@ -72,7 +72,9 @@ def attribute_problem(attrs: Mapping[str, Any]) -> tuple[str, str, str] | None:
             )
         if type(value) in _PLAIN_ATTR_TYPES:
             continue
-        if type(value) is list and all(type(v) is str for v in value):  # (text: stored as is)
+        if type(value) is list and all(
+            type(v) is str for v in value
+        ):  # (a list of text: always storable)
             continue
         try:
             _attr_value(value)

@@ -115,8 +115,9 @@ class RecordDocuments:
     :func:`_columns_parts`) and the index document's length without its checksums' digits
     (``index_bare``: :func:`index_bare_length` of its runs) at once, the index's text when
     :meth:`index_runs` is asked. A first save sizes its documents' rooms in the metadata by
-    the lengths and makes the index's text once the metadata is written and let go: the two
-    are never held together."""
+    the lengths and makes the index's text only once the metadata is written and the plan has
+    let go of what made it (an image kept for repeated saves is still held then: it is the
+    plan's objects and their transients that are out of the index text's way)."""
 
     def __init__(
         self,

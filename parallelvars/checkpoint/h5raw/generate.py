@@ -1072,11 +1072,12 @@ class FilePlan:
         )
         lay_first = np.cumsum(per) - per
         row_pos = np.array(
-            [len(lay.strings[0]) if row else -1 for lay, row in zip(layouts, has_row, strict=True)]
-            + [-1],
+            [len(lay.strings[0]) if row else -1 for lay, row in zip(layouts, has_row, strict=True)],
             np.int64,
         )
         row_str, lid = self._row_str, self._row_lid
+        # (every leaf has a layout: its number indexes the lists above)
+        assert not leaf_rows.size or int(lid[leaf_rows].min()) >= 0
         step = max(1, objects.JOIN_BATCH // 3)  # (three pieces a leaf joined)
         for lo in range(0, leaf_rows.size, step):
             rows = leaf_rows[lo : lo + step]

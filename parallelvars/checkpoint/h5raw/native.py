@@ -518,8 +518,9 @@ def _strings_of(e: Any, file: str) -> list[list[bytes]]:
 def _index_of(
     items: Sequence[Any], plan: FilePlan, crcs: Sequence[Sequence[int]] | None
 ) -> dict[str, Any]:
-    """The index of ``items`` as the plan lays them out; with ``crcs`` None, each record's
-    checksums are its ``crc_mark`` (for ``marked_template``)."""
+    """The index of ``items`` as the plan lays them out, as one dict (``crcs`` None: each
+    record's checksums are its ``crc_mark``): no writer makes it; the tests' oracle for the
+    documents :func:`record_documents` makes in columns (``parallelvars.testing.index_of``)."""
     index: dict[str, Any] = {}
     names: dict[np.dtype, str] = {}
     decoded: dict[Any, Any] = {}
