@@ -249,10 +249,14 @@ def _convert(
     view = open_checkpoint(src, format=from_format, **read_options)
     freeze_made_so_far()  # (the view's index and documents live until the end)
     try:
-        # (The source's object graph is read once, here: the views made from this one keep it.)
+        # (The source's object graph is held where it is read more than once: a selection or
+        # a logical export reads it to choose and again to derive its view, and the command
+        # line reports a TensorFlow output's graph after the source is closed; a whole
+        # conversion's writer reads it once and lets it go.)
+        hold = target == "tf" or bool(only or exclude or model_only or root) or components != "all"
         selected: CheckpointView
         if devices is None:
-            selected = _AskedFor(view, hold_graph=target == "tf")
+            selected = _AskedFor(view, hold_graph=hold)
         else:
             selected = DictView.derived(view, dict(reshard(view, devices).items()))
         chosen = exported(
@@ -272,9 +276,7 @@ def _convert(
             total = sum(int(e.nbytes) for e in entries.values())
             counter = _Progress(progress, total)
             if isinstance(entries, _AskedFor):
-                entries = _AskedFor(
-                    view, lambda e: CountingEntry(e, counter.add), hold_graph=target == "tf"
-                )
+                entries = _AskedFor(view, lambda e: CountingEntry(e, counter.add), hold_graph=hold)
             else:
                 entries = {k: CountingEntry(e, counter.add) for k, e in entries.items()}
             progress(0, total)  # the total, before the first tensor is read

@@ -53,12 +53,10 @@ from parallelvars.checkpoint.entry import (
     Entry,
     ForwardingEntry,
     check_entry,
-    check_name_text,
-    layout_problem,
 )
-from parallelvars.errors import InvalidArgumentError, InvalidEntryError
+from parallelvars.errors import InvalidArgumentError
 
-from ._view import CheckpointView, checked_summary
+from ._view import CheckpointView, check_summary_layout, checked_summary
 
 __all__ = ["ReshardedView", "reshard", "split_offsets"]
 
@@ -274,15 +272,9 @@ class ReshardedView(CheckpointView):
                 spread += self._rewritten_count(head) > 1
             else:  # (the checks of _rewrite, on the description)
                 head = _Header(key, known)
-                check_name_text(key, self._file)
-                problem = layout_problem(
-                    head.kind, head.shape, int(head.num_components), head.attrs or {}
+                check_summary_layout(
+                    key, head.kind, head.shape, int(head.num_components), head.attrs, self._file
                 )
-                if problem is not None:
-                    what, expected, found = problem
-                    raise InvalidEntryError(
-                        what, file=self._file, variable=key, expected=expected, found=found
-                    )
                 n = int(head.num_components)
                 spread += self._rewritten_count(head) > 1
             counts.add(n)

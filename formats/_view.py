@@ -21,7 +21,13 @@ from typing import Any
 import numpy as np
 
 from parallelvars._aggregate import logical_value, rule_for
-from parallelvars.checkpoint.entry import KINDS, ArrayEntry, Entry
+from parallelvars.checkpoint.entry import (
+    KINDS,
+    ArrayEntry,
+    Entry,
+    check_name_text,
+    layout_problem,
+)
 from parallelvars.checkpoint.h5raw.objects import frozen
 from parallelvars.errors import InvalidEntryError
 
@@ -34,6 +40,9 @@ __all__ = [
     "aggregates",
     "checked_summary",
     "logical_value",
+    "check_summary_layout",
+    "described_aggregate",
+    "refuse_summary_mismatch",
     "summary_mismatch",
 ]
 
@@ -136,7 +145,50 @@ def aggregates(entry: Entry) -> bool:
     variable of several components, by the core's rule table). Flat formats store that
     aggregate under the plain key (what a plain consumer and TensorFlow read) and every part
     under ``parallel_component_<i>``."""
-    return entry.num_components > 1 and rule_for(entry.kind, entry.attrs).value in ("sum", "mean")
+    return described_aggregate(entry.kind, entry.num_components, entry.attrs)
+
+
+def described_aggregate(kind: str, n: int, attrs: Mapping[str, Any] | None) -> bool:
+    """:func:`aggregates` of a variable described by its kind, number of components and
+    attributes (a view's summary): no entry made."""
+    return int(n) > 1 and rule_for(kind, attrs or {}).value in ("sum", "mean")
+
+
+def check_summary_layout(
+    key: str, kind: str, shape: Any, n: int, attrs: Any, file: str | None
+) -> None:
+    """``check_entry``'s checks of a variable's name and layout, on the fields of its
+    summary: what a writer that plans from summaries checks before any entry is made.
+
+    Raises:
+        InvalidEntryError: the name is not text or the layout is not one of the kind's,
+            naming ``file`` and the variable."""
+    check_name_text(key, file)
+    problem = layout_problem(kind, tuple(map(int, shape)), int(n), attrs or {})
+    if problem is not None:
+        what, expected, found = problem
+        raise InvalidEntryError(what, file=file, variable=key, expected=expected, found=found)
+
+
+def refuse_summary_mismatch(
+    entry: Entry, kind: str, dtype: Any, shape: Any, n: int, attrs: Any, file: str | None, key: str
+) -> None:
+    """Refuse ``entry`` where it differs from the summary a writer planned it by
+    (:func:`summary_mismatch`).
+
+    Raises:
+        InvalidEntryError: naming ``file``, the variable and the first field that differs,
+            the summary's value against the entry's."""
+    differs = summary_mismatch(entry, kind, dtype, shape, n, attrs)
+    if differs is not None:
+        field, summarized, found = differs
+        raise InvalidEntryError(
+            f"the view's entry differs from its summary in its {field}",
+            file=file,
+            variable=key,
+            expected=f"{summarized!r} (the summary's)",
+            found=f"{found!r} (the entry's)",
+        )
 
 
 def checked_summary(known: Any, file: str | None, key: str) -> tuple[Any, ...]:

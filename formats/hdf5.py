@@ -17,7 +17,7 @@ from typing import Any
 
 import h5py
 
-from parallelvars.checkpoint.entry import check_entry, check_name_text, layout_problem
+from parallelvars.checkpoint.entry import check_entry
 from parallelvars.checkpoint.h5io import H5Reader
 from parallelvars.checkpoint.h5io.attributes import attribute_problem
 from parallelvars.checkpoint.h5raw.native import save_native
@@ -27,7 +27,13 @@ from ._graph import check_writable_graph, object_graph_for
 from ._h5 import H5_ERRORS, is_hdf5
 from ._json import carried_metadata
 from ._registry import FormatSpec
-from ._view import CheckpointView, Entry, checked_summary, summary_mismatch
+from ._view import (
+    CheckpointView,
+    Entry,
+    check_summary_layout,
+    checked_summary,
+    refuse_summary_mismatch,
+)
 
 __all__ = ["FORMAT", "HDF5View", "open_hdf5", "write_hdf5"]
 
@@ -162,14 +168,8 @@ def write_hdf5(
             values.append(entry)
         else:
             kind, dtype, shape, n, _, attrs = checked_summary(known, p, key)
-            if not checked:  # (check_entry's checks, on the summary's fields)
-                check_name_text(key, p)
-                problem = layout_problem(kind, shape, n, attrs)
-                if problem is not None:
-                    what, expected, found = problem
-                    raise InvalidEntryError(
-                        what, file=p, variable=key, expected=expected, found=found
-                    )
+            if not checked:
+                check_summary_layout(key, kind, shape, n, attrs, p)
             values.append(_Planned(entries, key, kind, dtype, shape, n, attrs, p, matched))
         problem = attribute_problem(attrs)
         if problem is not None:
@@ -232,21 +232,16 @@ class _Planned:
         made = self._made
         if made is None:
             made = self._entries[self.path]
-            differs = (
-                None
-                if self._matched
-                else summary_mismatch(
-                    made, self.kind, self.dtype, self.shape, self.num_components, self.attrs
-                )
-            )
-            if differs is not None:
-                field, summarized, found = differs
-                raise InvalidEntryError(
-                    f"the view's entry differs from its summary in its {field}",
-                    file=self._file,
-                    variable=self.path,
-                    expected=f"{summarized!r} (the summary's)",
-                    found=f"{found!r} (the entry's)",
+            if not self._matched:
+                refuse_summary_mismatch(
+                    made,
+                    self.kind,
+                    self.dtype,
+                    self.shape,
+                    self.num_components,
+                    self.attrs,
+                    self._file,
+                    self.path,
                 )
             self._made = made
         return made

@@ -39,17 +39,20 @@ def _entries() -> list[ArrayEntry]:
 
 class _Summarized(DictView):
     """A view that describes its variables (``summary``) and counts the entries made; with
-    ``bulk``, it reads components in bulk too; ``lie`` gives one variable's summary another
-    shape."""
+    ``bulk``, it reads components in bulk too (and, with ``matched``, says its summaries and
+    entries come from one row); ``lie`` gives one variable's summary another shape."""
 
     makes_entries = True
 
-    def __init__(self, entries: list[ArrayEntry], bulk: bool = False, lie: str = "") -> None:
+    def __init__(
+        self, entries: list[ArrayEntry], bulk: bool = False, lie: str = "", matched: bool = True
+    ) -> None:
         super().__init__(entries)
         self.made: list[str] = []
         self._lie = lie
         if bulk:
             self.bulk_components = self._bulk
+            self.summaries_match_entries = matched
 
     def __getitem__(self, key: str) -> Entry:
         self.made.append(key)
@@ -89,8 +92,11 @@ def test_summarized_view_writes_the_same_bytes(tmp_path: Any, bulk: bool, names:
         assert sorted(view.made) == sorted(view)
 
 
-def test_entry_that_differs_from_its_summary_is_refused(tmp_path: Any) -> None:
-    view = _Summarized(_entries(), lie="model/v3")
+@pytest.mark.parametrize("bulk", [False, True])
+def test_entry_that_differs_from_its_summary_is_refused(tmp_path: Any, bulk: bool) -> None:
+    # (a view that reads in bulk but does not say its summaries match its entries has its
+    # entries made and compared all the same)
+    view = _Summarized(_entries(), bulk=bulk, lie="model/v3", matched=False)
     with pytest.raises(InvalidEntryError, match="differs from its summary in its shape") as e:
         write_bundle(str(tmp_path / "ckpt"), view)
     assert "model/v3" in str(e.value)

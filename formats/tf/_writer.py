@@ -36,7 +36,6 @@ from typing import Any, cast
 import numpy as np
 
 from parallelvars import _spans
-from parallelvars._aggregate import rule_for
 from parallelvars._fileio import Scratch
 from parallelvars._geometry import shard_bounds
 from parallelvars.checkpoint.entry import (
@@ -44,9 +43,7 @@ from parallelvars.checkpoint.entry import (
     ForwardingEntry,
     ReadAhead,
     check_entry,
-    check_name_text,
     in_file,
-    layout_problem,
 )
 from parallelvars.checkpoint.registry import COMPONENT_PREFIX
 from parallelvars.errors import (
@@ -58,7 +55,14 @@ from parallelvars.errors import (
 
 from .._json import jsonable
 from .._plan import _json_attrs
-from .._view import Entry, aggregates, checked_summary, summary_mismatch
+from .._view import (
+    Entry,
+    aggregates,
+    check_summary_layout,
+    checked_summary,
+    described_aggregate,
+    refuse_summary_mismatch,
+)
 from ._bundle import BundleWriter
 from ._dtypes import DT_STRING, tf_dtype
 from ._graph import encode_node, encode_nodes
@@ -141,8 +145,7 @@ class _Var:
         self.agg = entry is not None and aggregates(entry)
         # The dtype its components are read into for a gathered write: numbers in this
         # machine's byte order, as the data files store them (None: none).
-        sound = dtype.isnative and dtype.kind in "biufcV" and not dtype.hasobject
-        self.gather_dtype: np.dtype | None = dtype if sound else None
+        self.gather_dtype: np.dtype | None = _gathered(dtype)
 
     def express(self, names: frozenset[str]) -> None:
         """Note attributes the keys or the tensors say (left out of the metadata record)."""
@@ -228,29 +231,34 @@ def _summarized(
     dtype = np.dtype(dtype)
     if (
         kind == "sharded"
-        or not (dtype.isnative and dtype.kind in "biufcV" and not dtype.hasobject)
-        or (int(n) > 1 and rule_for(kind, attrs or {}).value in ("sum", "mean"))
-        or (
-            path.rsplit("/", 1)[-1] in _FLOAT32_COUNTERS
-            and dtype == np.float64
-            and not tuple(shape)
-        )
+        or _gathered(dtype) is None
+        or described_aggregate(kind, n, attrs)
+        or _float32_counter(path, dtype, shape)
     ):
         return None
     if not checked:
-        check_name_text(path, file=index_path)
-        problem = layout_problem(kind, tuple(map(int, shape)), int(n), attrs or {})
-        if problem is not None:
-            what, expected, found = problem
-            raise InvalidEntryError(
-                what, file=index_path, variable=path, expected=expected, found=found
-            )
+        check_summary_layout(path, kind, shape, n, attrs, index_path)
     return known
 
 
 # Non-slot variables TensorFlow's optimizers keep in float32 (the dtype of the variables they
 # train; TF 1.x ``AdamOptimizer`` refuses any other on restore): ours are float64.
 _FLOAT32_COUNTERS = frozenset({"beta1_power", "beta2_power"})
+
+
+def _float32_counter(path: str, dtype: Any, shape: Any) -> bool:
+    """Whether the variable at ``path`` is one of those counters, a float64 scalar."""
+    return (
+        path.rsplit("/", 1)[-1] in _FLOAT32_COUNTERS
+        and np.dtype(dtype) == np.float64
+        and not tuple(shape)
+    )
+
+
+def _gathered(dtype: np.dtype) -> np.dtype | None:
+    """The dtype a variable's components are read into for a gathered write: numbers in this
+    machine's byte order, as the data files store them (None: none)."""
+    return dtype if dtype.isnative and dtype.kind in "biufcV" and not dtype.hasobject else None
 
 
 class _Float32Entry(ForwardingEntry):
@@ -294,8 +302,7 @@ def _as_tf_stores(path: str, entry: Entry, file: str | None = None) -> Entry:
     """``entry`` in the dtype TensorFlow's optimizers read back: Adam's beta powers (a float64
     scalar named ``beta1_power``/``beta2_power``) as float32; every other entry as it is. A
     restore into our float64 counters takes the float32 value exactly."""
-    name = path.rsplit("/", 1)[-1]
-    if name in _FLOAT32_COUNTERS and np.dtype(entry.dtype) == np.float64 and not entry.shape:
+    if _float32_counter(path, entry.dtype, entry.shape):
         return _Float32Entry(entry, file=file)
     return entry
 
@@ -626,18 +633,16 @@ def _fetch(
     for var in taken.values():
         if var.fetched is None:
             made = entries[var.path]
-            differs = summary_mismatch(
-                made, var.kind, var.dtype, var.shape, var.num_components, var.attrs
+            refuse_summary_mismatch(
+                made,
+                var.kind,
+                var.dtype,
+                var.shape,
+                var.num_components,
+                var.attrs,
+                index_path,
+                var.path,
             )
-            if differs is not None:
-                field_name, summarized, found = differs
-                raise InvalidEntryError(
-                    f"the view's entry differs from its summary in its {field_name}",
-                    file=index_path,
-                    variable=var.path,
-                    expected=f"{summarized!r} (the summary's)",
-                    found=f"{found!r} (the entry's)",
-                )
             var.entry = made
     return list(taken.values())
 
@@ -655,8 +660,11 @@ def _write_vars(
     sizes = [t[3].nbytes if t[4] != _AGG else 0 for t in todo]
     scratch = Scratch()
     gather = not w.swaps
-    # (a swapping writer writes each tensor alone, from its entry)
-    bulk = getattr(entries, "bulk_components", None) if gather else None
+    # (a swapping writer writes each tensor alone, from its entry; components read in bulk
+    # stand for an entry only where the view's summaries and entries come from one row: any
+    # other view's entry is made and compared with the summary the variable was planned by)
+    matched = bool(getattr(entries, "summaries_match_entries", False))
+    bulk = getattr(entries, "bulk_components", None) if gather and matched else None
     with ReadAhead() as ahead:
         for run in _spans.batches(range(len(todo)), sizes, _spans.BULK_BYTES):
             tensors = [todo[k] for k in run]
