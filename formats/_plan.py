@@ -416,6 +416,21 @@ class _Fetched:
         np.copyto(out, data)
 
 
+def read_whole(
+    bulk: Callable[[list[str]], Iterator[tuple[str, Sequence[Any] | None]]],
+    in_run: Mapping[str, tuple[int, int]],
+) -> Iterator[tuple[str, Sequence[Any]]]:
+    """The components a view reads in bulk (``bulk``: its ``bulk_components``) of each
+    variable of a run whose every component is in the run (``in_run``: by path, how many of
+    its components the run holds and how many it has), for those the bulk read takes (the
+    others: their entries are made, whose general read names any damage)."""
+    whole = [p for p, (have, parts) in in_run.items() if have == parts]
+    if whole:
+        for path, comps in bulk(whole):
+            if comps is not None and len(comps) == in_run[path][1]:
+                yield path, comps
+
+
 def _fetch_entries(tensors: Sequence[PlannedTensor]) -> list[PlannedTensor]:
     """Give the ``tensors`` whose plan does not hold their entries what they read from: the
     components of a variable read in bulk by the source (``bulk_components``: a native file's
@@ -430,14 +445,11 @@ def _fetch_entries(tensors: Sequence[PlannedTensor]) -> list[PlannedTensor]:
         for t in asked:
             if t.parts:
                 of_path.setdefault(t.path, []).append(t)
-        whole = [p for p, ts in of_path.items() if len(ts) == ts[0].parts]
-        if whole:
-            for path, comps in bulk(whole):
-                ts = of_path[path]
-                if comps is not None and len(comps) == len(ts):
-                    fetched = cast(Entry, _Fetched(path, comps))
-                    for t in ts:
-                        t.entry = fetched
+        in_run = {p: (len(ts), ts[0].parts) for p, ts in of_path.items()}
+        for path, comps in read_whole(bulk, in_run):
+            fetched = cast(Entry, _Fetched(path, comps))
+            for t in of_path[path]:
+                t.entry = fetched
     made: dict[str, Entry] = {}
     for t in asked:
         if t.entry is not _LET_GO:

@@ -54,7 +54,7 @@ from parallelvars.errors import (
 )
 
 from .._json import jsonable
-from .._plan import _json_attrs
+from .._plan import _json_attrs, read_whole
 from .._view import (
     Entry,
     aggregates,
@@ -624,12 +624,10 @@ def _fetch(
             taken[id(var)] = var
             count[id(var)] = count.get(id(var), 0) + 1
     if bulk is not None:
-        whole = {v.path: v for k, v in taken.items() if count[k] == v.num_components}
-        if whole:
-            for path, comps in bulk(list(whole)):
-                var = whole[path]
-                if comps is not None and len(comps) == var.num_components:
-                    var.fetched = list(comps)
+        of_path = {v.path: v for v in taken.values()}
+        in_run = {v.path: (count[k], v.num_components) for k, v in taken.items()}
+        for path, comps in read_whole(bulk, in_run):
+            of_path[path].fetched = list(comps)
     for var in taken.values():
         if var.fetched is None:
             made = entries[var.path]
